@@ -1,0 +1,22 @@
+"""RLX for Python: a small ML compiler and runtime for model builders."""
+__version__ = "0.1.0"
+
+from .ir.dtype import BF16, BOOL, F16, F32, F64, I32, I64, DType  # noqa: E402
+from .ir.errors import RlxError  # noqa: E402
+from .ir.graph import Builder, Emit, Graph  # noqa: E402
+from .ir.ops import MaskKind  # noqa: E402
+from .ir.shape import Shape  # noqa: E402
+from .pipeline import CompilePipeline, Executable, compile  # noqa: E402
+from .profile import CompileProfile  # noqa: E402
+
+
+def load(path_or_name: str, backend: str | None = None, profile=None, **kw):
+    """Load a checkpoint (HF folder, GGUF file or a packaged name) as a runnable Model."""
+    from .runtime.model import load as _load
+
+    return _load(path_or_name, backend=backend, profile=profile, **kw)
+
+
+__all__ = ["DType", "F32", "F16", "BF16", "F64", "I32", "I64", "BOOL", "Graph", "Builder", "Emit",
+           "Shape", "MaskKind", "RlxError", "CompileProfile", "CompilePipeline", "Executable",
+           "compile", "load", "__version__"]

@@ -1,0 +1,56 @@
+"""The backend interface (after lightning-thunder's executors: a backend may decline an
+op, with a reason, and is chosen by name or priority)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..ir.dtype import DType
+from ..ir.lir import LirModule
+
+
+class Runner:
+    """A compiled, shape-specialized graph: inputs (numpy) in, outputs (numpy) out."""
+
+    def run(self, inputs: dict) -> dict:
+        raise NotImplementedError  # pragma: no cover - interface
+
+
+class Backend:
+    name: str = ""
+    priority: int = 0
+    target: str = "generic"                  # fusion pattern set (passes/fusion.py TARGETS)
+    dtypes: frozenset = frozenset(DType)
+
+    def availability(self) -> tuple:
+        """(available, reason when not)."""
+        return True, ""
+
+    def supported_ops(self) -> set:
+        """Op names this backend implements (fused ones it lacks get legalized)."""
+        raise NotImplementedError  # pragma: no cover - interface
+
+    def supports_custom(self, name: str) -> bool:
+        from ..ir.custom import custom_ops
+
+        op = custom_ops().get(name)
+        return op is not None and self.name in op.kernels
+
+    def check_dtype(self, dtype: DType, where: str) -> None:
+        if dtype not in self.dtypes:
+            from ..ir.errors import BackendError
+
+            raise BackendError(f"backend {self.name!r} cannot compute in {dtype.value} ({where}); "
+                               f"it supports {sorted(d.value for d in self.dtypes)}")
+
+    # residency: params and state live on the device between runs
+    def to_device(self, array: np.ndarray):
+        return array
+
+    def to_host(self, value) -> np.ndarray:
+        return np.asarray(value)
+
+    def zeros(self, shape: tuple, dtype: DType):
+        return np.zeros(shape, dtype.np)
+
+    def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:
+        raise NotImplementedError  # pragma: no cover - interface

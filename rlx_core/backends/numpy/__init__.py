@@ -1,0 +1,91 @@
+"""The embedded default backend: NumPy on the CPU, registered like any plugin."""
+from __future__ import annotations
+
+import numpy as np
+
+from ...ir.errors import BackendError, RlxError
+from ...ir.lir import ALIGN, LirModule
+from ...ir.ops import OPS, Level
+from ...plugins.hookspecs import hookimpl
+from ..base import Backend, Runner
+from .kernels import KERNELS, VIEWS
+
+
+class NumpyRunner(Runner):
+    """Executes the LIR node by node: one preallocated arena, `out=` writes, params and
+    states resident. Steps are prepared once so a run is a tight loop."""
+
+    def __init__(self, lir: LirModule, params: dict, states: dict):
+        g = lir.graph
+        raw = np.empty(lir.arena_bytes + ALIGN, np.uint8)
+        shift = (-raw.ctypes.data) % ALIGN
+        self.arena = raw[shift:shift + lir.arena_bytes]
+        self.name = g.name
+        index: dict = {}
+        vals: list = []
+        for i, n in enumerate(g.nodes):
+            for k in range(len(n.outs)):
+                index[(i, k)] = len(vals)
+                vals.append(None)
+        self.inputs: dict = {}
+        self.steps: list = []
+        for i, n in enumerate(g.nodes):
+            a = n.a
+            if n.op == "input":
+                self.inputs[n.name] = (index[(i, 0)], n.outs[0])
+            elif n.op == "param":
+                vals[index[(i, 0)]] = params[n.name]
+            elif n.op == "state":
+                vals[index[(i, 0)]] = states[n.name]
+            elif n.op == "constant":
+                vals[index[(i, 0)]] = g.constants[n.name]
+            else:
+                ins = [index[tuple(r)] for r in n.inputs]
+                if n.op in VIEWS:
+                    self.steps.append((i, True, VIEWS[n.op], a, ins, index[(i, 0)]))
+                    continue
+                outs = []
+                for k, s in enumerate(n.outs):
+                    sl = lir.slots[(i, k)]
+                    arr = self.arena[sl.offset:sl.offset + s.nbytes()].view(s.dtype.np).reshape(s.dims)
+                    vals[index[(i, k)]] = arr
+                    outs.append(arr)
+                self.steps.append((i, False, KERNELS[n.op], a, ins, outs))
+        self.vals = vals
+        self.graph = g
+        self.outputs = [(name, index[tuple(r)]) for name, r in g.outputs]
+
+    def run(self, inputs: dict) -> dict:
+        vals = self.vals
+        for name, (slot, _) in self.inputs.items():
+            vals[slot] = inputs[name]
+        i = -1
+        try:
+            for i, is_view, fn, a, ins, out in self.steps:
+                if is_view:
+                    vals[out] = fn(a, *[vals[j] for j in ins])
+                else:
+                    fn(a, out, *[vals[j] for j in ins])
+        except RlxError as e:
+            raise type(e)(f"graph {self.name!r} node %{i} ({self.graph.nodes[i].op}): {e}") from None
+        except Exception as e:  # a kernel failure is reported with the node that failed
+            raise BackendError(f"numpy backend: graph {self.name!r} node %{i} "
+                               f"({self.graph.nodes[i].op}) failed: {type(e).__name__}: {e}") from e
+        return {name: np.array(vals[slot]) for name, slot in self.outputs}
+
+
+class NumpyBackend(Backend):
+    name = "numpy"
+    priority = 10
+    target = "numpy"
+
+    def supported_ops(self) -> set:
+        return {n for n, d in OPS.items() if d.level is not Level.HIR}
+
+    def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:
+        return NumpyRunner(lir, params, states)
+
+
+@hookimpl
+def rlx_register_backends(register):
+    register(NumpyBackend())

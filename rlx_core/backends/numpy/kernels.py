@@ -1,0 +1,391 @@
+"""NumPy kernels for every op of the table.
+
+A kernel is `fn(a, out, *inputs)` writing into the preallocated `out` list; a view kernel
+(`VIEWS`) returns a view instead. f16/bf16 compute in f32 and round once on the way out.
+"""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+from ...ir.dtype import DType
+from ...ir.errors import ModelError
+from ...ir.ops import MaskKind
+
+_LOW = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+_F32 = np.dtype(np.float32)
+
+
+def up(x: np.ndarray) -> np.ndarray:
+    """Low-precision floats compute in f32."""
+    return x.astype(np.float32) if x.dtype in _LOW else x
+
+
+def put(out: np.ndarray, value) -> None:
+    np.copyto(out, value, casting="unsafe")
+
+
+_erf_py = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """erf; f64 exact via math.erf, f32 by Abramowitz-Stegun 7.1.26 in f64 (|err| < 1.5e-7)."""
+    if x.dtype == np.float64:
+        return _erf_py(x)
+    t64 = x.astype(np.float64)
+    s = np.sign(t64)
+    a = np.abs(t64)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t
+               + 0.254829592) * t * np.exp(-a * a)
+    return (s * y).astype(x.dtype)
+
+
+def _sigmoid(x):
+    return np.exp(-np.logaddexp(0, -x)).astype(x.dtype, copy=False)
+
+
+ACT = {
+    "gelu": lambda x: 0.5 * x * (1.0 + erf(x * np.asarray(1 / math.sqrt(2), x.dtype))),
+    "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(np.asarray(math.sqrt(2 / math.pi), x.dtype)
+                                                    * (x + np.asarray(0.044715, x.dtype) * x * x * x))),
+    "silu": lambda x: x * _sigmoid(x),
+    "relu": lambda x: np.maximum(x, np.zeros((), x.dtype)),
+    "sigmoid": _sigmoid,
+    "tanh": np.tanh, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
+    "rsqrt": lambda x: 1.0 / np.sqrt(x) if x.dtype.kind == "c" else np.reciprocal(np.sqrt(x)),
+    "neg": np.negative, "abs": np.abs, "sin": np.sin, "cos": np.cos,
+    "recip": np.reciprocal, "identity": lambda x: x,
+}
+BIN = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+       "max": np.maximum, "min": np.minimum, "pow": np.power}
+CMP = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
+       "gt": np.greater, "ge": np.greater_equal}
+RED = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}
+
+
+def _binary(a, out, x, y):
+    o = out[0]
+    f = BIN[a["op"]]
+    if o.dtype == x.dtype == y.dtype and o.dtype not in _LOW:
+        if a["op"] == "div" and o.dtype.kind in "iu":
+            put(o, np.floor_divide(x, y))
+        else:
+            f(x, y, out=o)
+    else:
+        r = f(up(x).astype(o.dtype) if o.dtype not in _LOW else up(x),
+              up(y).astype(o.dtype) if o.dtype not in _LOW else up(y))
+        put(o, r)
+
+
+def _activation(a, out, x):
+    o = out[0]
+    if o.dtype in _LOW:
+        put(o, ACT[a["fn"]](up(x)))
+    elif a["fn"] in ("exp", "tanh", "sqrt", "neg", "abs", "sin", "cos", "log") and x.dtype == o.dtype:
+        getattr(np, {"neg": "negative", "abs": "absolute"}.get(a["fn"], a["fn"]))(x, out=o)
+    else:
+        put(o, ACT[a["fn"]](x))
+
+
+def _reduce(a, out, x):
+    axes = tuple(a["axes"]) if isinstance(a["axes"], tuple) else (a["axes"],)
+    axes = tuple(ax % x.ndim for ax in axes) if x.ndim else None
+    put(out[0], RED[a["op"]](up(x), axis=axes, keepdims=a["keepdims"]))
+
+
+def _softmax_f32(x, axis):
+    m = np.max(x, axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    e = np.exp(x - m)
+    s = np.sum(e, axis=axis, keepdims=True)
+    e /= np.where(s == 0, 1, s)
+    return e
+
+
+def _softmax(a, out, x):
+    put(out[0], _softmax_f32(up(x), a["axis"]))
+
+
+def _rms(x, w, eps, offset):
+    xf = up(x)
+    y = xf / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + np.asarray(eps, xf.dtype))
+    if w is not None:
+        wf = up(w)
+        y = y * (wf + np.asarray(offset, wf.dtype) if offset else wf)
+    return y
+
+
+def _rms_norm(a, out, x, w=None):
+    put(out[0], _rms(x, w, a["eps"], a["offset"]))
+
+
+def _ln(x, g, b, eps):
+    xf = up(x)
+    d = xf - np.mean(xf, axis=-1, keepdims=True)
+    y = d / np.sqrt(np.mean(d * d, axis=-1, keepdims=True) + np.asarray(eps, xf.dtype))
+    if g is not None:
+        y = y * up(g)
+    if b is not None:
+        y = y + up(b)
+    return y
+
+
+def _layer_norm(a, out, x, g=None, b=None):
+    put(out[0], _ln(x, g, b, a["eps"]))
+
+
+def rope_apply(x, cos, sin, style):
+    """Rotate the first 2*R/2 dims of x [B,H,S,D] by tables [S,R/2] or [B,S,R/2]."""
+    xf = up(x)
+    half = cos.shape[-1]
+    c = up(cos).astype(xf.dtype, copy=False)
+    s = up(sin).astype(xf.dtype, copy=False)
+    c = c[None, None] if c.ndim == 2 else c[:, None]
+    s = s[None, None] if s.ndim == 2 else s[:, None]
+    out = xf.copy()
+    if style == "half":
+        x1, x2 = xf[..., :half], xf[..., half:2 * half]
+        out[..., :half] = x1 * c - x2 * s
+        out[..., half:2 * half] = x2 * c + x1 * s
+    else:
+        x1, x2 = xf[..., 0:2 * half:2], xf[..., 1:2 * half:2]
+        out[..., 0:2 * half:2] = x1 * c - x2 * s
+        out[..., 1:2 * half:2] = x2 * c + x1 * s
+    return out
+
+
+def _rope(a, out, x, cos, sin):
+    put(out[0], rope_apply(x, cos, sin, a["style"]))
+
+
+def attention_mask(a, b, sq, sk, mask=None, pos=None):
+    """Boolean keep-mask [B|1,1,Sq,Sk] (or None) and an additive bias (or None)."""
+    kind = MaskKind(a["mask_kind"])
+    keep = None
+    if kind in (MaskKind.CAUSAL, MaskKind.SLIDING_WINDOW):
+        if pos is not None:
+            qpos = pos.astype(np.int64)[:, None] + np.arange(sq)[None, :]
+        else:
+            qpos = (sk - sq + np.arange(sq))[None, :]
+        kpos = np.arange(sk)
+        keep = kpos[None, None, :] <= qpos[:, :, None]
+        if kind is MaskKind.SLIDING_WINDOW:
+            keep &= kpos[None, None, :] > qpos[:, :, None] - a["window"]
+        keep = keep[:, None]
+    bias = None
+    if mask is not None:
+        if mask.dtype == np.bool_:
+            keep = mask if keep is None else (keep & mask)
+        else:
+            bias = up(mask)
+    return keep, bias
+
+
+def attention_core(a, q, k, v, mask=None, pos=None):
+    qf, kf, vf = up(q), up(k), up(v)
+    b, h, sq, d = qf.shape
+    kvh, sk = kf.shape[1], kf.shape[2]
+    g = h // kvh
+    q5 = qf.reshape(b, kvh, g, sq, d)
+    s = np.matmul(q5, kf[:, :, None].swapaxes(-1, -2))     # [B,KVH,G,Sq,Sk]
+    s *= np.asarray(a["scale"], s.dtype)
+    if a["softcap"]:
+        cap = np.asarray(a["softcap"], s.dtype)
+        s = np.tanh(s / cap) * cap
+    keep, bias = attention_mask(a, b, sq, sk, mask, pos)
+    if bias is not None or keep is not None:
+        s = s.reshape(b, h, sq, sk)
+        if bias is not None:
+            s = s + bias
+        if keep is not None:
+            s = np.where(keep, s, np.asarray(-np.inf, s.dtype))
+        s = s.reshape(b, kvh, g, sq, sk)
+    p = _softmax_f32(s, -1)
+    o = np.matmul(p, vf[:, :, None])                      # [B,KVH,G,Sq,Dv]
+    return o.reshape(b, h, sq, vf.shape[-1])
+
+
+def _split_attn(a, ins):
+    q, k, v, *rest = ins
+    mask = rest.pop(0) if a["has_mask"] else None
+    pos = rest.pop(0) if a["has_pos"] else None
+    return q, k, v, mask, pos
+
+
+def _attention(a, out, *ins):
+    put(out[0], attention_core(a, *_split_attn(a, ins)))
+
+
+def _mask_fill(a, out, scores, *rest):
+    rest = list(rest)
+    mask = rest.pop(0) if a["has_mask"] else None
+    pos = rest.pop(0) if a["has_pos"] else None
+    b, h, sq, sk = scores.shape
+    keep, bias = attention_mask(a, b, sq, sk, mask, pos)
+    s = up(scores)
+    if bias is not None:
+        s = s + bias
+    if keep is not None:
+        s = np.where(keep, s, np.asarray(-np.inf, s.dtype))
+    put(out[0], s)
+
+
+def _matmul(a, out, x, y):
+    xa = x.swapaxes(-1, -2) if a["trans_a"] else x
+    yb = y.swapaxes(-1, -2) if a["trans_b"] else y
+    o = out[0]
+    if o.dtype == xa.dtype == yb.dtype and o.dtype not in _LOW:
+        np.matmul(xa, yb, out=o)
+    else:
+        put(o, np.matmul(up(xa), up(yb)))
+
+
+def _gather(a, out, table, idx):
+    ax = a["axis"] % table.ndim
+    n = table.shape[ax]
+    if idx.size and (idx.min() < -n or idx.max() >= n):
+        raise ModelError(f"gather: index out of range [0, {n}) (min {idx.min()}, max {idx.max()})")
+    if out[0].dtype == table.dtype:
+        np.take(table, idx, axis=ax, out=out[0])
+    else:
+        put(out[0], np.take(table, idx, axis=ax))
+
+
+def _topk(a, out, x):
+    k, ax = a["k"], a["axis"] % x.ndim
+    xf = up(x)
+    order = np.argsort(-xf, axis=ax, kind="stable")
+    idx = np.take(order, np.arange(k), axis=ax)
+    put(out[1], idx)
+    put(out[0], np.take_along_axis(x, idx, axis=ax))
+
+
+def _kv_write(a, cache, new, pos):
+    ax = a["axis"] % cache.ndim
+    s = new.shape[ax]
+    p = pos.astype(np.int64)
+    n = cache.shape[ax]
+    if p.size and (p.min() < 0 or p.max() + s > n):
+        raise ModelError(f"kv_write: writing {s} entries at position {int(p.max())} overflows the "
+                         f"cache of length {n} (context full)")
+    if ax == 0:
+        raise ModelError("kv_write: axis 0 is the batch axis")
+    if p.size and np.all(p == p[0]):
+        idx = [slice(None)] * cache.ndim
+        idx[ax] = slice(int(p[0]), int(p[0]) + s)
+        cache[tuple(idx)] = new
+    else:
+        for b in range(cache.shape[0]):
+            idx = [b] + [slice(None)] * (cache.ndim - 1)
+            idx[ax] = slice(int(p[b]), int(p[b]) + s)
+            cache[tuple(idx)] = new[b]
+    return cache
+
+
+def _fused_swiglu(a, out, g, u):
+    gf = up(g)
+    put(out[0], gf * _sigmoid(gf) * up(u))
+
+
+def _fused_mba(a, out, x, w, b=None):
+    _matmul({"trans_a": False, "trans_b": a["trans_b"]}, out, x, w)
+    o = out[0]
+    if b is not None:
+        if o.dtype == b.dtype and o.dtype not in _LOW:
+            o += b
+        else:
+            put(o, up(o) + up(b))
+    if a["act"] != "identity":
+        _activation({"fn": a["act"]}, out, o)
+
+
+def _fused_rrms(a, out, x, r, w=None):
+    h = up(x) + up(r)
+    put(out[0], h)
+    put(out[1], _rms(h, w, a["eps"], a["offset"]))
+
+
+def _fused_rln(a, out, x, r, g=None, b=None):
+    h = up(x) + up(r)
+    put(out[0], h)
+    put(out[1], _ln(h, g, b, a["eps"]))
+
+
+def _fused_attn_block(a, out, q, k, v, cos, sin, *rest):
+    qr = rope_apply(q, cos, sin, a["style"])
+    kr = rope_apply(k, cos, sin, a["style"])
+    _, _, _, mask, pos = _split_attn(a, (q, k, v) + tuple(rest))
+    put(out[0], attention_core(a, qr, kr, v, mask, pos))
+
+
+def _eval_elementwise(op, a, *xs):
+    tmp = [np.empty(np.broadcast_shapes(*[x.shape for x in xs]),
+                    dtype=_result_dtype(op, a, xs))]
+    KERNELS[op](a, tmp, *xs)
+    return tmp[0]
+
+
+def _result_dtype(op, a, xs):
+    if op == "compare":
+        return np.bool_
+    if op == "cast":
+        return DType.parse(a["dtype"]).np
+    if op == "where":
+        return np.result_type(xs[1].dtype, xs[2].dtype)
+    return np.result_type(*[x.dtype for x in xs]) if op != "fused_swiglu" else xs[0].dtype
+
+
+def _fused_elementwise(a, out, *ins):
+    slots = list(ins)
+    for op, attrs_, args in a["program"]:
+        slots.append(_eval_elementwise(op, dict(attrs_), *[slots[i] for i in args]))
+    put(out[0], slots[-1])
+
+
+def _custom(a, out, *ins):
+    from ...ir.custom import custom_op
+
+    res = custom_op(a["name"]).kernels["numpy"](*ins, **dict(a["params"]))
+    res = res if isinstance(res, tuple) else (res,)
+    for o, r in zip(out, res):
+        put(o, r)
+
+
+KERNELS = {
+    "matmul": _matmul,
+    "binary": _binary,
+    "compare": lambda a, out, x, y: CMP[a["op"]](x, y, out=out[0]),
+    "where": lambda a, out, c, x, y: put(out[0], np.where(c, x, y)),
+    "activation": _activation,
+    "cast": lambda a, out, x: put(out[0], x),
+    "reduce": _reduce,
+    "softmax": _softmax,
+    "layer_norm": _layer_norm,
+    "rms_norm": _rms_norm,
+    "rope": _rope,
+    "attention": _attention,
+    "mask_fill": _mask_fill,
+    "gather": _gather,
+    "transpose": lambda a, out, x: put(out[0], x.transpose(a["perm"])),
+    "concat": lambda a, out, *xs: np.concatenate(xs, axis=a["axis"], out=out[0]),
+    "cumsum": lambda a, out, x: put(out[0], np.cumsum(up(x), axis=a["axis"])),
+    "topk": _topk,
+    "argmax": lambda a, out, x: put(out[0], np.argmax(x, axis=a["axis"], keepdims=a["keepdims"])),
+    "custom": _custom,
+    "fused_swiglu": _fused_swiglu,
+    "fused_matmul_bias_act": _fused_mba,
+    "fused_residual_rms_norm": _fused_rrms,
+    "fused_residual_ln": _fused_rln,
+    "fused_attention_block": _fused_attn_block,
+    "fused_elementwise": _fused_elementwise,
+}
+
+VIEWS = {
+    "reshape": lambda a, x: x.reshape(a["shape"]),
+    "narrow": lambda a, x: x[(slice(None),) * (a["axis"] % x.ndim) + (slice(a["start"], a["start"] + a["length"]),)],
+    "expand": lambda a, x: np.broadcast_to(x, a["shape"]),
+    "kv_write": _kv_write,
+}

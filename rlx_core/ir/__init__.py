@@ -1,0 +1,14 @@
+"""The IR: dtypes, shapes, the op table, graphs at three levels, lowering, planning."""
+from .dtype import DType, promote
+from .errors import RlxError
+from .graph import HIR, LIR, MIR, Builder, Emit, Graph, Node, Value
+from .lir import BindingManifest, LirModule, plan
+from .lower import FusionPolicy, legalize, lower
+from .ops import OPS, MaskKind, OpDef
+from .serialize import graph_from_json, graph_to_json
+from .shape import Shape
+from .verify import verify
+
+__all__ = ["DType", "promote", "RlxError", "HIR", "MIR", "LIR", "Builder", "Emit", "Graph", "Node",
+           "Value", "BindingManifest", "LirModule", "plan", "FusionPolicy", "legalize", "lower",
+           "OPS", "MaskKind", "OpDef", "graph_from_json", "graph_to_json", "Shape", "verify"]

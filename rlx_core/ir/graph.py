@@ -1,0 +1,369 @@
+"""Nodes, graphs and the builder (the `Emit` handle) shared by every IR level.
+
+A graph is an SSA list of frozen nodes. A value is (node id, output index). Rewrites build
+new graphs; nothing mutates a node in place.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Callable, Mapping
+
+import attrs
+import numpy as np
+
+from .dtype import BOOL, F32, I64, DType
+from .errors import GraphError, ShapeError
+from .ops import MaskKind, freeze, get_op, infer
+from .shape import Shape
+
+HIR, MIR, LIR = "hir", "mir", "lir"
+Ref = tuple  # (node id, output index)
+
+
+@attrs.frozen
+class Node:
+    op: str
+    inputs: tuple          # of Ref
+    attrs: tuple           # sorted (key, value) pairs
+    outs: tuple            # of Shape
+    name: str = ""         # binding name of input/param/state/constant nodes
+
+    @property
+    def a(self) -> dict:
+        return dict(self.attrs)
+
+    @property
+    def shape(self) -> Shape:
+        return self.outs[0]
+
+
+@attrs.frozen(eq=False)
+class Graph:
+    """A graph at one level (HIR or MIR). LIR wraps an MIR graph with a buffer plan."""
+    name: str
+    level: str
+    nodes: tuple
+    outputs: tuple                       # of (name, Ref)
+    constants: Mapping = attrs.field(factory=dict)
+
+    def _leaves(self, kind: str) -> dict:
+        return {n.name: i for i, n in enumerate(self.nodes) if n.op == kind}
+
+    @property
+    def inputs(self) -> dict:
+        return self._leaves("input")
+
+    @property
+    def params(self) -> dict:
+        return self._leaves("param")
+
+    @property
+    def states(self) -> dict:
+        return self._leaves("state")
+
+    def shape_of(self, ref: Ref) -> Shape:
+        return self.nodes[ref[0]].outs[ref[1]]
+
+    def consumers(self) -> dict:
+        """ref -> list of consumer node ids (graph outputs count as consumer -1)."""
+        out: dict = {}
+        for i, n in enumerate(self.nodes):
+            for r in n.inputs:
+                out.setdefault(tuple(r), []).append(i)
+        for _, r in self.outputs:
+            out.setdefault(tuple(r), []).append(-1)
+        return out
+
+    def symbols(self) -> set:
+        return {d for n in self.nodes for s in n.outs for d in s.dims if isinstance(d, str)}
+
+    def text(self) -> str:
+        from .printer import graph_text
+
+        return graph_text(self)
+
+    __str__ = text
+
+    def to_json(self) -> str:
+        from .serialize import graph_to_json
+
+        return graph_to_json(self)
+
+    def stable_hash(self) -> str:
+        h = hashlib.sha256(self.to_json().encode())
+        return h.hexdigest()[:16]
+
+    def with_level(self, level: str) -> "Graph":
+        return attrs.evolve(self, level=level)
+
+    @staticmethod
+    def define(name: str, fn: Callable[["Builder"], Any]) -> "Graph":
+        """Build an HIR graph: `fn(m)` declares inputs/params with `m` and returns the outputs
+        (a value, a tuple of values, or a dict name -> value)."""
+        m = Builder(name, HIR)
+        result = fn(m)
+        if result is not None:
+            m.outputs_from(result)
+        return m.build()
+
+
+@attrs.frozen(eq=False)
+class Value:
+    """A handle on one output of a node while building; supports + - * / @ and indexing."""
+    b: "Builder"
+    ref: tuple
+    shape: Shape
+
+    @property
+    def dtype(self) -> DType:
+        return self.shape.dtype
+
+    @property
+    def dims(self) -> tuple:
+        return self.shape.dims
+
+    def _bin(self, other, op, rev=False):
+        other = self.b.lift(other, self.dtype)
+        return self.b.binary(other, self, op) if rev else self.b.binary(self, other, op)
+
+    def __add__(self, o): return self._bin(o, "add")
+    def __radd__(self, o): return self._bin(o, "add", True)
+    def __sub__(self, o): return self._bin(o, "sub")
+    def __rsub__(self, o): return self._bin(o, "sub", True)
+    def __mul__(self, o): return self._bin(o, "mul")
+    def __rmul__(self, o): return self._bin(o, "mul", True)
+    def __truediv__(self, o): return self._bin(o, "div")
+    def __rtruediv__(self, o): return self._bin(o, "div", True)
+    def __pow__(self, o): return self._bin(o, "pow")
+    def __neg__(self): return self.b.act(self, "neg")
+    def __matmul__(self, o): return self.b.matmul(self, o)
+
+
+class Builder:
+    """Emits nodes into a graph. The HIR builder of `Graph.define`, the MIR builder used by
+    lowering and rewrites, and the `Emit` handle of `.custom()` are all this class."""
+
+    def __init__(self, name: str = "graph", level: str = HIR):
+        self.name = name
+        self.level = level
+        self.nodes: list = []
+        self.constants: dict = {}
+        self.outputs: list = []
+        self._leaf_names: dict = {}
+        self._memo: dict = {}
+
+    # -- core
+    def add(self, op: str, inputs=(), /, _leaf_name: str = "", **attrs_) -> Any:
+        """Emit op `op` on `inputs` with attrs; returns its value (a tuple if several)."""
+        d = get_op(op)
+        d.check_arity(len(inputs))
+        refs, shapes = [], []
+        for i, v in enumerate(inputs):
+            if not isinstance(v, Value) or v.b is not self:
+                raise GraphError(f"op {op!r} input {i}: expected a value of this graph, got {v!r}")
+            refs.append(v.ref)
+            shapes.append(v.shape)
+        a = d.check_attrs(attrs_)
+        outs = infer(op, shapes, a)
+        node = Node(op, tuple(refs), tuple(sorted(a.items())), outs, _leaf_name)
+        return self.emit_node(node)
+
+    def emit_node(self, node: Node) -> Any:
+        self.nodes.append(node)
+        nid = len(self.nodes) - 1
+        vals = tuple(Value(self, (nid, i), s) for i, s in enumerate(node.outs))
+        return vals[0] if len(vals) == 1 else vals
+
+    def value(self, ref: Ref) -> Value:
+        return Value(self, tuple(ref), self.nodes[ref[0]].outs[ref[1]])
+
+    def _leaf(self, kind: str, name: str, shape, dtype) -> Value:
+        if not isinstance(name, str) or not name:
+            raise GraphError(f"{kind} needs a non-empty name, got {name!r}")
+        if name in self._leaf_names:
+            raise GraphError(f"{kind} name {name!r} is already used by a {self._leaf_names[name]}")
+        self._leaf_names[name] = kind
+        s = Shape(tuple(shape), dtype)
+        return self.add(kind, (), _leaf_name=name, shape=s.dims, dtype=s.dtype.value)
+
+    def _leaf_add(self, kind: str, name: str, dims, dtype) -> Value:
+        """Emit a leaf without the duplicate-name check (rewrites re-emit existing leaves)."""
+        s = Shape(tuple(dims), dtype)
+        return self.add(kind, (), _leaf_name=name, shape=s.dims, dtype=s.dtype.value)
+
+    def input(self, name: str, shape, dtype=F32) -> Value:
+        return self._leaf("input", name, shape, dtype)
+
+    def param(self, name: str, shape, dtype=F32) -> Value:
+        return self._leaf("param", name, shape, dtype)
+
+    def state(self, name: str, shape, dtype=F32) -> Value:
+        return self._leaf("state", name, shape, dtype)
+
+    def constant(self, value, dtype=None, name: str | None = None) -> Value:
+        arr = np.asarray(value, dtype=None if dtype is None else DType.parse(dtype).np)
+        if dtype is None and arr.dtype == np.float64:
+            arr = arr.astype(np.float32)
+        dt = DType.parse(arr.dtype)
+        key = (dt, arr.shape, arr.tobytes()) if arr.size <= 64 else None
+        if key is not None and key in self._memo and name is None:
+            return self._memo[key]
+        name = name or f"c{len(self.constants)}"
+        while name in self.constants:
+            name += "_"
+        self.constants[name] = np.ascontiguousarray(arr)
+        v = self.add("constant", (), _leaf_name=name, shape=arr.shape, dtype=dt.value)
+        if key is not None:
+            self._memo[key] = v
+        return v
+
+    def lift(self, x, dtype: DType) -> Value:
+        """A Python scalar becomes a scalar constant of `dtype`; values pass through."""
+        if isinstance(x, Value):
+            return x
+        return self.constant(np.asarray(x, dtype=dtype.np))
+
+    def output(self, name: str, value: Value) -> None:
+        if any(n == name for n, _ in self.outputs):
+            raise GraphError(f"output {name!r} is set twice")
+        if not isinstance(value, Value) or value.b is not self:
+            raise GraphError(f"output {name!r} must be a value of this graph, got {value!r}")
+        self.outputs.append((name, value.ref))
+
+    def outputs_from(self, result) -> None:
+        if isinstance(result, Value):
+            self.output("out", result)
+        elif isinstance(result, dict):
+            for k, v in result.items():
+                self.output(k, v)
+        elif isinstance(result, (tuple, list)):
+            for i, v in enumerate(result):
+                self.output(f"out{i}", v)
+        else:
+            raise GraphError(f"graph {self.name!r} returned {type(result).__name__}; "
+                             "expected a value, a tuple of values or a dict of them")
+
+    def build(self) -> Graph:
+        if not self.outputs:
+            raise GraphError(f"graph {self.name!r} has no outputs")
+        return Graph(self.name, self.level, tuple(self.nodes), tuple(self.outputs),
+                     dict(self.constants))
+
+    # -- primitives
+    def matmul(self, a, b, trans_a=False, trans_b=False):
+        return self.add("matmul", (a, b), trans_a=trans_a, trans_b=trans_b)
+
+    def binary(self, a, b, op):
+        a = self.lift(a, b.dtype if isinstance(b, Value) else F32)
+        b = self.lift(b, a.dtype)
+        return self.add("binary", (a, b), op=op)
+
+    def add_(self, a, b): return self.binary(a, b, "add")
+    def sub(self, a, b): return self.binary(a, b, "sub")
+    def mul(self, a, b): return self.binary(a, b, "mul")
+    def div(self, a, b): return self.binary(a, b, "div")
+    def maximum(self, a, b): return self.binary(a, b, "max")
+    def minimum(self, a, b): return self.binary(a, b, "min")
+    def pow(self, a, b): return self.binary(a, b, "pow")
+
+    def compare(self, a, b, op):
+        a = self.lift(a, b.dtype if isinstance(b, Value) else F32)
+        return self.add("compare", (a, self.lift(b, a.dtype)), op=op)
+
+    def where(self, cond, a, b):
+        ref = a if isinstance(a, Value) else b
+        return self.add("where", (cond, self.lift(a, ref.dtype), self.lift(b, ref.dtype)))
+
+    def act(self, x, fn):
+        return self.add("activation", (x,), fn=fn)
+
+    def silu(self, x): return self.act(x, "silu")
+    def gelu(self, x): return self.act(x, "gelu")
+    def gelu_tanh(self, x): return self.act(x, "gelu_tanh")
+    def relu(self, x): return self.act(x, "relu")
+    def tanh(self, x): return self.act(x, "tanh")
+    def exp(self, x): return self.act(x, "exp")
+    def rsqrt(self, x): return self.act(x, "rsqrt")
+    def sigmoid(self, x): return self.act(x, "sigmoid")
+
+    def cast(self, x, dtype):
+        dt = DType.parse(dtype)
+        return x if x.dtype is dt else self.add("cast", (x,), dtype=dt.value)
+
+    def reduce(self, x, op, axes, keepdims=False):
+        return self.add("reduce", (x,), op=op, axes=axes, keepdims=keepdims)
+
+    def sum(self, x, axes, keepdims=False): return self.reduce(x, "sum", axes, keepdims)
+    def mean(self, x, axes, keepdims=False): return self.reduce(x, "mean", axes, keepdims)
+    def max(self, x, axes, keepdims=False): return self.reduce(x, "max", axes, keepdims)
+
+    def softmax(self, x, axis=-1):
+        return self.add("softmax", (x,), axis=axis)
+
+    def layer_norm(self, x, gamma=None, beta=None, eps=1e-5):
+        ins = (x,) + tuple(v for v in (gamma, beta) if v is not None)
+        if beta is not None and gamma is None:
+            raise GraphError("layer_norm: beta without gamma")
+        return self.add("layer_norm", ins, eps=eps)
+
+    def rms_norm(self, x, weight=None, eps=1e-6, offset=0.0):
+        return self.add("rms_norm", (x,) if weight is None else (x, weight), eps=eps, offset=offset)
+
+    def rope(self, x, cos, sin, style="half"):
+        return self.add("rope", (x, cos, sin), style=style)
+
+    def attention(self, q, k, v, mask=None, pos=None, *, scale=None, mask_kind=MaskKind.CAUSAL,
+                  window=0, softcap=0.0):
+        scale = float(q.dims[-1]) ** -0.5 if scale is None else float(scale)
+        ins = (q, k, v) + tuple(x for x in (mask, pos) if x is not None)
+        return self.add("attention", ins, scale=scale, mask_kind=mask_kind, window=window,
+                        softcap=float(softcap), has_mask=mask is not None, has_pos=pos is not None)
+
+    def gather(self, table, indices, axis=0):
+        return self.add("gather", (table, indices), axis=axis)
+
+    def reshape(self, x, shape):
+        return x if tuple(shape) == x.dims else self.add("reshape", (x,), shape=tuple(shape))
+
+    def transpose(self, x, perm):
+        return self.add("transpose", (x,), perm=tuple(perm))
+
+    def narrow(self, x, axis, start, length):
+        return self.add("narrow", (x,), axis=axis, start=start, length=length)
+
+    def concat(self, xs, axis):
+        return self.add("concat", tuple(xs), axis=axis)
+
+    def expand(self, x, shape):
+        return x if tuple(shape) == x.dims else self.add("expand", (x,), shape=tuple(shape))
+
+    def cumsum(self, x, axis=-1):
+        return self.add("cumsum", (x,), axis=axis)
+
+    def topk(self, x, k, axis=-1):
+        return self.add("topk", (x,), k=k, axis=axis)
+
+    def argmax(self, x, axis=-1, keepdims=False):
+        return self.add("argmax", (x,), axis=axis, keepdims=keepdims)
+
+    def kv_write(self, cache, new, pos, axis=2):
+        return self.add("kv_write", (cache, new, pos), axis=axis)
+
+    def custom(self, name, *xs, **params):
+        out = self.add("custom", xs, name=name, params=tuple(sorted(params.items())))
+        return out
+
+    # -- HIR blocks
+    def linear(self, x, weight, bias=None, transpose_w=True):
+        ins = (x, weight) if bias is None else (x, weight, bias)
+        return self.add("linear", ins, transpose_w=transpose_w)
+
+    def swiglu(self, x, w_gate, w_up, w_down, transpose_w=True):
+        return self.add("swiglu_mlp", (x, w_gate, w_up, w_down), transpose_w=transpose_w)
+
+
+Emit = Builder
+
+__all__ = ["Graph", "Node", "Value", "Builder", "Emit", "HIR", "MIR", "LIR", "BOOL", "I64",
+           "ShapeError", "freeze"]

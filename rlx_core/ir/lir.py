@@ -1,0 +1,242 @@
+"""LIR: an MIR graph with static shapes plus a buffer plan — what a backend compiles.
+
+The plan gives every value a home: a graph input, a resident param/state/constant, a view
+of another value (reshape, narrow, expand, kv_write), or a slice of one arena. Arena slices
+come from lifetimes (definition to last use) placed greedily by size, TFLite-style; an
+elementwise op may write over an input that dies at it (in-place reuse).
+"""
+from __future__ import annotations
+
+import attrs
+
+from .errors import GraphError, SerializeError
+from .graph import Graph
+from .ops import get_op
+
+ALIGN = 64
+LEAF_HOMES = {"input": "input", "param": "param", "state": "state", "constant": "const"}
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@attrs.frozen
+class Slot:
+    home: str              # input | param | state | const | arena | view
+    offset: int = 0        # arena byte offset (arena)
+    nbytes: int = 0
+    base: tuple | None = None   # the value this one views (view) or reuses (arena in place)
+    start: int = 0         # lifetime in node indices (arena values)
+    end: int = 0
+
+
+@attrs.frozen
+class ManifestEntry:
+    name: str
+    kind: str              # input | param | state | output
+    dtype: str
+    shape: tuple
+    nbytes: int
+    offset: int            # arena offset for outputs, packed offset for params, 0 otherwise
+
+
+@attrs.frozen
+class BindingManifest:
+    entries: tuple
+
+    def of(self, kind: str) -> list:
+        return [e for e in self.entries if e.kind == kind]
+
+    def param_groups(self) -> dict:
+        """Params grouped by prefix: 'model.layers.3.mlp.up_proj.weight' -> 'model.layers.3'."""
+        groups: dict = {}
+        for e in self.of("param"):
+            parts = e.name.split(".")
+            key = ".".join(parts[:3]) if len(parts) > 3 and parts[2].isdigit() else parts[0]
+            groups.setdefault(key, []).append(e.name)
+        return groups
+
+    def text(self) -> str:
+        lines = [f"  {e.kind:<6} {e.name:<48} {e.dtype}{list(e.shape)} {e.nbytes}B @{e.offset}"
+                 for e in self.entries]
+        return "\n".join(lines)
+
+
+@attrs.frozen(eq=False)
+class LirModule:
+    graph: Graph
+    slots: dict                 # (node, out) -> Slot
+    arena_bytes: int
+    lower_bound: int            # max over time of live arena bytes (liveness lower bound)
+    manifest: BindingManifest
+    level: str = "lir"
+
+    def text(self) -> str:
+        from .printer import graph_text
+
+        def note(i):
+            parts = []
+            for k in range(len(self.graph.nodes[i].outs)):
+                s = self.slots[(i, k)]
+                if s.home == "arena":
+                    tag = f"arena[{s.offset}:+{s.nbytes}]"
+                    if s.base is not None:
+                        tag += f" inplace(%{s.base[0]})"
+                    parts.append(tag)
+                elif s.home == "view":
+                    parts.append(f"view(%{s.base[0]})")
+                else:
+                    parts.append(s.home)
+            return "    # " + " ".join(parts)
+
+        head = f"lir {self.graph.name}: arena {self.arena_bytes} B (liveness bound {self.lower_bound} B)"
+        return head + "\n" + graph_text(self.graph.with_level("lir"), note) + "\nmanifest:\n" + \
+            self.manifest.text()
+
+    __str__ = text
+
+    def to_json(self) -> str:
+        import json
+
+        from .serialize import graph_dict
+
+        d = graph_dict(self.graph)
+        d["level"] = "lir"
+        d["plan"] = [[list(k), attrs.asdict(s, recurse=False) | {"base": list(s.base) if s.base else None}]
+                     for k, s in sorted(self.slots.items())]
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+
+def lir_from_dict(d: dict, source: str) -> LirModule:
+    """Load LIR JSON: the graph is verified and the plan is recomputed and compared."""
+    from .serialize import graph_from_dict
+
+    g = graph_from_dict(dict(d, level="mir"), source)
+    lir = plan(g)
+    try:
+        saved = {tuple(k): Slot(**{**s, "base": tuple(s["base"]) if s["base"] else None})
+                 for k, s in d.get("plan", [])}
+    except (TypeError, ValueError) as e:
+        raise SerializeError(f"{source}: malformed plan: {e}") from None
+    if saved != lir.slots:
+        raise SerializeError(f"{source}: the saved buffer plan does not match the graph")
+    return lir
+
+
+def plan(g: Graph) -> LirModule:
+    """Plan buffers for a static MIR graph."""
+    for i, n in enumerate(g.nodes):
+        for s in n.outs:
+            if not s.is_static:
+                raise GraphError(f"plan: node %{i} ({n.op}) has unbound dims {sorted(s.symbols)}; "
+                                 "bind all dims before planning")
+    n_nodes = len(g.nodes)
+    last_use: dict = {}
+    for i, n in enumerate(g.nodes):
+        for r in n.inputs:
+            last_use[tuple(r)] = i
+    for _, r in g.outputs:
+        last_use[tuple(r)] = n_nodes          # outputs live to the end
+
+    slots: dict = {}
+    root: dict = {}                          # value -> the arena/leaf value owning its memory
+
+    for i, n in enumerate(g.nodes):
+        d = get_op(n.op)
+        if n.op in LEAF_HOMES:
+            slots[(i, 0)] = Slot(LEAF_HOMES[n.op], nbytes=n.outs[0].nbytes())
+            root[(i, 0)] = (i, 0)
+            continue
+        if d.view_of is not None:
+            base = tuple(n.inputs[d.view_of])
+            slots[(i, 0)] = Slot("view", nbytes=n.outs[0].nbytes(), base=base)
+            root[(i, 0)] = root[base]
+            continue
+        for k, s in enumerate(n.outs):
+            slots[(i, k)] = None
+            root[(i, k)] = (i, k)
+
+    # lifetimes of owning values: extended by the last use of any view of them
+    end: dict = {}
+    for v, r in root.items():
+        if slots[r] is None:
+            end[r] = max(end.get(r, r[0]), last_use.get(v, r[0]))
+
+    # in-place: an elementwise op may take over an arena input that dies here
+    inplace: dict = {}
+    taken: set = set()
+    for i, n in enumerate(g.nodes):
+        d = get_op(n.op)
+        if not d.elementwise or len(n.outs) != 1:
+            continue
+        roots = [root[tuple(r)] for r in n.inputs]
+        for r in n.inputs:
+            src = root[tuple(r)]
+            if (slots.get(src, 1) is None and src not in taken and end[src] == i
+                    and tuple(r) == src and g.shape_of(src) == n.outs[0] and roots.count(src) == 1):
+                inplace[(i, 0)] = src
+                taken.add(src)
+                break
+
+    # merge in-place chains into one buffer with the union lifetime
+    owner: dict = {}
+
+    def find(v):
+        while v in inplace:
+            v = inplace[v]
+        return v
+
+    buffers: dict = {}
+    for v in end:
+        o = find(v)
+        owner[v] = o
+        s, e = buffers.get(o, (v[0], end[v]))
+        buffers[o] = (min(s, v[0]), max(e, end[v]))
+
+    sizes = {o: _align(g.shape_of(o).nbytes()) for o in buffers}
+    placed: list = []                        # (offset, size, start, end)
+    offsets: dict = {}
+    for o in sorted(buffers, key=lambda o: (-sizes[o], buffers[o][0])):
+        s, e = buffers[o]
+        size = sizes[o]
+        conflicts = sorted((off, sz) for off, sz, ps, pe in placed if not (pe < s or e < ps))
+        off = 0
+        for coff, csz in conflicts:
+            if off + size <= coff:
+                break
+            off = max(off, coff + csz)
+        offsets[o] = off
+        placed.append((off, size, s, e))
+    arena = max((off + sz for off, sz, _, _ in placed), default=0)
+
+    # liveness lower bound: max over time of bytes that must coexist
+    events = [0] * (n_nodes + 2)
+    for o, (s, e) in buffers.items():
+        events[s] += sizes[o]
+        events[e + 1] -= sizes[o]
+    bound, cur = 0, 0
+    for x in events:
+        cur += x
+        bound = max(bound, cur)
+
+    for v in end:
+        o = owner[v]
+        slots[v] = Slot("arena", offsets[o], g.shape_of(v).nbytes(),
+                        base=inplace.get(v), start=v[0], end=end[v])
+
+    entries = []
+    off = 0
+    for kind in ("input", "param", "state"):
+        for name, i in getattr(g, kind + "s").items():
+            s = g.nodes[i].outs[0]
+            entries.append(ManifestEntry(name, kind, s.dtype.value, s.dims, s.nbytes(),
+                                         off if kind == "param" else 0))
+            if kind == "param":
+                off += _align(s.nbytes())
+    for name, r in g.outputs:
+        s = g.shape_of(r)
+        sl = slots[tuple(r)]
+        entries.append(ManifestEntry(name, "output", s.dtype.value, s.dims, s.nbytes(),
+                                     sl.offset if sl.home == "arena" else 0))
+    return LirModule(g.with_level("mir"), slots, arena, bound, BindingManifest(tuple(entries)))

@@ -1,0 +1,203 @@
+"""HIR -> MIR under a FusionPolicy, and the decompositions of fused ops into primitives.
+
+`direct`: a block becomes the fused MIR op that implements it.
+`fusable`: a block becomes a primitive chain; the fusion passes re-fuse it for the target.
+The same decomposition table legalizes a fused op for a backend that lacks it.
+"""
+from __future__ import annotations
+
+import enum
+
+from .dtype import F32, F64
+from .graph import MIR, Builder, Graph
+from .ops import ACTIVATIONS, MaskKind
+from .rewrite import rewrite
+
+
+class FusionPolicy(str, enum.Enum):
+    DIRECT = "direct"
+    FUSABLE = "fusable"
+
+
+def _f32(m: Builder, x):
+    return x if x.dtype in (F32, F64) else m.cast(x, F32)
+
+
+def rms_norm_prims(m, x, w=None, eps=1e-6, offset=0.0):
+    xf = _f32(m, x)
+    inv = m.rsqrt(m.mean(xf * xf, (-1,), keepdims=True) + eps)
+    y = m.cast(xf * inv, x.dtype)
+    if w is not None:
+        y = y * (w + offset if offset else w)
+    return y
+
+
+def layer_norm_prims(m, x, g=None, b=None, eps=1e-5):
+    xf = _f32(m, x)
+    d = xf - m.mean(xf, (-1,), keepdims=True)
+    y = m.cast(d * m.rsqrt(m.mean(d * d, (-1,), keepdims=True) + eps), x.dtype)
+    if g is not None:
+        y = y * g
+    if b is not None:
+        y = y + b
+    return y
+
+
+def softmax_prims(m, x, axis=-1):
+    xf = _f32(m, x)
+    e = m.exp(xf - m.max(xf, (axis,), keepdims=True))
+    return m.cast(e / m.sum(e, (axis,), keepdims=True), x.dtype)
+
+
+def _table(m, t, x):
+    """Rope tables [S,R/2] / [B,S,R/2] -> broadcastable against [B,H,S,R/2]."""
+    if t.shape.rank == 2:
+        return m.reshape(t, (1, 1) + t.dims)
+    return m.reshape(t, (t.dims[0], 1) + t.dims[1:])
+
+
+def rope_prims(m, x, cos, sin, style="half"):
+    half = cos.dims[-1]
+    d = x.dims[3]
+    rot = x if 2 * half == d else m.narrow(x, 3, 0, 2 * half)
+    c, s = _table(m, m.cast(cos, x.dtype), x), _table(m, m.cast(sin, x.dtype), x)
+    if style == "half":
+        x1, x2 = m.narrow(rot, 3, 0, half), m.narrow(rot, 3, half, half)
+        out = m.concat([x1 * c - x2 * s, x2 * c + x1 * s], 3)
+    else:
+        pairs = m.reshape(rot, rot.dims[:3] + (half, 2))
+        x1, x2 = m.narrow(pairs, 4, 0, 1), m.narrow(pairs, 4, 1, 1)
+        c5, s5 = m.reshape(c, c.dims + (1,)), m.reshape(s, s.dims + (1,))
+        out = m.reshape(m.concat([x1 * c5 - x2 * s5, x2 * c5 + x1 * s5], 4), rot.dims)
+    if 2 * half != d:
+        out = m.concat([out, m.narrow(x, 3, 2 * half, d - 2 * half)], 3)
+    return out
+
+
+def repeat_kv(m, k, heads):
+    """[B,KVH,S,D] -> [B,H,S,D] by repeating each kv head H/KVH times (GQA)."""
+    b, kvh, s, d = k.dims
+    if kvh == heads:
+        return k
+    g = heads // kvh
+    k5 = m.expand(m.reshape(k, (b, kvh, 1, s, d)), (b, kvh, g, s, d))
+    return m.reshape(k5, (b, heads, s, d))
+
+
+def attention_prims(m, q, k, v, mask=None, pos=None, *, scale, mask_kind="causal", window=0,
+                    softcap=0.0, has_mask=False, has_pos=False):
+    heads = q.dims[1]
+    kk, vv = repeat_kv(m, k, heads), repeat_kv(m, v, heads)
+    s = m.matmul(_f32(m, q), _f32(m, kk), trans_b=True) * scale
+    if softcap:
+        s = m.tanh(s / softcap) * softcap
+    ins = (s,) + tuple(t for t in (mask, pos) if t is not None)
+    if mask_kind != MaskKind.NONE.value or has_mask:
+        s = m.add("mask_fill", ins, mask_kind=mask_kind, window=window, has_mask=has_mask,
+                  has_pos=has_pos)
+    p = softmax_prims(m, s, -1)
+    return m.cast(m.matmul(p, _f32(m, vv)), q.dtype)
+
+
+def _elementwise_replay(m, ins, program):
+    slots = list(ins)
+    for op, attrs_, args in program:
+        slots.append(m.add(op, tuple(slots[i] for i in args), **dict(attrs_)))
+    return slots[-1]
+
+
+def _mba(m, x, w, b=None, trans_b=False, act="identity"):
+    y = m.matmul(x, w, trans_b=trans_b)
+    if b is not None:
+        y = y + b
+    return y if act == "identity" else m.act(y, act)
+
+
+# op -> fn(m, inputs, attrs) -> output value(s), using only primitives (and other prims of
+# the PRIM level such as rms_norm when `deep` is False).
+def _decompose(deep: bool):
+    def norm_rms(m, ins, a):
+        return rms_norm_prims(m, *ins, eps=a["eps"], offset=a["offset"]) if deep else None
+
+    table = {
+        "linear": lambda m, ins, a: _mba(m, ins[0], ins[1], ins[2] if len(ins) > 2 else None,
+                                          trans_b=a["transpose_w"]),
+        "swiglu_mlp": lambda m, ins, a: m.matmul(
+            m.silu(m.matmul(ins[0], ins[1], trans_b=a["transpose_w"]))
+            * m.matmul(ins[0], ins[2], trans_b=a["transpose_w"]), ins[3], trans_b=a["transpose_w"]),
+        "fused_swiglu": lambda m, ins, a: m.silu(ins[0]) * ins[1],
+        "fused_matmul_bias_act": lambda m, ins, a: _mba(
+            m, ins[0], ins[1], ins[2] if len(ins) > 2 else None, a["trans_b"], a["act"]),
+        "fused_residual_rms_norm": lambda m, ins, a: (
+            lambda h: (h, m.rms_norm(h, *ins[2:], eps=a["eps"], offset=a["offset"])))(ins[0] + ins[1]),
+        "fused_residual_ln": lambda m, ins, a: (
+            lambda h: (h, m.layer_norm(h, *ins[2:], eps=a["eps"])))(ins[0] + ins[1]),
+        "fused_attention_block": lambda m, ins, a: m.add(
+            "attention", (m.rope(ins[0], ins[3], ins[4], a["style"]),
+                          m.rope(ins[1], ins[3], ins[4], a["style"]), ins[2]) + tuple(ins[5:]),
+            **{k: v for k, v in a.items() if k != "style"}),
+        "fused_elementwise": lambda m, ins, a: _elementwise_replay(m, ins, a["program"]),
+    }
+    if deep:
+        table.update({
+            "rms_norm": norm_rms,
+            "layer_norm": lambda m, ins, a: layer_norm_prims(m, *ins, eps=a["eps"]),
+            "softmax": lambda m, ins, a: softmax_prims(m, ins[0], a["axis"]),
+            "rope": lambda m, ins, a: rope_prims(m, *ins, style=a["style"]),
+            "attention": lambda m, ins, a: attention_prims(m, *_attn_split(ins, a), **a),
+        })
+    return table
+
+
+def _attn_split(ins, a):
+    q, k, v, *rest = ins
+    mask = rest.pop(0) if a["has_mask"] else None
+    pos = rest.pop(0) if a["has_pos"] else None
+    return q, k, v, mask, pos
+
+
+DECOMPOSE_FUSED = _decompose(deep=False)     # legalize: fused -> prims (one level)
+DECOMPOSE_DEEP = _decompose(deep=True)       # fusable lowering: blocks -> elementwise chains
+
+
+def _direct(m, node, ins):
+    a = node.a
+    if node.op == "linear":
+        if len(ins) > 2:
+            return m.add("fused_matmul_bias_act", tuple(ins), trans_b=a["transpose_w"])
+        return m.matmul(ins[0], ins[1], trans_b=a["transpose_w"])
+    if node.op == "swiglu_mlp":
+        t = a["transpose_w"]
+        h = m.add("fused_swiglu", (m.matmul(ins[0], ins[1], trans_b=t), m.matmul(ins[0], ins[2], trans_b=t)))
+        return m.matmul(h, ins[3], trans_b=t)
+    return None
+
+
+def lower(g: Graph, policy: FusionPolicy | str = FusionPolicy.DIRECT) -> Graph:
+    """HIR -> MIR. Under `fusable` every block, norm, softmax, rope and attention becomes
+    primitives, leaving the fusion passes to rebuild what the target can fuse."""
+    policy = FusionPolicy(policy)
+
+    def replace(m, node, ins, i, lookup):
+        if policy is FusionPolicy.DIRECT:
+            return _direct(m, node, ins)
+        fn = DECOMPOSE_DEEP.get(node.op)
+        return fn(m, ins, node.a) if fn else None
+
+    return rewrite(g, replace, level=MIR)
+
+
+def legalize(g: Graph, supported: set) -> tuple:
+    """Decompose every fused op the backend lacks; returns (graph, names legalized)."""
+    done: list = []
+
+    def replace(m, node, ins, i, lookup):
+        if node.op in DECOMPOSE_FUSED and node.op not in supported:
+            done.append(node.op)
+            return DECOMPOSE_FUSED[node.op](m, ins, node.a)
+        return None
+
+    return rewrite(g, replace), sorted(set(done))
+
+
+__all__ = ["FusionPolicy", "lower", "legalize", "ACTIVATIONS"]

@@ -1,0 +1,600 @@
+"""The op table: every op declared once, with its inputs, attributes and a meta function.
+
+A meta function takes the input shapes and the attrs and returns the output shapes, the
+way JAX primitives have an abstract eval. Backends, fusion rules and the planner key on
+the op name. Adding an op means: an entry here, a numpy kernel, tests.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable
+
+import attrs
+
+from .dtype import BOOL, F32, I64, DType, promote
+from .errors import DTypeError, GraphError, ShapeError
+from .shape import Shape, broadcast_dims, norm_axis
+
+REQUIRED = object()
+
+
+class Level(enum.Enum):
+    LEAF = "leaf"      # graph inputs, params, state, constants
+    PRIM = "prim"      # MIR primitives every backend implements
+    HIR = "hir"        # blocks that lowering turns into MIR
+    FUSED = "fused"    # fused MIR ops; a backend lacking one gets it legalized back
+
+
+class MaskKind(str, enum.Enum):
+    NONE = "none"
+    CAUSAL = "causal"
+    SLIDING_WINDOW = "sliding_window"
+    CUSTOM = "custom"   # a boolean keep-mask input
+    BIAS = "bias"       # an additive float bias input
+
+
+BINARY_OPS = ("add", "sub", "mul", "div", "max", "min", "pow")
+COMPARE_OPS = ("eq", "ne", "lt", "le", "gt", "ge")
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "sigmoid", "tanh", "exp", "log", "sqrt",
+               "rsqrt", "neg", "abs", "sin", "cos", "recip", "identity")
+INT_OK_ACTIVATIONS = ("neg", "abs", "relu", "identity")
+REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
+ROPE_STYLES = ("half", "interleaved")
+
+
+@attrs.frozen
+class OpDef:
+    name: str
+    inputs: tuple                 # names; a trailing "?" marks optional, "*" variadic
+    attrs: dict                   # attr name -> default (REQUIRED if none)
+    meta: Callable                # (list[Shape], dict) -> tuple[Shape, ...]
+    level: Level
+    doc: str
+    elementwise: bool = False
+    view_of: int | None = None    # output is a view of this input (reshape, narrow, kv_write)
+    effect: bool = False          # has a side effect: DCE keeps it
+    n_outputs: int = 1
+
+    def check_attrs(self, given: dict) -> dict:
+        unknown = set(given) - set(self.attrs)
+        if unknown:
+            raise GraphError(f"op {self.name!r}: unknown attr(s) {sorted(unknown)}; "
+                             f"expected {sorted(self.attrs)}")
+        out = {}
+        for key, default in self.attrs.items():
+            if key in given:
+                out[key] = freeze(given[key])
+            elif default is REQUIRED:
+                raise GraphError(f"op {self.name!r}: missing required attr {key!r}")
+            else:
+                out[key] = default
+        return out
+
+    def check_arity(self, n: int) -> None:
+        fixed = [i for i in self.inputs if not i.endswith(("?", "*"))]
+        optional = [i for i in self.inputs if i.endswith("?")]
+        variadic = any(i.endswith("*") for i in self.inputs)
+        if n < len(fixed) or (not variadic and n > len(fixed) + len(optional)):
+            raise GraphError(f"op {self.name!r} takes inputs {self.inputs}, got {n}")
+
+
+def freeze(value: Any) -> Any:
+    """Attr values are plain, hashable and JSON-able: enums become strings, lists tuples."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    if isinstance(value, bool) or value is None or isinstance(value, (int, float, str)):
+        return value
+    if hasattr(value, "item"):
+        return value.item()
+    raise GraphError(f"attr value {value!r} of type {type(value).__name__} is not allowed")
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def op(name, inputs, level=Level.PRIM, **kw):
+    """Decorator declaring an op whose meta function is the decorated one."""
+    attrs_ = kw.pop("attrs", {})
+
+    def wrap(meta):
+        OPS[name] = OpDef(name=name, inputs=tuple(inputs), attrs=dict(attrs_), meta=meta,
+                          level=level, doc=(meta.__doc__ or "").strip(), **kw)
+        return meta
+    return wrap
+
+
+def get_op(name: str) -> OpDef:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise GraphError(f"unknown op {name!r}; known ops: {', '.join(sorted(OPS))}") from None
+
+
+def infer(name: str, shapes: list, attrs_: dict) -> tuple:
+    """Output shapes of `name` on `shapes`, raising ShapeError/DTypeError naming the op."""
+    d = get_op(name)
+    try:
+        return tuple(d.meta(shapes, attrs_))
+    except (ShapeError, DTypeError) as e:
+        raise type(e)(f"op {name!r}: {e}") from None
+
+
+# ----------------------------------------------------------------- helpers for metas
+def _float(s: Shape, what: str) -> None:
+    if not (s.dtype.is_float or s.dtype.is_complex):
+        raise DTypeError(f"{what} needs a float input, got {s.dtype.value}")
+
+
+def _same_dim(a, b, what) -> None:
+    if a != b and not (isinstance(a, str) or isinstance(b, str)):
+        raise ShapeError(f"{what}: {a} != {b}")
+
+
+def _last(s: Shape, what: str):
+    if s.rank == 0:
+        raise ShapeError(f"{what} needs rank >= 1, got a scalar")
+    return s.dims[-1]
+
+
+def _check_vec(x: Shape, w: Shape | None, what: str) -> None:
+    if w is not None:
+        if w.rank != 1:
+            raise ShapeError(f"{what} weight must be rank 1, got {w}")
+        _same_dim(w.dims[0], _last(x, what), f"{what} weight vs last dim of {x}")
+
+
+# ----------------------------------------------------------------- leaves
+_LEAF = dict(attrs={"shape": REQUIRED, "dtype": REQUIRED})
+
+
+@op("input", [], Level.LEAF, **_LEAF)
+def _m_input(s, a):
+    """A named runtime input."""
+    return (Shape(a["shape"], a["dtype"]),)
+
+
+@op("param", [], Level.LEAF, **_LEAF)
+def _m_param(s, a):
+    """A named weight, resident on the backend between runs."""
+    return (Shape(a["shape"], a["dtype"]),)
+
+
+@op("state", [], Level.LEAF, **_LEAF)
+def _m_state(s, a):
+    """A named mutable buffer kept by the executable across runs (a KV cache)."""
+    return (Shape(a["shape"], a["dtype"]),)
+
+
+@op("constant", [], Level.LEAF, **_LEAF)
+def _m_constant(s, a):
+    """A literal array stored in the graph's constant table under the node's name."""
+    return (Shape(a["shape"], a["dtype"]),)
+
+
+# ----------------------------------------------------------------- primitives
+def _matmul_meta(a: Shape, b: Shape, ta: bool, tb: bool) -> Shape:
+    if a.rank < 2 or b.rank < 2:
+        raise ShapeError(f"matmul needs rank >= 2 inputs, got {a} and {b}")
+    m, k = (a.dims[-1], a.dims[-2]) if ta else (a.dims[-2], a.dims[-1])
+    k2, n = (b.dims[-1], b.dims[-2]) if tb else (b.dims[-2], b.dims[-1])
+    _same_dim(k, k2, f"matmul contraction dims of {a} and {b}")
+    batch = broadcast_dims(a.dims[:-2], b.dims[:-2], "matmul batch")
+    return Shape(batch + (m, n), promote(a.dtype, b.dtype))
+
+
+@op("matmul", ["a", "b"], attrs={"trans_a": False, "trans_b": False})
+def _m_matmul(s, a):
+    """Batched matmul with numpy broadcasting of batch dims and optional transposes."""
+    return (_matmul_meta(s[0], s[1], a["trans_a"], a["trans_b"]),)
+
+
+@op("binary", ["a", "b"], attrs={"op": REQUIRED}, elementwise=True)
+def _m_binary(s, a):
+    """Elementwise add/sub/mul/div/max/min/pow with broadcasting and type promotion."""
+    if a["op"] not in BINARY_OPS:
+        raise ShapeError(f"binary op must be one of {BINARY_OPS}, got {a['op']!r}")
+    return (Shape(broadcast_dims(s[0].dims, s[1].dims), promote(s[0].dtype, s[1].dtype)),)
+
+
+@op("compare", ["a", "b"], attrs={"op": REQUIRED}, elementwise=True)
+def _m_compare(s, a):
+    """Elementwise comparison giving bool."""
+    if a["op"] not in COMPARE_OPS:
+        raise ShapeError(f"compare op must be one of {COMPARE_OPS}, got {a['op']!r}")
+    return (Shape(broadcast_dims(s[0].dims, s[1].dims), BOOL),)
+
+
+@op("where", ["cond", "a", "b"], elementwise=True)
+def _m_where(s, a):
+    """cond ? a : b with broadcasting."""
+    if s[0].dtype is not BOOL:
+        raise DTypeError(f"where condition must be bool, got {s[0].dtype.value}")
+    dims = broadcast_dims(broadcast_dims(s[0].dims, s[1].dims), s[2].dims)
+    return (Shape(dims, promote(s[1].dtype, s[2].dtype)),)
+
+
+@op("activation", ["x"], attrs={"fn": REQUIRED}, elementwise=True)
+def _m_activation(s, a):
+    """Unary elementwise function (gelu, silu, exp, rsqrt, ...)."""
+    if a["fn"] not in ACTIVATIONS:
+        raise ShapeError(f"activation fn must be one of {ACTIVATIONS}, got {a['fn']!r}")
+    if a["fn"] not in INT_OK_ACTIVATIONS:
+        _float(s[0], f"activation {a['fn']}")
+    return (s[0],)
+
+
+@op("cast", ["x"], attrs={"dtype": REQUIRED}, elementwise=True)
+def _m_cast(s, a):
+    """Convert to another dtype."""
+    return (s[0].with_dtype(DType.parse(a["dtype"])),)
+
+
+def _axes(axes, rank, what):
+    axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    out = tuple(sorted({norm_axis(x, rank, what) for x in axes}))
+    return out
+
+
+@op("reduce", ["x"], attrs={"op": REQUIRED, "axes": REQUIRED, "keepdims": False})
+def _m_reduce(s, a):
+    """Reduce over any axes (sum mean max min prod)."""
+    if a["op"] not in REDUCE_OPS:
+        raise ShapeError(f"reduce op must be one of {REDUCE_OPS}, got {a['op']!r}")
+    axes = _axes(a["axes"], s[0].rank, "reduce")
+    dims = tuple((1 if a["keepdims"] else None) if i in axes else d for i, d in enumerate(s[0].dims))
+    return (Shape(tuple(d for d in dims if d is not None), s[0].dtype),)
+
+
+@op("softmax", ["x"], attrs={"axis": -1})
+def _m_softmax(s, a):
+    """Numerically stable softmax along one axis (accumulates in f32)."""
+    _float(s[0], "softmax")
+    norm_axis(a["axis"], s[0].rank, "softmax")
+    return (s[0],)
+
+
+@op("layer_norm", ["x", "gamma?", "beta?"], attrs={"eps": 1e-5})
+def _m_layer_norm(s, a):
+    """LayerNorm over the last axis."""
+    _float(s[0], "layer_norm")
+    for w in s[1:]:
+        _check_vec(s[0], w, "layer_norm")
+    return (s[0],)
+
+
+@op("rms_norm", ["x", "weight?"], attrs={"eps": 1e-6, "offset": 0.0})
+def _m_rms_norm(s, a):
+    """RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * (weight + offset)."""
+    _float(s[0], "rms_norm")
+    _check_vec(s[0], s[1] if len(s) > 1 else None, "rms_norm")
+    return (s[0],)
+
+
+def _rope_check(x: Shape, cos: Shape, sin: Shape) -> None:
+    _float(x, "rope")
+    if x.rank != 4:
+        raise ShapeError(f"rope input must be [batch, heads, seq, head_dim], got {x}")
+    if cos.dims != sin.dims:
+        raise ShapeError(f"rope cos {cos} and sin {sin} differ")
+    if cos.rank not in (2, 3):
+        raise ShapeError(f"rope tables must be [seq, rot/2] or [batch, seq, rot/2], got {cos}")
+    half = cos.dims[-1]
+    if isinstance(half, int) and isinstance(x.dims[3], int) and 2 * half > x.dims[3]:
+        raise ShapeError(f"rope tables cover {2 * half} dims but head_dim is {x.dims[3]}")
+    _same_dim(cos.dims[-2], x.dims[2], f"rope table seq vs input seq ({cos} vs {x})")
+
+
+@op("rope", ["x", "cos", "sin"], attrs={"style": "half"})
+def _m_rope(s, a):
+    """Rotary embedding on [B,H,S,D]; tables [S,R/2] or [B,S,R/2]; R <= D rotates the first R dims."""
+    if a["style"] not in ROPE_STYLES:
+        raise ShapeError(f"rope style must be one of {ROPE_STYLES}, got {a['style']!r}")
+    _rope_check(*s)
+    return (s[0],)
+
+
+_ATTN_ATTRS = {"mask_kind": "causal", "window": 0, "scale": REQUIRED, "softcap": 0.0,
+               "has_mask": False, "has_pos": False}
+
+
+def _attention_meta(s: list, a: dict) -> Shape:
+    q, k, v = s[:3]
+    for t, nm in ((q, "q"), (k, "k"), (v, "v")):
+        if t.rank != 4:
+            raise ShapeError(f"attention {nm} must be [batch, heads, seq, head_dim], got {t}")
+        _float(t, "attention")
+    try:
+        kind = MaskKind(a["mask_kind"])
+    except ValueError:
+        raise ShapeError(f"attention mask_kind must be one of {[m.value for m in MaskKind]}, "
+                         f"got {a['mask_kind']!r}") from None
+    _same_dim(q.dims[3], k.dims[3], "attention q/k head_dim")
+    _same_dim(k.dims[2], v.dims[2], "attention k/v seq")
+    _same_dim(k.dims[1], v.dims[1], "attention k/v heads")
+    _same_dim(q.dims[0], k.dims[0], "attention q/k batch")
+    h, kvh = q.dims[1], k.dims[1]
+    if isinstance(h, int) and isinstance(kvh, int) and (kvh == 0 or h % kvh):
+        raise ShapeError(f"attention: {h} query heads is not a multiple of {kvh} kv heads (GQA)")
+    if kind is MaskKind.SLIDING_WINDOW and a["window"] <= 0:
+        raise ShapeError("attention: sliding_window needs window > 0")
+    extra = s[3:]
+    if len(extra) != int(a["has_mask"]) + int(a["has_pos"]):
+        raise ShapeError(f"attention: has_mask={a['has_mask']} has_pos={a['has_pos']} but "
+                         f"{len(extra)} extra inputs")
+    if kind in (MaskKind.CUSTOM, MaskKind.BIAS) and not a["has_mask"]:
+        raise ShapeError(f"attention: mask_kind {kind.value} needs a mask input")
+    if a["has_mask"]:
+        m = extra[0]
+        if kind is MaskKind.BIAS and not m.dtype.is_float:
+            raise DTypeError(f"attention bias must be float, got {m.dtype.value}")
+        if kind is not MaskKind.BIAS and m.dtype is not BOOL and not m.dtype.is_float:
+            raise DTypeError(f"attention mask must be bool (keep) or float (bias), got {m.dtype.value}")
+        broadcast_dims(m.dims, (q.dims[0], h, q.dims[2], k.dims[2]), "attention mask")
+    if a["has_pos"]:
+        p = extra[-1]
+        if not p.dtype.is_int or p.rank != 1:
+            raise ShapeError(f"attention pos must be an int vector [batch], got {p}")
+    return Shape(q.dims[:3] + (v.dims[3],), q.dtype)
+
+
+@op("attention", ["q", "k", "v", "mask?", "pos?"], attrs=_ATTN_ATTRS)
+def _m_attention(s, a):
+    """softmax(q k^T * scale [softcap] [mask]) v with GQA. Query i sits at position
+    pos[b] + i (has_pos) or Sk - Sq + i; causal keeps keys j <= that position."""
+    return (_attention_meta(s, a),)
+
+
+@op("mask_fill", ["scores", "mask?", "pos?"],
+    attrs={"mask_kind": "causal", "window": 0, "has_mask": False, "has_pos": False})
+def _m_mask_fill(s, a):
+    """Apply attention's mask to scores [B,H,Sq,Sk]: masked entries become -inf (or add a bias)."""
+    if s[0].rank != 4:
+        raise ShapeError(f"mask_fill scores must be rank 4, got {s[0]}")
+    return (s[0],)
+
+
+@op("gather", ["table", "indices"], attrs={"axis": 0})
+def _m_gather(s, a):
+    """Take rows of `table` along `axis` at integer `indices` (embedding lookup)."""
+    t, i = s
+    if not i.dtype.is_int:
+        raise DTypeError(f"gather indices must be integer, got {i.dtype.value}")
+    ax = norm_axis(a["axis"], t.rank, "gather")
+    return (Shape(t.dims[:ax] + i.dims + t.dims[ax + 1:], t.dtype),)
+
+
+def resolve_reshape(src: tuple, target: tuple) -> tuple:
+    """Fill a -1 in `target` from `src`; symbols must be carried over by name."""
+    target = tuple(target)
+    if sum(1 for d in target if d == -1) > 1:
+        raise ShapeError(f"reshape target {target} has more than one -1")
+    if all(isinstance(d, int) for d in src):
+        total = 1
+        for d in src:
+            total *= d
+        known = 1
+        for d in target:
+            if isinstance(d, str):
+                raise ShapeError(f"reshape to symbol {d!r} from static shape {src}")
+            if d != -1:
+                known *= d
+        if -1 in target:
+            if known == 0 or total % known:
+                raise ShapeError(f"cannot reshape {src} to {target}")
+            target = tuple(total // known if d == -1 else d for d in target)
+        elif known != total:
+            raise ShapeError(f"cannot reshape {src} ({total} elements) to {target}")
+        return target
+    # symbolic: the symbols must survive unchanged and the static parts must agree
+    if sorted(d for d in src if isinstance(d, str)) != sorted(d for d in target if isinstance(d, str)):
+        raise ShapeError(f"reshape {src} -> {target} must keep the same named dims")
+    s_static = 1
+    for d in src:
+        if isinstance(d, int):
+            s_static *= d
+    t_static = 1
+    for d in target:
+        if isinstance(d, int) and d != -1:
+            t_static *= d
+    if -1 in target:
+        if t_static == 0 or s_static % t_static:
+            raise ShapeError(f"cannot reshape {src} to {target}")
+        target = tuple(s_static // t_static if d == -1 else d for d in target)
+    elif s_static != t_static:
+        raise ShapeError(f"cannot reshape {src} to {target}")
+    return target
+
+
+@op("reshape", ["x"], attrs={"shape": REQUIRED}, view_of=0)
+def _m_reshape(s, a):
+    """Same data, new dims (a view); one dim may be -1."""
+    return (Shape(resolve_reshape(s[0].dims, a["shape"]), s[0].dtype),)
+
+
+@op("transpose", ["x"], attrs={"perm": REQUIRED})
+def _m_transpose(s, a):
+    """Permute axes."""
+    perm = tuple(a["perm"])
+    if sorted(perm) != list(range(s[0].rank)):
+        raise ShapeError(f"transpose perm {perm} is not a permutation of rank {s[0].rank}")
+    return (Shape(tuple(s[0].dims[p] for p in perm), s[0].dtype),)
+
+
+@op("narrow", ["x"], attrs={"axis": REQUIRED, "start": REQUIRED, "length": REQUIRED}, view_of=0)
+def _m_narrow(s, a):
+    """x[..., start:start+length, ...] along one axis (a view)."""
+    x = s[0]
+    ax = norm_axis(a["axis"], x.rank, "narrow")
+    d = x.dims[ax]
+    if a["start"] < 0 or a["length"] < 0 or (isinstance(d, int) and a["start"] + a["length"] > d):
+        raise ShapeError(f"narrow [{a['start']}:{a['start'] + a['length']}] out of range for "
+                         f"axis {ax} of {x}")
+    return (Shape(x.dims[:ax] + (a["length"],) + x.dims[ax + 1:], x.dtype),)
+
+
+@op("concat", ["xs*"], attrs={"axis": REQUIRED})
+def _m_concat(s, a):
+    """Join along an axis."""
+    if not s:
+        raise ShapeError("concat needs at least one input")
+    first = s[0]
+    ax = norm_axis(a["axis"], first.rank, "concat")
+    total: Any = 0
+    for t in s:
+        if t.rank != first.rank or t.dtype != first.dtype:
+            raise ShapeError(f"concat inputs differ in rank or dtype: {first} vs {t}")
+        for i, (x, y) in enumerate(zip(first.dims, t.dims)):
+            if i != ax:
+                _same_dim(x, y, f"concat off-axis dim {i}")
+        d = t.dims[ax]
+        total = total + d if isinstance(total, int) and isinstance(d, int) else f"{total}+{d}"
+    return (Shape(first.dims[:ax] + (total,) + first.dims[ax + 1:], first.dtype),)
+
+
+@op("expand", ["x"], attrs={"shape": REQUIRED}, view_of=0)
+def _m_expand(s, a):
+    """Broadcast to a larger shape (a view)."""
+    target = tuple(a["shape"])
+    if broadcast_dims(s[0].dims, target, "expand") != target:
+        raise ShapeError(f"cannot expand {s[0]} to {target}")
+    return (Shape(target, s[0].dtype),)
+
+
+@op("cumsum", ["x"], attrs={"axis": -1})
+def _m_cumsum(s, a):
+    """Inclusive prefix sum along an axis."""
+    norm_axis(a["axis"], s[0].rank, "cumsum")
+    return (s[0],)
+
+
+@op("topk", ["x"], attrs={"k": REQUIRED, "axis": -1}, n_outputs=2)
+def _m_topk(s, a):
+    """The k largest values along an axis, sorted descending, and their i64 indices."""
+    x = s[0]
+    ax = norm_axis(a["axis"], x.rank, "topk")
+    d = x.dims[ax]
+    if a["k"] < 1 or (isinstance(d, int) and a["k"] > d):
+        raise ShapeError(f"topk k={a['k']} out of range for axis of size {d}")
+    dims = x.dims[:ax] + (a["k"],) + x.dims[ax + 1:]
+    return (Shape(dims, x.dtype), Shape(dims, I64))
+
+
+@op("argmax", ["x"], attrs={"axis": -1, "keepdims": False})
+def _m_argmax(s, a):
+    """Index of the largest value along an axis (first on ties), i64."""
+    (r,) = _m_reduce([s[0]], {"op": "max", "axes": (a["axis"],), "keepdims": a["keepdims"]})
+    return (r.with_dtype(I64),)
+
+
+@op("kv_write", ["cache", "new", "pos"], attrs={"axis": 2}, view_of=0, effect=True)
+def _m_kv_write(s, a):
+    """Write `new` into the state `cache` at offset pos[b] along `axis` (in place); returns the cache."""
+    c, n, p = s
+    if c.rank != n.rank or c.dtype != n.dtype:
+        raise ShapeError(f"kv_write new {n} does not match cache {c}")
+    if not p.dtype.is_int or p.rank != 1:
+        raise ShapeError(f"kv_write pos must be an int vector [batch], got {p}")
+    return (c,)
+
+
+@op("custom", ["xs*"], attrs={"name": REQUIRED, "params": ()})
+def _m_custom(s, a):
+    """An op registered by a plugin through rlx_register_ops; meta and kernels come from it."""
+    from .custom import custom_op
+
+    return tuple(custom_op(a["name"]).meta(s, dict(a["params"])))
+
+
+# ----------------------------------------------------------------- HIR blocks
+@op("linear", ["x", "weight", "bias?"], Level.HIR, attrs={"transpose_w": True})
+def _m_linear(s, a):
+    """x @ W^T (+ b) for HF-layout weights [out, in]; transpose_w=False takes [in, out]."""
+    y = _matmul_meta(s[0], s[1], False, a["transpose_w"])
+    if len(s) > 2:
+        _check_vec(y, s[2], "linear bias")
+    return (y,)
+
+
+@op("swiglu_mlp", ["x", "w_gate", "w_up", "w_down"], Level.HIR, attrs={"transpose_w": True})
+def _m_swiglu_mlp(s, a):
+    """down(silu(gate(x)) * up(x)) with HF-layout weights."""
+    g = _matmul_meta(s[0], s[1], False, a["transpose_w"])
+    u = _matmul_meta(s[0], s[2], False, a["transpose_w"])
+    if g.dims != u.dims:
+        raise ShapeError(f"swiglu gate {g} and up {u} differ")
+    return (_matmul_meta(g, s[3], False, a["transpose_w"]),)
+
+
+# ----------------------------------------------------------------- fused MIR ops
+@op("fused_swiglu", ["gate", "up"], Level.FUSED, elementwise=True)
+def _m_fused_swiglu(s, a):
+    """silu(gate) * up."""
+    if s[0].dims != s[1].dims:
+        raise ShapeError(f"fused_swiglu gate {s[0]} and up {s[1]} differ")
+    return (s[0].with_dtype(promote(s[0].dtype, s[1].dtype)),)
+
+
+@op("fused_matmul_bias_act", ["x", "w", "bias?"], Level.FUSED,
+    attrs={"trans_b": False, "act": "identity"})
+def _m_fused_mba(s, a):
+    """act(x @ w + bias), the matmul epilogue."""
+    y = _matmul_meta(s[0], s[1], False, a["trans_b"])
+    if len(s) > 2:
+        _check_vec(y, s[2], "fused_matmul_bias_act bias")
+    if a["act"] not in ACTIVATIONS:
+        raise ShapeError(f"act must be one of {ACTIVATIONS}, got {a['act']!r}")
+    return (y,)
+
+
+def _residual_meta(s):
+    x, r = s[:2]
+    if x.dims != r.dims and broadcast_dims(x.dims, r.dims) != x.dims:
+        raise ShapeError(f"residual {r} does not match {x}")
+    h = Shape(broadcast_dims(x.dims, r.dims), promote(x.dtype, r.dtype))
+    return h
+
+
+@op("fused_residual_rms_norm", ["x", "residual", "weight?"], Level.FUSED,
+    attrs={"eps": 1e-6, "offset": 0.0}, n_outputs=2)
+def _m_fused_rrms(s, a):
+    """h = x + residual; returns (h, rms_norm(h))."""
+    h = _residual_meta(s)
+    _check_vec(h, s[2] if len(s) > 2 else None, "rms_norm")
+    return (h, h)
+
+
+@op("fused_residual_ln", ["x", "residual", "gamma?", "beta?"], Level.FUSED,
+    attrs={"eps": 1e-5}, n_outputs=2)
+def _m_fused_rln(s, a):
+    """h = x + residual; returns (h, layer_norm(h))."""
+    h = _residual_meta(s)
+    for w in s[2:]:
+        _check_vec(h, w, "layer_norm")
+    return (h, h)
+
+
+@op("fused_attention_block", ["q", "k", "v", "cos", "sin", "mask?", "pos?"], Level.FUSED,
+    attrs=dict(_ATTN_ATTRS, style="half"))
+def _m_fused_attn_block(s, a):
+    """attention(rope(q), rope(k), v): RoPE applied inside the attention kernel."""
+    _rope_check(s[0], s[3], s[4])
+    _rope_check(s[1], s[3], s[4])
+    return (_attention_meta(s[:3] + s[5:], a),)
+
+
+@op("fused_elementwise", ["xs*"], Level.FUSED, attrs={"program": REQUIRED, "dtype": REQUIRED},
+    elementwise=True)
+def _m_fused_elementwise(s, a):
+    """A region of elementwise ops run as one kernel. `program` is a tuple of steps
+    (op, attrs-items, arg slots); slot i < n_inputs names an input, later slots earlier steps."""
+    dims: tuple = ()
+    for t in s:
+        dims = broadcast_dims(dims, t.dims, "fused_elementwise")
+    return (Shape(dims, DType.parse(a["dtype"])),)
+
+
+HIR_ONLY = {n for n, d in OPS.items() if d.level is Level.HIR}
+FUSED = {n for n, d in OPS.items() if d.level is Level.FUSED}
+LEAVES = {n for n, d in OPS.items() if d.level is Level.LEAF}

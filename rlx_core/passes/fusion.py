@@ -1,0 +1,398 @@
+"""Fusion patterns as rewrite rules, grouped by name and picked per backend target.
+
+Each rule rebuilds one fused (or kernel-level) op from the primitive chain that `fusable`
+lowering emits, so `direct`, `fusable` and unfused graphs compute the same thing. Two
+groups are passes rather than rooted patterns: shared-input matmuls and elementwise regions.
+"""
+from __future__ import annotations
+
+from ..ir.errors import GraphError
+from ..ir.graph import Graph
+from ..ir.ops import ACTIVATIONS
+from ..ir.rewrite import P, Rule, X, apply_rules, rewrite
+from .generic import dce
+
+B, A, R, MM = P("binary"), P("activation"), P("reduce"), P("matmul")
+RULES: dict = {}          # group name -> [Rule]
+
+
+def rule(group: str, pattern: P, when=None, name: str | None = None):
+    def wrap(emit):
+        RULES.setdefault(group, []).append(Rule(name or emit.__name__.strip("_"), pattern, emit, when))
+        return emit
+    return wrap
+
+
+def _scalar(g, ref) -> bool:
+    n = g.nodes[ref[0]]
+    return n.op == "constant" and g.constants[n.name].size == 1
+
+
+S = lambda name: X(name, pred=_scalar)  # noqa: E731
+
+
+def _last_axis(mt, x, red) -> bool:
+    rank = mt.shape(x).rank
+    axes = mt.attrs(red)["axes"]
+    return len(axes) == 1 and axes[0] % rank == rank - 1
+
+
+def _vec(mt, vec, x) -> bool:
+    v, s = mt.shape(vec), mt.shape(x)
+    return v.rank == 1 and v.dims[0] == s.dims[-1]
+
+
+# --------------------------------------------------------------------------- RMSNorm
+@rule("rms_norm", B(X("x"), A(B(R(B(X("x"), X("x"), op="mul"), op="mean", keepdims=True, name="r"),
+                                S("eps"), op="add"), fn="rsqrt"), op="mul"),
+      when=lambda mt: _last_axis(mt, "x", "r"))
+def _rms_norm(mt):
+    return mt.m.rms_norm(mt.get("x"), eps=mt.scalar("eps"))
+
+
+_RMS0 = P("rms_norm")(X("x"), name="n")
+
+
+@rule("rms_norm", B(_RMS0, B(X("w"), S("off"), op="add"), op="mul"), when=lambda mt: _vec(mt, "w", "x"))
+def _rms_norm_weight_offset(mt):
+    return mt.m.rms_norm(mt.get("x"), mt.get("w"), eps=mt.attrs("n")["eps"], offset=mt.scalar("off"))
+
+
+@rule("rms_norm", B(_RMS0, X("w"), op="mul"), when=lambda mt: _vec(mt, "w", "x"))
+def _rms_norm_weight(mt):
+    return mt.m.rms_norm(mt.get("x"), mt.get("w"), eps=mt.attrs("n")["eps"])
+
+
+# --------------------------------------------------------------------------- LayerNorm
+_D = B(X("x"), R(X("x"), op="mean", keepdims=True, name="r1"), op="sub", name="d")
+
+
+@rule("layer_norm", B(_D, A(B(R(B(_D, _D, op="mul"), op="mean", keepdims=True), S("eps"), op="add"),
+                           fn="rsqrt"), op="mul"),
+      when=lambda mt: _last_axis(mt, "x", "r1"))
+def _layer_norm(mt):
+    return mt.m.layer_norm(mt.get("x"), eps=mt.scalar("eps"))
+
+
+_LN0 = P("layer_norm")(X("x"), name="n")
+_LN1 = P("layer_norm")(X("x"), X("g"), name="n")
+
+
+@rule("layer_norm", B(_LN0, X("g"), op="mul"), when=lambda mt: _vec(mt, "g", "x"))
+def _layer_norm_gamma(mt):
+    return mt.m.layer_norm(mt.get("x"), mt.get("g"), eps=mt.attrs("n")["eps"])
+
+
+@rule("layer_norm", B(_LN1, X("b"), op="add"), when=lambda mt: _vec(mt, "b", "x"))
+def _layer_norm_beta(mt):
+    return mt.m.layer_norm(mt.get("x"), mt.get("g"), mt.get("b"), eps=mt.attrs("n")["eps"])
+
+
+# --------------------------------------------------------------------------- softmax
+_E = A(B(X("x"), R(X("x"), op="max", keepdims=True, name="r"), op="sub"), fn="exp", name="e")
+
+
+@rule("softmax", B(_E, R(_E, op="sum", keepdims=True, name="r2"), op="div"),
+      when=lambda mt: mt.attrs("r")["axes"] == mt.attrs("r2")["axes"] and len(mt.attrs("r")["axes"]) == 1)
+def _softmax(mt):
+    return mt.m.softmax(mt.get("x"), axis=mt.attrs("r")["axes"][0])
+
+
+# --------------------------------------------------------------------------- SwiGLU, epilogues
+@rule("swiglu", B(A(X("g"), fn="silu"), X("u"), op="mul"),
+      when=lambda mt: mt.shape("g") == mt.shape("u"))
+def _swiglu(mt):
+    return mt.m.add("fused_swiglu", (mt.get("g"), mt.get("u")))
+
+
+@rule("matmul_bias_act", B(MM(X("x"), X("w"), trans_a=False, name="mm"), X("b"), op="add"),
+      when=lambda mt: _vec(mt, "b", "mm"))
+def _matmul_bias(mt):
+    return mt.m.add("fused_matmul_bias_act", (mt.get("x"), mt.get("w"), mt.get("b")),
+                    trans_b=mt.attrs("mm")["trans_b"])
+
+
+_ACTS = lambda fn: fn in ("gelu", "gelu_tanh", "relu", "silu", "tanh", "sigmoid")  # noqa: E731
+
+
+@rule("matmul_bias_act", A(P("fused_matmul_bias_act")(X("x"), X("w"), X("b"), act="identity", name="f"),
+                           fn=_ACTS, name="a"))
+def _matmul_bias_then_act(mt):
+    return mt.m.add("fused_matmul_bias_act", (mt.get("x"), mt.get("w"), mt.get("b")),
+                    trans_b=mt.attrs("f")["trans_b"], act=mt.attrs("a")["fn"])
+
+
+@rule("matmul_bias_act", A(MM(X("x"), X("w"), trans_a=False, name="mm"), fn=_ACTS, name="a"))
+def _matmul_act(mt):
+    return mt.m.add("fused_matmul_bias_act", (mt.get("x"), mt.get("w")),
+                    trans_b=mt.attrs("mm")["trans_b"], act=mt.attrs("a")["fn"])
+
+
+# --------------------------------------------------------------------------- residual + norm
+def _same(mt, a, b):
+    return mt.shape(a) == mt.shape(b)
+
+
+@rule("residual_rms_norm", P("rms_norm")(B(X("x"), X("r"), op="add", name="h", shared=True), ..., name="n"),
+      when=lambda mt: _same(mt, "x", "r"))
+def _residual_rms_norm(mt):
+    extra = [mt.lookup(r) for r in mt.g.nodes[mt.caps["n"][0]].inputs[1:]]
+    h, y = mt.m.add("fused_residual_rms_norm", (mt.get("x"), mt.get("r"), *extra),
+                    eps=mt.attrs("n")["eps"], offset=mt.attrs("n")["offset"])
+    return {"root": y, "h": h}
+
+
+@rule("residual_layer_norm", P("layer_norm")(B(X("x"), X("r"), op="add", name="h", shared=True), ...,
+                                              name="n"),
+      when=lambda mt: _same(mt, "x", "r"))
+def _residual_layer_norm(mt):
+    extra = [mt.lookup(r) for r in mt.g.nodes[mt.caps["n"][0]].inputs[1:]]
+    h, y = mt.m.add("fused_residual_ln", (mt.get("x"), mt.get("r"), *extra), eps=mt.attrs("n")["eps"])
+    return {"root": y, "h": h}
+
+
+# --------------------------------------------------------------------------- RoPE
+_N1 = P("narrow")(X("x"), axis=3, start=0, name="n1")
+_N2 = P("narrow")(X("x"), axis=3, name="n2")
+
+
+def _table_of(mt, name):
+    """The [S,R/2] or [B,S,R/2] table behind the broadcast reshape rope_prims makes."""
+    n = mt.g.nodes[mt.caps[name][0]]
+    if n.op != "reshape":
+        return None
+    return n.inputs[0]
+
+
+@rule("rope", P("concat")(B(B(_N1, X("c"), op="mul"), B(_N2, X("s"), op="mul"), op="sub"),
+                          B(B(_N2, X("c"), op="mul"), B(_N1, X("s"), op="mul"), op="add"), axis=3),
+      when=lambda mt: (mt.attrs("n1")["length"] == mt.attrs("n2")["start"] == mt.attrs("n2")["length"]
+                       and 2 * mt.attrs("n1")["length"] == mt.shape("x").dims[3]
+                       and _table_of(mt, "c") is not None and _table_of(mt, "s") is not None))
+def _rope(mt):
+    return mt.m.rope(mt.get("x"), mt.lookup(_table_of(mt, "c")), mt.lookup(_table_of(mt, "s")))
+
+
+# --------------------------------------------------------------------------- attention
+def _unrepeat(g, ref):
+    """reshape(expand(reshape(k))) made by repeat_kv -> k."""
+    n = g.nodes[ref[0]]
+    if n.op != "reshape":
+        return ref
+    e = g.nodes[n.inputs[0][0]]
+    if e.op != "expand":
+        return ref
+    r = g.nodes[e.inputs[0][0]]
+    if r.op != "reshape":
+        return ref
+    k = r.inputs[0]
+    kd = g.shape_of(k).dims
+    if len(kd) == 4 and r.outs[0].dims == (kd[0], kd[1], 1, kd[2], kd[3]):
+        return k
+    return ref
+
+
+def _attention_patterns():
+    qk = MM(X("q"), X("kk"), trans_a=False, trans_b=True)
+    scaled = B(qk, S("scale"), op="mul")
+    capped = B(A(B(scaled, S("cap"), op="div"), fn="tanh"), S("cap"), op="mul")
+    for core in (scaled, capped):
+        for masked in (True, False):
+            inner = P("mask_fill")(core, ..., name="mf") if masked else core
+            yield MM(P("softmax")(inner), X("vv"), trans_a=False, trans_b=False)
+
+
+def _attention_ok(mt):
+    return all(mt.shape(n).rank == 4 for n in ("q", "kk", "vv"))
+
+
+def _attention(mt):
+    g = mt.g
+    a = dict(mask_kind="none", window=0, has_mask=False, has_pos=False)
+    extra = []
+    if "mf" in mt.caps:
+        a = {k: mt.attrs("mf")[k] for k in a}
+        extra = [mt.lookup(r) for r in g.nodes[mt.caps["mf"][0]].inputs[1:]]
+    k, v = mt.lookup(_unrepeat(g, mt.caps["kk"])), mt.lookup(_unrepeat(g, mt.caps["vv"]))
+    return mt.m.add("attention", (mt.get("q"), k, v, *extra), scale=mt.scalar("scale"),
+                    softcap=mt.scalar("cap") if "cap" in mt.caps else 0.0, **a)
+
+
+for _p in _attention_patterns():
+    RULES.setdefault("attention", []).append(Rule("attention", _p, _attention, _attention_ok))
+
+_ROPE = lambda q: P("rope")(X(q), X("c"), X("s"), name="r" + q)  # noqa: E731
+
+
+@rule("attention_block", P("attention")(_ROPE("q"), _ROPE("k"), X("v"), ..., name="at"),
+      when=lambda mt: mt.attrs("rq") == mt.attrs("rk"))
+def _attention_block(mt):
+    extra = [mt.lookup(r) for r in mt.g.nodes[mt.caps["at"][0]].inputs[3:]]
+    return mt.m.add("fused_attention_block", (mt.get("q"), mt.get("k"), mt.get("v"), mt.get("c"),
+                                              mt.get("s"), *extra),
+                    style=mt.attrs("rq")["style"], **mt.attrs("at"))
+
+
+# --------------------------------------------------------------------------- shared-input matmuls
+def fuse_shared_matmuls(g: Graph) -> tuple:
+    """matmul(x, W1), matmul(x, W2), ... with params W_i -> one matmul on concat(W_i) and
+    views of its output. The concat of params is hoisted to load time by the pipeline."""
+    groups: dict = {}
+    for i, n in enumerate(g.nodes):
+        if n.op != "matmul" or n.a["trans_a"]:
+            continue
+        w = g.nodes[n.inputs[1][0]]
+        if w.op != "param" or w.outs[0].rank != 2:
+            continue
+        groups.setdefault((tuple(n.inputs[0]), n.a["trans_b"], w.outs[0].dtype), []).append(i)
+    plan: dict = {}
+    hits = []
+    for (x, tb, _), members in groups.items():
+        if len(members) < 2:
+            continue
+        first = members[0]
+        if any(g.nodes[i].inputs[1][0] > first for i in members):
+            continue
+        plan[first] = (members, tb)
+        hits.append(("shared_matmul", first))
+    if not plan:
+        return g, []
+    extra: dict = {}
+
+    def replace(m, node, ins, i, lookup):
+        if i not in plan:
+            return None
+        members, tb = plan[i]
+        ws = [lookup(g.nodes[j].inputs[1]) for j in members]
+        axis = 0 if tb else 1
+        y = m.matmul(ins[0], m.concat(ws, axis), trans_b=tb)
+        off = 0
+        outs = []
+        for j, w in zip(members, ws):
+            n_out = w.dims[axis]
+            outs.append(m.narrow(y, -1, off, n_out))
+            off += n_out
+        for j, v in zip(members[1:], outs[1:]):
+            extra[(j, 0)] = v
+        return outs[0]
+
+    return rewrite(g, replace, extra_map=extra), hits
+
+
+# --------------------------------------------------------------------------- elementwise regions
+EW = {"binary", "compare", "where", "activation", "cast", "fused_swiglu"}
+
+
+def fuse_elementwise(g: Graph) -> tuple:
+    """Merge trees of single-consumer elementwise ops into one fused_elementwise node."""
+    consumers = g.consumers()
+
+    def absorbable(ref):
+        n = g.nodes[ref[0]]
+        return n.op in EW and len(consumers.get(tuple(ref), ())) == 1 and len(n.outs) == 1
+
+    roots: dict = {}
+    for i, n in enumerate(g.nodes):
+        if n.op not in EW:
+            continue
+        cons = consumers.get((i, 0), ())
+        if len(cons) == 1 and cons[0] >= 0 and g.nodes[cons[0]].op in EW:
+            continue                                   # absorbed by its consumer's region
+        members, leaves, stack = {i}, [], list(n.inputs)
+        order = []
+        while stack:
+            r = tuple(stack.pop())
+            if absorbable(r) and r[0] not in members:
+                members.add(r[0])
+                stack.extend(g.nodes[r[0]].inputs)
+        if len(members) < 2:
+            continue
+        for j in sorted(members):
+            for r in g.nodes[j].inputs:
+                if r[0] not in members and tuple(r) not in leaves:
+                    leaves.append(tuple(r))
+        slot = {r: k for k, r in enumerate(leaves)}
+        for j in sorted(members):
+            nd = g.nodes[j]
+            order.append((nd.op, nd.attrs, tuple(slot[tuple(r)] for r in nd.inputs)))
+            slot[(j, 0)] = len(slot)
+        roots[i] = (leaves, tuple(order))
+    if not roots:
+        return g, []
+
+    def replace(m, node, ins, i, lookup):
+        if i not in roots:
+            return None
+        leaves, program = roots[i]
+        return m.add("fused_elementwise", tuple(lookup(r) for r in leaves), program=program,
+                     dtype=node.outs[0].dtype.value)
+
+    return rewrite(g, replace), [("elementwise", i) for i in roots]
+
+
+# Groups that combine ops other groups build (a norm must be whole before its residual
+# add joins it), so they run after the others reach their fixpoint.
+LATE = {"residual_rms_norm", "residual_layer_norm", "attention_block"}
+PASSES = {"shared_matmul": fuse_shared_matmuls, "elementwise": fuse_elementwise}
+ALL_GROUPS = tuple(RULES) + tuple(PASSES)
+# Each backend target lists the groups it fuses; unknown targets get every group.
+TARGETS = {
+    "generic": ALL_GROUPS,
+    "numpy": tuple(g for g in ALL_GROUPS if g != "elementwise"),
+}
+
+
+def groups_for(target: str, skip) -> tuple:
+    if skip is True:
+        return ()
+    known = tuple(all_rules()) + tuple(PASSES)
+    groups = TARGETS.get(target, known) + tuple(g for g in known if g not in ALL_GROUPS)
+    skip = set(skip or ())
+    unknown = skip - set(known)
+    if unknown:
+        raise GraphError(f"fusion.skip names unknown pattern groups {sorted(unknown)}; "
+                         f"known: {list(known)}")
+    return tuple(gr for gr in groups if gr not in skip)
+
+
+def all_rules() -> dict:
+    """Built-in rule groups plus those plugins registered through rlx_register_passes."""
+    from ..plugins.manager import registry
+
+    merged = {k: list(v) for k, v in RULES.items()}
+    for group, rules in registry().rules.items():
+        merged.setdefault(group, []).extend(rules)
+    return merged
+
+
+def fuse(g: Graph, groups: tuple, max_sweeps: int = 8, log=None) -> Graph:
+    """Apply the rule groups to a fixpoint, then the pass groups."""
+    table = all_rules()
+    for phase in (lambda gr: gr not in LATE, lambda gr: gr in LATE):
+        rules = [r for gr in groups if gr in table and phase(gr) for r in table[gr]]
+        for _ in range(max_sweeps):
+            g, hits = apply_rules(g, rules)
+            g = dce(g)
+            if log is not None:
+                log.extend(hits)
+            if not hits:
+                break
+    for gr in ("shared_matmul", "elementwise"):
+        if gr in groups:
+            g, hits = PASSES[gr](g)
+            g = dce(g)
+            if log is not None:
+                log.extend(hits)
+    return g
+
+
+def unfused(g: Graph, groups: tuple) -> list:
+    """(rule, node) for every fusable pattern still present (for assert_clean)."""
+    table = all_rules()
+    rules = [r for gr in groups if gr in table for r in table[gr]]
+    found: list = []
+    apply_rules(g, rules, on_match=lambda r, i: found.append((r.name, i)))
+    return found
+
+
+__all__ = ["RULES", "TARGETS", "fuse", "unfused", "groups_for", "ACTIVATIONS"]

@@ -1,0 +1,293 @@
+"""CompilePipeline: module + profile + backend -> Executable.
+
+HIR is lowered by the profile's fusion policy, optimized (DCE, constant folding, CSE),
+fused for the backend's target, legalized for what the backend lacks, checked, and put in
+the profile's precision. That MIR stays symbolic; an Executable specializes it to the dims
+of each call (plan + backend compile, cached) and keeps params and states resident.
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+
+from .ir.dtype import DType
+from .ir.errors import BackendError, GraphError, ModelError
+from .ir.graph import HIR, MIR, Graph
+from .ir.lir import LirModule, plan
+from .ir.lower import legalize, lower
+from .ir.ops import OPS, Level, infer
+from .ir.verify import verify
+from .passes import fusion
+from .passes.generic import const_fold, cse, dce
+from .passes.transform import hoist_params, to_precision
+from .plugins.manager import registry
+from .profile import CompileProfile
+
+
+def available_backends() -> list:
+    """(backend, available, reason) for every registered backend, best first."""
+    out = []
+    for b in registry().backends.values():
+        ok, why = b.availability()
+        out.append((b, ok, why))
+    return sorted(out, key=lambda t: -t[0].priority)
+
+
+def select_backend(name: str | None = None):
+    """By name, or the highest-priority available backend. Never a silent substitute."""
+    table = registry().backends
+    if name:
+        if name not in table:
+            raise BackendError(f"unknown backend {name!r}; installed: {sorted(table)}")
+        ok, why = table[name].availability()
+        if not ok:
+            raise BackendError(f"backend {name!r} is not available here: {why}")
+        return table[name]
+    for b, ok, _ in available_backends():
+        if ok:
+            return b
+    raise BackendError("no backend is available")
+
+
+class CompilePipeline:
+    def __init__(self, profile: CompileProfile | None = None, backend=None):
+        self.profile = profile or CompileProfile()
+        self.backend = backend if backend is not None and not isinstance(backend, str) else \
+            select_backend(backend or self.profile.backend.name or None)
+        self.trace: list = []          # (pass name, nodes after, seconds)
+
+    def _step(self, name, g, fn):
+        t = time.perf_counter()
+        out = fn(g)
+        if self.profile.passes.verify_each:
+            try:
+                verify(out)
+            except GraphError as e:
+                raise GraphError(f"after pass {name!r}: {e}") from None
+        self.trace.append((name, len(out.nodes), time.perf_counter() - t))
+        if self.profile.passes.verbose:
+            print(f"[rlx] {name}: {len(out.nodes)} nodes")
+        return out
+
+    def optimize(self, g: Graph) -> Graph:
+        """HIR (or MIR) -> optimized MIR for this backend, still symbolic in its dims."""
+        verify(g)
+        p, b = self.profile, self.backend
+        if g.level == HIR:
+            g = self._step("lower", g, lambda x: lower(x, p.fusion.policy))
+        if p.passes.dce:
+            g = self._step("dce", g, dce)
+        if p.passes.constant_folding:
+            g = self._step("const_fold", g, const_fold)
+        if p.passes.cse:
+            g = self._step("cse", g, cse)
+        target = b.target if p.fusion.target == "auto" else p.fusion.target
+        groups = fusion.groups_for(target, p.fusion.skip)
+        log: list = []
+        g = self._step("fusion", g, lambda x: fusion.fuse(x, groups, log=log))
+        self.fusion_log = log
+        if p.fusion.assert_clean:
+            left = fusion.unfused(g, groups)
+            if left:
+                detail = ", ".join(f"{r} at %{i} ({g.nodes[i].op})" for r, i in left[:8])
+                raise GraphError(f"assert_clean: fusable patterns left unfused: {detail}")
+        supported = b.supported_ops()
+        g, self.legalized = legalize(g, supported)
+        self.trace.append(("legalize", len(g.nodes), 0.0))
+        if p.passes.dce:
+            g = self._step("dce", g, dce)
+        compute = p.precision.compute
+        b.check_dtype(compute, f"profile {p.name!r} precision.compute")
+        g = self._step("precision", g, lambda x: to_precision(x, compute))
+        self._check_support(g)
+        return g
+
+    def _check_support(self, g: Graph) -> None:
+        b = self.backend
+        supported = b.supported_ops()
+        for i, n in enumerate(g.nodes):
+            for s in n.outs:
+                if s.dtype.is_float:
+                    b.check_dtype(s.dtype, f"node %{i} ({n.op})")
+            if n.op == "custom":
+                if not b.supports_custom(n.a["name"]):
+                    raise BackendError(f"backend {b.name!r} has no kernel for custom op "
+                                       f"{n.a['name']!r} (node %{i})")
+            elif n.op not in supported:
+                have = [x.name for x, _, _ in available_backends() if n.op in x.supported_ops()]
+                raise BackendError(f"backend {b.name!r} does not implement op {n.op!r} (node %{i}); "
+                                   f"backends that do: {have or 'none'}")
+
+    def compile(self, module: Graph, params: dict | None = None, states=None) -> "Executable":
+        mir = self.optimize(module)
+        return Executable(mir, self.backend, self.profile, params, states, source=module)
+
+
+_CACHE: collections.OrderedDict = collections.OrderedDict()
+_CACHE_SIZE = 32
+
+
+def compile(module: Graph, profile: CompileProfile | str | None = None, backend=None,
+            params: dict | None = None, states=None) -> "Executable":
+    """rlx_core.compile(module, profile=..., backend=...): the optimized MIR is cached by
+    (graph hash, profile hash, backend); specializations are cached per bound dims."""
+    if isinstance(profile, str):
+        profile = CompileProfile.preset(profile)
+    pipe = CompilePipeline(profile, backend)
+    key = (module.stable_hash(), pipe.profile.stable_hash(), pipe.backend.name)
+    mir = _CACHE.get(key)
+    if mir is None:
+        mir = pipe.optimize(module)
+        _CACHE[key] = mir
+        if len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return Executable(mir, pipe.backend, pipe.profile, params, states, source=module)
+
+
+class StateStore(dict):
+    """Named device buffers shared by executables (a KV cache used by prefill and decode)."""
+
+
+def specialize(g: Graph, env: dict) -> Graph:
+    """Bind named dims to ints and re-infer every shape."""
+    from .ir.graph import Builder, Node
+
+    m = Builder(g.name, g.level)
+    m.constants = dict(g.constants)
+
+    def bind(v):
+        if isinstance(v, str):
+            return env.get(v, v)
+        if isinstance(v, tuple):
+            return tuple(bind(x) for x in v)
+        return v
+
+    for n in g.nodes:
+        a = {k: (bind(v) if k in ("shape", "length") else v) for k, v in n.attrs}
+        outs = infer(n.op, [m.nodes[r[0]].outs[r[1]] for r in n.inputs], a)
+        if n.op in ("input", "param", "state", "constant"):
+            outs = tuple(s.bind(env) for s in outs)
+        m.nodes.append(Node(n.op, n.inputs, tuple(sorted(a.items())), tuple(outs), n.name))
+    m.outputs = list(g.outputs)
+    return m.build()
+
+
+class Executable:
+    """A compiled model: `run(**inputs)` or `run(dict)` -> dict of numpy outputs."""
+
+    def __init__(self, mir: Graph, backend, profile, params=None, states=None, source=None):
+        self.backend, self.profile, self.source = backend, profile, source
+        self.mir, self.prologue = hoist_params(mir)
+        self.states = states if states is not None else StateStore()
+        self._params: dict = {}
+        self._runners: dict = {}
+        self.lir_cache: dict = {}
+        if params is not None:
+            self.set_params(params)
+
+    # -- binding
+    @property
+    def param_specs(self) -> dict:
+        """name -> Shape of every param the caller must bind (hoisted ones excluded)."""
+        specs = {n.name: n.outs[0] for n in self.mir.nodes if n.op == "param"
+                 and not n.name.startswith("__hoisted.")}
+        if self.prologue is not None:
+            specs.update({n.name: n.outs[0] for n in self.prologue.nodes if n.op == "param"})
+        return specs
+
+    def set_params(self, params: dict) -> None:
+        """Check every param (all problems in one error) and make them resident."""
+        specs = self.param_specs
+        missing = sorted(set(specs) - set(params))
+        unexpected = sorted(set(params) - set(specs))
+        bad = []
+        for name, s in specs.items():
+            if name in params:
+                shape = tuple(np.shape(params[name]))
+                if not s.is_static or shape != s.dims:
+                    bad.append(f"{name}: expected {list(s.dims)}, got {list(shape)}")
+        if missing or unexpected or bad:
+            parts = []
+            if missing:
+                parts.append(f"missing {missing}")
+            if unexpected:
+                parts.append(f"unexpected {unexpected}")
+            if bad:
+                parts.append("mis-shaped " + "; ".join(bad))
+            raise ModelError(f"graph {self.mir.name!r} params: " + " | ".join(parts))
+        b = self.backend
+        resident = {name: b.to_device(np.ascontiguousarray(np.asarray(params[name]).astype(
+            specs[name].dtype.np, copy=False))) for name in specs}
+        if self.prologue is not None:
+            lir = plan(self.prologue)
+            derived = b.compile(lir, resident, {}).run({})
+            resident.update({k: b.to_device(v) for k, v in derived.items()})
+        self._params = resident
+        self._runners.clear()
+
+    # -- running
+    def _bind_dims(self, inputs: dict) -> dict:
+        env: dict = {}
+        specs = {n.name: n.outs[0] for n in self.mir.nodes if n.op == "input"}
+        missing = sorted(set(specs) - set(inputs))
+        unexpected = sorted(set(inputs) - set(specs))
+        if missing or unexpected:
+            raise ModelError(f"graph {self.mir.name!r}: missing inputs {missing}, unexpected "
+                             f"{unexpected}; expected {sorted(specs)}")
+        for name, s in specs.items():
+            shape = np.shape(inputs[name])
+            if len(shape) != s.rank:
+                raise ModelError(f"input {name!r}: expected rank {s.rank} {s}, got shape {list(shape)}")
+            for d, got in zip(s.dims, shape):
+                if isinstance(d, str):
+                    if env.setdefault(d, got) != got:
+                        raise ModelError(f"input {name!r}: dim {d!r} is {got} here but "
+                                         f"{env[d]} in another input")
+                elif d != got:
+                    raise ModelError(f"input {name!r}: expected {s}, got shape {list(shape)}")
+        return env
+
+    def runner(self, env: dict):
+        key = tuple(sorted(env.items()))
+        r = self._runners.get(key)
+        if r is None:
+            if not self._params and self.param_specs:
+                raise ModelError(f"graph {self.mir.name!r}: params are not bound (set_params)")
+            g = specialize(self.mir, env)
+            lir = plan(g)
+            self.lir_cache[key] = lir
+            for name, i in g.states.items():
+                s = g.nodes[i].outs[0]
+                cur = self.states.get(name)
+                if cur is None or tuple(cur.shape) != s.dims:
+                    self.states[name] = self.backend.zeros(s.dims, s.dtype)
+            r = self.backend.compile(lir, self._params, self.states)
+            self._runners[key] = r
+        return r
+
+    def run(self, inputs: dict | None = None, **kw) -> dict:
+        inputs = dict(inputs or {}, **kw)
+        env = self._bind_dims(inputs)
+        specs = {n.name: n.outs[0] for n in self.mir.nodes if n.op == "input"}
+        arrays = {k: np.ascontiguousarray(np.asarray(v).astype(specs[k].dtype.np, copy=False))
+                  for k, v in inputs.items()}
+        return self.runner(env).run(arrays)
+
+    __call__ = run
+
+    def lir(self, **dims) -> LirModule:
+        key = tuple(sorted(dims.items()))
+        if key not in self.lir_cache:
+            self.lir_cache[key] = plan(specialize(self.mir, dims))
+        return self.lir_cache[key]
+
+    def reset_states(self) -> None:
+        for name, v in list(self.states.items()):
+            self.states[name] = self.backend.zeros(tuple(v.shape), DType.parse(v.dtype))
+        self._runners.clear()
+
+
+__all__ = ["CompilePipeline", "Executable", "compile", "select_backend", "available_backends",
+           "StateStore", "specialize", "Level", "OPS", "MIR"]
