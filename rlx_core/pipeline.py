@@ -177,10 +177,14 @@ def specialize(g: Graph, env: dict) -> Graph:
 class Executable:
     """A compiled model: `run(**inputs)` or `run(dict)` -> dict of numpy outputs."""
 
-    def __init__(self, mir: Graph, backend, profile, params=None, states=None, source=None):
+    def __init__(self, mir: Graph, backend, profile, params=None, states=None, source=None,
+                 shared: dict | None = None):
         self.backend, self.profile, self.source = backend, profile, source
         self.mir, self.prologue = hoist_params(mir)
         self.states = states if states is not None else StateStore()
+        self.fixed_dims: dict = {}       # dims no input carries (the KV cache length "ctx")
+        # executables of one model share uploaded and derived params through this cache
+        self.shared = shared if shared is not None else {}
         self._params: dict = {}
         self._runners: dict = {}
         self.lir_cache: dict = {}
@@ -218,12 +222,20 @@ class Executable:
                 parts.append("mis-shaped " + "; ".join(bad))
             raise ModelError(f"graph {self.mir.name!r} params: " + " | ".join(parts))
         b = self.backend
-        resident = {name: b.to_device(np.ascontiguousarray(np.asarray(params[name]).astype(
-            specs[name].dtype.np, copy=False))) for name in specs}
+        resident = {}
+        for name in specs:
+            key = ("param", name, id(params[name]), specs[name].dtype)
+            if key not in self.shared:
+                self.shared[key] = (params[name], b.to_device(np.ascontiguousarray(
+                    np.asarray(params[name]).astype(specs[name].dtype.np, copy=False))))
+            resident[name] = self.shared[key][1]
         if self.prologue is not None:
-            lir = plan(self.prologue)
-            derived = b.compile(lir, resident, {}).run({})
-            resident.update({k: b.to_device(v) for k, v in derived.items()})
+            key = ("prologue", self.prologue.stable_hash(),
+                   tuple(id(params[n]) for n in sorted(self.prologue.params)))
+            if key not in self.shared:
+                derived = b.compile(plan(self.prologue), resident, {}).run({})
+                self.shared[key] = {k: b.to_device(v) for k, v in derived.items()}
+            resident.update(self.shared[key])
         self._params = resident
         self._runners.clear()
 
@@ -269,7 +281,7 @@ class Executable:
 
     def run(self, inputs: dict | None = None, **kw) -> dict:
         inputs = dict(inputs or {}, **kw)
-        env = self._bind_dims(inputs)
+        env = {**self.fixed_dims, **self._bind_dims(inputs)}
         specs = {n.name: n.outs[0] for n in self.mir.nodes if n.op == "input"}
         arrays = {k: np.ascontiguousarray(np.asarray(v).astype(specs[k].dtype.np, copy=False))
                   for k, v in inputs.items()}

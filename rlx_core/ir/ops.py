@@ -424,11 +424,14 @@ def _m_transpose(s, a):
 
 @op("narrow", ["x"], attrs={"axis": REQUIRED, "start": REQUIRED, "length": REQUIRED}, view_of=0)
 def _m_narrow(s, a):
-    """x[..., start:start+length, ...] along one axis (a view)."""
+    """x[..., start:start+length, ...] along one axis (a view); a negative start counts from the end."""
     x = s[0]
     ax = norm_axis(a["axis"], x.rank, "narrow")
     d = x.dims[ax]
-    if a["start"] < 0 or a["length"] < 0 or (isinstance(d, int) and a["start"] + a["length"] > d):
+    start = a["start"] + d if a["start"] < 0 and isinstance(d, int) else a["start"]
+    if a["start"] < 0 and a["start"] + a["length"] > 0:
+        raise ShapeError(f"narrow from the end: start {a['start']} + length {a['length']} passes the end")
+    if (start < 0 and isinstance(d, int)) or a["length"] < 0 or (isinstance(d, int) and start + a["length"] > d):
         raise ShapeError(f"narrow [{a['start']}:{a['start'] + a['length']}] out of range for "
                          f"axis {ax} of {x}")
     return (Shape(x.dims[:ax] + (a["length"],) + x.dims[ax + 1:], x.dtype),)

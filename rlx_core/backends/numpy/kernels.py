@@ -383,9 +383,15 @@ KERNELS = {
     "fused_elementwise": _fused_elementwise,
 }
 
+def _narrow(a, x):
+    ax = a["axis"] % x.ndim
+    start = a["start"] + x.shape[ax] if a["start"] < 0 else a["start"]
+    return x[(slice(None),) * ax + (slice(start, start + a["length"]),)]
+
+
 VIEWS = {
     "reshape": lambda a, x: x.reshape(a["shape"]),
-    "narrow": lambda a, x: x[(slice(None),) * (a["axis"] % x.ndim) + (slice(a["start"], a["start"] + a["length"]),)],
+    "narrow": lambda a, x: _narrow(a, x),
     "expand": lambda a, x: np.broadcast_to(x, a["shape"]),
     "kv_write": _kv_write,
 }

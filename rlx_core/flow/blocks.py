@@ -1,0 +1,278 @@
+"""Generic blocks: small stages with `emit(ctx, value) -> value`. Architecture plugins
+compose them (and add their own); all register through rlx_register_blocks."""
+from __future__ import annotations
+
+import math
+
+import attrs
+import numpy as np
+
+from ..ir.dtype import BOOL, I32, I64, DType
+from ..ir.errors import ModelError
+from ..ir.ops import MaskKind
+from ..plugins.hookspecs import hookimpl
+from .rope import inv_freq, rope_tables
+
+
+@attrs.frozen
+class Input:
+    name: str
+    shape: tuple
+    dtype: DType
+
+    def emit(self, ctx, value):
+        v = ctx.m.input(self.name, self.shape, self.dtype)
+        ctx.inputs[self.name] = v
+        return v if value is None else value
+
+
+@attrs.frozen
+class SetState:
+    key: str
+    value: object
+
+    def emit(self, ctx, value):
+        ctx.state[self.key] = self.value
+        return value
+
+
+@attrs.frozen
+class ZeroBeta:
+    n: int
+
+    def emit(self, ctx, value):
+        ctx.state["zero_beta"] = ctx.m.constant(np.zeros(self.n, ctx.dtype.np))
+        return value
+
+
+@attrs.frozen
+class TokenEmbed:
+    key: str = "model.embed_tokens.weight"
+    scale: float | None = None       # Gemma multiplies by sqrt(hidden)
+
+    def emit(self, ctx, ids):
+        vocab = ctx.cfg("vocab_size")
+        hidden = ctx.cfg("hidden_size")
+        table = ctx.param(self.key, (vocab, hidden) if vocab and hidden else None)
+        x = ctx.m.gather(table, ids)
+        if self.scale is not None:
+            # HF casts the scale to the activation dtype before multiplying
+            x = x * float(np.asarray(self.scale, dtype=x.dtype.np if x.dtype.is_float else np.float32))
+        return x
+
+
+@attrs.frozen
+class RmsNorm:
+    key: str
+    eps: float = 1e-6
+    offset: float = 0.0              # Gemma: x * (1 + w)
+    absolute: bool = False
+
+    def emit(self, ctx, x):
+        key = self.key if self.absolute else ctx.key(self.key)
+        w = ctx.param(key, (x.dims[-1],))
+        return ctx.m.rms_norm(x, w, eps=self.eps, offset=self.offset)
+
+
+@attrs.frozen
+class LayerNorm:
+    gamma: str
+    beta: str | None = None
+    eps: float = 1e-12
+
+    def emit(self, ctx, x):
+        g = ctx.param(ctx.key(self.gamma), (x.dims[-1],))
+        b = ctx.param(ctx.key(self.beta), (x.dims[-1],)) if self.beta else ctx.state.get("zero_beta")
+        return ctx.m.layer_norm(x, g, b, eps=self.eps)
+
+
+@attrs.frozen
+class Linear:
+    key: str                         # weight key relative to the layer prefix
+    transpose: bool = True           # HF layout [out, in]
+    bias: str | None = None
+    out_features: int | None = None
+
+    def emit(self, ctx, x):
+        w = ctx.param(ctx.key(self.key))
+        b = ctx.param(ctx.key(self.bias)) if self.bias else None
+        return ctx.m.linear(x, w, b, transpose_w=self.transpose)
+
+
+@attrs.frozen
+class ResidualSave:
+    slot: str = "residual"
+
+    def emit(self, ctx, x):
+        ctx.state[self.slot] = x
+        return x
+
+
+@attrs.frozen
+class ResidualAdd:
+    slot: str = "residual"
+
+    def emit(self, ctx, x):
+        if self.slot not in ctx.state:
+            raise ModelError(f"residual_add: nothing saved in slot {self.slot!r} (add residual_save first)")
+        return x + ctx.state[self.slot]
+
+
+@attrs.frozen
+class SwigluMlp:
+    prefix: str = "mlp"
+
+    def emit(self, ctx, x):
+        hidden = x.dims[-1]
+        inter = ctx.cfg("intermediate_size")
+        p = ctx.key(self.prefix)
+        shp = (inter, hidden) if inter else None
+        wg = ctx.param(f"{p}.gate_proj.weight", shp)
+        wu = ctx.param(f"{p}.up_proj.weight", shp)
+        wd = ctx.param(f"{p}.down_proj.weight", (hidden, inter) if inter else None)
+        return ctx.m.swiglu(x, wg, wu, wd)
+
+
+@attrs.frozen
+class AttnSpec:
+    """Self-attention of one layer. Keys are relative to the layer prefix."""
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = attrs.field(default=None, eq=False)
+    max_positions: int = 2048
+    rotary_dim: int | None = None
+    rope_style: str = "half"
+    qk_norm_eps: float | None = None     # Qwen3 / Gemma 3 QK-norm
+    qk_norm_offset: float = 0.0
+    bias: bool = False                   # q/k/v biases
+    o_bias: bool = False
+    scale: float | None = None
+    softcap: float = 0.0
+    window: int = 0                      # sliding window (0: global)
+    mode: str = "prefill"                # prefill | decode
+    kv_cache: bool = True                # prefill writes the KV state for decode
+    kv_taps: bool = False                # expose present K/V as outputs (cache export)
+    prefix: str = "self_attn"
+    fused_qkv: str | None = None         # key of a fused [q;k;v] weight, if the checkpoint has one
+
+
+def rope_for(ctx, spec: AttnSpec):
+    """(cos, sin) gathered at the flow's `positions` input: [B, S, rot/2]."""
+    rot = spec.rotary_dim or spec.head_dim
+    key = ("rope", spec.rope_theta, repr(spec.rope_scaling), rot)
+    if key not in ctx.state:
+        given = ctx.state.get("rope_tables")
+        if given is not None:
+            cos, sin = given
+        else:
+            inv, scaling = inv_freq(rot, spec.rope_theta, spec.rope_scaling)
+            cos, sin = rope_tables(inv, spec.max_positions, scaling)
+        m = ctx.m
+        tc = m.constant(cos.astype(np.float32), name=f"rope_cos_{len(ctx.state)}")
+        ts = m.constant(sin.astype(np.float32), name=f"rope_sin_{len(ctx.state)}")
+        pos = ctx.inputs.get("positions")
+        if pos is None:
+            raise ModelError("attention with RoPE needs a 'positions' input ([batch, seq] int)")
+        ctx.state[key] = (m.gather(tc, pos), m.gather(ts, pos))
+    return ctx.state[key]
+
+
+@attrs.frozen
+class SelfAttention:
+    spec: AttnSpec
+
+    def _proj(self, ctx, x, name, heads):
+        s, m = self.spec, ctx.m
+        p = ctx.key(f"{s.prefix}.{name}_proj")
+        w = ctx.param(f"{p}.weight", (heads * s.head_dim, s.hidden))
+        b = ctx.param(f"{p}.bias", (heads * s.head_dim,)) if s.bias else None
+        y = m.linear(x, w, b)
+        y = m.reshape(y, (x.dims[0], x.dims[1], heads, s.head_dim))
+        if s.qk_norm_eps is not None and name in ("q", "k"):
+            nw = ctx.param(ctx.key(f"{s.prefix}.{name}_norm.weight"), (s.head_dim,))
+            y = m.rms_norm(y, nw, eps=s.qk_norm_eps, offset=s.qk_norm_offset)
+        return m.transpose(y, (0, 2, 1, 3))
+
+    def emit(self, ctx, x):
+        s, m = self.spec, ctx.m
+        if s.heads % s.kv_heads:
+            raise ModelError(f"layer {ctx.prefix}: {s.heads} heads is not a multiple of {s.kv_heads} kv heads")
+        q = self._proj(ctx, x, "q", s.heads)
+        k = self._proj(ctx, x, "k", s.kv_heads)
+        v = self._proj(ctx, x, "v", s.kv_heads)
+        cos, sin = rope_for(ctx, s)
+        q, k = m.rope(q, cos, sin, s.rope_style), m.rope(k, cos, sin, s.rope_style)
+        scale = s.scale if s.scale is not None else 1.0 / math.sqrt(s.head_dim)
+        kind = MaskKind.SLIDING_WINDOW if s.window else MaskKind.CAUSAL
+        mask = ctx.inputs.get("key_mask")
+        cache_pos = ctx.inputs.get("cache_pos")
+        i = ctx.index()
+        if s.kv_taps:
+            ctx.outputs[f"present.{i}.k"], ctx.outputs[f"present.{i}.v"] = k, v
+        if s.mode == "decode" or (s.kv_cache and cache_pos is not None):
+            if cache_pos is None:
+                raise ModelError("decode attention needs a 'cache_pos' input ([batch] int)")
+            shape = (x.dims[0], s.kv_heads, "ctx", s.head_dim)
+            kc = m.kv_write(m.state(f"kv.{i}.k", shape, k.dtype), k, cache_pos)
+            vc = m.kv_write(m.state(f"kv.{i}.v", shape, v.dtype), v, cache_pos)
+            if s.mode == "decode":
+                k, v = kc, vc
+        pos = cache_pos if s.mode == "decode" else None
+        o = m.attention(q, k, v, mask, pos, scale=scale, mask_kind=kind, window=s.window,
+                        softcap=s.softcap)
+        o = m.reshape(m.transpose(o, (0, 2, 1, 3)), (x.dims[0], x.dims[1], s.heads * s.head_dim))
+        wo = ctx.param(ctx.key(f"{s.prefix}.o_proj.weight"), (s.hidden, s.heads * s.head_dim))
+        bo = ctx.param(ctx.key(f"{s.prefix}.o_proj.bias"), (s.hidden,)) if s.o_bias else None
+        return m.linear(o, wo, bo)
+
+
+@attrs.frozen
+class GatherLastToken:
+    def emit(self, ctx, x):
+        return ctx.m.narrow(x, 1, -1, 1)
+
+
+@attrs.frozen
+class LmHead:
+    vocab: int
+    hidden: int
+    tied: bool = False
+    key: str | None = None
+    softcap: float = 0.0            # Gemma 2 final-logit softcapping
+
+    def emit(self, ctx, x):
+        key = self.key or ("model.embed_tokens.weight" if self.tied else "lm_head.weight")
+        w = ctx.param(key, (self.vocab, self.hidden))
+        y = ctx.m.linear(x, w)
+        if self.softcap:
+            y = ctx.m.tanh(y / self.softcap) * self.softcap
+        return y
+
+
+@attrs.frozen
+class Tap:
+    name: str
+
+    def emit(self, ctx, x):
+        ctx.outputs[self.name] = x
+        return x
+
+
+GENERIC_BLOCKS = {
+    "token_embed": TokenEmbed, "rms_norm": RmsNorm, "layer_norm": LayerNorm, "linear": Linear,
+    "residual_save": ResidualSave, "residual_add": ResidualAdd, "swiglu_mlp": SwigluMlp,
+    "self_attention": lambda **kw: SelfAttention(AttnSpec(**kw)), "gather_last_token": GatherLastToken,
+    "lm_head": LmHead, "tap": Tap,
+}
+
+
+@hookimpl
+def rlx_register_blocks(register):
+    for name, factory in GENERIC_BLOCKS.items():
+        register(name, factory)
+
+
+__all__ = ["AttnSpec", "SelfAttention", "I32", "BOOL", "I64"]

@@ -1,0 +1,100 @@
+"""FlowCtx: what a stage emits against — the HIR builder, the weights, named state."""
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+import attrs
+import numpy as np
+
+from ..ir.dtype import F32, DType
+from ..ir.errors import WeightError
+from ..ir.graph import Builder, Graph, Value
+
+
+@runtime_checkable
+class FlowStage(Protocol):
+    """One step of a flow: takes the current value, returns the next."""
+
+    def emit(self, ctx: "FlowCtx", value: Any) -> Any: ...
+
+
+class FlowCtx:
+    """Owns the builder, resolves checkpoint keys to params (checking shapes), and holds
+    named state: flow inputs, the residual slot, RoPE tables, streams, layer index."""
+
+    def __init__(self, m: Builder, weights: Mapping, config: dict | None = None, dtype: DType = F32):
+        self.m = m
+        self.weights = weights
+        self.config = dict(config or {})
+        self.dtype = dtype
+        self.state: dict = {}
+        self.inputs: dict = {}
+        self.outputs: dict = {}          # extra outputs (KV taps, layer taps)
+        self.prefix = ""
+        self._index: int | None = None
+        self._params: dict = {}
+        self.missing: list = []
+        self.misshaped: list = []
+
+    # -- naming
+    def index(self) -> int:
+        if self._index is None:
+            raise WeightError("ctx.index() used outside repeat_layers/layer")
+        return self._index
+
+    def key(self, suffix: str) -> str:
+        """A checkpoint key relative to the current layer prefix ('self_attn.q_proj.weight')."""
+        return f"{self.prefix}.{suffix}" if self.prefix else suffix
+
+    # -- params
+    def has(self, key: str) -> bool:
+        return key in self.weights
+
+    def param(self, key: str, shape: tuple | None = None) -> Value:
+        """The param for checkpoint tensor `key` (absolute). A missing or mis-shaped tensor is
+        recorded, and build() reports all of them in one error."""
+        if key in self._params:
+            return self._params[key]
+        w = self.weights.get(key)
+        if w is None:
+            self.missing.append(key)
+            if shape is None:
+                raise WeightError(f"missing tensor {key!r} (and its shape is unknown)")
+            got = tuple(shape)
+        else:
+            got = tuple(np.shape(w))
+            if shape is not None and tuple(shape) != got:
+                self.misshaped.append(f"{key}: expected {list(shape)}, got {list(got)}")
+                got = tuple(shape)
+        dt = DType.parse(getattr(w, "dtype", np.float32)) if w is not None else self.dtype
+        if dt.is_float:
+            dt = self.dtype
+        v = self.m.param(key, got, dt)
+        self._params[key] = v
+        return v
+
+    def used_params(self) -> list:
+        return list(self._params)
+
+    def cfg(self, *names, default=None):
+        """First config value present among `names`."""
+        for n in names:
+            if n in self.config and self.config[n] is not None:
+                return self.config[n]
+        return default
+
+
+@attrs.frozen(eq=False)
+class BuiltModel:
+    """A flow's result: the HIR graph, the params it binds (name -> array), the profile the
+    flow asked for, and the names of extra outputs (taps)."""
+    graph: Graph
+    params: dict
+    profile: Any = None
+    extra_outputs: tuple = ()
+
+    def compile(self, backend=None, profile=None, states=None):
+        from ..pipeline import CompilePipeline
+
+        pipe = CompilePipeline(profile or self.profile, backend)
+        return pipe.compile(self.graph, self.params, states)

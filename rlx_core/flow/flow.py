@@ -1,0 +1,237 @@
+"""ModelFlow: a fluent chain of stages that builds an HIR graph from blocks.
+
+    ModelFlow("llama").input("ids", (1, "seq"), I64).token_embed()
+        .repeat_layers(n, lambda f, i: f.rms_norm(...).self_attn_prefill(spec)...)
+        .final_norm(eps).lm_head(vocab, hidden, tied=True).build(weights)
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+
+from ..ir.dtype import F32, I64, DType
+from ..ir.errors import ModelError, WeightError
+from ..ir.graph import Builder, Value
+from . import blocks as B
+from .ctx import BuiltModel, FlowCtx, FlowStage
+
+
+@attrs.frozen
+class Sequence:
+    stages: tuple
+
+    def emit(self, ctx, value):
+        for s in self.stages:
+            value = s.emit(ctx, value)
+        return value
+
+
+@attrs.frozen
+class When:
+    cond: Any               # bool, or fn(ctx) -> bool
+    then: Any               # a flow or stage
+
+    def emit(self, ctx, value):
+        ok = self.cond(ctx) if callable(self.cond) else bool(self.cond)
+        return _as_stage(self.then).emit(ctx, value) if ok else value
+
+
+@attrs.frozen
+class LayerScope:
+    """Runs `body` with the layer prefix and index set (one transformer layer)."""
+    index: int
+    prefix: str
+    body: Any
+
+    def emit(self, ctx, value):
+        saved = (ctx.prefix, ctx._index)
+        ctx.prefix, ctx._index = self.prefix, self.index
+        try:
+            return _as_stage(self.body).emit(ctx, value)
+        finally:
+            ctx.prefix, ctx._index = saved
+
+
+@attrs.frozen
+class Custom:
+    """Tier 2: `fn(emit, value, ctx)` writes raw IR with the Emit handle."""
+    fn: Callable
+
+    def emit(self, ctx, value):
+        return self.fn(ctx.m, value, ctx)
+
+
+@attrs.frozen
+class Lazy:
+    """A stage produced at emit time by `fn(ctx)` (recipes' `.layer(lambda ctx: ...)`)."""
+    fn: Callable
+
+    def emit(self, ctx, value):
+        return _as_stage(self.fn(ctx)).emit(ctx, value)
+
+
+def _as_stage(x) -> FlowStage:
+    if isinstance(x, ModelFlow):
+        return Sequence(tuple(x.stages))
+    if isinstance(x, FlowStage):
+        return x
+    raise ModelError(f"expected a flow stage or a ModelFlow, got {type(x).__name__}")
+
+
+class ModelFlow:
+    """Fluent builder: every method appends a stage and returns the flow."""
+
+    def __init__(self, name: str = "model", layer_prefix: str = "model.layers"):
+        self.name = name
+        self.layer_prefix = layer_prefix
+        self.stages: list = []
+        self._profile = None
+
+    def _add(self, stage) -> "ModelFlow":
+        self.stages.append(stage)
+        return self
+
+    def sub(self) -> "ModelFlow":
+        """An empty flow sharing this one's naming, for layer bodies."""
+        return ModelFlow(self.name, self.layer_prefix)
+
+    # -- profile
+    def profile(self, p) -> "ModelFlow":
+        from ..profile import CompileProfile
+
+        self._profile = CompileProfile.preset(p) if isinstance(p, str) else p
+        return self
+
+    def profile_prefill(self, family: str = "llama32") -> "ModelFlow":
+        return self.profile(f"{family}_prefill")
+
+    def profile_decode(self, family: str = "llama32") -> "ModelFlow":
+        return self.profile(f"{family}_decode")
+
+    # -- inputs and state
+    def input(self, name: str, shape: tuple, dtype: DType | str = I64) -> "ModelFlow":
+        return self._add(B.Input(name, tuple(shape), DType.parse(dtype)))
+
+    def rope_tables(self, tables) -> "ModelFlow":
+        """Use these (cos, sin) [max_pos, rot/2] tables for RoPE instead of computing them."""
+        return self._add(B.SetState("rope_tables", tables))
+
+    def zero_beta(self, n: int) -> "ModelFlow":
+        """A zero bias of size n for layer norms whose checkpoint has no beta."""
+        return self._add(B.ZeroBeta(n))
+
+    # -- blocks
+    def token_embed(self, key: str = "model.embed_tokens.weight", scale: float | None = None) -> "ModelFlow":
+        return self._add(B.TokenEmbed(key, scale))
+
+    def rms_norm(self, key: str, eps: float = 1e-6, offset: float = 0.0) -> "ModelFlow":
+        return self._add(B.RmsNorm(key, eps, offset))
+
+    def layer_norm(self, gamma: str, beta: str | None = None, eps: float = 1e-12) -> "ModelFlow":
+        return self._add(B.LayerNorm(gamma, beta, eps))
+
+    def linear(self, key: str, transpose: bool = True, bias: str | None = None) -> "ModelFlow":
+        return self._add(B.Linear(key, transpose, bias))
+
+    def residual_save(self, slot: str = "residual") -> "ModelFlow":
+        return self._add(B.ResidualSave(slot))
+
+    def residual_add(self, slot: str = "residual") -> "ModelFlow":
+        return self._add(B.ResidualAdd(slot))
+
+    def swiglu_hf_mlp(self, prefix: str = "mlp") -> "ModelFlow":
+        return self._add(B.SwigluMlp(prefix))
+
+    def self_attn_prefill(self, spec: "B.AttnSpec") -> "ModelFlow":
+        return self._add(B.SelfAttention(attrs.evolve(spec, mode="prefill")))
+
+    def self_attn_decode(self, spec: "B.AttnSpec") -> "ModelFlow":
+        return self._add(B.SelfAttention(attrs.evolve(spec, mode="decode")))
+
+    def final_norm(self, eps: float = 1e-6, key: str = "model.norm.weight", offset: float = 0.0) -> "ModelFlow":
+        return self._add(B.RmsNorm(key, eps, offset, absolute=True))
+
+    def gather_last_token(self) -> "ModelFlow":
+        return self._add(B.GatherLastToken())
+
+    def lm_head(self, vocab: int, hidden: int, tied: bool = False, key: str | None = None,
+                softcap: float = 0.0) -> "ModelFlow":
+        return self._add(B.LmHead(vocab, hidden, tied, key, softcap))
+
+    def output(self, name: str) -> "ModelFlow":
+        """Also expose the current value as graph output `name` (a tap)."""
+        return self._add(B.Tap(name))
+
+    # -- structure
+    def sequence(self, *stages) -> "ModelFlow":
+        return self._add(Sequence(tuple(_as_stage(s) for s in stages)))
+
+    def when(self, cond, then) -> "ModelFlow":
+        return self._add(When(cond, then))
+
+    def layer(self, name_or_index, body: Callable[["ModelFlow"], "ModelFlow"]) -> "ModelFlow":
+        """One layer: `.layer("L0", lambda s: s.rms_norm(...)...)` or `.layer(3, ...)`; keys
+        inside are relative to `<layer_prefix>.<index>`."""
+        index = int(str(name_or_index).lstrip("Ll")) if not isinstance(name_or_index, int) else name_or_index
+        sub = body(self.sub())
+        return self._add(LayerScope(index, f"{self.layer_prefix}.{index}", _as_stage(sub)))
+
+    def repeat_layers(self, n: int, body: Callable) -> "ModelFlow":
+        """`body(flow, i)` (or `body(flow)`) builds layer i; runs n times with prefixes."""
+        for i in range(n):
+            sub = self.sub()
+            try:
+                out = body(sub, i)
+            except TypeError:
+                out = body(sub)
+            self._add(LayerScope(i, f"{self.layer_prefix}.{i}", _as_stage(out if out is not None else sub)))
+        return self
+
+    def custom(self, fn: Callable) -> "ModelFlow":
+        """Tier 2 escape: `fn(emit, value, ctx) -> value` writes raw IR."""
+        return self._add(Custom(fn))
+
+    def raw_stage(self, stage: FlowStage) -> "ModelFlow":
+        return self._add(_as_stage(stage))
+
+    def plugin_named(self, name: str, **kw) -> "ModelFlow":
+        """A block registered by any installed plugin through rlx_register_blocks."""
+        from ..plugins.manager import registry
+
+        blocks = registry().blocks
+        if name not in blocks:
+            raise ModelError(f"no block named {name!r}; registered blocks: {sorted(blocks)}")
+        return self._add(_as_stage(blocks[name](**kw)))
+
+    # -- build
+    def build(self, weights, config: dict | None = None, dtype: DType = F32,
+              check_unused: bool = True, ignore_unused: tuple = ()) -> BuiltModel:
+        """Emit the graph; then one error lists every missing, unexpected and mis-shaped
+        tensor. `weights` maps checkpoint keys to arrays."""
+        m = Builder(self.name)
+        ctx = FlowCtx(m, weights, config, dtype)
+        value = None
+        for s in self.stages:
+            value = s.emit(ctx, value)
+        if not isinstance(value, Value):
+            raise ModelError(f"flow {self.name!r} ended without a value (add a head or an output)")
+        unused = []
+        if check_unused:
+            used = set(ctx.used_params())
+            unused = sorted(k for k in weights if k not in used and not any(
+                k.endswith(s) or k == s for s in ignore_unused))
+        if ctx.missing or ctx.misshaped or unused:
+            parts = []
+            if ctx.missing:
+                parts.append(f"missing {len(ctx.missing)}: {ctx.missing}")
+            if unused:
+                parts.append(f"unexpected {len(unused)}: {unused}")
+            if ctx.misshaped:
+                parts.append(f"mis-shaped {len(ctx.misshaped)}: {ctx.misshaped}")
+            raise WeightError(f"flow {self.name!r}: checkpoint does not fit the model — " + "; ".join(parts))
+        m.output("logits" if "logits" not in ctx.outputs else "out", value)
+        for name, v in ctx.outputs.items():
+            m.output(name, v)
+        params = {k: weights[k] for k in ctx.used_params()}
+        return BuiltModel(m.build(), params, self._profile, tuple(ctx.outputs))

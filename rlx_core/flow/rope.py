@@ -1,0 +1,55 @@
+"""RoPE frequency tables, computed the way HF transformers computes them (float32 inv_freq,
+float32 position products) so logits match to the last bit we can get."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..ir.errors import ModelError
+
+
+def rope_params(config: dict) -> tuple:
+    """(theta, scaling dict or None) from either config style (`rope_parameters`, new in
+    transformers 5, or the older `rope_theta` + `rope_scaling`)."""
+    rp = config.get("rope_parameters")
+    if isinstance(rp, dict) and "rope_theta" in rp:
+        scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+        if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        return float(rp["rope_theta"]), scaling
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return float(config.get("rope_theta", 10000.0)), scaling
+
+
+def inv_freq(dim: int, theta: float, scaling: dict | None = None) -> tuple:
+    """(inv_freq float32 [dim/2], attention scaling) for rope types default, linear, llama3."""
+    base = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv = (np.float32(1.0) / (np.float32(theta) ** base)).astype(np.float32)
+    if not scaling:
+        return inv, 1.0
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return (inv / np.float32(scaling["factor"])).astype(np.float32), 1.0
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        low_wl, high_wl = old / low, old / high
+        wavelen = np.float32(2 * math.pi) / inv
+        scaled = np.where(wavelen > low_wl, inv / np.float32(factor), inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+        return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    raise ModelError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+
+
+def rope_tables(inv: np.ndarray, max_pos: int, attention_scaling: float = 1.0) -> tuple:
+    """cos, sin tables [max_pos, dim/2] (float32)."""
+    pos = np.arange(max_pos, dtype=np.float32)
+    freqs = (pos[:, None] * inv[None, :]).astype(np.float32)
+    return ((np.cos(freqs) * np.float32(attention_scaling)).astype(np.float32),
+            (np.sin(freqs) * np.float32(attention_scaling)).astype(np.float32))
