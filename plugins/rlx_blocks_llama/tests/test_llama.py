@@ -72,8 +72,8 @@ def test_greedy_32_tokens_with_kv_cache(tiny, rng):
     hf, rlx = tiny
     ids = rng.integers(0, 151, (1, 7))
     with torch.no_grad():
-        ref = hf.generate(torch.tensor(ids), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                          eos_token_id=None, pad_token_id=0).numpy()
+        ref = hf.generate(torch.tensor(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long),
+                          max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0).numpy()
     got = rlx.generate(ids, max_new_tokens=32, min_new_tokens=32)
     np.testing.assert_array_equal(got, ref)
 
@@ -89,7 +89,7 @@ def test_left_padded_batch_matches_hf(tiny, rng):
         mask[b, s - len(r):] = 1
     with torch.no_grad():
         ref = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=12,
-                          min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0).numpy()
+                          min_new_tokens=12, do_sample=False, pad_token_id=0).numpy()
     got = rlx.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12)
     np.testing.assert_array_equal(got[:, s:], ref[:, s:])
 
