@@ -89,10 +89,14 @@ class CompilePipeline:
         g = self._step("fusion", g, lambda x: fusion.fuse(x, groups, log=log))
         self.fusion_log = log
         if p.fusion.assert_clean:
-            left = fusion.unfused(g, groups)
+            # every group the target fuses, skipped or not: a skip leaves its patterns unfused
+            full = fusion.groups_for(target, ())
+            left = fusion.unfused(g, full)
             if left:
                 detail = ", ".join(f"{r} at %{i} ({g.nodes[i].op})" for r, i in left[:8])
-                raise GraphError(f"assert_clean: fusable patterns left unfused: {detail}")
+                skipped = [x for x in full if x not in groups]
+                hint = f" (fusion.skip leaves groups {skipped} unfused)" if skipped else ""
+                raise GraphError(f"assert_clean: fusable patterns left unfused: {detail}{hint}")
         supported = b.supported_ops()
         g, self.legalized = legalize(g, supported)
         self.trace.append(("legalize", len(g.nodes), 0.0))
@@ -226,8 +230,8 @@ class Executable:
         for name in specs:
             key = ("param", name, id(params[name]), specs[name].dtype)
             if key not in self.shared:
-                self.shared[key] = (params[name], b.to_device(np.ascontiguousarray(
-                    np.asarray(params[name]).astype(specs[name].dtype.np, copy=False))))
+                self.shared[key] = (params[name], b.to_device(np.asarray(   # (keeps 0-d 0-d)
+                    np.asarray(params[name]).astype(specs[name].dtype.np, copy=False), order="C")))
             resident[name] = self.shared[key][1]
         if self.prologue is not None:
             key = ("prologue", self.prologue.stable_hash(),
@@ -283,8 +287,8 @@ class Executable:
         inputs = dict(inputs or {}, **kw)
         env = {**self.fixed_dims, **self._bind_dims(inputs)}
         specs = {n.name: n.outs[0] for n in self.mir.nodes if n.op == "input"}
-        arrays = {k: np.ascontiguousarray(np.asarray(v).astype(specs[k].dtype.np, copy=False))
-                  for k, v in inputs.items()}
+        arrays = {k: np.asarray(np.asarray(v).astype(specs[k].dtype.np, copy=False), order="C")
+                  for k, v in inputs.items()}         # (np.ascontiguousarray turns 0-d into 1-d)
         return self.runner(env).run(arrays)
 
     __call__ = run
@@ -296,9 +300,13 @@ class Executable:
         return self.lir_cache[key]
 
     def reset_states(self) -> None:
+        # zero in place: runners of other executables sharing the StateStore hold these buffers
         for name, v in list(self.states.items()):
-            self.states[name] = self.backend.zeros(tuple(v.shape), DType.parse(v.dtype))
-        self._runners.clear()
+            if hasattr(v, "fill"):
+                v.fill(0)
+            else:
+                self.states[name] = self.backend.zeros(tuple(v.shape), DType.parse(v.dtype))
+                self._runners.clear()
 
 
 __all__ = ["CompilePipeline", "Executable", "compile", "select_backend", "available_backends",

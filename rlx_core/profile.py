@@ -70,7 +70,10 @@ class CompileProfile:
         return attrs.asdict(self, value_serializer=conv)
 
     def stable_hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+        """Of the settings only: the name does not change what compiles (a compile-cache key)."""
+        d = self.to_dict()
+        d.pop("name")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def text(self) -> str:
         lines = [f"# profile {self.name} (hash {self.stable_hash()})"]
@@ -169,7 +172,7 @@ def from_dict(data: dict, source: str = "<dict>") -> CompileProfile:
         if k not in ("name", "preset"):
             raise ProfileError(f"{source}: unknown key [profile] {k!r}; expected ['name', 'preset']")
     if "preset" in head:
-        if head["preset"] not in PRESETS:
+        if not isinstance(head["preset"], str) or head["preset"] not in PRESETS:
             raise ProfileError(f"{source}: [profile] preset = {head['preset']!r}: expected one of "
                                f"{sorted(PRESETS)}")
         base = PRESETS[head["preset"]]

@@ -50,10 +50,13 @@ class DType(enum.Enum):
             key = value.lower()
             if key in _ALIASES:
                 return _ALIASES[key]
-        try:
-            npd = np.dtype(value)
-        except TypeError:
-            npd = None
+        npd = None
+        # names are only ours (numpy's 'f8' is f64, not fp8); np.dtype(None) would be f64
+        if value is not None and not isinstance(value, str):
+            try:
+                npd = np.dtype(value)
+            except (TypeError, ValueError):
+                npd = None
         if npd is not None:
             for dt, candidate in _NP.items():
                 if candidate == npd:
@@ -101,6 +104,8 @@ def promote(a: DType, b: DType) -> DType:
         return a if a.is_float else b
     if BOOL in (a, b):
         return b if a is BOOL else a
-    if {a, b} == {U32, I32} or I64 in (a, b):
-        return I64
+    if I64 in (a, b) or (U32 in (a, b) and {a, b} & {I8, I16, I32}):
+        return I64                   # i64 is the only type here that holds u32 and a signed int
+    if U8 in (a, b) and I8 in (a, b):
+        return I16                   # i8 cannot hold 128..255
     return max(a, b, key=_INT_ORDER.index)

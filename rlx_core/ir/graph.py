@@ -212,7 +212,7 @@ class Builder:
         name = name or f"c{len(self.constants)}"
         while name in self.constants:
             name += "_"
-        self.constants[name] = np.ascontiguousarray(arr)
+        self.constants[name] = np.array(arr, order="C")   # (ascontiguousarray makes 0-d 1-d)
         v = self.add("constant", (), _leaf_name=name, shape=arr.shape, dtype=dt.value)
         if key is not None:
             self._memo[key] = v

@@ -49,11 +49,13 @@ class BindingManifest:
         return [e for e in self.entries if e.kind == kind]
 
     def param_groups(self) -> dict:
-        """Params grouped by prefix: 'model.layers.3.mlp.up_proj.weight' -> 'model.layers.3'."""
+        """Params grouped by prefix: 'model.layers.3.mlp.up_proj.weight' -> 'model.layers.3'
+        (up to the first numeric part: 'blk.3.*' -> 'blk.3'); others by their first part."""
         groups: dict = {}
         for e in self.of("param"):
             parts = e.name.split(".")
-            key = ".".join(parts[:3]) if len(parts) > 3 and parts[2].isdigit() else parts[0]
+            num = next((i for i, p in enumerate(parts[:-1]) if p.isdigit()), None)
+            key = ".".join(parts[:num + 1]) if num else parts[0]
             groups.setdefault(key, []).append(e.name)
         return groups
 
@@ -117,8 +119,8 @@ def lir_from_dict(d: dict, source: str) -> LirModule:
     try:
         saved = {tuple(k): Slot(**{**s, "base": tuple(s["base"]) if s["base"] else None})
                  for k, s in d.get("plan", [])}
-    except (TypeError, ValueError) as e:
-        raise SerializeError(f"{source}: malformed plan: {e}") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise SerializeError(f"{source}: malformed plan: {type(e).__name__}: {e}") from None
     if saved != lir.slots:
         raise SerializeError(f"{source}: the saved buffer plan does not match the graph")
     return lir

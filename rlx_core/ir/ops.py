@@ -12,7 +12,7 @@ from typing import Any, Callable
 import attrs
 
 from .dtype import BOOL, F32, I64, DType, promote
-from .errors import DTypeError, GraphError, ShapeError
+from .errors import DTypeError, GraphError, RlxError, ShapeError
 from .shape import Shape, broadcast_dims, norm_axis
 
 REQUIRED = object()
@@ -119,6 +119,12 @@ def infer(name: str, shapes: list, attrs_: dict) -> tuple:
         return tuple(d.meta(shapes, attrs_))
     except (ShapeError, DTypeError) as e:
         raise type(e)(f"op {name!r}: {e}") from None
+    except RlxError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:
+        # a malformed attr (a string axis, a float shape) is a graph error, not a crash
+        raise GraphError(f"op {name!r}: bad attrs {attrs_!r} for inputs "
+                         f"{[str(s) for s in shapes]}: {type(e).__name__}: {e}") from None
 
 
 # ----------------------------------------------------------------- helpers for metas

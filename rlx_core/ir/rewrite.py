@@ -153,11 +153,18 @@ class Rule:
     when: Callable | None = None
 
 
+def _size(p) -> int:
+    """Number of op nodes in a pattern."""
+    return 0 if not isinstance(p, P) or p.op is None else 1 + sum(_size(q) for q in p.inputs)
+
+
 def apply_rules(g: Graph, rules: list, on_match: Callable | None = None) -> tuple:
     """One sweep: every node that roots a rule's match gets replaced. Returns (graph, hits)."""
     by_op: dict = {}
     for r in rules:
         by_op.setdefault(r.pattern.op, []).append(r)
+    for rs in by_op.values():      # the largest pattern first: LayerNorm's tail is an RMSNorm
+        rs.sort(key=lambda r: -_size(r.pattern))
     consumers = g.consumers()
     hits: list = []
     extra: dict = {}

@@ -98,6 +98,34 @@ def _softmax(mt):
     return mt.m.softmax(mt.get("x"), axis=mt.attrs("r")["axes"][0])
 
 
+# --------------------------------------------------------------------------- f16/bf16
+# `fusable` lowering of a low-precision norm or softmax computes it in f32 between two
+# casts; the kernels do exactly that internally, so the casts fold into the op (and the
+# weight rules above can then fire).
+def _lowp(mt) -> bool:
+    dt = mt.shape("x").dtype
+    return dt is mt.shape("c").dtype and dt.value in ("f16", "bf16")
+
+
+def _cast_wrapped(op):
+    return P("cast")(P(op)(P("cast")(X("x"), dtype="f32"), name="n"), name="c")
+
+
+@rule("rms_norm", _cast_wrapped("rms_norm"), when=_lowp)
+def _rms_norm_lowp(mt):
+    return mt.m.rms_norm(mt.get("x"), eps=mt.attrs("n")["eps"], offset=mt.attrs("n")["offset"])
+
+
+@rule("layer_norm", _cast_wrapped("layer_norm"), when=_lowp)
+def _layer_norm_lowp(mt):
+    return mt.m.layer_norm(mt.get("x"), eps=mt.attrs("n")["eps"])
+
+
+@rule("softmax", _cast_wrapped("softmax"), when=_lowp)
+def _softmax_lowp(mt):
+    return mt.m.softmax(mt.get("x"), axis=mt.attrs("n")["axis"])
+
+
 # --------------------------------------------------------------------------- SwiGLU, epilogues
 @rule("swiglu", B(A(X("g"), fn="silu"), X("u"), op="mul"),
       when=lambda mt: mt.shape("g") == mt.shape("u"))
@@ -171,6 +199,34 @@ def _table_of(mt, name):
                        and _table_of(mt, "c") is not None and _table_of(mt, "s") is not None))
 def _rope(mt):
     return mt.m.rope(mt.get("x"), mt.lookup(_table_of(mt, "c")), mt.lookup(_table_of(mt, "s")))
+
+
+_P5 = P("reshape")(X("x"), name="pairs")
+_I1 = P("narrow")(_P5, axis=4, start=0, length=1)
+_I2 = P("narrow")(_P5, axis=4, start=1, length=1)
+
+
+def _table5(mt, name):
+    """The table behind reshape(reshape(table)) that interleaved rope_prims makes."""
+    n = mt.g.nodes[mt.caps[name][0]]
+    inner = mt.g.nodes[n.inputs[0][0]] if n.op == "reshape" else None
+    return inner.inputs[0] if inner is not None and inner.op == "reshape" else None
+
+
+def _interleaved_ok(mt) -> bool:
+    x, pairs = mt.shape("x"), mt.shape("pairs")
+    return (x.rank == 4 and mt.shape("out") == x and pairs.dims == x.dims[:3] + (pairs.dims[3], 2)
+            and _table5(mt, "c") is not None and _table5(mt, "s") is not None
+            and mt.g.shape_of(_table5(mt, "c")).dims[-1] == pairs.dims[3])
+
+
+@rule("rope", P("reshape")(P("concat")(B(B(_I1, X("c"), op="mul"), B(_I2, X("s"), op="mul"), op="sub"),
+                                       B(B(_I2, X("c"), op="mul"), B(_I1, X("s"), op="mul"), op="add"),
+                                       axis=4), name="out"),
+      when=_interleaved_ok)
+def _rope_interleaved(mt):
+    return mt.m.rope(mt.get("x"), mt.lookup(_table5(mt, "c")), mt.lookup(_table5(mt, "s")),
+                     style="interleaved")
 
 
 # --------------------------------------------------------------------------- attention
@@ -367,6 +423,8 @@ def all_rules() -> dict:
 
 def fuse(g: Graph, groups: tuple, max_sweeps: int = 8, log=None) -> Graph:
     """Apply the rule groups to a fixpoint, then the pass groups."""
+    if not groups:
+        return g                 # fusion skipped: leave the graph alone (no hidden DCE)
     table = all_rules()
     for phase in (lambda gr: gr not in LATE, lambda gr: gr in LATE):
         rules = [r for gr in groups if gr in table and phase(gr) for r in table[gr]]

@@ -1,6 +1,29 @@
-"""The plugin hooks. Each hook receives a `register` callback (simonw/llm style) and calls
-it once per thing it adds. Every hook is documented here; a test fails if one is not."""
+"""The plugin hooks: the one place where RLX's extension points are declared.
+
+Every hook receives a `register` callback (simonw/llm style) and calls it once per thing it
+adds; the return value is ignored. A plugin implements any subset of the hooks with
+functions marked `@rlx_core.plugins.hookimpl`::
+
+    from rlx_core.plugins import hookimpl
+
+    @hookimpl
+    def rlx_register_backends(register):
+        register(MyBackend())
+
+and is found through an entry point in the group `rlx`::
+
+    [project.entry-points.rlx]
+    mybackend = "rlx_backend_mine"
+
+What one plugin registers is committed atomically: if any of its hooks raises, or it
+registers a name another plugin already owns, none of its registrations are kept and the
+plugin is listed as broken (`rlx plugins`) with the reason.
+
+Every hook is documented here; tests/test_plugins.py fails if one is not.
+"""
 from __future__ import annotations
+
+from typing import Callable
 
 import pluggy
 
@@ -10,37 +33,52 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def rlx_register_backends(register):
-    """Register backends: `register(backend)` with an object implementing
-    `rlx_core.backends.Backend` (name, priority, availability(), supported_ops(), compile())."""
+def rlx_register_backends(register: Callable) -> None:
+    """Register backends: call `register(backend)` with an object implementing
+    `rlx_core.backends.Backend` (`name`, `priority`, `target`, `availability()`,
+    `supported_ops()`, `compile(lir, params, states)`).
+
+    A backend that cannot run here (no device, missing driver) should still register and
+    say why through `availability() -> (False, reason)`; `rlx plugins` shows the reason and
+    the pipeline never falls back to another backend silently. Names are unique across
+    plugins."""
 
 
 @hookspec
-def rlx_register_blocks(register):
-    """Register flow blocks: `register(name, factory)` where `factory(**kw)` returns a
-    FlowStage; `ModelFlow.plugin_named(name, **kw)` resolves it."""
+def rlx_register_blocks(register: Callable) -> None:
+    """Register flow blocks: call `register(name, factory)` where `factory(**kw)` returns a
+    FlowStage (an object with `emit(ctx, value) -> value`). `ModelFlow.plugin_named(name,
+    **kw)` resolves it. Names are unique across plugins; prefix them with the family
+    (`"gemma.attention"`) when they are not generic."""
 
 
 @hookspec
-def rlx_register_recipes(register):
-    """Register model recipes: `register(recipe)` with an object having `name`,
-    `model_types` (HF `model_type` values and GGUF architectures it builds) and
-    `build(checkpoint, **options)` returning a runtime model."""
+def rlx_register_recipes(register: Callable) -> None:
+    """Register model recipes: call `register(recipe)` with an object having `name`,
+    `model_types` (the HF `config.model_type` values and GGUF `general.architecture`
+    values it builds) and `build(checkpoint, **options)` returning a runtime model.
+    Each model type may be claimed by one plugin only."""
 
 
 @hookspec
-def rlx_register_ops(register):
-    """Register custom ops: `register(rlx_core.ir.custom.CustomOp(...))` with a meta
-    function and per-backend kernels; graphs use them through the `custom` op."""
+def rlx_register_ops(register: Callable) -> None:
+    """Register custom ops: call `register(rlx_core.ir.custom.CustomOp(name, meta,
+    kernels))` with a meta function `(shapes, params) -> tuple[Shape, ...]` and kernels
+    keyed by backend name. Graphs use them through the table's single `custom` op; a
+    backend without a kernel for one is a compile error naming the op."""
 
 
 @hookspec
-def rlx_register_passes(register):
-    """Register fusion rules: `register(group, rule)` adds an `rlx_core.ir.rewrite.Rule` to a
-    pattern group (a new group is fused on every target that does not list its groups)."""
+def rlx_register_passes(register: Callable) -> None:
+    """Register fusion rules: call `register(group, rule)` to add an
+    `rlx_core.ir.rewrite.Rule` to a pattern group. A rule added to an existing group runs
+    wherever that group runs; a new group is fused on every target and can be skipped by
+    name through a profile's `[fusion] skip`."""
 
 
 @hookspec
-def rlx_register_weight_formats(register):
-    """Register checkpoint formats: `register(name, detect, load)` where `detect(path) -> bool`
-    and `load(path, progress) -> rlx_core.weights.Checkpoint`."""
+def rlx_register_weight_formats(register: Callable) -> None:
+    """Register checkpoint formats: call `register(name, detect, load)` where
+    `detect(path) -> bool` says whether `path` is in this format (cheaply: a suffix, a
+    magic number) and `load(path, progress) -> rlx_core.weights.Checkpoint` reads it.
+    Names are unique across plugins."""

@@ -27,6 +27,8 @@ import os
 import re
 import threading
 import warnings
+from typing import Callable
+
 import attrs
 import pluggy
 
@@ -74,6 +76,7 @@ _pm: pluggy.PluginManager | None = None
 _infos: dict = {}
 _registry: Registry | None = None
 _plugin_ops: set = set()      # custom op names this manager put in rlx_core.ir.custom
+_calls: dict = {}             # plugin name -> what its hooks registered (see _collect)
 
 
 # ------------------------------------------------------------------------ filtering
@@ -210,24 +213,51 @@ def _load_entry_point(pm: pluggy.PluginManager, ep) -> None:
 
 
 # ------------------------------------------------------------------------ registry
+_REGISTER_ARGS = {
+    "rlx_register_backends": ("backend",), "rlx_register_blocks": ("name", "factory"),
+    "rlx_register_recipes": ("recipe",), "rlx_register_ops": ("op",),
+    "rlx_register_passes": ("group", "rule"),
+    "rlx_register_weight_formats": ("name", "detect", "load"),
+}
+
+
+def _recorder(hook: str, calls: list) -> Callable:
+    """The `register` callback handed to `hook`: records each call (positional or by the
+    parameter names the hookspec documents) for validation in `_commit`."""
+    names = _REGISTER_ARGS[hook]
+
+    def register(*args, **kw):
+        if kw:
+            unknown = sorted(set(kw) - set(names[len(args):]))
+            if unknown:
+                raise TypeError(f"register() got unexpected argument(s) {unknown}; "
+                                f"expected register({', '.join(names)})")
+            args = args + tuple(kw[n] for n in names[len(args):] if n in kw)
+        calls.append((hook,) + args)
+
+    register.__doc__ = f"register({', '.join(names)})"
+    return register
+
+
 def _collect(pm: pluggy.PluginManager) -> dict:
-    """plugin name -> [(hook, args...)] in registration order, each hook run once."""
+    """plugin name -> [(hook, args...)] in registration order (a str when one of its hooks
+    raised). Each plugin's hooks run once per process (until `reset()`): a rebuild after
+    `register_plugin` reuses what the others registered, so backend objects stay the same."""
     order = [name for name, _ in pm.list_name_plugin()]
-    staged: dict = {name: [] for name in order}
+    fresh: dict = {name: [] for name in order if name not in _calls}
     failed: dict = {}
     for hook in HOOKS:
         for impl in getattr(pm.hook, hook).get_hookimpls():
             name = impl.plugin_name
-            if name in failed:
+            if name not in fresh or name in failed:
                 continue
-            calls = staged.setdefault(name, [])
             try:
-                impl.function(lambda *args, _h=hook, _c=calls: _c.append((_h,) + args))
+                impl.function(_recorder(hook, fresh[name]))
             except Exception as e:
                 failed[name] = f"{hook} raised {_error_text(e)}"
-    for name, msg in failed.items():
-        staged[name] = msg                       # a str marks the plugin broken
-    return staged
+    for name, calls in fresh.items():
+        _calls[name] = failed.get(name, calls)
+    return {name: _calls[name] for name in order}
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -279,16 +309,18 @@ def _commit(reg: Registry, plugin: str, calls: list) -> None:
     from ..ir import custom
 
     entries = [e for hook, *args in calls for e in _entries(hook, tuple(args))]
-    seen: dict = {}
-    for kind, key, table, value in entries:
+    seen: set = set()
+    for kind, key, _, _ in entries:
         if kind == "rule":
             continue
-        other = reg.owner.get((kind, key)) or (plugin if (kind, key) in seen else None)
+        if (kind, key) in seen:
+            raise PluginError(f"{kind} {key!r} is registered twice by {plugin!r}")
+        other = reg.owner.get((kind, key))
         if kind == "op" and other is None and key in custom._CUSTOM and key not in _plugin_ops:
             other = "rlx_core.ir.custom.register_custom_op"
         if other is not None:
             raise PluginError(f"{kind} {key!r} is registered by both {other!r} and {plugin!r}")
-        seen[(kind, key)] = plugin
+        seen.add((kind, key))
     for kind, key, table, value in entries:
         if kind == "rule":
             group, rule = value
@@ -296,7 +328,7 @@ def _commit(reg: Registry, plugin: str, calls: list) -> None:
         else:
             getattr(reg, table)[key] = value
         reg.owner[(kind, key)] = plugin
-    for kind, key, table, value in entries:
+    for kind, key, _, value in entries:
         if kind == "op":
             custom._CUSTOM[key] = value
             _plugin_ops.add(key)
@@ -325,6 +357,7 @@ def registry() -> Registry:
                 plugin = pm.get_plugin(name)
                 if plugin is not None:
                     pm.unregister(plugin)
+                _calls.pop(name, None)
                 _broken(name, str(e), "failed to register")
         _registry = reg
         return reg
@@ -377,6 +410,7 @@ def unregister_plugin(name: str) -> None:
         if plugin is not None:
             pm.unregister(plugin)
         _infos.pop(name, None)
+        _calls.pop(name, None)
         _registry = None
 
 
@@ -399,6 +433,7 @@ def reset() -> None:
     with _lock:
         _pm, _registry = None, None
         _infos.clear()
+        _calls.clear()
         _plugin_ops.clear()
         from ..ir import custom
 

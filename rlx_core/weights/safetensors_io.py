@@ -43,15 +43,23 @@ def read_safetensors_header(path: str) -> tuple[dict, int]:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise WeightError(f"{path}: file is {size} bytes, too short to be safetensors (expected an 8-byte header length)")
+                raise WeightError(
+                    f"{path}: file is {size} bytes, too short to be safetensors "
+                    "(expected an 8-byte header length)"
+                )
             (length,) = struct.unpack("<Q", head)
             if length > _MAX_HEADER or 8 + length > size:
-                raise WeightError(f"{path}: header length {length} does not fit a {size}-byte file; truncated or not safetensors")
+                raise WeightError(
+                    f"{path}: header length {length} does not fit a {size}-byte file; "
+                    "truncated or not safetensors"
+                )
             header = json.loads(f.read(length))
     except OSError as e:
         raise WeightError(f"{path}: cannot read safetensors file ({e})") from e
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WeightError(f"{path}: safetensors header is not valid JSON ({e}); corrupt or not safetensors") from e
+        raise WeightError(
+            f"{path}: safetensors header is not valid JSON ({e}); corrupt or not safetensors"
+        ) from e
     if not isinstance(header, dict):
         raise WeightError(f"{path}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)
@@ -69,12 +77,15 @@ def iter_safetensors(path: str):
             shape = tuple(int(d) for d in info["shape"])
             begin, end = (int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
-            raise WeightError(f"{path}: tensor {name!r} has an unsupported dtype or a malformed entry ({e!r})") from None
+            raise WeightError(
+                f"{path}: tensor {name!r} has an unsupported dtype or a malformed entry ({e!r})"
+            ) from None
         count = int(np.prod(shape, dtype=np.int64))
         if end - begin != count * dtype.itemsize or start + end > size:
             raise WeightError(
-                f"{path}: tensor {name!r} ({info['dtype']} {list(shape)}) needs {count * dtype.itemsize} bytes "
-                f"at [{begin}, {end}) of the data section, which the file does not hold; truncated or corrupt"
+                f"{path}: tensor {name!r} ({info['dtype']} {list(shape)}) needs {count * dtype.itemsize} "
+                f"bytes at [{begin}, {end}) of the data section, which the file does not hold; "
+                "truncated or corrupt"
             )
         yield name, np.array(blob[start + begin : start + end].view(dtype).reshape(shape))
 

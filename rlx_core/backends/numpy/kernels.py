@@ -68,7 +68,8 @@ RED = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.
 
 def _binary(a, out, x, y):
     o = out[0]
-    f = BIN[a["op"]]
+    # integer div floors, whatever the input widths (mixed widths used to truncate)
+    f = np.floor_divide if a["op"] == "div" and o.dtype.kind in "iu" else BIN[a["op"]]
     if o.dtype == x.dtype == y.dtype and o.dtype not in _LOW:
         if a["op"] == "div" and o.dtype.kind in "iu":
             put(o, np.floor_divide(x, y))

@@ -1,0 +1,417 @@
+"""LLM decode/prefill on the GPU: RLX's CUDA backend against HF transformers on the same GPU.
+
+Llama-3.2-1B shape (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192, vocab
+128256, tied embeddings) with random bf16 weights made here (numpy rng), batch 1:
+decode ms/token over 128 new tokens after a 512-token prompt, and the 512-token prefill.
+
+Peers: HF transformers eager (bf16, sdpa, dynamic cache) and HF with a static cache and
+torch.compile(mode="reduce-overhead"). The bandwidth floor of a decode token is the
+weight bytes over the device-to-device copy bandwidth measured in this run (bytes read
+plus bytes written per second). Prints a table; --json writes every number.
+
+    python benchmarks/llm_gpu.py [--layers 16] [--prompt 512] [--new 128] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+LLAMA_1B = dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
+                tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=500000.0,
+                max_position_embeddings=131072, hidden_act="silu", attention_bias=False, mlp_bias=False,
+                rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                              "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                bos_token_id=128000, eos_token_id=128001, pad_token_id=None,
+                architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ----------------------------------------------------------------------------- weights
+def make_weights(cfg: dict, seed: int = 0) -> dict:
+    """HF-named random bf16 tensors (numpy, ml_dtypes.bfloat16), made on this machine."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    h, it, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nh, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // nh
+
+    def w(*shape, scale=None):
+        a = rng.standard_normal(shape, dtype=np.float32)
+        a *= scale if scale is not None else 1.0 / math.sqrt(shape[-1])
+        return a.astype(ml_dtypes.bfloat16)
+
+    def ln(n):
+        return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(ml_dtypes.bfloat16)
+
+    t = {"model.embed_tokens.weight": w(v, h, scale=0.02), "model.norm.weight": ln(h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = ln(h)
+        t[p + "post_attention_layernorm.weight"] = ln(h)
+        t[p + "self_attn.q_proj.weight"] = w(nh * d, h)
+        t[p + "self_attn.k_proj.weight"] = w(kv * d, h)
+        t[p + "self_attn.v_proj.weight"] = w(kv * d, h)
+        t[p + "self_attn.o_proj.weight"] = w(h, nh * d)
+        t[p + "mlp.gate_proj.weight"] = w(it, h)
+        t[p + "mlp.up_proj.weight"] = w(it, h)
+        t[p + "mlp.down_proj.weight"] = w(h, it)
+    return t
+
+
+def weight_bytes(t: dict) -> int:
+    return sum(a.nbytes for a in t.values())
+
+
+# ----------------------------------------------------------------------------- device facts
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy, (read + write) bytes per second, median of `reps`."""
+    import cupy as cp
+
+    a = cp.empty(nbytes, cp.uint8)
+    a.fill(1)
+    b = cp.empty_like(a)
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    ts = []
+    for i in range(reps + 3):
+        s.record()
+        cp.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice, 0)
+        e.record()
+        e.synchronize()
+        if i >= 3:
+            ts.append(cp.cuda.get_elapsed_time(s, e) / 1e3)
+    del a, b
+    cp.get_default_memory_pool().free_all_blocks()
+    return 2 * nbytes / statistics.median(ts)
+
+
+# ----------------------------------------------------------------------------- RLX
+def rlx_runtime(cfg, tensors, prompt, n_new, reps):
+    """RLX through the runtime (CausalLM.from_tensors + generate)."""
+    from rlx_core.runtime.model import CausalLM
+    from rlx_core.profile import CompileProfile, PrecisionConfig
+
+    prof = CompileProfile("llama32_bf16", precision=PrecisionConfig(compute="bf16"))
+    t0 = time.perf_counter()
+    model = CausalLM.from_tensors(cfg, tensors, backend="cuda", profile=prof,
+                                  max_context=prompt.shape[1] + n_new + 128)
+    res = {}
+    toks = model.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new)   # compile + warm up
+    res["first_generate_s"] = time.perf_counter() - t0
+    pre, dec = [], []
+    for _ in range(reps):
+        toks = model.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new)
+        pre.append(model.last_timings["prefill_s"])
+        dec.append(model.last_timings["decode_s_per_token"])
+    res.update(prefill_s=statistics.median(pre), decode_s=statistics.median(dec),
+               tokens=np.asarray(toks)[0, prompt.shape[1]:].tolist(), engine="runtime CausalLM")
+    try:
+        from rlx_backend_cuda import set_config
+
+        set_config(gemv=False)
+        model.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new)
+        d2 = []
+        for _ in range(max(1, reps // 2)):
+            model.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new)
+            d2.append(model.last_timings["decode_s_per_token"])
+        res["decode_s_cublas"] = statistics.median(d2)
+        set_config(gemv=True)
+    except Exception as e:  # a comparison, not the measurement
+        res["decode_s_cublas_error"] = repr(e)
+    try:
+        exe = model.executable("decode")
+        res["decode_runners"] = [r.describe() for r in exe._runners.values()]
+    except Exception:
+        pass
+    return res
+
+
+def llama_graphs(cfg, S, ctx):
+    """A Llama decoder built directly with the core builder (the fallback engine): bf16
+    params, KV cache states written by kv_write at `pos`, causal attention with `pos`."""
+    from rlx_core.ir.dtype import BF16, F32, I32, I64
+    from rlx_core.ir.graph import Graph
+    from rlx_core.ir.ops import MaskKind
+
+    h, nh, kvh = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d, it, v, L = cfg.get("head_dim") or h // nh, cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    eps = cfg["rms_norm_eps"]
+
+    def f(m):
+        ids = m.input("ids", (1, S), I64)
+        pos = m.input("pos", (1,), I32)
+        cos, sin = m.input("cos", (1, S, d // 2), F32), m.input("sin", (1, S, d // 2), F32)
+        emb = m.param("model.embed_tokens.weight", (v, h), BF16)
+        x = m.gather(emb, ids)
+        for i in range(L):
+            def p(n, s):
+                return m.param(f"model.layers.{i}.{n}", s, BF16)
+            hh = m.rms_norm(x, p("input_layernorm.weight", (h,)), eps=eps)
+            q = m.transpose(m.reshape(m.linear(hh, p("self_attn.q_proj.weight", (nh * d, h))), (1, S, nh, d)), (0, 2, 1, 3))
+            k = m.transpose(m.reshape(m.linear(hh, p("self_attn.k_proj.weight", (kvh * d, h))), (1, S, kvh, d)), (0, 2, 1, 3))
+            vv = m.transpose(m.reshape(m.linear(hh, p("self_attn.v_proj.weight", (kvh * d, h))), (1, S, kvh, d)), (0, 2, 1, 3))
+            q, k = m.rope(q, cos, sin), m.rope(k, cos, sin)
+            kc = m.kv_write(m.state(f"k{i}", (1, kvh, ctx, d), BF16), k, pos)
+            vc = m.kv_write(m.state(f"v{i}", (1, kvh, ctx, d), BF16), vv, pos)
+            a = m.attention(q, kc, vc, None, pos, mask_kind=MaskKind.CAUSAL)
+            a = m.reshape(m.transpose(a, (0, 2, 1, 3)), (1, S, nh * d))
+            x = x + m.linear(a, p("self_attn.o_proj.weight", (h, nh * d)))
+            hh = m.rms_norm(x, p("post_attention_layernorm.weight", (h,)), eps=eps)
+            x = x + m.swiglu(hh, p("mlp.gate_proj.weight", (it, h)), p("mlp.up_proj.weight", (it, h)),
+                             p("mlp.down_proj.weight", (h, it)))
+        x = m.rms_norm(m.narrow(x, 1, S - 1, 1), m.param("model.norm.weight", (h,), BF16), eps=eps)
+        return {"logits": m.cast(m.linear(x, emb), F32)}
+    return Graph.define(f"llama_{S}", f)
+
+
+def rope_tables(cfg, positions):
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    inv = 1.0 / (cfg["rope_theta"] ** (np.arange(0, d, 2) / d))
+    ang = np.asarray(positions, np.float64)[:, None] * inv[None]
+    return np.cos(ang).astype(np.float32)[None], np.sin(ang).astype(np.float32)[None]
+
+
+def rlx_graph(cfg, tensors, prompt, n_new, reps):
+    """RLX with the builder-made graphs (used when the runtime path is unavailable)."""
+    import rlx_core
+    from rlx_core.pipeline import StateStore
+
+    S = prompt.shape[1]
+    ctx = -(-(S + n_new) // 128) * 128
+    states = StateStore()
+    t0 = time.perf_counter()
+    pre = rlx_core.compile(llama_graphs(cfg, S, ctx), backend="cuda", params=tensors, states=states)
+    dec = rlx_core.compile(llama_graphs(cfg, 1, ctx), backend="cuda", states=states)
+    dec.set_params({k: v for k, v in pre._params.items() if k in dec.param_specs})
+    c, s = rope_tables(cfg, np.arange(S))
+
+    def gen():
+        ta = time.perf_counter()
+        lg = pre.run({"ids": prompt, "pos": np.zeros(1, np.int32), "cos": c, "sin": s})["logits"]
+        tb = time.perf_counter()
+        out = []
+        for t in range(n_new):
+            nxt = int(np.argmax(lg[0, -1]))
+            out.append(nxt)
+            if t == n_new - 1:
+                break
+            cc, ss = rope_tables(cfg, [S + t])
+            lg = dec.run({"ids": np.array([[nxt]]), "pos": np.array([S + t], np.int32), "cos": cc, "sin": ss})["logits"]
+        tc = time.perf_counter()
+        return tb - ta, (tc - tb) / max(n_new - 1, 1), out
+    gen()
+    res = {"first_generate_s": time.perf_counter() - t0}
+    p, d = [], []
+    for _ in range(reps):
+        a, b, toks = gen()
+        p.append(a)
+        d.append(b)
+    res.update(prefill_s=statistics.median(p), decode_s=statistics.median(d), tokens=toks,
+               engine="builder graph (fallback)")
+    from rlx_backend_cuda import set_config
+
+    set_config(gemv=False)
+    gen()
+    res["decode_s_cublas"] = statistics.median([gen()[1] for _ in range(max(1, reps // 2))])
+    set_config(gemv=True)
+    res["decode_runners"] = [r.describe() for r in dec._runners.values()]
+    return res
+
+
+# ----------------------------------------------------------------------------- HF peers
+def hf_model(cfg, tensors):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hc = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype")})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hc)
+    model = model.to_empty(device="cuda").to(torch.bfloat16)
+    sd = {k: torch.from_numpy(np.ascontiguousarray(v).view(np.uint16)).view(torch.bfloat16) for k, v in tensors.items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if m != "lm_head.weight"]
+    assert not missing and not unexpected, (missing, unexpected)
+    model.tie_weights()
+    # rotary buffers were created on meta: rebuild them on the GPU
+    rot = model.model.rotary_emb
+    inv, scaling = rot.rope_init_fn(rot.config, torch.device("cuda"))
+    rot.register_buffer("inv_freq", inv, persistent=False)
+    rot.original_inv_freq = inv
+    rot.attention_scaling = scaling
+    model.eval()
+    return model
+
+
+def hf_eager(model, prompt, n_new, reps):
+    import torch
+
+    ids = torch.from_numpy(prompt).cuda()
+
+    def once():
+        with torch.no_grad():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                out = model(ids, use_cache=True, logits_to_keep=1)
+            except TypeError:
+                out = model(ids, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            past, toks = out.past_key_values, [int(nxt)]
+            for _ in range(n_new - 1):
+                out = model(nxt, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                toks.append(nxt)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+        return t1 - t0, (t2 - t1) / (n_new - 1), [int(t) for t in toks]
+    once()
+    runs = [once() for _ in range(reps)]
+    return {"prefill_s": statistics.median(r[0] for r in runs), "decode_s": statistics.median(r[1] for r in runs),
+            "tokens": runs[-1][2]}
+
+
+def hf_compiled(model, prompt, n_new, reps):
+    """Static cache + torch.compile(mode="reduce-overhead") through generate()."""
+    import torch
+
+    ids = torch.from_numpy(prompt).cuda()
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+    def gen(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 cache_implementation="static", pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, out
+    t0 = time.perf_counter()
+    for _ in range(3):            # compiles prefill and decode graphs
+        gen(n_new)
+        gen(1)
+    warm = time.perf_counter() - t0
+    full = [gen(n_new)[0] for _ in range(reps)]
+    one = [gen(1)[0] for _ in range(reps)]
+    pre = statistics.median(one)
+    return {"prefill_s": pre, "decode_s": (statistics.median(full) - pre) / (n_new - 1), "compile_s": warm}
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--engine", choices=["auto", "runtime", "graph"], default="auto")
+    ap.add_argument("--no-compiled-peer", action="store_true")
+    ap.add_argument("--json", default="")
+    a = ap.parse_args(argv)
+    cfg = dict(LLAMA_1B, num_hidden_layers=a.layers)
+    import cupy as cp
+    import torch
+
+    gpu = torch.cuda.get_device_name(0)
+    log(f"GPU: {gpu}; torch {torch.__version__}; cupy {cp.__version__}")
+    bw = copy_bandwidth()
+    t = time.perf_counter()
+    tensors = make_weights(cfg)
+    wb = weight_bytes(tensors)
+    floor = wb / bw
+    log(f"weights: {wb / 1e9:.3f} GB (made in {time.perf_counter() - t:.1f}s); D2D copy {bw / 1e12:.2f} TB/s "
+        f"(read+write); decode floor {floor * 1e3:.3f} ms/token")
+    prompt = np.random.default_rng(1).integers(0, cfg["vocab_size"], size=(1, a.prompt)).astype(np.int64)
+    res = {"gpu": gpu, "date": datetime.date.today().isoformat(), "config": cfg, "weight_bytes": wb,
+           "copy_bw": bw, "floor_s": floor, "prompt": a.prompt, "new": a.new}
+    rl = None
+    engines = {"auto": ["runtime", "graph"], "runtime": ["runtime"], "graph": ["graph"]}[a.engine]
+    for eng in engines:
+        try:
+            t = time.perf_counter()
+            rl = (rlx_runtime if eng == "runtime" else rlx_graph)(cfg, tensors, prompt, a.new, a.reps)
+            log(f"rlx ({rl['engine']}): done in {time.perf_counter() - t:.1f}s")
+            break
+        except Exception:
+            log(f"rlx engine {eng} failed:\n{traceback.format_exc()[-3000:]}")
+            res[f"rlx_{eng}_error"] = traceback.format_exc()[-3000:]
+    res["rlx"] = rl
+    import gc
+
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+    model = hf_model(cfg, tensors)
+    del tensors
+    t = time.perf_counter()
+    res["hf_eager"] = hf_eager(model, prompt, a.new, a.reps)
+    log(f"hf eager: done in {time.perf_counter() - t:.1f}s")
+    if not a.no_compiled_peer:
+        try:
+            t = time.perf_counter()
+            res["hf_compiled"] = hf_compiled(model, prompt, a.new, a.reps)
+            log(f"hf static+compile: done in {time.perf_counter() - t:.1f}s")
+        except Exception:
+            res["hf_compiled_error"] = traceback.format_exc()[-2000:]
+            log(f"hf static+compile failed:\n{res['hf_compiled_error']}")
+    table = report(res)
+    print(table, flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+def report(res: dict) -> str:
+    ms = lambda s: f"{s * 1e3:.3f}" if s else "-"  # noqa: E731
+    fl = res["floor_s"]
+    he = res["hf_eager"]
+    hc = res.get("hf_compiled") or {}
+    rl = res.get("rlx") or {}
+    lines = [f"GPU {res['gpu']}, {res['date']}; Llama-3.2-1B shape ({res['config']['num_hidden_layers']} layers), "
+             f"bf16, batch 1, prompt {res['prompt']}, {res['new']} new tokens",
+             f"weights {res['weight_bytes'] / 1e9:.3f} GB; D2D copy {res['copy_bw'] / 1e12:.2f} TB/s (read+write); "
+             f"decode floor {ms(fl)} ms/token",
+             "",
+             "| engine | decode ms/token | x floor | HF eager / this (decode) | prefill ms | this / HF eager (prefill) |",
+             "|---|---|---|---|---|---|"]
+
+    def row(name, r):
+        if not r:
+            return f"| {name} | failed | | | | |"
+        d, p = r.get("decode_s"), r.get("prefill_s")
+        return (f"| {name} | {ms(d)} | {d / fl:.2f} | {he['decode_s'] / d:.2f} | {ms(p)} | "
+                f"{p / he['prefill_s']:.2f} |")
+    lines.append(row(f"RLX cuda ({rl.get('engine', '?')})", rl))
+    if rl.get("decode_s_cublas"):
+        lines.append(row("RLX cuda, cuBLAS GEMV instead of rlx_gemv", {"decode_s": rl["decode_s_cublas"],
+                                                                      "prefill_s": rl["prefill_s"]}))
+    lines.append(row("HF eager (sdpa, dynamic cache)", he))
+    lines.append(row("HF static cache + torch.compile(reduce-overhead)", hc) if hc else
+                 "| HF static cache + torch.compile(reduce-overhead) | failed / skipped | | | | |")
+    if rl.get("tokens") and he.get("tokens"):
+        agree = 0
+        for x, y in zip(rl["tokens"], he["tokens"]):
+            if x != y:
+                break
+            agree += 1
+        lines.append("")
+        lines.append(f"greedy tokens: RLX and HF eager agree on the first {agree} of {len(he['tokens'])}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""rlx-backend-cuda: the CUDA backend of RLX on CuPy (ROCm through CuPy's ROCm build).
+
+Installing the package registers backend "cuda" (entry-point group "rlx"); where a GPU
+is present it outranks the NumPy backend and becomes the default.
+"""
+from __future__ import annotations
+
+import numpy as np
+from rlx_core.backends.base import Backend
+from rlx_core.ir.dtype import DType
+from rlx_core.ir.errors import BackendError
+from rlx_core.ir.ops import OPS, Level
+from rlx_core.plugins import hookimpl
+
+from . import device
+
+__version__ = "0.1.0"
+
+
+class CudaArray:
+    """A device-resident array (a param, a state, a KV cache). bf16 is stored as its 16-bit
+    pattern; `dtype` is the logical numpy dtype (ml_dtypes.bfloat16 for bf16)."""
+    __slots__ = ("data", "dtype", "shape", "__weakref__")
+
+    def __init__(self, data, dtype):
+        self.data = data
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(data.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def get(self) -> np.ndarray:
+        host = self.data.get()
+        return host.view(self.dtype) if host.dtype != self.dtype else host
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.get()
+        return a if dtype is None else a.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"CudaArray({DType.parse(self.dtype).value}{list(self.shape)})"
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    priority = 30
+    target = "cuda"
+
+    def __init__(self):
+        self._stream = None
+        self._arena = None
+        self._arena_bytes = 0
+
+    # -- identity
+    def availability(self) -> tuple:
+        ok, why, _ = device.probe()
+        return ok, why
+
+    @property
+    def dtypes(self) -> frozenset:
+        return device.supported_dtypes()
+
+    def supported_ops(self) -> set:
+        return {n for n, d in OPS.items() if d.level is not Level.HIR}
+
+    def device_name(self) -> str:
+        return device.info().get("name", "?")
+
+    # -- resources
+    def stream(self):
+        if self._stream is None:
+            self._stream = device.cupy().cuda.Stream(non_blocking=True)
+        return self._stream
+
+    def arena(self, nbytes: int):
+        """The shared activation arena (runners run one at a time on one stream)."""
+        if self._arena is None or nbytes > self._arena_bytes:
+            size = max(int(nbytes), 256)
+            if self._arena is not None:
+                size = max(size, self._arena_bytes + self._arena_bytes // 2)
+            self._arena = device.alloc(size, "the activation arena")
+            self._arena_bytes = size
+        return self._arena
+
+    # -- residency
+    def to_device(self, array):
+        if isinstance(array, CudaArray):
+            return array
+        a = np.ascontiguousarray(np.asarray(array))
+        return CudaArray(device.from_host(a, f"a {a.dtype}{list(a.shape)} array"), a.dtype)
+
+    def to_host(self, value) -> np.ndarray:
+        if isinstance(value, CudaArray):
+            return value.get()
+        if hasattr(value, "get") and hasattr(value, "data") and not isinstance(value, np.ndarray):
+            return value.get()
+        return np.asarray(value)
+
+    def zeros(self, shape: tuple, dtype: DType):
+        dt = DType.parse(dtype)
+        arr = device.empty(tuple(shape), dt, f"a {dt.value}{list(shape)} state")
+        arr.fill(0)
+        device.cupy().cuda.runtime.deviceSynchronize()
+        return CudaArray(arr, dt.np)
+
+    def ensure_device(self, table: dict, name: str) -> CudaArray:
+        """table[name] as a CudaArray; host arrays are uploaded once and replaced in place."""
+        v = table[name]
+        if not isinstance(v, CudaArray):
+            v = self.to_device(v)
+            table[name] = v
+        return v
+
+    # -- compile
+    def compile(self, lir, params: dict, states: dict):
+        ok, why = self.availability()
+        if not ok:
+            raise BackendError(f"backend 'cuda' is not available here: {why}")
+        from .runner import CudaRunner
+
+        return CudaRunner(self, lir, params, states)
+
+
+_BACKEND = CudaBackend()
+
+
+def backend() -> CudaBackend:
+    return _BACKEND
+
+
+@hookimpl
+def rlx_register_backends(register):
+    register(_BACKEND)
+
+
+def set_config(**kw) -> None:
+    """Implementation switches: gemv (decode GEMV kernel vs cuBLAS), tc_attention
+    (tensor-core prefill attention vs CUDA cores), graphs (CUDA graph replay)."""
+    from .runner import set_config as _set
+
+    _set(**kw)
+
+
+__all__ = ["CudaBackend", "CudaArray", "backend", "rlx_register_backends", "set_config"]

@@ -1,0 +1,217 @@
+"""Elementwise kernels generated from op programs.
+
+One generated kernel runs a whole elementwise region (`fused_elementwise`'s program, or a
+single binary/compare/where/activation/cast/fused_swiglu op, or a strided copy): every
+operand is read through its own strides over the collapsed output shape, so broadcasts,
+transposes, narrows and concat slices need no copies. Intermediate values keep the
+dtype the graph gives them (f16/bf16 intermediates are rounded), matching the reference.
+This module is pure Python (no cupy), so the generated text can be checked offline.
+"""
+from __future__ import annotations
+
+from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I64, DType
+from rlx_core.ir.errors import BackendError
+from rlx_core.ir.ops import infer
+from rlx_core.ir.shape import Shape
+
+LOW = (F16, BF16)
+CT = {  # the C type a value of each dtype is computed in
+    DType.F32: "float", DType.F64: "double", DType.F16: "float", DType.BF16: "float",
+    DType.I8: "signed char", DType.I16: "short", DType.I32: "int", DType.I64: "long long",
+    DType.U8: "unsigned char", DType.U32: "unsigned int", DType.BOOL: "bool",
+}
+STORE = {**CT, DType.F16: "__half", DType.BF16: "__nv_bfloat16"}
+
+
+def ctype(dt: DType) -> str:
+    """The C storage type of dtype `dt` in kernels."""
+    try:
+        return STORE[dt]
+    except KeyError:
+        raise BackendError(f"cuda backend: dtype {dt.value} is not supported on the GPU") from None
+
+
+def acc_of(*dts) -> str:
+    """Accumulation type: double when any input is f64, else float."""
+    return "double" if F64 in dts else "float"
+
+
+def load(expr: str, dt: DType) -> str:
+    return f"tof({expr})" if dt in LOW else expr
+
+
+def conv(expr: str, src: DType, dst: DType) -> str:
+    """`expr` (computed as CT[src]) as a CT[dst] value, rounded like numpy's unsafe cast."""
+    if src is dst:
+        return expr
+    if dst in LOW:
+        r = "rbf" if dst is BF16 else "rhf"
+        return f"{r}({expr})" if src is F64 else f"{r}((float)({expr}))"
+    if dst is BOOL:
+        return f"(({expr}) != 0)"
+    return f"(({CT[dst]})({expr}))"
+
+
+def store(expr: str, dt: DType) -> str:
+    if dt in LOW:
+        return f"ST({STORE[dt]}, (float)({expr}))"
+    return f"(({STORE[dt]})({expr}))"
+
+
+_FLOAT_FN = {
+    "gelu": "(0.5f * x * (1.0f + erff(x * 0.70710678118654752f)))",
+    "gelu_tanh": "(0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x))))",
+    "silu": "(x * rlx_sigmoid(x))",
+    "relu": "((x != x) ? x : (x > 0.0f ? x : 0.0f))",
+    "sigmoid": "rlx_sigmoid(x)", "tanh": "tanhf(x)", "exp": "expf(x)", "log": "logf(x)",
+    "sqrt": "sqrtf(x)", "rsqrt": "(1.0f / sqrtf(x))", "neg": "(-x)", "abs": "fabsf(x)",
+    "sin": "sinf(x)", "cos": "cosf(x)", "recip": "(1.0f / x)", "identity": "x",
+}
+_DOUBLE_FN = {
+    "gelu": "(0.5 * x * (1.0 + erf(x * 0.70710678118654752)))",
+    "gelu_tanh": "(0.5 * x * (1.0 + tanh(0.79788456080286536 * (x + 0.044715 * x * x * x))))",
+    "silu": "(x * rlx_sigmoid(x))",
+    "relu": "((x != x) ? x : (x > 0.0 ? x : 0.0))",
+    "sigmoid": "rlx_sigmoid(x)", "tanh": "tanh(x)", "exp": "exp(x)", "log": "log(x)",
+    "sqrt": "sqrt(x)", "rsqrt": "(1.0 / sqrt(x))", "neg": "(-x)", "abs": "fabs(x)",
+    "sin": "sin(x)", "cos": "cos(x)", "recip": "(1.0 / x)", "identity": "x",
+}
+_INT_FN = {"neg": "(-x)", "abs": "(x < 0 ? -x : x)", "relu": "(x > 0 ? x : 0)", "identity": "x"}
+_CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+
+
+def _sub_x(template: str, var: str) -> str:
+    import re
+
+    return re.sub(r"\bx\b", var, template)
+
+
+def emit_op(op: str, a: dict, args: list, out: DType, lines: list, tmp: str) -> str:
+    """C statements (appended to `lines`) computing `op` on `args` [(expr, dtype)];
+    returns an expression of CT[out] holding the (rounded) result."""
+    if op == "cast":
+        (x, t), = args
+        return conv(x, t, out)
+    if op == "binary":
+        (x, tx), (y, ty) = args
+        kind = a["op"]
+        cdt = F32 if out in LOW else (I64 if out is BOOL else out)
+        X, Y = conv(x, tx, cdt), conv(y, ty, cdt)
+        c = CT[cdt]
+        if kind in ("add", "sub", "mul"):
+            e = f"({X} {dict(add='+', sub='-', mul='*')[kind]} {Y})"
+        elif kind == "div":
+            if cdt.is_float:
+                e = f"({X} / {Y})"
+            else:                                    # integer division floors (numpy's //)
+                e = f"rlx_floordiv<{c}>({X}, {Y})"
+        elif kind in ("max", "min"):
+            e = f"rlx_{kind}({X}, {Y})" if cdt.is_float else f"rlx_{kind}i<{c}>({X}, {Y})"
+        elif kind == "pow":
+            if cdt is F64:
+                e = f"pow({X}, {Y})"
+            elif cdt.is_float:
+                e = f"powf({X}, {Y})"
+            else:
+                e = f"rlx_ipow<{c}>({X}, {Y})"
+        else:
+            raise BackendError(f"cuda backend: binary op {kind!r} is not supported")
+        return conv(f"(({c}){e})", cdt, out)
+    if op == "compare":
+        (x, tx), (y, ty) = args
+        ct = "double" if (tx.is_float or ty.is_float) else "long long"
+        return f"((({ct})({x})) {_CMP[a['op']]} (({ct})({y})))"
+    if op == "where":
+        (c, _), (x, tx), (y, ty) = args
+        return f"(({c}) ? {conv(x, tx, out)} : {conv(y, ty, out)})"
+    if op == "activation":
+        (x, tx), = args
+        fn = a["fn"]
+        if not out.is_float:
+            if fn not in _INT_FN:
+                raise BackendError(f"cuda backend: activation {fn!r} needs a float input")
+            lines.append(f"const {CT[out]} {tmp} = {conv(x, tx, out)};")
+            return f"(({CT[out]}){_sub_x(_INT_FN[fn], tmp)})"
+        cdt = F64 if out is F64 else F32
+        lines.append(f"const {CT[cdt]} {tmp} = {conv(x, tx, cdt)};")
+        table = _DOUBLE_FN if cdt is F64 else _FLOAT_FN
+        return conv(_sub_x(table[fn], tmp), cdt, out)
+    if op == "fused_swiglu":
+        (g, tg), (u, tu) = args
+        cdt = F64 if F64 in (tg, tu) else F32
+        lines.append(f"const {CT[cdt]} {tmp} = {conv(g, tg, cdt)};")
+        return conv(f"({tmp} * rlx_sigmoid({tmp}) * {conv(u, tu, cdt)})", cdt, out)
+    raise BackendError(f"cuda backend: {op!r} is not an elementwise op")
+
+
+def step_dtypes(program, in_dtypes: list) -> list:
+    """The dtype of every step of a program, inferred like the unfused graph would."""
+    dts = list(in_dtypes)
+    for op, attrs_, args in program:
+        s = infer(op, [Shape((), dts[i]) for i in args], dict(attrs_))
+        dts.append(s[0].dtype)
+    return dts[len(in_dtypes):]
+
+
+def collapse(shape: tuple, strides: list) -> tuple:
+    """Drop size-1 dims and merge adjacent dims every operand walks contiguously.
+    `strides` is a list (one per operand) of per-dim element strides."""
+    dims = [(d, [s[i] for s in strides]) for i, d in enumerate(shape) if d != 1]
+    out: list = []
+    for d, st in dims:
+        if out:
+            pd, pst = out[-1]
+            if all(ps == s * d for ps, s in zip(pst, st)):
+                out[-1] = (pd * d, st)
+                continue
+        out.append((d, st))
+    return tuple(d for d, _ in out), [[st[k] for _, st in out] for k in range(len(strides))]
+
+
+def elementwise_source(program, in_dtypes: list, out_dtype: DType, kinds: list, rank: int,
+                       idx64: bool) -> str:
+    """Kernel `rlx_ew` for a program. kinds[k] per operand (inputs then output):
+    'c' contiguous over the collapsed shape, 's' strided, 'z' a broadcast scalar."""
+    from .sources import render
+
+    it = "long long" if idx64 else "int"
+    nin = len(in_dtypes)
+    params = [f"const {ctype(dt)}* p{k}" for k, dt in enumerate(in_dtypes)]
+    params.append(f"{ctype(out_dtype)}* po")
+    params.append(f"{it} n")
+    strided = [k for k, kd in enumerate(kinds) if kd == "s"]
+    if strided:
+        params += [f"{it} d{j}" for j in range(rank)]
+        for k in strided:
+            params += [f"{it} s{k}_{j}" for j in range(rank)]
+    body = [f"{it} r = i;"] if strided else []
+    if strided:
+        body.append(" ".join(f"{it} o{k} = 0;" for k in strided))
+        for j in reversed(range(rank)):
+            parts = [f"const {it} c{j} = r % d{j};", f"r /= d{j};"]
+            parts += [f"o{k} += c{j} * s{k}_{j};" for k in strided]
+            body.append(" ".join(parts))
+
+    def off(k):
+        return {"c": "i", "z": "0", "s": f"o{k}"}[kinds[k]]
+
+    for k, dt in enumerate(in_dtypes):
+        body.append(f"const {CT[dt]} v{k} = {load(f'p{k}[{off(k)}]', dt)};")
+    slot_dt = list(in_dtypes)
+    step_dt = step_dtypes(program, in_dtypes)
+    for s, ((op, attrs_, args), dt) in enumerate(zip(program, step_dt)):
+        k = nin + s
+        lines: list = []
+        e = emit_op(op, dict(attrs_), [(f"v{i}", slot_dt[i]) for i in args], dt, lines, f"t{k}")
+        body += lines
+        body.append(f"const {CT[dt]} v{k} = {e};")
+        slot_dt.append(dt)
+    last = len(slot_dt) - 1
+    body.append(f"po[{off(nin)}] = {store(conv(f'v{last}', slot_dt[last], out_dtype), out_dtype)};")
+    src = ("extern \"C\" __global__ void rlx_ew(" + ", ".join(params) + ") {\n"
+           f"  for ({it} i = blockIdx.x * ({it})blockDim.x + threadIdx.x; i < n; "
+           f"i += ({it})gridDim.x * blockDim.x) {{\n    " + "\n    ".join(body) + "\n  }\n}\n")
+    return render(src.replace("$", "$$"))
+
+
+__all__ = ["elementwise_source", "collapse", "ctype", "acc_of", "conv", "emit_op", "step_dtypes"]

@@ -1,0 +1,167 @@
+"""The device layer: CuPy import and availability, allocation with useful out-of-memory
+errors, the stream, and the NVRTC kernel cache (errors name the op and the source line)."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+
+import numpy as np
+from rlx_core.ir.dtype import DType
+from rlx_core.ir.errors import BackendError
+
+_cp = None
+
+
+def cupy():
+    """The cupy module (imported on first use so CPU-only installs never pay for it)."""
+    global _cp
+    if _cp is None:
+        import cupy as cp  # noqa: PLC0415
+
+        _cp = cp
+    return _cp
+
+
+@functools.lru_cache(maxsize=1)
+def probe() -> tuple:
+    """(available, reason, info dict). Never raises."""
+    try:
+        import cupy as cp  # noqa: PLC0415
+    except Exception as e:  # ImportError, or a broken CUDA install under it
+        return False, f"cupy is not importable ({type(e).__name__}: {e}); install cupy-cuda12x/13x", {}
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return False, f"no usable CUDA driver/GPU ({type(e).__name__}: {e})", {}
+    if n < 1:
+        return False, "no CUDA GPU is visible (device count 0)", {}
+    try:
+        hip = bool(cp.cuda.runtime.is_hip)
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        cc = (int(props["major"]), int(props["minor"]))
+        info = {"name": name, "cc": cc, "sms": int(props["multiProcessorCount"]), "hip": hip,
+                "total_mem": int(props["totalGlobalMem"])}
+    except Exception as e:
+        return False, f"cannot query the GPU ({type(e).__name__}: {e})", {}
+    return True, "", info
+
+
+def info() -> dict:
+    return probe()[2]
+
+
+def supported_dtypes() -> frozenset:
+    """What this GPU computes: every float and int type but complex; bf16 needs sm_80+."""
+    ok, _, inf = probe()
+    out = set(DType) - {DType.C64}
+    if ok and not inf.get("hip") and inf["cc"] < (8, 0):
+        out.discard(DType.BF16)
+    if ok and not inf.get("hip") and inf["cc"] < (5, 3):
+        out.discard(DType.F16)
+    return frozenset(out)
+
+
+def storage_dtype(dt: DType) -> np.dtype:
+    """The numpy/cupy dtype holding `dt` on the device: bf16 lives in 16-bit buffers."""
+    return np.dtype(np.uint16) if dt is DType.BF16 else dt.np
+
+
+# ----------------------------------------------------------------------------- memory
+def mem_info() -> tuple:
+    free, total = cupy().cuda.runtime.memGetInfo()
+    return int(free), int(total)
+
+
+def alloc(nbytes: int, what: str):
+    """Device memory (a cupy MemoryPointer) of `nbytes`; an OOM names bytes requested and free."""
+    cp = cupy()
+    nbytes = max(int(nbytes), 1)
+    try:
+        return cp.cuda.alloc(nbytes)
+    except cp.cuda.memory.OutOfMemoryError:
+        cp.get_default_memory_pool().free_all_blocks()
+        try:
+            return cp.cuda.alloc(nbytes)
+        except cp.cuda.memory.OutOfMemoryError:
+            free, total = mem_info()
+            pool = cp.get_default_memory_pool()
+            raise BackendError(
+                f"cuda backend: out of GPU memory allocating {nbytes} bytes for {what}: "
+                f"{free} bytes free of {total} on the device (this process's pool holds "
+                f"{pool.total_bytes()} bytes, {pool.used_bytes()} in use)") from None
+
+
+def empty(shape, dt: DType, what: str):
+    """A contiguous device array of logical dtype `dt` (storage dtype for bf16)."""
+    cp = cupy()
+    sd = storage_dtype(dt)
+    n = int(np.prod(shape, dtype=np.int64)) * sd.itemsize
+    mem = alloc(n, what)
+    return cp.ndarray(tuple(shape), sd, memptr=mem)
+
+
+def from_host(array: np.ndarray, what: str):
+    """Upload a host array (bf16 as its 16-bit pattern) into fresh device memory."""
+    a = np.ascontiguousarray(array)
+    dt = DType.parse(a.dtype)
+    if dt is DType.C64:
+        raise BackendError(f"cuda backend: {what}: complex64 is not supported on the GPU")
+    out = empty(a.shape, dt, what)
+    if a.size:
+        out.set(a.view(storage_dtype(dt)) if dt is DType.BF16 else a)
+        cp = cupy()
+        cp.cuda.runtime.deviceSynchronize()
+    return out
+
+
+# ----------------------------------------------------------------------------- kernels
+_KERNELS: dict = {}
+OPTIONS = ("--std=c++17",)
+
+
+def _source_line(source: str, log: str) -> str:
+    m = re.search(r"\((\d+)\): (?:catastrophic )?error", log)
+    if not m:
+        return ""
+    n = int(m.group(1))
+    lines = source.split("\n")
+    if 1 <= n <= len(lines):
+        return f"\n  kernel source line {n}: {lines[n - 1].strip()}"
+    return ""
+
+
+def kernel(source: str, name: str, op: str):
+    """The compiled function `name` of `source` (compiled once per process, NVRTC's disk
+    cache across processes). A compile error is a BackendError naming the op and the line."""
+    key = (hashlib.sha1(source.encode()).hexdigest(), name)
+    fn = _KERNELS.get(key)
+    if fn is not None:
+        return fn
+    cp = cupy()
+    try:
+        mod = cp.RawModule(code=source, options=OPTIONS)
+        raw = mod.get_function(name)
+        fn = raw.kernel          # the launchable cupy.cuda.function.Function
+    except cp.cuda.compiler.CompileException as e:
+        log = str(e)
+        raise BackendError(f"cuda backend: compiling kernel {name!r} for op {op!r} failed:\n"
+                           f"{log.strip()[:2000]}{_source_line(source, log)}") from None
+    _KERNELS[key] = fn
+    return fn
+
+
+def compile_check_sources() -> list:
+    """(name, source) of representative specializations, for an offline nvcc check."""
+    from . import kernels_catalog
+
+    return kernels_catalog.catalog()
+
+
+def env_flag(name: str, default: bool) -> bool:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    return v.strip().lower() not in ("0", "false", "no", "off")

@@ -1,0 +1,103 @@
+"""Representative specializations of every kernel template, for checking that all of
+them compile (offline with nvcc, no GPU needed: `python -m rlx_backend_cuda.kernels_catalog`)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I32, I64
+
+from . import codegen, sources as S
+
+
+def catalog() -> list:
+    out = []
+    for t, acc in (("float", "float"), ("__nv_bfloat16", "float"), ("__half", "float"), ("double", "double")):
+        out.append((f"rms {t}", S.render(S.RMS_NORM, TX=t, TW=t, TO=t, ACC=acc, HAS_W=1), "rlx_rms_norm"))
+        out.append((f"res_rms {t}", S.render(S.RESIDUAL_RMS_NORM, TX=t, TR=t, TW=t, TH=t, TO=t, ACC=acc,
+                                             HAS_W=1), "rlx_residual_rms_norm"))
+        for hr in (0, 1):
+            out.append((f"ln {t} {hr}", S.render(S.LAYER_NORM, TX=t, TR=t, TG=t, TB=t, TH=t, TO=t, ACC=acc,
+                                                 HAS_R=hr, HAS_G=1, HAS_B=1), "rlx_layer_norm"))
+        out.append((f"softmax {t}", S.render(S.SOFTMAX, TX=t, TO=t, ACC=acc), "rlx_softmax"))
+        out.append((f"reduce {t}", S.render(S.REDUCE, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
+                                            COMB="rlx_max((a), (b))", IDENT="(-(ACC)RLX_INF)",
+                                            FINAL=f"ST({t}, r)"), "rlx_reduce"))
+        out.append((f"argmax {t}", S.render(S.ARGMAX, TX=t, ACC=acc, LOAD="LD(ACC, v)"), "rlx_argmax"))
+        out.append((f"topk {t}", S.render(S.TOPK, TX=t, ACC=acc, LOAD="LD(ACC, v)"), "rlx_topk"))
+        out.append((f"cumsum {t}", S.render(S.CUMSUM, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
+                                            STORE=f"ST({t}, v)"), "rlx_cumsum"))
+        out.append((f"rope {t}", S.render(S.ROPE, TX=t, TC="float", TO=t, ACC=acc, INTERLEAVED=1), "rlx_rope"))
+        for mk, mm in ((1, 0), (2, 1), (0, 2)):
+            common = dict(MASKKIND=mk, MASKMODE=mm, TM="bool" if mm == 1 else t, TP="long long", HAS_POS=1)
+            out.append((f"attn_split {t} {mk}{mm}", S.render(S.ATTN_SPLIT, TQ=t, TK=t, TV=t, ACC=acc, DK=64,
+                                                            DV=64, ROWS=4, **common), "rlx_attn_split"))
+            out.append((f"mask_fill {t}", S.render(S.MASK_FILL, TS=t, TO=t, ACC=acc, **common), "rlx_mask_fill"))
+            if t in ("__nv_bfloat16", "__half"):
+                for d, vec in ((64, 1), (128, 0), (32, 1), (96, 1)):
+                    out.append((f"attn_tc {t} {d}", S.render(S.ATTN_TC, T=t, MMAT="bf16" if "bf" in t else "f16",
+                                                            D=d, VEC=vec, **common), "rlx_attn_tc"))
+        out.append((f"combine {t}", S.render(S.ATTN_COMBINE, TO=t), "rlx_attn_combine"))
+        out.append((f"gather {t}", S.render(S.GATHER, TT=t, TI="long long"), "rlx_gather"))
+    out.append(("reduce int", S.render(S.REDUCE, TX="int", TO="int", ACC="long long", LOAD="(ACC)(v)",
+                                       COMB="rlx_maxi<ACC>((a), (b))", IDENT="((ACC)(-9223372036854775807LL - 1))",
+                                       FINAL="(int)(r)"), "rlx_reduce"))
+    out.append(("cumsum bool", S.render(S.CUMSUM, TX="bool", TO="bool", ACC="long long", LOAD="(ACC)(v)",
+                                        STORE="(v != 0)"), "rlx_cumsum"))
+    for t in ("__nv_bfloat16", "__half"):
+        out.append((f"gemv {t}", S.render(S.GEMV, T=t, TO=t, MMAX=4), "rlx_gemv"))
+    out.append(("naive", S.render(S.MATMUL_NAIVE, TA="int", TB="int", TO="int", ACC="long long",
+                                  MAC="(s) + (a) * (b)"), "rlx_matmul_naive"))
+    out.append(("naive bool", S.render(S.MATMUL_NAIVE, TA="bool", TB="bool", TO="bool", ACC="bool",
+                                       MAC="(s) || ((a) && (b))"), "rlx_matmul_naive"))
+    dims = ", ".join(f"long long d{j}" for j in range(4))
+    ns = ", ".join(f"long long ns{j}" for j in range(4))
+    cs = ", ".join(f"long long cs{j}" for j in range(4))
+    dec = "\n".join(f"    {{ i64 c = r % d{j}; r /= d{j}; src += c * ns{j}; dst += c * cs{j};{' b = c;' if j == 0 else ''} }}"
+                    for j in reversed(range(4)))
+    out.append(("kv_write", S.render(S.KV_WRITE, T="__nv_bfloat16", TP="int", DIMS_ARGS=dims, NSTR_ARGS=ns,
+                                     CSTR_ARGS=cs, DECOMP=dec, AXIS=2), "rlx_kv_write"))
+    # elementwise programs over every op kind and dtype mix
+    progs = [
+        ((("binary", (("op", "add"),), (0, 1)), ("activation", (("fn", "gelu"),), (2,))), [BF16, BF16], BF16),
+        ((("binary", (("op", "div"),), (0, 1)),), [I32, I32], I32),
+        ((("binary", (("op", "pow"),), (0, 1)),), [I64, I32], I64),
+        ((("binary", (("op", "max"),), (0, 1)),), [F64, F32], F64),
+        ((("binary", (("op", "add"),), (0, 1)),), [BOOL, BOOL], BOOL),
+        ((("compare", (("op", "lt"),), (0, 1)),), [F16, I32], BOOL),
+        ((("where", (), (0, 1, 2)),), [BOOL, F32, F16], F32),
+        ((("activation", (("fn", "abs"),), (0,)),), [I32], I32),
+        ((("activation", (("fn", "rsqrt"),), (0,)),), [F64], F64),
+        ((("cast", (("dtype", "bf16"),), (0,)),), [F64], BF16),
+        ((("cast", (("dtype", "i32"),), (0,)),), [F16], I32),
+        ((("fused_swiglu", (), (0, 1)),), [BF16, BF16], BF16),
+    ]
+    for k, (prog, ins, od) in enumerate(progs):
+        kinds = ["s"] * (len(ins) + 1)
+        out.append((f"ew{k}", codegen.elementwise_source(prog, ins, od, kinds, 3, k % 2 == 0), "rlx_ew"))
+    return out
+
+
+def check(arch: str = "sm_90", include: str | None = None) -> list:
+    """Compile every catalog entry with nvcc; returns the failures [(name, log)]."""
+    fails = []
+    with tempfile.TemporaryDirectory() as d:
+        for i, (name, src, _) in enumerate(catalog()):
+            p = os.path.join(d, f"k{i}.cu")
+            with open(p, "w") as f:
+                f.write(src)
+            cmd = ["nvcc", "-std=c++17", f"-arch={arch}", "-cubin", "-o", p + ".cubin", p]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode:
+                fails.append((name, r.stderr[-3000:]))
+    return fails
+
+
+if __name__ == "__main__":  # pragma: no cover - developer tool
+    f = check(*(sys.argv[1:2] or ["sm_90"]))
+    for name, log in f:
+        print("FAIL", name, "\n", log)
+    print(f"{len(catalog()) - len(f)} compiled, {len(f)} failed")
+    sys.exit(1 if f else 0)

@@ -1,0 +1,744 @@
+"""One builder per op of the core table: it turns a node into prepared launches.
+
+A builder is `fn(b: Build, node, ins: list[V], outs: list[V])`; view builders return the
+view instead. Semantics follow the NumPy reference backend (rlx_core/backends/numpy).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I64, DType
+from rlx_core.ir.errors import BackendError
+from rlx_core.ir.ops import MaskKind
+
+from . import sources
+from .codegen import acc_of, ctype
+from .runner import CONFIG, V, nocopy_reshape_strides
+
+LOW = (F16, BF16)
+i32, i64, f64 = np.int32, np.int64, np.float64
+
+
+def _block(n: int, cap: int = 256) -> int:
+    p = 32
+    while p < n and p < cap:
+        p *= 2
+    return p
+
+
+def _ew(b, n, ins, outs):
+    if n.op == "fused_elementwise":
+        program = n.a["program"]
+    else:
+        program = ((n.op, n.attrs, tuple(range(len(ins)))),)
+    b.elementwise(program, ins, outs[0])
+
+
+# ----------------------------------------------------------------------------- matrices
+def _as_matrix(b, v: V, rows: int, cols: int) -> tuple:
+    """(V, row_stride) viewing v as contiguous-inner rows [rows, cols] (copying if needed)."""
+    if v.size == 0:
+        return v, cols
+    st = nocopy_reshape_strides(v.shape, v.es, (rows, cols))
+    if st is not None and (cols == 1 or st[1] == 1):
+        return v, (st[0] if rows > 1 else cols)
+    c = b.contiguous(v)
+    return c, cols
+
+
+def _mat_layout(R, C, sr, sc):
+    """'r' row-major (ld=sr), 'c' column-major (ld=sc), or None."""
+    if R == 1:
+        sr = max(C, 1)
+    if C == 1:
+        sc = 1
+    if sc == 1 and sr >= max(1, C):
+        return "r", sr
+    if sr == 1 and sc >= max(1, R):
+        return "c", sc
+    return None, 0
+
+
+_CUDA_T = {F32: "CUDA_R_32F", F64: "CUDA_R_64F", F16: "CUDA_R_16F", BF16: "CUDA_R_16BF"}
+
+
+def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V) -> None:
+    cp = b.cp
+    od = out.dt
+    if out.size == 0:
+        return
+    if not od.is_float:
+        return _matmul_naive(b, a, w, ta, tb, out)
+    if a.dt is not od:
+        a = b.contiguous(a, od)
+    if w.dt is not od:
+        w = b.contiguous(w, od)
+    A = a.arr.swapaxes(-1, -2) if ta else a.arr
+    Bm = w.arr.swapaxes(-1, -2) if tb else w.arr
+    M, K = A.shape[-2], A.shape[-1]
+    N = Bm.shape[-1]
+    batch = tuple(out.shape[:-2])
+    nb = math.prod(batch)
+    Ab = cp.broadcast_to(A, batch + (M, K))
+    Bb = cp.broadcast_to(Bm, batch + (K, N))
+    isz = out.arr.itemsize
+
+    def estr(x):
+        return [s // isz for s in x.strides]
+
+    sa, sb = estr(Ab), estr(Bb)
+    la, lda = _mat_layout(M, K, sa[-2], sa[-1])
+    lb, ldb = _mat_layout(K, N, sb[-2], sb[-1])
+    if la is None or lb is None:
+        if la is None:
+            a = b.contiguous(V(A, od))
+            A = a.arr
+        if lb is None:
+            w = b.contiguous(V(Bm, od))
+            Bm = w.arr
+        return _matmul(b, V(A, od), V(Bm, od), False, False, out)
+    K_ = K
+    # GEMV fast path for decode: small M, W [N, K] row-major resident, x rows contiguous
+    gemv = None
+    if (od in LOW and lb == "c" and ldb == K and (nb == 1 or all(s == 0 for s in sb[:-2]))
+            and a.contiguous() and not ta and M * nb <= 8 and K % 8 == 0 and out.contiguous()
+            and Bm.data.ptr % 16 == 0 and A.data.ptr % 16 == 0):
+        gemv = _gemv_step(b, Ab, Bm, out, M * nb, N, K)
+    # batch offsets: collapse batch dims, loop over all but the innermost
+    sc_ = [math.prod(out.shape[i + 1:]) for i in range(len(out.shape))]
+    dims = [(d, sa[i], sb[i], sc_[i]) for i, d in enumerate(batch) if d != 1]
+    merged: list = []
+    for d, x, y, z in dims:
+        if merged:
+            pd, px, py, pz = merged[-1]
+            if px == x * d and py == y * d and pz == z * d:
+                merged[-1] = (pd * d, x, y, z)
+                continue
+        merged.append((d, x, y, z))
+    inner = merged[-1] if merged else (1, 0, 0, M * N)
+    outer = merged[:-1]
+    offsets = [(0, 0, 0)]
+    for d, x, y, z in outer:
+        offsets = [(oa + i * x, ob + i * y, oc + i * z) for oa, ob, oc in offsets for i in range(d)]
+    from cupy_backends.cuda.libs import cublas
+
+    rt = cp.cuda.runtime
+    dtype_c = getattr(rt, _CUDA_T[od])
+    compute = getattr(cublas, "CUBLAS_COMPUTE_64F", 70) if od is F64 else getattr(cublas, "CUBLAS_COMPUTE_32F", 68)
+    scal = np.float64 if od is F64 else np.float32
+    alpha, beta = np.ones(1, scal), np.zeros(1, scal)
+    b.keep += [alpha, beta]
+    opN, opT = 0, 1
+    opx, ldx = (opN, ldb) if lb == "r" else (opT, ldb)
+    opy, ldy = (opN, lda) if la == "r" else (opT, lda)
+    handle = cp.cuda.device.get_cublas_handle()
+    pa, pb, pc = Ab.data.ptr, Bb.data.ptr, out.arr.data.ptr
+    calls = [(pb + ob * isz, pa + oa * isz, pc + oc * isz) for oa, ob, oc in offsets]
+    cnt, s_a, s_b, s_c = inner[0], inner[1], inner[2], inner[3]
+    ap, bp = alpha.ctypes.data, beta.ctypes.data
+    algo = -1
+
+    def blas():
+        for px, py, pcc in calls:
+            if cnt == 1:
+                cublas.gemmEx(handle, opx, opy, N, M, K_, ap, px, dtype_c, ldx, py, dtype_c, ldy,
+                              bp, pcc, dtype_c, N, compute, algo)
+            else:
+                cublas.gemmStridedBatchedEx(handle, opx, opy, N, M, K_, ap, px, dtype_c, ldx, s_b,
+                                            py, dtype_c, ldy, s_a, bp, pcc, dtype_c, N, s_c, cnt,
+                                            compute, algo)
+    if gemv is None:
+        b.add(blas)
+    else:
+        def dispatch():
+            (gemv if CONFIG["gemv"] else blas)()
+        b.add(dispatch)
+
+
+def _gemv_step(b, Ab, W, out: V, M: int, N: int, K: int):
+    t = ctype(out.dt)
+    mmax = 1
+    while mmax < M:
+        mmax *= 2
+    src = sources.render(sources.GEMV, T=t, TO=t, MMAX=mmax)
+    fn = b.kernel(src, "rlx_gemv")
+    args = (Ab, i64(K), W, out.arr, i32(M), i32(N), i32(K))
+    grid, block, stream = ((N + 7) // 8,), (256,), b.stream
+
+    def run():
+        fn(grid, block, args, 0, stream)
+    return run
+
+
+def _matmul_naive(b, a: V, w: V, ta, tb, out: V) -> None:
+    cp = b.cp
+    A = a.arr.swapaxes(-1, -2) if ta else a.arr
+    Bm = w.arr.swapaxes(-1, -2) if tb else w.arr
+    batch = tuple(out.shape[:-2])
+    M, K, N = A.shape[-2], A.shape[-1], Bm.shape[-1]
+    Ab = b.contiguous(V(cp.broadcast_to(A, batch + (M, K)), a.dt))
+    Bb = b.contiguous(V(cp.broadcast_to(Bm, batch + (K, N)), w.dt))
+    if out.dt is BOOL:
+        acc, mac = "bool", "(s) || ((a) && (b))"
+    else:
+        acc, mac = "long long", "(s) + (a) * (b)"
+    src = sources.render(sources.MATMUL_NAIVE, TA=ctype(a.dt), TB=ctype(w.dt), TO=ctype(out.dt),
+                         ACC=acc, MAC=mac)
+    fn = b.kernel(src, "rlx_matmul_naive")
+    nb = math.prod(batch)
+    b.launch(fn, ((nb * M * N + 255) // 256,), (256,),
+             (Ab.arr, Bb.arr, out.arr, i64(nb), i32(M), i32(N), i32(K), i64(M * K), i64(K), i64(1),
+              i64(K * N), i64(N), i64(1)))
+
+
+def _b_matmul(b, n, ins, outs):
+    _matmul(b, ins[0], ins[1], n.a["trans_a"], n.a["trans_b"], outs[0])
+
+
+def _b_mba(b, n, ins, outs):
+    x, w = ins[0], ins[1]
+    out = outs[0]
+    _matmul(b, x, w, False, n.a["trans_b"], out)
+    program, args = [], [out]
+    last = 0
+    if len(ins) > 2:
+        args.append(ins[2])
+        program.append(("binary", (("op", "add"),), (0, 1)))
+        last = 2
+    if n.a["act"] != "identity":
+        program.append(("activation", (("fn", n.a["act"]),), (last,)))
+    if program:
+        b.elementwise(tuple(program), args, out)
+
+
+# ----------------------------------------------------------------------------- rows
+def _rowargs(b, x: V):
+    rows = math.prod(x.shape[:-1]) if x.shape else 1
+    n = x.shape[-1] if x.shape else 1
+    v, rs = _as_matrix(b, x, rows, n)
+    return v, rows, n, rs
+
+
+def _b_rms_norm(b, n, ins, outs):
+    x, w = ins[0], (ins[1] if len(ins) > 1 else None)
+    y = outs[0]
+    if y.size == 0:
+        return
+    xv, rows, nn, rs = _rowargs(b, x)
+    wv = b.contiguous(w) if w is not None else None
+    src = sources.render(sources.RMS_NORM, TX=ctype(x.dt), TW=ctype(w.dt) if w else "float",
+                         TO=ctype(y.dt), ACC=acc_of(x.dt), HAS_W=int(w is not None))
+    fn = b.kernel(src, "rlx_rms_norm")
+    b.launch(fn, (rows,), (_block(nn),), (xv.arr, i64(rs), wv.arr if wv else None, y.arr, i32(nn),
+                                           f64(n.a["eps"]), f64(n.a["offset"])))
+
+
+def _full(b, r: V, shape) -> V:
+    if r.shape == tuple(shape):
+        return r
+    buf = b.buffer(shape, r.dt)
+    b.copy(r, buf)
+    return buf
+
+
+def _b_res_rms(b, n, ins, outs):
+    x, r = ins[0], _full(b, ins[1], ins[0].shape)
+    w = ins[2] if len(ins) > 2 else None
+    h, y = outs
+    if y.size == 0:
+        return
+    xv, rows, nn, xrs = _rowargs(b, x)
+    rv, _, _, rrs = _rowargs(b, r)
+    wv = b.contiguous(w) if w is not None else None
+    src = sources.render(sources.RESIDUAL_RMS_NORM, TX=ctype(x.dt), TR=ctype(r.dt),
+                         TW=ctype(w.dt) if w else "float", TH=ctype(h.dt), TO=ctype(y.dt),
+                         ACC=acc_of(x.dt, r.dt), HAS_W=int(w is not None))
+    fn = b.kernel(src, "rlx_residual_rms_norm")
+    b.launch(fn, (rows,), (_block(nn),), (xv.arr, i64(xrs), rv.arr, i64(rrs), wv.arr if wv else None,
+                                           h.arr, y.arr, i32(nn), f64(n.a["eps"]), f64(n.a["offset"])))
+
+
+def _layer_norm(b, x, r, g, bb, h, y, eps):
+    if y.size == 0:
+        return
+    xv, rows, nn, xrs = _rowargs(b, x)
+    rv, rrs = (None, 0)
+    if r is not None:
+        rv, _, _, rrs = _rowargs(b, r)
+    gv = b.contiguous(g) if g is not None else None
+    bv = b.contiguous(bb) if bb is not None else None
+    dts = [x.dt] + ([r.dt] if r is not None else [])
+    src = sources.render(sources.LAYER_NORM, TX=ctype(x.dt), TR=ctype(r.dt) if r else "float",
+                         TG=ctype(g.dt) if g else "float", TB=ctype(bb.dt) if bb else "float",
+                         TH=ctype(h.dt) if h else "float", TO=ctype(y.dt), ACC=acc_of(*dts),
+                         HAS_R=int(r is not None), HAS_G=int(g is not None), HAS_B=int(bb is not None))
+    fn = b.kernel(src, "rlx_layer_norm")
+    b.launch(fn, (rows,), (_block(nn),), (xv.arr, i64(xrs), rv.arr if rv else None, i64(rrs),
+                                           gv.arr if gv else None, bv.arr if bv else None,
+                                           h.arr if h else None, y.arr, i32(nn), f64(eps)))
+
+
+def _b_layer_norm(b, n, ins, outs):
+    g = ins[1] if len(ins) > 1 else None
+    bb = ins[2] if len(ins) > 2 else None
+    _layer_norm(b, ins[0], None, g, bb, None, outs[0], n.a["eps"])
+
+
+def _b_res_ln(b, n, ins, outs):
+    x, r = ins[0], _full(b, ins[1], ins[0].shape)
+    g = ins[2] if len(ins) > 2 else None
+    bb = ins[3] if len(ins) > 3 else None
+    _layer_norm(b, x, r, g, bb, outs[0], outs[1], n.a["eps"])
+
+
+def _along_axis(b, x: V, out: V, axis: int, kernel_fn):
+    """Run a row kernel along `axis`: kernel_fn(xv, rows, n, rs, y) writes contiguous rows y."""
+    rank = len(x.shape)
+    ax = axis % rank if rank else 0
+    if ax == rank - 1 or rank == 0:
+        xv, rows, nn, rs = _rowargs(b, x)
+        if out.contiguous():
+            kernel_fn(xv, rows, nn, rs, out)
+            return
+        tmp = b.buffer(out.shape, out.dt)
+        kernel_fn(xv, rows, nn, rs, tmp)
+        b.copy(tmp, out)
+        return
+    perm = [i for i in range(rank) if i != ax] + [ax]
+    inv = list(np.argsort(perm))
+    xm = b.contiguous(V(x.arr.transpose(perm), x.dt))
+    xv, rows, nn, rs = _rowargs(b, xm)
+    ym = b.buffer(xm.shape, out.dt)
+    kernel_fn(xv, rows, nn, rs, ym)
+    b.copy(V(ym.arr.transpose(inv), out.dt), out)
+
+
+def _b_softmax(b, n, ins, outs):
+    x, y = ins[0], outs[0]
+    if y.size == 0:
+        return
+    src = sources.render(sources.SOFTMAX, TX=ctype(x.dt), TO=ctype(y.dt), ACC=acc_of(x.dt))
+    fn = b.kernel(src, "rlx_softmax")
+
+    def k(xv, rows, nn, rs, yv):
+        b.launch(fn, (rows,), (_block(nn),), (xv.arr, i64(rs), yv.arr, i32(nn)))
+    _along_axis(b, x, y, n.a["axis"], k)
+
+
+def _int_acc(dt: DType) -> str:
+    return "long long"
+
+
+def _loader(dt: DType) -> tuple:
+    """(ACC, load expression of macro arg v)."""
+    if dt.is_float:
+        return acc_of(dt), "LD(ACC, v)"
+    return "long long", "(ACC)(v)"
+
+
+def _storer(dt: DType, var: str) -> str:
+    if dt.is_float:
+        return f"ST({ctype(dt)}, {var})"
+    if dt is BOOL:
+        return f"({var} != 0)"
+    return f"({ctype(dt)})({var})"
+
+
+def _b_reduce(b, n, ins, outs):
+    x, y = ins[0], outs[0]
+    rank = len(x.shape)
+    axes = n.a["axes"]
+    axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    axes = tuple(sorted({a % rank for a in axes})) if rank else ()
+    kept = [i for i in range(rank) if i not in axes]
+    rows = math.prod(x.shape[i] for i in kept)
+    R = math.prod(x.shape[i] for i in axes)
+    if y.size == 0:
+        return
+    op = n.a["op"]
+    if R == 0 and op in ("max", "min"):
+        raise BackendError(f"reduce {op} over an empty axis (node %{b.node})")
+    xm = b.moved_last(x, axes)
+    xv, rs = _as_matrix(b, xm, rows, R)
+    acc, ld = _loader(x.dt)
+    if op == "mean" and not x.dt.is_float:
+        acc, ld = "double", "(ACC)(v)"
+    if x.dt.is_float or op == "mean":
+        mx = "rlx_max((a), (b))" if x.dt.is_float else "rlx_maxi<ACC>((a), (b))"
+        mn = "rlx_min((a), (b))" if x.dt.is_float else "rlx_mini<ACC>((a), (b))"
+        lo, hi = "(-(ACC)RLX_INF)", "((ACC)RLX_INF)"
+    else:
+        mx, mn = "rlx_maxi<ACC>((a), (b))", "rlx_mini<ACC>((a), (b))"
+        lo, hi = "((ACC)(-9223372036854775807LL - 1))", "((ACC)9223372036854775807LL)"
+    comb = {"sum": "(a) + (b)", "mean": "(a) + (b)", "prod": "(a) * (b)", "max": mx, "min": mn}[op]
+    ident = {"sum": "(ACC)0", "mean": "(ACC)0", "prod": "(ACC)1", "max": lo, "min": hi}[op]
+    final = _storer(y.dt, "(r / (ACC)n)" if op == "mean" else "r")
+    src = sources.render(sources.REDUCE, TX=ctype(x.dt), TO=ctype(y.dt), ACC=acc, LOAD=ld, COMB=comb,
+                         IDENT=ident, FINAL=final)
+    fn = b.kernel(src, "rlx_reduce")
+    b.launch(fn, (rows,), (_block(R),), (xv.arr, i64(rs), y.arr, i32(R)))
+
+
+def _b_argmax(b, n, ins, outs):
+    x, y = ins[0], outs[0]
+    rank = len(x.shape)
+    ax = n.a["axis"] % rank if rank else 0
+    if y.size == 0:
+        return
+    rows = x.size // max(x.shape[ax], 1) if rank else 1
+    R = x.shape[ax] if rank else 1
+    xm = b.moved_last(x, (ax,)) if rank else x
+    xv, rs = _as_matrix(b, xm, rows, R)
+    acc, ld = _loader(x.dt)
+    src = sources.render(sources.ARGMAX, TX=ctype(x.dt), ACC=acc, LOAD=ld)
+    fn = b.kernel(src, "rlx_argmax")
+    b.launch(fn, (rows,), (_block(R),), (xv.arr, i64(rs), y.arr, i32(R)))
+
+
+def _b_topk(b, n, ins, outs):
+    x = ins[0]
+    vals, idx = outs
+    k = n.a["k"]
+    rank = len(x.shape)
+    ax = n.a["axis"] % rank
+    if vals.size == 0:
+        return
+    acc, ld = _loader(x.dt)
+    src = sources.render(sources.TOPK, TX=ctype(x.dt), ACC=acc, LOAD=ld)
+    fn = b.kernel(src, "rlx_topk")
+    perm = [i for i in range(rank) if i != ax] + [ax]
+    inv = list(np.argsort(perm))
+    xm = b.contiguous(V(x.arr.transpose(perm), x.dt)) if ax != rank - 1 else x
+    xv, rows, nn, rs = _rowargs(b, xm)
+    direct = ax == rank - 1 and vals.contiguous() and idx.contiguous()
+    if direct:
+        vo, io = vals, idx
+    else:
+        shp = tuple(xm.shape[:-1]) + (k,)
+        vo, io = b.buffer(shp, vals.dt), b.buffer(shp, I64)
+    b.launch(fn, (rows,), (256,), (xv.arr, i64(rs), vo.arr, io.arr, i32(nn), i32(k)))
+    if not direct:
+        b.copy(V(vo.arr.transpose(inv), vals.dt), vals)
+        b.copy(V(io.arr.transpose(inv), I64), idx)
+
+
+def _b_cumsum(b, n, ins, outs):
+    x, y = ins[0], outs[0]
+    if y.size == 0:
+        return
+    acc, ld = _loader(x.dt)
+    st = _storer(y.dt, "v")
+    src = sources.render(sources.CUMSUM, TX=ctype(x.dt), TO=ctype(y.dt), ACC=acc, LOAD=ld, STORE=st)
+    fn = b.kernel(src, "rlx_cumsum")
+
+    def k(xv, rows, nn, rs, yv):
+        b.launch(fn, (rows,), (_block(nn),), (xv.arr, i64(rs), yv.arr, i32(nn)))
+    _along_axis(b, x, y, n.a["axis"], k)
+
+
+# ----------------------------------------------------------------------------- indexing
+def _b_gather(b, n, ins, outs):
+    t, ix = b.contiguous(ins[0]), b.contiguous(ins[1])
+    out = outs[0]
+    if out.size == 0:
+        return
+    rank = len(t.shape)
+    ax = n.a["axis"] % rank
+    outer = math.prod(t.shape[:ax])
+    nax = t.shape[ax]
+    inner = math.prod(t.shape[ax + 1:])
+    src = sources.render(sources.GATHER, TT=ctype(t.dt), TI=ctype(ix.dt))
+    fn = b.kernel(src, "rlx_gather")
+    total = outer * ix.size * inner
+    b.launch(fn, _grid(total, b.sms), (256,), (t.arr, ix.arr, out.arr, i64(outer), i64(nax), i64(ix.size),
+                                               i64(inner), b.r.err, i32(b.node)))
+
+
+def _grid(n, sms, block=256):
+    return (max(1, min((n + block - 1) // block, sms * 32)),)
+
+
+def _v_kv_write(b, n, ins):
+    cache, new, pos = ins
+    pos = b.contiguous(pos)
+    ax = n.a["axis"] % len(cache.shape)
+    if ax == 0:
+        raise BackendError(f"kv_write: axis 0 is the batch axis (node %{b.node})")
+    R = len(new.shape)
+    if new.size:
+        dims = ", ".join(f"long long d{j}" for j in range(R))
+        nstr = ", ".join(f"long long ns{j}" for j in range(R))
+        cstr = ", ".join(f"long long cs{j}" for j in range(R))
+        dec = []
+        for j in reversed(range(R)):
+            line = f"    {{ i64 c = r % d{j}; r /= d{j}; src += c * ns{j}; dst += c * cs{j};"
+            if j == 0:
+                line += " b = c;"
+            dec.append(line + " }")
+        src = sources.render(sources.KV_WRITE, T=ctype(cache.dt), TP=ctype(pos.dt), DIMS_ARGS=dims,
+                             NSTR_ARGS=nstr, CSTR_ARGS=cstr, DECOMP="\n".join(dec), AXIS=ax)
+        fn = b.kernel(src, "rlx_kv_write")
+        args = [cache.arr, new.arr, pos.arr, i64(new.size)]
+        args += [i64(d) for d in new.shape] + [i64(s) for s in new.es] + [i64(s) for s in cache.es]
+        args += [i64(cache.shape[ax]), i64(new.shape[ax]), b.r.err, i32(b.node)]
+        b.launch(fn, _grid(new.size, b.sms), (256,), args)
+    return cache
+
+
+def _v_reshape(b, n, ins):
+    x = ins[0]
+    dims = tuple(n.outs[0].dims)
+    st = nocopy_reshape_strides(x.shape, x.es, dims) if x.size else None
+    if st is not None or x.size == 0:
+        if x.size == 0:
+            return V(b.cp.empty(dims, x.arr.dtype), x.dt)
+        isz = x.arr.itemsize
+        arr = b.cp.lib.stride_tricks.as_strided(x.arr, shape=dims, strides=tuple(s * isz for s in st))
+        return V(arr, x.dt)
+    c = b.contiguous(x)
+    return V(c.arr.reshape(dims), x.dt)
+
+
+def _v_narrow(b, n, ins):
+    x = ins[0]
+    ax = n.a["axis"] % len(x.shape)
+    sl = (slice(None),) * ax + (slice(n.a["start"], n.a["start"] + n.a["length"]),)
+    return V(x.arr[sl], x.dt)
+
+
+def _v_expand(b, n, ins):
+    x = ins[0]
+    return V(b.cp.broadcast_to(x.arr, tuple(n.a["shape"])), x.dt)
+
+
+def _b_transpose(b, n, ins, outs):
+    x = ins[0]
+    b.copy(V(x.arr.transpose(tuple(n.a["perm"])), x.dt), outs[0])
+
+
+def _b_concat(b, n, ins, outs):
+    out = outs[0]
+    ax = n.a["axis"] % len(out.shape)
+    off = 0
+    for x in ins:
+        ln = x.shape[ax]
+        if ln:
+            sl = (slice(None),) * ax + (slice(off, off + ln),)
+            b.copy(x, V(out.arr[sl], out.dt))
+        off += ln
+
+
+# ----------------------------------------------------------------------------- attention
+def _split_attn(a, ins):
+    q, k, v, *rest = ins
+    mask = rest.pop(0) if a["has_mask"] else None
+    pos = rest.pop(0) if a["has_pos"] else None
+    return q, k, v, mask, pos
+
+
+def _unit_last(b, x: V) -> V:
+    if x.shape[-1] > 1 and x.es[-1] != 1:
+        return b.contiguous(x)
+    return x
+
+
+def _mask_args(b, mask: V | None, shape) -> tuple:
+    if mask is None:
+        return None, (0, 0, 0, 0), 0, "float"
+    mv = b.cp.broadcast_to(mask.arr, shape)
+    isz = mv.itemsize
+    st = tuple(s // isz for s in mv.strides)
+    return mv, st, (1 if mask.dt is BOOL else 2), ctype(mask.dt)
+
+
+def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
+    if out.size == 0:
+        return
+    q, k, v = _unit_last(b, q), _unit_last(b, k), _unit_last(b, v)
+    B, H, Sq, Dk = q.shape
+    KVH, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    kind = MaskKind(a["mask_kind"])
+    mk = {MaskKind.CAUSAL: 1, MaskKind.SLIDING_WINDOW: 2}.get(kind, 0)
+    mv, mst, mmode, tm = _mask_args(b, mask, (B, H, Sq, Sk))
+    pv = b.contiguous(pos) if pos is not None else None
+    tp = ctype(pv.dt) if pv is not None else "int"
+    G = H // KVH
+    qs, ks, vs = q.es, k.es, v.es
+    scale, cap, window = f64(a["scale"]), f64(a["softcap"]), i32(a["window"])
+    common = dict(MASKKIND=mk, MASKMODE=mmode, TM=tm, TP=tp, HAS_POS=int(pv is not None))
+    tc = None  # noqa: F841 (rebound below when the tensor-core kernel applies)
+    same = q.dt is k.dt is v.dt
+    if (same and q.dt in LOW and Dk == Dv and Dk in (32, 64, 96, 128) and not b.hip
+            and tuple(b.cc) >= (8, 0) and Sq >= 16):
+        vec = all(t.arr.data.ptr % 16 == 0 for t in (q, k, v)) and all(
+            s % 8 == 0 for s in qs[:3] + ks[:3] + vs[:3])
+        src = sources.render(sources.ATTN_TC, T=ctype(q.dt), MMAT="bf16" if q.dt is BF16 else "f16",
+                             D=Dk, VEC=int(vec), **common)
+        fn = b.kernel(src, "rlx_attn_tc")
+        args = (q.arr, i64(qs[0]), i64(qs[1]), i64(qs[2]), k.arr, i64(ks[0]), i64(ks[1]), i64(ks[2]),
+                v.arr, i64(vs[0]), i64(vs[1]), i64(vs[2]), mv, *[i64(s) for s in mst], pv.arr if pv else None,
+                out.arr, i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk), scale, cap, window)
+        grid, block, stream = ((Sq + 63) // 64, H, B), (128,), b.stream
+
+        def tc():
+            fn(grid, block, args, 0, stream)
+    # split-K kernel (always built: the decode path, f32/f64, and the TC fallback)
+    acc = "double" if F64 in (q.dt, k.dt, v.dt) else "float"
+    accsz = 8 if acc == "double" else 4
+    rows_needed = G * Sq
+    ROWS = 1
+    while ROWS < min(rows_needed, 8):
+        ROWS *= 2
+    while ROWS > 1 and 4 * ROWS * Dv * accsz > 40960:
+        ROWS //= 2
+    if 4 * ROWS * Dv * accsz > 40960 or Dk > 512:
+        raise BackendError(f"cuda backend: attention head_dim {Dk}/{Dv} is too large (node %{b.node})")
+    rowblocks = (rows_needed + ROWS - 1) // ROWS
+    blocks = B * KVH * rowblocks
+    nsplit = max(1, min(-(-2 * b.sms // blocks), -(-max(Sk, 1) // 16)))
+    chunk = -(-max(Sk, 1) // nsplit)
+    nsplit = -(-max(Sk, 1) // chunk)
+    src = sources.render(sources.ATTN_SPLIT, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt), ACC=acc,
+                         DK=Dk, DV=Dv, ROWS=ROWS, **common)
+    fn_s = b.kernel(src, "rlx_attn_split")
+    part_o = b.buffer((nsplit * B * H * Sq * Dv,), F32, "attention partials")
+    part_ml = b.buffer((nsplit * B * H * Sq * 2,), F32, "attention partials")
+    args_s = (q.arr, i64(qs[0]), i64(qs[1]), i64(qs[2]), k.arr, i64(ks[0]), i64(ks[1]), i64(ks[2]),
+              v.arr, i64(vs[0]), i64(vs[1]), i64(vs[2]), mv, *[i64(s) for s in mst], pv.arr if pv else None,
+              part_o.arr, part_ml.arr, i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk), i32(chunk), scale, cap,
+              window)
+    src_c = sources.render(sources.ATTN_COMBINE, TO=ctype(out.dt))
+    fn_c = b.kernel(src_c, "rlx_attn_combine")
+    rows = B * H * Sq
+    args_c = (part_o.arr, part_ml.arr, out.arr, i32(rows), i32(nsplit), i32(Dv))
+    grid_s, grid_c = (B * KVH, rowblocks, nsplit), (rows,)
+    block_c = (min(256, max(32, (Dv + 31) // 32 * 32)),)
+    stream = b.stream
+
+    def split():
+        fn_s(grid_s, (128,), args_s, 0, stream)
+        fn_c(grid_c, block_c, args_c, 0, stream)
+    if tc is None:
+        b.add(split)
+    else:
+        def dispatch():
+            (tc if CONFIG["tc_attention"] else split)()
+        b.add(dispatch)
+
+
+def _b_attention(b, n, ins, outs):
+    a = n.a
+    q, k, v, mask, pos = _split_attn(a, ins)
+    _attention(b, a, q, k, v, mask, pos, outs[0])
+
+
+def _rope(b, x: V, cos: V, sin: V, style: str, out: V) -> None:
+    if out.size == 0:
+        return
+    c = b.contiguous(cos)
+    s = b.contiguous(sin, c.dt)
+    B, H, S, D = x.shape
+    half = c.shape[-1]
+    xs = x.es
+    src = sources.render(sources.ROPE, TX=ctype(x.dt), TC=ctype(c.dt), TO=ctype(out.dt),
+                         ACC=acc_of(x.dt), INTERLEAVED=int(style == "interleaved"))
+    fn = b.kernel(src, "rlx_rope")
+    total = B * H * S * (half + D - 2 * half)
+    b.launch(fn, _grid(total, b.sms), (256,), (x.arr, c.arr, s.arr, out.arr, i32(B), i32(H), i32(S), i32(D),
+                                               i32(half), i64(xs[0]), i64(xs[1]), i64(xs[2]), i64(xs[3]),
+                                               i32(len(c.shape) == 3)))
+
+
+def _b_rope(b, n, ins, outs):
+    _rope(b, ins[0], ins[1], ins[2], n.a["style"], outs[0])
+
+
+def _b_attn_block(b, n, ins, outs):
+    a = n.a
+    q, k, v, cos, sin, *rest = ins
+    qr = b.buffer(q.shape, q.dt, "roped q")
+    kr = b.buffer(k.shape, k.dt, "roped k")
+    _rope(b, q, cos, sin, a["style"], qr)
+    _rope(b, k, cos, sin, a["style"], kr)
+    _, _, _, mask, pos = _split_attn(a, [q, k, v] + rest)
+    _attention(b, a, qr, kr, v, mask, pos, outs[0])
+
+
+def _b_mask_fill(b, n, ins, outs):
+    a = n.a
+    sc, *rest = ins
+    mask = rest.pop(0) if a["has_mask"] else None
+    pos = rest.pop(0) if a["has_pos"] else None
+    out = outs[0]
+    if out.size == 0:
+        return
+    B, H, Sq, Sk = sc.shape
+    kind = MaskKind(a["mask_kind"])
+    mk = {MaskKind.CAUSAL: 1, MaskKind.SLIDING_WINDOW: 2}.get(kind, 0)
+    mv, mst, mmode, tm = _mask_args(b, mask, (B, H, Sq, Sk))
+    pv = b.contiguous(pos) if pos is not None else None
+    ss = sc.es
+    src = sources.render(sources.MASK_FILL, TS=ctype(sc.dt), TM=tm, TP=ctype(pv.dt) if pv else "int",
+                         TO=ctype(out.dt), ACC=acc_of(sc.dt), MASKKIND=mk, MASKMODE=mmode,
+                         HAS_POS=int(pv is not None))
+    fn = b.kernel(src, "rlx_mask_fill")
+    b.launch(fn, _grid(out.size, b.sms), (256,), (sc.arr, *[i64(s) for s in ss], mv, *[i64(s) for s in mst],
+                                                  pv.arr if pv else None, out.arr, i32(B), i32(H), i32(Sq),
+                                                  i32(Sk), i32(a["window"])))
+
+
+# ----------------------------------------------------------------------------- custom
+def _b_custom(b, n, ins, outs):
+    from rlx_core.ir.custom import custom_op
+
+    op = custom_op(n.a["name"])
+    fn = op.kernels.get("cuda")
+    if fn is None:
+        raise BackendError(f"cuda backend has no kernel for custom op {n.a['name']!r}")
+    params = dict(n.a["params"])
+    arrays = [x.arr for x in ins]
+    cp = b.cp
+    stream = b.stream
+
+    def run():
+        with stream:
+            res = fn(*arrays, **params)
+            res = res if isinstance(res, tuple) else (res,)
+            for o, r in zip(outs, res):
+                o.arr[...] = cp.asarray(r).astype(o.arr.dtype, copy=False)
+    b.add(run, capturable=False)
+
+
+BUILDERS = {
+    "matmul": _b_matmul,
+    "binary": _ew, "compare": _ew, "where": _ew, "activation": _ew, "cast": _ew,
+    "fused_swiglu": _ew, "fused_elementwise": _ew,
+    "reduce": _b_reduce,
+    "softmax": _b_softmax,
+    "layer_norm": _b_layer_norm,
+    "rms_norm": _b_rms_norm,
+    "rope": _b_rope,
+    "attention": _b_attention,
+    "mask_fill": _b_mask_fill,
+    "gather": _b_gather,
+    "transpose": _b_transpose,
+    "concat": _b_concat,
+    "cumsum": _b_cumsum,
+    "topk": _b_topk,
+    "argmax": _b_argmax,
+    "custom": _b_custom,
+    "fused_matmul_bias_act": _b_mba,
+    "fused_residual_rms_norm": _b_res_rms,
+    "fused_residual_ln": _b_res_ln,
+    "fused_attention_block": _b_attn_block,
+}
+
+VIEW_BUILDERS = {
+    "reshape": _v_reshape,
+    "narrow": _v_narrow,
+    "expand": _v_expand,
+    "kv_write": _v_kv_write,
+}
+
+__all__ = ["BUILDERS", "VIEW_BUILDERS"]

@@ -1,0 +1,452 @@
+"""CudaRunner: a shape-specialized LIR graph as a list of prepared kernel launches.
+
+Build (once per specialization): every value gets a device array — the arena slice the
+LIR plan gives it (one arena, allocated once and shared by the backend's runners, which
+run one at a time on one stream), a resident param/state, an uploaded constant, an input
+staging buffer, or a strided view of another value (reshape/narrow/expand/kv_write are
+free). Every op becomes one or a few launches with their arguments fixed, so a run is:
+one host->device copy of the inputs, the launches (a CUDA graph replay from the second
+run on), device->host copies of the outputs, one synchronize.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from rlx_core.backends.base import Runner
+from rlx_core.ir.dtype import DType
+from rlx_core.ir.errors import BackendError, ModelError, RlxError
+
+from . import codegen, device
+
+CONFIG = {"gemv": True, "tc_attention": True, "graphs": True, "version": 0}
+
+
+def set_config(**kw) -> None:
+    """Switch implementation choices at run time (graphs are re-captured)."""
+    for k, v in kw.items():
+        if k not in CONFIG or k == "version":
+            raise KeyError(f"unknown cuda backend option {k!r}; options: {sorted(CONFIG)}")
+        CONFIG[k] = v
+    CONFIG["version"] += 1
+
+
+class V:
+    """A device value: a cupy array over storage dtype plus the logical DType."""
+    __slots__ = ("arr", "dt")
+
+    def __init__(self, arr, dt: DType):
+        self.arr, self.dt = arr, dt
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.arr.shape)
+
+    @property
+    def es(self) -> tuple:
+        """Strides in elements."""
+        isz = self.arr.itemsize
+        return tuple(s // isz for s in self.arr.strides)
+
+    @property
+    def size(self) -> int:
+        return int(self.arr.size)
+
+    def contiguous(self) -> bool:
+        return bool(self.arr.flags.c_contiguous)
+
+
+def nocopy_reshape_strides(shape, strides, newshape):
+    """Strides for viewing (shape, strides) as newshape without a copy, or None
+    (numpy's _attempt_nocopy_reshape)."""
+    old = [(d, s) for d, s in zip(shape, strides) if d != 1]
+    new = list(newshape)
+    if math.prod(shape) == 0 or math.prod(newshape) == 0:
+        return None
+    out = [0] * len(new)
+    oi = ni = 0
+    od = [d for d, _ in old]
+    os_ = [s for _, s in old]
+    nd = [d for d in new]
+    oj = nj = 0
+    while ni < len(nd) and oi < len(od):
+        np_, op = nd[ni], od[oi]
+        nj, oj = ni + 1, oi + 1
+        while np_ != op:
+            if np_ < op:
+                np_ *= nd[nj]
+                nj += 1
+            else:
+                op *= od[oj]
+                oj += 1
+        for ok in range(oi, oj - 1):
+            if os_[ok] != od[ok + 1] * os_[ok + 1]:
+                return None
+        out[nj - 1] = os_[oj - 1]
+        for nk in range(nj - 1, ni, -1):
+            out[nk - 1] = out[nk] * nd[nk]
+        ni, oi = nj, oj
+    last = out[ni - 1] if ni >= 1 else 1
+    for nk in range(ni, len(nd)):
+        out[nk] = last
+    # dims of size 1 anywhere: any stride works
+    return tuple(out)
+
+
+def _grid(n: int, block: int, sms: int) -> tuple:
+    return (max(1, min((n + block - 1) // block, sms * 32)),)
+
+
+def _pow2(n: int, lo: int = 32, hi: int = 1024) -> int:
+    p = lo
+    while p < n and p < hi:
+        p *= 2
+    return p
+
+
+class Step:
+    __slots__ = ("node", "op", "fn", "capturable")
+
+    def __init__(self, node, op, fn, capturable=True):
+        self.node, self.op, self.fn, self.capturable = node, op, fn, capturable
+
+
+class Build:
+    """Build-time context: allocation, kernels, and the step list under construction."""
+
+    def __init__(self, runner):
+        self.r = runner
+        self.cp = device.cupy()
+        self.stream = runner.backend.stream()
+        self.sms = device.info().get("sms", 80)
+        self.hip = bool(device.info().get("hip"))
+        self.cc = device.info().get("cc", (8, 0))
+        self.steps: list = []
+        self.node = -1
+        self.op = ""
+        self.keep: list = []          # host buffers the launches point at (alpha/beta)
+
+    # -- memory
+    def buffer(self, shape, dt: DType, what: str = "scratch") -> V:
+        arr = device.empty(tuple(shape), dt, f"{what} of node %{self.node} ({self.op})")
+        self.r.private.append(arr)
+        return V(arr, dt)
+
+    # -- launches
+    def kernel(self, source: str, name: str):
+        return device.kernel(source, name, self.op)
+
+    def launch(self, fn, grid, block, args, capturable=True):
+        stream = self.stream
+        grid, block, args = tuple(grid), tuple(block), tuple(args)
+
+        def run():
+            fn(grid, block, args, 0, stream)
+        self.steps.append(Step(self.node, self.op, run, capturable))
+
+    def add(self, run, capturable=True):
+        self.steps.append(Step(self.node, self.op, run, capturable))
+
+    # -- generic elementwise / copies
+    def elementwise(self, program, ins: list, out: V) -> None:
+        n = out.size
+        if n == 0:
+            return
+        cp = self.cp
+        views = []
+        for v in ins:
+            a = v.arr if v.shape == out.shape else cp.broadcast_to(v.arr, out.shape)
+            views.append(V(a, v.dt))
+        views.append(out)
+        shape, strides = codegen.collapse(out.shape, [list(v.es) for v in views])
+        rank = len(shape)
+        contig = []
+        for k in range(rank):
+            contig.append(math.prod(shape[k + 1:]))
+        kinds = []
+        for st in strides:
+            if all(s == 0 for s in st):
+                kinds.append("z")
+            elif list(st) == contig:
+                kinds.append("c")
+            else:
+                kinds.append("s")
+        if kinds[-1] == "z" and n > 1:
+            raise BackendError(f"cuda backend: node %{self.node} ({self.op}) writes a broadcast view")
+        maxoff = max([n] + [sum(abs(s) * (d - 1) for s, d in zip(st, shape)) for st in strides])
+        idx64 = maxoff >= 2 ** 31 - 2 ** 26
+        src = codegen.elementwise_source(program, [v.dt for v in ins], out.dt, kinds, rank, idx64)
+        fn = self.kernel(src, "rlx_ew")
+        itype = np.int64 if idx64 else np.int32
+        args = [v.arr for v in views] + [itype(n)]
+        if "s" in kinds:
+            args += [itype(d) for d in shape]
+            for k, kd in enumerate(kinds):
+                if kd == "s":
+                    args += [itype(s) for s in strides[k]]
+        self.launch(fn, _grid(n, 256, self.sms), (256,), args)
+
+    def copy(self, src: V, dst: V) -> None:
+        """dst <- src (any strides, dtype conversion), one kernel."""
+        self.elementwise(((("cast", (("dtype", dst.dt.value),), (0,))),), [src], dst)
+
+    def contiguous(self, v: V, dt: DType | None = None) -> V:
+        dt = dt or v.dt
+        if v.contiguous() and dt is v.dt:
+            return v
+        out = self.buffer(v.shape, dt)
+        self.copy(v, out)
+        return out
+
+    def rows(self, v: V) -> tuple:
+        """(V, rows, n, row_stride) for a row kernel over the last axis."""
+        shape = v.shape
+        n = shape[-1] if shape else 1
+        rows = math.prod(shape[:-1]) if shape else 1
+        es = v.es
+        if not shape:
+            return v, 1, 1, 1
+        if (n == 1 or es[-1] == 1):
+            st = nocopy_reshape_strides(shape, es, (rows, n))
+            if st is not None and (n == 1 or st[1] == 1):
+                return v, rows, n, (st[0] if rows > 1 else n)
+        c = self.contiguous(v)
+        return c, rows, n, n
+
+    def moved_last(self, v: V, axes: tuple) -> V:
+        """v with `axes` moved to the end (a view when the layout allows it)."""
+        rank = len(v.shape)
+        perm = [i for i in range(rank) if i not in axes] + list(axes)
+        if perm == list(range(rank)):
+            return v
+        return V(v.arr.transpose(perm), v.dt)
+
+
+class CudaRunner(Runner):
+    def __init__(self, backend, lir, params: dict, states: dict):
+        self.backend = backend
+        self.lir = lir
+        self.params = params
+        self.states = states
+        self.name = lir.graph.name
+        self._build()
+
+    # ------------------------------------------------------------------ build
+    def _build(self) -> None:
+        from .ops import BUILDERS, VIEW_BUILDERS
+
+        cp = device.cupy()
+        lir, g = self.lir, self.lir.graph
+        self.private: list = []
+        self.graph = None
+        self.graph_version = None
+        self.runs = 0
+        self.capture_failed = ""
+        b = Build(self)
+        self.stream = b.stream
+        for i, n in enumerate(g.nodes):
+            for s in n.outs:
+                if s.dtype is DType.C64:
+                    raise BackendError(f"cuda backend: node %{i} ({n.op}) computes in complex64, which "
+                                       "this backend does not support on the GPU")
+        # arena (shared, grown monotonically)
+        self.arena = self.backend.arena(lir.arena_bytes)
+        # error flag
+        self.err = cp.zeros(4, np.int32)
+        self.err_host = np.zeros(4, np.int32)
+        # inputs: one device block and one pinned staging block
+        ins = [(n.name, i, n.outs[0]) for i, n in enumerate(g.nodes) if n.op == "input"]
+        offs, tot = [], 0
+        for _, _, s in ins:
+            offs.append(tot)
+            tot += (s.nbytes() + 63) // 64 * 64
+        self.in_bytes = tot
+        self.in_dev = device.alloc(max(tot, 64), f"inputs of graph {self.name!r}")
+        self.in_pin = cp.cuda.alloc_pinned_memory(max(tot, 64))
+        self.in_host = np.frombuffer(self.in_pin, np.uint8, max(tot, 64))
+        vals: dict = {}
+        self.inputs = {}
+        for (name, i, s), off in zip(ins, offs):
+            arr = cp.ndarray(s.dims, device.storage_dtype(s.dtype), memptr=self.in_dev + off)
+            vals[(i, 0)] = V(arr, s.dtype)
+            self.inputs[name] = (off, s.nbytes(), s)
+        self.bound_states = {}
+        consts: dict = {}
+        for i, n in enumerate(g.nodes):
+            b.node, b.op = i, n.op
+            if n.op == "input":
+                continue
+            if n.op in ("param", "state"):
+                table = self.params if n.op == "param" else self.states
+                if n.name not in table:
+                    raise BackendError(f"cuda backend: graph {self.name!r} {n.op} {n.name!r} is not bound")
+                dv = self.backend.ensure_device(table, n.name)
+                s = n.outs[0]
+                if dv.dtype != s.dtype.np or tuple(dv.shape) != s.dims:
+                    raise BackendError(f"cuda backend: {n.op} {n.name!r} is {dv.dtype}{list(dv.shape)} "
+                                       f"but the graph needs {s}")
+                vals[(i, 0)] = V(dv.data, s.dtype)
+                if n.op == "state":
+                    self.bound_states[n.name] = table[n.name]
+                continue
+            if n.op == "constant":
+                if n.name not in consts:
+                    consts[n.name] = device.from_host(np.asarray(g.constants[n.name]).astype(
+                        n.outs[0].dtype.np, copy=False), f"constant {n.name!r}")
+                vals[(i, 0)] = V(consts[n.name], n.outs[0].dtype)
+                continue
+            ins_v = [vals[tuple(r)] for r in n.inputs]
+            if n.op in VIEW_BUILDERS:
+                vals[(i, 0)] = VIEW_BUILDERS[n.op](b, n, ins_v)
+                continue
+            outs = []
+            for k, s in enumerate(n.outs):
+                sl = lir.slots[(i, k)]
+                arr = cp.ndarray(s.dims, device.storage_dtype(s.dtype), memptr=self.arena + sl.offset)
+                outs.append(V(arr, s.dtype))
+                vals[(i, k)] = outs[-1]
+            fn = BUILDERS.get(n.op)
+            if fn is None:
+                raise BackendError(f"cuda backend: no kernel for op {n.op!r} (node %{i})")
+            try:
+                fn(b, n, ins_v, outs)
+            except RlxError:
+                raise
+            except Exception as e:
+                raise BackendError(f"cuda backend: building node %{i} ({n.op}) of graph {self.name!r} "
+                                   f"failed: {type(e).__name__}: {e}") from e
+        self.consts = consts
+        # outputs: contiguous device sources, one pinned block
+        b.node, b.op = len(g.nodes), "output"
+        self.outputs = []
+        otot = 16
+        for name, r in g.outputs:
+            v = vals[tuple(r)]
+            if not v.contiguous():
+                v = b.contiguous(v)
+            nb = v.size * v.arr.itemsize
+            self.outputs.append((name, v, otot, nb))
+            otot += (nb + 63) // 64 * 64
+        self.out_pin = cp.cuda.alloc_pinned_memory(otot)
+        self.out_host = np.frombuffer(self.out_pin, np.uint8, otot)
+        self.steps = b.steps
+        self.keep = b.keep
+        self.capturable = all(s.capturable for s in self.steps) and not b.hip
+        self.vals = vals
+        cp.cuda.runtime.deviceSynchronize()
+
+    # ------------------------------------------------------------------ run
+    def _states_changed(self) -> bool:
+        for name, obj in self.bound_states.items():
+            if self.states.get(name) is not obj:
+                return True
+        return False
+
+    def _eager(self) -> None:
+        sync = device.env_flag("RLX_CUDA_SYNC_EACH", False)
+        for st in self.steps:
+            st.fn()
+            if sync:
+                try:
+                    self.stream.synchronize()
+                except Exception as e:
+                    raise BackendError(f"cuda backend: graph {self.name!r} node %{st.node} ({st.op}) "
+                                       f"failed: {e}") from e
+
+    def _capture(self) -> None:
+        s = self.stream
+        s.begin_capture()
+        try:
+            for st in self.steps:
+                st.fn()
+        except Exception as e:
+            try:
+                s.end_capture()
+            except Exception:
+                pass
+            self.capture_failed = f"{type(e).__name__}: {e}"
+            self.capturable = False
+            return
+        self.graph = s.end_capture()
+        self.graph.upload(s)
+        self.graph_version = CONFIG["version"]
+
+    def run(self, inputs: dict) -> dict:
+        cp = device.cupy()
+        if self._states_changed():
+            self._build()
+        rt = cp.cuda.runtime
+        host = self.in_host
+        for name, (off, nb, s) in self.inputs.items():
+            a = inputs[name]
+            if nb:
+                host[off:off + nb] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        s = self.stream
+        try:
+            with s:
+                if self.in_bytes:
+                    rt.memcpyAsync(self.in_dev.ptr, host.ctypes.data, self.in_bytes,
+                                   rt.memcpyHostToDevice, s.ptr)
+                if self.graph is not None and self.graph_version != CONFIG["version"]:
+                    self.graph = None
+                use_graph = CONFIG["graphs"] and self.capturable and self.runs >= 1
+                if use_graph and self.graph is None:
+                    self._capture()
+                if use_graph and self.graph is not None:
+                    self.graph.launch(s)
+                else:
+                    self._eager()
+                oh = self.out_host
+                rt.memcpyAsync(oh.ctypes.data, self.err.data.ptr, 16, rt.memcpyDeviceToHost, s.ptr)
+                for name, v, off, nb in self.outputs:
+                    if nb:
+                        rt.memcpyAsync(oh.ctypes.data + off, v.arr.data.ptr, nb, rt.memcpyDeviceToHost, s.ptr)
+            s.synchronize()
+        except RlxError:
+            raise
+        except Exception as e:
+            raise BackendError(f"cuda backend: running graph {self.name!r} failed: {type(e).__name__}: {e} "
+                               "(set RLX_CUDA_SYNC_EACH=1 to name the failing node)") from e
+        self.runs += 1
+        err = self.out_host[:16].view(np.int32)
+        if err[0]:
+            code, node, value, limit = (int(x) for x in err)
+            with s:
+                self.err.fill(0)
+            s.synchronize()
+            op = self.lir.graph.nodes[node].op if 0 <= node < len(self.lir.graph.nodes) else "?"
+            if code == 1:
+                msg = f"gather: index out of range [0, {limit}) (got {value})"
+            elif code == 2:
+                msg = (f"kv_write: writing at position {value} overflows the cache of length {limit} "
+                       "(context full)")
+            else:
+                msg = f"device error code {code}"
+            raise ModelError(f"graph {self.name!r} node %{node} ({op}): {msg}")
+        out = {}
+        for name, v, off, nb in self.outputs:
+            a = np.array(self.out_host[off:off + nb])
+            npdt = v.dt.np
+            out[name] = a.view(npdt).reshape(v.shape) if nb else np.zeros(v.shape, npdt)
+        return out
+
+    def poison(self, byte: int) -> bool:
+        """Fill the arena and scratch buffers with `byte` (tests: unwritten outputs show)."""
+        cp = device.cupy()
+        rt = cp.cuda.runtime
+        if self.lir.arena_bytes:
+            rt.memset(self.arena.ptr, byte, self.lir.arena_bytes)
+        for a in self.private:
+            if a.nbytes:
+                rt.memset(a.data.ptr, byte, a.nbytes)
+        rt.deviceSynchronize()
+        return True
+
+    # ------------------------------------------------------------------ introspection
+    def describe(self) -> dict:
+        return {"steps": len(self.steps), "graph": self.graph is not None,
+                "capturable": self.capturable, "capture_failed": self.capture_failed,
+                "arena_bytes": self.lir.arena_bytes}
+
+
+__all__ = ["CudaRunner", "CONFIG", "set_config", "V", "Build", "nocopy_reshape_strides"]

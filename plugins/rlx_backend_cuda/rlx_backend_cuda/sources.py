@@ -1,0 +1,868 @@
+"""CUDA C++ sources of the backend's kernels, as templates.
+
+Every kernel is plain CUDA C++ compiled by NVRTC through `cupy.RawModule` (once per
+specialization, cached). `$NAME` placeholders are filled by `render()` with C types
+(`$T`, `$TO`, ...), the accumulation type `$ACC` (float, or double for f64 data) and
+compile-time constants. bf16 data lives in 16-bit buffers and is read and written as
+`__nv_bfloat16`; f16 as `__half`; both compute in f32.
+
+HIP: the prelude maps the CUDA spellings to HIP's (`hip_fp16.h`, `hip_bf16.h`, lane
+shuffles without masks). Warp-level code uses logical 32-lane groups and xor masks < 32,
+so it also holds on 64-wide wavefronts. The tensor-core attention kernel uses inline PTX
+(`mma.sync`) and is compiled only for CUDA (the runner never picks it on ROCm).
+"""
+from __future__ import annotations
+
+import string
+
+PRELUDE = r"""
+#if defined(__HIPCC_RTC__) || defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+#include <hip/hip_fp16.h>
+#include <hip/hip_bf16.h>
+typedef __hip_bfloat16 __nv_bfloat16;
+#define RLX_HIP 1
+#define SHFL_XOR(v, m) __shfl_xor((v), (m))
+#else
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#define SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#endif
+typedef long long i64;
+typedef unsigned int u32;
+#define RLX_INF __int_as_float(0x7f800000)
+
+// load any storage type as float / double
+__device__ __forceinline__ float tof(float v) { return v; }
+__device__ __forceinline__ float tof(double v) { return (float)v; }
+__device__ __forceinline__ float tof(__half v) { return __half2float(v); }
+__device__ __forceinline__ float tof(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float tof(bool v) { return v ? 1.0f : 0.0f; }
+__device__ __forceinline__ float tof(signed char v) { return (float)v; }
+__device__ __forceinline__ float tof(unsigned char v) { return (float)v; }
+__device__ __forceinline__ float tof(short v) { return (float)v; }
+__device__ __forceinline__ float tof(int v) { return (float)v; }
+__device__ __forceinline__ float tof(unsigned int v) { return (float)v; }
+__device__ __forceinline__ float tof(long long v) { return (float)v; }
+__device__ __forceinline__ double tod(double v) { return v; }
+__device__ __forceinline__ double tod(float v) { return (double)v; }
+__device__ __forceinline__ double tod(__half v) { return (double)__half2float(v); }
+__device__ __forceinline__ double tod(__nv_bfloat16 v) { return (double)__bfloat162float(v); }
+__device__ __forceinline__ double tod(bool v) { return v ? 1.0 : 0.0; }
+__device__ __forceinline__ double tod(signed char v) { return (double)v; }
+__device__ __forceinline__ double tod(unsigned char v) { return (double)v; }
+__device__ __forceinline__ double tod(short v) { return (double)v; }
+__device__ __forceinline__ double tod(int v) { return (double)v; }
+__device__ __forceinline__ double tod(unsigned int v) { return (double)v; }
+__device__ __forceinline__ double tod(long long v) { return (double)v; }
+template <typename A> struct Ld;
+template <> struct Ld<float> { template <typename T> __device__ static float f(T v) { return tof(v); } };
+template <> struct Ld<double> { template <typename T> __device__ static double f(T v) { return tod(v); } };
+#define LD(ACCT, v) Ld<ACCT>::f(v)
+
+// store float / double / int as any storage type (round to nearest even)
+template <typename T> struct St {
+  __device__ static T f(float v) { return (T)v; }
+  __device__ static T f(double v) { return (T)v; }
+};
+template <> struct St<__half> {
+  __device__ static __half f(float v) { return __float2half_rn(v); }
+  __device__ static __half f(double v) { return __double2half(v); }
+};
+template <> struct St<__nv_bfloat16> {
+  __device__ static __nv_bfloat16 f(float v) { return __float2bfloat16_rn(v); }
+  __device__ static __nv_bfloat16 f(double v) { return __double2bfloat16(v); }
+};
+template <> struct St<bool> {
+  __device__ static bool f(float v) { return v != 0.0f; }
+  __device__ static bool f(double v) { return v != 0.0; }
+};
+#define ST(T, v) St<T>::f(v)
+
+// round a value through a 16-bit type (intermediates of fused elementwise programs)
+__device__ __forceinline__ float rbf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+__device__ __forceinline__ float rbf(double v) { return __bfloat162float(__double2bfloat16(v)); }
+__device__ __forceinline__ float rhf(float v) { return __half2float(__float2half_rn(v)); }
+__device__ __forceinline__ float rhf(double v) { return __half2float(__double2half(v)); }
+
+__device__ __forceinline__ float rlx_max(float a, float b) { return (a != a) ? a : ((b != b) ? b : (a > b ? a : b)); }
+__device__ __forceinline__ double rlx_max(double a, double b) { return (a != a) ? a : ((b != b) ? b : (a > b ? a : b)); }
+__device__ __forceinline__ float rlx_min(float a, float b) { return (a != a) ? a : ((b != b) ? b : (a < b ? a : b)); }
+__device__ __forceinline__ double rlx_min(double a, double b) { return (a != a) ? a : ((b != b) ? b : (a < b ? a : b)); }
+template <typename I> __device__ __forceinline__ I rlx_maxi(I a, I b) { return a > b ? a : b; }
+template <typename I> __device__ __forceinline__ I rlx_mini(I a, I b) { return a < b ? a : b; }
+template <typename I> __device__ __forceinline__ I rlx_floordiv(I a, I b) {
+  if (b == 0) return (I)0;
+  I q = a / b;
+  if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1;
+  return q;
+}
+template <typename I> __device__ __forceinline__ I rlx_ipow(I a, I b) {
+  if (b < 0) return (I)0;
+  I r = 1;
+  while (b) { if (b & 1) r *= a; a *= a; b >>= 1; }
+  return r;
+}
+__device__ __forceinline__ float rlx_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ double rlx_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+// error flag: first error wins; [code, node, value, limit]
+__device__ __forceinline__ void rlx_error(int* err, int code, int node, long long value, long long limit) {
+  if (atomicCAS(err, 0, code) == 0) { err[1] = node; err[2] = (int)value; err[3] = (int)limit; }
+}
+
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += SHFL_XOR(v, m);
+  return v;
+}
+template <typename A> __device__ __forceinline__ A warp_max(A v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) { A o = SHFL_XOR(v, m); v = o > v ? o : v; }
+  return v;
+}
+// block-wide sum / max (blockDim.x a multiple of 32, <= 1024); all threads get the result
+template <typename A> __device__ A block_sum(A v) {
+  __shared__ A sh[32];
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) sh[w] = v;
+  __syncthreads();
+  A t = lane < nw ? sh[lane] : (A)0;
+  return warp_sum(t);
+}
+template <typename A> __device__ A block_max(A v, A lowest) {
+  __shared__ A shm[32];
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) shm[w] = v;
+  __syncthreads();
+  A t = lane < nw ? shm[lane] : lowest;
+  return warp_max(t);
+}
+"""
+
+
+def render(template: str, **subs) -> str:
+    """Fill `$NAME` placeholders; a missing one is a KeyError naming it."""
+    return PRELUDE + string.Template(template).substitute(**{k: str(v) for k, v in subs.items()})
+
+
+# --------------------------------------------------------------------------- rows
+# Row kernels work on contiguous rows: input rows of length n with row stride `rs`
+# (elements, last axis unit-stride), outputs contiguous [rows, n]. One block per row.
+
+RMS_NORM = r"""
+extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long rs,
+    const $TW* __restrict__ w, $TO* __restrict__ y, int n, double eps_d, double off_d) {
+  typedef $ACC ACC;
+  const i64 row = blockIdx.x;
+  const $TX* xr = x + row * rs;
+  $TO* yr = y + row * (i64)n;
+  ACC ss = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) { ACC v = LD(ACC, xr[i]); ss += v * v; }
+  ss = block_sum(ss);
+  const ACC den = sqrt(ss / (ACC)n + (ACC)eps_d);
+  const ACC off = (ACC)off_d;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    ACC v = LD(ACC, xr[i]) / den;
+#if $HAS_W
+    v = v * (LD(ACC, w[i]) + off);
+#endif
+    yr[i] = ST($TO, v);
+  }
+}
+"""
+
+RESIDUAL_RMS_NORM = r"""
+extern "C" __global__ void rlx_residual_rms_norm(const $TX* __restrict__ x, long long xrs,
+    const $TR* __restrict__ r, long long rrs, const $TW* __restrict__ w,
+    $TH* __restrict__ h, $TO* __restrict__ y, int n, double eps_d, double off_d) {
+  typedef $ACC ACC;
+  const i64 row = blockIdx.x;
+  const $TX* xr = x + row * xrs;
+  const $TR* rr = r + row * rrs;
+  $TH* hr = h + row * (i64)n;
+  $TO* yr = y + row * (i64)n;
+  ACC ss = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    ACC v = LD(ACC, xr[i]) + LD(ACC, rr[i]);
+    hr[i] = ST($TH, v);
+    ss += v * v;
+  }
+  ss = block_sum(ss);
+  const ACC den = sqrt(ss / (ACC)n + (ACC)eps_d);
+  const ACC off = (ACC)off_d;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    ACC v = (LD(ACC, xr[i]) + LD(ACC, rr[i])) / den;
+#if $HAS_W
+    v = v * (LD(ACC, w[i]) + off);
+#endif
+    yr[i] = ST($TO, v);
+  }
+}
+"""
+
+LAYER_NORM = r"""
+extern "C" __global__ void rlx_layer_norm(const $TX* __restrict__ x, long long xrs,
+    const $TR* __restrict__ r, long long rrs, const $TG* __restrict__ g, const $TB* __restrict__ b,
+    $TH* __restrict__ h, $TO* __restrict__ y, int n, double eps_d) {
+  // HAS_R: y = layer_norm(x + r) and h = x + r (fused_residual_ln); else y = layer_norm(x)
+  typedef $ACC ACC;
+  const i64 row = blockIdx.x;
+  const $TX* xr = x + row * xrs;
+  $TO* yr = y + row * (i64)n;
+#if $HAS_R
+  const $TR* rr = r + row * rrs;
+  $TH* hr = h + row * (i64)n;
+#define RLX_VAL(i) (LD(ACC, xr[i]) + LD(ACC, rr[i]))
+#else
+#define RLX_VAL(i) LD(ACC, xr[i])
+#endif
+  ACC s = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    ACC v = RLX_VAL(i);
+#if $HAS_R
+    hr[i] = ST($TH, v);
+#endif
+    s += v;
+  }
+  const ACC mean = block_sum(s) / (ACC)n;
+  ACC q = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) { ACC d = RLX_VAL(i) - mean; q += d * d; }
+  const ACC den = sqrt(block_sum(q) / (ACC)n + (ACC)eps_d);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    ACC v = (RLX_VAL(i) - mean) / den;
+#if $HAS_G
+    v = v * LD(ACC, g[i]);
+#endif
+#if $HAS_B
+    v = v + LD(ACC, b[i]);
+#endif
+    yr[i] = ST($TO, v);
+  }
+#undef RLX_VAL
+}
+"""
+
+SOFTMAX = r"""
+extern "C" __global__ void rlx_softmax(const $TX* __restrict__ x, long long rs, $TO* __restrict__ y, int n) {
+  typedef $ACC ACC;
+  const i64 row = blockIdx.x;
+  const $TX* xr = x + row * rs;
+  $TO* yr = y + row * (i64)n;
+  ACC m = -(ACC)RLX_INF;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) { ACC v = LD(ACC, xr[i]); m = rlx_max(m, v); }
+  m = block_max(m, -(ACC)RLX_INF);
+  if (!(m > -(ACC)RLX_INF && m < (ACC)RLX_INF)) m = 0;
+  ACC s = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s += exp(LD(ACC, xr[i]) - m);
+  s = block_sum(s);
+  if (s == 0) s = 1;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = ST($TO, exp(LD(ACC, xr[i]) - m) / s);
+}
+"""
+
+# op: 0 sum, 1 mean, 2 max, 3 min, 4 prod
+REDUCE = r"""
+#define RLX_LOAD(v) ($LOAD)
+#define RLX_COMB(a, b) ($COMB)
+extern "C" __global__ void rlx_reduce(const $TX* __restrict__ x, long long rs, $TO* __restrict__ y, int n) {
+  typedef $ACC ACC;
+  const i64 row = blockIdx.x;
+  const $TX* xr = x + row * rs;
+  __shared__ ACC sh[1024];
+  ACC a = $IDENT;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) { ACC v = RLX_LOAD(xr[i]); a = RLX_COMB(a, v); }
+  sh[threadIdx.x] = a;
+  __syncthreads();
+  for (int st = blockDim.x / 2; st > 0; st >>= 1) {
+    if (threadIdx.x < st) sh[threadIdx.x] = RLX_COMB(sh[threadIdx.x], sh[threadIdx.x + st]);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) { ACC r = sh[0]; y[row] = $FINAL; }
+}
+"""
+
+# argmax (NaN is the largest, first index wins ties)
+ARGMAX = r"""
+#define RLX_LOAD(v) ($LOAD)
+extern "C" __global__ void rlx_argmax(const $TX* __restrict__ x, long long rs, long long* __restrict__ y, int n) {
+  typedef $ACC ACC;
+  const i64 row = blockIdx.x;
+  const $TX* xr = x + row * rs;
+  __shared__ ACC sv[1024];
+  __shared__ int si[1024];
+  ACC bv = 0; int bi = -1;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    ACC v = RLX_LOAD(xr[i]);
+    bool vn = v != v, bn = bv != bv;
+    if (bi < 0 || (vn && !bn) || (!bn && v > bv)) { bv = v; bi = i; }
+  }
+  sv[threadIdx.x] = bv; si[threadIdx.x] = bi;
+  __syncthreads();
+  for (int st = blockDim.x / 2; st > 0; st >>= 1) {
+    if (threadIdx.x < st) {
+      ACC v = sv[threadIdx.x + st]; int i = si[threadIdx.x + st];
+      ACC b = sv[threadIdx.x]; int j = si[threadIdx.x];
+      bool take;
+      if (i < 0) take = false;
+      else if (j < 0) take = true;
+      else {
+        bool vn = v != v, bn = b != b;
+        if (vn != bn) take = vn;
+        else if (!vn && v != b) take = v > b;
+        else take = i < j;
+      }
+      if (take) { sv[threadIdx.x] = v; si[threadIdx.x] = i; }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) y[row] = si[0] < 0 ? 0 : si[0];
+}
+"""
+
+# topk: k passes of a block-wide selection in the order (value desc, NaN last, index asc),
+# each pass taking the best element strictly after the previous pick.
+TOPK = r"""
+#define RLX_LOAD(v) ($LOAD)
+__device__ __forceinline__ bool rlx_better($ACC v1, long long i1, $ACC v2, long long i2) {
+  bool n1 = v1 != v1, n2 = v2 != v2;
+  if (n1 != n2) return !n1;
+  if (!n1 && v1 != v2) return v1 > v2;
+  return i1 < i2;
+}
+extern "C" __global__ void rlx_topk(const $TX* __restrict__ x, long long rs, $TX* __restrict__ vals,
+    long long* __restrict__ idx, int n, int k) {
+  typedef $ACC ACC;
+  const i64 row = blockIdx.x;
+  const $TX* xr = x + row * rs;
+  __shared__ ACC sv[1024];
+  __shared__ long long si[1024];
+  ACC pv = 0; long long pi = -1;
+  for (int t = 0; t < k; ++t) {
+    ACC bv = 0; long long bi = -1;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      ACC v = RLX_LOAD(xr[i]);
+      if (pi >= 0 && !rlx_better(pv, pi, v, i)) continue;
+      if (bi < 0 || rlx_better(v, i, bv, bi)) { bv = v; bi = i; }
+    }
+    sv[threadIdx.x] = bv; si[threadIdx.x] = bi;
+    __syncthreads();
+    for (int st = blockDim.x / 2; st > 0; st >>= 1) {
+      if (threadIdx.x < st) {
+        ACC v = sv[threadIdx.x + st]; long long i = si[threadIdx.x + st];
+        if (i >= 0 && (si[threadIdx.x] < 0 || rlx_better(v, i, sv[threadIdx.x], si[threadIdx.x]))) {
+          sv[threadIdx.x] = v; si[threadIdx.x] = i;
+        }
+      }
+      __syncthreads();
+    }
+    pv = sv[0]; pi = si[0];
+    if (threadIdx.x == 0) { vals[row * k + t] = xr[pi]; idx[row * k + t] = pi; }
+    __syncthreads();
+  }
+}
+"""
+
+CUMSUM = r"""
+#define RLX_LOAD(v) ($LOAD)
+#define RLX_STORE(v) ($STORE)
+extern "C" __global__ void rlx_cumsum(const $TX* __restrict__ x, long long rs, $TO* __restrict__ y, int n) {
+  typedef $ACC ACC;
+  const i64 row = blockIdx.x;
+  const $TX* xr = x + row * rs;
+  $TO* yr = y + row * (i64)n;
+  __shared__ ACC part[1024];
+  const int per = (n + blockDim.x - 1) / blockDim.x;
+  const int b0 = threadIdx.x * per;
+  const int b1 = min(n, b0 + per);
+  ACC s = 0;
+  for (int i = b0; i < b1; ++i) s += RLX_LOAD(xr[i]);
+  part[threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ACC run = 0;
+    for (int t = 0; t < (int)blockDim.x; ++t) { ACC v = part[t]; part[t] = run; run += v; }
+  }
+  __syncthreads();
+  ACC run = part[threadIdx.x];
+  for (int i = b0; i < b1; ++i) { run += RLX_LOAD(xr[i]); yr[i] = RLX_STORE(run); }
+}
+"""
+
+# --------------------------------------------------------------------------- indexing ops
+GATHER = r"""
+extern "C" __global__ void rlx_gather(const $TT* __restrict__ table, const $TI* __restrict__ ind,
+    $TT* __restrict__ out, long long outer, long long nax, long long ni, long long inner,
+    int* err, int node) {
+  const i64 total = outer * ni * inner;
+  for (i64 o = blockIdx.x * (i64)blockDim.x + threadIdx.x; o < total; o += (i64)gridDim.x * blockDim.x) {
+    i64 in_i = o % inner; i64 t = o / inner; i64 ii = t % ni; i64 ou = t / ni;
+    i64 ix = (i64)ind[ii];
+    if (ix < -nax || ix >= nax) { rlx_error(err, 1, node, ix, nax); out[o] = $TT(); continue; }
+    if (ix < 0) ix += nax;
+    out[o] = table[(ou * nax + ix) * inner + in_i];
+  }
+}
+"""
+
+# kv_write: cache (contiguous) gets `new` (strided, rank R) at pos[b] along `axis`
+KV_WRITE = r"""
+extern "C" __global__ void rlx_kv_write($T* cache, const $T* __restrict__ nw, const $TP* __restrict__ pos,
+    long long total, $DIMS_ARGS, $NSTR_ARGS, $CSTR_ARGS, long long nax, long long snew,
+    int* err, int node) {
+  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+    i64 r = i, src = 0, dst = 0, b = 0;
+$DECOMP
+    i64 p = (i64)pos[b];
+    if (p < 0 || p + snew > nax) { rlx_error(err, 2, node, p, nax); continue; }
+    cache[dst + p * cs$AXIS] = nw[src];
+  }
+}
+"""
+
+ROPE = r"""
+extern "C" __global__ void rlx_rope(const $TX* __restrict__ x, const $TC* __restrict__ cs,
+    const $TC* __restrict__ sn, $TO* __restrict__ out, int B, int H, int S, int D, int half,
+    long long xs0, long long xs1, long long xs2, long long xs3, int per_batch) {
+  typedef $ACC ACC;
+  const int W = half + (D - 2 * half);
+  const i64 total = (i64)B * H * S * W;
+  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+    int t = (int)(i % W); i64 row = i / W;
+    int s = (int)(row % S); int h = (int)((row / S) % H); int b = (int)(row / ((i64)S * H));
+    const i64 xb = b * xs0 + h * xs1 + s * xs2;
+    $TO* o = out + row * D;
+    if (t < half) {
+      const i64 ci = (per_batch ? (i64)b * S * half : 0) + (i64)s * half + t;
+      const ACC cc = LD(ACC, cs[ci]), ss = LD(ACC, sn[ci]);
+#if $INTERLEAVED
+      const int d1 = 2 * t, d2 = 2 * t + 1;
+#else
+      const int d1 = t, d2 = t + half;
+#endif
+      const ACC x1 = LD(ACC, x[xb + d1 * xs3]), x2 = LD(ACC, x[xb + d2 * xs3]);
+      o[d1] = ST($TO, x1 * cc - x2 * ss);
+      o[d2] = ST($TO, x2 * cc + x1 * ss);
+    } else {
+      const int d = 2 * half + (t - half);
+      o[d] = ST($TO, LD(ACC, x[xb + d * xs3]));
+    }
+  }
+}
+"""
+
+# --------------------------------------------------------------------------- attention
+# Masking shared by the attention kernels and mask_fill. MASKKIND: 0 none, 1 causal,
+# 2 sliding window. MASKMODE: 0 none, 1 bool keep-mask, 2 additive bias.
+ATTN_MASK = r"""
+#define RLX_KEEP(qpos, j, keep) do { \
+  if ($MASKKIND >= 1) keep = keep && ((j) <= (qpos)); \
+  if ($MASKKIND == 2) keep = keep && ((j) > (qpos) - window); } while (0)
+"""
+
+MASK_FILL = ATTN_MASK + r"""
+extern "C" __global__ void rlx_mask_fill(const $TS* __restrict__ sc, long long s0, long long s1,
+    long long s2, long long s3, const $TM* __restrict__ mask, long long m0, long long m1, long long m2,
+    long long m3, const $TP* __restrict__ pos, $TO* __restrict__ out, int B, int H, int Sq, int Sk,
+    int window) {
+  typedef $ACC ACC;
+  const i64 total = (i64)B * H * Sq * Sk;
+  for (i64 o = blockIdx.x * (i64)blockDim.x + threadIdx.x; o < total; o += (i64)gridDim.x * blockDim.x) {
+    int j = (int)(o % Sk); i64 t = o / Sk; int i = (int)(t % Sq); t /= Sq; int h = (int)(t % H); int b = (int)(t / H);
+    ACC v = LD(ACC, sc[b * s0 + h * s1 + i * s2 + j * s3]);
+    bool keep = true;
+#if $HAS_POS
+    const i64 qpos = (i64)pos[b] + i;
+#else
+    const i64 qpos = (i64)(Sk - Sq) + i;
+#endif
+    RLX_KEEP(qpos, (i64)j, keep);
+#if $MASKMODE == 1
+    keep = keep && (mask[b * m0 + h * m1 + i * m2 + j * m3] != 0);
+#elif $MASKMODE == 2
+    v = v + LD(ACC, mask[b * m0 + h * m1 + i * m2 + j * m3]);
+#endif
+    out[o] = ST($TO, keep ? v : -(ACC)RLX_INF);
+  }
+}
+"""
+
+# Split-K attention on CUDA cores (any float type; decode and the f32/f64 path).
+# grid (B*KVH, ceil(Sq*G/ROWS), nsplit), 128 threads: the block's rows are (query i,
+# head g of this kv head) pairs, so K/V are read once for all G heads (GQA-native).
+# Each warp walks keys j = start+warp, +4, ...; lanes split the head dims. Writes
+# unnormalized partials (acc, max, sum) per split; rlx_attn_combine merges them.
+ATTN_SPLIT = ATTN_MASK + r"""
+#define NW 4
+extern "C" __global__ void __launch_bounds__(128) rlx_attn_split(
+    const $TQ* __restrict__ q, long long qsb, long long qsh, long long qss,
+    const $TK* __restrict__ k, long long ksb, long long ksh, long long kss,
+    const $TV* __restrict__ v, long long vsb, long long vsh, long long vss,
+    const $TM* __restrict__ mask, long long m0, long long m1, long long m2, long long m3,
+    const $TP* __restrict__ pos, float* __restrict__ part_o, float* __restrict__ part_ml,
+    int B, int H, int KVH, int Sq, int Sk, int chunk, double scale_d, double cap_d, int window) {
+  typedef $ACC ACC;
+  constexpr int EK = ($DK + 31) / 32, EV = ($DV + 31) / 32;
+  const int G = H / KVH;
+  const int b = blockIdx.x / KVH, kvh = blockIdx.x % KVH;
+  const int r0 = blockIdx.y * $ROWS;
+  const int split = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const ACC scale = (ACC)scale_d, cap = (ACC)cap_d;
+  ACC qr[$ROWS][EK], acc[$ROWS][EV], m[$ROWS], l[$ROWS];
+  i64 qpos[$ROWS]; int hh[$ROWS], ii[$ROWS]; bool valid[$ROWS];
+#if $HAS_POS
+  const i64 p0 = (i64)pos[b];
+#else
+  const i64 p0 = (i64)(Sk - Sq);
+#endif
+  i64 qmax = -1, qmin = ((i64)1) << 62;
+#pragma unroll
+  for (int r = 0; r < $ROWS; ++r) {
+    const int rr = r0 + r;
+    valid[r] = rr < Sq * G;
+    const int i = valid[r] ? rr / G : 0, g = valid[r] ? rr % G : 0;
+    ii[r] = i; hh[r] = kvh * G + g;
+    qpos[r] = p0 + i;
+    if (valid[r]) { qmax = max(qmax, qpos[r]); qmin = min(qmin, qpos[r]); }
+#pragma unroll
+    for (int e = 0; e < EK; ++e) {
+      const int d = lane + 32 * e;
+      qr[r][e] = (valid[r] && d < $DK) ? LD(ACC, q[b * qsb + hh[r] * qsh + i * qss + d]) : (ACC)0;
+    }
+#pragma unroll
+    for (int e = 0; e < EV; ++e) acc[r][e] = 0;
+    m[r] = -(ACC)RLX_INF; l[r] = 0;
+  }
+  i64 kbeg = 0, kend = Sk;
+  if ($MASKKIND >= 1) kend = min((i64)Sk, qmax + 1);
+  if ($MASKKIND == 2) kbeg = max((i64)0, qmin - window + 1);
+  const i64 cs = max((i64)split * chunk, kbeg);
+  const i64 ce = min(((i64)split + 1) * chunk, kend);
+  const $TK* kb = k + b * ksb + kvh * ksh;
+  const $TV* vb = v + b * vsb + kvh * vsh;
+  for (i64 j = cs + warp; j < ce; j += NW) {
+    ACC kv[EK], vv[EV];
+#pragma unroll
+    for (int e = 0; e < EK; ++e) { const int d = lane + 32 * e; kv[e] = d < $DK ? LD(ACC, kb[j * kss + d]) : (ACC)0; }
+#pragma unroll
+    for (int e = 0; e < EV; ++e) { const int d = lane + 32 * e; vv[e] = d < $DV ? LD(ACC, vb[j * vss + d]) : (ACC)0; }
+#pragma unroll
+    for (int r = 0; r < $ROWS; ++r) {
+      ACC s = 0;
+#pragma unroll
+      for (int e = 0; e < EK; ++e) s += qr[r][e] * kv[e];
+      s = warp_sum(s);
+      s = s * scale;
+      if (cap_d != 0.0) s = tanh(s / cap) * cap;
+      bool keep = valid[r];
+      RLX_KEEP(qpos[r], j, keep);
+#if $MASKMODE == 1
+      keep = keep && (mask[b * m0 + hh[r] * m1 + ii[r] * m2 + j * m3] != 0);
+#elif $MASKMODE == 2
+      s = s + LD(ACC, mask[b * m0 + hh[r] * m1 + ii[r] * m2 + j * m3]);
+#endif
+      if (!keep) continue;
+      const ACC mn = s > m[r] ? s : m[r];
+      if (!(mn > -(ACC)RLX_INF)) continue;
+      const ACC a = exp(m[r] - mn), p = exp(s - mn);
+      l[r] = l[r] * a + p;
+#pragma unroll
+      for (int e = 0; e < EV; ++e) acc[r][e] = acc[r][e] * a + p * vv[e];
+      m[r] = mn;
+    }
+  }
+  // merge the warps of this block
+  __shared__ ACC sm[NW][$ROWS], sl[NW][$ROWS];
+  __shared__ ACC sa[NW][$ROWS][$DV];
+#pragma unroll
+  for (int r = 0; r < $ROWS; ++r) {
+    if (lane == 0) { sm[warp][r] = m[r]; sl[warp][r] = l[r]; }
+#pragma unroll
+    for (int e = 0; e < EV; ++e) { const int d = lane + 32 * e; if (d < $DV) sa[warp][r][d] = acc[r][e]; }
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < $ROWS * $DV; t += blockDim.x) {
+    const int r = t / $DV, d = t % $DV;
+    const int rr = r0 + r;
+    if (rr >= Sq * G) continue;
+    ACC M = -(ACC)RLX_INF;
+    for (int w = 0; w < NW; ++w) M = sm[w][r] > M ? sm[w][r] : M;
+    ACC L = 0, O = 0;
+    if (M > -(ACC)RLX_INF) {
+      for (int w = 0; w < NW; ++w) {
+        if (!(sm[w][r] > -(ACC)RLX_INF)) continue;
+        const ACC f = exp(sm[w][r] - M);
+        L += sl[w][r] * f; O += sa[w][r][d] * f;
+      }
+    }
+    const int i = rr / G, h = kvh * G + rr % G;
+    const i64 orow = (((i64)split * B + b) * H + h) * Sq + i;
+    part_o[orow * $DV + d] = (float)O;
+    if (d == 0) { part_ml[orow * 2] = (float)M; part_ml[orow * 2 + 1] = (float)L; }
+  }
+}
+"""
+
+ATTN_COMBINE = r"""
+extern "C" __global__ void rlx_attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+    $TO* __restrict__ out, int rows, int nsplit, int dv) {
+  const i64 row = blockIdx.x;
+  float M = -RLX_INF;
+  for (int s = 0; s < nsplit; ++s) { float m = part_ml[((i64)s * rows + row) * 2]; M = m > M ? m : M; }
+  float L = 0;
+  if (M > -RLX_INF)
+    for (int s = 0; s < nsplit; ++s) {
+      const float m = part_ml[((i64)s * rows + row) * 2];
+      if (m > -RLX_INF) L += part_ml[((i64)s * rows + row) * 2 + 1] * expf(m - M);
+    }
+  for (int d = threadIdx.x; d < dv; d += blockDim.x) {
+    float O = 0;
+    if (L > 0)
+      for (int s = 0; s < nsplit; ++s) {
+        const float m = part_ml[((i64)s * rows + row) * 2];
+        if (m > -RLX_INF) O += part_o[((i64)s * rows + row) * dv + d] * expf(m - M);
+      }
+    out[row * dv + d] = ST($TO, L > 0 ? O / L : 0.0f);
+  }
+}
+"""
+
+# Flash-style prefill on tensor cores (f16/bf16, head_dim D % 16 == 0, D <= 128):
+# FlashAttention-2 register layout with mma.sync.m16n8k16 (f32 accumulate). Block = 4
+# warps x 16 query rows of one head; 64-key tiles of K and V staged in shared memory;
+# S = Q K^T and the online softmax stay in registers; P is re-packed to A fragments.
+ATTN_TC = ATTN_MASK + r"""
+#define BM 64
+#define BN 64
+#define LDS ($D + 8)
+__device__ __forceinline__ void rlx_mma(float* c, const u32* a, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.$MMAT.$MMAT.f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ u32 rlx_pack(float lo, float hi) {
+  $T l = ST($T, lo), h = ST($T, hi);
+  return (u32)(*(unsigned short*)&l) | ((u32)(*(unsigned short*)&h) << 16);
+}
+__device__ __forceinline__ void rlx_load_tile(unsigned short* dst, const $T* src, long long rstride,
+    i64 row0, i64 nrows, int tid) {
+  // rows row0..row0+BN-1 of a [rows, D] strided matrix into dst[BN][LDS]; rows past nrows are 0
+#if $VEC
+  for (int idx = tid; idx < BN * ($D / 8); idx += 128) {
+    const int r = idx / ($D / 8), c = (idx % ($D / 8)) * 8;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (row0 + r < nrows) val = *(const uint4*)(src + (row0 + r) * rstride + c);
+    *(uint4*)(dst + r * LDS + c) = val;
+  }
+#else
+  for (int idx = tid; idx < BN * $D; idx += 128) {
+    const int r = idx / $D, c = idx % $D;
+    unsigned short val = 0;
+    if (row0 + r < nrows) val = *(const unsigned short*)(src + (row0 + r) * rstride + c);
+    dst[r * LDS + c] = val;
+  }
+#endif
+}
+extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
+    const $T* __restrict__ q, long long qsb, long long qsh, long long qss,
+    const $T* __restrict__ k, long long ksb, long long ksh, long long kss,
+    const $T* __restrict__ v, long long vsb, long long vsh, long long vss,
+    const $TM* __restrict__ mask, long long m0, long long m1, long long m2, long long m3,
+    const $TP* __restrict__ pos, $T* __restrict__ out,
+    int B, int H, int KVH, int Sq, int Sk, double scale_d, double cap_d, int window) {
+  __shared__ __align__(16) unsigned short Ks[BN * LDS];
+  __shared__ __align__(16) unsigned short Vs[BN * LDS];
+  const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int G = H / KVH, kvh = h / G;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
+  const float scale = (float)scale_d, cap = (float)cap_d;
+  const i64 q0 = (i64)qt * BM;
+#if $HAS_POS
+  const i64 p0 = (i64)pos[b];
+#else
+  const i64 p0 = (i64)(Sk - Sq);
+#endif
+  // Q tile -> registers (A fragments), staged through Ks
+  rlx_load_tile(Ks, q + b * qsb + h * qsh, qss, q0, Sq, tid);
+  __syncthreads();
+  u32 qf[$D / 16][4];
+#pragma unroll
+  for (int ks = 0; ks < $D / 16; ++ks) {
+    const int c = ks * 16 + tg * 2, r = warp * 16 + g;
+    qf[ks][0] = *(const u32*)(Ks + r * LDS + c);
+    qf[ks][1] = *(const u32*)(Ks + (r + 8) * LDS + c);
+    qf[ks][2] = *(const u32*)(Ks + r * LDS + c + 8);
+    qf[ks][3] = *(const u32*)(Ks + (r + 8) * LDS + c + 8);
+  }
+  __syncthreads();
+  float o[$D / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < $D / 8; ++dt) { o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f; }
+  float mrow[2] = {-RLX_INF, -RLX_INF}, lrow[2] = {0.f, 0.f};
+  const i64 qi[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+  const i64 qp[2] = {p0 + qi[0], p0 + qi[1]};
+  const i64 qlast = min(q0 + BM, (i64)Sq) - 1;
+  i64 kend = Sk, kbeg = 0;
+  if ($MASKKIND >= 1) kend = min((i64)Sk, p0 + qlast + 1);
+  if ($MASKKIND == 2) kbeg = max((i64)0, p0 + q0 - window + 1);
+  const $T* kb = k + b * ksb + kvh * ksh;
+  const $T* vb = v + b * vsb + kvh * vsh;
+  for (i64 kt = kbeg; kt < kend; kt += BN) {
+    rlx_load_tile(Ks, kb, kss, kt, Sk, tid);
+    rlx_load_tile(Vs, vb, vss, kt, Sk, tid);
+    __syncthreads();
+    float s[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < $D / 16; ++ks) {
+        const unsigned short* kr = Ks + (nt * 8 + g) * LDS + ks * 16 + tg * 2;
+        rlx_mma(s[nt], qf[ks], *(const u32*)kr, *(const u32*)(kr + 8));
+      }
+    }
+    float mx[2] = {-RLX_INF, -RLX_INF};
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int rsel = e >> 1;
+        const i64 j = kt + nt * 8 + tg * 2 + (e & 1);
+        float x = s[nt][e] * scale;
+        if (cap_d != 0.0) x = tanhf(x / cap) * cap;
+        bool keep = (j < Sk) && (qi[rsel] < Sq);
+        RLX_KEEP(qp[rsel], j, keep);
+#if $MASKMODE == 1
+        if (keep) keep = mask[b * m0 + h * m1 + qi[rsel] * m2 + j * m3] != 0;
+#elif $MASKMODE == 2
+        if (keep) x = x + tof(mask[b * m0 + h * m1 + qi[rsel] * m2 + j * m3]);
+#endif
+        x = keep ? x : -RLX_INF;
+        s[nt][e] = x;
+        mx[rsel] = x > mx[rsel] ? x : mx[rsel];
+      }
+    }
+    float alpha[2], muse[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], SHFL_XOR(mx[r], 1));
+      mx[r] = fmaxf(mx[r], SHFL_XOR(mx[r], 2));
+      const float mn = fmaxf(mrow[r], mx[r]);
+      muse[r] = (mn > -RLX_INF) ? mn : 0.f;
+      alpha[r] = expf(mrow[r] - muse[r]);
+      mrow[r] = mn;
+      lrow[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int dt = 0; dt < $D / 8; ++dt) {
+      o[dt][0] *= alpha[0]; o[dt][1] *= alpha[0]; o[dt][2] *= alpha[1]; o[dt][3] *= alpha[1];
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = expf(s[nt][e] - muse[e >> 1]);
+        s[nt][e] = p;
+        lrow[e >> 1] += p;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      u32 a[4];
+      a[0] = rlx_pack(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = rlx_pack(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = rlx_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = rlx_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      const int key = kk * 16 + tg * 2;
+#pragma unroll
+      for (int dt = 0; dt < $D / 8; ++dt) {
+        const int dc = dt * 8 + g;
+        const u32 b0 = (u32)Vs[key * LDS + dc] | ((u32)Vs[(key + 1) * LDS + dc] << 16);
+        const u32 b1 = (u32)Vs[(key + 8) * LDS + dc] | ((u32)Vs[(key + 9) * LDS + dc] << 16);
+        rlx_mma(o[dt], a, b0, b1);
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    lrow[r] += SHFL_XOR(lrow[r], 1);
+    lrow[r] += SHFL_XOR(lrow[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (qi[r] >= Sq) continue;
+    const float inv = lrow[r] > 0.f ? 1.f / lrow[r] : 0.f;
+    $T* orow = out + (((i64)b * H + h) * Sq + qi[r]) * $D;
+#pragma unroll
+    for (int dt = 0; dt < $D / 8; ++dt) {
+      const int c = dt * 8 + tg * 2;
+      orow[c] = ST($T, o[dt][2 * r] * inv);
+      orow[c + 1] = ST($T, o[dt][2 * r + 1] * inv);
+    }
+  }
+}
+"""
+
+# --------------------------------------------------------------------------- matmul helpers
+# Decode GEMV: y[M, N] = x[M, K] @ W[N, K]^T for small M, 16-bit data, one warp per
+# output column, 16-byte loads of W rows (the bytes that bound a decode step).
+GEMV = r"""
+extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const $T* __restrict__ x, long long xrs,
+    const $T* __restrict__ w, $TO* __restrict__ y, int M, int N, int K) {
+  const int lane = threadIdx.x & 31;
+  const int n = blockIdx.x * 8 + (threadIdx.x >> 5);
+  if (n >= N) return;
+  const uint4* wr = (const uint4*)(w + (i64)n * K);
+  float acc[$MMAX];
+#pragma unroll
+  for (int m = 0; m < $MMAX; ++m) acc[m] = 0.f;
+  const int KV = K / 8;
+#pragma unroll 4
+  for (int c = lane; c < KV; c += 32) {
+    const uint4 wv = __ldg(wr + c);
+    const $T* wp = (const $T*)&wv;
+    float wf[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) wf[e] = tof(wp[e]);
+#pragma unroll
+    for (int m = 0; m < $MMAX; ++m) {
+      if (m < M) {
+        const uint4 xv = *(const uint4*)(x + m * xrs + c * 8);
+        const $T* xp = (const $T*)&xv;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[m] += wf[e] * tof(xp[e]);
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < $MMAX; ++m) {
+    if (m < M) {
+      const float s = warp_sum(acc[m]);
+      if (lane == 0) y[(i64)m * N + n] = ST($TO, s);
+    }
+  }
+}
+"""
+
+# Fallback matmul for integer / bool data (cuBLAS covers the float types).
+MATMUL_NAIVE = r"""
+#define RLX_MAC(s, a, b) ($MAC)
+extern "C" __global__ void rlx_matmul_naive(const $TA* __restrict__ a, const $TB* __restrict__ b,
+    $TO* __restrict__ c, long long batch, int M, int N, int K,
+    long long sab, long long sam, long long sak, long long sbb, long long sbk, long long sbn) {
+  const i64 total = batch * M * N;
+  for (i64 o = blockIdx.x * (i64)blockDim.x + threadIdx.x; o < total; o += (i64)gridDim.x * blockDim.x) {
+    const int n = (int)(o % N); const i64 t = o / N; const int m = (int)(t % M); const i64 bi = t / M;
+    $ACC s = 0;
+    for (int kk = 0; kk < K; ++kk)
+      s = RLX_MAC(s, ($ACC)a[bi * sab + m * sam + kk * sak], ($ACC)b[bi * sbb + kk * sbk + n * sbn]);
+    c[o] = ($TO)s;
+  }
+}
+"""

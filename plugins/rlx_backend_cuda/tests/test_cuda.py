@@ -1,0 +1,470 @@
+"""The CUDA backend against the NumPy reference backend, on the GPU.
+
+Everything but the registration checks is skipped with the backend's own reason where
+there is no GPU (CPU CI). Each case builds a small graph, runs it on "cuda" and "numpy"
+with the same fresh random inputs and compares (relative L2 error: f32 1e-5, f16 5e-3,
+bf16 1e-2); integer and bool outputs must match exactly.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import rlx_core
+from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I32, I64, DType
+from rlx_core.ir.errors import BackendError, ModelError, RlxError
+from rlx_core.ir.graph import Graph
+from rlx_core.ir.ops import MaskKind
+from rlx_core.pipeline import available_backends
+from rlx_core.profile import CompileProfile, FusionConfig
+
+TOL = {F32: 1e-5, F16: 5e-3, BF16: 1e-2, F64: 1e-10}
+
+
+def _cuda():
+    for b, ok, why in available_backends():
+        if b.name == "cuda":
+            return b, ok, why
+    return None, False, "rlx-backend-cuda is not registered"
+
+
+_B, _OK, _WHY = _cuda()
+gpu = pytest.mark.skipif(not _OK, reason=f"backend 'cuda' is not available: {_WHY}")
+FLOATS = [F32, F16, BF16]
+
+
+# ----------------------------------------------------------------------------- registration
+def test_registered_with_reason():
+    assert _B is not None, "the cuda backend is not registered through the rlx entry point"
+    ok, why = _B.availability()
+    assert ok or why, "an unavailable backend must say why"
+    assert _B.priority > 10
+    assert _B.name == "cuda"
+
+
+def test_default_backend_where_gpu():
+    from rlx_core.pipeline import select_backend
+
+    if _OK:
+        assert select_backend().name == "cuda"
+    else:
+        assert select_backend().name != "cuda"
+
+
+def test_supported_ops_cover_the_table():
+    from rlx_core.ir.ops import OPS, Level
+
+    missing = {n for n, d in OPS.items() if d.level is not Level.HIR} - _B.supported_ops()
+    assert not missing
+
+
+def test_elementwise_codegen_is_pure_python():
+    from rlx_backend_cuda import codegen
+
+    src = codegen.elementwise_source(((("binary", (("op", "add"),), (0, 1))),), [BF16, BF16], BF16,
+                                     ["c", "z", "c"], 1, False)
+    assert "rlx_ew" in src and "__nv_bfloat16" in src
+
+
+# ----------------------------------------------------------------------------- helpers
+def rand(rng, shape, dt, lo=-2.0, hi=2.0):
+    if dt is BOOL:
+        return rng.random(shape) < 0.5
+    if dt.is_int:
+        return rng.integers(-5 if dt not in (DType.U8, DType.U32) else 0, 6, size=shape).astype(dt.np)
+    return rng.uniform(lo, hi, size=shape).astype(np.float32).astype(dt.np)
+
+
+def err(got, want) -> float:
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    fin = np.isfinite(w)
+    assert (np.isfinite(g) == fin).all(), "non-finite entries differ"
+    g, w = np.where(fin, g, 0), np.where(fin, w, 0)
+    return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
+
+
+def compare(g: Graph, inputs: dict, tol_dt: DType, params=None, states=None, profile=None, runs=1):
+    """Run on cuda and numpy; assert closeness; returns cuda outputs."""
+    outs = {}
+    for name in ("numpy", "cuda"):
+        exe = rlx_core.compile(g, profile=profile or CompileProfile(), backend=name, params=params)
+        if states:
+            for k, v in states.items():
+                exe.states[k] = exe.backend.to_device(np.array(v))
+        for _ in range(runs):
+            res = exe.run(dict(inputs))
+        outs[name] = {k: exe.backend.to_host(v) for k, v in res.items()}
+        if states:
+            outs[name].update({f"state:{k}": exe.backend.to_host(exe.states[k]) for k in states})
+    for k, want in outs["numpy"].items():
+        got = outs["cuda"][k]
+        assert got.shape == want.shape, (k, got.shape, want.shape)
+        assert got.dtype == want.dtype, (k, got.dtype, want.dtype)
+        if want.dtype.kind in "biu":
+            np.testing.assert_array_equal(got, want, err_msg=k)
+        else:
+            e = err(got, want)
+            assert e <= TOL[tol_dt], f"{k}: relative error {e:.3g} > {TOL[tol_dt]}"
+    return outs["cuda"]
+
+
+@pytest.fixture
+def rng(request):
+    import zlib
+
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+UNFUSED = CompileProfile("unfused", FusionConfig(skip=True))
+
+
+# ----------------------------------------------------------------------------- primitives
+@gpu
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "max", "min", "pow"])
+def test_binary(rng, dt, op):
+    a = rand(rng, (3, 1, 5), dt, 0.5, 2.0)
+    b = rand(rng, (4, 5), dt, 0.5, 2.0)
+    g = Graph.define("bin", lambda m: m.binary(m.input("a", (3, 1, 5), dt), m.input("b", (4, 5), dt), op))
+    compare(g, {"a": a, "b": b}, dt, profile=UNFUSED)
+
+
+@gpu
+@pytest.mark.parametrize("da,db", [(I32, I32), (I64, I32), (F32, I32), (BOOL, BOOL), (F16, BF16)])
+@pytest.mark.parametrize("op", ["add", "mul", "div", "max"])
+def test_binary_mixed(rng, da, db, op):
+    if op == "div" and da is BOOL:
+        pytest.skip("numpy has no bool division")
+    a = rand(rng, (6, 7), da)
+    b = rand(rng, (6, 7), db)
+    if db.is_int:
+        b = np.where(b == 0, 3, b).astype(db.np)
+    g = Graph.define("mix", lambda m: m.binary(m.input("a", (6, 7), da), m.input("b", (6, 7), db), op))
+    compare(g, {"a": a, "b": b}, F32, profile=UNFUSED)
+
+
+@gpu
+@pytest.mark.parametrize("dt", FLOATS + [I32])
+@pytest.mark.parametrize("op", ["eq", "lt", "ge"])
+def test_compare_where(rng, dt, op):
+    a, b = rand(rng, (4, 6), dt), rand(rng, (4, 6), dt)
+    b[0] = a[0]
+
+    def f(m):
+        x, y = m.input("a", (4, 6), dt), m.input("b", (4, 6), dt)
+        c = m.compare(x, y, op)
+        return {"c": c, "w": m.where(c, x, y)}
+    compare(Graph.define("cw", f), {"a": a, "b": b}, dt if dt.is_float else F32, profile=UNFUSED)
+
+
+@gpu
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("fn", ["gelu", "gelu_tanh", "silu", "relu", "sigmoid", "tanh", "exp", "log",
+                                "sqrt", "rsqrt", "neg", "abs", "sin", "cos", "recip", "identity"])
+def test_activation(rng, dt, fn):
+    lo = 0.1 if fn in ("log", "sqrt", "rsqrt", "recip") else -3.0
+    x = rand(rng, (5, 33), dt, lo, 3.0)
+    g = Graph.define("act", lambda m: m.act(m.input("x", (5, 33), dt), fn))
+    compare(g, {"x": x}, dt, profile=UNFUSED)
+
+
+@gpu
+@pytest.mark.parametrize("src,dst", [(F32, BF16), (BF16, F32), (F16, BF16), (F32, I32), (I64, F16),
+                                     (F32, BOOL), (BOOL, F32), (F64, BF16), (I32, I64)])
+def test_cast(rng, src, dst):
+    x = rand(rng, (7, 9), src, -40, 40)
+    g = Graph.define("cast", lambda m: m.cast(m.input("x", (7, 9), src), dst))
+    compare(g, {"x": x}, dst if dst.is_float else F32, profile=UNFUSED)
+
+
+@gpu
+@pytest.mark.parametrize("dt", FLOATS + [I32, BOOL])
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod"])
+@pytest.mark.parametrize("axes,keep", [((-1,), False), ((0, 2), True), ((1,), False), ((0, 1, 2), False)])
+def test_reduce(rng, dt, op, axes, keep):
+    if dt is BOOL and op in ("mean", "prod"):
+        pytest.skip("not meaningful on bool")
+    x = rand(rng, (3, 4, 37), dt, 0.5, 1.5)
+    g = Graph.define("red", lambda m: m.reduce(m.input("x", (3, 4, 37), dt), op, axes, keep))
+    compare(g, {"x": x}, dt if dt.is_float else F32, profile=UNFUSED)
+
+
+@gpu
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_softmax_cumsum_argmax_topk(rng, dt, axis):
+    x = rand(rng, (3, 50, 7), dt)
+
+    def f(m):
+        v = m.input("x", (3, 50, 7), dt)
+        vals, idx = m.topk(v, 5, axis)
+        return {"sm": m.softmax(v, axis), "cs": m.cumsum(v, axis), "am": m.argmax(v, axis),
+                "tv": vals, "ti": idx}
+    compare(Graph.define("rows", f), {"x": x}, dt, profile=UNFUSED)
+
+
+@gpu
+def test_topk_vocab(rng):
+    x = rng.standard_normal((2, 128256)).astype(np.float32)
+    x[0, 7] = x[0, 9] = 50.0                     # a tie: lower index first
+    g = Graph.define("tk", lambda m: dict(zip(("v", "i"), m.topk(m.input("x", (2, 128256)), 40))))
+    compare(g, {"x": x}, F32)
+
+
+@gpu
+@pytest.mark.parametrize("dt", FLOATS)
+def test_norms(rng, dt):
+    x, r = rand(rng, (2, 3, 96), dt), rand(rng, (2, 3, 96), dt)
+    w, b = rand(rng, (96,), dt), rand(rng, (96,), dt)
+
+    def f(m):
+        xv, rv = m.input("x", (2, 3, 96), dt), m.input("r", (2, 3, 96), dt)
+        wv, bv = m.input("w", (96,), dt), m.input("b", (96,), dt)
+        return {"rms": m.rms_norm(xv, wv, eps=1e-5, offset=1.0), "rms0": m.rms_norm(xv),
+                "ln": m.layer_norm(xv, wv, bv), "ln0": m.layer_norm(xv),
+                "rrms": m.rms_norm(xv + rv, wv), "rln": m.layer_norm(xv + rv, wv, bv), "h": xv + rv}
+    ins = {"x": x, "r": r, "w": w, "b": b}
+    compare(Graph.define("norms", f), ins, dt, profile=UNFUSED)
+    compare(Graph.define("norms", f), ins, dt)            # fused residual variants
+
+
+@gpu
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize("rot,batched", [(16, False), (8, True)])
+def test_rope(rng, dt, style, rot, batched):
+    B, H, S, D = 2, 3, 5, 16
+    x = rand(rng, (B, S, H, D), dt)
+    tshape = (B, S, rot // 2) if batched else (S, rot // 2)
+    ang = rng.uniform(0, 6, size=tshape)
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+    def f(m):
+        xv = m.transpose(m.input("x", (B, S, H, D), dt), (0, 2, 1, 3))       # strided input
+        return m.rope(xv, m.input("cos", tshape), m.input("sin", tshape), style)
+    compare(Graph.define("rope", f), {"x": x, "cos": cos, "sin": sin}, dt, profile=UNFUSED)
+
+
+ATTN_CASES = [
+    # B, H, KVH, Sq, Sk, D, kind, window, softcap, mask, pos
+    (1, 4, 2, 1, 37, 64, "causal", 0, 0.0, None, True),
+    (2, 8, 2, 1, 130, 64, "none", 0, 0.0, "bool", True),
+    (2, 4, 4, 20, 20, 32, "causal", 0, 0.0, None, False),
+    (1, 8, 2, 70, 70, 64, "causal", 0, 0.0, "bool", False),
+    (1, 4, 1, 33, 90, 128, "sliding_window", 16, 0.0, None, True),
+    (2, 4, 2, 17, 17, 64, "causal", 0, 30.0, "bias", False),
+    (1, 2, 2, 5, 9, 40, "none", 0, 0.0, None, False),
+    (1, 8, 8, 64, 64, 96, "bias", 0, 0.0, "bias", False),
+]
+
+
+@gpu
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"{c[6]}-Sq{c[3]}-Sk{c[4]}-D{c[5]}-{c[9]}")
+@pytest.mark.parametrize("tc", [True, False])
+def test_attention(rng, dt, case, tc):
+    from rlx_backend_cuda import set_config
+
+    B, H, KVH, Sq, Sk, D, kind, window, cap, mask, pos = case
+    ins = {"q": rand(rng, (B, H, Sq, D), dt), "k": rand(rng, (B, KVH, Sk, D), dt),
+           "v": rand(rng, (B, KVH, Sk, D), dt)}
+    if mask == "bool":
+        mk = rng.random((B, 1, Sq, Sk)) < 0.8
+        mk[..., 0] = True
+        ins["mask"] = mk
+    elif mask == "bias":
+        ins["mask"] = rand(rng, (1, H, Sq, Sk), dt)
+    if pos:
+        ins["pos"] = np.array([Sk - Sq - b for b in range(B)], np.int32)
+
+    def f(m):
+        q, k, v = (m.input(n, ins[n].shape, dt) for n in ("q", "k", "v"))
+        mv = m.input("mask", ins["mask"].shape, BOOL if mask == "bool" else dt) if mask else None
+        pv = m.input("pos", (B,), I32) if pos else None
+        return m.attention(q, k, v, mv, pv, mask_kind=kind, window=window, softcap=cap)
+    set_config(tc_attention=tc)
+    try:
+        compare(Graph.define("attn", f), ins, dt, profile=UNFUSED)
+    finally:
+        set_config(tc_attention=True)
+
+
+@gpu
+@pytest.mark.parametrize("dt", FLOATS)
+def test_mask_fill_gather_views(rng, dt):
+    s = rand(rng, (2, 3, 4, 6), dt)
+    mk = rng.random((2, 1, 4, 6)) < 0.7
+    tab = rand(rng, (11, 8), dt)
+    idx = np.array([[0, 3, -1], [10, 2, 2]], np.int64)
+
+    def f(m):
+        sv = m.input("s", (2, 3, 4, 6), dt)
+        t = m.input("t", (11, 8), dt)
+        e = m.gather(t, m.input("i", (2, 3), I64))
+        e1 = m.gather(t, m.input("j", (4,), I32), axis=1)
+        mf = m.add("mask_fill", (sv, m.input("mk", (2, 1, 4, 6), BOOL)), mask_kind="causal", has_mask=True)
+        nar = m.narrow(sv, 3, 1, 4)
+        cat = m.concat([nar, m.expand(m.narrow(sv, 3, 0, 1), (2, 3, 4, 2))], 3)
+        rs = m.reshape(m.transpose(sv, (0, 2, 1, 3)), (2, 4, 18))
+        return {"e": e, "e1": e1, "mf": mf, "cat": cat, "rs": rs, "rs2": m.reshape(nar, (2, 12, 4)) * 2.0}
+    ins = {"s": s, "t": tab, "i": idx, "j": np.array([7, 0, -2, 3], np.int32), "mk": mk}
+    compare(Graph.define("views", f), ins, dt, profile=UNFUSED)
+
+
+@gpu
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("sa,sb,ta,tb", [((5, 7), (7, 3), False, False), ((2, 5, 7), (3, 7), False, True),
+                                         ((2, 1, 7, 5), (3, 7, 4), True, False), ((1, 64), (96, 64), False, True),
+                                         ((3, 1, 64), (40, 64), False, True)])
+def test_matmul(rng, dt, sa, sb, ta, tb):
+    from rlx_backend_cuda import set_config
+
+    a, b = rand(rng, sa, dt), rand(rng, sb, dt)
+    g = Graph.define("mm", lambda m: m.matmul(m.input("a", sa, dt), m.input("b", sb, dt), ta, tb))
+    for gemv in (True, False):
+        set_config(gemv=gemv)
+        compare(g, {"a": a, "b": b}, dt, profile=UNFUSED)
+    set_config(gemv=True)
+
+
+@gpu
+def test_matmul_int(rng):
+    a, b = rand(rng, (2, 4, 5), I32), rand(rng, (5, 3), I32)
+    g = Graph.define("mmi", lambda m: m.matmul(m.input("a", (2, 4, 5), I32), m.input("b", (5, 3), I32)))
+    compare(g, {"a": a, "b": b}, F32)
+
+
+# ----------------------------------------------------------------------------- transformer graphs
+def tiny_layer(m, x, p, H, KVH, D, cos, sin, eps=1e-5, cache=None, pos=None, mask=None):
+    B, S, hid = x.dims
+    h = m.rms_norm(x, p["ln1"], eps=eps)
+    q = m.transpose(m.reshape(m.linear(h, p["q"]), (B, S, H, D)), (0, 2, 1, 3))
+    k = m.transpose(m.reshape(m.linear(h, p["k"]), (B, S, KVH, D)), (0, 2, 1, 3))
+    v = m.transpose(m.reshape(m.linear(h, p["v"]), (B, S, KVH, D)), (0, 2, 1, 3))
+    q, k = m.rope(q, cos, sin), m.rope(k, cos, sin)
+    if cache is not None:
+        k = m.kv_write(cache[0], k, pos)
+        v = m.kv_write(cache[1], v, pos)
+        a = m.attention(q, k, v, mask, pos, mask_kind=MaskKind.CAUSAL)
+    else:
+        a = m.attention(q, k, v, mask_kind=MaskKind.CAUSAL)
+    a = m.reshape(m.transpose(a, (0, 2, 1, 3)), (B, S, H * D))
+    x = x + m.linear(a, p["o"])
+    h = m.rms_norm(x, p["ln2"], eps=eps)
+    return x + m.swiglu(h, p["gate"], p["up"], p["down"])
+
+
+def tiny_params(rng, hid, H, KVH, D, I, dt):
+    shapes = {"ln1": (hid,), "ln2": (hid,), "q": (H * D, hid), "k": (KVH * D, hid), "v": (KVH * D, hid),
+              "o": (hid, H * D), "gate": (I, hid), "up": (I, hid), "down": (hid, I)}
+    return {n: (rand(rng, s, dt, 0.8, 1.2) if n.startswith("ln") else
+                rand(rng, s, dt, -1, 1) / math.sqrt(s[-1])) for n, s in shapes.items()}, shapes
+
+
+@gpu
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("policy", ["direct", "fusable"])
+def test_tiny_transformer_prefill(rng, dt, policy):
+    B, S, hid, H, KVH, D, I = 2, 24, 128, 4, 2, 32, 256
+    pv, shapes = tiny_params(rng, hid, H, KVH, D, I, dt)
+    ang = rng.uniform(0, 6, (S, D // 2))
+
+    def f(m):
+        x = m.input("x", (B, S, hid), dt)
+        p = {n: m.param(n, s, dt) for n, s in shapes.items()}
+        cos, sin = m.input("cos", (S, D // 2)), m.input("sin", (S, D // 2))
+        y = tiny_layer(m, x, p, H, KVH, D, cos, sin)
+        return tiny_layer(m, y, p, H, KVH, D, cos, sin)
+    prof = CompileProfile("t", FusionConfig(policy=policy))
+    ins = {"x": rand(rng, (B, S, hid), dt), "cos": np.cos(ang).astype(np.float32),
+           "sin": np.sin(ang).astype(np.float32)}
+    compare(Graph.define("tiny", f), ins, dt, params=pv, profile=prof, runs=3)
+
+
+@gpu
+@pytest.mark.parametrize("dt", FLOATS)
+def test_tiny_decode_kv_cache_graph_replay(rng, dt):
+    """Decode steps with kv_write at `pos` into a state cache; from the second step on the
+    runner replays a CUDA graph. Every step is compared with the numpy backend."""
+    B, hid, H, KVH, D, I, CTX = 2, 64, 4, 2, 16, 128, 32
+    pv, shapes = tiny_params(rng, hid, H, KVH, D, I, dt)
+
+    def f(m):
+        x = m.input("x", (B, 1, hid), dt)
+        pos = m.input("pos", (B,), I32)
+        p = {n: m.param(n, s, dt) for n, s in shapes.items()}
+        cos, sin = m.input("cos", (B, 1, D // 2)), m.input("sin", (B, 1, D // 2))
+        cache = (m.state("k", (B, KVH, CTX, D), dt), m.state("v", (B, KVH, CTX, D), dt))
+        return tiny_layer(m, x, p, H, KVH, D, cos, sin, cache=cache, pos=pos)
+    g = Graph.define("dec", f)
+    exes = {name: rlx_core.compile(g, backend=name, params=pv) for name in ("numpy", "cuda")}
+    for t in range(6):
+        pos = np.array([t, t + 3], np.int32)
+        ang = pos[:, None, None] * (0.3 + np.arange(D // 2))[None, None, :] * 0.1
+        ins = {"x": rand(rng, (B, 1, hid), dt), "pos": pos, "cos": np.cos(ang).astype(np.float32),
+               "sin": np.sin(ang).astype(np.float32)}
+        outs = {n: e.run(dict(ins))["out"] for n, e in exes.items()}
+        assert err(outs["cuda"], outs["numpy"]) <= TOL[dt], f"step {t}"
+        kc = exes["cuda"].backend.to_host(exes["cuda"].states["k"])
+        kn = np.asarray(exes["numpy"].states["k"])
+        assert err(kc, kn) <= TOL[dt]
+    runner = next(iter(exes["cuda"]._runners.values()))
+    d = runner.describe()
+    assert d["graph"], f"decode was not replayed as a CUDA graph: {d}"
+
+
+# ----------------------------------------------------------------------------- bad input
+@gpu
+def test_out_of_memory_names_bytes():
+    from rlx_backend_cuda import device
+
+    with pytest.raises(BackendError, match=r"out of GPU memory allocating \d+ bytes.*\d+ bytes free"):
+        device.alloc(1 << 50, "a test buffer")
+
+
+@gpu
+def test_compile_error_names_op_and_line():
+    from rlx_backend_cuda import device
+
+    src = 'extern "C" __global__ void k(float* x) {\n  x[0] = undefined_thing;\n}\n'
+    with pytest.raises(BackendError, match=r"(?s)op 'my_op'.*line 2: x\[0\] = undefined_thing"):
+        device.kernel(src, "k", "my_op")
+
+
+@gpu
+def test_unsupported_dtype_fails_at_compile_time():
+    g = Graph.define("c", lambda m: m.input("x", (3,), DType.C64) * 2.0)
+    exe = rlx_core.compile(g, profile=UNFUSED, backend="cuda")
+    with pytest.raises(RlxError, match="complex"):
+        exe.runner({})
+
+
+@gpu
+def test_device_errors_are_model_errors(rng):
+    g = Graph.define("g", lambda m: m.gather(m.input("t", (4, 3)), m.input("i", (2,), I64)))
+    exe = rlx_core.compile(g, backend="cuda")
+    with pytest.raises(ModelError, match="out of range"):
+        exe.run({"t": np.ones((4, 3), np.float32), "i": np.array([1, 9])})
+    out = exe.run({"t": np.ones((4, 3), np.float32), "i": np.array([1, 3])})   # flag was reset
+    assert out["out"].shape == (2, 3)
+
+    def f(m):
+        c = m.state("c", (1, 2, 4, 3))
+        return m.kv_write(c, m.input("n", (1, 2, 2, 3)), m.input("p", (1,), I32))
+    exe = rlx_core.compile(Graph.define("kv", f), backend="cuda")
+    with pytest.raises(ModelError, match="context full"):
+        exe.run({"n": np.ones((1, 2, 2, 3), np.float32), "p": np.array([3], np.int32)})
+
+
+@gpu
+def test_params_and_cache_stay_on_device(rng):
+    from rlx_backend_cuda import CudaArray
+
+    w = rand(rng, (8, 8), F32)
+    g = Graph.define("p", lambda m: m.linear(m.input("x", (1, 8)), m.param("w", (8, 8))))
+    exe = rlx_core.compile(g, backend="cuda", params={"w": w})
+    assert all(isinstance(v, CudaArray) for v in exe._params.values())
+    out = exe.run({"x": np.ones((1, 8), np.float32)})["out"]
+    np.testing.assert_allclose(out, np.ones((1, 8)) @ w.T, rtol=1e-5)

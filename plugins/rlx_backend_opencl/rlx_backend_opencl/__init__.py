@@ -1,0 +1,127 @@
+"""RLX backend on OpenCL (PyOpenCL): PoCL on CPUs, vendor drivers on GPUs.
+
+Select it with `backend="opencl"`; pick a device with RLX_OPENCL_DEVICE or
+`OpenCLBackend(device=...)` / `backend.with_device(...)` (a profile's `[backend] device` once
+the pipeline hands it to backends through `configure`). Selectors: "P:D" (platform and device
+index), "N" (index among all devices), or a name substring ("nvidia", "pthread").
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from rlx_core.backends.base import Backend, Runner
+from rlx_core.ir.dtype import DType
+from rlx_core.ir.errors import BackendError
+from rlx_core.ir.lir import LirModule
+from rlx_core.ir.ops import OPS, Level
+from rlx_core.plugins.hookspecs import hookimpl
+
+from . import device as _device
+from .device import CLArray
+
+__version__ = "0.1.0"
+_BASE_DTYPES = frozenset({DType.F32, DType.I8, DType.I16, DType.I32, DType.I64, DType.U8, DType.U32,
+                          DType.BOOL})
+
+
+class OpenCLBackend(Backend):
+    name = "opencl"
+    target = "generic"            # every fusion group: it has a kernel for each fused op
+
+    def __init__(self, device: str | None = None):
+        self.selector = device
+        self._dev = None
+
+    # -- device
+    @property
+    def device(self) -> _device.Device:
+        """The selected device (selected on first use; raises BackendError if none)."""
+        if self._dev is None:
+            self._dev = _device.get_device(self.selector)
+        return self._dev
+
+    def with_device(self, selector: str | None) -> "OpenCLBackend":
+        """A backend bound to another device selector (same name, separate state)."""
+        if not selector or selector == self.selector:
+            return self
+        return OpenCLBackend(selector)
+
+    def configure(self, config) -> "OpenCLBackend":
+        """Apply a profile's BackendConfig (`[backend] device`)."""
+        return self.with_device(getattr(config, "device", "") or None)
+
+    def availability(self) -> tuple:
+        try:
+            import pyopencl  # noqa: F401
+        except Exception as e:  # ImportError, or a broken ICD loader
+            return False, f"pyopencl is not importable: {type(e).__name__}: {e}"
+        try:
+            self.device
+        except BackendError as e:
+            return False, str(e)
+        except Exception as e:  # a driver that fails while creating the context
+            return False, f"OpenCL initialisation failed: {type(e).__name__}: {e}"
+        return True, ""
+
+    @property
+    def priority(self) -> int:
+        """Above numpy on a GPU, below it on a CPU device (PoCL)."""
+        try:
+            return 20 if self.device.is_gpu else 5
+        except Exception:
+            return 5
+
+    @property
+    def dtypes(self) -> frozenset:
+        try:
+            return self.device.dtypes()
+        except Exception:
+            return _BASE_DTYPES
+
+    def check_dtype(self, dtype: DType, where: str) -> None:
+        if dtype in self.dtypes:
+            return
+        dev = self.device.name if self._dev is not None or self.availability()[0] else "?"
+        why = {DType.F16: "it lacks cl_khr_fp16", DType.F64: "it lacks cl_khr_fp64",
+               DType.BF16: "bf16 is not supported by the OpenCL backend"}.get(dtype, "unsupported dtype")
+        raise BackendError(f"backend 'opencl' cannot compute in {dtype.value} ({where}) on device {dev}: "
+                           f"{why}; it supports {sorted(d.value for d in self.dtypes)}")
+
+    # -- ops
+    def supported_ops(self) -> set:
+        return {n for n, d in OPS.items() if d.level is not Level.HIR}
+
+    def supports_custom(self, name: str) -> bool:
+        from rlx_core.ir.custom import custom_ops
+
+        op = custom_ops().get(name)
+        return op is not None and "opencl" in op.kernels
+
+    # -- residency
+    def to_device(self, array) -> CLArray:
+        if isinstance(array, CLArray) and array.device is self.device:
+            return array
+        arr = np.asarray(array)
+        DType.parse(arr.dtype)
+        return _device.upload(self.device, arr)
+
+    def to_host(self, value) -> np.ndarray:
+        if isinstance(value, CLArray):
+            return value.get()
+        return np.asarray(value)
+
+    def zeros(self, shape: tuple, dtype: DType) -> CLArray:
+        return _device.zeros(self.device, tuple(shape), DType.parse(dtype))
+
+    def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:
+        from .runner import OpenCLRunner
+
+        return OpenCLRunner(self, self.device, lir, params, states)
+
+
+@hookimpl
+def rlx_register_backends(register):
+    register(OpenCLBackend())
+
+
+__all__ = ["OpenCLBackend", "CLArray", "rlx_register_backends"]

@@ -1,0 +1,169 @@
+"""Checkpoint: config + tensors + tokenizer of one model, from an HF folder or a GGUF file.
+
+Only safetensors and GGUF are read: pickle-based `.bin`/`.pt` files can run code when loaded.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Mapping
+
+import attrs
+import numpy as np
+
+from rlx_core.ir.errors import WeightError
+
+from .gguf_io import GGUF_MAGIC, load_gguf
+from .packaged import resolve_model_path
+from .safetensors_io import iter_safetensors, read_safetensors_header
+from .tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
+
+
+@attrs.frozen(eq=False, repr=False)
+class Checkpoint:
+    path: str  # the file or folder it came from
+    format: str  # "safetensors" | "gguf"
+    config: dict  # HF config.json (synthesized from metadata for GGUF)
+    tensors: Mapping[str, np.ndarray]  # HF names -> arrays (GGUF: float32; safetensors: as stored)
+    tokenizer: Tokenizer | None
+
+    def architecture(self) -> str:
+        """The HF `model_type`, e.g. "llama", "bert", "gemma3_text"."""
+        try:
+            return self.config["model_type"]
+        except KeyError:
+            raise WeightError(f"{self.path}: config has no 'model_type'") from None
+
+    def __repr__(self) -> str:
+        return (
+            f"Checkpoint({self.path!r}, format={self.format!r}, "
+            f"model_type={self.config.get('model_type')!r}, tensors={len(self.tensors)}, "
+            f"tokenizer={'yes' if self.tokenizer else 'no'})"
+        )
+
+
+def load_checkpoint(path: str | os.PathLike, progress: bool = False) -> Checkpoint:
+    """Load an HF model folder (config.json + safetensors), a .gguf file, or a packaged model name."""
+    path = resolve_model_path(os.fspath(path))
+    if os.path.isdir(path):
+        folder = _model_folder(path)
+        if isinstance(folder, tuple):  # a folder holding just one .gguf file
+            return _load_gguf(folder[0], progress)
+        return _load_folder(folder, progress)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise WeightError(f"{path}: cannot read ({e})") from e
+    if magic == GGUF_MAGIC:
+        return _load_gguf(path, progress)
+    if path.endswith(".safetensors"):
+        return _load_folder(os.path.dirname(os.path.abspath(path)), progress, files=[path])
+    raise WeightError(f"{path}: not a GGUF file (no b'GGUF' magic) nor a .safetensors file")
+
+
+def _load_gguf(path: str, progress: bool) -> Checkpoint:
+    config, tensors, gf = load_gguf(path, progress)
+    return Checkpoint(path, "gguf", config, tensors, tokenizer_from_gguf(path, gf.metadata))
+
+
+def _model_folder(path: str) -> str | tuple[str]:
+    """The folder holding config.json: `path` itself, or the transformer module of a
+    sentence-transformers layout (modules.json), or its single subfolder with a config.json."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    if len(ggufs) == 1:
+        return (ggufs[0],)
+    modules = os.path.join(path, "modules.json")
+    if os.path.isfile(modules):
+        try:
+            with open(modules, encoding="utf-8") as f:
+                entries = json.load(f)
+            for entry in entries:
+                if entry.get("type", "").endswith("models.Transformer"):
+                    sub = os.path.join(path, entry.get("path", ""))
+                    if os.path.isfile(os.path.join(sub, "config.json")):
+                        return sub
+        except (OSError, json.JSONDecodeError, AttributeError, TypeError):
+            pass  # fall through to the subfolder search
+    subs = sorted(d for d in glob.glob(os.path.join(path, "*", "config.json")))
+    if len(subs) == 1:
+        return os.path.dirname(subs[0])
+    found = f"; several subfolders have one: {[os.path.dirname(s) for s in subs]}" if subs else ""
+    extra = f"; it holds several .gguf files, pass one: {ggufs}" if ggufs else ""
+    raise WeightError(
+        f"{path}: no config.json (expected an HF model folder with config.json and *.safetensors)"
+        f"{found}{extra}"
+    )
+
+
+def _weight_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise WeightError(
+                f"{index}: not a valid safetensors index (expected a 'weight_map' object): {e!r}"
+            ) from e
+        shards = [os.path.join(folder, s) for s in dict.fromkeys(weight_map.values())]
+        missing = [s for s in shards if not os.path.isfile(s)]
+        if missing:
+            raise WeightError(f"{index}: lists shards that are missing: {missing}")
+        return shards
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if files:
+        return files
+    pickles = [
+        os.path.basename(p)
+        for p in glob.glob(os.path.join(folder, "*.bin")) + glob.glob(os.path.join(folder, "*.pt"))
+    ]
+    hint = (
+        f" (it has {pickles}: pickle files are never loaded; convert them to safetensors)" if pickles else ""
+    )
+    raise WeightError(
+        f"{folder}: no model weights (expected model.safetensors or model.safetensors.index.json){hint}"
+    )
+
+
+def _load_folder(folder: str, progress: bool, files: list[str] | None = None) -> Checkpoint:
+    cfg_path = os.path.join(folder, "config.json")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise WeightError(
+            f"{folder}: no config.json (expected an HF model folder with config.json and *.safetensors)"
+        ) from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise WeightError(f"{cfg_path}: cannot read config ({e})") from e
+    if not isinstance(config, dict):
+        raise WeightError(f"{cfg_path}: config is not a JSON object")
+
+    files = files or _weight_files(folder)
+    total = sum(len(read_safetensors_header(p)[0]) for p in files)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc=f"loading {os.path.basename(folder.rstrip(os.sep))}", unit="tensor")
+    tensors: dict[str, np.ndarray] = {}
+    try:
+        for p in files:
+            for name, array in iter_safetensors(p):
+                if name in tensors:
+                    raise WeightError(f"{p}: tensor {name!r} also appears in another shard")
+                tensors[name] = array
+                if bar is not None:
+                    bar.update()
+    finally:
+        if bar is not None:
+            bar.close()
+    return Checkpoint(folder, "safetensors", config, tensors, tokenizer_from_folder(folder, config))

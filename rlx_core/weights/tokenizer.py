@@ -1,0 +1,506 @@
+"""Tokenizer: thin glue over `tokenizers.Tokenizer`, built the way transformers builds it.
+
+Sources: an HF folder (`tokenizer.json`, or a BERT `vocab.txt`), or a GGUF file's metadata. The GGUF
+builders mirror `transformers/integrations/gguf/gguf_tokenizer_mapping.py` so that ids match
+`AutoTokenizer.from_pretrained(dir, gguf_file=...)`. A GGUF backend is built on first use, since
+rebuilding a sentencepiece vocabulary's merges costs seconds that weight-only callers should not pay.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections.abc import Callable, Iterable, Sequence
+
+from rlx_core.ir.errors import ModelError, WeightError
+
+_NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# tokens llama.cpp also treats as end-of-generation (llama-vocab.cpp), so generation stops on them
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>")
+
+
+class Tokenizer:
+    """Text <-> ids plus the special-token facts a generation loop needs."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer | Callable[[], tokenizers.Tokenizer | None],  # noqa: F821
+        *,
+        name: str,
+        special_tokens: dict[str, str] | None = None,
+        eos_token_ids: Sequence[int] = (),
+        bos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        chat_template: str | None = None,
+    ):
+        self._backend = backend if callable(backend) and not hasattr(backend, "encode") else (lambda: backend)
+        self.name = name
+        self.special_tokens = dict(special_tokens or {})  # bos_token/eos_token/... -> text, for templates
+        self.eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        self.bos_token_id = bos_token_id
+        self.pad_token_id = pad_token_id
+        self.chat_template = chat_template
+
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer`, built now if it was deferred."""
+        if callable(self._backend) and not hasattr(self._backend, "encode"):
+            tk = self._backend()
+            # tokenizer.json may carry padding/truncation settings; transformers turns them off per call
+            # unless asked, so ids here are the unpadded, untruncated ones
+            tk.no_padding()
+            tk.no_truncation()
+            self._backend = tk
+        return self._backend
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce (added tokens included)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Iterable[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render `messages` with the model's jinja chat template, as transformers does (tokenize=False)."""
+        if self.chat_template is None:
+            raise ModelError(f"{self.name}: this model has no chat template")
+        import jinja2
+
+        template = _compile(self.chat_template)
+        try:
+            return template.render(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except jinja2.TemplateError as e:  # includes the template's own raise_exception(...)
+            raise ModelError(f"{self.name}: chat template rejected the messages: {e}") from e
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer({self.name!r}, eos_token_ids={self.eos_token_ids}, bos_token_id={self.bos_token_id})"
+        )
+
+
+_TEMPLATES: dict[str, object] = {}
+
+
+def _compile(template: str):
+    """A jinja template in the same sandboxed environment transformers' apply_chat_template uses."""
+    if template not in _TEMPLATES:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            # jinja's own tojson escapes HTML characters; transformers' does not
+            return json.dumps(
+                x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+            )
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        try:
+            _TEMPLATES[template] = env.from_string(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ModelError(f"chat template does not compile: {e}") from e
+    return _TEMPLATES[template]
+
+
+def _set_post_processor(tk, bos: str | None, eos: str | None, add_bos: bool, add_eos: bool) -> None:
+    """transformers' `update_post_processor`: a template that adds BOS and/or EOS around each sequence."""
+    from tokenizers import processors
+
+    add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+    single = f"{(bos + ':0 ') if add_bos else ''}$A:0{(' ' + eos + ':0') if add_eos else ''}"
+    pair = f"{single}{(' ' + bos + ':1') if add_bos else ''} $B:1{(' ' + eos + ':1') if add_eos else ''}"
+    special = ([(bos, tk.token_to_id(bos))] if add_bos else []) + (
+        [(eos, tk.token_to_id(eos))] if add_eos else []
+    )
+    tk.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+def _add_named(tk, special_tokens: dict[str, str]) -> None:
+    """Named special tokens are added as special (never split, skipped on decode), as transformers does."""
+    from tokenizers import AddedToken
+
+    tokens = [AddedToken(t, special=True, normalized=False) for t in special_tokens.values()]
+    if tokens:
+        tk.add_special_tokens(tokens)
+
+
+# ---------------------------------------------------------------------------------------------- HF folders
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise WeightError(f"{path}: cannot read JSON ({e})") from e
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config stores a special token as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def tokenizer_from_folder(folder: str, config: dict) -> Tokenizer | None:
+    """The tokenizer of an HF model folder, or None if it has neither tokenizer.json nor vocab.txt."""
+    from tokenizers import Tokenizer as TkTokenizer
+
+    tok_cfg = _read_json(os.path.join(folder, "tokenizer_config.json"))
+    special_map = _read_json(os.path.join(folder, "special_tokens_map.json"))
+    special = {}
+    for key in _NAMED:
+        text = _token_text(tok_cfg.get(key)) or _token_text(special_map.get(key))
+        if text is not None:
+            special[key] = text
+
+    tj = os.path.join(folder, "tokenizer.json")
+    vocab_txt = os.path.join(folder, "vocab.txt")
+    if os.path.isfile(tj):
+        try:
+            tk = TkTokenizer.from_file(tj)
+        except Exception as e:  # tokenizers raises plain Exception on malformed files
+            raise WeightError(f"{tj}: cannot load tokenizer ({e})") from e
+    elif os.path.isfile(vocab_txt):
+        tk = _wordpiece(vocab_txt, tok_cfg, special)
+    else:
+        return None
+    _add_named(tk, special)
+    if "add_bos_token" in tok_cfg or "add_eos_token" in tok_cfg or tk.post_processor is None:
+        _set_post_processor(
+            tk,
+            special.get("bos_token"),
+            special.get("eos_token"),
+            bool(tok_cfg.get("add_bos_token")),
+            bool(tok_cfg.get("add_eos_token")),
+        )
+
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    jinja_file = os.path.join(folder, "chat_template.jinja")
+    if template is None and os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            template = f.read()
+
+    def tid(key):
+        return tk.token_to_id(special[key]) if key in special else None
+
+    gen = _read_json(os.path.join(folder, "generation_config.json"))
+    eos = _ids(gen.get("eos_token_id")) + _ids(config.get("eos_token_id"))
+    if tid("eos_token") is not None:
+        eos.append(tid("eos_token"))
+    bos = tid("bos_token") if "bos_token" in special else config.get("bos_token_id")
+    pad = tid("pad_token") if "pad_token" in special else config.get("pad_token_id")
+    return Tokenizer(
+        tk,
+        name=folder,
+        special_tokens=special,
+        eos_token_ids=eos,
+        bos_token_id=bos,
+        pad_token_id=pad,
+        chat_template=template,
+    )
+
+
+def _wordpiece(vocab_txt: str, tok_cfg: dict, special: dict[str, str]):
+    """A BERT WordPiece tokenizer from vocab.txt, configured like transformers' BertTokenizer."""
+    from tokenizers import Tokenizer as TkTokenizer
+    from tokenizers import decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordPiece
+
+    for key, default in (
+        ("unk_token", "[UNK]"),
+        ("sep_token", "[SEP]"),
+        ("cls_token", "[CLS]"),
+        ("pad_token", "[PAD]"),
+        ("mask_token", "[MASK]"),
+    ):
+        special.setdefault(key, default)
+    try:
+        vocab = WordPiece.read_file(vocab_txt)
+    except Exception as e:
+        raise WeightError(f"{vocab_txt}: cannot read WordPiece vocabulary ({e})") from e
+    tk = TkTokenizer(WordPiece(vocab, unk_token=special["unk_token"]))
+    tk.normalizer = normalizers.BertNormalizer(
+        clean_text=True,
+        handle_chinese_chars=tok_cfg.get("tokenize_chinese_chars", True),
+        strip_accents=tok_cfg.get("strip_accents"),
+        lowercase=tok_cfg.get("do_lower_case", True),
+    )
+    tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tk.decoder = decoders.WordPiece(prefix="##")
+    cls, sep = special["cls_token"], special["sep_token"]
+    if cls not in vocab or sep not in vocab:
+        raise WeightError(
+            f"{vocab_txt}: vocabulary lacks the {cls!r} / {sep!r} tokens a BERT tokenizer needs"
+        )
+    tk.post_processor = processors.TemplateProcessing(
+        single=f"{cls}:0 $A:0 {sep}:0",
+        pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
+        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])],
+    )
+    return tk
+
+
+# ---------------------------------------------------------------------------------------------- GGUF
+
+
+def tokenizer_from_gguf(path: str, metadata: dict) -> Tokenizer | None:
+    """The tokenizer a GGUF file's metadata describes, or None if it has none this module can build."""
+    kind = metadata.get("tokenizer.ggml.model")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    arch = metadata.get("general.architecture", "")
+    if kind not in ("gpt2", "llama") or not tokens:
+        return None
+
+    def tok(key):
+        i = metadata.get(f"tokenizer.ggml.{key}")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    special = {
+        k: tok(g)
+        for k, g in (
+            ("bos_token", "bos_token_id"),
+            ("eos_token", "eos_token_id"),
+            ("unk_token", "unknown_token_id"),
+            ("pad_token", "padding_token_id"),
+        )
+    }
+    special = {k: v for k, v in special.items() if v is not None}
+    if kind == "llama" and arch.startswith("gemma"):
+        special.setdefault("mask_token", "<mask>")  # GemmaTokenizer's default, which transformers adds too
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+
+    eos = _ids(metadata.get("tokenizer.ggml.eos_token_id")) + _ids(
+        metadata.get("tokenizer.ggml.eot_token_id")
+    )
+    eos += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == 3 and t in _EOG_TEXTS]
+
+    def build():
+        try:
+            return _build()
+        except Exception as e:  # tokenizers raises plain Exceptions on inconsistent vocabularies
+            raise WeightError(f"{path}: cannot build the {kind!r} tokenizer from GGUF metadata ({e})") from e
+
+    def _build():
+        if kind == "gpt2":
+            tk = _byte_level(tokens, metadata.get("tokenizer.ggml.merges") or [])
+        elif arch.startswith("gemma"):
+            tk = _gemma(tokens)
+        else:
+            tk = _llama_spm(
+                tokens, metadata.get("tokenizer.ggml.merges"), metadata.get("tokenizer.ggml.scores")
+            )
+        _add_gguf_tokens(tk, tokens, types, byte_level=kind == "gpt2")
+        _set_split(tk, metadata.get("tokenizer.ggml.pre"))
+        _add_named(tk, special)
+        _set_post_processor(tk, special.get("bos_token"), special.get("eos_token"), add_bos, add_eos)
+        return tk
+
+    return Tokenizer(
+        build,
+        name=path,
+        special_tokens=special,
+        eos_token_ids=eos,
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        chat_template=metadata.get("tokenizer.chat_template"),
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, in which byte-level BPE vocabularies are spelled."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _byte_level(tokens: list[str], merges: list[str]):
+    """transformers' GPT2Tokenizer backend: byte-level BPE."""
+    from tokenizers import Tokenizer as TkTokenizer
+    from tokenizers import decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {
+        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+        for i, t in enumerate(tokens)
+    }
+    pairs = [tuple(m.split(" ")) for m in merges]
+    tk = TkTokenizer(
+        BPE(
+            vocab=vocab,
+            merges=pairs,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    return tk
+
+
+def _generate_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Merges implied by a sentencepiece vocabulary: every split of a token into two tokens, best score
+    first (transformers' `generate_merges`, whose tie order is kept)."""
+    merges = []
+    for merge, score in scores.items():
+        local = [
+            (merge[:i], merge[i:], score)
+            for i in range(1, len(merge))
+            if merge[:i] in vocab and merge[i:] in vocab
+        ]
+        local.sort(key=lambda x: (vocab[x[0]], vocab[x[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda v: (v[2], len(v[0]), len(v[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def _gemma(tokens: list[str]):
+    """transformers' gemma GGUF tokenizer: whitespace runs spelled with '▁', merges rebuilt in file order."""
+    from tokenizers import Tokenizer as TkTokenizer
+    from tokenizers import decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    respelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(respelled)}
+    merges = _generate_merges(vocab, {t: -i for i, t in enumerate(respelled)})
+    tk = TkTokenizer(
+        BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token="<unk>", dropout=None, byte_fallback=True)
+    )
+    tk.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tk.normalizer = normalizers.Replace(" ", "\u2581")
+    return tk
+
+
+def _llama_spm(tokens: list[str], merges: list[str] | None, scores: list[float] | None):
+    """transformers' LlamaTokenizer backend: sentencepiece-style BPE with byte fallback."""
+    from tokenizers import Tokenizer as TkTokenizer
+    from tokenizers import decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if merges:
+        pairs = [tuple(m.split(" ")) for m in merges]
+    else:
+        pairs = _generate_merges(vocab, dict(zip(tokens, scores or [0.0] * len(tokens))))
+    tk = TkTokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True, dropout=None))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tk.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1),
+        ]
+    )
+    return tk
+
+
+def _add_gguf_tokens(tk, tokens: list[str], types: list[int], byte_level: bool) -> None:
+    """CONTROL tokens (type 3) become special added tokens, USER_DEFINED ones (type 4) plain added tokens
+    (transformers' `add_gguf_special_tokens`; a byte-level 'control' token outside the byte alphabet
+    is a llama.cpp mislabel and is skipped)."""
+    from tokenizers import AddedToken
+
+    alphabet = set(_bytes_to_unicode().values()) if byte_level else None
+    control = [
+        AddedToken(t, normalized=False, special=True)
+        for t, ty in zip(tokens, types)
+        if ty == 3 and (alphabet is None or set(t) <= alphabet)
+    ]
+    if control:
+        tk.add_special_tokens(control)
+    vocab = tk.get_vocab(with_added_tokens=True)
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, ty in zip(tokens, types)
+        if ty == 4 and t in vocab
+    ]
+    if user:
+        tk.add_tokens(user)
+
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# `tokenizer.ggml.pre` -> the split regex its merges were learned with (a subset of transformers' table)
+_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+def _set_split(tk, pre: str | None) -> None:
+    from tokenizers import Regex, pre_tokenizers
+
+    if (split := _SPLITS.get(pre)) is not None:
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )

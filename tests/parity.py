@@ -1,0 +1,403 @@
+"""Shared machinery of the op parity suite, importable by backend plugins' own tests.
+
+* `backend` fixture: parameterized over every registered backend (ids are backend names);
+  one that is not available here is skipped with its reason, never faked.
+* `rng` fixture: a generator seeded per test (from RLX_TEST_SEED, default 0, and the test id),
+  so every test draws fresh inputs and a failure reproduces.
+* `one_op(...)`: an MIR graph of a single op built with `Builder(name, "mir")`.
+* `run_parity(...)`: compile the one-op graph on a backend, poison the executable's arena
+  (NaN bytes, then a second run with zero bytes) so a kernel that does not write its whole
+  output fails, run, and compare with a float64 reference.
+* `ref_*`: independent float64 numpy references (never the backends' kernels).
+
+A backend's runner is poisoned through `runner.poison(byte)` when it has that method, else
+through a uint8 `runner.arena` (the NumPy runner's); a runner with neither runs unpoisoned
+with a warning.
+"""
+from __future__ import annotations
+
+import math
+import os
+import warnings
+import zlib
+
+import attrs
+import ml_dtypes
+import numpy as np
+import pytest
+
+import rlx_core
+from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, DType
+from rlx_core.ir.graph import MIR, Builder
+from rlx_core.ir.ops import OPS, Level, MaskKind
+from rlx_core.profile import CompileProfile, FusionConfig, PassConfig
+
+FLOATS = (F32, F16, BF16, F64)
+TOL = {F32: 1e-5, F16: 5e-3, BF16: 1e-2, F64: 1e-10}
+POISON_BYTES = (0xFF, 0x00)       # 0xFF: NaN in every float type, -1 in ints; 0x00: False / 0
+
+# One-op graphs are compiled without fusion and with verification after every pass.
+PARITY_PROFILE = CompileProfile("parity", FusionConfig(skip=True), PassConfig(verify_each=True))
+
+
+# ----------------------------------------------------------------------------- fixtures
+def backend_params() -> list:
+    from rlx_core.pipeline import available_backends
+
+    out = []
+    for b, ok, why in available_backends():
+        marks = () if ok else (pytest.mark.skip(reason=f"backend {b.name!r} is not available: {why}"),)
+        out.append(pytest.param(b.name, id=b.name, marks=marks))
+    return out
+
+
+@pytest.fixture(params=backend_params())
+def backend(request) -> str:
+    """The name of a registered backend (unavailable ones are skipped with their reason)."""
+    return request.param
+
+
+def seed_for(nodeid: str) -> list:
+    return [int(os.environ.get("RLX_TEST_SEED", "0")), zlib.crc32(nodeid.encode())]
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    return np.random.default_rng(seed_for(request.node.nodeid))
+
+
+# ----------------------------------------------------------------------------- inputs
+@attrs.frozen
+class Arg:
+    """One leaf of a one-op graph: `data` is float64/int/bool host data, exactly
+    representable in `dtype` (use `rand`); kind is input or state."""
+    name: str
+    data: np.ndarray
+    dtype: DType
+    kind: str = "input"
+
+    @property
+    def dims(self) -> tuple:
+        return tuple(self.data.shape)
+
+
+def exact(x, dtype) -> np.ndarray:
+    """Round host data to `dtype` and back, so the reference sees exactly what the kernel sees."""
+    dt = DType.parse(dtype)
+    return np.asarray(x).astype(dt.np).astype(np.float64 if dt.is_float else dt.np)
+
+
+def rand(rng, dims, dtype=F32, lo=None, hi=None) -> np.ndarray:
+    """Uniform floats in [lo, hi) (default [-2, 2)), ints in [lo, hi] (default [-9, 9],
+    unsigned [0, 9]), or fair bools."""
+    dt = DType.parse(dtype)
+    if dt is BOOL:
+        return rng.random(dims) < 0.5
+    if dt.is_int:
+        lo = (0 if dt.np.kind == "u" else -9) if lo is None else int(lo)
+        hi = 9 if hi is None else int(hi)
+        return rng.integers(lo, hi + 1, size=dims).astype(dt.np)
+    return exact(rng.uniform(-2.0 if lo is None else lo, 2.0 if hi is None else hi, size=dims), dt)
+
+
+def arg(rng, name, dims, dtype=F32, **kw) -> Arg:
+    return Arg(name, rand(rng, dims, dtype, **kw), DType.parse(dtype))
+
+
+# ----------------------------------------------------------------------------- graphs
+def one_op(op: str, args: list, attrs_: dict | None = None, name: str | None = None,
+           level: str = MIR):
+    """A graph holding leaves for `args` and one `op` node whose outputs are the graph's."""
+    m = Builder(name or f"parity_{op}", level)
+    vals = []
+    for a in args:
+        leaf = m.state if a.kind == "state" else m.input
+        vals.append(leaf(a.name, a.dims, a.dtype))
+    out = m.add(op, tuple(vals), **(attrs_ or {}))
+    outs = out if isinstance(out, tuple) else (out,)
+    for k, v in enumerate(outs):
+        m.output(f"out{k}", v)
+    return m.build()
+
+
+def poison(runner, byte: int) -> bool:
+    """Fill the runner's scratch memory with `byte`; False when the runner cannot be poisoned."""
+    if hasattr(runner, "poison"):
+        runner.poison(byte)
+        return True
+    arena = getattr(runner, "arena", None)
+    if arena is None:
+        return False
+    arena.view(np.uint8).fill(byte)
+    return True
+
+
+def compile_on(g, backend: str, profile=None, params=None):
+    return rlx_core.compile(g, profile=profile or PARITY_PROFILE, backend=backend, params=params)
+
+
+def run_poisoned(exe, inputs: dict, env: dict | None = None, byte: int = 0xFF,
+                 states: dict | None = None) -> dict:
+    """Run `exe` once with its arena poisoned with `byte` (states reset to `states` first)."""
+    if states:
+        for k, v in states.items():
+            exe.states[k] = exe.backend.to_device(np.array(v))
+        exe._runners.clear()                     # a runner holds the state buffers it saw
+    if env is None:
+        env = exe._bind_dims(inputs)
+    runner = exe.runner(env)
+    if not poison(runner, byte):
+        warnings.warn(f"runner of backend {exe.backend.name!r} cannot be poisoned "
+                      "(no poison(byte) and no uint8 arena); outputs are unchecked for holes")
+    out = exe.run(inputs)
+    return {k: exe.backend.to_host(v) for k, v in out.items()}
+
+
+def assert_close(out, ref, dtype: DType, what: str = "", tol: float | None = None) -> None:
+    out = np.asarray(out)
+    dtype = DType.parse(dtype)
+    assert out.dtype == dtype.np, f"{what}: output dtype {out.dtype}, expected {dtype.np}"
+    ref = np.asarray(ref)
+    assert out.shape == ref.shape, f"{what}: output shape {out.shape}, expected {ref.shape}"
+    if dtype.is_float:
+        tol = TOL[dtype] if tol is None else tol
+        o = out.astype(np.float64)
+        r = ref.astype(np.float64)
+        finite = r[np.isfinite(r)]
+        scale = max(float(np.max(np.abs(finite))) if finite.size else 0.0, 1e-30)
+        np.testing.assert_allclose(o, r, rtol=tol, atol=tol * scale, err_msg=what)
+    else:
+        np.testing.assert_array_equal(out, ref.astype(out.dtype), err_msg=what)
+
+
+def run_parity(backend: str, op: str, args: list, attrs_: dict | None, ref, *,
+               tol: float | None = None, out_dtypes=None, level: str = MIR, profile=None,
+               check=None) -> list:
+    """Compile one `op` on `args`, run it poisoned twice, compare every output with
+    `ref(*float64 inputs)` (a value or a tuple). Returns the outputs of the NaN-poisoned run."""
+    g = one_op(op, args, attrs_, level=level)
+    from rlx_core.pipeline import select_backend
+
+    b = select_backend(backend)
+    d = OPS[op]
+    if level == MIR and d.level is not Level.FUSED and op != "custom" and op not in b.supported_ops():
+        pytest.skip(f"backend {backend!r} does not implement op {op!r}")
+    used = {a.dtype for a in args} | {g.shape_of(r).dtype for _, r in g.outputs}
+    lacking = sorted(dt.value for dt in used if dt not in b.dtypes)
+    if lacking:
+        pytest.skip(f"backend {backend!r} does not support dtype(s) {lacking} here")
+    exe = compile_on(g, backend, profile)
+    inputs = {a.name: a.data for a in args if a.kind == "input"}
+    states = {a.name: a.data.astype(a.dtype.np) for a in args if a.kind == "state"}
+    host = [a.data.astype(np.float64) if a.dtype.is_float else a.data for a in args]
+    want = ref(*host)
+    want = want if isinstance(want, tuple) else (want,)
+    names = [n for n, _ in g.outputs]
+    shapes = [g.shape_of(r) for _, r in g.outputs]
+    first = None
+    for byte in POISON_BYTES:
+        got = run_poisoned(exe, inputs, byte=byte, states={k: v.copy() for k, v in states.items()})
+        for k, (name, s) in enumerate(zip(names, shapes)):
+            dt = out_dtypes[k] if out_dtypes else s.dtype
+            what = f"{op} {attrs_} on {backend} output {name} (poison 0x{byte:02X})"
+            if check is not None:
+                check(k, got[name], want[k], dt, what)
+            else:
+                assert_close(got[name], want[k], dt, what, tol)
+        first = first or [got[n] for n in names]
+    return first
+
+
+# ----------------------------------------------------------------------------- references
+def _erf(x):
+    return np.vectorize(math.erf, otypes=[np.float64])(x)
+
+
+REF_ACT = {
+    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
+    "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3))),
+    "silu": lambda x: x / (1.0 + np.exp(-x)),
+    "relu": lambda x: np.where(x > 0, x, 0 * x),
+    "sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
+    "tanh": np.tanh, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
+    "rsqrt": lambda x: 1.0 / np.sqrt(x), "neg": lambda x: -x, "abs": np.abs,
+    "sin": np.sin, "cos": np.cos, "recip": lambda x: 1.0 / x, "identity": lambda x: x,
+}
+
+
+def ref_binary(op, a, b):
+    if op == "div" and np.asarray(a).dtype.kind in "iu" and np.asarray(b).dtype.kind in "iu":
+        return np.floor_divide(a, b)
+    return {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+            "max": np.maximum, "min": np.minimum, "pow": np.power}[op](a, b)
+
+
+def ref_compare(op, a, b):
+    return {"eq": a == b, "ne": a != b, "lt": a < b, "le": a <= b, "gt": a > b, "ge": a >= b}[op]
+
+
+def ref_reduce(op, x, axes, keepdims=False):
+    axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    f = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}[op]
+    return f(x, axis=axes, keepdims=keepdims)
+
+
+def ref_softmax(x, axis=-1):
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def ref_layer_norm(x, g=None, b=None, eps=1e-5):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    y = (x - mu) / np.sqrt(var + eps)
+    if g is not None:
+        y = y * g
+    if b is not None:
+        y = y + b
+    return y
+
+
+def ref_rms_norm(x, w=None, eps=1e-6, offset=0.0):
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    return y if w is None else y * (w + offset)
+
+
+def ref_rope(x, cos, sin, style="half"):
+    """Element by element: pair (i, i+R/2) (half) or (2i, 2i+1) (interleaved) of the first R dims."""
+    x = np.asarray(x, np.float64)
+    out = x.copy()
+    bsz, heads, seq, _ = x.shape
+    half = cos.shape[-1]
+    for b in range(bsz):
+        for s in range(seq):
+            c = cos[s] if cos.ndim == 2 else cos[b, s]
+            sn = sin[s] if sin.ndim == 2 else sin[b, s]
+            for i in range(half):
+                j, k = (i, i + half) if style == "half" else (2 * i, 2 * i + 1)
+                x1, x2 = x[b, :, s, j], x[b, :, s, k]
+                out[b, :, s, j] = x1 * c[i] - x2 * sn[i]
+                out[b, :, s, k] = x2 * c[i] + x1 * sn[i]
+    return out
+
+
+def ref_keep(kind, bsz, sq, sk, window=0, pos=None):
+    """[B, Sq, Sk] keep-mask of a causal / sliding-window kind (all True otherwise)."""
+    keep = np.ones((bsz, sq, sk), bool)
+    kind = MaskKind(kind)
+    if kind in (MaskKind.CAUSAL, MaskKind.SLIDING_WINDOW):
+        for b in range(bsz):
+            for i in range(sq):
+                qp = (int(pos[b]) if pos is not None else sk - sq) + i
+                for j in range(sk):
+                    ok = j <= qp
+                    if kind is MaskKind.SLIDING_WINDOW:
+                        ok = ok and j > qp - window
+                    keep[b, i, j] = ok
+    return keep
+
+
+def ref_mask_fill(scores, mask=None, pos=None, *, mask_kind="causal", window=0):
+    bsz, heads, sq, sk = scores.shape
+    keep = np.broadcast_to(ref_keep(mask_kind, bsz, sq, sk, window, pos)[:, None], scores.shape).copy()
+    s = np.array(scores, np.float64)
+    if mask is not None:
+        if mask.dtype == np.bool_:
+            keep &= np.broadcast_to(mask, scores.shape)
+        else:
+            s = s + mask
+    return np.where(keep, s, -np.inf)
+
+
+def ref_attention(q, k, v, mask=None, pos=None, *, scale, mask_kind="causal", window=0, softcap=0.0):
+    """Per (batch, head): scores, softcap, mask, softmax, weighted sum; GQA by head index."""
+    bsz, heads, sq, _ = q.shape
+    kvh, sk = k.shape[1], k.shape[2]
+    group = heads // kvh
+    keep = ref_keep(mask_kind, bsz, sq, sk, window, pos)
+    out = np.zeros((bsz, heads, sq, v.shape[-1]))
+    for b in range(bsz):
+        for h in range(heads):
+            kh = h // group
+            s = (q[b, h] @ k[b, kh].T) * scale
+            if softcap:
+                s = np.tanh(s / softcap) * softcap
+            kp = keep[b].copy()
+            if mask is not None:
+                mb = np.broadcast_to(mask, (bsz, heads, sq, sk))[b, h]
+                if mask.dtype == np.bool_:
+                    kp &= mb
+                else:
+                    s = s + mb
+            s = np.where(kp, s, -np.inf)
+            out[b, h] = ref_softmax(s, -1) @ v[b, kh]
+    return out
+
+
+def ref_topk(x, k, axis=-1):
+    xm = np.moveaxis(x, axis, -1)
+    idx = np.argsort(-xm, axis=-1, kind="stable")[..., :k]
+    vals = np.take_along_axis(xm, idx, -1)
+    return np.moveaxis(vals, -1, axis), np.moveaxis(idx, -1, axis)
+
+
+def ref_cumsum(x, axis=-1):
+    xm = np.moveaxis(np.array(x), axis, -1)
+    out = np.zeros_like(xm)
+    acc = np.zeros(xm.shape[:-1], xm.dtype)
+    for i in range(xm.shape[-1]):
+        acc = acc + xm[..., i]
+        out[..., i] = acc
+    return np.moveaxis(out, -1, axis)
+
+
+def ref_kv_write(cache, new, pos, axis=2):
+    out = np.array(cache)
+    s = new.shape[axis]
+    for b in range(cache.shape[0]):
+        idx = [b] + [slice(None)] * (cache.ndim - 1)
+        idx[axis] = slice(int(pos[b]), int(pos[b]) + s)
+        out[tuple(idx)] = new[b]
+    return out
+
+
+def ref_matmul(a, b, trans_a=False, trans_b=False):
+    a = np.swapaxes(a, -1, -2) if trans_a else a
+    b = np.swapaxes(b, -1, -2) if trans_b else b
+    return np.matmul(a, b)
+
+
+def ref_swiglu(g, u):
+    return REF_ACT["silu"](g) * u
+
+
+def ref_elementwise(program, *ins):
+    """Interpret a fused_elementwise program with the references above."""
+    slots = list(ins)
+    for op, items, args in program:
+        a = dict(items)
+        xs = [slots[i] for i in args]
+        if op == "binary":
+            r = ref_binary(a["op"], *xs)
+        elif op == "compare":
+            r = ref_compare(a["op"], *xs)
+        elif op == "where":
+            r = np.where(*xs)
+        elif op == "activation":
+            r = REF_ACT[a["fn"]](xs[0])
+        elif op == "cast":
+            dt = DType.parse(a["dtype"])
+            r = exact(xs[0], dt) if dt.is_float else np.trunc(xs[0]).astype(dt.np)
+        elif op == "fused_swiglu":
+            r = ref_swiglu(*xs)
+        else:  # pragma: no cover - a program step the reference does not know
+            raise AssertionError(f"no reference for elementwise step {op}")
+        slots.append(r)
+    return slots[-1]
+
+
+def bf16(x):
+    return np.asarray(x).astype(ml_dtypes.bfloat16)
+
+
+__all__ = [n for n in dir() if not n.startswith("_")]

@@ -1,0 +1,231 @@
+"""CompileProfile: presets, strict TOML loading with errors naming file, key and choices,
+and a stable hash."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlx_core.ir.dtype import BF16, F16, F32
+from rlx_core.ir.errors import ProfileError
+from rlx_core.ir.lower import FusionPolicy
+from rlx_core.profile import PRESETS, CompileProfile
+
+REQUIRED_PRESETS = ["llama32_prefill", "llama32_decode", "qwen3_prefill", "qwen3_decode", "gemma_prefill",
+                    "gemma_decode", "flux2", "encoder", "sam_encoder"]
+
+FULL = """
+[profile]
+name = "mine"
+preset = "llama32_decode"
+
+[fusion]
+policy = "fusable"
+target = "generic"
+assert_clean = true
+skip = ["swiglu", "elementwise"]
+
+[passes]
+dce = true
+constant_folding = false
+cse = true
+verbose = false
+verify_each = true
+
+[precision]
+compute = "bf16"
+mixed = false
+
+[backend]
+name = "numpy"
+device = "0"
+"""
+
+
+@pytest.mark.parametrize("name", REQUIRED_PRESETS + ["default", "fusable", "unfused", "debug"])
+def test_presets_exist(name):
+    p = CompileProfile.preset(name)
+    assert isinstance(p, CompileProfile) and p.name == name
+    assert PRESETS[name] is p
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(ProfileError, match=r"'nope'.*llama32_prefill"):
+        CompileProfile.preset("nope")
+
+
+def test_preset_flavours():
+    assert CompileProfile.preset("fusable").fusion.policy is FusionPolicy.FUSABLE
+    assert CompileProfile.preset("fusable").fusion.assert_clean
+    assert CompileProfile.preset("unfused").fusion.skip is True
+    assert CompileProfile.preset("flux2").precision.compute is BF16
+    assert CompileProfile.preset("debug").passes.verify_each
+
+
+def test_from_toml_str_reads_every_field():
+    p = CompileProfile.from_toml_str(FULL)
+    assert p.name == "mine"
+    assert p.fusion.policy is FusionPolicy.FUSABLE and p.fusion.target == "generic"
+    assert p.fusion.assert_clean is True and p.fusion.skip == ("swiglu", "elementwise")
+    assert (p.passes.dce, p.passes.constant_folding, p.passes.cse, p.passes.verbose,
+            p.passes.verify_each) == (True, False, True, False, True)
+    assert p.precision.compute is BF16 and p.precision.mixed is False
+    assert (p.backend.name, p.backend.device) == ("numpy", "0")
+
+
+def test_from_toml_starts_from_the_preset():
+    p = CompileProfile.from_toml_str('[profile]\npreset = "flux2"\n[fusion]\npolicy = "fusable"\n')
+    assert p.precision.compute is BF16 and p.fusion.policy is FusionPolicy.FUSABLE
+    assert CompileProfile.from_toml_str("").fusion == CompileProfile().fusion
+    assert CompileProfile.from_toml_str('[fusion]\nskip = true').fusion.skip is True
+
+
+def test_from_toml_path(tmp_path):
+    f = tmp_path / "decode.rlx.toml"
+    f.write_text('[precision]\ncompute = "f16"\n')
+    p = CompileProfile.from_toml_path(f)
+    assert p.name == "decode" and p.precision.compute is F16
+    with pytest.raises(ProfileError, match="missing.rlx.toml"):
+        CompileProfile.from_toml_path(tmp_path / "missing.rlx.toml")
+    bad = tmp_path / "bad.rlx.toml"
+    bad.write_text("[fusion]\npolicy = 'sideways'\n")
+    with pytest.raises(ProfileError, match=r"bad\.rlx\.toml.*policy.*sideways.*direct.*fusable"):
+        CompileProfile.from_toml_path(bad)
+    binary = tmp_path / "bin.rlx.toml"
+    binary.write_bytes(b"\xff\xfe\x00[fusion")
+    with pytest.raises(ProfileError, match="bin.rlx.toml"):
+        CompileProfile.from_toml_path(binary)
+
+
+def test_hash_is_stable_and_tracks_content(tmp_path):
+    a = CompileProfile.from_toml_str(FULL)
+    b = CompileProfile.from_toml_str(FULL)
+    assert a.stable_hash() == b.stable_hash() and len(a.stable_hash()) == 16
+    (tmp_path / "one.rlx.toml").write_text(FULL.replace('name = "mine"\n', ""))
+    (tmp_path / "two.rlx.toml").write_text(FULL.replace('name = "mine"\n', ""))
+    one, two = (CompileProfile.from_toml_path(tmp_path / f"{n}.rlx.toml") for n in ("one", "two"))
+    assert one.name != two.name and one.stable_hash() == two.stable_hash()   # same settings
+    changes = [FULL.replace("fusable", "direct"), FULL.replace('"bf16"', '"f16"'),
+               FULL.replace("verify_each = true", "verify_each = false"),
+               FULL.replace('"swiglu", ', ""), FULL.replace('name = "numpy"', 'name = "cuda"'),
+               FULL.replace('device = "0"', 'device = "1"')]
+    hashes = {CompileProfile.from_toml_str(t).stable_hash() for t in changes} | {a.stable_hash()}
+    assert len(hashes) == len(changes) + 1
+    assert CompileProfile().stable_hash() != CompileProfile.preset("fusable").stable_hash()
+    # ... and the same in another process (no Python hash randomization inside)
+    code = ("from rlx_core.profile import CompileProfile as C; import sys; "
+            "print(C.from_toml_str(sys.stdin.read()).stable_hash())")
+    out = subprocess.run([sys.executable, "-c", code], input=FULL, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True).stdout.strip()
+    assert out == a.stable_hash()
+
+
+def test_text_round_trips_through_toml():
+    for p in [CompileProfile.from_toml_str(FULL)] + [PRESETS[n] for n in REQUIRED_PRESETS + ["unfused"]]:
+        text = p.text()
+        assert p.stable_hash() in text
+        back = CompileProfile.from_toml_str(text)
+        assert back.stable_hash() == p.stable_hash(), text
+
+
+@pytest.mark.parametrize("text,pattern", [
+    ("[fuson]\npolicy = 'direct'", r"prof\.rlx\.toml.*unknown section.*'fuson'.*fusion"),
+    ("[fusion]\npolcy = 'direct'", r"prof\.rlx\.toml.*\[fusion\] 'polcy'.*assert_clean.*policy.*skip.*target"),
+    ("[fusion]\npolicy = 'sideways'", r"prof\.rlx\.toml.*\[fusion\] policy.*'sideways'.*\['direct', 'fusable'\]"),
+    ("[fusion]\npolicy = 3", r"prof\.rlx\.toml.*\[fusion\] policy.*3.*\['direct', 'fusable'\]"),
+    ("[precision]\ncompute = 'f8'", r"prof\.rlx\.toml.*\[precision\] compute.*'f8'.*f32.*f16.*bf16"),
+    ("[fusion]\nassert_clean = 'yes'", r"prof\.rlx\.toml.*\[fusion\] assert_clean.*'yes'.*true or false"),
+    ("[passes]\ndce = 1", r"prof\.rlx\.toml.*\[passes\] dce.*true or false"),
+    ("[fusion]\nskip = ['swigloo']", r"prof\.rlx\.toml.*\[fusion\] skip.*swigloo.*rms_norm"),
+    ("[fusion]\nskip = 'swiglu'", r"prof\.rlx\.toml.*\[fusion\] skip.*pattern groups"),
+    ("[fusion]\nskip = [1, 2]", r"prof\.rlx\.toml.*\[fusion\] skip"),
+    ("[backend]\nname = 5", r"prof\.rlx\.toml.*\[backend\] name.*string"),
+    ("[fusion]\ntarget = []", r"prof\.rlx\.toml.*\[fusion\] target.*string"),
+    ("[profile]\npreset = 'nope'", r"prof\.rlx\.toml.*preset.*'nope'.*llama32_prefill"),
+    ("[profile]\npreset = ['a']", r"prof\.rlx\.toml.*preset.*llama32_prefill"),
+    ("[profile]\ncolour = 'red'", r"prof\.rlx\.toml.*\[profile\] 'colour'.*name.*preset"),
+    ("[profile]\nname = 1", r"prof\.rlx\.toml.*\[profile\] name"),
+    ("fusion = 1", r"prof\.rlx\.toml.*\[fusion\] must be a table"),
+    ("profile = 'x'", r"prof\.rlx\.toml.*\[profile\] must be a table"),
+    ("[fusion\npolicy = 'direct'", r"prof\.rlx\.toml.*not valid TOML"),
+])
+def test_errors_name_file_key_and_choices(text, pattern):
+    with pytest.raises(ProfileError, match=pattern):
+        CompileProfile.from_toml_str(text, "profiles/prof.rlx.toml")
+
+
+# ----------------------------------------------------------------------------- fuzz
+_SECTION_KEYS = {
+    "profile": ["name", "preset"], "fusion": ["policy", "target", "assert_clean", "skip"],
+    "passes": ["dce", "constant_folding", "cse", "verbose", "verify_each"],
+    "precision": ["compute", "mixed"], "backend": ["name", "device"], "extra": ["x"],
+}
+scalars = st.one_of(st.booleans(), st.integers(-5, 5), st.floats(allow_nan=False, allow_infinity=False),
+                    st.sampled_from(["direct", "fusable", "f32", "bf16", "f8", "numpy", "swiglu", "flux2",
+                                     "", "auto", "generic"]),
+                    st.text(max_size=6))
+values = st.one_of(scalars, st.lists(scalars, max_size=3), st.lists(st.sampled_from(
+    ["swiglu", "rms_norm", "attention", "nope"]), max_size=3),
+    st.dictionaries(st.sampled_from(["a", "policy"]), scalars, max_size=2))
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+
+
+@st.composite
+def toml_docs(draw):
+    lines = []
+    for section in draw(st.lists(st.sampled_from(list(_SECTION_KEYS)), unique=True, max_size=5)):
+        lines.append(f"[{section}]")
+        for key in draw(st.lists(st.sampled_from(_SECTION_KEYS[section] + ["bogus"]), unique=True, max_size=4)):
+            lines.append(f"{key} = {_toml_value(draw(values))}")
+    return "\n".join(lines) + "\n"
+
+
+_SETTINGS = settings(max_examples=200, deadline=None, derandomize=True,
+                     suppress_health_check=[HealthCheck.too_slow])
+
+
+@_SETTINGS
+@given(text=toml_docs())
+def test_random_toml_documents_give_a_profile_or_a_profile_error(text):
+    try:
+        p = CompileProfile.from_toml_str(text, "fuzz.rlx.toml")
+    except ProfileError as e:
+        assert "fuzz.rlx.toml" in str(e)
+        return
+    assert isinstance(p.stable_hash(), str)
+    assert CompileProfile.from_toml_str(p.text()).stable_hash() == p.stable_hash()
+
+
+@_SETTINGS
+@given(text=st.text(alphabet=st.sampled_from(list("[]=\"'. \n#abcdefgpuslionrt0123456789-_{},tf")),
+                    max_size=60) | st.text(max_size=40))
+def test_random_toml_text_gives_only_profile_errors(text):
+    try:
+        CompileProfile.from_toml_str(text, "fuzz.rlx.toml")
+    except ProfileError:
+        pass
+
+
+def test_profile_is_frozen():
+    import attrs
+
+    p = CompileProfile()
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        p.name = "x"
+    assert p.evolve(precision={"compute": "f16"}).precision.compute is F16
+    assert p.precision.compute is F32

