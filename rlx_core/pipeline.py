@@ -20,7 +20,7 @@ from .ir.lower import legalize, lower
 from .ir.ops import OPS, Level, infer
 from .ir.verify import verify
 from .passes import fusion
-from .passes.generic import const_fold, cse, dce
+from .passes.generic import const_fold, cse, dce, leaves_first
 from .passes.transform import hoist_params, to_precision
 from .plugins.manager import registry
 from .profile import CompileProfile
@@ -77,6 +77,7 @@ class CompilePipeline:
         p, b = self.profile, self.backend
         if g.level == HIR:
             g = self._step("lower", g, lambda x: lower(x, p.fusion.policy))
+        g = self._step("leaves_first", g, leaves_first)
         if p.passes.dce:
             g = self._step("dce", g, dce)
         if p.passes.constant_folding:

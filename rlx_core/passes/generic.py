@@ -9,6 +9,20 @@ from ..ir.ops import get_op
 from ..ir.rewrite import copy_node, rewrite
 
 
+def leaves_first(g: Graph) -> Graph:
+    """Move inputs, params, states and constants to the front (stable order), so passes may
+    use any leaf at any point; blocks declare weights lazily, next to their first use."""
+    leaf = [i for i, n in enumerate(g.nodes) if not n.inputs and get_op(n.op).level.value == "leaf"]
+    order = leaf + [i for i in range(len(g.nodes)) if i not in set(leaf)]
+    if order == list(range(len(g.nodes))):
+        return g
+    new_id = {old: k for k, old in enumerate(order)}
+    nodes = tuple(attrs.evolve(g.nodes[i], inputs=tuple((new_id[r[0]], r[1]) for r in g.nodes[i].inputs))
+                  for i in order)
+    outputs = tuple((name, (new_id[r[0]], r[1])) for name, r in g.outputs)
+    return Graph(g.name, g.level, nodes, outputs, g.constants)
+
+
 def dce(g: Graph) -> Graph:
     """Drop nodes no output or side effect needs. Inputs, params and states stay so the
     binding contract of the graph does not change."""
