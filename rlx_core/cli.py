@@ -19,6 +19,7 @@ import numpy as np
 
 from . import __version__
 from .ir.errors import RlxError
+from .profile import CompileProfile
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -58,19 +59,8 @@ def main() -> None:
     """
 
 
-def resolve_profile(value: str | None):
-    """A CompileProfile from a preset name or a TOML path (None: the `default` preset)."""
-    from .profile import CompileProfile
-
-    if value is None:
-        return CompileProfile.preset("default")
-    if value.endswith(".toml") or os.sep in value or Path(value).is_file():
-        return CompileProfile.from_toml_path(value)
-    return CompileProfile.preset(value)
-
-
 def _profile_callback(ctx, param, value):
-    return resolve_profile(value)
+    return CompileProfile.resolve(value)
 
 
 def profile_option(f):
@@ -264,7 +254,7 @@ def inspect_cmd(target: str, profile, backend: str | None, dims: dict) -> None:
     preset name: its resolved settings are printed.
     """
     if _is_profile_target(target):
-        click.echo(resolve_profile(target).text())
+        click.echo(CompileProfile.resolve(target).text())
         return
     from .ir.graph import HIR, Graph
     from .ir.serialize import load_json_file

@@ -112,6 +112,23 @@ class CompileProfile:
         return CompileProfile.from_toml_str(text, str(p))
 
     @staticmethod
+    def resolve(value=None, default: str = "default", near: str | None = None) -> "CompileProfile":
+        """A profile object, a preset name or a *.rlx.toml path; with None, a *.rlx.toml
+        beside the weights at `near` if there is one, else the preset `default`."""
+        if isinstance(value, CompileProfile):
+            return value
+        if isinstance(value, str):
+            if value.endswith(".toml") or "/" in value or Path(value).is_file():
+                return CompileProfile.from_toml_path(value)
+            return CompileProfile.preset(value)
+        if near:
+            folder = Path(near) if Path(near).is_dir() else Path(near).parent
+            found = sorted(folder.glob("*.rlx.toml"))
+            if found:
+                return CompileProfile.from_toml_path(found[0])
+        return CompileProfile.preset(default)
+
+    @staticmethod
     def preset(name: str) -> "CompileProfile":
         try:
             return PRESETS[name]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from pathlib import Path
 
 import numpy as np
 
@@ -25,20 +24,7 @@ CTX_BUCKET = 128
 
 
 def resolve_profile(profile, default: str, near: str | None = None) -> CompileProfile:
-    """A profile object, a preset name, a *.rlx.toml path, or None: a *.rlx.toml beside the
-    weights if there is one, else the recipe's preset."""
-    if isinstance(profile, CompileProfile):
-        return profile
-    if isinstance(profile, str):
-        if profile.endswith(".toml") or os.path.sep in profile:
-            return CompileProfile.from_toml_path(profile)
-        return CompileProfile.preset(profile)
-    if near:
-        folder = Path(near) if Path(near).is_dir() else Path(near).parent
-        found = sorted(folder.glob("*.rlx.toml"))
-        if found:
-            return CompileProfile.from_toml_path(found[0])
-    return CompileProfile.preset(default)
+    return CompileProfile.resolve(profile, default, near)
 
 
 def find_recipe(model_type: str, source: str = ""):
