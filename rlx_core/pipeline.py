@@ -227,20 +227,31 @@ class Executable:
                 parts.append("mis-shaped " + "; ".join(bad))
             raise ModelError(f"graph {self.mir.name!r} params: " + " | ".join(parts))
         b = self.backend
-        resident = {}
-        for name in specs:
+
+        def upload(name):
             key = ("param", name, id(params[name]), specs[name].dtype)
             if key not in self.shared:
                 self.shared[key] = (params[name], b.to_device(np.asarray(   # (keeps 0-d 0-d)
                     np.asarray(params[name]).astype(specs[name].dtype.np, copy=False), order="C")))
-            resident[name] = self.shared[key][1]
+            return key, self.shared[key][1]
+
+        needed = {n.name for n in self.mir.nodes if n.op == "param"}
+        resident = {}
         if self.prologue is not None:
             key = ("prologue", self.prologue.stable_hash(),
                    tuple(id(params[n]) for n in sorted(self.prologue.params)))
             if key not in self.shared:
-                derived = b.compile(plan(self.prologue), resident, {}).run({})
+                uploads = {n: upload(n) for n in self.prologue.params}
+                derived = b.compile(plan(self.prologue), {n: v for n, (_, v) in uploads.items()},
+                                    {}).run({})
                 self.shared[key] = {k: b.to_device(v) for k, v in derived.items()}
+                for n, (ukey, _) in uploads.items():   # weights only the prologue reads go away
+                    if n not in needed:
+                        self.shared.pop(ukey, None)
             resident.update(self.shared[key])
+        for name in specs:
+            if name in needed:
+                resident[name] = upload(name)[1]
         self._params = resident
         self._runners.clear()
 

@@ -19,7 +19,7 @@ def verify(g) -> None:
             raise GraphError(f"{where}: HIR block op left in a {g.level} graph (lower it first)")
         for r in n.inputs:
             if not (0 <= r[0] < i):
-                kind = "a later node (cycle or bad order)" if r[0] >= i else "a missing node"
+                kind = "a later node (cycle or bad order)" if i <= r[0] < len(g.nodes) else "a missing node"
                 raise GraphError(f"{where}: input %{r[0]} refers to {kind}")
             if not 0 <= r[1] < len(g.nodes[r[0]].outs):
                 raise GraphError(f"{where}: input %{r[0]}:{r[1]} has no such output")

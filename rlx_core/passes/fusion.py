@@ -6,6 +6,8 @@ groups are passes rather than rooted patterns: shared-input matmuls and elementw
 """
 from __future__ import annotations
 
+import attrs
+
 from ..ir.errors import GraphError
 from ..ir.graph import Graph
 from ..ir.ops import ACTIVATIONS
@@ -290,6 +292,19 @@ def _attention_block(mt):
 
 
 # --------------------------------------------------------------------------- shared-input matmuls
+def _leaves_first(g: Graph) -> Graph:
+    """The same graph with every leaf (no inputs) moved before the computed nodes."""
+    leaf = ("param", "constant", "input", "state")
+    order = sorted(range(len(g.nodes)), key=lambda i: (g.nodes[i].op not in leaf, i))
+    if order == list(range(len(order))):
+        return g
+    new = {old: k for k, old in enumerate(order)}
+    nodes = tuple(attrs.evolve(g.nodes[i], inputs=tuple((new[r[0]], r[1]) for r in g.nodes[i].inputs))
+                  for i in order)
+    return Graph(g.name, g.level, nodes, tuple((n, (new[r[0]], r[1])) for n, r in g.outputs),
+                 g.constants)
+
+
 def fuse_shared_matmuls(g: Graph) -> tuple:
     """matmul(x, W1), matmul(x, W2), ... with params W_i -> one matmul on concat(W_i) and
     views of its output. The concat of params is hoisted to load time by the pipeline."""
@@ -301,6 +316,10 @@ def fuse_shared_matmuls(g: Graph) -> tuple:
         if w.op != "param" or w.outs[0].rank != 2:
             continue
         groups.setdefault((tuple(n.inputs[0]), n.a["trans_b"], w.outs[0].dtype), []).append(i)
+    if any(len(ms) > 1 and any(g.nodes[i].inputs[1][0] > ms[0] for i in ms) for ms in groups.values()):
+        lf = _leaves_first(g)          # a builder emits W_k after matmul(x, W_q): move params up
+        if lf is not g:
+            return fuse_shared_matmuls(lf)
     plan: dict = {}
     hits = []
     for (x, tb, _), members in groups.items():
@@ -395,6 +414,8 @@ ALL_GROUPS = tuple(RULES) + tuple(PASSES)
 TARGETS = {
     "generic": ALL_GROUPS,
     "numpy": tuple(g for g in ALL_GROUPS if g != "elementwise"),
+    "cuda": ALL_GROUPS,
+    "opencl": ALL_GROUPS,
 }
 
 

@@ -1,0 +1,388 @@
+"""Encoder models: sentence embeddings from a recipe's encoder flow (BERT, NomicBERT, ...).
+
+A recipe that builds encoders (rlx-blocks-bert's BertRecipe) returns an `Encoder` from
+`build(ckpt, ...)`. The recipe provides `flow(config, pooling=...)` — a ModelFlow with inputs
+`ids`, `positions` [batch, seq], optionally `token_type_ids`, and `key_mask` [batch,1,1,seq]
+(bool), and taps `last_hidden_state`, `pooled` and `embedding` (pooled, L2-normalized) —
+plus `max_positions(config)`, `embedding_dim(config)` and `default_profile`.
+
+`Encoder.embed(texts)` tokenizes with the model's tokenizer (truncating, with a warning, at
+the sentence-transformers `max_seq_length` or the model's position limit), sorts the texts by
+length and batches similar lengths together (less padding), runs one compiled executable
+whose `batch` and `seq` dims are symbolic, and returns the rows in input order.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+
+import numpy as np
+
+from ..ir.dtype import F32
+from ..ir.errors import ModelError, RlxError, WeightError
+from ..pipeline import select_backend
+
+# sentence-transformers Pooling config keys -> our pooling names (None: not supported here)
+_ST_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+               "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": None,
+               "pooling_mode_weightedmean_tokens": None, "pooling_mode_lasttoken": None}
+_ST_POOLING_NAMES = {"cls": "cls", "cls_token": "cls", "mean": "mean", "mean_tokens": "mean",
+                     "max": "max", "max_tokens": "max"}
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise WeightError(f"{path}: cannot read JSON ({e})") from e
+
+
+def _pooling_from(cfg: dict, path: str) -> str:
+    if isinstance(cfg.get("pooling_mode"), str):          # newer sentence-transformers layout
+        name = cfg["pooling_mode"]
+        if name not in _ST_POOLING_NAMES:
+            raise ModelError(f"{path}: pooling_mode {name!r} is not supported; supported: cls, mean, max")
+        return _ST_POOLING_NAMES[name]
+    on = [k for k in _ST_POOLING if cfg.get(k)]
+    if len(on) != 1 or _ST_POOLING[on[0]] is None:
+        raise ModelError(f"{path}: pooling {on or 'none'} is not supported; supported: exactly one of "
+                         "pooling_mode_cls_token, pooling_mode_mean_tokens, pooling_mode_max_tokens")
+    return _ST_POOLING[on[0]]
+
+
+def sentence_transformers_config(path: str) -> dict:
+    """What a sentence-transformers folder says around its transformer: `max_seq_length`,
+    `do_lower_case`, `pooling` (cls|mean|max) and `normalize` (a Normalize module follows).
+    `path` is the transformer's folder (or the ST root); {} for a plain HF folder."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    root = None
+    for cand in (folder, os.path.dirname(os.path.abspath(folder))):
+        if os.path.isfile(os.path.join(cand, "modules.json")):
+            root = cand
+            break
+    out: dict = {}
+    sbc = None
+    for cand in (folder, root):
+        if cand and sbc is None:
+            sbc = _read_json(os.path.join(cand, "sentence_bert_config.json"))
+    if isinstance(sbc, dict):
+        if isinstance(sbc.get("max_seq_length"), int) and sbc["max_seq_length"] > 0:
+            out["max_seq_length"] = sbc["max_seq_length"]
+        out["do_lower_case"] = bool(sbc.get("do_lower_case", False))
+    if root is None:
+        return out
+    modules = _read_json(os.path.join(root, "modules.json"))
+    if not isinstance(modules, list):
+        return out
+    out["root"] = root
+    for entry in modules:
+        kind = str(entry.get("type", "")) if isinstance(entry, dict) else ""
+        if kind.endswith("Pooling"):
+            cfg_path = os.path.join(root, entry.get("path", ""), "config.json")
+            cfg = _read_json(cfg_path)
+            if isinstance(cfg, dict):
+                out["pooling"] = _pooling_from(cfg, cfg_path)
+        elif kind.endswith("Normalize"):
+            out["normalize"] = True
+    out.setdefault("normalize", False)
+    return out
+
+
+def _fmt_rows(emb: np.ndarray) -> list:
+    """Each row as shortest round-trip float32 strings."""
+    return [r.tolist() for r in np.asarray(emb, np.float32).astype(str)]
+
+
+class Encoder:
+    """A text encoder compiled from a recipe's flow: `embed(texts)` -> [n, dim] float32."""
+
+    def __init__(self, recipe, config: dict, tensors: dict, tokenizer=None, backend=None, profile=None,
+                 source: str = "", st: dict | None = None, max_length: int | None = None,
+                 pooling: str | None = None, flow_options: dict | None = None):
+        from .model import resolve_profile
+
+        self.recipe, self.config, self.tensors, self.tokenizer = recipe, dict(config), tensors, tokenizer
+        self.source = str(source or config.get("_name_or_path") or "model")
+        self.st = dict(st or {})
+        self.profile = resolve_profile(profile, getattr(recipe, "default_profile", "encoder"), source or None)
+        self.backend = select_backend(backend or self.profile.backend.name or None)
+        self.max_positions = int(recipe.max_positions(self.config))
+        self.dim = int(recipe.embedding_dim(self.config))
+        self.pooling = pooling or self.st.get("pooling") or "mean"
+        limit = max_length if max_length is not None else (self.st.get("max_seq_length") or self.max_positions)
+        if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 2:
+            raise ModelError(f"max_length must be an integer >= 2, got {limit!r}")
+        if max_length is not None and max_length > self.max_positions:
+            raise ModelError(f"max_length {max_length} is more than the model's {self.max_positions} positions")
+        self.max_length = min(int(limit), self.max_positions)
+        self.do_lower_case = bool(self.st.get("do_lower_case", False))
+        self._exe = None
+        self._inputs: set = set()
+        self._truncating = None
+        self.flow_options = dict(flow_options or {})     # extra recipe.flow() options
+        self.last_timings: dict = {}
+
+    @classmethod
+    def from_tensors(cls, config: dict, tensors: dict, tokenizer=None, backend=None, profile=None, recipe=None,
+                     **kw) -> "Encoder":
+        from .model import find_recipe
+
+        recipe = recipe or find_recipe(config.get("model_type", ""))
+        if hasattr(recipe, "tensors"):
+            tensors = recipe.tensors(tensors)
+        return cls(recipe, config, tensors, tokenizer, backend, profile, **kw)
+
+    def __repr__(self) -> str:
+        return (f"Encoder({self.source!r}, model_type={self.config.get('model_type')!r}, dim={self.dim}, "
+                f"pooling={self.pooling!r}, max_length={self.max_length}, backend={self.backend.name!r})")
+
+    # -- compiled graph
+    def executable(self):
+        """The compiled encoder (one executable for every batch and sequence length)."""
+        if self._exe is None:
+            flow = self.recipe.flow(self.config, pooling=self.pooling, backend=self.backend,
+                                    **self.flow_options)
+            built = flow.build(self.tensors, self.config, F32,
+                               ignore_unused=getattr(self.recipe, "ignore_unused", ()))
+            self._exe = built.compile(self.backend, self.profile)
+            self._inputs = {n.name for n in self._exe.mir.nodes if n.op == "input"}
+        return self._exe
+
+    # -- token ids
+    def _check_rows(self, lengths, ids_max: int, ids_min: int) -> None:
+        vocab = self.recipe_vocab()
+        if vocab and (ids_min < 0 or ids_max >= vocab):
+            raise ModelError(f"token id out of range [0, {vocab}): min {ids_min}, max {ids_max}")
+        longest = max(lengths, default=0)
+        if longest > self.max_positions:
+            raise ModelError(f"a sequence of {longest} tokens is longer than the model's "
+                             f"{self.max_positions} positions")
+        if min(lengths, default=1) < 1:
+            raise ModelError("every sequence needs at least one token")
+
+    def recipe_vocab(self) -> int | None:
+        v = self.config.get("vocab_size")
+        return int(v) if isinstance(v, int) else None
+
+    def forward(self, ids, attention_mask=None, token_type_ids=None) -> dict:
+        """Every output of the graph for right-padded ids [B,S] (`last_hidden_state`,
+        `pooled`, `embedding`); rows of attention_mask mark real tokens."""
+        ids = np.asarray(ids)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise ModelError(f"token ids must be a 1-D or 2-D integer array, got shape {ids.shape} of {ids.dtype}")
+        b, s = ids.shape
+        mask = np.ones((b, s), bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
+        if mask.shape != ids.shape:
+            raise ModelError(f"attention_mask shape {mask.shape} does not match ids {ids.shape}")
+        types = np.zeros((b, s), np.int64) if token_type_ids is None else np.asarray(token_type_ids, np.int64)
+        if types.shape != ids.shape:
+            raise ModelError(f"token_type_ids shape {types.shape} does not match ids {ids.shape}")
+        if b == 0 or s == 0:
+            raise ModelError(f"empty batch of token ids (shape {ids.shape})")
+        self._check_rows([s], int(ids.max()), int(ids.min()))
+        return self._run(ids.astype(np.int64), types, mask)
+
+    def hidden_states(self, ids, attention_mask=None, token_type_ids=None) -> np.ndarray:
+        return self.forward(ids, attention_mask, token_type_ids)["last_hidden_state"]
+
+    def _run(self, ids, types, mask) -> dict:
+        exe = self.executable()
+        b, s = ids.shape
+        feed = {"ids": ids, "key_mask": mask[:, None, None, :]}
+        if "positions" in self._inputs:
+            feed["positions"] = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s))
+        if "token_type_ids" in self._inputs:
+            feed["token_type_ids"] = types
+        return exe.run(feed)
+
+    # -- text
+    def _truncating_tokenizer(self):
+        if self._truncating is None:
+            from tokenizers import Tokenizer as TkTokenizer
+
+            tk = TkTokenizer.from_str(self.tokenizer.backend.to_str())
+            tk.no_padding()
+            tk.enable_truncation(self.max_length)
+            self._truncating = tk
+        return self._truncating
+
+    def tokenize(self, texts: list, truncate: bool = True) -> tuple:
+        """([(ids, type_ids)] per text, indices of the texts that were truncated)."""
+        if self.tokenizer is None:
+            raise ModelError(f"{self.source} has no tokenizer (expected tokenizer.json, or vocab.txt for "
+                             "BERT WordPiece, beside config.json); embed token ids instead")
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise ModelError(f"text {i} is a {type(t).__name__}, not a string")
+        if self.do_lower_case:
+            texts = [t.lower() for t in texts]
+        encs = list(self.tokenizer.backend.encode_batch(texts))
+        long = [i for i, e in enumerate(encs) if len(e.ids) > self.max_length]
+        if long:
+            worst = max(long, key=lambda i: len(encs[i].ids))
+            what = (f"{len(long)} text{'s' if len(long) > 1 else ''} longer than {self.max_length} tokens "
+                    f"(text {worst}: {len(encs[worst].ids)} tokens)")
+            if not truncate:
+                raise ModelError(f"{what}; the model takes at most {self.max_length} (truncation is off)")
+            warnings.warn(f"{what} truncated to {self.max_length} tokens", stacklevel=3)
+            for i, e in zip(long, self._truncating_tokenizer().encode_batch([texts[i] for i in long])):
+                encs[i] = e
+        return [(e.ids, e.type_ids) for e in encs], long
+
+    @staticmethod
+    def plan_batches(lengths: list, batch_size: int) -> list:
+        """Index lists: longest first; a batch is cut when it is full or when padding the next
+        text to the batch's length would waste more than it saves."""
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+        batches, cur = [], []
+        for i in order:
+            if cur and (len(cur) >= batch_size or lengths[i] * 4 < lengths[cur[0]] * 3 and len(cur) >= 8):
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            batches.append(cur)
+        return batches
+
+    def embed(self, texts_or_ids, batch_size: int = 32, normalize: bool = True, truncate: bool = True,
+              progress: bool = False) -> np.ndarray:
+        """Embeddings [n, dim] float32 (a single string or id sequence gives [dim]).
+
+        Strings are tokenized with the model's tokenizer; sequences of ints are token ids used
+        as given (special tokens included). `normalize` L2-normalizes each row (pooled rows
+        otherwise). Text longer than `max_length` tokens is truncated with a warning, or is an
+        error with truncate=False."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ModelError(f"batch_size must be a positive integer, got {batch_size!r}")
+        single, rows = self._rows(texts_or_ids, truncate)
+        out = np.zeros((len(rows), self.dim), np.float32)
+        if rows:
+            key = "embedding" if normalize else "pooled"
+            lengths = [len(r[0]) for r in rows]
+            self._check_rows(lengths, max(max(r[0], default=0) for r in rows),
+                             min(min(r[0], default=0) for r in rows))
+            bar = None
+            if progress:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(rows), desc="embedding", unit="text", file=sys.stderr)
+            t0 = time.perf_counter()
+            try:
+                for idx in self.plan_batches(lengths, int(batch_size)):
+                    s = lengths[idx[0]]
+                    ids = np.zeros((len(idx), s), np.int64)
+                    types = np.zeros((len(idx), s), np.int64)
+                    mask = np.zeros((len(idx), s), bool)
+                    for j, i in enumerate(idx):
+                        n = lengths[i]
+                        ids[j, :n], types[j, :n], mask[j, :n] = rows[i][0], rows[i][1], True
+                    out[idx] = self._run(ids, types, mask)[key]
+                    if bar is not None:
+                        bar.update(len(idx))
+            finally:
+                if bar is not None:
+                    bar.close()
+            self.last_timings = {"embed_s": time.perf_counter() - t0, "texts": len(rows),
+                                 "tokens": int(sum(lengths))}
+        return out[0] if single else out
+
+    def _rows(self, x, truncate: bool) -> tuple:
+        """(single?, [(ids, type_ids)]) from a string, strings, an id sequence or id rows."""
+        if isinstance(x, str):
+            return True, self.tokenize([x], truncate)[0]
+        if isinstance(x, np.ndarray):
+            if not np.issubdtype(x.dtype, np.integer) and x.size:
+                raise ModelError(f"token ids must be integers, got an array of {x.dtype}")
+            if x.ndim == 1:
+                return True, [(x.tolist(), [0] * len(x))]
+            if x.ndim != 2:
+                raise ModelError(f"token ids must be 1-D or 2-D, got shape {x.shape}")
+            return False, [(r.tolist(), [0] * len(r)) for r in x]
+        try:
+            items = list(x)
+        except TypeError:
+            raise ModelError(f"embed() takes a string, a list of strings or token ids, got "
+                             f"{type(x).__name__}") from None
+        if not items:
+            return False, []
+        if all(isinstance(t, str) for t in items):
+            return False, self.tokenize(items, truncate)[0]
+        if all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in items):
+            return True, [([int(t) for t in items], [0] * len(items))]
+        rows = []
+        for i, r in enumerate(items):
+            if isinstance(r, str) or not hasattr(r, "__len__") or not all(
+                    isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in r):
+                raise ModelError(f"embed() takes strings or token-id sequences, not a mix: item {i} is "
+                                 f"{type(r).__name__}")
+            rows.append(([int(t) for t in r], [0] * len(r)))
+        return False, rows
+
+
+# ------------------------------------------------------------------------------ CLI glue
+def _read_lines(file) -> list:
+    if file == "-":
+        return sys.stdin.read().splitlines()
+    if hasattr(file, "read"):
+        data = file.read()
+        return (data.decode("utf-8") if isinstance(data, bytes) else data).splitlines()
+    try:
+        with open(file, encoding="utf-8") as f:
+            return f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelError(f"{file}: cannot read the text file ({e})") from e
+
+
+def embed_command(model, texts=None, file=None, json_out: bool = False, batch_size: int = 32,
+                  normalize: bool = True, no_truncate: bool = False, echo=print, progress=None) -> np.ndarray:
+    """What `rlx embed MODEL "text" ... [--json]` / `rlx embed MODEL --file lines.txt` does.
+
+    `model`: a path, a packaged name (`minilm`) or an Encoder. `file`: a path or "-" (stdin),
+    one text per line (empty lines included). Prints one line per text (the vector, values
+    separated by spaces, loadable by numpy.loadtxt) or, with json_out, one JSON object
+    {"model", "dim", "normalized", "count", "embeddings"}. A progress bar goes to stderr for
+    long files. Errors are RlxErrors (the CLI prints them as one `error:` line); text longer
+    than the model's limit is truncated with a warning, or an error with no_truncate."""
+    texts = [texts] if isinstance(texts, str) else list(texts or ())
+    if texts and file is not None:
+        raise ModelError("give texts or --file, not both")
+    if file is not None:
+        texts = _read_lines(file)
+    elif not texts:
+        raise ModelError("nothing to embed: give one or more texts, or --file FILE (one text per line)")
+    if isinstance(model, Encoder):
+        enc = model
+    else:
+        from .model import load
+
+        enc = load(str(model), progress=False)
+        if not isinstance(enc, Encoder):
+            raise ModelError(f"{model}: a {enc.config.get('model_type', type(enc).__name__)} model is not a "
+                             "text encoder; rlx embed needs an encoder checkpoint (bert, nomic_bert)")
+    if progress is None:
+        progress = file is not None and len(texts) > 8 * batch_size
+    try:
+        emb = enc.embed(texts, batch_size=batch_size, normalize=normalize, truncate=not no_truncate,
+                        progress=progress)
+    except RlxError:
+        raise
+    if json_out:
+        body = ",".join("[" + ",".join(r) + "]" for r in _fmt_rows(emb))
+        head = json.dumps({"model": str(model if not isinstance(model, Encoder) else model.source),
+                           "dim": enc.dim, "normalized": bool(normalize), "count": int(len(texts))})
+        echo(head[:-1] + f', "embeddings": [{body}]}}')
+    else:
+        for r in _fmt_rows(emb):
+            echo(" ".join(r))
+    return emb
+
+
+__all__ = ["Encoder", "embed_command", "sentence_transformers_config"]
