@@ -243,6 +243,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="BLAS threads for both sides (default: the BLAS default)")
     ap.add_argument("--profile", default="default", help="RLX compile profile preset or TOML")
+    ap.add_argument("--backend", default="numpy",
+                    help="RLX backend (default numpy: the point is the pipeline's overhead on it)")
     ap.add_argument("--always-profile", action="store_true",
                     help="print the time breakdown even when the overhead target is met")
     ap.add_argument("--what-if-tanh-sigmoid", action="store_true",
@@ -253,7 +255,7 @@ def main(argv=None) -> int:
     prof = (CompileProfile.from_toml_path(args.profile) if args.profile.endswith(".toml")
             else CompileProfile.preset(args.profile))
     L, D, H, F, S = args.layers, args.hidden, args.heads, args.ffn, args.seq
-    print("RLX compile/run overhead vs hand-written numpy (NumPy backend)")
+    print(f"RLX compile/run overhead vs hand-written numpy (backend {args.backend})")
     print(hardware())
     print(f"model: {L} layers, hidden {D}, {H} heads (head_dim {D // H}), ffn {F}, seq {S}, f32; "
           f"profile {prof.name}; {args.repeats} timed runs each, interleaved")
@@ -266,7 +268,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         g = build_graph(L, D, H, F)
         t1 = time.perf_counter()
-        pipe = CompilePipeline(prof)
+        pipe = CompilePipeline(prof, args.backend)
         exe = pipe.compile(g, params)
         t2 = time.perf_counter()
         exe.runner({"seq": S})                   # specialize + plan + backend compile

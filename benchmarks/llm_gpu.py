@@ -227,6 +227,20 @@ def rlx_graph(cfg, tensors, prompt, n_new, reps):
     res["decode_s_cublas"] = statistics.median([gen()[1] for _ in range(max(1, reps // 2))])
     set_config(gemv=True)
     res["decode_runners"] = [r.describe() for r in dec._runners.values()]
+    try:                                   # where a decode step's device time goes, by op
+        runner = next(iter(dec._runners.values()))
+        cc, ss = rope_tables(cfg, [S])
+        prof = runner.profile({"ids": np.array([[1]]), "pos": np.array([S], np.int32), "cos": cc, "sin": ss})
+        by: dict = {}
+        for _, op, t in prof:
+            n, tot = by.get(op, (0, 0.0))
+            by[op] = (n + 1, tot + t)
+        res["decode_profile_ms"] = {op: (n, round(t, 4)) for op, (n, t) in sorted(by.items(), key=lambda x: -x[1][1])}
+        res["decode_profile_total_ms"] = round(sum(t for _, _, t in prof), 4)
+        log(f"decode step device time by op (eager, events between steps): total "
+            f"{res['decode_profile_total_ms']} ms; {res['decode_profile_ms']}")
+    except Exception:
+        log(f"profile failed: {traceback.format_exc()[-1500:]}")
     return res
 
 
@@ -236,20 +250,14 @@ def hf_model(cfg, tensors):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hc = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "torch_dtype")})
-    with torch.device("meta"):
-        model = LlamaForCausalLM(hc)
-    model = model.to_empty(device="cuda").to(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM._from_config(hc, torch_dtype=torch.bfloat16)
     sd = {k: torch.from_numpy(np.ascontiguousarray(v).view(np.uint16)).view(torch.bfloat16) for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if m != "lm_head.weight"]
     assert not missing and not unexpected, (missing, unexpected)
     model.tie_weights()
-    # rotary buffers were created on meta: rebuild them on the GPU
-    rot = model.model.rotary_emb
-    inv, scaling = rot.rope_init_fn(rot.config, torch.device("cuda"))
-    rot.register_buffer("inv_freq", inv, persistent=False)
-    rot.original_inv_freq = inv
-    rot.attention_scaling = scaling
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     model.eval()
     return model
 
@@ -286,29 +294,63 @@ def hf_eager(model, prompt, n_new, reps):
 
 
 def hf_compiled(model, prompt, n_new, reps):
-    """Static cache + torch.compile(mode="reduce-overhead") through generate()."""
+    """Static cache + torch.compile(mode="reduce-overhead"): generate() compiles the forward
+    itself when cache_implementation="static" (its default CompileConfig is reduce-overhead)."""
     import torch
+    from transformers import CompileConfig
 
     ids = torch.from_numpy(prompt).cuda()
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.compile_config = CompileConfig(mode="reduce-overhead", fullgraph=True)
 
     def gen(n):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 cache_implementation="static", pad_token_id=0)
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         torch.cuda.synchronize()
-        return time.perf_counter() - t0, out
+        return time.perf_counter() - t0
     t0 = time.perf_counter()
-    for _ in range(3):            # compiles prefill and decode graphs
+    for _ in range(2):            # compiles and records the graphs
         gen(n_new)
         gen(1)
     warm = time.perf_counter() - t0
-    full = [gen(n_new)[0] for _ in range(reps)]
-    one = [gen(1)[0] for _ in range(reps)]
+    full = [gen(n_new) for _ in range(reps)]
+    one = [gen(1) for _ in range(reps)]
     pre = statistics.median(one)
     return {"prefill_s": pre, "decode_s": (statistics.median(full) - pre) / (n_new - 1), "compile_s": warm}
+
+
+def check(cfg, tensors, n_layers=2, S=32, n_new=6):
+    """Correctness on the same model: RLX runtime on cuda vs on numpy (last-token logits and
+    greedy tokens), and HF eager vs RLX numpy (logits), with the first `n_layers` layers."""
+    import torch
+    from rlx_core.runtime.model import CausalLM
+    from rlx_core.profile import CompileProfile, PrecisionConfig
+
+    c = dict(cfg, num_hidden_layers=n_layers)
+    t = {k: v for k, v in tensors.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < n_layers}
+    prompt = np.random.default_rng(2).integers(0, c["vocab_size"], size=(1, S)).astype(np.int64)
+    out = {}
+    prof = CompileProfile("llama32_bf16", precision=PrecisionConfig(compute="bf16"))
+    lg, toks = {}, {}
+    for be in ("cuda", "numpy"):
+        m = CausalLM.from_tensors(c, t, backend=be, profile=prof, max_context=S + n_new + 8)
+        lg[be] = m.logits(prompt)[0, -1].astype(np.float64)
+        toks[be] = np.asarray(m.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new))[0, S:].tolist()
+    hf = hf_model(c, t)
+    with torch.no_grad():
+        lg["hf"] = hf(torch.from_numpy(prompt).cuda()).logits[0, -1].float().cpu().numpy().astype(np.float64)
+    del hf
+
+    def rel(a, b):
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    out = {"layers": n_layers, "prompt": S, "logits_rel_cuda_vs_numpy": rel(lg["cuda"], lg["numpy"]),
+           "logits_rel_hf_vs_numpy": rel(lg["hf"], lg["numpy"]),
+           "argmax": {k: int(np.argmax(v)) for k, v in lg.items()},
+           "tokens_cuda": toks["cuda"], "tokens_numpy": toks["numpy"]}
+    log(f"check: {out}")
+    return out
 
 
 # ----------------------------------------------------------------------------- main
@@ -321,6 +363,7 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", choices=["auto", "runtime", "graph"], default="auto")
     ap.add_argument("--no-compiled-peer", action="store_true")
     ap.add_argument("--json", default="")
+    ap.add_argument("--check-layers", type=int, default=2, help="layers of the cuda-vs-numpy-vs-HF check (0: skip)")
     a = ap.parse_args(argv)
     cfg = dict(LLAMA_1B, num_hidden_layers=a.layers)
     import cupy as cp
@@ -336,16 +379,26 @@ def main(argv=None) -> int:
     log(f"weights: {wb / 1e9:.3f} GB (made in {time.perf_counter() - t:.1f}s); D2D copy {bw / 1e12:.2f} TB/s "
         f"(read+write); decode floor {floor * 1e3:.3f} ms/token")
     prompt = np.random.default_rng(1).integers(0, cfg["vocab_size"], size=(1, a.prompt)).astype(np.int64)
+    if a.check_layers:
+        try:
+            res_check = check(cfg, tensors, a.check_layers)
+        except Exception:
+            res_check = {"error": traceback.format_exc()[-3000:]}
+            log(f"check failed:\n{res_check['error']}")
     res = {"gpu": gpu, "date": datetime.date.today().isoformat(), "config": cfg, "weight_bytes": wb,
-           "copy_bw": bw, "floor_s": floor, "prompt": a.prompt, "new": a.new}
+           "copy_bw": bw, "floor_s": floor, "prompt": a.prompt, "new": a.new,
+           "check": res_check if a.check_layers else None}
     rl = None
     engines = {"auto": ["runtime", "graph"], "runtime": ["runtime"], "graph": ["graph"]}[a.engine]
     for eng in engines:
         try:
             t = time.perf_counter()
-            rl = (rlx_runtime if eng == "runtime" else rlx_graph)(cfg, tensors, prompt, a.new, a.reps)
-            log(f"rlx ({rl['engine']}): done in {time.perf_counter() - t:.1f}s")
-            break
+            r = (rlx_runtime if eng == "runtime" else rlx_graph)(cfg, tensors, prompt, a.new, a.reps)
+            log(f"rlx ({r['engine']}): done in {time.perf_counter() - t:.1f}s: prefill {r['prefill_s'] * 1e3:.3f} ms, "
+                f"decode {r['decode_s'] * 1e3:.3f} ms/token (cuBLAS GEMV: {r.get('decode_s_cublas', 0) * 1e3:.3f}); "
+                f"runners {r.get('decode_runners')}")
+            res[f"rlx_{eng}"] = r
+            rl = rl or r
         except Exception:
             log(f"rlx engine {eng} failed:\n{traceback.format_exc()[-3000:]}")
             res[f"rlx_{eng}_error"] = traceback.format_exc()[-3000:]
@@ -395,10 +448,14 @@ def report(res: dict) -> str:
         d, p = r.get("decode_s"), r.get("prefill_s")
         return (f"| {name} | {ms(d)} | {d / fl:.2f} | {he['decode_s'] / d:.2f} | {ms(p)} | "
                 f"{p / he['prefill_s']:.2f} |")
-    lines.append(row(f"RLX cuda ({rl.get('engine', '?')})", rl))
-    if rl.get("decode_s_cublas"):
-        lines.append(row("RLX cuda, cuBLAS GEMV instead of rlx_gemv", {"decode_s": rl["decode_s_cublas"],
-                                                                      "prefill_s": rl["prefill_s"]}))
+    for key in ("rlx_runtime", "rlx_graph"):
+        r = res.get(key)
+        if not r:
+            continue
+        lines.append(row(f"RLX cuda ({r.get('engine', '?')})", r))
+        if r.get("decode_s_cublas"):
+            lines.append(row("  same, cuBLAS instead of rlx_gemv for decode", {"decode_s": r["decode_s_cublas"],
+                                                                         "prefill_s": r["prefill_s"]}))
     lines.append(row("HF eager (sdpa, dynamic cache)", he))
     lines.append(row("HF static cache + torch.compile(reduce-overhead)", hc) if hc else
                  "| HF static cache + torch.compile(reduce-overhead) | failed / skipped | | | | |")

@@ -71,7 +71,9 @@ def bert_layer(m, x, i: int, cfg: Cfg, prefix="encoder.layer."):
     pre = f"{prefix}{i}."
     d, hd = cfg.hidden, cfg.head_dim
     p = lambda name, shape: m.param(pre + name, shape)  # noqa: E731
-    lin = lambda t, name, o, i_: m.linear(t, p(name + ".weight", (o, i_)), p(name + ".bias", (o,)))  # noqa: E731
+
+    def lin(t, name, o, i_):
+        return m.linear(t, p(name + ".weight", (o, i_)), p(name + ".bias", (o,)))
     q = _heads(m, lin(x, "attention.self.query", cfg.heads * hd, d), cfg.heads, cfg)
     k = _heads(m, lin(x, "attention.self.key", cfg.heads * hd, d), cfg.heads, cfg)
     v = _heads(m, lin(x, "attention.self.value", cfg.heads * hd, d), cfg.heads, cfg)

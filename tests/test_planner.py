@@ -64,7 +64,8 @@ def assert_no_overlap(lir) -> None:
                 assert get_op(lir.graph.nodes[v[0]].op).elementwise
                 continue                                    # in place: u dies where v is born
             raise AssertionError(f"%{u[0]}:{u[1]} {lu} and %{v[0]}:{v[1]} {lv} are live together but "
-                                 f"share arena bytes [{su.offset}, +{su.nbytes}) / [{sv.offset}, +{sv.nbytes})")
+                                 f"share arena bytes [{su.offset}, +{su.nbytes}) / "
+                                 f"[{sv.offset}, +{sv.nbytes})")
 
 
 def liveness_bound(lir) -> int:

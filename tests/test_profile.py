@@ -134,8 +134,10 @@ def test_text_round_trips_through_toml():
 
 @pytest.mark.parametrize("text,pattern", [
     ("[fuson]\npolicy = 'direct'", r"prof\.rlx\.toml.*unknown section.*'fuson'.*fusion"),
-    ("[fusion]\npolcy = 'direct'", r"prof\.rlx\.toml.*\[fusion\] 'polcy'.*assert_clean.*policy.*skip.*target"),
-    ("[fusion]\npolicy = 'sideways'", r"prof\.rlx\.toml.*\[fusion\] policy.*'sideways'.*\['direct', 'fusable'\]"),
+    ("[fusion]\npolcy = 'direct'",
+     r"prof\.rlx\.toml.*\[fusion\] 'polcy'.*assert_clean.*policy.*skip.*target"),
+    ("[fusion]\npolicy = 'sideways'",
+     r"prof\.rlx\.toml.*\[fusion\] policy.*'sideways'.*\['direct', 'fusable'\]"),
     ("[fusion]\npolicy = 3", r"prof\.rlx\.toml.*\[fusion\] policy.*3.*\['direct', 'fusable'\]"),
     ("[precision]\ncompute = 'f8'", r"prof\.rlx\.toml.*\[precision\] compute.*'f8'.*f32.*f16.*bf16"),
     ("[fusion]\nassert_clean = 'yes'", r"prof\.rlx\.toml.*\[fusion\] assert_clean.*'yes'.*true or false"),
@@ -190,7 +192,8 @@ def toml_docs(draw):
     lines = []
     for section in draw(st.lists(st.sampled_from(list(_SECTION_KEYS)), unique=True, max_size=5)):
         lines.append(f"[{section}]")
-        for key in draw(st.lists(st.sampled_from(_SECTION_KEYS[section] + ["bogus"]), unique=True, max_size=4)):
+        keys = st.lists(st.sampled_from(_SECTION_KEYS[section] + ["bogus"]), unique=True, max_size=4)
+        for key in draw(keys):
             lines.append(f"{key} = {_toml_value(draw(values))}")
     return "\n".join(lines) + "\n"
 

@@ -1,8 +1,8 @@
 """Tests of rlx_core.weights: safetensors/GGUF loading, tokenizers, packaged models.
 
 The packaged-model tests compare against transformers' own loaders (the reference for names, values,
-configs and token ids). transformers parses a GGUF header with `gguf.GGUFReader` once per call,
-which takes seconds, so the reference fixture caches the reader per file for this module.
+configs and token ids). transformers re-parses a GGUF header on every from_pretrained, seconds each
+time, so the `hf` fixture memoizes those pure calls for this module (see its docstring).
 """
 
 import copy
@@ -216,10 +216,12 @@ def test_gguf_llama_tiny(tiny_llama, capsys):
         t["model.layers.0.self_attn.k_proj.weight"], arrays["k"], rtol=2**-11, atol=1e-7
     )
     assert t["model.layers.0.mlp.gate_proj.weight"].shape == (96, 64)
-    # Q4_0: 16 levels, scale d = max|block| / 8; error <= d/2 + 8 * (f16 rounding of d)
+    # Q4_0: levels -8..7 times d = max|block| / 8: error <= d/2, or d where +8 is clipped to 7
+    # (plus the f16 rounding of d, times at most 8 levels)
     gate_step = np.abs(arrays["gate"]).reshape(-1, 32).max(axis=1, keepdims=True) / 8
     gate_err = np.abs(t["model.layers.0.mlp.gate_proj.weight"] - arrays["gate"]).reshape(-1, 32)
-    assert np.all(gate_err <= gate_step * (0.5 + 8 * 2.0**-11) + 1e-6)
+    assert np.all(gate_err <= gate_step * (1 + 8 * 2.0**-11) + 1e-6)
+    assert np.mean(gate_err) < np.mean(gate_step) / 3  # and mostly within half a step
     np.testing.assert_array_equal(t["model.layers.0.input_layernorm.weight"], arrays["norm"])
     np.testing.assert_array_equal(t["model.norm.weight"], arrays["norm"])
     tok = ckpt.tokenizer
@@ -393,14 +395,8 @@ def test_smollm2_matches_transformers(hf):
 
     state = model.state_dict()
     assert set(ckpt.tensors) == set(state) - {"lm_head.weight"}  # tied: transformers re-uses the embedding
-    for key in (
-        "model.embed_tokens.weight",
-        "model.layers.0.self_attn.q_proj.weight",
-        "model.layers.7.self_attn.k_proj.weight",
-        "model.layers.29.mlp.down_proj.weight",
-        "model.layers.3.input_layernorm.weight",
-    ):
-        np.testing.assert_allclose(ckpt.tensors[key], state[key].numpy(), rtol=0, atol=1e-6, err_msg=key)
+    for key, value in ckpt.tensors.items():  # Q/K un-permuted exactly as transformers does
+        np.testing.assert_allclose(value, state[key].numpy(), rtol=0, atol=1e-6, err_msg=key)
 
     ref = hf.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tok = ckpt.tokenizer
@@ -482,3 +478,41 @@ def test_gemma3_config_and_tokenizer_match_transformers(hf):
     assert tok.vocab_size == len(ref)
     assert 106 in tok.eos_token_ids  # <end_of_turn> ends generation, as in llama.cpp
     assert tok.chat_template is None  # this GGUF carries none
+
+
+def test_sentencepiece_gguf_tokenizer_matches_transformers(hf, tmp_path):
+    """A llama-style sentencepiece vocabulary (no merges: rebuilt from scores), byte fallback, and a
+    user-defined token."""
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces += ["\u2581", "h", "e", "l", "o", "w", "r", "d", "\u2581h", "he", "ll", "llo", "\u2581he"]
+    pieces += ["\u2581hello", "\u2581w", "or", "\u2581wor", "\u2581world", "<tool>"]
+    w = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    for name, value in (
+        ("block_count", 1),
+        ("context_length", 64),
+        ("embedding_length", 8),
+        ("feed_forward_length", 16),
+        ("head_count", 2),
+        ("head_count_kv", 1),
+    ):
+        getattr(w, f"add_{name}")(value)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces) - 259)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(pieces) - 260) + [4])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_tensor("token_embd.weight", np.zeros((len(pieces), 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ref = hf.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    tok = load_checkpoint(tmp_path / "spm.gguf").tokenizer
+    for text in ("hello world", "  hello   world ", "hello<tool>world", "h\u00e9llo \U0001f916", ""):
+        ids = ref(text).input_ids
+        assert tok.encode(text) == ids, text
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert tok.encode("hello")[:2] == [1, 272]  # BOS added by default for sentencepiece files

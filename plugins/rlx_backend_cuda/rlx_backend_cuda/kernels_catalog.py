@@ -39,7 +39,7 @@ def catalog() -> list:
                 for d, vec in ((64, 1), (128, 0), (32, 1), (96, 1)):
                     out.append((f"attn_tc {t} {d}", S.render(S.ATTN_TC, T=t, MMAT="bf16" if "bf" in t else "f16",
                                                             D=d, VEC=vec, **common), "rlx_attn_tc"))
-        out.append((f"combine {t}", S.render(S.ATTN_COMBINE, TO=t), "rlx_attn_combine"))
+        out.append((f"combine {t}", S.render(S.ATTN_COMBINE, TO=t, ACC=acc), "rlx_attn_combine"))
         out.append((f"gather {t}", S.render(S.GATHER, TT=t, TI="long long"), "rlx_gather"))
     out.append(("reduce int", S.render(S.REDUCE, TX="int", TO="int", ACC="long long", LOAD="(ACC)(v)",
                                        COMB="rlx_maxi<ACC>((a), (b))", IDENT="((ACC)(-9223372036854775807LL - 1))",

@@ -102,7 +102,7 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V) -> None:
     # GEMV fast path for decode: small M, W [N, K] row-major resident, x rows contiguous
     gemv = None
     if (od in LOW and lb == "c" and ldb == K and (nb == 1 or all(s == 0 for s in sb[:-2]))
-            and a.contiguous() and not ta and M * nb <= 8 and K % 8 == 0 and out.contiguous()
+            and a.contiguous() and not ta and M * nb <= 8 and math.prod(a.shape[:-2]) == nb and K % 8 == 0 and out.contiguous()
             and Bm.data.ptr % 16 == 0 and A.data.ptr % 16 == 0):
         gemv = _gemv_step(b, Ab, Bm, out, M * nb, N, K)
     # batch offsets: collapse batch dims, loop over all but the innermost
@@ -121,33 +121,34 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V) -> None:
     offsets = [(0, 0, 0)]
     for d, x, y, z in outer:
         offsets = [(oa + i * x, ob + i * y, oc + i * z) for oa, ob, oc in offsets for i in range(d)]
-    from cupy_backends.cuda.libs import cublas
+    from . import blas as cublas
 
     rt = cp.cuda.runtime
     dtype_c = getattr(rt, _CUDA_T[od])
-    compute = getattr(cublas, "CUBLAS_COMPUTE_64F", 70) if od is F64 else getattr(cublas, "CUBLAS_COMPUTE_32F", 68)
+    compute = cublas.COMPUTE_64F if od is F64 else cublas.COMPUTE_32F
     scal = np.float64 if od is F64 else np.float32
     alpha, beta = np.ones(1, scal), np.zeros(1, scal)
     b.keep += [alpha, beta]
     opN, opT = 0, 1
     opx, ldx = (opN, ldb) if lb == "r" else (opT, ldb)
     opy, ldy = (opN, lda) if la == "r" else (opT, lda)
-    handle = cp.cuda.device.get_cublas_handle()
+    lib = cublas.library()
+    handle = cublas.handle()
     pa, pb, pc = Ab.data.ptr, Bb.data.ptr, out.arr.data.ptr
     calls = [(pb + ob * isz, pa + oa * isz, pc + oc * isz) for oa, ob, oc in offsets]
     cnt, s_a, s_b, s_c = inner[0], inner[1], inner[2], inner[3]
     ap, bp = alpha.ctypes.data, beta.ctypes.data
-    algo = -1
+    stream = b.stream
 
     def blas():
+        lib.prepare(handle, stream.ptr)
         for px, py, pcc in calls:
             if cnt == 1:
-                cublas.gemmEx(handle, opx, opy, N, M, K_, ap, px, dtype_c, ldx, py, dtype_c, ldy,
-                              bp, pcc, dtype_c, N, compute, algo)
+                lib.gemm(handle, opx, opy, N, M, K_, ap, px, dtype_c, ldx, py, dtype_c, ldy,
+                         bp, pcc, dtype_c, N, compute)
             else:
-                cublas.gemmStridedBatchedEx(handle, opx, opy, N, M, K_, ap, px, dtype_c, ldx, s_b,
-                                            py, dtype_c, ldy, s_a, bp, pcc, dtype_c, N, s_c, cnt,
-                                            compute, algo)
+                lib.gemm_strided(handle, opx, opy, N, M, K_, ap, px, dtype_c, ldx, s_b, py, dtype_c, ldy,
+                                 s_a, bp, pcc, dtype_c, N, s_c, cnt, compute)
     if gemv is None:
         b.add(blas)
     else:
@@ -503,7 +504,8 @@ def _v_reshape(b, n, ins):
 def _v_narrow(b, n, ins):
     x = ins[0]
     ax = n.a["axis"] % len(x.shape)
-    sl = (slice(None),) * ax + (slice(n.a["start"], n.a["start"] + n.a["length"]),)
+    start = n.a["start"] + x.shape[ax] if n.a["start"] < 0 else n.a["start"]   # negative: from the end
+    sl = (slice(None),) * ax + (slice(start, start + n.a["length"]),)
     return V(x.arr[sl], x.dt)
 
 
@@ -567,7 +569,7 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
     qs, ks, vs = q.es, k.es, v.es
     scale, cap, window = f64(a["scale"]), f64(a["softcap"]), i32(a["window"])
     common = dict(MASKKIND=mk, MASKMODE=mmode, TM=tm, TP=tp, HAS_POS=int(pv is not None))
-    tc = None  # noqa: F841 (rebound below when the tensor-core kernel applies)
+    tc = None
     same = q.dt is k.dt is v.dt
     if (same and q.dt in LOW and Dk == Dv and Dk in (32, 64, 96, 128) and not b.hip
             and tuple(b.cc) >= (8, 0) and Sq >= 16):
@@ -581,8 +583,9 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
                 out.arr, i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk), scale, cap, window)
         grid, block, stream = ((Sq + 63) // 64, H, B), (128,), b.stream
 
-        def tc():
+        def tc_run():
             fn(grid, block, args, 0, stream)
+        tc = tc_run
     # split-K kernel (always built: the decode path, f32/f64, and the TC fallback)
     acc = "double" if F64 in (q.dt, k.dt, v.dt) else "float"
     accsz = 8 if acc == "double" else 4
@@ -602,13 +605,14 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
     src = sources.render(sources.ATTN_SPLIT, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt), ACC=acc,
                          DK=Dk, DV=Dv, ROWS=ROWS, **common)
     fn_s = b.kernel(src, "rlx_attn_split")
-    part_o = b.buffer((nsplit * B * H * Sq * Dv,), F32, "attention partials")
-    part_ml = b.buffer((nsplit * B * H * Sq * 2,), F32, "attention partials")
+    pdt = F64 if acc == "double" else F32
+    part_o = b.buffer((nsplit * B * H * Sq * Dv,), pdt, "attention partials")
+    part_ml = b.buffer((nsplit * B * H * Sq * 2,), pdt, "attention partials")
     args_s = (q.arr, i64(qs[0]), i64(qs[1]), i64(qs[2]), k.arr, i64(ks[0]), i64(ks[1]), i64(ks[2]),
               v.arr, i64(vs[0]), i64(vs[1]), i64(vs[2]), mv, *[i64(s) for s in mst], pv.arr if pv else None,
               part_o.arr, part_ml.arr, i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk), i32(chunk), scale, cap,
               window)
-    src_c = sources.render(sources.ATTN_COMBINE, TO=ctype(out.dt))
+    src_c = sources.render(sources.ATTN_COMBINE, TO=ctype(out.dt), ACC=acc)
     fn_c = b.kernel(src_c, "rlx_attn_combine")
     rows = B * H * Sq
     args_c = (part_o.arr, part_ml.arr, out.arr, i32(rows), i32(nsplit), i32(Dv))

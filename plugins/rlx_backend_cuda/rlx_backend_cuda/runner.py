@@ -442,6 +442,25 @@ class CudaRunner(Runner):
         rt.deviceSynchronize()
         return True
 
+    def profile(self, inputs: dict, reps: int = 3) -> list:
+        """Per-step device time (ms, median of `reps` eager runs with events between steps):
+        [(node, op, ms)]. Inputs are staged as in run()."""
+        cp = device.cupy()
+        self.run(inputs)
+        s = self.stream
+        ev = [cp.cuda.Event() for _ in range(len(self.steps) + 1)]
+        times = [[] for _ in self.steps]
+        with s:
+            for _ in range(reps):
+                ev[0].record(s)
+                for k, st in enumerate(self.steps):
+                    st.fn()
+                    ev[k + 1].record(s)
+                s.synchronize()
+                for k in range(len(self.steps)):
+                    times[k].append(cp.cuda.get_elapsed_time(ev[k], ev[k + 1]))
+        return [(st.node, st.op, sorted(t)[len(t) // 2]) for st, t in zip(self.steps, times)]
+
     # ------------------------------------------------------------------ introspection
     def describe(self) -> dict:
         return {"steps": len(self.steps), "graph": self.graph is not None,

@@ -502,7 +502,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_split(
     const $TK* __restrict__ k, long long ksb, long long ksh, long long kss,
     const $TV* __restrict__ v, long long vsb, long long vsh, long long vss,
     const $TM* __restrict__ mask, long long m0, long long m1, long long m2, long long m3,
-    const $TP* __restrict__ pos, float* __restrict__ part_o, float* __restrict__ part_ml,
+    const $TP* __restrict__ pos, $ACC* __restrict__ part_o, $ACC* __restrict__ part_ml,
     int B, int H, int KVH, int Sq, int Sk, int chunk, double scale_d, double cap_d, int window) {
   typedef $ACC ACC;
   constexpr int EK = ($DK + 31) / 32, EV = ($DV + 31) / 32;
@@ -601,32 +601,34 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_split(
     }
     const int i = rr / G, h = kvh * G + rr % G;
     const i64 orow = (((i64)split * B + b) * H + h) * Sq + i;
-    part_o[orow * $DV + d] = (float)O;
-    if (d == 0) { part_ml[orow * 2] = (float)M; part_ml[orow * 2 + 1] = (float)L; }
+    part_o[orow * $DV + d] = O;
+    if (d == 0) { part_ml[orow * 2] = M; part_ml[orow * 2 + 1] = L; }
   }
 }
 """
 
 ATTN_COMBINE = r"""
-extern "C" __global__ void rlx_attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+extern "C" __global__ void rlx_attn_combine(const $ACC* __restrict__ part_o, const $ACC* __restrict__ part_ml,
     $TO* __restrict__ out, int rows, int nsplit, int dv) {
+  typedef $ACC ACC;
   const i64 row = blockIdx.x;
-  float M = -RLX_INF;
-  for (int s = 0; s < nsplit; ++s) { float m = part_ml[((i64)s * rows + row) * 2]; M = m > M ? m : M; }
-  float L = 0;
-  if (M > -RLX_INF)
+  const ACC NINF = -(ACC)RLX_INF;
+  ACC M = NINF;
+  for (int s = 0; s < nsplit; ++s) { ACC m = part_ml[((i64)s * rows + row) * 2]; M = m > M ? m : M; }
+  ACC L = 0;
+  if (M > NINF)
     for (int s = 0; s < nsplit; ++s) {
-      const float m = part_ml[((i64)s * rows + row) * 2];
-      if (m > -RLX_INF) L += part_ml[((i64)s * rows + row) * 2 + 1] * expf(m - M);
+      const ACC m = part_ml[((i64)s * rows + row) * 2];
+      if (m > NINF) L += part_ml[((i64)s * rows + row) * 2 + 1] * exp(m - M);
     }
   for (int d = threadIdx.x; d < dv; d += blockDim.x) {
-    float O = 0;
+    ACC O = 0;
     if (L > 0)
       for (int s = 0; s < nsplit; ++s) {
-        const float m = part_ml[((i64)s * rows + row) * 2];
-        if (m > -RLX_INF) O += part_o[((i64)s * rows + row) * dv + d] * expf(m - M);
+        const ACC m = part_ml[((i64)s * rows + row) * 2];
+        if (m > NINF) O += part_o[((i64)s * rows + row) * dv + d] * exp(m - M);
       }
-    out[row * dv + d] = ST($TO, L > 0 ? O / L : 0.0f);
+    out[row * dv + d] = ST($TO, L > 0 ? O / L : (ACC)0);
   }
 }
 """

@@ -396,7 +396,7 @@ def test_tiny_decode_kv_cache_graph_replay(rng, dt):
         pos = m.input("pos", (B,), I32)
         p = {n: m.param(n, s, dt) for n, s in shapes.items()}
         cos, sin = m.input("cos", (B, 1, D // 2)), m.input("sin", (B, 1, D // 2))
-        cache = (m.state("k", (B, KVH, CTX, D), dt), m.state("v", (B, KVH, CTX, D), dt))
+        cache = (m.state("cache_k", (B, KVH, CTX, D), dt), m.state("cache_v", (B, KVH, CTX, D), dt))
         return tiny_layer(m, x, p, H, KVH, D, cos, sin, cache=cache, pos=pos)
     g = Graph.define("dec", f)
     exes = {name: rlx_core.compile(g, backend=name, params=pv) for name in ("numpy", "cuda")}
@@ -407,8 +407,8 @@ def test_tiny_decode_kv_cache_graph_replay(rng, dt):
                "sin": np.sin(ang).astype(np.float32)}
         outs = {n: e.run(dict(ins))["out"] for n, e in exes.items()}
         assert err(outs["cuda"], outs["numpy"]) <= TOL[dt], f"step {t}"
-        kc = exes["cuda"].backend.to_host(exes["cuda"].states["k"])
-        kn = np.asarray(exes["numpy"].states["k"])
+        kc = exes["cuda"].backend.to_host(exes["cuda"].states["cache_k"])
+        kn = np.asarray(exes["numpy"].states["cache_k"])
         assert err(kc, kn) <= TOL[dt]
     runner = next(iter(exes["cuda"]._runners.values()))
     d = runner.describe()

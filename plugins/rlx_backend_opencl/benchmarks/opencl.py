@@ -56,8 +56,9 @@ def main(argv=None) -> int:
     d = dev.dev
     n = args.n
     flop = 2.0 * n ** 3
-    print(f"host      : {cpu_model()} ({os.cpu_count()} logical cpus), python {sys.version.split()[0]}, "
-          f"numpy {np.__version__}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"host      : {cpu_model()} ({os.cpu_count()} logical cpus, load average {load:.2f}), "
+          f"python {sys.version.split()[0]}, numpy {np.__version__}")
     print(f"device    : {dev.name}; {d.max_compute_units} compute units, {d.max_clock_frequency} MHz, "
           f"{d.global_mem_size / 2**30:.1f} GiB, local mem {d.local_mem_size // 1024} KiB, "
           f"{'GPU' if dev.is_gpu else 'CPU'}")

@@ -13,7 +13,7 @@ from rlx_core.backends.base import Backend, Runner
 from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.lir import LirModule
-from rlx_core.ir.ops import OPS, Level
+from rlx_core.ir.ops import OPS
 from rlx_core.plugins.hookspecs import hookimpl
 
 from . import device as _device
@@ -52,7 +52,7 @@ class OpenCLBackend(Backend):
 
     def availability(self) -> tuple:
         try:
-            import pyopencl  # noqa: F401
+            import pyopencl  # noqa: F401  (importable at all?)
         except Exception as e:  # ImportError, or a broken ICD loader
             return False, f"pyopencl is not importable: {type(e).__name__}: {e}"
         try:
@@ -82,14 +82,18 @@ class OpenCLBackend(Backend):
         if dtype in self.dtypes:
             return
         dev = self.device.name if self._dev is not None or self.availability()[0] else "?"
-        why = {DType.F16: "it lacks cl_khr_fp16", DType.F64: "it lacks cl_khr_fp64",
+        why = {DType.F16: "it lacks cl_khr_fp16 (RLX_OPENCL_FP16=1 allows f16 storage anyway)",
+               DType.F64: "it lacks cl_khr_fp64",
                DType.BF16: "bf16 is not supported by the OpenCL backend"}.get(dtype, "unsupported dtype")
         raise BackendError(f"backend 'opencl' cannot compute in {dtype.value} ({where}) on device {dev}: "
                            f"{why}; it supports {sorted(d.value for d in self.dtypes)}")
 
     # -- ops
     def supported_ops(self) -> set:
-        return {n for n, d in OPS.items() if d.level is not Level.HIR}
+        """What has a kernel here (never derived from the op table: a new op is a clean error)."""
+        from .runner import kernel_ops
+
+        return kernel_ops() & set(OPS)
 
     def supports_custom(self, name: str) -> bool:
         from rlx_core.ir.custom import custom_ops

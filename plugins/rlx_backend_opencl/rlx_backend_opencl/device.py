@@ -13,6 +13,8 @@ from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import BackendError
 
 ENV_DEVICE = "RLX_OPENCL_DEVICE"
+ENV_FP16 = "RLX_OPENCL_FP16"
+ENV_BUILD_OPTIONS = "RLX_OPENCL_BUILD_OPTIONS"     # extra clBuildProgram options
 _HINT = ("install `pocl-binary-distribution` for a CPU device, or register a vendor ICD "
          "(NVIDIA: plugins/rlx_backend_opencl/scripts/register_nvidia_icd.sh)")
 
@@ -99,19 +101,23 @@ class Device:
         return frozenset(base)
 
     def has_fp16(self) -> bool:
-        return self.fp16
+        """f16 is offered where the device has cl_khr_fp16. The kernels only move f16 through
+        vload_half/vstore_half (core OpenCL) and compute in f32, so RLX_OPENCL_FP16=1 opts in
+        to f16 storage on devices without the extension (NVIDIA's driver does not expose it)."""
+        return self.fp16 or os.environ.get(ENV_FP16, "") == "1"
 
     def build(self, source: str, what: str, options: str = ""):
         """Build (or fetch from the cache) a program; a failure names the op and shows the log."""
         cl = _cl()
-        key = hashlib.sha256((source + "\0" + options).encode()).hexdigest()
+        opts = options or os.environ.get(ENV_BUILD_OPTIONS, "")
+        key = hashlib.sha256((source + "\0" + opts).encode()).hexdigest()
         prg = self.programs.get(key)
         if prg is not None:
             return prg
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                prg = cl.Program(self.ctx, source).build(options=options, devices=[self.dev])
+                prg = cl.Program(self.ctx, source).build(options=opts, devices=[self.dev])
         except cl.Error as e:
             numbered = "\n".join(f"{i + 1:4d}  {line}" for i, line in enumerate(source.splitlines()))
             raise BackendError(f"opencl: building the kernel for {what} on {self.name} failed.\n"

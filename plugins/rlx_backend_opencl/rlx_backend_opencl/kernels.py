@@ -36,10 +36,18 @@ def acc_type(*dts: DType) -> str:
     return "long"
 
 
+def vtype(dt: DType) -> str:
+    """C type of a value of `dt` in registers: f16 values live in float (rounded to half)."""
+    return "float" if dt is DType.F16 else CL_TYPE[dt]
+
+
 def to(dt: DType, expr: str) -> str:
-    """Convert a computed expression to the storage type of `dt` (bool stores 0/1)."""
+    """Round/convert a computed expression to a value of `dt` (bool is 0/1, f16 is rounded to
+    half precision and kept in a float)."""
     if dt is DType.BOOL:
         return f"((uchar)(({expr}) != 0))"
+    if dt is DType.F16:
+        return f"rnd_half((float)({expr}))"
     return f"(({ctype(dt)})({expr}))"
 
 
@@ -58,15 +66,42 @@ def prelude(dts) -> str:
     """Pragmas and helpers every program starts with."""
     dts = set(dts)
     out = []
-    if DType.F16 in dts:
-        out.append("#pragma OPENCL EXTENSION cl_khr_fp16 : enable")
     if DType.F64 in dts or "double" in dts:
         out.append("#pragma OPENCL EXTENSION cl_khr_fp64 : enable")
     out.append(_HELPERS)
     return "\n".join(out) + "\n"
 
 
+# Memory access goes through LOAD/STORE so f16 uses vload_half/vstore_half (core OpenCL):
+# the same kernels run with or without cl_khr_fp16 (whether f16 is offered is policy).
 _HELPERS = r"""
+#define LOAD(T, p, i) LOAD_(T, p, i)
+#define LOAD_(T, p, i) LD_##T(p, i)
+#define STORE(T, p, i, v) STORE_(T, p, i, v)
+#define STORE_(T, p, i, v) ST_##T(p, i, v)
+#define LD_half(p, i) vload_half((i), (p))
+#define ST_half(p, i, v) vstore_half_rte((float)(v), (i), (p))
+#define LD_float(p, i) ((p)[i])
+#define ST_float(p, i, v) ((p)[i] = (v))
+#define LD_double(p, i) ((p)[i])
+#define ST_double(p, i, v) ((p)[i] = (v))
+#define LD_char(p, i) ((p)[i])
+#define ST_char(p, i, v) ((p)[i] = (v))
+#define LD_short(p, i) ((p)[i])
+#define ST_short(p, i, v) ((p)[i] = (v))
+#define LD_int(p, i) ((p)[i])
+#define ST_int(p, i, v) ((p)[i] = (v))
+#define LD_long(p, i) ((p)[i])
+#define ST_long(p, i, v) ((p)[i] = (v))
+#define LD_uchar(p, i) ((p)[i])
+#define ST_uchar(p, i, v) ((p)[i] = (v))
+#define LD_uint(p, i) ((p)[i])
+#define ST_uint(p, i, v) ((p)[i] = (v))
+inline float rnd_half(float v) {
+  ushort u;
+  vstore_half_rte(v, 0, (__private half*)&u);
+  return vload_half(0, (__private const half*)&u);
+}
 #define ISNAN(x) ((x) != (x))
 #define MAXP(a, b) (ISNAN(a) ? (a) : (ISNAN(b) ? (b) : ((a) > (b) ? (a) : (b))))
 #define MINP(a, b) (ISNAN(a) ? (a) : (ISNAN(b) ? (b) : ((a) < (b) ? (a) : (b))))
@@ -190,9 +225,11 @@ DEF_INT(char) DEF_INT(short) DEF_INT(int) DEF_INT(long) DEF_INT(uchar) DEF_INT(u
 """
 
 
-def elementwise_source(in_dts: list, program: list, out_dt: DType, fp64: bool = True) -> str:
+def elementwise_source(in_dts: list, program: list, out_dt: DType, choices: list | None = None) -> str:
     """One kernel `ew` evaluating `program` (steps (op, attrs, arg slots)) over N-d strided
-    operands. meta: [nd, shape[nd], out strides[nd], in_k strides[nd]...]."""
+    operands. meta: [nd, shape[nd], out strides[nd], in_k strides[nd]...]. With `choices`
+    (attrs dicts for a one-step program) the step is a switch on a runtime `opc` argument, so
+    every binary (compare, activation) op of one dtype signature shares one program."""
     n = len(in_dts)
     params = [f"__global {ctype(out_dt)}* y, int y_off"]
     params += [f"__global const {ctype(d)}* x{k}, int x{k}_off" for k, d in enumerate(in_dts)]
@@ -200,18 +237,22 @@ def elementwise_source(in_dts: list, program: list, out_dt: DType, fp64: bool = 
     lines = []
     slots = [(f"v{k}", d) for k, d in enumerate(in_dts)]
     for k in used:
-        lines.append(f"  {ctype(in_dts[k])} v{k} = x{k}[o{k}];")
+        lines.append(f"  {vtype(in_dts[k])} v{k} = LOAD({ctype(in_dts[k])}, x{k}, o{k});")
     for j, (op, a, args) in enumerate(program):
         sd = out_dt if (len(program) == 1) else step_dtype(op, a, [slots[s][1] for s in args])
-        e = step_expr(op, a, [slots[s] for s in args], sd)
-        lines.append(f"  {ctype(sd)} t{j} = {e};")
+        if choices:
+            cases = " ".join(f"case {c}: t{j} = {step_expr(op, alt, [slots[s] for s in args], sd)}; break;"
+                             for c, alt in enumerate(choices))
+            lines.append(f"  {vtype(sd)} t{j} = 0;\n  switch (opc) {{ {cases} }}")
+        else:
+            lines.append(f"  {vtype(sd)} t{j} = {step_expr(op, a, [slots[s] for s in args], sd)};")
         slots.append((f"t{j}", sd))
     last, ld = slots[-1]
     store = last if ld is out_dt else to(out_dt, _cv(last, ld, _ct(out_dt)) if out_dt is not DType.BOOL else last)
     offs = "".join(f"    o{k} += c * m[1 + nd * {k + 2} + d];\n" for k in used)
     ins = "".join(f"  int o{k} = x{k}_off;\n" for k in used)
     body = f"""
-__kernel void ew({", ".join(params)}, __global const int* meta, int moff, int total) {{
+__kernel void ew({", ".join(params)}, __global const int* meta, int moff, int total, int opc) {{
   int gid = get_global_id(0);
   if (gid >= total) return;
   __global const int* m = meta + moff;
@@ -222,7 +263,7 @@ __kernel void ew({", ".join(params)}, __global const int* meta, int moff, int to
     oy += c * m[1 + nd + d];
 {offs}  }}
 {chr(10).join(lines)}
-  y[oy] = {store};
+  STORE({ctype(out_dt)}, y, oy, {store});
 }}
 """
     dts = list(in_dts) + [out_dt] + [d for _, d in slots]
@@ -269,59 +310,47 @@ __kernel void softmax(__global const T_X* x, int x_off, __global T_Y* y, int y_o
   int xo = x_off + (ok ? row_off(m, row, 0) : 0), xs = INNER(m, 0);
   int yo = y_off + (ok ? row_off(m, row, 1) : 0), ys = INNER(m, 1);
   ACC mx = -INFINITY;
-  if (ok) for (int j = lx; j < n; j += LX) { ACC v = (ACC)x[xo + j * xs]; mx = MAXP(mx, v); }
+  if (ok) for (int j = lx; j < n; j += LX) { ACC v = (ACC)LOAD(T_X, x, xo + j * xs); mx = MAXP(mx, v); }
   mx = seg_max(mx, sh, lx, LX);
   if (!isfinite(mx)) mx = 0;
   ACC s = 0;
-  if (ok) for (int j = lx; j < n; j += LX) s += exp((ACC)x[xo + j * xs] - mx);
+  if (ok) for (int j = lx; j < n; j += LX) s += exp((ACC)LOAD(T_X, x, xo + j * xs) - mx);
   s = seg_sum(s, sh, lx, LX);
   if (s == 0) s = 1;
-  if (ok) for (int j = lx; j < n; j += LX) y[yo + j * ys] = TO_Y(exp((ACC)x[xo + j * xs] - mx) / s);
+  if (ok) for (int j = lx; j < n; j += LX) STORE(T_Y, y, yo + j * ys, TO_Y(exp((ACC)LOAD(T_X, x, xo + j * xs) - mx) / s));
 }
 """
 
 # operands (meta order): x, r, h, y ; weights are rank-1 (offset + stride args)
+# flags: 1 residual (h = x + r), 2 weight, 4 bias, 8 write h, 16 layer norm (else rms)
 NORM = r"""
-#if HAS_RES
-#define HV(j) ((ACC)x[xo + (j) * xs] + (ACC)r[ro + (j) * rs])
-#else
-#define HV(j) ((ACC)x[xo + (j) * xs])
-#endif
+#define HV(j) (res ? (ACC)LOAD(T_X, x, xo + (j) * xs) + (ACC)LOAD(T_R, r, ro + (j) * rs) : (ACC)LOAD(T_X, x, xo + (j) * xs))
 __kernel void norm(__global const T_X* x, int x_off, __global const T_R* r, int r_off,
                    __global const T_W* w, int w_off, int w_st, __global const T_B* bb, int b_off, int b_st,
                    __global T_H* h, int h_off, __global T_Y* y, int y_off,
-                   __global const int* meta, int moff, int rows, int n, ACC eps, ACC offset) {
+                   __global const int* meta, int moff, int rows, int n, ACC eps, ACC offset, int flags) {
   ROW_SETUP
+  bool res = flags & 1, hw = flags & 2, hb = flags & 4, wh = flags & 8, layer = flags & 16;
   int xo = x_off + (ok ? row_off(m, row, 0) : 0), xs = INNER(m, 0);
   int ro = r_off + (ok ? row_off(m, row, 1) : 0), rs = INNER(m, 1);
   int ho = h_off + (ok ? row_off(m, row, 2) : 0), hs = INNER(m, 2);
   int yo = y_off + (ok ? row_off(m, row, 3) : 0), ys = INNER(m, 3);
-#if LAYER
-  ACC s = 0;
-  if (ok) for (int j = lx; j < n; j += LX) s += HV(j);
-  ACC mean = seg_sum(s, sh, lx, LX) / (ACC)n;
+  ACC mean = 0;
+  if (layer) {
+    ACC s = 0;
+    if (ok) for (int j = lx; j < n; j += LX) s += HV(j);
+    mean = seg_sum(s, sh, lx, LX) / (ACC)n;
+  }
   ACC q = 0;
   if (ok) for (int j = lx; j < n; j += LX) { ACC d = HV(j) - mean; q += d * d; }
   ACC den = sqrt(seg_sum(q, sh, lx, LX) / (ACC)n + eps);
-#else
-  ACC q = 0;
-  if (ok) for (int j = lx; j < n; j += LX) { ACC v = HV(j); q += v * v; }
-  const ACC mean = 0;
-  ACC den = sqrt(seg_sum(q, sh, lx, LX) / (ACC)n + eps);
-#endif
   if (ok) for (int j = lx; j < n; j += LX) {
     ACC v = HV(j);
-#if WRITE_H
-    h[ho + j * hs] = TO_H(v);
-#endif
+    if (wh) STORE(T_H, h, ho + j * hs, TO_H(v));
     ACC o = (v - mean) / den;
-#if HAS_W
-    o = o * ((ACC)w[w_off + j * w_st] + offset);
-#endif
-#if HAS_B
-    o = o + (ACC)bb[b_off + j * b_st];
-#endif
-    y[yo + j * ys] = TO_Y(o);
+    if (hw) o = o * ((ACC)LOAD(T_W, w, w_off + j * w_st) + offset);
+    if (hb) o = o + (ACC)LOAD(T_B, bb, b_off + j * b_st);
+    STORE(T_Y, y, yo + j * ys, TO_Y(o));
   }
 }
 """
@@ -337,12 +366,12 @@ __kernel void reduce(__global const T_X* x, int x_off, __global T_Y* y, int y_of
   int xo = x_off + (ok ? row_off(m, row, 0) : 0), xs = INNER(m, 0);
   int yo = y_off + (ok ? row_off(m, row, 1) : 0);
   ACC a = op == 2 ? ACC_LO : op == 3 ? ACC_HI : op == 4 ? (ACC)1 : (ACC)0;
-  if (ok) for (int j = lx; j < n; j += LX) a = red_comb(op, a, (ACC)x[xo + j * xs]);
+  if (ok) for (int j = lx; j < n; j += LX) a = red_comb(op, a, (ACC)LOAD(T_X, x, xo + j * xs));
   sh[lx] = a; barrier(CLK_LOCAL_MEM_FENCE);
   for (int hh = LX >> 1; hh > 0; hh >>= 1) { if (lx < hh) sh[lx] = red_comb(op, sh[lx], sh[lx + hh]); barrier(CLK_LOCAL_MEM_FENCE); }
   a = sh[0];
   if (op == 1) a = a / (ACC)n;
-  if (ok && lx == 0) y[yo] = TO_Y(a);
+  if (ok && lx == 0) STORE(T_Y, y, yo, TO_Y(a));
 }
 """
 
@@ -363,7 +392,7 @@ __kernel void argmax(__global const T_X* x, int x_off, __global long* y, int y_o
   int xo = x_off + (ok ? row_off(m, row, 0) : 0), xs = INNER(m, 0);
   int yo = y_off + (ok ? row_off(m, row, 1) : 0);
   ACC bv = 0; int bi = -1;
-  if (ok) for (int j = lx; j < n; j += LX) { ACC v = (ACC)x[xo + j * xs]; if (am_better(v, j, bv, bi)) { bv = v; bi = j; } }
+  if (ok) for (int j = lx; j < n; j += LX) { ACC v = (ACC)LOAD(T_X, x, xo + j * xs); if (am_better(v, j, bv, bi)) { bv = v; bi = j; } }
   sh[lx] = bv; shi[lx] = bi; barrier(CLK_LOCAL_MEM_FENCE);
   for (int hh = LX >> 1; hh > 0; hh >>= 1) {
     if (lx < hh && am_better(sh[lx + hh], shi[lx + hh], sh[lx], shi[lx])) { sh[lx] = sh[lx + hh]; shi[lx] = shi[lx + hh]; }
@@ -392,7 +421,7 @@ __kernel void topk(__global const T_X* x, int x_off, __global T_X* y, int y_off,
   for (int r = 0; r < k; ++r) {
     ACC bk = 0; int bi = -1;
     if (ok) for (int j = lx; j < n; j += LX) {
-      ACC kv = KEY(x[xo + j * xs]);
+      ACC kv = KEY(LOAD(T_X, x, xo + j * xs));
       if ((pi < 0 || tk_before(pk, pi, kv, j)) && tk_before(kv, j, bk, bi)) { bk = kv; bi = j; }
     }
     sh[lx] = bk; shi[lx] = bi; barrier(CLK_LOCAL_MEM_FENCE);
@@ -402,7 +431,7 @@ __kernel void topk(__global const T_X* x, int x_off, __global T_X* y, int y_off,
     }
     pk = sh[0]; pi = shi[0];
     barrier(CLK_LOCAL_MEM_FENCE);
-    if (ok && lx == 0) { y[yo + r * ys] = x[xo + pi * xs]; yi[io + r * is] = (long)pi; }
+    if (ok && lx == 0) { STORE(T_X, y, yo + r * ys, LOAD(T_X, x, xo + pi * xs)); yi[io + r * is] = (long)pi; }
   }
 }
 """
@@ -416,7 +445,7 @@ __kernel void cumsum(__global const T_X* x, int x_off, __global T_Y* y, int y_of
   int xo = x_off + row_off(m, row, 0), xs = INNER(m, 0);
   int yo = y_off + row_off(m, row, 1), ys = INNER(m, 1);
   ACC a = 0;
-  for (int j = 0; j < n; ++j) { a += (ACC)x[xo + j * xs]; y[yo + j * ys] = TO_Y(a); }
+  for (int j = 0; j < n; ++j) { a += (ACC)LOAD(T_X, x, xo + j * xs); STORE(T_Y, y, yo + j * ys, TO_Y(a)); }
 }
 """
 
@@ -432,11 +461,10 @@ inline void batch_offsets(__global const int* m, int bz, int* ao, int* bo) {
     *ao += c * m[1 + nb + d]; *bo += c * m[1 + 2 * nb + d];
   }
 }
-inline ACC epilogue(ACC v, __global const T_BIAS* bias, int bias_off, int bias_st, int n) {
+// meta[1 + 3 * nb]: 1 when there is a bias
+inline ACC epilogue(ACC v, __global const int* m, __global const T_BIAS* bias, int bias_off, int bias_st, int n) {
   v = ROUND(v);
-#if HAS_BIAS
-  v = ROUND(v + (ACC)bias[bias_off + n * bias_st]);
-#endif
+  if (m[1 + 3 * m[0]]) v = ROUND(v + (ACC)LOAD(T_BIAS, bias, bias_off + n * bias_st));
   return ACT(v);
 }
 """
@@ -463,10 +491,10 @@ void matmul(__global const T_A* A, int a_off, __global const T_B* B, int b_off, 
     for (int i = tid; i < TM * TK; i += 256) {
       int mm = a_kc ? i / TK : i % TM, kk = a_kc ? i % TK : i / TM;
       int gm = m0 + mm, gk = k0 + kk;
-      As[kk][mm] = (gm < M && gk < K) ? (ACC)A[ao + gm * sam + gk * sak] : (ACC)0;
+      As[kk][mm] = (gm < M && gk < K) ? (ACC)LOAD(T_A, A, ao + gm * sam + gk * sak) : (ACC)0;
       int nn = b_nc ? i % TN : i / TK, kb = b_nc ? i / TN : i % TK;
       int gn = n0 + nn, gkb = k0 + kb;
-      Bs[kb][nn] = (gn < N && gkb < K) ? (ACC)B[bo + gkb * sbk + gn * sbn] : (ACC)0;
+      Bs[kb][nn] = (gn < N && gkb < K) ? (ACC)LOAD(T_B, B, bo + gkb * sbk + gn * sbn) : (ACC)0;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 #pragma unroll
@@ -483,7 +511,7 @@ void matmul(__global const T_A* A, int a_off, __global const T_B* B, int b_off, 
   }
   for (int r = 0; r < 4; ++r) for (int c = 0; c < 4; ++c) {
     int gm = m0 + ty + 16 * r, gn = n0 + tx + 16 * c;
-    if (gm < M && gn < N) C[co + gm * N + gn] = TO_C(epilogue(acc[r][c], bias, bias_off, bias_st, gn));
+    if (gm < M && gn < N) STORE(T_C, C, co + gm * N + gn, TO_C(epilogue(acc[r][c], meta + moff, bias, bias_off, bias_st, gn)));
   }
 }
 """
@@ -503,8 +531,8 @@ void gemv_k(__global const T_A* A, int a_off, __global const T_B* B, int b_off, 
   ACC acc[MMAX];
   for (int r = 0; r < MMAX; ++r) acc[r] = 0;
   for (int k = lid; k < K; k += 64) {
-    ACC b = (ACC)B[bo + k * sbk + n * sbn];
-    for (int r = 0; r < MMAX; ++r) if (r < M) acc[r] += (ACC)A[ao + r * sam + k * sak] * b;
+    ACC b = (ACC)LOAD(T_B, B, bo + k * sbk + n * sbn);
+    for (int r = 0; r < MMAX; ++r) if (r < M) acc[r] += (ACC)LOAD(T_A, A, ao + r * sam + k * sak) * b;
   }
   for (int r = 0; r < MMAX; ++r) sh[r][lid] = acc[r];
   barrier(CLK_LOCAL_MEM_FENCE);
@@ -512,7 +540,7 @@ void gemv_k(__global const T_A* A, int a_off, __global const T_B* B, int b_off, 
     if (lid < h) for (int r = 0; r < MMAX; ++r) sh[r][lid] += sh[r][lid + h];
     barrier(CLK_LOCAL_MEM_FENCE);
   }
-  if (lid < M) C[c_off + bz * M * N + lid * N + n] = TO_C(epilogue(sh[lid][0], bias, bias_off, bias_st, n));
+  if (lid < M) STORE(T_C, C, c_off + bz * M * N + lid * N + n, TO_C(epilogue(sh[lid][0], meta + moff, bias, bias_off, bias_st, n)));
 }
 __kernel void gemv_n(__global const T_A* A, int a_off, __global const T_B* B, int b_off, __global T_C* C, int c_off,
                      __global const T_BIAS* bias, int bias_off, int bias_st,
@@ -524,10 +552,10 @@ __kernel void gemv_n(__global const T_A* A, int a_off, __global const T_B* B, in
   ACC acc[MMAX];
   for (int r = 0; r < MMAX; ++r) acc[r] = 0;
   for (int k = 0; k < K; ++k) {
-    ACC b = (ACC)B[bo + k * sbk + n * sbn];
-    for (int r = 0; r < MMAX; ++r) if (r < M) acc[r] += (ACC)A[ao + r * sam + k * sak] * b;
+    ACC b = (ACC)LOAD(T_B, B, bo + k * sbk + n * sbn);
+    for (int r = 0; r < MMAX; ++r) if (r < M) acc[r] += (ACC)LOAD(T_A, A, ao + r * sam + k * sak) * b;
   }
-  for (int r = 0; r < MMAX; ++r) if (r < M) C[c_off + bz * M * N + r * N + n] = TO_C(epilogue(acc[r], bias, bias_off, bias_st, n));
+  for (int r = 0; r < MMAX; ++r) if (r < M) STORE(T_C, C, c_off + bz * M * N + r * N + n, TO_C(epilogue(acc[r], meta + moff, bias, bias_off, bias_st, n)));
 }
 """
 
@@ -535,29 +563,22 @@ __kernel void gemv_n(__global const T_A* A, int a_off, __global const T_B* B, in
 # mask logic shared by mask_fill and the attention kernels.
 # KIND: 0 none/custom/bias, 1 causal, 2 sliding window ; MASK_MODE: 0 none, 1 bool keep, 2 bias
 ATTN_COMMON = r"""
-inline long qpos0(__global const T_P* pos, int p_off, int npos, int b, int Sq, int Sk) {
-#if HAS_POS
-  return (long)pos[p_off + (npos == 1 ? 0 : b)];
-#else
-  return (long)(Sk - Sq);
-#endif
+// mmode: 0 no mask, 1 bool keep-mask, 2 additive bias ; hpos: a pos input gives query positions
+inline long qpos0(__global const T_P* pos, int p_off, int npos, int hpos, int b, int Sq, int Sk) {
+  return hpos ? (long)pos[p_off + (npos == 1 ? 0 : b)] : (long)(Sk - Sq);
 }
-inline ACC apply_mask(ACC s, long qp, int j, __global const T_M* mk, int mo, int kind, int window) {
-#if MASK_MODE == 2
-  s = s + (ACC)mk[mo];
-#endif
+inline ACC apply_mask(ACC s, long qp, int j, __global const T_M* mk, int mo, int kind, int window, int mmode) {
+  if (mmode == 2) s = s + (ACC)LOAD(T_M, mk, mo);
   bool keep = true;
   if (kind >= 1) keep = (long)j <= qp;
   if (kind == 2) keep = keep && (long)j > qp - window;
-#if MASK_MODE == 1
-  keep = keep && mk[mo] != 0;
-#endif
+  if (mmode == 1) keep = keep && LOAD(T_M, mk, mo) != 0;
   return keep ? s : (ACC)(-INFINITY);
 }
 """
 
 MASK_FILL = r"""
-// meta: scores strides[4], mask strides[4]
+// meta: scores strides[4], mask strides[4], mmode, hpos
 __kernel void mask_fill(__global const T_X* x, int x_off, __global const T_M* mk, int m_off,
                         __global const T_P* pos, int p_off, int npos, __global T_Y* y, int y_off,
                         __global const int* meta, int moff, int B, int H, int Sq, int Sk, int kind, int window) {
@@ -565,10 +586,10 @@ __kernel void mask_fill(__global const T_X* x, int x_off, __global const T_M* mk
   if (g >= B * H * Sq * Sk) return;
   __global const int* m = meta + moff;
   int j = g % Sk, r = g / Sk, i = r % Sq; r /= Sq; int h = r % H, b = r / H;
-  ACC s = (ACC)x[x_off + b * m[0] + h * m[1] + i * m[2] + j * m[3]];
-  long qp = qpos0(pos, p_off, npos, b, Sq, Sk) + i;
+  ACC s = (ACC)LOAD(T_X, x, x_off + b * m[0] + h * m[1] + i * m[2] + j * m[3]);
+  long qp = qpos0(pos, p_off, npos, m[9], b, Sq, Sk) + i;
   int mo = m_off + b * m[4] + h * m[5] + i * m[6] + j * m[7];
-  y[y_off + g] = TO_Y(apply_mask(s, qp, j, mk, mo, kind, window));
+  STORE(T_Y, y, y_off + g, TO_Y(apply_mask(s, qp, j, mk, mo, kind, window, m[8])));
 }
 """
 
@@ -576,22 +597,22 @@ __kernel void mask_fill(__global const T_X* x, int x_off, __global const T_M* mk
 ROPE_LOAD = r"""
 #define DEF_ROT(NAME, T) \
 inline ACC NAME(__global const T* x, int base, int sd, int d, __global const T_C* cs, int cb, int cd, \
-                __global const T_C* sn, int sb, int sdd) { \
-  ACC v = (ACC)x[base + d * sd]; \
-  if (d >= 2 * HALF) return v; \
+                __global const T_C* sn, int sb, int sdd, int rhalf, int rstyle) { \
+  ACC v = (ACC)LOAD(T, x, base + d * sd); \
+  if (d >= 2 * rhalf) return v; \
   int e; ACC o; \
-  if (ROPE_STYLE == 0) { \
-    if (d < HALF) { e = d; o = -(ACC)x[base + (d + HALF) * sd]; } \
-    else { e = d - HALF; o = (ACC)x[base + e * sd]; } \
+  if (rstyle == 0) { \
+    if (d < rhalf) { e = d; o = -(ACC)LOAD(T, x, base + (d + rhalf) * sd); } \
+    else { e = d - rhalf; o = (ACC)LOAD(T, x, base + e * sd); } \
   } else { \
-    e = d >> 1; o = (d & 1) ? (ACC)x[base + (d - 1) * sd] : -(ACC)x[base + (d + 1) * sd]; \
+    e = d >> 1; o = (d & 1) ? (ACC)LOAD(T, x, base + (d - 1) * sd) : -(ACC)LOAD(T, x, base + (d + 1) * sd); \
   } \
-  return v * (ACC)cs[cb + e * cd] + o * (ACC)sn[sb + e * sdd]; \
+  return v * (ACC)LOAD(T_C, cs, cb + e * cd) + o * (ACC)LOAD(T_C, sn, sb + e * sdd); \
 }
 """
 
 ROPE = r"""
-// meta: x strides[4], cos strides [b, s, d], sin strides [b, s, d]
+// meta: x strides[4], cos strides [b, s, d], sin strides [b, s, d], half, style
 DEF_ROT(rot_x, T_X)
 __kernel void rope(__global const T_X* x, int x_off, __global const T_C* cs, int c_off, __global const T_C* sn, int s_off,
                    __global T_Y* y, int y_off, __global const int* meta, int moff, int B, int H, int S, int D) {
@@ -600,24 +621,21 @@ __kernel void rope(__global const T_X* x, int x_off, __global const T_C* cs, int
   __global const int* m = meta + moff;
   int d = g % D, r = g / D, i = r % S; r /= S; int h = r % H, b = r / H;
   int base = x_off + b * m[0] + h * m[1] + i * m[2];
-  y[y_off + g] = TO_Y(rot_x(x, base, m[3], d, cs, c_off + b * m[4] + i * m[5], m[6],
-                              sn, s_off + b * m[7] + i * m[8], m[9]));
+  STORE(T_Y, y, y_off + g, TO_Y(rot_x(x, base, m[3], d, cs, c_off + b * m[4] + i * m[5], m[6],
+                              sn, s_off + b * m[7] + i * m[8], m[9], m[10], m[11])));
 }
 """
 
-# meta: q[4], k[4], v[4], mask[4], cos[3], sin[3] strides (cos/sin equal by construction)
+# meta: q[4], k[4], v[4], mask[4], cos[3], sin[3] strides, then mmode, hpos, rope, half, style
 ATTN_DEFS = r"""
-#if ROPE
 DEF_ROT(rot_q, T_Q)
 DEF_ROT(rot_k, T_K)
-#define ROTARGS(b, i) cs, c_off + (b) * m[16] + (i) * m[17], m[18], sn, s_off + (b) * m[19] + (i) * m[20], m[21]
-#define LOADQ(b, h, i, d) rot_q(q, q_off + (b) * m[0] + (h) * m[1] + (i) * m[2], m[3], d, ROTARGS(b, i))
-#define LOADK(b, h, j, d) rot_k(k, k_off + (b) * m[4] + (h) * m[5] + (j) * m[6], m[7], d, ROTARGS(b, j))
-#else
-#define LOADQ(b, h, i, d) ((ACC)q[q_off + (b) * m[0] + (h) * m[1] + (i) * m[2] + (d) * m[3]])
-#define LOADK(b, h, j, d) ((ACC)k[k_off + (b) * m[4] + (h) * m[5] + (j) * m[6] + (d) * m[7]])
-#endif
-#define LOADV(b, h, j, d) ((ACC)v[v_off + (b) * m[8] + (h) * m[9] + (j) * m[10] + (d) * m[11]])
+#define ROTARGS(b, i) cs, c_off + (b) * m[16] + (i) * m[17], m[18], sn, s_off + (b) * m[19] + (i) * m[20], m[21], m[25], m[26]
+#define LOADQ(b, h, i, d) (m[24] ? rot_q(q, q_off + (b) * m[0] + (h) * m[1] + (i) * m[2], m[3], d, ROTARGS(b, i)) \
+  : (ACC)LOAD(T_Q, q, q_off + (b) * m[0] + (h) * m[1] + (i) * m[2] + (d) * m[3]))
+#define LOADK(b, h, j, d) (m[24] ? rot_k(k, k_off + (b) * m[4] + (h) * m[5] + (j) * m[6], m[7], d, ROTARGS(b, j)) \
+  : (ACC)LOAD(T_K, k, k_off + (b) * m[4] + (h) * m[5] + (j) * m[6] + (d) * m[7]))
+#define LOADV(b, h, j, d) ((ACC)LOAD(T_V, v, v_off + (b) * m[8] + (h) * m[9] + (j) * m[10] + (d) * m[11]))
 #define MOFF(b, h, i, j) (m_off + (b) * m[12] + (h) * m[13] + (i) * m[14] + (j) * m[15])
 #define ATTN_ARGS __global const T_Q* q, int q_off, __global const T_K* k, int k_off, __global const T_V* v, int v_off, \
   __global T_O* o, int o_off, __global const T_M* mk, int m_off, __global const T_P* pos, int p_off, int npos, \
@@ -648,7 +666,7 @@ void attn_prefill(ATTN_ARGS) {
   int qt = get_group_id(0), bh = get_group_id(1);
   int b = bh / H, h = bh % H, kh = h / (H / KVH);
   int qi = qt * BQ + ly;
-  long p0 = qpos0(pos, p_off, npos, b, Sq, Sk);
+  long p0 = qpos0(pos, p_off, npos, m[23], b, Sq, Sk);
   for (int e = tid; e < BQ * D; e += BQ * BK) {
     int r = e / D, d = e % D, qq = qt * BQ + r;
     Qs[r][d] = qq < Sq ? LOADQ(b, h, qq, d) : (ACC)0;
@@ -672,7 +690,7 @@ void attn_prefill(ATTN_ARGS) {
     if (j < ke && qi < Sq) {
       ACC dot = 0;
       for (int d = 0; d < D; ++d) dot += Qs[ly][d] * Ks[lx][d];
-      s = apply_mask(score_post(dot, scale, softcap), p0 + qi, j, mk, MOFF(b, h, qi, j), kind, window);
+      s = apply_mask(score_post(dot, scale, softcap), p0 + qi, j, mk, MOFF(b, h, qi, j), kind, window, m[22]);
     }
     Ps[ly][lx] = s;
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -700,7 +718,7 @@ void attn_prefill(ATTN_ARGS) {
   }
   if (qi < Sq) for (int t = 0; t < DPT; ++t) {
     int d = lx + t * BK;
-    if (d < DV) o[o_off + ((b * H + h) * Sq + qi) * DV + d] = TO_O(l > 0 ? acc[t] / l : (ACC)0);
+    if (d < DV) STORE(T_O, o, o_off + ((b * H + h) * Sq + qi) * DV + d, TO_O(l > 0 ? acc[t] / l : (ACC)0));
   }
 }
 """
@@ -717,7 +735,7 @@ void attn_decode(ATTN_ARGS) {
   int i = row % Sq, bh = row / Sq, b = bh / H, h = bh % H, kh = h / (H / KVH);
   for (int d = lid; d < D; d += W) Qs[d] = LOADQ(b, h, i, d);
   barrier(CLK_LOCAL_MEM_FENCE);
-  long qp = qpos0(pos, p_off, npos, b, Sq, Sk) + i;
+  long qp = qpos0(pos, p_off, npos, m[23], b, Sq, Sk) + i;
   int kb, ke;
   key_range(qp, qp, Sk, kind, window, &kb, &ke);
   ACC mrow = -INFINITY, lp = 0, acc[DPT];
@@ -728,7 +746,7 @@ void attn_decode(ATTN_ARGS) {
     if (j < ke) {
       ACC dot = 0;
       for (int d = 0; d < D; ++d) dot += Qs[d] * LOADK(b, kh, j, d);
-      s = apply_mask(score_post(dot, scale, softcap), qp, j, mk, MOFF(b, h, i, j), kind, window);
+      s = apply_mask(score_post(dot, scale, softcap), qp, j, mk, MOFF(b, h, i, j), kind, window, m[22]);
     }
     red[lid] = s;
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -757,7 +775,7 @@ void attn_decode(ATTN_ARGS) {
   ACC l = red[0];
   for (int t = 0; t < DPT; ++t) {
     int d = lid + t * W;
-    if (d < DV) o[o_off + (bh * Sq + i) * DV + d] = TO_O(l > 0 ? acc[t] / l : (ACC)0);
+    if (d < DV) STORE(T_O, o, o_off + (bh * Sq + i) * DV + d, TO_O(l > 0 ? acc[t] / l : (ACC)0));
   }
 }
 """
@@ -773,10 +791,10 @@ __kernel void gather(__global const T_X* t, int t_off, __global const T_I* idx, 
   if (ix < 0) ix += nax;
   if (ix < 0 || ix >= nax) {
     set_err(err, 1, node, (int)clamp((long)idx[i_off + ii], (long)INT_MIN, (long)INT_MAX), nax);
-    y[y_off + g] = 0;
+    STORE(T_Y, y, y_off + g, 0);
     return;
   }
-  y[y_off + g] = t[t_off + (a * nax + (int)ix) * post + p];
+  STORE(T_Y, y, y_off + g, LOAD(T_X, t, t_off + (a * nax + (int)ix) * post + p));
 }
 """
 
@@ -798,6 +816,6 @@ __kernel void kv_write(__global T_X* c, int c_off, __global const T_X* nw, int n
     if (d == 0) b = k;
   }
   long p = (long)pos[p_off + (npos == 1 ? 0 : b)];
-  c[oc + (int)p * m[1 + 2 * nd + axis]] = nw[on];
+  STORE(T_X, c, oc + (int)p * m[1 + 2 * nd + axis], LOAD(T_X, nw, on));
 }
 """

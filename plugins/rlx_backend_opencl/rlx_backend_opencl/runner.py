@@ -20,13 +20,14 @@ from rlx_core.backends.base import Runner
 from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import BackendError, ModelError
 from rlx_core.ir.lir import ALIGN, LirModule
-from rlx_core.ir.ops import MaskKind
+from rlx_core.ir.ops import ACTIVATIONS, BINARY_OPS, COMPARE_OPS, INT_OK_ACTIVATIONS, MaskKind
 
 from . import kernels as K
 from .device import CLArray, Device, alloc, upload
 
 INT_MAX = 2**31 - 1
 EW_OPS = {"binary", "compare", "where", "activation", "cast", "fused_swiglu"}
+SWITCHED = {"binary": BINARY_OPS, "compare": COMPARE_OPS, "activation": ACTIVATIONS}
 
 
 def _cl():
@@ -211,7 +212,7 @@ class OpenCLRunner(Runner):
                 if s.dtype not in ok:
                     why = ""
                     if s.dtype is DType.F16:
-                        why = " (the device lacks cl_khr_fp16)"
+                        why = " (the device lacks cl_khr_fp16; RLX_OPENCL_FP16=1 allows f16 storage anyway)"
                     elif s.dtype is DType.F64:
                         why = " (the device lacks cl_khr_fp64)"
                     raise BackendError(f"opencl: node %{i} ({n.op}) computes in {s.dtype.value}, which "
@@ -242,6 +243,8 @@ class OpenCLRunner(Runner):
         return self.dev.build(source, what)
 
     def launch(self, prg, kname, args, gsize, lsize) -> None:
+        if max(gsize, default=0) > INT_MAX or math.prod(gsize) > 2**40:
+            raise BackendError(f"launch of {kname} with global size {gsize} is too large for 32-bit indexing")
         if all(gsize) and math.prod(gsize) > 0:
             self._launches.append((prg, kname, args, tuple(gsize), None if lsize is None else tuple(lsize)))
 
@@ -255,6 +258,10 @@ class OpenCLRunner(Runner):
 
     @staticmethod
     def buf(v: View):
+        last = v.off + sum((d - 1) * st for d, st in zip(v.shape, v.strides) if d > 0)
+        if v.off > INT_MAX or last > INT_MAX:
+            raise BackendError(f"a {v.dtype.value}{list(v.shape)} value at element {v.off} of {v.st.label} is "
+                               "beyond 32-bit element indexing")
         return (v.st, np.int32(v.off))
 
     # ------------------------------------------------------------------ elementwise
@@ -265,9 +272,17 @@ class OpenCLRunner(Runner):
             return
         sh, sts = collapse(shape, [out.strides] + [v.bcast(shape) for v in ins])
         moff = self.meta([len(sh)] + sh + [x for st in sts for x in st])
-        src = K.elementwise_source([v.dtype for v in ins], program, out.dtype, self.dev.fp64)
+        choices, opc = None, 0
+        if len(program) == 1 and program[0][0] in SWITCHED:
+            op, a, args = program[0]
+            key = "fn" if op == "activation" else "op"
+            names = SWITCHED[op] if op != "activation" or out.dtype.is_float else INT_OK_ACTIVATIONS
+            choices, opc = [{key: x} for x in names], names.index(a[key])
+            program = [(op, choices[opc], args)]
+        src = K.elementwise_source([v.dtype for v in ins], program, out.dtype, choices)
         prg = self.program(src, what)
-        args = [*self.buf(out)] + [a for v in ins for a in self.buf(v)] + [self.meta_st, np.int32(moff), np.int32(total)]
+        args = [*self.buf(out)] + [a for v in ins for a in self.buf(v)] + [self.meta_st, np.int32(moff),
+                                                                         np.int32(total), np.int32(opc)]
         ls = min(256, self.dev.max_wg)
         self.launch(prg, "ew", args, ((total + ls - 1) // ls * ls,), (ls,))
 
@@ -322,7 +337,8 @@ class OpenCLRunner(Runner):
             ax = a["axis"] % len(v.shape)
             shape = list(v.shape)
             shape[ax] = a["length"]
-            vals[(i, 0)] = v.with_(tuple(shape), off=v.off + a["start"] * v.strides[ax])
+            start = a["start"] + v.shape[ax] if a["start"] < 0 else a["start"]   # negative: from the end
+            vals[(i, 0)] = v.with_(tuple(shape), off=v.off + start * v.strides[ax])
             return
         if op == "expand":
             v = ins[0]
@@ -416,13 +432,12 @@ class OpenCLRunner(Runner):
         xa = x.with_(x.shape[:-2], x.strides[:-2]).bcast(bshape) if bshape else ()
         wb = w.with_(w.shape[:-2], w.strides[:-2]).bcast(bshape) if bshape else ()
         bsh, (ast, bst) = collapse(bshape, [list(xa), list(wb)])
-        moff = self.meta([len(bsh), *bsh, *ast, *bst])
+        moff = self.meta([len(bsh), *bsh, *ast, *bst, int(bias is not None)])
         nbatch = math.prod(bsh)
         acc = K.acc_type(x.dtype, w.dtype)
         dts = [x.dtype, w.dtype, out.dtype] + ([bias.dtype] if bias is not None else [])
         defs = dict(T_A=K.ctype(x.dtype), T_B=K.ctype(w.dtype), T_C=K.ctype(out.dtype), ACC=acc,
-                    T_BIAS=K.ctype(bias.dtype) if bias is not None else "float",
-                    HAS_BIAS=int(bias is not None), TO_C="(v)",
+                    T_BIAS=K.ctype(bias.dtype) if bias is not None else K.ctype(out.dtype), TO_C="(v)",
                     ACT="(v)" if act == "identity" else "(" + K.act_expr(act, "(v)", acc) + ")")
         head = K.prelude(dts + [acc]) + "#define TO_C(v) " + K.to(out.dtype, "v") + "\n" + \
             "#define ACT(v) " + defs.pop("ACT") + "\n"
@@ -455,15 +470,15 @@ class OpenCLRunner(Runner):
 
     def _norm(self, what, x, r, w, b, h, y, eps, offset, layer):
         acc = K.acc_type(*[v.dtype for v in (x, r, w, b) if v is not None])
+        tx = K.ctype(x.dtype)
         defs = dict(_dtypes=[v.dtype for v in (x, r, w, b, h, y) if v is not None] + [acc],
-                    T_X=K.ctype(x.dtype), T_R=K.ctype(r.dtype) if r is not None else "float",
-                    T_W=K.ctype(w.dtype) if w is not None else "float",
-                    T_B=K.ctype(b.dtype) if b is not None else "float",
-                    T_H=K.ctype(h.dtype) if h is not None else "float", T_Y=K.ctype(y.dtype), ACC=acc,
-                    HAS_RES=int(r is not None), HAS_W=int(w is not None), HAS_B=int(b is not None),
-                    WRITE_H=int(h is not None), LAYER=int(layer),
+                    T_X=tx, T_R=K.ctype(r.dtype) if r is not None else tx,
+                    T_W=K.ctype(w.dtype) if w is not None else tx,
+                    T_B=K.ctype(b.dtype) if b is not None else tx,
+                    T_H=K.ctype(h.dtype) if h is not None else K.ctype(y.dtype), T_Y=K.ctype(y.dtype), ACC=acc,
                     **{"TO_Y(v)": K.to(y.dtype, "v"),
-                       "TO_H(v)": K.to(h.dtype, "v") if h is not None else "(v)"})
+                       "TO_H(v)": K.to(h.dtype if h is not None else y.dtype, "v")})
+        flags = (r is not None) | (w is not None) << 1 | (b is not None) << 2 | (h is not None) << 3 | layer << 4
         dummy = y
         views = [x, r or x, h or y, y]
         arg_views = [x, r or dummy, *(self.buf(w) if w is not None else (self.meta_st, np.int32(0))),
@@ -472,7 +487,7 @@ class OpenCLRunner(Runner):
                      np.int32(b.strides[0] if b is not None else 0), h or dummy, y]
         sc = np.float64 if acc == "double" else np.float32
         n = x.shape[-1]
-        self.rows("norm", K.NORM, defs, views, -1, n, [sc(eps), sc(offset)], what, arg_views)
+        self.rows("norm", K.NORM, defs, views, -1, n, [sc(eps), sc(offset), np.int32(flags)], what, arg_views)
 
     def _op_rms_norm(self, i, a, ins, outs, what):
         self._norm(what, ins[0], None, ins[1] if len(ins) > 1 else None, None, None, outs[0],
@@ -553,12 +568,12 @@ class OpenCLRunner(Runner):
             sn = self._materialize(sn, cs.dtype)
         acc = K.acc_type(x.dtype)
         B, H, S, D = x.shape
-        defs = dict(T_X=K.ctype(x.dtype), T_C=K.ctype(cs.dtype), T_Y=K.ctype(y.dtype), ACC=acc,
-                    HALF=cs.shape[-1], ROPE_STYLE=0 if a["style"] == "half" else 1)
+        defs = dict(T_X=K.ctype(x.dtype), T_C=K.ctype(cs.dtype), T_Y=K.ctype(y.dtype), ACC=acc)
         src = K.prelude([x.dtype, cs.dtype, y.dtype, acc]) + _defs(**defs) + \
             f"#define TO_Y(v) {K.to(y.dtype, 'v')}\n" + K.ROPE_LOAD + K.ROPE
         prg = self.program(src, what)
-        moff = self.meta([*x.strides, *self._table_strides(cs), *self._table_strides(sn)])
+        moff = self.meta([*x.strides, *self._table_strides(cs), *self._table_strides(sn), cs.shape[-1],
+                          0 if a["style"] == "half" else 1])
         total = B * H * S * D
         args = [*self.buf(x), *self.buf(cs), *self.buf(sn), *self.buf(y), self.meta_st, np.int32(moff),
                 np.int32(B), np.int32(H), np.int32(S), np.int32(D)]
@@ -572,10 +587,14 @@ class OpenCLRunner(Runner):
     def _kind(a) -> np.int32:
         return np.int32({MaskKind.CAUSAL: 1, MaskKind.SLIDING_WINDOW: 2}.get(MaskKind(a["mask_kind"]), 0))
 
-    def _mask_defs(self, a, mask, pos):
-        return dict(MASK_MODE=0 if mask is None else (1 if mask.dtype is DType.BOOL else 2),
-                    T_M=K.ctype(mask.dtype) if mask is not None else "float",
-                    HAS_POS=int(pos is not None), T_P=K.ctype(pos.dtype) if pos is not None else "int")
+    @staticmethod
+    def _mask_defs(mask, pos):
+        return dict(T_M=K.ctype(mask.dtype) if mask is not None else "float",
+                    T_P=K.ctype(pos.dtype) if pos is not None else "int")
+
+    @staticmethod
+    def _mask_meta(mask, pos) -> list:
+        return [0 if mask is None else (1 if mask.dtype is DType.BOOL else 2), int(pos is not None)]
 
     def _split(self, a, rest):
         rest = list(rest)
@@ -588,12 +607,12 @@ class OpenCLRunner(Runner):
         mask, pos = self._split(a, ins[1:])
         B, H, Sq, Sk = x.shape
         acc = K.acc_type(x.dtype, *([mask.dtype] if mask is not None and mask.dtype.is_float else []))
-        defs = dict(T_X=K.ctype(x.dtype), T_Y=K.ctype(y.dtype), ACC=acc, **self._mask_defs(a, mask, pos))
+        defs = dict(T_X=K.ctype(x.dtype), T_Y=K.ctype(y.dtype), ACC=acc, **self._mask_defs(mask, pos))
         src = K.prelude([x.dtype, y.dtype, acc] + ([mask.dtype] if mask is not None else [])) + _defs(**defs) + \
             f"#define TO_Y(v) {K.to(y.dtype, 'v')}\n" + K.ATTN_COMMON + K.MASK_FILL
         prg = self.program(src, what)
         mst = mask.bcast(x.shape) if mask is not None else (0, 0, 0, 0)
-        moff = self.meta([*x.strides, *mst])
+        moff = self.meta([*x.strides, *mst, *self._mask_meta(mask, pos)])
         total = B * H * Sq * Sk
         args = [*self.buf(x), *(self.buf(mask) if mask is not None else (self.meta_st, np.int32(0))),
                 *(self.buf(pos) if pos is not None else (self.meta_st, np.int32(0))),
@@ -620,10 +639,8 @@ class OpenCLRunner(Runner):
         acc = K.acc_type(*fl)
         asz = 8 if acc == "double" else 4
         defs = dict(T_Q=K.ctype(q.dtype), T_K=K.ctype(k.dtype), T_V=K.ctype(v.dtype), T_O=K.ctype(out.dtype),
-                    ACC=acc, D=D, DV=DV, ROPE=int(cs is not None),
-                    T_C=K.ctype(cs.dtype) if cs is not None else "float",
-                    HALF=cs.shape[-1] if cs is not None else 0,
-                    ROPE_STYLE=0 if a.get("style", "half") == "half" else 1, **self._mask_defs(a, mask, pos))
+                    ACC=acc, D=D, DV=DV, T_C=K.ctype(cs.dtype) if cs is not None else K.ctype(q.dtype),
+                    **self._mask_defs(mask, pos))
         decode = Sq <= 4
         if decode:
             W = 64
@@ -646,7 +663,9 @@ class OpenCLRunner(Runner):
         prg = self.program(src, what)
         mst = mask.bcast((B, H, Sq, Sk)) if mask is not None else (0, 0, 0, 0)
         tst = (self._table_strides(cs) + self._table_strides(sn)) if cs is not None else [0] * 6
-        moff = self.meta([*q.strides, *k.strides, *v.strides, *mst, *tst])
+        rope = [int(cs is not None), cs.shape[-1] if cs is not None else 0,
+                0 if a.get("style", "half") == "half" else 1]
+        moff = self.meta([*q.strides, *k.strides, *v.strides, *mst, *tst, *self._mask_meta(mask, pos), *rope])
         sc = np.float64 if acc == "double" else np.float32
         dummy = (self.meta_st, np.int32(0))
         args = [*self.buf(q), *self.buf(k), *self.buf(v), *self.buf(out),
@@ -721,9 +740,33 @@ class OpenCLRunner(Runner):
             prg, kname, args, gsize, lsize = item
             kern = cl.Kernel(prg, kname)
             kern.set_args(*[x.buf if isinstance(x, Storage) else x for x in args])
+            if lsize is not None:
+                gsize, lsize = self._fit_local(kern, kname, gsize, lsize)
             self.steps.append((kern, gsize, lsize))
         self._launches = []
         dev.queue.finish()
+
+    def _fit_local(self, kern, kname, gsize, lsize):
+        """Shrink a launch's local size to what the compiled kernel allows on this device
+        (register-heavy kernels can be below the device maximum). Fixed-size kernels
+        (reqd_work_group_size) cannot shrink: that is a clear error instead of a launch failure."""
+        cl = _cl()
+        kmax = kern.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, self.dev.dev)
+        if math.prod(lsize) <= kmax:
+            return gsize, lsize
+        fixed = kern.get_work_group_info(cl.kernel_work_group_info.COMPILE_WORK_GROUP_SIZE, self.dev.dev)
+        if any(fixed):
+            raise BackendError(f"kernel {kname} needs work-groups of {lsize} but {self.dev.name} allows "
+                               f"{kmax} work-items for it")
+        lsize = list(lsize)
+        while math.prod(lsize) > kmax:           # shrink rows per group first, then the row width
+            k = len(lsize) - 1 if lsize[-1] > 1 else 0
+            lsize[k] //= 2
+        if len(lsize) == 1:
+            gsize = ((gsize[0] + lsize[0] - 1) // lsize[0] * lsize[0],)
+        else:           # row kernels: dim 0 is one group wide (a row's threads), dim 1 counts rows
+            gsize = (lsize[0], *gsize[1:])
+        return tuple(gsize), tuple(lsize)
 
     def poison(self, byte: int = 0xFF) -> None:
         """Fill the arena and scratch with `byte` (0xFF: NaN for floats, -1 for ints): a test
@@ -786,3 +829,10 @@ class OpenCLRunner(Runner):
             msg = (f"kv_write: writing {self._kv_info.get(node, '?')} entries at position {x} overflows the "
                    f"cache of length {y} (context full)")
         raise ModelError(f"graph {self.name!r} node %{node} ({op}): {msg}")
+
+
+def kernel_ops() -> set:
+    """Op names this runner has a kernel (or view) for: the backend's supported_ops()."""
+    own = {name[4:] for name in dir(OpenCLRunner) if name.startswith("_op_")}
+    return own | EW_OPS | {"reshape", "narrow", "expand", "kv_write", "fused_elementwise", "input", "param",
+                           "state", "constant"}

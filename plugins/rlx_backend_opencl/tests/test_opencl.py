@@ -504,17 +504,46 @@ def test_f64_when_device_has_fp64(ocl):
     check(ocl, build, {"x": rn(5, 40).astype(np.float64), "w": rn(40, 7).astype(np.float64)}, tol=1e-12)
 
 
-def test_f16_compiles_or_names_the_device(ocl):
+def test_f16_compiles_or_names_the_device(ocl, monkeypatch):
+    monkeypatch.delenv("RLX_OPENCL_FP16", raising=False)
     g = Graph.define("h", lambda m: m.softmax(m.input("x", (4, 9), F16)) + m.input("y", (4, 9), F16))
     x, y = rn(4, 9).astype(np.float16), rn(4, 9).astype(np.float16)
-    if ocl.device.has_fp16():
+    if ocl.device.fp16:
         got = rlx_core.compile(g, profile=RAW, backend=ocl).run(x=x, y=y)["out"]
         ref = rlx_core.compile(g, profile=RAW, backend="numpy").run(x=x, y=y)["out"]
-        np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), atol=2e-3)
+        np.testing.assert_array_equal(got, ref)
     else:
         with pytest.raises(BackendError, match="cl_khr_fp16") as e:
             rlx_core.compile(g, profile=RAW, backend=ocl)
         assert ocl.device.name in str(e.value)
+
+
+def test_f16_kernels_match_numpy(ocl, monkeypatch):
+    """f16 moves through vload_half/vstore_half and computes in f32, rounding once on store
+    (and after each step of a fused region), exactly like the numpy backend: force the
+    capability (RLX_OPENCL_FP16=1) so the f16 kernels run on any device."""
+    monkeypatch.setenv("RLX_OPENCL_FP16", "1")
+    def fn(m):
+        x, w = m.input("x", (6, 40), F16), m.input("w", (24, 40), F16)
+        y = m.linear(x, w)
+        h, n = m.add("fused_residual_rms_norm", (y, m.input("r", (6, 24), F16), m.input("g", (24,), F16)),
+                     eps=1e-5, offset=0.0)
+        qkv = m.input("qkv", (1, 2, 9, 48), F16)
+        a = m.attention(*(m.narrow(qkv, 3, 16 * i, 16) for i in range(3)), scale=0.25)
+        return {"y": y, "h": h, "n": n, "sm": m.softmax(y), "ew": m.silu(x) * 2.0 + x, "a": a,
+                "big": m.matmul(m.input("z", (70, 40), F16), w, trans_b=True), "am": m.argmax(y),
+                "c": m.cast(y, F32), "ln": m.layer_norm(y)}
+    g = Graph.define("h", fn)
+    inp = {"x": rn(6, 40).astype(np.float16), "w": (rn(24, 40) / 6).astype(np.float16),
+           "r": rn(6, 24).astype(np.float16), "g": rn(24).astype(np.float16),
+           "qkv": rn(1, 2, 9, 48).astype(np.float16), "z": rn(70, 40).astype(np.float16)}
+    for prof in (RAW, DIRECT):
+        got = rlx_core.compile(g, profile=prof, backend=ocl).run(inp)
+        ref = rlx_core.compile(g, profile=prof, backend="numpy").run(inp)
+        for k in ref:
+            assert got[k].dtype == ref[k].dtype, k
+            np.testing.assert_allclose(got[k].astype(np.float32), ref[k].astype(np.float32), rtol=2e-3,
+                                       atol=2e-3, err_msg=k)
 
 
 def test_f16_on_device_without_fp16_is_a_compile_error(ocl, monkeypatch):
@@ -588,3 +617,17 @@ def test_device_selectors(ocl, monkeypatch):
     from rlx_core.profile import BackendConfig
 
     assert ocl.configure(BackendConfig(device="0")).device.dev.int_ptr == d.int_ptr
+
+
+def test_local_size_shrinks_to_the_kernel_limit(ocl, monkeypatch):
+    """A device that allows fewer work-items for a kernel than asked gets smaller groups."""
+    import pyopencl as cl
+
+    real = cl.Kernel.get_work_group_info
+
+    def small(self, param, dev):
+        if param == cl.kernel_work_group_info.WORK_GROUP_SIZE and self.function_name in ("softmax", "ew"):
+            return 32
+        return real(self, param, dev)
+    monkeypatch.setattr(cl.Kernel, "get_work_group_info", small)
+    check(ocl, lambda m, dt: m.softmax(m.input("x", (37, 300), dt)) * 2.0, {"x": rn(37, 300)}, tol=1e-6)
