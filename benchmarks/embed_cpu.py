@@ -4,10 +4,12 @@
     .venv/bin/python benchmarks/embed_cpu.py [--threads 2] [--repeat 30] [--model minilm]
 
 Both sides embed the same 32 sentences of about 20 tokens each (batch size 32, normalized
-embeddings, end to end from text: tokenization included). Timed calls are interleaved
-(RLX, ST, RLX, ST, ...) after warm-up; the process is pinned to `--threads` cores when the
-machine has more. Prints the hardware, min / median ms of each side, the ratio RLX / ST
-(target <= 0.8) and the worst cosine between the two sides' vectors (sanity).
+embeddings, end to end from text: tokenization included). Each side runs in its own process
+(a BLAS or OpenMP pool left spinning by one side would otherwise slow the other), in
+alternating rounds (RLX, ST, RLX, ST, ...), all pinned to the same `--threads` cores when
+the machine has more. Prints the hardware, min / median ms of each side over all rounds and
+each round's median (the spread), the ratio RLX / ST (target <= 0.8) and the worst cosine
+between the two sides' vectors (sanity).
 """
 from __future__ import annotations
 
@@ -80,16 +82,71 @@ def stats(ts: list) -> tuple:
     return s[0], s[len(s) // 2]
 
 
+def child(args) -> None:
+    """One side in its own process: load, warm up, time `--repeat` calls, print the times."""
+    import json
+
+    import numpy as np
+
+    texts = SENTENCES
+    path = args.model_path
+    if args.child == "st":
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        torch.set_num_threads(args.threads)
+        st = SentenceTransformer(path, device="cpu")
+
+        def run():
+            return st.encode(texts, batch_size=args.batch_size, convert_to_numpy=True, show_progress_bar=False)
+    else:
+        import rlx_core
+
+        opts = {"custom_kernels": False} if args.child == "generic" else {}
+        enc = rlx_core.load(path, backend="numpy", progress=False, flow_options=opts)
+
+        def run():
+            return enc.embed(texts, batch_size=args.batch_size)
+    for _ in range(args.warmup):
+        out = run()
+    ts = []
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        run()
+        ts.append(time.perf_counter() - t0)
+    np.save(args.out, out)
+    print("RESULT " + json.dumps({"times": ts}))
+
+
+def spawn(side: str, args, out: str) -> list:
+    import json
+    import subprocess
+
+    env = dict(os.environ)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--model-path", args.model_path,
+           "--out", out, "--threads", str(args.threads), "--repeat", str(args.repeat),
+           "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    for line in res.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])["times"]
+    raise SystemExit(f"{side} run failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=30, help="timed calls of each side")
+    ap.add_argument("--repeat", type=int, default=20, help="timed calls of each side per round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of (RLX process, ST process)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--model", default="minilm", help="a sentence-transformers folder, or 'minilm'")
-    ap.add_argument("--no-pin", action="store_true", help="do not pin the process to --threads cores")
+    ap.add_argument("--no-pin", action="store_true", help="do not pin the processes to --threads cores")
     ap.add_argument("--generic", action="store_true",
                     help="also time RLX with generic IR ops only (no bert.dense custom kernel)")
+    ap.add_argument("--child", choices=["rlx", "st", "generic"], help=argparse.SUPPRESS)
+    ap.add_argument("--model-path", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -97,52 +154,38 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    pinned = "not pinned (--no-pin)" if args.no_pin else pin(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    pinned = "not pinned (--no-pin)" if args.no_pin else pin(args.threads)   # children inherit it
+    if args.child:
+        return child(args)
+
+    import tempfile
 
     import numpy as np
-    import torch
-    from sentence_transformers import SentenceTransformer
 
     import rlx_core
     from rlx_core.weights import resolve_model_path
 
-    torch.set_num_threads(args.threads)
-    path = resolve_model_path(args.model)
-    st = SentenceTransformer(path, device="cpu")
-    rlx = rlx_core.load(path, backend="numpy", progress=False)
-    texts = SENTENCES
-    ntok = [len(ids) for ids, _ in rlx.tokenize(texts)[0]]
-
-    def run_st():
-        return st.encode(texts, batch_size=args.batch_size, convert_to_numpy=True, show_progress_bar=False)
-
-    def run_rlx():
-        return rlx.embed(texts, batch_size=args.batch_size)
-
-    gen = rlx_core.load(path, backend="numpy", progress=False, flow_options={"custom_kernels": False}) \
-        if args.generic else None
-
-    for _ in range(args.warmup):
-        a, b = run_rlx(), run_st()
-        if gen is not None:
-            gen.embed(texts, batch_size=args.batch_size)
-    cos = float(np.min(np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))))
-    t_rlx, t_st, t_gen = [], [], []
-    for _ in range(args.repeat):
-        t0 = time.perf_counter()
-        run_rlx()
-        t1 = time.perf_counter()
-        run_st()
-        t2 = time.perf_counter()
-        t_rlx.append(t1 - t0)
-        t_st.append(t2 - t1)
-        if gen is not None:
-            t2 = time.perf_counter()
-            gen.embed(texts, batch_size=args.batch_size)
-            t_gen.append(time.perf_counter() - t2)
-    (r_min, r_med), (s_min, s_med) = stats(t_rlx), stats(t_st)
+    args.model_path = resolve_model_path(args.model)
+    enc = rlx_core.load(args.model_path, backend="numpy", progress=False)
+    ntok = [len(ids) for ids, _ in enc.tokenize(SENTENCES)[0]]
+    sides = ["rlx", "st"] + (["generic"] if args.generic else [])
+    times: dict = {s: [] for s in sides}
+    rounds: dict = {s: [] for s in sides}
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = {s: os.path.join(tmp, f"{s}.npy") for s in sides}
+        for _ in range(args.rounds):
+            for side in sides:
+                ts = spawn(side, args, outs[side])
+                times[side] += ts
+                rounds[side].append(stats(ts)[1])
+        vec = {s: np.load(outs[s]) for s in sides}
 
     import sentence_transformers
+    import torch
+
+    def cos(a, b):
+        return float(np.min(np.sum(a * b, 1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))))
 
     try:
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -157,18 +200,21 @@ def main() -> None:
     print(f"hardware: {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads, {pinned}; load avg {load}")
     print(f"software: python {platform.python_version()}, numpy {np.__version__} ({blas}), torch {torch.__version__}, "
           f"sentence-transformers {sentence_transformers.__version__}, rlx {rlx_core.__version__}")
-    print(f"model: {path}")
-    print(f"input: {len(texts)} sentences, {min(ntok)}-{max(ntok)} tokens (mean {np.mean(ntok):.1f}), "
-          f"batch size {args.batch_size}; {args.repeat} interleaved timed calls each after {args.warmup} warm-up")
-    print(f"{'':24}{'min ms':>10}{'median ms':>12}")
-    print(f"{'RLX numpy':24}{r_min * 1e3:10.1f}{r_med * 1e3:12.1f}")
-    print(f"{'sentence-transformers':24}{s_min * 1e3:10.1f}{s_med * 1e3:12.1f}")
-    if t_gen:
-        g_min, g_med = stats(t_gen)
-        print(f"{'RLX numpy, generic ops':24}{g_min * 1e3:10.1f}{g_med * 1e3:12.1f}   "
-              f"({g_med / s_med:.2f}x ST: linear + gelu without the bert.dense kernel)")
+    print(f"model: {args.model_path}")
+    print(f"input: {len(SENTENCES)} sentences, {min(ntok)}-{max(ntok)} tokens (mean {np.mean(ntok):.1f}), "
+          f"batch size {args.batch_size}; each side in its own process, {args.rounds} rounds x "
+          f"{args.repeat} timed calls after {args.warmup} warm-up")
+    names = {"rlx": "RLX numpy", "st": "sentence-transformers", "generic": "RLX numpy, generic ops"}
+    print(f"{'':24}{'min ms':>9}{'median ms':>11}   round medians ms")
+    for s in sides:
+        lo, med = stats(times[s])
+        print(f"{names[s]:24}{lo * 1e3:9.1f}{med * 1e3:11.1f}   " + " ".join(f"{r * 1e3:.1f}" for r in rounds[s]))
+    (r_min, r_med), (s_min, s_med) = stats(times["rlx"]), stats(times["st"])
     print(f"ratio RLX/ST: {r_med / s_med:.2f}x on medians, {r_min / s_min:.2f}x on minimums (target <= 0.8)")
-    print(f"parity: worst cosine RLX vs ST {cos:.7f}")
+    if args.generic:
+        print(f"generic ops (linear + gelu of the core, no bert.dense kernel): "
+              f"{stats(times['generic'])[1] / s_med:.2f}x ST on medians")
+    print(f"parity: worst cosine RLX vs ST {cos(vec['rlx'], vec['st']):.7f}")
 
 
 if __name__ == "__main__":

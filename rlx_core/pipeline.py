@@ -56,6 +56,8 @@ class CompilePipeline:
         self.profile = profile or CompileProfile()
         self.backend = backend if backend is not None and not isinstance(backend, str) else \
             select_backend(backend or self.profile.backend.name or None)
+        if self.profile.backend.device:
+            self.backend = self.backend.configure(self.profile.backend)
         self.trace: list = []          # (pass name, nodes after, seconds)
 
     def _step(self, name, g, fn):

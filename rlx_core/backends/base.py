@@ -21,6 +21,16 @@ class Backend:
     target: str = "generic"                  # fusion pattern set (passes/fusion.py TARGETS)
     dtypes: frozenset = frozenset(DType)
 
+    def configure(self, config) -> "Backend":
+        """This backend set up for a profile's [backend] section (a device selector); a
+        backend with one device has nothing to select."""
+        if config.device:
+            from ..ir.errors import BackendError
+
+            raise BackendError(f"backend {self.name!r} has no device selector; "
+                               f"[backend] device = {config.device!r} cannot apply")
+        return self
+
     def availability(self) -> tuple:
         """(available, reason when not)."""
         return True, ""

@@ -122,8 +122,7 @@ class Encoder:
             raise ModelError(f"max_length {max_length} is more than the model's {self.max_positions} positions")
         self.max_length = min(int(limit), self.max_positions)
         self.do_lower_case = bool(self.st.get("do_lower_case", False))
-        self._exe = None
-        self._inputs: set = set()
+        self._exes: dict = {}
         self._truncating = None
         self.flow_options = dict(flow_options or {})     # extra recipe.flow() options
         self.last_timings: dict = {}
@@ -142,17 +141,50 @@ class Encoder:
         return (f"Encoder({self.source!r}, model_type={self.config.get('model_type')!r}, dim={self.dim}, "
                 f"pooling={self.pooling!r}, max_length={self.max_length}, backend={self.backend.name!r})")
 
-    # -- compiled graph
-    def executable(self):
-        """The compiled encoder (one executable for every batch and sequence length)."""
-        if self._exe is None:
-            flow = self.recipe.flow(self.config, pooling=self.pooling, backend=self.backend,
-                                    **self.flow_options)
+    # -- compiled graphs
+    def executable(self, layout: str | None = None):
+        """The compiled encoder for a layout ("padded": ids [batch, seq] + key mask; "packed":
+        the texts of a batch concatenated into one row of tokens; None: the recipe's choice for
+        this backend). One executable serves every shape (specialized per shape, cached)."""
+        key = layout or self.flow_options.get("layout")
+        if key not in self._exes:
+            opts = dict(self.flow_options)
+            if layout is not None:
+                opts["layout"] = layout
+            flow = self.recipe.flow(self.config, pooling=self.pooling, backend=self.backend, **opts)
             built = flow.build(self.tensors, self.config, F32,
                                ignore_unused=getattr(self.recipe, "ignore_unused", ()))
-            self._exe = built.compile(self.backend, self.profile)
-            self._inputs = {n.name for n in self._exe.mir.nodes if n.op == "input"}
-        return self._exe
+            exe = built.compile(self.backend, self.profile)
+            exe.shared = getattr(self, "_shared", exe.shared)       # params uploaded once per model
+            self._shared = exe.shared
+            exe.input_names = {n.name for n in exe.mir.nodes if n.op == "input"}
+            self._exes[key] = exe
+        return self._exes[key]
+
+    @property
+    def layout(self) -> str:
+        """The layout embed() runs: packed when the recipe's flow for this backend is packed."""
+        return "packed" if "seq_starts" in self.executable().input_names else "padded"
+
+    @staticmethod
+    def _run_exe(exe, feed: dict, env: dict) -> dict:
+        """Run, keeping at most RUNNER_CACHE shape specializations alive (least recently used
+        go): every distinct shape costs a compiled runner and its arena."""
+        out = exe.run(feed)
+        runners = getattr(exe, "_runners", None)
+        if isinstance(runners, dict):
+            key = tuple(sorted({**exe.fixed_dims, **env}.items()))
+            if key in runners:
+                runners[key] = runners.pop(key)
+            while len(runners) > Encoder.RUNNER_CACHE:
+                old = next(iter(runners))
+                runners.pop(old)
+                getattr(exe, "lir_cache", {}).pop(old, None)
+        return out
+
+    RUNNER_CACHE = 8
+    PACK_ALIGN = 16          # packed runs round their token count up to this (fewer shapes)
+    PACK_MAX_TOKENS = 16384  # at most this many tokens per packed run
 
     # -- token ids
     def _check_rows(self, lengths, ids_max: int, ids_min: int) -> None:
@@ -194,14 +226,44 @@ class Encoder:
         return self.forward(ids, attention_mask, token_type_ids)["last_hidden_state"]
 
     def _run(self, ids, types, mask) -> dict:
-        exe = self.executable()
+        """The padded executable on right-padded rows."""
+        exe = self.executable("padded")
         b, s = ids.shape
         feed = {"ids": ids, "key_mask": mask[:, None, None, :]}
-        if "positions" in self._inputs:
+        if "positions" in exe.input_names:
             feed["positions"] = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s))
-        if "token_type_ids" in self._inputs:
+        if "token_type_ids" in exe.input_names:
             feed["token_type_ids"] = types
-        return exe.run(feed)
+        return self._run_exe(exe, feed, {"batch": b, "seq": s})
+
+    def _run_packed(self, exe, rows: list, n_seqs: int) -> dict:
+        """The packed executable on rows [(ids, type_ids)]: one row of tokens, the token count
+        rounded up to PACK_ALIGN by a padding segment, n_seqs segments (the unused ones empty)."""
+        lens = np.array([len(r[0]) for r in rows], np.int64)
+        real = int(lens.sum())
+        total = -(-real // self.PACK_ALIGN) * self.PACK_ALIGN
+        pad = total - real
+        ids = np.full(total, int(self.config.get("pad_token_id") or 0), np.int64)
+        types = np.zeros(total, np.int64)
+        pos = np.zeros(total, np.int64)
+        starts = np.zeros(n_seqs, np.int64)
+        seg = np.zeros(n_seqs, np.int64)
+        at = 0
+        for i, (r, t) in enumerate(rows):
+            n = len(r)
+            ids[at:at + n], types[at:at + n], pos[at:at + n] = r, t, np.arange(n)
+            starts[i], seg[i] = at, n
+            at += n
+        if pad:
+            pos[at:] = np.arange(pad)
+            starts[len(rows)], seg[len(rows)] = at, pad
+        starts[len(rows) + (1 if pad else 0):] = total          # empty segments
+        feed = {"ids": ids[None], "seq_starts": starts, "seq_lens": seg}
+        if "positions" in exe.input_names:
+            feed["positions"] = pos[None]
+        if "token_type_ids" in exe.input_names:
+            feed["token_type_ids"] = types[None]
+        return self._run_exe(exe, feed, {"tokens": total, "seqs": n_seqs})
 
     # -- text
     def _truncating_tokenizer(self):
@@ -252,6 +314,20 @@ class Encoder:
             batches.append(cur)
         return batches
 
+    def plan_packs(self, lengths: list, batch_size: int) -> list:
+        """Index lists for packed runs: at most batch_size texts and PACK_MAX_TOKENS tokens each."""
+        packs, cur, tokens = [], [], 0
+        cap = max(self.PACK_MAX_TOKENS, self.max_positions)
+        for i, n in enumerate(lengths):
+            if cur and (len(cur) >= batch_size or tokens + n > cap):
+                packs.append(cur)
+                cur, tokens = [], 0
+            cur.append(i)
+            tokens += n
+        if cur:
+            packs.append(cur)
+        return packs
+
     def embed(self, texts_or_ids, batch_size: int = 32, normalize: bool = True, truncate: bool = True,
               progress: bool = False) -> np.ndarray:
         """Embeddings [n, dim] float32 (a single string or id sequence gives [dim]).
@@ -275,18 +351,26 @@ class Encoder:
 
                 bar = tqdm(total=len(rows), desc="embedding", unit="text", file=sys.stderr)
             t0 = time.perf_counter()
+            exe = self.executable()
             try:
-                for idx in self.plan_batches(lengths, int(batch_size)):
-                    s = lengths[idx[0]]
-                    ids = np.zeros((len(idx), s), np.int64)
-                    types = np.zeros((len(idx), s), np.int64)
-                    mask = np.zeros((len(idx), s), bool)
-                    for j, i in enumerate(idx):
-                        n = lengths[i]
-                        ids[j, :n], types[j, :n], mask[j, :n] = rows[i][0], rows[i][1], True
-                    out[idx] = self._run(ids, types, mask)[key]
-                    if bar is not None:
-                        bar.update(len(idx))
+                if "seq_starts" in exe.input_names:
+                    for idx in self.plan_packs(lengths, int(batch_size)):
+                        res = self._run_packed(exe, [rows[i] for i in idx], int(batch_size) + 1)[key]
+                        out[idx] = res[:len(idx)]
+                        if bar is not None:
+                            bar.update(len(idx))
+                else:
+                    for idx in self.plan_batches(lengths, int(batch_size)):
+                        s = lengths[idx[0]]
+                        ids = np.zeros((len(idx), s), np.int64)
+                        types = np.zeros((len(idx), s), np.int64)
+                        mask = np.zeros((len(idx), s), bool)
+                        for j, i in enumerate(idx):
+                            n = lengths[i]
+                            ids[j, :n], types[j, :n], mask[j, :n] = rows[i][0], rows[i][1], True
+                        out[idx] = self._run(ids, types, mask)[key]
+                        if bar is not None:
+                            bar.update(len(idx))
             finally:
                 if bar is not None:
                     bar.close()

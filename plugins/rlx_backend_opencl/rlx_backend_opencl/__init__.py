@@ -26,7 +26,7 @@ _BASE_DTYPES = frozenset({DType.F32, DType.I8, DType.I16, DType.I32, DType.I64, 
 
 class OpenCLBackend(Backend):
     name = "opencl"
-    target = "generic"            # every fusion group: it has a kernel for each fused op
+    target = "opencl"             # fusion pattern set (passes/fusion.py TARGETS): every group
 
     def __init__(self, device: str | None = None):
         self.selector = device

@@ -9,7 +9,7 @@ from rlx_core.plugins import hookimpl
 from .blocks import (BLOCKS, BertEncoderLayer, BertFlowBuilder, BertSelfAttention, BertSpec, ClsPool, Embed,
                      GatherAdd, GeluFfn, L2Normalize, MaxPool, MeanPool, NomicEncoderLayer, NomicMlp,
                      NomicSpec, ir_activation, pool_stage)
-from .kernels import DENSE, dense_numpy, gelu_inplace
+from .kernels import CUSTOM_OPS, DENSE, SEGMENT_POOL, VARLEN_ATTENTION, dense_numpy, gelu_inplace
 from .recipes import (BertFlow, BertRecipe, NomicBertFlow, NomicBertRecipe, bert_config, encoder_tensors,
                       nomic_config)
 
@@ -22,7 +22,8 @@ def rlx_register_recipes(register):
 
 @hookimpl
 def rlx_register_ops(register):
-    register(DENSE)
+    for op in CUSTOM_OPS:
+        register(op)
 
 
 @hookimpl

@@ -125,10 +125,29 @@ def _split_qkv(m, qkv, heads: int, d: int):
     return tuple(_heads(m, m.narrow(qkv, 2, i * n, n), heads, d) for i in range(3))
 
 
+def _segments(ctx):
+    """(seq_starts, seq_lens) of a packed flow, or None for the padded layout."""
+    starts = ctx.inputs.get("seq_starts")
+    return None if starts is None else (starts, ctx.inputs["seq_lens"])
+
+
 def _attend(ctx, q, k, v):
-    """Bidirectional attention over the flow's key padding mask (no causal mask)."""
+    """Bidirectional attention: within each text of a packed flow (bert.varlen_attention), or
+    over the key padding mask of a padded one (no causal mask)."""
+    scale = 1.0 / math.sqrt(q.dims[-1])
+    seg = _segments(ctx)
+    if seg is not None:
+        from .kernels import VARLEN
+
+        return ctx.m.custom(VARLEN, q, k, v, *seg, scale=scale)
     mask = ctx.inputs.get("key_mask")
-    return ctx.m.attention(q, k, v, mask, None, scale=1.0 / math.sqrt(q.dims[-1]), mask_kind=MaskKind.NONE)
+    return ctx.m.attention(q, k, v, mask, None, scale=scale, mask_kind=MaskKind.NONE)
+
+
+def _segment_pool(ctx, x, mode):
+    from .kernels import SEGPOOL
+
+    return ctx.m.custom(SEGPOOL, x, *_segments(ctx), mode=mode)
 
 
 def _mask_f(ctx, x):
@@ -298,6 +317,8 @@ class MeanPool:
     """Mean over the real tokens (sentence-transformers' mean pooling): sum(x * mask) / max(n, 1e-9)."""
 
     def emit(self, ctx, x):
+        if _segments(ctx) is not None:
+            return _segment_pool(ctx, x, "mean")
         m = ctx.m
         mf = _mask_f(ctx, x)
         if mf is None:
@@ -310,6 +331,8 @@ class ClsPool:
     """The first token's state ([CLS])."""
 
     def emit(self, ctx, x):
+        if _segments(ctx) is not None:
+            return _segment_pool(ctx, x, "cls")
         b, _, d = x.dims
         return ctx.m.reshape(ctx.m.narrow(x, 1, 0, 1), (b, d))
 
@@ -319,6 +342,8 @@ class MaxPool:
     """Max over the real tokens (padding set to -1e9 first, as sentence-transformers does)."""
 
     def emit(self, ctx, x):
+        if _segments(ctx) is not None:
+            return _segment_pool(ctx, x, "max")
         m = ctx.m
         km = ctx.inputs.get("key_mask")
         if km is not None:
@@ -378,6 +403,18 @@ class BertFlowBuilder(ModelFlow):
     def custom_kernels(self, on: bool = True) -> "BertFlowBuilder":
         """Emit the `bert.dense` custom op for projections (only for a backend that has its kernel)."""
         return self._add(SetState(CUSTOM_KERNELS, bool(on)))
+
+    def packed_inputs(self, tokens="tokens", seqs="seqs", token_types: bool = True,
+                      positions: bool = True) -> "BertFlowBuilder":
+        """The packed layout: ids, token_type_ids, positions [1, tokens] (i64), the texts' token
+        ranges seq_starts, seq_lens [seqs] (i64). Needs the bert.* custom ops' kernels."""
+        self._add(Input("ids", (1, tokens), I64))
+        if token_types:
+            self._add(Input("token_type_ids", (1, tokens), I64))
+        if positions:
+            self._add(Input("positions", (1, tokens), I64))
+        self._add(Input("seq_starts", (seqs,), I64))
+        return self._add(Input("seq_lens", (seqs,), I64))
 
     def embed(self, weight: str, rows: int | None = None, dim: int | None = None,
               input: str = "ids") -> "BertFlowBuilder":

@@ -23,41 +23,45 @@ from rlx_core.ir.shape import Shape
 NAME = "bert.dense"
 ACTS = ("identity", "gelu", "gelu_tanh", "relu", "silu", "tanh", "sigmoid")
 
-# Abramowitz & Stegun 7.1.26: erfc(a) ~ t * poly(t) * exp(-a^2), t = 1 / (1 + P a), a >= 0,
-# |erf error| < 1.5e-7. Coefficients halved: the kernel wants 0.5 * erfc = Phi(-|x|).
+# Abramowitz & Stegun 7.1.26: erfc(z) ~ t * poly(t) * exp(-z^2), t = 1 / (1 + P z), z >= 0,
+# |erf error| < 1.5e-7. Coefficients halved, so the polynomial gives Phi(-|x|) = erfc(|x|/sqrt2)/2.
 _P = np.float32(0.3275911)
 _A = [np.float32(0.5 * c) for c in (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)]
 _INV_SQRT2 = np.float32(1.0 / math.sqrt(2.0))
 _CHUNK = 1 << 15                      # elements per chunk: 128 KiB of float32, stays in L2
 
 
+def _gelu_chunk(v: np.ndarray, u: np.ndarray, z: np.ndarray, t: np.ndarray) -> None:
+    """v <- gelu(v) = relu(v) - |v| * Phi(-|v|): no sign branches, ~20 plain float32 passes."""
+    np.abs(v, out=u)
+    np.multiply(u, _INV_SQRT2, out=z)          # z = |x| / sqrt(2)
+    np.multiply(z, _P, out=t)
+    t += np.float32(1.0)
+    np.reciprocal(t, out=t)                    # t = 1 / (1 + P z)
+    p = np.multiply(t, _A[0])
+    for c in _A[1:]:
+        p += c
+        p *= t                                 # 0.5 * t * poly(t)
+    np.square(z, out=z)
+    np.negative(z, out=z)
+    np.exp(z, out=z)
+    p *= z                                     # Phi(-|x|)
+    p *= u                                     # |x| Phi(-|x|)
+    np.maximum(v, np.float32(0.0), out=v)
+    v -= p
+
+
 def gelu_inplace(y: np.ndarray) -> np.ndarray:
-    """y <- y * Phi(y), exact-erf GELU, float32, in place (y contiguous float32)."""
+    """y <- y * Phi(y) (exact-erf GELU to |error| < 1e-7 |y|), float32, in place, in chunks
+    that stay in cache (y contiguous)."""
     flat = y.reshape(-1)
     n = flat.size
-    a = np.empty(min(n, _CHUNK), np.float32)
-    t = np.empty_like(a)
-    p = np.empty_like(a)
+    k = min(n, _CHUNK)
+    u, z, t = np.empty(k, np.float32), np.empty(k, np.float32), np.empty(k, np.float32)
     for s in range(0, n, _CHUNK):
         v = flat[s:s + _CHUNK]
-        k = v.size
-        av, tv, pv = a[:k], t[:k], p[:k]
-        np.abs(v, out=av)
-        av *= _INV_SQRT2                       # a = |x| / sqrt(2)
-        np.multiply(av, _P, out=tv)
-        tv += np.float32(1.0)
-        np.reciprocal(tv, out=tv)              # t = 1 / (1 + P a)
-        np.multiply(tv, _A[0], out=pv)
-        for c in _A[1:]:
-            pv += c
-            pv *= tv                           # 0.5 * t * poly(t)
-        np.square(av, out=av)
-        np.negative(av, out=av)
-        np.exp(av, out=av)
-        pv *= av                               # h = Phi(-|x|)
-        # Phi(x) = 1 - h for x >= 0, h for x < 0;  gelu = x * Phi(x)
-        np.subtract(np.float32(1.0), pv, out=pv, where=v >= 0)
-        v *= pv
+        m = v.size
+        _gelu_chunk(v, u[:m], z[:m], t[:m])
     return y
 
 
@@ -69,7 +73,7 @@ def _act(y: np.ndarray, act: str) -> np.ndarray:
     if act == "identity":
         return y
     if act == "gelu":
-        return gelu_inplace(y) if y.dtype == np.float32 else (
+        return gelu_inplace(y) if y.dtype == np.float32 and y.flags.c_contiguous else (
             0.5 * y * (1.0 + np.vectorize(math.erf, otypes=[np.float64])(y / math.sqrt(2.0)))).astype(y.dtype)
     if act == "gelu_tanh":
         return 0.5 * y * (1.0 + np.tanh(np.asarray(math.sqrt(2 / math.pi), y.dtype) * (y + np.asarray(0.044715, y.dtype) * y ** 3)))
@@ -117,3 +121,85 @@ def dense_meta(shapes, params):
 
 DENSE = CustomOp(NAME, dense_meta, {"numpy": dense_numpy},
                  doc="act(x @ W^T + b) with HF-layout W [N, K]; one GEMM over the flattened rows")
+
+
+# ------------------------------------------------------------------------------ packed sequences
+# The packed ("varlen") layout: a batch of texts is one row of tokens [1, T], text i being
+# tokens [starts[i], starts[i] + lens[i]). Projections then run as single GEMMs over exactly
+# the real tokens (no padding), attention runs within each text, pooling per text. Empty
+# segments (lens 0) are allowed, so a batch can keep a fixed number of segments.
+VARLEN = "bert.varlen_attention"
+SEGPOOL = "bert.segment_pool"
+POOL_MODES = ("mean", "cls", "max")
+
+
+def varlen_attention_numpy(q, k, v, starts, lens, *, scale: float):
+    """softmax(q k^T * scale) v within each segment; q, k, v [1, heads, T, d]."""
+    out = np.zeros(q.shape[:3] + (v.shape[-1],), np.result_type(q.dtype, np.float32))
+    q0, k0, v0, o0 = q[0], k[0], v[0], out[0]
+    sc = np.asarray(scale, out.dtype)
+    for s, n in zip(np.asarray(starts).tolist(), np.asarray(lens).tolist()):
+        if n <= 0:
+            continue
+        a = np.matmul(q0[:, s:s + n], k0[:, s:s + n].transpose(0, 2, 1))      # [h, n, n]
+        a *= sc
+        a -= a.max(-1, keepdims=True)
+        np.exp(a, out=a)
+        a /= a.sum(-1, keepdims=True)
+        np.matmul(a, v0[:, s:s + n], out=o0[:, s:s + n])
+    return out
+
+
+def _segments_meta(shapes, what):
+    starts, lens = shapes[-2], shapes[-1]
+    for t, nm in ((starts, "starts"), (lens, "lens")):
+        if t.rank != 1 or not t.dtype.is_int:
+            raise ShapeError(f"{what}: {nm} must be an int vector [segments], got {t}")
+    if starts.dims != lens.dims:
+        raise ShapeError(f"{what}: starts {starts} and lens {lens} differ")
+
+
+def varlen_meta(shapes, params):
+    if len(shapes) != 5:
+        raise ShapeError(f"{VARLEN}: takes q, k, v, starts, lens; got {len(shapes)} inputs")
+    q, k, v = shapes[:3]
+    for t, nm in ((q, "q"), (k, "k"), (v, "v")):
+        if t.rank != 4 or t.dims[0] != 1:
+            raise ShapeError(f"{VARLEN}: {nm} must be [1, heads, tokens, head_dim], got {t}")
+    if q.dims[1] != k.dims[1] or k.dims[1:3] != v.dims[1:3] or q.dims[2] != k.dims[2] or q.dims[3] != k.dims[3]:
+        raise ShapeError(f"{VARLEN}: q {q}, k {k}, v {v} do not agree")
+    _segments_meta(shapes, VARLEN)
+    return (Shape(q.dims[:3] + (v.dims[3],), q.dtype),)
+
+
+def segment_pool_numpy(x, starts, lens, *, mode: str):
+    """Per-segment pooling of x [1, T, H] -> [segments, H] (mean divides by max(n, 1e-9))."""
+    x0 = x.reshape(-1, x.shape[-1])
+    out = np.zeros((len(starts), x0.shape[-1]), np.result_type(x.dtype, np.float32))
+    for i, (s, n) in enumerate(zip(np.asarray(starts).tolist(), np.asarray(lens).tolist())):
+        if n <= 0:
+            continue
+        if mode == "mean":
+            np.sum(x0[s:s + n], axis=0, out=out[i])
+            out[i] /= np.float32(n)
+        elif mode == "cls":
+            out[i] = x0[s]
+        else:
+            np.max(x0[s:s + n], axis=0, out=out[i])
+    return out
+
+
+def segment_pool_meta(shapes, params):
+    if params.get("mode") not in POOL_MODES:
+        raise ShapeError(f"{SEGPOOL}: mode must be one of {POOL_MODES}, got {params.get('mode')!r}")
+    if len(shapes) != 3 or shapes[0].rank != 3 or shapes[0].dims[0] != 1:
+        raise ShapeError(f"{SEGPOOL}: takes x [1, tokens, hidden], starts, lens; got {[str(s) for s in shapes]}")
+    _segments_meta(shapes, SEGPOOL)
+    return (Shape((shapes[1].dims[0], shapes[0].dims[2]), shapes[0].dtype),)
+
+
+VARLEN_ATTENTION = CustomOp(VARLEN, varlen_meta, {"numpy": varlen_attention_numpy},
+                            doc="bidirectional attention within each [start, start+len) segment of packed tokens")
+SEGMENT_POOL = CustomOp(SEGPOOL, segment_pool_meta, {"numpy": segment_pool_numpy},
+                        doc="mean / cls / max pooling of each segment of packed tokens")
+CUSTOM_OPS = (DENSE, VARLEN_ATTENTION, SEGMENT_POOL)

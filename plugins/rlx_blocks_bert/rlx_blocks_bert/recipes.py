@@ -138,6 +138,12 @@ def encoder_tensors(tensors, prefix: str = "bert.") -> dict:
     return out
 
 
+def _layout(layout: str) -> str:
+    if layout not in ("padded", "packed"):
+        raise ModelError(f"layout must be 'padded' or 'packed', got {layout!r}")
+    return layout
+
+
 class _Hooks:
     """The recipe hooks of Llama32Flow, for encoders: `.layer(fn)`, `before_layers`,
     `after_layers`, `patch_flow`, `taps`, `profile_near`."""
@@ -188,6 +194,12 @@ class _Hooks:
             return None
         return lambda i: self._layer(i, default(i))
 
+    def _inputs(self, f: BertFlowBuilder, token_types: bool) -> None:
+        if self.layout == "packed":
+            f.packed_inputs(token_types=token_types)
+        else:
+            f.encoder_inputs(self.batch, self.seq, token_types=token_types)
+
     def _head(self, f: BertFlowBuilder) -> BertFlowBuilder:
         for fn in self._after:
             f = fn(f) or f
@@ -209,8 +221,9 @@ class BertFlow(_Hooks):
     family = "bert"
 
     def __init__(self, cfg: dict, batch="batch", seq="seq", pooling: str = "mean", fused_qkv: bool = True,
-                 custom_kernels: bool = False):
+                 custom_kernels: bool = False, layout: str = "padded"):
         self.custom = bool(custom_kernels)
+        self.layout = _layout(layout)
         self.cfg = dict(cfg)
         self.c = bert_config(self.cfg)
         pool_stage(pooling)                        # checks the name
@@ -229,7 +242,7 @@ class BertFlow(_Hooks):
         f.profile(self._profile)
         if self.custom:
             f.custom_kernels()
-        f.encoder_inputs(self.batch, self.seq, token_types=c["type_vocab"] > 0)
+        self._inputs(f, c["type_vocab"] > 0)
         f.embed("embeddings.word_embeddings.weight", c["vocab"], c["hidden"])
         f.gather_add("positions", "embeddings.position_embeddings.weight", c["max_positions"])
         if c["type_vocab"] > 0:
@@ -251,8 +264,10 @@ class NomicBertFlow(_Hooks):
     BertFlow."""
     family = "nomic_bert"
 
-    def __init__(self, cfg: dict, batch="batch", seq="seq", pooling: str = "mean", custom_kernels: bool = False):
+    def __init__(self, cfg: dict, batch="batch", seq="seq", pooling: str = "mean", custom_kernels: bool = False,
+                 layout: str = "padded"):
         self.custom = bool(custom_kernels)
+        self.layout = _layout(layout)
         self.cfg = dict(cfg)
         self.c = nomic_config(self.cfg)
         pool_stage(pooling)
@@ -273,7 +288,7 @@ class NomicBertFlow(_Hooks):
         f.profile(self._profile)
         if self.custom:
             f.custom_kernels()
-        f.encoder_inputs(self.batch, self.seq, token_types=c["type_vocab"] > 0)
+        self._inputs(f, c["type_vocab"] > 0)
         f.embed("embeddings.word_embeddings.weight", c["vocab"], c["hidden"])
         if c["absolute_positions"]:
             f.gather_add("positions", "embeddings.position_embeddings.weight", c["max_positions"])
@@ -308,14 +323,23 @@ class BertRecipe:
         return int(self.config(cfg)["hidden"])
 
     def flow(self, cfg: dict, pooling: str = "mean", taps: bool = False, backend=None,
-             custom_kernels: bool | None = None, **kw):
-        """The encoder flow; custom_kernels=None uses the `bert.dense` op when `backend` has a
-        kernel for it (the NumPy backend does), else the generic linear + activation."""
-        if custom_kernels is None:
-            from .kernels import NAME
+             custom_kernels: bool | None = None, layout: str | None = None, **kw):
+        """The encoder flow. custom_kernels=None: the bert.* custom ops when `backend` has
+        kernels for them (the NumPy backend does), else generic IR ops only. layout: "padded"
+        ([batch, seq] + key mask; any backend) or "packed" (texts concatenated into one row
+        of tokens, no padding; needs the custom ops); None picks packed when they are there."""
+        from .kernels import CUSTOM_OPS
 
-            custom_kernels = backend is not None and not isinstance(backend, str) and backend.supports_custom(NAME)
-        return self.flow_class(cfg, pooling=pooling, custom_kernels=custom_kernels, **kw).taps(taps).flow()
+        have = backend is not None and not isinstance(backend, str) and all(
+            backend.supports_custom(op.name) for op in CUSTOM_OPS)
+        if custom_kernels is None:
+            custom_kernels = have
+        if layout is None:
+            layout = "packed" if custom_kernels and have else "padded"
+        if layout == "packed" and not custom_kernels:
+            raise ModelError("the packed layout needs the bert.* custom kernels (custom_kernels=True)")
+        return self.flow_class(cfg, pooling=pooling, custom_kernels=custom_kernels, layout=layout,
+                               **kw).taps(taps).flow()
 
     def tensors(self, tensors) -> dict:
         return encoder_tensors(tensors)
