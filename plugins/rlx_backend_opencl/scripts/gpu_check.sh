@@ -20,5 +20,5 @@ rc=0
 "$PY" -m pytest plugins/rlx_backend_opencl/tests -q -p no:cacheprovider || rc=1
 "$PY" -m pytest tests -q -p no:cacheprovider -k opencl || rc=1
 RLX_OPENCL_FP16=1 "$PY" -m pytest tests/test_ops.py -q -p no:cacheprovider -k "opencl and f16" || rc=1
-"$PY" plugins/rlx_backend_opencl/benchmarks/opencl.py --reps 20 || rc=1
+"$PY" benchmarks/opencl.py --reps 20 || rc=1
 exit $rc

@@ -1,8 +1,9 @@
 """Matmul GFLOP/s of the OpenCL backend at 1024^3 fp32 (the tiled local-memory kernel),
 against the peer in the same run: numpy (BLAS) on a CPU device, cuBLAS through CuPy when
-CuPy is importable and the device is a GPU. Prints the hardware and the ratio.
+CuPy is importable and the device is a GPU. On a GPU with the CUDA backend installed it also
+times SmolLM2-135M decode (fp32) on both backends. Prints the hardware and the ratios.
 
-    python plugins/rlx_backend_opencl/benchmarks/opencl.py [--n 1024] [--device SEL] [--reps 20]
+    python benchmarks/opencl.py [--n 1024] [--device SEL] [--reps 20]
 """
 from __future__ import annotations
 
@@ -107,7 +108,38 @@ def main(argv=None) -> int:
             t_cu = min(ts)
             print(f"  cuBLAS (cupy)       : {t_cu * 1e3:9.3f} ms  {gf(t_cu):9.1f} GFLOP/s")
             print(f"  ratio opencl/cuBLAS : {t_cu / t_cl:.3f}")
+        smollm2_decode()
     return 0
+
+
+def smollm2_decode(prompt_tokens: int = 128, new_tokens: int = 64) -> None:
+    """SmolLM2-135M fp32 decode ms/token, OpenCL vs the CUDA backend (same weights)."""
+    import rlx_core
+    from rlx_core.plugins import registry
+
+    cuda = registry().backends.get("cuda")
+    if cuda is None or not cuda.availability()[0]:
+        print("smollm2 decode: CUDA backend not available, not measured")
+        return
+    try:
+        from rlx_core.weights import resolve_model_path
+
+        path = os.environ.get("RLX_SMOLLM2_GGUF") or resolve_model_path("smollm2")
+    except Exception as e:
+        print(f"smollm2 decode: weights not available ({e})")
+        return
+    times = {}
+    for name in ("opencl", "cuda"):
+        m = rlx_core.load(path, backend=name, progress=False)
+        text = "The history of the printing press begins in the fifteenth century. " * 20
+        ids = np.array([m.tokenizer.encode(text)[:prompt_tokens]])
+        m.generate(ids, max_new_tokens=4, min_new_tokens=4)
+        best = min((m.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens),
+                    m.last_timings["decode_s_per_token"])[1] for _ in range(2))
+        times[name] = best
+    print(f"smollm2-135M fp32 decode ({prompt_tokens}-token prompt, {new_tokens} tokens): "
+          f"opencl {times['opencl'] * 1e3:.2f} ms/token, cuda {times['cuda'] * 1e3:.2f} ms/token, "
+          f"ratio opencl/cuda {times['opencl'] / times['cuda']:.2f}x (target <= 3x)")
 
 
 if __name__ == "__main__":
