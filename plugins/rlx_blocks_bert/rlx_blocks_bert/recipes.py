@@ -47,6 +47,9 @@ def bert_config(cfg: dict) -> dict:
             raise ModelError(f"{_where(cfg)}BERT {flag}=true is not supported (encoders only)")
     c = {k: _int(cfg, k, "BERT") for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
                                            "intermediate_size", "vocab_size")}
+    if c["hidden_size"] % c["num_attention_heads"]:
+        raise ModelError(f"{_where(cfg)}BERT hidden_size {c['hidden_size']} is not a multiple of "
+                         f"{c['num_attention_heads']} attention heads")
     type_vocab = cfg.get("type_vocab_size", 2)
     if isinstance(type_vocab, bool) or not isinstance(type_vocab, int) or type_vocab < 0:
         raise ModelError(f"{_where(cfg)}BERT type_vocab_size must be an integer >= 0, got {type_vocab!r}")
