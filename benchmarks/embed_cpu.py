@@ -98,7 +98,8 @@ def child(args) -> None:
         st = SentenceTransformer(path, device="cpu")
 
         def run():
-            return st.encode(texts, batch_size=args.batch_size, convert_to_numpy=True, show_progress_bar=False)
+            return st.encode(texts, batch_size=args.batch_size, convert_to_numpy=True,
+                             show_progress_bar=False)
     else:
         import rlx_core
 
@@ -197,9 +198,11 @@ def main() -> None:
         blas = cfg["Build Dependencies"]["blas"]["name"] + " " + cfg["Build Dependencies"]["blas"]["version"]
     except Exception:
         pass
-    print(f"hardware: {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads, {pinned}; load avg {load}")
-    print(f"software: python {platform.python_version()}, numpy {np.__version__} ({blas}), torch {torch.__version__}, "
-          f"sentence-transformers {sentence_transformers.__version__}, rlx {rlx_core.__version__}")
+    print(f"hardware: {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads, {pinned}; "
+          f"load avg {load}")
+    print(f"software: python {platform.python_version()}, numpy {np.__version__} ({blas}), "
+          f"torch {torch.__version__}, sentence-transformers {sentence_transformers.__version__}, "
+          f"rlx {rlx_core.__version__}")
     print(f"model: {args.model_path}")
     print(f"input: {len(SENTENCES)} sentences, {min(ntok)}-{max(ntok)} tokens (mean {np.mean(ntok):.1f}), "
           f"batch size {args.batch_size}; each side in its own process, {args.rounds} rounds x "
@@ -208,7 +211,8 @@ def main() -> None:
     print(f"{'':24}{'min ms':>9}{'median ms':>11}   round medians ms")
     for s in sides:
         lo, med = stats(times[s])
-        print(f"{names[s]:24}{lo * 1e3:9.1f}{med * 1e3:11.1f}   " + " ".join(f"{r * 1e3:.1f}" for r in rounds[s]))
+        spread = " ".join(f"{r * 1e3:.1f}" for r in rounds[s])
+        print(f"{names[s]:24}{lo * 1e3:9.1f}{med * 1e3:11.1f}   {spread}")
     (r_min, r_med), (s_min, s_med) = stats(times["rlx"]), stats(times["st"])
     print(f"ratio RLX/ST: {r_med / s_med:.2f}x on medians, {r_min / s_min:.2f}x on minimums (target <= 0.8)")
     if args.generic:

@@ -503,7 +503,8 @@ def generate_cmd(model_name: str, prompt: str, max_new_tokens: int, min_new_toke
 @click.option("--file", "-f", "file", metavar="FILE", default=None,
               help="Embed every line of FILE ('-' for stdin), one embedding per line.")
 @click.option("--json", "json_out", is_flag=True, help="Print one JSON object with every embedding.")
-@click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True,
+              help="Texts per compiled batch.")
 @click.option("--no-normalize", is_flag=True, help="Skip the L2 normalization.")
 @click.option("--no-truncate", is_flag=True,
               help="Fail on text longer than the model's limit instead of truncating it.")

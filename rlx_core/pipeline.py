@@ -134,6 +134,7 @@ class CompilePipeline:
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 32
+MAX_RUNNERS = 16          # shape specializations an Executable keeps (each owns an arena)
 
 
 def compile(module: Graph, profile: CompileProfile | str | None = None, backend=None,
@@ -295,6 +296,8 @@ class Executable:
                     self.states[name] = self.backend.zeros(s.dims, s.dtype)
             r = self.backend.compile(lir, self._params, self.states)
             self._runners[key] = r
+            while len(self._runners) > MAX_RUNNERS:      # each holds an arena: keep the newest
+                self._runners.pop(next(iter(self._runners)))
         return r
 
     def run(self, inputs: dict | None = None, **kw) -> dict:

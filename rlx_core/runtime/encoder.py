@@ -22,8 +22,8 @@ import warnings
 import numpy as np
 
 from ..ir.dtype import F32
-from ..ir.errors import ModelError, RlxError, WeightError
-from ..pipeline import select_backend
+from ..ir.errors import ModelError, WeightError
+from ..pipeline import CompilePipeline, Executable, select_backend
 
 # sentence-transformers Pooling config keys -> our pooling names (None: not supported here)
 _ST_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
@@ -115,21 +115,24 @@ class Encoder:
         self.max_positions = int(recipe.max_positions(self.config))
         self.dim = int(recipe.embedding_dim(self.config))
         self.pooling = pooling or self.st.get("pooling") or "mean"
-        limit = max_length if max_length is not None else (self.st.get("max_seq_length") or self.max_positions)
+        limit = max_length if max_length is not None else (
+            self.st.get("max_seq_length") or self.max_positions)
         if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 2:
             raise ModelError(f"max_length must be an integer >= 2, got {limit!r}")
         if max_length is not None and max_length > self.max_positions:
-            raise ModelError(f"max_length {max_length} is more than the model's {self.max_positions} positions")
+            raise ModelError(f"max_length {max_length} is more than the model's "
+                             f"{self.max_positions} positions")
         self.max_length = min(int(limit), self.max_positions)
         self.do_lower_case = bool(self.st.get("do_lower_case", False))
         self._exes: dict = {}
+        self._shared: dict = {}
         self._truncating = None
         self.flow_options = dict(flow_options or {})     # extra recipe.flow() options
         self.last_timings: dict = {}
 
     @classmethod
-    def from_tensors(cls, config: dict, tensors: dict, tokenizer=None, backend=None, profile=None, recipe=None,
-                     **kw) -> "Encoder":
+    def from_tensors(cls, config: dict, tensors: dict, tokenizer=None, backend=None, profile=None,
+                     recipe=None, **kw) -> "Encoder":
         from .model import find_recipe
 
         recipe = recipe or find_recipe(config.get("model_type", ""))
@@ -154,9 +157,10 @@ class Encoder:
             flow = self.recipe.flow(self.config, pooling=self.pooling, backend=self.backend, **opts)
             built = flow.build(self.tensors, self.config, F32,
                                ignore_unused=getattr(self.recipe, "ignore_unused", ()))
-            exe = built.compile(self.backend, self.profile)
-            exe.shared = getattr(self, "_shared", exe.shared)       # params uploaded once per model
-            self._shared = exe.shared
+            mir = CompilePipeline(self.profile, self.backend).optimize(built.graph)
+            # executables of one model share params uploaded (and hoisted ones computed) once
+            exe = Executable(mir, self.backend, self.profile, source=built.graph, shared=self._shared)
+            exe.set_params(built.params)
             exe.input_names = {n.name for n in exe.mir.nodes if n.op == "input"}
             self._exes[key] = exe
         return self._exes[key]
@@ -209,7 +213,8 @@ class Encoder:
         if ids.ndim == 1:
             ids = ids[None]
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-            raise ModelError(f"token ids must be a 1-D or 2-D integer array, got shape {ids.shape} of {ids.dtype}")
+            raise ModelError(f"token ids must be a 1-D or 2-D integer array, got shape {ids.shape} "
+                             f"of {ids.dtype}")
         b, s = ids.shape
         mask = np.ones((b, s), bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
         if mask.shape != ids.shape:
@@ -276,22 +281,26 @@ class Encoder:
             self._truncating = tk
         return self._truncating
 
-    def tokenize(self, texts: list, truncate: bool = True) -> tuple:
-        """([(ids, type_ids)] per text, indices of the texts that were truncated)."""
+    def tokenize(self, texts: list, truncate: bool = True, item: str = "text", first: int = 0) -> tuple:
+        """([(ids, type_ids)] per text, indices of the texts that were truncated). Messages
+        name a text as f"{item} {first + i}" (embed_command says "line 3 of FILE")."""
         if self.tokenizer is None:
             raise ModelError(f"{self.source} has no tokenizer (expected tokenizer.json, or vocab.txt for "
                              "BERT WordPiece, beside config.json); embed token ids instead")
         for i, t in enumerate(texts):
             if not isinstance(t, str):
-                raise ModelError(f"text {i} is a {type(t).__name__}, not a string")
+                raise ModelError(f"{item} {first + i} is a {type(t).__name__}, not a string")
         if self.do_lower_case:
             texts = [t.lower() for t in texts]
         encs = list(self.tokenizer.backend.encode_batch(texts))
         long = [i for i, e in enumerate(encs) if len(e.ids) > self.max_length]
         if long:
             worst = max(long, key=lambda i: len(encs[i].ids))
-            what = (f"{len(long)} text{'s' if len(long) > 1 else ''} longer than {self.max_length} tokens "
-                    f"(text {worst}: {len(encs[worst].ids)} tokens)")
+            words = item.split(" ", 1)
+            plural = words[0] + ("s" if len(long) > 1 else "") + (" " + words[1] if len(words) > 1 else "")
+            where = f"{words[0]} {first + worst}" + (" " + words[1] if len(words) > 1 else "")
+            what = (f"{len(long)} {plural} longer than {self.max_length} tokens "
+                    f"({where}: {len(encs[worst].ids)} tokens)")
             if not truncate:
                 raise ModelError(f"{what}; the model takes at most {self.max_length} (truncation is off)")
             warnings.warn(f"{what} truncated to {self.max_length} tokens", stacklevel=3)
@@ -329,7 +338,7 @@ class Encoder:
         return packs
 
     def embed(self, texts_or_ids, batch_size: int = 32, normalize: bool = True, truncate: bool = True,
-              progress: bool = False) -> np.ndarray:
+              progress: bool = False, item: str = "text", first: int = 0) -> np.ndarray:
         """Embeddings [n, dim] float32 (a single string or id sequence gives [dim]).
 
         Strings are tokenized with the model's tokenizer; sequences of ints are token ids used
@@ -338,7 +347,7 @@ class Encoder:
         error with truncate=False."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ModelError(f"batch_size must be a positive integer, got {batch_size!r}")
-        single, rows = self._rows(texts_or_ids, truncate)
+        single, rows = self._rows(texts_or_ids, truncate, item, first)
         out = np.zeros((len(rows), self.dim), np.float32)
         if rows:
             key = "embedding" if normalize else "pooled"
@@ -378,10 +387,10 @@ class Encoder:
                                  "tokens": int(sum(lengths))}
         return out[0] if single else out
 
-    def _rows(self, x, truncate: bool) -> tuple:
+    def _rows(self, x, truncate: bool, item: str = "text", first: int = 0) -> tuple:
         """(single?, [(ids, type_ids)]) from a string, strings, an id sequence or id rows."""
         if isinstance(x, str):
-            return True, self.tokenize([x], truncate)[0]
+            return True, self.tokenize([x], truncate, item, first)[0]
         if isinstance(x, np.ndarray):
             if not np.issubdtype(x.dtype, np.integer) and x.size:
                 raise ModelError(f"token ids must be integers, got an array of {x.dtype}")
@@ -398,7 +407,7 @@ class Encoder:
         if not items:
             return False, []
         if all(isinstance(t, str) for t in items):
-            return False, self.tokenize(items, truncate)[0]
+            return False, self.tokenize(items, truncate, item, first)[0]
         if all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in items):
             return True, [([int(t) for t in items], [0] * len(items))]
         rows = []
@@ -453,11 +462,10 @@ def embed_command(model, texts=None, file=None, json_out: bool = False, batch_si
                              "text encoder; rlx embed needs an encoder checkpoint (bert, nomic_bert)")
     if progress is None:
         progress = file is not None and len(texts) > 8 * batch_size
-    try:
-        emb = enc.embed(texts, batch_size=batch_size, normalize=normalize, truncate=not no_truncate,
-                        progress=progress)
-    except RlxError:
-        raise
+    # messages count from 1, as a user reading the command line or the file does
+    where = {"item": f"line of {'stdin' if file == '-' else file}" if file is not None else "text", "first": 1}
+    emb = enc.embed(texts, batch_size=batch_size, normalize=normalize, truncate=not no_truncate,
+                    progress=progress, **where)
     if json_out:
         body = ",".join("[" + ",".join(r) + "]" for r in _fmt_rows(emb))
         head = json.dumps({"model": str(model if not isinstance(model, Encoder) else model.source),

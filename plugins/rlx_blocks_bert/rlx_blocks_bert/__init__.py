@@ -9,7 +9,8 @@ from rlx_core.plugins import hookimpl
 from .blocks import (BLOCKS, BertEncoderLayer, BertFlowBuilder, BertSelfAttention, BertSpec, ClsPool, Embed,
                      GatherAdd, GeluFfn, L2Normalize, MaxPool, MeanPool, NomicEncoderLayer, NomicMlp,
                      NomicSpec, ir_activation, pool_stage)
-from .kernels import CUSTOM_OPS, DENSE, SEGMENT_POOL, VARLEN_ATTENTION, dense_numpy, gelu_inplace
+from .kernels import (ADD_LAYER_NORM, CUSTOM_OPS, DENSE, SEGMENT_POOL, VARLEN_ATTENTION, VARLEN_QKV_ATTENTION,
+                      dense_numpy, gelu_inplace)
 from .recipes import (BertFlow, BertRecipe, NomicBertFlow, NomicBertRecipe, bert_config, encoder_tensors,
                       nomic_config)
 
@@ -35,4 +36,6 @@ def rlx_register_blocks(register):
 __all__ = ["BertFlow", "NomicBertFlow", "BertRecipe", "NomicBertRecipe", "BertFlowBuilder", "BertSpec",
            "NomicSpec", "BertEncoderLayer", "BertSelfAttention", "NomicEncoderLayer", "NomicMlp", "GeluFfn",
            "GatherAdd", "Embed", "MeanPool", "ClsPool", "MaxPool", "L2Normalize", "bert_config",
-           "nomic_config", "encoder_tensors", "ir_activation", "pool_stage"]
+           "nomic_config", "encoder_tensors", "ir_activation", "pool_stage", "CUSTOM_OPS", "DENSE",
+           "VARLEN_ATTENTION", "VARLEN_QKV_ATTENTION", "SEGMENT_POOL", "ADD_LAYER_NORM", "dense_numpy",
+           "gelu_inplace"]

@@ -1,9 +1,15 @@
 """BERT-family blocks: small stages with `emit(ctx, value) -> value`, composed by the BertFlow
 and NomicBertFlow recipes and registered (prefixed `bert.`) through rlx_register_blocks.
 
-Flow inputs the blocks read (declared by the recipe): `ids` [B,S], `token_type_ids` [B,S],
-`positions` [B,S] (int) and `key_mask` [B,1,1,S] (bool, True = a real token). Keys are the
-checkpoint's own (HF) names, relative to the layer prefix inside a layer.
+Flow inputs the blocks read (declared by the recipe), in one of two layouts:
+
+- padded (any backend): `ids`, `token_type_ids`, `positions` [B,S] (int) and `key_mask`
+  [B,1,1,S] (bool, True = a real token); attention is masked by key_mask.
+- packed (backends with the bert.* custom ops' kernels): the texts of a batch concatenated
+  into `ids`, `token_type_ids`, `positions` [1,T], and `seq_starts`, `seq_lens` [N] giving each
+  text's tokens; projections see only real tokens, attention and pooling run per text.
+
+Keys are the checkpoint's own (HF) names, relative to the layer prefix inside a layer.
 """
 from __future__ import annotations
 
@@ -205,7 +211,7 @@ class GeluFfn:
     bias: bool = True
 
     def emit(self, ctx, x):
-        m, d = ctx.m, x.dims[-1]
+        d = x.dims[-1]
         inter = self.intermediate or ctx.cfg("intermediate_size")
         up, down = ctx.key(_join(self.prefix, self.up)), ctx.key(_join(self.prefix, self.down))
         w1 = ctx.param(f"{up}.weight", (inter, d) if inter else None)
@@ -232,6 +238,13 @@ class BertSelfAttention:
         if s.fused_qkv:
             # a concat of params: hoisted to load time by the pipeline, one matmul per layer
             qkv = dense(ctx, x, m.concat(ws, 0), m.concat(bs, 0))
+            seg = _segments(ctx)
+            if seg is not None:            # packed: heads split inside the kernel, no transposes
+                from .kernels import VARLEN_QKV
+
+                o = m.custom(VARLEN_QKV, qkv, *seg, heads=s.heads, scale=1.0 / math.sqrt(s.head_dim))
+                return dense(ctx, o, ctx.param(f"{p}.output.dense.weight", shp_w),
+                             ctx.param(f"{p}.output.dense.bias", shp_b))
             q, k, v = _split_qkv(m, qkv, s.heads, s.head_dim)
         else:
             q, k, v = (_heads(m, dense(ctx, x, w, b), s.heads, s.head_dim) for w, b in zip(ws, bs))
@@ -241,9 +254,14 @@ class BertSelfAttention:
 
 
 def _add_norm(ctx, y, residual, key, eps):
+    """LayerNorm(y + residual) (bert.add_layer_norm with custom kernels)."""
     d = y.dims[-1]
-    return ctx.m.layer_norm(y + residual, ctx.param(f"{key}.weight", (d,)), ctx.param(f"{key}.bias", (d,)),
-                            eps=eps)
+    g, b = ctx.param(f"{key}.weight", (d,)), ctx.param(f"{key}.bias", (d,))
+    if ctx.state.get(CUSTOM_KERNELS):
+        from .kernels import ADD_LN
+
+        return ctx.m.custom(ADD_LN, y, residual, g, b, eps=float(eps))
+    return ctx.m.layer_norm(y + residual, g, b, eps=eps)
 
 
 @attrs.frozen
@@ -451,11 +469,13 @@ class BertFlowBuilder(ModelFlow):
     def repeat_bert_layers(self, n: int, spec: BertSpec, prefix: str = "encoder.layer",
                            layer=None, taps: bool = False) -> "BertFlowBuilder":
         """n BERT layers under `<prefix>.<i>`; `layer(i)` may return a replacement stage/flow."""
-        return self._repeat(n, prefix, lambda i: (layer(i) if layer else None) or BertEncoderLayer(spec), taps)
+        return self._repeat(n, prefix, lambda i: (layer(i) if layer else None) or BertEncoderLayer(spec),
+                            taps)
 
     def repeat_nomic_layers(self, n: int, spec: NomicSpec, prefix: str = "encoder.layers",
                             layer=None, taps: bool = False) -> "BertFlowBuilder":
-        return self._repeat(n, prefix, lambda i: (layer(i) if layer else None) or NomicEncoderLayer(spec), taps)
+        return self._repeat(n, prefix, lambda i: (layer(i) if layer else None) or NomicEncoderLayer(spec),
+                            taps)
 
     def pool(self, mode: str = "mean") -> "BertFlowBuilder":
         return self._add(pool_stage(mode))

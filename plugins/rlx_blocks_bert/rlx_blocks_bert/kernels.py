@@ -23,45 +23,51 @@ from rlx_core.ir.shape import Shape
 NAME = "bert.dense"
 ACTS = ("identity", "gelu", "gelu_tanh", "relu", "silu", "tanh", "sigmoid")
 
-# Abramowitz & Stegun 7.1.26: erfc(z) ~ t * poly(t) * exp(-z^2), t = 1 / (1 + P z), z >= 0,
-# |erf error| < 1.5e-7. Coefficients halved, so the polynomial gives Phi(-|x|) = erfc(|x|/sqrt2)/2.
-_P = np.float32(0.3275911)
-_A = [np.float32(0.5 * c) for c in (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)]
-_INV_SQRT2 = np.float32(1.0 / math.sqrt(2.0))
+# GELU = x * Phi(x). Phi is tabulated on [-8, 8] in steps of 1/512 as one linear piece per
+# step (value and slope at the left end, stored as complex64 so one gather fetches both):
+# |Phi error| < 4e-8 inside, and Phi is 0 / 1 to float32 precision outside. That is ~8
+# float32 passes and one gather per element, against ~20 passes for a rational erf.
+_TAB_RANGE, _TAB_STEP = 8.0, 512.0
+
+
+def _phi_table() -> np.ndarray:
+    n = int(2 * _TAB_RANGE * _TAB_STEP) + 1
+    xs = np.arange(n + 1, dtype=np.float64) / _TAB_STEP - _TAB_RANGE
+    phi = np.array([0.5 * math.erfc(-v / math.sqrt(2.0)) for v in xs])
+    slope = (phi[1:] - phi[:-1]) * _TAB_STEP
+    icpt = phi[:-1] - slope * xs[:-1]
+    # a piece's chord is below the convex part of Phi and above the concave one: shift half
+    # the midpoint gap so the error is centred (halves the worst case)
+    mid = xs[:-1] + 0.5 / _TAB_STEP
+    gap = np.array([0.5 * math.erfc(-v / math.sqrt(2.0)) for v in mid]) - (icpt + slope * mid)
+    tab = (icpt + 0.5 * gap) + 1j * slope
+    tab[0], tab[-1] = 0.0, 1.0          # saturate: Phi(-8) ~ 6e-16, Phi(8) ~ 1 - 6e-16
+    return tab.astype(np.complex64)
+
+
+_PHI = _phi_table()
+_TAB_LAST = np.float32(len(_PHI) - 1)
+_TAB_OFF = np.float32(_TAB_RANGE * _TAB_STEP)
 _CHUNK = 1 << 15                      # elements per chunk: 128 KiB of float32, stays in L2
 
 
-def _gelu_chunk(v: np.ndarray, u: np.ndarray, z: np.ndarray, t: np.ndarray) -> None:
-    """v <- gelu(v) = relu(v) - |v| * Phi(-|v|): no sign branches, ~20 plain float32 passes."""
-    np.abs(v, out=u)
-    np.multiply(u, _INV_SQRT2, out=z)          # z = |x| / sqrt(2)
-    np.multiply(z, _P, out=t)
-    t += np.float32(1.0)
-    np.reciprocal(t, out=t)                    # t = 1 / (1 + P z)
-    p = np.multiply(t, _A[0])
-    for c in _A[1:]:
-        p += c
-        p *= t                                 # 0.5 * t * poly(t)
-    np.square(z, out=z)
-    np.negative(z, out=z)
-    np.exp(z, out=z)
-    p *= z                                     # Phi(-|x|)
-    p *= u                                     # |x| Phi(-|x|)
-    np.maximum(v, np.float32(0.0), out=v)
-    v -= p
-
-
 def gelu_inplace(y: np.ndarray) -> np.ndarray:
-    """y <- y * Phi(y) (exact-erf GELU to |error| < 1e-7 |y|), float32, in place, in chunks
-    that stay in cache (y contiguous)."""
+    """y <- y * Phi(y), the exact (erf) GELU to |error| < 1e-7 * |y|, float32, in place, in
+    cache-sized chunks (y contiguous float32)."""
     flat = y.reshape(-1)
-    n = flat.size
-    k = min(n, _CHUNK)
-    u, z, t = np.empty(k, np.float32), np.empty(k, np.float32), np.empty(k, np.float32)
-    for s in range(0, n, _CHUNK):
+    k = min(flat.size, _CHUNK)
+    f, i = np.empty(k, np.float32), np.empty(k, np.int32)
+    for s in range(0, flat.size, _CHUNK):
         v = flat[s:s + _CHUNK]
-        m = v.size
-        _gelu_chunk(v, u[:m], z[:m], t[:m])
+        fv, iv = f[:v.size], i[:v.size]
+        np.multiply(v, np.float32(_TAB_STEP), out=fv)
+        fv += _TAB_OFF
+        np.clip(fv, np.float32(0.0), _TAB_LAST, out=fv)
+        iv[...] = fv                                   # truncation: the piece's index
+        ab = _PHI.take(iv)
+        p = np.multiply(ab.imag, v)
+        p += ab.real                                   # Phi(v)
+        v *= p
     return y
 
 
@@ -76,7 +82,8 @@ def _act(y: np.ndarray, act: str) -> np.ndarray:
         return gelu_inplace(y) if y.dtype == np.float32 and y.flags.c_contiguous else (
             0.5 * y * (1.0 + np.vectorize(math.erf, otypes=[np.float64])(y / math.sqrt(2.0)))).astype(y.dtype)
     if act == "gelu_tanh":
-        return 0.5 * y * (1.0 + np.tanh(np.asarray(math.sqrt(2 / math.pi), y.dtype) * (y + np.asarray(0.044715, y.dtype) * y ** 3)))
+        c, a = np.asarray(math.sqrt(2 / math.pi), y.dtype), np.asarray(0.044715, y.dtype)
+        return 0.5 * y * (1.0 + np.tanh(c * (y + a * y ** 3)))
     if act == "relu":
         return np.maximum(y, 0, out=y)
     if act == "silu":
@@ -129,24 +136,85 @@ DENSE = CustomOp(NAME, dense_meta, {"numpy": dense_numpy},
 # the real tokens (no padding), attention runs within each text, pooling per text. Empty
 # segments (lens 0) are allowed, so a batch can keep a fixed number of segments.
 VARLEN = "bert.varlen_attention"
+VARLEN_QKV = "bert.varlen_qkv_attention"
 SEGPOOL = "bert.segment_pool"
+ADD_LN = "bert.add_layer_norm"
 POOL_MODES = ("mean", "cls", "max")
+
+
+def attention_groups(starts, lens, heads: int, budget: int = 1 << 22) -> list:
+    """Segments grouped for batched attention: longest first, a group padded to its first
+    (longest) member while that wastes under 25% of its score matrix and stays under `budget`
+    scores. Each group: (idx [g, L] token indices, valid [g, L] or None when all full)."""
+    st, ln = np.asarray(starts).astype(np.int64), np.asarray(lens).astype(np.int64)
+    order = [int(i) for i in np.argsort(-ln, kind="stable") if ln[i] > 0]
+    groups, cur, real = [], [], 0
+    for i in order:
+        n = int(ln[i])
+        if cur:
+            top = int(ln[cur[0]])
+            g = len(cur) + 1
+            if g * top * top * 4 <= 5 * (real + n * n) and g * top * top * heads <= budget:
+                cur.append(i)
+                real += n * n
+                continue
+            groups.append(cur)
+        cur, real = [i], n * n
+    if cur:
+        groups.append(cur)
+    out = []
+    for grp in groups:
+        top = int(ln[grp[0]])
+        ar = np.arange(top)
+        n = ln[grp][:, None]
+        idx = st[grp][:, None] + np.minimum(ar[None, :], n - 1)     # padding repeats a real token
+        valid = ar[None, :] < n
+        out.append((idx, None if valid.all() else valid))
+    return out
+
+
+def _softmax_attend(q, k, v, valid, scale):
+    """q, k, v [h, g, L, d] (views allowed) -> [h, g, L, d]; keys outside `valid` masked."""
+    a = np.matmul(q, k.swapaxes(-1, -2))                                  # [h, g, L, L]
+    a *= scale
+    if valid is not None:
+        a += np.where(valid, np.float32(0.0), np.float32(-np.inf))[None, :, None, :]
+    a -= a.max(-1, keepdims=True)
+    np.exp(a, out=a)
+    a /= a.sum(-1, keepdims=True)
+    return np.matmul(a, v)
 
 
 def varlen_attention_numpy(q, k, v, starts, lens, *, scale: float):
     """softmax(q k^T * scale) v within each segment; q, k, v [1, heads, T, d]."""
     out = np.zeros(q.shape[:3] + (v.shape[-1],), np.result_type(q.dtype, np.float32))
-    q0, k0, v0, o0 = q[0], k[0], v[0], out[0]
     sc = np.asarray(scale, out.dtype)
-    for s, n in zip(np.asarray(starts).tolist(), np.asarray(lens).tolist()):
-        if n <= 0:
-            continue
-        a = np.matmul(q0[:, s:s + n], k0[:, s:s + n].transpose(0, 2, 1))      # [h, n, n]
-        a *= sc
-        a -= a.max(-1, keepdims=True)
-        np.exp(a, out=a)
-        a /= a.sum(-1, keepdims=True)
-        np.matmul(a, v0[:, s:s + n], out=o0[:, s:s + n])
+    for idx, valid in attention_groups(starts, lens, q.shape[1]):
+        o = _softmax_attend(q[0][:, idx], k[0][:, idx], v[0][:, idx], valid, sc)     # [h, g, L, d]
+        if valid is None:
+            out[0][:, idx.reshape(-1)] = o.reshape(o.shape[0], -1, o.shape[-1])
+        else:
+            out[0][:, idx[valid]] = o[:, valid]
+    return out
+
+
+def varlen_qkv_attention_numpy(qkv, starts, lens, *, heads: int, scale: float):
+    """The same from a fused projection qkv [1, T, 3*H] ([q; k; v], heads-major within each):
+    heads are split and merged by views, so the graph needs no transposes. -> [1, T, H]."""
+    x = qkv[0]
+    hidden = x.shape[-1] // 3
+    d = hidden // heads
+    out = np.zeros((1, x.shape[0], hidden), np.result_type(qkv.dtype, np.float32))
+    sc = np.asarray(scale, out.dtype)
+    for idx, valid in attention_groups(starts, lens, heads):
+        g, top = idx.shape
+        rows = x[idx].reshape(g, top, 3, heads, d)                             # one gather
+        q, k, v = (rows[:, :, j].transpose(2, 0, 1, 3) for j in range(3))      # [h, g, L, d] views
+        o = _softmax_attend(q, k, v, valid, sc).transpose(1, 2, 0, 3)          # [g, L, h, d]
+        if valid is None:
+            out[0][idx.reshape(-1)] = o.reshape(g * top, hidden)
+        else:
+            out[0][idx[valid]] = o[valid].reshape(-1, hidden)
     return out
 
 
@@ -166,10 +234,44 @@ def varlen_meta(shapes, params):
     for t, nm in ((q, "q"), (k, "k"), (v, "v")):
         if t.rank != 4 or t.dims[0] != 1:
             raise ShapeError(f"{VARLEN}: {nm} must be [1, heads, tokens, head_dim], got {t}")
-    if q.dims[1] != k.dims[1] or k.dims[1:3] != v.dims[1:3] or q.dims[2] != k.dims[2] or q.dims[3] != k.dims[3]:
+    if q.dims[1:] != k.dims[1:] or k.dims[1:3] != v.dims[1:3]:
         raise ShapeError(f"{VARLEN}: q {q}, k {k}, v {v} do not agree")
     _segments_meta(shapes, VARLEN)
     return (Shape(q.dims[:3] + (v.dims[3],), q.dtype),)
+
+
+def varlen_qkv_meta(shapes, params):
+    if len(shapes) != 3:
+        raise ShapeError(f"{VARLEN_QKV}: takes qkv, starts, lens; got {len(shapes)} inputs")
+    x, heads = shapes[0], params.get("heads")
+    if x.rank != 3 or x.dims[0] != 1:
+        raise ShapeError(f"{VARLEN_QKV}: qkv must be [1, tokens, 3 * hidden], got {x}")
+    if not isinstance(heads, int) or heads <= 0 or (isinstance(x.dims[2], int) and x.dims[2] % (3 * heads)):
+        raise ShapeError(f"{VARLEN_QKV}: {x.dims[2]} is not 3 x heads ({heads}) x head_dim")
+    _segments_meta(shapes, VARLEN_QKV)
+    return (Shape((1, x.dims[1], x.dims[2] // 3), x.dtype),)
+
+
+def add_layer_norm_numpy(x, r, g, b, *, eps: float):
+    """LayerNorm(x + r) over the last axis with gamma g and beta b."""
+    h = np.add(x, r, dtype=np.result_type(x.dtype, np.float32))
+    h2 = h.reshape(-1, h.shape[-1])
+    h2 -= h2.mean(-1, keepdims=True)
+    var = np.einsum("ij,ij->i", h2, h2) / np.float32(h2.shape[-1])
+    var += np.float32(eps)
+    h2 *= (np.float32(1.0) / np.sqrt(var))[:, None]
+    h2 *= g
+    h2 += b
+    return h
+
+
+def add_layer_norm_meta(shapes, params):
+    if len(shapes) != 4:
+        raise ShapeError(f"{ADD_LN}: takes x, residual, gamma, beta; got {len(shapes)} inputs")
+    x, r, g, b = shapes
+    if x.dims != r.dims or g.rank != 1 or b.rank != 1 or g.dims[0] != x.dims[-1] or b.dims != g.dims:
+        raise ShapeError(f"{ADD_LN}: x {x}, residual {r}, gamma {g}, beta {b} do not agree")
+    return (x,)
 
 
 def segment_pool_numpy(x, starts, lens, *, mode: str):
@@ -193,13 +295,18 @@ def segment_pool_meta(shapes, params):
     if params.get("mode") not in POOL_MODES:
         raise ShapeError(f"{SEGPOOL}: mode must be one of {POOL_MODES}, got {params.get('mode')!r}")
     if len(shapes) != 3 or shapes[0].rank != 3 or shapes[0].dims[0] != 1:
-        raise ShapeError(f"{SEGPOOL}: takes x [1, tokens, hidden], starts, lens; got {[str(s) for s in shapes]}")
+        raise ShapeError(f"{SEGPOOL}: takes x [1, tokens, hidden], starts, lens; "
+                         f"got {[str(s) for s in shapes]}")
     _segments_meta(shapes, SEGPOOL)
     return (Shape((shapes[1].dims[0], shapes[0].dims[2]), shapes[0].dtype),)
 
 
 VARLEN_ATTENTION = CustomOp(VARLEN, varlen_meta, {"numpy": varlen_attention_numpy},
-                            doc="bidirectional attention within each [start, start+len) segment of packed tokens")
+                            doc="bidirectional attention within each [start, start+len) segment")
 SEGMENT_POOL = CustomOp(SEGPOOL, segment_pool_meta, {"numpy": segment_pool_numpy},
                         doc="mean / cls / max pooling of each segment of packed tokens")
-CUSTOM_OPS = (DENSE, VARLEN_ATTENTION, SEGMENT_POOL)
+VARLEN_QKV_ATTENTION = CustomOp(VARLEN_QKV, varlen_qkv_meta, {"numpy": varlen_qkv_attention_numpy},
+                                doc="bert.varlen_attention on a fused [q; k; v] projection")
+ADD_LAYER_NORM = CustomOp(ADD_LN, add_layer_norm_meta, {"numpy": add_layer_norm_numpy},
+                          doc="LayerNorm(x + residual) (post-norm residual blocks)")
+CUSTOM_OPS = (DENSE, VARLEN_ATTENTION, VARLEN_QKV_ATTENTION, SEGMENT_POOL, ADD_LAYER_NORM)

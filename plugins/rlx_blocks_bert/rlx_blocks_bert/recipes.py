@@ -108,7 +108,8 @@ def nomic_config(cfg: dict) -> dict:
     inter = cfg.get("n_inner") or 4 * hidden
     type_vocab = cfg.get("type_vocab_size", 2)
     if isinstance(type_vocab, bool) or not isinstance(type_vocab, int) or type_vocab < 0:
-        raise ModelError(f"{_where(cfg)}NomicBERT type_vocab_size must be an integer >= 0, got {type_vocab!r}")
+        raise ModelError(f"{_where(cfg)}NomicBERT type_vocab_size must be an integer >= 0, "
+                         f"got {type_vocab!r}")
     return dict(
         hidden=hidden, heads=heads, layers=_int(cfg, "n_layer", "NomicBERT"), intermediate=int(inter),
         vocab=_int(cfg, "vocab_size", "NomicBERT"), type_vocab=type_vocab, max_positions=max_len,
@@ -267,8 +268,8 @@ class NomicBertFlow(_Hooks):
     BertFlow."""
     family = "nomic_bert"
 
-    def __init__(self, cfg: dict, batch="batch", seq="seq", pooling: str = "mean", custom_kernels: bool = False,
-                 layout: str = "padded"):
+    def __init__(self, cfg: dict, batch="batch", seq="seq", pooling: str = "mean",
+                 custom_kernels: bool = False, layout: str = "padded"):
         self.custom = bool(custom_kernels)
         self.layout = _layout(layout)
         self.cfg = dict(cfg)

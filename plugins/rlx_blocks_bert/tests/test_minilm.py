@@ -68,12 +68,18 @@ def test_loads_as_encoder_with_st_settings(enc):
     assert enc.st.get("normalize") is True
 
 
-def test_64_sentences_match_sentence_transformers(enc, st_model):
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_64_sentences_match_sentence_transformers(enc, st_model, layout):
+    """Mixed lengths in batches of 16: packed runs (the NumPy default) and padded ones
+    (right-padded [batch, seq] with the key mask, what other backends run)."""
     texts = sentences()
     ref = st_model.encode(texts, batch_size=16, convert_to_numpy=True)
+    model = enc if layout == "packed" else Encoder(enc.recipe, enc.config, enc.tensors, enc.tokenizer,
+                                                   backend="numpy", st=enc.st, flow_options={"layout": layout})
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        got = enc.embed(texts, batch_size=16)
+        got = model.embed(texts, batch_size=16)
+    assert model.layout == layout
     assert any("truncated to 256 tokens" in str(x.message) for x in w)
     assert got.shape == (64, 384) and got.dtype == np.float32
     cos = _cos(got, ref)
@@ -207,6 +213,12 @@ def test_embed_command_errors(enc, tmp_path):
         embed_command(enc, file=str(tmp_path / "missing.txt"), echo=print)
     with pytest.raises(ModelError, match="longer than 256"):
         embed_command(enc, ["w " * 400], no_truncate=True, echo=print)
+    f = tmp_path / "long.txt"
+    f.write_text("short\n" + "w " * 400 + "\n", encoding="utf-8")
+    with pytest.raises(ModelError, match=f"line 2 of {f}: 402 tokens"):
+        embed_command(enc, file=str(f), no_truncate=True, echo=print)
+    with pytest.warns(UserWarning, match=f"1 line of {f} longer than 256 tokens"):
+        embed_command(enc, file=str(f), echo=lambda s: None)
     with pytest.raises(RlxError, match="neither an existing file"):
         embed_command("no-such-model", ["a"], echo=print)
 

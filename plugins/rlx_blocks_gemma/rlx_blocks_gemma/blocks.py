@@ -13,8 +13,8 @@ registered through `rlx_register_blocks` (names prefixed `gemma.`).
 
 Ring buffer (sliding layers, prefill/decode graphs). Cache column c (the index into the
 key mask, 0 = first prompt column) lives in slot c % W of the state `kv.<i>.k|v`
-[batch, kv_heads, W, head_dim]; a bool state `kv.ring<W>.valid` [batch, 1, 1, W] says
-which slots hold a real (unpadded) token. Prefill computes which column ends in each slot
+[batch, kv_heads, R, head_dim], R = min(W, max_positions); a bool state
+`kv.ring<R>.valid` [batch, 1, 1, R] says which slots hold a real (unpadded) token. Prefill computes which column ends in each slot
 (the last W columns of the prompt), gathers their K/V and writes the whole ring — so a
 shorter prompt also clears what an earlier sequence left there. Decode writes the new
 token at slot `cache_pos % W` and attends over the ring with that validity mask: every
@@ -93,25 +93,25 @@ def gemma_rope(ctx, spec: AttnSpec):
     return ctx.state[key]
 
 
-def _ring_prefill_index(ctx, window: int):
-    """For a prefill of S columns: (cidx [W] i64, keep [W] bool) — the column that ends in
-    each ring slot (clamped to >= 0) and whether there is one. Computed once per graph."""
-    key = ("gemma_ring_prefill", window)
+def _ring_prefill_index(ctx, window: int, slots: int):
+    """For a prefill of S columns: (cidx [slots] i64, keep [slots] bool) — the column that
+    ends in each ring slot (clamped to >= 0) and whether there is one. Once per graph."""
+    key = ("gemma_ring_prefill", window, slots)
     if key not in ctx.state:
         m = ctx.m
         ids = ctx.inputs["ids"]
         ones = m.cast(m.compare(ids, ids, "eq"), I64)                       # [B, S]
         s = m.reshape(m.narrow(m.narrow(m.cumsum(ones, 1), 1, -1, 1), 0, 0, 1), (1,))   # [1] = S
         last = s - 1
-        j = m.constant(np.arange(window, dtype=np.int64))
+        j = m.constant(np.arange(slots, dtype=np.int64))
         d = last - j
         col = last - (d - (d / window) * window)                             # last - ((last-j) mod W)
         ctx.state[key] = (m.maximum(col, 0), m.compare(col, 0, "ge"))
     return ctx.state[key]
 
 
-def _ring_valid_state(ctx, window: int):
-    return ctx.m.state(f"kv.ring{window}.valid", (ctx.inputs["ids"].dims[0], 1, 1, window), BOOL)
+def _ring_valid_state(ctx, slots: int):
+    return ctx.m.state(f"kv.ring{slots}.valid", (ctx.inputs["ids"].dims[0], 1, 1, slots), BOOL)
 
 
 @attrs.frozen
@@ -166,25 +166,29 @@ class GemmaAttention:
 
     def _ring(self, ctx, q, k, v, mask, cache_pos, common):
         s, m, i, w = self.spec, ctx.m, ctx.index(), self.spec.window
-        shape = (k.dims[0], s.kv_heads, w, s.head_dim)
+        # R = min(W, max_positions) slots: when the context cannot pass W nothing ever wraps,
+        # and c % W = c < R, so the slot arithmetic below stays mod W either way
+        r = min(w, s.max_positions)
+        shape = (k.dims[0], s.kv_heads, r, s.head_dim)
         kstate = m.state(f"kv.{i}.k", shape, k.dtype)
         vstate = m.state(f"kv.{i}.v", shape, v.dtype)
-        vkey = ("gemma_ring_valid", w)
+        vkey = ("gemma_ring_valid", w, r)
         if s.mode == "decode":
             slot = cache_pos - (cache_pos / w) * w                              # cache_pos % W
             kr, vr = m.kv_write(kstate, k, slot), m.kv_write(vstate, v, slot)
             if vkey not in ctx.state:
                 new = m.reshape(m.compare(cache_pos, cache_pos, "eq"), (cache_pos.dims[0], 1, 1, 1))
-                ctx.state[vkey] = m.kv_write(_ring_valid_state(ctx, w), new, slot, axis=3)
+                ctx.state[vkey] = m.kv_write(_ring_valid_state(ctx, r), new, slot, axis=3)
             return m.attention(q, kr, vr, ctx.state[vkey], None, mask_kind=MaskKind.CUSTOM, **common)
-        # prefill: attend within the prompt, then leave its last W columns in the ring
-        cidx, keep = _ring_prefill_index(ctx, w)
+        # prefill: attend within the prompt, then leave its last R columns in the ring
+        cidx, keep = _ring_prefill_index(ctx, w, r)
         zero = cache_pos * 0
         m.kv_write(kstate, m.gather(k, cidx, axis=2), zero)
         m.kv_write(vstate, m.gather(v, cidx, axis=2), zero)
         if vkey not in ctx.state:
-            valid = m.where(keep, m.gather(mask, cidx, axis=3), False)
-            ctx.state[vkey] = m.kv_write(_ring_valid_state(ctx, w), valid, zero, axis=3)
+            valid = (m.where(keep, m.gather(mask, cidx, axis=3), False) if mask is not None
+                     else m.reshape(keep, (1, 1, 1, r)))
+            ctx.state[vkey] = m.kv_write(_ring_valid_state(ctx, r), valid, zero, axis=3)
         return m.attention(q, k, v, mask, None, mask_kind=MaskKind.SLIDING_WINDOW, window=w, **common)
 
     def _out(self, ctx, x, o):

@@ -211,7 +211,7 @@ class GemmaLM(CausalLM):
 
     def executable(self, mode: str, taps: bool = False):
         exe = super().executable(mode, taps)
-        if not isinstance(exe, _StateCheckedExecutable) and type(exe) is Executable:
+        if type(exe) is Executable and hasattr(exe, "_runners"):
             exe.__class__ = _StateCheckedExecutable
             exe._state_bound = {}
         return exe

@@ -342,3 +342,21 @@ def test_chat_on_a_model_without_template_is_an_error(small):
     model = type(m)(m.recipe, m.config, m.tensors, tok, "numpy")
     with pytest.raises(ModelError, match="chat template"):
         model.generate("hello", chat=True)
+
+
+def test_window_wider_than_the_context(tmp_path, rng):
+    """sliding_window > max_position_embeddings: the ring has max_positions slots and
+    never wraps; generation up to the end of the context still matches HF."""
+    cfg = transformers.Gemma2Config(**dict(COMMON, sliding_window=40, max_position_embeddings=32),
+                                    num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=16, intermediate_size=48,
+                                    query_pre_attn_scalar=16, tie_word_embeddings=False)
+    torch.manual_seed(7)
+    hf = transformers.Gemma2ForCausalLM(cfg).eval()
+    hf.config._attn_implementation = "eager"
+    hf.save_pretrained(tmp_path)
+    m = rlx_core.load(str(tmp_path), backend="numpy", progress=False)
+    ids = rng.integers(3, VOCAB, (1, 10))
+    got = m.generate(ids, max_new_tokens=22, min_new_tokens=22)
+    np.testing.assert_array_equal(got, hf_generate(hf, ids, 22))
+    assert m.states["kv.0.k"].shape[2] == 32 and m.states["kv.1.k"].shape[2] == 32

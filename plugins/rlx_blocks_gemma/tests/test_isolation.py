@@ -109,13 +109,14 @@ def _site_packages_farm(dest: str) -> str:
 
 
 def test_fresh_venv_with_core_and_gemma_only(tiny_gemma, tmp_path):
-    """`python -m venv` (no network: the third-party packages come from this environment
-    through a .pth file to a folder of links that leaves every rlx distribution out), then
+    """`python -m venv --without-pip` (no network: the third-party packages, pip and
+    setuptools included, come from this environment through a .pth file to a folder of
+    links that leaves every rlx distribution out), then
     `pip install --no-deps --no-build-isolation --no-index -e <core> -e <gemma plugin>`."""
     path, ids, ref = tiny_gemma
     venv = tmp_path / "venv"
     try:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=300)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True, timeout=300)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
         pytest.skip(f"cannot create a virtual environment here: {e}")
     py = venv / "bin" / "python"
