@@ -116,7 +116,8 @@ def run_hf(args) -> dict:
         toks = [int(nxt)]
         t0 = time.perf_counter()
         for t in range(n - 1):
-            o = model(nxt, attention_mask=mask[:, :ids.shape[1] + t + 1], past_key_values=cache, use_cache=True)
+            o = model(nxt, attention_mask=mask[:, :ids.shape[1] + t + 1], past_key_values=cache,
+                      use_cache=True)
             cache = o.past_key_values
             nxt = o.logits[:, -1].argmax(-1, keepdim=True)
             toks.append(int(nxt))
@@ -195,8 +196,9 @@ def bench_gemma(threads: int, prefill_tokens: int = 128, decode_tokens: int = 64
             tokens[which] = r["tokens"]
             weight_bytes = r.get("weight_bytes", weight_bytes)
             bandwidth = max(bandwidth, r.get("gemv_bytes_per_s", 0.0))
-    res: dict = {"model": "gemma-3-270m Q4_K_M GGUF, fp32", "threads": threads, "prefill_tokens": prefill_tokens,
-                 "decode_tokens": decode_tokens, "rounds": rounds, "repeat": repeat,
+    res: dict = {"model": "gemma-3-270m Q4_K_M GGUF, fp32", "threads": threads,
+                 "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens, "rounds": rounds,
+                 "repeat": repeat,
                  "hardware": f"{cpu_name()}, {os.cpu_count()} cores", "load_avg": os.getloadavg(),
                  "same_greedy_tokens": tokens["rlx"] == tokens["hf"]}
     for which, runs in sides.items():
@@ -206,7 +208,8 @@ def bench_gemma(threads: int, prefill_tokens: int = 128, decode_tokens: int = 64
     for stat in ("best", "median"):
         res[f"ratio_{stat}"] = {
             "prefill": res["rlx"]["prefill_s"][stat] / res["hf"]["prefill_s"][stat],
-            "prefill_vs_hf_all_logits": res["rlx"]["prefill_s"][stat] / res["hf"]["prefill_all_logits_s"][stat],
+            "prefill_vs_hf_all_logits":
+                res["rlx"]["prefill_s"][stat] / res["hf"]["prefill_all_logits_s"][stat],
             "decode": res["rlx"]["decode_s"][stat] / res["hf"]["decode_s"][stat]}
     res["gemv_gbs"] = bandwidth / 1e9
     res["weight_bytes"] = weight_bytes

@@ -283,6 +283,8 @@ class Executable:
     def runner(self, env: dict):
         key = tuple(sorted(env.items()))
         r = self._runners.get(key)
+        if r is not None and any(self.states.get(n) is not a for n, a in r.rlx_states.items()):
+            r = None        # another executable re-sized a shared state: bind the new buffers
         if r is None:
             if not self._params and self.param_specs:
                 raise ModelError(f"graph {self.mir.name!r}: params are not bound (set_params)")
@@ -295,6 +297,7 @@ class Executable:
                 if cur is None or tuple(cur.shape) != s.dims:
                     self.states[name] = self.backend.zeros(s.dims, s.dtype)
             r = self.backend.compile(lir, self._params, self.states)
+            r.rlx_states = {n: self.states[n] for n in g.states}
             self._runners[key] = r
             while len(self._runners) > MAX_RUNNERS:      # each holds an arena: keep the newest
                 self._runners.pop(next(iter(self._runners)))

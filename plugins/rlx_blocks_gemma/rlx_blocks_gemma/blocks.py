@@ -14,9 +14,10 @@ registered through `rlx_register_blocks` (names prefixed `gemma.`).
 Ring buffer (sliding layers, prefill/decode graphs). Cache column c (the index into the
 key mask, 0 = first prompt column) lives in slot c % W of the state `kv.<i>.k|v`
 [batch, kv_heads, R, head_dim], R = min(W, max_positions); a bool state
-`kv.ring<R>.valid` [batch, 1, 1, R] says which slots hold a real (unpadded) token. Prefill computes which column ends in each slot
-(the last W columns of the prompt), gathers their K/V and writes the whole ring — so a
-shorter prompt also clears what an earlier sequence left there. Decode writes the new
+`kv.ring<R>.valid` [batch, 1, 1, R] says which slots hold a real (unpadded) token.
+Prefill computes which column ends in each slot (the last W columns of the prompt),
+gathers their K/V and writes the whole ring — so a shorter prompt also clears what an
+earlier sequence left there. Decode writes the new
 token at slot `cache_pos % W` and attends over the ring with that validity mask: every
 slot holds one of the last W columns, which is exactly the sliding window. Prefill
 starts a sequence at cache column 0 (as `CausalLM.generate` does).
@@ -135,7 +136,8 @@ class GemmaAttention:
     def emit(self, ctx, x):
         s, m = self.spec, ctx.m
         if s.heads % s.kv_heads:
-            raise ModelError(f"layer {ctx.prefix}: {s.heads} heads is not a multiple of {s.kv_heads} kv heads")
+            raise ModelError(f"layer {ctx.prefix}: {s.heads} heads is not a multiple of "
+                             f"{s.kv_heads} kv heads")
         q = self._proj(ctx, x, "q", s.heads)
         k = self._proj(ctx, x, "k", s.kv_heads)
         v = self._proj(ctx, x, "v", s.kv_heads)

@@ -32,9 +32,9 @@ TINY = {
     "gemma3-untied-gqa2": dict(arch="gemma3", num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=16, intermediate_size=96,
                                query_pre_attn_scalar=16, sliding_window_pattern=2,
-                               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 50000.0},
-                                                "sliding_attention": {"rope_type": "default",
-                                                                      "rope_theta": 1000.0}},
+                               rope_parameters={
+                                   "full_attention": {"rope_type": "default", "rope_theta": 50000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
                                tie_word_embeddings=False),
     # Gemma 3: explicit layer_types, linear RoPE scaling on global layers only, GQA 4,
     # head_dim != hidden/heads, a final softcap, and an attention softcap HF's Gemma 3 ignores
@@ -132,7 +132,8 @@ def test_kv_taps_match_hf_cache(tiny, rng):
     built = GemmaFlow.for_prefill(rlx.config).kv_taps().build(rlx.tensors)
     exe = built.compile("numpy")
     exe.fixed_dims = {"ctx": 16}
-    out = exe.run(ids=ids, positions=np.arange(ids.shape[1])[None], key_mask=np.ones((1, 1, 1, ids.shape[1]), bool),
+    n = ids.shape[1]
+    out = exe.run(ids=ids, positions=np.arange(n)[None], key_mask=np.ones((1, 1, 1, n), bool),
                   cache_pos=np.zeros(1, np.int32))
     with torch.no_grad():
         cache = hf(torch.tensor(ids), use_cache=True).past_key_values
@@ -280,7 +281,8 @@ def test_config_spellings_agree():
         assert a.rope["full_attention"][0] == 1e6
         assert a.rope["full_attention"][1]["factor"] == 8.0
         assert a.scale == 32 ** -0.5 and a.qk_norm and a.attn_softcap == 0.0
-    g2 = gemma_arch(dict(base, model_type="gemma2", attn_logit_softcapping=50.0, final_logit_softcapping=30.0))
+    g2 = gemma_arch(dict(base, model_type="gemma2", attn_logit_softcapping=50.0,
+                         final_logit_softcapping=30.0))
     assert g2.layer_types[:3] == ("sliding_attention", "full_attention", "sliding_attention")
     assert g2.rope["full_attention"] == g2.rope["sliding_attention"] == (10000.0, None)
     assert (g2.attn_softcap, g2.final_softcap, g2.qk_norm) == (50.0, 30.0, False)

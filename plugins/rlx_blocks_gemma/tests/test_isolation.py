@@ -25,10 +25,11 @@ REPO = os.path.abspath(os.path.join(PLUGIN_DIR, "..", ".."))
 
 @pytest.fixture(scope="module")
 def tiny_gemma(tmp_path_factory):
-    cfg = transformers.Gemma3TextConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                        sliding_window=4, sliding_window_pattern=2, max_position_embeddings=64,
-                                        query_pre_attn_scalar=16, tie_word_embeddings=False, pad_token_id=0)
+    cfg = transformers.Gemma3TextConfig(vocab_size=97, hidden_size=32, intermediate_size=48,
+                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                        head_dim=16, sliding_window=4, sliding_window_pattern=2,
+                                        max_position_embeddings=64, query_pre_attn_scalar=16,
+                                        tie_word_embeddings=False, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.Gemma3ForCausalLM(cfg)
     model.config._attn_implementation = "eager"
@@ -85,7 +86,8 @@ CHILD = textwrap.dedent("""
         "logits": m.logits(ids).tolist(),
         "generated": m.generate(ids, max_new_tokens=8, min_new_tokens=8).tolist(),
         "recipes": sorted(registry().recipes),
-        "dists": sorted(d.metadata["Name"] for d in md.distributions() if d.metadata["Name"].startswith("rlx")),
+        "dists": sorted(d.metadata["Name"] for d in md.distributions()
+                        if d.metadata["Name"].startswith("rlx")),
         "llama_importable": importlib.util.find_spec("rlx_blocks_llama") is not None,
         "rlx_core_file": rlx_core.__file__,
     }))
@@ -116,7 +118,8 @@ def test_fresh_venv_with_core_and_gemma_only(tiny_gemma, tmp_path):
     path, ids, ref = tiny_gemma
     venv = tmp_path / "venv"
     try:
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True, timeout=300)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                       capture_output=True, timeout=300)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
         pytest.skip(f"cannot create a virtual environment here: {e}")
     py = venv / "bin" / "python"
@@ -126,13 +129,14 @@ def test_fresh_venv_with_core_and_gemma_only(tiny_gemma, tmp_path):
     farm = _site_packages_farm(str(tmp_path / "deps"))
     with open(os.path.join(site, "zz_rlx_test_deps.pth"), "w") as f:
         f.write(farm + "\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RLX_PLUGINS", "RLX_DISABLE_PLUGINS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "RLX_PLUGINS", "RLX_DISABLE_PLUGINS")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     pip = subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
                           "-e", REPO, "-e", PLUGIN_DIR], capture_output=True, text=True, env=env, timeout=600)
     assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
-    run = subprocess.run([str(py), "-c", CHILD, path, json.dumps(ids.tolist())], capture_output=True, text=True,
-                         env=env, timeout=600, cwd=str(tmp_path))
+    run = subprocess.run([str(py), "-c", CHILD, path, json.dumps(ids.tolist())], capture_output=True,
+                         text=True, env=env, timeout=600, cwd=str(tmp_path))
     line = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
     assert run.returncode == 0 and line, run.stdout[-3000:] + run.stderr[-3000:]
     res = json.loads(line[0][7:])

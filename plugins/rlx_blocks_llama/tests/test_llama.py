@@ -254,3 +254,19 @@ def test_smollm2_greedy_continuation_matches_hf(smollm2):
     with torch.no_grad():
         ref = hf.generate(torch.tensor(ids), max_new_tokens=32, min_new_tokens=32, do_sample=False).numpy()
     np.testing.assert_array_equal(rlx.generate(ids, max_new_tokens=32, min_new_tokens=32), ref)
+
+
+def test_generate_across_batch_sizes_and_context_buckets(tmp_path_factory, rng):
+    """Prefill and decode share KV states; a call with another batch or context bucket
+    re-sizes them, and runners cached for the earlier shape must bind the new buffers."""
+    hf, path = _hf_model("llama-untied-gqa2", tmp_path_factory)
+    m = rlx_core.load(path, backend="numpy", progress=False)
+
+    def ref(ids, n):
+        with torch.no_grad():
+            return hf.generate(torch.tensor(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long),
+                               max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0).numpy()
+
+    a, b, c, d = (rng.integers(1, 151, s) for s in ((1, 5), (2, 7), (1, 6), (1, 4)))
+    for ids, n in ((a, 8), (b, 8), (c, 140), (d, 8)):     # d: a new prefill, a cached decode
+        np.testing.assert_array_equal(m.generate(ids, max_new_tokens=n, min_new_tokens=n), ref(ids, n))
