@@ -7,7 +7,7 @@ import math
 import attrs
 import numpy as np
 
-from ..ir.dtype import BOOL, I32, I64, DType
+from ..ir.dtype import DType
 from ..ir.errors import ModelError
 from ..ir.ops import MaskKind
 from ..plugins.hookspecs import hookimpl
@@ -275,4 +275,4 @@ def rlx_register_blocks(register):
         register(name, factory)
 
 
-__all__ = ["AttnSpec", "SelfAttention", "I32", "BOOL", "I64"]
+__all__ = ["AttnSpec", "SelfAttention", "GENERIC_BLOCKS"]

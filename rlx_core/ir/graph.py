@@ -6,7 +6,6 @@ new graphs; nothing mutates a node in place.
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any, Callable, Mapping
 
 import attrs

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import attrs
 
-from .dtype import BOOL, F32, I64, DType, promote
+from .dtype import BOOL, I64, DType, promote
 from .errors import DTypeError, GraphError, RlxError, ShapeError
 from .shape import Shape, broadcast_dims, norm_axis
 

@@ -2,7 +2,6 @@
 subgraphs to load time, and the compute-precision rewrite."""
 from __future__ import annotations
 
-import numpy as np
 
 from ..ir.dtype import DType
 from ..ir.graph import Builder, Graph
@@ -43,8 +42,6 @@ def hoist_params(g: Graph) -> tuple:
         pro.output(name, pmap[ref])
     prologue = pro.build()
 
-    extra: dict = {}
-
     def replace(m, node, ins, i, lookup):
         if i not in computed:
             return None
@@ -65,7 +62,7 @@ def hoist_params(g: Graph) -> tuple:
 
     from .generic import dce
 
-    return dce(rewrite(g, replace, extra_map=extra)), prologue
+    return dce(rewrite(g, replace)), prologue
 
 
 def to_precision(g: Graph, compute: DType) -> Graph:

@@ -2,16 +2,13 @@
 Llama32Flow and Qwen3Flow, registered through the rlx plugin hooks."""
 from __future__ import annotations
 
-from typing import Callable
-
 import attrs
 
 from rlx_core.flow import AttnSpec, ModelFlow, SelfAttention
+from rlx_core.flow.recipe import DecoderFlow, LayerCtx
 from rlx_core.flow.rope import rope_params
-from rlx_core.ir.dtype import BOOL, I32, I64
 from rlx_core.ir.errors import ModelError
 from rlx_core.plugins import hookimpl
-from rlx_core.profile import CompileProfile
 
 
 def attn_spec(cfg: dict, mode: str = "prefill", qk_norm: bool = False) -> AttnSpec:
@@ -59,96 +56,23 @@ def llama_prefill_layer_fused(i: int, spec: AttnSpec, eps: float) -> LlamaLayerF
     return LlamaLayerFused(spec, eps)
 
 
-class LayerCtx:
-    """What `.layer(lambda ctx: ...)` receives: the layer index, the spec, a fresh flow and
-    the default stage, so an override can wrap or replace it."""
-
-    def __init__(self, recipe: "Llama32Flow", i: int):
-        self._recipe, self._i = recipe, i
-        self.spec = recipe.spec()
-        self.config = recipe.cfg
-        self.flow = ModelFlow(recipe.name)
-
-    def index(self) -> int:
-        return self._i
-
-    def default_stage(self) -> ModelFlow:
-        return self._recipe.default_layer(self._i)
-
-
-class Llama32Flow:
-    """Recipe: builds the prefill / decode / full-logits flow of a LLaMA-family config."""
+class Llama32Flow(DecoderFlow):
+    """Recipe: the prefill / decode / full-logits flow of a LLaMA-family config."""
     family = "llama32"
     qk_norm = False
 
     def __init__(self, cfg: dict, mode: str = "prefill", batch="batch", seq="seq"):
-        if mode not in ("prefill", "decode", "logits"):
-            raise ModelError(f"mode must be prefill, decode or logits, got {mode!r}")
         if cfg.get("mlp_bias"):
             raise ModelError("LLaMA configs with mlp_bias=true are not supported")
-        self.cfg, self.mode, self.batch = dict(cfg), mode, batch
-        self.seq = 1 if mode == "decode" else seq
-        self.name = f"{cfg.get('model_type', self.family)}_{mode}"
-        self._last = mode != "logits"
-        self._layer: Callable | None = None
-        self._before: list = []
-        self._after: list = []
-        self._patches: list = []
-        self._profile = CompileProfile.preset(f"{self.family}_{'decode' if mode == 'decode' else 'prefill'}")
-        self._taps = False
+        super().__init__(cfg, mode, batch, seq)
         self._fused = False
 
-    @classmethod
-    def for_prefill(cls, cfg: dict, batch="batch", seq="seq") -> "Llama32Flow":
-        return cls(cfg, "prefill", batch, seq)
-
-    @classmethod
-    def for_decode(cls, cfg: dict, batch="batch") -> "Llama32Flow":
-        return cls(cfg, "decode", batch)
-
-    @classmethod
-    def for_logits(cls, cfg: dict, batch="batch", seq="seq") -> "Llama32Flow":
-        return cls(cfg, "logits", batch, seq)
-
-    # -- hooks
-    def last_token_logits(self, on: bool = True) -> "Llama32Flow":
-        self._last = on
-        return self
-
-    def layer(self, fn: Callable[[LayerCtx], object]) -> "Llama32Flow":
-        """Override each layer: `fn(ctx)` returns a flow or stage (ctx.default_stage() is the default)."""
-        self._layer = fn
-        return self
-
-    def before_layers(self, fn: Callable[[ModelFlow], ModelFlow]) -> "Llama32Flow":
-        self._before.append(fn)
-        return self
-
-    def after_layers(self, fn: Callable[[ModelFlow], ModelFlow]) -> "Llama32Flow":
-        self._after.append(fn)
-        return self
-
-    def patch_flow(self, fn: Callable[[ModelFlow], ModelFlow]) -> "Llama32Flow":
-        self._patches.append(fn)
-        return self
-
     def fused_layers(self, on: bool = True) -> "Llama32Flow":
+        """Emit each layer as one fused stage instead of small blocks (same outputs)."""
         self._fused = on
         return self
 
-    def taps(self, on: bool = True) -> "Llama32Flow":
-        """Expose every layer's output as `layer.<i>` (finding the first non-finite layer)."""
-        self._taps = on
-        return self
-
-    def profile_near(self, path) -> "Llama32Flow":
-        from rlx_core.runtime.model import resolve_profile
-
-        self._profile = resolve_profile(None, self._profile.name, str(path))
-        return self
-
-    # -- building
-    def spec(self) -> AttnSpec:
+    def spec(self, i: int = 0) -> AttnSpec:
         return attn_spec(self.cfg, "decode" if self.mode == "decode" else "prefill", self.qk_norm)
 
     @property
@@ -157,35 +81,15 @@ class Llama32Flow:
 
     def default_layer(self, i: int):
         if self._fused:
-            return llama_prefill_layer_fused(i, self.spec(), self.eps)
-        return llama_prefill_layer_composed(i, self.spec(), self.eps)
+            return llama_prefill_layer_fused(i, self.spec(i), self.eps)
+        return llama_prefill_layer_composed(i, self.spec(i), self.eps)
 
-    def flow(self) -> ModelFlow:
+    def head(self, f: ModelFlow) -> ModelFlow:
         c = self.cfg
-        f = ModelFlow(self.name).profile(self._profile)
-        seq = self.seq
-        f.input("ids", (self.batch, seq), I64).input("positions", (self.batch, seq), I64)
-        f.input("key_mask", (self.batch, 1, 1, "ctx" if self.mode == "decode" else seq), BOOL)
-        if self.mode != "logits":
-            f.input("cache_pos", (self.batch,), I32)
-        f.token_embed()
-        for fn in self._before:
-            f = fn(f) or f
-        for i in range(int(c["num_hidden_layers"])):
-            body = self._layer(LayerCtx(self, i)) if self._layer else self.default_layer(i)
-            f.layer(i, lambda s, body=body: s.raw_stage(body) if not isinstance(body, ModelFlow)
-                    else s.sequence(body))
-            if self._taps:
-                f.output(f"layer.{i}")
-        for fn in self._after:
-            f = fn(f) or f
         f.final_norm(self.eps)
         if self._last:
             f.gather_last_token()
-        f.lm_head(c["vocab_size"], c["hidden_size"], tied=bool(c.get("tie_word_embeddings", False)))
-        for fn in self._patches:
-            f = fn(f) or f
-        return f
+        return f.lm_head(c["vocab_size"], c["hidden_size"], tied=bool(c.get("tie_word_embeddings", False)))
 
     def build(self, weights, **kw):
         return self.flow().build(weights, self.cfg, ignore_unused=LlamaRecipe.ignore_unused, **kw)

@@ -1,0 +1,140 @@
+"""The shared shape of a decoder recipe (Llama32Flow, Qwen3Flow, Gemma2Flow, Gemma3Flow):
+the inputs of each mode, the layer loop and the hooks a model author overrides.
+Architectures fill in the embedding, the default layer, the final norm and the head."""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..ir.dtype import BOOL, I32, I64
+from ..ir.errors import ModelError
+from ..profile import CompileProfile
+from .flow import ModelFlow
+
+MODES = ("prefill", "decode", "logits")
+
+
+class LayerCtx:
+    """What `.layer(fn)` hands `fn`: the layer index, its spec, the config, a fresh flow and
+    the default stage (to wrap or replace)."""
+
+    def __init__(self, recipe: "DecoderFlow", i: int):
+        self._recipe, self._i = recipe, i
+        self.spec = recipe.spec(i)
+        self.config = recipe.cfg
+        self.flow = ModelFlow(recipe.name)
+
+    def index(self) -> int:
+        return self._i
+
+    def default_stage(self):
+        return self._recipe.default_layer(self._i)
+
+
+class DecoderFlow:
+    """Builds the logits / prefill / decode flow of a decoder-only config.
+
+    Inputs: ids and positions [batch, seq]; key_mask [batch, 1, 1, seq] (decode: the whole
+    cache, "ctx"); prefill and decode also cache_pos [batch], where the KV states are written.
+    """
+    family = "decoder"
+    profile_family = None          # preset family if not `family` (gemma2/gemma3 -> gemma)
+    layer_ctx = LayerCtx
+
+    def __init__(self, cfg: dict, mode: str = "prefill", batch="batch", seq="seq"):
+        if mode not in MODES:
+            raise ModelError(f"mode must be one of {MODES}, got {mode!r}")
+        self.cfg, self.mode, self.batch = dict(cfg), mode, batch
+        self.seq = 1 if mode == "decode" else seq
+        self.name = f"{self.cfg.get('model_type', self.family)}_{mode}"
+        self._last = mode != "logits"
+        self._layer: Callable | None = None
+        self._before: list = []
+        self._after: list = []
+        self._patches: list = []
+        self._taps = False
+        presets = self.profile_family or self.family
+        self._profile = CompileProfile.preset(f"{presets}_{'decode' if mode == 'decode' else 'prefill'}")
+
+    @classmethod
+    def for_prefill(cls, cfg: dict, batch="batch", seq="seq"):
+        return cls(cfg, "prefill", batch, seq)
+
+    @classmethod
+    def for_decode(cls, cfg: dict, batch="batch"):
+        return cls(cfg, "decode", batch)
+
+    @classmethod
+    def for_logits(cls, cfg: dict, batch="batch", seq="seq"):
+        return cls(cfg, "logits", batch, seq)
+
+    # -- hooks
+    def last_token_logits(self, on: bool = True):
+        self._last = on
+        return self
+
+    def layer(self, fn: Callable[[LayerCtx], object]):
+        """Override each layer: `fn(ctx)` returns a flow or stage (ctx.default_stage() is the default)."""
+        self._layer = fn
+        return self
+
+    def before_layers(self, fn: Callable[[ModelFlow], ModelFlow]):
+        self._before.append(fn)
+        return self
+
+    def after_layers(self, fn: Callable[[ModelFlow], ModelFlow]):
+        self._after.append(fn)
+        return self
+
+    def patch_flow(self, fn: Callable[[ModelFlow], ModelFlow]):
+        self._patches.append(fn)
+        return self
+
+    def taps(self, on: bool = True):
+        """Expose every layer's output as `layer.<i>` (finding the first non-finite layer)."""
+        self._taps = on
+        return self
+
+    def profile_near(self, path):
+        """Use a *.rlx.toml beside `path` if there is one."""
+        self._profile = CompileProfile.resolve(None, self._profile.name, str(path))
+        return self
+
+    # -- what an architecture provides
+    def spec(self, i: int):
+        raise NotImplementedError  # pragma: no cover - each architecture defines it
+
+    def default_layer(self, i: int):
+        raise NotImplementedError  # pragma: no cover - each architecture defines it
+
+    def num_layers(self) -> int:
+        return int(self.cfg["num_hidden_layers"])
+
+    def embed(self, f: ModelFlow) -> ModelFlow:
+        return f.token_embed()
+
+    def head(self, f: ModelFlow) -> ModelFlow:
+        """Final norm, the last-token narrow when asked, and the LM head."""
+        raise NotImplementedError  # pragma: no cover - each architecture defines it
+
+    # -- building
+    def flow(self) -> ModelFlow:
+        f = ModelFlow(self.name).profile(self._profile)
+        f.input("ids", (self.batch, self.seq), I64).input("positions", (self.batch, self.seq), I64)
+        f.input("key_mask", (self.batch, 1, 1, "ctx" if self.mode == "decode" else self.seq), BOOL)
+        if self.mode != "logits":
+            f.input("cache_pos", (self.batch,), I32)
+        f = self.embed(f)
+        for fn in self._before:
+            f = fn(f) or f
+        for i in range(self.num_layers()):
+            body = self._layer(self.layer_ctx(self, i)) if self._layer else self.default_layer(i)
+            f.layer(i, lambda s, body=body: s.sequence(body) if isinstance(body, ModelFlow)
+                    else s.raw_stage(body))
+            if self._taps:
+                f.output(f"layer.{i}")
+        for fn in self._after:
+            f = fn(f) or f
+        f = self.head(f)
+        for fn in self._patches:
+            f = fn(f) or f
+        return f
