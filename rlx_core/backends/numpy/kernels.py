@@ -195,8 +195,10 @@ def attention_core(a, q, k, v, mask=None, pos=None):
     b, h, sq, d = qf.shape
     kvh, sk = kf.shape[1], kf.shape[2]
     g = h // kvh
-    q5 = qf.reshape(b, kvh, g, sq, d)
-    s = np.matmul(q5, kf[:, :, None].swapaxes(-1, -2))     # [B,KVH,G,Sq,Sk]
+    # a kv head's G query heads share one [G*Sq, D] @ [D, Sk] product: a plain batched
+    # matmul (a broadcast kv operand would drop numpy off BLAS)
+    q4 = np.ascontiguousarray(qf).reshape(b, kvh, g * sq, d)
+    s = np.matmul(q4, kf.swapaxes(-1, -2)).reshape(b, kvh, g, sq, sk)
     s *= np.asarray(a["scale"], s.dtype)
     if a["softcap"]:
         cap = np.asarray(a["softcap"], s.dtype)
@@ -209,9 +211,8 @@ def attention_core(a, q, k, v, mask=None, pos=None):
         if keep is not None:
             s = np.where(keep, s, np.asarray(-np.inf, s.dtype))
         s = s.reshape(b, kvh, g, sq, sk)
-    p = _softmax_f32(s, -1)
-    o = np.matmul(p, vf[:, :, None])                      # [B,KVH,G,Sq,Dv]
-    return o.reshape(b, h, sq, vf.shape[-1])
+    p = _softmax_f32(s, -1).reshape(b, kvh, g * sq, sk)
+    return np.matmul(p, vf).reshape(b, h, sq, vf.shape[-1])
 
 
 def _split_attn(a, ins):
@@ -295,8 +296,18 @@ def _kv_write(a, cache, new, pos):
 
 
 def _fused_swiglu(a, out, g, u):
+    o = out[0]
+    if o.dtype == g.dtype == u.dtype == np.float32 and o.shape == g.shape == u.shape:
+        # silu(g) * u = g * (0.5 * (1 + tanh(g/2)) * u) with one temporary; `o` may alias g or u
+        t = np.multiply(g, np.float32(0.5))
+        np.tanh(t, out=t)
+        t += 1
+        t *= u
+        np.multiply(g, t, out=o)
+        o *= np.float32(0.5)
+        return
     gf = up(g)
-    put(out[0], gf * _sigmoid(gf) * up(u))
+    put(o, gf * _sigmoid(gf) * up(u))
 
 
 def _fused_mba(a, out, x, w, b=None):
