@@ -19,6 +19,9 @@ import platform
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hardware import cpu_name  # noqa: E402
+
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog while the farmer watches from the porch.",
     "A man is playing a guitar on a street corner for a small crowd of tourists.",
@@ -55,14 +58,6 @@ SENTENCES = [
 ]
 
 
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def pin(threads: int) -> str:

@@ -32,18 +32,13 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hardware import cpu_name  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {"smollm2": "SmolLM2-135M-Instruct Q4_1 GGUF, fp32", "gemma3": "gemma-3-270m Q4_K_M GGUF, fp32"}
 
 
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def prompt_ids(encode, n: int) -> list:

@@ -9,21 +9,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hardware import cpu_name  # noqa: E402
 
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+
 
 
 def best(fn, reps: int) -> float:
@@ -58,7 +52,7 @@ def main(argv=None) -> int:
     n = args.n
     flop = 2.0 * n ** 3
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"host      : {cpu_model()} ({os.cpu_count()} logical cpus, load average {load:.2f}), "
+    print(f"host      : {cpu_name()} ({os.cpu_count()} logical cpus, load average {load:.2f}), "
           f"python {sys.version.split()[0]}, numpy {np.__version__}")
     print(f"device    : {dev.name}; {d.max_compute_units} compute units, {d.max_clock_frequency} MHz, "
           f"{d.global_mem_size / 2**30:.1f} GiB, local mem {d.local_mem_size // 1024} KiB, "

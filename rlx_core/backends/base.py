@@ -2,20 +2,23 @@
 op, with a reason, and is chosen by name or priority)."""
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 
 from ..ir.dtype import DType
 from ..ir.lir import LirModule
 
 
-class Runner:
+class Runner(abc.ABC):
     """A compiled, shape-specialized graph: inputs (numpy) in, outputs (numpy) out."""
 
+    @abc.abstractmethod
     def run(self, inputs: dict) -> dict:
-        raise NotImplementedError  # pragma: no cover - interface
+        """Run once; returns fresh numpy arrays (the arena is reused by the next run)."""
 
 
-class Backend:
+class Backend(abc.ABC):
     name: str = ""
     priority: int = 0
     target: str = "generic"                  # fusion pattern set (passes/fusion.py TARGETS)
@@ -35,9 +38,9 @@ class Backend:
         """(available, reason when not)."""
         return True, ""
 
+    @abc.abstractmethod
     def supported_ops(self) -> set:
         """Op names this backend implements (fused ones it lacks get legalized)."""
-        raise NotImplementedError  # pragma: no cover - interface
 
     def supports_custom(self, name: str) -> bool:
         from ..ir.custom import custom_ops
@@ -62,5 +65,6 @@ class Backend:
     def zeros(self, shape: tuple, dtype: DType):
         return np.zeros(shape, dtype.np)
 
+    @abc.abstractmethod
     def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:
-        raise NotImplementedError  # pragma: no cover - interface
+        """A Runner for this LIR, reading the resident `params` and `states` (name -> value)."""

@@ -3,6 +3,8 @@ the inputs of each mode, the layer loop and the hooks a model author overrides.
 Architectures fill in the embedding, the default layer, the final norm and the head."""
 from __future__ import annotations
 
+import abc
+
 from typing import Callable
 
 from ..ir.dtype import BOOL, I32, I64
@@ -30,7 +32,7 @@ class LayerCtx:
         return self._recipe.default_layer(self._i)
 
 
-class DecoderFlow:
+class DecoderFlow(abc.ABC):
     """Builds the logits / prefill / decode flow of a decoder-only config.
 
     Inputs: ids and positions [batch, seq]; key_mask [batch, 1, 1, seq] (decode: the whole
@@ -100,11 +102,13 @@ class DecoderFlow:
         return self
 
     # -- what an architecture provides
+    @abc.abstractmethod
     def spec(self, i: int):
-        raise NotImplementedError  # pragma: no cover - each architecture defines it
+        """The AttnSpec of layer i."""
 
+    @abc.abstractmethod
     def default_layer(self, i: int):
-        raise NotImplementedError  # pragma: no cover - each architecture defines it
+        """The stage (or flow) of layer i when no `.layer()` override is given."""
 
     def num_layers(self) -> int:
         return int(self.cfg["num_hidden_layers"])
@@ -112,9 +116,9 @@ class DecoderFlow:
     def embed(self, f: ModelFlow) -> ModelFlow:
         return f.token_embed()
 
+    @abc.abstractmethod
     def head(self, f: ModelFlow) -> ModelFlow:
         """Final norm, the last-token narrow when asked, and the LM head."""
-        raise NotImplementedError  # pragma: no cover - each architecture defines it
 
     # -- building
     def flow(self) -> ModelFlow:
