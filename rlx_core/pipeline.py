@@ -195,6 +195,7 @@ class Executable:
         self.shared = shared if shared is not None else {}
         self._params: dict = {}
         self._runners: dict = {}
+        self._bound: dict = {}           # runner key -> the state buffers it was compiled with
         self.lir_cache: dict = {}
         if params is not None:
             self.set_params(params)
@@ -283,7 +284,7 @@ class Executable:
     def runner(self, env: dict):
         key = tuple(sorted(env.items()))
         r = self._runners.get(key)
-        if r is not None and any(self.states.get(n) is not a for n, a in r.rlx_states.items()):
+        if r is not None and any(self.states.get(n) is not a for n, a in self._bound.get(key, {}).items()):
             r = None        # another executable re-sized a shared state: bind the new buffers
         if r is None:
             if not self._params and self.param_specs:
@@ -297,10 +298,12 @@ class Executable:
                 if cur is None or tuple(cur.shape) != s.dims:
                     self.states[name] = self.backend.zeros(s.dims, s.dtype)
             r = self.backend.compile(lir, self._params, self.states)
-            r.rlx_states = {n: self.states[n] for n in g.states}
+            self._bound[key] = {n: self.states[n] for n in g.states}
             self._runners[key] = r
             while len(self._runners) > MAX_RUNNERS:      # each holds an arena: keep the newest
-                self._runners.pop(next(iter(self._runners)))
+                oldest = next(iter(self._runners))
+                del self._runners[oldest]
+                self._bound.pop(oldest, None)
         return r
 
     def run(self, inputs: dict | None = None, **kw) -> dict:
