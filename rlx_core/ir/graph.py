@@ -11,9 +11,9 @@ from typing import Any, Callable, Mapping
 import attrs
 import numpy as np
 
-from .dtype import BOOL, F32, I64, DType
-from .errors import GraphError, ShapeError
-from .ops import MaskKind, freeze, get_op, infer
+from .dtype import F32, DType
+from .errors import GraphError
+from .ops import MaskKind, get_op, infer
 from .shape import Shape
 
 HIR, MIR, LIR = "hir", "mir", "lir"
@@ -364,5 +364,4 @@ class Builder:
 
 Emit = Builder
 
-__all__ = ["Graph", "Node", "Value", "Builder", "Emit", "HIR", "MIR", "LIR", "BOOL", "I64",
-           "ShapeError", "freeze"]
+__all__ = ["Graph", "Node", "Value", "Builder", "Emit", "HIR", "MIR", "LIR"]

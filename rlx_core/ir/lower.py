@@ -10,7 +10,7 @@ import enum
 
 from .dtype import F32, F64
 from .graph import MIR, Builder, Graph
-from .ops import ACTIVATIONS, MaskKind
+from .ops import MaskKind
 from .rewrite import rewrite
 
 
@@ -200,4 +200,4 @@ def legalize(g: Graph, supported: set) -> tuple:
     return rewrite(g, replace), sorted(set(done))
 
 
-__all__ = ["FusionPolicy", "lower", "legalize", "ACTIVATIONS"]
+__all__ = ["FusionPolicy", "lower", "legalize"]

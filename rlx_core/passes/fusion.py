@@ -10,7 +10,6 @@ import attrs
 
 from ..ir.errors import GraphError
 from ..ir.graph import Graph
-from ..ir.ops import ACTIVATIONS
 from ..ir.rewrite import P, Rule, X, apply_rules, rewrite
 from .generic import dce
 
@@ -474,4 +473,4 @@ def unfused(g: Graph, groups: tuple) -> list:
     return found
 
 
-__all__ = ["RULES", "TARGETS", "fuse", "unfused", "groups_for", "ACTIVATIONS"]
+__all__ = ["RULES", "TARGETS", "fuse", "unfused", "groups_for"]
