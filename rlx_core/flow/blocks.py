@@ -196,13 +196,17 @@ class SelfAttention:
             y = m.rms_norm(y, nw, eps=s.qk_norm_eps, offset=s.qk_norm_offset)
         return m.transpose(y, (0, 2, 1, 3))
 
-    def emit(self, ctx, x):
-        s, m = self.spec, ctx.m
+    def project_qkv(self, ctx, x) -> tuple:
+        """q [B,H,S,D], k and v [B,KVH,S,D] (QK-norm applied, RoPE not yet)."""
+        s = self.spec
         if s.heads % s.kv_heads:
             raise ModelError(f"layer {ctx.prefix}: {s.heads} heads is not a multiple of {s.kv_heads} kv heads")
-        q = self._proj(ctx, x, "q", s.heads)
-        k = self._proj(ctx, x, "k", s.kv_heads)
-        v = self._proj(ctx, x, "v", s.kv_heads)
+        return (self._proj(ctx, x, "q", s.heads), self._proj(ctx, x, "k", s.kv_heads),
+                self._proj(ctx, x, "v", s.kv_heads))
+
+    def emit(self, ctx, x):
+        s, m = self.spec, ctx.m
+        q, k, v = self.project_qkv(ctx, x)
         cos, sin = rope_for(ctx, s)
         q, k = m.rope(q, cos, sin, s.rope_style), m.rope(k, cos, sin, s.rope_style)
         scale = s.scale if s.scale is not None else 1.0 / math.sqrt(s.head_dim)

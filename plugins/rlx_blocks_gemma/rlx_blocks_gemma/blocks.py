@@ -28,7 +28,7 @@ import attrs
 import numpy as np
 
 from rlx_core.flow import AttnSpec
-from rlx_core.flow.blocks import ResidualAdd, ResidualSave, rope_for
+from rlx_core.flow.blocks import ResidualAdd, ResidualSave, SelfAttention, rope_for
 from rlx_core.flow.rope import inv_freq
 from rlx_core.ir.dtype import BOOL, F32, I64
 from rlx_core.ir.errors import ModelError
@@ -116,31 +116,16 @@ def _ring_valid_state(ctx, slots: int):
 
 
 @attrs.frozen
-class GemmaAttention:
+class GemmaAttention(SelfAttention):
     """Self-attention of one Gemma layer. `spec` is the core's AttnSpec (qk_norm_eps and
     qk_norm_offset=1 for Gemma 3, scale, softcap, window, rope_theta/rope_scaling, mode,
     kv_cache, kv_taps); `ring` keeps a sliding layer's cache in `window` slots instead of
-    a full-length cache masked by the window."""
-    spec: AttnSpec
+    a full-length cache masked by the window. Projections come from the core block."""
     ring: bool = True
-
-    def _proj(self, ctx, x, name, heads):
-        s, m = self.spec, ctx.m
-        w = ctx.param(ctx.key(f"{s.prefix}.{name}_proj.weight"), (heads * s.head_dim, s.hidden))
-        y = m.reshape(m.linear(x, w), (x.dims[0], x.dims[1], heads, s.head_dim))
-        if s.qk_norm_eps is not None and name in ("q", "k"):
-            nw = ctx.param(ctx.key(f"{s.prefix}.{name}_norm.weight"), (s.head_dim,))
-            y = m.rms_norm(y, nw, eps=s.qk_norm_eps, offset=s.qk_norm_offset)
-        return m.transpose(y, (0, 2, 1, 3))
 
     def emit(self, ctx, x):
         s, m = self.spec, ctx.m
-        if s.heads % s.kv_heads:
-            raise ModelError(f"layer {ctx.prefix}: {s.heads} heads is not a multiple of "
-                             f"{s.kv_heads} kv heads")
-        q = self._proj(ctx, x, "q", s.heads)
-        k = self._proj(ctx, x, "k", s.kv_heads)
-        v = self._proj(ctx, x, "v", s.kv_heads)
+        q, k, v = self.project_qkv(ctx, x)
         cos, sin = gemma_rope(ctx, s)
         q, k = m.rope(q, cos, sin, s.rope_style), m.rope(k, cos, sin, s.rope_style)
         scale = s.scale if s.scale is not None else s.head_dim ** -0.5
