@@ -55,6 +55,18 @@ class Backend(abc.ABC):
             raise BackendError(f"backend {self.name!r} cannot compute in {dtype.value} ({where}); "
                                f"it supports {sorted(d.value for d in self.dtypes)}")
 
+    # host data parallelism: parts of a batch run at once in threads, each on its own runner
+    def data_parallel(self) -> int:
+        """How many parts of a batch are worth running concurrently in threads (1: none)."""
+        return 1
+
+    def parallel_scope(self):
+        """A context manager held while parts run concurrently (the NumPy backend sets its
+        BLAS to one thread meanwhile)."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
     # residency: params and state live on the device between runs
     def to_device(self, array: np.ndarray):
         return array

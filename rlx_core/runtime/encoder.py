@@ -124,7 +124,10 @@ class Encoder:
                              f"{self.max_positions} positions")
         self.max_length = min(int(limit), self.max_positions)
         self.do_lower_case = bool(self.st.get("do_lower_case", False))
-        self._exes: dict = {}
+        self._exes: dict = {}            # (layout, part) -> Executable
+        self._built: dict = {}           # layout -> (optimized graph, built flow)
+        self.parts = None                # data-parallel parts per batch (None: the backend's choice)
+        self._pool = None                # (workers, ThreadPoolExecutor) for the parts
         self._shared: dict = {}
         self._truncating = None
         self.flow_options = dict(flow_options or {})     # extra recipe.flow() options
@@ -145,25 +148,30 @@ class Encoder:
                 f"pooling={self.pooling!r}, max_length={self.max_length}, backend={self.backend.name!r})")
 
     # -- compiled graphs
-    def executable(self, layout: str | None = None):
+    def executable(self, layout: str | None = None, part: int = 0):
         """The compiled encoder for a layout ("padded": ids [batch, seq] + key mask; "packed":
         the texts of a batch concatenated into one row of tokens; None: the recipe's choice for
-        this backend). One executable serves every shape (specialized per shape, cached)."""
+        this backend). One executable serves every shape (specialized per shape, cached).
+        `part` k > 0: another executable of the same graph, for the k-th part of a batch run
+        concurrently (a runner's arena serves one run at a time); params are shared."""
         key = layout or self.flow_options.get("layout")
-        if key not in self._exes:
-            opts = dict(self.flow_options)
-            if layout is not None:
-                opts["layout"] = layout
-            flow = self.recipe.flow(self.config, pooling=self.pooling, backend=self.backend, **opts)
-            built = flow.build(self.tensors, self.config, F32,
-                               ignore_unused=getattr(self.recipe, "ignore_unused", ()))
-            mir = CompilePipeline(self.profile, self.backend).optimize(built.graph)
+        if (key, part) not in self._exes:
+            if key not in self._built:
+                opts = dict(self.flow_options)
+                if layout is not None:
+                    opts["layout"] = layout
+                flow = self.recipe.flow(self.config, pooling=self.pooling, backend=self.backend, **opts)
+                built = flow.build(self.tensors, self.config, F32,
+                                   ignore_unused=getattr(self.recipe, "ignore_unused", ()))
+                mir = CompilePipeline(self.profile, self.backend).optimize(built.graph)
+                self._built[key] = (mir, built)
+            mir, built = self._built[key]
             # executables of one model share params uploaded (and hoisted ones computed) once
             exe = Executable(mir, self.backend, self.profile, source=built.graph, shared=self._shared)
             exe.set_params(built.params)
             exe.input_names = {n.name for n in exe.mir.nodes if n.op == "input"}
-            self._exes[key] = exe
-        return self._exes[key]
+            self._exes[(key, part)] = exe
+        return self._exes[(key, part)]
 
     @property
     def layout(self) -> str:
@@ -270,6 +278,53 @@ class Encoder:
             feed["token_type_ids"] = types[None]
         return self._run_exe(exe, feed, {"tokens": total, "seqs": n_seqs})
 
+    PART_MIN_TOKENS = 128    # a batch is split into concurrent parts of at least this many tokens
+
+    def split_parts(self, lengths: list, parts: int) -> list:
+        """`lengths` (one batch) cut into at most `parts` consecutive runs of about equal
+        tokens, each at least PART_MIN_TOKENS: [(begin, end)] positions into `lengths`."""
+        total = sum(lengths)
+        parts = max(1, min(parts, len(lengths), total // self.PART_MIN_TOKENS))
+        cuts, at, done = [0], 0, 0
+        for k in range(1, parts):
+            goal = total * k / parts
+            while at < len(lengths) - (parts - k) and done + lengths[at] / 2 < goal:
+                done += lengths[at]
+                at += 1
+            cuts.append(max(at, cuts[-1] + 1))
+        cuts.append(len(lengths))
+        return list(zip(cuts[:-1], cuts[1:]))
+
+    def _embed_pack(self, rows: list, idx: list, lengths: list, n_seqs: int, key: str,
+                    out: np.ndarray) -> None:
+        """out[idx] <- the packed run of rows[idx], in concurrent parts when the backend has
+        cores to spare (each part on its own executable, so its own arena)."""
+        want = self.parts if self.parts is not None else self.backend.data_parallel()
+        spans = self.split_parts([lengths[i] for i in idx], int(want))
+
+        exes = [self.executable(part=k) for k in range(len(spans))]
+
+        def part(k: int) -> None:
+            sub = idx[spans[k][0]:spans[k][1]]
+            res = self._run_packed(exes[k], [rows[i] for i in sub], n_seqs)[key]
+            out[sub] = res[:len(sub)]
+
+        if len(spans) == 1:
+            return part(0)
+        if self._pool is None or self._pool[0] < len(spans) - 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = (len(spans) - 1, ThreadPoolExecutor(len(spans) - 1, thread_name_prefix="rlx-embed"))
+        with self.backend.parallel_scope():
+            futures = [self._pool[1].submit(part, k) for k in range(1, len(spans))]
+            try:
+                part(0)
+            finally:
+                errors = [f.exception() for f in futures]       # waits for every part
+        for e in errors:
+            if e is not None:
+                raise e
+
     # -- text
     def _truncating_tokenizer(self):
         if self._truncating is None:
@@ -364,8 +419,7 @@ class Encoder:
             try:
                 if "seq_starts" in exe.input_names:
                     for idx in self.plan_packs(lengths, int(batch_size)):
-                        res = self._run_packed(exe, [rows[i] for i in idx], int(batch_size) + 1)[key]
-                        out[idx] = res[:len(idx)]
+                        self._embed_pack(rows, idx, lengths, int(batch_size) + 1, key, out)
                         if bar is not None:
                             bar.update(len(idx))
                 else:

@@ -237,3 +237,33 @@ def test_custom_kernel_and_generic_ops_agree(minilm_path, enc):
     assert any(n.op == "custom" for n in enc.executable().mir.nodes)
     texts = sentences(12, seed=3)[:11]              # up to 144 words: no truncation
     np.testing.assert_allclose(gen.embed(texts), enc.embed(texts), atol=2e-6)
+
+
+def test_concurrent_parts_match_one_run(minilm_path):
+    """A batch split into parts run in threads (each on its own executable) gives the vectors
+    of the whole batch run at once, and the BLAS thread count comes back after."""
+    from rlx_core.backends.numpy.blas import blas_threads
+
+    enc = rlx_core.load(minilm_path, backend="numpy", progress=False)
+    r = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    texts = [" ".join(r.choice(WORDS, int(k))) for k in r.integers(1, 40, 37)]
+    enc.parts = 1
+    whole = enc.embed(texts, batch_size=37)
+    before = blas_threads()
+    enc.parts, enc.PART_MIN_TOKENS = 3, 16
+    split = enc.embed(texts, batch_size=37)
+    assert any(part == 2 for _, part in enc._exes)                   # the parts did run
+    np.testing.assert_allclose(split, whole, atol=2e-6)
+    assert blas_threads() == before
+    enc.parts = 2                                                    # fewer parts than before
+    np.testing.assert_allclose(enc.embed(texts[::-1], batch_size=37), whole[::-1], atol=2e-6)
+
+
+def test_split_parts_balances_tokens():
+    enc = Encoder.__new__(Encoder)
+    assert enc.split_parts([20] * 32, 2) == [(0, 16), (16, 32)]
+    assert enc.split_parts([20] * 32, 1) == [(0, 32)]
+    assert enc.split_parts([20] * 4, 2) == [(0, 4)]                 # under PART_MIN_TOKENS each
+    spans = enc.split_parts([200, 5, 5, 5, 200, 300], 3)
+    assert spans[0][0] == 0 and spans[-1][1] == 6 and all(b > a for a, b in spans)
+    assert [b for _, b in spans[:-1]] == [a for a, _ in spans[1:]]

@@ -1,6 +1,8 @@
 """The embedded default backend: NumPy on the CPU, registered like any plugin."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ...ir.errors import BackendError, RlxError
@@ -8,6 +10,7 @@ from ...ir.lir import ALIGN, LirModule
 from ...ir.ops import OPS, Level
 from ...plugins.hookspecs import hookimpl
 from ..base import Backend, Runner
+from .blas import blas_threads, single_threaded_blas
 from .kernels import KERNELS, VIEWS
 
 
@@ -85,6 +88,22 @@ class NumpyBackend(Backend):
 
     def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:
         return NumpyRunner(lir, params, states)
+
+    def data_parallel(self) -> int:
+        """One part per BLAS thread (when the BLAS count can be set): a part's numpy passes
+        (softmax, LayerNorm, GELU, ...) are single-threaded, so one run alone leaves the
+        other cores idle between GEMMs; parts side by side keep every core busy."""
+        n = blas_threads()
+        if not n or n < 2:
+            return 1
+        try:
+            n = min(n, len(os.sched_getaffinity(0)))
+        except (AttributeError, OSError):
+            n = min(n, os.cpu_count() or 1)
+        return max(n, 1)
+
+    def parallel_scope(self):
+        return single_threaded_blas()
 
 
 @hookimpl
