@@ -362,6 +362,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--engine", choices=["auto", "runtime", "graph"], default="auto")
     ap.add_argument("--no-compiled-peer", action="store_true")
+    ap.add_argument("--rlx-only", action="store_true", help="skip the HF peers (a quick RLX-only check)")
     ap.add_argument("--json", default="")
     ap.add_argument("--check-layers", type=int, default=2, help="layers of the cuda-vs-numpy-vs-HF check (0: skip)")
     a = ap.parse_args(argv)
@@ -403,6 +404,13 @@ def main(argv=None) -> int:
             log(f"rlx engine {eng} failed:\n{traceback.format_exc()[-3000:]}")
             res[f"rlx_{eng}_error"] = traceback.format_exc()[-3000:]
     res["rlx"] = rl
+    if a.rlx_only:
+        for eng in engines:
+            r = res.get(f"rlx_{eng}")
+            if r:
+                log(f"rlx {r['engine']}: decode {r['decode_s'] * 1e3:.3f} ms/token = "
+                    f"{r['decode_s'] / floor:.2f}x floor; prefill {r['prefill_s'] * 1e3:.3f} ms")
+        return 0
     import gc
 
     gc.collect()

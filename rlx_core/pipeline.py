@@ -158,8 +158,16 @@ class StateStore(dict):
     """Named device buffers shared by executables (a KV cache used by prefill and decode)."""
 
 
+def _moves_only_unit_dims(dims: tuple, perm: tuple) -> bool:
+    """A transpose that only moves size-1 axes keeps the element order: it is a reshape."""
+    order = [p for p in perm if dims[p] != 1]
+    return order == sorted(order)
+
+
 def specialize(g: Graph, env: dict) -> Graph:
-    """Bind named dims to ints and re-infer every shape."""
+    """Bind named dims to ints and re-infer every shape. Once dims are known, a transpose
+    that moves only size-1 axes (the head transposes of a one-token decode step) becomes a
+    reshape, which every backend and the buffer planner treat as a free view."""
     from .ir.graph import Builder, Node
 
     m = Builder(g.name, g.level)
@@ -174,10 +182,14 @@ def specialize(g: Graph, env: dict) -> Graph:
 
     for n in g.nodes:
         a = {k: (bind(v) if k in ("shape", "length") else v) for k, v in n.attrs}
-        outs = infer(n.op, [m.nodes[r[0]].outs[r[1]] for r in n.inputs], a)
-        if n.op in ("input", "param", "state", "constant"):
+        ins = [m.nodes[r[0]].outs[r[1]] for r in n.inputs]
+        op = n.op
+        if op == "transpose" and ins[0].is_static and _moves_only_unit_dims(ins[0].dims, a["perm"]):
+            op, a = "reshape", {"shape": tuple(ins[0].dims[p] for p in a["perm"])}
+        outs = infer(op, ins, a)
+        if op in ("input", "param", "state", "constant"):
             outs = tuple(s.bind(env) for s in outs)
-        m.nodes.append(Node(n.op, n.inputs, tuple(sorted(a.items())), tuple(outs), n.name))
+        m.nodes.append(Node(op, n.inputs, tuple(sorted(a.items())), tuple(outs), n.name))
     m.outputs = list(g.outputs)
     return m.build()
 

@@ -242,6 +242,26 @@ def test_views_take_no_arena():
                                rtol=1e-6)
 
 
+def test_a_transpose_of_unit_axes_becomes_a_view(rng):
+    """Once dims are bound, a transpose that moves only size-1 axes (decode's head
+    transposes at seq = 1) is a reshape: no copy, no arena; other transposes stay."""
+    m = Builder("heads", "mir")
+    x = m.input("x", (1, "seq", 4, 8))
+    y = m.act(x, "tanh")
+    m.output("heads", m.act(m.transpose(y, (0, 2, 1, 3)), "exp"))
+    g = m.build()
+    for seq, view in ((1, True), (3, False)):
+        bound = specialize(g, {"seq": seq})
+        moved = [i for i, n in enumerate(bound.nodes) if n.op in ("transpose", "reshape")]
+        assert [bound.nodes[i].op for i in moved] == ["reshape" if view else "transpose"]
+        lir = plan(bound)
+        assert lir.slots[(moved[0], 0)].home == ("view" if view else "arena"), lir.text()
+        x_ = rng.standard_normal((1, seq, 4, 8)).astype(np.float32)
+        out = rlx_core.compile(g, profile="default").run(x=x_)["heads"]
+        np.testing.assert_allclose(out, np.exp(np.tanh(x_.astype(np.float64)).transpose(0, 2, 1, 3)),
+                                   rtol=1e-6)
+
+
 def test_a_view_keeps_its_base_alive():
     """A value used only through a later view must not be overwritten before that use."""
     m = Builder("late_view", "mir")

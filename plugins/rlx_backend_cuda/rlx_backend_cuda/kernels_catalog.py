@@ -29,17 +29,18 @@ def catalog() -> list:
         out.append((f"topk {t}", S.render(S.TOPK, TX=t, ACC=acc, LOAD="LD(ACC, v)"), "rlx_topk"))
         out.append((f"cumsum {t}", S.render(S.CUMSUM, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
                                             STORE=f"ST({t}, v)"), "rlx_cumsum"))
-        out.append((f"rope {t}", S.render(S.ROPE, TX=t, TC="float", TO=t, ACC=acc, INTERLEAVED=1), "rlx_rope"))
+        for hp in (0, 1):
+            out.append((f"rope {t} {hp}", S.render(S.ROPE, TX=t, TC="float", TO=t, ACC=acc, INTERLEAVED=hp,
+                                                   HAS_POS=hp, TP="int"), "rlx_rope"))
         for mk, mm in ((1, 0), (2, 1), (0, 2)):
             common = dict(MASKKIND=mk, MASKMODE=mm, TM="bool" if mm == 1 else t, TP="long long", HAS_POS=1)
-            out.append((f"attn_split {t} {mk}{mm}", S.render(S.ATTN_SPLIT, TQ=t, TK=t, TV=t, ACC=acc, DK=64,
-                                                            DV=64, ROWS=4, **common), "rlx_attn_split"))
+            out.append((f"attn_split {t} {mk}{mm}", S.render(S.ATTN_SPLIT, TQ=t, TK=t, TV=t, TO=t, ACC=acc,
+                                                            DK=64, DV=64, ROWS=4, **common), "rlx_attn_split"))
             out.append((f"mask_fill {t}", S.render(S.MASK_FILL, TS=t, TO=t, ACC=acc, **common), "rlx_mask_fill"))
             if t in ("__nv_bfloat16", "__half"):
                 for d, vec in ((64, 1), (128, 0), (32, 1), (96, 1)):
                     out.append((f"attn_tc {t} {d}", S.render(S.ATTN_TC, T=t, MMAT="bf16" if "bf" in t else "f16",
                                                             D=d, VEC=vec, **common), "rlx_attn_tc"))
-        out.append((f"combine {t}", S.render(S.ATTN_COMBINE, TO=t, ACC=acc), "rlx_attn_combine"))
         out.append((f"gather {t}", S.render(S.GATHER, TT=t, TI="long long"), "rlx_gather"))
     out.append(("reduce int", S.render(S.REDUCE, TX="int", TO="int", ACC="long long", LOAD="(ACC)(v)",
                                        COMB="rlx_maxi<ACC>((a), (b))", IDENT="((ACC)(-9223372036854775807LL - 1))",
@@ -47,7 +48,9 @@ def catalog() -> list:
     out.append(("cumsum bool", S.render(S.CUMSUM, TX="bool", TO="bool", ACC="long long", LOAD="(ACC)(v)",
                                         STORE="(v != 0)"), "rlx_cumsum"))
     for t in ("__nv_bfloat16", "__half"):
-        out.append((f"gemv {t}", S.render(S.GEMV, T=t, TO=t, MMAX=4), "rlx_gemv"))
+        for r, u, sw in ((1, 4, 0), (2, 8, 0), (2, 4, 1)):
+            out.append((f"gemv {t} {r} {u} {sw}", S.render(S.GEMV, T=t, TO=t, MMAX=4, R=r, U=u, SWIGLU=sw),
+                        "rlx_gemv"))
     out.append(("naive", S.render(S.MATMUL_NAIVE, TA="int", TB="int", TO="int", ACC="long long",
                                   MAC="(s) + (a) * (b)"), "rlx_matmul_naive"))
     out.append(("naive bool", S.render(S.MATMUL_NAIVE, TA="bool", TB="bool", TO="bool", ACC="bool",

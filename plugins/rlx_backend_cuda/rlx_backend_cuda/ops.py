@@ -63,11 +63,16 @@ def _mat_layout(R, C, sr, sc):
 _CUDA_T = {F32: "CUDA_R_32F", F64: "CUDA_R_64F", F16: "CUDA_R_16F", BF16: "CUDA_R_16BF"}
 
 
-def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V) -> None:
+def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None) -> bool:
+    """out <- a @ w (cuBLAS, or the GEMV kernel for decode shapes). swiglu: also compute the
+    fused_swiglu of out's two halves into this array in the same step; returns False
+    (adding no step) when that epilogue cannot be fused here."""
     cp = b.cp
     od = out.dt
+    if swiglu is not None and (od not in LOW or a.dt is not od or w.dt is not od or out.size == 0):
+        return False
     if out.size == 0:
-        return
+        return True
     if not od.is_float:
         return _matmul_naive(b, a, w, ta, tb, out)
     if a.dt is not od:
@@ -91,6 +96,8 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V) -> None:
     la, lda = _mat_layout(M, K, sa[-2], sa[-1])
     lb, ldb = _mat_layout(K, N, sb[-2], sb[-1])
     if la is None or lb is None:
+        if swiglu is not None:
+            return False
         if la is None:
             a = b.contiguous(V(A, od))
             A = a.arr
@@ -104,7 +111,9 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V) -> None:
     if (od in LOW and lb == "c" and ldb == K and (nb == 1 or all(s == 0 for s in sb[:-2]))
             and a.contiguous() and not ta and M * nb <= 8 and math.prod(a.shape[:-2]) == nb and K % 8 == 0 and out.contiguous()
             and Bm.data.ptr % 16 == 0 and A.data.ptr % 16 == 0):
-        gemv = _gemv_step(b, Ab, Bm, out, M * nb, N, K)
+        gemv = _gemv_step(b, Ab, Bm, out if swiglu is None else swiglu, M * nb, N, K, swiglu is not None)
+    if swiglu is not None and gemv is None:
+        return False
     # batch offsets: collapse batch dims, loop over all but the innermost
     sc_ = [math.prod(out.shape[i + 1:]) for i in range(len(out.shape))]
     dims = [(d, sa[i], sb[i], sc_[i]) for i, d in enumerate(batch) if d != 1]
@@ -149,23 +158,43 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V) -> None:
             else:
                 lib.gemm_strided(handle, opx, opy, N, M, K_, ap, px, dtype_c, ldx, s_b, py, dtype_c, ldy,
                                  s_a, bp, pcc, dtype_c, N, s_c, cnt, compute)
+    tail: list = []
+    if swiglu is not None:          # the unfused epilogue, for the cuBLAS switch
+        h = N // 2
+        mark = len(b.steps)
+        b.elementwise(((("fused_swiglu", (), (0, 1))),), [V(out.arr[..., :h], od), V(out.arr[..., h:], od)],
+                      swiglu)
+        tail = [st.fn for st in b.steps[mark:]]
+        del b.steps[mark:]
     if gemv is None:
         b.add(blas)
     else:
         def dispatch():
-            (gemv if CONFIG["gemv"] else blas)()
+            if CONFIG["gemv"]:
+                return gemv()
+            blas()
+            for fn in tail:
+                fn()
         b.add(dispatch)
+    return True
 
 
-def _gemv_step(b, Ab, W, out: V, M: int, N: int, K: int):
+GEMV_ROWS, GEMV_LOADS = 1, 4      # rows of W per warp, 16-byte loads in flight per row and lane
+
+
+def _gemv_step(b, Ab, W, out: V, M: int, N: int, K: int, swiglu: bool = False):
+    """The GEMV launch for out[M, N] (swiglu: out[M, N/2] = silu(gate) * up)."""
     t = ctype(out.dt)
     mmax = 1
     while mmax < M:
         mmax *= 2
-    src = sources.render(sources.GEMV, T=t, TO=t, MMAX=mmax)
+    rows = 2 if swiglu else GEMV_ROWS
+    src = sources.render(sources.GEMV, T=t, TO=t, MMAX=mmax, R=rows, U=GEMV_LOADS, SWIGLU=int(swiglu))
     fn = b.kernel(src, "rlx_gemv")
-    args = (Ab, i64(K), W, out.arr, i32(M), i32(N), i32(K))
-    grid, block, stream = ((N + 7) // 8,), (256,), b.stream
+    n_out = N // 2 if swiglu else N
+    warps = n_out if swiglu else -(-N // rows)
+    args = (Ab, i64(K), W, out.arr, i32(M), i32(n_out), i32(K))
+    grid, block, stream = ((warps + 7) // 8,), (256,), b.stream
 
     def run():
         fn(grid, block, args, 0, stream)
@@ -193,7 +222,42 @@ def _matmul_naive(b, a: V, w: V, ta, tb, out: V) -> None:
               i64(K * N), i64(N), i64(1)))
 
 
+def _swiglu_consumer(b, n) -> int | None:
+    """The fused_swiglu node taking this matmul's two last-axis halves (gate, up) as the
+    only uses of its output (decode's gate/up projection), or None."""
+    N = n.outs[0].dims[-1]
+    nodes = b.r.lir.graph.nodes
+    use = b.consumers(b.node)
+    if len(use) != 2 or N % 2:
+        return None
+    found = set()
+    for j, _ in use:
+        m = nodes[j] if j >= 0 else None
+        if m is None or m.op != "narrow" or m.a["length"] != N // 2:
+            return None
+        if m.a["axis"] % len(m.outs[0].dims) != len(m.outs[0].dims) - 1:
+            return None
+        sw = b.sole_consumer(j, "fused_swiglu")
+        if sw is None:
+            return None
+        found.add((sw[0], m.a["start"] % N, sw[1]))
+    sws = {f[0] for f in found}
+    if len(sws) != 1 or {f[1:] for f in found} != {(0, 0), (N // 2, 1)}:
+        return None
+    j = sws.pop()
+    return j if nodes[j].outs[0].dtype is n.outs[0].dtype else None
+
+
 def _b_matmul(b, n, ins, outs):
+    sw = _swiglu_consumer(b, n)
+    if sw is not None:
+        dst = b.out_value(sw)
+        if not b.disjoint(dst, ins[0]):
+            # the planner may give swiglu's bytes to x (dead by the swiglu node): not here
+            dst = b.vals[(sw, 0)] = b.buffer(dst.shape, dst.dt, "fused swiglu output")
+        if _matmul(b, ins[0], ins[1], n.a["trans_a"], n.a["trans_b"], outs[0], swiglu=dst):
+            b.absorbed.add(sw)
+            return
     _matmul(b, ins[0], ins[1], n.a["trans_a"], n.a["trans_b"], outs[0])
 
 
@@ -462,6 +526,8 @@ def _grid(n, sms, block=256):
 
 def _v_kv_write(b, n, ins):
     cache, new, pos = ins
+    if b.node in b.absorbed:          # its producer (rope) wrote the rows already
+        return cache
     pos = b.contiguous(pos)
     ax = n.a["axis"] % len(cache.shape)
     if ax == 0:
@@ -599,11 +665,11 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
         raise BackendError(f"cuda backend: attention head_dim {Dk}/{Dv} is too large (node %{b.node})")
     rowblocks = (rows_needed + ROWS - 1) // ROWS
     blocks = B * KVH * rowblocks
-    nsplit = max(1, min(-(-2 * b.sms // blocks), -(-max(Sk, 1) // 16)))
+    nsplit = max(1, min(-(-2 * b.sms // blocks), -(-max(Sk, 1) // 16), 64))   # the merge takes <= 64
     chunk = -(-max(Sk, 1) // nsplit)
     nsplit = -(-max(Sk, 1) // chunk)
     src = sources.render(sources.ATTN_SPLIT, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt), ACC=acc,
-                         DK=Dk, DV=Dv, ROWS=ROWS, **common)
+                         TO=ctype(out.dt), DK=Dk, DV=Dv, ROWS=ROWS, **common)
     fn_s = b.kernel(src, "rlx_attn_split")
     pdt = F64 if acc == "double" else F32
     part_o = b.buffer((nsplit * B * H * Sq * Dv,), pdt, "attention partials")
@@ -611,18 +677,12 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
     args_s = (q.arr, i64(qs[0]), i64(qs[1]), i64(qs[2]), k.arr, i64(ks[0]), i64(ks[1]), i64(ks[2]),
               v.arr, i64(vs[0]), i64(vs[1]), i64(vs[2]), mv, *[i64(s) for s in mst], pv.arr if pv else None,
               part_o.arr, part_ml.arr, i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk), i32(chunk), scale, cap,
-              window)
-    src_c = sources.render(sources.ATTN_COMBINE, TO=ctype(out.dt), ACC=acc)
-    fn_c = b.kernel(src_c, "rlx_attn_combine")
-    rows = B * H * Sq
-    args_c = (part_o.arr, part_ml.arr, out.arr, i32(rows), i32(nsplit), i32(Dv))
-    grid_s, grid_c = (B * KVH, rowblocks, nsplit), (rows,)
-    block_c = (min(256, max(32, (Dv + 31) // 32 * 32)),)
+              window, b.counters(B * KVH * rowblocks), out.arr)
+    grid_s = (B * KVH, rowblocks, nsplit)
     stream = b.stream
 
     def split():
         fn_s(grid_s, (128,), args_s, 0, stream)
-        fn_c(grid_c, block_c, args_c, 0, stream)
     if tc is None:
         b.add(split)
     else:
@@ -637,25 +697,39 @@ def _b_attention(b, n, ins, outs):
     _attention(b, a, q, k, v, mask, pos, outs[0])
 
 
-def _rope(b, x: V, cos: V, sin: V, style: str, out: V) -> None:
-    if out.size == 0:
+def _rope(b, x: V, cos: V, sin: V, style: str, out: V, into=None) -> None:
+    """out <- rope(x). into = (cache, pos, kv_write node): write the rows into the cache at
+    pos instead (out is then the cache, axis 2 the position axis)."""
+    if x.size == 0:
         return
     c = b.contiguous(cos)
     s = b.contiguous(sin, c.dt)
     B, H, S, D = x.shape
     half = c.shape[-1]
     xs = x.es
+    pos, nax, node = (b.contiguous(into[1]), out.shape[2], into[2]) if into else (None, 0, 0)
     src = sources.render(sources.ROPE, TX=ctype(x.dt), TC=ctype(c.dt), TO=ctype(out.dt),
-                         ACC=acc_of(x.dt), INTERLEAVED=int(style == "interleaved"))
+                         ACC=acc_of(x.dt), INTERLEAVED=int(style == "interleaved"),
+                         HAS_POS=int(into is not None), TP=ctype(pos.dt) if pos else "int")
     fn = b.kernel(src, "rlx_rope")
     total = B * H * S * (half + D - 2 * half)
     b.launch(fn, _grid(total, b.sms), (256,), (x.arr, c.arr, s.arr, out.arr, i32(B), i32(H), i32(S), i32(D),
-                                               i32(half), i64(xs[0]), i64(xs[1]), i64(xs[2]), i64(xs[3]),
-                                               i32(len(c.shape) == 3)))
+                                               i32(half), *[i64(v) for v in xs], i32(len(c.shape) == 3),
+                                               *[i64(v) for v in out.es], pos.arr if pos else None,
+                                               i64(nax), b.r.err, i32(node)))
 
 
 def _b_rope(b, n, ins, outs):
-    _rope(b, ins[0], ins[1], ins[2], n.a["style"], outs[0])
+    out, into = outs[0], None
+    use = b.sole_consumer(b.node, "kv_write")
+    if use is not None and use[1] == 1:
+        # rope feeding a kv_write (decode's k): write straight into the cache at pos
+        w = b.r.lir.graph.nodes[use[0]]
+        cache = b.vals[tuple(w.inputs[0])]
+        if w.a["axis"] % 4 == 2 and cache.dt is out.dt and len(cache.shape) == 4:
+            out, into = cache, (cache, b.vals[tuple(w.inputs[2])], use[0])
+            b.absorbed.add(use[0])
+    _rope(b, ins[0], ins[1], ins[2], n.a["style"], out, into)
 
 
 def _b_attn_block(b, n, ins, outs):

@@ -125,6 +125,55 @@ class Build:
         self.node = -1
         self.op = ""
         self.keep: list = []          # host buffers the launches point at (alpha/beta)
+        # producer/consumer fusion: a step may compute a later node too (its epilogue)
+        self.vals: dict = {}          # (node, out) -> V built so far
+        self.uses: dict = {}          # (node, out) -> [(consumer node, input position)]
+        for j, n in enumerate(runner.lir.graph.nodes):
+            for pos, r in enumerate(n.inputs):
+                self.uses.setdefault(tuple(r), []).append((j, pos))
+        for _, r in runner.lir.graph.outputs:
+            self.uses.setdefault(tuple(r), []).append((-1, 0))
+        self.absorbed: set = set()    # nodes an earlier step already computed
+
+    # -- fusion helpers
+    def consumers(self, i: int, k: int = 0) -> list:
+        """[(node, input position)] using value (i, k); node -1 is a graph output."""
+        return self.uses.get((i, k), [])
+
+    def sole_consumer(self, i: int, op: str, k: int = 0):
+        """The one node using (i, k), if there is exactly one, it is an `op` and not an output."""
+        use = self.consumers(i, k)
+        if len(use) == 1 and use[0][0] >= 0 and self.r.lir.graph.nodes[use[0][0]].op == op:
+            return use[0]
+        return None
+
+    def counters(self, n: int):
+        """n zeroed int32 counters a kernel leaves at zero again (outside `private`, so
+        poisoning the scratch buffers for a test leaves them alone)."""
+        arr = device.empty((n,), DType.I32, f"counters of node %{self.node} ({self.op})")
+        arr.fill(0)
+        self.r.counters.append(arr)
+        return arr
+
+    @staticmethod
+    def disjoint(a: V, c: V) -> bool:
+        """Whether two contiguous arrays share no byte (False when unsure): a step computing a
+        later node's output early must not write bytes its own inputs still occupy."""
+        if not (a.contiguous() and c.contiguous()):
+            return False
+        pa, pc = a.arr.data.ptr, c.arr.data.ptr
+        return pa + a.arr.nbytes <= pc or pc + c.arr.nbytes <= pa
+
+    def out_value(self, i: int, k: int = 0) -> V:
+        """The arena array of node i's output k (made once; an epilogue may fill it early)."""
+        v = self.vals.get((i, k))
+        if v is None:
+            s = self.r.lir.graph.nodes[i].outs[k]
+            sl = self.r.lir.slots[(i, k)]
+            v = V(self.cp.ndarray(s.dims, device.storage_dtype(s.dtype), memptr=self.r.arena + sl.offset),
+                  s.dtype)
+            self.vals[(i, k)] = v
+        return v
 
     # -- memory
     def buffer(self, shape, dt: DType, what: str = "scratch") -> V:
@@ -238,6 +287,7 @@ class CudaRunner(Runner):
         cp = device.cupy()
         lir, g = self.lir, self.lir.graph
         self.private: list = []
+        self.counters: list = []
         self.graph = None
         self.graph_version = None
         self.runs = 0
@@ -264,7 +314,7 @@ class CudaRunner(Runner):
         self.in_dev = device.alloc(max(tot, 64), f"inputs of graph {self.name!r}")
         self.in_pin = cp.cuda.alloc_pinned_memory(max(tot, 64))
         self.in_host = np.frombuffer(self.in_pin, np.uint8, max(tot, 64))
-        vals: dict = {}
+        vals = b.vals
         self.inputs = {}
         for (name, i, s), off in zip(ins, offs):
             arr = cp.ndarray(s.dims, device.storage_dtype(s.dtype), memptr=self.in_dev + off)
@@ -299,12 +349,9 @@ class CudaRunner(Runner):
             if n.op in VIEW_BUILDERS:
                 vals[(i, 0)] = VIEW_BUILDERS[n.op](b, n, ins_v)
                 continue
-            outs = []
-            for k, s in enumerate(n.outs):
-                sl = lir.slots[(i, k)]
-                arr = cp.ndarray(s.dims, device.storage_dtype(s.dtype), memptr=self.arena + sl.offset)
-                outs.append(V(arr, s.dtype))
-                vals[(i, k)] = outs[-1]
+            outs = [b.out_value(i, k) for k in range(len(n.outs))]
+            if i in b.absorbed:
+                continue
             fn = BUILDERS.get(n.op)
             if fn is None:
                 raise BackendError(f"cuda backend: no kernel for op {n.op!r} (node %{i})")
@@ -463,7 +510,10 @@ class CudaRunner(Runner):
 
     # ------------------------------------------------------------------ introspection
     def describe(self) -> dict:
-        return {"steps": len(self.steps), "graph": self.graph is not None,
+        ops: dict = {}
+        for st in self.steps:
+            ops[st.op] = ops.get(st.op, 0) + 1
+        return {"steps": len(self.steps), "steps_by_op": ops, "graph": self.graph is not None,
                 "capturable": self.capturable, "capture_failed": self.capture_failed,
                 "arena_bytes": self.lir.arena_bytes}
 

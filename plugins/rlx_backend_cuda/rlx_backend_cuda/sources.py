@@ -22,7 +22,10 @@ PRELUDE = r"""
 typedef __hip_bfloat16 __nv_bfloat16;
 #define RLX_HIP 1
 #define SHFL_XOR(v, m) __shfl_xor((v), (m))
+#define LDCG(p) (*(volatile const decltype(+*(p))*)(p))
+#define __syncwarp() __builtin_amdgcn_wave_barrier()
 #else
+#define LDCG(p) __ldcg(p)
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #define SHFL_XOR(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
@@ -423,10 +426,14 @@ $DECOMP
 }
 """
 
+# RoPE over x [B, H, S, D] (any strides) into out (any strides). HAS_POS: out is a KV cache
+# and row s goes to position pos[b] + s (the kv_write this rope feeds, done in one pass).
 ROPE = r"""
 extern "C" __global__ void rlx_rope(const $TX* __restrict__ x, const $TC* __restrict__ cs,
     const $TC* __restrict__ sn, $TO* __restrict__ out, int B, int H, int S, int D, int half,
-    long long xs0, long long xs1, long long xs2, long long xs3, int per_batch) {
+    long long xs0, long long xs1, long long xs2, long long xs3, int per_batch,
+    long long os0, long long os1, long long os2, long long os3,
+    const $TP* __restrict__ pos, long long nax, int* err, int node) {
   typedef $ACC ACC;
   const int W = half + (D - 2 * half);
   const i64 total = (i64)B * H * S * W;
@@ -434,7 +441,12 @@ extern "C" __global__ void rlx_rope(const $TX* __restrict__ x, const $TC* __rest
     int t = (int)(i % W); i64 row = i / W;
     int s = (int)(row % S); int h = (int)((row / S) % H); int b = (int)(row / ((i64)S * H));
     const i64 xb = b * xs0 + h * xs1 + s * xs2;
-    $TO* o = out + row * D;
+    i64 p = 0;
+#if $HAS_POS
+    p = (i64)pos[b];
+    if (p < 0 || p + S > nax) { rlx_error(err, 2, node, p, nax); continue; }
+#endif
+    $TO* o = out + b * os0 + h * os1 + (s + p) * os2;
     if (t < half) {
       const i64 ci = (per_batch ? (i64)b * S * half : 0) + (i64)s * half + t;
       const ACC cc = LD(ACC, cs[ci]), ss = LD(ACC, sn[ci]);
@@ -444,11 +456,11 @@ extern "C" __global__ void rlx_rope(const $TX* __restrict__ x, const $TC* __rest
       const int d1 = t, d2 = t + half;
 #endif
       const ACC x1 = LD(ACC, x[xb + d1 * xs3]), x2 = LD(ACC, x[xb + d2 * xs3]);
-      o[d1] = ST($TO, x1 * cc - x2 * ss);
-      o[d2] = ST($TO, x2 * cc + x1 * ss);
+      o[d1 * os3] = ST($TO, x1 * cc - x2 * ss);
+      o[d2 * os3] = ST($TO, x2 * cc + x1 * ss);
     } else {
       const int d = 2 * half + (t - half);
-      o[d] = ST($TO, LD(ACC, x[xb + d * xs3]));
+      o[d * os3] = ST($TO, LD(ACC, x[xb + d * xs3]));
     }
   }
 }
@@ -494,7 +506,9 @@ extern "C" __global__ void rlx_mask_fill(const $TS* __restrict__ sc, long long s
 # grid (B*KVH, ceil(Sq*G/ROWS), nsplit), 128 threads: the block's rows are (query i,
 # head g of this kv head) pairs, so K/V are read once for all G heads (GQA-native).
 # Each warp walks keys j = start+warp, +4, ...; lanes split the head dims. Writes
-# unnormalized partials (acc, max, sum) per split; rlx_attn_combine merges them.
+# unnormalized partials (acc, max, sum) per split; the last block of each (b, kv head, row
+# block) to finish merges them in the same launch (one launch, not a second combine kernel;
+# `counters` start at 0 and that block resets its own).
 ATTN_SPLIT = ATTN_MASK + r"""
 #define NW 4
 extern "C" __global__ void __launch_bounds__(128) rlx_attn_split(
@@ -503,7 +517,8 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_split(
     const $TV* __restrict__ v, long long vsb, long long vsh, long long vss,
     const $TM* __restrict__ mask, long long m0, long long m1, long long m2, long long m3,
     const $TP* __restrict__ pos, $ACC* __restrict__ part_o, $ACC* __restrict__ part_ml,
-    int B, int H, int KVH, int Sq, int Sk, int chunk, double scale_d, double cap_d, int window) {
+    int B, int H, int KVH, int Sq, int Sk, int chunk, double scale_d, double cap_d, int window,
+    int* __restrict__ counters, $TO* __restrict__ out) {
   typedef $ACC ACC;
   constexpr int EK = ($DK + 31) / 32, EV = ($DV + 31) / 32;
   const int G = H / KVH;
@@ -544,35 +559,67 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_split(
   const i64 ce = min(((i64)split + 1) * chunk, kend);
   const $TK* kb = k + b * ksb + kvh * ksh;
   const $TV* vb = v + b * vsb + kvh * vsh;
-  for (i64 j = cs + warp; j < ce; j += NW) {
-    ACC kv[EK], vv[EV];
-#pragma unroll
-    for (int e = 0; e < EK; ++e) { const int d = lane + 32 * e; kv[e] = d < $DK ? LD(ACC, kb[j * kss + d]) : (ACC)0; }
-#pragma unroll
-    for (int e = 0; e < EV; ++e) { const int d = lane + 32 * e; vv[e] = d < $DV ? LD(ACC, vb[j * vss + d]) : (ACC)0; }
-#pragma unroll
-    for (int r = 0; r < $ROWS; ++r) {
-      ACC s = 0;
-#pragma unroll
-      for (int e = 0; e < EK; ++e) s += qr[r][e] * kv[e];
-      s = warp_sum(s);
-      s = s * scale;
-      if (cap_d != 0.0) s = tanh(s / cap) * cap;
-      bool keep = valid[r];
-      RLX_KEEP(qpos[r], j, keep);
+  // KU keys per warp and round, all loaded before any math (latency, not bandwidth, bounds
+  // a decode step's short chunks)
+  constexpr int KU = $DK <= 64 ? 8 : $DK <= 128 ? 4 : 2;
+  for (i64 j0 = cs + warp; j0 < ce; j0 += NW * KU) {
+    ACC kvu[KU][EK], vvu[KU][EV];
 #if $MASKMODE == 1
-      keep = keep && (mask[b * m0 + hh[r] * m1 + ii[r] * m2 + j * m3] != 0);
+    bool mku[KU][$ROWS];
 #elif $MASKMODE == 2
-      s = s + LD(ACC, mask[b * m0 + hh[r] * m1 + ii[r] * m2 + j * m3]);
+    ACC mku[KU][$ROWS];
 #endif
-      if (!keep) continue;
-      const ACC mn = s > m[r] ? s : m[r];
-      if (!(mn > -(ACC)RLX_INF)) continue;
-      const ACC a = exp(m[r] - mn), p = exp(s - mn);
-      l[r] = l[r] * a + p;
 #pragma unroll
-      for (int e = 0; e < EV; ++e) acc[r][e] = acc[r][e] * a + p * vv[e];
-      m[r] = mn;
+    for (int u = 0; u < KU; ++u) {
+      const i64 j = j0 + u * NW;
+#if $MASKMODE == 1
+#pragma unroll
+      for (int r = 0; r < $ROWS; ++r) mku[u][r] = j < ce && mask[b * m0 + hh[r] * m1 + ii[r] * m2 + j * m3] != 0;
+#elif $MASKMODE == 2
+#pragma unroll
+      for (int r = 0; r < $ROWS; ++r) mku[u][r] = j < ce ? LD(ACC, mask[b * m0 + hh[r] * m1 + ii[r] * m2 + j * m3]) : (ACC)0;
+#endif
+#pragma unroll
+      for (int e = 0; e < EK; ++e) {
+        const int d = lane + 32 * e;
+        kvu[u][e] = (j < ce && d < $DK) ? LD(ACC, kb[j * kss + d]) : (ACC)0;
+      }
+#pragma unroll
+      for (int e = 0; e < EV; ++e) {
+        const int d = lane + 32 * e;
+        vvu[u][e] = (j < ce && d < $DV) ? LD(ACC, vb[j * vss + d]) : (ACC)0;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      const i64 j = j0 + u * NW;
+      if (j >= ce) break;
+      const ACC* kv = kvu[u];
+      const ACC* vv = vvu[u];
+#pragma unroll
+      for (int r = 0; r < $ROWS; ++r) {
+        ACC s = 0;
+#pragma unroll
+        for (int e = 0; e < EK; ++e) s += qr[r][e] * kv[e];
+        s = warp_sum(s);
+        s = s * scale;
+        if (cap_d != 0.0) s = tanh(s / cap) * cap;
+        bool keep = valid[r];
+        RLX_KEEP(qpos[r], j, keep);
+#if $MASKMODE == 1
+        keep = keep && mku[u][r];
+#elif $MASKMODE == 2
+        s = s + mku[u][r];
+#endif
+        if (!keep) continue;
+        const ACC mn = s > m[r] ? s : m[r];
+        if (!(mn > -(ACC)RLX_INF)) continue;
+        const ACC a = exp(m[r] - mn), p = exp(s - mn);
+        l[r] = l[r] * a + p;
+#pragma unroll
+        for (int e = 0; e < EV; ++e) acc[r][e] = acc[r][e] * a + p * vv[e];
+        m[r] = mn;
+      }
     }
   }
   // merge the warps of this block
@@ -604,31 +651,64 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_split(
     part_o[orow * $DV + d] = O;
     if (d == 0) { part_ml[orow * 2] = M; part_ml[orow * 2 + 1] = L; }
   }
-}
-"""
-
-ATTN_COMBINE = r"""
-extern "C" __global__ void rlx_attn_combine(const $ACC* __restrict__ part_o, const $ACC* __restrict__ part_ml,
-    $TO* __restrict__ out, int rows, int nsplit, int dv) {
-  typedef $ACC ACC;
-  const i64 row = blockIdx.x;
-  const ACC NINF = -(ACC)RLX_INF;
-  ACC M = NINF;
-  for (int s = 0; s < nsplit; ++s) { ACC m = part_ml[((i64)s * rows + row) * 2]; M = m > M ? m : M; }
-  ACC L = 0;
-  if (M > NINF)
-    for (int s = 0; s < nsplit; ++s) {
-      const ACC m = part_ml[((i64)s * rows + row) * 2];
-      if (m > NINF) L += part_ml[((i64)s * rows + row) * 2 + 1] * exp(m - M);
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int slot = blockIdx.x * gridDim.y + blockIdx.y;
+    last = atomicAdd(counters + slot, 1) == (int)gridDim.z - 1;
+    if (last) counters[slot] = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // merge the splits (at most 64): one warp per row; lanes take the splits' (max, sum) and
+  // weights in one round, then each lane sums its head dims over the splits with the loads
+  // independent of each other (a few L2 round trips, not one per split)
+  __shared__ ACC wsplit[NW][64];
+  const int nsplit = gridDim.z;
+  const i64 rows = (i64)B * H * Sq;
+  for (int r = warp; r < $ROWS; r += NW) {
+    const int rr = r0 + r;
+    if (rr >= Sq * G) continue;
+    const i64 row = ((i64)b * H + kvh * G + rr % G) * Sq + rr / G;
+    const ACC* ml = part_ml + row * 2;
+    ACC mv[2], lv[2], M = -(ACC)RLX_INF;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int sp = lane + 32 * t;
+      mv[t] = sp < nsplit ? LDCG(ml + sp * rows * 2) : -(ACC)RLX_INF;
+      lv[t] = sp < nsplit ? LDCG(ml + sp * rows * 2 + 1) : (ACC)0;
+      M = mv[t] > M ? mv[t] : M;
     }
-  for (int d = threadIdx.x; d < dv; d += blockDim.x) {
-    ACC O = 0;
-    if (L > 0)
-      for (int s = 0; s < nsplit; ++s) {
-        const ACC m = part_ml[((i64)s * rows + row) * 2];
-        if (m > NINF) O += part_o[((i64)s * rows + row) * dv + d] * exp(m - M);
+    M = warp_max(M);
+    ACC L = 0;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const ACC f = (M > -(ACC)RLX_INF && mv[t] > -(ACC)RLX_INF) ? exp(mv[t] - M) : (ACC)0;
+      wsplit[warp][lane + 32 * t] = f;
+      L += lv[t] * f;
+    }
+    L = warp_sum(L);
+    __syncwarp();
+    ACC O[EV];
+#pragma unroll
+    for (int e = 0; e < EV; ++e) O[e] = 0;
+#pragma unroll 8
+    for (int sp = 0; sp < nsplit; ++sp) {
+      const ACC f = wsplit[warp][sp];
+#pragma unroll
+      for (int e = 0; e < EV; ++e) {
+        const int d = lane + 32 * e;
+        if (d < $DV) O[e] += LDCG(part_o + (sp * rows + row) * $DV + d) * f;
       }
-    out[row * dv + d] = ST($TO, L > 0 ? O / L : (ACC)0);
+    }
+#pragma unroll
+    for (int e = 0; e < EV; ++e) {
+      const int d = lane + 32 * e;
+      if (d < $DV) out[row * $DV + d] = ST($TO, L > 0 ? O[e] / L : (ACC)0);
+    }
+    __syncwarp();
   }
 }
 """
@@ -812,42 +892,81 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
 """
 
 # --------------------------------------------------------------------------- matmul helpers
-# Decode GEMV: y[M, N] = x[M, K] @ W[N, K]^T for small M, 16-bit data, one warp per
-# output column, 16-byte loads of W rows (the bytes that bound a decode step).
+# Decode GEMV: y[M, N] = x[M, K] @ W[N, K]^T for small M, 16-bit data: one warp per $R
+# rows of W, 16-byte loads, $U of them in flight per row and lane (the weight bytes bound
+# a decode step, so the loads are issued before any arithmetic). SWIGLU: W is [2N, K]
+# (gate rows, then up rows); the warp computes gate row n and up row n + N and writes
+# silu(gate) * up, each rounded to $TO first as the unfused matmul would.
 GEMV = r"""
 extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const $T* __restrict__ x, long long xrs,
     const $T* __restrict__ w, $TO* __restrict__ y, int M, int N, int K) {
   const int lane = threadIdx.x & 31;
   const int n = blockIdx.x * 8 + (threadIdx.x >> 5);
+#if $SWIGLU
   if (n >= N) return;
-  const uint4* wr = (const uint4*)(w + (i64)n * K);
-  float acc[$MMAX];
+#else
+  if (n * $R >= N) return;
+#endif
+  const uint4* wr[$R];
 #pragma unroll
-  for (int m = 0; m < $MMAX; ++m) acc[m] = 0.f;
+  for (int r = 0; r < $R; ++r) {
+#if $SWIGLU
+    const int row = n + r * N;
+#else
+    const int row = min(n * $R + r, N - 1);
+#endif
+    wr[r] = (const uint4*)(w + (i64)row * K);
+  }
+  float acc[$R][$MMAX];
+#pragma unroll
+  for (int r = 0; r < $R; ++r)
+#pragma unroll
+    for (int m = 0; m < $MMAX; ++m) acc[r][m] = 0.f;
   const int KV = K / 8;
-#pragma unroll 4
-  for (int c = lane; c < KV; c += 32) {
-    const uint4 wv = __ldg(wr + c);
-    const $T* wp = (const $T*)&wv;
-    float wf[8];
+  for (int c0 = lane; c0 < KV; c0 += 32 * $U) {
+    uint4 wv[$U][$R];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) wf[e] = tof(wp[e]);
+    for (int u = 0; u < $U; ++u)
 #pragma unroll
-    for (int m = 0; m < $MMAX; ++m) {
-      if (m < M) {
-        const uint4 xv = *(const uint4*)(x + m * xrs + c * 8);
-        const $T* xp = (const $T*)&xv;
+      for (int r = 0; r < $R; ++r)
+        wv[u][r] = c0 + 32 * u < KV ? __ldg(wr[r] + c0 + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[m] += wf[e] * tof(xp[e]);
+    for (int u = 0; u < $U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c >= KV) break;
+#pragma unroll
+      for (int m = 0; m < $MMAX; ++m) {
+        if (m < M) {
+          const uint4 xv = *(const uint4*)(x + m * xrs + c * 8);
+          const $T* xp = (const $T*)&xv;
+          float xf[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) xf[e] = tof(xp[e]);
+#pragma unroll
+          for (int r = 0; r < $R; ++r) {
+            const $T* wp = (const $T*)&wv[u][r];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[r][m] += tof(wp[e]) * xf[e];
+          }
+        }
       }
     }
   }
 #pragma unroll
   for (int m = 0; m < $MMAX; ++m) {
-    if (m < M) {
-      const float s = warp_sum(acc[m]);
-      if (lane == 0) y[(i64)m * N + n] = ST($TO, s);
-    }
+    if (m >= M) continue;
+    float s[$R];
+#pragma unroll
+    for (int r = 0; r < $R; ++r) s[r] = warp_sum(acc[r][m]);
+    if (lane != 0) continue;
+#if $SWIGLU
+    const float g = tof(ST($TO, s[0])), u = tof(ST($TO, s[1]));
+    y[(i64)m * N + n] = ST($TO, g * rlx_sigmoid(g) * u);
+#else
+#pragma unroll
+    for (int r = 0; r < $R; ++r)
+      if (n * $R + r < N) y[(i64)m * N + n * $R + r] = ST($TO, s[r]);
+#endif
   }
 }
 """

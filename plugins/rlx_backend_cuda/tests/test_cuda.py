@@ -413,6 +413,12 @@ def test_tiny_decode_kv_cache_graph_replay(rng, dt):
     runner = next(iter(exes["cuda"]._runners.values()))
     d = runner.describe()
     assert d["graph"], f"decode was not replayed as a CUDA graph: {d}"
+    # fused by the runner: rope writes k into the cache (only v's kv_write launches), the
+    # 16-bit gate/up GEMV computes the SwiGLU, attention merges its splits in one launch
+    ops = d["steps_by_op"]
+    assert ops.get("kv_write") == 1 and ops.get("rope") == 2, ops
+    assert ("fused_swiglu" in ops) is (dt not in (F16, BF16)), ops
+    assert ops.get("attention") == 1 and "transpose" not in ops, ops
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -456,6 +462,17 @@ def test_device_errors_are_model_errors(rng):
     exe = rlx_core.compile(Graph.define("kv", f), backend="cuda")
     with pytest.raises(ModelError, match="context full"):
         exe.run({"n": np.ones((1, 2, 2, 3), np.float32), "p": np.array([3], np.int32)})
+
+    def roped(m):           # the rope that writes straight into the cache checks it too
+        c = m.state("c", (1, 2, 4, 4))
+        k = m.rope(m.input("n", (1, 2, 1, 4)), m.input("cos", (1, 2)), m.input("sin", (1, 2)))
+        return m.kv_write(c, k, m.input("p", (1,), I32))
+    exe = rlx_core.compile(Graph.define("kv_rope", roped), backend="cuda")
+    ins = {"n": np.ones((1, 2, 1, 4), np.float32), "cos": np.ones((1, 2), np.float32),
+           "sin": np.zeros((1, 2), np.float32)}
+    assert exe.run(dict(ins, p=np.array([3], np.int32)))["out"][0, :, 3].tolist() == [[1.0] * 4] * 2
+    with pytest.raises(ModelError, match=r"kv_write\): kv_write: writing at position 4 .*context full"):
+        exe.run(dict(ins, p=np.array([4], np.int32)))
 
 
 @gpu

@@ -1,0 +1,71 @@
+"""Where a decode step's time goes when it runs as one CUDA graph: the Llama-3.2-1B-shape
+decode graph (benchmarks/llm_gpu.py's builder graph, bf16), replayed whole, then re-captured
+without each op kind in turn (results are then wrong; only the time is of interest) and with
+the matmuls alone. Prints ms per step and what each op kind costs in the graph.
+
+    python plugins/rlx_backend_cuda/tools/decode_ablation.py [--layers 16] [--ctx 768] [--pos 600]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks"))
+from llm_gpu import LLAMA_1B, llama_graphs, make_weights, rope_tables  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--ctx", type=int, default=768)
+    ap.add_argument("--pos", type=int, default=600)
+    a = ap.parse_args()
+    import cupy as cp
+
+    import rlx_core
+    from rlx_core.pipeline import StateStore
+
+    cfg = dict(LLAMA_1B, num_hidden_layers=a.layers)
+    dec = rlx_core.compile(llama_graphs(cfg, 1, a.ctx), backend="cuda", params=make_weights(cfg),
+                           states=StateStore())
+    c, s = rope_tables(cfg, [a.pos])
+    ins = {"ids": np.array([[7]]), "pos": np.array([a.pos], np.int32), "cos": c, "sin": s}
+    for _ in range(3):
+        dec.run(dict(ins))
+    r = next(iter(dec._runners.values()))
+    steps = list(r.steps)
+    stream = r.stream
+
+    def timed(keep) -> float:
+        r.steps = [st for st in steps if keep(st)]
+        r._capture()
+        with stream:
+            for _ in range(3):
+                r.graph.launch(stream)
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(stream)
+            for _ in range(50):
+                r.graph.launch(stream)
+            e1.record(stream)
+            e1.synchronize()
+        return cp.cuda.get_elapsed_time(e0, e1) / 50
+
+    full = timed(lambda st: True)
+    counts: dict = {}
+    for st in steps:
+        counts[st.op] = counts.get(st.op, 0) + 1
+    print(f"decode graph: {len(steps)} launches, {full:.3f} ms per step")
+    for op, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        t = timed(lambda st, op=op: st.op != op)
+        print(f"  {op:26s} {n:4d} launches: {full - t:.3f} ms ({(full - t) / n * 1e3:.1f} us each)")
+    mm = timed(lambda st: st.op == "matmul")
+    print(f"  matmuls alone: {mm:.3f} ms")
+    r.steps = steps
+    r._capture()
+
+
+if __name__ == "__main__":
+    main()
