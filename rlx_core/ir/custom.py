@@ -15,6 +15,9 @@ class CustomOp:
     meta: Callable                    # (list[Shape], params dict) -> tuple[Shape, ...]
     kernels: dict = attrs.field(factory=dict)   # backend name -> fn(*arrays, **params) -> array(s)
     doc: str = ""
+    # backend name -> fn(outs, *arrays, **params) writing into the preallocated output arrays
+    # `outs` (a list); preferred over kernels[backend]: no fresh result to copy into the arena
+    out_kernels: dict = attrs.field(factory=dict)
 
 
 _CUSTOM: dict[str, CustomOp] = {}

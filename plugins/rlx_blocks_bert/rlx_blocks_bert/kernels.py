@@ -110,6 +110,22 @@ def dense_numpy(x, w, b=None, *, act: str = "identity"):
     return y.reshape(x.shape[:-1] + (w.shape[0],))
 
 
+def dense_numpy_into(outs, x, w, b=None, *, act: str = "identity"):
+    """dense_numpy written straight into the arena's output (float32: GEMM, bias and the
+    activation in place, no result to copy)."""
+    y = outs[0]
+    if not (x.dtype == w.dtype == y.dtype == np.float32 and y.flags.c_contiguous):
+        np.copyto(y, dense_numpy(x, w, b, act=act), casting="unsafe")
+        return
+    y2 = y.reshape(-1, w.shape[0])
+    np.matmul(x.reshape(-1, x.shape[-1]), w.T, out=y2)
+    if b is not None:
+        y2 += b
+    r = _act(y2, act)
+    if r is not y2:
+        np.copyto(y2, r, casting="unsafe")
+
+
 def dense_meta(shapes, params):
     x, w = shapes[0], shapes[1]
     if params.get("act", "identity") not in ACTS:
@@ -127,7 +143,8 @@ def dense_meta(shapes, params):
 
 
 DENSE = CustomOp(NAME, dense_meta, {"numpy": dense_numpy},
-                 doc="act(x @ W^T + b) with HF-layout W [N, K]; one GEMM over the flattened rows")
+                 doc="act(x @ W^T + b) with HF-layout W [N, K]; one GEMM over the flattened rows",
+                 out_kernels={"numpy": dense_numpy_into})
 
 
 # ------------------------------------------------------------------------------ packed sequences
@@ -142,10 +159,12 @@ ADD_LN = "bert.add_layer_norm"
 POOL_MODES = ("mean", "cls", "max")
 
 
-def attention_groups(starts, lens, heads: int, budget: int = 1 << 22) -> list:
+def attention_groups(starts, lens, heads: int, budget: int = 1 << 22, slack: int = 1 << 16) -> list:
     """Segments grouped for batched attention: longest first, a group padded to its first
-    (longest) member while that wastes under 25% of its score matrix and stays under `budget`
-    scores. Each group: (idx [g, L] token indices, valid [g, L] or None when all full)."""
+    (longest) member while that wastes under 25% of its score matrix, or under `slack`
+    scores in all (for short texts one batched pass costs less than a few more passes over
+    a little padding), and stays under `budget` scores.
+    Each group: (idx [g, L] token indices, valid [g, L] or None when all full)."""
     st, ln = np.asarray(starts).astype(np.int64), np.asarray(lens).astype(np.int64)
     order = [int(i) for i in np.argsort(-ln, kind="stable") if ln[i] > 0]
     groups, cur, real = [], [], 0
@@ -154,7 +173,9 @@ def attention_groups(starts, lens, heads: int, budget: int = 1 << 22) -> list:
         if cur:
             top = int(ln[cur[0]])
             g = len(cur) + 1
-            if g * top * top * 4 <= 5 * (real + n * n) and g * top * top * heads <= budget:
+            padded = g * top * top
+            if (padded * 4 <= 5 * (real + n * n) or (padded - real - n * n) * heads <= slack) \
+                    and padded * heads <= budget:
                 cur.append(i)
                 real += n * n
                 continue
@@ -201,21 +222,43 @@ def varlen_attention_numpy(q, k, v, starts, lens, *, scale: float):
 def varlen_qkv_attention_numpy(qkv, starts, lens, *, heads: int, scale: float):
     """The same from a fused projection qkv [1, T, 3*H] ([q; k; v], heads-major within each):
     heads are split and merged by views, so the graph needs no transposes. -> [1, T, H]."""
-    x = qkv[0]
+    out = np.empty((1, qkv.shape[1], qkv.shape[2] // 3), np.result_type(qkv.dtype, np.float32))
+    varlen_qkv_attention_into([out], qkv, starts, lens, heads=heads, scale=scale)
+    return out
+
+
+def varlen_qkv_attention_into(outs, qkv, starts, lens, *, heads: int, scale: float):
+    """varlen_qkv_attention_numpy written into outs[0]; per group of segments: one gather of
+    their rows, q k^T batched over [segments, heads], softmax normalized on the smaller
+    [L, d] product (d <= L is rare for sentences, and either way it is one pass less)."""
+    if outs[0].dtype != np.result_type(qkv.dtype, np.float32):
+        np.copyto(outs[0], varlen_qkv_attention_numpy(qkv, starts, lens, heads=heads, scale=scale),
+                  casting="unsafe")
+        return
+    x, out = qkv[0], outs[0][0]
     hidden = x.shape[-1] // 3
     d = hidden // heads
-    out = np.zeros((1, x.shape[0], hidden), np.result_type(qkv.dtype, np.float32))
+    out.fill(0)
     sc = np.asarray(scale, out.dtype)
     for idx, valid in attention_groups(starts, lens, heads):
         g, top = idx.shape
         rows = x[idx].reshape(g, top, 3, heads, d)                             # one gather
-        q, k, v = (rows[:, :, j].transpose(2, 0, 1, 3) for j in range(3))      # [h, g, L, d] views
-        o = _softmax_attend(q, k, v, valid, sc).transpose(1, 2, 0, 3)          # [g, L, h, d]
+        q = rows[:, :, 0].transpose(0, 2, 1, 3)                                # [g, h, L, d] views
+        kt = rows[:, :, 1].transpose(0, 2, 3, 1)                               # [g, h, d, L]
+        v = rows[:, :, 2].transpose(0, 2, 1, 3)
+        a = np.matmul(q, kt)                                                   # [g, h, L, L]
+        a *= sc
+        if valid is not None:
+            a += np.where(valid, np.float32(0.0), np.float32(-np.inf))[:, None, None, :]
+        a -= a.max(-1, keepdims=True)
+        np.exp(a, out=a)
+        o = np.matmul(a, v)                                                    # [g, h, L, d]
+        o /= a.sum(-1, keepdims=True)
+        o = o.transpose(0, 2, 1, 3)                                            # [g, L, h, d]
         if valid is None:
-            out[0][idx.reshape(-1)] = o.reshape(g * top, hidden)
+            out[idx.reshape(-1)] = o.reshape(g * top, hidden)
         else:
-            out[0][idx[valid]] = o[valid].reshape(-1, hidden)
-    return out
+            out[idx[valid]] = o[valid].reshape(-1, hidden)
 
 
 def _segments_meta(shapes, what):
@@ -254,15 +297,28 @@ def varlen_qkv_meta(shapes, params):
 
 def add_layer_norm_numpy(x, r, g, b, *, eps: float):
     """LayerNorm(x + r) over the last axis with gamma g and beta b."""
-    h = np.add(x, r, dtype=np.result_type(x.dtype, np.float32))
+    h = np.empty(x.shape, np.result_type(x.dtype, np.float32))
+    add_layer_norm_into([h], x, r, g, b, eps=eps)
+    return h
+
+
+def add_layer_norm_into(outs, x, r, g, b, *, eps: float):
+    """add_layer_norm_numpy written into outs[0] (the sum, then normalized in place)."""
+    h = outs[0]
+    if h.dtype != np.result_type(x.dtype, np.float32) or not h.flags.c_contiguous:
+        np.copyto(h, add_layer_norm_numpy(x, r, g, b, eps=eps), casting="unsafe")
+        return
+    np.add(x, r, out=h)
     h2 = h.reshape(-1, h.shape[-1])
     h2 -= h2.mean(-1, keepdims=True)
-    var = np.einsum("ij,ij->i", h2, h2) / np.float32(h2.shape[-1])
+    var = np.einsum("ij,ij->i", h2, h2)
+    var *= np.float32(1.0 / h2.shape[-1])
     var += np.float32(eps)
-    h2 *= (np.float32(1.0) / np.sqrt(var))[:, None]
+    np.sqrt(var, out=var)
+    np.reciprocal(var, out=var)
+    h2 *= var[:, None]
     h2 *= g
     h2 += b
-    return h
 
 
 def add_layer_norm_meta(shapes, params):
@@ -276,8 +332,19 @@ def add_layer_norm_meta(shapes, params):
 
 def segment_pool_numpy(x, starts, lens, *, mode: str):
     """Per-segment pooling of x [1, T, H] -> [segments, H] (mean divides by max(n, 1e-9))."""
+    out = np.empty((len(starts), x.shape[-1]), np.result_type(x.dtype, np.float32))
+    segment_pool_into([out], x, starts, lens, mode=mode)
+    return out
+
+
+def segment_pool_into(outs, x, starts, lens, *, mode: str):
+    """segment_pool_numpy written into outs[0] (empty segments give zeros)."""
+    out = outs[0]
+    if out.dtype != np.result_type(x.dtype, np.float32):
+        np.copyto(out, segment_pool_numpy(x, starts, lens, mode=mode), casting="unsafe")
+        return
     x0 = x.reshape(-1, x.shape[-1])
-    out = np.zeros((len(starts), x0.shape[-1]), np.result_type(x.dtype, np.float32))
+    out.fill(0)
     for i, (s, n) in enumerate(zip(np.asarray(starts).tolist(), np.asarray(lens).tolist())):
         if n <= 0:
             continue
@@ -288,7 +355,6 @@ def segment_pool_numpy(x, starts, lens, *, mode: str):
             out[i] = x0[s]
         else:
             np.max(x0[s:s + n], axis=0, out=out[i])
-    return out
 
 
 def segment_pool_meta(shapes, params):
@@ -304,9 +370,12 @@ def segment_pool_meta(shapes, params):
 VARLEN_ATTENTION = CustomOp(VARLEN, varlen_meta, {"numpy": varlen_attention_numpy},
                             doc="bidirectional attention within each [start, start+len) segment")
 SEGMENT_POOL = CustomOp(SEGPOOL, segment_pool_meta, {"numpy": segment_pool_numpy},
-                        doc="mean / cls / max pooling of each segment of packed tokens")
+                        doc="mean / cls / max pooling of each segment of packed tokens",
+                        out_kernels={"numpy": segment_pool_into})
 VARLEN_QKV_ATTENTION = CustomOp(VARLEN_QKV, varlen_qkv_meta, {"numpy": varlen_qkv_attention_numpy},
-                                doc="bert.varlen_attention on a fused [q; k; v] projection")
+                                doc="bert.varlen_attention on a fused [q; k; v] projection",
+                                out_kernels={"numpy": varlen_qkv_attention_into})
 ADD_LAYER_NORM = CustomOp(ADD_LN, add_layer_norm_meta, {"numpy": add_layer_norm_numpy},
-                          doc="LayerNorm(x + residual) (post-norm residual blocks)")
+                          doc="LayerNorm(x + residual) (post-norm residual blocks)",
+                          out_kernels={"numpy": add_layer_norm_into})
 CUSTOM_OPS = (DENSE, VARLEN_ATTENTION, VARLEN_QKV_ATTENTION, SEGMENT_POOL, ADD_LAYER_NORM)

@@ -368,7 +368,10 @@ def _fused_elementwise(a, out, *ins):
 def _custom(a, out, *ins):
     from ...ir.custom import custom_op
 
-    res = custom_op(a["name"]).kernels["numpy"](*ins, **dict(a["params"]))
+    op = custom_op(a["name"])
+    if "numpy" in op.out_kernels:
+        return op.out_kernels["numpy"](out, *ins, **dict(a["params"]))
+    res = op.kernels["numpy"](*ins, **dict(a["params"]))
     res = res if isinstance(res, tuple) else (res,)
     for o, r in zip(out, res):
         put(o, r)
