@@ -155,7 +155,39 @@ def compile(module: Graph, profile: CompileProfile | str | None = None, backend=
 
 
 class StateStore(dict):
-    """Named device buffers shared by executables (a KV cache used by prefill and decode)."""
+    """Named device buffers shared by executables (a KV cache used by prefill and decode).
+    `version` changes whenever a buffer is put in or taken out, so a runner bound to the
+    buffers checks them once per change, not on every decode step."""
+    version = 0
+
+    def __setitem__(self, name, value):
+        super().__setitem__(name, value)
+        self.version += 1
+
+    def __delitem__(self, name):
+        super().__delitem__(name)
+        self.version += 1
+
+    def pop(self, *a):
+        self.version += 1
+        return super().pop(*a)
+
+    def update(self, *a, **kw):
+        super().update(*a, **kw)
+        self.version += 1
+
+    def clear(self):
+        super().clear()
+        self.version += 1
+
+
+def states_moved(states, bound: dict, seen) -> bool:
+    """Whether any of the `bound` buffers (name -> buffer) is no longer the one in `states`;
+    `seen` is the states' version when they last matched (a StateStore skips the check then)."""
+    version = getattr(states, "version", None)
+    if version is not None and version == seen:
+        return False
+    return any(states.get(n) is not a for n, a in bound.items())
 
 
 def _moves_only_unit_dims(dims: tuple, perm: tuple) -> bool:
@@ -201,13 +233,15 @@ class Executable:
                  shared: dict | None = None):
         self.backend, self.profile, self.source = backend, profile, source
         self.mir, self.prologue = hoist_params(mir)
+        # name -> Shape of each graph input (looked up on every run: a decode step's hot path)
+        self.input_specs = {n.name: n.outs[0] for n in self.mir.nodes if n.op == "input"}
         self.states = states if states is not None else StateStore()
         self.fixed_dims: dict = {}       # dims no input carries (the KV cache length "ctx")
         # executables of one model share uploaded and derived params through this cache
         self.shared = shared if shared is not None else {}
         self._params: dict = {}
         self._runners: dict = {}
-        self._bound: dict = {}           # runner key -> the state buffers it was compiled with
+        self._bound: dict = {}           # runner key -> (state buffers it was compiled with, version)
         self.lir_cache: dict = {}
         if params is not None:
             self.set_params(params)
@@ -274,7 +308,7 @@ class Executable:
     # -- running
     def _bind_dims(self, inputs: dict) -> dict:
         env: dict = {}
-        specs = {n.name: n.outs[0] for n in self.mir.nodes if n.op == "input"}
+        specs = self.input_specs
         missing = sorted(set(specs) - set(inputs))
         unexpected = sorted(set(inputs) - set(specs))
         if missing or unexpected:
@@ -296,8 +330,12 @@ class Executable:
     def runner(self, env: dict):
         key = tuple(sorted(env.items()))
         r = self._runners.get(key)
-        if r is not None and any(self.states.get(n) is not a for n, a in self._bound.get(key, {}).items()):
-            r = None        # another executable re-sized a shared state: bind the new buffers
+        if r is not None:
+            bound, seen = self._bound.get(key, ({}, None))
+            if states_moved(self.states, bound, seen):
+                r = None    # another executable re-sized a shared state: bind the new buffers
+            else:
+                self._bound[key] = (bound, getattr(self.states, "version", None))
         if r is None:
             if not self._params and self.param_specs:
                 raise ModelError(f"graph {self.mir.name!r}: params are not bound (set_params)")
@@ -310,7 +348,7 @@ class Executable:
                 if cur is None or tuple(cur.shape) != s.dims:
                     self.states[name] = self.backend.zeros(s.dims, s.dtype)
             r = self.backend.compile(lir, self._params, self.states)
-            self._bound[key] = {n: self.states[n] for n in g.states}
+            self._bound[key] = ({n: self.states[n] for n in g.states}, getattr(self.states, "version", None))
             self._runners[key] = r
             while len(self._runners) > MAX_RUNNERS:      # each holds an arena: keep the newest
                 oldest = next(iter(self._runners))
@@ -321,7 +359,7 @@ class Executable:
     def run(self, inputs: dict | None = None, **kw) -> dict:
         inputs = dict(inputs or {}, **kw)
         env = {**self.fixed_dims, **self._bind_dims(inputs)}
-        specs = {n.name: n.outs[0] for n in self.mir.nodes if n.op == "input"}
+        specs = self.input_specs
         arrays = {k: np.asarray(np.asarray(v).astype(specs[k].dtype.np, copy=False), order="C")
                   for k, v in inputs.items()}         # (np.ascontiguousarray turns 0-d into 1-d)
         return self.runner(env).run(arrays)
@@ -345,4 +383,4 @@ class Executable:
 
 
 __all__ = ["CompilePipeline", "Executable", "compile", "select_backend", "available_backends",
-           "StateStore", "specialize", "Level", "OPS", "MIR"]
+           "StateStore", "states_moved", "specialize", "Level", "OPS", "MIR"]

@@ -484,3 +484,28 @@ def test_states_shared_between_executables(rng):
     np.testing.assert_array_equal(store["cache.k"], ref_kv_write(np.zeros((1, 2, 8, 4)), k, [0]))
     out = decode.run(q=q1, k=k1, v=v1, pos=np.array([4], np.int32))["out"]
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_replaced_state_buffer_is_rebound(rng):
+    """When one executable puts new buffers into the shared StateStore (a cache re-sized for
+    another context length), another executable's runner built on the old ones rebinds."""
+    from rlx_core.pipeline import StateStore, states_moved
+
+    store = StateStore()
+    a = rlx_core.compile(_cache_graph(max_len="ctx"), profile="default", states=store)
+    b = rlx_core.compile(_cache_graph(max_len="ctx"), profile="fusable", states=store)
+    a.fixed_dims = b.fixed_dims = {"ctx": 8}
+    q, k, v = (rng.standard_normal((1, 2, 1, 4)).astype(np.float32) for _ in range(3))
+    pos = np.array([0], np.int32)
+    b.run(q=q, k=k, v=v, pos=pos)
+    a.fixed_dims = {"ctx": 16}
+    a.run(q=q, k=k, v=v, pos=pos)                 # new 16-long buffers in the store
+    a.fixed_dims = {"ctx": 8}
+    a.run(q=q, k=k, v=v, pos=pos)                 # and new 8-long ones again
+    old = next(iter(b._bound.values()))
+    assert states_moved(store, old[0], old[1])
+    k2 = rng.standard_normal((1, 2, 1, 4)).astype(np.float32)
+    b.run(q=q, k=k2, v=v, pos=np.array([3], np.int32))
+    np.testing.assert_array_equal(store["cache.k"][:, :, 3:4], k2)     # b wrote the live buffer
+    np.testing.assert_array_equal(store["cache.k"][:, :, 0:1], k)
+    assert not states_moved(store, *next(iter(b._bound.values())))

@@ -178,6 +178,7 @@ class CausalLM:
         if temperature is not None and temperature <= 0 and do_sample:
             raise ModelError(f"temperature must be > 0 when sampling, got {temperature}")
         eos = self.eos_ids
+        eos_arr = np.array(eos or (), np.int64)
         pad = self.config.get("pad_token_id")
         pad = pad if pad is not None else (eos[0] if eos else 0)
         ids, mask = _pad_batch(rows, pad)
@@ -210,7 +211,7 @@ class CausalLM:
             new = np.concatenate([new, nxt[:, None]], axis=1)
             if stream is not None:
                 stream(nxt.tolist())
-            done |= np.isin(nxt, eos) if eos else False
+            done |= (nxt[:, None] == eos_arr).any(1)
             if done.all() or t == max_new_tokens - 1:
                 break
             full_mask[:, s + t] = True

@@ -6,8 +6,10 @@ import numpy as np
 
 
 def process_logits(logits: np.ndarray, *, n_new: int, min_new_tokens: int, eos_ids) -> np.ndarray:
-    out = logits.astype(np.float32, copy=True)
+    """float32 logits with EOS banned until min_new_tokens (a copy only when it changes them)."""
+    out = logits.astype(np.float32, copy=False)
     if n_new < min_new_tokens and eos_ids:
+        out = out.copy()
         out[:, list(eos_ids)] = -np.inf
     return out
 

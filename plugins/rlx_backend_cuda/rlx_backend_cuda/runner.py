@@ -16,6 +16,7 @@ import numpy as np
 from rlx_core.backends.base import Runner
 from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import BackendError, ModelError, RlxError
+from rlx_core.pipeline import states_moved
 
 from . import codegen, device
 
@@ -321,6 +322,7 @@ class CudaRunner(Runner):
             vals[(i, 0)] = V(arr, s.dtype)
             self.inputs[name] = (off, s.nbytes(), s)
         self.bound_states = {}
+        self.states_seen = None
         consts: dict = {}
         for i, n in enumerate(g.nodes):
             b.node, b.op = i, n.op
@@ -384,9 +386,9 @@ class CudaRunner(Runner):
 
     # ------------------------------------------------------------------ run
     def _states_changed(self) -> bool:
-        for name, obj in self.bound_states.items():
-            if self.states.get(name) is not obj:
-                return True
+        if states_moved(self.states, self.bound_states, self.states_seen):
+            return True
+        self.states_seen = getattr(self.states, "version", None)
         return False
 
     def _eager(self) -> None:
