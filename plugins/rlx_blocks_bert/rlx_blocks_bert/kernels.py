@@ -48,26 +48,36 @@ def _phi_table() -> np.ndarray:
 _PHI = _phi_table()
 _TAB_LAST = np.float32(len(_PHI) - 1)
 _TAB_OFF = np.float32(_TAB_RANGE * _TAB_STEP)
-_CHUNK = 1 << 15                      # elements per chunk: 128 KiB of float32, stays in L2
+_CHUNK = 1 << 16                      # elements per chunk: the chunk and its temporaries stay in L2
 
 
-def gelu_inplace(y: np.ndarray) -> np.ndarray:
-    """y <- y * Phi(y), the exact (erf) GELU to |error| < 1e-7 * |y|, float32, in place, in
-    cache-sized chunks (y contiguous float32)."""
-    flat = y.reshape(-1)
-    k = min(flat.size, _CHUNK)
-    f, i = np.empty(k, np.float32), np.empty(k, np.int32)
-    for s in range(0, flat.size, _CHUNK):
-        v = flat[s:s + _CHUNK]
-        fv, iv = f[:v.size], i[:v.size]
+def gelu_inplace(y: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """y <- GELU(y + bias), the exact (erf) GELU to |error| < 1e-7 * |y|, float32, in place,
+    in cache-sized chunks of whole rows (y contiguous float32; bias [y.shape[-1]] or None).
+    Few, large numpy calls: a part running in a thread beside another hands the GIL over at
+    every call."""
+    n = y.shape[-1] if y.ndim and y.shape[-1] <= _CHUNK else 1
+    if bias is not None and n == 1:
+        y += bias
+        bias = None
+    rows = y.reshape(-1, n)
+    step = max(1, _CHUNK // n)
+    k = min(rows.shape[0], step) * n
+    f, i, p, ab = (np.empty(k, t) for t in (np.float32, np.int32, np.float32, np.complex64))
+    for s in range(0, rows.shape[0], step):
+        block = rows[s:s + step]
+        if bias is not None:
+            block += bias
+        v = block.reshape(-1)
+        fv, iv, pv, abv = f[:v.size], i[:v.size], p[:v.size], ab[:v.size]
         np.multiply(v, np.float32(_TAB_STEP), out=fv)
         fv += _TAB_OFF
         np.clip(fv, np.float32(0.0), _TAB_LAST, out=fv)
         iv[...] = fv                                   # truncation: the piece's index
-        ab = _PHI.take(iv)
-        p = np.multiply(ab.imag, v)
-        p += ab.real                                   # Phi(v)
-        v *= p
+        _PHI.take(iv, out=abv)
+        np.multiply(abv.imag, v, out=pv)
+        pv += abv.real                                 # Phi(v)
+        v *= pv
     return y
 
 
@@ -95,30 +105,34 @@ def _act(y: np.ndarray, act: str) -> np.ndarray:
     raise ShapeError(f"{NAME}: unknown act {act!r}")
 
 
-def dense_numpy(x, w, b=None, *, act: str = "identity"):
-    """act(x @ w^T + b) for x [..., K], w [N, K] (HF layout), b [N]; one GEMM over all rows."""
+def dense_numpy(x, w, b=None, *, act: str = "identity", wt: bool = False):
+    """act(x @ w^T + b) for x [..., K], w [N, K] (HF layout; [K, N] with wt), b [N]; one GEMM
+    over all rows."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     compute = np.float32 if x.dtype in (np.float16,) or str(x.dtype) == "bfloat16" else x.dtype
     if x2.dtype != compute:
         x2 = x2.astype(compute)
-    wt = w.T if w.dtype == compute else w.astype(compute).T
-    y = x2 @ wt
+    w = w if w.dtype == compute else w.astype(compute)
+    y = x2 @ (w if wt else w.T)
     if b is not None:
         y += b.astype(compute, copy=False)
     y = _act(y, act)
-    return y.reshape(x.shape[:-1] + (w.shape[0],))
+    return y.reshape(x.shape[:-1] + (w.shape[1] if wt else w.shape[0],))
 
 
-def dense_numpy_into(outs, x, w, b=None, *, act: str = "identity"):
+def dense_numpy_into(outs, x, w, b=None, *, act: str = "identity", wt: bool = False):
     """dense_numpy written straight into the arena's output (float32: GEMM, bias and the
     activation in place, no result to copy)."""
     y = outs[0]
     if not (x.dtype == w.dtype == y.dtype == np.float32 and y.flags.c_contiguous):
-        np.copyto(y, dense_numpy(x, w, b, act=act), casting="unsafe")
+        np.copyto(y, dense_numpy(x, w, b, act=act, wt=wt), casting="unsafe")
         return
-    y2 = y.reshape(-1, w.shape[0])
-    np.matmul(x.reshape(-1, x.shape[-1]), w.T, out=y2)
+    y2 = y.reshape(-1, y.shape[-1])
+    np.matmul(x.reshape(-1, x.shape[-1]), w if wt else w.T, out=y2)
+    if act == "gelu":                                  # the bias added chunk by chunk, in cache
+        gelu_inplace(y2, b)
+        return
     if b is not None:
         y2 += b
     r = _act(y2, act)
@@ -131,19 +145,21 @@ def dense_meta(shapes, params):
     if params.get("act", "identity") not in ACTS:
         raise ShapeError(f"{NAME}: act must be one of {ACTS}, got {params.get('act')!r}")
     if w.rank != 2 or x.rank < 1:
-        raise ShapeError(f"{NAME}: needs x [..., K] and w [N, K], got {x} and {w}")
-    k, n = x.dims[-1], w.dims[1]
-    if isinstance(k, int) and isinstance(n, int) and k != n:
+        raise ShapeError(f"{NAME}: needs x [..., K] and w [N, K] ([K, N] with wt), got {x} and {w}")
+    n_out, k_in = (w.dims[1], w.dims[0]) if params.get("wt") else (w.dims[0], w.dims[1])
+    k = x.dims[-1]
+    if isinstance(k, int) and isinstance(k_in, int) and k != k_in:
         raise ShapeError(f"{NAME}: x {x} and w {w} disagree on K")
-    if len(shapes) > 2 and (shapes[2].rank != 1 or shapes[2].dims[0] != w.dims[0]):
+    if len(shapes) > 2 and (shapes[2].rank != 1 or shapes[2].dims[0] != n_out):
         raise ShapeError(f"{NAME}: bias {shapes[2]} does not match w {w}")
     if len(shapes) > 3:
         raise ShapeError(f"{NAME}: takes x, w and an optional bias, got {len(shapes)} inputs")
-    return (Shape(x.dims[:-1] + (w.dims[0],), x.dtype),)
+    return (Shape(x.dims[:-1] + (n_out,), x.dtype),)
 
 
 DENSE = CustomOp(NAME, dense_meta, {"numpy": dense_numpy},
-                 doc="act(x @ W^T + b) with HF-layout W [N, K]; one GEMM over the flattened rows",
+                 doc="act(x @ W^T + b) with HF-layout W [N, K] (wt: W^T [K, N]); one GEMM over the "
+                     "flattened rows",
                  out_kernels={"numpy": dense_numpy_into})
 
 

@@ -23,6 +23,9 @@ def test_gelu_is_the_erf_gelu(rng):
     y = rng.standard_normal((3, 5, 7)).astype(np.float32)        # shape kept, in place
     z = y.copy()
     assert K.gelu_inplace(z) is z and np.abs(z - _gelu64(y)).max() < 1e-6
+    y = rng.standard_normal((300, 700)).astype(np.float32)        # several chunks, with a bias
+    b = rng.standard_normal(700).astype(np.float32)
+    np.testing.assert_allclose(K.gelu_inplace(y.copy(), b), _gelu64(y + b), atol=1e-6)
 
 
 @pytest.mark.parametrize("act", ["identity", "gelu", "gelu_tanh", "relu", "silu", "tanh", "sigmoid"])
@@ -37,6 +40,11 @@ def test_dense(rng, act):
     got = K.dense_numpy(x, w, b, act=act)
     assert got.shape == (2, 5, 24) and got.dtype == np.float32
     np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-5)
+    wt = np.ascontiguousarray(w.T)                                  # the pre-transposed form
+    np.testing.assert_allclose(K.dense_numpy(x, wt, b, act=act, wt=True), ref, atol=2e-5, rtol=1e-5)
+    out = np.full((2, 5, 24), np.nan, np.float32)
+    K.dense_numpy_into([out], x, wt, b, act=act, wt=True)
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(K.dense_numpy(x.astype(np.float16), w.astype(np.float16), act="identity"),
                                x.astype(np.float16).astype(np.float64) @ w.astype(np.float16).astype(np.float64).T,
                                rtol=2e-3, atol=2e-3)
@@ -120,6 +128,10 @@ def test_metas_reject_bad_shapes():
     seg = Shape(("s",), I64)
     with pytest.raises(ShapeError, match="disagree on K"):
         K.dense_meta([x, w], {"act": "identity"})
+    assert K.dense_meta([x, Shape((16, 8), F32), Shape((8,), F32)], {"act": "gelu", "wt": True})[0].dims \
+        == (1, "t", 8)
+    with pytest.raises(ShapeError, match="disagree on K"):
+        K.dense_meta([x, Shape((8, 16), F32)], {"act": "identity", "wt": True})
     with pytest.raises(ShapeError, match="act must be"):
         K.dense_meta([x, Shape((8, 16), F32)], {"act": "mish"})
     with pytest.raises(ShapeError, match="3 x heads"):
