@@ -9,7 +9,10 @@ plus `max_positions(config)`, `embedding_dim(config)` and `default_profile`.
 `Encoder.embed(texts)` tokenizes with the model's tokenizer (truncating, with a warning, at
 the sentence-transformers `max_seq_length` or the model's position limit), sorts the texts by
 length and batches similar lengths together (less padding), runs one compiled executable
-whose `batch` and `seq` dims are symbolic, and returns the rows in input order.
+whose `batch` and `seq` dims are symbolic, and returns the rows in input order. Where the
+backend has cores to spare (`backend.data_parallel()`: the NumPy backend with an N-thread
+BLAS), a packed batch runs as N parts side by side in threads, each on its own executable
+(`Encoder.parts` overrides the count; 1 runs each batch whole).
 """
 from __future__ import annotations
 
@@ -127,7 +130,7 @@ class Encoder:
         self._exes: dict = {}            # (layout, part) -> Executable
         self._built: dict = {}           # layout -> (optimized graph, built flow)
         self.parts = None                # data-parallel parts per batch (None: the backend's choice)
-        self._pool = None                # (workers, ThreadPoolExecutor) for the parts
+        self._pool = None                # (workers, ThreadPoolExecutor, pid) for the parts
         self._shared: dict = {}
         self._truncating = None
         self.flow_options = dict(flow_options or {})     # extra recipe.flow() options
@@ -311,10 +314,11 @@ class Encoder:
 
         if len(spans) == 1:
             return part(0)
-        if self._pool is None or self._pool[0] < len(spans) - 1:
-            from concurrent.futures import ThreadPoolExecutor
+        if self._pool is None or self._pool[0] < len(spans) - 1 or self._pool[2] != os.getpid():
+            from concurrent.futures import ThreadPoolExecutor      # (a forked child has no threads)
 
-            self._pool = (len(spans) - 1, ThreadPoolExecutor(len(spans) - 1, thread_name_prefix="rlx-embed"))
+            self._pool = (len(spans) - 1, ThreadPoolExecutor(len(spans) - 1, thread_name_prefix="rlx-embed"),
+                          os.getpid())
         with self.backend.parallel_scope():
             futures = [self._pool[1].submit(part, k) for k in range(1, len(spans))]
             try:
