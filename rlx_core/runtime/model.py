@@ -200,15 +200,16 @@ class CausalLM:
         full_mask = np.zeros((b, ctx), bool)
         full_mask[:, :s] = mask
         positions = inputs["positions"][:, -1:]
-        new = np.zeros((b, 0), np.int64)
+        cols: list = []                          # the new tokens, one column per step
         done = np.zeros(b, bool)
         for t in range(max_new_tokens):
             if not np.isfinite(logits).all():
                 self._check_finite(logits, ids, mask)
-            lg = process_logits(logits, n_new=t, min_new_tokens=min_new_tokens, eos_ids=eos)
+            lg = process_logits(logits, n_new=t, min_new_tokens=min_new_tokens, eos_ids=eos,
+                                inplace=True)       # (this step's logits are ours alone)
             nxt = choose(lg, rng, do_sample, temperature, top_k, top_p).astype(np.int64)
             nxt = np.where(done, pad, nxt)
-            new = np.concatenate([new, nxt[:, None]], axis=1)
+            cols.append(nxt)
             if stream is not None:
                 stream(nxt.tolist())
             done |= (nxt[:, None] == eos_arr).any(1)
@@ -220,6 +221,7 @@ class CausalLM:
                                  "key_mask": full_mask[:, None, None, :],
                                  "cache_pos": np.full(b, s + t, np.int32)})["logits"][:, -1]
         t2 = time.perf_counter()
+        new = np.stack(cols, 1) if cols else np.zeros((b, 0), np.int64)
         steps = max(new.shape[1] - 1, 1)
         self.last_timings = {"prefill_s": t1 - t0, "decode_s_per_token": (t2 - t1) / steps,
                              "new_tokens": int(new.shape[1]), "prompt_tokens": int(s)}

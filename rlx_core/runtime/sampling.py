@@ -5,11 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 
-def process_logits(logits: np.ndarray, *, n_new: int, min_new_tokens: int, eos_ids) -> np.ndarray:
-    """float32 logits with EOS banned until min_new_tokens (a copy only when it changes them)."""
+def process_logits(logits: np.ndarray, *, n_new: int, min_new_tokens: int, eos_ids,
+                   inplace: bool = False) -> np.ndarray:
+    """float32 logits with EOS banned until min_new_tokens (changed in place when allowed,
+    else in a copy, and only then)."""
     out = logits.astype(np.float32, copy=False)
     if n_new < min_new_tokens and eos_ids:
-        out = out.copy()
+        out = out if inplace else out.copy()
         out[:, list(eos_ids)] = -np.inf
     return out
 

@@ -15,9 +15,11 @@ from . import codegen, sources as S
 def catalog() -> list:
     out = []
     for t, acc in (("float", "float"), ("__nv_bfloat16", "float"), ("__half", "float"), ("double", "double")):
-        out.append((f"rms {t}", S.render(S.RMS_NORM, TX=t, TW=t, TO=t, ACC=acc, HAS_W=1), "rlx_rms_norm"))
-        out.append((f"res_rms {t}", S.render(S.RESIDUAL_RMS_NORM, TX=t, TR=t, TW=t, TH=t, TO=t, ACC=acc,
-                                             HAS_W=1), "rlx_residual_rms_norm"))
+        for vpt in (0, 8):
+            out.append((f"rms {t} {vpt}", S.render(S.RMS_NORM, TX=t, TW=t, TO=t, ACC=acc, HAS_W=1, VPT=vpt),
+                        "rlx_rms_norm"))
+            out.append((f"res_rms {t} {vpt}", S.render(S.RESIDUAL_RMS_NORM, TX=t, TR=t, TW=t, TH=t, TO=t,
+                                                        ACC=acc, HAS_W=1, VPT=vpt), "rlx_residual_rms_norm"))
         for hr in (0, 1):
             out.append((f"ln {t} {hr}", S.render(S.LAYER_NORM, TX=t, TR=t, TG=t, TB=t, TH=t, TO=t, ACC=acc,
                                                  HAS_R=hr, HAS_G=1, HAS_B=1), "rlx_layer_norm"))
@@ -29,13 +31,13 @@ def catalog() -> list:
         out.append((f"topk {t}", S.render(S.TOPK, TX=t, ACC=acc, LOAD="LD(ACC, v)"), "rlx_topk"))
         out.append((f"cumsum {t}", S.render(S.CUMSUM, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
                                             STORE=f"ST({t}, v)"), "rlx_cumsum"))
-        for hp in (0, 1):
-            out.append((f"rope {t} {hp}", S.render(S.ROPE, TX=t, TC="float", TO=t, ACC=acc, INTERLEAVED=hp,
-                                                   HAS_POS=hp, TP="int"), "rlx_rope"))
+        for il in (0, 1):
+            out.append((f"rope {t} {il}", S.render(S.ROPE, TX=t, TC="float", TO=t, ACC=acc, INTERLEAVED=il,
+                                                   TP="int"), "rlx_rope"))
         for mk, mm in ((1, 0), (2, 1), (0, 2)):
             common = dict(MASKKIND=mk, MASKMODE=mm, TM="bool" if mm == 1 else t, TP="long long", HAS_POS=1)
             out.append((f"attn_split {t} {mk}{mm}", S.render(S.ATTN_SPLIT, TQ=t, TK=t, TV=t, TO=t, ACC=acc,
-                                                            DK=64, DV=64, ROWS=4, **common), "rlx_attn_split"))
+                                                            DK=64, DV=64, ROWS=4, TRIM=mk % 2, **common), "rlx_attn_split"))
             out.append((f"mask_fill {t}", S.render(S.MASK_FILL, TS=t, TO=t, ACC=acc, **common), "rlx_mask_fill"))
             if t in ("__nv_bfloat16", "__half"):
                 for d, vec in ((64, 1), (128, 0), (32, 1), (96, 1)):

@@ -285,6 +285,12 @@ def _rowargs(b, x: V):
     return v, rows, n, rs
 
 
+def _vpt(n: int) -> int:
+    """Values per thread that keep a row of n in registers with _block(n) threads (0: too long)."""
+    v = -(-n // _block(n))
+    return v if v <= 16 else 0
+
+
 def _b_rms_norm(b, n, ins, outs):
     x, w = ins[0], (ins[1] if len(ins) > 1 else None)
     y = outs[0]
@@ -293,7 +299,7 @@ def _b_rms_norm(b, n, ins, outs):
     xv, rows, nn, rs = _rowargs(b, x)
     wv = b.contiguous(w) if w is not None else None
     src = sources.render(sources.RMS_NORM, TX=ctype(x.dt), TW=ctype(w.dt) if w else "float",
-                         TO=ctype(y.dt), ACC=acc_of(x.dt), HAS_W=int(w is not None))
+                         TO=ctype(y.dt), ACC=acc_of(x.dt), HAS_W=int(w is not None), VPT=_vpt(nn))
     fn = b.kernel(src, "rlx_rms_norm")
     b.launch(fn, (rows,), (_block(nn),), (xv.arr, i64(rs), wv.arr if wv else None, y.arr, i32(nn),
                                            f64(n.a["eps"]), f64(n.a["offset"])))
@@ -318,7 +324,7 @@ def _b_res_rms(b, n, ins, outs):
     wv = b.contiguous(w) if w is not None else None
     src = sources.render(sources.RESIDUAL_RMS_NORM, TX=ctype(x.dt), TR=ctype(r.dt),
                          TW=ctype(w.dt) if w else "float", TH=ctype(h.dt), TO=ctype(y.dt),
-                         ACC=acc_of(x.dt, r.dt), HAS_W=int(w is not None))
+                         ACC=acc_of(x.dt, r.dt), HAS_W=int(w is not None), VPT=_vpt(nn))
     fn = b.kernel(src, "rlx_residual_rms_norm")
     b.launch(fn, (rows,), (_block(nn),), (xv.arr, i64(xrs), rv.arr, i64(rrs), wv.arr if wv else None,
                                            h.arr, y.arr, i32(nn), f64(n.a["eps"]), f64(n.a["offset"])))
@@ -669,7 +675,7 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
     chunk = -(-max(Sk, 1) // nsplit)
     nsplit = -(-max(Sk, 1) // chunk)
     src = sources.render(sources.ATTN_SPLIT, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt), ACC=acc,
-                         TO=ctype(out.dt), DK=Dk, DV=Dv, ROWS=ROWS, **common)
+                         TO=ctype(out.dt), DK=Dk, DV=Dv, ROWS=ROWS, TRIM=int(rowblocks > 1), **common)
     fn_s = b.kernel(src, "rlx_attn_split")
     pdt = F64 if acc == "double" else F32
     part_o = b.buffer((nsplit * B * H * Sq * Dv,), pdt, "attention partials")
@@ -697,39 +703,99 @@ def _b_attention(b, n, ins, outs):
     _attention(b, a, q, k, v, mask, pos, outs[0])
 
 
-def _rope(b, x: V, cos: V, sin: V, style: str, out: V, into=None) -> None:
-    """out <- rope(x). into = (cache, pos, kv_write node): write the rows into the cache at
-    pos instead (out is then the cache, axis 2 the position axis)."""
-    if x.size == 0:
+def _rope(b, jobs: list, cos: V, sin: V, style: str, pos: V | None = None, node: int = 0) -> None:
+    """One launch for up to three jobs (x [B, H, S, D], out, rotate, at_pos) sharing B, S, D
+    and the tables: out <- rope(x) (or x itself, rotate False); at_pos: out is a KV cache and
+    the rows go to position pos[b] (the kv_write node `node`, named if the cache overflows)."""
+    jobs = [j for j in jobs if j[0].size]
+    if not jobs:
         return
     c = b.contiguous(cos)
     s = b.contiguous(sin, c.dt)
-    B, H, S, D = x.shape
+    B, _, S, D = jobs[0][0].shape
     half = c.shape[-1]
-    xs = x.es
-    pos, nax, node = (b.contiguous(into[1]), out.shape[2], into[2]) if into else (None, 0, 0)
-    src = sources.render(sources.ROPE, TX=ctype(x.dt), TC=ctype(c.dt), TO=ctype(out.dt),
-                         ACC=acc_of(x.dt), INTERLEAVED=int(style == "interleaved"),
-                         HAS_POS=int(into is not None), TP=ctype(pos.dt) if pos else "int")
+    pos = b.contiguous(pos) if pos is not None else None
+    nax = next((o.shape[2] for _, o, _, at in jobs if at), 0)
+    src = sources.render(sources.ROPE, TX=ctype(jobs[0][0].dt), TC=ctype(c.dt), TO=ctype(jobs[0][1].dt),
+                         ACC=acc_of(jobs[0][0].dt), INTERLEAVED=int(style == "interleaved"),
+                         TP=ctype(pos.dt) if pos is not None else "int")
     fn = b.kernel(src, "rlx_rope")
-    total = B * H * S * (half + D - 2 * half)
-    b.launch(fn, _grid(total, b.sms), (256,), (x.arr, c.arr, s.arr, out.arr, i32(B), i32(H), i32(S), i32(D),
-                                               i32(half), *[i64(v) for v in xs], i32(len(c.shape) == 3),
-                                               *[i64(v) for v in out.es], pos.arr if pos else None,
-                                               i64(nax), b.r.err, i32(node)))
+    args = [c.arr, s.arr, i32(B), i32(S), i32(D), i32(half), i32(len(c.shape) == 3),
+            pos.arr if pos is not None else None, i64(nax), b.r.err, i32(node)]
+    for k in range(3):
+        if k < len(jobs):
+            x, o, rot, at = jobs[k]
+            args += [x.arr, *[i64(v) for v in x.es], o.arr, *[i64(v) for v in o.es], i32(x.shape[1]),
+                     i32(rot), i32(at)]
+        else:
+            args += [None, *[i64(0)] * 4, None, *[i64(0)] * 4, i32(0), i32(0), i32(0)]
+    heads = sum(x.shape[1] for x, _, _, _ in jobs)
+    b.launch(fn, _grid(B * heads * S * (half + D - 2 * half), b.sms), (256,), args)
+
+
+def _into_cache(b, w: int, new: V):
+    """(cache, pos) when kv_write node w can be done by writing `new`'s rows straight into its
+    cache (same dtype, position axis 2), else None."""
+    node = b.r.lir.graph.nodes[w]
+    cache = b.vals[tuple(node.inputs[0])]
+    if node.a["axis"] % 4 != 2 or cache.dt is not new.dt or len(cache.shape) != 4 or w in b.absorbed:
+        return None
+    return cache, b.vals[tuple(node.inputs[2])]
 
 
 def _b_rope(b, n, ins, outs):
-    out, into = outs[0], None
-    use = b.sole_consumer(b.node, "kv_write")
-    if use is not None and use[1] == 1:
-        # rope feeding a kv_write (decode's k): write straight into the cache at pos
-        w = b.r.lir.graph.nodes[use[0]]
-        cache = b.vals[tuple(w.inputs[0])]
-        if w.a["axis"] % 4 == 2 and cache.dt is out.dt and len(cache.shape) == 4:
-            out, into = cache, (cache, b.vals[tuple(w.inputs[2])], use[0])
-            b.absorbed.add(use[0])
-    _rope(b, ins[0], ins[1], ins[2], n.a["style"], out, into)
+    """A rope, plus what decode does next in the same launch: the k rope, writing k into the
+    cache (its kv_write) and v into its cache: the nodes that follow, up to the first that
+    cannot join (its inputs not built by earlier launches, other dtypes or shapes)."""
+    nodes = b.r.lir.graph.nodes
+    x, cos, sin = ins
+    jobs, pos, err_node = [], None, 0
+
+    def add(i, xv, out):
+        nonlocal pos, err_node
+        use = b.sole_consumer(i, "kv_write")
+        if use is not None and use[1] == 1 and (got := _into_cache(b, use[0], out)) is not None:
+            if pos is None or got[1] is pos:
+                pos, err_node = got[1], err_node or use[0]
+                b.absorbed.add(use[0])
+                return jobs.append((xv, got[0], True, True))
+        jobs.append((xv, out, True, False))
+
+    add(b.node, x, outs[0])
+    written = {(b.node, 0)}                # values this launch makes: no job may read them
+    for j in range(b.node + 1, len(nodes)):
+        m = nodes[j]
+        if m.op in ("reshape", "narrow", "expand") or j in b.absorbed:
+            continue
+        if len(jobs) == 3 or m.op not in ("rope", "kv_write"):
+            break
+        refs = [tuple(r) for r in m.inputs]
+        if not all(r in b.vals and r not in written for r in refs):
+            break
+        if m.op == "rope":
+            xj = b.vals[refs[0]]
+            if not (m.inputs[1:] == n.inputs[1:] and m.a["style"] == n.a["style"] and xj.dt is x.dt
+                    and m.outs[0].dtype is n.outs[0].dtype and _same_bsd(xj, x)):
+                break
+            b.absorbed.add(j)
+            written.add((j, 0))
+            add(j, xj, b.out_value(j))
+        else:
+            new = b.vals[refs[1]]
+            got = _into_cache(b, j, new)
+            if not (got is not None and new.dt is x.dt and n.outs[0].dtype is new.dt and _same_bsd(new, x)
+                    and (pos is None or got[1] is pos)):
+                break
+            pos, err_node = got[1], err_node or j
+            b.absorbed.add(j)
+            jobs.append((new, got[0], False, True))
+    _rope(b, jobs, cos, sin, n.a["style"], pos, err_node)
+
+
+def _same_bsd(a: V, c: V) -> bool:
+    """Same batch, sequence and head-dim sizes ([B, H, S, D] values; heads may differ)."""
+    return len(a.shape) == len(c.shape) == 4 and (a.shape[0], a.shape[2], a.shape[3]) == (
+        c.shape[0], c.shape[2], c.shape[3])
 
 
 def _b_attn_block(b, n, ins, outs):
@@ -737,8 +803,11 @@ def _b_attn_block(b, n, ins, outs):
     q, k, v, cos, sin, *rest = ins
     qr = b.buffer(q.shape, q.dt, "roped q")
     kr = b.buffer(k.shape, k.dt, "roped k")
-    _rope(b, q, cos, sin, a["style"], qr)
-    _rope(b, k, cos, sin, a["style"], kr)
+    if _same_bsd(q, k) and q.dt is k.dt:
+        _rope(b, [(q, qr, True, False), (k, kr, True, False)], cos, sin, a["style"])
+    else:
+        _rope(b, [(q, qr, True, False)], cos, sin, a["style"])
+        _rope(b, [(k, kr, True, False)], cos, sin, a["style"])
     _, _, _, mask, pos = _split_attn(a, [q, k, v] + rest)
     _attention(b, a, qr, kr, v, mask, pos, outs[0])
 

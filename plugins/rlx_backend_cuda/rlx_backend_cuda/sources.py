@@ -156,6 +156,8 @@ def render(template: str, **subs) -> str:
 # Row kernels work on contiguous rows: input rows of length n with row stride `rs`
 # (elements, last axis unit-stride), outputs contiguous [rows, n]. One block per row.
 
+# VPT > 0: a row fits in VPT values per thread, kept in registers between the sum of squares
+# and the scaling (one pass over memory: a decode step's norms are latency-bound); 0: two passes.
 RMS_NORM = r"""
 extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long rs,
     const $TW* __restrict__ w, $TO* __restrict__ y, int n, double eps_d, double off_d) {
@@ -164,12 +166,30 @@ extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long rs,
   const $TX* xr = x + row * rs;
   $TO* yr = y + row * (i64)n;
   ACC ss = 0;
+#if $VPT
+  ACC vals[$VPT];
+#pragma unroll
+  for (int k = 0; k < $VPT; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    vals[k] = i < n ? LD(ACC, xr[i]) : (ACC)0;
+    ss += vals[k] * vals[k];
+  }
+#else
   for (int i = threadIdx.x; i < n; i += blockDim.x) { ACC v = LD(ACC, xr[i]); ss += v * v; }
+#endif
   ss = block_sum(ss);
   const ACC den = sqrt(ss / (ACC)n + (ACC)eps_d);
   const ACC off = (ACC)off_d;
+#if $VPT
+#pragma unroll
+  for (int k = 0; k < $VPT; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i >= n) break;
+    ACC v = vals[k] / den;
+#else
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     ACC v = LD(ACC, xr[i]) / den;
+#endif
 #if $HAS_W
     v = v * (LD(ACC, w[i]) + off);
 #endif
@@ -189,16 +209,39 @@ extern "C" __global__ void rlx_residual_rms_norm(const $TX* __restrict__ x, long
   $TH* hr = h + row * (i64)n;
   $TO* yr = y + row * (i64)n;
   ACC ss = 0;
+#if $VPT
+  ACC vals[$VPT];
+#pragma unroll
+  for (int k = 0; k < $VPT; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    vals[k] = i < n ? LD(ACC, xr[i]) + LD(ACC, rr[i]) : (ACC)0;
+  }
+#pragma unroll
+  for (int k = 0; k < $VPT; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < n) hr[i] = ST($TH, vals[k]);
+    ss += vals[k] * vals[k];
+  }
+#else
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     ACC v = LD(ACC, xr[i]) + LD(ACC, rr[i]);
     hr[i] = ST($TH, v);
     ss += v * v;
   }
+#endif
   ss = block_sum(ss);
   const ACC den = sqrt(ss / (ACC)n + (ACC)eps_d);
   const ACC off = (ACC)off_d;
+#if $VPT
+#pragma unroll
+  for (int k = 0; k < $VPT; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i >= n) break;
+    ACC v = vals[k] / den;
+#else
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     ACC v = (LD(ACC, xr[i]) + LD(ACC, rr[i])) / den;
+#endif
 #if $HAS_W
     v = v * (LD(ACC, w[i]) + off);
 #endif
@@ -426,41 +469,56 @@ $DECOMP
 }
 """
 
-# RoPE over x [B, H, S, D] (any strides) into out (any strides). HAS_POS: out is a KV cache
-# and row s goes to position pos[b] + s (the kv_write this rope feeds, done in one pass).
+# RoPE for up to three jobs in one launch (decode's q, k and v of a layer): job j maps
+# x_j [B, H_j, S, D] (any strides) to o_j (any strides), rotated (rope_j) or copied as is;
+# at_j: o_j is a KV cache and row s goes to position pos[b] + s (the kv_write the job does).
 ROPE = r"""
-extern "C" __global__ void rlx_rope(const $TX* __restrict__ x, const $TC* __restrict__ cs,
-    const $TC* __restrict__ sn, $TO* __restrict__ out, int B, int H, int S, int D, int half,
-    long long xs0, long long xs1, long long xs2, long long xs3, int per_batch,
-    long long os0, long long os1, long long os2, long long os3,
-    const $TP* __restrict__ pos, long long nax, int* err, int node) {
+#define RLX_JOB(j) const $TX* __restrict__ x##j, long long xa##j, long long xb##j, long long xc##j, \
+    long long xd##j, $TO* o##j, long long oa##j, long long ob##j, long long oc##j, long long od##j, \
+    int H##j, int rope##j, int at##j
+#define RLX_PICK(j) { x = x##j; xs0 = xa##j; xs1 = xb##j; xs2 = xc##j; xs3 = xd##j; o = o##j; os0 = oa##j; \
+    os1 = ob##j; os2 = oc##j; os3 = od##j; rope = rope##j; at = at##j; }
+extern "C" __global__ void rlx_rope(const $TC* __restrict__ cs, const $TC* __restrict__ sn, int B, int S,
+    int D, int half, int per_batch, const $TP* __restrict__ pos, long long nax, int* err, int node,
+    RLX_JOB(0), RLX_JOB(1), RLX_JOB(2)) {
   typedef $ACC ACC;
   const int W = half + (D - 2 * half);
-  const i64 total = (i64)B * H * S * W;
+  const i64 per_head = (i64)B * S * W;
+  const i64 total = per_head * (H0 + H1 + H2);
   for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-    int t = (int)(i % W); i64 row = i / W;
-    int s = (int)(row % S); int h = (int)((row / S) % H); int b = (int)(row / ((i64)S * H));
+    i64 h = i / per_head;
+    const $TX* x; $TO* o; long long xs0, xs1, xs2, xs3, os0, os1, os2, os3; int rope, at;
+    if (h < H0) RLX_PICK(0)
+    else if (h < H0 + H1) { RLX_PICK(1) h -= H0; }
+    else { RLX_PICK(2) h -= H0 + H1; }
+    const i64 rem = i % per_head;
+    const int t = (int)(rem % W), s = (int)((rem / W) % S), b = (int)(rem / ((i64)W * S));
     const i64 xb = b * xs0 + h * xs1 + s * xs2;
     i64 p = 0;
-#if $HAS_POS
-    p = (i64)pos[b];
-    if (p < 0 || p + S > nax) { rlx_error(err, 2, node, p, nax); continue; }
-#endif
-    $TO* o = out + b * os0 + h * os1 + (s + p) * os2;
+    if (at) {
+      p = (i64)pos[b];
+      if (p < 0 || p + S > nax) { rlx_error(err, 2, node, p, nax); continue; }
+    }
+    $TO* orow = o + b * os0 + h * os1 + (s + p) * os2;
     if (t < half) {
-      const i64 ci = (per_batch ? (i64)b * S * half : 0) + (i64)s * half + t;
-      const ACC cc = LD(ACC, cs[ci]), ss = LD(ACC, sn[ci]);
 #if $INTERLEAVED
       const int d1 = 2 * t, d2 = 2 * t + 1;
 #else
       const int d1 = t, d2 = t + half;
 #endif
       const ACC x1 = LD(ACC, x[xb + d1 * xs3]), x2 = LD(ACC, x[xb + d2 * xs3]);
-      o[d1 * os3] = ST($TO, x1 * cc - x2 * ss);
-      o[d2 * os3] = ST($TO, x2 * cc + x1 * ss);
+      if (rope) {
+        const i64 ci = (per_batch ? (i64)b * S * half : 0) + (i64)s * half + t;
+        const ACC cc = LD(ACC, cs[ci]), ss = LD(ACC, sn[ci]);
+        orow[d1 * os3] = ST($TO, x1 * cc - x2 * ss);
+        orow[d2 * os3] = ST($TO, x2 * cc + x1 * ss);
+      } else {
+        orow[d1 * os3] = ST($TO, x1);
+        orow[d2 * os3] = ST($TO, x2);
+      }
     } else {
       const int d = 2 * half + (t - half);
-      o[d * os3] = ST($TO, LD(ACC, x[xb + d * xs3]));
+      orow[d * os3] = ST($TO, LD(ACC, x[xb + d * xs3]));
     }
   }
 }
@@ -553,8 +611,13 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_split(
     m[r] = -(ACC)RLX_INF; l[r] = 0;
   }
   i64 kbeg = 0, kend = Sk;
+#if $TRIM
+  // skip the keys the mask drops for every row of the block (many query rows: prefill)
   if ($MASKKIND >= 1) kend = min((i64)Sk, qmax + 1);
   if ($MASKKIND == 2) kbeg = max((i64)0, qmin - window + 1);
+#endif
+  // (without TRIM the key range does not wait for pos, so the K/V loads start at once; the
+  // mask drops the keys per row: decode, where one block holds every query row)
   const i64 cs = max((i64)split * chunk, kbeg);
   const i64 ce = min(((i64)split + 1) * chunk, kend);
   const $TK* kb = k + b * ksb + kvh * ksh;
@@ -694,7 +757,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_split(
     ACC O[EV];
 #pragma unroll
     for (int e = 0; e < EV; ++e) O[e] = 0;
-#pragma unroll 8
+#pragma unroll 16
     for (int sp = 0; sp < nsplit; ++sp) {
       const ACC f = wsplit[warp][sp];
 #pragma unroll

@@ -419,12 +419,35 @@ def test_tiny_decode_kv_cache_graph_replay(rng, dt):
     runner = next(iter(exes["cuda"]._runners.values()))
     d = runner.describe()
     assert d["graph"], f"decode was not replayed as a CUDA graph: {d}"
-    # fused by the runner: rope writes k into the cache (only v's kv_write launches), the
+    # fused by the runner: one launch ropes q and k and writes k and v into the caches, the
     # 16-bit gate/up GEMV computes the SwiGLU, attention merges its splits in one launch
     ops = d["steps_by_op"]
-    assert ops.get("kv_write") == 1 and ops.get("rope") == 2, ops
+    assert ops.get("rope") == 1 and "kv_write" not in ops, ops
     assert ("fused_swiglu" in ops) is (dt not in (F16, BF16)), ops
     assert ops.get("attention") == 1 and "transpose" not in ops, ops
+
+
+@gpu
+@pytest.mark.parametrize("dt", [F32, BF16])
+def test_prefill_attends_fresh_k_and_fills_the_cache(rng, dt):
+    """Prefill's pattern: attention reads the roped k itself while kv_write stores it (and v)
+    at pos. The rope launch that also writes the caches must not read its own output."""
+    B, H, KVH, S, D, CTX = 2, 4, 2, 5, 16, 12
+
+    def f(m):
+        q, k, v = (m.input(n, (B, h, S, D), dt) for n, h in (("q", H), ("k", KVH), ("v", KVH)))
+        pos = m.input("pos", (B,), I32)
+        cos, sin = m.input("cos", (S, D // 2)), m.input("sin", (S, D // 2))
+        qr, kr = m.rope(q, cos, sin), m.rope(k, cos, sin)
+        kc = m.kv_write(m.state("ck", (B, KVH, CTX, D), dt), kr, pos)
+        vc = m.kv_write(m.state("cv", (B, KVH, CTX, D), dt), v, pos)
+        return {"out": m.attention(qr, kr, v, mask_kind=MaskKind.CAUSAL), "kc": kc, "vc": vc}
+    ang = rng.uniform(0, 6, (S, D // 2))
+    ins = {"q": rand(rng, (B, H, S, D), dt), "k": rand(rng, (B, KVH, S, D), dt),
+           "v": rand(rng, (B, KVH, S, D), dt), "pos": np.array([0, 4], np.int32),
+           "cos": np.cos(ang).astype(np.float32), "sin": np.sin(ang).astype(np.float32)}
+    zeros = {n: np.zeros((B, KVH, CTX, D), dt.np) for n in ("ck", "cv")}
+    compare(Graph.define("prefill", f), ins, dt, states=zeros)     # one run: a race shows
 
 
 # ----------------------------------------------------------------------------- bad input
