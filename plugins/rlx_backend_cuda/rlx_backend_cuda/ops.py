@@ -20,7 +20,12 @@ LOW = (F16, BF16)
 i32, i64, f64 = np.int32, np.int64, np.float64
 
 
-def _block(n: int, cap: int = 256) -> int:
+ATTN_BLOCKS_PER_SM = 2       # split-K attention: blocks per SM the key splits aim for
+ROW_THREADS = 1024           # threads of a row kernel (norms, softmax) at most
+
+
+def _block(n: int, cap: int | None = None) -> int:
+    cap = cap or ROW_THREADS
     p = 32
     while p < n and p < cap:
         p *= 2
@@ -671,7 +676,7 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
         raise BackendError(f"cuda backend: attention head_dim {Dk}/{Dv} is too large (node %{b.node})")
     rowblocks = (rows_needed + ROWS - 1) // ROWS
     blocks = B * KVH * rowblocks
-    nsplit = max(1, min(-(-2 * b.sms // blocks), -(-max(Sk, 1) // 16), 64))   # the merge takes <= 64
+    nsplit = max(1, min(-(-ATTN_BLOCKS_PER_SM * b.sms // blocks), -(-max(Sk, 1) // 16), 64))  # merge: <= 64
     chunk = -(-max(Sk, 1) // nsplit)
     nsplit = -(-max(Sk, 1) // chunk)
     src = sources.render(sources.ATTN_SPLIT, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt), ACC=acc,

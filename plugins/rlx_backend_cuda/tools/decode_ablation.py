@@ -22,6 +22,7 @@ def main():
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=768)
     ap.add_argument("--pos", type=int, default=600)
+    ap.add_argument("--sweep", action="store_true", help="also time other launch shapes")
     a = ap.parse_args()
     import cupy as cp
 
@@ -65,6 +66,19 @@ def main():
     print(f"  matmuls alone: {mm:.3f} ms")
     r.steps = steps
     r._capture()
+    if a.sweep:                   # the launch-shape constants of rlx_backend_cuda.ops
+        from rlx_backend_cuda import ops
+
+        for name, values in (("ATTN_BLOCKS_PER_SM", (1, 2, 4, 8)), ("ROW_THREADS", (128, 256, 512, 1024))):
+            keep = getattr(ops, name)
+            for v in values:
+                setattr(ops, name, v)
+                r._build()
+                for _ in range(2):
+                    dec.run(dict(ins))
+                steps = list(r.steps)
+                print(f"  {name} = {v}: {timed(lambda st: True):.3f} ms per step")
+            setattr(ops, name, keep)
 
 
 if __name__ == "__main__":
