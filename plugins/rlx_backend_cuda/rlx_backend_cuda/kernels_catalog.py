@@ -37,7 +37,8 @@ def catalog() -> list:
         for mk, mm in ((1, 0), (2, 1), (0, 2)):
             common = dict(MASKKIND=mk, MASKMODE=mm, TM="bool" if mm == 1 else t, TP="long long", HAS_POS=1)
             out.append((f"attn_split {t} {mk}{mm}", S.render(S.ATTN_SPLIT, TQ=t, TK=t, TV=t, TO=t, ACC=acc,
-                                                            DK=64, DV=64, ROWS=4, TRIM=mk % 2, **common), "rlx_attn_split"))
+                                                            DK=64, DV=64, ROWS=4, TRIM=mk % 2,
+                                                            NW=4 + 4 * (mk % 2), **common), "rlx_attn_split"))
             out.append((f"mask_fill {t}", S.render(S.MASK_FILL, TS=t, TO=t, ACC=acc, **common), "rlx_mask_fill"))
             if t in ("__nv_bfloat16", "__half"):
                 for d, vec in ((64, 1), (128, 0), (32, 1), (96, 1)):

@@ -21,6 +21,7 @@ i32, i64, f64 = np.int32, np.int64, np.float64
 
 
 ATTN_BLOCKS_PER_SM = 2       # split-K attention: blocks per SM the key splits aim for
+ATTN_WARPS = 8               # split-K attention: warps per block (each walks its own keys)
 ROW_THREADS = 1024           # threads of a row kernel (norms, softmax) at most
 
 
@@ -184,7 +185,7 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None) 
     return True
 
 
-GEMV_ROWS, GEMV_LOADS = 1, 4      # rows of W per warp, 16-byte loads in flight per row and lane
+GEMV_ROWS, GEMV_LOADS = 1, 2      # rows of W per warp, 16-byte loads in flight per row and lane
 
 
 def _gemv_step(b, Ab, W, out: V, M: int, N: int, K: int, swiglu: bool = False):
@@ -670,9 +671,9 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
     ROWS = 1
     while ROWS < min(rows_needed, 8):
         ROWS *= 2
-    while ROWS > 1 and 4 * ROWS * Dv * accsz > 40960:
+    while ROWS > 1 and ATTN_WARPS * ROWS * Dv * accsz > 40960:
         ROWS //= 2
-    if 4 * ROWS * Dv * accsz > 40960 or Dk > 512:
+    if ATTN_WARPS * ROWS * Dv * accsz > 40960 or Dk > 512:
         raise BackendError(f"cuda backend: attention head_dim {Dk}/{Dv} is too large (node %{b.node})")
     rowblocks = (rows_needed + ROWS - 1) // ROWS
     blocks = B * KVH * rowblocks
@@ -680,7 +681,8 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
     chunk = -(-max(Sk, 1) // nsplit)
     nsplit = -(-max(Sk, 1) // chunk)
     src = sources.render(sources.ATTN_SPLIT, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt), ACC=acc,
-                         TO=ctype(out.dt), DK=Dk, DV=Dv, ROWS=ROWS, TRIM=int(rowblocks > 1), **common)
+                         TO=ctype(out.dt), DK=Dk, DV=Dv, ROWS=ROWS, TRIM=int(rowblocks > 1), NW=ATTN_WARPS,
+                         **common)
     fn_s = b.kernel(src, "rlx_attn_split")
     pdt = F64 if acc == "double" else F32
     part_o = b.buffer((nsplit * B * H * Sq * Dv,), pdt, "attention partials")
@@ -693,7 +695,7 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
     stream = b.stream
 
     def split():
-        fn_s(grid_s, (128,), args_s, 0, stream)
+        fn_s(grid_s, (32 * ATTN_WARPS,), args_s, 0, stream)
     if tc is None:
         b.add(split)
     else:
@@ -748,6 +750,9 @@ def _into_cache(b, w: int, new: V):
     return cache, b.vals[tuple(node.inputs[2])]
 
 
+_QKV_OPS = ("rope", "kv_write", "reshape", "narrow", "expand")     # what a rope launch may span
+
+
 def _b_rope(b, n, ins, outs):
     """A rope, plus what decode does next in the same launch: the k rope, writing k into the
     cache (its kv_write) and v into its cache: the nodes that follow, up to the first that
@@ -759,7 +764,9 @@ def _b_rope(b, n, ins, outs):
     def add(i, xv, out):
         nonlocal pos, err_node
         use = b.sole_consumer(i, "kv_write")
-        if use is not None and use[1] == 1 and (got := _into_cache(b, use[0], out)) is not None:
+        # its kv_write done now: nothing in between may read the cache (only views, ropes, writes)
+        if (use is not None and use[1] == 1 and all(nodes[t].op in _QKV_OPS for t in range(i + 1, use[0]))
+                and (got := _into_cache(b, use[0], out)) is not None):
             if pos is None or got[1] is pos:
                 pos, err_node = got[1], err_node or use[0]
                 b.absorbed.add(use[0])
@@ -770,7 +777,7 @@ def _b_rope(b, n, ins, outs):
     written = {(b.node, 0)}                # values this launch makes: no job may read them
     for j in range(b.node + 1, len(nodes)):
         m = nodes[j]
-        if m.op in ("reshape", "narrow", "expand") or j in b.absorbed:
+        if m.op in _QKV_OPS[2:] or j in b.absorbed:
             continue
         if len(jobs) == 3 or m.op not in ("rope", "kv_write"):
             break

@@ -561,15 +561,15 @@ extern "C" __global__ void rlx_mask_fill(const $TS* __restrict__ sc, long long s
 """
 
 # Split-K attention on CUDA cores (any float type; decode and the f32/f64 path).
-# grid (B*KVH, ceil(Sq*G/ROWS), nsplit), 128 threads: the block's rows are (query i,
+# grid (B*KVH, ceil(Sq*G/ROWS), nsplit), NW warps: the block's rows are (query i,
 # head g of this kv head) pairs, so K/V are read once for all G heads (GQA-native).
-# Each warp walks keys j = start+warp, +4, ...; lanes split the head dims. Writes
+# Each warp walks keys j = start+warp, +NW, ...; lanes split the head dims. Writes
 # unnormalized partials (acc, max, sum) per split; the last block of each (b, kv head, row
 # block) to finish merges them in the same launch (one launch, not a second combine kernel;
 # `counters` start at 0 and that block resets its own).
 ATTN_SPLIT = ATTN_MASK + r"""
-#define NW 4
-extern "C" __global__ void __launch_bounds__(128) rlx_attn_split(
+#define NW $NW
+extern "C" __global__ void __launch_bounds__(32 * $NW) rlx_attn_split(
     const $TQ* __restrict__ q, long long qsb, long long qsh, long long qss,
     const $TK* __restrict__ k, long long ksb, long long ksh, long long kss,
     const $TV* __restrict__ v, long long vsb, long long vsh, long long vss,

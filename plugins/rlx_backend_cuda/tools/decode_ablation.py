@@ -69,7 +69,8 @@ def main():
     if a.sweep:                   # the launch-shape constants of rlx_backend_cuda.ops
         from rlx_backend_cuda import ops
 
-        for name, values in (("ATTN_BLOCKS_PER_SM", (1, 2, 4, 8)), ("ROW_THREADS", (128, 256, 512, 1024))):
+        for name, values in (("ATTN_BLOCKS_PER_SM", (1, 2, 4, 8)), ("ROW_THREADS", (128, 256, 512, 1024)),
+                             ("ATTN_WARPS", (2, 4, 8)), ("GEMV_LOADS", (2, 4, 8))):
             keep = getattr(ops, name)
             for v in values:
                 setattr(ops, name, v)
