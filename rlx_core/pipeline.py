@@ -345,10 +345,11 @@ class Executable:
         r = self._runners.get(key)
         if r is not None:
             bound, seen = self._bound.get(key, ({}, None))
+            version = getattr(self.states, "version", None)
             if states_moved(self.states, bound, seen):
                 r = None    # another executable re-sized a shared state: bind the new buffers
-            else:
-                self._bound[key] = (bound, getattr(self.states, "version", None))
+            elif version != seen:
+                self._bound[key] = (bound, version)
         if r is None:
             if not self._params and self.param_specs:
                 raise ModelError(f"graph {self.mir.name!r}: params are not bound (set_params)")

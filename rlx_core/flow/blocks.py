@@ -118,19 +118,21 @@ class ResidualAdd:
         return x + ctx.state[self.slot]
 
 
+def gated_mlp_weights(ctx, prefix: str, hidden: int) -> tuple:
+    """(gate, up, down) HF-layout weights of a gated MLP under the layer's `prefix`."""
+    inter = ctx.cfg("intermediate_size")
+    p = ctx.key(prefix)
+    shp = (inter, hidden) if inter else None
+    return (ctx.param(f"{p}.gate_proj.weight", shp), ctx.param(f"{p}.up_proj.weight", shp),
+            ctx.param(f"{p}.down_proj.weight", (hidden, inter) if inter else None))
+
+
 @attrs.frozen
 class SwigluMlp:
     prefix: str = "mlp"
 
     def emit(self, ctx, x):
-        hidden = x.dims[-1]
-        inter = ctx.cfg("intermediate_size")
-        p = ctx.key(self.prefix)
-        shp = (inter, hidden) if inter else None
-        wg = ctx.param(f"{p}.gate_proj.weight", shp)
-        wu = ctx.param(f"{p}.up_proj.weight", shp)
-        wd = ctx.param(f"{p}.down_proj.weight", (hidden, inter) if inter else None)
-        return ctx.m.swiglu(x, wg, wu, wd)
+        return ctx.m.swiglu(x, *gated_mlp_weights(ctx, self.prefix, x.dims[-1]))
 
 
 @attrs.frozen
@@ -204,33 +206,52 @@ class SelfAttention:
         return (self._proj(ctx, x, "q", s.heads), self._proj(ctx, x, "k", s.kv_heads),
                 self._proj(ctx, x, "v", s.kv_heads))
 
-    def emit(self, ctx, x):
-        s, m = self.spec, ctx.m
+    def rope_tables(self, ctx) -> tuple:
+        """(cos, sin) of this layer at the flow's positions (a hook: Gemma computes its own)."""
+        return rope_for(ctx, self.spec)
+
+    def roped_qkv(self, ctx, x) -> tuple:
+        """q, k, v with RoPE applied; the present K/V become outputs when kv_taps."""
+        s, m, i = self.spec, ctx.m, ctx.index()
         q, k, v = self.project_qkv(ctx, x)
-        cos, sin = rope_for(ctx, s)
+        cos, sin = self.rope_tables(ctx)
         q, k = m.rope(q, cos, sin, s.rope_style), m.rope(k, cos, sin, s.rope_style)
-        scale = s.scale if s.scale is not None else 1.0 / math.sqrt(s.head_dim)
-        kind = MaskKind.SLIDING_WINDOW if s.window else MaskKind.CAUSAL
-        mask = ctx.inputs.get("key_mask")
-        cache_pos = ctx.inputs.get("cache_pos")
-        i = ctx.index()
         if s.kv_taps:
             ctx.outputs[f"present.{i}.k"], ctx.outputs[f"present.{i}.v"] = k, v
-        if s.mode == "decode" or (s.kv_cache and cache_pos is not None):
-            if cache_pos is None:
-                raise ModelError("decode attention needs a 'cache_pos' input ([batch] int)")
-            shape = (x.dims[0], s.kv_heads, "ctx", s.head_dim)
-            kc = m.kv_write(m.state(f"kv.{i}.k", shape, k.dtype), k, cache_pos)
-            vc = m.kv_write(m.state(f"kv.{i}.v", shape, v.dtype), v, cache_pos)
-            if s.mode == "decode":
-                k, v = kc, vc
-        pos = cache_pos if s.mode == "decode" else None
-        o = m.attention(q, k, v, mask, pos, scale=scale, mask_kind=kind, window=s.window,
-                        softcap=s.softcap)
+        return q, k, v
+
+    def cached_kv(self, ctx, x, k, v, cache_pos) -> tuple:
+        """Writes k, v into this layer's full-length KV cache at cache_pos; returns what the
+        attention reads: the caches when decoding, else k and v themselves."""
+        s, m, i = self.spec, ctx.m, ctx.index()
+        if cache_pos is None:
+            raise ModelError("decode attention needs a 'cache_pos' input ([batch] int)")
+        shape = (x.dims[0], s.kv_heads, "ctx", s.head_dim)
+        kc = m.kv_write(m.state(f"kv.{i}.k", shape, k.dtype), k, cache_pos)
+        vc = m.kv_write(m.state(f"kv.{i}.v", shape, v.dtype), v, cache_pos)
+        return (kc, vc) if s.mode == "decode" else (k, v)
+
+    def out_proj(self, ctx, x, o):
+        """The heads [B,H,S,D] merged back to [B,S,H*D] and projected (o_proj)."""
+        s, m = self.spec, ctx.m
         o = m.reshape(m.transpose(o, (0, 2, 1, 3)), (x.dims[0], x.dims[1], s.heads * s.head_dim))
         wo = ctx.param(ctx.key(f"{s.prefix}.o_proj.weight"), (s.hidden, s.heads * s.head_dim))
         bo = ctx.param(ctx.key(f"{s.prefix}.o_proj.bias"), (s.hidden,)) if s.o_bias else None
         return m.linear(o, wo, bo)
+
+    def emit(self, ctx, x):
+        s, m = self.spec, ctx.m
+        q, k, v = self.roped_qkv(ctx, x)
+        scale = s.scale if s.scale is not None else 1.0 / math.sqrt(s.head_dim)
+        kind = MaskKind.SLIDING_WINDOW if s.window else MaskKind.CAUSAL
+        mask = ctx.inputs.get("key_mask")
+        cache_pos = ctx.inputs.get("cache_pos")
+        if s.mode == "decode" or (s.kv_cache and cache_pos is not None):
+            k, v = self.cached_kv(ctx, x, k, v, cache_pos)
+        pos = cache_pos if s.mode == "decode" else None
+        o = m.attention(q, k, v, mask, pos, scale=scale, mask_kind=kind, window=s.window,
+                        softcap=s.softcap)
+        return self.out_proj(ctx, x, o)
 
 
 @attrs.frozen

@@ -27,6 +27,7 @@ import numpy as np
 from ..ir.dtype import F32
 from ..ir.errors import ModelError, WeightError
 from ..pipeline import CompilePipeline, Executable, select_backend
+from .model import id_matrix
 
 # sentence-transformers Pooling config keys -> our pooling names (None: not supported here)
 _ST_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
@@ -220,12 +221,7 @@ class Encoder:
     def forward(self, ids, attention_mask=None, token_type_ids=None) -> dict:
         """Every output of the graph for right-padded ids [B,S] (`last_hidden_state`,
         `pooled`, `embedding`); rows of attention_mask mark real tokens."""
-        ids = np.asarray(ids)
-        if ids.ndim == 1:
-            ids = ids[None]
-        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-            raise ModelError(f"token ids must be a 1-D or 2-D integer array, got shape {ids.shape} "
-                             f"of {ids.dtype}")
+        ids = id_matrix(ids)
         b, s = ids.shape
         mask = np.ones((b, s), bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
         if mask.shape != ids.shape:
@@ -236,7 +232,7 @@ class Encoder:
         if b == 0 or s == 0:
             raise ModelError(f"empty batch of token ids (shape {ids.shape})")
         self._check_rows([s], int(ids.max()), int(ids.min()))
-        return self._run(ids.astype(np.int64), types, mask)
+        return self._run(ids, types, mask)
 
     def hidden_states(self, ids, attention_mask=None, token_type_ids=None) -> np.ndarray:
         return self.forward(ids, attention_mask, token_type_ids)["last_hidden_state"]

@@ -46,6 +46,18 @@ def load(path_or_name: str, backend: str | None = None, profile=None, progress: 
     return recipe.build(ckpt, backend=backend, profile=profile, **kw)
 
 
+def id_matrix(ids) -> np.ndarray:
+    """Token ids as an int64 [batch, seq] array (a 1-D sequence is one row); a clear error
+    for anything else."""
+    arr = np.asarray(ids)
+    if arr.ndim == 1:
+        arr = arr[None]
+    if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
+        raise ModelError(f"token ids must be a 1-D or 2-D integer array, got shape {arr.shape} "
+                         f"of {arr.dtype}")
+    return arr.astype(np.int64)
+
+
 def _pad_batch(rows: list, pad_id: int) -> tuple:
     """Left-pad token rows into ids [B,S] and an attention mask."""
     if not rows or any(len(r) == 0 for r in rows):
@@ -115,15 +127,6 @@ class CausalLM:
         pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int64)
         return {"ids": ids, "positions": pos, "key_mask": mask[:, None, None, :]}
 
-    def _rows(self, ids) -> tuple:
-        arr = np.asarray(ids)
-        if arr.ndim == 1:
-            arr = arr[None]
-        if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
-            raise ModelError(f"token ids must be a 1-D or 2-D integer array, got shape {arr.shape} "
-                             f"of {arr.dtype}")
-        return arr.astype(np.int64)
-
     def _check_ids(self, ids: np.ndarray) -> None:
         vocab = self.config.get("vocab_size")
         if ids.size and vocab and (ids.min() < 0 or ids.max() >= vocab):
@@ -134,7 +137,7 @@ class CausalLM:
 
     def logits(self, ids, attention_mask=None) -> np.ndarray:
         """Logits [batch, seq, vocab] for token ids (left-padded rows with attention_mask)."""
-        ids = self._rows(ids)
+        ids = id_matrix(ids)
         self._check_ids(ids)
         mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask, bool)
         out = self.executable("logits").run(self._inputs(ids, mask))["logits"]
@@ -169,7 +172,7 @@ class CausalLM:
         elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (list, tuple, np.ndarray)):
             rows = [list(map(int, r)) for r in prompt]
         else:
-            arr = self._rows(prompt)
+            arr = id_matrix(prompt)
             if attention_mask is not None:
                 m = np.asarray(attention_mask, bool)
                 rows = [list(arr[b][m[b]]) for b in range(arr.shape[0])]

@@ -233,11 +233,11 @@ def _swiglu_consumer(b, n) -> int | None:
     only uses of its output (decode's gate/up projection), or None."""
     N = n.outs[0].dims[-1]
     nodes = b.r.lir.graph.nodes
-    use = b.consumers(b.node)
+    use = b.uses.get((b.node, 0), [])
     if len(use) != 2 or N % 2:
         return None
     found = set()
-    for j, _ in use:
+    for j in use:
         m = nodes[j] if j >= 0 else None
         if m is None or m.op != "narrow" or m.a["length"] != N // 2:
             return None
@@ -246,7 +246,7 @@ def _swiglu_consumer(b, n) -> int | None:
         sw = b.sole_consumer(j, "fused_swiglu")
         if sw is None:
             return None
-        found.add((sw[0], m.a["start"] % N, sw[1]))
+        found.add((sw, m.a["start"] % N, [tuple(r) for r in nodes[sw].inputs].index((j, 0))))
     sws = {f[0] for f in found}
     if len(sws) != 1 or {f[1:] for f in found} != {(0, 0), (N // 2, 1)}:
         return None
@@ -291,24 +291,39 @@ def _rowargs(b, x: V):
     return v, rows, n, rs
 
 
+def _norm_rows(b, x: V, r: V | None) -> tuple:
+    """(x rows, rows, n, x row stride, r rows or None, r row stride) for a (residual) norm."""
+    xv, rows, nn, xrs = _rowargs(b, x)
+    rv, rrs = (None, 0)
+    if r is not None:
+        rv, _, _, rrs = _rowargs(b, r)
+    return xv, rows, nn, xrs, rv, rrs
+
+
 def _vpt(n: int) -> int:
     """Values per thread that keep a row of n in registers with _block(n) threads (0: too long)."""
     v = -(-n // _block(n))
     return v if v <= 16 else 0
 
 
-def _b_rms_norm(b, n, ins, outs):
-    x, w = ins[0], (ins[1] if len(ins) > 1 else None)
-    y = outs[0]
+def _rms_norm(b, x, r, w, h, y, eps, off):
+    """y <- rms_norm(x [+ r]) * (w + off); with r also h <- x + r (fused_residual_rms_norm)."""
     if y.size == 0:
         return
-    xv, rows, nn, rs = _rowargs(b, x)
+    xv, rows, nn, xrs, rv, rrs = _norm_rows(b, x, r)
     wv = b.contiguous(w) if w is not None else None
-    src = sources.render(sources.RMS_NORM, TX=ctype(x.dt), TW=ctype(w.dt) if w else "float",
-                         TO=ctype(y.dt), ACC=acc_of(x.dt), HAS_W=int(w is not None), VPT=_vpt(nn))
+    src = sources.render(sources.RMS_NORM, TX=ctype(x.dt), TR=ctype(r.dt) if r else "float",
+                         TW=ctype(w.dt) if w else "float", TH=ctype(h.dt) if h else "float",
+                         TO=ctype(y.dt), ACC=acc_of(x.dt, r.dt if r else x.dt),
+                         HAS_R=int(r is not None), HAS_W=int(w is not None), VPT=_vpt(nn))
     fn = b.kernel(src, "rlx_rms_norm")
-    b.launch(fn, (rows,), (_block(nn),), (xv.arr, i64(rs), wv.arr if wv else None, y.arr, i32(nn),
-                                           f64(n.a["eps"]), f64(n.a["offset"])))
+    b.launch(fn, (rows,), (_block(nn),), (xv.arr, i64(xrs), rv.arr if rv else None, i64(rrs),
+                                           wv.arr if wv else None, h.arr if h else None, y.arr, i32(nn),
+                                           f64(eps), f64(off)))
+
+
+def _b_rms_norm(b, n, ins, outs):
+    _rms_norm(b, ins[0], None, ins[1] if len(ins) > 1 else None, None, outs[0], n.a["eps"], n.a["offset"])
 
 
 def _full(b, r: V, shape) -> V:
@@ -320,29 +335,14 @@ def _full(b, r: V, shape) -> V:
 
 
 def _b_res_rms(b, n, ins, outs):
-    x, r = ins[0], _full(b, ins[1], ins[0].shape)
     w = ins[2] if len(ins) > 2 else None
-    h, y = outs
-    if y.size == 0:
-        return
-    xv, rows, nn, xrs = _rowargs(b, x)
-    rv, _, _, rrs = _rowargs(b, r)
-    wv = b.contiguous(w) if w is not None else None
-    src = sources.render(sources.RESIDUAL_RMS_NORM, TX=ctype(x.dt), TR=ctype(r.dt),
-                         TW=ctype(w.dt) if w else "float", TH=ctype(h.dt), TO=ctype(y.dt),
-                         ACC=acc_of(x.dt, r.dt), HAS_W=int(w is not None), VPT=_vpt(nn))
-    fn = b.kernel(src, "rlx_residual_rms_norm")
-    b.launch(fn, (rows,), (_block(nn),), (xv.arr, i64(xrs), rv.arr, i64(rrs), wv.arr if wv else None,
-                                           h.arr, y.arr, i32(nn), f64(n.a["eps"]), f64(n.a["offset"])))
+    _rms_norm(b, ins[0], _full(b, ins[1], ins[0].shape), w, outs[0], outs[1], n.a["eps"], n.a["offset"])
 
 
 def _layer_norm(b, x, r, g, bb, h, y, eps):
     if y.size == 0:
         return
-    xv, rows, nn, xrs = _rowargs(b, x)
-    rv, rrs = (None, 0)
-    if r is not None:
-        rv, _, _, rrs = _rowargs(b, r)
+    xv, rows, nn, xrs, rv, rrs = _norm_rows(b, x, r)
     gv = b.contiguous(g) if g is not None else None
     bv = b.contiguous(bb) if bb is not None else None
     dts = [x.dt] + ([r.dt] if r is not None else [])
@@ -763,13 +763,14 @@ def _b_rope(b, n, ins, outs):
 
     def add(i, xv, out):
         nonlocal pos, err_node
-        use = b.sole_consumer(i, "kv_write")
+        w = b.sole_consumer(i, "kv_write")
         # its kv_write done now: nothing in between may read the cache (only views, ropes, writes)
-        if (use is not None and use[1] == 1 and all(nodes[t].op in _QKV_OPS for t in range(i + 1, use[0]))
-                and (got := _into_cache(b, use[0], out)) is not None):
+        if (w is not None and tuple(nodes[w].inputs[1]) == (i, 0)
+                and all(nodes[t].op in _QKV_OPS for t in range(i + 1, w))
+                and (got := _into_cache(b, w, out)) is not None):
             if pos is None or got[1] is pos:
-                pos, err_node = got[1], err_node or use[0]
-                b.absorbed.add(use[0])
+                pos, err_node = got[1], err_node or w
+                b.absorbed.add(w)
                 return jobs.append((xv, got[0], True, True))
         jobs.append((xv, out, True, False))
 

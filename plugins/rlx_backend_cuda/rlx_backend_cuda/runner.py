@@ -128,23 +128,14 @@ class Build:
         self.keep: list = []          # host buffers the launches point at (alpha/beta)
         # producer/consumer fusion: a step may compute a later node too (its epilogue)
         self.vals: dict = {}          # (node, out) -> V built so far
-        self.uses: dict = {}          # (node, out) -> [(consumer node, input position)]
-        for j, n in enumerate(runner.lir.graph.nodes):
-            for pos, r in enumerate(n.inputs):
-                self.uses.setdefault(tuple(r), []).append((j, pos))
-        for _, r in runner.lir.graph.outputs:
-            self.uses.setdefault(tuple(r), []).append((-1, 0))
+        self.uses = runner.lir.graph.consumers()     # (node, out) -> consumer nodes (-1: output)
         self.absorbed: set = set()    # nodes an earlier step already computed
 
     # -- fusion helpers
-    def consumers(self, i: int, k: int = 0) -> list:
-        """[(node, input position)] using value (i, k); node -1 is a graph output."""
-        return self.uses.get((i, k), [])
-
-    def sole_consumer(self, i: int, op: str, k: int = 0):
+    def sole_consumer(self, i: int, op: str, k: int = 0) -> int | None:
         """The one node using (i, k), if there is exactly one, it is an `op` and not an output."""
-        use = self.consumers(i, k)
-        if len(use) == 1 and use[0][0] >= 0 and self.r.lir.graph.nodes[use[0][0]].op == op:
+        use = self.uses.get((i, k), [])
+        if len(use) == 1 and use[0] >= 0 and self.r.lir.graph.nodes[use[0]].op == op:
             return use[0]
         return None
 

@@ -159,76 +159,44 @@ def render(template: str, **subs) -> str:
 # VPT > 0: a row fits in VPT values per thread, kept in registers between the sum of squares
 # and the scaling (one pass over memory: a decode step's norms are latency-bound); 0: two passes.
 RMS_NORM = r"""
-extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long rs,
-    const $TW* __restrict__ w, $TO* __restrict__ y, int n, double eps_d, double off_d) {
-  typedef $ACC ACC;
-  const i64 row = blockIdx.x;
-  const $TX* xr = x + row * rs;
-  $TO* yr = y + row * (i64)n;
-  ACC ss = 0;
-#if $VPT
-  ACC vals[$VPT];
-#pragma unroll
-  for (int k = 0; k < $VPT; ++k) {
-    const int i = threadIdx.x + k * blockDim.x;
-    vals[k] = i < n ? LD(ACC, xr[i]) : (ACC)0;
-    ss += vals[k] * vals[k];
-  }
-#else
-  for (int i = threadIdx.x; i < n; i += blockDim.x) { ACC v = LD(ACC, xr[i]); ss += v * v; }
-#endif
-  ss = block_sum(ss);
-  const ACC den = sqrt(ss / (ACC)n + (ACC)eps_d);
-  const ACC off = (ACC)off_d;
-#if $VPT
-#pragma unroll
-  for (int k = 0; k < $VPT; ++k) {
-    const int i = threadIdx.x + k * blockDim.x;
-    if (i >= n) break;
-    ACC v = vals[k] / den;
-#else
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    ACC v = LD(ACC, xr[i]) / den;
-#endif
-#if $HAS_W
-    v = v * (LD(ACC, w[i]) + off);
-#endif
-    yr[i] = ST($TO, v);
-  }
-}
-"""
-
-RESIDUAL_RMS_NORM = r"""
-extern "C" __global__ void rlx_residual_rms_norm(const $TX* __restrict__ x, long long xrs,
+extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long xrs,
     const $TR* __restrict__ r, long long rrs, const $TW* __restrict__ w,
     $TH* __restrict__ h, $TO* __restrict__ y, int n, double eps_d, double off_d) {
+  // HAS_R: y = rms_norm(x + r) and h = x + r (fused_residual_rms_norm); else y = rms_norm(x)
   typedef $ACC ACC;
   const i64 row = blockIdx.x;
   const $TX* xr = x + row * xrs;
+  $TO* yr = y + row * (i64)n;
+#if $HAS_R
   const $TR* rr = r + row * rrs;
   $TH* hr = h + row * (i64)n;
-  $TO* yr = y + row * (i64)n;
+#define RLX_VAL(i) (LD(ACC, xr[i]) + LD(ACC, rr[i]))
+#else
+#define RLX_VAL(i) LD(ACC, xr[i])
+#endif
   ACC ss = 0;
 #if $VPT
   ACC vals[$VPT];
 #pragma unroll
   for (int k = 0; k < $VPT; ++k) {
     const int i = threadIdx.x + k * blockDim.x;
-    vals[k] = i < n ? LD(ACC, xr[i]) + LD(ACC, rr[i]) : (ACC)0;
+    vals[k] = i < n ? RLX_VAL(i) : (ACC)0;
   }
+#endif
+#if $VPT
 #pragma unroll
   for (int k = 0; k < $VPT; ++k) {
     const int i = threadIdx.x + k * blockDim.x;
-    if (i < n) hr[i] = ST($TH, vals[k]);
-    ss += vals[k] * vals[k];
-  }
+    const ACC v = vals[k];
 #else
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    ACC v = LD(ACC, xr[i]) + LD(ACC, rr[i]);
-    hr[i] = ST($TH, v);
+    const ACC v = RLX_VAL(i);
+#endif
+#if $HAS_R
+    if (i < n) hr[i] = ST($TH, v);
+#endif
     ss += v * v;
   }
-#endif
   ss = block_sum(ss);
   const ACC den = sqrt(ss / (ACC)n + (ACC)eps_d);
   const ACC off = (ACC)off_d;
@@ -240,13 +208,14 @@ extern "C" __global__ void rlx_residual_rms_norm(const $TX* __restrict__ x, long
     ACC v = vals[k] / den;
 #else
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    ACC v = (LD(ACC, xr[i]) + LD(ACC, rr[i])) / den;
+    ACC v = RLX_VAL(i) / den;
 #endif
 #if $HAS_W
     v = v * (LD(ACC, w[i]) + off);
 #endif
     yr[i] = ST($TO, v);
   }
+#undef RLX_VAL
 }
 """
 

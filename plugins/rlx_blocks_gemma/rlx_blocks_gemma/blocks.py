@@ -28,7 +28,7 @@ import attrs
 import numpy as np
 
 from rlx_core.flow import AttnSpec
-from rlx_core.flow.blocks import ResidualAdd, ResidualSave, SelfAttention, rope_for
+from rlx_core.flow.blocks import ResidualAdd, ResidualSave, SelfAttention, gated_mlp_weights, rope_for
 from rlx_core.flow.rope import inv_freq
 from rlx_core.ir.dtype import BOOL, F32, I64
 from rlx_core.ir.errors import ModelError
@@ -56,13 +56,8 @@ class GeGLU:
     act: str = "gelu_tanh"
 
     def emit(self, ctx, x):
-        m, hidden = ctx.m, x.dims[-1]
-        inter = ctx.cfg("intermediate_size")
-        p = ctx.key(self.prefix)
-        shp = (inter, hidden) if inter else None
-        wg = ctx.param(f"{p}.gate_proj.weight", shp)
-        wu = ctx.param(f"{p}.up_proj.weight", shp)
-        wd = ctx.param(f"{p}.down_proj.weight", (hidden, inter) if inter else None)
+        m = ctx.m
+        wg, wu, wd = gated_mlp_weights(ctx, self.prefix, x.dims[-1])
         h = m.act(m.linear(x, wg), self.act) * m.linear(x, wu)
         return m.linear(h, wd)
 
@@ -123,33 +118,27 @@ class GemmaAttention(SelfAttention):
     a full-length cache masked by the window. Projections come from the core block."""
     ring: bool = True
 
+    def rope_tables(self, ctx) -> tuple:
+        return gemma_rope(ctx, self.spec)
+
     def emit(self, ctx, x):
         s, m = self.spec, ctx.m
-        q, k, v = self.project_qkv(ctx, x)
-        cos, sin = gemma_rope(ctx, s)
-        q, k = m.rope(q, cos, sin, s.rope_style), m.rope(k, cos, sin, s.rope_style)
+        q, k, v = self.roped_qkv(ctx, x)
         scale = s.scale if s.scale is not None else s.head_dim ** -0.5
         kind = MaskKind.SLIDING_WINDOW if s.window else MaskKind.CAUSAL
         mask = ctx.inputs.get("key_mask")
         cache_pos = ctx.inputs.get("cache_pos")
-        i = ctx.index()
-        if s.kv_taps:
-            ctx.outputs[f"present.{i}.k"], ctx.outputs[f"present.{i}.v"] = k, v
         common = dict(scale=scale, softcap=s.softcap)
         cached = s.mode == "decode" or (s.kv_cache and cache_pos is not None)
-        if cached and cache_pos is None:
-            raise ModelError("decode attention needs a 'cache_pos' input ([batch] int)")
         if cached and s.window and self.ring:
-            return self._out(ctx, x, self._ring(ctx, q, k, v, mask, cache_pos, common))
+            if cache_pos is None:
+                raise ModelError("decode attention needs a 'cache_pos' input ([batch] int)")
+            return self.out_proj(ctx, x, self._ring(ctx, q, k, v, mask, cache_pos, common))
         if cached:
-            shape = (x.dims[0], s.kv_heads, "ctx", s.head_dim)
-            kc = m.kv_write(m.state(f"kv.{i}.k", shape, k.dtype), k, cache_pos)
-            vc = m.kv_write(m.state(f"kv.{i}.v", shape, v.dtype), v, cache_pos)
-            if s.mode == "decode":
-                k, v = kc, vc
+            k, v = self.cached_kv(ctx, x, k, v, cache_pos)
         pos = cache_pos if s.mode == "decode" else None
         o = m.attention(q, k, v, mask, pos, mask_kind=kind, window=s.window, **common)
-        return self._out(ctx, x, o)
+        return self.out_proj(ctx, x, o)
 
     def _ring(self, ctx, q, k, v, mask, cache_pos, common):
         s, m, i, w = self.spec, ctx.m, ctx.index(), self.spec.window
@@ -177,12 +166,6 @@ class GemmaAttention(SelfAttention):
                      else m.reshape(keep, (1, 1, 1, r)))
             ctx.state[vkey] = m.kv_write(_ring_valid_state(ctx, r), valid, zero, axis=3)
         return m.attention(q, k, v, mask, None, mask_kind=MaskKind.SLIDING_WINDOW, window=w, **common)
-
-    def _out(self, ctx, x, o):
-        s, m = self.spec, ctx.m
-        o = m.reshape(m.transpose(o, (0, 2, 1, 3)), (x.dims[0], x.dims[1], s.heads * s.head_dim))
-        wo = ctx.param(ctx.key(f"{s.prefix}.o_proj.weight"), (s.hidden, s.heads * s.head_dim))
-        return m.linear(o, wo)
 
 
 @attrs.frozen
