@@ -210,10 +210,10 @@ def interleaved(a, b, repeats: int, warmup: int = 3) -> tuple:
 
 def what_if_tanh_sigmoid(exe, inputs: dict, handwritten, want, repeats: int) -> None:
     """Re-time RLX with kernels._sigmoid = 0.5*(1+tanh(x/2)), patched in this process only."""
-    from rlx_core.backends.numpy import kernels
+    from rlx_core.ir import numpy_kernels as kernels
 
     if not hasattr(kernels, "_sigmoid"):
-        print("\nexperiment skipped: rlx_core.backends.numpy.kernels has no _sigmoid any more")
+        print("\nexperiment skipped: rlx_core.ir.numpy_kernels has no _sigmoid any more")
         return
     orig = kernels._sigmoid
     kernels._sigmoid = lambda x: (0.5 * (1 + np.tanh(0.5 * x))).astype(x.dtype, copy=False)

@@ -1,5 +1,4 @@
 """RLX for Python: a small ML compiler and runtime for model builders."""
-__version__ = "0.1.0"
 
 from .ir.dtype import BF16, BOOL, F16, F32, F64, I32, I64, DType  # noqa: E402
 from .ir.errors import RlxError  # noqa: E402
@@ -7,7 +6,10 @@ from .ir.graph import Builder, Emit, Graph  # noqa: E402
 from .ir.ops import MaskKind  # noqa: E402
 from .ir.shape import Shape  # noqa: E402
 from .pipeline import CompilePipeline, Executable, compile  # noqa: E402
+from .plugins.manager import core_version  # noqa: E402  (installs the registry source)
 from .profile import CompileProfile  # noqa: E402
+
+__version__ = core_version()
 
 
 def load(path_or_name: str, backend: str | None = None, profile=None, **kw):

@@ -17,8 +17,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from . import __version__
 from .ir.errors import RlxError
+from .plugins.manager import core_version
 from .profile import CompileProfile
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -49,7 +49,7 @@ class RlxGroup(click.Group):
 
 
 @click.group(cls=RlxGroup, context_settings=CONTEXT_SETTINGS)
-@click.version_option(__version__, "--version", "-V", prog_name="rlx",
+@click.version_option(core_version(), "--version", "-V", prog_name="rlx",
                       message="%(prog)s %(version)s")
 def main() -> None:
     """RLX: a small ML compiler and runtime for model builders.
@@ -129,7 +129,7 @@ def plugins_report() -> dict:
     reg = registry()
     own = reg.owner
     return {
-        "version": __version__,
+        "version": core_version(),
         "env": {ALLOW_ENV: os.environ.get(ALLOW_ENV), BLOCK_ENV: os.environ.get(BLOCK_ENV)},
         "plugins": [i.to_dict() for i in infos],
         "backends": _backend_rows(reg),

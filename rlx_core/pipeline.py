@@ -18,11 +18,11 @@ from .ir.graph import HIR, MIR, Graph
 from .ir.lir import LirModule, plan
 from .ir.lower import legalize, lower
 from .ir.ops import OPS, Level, infer
+from .ir.registry import registry
 from .ir.verify import verify
 from .passes import fusion
 from .passes.generic import const_fold, cse, dce, leaves_first
 from .passes.transform import hoist_params, to_precision
-from .plugins.manager import registry
 from .profile import CompileProfile
 
 

@@ -7,6 +7,7 @@ from typing import Callable
 import attrs
 
 from .errors import GraphError
+from .registry import registry
 
 
 @attrs.frozen
@@ -30,9 +31,7 @@ def register_custom_op(op: CustomOp) -> None:
 
 
 def custom_op(name: str) -> CustomOp:
-    from ..plugins.manager import ensure_loaded
-
-    ensure_loaded()
+    registry()        # plugins load on first use and put their custom ops in this table
     try:
         return _CUSTOM[name]
     except KeyError:

@@ -10,6 +10,7 @@ import attrs
 
 from ..ir.errors import GraphError
 from ..ir.graph import Graph
+from ..ir.registry import registry
 from ..ir.rewrite import P, Rule, X, apply_rules, rewrite
 from .generic import dce
 
@@ -433,8 +434,6 @@ def groups_for(target: str, skip) -> tuple:
 
 def all_rules() -> dict:
     """Built-in rule groups plus those plugins registered through rlx_register_passes."""
-    from ..plugins.manager import registry
-
     merged = {k: list(v) for k, v in RULES.items()}
     for group, rules in registry().rules.items():
         merged.setdefault(group, []).extend(rules)

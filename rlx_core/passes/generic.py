@@ -5,6 +5,7 @@ import attrs
 import numpy as np
 
 from ..ir.graph import Graph
+from ..ir.numpy_kernels import KERNELS, VIEWS
 from ..ir.ops import get_op
 from ..ir.rewrite import copy_node, rewrite
 
@@ -64,8 +65,6 @@ def cse(g: Graph) -> Graph:
 
 def const_fold(g: Graph, max_bytes: int = 1 << 24) -> Graph:
     """Evaluate nodes whose inputs are all constants with the NumPy kernels."""
-    from ..backends.numpy.kernels import KERNELS, VIEWS
-
     def replace(m, node, ins, i, lookup):
         d = get_op(node.op)
         if d.level.value == "leaf" or d.effect or node.op == "custom" or not ins:

@@ -32,7 +32,9 @@ from typing import Callable
 import attrs
 import pluggy
 
+from ..ir import custom
 from ..ir.errors import PluginError
+from ..ir.registry import Registry, set_source
 from . import hookspecs
 
 ENTRY_GROUP = "rlx"
@@ -58,17 +60,6 @@ class PluginInfo:
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)
-
-
-@attrs.define
-class Registry:
-    backends: dict = attrs.field(factory=dict)    # name -> Backend
-    blocks: dict = attrs.field(factory=dict)      # name -> factory
-    recipes: dict = attrs.field(factory=dict)     # model_type -> recipe
-    rules: dict = attrs.field(factory=dict)       # fusion group -> [Rule] added by plugins
-    weight_formats: dict = attrs.field(factory=dict)   # name -> (detect, load)
-    ops: dict = attrs.field(factory=dict)         # custom op name -> CustomOp
-    owner: dict = attrs.field(factory=dict)       # (kind, name) -> plugin name
 
 
 _lock = threading.RLock()
@@ -149,10 +140,12 @@ def _register(pm: pluggy.PluginManager, plugin, name: str) -> list:
         raise
 
 
-def _core_version() -> str:
-    from .. import __version__
-
-    return __version__
+def core_version() -> str:
+    """rlx-core's installed version."""
+    try:
+        return md.version("rlx-core")
+    except md.PackageNotFoundError:    # run from a source tree that was never installed
+        return "0+unknown"
 
 
 def _entry_points() -> list:
@@ -173,7 +166,7 @@ def plugin_manager() -> pluggy.PluginManager:
         pm.add_hookspecs(hookspecs)
         _pm = pm
         for mod in BUILTINS:
-            _infos[mod] = PluginInfo(mod, _core_version(), "builtin", [], package="rlx-core")
+            _infos[mod] = PluginInfo(mod, core_version(), "builtin", [], package="rlx-core")
             try:
                 _infos[mod].hooks = _register(pm, importlib.import_module(mod), mod)
             except Exception as e:  # a broken built-in is a bug, but still not fatal
@@ -306,8 +299,6 @@ def _entries(hook: str, args: tuple) -> list:
 
 def _commit(reg: Registry, plugin: str, calls: list) -> None:
     """Add one plugin's registrations, all or nothing."""
-    from ..ir import custom
-
     entries = [e for hook, *args in calls for e in _entries(hook, tuple(args))]
     seen: set = set()
     for kind, key, _, _ in entries:
@@ -342,8 +333,6 @@ def registry() -> Registry:
         if _registry is not None:
             return _registry
         pm = plugin_manager()
-        from ..ir import custom
-
         for name in _plugin_ops:                 # rebuilt below from the hooks
             custom._CUSTOM.pop(name, None)
         _plugin_ops.clear()
@@ -371,6 +360,9 @@ def owner_of(kind: str, name: str) -> str:
 
 def ensure_loaded() -> None:
     registry()
+
+
+set_source(registry)
 
 
 def plugin_infos() -> list:

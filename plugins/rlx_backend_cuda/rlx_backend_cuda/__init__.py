@@ -142,7 +142,7 @@ def rlx_register_backends(register):
 def set_config(**kw) -> None:
     """Implementation switches: gemv (decode GEMV kernel vs cuBLAS), tc_attention
     (tensor-core prefill attention vs CUDA cores), graphs (CUDA graph replay)."""
-    from .runner import set_config as _set
+    from .values import set_config as _set
 
     _set(**kw)
 

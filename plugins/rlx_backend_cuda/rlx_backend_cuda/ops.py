@@ -14,7 +14,7 @@ from rlx_core.ir.ops import MaskKind
 
 from . import sources
 from .codegen import acc_of, ctype
-from .runner import CONFIG, V, nocopy_reshape_strides
+from .values import CONFIG, V, nocopy_reshape_strides
 
 LOW = (F16, BF16)
 i32, i64, f64 = np.int32, np.int64, np.float64

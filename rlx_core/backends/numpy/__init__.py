@@ -11,7 +11,7 @@ from ...ir.ops import OPS, Level
 from ...plugins.hookspecs import hookimpl
 from ..base import Backend, Runner
 from .blas import blas_threads, single_threaded_blas
-from .kernels import KERNELS, VIEWS
+from ...ir.numpy_kernels import KERNELS, VIEWS
 
 
 class NumpyRunner(Runner):

@@ -1,4 +1,5 @@
-"""NumPy kernels for every op of the table.
+"""NumPy kernels for every op of the table: the embedded backend runs them, constant folding
+evaluates with them, and they are the reference the other backends are checked against.
 
 A kernel is `fn(a, out, *inputs)` writing into the preallocated `out` list; a view kernel
 (`VIEWS`) returns a view instead. f16/bf16 compute in f32 and round once on the way out.
@@ -10,9 +11,9 @@ import math
 import ml_dtypes
 import numpy as np
 
-from ...ir.dtype import DType
-from ...ir.errors import ModelError
-from ...ir.ops import MaskKind
+from .dtype import DType
+from .errors import ModelError
+from .ops import MaskKind
 
 _LOW = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 _F32 = np.dtype(np.float32)
@@ -366,7 +367,7 @@ def _fused_elementwise(a, out, *ins):
 
 
 def _custom(a, out, *ins):
-    from ...ir.custom import custom_op
+    from .custom import custom_op
 
     op = custom_op(a["name"])
     if "numpy" in op.out_kernels:

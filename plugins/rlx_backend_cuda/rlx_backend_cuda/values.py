@@ -1,0 +1,83 @@
+"""What the runner and the op builders share: the run-time switches, device values and
+no-copy reshape strides (a room of its own, so neither imports the other)."""
+from __future__ import annotations
+
+import math
+
+from rlx_core.ir.dtype import DType
+
+CONFIG = {"gemv": True, "tc_attention": True, "graphs": True, "version": 0}
+
+
+def set_config(**kw) -> None:
+    """Switch implementation choices at run time (graphs are re-captured)."""
+    for k, v in kw.items():
+        if k not in CONFIG or k == "version":
+            raise KeyError(f"unknown cuda backend option {k!r}; options: {sorted(CONFIG)}")
+        CONFIG[k] = v
+    CONFIG["version"] += 1
+
+
+class V:
+    """A device value: a cupy array over storage dtype plus the logical DType."""
+    __slots__ = ("arr", "dt")
+
+    def __init__(self, arr, dt: DType):
+        self.arr, self.dt = arr, dt
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.arr.shape)
+
+    @property
+    def es(self) -> tuple:
+        """Strides in elements."""
+        isz = self.arr.itemsize
+        return tuple(s // isz for s in self.arr.strides)
+
+    @property
+    def size(self) -> int:
+        return int(self.arr.size)
+
+    def contiguous(self) -> bool:
+        return bool(self.arr.flags.c_contiguous)
+
+
+def nocopy_reshape_strides(shape, strides, newshape):
+    """Strides for viewing (shape, strides) as newshape without a copy, or None
+    (numpy's _attempt_nocopy_reshape)."""
+    old = [(d, s) for d, s in zip(shape, strides) if d != 1]
+    new = list(newshape)
+    if math.prod(shape) == 0 or math.prod(newshape) == 0:
+        return None
+    out = [0] * len(new)
+    oi = ni = 0
+    od = [d for d, _ in old]
+    os_ = [s for _, s in old]
+    nd = [d for d in new]
+    oj = nj = 0
+    while ni < len(nd) and oi < len(od):
+        np_, op = nd[ni], od[oi]
+        nj, oj = ni + 1, oi + 1
+        while np_ != op:
+            if np_ < op:
+                np_ *= nd[nj]
+                nj += 1
+            else:
+                op *= od[oj]
+                oj += 1
+        for ok in range(oi, oj - 1):
+            if os_[ok] != od[ok + 1] * os_[ok + 1]:
+                return None
+        out[nj - 1] = os_[oj - 1]
+        for nk in range(nj - 1, ni, -1):
+            out[nk - 1] = out[nk] * nd[nk]
+        ni, oi = nj, oj
+    last = out[ni - 1] if ni >= 1 else 1
+    for nk in range(ni, len(nd)):
+        out[nk] = last
+    # dims of size 1 anywhere: any stride works
+    return tuple(out)
+
+
+__all__ = ["CONFIG", "set_config", "V", "nocopy_reshape_strides"]
