@@ -7,8 +7,10 @@ The header is parsed here rather than through `safetensors.numpy`, because numpy
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -36,8 +38,23 @@ _DTYPES = {
 _MAX_HEADER = 100 * 1024 * 1024  # the format's own limit; a bigger number means a corrupt file
 
 
-def read_safetensors_header(path: str) -> tuple[dict, int]:
-    """`(header, data_start)`: the tensor table of a safetensors file, without reading any tensor."""
+class TensorEntry(NamedTuple):
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    begin: int  # byte range in the data section
+    end: int
+
+
+def _uint(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def read_safetensors_header(path: str) -> tuple[dict[str, TensorEntry], int]:
+    """`(entries, data_start)`: the checked tensor table of a safetensors file, no tensor read.
+
+    The `safetensors` library's rules: dtypes known, shapes and offsets non-negative integers,
+    each tensor's bytes = elements x dtype size, and the byte ranges tile the data section
+    from 0 to its end in order, without gaps or overlaps."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -56,38 +73,67 @@ def read_safetensors_header(path: str) -> tuple[dict, int]:
             header = json.loads(f.read(length))
     except OSError as e:
         raise WeightError(f"{path}: cannot read safetensors file ({e})") from e
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise WeightError(
-            f"{path}: safetensors header is not valid JSON ({e}); corrupt or not safetensors"
-        ) from e
+            f"{path}: safetensors header is not valid JSON ({type(e).__name__}: {e}); "
+            "corrupt or not safetensors"
+        ) from None
     if not isinstance(header, dict):
         raise WeightError(f"{path}: safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
-    return header, 8 + length
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise WeightError(f"{path}: safetensors __metadata__ must be an object of strings")
+    entries = {name: _entry(path, name, info) for name, info in header.items()}
+    data = size - 8 - length
+    pos = 0
+    for name, e in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if e.begin != pos:
+            what = "overlaps the tensor before it" if e.begin < pos else f"leaves a gap after byte {pos}"
+            raise WeightError(
+                f"{path}: tensor {name!r} data_offsets [{e.begin}, {e.end}) {what}; expected the "
+                "tensors to cover the data section in order without gaps or overlaps"
+            )
+        pos = e.end
+    if pos != data:
+        raise WeightError(
+            f"{path}: the tensors cover {pos} bytes but the data section has {data}; "
+            + ("the file is truncated" if pos > data else "corrupt (bytes no tensor owns)")
+        )
+    return entries, 8 + length
+
+
+def _entry(path: str, name: str, info) -> TensorEntry:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict):
+        raise WeightError(f"{where}: entry is {type(info).__name__}, expected an object")
+    dtype = info.get("dtype")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise WeightError(f"{where}: dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(_uint(d) for d in shape):
+        raise WeightError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_uint(o) for o in offsets):
+        raise WeightError(f"{where}: data_offsets {offsets!r} is not two non-negative integers")
+    begin, end = offsets
+    nbytes = math.prod(shape) * _DTYPES[dtype].itemsize  # Python ints: no overflow
+    if end < begin or end - begin != nbytes:
+        raise WeightError(
+            f"{where}: {dtype} {shape} needs {nbytes} bytes but data_offsets [{begin}, {end}) "
+            f"hold {end - begin}"
+        )
+    return TensorEntry(_DTYPES[dtype], tuple(shape), begin, end)
 
 
 def iter_safetensors(path: str):
     """Yield `(name, array)` for every tensor of one file, copied into memory in its stored dtype."""
-    header, start = read_safetensors_header(path)
-    size = os.path.getsize(path)
-    blob = np.memmap(path, dtype=np.uint8, mode="r") if size > start else np.zeros(0, np.uint8)
-    for name, info in header.items():
-        try:
-            dtype = _DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise WeightError(
-                f"{path}: tensor {name!r} has an unsupported dtype or a malformed entry ({e!r})"
-            ) from None
-        count = int(np.prod(shape, dtype=np.int64))
-        if end - begin != count * dtype.itemsize or start + end > size:
-            raise WeightError(
-                f"{path}: tensor {name!r} ({info['dtype']} {list(shape)}) needs {count * dtype.itemsize} "
-                f"bytes at [{begin}, {end}) of the data section, which the file does not hold; "
-                "truncated or corrupt"
-            )
-        yield name, np.array(blob[start + begin : start + end].view(dtype).reshape(shape))
+    entries, start = read_safetensors_header(path)
+    if not any(e.end > e.begin for e in entries.values()):
+        for name, e in entries.items():
+            yield name, np.zeros(e.shape, e.dtype)
+        return
+    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    for name, e in entries.items():
+        yield name, np.array(blob[start + e.begin : start + e.end].view(e.dtype).reshape(e.shape))
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
