@@ -18,9 +18,11 @@ from .ir.graph import HIR, MIR, Graph
 from .ir.lir import LirModule, plan
 from .ir.lower import legalize, lower
 from .ir.ops import OPS, Level, infer
+from .ir.quant import PackedTensor
 from .ir.registry import registry
 from .ir.verify import verify
 from .passes import fusion
+from .passes.packed import pack_params, packed_params
 from .passes.generic import const_fold, cse, dce, leaves_first
 from .passes.transform import hoist_params, to_precision
 from .profile import CompileProfile
@@ -79,6 +81,8 @@ class CompilePipeline:
         p, b = self.profile, self.backend
         if g.level == HIR:
             g = self._step("lower", g, lambda x: lower(x, p.fusion.policy))
+        if packed_params(g):
+            g = self._step("pack", g, pack_params)
         g = self._step("leaves_first", g, leaves_first)
         if p.passes.dce:
             g = self._step("dce", g, dce)
@@ -226,6 +230,20 @@ def specialize(g: Graph, env: dict) -> Graph:
     return m.build()
 
 
+def unpack(name: str, value, scheme: str, bad: list):
+    """What a param binds: a packed param takes a PackedTensor of its scheme (its bytes), a
+    float param a PackedTensor dequantized; a mismatch is recorded in `bad`."""
+    if not isinstance(value, PackedTensor):
+        if scheme:
+            bad.append(f"{name}: expected a packed {scheme} weight, got an array")
+        return value
+    if not scheme:
+        return value.dequantize()
+    if value.scheme.name != scheme:
+        bad.append(f"{name}: expected packed {scheme}, got {value.scheme.name}")
+    return value.raw
+
+
 class Executable:
     """A compiled model: `run(**inputs)` or `run(dict)` -> dict of numpy outputs."""
 
@@ -263,6 +281,8 @@ class Executable:
         missing = sorted(set(specs) - set(params))
         unexpected = sorted(set(params) - set(specs))
         bad = []
+        schemes = {n.name: n.a.get("scheme", "") for n in self.mir.nodes if n.op == "param"}
+        params = {k: unpack(k, v, schemes.get(k, ""), bad) for k, v in params.items()}
         for name, s in specs.items():
             if name in params:
                 shape = tuple(np.shape(params[name]))

@@ -9,6 +9,7 @@ import numpy as np
 from ..ir.dtype import F32, DType
 from ..ir.errors import WeightError
 from ..ir.graph import Builder, Graph, Value
+from ..ir.quant import PackedTensor
 
 
 @runtime_checkable
@@ -69,7 +70,8 @@ class FlowCtx:
         dt = DType.parse(getattr(w, "dtype", np.float32)) if w is not None else self.dtype
         if dt.is_float:
             dt = self.dtype
-        v = self.m.param(key, got, dt)
+        scheme = w.scheme.name if isinstance(w, PackedTensor) else ""
+        v = self.m.param(key, got, dt, scheme=scheme)
         self._params[key] = v
         return v
 

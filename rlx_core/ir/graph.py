@@ -177,14 +177,14 @@ class Builder:
     def value(self, ref: Ref) -> Value:
         return Value(self, tuple(ref), self.nodes[ref[0]].outs[ref[1]])
 
-    def _leaf(self, kind: str, name: str, shape, dtype) -> Value:
+    def _leaf(self, kind: str, name: str, shape, dtype, **attrs_) -> Value:
         if not isinstance(name, str) or not name:
             raise GraphError(f"{kind} needs a non-empty name, got {name!r}")
         if name in self._leaf_names:
             raise GraphError(f"{kind} name {name!r} is already used by a {self._leaf_names[name]}")
         self._leaf_names[name] = kind
         s = Shape(tuple(shape), dtype)
-        return self.add(kind, (), _leaf_name=name, shape=s.dims, dtype=s.dtype.value)
+        return self.add(kind, (), _leaf_name=name, shape=s.dims, dtype=s.dtype.value, **attrs_)
 
     def _leaf_add(self, kind: str, name: str, dims, dtype) -> Value:
         """Emit a leaf without the duplicate-name check (rewrites re-emit existing leaves)."""
@@ -194,8 +194,10 @@ class Builder:
     def input(self, name: str, shape, dtype=F32) -> Value:
         return self._leaf("input", name, shape, dtype)
 
-    def param(self, name: str, shape, dtype=F32) -> Value:
-        return self._leaf("param", name, shape, dtype)
+    def param(self, name: str, shape, dtype=F32, scheme: str = "") -> Value:
+        """A weight; with a quant `scheme` it is bound packed (passes/packed.py) while the
+        graph sees its logical float shape."""
+        return self._leaf("param", name, shape, dtype, **({"scheme": scheme} if scheme else {}))
 
     def state(self, name: str, shape, dtype=F32) -> Value:
         return self._leaf("state", name, shape, dtype)

@@ -12,9 +12,16 @@ import attrs
 from .errors import GraphError, SerializeError
 from .graph import Graph
 from .ops import get_op
+from .quant import QuantScheme
 
 ALIGN = 64
 LEAF_HOMES = {"input": "input", "param": "param", "state": "state", "constant": "const"}
+
+
+def packed_logical(scheme: str, dims: tuple) -> tuple:
+    """The logical [N, K] of packed bytes [N, bytes per row]."""
+    q = QuantScheme.parse(scheme)
+    return (dims[0], dims[1] // q.bytes_per_block * q.block_size)
 
 
 def _align(n: int) -> int:
@@ -39,6 +46,8 @@ class ManifestEntry:
     shape: tuple
     nbytes: int
     offset: int            # arena offset for outputs, packed offset for params, 0 otherwise
+    scheme: str = ""       # a packed param: its quant scheme (dtype u8, shape [rows, bytes])
+    logical: tuple = ()    # a packed param: the weight's shape, [N, K]
 
 
 @attrs.frozen
@@ -61,6 +70,7 @@ class BindingManifest:
 
     def text(self) -> str:
         lines = [f"  {e.kind:<6} {e.name:<48} {e.dtype}{list(e.shape)} {e.nbytes}B @{e.offset}"
+                 + (f" packed {e.scheme} of {list(e.logical)}" if e.scheme else "")
                  for e in self.entries]
         return "\n".join(lines)
 
@@ -232,8 +242,10 @@ def plan(g: Graph) -> LirModule:
     for kind in ("input", "param", "state"):
         for name, i in getattr(g, kind + "s").items():
             s = g.nodes[i].outs[0]
+            scheme = g.nodes[i].a.get("scheme", "") if kind == "param" else ""
+            logical = packed_logical(scheme, s.dims) if scheme else ()
             entries.append(ManifestEntry(name, kind, s.dtype.value, s.dims, s.nbytes(),
-                                         off if kind == "param" else 0))
+                                         off if kind == "param" else 0, scheme, logical))
             if kind == "param":
                 off += _align(s.nbytes())
     for name, r in g.outputs:

@@ -6,6 +6,7 @@ A kernel is `fn(a, out, *inputs)` writing into the preallocated `out` list; a vi
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import ml_dtypes
@@ -14,6 +15,7 @@ import numpy as np
 from .dtype import DType
 from .errors import ModelError
 from .ops import MaskKind
+from .quant import QuantScheme
 
 _LOW = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 _F32 = np.dtype(np.float32)
@@ -313,14 +315,65 @@ def _fused_swiglu(a, out, g, u):
 
 def _fused_mba(a, out, x, w, b=None):
     _matmul({"trans_a": False, "trans_b": a["trans_b"]}, out, x, w)
-    o = out[0]
+    _fused_mba_epilogue(a, out[0], b)
+
+
+def _fused_mba_epilogue(a, o, b):
+    """o += b, then the activation, in place."""
     if b is not None:
         if o.dtype == b.dtype and o.dtype not in _LOW:
             o += b
         else:
             put(o, up(o) + up(b))
     if a["act"] != "identity":
-        _activation({"fn": a["act"]}, out, o)
+        _activation({"fn": a["act"]}, [o], o)
+
+
+# ----------------------------------------------------------------- packed weights
+_DQ_SCRATCH = 1 << 20        # floats a dequant_matmul decodes at a time: bounds its scratch
+
+
+@functools.lru_cache(maxsize=64)
+def scheme(name: str) -> QuantScheme:
+    return QuantScheme.parse(name)
+
+
+def _dequantize(a, out, raw):
+    o = out[0]
+    if o.flags.c_contiguous:
+        scheme(a["scheme"]).dequantize(raw, o.shape, out=o, dtype=o.dtype)
+    else:
+        put(o, scheme(a["scheme"]).dequantize(raw, o.shape, dtype=o.dtype))
+
+
+def _quantize(a, out, x):
+    put(out[0], scheme(a["scheme"]).quantize(x).reshape(out[0].shape))
+
+
+def _fake_quantize(a, out, x):
+    s = scheme(a["scheme"])
+    put(out[0], s.dequantize(s.quantize(x), x.shape, dtype=np.float64 if x.dtype == np.float64 else np.float32))
+
+
+def _dequant_matmul(a, out, x, w, b=None):
+    """x @ W^T for packed W: a block of W's rows is decoded into a reused scratch and
+    multiplied with BLAS, so no float copy of the whole weight ever exists."""
+    s, o = scheme(a["scheme"]), out[0]
+    n, k = w.shape[0], x.shape[-1]
+    xf = up(x).reshape(-1, k)
+    ct = np.float64 if xf.dtype == np.float64 else np.float32
+    xf = xf.astype(ct, copy=False)
+    direct = o.dtype == ct and o.flags.c_contiguous
+    res = o.reshape(-1, n) if direct else np.empty((xf.shape[0], n), ct)
+    step = max(1, min(n, _DQ_SCRATCH // k))
+    scratch = np.empty((step, k), ct)
+    for r in range(0, n, step):
+        e = min(n, r + step)
+        wd = s.dequantize(w[r:e], (e - r, k), out=scratch[:e - r], dtype=ct)
+        np.matmul(xf, wd.T, out=res[:, r:e])
+    if not direct:
+        put(o, res.reshape(o.shape))
+    _fused_mba_epilogue(a, o, b)
 
 
 def _fused_rrms(a, out, x, r, w=None):
@@ -405,6 +458,10 @@ KERNELS = {
     "fused_residual_ln": _fused_rln,
     "fused_attention_block": _fused_attn_block,
     "fused_elementwise": _fused_elementwise,
+    "dequantize": _dequantize,
+    "quantize": _quantize,
+    "fake_quantize": _fake_quantize,
+    "dequant_matmul": _dequant_matmul,
 }
 
 def _narrow(a, x):

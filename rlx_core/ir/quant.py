@@ -570,3 +570,39 @@ def matmul_reference(x, raw, scheme: "QuantScheme | str", shape, name: str | Non
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = (
     QuantScheme(k) for k in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"))
 GGUF_SCHEMES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+
+
+@attrs.frozen(eq=False)
+class PackedTensor:
+    """A checkpoint weight kept packed: its bytes (often a view of a memory-mapped file), its
+    scheme and its logical shape. `shape` and `dtype` are the logical ones, so code that
+    checks a weight's shape needs nothing special; the bytes bind to a packed param."""
+    raw: np.ndarray                  # u8 [rows, bytes per row]
+    scheme: QuantScheme
+    shape: tuple                     # logical, (..., K)
+    name: str | None = None
+
+    def __attrs_post_init__(self):
+        rows, per_row = self.scheme.packed_shape(self.shape, self.name)
+        if self.raw.dtype != np.uint8 or self.raw.shape != (rows, per_row):
+            raise WeightError(f"{_where(self.name)}: packed {self.scheme.name} bytes of shape "
+                              f"{self.raw.shape} ({self.raw.dtype}) do not hold logical shape "
+                              f"{tuple(self.shape)}: expected uint8 [{rows}, {per_row}]")
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def dequantize(self, dtype=np.float32) -> np.ndarray:
+        return self.scheme.dequantize(self.raw, self.shape, dtype=dtype, name=self.name)
+
+    def take_rows(self, index) -> "PackedTensor":
+        """The rows `index` (an index array or slice over the first axis) of a 2-D weight:
+        rows are whole blocks, so the bytes are just the same rows."""
+        raw = self.raw[index]
+        return PackedTensor(np.ascontiguousarray(raw), self.scheme, (raw.shape[0],) + tuple(self.shape[1:]),
+                            self.name)

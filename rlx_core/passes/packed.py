@@ -1,0 +1,59 @@
+"""Packed weights: a param marked with a quant scheme becomes its packed bytes, and every use
+reads them through the op that can.
+
+In the HIR a packed weight is an ordinary float param of its logical shape [N, K] with a
+`scheme` attr, so blocks, metas and printing need nothing special. This pass (MIR, before
+fusion) turns it into the bytes the checkpoint holds, u8 [N, bytes_per_row(K)], and rewrites
+its consumers: `x @ W^T` (plain or with a bias/activation epilogue) becomes
+`dequant_matmul`, an embedding lookup gathers packed rows and dequantizes only those, and any
+other use dequantizes the whole weight (correct, at the cost of a float copy).
+"""
+from __future__ import annotations
+
+from ..ir.graph import Graph
+from ..ir.quant import QuantScheme
+from ..ir.rewrite import copy_node, rewrite
+
+
+def packed_params(g: Graph) -> dict:
+    """node id -> QuantScheme of every param still in its logical (float) form."""
+    return {i: QuantScheme.parse(n.a["scheme"]) for i, n in enumerate(g.nodes)
+            if n.op == "param" and n.a.get("scheme") and n.outs[0].dtype.is_float}
+
+
+def pack_params(g: Graph) -> Graph:
+    packed = packed_params(g)
+    if not packed:
+        return g
+
+    def is_packed(ref) -> bool:
+        return ref[0] in packed
+
+    def replace(m, node, ins, i, lookup):
+        if i in packed:
+            s = node.outs[0]
+            rows, row_bytes = packed[i].packed_shape(s.dims, node.name)
+            return m.add("param", (), _leaf_name=node.name, shape=(rows, row_bytes), dtype="u8",
+                         scheme=packed[i].name)
+        refs = [tuple(r) for r in node.inputs]
+        if not any(is_packed(r) for r in refs):
+            return None
+        a = node.a
+        w = refs[1] if len(refs) > 1 else None
+        if node.op in ("matmul", "fused_matmul_bias_act") and is_packed(w) and not is_packed(refs[0]) \
+                and a.get("trans_b") and not a.get("trans_a") and ins[1].shape.rank == 2:
+            return m.add("dequant_matmul", tuple(ins), scheme=packed[w[0]].name,
+                         act=a.get("act", "identity"))
+        if node.op == "gather" and is_packed(refs[0]) and a["axis"] == 0:
+            rows = m.gather(ins[0], ins[1])
+            return m.add("dequantize", (rows,), scheme=packed[refs[0][0]].name,
+                         dtype=g.nodes[refs[0][0]].outs[0].dtype.value)
+        floats = [m.add("dequantize", (v,), scheme=packed[r[0]].name,
+                        dtype=g.nodes[r[0]].outs[0].dtype.value) if is_packed(r) else v
+                  for r, v in zip(refs, ins)]
+        return copy_node(m, node, floats)
+
+    return rewrite(g, replace)
+
+
+__all__ = ["pack_params", "packed_params"]
