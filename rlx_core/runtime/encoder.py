@@ -13,12 +13,17 @@ whose `batch` and `seq` dims are symbolic, and returns the rows in input order. 
 backend has cores to spare (`backend.data_parallel()`: the NumPy backend with an N-thread
 BLAS), a packed batch runs as N parts side by side in threads, each on its own executable
 (`Encoder.parts` overrides the count; 1 runs each batch whole).
+
+`embed`, `forward` and `hidden_states` may be called from many threads at once: a call holds
+the encoder's lock (its executables' arenas serve one run at a time), so concurrent calls
+give the results of the same calls made one at a time.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+import threading
 import time
 import warnings
 
@@ -27,7 +32,7 @@ import numpy as np
 from ..ir.dtype import F32
 from ..ir.errors import ModelError, WeightError
 from ..pipeline import CompilePipeline, Executable, select_backend
-from .model import id_matrix
+from .args import bool_arg, id_matrix, int_arg, mask_arg, text_arg
 
 # sentence-transformers Pooling config keys -> our pooling names (None: not supported here)
 _ST_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
@@ -134,6 +139,7 @@ class Encoder:
         self._pool = None                # (workers, ThreadPoolExecutor, pid) for the parts
         self._shared: dict = {}
         self._truncating = None
+        self._lock = threading.RLock()
         self.flow_options = dict(flow_options or {})     # extra recipe.flow() options
         self.last_timings: dict = {}
 
@@ -158,6 +164,10 @@ class Encoder:
         this backend). One executable serves every shape (specialized per shape, cached).
         `part` k > 0: another executable of the same graph, for the k-th part of a batch run
         concurrently (a runner's arena serves one run at a time); params are shared."""
+        with self._lock:
+            return self._executable(layout, part)
+
+    def _executable(self, layout: str | None, part: int):
         key = layout or self.flow_options.get("layout")
         if (key, part) not in self._exes:
             if key not in self._built:
@@ -221,18 +231,19 @@ class Encoder:
     def forward(self, ids, attention_mask=None, token_type_ids=None) -> dict:
         """Every output of the graph for right-padded ids [B,S] (`last_hidden_state`,
         `pooled`, `embedding`); rows of attention_mask mark real tokens."""
-        ids = id_matrix(ids)
-        b, s = ids.shape
-        mask = np.ones((b, s), bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
-        if mask.shape != ids.shape:
-            raise ModelError(f"attention_mask shape {mask.shape} does not match ids {ids.shape}")
-        types = np.zeros((b, s), np.int64) if token_type_ids is None else np.asarray(token_type_ids, np.int64)
-        if types.shape != ids.shape:
-            raise ModelError(f"token_type_ids shape {types.shape} does not match ids {ids.shape}")
-        if b == 0 or s == 0:
-            raise ModelError(f"empty batch of token ids (shape {ids.shape})")
-        self._check_rows([s], int(ids.max()), int(ids.min()))
-        return self._run(ids, types, mask)
+        ids = id_matrix(ids, self.recipe_vocab())
+        self._check_rows([ids.shape[1]], 0, 0)
+        mask = (np.ones(ids.shape, bool) if attention_mask is None
+                else mask_arg("attention_mask", attention_mask, ids.shape))
+        types = np.zeros(ids.shape, np.int64)
+        if token_type_ids is not None:
+            tv = self.config.get("type_vocab_size")
+            tv = tv if isinstance(tv, int) and tv > 0 else None
+            types = id_matrix(token_type_ids, tv, "token_type_ids")
+            if types.shape != ids.shape:
+                raise ModelError(f"token_type_ids shape {types.shape} does not match ids {ids.shape}")
+        with self._lock:
+            return self._run(ids, types, mask)
 
     def hidden_states(self, ids, attention_mask=None, token_type_ids=None) -> np.ndarray:
         return self.forward(ids, attention_mask, token_type_ids)["last_hidden_state"]
@@ -343,8 +354,7 @@ class Encoder:
             raise ModelError(f"{self.source} has no tokenizer (expected tokenizer.json, or vocab.txt for "
                              "BERT WordPiece, beside config.json); embed token ids instead")
         for i, t in enumerate(texts):
-            if not isinstance(t, str):
-                raise ModelError(f"{item} {first + i} is a {type(t).__name__}, not a string")
+            text_arg(f"{item} {first + i}", t)
         if self.do_lower_case:
             texts = [t.lower() for t in texts]
         encs = list(self.tokenizer.backend.encode_batch(texts))
@@ -400,8 +410,12 @@ class Encoder:
         as given (special tokens included). `normalize` L2-normalizes each row (pooled rows
         otherwise). Text longer than `max_length` tokens is truncated with a warning, or is an
         error with truncate=False."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ModelError(f"batch_size must be a positive integer, got {batch_size!r}")
+        batch_size = int_arg("batch_size", batch_size, lo=1)
+        normalize, truncate = bool_arg("normalize", normalize), bool_arg("truncate", truncate)
+        with self._lock:
+            return self._embed(texts_or_ids, batch_size, normalize, truncate, progress, item, first)
+
+    def _embed(self, texts_or_ids, batch_size, normalize, truncate, progress, item, first) -> np.ndarray:
         single, rows = self._rows(texts_or_ids, truncate, item, first)
         out = np.zeros((len(rows), self.dim), np.float32)
         if rows:

@@ -3,6 +3,7 @@ text with prefill + KV-cache decode (one compiled decode graph per context lengt
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 
@@ -13,6 +14,7 @@ from ..ir.errors import ModelError
 from ..pipeline import StateStore, select_backend
 from ..plugins.manager import registry
 from ..profile import CompileProfile
+from .args import bool_arg, callable_arg, float_arg, id_matrix, int_arg, mask_arg, text_arg, token_rows
 from .sampling import choose, process_logits
 
 # Which package adds which architecture, for the "unknown architecture" error.
@@ -46,22 +48,8 @@ def load(path_or_name: str, backend: str | None = None, profile=None, progress: 
     return recipe.build(ckpt, backend=backend, profile=profile, **kw)
 
 
-def id_matrix(ids) -> np.ndarray:
-    """Token ids as an int64 [batch, seq] array (a 1-D sequence is one row); a clear error
-    for anything else."""
-    arr = np.asarray(ids)
-    if arr.ndim == 1:
-        arr = arr[None]
-    if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
-        raise ModelError(f"token ids must be a 1-D or 2-D integer array, got shape {arr.shape} "
-                         f"of {arr.dtype}")
-    return arr.astype(np.int64)
-
-
 def _pad_batch(rows: list, pad_id: int) -> tuple:
-    """Left-pad token rows into ids [B,S] and an attention mask."""
-    if not rows or any(len(r) == 0 for r in rows):
-        raise ModelError("every prompt needs at least one token")
+    """Left-pad token rows (checked non-empty) into ids [B,S] and an attention mask."""
     s = max(len(r) for r in rows)
     ids = np.full((len(rows), s), pad_id, np.int64)
     mask = np.zeros((len(rows), s), bool)
@@ -72,7 +60,13 @@ def _pad_batch(rows: list, pad_id: int) -> tuple:
 
 
 class CausalLM:
-    """A decoder-only language model compiled from a recipe's flows."""
+    """A decoder-only language model compiled from a recipe's flows.
+
+    `generate` and `logits` may be called from many threads at once: a call holds the
+    model's lock (its KV cache, executables and their arenas are one set), so concurrent
+    calls give the results of the same calls made one at a time. Measured on 2 cores, runs
+    of separate models side by side were slower than in turn, so one set is kept, not one
+    per thread."""
 
     def __init__(self, recipe, config: dict, tensors: dict, tokenizer=None, backend=None,
                  profile=None, max_context: int | None = None, source: str = ""):
@@ -84,6 +78,7 @@ class CausalLM:
         self.states = StateStore()
         self._shared: dict = {}
         self._exes: dict = {}
+        self._lock = threading.RLock()
         self.last_timings: dict = {}
 
     @classmethod
@@ -96,15 +91,16 @@ class CausalLM:
     def executable(self, mode: str, taps: bool = False):
         """mode: logits (every position), prefill (last position, writes the KV cache), decode."""
         key = (mode, taps)
-        if key not in self._exes:
-            flow = self.recipe.flow(self.config, mode, taps=taps)
-            built = flow.build(self.tensors, self.config, F32,
-                               ignore_unused=getattr(self.recipe, "ignore_unused", ()))
-            exe = built.compile(self.backend, self.profile, self.states)
-            exe.shared = self._shared
-            exe.set_params(built.params)
-            self._exes[key] = exe
-        return self._exes[key]
+        with self._lock:
+            if key not in self._exes:
+                flow = self.recipe.flow(self.config, mode, taps=taps)
+                built = flow.build(self.tensors, self.config, F32,
+                                   ignore_unused=getattr(self.recipe, "ignore_unused", ()))
+                exe = built.compile(self.backend, self.profile, self.states)
+                exe.shared = self._shared
+                exe.set_params(built.params)
+                self._exes[key] = exe
+            return self._exes[key]
 
     def _debug(self) -> bool:
         return os.environ.get("RLX_DEBUG") == "1" or self.profile.passes.verify_each
@@ -127,25 +123,32 @@ class CausalLM:
         pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int64)
         return {"ids": ids, "positions": pos, "key_mask": mask[:, None, None, :]}
 
-    def _check_ids(self, ids: np.ndarray) -> None:
-        vocab = self.config.get("vocab_size")
-        if ids.size and vocab and (ids.min() < 0 or ids.max() >= vocab):
-            raise ModelError(f"token id out of range [0, {vocab}): min {ids.min()}, max {ids.max()}")
-        if ids.shape[1] > self.max_positions:
-            raise ModelError(f"prompt of {ids.shape[1]} tokens is longer than the context of "
+    @property
+    def vocab_size(self) -> int | None:
+        v = self.config.get("vocab_size")
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    def _check_length(self, seq: int) -> None:
+        if seq > self.max_positions:
+            raise ModelError(f"prompt of {seq} tokens is longer than the context of "
                              f"{self.max_positions} positions")
 
     def logits(self, ids, attention_mask=None) -> np.ndarray:
-        """Logits [batch, seq, vocab] for token ids (left-padded rows with attention_mask)."""
-        ids = id_matrix(ids)
-        self._check_ids(ids)
-        mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask, bool)
-        out = self.executable("logits").run(self._inputs(ids, mask))["logits"]
-        self._check_finite(out, ids, mask)
+        """Logits [batch, seq, vocab] for token ids: equally long rows (left-padded, with
+        attention_mask marking the real tokens), at least one row of at least one token (an
+        empty batch is an error, not an empty result)."""
+        ids = id_matrix(ids, self.vocab_size)
+        self._check_length(ids.shape[1])
+        mask = (np.ones(ids.shape, bool) if attention_mask is None
+                else mask_arg("attention_mask", attention_mask, ids.shape))
+        with self._lock:
+            out = self.executable("logits").run(self._inputs(ids, mask))["logits"]
+            self._check_finite(out, ids, mask)
         return out
 
     # -- generation
     def encode_prompt(self, text: str, chat: bool = False) -> list:
+        text = text_arg("prompt", text)
         if self.tokenizer is None:
             raise ModelError(f"{self.source} has no tokenizer; pass token ids instead of text")
         if chat:
@@ -165,46 +168,65 @@ class CausalLM:
                  seed: int | None = None, stream=None, chat: bool = False, attention_mask=None):
         """HF generate's meanings. Text in -> the new text out; ids in -> the prompt followed by
         the new tokens (2-D: padded like HF, rows that ended filled with the pad id).
-        `stream(token_ids_of_each_row)` is called after every step."""
+        `stream(token_ids_of_each_row)` is called after every step (holding the model's lock).
+        Every argument is checked first: a bad one is a ModelError naming it."""
+        max_new_tokens = int_arg("max_new_tokens", max_new_tokens)
+        min_new_tokens = int_arg("min_new_tokens", min_new_tokens)
+        if min_new_tokens > max_new_tokens:
+            raise ModelError(f"min_new_tokens ({min_new_tokens}) is more than max_new_tokens ({max_new_tokens})")
+        do_sample, chat = bool_arg("do_sample", do_sample), bool_arg("chat", chat)
+        temperature = float_arg("temperature", 1.0 if temperature is None else temperature, 0.0)
+        if temperature == 0 and do_sample:
+            raise ModelError("temperature must be > 0 when sampling (do_sample=True), got 0")
+        top_k = int_arg("top_k", top_k, none=True)
+        top_p = float_arg("top_p", top_p, 0.0, 1.0, lo_open=True, none=True)
+        seed = int_arg("seed", seed, none=True)
+        stream = callable_arg("stream", stream)
         text_in = isinstance(prompt, str)
-        if text_in:
-            rows = [self.encode_prompt(prompt, chat)]
-        elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (list, tuple, np.ndarray)):
-            rows = [list(map(int, r)) for r in prompt]
-        else:
-            arr = id_matrix(prompt)
-            if attention_mask is not None:
-                m = np.asarray(attention_mask, bool)
-                rows = [list(arr[b][m[b]]) for b in range(arr.shape[0])]
+        if text_in and attention_mask is not None:
+            raise ModelError("attention_mask goes with token ids; a text prompt has none")
+        with self._lock:
+            if text_in:
+                rows, one_dim = token_rows("prompt (as tokenized)", self.encode_prompt(prompt, chat),
+                                           self.vocab_size)
+            elif attention_mask is not None:
+                arr = id_matrix(prompt, self.vocab_size, "prompt")
+                m = mask_arg("attention_mask", attention_mask, arr.shape)
+                rows, one_dim = [arr[b][m[b]].tolist() for b in range(arr.shape[0])], False
             else:
-                rows = [list(r) for r in arr]
-        if temperature is not None and temperature <= 0 and do_sample:
-            raise ModelError(f"temperature must be > 0 when sampling, got {temperature}")
+                rows, one_dim = token_rows("prompt", prompt, self.vocab_size)
+            self._check_length(max(map(len, rows)))
+            return self._generate(rows, one_dim and not isinstance(prompt, np.ndarray), text_in,
+                                  max_new_tokens, min_new_tokens, do_sample, temperature, top_k, top_p,
+                                  seed, stream)
+
+    def _generate(self, rows, as_list, text_in, max_new_tokens, min_new_tokens, do_sample,
+                  temperature, top_k, top_p, seed, stream):
         eos = self.eos_ids
         eos_arr = np.array(eos or (), np.int64)
         pad = self.config.get("pad_token_id")
         pad = pad if pad is not None else (eos[0] if eos else 0)
         ids, mask = _pad_batch(rows, pad)
-        self._check_ids(ids)
         b, s = ids.shape
         room = self.max_positions - s
         if max_new_tokens > room:
             warnings.warn(f"max_new_tokens={max_new_tokens} passes the context of {self.max_positions}; "
-                          f"generating {room}", stacklevel=2)
+                          f"generating {room}", stacklevel=3)
             max_new_tokens = room
         ctx = min(-(-(s + max_new_tokens) // CTX_BUCKET) * CTX_BUCKET, self.max_positions)
         prefill, decode = self.executable("prefill"), self.executable("decode")
         prefill.fixed_dims = decode.fixed_dims = {"ctx": ctx}
         rng = np.random.default_rng(seed)
         inputs = self._inputs(ids, mask)
-        t0 = time.perf_counter()
-        logits = prefill.run(inputs, cache_pos=np.zeros(b, np.int32))["logits"][:, -1]
-        t1 = time.perf_counter()
+        cols: list = []                          # the new tokens, one column per step
+        done = np.zeros(b, bool)
+        t0 = t1 = time.perf_counter()
+        if max_new_tokens:
+            logits = prefill.run(inputs, cache_pos=np.zeros(b, np.int32))["logits"][:, -1]
+            t1 = time.perf_counter()
         full_mask = np.zeros((b, ctx), bool)
         full_mask[:, :s] = mask
         positions = inputs["positions"][:, -1:]
-        cols: list = []                          # the new tokens, one column per step
-        done = np.zeros(b, bool)
         for t in range(max_new_tokens):
             if not np.isfinite(logits).all():
                 self._check_finite(logits, ids, mask)
@@ -231,7 +253,7 @@ class CausalLM:
         if text_in:
             toks = [int(x) for x in new[0] if not (done[0] and x in eos)]
             return self.tokenizer.decode(toks)
-        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], (list, tuple, np.ndarray)):
+        if as_list:
             return list(rows[0]) + [int(x) for x in new[0]]
         return np.concatenate([ids, new], axis=1)
 

@@ -17,7 +17,12 @@ def process_logits(logits: np.ndarray, *, n_new: int, min_new_tokens: int, eos_i
 
 
 def warp(logits: np.ndarray, temperature: float, top_k: int | None, top_p: float | None) -> np.ndarray:
-    x = logits / np.float32(temperature) if temperature and temperature != 1.0 else logits.copy()
+    """float64 logits shifted so each row's max is 0, then divided by the temperature: no
+    overflow for any temperature > 0 (a tiny one only sends the others to -inf)."""
+    x = logits.astype(np.float64)
+    x -= x.max(-1, keepdims=True)
+    if temperature and temperature != 1.0:
+        x /= temperature
     if top_k and 0 < top_k < x.shape[-1]:
         kth = np.partition(x, -top_k, axis=-1)[:, -top_k][:, None]
         x = np.where(x < kth, -np.inf, x)
@@ -39,7 +44,7 @@ def choose(logits: np.ndarray, rng: np.random.Generator | None, do_sample: bool,
            top_k: int | None, top_p: float | None) -> np.ndarray:
     if not do_sample:
         return np.argmax(logits, axis=-1)
-    x = warp(logits, temperature, top_k, top_p).astype(np.float64)
+    x = warp(logits, temperature, top_k, top_p)
     p = np.exp(x - x.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     return np.array([rng.choice(p.shape[-1], p=row) for row in p])

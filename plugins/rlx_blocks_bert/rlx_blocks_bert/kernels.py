@@ -64,20 +64,21 @@ def gelu_inplace(y: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     step = max(1, _CHUNK // n)
     k = min(rows.shape[0], step) * n
     f, i, p, ab = (np.empty(k, t) for t in (np.float32, np.int32, np.float32, np.complex64))
-    for s in range(0, rows.shape[0], step):
-        block = rows[s:s + step]
-        if bias is not None:
-            block += bias
-        v = block.reshape(-1)
-        fv, iv, pv, abv = f[:v.size], i[:v.size], p[:v.size], ab[:v.size]
-        np.multiply(v, np.float32(_TAB_STEP), out=fv)
-        fv += _TAB_OFF
-        np.clip(fv, np.float32(0.0), _TAB_LAST, out=fv)
-        iv[...] = fv                                   # truncation: the piece's index
-        _PHI.take(iv, out=abv)
-        np.multiply(abv.imag, v, out=pv)
-        pv += abv.real                                 # Phi(v)
-        v *= pv
+    with np.errstate(invalid="ignore"):    # a NaN casts to some index; clipped, its GELU is NaN
+        for s in range(0, rows.shape[0], step):
+            block = rows[s:s + step]
+            if bias is not None:
+                block += bias
+            v = block.reshape(-1)
+            fv, iv, pv, abv = f[:v.size], i[:v.size], p[:v.size], ab[:v.size]
+            np.multiply(v, np.float32(_TAB_STEP), out=fv)
+            fv += _TAB_OFF
+            np.clip(fv, np.float32(0.0), _TAB_LAST, out=fv)
+            iv[...] = fv                               # truncation: the piece's index
+            _PHI.take(iv, out=abv, mode="clip")
+            np.multiply(abv.imag, v, out=pv)
+            pv += abv.real                             # Phi(v)
+            v *= pv
     return y
 
 
