@@ -18,8 +18,8 @@ from rlx_core.ir.dtype import BF16, BOOL, C64, F16, F32, F64, I32, DType, promot
 from rlx_core.ir.errors import DTypeError, GraphError, RlxError, SerializeError, ShapeError
 from rlx_core.ir.graph import Builder, Graph, Node
 from rlx_core.ir.lir import LirModule, plan
-from rlx_core.ir.ops import OPS
-from rlx_core.ir.serialize import graph_from_json
+from rlx_core.ir.ops import OPS, MaskKind
+from rlx_core.ir.serialize import graph_from_json, load_json_file
 from rlx_core.ir.shape import Shape, broadcast_dims
 from rlx_core.ir.verify import verify
 from rlx_core.pipeline import CompilePipeline, specialize
@@ -134,6 +134,159 @@ def test_builder_graph_errors():
         Builder("other").act(x, "tanh")
     with pytest.raises(GraphError, match="no outputs"):
         m.build()
+
+
+# ----------------------------------------------------------------------------- attr schemas
+def _x(m):
+    return m.input("x", (2, 4))
+
+
+def _qkv(m):
+    return tuple(m.input(n, (1, 2, 3, 4)) for n in "qkv")
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("op,attr,call,values,expect", [
+    ("rms_norm", "eps", lambda m, v: m.rms_norm(_x(m), eps=v),
+     ["abc", None, [1e-6], NAN, INF, -1e-6, 0.0, True, 10 ** 400], "a finite float > 0"),
+    ("layer_norm", "eps", lambda m, v: m.layer_norm(_x(m), eps=v), [NAN, -INF, "1e-5"], "a finite float > 0"),
+    ("rms_norm", "offset", lambda m, v: m.rms_norm(_x(m), offset=v), [NAN, INF, "1", False], "a finite float"),
+    ("softmax", "axis", lambda m, v: m.softmax(_x(m), axis=v), [1.5, True, None, "1", [1]], "an int"),
+    ("attention", "window", lambda m, v: m.attention(*_qkv(m), window=v), [-1, 1.5, True], "an int >= 0"),
+    ("attention", "scale", lambda m, v: m.add("attention", _qkv(m), scale=v), [NAN, INF, "0.5", None],
+     "a finite float"),
+    ("attention", "softcap", lambda m, v: m.add("attention", _qkv(m), scale=1.0, softcap=v), [-1.0, NAN],
+     "a finite float >= 0"),
+    ("attention", "mask_kind", lambda m, v: m.attention(*_qkv(m), mask_kind=v), ["sideways", 1, None],
+     "one of .*'causal'"),
+    ("attention", "has_mask", lambda m, v: m.add("attention", _qkv(m), scale=1.0, has_mask=v), [0, 1, "no"],
+     "true or false"),
+    ("matmul", "trans_b", lambda m, v: (lambda x: m.matmul(x, x, trans_b=v))(_x(m)), [1, None], "true or false"),
+    ("narrow", "length", lambda m, v: m.narrow(_x(m), 1, 0, v), [-1, 1.0, True], "an int >= 0"),
+    ("reshape", "shape", lambda m, v: m.add("reshape", (_x(m),), shape=v), [(2.0, 4), (8, -2), (True, 8), 8],
+     "ints >= -1 or symbol names"),
+    ("transpose", "perm", lambda m, v: m.add("transpose", (_x(m),), perm=v), ["ab", (0.0, 1), 1], "a list of ints"),
+    ("reduce", "axes", lambda m, v: m.reduce(_x(m), "sum", v), [1.0, (True,), None], "an int or a list of ints"),
+    ("cast", "dtype", lambda m, v: m.add("cast", (_x(m),), dtype=v), ["f8", 3, None], "a dtype name"),
+    ("binary", "op", lambda m, v: (lambda x: m.add("binary", (x, x), op=v))(_x(m)), ["plus", 1], "one of"),
+    ("input", "shape", lambda m, v: m.add("input", (), _leaf_name="y", shape=v, dtype="f32"),
+     [(-1,), (2.0,), ("",), (2 ** 63,)], "ints >= 0 or symbol names"),
+])
+def test_attrs_are_checked_against_the_op_schema(op, attr, call, values, expect):
+    for v in values:
+        with pytest.raises(GraphError, match=rf"op '{op}': attr '{attr}' = .*: expected .*{expect}"):
+            call(Builder("bad"), v)
+
+
+def test_attr_values_are_normalized():
+    m = Builder("norm")
+    x = m.input("x", (2, 4))
+    y = m.rms_norm(x, eps=np.float32(1e-3), offset=1)
+    assert m.nodes[y.ref[0]].a == {"eps": pytest.approx(1e-3), "offset": 1.0}
+    assert type(m.nodes[y.ref[0]].a["eps"]) is float and type(m.nodes[y.ref[0]].a["offset"]) is float
+    c = m.add("cast", (x,), dtype="float16")
+    assert m.nodes[c.ref[0]].a == {"dtype": "f16"}
+    t = m.transpose(x, np.array([1, 0]))
+    assert m.nodes[t.ref[0]].a == {"perm": (1, 0)}
+    q, k, v = _qkv(m)
+    a = m.attention(q, k, v, mask_kind=MaskKind.NONE, window=np.int64(0))
+    assert m.nodes[a.ref[0]].a["mask_kind"] == "none" and type(m.nodes[a.ref[0]].a["window"]) is int
+
+
+def test_fused_elementwise_program_is_checked():
+    def fe(program):
+        m = Builder("fe", "mir")
+        x = m.input("x", (3,))
+        return m.add("fused_elementwise", (x, x), program=program, dtype="f32")
+
+    fe((("binary", (("op", "add"),), (0, 1)), ("activation", (("fn", "exp"),), (2,))))
+    for program, pattern in [
+        ((("matmul", (), (0, 1)),), "'matmul' is not an elementwise op"),
+        ((("nope", (), (0,)),), "unknown op 'nope'"),
+        ((("activation", (("fn", "sideways"),), (0,)),), "op 'activation': attr 'fn'"),
+        ((("activation", (), (0,)),), "missing required attr 'fn'"),
+        ((("activation", (("fn", "exp"),), (2,)),), r"step 0 \(activation\) reads slots \(2,\)"),
+        ((("binary", (("op", "add"),), (0,)),), "takes inputs"),
+        ((("binary", (("op", "add"),), (0, -1)),), "expected a non-empty list of"),
+        ((), "expected a non-empty list of"),
+    ]:
+        with pytest.raises(GraphError, match=pattern):
+            fe(program)
+
+
+def _doc_with(op):
+    d = json.loads(Graph.define("one", lambda m: {
+        "y": m.softmax(m.rms_norm(m.input("x", (2, 4)), eps=1e-5), axis=-1)}).to_json())
+    return d, next(i for i, n in enumerate(d["nodes"]) if n["op"] == op)
+
+
+@pytest.mark.parametrize("op,attr,value", [
+    ("rms_norm", "eps", "1e-5"), ("rms_norm", "eps", None), ("rms_norm", "eps", [1e-5]),
+    ("rms_norm", "eps", NAN), ("rms_norm", "eps", INF), ("rms_norm", "eps", -1e-5),
+    ("softmax", "axis", 1.5), ("softmax", "axis", True), ("input", "dtype", "f8"),
+])
+def test_json_attrs_go_through_the_op_schema(op, attr, value):
+    d, i = _doc_with(op)
+    d["nodes"][i]["attrs"][attr] = value
+    with pytest.raises(SerializeError, match=rf"m\.json: nodes\[{i}\]\.attrs: op '{op}': attr '{attr}'"):
+        graph_from_json(json.dumps(d), "m.json")
+
+
+def test_json_dropped_attrs():
+    d, i = _doc_with("input")
+    del d["nodes"][i]["attrs"]["shape"]
+    with pytest.raises(SerializeError, match=rf"nodes\[{i}\]\.attrs: op 'input': missing required attr 'shape'"):
+        graph_from_json(json.dumps(d), "m.json")
+    d, i = _doc_with("rms_norm")                        # an optional attr gets the table's default
+    del d["nodes"][i]["attrs"]["offset"]
+    assert graph_from_json(json.dumps(d)).nodes[i].a == {"eps": 1e-5, "offset": 0.0}
+
+
+@pytest.mark.parametrize("mutate,place", [
+    (lambda d: d["nodes"].__setitem__(1, 5), r"nodes\[1\]: expected an object"),
+    (lambda d: d["nodes"][1].__setitem__("outs", {}), r"nodes\[1\]\.outs: expected a list"),
+    (lambda d: d["nodes"][1].__setitem__("outs", [[[2, "4"], 7]]), r"nodes\[1\]\.outs\[0\]: expected \[dims, dtype\]"),
+    (lambda d: d["nodes"][1].__setitem__("outs", [[[2, -4], "f32"]]), r"nodes\[1\]\.outs\[0\]: a dim must be >= 0"),
+    (lambda d: d["nodes"][1].__setitem__("inputs", [[0, True]]), r"nodes\[1\]\.inputs: a value reference"),
+    (lambda d: d["nodes"][1].__setitem__("name", 3), r"nodes\[1\]\.name: expected a string"),
+    (lambda d: d["nodes"][1].__setitem__("attrs", []), r"nodes\[1\]\.attrs: expected an object"),
+    (lambda d: d["outputs"].__setitem__(0, "y"), r"outputs\[0\] must be \[name, ref\]"),
+    (lambda d: d.__setitem__("version", True), "unsupported version"),
+    (lambda d: d.__setitem__("constants", {"c": {"dtype": "f32", "shape": [2.5], "data": ""}}),
+     r"constants\['c'\]\.shape: expected a list of ints >= 0"),
+    (lambda d: d.__setitem__("constants", {"c": {"dtype": "f32", "shape": [3], "data": "AAAA"}}),
+     r"constants\['c'\]\.data: 3 bytes; shape \[3\] of f32 needs 12"),
+    (lambda d: d.__setitem__("constants", {"c": {"dtype": "f32", "shape": [0, 2 ** 62, 2 ** 62], "data": ""}}),
+     r"constants\['c'\]\.shape"),
+    (lambda d: d.__setitem__("constants", {"c": {"dtype": "f32", "shape": [1], "data": "!!"}}),
+     r"constants\['c'\]\.data: not base64"),
+])
+def test_json_wrong_types_name_the_file_and_place(mutate, place):
+    d, _ = _doc_with("input")
+    mutate(d)
+    with pytest.raises(SerializeError, match=r"m\.json: " + place):
+        graph_from_json(json.dumps(d), "m.json")
+
+
+def test_binary_and_non_utf8_ir_files(tmp_path):
+    f = tmp_path / "garbage.rlx.json"
+    for data in (bytes(range(256)), b"\xff\xfe{}", "{\"format\": \"rlx-ir\"}".encode("utf-16")):
+        f.write_bytes(data)
+        with pytest.raises(SerializeError, match=r"garbage\.rlx\.json: not UTF-8"):
+            load_json_file(f)
+    f.write_bytes(b"[" * 100_000)
+    with pytest.raises(SerializeError, match=r"garbage\.rlx\.json: not valid JSON"):
+        load_json_file(f)
+    f.write_bytes(b"1" * 5000)                          # past Python's int-literal digit limit
+    with pytest.raises(SerializeError, match=r"garbage\.rlx\.json: not valid JSON"):
+        load_json_file(f)
+    for obj in (None, 5, ["x"]):
+        with pytest.raises(SerializeError, match="m.json"):
+            graph_from_json(obj, "m.json")
+    with pytest.raises(SerializeError, match=r"missing\.json: cannot read"):
+        load_json_file(tmp_path / "missing.json")
 
 
 # ----------------------------------------------------------------------------- verify

@@ -1,21 +1,27 @@
-"""The op table: every op declared once, with its inputs, attributes and a meta function.
+"""The op table: every op declared once, with its inputs, typed attributes and a meta function.
 
 A meta function takes the input shapes and the attrs and returns the output shapes, the
-way JAX primitives have an abstract eval. Backends, fusion rules and the planner key on
-the op name. Adding an op means: an entry here, a numpy kernel, tests.
+way JAX primitives have an abstract eval. Each attr has a schema (`A`: what it accepts and
+its default) and `OpDef.check_attrs` is the one check that builder calls and IR JSON both
+pass through. Backends, fusion rules and the planner key on the op name. Adding an op
+means: an entry here, a numpy kernel, tests.
 """
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any, Callable
 
 import attrs
+import numpy as np
 
 from .dtype import BOOL, I64, DType, promote
 from .errors import DTypeError, GraphError, RlxError, ShapeError
 from .shape import Shape, broadcast_dims, norm_axis
 
 REQUIRED = object()
+_BAD = object()          # what an attr check returns for a value that does not fit
+_MAX_DEPTH = 16          # attr values nest a few levels (a fused program); JSON may nest more
 
 
 class Level(enum.Enum):
@@ -42,11 +48,117 @@ REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
 ROPE_STYLES = ("half", "interleaved")
 
 
+# ----------------------------------------------------------------- attr schemas
+@attrs.frozen
+class A:
+    """An attr's schema: `check` returns the normalized value or _BAD (or raises GraphError
+    with a finer message); `expect` says in errors what fits. `SPEC(default)` gives the
+    same schema with a default; a bare SPEC is required."""
+    expect: str
+    check: Callable[[Any], Any]
+    default: Any = REQUIRED
+
+    def __call__(self, default) -> "A":
+        return attrs.evolve(self, default=default)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -2 ** 63 <= v < 2 ** 63
+
+
+def _int(lo=None):
+    return lambda v: v if _is_int(v) and (lo is None or v >= lo) else _BAD
+
+
+def _num(lo=None, strict=False):
+    """A finite float (an int is taken as one), optionally > lo (strict) or >= lo."""
+    def check(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return _BAD
+        try:
+            f = float(v)
+        except OverflowError:
+            return _BAD
+        if not math.isfinite(f) or (lo is not None and (f <= lo if strict else f < lo)):
+            return _BAD
+        return f
+    return check
+
+
+def _tuple_of(item):
+    return lambda v: v if isinstance(v, tuple) and all(item(x) for x in v) else _BAD
+
+
+def _dim(lo):
+    return lambda d: (_is_int(d) and d >= lo) or (isinstance(d, str) and d != "")
+
+
+def _dtype(v):
+    if not isinstance(v, str):
+        return _BAD
+    try:
+        return DType.parse(v).value
+    except DTypeError:
+        return _BAD
+
+
+def one_of(choices) -> A:
+    choices = tuple(choices)
+    return A(f"one of {list(choices)}", lambda v: v if isinstance(v, str) and v in choices else _BAD)
+
+
+def _pairs(v) -> bool:
+    """(name, value) pairs with distinct string names, the form of frozen kwargs."""
+    return (isinstance(v, tuple) and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+                                         for p in v) and len({p[0] for p in v}) == len(v))
+
+
+def _program(v):
+    """Steps (op, attrs pairs, arg slots) of elementwise ops; each step's attrs go through
+    its op's schema (the meta checks the slots and shapes against the inputs)."""
+    if not isinstance(v, tuple) or not v:
+        return _BAD
+    steps = []
+    for step in v:
+        if not (isinstance(step, tuple) and len(step) == 3 and isinstance(step[0], str)
+                and _pairs(step[1]) and isinstance(step[2], tuple) and all(_is_int(i) and i >= 0 for i in step[2])):
+            return _BAD
+        d = get_op(step[0])
+        if not d.elementwise or d.name == "fused_elementwise":
+            raise GraphError(f"fused_elementwise program step {step[0]!r} is not an elementwise op")
+        steps.append((d.name, tuple(sorted(d.check_attrs(dict(step[1])).items())), step[2]))
+    return tuple(steps)
+
+
+BOOL_ = A("true or false", lambda v: v if isinstance(v, bool) else _BAD)
+INT = A("an int", _int())
+COUNT = A("an int >= 0", _int(0))
+FLOAT = A("a finite float", _num())
+EPS = A("a finite float > 0", _num(0, strict=True))
+NONNEG = A("a finite float >= 0", _num(0))
+DTYPE = A(f"a dtype name, one of {[d.value for d in DType]}", _dtype)
+NAME = A("a non-empty string", lambda v: v if isinstance(v, str) and v else _BAD)
+INTS = A("a list of ints", _tuple_of(_is_int))
+AXES = A("an int or a list of ints", lambda v: v if _is_int(v) else _tuple_of(_is_int)(v))
+DIMS = A("a list of dims (ints >= 0 or symbol names)", _tuple_of(_dim(0)))
+TARGET_DIMS = A("a list of dims (ints >= -1 or symbol names)", _tuple_of(_dim(-1)))
+PARAMS = A("a list of [name, value] pairs with distinct names",
+           lambda v: tuple(sorted(v)) if _pairs(v) else _BAD)
+PROGRAM = A("a non-empty list of [op, attrs, slots] steps", _program)
+MASK_KIND = one_of(m.value for m in MaskKind)
+
+
+def brief(v) -> str:
+    """A value's repr cut short for an error message."""
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
 @attrs.frozen
 class OpDef:
     name: str
     inputs: tuple                 # names; a trailing "?" marks optional, "*" variadic
-    attrs: dict                   # attr name -> default (REQUIRED if none)
+    attrs: dict                   # attr name -> A (its schema and default)
     meta: Callable                # (list[Shape], dict) -> tuple[Shape, ...]
     level: Level
     doc: str
@@ -56,18 +168,27 @@ class OpDef:
     n_outputs: int = 1
 
     def check_attrs(self, given: dict) -> dict:
-        unknown = set(given) - set(self.attrs)
+        """Every attr checked against its schema and normalized; defaults filled in."""
+        unknown = [k for k in given if k not in self.attrs]
         if unknown:
-            raise GraphError(f"op {self.name!r}: unknown attr(s) {sorted(unknown)}; "
+            raise GraphError(f"op {self.name!r}: unknown attr(s) {sorted(map(str, unknown))}; "
                              f"expected {sorted(self.attrs)}")
         out = {}
-        for key, default in self.attrs.items():
-            if key in given:
-                out[key] = freeze(given[key])
-            elif default is REQUIRED:
-                raise GraphError(f"op {self.name!r}: missing required attr {key!r}")
-            else:
-                out[key] = default
+        for key, spec in self.attrs.items():
+            if key not in given:
+                if spec.default is REQUIRED:
+                    raise GraphError(f"op {self.name!r}: missing required attr {key!r} "
+                                     f"({spec.expect})")
+                out[key] = spec.default
+                continue
+            where = f"op {self.name!r}: attr {key!r}"
+            try:
+                value = spec.check(freeze(given[key]))
+            except GraphError as e:
+                raise GraphError(f"{where}: {e}") from None
+            if value is _BAD:
+                raise GraphError(f"{where} = {brief(given[key])}: expected {spec.expect}")
+            out[key] = value
         return out
 
     def check_arity(self, n: int) -> None:
@@ -78,17 +199,21 @@ class OpDef:
             raise GraphError(f"op {self.name!r} takes inputs {self.inputs}, got {n}")
 
 
-def freeze(value: Any) -> Any:
+def freeze(value: Any, depth: int = 0) -> Any:
     """Attr values are plain, hashable and JSON-able: enums become strings, lists tuples."""
+    if depth > _MAX_DEPTH:
+        raise GraphError(f"attr value nested more than {_MAX_DEPTH} levels deep")
     if isinstance(value, enum.Enum):
         return value.value
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
     if isinstance(value, (list, tuple)):
-        return tuple(freeze(v) for v in value)
+        return tuple(freeze(v, depth + 1) for v in value)
     if isinstance(value, bool) or value is None or isinstance(value, (int, float, str)):
         return value
-    if hasattr(value, "item"):
+    if isinstance(value, np.generic):
         return value.item()
-    raise GraphError(f"attr value {value!r} of type {type(value).__name__} is not allowed")
+    raise GraphError(f"attr value {brief(value)} of type {type(value).__name__} is not allowed")
 
 
 OPS: dict[str, OpDef] = {}
@@ -152,7 +277,7 @@ def _check_vec(x: Shape, w: Shape | None, what: str) -> None:
 
 
 # ----------------------------------------------------------------- leaves
-_LEAF = dict(attrs={"shape": REQUIRED, "dtype": REQUIRED})
+_LEAF = dict(attrs={"shape": DIMS, "dtype": DTYPE})
 
 
 @op("input", [], Level.LEAF, **_LEAF)
@@ -190,25 +315,21 @@ def _matmul_meta(a: Shape, b: Shape, ta: bool, tb: bool) -> Shape:
     return Shape(batch + (m, n), promote(a.dtype, b.dtype))
 
 
-@op("matmul", ["a", "b"], attrs={"trans_a": False, "trans_b": False})
+@op("matmul", ["a", "b"], attrs={"trans_a": BOOL_(False), "trans_b": BOOL_(False)})
 def _m_matmul(s, a):
     """Batched matmul with numpy broadcasting of batch dims and optional transposes."""
     return (_matmul_meta(s[0], s[1], a["trans_a"], a["trans_b"]),)
 
 
-@op("binary", ["a", "b"], attrs={"op": REQUIRED}, elementwise=True)
+@op("binary", ["a", "b"], attrs={"op": one_of(BINARY_OPS)}, elementwise=True)
 def _m_binary(s, a):
     """Elementwise add/sub/mul/div/max/min/pow with broadcasting and type promotion."""
-    if a["op"] not in BINARY_OPS:
-        raise ShapeError(f"binary op must be one of {BINARY_OPS}, got {a['op']!r}")
     return (Shape(broadcast_dims(s[0].dims, s[1].dims), promote(s[0].dtype, s[1].dtype)),)
 
 
-@op("compare", ["a", "b"], attrs={"op": REQUIRED}, elementwise=True)
+@op("compare", ["a", "b"], attrs={"op": one_of(COMPARE_OPS)}, elementwise=True)
 def _m_compare(s, a):
     """Elementwise comparison giving bool."""
-    if a["op"] not in COMPARE_OPS:
-        raise ShapeError(f"compare op must be one of {COMPARE_OPS}, got {a['op']!r}")
     return (Shape(broadcast_dims(s[0].dims, s[1].dims), BOOL),)
 
 
@@ -221,17 +342,15 @@ def _m_where(s, a):
     return (Shape(dims, promote(s[1].dtype, s[2].dtype)),)
 
 
-@op("activation", ["x"], attrs={"fn": REQUIRED}, elementwise=True)
+@op("activation", ["x"], attrs={"fn": one_of(ACTIVATIONS)}, elementwise=True)
 def _m_activation(s, a):
     """Unary elementwise function (gelu, silu, exp, rsqrt, ...)."""
-    if a["fn"] not in ACTIVATIONS:
-        raise ShapeError(f"activation fn must be one of {ACTIVATIONS}, got {a['fn']!r}")
     if a["fn"] not in INT_OK_ACTIVATIONS:
         _float(s[0], f"activation {a['fn']}")
     return (s[0],)
 
 
-@op("cast", ["x"], attrs={"dtype": REQUIRED}, elementwise=True)
+@op("cast", ["x"], attrs={"dtype": DTYPE}, elementwise=True)
 def _m_cast(s, a):
     """Convert to another dtype."""
     return (s[0].with_dtype(DType.parse(a["dtype"])),)
@@ -243,17 +362,15 @@ def _axes(axes, rank, what):
     return out
 
 
-@op("reduce", ["x"], attrs={"op": REQUIRED, "axes": REQUIRED, "keepdims": False})
+@op("reduce", ["x"], attrs={"op": one_of(REDUCE_OPS), "axes": AXES, "keepdims": BOOL_(False)})
 def _m_reduce(s, a):
     """Reduce over any axes (sum mean max min prod)."""
-    if a["op"] not in REDUCE_OPS:
-        raise ShapeError(f"reduce op must be one of {REDUCE_OPS}, got {a['op']!r}")
     axes = _axes(a["axes"], s[0].rank, "reduce")
     dims = tuple((1 if a["keepdims"] else None) if i in axes else d for i, d in enumerate(s[0].dims))
     return (Shape(tuple(d for d in dims if d is not None), s[0].dtype),)
 
 
-@op("softmax", ["x"], attrs={"axis": -1})
+@op("softmax", ["x"], attrs={"axis": INT(-1)})
 def _m_softmax(s, a):
     """Numerically stable softmax along one axis (accumulates in f32)."""
     _float(s[0], "softmax")
@@ -261,7 +378,7 @@ def _m_softmax(s, a):
     return (s[0],)
 
 
-@op("layer_norm", ["x", "gamma?", "beta?"], attrs={"eps": 1e-5})
+@op("layer_norm", ["x", "gamma?", "beta?"], attrs={"eps": EPS(1e-5)})
 def _m_layer_norm(s, a):
     """LayerNorm over the last axis."""
     _float(s[0], "layer_norm")
@@ -270,7 +387,7 @@ def _m_layer_norm(s, a):
     return (s[0],)
 
 
-@op("rms_norm", ["x", "weight?"], attrs={"eps": 1e-6, "offset": 0.0})
+@op("rms_norm", ["x", "weight?"], attrs={"eps": EPS(1e-6), "offset": FLOAT(0.0)})
 def _m_rms_norm(s, a):
     """RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * (weight + offset)."""
     _float(s[0], "rms_norm")
@@ -292,17 +409,16 @@ def _rope_check(x: Shape, cos: Shape, sin: Shape) -> None:
     _same_dim(cos.dims[-2], x.dims[2], f"rope table seq vs input seq ({cos} vs {x})")
 
 
-@op("rope", ["x", "cos", "sin"], attrs={"style": "half"})
+@op("rope", ["x", "cos", "sin"], attrs={"style": one_of(ROPE_STYLES)("half")})
 def _m_rope(s, a):
     """Rotary embedding on [B,H,S,D]; tables [S,R/2] or [B,S,R/2]; R <= D rotates the first R dims."""
-    if a["style"] not in ROPE_STYLES:
-        raise ShapeError(f"rope style must be one of {ROPE_STYLES}, got {a['style']!r}")
     _rope_check(*s)
     return (s[0],)
 
 
-_ATTN_ATTRS = {"mask_kind": "causal", "window": 0, "scale": REQUIRED, "softcap": 0.0,
-               "has_mask": False, "has_pos": False}
+_MASK_ATTRS = {"mask_kind": MASK_KIND("causal"), "window": COUNT(0), "has_mask": BOOL_(False),
+               "has_pos": BOOL_(False)}
+_ATTN_ATTRS = dict(_MASK_ATTRS, scale=FLOAT, softcap=NONNEG(0.0))
 
 
 def _attention_meta(s: list, a: dict) -> Shape:
@@ -311,11 +427,7 @@ def _attention_meta(s: list, a: dict) -> Shape:
         if t.rank != 4:
             raise ShapeError(f"attention {nm} must be [batch, heads, seq, head_dim], got {t}")
         _float(t, "attention")
-    try:
-        kind = MaskKind(a["mask_kind"])
-    except ValueError:
-        raise ShapeError(f"attention mask_kind must be one of {[m.value for m in MaskKind]}, "
-                         f"got {a['mask_kind']!r}") from None
+    kind = MaskKind(a["mask_kind"])
     _same_dim(q.dims[3], k.dims[3], "attention q/k head_dim")
     _same_dim(k.dims[2], v.dims[2], "attention k/v seq")
     _same_dim(k.dims[1], v.dims[1], "attention k/v heads")
@@ -353,7 +465,7 @@ def _m_attention(s, a):
 
 
 @op("mask_fill", ["scores", "mask?", "pos?"],
-    attrs={"mask_kind": "causal", "window": 0, "has_mask": False, "has_pos": False})
+    attrs=_MASK_ATTRS)
 def _m_mask_fill(s, a):
     """Apply attention's mask to scores [B,H,Sq,Sk]: masked entries become -inf (or add a bias)."""
     if s[0].rank != 4:
@@ -361,7 +473,7 @@ def _m_mask_fill(s, a):
     return (s[0],)
 
 
-@op("gather", ["table", "indices"], attrs={"axis": 0})
+@op("gather", ["table", "indices"], attrs={"axis": INT(0)})
 def _m_gather(s, a):
     """Take rows of `table` along `axis` at integer `indices` (embedding lookup)."""
     t, i = s
@@ -413,13 +525,13 @@ def resolve_reshape(src: tuple, target: tuple) -> tuple:
     return target
 
 
-@op("reshape", ["x"], attrs={"shape": REQUIRED}, view_of=0)
+@op("reshape", ["x"], attrs={"shape": TARGET_DIMS}, view_of=0)
 def _m_reshape(s, a):
     """Same data, new dims (a view); one dim may be -1."""
     return (Shape(resolve_reshape(s[0].dims, a["shape"]), s[0].dtype),)
 
 
-@op("transpose", ["x"], attrs={"perm": REQUIRED})
+@op("transpose", ["x"], attrs={"perm": INTS})
 def _m_transpose(s, a):
     """Permute axes."""
     perm = tuple(a["perm"])
@@ -428,7 +540,7 @@ def _m_transpose(s, a):
     return (Shape(tuple(s[0].dims[p] for p in perm), s[0].dtype),)
 
 
-@op("narrow", ["x"], attrs={"axis": REQUIRED, "start": REQUIRED, "length": REQUIRED}, view_of=0)
+@op("narrow", ["x"], attrs={"axis": INT, "start": INT, "length": COUNT}, view_of=0)
 def _m_narrow(s, a):
     """x[..., start:start+length, ...] along one axis (a view); a negative start counts from the end."""
     x = s[0]
@@ -443,7 +555,7 @@ def _m_narrow(s, a):
     return (Shape(x.dims[:ax] + (a["length"],) + x.dims[ax + 1:], x.dtype),)
 
 
-@op("concat", ["xs*"], attrs={"axis": REQUIRED})
+@op("concat", ["xs*"], attrs={"axis": INT})
 def _m_concat(s, a):
     """Join along an axis."""
     if not s:
@@ -462,7 +574,7 @@ def _m_concat(s, a):
     return (Shape(first.dims[:ax] + (total,) + first.dims[ax + 1:], first.dtype),)
 
 
-@op("expand", ["x"], attrs={"shape": REQUIRED}, view_of=0)
+@op("expand", ["x"], attrs={"shape": DIMS}, view_of=0)
 def _m_expand(s, a):
     """Broadcast to a larger shape (a view)."""
     target = tuple(a["shape"])
@@ -471,14 +583,14 @@ def _m_expand(s, a):
     return (Shape(target, s[0].dtype),)
 
 
-@op("cumsum", ["x"], attrs={"axis": -1})
+@op("cumsum", ["x"], attrs={"axis": INT(-1)})
 def _m_cumsum(s, a):
     """Inclusive prefix sum along an axis."""
     norm_axis(a["axis"], s[0].rank, "cumsum")
     return (s[0],)
 
 
-@op("topk", ["x"], attrs={"k": REQUIRED, "axis": -1}, n_outputs=2)
+@op("topk", ["x"], attrs={"k": COUNT, "axis": INT(-1)}, n_outputs=2)
 def _m_topk(s, a):
     """The k largest values along an axis, sorted descending, and their i64 indices."""
     x = s[0]
@@ -490,14 +602,14 @@ def _m_topk(s, a):
     return (Shape(dims, x.dtype), Shape(dims, I64))
 
 
-@op("argmax", ["x"], attrs={"axis": -1, "keepdims": False})
+@op("argmax", ["x"], attrs={"axis": INT(-1), "keepdims": BOOL_(False)})
 def _m_argmax(s, a):
     """Index of the largest value along an axis (first on ties), i64."""
     (r,) = _m_reduce([s[0]], {"op": "max", "axes": (a["axis"],), "keepdims": a["keepdims"]})
     return (r.with_dtype(I64),)
 
 
-@op("kv_write", ["cache", "new", "pos"], attrs={"axis": 2}, view_of=0, effect=True)
+@op("kv_write", ["cache", "new", "pos"], attrs={"axis": INT(2)}, view_of=0, effect=True)
 def _m_kv_write(s, a):
     """Write `new` into the state `cache` at offset pos[b] along `axis` (in place); returns the cache."""
     c, n, p = s
@@ -508,7 +620,7 @@ def _m_kv_write(s, a):
     return (c,)
 
 
-@op("custom", ["xs*"], attrs={"name": REQUIRED, "params": ()})
+@op("custom", ["xs*"], attrs={"name": NAME, "params": PARAMS(())})
 def _m_custom(s, a):
     """An op registered by a plugin through rlx_register_ops; meta and kernels come from it."""
     from .custom import custom_op
@@ -517,7 +629,7 @@ def _m_custom(s, a):
 
 
 # ----------------------------------------------------------------- HIR blocks
-@op("linear", ["x", "weight", "bias?"], Level.HIR, attrs={"transpose_w": True})
+@op("linear", ["x", "weight", "bias?"], Level.HIR, attrs={"transpose_w": BOOL_(True)})
 def _m_linear(s, a):
     """x @ W^T (+ b) for HF-layout weights [out, in]; transpose_w=False takes [in, out]."""
     y = _matmul_meta(s[0], s[1], False, a["transpose_w"])
@@ -526,7 +638,7 @@ def _m_linear(s, a):
     return (y,)
 
 
-@op("swiglu_mlp", ["x", "w_gate", "w_up", "w_down"], Level.HIR, attrs={"transpose_w": True})
+@op("swiglu_mlp", ["x", "w_gate", "w_up", "w_down"], Level.HIR, attrs={"transpose_w": BOOL_(True)})
 def _m_swiglu_mlp(s, a):
     """down(silu(gate(x)) * up(x)) with HF-layout weights."""
     g = _matmul_meta(s[0], s[1], False, a["transpose_w"])
@@ -546,14 +658,12 @@ def _m_fused_swiglu(s, a):
 
 
 @op("fused_matmul_bias_act", ["x", "w", "bias?"], Level.FUSED,
-    attrs={"trans_b": False, "act": "identity"})
+    attrs={"trans_b": BOOL_(False), "act": one_of(ACTIVATIONS)("identity")})
 def _m_fused_mba(s, a):
     """act(x @ w + bias), the matmul epilogue."""
     y = _matmul_meta(s[0], s[1], False, a["trans_b"])
     if len(s) > 2:
         _check_vec(y, s[2], "fused_matmul_bias_act bias")
-    if a["act"] not in ACTIVATIONS:
-        raise ShapeError(f"act must be one of {ACTIVATIONS}, got {a['act']!r}")
     return (y,)
 
 
@@ -566,7 +676,7 @@ def _residual_meta(s):
 
 
 @op("fused_residual_rms_norm", ["x", "residual", "weight?"], Level.FUSED,
-    attrs={"eps": 1e-6, "offset": 0.0}, n_outputs=2)
+    attrs={"eps": EPS(1e-6), "offset": FLOAT(0.0)}, n_outputs=2)
 def _m_fused_rrms(s, a):
     """h = x + residual; returns (h, rms_norm(h))."""
     h = _residual_meta(s)
@@ -575,7 +685,7 @@ def _m_fused_rrms(s, a):
 
 
 @op("fused_residual_ln", ["x", "residual", "gamma?", "beta?"], Level.FUSED,
-    attrs={"eps": 1e-5}, n_outputs=2)
+    attrs={"eps": EPS(1e-5)}, n_outputs=2)
 def _m_fused_rln(s, a):
     """h = x + residual; returns (h, layer_norm(h))."""
     h = _residual_meta(s)
@@ -585,7 +695,7 @@ def _m_fused_rln(s, a):
 
 
 @op("fused_attention_block", ["q", "k", "v", "cos", "sin", "mask?", "pos?"], Level.FUSED,
-    attrs=dict(_ATTN_ATTRS, style="half"))
+    attrs=dict(_ATTN_ATTRS, style=one_of(ROPE_STYLES)("half")))
 def _m_fused_attn_block(s, a):
     """attention(rope(q), rope(k), v): RoPE applied inside the attention kernel."""
     _rope_check(s[0], s[3], s[4])
@@ -593,7 +703,7 @@ def _m_fused_attn_block(s, a):
     return (_attention_meta(s[:3] + s[5:], a),)
 
 
-@op("fused_elementwise", ["xs*"], Level.FUSED, attrs={"program": REQUIRED, "dtype": REQUIRED},
+@op("fused_elementwise", ["xs*"], Level.FUSED, attrs={"program": PROGRAM, "dtype": DTYPE},
     elementwise=True)
 def _m_fused_elementwise(s, a):
     """A region of elementwise ops run as one kernel. `program` is a tuple of steps
@@ -601,7 +711,13 @@ def _m_fused_elementwise(s, a):
     dims: tuple = ()
     for t in s:
         dims = broadcast_dims(dims, t.dims, "fused_elementwise")
-    return (Shape(dims, DType.parse(a["dtype"])),)
+    n = len(s)
+    for j, (name, _, args) in enumerate(a["program"]):
+        if any(i >= n + j for i in args):
+            raise GraphError(f"fused_elementwise step {j} ({name}) reads slots {args}; only "
+                             f"{n + j} exist there")
+        get_op(name).check_arity(len(args))
+    return (Shape(dims, a["dtype"]),)
 
 
 HIR_ONLY = {n for n, d in OPS.items() if d.level is Level.HIR}

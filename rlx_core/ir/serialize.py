@@ -1,14 +1,16 @@
-"""JSON round trip of every level. Loading validates everything and raises SerializeError."""
+"""JSON round trip of every level. Loading checks every field (attrs through the op table's
+schema) and raises SerializeError naming the file and the place (node index, field)."""
 from __future__ import annotations
 
 import base64
 import json
+import math
 
 import numpy as np
 
 from .dtype import DType
 from .errors import RlxError, SerializeError
-from .ops import freeze
+from .ops import brief, get_op
 from .shape import Shape
 
 FORMAT, VERSION = "rlx-ir", 1
@@ -39,70 +41,91 @@ def graph_to_json(g) -> str:
     return json.dumps(graph_dict(g), sort_keys=True, separators=(",", ":"))
 
 
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string"}
+
+
 def _need(d, key, typ, where):
-    if not isinstance(d, dict) or key not in d:
+    if not isinstance(d, dict):
+        raise SerializeError(f"{where}: expected an object, got {type(d).__name__}")
+    if key not in d:
         raise SerializeError(f"{where}: missing key {key!r}")
     v = d[key]
     if not isinstance(v, typ):
-        raise SerializeError(f"{where}.{key}: expected {getattr(typ, '__name__', typ)}, "
-                             f"got {type(v).__name__}")
+        raise SerializeError(f"{where}.{key}: expected {_JSON_TYPES[typ]}, got {brief(v)}")
     return v
 
 
 def _ref(r, where):
     if (not isinstance(r, list) or len(r) != 2 or not all(isinstance(x, int) and not isinstance(x, bool)
                                                            for x in r)):
-        raise SerializeError(f"{where}: a value reference must be [node, output], got {r!r}")
+        raise SerializeError(f"{where}: a value reference must be [node, output], got {brief(r)}")
     return (r[0], r[1])
 
 
+def _node(nd, w):
+    """One node object; every field checked, attrs through the op table's schema."""
+    from .graph import Node
+
+    op = _need(nd, "op", str, w)
+    name = _need(nd, "name", str, w)
+    inputs = tuple(_ref(r, f"{w}.inputs") for r in _need(nd, "inputs", list, w))
+    outs = []
+    for j, s in enumerate(_need(nd, "outs", list, w)):
+        if not isinstance(s, list) or len(s) != 2 or not isinstance(s[0], list) or not isinstance(s[1], str):
+            raise SerializeError(f"{w}.outs[{j}]: expected [dims, dtype], got {brief(s)}")
+        try:
+            outs.append(Shape(tuple(s[0]), s[1]))
+        except RlxError as e:
+            raise SerializeError(f"{w}.outs[{j}]: {e}") from None
+    given = _need(nd, "attrs", dict, w)
+    try:
+        a = get_op(op).check_attrs(given)
+    except RlxError as e:
+        raise SerializeError(f"{w}.attrs: {e}") from None
+    return Node(op, inputs, tuple(sorted(a.items())), tuple(outs), name)
+
+
+def _constant(c, w):
+    dt = _need(c, "dtype", str, w)
+    try:
+        dt = DType.parse(dt)
+    except RlxError as e:
+        raise SerializeError(f"{w}.dtype: {e}") from None
+    shape = _need(c, "shape", list, w)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape):
+        raise SerializeError(f"{w}.shape: expected a list of ints >= 0, got {brief(shape)}")
+    try:
+        raw = base64.b64decode(_need(c, "data", str, w), validate=True)
+    except ValueError as e:
+        raise SerializeError(f"{w}.data: not base64: {e}") from None
+    if len(raw) != math.prod(shape) * dt.itemsize:
+        raise SerializeError(f"{w}.data: {len(raw)} bytes; shape {shape} of {dt.value} needs "
+                             f"{math.prod(shape) * dt.itemsize}")
+    try:
+        return np.frombuffer(raw, dtype=dt.np).reshape(shape).copy()
+    except ValueError as e:                        # a zero-size shape numpy cannot index
+        raise SerializeError(f"{w}.shape: {e}") from None
+
+
 def graph_from_dict(d: dict, source: str = "<json>"):
-    from .graph import Graph, Node
+    from .graph import Graph
     from .verify import verify
 
     if not isinstance(d, dict):
-        raise SerializeError(f"{source}: top level must be an object")
+        raise SerializeError(f"{source}: top level must be an object, got {type(d).__name__}")
     if d.get("format") != FORMAT:
-        raise SerializeError(f"{source}: format must be {FORMAT!r}, got {d.get('format')!r}")
-    if d.get("version") != VERSION:
-        raise SerializeError(f"{source}: unsupported version {d.get('version')!r}; expected {VERSION}")
-    try:
-        nodes = []
-        for i, nd in enumerate(_need(d, "nodes", list, source)):
-            w = f"{source}: nodes[{i}]"
-            outs = []
-            for s in _need(nd, "outs", list, w):
-                if not isinstance(s, list) or len(s) != 2 or not isinstance(s[0], list):
-                    raise SerializeError(f"{w}.outs: expected [dims, dtype], got {s!r}")
-                outs.append(Shape(tuple(s[0]), s[1]))
-            attrs_ = _need(nd, "attrs", dict, w)
-            nodes.append(Node(_need(nd, "op", str, w),
-                              tuple(_ref(r, w + ".inputs") for r in _need(nd, "inputs", list, w)),
-                              tuple(sorted((k, freeze(v)) for k, v in attrs_.items())),
-                              tuple(outs), _need(nd, "name", str, w)))
-        outputs = []
-        for o in _need(d, "outputs", list, source):
-            if not isinstance(o, list) or len(o) != 2 or not isinstance(o[0], str):
-                raise SerializeError(f"{source}: outputs entry must be [name, ref], got {o!r}")
-            outputs.append((o[0], _ref(o[1], f"{source}: output {o[0]!r}")))
-        consts = {}
-        for k, c in _need(d, "constants", dict, source).items():
-            w = f"{source}: constants[{k!r}]"
-            dt = DType.parse(_need(c, "dtype", str, w))
-            shape = tuple(_need(c, "shape", list, w))
-            raw = base64.b64decode(_need(c, "data", str, w), validate=True)
-            arr = np.frombuffer(raw, dtype=dt.np)
-            if arr.size != int(np.prod(shape)):
-                raise SerializeError(f"{w}: {arr.size} elements for shape {shape}")
-            consts[k] = arr.reshape(shape).copy()
-        level = _need(d, "level", str, source)
-        g = Graph(_need(d, "name", str, source), level, tuple(nodes), tuple(outputs), consts)
-    except SerializeError:
-        raise
-    except RlxError as e:
-        raise SerializeError(f"{source}: {e}") from None
-    except (ValueError, TypeError) as e:
-        raise SerializeError(f"{source}: malformed IR JSON: {e}") from None
+        raise SerializeError(f"{source}: format must be {FORMAT!r}, got {brief(d.get('format'))}")
+    if d.get("version") != VERSION or isinstance(d.get("version"), bool):
+        raise SerializeError(f"{source}: unsupported version {brief(d.get('version'))}; expected {VERSION}")
+    nodes = tuple(_node(nd, f"{source}: nodes[{i}]") for i, nd in enumerate(_need(d, "nodes", list, source)))
+    outputs = []
+    for j, o in enumerate(_need(d, "outputs", list, source)):
+        if not isinstance(o, list) or len(o) != 2 or not isinstance(o[0], str):
+            raise SerializeError(f"{source}: outputs[{j}] must be [name, ref], got {brief(o)}")
+        outputs.append((o[0], _ref(o[1], f"{source}: outputs[{j}] ({o[0]!r})")))
+    consts = {k: _constant(c, f"{source}: constants[{k!r}]")
+              for k, c in _need(d, "constants", dict, source).items()}
+    g = Graph(_need(d, "name", str, source), _need(d, "level", str, source), nodes, tuple(outputs), consts)
     try:
         verify(g)
     except RlxError as e:
@@ -110,21 +133,33 @@ def graph_from_dict(d: dict, source: str = "<json>"):
     return g
 
 
-def graph_from_json(text: str, source: str = "<json>"):
+def graph_from_json(text, source: str = "<json>"):
+    """Text or UTF-8 bytes of IR JSON -> a verified Graph (or LirModule); SerializeError otherwise."""
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SerializeError(f"{source}: not UTF-8 text (binary file?): {e}") from None
+    if not isinstance(text, str):
+        raise SerializeError(f"{source}: IR JSON must be text, got {type(text).__name__}")
     try:
         d = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:     # JSONDecodeError, over-long int literals
         raise SerializeError(f"{source}: not valid JSON (truncated?): {e}") from None
-    if isinstance(d, dict) and d.get("level") == "lir":
-        from .lir import lir_from_dict
+    try:
+        if isinstance(d, dict) and d.get("level") == "lir":
+            from .lir import lir_from_dict
 
-        return lir_from_dict(d, source)
-    return graph_from_dict(d, source)
+            return lir_from_dict(d, source)
+        return graph_from_dict(d, source)
+    except RecursionError:
+        raise SerializeError(f"{source}: IR JSON nested too deeply") from None
 
 
 def load_json_file(path) -> object:
     try:
-        text = open(path, encoding="utf-8").read()
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise SerializeError(f"{path}: cannot read: {e}") from None
-    return graph_from_json(text, str(path))
+    return graph_from_json(data, str(path))
