@@ -18,6 +18,7 @@ import pytest
 
 from rlx_core.ir.errors import ModelError, WeightError
 from rlx_core.weights import Checkpoint, Tokenizer, load_checkpoint, resolve_model_path
+from rlx_core.weights.safetensors_io import read_safetensors
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -135,8 +136,9 @@ def _permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path, arch, tensors, tokens=None, merges=(), **kv):
-    """A GGUF with the given {gguf_name: (array, qtype)} and a 2-head / 1-kv-head, 1-layer shape."""
+def _write_gguf(path, arch, tensors, tokens=None, merges=(), raw=None, drop=(), **kv):
+    """A GGUF with the given {gguf_name: (array, qtype)} and a 2-head / 1-kv-head, 1-layer shape;
+    `raw` {key: (value, GGUFValueType)} sets keys as they are, `drop` removes keys."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_context_length(128)
@@ -155,6 +157,10 @@ def _write_gguf(path, arch, tensors, tokens=None, merges=(), **kv):
         w.add_token_merges(merges)
         w.add_bos_token_id(0)
         w.add_eos_token_id(1)
+    for key, (value, vtype) in (raw or {}).items():
+        w.add_key_value(key, value, vtype)
+    for key in drop:
+        w.kv_data[0].pop(key)
     for name, (array, qtype) in tensors.items():
         if qtype in (Q.F32, Q.F16):
             w.add_tensor(name, array.astype(np.float32 if qtype == Q.F32 else np.float16))
@@ -516,3 +522,236 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers(hf, tmp_path):
         assert tok.encode(text) == ids, text
         assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
     assert tok.encode("hello")[:2] == [1, 272]  # BOS added by default for sentencepiece files
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+V = gguf.GGUFValueType
+
+
+def _safetensors(path, header, data=b""):
+    """A safetensors file with this header dict and data section, written as given."""
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return str(path)
+
+
+def _t(shape, offsets, dtype="F32"):
+    return {"dtype": dtype, "shape": shape, "data_offsets": offsets}
+
+
+@pytest.mark.parametrize(
+    "header, size, match",
+    [
+        ({"a": _t([-2], [0, 8])}, 8, "shape .* non-negative integers"),
+        ({"a": _t([2], [-8, 0])}, 8, "data_offsets .* non-negative integers"),
+        ({"a": _t([2], [0.0, 8.0])}, 8, "data_offsets .* non-negative integers"),
+        ({"a": _t([2], [True, 8])}, 8, "data_offsets"),
+        ({"a": _t([0], [8, 0])}, 8, r"needs 0 bytes but data_offsets \[8, 0\)"),
+        ({"a": _t([2], [0, 8]), "b": _t([2], [0, 8])}, 8, "overlaps"),
+        ({"a": _t([2], [0, 8]), "b": _t([2], [4, 12])}, 12, "overlaps"),
+        ({"a": _t([1], [0, 4]), "b": _t([1], [8, 12])}, 12, "gap"),
+        ({"a": _t([3], [0, 8])}, 8, "needs 12 bytes"),
+        ({"a": _t([2], [0, 8])}, 4, "truncated"),
+        ({"a": _t([2], [0, 8])}, 12, "bytes no tensor owns"),
+        ({"a": _t([2**32, 2**32], [0, 8])}, 8, "needs 73786976294838206464 bytes"),
+        ({"a": _t([2**62, 4], [0, 8])}, 8, "needs"),
+        ({"a": _t([2**64], [0, 8])}, 8, "needs"),
+        ({"a": _t([2], [0, 8], "Q4")}, 8, "dtype 'Q4'"),
+        ({"a": [1, 2]}, 8, "expected an object"),
+        ({"__metadata__": {"x": 1}}, 0, "__metadata__"),
+    ],
+)
+def test_safetensors_bad_headers_are_weight_errors(tmp_path, header, size, match):
+    path = _safetensors(tmp_path / "m.safetensors", header, bytes(size))
+    with pytest.raises(WeightError, match=match) as e:
+        read_safetensors(path)
+    assert path in str(e.value)
+
+
+def test_safetensors_header_rules_match_the_safetensors_library(tmp_path):
+    """Zero-size tensors, any key order and extra fields are fine, as for `safetensors` itself."""
+    from safetensors.numpy import load_file
+
+    header = {
+        "b": _t([1], [4, 8], "I32"),
+        "z": {**_t([0, 3], [4, 4]), "extra": 1},
+        "a": _t([], [0, 4]),
+        "__metadata__": {"format": "np"},
+    }
+    data = np.array([1.5], np.float32).tobytes() + np.array([-7], np.int32).tobytes()
+    path = _safetensors(tmp_path / "m.safetensors", header, data)
+    ours, ref = read_safetensors(path), load_file(path)
+    assert set(ours) == set(ref) == {"a", "b", "z"}
+    for k in ref:
+        assert ours[k].dtype == ref[k].dtype and ours[k].shape == ref[k].shape
+        np.testing.assert_array_equal(ours[k], ref[k])
+
+
+def test_safetensors_deep_or_binary_header(tmp_path):
+    for raw in (b"[" * 100000 + b"]" * 100000, b"\xff\xfe" * 10, b'{"a": 1' + b"9" * 5000 + b"}"):
+        p = tmp_path / "m.safetensors"
+        p.write_bytes(len(raw).to_bytes(8, "little") + raw)
+        with pytest.raises(WeightError, match="not valid JSON|tensor 'a'"):
+            read_safetensors(str(p))
+
+
+def _bad_gguf(tmp_path, tokens=True, **kw):
+    """The tiny llama file with metadata changed (`raw=`, `drop=`, or writer keys)."""
+    tensors = {
+        "token_embd.weight": (np.ones((10, 64), np.float32), Q.F32),
+        "blk.0.attn_q.weight": (np.ones((64, 64), np.float32), Q.F32),
+    }
+    toks = ["<s>", "</s>", "a", "b", "c", "ab", "abc", "\u0120", "\u0120a", "x"] if tokens else None
+    return _write_gguf(tmp_path / "bad.gguf", "llama", tensors, tokens=toks, merges=["a b", "ab c"], **kw)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(raw={"general.alignment": (0, V.UINT32)}), "general.alignment = 0"),
+        (dict(raw={"general.alignment": (24, V.UINT32)}), "general.alignment = 24, expected a power of two"),
+        (dict(raw={"llama.attention.head_count": (0, V.UINT32)}), "llama.attention.head_count = 0"),
+        (dict(raw={"llama.attention.head_count_kv": (0, V.UINT32)}), "head_count_kv = 0"),
+        (dict(raw={"llama.attention.head_count_kv": (3, V.UINT32)}), "not a multiple of"),
+        (dict(raw={"llama.attention.head_count": (3, V.UINT32), "llama.attention.head_count_kv": (3, V.UINT32)}),
+         "embedding_length = 64 is not a multiple of"),
+        (dict(raw={"llama.embedding_length": ("64", V.STRING)}), "llama.embedding_length = '64', expected an integer"),
+        (dict(raw={"llama.attention.layer_norm_rms_epsilon": ("abc", V.STRING)}), "layer_norm_rms_epsilon = 'abc'"),
+        (dict(raw={"llama.rope.freq_base": (float("nan"), V.FLOAT32)}), "rope.freq_base = nan"),
+        (dict(raw={"llama.rope.scaling.type": ("llama3", V.STRING)}), "rope.scaling.type = 'llama3'"),
+        (dict(raw={"tokenizer.ggml.bos_token_id": ("0", V.STRING)}), "bos_token_id = '0'"),
+        (dict(raw={"tokenizer.ggml.eos_token_id": (10**9, V.UINT32)}), r"eos_token_id = 1000000000, expected an integer in \[0, 9\]"),
+        (dict(raw={"tokenizer.ggml.padding_token_id": (10, V.UINT32)}), "padding_token_id = 10"),
+        (dict(drop=["tokenizer.ggml.merges"]), "no tokenizer.ggml.merges"),
+        (dict(tokens=False, raw={"tokenizer.ggml.eos_token_id": (10**9, V.UINT32)}), "eos_token_id = 1000000000"),
+        (dict(drop=["llama.block_count"]), "lacks llama.block_count"),
+    ],
+)
+def test_gguf_bad_metadata_names_the_key(tmp_path, kw, match):
+    path = _bad_gguf(tmp_path, **kw)
+    with pytest.raises(WeightError, match=match) as e:
+        load_checkpoint(path)
+    assert path in str(e.value)
+
+
+def test_gguf_gemma_sliding_window_pattern_zero(tmp_path):
+    t = {"token_embd.weight": (np.ones((8, 64), np.float32), Q.F32)}
+    path = _write_gguf(tmp_path / "g.gguf", "gemma3", t, raw={"gemma3.attention.sliding_window_pattern": (0, V.UINT32)})
+    with pytest.raises(WeightError, match="sliding_window_pattern = 0"):
+        load_checkpoint(path)
+
+
+def _patch_tensor_info(path, name, field, change):
+    """Change one tensor-info field (0: dims, 1: type, 2: offset) in place."""
+    r = gguf.GGUFReader(path, "r+")
+    t = next(t for t in r.tensors if t.name == name)
+    part = t.field.parts[{0: 3, 1: 4, 2: 5}[field]]
+    part[0] = change(int(part[0]))
+    r.data.flush()
+
+
+@pytest.mark.parametrize("shift", [1, 32])
+def test_gguf_shifted_tensor_offset_is_an_error(tiny_llama, shift):
+    path, _ = tiny_llama
+    _patch_tensor_info(path, "blk.0.attn_q.weight", 2, lambda o: o + shift)
+    with pytest.raises(WeightError, match="'blk.0.attn_q.weight' starts at data offset .*misaligned, overlapping"):
+        load_checkpoint(path)
+
+
+def test_gguf_unknown_type_and_zero_element_tensor(tiny_llama, tmp_path):
+    path, _ = tiny_llama
+    _patch_tensor_info(path, "blk.0.attn_k.weight", 1, lambda _: 77)
+    with pytest.raises(WeightError, match="'blk.0.attn_k.weight' has unknown ggml type 77"):
+        load_checkpoint(path)
+    # a quantized tensor with no elements is an empty array, not a crash in gguf.quants
+    p = str(tmp_path / "z.gguf")
+    w = gguf.GGUFWriter(p, "llama")
+    for key in ("block_count", "embedding_length", "feed_forward_length", "head_count"):
+        getattr(w, f"add_{key}")(32)
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((0, 34), np.uint8), raw_dtype=Q.Q8_0)  # [0, 32] values
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    up = load_checkpoint(p).tensors["model.layers.0.mlp.up_proj.weight"]
+    assert up.shape == (0, 32) and up.dtype == np.float32
+
+
+@pytest.mark.parametrize("context", [2**26, 2**40])
+def test_huge_context_allocates_no_rope_tables(tmp_path, context):
+    import tracemalloc
+
+    from rlx_core.flow.rope import inv_freq, rope_tables
+
+    path = _bad_gguf(tmp_path, raw={"llama.context_length": (context, V.UINT64)})
+    cfg = load_checkpoint(path).config
+    assert cfg["max_position_embeddings"] == context
+    inv, scale = inv_freq(cfg["head_dim"], cfg["rope_theta"])
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelError, match=f"{context} positions .*max_context"):
+            rope_tables(inv, context, scale)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+    cos, _ = rope_tables(inv, 64, scale)  # what a max_context=64 model builds
+    assert cos.shape == (64, cfg["head_dim"] // 2)
+
+
+def test_rope_scaling_without_its_factors():
+    from rlx_core.flow.rope import inv_freq, rope_params
+
+    with pytest.raises(ModelError, match="'low_freq_factor' is None"):
+        inv_freq(64, 10000.0, {"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(ModelError, match="'factor' is 'x'"):
+        inv_freq(64, 10000.0, {"rope_type": "linear", "factor": "x"})
+    with pytest.raises(ModelError, match="rope_theta"):
+        rope_params({"rope_theta": "big"})
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"layer_norm_eps": "abc"}, "layer_norm_eps must be a finite number > 0"),
+        ({"layer_norm_eps": None}, "layer_norm_eps must be a finite number > 0, got None"),
+        ({"model_type": ["bert"]}, "model_type must be a string"),
+        ({"hidden_size": 4.5}, "hidden_size must be a positive integer"),
+        ({"num_attention_heads": True}, "num_attention_heads must be a positive integer"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
+        ({"vocab_size": 8, "eos_token_id": [1, 9]}, "eos_token_id must be below vocab_size 8"),
+        ({"text_config": {"rope_theta": "x"}}, r"\(text_config\): rope_theta"),
+    ],
+)
+def test_config_json_bad_values_name_file_and_key(tmp_path, extra, match):
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "model.safetensors"))
+    _write_config(tmp_path, **extra)
+    with pytest.raises(WeightError, match=match) as e:
+        load_checkpoint(tmp_path)
+    assert str(tmp_path / "config.json") in str(e.value)
+
+
+def test_tokenizer_json_with_empty_wordpiece_vocab(tmp_path):
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "model.safetensors"))
+    _write_config(tmp_path)
+    model = {"type": "WordPiece", "unk_token": "[UNK]", "continuing_subword_prefix": "##",
+             "max_input_chars_per_word": 100, "vocab": {}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": model}))
+    with pytest.raises(WeightError, match="tokenizer.json: the tokenizer's vocabulary is empty"):
+        load_checkpoint(tmp_path)
+    model["vocab"] = {"hello": 0}
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": model}))
+    with pytest.raises(WeightError, match="lacks its unknown token '\\[UNK\\]'"):
+        load_checkpoint(tmp_path)
+
+
+def test_tokenizer_refuses_lone_surrogates(tiny_llama):
+    tok = load_checkpoint(tiny_llama[0]).tokenizer
+    with pytest.raises(ModelError, match="not valid Unicode"):
+        tok.encode("a\ud800b")
+    with pytest.raises(ModelError, match="expected str"):
+        tok.encode_batch(["a", 5])

@@ -15,6 +15,7 @@ import numpy as np
 
 from rlx_core.ir.errors import WeightError
 
+from .config import check_config
 from .gguf_io import GGUF_MAGIC, load_gguf
 from .packaged import resolve_model_path
 from .safetensors_io import iter_safetensors, read_safetensors_header
@@ -87,7 +88,7 @@ def _model_folder(path: str) -> str | tuple[str]:
                     sub = os.path.join(path, entry.get("path", ""))
                     if os.path.isfile(os.path.join(sub, "config.json")):
                         return sub
-        except (OSError, json.JSONDecodeError, AttributeError, TypeError):
+        except (OSError, ValueError, RecursionError, AttributeError, TypeError):
             pass  # fall through to the subfolder search
     subs = sorted(d for d in glob.glob(os.path.join(path, "*", "config.json")))
     if len(subs) == 1:
@@ -106,10 +107,12 @@ def _weight_files(folder: str) -> list[str]:
         try:
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map is not an object of file names")
+        except (OSError, ValueError, RecursionError, KeyError, TypeError) as e:
             raise WeightError(
-                f"{index}: not a valid safetensors index (expected a 'weight_map' object): {e!r}"
-            ) from e
+                f"{index}: not a valid safetensors index (expected a 'weight_map' object of file names): {e!r}"
+            ) from None
         shards = [os.path.join(folder, s) for s in dict.fromkeys(weight_map.values())]
         missing = [s for s in shards if not os.path.isfile(s)]
         if missing:
@@ -142,10 +145,9 @@ def _load_folder(folder: str, progress: bool, files: list[str] | None = None) ->
         raise WeightError(
             f"{folder}: no config.json (expected an HF model folder with config.json and *.safetensors)"
         ) from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise WeightError(f"{cfg_path}: cannot read config ({e})") from e
-    if not isinstance(config, dict):
-        raise WeightError(f"{cfg_path}: config is not a JSON object")
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or UTF-8
+        raise WeightError(f"{cfg_path}: cannot read config ({type(e).__name__}: {e})") from None
+    check_config(config, cfg_path)
 
     files = files or _weight_files(folder)
     total = sum(len(read_safetensors_header(p)[0]) for p in files)

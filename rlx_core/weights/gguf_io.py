@@ -381,9 +381,10 @@ def gguf_config(gf: GGUFFile) -> dict:
                 f"{arch}.attention.head_count = {heads}, and no {arch}.attention.key_length gives the head size"
             )
         head_dim = hidden // heads
-    names = {t.name for t in gf.tensors}
+    names = {t.name: t for t in gf.tensors}
     tokens = md.get("tokenizer.ggml.tokens")
-    vocab = num("vocab_size", len(tokens) if tokens else None)
+    embd = names.get("token_embd.weight")
+    vocab = num("vocab_size", len(tokens) if tokens else embd.shape[0] if embd and embd.shape else None)
     cfg = {
         "model_type": model_type,
         "architectures": [hf_class],

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from rlx_core.ir.errors import ModelError, WeightError
 
+from .config import check_config
+
 _NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # tokens llama.cpp also treats as end-of-generation (llama-vocab.cpp), so generation stops on them
 _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>")
@@ -60,10 +62,21 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode(self._text(text), add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Iterable[str], add_special_tokens: bool = True) -> list[list[int]]:
-        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+        texts = [self._text(t) for t in texts]
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def _text(self, text) -> str:
+        """`text` if tokenizers can take it: a str that is valid Unicode (no lone surrogates)."""
+        if not isinstance(text, str):
+            raise ModelError(f"{self.name}: text to encode is {type(text).__name__}, expected str")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ModelError(f"{self.name}: text to encode is not valid Unicode ({e.reason} at {e.start})") from None
+        return text
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -155,11 +168,14 @@ def _add_named(tk, special_tokens: dict[str, str]) -> None:
 def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            data = json.load(f)
     except FileNotFoundError:
         return {}
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise WeightError(f"{path}: cannot read JSON ({e})") from e
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or UTF-8
+        raise WeightError(f"{path}: cannot read JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise WeightError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _token_text(value) -> str | None:
@@ -194,6 +210,7 @@ def tokenizer_from_folder(folder: str, config: dict) -> Tokenizer | None:
             tk = TkTokenizer.from_file(tj)
         except Exception as e:  # tokenizers raises plain Exception on malformed files
             raise WeightError(f"{tj}: cannot load tokenizer ({e})") from e
+        _check_vocab(tk, tj)
     elif os.path.isfile(vocab_txt):
         tk = _wordpiece(vocab_txt, tok_cfg, special)
     else:
@@ -220,7 +237,8 @@ def tokenizer_from_folder(folder: str, config: dict) -> Tokenizer | None:
     def tid(key):
         return tk.token_to_id(special[key]) if key in special else None
 
-    gen = _read_json(os.path.join(folder, "generation_config.json"))
+    gen_path = os.path.join(folder, "generation_config.json")
+    gen = check_config(_read_json(gen_path), gen_path)
     eos = _ids(gen.get("eos_token_id")) + _ids(config.get("eos_token_id"))
     if tid("eos_token") is not None:
         eos.append(tid("eos_token"))
@@ -235,6 +253,20 @@ def tokenizer_from_folder(folder: str, config: dict) -> Tokenizer | None:
         pad_token_id=pad,
         chat_template=template,
     )
+
+
+def _check_vocab(tk, path: str) -> None:
+    """Refuse what tokenizers loads but fails on at the first encode: no vocabulary, or a
+    WordPiece vocabulary without its unknown token."""
+    from tokenizers.models import WordPiece
+
+    vocab = tk.get_vocab(with_added_tokens=True)
+    if not vocab:
+        raise WeightError(f"{path}: the tokenizer's vocabulary is empty")
+    if isinstance(tk.model, WordPiece) and tk.model.unk_token not in vocab:
+        raise WeightError(
+            f"{path}: the WordPiece vocabulary lacks its unknown token {tk.model.unk_token!r}"
+        )
 
 
 def _wordpiece(vocab_txt: str, tok_cfg: dict, special: dict[str, str]):
@@ -256,6 +288,7 @@ def _wordpiece(vocab_txt: str, tok_cfg: dict, special: dict[str, str]):
     except Exception as e:
         raise WeightError(f"{vocab_txt}: cannot read WordPiece vocabulary ({e})") from e
     tk = TkTokenizer(WordPiece(vocab, unk_token=special["unk_token"]))
+    _check_vocab(tk, vocab_txt)
     tk.normalizer = normalizers.BertNormalizer(
         clean_text=True,
         handle_chinese_chars=tok_cfg.get("tokenize_chinese_chars", True),
