@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import attrs
 from .ir.dtype import DType
 from .ir.errors import ProfileError
 from .ir.lower import FusionPolicy
+from .passes.fusion import ALL_GROUPS, TARGETS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -26,7 +29,7 @@ def _policy(v):
 @attrs.frozen
 class FusionConfig:
     policy: FusionPolicy = attrs.field(default=FusionPolicy.DIRECT, converter=_policy)
-    target: str = "auto"          # "auto": the backend's own pattern set
+    target: str = "auto"          # "auto": the backend's own pattern set, else a TARGETS key
     assert_clean: bool = False
     skip: object = ()             # True skips fusion; a list skips those pattern groups
 
@@ -48,7 +51,8 @@ class PrecisionConfig:
 
 @attrs.frozen
 class BackendConfig:
-    name: str = ""                # "" picks the highest-priority available backend
+    name: str = ""                # "" picks the highest-priority available backend; checked
+                                  # against the installed ones where the backend is resolved
     device: str = ""              # device selector for backends with several devices
 
 
@@ -96,6 +100,9 @@ class CompileProfile:
 
     @staticmethod
     def from_toml_str(text: str, source: str = "<string>") -> "CompileProfile":
+        if not isinstance(text, str):
+            raise ProfileError(f"{source}: profile TOML must be a str, got {type(text).__name__} "
+                               "(decode bytes first, or use from_toml_path)")
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
@@ -117,10 +124,15 @@ class CompileProfile:
         beside the weights at `near` if there is one, else the preset `default`."""
         if isinstance(value, CompileProfile):
             return value
+        if isinstance(value, os.PathLike):
+            return CompileProfile.from_toml_path(value)
         if isinstance(value, str):
             if value.endswith(".toml") or "/" in value or Path(value).is_file():
                 return CompileProfile.from_toml_path(value)
             return CompileProfile.preset(value)
+        if value is not None:
+            raise ProfileError(f"profile must be a CompileProfile, a preset name or a *.rlx.toml path, "
+                               f"got {type(value).__name__}")
         if near:
             folder = Path(near) if Path(near).is_dir() else Path(near).parent
             found = sorted(folder.glob("*.rlx.toml"))
@@ -130,33 +142,39 @@ class CompileProfile:
 
     @staticmethod
     def preset(name: str) -> "CompileProfile":
-        try:
-            return PRESETS[name]
-        except KeyError:
-            raise ProfileError(f"unknown profile preset {name!r}; presets: {', '.join(sorted(PRESETS))}") from None
+        if not isinstance(name, str) or name not in PRESETS:
+            raise ProfileError(f"unknown profile preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+        return PRESETS[name]
 
 
 _SECTIONS = {"fusion": FusionConfig, "passes": PassConfig, "precision": PrecisionConfig,
              "backend": BackendConfig}
 _ALLOWED = {
     ("fusion", "policy"): [p.value for p in FusionPolicy],
+    ("fusion", "target"): ["auto", *TARGETS],
     ("precision", "compute"): ["f32", "f16", "bf16", "f64"],
 }
+# The profile sits below the plugin registry, so it checks a backend name's form only; the
+# point that resolves the backend (pipeline.select_backend) names the installed ones.
+_BACKEND_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 def _check_value(source, section, key, value, default):
     where = f"{source}: [{section}] {key}"
     allowed = _ALLOWED.get((section, key))
     if allowed is not None:
-        if value not in allowed:
+        if not isinstance(value, str) or value not in allowed:
             raise ProfileError(f"{where} = {value!r}: expected one of {allowed}")
+        return value
+    if (section, key) == ("backend", "name"):
+        if not isinstance(value, str) or (value and not _BACKEND_NAME.fullmatch(value)):
+            raise ProfileError(f"{where} = {value!r}: expected a string: \"\" (the best available "
+                               "backend) or a backend name of lowercase letters, digits and _")
         return value
     if (section, key) == ("fusion", "skip"):
         if isinstance(value, bool):
             return value
         if isinstance(value, list) and all(isinstance(x, str) for x in value):
-            from .passes.fusion import ALL_GROUPS
-
             unknown = [x for x in value if x not in ALL_GROUPS]
             if unknown:
                 raise ProfileError(f"{where}: unknown pattern groups {unknown}; expected some of "
@@ -213,19 +231,56 @@ def from_dict(data: dict, source: str = "<dict>") -> CompileProfile:
     return base.evolve(name=name, **changes)
 
 
-def _preset(name, policy="direct", compute="f32", **fusion) -> CompileProfile:
-    return CompileProfile(name, FusionConfig(policy=policy, **fusion), PassConfig(),
-                          PrecisionConfig(compute=compute))
+def _like(base: str, doc: str, **changes) -> tuple:
+    return base, doc, changes
 
 
-PRESETS = {p.name: p for p in [
-    CompileProfile("default"),
-    _preset("llama32_prefill"), _preset("llama32_decode"),
-    _preset("qwen3_prefill"), _preset("qwen3_decode"),
-    _preset("gemma_prefill"), _preset("gemma_decode"),
-    _preset("flux2", compute="bf16"),
-    _preset("encoder"), _preset("sam_encoder"),
-    _preset("fusable", policy="fusable", assert_clean=True),
-    _preset("unfused", skip=True),
-    CompileProfile("debug", FusionConfig(assert_clean=True), PassConfig(verbose=True, verify_each=True)),
-]}
+# The presets, each (the preset it starts from, what it is for, the settings it changes).
+# The upstream names (rlx-flow's `CompileProfile::llama32_prefill()` ...) carry upstream's
+# settings, mapped onto this project's fields: policy, target (upstream "auto" is ours),
+# assert_clean, skip (upstream's bool), dce, constant_folding, verbose, compute. Knobs this
+# project lacks are left out: upstream's `precision.mixed` ("none"/"auto", read by nothing
+# upstream; every preset there says "none") is not our `mixed` (f32 accumulation in norms,
+# softmax and attention, kept on), and its `[backend.metal]` / `[backend.cpu]` overrides
+# (skip_fusion, unfuse_regions) and its fusion targets cpu/metal/mlx/rocm/wgpu/tpu have no
+# backend here. `cse` and `verify_each` are ours and keep their defaults. default, fusable,
+# unfused and debug are this project's own.
+PRESET_TABLE = {
+    "default": _like("", "The defaults: direct lowering, the backend's fusion groups, f32."),
+    "llama32_prefill": _like("", "Fusion-first prefill: direct lowering, fusion passes on."),
+    "llama32_decode": _like("llama32_prefill", "Decode graphs: fusable lowering, so the KV-cache "
+                            "patterns fuse cleanly.", fusion={"policy": "fusable"}),
+    "qwen35_prefill": _like("llama32_prefill", "Qwen3.5 prefill: as llama32_prefill."),
+    "qwen35_decode": _like("llama32_decode", "Qwen3.5 decode (GDN / full-attention KV patterns): "
+                           "as llama32_decode."),
+    "qwen3_prefill": _like("llama32_prefill", "Qwen3 dense prefill (GQA + SwiGLU): as llama32_prefill."),
+    "qwen3_decode": _like("llama32_decode", "Qwen3 decode (bucketed KV cache): as llama32_decode."),
+    "gemma_prefill": _like("llama32_prefill", "Gemma 2/3 prefill (GQA, RMSNorm, softcap): as "
+                           "llama32_prefill."),
+    "gemma_decode": _like("llama32_decode", "Gemma decode (bucketed KV cache): as llama32_decode."),
+    "encoder": _like("", "Bidirectional encoders (BERT, NomicBERT, vision): direct lowering."),
+    "flux2": _like("encoder", "FLUX.2 transformer, VAE and text-encoder graphs: as encoder."),
+    "sam_encoder": _like("encoder", "SAM / SAM2 image encoder and mask decoder: as encoder."),
+    "sam2": _like("sam_encoder", "SAM2 image, mask-decoder and memory graphs: as sam_encoder."),
+    "sam3": _like("sam_encoder", "SAM3 detector encoder/decoder layers: as sam_encoder."),
+    "sam2_memory_attention": _like("encoder", "SAM2 memory attention: fusion off (RoPE runs on the "
+                                   "host between subgraphs).", fusion={"skip": True}),
+    "llada2_diffusion": _like("encoder", "LLaDA2 / TIDE block-diffusion MoE: fusion off, so graphs "
+                              "legalize without unfused fused-norm lowerings.", fusion={"skip": True}),
+    "fusable": _like("", "Fusable lowering, and an error if a fusable chain is left unfused.",
+                     fusion={"policy": "fusable", "assert_clean": True}),
+    "unfused": _like("", "Every fusion group skipped (the reference for fusion tests).",
+                     fusion={"skip": True}),
+    "debug": _like("", "Verbose passes, the graph verified after each, assert_clean on.",
+                   fusion={"assert_clean": True}, passes={"verbose": True, "verify_each": True}),
+}
+
+PRESETS: dict = {}
+for _name, (_base, _doc, _changes) in PRESET_TABLE.items():
+    PRESETS[_name] = (PRESETS[_base] if _base else CompileProfile()).evolve(name=_name, **_changes)
+
+    def _get(cls, _name=_name) -> CompileProfile:
+        return PRESETS[_name]
+    _get.__name__, _get.__qualname__, _get.__doc__ = _name, f"CompileProfile.{_name}", _doc
+    setattr(CompileProfile, _name, classmethod(_get))       # CompileProfile.llama32_prefill()
+del _name, _base, _doc, _changes, _get

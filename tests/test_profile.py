@@ -3,6 +3,7 @@ and a stable hash."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -11,12 +12,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlx_core.ir.dtype import BF16, F16, F32
-from rlx_core.ir.errors import ProfileError
+from rlx_core.ir.errors import BackendError, ProfileError
 from rlx_core.ir.lower import FusionPolicy
-from rlx_core.profile import PRESETS, CompileProfile
+from rlx_core.passes.fusion import TARGETS
+from rlx_core.profile import PRESET_TABLE, PRESETS, CompileProfile
 
-REQUIRED_PRESETS = ["llama32_prefill", "llama32_decode", "qwen3_prefill", "qwen3_decode", "gemma_prefill",
-                    "gemma_decode", "flux2", "encoder", "sam_encoder"]
+# upstream's presets (rlx-flow/src/profile.rs) -> (policy, skip); all target auto, no
+# assert_clean, dce + constant folding on, verbose off, f32
+UPSTREAM = {
+    "llama32_prefill": ("direct", ()), "llama32_decode": ("fusable", ()),
+    "qwen35_prefill": ("direct", ()), "qwen35_decode": ("fusable", ()),
+    "qwen3_prefill": ("direct", ()), "qwen3_decode": ("fusable", ()),
+    "gemma_prefill": ("direct", ()), "gemma_decode": ("fusable", ()),
+    "encoder": ("direct", ()), "flux2": ("direct", ()), "sam_encoder": ("direct", ()),
+    "sam2": ("direct", ()), "sam3": ("direct", ()),
+    "sam2_memory_attention": ("direct", True), "llada2_diffusion": ("direct", True),
+}
+REQUIRED_PRESETS = list(UPSTREAM)
 
 FULL = """
 [profile]
@@ -62,8 +74,39 @@ def test_preset_flavours():
     assert CompileProfile.preset("fusable").fusion.policy is FusionPolicy.FUSABLE
     assert CompileProfile.preset("fusable").fusion.assert_clean
     assert CompileProfile.preset("unfused").fusion.skip is True
-    assert CompileProfile.preset("flux2").precision.compute is BF16
     assert CompileProfile.preset("debug").passes.verify_each
+
+
+@pytest.mark.parametrize("name", list(UPSTREAM))
+def test_upstream_presets_have_upstreams_settings(name):
+    p = getattr(CompileProfile, name)()
+    assert p is CompileProfile.preset(name) and p.name == name
+    policy, skip = UPSTREAM[name]
+    assert (p.fusion.policy, p.fusion.target, p.fusion.assert_clean, p.fusion.skip) == \
+        (FusionPolicy(policy), "auto", False, skip)
+    assert (p.passes.dce, p.passes.constant_folding, p.passes.verbose) == (True, True, False)
+    assert (p.passes.cse, p.passes.verify_each) == (True, False)        # ours, at their defaults
+    assert p.precision.compute is F32 and p.backend == CompileProfile().backend
+
+
+def test_one_table_defines_presets_and_classmethods():
+    assert list(PRESETS) == list(PRESET_TABLE)
+    for name in PRESET_TABLE:
+        method = getattr(CompileProfile, name)
+        assert method() is PRESETS[name] and method.__name__ == name and method.__doc__
+        assert CompileProfile().evolve(name=name) is not method()          # shared, frozen
+    # same settings, different names: the cache key ignores the name
+    assert CompileProfile.qwen3_decode().stable_hash() == CompileProfile.llama32_decode().stable_hash()
+    assert CompileProfile.llama32_decode().stable_hash() != CompileProfile.llama32_prefill().stable_hash()
+
+
+@pytest.mark.parametrize("name", list(PRESET_TABLE))
+def test_every_preset_round_trips_through_toml(name):
+    p = CompileProfile.preset(name)
+    back = CompileProfile.from_toml_str(p.text())
+    assert back.stable_hash() == p.stable_hash()
+    via = CompileProfile.from_toml_str(f'[profile]\npreset = "{name}"\nname = "{name}"\n')
+    assert via == p
 
 
 def test_from_toml_str_reads_every_field():
@@ -78,8 +121,10 @@ def test_from_toml_str_reads_every_field():
 
 
 def test_from_toml_starts_from_the_preset():
-    p = CompileProfile.from_toml_str('[profile]\npreset = "flux2"\n[fusion]\npolicy = "fusable"\n')
-    assert p.precision.compute is BF16 and p.fusion.policy is FusionPolicy.FUSABLE
+    p = CompileProfile.from_toml_str('[profile]\npreset = "debug"\n[fusion]\npolicy = "fusable"\n')
+    assert p.passes.verify_each and p.fusion.assert_clean and p.fusion.policy is FusionPolicy.FUSABLE
+    p = CompileProfile.from_toml_str('[profile]\npreset = "llada2_diffusion"\n[precision]\ncompute = "bf16"\n')
+    assert p.fusion.skip is True and p.precision.compute is BF16
     assert CompileProfile.from_toml_str("").fusion == CompileProfile().fusion
     assert CompileProfile.from_toml_str('[fusion]\nskip = true').fusion.skip is True
 
@@ -146,7 +191,13 @@ def test_text_round_trips_through_toml():
     ("[fusion]\nskip = 'swiglu'", r"prof\.rlx\.toml.*\[fusion\] skip.*pattern groups"),
     ("[fusion]\nskip = [1, 2]", r"prof\.rlx\.toml.*\[fusion\] skip"),
     ("[backend]\nname = 5", r"prof\.rlx\.toml.*\[backend\] name.*string"),
-    ("[fusion]\ntarget = []", r"prof\.rlx\.toml.*\[fusion\] target.*string"),
+    ("[fusion]\ntarget = []", r"prof\.rlx\.toml.*\[fusion\] target = \[\].*'auto'.*'generic'"),
+    ("[fusion]\ntarget = 'nonexistent'",
+     r"prof\.rlx\.toml.*\[fusion\] target = 'nonexistent'.*expected one of \['auto', 'generic'"),
+    ("[fusion]\ntarget = ''", r"prof\.rlx\.toml.*\[fusion\] target = ''.*'auto'.*'numpy'"),
+    ("[backend]\nname = 'Not a backend!'", r"prof\.rlx\.toml.*\[backend\] name = 'Not a backend!'.*"
+     r"lowercase letters, digits and _"),
+    ("[backend]\ndevice = 0", r"prof\.rlx\.toml.*\[backend\] device.*string"),
     ("[profile]\npreset = 'nope'", r"prof\.rlx\.toml.*preset.*'nope'.*llama32_prefill"),
     ("[profile]\npreset = ['a']", r"prof\.rlx\.toml.*preset.*llama32_prefill"),
     ("[profile]\ncolour = 'red'", r"prof\.rlx\.toml.*\[profile\] 'colour'.*name.*preset"),
@@ -222,6 +273,40 @@ def test_random_toml_text_gives_only_profile_errors(text):
         CompileProfile.from_toml_str(text, "fuzz.rlx.toml")
     except ProfileError:
         pass
+
+
+def test_every_fusion_target_is_accepted():
+    for target in ["auto", *TARGETS]:
+        assert CompileProfile.from_toml_str(f'[fusion]\ntarget = "{target}"').fusion.target == target
+
+
+def test_an_unknown_backend_name_fails_where_the_backend_is_resolved():
+    from rlx_core.pipeline import CompilePipeline
+    from rlx_core.plugins.manager import registry
+
+    p = CompileProfile.from_toml_str('[backend]\nname = "nonexistent"', "gpu.rlx.toml")
+    assert p.backend.name == "nonexistent"      # the profile cannot know what is installed
+    installed = ".*".join(map(re.escape, sorted(registry().backends)))
+    with pytest.raises(BackendError, match=rf"unknown backend 'nonexistent'; installed: .*{installed}"):
+        CompilePipeline(p)
+
+
+@pytest.mark.parametrize("value", [b'[fusion]\npolicy = "direct"', None, 5, ["[fusion]"], bytearray(b"")])
+def test_from_toml_str_takes_only_text(value):
+    with pytest.raises(ProfileError, match=rf"p\.rlx\.toml: profile TOML must be a str, got {type(value).__name__}"):
+        CompileProfile.from_toml_str(value, "p.rlx.toml")
+
+
+def test_preset_and_resolve_reject_other_types(tmp_path):
+    for bad in (["llama32_prefill"], None, 3, {"a": 1}):
+        with pytest.raises(ProfileError, match="unknown profile preset"):
+            CompileProfile.preset(bad)
+    for bad in (3, 2.5, ["llama32_prefill"], b"fusable"):
+        with pytest.raises(ProfileError, match="preset name or a"):
+            CompileProfile.resolve(bad)
+    f = tmp_path / "mine.rlx.toml"
+    f.write_text('[profile]\npreset = "llama32_decode"\n')
+    assert CompileProfile.resolve(f) == CompileProfile.llama32_decode().evolve(name="mine")
 
 
 def test_profile_is_frozen():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
@@ -21,6 +22,8 @@ EXPECTED = {
     "bert": ("encoder", "direct", ("rms_norm", "residual_rms_norm"), "f32"),
     "flux2": ("flux2", "direct", (), "bf16"),
 }
+# settings a file deliberately changes from its preset (saying so above the key)
+OVERRIDES = {"flux2": {"compute": "bf16"}}
 FILES = sorted(PROFILES.glob("*.toml"))
 
 
@@ -43,10 +46,15 @@ def test_profile_file_values(path):
     assert prof.precision.compute is DType.parse(compute)
     assert prof.precision.mixed is True
     assert (prof.backend.name, prof.backend.device) == ("", "")
-    # the file restates its preset's settings except where it says otherwise
+    # the file restates its preset's settings except where it says it overrides them
     base = PRESETS[preset]
-    assert prof.precision == base.precision
+    overridden = OVERRIDES.get(name, {})
+    assert prof.precision == attrs.evolve(base.precision, **overridden)
     assert prof.fusion.policy == base.fusion.policy
+    for key in overridden:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        i = next(i for i, line in enumerate(lines) if line.startswith(f"{key} ="))
+        assert any("Overrides the" in line for line in lines[max(0, i - 3):i]), f"say why {key} differs"
     assert len(prof.stable_hash()) == 16
 
 
