@@ -268,6 +268,11 @@ def _ceil_div(v, d, top):
     return np.clip(np.ceil(v / np.where(d > 0, d, 1)) * (d > 0), 0, top)
 
 
+def _nearest(v, step, lo, hi):
+    """round(v / step) clipped to [lo, hi], 0 where the step is 0."""
+    return np.clip(np.where(step > 0, np.rint(v / np.where(step > 0, step, 1)), 0), lo, hi)
+
+
 def _q_qk(x, nmax: int):
     """Q4_K (nmax 15) / Q5_K (nmax 31): per sub-block of 32 an offset that covers its minimum and
     a scale that covers its maximum, both rounded up, then nearest rounding of every element."""
@@ -280,19 +285,15 @@ def _q_qk(x, nmax: int):
     need = (x.max(axis=2) + offset) / nmax
     d = _f16_up(need.max(axis=1) / 63)[:, None]
     ls = _ceil_div(need, d.astype(np.float64), 63)
-    step = (d.astype(np.float64) * ls)[:, :, None]
-    q = np.where(step > 0, np.rint((x + offset[:, :, None]) / np.where(step > 0, step, 1)), 0)
-    q = np.clip(q, 0, nmax).astype(np.uint8)
+    q = _nearest(x + offset[:, :, None], (d.astype(np.float64) * ls)[:, :, None], 0, nmax).astype(np.uint8)
     ls, lm = ls.astype(np.uint8), lm.astype(np.uint8)
     scales = np.concatenate([ls[:, :4] | ((ls[:, 4:] >> 4) << 6), lm[:, :4] | ((lm[:, 4:] >> 4) << 6),
                              (ls[:, 4:] & 0x0F) | ((lm[:, 4:] & 0x0F) << 4)], axis=1)
-    pairs = q.reshape(n, 4, 2, 32)
-    qs = (pairs[:, :, 0] & np.uint8(0x0F)) | ((pairs[:, :, 1] & np.uint8(0x0F)) << np.uint8(4))
     parts = [_f16_bytes(d), _f16_bytes(dmin), scales]
     if nmax == 31:
         bits = ((q >> np.uint8(4)) & 1) << np.arange(8, dtype=np.uint8)[:, None]
         parts.append(np.bitwise_or.reduce(bits, axis=1))
-    return parts + [qs.reshape(n, 128)], [d, dmin]
+    return parts + [_pack_nibbles(q.reshape(n, 4, 64)).reshape(n, 128)], [d, dmin]
 
 
 def _q_q6_k(x):
@@ -303,12 +304,10 @@ def _q_q6_k(x):
     need = np.abs(x).max(axis=2) / 31
     d = _f16_up(need.max(axis=1) / 127)[:, None]
     sc = _ceil_div(need, d.astype(np.float64), 127)
-    step = (d.astype(np.float64) * sc)[:, :, None]
-    q = np.where(step > 0, np.rint(x / np.where(step > 0, step, 1)), 0)
-    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(n, 2, 4, 32)    # [half, quarter, lane]
-    ql = np.concatenate([(q[:, :, 0] & 0x0F) | ((q[:, :, 2] & 0x0F) << 4),
-                         (q[:, :, 1] & 0x0F) | ((q[:, :, 3] & 0x0F) << 4)], axis=2)
-    qh = np.bitwise_or.reduce((q >> 4) << np.array([0, 2, 4, 6], np.uint8)[:, None], axis=2)
+    q = (_nearest(x, (d.astype(np.float64) * sc)[:, :, None], -32, 31) + 32).astype(np.uint8)
+    ql = _pack_nibbles(q.reshape(n, 2, 128))                  # per half: byte j = q[j] | q[j+64] << 4
+    quarters = q.reshape(n, 2, 4, 32) >> np.uint8(4)          # [half, quarter, lane]: the top 2 bits
+    qh = np.bitwise_or.reduce(quarters << np.array([0, 2, 4, 6], np.uint8)[:, None], axis=2)
     return [ql.reshape(n, 128), qh.reshape(n, 64), sc.astype(np.int8).view(np.uint8),
             _f16_bytes(d)], [d]
 
@@ -425,7 +424,7 @@ class QuantScheme:
         if isinstance(value, QuantScheme):
             return value
         if isinstance(value, str):
-            key = value.strip().lower()
+            key = value.lower()
             if key in _FORMATS and _FORMATS[key].block:
                 return cls(key)
             m = _NAME.fullmatch(key)
