@@ -8,8 +8,6 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from rlx_core.ir.dtype import BF16, F16, F32
 from rlx_core.ir.errors import BackendError, ProfileError
@@ -209,70 +207,6 @@ def test_text_round_trips_through_toml():
 def test_errors_name_file_key_and_choices(text, pattern):
     with pytest.raises(ProfileError, match=pattern):
         CompileProfile.from_toml_str(text, "profiles/prof.rlx.toml")
-
-
-# ----------------------------------------------------------------------------- fuzz
-_SECTION_KEYS = {
-    "profile": ["name", "preset"], "fusion": ["policy", "target", "assert_clean", "skip"],
-    "passes": ["dce", "constant_folding", "cse", "verbose", "verify_each"],
-    "precision": ["compute", "mixed"], "backend": ["name", "device"], "extra": ["x"],
-}
-scalars = st.one_of(st.booleans(), st.integers(-5, 5), st.floats(allow_nan=False, allow_infinity=False),
-                    st.sampled_from(["direct", "fusable", "f32", "bf16", "f8", "numpy", "swiglu", "flux2",
-                                     "", "auto", "generic"]),
-                    st.text(max_size=6))
-values = st.one_of(scalars, st.lists(scalars, max_size=3), st.lists(st.sampled_from(
-    ["swiglu", "rms_norm", "attention", "nope"]), max_size=3),
-    st.dictionaries(st.sampled_from(["a", "policy"]), scalars, max_size=2))
-
-
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
-
-
-@st.composite
-def toml_docs(draw):
-    lines = []
-    for section in draw(st.lists(st.sampled_from(list(_SECTION_KEYS)), unique=True, max_size=5)):
-        lines.append(f"[{section}]")
-        keys = st.lists(st.sampled_from(_SECTION_KEYS[section] + ["bogus"]), unique=True, max_size=4)
-        for key in draw(keys):
-            lines.append(f"{key} = {_toml_value(draw(values))}")
-    return "\n".join(lines) + "\n"
-
-
-_SETTINGS = settings(max_examples=200, deadline=None, derandomize=True,
-                     suppress_health_check=[HealthCheck.too_slow])
-
-
-@_SETTINGS
-@given(text=toml_docs())
-def test_random_toml_documents_give_a_profile_or_a_profile_error(text):
-    try:
-        p = CompileProfile.from_toml_str(text, "fuzz.rlx.toml")
-    except ProfileError as e:
-        assert "fuzz.rlx.toml" in str(e)
-        return
-    assert isinstance(p.stable_hash(), str)
-    assert CompileProfile.from_toml_str(p.text()).stable_hash() == p.stable_hash()
-
-
-@_SETTINGS
-@given(text=st.text(alphabet=st.sampled_from(list("[]=\"'. \n#abcdefgpuslionrt0123456789-_{},tf")),
-                    max_size=60) | st.text(max_size=40))
-def test_random_toml_text_gives_only_profile_errors(text):
-    try:
-        CompileProfile.from_toml_str(text, "fuzz.rlx.toml")
-    except ProfileError:
-        pass
 
 
 def test_every_fusion_target_is_accepted():
