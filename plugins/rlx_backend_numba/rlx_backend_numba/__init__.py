@@ -1,0 +1,100 @@
+"""RLX backend on numba: a compiled, multithreaded CPU backend.
+
+Elementwise regions are generated from the op table (codegen.py), row-wise ops, attention
+and the decode GEMV are hand-written parallel kernels (kernels.py); large matmuls stay on
+BLAS. Every other op, and f16/bf16 or integer steps, run on the NumPy backend's kernels
+inside the same arena. Above numpy in priority, so installing it makes it the default CPU
+backend; `backend="numpy"` still selects the embedded one.
+
+Threads: RLX_NUM_THREADS (else every core numba sees). Kernels compile once per machine
+into RLX_NUMBA_CACHE (default ~/.cache/rlx/numba) and numba's own cache.
+"""
+from __future__ import annotations
+
+import os
+
+from rlx_core.backends.base import Backend, Runner
+from rlx_core.backends.numpy import NumpyBackend
+from rlx_core.ir.errors import BackendError
+from rlx_core.ir.lir import LirModule
+from rlx_core.plugins.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+
+def requested_threads(value=None) -> int | None:
+    """The thread count asked for (`value`, else RLX_NUM_THREADS), or None for every core."""
+    raw = os.environ.get("RLX_NUM_THREADS", "") if value is None else value
+    if raw in ("", None, 0):
+        return None
+    try:
+        n = int(raw)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1 or str(raw).strip() not in (str(n), f"+{n}"):
+        raise BackendError(f"RLX_NUM_THREADS (numba backend threads) must be a positive integer, "
+                           f"got {raw!r}")
+    return n
+
+
+def set_threads(n: int | None = None) -> int:
+    """Set numba's thread count (RLX_NUM_THREADS, else all it has); returns the count."""
+    want = requested_threads(n)
+    if want is not None and "NUMBA_NUM_THREADS" not in os.environ:
+        os.environ["NUMBA_NUM_THREADS"] = str(want)          # read once, when numba is imported
+    import numba
+
+    top = numba.config.NUMBA_NUM_THREADS
+    if want is not None and want > top:
+        raise BackendError(f"RLX_NUM_THREADS={want} exceeds the {top} threads numba started with "
+                           f"(NUMBA_NUM_THREADS); set it before numba is first imported")
+    numba.set_num_threads(want or top)
+    return want or top
+
+
+class NumbaBackend(Backend):
+    name = "numba"
+    priority = 15                 # above numpy (10), below GPU backends (opencl on a GPU 20, cuda 30)
+    target = "numba"              # every fusion group (passes/fusion.py: unknown targets get all)
+
+    def __init__(self):
+        self._threads_set = False
+
+    def availability(self) -> tuple:
+        try:
+            requested_threads()
+            if not self._threads_set:
+                set_threads()
+                self._threads_set = True
+        except BackendError as e:
+            return False, str(e)
+        except Exception as e:   # ImportError, or an llvmlite that does not load
+            return False, f"numba is not importable: {type(e).__name__}: {e} (pip install numba)"
+        return True, ""
+
+    def supported_ops(self) -> set:
+        """Every op with a NumPy kernel: numba kernels where they apply, numpy's elsewhere."""
+        return NumpyBackend().supported_ops()
+
+    def supports_custom(self, name: str) -> bool:
+        """A custom op with a NumPy kernel: it runs on numpy arrays in this backend's arena."""
+        from rlx_core.ir.custom import custom_ops
+
+        op = custom_ops().get(name)
+        return op is not None and "numpy" in op.kernels
+
+    def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:
+        ok, why = self.availability()
+        if not ok:
+            raise BackendError(f"backend 'numba' is not available here: {why}")
+        from .runner import NumbaRunner
+
+        return NumbaRunner(lir, params, states)
+
+
+@hookimpl
+def rlx_register_backends(register):
+    register(NumbaBackend())
+
+
+__all__ = ["NumbaBackend", "rlx_register_backends", "set_threads", "requested_threads"]

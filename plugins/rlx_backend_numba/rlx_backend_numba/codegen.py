@@ -1,0 +1,280 @@
+"""Elementwise kernels generated from op programs: one generator, one expression per op.
+
+A program (`fused_elementwise`'s, or one binary/compare/where/activation/cast/fused_swiglu
+op, or a matmul epilogue) becomes numba source over a 2-D iteration space of rows and
+columns of the output: every operand is read as `F` (a full contiguous array, flat), `X`
+(full, rows strided: a 2-D view), `R` (one row broadcast over rows), `C` (one value per
+row) or `S` (a scalar). The source goes to a file in the cache dir (RLX_NUMBA_CACHE, else
+~/.cache/rlx/numba) and is imported from there, so numba's `cache=True` keeps the machine
+code across processes; in-process the module is memoized by the hash of its source.
+
+Each module holds `par` (prange over rows, for large outputs) and `ser` (one thread, no
+parallel launch: a decode step's small tensors); only the one a step calls gets compiled.
+Values compute in the dtype the graph gives each step (f32 or f64; bool for masks).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import os
+import re
+import sys
+import threading
+
+import numpy as np
+
+from rlx_core.ir.dtype import BOOL, F32, F64, DType
+from rlx_core.ir.errors import BackendError
+from rlx_core.ir.ops import infer
+from rlx_core.ir.shape import Shape
+
+NATIVE = (F32, F64, BOOL)         # dtypes generated kernels compute in; others run on numpy
+CHUNK = 8192                      # columns per row when the output is walked flat
+PAR_MIN = 1 << 15                 # elements from which a kernel runs on all threads
+
+# One expression per op: `x` (activation) or `a`, `b` (binary, compare) in compute type `T`.
+ACT = {
+    "gelu": "T(0.5) * x * (T(1.0) + math.erf(x * T(0.7071067811865476)))",
+    "gelu_tanh": "T(0.5) * x * (T(1.0) + math.tanh(T(0.7978845608028654) * (x + T(0.044715) * x * x * x)))",
+    "silu": "x * (T(0.5) * (T(1.0) + math.tanh(x * T(0.5))))",
+    "relu": "(x if (x > T(0.0) or x != x) else T(0.0))",
+    "sigmoid": "T(0.5) * (T(1.0) + math.tanh(x * T(0.5)))",
+    "tanh": "math.tanh(x)", "exp": "math.exp(x)", "log": "math.log(x)", "sqrt": "math.sqrt(x)",
+    "rsqrt": "T(1.0) / math.sqrt(x)", "neg": "-x", "abs": "abs(x)", "sin": "math.sin(x)",
+    "cos": "math.cos(x)", "recip": "T(1.0) / x", "identity": "x",
+}
+BINARY = {"add": "a + b", "sub": "a - b", "mul": "a * b", "div": "a / b", "pow": "a ** b",
+          "max": "(a if (a > b or a != a) else b)", "min": "(a if (a < b or a != a) else b)"}
+COMPARE = {"eq": "a == b", "ne": "a != b", "lt": "a < b", "le": "a <= b", "gt": "a > b", "ge": "a >= b"}
+SWIGLU = "a * (T(0.5) * (T(1.0) + math.tanh(a * T(0.5)))) * b"
+_TNAME = {F32: "f32", F64: "f64"}
+
+
+def _sub(template: str, **names) -> str:
+    for k, v in names.items():
+        template = re.sub(rf"\b{k}\b", v, template)
+    return template
+
+
+def step_dtypes(program, in_dtypes: list) -> list:
+    """The dtype of every step, inferred as the unfused graph would."""
+    dts = list(in_dtypes)
+    for op, attrs_, args in program:
+        dts.append(infer(op, [Shape((), dts[i]) for i in args], dict(attrs_))[0].dtype)
+    return dts[len(in_dtypes):]
+
+
+def _conv(var: str, src: DType, dst: DType) -> str:
+    if src is dst:
+        return var
+    if dst is BOOL:
+        return f"({var} != 0)"
+    return f"{_TNAME[dst]}({var})"
+
+
+def _step(op: str, a: dict, args: list, out: DType, k: int, lines: list) -> str | None:
+    """Statements computing one step into `v{k}`; None when the step is not native here."""
+    dts = [d for _, d in args]
+    if any(d not in NATIVE for d in dts) or out not in NATIVE:
+        return None
+    if op == "cast":
+        (v, d), = args
+        return _conv(v, d, out)
+    if op == "compare":
+        if not all(d.is_float for d in dts) or a["op"] not in COMPARE:
+            return None
+        return _sub(COMPARE[a["op"]], a=args[0][0], b=args[1][0])
+    if out is BOOL:
+        return None                                      # bool arithmetic runs on numpy
+    t = _TNAME[out]
+    if op == "where":
+        (c, dc), (x, dx), (y, dy) = args
+        return f"({_conv(x, dx, out)} if {c} else {_conv(y, dy, out)})" if dc is BOOL else None
+    if op == "activation" and a["fn"] in ACT:
+        lines.append(f"x{k} = {_conv(args[0][0], dts[0], out)}")
+        return _sub(ACT[a["fn"]], x=f"x{k}", T=t)
+    if op in ("binary", "fused_swiglu"):
+        expr = BINARY.get(a.get("op")) if op == "binary" else SWIGLU
+        if expr is None:
+            return None
+        lines.append(f"a{k} = {_conv(args[0][0], dts[0], out)}")
+        lines.append(f"b{k} = {_conv(args[1][0], dts[1], out)}")
+        return _sub(expr, a=f"a{k}", b=f"b{k}", T=t)
+    return None
+
+
+_LOAD = {"F": "x{i}[lo + j]", "X": "x{i}[r, j]", "R": "x{i}[j]", "C": "x{i}[r]", "S": "x{i}[0]"}
+_HEAD = """import math
+import numpy as np
+from numba import njit, prange
+f32 = np.float32
+f64 = np.float64
+"""
+
+
+def elementwise_source(program, in_dtypes: list, out_dtype: DType, kinds: str) -> str | None:
+    """Numba module text with `par` and `ser` for `program`; `kinds` has one letter per input.
+    None when a step or dtype has no native expression (the caller runs numpy's kernel)."""
+    dts = list(in_dtypes)
+    try:
+        steps = step_dtypes(program, dts)
+    except Exception:          # a program the table rejects is not ours to judge here
+        return None
+    body = [f"v{i} = {_LOAD[kd].format(i=i)}" for i, kd in enumerate(kinds)]
+    for s, ((op, attrs_, args), dt) in enumerate(zip(program, steps)):
+        k = len(in_dtypes) + s
+        lines: list = []
+        e = _step(op, dict(attrs_), [(f"v{i}", dts[i]) for i in args], dt, k, lines)
+        if e is None:
+            return None
+        body += lines + [f"v{k} = {e}"]
+        dts.append(dt)
+    if out_dtype not in NATIVE or (out_dtype is not BOOL and dts[-1] is BOOL):
+        return None
+    body.append(f"o[lo + j] = {_conv(f'v{len(dts) - 1}', dts[-1], out_dtype)}")
+    params = ", ".join(["o", "n", "C"] + [f"x{i}" for i in range(len(kinds))])
+    inner = "\n".join("            " + line for line in body)
+    fns = []
+    for name, flags, rng in (("par", "parallel=True, ", "prange"), ("ser", "", "range")):
+        fns.append(f"""
+@njit({flags}fastmath=False, cache=True, error_model="numpy")
+def {name}({params}):
+    for r in {rng}((n + C - 1) // C):
+        lo = r * C
+        for j in range(min(C, n - lo)):
+{inner}
+""")
+    return _HEAD + "".join(fns)
+
+
+# --------------------------------------------------------------------------- compiling
+_MODULES: dict = {}
+_LOCK = threading.Lock()
+
+
+def cache_dir() -> str:
+    return os.environ.get("RLX_NUMBA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rlx", "numba")
+
+
+def load_source(src: str):
+    """The module for generated source `src` (written once to the cache dir, imported once)."""
+    key = hashlib.sha1(src.encode()).hexdigest()[:20]
+    mod = _MODULES.get(key)
+    if mod is not None:
+        return mod
+    with _LOCK:
+        if key in _MODULES:
+            return _MODULES[key]
+        d = cache_dir()
+        path = os.path.join(d, f"k{key}.py")
+        try:
+            os.makedirs(d, exist_ok=True)
+            if not os.path.exists(path):
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    f.write(src)
+                os.replace(tmp, path)        # atomic: other processes see all or nothing
+        except OSError as e:
+            raise BackendError(f"numba backend: cannot write generated kernels to {d!r} "
+                               f"(set RLX_NUMBA_CACHE to a writable folder): {e}") from None
+        name = f"rlx_numba_gen.k{key}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        _MODULES[key] = mod
+        return mod
+
+
+# --------------------------------------------------------------------------- operand layout
+def _flat(x: np.ndarray) -> np.ndarray:
+    return x.reshape(-1)
+
+
+def _kind(x: np.ndarray, od: tuple, p: int):
+    """How input `x` (broadcast to `od`) reads with rows od[:p] and columns od[p:]; None if
+    it cannot without a copy."""
+    if x.size == 1:
+        return "S"
+    xd = (1,) * (len(od) - x.ndim) + tuple(x.shape)
+    if xd == od:
+        if x.flags.c_contiguous:
+            return "F"
+        try:
+            np.reshape(x, (math.prod(od[:p]), math.prod(od[p:])), copy=False)
+            return "X"
+        except ValueError:
+            return None
+    if not x.flags.c_contiguous:
+        return None
+    if all(d == 1 for d in xd[:p]) and xd[p:] == od[p:]:
+        return "R"
+    if all(d == 1 for d in xd[p:]) and xd[:p] == od[:p]:
+        return "C"
+    return None
+
+
+def plan_operands(od: tuple, protos: list) -> tuple:
+    """(C, kinds, copies): the column count, one kind per input, and the inputs that must be
+    copied (broadcast) into a contiguous scratch first (read as F then)."""
+    n = math.prod(od)
+    if all(x.size == 1 or (tuple(x.shape) == od and x.flags.c_contiguous) for x in protos):
+        return max(min(CHUNK, n), 1), "".join("S" if x.size == 1 and n != 1 else "F" for x in protos), ()
+    best = None
+    for p in range(len(od) + 1):
+        kinds = [_kind(x, od, p) for x in protos]
+        if None in kinds:
+            continue
+        rows, cols = math.prod(od[:p]), math.prod(od[p:])
+        key = (min(rows, 256), cols)
+        if best is None or key > best[0]:
+            best = (key, cols, "".join(kinds))
+    if best is not None:
+        return max(best[1], 1), best[2], ()
+    p = len(od) - 1 if od else 0
+    kinds = [_kind(x, od, p) for x in protos]
+    copies = tuple(i for i, kd in enumerate(kinds) if kd is None)
+    return max(math.prod(od[p:]), 1), "".join(kd or "F" for kd in kinds), copies
+
+
+def elementwise_step(program, protos: list, out: np.ndarray):
+    """`fn(a, out, *ins)` running `program` on inputs laid out like `protos` into `out`, or
+    None when the program is not native (the runner keeps numpy's kernel)."""
+    if any(x.dtype.kind == "V" for x in protos):
+        return None
+    try:
+        in_dts = [DType.parse(x.dtype) for x in protos]
+        out_dt = DType.parse(out.dtype)
+    except Exception:
+        return None
+    od = tuple(out.shape)
+    n = out.size
+    C, kinds, copies = plan_operands(od, protos)
+    src = elementwise_source(program, in_dts, out_dt, kinds)
+    if src is None:
+        return None
+    if n == 0:
+        return lambda a, o, *ins: None
+    mod = load_source(src)
+    kernel = mod.par if n >= PAR_MIN else mod.ser
+    rows = n // C if C else 0
+    scratch = {i: np.empty(od, protos[i].dtype) for i in copies}
+    convs = []
+    for i, kd in enumerate(kinds):
+        if i in scratch:
+            s = scratch[i]
+            convs.append(lambda x, s=s: (np.copyto(s, np.broadcast_to(x, od)), s.reshape(-1))[1])
+        elif kd == "X":
+            convs.append(lambda x: x.reshape(rows, C))
+        else:
+            convs.append(_flat)
+    o_flat = out.reshape(-1)
+
+    def run(a, o, *ins):
+        kernel(o_flat, n, C, *[f(x) for f, x in zip(convs, ins)])
+    return run
+
+
+__all__ = ["ACT", "BINARY", "COMPARE", "elementwise_source", "elementwise_step", "load_source",
+           "plan_operands", "cache_dir", "step_dtypes"]

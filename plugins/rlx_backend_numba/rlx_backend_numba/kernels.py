@@ -1,0 +1,242 @@
+"""Hand-written numba kernels: the row-wise ops (norms, softmax, RoPE), attention and the
+small-M GEMV — what needs loops over a row or a reduction rather than one expression.
+
+Each kernel is a per-row function plus two drivers: `*_par` (prange over rows, for large
+work) and `*_ser` (one thread; a decode step's rows are too small to pay for a parallel
+launch). Scalars arrive typed in the array dtype (`zero`, `eps`, ...) so f32 rows accumulate
+in f32 and f64 rows in f64. Reductions may reassociate (`reassoc`, `contract`: vectorized
+sums); NaN and infinity keep their IEEE meaning.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+_FM = {"reassoc", "contract"}
+_OPT = dict(cache=True, error_model="numpy", fastmath=_FM)
+
+
+# --------------------------------------------------------------------------- RMSNorm (+ residual)
+@njit(**_OPT)
+def _rms_row(i, x, r, w, h, o, has_r, has_w, offset, eps, dd):
+    n = x.shape[1]
+    acc = eps * 0
+    if has_r:
+        for j in range(n):
+            v = x[i, j] + r[i, j]
+            h[i, j] = v
+            acc += h[i, j] * h[i, j]
+    else:
+        for j in range(n):
+            acc += x[i, j] * x[i, j]
+    inv = (eps * 0 + 1) / math.sqrt(acc / dd + eps)
+    for j in range(n):
+        y = (h[i, j] if has_r else x[i, j]) * inv
+        o[i, j] = y * (w[j] + offset) if has_w else y
+
+
+@njit(parallel=True, **_OPT)
+def rms_par(x, r, w, h, o, has_r, has_w, offset, eps, dd):
+    for i in prange(x.shape[0]):
+        _rms_row(i, x, r, w, h, o, has_r, has_w, offset, eps, dd)
+
+
+@njit(**_OPT)
+def rms_ser(x, r, w, h, o, has_r, has_w, offset, eps, dd):
+    for i in range(x.shape[0]):
+        _rms_row(i, x, r, w, h, o, has_r, has_w, offset, eps, dd)
+
+
+# --------------------------------------------------------------------------- LayerNorm (+ residual)
+@njit(**_OPT)
+def _ln_row(i, x, r, g, b, h, o, has_r, has_g, has_b, eps, dd):
+    n = x.shape[1]
+    acc = eps * 0
+    if has_r:
+        for j in range(n):
+            h[i, j] = x[i, j] + r[i, j]
+            acc += h[i, j]
+    else:
+        for j in range(n):
+            acc += x[i, j]
+    mu = acc / dd
+    var = eps * 0
+    for j in range(n):
+        d = (h[i, j] if has_r else x[i, j]) - mu
+        var += d * d
+    sd = math.sqrt(var / dd + eps)
+    for j in range(n):
+        y = ((h[i, j] if has_r else x[i, j]) - mu) / sd
+        if has_g:
+            y = y * g[j]
+        if has_b:
+            y = y + b[j]
+        o[i, j] = y
+
+
+@njit(parallel=True, **_OPT)
+def ln_par(x, r, g, b, h, o, has_r, has_g, has_b, eps, dd):
+    for i in prange(x.shape[0]):
+        _ln_row(i, x, r, g, b, h, o, has_r, has_g, has_b, eps, dd)
+
+
+@njit(**_OPT)
+def ln_ser(x, r, g, b, h, o, has_r, has_g, has_b, eps, dd):
+    for i in range(x.shape[0]):
+        _ln_row(i, x, r, g, b, h, o, has_r, has_g, has_b, eps, dd)
+
+
+# --------------------------------------------------------------------------- softmax (last axis)
+@njit(**_OPT)
+def _softmax_row(i, x, o):
+    n = x.shape[1]
+    if n == 0:
+        return
+    m = x[i, 0]
+    for j in range(1, n):
+        if x[i, j] > m:
+            m = x[i, j]
+    if not math.isfinite(m):
+        m = x[i, 0] * 0                  # numpy's reference: a row of -inf becomes zeros
+    tot = m * 0
+    for j in range(n):
+        e = math.exp(x[i, j] - m)
+        o[i, j] = e
+        tot += e
+    if tot == 0:
+        tot = tot + 1
+    for j in range(n):
+        o[i, j] = o[i, j] / tot
+
+
+@njit(parallel=True, **_OPT)
+def softmax_par(x, o):
+    for i in prange(x.shape[0]):
+        _softmax_row(i, x, o)
+
+
+@njit(**_OPT)
+def softmax_ser(x, o):
+    for i in range(x.shape[0]):
+        _softmax_row(i, x, o)
+
+
+# --------------------------------------------------------------------------- RoPE
+@njit(**_OPT)
+def _rope_row(t, x, cos, sin, o, interleaved):
+    nb, nh, ns, nd = x.shape
+    b, hh, s = t // (nh * ns), (t // ns) % nh, t % ns
+    tb = b if cos.shape[0] > 1 else 0
+    half = cos.shape[2]
+    for i in range(half):
+        c, sn = cos[tb, s, i], sin[tb, s, i]
+        j, k = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+        x1, x2 = x[b, hh, s, j], x[b, hh, s, k]
+        o[b, hh, s, j] = x1 * c - x2 * sn
+        o[b, hh, s, k] = x2 * c + x1 * sn
+    for d in range(2 * half, nd):
+        o[b, hh, s, d] = x[b, hh, s, d]
+
+
+@njit(parallel=True, **_OPT)
+def rope_par(x, cos, sin, o, interleaved):
+    for t in prange(x.shape[0] * x.shape[1] * x.shape[2]):
+        _rope_row(t, x, cos, sin, o, interleaved)
+
+
+@njit(**_OPT)
+def rope_ser(x, cos, sin, o, interleaved):
+    for t in range(x.shape[0] * x.shape[1] * x.shape[2]):
+        _rope_row(t, x, cos, sin, o, interleaved)
+
+
+# --------------------------------------------------------------------------- attention
+@njit(**_OPT)
+def _attn_row(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
+              ninf):
+    """One query row: keys [lo, hi) the causal/window mask leaves, scores, softmax, sum."""
+    nb, nh, sq, d = q.shape
+    kvh, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    b, h, i = t // (nh * sq), (t // sq) % nh, t % sq
+    kh = h // (nh // kvh)
+    zero = scale * 0
+    for c in range(dv):
+        o[b, h, i, c] = zero
+    qp = pos[b] + i
+    lo, hi = 0, sk
+    if causal:
+        hi = min(sk, qp + 1)
+        if window > 0:
+            lo = max(0, qp - window + 1)
+    if hi <= lo:
+        return
+    s = np.empty(hi - lo, q.dtype)
+    m = ninf
+    for j in range(lo, hi):
+        acc = zero
+        for c in range(d):
+            acc += q[b, h, i, c] * k[b, kh, j, c]
+        acc *= scale
+        if softcap > 0:
+            acc = math.tanh(acc / softcap) * softcap
+        if use_bias:
+            acc += bias[b, h, i, j]
+        if use_keep and not keep[b, h, i, j]:
+            acc = ninf
+        s[j - lo] = acc
+        if acc > m:
+            m = acc
+    if m == ninf:
+        return                                   # every key masked: a zero row
+    tot = zero
+    for j in range(hi - lo):
+        e = math.exp(s[j] - m)
+        s[j] = e
+        tot += e
+    for j in range(lo, hi):
+        p = s[j - lo] / tot
+        for c in range(dv):
+            o[b, h, i, c] += p * v[b, kh, j, c]
+
+
+@njit(parallel=True, **_OPT)
+def attention_par(q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias, ninf):
+    for t in prange(q.shape[0] * q.shape[1] * q.shape[2]):
+        _attn_row(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
+                  ninf)
+
+
+@njit(**_OPT)
+def attention_ser(q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias, ninf):
+    for t in range(q.shape[0] * q.shape[1] * q.shape[2]):
+        _attn_row(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
+                  ninf)
+
+
+# --------------------------------------------------------------------------- small-M GEMV
+@njit(parallel=True, **_OPT)
+def gemv_nt_par(x, w, o):
+    """o[m, n] = x[m, :] . w[n, :] (w in HF layout [N, K]): one output row per task."""
+    m_, k_ = x.shape
+    for n in prange(w.shape[0]):
+        for m in range(m_):
+            acc = x[m, 0] * w[n, 0]
+            for c in range(1, k_):
+                acc += x[m, c] * w[n, c]
+            o[m, n] = acc
+
+
+@njit(**_OPT)
+def gemv_nt_ser(x, w, o):
+    m_, k_ = x.shape
+    for n in range(w.shape[0]):
+        for m in range(m_):
+            acc = x[m, 0] * w[n, 0]
+            for c in range(1, k_):
+                acc += x[m, c] * w[n, c]
+            o[m, n] = acc
+
+
+__all__ = [n for n in dir() if n.endswith(("_par", "_ser"))]

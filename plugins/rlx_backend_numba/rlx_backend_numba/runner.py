@@ -1,0 +1,293 @@
+"""The numba runner: the NumPy runner's arena and step loop, with each step it can compile
+swapped for a numba kernel when the runner is built.
+
+Steps are prepared once per shape specialization: operand layouts come from prototypes
+(inputs as contiguous arrays, views replayed on them), so a step knows at build time how
+to read each operand and whether its work is large enough for all threads. A step whose op
+or dtypes have no numba kernel here (f16/bf16, ints, reduce, gather, ...) keeps the NumPy
+backend's kernel; BLAS runs between numba kernels, never inside one.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from rlx_core.backends.numpy import NumpyRunner
+from rlx_core.ir.numpy_kernels import KERNELS
+from rlx_core.ir.errors import BackendError, RlxError
+from rlx_core.ir.lir import LirModule
+from rlx_core.ir.ops import MaskKind
+
+from . import codegen
+from . import kernels as K
+
+FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+GEMV_MAX_M = 1                  # rows up to which a matmul on a [N, K] weight is a numba GEMV
+PAR_MIN = codegen.PAR_MIN       # work (elements, or multiply-adds) from which kernels use all threads
+PREPARE: dict = {}              # op -> prepare(a, outs, protos) -> fn(a, out, *ins) | None
+
+
+def prepares(*ops):
+    def wrap(f):
+        for op in ops:
+            PREPARE[op] = f
+        return f
+    return wrap
+
+
+def _native(*arrays) -> bool:
+    """All present arrays share one float dtype a numba kernel computes in."""
+    dts = {a.dtype for a in arrays if a is not None}
+    return len(dts) == 1 and dts.pop() in FLOATS
+
+
+def _pick(par, ser, work: int):
+    return par if work >= PAR_MIN else ser
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    return x.reshape(-1, x.shape[-1])
+
+
+# --------------------------------------------------------------------------- elementwise
+@prepares("binary", "compare", "where", "activation", "cast", "fused_swiglu")
+def _single(a, outs, protos, op=None):
+    program = ((op, tuple(sorted(a.items())), tuple(range(len(protos)))),)
+    return codegen.elementwise_step(program, protos, outs[0])
+
+
+@prepares("fused_elementwise")
+def _region(a, outs, protos, op=None):
+    return codegen.elementwise_step(a["program"], protos, outs[0])
+
+
+# --------------------------------------------------------------------------- row-wise
+def _row_scalars(o: np.ndarray, eps: float) -> tuple:
+    t = o.dtype.type
+    return t(eps), t(o.shape[-1])
+
+
+@prepares("rms_norm", "fused_residual_rms_norm")
+def _rms(a, outs, protos, op=None):
+    fused = op == "fused_residual_rms_norm"
+    x, r = protos[0], (protos[1] if fused else None)
+    w = protos[2 if fused else 1] if len(protos) > (2 if fused else 1) else None
+    o = outs[-1]
+    if not _native(x, r, w, *outs) or o.size == 0 or (fused and r.shape != x.shape):
+        return None
+    eps, dd = _row_scalars(o, a["eps"])
+    offset = o.dtype.type(a["offset"])
+    o2, h2 = _rows(o), _rows(outs[0])
+    kern = _pick(K.rms_par, K.rms_ser, o.size)
+    ones = np.ones(1, o.dtype)
+
+    def run(a_, out, x, *rest):
+        x2 = _rows(x)
+        r2 = _rows(rest[0]) if fused else x2
+        w_ = rest[-1] if w is not None else ones
+        kern(x2, r2, w_, h2, o2, fused, w is not None, offset, eps, dd)
+    return run
+
+
+@prepares("layer_norm", "fused_residual_ln")
+def _ln(a, outs, protos, op=None):
+    fused = op == "fused_residual_ln"
+    x, r = protos[0], (protos[1] if fused else None)
+    rest = protos[2 if fused else 1:]
+    o = outs[-1]
+    if not _native(x, r, *rest, *outs) or o.size == 0 or (fused and r.shape != x.shape):
+        return None
+    eps, dd = _row_scalars(o, a["eps"])
+    o2, h2 = _rows(o), _rows(outs[0])
+    kern = _pick(K.ln_par, K.ln_ser, o.size)
+    ones = np.ones(1, o.dtype)
+    has_g, has_b = len(rest) > 0, len(rest) > 1
+
+    def run(a_, out, x, *ins):
+        x2 = _rows(x)
+        r2 = _rows(ins[0]) if fused else x2
+        aff = ins[1:] if fused else ins
+        kern(x2, r2, aff[0] if has_g else ones, aff[1] if has_b else ones, h2, o2,
+             fused, has_g, has_b, eps, dd)
+    return run
+
+
+@prepares("softmax")
+def _softmax(a, outs, protos, op=None):
+    x, o = protos[0], outs[0]
+    if not _native(x, o) or o.size == 0 or a["axis"] % x.ndim != x.ndim - 1:
+        return None
+    o2 = _rows(o)
+    kern = _pick(K.softmax_par, K.softmax_ser, o.size)
+    return lambda a_, out, x: kern(_rows(x), o2)
+
+
+def _table3(t: np.ndarray) -> np.ndarray:
+    return t[None] if t.ndim == 2 else t
+
+
+def _rope_fn(x, cos, o, style):
+    """fn(x, cos, sin) writing rope(x) into `o`, or None when not native."""
+    if not _native(x, cos, o) or o.size == 0:
+        return None
+    kern = _pick(K.rope_par, K.rope_ser, o.size)
+    inter = style == "interleaved"
+    return lambda x, c, s: kern(x, _table3(c), _table3(s), o, inter)
+
+
+@prepares("rope")
+def _rope(a, outs, protos, op=None):
+    f = _rope_fn(protos[0], protos[1], outs[0], a["style"])
+    return None if f is None else (lambda a_, out, x, c, s: f(x, c, s))
+
+
+# --------------------------------------------------------------------------- attention
+def _attention_fn(a, q, k, v, o, mask):
+    """fn(q, k, v, mask, pos) writing attention into `o`, or None when not native."""
+    if not _native(q, k, v, o) or o.size == 0:
+        return None
+    if mask is not None and mask.dtype != np.bool_ and mask.dtype.kind != "f":
+        return None
+    kind = MaskKind(a["mask_kind"])
+    causal = kind in (MaskKind.CAUSAL, MaskKind.SLIDING_WINDOW)
+    window = a["window"] if kind is MaskKind.SLIDING_WINDOW else 0
+    nb, nh, sq, d = q.shape
+    sk = k.shape[2]
+    full = (nb, nh, sq, sk)
+    t = o.dtype.type
+    scale, softcap, ninf = t(a["scale"]), t(a["softcap"]), t(-np.inf)
+    no_keep = np.broadcast_to(np.ones((), np.bool_), full)
+    no_bias = np.broadcast_to(np.zeros((), o.dtype), full)
+    default_pos = np.full(nb, sk - sq, np.int64)
+    kern = _pick(K.attention_par, K.attention_ser, nb * nh * sq * sk * max(d, 1))
+    is_bool = mask is not None and mask.dtype == np.bool_
+
+    def run(q, k, v, mask, pos):
+        keep = np.broadcast_to(mask, full) if is_bool else no_keep
+        bias = np.broadcast_to(mask.astype(o.dtype, copy=False), full) \
+            if mask is not None and not is_bool else no_bias
+        p = default_pos if pos is None else pos.astype(np.int64, copy=False)
+        kern(q, k, v, keep, bias, p, o, scale, softcap, causal, window, is_bool, mask is not None
+             and not is_bool, ninf)
+    return run
+
+
+def _split(a, rest):
+    rest = list(rest)
+    mask = rest.pop(0) if a["has_mask"] else None
+    pos = rest.pop(0) if a["has_pos"] else None
+    return mask, pos
+
+
+@prepares("attention")
+def _attention(a, outs, protos, op=None):
+    q, k, v = protos[:3]
+    f = _attention_fn(a, q, k, v, outs[0], _split(a, protos[3:])[0])
+    if f is None:
+        return None
+    return lambda a_, out, q, k, v, *rest: f(q, k, v, *_split(a, rest))
+
+
+@prepares("fused_attention_block")
+def _attention_block(a, outs, protos, op=None):
+    q, k, v, cos = protos[:4]
+    qr, kr = np.empty(q.shape, q.dtype), np.empty(k.shape, k.dtype)
+    rq, rk = _rope_fn(q, cos, qr, a["style"]), _rope_fn(k, cos, kr, a["style"])
+    f = _attention_fn(a, qr, kr, v, outs[0], _split(a, protos[5:])[0])
+    if f is None or rq is None or rk is None:
+        return None
+
+    def run(a_, out, q, k, v, c, s, *rest):
+        rq(q, c, s)
+        rk(k, c, s)
+        f(qr, kr, v, *_split(a, rest))
+    return run
+
+
+# --------------------------------------------------------------------------- matmul
+def _matmul_fn(x, w, o, trans_b: bool):
+    """fn(x, w) writing x @ w(^T) into `o`: a numba GEMV for a few rows on an [N, K] weight,
+    else BLAS through numpy (np.matmul with out=)."""
+    m = math.prod(x.shape[:-1])
+    k = x.shape[-1]
+    if (trans_b and w.ndim == 2 and m <= GEMV_MAX_M and k > 0 and o.size
+            and _native(x, w, o) and w.flags.c_contiguous):
+        o2 = o.reshape(m, -1)
+        kern = _pick(K.gemv_nt_par, K.gemv_nt_ser, o.size * k)
+        return lambda x, w: kern(x.reshape(m, k), w, o2)
+    blas = KERNELS["matmul"]
+    a = {"trans_a": False, "trans_b": trans_b}
+    return lambda x, w: blas(a, [o], x, w)
+
+
+@prepares("matmul")
+def _matmul(a, outs, protos, op=None):
+    if a["trans_a"]:
+        return None
+    f = _matmul_fn(protos[0], protos[1], outs[0], a["trans_b"])
+    return lambda a_, out, x, w: f(x, w)
+
+
+@prepares("fused_matmul_bias_act")
+def _matmul_epilogue(a, outs, protos, op=None):
+    o = outs[0]
+    mm = _matmul_fn(protos[0], protos[1], o, a["trans_b"])
+    program = ()
+    if len(protos) > 2:
+        program += (("binary", (("op", "add"),), (0, 1)),)
+    if a["act"] != "identity":
+        src = 2 if program else 0                      # the biased value, else the product
+        program += (("activation", (("fn", a["act"]),), (src,)),)
+    if not program:
+        return lambda a_, out, x, w: mm(x, w)
+    epi = codegen.elementwise_step(program, [o] + list(protos[2:]), o)
+    if epi is None:
+        return None
+
+    def run(a_, out, x, w, *bias):
+        mm(x, w)
+        epi(a_, out, o, *bias)
+    return run
+
+
+# --------------------------------------------------------------------------- the runner
+class NumbaRunner(NumpyRunner):
+    """NumpyRunner's arena, values and view steps; compiled kernels where they apply."""
+
+    def __init__(self, lir: LirModule, params: dict, states: dict):
+        super().__init__(lir, params, states)
+        protos = list(self.vals)
+        for _, (slot, s) in self.inputs.items():
+            protos[slot] = np.zeros(s.dims, s.dtype.np)
+        steps = []
+        for i, is_view, fn, a, ins, out in self.steps:
+            node = self.graph.nodes[i]
+            if is_view:
+                protos[out] = protos[ins[0]] if node.op == "kv_write" else fn(a, *[protos[j] for j in ins])
+            elif node.op in PREPARE:
+                made = PREPARE[node.op](a, out, [protos[j] for j in ins], op=node.op)
+                fn = made or fn
+            steps.append((i, is_view, fn, a, ins, out))
+        self.steps = steps
+
+    def run(self, inputs: dict) -> dict:
+        vals = self.vals
+        for name, (slot, _) in self.inputs.items():
+            vals[slot] = inputs[name]
+        i = -1
+        try:
+            for i, is_view, fn, a, ins, out in self.steps:
+                if is_view:
+                    vals[out] = fn(a, *[vals[j] for j in ins])
+                else:
+                    fn(a, out, *[vals[j] for j in ins])
+        except RlxError as e:
+            raise type(e)(f"graph {self.name!r} node %{i} ({self.graph.nodes[i].op}): {e}") from None
+        except Exception as e:  # a kernel failure is reported with the node that failed
+            raise BackendError(f"numba backend: graph {self.name!r} node %{i} "
+                               f"({self.graph.nodes[i].op}) failed: {type(e).__name__}: {e}") from e
+        return {name: np.array(vals[slot]) for name, slot in self.outputs}
+
+
+__all__ = ["NumbaRunner", "PREPARE", "prepares", "GEMV_MAX_M"]
