@@ -21,8 +21,10 @@ from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import BackendError, ModelError
 from rlx_core.ir.lir import ALIGN, LirModule
 from rlx_core.ir.ops import ACTIVATIONS, BINARY_OPS, COMPARE_OPS, INT_OK_ACTIVATIONS, MaskKind
+from rlx_core.ir.quant import QuantScheme
 
 from . import kernels as K
+from . import quant as Q
 from .device import CLArray, Device, alloc, upload
 
 INT_MAX = 2**31 - 1
@@ -456,6 +458,50 @@ class OpenCLRunner(Runner):
             return
         prg = self.program(head + _defs(**defs) + K.MATMUL_COMMON + K.MATMUL_TILED, what)
         self.launch(prg, "matmul", args, ((N + 63) // 64 * 16, (M + 63) // 64 * 16, nbatch), (16, 16, 1))
+
+    # -- packed weights (quant.py): GEMV for a few rows of x, the tiled GEMM above that
+    def _op_dequant_matmul(self, i, a, ins, outs, what):
+        s = self._scheme(i, a)
+        x, w, y = self.contig(ins[0]), self._packed(ins[1]), outs[0]
+        bias = ins[2] if len(ins) > 2 else None
+        K_, N = x.shape[-1], y.shape[-1]
+        M = x.numel // K_
+        prg = self.program(Q.source(s, x.dtype, y.dtype, bias.dtype if bias is not None else y.dtype), what)
+        bias_args = [*self.buf(bias), np.int32(bias.strides[0])] if bias is not None else \
+            [self.meta_st, np.int32(0), np.int32(0)]
+        args = [*self.buf(x), *self.buf(w), *self.buf(y), *bias_args, np.int32(M), np.int32(N), np.int32(K_),
+                np.int32(bias is not None), np.int32(ACTIVATIONS.index(a["act"]))]
+        if M <= Q.GEMV_ROWS:
+            self.launch(prg, "dq_gemv", args, (64 * N, 1), (64, 1))
+        else:
+            self.launch(prg, "dq_gemm", args, ((N + 63) // 64 * 16, (M + 63) // 64 * 16), (16, 16))
+
+    def _op_dequantize(self, i, a, ins, outs, what):
+        s = self._scheme(i, a)
+        raw, y = self._packed(ins[0]), outs[0]
+        K_ = y.shape[-1]
+        units = y.numel // Q.unit(s)
+        prg = self.program(Q.source(s, y.dtype, y.dtype, y.dtype), what)
+        self.launch(prg, "dq_rows", [*self.buf(raw), *self.buf(y), np.int32(units), np.int32(K_)],
+                    ((units + 63) // 64 * 64,), (64,))
+
+    def _scheme(self, i, a) -> QuantScheme:
+        """The node's scheme; one without a kernel here names the packed tensor and who has one."""
+        s = QuantScheme.parse(a["scheme"])
+        if s.kind not in Q.KINDS:
+            g = self.graph
+            j = g.nodes[i].inputs[0 if g.nodes[i].op == "dequantize" else 1][0]
+            while g.nodes[j].op != "param" and g.nodes[j].inputs:      # through gather / views
+                j = g.nodes[j].inputs[0][0]
+            tensor = g.nodes[j].name or f"%{j}"
+            raise BackendError(f"packed weight {tensor!r}: no OpenCL kernel for scheme {s.name} "
+                               f"(OpenCL has {sorted(Q.KINDS)}); backends with a kernel for it: "
+                               f"{self.backend.backends_for_scheme(s) or 'none'}")
+        return s
+
+    def _packed(self, v: View) -> View:
+        """Packed bytes as the kernels read them: contiguous rows, f16 fields 2-byte aligned."""
+        return self._materialize(v) if v.off % 2 or not v.contiguous() else v
 
     # -- row ops
     def _row_defs(self, x: DType, y: DType, *more) -> dict:
