@@ -7,6 +7,7 @@ from typing import Callable
 
 from rlx_core.ir.errors import ModelError
 from rlx_core.profile import CompileProfile
+from rlx_core.weights.config import check_config, config_source
 
 from .blocks import BertFlowBuilder, BertSpec, NomicSpec, ir_activation, pool_stage
 
@@ -34,8 +35,7 @@ def _int(cfg: dict, key: str, family: str) -> int:
 
 def bert_config(cfg: dict) -> dict:
     """The facts of an HF BertConfig the flow needs; a ModelError names what is unsupported."""
-    if not isinstance(cfg, dict):
-        raise ModelError("BERT config must be a JSON object")
+    check_config(cfg, config_source(cfg), ModelError)
     _need(cfg, ["hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
                 "vocab_size"], "BERT")
     pet = cfg.get("position_embedding_type", "absolute") or "absolute"
@@ -69,8 +69,7 @@ NOMIC_MLP = {"swiglu": ("gated", "silu"), "geglu": ("gated", "gelu"), "glu": ("g
 
 def nomic_config(cfg: dict) -> dict:
     """The facts of a nomic_bert config.json (GPT-2 style names: n_embd, n_head, ...)."""
-    if not isinstance(cfg, dict):
-        raise ModelError("NomicBERT config must be a JSON object")
+    check_config(cfg, config_source(cfg), ModelError)
     _need(cfg, ["n_embd", "n_head", "n_layer", "vocab_size"], "NomicBERT")
     refuse = {"prenorm": "pre-norm blocks", "parallel_block": "parallel blocks", "causal": "causal attention",
               "use_rms_norm": "RMSNorm"}

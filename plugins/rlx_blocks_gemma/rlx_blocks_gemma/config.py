@@ -17,6 +17,7 @@ import attrs
 
 from rlx_core.flow.rope import rope_params
 from rlx_core.ir.errors import ModelError
+from rlx_core.weights.config import check_config, config_source
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' ACT2FN names -> the core's activation op
@@ -108,7 +109,7 @@ def _rope(cfg: dict, family: str) -> dict:
 
 def gemma_arch(config: dict) -> GemmaArch:
     """Normalize a Gemma 2 / Gemma 3 config (HF config.json dict or one synthesized from GGUF)."""
-    cfg = text_config(config)
+    cfg = text_config(check_config(config, config_source(config), ModelError))
     mt = cfg.get("model_type", "")
     if mt == "gemma2":
         family = "gemma2"

@@ -9,6 +9,7 @@ from rlx_core.flow.recipe import DecoderFlow, LayerCtx
 from rlx_core.flow.rope import rope_params
 from rlx_core.ir.errors import ModelError
 from rlx_core.plugins import hookimpl
+from rlx_core.weights.config import check_config, config_source
 
 
 def attn_spec(cfg: dict, mode: str = "prefill", qk_norm: bool = False) -> AttnSpec:
@@ -62,6 +63,8 @@ class Llama32Flow(DecoderFlow):
     qk_norm = False
 
     def __init__(self, cfg: dict, mode: str = "prefill", batch="batch", seq="seq"):
+        check_config(cfg, config_source(cfg), ModelError, required=(
+            "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"))
         if cfg.get("mlp_bias"):
             raise ModelError("LLaMA configs with mlp_bias=true are not supported")
         super().__init__(cfg, mode, batch, seq)
@@ -115,6 +118,8 @@ class LlamaRecipe:
         from rlx_core.runtime.model import CausalLM
 
         cfg = dict(ckpt.config)
+        if kw.get("max_context"):  # RoPE tables are sized by the context asked for, not the file's
+            cfg["max_position_embeddings"] = min(kw["max_context"], cfg.get("max_position_embeddings") or 2048)
         tensors = dict(ckpt.tensors)
         if cfg.get("tie_word_embeddings") and "lm_head.weight" in tensors:
             tensors.pop("lm_head.weight")
