@@ -63,6 +63,8 @@ class NumbaBackend(Backend):
     def availability(self) -> tuple:
         try:
             requested_threads()
+            import numba  # noqa: F401  (importable now, not only when first asked)
+
             if not self._threads_set:
                 set_threads()
                 self._threads_set = True

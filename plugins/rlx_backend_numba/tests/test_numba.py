@@ -1,0 +1,353 @@
+"""The numba backend against float64 numpy references on fresh random inputs: generated
+elementwise kernels in every operand layout, the row kernels, attention (causal, window,
+GQA, masks, softcap, decode over the KV cache) and the GEMV on both their one-thread and
+all-thread drivers, a tiny LLaMA against the numpy backend, selection and availability.
+The op table's parity suite (tests/test_ops.py) runs on this backend as on every other."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import rlx_core
+from rlx_core.ir.dtype import BOOL, F32, F64, I32, DType
+from rlx_core.ir.errors import BackendError
+from rlx_core.ir.graph import Builder
+from rlx_core.ir.ops import ACTIVATIONS, BINARY_OPS, COMPARE_OPS
+from rlx_core.pipeline import available_backends, select_backend
+from rlx_core.profile import CompileProfile
+
+pytest.importorskip("numba")
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+parity = pytest.importorskip("parity")
+
+from rlx_backend_numba import NumbaBackend, codegen, requested_threads, runner  # noqa: E402
+
+rng = parity.rng               # the suite's per-test seeded generator (RLX_TEST_SEED replays)
+RAW = CompileProfile().evolve(fusion={"skip": True})
+TOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-10}
+
+
+def close(got, want, dtype):
+    want = np.asarray(want, np.float64)
+    scale = max(float(np.max(np.abs(want[np.isfinite(want)]), initial=0.0)), 1e-30)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=TOL[np.dtype(dtype)], atol=TOL[np.dtype(dtype)] * scale)
+
+
+@pytest.fixture(params=["ser", "par"])
+def driver(request, monkeypatch):
+    """Both drivers of every kernel: one thread (small work) and prange over rows."""
+    if request.param == "par":
+        monkeypatch.setattr(codegen, "PAR_MIN", 0)
+        monkeypatch.setattr(runner, "PAR_MIN", 0)
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("RLX_NUMBA_CACHE", os.environ.get("RLX_NUMBA_CACHE")
+                       or str(tmp_path_factory.getbasetemp() / "numba-cache"))
+
+
+def compile_numba(build, params=None, profile=RAW):
+    return rlx_core.compile(graph(build), profile=profile, backend="numba", params=params)
+
+
+def graph(build):
+    m = Builder("t", "mir")
+    outs = build(m)
+    for k, v in enumerate(outs if isinstance(outs, tuple) else (outs,)):
+        m.output(f"out{k}", v)
+    return m.build()
+
+
+def run_poisoned(exe, inputs):
+    r = exe.runner(exe._bind_dims(inputs))
+    r.arena.fill(0xFF)
+    return exe.run(inputs)
+
+
+# --------------------------------------------------------------------------- generated kernels
+def test_expression_table_covers_the_op_table():
+    assert set(codegen.ACT) == set(ACTIVATIONS)
+    assert set(codegen.BINARY) == set(BINARY_OPS)
+    assert set(codegen.COMPARE) == set(COMPARE_OPS)
+
+
+# x * y + silu(x), then where(x > y, that, y) cast to the output dtype
+PROGRAM = (("binary", (("op", "mul"),), (0, 1)),
+           ("activation", (("fn", "silu"),), (0,)),
+           ("binary", (("op", "add"),), (2, 3)),
+           ("compare", (("op", "gt"),), (0, 1)),
+           ("where", (), (5, 4, 1)))
+
+
+def ref_program(x, y):
+    t = x * y + x / (1 + np.exp(-x))
+    return np.where(x > y, t, y)
+
+
+def _layout(rng, case, dt):
+    """(x, y) host arrays laid out as `case`: the generator's F, X, R, C, S kinds and a copy."""
+    full = rng.uniform(-3, 3, (3, 5, 40)).astype(dt)
+    if case == "flat":
+        return full, rng.uniform(-3, 3, (3, 5, 40)).astype(dt)
+    if case == "row":
+        return full, rng.uniform(-3, 3, (40,)).astype(dt)
+    if case == "col":
+        return full, rng.uniform(-3, 3, (3, 5, 1)).astype(dt)
+    if case == "scalar":
+        return full, np.asarray(rng.uniform(-3, 3), dt)
+    if case == "strided":
+        return rng.uniform(-3, 3, (3, 5, 80)).astype(dt)[..., 10:50], full
+    if case == "copy":
+        return full, rng.uniform(-3, 3, (40, 5, 3)).astype(dt).transpose(2, 1, 0)
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case,kinds", [("flat", "FF"), ("row", "FR"), ("col", "FC"), ("scalar", "FS"),
+                                        ("strided", "XF"), ("copy", "FF")])
+@pytest.mark.parametrize("dt", [np.float32, np.float64], ids=["f32", "f64"])
+def test_generated_layouts(rng, driver, case, kinds, dt):
+    x, y = _layout(rng, case, dt)
+    out = np.full(np.broadcast_shapes(x.shape, y.shape), np.nan, dt)
+    C, got_kinds, copies = codegen.plan_operands(out.shape, [x, y])
+    assert got_kinds == kinds and bool(copies) == (case == "copy")
+    fn = codegen.elementwise_step(PROGRAM, [x, y], out)
+    assert fn is not None
+    fn(None, [out], x, y)
+    close(out, ref_program(x.astype(np.float64), y.astype(np.float64)), dt)
+
+
+def test_generated_in_place_and_mixed_dtypes(rng):
+    """The output may be the buffer of its first input (the planner's in-place reuse); f32
+    and f64 operands meet through the graph's own promotion and casts."""
+    x = rng.uniform(-3, 3, (4, 33)).astype(np.float32)
+    y = rng.uniform(-3, 3, (33,))
+    want = y / (1 + np.exp(-x.astype(np.float64)))
+    program = (("activation", (("fn", "sigmoid"),), (0,)),
+               ("binary", (("op", "mul"),), (2, 1)),
+               ("cast", (("dtype", "f32"),), (3,)))
+    fn = codegen.elementwise_step(program, [x, y], x)
+    fn(None, [x], x, y)
+    close(x, want, np.float32)
+
+
+def test_not_native_programs_stay_on_numpy():
+    ints = np.arange(12, dtype=np.int32).reshape(3, 4)
+    prog = (("binary", (("op", "div"),), (0, 1)),)
+    assert codegen.elementwise_step(prog, [ints, ints], np.empty((3, 4), np.int32)) is None
+    assert codegen.elementwise_source(prog, [DType.F16, DType.F16], DType.F16, "FF") is None
+
+
+def test_source_is_one_expression_per_step_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLX_NUMBA_CACHE", str(tmp_path))
+    src = codegen.elementwise_source(PROGRAM + (("activation", (("fn", "gelu_tanh"),), (6,)),),
+                                     [F32, F32], F32, "FR")
+    assert "math.tanh(" in src and "prange" in src and "fastmath=False" in src and "cache=True" in src
+    mod = codegen.load_source(src)
+    assert codegen.load_source(src) is mod
+    files = [p.name for p in tmp_path.iterdir() if p.suffix == ".py"]
+    assert len(files) == 1 and Path(mod.__file__).parent == tmp_path
+    o = np.empty(8, np.float32)
+    mod.ser(o, 8, 8, np.ones(8, np.float32), np.ones(8, np.float32))
+    assert any(p.suffix == ".nbi" for p in (tmp_path / "__pycache__").iterdir())
+
+
+# --------------------------------------------------------------------------- row kernels
+@pytest.mark.parametrize("dt", [F32, F64], ids=["f32", "f64"])
+def test_row_kernels_on_strided_rows(rng, driver, dt):
+    """Norms with and without residual, softmax and rope read a narrowed (row-strided) input."""
+    npdt = dt.np
+    xs = rng.uniform(-2, 2, (2, 5, 48)).astype(npdt)
+    r = rng.uniform(-2, 2, (2, 5, 32)).astype(npdt)
+    w = rng.uniform(0.5, 1.5, (32,)).astype(npdt)
+    b = rng.uniform(-1, 1, (32,)).astype(npdt)
+    ang = rng.uniform(0, 6.3, (2, 8))
+    cos, sin = np.cos(ang).astype(npdt), np.sin(ang).astype(npdt)
+
+    def build(m):
+        x = m.narrow(m.input("x", (2, 5, 48), dt), -1, 8, 32)
+        h, y = m.add("fused_residual_rms_norm", (x, m.input("r", (2, 5, 32), dt), m.input("w", (32,), dt)),
+                     eps=1e-6, offset=1.0)
+        h2, z = m.add("fused_residual_ln", (x, m.input("r2", (2, 5, 32), dt), m.input("g", (32,), dt),
+                                            m.input("b", (32,), dt)), eps=1e-5)
+        s = m.softmax(x, -1)
+        q = m.reshape(x, (2, 5, 2, 16))
+        rot = m.rope(q, m.input("cos", (2, 8), dt), m.input("sin", (2, 8), dt), style="interleaved")
+        return h, y, z, s, rot, m.rms_norm(x, eps=1e-6), m.layer_norm(x, eps=1e-5)
+
+    exe = compile_numba(build)
+    got = run_poisoned(exe, {"x": xs, "r": r, "r2": r, "w": w, "g": w, "b": b, "cos": cos, "sin": sin})
+    x64 = xs[..., 8:40].astype(np.float64)
+    h = x64 + r
+    close(got["out0"], h, npdt)
+    close(got["out1"], parity.ref_rms_norm(h, w, eps=1e-6, offset=1.0), npdt)
+    close(got["out2"], parity.ref_layer_norm(h, w, b, eps=1e-5), npdt)
+    close(got["out3"], parity.ref_softmax(x64, -1), npdt)
+    close(got["out4"], parity.ref_rope(x64.reshape(2, 5, 2, 16), cos, sin, "interleaved"), npdt)
+    close(got["out5"], parity.ref_rms_norm(x64, eps=1e-6), npdt)
+    close(got["out6"], parity.ref_layer_norm(x64, eps=1e-5), npdt)
+
+
+# --------------------------------------------------------------------------- attention
+ATTN = {  # mask_kind, window, mask input, softcap, Sq, Sk, pos
+    "causal": ("causal", 0, None, 0.0, 6, 6, None),
+    "sliding_pos": ("sliding_window", 3, None, 0.0, 2, 9, (5, 2)),
+    "custom_bool": ("custom", 0, "bool", 0.0, 4, 5, None),
+    "bias_pos_softcap": ("causal", 0, "bias", 4.0, 2, 6, (1, 3)),
+    "chunk_pos": ("causal", 0, None, 0.0, 3, 8, (0, 4)),
+}
+
+
+def attention_case(rng, case, dt, heads, kv_heads, d=16, extra=()):
+    kind, window, mask, softcap, sq, sk, pos = ATTN[case]
+    args = [parity.arg(rng, "q", (2, heads, sq, d), dt), parity.arg(rng, "k", (2, kv_heads, sk, d), dt),
+            parity.arg(rng, "v", (2, kv_heads, sk, d), dt)] + list(extra)
+    if mask == "bool":
+        m = rng.random((2, 1, sq, sk)) < 0.6
+        m[..., 0] = True
+        args.append(parity.Arg("mask", m, BOOL))
+    elif mask == "bias":
+        args.append(parity.arg(rng, "mask", (1, heads, sq, sk), F32))
+    if pos is not None:
+        args.append(parity.Arg("pos", np.array(pos, np.int32), I32))
+    return args, {"mask_kind": kind, "window": window, "scale": d ** -0.5, "softcap": softcap,
+                  "has_mask": mask is not None, "has_pos": pos is not None}
+
+
+def attention_ref(attrs_, n_extra=0):
+    def ref(q, k, v, *rest):
+        rest = list(rest[n_extra:])
+        mask = rest.pop(0) if attrs_["has_mask"] else None
+        pos = rest.pop(0) if attrs_["has_pos"] else None
+        return parity.ref_attention(q, k, v, mask, pos, scale=attrs_["scale"], mask_kind=attrs_["mask_kind"],
+                                    window=attrs_["window"], softcap=attrs_["softcap"])
+    return ref
+
+
+@pytest.mark.parametrize("case", list(ATTN))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)], ids=["mha", "gqa3"])
+def test_attention_variants(rng, driver, case, heads, kv_heads):
+    args, attrs_ = attention_case(rng, case, F32, heads, kv_heads)
+    parity.run_parity("numba", "attention", args, attrs_, attention_ref(attrs_), tol=2e-5)
+
+
+def test_fused_attention_block(rng, driver):
+    ang = rng.uniform(0, 2 * math.pi, (6, 8))
+    tables = (parity.Arg("cos", np.cos(ang), F64), parity.Arg("sin", np.sin(ang), F64))
+    args, attrs_ = attention_case(rng, "causal", F64, 4, 2, extra=tables)
+    inner = attention_ref(attrs_, n_extra=2)
+    attrs_["style"] = "half"
+
+    def ref(q, k, v, c, s):
+        return inner(parity.ref_rope(q, c, s), parity.ref_rope(k, c, s), v, c, s)
+
+    parity.run_parity("numba", "fused_attention_block", args, attrs_, ref)
+
+
+def test_decode_over_kv_cache(rng, driver):
+    """Steps of one token each: kv_write into state caches, attention at pos over the cache."""
+    b, h, kvh, ctx, d = 2, 4, 2, 12, 8
+
+    def build(m):
+        kc, vc = m.state("kc", (b, kvh, ctx, d)), m.state("vc", (b, kvh, ctx, d))
+        pos = m.input("pos", (b,), I32)
+        k = m.add("kv_write", (kc, m.input("k", (b, kvh, 1, d)), pos), axis=2)
+        v = m.add("kv_write", (vc, m.input("v", (b, kvh, 1, d)), pos), axis=2)
+        return m.attention(m.input("q", (b, h, 1, d)), k, v, pos=pos, scale=d ** -0.5)
+
+    exe = compile_numba(build)
+    keys, vals = np.zeros((b, kvh, ctx, d)), np.zeros((b, kvh, ctx, d))
+    start = np.array([0, 3], np.int32)
+    for step in range(5):
+        pos = start + step
+        q, k, v = (rng.uniform(-2, 2, s).astype(np.float32) for s in
+                   ((b, h, 1, d), (b, kvh, 1, d), (b, kvh, 1, d)))
+        for i in range(b):
+            keys[i, :, pos[i]], vals[i, :, pos[i]] = k[i, :, 0], v[i, :, 0]
+        got = run_poisoned(exe, {"q": q, "k": k, "v": v, "pos": pos})["out0"]
+        want = parity.ref_attention(q.astype(np.float64), keys, vals, None, pos, scale=d ** -0.5)
+        close(got, want, np.float32)
+
+
+# --------------------------------------------------------------------------- matmul
+@pytest.mark.parametrize("rows", [1, 5], ids=["gemv", "blas"])
+@pytest.mark.parametrize("dt", [F32, F64], ids=["f32", "f64"])
+def test_linear_epilogue(rng, driver, rows, dt):
+    x = rng.uniform(-1, 1, (1, rows, 24)).astype(dt.np)
+    w = rng.uniform(-1, 1, (40, 24)).astype(dt.np)
+    bias = rng.uniform(-1, 1, (40,)).astype(dt.np)
+
+    def build(m):
+        y = m.add("fused_matmul_bias_act", (m.input("x", (1, rows, 24), dt), m.param("w", (40, 24), dt),
+                                            m.param("b", (40,), dt)), trans_b=True, act="gelu_tanh")
+        return y, m.matmul(m.input("x2", (1, rows, 24), dt), m.param("w2", (40, 24), dt), trans_b=True)
+
+    exe = compile_numba(build, params={"w": w, "b": bias, "w2": w})
+    got = run_poisoned(exe, {"x": x, "x2": x})
+    y = x.astype(np.float64) @ w.T.astype(np.float64)
+    close(got["out0"], parity.REF_ACT["gelu_tanh"](y + bias), dt.np)
+    close(got["out1"], y, dt.np)
+
+
+# --------------------------------------------------------------------------- selection
+def test_numba_ranks_above_numpy_and_numpy_stays_selectable():
+    order = [b.name for b, ok, _ in available_backends() if ok]
+    assert order.index("numba") < order.index("numpy")
+    assert select_backend().priority >= NumbaBackend.priority
+    assert select_backend("numpy").name == "numpy"
+
+
+def test_unavailable_without_numba(monkeypatch):
+    monkeypatch.setitem(sys.modules, "numba", None)
+    ok, why = NumbaBackend().availability()
+    assert not ok and "numba is not importable" in why
+    from rlx_core.cli import plugins_report
+
+    rows = {b["name"]: b for b in plugins_report()["backends"]}
+    assert rows["numba"]["available"] is False and "numba is not importable" in rows["numba"]["reason"]
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_bad_thread_count_is_named(monkeypatch, value):
+    monkeypatch.setenv("RLX_NUM_THREADS", value)
+    ok, why = NumbaBackend().availability()
+    assert not ok and "RLX_NUM_THREADS" in why and repr(value) in why
+    with pytest.raises(BackendError, match="RLX_NUM_THREADS"):
+        requested_threads()
+
+
+def test_thread_count_from_env(monkeypatch):
+    import numba
+
+    before = numba.get_num_threads()
+    monkeypatch.setenv("RLX_NUM_THREADS", "1")
+    try:
+        from rlx_backend_numba import set_threads
+
+        assert set_threads() == 1 and numba.get_num_threads() == 1
+    finally:
+        numba.set_num_threads(before)
+
+
+# --------------------------------------------------------------------------- a tiny model
+def test_tiny_llama_matches_numpy(rng, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, vocab_size=151, max_position_embeddings=128,
+                                   rms_norm_eps=1e-5, hidden_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=False)
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    ids = rng.integers(0, 151, (2, 11))
+    lm = {be: rlx_core.load(str(tmp_path), backend=be, progress=False) for be in ("numpy", "numba")}
+    assert lm["numba"].backend.name == "numba"
+    np.testing.assert_array_less(np.abs(lm["numba"].logits(ids) - lm["numpy"].logits(ids)).max(), 1e-4)
+    prompt = ids[:1, :6]
+    tokens = {be: m.generate(prompt, max_new_tokens=16, min_new_tokens=16) for be, m in lm.items()}
+    np.testing.assert_array_equal(tokens["numba"], tokens["numpy"])
