@@ -524,3 +524,26 @@ def embed_cmd(model_name: str, texts: tuple, file: str | None, json_out: bool, b
 
 if __name__ == "__main__":  # pragma: no cover
     main()
+
+
+@main.command("quantize")
+@click.argument("src", metavar="SRC")
+@click.argument("dst", metavar="DST")
+@click.option("--scheme", "-s", default="q8_0", show_default=True, metavar="SCHEME",
+              help="q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k (GGUF types llama.cpp reads too), "
+                   "or RLX's own int8 / int4 blocks (int8_b64: block size 64; RLX reads these only).")
+def quantize_cmd(src: str, dst: str, scheme: str) -> None:
+    """Write the HF model SRC (folder or packaged name) to the GGUF file DST with its matmul
+    weights packed in SCHEME; `rlx generate DST ...` then runs it packed."""
+    from .ir.errors import WeightError
+    from .ir.quant import QuantScheme
+    from .weights import load_checkpoint
+    from .weights.gguf_write import write_gguf
+
+    q = QuantScheme.parse(scheme)
+    ckpt = load_checkpoint(src)
+    if ckpt.format != "safetensors":
+        raise WeightError(f"{src}: rlx quantize reads HF safetensors folders; this is a {ckpt.format} file")
+    done = write_gguf(ckpt, dst, q, echo=click.echo)
+    size = os.path.getsize(dst)
+    click.echo(f"wrote {dst}: {done['quantized']} weights in {q.name}, {size / 2**20:.1f} MiB")

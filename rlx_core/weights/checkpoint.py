@@ -45,13 +45,14 @@ class Checkpoint:
         )
 
 
-def load_checkpoint(path: str | os.PathLike, progress: bool = False) -> Checkpoint:
-    """Load an HF model folder (config.json + safetensors), a .gguf file, or a packaged model name."""
+def load_checkpoint(path: str | os.PathLike, progress: bool = False, packed: bool = False) -> Checkpoint:
+    """Load an HF model folder (config.json + safetensors), a .gguf file, or a packaged model name.
+    `packed`: a GGUF's quantized matmul weights stay packed (PackedTensor over the mapped file)."""
     path = resolve_model_path(os.fspath(path))
     if os.path.isdir(path):
         folder = _model_folder(path)
         if isinstance(folder, tuple):  # a folder holding just one .gguf file
-            return _load_gguf(folder[0], progress)
+            return _load_gguf(folder[0], progress, packed)
         return _load_folder(folder, progress)
     try:
         with open(path, "rb") as f:
@@ -59,14 +60,14 @@ def load_checkpoint(path: str | os.PathLike, progress: bool = False) -> Checkpoi
     except OSError as e:
         raise WeightError(f"{path}: cannot read ({e})") from e
     if magic == GGUF_MAGIC:
-        return _load_gguf(path, progress)
+        return _load_gguf(path, progress, packed)
     if path.endswith(".safetensors"):
         return _load_folder(os.path.dirname(os.path.abspath(path)), progress, files=[path])
     raise WeightError(f"{path}: not a GGUF file (no b'GGUF' magic) nor a .safetensors file")
 
 
-def _load_gguf(path: str, progress: bool) -> Checkpoint:
-    config, tensors, gf = load_gguf(path, progress)
+def _load_gguf(path: str, progress: bool, packed: bool = False) -> Checkpoint:
+    config, tensors, gf = load_gguf(path, progress, packed)
     return Checkpoint(path, "gguf", config, tensors, tokenizer_from_gguf(path, gf.metadata))
 
 

@@ -19,8 +19,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from rlx_core.ir.errors import WeightError
+from rlx_core.ir.quant import PackedTensor, QuantScheme
 
 GGUF_MAGIC = b"GGUF"
+SCHEME_KEY = "rlx.scheme."  # RLX's own int blocks: "<scheme>:<rows>x<cols>" per i8 tensor
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 
 # metadata value types: fixed-size scalars by struct format; 8 is string, 9 is array
@@ -446,8 +448,37 @@ def gguf_config(gf: GGUFFile) -> dict:
     return cfg
 
 
-def load_gguf(path: str, progress: bool = False) -> tuple[dict, dict[str, np.ndarray], GGUFFile]:
-    """`(config, tensors, header)` of a GGUF file, every tensor dequantized to float32."""
+def _packed(gf: GGUFFile, info: TensorInfo, blob: np.ndarray) -> PackedTensor | None:
+    """A 2-D tensor in a packed scheme as its bytes (a view of the mapped file), or None."""
+    start = gf.data_start + info.offset
+    rlx = gf.metadata.get(SCHEME_KEY + info.name)
+    if rlx is not None:             # RLX's own int blocks, stored as i8 bytes (gguf_write)
+        try:
+            name, _, dims = rlx.partition(":")
+            shape = tuple(int(d) for d in dims.split("x"))
+        except (AttributeError, ValueError):
+            raise WeightError(f"{gf.path}: metadata {SCHEME_KEY + info.name} = {rlx!r}; expected "
+                              "'<scheme>:<rows>x<cols>'") from None
+        scheme = QuantScheme.parse(name)
+    else:
+        try:
+            scheme = QuantScheme.from_gguf_type(info.ggml_type, info.name)
+        except WeightError:
+            return None             # f32/f16/bf16 and types without a kernel: loaded as floats
+        shape = info.shape
+    if len(shape) != 2 or shape[-1] % scheme.block_size or 0 in shape:
+        return None
+    rows, per_row = scheme.packed_shape(shape, info.name)
+    if info.nbytes != rows * per_row or start + info.nbytes > blob.size:
+        raise WeightError(f"{gf.path}: tensor {info.name!r} holds {info.nbytes} bytes; {scheme.name} "
+                          f"of shape {list(shape)} needs {rows * per_row}")
+    return PackedTensor(blob[start:start + info.nbytes].reshape(rows, per_row), scheme, shape, info.name)
+
+
+def load_gguf(path: str, progress: bool = False, packed: bool = False
+              ) -> tuple[dict, dict[str, np.ndarray], GGUFFile]:
+    """`(config, tensors, header)` of a GGUF file: every tensor dequantized to float32, or with
+    `packed` the quantized matmul weights as PackedTensors over the memory-mapped file."""
     gf = read_gguf(path)
     config = gguf_config(gf)
     arch = gf.metadata["general.architecture"]
@@ -460,7 +491,16 @@ def load_gguf(path: str, progress: bool = False) -> tuple[dict, dict[str, np.nda
     tensors = {}
     for info in items:
         name = hf_name(arch, info.name)
-        if name is not None:
+        if name is None:
+            continue
+        p = _packed(gf, info, blob)
+        if p is None:
             tensors[name] = fix_tensor(arch, info.name, dequantize_tensor(gf, info, blob), config, path)
+        elif packed:
+            raw = fix_tensor(arch, info.name, p.raw, config, path)    # a row permutation at most
+            tensors[name] = p if raw is p.raw else PackedTensor(np.ascontiguousarray(raw), p.scheme,
+                                                                 p.shape, p.name)
+        else:
+            tensors[name] = fix_tensor(arch, info.name, p.dequantize(), config, path)
     del blob
     return config, tensors, gf

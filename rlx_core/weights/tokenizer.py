@@ -313,8 +313,47 @@ def _wordpiece(vocab_txt: str, tok_cfg: dict, special: dict[str, str]):
 # ---------------------------------------------------------------------------------------------- GGUF
 
 
+HF_TOKENIZER_KEY = "tokenizer.huggingface.json"
+RLX_TOKENIZER_KEY = "rlx.tokenizer"      # special tokens and ids beside it (rlx quantize writes both)
+
+
+def _tokenizer_from_hf_json(path: str, metadata: dict) -> Tokenizer:
+    """The tokenizer `rlx quantize` stored: the HF tokenizer.json text and its special tokens."""
+    from tokenizers import Tokenizer as TkTokenizer
+
+    text = metadata[HF_TOKENIZER_KEY]
+    try:
+        extra = json.loads(metadata.get(RLX_TOKENIZER_KEY, "{}"))
+        special, eos = extra.get("special_tokens", {}), extra.get("eos_token_ids", [])
+        bos, pad = extra.get("bos_token_id"), extra.get("pad_token_id")
+        ok = (isinstance(text, str) and isinstance(special, dict) and isinstance(eos, list)
+              and all(isinstance(k, str) and isinstance(v, str) for k, v in special.items())
+              and all(_is_id(i) for i in eos) and all(i is None or _is_id(i) for i in (bos, pad)))
+    except (TypeError, ValueError, AttributeError):
+        ok = False
+    if not ok:
+        raise WeightError(f"{path}: GGUF metadata {HF_TOKENIZER_KEY!r} / {RLX_TOKENIZER_KEY!r} is malformed "
+                          "(expected the tokenizer.json text and a JSON object of special tokens and ids)")
+
+    def build():
+        try:
+            return TkTokenizer.from_str(text)
+        except Exception as e:  # tokenizers raises plain Exception on malformed input
+            raise WeightError(f"{path}: cannot load {HF_TOKENIZER_KEY} ({e})") from e
+
+    template = metadata.get("tokenizer.chat_template")
+    return Tokenizer(build, name=path, special_tokens=special, eos_token_ids=eos, bos_token_id=bos,
+                     pad_token_id=pad, chat_template=template if isinstance(template, str) else None)
+
+
+def _is_id(i) -> bool:
+    return isinstance(i, int) and not isinstance(i, bool) and i >= 0
+
+
 def tokenizer_from_gguf(path: str, metadata: dict) -> Tokenizer | None:
     """The tokenizer a GGUF file's metadata describes, or None if it has none this module can build."""
+    if HF_TOKENIZER_KEY in metadata:
+        return _tokenizer_from_hf_json(path, metadata)
     kind = metadata.get("tokenizer.ggml.model")
     tokens = metadata.get("tokenizer.ggml.tokens")
     arch = metadata.get("general.architecture", "")
