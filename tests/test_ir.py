@@ -444,7 +444,7 @@ def test_json_errors_name_the_problem(levels):
 
 
 # ----------------------------------------------------------------------------- robustness
-_SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
+_SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                             HealthCheck.filter_too_much])
 json_values = st.recursive(

@@ -130,7 +130,7 @@ def _program(v):
     return tuple(steps)
 
 
-BOOL_ = A("true or false", lambda v: v if isinstance(v, bool) else _BAD)
+FLAG = A("true or false", lambda v: v if isinstance(v, bool) else _BAD)
 INT = A("an int", _int())
 COUNT = A("an int >= 0", _int(0))
 FLOAT = A("a finite float", _num())
@@ -146,6 +146,8 @@ PARAMS = A("a list of [name, value] pairs with distinct names",
            lambda v: tuple(sorted(v)) if _pairs(v) else _BAD)
 PROGRAM = A("a non-empty list of [op, attrs, slots] steps", _program)
 MASK_KIND = one_of(m.value for m in MaskKind)
+STYLE = one_of(ROPE_STYLES)
+ACT = one_of(ACTIVATIONS)
 
 
 def brief(v) -> str:
@@ -315,7 +317,7 @@ def _matmul_meta(a: Shape, b: Shape, ta: bool, tb: bool) -> Shape:
     return Shape(batch + (m, n), promote(a.dtype, b.dtype))
 
 
-@op("matmul", ["a", "b"], attrs={"trans_a": BOOL_(False), "trans_b": BOOL_(False)})
+@op("matmul", ["a", "b"], attrs={"trans_a": FLAG(False), "trans_b": FLAG(False)})
 def _m_matmul(s, a):
     """Batched matmul with numpy broadcasting of batch dims and optional transposes."""
     return (_matmul_meta(s[0], s[1], a["trans_a"], a["trans_b"]),)
@@ -342,7 +344,7 @@ def _m_where(s, a):
     return (Shape(dims, promote(s[1].dtype, s[2].dtype)),)
 
 
-@op("activation", ["x"], attrs={"fn": one_of(ACTIVATIONS)}, elementwise=True)
+@op("activation", ["x"], attrs={"fn": ACT}, elementwise=True)
 def _m_activation(s, a):
     """Unary elementwise function (gelu, silu, exp, rsqrt, ...)."""
     if a["fn"] not in INT_OK_ACTIVATIONS:
@@ -362,7 +364,7 @@ def _axes(axes, rank, what):
     return out
 
 
-@op("reduce", ["x"], attrs={"op": one_of(REDUCE_OPS), "axes": AXES, "keepdims": BOOL_(False)})
+@op("reduce", ["x"], attrs={"op": one_of(REDUCE_OPS), "axes": AXES, "keepdims": FLAG(False)})
 def _m_reduce(s, a):
     """Reduce over any axes (sum mean max min prod)."""
     axes = _axes(a["axes"], s[0].rank, "reduce")
@@ -409,15 +411,15 @@ def _rope_check(x: Shape, cos: Shape, sin: Shape) -> None:
     _same_dim(cos.dims[-2], x.dims[2], f"rope table seq vs input seq ({cos} vs {x})")
 
 
-@op("rope", ["x", "cos", "sin"], attrs={"style": one_of(ROPE_STYLES)("half")})
+@op("rope", ["x", "cos", "sin"], attrs={"style": STYLE("half")})
 def _m_rope(s, a):
     """Rotary embedding on [B,H,S,D]; tables [S,R/2] or [B,S,R/2]; R <= D rotates the first R dims."""
     _rope_check(*s)
     return (s[0],)
 
 
-_MASK_ATTRS = {"mask_kind": MASK_KIND("causal"), "window": COUNT(0), "has_mask": BOOL_(False),
-               "has_pos": BOOL_(False)}
+_MASK_ATTRS = {"mask_kind": MASK_KIND("causal"), "window": COUNT(0), "has_mask": FLAG(False),
+               "has_pos": FLAG(False)}
 _ATTN_ATTRS = dict(_MASK_ATTRS, scale=FLOAT, softcap=NONNEG(0.0))
 
 
@@ -602,7 +604,7 @@ def _m_topk(s, a):
     return (Shape(dims, x.dtype), Shape(dims, I64))
 
 
-@op("argmax", ["x"], attrs={"axis": INT(-1), "keepdims": BOOL_(False)})
+@op("argmax", ["x"], attrs={"axis": INT(-1), "keepdims": FLAG(False)})
 def _m_argmax(s, a):
     """Index of the largest value along an axis (first on ties), i64."""
     (r,) = _m_reduce([s[0]], {"op": "max", "axes": (a["axis"],), "keepdims": a["keepdims"]})
@@ -629,7 +631,7 @@ def _m_custom(s, a):
 
 
 # ----------------------------------------------------------------- HIR blocks
-@op("linear", ["x", "weight", "bias?"], Level.HIR, attrs={"transpose_w": BOOL_(True)})
+@op("linear", ["x", "weight", "bias?"], Level.HIR, attrs={"transpose_w": FLAG(True)})
 def _m_linear(s, a):
     """x @ W^T (+ b) for HF-layout weights [out, in]; transpose_w=False takes [in, out]."""
     y = _matmul_meta(s[0], s[1], False, a["transpose_w"])
@@ -638,7 +640,7 @@ def _m_linear(s, a):
     return (y,)
 
 
-@op("swiglu_mlp", ["x", "w_gate", "w_up", "w_down"], Level.HIR, attrs={"transpose_w": BOOL_(True)})
+@op("swiglu_mlp", ["x", "w_gate", "w_up", "w_down"], Level.HIR, attrs={"transpose_w": FLAG(True)})
 def _m_swiglu_mlp(s, a):
     """down(silu(gate(x)) * up(x)) with HF-layout weights."""
     g = _matmul_meta(s[0], s[1], False, a["transpose_w"])
@@ -658,7 +660,7 @@ def _m_fused_swiglu(s, a):
 
 
 @op("fused_matmul_bias_act", ["x", "w", "bias?"], Level.FUSED,
-    attrs={"trans_b": BOOL_(False), "act": one_of(ACTIVATIONS)("identity")})
+    attrs={"trans_b": FLAG(False), "act": ACT("identity")})
 def _m_fused_mba(s, a):
     """act(x @ w + bias), the matmul epilogue."""
     y = _matmul_meta(s[0], s[1], False, a["trans_b"])
@@ -695,7 +697,7 @@ def _m_fused_rln(s, a):
 
 
 @op("fused_attention_block", ["q", "k", "v", "cos", "sin", "mask?", "pos?"], Level.FUSED,
-    attrs=dict(_ATTN_ATTRS, style=one_of(ROPE_STYLES)("half")))
+    attrs=dict(_ATTN_ATTRS, style=STYLE("half")))
 def _m_fused_attn_block(s, a):
     """attention(rope(q), rope(k), v): RoPE applied inside the attention kernel."""
     _rope_check(s[0], s[3], s[4])
