@@ -4,6 +4,10 @@ Llama-3.2-1B shape (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8
 128256, tied embeddings) with random bf16 weights made here (numpy rng), batch 1:
 decode ms/token over 128 new tokens after a 512-token prompt, and the 512-token prefill.
 
+Packed rows (--packed q4_k,q8_0): the same random weights quantized here with
+rlx_core.ir.quant (every matmul weight and the tied embedding, as PackedTensors), decoded in
+the kernels; their floor is the packed bytes over the same copy bandwidth.
+
 Peers: HF transformers eager (bf16, sdpa, dynamic cache) and HF with a static cache and
 torch.compile(mode="reduce-overhead"). The bandwidth floor of a decode token is the
 weight bytes over the device-to-device copy bandwidth measured in this run (bytes read
@@ -98,7 +102,7 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
 
 
 # ----------------------------------------------------------------------------- RLX
-def rlx_runtime(cfg, tensors, prompt, n_new, reps):
+def rlx_runtime(cfg, tensors, prompt, n_new, reps, cublas=True):
     """RLX through the runtime (CausalLM.from_tensors + generate)."""
     from rlx_core.runtime.model import CausalLM
     from rlx_core.profile import CompileProfile, PrecisionConfig
@@ -120,14 +124,15 @@ def rlx_runtime(cfg, tensors, prompt, n_new, reps):
     try:
         from rlx_backend_cuda import set_config
 
-        set_config(gemv=False)
-        model.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new)
-        d2 = []
-        for _ in range(max(1, reps // 2)):
+        if cublas:            # the same decode with cuBLAS for the matmuls (16-bit weights only)
+            set_config(gemv=False)
             model.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new)
-            d2.append(model.last_timings["decode_s_per_token"])
-        res["decode_s_cublas"] = statistics.median(d2)
-        set_config(gemv=True)
+            d2 = []
+            for _ in range(max(1, reps // 2)):
+                model.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new)
+                d2.append(model.last_timings["decode_s_per_token"])
+            res["decode_s_cublas"] = statistics.median(d2)
+            set_config(gemv=True)
     except Exception as e:  # a comparison, not the measurement
         res["decode_s_cublas_error"] = repr(e)
     try:
@@ -242,6 +247,63 @@ def rlx_graph(cfg, tensors, prompt, n_new, reps):
     except Exception:
         log(f"profile failed: {traceback.format_exc()[-1500:]}")
     return res
+
+
+def packed_tensors(tensors: dict, scheme: str) -> dict:
+    """Every 2-D weight quantized to `scheme` (threads: numpy releases the GIL), norms kept."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlx_core.ir.quant import PackedTensor, QuantScheme
+
+    s = QuantScheme.parse(scheme)
+
+    def one(item):
+        k, v = item
+        if v.ndim != 2:
+            return k, v
+        return k, PackedTensor(s.quantize(np.asarray(v, np.float32)), s, v.shape, k)
+    with ThreadPoolExecutor(16) as ex:
+        return dict(ex.map(one, tensors.items()))
+
+
+def rlx_packed(cfg, tensors, prompt, a, bw, bf16_decode):
+    """Decode/prefill with packed weights, one row per scheme of --packed."""
+    import cupy as cp
+
+    rows = {}
+    for scheme in filter(None, a.packed.split(",")):
+        try:
+            t = time.perf_counter()
+            pt = packed_tensors(tensors, scheme)
+            nbytes = sum(getattr(v, "nbytes", 0) for v in pt.values())
+            log(f"{scheme}: quantized in {time.perf_counter() - t:.1f}s, {nbytes / 1e9:.3f} GB")
+            r = rlx_runtime(cfg, pt, prompt, a.new, a.reps, cublas=False)
+            r.update(weight_bytes=nbytes, floor_s=nbytes / bw)
+            r["x_floor"] = r["decode_s"] / r["floor_s"]
+            if bf16_decode:
+                r["bf16_over_this"] = bf16_decode / r["decode_s"]
+            log(f"rlx {scheme}: decode {r['decode_s'] * 1e3:.3f} ms/token = {r['x_floor']:.2f}x its floor "
+                f"{r['floor_s'] * 1e3:.3f} ms; bf16 decode / this {r.get('bf16_over_this', 0):.2f}; "
+                f"prefill {r['prefill_s'] * 1e3:.3f} ms; runners {r.get('decode_runners')}")
+            rows[scheme] = r
+            del pt
+        except Exception:
+            rows[scheme] = {"error": traceback.format_exc()[-3000:]}
+            log(f"rlx {scheme} failed:\n{rows[scheme]['error']}")
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def packed_table(res: dict) -> str:
+    lines = ["| packed | weights GB | decode ms/token | floor ms | x floor | bf16 decode / this | prefill ms |",
+             "|---|---|---|---|---|---|---|"]
+    for k, r in (res.get("packed") or {}).items():
+        if "error" in r:
+            lines.append(f"| {k} | failed | | | | | |")
+            continue
+        lines.append(f"| {k} | {r['weight_bytes'] / 1e9:.3f} | {r['decode_s'] * 1e3:.3f} | {r['floor_s'] * 1e3:.3f} | "
+                     f"{r['x_floor']:.2f} | {r.get('bf16_over_this', 0):.2f} | {r['prefill_s'] * 1e3:.3f} |")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- HF peers
@@ -363,6 +425,7 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", choices=["auto", "runtime", "graph"], default="auto")
     ap.add_argument("--no-compiled-peer", action="store_true")
     ap.add_argument("--rlx-only", action="store_true", help="skip the HF peers (a quick RLX-only check)")
+    ap.add_argument("--packed", default="q4_k,q8_0", help="packed-weight rows (schemes, comma-separated; '' skips)")
     ap.add_argument("--json", default="")
     ap.add_argument("--check-layers", type=int, default=2, help="layers of the cuda-vs-numpy-vs-HF check (0: skip)")
     a = ap.parse_args(argv)
@@ -404,12 +467,17 @@ def main(argv=None) -> int:
             log(f"rlx engine {eng} failed:\n{traceback.format_exc()[-3000:]}")
             res[f"rlx_{eng}_error"] = traceback.format_exc()[-3000:]
     res["rlx"] = rl
+    res["packed"] = rlx_packed(cfg, tensors, prompt, a, bw, rl and rl.get("decode_s"))
+    print(packed_table(res), flush=True)
     if a.rlx_only:
         for eng in engines:
             r = res.get(f"rlx_{eng}")
             if r:
                 log(f"rlx {r['engine']}: decode {r['decode_s'] * 1e3:.3f} ms/token = "
                     f"{r['decode_s'] / floor:.2f}x floor; prefill {r['prefill_s'] * 1e3:.3f} ms")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1, default=str)
         return 0
     import gc
 
@@ -428,7 +496,7 @@ def main(argv=None) -> int:
         except Exception:
             res["hf_compiled_error"] = traceback.format_exc()[-2000:]
             log(f"hf static+compile failed:\n{res['hf_compiled_error']}")
-    table = report(res)
+    table = report(res) + "\n\n" + packed_table(res)
     print(table, flush=True)
     if a.json:
         with open(a.json, "w") as f:

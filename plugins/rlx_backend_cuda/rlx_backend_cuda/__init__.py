@@ -56,6 +56,8 @@ class CudaBackend(Backend):
         self._stream = None
         self._arena = None
         self._arena_bytes = 0
+        self._scratch = None
+        self._scratch_bytes = 0
 
     # -- identity
     def availability(self) -> tuple:
@@ -68,6 +70,14 @@ class CudaBackend(Backend):
 
     def supported_ops(self) -> set:
         return {n for n, d in OPS.items() if d.level is not Level.HIR}
+
+    def supports_scheme(self, scheme) -> bool:
+        """Whether dequant_matmul / dequantize have a kernel for this QuantScheme (or name): all do."""
+        from rlx_core.ir.quant import QuantScheme
+
+        from .sources import DQ_SCHEMES
+
+        return QuantScheme.parse(scheme).kind in DQ_SCHEMES
 
     def device_name(self) -> str:
         return device.info().get("name", "?")
@@ -87,6 +97,15 @@ class CudaBackend(Backend):
             self._arena = device.alloc(size, "the activation arena")
             self._arena_bytes = size
         return self._arena
+
+    def scratch(self, nbytes: int):
+        """Scratch shared by the runners (packed weights decoded for a GEMM). Growing it makes
+        a new buffer; launches built on the old one keep it alive through their runner."""
+        if self._scratch is None or nbytes > self._scratch_bytes:
+            size = max(int(nbytes), 256)
+            self._scratch = device.alloc(size, "the dequantization scratch")
+            self._scratch_bytes = size
+        return self._scratch
 
     # -- residency
     def to_device(self, array):

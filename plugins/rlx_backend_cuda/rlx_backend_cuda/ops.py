@@ -12,7 +12,7 @@ from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I64, DType
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.ops import MaskKind
 
-from . import sources
+from . import codegen, device, sources
 from .codegen import acc_of, ctype
 from .values import CONFIG, V, nocopy_reshape_strides
 
@@ -268,19 +268,183 @@ def _b_matmul(b, n, ins, outs):
 
 
 def _b_mba(b, n, ins, outs):
-    x, w = ins[0], ins[1]
-    out = outs[0]
-    _matmul(b, x, w, False, n.a["trans_b"], out)
+    _matmul(b, ins[0], ins[1], False, n.a["trans_b"], outs[0])
+    _bias_act(b, outs[0], ins[2] if len(ins) > 2 else None, n.a["act"])
+
+
+def _bias_act(b, out: V, bias: V | None, act: str) -> None:
+    """out <- act(out + bias) in place (one elementwise launch; none when there is nothing)."""
     program, args = [], [out]
     last = 0
-    if len(ins) > 2:
-        args.append(ins[2])
+    if bias is not None:
+        args.append(bias)
         program.append(("binary", (("op", "add"),), (0, 1)))
         last = 2
-    if n.a["act"] != "identity":
-        program.append(("activation", (("fn", n.a["act"]),), (last,)))
+    if act != "identity":
+        program.append(("activation", (("fn", act),), (last,)))
     if program:
         b.elementwise(tuple(program), args, out)
+
+
+# ----------------------------------------------------------------------------- packed weights
+DQ_ROWS, DQ_LOADS = 4, 2    # decode: rows of W per warp (sharing x loads), parts in flight per lane
+DQ_MAX_M = 8                # x rows up to which dequant_matmul runs the fused GEMV
+DQ_TILE = 1 << 24           # prefill: weights decoded per tile (elements) before its GEMM
+
+
+def _scheme(n):
+    from rlx_core.ir.quant import QuantScheme
+
+    return QuantScheme.parse(n.a["scheme"])
+
+
+def _packed(b, w: V, rows: int, row_bytes: int) -> tuple:
+    """(V, row stride, alignment in 2..16 of its base and rows) of packed bytes as [rows, row_bytes]."""
+    wv, rs = _as_matrix(b, w, rows, row_bytes)
+    if wv.arr.data.ptr % 2 or rs % 2:        # odd offsets: a fresh (aligned) copy
+        fresh = b.buffer(wv.shape, wv.dt, "aligned packed bytes")
+        b.copy(wv, fresh)
+        wv, rs = fresh, row_bytes
+    wv = V(b.cp.lib.stride_tricks.as_strided(wv.arr, shape=(rows, row_bytes), strides=(rs, 1)), wv.dt)
+    a = 16
+    while a > 2 and (wv.arr.data.ptr % a or rs % a):
+        a //= 2
+    return wv, rs, a
+
+
+def _dq_kernel(b, kernel: str, s, name: str, **subs):
+    return b.kernel(sources.dq_source(kernel, s.kind, s.block, **subs), name)
+
+
+def _b_dequantize(b, n, ins, outs):
+    s, out = _scheme(n), outs[0]
+    if out.size == 0:
+        return
+    K = out.shape[-1]
+    rows, nb = out.size // K, K // s.block
+    w, wrs, al = _packed(b, ins[0], rows, ins[0].shape[-1])
+    dst = out if out.contiguous() else b.buffer(out.shape, out.dt)
+    fn = _dq_kernel(b, sources.DQ_DEQUANT, s, "rlx_dequant", TO=ctype(out.dt), ACC=acc_of(out.dt), A=al)
+    units = rows * nb * sources.dq_parts(s.kind, s.block)
+    b.launch(fn, _grid(units, b.sms), (256,), (w.arr, i64(wrs), dst.arr, i64(K), i64(rows), i32(nb)))
+    if dst is not out:
+        b.copy(dst, out)
+
+
+def _b_dequant_matmul(b, n, ins, outs):
+    """act(x @ dequant(w)^T + bias): the fused GEMV for decode (M <= DQ_MAX_M), else each tile
+    of rows decoded into a scratch shared by the backend's runners, then cuBLAS."""
+    s, out = _scheme(n), outs[0]
+    x, w = ins[0], ins[1]
+    bias = b.contiguous(ins[2]) if len(ins) > 2 else None
+    if not x.dt.is_float or out.dt is not x.dt:
+        raise BackendError(f"cuda backend: dequant_matmul needs a float x and output of its dtype, got "
+                           f"{x.dt.value} -> {out.dt.value} (node %{b.node})")
+    if out.size == 0:
+        return
+    K, N = x.shape[-1], out.shape[-1]
+    M = out.size // N
+    wv, wrs, al = _packed(b, w, N, w.shape[-1])
+    xv, xrs = _as_matrix(b, x, M, K)
+    dst = out if out.contiguous() else b.buffer(out.shape, out.dt)
+    if M <= DQ_MAX_M:
+        _dq_gemv(b, s, xv, xrs, wv, wrs, al, bias, n.a.get("act", "identity"), dst, M, N, K)
+    else:
+        _dq_gemm(b, s, xv, xrs, wv, wrs, al, dst, M, N, K)
+        _bias_act(b, dst, bias, n.a.get("act", "identity"))
+    if dst is not out:
+        b.copy(dst, out)
+
+
+def _dq_epilogue(out_dt: DType, has_bias: bool, act: str) -> str:
+    """C lines on the f32/f64 sum `v`: + bias, activation, each step rounded to the output
+    dtype first as the unfused ops round (f16/bf16)."""
+    rnd = f"v = (W)tof(ST({ctype(out_dt)}, v));" if out_dt in LOW else ""
+    lines = []
+    if has_bias:
+        lines += [rnd, "v = v + LD(W, bias[n]);"]
+    if act != "identity":
+        cdt = F64 if out_dt is F64 else F32
+        body: list = []
+        e = codegen.emit_op("activation", {"fn": act}, [("v", cdt)], cdt, body, "ta")
+        lines += [rnd, "{", *body, f"v = (W)({e});", "}"]
+    return "\n    ".join(ln for ln in lines if ln)
+
+
+def dq_gemv_shape(kind: str, block: int, M: int, K: int, loads: int = DQ_LOADS) -> tuple:
+    """(MMAX, KW, R) of the decode GEMV: M rounded up to a power of 2; warps of a block that
+    split a row (as many as keep each lane `loads` parts busy); rows per warp."""
+    mmax = 1
+    while mmax < M:
+        mmax *= 2
+    units = K // block * sources.dq_parts(kind, block)
+    kw = 1
+    while kw < 8 and 2 * kw * 32 * loads <= units:
+        kw *= 2
+    return mmax, kw, DQ_ROWS if mmax <= 2 else 2
+
+
+def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K):
+    nb = K // s.block
+    mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K)
+    vec = 4 * x.arr.itemsize
+    xv = int(x.arr.data.ptr % vec == 0 and (xrs * x.arr.itemsize) % vec == 0)
+    fn = _dq_kernel(b, sources.DQ_GEMV, s, "rlx_dq_gemv", T=ctype(x.dt), TO=ctype(out.dt), ACC=acc_of(x.dt),
+                    A=al, MMAX=mmax, R=rows, U=DQ_LOADS, KW=kw, XV=xv,
+                    EPILOGUE=_dq_epilogue(out.dt, bias is not None, act))
+    per_block = 8 // kw * rows
+    b.launch(fn, (-(-N // per_block),), (256,), (x.arr, i64(xrs), w.arr, i64(wrs), bias.arr if bias else None,
+                                                 out.arr, i32(M), i32(N), i32(nb)))
+
+
+def _dq_gemm(b, s, x: V, xrs, w: V, wrs, al, out: V, M, N, K):
+    od = out.dt
+    cp = b.cp
+    tile = max(1, min(N, DQ_TILE // K))
+    sd = device.storage_dtype(od)
+    mem = b.r.backend.scratch(tile * K * sd.itemsize)
+    b.keep.append(mem)                     # a grown scratch must outlive the launches that point at it
+    scratch = cp.ndarray((tile, K), sd, memptr=mem)
+    nb = K // s.block
+    fn = _dq_kernel(b, sources.DQ_DEQUANT, s, "rlx_dequant", TO=ctype(od), ACC=acc_of(od), A=al)
+    from . import blas as cublas
+
+    dtype_c = getattr(cp.cuda.runtime, _CUDA_T[od])
+    compute = cublas.COMPUTE_64F if od is F64 else cublas.COMPUTE_32F
+    scal = np.float64 if od is F64 else np.float32
+    alpha, beta = np.ones(1, scal), np.zeros(1, scal)
+    b.keep += [alpha, beta]
+    lib, handle, stream = cublas.library(), cublas.handle(), b.stream
+    isz = out.arr.itemsize
+    parts = sources.dq_parts(s.kind, s.block)
+    for r0 in range(0, N, tile):
+        t = min(tile, N - r0)
+        b.launch(fn, _grid(t * nb * parts, b.sms), (256,),
+                 (w.arr[r0:r0 + t], i64(wrs), scratch, i64(K), i64(t), i32(nb)))
+        args = (t, M, K, alpha.ctypes.data, scratch.data.ptr, dtype_c, K, x.arr.data.ptr, dtype_c, xrs,
+                beta.ctypes.data, out.arr.data.ptr + r0 * isz, dtype_c, N, compute)
+
+        def gemm(args=args):
+            lib.prepare(handle, stream.ptr)
+            lib.gemm(handle, 1, 0, *args)
+        b.add(gemm)
+
+
+def _b_host(b, n, ins, outs):
+    """An op with no GPU kernel (quantize, fake_quantize: weight preparation, not a model
+    step) runs its NumPy kernel on host copies; such a step keeps its graph out of capture."""
+    from rlx_core.ir.numpy_kernels import KERNELS
+
+    fn, a, cp, stream = KERNELS[n.op], dict(n.a), b.cp, b.stream
+
+    def run():
+        with stream:
+            host = [v.arr.get(stream=stream).view(v.dt.np) for v in ins]
+            res = [np.empty(o.shape, o.dt.np) for o in outs]
+            fn(a, res, *host)
+            for o, r in zip(outs, res):
+                o.arr[...] = cp.asarray(r.view(device.storage_dtype(o.dt)))
+    b.add(run, capturable=False)
 
 
 # ----------------------------------------------------------------------------- rows
@@ -892,6 +1056,10 @@ BUILDERS = {
     "fused_residual_rms_norm": _b_res_rms,
     "fused_residual_ln": _b_res_ln,
     "fused_attention_block": _b_attn_block,
+    "dequant_matmul": _b_dequant_matmul,
+    "dequantize": _b_dequantize,
+    "quantize": _b_host,
+    "fake_quantize": _b_host,
 }
 
 VIEW_BUILDERS = {

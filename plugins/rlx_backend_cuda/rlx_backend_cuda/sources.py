@@ -1019,3 +1019,390 @@ extern "C" __global__ void rlx_matmul_naive(const $TA* __restrict__ a, const $TB
   }
 }
 """
+
+
+# --------------------------------------------------------------------------- packed weights
+# Packed (GGUF / RLX int block) weights, layouts in rlx_core/ir/quant.py. A row is K / BLK
+# blocks of BPB bytes; each block is cut into PARTS parts, the unit one lane decodes: a part's
+# bytes are loaded into registers (`rlx_raw`, `rlx_load`), then decoded RUNS times into 4
+# consecutive weights (`rlx_run`) at element offset `rlx_run_off(p, k)` of the block. One
+# snippet per format (DQ_SCHEMES) serves every kernel below. Arithmetic is W = $ACC (f32, f64
+# for f64 data) in the order of the numpy decoder, so each weight rounds as there.
+# $A: the alignment (2..16 bytes) of the row base and row length, so the loads can be as
+# wide as the offsets allow: `rlx_ldw<AL, N>` loads N 32-bit words at a byte offset aligned to
+# AL within the row (2-aligned offsets in 4-aligned rows: aligned words + funnel shifts).
+DQ_COMMON = r"""
+typedef $ACC W;
+typedef unsigned char u8;
+typedef unsigned short u16;
+__device__ __forceinline__ W rlx_h2w(u32 h) { return (W)__half2float(__ushort_as_half((u16)(h & 0xffffu))); }
+__device__ __forceinline__ int rlx_byte(u32 v, int i) { return (int)((v >> (8 * i)) & 255u); }
+template <int AL, int N> __device__ __forceinline__ void rlx_ldw(const u8* p, u32* w) {
+  constexpr int al = AL < $A ? AL : $A;
+  if constexpr (al >= 16 && N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const uint4 v = __ldg((const uint4*)p + i);
+      w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+    }
+  } else if constexpr (al >= 8 && N % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) { const uint2 v = __ldg((const uint2*)p + i); w[2 * i] = v.x; w[2 * i + 1] = v.y; }
+  } else if constexpr (al >= 4) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = __ldg((const u32*)p + i);
+  } else if constexpr ($A >= 4) {
+    // a 2-aligned offset in a 4-aligned row: the aligned words around it, shifted; the extra
+    // word lies inside the row (the row ends 4-aligned, the bytes asked for 2 bytes before)
+    const u32* q = (const u32*)((size_t)p & ~(size_t)3);
+    const int sh = (int)((size_t)p & 2) * 8;
+    u32 lo = __ldg(q);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const u32 hi = (i + 1 < N || sh) ? __ldg(q + i + 1) : 0u;
+      w[i] = __funnelshift_r(lo, hi, sh);
+      lo = hi;
+    }
+  } else {
+    const u16* q = (const u16*)p;
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = (u32)__ldg(q + 2 * i) | ((u32)__ldg(q + 2 * i + 1) << 16);
+  }
+}
+"""
+
+# Legacy GGUF formats: a part is 8 bytes of nibbles (16 weights: 4-runs at 8p, 8p+4 from the
+# low nibbles, 16 further on from the high ones) or 16 int8 bytes (q8_0).
+_DQ_NIB_RUNS = r"""
+__device__ __forceinline__ int rlx_run_off(int p, int k) { return 8 * p + 4 * (k & 1) + 16 * (k >> 1); }
+__device__ __forceinline__ int rlx_nib(const u32* q, int k, int i) { return (int)((q[k & 1] >> (8 * i + 4 * (k >> 1))) & 15u); }
+"""
+
+DQ_SCHEMES = {
+    "q4_0": r"""
+#define BLK 32
+#define BPB 18
+#define PARTS 2
+#define RUNS 4
+struct rlx_raw { u32 q[2]; u32 d; };
+""" + _DQ_NIB_RUNS + r"""
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; r.d = __ldg((const u16*)b); rlx_ldw<2, 2>(b + 2 + 8 * p, r.q); return r;
+}
+__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
+  const W d = rlx_h2w(r.d);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = (W)(rlx_nib(r.q, k, i) - 8) * d;
+}
+""",
+    "q4_1": r"""
+#define BLK 32
+#define BPB 20
+#define PARTS 2
+#define RUNS 4
+struct rlx_raw { u32 q[2]; u32 dm; };
+""" + _DQ_NIB_RUNS + r"""
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; rlx_ldw<4, 1>(b, &r.dm); rlx_ldw<4, 2>(b + 4 + 8 * p, r.q); return r;
+}
+__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
+  const W d = rlx_h2w(r.dm), m = rlx_h2w(r.dm >> 16);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = (W)rlx_nib(r.q, k, i) * d + m;
+}
+""",
+    "q5_0": r"""
+#define BLK 32
+#define BPB 22
+#define PARTS 2
+#define RUNS 4
+struct rlx_raw { u32 q[2]; u32 qh; u32 d; };
+""" + _DQ_NIB_RUNS + r"""
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; r.d = __ldg((const u16*)b); rlx_ldw<2, 1>(b + 2, &r.qh); rlx_ldw<2, 2>(b + 6 + 8 * p, r.q); return r;
+}
+__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
+  const W d = rlx_h2w(r.d);
+  const int j0 = rlx_run_off(p, k);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = (W)((rlx_nib(r.q, k, i) | (int)(((r.qh >> (j0 + i)) & 1u) << 4)) - 16) * d;
+}
+""",
+    "q5_1": r"""
+#define BLK 32
+#define BPB 24
+#define PARTS 2
+#define RUNS 4
+struct rlx_raw { u32 q[2]; u32 qh; u32 dm; };
+""" + _DQ_NIB_RUNS + r"""
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; rlx_ldw<4, 1>(b, &r.dm); rlx_ldw<4, 1>(b + 4, &r.qh); rlx_ldw<8, 2>(b + 8 + 8 * p, r.q); return r;
+}
+__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
+  const W d = rlx_h2w(r.dm), m = rlx_h2w(r.dm >> 16);
+  const int j0 = rlx_run_off(p, k);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = (W)(rlx_nib(r.q, k, i) | (int)(((r.qh >> (j0 + i)) & 1u) << 4)) * d + m;
+}
+""",
+    "q8_0": r"""
+#define BLK 32
+#define BPB 34
+#define PARTS 2
+#define RUNS 4
+struct rlx_raw { u32 q[4]; u32 d; };
+__device__ __forceinline__ int rlx_run_off(int p, int k) { return 16 * p + 4 * k; }
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; r.d = __ldg((const u16*)b); rlx_ldw<2, 4>(b + 2 + 16 * p, r.q); return r;
+}
+__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
+  const W d = rlx_h2w(r.d);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = (W)(signed char)rlx_byte(r.q[k], i) * d;
+}
+""",
+    # RLX int blocks of $IB weights: f32 scale, then int8 values / q4_0-style nibbles
+    "int8": r"""
+#define BLK $IB
+#define BPB (4 + $IB)
+#define PARTS ($IB / 8)
+#define RUNS 2
+struct rlx_raw { u32 q[2]; u32 d; };
+__device__ __forceinline__ int rlx_run_off(int p, int k) { return 8 * p + 4 * k; }
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; rlx_ldw<4, 1>(b, &r.d); rlx_ldw<4, 2>(b + 4 + 8 * p, r.q); return r;
+}
+__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
+  const W d = (W)__uint_as_float(r.d);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = (W)(signed char)rlx_byte(r.q[k], i) * d;
+}
+""",
+    "int4": r"""
+#define BLK $IB
+#define BPB (4 + $IB / 2)
+#define PARTS ($IB / 8)
+#define RUNS 2
+struct rlx_raw { u32 q; u32 d; };
+__device__ __forceinline__ int rlx_run_off(int p, int k) { return 4 * p + k * ($IB / 2); }
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; rlx_ldw<4, 1>(b, &r.d); rlx_ldw<4, 1>(b + 4 + 4 * p, &r.q); return r;
+}
+__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
+  const W d = (W)__uint_as_float(r.d);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = (W)((int)((r.q >> (8 * i + 4 * k)) & 15u) - 8) * d;
+}
+""",
+}
+
+# K-quants, super-blocks of 256. Q4_K/Q5_K: part p = half (p & 1) of 64-element chunk p >> 1:
+# 16 nibble bytes whose low nibbles are 16 weights of sub-block 2c, high ones of 2c + 1 (runs
+# 0-3 and 4-7); the 16-byte header (d, dmin, six-bit scales) comes along.
+_DQ_K45 = r"""
+#define BLK 256
+#define PARTS 8
+#define RUNS 8
+__device__ __forceinline__ int rlx_run_off(int p, int k) { return 64 * (p >> 1) + 16 * (p & 1) + 4 * (k & 3) + 32 * (k >> 2); }
+__device__ __forceinline__ void rlx_scale_min(const u32* hd, int j, int* sc, int* m) {
+  // llama.cpp get_scale_min_k4 over the 12 scale bytes (header words 1..3; selected, not
+  // indexed, so the header stays in registers)
+  #define SB(i) rlx_byte((i) < 4 ? hd[1] : ((i) < 8 ? hd[2] : hd[3]), (i) & 3)
+  if (j < 4) { *sc = SB(j) & 63; *m = SB(j + 4) & 63; }
+  else { *sc = (SB(j + 4) & 15) | ((SB(j - 4) >> 6) << 4); *m = (SB(j + 4) >> 4) | ((SB(j) >> 6) << 4); }
+  #undef SB
+}
+"""
+
+DQ_SCHEMES["q4_k"] = r"""
+#define BPB 144
+struct rlx_raw { u32 hd[4]; u32 q[4]; };
+""" + _DQ_K45 + r"""
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; rlx_ldw<16, 4>(b, r.hd); rlx_ldw<16, 4>(b + 16 + 16 * p, r.q); return r;
+}
+__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
+  int sc, mn;
+  rlx_scale_min(r.hd, 2 * (p >> 1) + (k >> 2), &sc, &mn);
+  const W dl = rlx_h2w(r.hd[0]) * (W)sc, ml = rlx_h2w(r.hd[0] >> 16) * (W)mn;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = dl * (W)((r.q[k & 3] >> (8 * i + 4 * (k >> 2))) & 15u) - ml;
+}
+"""
+
+DQ_SCHEMES["q5_k"] = r"""
+#define BPB 176
+struct rlx_raw { u32 hd[4]; u32 qh[4]; u32 q[4]; };
+""" + _DQ_K45 + r"""
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; rlx_ldw<16, 4>(b, r.hd); rlx_ldw<16, 4>(b + 16 + 16 * (p & 1), r.qh);
+  rlx_ldw<16, 4>(b + 48 + 16 * p, r.q); return r;
+}
+__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
+  const int j = 2 * (p >> 1) + (k >> 2);
+  int sc, mn;
+  rlx_scale_min(r.hd, j, &sc, &mn);
+  const W dl = rlx_h2w(r.hd[0]) * (W)sc, ml = rlx_h2w(r.hd[0] >> 16) * (W)mn;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const u32 q = ((r.q[k & 3] >> (8 * i + 4 * (k >> 2))) & 15u) | (((r.qh[k & 3] >> (8 * i + j)) & 1u) << 4);
+    w[i] = dl * (W)q - ml;
+  }
+}
+"""
+
+# Q6_K: part p = 8 lanes l in [8j, 8j + 8) (j = p & 3) of half n = p >> 2; quarter t of the
+# half takes low (t < 2) or high nibbles of ql[64n + l] (t even) / ql[64n + 32 + l] (t odd)
+# and bits 2t, 2t+1 of qh[32n + l]; runs k = 2t + (4-run within the 8 lanes).
+DQ_SCHEMES["q6_k"] = r"""
+#define BLK 256
+#define BPB 210
+#define PARTS 8
+#define RUNS 8
+struct rlx_raw { u32 a[2]; u32 b[2]; u32 h[2]; u32 s[2]; u32 d; };
+__device__ __forceinline__ int rlx_run_off(int p, int k) { return 128 * (p >> 2) + 32 * (k >> 1) + 8 * (p & 3) + 4 * (k & 1); }
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  const int n = p >> 2, j = p & 3;
+  rlx_raw r;
+  rlx_ldw<2, 2>(b + 64 * n + 8 * j, r.a); rlx_ldw<2, 2>(b + 64 * n + 32 + 8 * j, r.b);
+  rlx_ldw<2, 2>(b + 128 + 32 * n + 8 * j, r.h); rlx_ldw<2, 2>(b + 192 + 8 * n, r.s);
+  r.d = __ldg((const u16*)(b + 208));
+  return r;
+}
+__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
+  const int t = k >> 1, half = k & 1, j = p & 3;
+  const int si = (j >> 1) + 2 * t;                    // scale (32t + 8j) / 16 of this half
+  const W dsc = rlx_h2w(r.d) * (W)(signed char)rlx_byte((si >> 2) ? r.s[1] : r.s[0], si & 3);
+  const u32 lo = (t & 1) ? r.b[half] : r.a[half];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int q = (int)(((lo >> (8 * i + 4 * (t >> 1))) & 15u) | (((r.h[half] >> (8 * i + 2 * t)) & 3u) << 4));
+    w[i] = dsc * (W)(q - 32);
+  }
+}
+"""
+
+# 4 consecutive x values as W (one vector load where $XV says x rows and offsets allow it)
+DQ_X4 = r"""
+struct alignas(4 * sizeof($T)) rlx_x4t { $T v[4]; };
+__device__ __forceinline__ void rlx_x4(const $T* p, W* o) {
+#if $XV
+  const rlx_x4t t = *(const rlx_x4t*)p;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = LD(W, t.v[i]);
+#else
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = LD(W, p[i]);
+#endif
+}
+"""
+
+# Decode: y[M, N] = act(x[M, K] @ dequant(w)^T + bias) for M <= $MMAX <= 8. A block is 8
+# warps: $KW of them split a row's parts, 8 / $KW take $R rows each, so x is read once per
+# $R rows. Each lane loads its next $U parts of every row first (the packed bytes bound a
+# decode step), then decodes them in registers. Partial sums meet in shared memory; the
+# epilogue rounds like the unfused ops (to $TO, + bias, round, activation).
+DQ_GEMV = DQ_X4 + r"""
+extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const $T* __restrict__ x, long long xrs,
+    const u8* __restrict__ w, long long wrs, const $T* __restrict__ bias, $TO* __restrict__ y,
+    int M, int N, int nb) {
+  constexpr int RW = 8 / $KW;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int kw = warp % $KW, rw = warp / $KW;
+  const int n0 = (blockIdx.x * RW + rw) * $R;
+  const u8* wr[$R];
+#pragma unroll
+  for (int r = 0; r < $R; ++r) wr[r] = w + (i64)min(n0 + r, N - 1) * wrs;
+  W acc[$R][$MMAX];
+#pragma unroll
+  for (int r = 0; r < $R; ++r)
+#pragma unroll
+    for (int m = 0; m < $MMAX; ++m) acc[r][m] = 0;
+  const int units = nb * PARTS;
+  for (int u0 = kw * 32 + lane; u0 < units; u0 += 32 * $KW * $U) {
+    rlx_raw q[$U][$R];
+#pragma unroll
+    for (int u = 0; u < $U; ++u) {
+      const int uu = u0 + 32 * $KW * u;
+      if (uu < units)
+#pragma unroll
+        for (int r = 0; r < $R; ++r) q[u][r] = rlx_load(wr[r] + (i64)(uu / PARTS) * BPB, uu % PARTS);
+    }
+#pragma unroll
+    for (int u = 0; u < $U; ++u) {
+      const int uu = u0 + 32 * $KW * u;
+      if (uu >= units) break;
+      const int p = uu % PARTS;
+      const i64 e0 = (i64)(uu / PARTS) * BLK;
+#pragma unroll
+      for (int k = 0; k < RUNS; ++k) {
+        const i64 e = e0 + rlx_run_off(p, k);
+        W xv[$MMAX][4];
+#pragma unroll
+        for (int m = 0; m < $MMAX; ++m)
+          if (m < M) rlx_x4(x + m * xrs + e, xv[m]);
+#pragma unroll
+        for (int r = 0; r < $R; ++r) {
+          W wv[4];
+          rlx_run(q[u][r], p, k, wv);
+#pragma unroll
+          for (int m = 0; m < $MMAX; ++m)
+            if (m < M) acc[r][m] += wv[0] * xv[m][0] + wv[1] * xv[m][1] + wv[2] * xv[m][2] + wv[3] * xv[m][3];
+        }
+      }
+    }
+  }
+  __shared__ W red[8][$R][$MMAX];
+#pragma unroll
+  for (int r = 0; r < $R; ++r)
+#pragma unroll
+    for (int m = 0; m < $MMAX; ++m) {
+      const W s = warp_sum(acc[r][m]);
+      if (lane == 0) red[warp][r][m] = s;
+    }
+  __syncthreads();
+  for (int t = threadIdx.x; t < RW * $R * $MMAX; t += blockDim.x) {
+    const int g = t / ($R * $MMAX), r = (t / $MMAX) % $R, m = t % $MMAX;
+    const int n = (blockIdx.x * RW + g) * $R + r;
+    if (m >= M || n >= N) continue;
+    W v = 0;
+#pragma unroll
+    for (int j = 0; j < $KW; ++j) v += red[g * $KW + j][r][m];
+    $EPILOGUE
+    y[(i64)m * N + n] = ST($TO, v);
+  }
+}
+"""
+
+# Dequantize rows: y[row, :K] (row stride yrs) = the decoded weights; one thread per part.
+DQ_DEQUANT = r"""
+extern "C" __global__ void rlx_dequant(const u8* __restrict__ w, long long wrs, $TO* __restrict__ y,
+    long long yrs, long long rows, int nb) {
+  const i64 units = (i64)nb * PARTS, total = rows * units;
+  for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < total; t += (i64)gridDim.x * blockDim.x) {
+    const i64 row = t / units;
+    const int uu = (int)(t - row * units), blk = uu / PARTS, p = uu % PARTS;
+    const rlx_raw q = rlx_load(w + row * wrs + (i64)blk * BPB, p);
+    $TO* yr = y + row * yrs + (i64)blk * BLK;
+#pragma unroll
+    for (int k = 0; k < RUNS; ++k) {
+      W v[4];
+      rlx_run(q, p, k, v);
+      const int o = rlx_run_off(p, k);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) yr[o + i] = ST($TO, v[i]);
+    }
+  }
+}
+"""
+
+
+def dq_source(kernel: str, kind: str, block: int, **subs) -> str:
+    """A packed-weight kernel (DQ_GEMV / DQ_DEQUANT) for scheme `kind` (block: the int
+    schemes' block size)."""
+    return render(DQ_COMMON + DQ_SCHEMES[kind] + kernel, IB=block, **subs)
+
+
+def dq_parts(kind: str, block: int) -> int:
+    """Parts per block of a scheme's snippet (its PARTS)."""
+    return block // 8 if kind in ("int8", "int4") else {"q4_k": 8, "q5_k": 8, "q6_k": 8}.get(kind, 2)
