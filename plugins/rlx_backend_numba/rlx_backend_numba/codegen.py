@@ -276,5 +276,17 @@ def elementwise_step(program, protos: list, out: np.ndarray):
     return run
 
 
-__all__ = ["ACT", "BINARY", "COMPARE", "elementwise_source", "elementwise_step", "load_source",
+def epilogue_step(out: np.ndarray, bias: list, act: str):
+    """fn(*bias) adding the bias (if any) and applying `act` to `out` in place: a matmul's
+    epilogue as one generated kernel. None when not native here."""
+    program = (("binary", (("op", "add"),), (0, 1)),) if bias else ()
+    if act != "identity":
+        program += (("activation", (("fn", act),), (2 if program else 0,)),)
+    if not program:
+        return lambda *b: None
+    step = elementwise_step(program, [out] + list(bias), out)
+    return None if step is None else (lambda *b: step(None, None, out, *b))
+
+
+__all__ = ["ACT", "epilogue_step", "BINARY", "COMPARE", "elementwise_source", "elementwise_step", "load_source",
            "plan_operands", "cache_dir", "step_dtypes"]

@@ -21,6 +21,7 @@ from rlx_core.ir.ops import MaskKind
 
 from . import codegen
 from . import kernels as K
+from . import quant_kernels
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 GEMV_MAX_M = 1                  # rows up to which a matmul on a [N, K] weight is a numba GEMV
@@ -231,24 +232,18 @@ def _matmul(a, outs, protos, op=None):
 
 @prepares("fused_matmul_bias_act")
 def _matmul_epilogue(a, outs, protos, op=None):
-    o = outs[0]
-    mm = _matmul_fn(protos[0], protos[1], o, a["trans_b"])
-    program = ()
-    if len(protos) > 2:
-        program += (("binary", (("op", "add"),), (0, 1)),)
-    if a["act"] != "identity":
-        src = 2 if program else 0                      # the biased value, else the product
-        program += (("activation", (("fn", a["act"]),), (src,)),)
-    if not program:
-        return lambda a_, out, x, w: mm(x, w)
-    epi = codegen.elementwise_step(program, [o] + list(protos[2:]), o)
+    mm = _matmul_fn(protos[0], protos[1], outs[0], a["trans_b"])
+    epi = codegen.epilogue_step(outs[0], protos[2:], a["act"])
     if epi is None:
         return None
 
     def run(a_, out, x, w, *bias):
         mm(x, w)
-        epi(a_, out, o, *bias)
+        epi(*bias)
     return run
+
+
+PREPARE["dequant_matmul"] = quant_kernels.prepare_dequant_matmul
 
 
 # --------------------------------------------------------------------------- the runner
