@@ -35,9 +35,9 @@ def float_arg(name: str, v, lo: float, hi: float = math.inf, lo_open: bool = Fal
         f = float(v)
         ok = math.isfinite(f) and (f > lo if lo_open else f >= lo) and f <= hi
     if not ok:
-        rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if hi != math.inf else f"{'>' if lo_open else '>='} {lo:g}"
-        raise ModelError(f"{name} must be a finite number {'in ' if hi != math.inf else ''}{rng}"
-                         f"{' or None' if none else ''}, got {v!r}")
+        rng = (f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]" if hi != math.inf
+               else f"{'>' if lo_open else '>='} {lo:g}")
+        raise ModelError(f"{name} must be a finite number {rng}{' or None' if none else ''}, got {v!r}")
     return f
 
 
@@ -88,7 +88,8 @@ def token_rows(name: str, ids, vocab: int | None = None) -> tuple:
         rows, one_dim = ids.tolist(), False
     elif isinstance(ids, np.ndarray) and ids.ndim != 1:
         raise ModelError(f"{name} must be 1-D or 2-D, got shape {ids.shape}")
-    elif isinstance(ids, Sequence) and not isinstance(ids, str) and ids and not _is_int(ids[0]):
+    elif (isinstance(ids, Sequence) and not isinstance(ids, str) and ids
+          and isinstance(ids[0], (Sequence, np.ndarray)) and not isinstance(ids[0], (str, bytes))):
         rows, one_dim = [_row(f"{name} row {i}", r) for i, r in enumerate(ids)], False
     else:
         rows, one_dim = [_row(name, ids)], True

@@ -410,7 +410,10 @@ class Encoder:
         as given (special tokens included). `normalize` L2-normalizes each row (pooled rows
         otherwise). Text longer than `max_length` tokens is truncated with a warning, or is an
         error with truncate=False."""
-        batch_size = int_arg("batch_size", batch_size, lo=1)
+        # a packed run holds at most PACK_MAX_TOKENS tokens, so no more texts: a larger
+        # batch_size would only size the run's segment arrays (batch_size + 1 of them)
+        batch_size = min(int_arg("batch_size", batch_size, lo=1),
+                         max(self.PACK_MAX_TOKENS, self.max_positions))
         normalize, truncate = bool_arg("normalize", normalize), bool_arg("truncate", truncate)
         with self._lock:
             return self._embed(texts_or_ids, batch_size, normalize, truncate, progress, item, first)

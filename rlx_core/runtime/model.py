@@ -173,7 +173,8 @@ class CausalLM:
         max_new_tokens = int_arg("max_new_tokens", max_new_tokens)
         min_new_tokens = int_arg("min_new_tokens", min_new_tokens)
         if min_new_tokens > max_new_tokens:
-            raise ModelError(f"min_new_tokens ({min_new_tokens}) is more than max_new_tokens ({max_new_tokens})")
+            raise ModelError(f"min_new_tokens ({min_new_tokens}) is more than max_new_tokens "
+                             f"({max_new_tokens})")
         do_sample, chat = bool_arg("do_sample", do_sample), bool_arg("chat", chat)
         temperature = float_arg("temperature", 1.0 if temperature is None else temperature, 0.0)
         if temperature == 0 and do_sample:
