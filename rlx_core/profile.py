@@ -47,6 +47,9 @@ class PassConfig:
 class PrecisionConfig:
     compute: DType = attrs.field(default=DType.F32, converter=DType.parse)
     mixed: bool = True            # norms, softmax and attention accumulate in f32
+    # how a quantized checkpoint's matmul weights are held: "packed" (as the file stores them,
+    # read by dequant_matmul) or dequantized at load to f32/f16/bf16; float checkpoints ignore it
+    weights: str = "packed"
 
 
 @attrs.frozen
@@ -153,6 +156,7 @@ _ALLOWED = {
     ("fusion", "policy"): [p.value for p in FusionPolicy],
     ("fusion", "target"): ["auto", *TARGETS],
     ("precision", "compute"): ["f32", "f16", "bf16", "f64"],
+    ("precision", "weights"): ["packed", "f32", "f16", "bf16"],
 }
 # The profile sits below the plugin registry, so it checks a backend name's form only; the
 # point that resolves the backend (pipeline.select_backend) names the installed ones.

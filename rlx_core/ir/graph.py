@@ -5,7 +5,9 @@ new graphs; nothing mutates a node in place.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 from typing import Any, Callable, Mapping
 
 import attrs
@@ -17,6 +19,31 @@ from .ops import MaskKind, get_op, infer
 from .shape import Shape
 
 HIR, MIR, LIR = "hir", "mir", "lir"
+FORMAT, VERSION = "rlx-ir", 1         # of the JSON form (serialize.py reads it back)
+
+
+def _shape_json(s: Shape) -> list:
+    return [list(s.dims), s.dtype.value]
+
+
+def _attr_json(v):
+    return [_attr_json(x) for x in v] if isinstance(v, tuple) else v
+
+
+def graph_dict(g) -> dict:
+    """The JSON form of a graph (serialize.py reads it back)."""
+    return {
+        "format": FORMAT, "version": VERSION, "name": g.name, "level": g.level,
+        "nodes": [{"op": n.op, "name": n.name, "inputs": [list(r) for r in n.inputs],
+                   "attrs": {k: _attr_json(v) for k, v in n.attrs},
+                   "outs": [_shape_json(s) for s in n.outs]} for n in g.nodes],
+        "outputs": [[name, list(r)] for name, r in g.outputs],
+        "constants": {k: {"dtype": DType.parse(a.dtype).value, "shape": list(a.shape),
+                          "data": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()}
+                      for k, a in sorted(g.constants.items())},
+    }
+
+
 Ref = tuple  # (node id, output index)
 
 
@@ -84,10 +111,11 @@ class Graph:
 
     __str__ = text
 
-    def to_json(self) -> str:
-        from .serialize import graph_to_json
+    def to_dict(self) -> dict:
+        return graph_dict(self)
 
-        return graph_to_json(self)
+    def to_json(self) -> str:
+        return json.dumps(graph_dict(self), sort_keys=True, separators=(",", ":"))
 
     def stable_hash(self) -> str:
         h = hashlib.sha256(self.to_json().encode())

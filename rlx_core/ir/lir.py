@@ -7,9 +7,11 @@ elementwise op may write over an input that dies at it (in-place reuse).
 """
 from __future__ import annotations
 
+import json
+
 import attrs
 
-from .errors import GraphError, SerializeError
+from .errors import GraphError
 from .graph import Graph
 from .ops import get_op
 from .quant import QuantScheme
@@ -109,31 +111,11 @@ class LirModule:
     __str__ = text
 
     def to_json(self) -> str:
-        import json
-
-        from .serialize import graph_dict
-
-        d = graph_dict(self.graph)
+        d = self.graph.to_dict()
         d["level"] = "lir"
         d["plan"] = [[list(k), attrs.asdict(s, recurse=False) | {"base": list(s.base) if s.base else None}]
                      for k, s in sorted(self.slots.items())]
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
-
-
-def lir_from_dict(d: dict, source: str) -> LirModule:
-    """Load LIR JSON: the graph is verified and the plan is recomputed and compared."""
-    from .serialize import graph_from_dict
-
-    g = graph_from_dict(dict(d, level="mir"), source)
-    lir = plan(g)
-    try:
-        saved = {tuple(k): Slot(**{**s, "base": tuple(s["base"]) if s["base"] else None})
-                 for k, s in d.get("plan", [])}
-    except (TypeError, ValueError, KeyError, AttributeError) as e:
-        raise SerializeError(f"{source}: malformed plan: {type(e).__name__}: {e}") from None
-    if saved != lir.slots:
-        raise SerializeError(f"{source}: the saved buffer plan does not match the graph")
-    return lir
 
 
 def plan(g: Graph) -> LirModule:

@@ -113,6 +113,10 @@ def _mba(m, x, w, b=None, trans_b=False, act="identity"):
     return y if act == "identity" else m.act(y, act)
 
 
+def _dequantize(m, packed, scheme, dtype):
+    return m.add("dequantize", (packed,), scheme=scheme, dtype=dtype.value)
+
+
 # op -> fn(m, inputs, attrs) -> output value(s), using only primitives (and other prims of
 # the PRIM level such as rms_norm when `deep` is False).
 def _decompose(deep: bool):
@@ -137,6 +141,11 @@ def _decompose(deep: bool):
                           m.rope(ins[1], ins[3], ins[4], a["style"]), ins[2]) + tuple(ins[5:]),
             **{k: v for k, v in a.items() if k != "style"}),
         "fused_elementwise": lambda m, ins, a: _elementwise_replay(m, ins, a["program"]),
+        "dequant_matmul": lambda m, ins, a: _mba(
+            m, ins[0], _dequantize(m, ins[1], a["scheme"], ins[0].dtype), ins[2] if len(ins) > 2 else None,
+            True, a["act"]),
+        "fake_quantize": lambda m, ins, a: _dequantize(
+            m, m.add("quantize", (ins[0],), scheme=a["scheme"]), a["scheme"], ins[0].dtype),
     }
     if deep:
         table.update({

@@ -17,6 +17,7 @@ import numpy as np
 
 from .dtype import BOOL, I64, DType, promote
 from .errors import DTypeError, GraphError, RlxError, ShapeError
+from .quant import QuantScheme
 from .shape import Shape, broadcast_dims, norm_axis
 
 REQUIRED = object()
@@ -147,6 +148,17 @@ PARAMS = A("a list of [name, value] pairs with distinct names",
 PROGRAM = A("a non-empty list of [op, attrs, slots] steps", _program)
 MASK_KIND = one_of(m.value for m in MaskKind)
 STYLE = one_of(ROPE_STYLES)
+
+
+def _scheme(v):
+    try:
+        return QuantScheme.parse(v).name if isinstance(v, str) and v else _BAD
+    except GraphError:
+        return _BAD
+
+
+SCHEME = A(f"a quant scheme name, one of {QuantScheme.known()}", _scheme)
+MAYBE_SCHEME = A("\"\" or a quant scheme name", lambda v: "" if v == "" else _scheme(v))
 ACT = one_of(ACTIVATIONS)
 
 
@@ -288,10 +300,16 @@ def _m_input(s, a):
     return (Shape(a["shape"], a["dtype"]),)
 
 
-@op("param", [], Level.LEAF, **_LEAF)
+@op("param", [], Level.LEAF, attrs=dict(_LEAF["attrs"], scheme=MAYBE_SCHEME("")))
 def _m_param(s, a):
-    """A named weight, resident on the backend between runs."""
-    return (Shape(a["shape"], a["dtype"]),)
+    """A named weight, resident on the backend between runs. With a quant `scheme` it is
+    bound packed: as a float it is the logical weight (HIR; passes/packed.py rewrites it),
+    as u8 [rows, bytes per row] it is the packed bytes."""
+    out = Shape(a["shape"], a["dtype"])
+    if a["scheme"] and not out.dtype.is_float and (out.dtype is not DType.U8 or out.rank != 2):
+        raise ShapeError(f"a packed {a['scheme']} param is u8 [rows, bytes per row] or its float "
+                         f"logical shape, got {out}")
+    return (out,)
 
 
 @op("state", [], Level.LEAF, **_LEAF)
@@ -666,6 +684,63 @@ def _m_fused_mba(s, a):
     y = _matmul_meta(s[0], s[1], False, a["trans_b"])
     if len(s) > 2:
         _check_vec(y, s[2], "fused_matmul_bias_act bias")
+    return (y,)
+
+
+# ----------------------------------------------------------------- packed weights
+def _packed_k(w: Shape, scheme: str, what: str) -> int:
+    """K of packed bytes w: u8 [..., bytes per row]."""
+    q = QuantScheme.parse(scheme)
+    if w.dtype is not DType.U8 or w.rank < 1:
+        raise DTypeError(f"{what}: packed {q.name} input must be u8 [..., bytes per row], got {w}")
+    per_row = w.dims[-1]
+    if isinstance(per_row, int) and per_row % q.bytes_per_block:
+        raise ShapeError(f"{what}: {per_row} bytes per row is not a whole number of {q.name} blocks "
+                         f"({q.bytes_per_block} bytes each)")
+    return per_row // q.bytes_per_block * q.block_size if isinstance(per_row, int) else per_row
+
+
+@op("dequantize", ["x"], attrs={"scheme": SCHEME, "dtype": DTYPE("f32")})
+def _m_dequantize(s, a):
+    """Packed bytes u8 [..., bytes per row] -> floats [..., K]."""
+    dt = DType.parse(a["dtype"])
+    if not dt.is_float:
+        raise DTypeError(f"dequantize dtype must be a float type, got {dt.value}")
+    return (Shape(s[0].dims[:-1] + (_packed_k(s[0], a["scheme"], "dequantize"),), dt),)
+
+
+@op("quantize", ["x"], attrs={"scheme": SCHEME})
+def _m_quantize(s, a):
+    """Floats [..., K] -> packed bytes u8 [..., bytes per row] (K a multiple of the block)."""
+    _float(s[0], "quantize")
+    q, k = QuantScheme.parse(a["scheme"]), _last(s[0], "quantize")
+    if isinstance(k, int) and k % q.block_size:
+        raise ShapeError(f"quantize: last dim {k} is not a multiple of the {q.name} block size {q.block_size}")
+    per_row = k // q.block_size * q.bytes_per_block if isinstance(k, int) else k
+    return (Shape(s[0].dims[:-1] + (per_row,), DType.U8),)
+
+
+@op("fake_quantize", ["x"], Level.FUSED, attrs={"scheme": SCHEME})
+def _m_fake_quantize(s, a):
+    """dequantize(quantize(x)): the values x takes once stored in the scheme (quantization-
+    aware experiments)."""
+    _m_quantize(s, a)
+    return (s[0],)
+
+
+@op("dequant_matmul", ["x", "w", "bias?"], Level.FUSED, attrs={"scheme": SCHEME, "act": ACT("identity")})
+def _m_dequant_matmul(s, a):
+    """act(x @ dequantize(w)^T + bias) with w the packed bytes of an [N, K] weight: each
+    weight byte is read once and decoded where it is used."""
+    x, w = s[:2]
+    _float(x, "dequant_matmul")
+    if w.rank != 2:
+        raise ShapeError(f"dequant_matmul weight must be packed [N, bytes per row], got {w}")
+    _same_dim(_last(x, "dequant_matmul"), _packed_k(w, a["scheme"], "dequant_matmul"),
+              f"dequant_matmul K of {x} vs packed {a['scheme']} weight {w}")
+    y = Shape(x.dims[:-1] + (w.dims[0],), x.dtype)
+    if len(s) > 2:
+        _check_vec(y, s[2], "dequant_matmul bias")
     return (y,)
 
 

@@ -21,6 +21,8 @@ def node_text(i: int, node, extra: str = "") -> str:
     lhs = f"%{i}" if len(node.outs) == 1 else ",".join(f"%{i}:{k}" for k in range(len(node.outs)))
     if node.op in ("input", "param", "state", "constant"):
         body = f'{node.op} "{node.name}"'
+        if node.a.get("scheme"):
+            body += f" packed {node.a['scheme']}"
     else:
         args = ", ".join(ref_text(r) for r in node.inputs)
         at = " ".join(f"{k}={_fmt(v)}" for k, v in node.attrs)

@@ -9,36 +9,15 @@ import math
 import numpy as np
 
 from .dtype import DType
+from .graph import FORMAT, VERSION, Graph, Node
+from .lir import LirModule, Slot, plan
 from .errors import RlxError, SerializeError
 from .ops import brief, get_op
 from .shape import Shape
-
-FORMAT, VERSION = "rlx-ir", 1
-
-
-def _shape_json(s: Shape) -> list:
-    return [list(s.dims), s.dtype.value]
-
-
-def _attr_json(v):
-    return [_attr_json(x) for x in v] if isinstance(v, tuple) else v
-
-
-def graph_dict(g) -> dict:
-    return {
-        "format": FORMAT, "version": VERSION, "name": g.name, "level": g.level,
-        "nodes": [{"op": n.op, "name": n.name, "inputs": [list(r) for r in n.inputs],
-                   "attrs": {k: _attr_json(v) for k, v in n.attrs},
-                   "outs": [_shape_json(s) for s in n.outs]} for n in g.nodes],
-        "outputs": [[name, list(r)] for name, r in g.outputs],
-        "constants": {k: {"dtype": DType.parse(a.dtype).value, "shape": list(a.shape),
-                          "data": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()}
-                      for k, a in sorted(g.constants.items())},
-    }
-
+from .verify import verify
 
 def graph_to_json(g) -> str:
-    return json.dumps(graph_dict(g), sort_keys=True, separators=(",", ":"))
+    return g.to_json()
 
 
 _JSON_TYPES = {dict: "an object", list: "a list", str: "a string"}
@@ -64,7 +43,6 @@ def _ref(r, where):
 
 def _node(nd, w):
     """One node object; every field checked, attrs through the op table's schema."""
-    from .graph import Node
 
     op = _need(nd, "op", str, w)
     name = _need(nd, "name", str, w)
@@ -108,8 +86,6 @@ def _constant(c, w):
 
 
 def graph_from_dict(d: dict, source: str = "<json>"):
-    from .graph import Graph
-    from .verify import verify
 
     if not isinstance(d, dict):
         raise SerializeError(f"{source}: top level must be an object, got {type(d).__name__}")
@@ -148,8 +124,6 @@ def graph_from_json(text, source: str = "<json>"):
         raise SerializeError(f"{source}: not valid JSON (truncated?): {e}") from None
     try:
         if isinstance(d, dict) and d.get("level") == "lir":
-            from .lir import lir_from_dict
-
             return lir_from_dict(d, source)
         return graph_from_dict(d, source)
     except RecursionError:
@@ -163,3 +137,17 @@ def load_json_file(path) -> object:
     except OSError as e:
         raise SerializeError(f"{path}: cannot read: {e}") from None
     return graph_from_json(data, str(path))
+
+
+def lir_from_dict(d: dict, source: str) -> LirModule:
+    """Load LIR JSON: the graph is verified and the plan is recomputed and compared."""
+    g = graph_from_dict(dict(d, level="mir"), source)
+    lir = plan(g)
+    try:
+        saved = {tuple(k): Slot(**{**s, "base": tuple(s["base"]) if s["base"] else None})
+                 for k, s in d.get("plan", [])}
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise SerializeError(f"{source}: malformed plan: {type(e).__name__}: {e}") from None
+    if saved != lir.slots:
+        raise SerializeError(f"{source}: the saved buffer plan does not match the graph")
+    return lir

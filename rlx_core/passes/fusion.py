@@ -158,6 +158,19 @@ def _matmul_act(mt):
                     trans_b=mt.attrs("mm")["trans_b"], act=mt.attrs("a")["fn"])
 
 
+@rule("matmul_bias_act", B(P("dequant_matmul")(X("x"), X("w"), act="identity", name="dq"), X("b"), op="add"),
+      when=lambda mt: _vec(mt, "b", "dq"))
+def _dequant_matmul_bias(mt):
+    return mt.m.add("dequant_matmul", (mt.get("x"), mt.get("w"), mt.get("b")), scheme=mt.attrs("dq")["scheme"])
+
+
+@rule("matmul_bias_act", A(P("dequant_matmul")(X("x"), X("w"), ..., act="identity", name="dq"),
+                           fn=_ACTS, name="a"))
+def _dequant_matmul_act(mt):
+    ins = [mt.lookup(r) for r in mt.g.nodes[mt.caps["dq"][0]].inputs]
+    return mt.m.add("dequant_matmul", tuple(ins), scheme=mt.attrs("dq")["scheme"], act=mt.attrs("a")["fn"])
+
+
 # --------------------------------------------------------------------------- residual + norm
 def _same(mt, a, b):
     return mt.shape(a) == mt.shape(b)
@@ -310,25 +323,29 @@ def fuse_shared_matmuls(g: Graph) -> tuple:
     views of its output. The concat of params is hoisted to load time by the pipeline."""
     groups: dict = {}
     for i, n in enumerate(g.nodes):
-        if n.op != "matmul" or n.a["trans_a"]:
+        if n.op == "matmul" and not n.a["trans_a"]:
+            kind = n.a["trans_b"]
+        elif n.op == "dequant_matmul" and len(n.inputs) == 2 and n.a["act"] == "identity":
+            kind = n.a["scheme"]           # packed rows of one scheme concatenate as bytes
+        else:
             continue
         w = g.nodes[n.inputs[1][0]]
         if w.op != "param" or w.outs[0].rank != 2:
             continue
-        groups.setdefault((tuple(n.inputs[0]), n.a["trans_b"], w.outs[0].dtype), []).append(i)
+        groups.setdefault((tuple(n.inputs[0]), kind, w.outs[0].dtype), []).append(i)
     if any(len(ms) > 1 and any(g.nodes[i].inputs[1][0] > ms[0] for i in ms) for ms in groups.values()):
         lf = _leaves_first(g)          # a builder emits W_k after matmul(x, W_q): move params up
         if lf is not g:
             return fuse_shared_matmuls(lf)
     plan: dict = {}
     hits = []
-    for (x, tb, _), members in groups.items():
+    for (x, kind, _), members in groups.items():
         if len(members) < 2:
             continue
         first = members[0]
         if any(g.nodes[i].inputs[1][0] > first for i in members):
             continue
-        plan[first] = (members, tb)
+        plan[first] = (members, kind)
         hits.append(("shared_matmul", first))
     if not plan:
         return g, []
@@ -337,10 +354,14 @@ def fuse_shared_matmuls(g: Graph) -> tuple:
     def replace(m, node, ins, i, lookup):
         if i not in plan:
             return None
-        members, tb = plan[i]
+        members, kind = plan[i]
         ws = [lookup(g.nodes[j].inputs[1]) for j in members]
-        axis = 0 if tb else 1
-        y = m.matmul(ins[0], m.concat(ws, axis), trans_b=tb)
+        if isinstance(kind, str):
+            axis = 0
+            y = m.add("dequant_matmul", (ins[0], m.concat(ws, 0)), scheme=kind)
+        else:
+            axis = 0 if kind else 1
+            y = m.matmul(ins[0], m.concat(ws, axis), trans_b=kind)
         off = 0
         outs = []
         for j, w in zip(members, ws):
@@ -416,6 +437,7 @@ TARGETS = {
     "numpy": tuple(g for g in ALL_GROUPS if g != "elementwise"),
     "cuda": ALL_GROUPS,
     "opencl": ALL_GROUPS,
+    "numba": ALL_GROUPS,
 }
 
 
