@@ -237,3 +237,15 @@ def test_fuzz_embed(enc, x, bs, norm):
     except RlxError:
         return
     assert out.shape[-1] == enc.dim and np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("key,value", [("eos_token_id", 10**9), ("eos_token_id", "2"), ("pad_token_id", -1),
+                                       ("pad_token_id", VOCAB)])
+def test_model_eos_or_pad_id_outside_the_vocab(rng, key, value):
+    from tiny_models import llama_tensors
+
+    from rlx_core.runtime.model import CausalLM
+
+    m = CausalLM.from_tensors(dict(LLAMA, **{key: value}), llama_tensors(LLAMA, rng))
+    with pytest.raises(ModelError, match=f"{key} must be a token id in \\[0, {VOCAB}\\)"):
+        m.generate([5, 6], max_new_tokens=2, min_new_tokens=1)

@@ -65,6 +65,13 @@ def text_arg(name: str, v) -> str:
     return v
 
 
+def token_id(name: str, v, vocab: int | None) -> int:
+    """One token id (a model's EOS or pad id) within the vocabulary."""
+    if not _is_int(v) or v < 0 or (vocab and v >= vocab):
+        raise ModelError(f"{name} must be a token id in [0, {vocab or 'vocab_size'}), got {v!r}")
+    return int(v)
+
+
 def _row(name: str, r) -> list:
     if isinstance(r, np.ndarray):
         if r.ndim != 1 or (r.size and not np.issubdtype(r.dtype, np.integer)):
@@ -136,5 +143,5 @@ def mask_arg(name: str, mask, shape: tuple) -> np.ndarray:
     return m
 
 
-__all__ = ["int_arg", "float_arg", "bool_arg", "callable_arg", "text_arg", "token_rows", "id_matrix",
-           "mask_arg"]
+__all__ = ["int_arg", "float_arg", "bool_arg", "callable_arg", "text_arg", "token_id", "token_rows",
+           "id_matrix", "mask_arg"]

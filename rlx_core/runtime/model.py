@@ -14,7 +14,8 @@ from ..ir.errors import ModelError
 from ..pipeline import StateStore, select_backend
 from ..plugins.manager import registry
 from ..profile import CompileProfile
-from .args import bool_arg, callable_arg, float_arg, id_matrix, int_arg, mask_arg, text_arg, token_rows
+from .args import (bool_arg, callable_arg, float_arg, id_matrix, int_arg, mask_arg, text_arg, token_id,
+                   token_rows)
 from .sampling import choose, process_logits
 
 # Which package adds which architecture, for the "unknown architecture" error.
@@ -43,8 +44,11 @@ def load(path_or_name: str, backend: str | None = None, profile=None, progress: 
     from ..weights import load_checkpoint, resolve_model_path
 
     path = resolve_model_path(str(path_or_name))
-    ckpt = load_checkpoint(path, progress=progress)
+    ckpt = load_checkpoint(path, progress=progress, packed=True)
     recipe = find_recipe(ckpt.architecture(), path)
+    if ckpt.packed_names():          # a quantized file: the profile says how to hold it
+        profile = resolve_profile(profile, getattr(recipe, "default_profile", "default"), path)
+        ckpt = ckpt.held_as(profile.precision.weights)
     return recipe.build(ckpt, backend=backend, profile=profile, **kw)
 
 
@@ -203,10 +207,11 @@ class CausalLM:
 
     def _generate(self, rows, as_list, text_in, max_new_tokens, min_new_tokens, do_sample,
                   temperature, top_k, top_p, seed, stream):
-        eos = self.eos_ids
+        eos = tuple(token_id(f"{self.source}: eos_token_id", e, self.vocab_size) for e in self.eos_ids)
         eos_arr = np.array(eos or (), np.int64)
         pad = self.config.get("pad_token_id")
-        pad = pad if pad is not None else (eos[0] if eos else 0)
+        pad = token_id(f"{self.source}: pad_token_id", pad, self.vocab_size) if pad is not None else (
+            eos[0] if eos else 0)
         ids, mask = _pad_batch(rows, pad)
         b, s = ids.shape
         room = self.max_positions - s
