@@ -13,7 +13,9 @@ from collections.abc import Mapping
 import attrs
 import numpy as np
 
+from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import WeightError
+from rlx_core.ir.quant import PackedTensor
 
 from .config import check_config
 from .gguf_io import GGUF_MAGIC, load_gguf
@@ -36,6 +38,18 @@ class Checkpoint:
             return self.config["model_type"]
         except KeyError:
             raise WeightError(f"{self.path}: config has no 'model_type'") from None
+
+    def packed_names(self) -> list:
+        return [k for k, t in self.tensors.items() if isinstance(t, PackedTensor)]
+
+    def held_as(self, weights: str) -> "Checkpoint":
+        """This checkpoint with its packed weights as `[precision] weights` asks: "packed" keeps
+        them, "f32"/"f16"/"bf16" dequantizes them now."""
+        if weights == "packed" or not self.packed_names():
+            return self
+        dt = DType.parse(weights).np
+        return attrs.evolve(self, tensors={k: t.dequantize(dt) if isinstance(t, PackedTensor) else t
+                                           for k, t in self.tensors.items()})
 
     def __repr__(self) -> str:
         return (
