@@ -201,11 +201,8 @@ def _kind(x: np.ndarray, od: tuple, p: int):
     if xd == od:
         if x.flags.c_contiguous:
             return "F"
-        try:
-            np.reshape(x, (math.prod(od[:p]), math.prod(od[p:])), copy=False)
-            return "X"
-        except ValueError:
-            return None
+        v = x.reshape(math.prod(od[:p]), math.prod(od[p:]))
+        return "X" if not v.flags.owndata and v.ctypes.data == x.ctypes.data else None  # a view
     if not x.flags.c_contiguous:
         return None
     if all(d == 1 for d in xd[:p]) and xd[p:] == od[p:]:
