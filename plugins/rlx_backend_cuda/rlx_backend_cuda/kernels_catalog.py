@@ -68,10 +68,10 @@ def catalog() -> list:
     for kind, blk in [(k, 32) for k in S.DQ_SCHEMES] + [("int8", 64), ("int4", 128)]:
         for al, t, mmax in ((16, "__nv_bfloat16", 1), (4, "float", 8), (2, "__half", 2)):
             out.append((f"dq_gemv {kind} {al} {t}", S.dq_source(
-                S.DQ_GEMV, kind, blk, T=t, TO=t, ACC="float", A=al, MMAX=mmax, R=4 if mmax < 4 else 2, U=2,
-                KW=2, XV=al % 2, EPILOGUE="v = v + LD(W, bias[n]);"), "rlx_dq_gemv"))
-        out.append((f"dq_gemv {kind} f64", S.dq_source(S.DQ_GEMV, kind, blk, T="double", TO="double", ACC="double",
-                                                       A=8, MMAX=1, R=4, U=2, KW=8, XV=0, EPILOGUE=""), "rlx_dq_gemv"))
+                S.DQ_GEMV, kind, blk, T=t, TO=t, TB=t, ACC="float", A=al, MMAX=mmax, R=4 if mmax < 4 else 2, U=2,
+                KW=2, XV=al % 2, SWIGLU=int(al == 4), EPILOGUE="v = v + LD(W, bias[n]);"), "rlx_dq_gemv"))
+        out.append((f"dq_gemv {kind} f64", S.dq_source(S.DQ_GEMV, kind, blk, T="double", TO="double", TB="double", ACC="double",
+                                                       A=8, MMAX=1, R=4, U=2, KW=8, XV=0, SWIGLU=1, EPILOGUE=""), "rlx_dq_gemv"))
         for t, acc in (("float", "float"), ("__nv_bfloat16", "float"), ("double", "double")):
             out.append((f"dequant {kind} {t}", S.dq_source(S.DQ_DEQUANT, kind, blk, TO=t, ACC=acc, A=4),
                         "rlx_dequant"))

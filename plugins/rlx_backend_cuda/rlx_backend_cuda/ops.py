@@ -346,12 +346,21 @@ def _b_dequant_matmul(b, n, ins, outs):
     M = out.size // N
     wv, wrs, al = _packed(b, w, N, w.shape[-1])
     xv, xrs = _as_matrix(b, x, M, K)
+    act = n.a.get("act", "identity")
+    sw = _swiglu_consumer(b, n) if M <= DQ_MAX_M and bias is None and act == "identity" else None
+    if sw is not None:            # gate/up of decode: the GEMV writes silu(gate) * up
+        dst = b.out_value(sw)
+        if not b.disjoint(dst, xv):
+            dst = b.vals[(sw, 0)] = b.buffer(dst.shape, dst.dt, "fused swiglu output")
+        _dq_gemv(b, s, xv, xrs, wv, wrs, al, None, act, dst, M, N // 2, K, swiglu=True)
+        b.absorbed.add(sw)
+        return
     dst = out if out.contiguous() else b.buffer(out.shape, out.dt)
     if M <= DQ_MAX_M:
-        _dq_gemv(b, s, xv, xrs, wv, wrs, al, bias, n.a.get("act", "identity"), dst, M, N, K)
+        _dq_gemv(b, s, xv, xrs, wv, wrs, al, bias, act, dst, M, N, K)
     else:
         _dq_gemm(b, s, xv, xrs, wv, wrs, al, dst, M, N, K)
-        _bias_act(b, dst, bias, n.a.get("act", "identity"))
+        _bias_act(b, dst, bias, act)
     if dst is not out:
         b.copy(dst, out)
 
@@ -384,15 +393,17 @@ def dq_gemv_shape(kind: str, block: int, M: int, K: int, loads: int = DQ_LOADS) 
     return mmax, kw, DQ_ROWS if mmax <= 2 else 2
 
 
-def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K):
+def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=False):
+    """The decode GEMV launch for out[M, N] (swiglu: w holds 2N rows, out = silu(gate) * up)."""
     nb = K // s.block
     mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K)
     vec = 4 * x.arr.itemsize
     xv = int(x.arr.data.ptr % vec == 0 and (xrs * x.arr.itemsize) % vec == 0)
     fn = _dq_kernel(b, sources.DQ_GEMV, s, "rlx_dq_gemv", T=ctype(x.dt), TO=ctype(out.dt), ACC=acc_of(x.dt),
-                    A=al, MMAX=mmax, R=rows, U=DQ_LOADS, KW=kw, XV=xv,
+                    TB=ctype(bias.dt) if bias is not None else "float",
+                    A=al, MMAX=mmax, R=rows, U=DQ_LOADS, KW=kw, XV=xv, SWIGLU=int(swiglu),
                     EPILOGUE=_dq_epilogue(out.dt, bias is not None, act))
-    per_block = 8 // kw * rows
+    per_block = 8 // kw * (rows // 2 if swiglu else rows)
     b.launch(fn, (-(-N // per_block),), (256,), (x.arr, i64(xrs), w.arr, i64(wrs), bias.arr if bias else None,
                                                  out.arr, i32(M), i32(N), i32(nb)))
 

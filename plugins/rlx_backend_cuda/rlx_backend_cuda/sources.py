@@ -1024,19 +1024,25 @@ extern "C" __global__ void rlx_matmul_naive(const $TA* __restrict__ a, const $TB
 # --------------------------------------------------------------------------- packed weights
 # Packed (GGUF / RLX int block) weights, layouts in rlx_core/ir/quant.py. A row is K / BLK
 # blocks of BPB bytes; each block is cut into PARTS parts, the unit one lane decodes: a part's
-# bytes are loaded into registers (`rlx_raw`, `rlx_load`), then decoded RUNS times into 4
-# consecutive weights (`rlx_run`) at element offset `rlx_run_off(p, k)` of the block. One
-# snippet per format (DQ_SCHEMES) serves every kernel below. Arithmetic is W = $ACC (f32, f64
-# for f64 data) in the order of the numpy decoder, so each weight rounds as there.
-# $A: the alignment (2..16 bytes) of the row base and row length, so the loads can be as
-# wide as the offsets allow: `rlx_ldw<AL, N>` loads N 32-bit words at a byte offset aligned to
-# AL within the row (2-aligned offsets in 4-aligned rows: aligned words + funnel shifts).
+# bytes are loaded into registers (`rlx_raw`, `rlx_load`), then taken RUNS times as 4
+# consecutive weights at element offset `rlx_run_off(p, k)` of the block, as a word of 4
+# bytes b (`rlx_qword`) and a scale d and offset m (`rlx_scale`): weight = d * (b - BIAS) + m
+# (m only where HAS_MIN). One snippet per format (DQ_SCHEMES) serves every kernel below.
+# A byte becomes an exact float in two full-rate instructions (a byte permute into the
+# mantissa of 2^23, a subtraction; no int-to-float conversion), and the GEMV factors d and m
+# out of each 4-run's dot product, so a weight costs about three instructions. W = $ACC (f32,
+# f64 for f64 data). $A: the alignment (2..16 bytes) of the row base and row length, so loads
+# are as wide as the offsets allow: `rlx_ldw<AL, N>` loads N 32-bit words at a byte offset
+# aligned to AL within the row (2-aligned offsets in 4-aligned rows: aligned words + funnel
+# shifts).
 DQ_COMMON = r"""
 typedef $ACC W;
 typedef unsigned char u8;
 typedef unsigned short u16;
 __device__ __forceinline__ W rlx_h2w(u32 h) { return (W)__half2float(__ushort_as_half((u16)(h & 0xffffu))); }
 __device__ __forceinline__ int rlx_byte(u32 v, int i) { return (int)((v >> (8 * i)) & 255u); }
+// bits 0..3 of h at bits 0, 8, 16, 24
+__device__ __forceinline__ u32 rlx_spread4(u32 h) { return ((h & 15u) * 0x00204081u) & 0x01010101u; }
 template <int AL, int N> __device__ __forceinline__ void rlx_ldw(const u8* p, u32* w) {
   constexpr int al = AL < $A ? AL : $A;
   if constexpr (al >= 16 && N % 4 == 0) {
@@ -1071,78 +1077,74 @@ template <int AL, int N> __device__ __forceinline__ void rlx_ldw(const u8* p, u3
 }
 """
 
+# after a snippet: byte i of a q-word as the exact float (b - BIAS)
+DQ_QF = r"""
+__device__ __forceinline__ float rlx_qf(u32 qw, int i) {
+  return __int_as_float(__byte_perm(qw, 0x4B00u, 0x5440u | (u32)i)) - (8388608.0f + (float)BIAS);
+}
+"""
+
 # Legacy GGUF formats: a part is 8 bytes of nibbles (16 weights: 4-runs at 8p, 8p+4 from the
 # low nibbles, 16 further on from the high ones) or 16 int8 bytes (q8_0).
-_DQ_NIB_RUNS = r"""
+_DQ_NIB = r"""
+#define BLK 32
+#define PARTS 2
+#define RUNS 4
 __device__ __forceinline__ int rlx_run_off(int p, int k) { return 8 * p + 4 * (k & 1) + 16 * (k >> 1); }
-__device__ __forceinline__ int rlx_nib(const u32* q, int k, int i) { return (int)((q[k & 1] >> (8 * i + 4 * (k >> 1))) & 15u); }
+__device__ __forceinline__ u32 rlx_nibs(const u32* q, int k) { return (q[k & 1] >> (4 * (k >> 1))) & 0x0F0F0F0Fu; }
 """
 
 DQ_SCHEMES = {
-    "q4_0": r"""
-#define BLK 32
+    "q4_0": _DQ_NIB + r"""
 #define BPB 18
-#define PARTS 2
-#define RUNS 4
+#define BIAS 8
+#define HAS_MIN 0
 struct rlx_raw { u32 q[2]; u32 d; };
-""" + _DQ_NIB_RUNS + r"""
 __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
   rlx_raw r; r.d = __ldg((const u16*)b); rlx_ldw<2, 2>(b + 2 + 8 * p, r.q); return r;
 }
-__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
-  const W d = rlx_h2w(r.d);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = (W)(rlx_nib(r.q, k, i) - 8) * d;
-}
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) { return rlx_nibs(r.q, k); }
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) { *d = rlx_h2w(r.d); }
 """,
-    "q4_1": r"""
-#define BLK 32
+    "q4_1": _DQ_NIB + r"""
 #define BPB 20
-#define PARTS 2
-#define RUNS 4
+#define BIAS 0
+#define HAS_MIN 1
 struct rlx_raw { u32 q[2]; u32 dm; };
-""" + _DQ_NIB_RUNS + r"""
 __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
   rlx_raw r; rlx_ldw<4, 1>(b, &r.dm); rlx_ldw<4, 2>(b + 4 + 8 * p, r.q); return r;
 }
-__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
-  const W d = rlx_h2w(r.dm), m = rlx_h2w(r.dm >> 16);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = (W)rlx_nib(r.q, k, i) * d + m;
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) { return rlx_nibs(r.q, k); }
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) {
+  *d = rlx_h2w(r.dm); *m = rlx_h2w(r.dm >> 16);
 }
 """,
-    "q5_0": r"""
-#define BLK 32
+    "q5_0": _DQ_NIB + r"""
 #define BPB 22
-#define PARTS 2
-#define RUNS 4
+#define BIAS 16
+#define HAS_MIN 0
 struct rlx_raw { u32 q[2]; u32 qh; u32 d; };
-""" + _DQ_NIB_RUNS + r"""
 __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
   rlx_raw r; r.d = __ldg((const u16*)b); rlx_ldw<2, 1>(b + 2, &r.qh); rlx_ldw<2, 2>(b + 6 + 8 * p, r.q); return r;
 }
-__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
-  const W d = rlx_h2w(r.d);
-  const int j0 = rlx_run_off(p, k);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = (W)((rlx_nib(r.q, k, i) | (int)(((r.qh >> (j0 + i)) & 1u) << 4)) - 16) * d;
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
+  return rlx_nibs(r.q, k) | (rlx_spread4(r.qh >> rlx_run_off(p, k)) << 4);
 }
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) { *d = rlx_h2w(r.d); }
 """,
-    "q5_1": r"""
-#define BLK 32
+    "q5_1": _DQ_NIB + r"""
 #define BPB 24
-#define PARTS 2
-#define RUNS 4
+#define BIAS 0
+#define HAS_MIN 1
 struct rlx_raw { u32 q[2]; u32 qh; u32 dm; };
-""" + _DQ_NIB_RUNS + r"""
 __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
   rlx_raw r; rlx_ldw<4, 1>(b, &r.dm); rlx_ldw<4, 1>(b + 4, &r.qh); rlx_ldw<8, 2>(b + 8 + 8 * p, r.q); return r;
 }
-__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
-  const W d = rlx_h2w(r.dm), m = rlx_h2w(r.dm >> 16);
-  const int j0 = rlx_run_off(p, k);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = (W)(rlx_nib(r.q, k, i) | (int)(((r.qh >> (j0 + i)) & 1u) << 4)) * d + m;
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
+  return rlx_nibs(r.q, k) | (rlx_spread4(r.qh >> rlx_run_off(p, k)) << 4);
+}
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) {
+  *d = rlx_h2w(r.dm); *m = rlx_h2w(r.dm >> 16);
 }
 """,
     "q8_0": r"""
@@ -1150,16 +1152,15 @@ __device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
 #define BPB 34
 #define PARTS 2
 #define RUNS 4
+#define BIAS 128
+#define HAS_MIN 0
 struct rlx_raw { u32 q[4]; u32 d; };
 __device__ __forceinline__ int rlx_run_off(int p, int k) { return 16 * p + 4 * k; }
 __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
   rlx_raw r; r.d = __ldg((const u16*)b); rlx_ldw<2, 4>(b + 2 + 16 * p, r.q); return r;
 }
-__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
-  const W d = rlx_h2w(r.d);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = (W)(signed char)rlx_byte(r.q[k], i) * d;
-}
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) { return r.q[k] ^ 0x80808080u; }
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) { *d = rlx_h2w(r.d); }
 """,
     # RLX int blocks of $IB weights: f32 scale, then int8 values / q4_0-style nibbles
     "int8": r"""
@@ -1167,32 +1168,30 @@ __device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
 #define BPB (4 + $IB)
 #define PARTS ($IB / 8)
 #define RUNS 2
+#define BIAS 128
+#define HAS_MIN 0
 struct rlx_raw { u32 q[2]; u32 d; };
 __device__ __forceinline__ int rlx_run_off(int p, int k) { return 8 * p + 4 * k; }
 __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
   rlx_raw r; rlx_ldw<4, 1>(b, &r.d); rlx_ldw<4, 2>(b + 4 + 8 * p, r.q); return r;
 }
-__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
-  const W d = (W)__uint_as_float(r.d);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = (W)(signed char)rlx_byte(r.q[k], i) * d;
-}
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) { return r.q[k] ^ 0x80808080u; }
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) { *d = (W)__uint_as_float(r.d); }
 """,
     "int4": r"""
 #define BLK $IB
 #define BPB (4 + $IB / 2)
 #define PARTS ($IB / 8)
 #define RUNS 2
+#define BIAS 8
+#define HAS_MIN 0
 struct rlx_raw { u32 q; u32 d; };
 __device__ __forceinline__ int rlx_run_off(int p, int k) { return 4 * p + k * ($IB / 2); }
 __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
   rlx_raw r; rlx_ldw<4, 1>(b, &r.d); rlx_ldw<4, 1>(b + 4 + 4 * p, &r.q); return r;
 }
-__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
-  const W d = (W)__uint_as_float(r.d);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = (W)((int)((r.q >> (8 * i + 4 * k)) & 15u) - 8) * d;
-}
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) { return (r.q >> (4 * k)) & 0x0F0F0F0Fu; }
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) { *d = (W)__uint_as_float(r.d); }
 """,
 }
 
@@ -1203,14 +1202,20 @@ _DQ_K45 = r"""
 #define BLK 256
 #define PARTS 8
 #define RUNS 8
+#define BIAS 0
+#define HAS_MIN 1
 __device__ __forceinline__ int rlx_run_off(int p, int k) { return 64 * (p >> 1) + 16 * (p & 1) + 4 * (k & 3) + 32 * (k >> 2); }
-__device__ __forceinline__ void rlx_scale_min(const u32* hd, int j, int* sc, int* m) {
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) {
   // llama.cpp get_scale_min_k4 over the 12 scale bytes (header words 1..3; selected, not
-  // indexed, so the header stays in registers)
-  #define SB(i) rlx_byte((i) < 4 ? hd[1] : ((i) < 8 ? hd[2] : hd[3]), (i) & 3)
-  if (j < 4) { *sc = SB(j) & 63; *m = SB(j + 4) & 63; }
-  else { *sc = (SB(j + 4) & 15) | ((SB(j - 4) >> 6) << 4); *m = (SB(j + 4) >> 4) | ((SB(j) >> 6) << 4); }
+  // indexed, so the header stays in registers); weight = (d * sc) * q - dmin * mn
+  const int j = 2 * (p >> 1) + (k >> 2);
+  #define SB(i) rlx_byte((i) < 4 ? r.hd[1] : ((i) < 8 ? r.hd[2] : r.hd[3]), (i) & 3)
+  int sc, mn;
+  if (j < 4) { sc = SB(j) & 63; mn = SB(j + 4) & 63; }
+  else { sc = (SB(j + 4) & 15) | ((SB(j - 4) >> 6) << 4); mn = (SB(j + 4) >> 4) | ((SB(j) >> 6) << 4); }
   #undef SB
+  *d = rlx_h2w(r.hd[0]) * (W)sc;
+  *m = -(rlx_h2w(r.hd[0] >> 16) * (W)mn);
 }
 """
 
@@ -1221,12 +1226,8 @@ struct rlx_raw { u32 hd[4]; u32 q[4]; };
 __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
   rlx_raw r; rlx_ldw<16, 4>(b, r.hd); rlx_ldw<16, 4>(b + 16 + 16 * p, r.q); return r;
 }
-__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
-  int sc, mn;
-  rlx_scale_min(r.hd, 2 * (p >> 1) + (k >> 2), &sc, &mn);
-  const W dl = rlx_h2w(r.hd[0]) * (W)sc, ml = rlx_h2w(r.hd[0] >> 16) * (W)mn;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = dl * (W)((r.q[k & 3] >> (8 * i + 4 * (k >> 2))) & 15u) - ml;
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
+  return (r.q[k & 3] >> (4 * (k >> 2))) & 0x0F0F0F0Fu;
 }
 """
 
@@ -1238,16 +1239,9 @@ __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
   rlx_raw r; rlx_ldw<16, 4>(b, r.hd); rlx_ldw<16, 4>(b + 16 + 16 * (p & 1), r.qh);
   rlx_ldw<16, 4>(b + 48 + 16 * p, r.q); return r;
 }
-__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
-  const int j = 2 * (p >> 1) + (k >> 2);
-  int sc, mn;
-  rlx_scale_min(r.hd, j, &sc, &mn);
-  const W dl = rlx_h2w(r.hd[0]) * (W)sc, ml = rlx_h2w(r.hd[0] >> 16) * (W)mn;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const u32 q = ((r.q[k & 3] >> (8 * i + 4 * (k >> 2))) & 15u) | (((r.qh[k & 3] >> (8 * i + j)) & 1u) << 4);
-    w[i] = dl * (W)q - ml;
-  }
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
+  const int j = 2 * (p >> 1) + (k >> 2);        // sub-block: bit j of each qh byte
+  return ((r.q[k & 3] >> (4 * (k >> 2))) & 0x0F0F0F0Fu) | (((r.qh[k & 3] >> j) & 0x01010101u) << 4);
 }
 """
 
@@ -1259,6 +1253,8 @@ DQ_SCHEMES["q6_k"] = r"""
 #define BPB 210
 #define PARTS 8
 #define RUNS 8
+#define BIAS 32
+#define HAS_MIN 0
 struct rlx_raw { u32 a[2]; u32 b[2]; u32 h[2]; u32 s[2]; u32 d; };
 __device__ __forceinline__ int rlx_run_off(int p, int k) { return 128 * (p >> 2) + 32 * (k >> 1) + 8 * (p & 3) + 4 * (k & 1); }
 __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
@@ -1269,16 +1265,14 @@ __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
   r.d = __ldg((const u16*)(b + 208));
   return r;
 }
-__device__ __forceinline__ void rlx_run(const rlx_raw& r, int p, int k, W* w) {
-  const int t = k >> 1, half = k & 1, j = p & 3;
-  const int si = (j >> 1) + 2 * t;                    // scale (32t + 8j) / 16 of this half
-  const W dsc = rlx_h2w(r.d) * (W)(signed char)rlx_byte((si >> 2) ? r.s[1] : r.s[0], si & 3);
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
+  const int t = k >> 1, half = k & 1;
   const u32 lo = (t & 1) ? r.b[half] : r.a[half];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int q = (int)(((lo >> (8 * i + 4 * (t >> 1))) & 15u) | (((r.h[half] >> (8 * i + 2 * t)) & 3u) << 4));
-    w[i] = dsc * (W)(q - 32);
-  }
+  return ((lo >> (4 * (t >> 1))) & 0x0F0F0F0Fu) | (((r.h[half] >> (2 * t)) & 0x03030303u) << 4);
+}
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) {
+  const int si = ((p & 3) >> 1) + 2 * (k >> 1);       // scale (32t + 8j) / 16 of this half
+  *d = rlx_h2w(r.d) * (W)(signed char)rlx_byte((si >> 2) ? r.s[1] : r.s[0], si & 3);
 }
 """
 
@@ -1301,18 +1295,20 @@ __device__ __forceinline__ void rlx_x4(const $T* p, W* o) {
 # warps: $KW of them split a row's parts, 8 / $KW take $R rows each, so x is read once per
 # $R rows. Each lane loads its next $U parts of every row first (the packed bytes bound a
 # decode step), then decodes them in registers. Partial sums meet in shared memory; the
-# epilogue rounds like the unfused ops (to $TO, + bias, round, activation).
+# epilogue rounds like the unfused ops (to $TO, + bias, round, activation). SWIGLU: w is
+# [2N, K] (gate rows, then up rows); a warp's first $R/2 rows are gate rows, the others the
+# up rows of the same outputs, and y[M, N] = silu(gate) * up, each rounded to $TO first.
 DQ_GEMV = DQ_X4 + r"""
 extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const $T* __restrict__ x, long long xrs,
-    const u8* __restrict__ w, long long wrs, const $T* __restrict__ bias, $TO* __restrict__ y,
+    const u8* __restrict__ w, long long wrs, const $TB* __restrict__ bias, $TO* __restrict__ y,
     int M, int N, int nb) {
-  constexpr int RW = 8 / $KW;
+  constexpr int RW = 8 / $KW, OUTR = $SWIGLU ? $R / 2 : $R;     // outputs per warp
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int kw = warp % $KW, rw = warp / $KW;
-  const int n0 = (blockIdx.x * RW + rw) * $R;
+  const int n0 = (blockIdx.x * RW + rw) * OUTR;
   const u8* wr[$R];
 #pragma unroll
-  for (int r = 0; r < $R; ++r) wr[r] = w + (i64)min(n0 + r, N - 1) * wrs;
+  for (int r = 0; r < $R; ++r) wr[r] = w + (i64)(min(n0 + r % OUTR, N - 1) + (r / OUTR) * N) * wrs;
   W acc[$R][$MMAX];
 #pragma unroll
   for (int r = 0; r < $R; ++r)
@@ -1337,17 +1333,27 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const $T* __restri
 #pragma unroll
       for (int k = 0; k < RUNS; ++k) {
         const i64 e = e0 + rlx_run_off(p, k);
-        W xv[$MMAX][4];
+        W xv[$MMAX][4], xs[$MMAX];
 #pragma unroll
         for (int m = 0; m < $MMAX; ++m)
-          if (m < M) rlx_x4(x + m * xrs + e, xv[m]);
+          if (m < M) {
+            rlx_x4(x + m * xrs + e, xv[m]);
+            xs[m] = HAS_MIN ? (xv[m][0] + xv[m][1]) + (xv[m][2] + xv[m][3]) : (W)0;
+          }
 #pragma unroll
         for (int r = 0; r < $R; ++r) {
-          W wv[4];
-          rlx_run(q[u][r], p, k, wv);
+          W d, mn = 0;
+          rlx_scale(q[u][r], p, k, &d, &mn);
+          const u32 qw = rlx_qword(q[u][r], p, k);
+          W qf[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) qf[i] = (W)rlx_qf(qw, i);
 #pragma unroll
           for (int m = 0; m < $MMAX; ++m)
-            if (m < M) acc[r][m] += wv[0] * xv[m][0] + wv[1] * xv[m][1] + wv[2] * xv[m][2] + wv[3] * xv[m][3];
+            if (m < M) {
+              const W s = qf[0] * xv[m][0] + qf[1] * xv[m][1] + qf[2] * xv[m][2] + qf[3] * xv[m][3];
+              acc[r][m] += HAS_MIN ? d * s + mn * xs[m] : d * s;
+            }
         }
       }
     }
@@ -1361,14 +1367,22 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const $T* __restri
       if (lane == 0) red[warp][r][m] = s;
     }
   __syncthreads();
-  for (int t = threadIdx.x; t < RW * $R * $MMAX; t += blockDim.x) {
-    const int g = t / ($R * $MMAX), r = (t / $MMAX) % $R, m = t % $MMAX;
-    const int n = (blockIdx.x * RW + g) * $R + r;
+  for (int t = threadIdx.x; t < RW * OUTR * $MMAX; t += blockDim.x) {
+    const int g = t / (OUTR * $MMAX), r = (t / $MMAX) % OUTR, m = t % $MMAX;
+    const int n = (blockIdx.x * RW + g) * OUTR + r;
     if (m >= M || n >= N) continue;
     W v = 0;
 #pragma unroll
     for (int j = 0; j < $KW; ++j) v += red[g * $KW + j][r][m];
+#if $SWIGLU
+    W u = 0;
+#pragma unroll
+    for (int j = 0; j < $KW; ++j) u += red[g * $KW + j][r + OUTR][m];
+    v = LD(W, ST($TO, v));
+    v = v * rlx_sigmoid(v) * LD(W, ST($TO, u));
+#else
     $EPILOGUE
+#endif
     y[(i64)m * N + n] = ST($TO, v);
   }
 }
@@ -1386,11 +1400,15 @@ extern "C" __global__ void rlx_dequant(const u8* __restrict__ w, long long wrs, 
     $TO* yr = y + row * yrs + (i64)blk * BLK;
 #pragma unroll
     for (int k = 0; k < RUNS; ++k) {
-      W v[4];
-      rlx_run(q, p, k, v);
+      W d, mn = 0;
+      rlx_scale(q, p, k, &d, &mn);
+      const u32 qw = rlx_qword(q, p, k);
       const int o = rlx_run_off(p, k);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) yr[o + i] = ST($TO, v[i]);
+      for (int i = 0; i < 4; ++i) {
+        const W qf = (W)rlx_qf(qw, i);
+        yr[o + i] = ST($TO, HAS_MIN ? qf * d + mn : qf * d);
+      }
     }
   }
 }
@@ -1400,7 +1418,7 @@ extern "C" __global__ void rlx_dequant(const u8* __restrict__ w, long long wrs, 
 def dq_source(kernel: str, kind: str, block: int, **subs) -> str:
     """A packed-weight kernel (DQ_GEMV / DQ_DEQUANT) for scheme `kind` (block: the int
     schemes' block size)."""
-    return render(DQ_COMMON + DQ_SCHEMES[kind] + kernel, IB=block, **subs)
+    return render(DQ_COMMON + DQ_SCHEMES[kind] + DQ_QF + kernel, IB=block, **subs)
 
 
 def dq_parts(kind: str, block: int) -> int:

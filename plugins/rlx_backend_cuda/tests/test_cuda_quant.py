@@ -107,32 +107,34 @@ def test_bf16_activations_match_numpy(rng, name):
 
 @gpu
 def test_packed_model_matches_numpy_and_replays(rng):
-    """Packed params through the core path: x @ W^T (+ bias, act) becomes dequant_matmul, an
-    embedding lookup gathers packed rows and dequantizes them; the decode-sized graph is
-    captured and replayed as a CUDA graph."""
-    d, v, h = 64, 50, 96
+    """Packed params through the core path: an embedding lookup gathers packed rows and
+    dequantizes them, x @ W^T + bias, silu becomes one dequant_matmul, the SwiGLU gate/up pair
+    one dequant_matmul whose GEMV writes silu(gate) * up; the one-token graph is captured and
+    replayed as a CUDA graph."""
+    d, v, h = 256, 50, 96
 
     def build(m):
-        ids = m.input("ids", (1, 3), I32)
-        e = m.gather(m.param("emb", (v, d), scheme="q8_0"), ids)
-        up = m.silu(m.matmul(e, m.param("up", (h, d), scheme="q4_0"), trans_b=True)
-                    + m.param("bu", (h,)))
-        return m.matmul(up, m.param("down", (d, h), scheme="q8_0"), trans_b=True)
+        e = m.gather(m.param("emb", (v, d), scheme="q8_0"), m.input("ids", (1, 1), I32))
+        a = m.silu(m.matmul(e, m.param("w1", (d, d), scheme="q4_0"), trans_b=True) + m.param("b1", (d,)))
+        return m.swiglu(a, m.param("gate", (h, d), scheme="q4_k"), m.param("up", (h, d), scheme="q4_k"),
+                        m.param("down", (d, h), scheme="q5_1"))
 
     def packed(name, shape, scheme):
         raw = quantize(rng.standard_normal(shape).astype(np.float32), scheme)
         return PackedTensor(raw, QuantScheme.parse(scheme), shape, name)
 
-    params = {"emb": packed("emb", (v, d), "q8_0"), "up": packed("up", (h, d), "q4_0"),
-              "down": packed("down", (d, h), "q8_0"), "bu": rng.standard_normal(h).astype(np.float32)}
+    params = {"emb": packed("emb", (v, d), "q8_0"), "w1": packed("w1", (d, d), "q4_0"),
+              "gate": packed("gate", (h, d), "q4_k"), "up": packed("up", (h, d), "q4_k"),
+              "down": packed("down", (d, h), "q5_1"), "b1": rng.standard_normal(d).astype(np.float32)}
     g = Graph.define("packed", build)
     ex = rlx_core.compile(g, backend="cuda", params=params)
     assert {"dequant_matmul", "dequantize"} <= {n.op for n in ex.mir.nodes}
     ref_ex = rlx_core.compile(g, backend="numpy", params=params)
     for _ in range(3):
-        inputs = {"ids": rng.integers(0, v, (1, 3)).astype(np.int32)}
+        inputs = {"ids": rng.integers(0, v, (1, 1)).astype(np.int32)}
         got, ref = ex.run(dict(inputs)), ref_ex.run(dict(inputs))
         for key in ref:
             _assert_close(ex.backend.to_host(got[key]), ref[key].astype(np.float64), rtol=1e-5)
-    runner = next(iter(ex._runners.values()))
-    assert runner.describe()["graph"], runner.describe()
+    d = next(iter(ex._runners.values())).describe()
+    assert d["graph"], d
+    assert "fused_swiglu" not in d["steps_by_op"] and d["steps_by_op"]["dequant_matmul"] == 3, d
