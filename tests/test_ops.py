@@ -663,3 +663,60 @@ def test_norms_and_softmax_decomposed(backend, rng, dt):
         run_parity(backend, op, args, attrs_, ref, level=HIR, profile=DECOMPOSED,
                    tol=1e-2 if dt is F16 else None)
         _assert_decomposed(op, args, attrs_)
+
+
+# ----------------------------------------------------------------------------- packed weights
+SCHEMES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8_b32", "int4_b64"]
+
+
+def _packed_arg(rng, scheme, n, name="w"):
+    """Packed bytes of fresh random [n, K] weights, K two blocks long."""
+    from rlx_core.ir.quant import QuantScheme
+
+    q = QuantScheme.parse(scheme)
+    k = 2 * q.block_size
+    return Arg(name, q.quantize(rng.standard_normal((n, k)).astype(np.float32)), U8), k
+
+
+@covers("dequant_matmul")
+@fdtype
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_dequant_matmul(backend, rng, dt, scheme):
+    from rlx_core.ir.quant import matmul_reference
+
+    i = SCHEMES.index(scheme)
+    w, k = _packed_arg(rng, scheme, 6)
+    args = [arg(rng, "x", (2, 3, k), dt), w] + ([arg(rng, "b", (6,), dt)] if i % 2 else [])
+    act = ("identity", "gelu", "silu")[i % 3]
+
+    def ref(x, raw, b=None):
+        y = matmul_reference(x, raw.astype(np.uint8), scheme, (6, k))
+        return REF_ACT[act](y if b is None else y + b)
+
+    run_parity(backend, "dequant_matmul", args, {"scheme": scheme, "act": act}, ref)
+
+
+@covers("dequantize")
+@pytest.mark.parametrize("dt", [F32, F16, F64], ids=lambda d: d.value)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_dequantize(backend, rng, dt, scheme):
+    from rlx_core.ir.quant import QuantScheme
+
+    w, k = _packed_arg(rng, scheme, 5)
+    w = Arg("w", w.data.reshape(5, 1, -1), U8)
+    run_parity(backend, "dequantize", [w], {"scheme": scheme, "dtype": dt.value},
+               lambda raw: QuantScheme.parse(scheme).dequantize_reference(raw.astype(np.uint8), (5, 1, k)))
+
+
+@covers("quantize", "fake_quantize")
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantize_and_fake_quantize(backend, rng, scheme):
+    """quantize: the same bytes as the reference quantizer; fake_quantize: its values."""
+    from rlx_core.ir.quant import QuantScheme
+
+    q = QuantScheme.parse(scheme)
+    x = arg(rng, "x", (3, 2 * q.block_size), F32)
+    run_parity(backend, "quantize", [x], {"scheme": scheme},
+               lambda v: q.quantize(v.astype(np.float32)))
+    run_parity(backend, "fake_quantize", [x], {"scheme": scheme},
+               lambda v: q.dequantize_reference(q.quantize(v.astype(np.float32)), v.shape))

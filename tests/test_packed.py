@@ -1,0 +1,179 @@
+"""Packed weights end to end: the pack pass, fusion and legalization around dequant_matmul,
+the manifest and JSON, `rlx quantize`, and real GGUF models run packed vs dequantized."""
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+import rlx_core
+from rlx_core import CompileProfile, Graph
+from rlx_core.backends.numpy import NumpyBackend, NumpyRunner
+from rlx_core.ir.errors import BackendError, WeightError
+from rlx_core.ir.quant import PackedTensor, QuantScheme, matmul_reference, quantize
+from rlx_core.ir.serialize import graph_from_json
+
+N, K = 24, 256
+
+
+def _weights(rng, scheme, n=N, k=K, name="w"):
+    q = QuantScheme.parse(scheme)
+    return PackedTensor(quantize(rng.standard_normal((n, k)).astype(np.float32), q, name), q, (n, k), name)
+
+
+def _mlp(scheme):
+    """q/k/v-like projections of one input, an embedding lookup and one odd use (a transpose)."""
+    def f(m):
+        x = m.input("x", ("s", K))
+        ids = m.input("ids", ("s",), rlx_core.I64)
+        ws = [m.param(f"w{i}", (N, K), scheme=scheme) for i in range(3)]
+        table = m.param("table", (N, K), scheme=scheme)
+        outs = {f"y{i}": m.linear(x, w) for i, w in enumerate(ws)}
+        outs["emb"] = m.gather(table, ids)
+        outs["t"] = m.transpose(ws[0], (1, 0))
+        return outs
+    return Graph.define("packed", f)
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_k"])
+def test_pack_pass_routes_each_use(rng, scheme):
+    g = _mlp(scheme)
+    assert f'param "w0" packed {scheme}' in g.text()
+    params = {n: _weights(rng, scheme, name=n) for n in ("w0", "w1", "w2", "table")}
+    exe = rlx_core.compile(g, backend="numpy", params=params)
+    ops = [n.op for n in exe.mir.nodes]
+    assert ops.count("dequant_matmul") == 1                  # q, k, v share one packed matmul
+    assert "matmul" not in ops and ops.count("dequantize") == 1     # the lookup reads packed rows
+    assert [n.op for n in exe.prologue.nodes].count("dequantize") == 1   # the transpose: at bind time
+    packed = {e.name: e for e in exe.lir(s=3).manifest.of("param")}
+    assert packed["table"].scheme == scheme and packed["table"].logical == (N, K)
+    assert packed["table"].dtype == "u8"
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    ids = np.array([5, 0, N - 1])
+    out = exe.run(x=x, ids=ids)
+    for i in range(3):
+        w = params[f"w{i}"]
+        ref = matmul_reference(x, w.raw, scheme, (N, K))
+        np.testing.assert_allclose(out[f"y{i}"], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    table = QuantScheme.parse(scheme).dequantize_reference(params["table"].raw, (N, K))
+    np.testing.assert_allclose(out["emb"], table[ids], rtol=1e-6, atol=1e-7)
+    w0 = QuantScheme.parse(scheme).dequantize_reference(params["w0"].raw, (N, K))
+    np.testing.assert_allclose(out["t"], w0.T, rtol=1e-6, atol=1e-7)
+
+
+def test_packed_graphs_round_trip_through_json(rng):
+    g = _mlp("q4_1")
+    back = graph_from_json(g.to_json())
+    assert back.to_json() == g.to_json() and 'packed q4_1' in back.text()
+    mir = rlx_core.CompilePipeline(CompileProfile(), "numpy").optimize(g)
+    assert graph_from_json(mir.to_json()).text() == mir.text()
+    doc = json.loads(mir.to_json())
+    dq = [n for n in doc["nodes"] if n["op"] == "dequant_matmul"]
+    assert dq and dq[0]["attrs"]["scheme"] == "q4_1"
+    doc["nodes"][next(i for i, n in enumerate(doc["nodes"]) if n["op"] == "dequant_matmul")]["attrs"]["scheme"] = "q3_x"
+    with pytest.raises(rlx_core.RlxError, match=r"dequant_matmul.*scheme.*q3_x"):
+        graph_from_json(json.dumps(doc))
+
+
+class _NoDequantMatmul(NumpyBackend):
+    name = "test-no-dequant-matmul"
+
+    def __init__(self, drop=("dequant_matmul",)):
+        self.drop = set(drop)
+
+    def supported_ops(self) -> set:
+        return NumpyBackend().supported_ops() - self.drop
+
+    def compile(self, lir, params, states):
+        return NumpyRunner(lir, params, states)
+
+
+def test_backend_without_the_kernel_gets_dequantize_plus_matmul(rng):
+    g = Graph.define("l", lambda m: m.act(m.linear(m.input("x", (4, K)), m.param("w", (N, K), scheme="q5_1"),
+                                                    m.param("b", (N,))), "silu"))
+    params = {"w": _weights(rng, "q5_1"), "b": rng.standard_normal(N).astype(np.float32)}
+    pipe = rlx_core.CompilePipeline(CompileProfile(), _NoDequantMatmul())
+    exe = pipe.compile(g, params)
+    assert "dequant_matmul" in pipe.legalized and "matmul" in {n.op for n in exe.mir.nodes}
+    assert "dequantize" in {n.op for n in exe.prologue.nodes}        # once, when params are bound
+    x = rng.standard_normal((4, K)).astype(np.float32)
+    want = rlx_core.compile(g, backend="numpy", params=params).run(x=x)
+    np.testing.assert_allclose(next(iter(exe.run(x=x).values())), next(iter(want.values())), rtol=1e-5, atol=1e-6)
+    with pytest.raises(BackendError, match=r"does not implement op 'dequantize'.*numpy"):
+        rlx_core.CompilePipeline(CompileProfile(), _NoDequantMatmul({"dequant_matmul", "dequantize"})).compile(g)
+
+
+def test_packed_binding_errors_name_the_tensor(rng):
+    g = Graph.define("l", lambda m: m.linear(m.input("x", (2, K)), m.param("w", (N, K), scheme="q8_0")))
+    exe = rlx_core.compile(g, backend="numpy")
+    with pytest.raises(rlx_core.RlxError, match=r"w: expected packed q8_0, got q4_0"):
+        exe.set_params({"w": _weights(rng, "q4_0")})
+    with pytest.raises(rlx_core.RlxError, match=r"w: expected a packed q8_0 weight"):
+        exe.set_params({"w": rng.standard_normal((N, K)).astype(np.float32)})
+    with pytest.raises(WeightError, match=r"'blk.0.w'.*not a multiple of the q4_k block size 256"):
+        _weights(rng, "q4_k", k=64, name="blk.0.w")
+    raw = _weights(rng, "q8_0").raw
+    with pytest.raises(WeightError, match=r"'w'.*expected uint8 \[24, 272\]"):
+        PackedTensor(raw[:, :-1], QuantScheme.parse("q8_0"), (N, K), "w")
+
+
+# ------------------------------------------------------------------ models: rlx quantize, GGUF
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    cfg = transformers.LlamaConfig(vocab_size=151, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(path)
+    return path
+
+
+def _same_model(a, b, ids, n=24, atol=1e-4):
+    np.testing.assert_allclose(a.logits(ids), b.logits(ids), atol=atol, rtol=0)
+    np.testing.assert_array_equal(a.generate(ids, max_new_tokens=n, min_new_tokens=n),
+                                  b.generate(ids, max_new_tokens=n, min_new_tokens=n))
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_k", "int4_b32"])
+def test_rlx_quantize_writes_a_gguf_that_runs_packed(hf_folder, tmp_path, rng, scheme):
+    from click.testing import CliRunner
+
+    from rlx_core.cli import main
+
+    dst = tmp_path / f"m.{scheme}.gguf"
+    res = CliRunner().invoke(main, ["quantize", str(hf_folder), str(dst), "--scheme", scheme])
+    assert res.exit_code == 0, res.output
+    assert re.search(rf"wrote .*: 16 weights in {scheme}", res.output), res.output
+    packed = rlx_core.load(str(dst), backend="numpy", progress=False)
+    assert all(isinstance(packed.tensors[k], PackedTensor) for k in packed.tensors if k.endswith("proj.weight"))
+    f32 = rlx_core.load(str(dst), backend="numpy", progress=False,
+                        profile=CompileProfile.llama32_prefill().evolve(precision={"weights": "f32"}))
+    assert not any(isinstance(t, PackedTensor) for t in f32.tensors.values())
+    ids = rng.integers(0, 151, (2, 9))
+    _same_model(packed, f32, ids)
+    hf = rlx_core.load(str(hf_folder), backend="numpy", progress=False)     # the unquantized source
+    err = np.abs(packed.logits(ids) - hf.logits(ids)).max()
+    assert err < {"q8_0": 0.02, "q4_k": 0.3, "int4_b32": 0.3}[scheme], err
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_real_gguf_packed_matches_dequantized(name):
+    from rlx_core.weights import resolve_model_path
+
+    try:
+        resolve_model_path(name)
+    except WeightError as e:
+        pytest.skip(f"the {name} weights package is not installed: {e}")
+    packed = rlx_core.load(name, backend="numpy", progress=False)
+    assert any(isinstance(t, PackedTensor) for t in packed.tensors.values())
+    prof = CompileProfile.preset(packed.profile.name).evolve(precision={"weights": "f32"})
+    f32 = rlx_core.load(name, backend="numpy", progress=False, profile=prof)
+    ids = np.array([packed.tokenizer.encode("The three primary colors are red,")])
+    _same_model(packed, f32, ids, n=6)
