@@ -12,6 +12,7 @@ into RLX_NUMBA_CACHE (default ~/.cache/rlx/numba) and numba's own cache.
 from __future__ import annotations
 
 import os
+import sys
 
 from rlx_core.backends.base import Backend, Runner
 from rlx_core.backends.numpy import NumpyBackend
@@ -40,8 +41,8 @@ def requested_threads(value=None) -> int | None:
 def set_threads(n: int | None = None) -> int:
     """Set numba's thread count (RLX_NUM_THREADS, else all it has); returns the count."""
     want = requested_threads(n)
-    if want is not None and "NUMBA_NUM_THREADS" not in os.environ:
-        os.environ["NUMBA_NUM_THREADS"] = str(want)          # read once, when numba is imported
+    if want is not None and "numba" not in sys.modules and "NUMBA_NUM_THREADS" not in os.environ:
+        os.environ["NUMBA_NUM_THREADS"] = str(want)          # numba reads it when first imported
     import numba
 
     top = numba.config.NUMBA_NUM_THREADS
