@@ -5,8 +5,8 @@ A snippet defines `dq_unit(b, u, w)`: the U consecutive elements of unit u of th
 byte pointer `b` (block layouts: rlx_core/ir/quant.py), decoded in DT (float; double for
 f64) with the same operation order as the numpy decoder. A unit is 32 elements (one K-quant
 sub-block), or gcd(block, 32) for RLX's int blocks. Every kernel reads weights one unit at a
-time, so each weight byte is read once and dequantized in registers (GEMV) or into a local
-memory tile (GEMM).
+time, so each weight byte is read once and dequantized straight into local memory, where the
+GEMV walks it with x read coalesced and the GEMM multiplies it as a tile.
 
 One program per (scheme, dtypes) holds all three kernels; bias and activation are runtime
 arguments, so a model compiles a handful of programs (PoCL spends about a second on each).
@@ -41,6 +41,7 @@ _LEGACY = r"""
 inline void dq_unit(__global const uchar* b, int u, DT* w) {
   DT d = (DT)f16_at(b);
   %(head)s
+  #pragma unroll
   for (int l = 0; l < 16; ++l) {
     uint v = qs[l];
     w[l] = %(lo)s;
@@ -68,6 +69,7 @@ _SNIPPETS = {
 inline void dq_unit(__global const uchar* b, int u, DT* w) {
   DT d = (DT)f16_at(b);
   __global const char* q = (__global const char*)(b + 2);
+  #pragma unroll
   for (int l = 0; l < 32; ++l) w[l] = (DT)q[l] * d;
 }
 """,
@@ -78,6 +80,7 @@ inline void dq_unit(__global const uchar* b, int u, DT* w) {
   DT ds = (DT)f16_at(b) * (DT)sc, dm = (DT)f16_at(b + 2) * (DT)mn;
   __global const uchar* q = b + 16 + 32 * (u >> 1);
   int sh = 4 * (u & 1);
+  #pragma unroll
   for (int l = 0; l < 32; ++l) w[l] = ds * (DT)((q[l] >> sh) & 15) - dm;
 }
 """,
@@ -89,6 +92,7 @@ inline void dq_unit(__global const uchar* b, int u, DT* w) {
   __global const uchar* qh = b + 16;
   __global const uchar* q = b + 48 + 32 * (u >> 1);
   int sh = 4 * (u & 1);
+  #pragma unroll
   for (int l = 0; l < 32; ++l) w[l] = ds * (DT)(((q[l] >> sh) & 15) | (((qh[l] >> u) & 1) << 4)) - dm;
 }
 """,
@@ -101,6 +105,7 @@ inline void dq_unit(__global const uchar* b, int u, DT* w) {
   int sl = 4 * (k >> 1), sh = 2 * k;
   DT d = (DT)f16_at(b + 208);
   DT d0 = d * (DT)sc[0], d1 = d * (DT)sc[1];
+  #pragma unroll
   for (int l = 0; l < 32; ++l)
     w[l] = (l < 16 ? d0 : d1) * (DT)((int)(((ql[l] >> sl) & 15) | (((qh[l] >> sh) & 3) << 4)) - 32);
 }
@@ -109,12 +114,14 @@ inline void dq_unit(__global const uchar* b, int u, DT* w) {
 inline void dq_unit(__global const uchar* b, int u, DT* w) {
   DT d = (DT)f32_at(b);
   __global const char* q = (__global const char*)(b + 4) + u * U;
+  #pragma unroll
   for (int l = 0; l < U; ++l) w[l] = (DT)q[l] * d;
 }
 """,
     "int4": r"""
 inline void dq_unit(__global const uchar* b, int u, DT* w) {
   DT d = (DT)f32_at(b);
+  #pragma unroll
   for (int l = 0; l < U; ++l) {
     int e = u * U + l;
     uint v = b[4 + e % (QK / 2)];
@@ -140,28 +147,39 @@ inline DT epi(DT v, int n, __global const T_BIAS* bias, int bias_off, int bias_s
 #define DQ_ARGS __global const T_X* x, int x_off, __global const uchar* w, int w_off, __global T_Y* y, int y_off, \
   __global const T_BIAS* bias, int bias_off, int bias_st, int M, int N, int K, int has_bias, int act
 
+// One work-group per output column n: each work-item decodes one unit of 64 consecutive ones
+// into local memory, then all of them walk those 64*U elements with x read coalesced.
 __kernel __attribute__((reqd_work_group_size(64, 1, 1)))
 void dq_gemv(DQ_ARGS) {
+  __local DT Ws[64][U + 1];
   __local DT sh[MR][64];
   int lid = get_local_id(0), n = get_group_id(0), m0 = get_group_id(1) * MR;
   int mr = min(MR, M - m0), nu = K / U;
   __global const uchar* wr = w + w_off + n * ((K / QK) * BPB);
   int xo = x_off + m0 * K;
   DT acc[MR];
+#pragma unroll
   for (int r = 0; r < MR; ++r) acc[r] = 0;
-  for (int t = lid; t < nu; t += 64) {
+  for (int c0 = 0; c0 < nu; c0 += 64) {
+    int t = c0 + lid;
     DT wv[U];
-    dq_unit(wr + (t / UPB) * BPB, t % UPB, wv);
-    for (int r = 0; r < MR; ++r) if (r < mr) {
-      DT s = 0;
-      for (int l = 0; l < U; ++l) s += wv[l] * (DT)LOAD(T_X, x, xo + r * K + t * U + l);
-      acc[r] += s;
+    if (t < nu) dq_unit(wr + (t / UPB) * BPB, t % UPB, wv);
+    #pragma unroll
+    for (int l = 0; l < U; ++l) Ws[lid][l] = t < nu ? wv[l] : (DT)0;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    int kb = c0 * U, ke = min(K - kb, 64 * U);
+    for (int e = lid; e < ke; e += 64) {
+      DT wk = Ws[e / U][e % U];
+#pragma unroll
+      for (int r = 0; r < MR; ++r) if (r < mr) acc[r] += wk * (DT)LOAD(T_X, x, xo + r * K + kb + e);
     }
+    barrier(CLK_LOCAL_MEM_FENCE);
   }
+#pragma unroll
   for (int r = 0; r < MR; ++r) sh[r][lid] = acc[r];
   barrier(CLK_LOCAL_MEM_FENCE);
   for (int h = 32; h > 0; h >>= 1) {
-    if (lid < h) for (int r = 0; r < MR; ++r) sh[r][lid] += sh[r][lid + h];
+    if (lid < h) for (int r = 0; r < mr; ++r) sh[r][lid] += sh[r][lid + h];
     barrier(CLK_LOCAL_MEM_FENCE);
   }
   if (lid < mr) STORE(T_Y, y, y_off + (m0 + lid) * N + n, TO_Y(epi(sh[lid][0], n, bias, bias_off, bias_st, has_bias, act)));
@@ -187,6 +205,7 @@ void dq_gemm(DQ_ARGS) {
       int gn = n0 + tid;
       if (gn < N) dq_unit(w + w_off + gn * rb + (t / UPB) * BPB, t % UPB, wv);
       else for (int l = 0; l < U; ++l) wv[l] = 0;
+      #pragma unroll
       for (int l = 0; l < U; ++l) Ws[l][tid] = wv[l];
     }
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -210,6 +229,7 @@ __kernel void dq_rows(__global const uchar* w, int w_off, __global T_Y* y, int y
   int nu = K / U, row = g / nu, t = g % nu;
   DT wv[U];
   dq_unit(w + w_off + row * ((K / QK) * BPB) + (t / UPB) * BPB, t % UPB, wv);
+  #pragma unroll
   for (int l = 0; l < U; ++l) STORE(T_Y, y, y_off + row * K + t * U + l, TO_Y(wv[l]));
 }
 """
