@@ -93,9 +93,10 @@ class CompilePipeline:
         target = b.target if p.fusion.target == "auto" else p.fusion.target
         groups = fusion.groups_for(target, p.fusion.skip)
         log: list = []
-        g = self._step("fusion", g, lambda x: fusion.fuse(x, groups, log=log))
+        rule_groups = tuple(gr for gr in groups if gr not in fusion.PASSES)
+        g = self._step("fusion", g, lambda x: fusion.fuse(x, rule_groups, log=log))
         self.fusion_log = log
-        if p.fusion.assert_clean:
+        if p.fusion.assert_clean:   # checked before the region passes absorb leftover chains
             # every group the target fuses, skipped or not: a skip leaves its patterns unfused
             full = fusion.groups_for(target, ())
             left = fusion.unfused(g, full)
@@ -104,6 +105,9 @@ class CompilePipeline:
                 skipped = [x for x in full if x not in groups]
                 hint = f" (fusion.skip leaves groups {skipped} unfused)" if skipped else ""
                 raise GraphError(f"assert_clean: fusable patterns left unfused: {detail}{hint}")
+        pass_groups = tuple(gr for gr in groups if gr in fusion.PASSES)
+        if pass_groups:
+            g = self._step("fusion passes", g, lambda x: fusion.fuse(x, pass_groups, log=log))
         supported = b.supported_ops()
         g, self.legalized = legalize(g, supported)
         self.trace.append(("legalize", len(g.nodes), 0.0))

@@ -162,7 +162,7 @@ def run_trashing(exe, inputs):
 def test_trashing_dead_bytes_keeps_results(rng, model):
     mk, prof = MODELS[model]
     g = mk()
-    exe = rlx_core.compile(g, profile=prof, params=random_params(g, rng))
+    exe = rlx_core.compile(g, profile=prof, params=random_params(g, rng), backend="numpy")
     inputs = llama_inputs(Cfg(), rng, 7, batch=1) if model.startswith("llama") else \
         {"x": rng.standard_normal((1, 7, 32)).astype(np.float32)}
     want = exe.run(inputs)
@@ -183,7 +183,7 @@ def test_random_graphs_plan_and_trash(program):
     g = build(program)
     rng = np.random.default_rng(abs(hash(repr(program))) % 2**32)
     for prof in ("fusable", CompileProfile("g").evolve(fusion={"target": "generic"})):
-        exe = rlx_core.compile(g, profile=prof, params=random_params(g, rng))
+        exe = rlx_core.compile(g, profile=prof, params=random_params(g, rng), backend="numpy")
         inputs = inputs_for(g, rng)
         want = exe.run(inputs)
         assert_no_overlap(exe.lir(seq=SEQ))
