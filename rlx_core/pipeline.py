@@ -37,6 +37,20 @@ def available_backends() -> list:
     return sorted(out, key=lambda t: -t[0].priority)
 
 
+def backends_for_scheme(scheme: str) -> list:
+    """Names of the registered backends with a packed-weight kernel for `scheme`."""
+    return sorted(b.name for b in registry().backends.values()
+                  if "dequant_matmul" in b.supported_ops() and b.supports_scheme(scheme))
+
+
+def _packed_source(g: Graph, ref) -> str:
+    """The param whose packed bytes reach `ref` (through concat, gather and views)."""
+    n = g.nodes[ref[0]]
+    while n.op != "param" and n.inputs:
+        n = g.nodes[n.inputs[0][0]]
+    return n.name or "?"
+
+
 def select_backend(name: str | None = None):
     """By name, or the highest-priority available backend. Never a silent substitute."""
     table = registry().backends
@@ -126,6 +140,12 @@ class CompilePipeline:
             for s in n.outs:
                 if s.dtype.is_float:
                     b.check_dtype(s.dtype, f"node %{i} ({n.op})")
+            scheme = n.a.get("scheme") if n.op in ("dequant_matmul", "dequantize") else None
+            if scheme and not b.supports_scheme(scheme):
+                w = _packed_source(g, n.inputs[1 if n.op == "dequant_matmul" else 0])
+                raise BackendError(f"backend {b.name!r} has no kernel for packed weight {w!r} in scheme "
+                                   f"{scheme!r} (node %{i}, {n.op}); backends that do: "
+                                   f"{backends_for_scheme(scheme) or 'none'}")
             if n.op == "custom":
                 if not b.supports_custom(n.a["name"]):
                     raise BackendError(f"backend {b.name!r} has no kernel for custom op "
@@ -421,4 +441,5 @@ class Executable:
 
 
 __all__ = ["CompilePipeline", "Executable", "compile", "select_backend", "available_backends",
+           "backends_for_scheme",
            "StateStore", "states_moved", "specialize", "Level", "OPS", "MIR"]

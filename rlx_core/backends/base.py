@@ -48,6 +48,11 @@ class Backend(abc.ABC):
         op = custom_ops().get(name)
         return op is not None and self.name in op.kernels
 
+    def supports_scheme(self, scheme: str) -> bool:
+        """Whether its dequant_matmul / dequantize kernels read packed weights of this quant
+        scheme (a name); the pipeline names the backends that do when one does not."""
+        return True
+
     def check_dtype(self, dtype: DType, where: str) -> None:
         if dtype not in self.dtypes:
             from ..ir.errors import BackendError

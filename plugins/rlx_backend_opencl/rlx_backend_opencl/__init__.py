@@ -103,19 +103,6 @@ class OpenCLBackend(Backend):
 
         return QuantScheme.parse(scheme).kind in KINDS
 
-    @staticmethod
-    def backends_for_scheme(scheme) -> list:
-        """Registered backends with a dequant_matmul kernel for `scheme`: those that say so through
-        `supports_scheme`, and those with the op and no such method (generic over schemes)."""
-        from rlx_core.ir.registry import registry
-
-        out = []
-        for b in registry().backends.values():
-            has = getattr(b, "supports_scheme", None)
-            if has(scheme) if has is not None else "dequant_matmul" in b.supported_ops():
-                out.append(b.name)
-        return sorted(out)
-
     def supports_custom(self, name: str) -> bool:
         from rlx_core.ir.custom import custom_ops
 

@@ -486,18 +486,8 @@ class OpenCLRunner(Runner):
                     ((units + 63) // 64 * 64,), (64,))
 
     def _scheme(self, i, a) -> QuantScheme:
-        """The node's scheme; one without a kernel here names the packed tensor and who has one."""
-        s = QuantScheme.parse(a["scheme"])
-        if s.kind not in Q.KINDS:
-            g = self.graph
-            j = g.nodes[i].inputs[0 if g.nodes[i].op == "dequantize" else 1][0]
-            while g.nodes[j].op != "param" and g.nodes[j].inputs:      # through gather / views
-                j = g.nodes[j].inputs[0][0]
-            tensor = g.nodes[j].name or f"%{j}"
-            raise BackendError(f"packed weight {tensor!r}: no OpenCL kernel for scheme {s.name} "
-                               f"(OpenCL has {sorted(Q.KINDS)}); backends with a kernel for it: "
-                               f"{self.backend.backends_for_scheme(s) or 'none'}")
-        return s
+        """The node's scheme (the pipeline checked that this backend supports it)."""
+        return QuantScheme.parse(a["scheme"])
 
     def _packed(self, v: View) -> View:
         """Packed bytes as the kernels read them: contiguous rows, f16 fields 2-byte aligned."""
