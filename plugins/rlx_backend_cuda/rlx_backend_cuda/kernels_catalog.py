@@ -44,6 +44,7 @@ def catalog() -> list:
                     out.append((f"attn_tc {t} {d}", S.render(S.ATTN_TC, T=t, MMAT="bf16" if "bf" in t else "f16",
                                                             D=d, VEC=vec, **common), "rlx_attn_tc"))
         out.append((f"gather {t}", S.render(S.GATHER, TT=t, TI="long long"), "rlx_gather"))
+    out.append(("gather u8", S.render(S.GATHER, TT="unsigned char", TI="int"), "rlx_gather"))
     out.append(("reduce int", S.render(S.REDUCE, TX="int", TO="int", ACC="long long", LOAD="(ACC)(v)",
                                        COMB="rlx_maxi<ACC>((a), (b))", IDENT="((ACC)(-9223372036854775807LL - 1))",
                                        FINAL="(int)(r)"), "rlx_reduce"))

@@ -287,7 +287,7 @@ def _bias_act(b, out: V, bias: V | None, act: str) -> None:
 
 
 # ----------------------------------------------------------------------------- packed weights
-DQ_ROWS, DQ_LOADS = 4, 2    # decode: rows of W per warp (sharing x loads), parts in flight per lane
+DQ_ROWS, DQ_LOADS = 4, 1    # decode: rows of W per warp (sharing x loads), parts in flight per lane (tools/dq_sweep.py)
 DQ_MAX_M = 8                # x rows up to which dequant_matmul runs the fused GEMV
 DQ_TILE = 1 << 24           # prefill: weights decoded per tile (elements) before its GEMM
 

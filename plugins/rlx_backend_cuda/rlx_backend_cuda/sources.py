@@ -409,6 +409,7 @@ extern "C" __global__ void rlx_cumsum(const $TX* __restrict__ x, long long rs, $
 
 # --------------------------------------------------------------------------- indexing ops
 GATHER = r"""
+typedef $TT rlx_tt;     // a one-word name: `unsigned char()` is no valid expression
 extern "C" __global__ void rlx_gather(const $TT* __restrict__ table, const $TI* __restrict__ ind,
     $TT* __restrict__ out, long long outer, long long nax, long long ni, long long inner,
     int* err, int node) {
@@ -416,7 +417,7 @@ extern "C" __global__ void rlx_gather(const $TT* __restrict__ table, const $TI* 
   for (i64 o = blockIdx.x * (i64)blockDim.x + threadIdx.x; o < total; o += (i64)gridDim.x * blockDim.x) {
     i64 in_i = o % inner; i64 t = o / inner; i64 ii = t % ni; i64 ou = t / ni;
     i64 ix = (i64)ind[ii];
-    if (ix < -nax || ix >= nax) { rlx_error(err, 1, node, ix, nax); out[o] = $TT(); continue; }
+    if (ix < -nax || ix >= nax) { rlx_error(err, 1, node, ix, nax); out[o] = rlx_tt(); continue; }
     if (ix < 0) ix += nax;
     out[o] = table[(ou * nax + ix) * inner + in_i];
   }
@@ -1205,26 +1206,28 @@ _DQ_K45 = r"""
 #define BIAS 0
 #define HAS_MIN 1
 __device__ __forceinline__ int rlx_run_off(int p, int k) { return 64 * (p >> 1) + 16 * (p & 1) + 4 * (k & 3) + 32 * (k >> 2); }
+// the part's two sub-blocks 2c, 2c+1 (c = p >> 1): llama.cpp get_scale_min_k4 over the 12
+// scale bytes (header words 1..3), four sub-blocks at a time, decoded once per part:
+// weight = (d * sc) * q - dmin * mn
+__device__ __forceinline__ void rlx_k_scales(rlx_raw& r, const u32* hd, int p) {
+  const int c = p >> 1, sh = 16 * (c & 1);            // byte 2c & 3 of the words
+  const u32 sc = c < 2 ? hd[1] & 0x3F3F3F3Fu : (hd[3] & 0x0F0F0F0Fu) | ((hd[1] >> 2) & 0x30303030u);
+  const u32 mn = c < 2 ? hd[2] & 0x3F3F3F3Fu : ((hd[3] >> 4) & 0x0F0F0F0Fu) | ((hd[2] >> 2) & 0x30303030u);
+  const W d = rlx_h2w(hd[0]), dmin = rlx_h2w(hd[0] >> 16);
+  r.d[0] = d * (W)((sc >> sh) & 255u); r.d[1] = d * (W)((sc >> (sh + 8)) & 255u);
+  r.m[0] = -(dmin * (W)((mn >> sh) & 255u)); r.m[1] = -(dmin * (W)((mn >> (sh + 8)) & 255u));
+}
 __device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) {
-  // llama.cpp get_scale_min_k4 over the 12 scale bytes (header words 1..3; selected, not
-  // indexed, so the header stays in registers); weight = (d * sc) * q - dmin * mn
-  const int j = 2 * (p >> 1) + (k >> 2);
-  #define SB(i) rlx_byte((i) < 4 ? r.hd[1] : ((i) < 8 ? r.hd[2] : r.hd[3]), (i) & 3)
-  int sc, mn;
-  if (j < 4) { sc = SB(j) & 63; mn = SB(j + 4) & 63; }
-  else { sc = (SB(j + 4) & 15) | ((SB(j - 4) >> 6) << 4); mn = (SB(j + 4) >> 4) | ((SB(j) >> 6) << 4); }
-  #undef SB
-  *d = rlx_h2w(r.hd[0]) * (W)sc;
-  *m = -(rlx_h2w(r.hd[0] >> 16) * (W)mn);
+  *d = r.d[k >> 2]; *m = r.m[k >> 2];
 }
 """
 
 DQ_SCHEMES["q4_k"] = r"""
 #define BPB 144
-struct rlx_raw { u32 hd[4]; u32 q[4]; };
+struct rlx_raw { u32 q[4]; W d[2]; W m[2]; };
 """ + _DQ_K45 + r"""
 __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
-  rlx_raw r; rlx_ldw<16, 4>(b, r.hd); rlx_ldw<16, 4>(b + 16 + 16 * p, r.q); return r;
+  rlx_raw r; u32 hd[4]; rlx_ldw<16, 4>(b, hd); rlx_ldw<16, 4>(b + 16 + 16 * p, r.q); rlx_k_scales(r, hd, p); return r;
 }
 __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
   return (r.q[k & 3] >> (4 * (k >> 2))) & 0x0F0F0F0Fu;
@@ -1233,11 +1236,11 @@ __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
 
 DQ_SCHEMES["q5_k"] = r"""
 #define BPB 176
-struct rlx_raw { u32 hd[4]; u32 qh[4]; u32 q[4]; };
+struct rlx_raw { u32 qh[4]; u32 q[4]; W d[2]; W m[2]; };
 """ + _DQ_K45 + r"""
 __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
-  rlx_raw r; rlx_ldw<16, 4>(b, r.hd); rlx_ldw<16, 4>(b + 16 + 16 * (p & 1), r.qh);
-  rlx_ldw<16, 4>(b + 48 + 16 * p, r.q); return r;
+  rlx_raw r; u32 hd[4]; rlx_ldw<16, 4>(b, hd); rlx_ldw<16, 4>(b + 16 + 16 * (p & 1), r.qh);
+  rlx_ldw<16, 4>(b + 48 + 16 * p, r.q); rlx_k_scales(r, hd, p); return r;
 }
 __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
   const int j = 2 * (p >> 1) + (k >> 2);        // sub-block: bit j of each qh byte
@@ -1255,14 +1258,18 @@ DQ_SCHEMES["q6_k"] = r"""
 #define RUNS 8
 #define BIAS 32
 #define HAS_MIN 0
-struct rlx_raw { u32 a[2]; u32 b[2]; u32 h[2]; u32 s[2]; u32 d; };
+struct rlx_raw { u32 a[2]; u32 b[2]; u32 h[2]; W d[4]; };
 __device__ __forceinline__ int rlx_run_off(int p, int k) { return 128 * (p >> 2) + 32 * (k >> 1) + 8 * (p & 3) + 4 * (k & 1); }
 __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
   const int n = p >> 2, j = p & 3;
   rlx_raw r;
   rlx_ldw<2, 2>(b + 64 * n + 8 * j, r.a); rlx_ldw<2, 2>(b + 64 * n + 32 + 8 * j, r.b);
-  rlx_ldw<2, 2>(b + 128 + 32 * n + 8 * j, r.h); rlx_ldw<2, 2>(b + 192 + 8 * n, r.s);
-  r.d = __ldg((const u16*)(b + 208));
+  u32 s[2];
+  rlx_ldw<2, 2>(b + 128 + 32 * n + 8 * j, r.h); rlx_ldw<2, 2>(b + 192 + 8 * n, s);
+  const W d = rlx_h2w(__ldg((const u16*)(b + 208)));
+  const u32 sw = (j >> 1) ? __funnelshift_r(s[0], s[1], 8) : s[0];   // scales j>>1 + 2t, t = 0..3
+#pragma unroll
+  for (int t = 0; t < 4; ++t) r.d[t] = d * (W)(signed char)rlx_byte(t < 2 ? sw : (j >> 1) ? s[1] >> 8 : s[1], 2 * (t & 1));
   return r;
 }
 __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
@@ -1270,10 +1277,7 @@ __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
   const u32 lo = (t & 1) ? r.b[half] : r.a[half];
   return ((lo >> (4 * (t >> 1))) & 0x0F0F0F0Fu) | (((r.h[half] >> (2 * t)) & 0x03030303u) << 4);
 }
-__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) {
-  const int si = ((p & 3) >> 1) + 2 * (k >> 1);       // scale (32t + 8j) / 16 of this half
-  *d = rlx_h2w(r.d) * (W)(signed char)rlx_byte((si >> 2) ? r.s[1] : r.s[0], si & 3);
-}
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) { *d = r.d[k >> 1]; }
 """
 
 # 4 consecutive x values as W (one vector load where $XV says x rows and offsets allow it)

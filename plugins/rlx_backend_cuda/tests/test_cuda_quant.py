@@ -70,12 +70,14 @@ def test_dequant_matmul_and_dequantize(rng, name):
         wp, b = m.param("w", w.shape, U8), m.input("b", (N,), F32)
         out = {c: m.add("dequant_matmul", (m.input(c, shape, F32), wp) + ((b,) if bias else ()),
                         scheme=name, act=act) for c, (shape, act, bias) in cases.items()}
-        return out | {"deq": m.add("dequantize", (wp,), scheme=name, dtype="f32")}
+        # dequantize of an input (of a param it would be folded into the load-time prologue)
+        return out | {"deq": m.add("dequantize", (m.input("raw", w.shape, U8),), scheme=name, dtype="f32")}
 
     ex = rlx_core.compile(Graph.define("dq", build), backend="cuda", params={"w": w})
     assert {n.op for n in ex.mir.nodes} >= {"dequant_matmul", "dequantize"}
     inputs = {c: rng.standard_normal(shape).astype(np.float32) for c, (shape, _, _) in cases.items()}
     inputs["b"] = rng.standard_normal(N).astype(np.float32)
+    inputs["raw"] = w
     for got in _run_poisoned(ex, inputs):
         for c, (shape, act, bias) in cases.items():
             ref = matmul_reference(inputs[c], w, s, (N, k)) + (inputs["b"] if bias else 0.0)

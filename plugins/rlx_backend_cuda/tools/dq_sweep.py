@@ -21,7 +21,7 @@ from rlx_core.ir.quant import QuantScheme
 
 SHAPES = [("qkv", 3072, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)]
 SCHEMES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8", "int4"]
-VARIANTS = [(4, 2), (2, 2), (4, 1), (8, 1), (2, 4)]
+VARIANTS = [(4, 1), (8, 1), (2, 1), (4, 2)]
 
 
 def main(schemes):
