@@ -215,6 +215,91 @@ def attention_ser(q, k, v, keep, bias, pos, o, scale, softcap, causal, window, u
                   ninf)
 
 
+# --------------------------------------------------------------------------- packed sequences
+@njit(**_OPT)
+def _varlen_task(t, q, k, v, starts, lens, o, scale, ninf):
+    """Task t = (segment t // H, head t % H): each query row of the segment over the
+    segment's keys only (q [T, H, D], k/v [T, KVH, D|Dv]; a kv head serves H/KVH heads)."""
+    nh, kvh, d, dv = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
+    seg, h = t // nh, t % nh
+    kh = h // (nh // kvh)
+    s0, n = starts[seg], lens[seg]
+    if n <= 0:
+        return
+    zero = scale * 0
+    p = np.empty(n, q.dtype)
+    acc = np.empty(dv, q.dtype)
+    for i in range(s0, s0 + n):
+        m = ninf
+        for j in range(n):
+            a = zero
+            for c in range(d):
+                a += q[i, h, c] * k[s0 + j, kh, c]
+            a *= scale
+            p[j] = a
+            if a > m:
+                m = a
+        tot = zero
+        for j in range(n):
+            e = math.exp(p[j] - m)
+            p[j] = e
+            tot += e
+        for c in range(dv):
+            acc[c] = zero
+        for j in range(n):
+            pj = p[j]
+            for c in range(dv):
+                acc[c] += pj * v[s0 + j, kh, c]
+        for c in range(dv):
+            o[i, h, c] = acc[c] / tot
+
+
+@njit(parallel=True, **_OPT)
+def varlen_par(q, k, v, starts, lens, o, scale, ninf):
+    for t in prange(starts.shape[0] * q.shape[1]):
+        _varlen_task(t, q, k, v, starts, lens, o, scale, ninf)
+
+
+@njit(**_OPT)
+def varlen_ser(q, k, v, starts, lens, o, scale, ninf):
+    for t in range(starts.shape[0] * q.shape[1]):
+        _varlen_task(t, q, k, v, starts, lens, o, scale, ninf)
+
+
+@njit(**_OPT)
+def _pool_row(i, x, starts, lens, o, mode, zero):
+    """Segment i of x [T, D] into o[i]: mode 0 mean, 1 first token (cls), 2 max (NaN wins)."""
+    s0, n, dd = starts[i], lens[i], x.shape[1]
+    for c in range(dd):
+        o[i, c] = zero
+    if n <= 0:
+        return
+    for c in range(dd):
+        r = x[s0, c]
+        if mode == 0:
+            for j in range(s0 + 1, s0 + n):
+                r += x[j, c]
+            r = r / n
+        elif mode == 2:
+            for j in range(s0 + 1, s0 + n):
+                y = x[j, c]
+                if y > r or y != y:
+                    r = y
+        o[i, c] = r
+
+
+@njit(parallel=True, **_OPT)
+def pool_par(x, starts, lens, o, mode, zero):
+    for i in prange(starts.shape[0]):
+        _pool_row(i, x, starts, lens, o, mode, zero)
+
+
+@njit(**_OPT)
+def pool_ser(x, starts, lens, o, mode, zero):
+    for i in range(starts.shape[0]):
+        _pool_row(i, x, starts, lens, o, mode, zero)
+
+
 # --------------------------------------------------------------------------- small-M GEMV
 @njit(parallel=True, **_OPT)
 def gemv_nt_par(x, w, o):

@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from rlx_core.backends.numpy import NumpyRunner
-from rlx_core.ir.numpy_kernels import KERNELS
+from rlx_core.ir.numpy_kernels import KERNELS, segments
 from rlx_core.ir.errors import BackendError, RlxError
 from rlx_core.ir.lir import LirModule
 from rlx_core.ir.ops import MaskKind
@@ -203,6 +203,42 @@ def _attention_block(a, outs, protos, op=None):
         rq(q, c, s)
         rk(k, c, s)
         f(qr, kr, v, *_split(a, rest))
+    return run
+
+
+# --------------------------------------------------------------------------- packed sequences
+@prepares("varlen_attention")
+def _varlen_attention(a, outs, protos, op=None):
+    q, k, v = protos[:3]
+    o = outs[0]
+    if not _native(q, k, v, o) or o.size == 0:
+        return None
+    t = o.dtype.type
+    scale, ninf = t(a["scale"]), t(-np.inf)
+    tokens, heads, d = q.shape
+
+    def run(a_, out, q, k, v, starts, lens):
+        st, ln, covered = segments(starts, lens, tokens, "varlen_attention")
+        if not covered:
+            o.fill(0)
+        kern = _pick(K.varlen_par, K.varlen_ser, int((ln * ln).sum()) * heads * max(d, 1))
+        kern(q, k, v, st, ln, o, scale, ninf)
+    return run
+
+
+POOL_MODES = {"mean": 0, "cls": 1, "max": 2}
+
+
+@prepares("segment_pool")
+def _segment_pool(a, outs, protos, op=None):
+    x, o = protos[0], outs[0]
+    if not _native(x, o) or o.size == 0:
+        return None
+    mode, zero = POOL_MODES[a["mode"]], o.dtype.type(0)
+
+    def run(a_, out, x, starts, lens):
+        st, ln, _ = segments(starts, lens, x.shape[0], "segment_pool")
+        _pick(K.pool_par, K.pool_ser, x.size)(x, st, ln, o, mode, zero)
     return run
 
 
