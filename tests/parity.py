@@ -16,6 +16,7 @@ with a warning.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -64,6 +65,33 @@ def seed_for(nodeid: str) -> list:
 @pytest.fixture
 def rng(request) -> np.random.Generator:
     return np.random.default_rng(seed_for(request.node.nodeid))
+
+
+@contextlib.contextmanager
+def numpy_without(ops, name: str = "numpy-without"):
+    """While the block runs, backend `name` is the NumPy backend without kernels for `ops`:
+    the pipeline legalizes them (lower.DECOMPOSE_FUSED), as for a backend that never had them."""
+    from rlx_core.backends.numpy import NumpyBackend
+    from rlx_core.plugins import hookimpl, register_plugin, unregister_plugin
+
+    class Lacking(NumpyBackend):
+        priority = -100
+
+        def supported_ops(self) -> set:
+            return super().supported_ops() - set(ops)
+
+    Lacking.name = name
+
+    class Plugin:
+        @hookimpl
+        def rlx_register_backends(self, register):
+            register(Lacking())
+
+    register_plugin(Plugin(), name=f"parity-{name}")
+    try:
+        yield name
+    finally:
+        unregister_plugin(f"parity-{name}")
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -331,6 +359,25 @@ def ref_attention(q, k, v, mask=None, pos=None, *, scale, mask_kind="causal", wi
                     s = s + mb
             s = np.where(kp, s, -np.inf)
             out[b, h] = ref_softmax(s, -1) @ v[b, kh]
+    return out
+
+
+def ref_varlen_attention(q, k, v, starts, lens, *, scale):
+    """Each segment's tokens as one batch of ref_attention (no mask); other tokens zero."""
+    out = np.zeros(q.shape[:2] + (v.shape[-1],))
+    for s, n in zip(np.asarray(starts).tolist(), np.asarray(lens).tolist()):
+        if n:
+            qs, ks, vs = (np.swapaxes(t[s:s + n], 0, 1)[None] for t in (q, k, v))
+            out[s:s + n] = np.swapaxes(ref_attention(qs, ks, vs, scale=scale, mask_kind="none")[0], 0, 1)
+    return out
+
+
+def ref_segment_pool(x, starts, lens, *, mode):
+    out = np.zeros((len(starts), x.shape[-1]))
+    for i, (s, n) in enumerate(zip(np.asarray(starts).tolist(), np.asarray(lens).tolist())):
+        if n:
+            seg = x[s:s + n]
+            out[i] = {"mean": lambda: seg.sum(0) / n, "cls": lambda: seg[0], "max": lambda: seg.max(0)}[mode]()
     return out
 
 

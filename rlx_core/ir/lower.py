@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from .dtype import F32, F64
+from .dtype import F32, F64, I64
 from .graph import MIR, Builder, Graph
 from .ops import MaskKind
 from .rewrite import rewrite
@@ -99,6 +99,58 @@ def attention_prims(m, q, k, v, mask=None, pos=None, *, scale, mask_kind="causal
     return m.cast(m.matmul(p, _f32(m, vv)), q.dtype)
 
 
+def _iota(m, n, tie):
+    """0, 1, ..., n - 1 (i64) for a dim n that may be symbolic. The ones are computed from
+    `tie` (an int value of the run): built from a constant they would be hoisted to load
+    time, which knows no symbolic dims."""
+    one = m.sum(m.cast(tie, I64), (0,)) * 0 + 1
+    return m.cumsum(m.expand(one, (n,)), 0) - 1
+
+
+def segment_membership(m, tokens, starts, lens):
+    """[tokens, segments] f32: 1 where token t lies in [starts[n], starts[n] + lens[n])."""
+    t = m.reshape(_iota(m, tokens, lens), (tokens, 1))
+    row = (1, starts.dims[0])
+    s = m.reshape(m.cast(starts, I64), row)
+    e = s + m.reshape(m.cast(lens, I64), row)
+    return m.cast(m.compare(t, s, "ge"), F32) * m.cast(m.compare(t, e, "lt"), F32)
+
+
+def varlen_attention_prims(m, q, k, v, starts, lens, *, scale):
+    """`attention` over all tokens with a block-diagonal keep-mask: tokens t and u attend when
+    they share a segment ((M M^T)[t, u] > 0 for the membership M). O(T^2) memory."""
+    tokens, heads = q.dims[:2]
+    mf = segment_membership(m, tokens, starts, lens)
+    keep = m.reshape(m.compare(m.matmul(mf, mf, trans_b=True), 0.5, "gt"), (1, 1, tokens, tokens))
+
+    def bhsd(x):
+        return m.transpose(m.reshape(x, (1,) + x.dims), (0, 2, 1, 3))
+
+    o = m.attention(bhsd(q), bhsd(k), bhsd(v), keep, scale=scale, mask_kind=MaskKind.CUSTOM)
+    o = m.reshape(m.transpose(o, (0, 2, 1, 3)), (tokens, heads, v.dims[2]))
+    inside = m.reshape(m.compare(m.sum(mf, (1,)), 0.5, "gt"), (tokens, 1, 1))
+    return m.where(inside, o, 0.0)          # a token in no segment: every key masked
+
+
+def segment_pool_prims(m, x, starts, lens, *, mode):
+    """mean: a membership matmul over the lengths; max: a masked max over [segments, T, D];
+    cls: a gather of each first token. Empty segments give zeros."""
+    tokens, d = x.dims
+    n = starts.dims[0]
+    nonempty = m.compare(lens, m.constant(0, lens.dtype), "gt")
+    col = m.reshape(nonempty, (n, 1))
+    if mode == "cls":
+        r = m.gather(x, m.where(nonempty, starts, 0))
+    elif mode == "mean":
+        mf = segment_membership(m, tokens, starts, lens)
+        r = m.matmul(mf, _f32(m, x), trans_a=True) / m.maximum(m.reshape(m.cast(lens, F32), (n, 1)), 1.0)
+    else:
+        mf = segment_membership(m, tokens, starts, lens)
+        keep = m.reshape(m.transpose(m.compare(mf, 0.5, "gt"), (1, 0)), (n, tokens, 1))
+        r = m.max(m.where(keep, m.reshape(x, (1, tokens, d)), float("-inf")), (1,))
+    return m.where(col, m.cast(r, x.dtype), 0.0)
+
+
 def _elementwise_replay(m, ins, program):
     slots = list(ins)
     for op, attrs_, args in program:
@@ -144,6 +196,8 @@ def _decompose(deep: bool):
         "dequant_matmul": lambda m, ins, a: _mba(
             m, ins[0], _dequantize(m, ins[1], a["scheme"], ins[0].dtype), ins[2] if len(ins) > 2 else None,
             True, a["act"]),
+        "varlen_attention": lambda m, ins, a: varlen_attention_prims(m, *ins, **a),
+        "segment_pool": lambda m, ins, a: segment_pool_prims(m, *ins, **a),
         "fake_quantize": lambda m, ins, a: _dequantize(
             m, m.add("quantize", (ins[0],), scheme=a["scheme"]), a["scheme"], ins[0].dtype),
     }

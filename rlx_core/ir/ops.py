@@ -47,6 +47,7 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "sigmoid", "tanh", "exp", "l
 INT_OK_ACTIVATIONS = ("neg", "abs", "relu", "identity")
 REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
 ROPE_STYLES = ("half", "interleaved")
+POOL_MODES = ("mean", "cls", "max")
 
 
 # ----------------------------------------------------------------- attr schemas
@@ -778,6 +779,48 @@ def _m_fused_attn_block(s, a):
     _rope_check(s[0], s[3], s[4])
     _rope_check(s[1], s[3], s[4])
     return (_attention_meta(s[:3] + s[5:], a),)
+
+
+def _segments_meta(starts: Shape, lens: Shape, what: str) -> None:
+    for t, nm in ((starts, "starts"), (lens, "lens")):
+        if t.rank != 1 or not t.dtype.is_int:
+            raise ShapeError(f"{what} {nm} must be an int vector [segments], got {t}")
+    _same_dim(starts.dims[0], lens.dims[0], f"{what} starts vs lens")
+
+
+@op("varlen_attention", ["q", "k", "v", "starts", "lens"], Level.FUSED, attrs={"scale": FLOAT})
+def _m_varlen_attention(s, a):
+    """Bidirectional attention within each segment of packed tokens (texts of a batch end to
+    end, no padding): q [T, H, D], k [T, KVH, D], v [T, KVH, Dv] (GQA: H a multiple of KVH);
+    segment i is tokens [starts[i], starts[i] + lens[i]) (disjoint, in range; empty ones
+    allowed). A token in no segment gets zeros. -> [T, H, Dv]."""
+    q, k, v = s[:3]
+    for t, nm in ((q, "q"), (k, "k"), (v, "v")):
+        if t.rank != 3:
+            raise ShapeError(f"varlen_attention {nm} must be [tokens, heads, head_dim], got {t}")
+        _float(t, "varlen_attention")
+    for i, what in ((0, "tokens"), (1, "heads")):
+        _same_dim(k.dims[i], v.dims[i], f"varlen_attention k/v {what}")
+    _same_dim(q.dims[0], k.dims[0], "varlen_attention q/k tokens")
+    _same_dim(q.dims[2], k.dims[2], "varlen_attention q/k head_dim")
+    h, kvh = q.dims[1], k.dims[1]
+    if isinstance(h, int) and isinstance(kvh, int) and (kvh == 0 or h % kvh):
+        raise ShapeError(f"varlen_attention: {h} query heads is not a multiple of {kvh} kv heads (GQA)")
+    _segments_meta(s[3], s[4], "varlen_attention")
+    return (Shape(q.dims[:2] + (v.dims[2],), q.dtype),)
+
+
+@op("segment_pool", ["x", "starts", "lens"], Level.FUSED, attrs={"mode": one_of(POOL_MODES)})
+def _m_segment_pool(s, a):
+    """Pool each segment of packed tokens x [T, D] -> [segments, D]: the mean, the first
+    token (cls) or the max over tokens [starts[i], starts[i] + lens[i]); an empty segment
+    gives zeros."""
+    x = s[0]
+    if x.rank != 2:
+        raise ShapeError(f"segment_pool x must be [tokens, features], got {x}")
+    _float(x, "segment_pool")
+    _segments_meta(s[1], s[2], "segment_pool")
+    return (Shape((s[1].dims[0], x.dims[1]), x.dtype),)
 
 
 @op("fused_elementwise", ["xs*"], Level.FUSED, attrs={"program": PROGRAM, "dtype": DTYPE},

@@ -69,7 +69,10 @@ class CudaBackend(Backend):
         return device.supported_dtypes()
 
     def supported_ops(self) -> set:
-        return {n for n, d in OPS.items() if d.level is not Level.HIR}
+        """Ops with a builder; a fused op without one (varlen_attention, segment_pool) is legalized."""
+        from .ops import BUILDERS, VIEW_BUILDERS
+
+        return {n for n, d in OPS.items() if d.level is Level.LEAF or n in BUILDERS or n in VIEW_BUILDERS}
 
     def supports_scheme(self, scheme) -> bool:
         """Whether dequant_matmul / dequantize have a kernel for this QuantScheme (or name): all do."""

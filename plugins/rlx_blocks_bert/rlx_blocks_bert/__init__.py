@@ -9,8 +9,6 @@ from rlx_core.plugins import hookimpl
 from .blocks import (BLOCKS, BertEncoderLayer, BertFlowBuilder, BertSelfAttention, BertSpec, ClsPool, Embed,
                      GatherAdd, GeluFfn, L2Normalize, MaxPool, MeanPool, NomicEncoderLayer, NomicMlp,
                      NomicSpec, ir_activation, pool_stage)
-from .kernels import (ADD_LAYER_NORM, CUSTOM_OPS, DENSE, SEGMENT_POOL, VARLEN_ATTENTION, VARLEN_QKV_ATTENTION,
-                      dense_numpy, gelu_inplace)
 from .recipes import (BertFlow, BertRecipe, NomicBertFlow, NomicBertRecipe, bert_config, encoder_tensors,
                       nomic_config)
 
@@ -22,12 +20,6 @@ def rlx_register_recipes(register):
 
 
 @hookimpl
-def rlx_register_ops(register):
-    for op in CUSTOM_OPS:
-        register(op)
-
-
-@hookimpl
 def rlx_register_blocks(register):
     for name, factory in BLOCKS.items():
         register(name, factory)
@@ -36,6 +28,4 @@ def rlx_register_blocks(register):
 __all__ = ["BertFlow", "NomicBertFlow", "BertRecipe", "NomicBertRecipe", "BertFlowBuilder", "BertSpec",
            "NomicSpec", "BertEncoderLayer", "BertSelfAttention", "NomicEncoderLayer", "NomicMlp", "GeluFfn",
            "GatherAdd", "Embed", "MeanPool", "ClsPool", "MaxPool", "L2Normalize", "bert_config",
-           "nomic_config", "encoder_tensors", "ir_activation", "pool_stage", "CUSTOM_OPS", "DENSE",
-           "VARLEN_ATTENTION", "VARLEN_QKV_ATTENTION", "SEGMENT_POOL", "ADD_LAYER_NORM", "dense_numpy",
-           "gelu_inplace"]
+           "nomic_config", "encoder_tensors", "ir_activation", "pool_stage"]

@@ -5,9 +5,13 @@ Flow inputs the blocks read (declared by the recipe), in one of two layouts:
 
 - padded (any backend): `ids`, `token_type_ids`, `positions` [B,S] (int) and `key_mask`
   [B,1,1,S] (bool, True = a real token); attention is masked by key_mask.
-- packed (backends with the bert.* custom ops' kernels): the texts of a batch concatenated
-  into `ids`, `token_type_ids`, `positions` [1,T], and `seq_starts`, `seq_lens` [N] giving each
-  text's tokens; projections see only real tokens, attention and pooling run per text.
+- packed (any backend; the default where the backend has kernels for the table's
+  `varlen_attention` and `segment_pool`): the texts of a batch concatenated into `ids`,
+  `token_type_ids`, `positions` [1,T], and `seq_starts`, `seq_lens` [N] giving each text's
+  tokens; projections see only real tokens, attention and pooling run per text.
+
+The blocks emit plain IR (`linear`, `layer_norm(x + residual)`, ...); the fused kernels those
+become (matmul epilogues, residual + LayerNorm) are the backends' business.
 
 Keys are the checkpoint's own (HF) names, relative to the layer prefix inside a layer.
 """
@@ -18,7 +22,7 @@ import math
 import attrs
 
 from rlx_core.flow import AttnSpec, ModelFlow
-from rlx_core.flow.blocks import Input, LayerNorm, SetState, Tap, rope_for
+from rlx_core.flow.blocks import Input, LayerNorm, Tap, rope_for
 from rlx_core.flow.flow import LayerScope
 from rlx_core.ir.dtype import BOOL, I64
 from rlx_core.ir.errors import ModelError
@@ -95,26 +99,11 @@ class NomicSpec:
 
 
 # ------------------------------------------------------------------------------ helpers
-CUSTOM_KERNELS = "bert.custom_kernels"      # ctx.state key: emit the bert.dense custom op
-
-
-def activation(ctx, x, fn: str):
-    return ctx.m.act(x, fn)
-
-
 def dense(ctx, x, w, b=None, act: str = "identity"):
-    """act(x @ w^T + b): the generic `linear` (+ activation), or the `bert.dense` custom op when
-    the flow asked for custom kernels (the backend has one; see kernels.py). The custom op
-    takes w^T [K, N]: the transpose of a weight is hoisted to load time, and BLAS runs
-    about 5% faster on a contiguous [K, N] operand than on the transposed HF [N, K] one."""
-    m = ctx.m
-    if ctx.state.get(CUSTOM_KERNELS):
-        from .kernels import NAME
-
-        wt = m.transpose(w, (1, 0))
-        return m.custom(NAME, *((x, wt) if b is None else (x, wt, b)), act=act, wt=True)
-    y = m.linear(x, w, b)
-    return y if act == "identity" else m.act(y, act)
+    """act(x @ w^T + b) with an HF-layout weight: `linear` (+ the activation), which fusion
+    makes one matmul with a bias/activation epilogue."""
+    y = ctx.m.linear(x, w, b)
+    return y if act == "identity" else ctx.m.act(y, act)
 
 
 def _heads(m, t, heads: int, d: int):
@@ -128,10 +117,9 @@ def _merge(m, o):
     return m.reshape(m.transpose(o, (0, 2, 1, 3)), (b, s, h * d))
 
 
-def _split_qkv(m, qkv, heads: int, d: int):
-    """A fused projection [B,S,3*heads*d] ([q; k; v] along the last axis) -> q, k, v [B,h,S,d]."""
-    n = heads * d
-    return tuple(_heads(m, m.narrow(qkv, 2, i * n, n), heads, d) for i in range(3))
+def _split(m, qkv, n: int) -> tuple:
+    """A fused projection [B,S,3n] ([q; k; v] along the last axis) -> q, k, v [B,S,n] (views)."""
+    return tuple(m.narrow(qkv, 2, i * n, n) for i in range(3))
 
 
 def _segments(ctx):
@@ -140,23 +128,39 @@ def _segments(ctx):
     return None if starts is None else (starts, ctx.inputs["seq_lens"])
 
 
-def _attend(ctx, q, k, v):
-    """Bidirectional attention: within each text of a packed flow (bert.varlen_attention), or
-    over the key padding mask of a padded one (no causal mask)."""
-    scale = 1.0 / math.sqrt(q.dims[-1])
+def _attend(ctx, q, k, v, heads: int, rope=None):
+    """Bidirectional self-attention of projections q, k, v [B,S,heads*d] -> [B,S,heads*d]:
+    within each text of a packed flow (`varlen_attention` on tokens-major [T, heads, d]
+    views: no transposes), or over the key padding mask of a padded one. `rope` = (cos, sin,
+    style) rotates q and k first (tables [B,S,R/2] at the flow's positions)."""
+    m = ctx.m
+    b, s, n = q.dims
+    d = n // heads
+    scale = 1.0 / math.sqrt(d)
     seg = _segments(ctx)
     if seg is not None:
-        from .kernels import VARLEN
-
-        return ctx.m.custom(VARLEN, q, k, v, *seg, scale=scale)
-    mask = ctx.inputs.get("key_mask")
-    return ctx.m.attention(q, k, v, mask, None, scale=scale, mask_kind=MaskKind.NONE)
+        qt, kt, vt = (m.reshape(t, (s, heads, d)) for t in (q, k, v))
+        if rope is not None:
+            # each token a batch row of one position: [T, heads, 1, d] against tables [T, 1, R/2]
+            cos, sin, style = rope
+            tab = [m.reshape(t, (s, 1, t.dims[-1])) for t in (cos, sin)]
+            qt, kt = (m.reshape(m.rope(m.reshape(t, (s, heads, 1, d)), *tab, style), (s, heads, d))
+                      for t in (qt, kt))
+        o = m.add("varlen_attention", (qt, kt, vt) + seg, scale=scale)
+        return m.reshape(o, (b, s, n))
+    qh, kh, vh = (_heads(m, t, heads, d) for t in (q, k, v))
+    if rope is not None:
+        cos, sin, style = rope
+        qh, kh = m.rope(qh, cos, sin, style), m.rope(kh, cos, sin, style)
+    o = m.attention(qh, kh, vh, ctx.inputs.get("key_mask"), None, scale=scale, mask_kind=MaskKind.NONE)
+    return _merge(m, o)
 
 
 def _segment_pool(ctx, x, mode):
-    from .kernels import SEGPOOL
-
-    return ctx.m.custom(SEGPOOL, x, *_segments(ctx), mode=mode)
+    """The table's `segment_pool` of a packed flow's [1, T, H] -> [texts, H]."""
+    m = ctx.m
+    flat = m.reshape(x, x.dims[1:])
+    return m.add("segment_pool", (flat,) + _segments(ctx), mode=mode)
 
 
 def _mask_f(ctx, x):
@@ -240,30 +244,18 @@ class BertSelfAttention:
         bs = [ctx.param(f"{p}.self.{n}.bias", shp_b) for n in ("query", "key", "value")]
         if s.fused_qkv:
             # a concat of params: hoisted to load time by the pipeline, one matmul per layer
-            qkv = dense(ctx, x, m.concat(ws, 0), m.concat(bs, 0))
-            seg = _segments(ctx)
-            if seg is not None:            # packed: heads split inside the kernel, no transposes
-                from .kernels import VARLEN_QKV
-
-                o = m.custom(VARLEN_QKV, qkv, *seg, heads=s.heads, scale=1.0 / math.sqrt(s.head_dim))
-                return dense(ctx, o, ctx.param(f"{p}.output.dense.weight", shp_w),
-                             ctx.param(f"{p}.output.dense.bias", shp_b))
-            q, k, v = _split_qkv(m, qkv, s.heads, s.head_dim)
+            q, k, v = _split(m, dense(ctx, x, m.concat(ws, 0), m.concat(bs, 0)), s.hidden)
         else:
-            q, k, v = (_heads(m, dense(ctx, x, w, b), s.heads, s.head_dim) for w, b in zip(ws, bs))
-        o = _merge(m, _attend(ctx, q, k, v))
+            q, k, v = (dense(ctx, x, w, b) for w, b in zip(ws, bs))
+        o = _attend(ctx, q, k, v, s.heads)
         return dense(ctx, o, ctx.param(f"{p}.output.dense.weight", shp_w),
                      ctx.param(f"{p}.output.dense.bias", shp_b))
 
 
 def _add_norm(ctx, y, residual, key, eps):
-    """LayerNorm(y + residual) (bert.add_layer_norm with custom kernels)."""
+    """LayerNorm(y + residual): fusion makes it one fused_residual_ln."""
     d = y.dims[-1]
     g, b = ctx.param(f"{key}.weight", (d,)), ctx.param(f"{key}.bias", (d,))
-    if ctx.state.get(CUSTOM_KERNELS):
-        from .kernels import ADD_LN
-
-        return ctx.m.custom(ADD_LN, y, residual, g, b, eps=float(eps))
     return ctx.m.layer_norm(y + residual, g, b, eps=eps)
 
 
@@ -296,7 +288,7 @@ class NomicMlp:
 
         if s.mlp == "plain":
             return lin("fc2", lin("fc1", x, inter, s.fc1_bias, s.act), d, s.fc2_bias)
-        if s.act == "silu" and not s.fc1_bias and not s.fc2_bias and not ctx.state.get(CUSTOM_KERNELS):
+        if s.act == "silu" and not s.fc1_bias and not s.fc2_bias:
             up = ctx.param(f"{p}.fc11.weight", (inter, d))
             gate = ctx.param(f"{p}.fc12.weight", (inter, d))
             return m.swiglu(x, gate, up, ctx.param(f"{p}.fc2.weight", (d, inter)))
@@ -321,11 +313,9 @@ class NomicEncoderLayer:
         p = ctx.key("attn")
         w = ctx.param(f"{p}.Wqkv.weight", (3 * s.hidden, s.hidden))
         b = ctx.param(f"{p}.Wqkv.bias", (3 * s.hidden,)) if s.qkv_bias else None
-        q, k, v = _split_qkv(m, dense(ctx, x, w, b), s.heads, s.head_dim)
-        if s.rotary_dim:
-            cos, sin = rope_for(ctx, self._rope_spec())
-            q, k = m.rope(q, cos, sin, s.rope_style), m.rope(k, cos, sin, s.rope_style)
-        o = _merge(m, _attend(ctx, q, k, v))
+        q, k, v = _split(m, dense(ctx, x, w, b), s.hidden)
+        rope = (*rope_for(ctx, self._rope_spec()), s.rope_style) if s.rotary_dim else None
+        o = _attend(ctx, q, k, v, s.heads, rope)
         wo = ctx.param(f"{p}.out_proj.weight", (s.hidden, s.hidden))
         bo = ctx.param(f"{p}.out_proj.bias", (s.hidden,)) if s.qkv_bias else None
         h = _add_norm(ctx, dense(ctx, o, wo, bo), x, ctx.key("norm1"), s.eps)
@@ -421,14 +411,10 @@ class BertFlowBuilder(ModelFlow):
             self._add(Input("positions", (batch, seq), I64))
         return self._add(Input("key_mask", (batch, 1, 1, seq), BOOL))
 
-    def custom_kernels(self, on: bool = True) -> "BertFlowBuilder":
-        """Emit the `bert.dense` custom op for projections (only for a backend that has its kernel)."""
-        return self._add(SetState(CUSTOM_KERNELS, bool(on)))
-
     def packed_inputs(self, tokens="tokens", seqs="seqs", token_types: bool = True,
                       positions: bool = True) -> "BertFlowBuilder":
         """The packed layout: ids, token_type_ids, positions [1, tokens] (i64), the texts' token
-        ranges seq_starts, seq_lens [seqs] (i64). Needs the bert.* custom ops' kernels."""
+        ranges seq_starts, seq_lens [seqs] (i64)."""
         self._add(Input("ids", (1, tokens), I64))
         if token_types:
             self._add(Input("token_type_ids", (1, tokens), I64))

@@ -11,6 +11,7 @@ from rlx_core.weights.config import check_config, config_source
 
 from .blocks import BertFlowBuilder, BertSpec, NomicSpec, ir_activation, pool_stage
 
+PACKED_OPS = {"varlen_attention", "segment_pool"}     # the packed layout's per-text ops
 # heads of BertFor*/NomicBertFor* checkpoints: the encoder does not use them
 HEADS = ("cls.", "classifier.", "qa_outputs.", "lm_head.", "pooler.")
 
@@ -224,8 +225,7 @@ class BertFlow(_Hooks):
     family = "bert"
 
     def __init__(self, cfg: dict, batch="batch", seq="seq", pooling: str = "mean", fused_qkv: bool = True,
-                 custom_kernels: bool = False, layout: str = "padded"):
-        self.custom = bool(custom_kernels)
+                 layout: str = "padded"):
         self.layout = _layout(layout)
         self.cfg = dict(cfg)
         self.c = bert_config(self.cfg)
@@ -243,8 +243,6 @@ class BertFlow(_Hooks):
         c = self.c
         f = BertFlowBuilder(self.name, "encoder.layer")
         f.profile(self._profile)
-        if self.custom:
-            f.custom_kernels()
         self._inputs(f, c["type_vocab"] > 0)
         f.embed("embeddings.word_embeddings.weight", c["vocab"], c["hidden"])
         f.gather_add("positions", "embeddings.position_embeddings.weight", c["max_positions"])
@@ -268,8 +266,7 @@ class NomicBertFlow(_Hooks):
     family = "nomic_bert"
 
     def __init__(self, cfg: dict, batch="batch", seq="seq", pooling: str = "mean",
-                 custom_kernels: bool = False, layout: str = "padded"):
-        self.custom = bool(custom_kernels)
+                 layout: str = "padded"):
         self.layout = _layout(layout)
         self.cfg = dict(cfg)
         self.c = nomic_config(self.cfg)
@@ -289,8 +286,6 @@ class NomicBertFlow(_Hooks):
         c = self.c
         f = BertFlowBuilder(self.name, "encoder.layers")
         f.profile(self._profile)
-        if self.custom:
-            f.custom_kernels()
         self._inputs(f, c["type_vocab"] > 0)
         f.embed("embeddings.word_embeddings.weight", c["vocab"], c["hidden"])
         if c["absolute_positions"]:
@@ -326,23 +321,17 @@ class BertRecipe:
         return int(self.config(cfg)["hidden"])
 
     def flow(self, cfg: dict, pooling: str = "mean", taps: bool = False, backend=None,
-             custom_kernels: bool | None = None, layout: str | None = None, **kw):
-        """The encoder flow. custom_kernels=None: the bert.* custom ops when `backend` has
-        kernels for them (the NumPy backend does), else generic IR ops only. layout: "padded"
-        ([batch, seq] + key mask; any backend) or "packed" (texts concatenated into one row
-        of tokens, no padding; needs the custom ops); None picks packed when they are there."""
-        from .kernels import CUSTOM_OPS
-
-        have = backend is not None and not isinstance(backend, str) and all(
-            backend.supports_custom(op.name) for op in CUSTOM_OPS)
-        if custom_kernels is None:
-            custom_kernels = have
+             layout: str | None = None, **kw):
+        """The encoder flow. layout: "padded" ([batch, seq] + key mask) or "packed" (texts
+        concatenated into one row of tokens, no padding; attention and pooling per text by
+        the table's varlen_attention and segment_pool). Both run on any backend; None picks
+        packed where `backend` has kernels for those two ops (a backend that legalizes them
+        would attend over all tokens of a batch with a mask: padded is cheaper there)."""
         if layout is None:
-            layout = "packed" if custom_kernels and have else "padded"
-        if layout == "packed" and not custom_kernels:
-            raise ModelError("the packed layout needs the bert.* custom kernels (custom_kernels=True)")
-        return self.flow_class(cfg, pooling=pooling, custom_kernels=custom_kernels, layout=layout,
-                               **kw).taps(taps).flow()
+            native = backend is not None and not isinstance(backend, str) and \
+                PACKED_OPS <= backend.supported_ops()
+            layout = "packed" if native else "padded"
+        return self.flow_class(cfg, pooling=pooling, layout=layout, **kw).taps(taps).flow()
 
     def tensors(self, tensors) -> dict:
         return encoder_tensors(tensors)
@@ -364,4 +353,4 @@ class NomicBertRecipe(BertRecipe):
 
 
 __all__ = ["BertFlow", "NomicBertFlow", "BertRecipe", "NomicBertRecipe", "bert_config", "nomic_config",
-           "encoder_tensors", "NOMIC_MLP", "HEADS"]
+           "encoder_tensors", "NOMIC_MLP", "HEADS", "PACKED_OPS"]

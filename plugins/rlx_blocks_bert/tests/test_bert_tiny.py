@@ -1,13 +1,20 @@
 """BERT against HF transformers: tiny random BertModel configs built in-process (absolute
-positions, token types, several shapes and activations), padded and packed layouts, the
-bert.dense kernels and the generic IR ops, and the fusion policies."""
+positions, token types, several shapes and activations), padded and packed layouts (the
+latter with the backends' own varlen kernels, and legalized), and the fusion policies."""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import rlx_core
+from rlx_core.pipeline import available_backends
 from rlx_core.runtime.encoder import Encoder
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+parity = pytest.importorskip("parity")
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -81,14 +88,28 @@ def test_last_hidden_state_matches_hf(tiny, rng):
     assert np.abs(enc.hidden_states(ids, mask, types) - _hf_out(hf, ids, types, mask)).max() <= 1e-4
 
 
-def test_packed_layout_matches_hf(tiny, rng):
+def _cpu_backends() -> list:
+    ok = {b.name for b, avail, _ in available_backends() if avail}
+    return ["numpy", "legalized"] + [pytest.param("numba", marks=pytest.mark.skipif(
+        "numba" not in ok, reason="the numba backend is not available here"))]
+
+
+@pytest.mark.parametrize("backend", _cpu_backends())
+def test_packed_layout_matches_hf(tiny, rng, backend):
+    """Packed runs on the NumPy and numba kernels of varlen_attention / segment_pool, and on a
+    backend without them (legalized into attention with a block-diagonal mask)."""
     name, hf, enc = tiny
     lens = [7, 1, 12, 3]
     ids, types, mask = _batch(rng, lens, TINY[name]["type_vocab_size"])
     ref = _hf_out(hf, ids, types, mask)
-    exe = enc.executable("packed")
-    rows = [(list(ids[b, :n]), list(types[b, :n])) for b, n in enumerate(lens)]
-    out = enc._run_packed(exe, rows, 6)
+    with parity.numpy_without({"varlen_attention", "segment_pool"}, "legalized"):
+        if backend != "numpy":
+            enc = Encoder(enc.recipe, enc.config, enc.tensors, backend=backend, flow_options={"layout": "packed"})
+        exe = enc.executable("packed")
+        ops = {n.op for n in exe.mir.nodes}
+        assert ("varlen_attention" in ops) == (backend != "legalized"), sorted(ops)
+        rows = [(list(ids[b, :n]), list(types[b, :n])) for b, n in enumerate(lens)]
+        out = enc._run_packed(exe, rows, 6)
     h = out["last_hidden_state"][0]
     at = 0
     for b, n in enumerate(lens):
@@ -112,9 +133,9 @@ def test_embed_matches_hf_mean_pooling(tiny, rng):
         np.testing.assert_allclose(enc.embed(rows, batch_size=bs, normalize=False), pooled, atol=1e-4)
 
 
-@pytest.mark.parametrize("options", [{"custom_kernels": False}, {"custom_kernels": True, "layout": "padded"},
-                                     {"custom_kernels": False, "fused_qkv": False}])
-def test_kernels_and_generic_ops_agree(tiny, rng, options):
+@pytest.mark.parametrize("options", [{"layout": "padded"}, {"layout": "padded", "fused_qkv": False},
+                                     {"layout": "packed", "fused_qkv": False}])
+def test_layouts_and_projections_agree(tiny, rng, options):
     name, hf, enc = tiny
     other = Encoder(enc.recipe, enc.config, enc.tensors, backend="numpy", flow_options=options)
     lens = [6, 11, 2]
@@ -129,8 +150,7 @@ def test_kernels_and_generic_ops_agree(tiny, rng, options):
 @pytest.mark.parametrize("profile", ["fusable", "unfused", "debug"])
 def test_fusion_policies_give_the_same_result(tiny, rng, profile):
     name, hf, enc = tiny
-    other = Encoder(enc.recipe, enc.config, enc.tensors, backend="numpy", profile=profile,
-                    flow_options={"custom_kernels": False})
+    other = Encoder(enc.recipe, enc.config, enc.tensors, backend="numpy", profile=profile)
     ids, types, mask = _batch(rng, [9, 4], TINY[name]["type_vocab_size"])
     ref = _hf_out(hf, ids, types, mask)
     got = other.hidden_states(ids, mask, types)

@@ -230,14 +230,21 @@ def test_embed_command_by_name(minilm_path):
     assert emb.shape == (1, 384) and abs(np.linalg.norm(emb) - 1) > 1e-3    # not normalized
 
 
-# ------------------------------------------------------------------------------ kernels
-def test_custom_kernel_and_generic_ops_agree(minilm_path, enc):
-    gen = rlx_core.load(minilm_path, backend="numpy", progress=False, flow_options={"custom_kernels": False})
-    ops = {n.op for n in gen.executable().mir.nodes}
-    assert "custom" not in ops
-    assert any(n.op == "custom" for n in enc.executable().mir.nodes)
+# ------------------------------------------------------------------------------ the graph
+def test_plain_ir_fused_for_the_backend(minilm_path, enc):
+    """The blocks emit plain IR; fusion makes each projection one matmul with its bias (and
+    GELU) epilogue and each post-norm residual one fused_residual_ln; packed attention and
+    pooling are the table's varlen_attention and segment_pool. Padded runs agree."""
+    ops = [n.op for n in enc.executable().mir.nodes]
+    assert "custom" not in ops and "linear" not in ops and "layer_norm" not in ops, sorted(set(ops))
+    mba = [n for n in enc.executable().mir.nodes if n.op == "fused_matmul_bias_act"]
+    assert len(mba) == 6 * 4 and sum(n.a["act"] == "gelu" for n in mba) == 6
+    assert ops.count("fused_residual_ln") >= 6 * 2
+    assert ops.count("varlen_attention") == 6 and ops.count("segment_pool") == 1
+    padded = rlx_core.load(minilm_path, backend="numpy", progress=False, flow_options={"layout": "padded"})
+    assert padded.layout == "padded"
     texts = sentences(12, seed=3)[:11]              # up to 144 words: no truncation
-    np.testing.assert_allclose(gen.embed(texts), enc.embed(texts), atol=2e-6)
+    np.testing.assert_allclose(padded.embed(texts), enc.embed(texts), atol=2e-6)
 
 
 def test_concurrent_parts_match_one_run(minilm_path):
