@@ -66,7 +66,7 @@ def catalog() -> list:
     out.append(("kv_write", S.render(S.KV_WRITE, T="__nv_bfloat16", TP="int", DIMS_ARGS=dims, NSTR_ARGS=ns,
                                      CSTR_ARGS=cs, DECOMP=dec, AXIS=2), "rlx_kv_write"))
     # packed weights: every scheme, decode GEMV and dequantize, at each row alignment
-    for kind, blk in [(k, 32) for k in S.DQ_SCHEMES] + [("int8", 64), ("int4", 128)]:
+    for kind, blk in [(k, 256 if k.endswith("_k") else 32) for k in S.DQ_SCHEMES] + [("int8", 64), ("int4", 8192)]:
         for al, t, mmax in ((16, "__nv_bfloat16", 1), (4, "float", 8), (2, "__half", 2)):
             out.append((f"dq_gemv {kind} {al} {t}", S.dq_source(
                 S.DQ_GEMV, kind, blk, T=t, TO=t, TB=t, ACC="float", A=al, MMAX=mmax, R=4 if mmax < 4 else 2, U=2,
@@ -74,8 +74,11 @@ def catalog() -> list:
         out.append((f"dq_gemv {kind} f64", S.dq_source(S.DQ_GEMV, kind, blk, T="double", TO="double", TB="double", ACC="double",
                                                        A=8, MMAX=1, R=4, U=2, KW=8, XV=0, SWIGLU=1, EPILOGUE=""), "rlx_dq_gemv"))
         for t, acc in (("float", "float"), ("__nv_bfloat16", "float"), ("double", "double")):
-            out.append((f"dequant {kind} {t}", S.dq_source(S.DQ_DEQUANT, kind, blk, TO=t, ACC=acc, A=4),
-                        "rlx_dequant"))
+            staged = S.dq_dequant_shape(kind, blk, 8 if acc == "double" else 4)
+            for stage in range(staged["STAGE"] + 1):
+                shape = dict(staged, STAGE=stage)
+                out.append((f"dequant {kind} {t} {stage}", S.dq_source(S.DQ_DEQUANT, kind, blk, TO=t, ACC=acc, A=4,
+                                                                       YV=stage, **shape), "rlx_dequant"))
     # elementwise programs over every op kind and dtype mix
     progs = [
         ((("binary", (("op", "add"),), (0, 1)), ("activation", (("fn", "gelu"),), (2,))), [BF16, BF16], BF16),

@@ -324,11 +324,21 @@ def _b_dequantize(b, n, ins, outs):
     rows, nb = out.size // K, K // s.block
     w, wrs, al = _packed(b, ins[0], rows, ins[0].shape[-1])
     dst = out if out.contiguous() else b.buffer(out.shape, out.dt)
-    fn = _dq_kernel(b, sources.DQ_DEQUANT, s, "rlx_dequant", TO=ctype(out.dt), ACC=acc_of(out.dt), A=al)
-    units = rows * nb * sources.dq_parts(s.kind, s.block)
-    b.launch(fn, _grid(units, b.sms), (256,), (w.arr, i64(wrs), dst.arr, i64(K), i64(rows), i32(nb)))
+    _dq_rows(b, s, w.arr, wrs, al, dst.arr, dst.dt, rows, nb)
     if dst is not out:
         b.copy(dst, out)
+
+
+def _dq_rows(b, s, w, wrs, al, y, dt: DType, rows: int, nb: int) -> None:
+    """The DQ_DEQUANT launch: packed rows w (row stride wrs) into the contiguous y [rows, K]."""
+    shape = sources.dq_dequant_shape(s.kind, s.block, y.itemsize)
+    fn = _dq_kernel(b, sources.DQ_DEQUANT, s, "rlx_dequant", TO=ctype(dt), ACC=acc_of(dt), A=al,
+                    YV=int(y.data.ptr % 16 == 0), **shape)
+    if shape["STAGE"]:
+        grid = (max(1, min(-(-rows * nb // shape["BPT"]), b.sms * 16)),)
+    else:
+        grid = _grid(rows * nb * sources.dq_parts(s.kind, s.block), b.sms)
+    b.launch(fn, grid, (shape["THREADS"],), (w, i64(wrs), y, i64(rows), i32(nb)))
 
 
 def _b_dequant_matmul(b, n, ins, outs):
@@ -417,7 +427,6 @@ def _dq_gemm(b, s, x: V, xrs, w: V, wrs, al, out: V, M, N, K):
     b.keep.append(mem)                     # a grown scratch must outlive the launches that point at it
     scratch = cp.ndarray((tile, K), sd, memptr=mem)
     nb = K // s.block
-    fn = _dq_kernel(b, sources.DQ_DEQUANT, s, "rlx_dequant", TO=ctype(od), ACC=acc_of(od), A=al)
     from . import blas as cublas
 
     dtype_c = getattr(cp.cuda.runtime, _CUDA_T[od])
@@ -427,11 +436,9 @@ def _dq_gemm(b, s, x: V, xrs, w: V, wrs, al, out: V, M, N, K):
     b.keep += [alpha, beta]
     lib, handle, stream = cublas.library(), cublas.handle(), b.stream
     isz = out.arr.itemsize
-    parts = sources.dq_parts(s.kind, s.block)
     for r0 in range(0, N, tile):
         t = min(tile, N - r0)
-        b.launch(fn, _grid(t * nb * parts, b.sms), (256,),
-                 (w.arr[r0:r0 + t], i64(wrs), scratch, i64(K), i64(t), i32(nb)))
+        _dq_rows(b, s, w.arr[r0:r0 + t], wrs, al, scratch, od, t, nb)
         args = (t, M, K, alpha.ctypes.data, scratch.data.ptr, dtype_c, K, x.arr.data.ptr, dtype_c, xrs,
                 beta.ctypes.data, out.arr.data.ptr + r0 * isz, dtype_c, N, compute)
 

@@ -1392,28 +1392,55 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const $T* __restri
 }
 """
 
-# Dequantize rows: y[row, :K] (row stride yrs) = the decoded weights; one thread per part.
+# Dequantize rows into a contiguous y [rows, K]. STAGE: a tile of $BPT blocks (one run of
+# elements of y) is decoded into shared memory, a part per thread, then written with 16-byte
+# stores ($YV) so the writes coalesce (a part's own runs are scattered over its block); blocks
+# too large for a tile are decoded straight into y.
 DQ_DEQUANT = r"""
-extern "C" __global__ void rlx_dequant(const u8* __restrict__ w, long long wrs, $TO* __restrict__ y,
-    long long yrs, long long rows, int nb) {
-  const i64 units = (i64)nb * PARTS, total = rows * units;
-  for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < total; t += (i64)gridDim.x * blockDim.x) {
-    const i64 row = t / units;
-    const int uu = (int)(t - row * units), blk = uu / PARTS, p = uu % PARTS;
-    const rlx_raw q = rlx_load(w + row * wrs + (i64)blk * BPB, p);
-    $TO* yr = y + row * yrs + (i64)blk * BLK;
+extern "C" __global__ void __launch_bounds__($THREADS) rlx_dequant(const u8* __restrict__ w, long long wrs,
+    $TO* __restrict__ y, long long rows, int nb) {
+  const i64 blocks = rows * nb;
+#if $STAGE
+  __shared__ __align__(16) $TO tile[$BPT * BLK];
+  for (i64 g0 = (i64)blockIdx.x * $BPT; g0 < blocks; g0 += (i64)gridDim.x * $BPT) {
+    const int nbl = (int)min((i64)$BPT, blocks - g0);
+    for (int t = threadIdx.x; t < nbl * PARTS; t += blockDim.x) {
+      const int lb = t / PARTS, p = t % PARTS;
+      const i64 g = g0 + lb, row = g / nb;
+      const rlx_raw q = rlx_load(w + row * wrs + (g - row * nb) * BPB, p);
+      $TO* yr = tile + lb * BLK;
+#else
+  for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < blocks * PARTS; t += (i64)gridDim.x * blockDim.x) {
+    {
+      const i64 g = t / PARTS, row = g / nb;
+      const int p = (int)(t % PARTS);
+      const rlx_raw q = rlx_load(w + row * wrs + (g - row * nb) * BPB, p);
+      $TO* yr = y + g * BLK;
+#endif
 #pragma unroll
-    for (int k = 0; k < RUNS; ++k) {
-      W d, mn = 0;
-      rlx_scale(q, p, k, &d, &mn);
-      const u32 qw = rlx_qword(q, p, k);
-      const int o = rlx_run_off(p, k);
+      for (int k = 0; k < RUNS; ++k) {
+        W d, mn = 0;
+        rlx_scale(q, p, k, &d, &mn);
+        const u32 qw = rlx_qword(q, p, k);
+        const int o = rlx_run_off(p, k);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const W qf = (W)rlx_qf(qw, i);
-        yr[o + i] = ST($TO, HAS_MIN ? qf * d + mn : qf * d);
+        for (int i = 0; i < 4; ++i) {
+          const W qf = (W)rlx_qf(qw, i);
+          yr[o + i] = ST($TO, HAS_MIN ? qf * d + mn : qf * d);
+        }
       }
     }
+#if $STAGE
+    __syncthreads();
+    $TO* dst = y + g0 * BLK;
+    const int n = nbl * BLK;
+#if $YV
+    for (int i = threadIdx.x; i < n * (int)sizeof($TO) / 16; i += blockDim.x) ((uint4*)dst)[i] = ((const uint4*)tile)[i];
+#else
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = tile[i];
+#endif
+    __syncthreads();
+#endif
   }
 }
 """
@@ -1423,6 +1450,14 @@ def dq_source(kernel: str, kind: str, block: int, **subs) -> str:
     """A packed-weight kernel (DQ_GEMV / DQ_DEQUANT) for scheme `kind` (block: the int
     schemes' block size)."""
     return render(DQ_COMMON + DQ_SCHEMES[kind] + DQ_QF + kernel, IB=block, **subs)
+
+
+def dq_dequant_shape(kind: str, block: int, itemsize: int) -> dict:
+    """STAGE, BPT (blocks per tile), THREADS of DQ_DEQUANT: tiles of 4096 weights (one block
+    where blocks are larger) staged in shared memory up to 32 KiB, else no staging."""
+    bpt = max(1, 4096 // block)
+    stage = int(bpt * block * itemsize <= 32768)
+    return {"STAGE": stage, "BPT": bpt, "THREADS": min(bpt * dq_parts(kind, block), 512) if stage else 256}
 
 
 def dq_parts(kind: str, block: int) -> int:

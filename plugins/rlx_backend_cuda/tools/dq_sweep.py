@@ -45,13 +45,16 @@ def main(schemes):
             w = cp.asarray(raw)
             nb = K // s.block_size
             deq = cp.empty((N, K), cp.float32)
+            shape = sources.dq_dequant_shape(s.kind, s.block_size, 4)
             kd = cp.RawKernel(sources.dq_source(sources.DQ_DEQUANT, s.kind, s.block_size, TO="float", ACC="float",
-                                                A=16), "rlx_dequant")
-            kd((1024,), (256,), (w, np.int64(raw.shape[1]), deq, np.int64(K), np.int64(N), np.int32(nb)))
+                                                A=16, YV=1, **shape), "rlx_dequant")
+            dargs = (w, np.int64(raw.shape[1]), deq, np.int64(N), np.int32(nb))
+            dgrid = (min(-(-N * nb // shape["BPT"]), 132 * 16),)
+            td = graph_time(lambda: kd(dgrid, (shape["THREADS"],), dargs))
             want = s.dequantize(raw[:64], (64, K))          # equal up to FMA contraction
             derr = float(np.abs(deq[:64].get() - want).max() / np.abs(want).max())
             ref = (deq.astype(cp.float64) @ cp.asarray(xh.astype(np.float64)).T).T
-            line = [f"  {sn:5s} {raw.nbytes / 1e6:6.1f} MB dequant err {derr:.1g}"]
+            line = [f"  {sn:5s} {raw.nbytes / 1e6:6.1f} MB dequant err {derr:.1g} {deq.nbytes / td / 1e9:5.0f} GB/s f32 written"]
             mmax, kw, _ = dq_gemv_shape(s.kind, s.block_size, 1, K)
             yo = cp.empty((1, N), cp.float32)
             for r, u in VARIANTS:
