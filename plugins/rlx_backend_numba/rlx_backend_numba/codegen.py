@@ -44,6 +44,10 @@ ACT = {
     "rsqrt": "T(1.0) / math.sqrt(x)", "neg": "-x", "abs": "abs(x)", "sin": "math.sin(x)",
     "cos": "math.cos(x)", "recip": "T(1.0) / x", "identity": "x",
 }
+# f32 overrides: libm's erf is a call per element, which keeps a loop scalar (a matmul's GELU
+# epilogue cost as much as the GEMM); erf32 (in every generated module) is a clamped rational
+# approximation, |error| < 5e-7, that vectorizes.
+ACT_F32 = {"gelu": "T(0.5) * x * (T(1.0) + erf32(x * T(0.7071067811865476)))"}
 BINARY = {"add": "a + b", "sub": "a - b", "mul": "a * b", "div": "a / b", "pow": "a ** b",
           "max": "(a if (a > b or a != a) else b)", "min": "(a if (a < b or a != a) else b)"}
 COMPARE = {"eq": "a == b", "ne": "a != b", "lt": "a < b", "le": "a <= b", "gt": "a > b", "ge": "a >= b"}
@@ -93,7 +97,7 @@ def _step(op: str, a: dict, args: list, out: DType, k: int, lines: list) -> str 
         return f"({_conv(x, dx, out)} if {c} else {_conv(y, dy, out)})" if dc is BOOL else None
     if op == "activation" and a["fn"] in ACT:
         lines.append(f"x{k} = {_conv(args[0][0], dts[0], out)}")
-        return _sub(ACT[a["fn"]], x=f"x{k}", T=t)
+        return _sub((ACT_F32 if out is F32 else ACT).get(a["fn"], ACT[a["fn"]]), x=f"x{k}", T=t)
     if op in ("binary", "fused_swiglu"):
         expr = BINARY.get(a.get("op")) if op == "binary" else SWIGLU
         if expr is None:
@@ -110,6 +114,24 @@ import numpy as np
 from numba import njit, prange
 f32 = np.float32
 f64 = np.float64
+
+
+@njit(cache=True, fastmath=False, error_model="numpy")
+def erf32(x):
+    x = x if x < f32(4.0) else f32(4.0)
+    x = x if x > f32(-4.0) else f32(-4.0)
+    x2 = x * x
+    p = x2 * f32(-2.72614225801306e-10) + f32(2.77068142495902e-08)
+    p = p * x2 + f32(-2.10102402082508e-06)
+    p = p * x2 + f32(-5.69250639462346e-05)
+    p = p * x2 + f32(-7.34990630326855e-04)
+    p = p * x2 + f32(-2.95459980854025e-03)
+    p = p * x2 + f32(-1.60960333262415e-02)
+    q = x2 * f32(-1.45660718464996e-05) + f32(-2.13374055278905e-04)
+    q = q * x2 + f32(-1.68282697438203e-03)
+    q = q * x2 + f32(-7.37332916720468e-03)
+    q = q * x2 + f32(-1.42647390514189e-02)
+    return x * p / q
 """
 
 
@@ -285,5 +307,5 @@ def epilogue_step(out: np.ndarray, bias: list, act: str):
     return None if step is None else (lambda *b: step(None, None, out, *b))
 
 
-__all__ = ["ACT", "epilogue_step", "BINARY", "COMPARE", "elementwise_source", "elementwise_step", "load_source",
+__all__ = ["ACT", "ACT_F32", "epilogue_step", "BINARY", "COMPARE", "elementwise_source", "elementwise_step", "load_source",
            "plan_operands", "cache_dir", "step_dtypes"]

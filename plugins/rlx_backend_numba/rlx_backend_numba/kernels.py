@@ -219,7 +219,10 @@ def attention_ser(q, k, v, keep, bias, pos, o, scale, softcap, causal, window, u
 @njit(**_OPT)
 def _varlen_task(t, q, k, v, starts, lens, o, scale, ninf):
     """Task t = (segment t // H, head t % H): each query row of the segment over the
-    segment's keys only (q [T, H, D], k/v [T, KVH, D|Dv]; a kv head serves H/KVH heads)."""
+    segment's keys only (q [T, H, D], k/v [T, KVH, D|Dv]; a kv head serves H/KVH heads).
+    The segment's keys, values and each query row are copied into contiguous buffers first:
+    the inputs are usually strided views of one fused projection, whose dot products numba
+    cannot vectorize in place."""
     nh, kvh, d, dv = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
     seg, h = t // nh, t % nh
     kh = h // (nh // kvh)
@@ -227,14 +230,24 @@ def _varlen_task(t, q, k, v, starts, lens, o, scale, ninf):
     if n <= 0:
         return
     zero = scale * 0
+    kl = np.empty((n, d), q.dtype)
+    vl = np.empty((n, dv), q.dtype)
+    for j in range(n):
+        for c in range(d):
+            kl[j, c] = k[s0 + j, kh, c]
+        for c in range(dv):
+            vl[j, c] = v[s0 + j, kh, c]
+    qb = np.empty(d, q.dtype)
     p = np.empty(n, q.dtype)
     acc = np.empty(dv, q.dtype)
     for i in range(s0, s0 + n):
+        for c in range(d):
+            qb[c] = q[i, h, c]
         m = ninf
         for j in range(n):
             a = zero
             for c in range(d):
-                a += q[i, h, c] * k[s0 + j, kh, c]
+                a += qb[c] * kl[j, c]
             a *= scale
             p[j] = a
             if a > m:
@@ -249,7 +262,7 @@ def _varlen_task(t, q, k, v, starts, lens, o, scale, ninf):
         for j in range(n):
             pj = p[j]
             for c in range(dv):
-                acc[c] += pj * v[s0 + j, kh, c]
+                acc[c] += pj * vl[j, c]
         for c in range(dv):
             o[i, h, c] = acc[c] / tot
 
