@@ -95,13 +95,16 @@ def run_llamacpp(args) -> dict:
         llm.eval(ids)
         return time.perf_counter() - t0
 
+    def last_logits():        # eval keeps only the last position's logits (logits_all off)
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+
     def decode(n: int):
-        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        nxt = int(np.argmax(last_logits()))
         toks = [nxt]
         t0 = time.perf_counter()
         for _ in range(n - 1):
             llm.eval([nxt])
-            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            nxt = int(np.argmax(last_logits()))
             toks.append(nxt)
         return toks, (time.perf_counter() - t0) / max(n - 1, 1)
 

@@ -177,3 +177,21 @@ def test_real_gguf_packed_matches_dequantized(name):
     f32 = rlx_core.load(name, backend="numpy", progress=False, profile=prof)
     ids = np.array([packed.tokenizer.encode("The three primary colors are red,")])
     _same_model(packed, f32, ids, n=6)
+
+
+def test_packed_weights_follow_the_compute_precision(rng):
+    """An embedding lookup's dequantize computes in the profile's precision like every float."""
+    def f(m):
+        ids = m.input("ids", ("s",), rlx_core.I64)
+        h = m.gather(m.param("table", (N, K), scheme="q8_0"), ids)
+        return m.linear(h, m.param("w", (N, K), scheme="q8_0"))
+    params = {"table": _weights(rng, "q8_0", name="table"), "w": _weights(rng, "q8_0", name="w")}
+    prof = CompileProfile().evolve(precision={"compute": "bf16"})
+    exe = rlx_core.compile(Graph.define("p", f), profile=prof, backend="numpy", params=params)
+    dq = [n for n in exe.mir.nodes if n.op == "dequantize"]
+    assert dq and all(n.outs[0].dtype.value == "bf16" for n in dq)
+    ids = np.array([1, 5])
+    want = rlx_core.compile(Graph.define("p", f), backend="numpy", params=params).run(ids=ids)
+    got = exe.run(ids=ids)
+    for k in want:
+        np.testing.assert_allclose(got[k].astype(np.float32), want[k], rtol=2e-2, atol=2e-2 * np.abs(want[k]).max())

@@ -83,6 +83,8 @@ def to_precision(g: Graph, compute: DType) -> Graph:
                                           (s.with_dtype(compute),), node.name))
         if node.op == "input" and s.dtype in floats and s.dtype is not compute:
             return m.cast(copy_node(m, node, []), compute)
+        if node.op == "dequantize" and s.dtype in floats and s.dtype is not compute:
+            return m.add("dequantize", tuple(ins), scheme=node.a["scheme"], dtype=compute.value)
         return None
 
     out = rewrite(g, replace)
