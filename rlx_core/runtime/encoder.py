@@ -15,15 +15,14 @@ BLAS), a packed batch runs as N parts side by side in threads, each on its own e
 (`Encoder.parts` overrides the count; 1 runs each batch whole).
 
 `embed`, `forward` and `hidden_states` may be called from many threads at once: a call holds
-the encoder's lock (its executables' arenas serve one run at a time), so concurrent calls
-give the results of the same calls made one at a time.
+its backend's lock (`model.backend_lock`: executables' arenas and the backend's stream serve
+one run at a time), so concurrent calls give the results of the same calls made one at a time.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
-import threading
 import time
 import warnings
 
@@ -33,6 +32,7 @@ from ..ir.dtype import F32
 from ..ir.errors import ModelError, WeightError
 from ..pipeline import CompilePipeline, Executable, select_backend
 from .args import bool_arg, id_matrix, int_arg, mask_arg, text_arg
+from .model import backend_lock
 
 # sentence-transformers Pooling config keys -> our pooling names (None: not supported here)
 _ST_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
@@ -139,7 +139,7 @@ class Encoder:
         self._pool = None                # (workers, ThreadPoolExecutor, pid) for the parts
         self._shared: dict = {}
         self._truncating = None
-        self._lock = threading.RLock()
+        self._lock = backend_lock(self.backend)
         self.flow_options = dict(flow_options or {})     # extra recipe.flow() options
         self.last_timings: dict = {}
 
