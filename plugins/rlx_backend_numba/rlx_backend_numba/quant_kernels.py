@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import numpy as np
 from numba import njit
@@ -312,20 +313,31 @@ def dequant_gemv(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | None 
     return out
 
 
-def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | None = None,
-                   scratch: np.ndarray | None = None) -> np.ndarray:
+_LOCAL = threading.local()
+
+
+def scratch(rows: int, k: int) -> np.ndarray:
+    """This thread's decode scratch as [rows, k] f32: one buffer shared by every step (steps
+    of a thread run one at a time), so a model's many matmuls do not each hold one."""
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None or buf.size < rows * k:
+        buf = _LOCAL.buf = np.empty(rows * k, np.float32)
+    return buf[:rows * k].reshape(rows, k)
+
+
+def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | None = None) -> np.ndarray:
     """x [M, K] @ W^T: blocks of W decoded into a bounded scratch, then BLAS."""
     k = x.shape[-1]
     w, mod = _args(scheme, raw, k)
     n = w.shape[0]
     out = np.empty((x.shape[0], n), x.dtype) if out is None else out
     step = max(1, min(n, SCRATCH // max(k, 1)))
-    scratch = np.empty((step, k), np.float32) if scratch is None else scratch
+    scratch_ = scratch(step, k)
     xf = x.astype(np.float32, copy=False)
     for r in range(0, n, step):
         e = min(n, r + step)
-        mod.rows(w, r, scratch[:e - r], F16)
-        np.matmul(xf, scratch[:e - r].T, out=out[:, r:e])
+        mod.rows(w, r, scratch_[:e - r], F16)
+        np.matmul(xf, scratch_[:e - r].T, out=out[:, r:e])
     return out
 
 
@@ -347,8 +359,7 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
     if m <= GEMV_MAX_M:
         mm = lambda x, w: dequant_gemv(x.reshape(m, k), w, s, o2)  # noqa: E731
     else:
-        scratch = np.empty((max(1, min(o2.shape[1], SCRATCH // max(k, 1))), k), np.float32)
-        mm = lambda x, w: dequant_matmul(x.reshape(m, k), w, s, o2, scratch)  # noqa: E731
+        mm = lambda x, w: dequant_matmul(x.reshape(m, k), w, s, o2)  # noqa: E731
     epi = codegen.epilogue_step(o, protos[2:], a.get("act", "identity"))
     if epi is None:
         return None
