@@ -254,6 +254,15 @@ def specialize(g: Graph, env: dict) -> Graph:
     return m.build()
 
 
+def numeric(what: str, value, dtype) -> np.ndarray:
+    """`value` as a C-contiguous array of `dtype` (0-d stays 0-d); a ModelError for strings,
+    objects, dates or complex numbers, which numpy would refuse deep inside or parse."""
+    a = np.asarray(value)
+    if a.dtype.kind in "OSUMmc" and a.dtype != dtype.np:
+        raise ModelError(f"{what}: expected {dtype.value} numbers, got an array of {a.dtype}")
+    return np.asarray(a.astype(dtype.np, copy=False), order="C")
+
+
 def unpack(name: str, value, scheme: str, bad: list):
     """What a param binds: a packed param takes a PackedTensor of its scheme (its bytes), a
     float param a PackedTensor dequantized; a mismatch is recorded in `bad`."""
@@ -326,8 +335,8 @@ class Executable:
         def upload(name):
             key = ("param", name, id(params[name]), specs[name].dtype)
             if key not in self.shared:
-                self.shared[key] = (params[name], b.to_device(np.asarray(   # (keeps 0-d 0-d)
-                    np.asarray(params[name]).astype(specs[name].dtype.np, copy=False), order="C")))
+                self.shared[key] = (params[name], b.to_device(               # (keeps 0-d 0-d)
+                    numeric(f"param {name!r}", params[name], specs[name].dtype)))
             return key, self.shared[key][1]
 
         needed = {n.name for n in self.mir.nodes if n.op == "param"}
@@ -418,8 +427,7 @@ class Executable:
         inputs = dict(inputs or {}, **kw)
         env = {**self.fixed_dims, **self._bind_dims(inputs)}
         specs = self.input_specs
-        arrays = {k: np.asarray(np.asarray(v).astype(specs[k].dtype.np, copy=False), order="C")
-                  for k, v in inputs.items()}         # (np.ascontiguousarray turns 0-d into 1-d)
+        arrays = {k: numeric(f"input {k!r}", v, specs[k].dtype) for k, v in inputs.items()}
         return self.runner(env).run(arrays)
 
     __call__ = run

@@ -249,3 +249,18 @@ def test_model_eos_or_pad_id_outside_the_vocab(rng, key, value):
     m = CausalLM.from_tensors(dict(LLAMA, **{key: value}), llama_tensors(LLAMA, rng))
     with pytest.raises(ModelError, match=f"{key} must be a token id in \\[0, {VOCAB}\\)"):
         m.generate([5, 6], max_new_tokens=2, min_new_tokens=1)
+
+
+def test_executable_refuses_strings_for_numbers():
+    import rlx_core
+    from rlx_core import Graph
+    from rlx_core.ir.errors import ModelError
+
+    g = Graph.define("s", lambda m: m.input("x", (2,)) * m.param("w", (2,)))
+    exe = rlx_core.compile(g, backend="numpy")
+    with pytest.raises(ModelError, match=r"param 'w': expected f32 numbers, got an array of <U1"):
+        exe.set_params({"w": np.array(["a", "b"])})
+    exe.set_params({"w": np.ones(2, np.float32)})
+    with pytest.raises(ModelError, match=r"input 'x': expected f32 numbers, got an array of object"):
+        exe.run(x=np.array([None, 1.0], dtype=object))
+    np.testing.assert_array_equal(exe.run(x=np.array([2.0, 3.0]))[next(iter(g.outputs))[0]], [2.0, 3.0])
