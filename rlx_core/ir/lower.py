@@ -103,7 +103,7 @@ def _iota(m, n, tie):
     """0, 1, ..., n - 1 (i64) for a dim n that may be symbolic. The ones are computed from
     `tie` (an int value of the run): built from a constant they would be hoisted to load
     time, which knows no symbolic dims."""
-    one = m.sum(m.cast(tie, I64), (0,)) * 0 + 1
+    one = m.sum(m.cast(tie, I64), (0,), keepdims=True) * 0 + 1         # [1]
     return m.cumsum(m.expand(one, (n,)), 0) - 1
 
 

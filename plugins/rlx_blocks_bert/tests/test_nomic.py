@@ -13,7 +13,6 @@ import pytest
 
 import rlx_core
 from rlx_core.ir.errors import ModelError
-from rlx_core.pipeline import available_backends
 from rlx_core.runtime.encoder import Encoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
@@ -156,13 +155,11 @@ def test_padded_batch_matches_reference(nomic, rng):
         assert np.abs(got[b, :len(a)] - ref).max() <= 1e-4, b
 
 
-@pytest.mark.parametrize("backend", ["numpy", "numba", "legalized"])
+@pytest.mark.parametrize("backend", ["legalized"] + parity.backend_params())
 def test_packed_and_embed_match_reference(nomic, rng, backend):
     """Packed (RoPE on tokens-major rows, then varlen_attention) on the NumPy and numba
-    kernels, and legalized for a backend without them."""
+    kernels, and legalized for backends without them."""
     cfg, t, enc = nomic
-    if backend == "numba" and not any(b.name == "numba" and ok for b, ok, _ in available_backends()):
-        pytest.skip("the numba backend is not available here")
     seqs = _seqs(rng, cfg, [5, 12, 2, 30])
     refs = [nomic_reference(cfg, t, a, ty) for a, ty in seqs]
     with parity.numpy_without({"varlen_attention", "segment_pool"}, "legalized"):
