@@ -178,7 +178,8 @@ def main() -> None:
     enc = rlx_core.load(args.model_path, backend="numpy", progress=False)
     ntok = [len(ids) for ids, _ in enc.tokenize(SENTENCES)[0]]
     numba = registry().backends.get("numba")
-    why = "not installed (pip install ./plugins/rlx_backend_numba)" if numba is None else numba.availability()[1]
+    why = ("not installed (pip install ./plugins/rlx_backend_numba)" if numba is None
+           else numba.availability()[1])
     sides = (["numba"] if not why else []) + ["numpy", "st"]
     times: dict = {s: [] for s in sides}
     rounds: dict = {s: [] for s in sides}
@@ -227,7 +228,8 @@ def main() -> None:
     for s in sides[:-1]:
         r_min, r_med = stats(times[s])
         target = " (target <= 0.8)" if s == "numba" else ""
-        print(f"ratio {names[s]}/ST: {r_med / s_med:.2f}x on medians, {r_min / s_min:.2f}x on minimums{target}")
+        print(f"ratio {names[s]}/ST: {r_med / s_med:.2f}x on medians, "
+              f"{r_min / s_min:.2f}x on minimums{target}")
     for s in sides[:-1]:
         print(f"parity: worst cosine {names[s]} vs ST {cos(vec[s], vec['st']):.7f}")
 

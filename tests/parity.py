@@ -377,7 +377,7 @@ def ref_segment_pool(x, starts, lens, *, mode):
     for i, (s, n) in enumerate(zip(np.asarray(starts).tolist(), np.asarray(lens).tolist())):
         if n:
             seg = x[s:s + n]
-            out[i] = {"mean": lambda: seg.sum(0) / n, "cls": lambda: seg[0], "max": lambda: seg.max(0)}[mode]()
+            out[i] = seg.sum(0) / n if mode == "mean" else seg[0] if mode == "cls" else seg.max(0)
     return out
 
 

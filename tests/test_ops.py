@@ -601,7 +601,8 @@ def varlen_args(rng, case, dt, heads, kv_heads, d=8, dv=6, sdt=I64) -> list:
 @fdtype
 def test_varlen_attention(backend, rng, case, heads, kv_heads, dt):
     sdt = I32 if heads == kv_heads else I64
-    run_parity(backend, "varlen_attention", varlen_args(rng, case, dt, heads, kv_heads, sdt=sdt), {"scale": 0.3},
+    args = varlen_args(rng, case, dt, heads, kv_heads, sdt=sdt)
+    run_parity(backend, "varlen_attention", args, {"scale": 0.3},
                lambda q, k, v, st, ln: ref_varlen_attention(q, k, v, st, ln, scale=0.3))
 
 
@@ -667,7 +668,8 @@ def test_bad_segments_are_model_errors(rng, backend_name, starts, lens, match):
 
 
 @pytest.mark.parametrize("op,shapes,attrs_,match", [
-    ("varlen_attention", [(5, 4, 8), (5, 3, 8), (5, 3, 8), (2,), (2,)], {"scale": 1.0}, "not a multiple of 3"),
+    ("varlen_attention", [(5, 4, 8), (5, 3, 8), (5, 3, 8), (2,), (2,)], {"scale": 1.0},
+     "not a multiple of 3"),
     ("varlen_attention", [(1, 5, 4, 8)] * 3 + [(2,), (2,)], {"scale": 1.0}, r"\[tokens, heads, head_dim\]"),
     ("varlen_attention", [(5, 4, 8), (6, 4, 8), (6, 4, 8), (2,), (2,)], {"scale": 1.0}, "q/k tokens"),
     ("varlen_attention", [(5, 4, 8), (5, 4, 8), (5, 4, 8), (2,), (3,)], {"scale": 1.0}, "starts vs lens"),
@@ -679,7 +681,8 @@ def test_varlen_metas_reject_bad_shapes(op, shapes, attrs_, match):
     from rlx_core.ir.graph import Builder
 
     m = Builder("bad", "mir")
-    ins = [m.input(f"x{i}", s, I64 if len(s) == 1 and i >= len(shapes) - 2 else F32) for i, s in enumerate(shapes)]
+    ins = [m.input(f"x{i}", s, I64 if len(s) == 1 and i >= len(shapes) - 2 else F32)
+           for i, s in enumerate(shapes)]
     with pytest.raises(ShapeError, match=match):
         m.add(op, tuple(ins), **attrs_)
 
@@ -702,7 +705,8 @@ def test_numpy_gelu_table_is_the_erf_gelu(rng):
                         ).reshape(np.shape(x))
 
     x = np.concatenate([np.linspace(-12, 12, 200001), 3 * rng.standard_normal(50000),
-                        [0.0, -0.0, 1e-30, -1e-30, 8.0, -8.0, 7.999, -7.999, 100.0, -100.0]]).astype(np.float32)
+                        [0.0, -0.0, 1e-30, -1e-30, 8.0, -8.0, 7.999, -7.999, 100.0, -100.0]]
+                       ).astype(np.float32)
     err = np.abs(gelu_f32_inplace(x.copy()) - gelu64(x))
     assert (err <= 2e-7 * np.maximum(np.abs(x), 1.0)).all(), err.max()
     y = rng.standard_normal((3, 5, 7)).astype(np.float32)        # shape kept, in place

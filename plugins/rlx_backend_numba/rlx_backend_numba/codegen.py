@@ -307,5 +307,6 @@ def epilogue_step(out: np.ndarray, bias: list, act: str):
     return None if step is None else (lambda *b: step(None, None, out, *b))
 
 
-__all__ = ["ACT", "ACT_F32", "epilogue_step", "BINARY", "COMPARE", "elementwise_source", "elementwise_step", "load_source",
+__all__ = ["ACT", "ACT_F32", "epilogue_step",
+           "BINARY", "COMPARE", "elementwise_source", "elementwise_step", "load_source",
            "plan_operands", "cache_dir", "step_dtypes"]

@@ -97,7 +97,8 @@ def test_packed_layout_matches_hf(tiny, rng, backend):
     ref = _hf_out(hf, ids, types, mask)
     with parity.numpy_without({"varlen_attention", "segment_pool"}, "legalized"):
         if backend != "numpy":
-            enc = Encoder(enc.recipe, enc.config, enc.tensors, backend=backend, flow_options={"layout": "packed"})
+            enc = Encoder(enc.recipe, enc.config, enc.tensors, backend=backend,
+                          flow_options={"layout": "packed"})
         exe = enc.executable("packed")
         ops = {n.op for n in exe.mir.nodes}
         assert ("varlen_attention" in ops) == ("varlen_attention" in enc.backend.supported_ops()), sorted(ops)

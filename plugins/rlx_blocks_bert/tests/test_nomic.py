@@ -164,7 +164,8 @@ def test_packed_and_embed_match_reference(nomic, rng, backend):
     refs = [nomic_reference(cfg, t, a, ty) for a, ty in seqs]
     with parity.numpy_without({"varlen_attention", "segment_pool"}, "legalized"):
         if backend != "numpy":
-            enc = Encoder(enc.recipe, enc.config, enc.tensors, backend=backend, flow_options={"layout": "packed"})
+            enc = Encoder(enc.recipe, enc.config, enc.tensors, backend=backend,
+                          flow_options={"layout": "packed"})
         out = enc._run_packed(enc.executable("packed"), [(list(a), list(ty)) for a, ty in seqs], 5)
     h, at = out["last_hidden_state"][0], 0
     for (a, _), ref in zip(seqs, refs):
