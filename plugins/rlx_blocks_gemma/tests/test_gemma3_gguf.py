@@ -55,8 +55,11 @@ def test_gguf_config_is_gemma3_text(rlx_gemma3):
 
 def test_weights_match_transformers(rlx_gemma3, hf_gemma3):
     """Same tensors as transformers' GGUF loader, norms included (stored there as 1 + w)."""
+    from rlx_core.ir.quant import PackedTensor
+
     sd = hf_gemma3.state_dict()
     for name, w in rlx_gemma3.tensors.items():
+        w = w.dequantize() if isinstance(w, PackedTensor) else w        # held packed: decoded here
         np.testing.assert_array_equal(w, sd[name].numpy(), err_msg=name)
 
 
