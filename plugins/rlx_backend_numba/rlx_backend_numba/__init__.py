@@ -41,10 +41,12 @@ def requested_threads(value=None) -> int | None:
 def set_threads(n: int | None = None) -> int:
     """Set numba's thread count (RLX_NUM_THREADS, else all it has); returns the count."""
     want = requested_threads(n)
-    # OpenMP workers that spin after a kernel take the cores from BLAS's threads and from the
-    # next kernel's launch (a 0.2 ms LayerNorm took 8 ms on 2 loaded cores): they sleep instead.
-    # libgomp reads this when numba first loads it, at the first parallel kernel.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OpenMP workers spin briefly after a kernel, then sleep: spinning without end takes the
+    # cores from BLAS's threads (a 0.2 ms LayerNorm took 8 ms on 2 loaded cores), sleeping at
+    # once makes every kernel wake them (a decode token of ~250 kernels: 67 vs 29 ms on 2 AMD
+    # EPYC cores). libgomp reads these when numba first loads it, at the first parallel kernel.
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "30000")
     if want is not None and "numba" not in sys.modules and "NUMBA_NUM_THREADS" not in os.environ:
         os.environ["NUMBA_NUM_THREADS"] = str(want)          # numba reads it when first imported
     import numba

@@ -357,7 +357,9 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
     m = math.prod(x.shape[:-1])
     o2 = o.reshape(m, -1)
     if m <= GEMV_MAX_M:
-        mm = lambda x, w: dequant_gemv(x.reshape(m, k), w, s, o2)  # noqa: E731
+        _args(s, w, k)                                   # checked once: the step runs per token
+        gemv = drivers(s.kind).gemv
+        mm = lambda x, w: gemv(x.reshape(m, k), w, o2, F16)  # noqa: E731
     else:
         mm = lambda x, w: dequant_matmul(x.reshape(m, k), w, s, o2)  # noqa: E731
     epi = codegen.epilogue_step(o, protos[2:], a.get("act", "identity"))
