@@ -307,6 +307,19 @@ def epilogue_step(out: np.ndarray, bias: list, act: str):
     return None if step is None else (lambda *b: step(None, None, out, *b))
 
 
+def with_epilogue(mm, out: np.ndarray, bias: list, act: str):
+    """A matmul step: `mm(x, w)` writes `out`, then the generated bias/act epilogue; None when
+    the epilogue cannot be generated (the step keeps the NumPy kernel)."""
+    epi = epilogue_step(out, bias, act)
+    if epi is None:
+        return None
+
+    def run(a_, o, x, w, *b):
+        mm(x, w)
+        epi(*b)
+    return run
+
+
 __all__ = ["ACT", "ACT_F32", "epilogue_step",
            "BINARY", "COMPARE", "elementwise_source", "elementwise_step", "load_source",
-           "plan_operands", "cache_dir", "step_dtypes"]
+           "plan_operands", "cache_dir", "step_dtypes", "with_epilogue"]

@@ -16,14 +16,17 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
+import numba
 import numpy as np
 from numba import njit
 
+from rlx_core.backends.numpy.blas import single_threaded_blas
 from rlx_core.ir.errors import ShapeError
 from rlx_core.ir.quant import QuantScheme
 
-from .codegen import load_source
+from .codegen import load_source, with_epilogue
 
 FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 GEMV_MAX_M = 8                  # rows of x up to which the GEMV beats decode-to-scratch + BLAS
@@ -178,6 +181,18 @@ _LEGACY = """
             hi = q >> 4{hi5}
             accv[j] += d * (np.float32(lo - {bias}) * x[p + j])
             accv[16 + j] += d * (np.float32(hi - {bias}) * x[p + 16 + j])"""
+_K45 = """o = {nbytes} * b
+        d, dmin = _h(r, o, tab), _h(r, o + 2, tab)
+        for c in range(4):
+            s0, m0 = _scale_min(r, o + 4, 2 * c)
+            s1, m1 = _scale_min(r, o + 4, 2 * c + 1)
+            extra -= dmin * (np.float32(m0) * xs[8 * b + 2 * c] + np.float32(m1) * xs[8 * b + 2 * c + 1])
+            d0, d1 = d * np.float32(s0), d * np.float32(s1)
+            for ll in range(32):
+                q = np.int32(r[o + {qs} + 32 * c + ll])
+                lo, hi = q & 15, q >> 4{five}
+                accv[ll] += d0 * (np.float32(lo) * x[p + 64 * c + ll])
+                accv[ll] += d1 * (np.float32(hi) * x[p + 64 * c + 32 + ll])"""
 _BODIES = {
     "q4_0": ("o = 18 * b\n        qo = o + 2" + _LEGACY.format(lo5="", hi5="", bias=8), 32),
     "q4_1": ("o = 20 * b\n        qo = o + 4\n        extra += _h(r, o + 2, tab) * xs[b]"
@@ -193,31 +208,11 @@ _BODIES = {
         d = _h(r, o, tab)
         for j in range(32):
             accv[j] += d * (np.float32(ri[o + 2 + j]) * x[p + j])""", 32),
-    "q4_k": ("""o = 144 * b
-        d, dmin = _h(r, o, tab), _h(r, o + 2, tab)
-        for c in range(4):
-            s0, m0 = _scale_min(r, o + 4, 2 * c)
-            s1, m1 = _scale_min(r, o + 4, 2 * c + 1)
-            extra -= dmin * (np.float32(m0) * xs[8 * b + 2 * c] + np.float32(m1) * xs[8 * b + 2 * c + 1])
-            d0, d1 = d * np.float32(s0), d * np.float32(s1)
-            for ll in range(32):
-                q = np.int32(r[o + 16 + 32 * c + ll])
-                accv[ll] += d0 * (np.float32(q & 15) * x[p + 64 * c + ll])
-                accv[ll] += d1 * (np.float32(q >> 4) * x[p + 64 * c + 32 + ll])""", 256),
-    "q5_k": ("""o = 176 * b
-        d, dmin = _h(r, o, tab), _h(r, o + 2, tab)
-        for c in range(4):
-            s0, m0 = _scale_min(r, o + 4, 2 * c)
-            s1, m1 = _scale_min(r, o + 4, 2 * c + 1)
-            extra -= dmin * (np.float32(m0) * xs[8 * b + 2 * c] + np.float32(m1) * xs[8 * b + 2 * c + 1])
-            d0, d1 = d * np.float32(s0), d * np.float32(s1)
-            for ll in range(32):
-                q = np.int32(r[o + 48 + 32 * c + ll])
+    "q4_k": (_K45.format(nbytes=144, qs=16, five=""), 256),
+    "q5_k": (_K45.format(nbytes=176, qs=48, five="""
                 h = np.int32(r[o + 16 + ll])
-                lo = (q & 15) | (((h >> (2 * c)) & 1) << 4)
-                hi = (q >> 4) | (((h >> (2 * c + 1)) & 1) << 4)
-                accv[ll] += d0 * (np.float32(lo) * x[p + 64 * c + ll])
-                accv[ll] += d1 * (np.float32(hi) * x[p + 64 * c + 32 + ll])""", 256),
+                lo |= ((h >> (2 * c)) & 1) << 4
+                hi |= ((h >> (2 * c + 1)) & 1) << 4"""), 256),
     "q6_k": ("""o = 210 * b
         d = _h(r, o + 208, tab)
         for nh in range(2):
@@ -275,6 +270,12 @@ def gemv(x, w, o, tab):
 def rows(w, r0, out, tab):
     for i in prange(out.shape[0]):
         decode(w[r0 + i], out[i], tab)
+
+
+@njit(nogil=True, **_OPT)
+def rows_ser(w, r0, out, tab):
+    for i in range(out.shape[0]):
+        decode(w[r0 + i], out[i], tab)
 '''
 
 
@@ -325,32 +326,47 @@ def scratch(rows: int, k: int) -> np.ndarray:
     return buf[:rows * k].reshape(rows, k)
 
 
+def _rows_times_x(mod, w, xf, out, r0: int, r1: int) -> None:
+    """out[:, r0:r1] = xf @ W[r0:r1]^T, decoding blocks of rows into this thread's scratch."""
+    k = xf.shape[1]
+    step = max(1, min(r1 - r0, SCRATCH // max(k, 1)))
+    buf = scratch(step, k)
+    for r in range(r0, r1, step):
+        e = min(r1, r + step)
+        mod.rows_ser(w, r, buf[:e - r], F16)
+        np.matmul(xf, buf[:e - r].T, out=out[:, r:e])
+
+
+@functools.lru_cache(maxsize=None)
+def _pool(n: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(n, thread_name_prefix="rlx-numba-gemm")
+
+
 def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | None = None) -> np.ndarray:
-    """x [M, K] @ W^T: blocks of W decoded into a bounded scratch, then BLAS."""
+    """x [M, K] @ W^T: W's rows split over the threads, each decoding blocks of its rows into
+    its own scratch and multiplying them with one-thread BLAS (BLAS's own pool would spin
+    beside numba's threads on the same cores)."""
     k = x.shape[-1]
     w, mod = _args(scheme, raw, k)
     n = w.shape[0]
     out = np.empty((x.shape[0], n), x.dtype) if out is None else out
-    step = max(1, min(n, SCRATCH // max(k, 1)))
-    scratch_ = scratch(step, k)
-    xf = x.astype(np.float32, copy=False)
-    for r in range(0, n, step):
-        e = min(n, r + step)
-        mod.rows(w, r, scratch_[:e - r], F16)
-        np.matmul(xf, scratch_[:e - r].T, out=out[:, r:e])
+    xf = np.ascontiguousarray(x, np.float32)
+    parts = max(1, min(numba.get_num_threads(), n // 64))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    with single_threaded_blas():
+        if parts == 1:
+            _rows_times_x(mod, w, xf, out, 0, n)
+        else:
+            list(_pool(parts).map(lambda i: _rows_times_x(mod, w, xf, out, bounds[i], bounds[i + 1]),
+                                  range(parts)))
     return out
 
 
 def prepare_dequant_matmul(a, outs, protos, op=None):
     """A runner step for `dequant_matmul` (x, packed w, bias?; attrs scheme, act): the GEMV for
     a few rows, decode-to-scratch + BLAS otherwise, then the generated bias/act epilogue."""
-    from . import codegen
-
     x, w, o = protos[0], protos[1], outs[0]
-    try:
-        s = QuantScheme.parse(a["scheme"])
-    except Exception:
-        return None
+    s = QuantScheme.parse(a["scheme"])               # checked by the op table's schema
     if s.kind not in FORMATS or x.dtype != np.float32 or o.dtype != np.float32 or o.size == 0:
         return None
     k = x.shape[-1]
@@ -362,14 +378,7 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
         mm = lambda x, w: gemv(x.reshape(m, k), w, o2, F16)  # noqa: E731
     else:
         mm = lambda x, w: dequant_matmul(x.reshape(m, k), w, s, o2)  # noqa: E731
-    epi = codegen.epilogue_step(o, protos[2:], a.get("act", "identity"))
-    if epi is None:
-        return None
-
-    def run(a_, out, x, w, *bias):
-        mm(x, w)
-        epi(*bias)
-    return run
+    return with_epilogue(mm, o, protos[2:], a.get("act", "identity"))
 
 
 __all__ = ["FORMATS", "dequant_gemv", "dequant_matmul", "dequant_rows", "prepare_dequant_matmul"]

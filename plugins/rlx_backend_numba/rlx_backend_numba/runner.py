@@ -269,14 +269,7 @@ def _matmul(a, outs, protos, op=None):
 @prepares("fused_matmul_bias_act")
 def _matmul_epilogue(a, outs, protos, op=None):
     mm = _matmul_fn(protos[0], protos[1], outs[0], a["trans_b"])
-    epi = codegen.epilogue_step(outs[0], protos[2:], a["act"])
-    if epi is None:
-        return None
-
-    def run(a_, out, x, w, *bias):
-        mm(x, w)
-        epi(*bias)
-    return run
+    return codegen.with_epilogue(mm, outs[0], protos[2:], a["act"])
 
 
 PREPARE["dequant_matmul"] = quant_kernels.prepare_dequant_matmul
@@ -284,7 +277,8 @@ PREPARE["dequant_matmul"] = quant_kernels.prepare_dequant_matmul
 
 # --------------------------------------------------------------------------- the runner
 class NumbaRunner(NumpyRunner):
-    """NumpyRunner's arena, values and view steps; compiled kernels where they apply."""
+    """NumpyRunner's arena, values, view steps and run loop; compiled kernels where they apply."""
+    backend_name = "numba"
 
     def __init__(self, lir: LirModule, params: dict, states: dict):
         super().__init__(lir, params, states)
@@ -301,24 +295,6 @@ class NumbaRunner(NumpyRunner):
                 fn = made or fn
             steps.append((i, is_view, fn, a, ins, out))
         self.steps = steps
-
-    def run(self, inputs: dict) -> dict:
-        vals = self.vals
-        for name, (slot, _) in self.inputs.items():
-            vals[slot] = inputs[name]
-        i = -1
-        try:
-            for i, is_view, fn, a, ins, out in self.steps:
-                if is_view:
-                    vals[out] = fn(a, *[vals[j] for j in ins])
-                else:
-                    fn(a, out, *[vals[j] for j in ins])
-        except RlxError as e:
-            raise type(e)(f"graph {self.name!r} node %{i} ({self.graph.nodes[i].op}): {e}") from None
-        except Exception as e:  # a kernel failure is reported with the node that failed
-            raise BackendError(f"numba backend: graph {self.name!r} node %{i} "
-                               f"({self.graph.nodes[i].op}) failed: {type(e).__name__}: {e}") from e
-        return {name: np.array(vals[slot]) for name, slot in self.outputs}
 
 
 __all__ = ["NumbaRunner", "PREPARE", "prepares", "GEMV_MAX_M"]

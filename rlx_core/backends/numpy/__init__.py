@@ -17,6 +17,7 @@ from ...ir.numpy_kernels import KERNELS, VIEWS
 class NumpyRunner(Runner):
     """Executes the LIR node by node: one preallocated arena, `out=` writes, params and
     states resident. Steps are prepared once so a run is a tight loop."""
+    backend_name = "numpy"            # in errors; a subclass that swaps kernels names itself
 
     def __init__(self, lir: LirModule, params: dict, states: dict):
         g = lir.graph
@@ -72,7 +73,7 @@ class NumpyRunner(Runner):
         except RlxError as e:
             raise type(e)(f"graph {self.name!r} node %{i} ({self.graph.nodes[i].op}): {e}") from None
         except Exception as e:  # a kernel failure is reported with the node that failed
-            raise BackendError(f"numpy backend: graph {self.name!r} node %{i} "
+            raise BackendError(f"{self.backend_name} backend: graph {self.name!r} node %{i} "
                                f"({self.graph.nodes[i].op}) failed: {type(e).__name__}: {e}") from e
         return {name: np.array(vals[slot]) for name, slot in self.outputs}
 
