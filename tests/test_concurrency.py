@@ -57,15 +57,9 @@ def _same(a, b) -> bool:
     return a == b
 
 
-CUDA_THREADS = ("rlx-backend-cuda runs from worker threads abort the process on an H100 (the same calls "
-                "in one thread pass; before runs were serialized per backend: cudaErrorStreamCaptureUnjoined)")
-
-
 @pytest.mark.parametrize("backend", ["numpy", "opencl", "cuda"])
 def test_threads_give_the_sequential_results(backend, rng):
     _available(backend)
-    if backend == "cuda":
-        pytest.skip(CUDA_THREADS)        # an abort would end the whole session: fix the backend first
     seeds = rng.integers(0, 2**32, 3)
     models = lambda: (tiny_llama(np.random.default_rng(seeds[0]), backend),          # noqa: E731
                       tiny_bert(np.random.default_rng(seeds[1]), backend))

@@ -40,6 +40,11 @@ class Lib:
         self._gemm_s = lib.cublasGemmStridedBatchedEx
         self._gemm_s.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, ll, vp, i, i, ll, vp, vp, i, i, ll, i, i, i]
         self.ws = device.alloc(WORKSPACE, "the cuBLAS workspace")
+        # the backend's own handle: CuPy's is per thread and dies with its thread, while a
+        # runner built in one thread may run in another (calls are serialized per backend)
+        h = ctypes.c_void_p()
+        self._check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
+        self.handle = int(h.value)
 
     @staticmethod
     def _check(status: int, what: str) -> None:
@@ -63,6 +68,10 @@ class Lib:
 class CupyLib:
     """ROCm (hipBLAS through CuPy's wrappers; graphs are off there, so no capture issue)."""
 
+    @property
+    def handle(self) -> int:
+        return int(device.cupy().cuda.device.get_cublas_handle())
+
     def prepare(self, handle: int, stream: int) -> None:
         pass
 
@@ -83,6 +92,3 @@ def library():
         return CupyLib()
     return Lib(_find_lib())
 
-
-def handle() -> int:
-    return int(device.cupy().cuda.device.get_cublas_handle())

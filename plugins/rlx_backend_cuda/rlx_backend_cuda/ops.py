@@ -148,7 +148,7 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None) 
     opx, ldx = (opN, ldb) if lb == "r" else (opT, ldb)
     opy, ldy = (opN, lda) if la == "r" else (opT, lda)
     lib = cublas.library()
-    handle = cublas.handle()
+    handle = lib.handle
     pa, pb, pc = Ab.data.ptr, Bb.data.ptr, out.arr.data.ptr
     calls = [(pb + ob * isz, pa + oa * isz, pc + oc * isz) for oa, ob, oc in offsets]
     cnt, s_a, s_b, s_c = inner[0], inner[1], inner[2], inner[3]
@@ -434,7 +434,8 @@ def _dq_gemm(b, s, x: V, xrs, w: V, wrs, al, out: V, M, N, K):
     scal = np.float64 if od is F64 else np.float32
     alpha, beta = np.ones(1, scal), np.zeros(1, scal)
     b.keep += [alpha, beta]
-    lib, handle, stream = cublas.library(), cublas.handle(), b.stream
+    lib, stream = cublas.library(), b.stream
+    handle = lib.handle
     isz = out.arr.itemsize
     for r0 in range(0, N, tile):
         t = min(tile, N - r0)
