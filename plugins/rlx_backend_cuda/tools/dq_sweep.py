@@ -38,7 +38,6 @@ def main(schemes):
         t = graph_time(lambda: fn(((N + 7) // 8,), (256,), (x, np.int64(K), wb, y, np.int32(1), np.int32(N),
                                                              np.int32(K))))
         print(f"{name} N={N} K={K}: bf16 rlx_gemv {wb.nbytes / t / 1e9:5.0f} GB/s ({t * 1e6:5.1f} us)", flush=True)
-        del wb
         for sn in schemes:
             s = QuantScheme.parse(sn)
             raw = s.quantize(wf)

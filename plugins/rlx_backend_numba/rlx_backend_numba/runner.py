@@ -15,7 +15,6 @@ import numpy as np
 
 from rlx_core.backends.numpy import NumpyRunner
 from rlx_core.ir.numpy_kernels import KERNELS, segments
-from rlx_core.ir.errors import BackendError, RlxError
 from rlx_core.ir.lir import LirModule
 from rlx_core.ir.ops import MaskKind
 

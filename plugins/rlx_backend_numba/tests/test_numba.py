@@ -6,7 +6,6 @@ The op table's parity suite (tests/test_ops.py) runs on this backend as on every
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 
