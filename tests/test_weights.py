@@ -755,3 +755,12 @@ def test_tokenizer_refuses_lone_surrogates(tiny_llama):
         tok.encode("a\ud800b")
     with pytest.raises(ModelError, match="expected str"):
         tok.encode_batch(["a", 5])
+
+
+def test_negative_pad_token_id_reads_as_none():
+    """Old LLaMA-1 conversions write pad_token_id = -1 for "none"; other negative ids stay errors."""
+    from rlx_core.weights.config import check_config
+
+    assert check_config({"model_type": "llama", "pad_token_id": -1, "vocab_size": 10})["pad_token_id"] is None
+    with pytest.raises(WeightError, match="bos_token_id must be a token id"):
+        check_config({"model_type": "llama", "bos_token_id": -1})

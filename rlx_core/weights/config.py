@@ -87,9 +87,12 @@ def check_config(
 ) -> dict:
     """`config` itself once every key of the table it has holds a value of the expected type
     and range (a multimodal config's `text_config` too) and the `required` keys are set; else
-    `error` naming source and key."""
+    `error` naming source and key. A negative pad_token_id is read as null."""
     if not isinstance(config, dict):
         raise error(f"{source}: config is {type(config).__name__}, expected a JSON object")
+    pad = config.get("pad_token_id")
+    if type(pad) is int and pad < 0:
+        config["pad_token_id"] = None      # LLaMA-1 conversions write -1 for "no pad token"
     for key, (ok, want, nullable) in _SCHEMA.items():
         if key in config and not ((nullable and config[key] is None) or ok(config[key])):
             null = " or null" if nullable else ""
