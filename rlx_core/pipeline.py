@@ -72,7 +72,7 @@ class CompilePipeline:
         self.profile = profile or CompileProfile()
         self.backend = backend if backend is not None and not isinstance(backend, str) else \
             select_backend(backend or self.profile.backend.name or None)
-        if self.profile.backend.device:
+        if self.profile.backend.device or self.profile.backend.threads:
             self.backend = self.backend.configure(self.profile.backend)
         self.trace: list = []          # (pass name, nodes after, seconds)
 

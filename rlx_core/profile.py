@@ -57,6 +57,7 @@ class BackendConfig:
     name: str = ""                # "" picks the highest-priority available backend; checked
                                   # against the installed ones where the backend is resolved
     device: str = ""              # device selector for backends with several devices
+    threads: int = 0              # worker threads of a CPU backend that has them (0: its default)
 
 
 @attrs.frozen
@@ -188,6 +189,10 @@ def _check_value(source, section, key, value, default):
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ProfileError(f"{where} = {value!r}: expected true or false")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 4096:
+            raise ProfileError(f"{where} = {value!r}: expected an integer in [0, 4096]")
         return value
     if isinstance(default, str) and not isinstance(value, str):
         raise ProfileError(f"{where} = {value!r}: expected a string")

@@ -25,8 +25,9 @@ class Backend(abc.ABC):
     dtypes: frozenset = frozenset(DType)
 
     def configure(self, config) -> "Backend":
-        """This backend set up for a profile's [backend] section (a device selector); a
-        backend with one device has nothing to select."""
+        """This backend set up for a profile's [backend] section (a device selector, a thread
+        count); a backend with one device has nothing to select and one without a thread pool
+        of its own ignores `threads`."""
         if config.device:
             from ..ir.errors import BackendError
 

@@ -81,6 +81,14 @@ class NumbaBackend(Backend):
             return False, f"numba is not importable: {type(e).__name__}: {e} (pip install numba)"
         return True, ""
 
+    def configure(self, config) -> "NumbaBackend":
+        """`[backend] threads` sets numba's thread count (process-wide, like RLX_NUM_THREADS)."""
+        super().configure(config)
+        if config.threads:
+            set_threads(config.threads)
+            self._threads_set = True
+        return self
+
     def supported_ops(self) -> set:
         """Every op with a NumPy kernel: numba kernels where they apply, numpy's elsewhere."""
         return NumpyBackend().supported_ops()

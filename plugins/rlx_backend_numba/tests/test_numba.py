@@ -345,3 +345,21 @@ def test_tiny_llama_matches_numpy(rng, tmp_path):
     prompt = ids[:1, :6]
     tokens = {be: m.generate(prompt, max_new_tokens=16, min_new_tokens=16) for be, m in lm.items()}
     np.testing.assert_array_equal(tokens["numba"], tokens["numpy"])
+
+
+def test_profile_threads_set_numba_threads():
+    import numba
+
+    import rlx_core
+    from rlx_core import CompileProfile, Graph
+    from rlx_core.ir.errors import ProfileError
+    from rlx_backend_numba import set_threads
+
+    g = Graph.define("t", lambda m: m.input("x", (4,)) * 2.0)
+    try:
+        rlx_core.compile(g, profile=CompileProfile().evolve(backend={"threads": 1}), backend="numba")
+        assert numba.get_num_threads() == 1
+    finally:
+        set_threads()
+    with pytest.raises(ProfileError, match=r"\[backend\] threads = -2: expected an integer"):
+        CompileProfile.from_toml_str("[backend]\nthreads = -2\n")
