@@ -215,7 +215,7 @@ def test_in_place_reuse_for_an_elementwise_chain():
     assert "inplace(" in lir.text()
     assert_no_overlap(lir)
     x = np.random.default_rng(0).standard_normal((4, 32)).astype(np.float32)
-    got = rlx_core.compile(g, profile="default").run(x=x)["y"]
+    got = rlx_core.compile(g, profile="default", backend="numpy").run(x=x)["y"]
     np.testing.assert_allclose(got, 2.0 / (1.0 + np.exp(np.tanh(np.exp(x)))), rtol=1e-6)
 
 
@@ -236,7 +236,7 @@ def test_views_take_no_arena():
             assert s.home == "view" and s.base is not None, lir.text()
     assert lir.arena_bytes == 2 * 6 * 8 * 4
     x_ = np.random.default_rng(0).standard_normal((2, 6, 8)).astype(np.float32)
-    out = rlx_core.compile(g, profile="default").run(x=x_)
+    out = rlx_core.compile(g, profile="default", backend="numpy").run(x=x_)
     np.testing.assert_allclose(out["n"], np.tanh(x_).reshape(12, 8)[2:7], rtol=1e-6)
     np.testing.assert_allclose(out["e"], np.broadcast_to(np.tanh(x_).reshape(12, 8)[2:7, :1], (5, 3)),
                                rtol=1e-6)
@@ -257,7 +257,7 @@ def test_a_transpose_of_unit_axes_becomes_a_view(rng):
         lir = plan(bound)
         assert lir.slots[(moved[0], 0)].home == ("view" if view else "arena"), lir.text()
         x_ = rng.standard_normal((1, seq, 4, 8)).astype(np.float32)
-        out = rlx_core.compile(g, profile="default").run(x=x_)["heads"]
+        out = rlx_core.compile(g, profile="default", backend="numpy").run(x=x_)["heads"]
         np.testing.assert_allclose(out, np.exp(np.tanh(x_.astype(np.float64)).transpose(0, 2, 1, 3)),
                                    rtol=1e-6)
 
@@ -275,7 +275,7 @@ def test_a_view_keeps_its_base_alive():
     lir = plan(g)
     assert_no_overlap(lir)
     x_ = np.linspace(-1, 1, 16).astype(np.float32)
-    y = rlx_core.compile(g, profile="default").run(x=x_)["y"]
+    y = rlx_core.compile(g, profile="default", backend="numpy").run(x=x_)["y"]
     np.testing.assert_allclose(y, (np.sin(np.tanh(x_)) + np.exp(x_)).reshape(4, 4), rtol=1e-6)
 
 
