@@ -103,7 +103,7 @@ def nomic_config(cfg: dict) -> dict:
     if rot and cfg.get("rotary_scaling_factor"):
         # dynamic NTK scaling only changes the frequencies past max_trained_positions: within
         # it the model is exactly the unscaled one, so inputs are capped there
-        max_len = min(n_pos, int(cfg.get("max_trained_positions", 2048)))
+        max_len = min(n_pos, int(cfg.get("max_trained_positions") or 2048))    # null reads as absent
     mlp, ir_act = NOMIC_MLP[act]
     inter = cfg.get("n_inner") or 4 * hidden
     type_vocab = cfg.get("type_vocab_size", 2)

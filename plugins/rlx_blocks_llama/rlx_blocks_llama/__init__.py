@@ -20,8 +20,8 @@ def attn_spec(cfg: dict, mode: str = "prefill", qk_norm: bool = False) -> AttnSp
         heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or hidden // heads, hidden=hidden,
         rope_theta=theta, rope_scaling=scaling,
-        max_positions=int(cfg.get("max_position_embeddings", 2048)),
-        qk_norm_eps=cfg.get("rms_norm_eps", 1e-6) if qk_norm else None,
+        max_positions=int(cfg.get("max_position_embeddings") or 2048),     # null reads as absent
+        qk_norm_eps=(cfg.get("rms_norm_eps") or 1e-6) if qk_norm else None,
         bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
         mode=mode)
 
@@ -80,7 +80,7 @@ class Llama32Flow(DecoderFlow):
 
     @property
     def eps(self) -> float:
-        return float(self.cfg.get("rms_norm_eps", 1e-6))
+        return float(self.cfg.get("rms_norm_eps") or 1e-6)
 
     def default_layer(self, i: int):
         if self._fused:
