@@ -5,12 +5,17 @@ a small bound (the files are a few KB: nothing may be sized by a number read fro
 import json
 import logging
 import math
+import os
 import tracemalloc
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+# fresh examples on a developer's runs (they find bugs); CI replays a fixed set, so a rare
+# example cannot fail a submission by chance
+IN_CI = bool(os.environ.get("CI"))
 
 from rlx_core.ir.errors import RlxError
 from rlx_core.weights import load_checkpoint
@@ -21,7 +26,7 @@ gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType
 
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=60, deadline=None, derandomize=IN_CI, suppress_health_check=[HealthCheck.function_scoped_fixture])
 PEAK = 64 << 20
 logging.getLogger("gguf.gguf_writer").setLevel(logging.ERROR)  # overwriting keys is the point here
 

@@ -4,6 +4,7 @@ or a valid result, never a foreign exception."""
 from __future__ import annotations
 
 import math
+import os
 import tracemalloc
 import warnings
 
@@ -18,6 +19,10 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from tiny_models import BERT, LLAMA, tiny_bert, tiny_llama  # noqa: E402
+
+# fresh examples on a developer's runs (they find bugs); CI replays a fixed set, so a rare
+# example cannot fail a submission by chance
+IN_CI = bool(os.environ.get("CI"))
 
 VOCAB = LLAMA["vocab_size"]
 
@@ -203,7 +208,7 @@ def generate_args(draw):
     return kw
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, derandomize=IN_CI, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kw=generate_args())
 def test_fuzz_generate(lm, kw):
     try:
@@ -219,7 +224,7 @@ def test_fuzz_generate(lm, kw):
         assert out.ndim in (1, 2) and out.min() >= 0 and out.max() < VOCAB
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, derandomize=IN_CI, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ids=IDS, mask=ANY)
 def test_fuzz_logits(lm, ids, mask):
     try:
@@ -229,7 +234,7 @@ def test_fuzz_logits(lm, ids, mask):
     assert out.ndim == 3 and out.shape[-1] == VOCAB and np.isfinite(out).all()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, derandomize=IN_CI, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(x=st.one_of(IDS, st.lists(st.text(max_size=8), max_size=3)), bs=ANY, norm=ANY)
 def test_fuzz_embed(enc, x, bs, norm):
     try:
