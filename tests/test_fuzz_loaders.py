@@ -13,10 +13,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-# fresh examples on a developer's runs (they find bugs); CI replays a fixed set, so a rare
-# example cannot fail a submission by chance
-IN_CI = bool(os.environ.get("CI"))
-
 from rlx_core.ir.errors import RlxError
 from rlx_core.weights import load_checkpoint
 from rlx_core.weights.config import _SCHEMA
@@ -26,6 +22,9 @@ gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType
 
+# fresh examples on a developer's runs (they find bugs); CI replays a fixed set, so a rare
+# example cannot fail a submission by chance
+IN_CI = bool(os.environ.get("CI"))
 FUZZ = settings(max_examples=60, deadline=None, derandomize=IN_CI, suppress_health_check=[HealthCheck.function_scoped_fixture])
 PEAK = 64 << 20
 logging.getLogger("gguf.gguf_writer").setLevel(logging.ERROR)  # overwriting keys is the point here
