@@ -19,6 +19,7 @@ from rlx_core.ir.serialize import graph_from_json
 from rlx_core.ir.verify import verify
 from rlx_core.pipeline import CompilePipeline, specialize
 from rlx_core.profile import CompileProfile
+from test_ir import _paths  # noqa: E402  (every path into a JSON document)
 
 SOURCE = "fuzz.rlx.json"
 PEAK = 32 << 20          # bytes one load may allocate (the documents are a few KiB)
@@ -96,16 +97,6 @@ BAD = st.one_of(
     st.sampled_from([float("nan"), float("inf"), float("-inf")]),
     st.integers(-10, 10), st.floats(-1e3, 1e3), st.text(max_size=5),
     st.lists(st.one_of(st.integers(-3, 9), st.text(max_size=2), st.none()), max_size=4))
-
-
-def _paths(d, prefix=()):
-    yield prefix
-    if isinstance(d, dict):
-        for k, v in d.items():
-            yield from _paths(v, prefix + (k,))
-    elif isinstance(d, list):
-        for i, v in enumerate(d):
-            yield from _paths(v, prefix + (i,))
 
 
 @st.composite

@@ -314,27 +314,26 @@ def pool_ser(x, starts, lens, o, mode, zero):
 
 
 # --------------------------------------------------------------------------- small-M GEMV
+@njit(inline="always", **_OPT)
+def _gemv_row(x, w, o, n):
+    for m in range(x.shape[0]):
+        acc = x[m, 0] * w[n, 0]
+        for c in range(1, x.shape[1]):
+            acc += x[m, c] * w[n, c]
+        o[m, n] = acc
+
+
 @njit(parallel=True, **_OPT)
 def gemv_nt_par(x, w, o):
     """o[m, n] = x[m, :] . w[n, :] (w in HF layout [N, K]): one output row per task."""
-    m_, k_ = x.shape
     for n in prange(w.shape[0]):
-        for m in range(m_):
-            acc = x[m, 0] * w[n, 0]
-            for c in range(1, k_):
-                acc += x[m, c] * w[n, c]
-            o[m, n] = acc
+        _gemv_row(x, w, o, n)
 
 
 @njit(**_OPT)
 def gemv_nt_ser(x, w, o):
-    m_, k_ = x.shape
     for n in range(w.shape[0]):
-        for m in range(m_):
-            acc = x[m, 0] * w[n, 0]
-            for c in range(1, k_):
-                acc += x[m, c] * w[n, c]
-            o[m, n] = acc
+        _gemv_row(x, w, o, n)
 
 
 __all__ = [n for n in dir() if n.endswith(("_par", "_ser"))]
