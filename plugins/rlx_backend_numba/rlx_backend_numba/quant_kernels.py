@@ -1,13 +1,13 @@
-"""Packed-weight kernels: GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K rows decoded by numba.
+"""Packed-weight kernels: GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K rows read by numba.
 
-The layouts are rlx_core.ir.quant's (llama.cpp's block structs). One straight-line decoder
-per format turns a packed row into floats (fixed trip counts over contiguous bytes, so LLVM
-vectorizes them); two drivers are generated per format on top of it:
-- `gemv`, decode (a few rows of x): parallel over chunks of output rows; each weight row is
-  decoded once into an L1-sized buffer and dotted with every row of x, so each packed byte
-  is read once and no float copy of the weight exists;
-- `rows`, prefill: blocks of weight rows decoded in parallel into a bounded scratch, then
-  multiplied by BLAS (the two run one after the other, never nested).
+The layouts are rlx_core.ir.quant's (llama.cpp's block structs). Each format is one
+function, `lanes_<fmt>`, giving eight dequantized values of a block as an explicit SIMD
+vector (simd.py); drivers generated per format unroll it over a block and either
+- `gemv`, decode (a few rows of x): parallel over chunks of output rows; one row of x is
+  multiply-added lane by lane as the packed row is read (no float copy of the weight
+  anywhere), several rows of x share one decode of each weight row into an L1 buffer;
+- `rows`, prefill: blocks of weight rows decoded into a bounded scratch, then multiplied
+  by BLAS (the two run one after the other, never nested).
 f16 scales come from a 65536-entry table (as ggml's); values compute in f32.
 `prepare_dequant_matmul` binds them to a `dequant_matmul` node (runner.PREPARE).
 """
@@ -27,85 +27,72 @@ from rlx_core.ir.errors import ShapeError
 from rlx_core.ir.quant import QuantScheme
 
 from .codegen import load_source, with_epilogue
+from .simd import bits, fma, load_i8, load_u8, to_f32
 
 FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 GEMV_MAX_M = 8                  # rows of x up to which the GEMV beats decode-to-scratch + BLAS
 SCRATCH = 1 << 20               # floats of weight decoded per BLAS call (prefill)
-ROWS_PER_TASK = 16              # output rows a GEMV task decodes with one buffer
+ROWS_PER_TASK = 16              # output rows per GEMV task
 F16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 _OPT = dict(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
 
 
-@njit(inline="always", **_OPT)
+@njit(**_OPT)
 def _h(r, o, tab):
     """The f16 at byte o of row r."""
     return tab[np.int32(r[o]) | (np.int32(r[o + 1]) << 8)]
 
 
-@njit(inline="always", **_OPT)
+@njit(**_OPT)
 def _u32(r, o):
     return (np.uint32(r[o]) | (np.uint32(r[o + 1]) << 8) | (np.uint32(r[o + 2]) << 16)
             | (np.uint32(r[o + 3]) << 24))
 
 
-@njit(inline="always", **_OPT)
-def _nib(r, qo, out, p, d, m, bias):
-    """16 bytes of nibble pairs at qo: element j low, j + 16 high; value d * (q - bias) + m."""
-    for j in range(16):
-        b = np.int32(r[qo + j])
-        out[p + j] = d * np.float32((b & 15) - bias) + m
-        out[p + 16 + j] = d * np.float32((b >> 4) - bias) + m
+@njit(**_OPT)
+def _nibbles(r, qo, i):
+    """Lanes 8i..8i+7 of a 32-element block whose 16 bytes at qo hold element j in the low
+    nibble of byte j and element j + 16 in the high one."""
+    q = load_u8(r, qo + 8 * (i & 1))
+    return (q & 15) if i < 2 else (q >> 4)
 
 
-@njit(inline="always", **_OPT)
-def _nib5(r, qo, qh, out, p, d, m, bias):
-    """As _nib with the 5th bit of element j in bit j of qh."""
-    for j in range(16):
-        b = np.int32(r[qo + j])
-        lo = (b & 15) | np.int32(((qh >> j) & 1) << 4)
-        hi = (b >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
-        out[p + j] = d * np.float32(lo - bias) + m
-        out[p + 16 + j] = d * np.float32(hi - bias) + m
+# --------------------------------------------------------------------------- formats
+# One function per format: `lanes_<fmt>(r, o, i, tab)`, the dequantized values of lanes
+# 8i..8i+7 of the block at byte o of packed row r, as an F32x8. The drivers below call it
+# with constant i for every lane group of a block (so scale lookups fold and repeated byte
+# loads merge) and either store the lanes (prefill's decode) or multiply-add them with x
+# (decode's GEMV): one description of each format serves both.
+@njit(**_OPT)
+def lanes_q4_0(r, o, i, tab):
+    d = _h(r, o, tab)
+    return fma(d, to_f32(_nibbles(r, o + 2, i)), np.float32(-8) * d)
 
 
 @njit(**_OPT)
-def row_q4_0(r, out, tab):
-    for b in range(out.shape[0] // 32):
-        _nib(r, 18 * b + 2, out, 32 * b, _h(r, 18 * b, tab), np.float32(0), 8)
+def lanes_q4_1(r, o, i, tab):
+    return fma(_h(r, o, tab), to_f32(_nibbles(r, o + 4, i)), _h(r, o + 2, tab))
 
 
 @njit(**_OPT)
-def row_q4_1(r, out, tab):
-    for b in range(out.shape[0] // 32):
-        o = 20 * b
-        _nib(r, o + 4, out, 32 * b, _h(r, o, tab), _h(r, o + 2, tab), 0)
+def lanes_q5_0(r, o, i, tab):
+    d = _h(r, o, tab)
+    q = _nibbles(r, o + 6, i) | (bits(_u32(r, o + 2), 8 * i) << 4)
+    return fma(d, to_f32(q), np.float32(-16) * d)
 
 
 @njit(**_OPT)
-def row_q5_0(r, out, tab):
-    for b in range(out.shape[0] // 32):
-        o = 22 * b
-        _nib5(r, o + 6, _u32(r, o + 2), out, 32 * b, _h(r, o, tab), np.float32(0), 16)
+def lanes_q5_1(r, o, i, tab):
+    q = _nibbles(r, o + 8, i) | (bits(_u32(r, o + 4), 8 * i) << 4)
+    return fma(_h(r, o, tab), to_f32(q), _h(r, o + 2, tab))
 
 
 @njit(**_OPT)
-def row_q5_1(r, out, tab):
-    for b in range(out.shape[0] // 32):
-        o = 24 * b
-        _nib5(r, o + 8, _u32(r, o + 4), out, 32 * b, _h(r, o, tab), _h(r, o + 2, tab), 0)
+def lanes_q8_0(r, o, i, tab):
+    return _h(r, o, tab) * to_f32(load_i8(r, o + 2 + 8 * i))
 
 
 @njit(**_OPT)
-def row_q8_0(r, out, tab):
-    ri = r.view(np.int8)
-    for b in range(out.shape[0] // 32):
-        o = 34 * b
-        d = _h(r, o, tab)
-        for j in range(32):
-            out[32 * b + j] = d * np.float32(ri[o + 2 + j])
-
-
-@njit(inline="always", **_OPT)
 def _scale_min(r, so, j):
     """The 6-bit scale and min of sub-block j from the 12 bytes at so (get_scale_min_k4)."""
     if j < 4:
@@ -114,156 +101,101 @@ def _scale_min(r, so, j):
     return (a & 15) | ((b >> 6) << 4), (a >> 4) | ((c >> 6) << 4)
 
 
-@njit(inline="always", **_OPT)
-def _k45(r, o, out, p, five, tab):
-    """One 256-element q4_k / q5_k block at byte o into out[p:p+256]."""
-    d, dmin = _h(r, o, tab), _h(r, o + 2, tab)
-    qs = o + (48 if five else 16)
-    for c in range(4):
-        s0, m0 = _scale_min(r, o + 4, 2 * c)
-        s1, m1 = _scale_min(r, o + 4, 2 * c + 1)
-        d0, n0 = d * np.float32(s0), dmin * np.float32(m0)
-        d1, n1 = d * np.float32(s1), dmin * np.float32(m1)
-        for ll in range(32):
-            b = np.int32(r[qs + 32 * c + ll])
-            lo, hi = b & 15, b >> 4
-            if five:
-                h = np.int32(r[o + 16 + ll])
-                lo |= ((h >> (2 * c)) & 1) << 4
-                hi |= ((h >> (2 * c + 1)) & 1) << 4
-            out[p + 64 * c + ll] = d0 * np.float32(lo) - n0
-            out[p + 64 * c + 32 + ll] = d1 * np.float32(hi) - n1
+@njit(**_OPT)
+def _k45(r, o, i, tab, qs, five):
+    """Lanes of a q4_k / q5_k super-block: 8 sub-blocks of 32, each with a 6-bit scale and
+    min; chunk c's 32 bytes hold sub-block 2c in the low nibbles, 2c + 1 in the high ones
+    (q5_k: their 5th bits are bits 2c, 2c + 1 of the 32 bytes at o + 16)."""
+    j, ll = i // 4, 8 * (i % 4)
+    c = j // 2
+    q = load_u8(r, o + qs + 32 * c + ll)
+    q = (q & 15) if j % 2 == 0 else (q >> 4)
+    if five:
+        q = q | (((load_u8(r, o + 16 + ll) >> j) & 1) << 4)
+    sc, mn = _scale_min(r, o + 4, j)
+    return fma(_h(r, o, tab) * np.float32(sc), to_f32(q), -(_h(r, o + 2, tab) * np.float32(mn)))
 
 
 @njit(**_OPT)
-def row_q4_k(r, out, tab):
-    for b in range(out.shape[0] // 256):
-        _k45(r, 144 * b, out, 256 * b, False, tab)
+def lanes_q4_k(r, o, i, tab):
+    return _k45(r, o, i, tab, 16, False)
 
 
 @njit(**_OPT)
-def row_q5_k(r, out, tab):
-    for b in range(out.shape[0] // 256):
-        _k45(r, 176 * b, out, 256 * b, True, tab)
+def lanes_q5_k(r, o, i, tab):
+    return _k45(r, o, i, tab, 48, True)
 
 
 @njit(**_OPT)
-def row_q6_k(r, out, tab):
-    ri = r.view(np.int8)
-    for b in range(out.shape[0] // 256):
-        o, p = 210 * b, 256 * b
-        d = _h(r, o + 208, tab)
-        for nh in range(2):
-            ql, qh, sc, q0 = o + 64 * nh, o + 128 + 32 * nh, o + 192 + 8 * nh, p + 128 * nh
-            for ll in range(32):
-                a, c = np.int32(r[ql + ll]), np.int32(r[ql + 32 + ll])
-                h = np.int32(r[qh + ll])
-                i = ll // 16
-                out[q0 + ll] = d * np.float32(ri[sc + i]) * np.float32(((a & 15) | ((h & 3) << 4)) - 32)
-                out[q0 + 32 + ll] = d * np.float32(ri[sc + i + 2]) * np.float32(
-                    ((c & 15) | (((h >> 2) & 3) << 4)) - 32)
-                out[q0 + 64 + ll] = d * np.float32(ri[sc + i + 4]) * np.float32(
-                    ((a >> 4) | (((h >> 4) & 3) << 4)) - 32)
-                out[q0 + 96 + ll] = d * np.float32(ri[sc + i + 6]) * np.float32(
-                    ((c >> 4) | (((h >> 6) & 3) << 4)) - 32)
+def lanes_q6_k(r, o, i, tab):
+    """Two halves of 128: quarter s of a half takes the low (s < 2) or high nibbles of
+    ql[32 * (s % 2) + ll], bits 2s..2s+1 of qh[ll] as bits 4..5, minus 32; int8 scale per 16."""
+    nh, s, ll = i // 16, (i % 16) // 4, 8 * (i % 4)
+    a = load_u8(r, o + 64 * nh + 32 * (s % 2) + ll)
+    a = (a & 15) if s < 2 else (a >> 4)
+    q = (a | (((load_u8(r, o + 128 + 32 * nh + ll) >> (2 * s)) & 3) << 4)) - 32
+    sc = np.float32(np.int8(r[o + 192 + 8 * nh + ll // 16 + 2 * s]))
+    return (_h(r, o + 208, tab) * sc) * to_f32(q)
 
 
-# --------------------------------------------------------------------------- dots
-# Per format, the body of one block of a row . x dot product. Each element's product goes
-# to lane j of a 32-float accumulator that lives across blocks (a fixed-length update with
-# no reduction inside the block, which LLVM vectorizes); the lanes are summed once per row.
-# A format with a min adds min * (sum of x over the sub-block) from `xs` to `extra`.
-_LEGACY = """
-        d = _h(r, o, tab)
-        for j in range(16):
-            q = np.int32(r[qo + j])
-            lo = q & 15{lo5}
-            hi = q >> 4{hi5}
-            accv[j] += d * (np.float32(lo - {bias}) * x[p + j])
-            accv[16 + j] += d * (np.float32(hi - {bias}) * x[p + 16 + j])"""
-_K45 = """o = {nbytes} * b
-        d, dmin = _h(r, o, tab), _h(r, o + 2, tab)
-        for c in range(4):
-            s0, m0 = _scale_min(r, o + 4, 2 * c)
-            s1, m1 = _scale_min(r, o + 4, 2 * c + 1)
-            extra -= dmin * (np.float32(m0) * xs[8 * b + 2 * c] + np.float32(m1) * xs[8 * b + 2 * c + 1])
-            d0, d1 = d * np.float32(s0), d * np.float32(s1)
-            for ll in range(32):
-                q = np.int32(r[o + {qs} + 32 * c + ll])
-                lo, hi = q & 15, q >> 4{five}
-                accv[ll] += d0 * (np.float32(lo) * x[p + 64 * c + ll])
-                accv[ll] += d1 * (np.float32(hi) * x[p + 64 * c + 32 + ll])"""
-_BODIES = {
-    "q4_0": ("o = 18 * b\n        qo = o + 2" + _LEGACY.format(lo5="", hi5="", bias=8), 32),
-    "q4_1": ("o = 20 * b\n        qo = o + 4\n        extra += _h(r, o + 2, tab) * xs[b]"
-             + _LEGACY.format(lo5="", hi5="", bias=0), 32),
-    "q5_0": ("o = 22 * b\n        qo = o + 6\n        qh = _u32(r, o + 2)"
-             + _LEGACY.format(lo5=" | np.int32(((qh >> j) & 1) << 4)",
-                              hi5=" | np.int32(((qh >> (j + 16)) & 1) << 4)", bias=16), 32),
-    "q5_1": ("o = 24 * b\n        qo = o + 8\n        qh = _u32(r, o + 4)\n"
-             "        extra += _h(r, o + 2, tab) * xs[b]"
-             + _LEGACY.format(lo5=" | np.int32(((qh >> j) & 1) << 4)",
-                              hi5=" | np.int32(((qh >> (j + 16)) & 1) << 4)", bias=0), 32),
-    "q8_0": ("""o = 34 * b
-        d = _h(r, o, tab)
-        for j in range(32):
-            accv[j] += d * (np.float32(ri[o + 2 + j]) * x[p + j])""", 32),
-    "q4_k": (_K45.format(nbytes=144, qs=16, five=""), 256),
-    "q5_k": (_K45.format(nbytes=176, qs=48, five="""
-                h = np.int32(r[o + 16 + ll])
-                lo |= ((h >> (2 * c)) & 1) << 4
-                hi |= ((h >> (2 * c + 1)) & 1) << 4"""), 256),
-    "q6_k": ("""o = 210 * b
-        d = _h(r, o + 208, tab)
-        for nh in range(2):
-            ql, qh, sc, q0 = o + 64 * nh, o + 128 + 32 * nh, o + 192 + 8 * nh, p + 128 * nh
-            for half in range(2):
-                d0, d1 = d * np.float32(ri[sc + half]), d * np.float32(ri[sc + half + 2])
-                d2, d3 = d * np.float32(ri[sc + half + 4]), d * np.float32(ri[sc + half + 6])
-                for l16 in range(16):
-                    ll = 16 * half + l16
-                    a, c = np.int32(r[ql + ll]), np.int32(r[ql + 32 + ll])
-                    h = np.int32(r[qh + ll])
-                    accv[ll] += d0 * (np.float32(((a & 15) | ((h & 3) << 4)) - 32) * x[q0 + ll])
-                    accv[ll] += d1 * (np.float32(((c & 15) | (((h >> 2) & 3) << 4)) - 32) * x[q0 + 32 + ll])
-                    accv[ll] += d2 * (np.float32(((a >> 4) | (((h >> 4) & 3) << 4)) - 32) * x[q0 + 64 + ll])
-                    accv[ll] += d3 * (np.float32(((c >> 4) | (((h >> 6) & 3) << 4)) - 32) * x[q0 + 96 + ll])""",
-             256),
-}
+BLOCK = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
+         "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}   # elements, bytes
 
-_DRIVERS = '''
+_DRIVERS = """
 import numpy as np
 from numba import njit, prange
-from rlx_backend_numba.quant_kernels import _h, _scale_min, _u32, row_{fmt} as decode
+from rlx_backend_numba.quant_kernels import lanes_{fmt} as lanes
+from rlx_backend_numba.simd import fma, hsum, load_f32, store_f32, zeros
 
 _OPT = dict(cache=True, error_model="numpy", fastmath={{"reassoc", "contract"}})
+E, B = {elems}, {nbytes}                # elements and bytes per block
 
 
-@njit(inline="always", **_OPT)
-def dot(r, x, xs, accv, tab):
-    """Packed row r . x (xs: sums of x over its 32-element blocks)."""
-    ri = r.view(np.int8)
-    accv[:] = 0
-    extra = np.float32(0)
-    for b in range(x.shape[0] // {block}):
-        p = {block} * b
-        {body}
-    return accv.sum() + extra
+@njit(**_OPT)
+def dot(r, x, tab):
+    \"\"\"Packed row r . x, four accumulators of eight lanes.\"\"\"
+    a0, a1, a2, a3 = zeros(), zeros(), zeros(), zeros()
+    for b in range(x.shape[0] // E):
+        o, p = B * b, E * b
+{dot_body}
+    return hsum((a0 + a1) + (a2 + a3))
+
+
+@njit(**_OPT)
+def fdot(a, x):
+    \"\"\"a . x for float rows (K a multiple of 32).\"\"\"
+    a0, a1, a2, a3 = zeros(), zeros(), zeros(), zeros()
+    for p in range(0, x.shape[0], 32):
+        a0 = fma(load_f32(a, p), load_f32(x, p), a0)
+        a1 = fma(load_f32(a, p + 8), load_f32(x, p + 8), a1)
+        a2 = fma(load_f32(a, p + 16), load_f32(x, p + 16), a2)
+        a3 = fma(load_f32(a, p + 24), load_f32(x, p + 24), a3)
+    return hsum((a0 + a1) + (a2 + a3))
+
+
+@njit(**_OPT)
+def decode(r, out, tab):
+    for b in range(out.shape[0] // E):
+        o, p = B * b, E * b
+{decode_body}
 
 
 @njit(parallel=True, **_OPT)
 def gemv(x, w, o, tab):
+    \"\"\"o = x @ W^T, parallel over chunks of output rows. One row of x: each packed row is
+    dotted as it is read; more: it is decoded once into an L1 buffer and dotted with each.\"\"\"
     m_, k_ = x.shape
-    xs = np.empty((m_, k_ // 32), np.float32)
-    for m in range(m_):
-        for b in range(k_ // 32):
-            xs[m, b] = x[m, 32 * b:32 * b + 32].sum()
     n_ = w.shape[0]
     for t in prange((n_ + {rows} - 1) // {rows}):
-        accv = np.empty(32, np.float32)
-        for n in range({rows} * t, min({rows} * (t + 1), n_)):
-            for m in range(m_):
-                o[m, n] = dot(w[n], x[m], xs[m], accv, tab)
+        if m_ == 1:
+            for n in range({rows} * t, min({rows} * (t + 1), n_)):
+                o[0, n] = dot(w[n], x[0], tab)
+        else:
+            buf = np.empty(k_, np.float32)
+            for n in range({rows} * t, min({rows} * (t + 1), n_)):
+                decode(w[n], buf, tab)
+                for m in range(m_):
+                    o[m, n] = fdot(buf, x[m])
 
 
 @njit(parallel=True, **_OPT)
@@ -276,14 +208,19 @@ def rows(w, r0, out, tab):
 def rows_ser(w, r0, out, tab):
     for i in range(out.shape[0]):
         decode(w[r0 + i], out[i], tab)
-'''
+"""
 
 
 @functools.lru_cache(maxsize=None)
 def drivers(kind: str):
-    """The generated module with `gemv` and `rows` for one format."""
-    body, block = _BODIES[kind]
-    return load_source(_DRIVERS.format(fmt=kind, rows=ROWS_PER_TASK, block=block, body=body))
+    """The generated module with `gemv`, `rows` and `rows_ser` for one format."""
+    elems, nbytes = BLOCK[kind]
+    groups = range(elems // 8)         # unrolled: each lane group's scale and shifts fold
+    dot_body = "\n".join(f"        a{i % 4} = fma(lanes(r, o, {i}, tab), load_f32(x, p + {8 * i}), a{i % 4})"
+                          for i in groups)
+    decode_body = "\n".join(f"        store_f32(out, p + {8 * i}, lanes(r, o, {i}, tab))" for i in groups)
+    return load_source(_DRIVERS.format(fmt=kind, rows=ROWS_PER_TASK, elems=elems, nbytes=nbytes,
+                                       dot_body=dot_body, decode_body=decode_body))
 
 
 # --------------------------------------------------------------------------- host side

@@ -1,0 +1,42 @@
+"""simd.py's eight-lane vectors against NumPy on the same lanes: loads (u8 zero-extended,
+i8 sign-extended, f32), integer bit ops with vector and scalar operands, conversion,
+multiply-add, lane bits of a word, the horizontal sum and the store."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+from numba import njit  # noqa: E402
+
+from rlx_backend_numba.simd import bits, fma, hsum, load_f32, load_i8, load_u8, store_f32, to_f32, zeros  # noqa: E402
+
+
+@njit(cache=False)
+def _lanes(raw, f, word, out):
+    u = load_u8(raw, 3)                                  # unaligned on purpose
+    s = load_i8(raw, 3)
+    store_f32(out, 0, to_f32(u))
+    store_f32(out, 8, to_f32(s))
+    store_f32(out, 16, to_f32(((u & 15) | (u >> 4) << 2) - 5))
+    store_f32(out, 24, to_f32(bits(word, 3)))
+    v = load_f32(f, 1)
+    store_f32(out, 32, fma(v, 2.0, zeros() + 1.0) - v * v)
+    out[40] = hsum(v)
+
+
+def test_lanes_match_numpy():
+    rng = np.random.default_rng()
+    raw = rng.integers(0, 256, 16, dtype=np.uint8)
+    f = rng.standard_normal(12).astype(np.float32)
+    word = int(rng.integers(0, 2 ** 32))
+    out = np.full(41, np.nan, np.float32)
+    _lanes(raw, f, word, out)
+    u = raw[3:11].astype(np.int64)
+    np.testing.assert_array_equal(out[0:8], u)
+    np.testing.assert_array_equal(out[8:16], raw[3:11].view(np.int8))
+    np.testing.assert_array_equal(out[16:24], ((u & 15) | (u >> 4) << 2) - 5)
+    np.testing.assert_array_equal(out[24:32], [(word >> (3 + j)) & 1 for j in range(8)])
+    v = f[1:9].astype(np.float64)
+    np.testing.assert_allclose(out[32:40], v * 2 + 1 - v * v, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out[40], v.sum(), rtol=1e-6, atol=1e-6)
