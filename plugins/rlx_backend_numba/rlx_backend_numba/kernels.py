@@ -314,6 +314,26 @@ def pool_ser(x, starts, lens, o, mode, zero):
 
 
 # --------------------------------------------------------------------------- small-M GEMV
+# --------------------------------------------------------------------------- KV cache write
+@njit(**_OPT)
+def kv_write(cache, new, pos):
+    """new [B, pre, s, post] into cache [B, pre, n, post] at position pos[b] (or pos[0] for
+    every row) of axis 2; returns -1, or the first row whose write would not fit (nothing
+    written then)."""
+    s, n = new.shape[2], cache.shape[2]
+    for b in range(cache.shape[0]):
+        p = pos[b] if pos.shape[0] > 1 else pos[0]
+        if p < 0 or p + s > n:
+            return b
+    for b in range(cache.shape[0]):
+        p = pos[b] if pos.shape[0] > 1 else pos[0]
+        for i in range(cache.shape[1]):
+            for t in range(s):
+                for j in range(cache.shape[3]):
+                    cache[b, i, p + t, j] = new[b, i, t, j]
+    return -1
+
+
 @njit(inline="always", **_OPT)
 def _gemv_row(x, w, o, n):
     for m in range(x.shape[0]):

@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from rlx_core.backends.numpy import NumpyRunner
-from rlx_core.ir.numpy_kernels import KERNELS, segments
+from rlx_core.ir.numpy_kernels import KERNELS, VIEWS, segments
 from rlx_core.ir.lir import LirModule
 from rlx_core.ir.ops import MaskKind
 
@@ -274,6 +274,26 @@ def _matmul_epilogue(a, outs, protos, op=None):
 PREPARE["dequant_matmul"] = quant_kernels.prepare_dequant_matmul
 
 
+def _kv_write_step(a, cache, new, pos):
+    """kv_write as one compiled copy (NumPy's takes ~20 numpy calls a token per layer); a
+    layout it does not cover keeps NumPy's, whose errors it also reuses."""
+    ax = a["axis"] % cache.ndim
+    dims = cache.shape
+    if ax == 0 or not _native(cache, new) or pos.ndim != 1 or pos.size not in (1, dims[0]):
+        return None
+    pre, post = math.prod(dims[1:ax]), math.prod(dims[ax + 1:])
+    numpy_kv_write = VIEWS["kv_write"]
+
+    def step(a, cache, new, pos):
+        c4 = cache.reshape(dims[0], pre, dims[ax], post)
+        if not np.may_share_memory(c4, cache):
+            return numpy_kv_write(a, cache, new, pos)
+        if K.kv_write(c4, new.reshape(dims[0], pre, new.shape[ax], post), pos) >= 0:
+            numpy_kv_write(a, cache, new, pos)          # raises the NumPy backend's error
+        return cache
+    return step
+
+
 # --------------------------------------------------------------------------- the runner
 class NumbaRunner(NumpyRunner):
     """NumpyRunner's arena, values, view steps and run loop; compiled kernels where they apply."""
@@ -287,8 +307,11 @@ class NumbaRunner(NumpyRunner):
         steps = []
         for i, is_view, fn, a, ins, out in self.steps:
             node = self.graph.nodes[i]
-            if is_view:
-                protos[out] = protos[ins[0]] if node.op == "kv_write" else fn(a, *[protos[j] for j in ins])
+            if is_view and node.op == "kv_write":
+                fn = _kv_write_step(a, *[protos[j] for j in ins]) or fn
+                protos[out] = protos[ins[0]]
+            elif is_view:
+                protos[out] = fn(a, *[protos[j] for j in ins])
             elif node.op in PREPARE:
                 made = PREPARE[node.op](a, out, [protos[j] for j in ins], op=node.op)
                 fn = made or fn

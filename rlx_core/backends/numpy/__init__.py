@@ -55,6 +55,7 @@ class NumpyRunner(Runner):
                     vals[index[(i, k)]] = arr
                     outs.append(arr)
                 self.steps.append((i, False, KERNELS[n.op], a, ins, outs))
+        self.steps = _fold_fixed_views(self.steps, vals, {slot for slot, _ in self.inputs.values()})
         self.vals = vals
         self.graph = g
         self.outputs = [(name, index[tuple(r)]) for name, r in g.outputs]
@@ -76,6 +77,25 @@ class NumpyRunner(Runner):
             raise BackendError(f"{self.backend_name} backend: graph {self.name!r} node %{i} "
                                f"({self.graph.nodes[i].op}) failed: {type(e).__name__}: {e}") from e
         return {name: np.array(vals[slot]) for name, slot in self.outputs}
+
+
+def _fold_fixed_views(steps: list, vals: list, dynamic: set) -> list:
+    """Views of buffers that never move (arena slots, params, states, constants) are taken
+    once here instead of every run: a decode step has hundreds of reshapes and narrows. A
+    view of an input (or of such a view), kv_write (it writes) and a reshape that had to
+    copy stay steps."""
+    kept = []
+    for step in steps:
+        _, is_view, fn, a, ins, out = step
+        if is_view and fn is not VIEWS["kv_write"] and not dynamic.intersection(ins):
+            v = fn(a, *[vals[j] for j in ins])
+            if np.may_share_memory(v, vals[ins[0]]):
+                vals[out] = v
+                continue
+        if is_view:
+            dynamic.add(out)
+        kept.append(step)
+    return kept
 
 
 class NumpyBackend(Backend):
