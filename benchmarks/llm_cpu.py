@@ -43,7 +43,7 @@ from hardware import cpu_name  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {"smollm2": "SmolLM2-135M-Instruct Q4_1 GGUF", "gemma3": "gemma-3-270m Q4_K_M GGUF"}
-SIDES = {"numba": "RLX numba, packed", "numpy": "RLX numpy, packed", "hf": "HF eager fp32",
+SIDES = {"numba": "RLX numba, packed", "numba-int8": "RLX numba, packed, int8 x", "numpy": "RLX numpy, packed", "hf": "HF eager fp32",
          "llama.cpp": "llama.cpp"}
 
 
@@ -65,7 +65,16 @@ def run_rlx(args) -> dict:
     import rlx_core
 
     t0 = time.perf_counter()
-    m = rlx_core.load(args.model, backend=args.child, progress=False)
+    backend, profile = args.child, None
+    if args.child == "numba-int8":           # the profile's `[precision] activations = "int8"`
+        from rlx_core.runtime.model import find_recipe
+        from rlx_core.weights import load_checkpoint, resolve_model_path
+
+        arch = load_checkpoint(resolve_model_path(args.model), progress=False, packed=True).architecture()
+        name = getattr(find_recipe(arch), "default_profile", "default")
+        backend = "numba"
+        profile = rlx_core.CompileProfile.preset(name).evolve(precision={"activations": "int8"})
+    m = rlx_core.load(args.model, backend=backend, profile=profile, progress=False)
     ids = np.array([prompt_ids(m.tokenizer.encode, args.prefill)])
     m.generate(ids, max_new_tokens=4, min_new_tokens=4)           # compile + warm up
     warm_up_s = time.perf_counter() - t0
@@ -254,12 +263,12 @@ def available_sides(sides: list) -> list:
                 print("llama.cpp side skipped: llama-cpp-python is not installed "
                       "(pip install llama-cpp-python builds it from source, ~12 min on 2 cores)")
                 continue
-        if side == "numba":
+        if side.startswith("numba"):
             from rlx_core.pipeline import available_backends
 
             why = next((w for b, ok, w in available_backends() if b.name == "numba" and not ok), None)
             if why is not None or not any(b.name == "numba" for b, _, _ in available_backends()):
-                print(f"numba side skipped: {why or 'rlx-backend-numba is not installed'}")
+                print(f"{side} side skipped: {why or 'rlx-backend-numba is not installed'}")
                 continue
         out.append(side)
     return out

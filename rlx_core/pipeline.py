@@ -96,7 +96,7 @@ class CompilePipeline:
         if g.level == HIR:
             g = self._step("lower", g, lambda x: lower(x, p.fusion.policy))
         if packed_params(g):
-            g = self._step("pack", g, pack_params)
+            g = self._step("pack", g, lambda x: pack_params(x, p.precision.activations))
         g = self._step("leaves_first", g, leaves_first)
         if p.passes.dce:
             g = self._step("dce", g, dce)

@@ -50,6 +50,9 @@ class PrecisionConfig:
     # how a quantized checkpoint's matmul weights are held: "packed" (as the file stores them,
     # read by dequant_matmul) or dequantized at load to f32/f16/bf16; float checkpoints ignore it
     weights: str = "packed"
+    # the x of a packed matmul: "f32" as computed, or "int8" rounded through int8 blocks of 32
+    # first (llama.cpp's q8 activations: CPU kernels then multiply integers; logits move ~1e-2)
+    activations: str = "f32"
 
 
 @attrs.frozen
@@ -158,6 +161,7 @@ _ALLOWED = {
     ("fusion", "target"): ["auto", *TARGETS],
     ("precision", "compute"): ["f32", "f16", "bf16", "f64"],
     ("precision", "weights"): ["packed", "f32", "f16", "bf16"],
+    ("precision", "activations"): ["f32", "int8"],
 }
 # The profile sits below the plugin registry, so it checks a backend name's form only; the
 # point that resolves the backend (pipeline.select_backend) names the installed ones.

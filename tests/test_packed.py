@@ -11,7 +11,8 @@ import pytest
 import rlx_core
 from rlx_core import CompileProfile, Graph
 from rlx_core.backends.numpy import NumpyBackend, NumpyRunner
-from rlx_core.ir.errors import BackendError, WeightError
+from rlx_core.ir.errors import BackendError, ProfileError, WeightError
+from rlx_core.pipeline import available_backends
 from rlx_core.ir.quant import PackedTensor, QuantScheme, matmul_reference, quantize
 from rlx_core.ir.serialize import graph_from_json
 
@@ -195,3 +196,29 @@ def test_packed_weights_follow_the_compute_precision(rng):
     got = exe.run(ids=ids)
     for k in want:
         np.testing.assert_allclose(got[k].astype(np.float32), want[k], rtol=2e-2, atol=2e-2 * np.abs(want[k]).max())
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+@pytest.mark.parametrize("scheme", ["q4_1", "q6_k"])
+def test_int8_activations_round_x_before_the_packed_matmul(rng, backend, scheme):
+    """`[precision] activations = "int8"`: x reaches every packed matmul rounded through
+    int8_b32 blocks (the q, k, v projections share one rounding), as the float64 reference
+    of the rounded x times the dequantized weight; "f32" leaves x alone."""
+    why = {b.name: (ok, reason) for b, ok, reason in available_backends()}.get(backend, (False, "not installed"))
+    if not why[0]:
+        pytest.skip(f"backend {backend!r} is not available: {why[1]}")
+    params = {n: _weights(rng, scheme, name=n) for n in ("w0", "w1", "w2", "table")}
+    prof = CompileProfile().evolve(precision={"activations": "int8"})
+    exe = rlx_core.compile(_mlp(scheme), profile=prof, backend=backend, params=params)
+    assert [n.op for n in exe.mir.nodes].count("fake_quantize") == 1
+    i8 = QuantScheme.parse("int8_b32")
+    for s in (1, 5):
+        x = rng.standard_normal((s, K)).astype(np.float32)
+        xr = i8.dequantize(i8.quantize(x), x.shape).astype(np.float64)
+        out = exe.run(x=x, ids=np.zeros(s, np.int64))
+        for i in range(3):
+            w = QuantScheme.parse(scheme).dequantize_reference(params[f"w{i}"].raw, (N, K))
+            ref = xr @ w.T
+            np.testing.assert_allclose(out[f"y{i}"], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    with pytest.raises(ProfileError, match=r"\[precision\] activations = 'q8'"):
+        CompileProfile.from_toml_str('[precision]\nactivations = "q8"')

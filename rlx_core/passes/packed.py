@@ -21,7 +21,9 @@ def packed_params(g: Graph) -> dict:
             if n.op == "param" and n.a.get("scheme") and n.outs[0].dtype.is_float}
 
 
-def pack_params(g: Graph) -> Graph:
+def pack_params(g: Graph, activations: str = "f32") -> Graph:
+    """`activations="int8"`: each dequant_matmul's x is rounded through int8 blocks of 32 (a
+    fake_quantize to int8_b32), which a backend may multiply as integers."""
     packed = packed_params(g)
     if not packed:
         return g
@@ -42,7 +44,11 @@ def pack_params(g: Graph) -> Graph:
         w = refs[1] if len(refs) > 1 else None
         if node.op in ("matmul", "fused_matmul_bias_act") and is_packed(w) and not is_packed(refs[0]) \
                 and a.get("trans_b") and not a.get("trans_a") and ins[1].shape.rank == 2:
-            return m.add("dequant_matmul", tuple(ins), scheme=packed[w[0]].name,
+            x = ins[0]
+            k = ins[0].shape.dims[-1]
+            if activations == "int8" and isinstance(k, int) and k % 32 == 0:
+                x = m.add("fake_quantize", (x,), scheme="int8_b32")
+            return m.add("dequant_matmul", (x, *ins[1:]), scheme=packed[w[0]].name,
                          act=a.get("act", "identity"))
         if node.op == "gather" and is_packed(refs[0]) and a["axis"] == 0:
             rows = m.gather(ins[0], ins[1])

@@ -20,14 +20,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from rlx_core.backends.numpy.blas import single_threaded_blas
 from rlx_core.ir.errors import ShapeError
 from rlx_core.ir.quant import QuantScheme
 
 from .codegen import load_source, with_epilogue
-from .simd import bits, fma, load_i8, load_u8, to_f32
+from .simd import (bits, bits32, fma, halves, idot_s, idot_u, load_bytes32, load_i8, load_u8, nibbles32,
+                   to_f32, zeros)
 
 FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 GEMV_MAX_M = 8                  # rows of x up to which the GEMV beats decode-to-scratch + BLAS
@@ -138,6 +139,93 @@ def lanes_q6_k(r, o, i, tab):
     return (_h(r, o + 208, tab) * sc) * to_f32(q)
 
 
+# --------------------------------------------------------------------------- int8 activations
+# With `[precision] activations = "int8"` a packed matmul's x arrives rounded through int8
+# blocks of 32 (a fake_quantize int8_b32 node). The GEMV then takes x's int8 values and
+# multiplies them with each block's integer weights exactly (u8 x s8 pair sums, as
+# llama.cpp's q8 dot products), scaling once per block: `iblock_<fmt>(r, o, xq, xd, xs, c,
+# tab)` is the block at byte o against x blocks c, c+1, ... as (eight lanes, a scalar).
+# q4_k / q5_k have none yet (their integer form measured slower than the float GEMV, which
+# computes the same product of the rounded x).
+INT8_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q6_k")
+@njit(**_OPT)
+def quantize_x(x, xq, xd, xs):
+    """x (f32, K a multiple of 32) as rlx_core.ir.quant's int8_b32 does it (d = amax / 127,
+    q = x * (1 / d) rounded half away from zero): ints xq, scales xd, xs = xd * sum(q)."""
+    for b in range(x.shape[0] // 32):
+        amax = np.float32(0)
+        for j in range(32):
+            amax = max(amax, abs(x[32 * b + j]))
+        d = amax / np.float32(127)
+        inv = np.float32(1) / d if d != 0 else np.float32(0)
+        t = 0
+        for j in range(32):
+            v = np.float64(x[32 * b + j] * inv)
+            q = min(np.int32(math.floor(abs(v) + 0.5)), 127)
+            q = -q if v < 0 else q
+            xq[32 * b + j] = q
+            t += q
+        xd[b] = d
+        xs[b] = d * np.float32(t)
+
+
+@njit(parallel=True, **_OPT)
+def fake_quantize_int8(x, o):
+    """Rows of x rounded through int8_b32 and back (f32), as the NumPy backend computes it."""
+    for m in prange(x.shape[0]):
+        nb = x.shape[1] // 32
+        xq, xd, xs = np.empty(x.shape[1], np.int8), np.empty(nb, np.float32), np.empty(nb, np.float32)
+        quantize_x(x[m], xq, xd, xs)
+        for j in range(x.shape[1]):
+            o[m, j] = xd[j // 32] * np.float32(xq[j])
+
+
+@njit(**_OPT)
+def iblock_q4_0(r, o, xq, xd, xs, c, tab):
+    d = _h(r, o, tab)
+    return to_f32(idot_u(nibbles32(r, o + 2), xq, 32 * c)) * (d * xd[c]), np.float32(-8) * d * xs[c]
+
+
+@njit(**_OPT)
+def iblock_q4_1(r, o, xq, xd, xs, c, tab):
+    return (to_f32(idot_u(nibbles32(r, o + 4), xq, 32 * c)) * (_h(r, o, tab) * xd[c]),
+            _h(r, o + 2, tab) * xs[c])
+
+
+@njit(**_OPT)
+def iblock_q5_0(r, o, xq, xd, xs, c, tab):
+    d = _h(r, o, tab)
+    q = nibbles32(r, o + 6) | (bits32(_u32(r, o + 2)) << 4)
+    return to_f32(idot_u(q, xq, 32 * c)) * (d * xd[c]), np.float32(-16) * d * xs[c]
+
+
+@njit(**_OPT)
+def iblock_q5_1(r, o, xq, xd, xs, c, tab):
+    q = nibbles32(r, o + 8) | (bits32(_u32(r, o + 4)) << 4)
+    return to_f32(idot_u(q, xq, 32 * c)) * (_h(r, o, tab) * xd[c]), _h(r, o + 2, tab) * xs[c]
+
+
+@njit(**_OPT)
+def iblock_q8_0(r, o, xq, xd, xs, c, tab):
+    return to_f32(idot_s(load_bytes32(r, o + 2), xq, 32 * c)) * (_h(r, o, tab) * xd[c]), np.float32(0)
+
+
+@njit(**_OPT)
+def iblock_q6_k(r, o, xq, xd, xs, c, tab):
+    """x block j is quarter j % 4 of half j // 4; its two halves of 16 have their own scale."""
+    d = _h(r, o + 208, tab)
+    acc = zeros()
+    for j in range(8):
+        nh, s = j // 4, j % 4
+        a = load_bytes32(r, o + 64 * nh + 32 * (s % 2))
+        a = (a & 15) if s < 2 else (a >> 4)
+        q = (a | (((load_bytes32(r, o + 128 + 32 * nh) >> (2 * s)) & 3) << 4)) - 32
+        sb, dd = o + 192 + 8 * nh + 2 * s, d * xd[c + j]
+        acc = fma(to_f32(idot_s(q, xq, 32 * (c + j))),
+                  halves(dd * np.float32(np.int8(r[sb])), dd * np.float32(np.int8(r[sb + 1]))), acc)
+    return acc, np.float32(0)
+
+
 BLOCK = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
          "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}   # elements, bytes
 
@@ -211,6 +299,37 @@ def rows_ser(w, r0, out, tab):
 """
 
 
+_INT8_DRIVERS = """
+
+from rlx_backend_numba.quant_kernels import iblock_{fmt} as iblock, quantize_x
+
+
+@njit(**_OPT)
+def idot(r, xq, xd, xs, tab):
+    \"\"\"Packed row r . x for x as int8 blocks (quantize_x's xq, xd, xs).\"\"\"
+    acc, extra = zeros(), np.float32(0)
+    for b in range(xq.shape[0] // E):
+        v, e = iblock(r, B * b, xq, xd, xs, (E // 32) * b, tab)
+        acc = acc + v
+        extra += e
+    return hsum(acc) + extra
+
+
+@njit(parallel=True, **_OPT)
+def igemv(x, w, o, tab):
+    \"\"\"gemv for rows of x that hold int8_b32-rounded values: integer block products.\"\"\"
+    m_, k_ = x.shape
+    xq, xd, xs = np.empty((m_, k_), np.int8), np.empty((m_, k_ // 32), np.float32), np.empty((m_, k_ // 32), np.float32)
+    for m in range(m_):
+        quantize_x(x[m], xq[m], xd[m], xs[m])
+    n_ = w.shape[0]
+    for t in prange((n_ + {rows} - 1) // {rows}):
+        for n in range({rows} * t, min({rows} * (t + 1), n_)):
+            for m in range(m_):
+                o[m, n] = idot(w[n], xq[m], xd[m], xs[m], tab)
+"""
+
+
 @functools.lru_cache(maxsize=None)
 def drivers(kind: str):
     """The generated module with `gemv`, `rows` and `rows_ser` for one format."""
@@ -219,8 +338,9 @@ def drivers(kind: str):
     dot_body = "\n".join(f"        a{i % 4} = fma(lanes(r, o, {i}, tab), load_f32(x, p + {8 * i}), a{i % 4})"
                           for i in groups)
     decode_body = "\n".join(f"        store_f32(out, p + {8 * i}, lanes(r, o, {i}, tab))" for i in groups)
-    return load_source(_DRIVERS.format(fmt=kind, rows=ROWS_PER_TASK, elems=elems, nbytes=nbytes,
-                                       dot_body=dot_body, decode_body=decode_body))
+    src = _DRIVERS + (_INT8_DRIVERS if kind in INT8_FORMATS else "")
+    return load_source(src.format(fmt=kind, rows=ROWS_PER_TASK, elems=elems, nbytes=nbytes,
+                                  dot_body=dot_body, decode_body=decode_body))
 
 
 # --------------------------------------------------------------------------- host side
@@ -243,11 +363,13 @@ def dequant_rows(raw: np.ndarray, scheme, out: np.ndarray, r0: int = 0) -> np.nd
     return out
 
 
-def dequant_gemv(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | None = None) -> np.ndarray:
-    """x [M, K] (f32) @ W^T for the packed W (rows of bytes): [M, N]."""
+def dequant_gemv(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | None = None,
+                 int8_x: bool = False) -> np.ndarray:
+    """x [M, K] (f32) @ W^T for the packed W (rows of bytes): [M, N]. `int8_x`: x holds
+    int8_b32-rounded values, multiplied in integers."""
     w, mod = _args(scheme, raw, x.shape[-1])
     out = np.empty((x.shape[0], w.shape[0]), x.dtype) if out is None else out
-    mod.gemv(x, w, out, F16)
+    (mod.igemv if int8_x and hasattr(mod, "igemv") else mod.gemv)(x, w, out, F16)
     return out
 
 
@@ -301,7 +423,9 @@ def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | Non
 
 def prepare_dequant_matmul(a, outs, protos, op=None):
     """A runner step for `dequant_matmul` (x, packed w, bias?; attrs scheme, act): the GEMV for
-    a few rows, decode-to-scratch + BLAS otherwise, then the generated bias/act epilogue."""
+    a few rows, decode-to-scratch + BLAS otherwise, then the generated bias/act epilogue.
+    `a["int8_x"]` (set by the runner when x comes from a fake_quantize to int8_b32): the
+    GEMV multiplies x's int8 values with the packed integers."""
     x, w, o = protos[0], protos[1], outs[0]
     s = QuantScheme.parse(a["scheme"])               # checked by the op table's schema
     if s.kind not in FORMATS or x.dtype != np.float32 or o.dtype != np.float32 or o.size == 0:
@@ -311,11 +435,22 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
     o2 = o.reshape(m, -1)
     if m <= GEMV_MAX_M:
         _args(s, w, k)                                   # checked once: the step runs per token
-        gemv = drivers(s.kind).gemv
+        mod = drivers(s.kind)
+        gemv = mod.igemv if a.get("int8_x") and hasattr(mod, "igemv") else mod.gemv
         mm = lambda x, w: gemv(x.reshape(m, k), w, o2, F16)  # noqa: E731
     else:
         mm = lambda x, w: dequant_matmul(x.reshape(m, k), w, s, o2)  # noqa: E731
     return with_epilogue(mm, o, protos[2:], a.get("act", "identity"))
 
 
-__all__ = ["FORMATS", "dequant_gemv", "dequant_matmul", "dequant_rows", "prepare_dequant_matmul"]
+def prepare_fake_quantize(a, outs, protos, op=None):
+    """fake_quantize to int8_b32 of f32 rows, compiled (the activations of int8 matmuls)."""
+    x, o = protos[0], outs[0]
+    if QuantScheme.parse(a["scheme"]).name != "int8_b32" or x.dtype != np.float32 or o.dtype != np.float32 or x.shape[-1] % 32:
+        return None
+    k = x.shape[-1]
+    return lambda a_, out, x: fake_quantize_int8(x.reshape(-1, k), out[0].reshape(-1, k))
+
+
+__all__ = ["FORMATS", "dequant_gemv", "dequant_matmul", "dequant_rows", "prepare_dequant_matmul",
+           "prepare_fake_quantize"]

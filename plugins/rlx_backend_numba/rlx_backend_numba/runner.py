@@ -17,6 +17,7 @@ from rlx_core.backends.numpy import NumpyRunner
 from rlx_core.ir.numpy_kernels import KERNELS, VIEWS, segments
 from rlx_core.ir.lir import LirModule
 from rlx_core.ir.ops import MaskKind
+from rlx_core.ir.quant import QuantScheme
 
 from . import codegen
 from . import kernels as K
@@ -272,6 +273,7 @@ def _matmul_epilogue(a, outs, protos, op=None):
 
 
 PREPARE["dequant_matmul"] = quant_kernels.prepare_dequant_matmul
+PREPARE["fake_quantize"] = quant_kernels.prepare_fake_quantize
 
 
 def _kv_write_step(a, cache, new, pos):
@@ -313,10 +315,17 @@ class NumbaRunner(NumpyRunner):
             elif is_view:
                 protos[out] = fn(a, *[protos[j] for j in ins])
             elif node.op in PREPARE:
+                if node.op == "dequant_matmul" and self._int8_rounded(node.inputs[0]):
+                    a = {**a, "int8_x": True}
                 made = PREPARE[node.op](a, out, [protos[j] for j in ins], op=node.op)
                 fn = made or fn
             steps.append((i, is_view, fn, a, ins, out))
         self.steps = steps
+
+    def _int8_rounded(self, ref) -> bool:
+        """`ref` is the output of a fake_quantize to int8_b32 (its values are int8 blocks)."""
+        n = self.graph.nodes[ref[0]]
+        return n.op == "fake_quantize" and QuantScheme.parse(n.a["scheme"]).name == "int8_b32"
 
 
 __all__ = ["NumbaRunner", "PREPARE", "prepares", "GEMV_MAX_M"]

@@ -15,98 +15,80 @@ from __future__ import annotations
 
 import operator
 
+from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, overload, register_model
 
 LANES = 8
+AVX2 = "+avx2" in llvm_binding.get_host_cpu_features().flatten().split(",")   # numba compiles for the host
 _I32 = ir.IntType(32)
-_VF = ir.VectorType(ir.FloatType(), LANES)
-_VI = ir.VectorType(_I32, LANES)
+_I8 = ir.IntType(8)
 
 
-class F32x8Type(types.Type):
-    def __init__(self):
-        super().__init__(name="F32x8")
+class VecType(types.Type):
+    """A fixed-length LLVM vector; `scalar` is the numba type a scalar operand is cast to."""
+
+    def __init__(self, name: str, elem, lanes: int, scalar):
+        self.llvm = ir.VectorType(elem, lanes)
+        self.scalar = scalar
+        super().__init__(name=name)
 
 
-class I32x8Type(types.Type):
-    def __init__(self):
-        super().__init__(name="I32x8")
-
-
-F32x8 = F32x8Type()
-I32x8 = I32x8Type()
-
-
-@register_model(F32x8Type)
-class _F32x8Model(models.PrimitiveModel):
+@register_model(VecType)
+class _VecModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, _VF)
+        super().__init__(dmm, fe_type, fe_type.llvm)
 
 
-@register_model(I32x8Type)
-class _I32x8Model(models.PrimitiveModel):
-    def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, _VI)
+F32x8 = VecType("F32x8", ir.FloatType(), LANES, types.float32)
+I32x8 = VecType("I32x8", _I32, LANES, types.int32)
+I8x32 = VecType("I8x32", _I8, 32, types.int8)       # the bytes of a 32-element block
+_VF, _VI, _VB = F32x8.llvm, I32x8.llvm, I8x32.llvm
 
 
 def _splat(builder, scalar, vty):
     v = builder.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_VI, [0] * LANES))
+    mask = ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count)
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), mask)
 
 
-def _vec(context, builder, ty, val, vty):
-    """`val` of numba type `ty` as a vector of `vty` (a scalar is converted and splatted)."""
-    if isinstance(ty, (F32x8Type, I32x8Type)):
+def _vec(context, builder, ty, val, vt):
+    """`val` of numba type `ty` as a value of vector type `vt` (a scalar is cast, splatted)."""
+    if isinstance(ty, VecType):
         return val
-    if vty is _VF:
-        return _splat(builder, context.cast(builder, val, ty, types.float32), vty)
-    return _splat(builder, context.cast(builder, val, ty, types.int32), vty)
+    return _splat(builder, context.cast(builder, val, ty, vt.scalar), vt.llvm)
 
 
-def _is_f(t):
-    return isinstance(t, F32x8Type) or isinstance(t, types.Float)
-
-
-def _is_i(t):
-    return isinstance(t, I32x8Type) or isinstance(t, types.Integer)
-
-
-def _binary(vty, emit):
-    """An intrinsic applying `emit(builder, a, b)` lane-wise; either side may be a scalar."""
-    rty = F32x8 if vty is _VF else I32x8
+def _register(op, vt, emit):
+    """`op` lane-wise on `vt` values; either side may be a scalar of `vt`'s kind."""
+    kind = types.Float if vt is F32x8 else types.Integer
 
     @intrinsic
     def impl(typingctx, a, b):
         def codegen(context, builder, sig, args):
-            va = _vec(context, builder, sig.args[0], args[0], vty)
-            vb = _vec(context, builder, sig.args[1], args[1], vty)
+            va = _vec(context, builder, sig.args[0], args[0], vt)
+            vb = _vec(context, builder, sig.args[1], args[1], vt)
             return emit(builder, va, vb)
-        return rty(a, b), codegen
-    return impl
-
-
-def _register(op, vty, emit):
-    impl = _binary(vty, emit)
-    want, accept = (F32x8Type, _is_f) if vty is _VF else (I32x8Type, _is_i)
+        return vt(a, b), codegen
 
     @overload(op)
     def _ov(a, b):
-        if (isinstance(a, want) or isinstance(b, want)) and accept(a) and accept(b):
+        if (a is vt or b is vt) and all(t is vt or isinstance(t, kind) for t in (a, b)):
             return lambda a, b: impl(a, b)
 
 
-_register(operator.add, _VF, lambda b, x, y: b.fadd(x, y, flags=("contract",)))
-_register(operator.sub, _VF, lambda b, x, y: b.fsub(x, y, flags=("contract",)))
-_register(operator.mul, _VF, lambda b, x, y: b.fmul(x, y, flags=("contract",)))
-_register(operator.add, _VI, lambda b, x, y: b.add(x, y))
-_register(operator.sub, _VI, lambda b, x, y: b.sub(x, y))
-_register(operator.and_, _VI, lambda b, x, y: b.and_(x, y))
-_register(operator.or_, _VI, lambda b, x, y: b.or_(x, y))
-_register(operator.lshift, _VI, lambda b, x, y: b.shl(x, y))
-_register(operator.rshift, _VI, lambda b, x, y: b.lshr(x, y))      # logical: lanes hold bits
+_register(operator.add, F32x8, lambda b, x, y: b.fadd(x, y, flags=("contract",)))
+_register(operator.sub, F32x8, lambda b, x, y: b.fsub(x, y, flags=("contract",)))
+_register(operator.mul, F32x8, lambda b, x, y: b.fmul(x, y, flags=("contract",)))
+for _vt in (I32x8, I8x32):
+    _register(operator.add, _vt, lambda b, x, y: b.add(x, y))
+    _register(operator.sub, _vt, lambda b, x, y: b.sub(x, y))
+    _register(operator.and_, _vt, lambda b, x, y: b.and_(x, y))
+    _register(operator.or_, _vt, lambda b, x, y: b.or_(x, y))
+    _register(operator.lshift, _vt, lambda b, x, y: b.shl(x, y))
+    _register(operator.rshift, _vt, lambda b, x, y: b.lshr(x, y))  # logical: lanes hold bits
 
 
 def _element_ptr(context, builder, aty, ary, idx, ity, elem):
@@ -170,7 +152,7 @@ def to_f32(typingctx, v):
 def fma(typingctx, a, b, c):
     """a * b + c lane-wise (fused where the target has FMA; llvm.fmuladd never calls libm)."""
     def codegen(context, builder, sig, args):
-        vs = [_vec(context, builder, t, v, _VF) for t, v in zip(sig.args, args)]
+        vs = [_vec(context, builder, t, v, F32x8) for t, v in zip(sig.args, args)]
         f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3),
                                            "llvm.fmuladd.v8f32")
         return builder.call(f, vs)
@@ -202,5 +184,92 @@ def hsum(typingctx, v):
     return types.float32(v), codegen
 
 
-__all__ = ["F32x8", "I32x8", "LANES", "bits", "fma", "hsum", "load_f32", "load_i8", "load_u8",
+@intrinsic
+def halves(typingctx, a, b):
+    """Lanes 0-3 a, lanes 4-7 b (f32)."""
+    def codegen(context, builder, sig, args):
+        va, vb = (_vec(context, builder, t, v, F32x8) for t, v in zip(sig.args, args))
+        return builder.shuffle_vector(va, vb, _lane_mask([0, 0, 0, 0, 8, 8, 8, 8]))
+    return F32x8(a, b), codegen
+
+
+def _lane_mask(idx):
+    return ir.Constant(ir.VectorType(_I32, len(idx)), list(idx))
+
+
+@intrinsic
+def load_bytes32(typingctx, a, i):
+    """a[i:i+32] of a byte array as I8x32."""
+    def codegen(context, builder, sig, args):
+        return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1],
+                                         sig.args[1], _VB), align=1)
+    return I8x32(a, i), codegen
+
+
+@intrinsic
+def nibbles32(typingctx, a, i):
+    """The 16 bytes at a[i]: lane j < 16 the low nibble of byte j, lane 16 + j its high one."""
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(_I8, 16)
+        q = builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], v16),
+                         align=1)
+        m = ir.Constant(v16, [15] * 16)
+        words = builder.bitcast(q, ir.VectorType(ir.IntType(16), 8))       # one shift for all bytes
+        hi = builder.bitcast(builder.lshr(words, ir.Constant(words.type, [4] * 8)), v16)
+        return builder.shuffle_vector(builder.and_(q, m), builder.and_(hi, m), _lane_mask(range(32)))
+    return I8x32(a, i), codegen
+
+
+@intrinsic
+def bits32(typingctx, word):
+    """Lane j: bit j of the 32-bit `word` (0 or 1), as I8x32."""
+    def codegen(context, builder, sig, args):
+        v32 = ir.VectorType(_I32, 32)
+        w = _splat(builder, context.cast(builder, args[0], sig.args[0], types.uint32), v32)
+        b = builder.and_(builder.lshr(w, ir.Constant(v32, list(range(32)))), ir.Constant(v32, [1] * 32))
+        return builder.trunc(b, _VB)
+    return I8x32(word), codegen
+
+
+def _x86(builder, name, ret, *args):
+    f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(f, args)
+
+
+def _idot(signed: bool):
+    @intrinsic
+    def impl(typingctx, q, x, i):
+        """Lane k: sum over e = 4k..4k+3 of q[e] * x[i + e] (x int8; q unsigned or signed)."""
+        def codegen(context, builder, sig, args):
+            xb = builder.load(_element_ptr(context, builder, sig.args[1], args[1], args[2], sig.args[2], _VB),
+                              align=1)
+            q = args[0]
+            if AVX2:                     # llama.cpp's sequence: u8 x s8 pairs, then i16 pairs
+                if signed:               # |q| unsigned, its sign moved onto x
+                    xb = _x86(builder, "llvm.x86.avx2.psign.b", _VB, xb, q)
+                    q = _x86(builder, "llvm.abs.v32i8", _VB, q, ir.Constant(ir.IntType(1), 0))
+                v16 = ir.VectorType(ir.IntType(16), 16)
+                pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, q, xb)
+                return _x86(builder, "llvm.x86.avx2.pmadd.wd", _VI, pairs, ir.Constant(v16, [1] * 16))
+            v16 = ir.VectorType(ir.IntType(16), 32)
+            qa = builder.sext(q, v16) if signed else builder.zext(q, v16)
+            xa = builder.sext(xb, v16)
+            prod = []
+            for half in (range(0, 32, 2), range(1, 32, 2)):
+                m = _lane_mask(half)
+                prod.append(builder.mul(builder.sext(builder.shuffle_vector(qa, qa, m), ir.VectorType(_I32, 16)),
+                                        builder.sext(builder.shuffle_vector(xa, xa, m), ir.VectorType(_I32, 16))))
+            s = builder.add(*prod)                                  # 16 lanes: pairs
+            ev = builder.shuffle_vector(s, s, _lane_mask(range(0, 16, 2)))
+            od = builder.shuffle_vector(s, s, _lane_mask(range(1, 16, 2)))
+            return builder.add(ev, od)
+        return I32x8(q, x, i), codegen
+    return impl
+
+
+idot_u = _idot(False)        # q lanes 0..255
+idot_s = _idot(True)         # q lanes -128..127
+
+
+__all__ = ["F32x8", "I32x8", "I8x32", "LANES", "bits", "bits32", "halves", "idot_s", "idot_u", "load_bytes32", "nibbles32", "fma", "hsum", "load_f32", "load_i8", "load_u8",
            "store_f32", "to_f32", "zeros"]

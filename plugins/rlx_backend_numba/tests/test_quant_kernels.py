@@ -54,6 +54,22 @@ def test_gemv_and_blocked_matmul(rng, kind, monkeypatch):
         close(Q.dequant_matmul(x, raw, kind), want)
 
 
+@pytest.mark.parametrize("kind", Q.FORMATS)
+def test_int8_activation_gemv(rng, kind):
+    """x rounded through int8_b32 (as a fake_quantize leaves it) times each format's integers
+    equals the float64 product of the rounded x and the dequantized weight."""
+    s, raw, ref = packed(rng, kind)
+    i8 = QuantScheme.parse("int8_b32")
+    for m in (1, 3):
+        x = rng.uniform(-1, 1, (m, K)).astype(np.float32)
+        x[0, :32] = 0                                                  # an all-zero block
+        xr = i8.dequantize(i8.quantize(x), x.shape)
+        fq = np.full_like(x, np.nan)
+        Q.fake_quantize_int8(x, fq)
+        np.testing.assert_array_equal(fq, xr)
+        close(Q.dequant_gemv(xr, raw, s, int8_x=True), xr.astype(np.float64) @ ref.T)
+
+
 @pytest.mark.parametrize("rows", [1, 12], ids=["gemv", "blocked"])
 def test_runner_step_with_epilogue(rng, rows):
     s, raw, ref = packed(rng, "q4_k")
