@@ -98,13 +98,18 @@ def _element_ptr(context, builder, aty, ary, idx, ity, elem):
     return builder.bitcast(builder.gep(arr.data, [i]), elem.as_pointer())
 
 
-@intrinsic
-def load_f32(typingctx, a, i):
-    """a[i:i+8] of a float32 array."""
-    def codegen(context, builder, sig, args):
-        return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1],
-                                         sig.args[1], _VF), align=4)
-    return F32x8(a, i), codegen
+def _load(vt, align: int):
+    @intrinsic
+    def impl(typingctx, a, i):
+        def codegen(context, builder, sig, args):
+            return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1],
+                                             sig.args[1], vt.llvm), align=align)
+        return vt(a, i), codegen
+    return impl
+
+
+load_f32 = _load(F32x8, 4)          # a[i:i+8] of a float32 array
+load_bytes32 = _load(I8x32, 1)      # a[i:i+32] of a byte array
 
 
 @intrinsic
@@ -195,15 +200,6 @@ def halves(typingctx, a, b):
 
 def _lane_mask(idx):
     return ir.Constant(ir.VectorType(_I32, len(idx)), list(idx))
-
-
-@intrinsic
-def load_bytes32(typingctx, a, i):
-    """a[i:i+32] of a byte array as I8x32."""
-    def codegen(context, builder, sig, args):
-        return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1],
-                                         sig.args[1], _VB), align=1)
-    return I8x32(a, i), codegen
 
 
 @intrinsic
