@@ -45,7 +45,7 @@ def pack_params(g: Graph, activations: str = "f32") -> Graph:
         if node.op in ("matmul", "fused_matmul_bias_act") and is_packed(w) and not is_packed(refs[0]) \
                 and a.get("trans_b") and not a.get("trans_a") and ins[1].shape.rank == 2:
             x = ins[0]
-            k = ins[0].shape.dims[-1]
+            k = x.shape.dims[-1]
             if activations == "int8" and isinstance(k, int) and k % 32 == 0:
                 x = m.add("fake_quantize", (x,), scheme="int8_b32")
             return m.add("dequant_matmul", (x, *ins[1:]), scheme=packed[w[0]].name,

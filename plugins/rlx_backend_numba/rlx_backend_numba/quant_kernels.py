@@ -148,6 +148,8 @@ def lanes_q6_k(r, o, i, tab):
 # q4_k / q5_k have none yet (their integer form measured slower than the float GEMV, which
 # computes the same product of the rounded x).
 INT8_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q6_k")
+
+
 @njit(**_OPT)
 def quantize_x(x, xq, xd, xs):
     """x (f32, K a multiple of 32) as rlx_core.ir.quant's int8_b32 does it (d = amax / 127,
@@ -181,28 +183,33 @@ def fake_quantize_int8(x, o):
 
 
 @njit(**_OPT)
+def _iblock32(q, xq, xd, xs, c, d, m):
+    """A 32-element block of unsigned ints q, value d * q + m, against x block c."""
+    return to_f32(idot_u(q, xq, 32 * c)) * (d * xd[c]), m * xs[c]
+
+
+@njit(**_OPT)
 def iblock_q4_0(r, o, xq, xd, xs, c, tab):
     d = _h(r, o, tab)
-    return to_f32(idot_u(nibbles32(r, o + 2), xq, 32 * c)) * (d * xd[c]), np.float32(-8) * d * xs[c]
+    return _iblock32(nibbles32(r, o + 2), xq, xd, xs, c, d, np.float32(-8) * d)
 
 
 @njit(**_OPT)
 def iblock_q4_1(r, o, xq, xd, xs, c, tab):
-    return (to_f32(idot_u(nibbles32(r, o + 4), xq, 32 * c)) * (_h(r, o, tab) * xd[c]),
-            _h(r, o + 2, tab) * xs[c])
+    return _iblock32(nibbles32(r, o + 4), xq, xd, xs, c, _h(r, o, tab), _h(r, o + 2, tab))
 
 
 @njit(**_OPT)
 def iblock_q5_0(r, o, xq, xd, xs, c, tab):
     d = _h(r, o, tab)
     q = nibbles32(r, o + 6) | (bits32(_u32(r, o + 2)) << 4)
-    return to_f32(idot_u(q, xq, 32 * c)) * (d * xd[c]), np.float32(-16) * d * xs[c]
+    return _iblock32(q, xq, xd, xs, c, d, np.float32(-16) * d)
 
 
 @njit(**_OPT)
 def iblock_q5_1(r, o, xq, xd, xs, c, tab):
     q = nibbles32(r, o + 8) | (bits32(_u32(r, o + 4)) << 4)
-    return to_f32(idot_u(q, xq, 32 * c)) * (_h(r, o, tab) * xd[c]), _h(r, o + 2, tab) * xs[c]
+    return _iblock32(q, xq, xd, xs, c, _h(r, o, tab), _h(r, o + 2, tab))
 
 
 @njit(**_OPT)
