@@ -116,7 +116,7 @@ def _step(op: str, a: dict, args: list, out: DType, k: int, lines: list) -> str 
     return None
 
 
-_LOAD = {"F": "x{i}[lo + j]", "X": "x{i}[r, j]", "R": "x{i}[j]", "C": "x{i}[r]", "S": "x{i}[0]"}
+_LOAD = {"F": "x{i}[i]", "X": "x{i}[r, j]", "R": "x{i}[j]", "C": "x{i}[r]", "S": "x{i}[0]"}
 _HEAD = """import math
 import numpy as np
 from numba import njit, prange
@@ -160,6 +160,15 @@ def tanh32(x):
 """
 
 
+# `swiglu(a, b)` for generated modules that fuse it into something else (a GEMV).
+SWIGLU_HEAD = _HEAD + f"""
+
+@njit(cache=True, fastmath=False, error_model="numpy")
+def swiglu(a, b):
+    return {_sub(SWIGLU_F32, T="f32")}
+"""
+
+
 def elementwise_source(program, in_dtypes: list, out_dtype: DType, kinds: str) -> str | None:
     """Numba module text with `par` and `ser` for `program`; `kinds` has one letter per input.
     None when a step or dtype has no native expression (the caller runs numpy's kernel)."""
@@ -179,7 +188,7 @@ def elementwise_source(program, in_dtypes: list, out_dtype: DType, kinds: str) -
         dts.append(dt)
     if out_dtype not in NATIVE or (out_dtype is not BOOL and dts[-1] is BOOL):
         return None
-    body.append(f"o[lo + j] = {_conv(f'v{len(dts) - 1}', dts[-1], out_dtype)}")
+    body.append(f"o[i] = {_conv(f'v{len(dts) - 1}', dts[-1], out_dtype)}")
     params = ", ".join(["o", "n", "C"] + [f"x{i}" for i in range(len(kinds))])
     inner = "\n".join("            " + line for line in body)
     fns = []
@@ -190,6 +199,7 @@ def {name}({params}):
     for r in {rng}((n + C - 1) // C):
         lo = r * C
         for j in range(min(C, n - lo)):
+            i = np.uint64(lo + j)      # unsigned: no negative-index wraparound, so it vectorizes
 {inner}
 """)
     return _HEAD + "".join(fns)

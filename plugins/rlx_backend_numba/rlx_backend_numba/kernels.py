@@ -156,7 +156,8 @@ def rope_ser(x, cos, sin, o, interleaved):
 @njit(**_OPT)
 def _attn_row(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
               ninf):
-    """One query row: keys [lo, hi) the causal/window mask leaves, scores, softmax, sum."""
+    """One query row: keys [lo, hi) the causal/window mask leaves, scores, softmax, sum.
+    `keep` and `bias` are 4-D with each dim 1 (broadcast) or full, as the graph gives them."""
     nb, nh, sq, d = q.shape
     kvh, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     b, h, i = t // (nh * sq), (t // sq) % nh, t % sq
@@ -172,6 +173,9 @@ def _attn_row(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, us
             lo = max(0, qp - window + 1)
     if hi <= lo:
         return
+    krow = keep[min(b, keep.shape[0] - 1), min(h, keep.shape[1] - 1), min(i, keep.shape[2] - 1)]
+    brow = bias[min(b, bias.shape[0] - 1), min(h, bias.shape[1] - 1), min(i, bias.shape[2] - 1)]
+    kj, bj = min(krow.shape[0] - 1, 1), min(brow.shape[0] - 1, 1)     # 0: one value for every key
     s = np.empty(hi - lo, q.dtype)
     m = ninf
     for j in range(lo, hi):
@@ -182,8 +186,8 @@ def _attn_row(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, us
         if softcap > 0:
             acc = math.tanh(acc / softcap) * softcap
         if use_bias:
-            acc += bias[b, h, i, j]
-        if use_keep and not keep[b, h, i, j]:
+            acc += brow[j * bj]
+        if use_keep and not krow[j * kj]:
             acc = ninf
         s[j - lo] = acc
         if acc > m:

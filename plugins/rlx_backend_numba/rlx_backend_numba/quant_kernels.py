@@ -26,7 +26,7 @@ from rlx_core.backends.numpy.blas import single_threaded_blas
 from rlx_core.ir.errors import ShapeError
 from rlx_core.ir.quant import QuantScheme
 
-from .codegen import load_source, with_epilogue
+from .codegen import SWIGLU_HEAD, load_source, with_epilogue
 from .simd import (bits, bits32, fma, halves, idot_s, idot_u, load_bytes32, load_i8, load_u8, nibbles32,
                    to_f32, zeros)
 
@@ -294,6 +294,18 @@ def gemv(x, w, o, tab):
 
 
 @njit(parallel=True, **_OPT)
+def gemv_glu(x, w, o, tab):
+    \"\"\"o[0, n] = swiglu(x . W[n], x . W[n + H]) for H = o's width: the gate and up halves of
+    W's rows in one pass, neither written out (one row of x, copied first: o may be x's
+    memory, which the buffer plan frees once this step has read it).\"\"\"
+    h = o.shape[1]
+    xc = x[0].copy()
+    for t in prange((h + {rows} - 1) // {rows}):
+        for n in range({rows} * t, min({rows} * (t + 1), h)):
+            o[0, n] = swiglu(dot(w[n], xc, tab), dot(w[n + h], xc, tab))
+
+
+@njit(parallel=True, **_OPT)
 def rows(w, r0, out, tab):
     for i in prange(out.shape[0]):
         decode(w[r0 + i], out[i], tab)
@@ -334,6 +346,18 @@ def igemv(x, w, o, tab):
         for n in range({rows} * t, min({rows} * (t + 1), n_)):
             for m in range(m_):
                 o[m, n] = idot(w[n], xq[m], xd[m], xs[m], tab)
+
+
+@njit(parallel=True, **_OPT)
+def igemv_glu(x, w, o, tab):
+    \"\"\"gemv_glu in integer block products (x rounded to int8_b32 blocks first).\"\"\"
+    k_ = x.shape[1]
+    xq, xd, xs = np.empty(k_, np.int8), np.empty(k_ // 32, np.float32), np.empty(k_ // 32, np.float32)
+    quantize_x(x[0], xq, xd, xs)
+    h = o.shape[1]
+    for t in prange((h + {rows} - 1) // {rows}):
+        for n in range({rows} * t, min({rows} * (t + 1), h)):
+            o[0, n] = swiglu(idot(w[n], xq, xd, xs, tab), idot(w[n + h], xq, xd, xs, tab))
 """
 
 
@@ -346,8 +370,8 @@ def drivers(kind: str):
                           for i in groups)
     decode_body = "\n".join(f"        store_f32(out, p + {8 * i}, lanes(r, o, {i}, tab))" for i in groups)
     src = _DRIVERS + (_INT8_DRIVERS if kind in INT8_FORMATS else "")
-    return load_source(src.format(fmt=kind, rows=ROWS_PER_TASK, elems=elems, nbytes=nbytes,
-                                  dot_body=dot_body, decode_body=decode_body))
+    return load_source(SWIGLU_HEAD + src.format(fmt=kind, rows=ROWS_PER_TASK, elems=elems, nbytes=nbytes,
+                                                dot_body=dot_body, decode_body=decode_body))
 
 
 # --------------------------------------------------------------------------- host side
@@ -428,6 +452,13 @@ def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | Non
     return out
 
 
+def rounds_x_itself(a, x) -> bool:
+    """A `dequant_matmul` step (attrs `a`, x like `x`) multiplies int8 blocks of x that its
+    GEMV rounds itself: the fake_quantize before it is then redundant."""
+    return (bool(a.get("int8_x")) and QuantScheme.parse(a["scheme"]).kind in INT8_FORMATS
+            and math.prod(x.shape[:-1]) <= GEMV_MAX_M)
+
+
 def prepare_dequant_matmul(a, outs, protos, op=None):
     """A runner step for `dequant_matmul` (x, packed w, bias?; attrs scheme, act): the GEMV for
     a few rows, decode-to-scratch + BLAS otherwise, then the generated bias/act epilogue.
@@ -443,11 +474,26 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
     if m <= GEMV_MAX_M:
         _args(s, w, k)                                   # checked once: the step runs per token
         mod = drivers(s.kind)
-        gemv = mod.igemv if a.get("int8_x") and hasattr(mod, "igemv") else mod.gemv
+        gemv = mod.igemv if rounds_x_itself(a, x) else mod.gemv
         mm = lambda x, w: gemv(x.reshape(m, k), w, o2, F16)  # noqa: E731
     else:
         mm = lambda x, w: dequant_matmul(x.reshape(m, k), w, s, o2)  # noqa: E731
     return with_epilogue(mm, o, protos[2:], a.get("act", "identity"))
+
+
+def glu_gemv(x, w, o, scheme, int8_x: bool):
+    """fn(x, w) writing swiglu(x @ W[:H]^T, x @ W[H:]^T) into `o` [1, H] for one row of x,
+    or None when the packed weight is not [2H, ...] of a format with kernels here."""
+    s = QuantScheme.parse(scheme)
+    k = x.shape[-1]
+    if (s.kind not in FORMATS or x.dtype != np.float32 or o.dtype != np.float32 or x.size != k
+            or o.size == 0 or w.ndim != 2 or w.shape[0] != 2 * o.size):
+        return None
+    _args(s, w, k)
+    mod = drivers(s.kind)
+    glu = mod.igemv_glu if int8_x and hasattr(mod, "igemv_glu") else mod.gemv_glu
+    o2 = o.reshape(1, -1)
+    return lambda x, w: glu(x.reshape(1, k), w, o2, F16)
 
 
 def prepare_fake_quantize(a, outs, protos, op=None):
@@ -459,5 +505,5 @@ def prepare_fake_quantize(a, outs, protos, op=None):
     return lambda a_, out, x: fake_quantize_int8(x.reshape(-1, k), out[0].reshape(-1, k))
 
 
-__all__ = ["FORMATS", "dequant_gemv", "dequant_matmul", "dequant_rows", "prepare_dequant_matmul",
+__all__ = ["FORMATS", "dequant_gemv", "glu_gemv", "rounds_x_itself", "dequant_matmul", "dequant_rows", "prepare_dequant_matmul",
            "prepare_fake_quantize"]

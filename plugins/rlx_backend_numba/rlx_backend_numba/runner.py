@@ -148,29 +148,27 @@ def _attention_fn(a, q, k, v, o, mask):
     """fn(q, k, v, mask, pos) writing attention into `o`, or None when not native."""
     if not _native(q, k, v, o) or o.size == 0:
         return None
-    if mask is not None and mask.dtype != np.bool_ and mask.dtype.kind != "f":
+    if mask is not None and ((mask.dtype != np.bool_ and mask.dtype.kind != "f") or mask.ndim > 4):
         return None
     kind = MaskKind(a["mask_kind"])
     causal = kind in (MaskKind.CAUSAL, MaskKind.SLIDING_WINDOW)
     window = a["window"] if kind is MaskKind.SLIDING_WINDOW else 0
     nb, nh, sq, d = q.shape
     sk = k.shape[2]
-    full = (nb, nh, sq, sk)
     t = o.dtype.type
     scale, softcap, ninf = t(a["scale"]), t(a["softcap"]), t(-np.inf)
-    no_keep = np.broadcast_to(np.ones((), np.bool_), full)
-    no_bias = np.broadcast_to(np.zeros((), o.dtype), full)
+    no_keep, no_bias = np.ones((1, 1, 1, 1), np.bool_), np.zeros((1, 1, 1, 1), o.dtype)
     default_pos = np.full(nb, sk - sq, np.int64)
     kern = _pick(K.attention_par, K.attention_ser, nb * nh * sq * sk * max(d, 1))
     is_bool = mask is not None and mask.dtype == np.bool_
+    m4 = None if mask is None else (1,) * (4 - mask.ndim) + tuple(mask.shape)
 
     def run(q, k, v, mask, pos):
-        keep = np.broadcast_to(mask, full) if is_bool else no_keep
-        bias = np.broadcast_to(mask.astype(o.dtype, copy=False), full) \
-            if mask is not None and not is_bool else no_bias
-        p = default_pos if pos is None else pos.astype(np.int64, copy=False)
-        kern(q, k, v, keep, bias, p, o, scale, softcap, causal, window, is_bool, mask is not None
-             and not is_bool, ninf)
+        m = None if mask is None else mask.reshape(m4)
+        keep = m if is_bool else no_keep
+        bias = no_bias if mask is None or is_bool else m.astype(o.dtype, copy=False)
+        kern(q, k, v, keep, bias, default_pos if pos is None else pos, o, scale, softcap, causal, window,
+             is_bool, mask is not None and not is_bool, ninf)
     return run
 
 
@@ -296,36 +294,107 @@ def _kv_write_step(a, cache, new, pos):
     return step
 
 
+def _glu_step(x, w, o, a):
+    """A gate/up dequant_matmul step that writes the SwiGLU of its halves into `o`."""
+    glu = quant_kernels.glu_gemv(x, w, o, a["scheme"], a.get("int8_x"))
+    return None if glu is None else (lambda a_, out, x, w: glu(x, w))
+
+
 # --------------------------------------------------------------------------- the runner
 class NumbaRunner(NumpyRunner):
-    """NumpyRunner's arena, values, view steps and run loop; compiled kernels where they apply."""
+    """NumpyRunner's arena, values, view steps and run loop; compiled kernels where they apply.
+
+    Two decode fusions happen here, on the built steps: a packed gate/up matmul whose halves
+    only feed a SwiGLU computes the SwiGLU in its GEMV (the pair's outputs are never written),
+    and an int8 rounding (fake_quantize) whose every reader is a GEMV that rounds x itself is
+    dropped."""
     backend_name = "numba"
 
     def __init__(self, lir: LirModule, params: dict, states: dict):
         super().__init__(lir, params, states)
+        g = self.graph
+        users = g.consumers()
+        glu = self._glu_pairs(users)
         protos = list(self.vals)
         for _, (slot, s) in self.inputs.items():
             protos[slot] = np.zeros(s.dims, s.dtype.np)
-        steps = []
+        steps, self_rounding, fused = [], set(), set()
         for i, is_view, fn, a, ins, out in self.steps:
-            node = self.graph.nodes[i]
+            node = g.nodes[i]
             if is_view and node.op == "kv_write":
                 fn = _kv_write_step(a, *[protos[j] for j in ins]) or fn
                 protos[out] = protos[ins[0]]
             elif is_view:
                 protos[out] = fn(a, *[protos[j] for j in ins])
+            elif i in fused:
+                continue                                     # computed by its gate/up GEMV
             elif node.op in PREPARE:
                 if node.op == "dequant_matmul" and self._int8_rounded(node.inputs[0]):
                     a = {**a, "int8_x": True}
-                made = PREPARE[node.op](a, out, [protos[j] for j in ins], op=node.op)
+                x = protos[ins[0]]
+                made = None
+                if i in glu:
+                    swiglu, o = glu[i]
+                    made = _glu_step(x, protos[ins[1]], o, a)
+                    if made is not None:
+                        fused.add(swiglu)
+                if made is None:
+                    made = PREPARE[node.op](a, out, [protos[j] for j in ins], op=node.op)
+                if made is not None and node.op == "dequant_matmul" and quant_kernels.rounds_x_itself(a, x):
+                    self_rounding.add(i)
                 fn = made or fn
             steps.append((i, is_view, fn, a, ins, out))
-        self.steps = steps
+        self.steps = self._drop_rounding(steps, self_rounding, users)
 
     def _int8_rounded(self, ref) -> bool:
         """`ref` is the output of a fake_quantize to int8_b32 (its values are int8 blocks)."""
         n = self.graph.nodes[ref[0]]
         return n.op == "fake_quantize" and QuantScheme.parse(n.a["scheme"]).name == "int8_b32"
+
+    def _glu_pairs(self, users: dict) -> dict:
+        """dequant_matmul node -> (its fused_swiglu node, that node's output) where the matmul
+        (one row, no bias or act) only feeds the SwiGLU's gate (first half of its columns) and
+        up (second half), the SwiGLU step comes right after it, and the SwiGLU's output does
+        not overlap the weight (the GEMV copies x before it writes)."""
+        g = self.graph
+        order = [i for i, *_ in self.steps if g.nodes[i].op != "narrow"]
+        step_of = {s[0]: s for s in self.steps}
+        pairs = {}
+        for d, s in zip(order, order[1:]):
+            dn, sn = g.nodes[d], g.nodes[s]
+            if (dn.op != "dequant_matmul" or sn.op != "fused_swiglu" or len(dn.inputs) != 2
+                    or dn.a.get("act", "identity") != "identity"):
+                continue
+            width = dn.outs[0].dims[-1]
+            halves = [g.nodes[r[0]] for r in sn.inputs]
+            if (sorted(users.get((d, 0), [])) != sorted(r[0] for r in sn.inputs)
+                    or any(users.get(tuple(r)) != [s] for r in sn.inputs)
+                    or [(h.op, h.inputs[0][0], h.a.get("axis", 0) % len(h.outs[0].dims), h.a.get("start"),
+                         h.a.get("length")) for h in halves]
+                    != [("narrow", d, len(h.outs[0].dims) - 1, k * width // 2, width // 2)
+                        for k, h in enumerate(halves)]):
+                continue
+            o, w = step_of[s][5][0], self.vals[step_of[d][4][1]]
+            if w is not None and not np.may_share_memory(o, w):
+                pairs[d] = (s, o)
+        return pairs
+
+    def _drop_rounding(self, steps: list, self_rounding: set, users: dict) -> list:
+        """Steps without the fake_quantize nodes whose every reader rounds x itself; those
+        readers read the fake_quantize's input instead."""
+        g = self.graph
+        source = {}
+        for i, is_view, fn, a, ins, out in steps:
+            if g.nodes[i].op == "fake_quantize" and set(users.get((i, 0), [])) <= self_rounding:
+                source[i] = ins[0]
+        kept = []
+        for i, is_view, fn, a, ins, out in steps:
+            if i in source:
+                continue
+            if ins and g.nodes[i].inputs[0][0] in source:
+                ins = [source[g.nodes[i].inputs[0][0]]] + list(ins[1:])
+            kept.append((i, is_view, fn, a, ins, out))
+        return kept
 
 
 __all__ = ["NumbaRunner", "PREPARE", "prepares", "GEMV_MAX_M"]

@@ -86,3 +86,41 @@ def test_bad_packed_rows_are_named():
 
     with pytest.raises(ShapeError, match="q8_0"):
         Q.dequant_gemv(np.ones((1, 64), np.float32), np.zeros((4, 30), np.uint8), "q8_0")
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q6_k", "q4_k"])
+@pytest.mark.parametrize("activations", ["f32", "int8"])
+def test_decode_fusions_in_the_runner(rng, kind, activations):
+    """A packed gate/up pair whose halves only feed a SwiGLU: one row computes the SwiGLU in
+    the GEMV (no fused_swiglu step left), more rows keep the step; with int8 activations the
+    rounding step is gone where a GEMV (up to GEMV_MAX_M rows) rounds x itself. Each equals the float64 reference
+    of (rounded) x times the dequantized weights, on a poisoned arena."""
+    import rlx_core
+    from rlx_core import CompileProfile, Graph
+    from rlx_core.ir.quant import PackedTensor
+
+    s = QuantScheme.parse(kind)
+    h = 64
+    ws = {n: rng.standard_normal((h, K)).astype(np.float32) for n in ("g", "u")}
+    params = {n: PackedTensor(s.quantize(w), s, (h, K), n) for n, w in ws.items()}
+    ref_w = {n: s.dequantize_reference(p.raw, (h, K)) for n, p in params.items()}
+
+    def mlp(m):
+        x = m.input("x", ("s", K))
+        g = m.linear(x, m.param("g", (h, K), scheme=kind))
+        u = m.linear(x, m.param("u", (h, K), scheme=kind))
+        return {"y": m.mul(m.silu(g), u)}
+
+    prof = CompileProfile().evolve(precision={"activations": activations})
+    exe = rlx_core.compile(Graph.define("glu", mlp), profile=prof, backend="numba", params=params)
+    i8 = QuantScheme.parse("int8_b32")
+    for rows in (1, Q.GEMV_MAX_M + 4):
+        x = rng.uniform(-1, 1, (rows, K)).astype(np.float32)
+        r = exe.runner(exe._bind_dims({"x": x}))
+        ops = [r.graph.nodes[st[0]].op for st in r.steps]
+        assert ("fused_swiglu" in ops) == (rows > 1)
+        assert ("fake_quantize" in ops) == (activations == "int8" and (rows > Q.GEMV_MAX_M or kind == "q4_k"))
+        r.arena.fill(0xFF)
+        xr = (i8.dequantize(i8.quantize(x), x.shape) if activations == "int8" else x).astype(np.float64)
+        g, u = xr @ ref_w["g"].T, xr @ ref_w["u"].T
+        close(exe.run(x=x)["y"], g / (1 + np.exp(-g)) * u)
