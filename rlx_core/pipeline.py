@@ -8,8 +8,13 @@ of each call (plan + backend compile, cached) and keeps params and states reside
 from __future__ import annotations
 
 import collections
+import ctypes
+import hashlib
+import mmap
+import sys
 import time
 
+import attrs
 import numpy as np
 
 from .ir.dtype import DType
@@ -277,6 +282,46 @@ def unpack(name: str, value, scheme: str, bad: list):
     return value.raw
 
 
+def release_file_pages(arr) -> None:
+    """Let the OS take back the resident pages of a weight read from a read-only file
+    mapping (touching them again reads the file again): once fused weights are derived from
+    a checkpoint's q/k/v or gate/up, the file's copies of those bytes only add to RSS."""
+    base = arr
+    while isinstance(base, np.ndarray) and base.base is not None and not (
+            isinstance(base, np.memmap) and base._mmap is not None):
+        base = base.base
+    if (not sys.platform.startswith("linux") or not isinstance(base, np.memmap) or base._mmap is None
+            or base.mode != "r" or not isinstance(arr, np.ndarray)):
+        return
+    page = mmap.PAGESIZE
+    lo, hi = arr.ctypes.data, arr.ctypes.data + arr.nbytes
+    lo, hi = -(-lo // page) * page, hi // page * page          # whole pages inside the weight
+    if hi > lo:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
+
+
+def derived_keys(prologue: Graph, params: dict) -> dict:
+    """Prologue output -> a key naming what computes it (ops, attrs, the param arrays and
+    constants it reads): the prefill and decode executables of one model derive the same
+    fused weights, which are then computed and held once."""
+    memo: dict = {}
+
+    def key(ref):
+        ref = tuple(ref)
+        if ref not in memo:
+            n = prologue.nodes[ref[0]]
+            if n.op == "param":
+                memo[ref] = ("param", n.name, id(params[n.name]))
+            elif n.op == "constant":
+                c = np.ascontiguousarray(prologue.constants[n.name])
+                memo[ref] = ("constant", c.dtype.str, c.shape, hashlib.sha256(c.tobytes()).hexdigest())
+            else:
+                memo[ref] = (n.op, ref[1], repr(sorted(n.a.items())), tuple(key(r) for r in n.inputs))
+        return memo[ref]
+
+    return {name: ("derived", key(ref)) for name, ref in prologue.outputs}
+
+
 class Executable:
     """A compiled model: `run(**inputs)` or `run(dict)` -> dict of numpy outputs."""
 
@@ -314,7 +359,8 @@ class Executable:
         missing = sorted(set(specs) - set(params))
         unexpected = sorted(set(params) - set(specs))
         bad = []
-        schemes = {n.name: n.a.get("scheme", "") for n in self.mir.nodes if n.op == "param"}
+        schemes = {n.name: n.a.get("scheme", "") for g in (self.mir, self.prologue) if g is not None
+                   for n in g.nodes if n.op == "param"}
         params = {k: unpack(k, v, schemes.get(k, ""), bad) for k, v in params.items()}
         for name, s in specs.items():
             if name in params:
@@ -342,17 +388,19 @@ class Executable:
         needed = {n.name for n in self.mir.nodes if n.op == "param"}
         resident = {}
         if self.prologue is not None:
-            key = ("prologue", self.prologue.stable_hash(),
-                   tuple(id(params[n]) for n in sorted(self.prologue.params)))
-            if key not in self.shared:
-                uploads = {n: upload(n) for n in self.prologue.params}
-                derived = b.compile(plan(self.prologue), {n: v for n, (_, v) in uploads.items()},
-                                    {}).run({})
-                self.shared[key] = {k: b.to_device(v) for k, v in derived.items()}
+            keys = derived_keys(self.prologue, params)
+            todo = [(name, ref) for name, ref in self.prologue.outputs if keys[name] not in self.shared]
+            if todo:                   # what no executable sharing these weights derived yet
+                pro = dce(attrs.evolve(self.prologue, outputs=tuple(todo)), keep=())
+                uploads = {n: upload(n) for n in pro.params}
+                derived = b.compile(plan(pro), {n: v for n, (_, v) in uploads.items()}, {}).run({})
+                for name, v in derived.items():
+                    self.shared[keys[name]] = b.to_device(v)
                 for n, (ukey, _) in uploads.items():   # weights only the prologue reads go away
                     if n not in needed:
                         self.shared.pop(ukey, None)
-            resident.update(self.shared[key])
+                        release_file_pages(params[n])
+            resident.update({name: self.shared[k] for name, k in keys.items()})
         for name in specs:
             if name in needed:
                 resident[name] = upload(name)[1]

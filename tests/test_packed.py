@@ -222,3 +222,27 @@ def test_int8_activations_round_x_before_the_packed_matmul(rng, backend, scheme)
             np.testing.assert_allclose(out[f"y{i}"], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     with pytest.raises(ProfileError, match=r"\[precision\] activations = 'q8'"):
         CompileProfile.from_toml_str('[precision]\nactivations = "q8"')
+
+
+def test_executables_sharing_weights_derive_fused_weights_once(rng):
+    """Two executables over one params dict (a model's prefill and decode) hold one copy of
+    each fused (hoisted) weight, and neither keeps a weight only its prologue reads."""
+    params = {n: _weights(rng, "q8_0", name=n) for n in ("w0", "w1", "w2", "table")}
+    shared: dict = {}
+    exes = []
+    def qkv(m):
+        x = m.input("x", ("s", K))
+        return {"y": m.concat([m.linear(x, m.param(w, (N, K), scheme="q8_0")) for w in ("w0", "w1", "w2")], axis=-1)}
+
+    for name in ("prefill", "decode"):
+        exe = rlx_core.compile(Graph.define(name, qkv), backend="numpy")
+        exe.shared = shared
+        exe.set_params({k: v for k, v in params.items() if k != "table"})
+        exes.append(exe)
+    hoisted = [{k: v for k, v in e._params.items() if k.startswith("__hoisted.")} for e in exes]
+    assert hoisted[0] and all(hoisted[0][k] is v for k, v in hoisted[1].items())
+    assert not {n.name for n in exes[0].mir.nodes if n.op == "param"} & {"w0", "w1", "w2"}
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    want = np.concatenate([matmul_reference(x, params[w].raw, "q8_0", (N, K)) for w in ("w0", "w1", "w2")], -1)
+    for e in exes:
+        np.testing.assert_allclose(e.run(x=x)["y"], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -24,13 +24,17 @@ def leaves_first(g: Graph) -> Graph:
     return Graph(g.name, g.level, nodes, outputs, g.constants)
 
 
-def dce(g: Graph) -> Graph:
-    """Drop nodes no output or side effect needs. Inputs, params and states stay so the
-    binding contract of the graph does not change."""
+LEAVES = ("input", "param", "state")
+
+
+def dce(g: Graph, keep: tuple = LEAVES) -> Graph:
+    """Drop nodes no output or side effect needs. Leaves of the kinds in `keep` stay even
+    unused, so the binding contract of the graph does not change (a graph cut down to some
+    of its outputs keeps none: it binds only what those read)."""
     live = {r[0] for _, r in g.outputs}
     for i in range(len(g.nodes) - 1, -1, -1):
         n = g.nodes[i]
-        if n.op in ("input", "param", "state") or get_op(n.op).effect:
+        if n.op in keep or get_op(n.op).effect:
             live.add(i)
         if i in live:
             live.update(r[0] for r in n.inputs)

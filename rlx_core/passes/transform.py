@@ -13,7 +13,9 @@ HOISTED = "__hoisted."
 
 def hoist_params(g: Graph) -> tuple:
     """Split off nodes computed only from params and constants (a concat of weights, a
-    transposed weight) into a prologue graph run once when params are bound.
+    transposed weight) into a prologue graph run once when params are bound. The main graph
+    keeps only the params it reads (the prologue holds every param, so the binding contract
+    stays), so a weight only the prologue reads is not kept resident.
     Returns (main graph, prologue graph or None)."""
     pure: set = set()
     for i, n in enumerate(g.nodes):
@@ -62,7 +64,7 @@ def hoist_params(g: Graph) -> tuple:
 
     from .generic import dce
 
-    return dce(rewrite(g, replace)), prologue
+    return dce(rewrite(g, replace), keep=("input", "state")), prologue   # (params: the prologue binds them all)
 
 
 def to_precision(g: Graph, compute: DType) -> Graph:

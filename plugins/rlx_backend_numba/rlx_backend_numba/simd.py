@@ -113,6 +113,20 @@ load_bytes32 = _load(I8x32, 1)      # a[i:i+32] of a byte array
 
 
 @intrinsic
+def prefetch(typingctx, a, i):
+    """Hint that byte i of array a (which may lie past its end: a hint never faults) is read
+    soon: a GEMV asks for the bytes a few rows ahead, which the hardware prefetcher of a
+    two-stream read alone leaves late."""
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _I8)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+            ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.none(a, i), codegen
+
+
+@intrinsic
 def store_f32(typingctx, a, i, v):
     """a[i:i+8] = v for a float32 array."""
     def codegen(context, builder, sig, args):
