@@ -246,3 +246,36 @@ def test_executables_sharing_weights_derive_fused_weights_once(rng):
     want = np.concatenate([matmul_reference(x, params[w].raw, "q8_0", (N, K)) for w in ("w0", "w1", "w2")], -1)
     for e in exes:
         np.testing.assert_allclose(e.run(x=x)["y"], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_file_pages_of_weights_only_a_prologue_reads_are_released(rng, tmp_path):
+    """Weights read from a file mapping that only the prologue reads (the q, k, v a fused
+    weight was concatenated from) leave the process's resident memory; the result stands."""
+    n, k = 512, 1024                                   # 2 MiB per weight
+    path = tmp_path / "weights.bin"
+    ws = rng.standard_normal((3, n, k)).astype(np.float32)
+    ws.tofile(path)
+    blob = np.memmap(path, dtype=np.float32, mode="r", shape=(3, n, k))
+
+    def resident_kb() -> int:
+        kb, mine = 0, False
+        for line in open("/proc/self/smaps"):
+            if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                mine = line.rstrip().endswith(str(path))
+            elif mine and line.startswith("Rss:"):
+                kb += int(line.split()[1])
+        return kb
+
+    def qkv(m):
+        x = m.input("x", ("s", k))
+        return {"y": m.concat([m.linear(x, m.param(w, (n, k))) for w in ("w0", "w1", "w2")], axis=-1)}
+
+    float(np.asarray(blob).sum())                      # every page resident
+    before = resident_kb()
+    exe = rlx_core.compile(Graph.define("qkv", qkv), backend="numpy")
+    exe.set_params({f"w{i}": blob[i] for i in range(3)})
+    assert before >= 3 * n * k * 4 // 1024 - 8 and resident_kb() < before // 4
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    want = np.concatenate([x.astype(np.float64) @ w.T.astype(np.float64) for w in ws], -1)
+    np.testing.assert_allclose(exe.run(x=x)["y"], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
