@@ -154,55 +154,70 @@ def rope_ser(x, cos, sin, o, interleaved):
 
 # --------------------------------------------------------------------------- attention
 @njit(**_OPT)
-def _attn_row(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
-              ninf):
-    """One query row: keys [lo, hi) the causal/window mask leaves, scores, softmax, sum.
-    `keep` and `bias` are 4-D with each dim 1 (broadcast) or full, as the graph gives them."""
-    nb, nh, sq, d = q.shape
-    kvh, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    b, h, i = t // (nh * sq), (t // sq) % nh, t % sq
-    kh = h // (nh // kvh)
-    zero = scale * 0
-    for c in range(dv):
-        o[b, h, i, c] = zero
-    qp = pos[b] + i
+def _bounds(qp, sk, causal, window):
+    """Keys [lo, hi) a query at position qp may see: causal and sliding-window limits."""
     lo, hi = 0, sk
     if causal:
         hi = min(sk, qp + 1)
         if window > 0:
             lo = max(0, qp - window + 1)
-    if hi <= lo:
-        return
-    krow = keep[min(b, keep.shape[0] - 1), min(h, keep.shape[1] - 1), min(i, keep.shape[2] - 1)]
-    brow = bias[min(b, bias.shape[0] - 1), min(h, bias.shape[1] - 1), min(i, bias.shape[2] - 1)]
-    kj, bj = min(krow.shape[0] - 1, 1), min(brow.shape[0] - 1, 1)     # 0: one value for every key
-    s = np.empty(hi - lo, q.dtype)
-    m = ninf
-    for j in range(lo, hi):
-        acc = zero
+    return lo, max(lo, hi)
+
+
+@njit(**_OPT)
+def _attn_row(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
+              ninf):
+    """One query row: keys [lo, hi) the causal/window mask leaves, scores, softmax, sum.
+    `keep` and `bias` are 4-D with each dim 1 (broadcast) or full, as the graph gives them.
+    The query row and the sum live in contiguous buffers and keys are read as rows (dots
+    that vectorize); a masked key costs no dot and no value row (a ring cache or padded
+    bucket is mostly masked)."""
+    nb, nh, sq, d = q.shape
+    kvh, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    b, h, i = t // (nh * sq), (t // sq) % nh, t % sq
+    kh = h // (nh // kvh)
+    zero = scale * 0
+    acc_o = np.zeros(dv, o.dtype)
+    lo, hi = _bounds(pos[b] + i, sk, causal, window)
+    if hi > lo:
+        qb = np.empty(d, q.dtype)
         for c in range(d):
-            acc += q[b, h, i, c] * k[b, kh, j, c]
-        acc *= scale
-        if softcap > 0:
-            acc = math.tanh(acc / softcap) * softcap
-        if use_bias:
-            acc += brow[j * bj]
-        if use_keep and not krow[j * kj]:
-            acc = ninf
-        s[j - lo] = acc
-        if acc > m:
-            m = acc
-    if m == ninf:
-        return                                   # every key masked: a zero row
-    tot = zero
-    for j in range(hi - lo):
-        e = math.exp(s[j] - m)
-        s[j] = e
-        tot += e
-    for j in range(lo, hi):
-        p = s[j - lo] / tot
-        for c in range(dv):
-            o[b, h, i, c] += p * v[b, kh, j, c]
+            qb[c] = q[b, h, i, c]
+        krow = keep[min(b, keep.shape[0] - 1), min(h, keep.shape[1] - 1), min(i, keep.shape[2] - 1)]
+        brow = bias[min(b, bias.shape[0] - 1), min(h, bias.shape[1] - 1), min(i, bias.shape[2] - 1)]
+        kj, bj = min(krow.shape[0] - 1, 1), min(brow.shape[0] - 1, 1)     # 0: one value for every key
+        s = np.empty(hi - lo, q.dtype)
+        m = ninf
+        for j in range(lo, hi):
+            if use_keep and not krow[j * kj]:
+                s[j - lo] = ninf
+                continue
+            kr = k[b, kh, j]
+            acc = zero
+            for c in range(d):
+                acc += qb[c] * kr[c]
+            acc *= scale
+            if softcap > 0:
+                acc = math.tanh(acc / softcap) * softcap
+            if use_bias:
+                acc += brow[j * bj]
+            s[j - lo] = acc
+            if acc > m:
+                m = acc
+        if m != ninf:                            # (every key masked: a zero row)
+            tot = zero
+            for j in range(hi - lo):
+                e = math.exp(s[j] - m)
+                s[j] = e
+                tot += e
+            for j in range(lo, hi):
+                p = s[j - lo] / tot
+                if p != 0:
+                    vr = v[b, kh, j]
+                    for c in range(dv):
+                        acc_o[c] += p * vr[c]
+    for c in range(dv):
+        o[b, h, i, c] = acc_o[c]
 
 
 @njit(parallel=True, **_OPT)
@@ -217,6 +232,106 @@ def attention_ser(q, k, v, keep, bias, pos, o, scale, softcap, causal, window, u
     for t in range(q.shape[0] * q.shape[1] * q.shape[2]):
         _attn_row(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
                   ninf)
+
+
+# --------------------------------------------------------------------------- decode attention
+@njit(**_OPT)
+def _decode_chunk(b, kh, c, lo, hi, q, k, v, keep, bias, scale, softcap, use_keep, use_bias, ninf,
+                  pm, pl, pa):
+    """Keys [lo, hi) of kv head kh against every query head of its group: each key and value
+    row is read once. Per head: the partial max, sum of exponentials and weighted sum of
+    values, in pm, pl, pa[b, h, c]."""
+    nh, d, dv = q.shape[1], q.shape[3], v.shape[3]
+    g_n = nh // k.shape[1]
+    n = hi - lo
+    qb = np.empty((g_n, d), q.dtype)
+    for g in range(g_n):
+        for x in range(d):
+            qb[g, x] = q[b, kh * g_n + g, 0, x]
+    s = np.empty((g_n, max(n, 1)), q.dtype)
+    for j in range(lo, hi):
+        kr = k[b, kh, j]
+        for g in range(g_n):
+            h = kh * g_n + g
+            if use_keep and not keep[min(b, keep.shape[0] - 1), min(h, keep.shape[1] - 1), 0,
+                                     min(j, keep.shape[3] - 1)]:
+                s[g, j - lo] = ninf
+                continue
+            acc = scale * 0
+            for x in range(d):
+                acc += qb[g, x] * kr[x]
+            acc *= scale
+            if softcap > 0:
+                acc = math.tanh(acc / softcap) * softcap
+            if use_bias:
+                acc += bias[min(b, bias.shape[0] - 1), min(h, bias.shape[1] - 1), 0, min(j, bias.shape[3] - 1)]
+            s[g, j - lo] = acc
+    for g in range(g_n):
+        h = kh * g_n + g
+        m = ninf
+        for j in range(n):
+            m = max(m, s[g, j])
+        tot = scale * 0
+        if m != ninf:
+            for j in range(n):
+                e = math.exp(s[g, j] - m)
+                s[g, j] = e
+                tot += e
+        pm[b, h, c], pl[b, h, c] = m, tot
+    acc_o = np.zeros((g_n, dv), q.dtype)
+    for j in range(lo, hi):
+        vr = v[b, kh, j]
+        for g in range(g_n):
+            p = s[g, j - lo]
+            if p != 0 and pm[b, kh * g_n + g, c] != ninf:
+                for x in range(dv):
+                    acc_o[g, x] += p * vr[x]
+    for g in range(g_n):
+        for x in range(dv):
+            pa[b, kh * g_n + g, c, x] = acc_o[g, x]
+
+
+@njit(parallel=True, **_OPT)
+def attention_decode(q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
+                     ninf, min_chunk, threads):
+    """Attention for one query row per sequence (decode) as flash decoding does it: tasks
+    are (sequence, kv head, chunk of keys), so a long cache splits over the threads and
+    each key is read once per group of query heads (GQA); the chunks' partial softmax sums
+    are merged after."""
+    nb, nh = q.shape[0], q.shape[1]
+    kvh, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    span = 1
+    for b in range(nb):
+        lo, hi = _bounds(pos[b], sk, causal, window)
+        span = max(span, hi - lo)
+    chunk = max(min_chunk, (span + 2 * threads - 1) // (2 * threads))
+    nc = (span + chunk - 1) // chunk
+    pm = np.empty((nb, nh, nc), o.dtype)
+    pl = np.empty((nb, nh, nc), o.dtype)
+    pa = np.empty((nb, nh, nc, dv), o.dtype)
+    for t in prange(nb * kvh * nc):
+        b, kh, c = t // (kvh * nc), (t // nc) % kvh, t % nc
+        lo, hi = _bounds(pos[b], sk, causal, window)
+        _decode_chunk(b, kh, c, min(hi, lo + c * chunk), min(hi, lo + (c + 1) * chunk), q, k, v, keep, bias,
+                      scale, softcap, use_keep, use_bias, ninf, pm, pl, pa)
+    for b in range(nb):
+        for h in range(nh):
+            m = ninf
+            for c in range(nc):
+                m = max(m, pm[b, h, c])
+            tot = scale * 0
+            for x in range(dv):
+                o[b, h, 0, x] = scale * 0
+            if m == ninf:
+                continue                         # every key masked: a zero row
+            for c in range(nc):
+                if pm[b, h, c] != ninf:
+                    w = math.exp(pm[b, h, c] - m)
+                    tot += w * pl[b, h, c]
+                    for x in range(dv):
+                        o[b, h, 0, x] += w * pa[b, h, c, x]
+            for x in range(dv):
+                o[b, h, 0, x] /= tot
 
 
 # --------------------------------------------------------------------------- packed sequences

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 
 from rlx_core.backends.numpy import NumpyRunner
@@ -26,6 +27,7 @@ from . import quant_kernels
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 GEMV_MAX_M = 1                  # rows up to which a matmul on a [N, K] weight is a numba GEMV
 PAR_MIN = codegen.PAR_MIN       # work (elements, or multiply-adds) from which kernels use all threads
+DECODE_CHUNK = 32               # fewest keys per task of decode attention
 PREPARE: dict = {}              # op -> prepare(a, outs, protos) -> fn(a, out, *ins) | None
 
 
@@ -160,6 +162,8 @@ def _attention_fn(a, q, k, v, o, mask):
     no_keep, no_bias = np.ones((1, 1, 1, 1), np.bool_), np.zeros((1, 1, 1, 1), o.dtype)
     default_pos = np.full(nb, sk - sq, np.int64)
     kern = _pick(K.attention_par, K.attention_ser, nb * nh * sq * sk * max(d, 1))
+    if sq == 1:          # decode: split over kv heads and chunks of keys, not query rows
+        kern = lambda *args: K.attention_decode(*args, DECODE_CHUNK, numba.get_num_threads())  # noqa: E731
     is_bool = mask is not None and mask.dtype == np.bool_
     m4 = None if mask is None else (1,) * (4 - mask.ndim) + tuple(mask.shape)
 

@@ -195,6 +195,10 @@ ATTN = {  # mask_kind, window, mask input, softcap, Sq, Sk, pos
     "custom_bool": ("custom", 0, "bool", 0.0, 4, 5, None),
     "bias_pos_softcap": ("causal", 0, "bias", 4.0, 2, 6, (1, 3)),
     "chunk_pos": ("causal", 0, None, 0.0, 3, 8, (0, 4)),
+    # one query row over a long cache: decode attention splits the keys into chunks
+    "decode_sliding": ("sliding_window", 50, None, 0.0, 1, 130, (120, 40)),
+    "decode_custom_bool": ("custom", 0, "bool", 0.0, 1, 130, None),
+    "decode_bias_softcap": ("causal", 0, "bias", 4.0, 1, 130, (129, 70)),
 }
 
 
@@ -205,6 +209,7 @@ def attention_case(rng, case, dt, heads, kv_heads, d=16, extra=()):
     if mask == "bool":
         m = rng.random((2, 1, sq, sk)) < 0.6
         m[..., 0] = True
+        m[..., 30:100] = False           # longer than a chunk of decode attention: one chunk all masked
         args.append(parity.Arg("mask", m, BOOL))
     elif mask == "bias":
         args.append(parity.arg(rng, "mask", (1, heads, sq, sk), F32))
