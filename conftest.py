@@ -16,3 +16,12 @@ def pytest_report_header(config):
 def rng(request):
     """A generator seeded from the run seed and the test's name."""
     return np.random.default_rng([SEED, abs(hash(request.node.nodeid)) % (2**32)])
+
+
+def pytest_configure(config):
+    """The compile cache of a test run lives in a folder of its own: tests neither read what
+    another run left nor fill the user's cache."""
+    if "RLX_COMPILE_CACHE" not in os.environ:
+        import tempfile
+
+        os.environ["RLX_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="rlx-test-compile-cache-")

@@ -149,7 +149,7 @@ def hf_model_dir(path: str) -> str:
     import torch
     import transformers
 
-    from rlx_core.weights.packaged import cache_dir
+    from rlx_core.cache import cache_dir
 
     out = os.path.join(cache_dir(), "bench", os.path.basename(path) + ".hf")
     if not os.path.isfile(os.path.join(out, "config.json")):

@@ -522,10 +522,6 @@ def embed_cmd(model_name: str, texts: tuple, file: str | None, json_out: bool, b
                   echo=click.echo)
 
 
-if __name__ == "__main__":  # pragma: no cover
-    main()
-
-
 @main.command("quantize")
 @click.argument("src", metavar="SRC")
 @click.argument("dst", metavar="DST")
@@ -547,3 +543,45 @@ def quantize_cmd(src: str, dst: str, scheme: str) -> None:
     done = write_gguf(ckpt, dst, q, echo=click.echo)
     size = os.path.getsize(dst)
     click.echo(f"wrote {dst}: {done['quantized']} weights in {q.name}, {size / 2**20:.1f} MiB")
+
+
+# ============================================================================ rlx cache
+@main.group("cache")
+def cache_group() -> None:
+    """The compile cache: optimized graphs and tokenizer merges kept across processes
+    (RLX_COMPILE_CACHE: its folder, or 0 to turn it off)."""
+
+
+@cache_group.command("ls")
+@click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
+def cache_ls(as_json: bool) -> None:
+    """List the entries: kind, key, size, last use, the rlx version that wrote them."""
+    import datetime
+
+    from . import cache
+
+    entries = cache.entries()
+    if as_json:
+        click.echo(json.dumps({"root": str(cache.root()), "bytes": cache.size(), "entries": entries}, indent=1))
+        return
+    if cache.root() is None:
+        click.echo("compile cache: off (RLX_COMPILE_CACHE=0)")
+        return
+    click.echo(f"compile cache: {cache.root()} ({cache.size() / 2**20:.1f} MiB with blobs)")
+    rows = [[e["kind"], e["key"][:16], f"{e['bytes'] / 2**10:.0f} KiB",
+             datetime.datetime.fromtimestamp(e["used"]).strftime("%Y-%m-%d %H:%M"), e["rlx"]] for e in entries]
+    for line in _table(rows, ["kind", "key", "size", "used", "rlx"]) if rows else ["(empty)"]:
+        click.echo(line)
+
+
+@cache_group.command("clear")
+def cache_clear() -> None:
+    """Remove every entry (models assembled from packages stay)."""
+    from . import cache
+
+    n, freed = cache.clear()
+    click.echo(f"removed {n} files, {freed / 2**20:.1f} MiB from {cache.root()}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -17,6 +17,7 @@ import time
 import attrs
 import numpy as np
 
+from . import cache
 from .ir.dtype import DType
 from .ir.errors import BackendError, GraphError, ModelError
 from .ir.graph import HIR, MIR, Graph
@@ -160,8 +161,38 @@ class CompilePipeline:
                 raise BackendError(f"backend {b.name!r} does not implement op {n.op!r} (node %{i}); "
                                    f"backends that do: {have or 'none'}")
 
+    def cache_key(self, g: Graph) -> str | None:
+        """The compile cache's key for optimizing `g` here: the graph, the profile, what the
+        backend supports and the code of every package taking part (core, backend, plugins'
+        fusion rules). None when `g` has no JSON form."""
+        b = self.backend
+        try:
+            text = g.to_json()
+        except (TypeError, ValueError):
+            return None
+        rules = registry().rules
+        packages = {"rlx_core", type(b).__module__.partition(".")[0]} | {
+            r.emit.__module__.partition(".")[0] for group in rules.values() for r in group}
+        return cache.key("mir", text, self.profile.text(), b.name, b.target, sorted(b.supported_ops()),
+                         sorted(d.value for d in b.dtypes), sorted(rules),
+                         *(f"{p}:{cache.code_fingerprint(p)}" for p in sorted(packages)))
+
+    def optimize_cached(self, g: Graph) -> Graph:
+        """optimize(g), or its result read back from the compile cache (a process before made
+        it); the backend's support is checked either way."""
+        k = self.cache_key(g) if cache.root() is not None else None
+        mir = cache.read_graph("mir", k) if k else None
+        if mir is None:
+            mir = self.optimize(g)
+            if k:
+                cache.write_graph("mir", k, mir)
+            return mir
+        self.trace.append(("compile cache", len(mir.nodes), 0.0))
+        self._check_support(mir)
+        return mir
+
     def compile(self, module: Graph, params: dict | None = None, states=None) -> "Executable":
-        mir = self.optimize(module)
+        mir = self.optimize_cached(module)
         return Executable(mir, self.backend, self.profile, params, states, source=module)
 
 
@@ -173,14 +204,15 @@ MAX_RUNNERS = 16          # shape specializations an Executable keeps (each owns
 def compile(module: Graph, profile: CompileProfile | str | None = None, backend=None,
             params: dict | None = None, states=None) -> "Executable":
     """rlx_core.compile(module, profile=..., backend=...): the optimized MIR is cached by
-    (graph hash, profile hash, backend); specializations are cached per bound dims."""
+    (graph hash, profile hash, backend) in this process and in the compile cache on disk;
+    specializations are cached per bound dims."""
     if isinstance(profile, str):
         profile = CompileProfile.preset(profile)
     pipe = CompilePipeline(profile, backend)
     key = (module.stable_hash(), pipe.profile.stable_hash(), pipe.backend.name)
     mir = _CACHE.get(key)
     if mir is None:
-        mir = pipe.optimize(module)
+        mir = pipe.optimize_cached(module)
         _CACHE[key] = mir
         if len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)

@@ -10,7 +10,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CORE = ROOT / "rlx_core"
 # lowest first; a module sits on the floor of its first path component under rlx_core
-FLOORS = [("ir",), ("passes",), ("pipeline", "profile"), ("plugins", "backends"),
+FLOORS = [("ir", "version", "cache"), ("passes",), ("pipeline", "profile"), ("plugins", "backends"),
           ("flow", "weights", "runtime"), ("cli",)]
 FLOOR_OF = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
 

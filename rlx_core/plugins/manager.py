@@ -35,6 +35,7 @@ import pluggy
 from ..ir import custom
 from ..ir.errors import PluginError
 from ..ir.registry import Registry, set_source
+from ..version import core_version
 from . import hookspecs
 
 ENTRY_GROUP = "rlx"
@@ -138,14 +139,6 @@ def _register(pm: pluggy.PluginManager, plugin, name: str) -> list:
     except PluginError:
         pm.unregister(plugin)
         raise
-
-
-def core_version() -> str:
-    """rlx-core's installed version."""
-    try:
-        return md.version("rlx-core")
-    except md.PackageNotFoundError:    # run from a source tree that was never installed
-        return "0+unknown"
 
 
 def _entry_points() -> list:

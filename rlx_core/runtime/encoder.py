@@ -177,7 +177,7 @@ class Encoder:
                 flow = self.recipe.flow(self.config, pooling=self.pooling, backend=self.backend, **opts)
                 built = flow.build(self.tensors, self.config, F32,
                                    ignore_unused=getattr(self.recipe, "ignore_unused", ()))
-                mir = CompilePipeline(self.profile, self.backend).optimize(built.graph)
+                mir = CompilePipeline(self.profile, self.backend).optimize_cached(built.graph)
                 self._built[key] = (mir, built)
             mir, built = self._built[key]
             # executables of one model share params uploaded (and hoisted ones computed) once

@@ -11,13 +11,8 @@ import importlib
 import importlib.util
 import os
 
+from rlx_core.cache import cache_dir
 from rlx_core.ir.errors import WeightError
-
-
-def cache_dir() -> str:
-    """Where assembled model files are kept: $RLX_CACHE, else $XDG_CACHE_HOME/rlx, else ~/.cache/rlx."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("RLX_CACHE") or os.path.join(base, "rlx")
 
 
 def _package_dir(dist: str, module: str) -> str:

@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Sequence
 
+from rlx_core import cache
 from rlx_core.ir.errors import ModelError, WeightError
 
 from .config import check_config
@@ -462,6 +463,19 @@ def _byte_level(tokens: list[str], merges: list[str]):
     return tk
 
 
+def _cached_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """`_generate_merges` of the vocabulary `tokens` (id order) with `scores`, kept in the compile
+    cache as id pairs: Gemma's 262k tokens take seconds to split, reading them back a fraction."""
+    k = cache.key("merges", "\0".join(tokens), json.dumps(scores))
+    ids = cache.read_json("merges", k)
+    if isinstance(ids, list) and len(ids) % 2 == 0 and all(isinstance(i, int) and 0 <= i < len(tokens) for i in ids):
+        return list(zip([tokens[i] for i in ids[0::2]], [tokens[i] for i in ids[1::2]]))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = _generate_merges(vocab, dict(zip(tokens, scores)))
+    cache.write_json("merges", k, [vocab[t] for pair in merges for t in pair])
+    return merges
+
+
 def _generate_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
     """Merges implied by a sentencepiece vocabulary: every split of a token into two tokens, best score
     first (transformers' `generate_merges`, whose tie order is kept)."""
@@ -486,7 +500,7 @@ def _gemma(tokens: list[str]):
 
     respelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {t: i for i, t in enumerate(respelled)}
-    merges = _generate_merges(vocab, {t: -i for i, t in enumerate(respelled)})
+    merges = _cached_merges(respelled, [-i for i in range(len(respelled))])
     tk = TkTokenizer(
         BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token="<unk>", dropout=None, byte_fallback=True)
     )
@@ -508,7 +522,7 @@ def _llama_spm(tokens: list[str], merges: list[str] | None, scores: list[float] 
     if merges:
         pairs = [tuple(m.split(" ")) for m in merges]
     else:
-        pairs = _generate_merges(vocab, dict(zip(tokens, scores or [0.0] * len(tokens))))
+        pairs = _cached_merges(tokens, list(scores or [0.0] * len(tokens)))
     tk = TkTokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True, dropout=None))
     tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
     tk.decoder = decoders.Sequence(

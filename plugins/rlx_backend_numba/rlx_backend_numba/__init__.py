@@ -7,7 +7,7 @@ inside the same arena. Above numpy in priority, so installing it makes it the de
 backend; `backend="numpy"` still selects the embedded one.
 
 Threads: RLX_NUM_THREADS (else every core numba sees). Kernels compile once per machine
-into RLX_NUMBA_CACHE (default ~/.cache/rlx/numba) and numba's own cache.
+into RLX_NUMBA_CACHE (default: `numba` in the RLX cache dir) and numba's own cache.
 """
 from __future__ import annotations
 

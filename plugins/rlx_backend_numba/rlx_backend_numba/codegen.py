@@ -5,7 +5,7 @@ op, or a matmul epilogue) becomes numba source over a 2-D iteration space of row
 columns of the output: every operand is read as `F` (a full contiguous array, flat), `X`
 (full, rows strided: a 2-D view), `R` (one row broadcast over rows), `C` (one value per
 row) or `S` (a scalar). The source goes to a file in the cache dir (RLX_NUMBA_CACHE, else
-~/.cache/rlx/numba) and is imported from there, so numba's `cache=True` keeps the machine
+`numba` in the RLX cache dir) and is imported from there, so numba's `cache=True` keeps the machine
 code across processes; in-process the module is memoized by the hash of its source.
 
 Each module holds `par` (prange over rows, for large outputs) and `ser` (one thread, no
@@ -24,6 +24,7 @@ import threading
 
 import numpy as np
 
+from rlx_core.cache import cache_dir as rlx_cache_dir
 from rlx_core.ir.dtype import BOOL, F32, F64, DType
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.ops import infer
@@ -211,7 +212,8 @@ _LOCK = threading.Lock()
 
 
 def cache_dir() -> str:
-    return os.environ.get("RLX_NUMBA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rlx", "numba")
+    """Generated kernel sources: $RLX_NUMBA_CACHE, else `numba` in the RLX cache dir."""
+    return os.environ.get("RLX_NUMBA_CACHE") or os.path.join(rlx_cache_dir(), "numba")
 
 
 def load_source(src: str):
