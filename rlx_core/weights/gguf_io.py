@@ -132,6 +132,18 @@ def _parse(path: str, buf: mmap.mmap) -> GGUFFile:
         pos += 8 + n
         return s
 
+    def strings(count: int) -> list:
+        nonlocal pos
+        out, p, end, unpack = [], pos, len(buf), struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            (n,) = unpack(buf, p)
+            if p + 8 + n > end:
+                raise ValueError(f"string of {n} bytes at offset {p} runs past the end of the file")
+            out.append(buf[p + 8 : p + 8 + n].decode("utf-8", errors="replace"))
+            p += 8 + n
+        pos = p
+        return out
+
     def value(vtype: int):
         nonlocal pos
         if vtype in _SCALAR:
@@ -151,6 +163,8 @@ def _parse(path: str, buf: mmap.mmap) -> GGUFFile:
                 arr = np.frombuffer(buf[pos : pos + count * dt.itemsize], dtype=dt)
                 pos += count * dt.itemsize
                 return arr.tolist()
+            if etype == 8:        # string arrays (a vocabulary): one loop, no call per string
+                return strings(count)
             return [value(etype) for _ in range(count)]
         raise ValueError(f"unknown metadata value type {vtype} at offset {pos}")
 

@@ -468,8 +468,11 @@ def _cached_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, st
     cache as id pairs: Gemma's 262k tokens take seconds to split, reading them back a fraction."""
     k = cache.key("merges", "\0".join(tokens), json.dumps(scores))
     ids = cache.read_json("merges", k)
-    if isinstance(ids, list) and len(ids) % 2 == 0 and all(isinstance(i, int) and 0 <= i < len(tokens) for i in ids):
-        return list(zip([tokens[i] for i in ids[0::2]], [tokens[i] for i in ids[1::2]]))
+    try:
+        if isinstance(ids, list) and len(ids) % 2 == 0 and min(ids, default=0) >= 0:
+            return list(zip([tokens[i] for i in ids[0::2]], [tokens[i] for i in ids[1::2]]))
+    except (TypeError, IndexError):       # (a verified entry never gets here)
+        pass
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = _generate_merges(vocab, dict(zip(tokens, scores)))
     cache.write_json("merges", k, [vocab[t] for pair in merges for t in pair])
