@@ -2,9 +2,10 @@
 
 A program (`fused_elementwise`'s, or one binary/compare/where/activation/cast/fused_swiglu
 op, or a matmul epilogue) becomes numba source over a 2-D iteration space of rows and
-columns of the output: every operand is read as `F` (a full contiguous array, flat), `X`
-(full, rows strided: a 2-D view), `R` (one row broadcast over rows), `C` (one value per
-row) or `S` (a scalar). The source goes to a file in the cache dir (RLX_NUMBA_CACHE, else
+columns of the output: every operand is read as `F` (a full contiguous array, flat), `P`
+(full, contiguous rows `p` elements apart: read flat from its first element, so loads stay
+contiguous and vectorize), `X` (full, any strides: a 2-D view), `R` (one row broadcast over
+rows), `C` (one value per row) or `S` (a scalar). The source goes to a file in the cache dir (RLX_NUMBA_CACHE, else
 `numba` in the RLX cache dir) and is imported from there, so numba's `cache=True` keeps the machine
 code across processes; in-process the module is memoized by the hash of its source.
 
@@ -117,7 +118,8 @@ def _step(op: str, a: dict, args: list, out: DType, k: int, lines: list) -> str 
     return None
 
 
-_LOAD = {"F": "x{i}[i]", "X": "x{i}[r, j]", "R": "x{i}[j]", "C": "x{i}[r]", "S": "x{i}[0]"}
+_LOAD = {"F": "x{i}[i]", "P": "x{i}[b{i} + u]", "X": "x{i}[r, u]", "R": "x{i}[u]", "C": "x{i}[r]",
+         "S": "x{i}[0]"}
 _HEAD = """import math
 import numpy as np
 from numba import njit, prange
@@ -190,17 +192,19 @@ def elementwise_source(program, in_dtypes: list, out_dtype: DType, kinds: str) -
     if out_dtype not in NATIVE or (out_dtype is not BOOL and dts[-1] is BOOL):
         return None
     body.append(f"o[i] = {_conv(f'v{len(dts) - 1}', dts[-1], out_dtype)}")
-    params = ", ".join(["o", "n", "C"] + [f"x{i}" for i in range(len(kinds))])
+    pitched = [i for i, kd in enumerate(kinds) if kd == "P"]
+    params = ", ".join(["o", "n", "C"] + [f"x{i}" for i in range(len(kinds))] + [f"p{i}" for i in pitched])
     inner = "\n".join("            " + line for line in body)
+    bases = "".join(f"\n        b{i} = np.uint64(r * p{i})" for i in pitched)
     fns = []
     for name, flags, rng in (("par", "parallel=True, ", "prange"), ("ser", "", "range")):
         fns.append(f"""
 @njit({flags}fastmath=False, cache=True, error_model="numpy")
 def {name}({params}):
     for r in {rng}((n + C - 1) // C):
-        lo = r * C
+        lo = r * C{bases}
         for j in range(min(C, n - lo)):
-            i = np.uint64(lo + j)      # unsigned: no negative-index wraparound, so it vectorizes
+            i, u = np.uint64(lo + j), np.uint64(j)    # unsigned: no negative-index wraparound, so it vectorizes
 {inner}
 """)
     return _HEAD + "".join(fns)
@@ -261,7 +265,9 @@ def _kind(x: np.ndarray, od: tuple, p: int):
         if x.flags.c_contiguous:
             return "F"
         v = x.reshape(math.prod(od[:p]), math.prod(od[p:]))
-        return "X" if not v.flags.owndata and v.ctypes.data == x.ctypes.data else None  # a view
+        if v.flags.owndata or v.ctypes.data != x.ctypes.data:
+            return None                                  # not a view: reshaping copied
+        return "P" if v.strides[1] == v.itemsize and v.strides[0] % v.itemsize == 0 and v.strides[0] > 0 else "X"
     if not x.flags.c_contiguous:
         return None
     if all(d == 1 for d in xd[:p]) and xd[p:] == od[p:]:
@@ -323,13 +329,28 @@ def elementwise_step(program, protos: list, out: np.ndarray):
             convs.append(lambda x, s=s: (np.copyto(s, np.broadcast_to(x, od)), s.reshape(-1))[1])
         elif kd == "X":
             convs.append(lambda x: x.reshape(rows, C))
+        elif kd == "P":
+            convs.append(lambda x: _pitched(x.reshape(rows, C)))
         else:
             convs.append(_flat)
     o_flat = out.reshape(-1)
+    pitched = [i for i, kd in enumerate(kinds) if kd == "P"]
 
     def run(a, o, *ins):
-        kernel(o_flat, n, C, *[f(x) for f, x in zip(convs, ins)])
+        kernel(o_flat, n, C, *[f(x) for f, x in zip(convs, ins)], *[_pitch(ins[i], rows, C) for i in pitched])
     return run
+
+
+def _pitch(x, rows: int, cols: int) -> int:
+    return x.reshape(rows, cols).strides[0] // x.itemsize
+
+
+def _pitched(v: np.ndarray) -> np.ndarray:
+    """Rows of `v` (contiguous, evenly apart) as one flat array from the first element to the
+    last: the memory between rows is readable (it lies inside the view's own buffer)."""
+    rows, cols = v.shape
+    span = (rows - 1) * (v.strides[0] // v.itemsize) + cols if rows else 0
+    return np.lib.stride_tricks.as_strided(v, (span,), (v.itemsize,))
 
 
 def epilogue_step(out: np.ndarray, bias: list, act: str):

@@ -85,7 +85,7 @@ def ref_program(x, y):
 
 
 def _layout(rng, case, dt):
-    """(x, y) host arrays laid out as `case`: the generator's F, X, R, C, S kinds and a copy."""
+    """(x, y) host arrays laid out as `case`: the generator's F, P, X, R, C, S kinds and a copy."""
     full = rng.uniform(-3, 3, (3, 5, 40)).astype(dt)
     if case == "flat":
         return full, rng.uniform(-3, 3, (3, 5, 40)).astype(dt)
@@ -95,15 +95,17 @@ def _layout(rng, case, dt):
         return full, rng.uniform(-3, 3, (3, 5, 1)).astype(dt)
     if case == "scalar":
         return full, np.asarray(rng.uniform(-3, 3), dt)
-    if case == "strided":
+    if case == "strided":                    # rows of 40 contiguous values, 80 apart
         return rng.uniform(-3, 3, (3, 5, 80)).astype(dt)[..., 10:50], full
+    if case == "gapped":                     # every other value
+        return rng.uniform(-3, 3, (3, 5, 80)).astype(dt)[..., ::2], full
     if case == "copy":
         return full, rng.uniform(-3, 3, (40, 5, 3)).astype(dt).transpose(2, 1, 0)
     raise AssertionError(case)
 
 
 @pytest.mark.parametrize("case,kinds", [("flat", "FF"), ("row", "FR"), ("col", "FC"), ("scalar", "FS"),
-                                        ("strided", "XF"), ("copy", "FF")])
+                                        ("strided", "PF"), ("gapped", "XF"), ("copy", "FF")])
 @pytest.mark.parametrize("dt", [np.float32, np.float64], ids=["f32", "f64"])
 def test_generated_layouts(rng, driver, case, kinds, dt):
     x, y = _layout(rng, case, dt)
