@@ -1,21 +1,17 @@
-"""Shared pytest fixtures. Random inputs are fresh on every run; the seed is printed in the
-header and can be fixed with RLX_TEST_SEED to replay a failure."""
+"""Shared pytest setup. Random inputs are fresh on every run; the seed is printed in the
+header and can be fixed with RLX_TEST_SEED to replay a failure. The seed, the `rng` fixture
+and the --rlx-backend / --rlx-recipe options are the conformance kit's (rlx_core.testing)."""
 import os
 
-import numpy as np
-import pytest
-
-SEED = int(os.environ.get("RLX_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+pytest_plugins = ("rlx_core.testing",)   # also where rlx-core's pytest11 entry point is not installed
 
 
 def pytest_report_header(config):
-    return f"rlx test seed: {SEED} (set RLX_TEST_SEED={SEED} to replay)"
+    from rlx_core import testing
 
-
-@pytest.fixture
-def rng(request):
-    """A generator seeded from the run seed and the test's name."""
-    return np.random.default_rng([SEED, abs(hash(request.node.nodeid)) % (2**32)])
+    if not testing.active(config):       # the kit prints it itself when one of its options is given
+        return testing.seed_header()
+    return None
 
 
 def pytest_configure(config):

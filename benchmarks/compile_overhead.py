@@ -9,7 +9,8 @@ interleaved so machine noise hits both alike, and the medians are compared.
 Prints: hardware, compile times, run medians, the pipeline overhead ratio
 (rlx - numpy) / numpy with its target (<= 5%), the LIR's peak arena bytes against the
 liveness lower bound with its target (<= 1.1x), and — when the overhead target is missed —
-where the time goes (per-op time inside the RLX run and a cProfile of the run).
+where the time goes (the profiler's per-node and per-op table of the RLX run, and a cProfile
+of the run).
 
     python benchmarks/compile_overhead.py [--layers 4] [--seq 128] [--repeats 30] [--threads N]
 """
@@ -171,27 +172,6 @@ def mark(ok: bool) -> str:
     return "ok" if ok else "MISSED"
 
 
-def per_op_breakdown(runner, inputs: dict, repeats: int) -> list:
-    """Time each step of a NumpyRunner (its `steps` list) by op: (op, calls, seconds/run)."""
-    vals = runner.vals
-    for name, (slot, _) in runner.inputs.items():
-        vals[slot] = inputs[name]
-    totals: dict = {}
-    for _ in range(repeats):
-        for i, is_view, fn, a, ins, out in runner.steps:
-            t = time.perf_counter()
-            if is_view:
-                vals[out] = fn(a, *[vals[j] for j in ins])
-            else:
-                fn(a, out, *[vals[j] for j in ins])
-            dt = time.perf_counter() - t
-            op = runner.graph.nodes[i].op
-            c, s = totals.get(op, (0, 0.0))
-            totals[op] = (c + 1, s + dt)
-    return sorted(((op, c // repeats, s / repeats) for op, (c, s) in totals.items()),
-                  key=lambda r: -r[2])
-
-
 def interleaved(a, b, repeats: int, warmup: int = 3) -> tuple:
     """Time `a` and `b` alternately; returns their lists of seconds."""
     for _ in range(warmup):
@@ -314,17 +294,8 @@ def main(argv=None) -> int:
     print(f"max abs diff: {diff:.3e} (rlx vs numpy, f32)")
 
     if overhead > OVERHEAD_TARGET or args.always_profile:
-        runner = exe.runner({"seq": S})
-        arrays = {k: np.ascontiguousarray(v) for k, v in inputs.items()}
-        print("\nwhere the RLX run's time goes (per op, inside the NumPy runner):")
-        try:
-            rows = per_op_breakdown(runner, arrays, max(5, args.repeats // 3))
-            total = sum(r[2] for r in rows)
-            for op, calls, s in rows:
-                print(f"  {op:<26} x{calls:<3} {fmt_ms(s)}  {s / total:6.1%}")
-            print(f"  {'(sum of steps)':<26}      {fmt_ms(total)}")
-        except Exception as e:  # the runner's internals may change
-            print(f"  (per-op breakdown unavailable: {type(e).__name__}: {e})")
+        print("\nwhere the RLX run's time goes (rlx_core's profiler, Executable.profile):")
+        print(exe.profile(inputs, repeat=max(5, args.repeats // 3)).table())
         print("\ncProfile of the RLX run (top 15 by own time):")
         pr = cProfile.Profile()
         pr.enable()

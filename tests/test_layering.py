@@ -10,8 +10,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CORE = ROOT / "rlx_core"
 # lowest first; a module sits on the floor of its first path component under rlx_core
-FLOORS = [("ir", "version", "cache"), ("passes",), ("pipeline", "profile"), ("plugins", "backends"),
-          ("flow", "weights", "runtime"), ("cli",)]
+FLOORS = [("ir", "version", "cache", "progress"), ("passes",), ("pipeline", "profile", "profiler"),
+          ("plugins", "backends"), ("flow", "weights", "runtime"), ("inspection", "bisection", "testing"),
+          ("cli",)]
 FLOOR_OF = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
 
 

@@ -9,7 +9,6 @@ from hypothesis import HealthCheck, given, settings
 
 import rlx_core
 from graphs import SEQ, Cfg, bert, build, inputs_for, llama, llama_inputs, programs, random_params
-from parity import rng  # noqa: F401
 from rlx_core.backends.numpy import NumpyRunner
 from rlx_core.ir.graph import Builder
 from rlx_core.ir.lir import ALIGN, plan
@@ -380,7 +379,8 @@ def test_the_overlap_check_catches_a_bad_plan(rng):
 
 
 # ----------------------------------------------------------------------------- dynamic dims, states
-from parity import backend, ref_attention, ref_kv_write, ref_rms_norm, ref_softmax  # noqa: E402,F401
+from rlx_core.testing.parity import (backend, ref_attention, ref_kv_write, ref_rms_norm,  # noqa: E402,F401
+                                     ref_softmax, rlx_backend)
 
 
 def _dyn_graph(h=2, hd=4, d=8):

@@ -10,12 +10,35 @@ from ..ir.dtype import DType
 from ..ir.lir import LirModule
 
 
+def best_time(fn, times: int = 5) -> float:
+    """Seconds of the fastest of `times` calls of fn() after one warm-up call (host clock)."""
+    import time
+
+    fn()
+    best = float("inf")
+    for _ in range(times):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 class Runner(abc.ABC):
     """A compiled, shape-specialized graph: inputs (numpy) in, outputs (numpy) out."""
+
+    profile_clock = ""          # what run_profiled's times are ("host clock", "CUDA events", ...)
 
     @abc.abstractmethod
     def run(self, inputs: dict) -> dict:
         """Run once; returns fresh numpy arrays (the arena is reused by the next run)."""
+
+    def run_profiled(self, inputs: dict) -> tuple:
+        """Run once timing every step: (outputs, [(node index, seconds), ...] in run order; a
+        node may have several steps). The profiler (`Executable.profile`) builds on this alone,
+        so a backend gets profiling by implementing it next to its run loop."""
+        from ..ir.errors import BackendError
+
+        raise BackendError(f"{type(self).__name__} cannot time its steps (it has no run_profiled)")
 
 
 class Backend(abc.ABC):
@@ -72,6 +95,14 @@ class Backend(abc.ABC):
         import contextlib
 
         return contextlib.nullcontext()
+
+    def copy_bandwidth(self, nbytes: int = 1 << 27) -> float:
+        """Bytes per second a large array copy moves here, read and written bytes both counted
+        (2x the array per copy), best of 5: the yardstick of the profiler's achieved GB/s.
+        This one copies host memory with numpy; a device backend measures its own memory."""
+        src = np.ones(nbytes // 8, np.float64)
+        dst = np.empty_like(src)
+        return 2 * src.nbytes / best_time(lambda: np.copyto(dst, src))
 
     # residency: params and state live on the device between runs
     def to_device(self, array: np.ndarray):

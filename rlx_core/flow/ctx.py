@@ -1,6 +1,7 @@
 """FlowCtx: what a stage emits against — the HIR builder, the weights, named state."""
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping, Protocol, runtime_checkable
 
 import attrs
@@ -17,6 +18,30 @@ class FlowStage(Protocol):
     """One step of a flow: takes the current value, returns the next."""
 
     def emit(self, ctx: "FlowCtx", value: Any) -> Any: ...
+
+
+@attrs.frozen
+class StageRecord:
+    """One stage as a flow emitted it, so `rlx inspect` can list a model's stages by layer:
+    the layer (None outside layers), the block's name and checkpoint key, the HIR nodes it
+    added (`start` to `end` in the graph's node list) and how deep it sits in other stages."""
+    layer: int | None
+    name: str
+    key: str
+    start: int
+    end: int
+    depth: int = 0
+
+
+def stage_label(stage) -> tuple:
+    """(name, key) of a stage: its class in snake_case and the checkpoint key or prefix it reads."""
+    name = re.sub(r"(?<=[a-z0-9])(?=[A-Z][a-z])", "_", type(stage).__name__).lower()
+    for holder, attr in ((stage, "key"), (stage, "prefix"), (stage, "gamma"), (stage, "name"),
+                         (getattr(stage, "fn", None), "__name__")):
+        v = getattr(holder, attr, None)
+        if isinstance(v, str) and v:
+            return name, v
+    return name, ""
 
 
 class FlowCtx:
@@ -36,6 +61,25 @@ class FlowCtx:
         self._params: dict = {}
         self.missing: list = []
         self.misshaped: list = []
+        self.stages: list = []           # StageRecord of every stage, in the order they started
+        self._depth = 0
+
+    def emit(self, stage, value):
+        """Emit `stage` on `value`, recording the HIR nodes it adds. Structural stages
+        (sequences, layer scopes) are walked, not recorded; a block that runs sub-stages
+        should run them through here too, so they are listed."""
+        if getattr(stage, "structural", False):
+            return stage.emit(self, value)
+        slot, start = len(self.stages), len(self.m.nodes)
+        self.stages.append(None)
+        self._depth += 1
+        try:
+            value = stage.emit(self, value)
+        finally:
+            self._depth -= 1
+        self.stages[slot] = StageRecord(self._index, *stage_label(stage), start, len(self.m.nodes),
+                                        self._depth)
+        return value
 
     # -- naming
     def index(self) -> int:
@@ -89,11 +133,12 @@ class FlowCtx:
 @attrs.frozen(eq=False)
 class BuiltModel:
     """A flow's result: the HIR graph, the params it binds (name -> array), the profile the
-    flow asked for, and the names of extra outputs (taps)."""
+    flow asked for, the names of extra outputs (taps) and the StageRecords of its stages."""
     graph: Graph
     params: dict
     profile: Any = None
     extra_outputs: tuple = ()
+    stages: tuple = ()
 
     def compile(self, backend=None, profile=None, states=None):
         from ..pipeline import CompilePipeline

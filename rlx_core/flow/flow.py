@@ -17,13 +17,16 @@ from . import blocks as B
 from .ctx import BuiltModel, FlowCtx, FlowStage
 
 
+# Structural stages (`structural = True`) only arrange others: FlowCtx.emit walks them
+# without a record of their own, so the stages listed by layer are the blocks.
 @attrs.frozen
 class Sequence:
     stages: tuple
+    structural = True
 
     def emit(self, ctx, value):
         for s in self.stages:
-            value = s.emit(ctx, value)
+            value = ctx.emit(s, value)
         return value
 
 
@@ -31,10 +34,11 @@ class Sequence:
 class When:
     cond: Any               # bool, or fn(ctx) -> bool
     then: Any               # a flow or stage
+    structural = True
 
     def emit(self, ctx, value):
         ok = self.cond(ctx) if callable(self.cond) else bool(self.cond)
-        return _as_stage(self.then).emit(ctx, value) if ok else value
+        return ctx.emit(_as_stage(self.then), value) if ok else value
 
 
 @attrs.frozen
@@ -43,12 +47,13 @@ class LayerScope:
     index: int
     prefix: str
     body: Any
+    structural = True
 
     def emit(self, ctx, value):
         saved = (ctx.prefix, ctx._index)
         ctx.prefix, ctx._index = self.prefix, self.index
         try:
-            return _as_stage(self.body).emit(ctx, value)
+            return ctx.emit(_as_stage(self.body), value)
         finally:
             ctx.prefix, ctx._index = saved
 
@@ -66,9 +71,10 @@ class Custom:
 class Lazy:
     """A stage produced at emit time by `fn(ctx)` (recipes' `.layer(lambda ctx: ...)`)."""
     fn: Callable
+    structural = True
 
     def emit(self, ctx, value):
-        return _as_stage(self.fn(ctx)).emit(ctx, value)
+        return ctx.emit(_as_stage(self.fn(ctx)), value)
 
 
 def _as_stage(x) -> FlowStage:
@@ -213,7 +219,7 @@ class ModelFlow:
         ctx = FlowCtx(m, weights, config, dtype)
         value = None
         for s in self.stages:
-            value = s.emit(ctx, value)
+            value = ctx.emit(s, value)
         if not isinstance(value, Value):
             raise ModelError(f"flow {self.name!r} ended without a value (add a head or an output)")
         unused = []
@@ -234,4 +240,4 @@ class ModelFlow:
         for name, v in ctx.outputs.items():
             m.output(name, v)
         params = {k: weights[k] for k in ctx.used_params()}
-        return BuiltModel(m.build(), params, self._profile, tuple(ctx.outputs))
+        return BuiltModel(m.build(), params, self._profile, tuple(ctx.outputs), tuple(ctx.stages))

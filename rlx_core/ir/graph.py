@@ -111,6 +111,13 @@ class Graph:
 
     __str__ = text
 
+    def _repr_svg_(self):
+        """Jupyter shows the graph drawn (ir/dot.py); without Graphviz's `dot` program this
+        returns None and Jupyter falls back to the text repr."""
+        from .dot import graph_dot, svg_or_none
+
+        return svg_or_none(graph_dot(self))
+
     def to_dict(self) -> dict:
         return graph_dict(self)
 

@@ -52,6 +52,14 @@ class ManifestEntry:
     logical: tuple = ()    # a packed param: the weight's shape, [N, K]
 
 
+def param_group(name: str) -> str:
+    """A param's group: 'model.layers.3.mlp.up_proj.weight' -> 'model.layers.3' (up to the
+    first numeric part: 'blk.3.*' -> 'blk.3'); others by their first part."""
+    parts = name.split(".")
+    num = next((i for i, p in enumerate(parts[:-1]) if p.isdigit()), None)
+    return ".".join(parts[:num + 1]) if num else parts[0]
+
+
 @attrs.frozen
 class BindingManifest:
     entries: tuple
@@ -60,14 +68,10 @@ class BindingManifest:
         return [e for e in self.entries if e.kind == kind]
 
     def param_groups(self) -> dict:
-        """Params grouped by prefix: 'model.layers.3.mlp.up_proj.weight' -> 'model.layers.3'
-        (up to the first numeric part: 'blk.3.*' -> 'blk.3'); others by their first part."""
+        """Param names by `param_group`."""
         groups: dict = {}
         for e in self.of("param"):
-            parts = e.name.split(".")
-            num = next((i for i, p in enumerate(parts[:-1]) if p.isdigit()), None)
-            key = ".".join(parts[:num + 1]) if num else parts[0]
-            groups.setdefault(key, []).append(e.name)
+            groups.setdefault(param_group(e.name), []).append(e.name)
         return groups
 
     def text(self) -> str:
@@ -86,27 +90,29 @@ class LirModule:
     manifest: BindingManifest
     level: str = "lir"
 
+    def slot_text(self, i: int) -> str:
+        """Where node i's outputs live: 'arena[off:+n]' (' inplace(%j)'), 'view(%j)', or the
+        home of a leaf."""
+        parts = []
+        for k in range(len(self.graph.nodes[i].outs)):
+            s = self.slots[(i, k)]
+            if s.home == "arena":
+                tag = f"arena[{s.offset}:+{s.nbytes}]"
+                if s.base is not None:
+                    tag += f" inplace(%{s.base[0]})"
+                parts.append(tag)
+            elif s.home == "view":
+                parts.append(f"view(%{s.base[0]})")
+            else:
+                parts.append(s.home)
+        return " ".join(parts)
+
     def text(self) -> str:
         from .printer import graph_text
 
-        def note(i):
-            parts = []
-            for k in range(len(self.graph.nodes[i].outs)):
-                s = self.slots[(i, k)]
-                if s.home == "arena":
-                    tag = f"arena[{s.offset}:+{s.nbytes}]"
-                    if s.base is not None:
-                        tag += f" inplace(%{s.base[0]})"
-                    parts.append(tag)
-                elif s.home == "view":
-                    parts.append(f"view(%{s.base[0]})")
-                else:
-                    parts.append(s.home)
-            return "    # " + " ".join(parts)
-
         head = f"lir {self.graph.name}: arena {self.arena_bytes} B (liveness bound {self.lower_bound} B)"
-        return head + "\n" + graph_text(self.graph.with_level("lir"), note) + "\nmanifest:\n" + \
-            self.manifest.text()
+        body = graph_text(self.graph.with_level("lir"), lambda i: "    # " + self.slot_text(i))
+        return f"{head}\n{body}\nmanifest:\n{self.manifest.text()}"
 
     __str__ = text
 

@@ -6,6 +6,8 @@ groups are passes rather than rooted patterns: shared-input matmuls and elementw
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import attrs
 
 from ..ir.errors import GraphError
@@ -16,6 +18,14 @@ from .generic import dce
 
 B, A, R, MM = P("binary"), P("activation"), P("reduce"), P("matmul")
 RULES: dict = {}          # group name -> [Rule]
+
+
+class FusionHit(NamedTuple):
+    """One fusion: the rule, the node it rooted at, and the graph that node id indexes (each
+    sweep renumbers nodes, so an id alone says nothing once the pass is done)."""
+    rule: str
+    node: int
+    graph: Graph
 
 
 def rule(group: str, pattern: P, when=None, name: str | None = None):
@@ -463,25 +473,28 @@ def all_rules() -> dict:
 
 
 def fuse(g: Graph, groups: tuple, max_sweeps: int = 8, log=None) -> Graph:
-    """Apply the rule groups to a fixpoint, then the pass groups."""
+    """Apply the rule groups to a fixpoint, then the pass groups; `log` (a list) gets a
+    FusionHit for every fusion."""
     if not groups:
         return g                 # fusion skipped: leave the graph alone (no hidden DCE)
     table = all_rules()
     for phase in (lambda gr: gr not in LATE, lambda gr: gr in LATE):
         rules = [r for gr in groups if gr in table and phase(gr) for r in table[gr]]
         for _ in range(max_sweeps):
+            before = g
             g, hits = apply_rules(g, rules)
             g = dce(g)
             if log is not None:
-                log.extend(hits)
+                log.extend(FusionHit(r, i, before) for r, i in hits)
             if not hits:
                 break
     for gr in ("shared_matmul", "elementwise"):
         if gr in groups:
+            before = g
             g, hits = PASSES[gr](g)
             g = dce(g)
             if log is not None:
-                log.extend(hits)
+                log.extend(FusionHit(r, i, before) for r, i in hits)
     return g
 
 
@@ -494,4 +507,4 @@ def unfused(g: Graph, groups: tuple) -> list:
     return found
 
 
-__all__ = ["RULES", "TARGETS", "fuse", "unfused", "groups_for"]
+__all__ = ["RULES", "TARGETS", "FusionHit", "fuse", "unfused", "groups_for"]

@@ -57,7 +57,9 @@ def rlx_register_recipes(register: Callable) -> None:
     """Register model recipes: call `register(recipe)` with an object having `name`,
     `model_types` (the HF `config.model_type` values and GGUF `general.architecture`
     values it builds) and `build(checkpoint, **options)` returning a runtime model.
-    Each model type may be claimed by one plugin only."""
+    Each model type may be claimed by one plugin only. Optionally `tiny_config()` (a small
+    config of its model type) and `tiny_tensors(config, rng)` (random tensors for it): the
+    conformance kit (`pytest --rlx-recipe=NAME`, rlx_core.testing) checks the recipe on them."""
 
 
 @hookspec

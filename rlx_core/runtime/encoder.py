@@ -167,16 +167,23 @@ class Encoder:
         with self._lock:
             return self._executable(layout, part)
 
+    graph_modes = ("padded", "packed")       # the layouts `built` and `executable` take
+
+    def built(self, layout: str | None = None):
+        """The encoder flow of `layout` built on this model's tensors (HIR graph, params,
+        stage records), not yet compiled: what `executable` compiles and `rlx inspect` shows."""
+        opts = dict(self.flow_options)
+        if layout is not None:
+            opts["layout"] = layout
+        flow = self.recipe.flow(self.config, pooling=self.pooling, backend=self.backend, **opts)
+        return flow.build(self.tensors, self.config, F32,
+                          ignore_unused=getattr(self.recipe, "ignore_unused", ()))
+
     def _executable(self, layout: str | None, part: int):
         key = layout or self.flow_options.get("layout")
         if (key, part) not in self._exes:
             if key not in self._built:
-                opts = dict(self.flow_options)
-                if layout is not None:
-                    opts["layout"] = layout
-                flow = self.recipe.flow(self.config, pooling=self.pooling, backend=self.backend, **opts)
-                built = flow.build(self.tensors, self.config, F32,
-                                   ignore_unused=getattr(self.recipe, "ignore_unused", ()))
+                built = self.built(layout)
                 mir = CompilePipeline(self.profile, self.backend).optimize_cached(built.graph)
                 self._built[key] = (mir, built)
             mir, built = self._built[key]

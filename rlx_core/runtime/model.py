@@ -9,6 +9,7 @@ import warnings
 
 import numpy as np
 
+from .. import progress
 from ..ir.dtype import F32
 from ..ir.errors import ModelError
 from ..pipeline import StateStore, select_backend
@@ -62,7 +63,10 @@ def load(path_or_name: str, backend: str | None = None, profile=None, progress: 
     if ckpt.packed_names():          # a quantized file: the profile says how to hold it
         profile = resolve_profile(profile, getattr(recipe, "default_profile", "default"), path)
         ckpt = ckpt.held_as(profile.precision.weights)
-    return recipe.build(ckpt, backend=backend, profile=profile, **kw)
+    model = recipe.build(ckpt, backend=backend, profile=profile, **kw)
+    if isinstance(model, CausalLM):  # its graphs compile on first use: bars then too
+        model.progress = progress
+    return model
 
 
 def _pad_batch(rows: list, pad_id: int) -> tuple:
@@ -96,6 +100,7 @@ class CausalLM:
         self._exes: dict = {}
         self._lock = backend_lock(self.backend)
         self.last_timings: dict = {}
+        self.progress = False        # bars while its graphs compile and specialize (rlx_core.progress)
 
     @classmethod
     def from_tensors(cls, config: dict, tensors: dict, tokenizer=None, backend=None, profile=None,
@@ -104,17 +109,29 @@ class CausalLM:
         return cls(recipe, config, tensors, tokenizer, backend, profile, max_context)
 
     # -- compiled graphs
+    graph_modes = ("prefill", "decode", "logits")     # what `built` and `executable` take
+
+    def built(self, mode: str = "prefill", taps: bool = False):
+        """The flow of `mode` built on this model's tensors (HIR graph, params, stage records),
+        not yet compiled: what `executable` compiles and `rlx inspect` shows."""
+        flow = self.recipe.flow(self.config, mode, taps=taps)
+        return flow.build(self.tensors, self.config, F32,
+                          ignore_unused=getattr(self.recipe, "ignore_unused", ()))
+
     def executable(self, mode: str, taps: bool = False):
         """mode: logits (every position), prefill (last position, writes the KV cache), decode."""
         key = (mode, taps)
         with self._lock:
             if key not in self._exes:
-                flow = self.recipe.flow(self.config, mode, taps=taps)
-                built = flow.build(self.tensors, self.config, F32,
-                                   ignore_unused=getattr(self.recipe, "ignore_unused", ()))
-                exe = built.compile(self.backend, self.profile, self.states)
-                exe.shared = self._shared
-                exe.set_params(built.params)
+                with progress.task(f"compiling {mode}", 3, self.progress):
+                    progress.stage("build graph")
+                    built = self.built(mode, taps)
+                    progress.stage("optimize")
+                    exe = built.compile(self.backend, self.profile, self.states)
+                    progress.stage("bind params")
+                    exe.shared = self._shared
+                    exe.set_params(built.params)
+                exe.progress = self.progress
                 self._exes[key] = exe
             return self._exes[key]
 
@@ -165,12 +182,20 @@ class CausalLM:
     # -- generation
     def encode_prompt(self, text: str, chat: bool = False) -> list:
         text = text_arg("prompt", text)
+        if chat:
+            return self.encode_chat([{"role": "user", "content": text}])
+        return self._tokenizer().encode(text)
+
+    def encode_chat(self, messages: list) -> list:
+        """Token ids of a conversation ({"role", "content"} dicts) in the model's chat
+        template, ending where the assistant's next answer starts."""
+        text = self._tokenizer().apply_chat_template(messages)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _tokenizer(self):
         if self.tokenizer is None:
             raise ModelError(f"{self.source} has no tokenizer; pass token ids instead of text")
-        if chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(text)
+        return self.tokenizer
 
     @property
     def eos_ids(self) -> tuple:

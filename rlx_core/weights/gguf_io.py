@@ -365,31 +365,44 @@ def fix_tensor(arch: str, gguf_name: str, w: np.ndarray, config: dict, path: str
 # ---------------------------------------------------------------------------------------------- config
 
 
-def gguf_config(gf: GGUFFile) -> dict:
-    """An HF-style config.json dict synthesized from GGUF metadata, every value type- and range-checked."""
+def gguf_config(gf: GGUFFile, sources: dict | None = None) -> dict:
+    """An HF-style config.json dict synthesized from GGUF metadata, every value type- and range-checked.
+    `sources` (a dict) gets config key -> the metadata key it was read from (`rlx inspect`)."""
     md, path = gf.metadata, gf.path
+    src = sources if sources is not None else {}
     arch = md.get("general.architecture")
     if not isinstance(arch, str) or arch not in _MODEL_TYPES:
         raise WeightError(
             f"{path}: GGUF architecture {arch!r} is not supported (expected one of {sorted(_MODEL_TYPES)})"
         )
 
-    def num(name, default=_REQUIRED, lo=1):
+    def took(key, to):
+        if to and key in md:
+            src.setdefault(to, key)
+
+    def num(name, default=_REQUIRED, lo=1, to=""):
+        took(f"{arch}.{name}", to)
         return meta_int(path, md, f"{arch}.{name}", default, lo)
 
-    def real(name, default, lo=0.0, strict=True):
+    def real(name, default, lo=0.0, strict=True, to=""):
+        took(f"{arch}.{name}", to)
         return meta_float(path, md, f"{arch}.{name}", default, lo, strict)
 
     model_type, hf_class = _MODEL_TYPES[arch]
-    hidden, heads, layers = num("embedding_length"), num("attention.head_count"), num("block_count")
-    kv_heads = num("attention.head_count_kv", heads)
+    took("general.architecture", "model_type")
+    took("general.architecture", "architectures")
+    hidden = num("embedding_length", to="hidden_size")
+    heads = num("attention.head_count", to="num_attention_heads")
+    layers = num("block_count", to="num_hidden_layers")
+    kv_heads = num("attention.head_count_kv", heads, to="num_key_value_heads")
     if heads % kv_heads:
         raise WeightError(
             f"{path}: GGUF metadata {arch}.attention.head_count = {heads} is not a multiple of "
             f"{arch}.attention.head_count_kv = {kv_heads}"
         )
     # llama files state the head size only as the rotary width, which is the whole head there
-    head_dim = num("attention.key_length", None) or (arch == "llama" and num("rope.dimension_count", None))
+    head_dim = num("attention.key_length", None, to="head_dim") or (
+        arch == "llama" and num("rope.dimension_count", None, to="head_dim"))
     if not head_dim:
         if hidden % heads:
             raise WeightError(
@@ -400,24 +413,27 @@ def gguf_config(gf: GGUFFile) -> dict:
     names = {t.name: t for t in gf.tensors}
     tokens = md.get("tokenizer.ggml.tokens")
     embd = names.get("token_embd.weight")
-    vocab = num("vocab_size", len(tokens) if tokens else embd.shape[0] if embd and embd.shape else None)
+    vocab = num("vocab_size", len(tokens) if tokens else embd.shape[0] if embd and embd.shape else None,
+                to="vocab_size")
+    took("tokenizer.ggml.tokens", "vocab_size")
     cfg = {
         "model_type": model_type,
         "architectures": [hf_class],
         "hidden_size": hidden,
-        "intermediate_size": num("feed_forward_length"),
+        "intermediate_size": num("feed_forward_length", to="intermediate_size"),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": real("attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": real("rope.freq_base", 10000.0),
-        "max_position_embeddings": num("context_length", 2048),
+        "rms_norm_eps": real("attention.layer_norm_rms_epsilon", 1e-6, to="rms_norm_eps"),
+        "rope_theta": real("rope.freq_base", 10000.0, to="rope_theta"),
+        "max_position_embeddings": num("context_length", 2048, to="max_position_embeddings"),
         "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in names,
     }
     for key, gkey in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
         hi = vocab - 1 if vocab is not None else None
+        took(f"tokenizer.ggml.{gkey}_token_id", f"{key}_token_id")
         cfg[f"{key}_token_id"] = meta_int(path, md, f"tokenizer.ggml.{gkey}_token_id", None, 0, hi)
     if arch.startswith("gemma"):
         cfg["hidden_activation"] = "gelu_pytorch_tanh"
@@ -431,12 +447,15 @@ def gguf_config(gf: GGUFFile) -> dict:
                 f"{path}: GGUF metadata {arch}.rope.scaling.type = {scaling!r} is not supported "
                 "(expected 'none' or 'linear' with rope.scaling.factor)"
             )
+        took(f"{arch}.rope.scaling.type", "rope_scaling")
         cfg["rope_scaling"] = {"rope_type": scaling, "factor": real("rope.scaling.factor", 1.0)}
         if (orig := num("rope.scaling.original_context_length", None)) is not None:
             cfg["rope_scaling"]["original_max_position_embeddings"] = orig
     if arch.startswith("gemma"):
         pkey = f"{arch}.attention.sliding_window_pattern"
         pattern = md.get(pkey, 6 if arch == "gemma3" else 2)
+        took(pkey, "sliding_window_pattern")
+        took(pkey, "layer_types")
         if isinstance(pattern, list):  # newer files: one flag per layer, true where attention slides
             if len(pattern) != layers or not all(isinstance(p, (bool, int)) for p in pattern):
                 raise WeightError(
@@ -449,16 +468,17 @@ def gguf_config(gf: GGUFFile) -> dict:
             pattern = meta_int(path, md, pkey, pattern)
             sliding = [bool((i + 1) % pattern) for i in range(layers)]
         cfg |= {
-            "sliding_window": num("attention.sliding_window", None, lo=0),
-            "query_pre_attn_scalar": real("attention.query_pre_attn_scalar", head_dim),
+            "sliding_window": num("attention.sliding_window", None, lo=0, to="sliding_window"),
+            "query_pre_attn_scalar": real("attention.query_pre_attn_scalar", head_dim,
+                                          to="query_pre_attn_scalar"),
             "sliding_window_pattern": pattern,
             "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
         }
     if arch == "gemma3":
-        cfg["rope_local_base_freq"] = real("rope.freq_base_swa", 10000.0)
+        cfg["rope_local_base_freq"] = real("rope.freq_base_swa", 10000.0, to="rope_local_base_freq")
     if arch == "gemma2":
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            cfg[key] = real(key, None, strict=False) if f"{arch}.{key}" in md else None
+            cfg[key] = real(key, None, strict=False, to=key) if f"{arch}.{key}" in md else None
     return cfg
 
 

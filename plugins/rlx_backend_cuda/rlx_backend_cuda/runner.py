@@ -337,7 +337,31 @@ class CudaRunner(Runner):
         self.graph.upload(s)
         self.graph_version = CONFIG["version"]
 
+    profile_clock = "CUDA events (steps launched one by one, not as the CUDA graph)"
+
     def run(self, inputs: dict) -> dict:
+        return self._run(inputs, None)
+
+    def run_profiled(self, inputs: dict) -> tuple:
+        """run() with the steps launched eagerly and a CUDA event recorded after each (the
+        graph replay has no points to time between kernels): (outputs, [(node, seconds)])."""
+        cp = device.cupy()
+        events: list = []
+
+        def launch():
+            events[:] = [cp.cuda.Event() for _ in range(len(self.steps) + 1)]
+            events[0].record(self.stream)
+            for st, ev in zip(self.steps, events[1:]):
+                st.fn()
+                ev.record(self.stream)
+
+        out = self._run(inputs, launch)
+        return out, [(st.node, cp.cuda.get_elapsed_time(a, b) / 1e3)
+                     for st, a, b in zip(self.steps, events, events[1:])]
+
+    def _run(self, inputs: dict, launch) -> dict:
+        """Stage the inputs, enqueue the steps (`launch()`, else the CUDA graph or the eager
+        loop), read the outputs back, synchronize once."""
         cp = device.cupy()
         if self._states_changed():
             self._build()
@@ -355,10 +379,12 @@ class CudaRunner(Runner):
                                    rt.memcpyHostToDevice, s.ptr)
                 if self.graph is not None and self.graph_version != CONFIG["version"]:
                     self.graph = None
-                use_graph = CONFIG["graphs"] and self.capturable and self.runs >= 1
+                use_graph = launch is None and CONFIG["graphs"] and self.capturable and self.runs >= 1
                 if use_graph and self.graph is None:
                     self._capture()
-                if use_graph and self.graph is not None:
+                if launch is not None:
+                    launch()
+                elif use_graph and self.graph is not None:
                     self.graph.launch(s)
                 else:
                     self._eager()
@@ -407,25 +433,6 @@ class CudaRunner(Runner):
                 rt.memset(a.data.ptr, byte, a.nbytes)
         rt.deviceSynchronize()
         return True
-
-    def profile(self, inputs: dict, reps: int = 3) -> list:
-        """Per-step device time (ms, median of `reps` eager runs with events between steps):
-        [(node, op, ms)]. Inputs are staged as in run()."""
-        cp = device.cupy()
-        self.run(inputs)
-        s = self.stream
-        ev = [cp.cuda.Event() for _ in range(len(self.steps) + 1)]
-        times = [[] for _ in self.steps]
-        with s:
-            for _ in range(reps):
-                ev[0].record(s)
-                for k, st in enumerate(self.steps):
-                    st.fn()
-                    ev[k + 1].record(s)
-                s.synchronize()
-                for k in range(len(self.steps)):
-                    times[k].append(cp.cuda.get_elapsed_time(ev[k], ev[k + 1]))
-        return [(st.node, st.op, sorted(t)[len(t) // 2]) for st, t in zip(self.steps, times)]
 
     # ------------------------------------------------------------------ introspection
     def describe(self) -> dict:

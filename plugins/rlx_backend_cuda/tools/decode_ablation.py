@@ -1,7 +1,9 @@
 """Where a decode step's time goes when it runs as one CUDA graph: the Llama-3.2-1B-shape
 decode graph (benchmarks/llm_gpu.py's builder graph, bf16), replayed whole, then re-captured
 without each op kind in turn (results are then wrong; only the time is of interest) and with
-the matmuls alone. Prints ms per step and what each op kind costs in the graph.
+the matmuls alone. Prints the profiler's table of the step (CUDA events between eagerly
+launched nodes: `Executable.profile`), ms per step as a graph and what each op kind costs
+in the graph next to its eager event time.
 
     python plugins/rlx_backend_cuda/tools/decode_ablation.py [--layers 16] [--ctx 768] [--pos 600]
 """
@@ -34,8 +36,8 @@ def main():
                            states=StateStore())
     c, s = rope_tables(cfg, [a.pos])
     ins = {"ids": np.array([[7]]), "pos": np.array([a.pos], np.int32), "cos": c, "sin": s}
-    for _ in range(3):
-        dec.run(dict(ins))
+    report = dec.profile(dict(ins), repeat=10, warmup=3)     # per node: events between eager launches
+    print(report.table())
     r = next(iter(dec._runners.values()))
     steps = list(r.steps)
     stream = r.stream
@@ -55,13 +57,13 @@ def main():
         return cp.cuda.get_elapsed_time(e0, e1) / 50
 
     full = timed(lambda st: True)
-    counts: dict = {}
-    for st in steps:
-        counts[st.op] = counts.get(st.op, 0) + 1
-    print(f"decode graph: {len(steps)} launches, {full:.3f} ms per step")
-    for op, n in sorted(counts.items(), key=lambda kv: -kv[1]):
-        t = timed(lambda st, op=op: st.op != op)
-        print(f"  {op:26s} {n:4d} launches: {full - t:.3f} ms ({(full - t) / n * 1e3:.1f} us each)")
+    print(f"\ndecode graph: {len(steps)} launches, {full:.3f} ms per step as one CUDA graph "
+          f"({report.total_s * 1e3:.3f} ms summed over the profiler's eager nodes)")
+    print("each op kind: its cost in the graph (re-captured without it) | the profiler's eager events")
+    for o in report.by_op():
+        t = timed(lambda st, op=o.op: st.op != op)
+        print(f"  {o.op:26s} {o.nodes:4d} nodes: {full - t:.3f} ms "
+              f"({(full - t) / o.nodes * 1e3:.1f} us each) | {o.seconds * 1e3:.3f} ms")
     mm = timed(lambda st: st.op == "matmul")
     print(f"  matmuls alone: {mm:.3f} ms")
     r.steps = steps

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from rlx_core.backends.base import Backend, Runner
+from rlx_core.backends.base import Backend, Runner, best_time
 from rlx_core.backends.numpy import NumpyBackend
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.lir import LirModule
@@ -108,6 +108,17 @@ class NumbaBackend(Backend):
 
     def parallel_scope(self):
         return NumpyBackend().parallel_scope()
+
+    def copy_bandwidth(self, nbytes: int = 1 << 27) -> float:
+        """A parallel numba copy's bytes per second (read + written), best of 5: the kernels run
+        on every thread, so a one-thread numpy copy would understate what they can reach."""
+        import numpy as np
+
+        from .kernels import copy_par
+
+        src = np.ones(nbytes // 8, np.float64)
+        dst = np.empty_like(src)
+        return 2 * src.nbytes / best_time(lambda: copy_par(src, dst))
 
     def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:
         ok, why = self.availability()

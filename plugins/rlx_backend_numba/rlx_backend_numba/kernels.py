@@ -475,4 +475,12 @@ def gemv_nt_ser(x, w, o):
         _gemv_row(x, w, o, n)
 
 
+# --------------------------------------------------------------------------- copy (a yardstick)
+@njit(parallel=True, **_OPT)
+def copy_par(src, dst):
+    """dst[:] = src[:] on every thread: the memory bandwidth this backend's kernels can reach."""
+    for i in prange(src.shape[0]):
+        dst[i] = src[i]
+
+
 __all__ = [n for n in dir() if n.endswith(("_par", "_ser"))]

@@ -2,7 +2,8 @@
 elementwise kernels in every operand layout, the row kernels, attention (causal, window,
 GQA, masks, softcap, decode over the KV cache) and the GEMV on both their one-thread and
 all-thread drivers, a tiny LLaMA against the numpy backend, selection and availability.
-The op table's parity suite (tests/test_ops.py) runs on this backend as on every other."""
+The op table's parity suite (rlx_core.testing, run by tests/test_ops.py) runs on this backend
+as on every other."""
 from __future__ import annotations
 
 import math
@@ -21,12 +22,10 @@ from rlx_core.pipeline import available_backends, select_backend
 from rlx_core.profile import CompileProfile
 
 pytest.importorskip("numba")
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
-parity = pytest.importorskip("parity")
 
 from rlx_backend_numba import NumbaBackend, codegen, requested_threads, runner  # noqa: E402
-
-rng = parity.rng               # the suite's per-test seeded generator (RLX_TEST_SEED replays)
+from rlx_core.testing import parity  # noqa: E402
+from rlx_core.testing.parity import rng  # noqa: E402,F401  (seeded per test; RLX_TEST_SEED replays)
 RAW = CompileProfile().evolve(fusion={"skip": True})
 TOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-10}
 

@@ -3,21 +3,16 @@ the float64 block-by-block reference decoder, and the GEMV (decode), decode-to-s
 (prefill) and the runner step with its epilogue match dequantize + float64 matmul."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 pytest.importorskip("numba")
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
-parity = pytest.importorskip("parity")
 
 from rlx_core.ir.quant import QuantScheme  # noqa: E402
+from rlx_core.testing import parity  # noqa: E402
+from rlx_core.testing.parity import rng  # noqa: E402,F401
 
 from rlx_backend_numba import quant_kernels as Q  # noqa: E402
-
-rng = parity.rng
 N, K = 40, 512
 
 

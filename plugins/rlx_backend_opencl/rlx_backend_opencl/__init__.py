@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlx_core.backends.base import Backend, Runner
+from rlx_core.backends.base import Backend, Runner, best_time
 from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.lir import LirModule
@@ -108,6 +108,17 @@ class OpenCLBackend(Backend):
 
         op = custom_ops().get(name)
         return op is not None and "opencl" in op.kernels
+
+    def copy_bandwidth(self, nbytes: int = 1 << 27) -> float:
+        """Bytes per second of a device buffer-to-buffer copy (read + written), best of 5,
+        timed on the host with the queue finished after it."""
+        import pyopencl as cl
+
+        dev = self.device
+        src, dst = _device.zeros(dev, (nbytes,), DType.U8).buf, _device.alloc(dev, nbytes)
+        dev.queue.finish()
+        return 2 * nbytes / best_time(
+            lambda: (cl.enqueue_copy(dev.queue, dst, src, byte_count=nbytes), dev.queue.finish()))
 
     # -- residency
     def to_device(self, array) -> CLArray:

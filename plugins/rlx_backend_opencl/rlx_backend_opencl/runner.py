@@ -13,6 +13,7 @@ at compile time, and a run is: upload inputs, enqueue the launches, read outputs
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -161,6 +162,8 @@ class OpenCLRunner(Runner):
         self._scratch_bytes = 0
         self._meta: list = []
         self._launches: list = []        # (program, kernel name, args, global, local) or callable
+        self._launch_nodes: list = []    # the node each launch computes (profiling names it)
+        self._at = -1                    # the node being built
         self.inputs: dict = {}
         self.checks = False
         self._kv_info: dict = {}
@@ -194,10 +197,12 @@ class OpenCLRunner(Runner):
                     const_blob.append((const_off, arr))
                     const_off += _align(arr.nbytes)
                 else:
+                    self._at = i
                     self._node(i, n, [vals[tuple(r)] for r in n.inputs], vals)
             except (BackendError, ModelError) as e:
                 raise type(e)(f"opencl: graph {g.name!r} node %{i} ({op}): {e}") from None
         # outputs: read straight from their buffers, or from a contiguous copy
+        self._at = len(g.nodes)
         self.outputs = []
         for name, r in g.outputs:
             v = vals[tuple(r)]
@@ -249,6 +254,7 @@ class OpenCLRunner(Runner):
             raise BackendError(f"launch of {kname} with global size {gsize} is too large for 32-bit indexing")
         if all(gsize) and math.prod(gsize) > 0:
             self._launches.append((prg, kname, args, tuple(gsize), None if lsize is None else tuple(lsize)))
+            self._launch_nodes.append(self._at)
 
     def _materialize(self, v: View, dtype: DType | None = None) -> View:
         out = self.scratch_view(v.shape, dtype or v.dtype)
@@ -751,6 +757,7 @@ class OpenCLRunner(Runner):
                         cl.enqueue_copy(q, o.st.buf, h.reshape(-1).view(np.uint8),
                                         dst_offset=o.off * o.dtype.itemsize)
         self._launches.append(step)
+        self._launch_nodes.append(self._at)
 
     # ------------------------------------------------------------------ finish and run
     def _finish(self, in_bytes, const_blob, const_bytes) -> None:
@@ -779,7 +786,8 @@ class OpenCLRunner(Runner):
             if lsize is not None:
                 gsize, lsize = self._fit_local(kern, kname, gsize, lsize)
             self.steps.append((kern, gsize, lsize))
-        self._launches = []
+        self.step_nodes = self._launch_nodes
+        self._launches, self._launch_nodes = [], []
         dev.queue.finish()
 
     def _fit_local(self, kern, kname, gsize, lsize):
@@ -813,17 +821,41 @@ class OpenCLRunner(Runner):
                 cl.enqueue_fill_buffer(self.dev.queue, st.buf, np.uint8(byte), 0, _align(n))
         self.dev.queue.finish()
 
-    def enqueue(self) -> None:
-        """Enqueue every kernel of the graph (no input upload, no sync): for benchmarks."""
+    def enqueue(self, steps=None) -> None:
+        """Enqueue the kernels of `steps` (default: the whole graph; no input upload, no sync)."""
         cl = _cl()
         q = self.dev.queue
-        for st in self.steps:
+        for st in self.steps if steps is None else steps:
             if type(st) is tuple:
                 cl.enqueue_nd_range_kernel(q, st[0], st[1], st[2])
             else:
                 st()
 
+    profile_clock = "host clock (the queue finished after every step)"
+
     def run(self, inputs: dict) -> dict:
+        keep = self._upload(inputs)
+        self.enqueue()
+        return self._download(keep)
+
+    def run_profiled(self, inputs: dict) -> tuple:
+        """run() with the queue finished after each step, so the host clock times the step."""
+        q = self.dev.queue
+        self._upload(inputs)
+        q.finish()
+        clock, times = time.perf_counter, []
+        t0 = clock()
+        for node, st in zip(self.step_nodes, self.steps):
+            self.enqueue((st,))
+            q.finish()
+            t1 = clock()
+            times.append((node, t1 - t0))
+            t0 = t1
+        return self._download([]), times
+
+    def _upload(self, inputs: dict) -> list:
+        """Enqueue the inputs' copies to the staging buffer; returns the host arrays to keep
+        alive until the queue has run them."""
         cl = _cl()
         q = self.dev.queue
         keep = []
@@ -838,7 +870,13 @@ class OpenCLRunner(Runner):
                 cl.enqueue_copy(q, self.staging.buf, arr.reshape(-1).view(np.uint8), dst_offset=off,
                                 is_blocking=False)
                 keep.append(arr)
-        self.enqueue()
+        return keep
+
+    def _download(self, keep: list) -> dict:
+        """The outputs read back (and the error flag checked) once the queue finishes; `keep`
+        (the uploaded host arrays) stays referenced until then."""
+        cl = _cl()
+        q = self.dev.queue
         out = {}
         for name, v in self.outputs:
             host = np.empty(v.shape, v.dtype.np)
@@ -849,6 +887,7 @@ class OpenCLRunner(Runner):
         if self.checks:
             cl.enqueue_copy(q, self.err_host, self.err_st.buf, is_blocking=False)
         q.finish()
+        keep.clear()
         if self.checks and self.err_host[0]:
             self._raise_err()
         return out

@@ -266,8 +266,8 @@ class BertEncoderLayer:
 
     def emit(self, ctx, x):
         s = self.spec
-        h = _add_norm(ctx, BertSelfAttention(s).emit(ctx, x), x, ctx.key("attention.output.LayerNorm"), s.eps)
-        f = GeluFfn(act=s.act, intermediate=s.intermediate).emit(ctx, h)
+        h = _add_norm(ctx, ctx.emit(BertSelfAttention(s), x), x, ctx.key("attention.output.LayerNorm"), s.eps)
+        f = ctx.emit(GeluFfn(act=s.act, intermediate=s.intermediate), h)
         return _add_norm(ctx, f, h, ctx.key("output.LayerNorm"), s.eps)
 
 
@@ -319,7 +319,7 @@ class NomicEncoderLayer:
         wo = ctx.param(f"{p}.out_proj.weight", (s.hidden, s.hidden))
         bo = ctx.param(f"{p}.out_proj.bias", (s.hidden,)) if s.qkv_bias else None
         h = _add_norm(ctx, dense(ctx, o, wo, bo), x, ctx.key("norm1"), s.eps)
-        return _add_norm(ctx, NomicMlp(s).emit(ctx, h), h, ctx.key("norm2"), s.eps)
+        return _add_norm(ctx, ctx.emit(NomicMlp(s), h), h, ctx.key("norm2"), s.eps)
 
 
 # ------------------------------------------------------------------------------ pooling

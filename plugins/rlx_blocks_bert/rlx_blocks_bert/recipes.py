@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
+
 from rlx_core.ir.errors import ModelError
 from rlx_core.profile import CompileProfile
 from rlx_core.weights.config import check_config, config_source
@@ -346,11 +348,84 @@ class BertRecipe:
                        source=ckpt.path, st=st, **kw)
 
 
+    # -- the conformance kit's tiny model (rlx_core.testing.recipes)
+    def tiny_config(self) -> dict:
+        """A small BERT: 3 heads, token types, GELU."""
+        return dict(model_type="bert", vocab_size=50, hidden_size=24, num_attention_heads=3,
+                    num_hidden_layers=2, intermediate_size=40, max_position_embeddings=32, type_vocab_size=2,
+                    layer_norm_eps=1e-12, hidden_act="gelu", pad_token_id=0)
+
+    def tiny_tensors(self, cfg: dict, rng) -> dict:
+        """Random HF-named tensors for `cfg` (LayerNorm weights around 1)."""
+        c = bert_config(cfg)
+        h, inter = c["hidden"], c["intermediate"]
+        shapes = {"embeddings.word_embeddings.weight": (c["vocab"], h),
+                  "embeddings.position_embeddings.weight": (c["max_positions"], h),
+                  "embeddings.LayerNorm.weight": (h,), "embeddings.LayerNorm.bias": (h,)}
+        if c["type_vocab"]:
+            shapes["embeddings.token_type_embeddings.weight"] = (c["type_vocab"], h)
+        for i in range(c["layers"]):
+            p = f"encoder.layer.{i}."
+            for n in ("attention.self.query", "attention.self.key", "attention.self.value",
+                      "attention.output.dense"):
+                shapes[p + n + ".weight"], shapes[p + n + ".bias"] = (h, h), (h,)
+            shapes[p + "intermediate.dense.weight"] = (inter, h)
+            shapes[p + "intermediate.dense.bias"] = (inter,)
+            shapes[p + "output.dense.weight"], shapes[p + "output.dense.bias"] = (h, inter), (h,)
+            for n in ("attention.output.LayerNorm", "output.LayerNorm"):
+                shapes[p + n + ".weight"], shapes[p + n + ".bias"] = (h,), (h,)
+        return random_tensors(shapes, rng)
+
+
+def random_tensors(shapes: dict, rng) -> dict:
+    """float32 N(0, 0.2^2) tensors of `shapes`; norm weights 1 + that (no norm is the identity)."""
+    def norm(k):
+        return k.endswith(".weight") and any(x in k for x in ("LayerNorm", "emb_ln", "norm1", "norm2"))
+
+    return {k: (0.2 * rng.standard_normal(s) + (1.0 if norm(k) else 0.0)).astype(np.float32)
+            for k, s in shapes.items()}
+
+
 class NomicBertRecipe(BertRecipe):
     name = "nomic_bert"
     model_types = ("nomic_bert",)
     flow_class = NomicBertFlow
 
+    def tiny_config(self) -> dict:
+        """nomic-bert-2048's shape, small: rotary SwiGLU layers, post-norm, no biases."""
+        return dict(model_type="nomic_bert", architectures=["NomicBertModel"], vocab_size=61, n_embd=48,
+                    n_head=4, n_layer=2, n_inner=80, n_positions=128, type_vocab_size=2,
+                    layer_norm_epsilon=1e-12, activation_function="swiglu", rotary_emb_base=1000,
+                    rotary_emb_fraction=1.0, rotary_emb_interleaved=False, qkv_proj_bias=False,
+                    mlp_fc1_bias=False, mlp_fc2_bias=False, prenorm=False, causal=False, use_rms_norm=False,
+                    rotary_scaling_factor=None, max_trained_positions=2048, pad_vocab_size_multiple=1)
+
+    def tiny_tensors(self, cfg: dict, rng) -> dict:
+        """Random tensors for `cfg` under nomic's names (LayerNorm weights around 1)."""
+        c = nomic_config(cfg)
+        h, inter = c["hidden"], c["intermediate"]
+        shapes = {"embeddings.word_embeddings.weight": (c["vocab"], h), "emb_ln.weight": (h,),
+                  "emb_ln.bias": (h,)}
+        if c["type_vocab"]:
+            shapes["embeddings.token_type_embeddings.weight"] = (c["type_vocab"], h)
+        if c["absolute_positions"]:
+            shapes["embeddings.position_embeddings.weight"] = (c["max_positions"], h)
+        for i in range(c["layers"]):
+            p = f"encoder.layers.{i}."
+            shapes[p + "attn.Wqkv.weight"], shapes[p + "attn.out_proj.weight"] = (3 * h, h), (h, h)
+            if c["qkv_bias"]:
+                shapes[p + "attn.Wqkv.bias"], shapes[p + "attn.out_proj.bias"] = (3 * h,), (h,)
+            for fc in (("fc11", "fc12") if c["mlp"] == "gated" else ("fc1",)):
+                shapes[p + f"mlp.{fc}.weight"] = (inter, h)
+                if c["fc1_bias"]:
+                    shapes[p + f"mlp.{fc}.bias"] = (inter,)
+            shapes[p + "mlp.fc2.weight"] = (h, inter)
+            if c["fc2_bias"]:
+                shapes[p + "mlp.fc2.bias"] = (h,)
+            for n in ("norm1", "norm2"):
+                shapes[p + f"{n}.weight"], shapes[p + f"{n}.bias"] = (h,), (h,)
+        return random_tensors(shapes, rng)
+
 
 __all__ = ["BertFlow", "NomicBertFlow", "BertRecipe", "NomicBertRecipe", "bert_config", "nomic_config",
-           "encoder_tensors", "NOMIC_MLP", "HEADS", "PACKED_OPS"]
+           "encoder_tensors", "random_tensors", "NOMIC_MLP", "HEADS", "PACKED_OPS"]

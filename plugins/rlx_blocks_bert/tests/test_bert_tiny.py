@@ -3,17 +3,12 @@ positions, token types, several shapes and activations), padded and packed layou
 latter with the backends' own varlen kernels, and legalized), and the fusion policies."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import rlx_core
 from rlx_core.runtime.encoder import Encoder
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
-parity = pytest.importorskip("parity")
+from rlx_core.testing import parity
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,16 +12,11 @@ import pytest
 import rlx_core
 from rlx_core.ir.errors import ModelError
 from rlx_core.runtime.encoder import Encoder
+from rlx_core.testing import parity
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
-parity = pytest.importorskip("parity")
+from rlx_blocks_bert import NomicBertRecipe
 
-BASE = dict(model_type="nomic_bert", architectures=["NomicBertModel"], vocab_size=61, n_embd=48, n_head=4,
-            n_layer=2, n_inner=80, n_positions=128, type_vocab_size=2, layer_norm_epsilon=1e-12,
-            activation_function="swiglu", rotary_emb_base=1000, rotary_emb_fraction=1.0,
-            rotary_emb_interleaved=False, qkv_proj_bias=False, mlp_fc1_bias=False, mlp_fc2_bias=False,
-            prenorm=False, causal=False, use_rms_norm=False, rotary_scaling_factor=None,
-            max_trained_positions=2048, pad_vocab_size_multiple=1)
+BASE = NomicBertRecipe().tiny_config()                                  # nomic-bert-2048's shape
 VARIANTS = {
     "nomic-bert-2048": {},                                               # the published shape
     "partial-rotary-interleaved": dict(rotary_emb_fraction=0.5, rotary_emb_interleaved=True,
@@ -36,31 +29,7 @@ VARIANTS = {
 
 
 def nomic_weights(cfg: dict, rng) -> dict:
-    h, inter = cfg["n_embd"], cfg.get("n_inner") or 4 * cfg["n_embd"]
-    r = lambda *s: (0.2 * rng.standard_normal(s)).astype(np.float32)            # noqa: E731
-    t = {"embeddings.word_embeddings.weight": r(cfg["vocab_size"], h),
-         "emb_ln.weight": 1 + r(h), "emb_ln.bias": r(h)}
-    if cfg["type_vocab_size"]:
-        t["embeddings.token_type_embeddings.weight"] = r(cfg["type_vocab_size"], h)
-    if not cfg["rotary_emb_fraction"]:
-        t["embeddings.position_embeddings.weight"] = r(cfg["n_positions"], h)
-    gated = cfg["activation_function"] in ("swiglu", "geglu", "glu")
-    for i in range(cfg["n_layer"]):
-        p = f"encoder.layers.{i}."
-        t[p + "attn.Wqkv.weight"] = r(3 * h, h)
-        t[p + "attn.out_proj.weight"] = r(h, h)
-        if cfg["qkv_proj_bias"]:
-            t[p + "attn.Wqkv.bias"], t[p + "attn.out_proj.bias"] = r(3 * h), r(h)
-        for fc in (("fc11", "fc12") if gated else ("fc1",)):
-            t[p + f"mlp.{fc}.weight"] = r(inter, h)
-            if cfg["mlp_fc1_bias"]:
-                t[p + f"mlp.{fc}.bias"] = r(inter)
-        t[p + "mlp.fc2.weight"] = r(h, inter)
-        if cfg["mlp_fc2_bias"]:
-            t[p + "mlp.fc2.bias"] = r(h)
-        for n in ("norm1", "norm2"):
-            t[p + f"{n}.weight"], t[p + f"{n}.bias"] = 1 + r(h), r(h)
-    return t
+    return NomicBertRecipe().tiny_tensors(cfg, rng)
 
 
 # ------------------------------------------------------------------ float64 reference

@@ -186,7 +186,7 @@ class GemmaDecoderLayer:
 
     def emit(self, ctx, x):
         for st in self.stages():
-            x = st.emit(ctx, x)
+            x = ctx.emit(st, x)           # (recorded: `rlx inspect` lists the sub-stages)
         return x
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from rlx_core.flow import AttnSpec, ModelFlow
 from rlx_core.flow.recipe import DecoderFlow, LayerCtx
 from rlx_core.ir.errors import ModelError
@@ -165,11 +167,41 @@ class GemmaRecipe:
             tensors.pop("lm_head.weight")
         return GemmaLM(self, cfg, tensors, ckpt.tokenizer, backend, profile, source=ckpt.path, **kw)
 
+    # -- the conformance kit's tiny model (rlx_core.testing.recipes)
+    TINY = dict(vocab_size=61, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                intermediate_size=48, num_hidden_layers=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+                sliding_window=4, query_pre_attn_scalar=8, pad_token_id=0, eos_token_id=1)
+
+    def tiny_tensors(self, cfg: dict, rng) -> dict:
+        """Random HF-named tensors for `cfg` (Gemma's norms hold w of (1 + w): around 0)."""
+        a = gemma_arch(cfg)
+        h, d = a.hidden, a.head_dim
+        shapes = {"model.embed_tokens.weight": (a.vocab, h), "model.norm.weight": (h,)}
+        if not a.tied:
+            shapes["lm_head.weight"] = (a.vocab, h)
+        layer = {"self_attn.q_proj.weight": (a.heads * d, h), "self_attn.k_proj.weight": (a.kv_heads * d, h),
+                 "self_attn.v_proj.weight": (a.kv_heads * d, h), "self_attn.o_proj.weight": (h, a.heads * d),
+                 "mlp.gate_proj.weight": (a.intermediate, h), "mlp.up_proj.weight": (a.intermediate, h),
+                 "mlp.down_proj.weight": (h, a.intermediate)}
+        norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm")
+        layer.update({f"{n}.weight": (h,) for n in norms})
+        if a.qk_norm:
+            layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        for i in range(a.layers):
+            shapes.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+        return {k: (0.2 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
+
 
 class Gemma2Recipe(GemmaRecipe):
     name = "gemma2"
     model_types = ("gemma2",)
     flow_class = Gemma2Flow
+
+    def tiny_config(self) -> dict:
+        """Sliding window on the first layer, attention and final softcaps that bite, tied."""
+        return dict(self.TINY, model_type="gemma2", attn_logit_softcapping=4.0, final_logit_softcapping=6.0,
+                    tie_word_embeddings=True)
 
 
 class Gemma3Recipe(GemmaRecipe):
@@ -177,6 +209,12 @@ class Gemma3Recipe(GemmaRecipe):
     name = "gemma3"
     model_types = ("gemma3_text", "gemma3")
     flow_class = Gemma3Flow
+
+    def tiny_config(self) -> dict:
+        """QK-norm, a local and a global layer with their own RoPE bases, untied."""
+        return dict(self.TINY, model_type="gemma3_text", sliding_window_pattern=2, tie_word_embeddings=False,
+                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 50000.0},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
 
 
 __all__ = ["GemmaFlow", "Gemma2Flow", "Gemma3Flow", "GemmaLM", "GemmaRecipe", "Gemma2Recipe",

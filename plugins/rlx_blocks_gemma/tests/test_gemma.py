@@ -10,6 +10,7 @@ import pytest
 import rlx_core
 from rlx_core.ir.errors import ModelError
 from rlx_core.runtime.model import CausalLM
+from rlx_core.testing.recipes import assert_models_agree
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -179,7 +180,7 @@ def test_fusion_policies_agree(tiny, rng, profile):
     hf, rlx, path = tiny
     ids = rng.integers(0, VOCAB, (1, 2 * WINDOW + 1))
     other = rlx_core.load(path, backend="numpy", profile=profile, progress=False)
-    np.testing.assert_allclose(other.logits(ids), rlx.logits(ids), atol=2e-5)
+    assert_models_agree(other, rlx, ids, what=f"profile {profile} against {rlx.profile.name}")
 
 
 def test_profile_file_from_profiles_folder(tiny, rng):

@@ -3,6 +3,7 @@ Llama32Flow and Qwen3Flow, registered through the rlx plugin hooks."""
 from __future__ import annotations
 
 import attrs
+import numpy as np
 
 from rlx_core.flow import AttnSpec, ModelFlow, SelfAttention
 from rlx_core.flow.recipe import DecoderFlow, LayerCtx
@@ -44,7 +45,7 @@ class LlamaLayerFused:
     def emit(self, ctx, x):
         m, d = ctx.m, x.dims[-1]
         h = m.rms_norm(x, ctx.param(ctx.key("input_layernorm.weight"), (d,)), eps=self.eps)
-        a = SelfAttention(self.spec).emit(ctx, h)
+        a = ctx.emit(SelfAttention(self.spec), h)
         x2, h2 = m.add("fused_residual_rms_norm",
                        (a, x, ctx.param(ctx.key("post_attention_layernorm.weight"), (d,))), eps=self.eps)
         inter = ctx.cfg("intermediate_size")
@@ -125,12 +126,43 @@ class LlamaRecipe:
             tensors.pop("lm_head.weight")
         return CausalLM(self, cfg, tensors, ckpt.tokenizer, backend, profile, source=ckpt.path, **kw)
 
+    # -- the conformance kit's tiny model (rlx_core.testing.recipes)
+    def tiny_config(self) -> dict:
+        """A small config of this model type: GQA 2, tied embeddings, two layers."""
+        return dict(model_type=self.model_types[0], vocab_size=61, hidden_size=32, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=48, num_hidden_layers=2,
+                    max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                    tie_word_embeddings=True, eos_token_id=2, pad_token_id=0)
+
+    def tiny_tensors(self, cfg: dict, rng) -> dict:
+        """Random HF-named tensors for `cfg` (norm weights around 1)."""
+        h, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+        kv, d = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or h // heads
+        shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
+        if not cfg.get("tie_word_embeddings"):
+            shapes["lm_head.weight"] = (cfg["vocab_size"], h)
+        layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                 "self_attn.q_proj.weight": (heads * d, h), "self_attn.k_proj.weight": (kv * d, h),
+                 "self_attn.v_proj.weight": (kv * d, h), "self_attn.o_proj.weight": (h, heads * d),
+                 "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+                 "mlp.down_proj.weight": (h, inter)}
+        if self.flow_class.qk_norm:
+            layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        for i in range(cfg["num_hidden_layers"]):
+            shapes.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+        return {k: (0.2 * rng.standard_normal(s) + (1.0 if "norm" in k else 0.0)).astype(np.float32)
+                for k, s in shapes.items()}
+
 
 class Qwen3Recipe(LlamaRecipe):
     name = "qwen3"
     model_types = ("qwen3",)
     flow_class = Qwen3Flow
     default_profile = "qwen3_prefill"
+
+    def tiny_config(self) -> dict:
+        """QK-norm, a head_dim that is not hidden / heads, untied embeddings."""
+        return dict(super().tiny_config(), head_dim=12, tie_word_embeddings=False)
 
 
 @hookimpl

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -60,13 +61,40 @@ class NumpyRunner(Runner):
         self.graph = g
         self.outputs = [(name, index[tuple(r)]) for name, r in g.outputs]
 
+    profile_clock = "host clock"
+
     def run(self, inputs: dict) -> dict:
+        self._bind(inputs)
+        self._execute(self.steps)
+        return self._outputs()
+
+    def run_profiled(self, inputs: dict) -> tuple:
+        """run() with the host clock read after every step (each step's time runs from the
+        end of the one before, so the times add up to the whole loop)."""
+        self._bind(inputs)
+        clock, times = time.perf_counter, []
+        t0 = clock()
+        for step in self.steps:
+            self._execute((step,))
+            t1 = clock()
+            times.append((step[0], t1 - t0))
+            t0 = t1
+        return self._outputs(), times
+
+    def _bind(self, inputs: dict) -> None:
         vals = self.vals
         for name, (slot, _) in self.inputs.items():
             vals[slot] = inputs[name]
+
+    def _outputs(self) -> dict:
+        return {name: np.array(self.vals[slot]) for name, slot in self.outputs}
+
+    def _execute(self, steps) -> None:
+        """Run `steps` (all of self.steps, or one) on the bound values; a failure names its node."""
+        vals = self.vals
         i = -1
         try:
-            for i, is_view, fn, a, ins, out in self.steps:
+            for i, is_view, fn, a, ins, out in steps:
                 if is_view:
                     vals[out] = fn(a, *[vals[j] for j in ins])
                 else:
@@ -76,7 +104,6 @@ class NumpyRunner(Runner):
         except Exception as e:  # a kernel failure is reported with the node that failed
             raise BackendError(f"{self.backend_name} backend: graph {self.name!r} node %{i} "
                                f"({self.graph.nodes[i].op}) failed: {type(e).__name__}: {e}") from e
-        return {name: np.array(vals[slot]) for name, slot in self.outputs}
 
 
 def _fold_fixed_views(steps: list, vals: list, dynamic: set) -> list:

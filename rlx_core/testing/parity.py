@@ -1,13 +1,18 @@
-"""Shared machinery of the op parity suite, importable by backend plugins' own tests.
+"""The op parity suite's machinery, importable by any plugin's tests.
 
-* `backend` fixture: parameterized over every registered backend (ids are backend names);
-  one that is not available here is skipped with its reason, never faked.
-* `rng` fixture: a generator seeded per test (from RLX_TEST_SEED, default 0, and the test id),
-  so every test draws fresh inputs and a failure reproduces.
+* `rlx_backend` fixture (and its short name `backend`): a backend's name; the kit's pytest
+  plugin makes one test per backend: the one `--rlx-backend` names, else those the test
+  module's `RLX_BACKENDS` names, else every registered one (one that is not available here
+  is skipped with its reason, never faked).
+* `rng` fixture (the plugin's, re-exported): a generator seeded per test from the run's seed
+  (random, printed in the header; RLX_TEST_SEED replays it) and the test id, so every run
+  draws fresh inputs and a failure reproduces.
 * `one_op(...)`: an MIR graph of a single op built with `Builder(name, "mir")`.
 * `run_parity(...)`: compile the one-op graph on a backend, poison the executable's arena
   (NaN bytes, then a second run with zero bytes) so a kernel that does not write its whole
-  output fails, run, and compare with a float64 reference.
+  output fails, run, and compare with a float64 reference. An op the backend does not
+  implement (after the pipeline legalizes what it can) and a dtype it does not declare
+  (`Backend.dtypes`) are skipped with the reason.
 * `ref_*`: independent float64 numpy references (never the backends' kernels).
 
 A backend's runner is poisoned through `runner.poison(byte)` when it has that method, else
@@ -18,20 +23,20 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import warnings
-import zlib
 
 import attrs
 import ml_dtypes
 import numpy as np
 import pytest
 
-import rlx_core
 from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, DType
-from rlx_core.ir.graph import MIR, Builder
-from rlx_core.ir.ops import OPS, Level, MaskKind
+from rlx_core.ir.graph import HIR, MIR, Builder
+from rlx_core.ir.ops import MaskKind
+from rlx_core.pipeline import compile as compile_graph
 from rlx_core.profile import CompileProfile, FusionConfig, PassConfig
+
+from .session import rng, selected  # noqa: F401  (rng: the suite's seeded generator)
 
 FLOATS = (F32, F16, BF16, F64)
 TOL = {F32: 1e-5, F16: 5e-3, BF16: 1e-2, F64: 1e-10}
@@ -42,29 +47,41 @@ PARITY_PROFILE = CompileProfile("parity", FusionConfig(skip=True), PassConfig(ve
 
 
 # ----------------------------------------------------------------------------- fixtures
-def backend_params() -> list:
+def check_backend_option(name: str) -> None:
+    """`--rlx-backend NAME` must name a backend that runs here (BackendError otherwise)."""
+    from rlx_core.pipeline import select_backend
+
+    select_backend(name)
+
+
+def backend_params(only=None) -> list:
+    """pytest params of the backends to test: `--rlx-backend`'s, else those of `only` (names),
+    else every registered one; one not available here is skipped with its reason."""
     from rlx_core.pipeline import available_backends
 
+    want = selected("rlx_backend")
     out = []
     for b, ok, why in available_backends():
+        if (want and b.name != want) or (only is not None and b.name not in only):
+            continue
         marks = () if ok else (pytest.mark.skip(reason=f"backend {b.name!r} is not available: {why}"),)
         out.append(pytest.param(b.name, id=b.name, marks=marks))
     return out
 
 
-@pytest.fixture(params=backend_params())
-def backend(request) -> str:
-    """The name of a registered backend (unavailable ones are skipped with their reason)."""
+@pytest.fixture
+def rlx_backend(request) -> str:
+    """The name of the backend under test (parametrized by the kit's pytest plugin)."""
+    if not hasattr(request, "param"):
+        raise pytest.UsageError("the rlx_backend fixture is parametrized by the rlx_core.testing "
+                                "pytest plugin: load it with -p rlx_core.testing")
     return request.param
 
 
-def seed_for(nodeid: str) -> list:
-    return [int(os.environ.get("RLX_TEST_SEED", "0")), zlib.crc32(nodeid.encode())]
-
-
 @pytest.fixture
-def rng(request) -> np.random.Generator:
-    return np.random.default_rng(seed_for(request.node.nodeid))
+def backend(rlx_backend) -> str:
+    """The suite's name for `rlx_backend`."""
+    return rlx_backend
 
 
 @contextlib.contextmanager
@@ -161,7 +178,7 @@ def poison(runner, byte: int) -> bool:
 
 
 def compile_on(g, backend: str, profile=None, params=None):
-    return rlx_core.compile(g, profile=profile or PARITY_PROFILE, backend=backend, params=params)
+    return compile_graph(g, profile=profile or PARITY_PROFILE, backend=backend, params=params)
 
 
 def run_poisoned(exe, inputs: dict, env: dict | None = None, byte: int = 0xFF,
@@ -182,20 +199,40 @@ def run_poisoned(exe, inputs: dict, env: dict | None = None, byte: int = 0xFF,
 
 
 def assert_close(out, ref, dtype: DType, what: str = "", tol: float | None = None) -> None:
+    """`out` equals `ref` within `tol` (default TOL of the dtype) relative to the largest
+    |ref|, exactly for other dtypes. The error starts with `what` (pytest's summary line)."""
     out = np.asarray(out)
     dtype = DType.parse(dtype)
     assert out.dtype == dtype.np, f"{what}: output dtype {out.dtype}, expected {dtype.np}"
     ref = np.asarray(ref)
     assert out.shape == ref.shape, f"{what}: output shape {out.shape}, expected {ref.shape}"
-    if dtype.is_float:
-        tol = TOL[dtype] if tol is None else tol
-        o = out.astype(np.float64)
-        r = ref.astype(np.float64)
-        finite = r[np.isfinite(r)]
-        scale = max(float(np.max(np.abs(finite))) if finite.size else 0.0, 1e-30)
-        np.testing.assert_allclose(o, r, rtol=tol, atol=tol * scale, err_msg=what)
-    else:
-        np.testing.assert_array_equal(out, ref.astype(out.dtype), err_msg=what)
+    try:
+        if dtype.is_float:
+            tol = TOL[dtype] if tol is None else tol
+            o = out.astype(np.float64)
+            r = ref.astype(np.float64)
+            finite = r[np.isfinite(r)]
+            scale = max(float(np.max(np.abs(finite))) if finite.size else 0.0, 1e-30)
+            np.testing.assert_allclose(o, r, rtol=tol, atol=tol * scale)
+        else:
+            np.testing.assert_array_equal(out, ref.astype(out.dtype))
+    except AssertionError as e:
+        raise AssertionError(f"{what}{e}") from None
+
+
+def lacking_ops(g, backend, profile) -> list:
+    """The ops of `g` that `backend` has no kernel for once lowered by the profile's policy
+    and legalized (fused ops it lacks become primitives): what it does not claim to run."""
+    from rlx_core.ir.lower import legalize, lower
+
+    have = backend.supported_ops()
+    mir = lower(g, profile.fusion.policy) if g.level == HIR else g
+    mir, _ = legalize(mir, have)
+    return sorted({n.op for n in mir.nodes if n.op != "custom" and n.op not in have})
+
+
+def _signature(args: list) -> str:
+    return ", ".join(f"{a.name}: {a.dtype.value}{list(a.dims)}" for a in args)
 
 
 def run_parity(backend: str, op: str, args: list, attrs_: dict | None, ref, *,
@@ -207,13 +244,14 @@ def run_parity(backend: str, op: str, args: list, attrs_: dict | None, ref, *,
     from rlx_core.pipeline import select_backend
 
     b = select_backend(backend)
-    d = OPS[op]
-    if level == MIR and d.level is not Level.FUSED and op != "custom" and op not in b.supported_ops():
-        pytest.skip(f"backend {backend!r} does not implement op {op!r}")
-    used = {a.dtype for a in args} | {g.shape_of(r).dtype for _, r in g.outputs}
-    lacking = sorted(dt.value for dt in used if dt not in b.dtypes)
+    profile = profile or PARITY_PROFILE
+    lacking = lacking_ops(g, b, profile)
     if lacking:
-        pytest.skip(f"backend {backend!r} does not support dtype(s) {lacking} here")
+        pytest.skip(f"backend {backend!r} does not implement op(s) {lacking} (for {op})")
+    used = {a.dtype for a in args} | {g.shape_of(r).dtype for _, r in g.outputs}
+    undeclared = sorted(dt.value for dt in used if dt not in b.dtypes)
+    if undeclared:
+        pytest.skip(f"backend {backend!r} does not declare dtype(s) {undeclared} (Backend.dtypes)")
     exe = compile_on(g, backend, profile)
     inputs = {a.name: a.data for a in args if a.kind == "input"}
     states = {a.name: a.data.astype(a.dtype.np) for a in args if a.kind == "state"}
@@ -227,7 +265,8 @@ def run_parity(backend: str, op: str, args: list, attrs_: dict | None, ref, *,
         got = run_poisoned(exe, inputs, byte=byte, states={k: v.copy() for k, v in states.items()})
         for k, (name, s) in enumerate(zip(names, shapes)):
             dt = out_dtypes[k] if out_dtypes else s.dtype
-            what = f"{op} {attrs_} on {backend} output {name} (poison 0x{byte:02X})"
+            what = (f"op {op} {attrs_ or {}} on backend {backend!r}: output {name} ({dt.value}) of "
+                    f"({_signature(args)}), arena poisoned with 0x{byte:02X}")
             if check is not None:
                 check(k, got[name], want[k], dt, what)
             else:

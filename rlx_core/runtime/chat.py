@@ -1,0 +1,96 @@
+"""Chatting with a CausalLM: a conversation kept as chat messages (`ChatSession`) and the
+read-answer loop of `rlx chat` (`chat_loop`), which takes its input and output as functions
+so a terminal, a pipe and a test drive it alike.
+
+Each turn renders the whole conversation with the model's chat template and prefills it
+again: the runtime's KV cache holds one sequence written from position 0, so keeping the
+earlier turns' cache would need prefill to start mid-cache (a later step).
+"""
+from __future__ import annotations
+
+from ..ir.errors import ModelError, RlxError
+from .args import text_arg
+from .text_stream import TextStream
+
+HELP = ("commands: /reset (forget the conversation), /system TEXT (set the system prompt and start "
+        "over; /system alone removes it), /help, /exit (or end of input)")
+
+
+class ChatSession:
+    """A conversation with `model`: an optional system prompt and the turns so far.
+    `generate_kw` are CausalLM.generate's sampling arguments (max_new_tokens, temperature, ...)."""
+
+    def __init__(self, model, system: str | None = None, **generate_kw):
+        if model.tokenizer is None or not getattr(model.tokenizer, "chat_template", None):
+            raise ModelError(f"{model.source}: chatting needs a chat template and this model has none "
+                             "(a base model, not an instruction-tuned one); use `rlx generate` on plain text")
+        self.model, self.kw, self.history = model, generate_kw, []
+        self.system = text_arg("system", system) if system else None
+
+    def messages(self, user: str | None = None) -> list:
+        """The conversation as chat messages, with `user`'s next message when given."""
+        out = [{"role": "system", "content": self.system}] if self.system else []
+        out += self.history
+        return out + ([{"role": "user", "content": user}] if user is not None else [])
+
+    def reply(self, user: str, stream=None) -> str:
+        """The model's answer to `user`'s message (streamed through `stream` as generated);
+        the turn joins the history only once answered."""
+        user = text_arg("message", user)
+        ids = self.model.encode_chat(self.messages(user))
+        out = self.model.generate(ids, stream=stream, **self.kw)
+        eos = set(self.model.eos_ids)
+        answer = self.model.tokenizer.decode([t for t in out[len(ids):] if t not in eos])
+        self.history += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        return answer
+
+    def reset(self) -> None:
+        self.history = []
+
+    def set_system(self, text: str | None) -> None:
+        """A new system prompt (None or empty: none) and a new conversation."""
+        self.system = text_arg("system", text) if text else None
+        self.history = []
+
+
+def chat_loop(session: ChatSession, read, write, note) -> None:
+    """Until `read()` gives None (end of input) or /exit: a line starting with "/" is a command
+    (HELP), any other non-empty line a message whose answer `write(text)` receives as it
+    streams, then a newline. `note(text)` gets messages for the person (stderr). An error of a
+    turn (the conversation outgrew the context, ...) is noted and the chat goes on; Ctrl-C
+    during an answer stops that answer, which the history then forgets."""
+    while True:
+        line = read()
+        if line is None:
+            return
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd, _, arg = line.partition(" ")
+            if cmd in ("/exit", "/quit"):
+                return
+            if cmd == "/reset":
+                session.reset()
+                note("[conversation cleared]")
+            elif cmd == "/system":
+                session.set_system(arg.strip())
+                note(f"[system prompt {'set' if session.system else 'removed'}; conversation cleared]")
+            elif cmd == "/help":
+                note(HELP)
+            else:
+                note(f"unknown command {cmd}; {HELP}")
+            continue
+        stream = TextStream(session.model.tokenizer, session.model.eos_ids, write)
+        try:
+            session.reply(line, stream)
+        except (RlxError, KeyboardInterrupt) as e:
+            if stream.ids:
+                write("\n")
+            note("[answer interrupted; this turn is forgotten]" if isinstance(e, KeyboardInterrupt)
+                 else f"error: {e} (/reset starts a new conversation)")
+            continue
+        write("\n")
+
+
+__all__ = ["ChatSession", "chat_loop", "HELP"]

@@ -1,0 +1,774 @@
+"""The op parity suite: every op of the table against an independent float64 reference, for
+every float dtype (and ints where they make sense), with outputs poisoned before each run, on
+the backends the kit's pytest plugin picks (see rlx_core.testing). The machinery is in
+rlx_core.testing.parity; a test module pulls the suite in with
+
+    from rlx_core.testing.ops_suite import *  # noqa: F401,F403
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I32, I64, U8, DType
+from rlx_core.ir.graph import HIR
+from rlx_core.ir.ops import ACTIVATIONS, BINARY_OPS, COMPARE_OPS, INT_OK_ACTIVATIONS, OPS, POOL_MODES, Level
+
+from .parity import (FLOATS, PARITY_PROFILE, REF_ACT, TOL, Arg, arg, backend, compile_on,  # noqa: F401
+                     exact, one_op, rand, ref_attention, ref_binary, ref_compare, ref_cumsum,
+                     ref_elementwise, ref_keep, ref_kv_write, ref_layer_norm, ref_mask_fill, ref_matmul,
+                     ref_reduce, ref_rms_norm, ref_rope, ref_segment_pool, ref_softmax, ref_swiglu,
+                     ref_topk, ref_varlen_attention, rlx_backend, rng, run_parity)
+
+COVERED: set = set()
+
+
+def covers(*ops):
+    COVERED.update(ops)
+    return lambda f: f
+
+
+FLOAT_IDS = [d.value for d in FLOATS]
+fdtype = pytest.mark.parametrize("dt", FLOATS, ids=FLOAT_IDS)
+
+
+def test_every_op_has_a_parity_case():
+    ops = {n for n, d in OPS.items() if d.level is not Level.LEAF}
+    assert ops - COVERED == set(), f"ops without a parity test: {sorted(ops - COVERED)}"
+
+
+# ----------------------------------------------------------------------------- matmul
+@covers("matmul")
+@fdtype
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("batch", ["none", "both", "bcast"])
+def test_matmul(backend, rng, dt, ta, tb, batch):
+    m, k, n = 3, 5, 4
+    ba, bb = {"none": ((), ()), "both": ((2,), (2,)), "bcast": ((2, 1), (3,))}[batch]
+    a = arg(rng, "a", ba + ((k, m) if ta else (m, k)), dt)
+    b = arg(rng, "b", bb + ((n, k) if tb else (k, n)), dt)
+    run_parity(backend, "matmul", [a, b], {"trans_a": ta, "trans_b": tb},
+               lambda x, y: ref_matmul(x, y, ta, tb))
+
+
+# ----------------------------------------------------------------------------- binary
+def _binary_args(rng, op, da, db, sa=(2, 3, 4), sb=(2, 3, 4)):
+    a, b = rand(rng, sa, da), rand(rng, sb, db)
+    if op == "pow":
+        if DType.parse(da).is_float:
+            a = exact(rng.uniform(0.5, 2.0, sa), da)
+        elif DType.parse(db).is_float:                     # no negative base to a float power
+            a = rng.integers(1, 4, sa).astype(DType.parse(da).np)
+        else:
+            a = rng.integers(-3, 4, sa).astype(DType.parse(da).np)
+        b = exact(rng.uniform(-2, 2, sb), db) if DType.parse(db).is_float else \
+            rng.integers(0, 4, sb).astype(DType.parse(db).np)
+    if op == "div":
+        if DType.parse(db).is_float:
+            b = exact(rng.uniform(0.5, 2.0, sb) * rng.choice([-1, 1], sb), db)
+        else:
+            b = (rng.integers(1, 5, sb) * rng.choice([-1, 1], sb)).astype(DType.parse(db).np)
+    return [Arg("a", a, DType.parse(da)), Arg("b", b, DType.parse(db))]
+
+
+@covers("binary")
+@pytest.mark.parametrize("op", BINARY_OPS)
+@pytest.mark.parametrize("dt", FLOATS + (I32, I64), ids=lambda d: d.value)
+def test_binary(backend, rng, op, dt):
+    run_parity(backend, "binary", _binary_args(rng, op, dt, dt), {"op": op},
+               lambda a, b: ref_binary(op, a, b))
+
+
+@pytest.mark.parametrize("op", BINARY_OPS)
+@pytest.mark.parametrize("da,db", [(F16, F32), (BF16, F16), (I32, F32), (I32, I64), (BF16, F64),
+                                   (U8, I32)], ids=lambda d: d.value)
+def test_binary_mixed_dtypes(backend, rng, op, da, db):
+    run_parity(backend, "binary", _binary_args(rng, op, da, db), {"op": op},
+               lambda a, b: ref_binary(op, a, b))
+
+
+@pytest.mark.parametrize("op", ["add", "mul", "div", "max"])
+@pytest.mark.parametrize("sa,sb", [((2, 3, 4), (4,)), ((2, 3, 1), (1, 3, 4)), ((), (3, 4)),
+                                   ((3, 1), (2, 1, 4)), ((), ())], ids=str)
+def test_binary_broadcast(backend, rng, op, sa, sb):
+    run_parity(backend, "binary", _binary_args(rng, op, F32, F32, sa, sb), {"op": op},
+               lambda a, b: ref_binary(op, a, b))
+
+
+# ----------------------------------------------------------------------------- compare / where
+@covers("compare")
+@pytest.mark.parametrize("op", COMPARE_OPS)
+@pytest.mark.parametrize("dt", FLOATS + (I32, I64), ids=lambda d: d.value)
+def test_compare(backend, rng, op, dt):
+    a, b = rand(rng, (2, 3, 4), dt), rand(rng, (3, 4), dt)
+    b[0] = a[0, 0]                                       # some exact ties
+    run_parity(backend, "compare", [Arg("a", a, dt), Arg("b", b, dt)], {"op": op},
+               lambda x, y: ref_compare(op, x, y))
+
+
+@covers("where")
+@pytest.mark.parametrize("dt", FLOATS + (I32, I64), ids=lambda d: d.value)
+@pytest.mark.parametrize("shapes", [((2, 3, 4),) * 3, ((3, 1), (2, 3, 4), (4,))], ids=["same", "bcast"])
+def test_where(backend, rng, dt, shapes):
+    sc, sa, sb = shapes
+    args = [Arg("c", rand(rng, sc, BOOL), BOOL), arg(rng, "a", sa, dt), arg(rng, "b", sb, dt)]
+    run_parity(backend, "where", args, {}, lambda c, a, b: np.where(c, a, b))
+
+
+# ----------------------------------------------------------------------------- activation
+_DOMAIN = {"log": (0.1, 3.0), "sqrt": (0.1, 3.0), "rsqrt": (0.1, 3.0)}
+
+
+@covers("activation")
+@pytest.mark.parametrize("fn", ACTIVATIONS)
+@fdtype
+def test_activation(backend, rng, fn, dt):
+    lo, hi = _DOMAIN.get(fn, (-3.0, 3.0))
+    x = exact(rng.uniform(lo, hi, (2, 3, 8)), dt)
+    if fn == "recip":
+        x = exact(rng.uniform(0.5, 2.0, (2, 3, 8)) * rng.choice([-1, 1], (2, 3, 8)), dt)
+    run_parity(backend, "activation", [Arg("x", x, dt)], {"fn": fn}, REF_ACT[fn])
+
+
+@pytest.mark.parametrize("fn", INT_OK_ACTIVATIONS)
+@pytest.mark.parametrize("dt", [I32, I64], ids=lambda d: d.value)
+def test_activation_int(backend, rng, fn, dt):
+    run_parity(backend, "activation", [arg(rng, "x", (3, 5), dt)], {"fn": fn}, REF_ACT[fn])
+
+
+# ----------------------------------------------------------------------------- cast
+_CASTS = [(F32, F16), (F32, BF16), (F16, F32), (BF16, F32), (F64, F32), (F32, F64), (F16, BF16),
+          (F32, I32), (F64, I64), (I32, F32), (I64, I32), (I32, F16), (BOOL, F32), (F32, BOOL),
+          (I32, BOOL), (BOOL, I32), (U8, I32)]
+
+
+@covers("cast")
+@pytest.mark.parametrize("src,dst", _CASTS, ids=lambda d: d.value)
+def test_cast(backend, rng, src, dst):
+    x = rand(rng, (3, 7), src) if not src.is_float else exact(rng.uniform(-40, 40, (3, 7)), src)
+    if src.is_float:
+        x[0, :3] = [0.0, -0.0, 0.5]
+
+    def ref(v):
+        if dst is BOOL:
+            return v != 0
+        if dst.is_int:
+            return np.trunc(v).astype(dst.np)
+        return exact(v, dst)
+
+    run_parity(backend, "cast", [Arg("x", x, src)], {"dtype": dst.value}, ref)
+
+
+# ----------------------------------------------------------------------------- reduce
+@covers("reduce")
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod"])
+@pytest.mark.parametrize("axes,keepdims", [((-1,), False), ((0,), True), ((0, 2), False), ((-3, -1), True),
+                                           ((0, 1, 2), False), ((0, 1, 2), True)], ids=str)
+@fdtype
+def test_reduce(backend, rng, op, axes, keepdims, dt):
+    lo, hi = (0.5, 1.5) if op == "prod" else (-2.0, 2.0)
+    x = exact(rng.uniform(lo, hi, (2, 3, 5)), dt)
+    run_parity(backend, "reduce", [Arg("x", x, dt)], {"op": op, "axes": axes, "keepdims": keepdims},
+               lambda v: ref_reduce(op, v, axes, keepdims))
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+@pytest.mark.parametrize("axes", [(-1,), (0, 2)], ids=str)
+@pytest.mark.parametrize("dt", [I32, I64], ids=lambda d: d.value)
+def test_reduce_int(backend, rng, op, axes, dt):
+    run_parity(backend, "reduce", [arg(rng, "x", (2, 3, 5), dt)], {"op": op, "axes": axes},
+               lambda v: ref_reduce(op, v, axes))
+
+
+# ----------------------------------------------------------------------------- softmax / norms
+@covers("softmax")
+@pytest.mark.parametrize("axis", [-1, 1, 0])
+@fdtype
+def test_softmax(backend, rng, axis, dt):
+    x = exact(rng.uniform(-4, 4, (2, 3, 6)), dt)
+    run_parity(backend, "softmax", [Arg("x", x, dt)], {"axis": axis}, lambda v: ref_softmax(v, axis))
+
+
+@covers("layer_norm")
+@pytest.mark.parametrize("affine", ["none", "gamma", "gamma_beta"])
+@fdtype
+def test_layer_norm(backend, rng, affine, dt):
+    args = [Arg("x", exact(rng.uniform(-2, 3, (2, 3, 16)), dt), dt)]
+    if affine != "none":
+        args.append(arg(rng, "g", (16,), dt))
+    if affine == "gamma_beta":
+        args.append(arg(rng, "b", (16,), dt))
+    run_parity(backend, "layer_norm", args, {"eps": 1e-5}, lambda x, *w: ref_layer_norm(x, *w, eps=1e-5))
+
+
+@covers("rms_norm")
+@pytest.mark.parametrize("weight,offset", [(False, 0.0), (True, 0.0), (True, 1.0)])
+@fdtype
+def test_rms_norm(backend, rng, weight, offset, dt):
+    args = [arg(rng, "x", (2, 3, 16), dt)] + ([arg(rng, "w", (16,), dt)] if weight else [])
+    run_parity(backend, "rms_norm", args, {"eps": 1e-6, "offset": offset},
+               lambda x, *w: ref_rms_norm(x, *w, eps=1e-6, offset=offset))
+
+
+# ----------------------------------------------------------------------------- rope
+def rope_tables(rng, dims, dtype=F32):
+    ang = rng.uniform(0, 2 * math.pi, dims)
+    return Arg("cos", exact(np.cos(ang), dtype), dtype), Arg("sin", exact(np.sin(ang), dtype), dtype)
+
+
+ROPE_CASES = [  # (table rank, rotary dims R of head_dim 8)
+    (2, 8), (3, 8), (2, 4), (3, 4)]
+
+
+@covers("rope")
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize("rank,rot", ROPE_CASES, ids=lambda v: str(v))
+@fdtype
+def test_rope(backend, rng, style, rank, rot, dt):
+    b, h, s, d = 2, 3, 4, 8
+    cos, sin = rope_tables(rng, ((s,) if rank == 2 else (b, s)) + (rot // 2,))
+    run_parity(backend, "rope", [arg(rng, "x", (b, h, s, d), dt), cos, sin], {"style": style},
+               lambda x, c, sn: ref_rope(x, c, sn, style))
+
+
+# ----------------------------------------------------------------------------- attention
+# (mask_kind, window, mask input: None | "bool" | "bias", softcap, Sq, Sk, pos)
+ATTN_CASES = {
+    "none": ("none", 0, None, 0.0, 4, 4, None),
+    "causal": ("causal", 0, None, 0.0, 5, 5, None),
+    "causal_sq_lt_sk": ("causal", 0, None, 0.0, 3, 6, None),
+    "sliding": ("sliding_window", 2, None, 0.0, 6, 6, None),
+    "sliding_sq_lt_sk": ("sliding_window", 3, None, 0.0, 2, 7, None),
+    "custom_bool": ("custom", 0, "bool", 0.0, 4, 5, None),
+    "bias": ("bias", 0, "bias", 0.0, 4, 5, None),
+    "causal_and_bool": ("causal", 0, "bool", 0.0, 5, 5, None),
+    "causal_and_bias": ("causal", 0, "bias", 0.0, 5, 5, None),
+    "softcap": ("causal", 0, None, 3.0, 5, 5, None),
+    "softcap_none": ("none", 0, None, 2.0, 3, 4, None),
+    "decode_pos": ("causal", 0, None, 0.0, 1, 8, (3, 6)),
+    "chunk_pos": ("causal", 0, None, 0.0, 3, 8, (0, 4)),
+    "sliding_pos": ("sliding_window", 2, None, 0.0, 2, 8, (5, 2)),
+    "bias_pos_softcap": ("causal", 0, "bias", 4.0, 2, 6, (1, 3)),
+}
+
+
+def attention_args(rng, case, dt, heads, kv_heads, d=8, bsz=2, extra=()):
+    kind, window, mask, softcap, sq, sk, pos = ATTN_CASES[case]
+    args = [arg(rng, "q", (bsz, heads, sq, d), dt), arg(rng, "k", (bsz, kv_heads, sk, d), dt),
+            arg(rng, "v", (bsz, kv_heads, sk, d), dt)] + list(extra)
+    if mask == "bool":
+        m = rng.random((bsz, 1, sq, sk)) < 0.6
+        m[..., np.arange(sq), np.arange(sq) % sk] = True   # no row fully masked
+        args.append(Arg("mask", m, BOOL))
+    elif mask == "bias":
+        args.append(arg(rng, "mask", (1, heads, sq, sk), F32))
+    if pos is not None:
+        args.append(Arg("pos", np.array(pos, np.int32), I32))
+    attrs_ = {"mask_kind": kind, "window": window, "scale": d ** -0.5, "softcap": softcap,
+              "has_mask": mask is not None, "has_pos": pos is not None}
+    return args, attrs_
+
+
+def _attn_ref(attrs_, n_extra=0):
+    def ref(q, k, v, *rest):
+        rest = list(rest[n_extra:])
+        mask = rest.pop(0) if attrs_["has_mask"] else None
+        pos = rest.pop(0) if attrs_["has_pos"] else None
+        return ref_attention(q, k, v, mask, pos, scale=attrs_["scale"], mask_kind=attrs_["mask_kind"],
+                             window=attrs_["window"], softcap=attrs_["softcap"])
+    return ref
+
+
+@covers("attention")
+@pytest.mark.parametrize("case", list(ATTN_CASES))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa2", "gqa4"])
+@fdtype
+def test_attention(backend, rng, case, heads, kv_heads, dt):
+    args, attrs_ = attention_args(rng, case, dt, heads, kv_heads)
+    run_parity(backend, "attention", args, attrs_, _attn_ref(attrs_))
+
+
+def test_attention_sliding_window_actually_masks(rng):
+    """Guard the case table: the window is smaller than the sequence, so it differs from causal."""
+    keep_c = ref_keep("causal", 1, 6, 6)
+    keep_w = ref_keep("sliding_window", 1, 6, 6, window=2)
+    assert keep_w.sum() < keep_c.sum()
+
+
+@covers("mask_fill")
+@pytest.mark.parametrize("case", ["causal", "causal_sq_lt_sk", "sliding", "custom_bool", "bias",
+                                  "causal_and_bool", "decode_pos", "sliding_pos"])
+@fdtype
+def test_mask_fill(backend, rng, case, dt):
+    args, a = attention_args(rng, case, dt, 2, 2)
+    kind, window, mask, softcap, sq, sk, pos = ATTN_CASES[case]
+    scores = arg(rng, "scores", (2, 2, sq, sk), dt)
+    attrs_ = {k: a[k] for k in ("mask_kind", "window", "has_mask", "has_pos")}
+
+    def ref(s, *rest):
+        rest = list(rest)
+        m = rest.pop(0) if a["has_mask"] else None
+        p = rest.pop(0) if a["has_pos"] else None
+        return ref_mask_fill(s, m, p, mask_kind=kind, window=window)
+
+    run_parity(backend, "mask_fill", [scores] + args[3:], attrs_, ref)
+
+
+# ----------------------------------------------------------------------------- indexing & layout
+@covers("gather")
+@pytest.mark.parametrize("dt", FLOATS + (I32,), ids=lambda d: d.value)
+@pytest.mark.parametrize("idt", [I32, I64], ids=lambda d: d.value)
+@pytest.mark.parametrize("axis", [0, 1])
+def test_gather(backend, rng, dt, idt, axis):
+    table = arg(rng, "table", (10, 4) if axis == 0 else (3, 10, 4), dt)
+    idx = Arg("idx", rng.integers(0, 10, (2, 3)).astype(idt.np), idt)
+    run_parity(backend, "gather", [table, idx], {"axis": axis}, lambda t, i: np.take(t, i, axis=axis))
+
+
+LAYOUT_DTYPES = pytest.mark.parametrize("dt", FLOATS + (I32, I64, BOOL), ids=lambda d: d.value)
+
+
+@covers("reshape")
+@LAYOUT_DTYPES
+@pytest.mark.parametrize("shape", [(6, 4), (-1,), (2, 12), (4, -1, 3)], ids=str)
+def test_reshape(backend, rng, dt, shape):
+    run_parity(backend, "reshape", [arg(rng, "x", (2, 3, 4), dt)], {"shape": shape},
+               lambda x: x.reshape(shape))
+
+
+@covers("transpose")
+@LAYOUT_DTYPES
+@pytest.mark.parametrize("perm", [(2, 0, 1), (1, 0, 2), (0, 1, 2)], ids=str)
+def test_transpose(backend, rng, dt, perm):
+    run_parity(backend, "transpose", [arg(rng, "x", (2, 3, 4), dt)], {"perm": perm},
+               lambda x: np.transpose(x, perm))
+
+
+@covers("narrow")
+@LAYOUT_DTYPES
+@pytest.mark.parametrize("axis,start,length", [(0, 1, 1), (1, 1, 2), (-1, 0, 3), (2, 3, 1), (1, -2, 2),
+                                               (-1, -3, 1)])
+def test_narrow(backend, rng, dt, axis, start, length):
+    def ref(x):
+        idx = [slice(None)] * 3
+        s0 = start % x.shape[axis]                      # a negative start counts from the end
+        idx[axis] = slice(s0, s0 + length)
+        return x[tuple(idx)]
+    run_parity(backend, "narrow", [arg(rng, "x", (2, 3, 4), dt)],
+               {"axis": axis, "start": start, "length": length}, ref)
+
+
+@covers("concat")
+@LAYOUT_DTYPES
+@pytest.mark.parametrize("axis,n", [(0, 2), (1, 3), (-1, 2), (2, 1)])
+def test_concat(backend, rng, dt, axis, n):
+    shapes = []
+    for i in range(n):
+        s = [2, 3, 4]
+        s[axis] = i + 1
+        shapes.append(tuple(s))
+    args = [arg(rng, f"x{i}", s, dt) for i, s in enumerate(shapes)]
+    run_parity(backend, "concat", args, {"axis": axis}, lambda *xs: np.concatenate(xs, axis=axis))
+
+
+@covers("expand")
+@LAYOUT_DTYPES
+@pytest.mark.parametrize("src,dst", [((3, 1), (2, 3, 4)), ((1, 4), (3, 4)), ((4,), (2, 3, 4))], ids=str)
+def test_expand(backend, rng, dt, src, dst):
+    run_parity(backend, "expand", [arg(rng, "x", src, dt)], {"shape": dst},
+               lambda x: np.broadcast_to(x, dst))
+
+
+@covers("cumsum")
+@pytest.mark.parametrize("dt", FLOATS + (I32, I64), ids=lambda d: d.value)
+@pytest.mark.parametrize("axis", [-1, 0, 1])
+def test_cumsum(backend, rng, dt, axis):
+    run_parity(backend, "cumsum", [arg(rng, "x", (2, 3, 5), dt)], {"axis": axis},
+               lambda x: ref_cumsum(x, axis))
+
+
+def _distinct(rng, dims, dt):
+    """Distinct values, exact in every dtype (a shuffled ramp of quarter steps)."""
+    n = int(np.prod(dims))
+    v = (rng.permutation(n) - n // 2) / (4.0 if dt.is_float else 1.0)
+    return v.reshape(dims).astype(dt.np)
+
+
+@covers("topk")
+@pytest.mark.parametrize("dt", FLOATS + (I32, I64), ids=lambda d: d.value)
+@pytest.mark.parametrize("k,axis", [(1, -1), (3, -1), (2, 0), (6, 1)])
+def test_topk(backend, rng, dt, k, axis):
+    x = Arg("x", _distinct(rng, (3, 6, 5), dt), dt)
+    run_parity(backend, "topk", [x], {"k": k, "axis": axis}, lambda v: ref_topk(v, k, axis))
+
+
+@covers("argmax")
+@pytest.mark.parametrize("dt", FLOATS + (I32, I64), ids=lambda d: d.value)
+@pytest.mark.parametrize("axis,keepdims", [(-1, False), (0, True), (1, False)])
+def test_argmax(backend, rng, dt, axis, keepdims):
+    x = rng.integers(-3, 4, (3, 6, 5)).astype(dt.np)      # many ties: the first one wins
+    run_parity(backend, "argmax", [Arg("x", x, dt)], {"axis": axis, "keepdims": keepdims},
+               lambda v: np.argmax(v, axis=axis, keepdims=keepdims))
+
+
+@covers("kv_write")
+@fdtype
+@pytest.mark.parametrize("pos", [(0, 0), (5, 5), (1, 4)], ids=["start", "uniform", "per_batch"])
+@pytest.mark.parametrize("pdt", [I32, I64], ids=lambda d: d.value)
+def test_kv_write(backend, rng, dt, pos, pdt):
+    cache = Arg("cache", rand(rng, (2, 2, 8, 4), dt), dt, kind="state")
+    new = arg(rng, "new", (2, 2, 3, 4), dt)
+    p = Arg("pos", np.array(pos, pdt.np), pdt)
+    run_parity(backend, "kv_write", [cache, new, p], {"axis": 2}, ref_kv_write)
+
+
+# ----------------------------------------------------------------------------- HIR blocks
+DIRECT_AND_FUSABLE = pytest.mark.parametrize("profile", [
+    PARITY_PROFILE, PARITY_PROFILE.evolve(fusion={"policy": "fusable"}),
+    PARITY_PROFILE.evolve(fusion={"policy": "fusable", "skip": ()}),
+], ids=["direct", "fusable_unfused", "fusable_fused"])
+
+
+@covers("linear")
+@fdtype
+@pytest.mark.parametrize("transpose_w", [True, False])
+@pytest.mark.parametrize("bias", [False, True])
+@DIRECT_AND_FUSABLE
+def test_linear(backend, rng, dt, transpose_w, bias, profile):
+    args = [arg(rng, "x", (2, 3, 8), dt), arg(rng, "w", (6, 8) if transpose_w else (8, 6), dt)]
+    if bias:
+        args.append(arg(rng, "b", (6,), dt))
+
+    def ref(x, w, b=None):
+        y = x @ (w.T if transpose_w else w)
+        return y if b is None else y + b
+
+    run_parity(backend, "linear", args, {"transpose_w": transpose_w}, ref, level=HIR, profile=profile)
+
+
+@covers("swiglu_mlp")
+@fdtype
+@DIRECT_AND_FUSABLE
+def test_swiglu_mlp(backend, rng, dt, profile):
+    args = [arg(rng, "x", (2, 3, 8), dt), arg(rng, "wg", (12, 8), dt), arg(rng, "wu", (12, 8), dt),
+            arg(rng, "wd", (8, 12), dt)]
+
+    def ref(x, wg, wu, wd):
+        g, u = x @ wg.T, x @ wu.T
+        if dt in (F16, BF16):          # the hidden activation is a tensor of dt: round it
+            g, u = exact(g, dt), exact(u, dt)
+            return exact(ref_swiglu(g, u), dt) @ wd.T
+        return ref_swiglu(g, u) @ wd.T
+
+    run_parity(backend, "swiglu_mlp", args, {"transpose_w": True}, ref, level=HIR, profile=profile,
+               tol={F32: 1e-5, F64: 1e-10, F16: 1e-2, BF16: 3e-2}[dt])
+
+
+# ----------------------------------------------------------------------------- fused ops
+@covers("fused_swiglu")
+@fdtype
+def test_fused_swiglu(backend, rng, dt):
+    run_parity(backend, "fused_swiglu", [arg(rng, "g", (2, 3, 8), dt), arg(rng, "u", (2, 3, 8), dt)],
+               {}, ref_swiglu)
+
+
+@covers("fused_matmul_bias_act")
+@fdtype
+@pytest.mark.parametrize("act", ["identity", "gelu", "gelu_tanh", "relu", "silu", "tanh", "sigmoid"])
+@pytest.mark.parametrize("bias,trans_b", [(True, False), (True, True), (False, True)])
+def test_fused_matmul_bias_act(backend, rng, dt, act, bias, trans_b):
+    args = [arg(rng, "x", (2, 3, 8), dt), arg(rng, "w", (6, 8) if trans_b else (8, 6), dt)]
+    if bias:
+        args.append(arg(rng, "b", (6,), dt))
+
+    def ref(x, w, b=None):
+        y = ref_matmul(x, w, False, trans_b)
+        return REF_ACT[act](y if b is None else y + b)
+
+    run_parity(backend, "fused_matmul_bias_act", args, {"trans_b": trans_b, "act": act}, ref)
+
+
+@covers("fused_residual_rms_norm")
+@fdtype
+@pytest.mark.parametrize("weight,offset", [(False, 0.0), (True, 0.0), (True, 1.0)])
+def test_fused_residual_rms_norm(backend, rng, dt, weight, offset):
+    args = [arg(rng, "x", (2, 3, 16), dt), arg(rng, "r", (2, 3, 16), dt)]
+    args += [arg(rng, "w", (16,), dt)] if weight else []
+
+    def ref(x, r, *w):
+        h = x + r
+        return h, ref_rms_norm(exact(h, dt), *w, eps=1e-6, offset=offset)
+
+    run_parity(backend, "fused_residual_rms_norm", args, {"eps": 1e-6, "offset": offset}, ref)
+
+
+@covers("fused_residual_ln")
+@fdtype
+@pytest.mark.parametrize("affine", ["none", "gamma", "gamma_beta"])
+def test_fused_residual_ln(backend, rng, dt, affine):
+    args = [arg(rng, "x", (2, 3, 16), dt), arg(rng, "r", (2, 3, 16), dt)]
+    if affine != "none":
+        args.append(arg(rng, "g", (16,), dt))
+    if affine == "gamma_beta":
+        args.append(arg(rng, "b", (16,), dt))
+
+    def ref(x, r, *w):
+        h = x + r
+        return h, ref_layer_norm(exact(h, dt), *w, eps=1e-5)
+
+    run_parity(backend, "fused_residual_ln", args, {"eps": 1e-5}, ref)
+
+
+@covers("fused_attention_block")
+@pytest.mark.parametrize("case", [c for c, v in ATTN_CASES.items() if v[4] == v[5]])  # one table: Sq == Sk
+@pytest.mark.parametrize("heads,kv_heads,style", [(4, 4, "half"), (4, 2, "interleaved"), (4, 1, "half"),
+                                                  (4, 1, "interleaved")], ids=str)
+@fdtype
+def test_fused_attention_block(backend, rng, case, heads, kv_heads, style, dt):
+    kind, window, mask, softcap, sq, sk, pos = ATTN_CASES[case]
+    cos, sin = rope_tables(rng, (2, sq, 4) if case == "sliding" else (sq, 4))   # 2*4 = head_dim 8
+    args, attrs_ = attention_args(rng, case, dt, heads, kv_heads, extra=(cos, sin))
+    attrs_["style"] = style
+    inner = _attn_ref({k: v for k, v in attrs_.items() if k != "style"}, n_extra=2)
+
+    def ref(q, k, v, c, s, *rest):
+        qr, kr = ref_rope(q, c, s, style), ref_rope(k, c, s, style)
+        return inner(qr, kr, v, c, s, *rest)
+
+    run_parity(backend, "fused_attention_block", args, attrs_, ref)
+
+
+_PROGRAMS = {
+    # x*y + silu(x)
+    "mul_add_silu": ((("binary", (("op", "mul"),), (0, 1)),
+                      ("activation", (("fn", "silu"),), (0,)),
+                      ("binary", (("op", "add"),), (2, 3))), 2),
+    # where(x > y, tanh(x), y) * z
+    "cmp_where": ((("compare", (("op", "gt"),), (0, 1)),
+                   ("activation", (("fn", "tanh"),), (0,)),
+                   ("where", (), (3, 4, 1)),
+                   ("binary", (("op", "mul"),), (5, 2))), 3),
+    # swiglu(x, y) - exp(z)
+    "swiglu_exp": ((("fused_swiglu", (), (0, 1)),
+                    ("activation", (("fn", "exp"),), (2,)),
+                    ("binary", (("op", "sub"),), (3, 4))), 3),
+}
+
+
+@covers("fused_elementwise")
+@pytest.mark.parametrize("prog", list(_PROGRAMS))
+@fdtype
+def test_fused_elementwise(backend, rng, prog, dt):
+    program, n = _PROGRAMS[prog]
+    args = [arg(rng, f"x{i}", (2, 3, 4) if i != 1 else (3, 4), dt) for i in range(n)]
+    lowp = dt in (F16, BF16)
+
+    def ref(*xs):
+        # every intermediate step of the region is a value of dt: round like a chain of ops would
+        slots = list(xs)
+        for step in program:
+            r = ref_elementwise((step,), *slots)
+            slots.append(exact(r, dt) if lowp and r.dtype != np.bool_ else r)
+        return slots[-1]
+
+    run_parity(backend, "fused_elementwise", args, {"program": program, "dtype": dt.value}, ref,
+               tol=2 * TOL[dt])
+
+
+# ----------------------------------------------------------------------------- packed sequences
+# (starts, lens, tokens): gaps between segments and empty ones (tokens 7, 8 and 19 in none),
+# segments out of order covering every token, and many lengths (the NumPy kernel batches
+# segments of similar length, padded: groups with masked keys).
+SEGMENTS = {
+    "gaps_empty": ([0, 9, 9, 12, 20], [7, 0, 3, 7, 0], 20),
+    "unsorted_cover": ([10, 0, 4], [3, 4, 6], 13),
+    "grouped": (list(np.cumsum([0, 40, 2, 2, 2, 2, 2, 39, 17])), [40, 2, 2, 2, 2, 2, 39, 17, 1], 107),
+}
+VARLEN_OPS = {"varlen_attention", "segment_pool"}
+
+
+def segment_args(case, sdt=I64) -> list:
+    starts, lens, _ = SEGMENTS[case]
+    return [Arg("starts", np.array(starts, sdt.np), sdt), Arg("lens", np.array(lens, sdt.np), sdt)]
+
+
+def varlen_args(rng, case, dt, heads, kv_heads, d=8, dv=6, sdt=I64) -> list:
+    t = SEGMENTS[case][2]
+    return [arg(rng, "q", (t, heads, d), dt), arg(rng, "k", (t, kv_heads, d), dt),
+            arg(rng, "v", (t, kv_heads, dv), dt)] + segment_args(case, sdt)
+
+
+@covers("varlen_attention")
+@pytest.mark.parametrize("case", list(SEGMENTS))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)], ids=["mha", "gqa2"])
+@fdtype
+def test_varlen_attention(backend, rng, case, heads, kv_heads, dt):
+    sdt = I32 if heads == kv_heads else I64
+    args = varlen_args(rng, case, dt, heads, kv_heads, sdt=sdt)
+    run_parity(backend, "varlen_attention", args, {"scale": 0.3},
+               lambda q, k, v, st, ln: ref_varlen_attention(q, k, v, st, ln, scale=0.3))
+
+
+@covers("segment_pool")
+@pytest.mark.parametrize("mode", POOL_MODES)
+@pytest.mark.parametrize("case", list(SEGMENTS))
+@fdtype
+def test_segment_pool(backend, rng, mode, case, dt):
+    x = arg(rng, "x", (SEGMENTS[case][2], 5), dt)
+    run_parity(backend, "segment_pool", [x] + segment_args(case), {"mode": mode},
+               lambda x, st, ln: ref_segment_pool(x, st, ln, mode=mode))
+
+
+# ----------------------------------------------------------------------------- custom op
+@covers("custom")
+def test_custom_op(backend, rng, custom_plugin):
+    from rlx_core.pipeline import select_backend
+
+    if not select_backend(backend).supports_custom("parity_scaled_add"):
+        pytest.skip(f"the test's custom op has no {backend!r} kernel")
+    x, y = arg(rng, "x", (2, 5), F32), arg(rng, "y", (2, 5), F32)
+    run_parity(backend, "custom", [x, y], {"name": "parity_scaled_add", "params": (("alpha", 0.5),)},
+               lambda a, b: a + 0.5 * b)
+
+
+@pytest.fixture
+def custom_plugin():
+    from rlx_core.plugins import hookimpl, register_plugin, unregister_plugin
+
+    class Plugin:
+        @hookimpl
+        def rlx_register_ops(self, register):
+            register(_SCALED_ADD)
+
+    register_plugin(Plugin(), name="parity-custom-op")
+    try:
+        yield
+    finally:
+        unregister_plugin("parity-custom-op")
+
+
+def _scaled_add_meta(shapes, params):
+    from rlx_core.ir.shape import Shape, broadcast_dims
+
+    a, b = shapes
+    return (Shape(broadcast_dims(a.dims, b.dims), a.dtype),)
+
+
+def _make_scaled_add():
+    from rlx_core.ir.custom import CustomOp
+
+    return CustomOp("parity_scaled_add", _scaled_add_meta,
+                    {"numpy": lambda a, b, alpha: a + np.float32(alpha) * b}, "a + alpha * b")
+
+
+_SCALED_ADD = _make_scaled_add()
+
+
+# ----------------------------------------------------------------------------- decompositions
+# `fusable` lowering turns norms, softmax, rope and attention into primitive chains; with
+# fusion skipped those chains run as they are and must match the same references.
+DECOMPOSED = PARITY_PROFILE.evolve(fusion={"policy": "fusable"})
+
+
+def _assert_decomposed(op, args, attrs_):
+    g = one_op(op, args, attrs_, level=HIR)
+    ops = {n.op for n in compile_on(g, "numpy", DECOMPOSED).mir.nodes}
+    assert op not in ops, f"{op} was not decomposed by fusable lowering: {sorted(ops)}"
+
+
+@pytest.mark.parametrize("case", list(ATTN_CASES))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa2", "gqa4"])
+@pytest.mark.parametrize("dt", [F32, F16], ids=lambda d: d.value)
+def test_attention_decomposed(backend, rng, case, heads, kv_heads, dt):
+    args, attrs_ = attention_args(rng, case, dt, heads, kv_heads)
+    run_parity(backend, "attention", args, attrs_, _attn_ref(attrs_), level=HIR, profile=DECOMPOSED)
+    _assert_decomposed("attention", args, attrs_)
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize("rank,rot", ROPE_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("dt", [F32, BF16], ids=lambda d: d.value)
+def test_rope_decomposed(backend, rng, style, rank, rot, dt):
+    b, h, s, d = 2, 3, 4, 8
+    cos, sin = rope_tables(rng, ((s,) if rank == 2 else (b, s)) + (rot // 2,), dt)
+    args = [arg(rng, "x", (b, h, s, d), dt), cos, sin]
+    run_parity(backend, "rope", args, {"style": style}, lambda x, c, sn: ref_rope(x, c, sn, style),
+               level=HIR, profile=DECOMPOSED, tol=2e-2 if dt is BF16 else None)
+    _assert_decomposed("rope", args, {"style": style})
+
+
+@pytest.mark.parametrize("dt", [F32, F16], ids=lambda d: d.value)
+def test_norms_and_softmax_decomposed(backend, rng, dt):
+    x, w, b = arg(rng, "x", (2, 3, 16), dt), arg(rng, "w", (16,), dt), arg(rng, "b", (16,), dt)
+    cases = [("rms_norm", [x, w], {"eps": 1e-6, "offset": 1.0},
+              lambda x, w: ref_rms_norm(x, w, eps=1e-6, offset=1.0)),
+             ("layer_norm", [x, w, b], {"eps": 1e-5}, lambda x, g, b: ref_layer_norm(x, g, b, 1e-5)),
+             ("softmax", [x], {"axis": -1}, lambda x: ref_softmax(x, -1))]
+    for op, args, attrs_, ref in cases:
+        run_parity(backend, op, args, attrs_, ref, level=HIR, profile=DECOMPOSED,
+                   tol=1e-2 if dt is F16 else None)
+        _assert_decomposed(op, args, attrs_)
+
+
+# ----------------------------------------------------------------------------- packed weights
+SCHEMES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8_b32", "int4_b64"]
+
+
+def _packed_arg(rng, scheme, n, name="w"):
+    """Packed bytes of fresh random [n, K] weights, K two blocks long."""
+    from rlx_core.ir.quant import QuantScheme
+
+    q = QuantScheme.parse(scheme)
+    k = 2 * q.block_size
+    return Arg(name, q.quantize(rng.standard_normal((n, k)).astype(np.float32)), U8), k
+
+
+@covers("dequant_matmul")
+@fdtype
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_dequant_matmul(backend, rng, dt, scheme):
+    from rlx_core.ir.quant import matmul_reference
+
+    i = SCHEMES.index(scheme)
+    w, k = _packed_arg(rng, scheme, 6)
+    args = [arg(rng, "x", (2, 3, k), dt), w] + ([arg(rng, "b", (6,), dt)] if i % 2 else [])
+    act = ("identity", "gelu", "silu")[i % 3]
+
+    def ref(x, raw, b=None):
+        y = matmul_reference(x, raw.astype(np.uint8), scheme, (6, k))
+        return REF_ACT[act](y if b is None else y + b)
+
+    run_parity(backend, "dequant_matmul", args, {"scheme": scheme, "act": act}, ref)
+
+
+@covers("dequantize")
+@pytest.mark.parametrize("dt", [F32, F16, F64], ids=lambda d: d.value)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_dequantize(backend, rng, dt, scheme):
+    from rlx_core.ir.quant import QuantScheme
+
+    w, k = _packed_arg(rng, scheme, 5)
+    w = Arg("w", w.data.reshape(5, 1, -1), U8)
+    run_parity(backend, "dequantize", [w], {"scheme": scheme, "dtype": dt.value},
+               lambda raw: QuantScheme.parse(scheme).dequantize_reference(raw.astype(np.uint8), (5, 1, k)))
+
+
+@covers("quantize", "fake_quantize")
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantize_and_fake_quantize(backend, rng, scheme):
+    """quantize: the same bytes as the reference quantizer; fake_quantize: its values."""
+    from rlx_core.ir.quant import QuantScheme
+
+    q = QuantScheme.parse(scheme)
+    x = arg(rng, "x", (3, 2 * q.block_size), F32)
+    run_parity(backend, "quantize", [x], {"scheme": scheme},
+               lambda v: q.quantize(v.astype(np.float32)))
+    run_parity(backend, "fake_quantize", [x], {"scheme": scheme},
+               lambda v: q.dequantize_reference(q.quantize(v.astype(np.float32)), v.shape))
+
+
+# what `from rlx_core.testing.ops_suite import *` brings: the tests and the fixtures they use
+__all__ = sorted(n for n in dir() if n.startswith("test_")) + ["backend", "custom_plugin", "rlx_backend",
+                                                               "rng"]
