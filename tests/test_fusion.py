@@ -156,6 +156,28 @@ def test_fusable_low_precision_norms_fuse(dt):
         ["rms_norm", "layer_norm", "softmax"], mir.text()
 
 
+def test_fully_masked_rows_give_zeros_under_every_profile(rng):
+    """A query row that may attend to no key (a padding row) is all -inf before the softmax:
+    every profile gives zeros there, composed or fused, and the float64 softmax elsewhere."""
+    def fn(m):
+        s = m.input("s", (2, 3, 5))
+        keep = m.input("keep", (2, 3, 5), "bool")
+        return {"p": m.softmax(m.where(keep, s, s * 0 - np.inf))}
+    g = Graph.define("masked_softmax", fn)
+    s = rng.standard_normal((2, 3, 5)).astype(np.float32)
+    keep = rng.random((2, 3, 5)) < 0.6
+    keep[0, 1] = False                                     # one row fully masked
+    keep[1, 2] = True
+    x = np.where(keep, s.astype(np.float64), -np.inf)
+    e = np.exp(x - np.max(np.where(keep, x, -1e300), -1, keepdims=True))
+    want = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
+    for name, prof in PROFILES.items():
+        got = rlx_core.compile(g, profile=prof).run(s=s, keep=keep)["p"]
+        assert np.isfinite(got).all(), f"{name}: {got}"
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=name)
+    assert not got[0, 1].any()
+
+
 def test_assert_clean_fails_when_a_group_is_skipped():
     """The target fuses RMSNorm; skipping the group leaves its primitive chain, which
     assert_clean reports (naming the skip)."""

@@ -14,6 +14,9 @@ from .ops import MaskKind
 from .rewrite import rewrite
 
 
+F32_LOWEST = -3.4028234663852886e38     # np.finfo(np.float32).min
+
+
 class FusionPolicy(str, enum.Enum):
     DIRECT = "direct"
     FUSABLE = "fusable"
@@ -44,9 +47,12 @@ def layer_norm_prims(m, x, g=None, b=None, eps=1e-5):
 
 
 def softmax_prims(m, x, axis=-1):
+    """A row of all -inf (a query that may attend to nothing, e.g. a padding row) gives zeros,
+    like the kernels: the max is clamped to the lowest finite f32 so exp gives 0, not NaN, and
+    the sum (>= 1 whenever the row has a finite entry) to 1."""
     xf = _f32(m, x)
-    e = m.exp(xf - m.max(xf, (axis,), keepdims=True))
-    return m.cast(e / m.sum(e, (axis,), keepdims=True), x.dtype)
+    e = m.exp(xf - m.maximum(m.max(xf, (axis,), keepdims=True), F32_LOWEST))
+    return m.cast(e / m.maximum(m.sum(e, (axis,), keepdims=True), 1.0), x.dtype)
 
 
 def _table(m, t, x):

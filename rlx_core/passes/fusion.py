@@ -110,6 +110,20 @@ def _softmax(mt):
     return mt.m.softmax(mt.get("x"), axis=mt.attrs("r")["axes"][0])
 
 
+# what lower.softmax_prims emits: the max clamped to a finite floor, the sum to 1 (an all -inf
+# row gives zeros, as the kernels do); any clamp but those two is not a softmax
+_EC = A(B(X("x"), B(R(X("x"), op="max", keepdims=True, name="r"), S("lo"), op="max"), op="sub"),
+        fn="exp", name="e")
+
+
+@rule("softmax", B(_EC, B(R(_EC, op="sum", keepdims=True, name="r2"), S("one"), op="max"), op="div"),
+      when=lambda mt: (mt.attrs("r")["axes"] == mt.attrs("r2")["axes"] and len(mt.attrs("r")["axes"]) == 1
+                       and mt.scalar("one") == 1.0 and mt.scalar("lo") <= -1e38),
+      name="softmax_clamped")
+def _softmax_clamped(mt):
+    return _softmax(mt)
+
+
 # --------------------------------------------------------------------------- f16/bf16
 # `fusable` lowering of a low-precision norm or softmax computes it in f32 between two
 # casts; the kernels do exactly that internally, so the casts fold into the op (and the

@@ -712,6 +712,19 @@ def test_norms_and_softmax_decomposed(backend, rng, dt):
         _assert_decomposed(op, args, attrs_)
 
 
+@covers("softmax")
+@pytest.mark.parametrize("profile", [None, DECOMPOSED], ids=["op", "decomposed"])
+@fdtype
+def test_softmax_masked_rows(backend, rng, profile, dt):
+    """-inf entries take no weight and a row of -inf (a padding query that may attend to no
+    key) gives zeros, fused or composed: a NaN there would reach real tokens in the next layer."""
+    x = exact(rng.uniform(-4, 4, (2, 3, 6)), dt)
+    x[rng.random(x.shape) < 0.3] = -np.inf
+    x[0, 1] = -np.inf
+    run_parity(backend, "softmax", [Arg("x", x, dt)], {"axis": -1}, lambda v: ref_softmax(v, -1),
+               level=HIR, profile=profile)
+
+
 # ----------------------------------------------------------------------------- packed weights
 SCHEMES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8_b32", "int4_b64"]
 

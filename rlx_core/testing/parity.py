@@ -310,8 +310,11 @@ def ref_reduce(op, x, axes, keepdims=False):
 
 
 def ref_softmax(x, axis=-1):
-    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
-    return e / np.sum(e, axis=axis, keepdims=True)
+    """The op's meaning: -inf entries take no weight; a row of -inf gives zeros, not NaN."""
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - np.where(np.isfinite(m), m, 0))
+    s = np.sum(e, axis=axis, keepdims=True)
+    return e / np.where(s == 0, 1, s)
 
 
 def ref_layer_norm(x, g=None, b=None, eps=1e-5):

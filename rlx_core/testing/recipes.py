@@ -159,15 +159,14 @@ def assert_models_agree(a, b, ids, mask=None, what: str = "") -> None:
 
 # ----------------------------------------------------------------------------- checks
 def check_fused_equals_composed(recipe, ckpt: Checkpoint, rng) -> None:
-    """The recipe's profile against COMPOSED, on rows without padding: a padding query row of
-    a causal LM attends to no key, which the attention kernels turn into zeros but the
-    composed softmax (lower.softmax_prims) into NaN, and the next layer's values carry the
-    NaN to the real tokens."""
+    """The recipe's profile against COMPOSED on a padded batch: a padding query row of a causal
+    LM attends to no key, and the composed softmax must give it zeros as the kernels do (a NaN
+    there reaches the real tokens through the next layer's values)."""
     model = build(recipe, ckpt)
     composed = build(recipe, ckpt, profile=composed_profile(model))
-    ids = np.stack(sample_rows(model, rng, (max(LENGTHS),) * 2))
+    ids, mask = padded(model, sample_rows(model, rng))
     what = f"{recipe.name}: profile {model.profile.name!r} against {composed.profile.name!r}"
-    assert_models_agree(model, composed, ids, what=what)
+    assert_models_agree(model, composed, ids, mask, what=what)
 
 
 def decode_logits(model: CausalLM, ids: np.ndarray, prompt: int) -> np.ndarray:

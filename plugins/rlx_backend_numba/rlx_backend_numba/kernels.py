@@ -99,7 +99,7 @@ def _softmax_row(i, x, o):
         if x[i, j] > m:
             m = x[i, j]
     if not math.isfinite(m):
-        m = x[i, 0] * 0                  # numpy's reference: a row of -inf becomes zeros
+        m = x.dtype.type(0)              # numpy's reference: a row of -inf becomes zeros
     tot = m * 0
     for j in range(n):
         e = math.exp(x[i, j] - m)
