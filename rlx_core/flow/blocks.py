@@ -296,7 +296,9 @@ GENERIC_BLOCKS = {
 
 @hookimpl
 def rlx_register_blocks(register):
-    for name, factory in GENERIC_BLOCKS.items():
+    from .dit import DIT_BLOCKS
+
+    for name, factory in {**GENERIC_BLOCKS, **DIT_BLOCKS}.items():
         register(name, factory)
 
 

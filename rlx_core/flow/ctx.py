@@ -8,7 +8,7 @@ import attrs
 import numpy as np
 
 from ..ir.dtype import F32, DType
-from ..ir.errors import WeightError
+from ..ir.errors import ModelError, WeightError
 from ..ir.graph import Builder, Graph, Value
 from ..ir.quant import PackedTensor
 
@@ -31,6 +31,17 @@ class StageRecord:
     start: int
     end: int
     depth: int = 0
+
+
+@attrs.frozen
+class StreamRecord:
+    """One read or write of a stream: which stage, in which layer (None outside layers), and
+    for a binding the input it came from."""
+    stream: str
+    action: str          # read | write
+    stage: str
+    layer: int | None
+    source: str = ""
 
 
 def stage_label(stage) -> tuple:
@@ -63,6 +74,8 @@ class FlowCtx:
         self.misshaped: list = []
         self.stages: list = []           # StageRecord of every stage, in the order they started
         self._depth = 0
+        self.streams: dict = {}          # stream name -> its current value (rlx_core.flow.stream)
+        self.stream_log: list = []       # StreamRecord of every read and write, for `rlx inspect`
 
     def emit(self, stage, value):
         """Emit `stage` on `value`, recording the HIR nodes it adds. Structural stages
@@ -80,6 +93,25 @@ class FlowCtx:
         self.stages[slot] = StageRecord(self._index, *stage_label(stage), start, len(self.m.nodes),
                                         self._depth)
         return value
+
+    # -- streams
+    def stream(self, name: str, stage=None) -> Value:
+        """Stream `name`'s current value; a missing one is an error naming the stage asking
+        and the streams that exist."""
+        who = stage_label(stage)[0] if stage is not None else "a stage"
+        if name not in self.streams:
+            where = f" in {self.prefix}" if self.prefix else ""
+            raise ModelError(f"{who}{where}: no stream {name!r}; streams that exist: "
+                             f"{sorted(self.streams) or 'none (bind_inputs_to_streams or store_stream first)'}")
+        self.stream_log.append(StreamRecord(name, "read", who, self._index, ""))
+        return self.streams[name]
+
+    def set_stream(self, name: str, value: Value, stage=None, source: str = "") -> None:
+        if not isinstance(name, str) or not name:
+            raise ModelError(f"a stream name is a non-empty string, got {name!r}")
+        who = stage_label(stage)[0] if stage is not None else "a stage"
+        self.streams[name] = value
+        self.stream_log.append(StreamRecord(name, "write", who, self._index, source))
 
     # -- naming
     def index(self) -> int:
@@ -139,6 +171,7 @@ class BuiltModel:
     profile: Any = None
     extra_outputs: tuple = ()
     stages: tuple = ()
+    streams: tuple = ()          # StreamRecords, in emit order
 
     def compile(self, backend=None, profile=None, states=None):
         from ..pipeline import CompilePipeline

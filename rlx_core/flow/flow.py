@@ -14,6 +14,7 @@ from ..ir.dtype import F32, I64, DType
 from ..ir.errors import ModelError, WeightError
 from ..ir.graph import Builder, Value
 from . import blocks as B
+from . import stream as S
 from .ctx import BuiltModel, FlowCtx, FlowStage
 
 
@@ -176,12 +177,14 @@ class ModelFlow:
     def when(self, cond, then) -> "ModelFlow":
         return self._add(When(cond, then))
 
-    def layer(self, name_or_index, body: Callable[["ModelFlow"], "ModelFlow"]) -> "ModelFlow":
+    def layer(self, name_or_index, body: Callable[["ModelFlow"], "ModelFlow"],
+              prefix: str | None = None) -> "ModelFlow":
         """One layer: `.layer("L0", lambda s: s.rms_norm(...)...)` or `.layer(3, ...)`; keys
-        inside are relative to `<layer_prefix>.<index>`."""
+        inside are relative to `prefix`, by default `<layer_prefix>.<index>` (a model with
+        two kinds of layers numbers them on, each kind under its own prefix)."""
         index = int(str(name_or_index).lstrip("Ll")) if not isinstance(name_or_index, int) else name_or_index
         sub = body(self.sub())
-        return self._add(LayerScope(index, f"{self.layer_prefix}.{index}", _as_stage(sub)))
+        return self._add(LayerScope(index, prefix or f"{self.layer_prefix}.{index}", _as_stage(sub)))
 
     def repeat_layers(self, n: int, body: Callable) -> "ModelFlow":
         """`body(flow, i)` (or `body(flow)`) builds layer i; runs n times with prefixes."""
@@ -193,6 +196,32 @@ class ModelFlow:
                 out = body(sub)
             self._add(LayerScope(i, f"{self.layer_prefix}.{i}", _as_stage(out if out is not None else sub)))
         return self
+
+    # -- streams (rlx_core.flow.stream)
+    def bind_inputs_to_streams(self, mapping: dict) -> "ModelFlow":
+        """Start streams from inputs: `{"img": "hidden_states", "txt": "encoder_hidden_states"}`."""
+        return self._add(S.BindInputsToStreams(tuple(dict(mapping).items())))
+
+    def store_stream(self, name: str) -> "ModelFlow":
+        return self._add(S.StoreStream(name))
+
+    def load_stream(self, name: str) -> "ModelFlow":
+        return self._add(S.LoadStream(name))
+
+    def accumulate_stream(self, name: str) -> "ModelFlow":
+        return self._add(S.AccumulateStream(name))
+
+    def join_streams(self, names, into: str = S.MAIN) -> "ModelFlow":
+        """Stream `into` = the streams concatenated along the sequence axis."""
+        return self._add(S.JoinStreams(tuple(names), into))
+
+    def split_stream(self, name: str = S.MAIN) -> "ModelFlow":
+        """The streams joined into `name` get their slices of it back."""
+        return self._add(S.SplitStream(name))
+
+    def dual_stream(self, name: str, a: str, b: str, fn: Callable) -> "ModelFlow":
+        """Tier 2 on two streams: `fn(emit, a, b) -> (a, b)` with the Emit handle."""
+        return self._add(S.DualStream(name, a, b, fn))
 
     def custom(self, fn: Callable) -> "ModelFlow":
         """Tier 2 escape: `fn(emit, value, ctx) -> value` writes raw IR."""
@@ -240,4 +269,5 @@ class ModelFlow:
         for name, v in ctx.outputs.items():
             m.output(name, v)
         params = {k: weights[k] for k in ctx.used_params()}
-        return BuiltModel(m.build(), params, self._profile, tuple(ctx.outputs), tuple(ctx.stages))
+        return BuiltModel(m.build(), params, self._profile, tuple(ctx.outputs), tuple(ctx.stages),
+                          tuple(ctx.stream_log))

@@ -23,7 +23,8 @@ from .sampling import choose, process_logits
 KNOWN_PLUGINS = {"llama": "rlx-blocks-llama", "qwen3": "rlx-blocks-llama", "mistral": "rlx-blocks-llama",
                  "bert": "rlx-blocks-bert", "nomic_bert": "rlx-blocks-bert",
                  "gemma2": "rlx-blocks-gemma", "gemma3": "rlx-blocks-gemma",
-                 "gemma3_text": "rlx-blocks-gemma", "flux": "rlx-blocks-flux"}
+                 "gemma3_text": "rlx-blocks-gemma", "flux": "rlx-blocks-flux",
+                 "FluxTransformer2DModel": "rlx-blocks-flux", "Flux2Transformer2DModel": "rlx-blocks-flux"}
 CTX_BUCKET = 128
 
 

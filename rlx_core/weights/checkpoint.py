@@ -33,11 +33,12 @@ class Checkpoint:
     tokenizer: Tokenizer | None
 
     def architecture(self) -> str:
-        """The HF `model_type`, e.g. "llama", "bert", "gemma3_text"."""
-        try:
-            return self.config["model_type"]
-        except KeyError:
-            raise WeightError(f"{self.path}: config has no 'model_type'") from None
+        """The HF `model_type`, e.g. "llama", "bert", "gemma3_text"; for a diffusers model
+        folder (no model_type) its `_class_name`, e.g. "FluxTransformer2DModel"."""
+        arch = self.config.get("model_type") or self.config.get("_class_name")
+        if not isinstance(arch, str) or not arch:
+            raise WeightError(f"{self.path}: config has no 'model_type' (nor a diffusers '_class_name')")
+        return arch
 
     def packed_names(self) -> list:
         return [k for k, t in self.tensors.items() if isinstance(t, PackedTensor)]
