@@ -114,6 +114,24 @@ class Backend(abc.ABC):
     def zeros(self, shape: tuple, dtype: DType):
         return np.zeros(shape, dtype.np)
 
+    def copy_into(self, dst, index: tuple, src, src_index: tuple):
+        """dst[index] = src[src_index] (ints and slices) for two resident buffers: how a
+        scheduler moves one request's KV cache rows between caches. Returns the buffer that
+        holds the result: dst, written in place, or (this default, for buffers that are not
+        numpy arrays) a new one made through the host; a device backend overrides it."""
+        if isinstance(dst, np.ndarray):
+            dst[index] = self.to_host(src)[src_index]
+            return dst
+        host = np.array(self.to_host(dst))
+        host[index] = self.to_host(src)[src_index]
+        return self.to_device(host)
+
+    def memory_stats(self) -> dict:
+        """Bytes this backend holds beside params and states, where it knows them
+        (`arena_bytes` shared by its runners, `pool_total_bytes` / `pool_used_bytes` of a
+        memory pool); {} when its runners own their memory (model.memory_report counts it)."""
+        return {}
+
     @abc.abstractmethod
     def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:
         """A Runner for this LIR, reading the resident `params` and `states` (name -> value)."""

@@ -136,6 +136,23 @@ class CausalLM:
                 self._exes[key] = exe
             return self._exes[key]
 
+    def executable_over(self, mode: str, states):
+        """A new, uncached executable of `mode` over its own `states` (a StateStore: the
+        batched KV cache of a Scheduler), sharing this model's resident params."""
+        built = self.built(mode)
+        exe = built.compile(self.backend, self.profile, states)
+        exe.shared = self._shared
+        exe.set_params(built.params)
+        return exe
+
+    def memory_report(self) -> dict:
+        """Bytes held for this model: weights, KV cache, arenas, pool overhead (see
+        rlx_core.runtime.memory)."""
+        from .memory import memory_report
+
+        with self._lock:
+            return memory_report(self)
+
     def _debug(self) -> bool:
         return os.environ.get("RLX_DEBUG") == "1" or self.profile.passes.verify_each
 

@@ -149,6 +149,19 @@ class CudaBackend(Backend):
         device.cupy().cuda.runtime.deviceSynchronize()
         return CudaArray(arr, dt.np)
 
+    def copy_into(self, dst, index: tuple, src, src_index: tuple):
+        """A device-to-device copy on this backend's stream (ordered with the runs)."""
+        if isinstance(dst, CudaArray) and isinstance(src, CudaArray):
+            with self.stream():
+                dst.data[index] = src.data[src_index]
+            return dst
+        return super().copy_into(dst, index, src, src_index)
+
+    def memory_stats(self) -> dict:
+        pool = device.cupy().get_default_memory_pool()
+        return {"arena_bytes": int(self._arena_bytes), "scratch_bytes": int(self._scratch_bytes),
+                "pool_total_bytes": int(pool.total_bytes()), "pool_used_bytes": int(pool.used_bytes())}
+
     def ensure_device(self, table: dict, name: str) -> CudaArray:
         """table[name] as a CudaArray; host arrays are uploaded once and replaced in place."""
         v = table[name]

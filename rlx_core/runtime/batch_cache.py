@@ -1,0 +1,73 @@
+"""The KV cache of a batched decode: one row per running request, resized by buckets.
+
+A decode graph's KV states are [batch, kv_heads, ctx, head_dim]. The cache is sized to a
+(batch bucket, ctx bucket); when the running requests need another size, their rows move
+(in order, compacted) into buffers of that size. Buffers of a size used before are kept and
+reused, so the decode runner compiled for that size finds the very buffers it was bound to
+and is not specialized again."""
+from __future__ import annotations
+
+from ..pipeline import StateStore
+
+KEEP_SIZES = 4               # buffer sets kept for reuse (the current one included)
+
+
+class BatchCache:
+    """KV rows of a batched decode executable (`exe`, compiled over `self.store`)."""
+
+    def __init__(self, backend, state_specs: dict, batch_dim: str):
+        self.backend, self.specs, self.batch_dim = backend, dict(state_specs), batch_dim
+        self.store = StateStore()
+        self.batch = self.ctx = 0
+        self._sets: dict = {}        # (batch, ctx) -> {name: buffer}, least recently used first
+
+    def _axis(self, name: str) -> int:
+        return list(self.specs[name].dims).index("ctx")
+
+    def _buffers(self, batch: int, ctx: int) -> dict:
+        key = (batch, ctx)
+        bufs = self._sets.pop(key, None)
+        if bufs is None:
+            env = {self.batch_dim: batch, "ctx": ctx}
+            bufs = {n: self.backend.zeros(s.bind(env).dims, s.dtype) for n, s in self.specs.items()}
+        self._sets[key] = bufs
+        while len(self._sets) > KEEP_SIZES:
+            self._sets.pop(next(iter(self._sets)))
+        return bufs
+
+    def _region(self, name: str, row: int, length: int) -> tuple:
+        idx = [row] + [slice(None)] * (len(self.specs[name].dims) - 1)
+        idx[self._axis(name)] = slice(0, length)
+        return tuple(idx)
+
+    def resize(self, batch: int, ctx: int, moves: list) -> None:
+        """Become [batch, ..., ctx, ...]; moves: (old row, new row, length) of each row kept
+        (its first `length` cache positions move; the rest of the new buffers is stale)."""
+        if (batch, ctx) == (self.batch, self.ctx) and all(o == n for o, n, _ in moves):
+            return
+        old = {n: self.store[n] for n in self.specs} if self.batch else {}
+        new = self._buffers(batch, ctx)
+        for name in self.specs:
+            for o, n, length in moves:
+                if length:
+                    new[name] = self.backend.copy_into(new[name], self._region(name, n, length),
+                                                       old[name], self._region(name, o, length))
+        self.store.update(new)
+        self._sets[(batch, ctx)] = new
+        self.batch, self.ctx = batch, ctx
+
+    def place(self, row: int, states, length: int) -> None:
+        """Copy positions [0, length) of row 0 of `states` (a prefill's KV) into `row`."""
+        for name in self.specs:
+            buf = self.backend.copy_into(self.store[name], self._region(name, row, length),
+                                         states[name], self._region(name, 0, length))
+            if buf is not self.store[name]:
+                self.store[name] = self._sets[(self.batch, self.ctx)][name] = buf
+
+    def clear(self) -> None:
+        self._sets.clear()
+        self.store.clear()
+        self.batch = self.ctx = 0
+
+
+__all__ = ["BatchCache"]

@@ -1,0 +1,399 @@
+"""Continuous batching: requests join a running decode batch as others finish.
+
+A request is prefilled alone (batch 1, the model's own prefill graph, the context bucket it
+would get alone) and its KV rows copied into a free row of the batched decode cache
+(`BatchCache`); each row then decodes at its own positions (per-row `positions`,
+`cache_pos` and `key_mask`). So a request admitted mid-decode computes what it computes run
+alone by `CausalLM.generate`, up to the rounding of batched matrix products. Decode graphs
+specialize once per (batch bucket, context bucket). Works on any backend: the cache moves
+through `Backend.copy_into`.
+
+Submission is thread-safe (`Scheduler.submit` from any thread); one scheduler thread runs
+the model, holding the backend's lock for each step, so direct `generate` calls on the same
+model interleave between steps."""
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..ir.errors import ModelError, RlxError
+from .args import bool_arg, callable_arg, float_arg, int_arg, text_arg, token_id, token_rows
+from .batch_cache import BatchCache
+from .model import CTX_BUCKET
+from .sampling import choose, process_logits
+from .stop_text import StopText
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per request: greedy unless do_sample; HF's temperature/top-k/top-p; `stop` strings end
+    the text (not included); EOS ends it unless ignore_eos. `SamplingParams.checked(...)`
+    raises a ModelError naming a bad argument."""
+    max_tokens: int = 16
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = 50
+    top_p: float | None = 1.0
+    seed: int | None = None
+    stop: tuple = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    @classmethod
+    def checked(cls, max_tokens=16, do_sample=False, temperature=1.0, top_k=50, top_p=1.0, seed=None,
+                stop=(), min_tokens=0, ignore_eos=False) -> "SamplingParams":
+        max_tokens = int_arg("max_tokens", max_tokens)
+        min_tokens = int_arg("min_tokens", min_tokens)
+        if min_tokens > max_tokens:
+            raise ModelError(f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})")
+        do_sample = bool_arg("do_sample", do_sample)
+        temperature = float_arg("temperature", 1.0 if temperature is None else temperature, 0.0)
+        if temperature == 0 and do_sample:
+            raise ModelError("temperature must be > 0 when sampling (do_sample=True), got 0")
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)):
+            raise ModelError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        stop = tuple(text_arg("stop", s) for s in stop)
+        return cls(max_tokens, do_sample, temperature, int_arg("top_k", top_k, none=True),
+                   float_arg("top_p", top_p, 0.0, 1.0, lo_open=True, none=True),
+                   int_arg("seed", seed, none=True), stop, min_tokens, bool_arg("ignore_eos", ignore_eos))
+
+
+@dataclass
+class Event:
+    """What a request produced since its last event: new token ids, their text (what can be
+    shown: see StopText) and, on its last event, why it finished (and the error, if one)."""
+    token_ids: list
+    text: str = ""
+    finish_reason: str | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(eq=False)
+class Request:
+    """A submitted request: iterate `events()` to stream it, or wait for `result()`."""
+    id: str
+    prompt_ids: list
+    params: SamplingParams
+    on_event: object = None
+    # -- the scheduler's
+    slot: int = -1
+    length: int = 0                 # tokens in its KV cache
+    last: int = 0                   # the token the next decode step feeds
+    ctx: int = 0                    # the context bucket it would get alone
+    max_new: int = 0
+    token_ids: list = field(default_factory=list)
+    n_new: int = 0
+    rng: object = None
+    stream: StopText | None = None
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    _queue: queue.Queue = field(default_factory=queue.Queue)
+    _done: threading.Event = field(default_factory=threading.Event)
+
+    def _emit(self, ev: Event) -> None:
+        self._queue.put(ev)
+        if self.on_event is not None:
+            try:
+                self.on_event(ev)
+            except Exception:                       # noqa: BLE001  (a listener gone: stop)
+                self.cancelled = True
+        if ev.finish_reason is not None:
+            self._done.set()
+
+    def events(self, timeout: float | None = None):
+        """Events as they come, the last one with finish_reason; a TimeoutError when none
+        comes within `timeout` seconds."""
+        while True:
+            try:
+                ev = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.id}: no event within {timeout} s") from None
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """The finished request (raises what failed it)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id}: not finished within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        text = self.stream.text if self.stream is not None else ""
+        return Completion(text, list(self.token_ids), self.finish_reason, len(self.prompt_ids), self.n_new)
+
+    def cancel(self) -> None:
+        """Stop generating (the request finishes with finish_reason "cancelled")."""
+        self.cancelled = True
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
+def batch_buckets(max_batch: int) -> tuple:
+    """Powers of two below max_batch, then max_batch."""
+    out = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
+    return tuple(out + [max_batch])
+
+
+class Scheduler:
+    """Runs `model` (a CausalLM) for many requests at once, up to `max_batch` in one decode
+    batch. Use as a context manager or call close()."""
+
+    def __init__(self, model, max_batch: int = 8):
+        self.model = model
+        self.max_batch = int_arg("max_batch", max_batch, lo=1)
+        self.buckets = batch_buckets(self.max_batch)
+        self._cv = threading.Condition()
+        self._waiting: collections.deque = collections.deque()
+        self._active: list = []
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self._decode = None
+        self.cache: BatchCache | None = None
+        self.steps = 0                         # decode steps run (a test sees batching happen)
+        self.max_rows = 0                      # most requests decoded in one step
+
+    # -- submission
+    def submit(self, prompt, params: SamplingParams | None = None, on_event=None, chat: bool = False,
+               **kw) -> Request:
+        """Queue a request: prompt text (chat=True: in the chat template) or token ids;
+        `params` or SamplingParams.checked's keywords. `on_event(Event)` is called from the
+        scheduler thread as events come (keep it short)."""
+        if params is None:
+            params = SamplingParams.checked(**kw)
+        elif kw:
+            raise ModelError(f"pass either params or sampling keywords, not both ({sorted(kw)})")
+        on_event = callable_arg("on_event", on_event)
+        m = self.model
+        if isinstance(prompt, str):
+            ids = m.encode_prompt(prompt, bool_arg("chat", chat))
+        else:
+            if chat:
+                raise ModelError("chat=True goes with a text prompt (use model.encode_chat for messages)")
+            ids = prompt
+        rows, one = token_rows("prompt", ids, m.vocab_size)
+        if not one:
+            raise ModelError("prompt must be one sequence of token ids (submit each row)")
+        ids = rows[0]
+        m._check_length(len(ids))
+        if params.stop and m.tokenizer is None:
+            raise ModelError(f"{m.source} has no tokenizer: stop strings cannot be matched")
+        req = Request(f"req-{next(self._ids)}", list(ids), params, on_event)
+        with self._cv:
+            if self._closed:
+                raise ModelError("the scheduler is closed")
+            self._waiting.append(req)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="rlx-scheduler", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return req
+
+    def generate(self, prompt, timeout: float | None = None, **kw) -> str:
+        """The new text for one text prompt (as CausalLM.generate), through the batch."""
+        return self.submit(prompt, **kw).result(timeout).text
+
+    def close(self, timeout: float | None = 30) -> None:
+        """Finish: waiting and running requests end "cancelled"; the thread stops."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._waiting) + len(self._active)
+
+    def memory_report(self) -> dict:
+        """The model's memory_report with this scheduler's KV cache and decode runners."""
+        from .memory import memory_report
+
+        with self.model._lock:
+            stores = [self.cache.store] if self.cache is not None else []
+            return memory_report(self.model, stores, [self._decode] if self._decode else [])
+
+    # -- the scheduler thread
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not self._waiting and not self._active:
+                    self._cv.wait()
+                if self._closed:
+                    leftover = list(self._waiting) + self._active
+                    self._waiting.clear()
+                    self._active = []
+                    break
+                room = self.max_batch - len(self._active)
+                new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            with self.model._lock:
+                for r in new:
+                    self._guard([r], self._admit, r)
+                self._drop_cancelled()
+                if self._active:
+                    self._guard(list(self._active), self._step)
+                with self._cv:
+                    idle = not self._waiting
+                if idle and self._active:
+                    self._guard(list(self._active), self._fit)
+        for r in leftover:
+            self._finish(r, "cancelled")
+        if self.cache is not None:
+            self.cache.clear()
+
+    def _guard(self, reqs: list, fn, *a) -> None:
+        """Run fn; an error fails `reqs` (a request's own problem, or a step's: every row)."""
+        try:
+            fn(*a)
+        except Exception as e:                                   # noqa: BLE001  (handed over)
+            err = e if isinstance(e, RlxError) else ModelError(f"{type(e).__name__}: {e}")
+            err.__cause__ = e
+            for r in reqs:
+                if not r.done:
+                    r.error = err
+                    self._finish(r, "error")
+
+    def _decode_exe(self):
+        if self._decode is None:
+            from ..pipeline import StateStore
+
+            exe = self.model.executable_over("decode", StateStore())
+            specs = {n.name: n.outs[0] for n in exe.mir.nodes if n.op == "state"}
+            self.cache = BatchCache(self.model.backend, specs, exe.input_specs["ids"].dims[0])
+            exe.states = self.cache.store
+            self._decode = exe
+        return self._decode
+
+    def _bucket(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    def _fit(self, extra_ctx: int = 0, extra_row: bool = False) -> None:
+        """Size the cache for the running requests (+ one being admitted), rows compacted."""
+        self._decode_exe()
+        rows = len(self._active) + extra_row
+        batch = self._bucket(max(rows, 1))
+        ctx = max([r.ctx for r in self._active] + [extra_ctx])
+        c = self.cache
+        if (c.batch, c.ctx) == (batch, ctx) and all(r.slot == i for i, r in enumerate(self._active)):
+            return
+        if extra_row and c.batch >= batch and c.ctx >= ctx:
+            return                                   # room already: grow only when needed
+        moves = [(r.slot, i, r.length) for i, r in enumerate(self._active)]
+        c.resize(batch, ctx, moves)
+        for i, r in enumerate(self._active):
+            r.slot = i
+
+    def _admit(self, r: Request) -> None:
+        m, p = self.model, r.params
+        n = len(r.prompt_ids)
+        r.max_new = min(p.max_tokens, m.max_positions - n)
+        r.rng = np.random.default_rng(p.seed)
+        r.stream = StopText(m.tokenizer, p.stop) if m.tokenizer is not None else None
+        if r.cancelled or r.max_new == 0:
+            self._finish(r, "cancelled" if r.cancelled else "length")
+            return
+        r.ctx = min(-(-(n + r.max_new) // CTX_BUCKET) * CTX_BUCKET, m.max_positions)
+        prefill = m.executable("prefill")
+        prefill.fixed_dims = {"ctx": r.ctx}
+        ids = np.asarray([r.prompt_ids], np.int64)
+        logits = prefill.run({"ids": ids, "positions": np.arange(n, dtype=np.int64)[None],
+                              "key_mask": np.ones((1, 1, 1, n), bool),
+                              "cache_pos": np.zeros(1, np.int32)})["logits"][:, -1]
+        self._fit(extra_ctx=r.ctx, extra_row=True)
+        used = {q.slot for q in self._active}
+        r.slot = next(i for i in range(self.cache.batch) if i not in used)
+        self.cache.place(r.slot, m.states, n)
+        r.length = n
+        self._active.append(r)
+        self._active.sort(key=lambda q: q.slot)
+        self._take(r, logits)
+
+    def _step(self) -> None:
+        exe, c = self._decode_exe(), self.cache
+        b, ctx = c.batch, c.ctx
+        ids = np.zeros((b, 1), np.int64)
+        pos = np.zeros((b, 1), np.int64)
+        cache_pos = np.zeros(b, np.int32)
+        mask = np.zeros((b, ctx), bool)
+        mask[:, 0] = True                     # an idle row attends to one stale key, not none
+        for r in self._active:
+            ids[r.slot, 0], pos[r.slot, 0], cache_pos[r.slot] = r.last, r.length, r.length
+            mask[r.slot, :r.length + 1] = True
+        exe.fixed_dims = {"ctx": ctx}
+        logits = exe.run({"ids": ids, "positions": pos, "key_mask": mask[:, None, None, :],
+                          "cache_pos": cache_pos})["logits"][:, -1]
+        self.steps += 1
+        self.max_rows = max(self.max_rows, len(self._active))
+        for r in list(self._active):
+            r.length += 1
+            self._guard([r], self._take, r, logits[r.slot:r.slot + 1])
+
+    def _take(self, r: Request, logits) -> None:
+        """Choose r's next token from its logits [1, vocab] and pass it on."""
+        if not np.isfinite(logits).all():
+            raise ModelError(f"{self.model.source}: non-finite logits for request {r.id}")
+        p, eos = r.params, self.model.eos_ids
+        lg = process_logits(logits, n_new=r.n_new, min_new_tokens=p.min_tokens, eos_ids=eos)
+        tok = int(choose(lg, r.rng, p.do_sample, p.temperature, p.top_k, p.top_p)[0])
+        r.n_new += 1
+        r.last = tok
+        if tok in eos and not p.ignore_eos:
+            self._finish(r, "stop")
+            return
+        r.token_ids.append(tok)
+        text, stopped = r.stream.push(tok) if r.stream is not None else ("", False)
+        if stopped:
+            self._finish(r, "stop", [tok], text)
+        elif r.n_new >= r.max_new or r.length + 1 > self.model.max_positions:
+            self._finish(r, "length", [tok], text)
+        elif r.cancelled:
+            self._finish(r, "cancelled", [tok], text)
+        else:
+            r._emit(Event([tok], text))
+
+    def _drop_cancelled(self) -> None:
+        for r in [q for q in self._active if q.cancelled]:
+            self._finish(r, "cancelled")
+
+    def _finish(self, r: Request, reason: str, tokens=(), text: str = "") -> None:
+        if r.done:
+            return
+        if r in self._active:
+            self._active.remove(r)
+        if r.stream is not None and reason != "error":
+            text += r.stream.finish()
+        r.finish_reason = reason
+        r._emit(Event(list(tokens), text, reason, r.error))
+
+
+__all__ = ["Scheduler", "SamplingParams", "Request", "Event", "Completion", "batch_buckets",
+           "FINISH_REASONS"]
+
