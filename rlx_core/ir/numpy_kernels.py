@@ -243,15 +243,16 @@ def _rope(a, out, x, cos, sin):
     put(out[0], rope_apply(x, cos, sin, a["style"]))
 
 
-def attention_mask(a, b, sq, sk, mask=None, pos=None):
-    """Boolean keep-mask [B|1,1,Sq,Sk] (or None) and an additive bias (or None)."""
+def attention_mask(a, b, sq, sk, mask=None, pos=None, q0=0, sq_total=None):
+    """Boolean keep-mask [B|1,1,Sq,Sk] (or None) and an additive bias (or None); for a block
+    of query rows, `q0` is its first row and `sq_total` the rows of the whole query."""
     kind = MaskKind(a["mask_kind"])
     keep = None
     if kind in (MaskKind.CAUSAL, MaskKind.SLIDING_WINDOW):
         if pos is not None:
-            qpos = pos.astype(np.int64)[:, None] + np.arange(sq)[None, :]
+            qpos = pos.astype(np.int64)[:, None] + q0 + np.arange(sq)[None, :]
         else:
-            qpos = (sk - sq + np.arange(sq))[None, :]
+            qpos = (sk - (sq_total or sq) + q0 + np.arange(sq))[None, :]
         kpos = np.arange(sk)
         keep = kpos[None, None, :] <= qpos[:, :, None]
         if kind is MaskKind.SLIDING_WINDOW:
@@ -266,8 +267,33 @@ def attention_mask(a, b, sq, sk, mask=None, pos=None):
     return keep, bias
 
 
+# score elements one attention block may hold: past it the query rows go in blocks, so a
+# long joint sequence (FLUX: 4608 tokens, 24 heads) never holds its whole [heads, S, S]
+_ATTN_BLOCK = 1 << 22
+
+
 def attention_core(a, q, k, v, mask=None, pos=None):
     qf, kf, vf = up(q), up(k), up(v)
+    b, h, sq, d = qf.shape
+    sk = kf.shape[2]
+    rows = max(1, _ATTN_BLOCK // max(1, h * sk))
+    if b * sq <= rows:
+        return _attention_block(a, qf, kf, vf, mask, pos)
+    out = np.empty((b, h, sq, vf.shape[-1]), np.result_type(qf.dtype, vf.dtype))
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    for i in range(b):
+        m_b = None if mask is None else mask[min(i, mask.shape[0] - 1)][None]
+        p_b = None if pos is None else pos[i:i + 1]
+        for s0 in range(0, sq, rows):
+            s1 = min(sq, s0 + rows)
+            m = None if m_b is None else (m_b if m_b.shape[2] == 1 else m_b[:, :, s0:s1])
+            out[i:i + 1, :, s0:s1] = _attention_block(a, qf[i:i + 1, :, s0:s1], kf[i:i + 1], vf[i:i + 1],
+                                                      m, p_b, s0, sq)
+    return out
+
+
+def _attention_block(a, qf, kf, vf, mask=None, pos=None, q0=0, sq_total=None):
     b, h, sq, d = qf.shape
     kvh, sk = kf.shape[1], kf.shape[2]
     g = h // kvh
@@ -279,7 +305,7 @@ def attention_core(a, q, k, v, mask=None, pos=None):
     if a["softcap"]:
         cap = np.asarray(a["softcap"], s.dtype)
         s = np.tanh(s / cap) * cap
-    keep, bias = attention_mask(a, b, sq, sk, mask, pos)
+    keep, bias = attention_mask(a, b, sq, sk, mask, pos, q0, sq_total)
     if bias is not None or keep is not None:
         s = s.reshape(b, h, sq, sk)
         if bias is not None:
