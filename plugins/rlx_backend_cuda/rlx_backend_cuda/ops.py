@@ -85,6 +85,15 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None) 
         a = b.contiguous(a, od)
     if w.dt is not od:
         w = b.contiguous(w, od)
+    if (len(out.shape) > 2 and w.arr.ndim == 2 and not ta and a.shape[:-1] == out.shape[:-1]
+            and a.contiguous() and out.contiguous() and (swiglu is None or swiglu.contiguous())):
+        # x [..., M, K] @ one weight: all leading rows as one GEMM, so the weight is read once
+        # for the batch (a strided batch of M=1 products re-reads it per row)
+        rows = math.prod(out.shape[:-1])
+
+        def flat(v):
+            return V(v.arr.reshape(rows, v.shape[-1]), v.dt)
+        return _matmul(b, flat(a), w, False, tb, flat(out), None if swiglu is None else flat(swiglu))
     A = a.arr.swapaxes(-1, -2) if ta else a.arr
     Bm = w.arr.swapaxes(-1, -2) if tb else w.arr
     M, K = A.shape[-2], A.shape[-1]
