@@ -773,6 +773,45 @@ def embed_cmd(model_name: str, texts: tuple, file: str | None, json_out: bool, b
                   echo=click.echo)
 
 
+# ============================================================================ rlx serve
+@main.command("serve")
+@click.argument("model_names", metavar="MODEL...", nargs=-1, required=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind (0.0.0.0 exposes the server to the network).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to bind.")
+@click.option("--max-batch", type=click.IntRange(1, 1024), default=8, show_default=True,
+              help="Most requests one causal model decodes in one batch.")
+@click.option("--max-tokens", "default_max_tokens", type=click.IntRange(1), default=None,
+              help="Chat completions' max_tokens when a request gives none. Default: the context left.")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+              default="info", show_default=True, help="uvicorn's log level.")
+@model_profile_option
+@backend_option
+def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_max_tokens: int | None,
+              log_level: str, profile: str | None, backend: str | None) -> None:
+    """Serve MODEL(s) over OpenAI's HTTP API: /v1/models, /v1/completions,
+    /v1/chat/completions (streaming too), /v1/embeddings (encoder models such as `minilm`).
+
+    Each model is requested by its name as given here. Concurrent requests share a causal
+    model's decode batch (continuous batching). Needs the serve extra:
+    pip install 'rlx-core[serve]'.
+    """
+    import time
+
+    from . import serve
+    from .runtime.model import load
+
+    serve.require()
+    models = {}
+    for name in model_names:
+        t0 = time.perf_counter()
+        m = models[name] = load(name, backend=backend, profile=profile)
+        click.echo(f"[{name}: {m.config.get('model_type')}, backend {m.backend.name}; loaded in "
+                   f"{time.perf_counter() - t0:.1f}s]", err=True)
+    click.echo(f"[serving {', '.join(models)} on http://{host}:{port}/v1 (max batch {max_batch})]", err=True)
+    serve.run(models, host, port, max_batch, log_level, default_max_tokens)
+
+
 @main.command("quantize")
 @click.argument("src", metavar="SRC")
 @click.argument("dst", metavar="DST")

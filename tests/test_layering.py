@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CORE = ROOT / "rlx_core"
 # lowest first; a module sits on the floor of its first path component under rlx_core
 FLOORS = [("ir", "version", "cache", "progress"), ("passes",), ("pipeline", "profile", "profiler"),
-          ("plugins", "backends"), ("flow", "weights", "runtime"), ("inspection", "bisection", "testing"),
+          ("plugins", "backends"), ("flow", "weights", "runtime"), ("inspection", "bisection", "testing", "serve"),
           ("cli",)]
 FLOOR_OF = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
 

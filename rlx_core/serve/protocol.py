@@ -1,0 +1,221 @@
+"""OpenAI's HTTP API as plain Python: checking request bodies into scheduler arguments and
+shaping responses, chunks and errors. No web framework here (rlx_core.serve.app has it), so
+it is tested and imported without the `serve` extra."""
+from __future__ import annotations
+
+import base64
+import math
+import time
+import uuid
+
+import numpy as np
+
+from ..ir.errors import RlxError
+from ..runtime.scheduler import SamplingParams
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error JSON with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+              dict: "an object"}
+
+
+def field(body: dict, name: str, kinds: tuple, default=None, lo=None, hi=None):
+    """body[name] checked: one of `kinds` (bool is not a number), in [lo, hi]."""
+    v = body.get(name, default)
+    if v is None:
+        return default
+    ok = isinstance(v, kinds) and not (isinstance(v, bool) and bool not in kinds)
+    if ok and isinstance(v, (int, float)) and not isinstance(v, bool):
+        ok = math.isfinite(v) and (lo is None or v >= lo) and (hi is None or v <= hi)
+    if not ok:
+        want = "a number" if float in kinds else " or ".join(KIND_NAMES[k] for k in kinds)
+        rng = f" in [{lo}, {hi}]" if lo is not None and hi is not None else (
+            f" >= {lo}" if lo is not None else "")
+        raise bad(f"'{name}' must be {want}{rng}, got {v!r}"[:300], name)
+    return v
+
+
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False),
+               "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+               "logit_bias": (None, {}), "response_format": (None, {"type": "text"})}
+
+
+def sampling(body: dict, prompt_tokens: int, context: int, default_max: int | None) -> SamplingParams:
+    """SamplingParams from a completions or chat body; a 400 naming the field when bad, and
+    when the prompt and max_tokens do not fit the model's context."""
+    for name, allowed in UNSUPPORTED.items():
+        if name in body and body[name] not in allowed:
+            raise bad(f"'{name}' is not supported by this server", name)
+    if field(body, "n", (int,), 1, lo=1) != 1:
+        raise bad("only n=1 is supported", "n")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = field(body, name, (int,), None, lo=1)
+    room = context - prompt_tokens
+    if prompt_tokens > context or room < 1:
+        raise bad(f"This model's maximum context length is {context} tokens; the prompt has "
+                  f"{prompt_tokens} tokens, leaving no room for a completion", "messages"
+                  if "messages" in body else "prompt")
+    if max_tokens is None:
+        max_tokens = room if default_max is None else min(default_max, room)
+    elif prompt_tokens + max_tokens > context:
+        raise bad(f"This model's maximum context length is {context} tokens; you requested "
+                  f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} "
+                  f"for the completion)", name)
+    temperature = field(body, "temperature", (int, float), 1.0, lo=0, hi=2)
+    top_p = field(body, "top_p", (int, float), 1.0, lo=0, hi=1)
+    if top_p == 0:
+        raise bad("'top_p' must be > 0", "top_p")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise bad("'stop' must be a non-empty string or a list of at most 4 of them", "stop")
+    seed = field(body, "seed", (int,), None)
+    try:
+        return SamplingParams.checked(max_tokens=max_tokens, do_sample=temperature > 0,
+                                      temperature=temperature if temperature > 0 else 1.0,
+                                      top_k=None, top_p=top_p, seed=None if seed is None else abs(seed),
+                                      stop=stop)
+    except RlxError as e:
+        raise bad(str(e)) from None
+
+
+def stream_flags(body: dict) -> tuple:
+    """(stream, include_usage)."""
+    stream = field(body, "stream", (bool,), False)
+    opts = field(body, "stream_options", (dict,), None)
+    if opts is not None and not stream:
+        raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    usage = bool(field(opts or {}, "include_usage", (bool,), False))
+    return stream, usage
+
+
+def message_text(m, i: int) -> dict:
+    """One chat message as {"role", "content": str} (content parts of type text joined)."""
+    if not isinstance(m, dict):
+        raise bad(f"messages[{i}] must be an object", "messages")
+    role = m.get("role")
+    if role not in ("system", "developer", "user", "assistant"):
+        raise bad(f"messages[{i}].role must be system, user or assistant, got {role!r}", "messages")
+    c = m.get("content")
+    if isinstance(c, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in c):
+            raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+        c = "".join(p["text"] for p in c)
+    if c is None and role == "assistant":
+        c = ""
+    if not isinstance(c, str):
+        raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    return {"role": "system" if role == "developer" else role, "content": c}
+
+
+def chat_messages(body: dict) -> list:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty array", "messages")
+    return [message_text(m, i) for i, m in enumerate(msgs)]
+
+
+def completion_prompts(body: dict) -> list:
+    """The prompts of a completions body: strings or token-id lists (one or several)."""
+    p = body.get("prompt")
+    if isinstance(p, str) or (isinstance(p, list) and p and all(type(x) is int for x in p)):
+        return [p]
+    if isinstance(p, list) and p and all(isinstance(x, str) or (
+            isinstance(x, list) and x and all(type(t) is int for t in x)) for x in p):
+        return list(p)
+    raise bad("'prompt' must be a string, an array of strings, or token ids", "prompt")
+
+
+def embedding_inputs(body: dict) -> list:
+    x = body.get("input")
+    if isinstance(x, str) or (isinstance(x, list) and x and all(type(t) is int for t in x)):
+        return [x]
+    if isinstance(x, list) and x and all(isinstance(t, str) or (
+            isinstance(t, list) and t and all(type(i) is int for i in t)) for t in x):
+        return list(x)
+    raise bad("'input' must be a non-empty string, array of strings, or token ids", "input")
+
+
+def embedding_format(body: dict) -> str:
+    fmt = field(body, "encoding_format", (str,), "float")
+    if fmt not in ("float", "base64"):
+        raise bad("'encoding_format' must be 'float' or 'base64'", "encoding_format")
+    if body.get("dimensions") is not None:
+        raise bad("'dimensions' is not supported by this server", "dimensions")
+    return fmt
+
+
+def embedding_value(row: np.ndarray, fmt: str):
+    row = np.asarray(row, np.float32)
+    if fmt == "base64":
+        return base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
+    return row.tolist()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_body(rid: str, model: str, choices: list, use: dict, chat: bool) -> dict:
+    """choices: (index, text, finish_reason)."""
+    if chat:
+        out = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": f,
+                "logprobs": None} for i, t, f in choices]
+    else:
+        out = [{"index": i, "text": t, "finish_reason": f, "logprobs": None} for i, t, f in choices]
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": out, "usage": use,
+            "system_fingerprint": None}
+
+
+def chunk_body(rid: str, model: str, index: int, text: str | None, finish: str | None, chat: bool,
+               role: bool = False, use: dict | None = None, created: int | None = None) -> dict:
+    """One streamed chunk (no choices, only usage, when `use` is given)."""
+    if use is not None:
+        choices = []
+    elif chat:
+        delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+        choices = [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]
+    else:
+        choices = [{"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}]
+    out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+           "created": created or int(time.time()), "model": model, "choices": choices}
+    if use is not None:
+        out["usage"] = use
+    return out
+
+
+def finish_reason(reason: str) -> str:
+    """OpenAI's finish reasons: stop or length (a cancelled request never answers)."""
+    return "length" if reason == "length" else "stop"
+
+
+__all__ = ["ApiError", "bad", "field", "sampling", "stream_flags", "chat_messages", "completion_prompts",
+           "embedding_inputs", "embedding_format", "embedding_value", "new_id", "usage",
+           "completion_body", "chunk_body", "finish_reason"]
