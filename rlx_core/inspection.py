@@ -130,7 +130,8 @@ class Inspection:
     def header(self) -> dict:
         m, recipe = self.model, self.model.recipe
         return {"target": self.target, "path": self.path, "format": self.fmt,
-                "model_type": m.config.get("model_type"), "recipe": getattr(recipe, "name", ""),
+                "model_type": m.config.get("model_type") or m.config.get("_class_name"),
+                "recipe": getattr(recipe, "name", ""),
                 "recipe_class": type(recipe).__name__, "model_class": type(m).__name__,
                 "mode": self.mode, "graph": self.built.graph.name, "profile": m.profile.name,
                 "backend": m.backend.name, "layers": m.config.get("num_hidden_layers")}
@@ -157,6 +158,19 @@ class Inspection:
             out.append({"layer": layer, "stage": r.name, "key": r.key, "depth": r.depth,
                         "hir_nodes": [r.start, r.end], "ops": dict(sorted(ops.items()))})
         return out
+
+    def streams(self) -> list:
+        """Each stream of the flow (rlx_core.flow.stream): the input it was bound to, and the
+        stages that wrote and read it with their layers."""
+        out: dict = {}
+        for r in getattr(self.built, "streams", ()):
+            row = out.setdefault(r.stream, {"stream": r.stream, "bound_to": "", "written_by": {}, "read_by": {}})
+            if r.source:
+                row["bound_to"] = r.source
+            layers = row["written_by" if r.action == "write" else "read_by"].setdefault(r.stage, [])
+            if r.layer not in layers:
+                layers.append(r.layer)
+        return list(out.values())
 
     def passes(self) -> list:
         rows = [{"pass": "input", "level": self.built.graph.level, "nodes": len(self.built.graph.nodes),
@@ -256,7 +270,7 @@ class Inspection:
     def report(self) -> dict:
         """Everything, as JSON-ready data (`rlx inspect MODEL --json`)."""
         return {"model": self.header(), "config": self.config(), "stages": self.stages(),
-                "passes": self.passes(), "fusion": self.fusion(), "legalized": self.legalized(),
+                "streams": self.streams(), "passes": self.passes(), "fusion": self.fusion(), "legalized": self.legalized(),
                 "lir": self.buffers() if self.lir is not None else None,
                 "params": self.params(),
                 "placement": {"backend": self.pipe.backend.name,
@@ -316,6 +330,16 @@ def _stages_text(rows: list) -> str:
     return out + " ]" * depth
 
 
+def _layer_span(layers: list) -> str:
+    """[None] -> 'outside layers', [0, 1, 2] -> 'layers 0-2', mixed -> both."""
+    ints = sorted(x for x in layers if isinstance(x, int))
+    parts = ["outside layers"] if any(x is None for x in layers) else []
+    if ints:
+        parts.append(layers_text(ints) if ints == list(range(ints[0], ints[-1] + 1)) else
+                     "layers " + ",".join(map(str, ints)))
+    return ", ".join(parts)
+
+
 def report_text(rep: dict, nodes_of: set | None = None) -> str:
     """The report as text; with `nodes_of` (a set of layers, or every layer when empty) the
     placement of each of those nodes is listed too."""
@@ -335,6 +359,15 @@ def report_text(rep: dict, nodes_of: set | None = None) -> str:
     lines.append("\n# stages the flow emitted, by layer (HIR nodes each added; [ ]: stages inside one)")
     for keys, sig in _runs([(layer, _stages_text(rs)) for layer, rs in _by_layer(rep["stages"])]):
         lines.append(f"  {layers_text(keys):<14} {sig}")
+
+    if rep.get("streams"):
+        lines.append("\n# streams (bound to an input; stages writing / reading each, by layer)")
+        for st in rep["streams"]:
+            lines.append(f"  {st['stream']}" + (f" <- {st['bound_to']}" if st["bound_to"] else ""))
+            for what in ("written_by", "read_by"):
+                if st[what]:
+                    lines.append(f"    {what.replace('_', ' ')}: " + ", ".join(
+                        f"{name} ({_layer_span(ls)})" for name, ls in st[what].items()))
 
     p = rep["passes"]
     lines.append(f"\n# passes: {p[0]['level'].upper()} {p[0]['nodes']} nodes -> {p[-1]['level'].upper()} "

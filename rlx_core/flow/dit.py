@@ -101,7 +101,7 @@ def plain_layer_norm(m, x, eps: float):
 
 
 @attrs.frozen
-class AdaLNModulation:
+class AdaLnModulation:
     """Shared modulation: linear(silu(stream `cond`)) at `key`, split into n vectors kept in
     the flow state under `name` for the blocks that read them (FLUX.2)."""
     cond: str
@@ -204,9 +204,9 @@ def joint_attention(ctx, parts: list, rope: str | None = "rope", scale: float | 
 
 
 DIT_BLOCKS = {"timestep_embed": TimestepEmbed, "condition_mlp": ConditionMlp,
-              "adaln_modulation": AdaLNModulation, "ada_norm_out": AdaNormOut,
+              "adaln_modulation": AdaLnModulation, "ada_norm_out": AdaNormOut,
               "multi_axis_rope": MultiAxisRope}
 
-__all__ = ["TimestepEmbed", "ConditionMlp", "AdaLNModulation", "AdaNormOut", "MultiAxisRope", "DIT_BLOCKS",
+__all__ = ["TimestepEmbed", "ConditionMlp", "AdaLnModulation", "AdaNormOut", "MultiAxisRope", "DIT_BLOCKS",
            "sinusoidal", "modulation", "modulate", "plain_layer_norm", "to_heads", "joint_attention", "linear",
            "mlp2", "rope_inv_freq", "sinusoid_freqs"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from rlx_core.flow import ModelFlow
-from rlx_core.flow.dit import AdaLNModulation, AdaNormOut, ConditionMlp, MultiAxisRope, TimestepEmbed
+from rlx_core.flow.dit import AdaLnModulation, AdaNormOut, ConditionMlp, MultiAxisRope, TimestepEmbed
 from rlx_core.flow.stream import IMG, MAIN, TXT
 from rlx_core.ir.dtype import F32
 from rlx_core.profile import CompileProfile
@@ -63,7 +63,7 @@ class FluxFlow:
             for key, n, name in (("double_stream_modulation_img", 6, "mod.img"),
                                  ("double_stream_modulation_txt", 6, "mod.txt"),
                                  ("single_stream_modulation", 3, "mod.single")):
-                f.raw_stage(AdaLNModulation(TEMB, f"{key}.linear", n, name))
+                f.raw_stage(AdaLnModulation(TEMB, f"{key}.linear", n, name))
         return f
 
     def flow(self) -> ModelFlow:
