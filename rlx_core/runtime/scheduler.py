@@ -171,6 +171,7 @@ class Scheduler:
         self._ids = itertools.count()
         self._decode = None
         self.cache: BatchCache | None = None
+        self.submitted = 0                     # requests taken in
         self.steps = 0                         # decode steps run (a test sees batching happen)
         self.max_rows = 0                      # most requests decoded in one step
 
@@ -204,6 +205,7 @@ class Scheduler:
             if self._closed:
                 raise ModelError("the scheduler is closed")
             self._waiting.append(req)
+            self.submitted += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="rlx-scheduler", daemon=True)
                 self._thread.start()
