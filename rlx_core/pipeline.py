@@ -524,9 +524,17 @@ class Executable:
         arrays = {k: numeric(f"input {k!r}", v, specs[k].dtype) for k, v in inputs.items()}
         return self.runner(env), arrays, env
 
-    def run(self, inputs: dict | None = None, **kw) -> dict:
+    def run(self, inputs: dict | None = None, fetch=None, **kw) -> dict:
+        """Outputs by name; `fetch` (names) returns only those, and a backend whose outputs
+        live on a device copies back only those (greedy decode: ids, not [batch, vocab])."""
+        if fetch is not None:
+            fetch = tuple(fetch)
+            unknown = sorted(set(fetch) - {n for n, _ in self.mir.outputs})
+            if unknown:
+                raise GraphError(f"graph {self.mir.name!r}: no output(s) {unknown} to fetch; outputs: "
+                                 f"{[n for n, _ in self.mir.outputs]}")
         runner, arrays, _ = self.prepare(dict(inputs or {}, **kw))
-        return runner.run(arrays)
+        return runner.run(arrays) if fetch is None else runner.run_fetch(arrays, fetch)
 
     __call__ = run
 

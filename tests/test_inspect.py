@@ -111,7 +111,7 @@ def test_smollm2_json_names_every_layers_stages(smollm2_report):
                                ("rms_norm", "post_attention_layernorm.weight"), ("swiglu_mlp", "mlp"),
                                ("residual_add", "")], i
     assert ("token_embed", "model.embed_tokens.weight") in by_layer["before"]
-    assert [s for s, _ in by_layer["after"]] == ["rms_norm", "gather_last_token", "lm_head"]
+    assert [s for s, _ in by_layer["after"]] == ["rms_norm", "gather_last_token", "lm_head", "greedy_next"]
     # stage records cover the HIR: each node was added by exactly one top-level stage
     top = sorted(tuple(s["hir_nodes"]) for s in rep["stages"] if s["depth"] == 0)
     assert top[0][0] == 0 and all(a[1] == b[0] for a, b in zip(top, top[1:]))
@@ -322,7 +322,8 @@ def test_flow_records_stages_by_layer_and_nesting(tiny_model):
         layers[r.layer].append(r.name)
         assert 0 <= r.start <= r.end <= len(built.graph.nodes)
     assert layers[0] == layers[1] and "self_attention" in layers[1]
-    assert layers[None] == ["input"] * 4 + ["token_embed", "rms_norm", "gather_last_token", "lm_head"]
+    assert layers[None] == ["input"] * 4 + ["token_embed", "rms_norm", "gather_last_token", "lm_head",
+                                                   "greedy_next"]
     fused = Llama32Flow(LLAMA).fused_layers().flow().build(tiny_model.tensors, LLAMA)
     inner = [(r.layer, r.name, r.depth) for r in fused.stages if r.layer == 1]
     assert inner == [(1, "llama_layer_fused", 0), (1, "self_attention", 1)]

@@ -32,6 +32,12 @@ class Runner(abc.ABC):
     def run(self, inputs: dict) -> dict:
         """Run once; returns fresh numpy arrays (the arena is reused by the next run)."""
 
+    def run_fetch(self, inputs: dict, names: tuple) -> dict:
+        """run() returning only the outputs `names`; a device backend overrides it to copy
+        back only those."""
+        out = self.run(inputs)
+        return {k: out[k] for k in names}
+
     def run_profiled(self, inputs: dict) -> tuple:
         """Run once timing every step: (outputs, [(node index, seconds), ...] in run order; a
         node may have several steps). The profiler (`Executable.profile`) builds on this alone,

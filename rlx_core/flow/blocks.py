@@ -286,11 +286,25 @@ class Tap:
         return x
 
 
+@attrs.frozen
+class GreedyNext:
+    """Outputs `ids` (the arg-max over the vocabulary) and `check` (the logits' sum, finite
+    exactly when every logit is) beside the logits: a greedy decode step then fetches a few
+    bytes per row from the device instead of the whole [batch, vocab] logits."""
+    ids: str = "next_ids"
+    check: str = "logits_sum"
+
+    def emit(self, ctx, x):
+        ctx.outputs[self.ids] = ctx.m.argmax(x, axis=-1)
+        ctx.outputs[self.check] = ctx.m.sum(ctx.m.cast(x, "f32"), (-1,))
+        return x
+
+
 GENERIC_BLOCKS = {
     "token_embed": TokenEmbed, "rms_norm": RmsNorm, "layer_norm": LayerNorm, "linear": Linear,
     "residual_save": ResidualSave, "residual_add": ResidualAdd, "swiglu_mlp": SwigluMlp,
     "self_attention": lambda **kw: SelfAttention(AttnSpec(**kw)), "gather_last_token": GatherLastToken,
-    "lm_head": LmHead, "tap": Tap,
+    "lm_head": LmHead, "tap": Tap, "greedy_next": GreedyNext,
 }
 
 

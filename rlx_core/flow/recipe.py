@@ -10,6 +10,7 @@ from typing import Callable
 from ..ir.dtype import BOOL, I32, I64
 from ..ir.errors import ModelError
 from ..profile import CompileProfile
+from .blocks import GreedyNext
 from .flow import ModelFlow
 
 MODES = ("prefill", "decode", "logits")
@@ -141,4 +142,6 @@ class DecoderFlow(abc.ABC):
         f = self.head(f)
         for fn in self._patches:
             f = fn(f) or f
+        if self.mode != "logits":            # generation: greedy ids without fetching logits
+            f.raw_stage(GreedyNext())
         return f

@@ -81,6 +81,14 @@ def _pad_batch(rows: list, pad_id: int) -> tuple:
     return ids, mask
 
 
+GREEDY_OUTPUTS = ("next_ids", "logits_sum")       # flow.blocks.GreedyNext
+
+
+def greedy_outputs(exe) -> bool:
+    """Whether a generation graph also gives the greedy ids (every DecoderFlow recipe does)."""
+    return set(GREEDY_OUTPUTS) <= {n for n, _ in exe.mir.outputs}
+
+
 class CausalLM:
     """A decoder-only language model compiled from a recipe's flows.
 
@@ -281,20 +289,36 @@ class CausalLM:
         inputs = self._inputs(ids, mask)
         cols: list = []                          # the new tokens, one column per step
         done = np.zeros(b, bool)
+        greedy = greedy_outputs(decode) and not do_sample
+
+        def step(exe, feed, t):
+            """(None, the greedy ids [b]) from the graph's arg-max when the logits are finite
+            and the ids need no EOS ban (none is an EOS before min_new_tokens: banning only
+            lowers EOS), else (this step's logits [b, vocab], None), the step run again (it
+            writes the same KV rows) to fetch them."""
+            if greedy:
+                out = exe.run(feed, fetch=GREEDY_OUTPUTS)
+                nxt = out["next_ids"][:, -1]
+                if np.isfinite(out["logits_sum"]).all() and (
+                        t >= min_new_tokens or not np.isin(nxt, eos_arr).any()):
+                    return None, nxt
+            return exe.run(feed, fetch=("logits",))["logits"][:, -1], None
+
         t0 = t1 = time.perf_counter()
         if max_new_tokens:
-            logits = prefill.run(inputs, cache_pos=np.zeros(b, np.int32))["logits"][:, -1]
+            logits, nxt = step(prefill, dict(inputs, cache_pos=np.zeros(b, np.int32)), 0)
             t1 = time.perf_counter()
         full_mask = np.zeros((b, ctx), bool)
         full_mask[:, :s] = mask
         positions = inputs["positions"][:, -1:]
         for t in range(max_new_tokens):
-            if not np.isfinite(logits).all():
-                self._check_finite(logits, ids, mask)
-            lg = process_logits(logits, n_new=t, min_new_tokens=min_new_tokens, eos_ids=eos,
-                                inplace=True)       # (this step's logits are ours alone)
-            nxt = choose(lg, rng, do_sample, temperature, top_k, top_p).astype(np.int64)
-            nxt = np.where(done, pad, nxt)
+            if nxt is None:
+                if not np.isfinite(logits).all():
+                    self._check_finite(logits, ids, mask)
+                lg = process_logits(logits, n_new=t, min_new_tokens=min_new_tokens, eos_ids=eos,
+                                    inplace=True)       # (this step's logits are ours alone)
+                nxt = choose(lg, rng, do_sample, temperature, top_k, top_p)
+            nxt = np.where(done, pad, nxt.astype(np.int64))
             cols.append(nxt)
             if stream is not None:
                 stream(nxt.tolist())
@@ -303,9 +327,9 @@ class CausalLM:
                 break
             full_mask[:, s + t] = True
             positions = positions + 1
-            logits = decode.run({"ids": nxt[:, None], "positions": positions,
-                                 "key_mask": full_mask[:, None, None, :],
-                                 "cache_pos": np.full(b, s + t, np.int32)})["logits"][:, -1]
+            logits, nxt = step(decode, {"ids": nxt[:, None], "positions": positions,
+                                        "key_mask": full_mask[:, None, None, :],
+                                        "cache_pos": np.full(b, s + t, np.int32)}, t + 1)
         t2 = time.perf_counter()
         new = np.stack(cols, 1) if cols else np.zeros((b, 0), np.int64)
         steps = max(new.shape[1] - 1, 1)
@@ -319,4 +343,4 @@ class CausalLM:
         return np.concatenate([ids, new], axis=1)
 
 
-__all__ = ["CausalLM", "load", "find_recipe", "resolve_profile", "backend_lock", "KNOWN_PLUGINS"]
+__all__ = ["GREEDY_OUTPUTS", "greedy_outputs", "CausalLM", "load", "find_recipe", "resolve_profile", "backend_lock", "KNOWN_PLUGINS"]

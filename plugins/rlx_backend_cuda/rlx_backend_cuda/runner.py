@@ -342,6 +342,9 @@ class CudaRunner(Runner):
     def run(self, inputs: dict) -> dict:
         return self._run(inputs, None)
 
+    def run_fetch(self, inputs: dict, names: tuple) -> dict:
+        return self._run(inputs, None, set(names))
+
     def run_profiled(self, inputs: dict) -> tuple:
         """run() with the steps launched eagerly and a CUDA event recorded after each (the
         graph replay has no points to time between kernels): (outputs, [(node, seconds)])."""
@@ -359,9 +362,9 @@ class CudaRunner(Runner):
         return out, [(st.node, cp.cuda.get_elapsed_time(a, b) / 1e3)
                      for st, a, b in zip(self.steps, events, events[1:])]
 
-    def _run(self, inputs: dict, launch) -> dict:
+    def _run(self, inputs: dict, launch, fetch: set | None = None) -> dict:
         """Stage the inputs, enqueue the steps (`launch()`, else the CUDA graph or the eager
-        loop), read the outputs back, synchronize once."""
+        loop), read the outputs back (those in `fetch`, default all), synchronize once."""
         cp = device.cupy()
         if self._states_changed():
             self._build()
@@ -391,7 +394,7 @@ class CudaRunner(Runner):
                 oh = self.out_host
                 rt.memcpyAsync(oh.ctypes.data, self.err.data.ptr, 16, rt.memcpyDeviceToHost, s.ptr)
                 for name, v, off, nb in self.outputs:
-                    if nb:
+                    if nb and (fetch is None or name in fetch):
                         rt.memcpyAsync(oh.ctypes.data + off, v.arr.data.ptr, nb, rt.memcpyDeviceToHost, s.ptr)
             s.synchronize()
         except RlxError:
@@ -417,6 +420,8 @@ class CudaRunner(Runner):
             raise ModelError(f"graph {self.name!r} node %{node} ({op}): {msg}")
         out = {}
         for name, v, off, nb in self.outputs:
+            if fetch is not None and name not in fetch:
+                continue
             a = np.array(self.out_host[off:off + nb])
             npdt = v.dt.np
             out[name] = a.view(npdt).reshape(v.shape) if nb else np.zeros(v.shape, npdt)

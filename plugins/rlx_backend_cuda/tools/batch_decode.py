@@ -24,9 +24,12 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--cublas", action="store_true", help="also time each batch with the GEMV off")
+    ap.add_argument("--profile", action="store_true", help="profile a decode step at the largest batch")
     a = ap.parse_args()
     import cupy as cp
 
+    from rlx_backend_cuda import set_config
     from rlx_core.profile import CompileProfile, PrecisionConfig
     from rlx_core.runtime.model import CausalLM
 
@@ -45,9 +48,17 @@ def main():
             model.generate(prompt, max_new_tokens=a.new, min_new_tokens=a.new)
             steps.append(model.last_timings["decode_s_per_token"])
         pool = cp.get_default_memory_pool()
-        print(f"batch {b}: decode {min(steps) * 1e3:.3f} ms/step ({b / min(steps):.0f} tokens/s); "
+        blas = ""
+        if a.cublas:                 # the same steps with cuBLAS where the GEMV would run
+            set_config(gemv=False)
+            model.generate(prompt, max_new_tokens=a.new, min_new_tokens=a.new)
+            blas = f"; cuBLAS only {model.last_timings['decode_s_per_token'] * 1e3:.3f} ms/step"
+            set_config(gemv=True)
+        print(f"batch {b}: decode {min(steps) * 1e3:.3f} ms/step ({b / min(steps):.0f} tokens/s){blas}; "
               f"prefill {model.last_timings['prefill_s'] * 1e3:.1f} ms; first generate {first:.1f}s; "
               f"pool {pool.total_bytes() / 1e9:.2f} GB", flush=True)
+    if not a.profile:
+        return
     dec = model.executable("decode")
     b, s = a.batch[-1], a.prompt
     ctx = dec.fixed_dims["ctx"]
