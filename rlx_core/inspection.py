@@ -267,12 +267,25 @@ class Inspection:
                         "buffer": lir.slot_text(i)})
         return out
 
+    def memory(self) -> dict | None:
+        """Bytes the planned graph holds at the bound dims: resident weights (params and
+        those derived at load), KV cache (states), arena; a running model's own numbers
+        (pool overhead included, on cuda) come from model.memory_report()."""
+        if self.lir is None:
+            return None
+        g = self.lir.graph
+        held = {k: sum(n.outs[0].nbytes() for n in g.nodes if n.op == op)
+                for k, op in (("weights_bytes", "param"), ("kv_bytes", "state"))}
+        out = {**held, "arena_bytes": self.lir.arena_bytes, "dims": self.dims}
+        out["total_bytes"] = out["weights_bytes"] + out["kv_bytes"] + out["arena_bytes"]
+        return out
+
     def report(self) -> dict:
         """Everything, as JSON-ready data (`rlx inspect MODEL --json`)."""
         return {"model": self.header(), "config": self.config(), "stages": self.stages(),
                 "streams": self.streams(), "passes": self.passes(), "fusion": self.fusion(), "legalized": self.legalized(),
                 "lir": self.buffers() if self.lir is not None else None,
-                "params": self.params(),
+                "params": self.params(), "memory": self.memory(),
                 "placement": {"backend": self.pipe.backend.name,
                               "graph": "the LIR above (node ids as in `lir.text()`)",
                               "nodes": self.placement() if self.lir is not None else []}}
@@ -430,6 +443,12 @@ def report_text(rep: dict, nodes_of: set | None = None) -> str:
                 f"{t['name']} {t['scheme']} {human_bytes(t['bytes'])}" for t in members[keys[0]]))
     if pa["not_bound"]:
         lines.append(f"  checkpoint tensors the graph does not read: {pa['not_bound']}")
+
+    mem = rep.get("memory")
+    if mem:
+        lines.append(f"\n# memory at the dims above: weights {human_bytes(mem['weights_bytes'])}, KV cache "
+                     f"{human_bytes(mem['kv_bytes'])}, arena {human_bytes(mem['arena_bytes'])}; total "
+                     f"{human_bytes(mem['total_bytes'])} (a loaded model: model.memory_report())")
 
     pl = rep["placement"]["nodes"]
     if pl:

@@ -164,6 +164,10 @@ def test_smollm2_json_config_plan_and_placement(smollm2_report):
     lir = rep["lir"]
     assert lir["dims"] == {"batch": 1, "ctx": 128, "seq": 16} and lir["defaulted"] == ["batch", "ctx", "seq"]
     assert 0 < lir["liveness_bound_bytes"] <= lir["arena_bytes"]
+    mem = rep["memory"]           # planned: KV [batch, kv_heads, ctx, head_dim] f32, K and V, per layer
+    assert mem["arena_bytes"] == lir["arena_bytes"] and mem["kv_bytes"] == 30 * 2 * 1 * 3 * 128 * 64 * 4
+    assert mem["weights_bytes"] >= rep["params"]["bytes"] * 0.5 and mem["total_bytes"] == sum(
+        mem[k] for k in ("weights_bytes", "kv_bytes", "arena_bytes"))
     nodes = rep["placement"]["nodes"]
     assert [x["node"] for x in nodes] == list(range(len(nodes)))
     assert {x["kernel"] for x in nodes if x["op"] == "dequant_matmul"} == {"dequant_matmul[q4_1]",
@@ -180,7 +184,8 @@ def test_smollm2_text_report():
     out = r.stdout
     heads = [line for line in out.splitlines() if line.startswith("# ")]
     assert [h.split()[1].rstrip(":") for h in heads[2:]] == ["config", "stages", "passes", "fusion",
-                                                             "legalized", "LIR", "params", "placement"]
+                                                             "legalized", "LIR", "params", "memory",
+                                                             "placement"]
     assert "backend numpy" in heads[0]
     assert "# LIR buffer plan (batch=1, ctx=128, seq=8; batch, ctx by default: set with --dim" in out
     assert re.search(r"model\.layers\.0-29 +9 tensors each, 2\.1 MiB each: f32 x2, q4_1 x7", out)

@@ -161,3 +161,18 @@ def test_default_backend_smollm2_mid_decode_stop_and_max_tokens():
         shown = "".join(ev.text for ev in r.events(WAIT))
         c = r.result(WAIT)
     assert c.text == shown == ref[:ref.index(" " + stop)] and c.finish_reason == "stop"
+
+
+def test_memory_report_counts_weights_kv_and_arenas(tiny):
+    tiny.generate([5, 6, 7], max_new_tokens=2)
+    rep = tiny.memory_report()
+    want_w = sum(np.asarray(t, np.float32).nbytes for t in tiny.tensors.values())
+    assert rep["backend"] == "numpy" and rep["weights_bytes"] == want_w
+    assert rep["kv_bytes"] == sum(v.nbytes for v in tiny.states.values()) > 0
+    arenas = sum(exe.lir_cache[k].arena_bytes for exe in tiny._exes.values() for k in exe._runners)
+    assert rep["arena_bytes"] == arenas > 0 and rep["pool_overhead_bytes"] is None
+    assert rep["total_bytes"] == rep["weights_bytes"] + rep["kv_bytes"] + rep["arena_bytes"]
+    with Scheduler(tiny, max_batch=2) as s:
+        s.submit([5, 6], max_tokens=2).result(WAIT)
+        with_cache = s.memory_report()
+        assert with_cache["kv_bytes"] == rep["kv_bytes"] + sum(v.nbytes for v in s.cache.store.values())
