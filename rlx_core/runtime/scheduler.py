@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..ir.errors import ModelError, RlxError
-from .args import bool_arg, callable_arg, float_arg, int_arg, text_arg, token_id, token_rows
+from .args import bool_arg, callable_arg, float_arg, int_arg, text_arg, token_rows
 from .batch_cache import BatchCache
 from .model import CTX_BUCKET
 from .sampling import choose, process_logits
