@@ -14,6 +14,7 @@ weight bytes over the device-to-device copy bandwidth measured in this run (byte
 plus bytes written per second). Prints a table; --json writes every number.
 
     python benchmarks/llm_gpu.py [--layers 16] [--prompt 512] [--new 128] [--json out.json]
+    python benchmarks/llm_gpu.py --batch 1 8 32 64 --prompt 256 --new 64    # batched decode
 """
 from __future__ import annotations
 
@@ -337,7 +338,7 @@ def hf_eager(model, prompt, n_new, reps):
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             torch.cuda.synchronize()
             t1 = time.perf_counter()
-            past, toks = out.past_key_values, [int(nxt)]
+            past, toks = out.past_key_values, [nxt]
             for _ in range(n_new - 1):
                 out = model(nxt, past_key_values=past, use_cache=True)
                 past = out.past_key_values
@@ -345,7 +346,7 @@ def hf_eager(model, prompt, n_new, reps):
                 toks.append(nxt)
             torch.cuda.synchronize()
             t2 = time.perf_counter()
-        return t1 - t0, (t2 - t1) / (n_new - 1), [int(t) for t in toks]
+        return t1 - t0, (t2 - t1) / (n_new - 1), [int(t[0, 0]) for t in toks]      # row 0's tokens
     once()
     runs = [once() for _ in range(reps)]
     return {"prefill_s": statistics.median(r[0] for r in runs), "decode_s": statistics.median(r[1] for r in runs),
@@ -412,6 +413,91 @@ def check(cfg, tensors, n_layers=2, S=32, n_new=6):
     return out
 
 
+# ----------------------------------------------------------------------------- batched decode
+BATCH_SIDES = ("rlx", "hf_eager", "hf_compiled")
+
+
+def batch_child(side: str, a) -> dict:
+    """One side's decode ms/step at each batch of --batch (a process of its own): rows of
+    --prompt random ids, --new greedy tokens; the device memory high-water mark."""
+    import cupy as cp
+    import torch
+
+    cfg = dict(LLAMA_1B, num_hidden_layers=a.layers)
+    tensors = make_weights(cfg)
+    rng = np.random.default_rng(1)
+    prompts = {b: rng.integers(0, cfg["vocab_size"], (b, a.prompt)).astype(np.int64) for b in a.batch}
+    out = {}
+    if side == "rlx":
+        from rlx_core.profile import CompileProfile, PrecisionConfig
+        from rlx_core.runtime.model import CausalLM
+
+        prof = CompileProfile("llama32_bf16", precision=PrecisionConfig(compute="bf16"))
+        model = CausalLM.from_tensors(cfg, tensors, backend="cuda", profile=prof,
+                                      max_context=a.prompt + a.new + 128)
+        del tensors
+        for b, prompt in prompts.items():
+            model.generate(prompt, max_new_tokens=a.new, min_new_tokens=a.new)
+            dec = []
+            for _ in range(a.reps):
+                model.generate(prompt, max_new_tokens=a.new, min_new_tokens=a.new)
+                dec.append(model.last_timings["decode_s_per_token"])
+            out[b] = {"decode_s": statistics.median(dec)}
+        out["peak_bytes"] = cp.get_default_memory_pool().total_bytes()
+        return out
+    model = hf_model(cfg, tensors)
+    del tensors
+    torch.cuda.reset_peak_memory_stats()
+    for b, prompt in prompts.items():
+        t = time.perf_counter()
+        r = (hf_eager if side == "hf_eager" else hf_compiled)(model, prompt, a.new, a.reps)
+        out[b] = {"decode_s": r["decode_s"], "wall_s": time.perf_counter() - t}
+    out["peak_bytes"] = torch.cuda.max_memory_allocated()
+    return out
+
+
+def batch_main(a) -> int:
+    """Each side in its own process, then the table: ms/step and tokens/s per batch, the
+    batch-B step over the batch-1 step, and RLX over each peer at the same batch."""
+    import subprocess
+
+    import torch
+
+    log(f"GPU: {torch.cuda.get_device_name(0)}; Llama-3.2-1B shape ({a.layers} layers), bf16, prompt "
+        f"{a.prompt}, {a.new} new tokens, batches {a.batch}; each side in its own process")
+    res = {}
+    for side in a.sides:
+        cmd = [sys.executable, __file__, "--child", side, "--layers", str(a.layers), "--prompt", str(a.prompt),
+               "--new", str(a.new), "--reps", str(a.reps), "--batch", *map(str, a.batch)]
+        t = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.child_timeout)
+        line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
+        if p.returncode or line is None:
+            log(f"{side}: failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-2500:]}")
+            continue
+        res[side] = {int(k) if k.isdigit() else k: v for k, v in json.loads(line).items()}
+        log(f"{side}: done in {time.perf_counter() - t:.0f}s")
+    lines = ["| batch | " + " | ".join(f"{s} ms/step | {s} tokens/s" for s in res) + " | RLX step / its batch-1 step | "
+             + " | ".join(f"RLX / {s}" for s in res if s != "rlx") + " |",
+             "|---" * (1 + 2 * len(res) + 1 + sum(s != "rlx" for s in res)) + "|"]
+    for b in a.batch:
+        cells = []
+        for s in res:
+            d = res[s][b]["decode_s"]
+            cells += [f"{d * 1e3:.3f}", f"{b / d:.0f}"]
+        rl = res.get("rlx")
+        ratio = [f"{rl[b]['decode_s'] / rl[a.batch[0]]['decode_s']:.2f}" if rl else "-"]
+        ratio += [f"{rl[b]['decode_s'] / res[s][b]['decode_s']:.2f}" if rl else "-" for s in res if s != "rlx"]
+        lines.append(f"| {b} | " + " | ".join(cells + ratio) + " |")
+    lines.append("peak device memory: " + ", ".join(f"{s} {res[s]['peak_bytes'] / 1e9:.2f} GB" for s in res)
+                 + " (RLX: the CuPy pool's total; HF: torch's max allocated)")
+    print("\n".join(lines), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -425,7 +511,17 @@ def main(argv=None) -> int:
     ap.add_argument("--packed", default="q4_k,q8_0", help="packed-weight rows (schemes, comma-separated; '' skips)")
     ap.add_argument("--json", default="")
     ap.add_argument("--check-layers", type=int, default=2, help="layers of the cuda-vs-numpy-vs-HF check (0: skip)")
+    ap.add_argument("--batch", type=int, nargs="+", default=None,
+                    help="batched decode instead: ms/step per batch, each side in its own process")
+    ap.add_argument("--sides", nargs="+", choices=BATCH_SIDES, default=list(BATCH_SIDES))
+    ap.add_argument("--child", choices=BATCH_SIDES, default=None)
+    ap.add_argument("--child-timeout", type=float, default=400)
     a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(batch_child(a.child, a)), flush=True)
+        return 0
+    if a.batch:
+        return batch_main(a)
     cfg = dict(LLAMA_1B, num_hidden_layers=a.layers)
     import cupy as cp
     import torch

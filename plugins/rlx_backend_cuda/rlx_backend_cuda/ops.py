@@ -124,7 +124,7 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None) 
     # GEMV fast path for decode: small M, W [N, K] row-major resident, x rows contiguous
     gemv = None
     if (od in LOW and lb == "c" and ldb == K and (nb == 1 or all(s == 0 for s in sb[:-2]))
-            and a.contiguous() and not ta and M * nb <= 8 and math.prod(a.shape[:-2]) == nb and K % 8 == 0 and out.contiguous()
+            and a.contiguous() and not ta and M * nb <= GEMV_MAX_M and math.prod(a.shape[:-2]) == nb and K % 8 == 0 and out.contiguous()
             and Bm.data.ptr % 16 == 0 and A.data.ptr % 16 == 0):
         gemv = _gemv_step(b, Ab, Bm, out if swiglu is None else swiglu, M * nb, N, K, swiglu is not None)
     if swiglu is not None and gemv is None:
@@ -195,6 +195,10 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None) 
 
 
 GEMV_ROWS, GEMV_LOADS = 1, 2      # rows of W per warp, 16-byte loads in flight per row and lane
+# x rows up to which 16-bit matmuls run the GEMV, not cuBLAS: the 1B-shape decode step on the
+# H100 (tools/batch_decode.py --cublas) at batch 1/2/4/8: GEMV 1.68/1.89/2.49/4.35 ms, cuBLAS
+# 2.45/2.02/2.13/2.24 ms
+GEMV_MAX_M = 2
 
 
 def _gemv_step(b, Ab, W, out: V, M: int, N: int, K: int, swiglu: bool = False):
