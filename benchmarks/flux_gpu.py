@@ -101,6 +101,10 @@ def run_rlx(args, cfg, side, txt) -> dict:
         t0 = time.perf_counter()
         out = model.forward(**feed)
         times.append(time.perf_counter() - t0)
+    if args.profile:                             # where the step's time goes, by op kind
+        img, tl = feed["hidden_states"].shape[1], feed["encoder_hidden_states"].shape[1]
+        exe = model.executable(1, img, tl, "guidance" in feed)
+        print(exe.profile(model.feed(**feed), repeat=2, warmup=1).table(), flush=True)
     peak = None
     if gpu:
         try:
@@ -182,6 +186,8 @@ def main() -> None:
     ap.add_argument("--double", type=int, help="double blocks instead of the shape's")
     ap.add_argument("--single", type=int, help="single blocks instead of the shape's")
     ap.add_argument("--budget", type=float, default=540.0, help="seconds for all sides together")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --side rlx: print the profiler's table of one step")
     ap.add_argument("--side", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side:

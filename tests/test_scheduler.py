@@ -79,6 +79,28 @@ def test_admitted_mid_decode_equals_alone_numpy(tiny):
     assert sched.cache is not None and sched.cache.batch == 0      # closed: cache dropped
 
 
+def test_admitted_mid_decode_equals_alone_cuda():
+    """The same on the GPU: the KV rows are copied on the device (Backend.copy_into)."""
+    from tiny_models import LLAMA, llama_tensors, word_tokenizer
+
+    from rlx_core.pipeline import available_backends
+    from rlx_core.runtime.model import CausalLM
+
+    why = next((w for b, ok, w in available_backends() if b.name == "cuda" and not ok), None)
+    if why or not any(b.name == "cuda" for b, _, _ in available_backends()):
+        pytest.skip(f"backend 'cuda' is not available here: {why or 'not installed'}")
+    cfg = dict(LLAMA, max_position_embeddings=512)
+    model = CausalLM.from_tensors(cfg, llama_tensors(cfg, np.random.default_rng(7)),
+                                  tokenizer=word_tokenizer(False), backend="cuda")
+    rng = np.random.default_rng(4)
+    jobs = [(rng.integers(3, 61, 9).tolist(), 12), (rng.integers(3, 61, 4).tolist(), 3),
+            (rng.integers(3, 61, 150).tolist(), 20), (rng.integers(3, 61, 6).tolist(), 8)]
+    got, sched = run_mid_decode(model, jobs, max_batch=4)
+    for (ids, n), c in zip(jobs, got):
+        assert c.token_ids == alone(model, ids, n)
+    assert sched.max_rows >= 3
+
+
 def test_batch_buckets():
     assert batch_buckets(1) == (1,)
     assert batch_buckets(8) == (1, 2, 4, 8)

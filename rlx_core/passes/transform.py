@@ -67,25 +67,66 @@ def hoist_params(g: Graph) -> tuple:
     return dce(rewrite(g, replace), keep=("input", "state")), prologue   # (params: the prologue binds them all)
 
 
+# the operands that run in the compute dtype whatever precision they arrive in (autocast): a
+# value a block computes in f32 on purpose meets bf16 weights here; promoting the product to
+# f32 would carry f32 through every later layer
+AUTOCAST = {"matmul": (0, 1), "fused_matmul_bias_act": (0, 1, 2), "dequant_matmul": (0, 2),
+            "attention": (0, 1, 2), "fused_attention_block": (0, 1, 2), "varlen_attention": (0, 1, 2)}
+# RoPE tables may stay f32 into the ops that apply them (the kernels compute in f32)
+TABLES = {"rope": (1, 2), "fused_attention_block": (3, 4)}
+FLOATS = (DType.F32, DType.F64, DType.F16, DType.BF16)
+
+
+def param_free(g: Graph) -> set:
+    """Nodes computed from inputs and constants alone (position and time tables): these keep
+    their constants' f32, as the reference implementations compute them."""
+    free: set = set()
+    for i, n in enumerate(g.nodes):
+        if n.op not in ("param", "state") and all(r[0] in free for r in n.inputs):
+            free.add(i)
+    return free
+
+
 def to_precision(g: Graph, compute: DType) -> Graph:
-    """Run the graph in `compute` (f16/bf16): float params, states and constants change
-    dtype (params are converted when bound), float inputs are cast on entry and outputs
-    cast back, so the binding contract keeps its dtypes."""
+    """Run the graph in `compute` (f16/bf16): float params and states change dtype (params
+    are converted when bound), float inputs are cast on entry and outputs cast back, so the
+    binding contract keeps its dtypes. Constants change too, except those only the
+    param-free part uses: that part (tables from positions or timesteps) runs in f32 and its
+    values are cast to `compute` where the rest takes them (RoPE tables excepted); matmul and
+    attention operands are always `compute` (AUTOCAST)."""
     if compute is DType.F32:
         return g
-    floats = (DType.F32, DType.F64, DType.F16, DType.BF16)
+    free = param_free(g)
+    users: dict = {}
+    for i, n in enumerate(g.nodes):
+        for r in n.inputs:
+            users.setdefault(r[0], set()).add(i)
+
+    def low(v, j, node, i, ins_refs):
+        """Input j of non-free node `node` in `compute` unless it may stay as it is."""
+        if v.dtype not in FLOATS or v.dtype is compute:
+            return False
+        if j in AUTOCAST.get(node.op, ()):
+            return True
+        src = ins_refs[j][0]
+        return src in free and g.nodes[src].op != "constant" and j not in TABLES.get(node.op, ())
 
     def replace(m, node, ins, i, lookup):
         s = node.outs[0] if node.outs else None
-        if node.op in ("param", "state") and s.dtype in floats and s.dtype is not compute:
+        if i not in free and ins:
+            at = [j for j, v in enumerate(ins) if low(v, j, node, i, node.inputs)]
+            if at:
+                return copy_node(m, node, [m.cast(v, compute) if j in at else v for j, v in enumerate(ins)])
+        if node.op in ("param", "state") and s.dtype in FLOATS and s.dtype is not compute:
             return m._leaf_add(node.op, node.name, s.dims, compute)
-        if node.op == "constant" and s.dtype in floats and s.dtype is not compute and s.dims:
+        if (node.op == "constant" and s.dtype in FLOATS and s.dtype is not compute and s.dims
+                and not users.get(i, set()) <= free):
             m.constants[node.name] = m.constants[node.name].astype(compute.np)
             return m.emit_node(type(node)(node.op, (), tuple(sorted({**node.a, "dtype": compute.value}.items())),
                                           (s.with_dtype(compute),), node.name))
-        if node.op == "input" and s.dtype in floats and s.dtype is not compute:
+        if node.op == "input" and s.dtype in FLOATS and s.dtype is not compute:
             return m.cast(copy_node(m, node, []), compute)
-        if node.op == "dequantize" and s.dtype in floats and s.dtype is not compute:
+        if node.op == "dequantize" and s.dtype in FLOATS and s.dtype is not compute:
             return m.add("dequantize", tuple(ins), scheme=node.a["scheme"], dtype=compute.value)
         return None
 
