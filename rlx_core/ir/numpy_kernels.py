@@ -12,6 +12,7 @@ import math
 import ml_dtypes
 import numpy as np
 
+from . import comm
 from .dtype import DType
 from .errors import ModelError
 from .ops import MaskKind
@@ -656,6 +657,18 @@ def _custom(a, out, *ins):
         put(o, r)
 
 
+def _collective(name):
+    """A kernel running `name` on the communicator bound in this process (ir/comm.py)."""
+    def kernel(a, out, x):
+        c = comm.current(a["world"], a["rank"])
+        if name == "all_reduce":
+            c.all_reduce(x, out[0])
+        else:
+            getattr(c, name)(x, out[0], a["axis"] % x.ndim)
+    kernel.__name__ = f"_{name}"
+    return kernel
+
+
 KERNELS = {
     "matmul": _matmul,
     "binary": _binary,
@@ -689,6 +702,9 @@ KERNELS = {
     "quantize": _quantize,
     "fake_quantize": _fake_quantize,
     "dequant_matmul": _dequant_matmul,
+    "all_reduce": _collective("all_reduce"),
+    "all_gather": _collective("all_gather"),
+    "reduce_scatter": _collective("reduce_scatter"),
 }
 
 def _narrow(a, x):

@@ -301,11 +301,24 @@ def _m_input(s, a):
     return (Shape(a["shape"], a["dtype"]),)
 
 
-@op("param", [], Level.LEAF, attrs=dict(_LEAF["attrs"], scheme=MAYBE_SCHEME("")))
+def _shard(v):
+    """() or (source param, axis, start, length, padded length): a tensor-parallel rank's slice."""
+    if v == ():
+        return v
+    ok = (isinstance(v, tuple) and len(v) == 5 and isinstance(v[0], str) and v[0]
+          and all(_is_int(x) for x in v[1:]) and v[2] >= 0 and 0 <= v[3] <= v[4])
+    return v if ok else _BAD
+
+
+SHARD = A("[] or [source, axis, start, length, padded length]", _shard)
+
+
+@op("param", [], Level.LEAF, attrs=dict(_LEAF["attrs"], scheme=MAYBE_SCHEME(""), shard=SHARD(())))
 def _m_param(s, a):
     """A named weight, resident on the backend between runs. With a quant `scheme` it is
     bound packed: as a float it is the logical weight (HIR; passes/packed.py rewrites it),
-    as u8 [rows, bytes per row] it is the packed bytes."""
+    as u8 [rows, bytes per row] it is the packed bytes. With `shard` (passes/shard.py) it
+    binds rows [start, start + length) of `source` along `axis`, zero-padded to `padded`."""
     out = Shape(a["shape"], a["dtype"])
     if a["scheme"] and not out.dtype.is_float and (out.dtype is not DType.U8 or out.rank != 2):
         raise ShapeError(f"a packed {a['scheme']} param is u8 [rows, bytes per row] or its float "
@@ -647,6 +660,51 @@ def _m_custom(s, a):
     from .custom import custom_op
 
     return tuple(custom_op(a["name"]).meta(s, dict(a["params"])))
+
+
+# ----------------------------------------------------------------- collectives
+# Tensor parallelism (passes/shard.py): each rank runs its own MIR; `world` and `rank` name
+# the group and the rank the node was sharded for. Kernels call the communicator bound in
+# the process (ir/comm.py). Not elementwise, so fusion keeps them as boundaries.
+_GROUP = {"world": A("an int >= 1", _int(1)), "rank": COUNT}
+
+
+def _group_check(a: dict, name: str) -> None:
+    if a["rank"] >= a["world"]:
+        raise GraphError(f"{name}: rank {a['rank']} is outside a group of {a['world']}")
+
+
+def _scaled_axis(x: Shape, a: dict, name: str, grow: bool) -> Shape:
+    _group_check(a, name)
+    ax = norm_axis(a["axis"], x.rank, name)
+    d, w = x.dims[ax], a["world"]
+    if isinstance(d, str):
+        raise ShapeError(f"{name} needs a static dim on axis {ax}, got {x}")
+    if not grow and d % w:
+        raise ShapeError(f"{name}: axis {ax} of {x} does not split over {w} ranks")
+    return Shape(x.dims[:ax] + ((d * w) if grow else (d // w),) + x.dims[ax + 1:], x.dtype)
+
+
+@op("all_reduce", ["x"], attrs=dict(_GROUP))
+def _m_all_reduce(s, a):
+    """Sum of x over the group's ranks, on every rank (after a row-parallel matmul)."""
+    _group_check(a, "all_reduce")
+    return (s[0],)
+
+
+@op("all_gather", ["x"], attrs=dict(_GROUP, axis=INT(-1)))
+def _m_all_gather(s, a):
+    """The ranks' x joined along `axis` in rank order (after a column-parallel matmul)."""
+    return (_scaled_axis(s[0], a, "all_gather", True),)
+
+
+@op("reduce_scatter", ["x"], attrs=dict(_GROUP, axis=INT(-1)))
+def _m_reduce_scatter(s, a):
+    """The sum over ranks, of which each rank keeps its 1/world chunk along `axis`."""
+    return (_scaled_axis(s[0], a, "reduce_scatter", False),)
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 # ----------------------------------------------------------------- HIR blocks

@@ -23,6 +23,10 @@ def node_text(i: int, node, extra: str = "") -> str:
         body = f'{node.op} "{node.name}"'
         if node.a.get("scheme"):
             body += f" packed {node.a['scheme']}"
+        if node.a.get("shard"):
+            src, axis, start, length, padded = node.a["shard"]
+            pad = f" padded to {padded}" if padded != length else ""
+            body += f' shard of "{src}" axis {axis} [{start}:{start + length}]{pad}'
     else:
         args = ", ".join(ref_text(r) for r in node.inputs)
         at = " ".join(f"{k}={_fmt(v)}" for k, v in node.attrs)

@@ -782,6 +782,16 @@ def test_quantize_and_fake_quantize(backend, rng, scheme):
                lambda v: q.dequantize_reference(q.quantize(v.astype(np.float32)), v.shape))
 
 
+@covers("all_reduce", "all_gather", "reduce_scatter")
+@fdtype
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter"])
+def test_collectives_group_of_one(backend, rng, dt, op):
+    """A group of one rank: each collective gives x back (the sharded runs, several ranks
+    against the unsharded model, are tests/test_tensor_parallel.py)."""
+    attrs_ = {"world": 1, "rank": 0, **({} if op == "all_reduce" else {"axis": 1})}
+    run_parity(backend, op, [arg(rng, "x", (2, 3, 4), dt)], attrs_, lambda x: x)
+
+
 # what `from rlx_core.testing.ops_suite import *` brings: the tests and the fixtures they use
 __all__ = sorted(n for n in dir() if n.startswith("test_")) + ["backend", "custom_plugin", "rlx_backend",
                                                                "rng"]
