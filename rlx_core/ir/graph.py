@@ -390,6 +390,13 @@ class Builder:
         out = self.add("custom", xs, name=name, params=tuple(sorted(params.items())))
         return out
 
+    def dot_general(self, lhs, rhs, contract=((), ()), batch=((), ())):
+        """jax.lax.dot_general: contract=(lhs axes, rhs axes), batch=(lhs axes, rhs axes);
+        out = batch dims + lhs free dims + rhs free dims (ir/contract.py)."""
+        return self.add("dot_general", (lhs, rhs), lhs_contract=tuple(contract[0]),
+                        rhs_contract=tuple(contract[1]), lhs_batch=tuple(batch[0]),
+                        rhs_batch=tuple(batch[1]))
+
     # -- HIR blocks
     def linear(self, x, weight, bias=None, transpose_w=True):
         ins = (x, weight) if bias is None else (x, weight, bias)

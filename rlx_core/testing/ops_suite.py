@@ -792,6 +792,41 @@ def test_collectives_group_of_one(backend, rng, dt, op):
     run_parity(backend, op, [arg(rng, "x", (2, 3, 4), dt)], attrs_, lambda x: x)
 
 
+# ----------------------------------------------------------------------------- dot_general
+# (lhs dims, rhs dims, lhs_contract, rhs_contract, lhs_batch, rhs_batch)
+DOT_GENERAL_CASES = {
+    "matmul": ((3, 5), (5, 4), (1,), (0,), (), ()),
+    "batched": ((2, 3, 5), (2, 5, 4), (2,), (1,), (0,), (0,)),
+    "two_contract": ((2, 3, 4, 5), (5, 2, 4, 6), (3, 2), (0, 2), (0,), (1,)),
+    "batch_last": ((5, 3, 2), (4, 2, 5), (0,), (2,), (2,), (1,)),
+    "outer": ((3,), (4, 2), (), (), (), ()),
+    "dot": ((6,), (6,), (0,), (0,), (), ()),
+    "two_batch_no_free": ((2, 3, 4), (3, 2, 4), (2,), (2,), (0, 1), (1, 0)),
+}
+
+
+def ref_dot_general(x, y, lc, rc, lb, rb):
+    """einsum over letters: the float64 reference, independent of the kernel's matmul form."""
+    letters = iter("abcdefghijklmnopqrstuvwxyz")
+    ls = [next(letters) for _ in range(x.ndim)]
+    rs = [next(letters) for _ in range(y.ndim)]
+    for i, j in zip(lc + lb, rc + rb):
+        rs[j] = ls[i]
+    out = [ls[i] for i in lb] + [ls[i] for i in range(x.ndim) if i not in lc + lb] + \
+          [rs[j] for j in range(y.ndim) if j not in rc + rb]
+    return np.einsum(f"{''.join(ls)},{''.join(rs)}->{''.join(out)}", x, y)
+
+
+@covers("dot_general")
+@fdtype
+@pytest.mark.parametrize("case", list(DOT_GENERAL_CASES))
+def test_dot_general(backend, rng, dt, case):
+    ld, rd, lc, rc, lb, rb = DOT_GENERAL_CASES[case]
+    attrs_ = {"lhs_contract": lc, "rhs_contract": rc, "lhs_batch": lb, "rhs_batch": rb}
+    run_parity(backend, "dot_general", [arg(rng, "a", ld, dt), arg(rng, "b", rd, dt)], attrs_,
+               lambda x, y: ref_dot_general(x, y, lc, rc, lb, rb))
+
+
 # what `from rlx_core.testing.ops_suite import *` brings: the tests and the fixtures they use
 __all__ = sorted(n for n in dir() if n.startswith("test_")) + ["backend", "custom_plugin", "rlx_backend",
                                                                "rng"]
