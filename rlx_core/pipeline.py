@@ -19,7 +19,7 @@ import numpy as np
 
 from . import cache, progress
 from .ir.dtype import DType
-from .ir.errors import BackendError, GraphError, ModelError
+from .ir.errors import BackendError, GraphError, ModelError, ProfileError
 from .ir.graph import HIR, MIR, Graph
 from .ir.lir import LirModule, plan
 from .ir.lower import legalize, lower
@@ -30,6 +30,7 @@ from .ir.verify import verify
 from .passes import fusion
 from .passes.packed import pack_params, packed_params
 from .passes.generic import const_fold, cse, dce, leaves_first
+from .passes.shard import bind_slices, shard
 from .passes.transform import hoist_params, to_precision
 from .profile import CompileProfile
 
@@ -82,6 +83,7 @@ class CompilePipeline:
             self.backend = self.backend.configure(self.profile.backend)
         self.trace: list = []          # (pass name, nodes after, seconds)
         self.graphs: list | None = None   # a list here keeps (pass name, graph after it)
+        self.rank: int | None = None      # tensor-parallel rank; None: the bound communicator's
 
     def _step(self, name, g, fn):
         progress.detail(name)
@@ -114,6 +116,9 @@ class CompilePipeline:
             g = self._step("const_fold", g, const_fold)
         if p.passes.cse:
             g = self._step("cse", g, cse)
+        if p.parallel.tensor > 1:
+            rank = self.tp_rank()
+            g = self._step("shard", g, lambda x: shard(x, p.parallel.tensor, rank))
         target = b.target if p.fusion.target == "auto" else p.fusion.target
         groups = fusion.groups_for(target, p.fusion.skip)
         log: list = []
@@ -144,6 +149,21 @@ class CompilePipeline:
         g = self._step("precision", g, lambda x: to_precision(x, compute))
         self._check_support(g)
         return g
+
+    def tp_rank(self) -> int:
+        """This pipeline's tensor-parallel rank: set, or the communicator bound in the process
+        (the rank processes of rlx_core.runtime.tp bind one)."""
+        from .ir import comm
+
+        world = self.profile.parallel.tensor
+        if self.rank is not None:
+            return self.rank
+        c = comm.bound()
+        if c is None or c.world != world:
+            raise ProfileError(f"profile {self.profile.name!r} asks [parallel] tensor = {world} but this "
+                               f"process is no rank of such a group (launch with `rlx generate --tp "
+                               f"{world}` or rlx_core.runtime.tp.TensorParallel)")
+        return c.rank
 
     def _check_support(self, g: Graph) -> None:
         b = self.backend
@@ -179,7 +199,8 @@ class CompilePipeline:
         rules = registry().rules
         packages = {"rlx_core", type(b).__module__.partition(".")[0]} | {
             r.emit.__module__.partition(".")[0] for group in rules.values() for r in group}
-        return cache.key("mir", text, self.profile.text(), b.name, b.target, sorted(b.supported_ops()),
+        rank = self.tp_rank() if self.profile.parallel.tensor > 1 else 0
+        return cache.key("mir", text, self.profile.text(), f"rank {rank}", b.name, b.target, sorted(b.supported_ops()),
                          sorted(d.value for d in b.dtypes), sorted(rules),
                          *(f"{p}:{cache.code_fingerprint(p)}" for p in sorted(packages)))
 
@@ -215,7 +236,8 @@ def compile(module: Graph, profile: CompileProfile | str | None = None, backend=
     if isinstance(profile, str):
         profile = CompileProfile.preset(profile)
     pipe = CompilePipeline(profile, backend)
-    key = (module.stable_hash(), pipe.profile.stable_hash(), pipe.backend.name)
+    key = (module.stable_hash(), pipe.profile.stable_hash(), pipe.backend.name,
+           pipe.tp_rank() if pipe.profile.parallel.tensor > 1 else 0)
     mir = _CACHE.get(key)
     if mir is None:
         mir = pipe.optimize_cached(module)
@@ -401,6 +423,10 @@ class Executable:
         bad = []
         schemes = {n.name: n.a.get("scheme", "") for g in (self.mir, self.prologue) if g is not None
                    for n in g.nodes if n.op == "param"}
+        sliced = [n for g in (self.mir, self.prologue) if g is not None for n in g.nodes
+                  if n.op == "param" and n.a.get("shard")]
+        if sliced:                  # a tensor-parallel rank binds its slices of the weights
+            params = bind_slices(sliced, params)
         params = {k: unpack(k, v, schemes.get(k, ""), bad) for k, v in params.items()}
         for name, s in specs.items():
             if name in params:
@@ -440,6 +466,8 @@ class Executable:
                     if n not in needed:
                         self.shared.pop(ukey, None)
                         release_file_pages(params[n])
+                del derived, uploads                   # (the last references to them)
+                b.release_cache()                      # and what the one-off run held
             resident.update({name: self.shared[k] for name, k in keys.items()})
         for name in specs:
             if name in needed:

@@ -132,6 +132,10 @@ class Backend(abc.ABC):
         host[index] = self.to_host(src)[src_index]
         return self.to_device(host)
 
+    def release_cache(self) -> None:
+        """Give back memory kept for reuse (a pool's free blocks, a shared arena grown for a
+        one-off run such as deriving weights at load); the host backends keep nothing."""
+
     def memory_stats(self) -> dict:
         """Bytes this backend holds beside params and states, where it knows them
         (`arena_bytes` shared by its runners, `pool_total_bytes` / `pool_used_bytes` of a

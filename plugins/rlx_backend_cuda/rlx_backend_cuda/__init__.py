@@ -110,6 +110,17 @@ class CudaBackend(Backend):
             self._scratch_bytes = size
         return self._scratch
 
+    def release_cache(self) -> None:
+        """Drop the shared arena and scratch (runners built on them keep theirs; the next
+        runner sizes a fresh one to its own plan) and the pool's free blocks: deriving the
+        weights at load grows the arena to the derived weights' size (1.3 GB for the 1B shape)."""
+        import gc
+
+        self._arena = self._scratch = None
+        self._arena_bytes = self._scratch_bytes = 0
+        gc.collect()                 # a runner's launch closures form cycles that hold its buffers
+        device.cupy().get_default_memory_pool().free_all_blocks()
+
     def copy_bandwidth(self, nbytes: int = 1 << 28) -> float:
         """Device memory bandwidth of a large device-to-device copy (read + written bytes),
         timed with events on this backend's stream, best of 5."""
