@@ -137,25 +137,26 @@ def chat_messages(body: dict) -> list:
     return [message_text(m, i) for i, m in enumerate(msgs)]
 
 
+def _texts_or_ids(body: dict, key: str, what: str) -> list:
+    """body[key] as a list of prompts: a string or token ids, or a non-empty array of them."""
+    x = body.get(key)
+
+    def ids(v):
+        return isinstance(v, list) and v and all(type(t) is int for t in v)
+    if isinstance(x, str) or ids(x):
+        return [x]
+    if isinstance(x, list) and x and all(isinstance(t, str) or ids(t) for t in x):
+        return list(x)
+    raise bad(f"'{key}' must be {what}", key)
+
+
 def completion_prompts(body: dict) -> list:
     """The prompts of a completions body: strings or token-id lists (one or several)."""
-    p = body.get("prompt")
-    if isinstance(p, str) or (isinstance(p, list) and p and all(type(x) is int for x in p)):
-        return [p]
-    if isinstance(p, list) and p and all(isinstance(x, str) or (
-            isinstance(x, list) and x and all(type(t) is int for t in x)) for x in p):
-        return list(p)
-    raise bad("'prompt' must be a string, an array of strings, or token ids", "prompt")
+    return _texts_or_ids(body, "prompt", "a string, an array of strings, or token ids")
 
 
 def embedding_inputs(body: dict) -> list:
-    x = body.get("input")
-    if isinstance(x, str) or (isinstance(x, list) and x and all(type(t) is int for t in x)):
-        return [x]
-    if isinstance(x, list) and x and all(isinstance(t, str) or (
-            isinstance(t, list) and t and all(type(i) is int for i in t)) for t in x):
-        return list(x)
-    raise bad("'input' must be a non-empty string, array of strings, or token ids", "input")
+    return _texts_or_ids(body, "input", "a non-empty string, array of strings, or token ids")
 
 
 def embedding_format(body: dict) -> str:
