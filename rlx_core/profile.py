@@ -64,12 +64,19 @@ class BackendConfig:
 
 
 @attrs.frozen
+class ParallelConfig:
+    tensor: int = 1               # tensor-parallel ranks (passes/shard.py); RLX_TP overrides it
+                                  # where ranks are launched (rlx_core.runtime.tp)
+
+
+@attrs.frozen
 class CompileProfile:
     name: str = "default"
     fusion: FusionConfig = FusionConfig()
     passes: PassConfig = PassConfig()
     precision: PrecisionConfig = PrecisionConfig()
     backend: BackendConfig = BackendConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     def to_dict(self) -> dict:
         def conv(inst, a, v):
@@ -155,7 +162,7 @@ class CompileProfile:
 
 
 _SECTIONS = {"fusion": FusionConfig, "passes": PassConfig, "precision": PrecisionConfig,
-             "backend": BackendConfig}
+             "backend": BackendConfig, "parallel": ParallelConfig}
 _ALLOWED = {
     ("fusion", "policy"): [p.value for p in FusionPolicy],
     ("fusion", "target"): ["auto", *TARGETS],
@@ -190,6 +197,10 @@ def _check_value(source, section, key, value, default):
                                    f"{list(ALL_GROUPS)} or true")
             return tuple(value)
         raise ProfileError(f"{where} = {value!r}: expected true/false or a list of pattern groups")
+    if (section, key) == ("parallel", "tensor"):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+            raise ProfileError(f"{where} = {value!r}: expected an integer in [1, 4096] (ranks)")
+        return value
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ProfileError(f"{where} = {value!r}: expected true or false")

@@ -1,0 +1,258 @@
+"""Tensor-parallel launch: one process per rank, supervised.
+
+`TensorParallel(spec, world)` starts `world` rank processes (spawned: no state forked from
+the caller), each binding the CPU communicator (backends/numpy/comm.py) or NCCL and
+loading the model with `[parallel] tensor = world`, so its graphs compile through the
+sharding pass (passes/shard.py) as that rank. Requests go to every rank as JSON over a
+pipe; every rank answers (rank 0's answer is the result). A rank that exits before it
+answers aborts the group's barrier, the others are stopped, and the error names the rank.
+
+A spec is JSON: {"model": path or name} (rlx_core.runtime.model.load), or {"config": {...},
+"tensors": "file.npz"} (weights saved by the caller, read with allow_pickle=False), plus
+optional "backend", "profile", "max_context" and, for tests, "fault": {"rank", "after_tokens"}.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+from multiprocessing.connection import wait
+
+import numpy as np
+
+from ..ir.errors import ModelError, ProfileError, RlxError
+
+TIMEOUT = float(os.environ.get("RLX_TP_TIMEOUT", "300"))
+
+
+def tensor_size(flag: int | None = None, profile=None) -> int:
+    """Ranks asked for: a --tp flag, else RLX_TP, else the profile's [parallel] tensor."""
+    if flag is not None:
+        value, where = flag, "--tp"
+    elif os.environ.get("RLX_TP"):
+        value, where = os.environ["RLX_TP"], "RLX_TP"
+    else:
+        return profile.parallel.tensor if profile is not None else 1
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1 or str(value).strip() not in (str(n), f"+{n}"):
+        raise ProfileError(f"{where}={value!r}: expected a whole number of ranks >= 1")
+    return n
+
+
+# ------------------------------------------------------------------ the rank process
+def _build(spec: dict, world: int):
+    from ..profile import CompileProfile
+    from .model import CausalLM, find_recipe, load
+
+    if "model" in spec:
+        model = load(spec["model"], backend=spec.get("backend"), profile=spec.get("profile"),
+                     progress=False)
+    else:
+        with np.load(spec["tensors"], allow_pickle=False) as z:
+            tensors = {k: z[k] for k in z.files}
+        cfg = spec["config"]
+        recipe = find_recipe(cfg.get("model_type", ""))
+        model = CausalLM.from_tensors(cfg, tensors, backend=spec.get("backend"),
+                                      profile=spec.get("profile"), max_context=spec.get("max_context"),
+                                      recipe=recipe)
+    if not isinstance(model, CausalLM):
+        raise ModelError(f"{spec.get('model')}: tensor parallelism runs causal language models")
+    model.profile = CompileProfile.resolve(model.profile).evolve(parallel={"tensor": world})
+    return model
+
+
+def _answer(model, msg: dict, rank: int, fault: dict | None):
+    op = msg["op"]
+    if op == "logits":
+        return {"logits": model.logits(np.asarray(msg["ids"], np.int64)).tolist()}
+    if op == "generate":
+        kw = dict(msg.get("kwargs", {}))
+        stream = None
+        if fault and fault.get("rank") == rank:
+            count = [0]
+
+            def stream(_):
+                count[0] += 1
+                if count[0] >= fault.get("after_tokens", 1):
+                    os._exit(fault.get("exit_code", 9))
+        out = model.generate(msg["prompt"], stream=stream, **kw)
+        return {"output": out if isinstance(out, (str, list)) else np.asarray(out).tolist(),
+                "timings": model.last_timings}
+    raise ModelError(f"unknown request {op!r}")
+
+
+def _rank_main(rank: int, world: int, spec_json: str, block: str, slot_bytes: int, barrier, conn,
+               timeout: float) -> None:
+    from ..backends.numpy.comm import ShmCommunicator
+    from ..ir import comm
+
+    spec = json.loads(spec_json)
+    c = None
+    try:
+        if spec.get("comm", "shm") == "nccl":
+            from rlx_backend_cuda.nccl import NcclCommunicator   # (the cuda plugin; GPU ranks)
+            c = NcclCommunicator.from_env(world, rank, spec["nccl_id"], barrier, timeout)
+        else:
+            c = ShmCommunicator(block, world, rank, barrier, slot_bytes, timeout)
+        comm.bind(c)
+        model = _build(spec, world)
+        conn.send_bytes(json.dumps({"ready": rank}).encode())
+        while True:
+            msg = json.loads(conn.recv_bytes())
+            if msg["op"] == "exit":
+                break
+            try:
+                reply = _answer(model, msg, rank, spec.get("fault"))
+            except RlxError as e:
+                reply = {"error": type(e).__name__, "message": str(e)}
+            conn.send_bytes(json.dumps(reply).encode())
+    except (EOFError, KeyboardInterrupt):
+        pass
+    except RlxError as e:
+        conn.send_bytes(json.dumps({"error": type(e).__name__, "message": str(e)}).encode())
+    finally:
+        comm.bind(None)
+        if c is not None and hasattr(c, "close"):
+            c.close()
+
+
+# ------------------------------------------------------------------ the supervisor
+class TensorParallel:
+    """`world` supervised rank processes of one model; `generate` and `logits` as on a
+    CausalLM (ids or text), `close()` (or a with block) stops them."""
+
+    def __init__(self, spec: dict, world: int, timeout: float = TIMEOUT,
+                 slot_bytes: int | None = None):
+        from ..backends.numpy.comm import SLOT_BYTES, create_block
+
+        if world < 1:
+            raise ProfileError(f"tensor parallel: {world} ranks; expected >= 1")
+        self.world, self.timeout = world, timeout
+        ctx = mp.get_context("spawn")
+        slot = slot_bytes or SLOT_BYTES
+        self.block = create_block(world, slot)
+        self.barrier = ctx.Barrier(world)
+        self.conns, self.procs = [], []
+        spec_json = json.dumps(spec)
+        try:
+            for r in range(world):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_rank_main, name=f"rlx-tp-rank{r}", daemon=True,
+                                args=(r, world, spec_json, self.block.name, slot, self.barrier, child,
+                                      timeout))
+                p.start()
+                child.close()
+                self.conns.append(parent)
+                self.procs.append(p)
+            self._collect("starting")
+        except BaseException:
+            self.close()
+            raise
+
+    def _collect(self, what: str) -> list:
+        """Every rank's next answer; a rank that dies first or an overdue group is an error
+        (after the group is stopped)."""
+        replies: dict = {}
+        deadline = time.monotonic() + self.timeout
+        try:
+            while len(replies) < self.world:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    late = [r for r in range(self.world) if r not in replies]
+                    raise ModelError(f"tensor parallel: rank(s) {late} did not answer {what} within "
+                                     f"{self.timeout:.0f} s (RLX_TP_TIMEOUT)")
+                waiting = {self.conns[r]: r for r in range(self.world) if r not in replies}
+                sentinels = {self.procs[r].sentinel: r for r in waiting.values()}
+                for ready in wait(list(waiting) + list(sentinels), timeout=min(left, 1.0)):
+                    if ready in waiting:
+                        r = waiting[ready]
+                        try:
+                            replies[r] = json.loads(ready.recv_bytes())
+                        except EOFError:
+                            self._died(r, what)
+                    else:
+                        r = sentinels[ready]
+                        if not self.conns[r].poll():
+                            self._died(r, what)
+        except BaseException:
+            self.close()
+            raise
+        errors = [(r, x) for r, x in sorted(replies.items()) if "error" in x]
+        if errors:
+            r, x = errors[0]
+            raise ModelError(f"tensor parallel: rank {r} {what}: {x['error']}: {x['message']}")
+        return [replies[r] for r in range(self.world)]
+
+    def _died(self, r: int, what: str):
+        self.barrier.abort()                 # ranks waiting in a collective stop at once
+        p = self.procs[r]
+        p.join(1.0)
+        code = p.exitcode
+        raise ModelError(f"tensor parallel: rank {r} (pid {p.pid}) died while {what} "
+                         f"(exit code {code}); the group of {self.world} is stopped")
+
+    def request(self, msg: dict, what: str) -> dict:
+        if not self.procs:
+            raise ModelError("tensor parallel: the group is stopped")
+        data = json.dumps(msg).encode()
+        for r, c in enumerate(self.conns):
+            try:
+                c.send_bytes(data)
+            except (BrokenPipeError, OSError):
+                self.barrier.abort()
+                self.close()
+                raise ModelError(f"tensor parallel: rank {r} is gone (before {what})") from None
+        return self._collect(what)[0]
+
+    def generate(self, prompt, **kw):
+        """CausalLM.generate on the ranks (no stream callback: the text comes back whole)."""
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.tolist()
+        out = self.request({"op": "generate", "prompt": prompt, "kwargs": kw}, "generating")
+        self.last_timings = out.get("timings", {})
+        return out["output"]
+
+    def logits(self, ids) -> np.ndarray:
+        ids = np.asarray(ids, np.int64).tolist()
+        return np.asarray(self.request({"op": "logits", "ids": ids}, "computing logits")["logits"],
+                          np.float32)
+
+    def close(self) -> None:
+        """Stop every rank (asked, then terminated, then killed) and free the shared block."""
+        for c in self.conns:
+            try:
+                c.send_bytes(b'{"op": "exit"}')
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            p.join(2.0)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+        for c in self.conns:
+            c.close()
+        self.procs, self.conns = [], []
+        if self.block is not None:
+            self.block.close()
+            self.block.unlink()
+            self.block = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def pids(self) -> list:
+        return [p.pid for p in self.procs]
+
+
+__all__ = ["TensorParallel", "tensor_size", "TIMEOUT"]
