@@ -24,7 +24,7 @@ import numpy as np
 from ..ir.errors import ModelError, RlxError
 from .args import bool_arg, callable_arg, float_arg, int_arg, text_arg, token_rows
 from .batch_cache import BatchCache
-from .model import CTX_BUCKET
+from .model import CTX_BUCKET, GREEDY_OUTPUTS, greedy_outputs
 from .sampling import choose, process_logits
 from .stop_text import StopText
 
@@ -350,13 +350,33 @@ class Scheduler:
             ids[r.slot, 0], pos[r.slot, 0], cache_pos[r.slot] = r.last, r.length, r.length
             mask[r.slot, :r.length + 1] = True
         exe.fixed_dims = {"ctx": ctx}
-        logits = exe.run({"ids": ids, "positions": pos, "key_mask": mask[:, None, None, :],
-                          "cache_pos": cache_pos})["logits"][:, -1]
+        feed = {"ids": ids, "positions": pos, "key_mask": mask[:, None, None, :], "cache_pos": cache_pos}
         self.steps += 1
         self.max_rows = max(self.max_rows, len(self._active))
+        greedy = self._greedy_ids(exe, feed)
+        logits = None if greedy is not None else exe.run(feed, fetch=("logits",))["logits"][:, -1]
         for r in list(self._active):
             r.length += 1
-            self._guard([r], self._take, r, logits[r.slot:r.slot + 1])
+            if greedy is not None:
+                self._guard([r], self._accept, r, int(greedy[r.slot]))
+            else:
+                self._guard([r], self._take, r, logits[r.slot:r.slot + 1])
+
+    def _greedy_ids(self, exe, feed):
+        """The graph's arg-max ids [batch] when every active request takes them as they are
+        (greedy, finite logits, no EOS it must not yet pick): a few bytes per row come back
+        instead of the logits. Else None, and the step runs again for the logits (it writes
+        the same KV rows)."""
+        eos = self.model.eos_ids
+        if not greedy_outputs(exe) or any(r.params.do_sample for r in self._active):
+            return None
+        out = exe.run(feed, fetch=GREEDY_OUTPUTS)
+        ids, rows = out["next_ids"][:, -1], [r.slot for r in self._active]
+        if not np.isfinite(out["logits_sum"][rows]).all():
+            return None
+        if any(r.n_new < r.params.min_tokens and int(ids[r.slot]) in eos for r in self._active):
+            return None
+        return ids
 
     def _take(self, r: Request, logits) -> None:
         """Choose r's next token from its logits [1, vocab] and pass it on."""
@@ -364,7 +384,11 @@ class Scheduler:
             raise ModelError(f"{self.model.source}: non-finite logits for request {r.id}")
         p, eos = r.params, self.model.eos_ids
         lg = process_logits(logits, n_new=r.n_new, min_new_tokens=p.min_tokens, eos_ids=eos)
-        tok = int(choose(lg, r.rng, p.do_sample, p.temperature, p.top_k, p.top_p)[0])
+        self._accept(r, int(choose(lg, r.rng, p.do_sample, p.temperature, p.top_k, p.top_p)[0]))
+
+    def _accept(self, r: Request, tok: int) -> None:
+        """Pass r's next token on: finish it (EOS, a stop string, its length) or emit it."""
+        p, eos = r.params, self.model.eos_ids
         r.n_new += 1
         r.last = tok
         if tok in eos and not p.ignore_eos:
