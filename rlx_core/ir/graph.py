@@ -27,6 +27,8 @@ def _shape_json(s: Shape) -> list:
 
 
 def _attr_json(v):
+    if isinstance(v, Graph):                 # a control-flow body (ir/control.py)
+        return {"graph": graph_dict(v)}
     return [_attr_json(x) for x in v] if isinstance(v, tuple) else v
 
 
@@ -72,6 +74,7 @@ class Graph:
     nodes: tuple
     outputs: tuple                       # of (name, Ref)
     constants: Mapping = attrs.field(factory=dict)
+    _rlx_graph_attr = True                # may be an attr value: a control-flow body
 
     def _leaves(self, kind: str) -> dict:
         return {n.name: i for i, n in enumerate(self.nodes) if n.op == kind}
@@ -396,6 +399,43 @@ class Builder:
         return self.add("dot_general", (lhs, rhs), lhs_contract=tuple(contract[0]),
                         rhs_contract=tuple(contract[1]), lhs_batch=tuple(batch[0]),
                         rhs_batch=tuple(batch[1]))
+
+    # -- control flow (ir/control.py): bodies are graphs held as attrs
+    def body(self, name: str, shapes, fn) -> Graph:
+        """A body graph at this builder's level: inputs `a0..` of `shapes` (Shapes or
+        values), `fn(m, *inputs)` returns its outputs (a value or a tuple). A Graph passes."""
+        if isinstance(fn, Graph):
+            return fn
+        m = Builder(name, self.level)
+        ins = [m.input(f"a{k}", s.dims, s.dtype) for k, s in
+               enumerate(v.shape if isinstance(v, Value) else v for v in shapes)]
+        res = fn(m, *ins)
+        m.outputs_from(tuple(res) if isinstance(res, list) else res)
+        return m.build()
+
+    def if_(self, pred, operands, then_, else_):
+        """then_(m, *operands) if pred (a bool scalar) else else_(m, *operands)."""
+        operands = tuple(operands)
+        return self.add("if_", (pred,) + operands, then_=self.body("then", operands, then_),
+                        else_=self.body("else", operands, else_))
+
+    def while_(self, init, cond, body, consts=()) -> tuple:
+        """Carries `init` through body(m, *consts, *carries) -> carries while
+        cond(m, *consts, *carries) is true; returns the final carries (a tuple)."""
+        ops = tuple(consts) + tuple(init)
+        out = self.add("while_", ops, cond=self.body("cond", ops, cond),
+                       body=self.body("body", ops, body), n_consts=len(consts))
+        return out if isinstance(out, tuple) else (out,)
+
+    def scan(self, body, init=(), xs=(), consts=(), length=0, reverse=False) -> tuple:
+        """body(m, *consts, *carries, *x_t) -> (*carries, *y_t) over axis 0 of `xs`;
+        returns (final carries, stacked ys), both tuples."""
+        init, xs, consts = tuple(init), tuple(xs), tuple(consts)
+        given = [v.shape for v in consts + init] + [Shape(x.dims[1:], x.dtype) for x in xs]
+        out = self.add("scan", consts + init + xs, body=self.body("scan_body", given, body),
+                       n_consts=len(consts), n_carry=len(init), length=length, reverse=reverse)
+        out = out if isinstance(out, tuple) else (out,)
+        return out[:len(init)], out[len(init):]
 
     # -- HIR blocks
     def linear(self, x, weight, bias=None, transpose_w=True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 
 from .dtype import F32, F64, I64
+from .control import map_bodies
 from .graph import MIR, Builder, Graph
 from .ops import MaskKind
 from .rewrite import rewrite
@@ -246,6 +247,7 @@ def lower(g: Graph, policy: FusionPolicy | str = FusionPolicy.DIRECT) -> Graph:
     """HIR -> MIR. Under `fusable` every block, norm, softmax, rope and attention becomes
     primitives, leaving the fusion passes to rebuild what the target can fuse."""
     policy = FusionPolicy(policy)
+    g = map_bodies(g, lambda body: lower(body, policy))        # control-flow bodies first
 
     def replace(m, node, ins, i, lookup):
         if policy is FusionPolicy.DIRECT:
@@ -259,6 +261,13 @@ def lower(g: Graph, policy: FusionPolicy | str = FusionPolicy.DIRECT) -> Graph:
 def legalize(g: Graph, supported: set) -> tuple:
     """Decompose every fused op the backend lacks; returns (graph, names legalized)."""
     done: list = []
+
+    def inner(body):                         # control-flow bodies: the same backend runs them
+        body, names = legalize(body, supported)
+        done.extend(names)
+        return body
+
+    g = map_bodies(g, inner)
 
     def replace(m, node, ins, i, lookup):
         if node.op in DECOMPOSE_FUSED and node.op not in supported:

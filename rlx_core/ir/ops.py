@@ -220,6 +220,8 @@ def freeze(value: Any, depth: int = 0) -> Any:
         raise GraphError(f"attr value nested more than {_MAX_DEPTH} levels deep")
     if isinstance(value, enum.Enum):
         return value.value
+    if getattr(value, "_rlx_graph_attr", False):    # a body of if_/while_/scan (ir/control.py)
+        return value
     if isinstance(value, np.ndarray):
         value = value.tolist()
     if isinstance(value, (list, tuple)):

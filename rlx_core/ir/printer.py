@@ -9,6 +9,8 @@ def _fmt(v) -> str:
         return f"{v:.6g}"
     if isinstance(v, tuple):
         return "(" + ",".join(_fmt(x) for x in v) + ")"
+    if getattr(v, "_rlx_graph_attr", False):
+        return f"@{v.name}"
     return str(v)
 
 
@@ -38,6 +40,10 @@ def graph_text(g, annotate=None) -> str:
     lines = [f"graph {g.name} ({g.level}) {{"]
     for i, n in enumerate(g.nodes):
         lines.append(node_text(i, n, annotate(i) if annotate else ""))
+        for k, v in n.attrs:                       # control-flow bodies, nested and indented
+            if getattr(v, "_rlx_graph_attr", False):
+                lines.extend(f"    {k}: {ln}" if j == 0 else f"    {ln}"
+                             for j, ln in enumerate(graph_text(v).split("\n")))
     outs = ", ".join(f"{name}={ref_text(r)}" for name, r in g.outputs)
     lines.append(f"  return {outs}")
     lines.append("}")

@@ -56,6 +56,8 @@ def _node(nd, w):
         except RlxError as e:
             raise SerializeError(f"{w}.outs[{j}]: {e}") from None
     given = _need(nd, "attrs", dict, w)
+    given = {k: graph_from_dict(v["graph"], f"{w}.attrs.{k}") if isinstance(v, dict) and "graph" in v
+             else v for k, v in given.items()}          # control-flow bodies, verified on load
     try:
         a = get_op(op).check_attrs(given)
     except RlxError as e:

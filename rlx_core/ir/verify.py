@@ -31,6 +31,12 @@ def verify(g) -> None:
             names[n.name] = i
             if n.op == "constant" and n.name not in g.constants:
                 raise GraphError(f"{where}: constant {n.name!r} has no value in the constant table")
+        for key, body in n.attrs:               # control-flow bodies, verified recursively
+            if getattr(body, "_rlx_graph_attr", False):
+                try:
+                    verify(body)
+                except RlxError as e:
+                    raise GraphError(f"{where}: body {key!r}: {e}") from None
         try:
             d.check_arity(len(n.inputs))
             a = d.check_attrs(n.a)

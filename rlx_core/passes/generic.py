@@ -4,6 +4,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from ..ir.control import map_bodies
 from ..ir.graph import Graph
 from ..ir.numpy_kernels import KERNELS, VIEWS
 from ..ir.ops import get_op
@@ -31,6 +32,7 @@ def dce(g: Graph, keep: tuple = LEAVES) -> Graph:
     """Drop nodes no output or side effect needs. Leaves of the kinds in `keep` stay even
     unused, so the binding contract of the graph does not change (a graph cut down to some
     of its outputs keeps none: it binds only what those read)."""
+    g = map_bodies(g, dce)            # control-flow bodies (their inputs are kept: signature)
     live = {r[0] for _, r in g.outputs}
     for i in range(len(g.nodes) - 1, -1, -1):
         n = g.nodes[i]
@@ -51,6 +53,7 @@ def dce(g: Graph, keep: tuple = LEAVES) -> Graph:
 
 def cse(g: Graph) -> Graph:
     """Merge nodes with the same op, inputs and attrs (leaves and effects excluded)."""
+    g = map_bodies(g, cse)                                     # control-flow bodies
     seen: dict = {}
 
     def replace(m, node, ins, i, lookup):
@@ -69,6 +72,7 @@ def cse(g: Graph) -> Graph:
 
 def const_fold(g: Graph, max_bytes: int = 1 << 24) -> Graph:
     """Evaluate nodes whose inputs are all constants with the NumPy kernels."""
+    g = map_bodies(g, lambda body: const_fold(body, max_bytes))  # control-flow bodies
     def replace(m, node, ins, i, lookup):
         d = get_op(node.op)
         if d.level.value == "leaf" or d.effect or node.op == "custom" or not ins:

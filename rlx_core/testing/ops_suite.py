@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I32, I64, U8, DType
-from rlx_core.ir.graph import HIR
+from rlx_core.ir.graph import HIR, MIR, Builder
+from rlx_core.ir.shape import Shape
 from rlx_core.ir.ops import ACTIVATIONS, BINARY_OPS, COMPARE_OPS, INT_OK_ACTIVATIONS, OPS, POOL_MODES, Level
 
 from .parity import (FLOATS, PARITY_PROFILE, REF_ACT, TOL, Arg, arg, backend, compile_on,  # noqa: F401
@@ -825,6 +826,61 @@ def test_dot_general(backend, rng, dt, case):
     attrs_ = {"lhs_contract": lc, "rhs_contract": rc, "lhs_batch": lb, "rhs_batch": rb}
     run_parity(backend, "dot_general", [arg(rng, "a", ld, dt), arg(rng, "b", rd, dt)], attrs_,
                lambda x, y: ref_dot_general(x, y, lc, rc, lb, rb))
+
+
+# ----------------------------------------------------------------------------- control flow
+def _body(name, dims_dtypes, fn):
+    """A body graph (ir/control.py) at MIR level: inputs of (dims, dtype), fn builds outputs."""
+    return Builder(name, MIR).body(name, [Shape(d, t) for d, t in dims_dtypes], fn)
+
+
+@covers("if_")
+@fdtype
+@pytest.mark.parametrize("taken", [True, False])
+def test_if(backend, rng, dt, taken):
+    sig = [((2, 3), dt), ((3,), dt)]
+    then_ = _body("then", sig, lambda b, x, y: (x * y, b.tanh(y)))
+    else_ = _body("else", sig, lambda b, x, y: (x - y, y * y))
+    args = [Arg("p", np.array(taken), BOOL), arg(rng, "x", (2, 3), dt), arg(rng, "y", (3,), dt)]
+    run_parity(backend, "if_", args, {"then_": then_, "else_": else_},
+               lambda p, x, y: (x * y, np.tanh(y)) if p else (x - y, y * y))
+
+
+@covers("while_")
+@fdtype
+def test_while(backend, rng, dt):
+    """Double x until its sum passes the limit (a const): a data-dependent trip count."""
+    sig = [((), dt), ((4,), dt)]
+    cond = _body("cond", sig, lambda b, lim, x: b.compare(b.sum(x, (0,)), lim, "lt"))
+    body = _body("body", sig, lambda b, lim, x: x * 2.0)
+    x = exact(rng.uniform(0.1, 1.0, (4,)), dt)
+
+    def ref(lim, x):
+        while x.sum() < lim:
+            x = x * 2
+        return x
+    run_parity(backend, "while_", [Arg("lim", exact(rng.uniform(5, 40, ()), dt), dt), Arg("x", x, dt)],
+               {"cond": cond, "body": body, "n_consts": 1}, ref)
+
+
+@covers("scan")
+@fdtype
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan(backend, rng, dt, reverse):
+    """An exponential moving average over the rows of xs with a const decay; ys the states."""
+    sig = [((), dt), ((3,), dt), ((3,), dt)]
+    body = _body("ema", sig, lambda b, k, h, x: (lambda h2: (h2, h2 * h2))(h * k + x))
+
+    def ref(k, h, xs):
+        ys = np.zeros_like(xs)
+        for t in (range(len(xs) - 1, -1, -1) if reverse else range(len(xs))):
+            h = h * k + xs[t]
+            ys[t] = h * h
+        return h, ys
+    args = [Arg("k", exact(rng.uniform(0.2, 0.9, ()), dt), dt), arg(rng, "h", (3,), dt),
+            arg(rng, "xs", (5, 3), dt)]
+    run_parity(backend, "scan", args, {"body": body, "n_consts": 1, "n_carry": 1, "reverse": reverse},
+               ref, tol=3e-2 if dt is BF16 else None)
 
 
 # what `from rlx_core.testing.ops_suite import *` brings: the tests and the fixtures they use
