@@ -405,6 +405,11 @@ class _Sharder:
     def gather(self, i: int, n: Node, ins):
         (rt, t, st), (ri, ids, si) = ins
         g = self.g
+        ax = n.a["axis"] % max(1, t.shape.rank)
+        if st is not None and si is None and st.axis != ax:     # rows of a split tensor (a ring cache)
+            idx = self.get(ri)[0]
+            out_axis = st.axis if st.axis < ax else st.axis + idx.shape.rank - 1
+            return self.emit("gather", [t, idx], **n.a), attrs.evolve(st, axis=out_axis)
         ids = self.get(ri)[0]
         if g.nodes[rt[0]].op != "param" or n.a["axis"] != 0 or si is not None or st is not None \
                 or g.nodes[rt[0]].a.get("scheme"):
