@@ -10,6 +10,7 @@ from .shape import Shape
 from .verify import verify
 from . import contract  # noqa: F401,E402  (registers dot_general in the op table)
 from . import control  # noqa: F401,E402  (registers if_, while_, scan)
+from . import fft  # noqa: F401,E402  (registers fft, ifft, rfft, irfft)
 
 __all__ = ["DType", "promote", "RlxError", "HIR", "MIR", "LIR", "Builder", "Emit", "Graph", "Node",
            "Value", "BindingManifest", "LirModule", "plan", "FusionPolicy", "legalize", "lower",

@@ -400,6 +400,19 @@ class Builder:
                         rhs_contract=tuple(contract[1]), lhs_batch=tuple(batch[0]),
                         rhs_batch=tuple(batch[1]))
 
+    # -- FFT over one axis (ir/fft.py); norm: backward / ortho / forward
+    def fft(self, x, axis=-1, norm="backward"):
+        return self.add("fft", (x,), axis=axis, norm=norm)
+
+    def ifft(self, x, axis=-1, norm="backward"):
+        return self.add("ifft", (x,), axis=axis, norm=norm)
+
+    def rfft(self, x, axis=-1, norm="backward"):
+        return self.add("rfft", (x,), axis=axis, norm=norm)
+
+    def irfft(self, x, n=0, axis=-1, norm="backward"):
+        return self.add("irfft", (x,), axis=axis, norm=norm, n=n)
+
     # -- control flow (ir/control.py): bodies are graphs held as attrs
     def body(self, name: str, shapes, fn) -> Graph:
         """A body graph at this builder's level: inputs `a0..` of `shapes` (Shapes or

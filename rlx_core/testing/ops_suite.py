@@ -883,6 +883,54 @@ def test_scan(backend, rng, dt, reverse):
                ref, tol=3e-2 if dt is BF16 else None)
 
 
+# ----------------------------------------------------------------------------- fft
+FFT_NORMS = ("backward", "ortho", "forward")
+
+
+def complex_arg(rng, name, dims) -> Arg:
+    data = (rng.uniform(-2, 2, dims) + 1j * rng.uniform(-2, 2, dims)).astype(np.complex64)
+    return Arg(name, data, DType.C64)
+
+
+def check_fft(k, got, want, dt, what):
+    """c64 (or f32) output within 1e-5 of the largest |reference| (numpy.fft in float64)."""
+    assert got.dtype == dt.np, f"{what}: output dtype {got.dtype}, expected {dt.np}"
+    assert got.shape == want.shape, f"{what}: output shape {got.shape}, expected {want.shape}"
+    scale = max(float(np.max(np.abs(want))), 1e-30) if want.size else 1.0
+    np.testing.assert_allclose(got.astype(np.complex128), want, rtol=1e-5, atol=1e-5 * scale, err_msg=what)
+
+
+@covers("fft", "ifft")
+@pytest.mark.parametrize("op", ["fft", "ifft"])
+@pytest.mark.parametrize("norm", FFT_NORMS)
+@pytest.mark.parametrize("n,axis", [(8, -1), (7, -1), (5, 0)])
+def test_fft(backend, rng, op, norm, n, axis):
+    dims = (n, 3) if axis == 0 else (2, n)
+    fn = getattr(np.fft, op)
+    run_parity(backend, op, [complex_arg(rng, "x", dims)], {"axis": axis, "norm": norm},
+               lambda x: fn(x.astype(np.complex128), axis=axis, norm=norm), check=check_fft)
+
+
+@covers("rfft")
+@fdtype
+@pytest.mark.parametrize("norm", FFT_NORMS)
+@pytest.mark.parametrize("n,axis", [(8, -1), (9, -1), (6, 1)])
+def test_rfft(backend, rng, dt, norm, n, axis):
+    dims = (2, n, 3) if axis == 1 else (2, n)
+    run_parity(backend, "rfft", [arg(rng, "x", dims, dt)], {"axis": axis, "norm": norm},
+               lambda x: np.fft.rfft(x, axis=axis, norm=norm), check=check_fft)
+
+
+@covers("irfft")
+@pytest.mark.parametrize("norm", FFT_NORMS)
+@pytest.mark.parametrize("n,axis", [(8, -1), (9, -1), (6, 0)])
+def test_irfft(backend, rng, norm, n, axis):
+    m = n // 2 + 1
+    dims = (m, 3) if axis == 0 else (2, m)
+    run_parity(backend, "irfft", [complex_arg(rng, "x", dims)], {"axis": axis, "norm": norm, "n": n},
+               lambda x: np.fft.irfft(x.astype(np.complex128), n=n, axis=axis, norm=norm), check=check_fft)
+
+
 # what `from rlx_core.testing.ops_suite import *` brings: the tests and the fixtures they use
 __all__ = sorted(n for n in dir() if n.startswith("test_")) + ["backend", "custom_plugin", "rlx_backend",
                                                                "rng"]
