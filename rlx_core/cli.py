@@ -625,8 +625,11 @@ def echo_text(text: str) -> None:
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @model_profile_option
 @backend_option
+@click.option("--tp", type=click.IntRange(1), default=None,
+              help="Tensor-parallel ranks, one process each (default: RLX_TP, else the profile's "
+                   "[parallel] tensor). The text comes whole at the end.")
 def generate_cmd(model_name: str, prompt: str, sampling: dict, chat: bool, profile: str | None,
-                 backend: str | None) -> None:
+                 backend: str | None, tp: int | None) -> None:
     """Generate text from PROMPT with MODEL, streaming tokens as they come.
 
     MODEL is an HF folder, a GGUF file, or a packaged name: `smollm2`
@@ -635,6 +638,18 @@ def generate_cmd(model_name: str, prompt: str, sampling: dict, chat: bool, profi
     import sys
 
     from .runtime.text_stream import TextStream
+    from .runtime.tp import TensorParallel, tensor_size
+
+    world = tensor_size(tp, CompileProfile.resolve(profile) if profile else None)
+    if world > 1:
+        spec = {"model": model_name, "backend": backend, "profile": profile}
+        click.echo(f"[{model_name}: starting {world} tensor-parallel ranks ...]", err=True)
+        with TensorParallel(spec, world) as group:
+            click.echo(group.generate(prompt, chat=chat, **sampling))
+            t = group.last_timings
+        click.echo(f"[tp={world}: {t['prompt_tokens']} prompt tokens in {t['prefill_s'] * 1e3:.0f} ms; "
+                   f"{t['new_tokens']} new tokens at {t['decode_s_per_token'] * 1e3:.1f} ms/token]", err=True)
+        return
 
     model = load_causal_lm(model_name, backend, profile, "generate")
     ids = model.encode_prompt(prompt, chat=chat)

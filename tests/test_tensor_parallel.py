@@ -162,3 +162,17 @@ def test_killed_rank_stops_the_group_naming_it(spec):
             os.kill(pid, 0)
     with pytest.raises(ModelError, match="stopped"):
         tp.generate(PROMPT, max_new_tokens=2)
+
+
+def test_cli_generate_tp_flag(monkeypatch):
+    from click.testing import CliRunner
+
+    from rlx_core.cli import main
+
+    r = CliRunner().invoke(main, ["generate", "--help"])
+    assert r.exit_code == 0 and "--tp" in r.output
+    r = CliRunner().invoke(main, ["generate", "m", "hi", "--tp", "0"])
+    assert r.exit_code == 2 and "--tp" in r.output
+    monkeypatch.setenv("RLX_TP", "x")
+    r = CliRunner().invoke(main, ["generate", "m", "hi"])
+    assert r.exit_code != 0 and "RLX_TP='x'" in r.output
