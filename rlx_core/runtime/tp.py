@@ -9,7 +9,8 @@ answers aborts the group's barrier, the others are stopped, and the error names 
 
 A spec is JSON: {"model": path or name} (rlx_core.runtime.model.load), or {"config": {...},
 "tensors": "file.npz"} (weights saved by the caller, read with allow_pickle=False), plus
-optional "backend", "profile", "max_context" and, for tests, "fault": {"rank", "after_tokens"}.
+optional "backend", "profile", "max_context", "comm" (a communicator class as "module:Class"
+taking (block, world, rank, barrier, slot bytes, timeout); RLX_TP_COMM; default the CPU one) and, for tests, "fault": {"rank", "after_tokens"}.
 """
 from __future__ import annotations
 
@@ -87,17 +88,21 @@ def _answer(model, msg: dict, rank: int, fault: dict | None):
 
 def _rank_main(rank: int, world: int, spec_json: str, block: str, slot_bytes: int, barrier, conn,
                timeout: float) -> None:
+    import importlib
+
     from ..backends.numpy.comm import ShmCommunicator
     from ..ir import comm
 
     spec = json.loads(spec_json)
     c = None
     try:
-        if spec.get("comm", "shm") == "nccl":
-            from rlx_backend_cuda.nccl import NcclCommunicator   # (the cuda plugin; GPU ranks)
-            c = NcclCommunicator.from_env(world, rank, spec["nccl_id"], barrier, timeout)
+        factory = spec.get("comm") or os.environ.get("RLX_TP_COMM") or ""
+        if factory:          # "module:Class", e.g. rlx_backend_cuda.nccl:NcclCommunicator
+            mod, _, name = factory.partition(":")
+            cls = getattr(importlib.import_module(mod), name)
         else:
-            c = ShmCommunicator(block, world, rank, barrier, slot_bytes, timeout)
+            cls = ShmCommunicator
+        c = cls(block, world, rank, barrier, slot_bytes, timeout)
         comm.bind(c)
         model = _build(spec, world)
         conn.send_bytes(json.dumps({"ready": rank}).encode())
@@ -112,7 +117,7 @@ def _rank_main(rank: int, world: int, spec_json: str, block: str, slot_bytes: in
             conn.send_bytes(json.dumps(reply).encode())
     except (EOFError, KeyboardInterrupt):
         pass
-    except RlxError as e:
+    except (RlxError, ImportError, AttributeError) as e:
         conn.send_bytes(json.dumps({"error": type(e).__name__, "message": str(e)}).encode())
     finally:
         comm.bind(None)
