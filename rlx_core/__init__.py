@@ -1,5 +1,6 @@
 """RLX for Python: a small ML compiler and runtime for model builders."""
 
+from .ir.autodiff import grad, value_and_grad  # noqa: E402
 from .ir.dtype import BF16, BOOL, F16, F32, F64, I32, I64, DType  # noqa: E402
 from .ir.errors import RlxError  # noqa: E402
 from .ir.graph import Builder, Emit, Graph  # noqa: E402
@@ -33,4 +34,4 @@ def bisect(model, backend: str, ref: str = "numpy", input=None, pass_name: str |
 
 __all__ = ["DType", "F32", "F16", "BF16", "F64", "I32", "I64", "BOOL", "Graph", "Builder", "Emit",
            "Shape", "MaskKind", "RlxError", "CompileProfile", "CompilePipeline", "Executable",
-           "compile", "load", "bisect", "__version__"]
+           "compile", "load", "bisect", "grad", "value_and_grad", "__version__"]

@@ -261,7 +261,7 @@ class Builder:
         """A Python scalar becomes a scalar constant of `dtype`; values pass through."""
         if isinstance(x, Value):
             return x
-        return self.constant(np.asarray(x, dtype=dtype.np))
+        return self.constant(np.asarray(x, dtype=dtype.np), dtype)   # (f64 stays f64)
 
     def output(self, name: str, value: Value) -> None:
         if any(n == name for n, _ in self.outputs):

@@ -1,0 +1,307 @@
+"""Reverse-mode AD: `value_and_grad` / `grad` build a backward graph from a VJP rule per op.
+
+The graph is first lowered with the `fusable` policy, so blocks (linear, rms_norm,
+layer_norm, softmax, rope, attention, ...) reach AD as their primitive decompositions and
+only primitives need rules. Forward nodes are replayed into a new MIR graph, then the
+cotangents flow back node by node: a rule is graph-building code
+`rule(m, attrs, inputs, output, cotangent) -> cotangent per input (None: not differentiable)`.
+The result is an ordinary MIR graph: it goes through the same passes, planner and
+backends. An op on the path from `wrt` to the output without a rule is a GraphError naming it.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .dtype import F32
+from .errors import GraphError
+from .graph import MIR, Builder, Graph
+from .lower import lower
+from .rewrite import copy_node
+
+VJP: dict = {}
+
+
+def vjp(name):
+    def wrap(fn):
+        VJP[name] = fn
+        return fn
+    return wrap
+
+
+# ----------------------------------------------------------------- helpers
+def unbroadcast(m, g, target):
+    """Sum `g` down to the dims of `target` (undoing numpy broadcasting), in its dtype."""
+    dims = target.dims
+    lead = g.shape.rank - len(dims)
+    if lead:
+        g = m.sum(g, tuple(range(lead)))
+    axes = tuple(i for i, (d, e) in enumerate(zip(dims, g.dims)) if d == 1 and e != 1)
+    if axes:
+        g = m.sum(g, axes, keepdims=True)
+    return m.cast(m.reshape(g, dims), target.dtype)
+
+
+def _scalar(m, v, like):
+    return m.constant(np.asarray(v, like.dtype.np), like.dtype)
+
+
+def _zeros(m, dims, like):
+    return m.expand(_scalar(m, 0.0, like), dims)
+
+
+def _swap(m, x):
+    r = x.shape.rank
+    return m.transpose(x, tuple(range(r - 2)) + (r - 1, r - 2))
+
+
+# ----------------------------------------------------------------- rules
+@vjp("binary")
+def _binary(m, a, ins, y, g):
+    x1, x2 = ins
+    op = a["op"]
+    if op == "add":
+        d1, d2 = g, g
+    elif op == "sub":
+        d1, d2 = g, -g
+    elif op == "mul":
+        d1, d2 = g * x2, g * x1
+    elif op == "div":
+        d1, d2 = g / x2, -(g * y) / x2
+    elif op == "pow":
+        d1 = g * x2 * m.pow(x1, x2 - 1.0)
+        d2 = g * y * m.act(x1, "log")
+    else:                                        # max / min: the gradient goes to the winner
+        take1 = m.compare(x1, x2, "ge" if op == "max" else "le")
+        d1, d2 = m.where(take1, g, 0.0), m.where(take1, 0.0, g)
+    return unbroadcast(m, d1, x1.shape), unbroadcast(m, d2, x2.shape)
+
+
+_GELU_C = math.sqrt(2 / math.pi)
+
+
+def _act_grad(m, fn, x, y, g):
+    if fn == "identity":
+        return g
+    if fn == "neg":
+        return -g
+    if fn == "relu":
+        return m.where(m.compare(x, 0.0, "gt"), g, 0.0)
+    if fn == "abs":
+        return m.where(m.compare(x, 0.0, "lt"), -g, g)
+    d = {
+        "tanh": lambda: 1.0 - y * y,
+        "exp": lambda: y,
+        "log": lambda: m.act(x, "recip"),
+        "sqrt": lambda: 0.5 / y,
+        "rsqrt": lambda: (y * -0.5) / x,
+        "recip": lambda: -(y * y),
+        "sin": lambda: m.act(x, "cos"),
+        "cos": lambda: -m.act(x, "sin"),
+        "sigmoid": lambda: y * (1.0 - y),
+        "silu": lambda: (lambda s: s * (1.0 + x * (1.0 - s)))(m.sigmoid(x)),
+        "gelu_tanh": lambda: (lambda t: 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_C
+                              * (1.0 + 3 * 0.044715 * x * x))(
+            m.tanh(_GELU_C * (x + 0.044715 * x * x * x))),
+    }.get(fn)
+    if d is None:
+        raise GraphError(f"no VJP rule for activation {fn!r}")
+    return g * d()
+
+
+@vjp("activation")
+def _activation(m, a, ins, y, g):
+    return (_act_grad(m, a["fn"], ins[0], y, g),)
+
+
+@vjp("cast")
+def _cast(m, a, ins, y, g):
+    return (m.cast(g, ins[0].dtype) if ins[0].dtype.is_float else None,)
+
+
+def _keep_shape(x, a):
+    axes = a["axes"] if isinstance(a["axes"], tuple) else (a["axes"],)
+    axes = {ax % x.shape.rank for ax in axes}
+    return tuple(1 if i in axes else d for i, d in enumerate(x.dims)), axes
+
+
+@vjp("reduce")
+def _reduce(m, a, ins, y, g):
+    x = ins[0]
+    keep, axes = _keep_shape(x, a)
+    gk = m.expand(m.reshape(g, keep), x.dims)
+    if a["op"] == "sum":
+        return (gk,)
+    if a["op"] == "mean":
+        return (gk / float(math.prod(x.dims[i] for i in axes)),)
+    if a["op"] in ("max", "min"):
+        hit = m.compare(x, m.expand(m.reshape(y, keep), x.dims), "eq")
+        return (m.where(hit, gk, 0.0),)
+    if a["op"] == "prod":
+        return (gk * m.expand(m.reshape(y, keep), x.dims) / x,)
+    raise GraphError(f"no VJP rule for reduce {a['op']!r}")
+
+
+@vjp("matmul")
+def _matmul(m, a, ins, y, g):
+    x1, x2 = ins
+    ta, tb = a["trans_a"], a["trans_b"]
+    d1 = m.matmul(g, x2, trans_b=not tb)          # d(op(A)) = g op(B)^T
+    d2 = m.matmul(x1, g, trans_a=not ta)          # d(op(B)) = op(A)^T g
+    d1 = _swap(m, d1) if ta else d1
+    d2 = _swap(m, d2) if tb else d2
+    return unbroadcast(m, d1, x1.shape), unbroadcast(m, d2, x2.shape)
+
+
+@vjp("softmax")
+def _softmax(m, a, ins, y, g):
+    return (m.cast(y * (g - m.sum(g * y, (a["axis"],), keepdims=True)), ins[0].dtype),)
+
+
+@vjp("reshape")
+def _reshape(m, a, ins, y, g):
+    return (m.reshape(g, ins[0].dims),)
+
+
+@vjp("transpose")
+def _transpose(m, a, ins, y, g):
+    inv = tuple(int(i) for i in np.argsort(a["perm"]))
+    return (m.transpose(g, inv),)
+
+
+@vjp("expand")
+def _expand(m, a, ins, y, g):
+    return (unbroadcast(m, g, ins[0].shape),)
+
+
+@vjp("narrow")
+def _narrow(m, a, ins, y, g):
+    x = ins[0]
+    ax = a["axis"] % x.shape.rank
+    n = x.dims[ax]
+    start = a["start"] + n if a["start"] < 0 else a["start"]
+    parts = []
+    for length in (start, None, n - start - a["length"]):
+        if length is None:
+            parts.append(g)
+        elif length:
+            parts.append(_zeros(m, x.dims[:ax] + (length,) + x.dims[ax + 1:], g))
+    return (m.concat(parts, ax) if len(parts) > 1 else parts[0],)
+
+
+@vjp("concat")
+def _concat(m, a, ins, y, g):
+    ax = a["axis"] % y.shape.rank
+    out, at = [], 0
+    for x in ins:
+        out.append(m.narrow(g, ax, at, x.dims[ax]))
+        at += x.dims[ax]
+    return tuple(out)
+
+
+@vjp("where")
+def _where(m, a, ins, y, g):
+    c, x1, x2 = ins
+    return None, unbroadcast(m, m.where(c, g, 0.0), x1.shape), unbroadcast(m, m.where(c, 0.0, g), x2.shape)
+
+
+@vjp("compare")
+def _compare(m, a, ins, y, g):
+    return None, None
+
+
+@vjp("gather")
+def _gather(m, a, ins, y, g):
+    """Rows scattered back as a one-hot matmul: d table = onehot(idx)^T g."""
+    table, idx = ins
+    if a["axis"] % table.shape.rank != 0:
+        raise GraphError("no VJP rule for gather along an axis other than 0")
+    v = table.dims[0]
+    n = math.prod(idx.dims)
+    rest = table.dims[1:]
+    hot = m.compare(m.reshape(m.cast(idx, "i64"), (n, 1)),
+                    m.constant(np.arange(v, dtype=np.int64).reshape(1, v)), "eq")
+    g2 = m.reshape(g, (n, math.prod(rest)))
+    d = m.matmul(m.cast(hot, g.dtype), g2, trans_a=True)
+    return m.reshape(d, table.dims), None
+
+
+@vjp("mask_fill")
+def _mask_fill(m, a, ins, y, g):
+    """Masked scores are constants (-inf); the gradient passes where the score was kept."""
+    keep = m.compare(y, float("-inf"), "ne")
+    return (m.where(keep, g, 0.0),) + (None,) * (len(ins) - 1)
+
+
+# ----------------------------------------------------------------- driver
+def value_and_grad(g: Graph, wrt, output: str | None = None) -> Graph:
+    """A graph computing output `output` (default: the only one) of `g` and the gradient of
+    its sum with respect to each name in `wrt` (inputs or params), as outputs `output` and
+    `grad_<name>`. The forward graph is lowered with the fusable policy first."""
+    wrt = [wrt] if isinstance(wrt, str) else list(wrt)
+    names = [n for n, _ in g.outputs]
+    if output is None:
+        if len(names) != 1:
+            raise GraphError(f"value_and_grad of graph {g.name!r}: choose output= among {names}")
+        output = names[0]
+    if output not in names:
+        raise GraphError(f"value_and_grad: graph {g.name!r} has no output {output!r}; it has {names}")
+    f = lower(g, "fusable") if g.level == "hir" else g
+    leaves = {n.name: i for i, n in enumerate(f.nodes) if n.op in ("input", "param")}
+    for w in wrt:
+        if w not in leaves:
+            raise GraphError(f"value_and_grad: {w!r} is not an input or param of {g.name!r}; "
+                             f"it has {sorted(leaves)}")
+        if not f.nodes[leaves[w]].outs[0].dtype.is_float:
+            raise GraphError(f"value_and_grad: {w!r} is {f.nodes[leaves[w]].outs[0]}, not a float")
+    m = Builder(f"{g.name}.grad", MIR)
+    m.constants = dict(f.constants)
+    m._leaf_names = {n.name: n.op for n in f.nodes if n.name}
+    vals: dict = {}
+    active = {leaves[w] for w in wrt}
+    for i, n in enumerate(f.nodes):
+        out = copy_node(m, n, [vals[tuple(r)] for r in n.inputs])
+        for k, v in enumerate(out if isinstance(out, tuple) else (out,)):
+            vals[(i, k)] = v
+        if any(r[0] in active for r in n.inputs):
+            active.add(i)
+    ref = dict(f.outputs)[output]
+    y = vals[tuple(ref)]
+    if not y.dtype.is_float:
+        raise GraphError(f"value_and_grad: output {output!r} is {y.shape}, not a float")
+    cts: dict = {tuple(ref): m.expand(_scalar(m, 1.0, y), y.dims)}
+    missing: set = set()
+    for i in range(len(f.nodes) - 1, -1, -1):
+        n = f.nodes[i]
+        if i not in active or not n.inputs or not any((i, k) in cts for k in range(len(n.outs))):
+            continue
+        if n.op not in VJP or len(n.outs) != 1:
+            missing.add(n.op)
+            continue
+        ins = [vals[tuple(r)] for r in n.inputs]
+        grads = VJP[n.op](m, n.a, ins, vals[(i, 0)], cts[(i, 0)])
+        for r, d in zip(n.inputs, grads):
+            if d is None or r[0] not in active:
+                continue
+            r = tuple(r)
+            cts[r] = cts[r] + d if r in cts else d
+    if missing:
+        raise GraphError(f"value_and_grad of {g.name!r}: no VJP rule for op(s) {sorted(missing)} "
+                         f"on the path from {wrt} to {output!r}")
+    m.output(output, y)
+    for w in wrt:
+        s = f.nodes[leaves[w]].outs[0]
+        d = cts.get((leaves[w], 0))
+        m.output(f"grad_{w}", m.cast(d, s.dtype) if d is not None else _zeros(m, s.dims, vals[(leaves[w], 0)]))
+    return m.build()
+
+
+def grad(g: Graph, wrt, output: str | None = None) -> Graph:
+    """value_and_grad without the value: outputs `grad_<name>` only."""
+    vg = value_and_grad(g, wrt, output)
+    keep = tuple(o for o in vg.outputs if o[0].startswith("grad_"))
+    return Graph(vg.name, vg.level, vg.nodes, keep, vg.constants)
+
+
+__all__ = ["VJP", "vjp", "value_and_grad", "grad", "unbroadcast"]
