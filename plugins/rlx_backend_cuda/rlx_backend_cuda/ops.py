@@ -881,8 +881,8 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
                          **common)
     fn_s = b.kernel(src, "rlx_attn_split")
     pdt = F64 if acc == "double" else F32
-    part_o = b.buffer((nsplit * B * H * Sq * Dv,), pdt, "attention partials")
-    part_ml = b.buffer((nsplit * B * H * Sq * 2,), pdt, "attention partials")
+    part_o = b.node_buffer((nsplit * B * H * Sq * Dv,), pdt, "attention partials (o)")
+    part_ml = b.node_buffer((nsplit * B * H * Sq * 2,), pdt, "attention partials (m, l)")
     args_s = (q.arr, i64(qs[0]), i64(qs[1]), i64(qs[2]), k.arr, i64(ks[0]), i64(ks[1]), i64(ks[2]),
               v.arr, i64(vs[0]), i64(vs[1]), i64(vs[2]), mv, *[i64(s) for s in mst], pv.arr if pv else None,
               part_o.arr, part_ml.arr, i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk), i32(chunk), scale, cap,
@@ -1010,8 +1010,8 @@ def _same_bsd(a: V, c: V) -> bool:
 def _b_attn_block(b, n, ins, outs):
     a = n.a
     q, k, v, cos, sin, *rest = ins
-    qr = b.buffer(q.shape, q.dt, "roped q")
-    kr = b.buffer(k.shape, k.dt, "roped k")
+    qr = b.node_buffer(q.shape, q.dt, "roped q")
+    kr = b.node_buffer(k.shape, k.dt, "roped k")
     if _same_bsd(q, k) and q.dt is k.dt:
         _rope(b, [(q, qr, True, False), (k, kr, True, False)], cos, sin, a["style"])
     else:

@@ -58,6 +58,7 @@ class Build:
         self.vals: dict = {}          # (node, out) -> V built so far
         self.uses = runner.lir.graph.consumers()     # (node, out) -> consumer nodes (-1: output)
         self.absorbed: set = set()    # nodes an earlier step already computed
+        self.node_local: dict = {}    # (purpose, dtype) -> buffer shared by the nodes (node_buffer)
 
     # -- fusion helpers
     def sole_consumer(self, i: int, op: str, k: int = 0) -> int | None:
@@ -100,6 +101,18 @@ class Build:
         arr = device.empty(tuple(shape), dt, f"{what} of node %{self.node} ({self.op})")
         self.r.private.append(arr)
         return V(arr, dt)
+
+    def node_buffer(self, shape, dt: DType, what: str) -> V:
+        """Scratch a node reads and writes only within its own steps (attention partials,
+        roped q and k): one buffer per purpose for all the runner's nodes, which run one after
+        another on its stream (16 layers each holding their own partials was 1 GB at batch 32)."""
+        n = math.prod(shape)
+        arr = self.node_local.get((what, dt))
+        if arr is None or arr.size < n:
+            arr = device.empty((n,), dt, f"{what} (node-local scratch, from node %{self.node})")
+            self.r.private.append(arr)
+            self.node_local[(what, dt)] = arr
+        return V(arr[:n].reshape(tuple(shape)), dt)
 
     # -- launches
     def kernel(self, source: str, name: str):

@@ -53,6 +53,11 @@ def test_default_backend_where_gpu():
         assert select_backend().name != "cuda"
 
 
+# ops cuda has no kernel for yet (compiling them fails naming the op): collectives (NCCL not
+# wired into the runner), control flow and FFT (issue 17 built them for the host backends)
+NOT_YET = {"all_reduce", "all_gather", "reduce_scatter", "if_", "while_", "scan", "fft", "ifft", "rfft", "irfft"}
+
+
 def test_supported_ops_cover_the_table():
     """Every op below HIR has a kernel here, or is a fused op the pipeline legalizes."""
     from rlx_backend_cuda.ops import BUILDERS, VIEW_BUILDERS
@@ -61,7 +66,8 @@ def test_supported_ops_cover_the_table():
 
     supported = _B.supported_ops()
     missing = {n for n, d in OPS.items() if d.level is not Level.HIR} - supported
-    assert missing <= set(DECOMPOSE_FUSED), missing
+    assert missing - NOT_YET <= set(DECOMPOSE_FUSED), missing - NOT_YET
+    assert not NOT_YET & supported, "an op listed as missing has a kernel now: take it off NOT_YET"
     assert {"dequant_matmul", "dequantize", "quantize", "fake_quantize"} <= supported
     assert supported <= {n for n, d in OPS.items() if d.level is Level.LEAF} | set(BUILDERS) | set(VIEW_BUILDERS)
 
