@@ -279,10 +279,10 @@ def recorded_inputs(*exes):
     calls: dict = {exe: [] for exe in exes}
 
     def recording(exe, run):
-        def run_recorded(inputs=None, **kw):
+        def run_recorded(inputs=None, fetch=None, **kw):
             inputs = dict(inputs or {}, **kw)
             calls[exe].append({k: np.array(v) for k, v in inputs.items()})
-            return run(inputs)
+            return run(inputs, fetch=fetch)
         return run_recorded
 
     for exe in exes:
