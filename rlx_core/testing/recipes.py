@@ -56,6 +56,9 @@ def recipe_named(name: str):
 
 def why_untestable(recipe) -> str:
     """Why the kit cannot build `recipe`'s tiny model ('' when it can)."""
+    if getattr(recipe, "kit_checks", True) is False:
+        return (f"recipe {recipe.name!r} builds models the kit's checks do not cover (they check "
+                "CausalLM and Encoder models); it tests itself")
     lacking = [m for m in ("tiny_config", "tiny_tensors") if not callable(getattr(recipe, m, None))]
     return f"recipe {recipe.name!r} provides no {' / '.join(lacking)}()" if lacking else ""
 
