@@ -103,15 +103,19 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
 
 
 # ----------------------------------------------------------------------------- RLX
-def rlx_runtime(cfg, tensors, prompt, n_new, reps, cublas=True):
-    """RLX through the runtime (CausalLM.from_tensors + generate)."""
-    from rlx_core.runtime.model import CausalLM
+def runtime_model(cfg, tensors, max_context: int, backend: str = "cuda"):
+    """The runtime's CausalLM of these tensors computing in bf16 (the peers' dtype)."""
     from rlx_core.profile import CompileProfile, PrecisionConfig
+    from rlx_core.runtime.model import CausalLM
 
     prof = CompileProfile("llama32_bf16", precision=PrecisionConfig(compute="bf16"))
+    return CausalLM.from_tensors(cfg, tensors, backend=backend, profile=prof, max_context=max_context)
+
+
+def rlx_runtime(cfg, tensors, prompt, n_new, reps, cublas=True):
+    """RLX through the runtime (CausalLM.from_tensors + generate)."""
     t0 = time.perf_counter()
-    model = CausalLM.from_tensors(cfg, tensors, backend="cuda", profile=prof,
-                                  max_context=prompt.shape[1] + n_new + 128)
+    model = runtime_model(cfg, tensors, prompt.shape[1] + n_new + 128)
     res = {}
     toks = model.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new)   # compile + warm up
     res["first_generate_s"] = time.perf_counter() - t0
@@ -385,17 +389,14 @@ def check(cfg, tensors, n_layers=2, S=32, n_new=6):
     """Correctness on the same model: RLX runtime on cuda vs on numpy (last-token logits and
     greedy tokens), and HF eager vs RLX numpy (logits), with the first `n_layers` layers."""
     import torch
-    from rlx_core.runtime.model import CausalLM
-    from rlx_core.profile import CompileProfile, PrecisionConfig
 
     c = dict(cfg, num_hidden_layers=n_layers)
     t = {k: v for k, v in tensors.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < n_layers}
     prompt = np.random.default_rng(2).integers(0, c["vocab_size"], size=(1, S)).astype(np.int64)
     out = {}
-    prof = CompileProfile("llama32_bf16", precision=PrecisionConfig(compute="bf16"))
     lg, toks = {}, {}
     for be in ("cuda", "numpy"):
-        m = CausalLM.from_tensors(c, t, backend=be, profile=prof, max_context=S + n_new + 8)
+        m = runtime_model(c, t, S + n_new + 8, backend=be)
         lg[be] = m.logits(prompt)[0, -1].astype(np.float64)
         toks[be] = np.asarray(m.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new))[0, S:].tolist()
     hf = hf_model(c, t)
@@ -429,12 +430,7 @@ def batch_child(side: str, a) -> dict:
     prompts = {b: rng.integers(0, cfg["vocab_size"], (b, a.prompt)).astype(np.int64) for b in a.batch}
     out = {}
     if side == "rlx":
-        from rlx_core.profile import CompileProfile, PrecisionConfig
-        from rlx_core.runtime.model import CausalLM
-
-        prof = CompileProfile("llama32_bf16", precision=PrecisionConfig(compute="bf16"))
-        model = CausalLM.from_tensors(cfg, tensors, backend="cuda", profile=prof,
-                                      max_context=a.prompt + a.new + 128)
+        model = runtime_model(cfg, tensors, a.prompt + a.new + 128)
         del tensors
         for b, prompt in prompts.items():
             model.generate(prompt, max_new_tokens=a.new, min_new_tokens=a.new)

@@ -102,16 +102,8 @@ def _reshape_fwd(src: tuple, dst: tuple, axis: int, sel: tuple):
 
 
 def _reshape_back(src: tuple, dst: tuple, axis: int, sel: tuple):
-    """The inverse: a split on dst `axis` as (src axis, num, den)."""
-    for si, dj in reshape_groups(src, dst) or ():
-        if axis not in dj:
-            continue
-        if len(dj) == 1 and si:
-            inner = _prod(src[k] for k in si[1:])
-            return (si[0], 1, inner) if all(v % inner == 0 for v in sel) else None
-        if dj[0] == axis and len(si) == 1:
-            return si[0], _prod(dst[k] for k in dj[1:]), 1
-    return None
+    """The inverse: a split on dst `axis` as (src axis, num, den) (the grouping is symmetric)."""
+    return _reshape_fwd(dst, src, axis, sel)
 
 
 def _head_sels(g: Graph, i: int, world: int, rank: int) -> tuple:

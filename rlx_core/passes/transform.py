@@ -102,7 +102,7 @@ def to_precision(g: Graph, compute: DType) -> Graph:
         for r in n.inputs:
             users.setdefault(r[0], set()).add(i)
 
-    def low(v, j, node, i, ins_refs):
+    def low(v, j, node, ins_refs):
         """Input j of non-free node `node` in `compute` unless it may stay as it is."""
         if v.dtype not in FLOATS or v.dtype is compute:
             return False
@@ -114,7 +114,7 @@ def to_precision(g: Graph, compute: DType) -> Graph:
     def replace(m, node, ins, i, lookup):
         s = node.outs[0] if node.outs else None
         if i not in free and ins:
-            at = [j for j, v in enumerate(ins) if low(v, j, node, i, node.inputs)]
+            at = [j for j, v in enumerate(ins) if low(v, j, node, node.inputs)]
             if at:
                 return copy_node(m, node, [m.cast(v, compute) if j in at else v for j, v in enumerate(ins)])
         if node.op in ("param", "state") and s.dtype in FLOATS and s.dtype is not compute:

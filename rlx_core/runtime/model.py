@@ -89,6 +89,18 @@ def greedy_outputs(exe) -> bool:
     return set(GREEDY_OUTPUTS) <= {n for n, _ in exe.mir.outputs}
 
 
+def fetch_greedy(exe, feed: dict, rows, banning, eos) -> np.ndarray | None:
+    """Run one step fetching only the graph's arg-max ids [batch] and the finiteness check:
+    the ids when the logits of `rows` are finite and no row of `banning` (rows that may not
+    yet end) picked an EOS (banning only lowers EOS), else None: the caller runs the step
+    again for the logits (it writes the same KV rows)."""
+    out = exe.run(feed, fetch=GREEDY_OUTPUTS)
+    ids = out["next_ids"][:, -1]
+    if not np.isfinite(out["logits_sum"][rows]).all() or np.isin(ids[banning], eos).any():
+        return None
+    return ids
+
+
 class CausalLM:
     """A decoder-only language model compiled from a recipe's flows.
 
@@ -292,15 +304,12 @@ class CausalLM:
         greedy = greedy_outputs(decode) and not do_sample
 
         def step(exe, feed, t):
-            """(None, the greedy ids [b]) from the graph's arg-max when the logits are finite
-            and the ids need no EOS ban (none is an EOS before min_new_tokens: banning only
-            lowers EOS), else (this step's logits [b, vocab], None), the step run again (it
-            writes the same KV rows) to fetch them."""
+            """(None, the greedy ids [b]) where fetch_greedy gives them, else (this step's
+            logits [b, vocab], None)."""
             if greedy:
-                out = exe.run(feed, fetch=GREEDY_OUTPUTS)
-                nxt = out["next_ids"][:, -1]
-                if np.isfinite(out["logits_sum"]).all() and (
-                        t >= min_new_tokens or not np.isin(nxt, eos_arr).any()):
+                nxt = fetch_greedy(exe, feed, slice(None), slice(None) if t < min_new_tokens else [],
+                                   eos_arr)
+                if nxt is not None:
                     return None, nxt
             return exe.run(feed, fetch=("logits",))["logits"][:, -1], None
 
@@ -343,4 +352,4 @@ class CausalLM:
         return np.concatenate([ids, new], axis=1)
 
 
-__all__ = ["GREEDY_OUTPUTS", "greedy_outputs", "CausalLM", "load", "find_recipe", "resolve_profile", "backend_lock", "KNOWN_PLUGINS"]
+__all__ = ["GREEDY_OUTPUTS", "greedy_outputs", "fetch_greedy", "CausalLM", "load", "find_recipe", "resolve_profile", "backend_lock", "KNOWN_PLUGINS"]

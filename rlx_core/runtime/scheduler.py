@@ -24,7 +24,7 @@ import numpy as np
 from ..ir.errors import ModelError, RlxError
 from .args import bool_arg, callable_arg, float_arg, int_arg, text_arg, token_rows
 from .batch_cache import BatchCache
-from .model import CTX_BUCKET, GREEDY_OUTPUTS, greedy_outputs
+from .model import CTX_BUCKET, fetch_greedy, greedy_outputs
 from .sampling import choose, process_logits
 from .stop_text import StopText
 
@@ -363,20 +363,13 @@ class Scheduler:
                 self._guard([r], self._take, r, logits[r.slot:r.slot + 1])
 
     def _greedy_ids(self, exe, feed):
-        """The graph's arg-max ids [batch] when every active request takes them as they are
-        (greedy, finite logits, no EOS it must not yet pick): a few bytes per row come back
-        instead of the logits. Else None, and the step runs again for the logits (it writes
-        the same KV rows)."""
-        eos = self.model.eos_ids
+        """The graph's arg-max ids [batch] when every active request is greedy and
+        fetch_greedy gives them (a few bytes per row instead of the logits), else None."""
         if not greedy_outputs(exe) or any(r.params.do_sample for r in self._active):
             return None
-        out = exe.run(feed, fetch=GREEDY_OUTPUTS)
-        ids, rows = out["next_ids"][:, -1], [r.slot for r in self._active]
-        if not np.isfinite(out["logits_sum"][rows]).all():
-            return None
-        if any(r.n_new < r.params.min_tokens and int(ids[r.slot]) in eos for r in self._active):
-            return None
-        return ids
+        banning = [r.slot for r in self._active if r.n_new < r.params.min_tokens]
+        return fetch_greedy(exe, feed, [r.slot for r in self._active], banning,
+                            np.array(self.model.eos_ids, np.int64))
 
     def _take(self, r: Request, logits) -> None:
         """Choose r's next token from its logits [1, vocab] and pass it on."""

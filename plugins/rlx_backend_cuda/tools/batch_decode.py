@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks"))
-from llm_gpu import LLAMA_1B, make_weights  # noqa: E402
+from llm_gpu import LLAMA_1B, make_weights, runtime_model  # noqa: E402
 
 
 def main():
@@ -30,13 +30,9 @@ def main():
     import cupy as cp
 
     from rlx_backend_cuda import set_config
-    from rlx_core.profile import CompileProfile, PrecisionConfig
-    from rlx_core.runtime.model import CausalLM
 
     cfg = dict(LLAMA_1B, num_hidden_layers=a.layers)
-    prof = CompileProfile("llama32_bf16", precision=PrecisionConfig(compute="bf16"))
-    model = CausalLM.from_tensors(cfg, make_weights(cfg), backend="cuda", profile=prof,
-                                  max_context=a.prompt + a.new + 128)
+    model = runtime_model(cfg, make_weights(cfg), a.prompt + a.new + 128)
     rng = np.random.default_rng(1)
     for b in a.batch:
         prompt = rng.integers(0, cfg["vocab_size"], (b, a.prompt)).astype(np.int64)

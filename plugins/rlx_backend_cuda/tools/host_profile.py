@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks"))
-from llm_gpu import LLAMA_1B, make_weights  # noqa: E402
+from llm_gpu import LLAMA_1B, make_weights, runtime_model  # noqa: E402
 
 
 def main():
@@ -24,13 +24,9 @@ def main():
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=32)
     a = ap.parse_args()
-    from rlx_core.profile import CompileProfile, PrecisionConfig
-    from rlx_core.runtime.model import CausalLM
 
     cfg = dict(LLAMA_1B, num_hidden_layers=a.layers)
-    prof = CompileProfile("llama32_bf16", precision=PrecisionConfig(compute="bf16"))
-    model = CausalLM.from_tensors(cfg, make_weights(cfg), backend="cuda", profile=prof,
-                                  max_context=a.prompt + a.new + 128)
+    model = runtime_model(cfg, make_weights(cfg), a.prompt + a.new + 128)
     prompt = np.random.default_rng(1).integers(0, cfg["vocab_size"], (a.batch, a.prompt)).astype(np.int64)
     model.generate(prompt, max_new_tokens=a.new, min_new_tokens=a.new)
     pr = cProfile.Profile()

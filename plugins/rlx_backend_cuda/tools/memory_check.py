@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks"))
-from llm_gpu import LLAMA_1B, make_weights  # noqa: E402
+from llm_gpu import LLAMA_1B, make_weights, runtime_model  # noqa: E402
 
 
 def main():
@@ -25,12 +25,9 @@ def main():
     a = ap.parse_args()
     import cupy as cp
 
-    from rlx_core.profile import CompileProfile, PrecisionConfig
-    from rlx_core.runtime.model import CausalLM
 
     cfg = dict(LLAMA_1B, num_hidden_layers=a.layers)
-    prof = CompileProfile("llama32_bf16", precision=PrecisionConfig(compute="bf16"))
-    model = CausalLM.from_tensors(cfg, make_weights(cfg), backend="cuda", profile=prof, max_context=a.ctx)
+    model = runtime_model(cfg, make_weights(cfg), a.ctx)
     pool = cp.get_default_memory_pool()
     print(f"after load: pool {pool.total_bytes() / 1e9:.2f} GB, used {pool.used_bytes() / 1e9:.2f} GB")
     for b in a.batch:
