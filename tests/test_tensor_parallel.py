@@ -14,17 +14,19 @@ from rlx_core.ir.graph import MIR, Builder
 from rlx_core.passes.shard import reshape_groups, shard
 from rlx_core.pipeline import CompilePipeline
 from rlx_core.profile import CompileProfile
-from rlx_core.runtime.model import CausalLM, find_recipe
+from rlx_core.runtime.model import find_recipe
 from rlx_core.runtime.tp import TensorParallel, tensor_size
+from rlx_core.weights.checkpoint import Checkpoint
 
 PROMPT = [5, 7, 9, 11, 13, 3]
 
 
-def _model(model_type: str, seed: int = 0):
+def _model(model_type: str, seed: int = 0, **config):
+    """(config, tensors, model) of the recipe's tiny model (`config` overrides keys)."""
     r = find_recipe(model_type)
-    cfg = r.tiny_config()
+    cfg = dict(r.tiny_config(), **config)
     tensors = r.tiny_tensors(cfg, np.random.default_rng(seed))
-    return cfg, tensors, CausalLM.from_tensors(cfg, tensors, backend="numpy")
+    return cfg, tensors, r.build(Checkpoint(f"tiny-{model_type}", "tiny", cfg, tensors, None), backend="numpy")
 
 
 def _rank_mir(model, mode: str, world: int, rank: int, fused: bool = True):
@@ -129,8 +131,8 @@ def test_profile_section_and_overrides(monkeypatch):
 # ------------------------------------------------------------------ sharded = unsharded
 @pytest.fixture
 def spec(tmp_path):
-    def make(model_type: str, **extra):
-        cfg, tensors, ref = _model(model_type)
+    def make(model_type: str, config: dict | None = None, **extra):
+        cfg, tensors, ref = _model(model_type, **(config or {}))
         path = tmp_path / f"{model_type}.npz"
         np.savez(path, **tensors)
         return {"config": cfg, "tensors": str(path), "backend": "numpy", **extra}, ref
@@ -147,6 +149,44 @@ def test_sharded_equals_unsharded(spec, model_type, world):
         out = tp.generate(PROMPT, max_new_tokens=12)
         assert out == ref.generate(PROMPT, max_new_tokens=12)
         assert len(out) == len(PROMPT) + 12
+
+
+BERT4 = {"num_attention_heads": 4}      # the kit's tiny BERT has 3 heads: 4 split over 2 and 4 ranks
+
+
+def test_bert_rank_mir_is_megatron_sharded():
+    """The fused QKV (a matmul on concat(q, k, v) read through views) and the matmul
+    epilogues (bias + GELU) of BERT's `direct` MIR shard like separate projections."""
+    cfg, _, m = _model("bert", **BERT4)
+    g = _rank_mir(m, "padded", 2, 1, fused=False)
+    layers = cfg["num_hidden_layers"]
+    # attention output and FFN output per layer; word, position and token-type embeddings
+    assert _count(g, "all_reduce") == 2 * layers + 3 and _count(g, "all_gather") == 0
+    params = {n.name: n for n in g.nodes if n.op == "param"}
+    q = params["encoder.layer.0.attention.self.query.weight"]
+    assert q.outs[0].dims == (12, 24) and q.a["shard"][1:3] == (0, 12)
+    assert params["encoder.layer.0.attention.self.value.bias"].outs[0].dims == (12,)
+    assert params["encoder.layer.0.intermediate.dense.weight"].a["shard"][1:3] == (0, 20)
+    out = params["encoder.layer.0.output.dense.weight"]
+    assert out.outs[0].dims == (24, 20) and out.a["shard"][1:3] == (1, 20)
+    assert "encoder.layer.0.output.dense.bias" in params and not params["encoder.layer.0.output.dense.bias"].a.get("shard")
+    assert all(n.outs[0].dims[1] == 2 for n in g.nodes if n.op == "attention")   # 2 of 4 heads
+    fused = _rank_mir(m, "padded", 2, 1)
+    assert _count(fused, "fused_matmul_bias_act") == 4 * layers       # q, k, v, FFN-in re-fused
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bert_sharded_equals_unsharded(spec, world):
+    s, ref = spec("bert", BERT4)
+    ids = np.array([[2, 7, 9, 11, 13, 3], [2, 4, 8, 3, 0, 0]])
+    mask = ids != 0
+    types = np.array([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 0, 0]])
+    with TensorParallel(s, world, timeout=60) as tp:
+        got = tp.forward(ids, mask, types)
+    want = ref.forward(ids, mask, types)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5 * np.abs(want[k]).max(), err_msg=k)
 
 
 def test_killed_rank_stops_the_group_naming_it(spec):

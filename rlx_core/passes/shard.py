@@ -16,6 +16,8 @@ the rank binds (`bind_slices`), so a rank reads only its slice of a memory-mappe
 The pass runs on the MIR before fusion: the fusion passes then fuse the rank's graph (the
 concatenated QKV and gate/up weights are concatenations of the rank's slices: packed
 weights split on block boundaries). Collectives are boundaries to every fusion group.
+A MIR lowered `direct` may hold matmul epilogues and a matmul on a concat of weights read
+through views of its parts (BERT's fused QKV): `unfuse_matmuls` takes them apart first.
 """
 from __future__ import annotations
 
@@ -25,8 +27,10 @@ import numpy as np
 from ..ir.errors import GraphError, ModelError
 from ..ir.graph import Builder, Graph, Node
 from ..ir.ops import COLLECTIVES, get_op, infer
+from ..ir.lower import DECOMPOSE_FUSED
+from ..ir.rewrite import rewrite
 from ..ir.shape import norm_axis
-from .generic import leaves_first
+from .generic import dce, leaves_first
 
 ATTENTION = ("attention", "fused_attention_block", "varlen_attention")
 
@@ -173,6 +177,67 @@ def head_demands(g: Graph, world: int, rank: int) -> tuple:
                     break
                 ref = tuple(node.inputs[0])
     return mm, states
+
+
+def _mm_parts(g: Graph, i: int, consumers: dict):
+    """For matmul node i (or its epilogue) on concat(W_1..W_k) of 2-D params along the output
+    features (and a bias concat(b_1..b_k) of 1-D params, if any) whose every reader is a
+    narrow of exactly one part: {narrow node: (W_k ref, b_k ref | None)}, else None."""
+    n = g.nodes[i]
+    if n.op not in ("matmul", "fused_matmul_bias_act") or n.a.get("trans_a"):
+        return None
+    tb = n.a["trans_b"]
+    cat = g.nodes[n.inputs[1][0]]
+    if cat.op != "concat" or norm_axis(cat.a["axis"], 2, "concat") != (0 if tb else 1):
+        return None
+    ws = [tuple(r) for r in cat.inputs]
+    if not all(_weight(g, r) is not None for r in ws):
+        return None
+    bs = [None] * len(ws)
+    if len(n.inputs) > 2:
+        bc = g.nodes[n.inputs[2][0]]
+        bs = [tuple(r) for r in bc.inputs] if bc.op == "concat" else []
+        if len(bs) != len(ws) or any(g.nodes[r[0]].op != "param" for r in bs):
+            return None
+    starts, at = {}, 0
+    for w, b in zip(ws, bs):
+        size = g.shape_of(w).dims[0 if tb else 1]
+        starts[(at, size)] = (w, b)
+        at += size
+    rank, out = n.outs[0].rank, {}
+    for c in consumers.get((i, 0), ()):
+        m = g.nodes[c] if c >= 0 else None
+        if m is None or m.op != "narrow" or norm_axis(m.a["axis"], rank, "narrow") != rank - 1 \
+                or (m.a["start"], m.a["length"]) not in starts:
+            return None
+        out[c] = starts[(m.a["start"], m.a["length"])]
+    return out
+
+
+def unfuse_matmuls(g: Graph) -> Graph:
+    """`g` with every matmul epilogue (fused_matmul_bias_act) as matmul + bias + activation,
+    and a matmul on a concat of weights read only through views of its parts (`_mm_parts`)
+    as one matmul per part: the walk shards each part column-parallel on its own."""
+    if not any(n.op == "fused_matmul_bias_act" or n.op == "concat" for n in g.nodes):
+        return g
+    consumers = g.consumers()
+    parts: dict = {}                   # narrow node -> (matmul node, W_k ref, b_k ref)
+    for i in range(len(g.nodes)):
+        for c, (w, b) in (_mm_parts(g, i, consumers) or {}).items():
+            parts[c] = (i, w, b)
+    mba = DECOMPOSE_FUSED["fused_matmul_bias_act"]
+
+    def replace(m, node, ins, i, lookup):
+        if i in parts:
+            j, w, b = parts[i]
+            mm = g.nodes[j]
+            ws = (lookup(mm.inputs[0]), lookup(w)) + ((lookup(b),) if b is not None else ())
+            return mba(m, ws, {"trans_b": mm.a["trans_b"], "act": mm.a.get("act", "identity")})
+        if node.op == "fused_matmul_bias_act":
+            return mba(m, ins, node.a)
+        return None
+
+    return dce(rewrite(g, replace))
 
 
 class _Lazy:
@@ -357,13 +422,16 @@ class _Sharder:
         local = []
         for r, v, s in ins:
             if s is None:
-                v = self.get(r)[0]
                 off = ax - (out.rank - v.shape.rank)
                 d = v.shape.dims[off] if off >= 0 else 1
-                if d != 1:
+                if d != 1 and isinstance(v, _Lazy) and self.g.nodes[r[0]].op == "param" and d == sp.real:
+                    v = self.leaf(r[0], attrs.evolve(sp, axis=off))      # a bias: its slice
+                elif d != 1:
                     if d != sp.total or sp.total != sp.real:
                         return None
-                    v = self.emit("narrow", [v], axis=off, start=sp.start, length=sp.length)
+                    v = self.emit("narrow", [self.get(r)[0]], axis=off, start=sp.start, length=sp.length)
+                else:
+                    v = self.get(r)[0]
             local.append(v)
         return self.emit(n.op, local, **n.a), attrs.evolve(sp, axis=ax)
 
@@ -468,7 +536,7 @@ def shard(g: Graph, world: int, rank: int) -> Graph:
         raise GraphError(f"tensor parallel: rank {rank!r} of a group of {world!r}")
     if world == 1:
         return g
-    return _Sharder(g, world, rank).run()
+    return _Sharder(unfuse_matmuls(g), world, rank).run()
 
 
 def bind_slices(nodes, params: dict) -> dict:
@@ -500,4 +568,4 @@ def bind_slices(nodes, params: dict) -> dict:
     return out
 
 
-__all__ = ["Split", "shard", "bind_slices", "head_demands", "reshape_groups"]
+__all__ = ["Split", "shard", "bind_slices", "head_demands", "reshape_groups", "unfuse_matmuls"]

@@ -8,7 +8,8 @@ pipe; every rank answers (rank 0's answer is the result). A rank that exits befo
 answers aborts the group's barrier, the others are stopped, and the error names the rank.
 
 A spec is JSON: {"model": path or name} (rlx_core.runtime.model.load), or {"config": {...},
-"tensors": "file.npz"} (weights saved by the caller, read with allow_pickle=False), plus
+"tensors": "file.npz"} (weights saved by the caller, read with allow_pickle=False, built by
+the config's recipe), plus
 optional "backend", "profile", "max_context", "comm" (a communicator class as "module:Class"
 taking (block, world, rank, barrier, slot bytes, timeout); RLX_TP_COMM; default the CPU one) and, for tests, "fault": {"rank", "after_tokens"}.
 """
@@ -47,27 +48,33 @@ def tensor_size(flag: int | None = None, profile=None) -> int:
 # ------------------------------------------------------------------ the rank process
 def _build(spec: dict, world: int):
     from ..profile import CompileProfile
+    from ..weights.checkpoint import Checkpoint
+    from .encoder import Encoder
     from .model import CausalLM, find_recipe, load
 
+    kw = {"max_context": spec["max_context"]} if spec.get("max_context") else {}
     if "model" in spec:
         model = load(spec["model"], backend=spec.get("backend"), profile=spec.get("profile"),
-                     progress=False)
+                     progress=False, **kw)
     else:
         with np.load(spec["tensors"], allow_pickle=False) as z:
             tensors = {k: z[k] for k in z.files}
         cfg = spec["config"]
         recipe = find_recipe(cfg.get("model_type", ""))
-        model = CausalLM.from_tensors(cfg, tensors, backend=spec.get("backend"),
-                                      profile=spec.get("profile"), max_context=spec.get("max_context"),
-                                      recipe=recipe)
-    if not isinstance(model, CausalLM):
-        raise ModelError(f"{spec.get('model')}: tensor parallelism runs causal language models")
+        model = recipe.build(Checkpoint(spec["tensors"], "npz", cfg, tensors, None),
+                             backend=spec.get("backend"), profile=spec.get("profile"), **kw)
+    if not isinstance(model, (CausalLM, Encoder)):
+        raise ModelError(f"{spec.get('model')}: tensor parallelism runs causal language models "
+                         f"and encoders, not {type(model).__name__}")
     model.profile = CompileProfile.resolve(model.profile).evolve(parallel={"tensor": world})
     return model
 
 
 def _answer(model, msg: dict, rank: int, fault: dict | None):
     op = msg["op"]
+    if op == "forward":
+        out = model.forward(np.asarray(msg["ids"], np.int64), msg.get("mask"), msg.get("token_type_ids"))
+        return {"outputs": {k: np.asarray(v).tolist() for k, v in out.items()}}
     if op == "logits":
         return {"logits": model.logits(np.asarray(msg["ids"], np.int64)).tolist()}
     if op == "generate":
@@ -128,7 +135,7 @@ def _rank_main(rank: int, world: int, spec_json: str, block: str, slot_bytes: in
 # ------------------------------------------------------------------ the supervisor
 class TensorParallel:
     """`world` supervised rank processes of one model; `generate` and `logits` as on a
-    CausalLM (ids or text), `close()` (or a with block) stops them."""
+    CausalLM (ids or text), `forward` as on an Encoder, `close()` (or a with block) stops them."""
 
     def __init__(self, spec: dict, world: int, timeout: float = TIMEOUT,
                  slot_bytes: int | None = None):
@@ -225,6 +232,16 @@ class TensorParallel:
         ids = np.asarray(ids, np.int64).tolist()
         return np.asarray(self.request({"op": "logits", "ids": ids}, "computing logits")["logits"],
                           np.float32)
+
+    def forward(self, ids, attention_mask=None, token_type_ids=None) -> dict:
+        """Encoder.forward on the ranks: every output of the encoder for right-padded ids."""
+        msg = {"op": "forward", "ids": np.asarray(ids, np.int64).tolist()}
+        if attention_mask is not None:
+            msg["mask"] = np.asarray(attention_mask, bool).tolist()
+        if token_type_ids is not None:
+            msg["token_type_ids"] = np.asarray(token_type_ids, np.int64).tolist()
+        out = self.request(msg, "encoding")["outputs"]
+        return {k: np.asarray(v, np.float32) for k, v in out.items()}
 
     def close(self) -> None:
         """Stop every rank (asked, then terminated, then killed) and free the shared block."""
