@@ -54,10 +54,11 @@ CASES = {
                                             "relu": torch.relu, "abs": torch.abs, "neg": torch.neg,
                                             "identity": lambda t: t,
                                             "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+                                            "gelu": torch.nn.functional.gelu,
                                             }[fn](x))(fn),
                      fn in ("log", "sqrt", "rsqrt", "recip"))
        for fn in ("tanh", "exp", "log", "sqrt", "rsqrt", "recip", "sin", "cos", "sigmoid", "silu",
-                  "relu", "abs", "neg", "identity", "gelu_tanh")},
+                  "relu", "abs", "neg", "identity", "gelu_tanh", "gelu")},
     "reduce_sum": (((2, 3, 4),), lambda m, x: m.sum(x, (0, 2)), lambda x: x.sum((0, 2)), False),
     "reduce_mean_keep": (((2, 3, 4),), lambda m, x: m.mean(x, (1,), True), lambda x: x.mean(1, True), False),
     "reduce_max": (((3, 4),), lambda m, x: m.max(x, (-1,)), lambda x: x.amax(-1), False),

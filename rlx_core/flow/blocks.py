@@ -7,7 +7,7 @@ import math
 import attrs
 import numpy as np
 
-from ..ir.dtype import DType
+from ..ir.dtype import F32, F64, DType
 from ..ir.errors import ModelError
 from ..ir.ops import MaskKind
 from ..plugins.hookspecs import hookimpl
@@ -287,6 +287,33 @@ class Tap:
 
 
 @attrs.frozen
+class CrossEntropyLoss:
+    """Output `name`: mean over the labels >= 0 of logsumexp(logits) - logits[label], in f32
+    at least (f64 graphs stay f64), for training graphs. The value passes through."""
+    labels: str = "labels"
+    name: str = "loss"
+
+    def emit(self, ctx, x):
+        m = ctx.m
+        lab = ctx.inputs.get(self.labels)
+        if lab is None or lab.dtype.is_float or lab.dims != x.dims[:-1]:
+            raise ModelError(f"cross_entropy_loss: needs an integer input {self.labels!r} of dims "
+                             f"{x.dims[:-1]} (the logits' without the vocab axis), got "
+                             f"{lab.shape if lab is not None else 'none'}")
+        z = x if x.dtype in (F32, F64) else m.cast(x, F32)
+        last = z.shape.rank - 1
+        top = m.max(z, (last,), keepdims=True)
+        lse = m.act(m.sum(m.exp(z - top), (last,), keepdims=True), "log") + top
+        hot = m.compare(m.reshape(lab, lab.dims + (1,)),
+                        m.constant(np.arange(x.dims[-1], dtype=np.int64)), "eq")
+        keep = m.cast(m.compare(lab, 0, "ge"), z.dtype)
+        nll = m.reshape(lse - m.sum(m.where(hot, z, 0.0), (last,), keepdims=True), lab.dims) * keep
+        every = tuple(range(lab.shape.rank))
+        ctx.outputs[self.name] = m.sum(nll, every) / m.maximum(m.sum(keep, every), 1.0)
+        return x
+
+
+@attrs.frozen
 class GreedyNext:
     """Outputs `ids` (the arg-max over the vocabulary) and `check` (the logits' sum, finite
     exactly when every logit is) beside the logits: a greedy decode step then fetches a few
@@ -304,7 +331,7 @@ GENERIC_BLOCKS = {
     "token_embed": TokenEmbed, "rms_norm": RmsNorm, "layer_norm": LayerNorm, "linear": Linear,
     "residual_save": ResidualSave, "residual_add": ResidualAdd, "swiglu_mlp": SwigluMlp,
     "self_attention": lambda **kw: SelfAttention(AttnSpec(**kw)), "gather_last_token": GatherLastToken,
-    "lm_head": LmHead, "tap": Tap, "greedy_next": GreedyNext,
+    "lm_head": LmHead, "tap": Tap, "greedy_next": GreedyNext, "cross_entropy_loss": CrossEntropyLoss,
 }
 
 

@@ -166,6 +166,11 @@ class ModelFlow:
                 softcap: float = 0.0) -> "ModelFlow":
         return self._add(B.LmHead(vocab, hidden, tied, key, softcap))
 
+    def cross_entropy_loss(self, labels: str = "labels", name: str = "loss") -> "ModelFlow":
+        """Output `name`: the mean cross-entropy of the current logits [..., vocab] against
+        integer input `labels` (negative labels ignored); the flow's value stays the logits."""
+        return self._add(B.CrossEntropyLoss(labels, name))
+
     def output(self, name: str) -> "ModelFlow":
         """Also expose the current value as graph output `name` (a tap)."""
         return self._add(B.Tap(name))

@@ -13,7 +13,8 @@ from ..profile import CompileProfile
 from .blocks import GreedyNext
 from .flow import ModelFlow
 
-MODES = ("prefill", "decode", "logits")
+MODES = ("prefill", "decode", "logits", "train")
+GENERATION = ("prefill", "decode")        # the modes that write the KV cache
 
 
 class LayerCtx:
@@ -38,6 +39,9 @@ class DecoderFlow(abc.ABC):
 
     Inputs: ids and positions [batch, seq]; key_mask [batch, 1, 1, seq] (decode: the whole
     cache, "ctx"); prefill and decode also cache_pos [batch], where the KV states are written.
+    `logits` and `train` touch no cache and give every position's logits; `train` also takes
+    labels [batch, seq] (the next token of each position; negative: ignored) and outputs
+    `loss`, the mean token cross-entropy, for `rlx_core.value_and_grad(g, wrt, "loss")`.
     """
     family = "decoder"
     profile_family = None          # preset family if not `family` (gemma2/gemma3 -> gemma)
@@ -49,7 +53,7 @@ class DecoderFlow(abc.ABC):
         self.cfg, self.mode, self.batch = dict(cfg), mode, batch
         self.seq = 1 if mode == "decode" else seq
         self.name = f"{self.cfg.get('model_type', self.family)}_{mode}"
-        self._last = mode != "logits"
+        self._last = mode in GENERATION
         self._layer: Callable | None = None
         self._before: list = []
         self._after: list = []
@@ -69,6 +73,10 @@ class DecoderFlow(abc.ABC):
     @classmethod
     def for_logits(cls, cfg: dict, batch="batch", seq="seq"):
         return cls(cfg, "logits", batch, seq)
+
+    @classmethod
+    def for_training(cls, cfg: dict, batch="batch", seq="seq"):
+        return cls(cfg, "train", batch, seq)
 
     # -- hooks
     def last_token_logits(self, on: bool = True):
@@ -126,8 +134,10 @@ class DecoderFlow(abc.ABC):
         f = ModelFlow(self.name).profile(self._profile)
         f.input("ids", (self.batch, self.seq), I64).input("positions", (self.batch, self.seq), I64)
         f.input("key_mask", (self.batch, 1, 1, "ctx" if self.mode == "decode" else self.seq), BOOL)
-        if self.mode != "logits":
+        if self.mode in GENERATION:
             f.input("cache_pos", (self.batch,), I32)
+        if self.mode == "train":
+            f.input("labels", (self.batch, self.seq), I64)
         f = self.embed(f)
         for fn in self._before:
             f = fn(f) or f
@@ -142,6 +152,8 @@ class DecoderFlow(abc.ABC):
         f = self.head(f)
         for fn in self._patches:
             f = fn(f) or f
-        if self.mode != "logits":            # generation: greedy ids without fetching logits
+        if self.mode in GENERATION:          # greedy ids without fetching logits
             f.raw_stage(GreedyNext())
+        elif self.mode == "train":
+            f.cross_entropy_loss("labels")
         return f

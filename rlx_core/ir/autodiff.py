@@ -101,6 +101,9 @@ def _act_grad(m, fn, x, y, g):
         "cos": lambda: -m.act(x, "sin"),
         "sigmoid": lambda: y * (1.0 - y),
         "silu": lambda: (lambda s: s * (1.0 + x * (1.0 - s)))(m.sigmoid(x)),
+        # Phi(x) + x phi(x), with Phi = gelu(x) / x (0.5 at 0): the table has no erf
+        "gelu": lambda: (lambda z: m.where(z, 0.5, y / m.where(z, 1.0, x)))(m.compare(x, 0.0, "eq"))
+        + x * m.exp(x * x * -0.5) * (1.0 / math.sqrt(2 * math.pi)),
         "gelu_tanh": lambda: (lambda t: 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_C
                               * (1.0 + 3 * 0.044715 * x * x))(
             m.tanh(_GELU_C * (x + 0.044715 * x * x * x))),
@@ -213,17 +216,19 @@ def _compare(m, a, ins, y, g):
 
 @vjp("gather")
 def _gather(m, a, ins, y, g):
-    """Rows scattered back as a one-hot matmul: d table = onehot(idx)^T g."""
+    """Rows scattered back as a one-hot matmul: d table = onehot(idx)^T g, summed over the
+    leading index dims (batched, so symbolic dims stay where they are)."""
     table, idx = ins
     if a["axis"] % table.shape.rank != 0:
         raise GraphError("no VJP rule for gather along an axis other than 0")
-    v = table.dims[0]
-    n = math.prod(idx.dims)
-    rest = table.dims[1:]
-    hot = m.compare(m.reshape(m.cast(idx, "i64"), (n, 1)),
-                    m.constant(np.arange(v, dtype=np.int64).reshape(1, v)), "eq")
-    g2 = m.reshape(g, (n, math.prod(rest)))
-    d = m.matmul(m.cast(hot, g.dtype), g2, trans_a=True)
+    v, r = table.dims[0], idx.shape.rank
+    if r == 0:
+        idx, g, r = m.reshape(idx, (1,)), m.reshape(g, (1,) + g.dims), 1
+    hot = m.compare(m.reshape(m.cast(idx, "i64"), idx.dims + (1,)),
+                    m.constant(np.arange(v, dtype=np.int64)), "eq")
+    d = m.matmul(m.cast(hot, g.dtype), m.reshape(g, idx.dims + (math.prod(table.dims[1:]),)), trans_a=True)
+    if r > 1:
+        d = m.sum(d, tuple(range(r - 1)))
     return m.reshape(d, table.dims), None
 
 

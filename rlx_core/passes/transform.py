@@ -13,7 +13,8 @@ HOISTED = "__hoisted."
 
 def hoist_params(g: Graph) -> tuple:
     """Split off nodes computed only from params and constants (a concat of weights, a
-    transposed weight) into a prologue graph run once when params are bound. The main graph
+    transposed weight) with static shapes (a constant expanded to [batch, seq] waits for the
+    binding) into a prologue graph run once when params are bound. The main graph
     keeps only the params it reads (the prologue holds every param, so the binding contract
     stays), so a weight only the prologue reads is not kept resident.
     Returns (main graph, prologue graph or None)."""
@@ -22,7 +23,7 @@ def hoist_params(g: Graph) -> tuple:
         if n.op in ("param", "constant"):
             pure.add(i)
         elif n.op not in ("input", "state") and not get_op(n.op).effect and n.inputs and \
-                all(r[0] in pure for r in n.inputs):
+                all(r[0] in pure for r in n.inputs) and all(s.is_static for s in n.outs):
             pure.add(i)
     computed = {i for i in pure if g.nodes[i].op not in ("param", "constant")}
     consumers = g.consumers()
