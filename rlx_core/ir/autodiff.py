@@ -7,6 +7,9 @@ cotangents flow back node by node: a rule is graph-building code
 `rule(m, attrs, inputs, output, cotangent) -> cotangent per input (None: not differentiable)`.
 The result is an ordinary MIR graph: it goes through the same passes, planner and
 backends. An op on the path from `wrt` to the output without a rule is a GraphError naming it.
+Rules of multi-output ops (`multi=True`: scan) take every output and cotangent as lists.
+`scan` differentiates through its body (the body's own VJP, run by a reverse scan); `if_`
+and `while_` have no rule yet.
 """
 from __future__ import annotations
 
@@ -21,11 +24,14 @@ from .lower import lower
 from .rewrite import copy_node
 
 VJP: dict = {}
+MULTI: set = set()          # ops whose rule takes every output and cotangent (lists; None: none)
 
 
-def vjp(name):
+def vjp(name, multi: bool = False):
     def wrap(fn):
         VJP[name] = fn
+        if multi:
+            MULTI.add(name)
         return fn
     return wrap
 
@@ -49,6 +55,22 @@ def _scalar(m, v, like):
 
 def _zeros(m, dims, like):
     return m.expand(_scalar(m, 0.0, like), dims)
+
+
+def inline(m, g: Graph, args: dict) -> list:
+    """Emit graph `g` (inputs and constants only) into builder `m` with its inputs bound by
+    name from `args`; returns its outputs' values in order."""
+    vals: dict = {}
+    for i, n in enumerate(g.nodes):
+        if n.op == "input":
+            v = args[n.name]
+        elif n.op == "constant":
+            v = m.constant(g.constants[n.name], n.outs[0].dtype)
+        else:
+            v = copy_node(m, n, [vals[tuple(r)] for r in n.inputs])
+        for k, x in enumerate(v if isinstance(v, tuple) else (v,)):
+            vals[(i, k)] = x
+    return [vals[tuple(r)] for _, r in g.outputs]
 
 
 def _swap(m, x):
@@ -239,6 +261,67 @@ def _mask_fill(m, a, ins, y, g):
     return (m.where(keep, g, 0.0),) + (None,) * (len(ins) - 1)
 
 
+def _step_vjp(body: Graph) -> Graph:
+    """The VJP of a scan body as a graph: inputs a0.. (the body's) then ct<j> (a cotangent per
+    float output j); outputs grad_a<i> for every float input."""
+    w = Builder(f"{body.name}.step", body.level)
+    args = {n.name: w.input(n.name, n.outs[0].dims, n.outs[0].dtype) for n in body.nodes if n.op == "input"}
+    terms = []
+    for j, r in enumerate(inline(w, body, args)):
+        if r.dtype.is_float:
+            t = r * w.input(f"ct{j}", r.dims, r.dtype)
+            terms.append(w.sum(t, tuple(range(r.shape.rank))) if r.shape.rank else t)
+    w.output("loss", sum(terms[1:], terms[0]))
+    return grad(w.build(), [k for k, v in args.items() if v.dtype.is_float], "loss")
+
+
+@vjp("scan", multi=True)
+def _scan(m, a, ins, outs, cts):
+    """Reverse-mode through a scan: the forward runs again, also stacking the carries that
+    enter each step; then a scan in the opposite direction runs the body's VJP per step,
+    carrying the carries' cotangents and summing the consts'. Memory: one carry per step."""
+    k, c, body = a["n_consts"], a["n_carry"], a["body"]
+    consts, init, xs = ins[:k], ins[k:k + c], ins[k + c:]
+    names = [n.name for n in body.nodes if n.op == "input"]
+    ny = len(outs) - c
+
+    def forward(b, *args):
+        return tuple(inline(b, body, dict(zip(names, args)))) + tuple(args[k:k + c])
+
+    entering = m.scan(forward, init=init, xs=xs, consts=consts, length=a["length"],
+                      reverse=a["reverse"])[1][ny:] if c else ()
+    step = _step_vjp(body)
+    fk = [j for j in range(k) if consts[j].dtype.is_float]
+    fc = [j for j in range(c) if init[j].dtype.is_float]
+    fx = [j for j in range(len(xs)) if xs[j].dtype.is_float]
+    fy = [j for j in range(c, len(outs)) if outs[j].dtype.is_float]
+    seed = [cts[j] if cts[j] is not None else _zeros(m, outs[j].dims, outs[j]) for j in fc + fy]
+
+    def backward(b, *args):
+        cs, ct_c, acc = args[:k], args[k:k + len(fc)], args[k + len(fc):k + len(fc) + len(fk)]
+        rest = args[k + len(fc) + len(fk):]
+        car, x_t, ct_y = rest[:c], rest[c:c + len(xs)], rest[c + len(xs):]
+        feed = dict(zip(names, cs + car + x_t))
+        feed.update({f"ct{j}": v for j, v in zip(fc + fy, ct_c + ct_y)})
+        d = dict(zip([o for o, _ in step.outputs], inline(b, step, feed)))
+        g_of = lambda i: d.get(f"grad_{names[i]}")
+        return (tuple(g_of(k + j) for j in fc) + tuple(s + g_of(j) for s, j in zip(acc, fk))
+                + tuple(g_of(k + c + j) for j in fx))
+
+    carry, dxs = m.scan(backward, init=tuple(seed[:len(fc)]) + tuple(_zeros(m, consts[j].dims, consts[j])
+                                                                        for j in fk),
+                        xs=tuple(entering) + tuple(xs) + tuple(seed[len(fc):]), consts=consts,
+                        length=a["length"], reverse=not a["reverse"])
+    grads = [None] * len(ins)
+    for j, v in zip(fc, carry[:len(fc)]):
+        grads[k + j] = v
+    for j, v in zip(fk, carry[len(fc):]):
+        grads[j] = v
+    for j, v in zip(fx, dxs):
+        grads[k + c + j] = v
+    return grads
+
+
 # ----------------------------------------------------------------- driver
 def value_and_grad(g: Graph, wrt, output: str | None = None) -> Graph:
     """A graph computing output `output` (default: the only one) of `g` and the gradient of
@@ -281,11 +364,15 @@ def value_and_grad(g: Graph, wrt, output: str | None = None) -> Graph:
         n = f.nodes[i]
         if i not in active or not n.inputs or not any((i, k) in cts for k in range(len(n.outs))):
             continue
-        if n.op not in VJP or len(n.outs) != 1:
+        if n.op not in VJP or (len(n.outs) != 1 and n.op not in MULTI):
             missing.add(n.op)
             continue
         ins = [vals[tuple(r)] for r in n.inputs]
-        grads = VJP[n.op](m, n.a, ins, vals[(i, 0)], cts[(i, 0)])
+        if n.op in MULTI:
+            ks = range(len(n.outs))
+            grads = VJP[n.op](m, n.a, ins, [vals[(i, k)] for k in ks], [cts.get((i, k)) for k in ks])
+        else:
+            grads = VJP[n.op](m, n.a, ins, vals[(i, 0)], cts[(i, 0)])
         for r, d in zip(n.inputs, grads):
             if d is None or r[0] not in active:
                 continue

@@ -202,6 +202,8 @@ def run_body(g, args: list) -> list:
             continue
         xs = [vals[tuple(r)] for r in n.inputs]
         a = n.a
+        if env and "shape" in a:                  # a reshape or expand to the body's symbols
+            a = dict(a, shape=tuple(env.get(d, d) if isinstance(d, str) else d for d in a["shape"]))
         if n.op in VIEWS:
             vals[(i, 0)] = VIEWS[n.op](a, *xs)
             continue
