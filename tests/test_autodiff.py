@@ -76,6 +76,11 @@ CASES = {
               lambda a, b: torch.where(a > 0, a, b), False),
     "gather": (((6, 3),), lambda m, t: m.gather(t, m.constant(np.array([[1, 4], [1, 0]]), I64)),
                lambda t: t[torch.tensor([[1, 4], [1, 0]])], False),
+    # a + 4 I keeps the systems well conditioned for the finite differences
+    "dense_solve": (((2, 3, 3), (2, 3, 2)), lambda m, a, b: m.dense_solve(a + m.constant(4 * np.eye(3), F64), b),
+                    lambda a, b: torch.linalg.solve(a + 4 * torch.eye(3, dtype=T), b), False),
+    "dense_solve_vector": (((3, 3), (3,)), lambda m, a, b: m.dense_solve(a + m.constant(4 * np.eye(3), F64), b),
+                           lambda a, b: torch.linalg.solve(a + 4 * torch.eye(3, dtype=T), b), False),
     "rms_norm": (((2, 5), (5,)), lambda m, x, w: m.rms_norm(x, w, eps=1e-5),
                  lambda x, w: x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5) * w, False),
     "layer_norm": (((2, 5), (5,), (5,)), lambda m, x, g, b: m.layer_norm(x, g, b, eps=1e-5),

@@ -11,6 +11,7 @@ from .verify import verify
 from . import contract  # noqa: F401,E402  (registers dot_general in the op table)
 from . import control  # noqa: F401,E402  (registers if_, while_, scan)
 from . import fft  # noqa: F401,E402  (registers fft, ifft, rfft, irfft)
+from . import linalg  # noqa: F401,E402  (registers dense_solve)
 
 __all__ = ["DType", "promote", "RlxError", "HIR", "MIR", "LIR", "Builder", "Emit", "Graph", "Node",
            "Value", "BindingManifest", "LirModule", "plan", "FusionPolicy", "legalize", "lower",

@@ -254,6 +254,18 @@ def _gather(m, a, ins, y, g):
     return m.reshape(d, table.dims), None
 
 
+@vjp("dense_solve")
+def _dense_solve(m, a, ins, x, g):
+    """grad_b = solve(A^T, g); grad_A = -grad_b x^T (an outer product per vector rhs)."""
+    A, b = ins
+    gb = m.dense_solve(_swap(m, A), g)
+    if b.shape.rank == A.shape.rank - 1:
+        ga = m.reshape(gb, gb.dims + (1,)) * m.reshape(x, x.dims[:-1] + (1,) + x.dims[-1:])
+    else:
+        ga = m.matmul(gb, x, trans_b=True)
+    return -ga, gb
+
+
 @vjp("mask_fill")
 def _mask_fill(m, a, ins, y, g):
     """Masked scores are constants (-inf); the gradient passes where the score was kept."""

@@ -401,6 +401,10 @@ class Builder:
                         rhs_batch=tuple(batch[1]))
 
     # -- FFT over one axis (ir/fft.py); norm: backward / ortho / forward
+    def dense_solve(self, a, b):
+        """x with a @ x = b (ir/linalg.py): a [..., n, n], b [..., n, k] or [..., n]."""
+        return self.add("dense_solve", (a, b))
+
     def fft(self, x, axis=-1, norm="backward"):
         return self.add("fft", (x,), axis=axis, norm=norm)
 

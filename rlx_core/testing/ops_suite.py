@@ -883,6 +883,21 @@ def test_scan(backend, rng, dt, reverse):
                ref, tol=3e-2 if dt is BF16 else None)
 
 
+# ----------------------------------------------------------------------------- dense_solve
+@covers("dense_solve")
+@fdtype
+@pytest.mark.parametrize("a_dims,b_dims", [((4, 4), (4,)), ((2, 4, 4), (2, 4, 3)), ((2, 3, 4, 4), (2, 3, 4))],
+                         ids=["vector", "matrix", "batch2_vector"])
+def test_dense_solve(backend, rng, dt, a_dims, b_dims):
+    """Diagonally dominant a (well conditioned); the reference is inv(a) @ b in float64."""
+    a = exact(rand(rng, a_dims) + 6.0 * np.eye(a_dims[-1]), dt)
+
+    def ref(x, y):
+        inv = np.linalg.inv(x)
+        return np.einsum("...ij,...j->...i", inv, y) if y.ndim < x.ndim else inv @ y
+    run_parity(backend, "dense_solve", [Arg("a", a, dt), arg(rng, "b", b_dims, dt)], {}, ref)
+
+
 # ----------------------------------------------------------------------------- fft
 FFT_NORMS = ("backward", "ortho", "forward")
 

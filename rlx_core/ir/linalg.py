@@ -1,0 +1,50 @@
+"""`dense_solve`: a batched linear solve A x = b, like `jax.numpy.linalg.solve`.
+
+a is [..., n, n]; b is [..., n, k] (a matrix right-hand side, same batch dims) or [..., n]
+(one vector per matrix: b's rank is a's minus one). The NumPy kernel is LAPACK's gesv
+through numpy.linalg.solve (f16/bf16 solve in f32); numba inherits it; a backend without a
+kernel fails to compile naming the op. Its VJP (ir/autodiff.py): grad_b = solve(A^T, g),
+grad_A = -grad_b x^T.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import DTypeError, ShapeError
+from .numpy_kernels import KERNELS, put, up
+from .ops import op
+from .shape import Shape
+
+
+def _same(x, y) -> bool:
+    return x == y or isinstance(x, str) or isinstance(y, str)
+
+
+@op("dense_solve", ["a", "b"])
+def _m_dense_solve(s, a_):
+    """x with a @ x = b: a [..., n, n]; b [..., n, k] or [..., n] (then x is a vector per matrix)."""
+    a, b = s
+    if not a.dtype.is_float or a.dtype is not b.dtype:
+        raise DTypeError(f"a and b must be the same float dtype, got a {a}, b {b}")
+    if a.rank < 2 or not _same(a.dims[-1], a.dims[-2]):
+        raise ShapeError(f"a must be square matrices [..., n, n], got {a}")
+    vector = b.rank == a.rank - 1
+    if not vector and b.rank != a.rank:
+        raise ShapeError(f"b must be [..., n, k] or [..., n] with a's batch dims {a.dims[:-2]}, got {b}")
+    rows = b.dims[-1] if vector else b.dims[-2]
+    batch = b.dims[:-1] if vector else b.dims[:-2]
+    if not _same(rows, a.dims[-1]) or len(batch) != len(a.dims[:-2]) or \
+            not all(_same(x, y) for x, y in zip(batch, a.dims[:-2])):
+        raise ShapeError(f"b {b} does not fit a {a}: expected b [{', '.join(map(str, a.dims[:-1]))}"
+                         f"{'' if vector else ', k'}]")
+    return (Shape(b.dims, b.dtype),)
+
+
+def _dense_solve(a_, out, a, b):
+    x, y = up(a), up(b)
+    vector = b.ndim == a.ndim - 1
+    r = np.linalg.solve(x, y[..., None] if vector else y)
+    put(out[0], r[..., 0] if vector else r)
+
+
+KERNELS["dense_solve"] = _dense_solve
