@@ -802,8 +802,11 @@ def embed_cmd(model_name: str, texts: tuple, file: str | None, json_out: bool, b
               default="info", show_default=True, help="uvicorn's log level.")
 @model_profile_option
 @backend_option
+@click.option("--tp", type=click.IntRange(1), default=None,
+              help="Tensor-parallel ranks per causal model, one process each (default: RLX_TP, else "
+                   "the profile's [parallel] tensor).")
 def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_max_tokens: int | None,
-              log_level: str, profile: str | None, backend: str | None) -> None:
+              log_level: str, profile: str | None, backend: str | None, tp: int | None) -> None:
     """Serve MODEL(s) over OpenAI's HTTP API: /v1/models, /v1/completions,
     /v1/chat/completions (streaming too), /v1/embeddings (encoder models such as `minilm`).
 
@@ -811,20 +814,17 @@ def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_
     model's decode batch (continuous batching). Needs the serve extra:
     pip install 'rlx-core[serve]'.
     """
-    import time
-
     from . import serve
-    from .runtime.model import load
 
     serve.require()
-    models = {}
-    for name in model_names:
-        t0 = time.perf_counter()
-        m = models[name] = load(name, backend=backend, profile=profile)
-        click.echo(f"[{name}: {m.config.get('model_type')}, backend {m.backend.name}; loaded in "
-                   f"{time.perf_counter() - t0:.1f}s]", err=True)
+    models, groups = serve.load_models(model_names, backend, profile, tp, echo=lambda t: click.echo(t, err=True),
+                                      progress=True)
     click.echo(f"[serving {', '.join(models)} on http://{host}:{port}/v1 (max batch {max_batch})]", err=True)
-    serve.run(models, host, port, max_batch, log_level, default_max_tokens)
+    try:
+        serve.run(models, host, port, max_batch, log_level, default_max_tokens, groups)
+    finally:
+        for g in groups.values():
+            g.close()
 
 
 @main.command("quantize")

@@ -204,6 +204,37 @@ def test_killed_rank_stops_the_group_naming_it(spec):
         tp.generate(PROMPT, max_new_tokens=2)
 
 
+def test_group_scheduler_serves_like_the_scheduler_and_fails_with_the_rank(spec):
+    """The serving path (GroupScheduler: Scheduler rounds replayed on the ranks): requests in
+    one batch give the unsharded Scheduler's tokens; a rank killed mid-decode fails the
+    running requests naming it, stops the group and closes the scheduler."""
+    from rlx_core.runtime.scheduler import Scheduler
+    from rlx_core.runtime.tp import GroupScheduler
+
+    s, ref = spec("llama", fault={"rank": 1, "after_tokens": 14})
+    prompts = [PROMPT, [4, 8, 12], [9, 9, 2, 30]]
+    with Scheduler(ref, max_batch=4) as sched:
+        want = [sched.submit(p, max_tokens=4).result(60).token_ids for p in prompts]
+    tp = TensorParallel(s, 2, timeout=60)
+    pids = tp.pids()
+    sched = GroupScheduler(tp, ref, max_batch=4)
+    try:
+        reqs = [sched.submit(p, max_tokens=4) for p in prompts]     # 12 tokens: rank 1 lives on
+        assert [r.result(60).token_ids for r in reqs] == want
+        r = sched.submit(PROMPT, max_tokens=20)
+        with pytest.raises(ModelError, match=r"rank 1 \(pid \d+\) died while serving \(exit code 9\)"):
+            r.result(60)
+        assert r.finish_reason == "error"
+        with pytest.raises(ModelError, match="closed"):
+            sched.submit(PROMPT, max_tokens=2)
+    finally:
+        sched.close()
+        tp.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def test_cli_generate_tp_flag(monkeypatch):
     from click.testing import CliRunner
 

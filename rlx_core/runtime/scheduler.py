@@ -103,6 +103,7 @@ class Request:
     n_new: int = 0
     rng: object = None
     stream: StopText | None = None
+    text: str = ""                  # the text of its events so far
     finish_reason: str | None = None
     error: BaseException | None = None
     cancelled: bool = False
@@ -110,6 +111,7 @@ class Request:
     _done: threading.Event = field(default_factory=threading.Event)
 
     def _emit(self, ev: Event) -> None:
+        self.text += ev.text
         self._queue.put(ev)
         if self.on_event is not None:
             try:
@@ -137,8 +139,7 @@ class Request:
             raise TimeoutError(f"request {self.id}: not finished within {timeout} s")
         if self.error is not None:
             raise self.error
-        text = self.stream.text if self.stream is not None else ""
-        return Completion(text, list(self.token_ids), self.finish_reason, len(self.prompt_ids), self.n_new)
+        return Completion(self.text, list(self.token_ids), self.finish_reason, len(self.prompt_ids), self.n_new)
 
     def cancel(self) -> None:
         """Stop generating (the request finishes with finish_reason "cancelled")."""
@@ -256,20 +257,27 @@ class Scheduler:
                     break
                 room = self.max_batch - len(self._active)
                 new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-            with self.model._lock:
-                for r in new:
-                    self._guard([r], self._admit, r)
-                self._drop_cancelled()
-                if self._active:
-                    self._guard(list(self._active), self._step)
-                with self._cv:
-                    idle = not self._waiting
-                if idle and self._active:
-                    self._guard(list(self._active), self._fit)
+                idle = not self._waiting
+            self.round(new, idle)
         for r in leftover:
             self._finish(r, "cancelled")
         if self.cache is not None:
             self.cache.clear()
+
+    def round(self, new: list, idle: bool) -> None:
+        """One round of the scheduler thread, holding the model's lock: admit the `new`
+        requests, drop cancelled ones, one decode step of the batch and, when `idle` (none
+        waits), size the cache to the requests running. Everything a round does follows
+        from `new`, `idle` and the requests' cancel flags (rlx_core.runtime.tp replays the
+        rounds on tensor-parallel ranks)."""
+        with self.model._lock:
+            for r in new:
+                self._guard([r], self._admit, r)
+            self._drop_cancelled()
+            if self._active:
+                self._guard(list(self._active), self._step)
+            if idle and self._active:
+                self._guard(list(self._active), self._fit)
 
     def _guard(self, reqs: list, fn, *a) -> None:
         """Run fn; an error fails `reqs` (a request's own problem, or a step's: every row)."""

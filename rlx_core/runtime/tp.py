@@ -24,6 +24,7 @@ from multiprocessing.connection import wait
 import numpy as np
 
 from ..ir.errors import ModelError, ProfileError, RlxError
+from .scheduler import Event, Scheduler
 
 TIMEOUT = float(os.environ.get("RLX_TP_TIMEOUT", "300"))
 
@@ -70,8 +71,50 @@ def _build(spec: dict, world: int):
     return model
 
 
-def _answer(model, msg: dict, rank: int, fault: dict | None):
+def _fault(fault: dict | None, rank: int, held: dict) -> None:
+    """For tests (the spec's "fault"): its rank exits (exit_code, else 9) at its
+    after_tokens-th new token, counted over its requests."""
+    if fault and fault.get("rank") == rank:
+        held["tokens"] = held.get("tokens", 0) + 1
+        if held["tokens"] >= fault.get("after_tokens", 1):
+            os._exit(fault.get("exit_code", 9))
+
+
+def _round(model, msg: dict, rank: int, held: dict, fault: dict | None) -> dict:
+    """One Scheduler round on this rank, as the driver's GroupScheduler ran it: the same new
+    requests (ids, params and seeds), cancel flags and idleness on every rank, so every rank
+    runs the same graphs in the same order. Rank 0 answers the events of the round."""
+    from .scheduler import Request, SamplingParams, Scheduler
+
+    if "scheduler" not in held:
+        held["scheduler"] = Scheduler(model, msg["max_batch"])
+    sched = held["scheduler"]
+    held["events"] = []
+
+    def on_event(r, ev):              # (a request's listener outlives this round: held's list)
+        if ev.token_ids:
+            _fault(fault, rank, held)
+        held["events"].append({"id": r.id, "tokens": ev.token_ids, "text": ev.text, "finish": ev.finish_reason,
+                       "error": None if ev.error is None else str(ev.error), "n_new": r.n_new})
+
+    req = {r.id: r for r in sched._active}
+    new = []
+    for x in msg["new"]:
+        r = req[x["id"]] = Request(x["id"], list(x["ids"]),
+                                   SamplingParams(**dict(x["params"], stop=tuple(x["params"]["stop"]))))
+        r.on_event = lambda ev, r=r: on_event(r, ev)
+        new.append(r)
+    for rid in msg["cancel"]:
+        if rid in req:
+            req[rid].cancel()
+    sched.round(new, msg["idle"])
+    return {"events": held["events"] if rank == 0 else []}
+
+
+def _answer(model, msg: dict, rank: int, fault: dict | None, held: dict):
     op = msg["op"]
+    if op == "round":
+        return _round(model, msg, rank, held, fault)
     if op == "forward":
         out = model.forward(np.asarray(msg["ids"], np.int64), msg.get("mask"), msg.get("token_type_ids"))
         return {"outputs": {k: np.asarray(v).tolist() for k, v in out.items()}}
@@ -79,14 +122,7 @@ def _answer(model, msg: dict, rank: int, fault: dict | None):
         return {"logits": model.logits(np.asarray(msg["ids"], np.int64)).tolist()}
     if op == "generate":
         kw = dict(msg.get("kwargs", {}))
-        stream = None
-        if fault and fault.get("rank") == rank:
-            count = [0]
-
-            def stream(_):
-                count[0] += 1
-                if count[0] >= fault.get("after_tokens", 1):
-                    os._exit(fault.get("exit_code", 9))
+        stream = (lambda _: _fault(fault, rank, held)) if fault and fault.get("rank") == rank else None
         out = model.generate(msg["prompt"], stream=stream, **kw)
         return {"output": out if isinstance(out, (str, list)) else np.asarray(out).tolist(),
                 "timings": model.last_timings}
@@ -113,12 +149,13 @@ def _rank_main(rank: int, world: int, spec_json: str, block: str, slot_bytes: in
         comm.bind(c)
         model = _build(spec, world)
         conn.send_bytes(json.dumps({"ready": rank}).encode())
+        held: dict = {}                  # what requests keep between them (a Scheduler)
         while True:
             msg = json.loads(conn.recv_bytes())
             if msg["op"] == "exit":
                 break
             try:
-                reply = _answer(model, msg, rank, spec.get("fault"))
+                reply = _answer(model, msg, rank, spec.get("fault"), held)
             except RlxError as e:
                 reply = {"error": type(e).__name__, "message": str(e)}
             conn.send_bytes(json.dumps(reply).encode())
@@ -277,4 +314,50 @@ class TensorParallel:
         return [p.pid for p in self.procs]
 
 
-__all__ = ["TensorParallel", "tensor_size", "TIMEOUT"]
+class GroupScheduler(Scheduler):
+    """The Scheduler of a model served tensor-parallel: this process keeps the queue and the
+    requests (`model` is the model loaded here for its tokenizer and config; its weights
+    stay unread); each round runs on the group's ranks (`_round`), rank 0's events come
+    back. A sampled request without a seed gets one here, so every rank draws alike. A
+    group that fails (a rank died) fails the requests and closes the scheduler."""
+
+    def __init__(self, group: TensorParallel, model, max_batch: int = 8):
+        super().__init__(model, max_batch)
+        self.group = group
+
+    def round(self, new: list, idle: bool) -> None:
+        import dataclasses
+        import random
+
+        sent = []
+        for r in new:
+            p = r.params
+            if p.do_sample and p.seed is None:
+                r.params = p = dataclasses.replace(p, seed=random.getrandbits(63))
+            sent.append({"id": r.id, "ids": r.prompt_ids, "params": dataclasses.asdict(p)})
+        self._active += new
+        msg = {"op": "round", "max_batch": self.max_batch, "new": sent, "idle": idle,
+               "cancel": [r.id for r in self._active if r.cancelled]}
+        try:
+            events = self.group.request(msg, "serving")["events"]
+        except RlxError as e:
+            with self._cv:
+                self._closed = True
+            for r in self._active + list(self._waiting):
+                r.error = e
+                self._finish(r, "error")
+            return
+        by_id = {r.id: r for r in self._active}
+        for ev in events:
+            r = by_id[ev["id"]]
+            r.n_new = ev["n_new"]
+            r.token_ids += ev["tokens"]
+            if ev["finish"] is None:
+                r._emit(Event(ev["tokens"], ev["text"]))
+                continue
+            if ev["error"] is not None:
+                r.error = ModelError(f"tensor parallel: rank 0: {ev['error']}")
+            self._finish(r, ev["finish"], ev["tokens"], ev["text"])
+
+
+__all__ = ["TensorParallel", "GroupScheduler", "tensor_size", "TIMEOUT"]

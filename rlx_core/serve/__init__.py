@@ -22,22 +22,58 @@ def require() -> None:
                                    f"serve extra: {INSTALL}")
 
 
-def create_app(models: dict, max_batch: int = 8, default_max_tokens: int | None = None):
-    """The ASGI app serving `models` (name -> loaded CausalLM or Encoder)."""
+def load_models(names, backend: str | None = None, profile: str | None = None, tp: int | None = None,
+                echo=None, progress: bool = False) -> tuple:
+    """(models, groups) to serve: each name loaded here (rlx_core.load); with more than one
+    tensor-parallel rank (`tp`, else RLX_TP, else the profile's [parallel] tensor) each
+    causal model also gets its group of supervised rank processes (runtime.tp.TensorParallel)
+    that runs it, the one loaded here keeping only its tokenizer and config in use (its
+    weights are mapped, not read). `echo(str)` reports each model; `progress` shows bars while
+    loading. The app stops the groups."""
+    import time
+
+    from ..profile import CompileProfile
+    from ..runtime.model import CausalLM, load
+    from ..runtime.tp import TensorParallel, tensor_size
+
+    world = tensor_size(tp, CompileProfile.resolve(profile) if profile else None)
+    models, groups = {}, {}
+    try:
+        for name in names:
+            t0 = time.perf_counter()
+            m = models[name] = load(name, backend=backend, profile=profile, progress=progress)
+            if world > 1 and isinstance(m, CausalLM):
+                groups[name] = TensorParallel({"model": name, "backend": backend, "profile": profile}, world)
+            if echo:
+                how = f", {world} tensor-parallel ranks (pids {', '.join(map(str, groups[name].pids()))})" \
+                    if name in groups else ""
+                echo(f"[{name}: {m.config.get('model_type')}, backend {m.backend.name}{how}; loaded in "
+                     f"{time.perf_counter() - t0:.1f}s]")
+    except BaseException:
+        for g in groups.values():
+            g.close()
+        raise
+    return models, groups
+
+
+def create_app(models: dict, max_batch: int = 8, default_max_tokens: int | None = None,
+               groups: dict | None = None):
+    """The ASGI app serving `models` (name -> loaded CausalLM or Encoder); `groups` (name ->
+    rlx_core.runtime.tp.TensorParallel) runs those causal models tensor-parallel."""
     require()
     from .app import create_app as make
 
-    return make(models, max_batch, default_max_tokens)
+    return make(models, max_batch, default_max_tokens, groups)
 
 
 def run(models: dict, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
-        log_level: str = "info", default_max_tokens: int | None = None) -> None:
+        log_level: str = "info", default_max_tokens: int | None = None, groups: dict | None = None) -> None:
     """Serve until interrupted (uvicorn)."""
     require()
     import uvicorn
 
-    uvicorn.run(create_app(models, max_batch, default_max_tokens), host=host, port=port,
+    uvicorn.run(create_app(models, max_batch, default_max_tokens, groups), host=host, port=port,
                 log_level=log_level)
 
 
-__all__ = ["create_app", "run", "require", "ServeDependencyError", "INSTALL"]
+__all__ = ["create_app", "run", "load_models", "require", "ServeDependencyError", "INSTALL"]

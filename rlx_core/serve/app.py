@@ -20,14 +20,20 @@ from .protocol import ApiError
 
 
 class Served:
-    """The models of one server by name: causal LMs with their schedulers, and encoders."""
+    """The models of one server by name: causal LMs with their schedulers, and encoders.
+    `groups` (name -> rlx_core.runtime.tp.TensorParallel): those causal models run on the
+    group's rank processes (the model given here serves its tokenizer and config); `close`
+    stops them."""
 
-    def __init__(self, models: dict, max_batch: int = 8, default_max_tokens: int | None = None):
+    def __init__(self, models: dict, max_batch: int = 8, default_max_tokens: int | None = None,
+                 groups: dict | None = None):
         from ..runtime.model import CausalLM
+        from ..runtime.tp import GroupScheduler
 
         self.models, self.created = dict(models), int(time.time())
-        self.schedulers = {n: Scheduler(m, max_batch) for n, m in self.models.items()
-                           if isinstance(m, CausalLM)}
+        self.groups = groups = dict(groups or {})
+        self.schedulers = {n: GroupScheduler(groups[n], m, max_batch) if n in groups else Scheduler(m, max_batch)
+                           for n, m in self.models.items() if isinstance(m, CausalLM)}
         self.default_max_tokens = default_max_tokens
 
     def get(self, name, kind: str):
@@ -43,8 +49,11 @@ class Served:
         return self.models[name]
 
     def close(self) -> None:
+        """Stop the schedulers, then the tensor-parallel groups' rank processes."""
         for s in self.schedulers.values():
             s.close()
+        for g in self.groups.values():
+            g.close()
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -200,14 +209,15 @@ async def _server_error(request, exc):
     return error_response(ApiError(500, f"{type(exc).__name__}: {exc}"))
 
 
-def create_app(models: dict, max_batch: int = 8, default_max_tokens: int | None = None) -> Starlette:
-    """The app serving `models` (name -> CausalLM or Encoder); its schedulers close when the
-    app shuts down (or call app.state.served.close())."""
+def create_app(models: dict, max_batch: int = 8, default_max_tokens: int | None = None,
+               groups: dict | None = None) -> Starlette:
+    """The app serving `models` (name -> CausalLM or Encoder; `groups`: see Served); its
+    schedulers close when the app shuts down (or call app.state.served.close())."""
     from contextlib import asynccontextmanager
 
     from starlette.exceptions import HTTPException
 
-    served = Served(models, max_batch, default_max_tokens)
+    served = Served(models, max_batch, default_max_tokens, groups)
 
     @asynccontextmanager
     async def lifespan(app):
