@@ -514,6 +514,21 @@ def glu_gemv(x, w, o, scheme, int8_x: bool):
     return lambda x, w: glu(x.reshape(1, k), w, o2, F16)
 
 
+def prepare_dequantize(a, outs, protos, op=None):
+    """dequantize of packed rows to f32, compiled (the embedding rows a decode step gathers:
+    NumPy's reference decoder costs a few hundred microseconds a call)."""
+    raw, o = protos[0], outs[0]
+    s = QuantScheme.parse(a["scheme"])
+    if s.kind not in FORMATS or o.dtype != np.float32 or o.size == 0 or not o.flags.c_contiguous:
+        return None
+    k = o.shape[-1]
+    w, mod = _args(s, raw, k)
+    rows = math.prod(o.shape[:-1])
+    o2 = o.reshape(rows, k)
+    per_row = w.shape[1]
+    return lambda a_, out, raw: mod.rows_ser(raw.reshape(rows, per_row), 0, o2, F16)
+
+
 def prepare_fake_quantize(a, outs, protos, op=None):
     """fake_quantize to int8_b32 of f32 rows, compiled (the activations of int8 matmuls)."""
     x, o = protos[0], outs[0]
@@ -524,4 +539,4 @@ def prepare_fake_quantize(a, outs, protos, op=None):
 
 
 __all__ = ["FORMATS", "dequant_gemv", "glu_gemv", "rounds_x_itself", "dequant_matmul", "dequant_rows", "prepare_dequant_matmul",
-           "prepare_fake_quantize"]
+           "prepare_dequantize", "prepare_fake_quantize"]

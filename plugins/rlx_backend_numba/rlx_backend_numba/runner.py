@@ -275,6 +275,7 @@ def _matmul_epilogue(a, outs, protos, op=None):
 
 
 PREPARE["dequant_matmul"] = quant_kernels.prepare_dequant_matmul
+PREPARE["dequantize"] = quant_kernels.prepare_dequantize
 PREPARE["fake_quantize"] = quant_kernels.prepare_fake_quantize
 
 
