@@ -68,6 +68,20 @@ def hoist_params(g: Graph) -> tuple:
     return dce(rewrite(g, replace), keep=("input", "state")), prologue   # (params: the prologue binds them all)
 
 
+def params_as_inputs(g: Graph, names=None) -> Graph:
+    """`g` with params `names` (default: all) turned into inputs of the same name, shape and
+    dtype: a training step feeds the weights it updates with every run instead of binding
+    them once."""
+    keep = None if names is None else set(names)
+
+    def replace(m, node, ins, i, lookup):
+        if node.op == "param" and (keep is None or node.name in keep):
+            s = node.outs[0]
+            return m._leaf_add("input", node.name, s.dims, s.dtype)
+        return None
+    return rewrite(g, replace)
+
+
 # the operands that run in the compute dtype whatever precision they arrive in (autocast): a
 # value a block computes in f32 on purpose meets bf16 weights here; promoting the product to
 # f32 would carry f32 through every later layer
