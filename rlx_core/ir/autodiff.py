@@ -168,10 +168,24 @@ def _reduce(m, a, ins, y, g):
     raise GraphError(f"no VJP rule for reduce {a['op']!r}")
 
 
+def _rows(m, v):
+    """v [..., r, c] with static leading dims as one [rows, c] matrix (None if it cannot)."""
+    if v.shape.rank < 3 or not v.shape.is_static:
+        return None
+    return m.reshape(v, (math.prod(v.dims[:-1]), v.dims[-1]))
+
+
 @vjp("matmul")
 def _matmul(m, a, ins, y, g):
     x1, x2 = ins
     ta, tb = a["trans_a"], a["trans_b"]
+    g2, a2 = _rows(m, g), _rows(m, x1)
+    if x2.shape.rank == 2 and not ta and g2 is not None and a2 is not None:
+        # activations [..., M, K] times a weight: one GEMM per gradient over all rows, not a
+        # batched product summed afterwards
+        d1 = m.reshape(m.matmul(g2, x2, trans_b=not tb), x1.dims)
+        d2 = m.matmul(g2, a2, trans_a=True) if tb else m.matmul(a2, g2, trans_a=True)
+        return d1, m.cast(d2, x2.dtype)
     d1 = m.matmul(g, x2, trans_b=not tb)          # d(op(A)) = g op(B)^T
     d2 = m.matmul(x1, g, trans_a=not ta)          # d(op(B)) = op(A)^T g
     d1 = _swap(m, d1) if ta else d1
@@ -246,9 +260,12 @@ def _gather(m, a, ins, y, g):
     v, r = table.dims[0], idx.shape.rank
     if r == 0:
         idx, g, r = m.reshape(idx, (1,)), m.reshape(g, (1,) + g.dims), 1
-    hot = m.compare(m.reshape(m.cast(idx, "i64"), idx.dims + (1,)),
-                    m.constant(np.arange(v, dtype=np.int64)), "eq")
-    d = m.matmul(m.cast(hot, g.dtype), m.reshape(g, idx.dims + (math.prod(table.dims[1:]),)), trans_a=True)
+    hot = m.cast(m.compare(m.reshape(m.cast(idx, "i64"), idx.dims + (1,)),
+                           m.constant(np.arange(v, dtype=np.int64)), "eq"), g.dtype)
+    g = m.reshape(g, idx.dims + (math.prod(table.dims[1:]),))
+    if r > 1 and idx.shape.is_static:             # one GEMM over all the indices
+        hot, g, r = _rows(m, hot), _rows(m, g), 1
+    d = m.matmul(hot, g, trans_a=True)
     if r > 1:
         d = m.sum(d, tuple(range(r - 1)))
     return m.reshape(d, table.dims), None
