@@ -296,6 +296,7 @@ def _kv_write_step(a, cache, new, pos):
         if K.kv_write(c4, new.reshape(dims[0], pre, new.shape[ax], post), pos) >= 0:
             numpy_kv_write(a, cache, new, pos)          # raises the NumPy backend's error
         return cache
+    step.returns_cache = True            # its output never moves (NumpyRunner's bound calls)
     return step
 
 

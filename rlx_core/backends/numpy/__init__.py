@@ -1,6 +1,7 @@
 """The embedded default backend: NumPy on the CPU, registered like any plugin."""
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -65,7 +66,7 @@ class NumpyRunner(Runner):
 
     def run(self, inputs: dict) -> dict:
         self._bind(inputs)
-        self._execute(self.steps)
+        self._execute_bound()
         return self._outputs()
 
     def run_profiled(self, inputs: dict) -> tuple:
@@ -89,6 +90,20 @@ class NumpyRunner(Runner):
     def _outputs(self) -> dict:
         return {name: np.array(self.vals[slot]) for name, slot in self.outputs}
 
+    def _execute_bound(self) -> None:
+        """All steps as calls bound at the first run (`bound_calls`): a decode step is
+        hundreds of small kernels, and gathering each one's operands every token cost more
+        than some of the kernels."""
+        calls = getattr(self, "_calls", None)
+        if calls is None:
+            calls = self._calls = bound_calls(self.steps, self.vals, {s for s, _ in self.inputs.values()})
+        k = 0
+        try:
+            for k, call in enumerate(calls):
+                call()
+        except Exception as e:
+            self._failed(self.steps[k][0], e)
+
     def _execute(self, steps) -> None:
         """Run `steps` (all of self.steps, or one) on the bound values; a failure names its node."""
         vals = self.vals
@@ -99,11 +114,14 @@ class NumpyRunner(Runner):
                     vals[out] = fn(a, *[vals[j] for j in ins])
                 else:
                     fn(a, out, *[vals[j] for j in ins])
-        except RlxError as e:
+        except Exception as e:
+            self._failed(i, e)
+
+    def _failed(self, i: int, e: Exception):
+        if isinstance(e, RlxError):
             raise type(e)(f"graph {self.name!r} node %{i} ({self.graph.nodes[i].op}): {e}") from None
-        except Exception as e:  # a kernel failure is reported with the node that failed
-            raise BackendError(f"{self.backend_name} backend: graph {self.name!r} node %{i} "
-                               f"({self.graph.nodes[i].op}) failed: {type(e).__name__}: {e}") from e
+        raise BackendError(f"{self.backend_name} backend: graph {self.name!r} node %{i} "
+                           f"({self.graph.nodes[i].op}) failed: {type(e).__name__}: {e}") from e
 
 
 def _fold_fixed_views(steps: list, vals: list, dynamic: set) -> list:
@@ -123,6 +141,35 @@ def _fold_fixed_views(steps: list, vals: list, dynamic: set) -> list:
             dynamic.add(out)
         kept.append(step)
     return kept
+
+
+def bound_calls(steps: list, vals: list, inputs: set) -> list:
+    """Each step as a call without arguments: its operands bound once where none of them
+    moves between runs (a graph input or a view of one moves; such a step gathers them each
+    run). kv_write returns the cache it wrote into, so its output moves only with the cache."""
+    dynamic = set(inputs)
+    calls = []
+    for i, is_view, fn, a, ins, out in steps:
+        if dynamic.intersection(ins) or (is_view and not (fn is VIEWS["kv_write"]
+                                                          or getattr(fn, "returns_cache", False))):
+            calls.append(functools.partial(_gathered, vals, is_view, fn, a, ins, out))
+            if is_view:
+                dynamic.add(out)
+            continue
+        args = [vals[j] for j in ins]
+        if is_view:
+            vals[out] = args[0]
+            calls.append(functools.partial(fn, a, *args))
+        else:
+            calls.append(functools.partial(fn, a, out, *args))
+    return calls
+
+
+def _gathered(vals, is_view, fn, a, ins, out) -> None:
+    if is_view:
+        vals[out] = fn(a, *[vals[j] for j in ins])
+    else:
+        fn(a, out, *[vals[j] for j in ins])
 
 
 class NumpyBackend(Backend):
