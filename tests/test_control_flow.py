@@ -59,14 +59,19 @@ def _rnn(m, reverse=False):
     return {"h": h, "ys": ys}
 
 
+def _rnn_ref(w, h0, xs, reverse=False):
+    h, ys = h0, np.zeros(xs.shape)
+    for t in (range(len(xs) - 1, -1, -1) if reverse else range(len(xs))):
+        h = np.tanh(w @ h + xs[t])
+        ys[t] = 2 * h
+    return h, ys
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_scan_matches_python_loop(rng, reverse):
     w, h0, xs = rng.standard_normal((3, 3)), rng.standard_normal(3), rng.standard_normal((5, 3))
     got = compile_graph(Graph.define("rnn", lambda m: _rnn(m, reverse))).run({"w": w, "h0": h0, "xs": xs})
-    h, ys = h0, np.zeros((5, 3))
-    for t in (range(4, -1, -1) if reverse else range(5)):
-        h = np.tanh(w @ h + xs[t])
-        ys[t] = 2 * h
+    h, ys = _rnn_ref(w, h0, xs, reverse)
     np.testing.assert_allclose(got["h"], h, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(got["ys"], ys, rtol=1e-12, atol=1e-12)
 
@@ -113,12 +118,29 @@ def test_nested_bodies_print_round_trip_and_run(rng):
     np.testing.assert_allclose(got["ys"], ys, rtol=1e-12)
 
 
-@pytest.mark.parametrize("backend", sorted({"numpy", "numba"} & AVAILABLE))
-def test_host_loop_backends(rng, backend):
-    """numpy and numba drive the loop on the host; the same answers."""
+@pytest.mark.parametrize("backend", sorted({"numpy", "numba", "cuda"} & AVAILABLE))
+def test_loop_backends(rng, backend):
+    """numpy and numba run the bodies with NumPy kernels on the host; cuda runs them as
+    runners of their own on the device: nested if_/scan, a data-dependent while_, both
+    directions of scan."""
     xs = rng.uniform(0.1, 1, (4, 2)) * rng.choice([-1, 1], (4, 1))
     got = compile_graph(Graph.define("nested", _nested), backend=backend).run({"xs": xs, "limit": np.float64(3.0)})
-    np.testing.assert_allclose(got["acc"], _nested_ref(xs, 3.0)[0], rtol=1e-12)
+    acc, ys = _nested_ref(xs, 3.0)
+    np.testing.assert_allclose(got["acc"], acc, rtol=1e-12)
+    np.testing.assert_allclose(got["ys"], ys, rtol=1e-12)
+    halve = compile_graph(Graph.define("halve", _halvings), backend=backend)
+    for scale in (0.5, 1000.0):
+        x = rng.uniform(0, scale, 4)
+        got = halve.run({"x": x})
+        n, y = _halvings_ref(x)
+        assert int(got["n"]) == n
+        np.testing.assert_allclose(got["y"], y, rtol=1e-15)
+    for reverse in (False, True):
+        feed = {"w": rng.standard_normal((3, 3)) * 0.5, "h0": rng.standard_normal(3), "xs": rng.standard_normal((5, 3))}
+        got = compile_graph(Graph.define("rnn", lambda m: _rnn(m, reverse)), backend=backend).run(feed)
+        h, ys = _rnn_ref(**feed, reverse=reverse)
+        np.testing.assert_allclose(got["h"], h, rtol=1e-12)
+        np.testing.assert_allclose(got["ys"], ys, rtol=1e-12)
 
 
 @pytest.mark.skipif("opencl" not in AVAILABLE, reason="opencl not available here")

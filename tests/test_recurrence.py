@@ -1,5 +1,5 @@
 """selective_scan (Mamba) and gated_delta_rule (Gated DeltaNet), written with scan
-(ir/recurrence.py): against float64 Python loops on fresh random inputs, on numpy and numba;
+(ir/recurrence.py): against float64 Python loops on fresh random inputs, on numpy, numba and cuda;
 reverse-mode AD through them (scan's VJP) against torch.autograd on the same loops and
 central finite differences; bad shapes name the op and the argument."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from rlx_core.ir.recurrence import gated_delta_rule, selective_scan
 from rlx_core.pipeline import available_backends
 from rlx_core.pipeline import compile as compile_graph
 
-BACKENDS = [n for n in ("numpy", "numba") if n in {b.name for b, ok, _ in available_backends() if ok}]
+BACKENDS = [n for n in ("numpy", "numba", "cuda") if n in {b.name for b, ok, _ in available_backends() if ok}]
 Bn, L, D, N = 2, 5, 3, 4           # selective scan: batch, length, channels, state
 H, K, V = 2, 3, 4                  # gated delta rule: heads, key dim, value dim
 

@@ -70,6 +70,7 @@ class CudaBackend(Backend):
 
     def supported_ops(self) -> set:
         """Ops with a builder; a fused op without one (varlen_attention, segment_pool) is legalized."""
+        from . import control  # noqa: F401  (registers control flow and dense_solve)
         from .ops import BUILDERS, VIEW_BUILDERS
 
         return {n for n, d in OPS.items() if d.level is Level.LEAF or n in BUILDERS or n in VIEW_BUILDERS}
@@ -186,6 +187,7 @@ class CudaBackend(Backend):
         ok, why = self.availability()
         if not ok:
             raise BackendError(f"backend 'cuda' is not available here: {why}")
+        from . import control  # noqa: F401  (registers control flow and dense_solve)
         from .runner import CudaRunner
 
         return CudaRunner(self, lir, params, states)
