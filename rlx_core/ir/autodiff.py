@@ -17,7 +17,6 @@ import math
 
 import numpy as np
 
-from .dtype import F32
 from .errors import GraphError
 from .graph import MIR, Builder, Graph
 from .lower import lower
@@ -333,12 +332,12 @@ def _scan(m, a, ins, outs, cts):
         feed = dict(zip(names, cs + car + x_t))
         feed.update({f"ct{j}": v for j, v in zip(fc + fy, ct_c + ct_y)})
         d = dict(zip([o for o, _ in step.outputs], inline(b, step, feed)))
-        g_of = lambda i: d.get(f"grad_{names[i]}")
-        return (tuple(g_of(k + j) for j in fc) + tuple(s + g_of(j) for s, j in zip(acc, fk))
-                + tuple(g_of(k + c + j) for j in fx))
+        dn = [d.get(f"grad_{n}") for n in names]         # by body input: consts, carries, xs
+        return (tuple(dn[k + j] for j in fc) + tuple(s + dn[j] for s, j in zip(acc, fk))
+                + tuple(dn[k + c + j] for j in fx))
 
-    carry, dxs = m.scan(backward, init=tuple(seed[:len(fc)]) + tuple(_zeros(m, consts[j].dims, consts[j])
-                                                                        for j in fk),
+    zero_consts = tuple(_zeros(m, consts[j].dims, consts[j]) for j in fk)
+    carry, dxs = m.scan(backward, init=tuple(seed[:len(fc)]) + zero_consts,
                         xs=tuple(entering) + tuple(xs) + tuple(seed[len(fc):]), consts=consts,
                         length=a["length"], reverse=not a["reverse"])
     grads = [None] * len(ins)
