@@ -144,7 +144,7 @@ class CudaBackend(Backend):
     def to_device(self, array):
         if isinstance(array, CudaArray):
             return array
-        a = np.ascontiguousarray(np.asarray(array))
+        a = np.asarray(array)
         return CudaArray(device.from_host(a, f"a {a.dtype}{list(a.shape)} array"), a.dtype)
 
     def to_host(self, value) -> np.ndarray:

@@ -104,8 +104,9 @@ def empty(shape, dt: DType, what: str):
 
 
 def from_host(array: np.ndarray, what: str):
-    """Upload a host array (bf16 as its 16-bit pattern) into fresh device memory."""
-    a = np.ascontiguousarray(array)
+    """Upload a host array (bf16 as its 16-bit pattern) into fresh device memory; a 0-d
+    array stays 0-d (ascontiguousarray alone makes it [1])."""
+    a = np.ascontiguousarray(array).reshape(np.shape(array))
     dt = DType.parse(a.dtype)
     if dt is DType.C64:
         raise BackendError(f"cuda backend: {what}: complex64 is not supported on the GPU")
