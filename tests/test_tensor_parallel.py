@@ -105,6 +105,30 @@ def test_unshardable_node_is_named():
         shard(s, 2, 1)
 
 
+def test_bind_slices_reads_each_slice_once():
+    """A rank's slice of a weight is one object for every executable of the model (their
+    shared params are uploaded once), and an array-like weight is asked for its slice only."""
+    from rlx_core.passes.shard import bind_slices
+
+    _, tensors, m = _model("llama")
+
+    class Lazy:                                   # an array-like weight recording what is read
+        def __init__(self, a):
+            self.a, self.shape, self.ndim, self.dtype, self.read = a, a.shape, a.ndim, a.dtype, []
+
+        def __getitem__(self, idx):
+            self.read.append(idx)
+            return self.a[idx]
+
+    params = {k: Lazy(v) for k, v in tensors.items()}
+    nodes = _rank_mir(m, "decode", 2, 1).nodes
+    one, two = bind_slices(nodes, params), bind_slices(nodes, params)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert one[q] is two[q] and one[q].shape == (16, 32)
+    np.testing.assert_array_equal(one[q], tensors[q][16:32])
+    assert params[q].read == [(slice(16, 32),)]
+
+
 def test_reshape_groups():
     assert reshape_groups(("b", 1, 16), ("b", 1, 2, 8)) == [([0], [0]), ([1], [1]), ([2], [2, 3])]
     assert reshape_groups(("b", 4, 8), ("c", 32)) is None

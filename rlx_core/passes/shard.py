@@ -539,10 +539,40 @@ def shard(g: Graph, world: int, rank: int) -> Graph:
     return _Sharder(unfuse_matmuls(g), world, rank).run()
 
 
+_SLICES: dict = {}         # id(source weight) -> (weakref to it, {slice key: the rank's part})
+
+
+def _part(w, axis: int, start: int, length: int, padded: int):
+    """w's [start, start + length) along `axis`, zero-padded to `padded`: the same object for
+    the same source and slice while the source lives, so the executables of one model
+    (prefill, decode, ...) find it uploaded already (their shared params key on identity)."""
+    import weakref
+
+    ref, parts = _SLICES.get(id(w), (None, None))
+    if ref is None or ref() is not w:
+        try:
+            ref = weakref.ref(w, lambda _, k=id(w): _SLICES.pop(k, None))
+        except TypeError:                  # (not weakly referable: sliced on each call)
+            ref = None
+        parts = {}
+        if ref is not None:
+            _SLICES[id(w)] = (ref, parts)
+    key = (axis, start, length, padded)
+    if key not in parts:
+        part = np.asarray(w[(slice(None),) * axis + (slice(start, start + length),)])
+        if padded != length:
+            pad = [(0, 0)] * part.ndim
+            pad[axis] = (0, padded - length)
+            part = np.pad(part, pad)
+        parts[key] = part
+    return parts[key]
+
+
 def bind_slices(nodes, params: dict) -> dict:
     """The params a sharded graph binds, from the whole weights: each param node with a
-    `shard` attr takes its slice (a view of a memory-mapped weight where the axis allows),
-    zero-padded to the rank's length. Weights no node reads pass through (reported later)."""
+    `shard` attr takes its slice (a view of a memory-mapped weight where the axis allows;
+    an array-like weight is asked for that part only), zero-padded to the rank's length.
+    Weights no node reads pass through (reported later)."""
     out, used = {}, set()
     for n in nodes:
         if n.op != "param" or not n.a.get("shard"):
@@ -555,13 +585,7 @@ def bind_slices(nodes, params: dict) -> dict:
         if not hasattr(w, "shape") or getattr(w, "ndim", 0) <= axis:
             raise ModelError(f"param {src!r}: cannot take a tensor-parallel slice on axis {axis} of "
                              f"{type(w).__name__}")
-        idx = (slice(None),) * axis
-        part = np.asarray(w[idx + (slice(start, start + length),)])
-        if padded != length:
-            pad = [(0, 0)] * part.ndim
-            pad[axis] = (0, padded - length)
-            part = np.pad(part, pad)
-        out[n.name] = part
+        out[n.name] = _part(w, axis, start, length, padded)
     for k, v in params.items():
         if k not in used and k not in out:
             out[k] = v

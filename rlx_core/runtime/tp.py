@@ -8,8 +8,10 @@ pipe; every rank answers (rank 0's answer is the result). A rank that exits befo
 answers aborts the group's barrier, the others are stopped, and the error names the rank.
 
 A spec is JSON: {"model": path or name} (rlx_core.runtime.model.load), or {"config": {...},
-"tensors": "file.npz"} (weights saved by the caller, read with allow_pickle=False, built by
-the config's recipe), plus
+"tensors": "file.npz"} (weights saved by the caller, read with allow_pickle=False) or
+{"config": {...}, "make_tensors": "module:function"} (function(config) makes them in each
+rank: array-likes with shape, dtype, __getitem__ and __array__ let a rank make only its
+slices), built by the config's recipe, plus
 optional "backend", "profile", "max_context", "comm" (a communicator class as "module:Class"
 taking (block, world, rank, barrier, slot bytes, timeout); RLX_TP_COMM; default the CPU one) and, for tests, "fault": {"rank", "after_tokens"}.
 """
@@ -47,6 +49,18 @@ def tensor_size(flag: int | None = None, profile=None) -> int:
 
 
 # ------------------------------------------------------------------ the rank process
+def named(path: str, what: str):
+    """The object "module:name" names (a spec's communicator, tensor maker or call)."""
+    import importlib
+
+    mod, _, name = str(path).partition(":")
+    try:
+        return getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ModelError(f"tensor parallel: {what} {path!r}: expected 'module:name' of an importable "
+                         f"module ({type(e).__name__}: {e})") from None
+
+
 def _build(spec: dict, world: int):
     from ..profile import CompileProfile
     from ..weights.checkpoint import Checkpoint
@@ -58,11 +72,15 @@ def _build(spec: dict, world: int):
         model = load(spec["model"], backend=spec.get("backend"), profile=spec.get("profile"),
                      progress=False, **kw)
     else:
-        with np.load(spec["tensors"], allow_pickle=False) as z:
-            tensors = {k: z[k] for k in z.files}
         cfg = spec["config"]
+        if "make_tensors" in spec:       # made in the rank (array-likes: only the slices are read)
+            tensors, source = named(spec["make_tensors"], "make_tensors")(cfg), spec["make_tensors"]
+        else:
+            with np.load(spec["tensors"], allow_pickle=False) as z:
+                tensors = {k: z[k] for k in z.files}
+            source = spec["tensors"]
         recipe = find_recipe(cfg.get("model_type", ""))
-        model = recipe.build(Checkpoint(spec["tensors"], "npz", cfg, tensors, None),
+        model = recipe.build(Checkpoint(source, "npz", cfg, tensors, None),
                              backend=spec.get("backend"), profile=spec.get("profile"), **kw)
     if not isinstance(model, (CausalLM, Encoder)):
         raise ModelError(f"{spec.get('model')}: tensor parallelism runs causal language models "
@@ -115,6 +133,8 @@ def _answer(model, msg: dict, rank: int, fault: dict | None, held: dict):
     op = msg["op"]
     if op == "round":
         return _round(model, msg, rank, held, fault)
+    if op == "call":
+        return {"result": named(msg["fn"], "call")(model, **msg.get("kwargs", {}))}
     if op == "forward":
         out = model.forward(np.asarray(msg["ids"], np.int64), msg.get("mask"), msg.get("token_type_ids"))
         return {"outputs": {k: np.asarray(v).tolist() for k, v in out.items()}}
@@ -131,8 +151,6 @@ def _answer(model, msg: dict, rank: int, fault: dict | None, held: dict):
 
 def _rank_main(rank: int, world: int, spec_json: str, block: str, slot_bytes: int, barrier, conn,
                timeout: float) -> None:
-    import importlib
-
     from ..backends.numpy.comm import ShmCommunicator
     from ..ir import comm
 
@@ -140,11 +158,8 @@ def _rank_main(rank: int, world: int, spec_json: str, block: str, slot_bytes: in
     c = None
     try:
         factory = spec.get("comm") or os.environ.get("RLX_TP_COMM") or ""
-        if factory:          # "module:Class", e.g. rlx_backend_cuda.nccl:NcclCommunicator
-            mod, _, name = factory.partition(":")
-            cls = getattr(importlib.import_module(mod), name)
-        else:
-            cls = ShmCommunicator
+        # "module:Class", e.g. rlx_backend_cuda.nccl:NcclCommunicator
+        cls = named(factory, "communicator") if factory else ShmCommunicator
         c = cls(block, world, rank, barrier, slot_bytes, timeout)
         comm.bind(c)
         model = _build(spec, world)
@@ -244,7 +259,8 @@ class TensorParallel:
         raise ModelError(f"tensor parallel: rank {r} (pid {p.pid}) died while {what} "
                          f"(exit code {code}); the group of {self.world} is stopped")
 
-    def request(self, msg: dict, what: str) -> dict:
+    def request(self, msg: dict, what: str, every: bool = False):
+        """Send `msg` to every rank; rank 0's answer (every=True: the list of all answers)."""
         if not self.procs:
             raise ModelError("tensor parallel: the group is stopped")
         data = json.dumps(msg).encode()
@@ -255,7 +271,8 @@ class TensorParallel:
                 self.barrier.abort()
                 self.close()
                 raise ModelError(f"tensor parallel: rank {r} is gone (before {what})") from None
-        return self._collect(what)[0]
+        replies = self._collect(what)
+        return replies if every else replies[0]
 
     def generate(self, prompt, **kw):
         """CausalLM.generate on the ranks (no stream callback: the text comes back whole)."""
@@ -269,6 +286,12 @@ class TensorParallel:
         ids = np.asarray(ids, np.int64).tolist()
         return np.asarray(self.request({"op": "logits", "ids": ids}, "computing logits")["logits"],
                           np.float32)
+
+    def call(self, fn: str, **kwargs) -> list:
+        """fn(model, **kwargs) on every rank ("module:function", importable there; answers
+        JSON): each rank's answer, in rank order. What benchmarks measure on the ranks."""
+        return [r["result"] for r in self.request({"op": "call", "fn": fn, "kwargs": kwargs},
+                                                  f"calling {fn}", every=True)]
 
     def forward(self, ids, attention_mask=None, token_type_ids=None) -> dict:
         """Encoder.forward on the ranks: every output of the encoder for right-padded ids."""
