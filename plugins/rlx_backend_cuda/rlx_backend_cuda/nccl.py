@@ -3,8 +3,9 @@
 Rank 0 makes the NCCL unique id and hands it to the others through the launcher's shared
 block (rlx_core.runtime.tp), so no extra rendezvous service is needed. Collectives take
 CuPy arrays (run on the current stream) or NumPy arrays (staged through the GPU: lets the
-numpy backend's sharded graphs test the NCCL transport). Use it with
-RLX_TP_COMM=rlx_backend_cuda.nccl:NcclCommunicator. Not yet run on a multi-GPU machine.
+numpy backend's sharded graphs test the NCCL transport); the cuda runner calls `on_device`
+on its own buffers and stream. Use it with RLX_TP_COMM=rlx_backend_cuda.nccl:NcclCommunicator
+(benchmarks/llm_gpu_tp.py picks it on cuda). Not yet run on a multi-GPU machine.
 """
 from __future__ import annotations
 
@@ -69,6 +70,21 @@ class NcclCommunicator:
         if getattr(self, "comm", None) is not None:
             self.comm.destroy()
             self.comm = None
+
+    def on_device(self, op: str, x, out, dtype, stream) -> None:
+        """`op` on contiguous device buffers of logical `dtype` (their storage may differ:
+        bf16 lives in 16-bit buffers) on `stream`, allocating nothing (the cuda runner's
+        collectives, captured into its CUDA graphs): all_gather and reduce_scatter join and
+        split the flat buffers in rank order (along axis 0)."""
+        t, s = _dtype(dtype), stream.ptr
+        if op == "all_reduce":
+            self.comm.allReduce(x.data.ptr, out.data.ptr, x.size, t, nccl.NCCL_SUM, s)
+        elif op == "all_gather":
+            self.comm.allGather(x.data.ptr, out.data.ptr, x.size, t, s)
+        elif op == "reduce_scatter":
+            self.comm.reduceScatter(x.data.ptr, out.data.ptr, out.size, t, nccl.NCCL_SUM, s)
+        else:
+            raise BackendError(f"NCCL communicator: no collective {op!r}")
 
     def _run(self, x, out, fn) -> None:
         host = isinstance(x, np.ndarray)

@@ -479,6 +479,40 @@ def _b_host(b, n, ins, outs):
     b.add(run, capturable=False)
 
 
+def _b_collective(b, n, ins, outs):
+    """all_reduce, all_gather, reduce_scatter (issue 19) on the communicator bound in the
+    process. On the NCCL one (rlx_backend_cuda.nccl) the collective runs on the runner's
+    stream over buffers made here (the rank-major layout NCCL gathers and scatters along),
+    so a decode step's collectives are captured into its CUDA graph; any other one (the CPU
+    one) gets host copies, out of capture; with none bound a group of one is a copy."""
+    from rlx_core.ir import comm
+
+    from .nccl import NcclCommunicator
+
+    x, out, a, op = ins[0], outs[0], n.a, n.op
+    c = comm.current(a["world"], a["rank"])
+    if not isinstance(c, NcclCommunicator):
+        if a["world"] == 1:
+            b.copy(x, out)
+        else:
+            _b_host(b, n, ins, outs)
+        return
+    cp, stream = b.cp, b.stream
+    ax = 0 if op == "all_reduce" else a["axis"] % len(x.shape)
+
+    def major(v: V) -> V:
+        return V(cp.moveaxis(v.arr, ax, 0), v.dt)
+
+    src = b.contiguous(major(x))
+    dst = out if op == "all_reduce" and out.contiguous() else b.buffer(major(out).shape, out.dt)
+
+    def run():
+        c.on_device(op, src.arr, dst.arr, out.dt.np, stream)
+    b.add(run)
+    if dst is not out:
+        b.copy(V(cp.moveaxis(dst.arr, 0, ax), out.dt), out)
+
+
 # ----------------------------------------------------------------------------- rows
 def _rowargs(b, x: V):
     rows = math.prod(x.shape[:-1]) if x.shape else 1
@@ -1092,6 +1126,7 @@ BUILDERS = {
     "dequantize": _b_dequantize,
     "quantize": _b_host,
     "fake_quantize": _b_host,
+    "all_reduce": _b_collective, "all_gather": _b_collective, "reduce_scatter": _b_collective,
 }
 
 VIEW_BUILDERS = {
