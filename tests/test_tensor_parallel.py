@@ -163,7 +163,8 @@ def spec(tmp_path):
     return make
 
 
-@pytest.mark.parametrize("model_type,world", [("llama", 2), ("llama", 4), ("qwen3", 2), ("gemma3_text", 2), ("gemma2", 2)])
+@pytest.mark.parametrize("model_type,world", [("llama", 2), ("llama", 4), ("qwen3", 2), ("qwen3", 4),
+                                              ("gemma3_text", 2), ("gemma3_text", 4), ("gemma2", 2)])
 def test_sharded_equals_unsharded(spec, model_type, world):
     s, ref = spec(model_type)
     ids = np.array([PROMPT, [0, 0, 4, 8, 12, 16]])
@@ -249,7 +250,7 @@ def test_group_scheduler_serves_like_the_scheduler_and_fails_with_the_rank(spec)
         with pytest.raises(ModelError, match=r"rank 1 \(pid \d+\) died while serving \(exit code 9\)"):
             r.result(60)
         assert r.finish_reason == "error"
-        with pytest.raises(ModelError, match="closed"):
+        with pytest.raises(ModelError, match=r"the scheduler is closed \(tensor parallel: rank 1 "):
             sched.submit(PROMPT, max_tokens=2)
     finally:
         sched.close()

@@ -168,6 +168,7 @@ class Scheduler:
         self._waiting: collections.deque = collections.deque()
         self._active: list = []
         self._closed = False
+        self.closed_by = ""                    # why, when something other than close() closed it
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._decode = None
@@ -204,7 +205,7 @@ class Scheduler:
         req = Request(f"req-{next(self._ids)}", list(ids), params, on_event)
         with self._cv:
             if self._closed:
-                raise ModelError("the scheduler is closed")
+                raise ModelError(f"the scheduler is closed{self.closed_by}")
             self._waiting.append(req)
             self.submitted += 1
             if self._thread is None:

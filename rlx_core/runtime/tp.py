@@ -365,7 +365,7 @@ class GroupScheduler(Scheduler):
             events = self.group.request(msg, "serving")["events"]
         except RlxError as e:
             with self._cv:
-                self._closed = True
+                self._closed, self.closed_by = True, f" ({e})"
             for r in self._active + list(self._waiting):
                 r.error = e
                 self._finish(r, "error")
