@@ -9,6 +9,9 @@ checkpoint, must give the same outputs
 A recipe opts in with two methods (rlx_register_recipes documents them):
 `tiny_config() -> dict` (a small config of its model type) and
 `tiny_tensors(config, rng) -> dict` (random checkpoint tensors for that config).
+A model that takes no token ids (a diffusion transformer) gives the kit its inputs itself:
+`kit_rows(rng) -> [feed of one batch row]`, `kit_batch(rows) -> feed` and
+`kit_outputs(feed) -> {name: [batch, ...]}`.
 """
 from __future__ import annotations
 
@@ -56,9 +59,6 @@ def recipe_named(name: str):
 
 def why_untestable(recipe) -> str:
     """Why the kit cannot build `recipe`'s tiny model ('' when it can)."""
-    if getattr(recipe, "kit_checks", True) is False:
-        return (f"recipe {recipe.name!r} builds models the kit's checks do not cover (they check "
-                "CausalLM and Encoder models); it tests itself")
     lacking = [m for m in ("tiny_config", "tiny_tensors") if not callable(getattr(recipe, m, None))]
     return f"recipe {recipe.name!r} provides no {' / '.join(lacking)}()" if lacking else ""
 
@@ -106,12 +106,17 @@ def tiny_checkpoint(recipe, rng) -> Checkpoint:
 
 
 def build(recipe, ckpt: Checkpoint, backend: str | None = None, profile=None):
-    """`recipe.build(ckpt)`: a CausalLM or an Encoder (anything else is a ModelError)."""
+    """`recipe.build(ckpt)`: a CausalLM, an Encoder or a model with the kit_* methods
+    (anything else is a ModelError)."""
     model = recipe.build(ckpt, backend=backend or recipe_backend(), profile=profile)
-    if not isinstance(model, (CausalLM, Encoder)):
+    if not isinstance(model, (CausalLM, Encoder)) and not _feeds_itself(model):
         raise ModelError(f"recipe {recipe.name!r} built a {type(model).__name__}; the kit checks "
-                         "CausalLM and Encoder models")
+                         "CausalLM and Encoder models and models with kit_rows / kit_batch / kit_outputs")
     return model
+
+
+def _feeds_itself(model) -> bool:
+    return all(callable(getattr(model, m, None)) for m in ("kit_rows", "kit_batch", "kit_outputs"))
 
 
 def composed_profile(model):
@@ -119,13 +124,19 @@ def composed_profile(model):
 
 
 def sample_rows(model, rng, lengths=LENGTHS) -> list:
-    """Rows of random token ids (not 0, the usual pad id) of the given lengths."""
+    """Rows of random token ids (not 0, the usual pad id) of the given lengths (or the
+    model's own kit_rows)."""
+    if _feeds_itself(model):
+        return model.kit_rows(rng)
     vocab = int(model.config["vocab_size"])
     return [rng.integers(1, vocab, n).astype(np.int64) for n in lengths]
 
 
 def padded(model, rows: list) -> tuple:
-    """(ids, mask) of `rows` padded the model's way: left for a causal LM, right for an encoder."""
+    """(ids, mask) of `rows` padded the model's way: left for a causal LM, right for an
+    encoder; (its kit_batch, None) for a model that feeds itself."""
+    if _feeds_itself(model):
+        return model.kit_batch(rows), None
     s = max(len(r) for r in rows)
     ids = np.zeros((len(rows), s), np.int64)
     mask = np.zeros((len(rows), s), bool)
@@ -136,7 +147,10 @@ def padded(model, rows: list) -> tuple:
 
 
 def outputs(model, ids, mask=None) -> dict:
-    """Every output the model gives for padded ids: logits, or the encoder's outputs."""
+    """Every output the model gives for padded ids: logits, or the encoder's outputs (or a
+    model's kit_outputs of its kit_batch feed)."""
+    if _feeds_itself(model):
+        return model.kit_outputs(ids)
     if isinstance(model, CausalLM):
         return {"logits": model.logits(ids, mask)}
     return model.forward(ids, mask)
@@ -215,10 +229,11 @@ def check_batch_equals_rows(recipe, ckpt: Checkpoint, rng) -> None:
     ids, mask = padded(model, rows)
     batch = outputs(model, ids, mask)
     for b, r in enumerate(rows):
-        got = {k: v[b][mask[b]] if v.shape[:2] == mask.shape else v[b] for k, v in batch.items()}
-        alone = {k: v[0] for k, v in outputs(model, r[None]).items()}
-        assert_outputs_agree(got, alone, f"{recipe.name}: row {b} ({len(r)} tokens) of a padded batch "
-                                         "against alone")
+        got = {k: v[b][mask[b]] if mask is not None and v.shape[:2] == mask.shape else v[b]
+               for k, v in batch.items()}
+        alone = {k: v[0] for k, v in outputs(model, *(padded(model, [r]) if mask is None else (r[None],))).items()}
+        size = "" if mask is None else f" ({len(r)} tokens)"
+        assert_outputs_agree(got, alone, f"{recipe.name}: row {b}{size} of a padded batch against alone")
     if isinstance(model, Encoder):
         lists = [r.tolist() for r in rows]
         one_by_one = np.concatenate([model.embed([x], batch_size=1) for x in lists])

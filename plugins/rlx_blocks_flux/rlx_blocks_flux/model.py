@@ -167,6 +167,31 @@ class FluxModel:
 
     __call__ = forward
 
+    # -- rlx_core.testing's batch and fused/composed checks (this model takes no token ids)
+    def kit_rows(self, rng) -> list:
+        """Two single-sample inputs: a 2 x 3 latent grid, 5 text tokens, their own timesteps."""
+        a = self.arch
+        rows = []
+        for t in (0.3, 0.8):
+            r = {"hidden_states": rng.standard_normal((1, 6, a.in_channels)).astype(np.float32),
+                 "encoder_hidden_states": rng.standard_normal((1, 5, a.joint_dim)).astype(np.float32),
+                 "timestep": np.array([t], np.float32), "img_ids": latent_ids(2, 3, len(a.axes)),
+                 "txt_ids": np.zeros((5, len(a.axes)), np.float32)}
+            if a.guidance:
+                r["guidance"] = np.array([3.5], np.float32)
+            if a.version == 1:
+                r["pooled_projections"] = rng.standard_normal((1, a.pooled_dim)).astype(np.float32)
+            rows.append(r)
+        return rows
+
+    @staticmethod
+    def kit_batch(rows: list) -> dict:
+        """Rows stacked on the batch axis (the position ids are the same for every row)."""
+        return {k: v if k.endswith("_ids") else np.concatenate([r[k] for r in rows]) for k, v in rows[0].items()}
+
+    def kit_outputs(self, feed: dict) -> dict:
+        return {"velocity": self.forward(**feed)}
+
     def denoise(self, latents, prompt_embeds, img_ids, txt_ids, num_steps: int = 28, guidance: float | None = 3.5,
                 pooled_prompt_embeds=None, mu: float | None = None, callback=None) -> np.ndarray:
         """The flow-matching Euler loop of diffusers' FLUX pipelines from packed `latents`

@@ -96,7 +96,6 @@ class FluxRecipe:
     model_types = (FLUX1,)
     default_profile = "flux2"
     flow_class = FluxFlow
-    kit_checks = False    # a FluxModel: rlx_core.testing checks causal LMs and encoders; tests/test_flux.py
 
     def flow(self, cfg: dict, batch: int = 1, img_len: int = 16, txt_len: int = 8, guidance=None,
              profile=None) -> ModelFlow:
