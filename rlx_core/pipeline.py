@@ -418,15 +418,13 @@ class Executable:
     def set_params(self, params: dict) -> None:
         """Check every param (all problems in one error) and make them resident."""
         specs = self.param_specs
+        pnodes = [n for g in (self.mir, self.prologue) if g is not None for n in g.nodes if n.op == "param"]
+        if any(n.a.get("shard") for n in pnodes):    # a tensor-parallel rank binds its slices
+            params = bind_slices(pnodes, params)
         missing = sorted(set(specs) - set(params))
         unexpected = sorted(set(params) - set(specs))
         bad = []
-        schemes = {n.name: n.a.get("scheme", "") for g in (self.mir, self.prologue) if g is not None
-                   for n in g.nodes if n.op == "param"}
-        sliced = [n for g in (self.mir, self.prologue) if g is not None for n in g.nodes
-                  if n.op == "param" and n.a.get("shard")]
-        if sliced:                  # a tensor-parallel rank binds its slices of the weights
-            params = bind_slices(sliced, params)
+        schemes = {n.name: n.a.get("scheme", "") for n in pnodes}
         params = {k: unpack(k, v, schemes.get(k, ""), bad) for k, v in params.items()}
         for name, s in specs.items():
             if name in params:

@@ -200,9 +200,22 @@ def test_bert_rank_mir_is_megatron_sharded():
     assert _count(fused, "fused_matmul_bias_act") == 4 * layers       # q, k, v, FFN-in re-fused
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_bert_sharded_equals_unsharded(spec, world):
-    s, ref = spec("bert", BERT4)
+def test_nomic_rank_mir_splits_the_one_qkv_weight():
+    """NomicBERT's Wqkv is one [3h, h] weight read through three views: each becomes a
+    column-parallel slice of that weight (a part of a part), no gather anywhere."""
+    _, _, m = _model("nomic_bert")
+    g = _rank_mir(m, "padded", 2, 1, fused=False)
+    assert _count(g, "all_gather") == 0 and _count(g, "all_reduce") == 2 * 2 + 2   # + word, token-type
+    w = "encoder.layers.0.attn.Wqkv.weight"
+    shards = sorted(n.a["shard"] for n in g.nodes if n.op == "param" and (n.a.get("shard") or ("",))[0] == w)
+    assert shards == [(w, 0, 24, 24, 24), (w, 0, 72, 24, 24), (w, 0, 120, 24, 24)]   # rank 1's q, k, v rows
+    assert not any(n.op == "param" and n.name == w for n in g.nodes)                 # never bound whole
+
+
+@pytest.mark.parametrize("model_type,config,world", [("bert", BERT4, 2), ("bert", BERT4, 4),
+                                                     ("nomic_bert", None, 2)])
+def test_bert_sharded_equals_unsharded(spec, model_type, config, world):
+    s, ref = spec(model_type, config)
     ids = np.array([[2, 7, 9, 11, 13, 3], [2, 4, 8, 3, 0, 0]])
     mask = ids != 0
     types = np.array([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 0, 0]])

@@ -179,60 +179,95 @@ def head_demands(g: Graph, world: int, rank: int) -> tuple:
     return mm, states
 
 
+def _pieces(g: Graph, ref, axis: int, rank: int):
+    """[(param ref, offset along `axis`, size)] making up value `ref`: one param of `rank`
+    dims, or a concat of them along `axis`; None for anything else."""
+    node = g.nodes[ref[0]]
+    refs = [tuple(r) for r in node.inputs] \
+        if node.op == "concat" and norm_axis(node.a["axis"], rank, "concat") == axis else [tuple(ref)]
+    out, at = [], 0
+    for r in refs:
+        p = g.nodes[r[0]]
+        if p.op != "param" or p.outs[0].rank != rank or p.a.get("scheme") or p.a.get("shard") \
+                or not isinstance(p.outs[0].dims[axis], int):
+            return None
+        out.append((r, at, p.outs[0].dims[axis]))
+        at += p.outs[0].dims[axis]
+    return out
+
+
+def _piece(pieces, lo: int, length: int):
+    """(param ref, start, length) of [lo, lo + length) when one piece holds it, else None."""
+    for r, at, size in pieces:
+        if at <= lo and lo + length <= at + size:
+            return r, lo - at, length
+    return None
+
+
 def _mm_parts(g: Graph, i: int, consumers: dict):
-    """For matmul node i (or its epilogue) on concat(W_1..W_k) of 2-D params along the output
-    features (and a bias concat(b_1..b_k) of 1-D params, if any) whose every reader is a
-    narrow of exactly one part: {narrow node: (W_k ref, b_k ref | None)}, else None."""
+    """For matmul node i (or its epilogue) whose weight is a 2-D param, or a concat of them,
+    along the output features (its bias, if any, likewise) and whose every reader is a
+    narrow of the output features within one of them: {narrow node: (weight part, bias part
+    | None)}, a part being (param ref, start, length) along that axis; else None."""
     n = g.nodes[i]
     if n.op not in ("matmul", "fused_matmul_bias_act") or n.a.get("trans_a"):
         return None
-    tb = n.a["trans_b"]
-    cat = g.nodes[n.inputs[1][0]]
-    if cat.op != "concat" or norm_axis(cat.a["axis"], 2, "concat") != (0 if tb else 1):
+    ws = _pieces(g, n.inputs[1], 0 if n.a["trans_b"] else 1, 2)
+    bs = _pieces(g, n.inputs[2], 0, 1) if len(n.inputs) > 2 else None
+    if ws is None or (len(n.inputs) > 2 and bs is None):
         return None
-    ws = [tuple(r) for r in cat.inputs]
-    if not all(_weight(g, r) is not None for r in ws):
-        return None
-    bs = [None] * len(ws)
-    if len(n.inputs) > 2:
-        bc = g.nodes[n.inputs[2][0]]
-        bs = [tuple(r) for r in bc.inputs] if bc.op == "concat" else []
-        if len(bs) != len(ws) or any(g.nodes[r[0]].op != "param" for r in bs):
-            return None
-    starts, at = {}, 0
-    for w, b in zip(ws, bs):
-        size = g.shape_of(w).dims[0 if tb else 1]
-        starts[(at, size)] = (w, b)
-        at += size
     rank, out = n.outs[0].rank, {}
     for c in consumers.get((i, 0), ()):
         m = g.nodes[c] if c >= 0 else None
         if m is None or m.op != "narrow" or norm_axis(m.a["axis"], rank, "narrow") != rank - 1 \
-                or (m.a["start"], m.a["length"]) not in starts:
+                or m.a["start"] < 0:
             return None
-        out[c] = starts[(m.a["start"], m.a["length"])]
-    return out
+        w = _piece(ws, m.a["start"], m.a["length"])
+        b = _piece(bs, m.a["start"], m.a["length"]) if bs is not None else None
+        if w is None or (bs is not None and b is None):
+            return None
+        out[c] = (w, b)
+    return out or None
 
 
 def unfuse_matmuls(g: Graph) -> Graph:
     """`g` with every matmul epilogue (fused_matmul_bias_act) as matmul + bias + activation,
-    and a matmul on a concat of weights read only through views of its parts (`_mm_parts`)
-    as one matmul per part: the walk shards each part column-parallel on its own."""
-    if not any(n.op == "fused_matmul_bias_act" or n.op == "concat" for n in g.nodes):
+    and a matmul whose output is read only through views of parts of its weight
+    (`_mm_parts`: BERT's matmul on concat(W_q, W_k, W_v), NomicBERT's on one Wqkv) as one
+    matmul per part, on that part of the weight (a param with a `shard` attr where it is a
+    slice of one): the walk shards each part column-parallel on its own."""
+    if not any(n.op in ("fused_matmul_bias_act", "narrow") for n in g.nodes):
         return g
     consumers = g.consumers()
-    parts: dict = {}                   # narrow node -> (matmul node, W_k ref, b_k ref)
+    parts: dict = {}                   # narrow node -> (matmul node, weight part, bias part)
     for i in range(len(g.nodes)):
         for c, (w, b) in (_mm_parts(g, i, consumers) or {}).items():
             parts[c] = (i, w, b)
     mba = DECOMPOSE_FUSED["fused_matmul_bias_act"]
+    views: dict = {}
+
+    def part(m, spec, axis, lookup):
+        r, start, length = spec
+        p = g.nodes[r[0]]
+        if start == 0 and length == p.outs[0].dims[axis]:
+            return lookup(r)
+        if (r, start, length) not in views:
+            dims = list(p.outs[0].dims)
+            dims[axis] = length
+            views[(r, start, length)] = m.add(
+                "param", (), _leaf_name=f"{p.name}[{start}:{start + length}]",
+                **dict(p.a, shape=tuple(dims), shard=(p.name, axis, start, length, length)))
+        return views[(r, start, length)]
 
     def replace(m, node, ins, i, lookup):
         if i in parts:
             j, w, b = parts[i]
             mm = g.nodes[j]
-            ws = (lookup(mm.inputs[0]), lookup(w)) + ((lookup(b),) if b is not None else ())
-            return mba(m, ws, {"trans_b": mm.a["trans_b"], "act": mm.a.get("act", "identity")})
+            tb = mm.a["trans_b"]
+            ws = (lookup(mm.inputs[0]), part(m, w, 0 if tb else 1, lookup))
+            if b is not None:
+                ws += (part(m, b, 0, lookup),)
+            return mba(m, ws, {"trans_b": tb, "act": mm.a.get("act", "identity")})
         if node.op == "fused_matmul_bias_act":
             return mba(m, ins, node.a)
         return None
@@ -273,7 +308,13 @@ class _Sharder:
                 real = max(0, min(sl.length, sl.real - sl.start))
                 name = n.name if not any(k[0] == i for k in self.leaf_cache) else \
                     f"{n.name}@tp{sl.axis}.{sl.start}"
-                a = dict(a, shape=tuple(dims), shard=(n.name, sl.axis, sl.start, real, sl.length))
+                src, off = n.name, 0
+                if a.get("shard"):             # a part of a weight (unfuse_matmuls): of that weight
+                    src, axis, off = a["shard"][:3]
+                    if axis != sl.axis:
+                        raise GraphError(f"tensor parallel: param {n.name!r} is a slice of {src!r} on axis "
+                                         f"{axis}; the pass cannot split it on axis {sl.axis} too")
+                a = dict(a, shape=tuple(dims), shard=(src, sl.axis, off + sl.start, real, sl.length))
                 v = self.m.add("param", (), _leaf_name=name, **a)
             else:
                 v = self.m.add(n.op, (), _leaf_name=n.name, **dict(a, shape=tuple(dims)))
@@ -340,8 +381,10 @@ class _Sharder:
                 self.vals[(i, k)] = (x, sp if k == 0 or n.op != "topk" else sp)
         self.m.outputs = [(name, self.full(r, -1).ref) for name, r in g.outputs]
         used = {k[0] for k in self.leaf_cache}
+        parted = {n.a["shard"][0] for n in g.nodes if n.op == "param" and n.a.get("shard")}
         for i, n in enumerate(g.nodes):             # leaves nothing reads keep the binding contract
-            if n.op in ("param", "state") and i not in used and not any(r[0] == i for x in g.nodes for r in x.inputs):
+            if n.op in ("param", "state") and i not in used and n.name not in parted \
+                    and not any(r[0] == i for x in g.nodes for r in x.inputs):
                 self.leaf(i)
         return leaves_first(self.m.build())
 
@@ -571,11 +614,15 @@ def _part(w, axis: int, start: int, length: int, padded: int):
 def bind_slices(nodes, params: dict) -> dict:
     """The params a sharded graph binds, from the whole weights: each param node with a
     `shard` attr takes its slice (a view of a memory-mapped weight where the axis allows;
-    an array-like weight is asked for that part only), zero-padded to the rank's length.
-    Weights no node reads pass through (reported later)."""
+    an array-like weight is asked for that part only), zero-padded to the rank's length;
+    one without binds its weight whole. Weights no node reads pass through (reported later)."""
     out, used = {}, set()
     for n in nodes:
-        if n.op != "param" or not n.a.get("shard"):
+        if n.op != "param":
+            continue
+        if not n.a.get("shard"):
+            if n.name in params:
+                out[n.name] = params[n.name]
             continue
         src, axis, start, length, padded = n.a["shard"]
         if src not in params:
