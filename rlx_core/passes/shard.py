@@ -16,8 +16,10 @@ the rank binds (`bind_slices`), so a rank reads only its slice of a memory-mappe
 The pass runs on the MIR before fusion: the fusion passes then fuse the rank's graph (the
 concatenated QKV and gate/up weights are concatenations of the rank's slices: packed
 weights split on block boundaries). Collectives are boundaries to every fusion group.
-A MIR lowered `direct` may hold matmul epilogues and a matmul on a concat of weights read
-through views of its parts (BERT's fused QKV): `unfuse_matmuls` takes them apart first.
+A MIR lowered `direct` may hold matmul epilogues, and a matmul whose output is read only
+through views of parts of its weight (BERT's matmul on concat(W_q, W_k, W_v), NomicBERT's
+on one Wqkv): `unfuse_matmuls` takes them apart first (a part of one weight is a param
+whose `shard` attr names it; the walk slices such a part further on the same axis).
 """
 from __future__ import annotations
 
