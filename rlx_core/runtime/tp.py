@@ -26,7 +26,7 @@ from multiprocessing.connection import wait
 import numpy as np
 
 from ..ir.errors import ModelError, ProfileError, RlxError
-from .scheduler import Event, Scheduler
+from .scheduler import Event, Request, SamplingParams, Scheduler
 
 TIMEOUT = float(os.environ.get("RLX_TP_TIMEOUT", "300"))
 
@@ -102,8 +102,6 @@ def _round(model, msg: dict, rank: int, held: dict, fault: dict | None) -> dict:
     """One Scheduler round on this rank, as the driver's GroupScheduler ran it: the same new
     requests (ids, params and seeds), cancel flags and idleness on every rank, so every rank
     runs the same graphs in the same order. Rank 0 answers the events of the round."""
-    from .scheduler import Request, SamplingParams, Scheduler
-
     if "scheduler" not in held:
         held["scheduler"] = Scheduler(model, msg["max_batch"])
     sched = held["scheduler"]
@@ -112,8 +110,8 @@ def _round(model, msg: dict, rank: int, held: dict, fault: dict | None) -> dict:
     def on_event(r, ev):              # (a request's listener outlives this round: held's list)
         if ev.token_ids:
             _fault(fault, rank, held)
-        held["events"].append({"id": r.id, "tokens": ev.token_ids, "text": ev.text, "finish": ev.finish_reason,
-                       "error": None if ev.error is None else str(ev.error), "n_new": r.n_new})
+        held["events"].append({"id": r.id, "tokens": ev.token_ids, "text": ev.text, "n_new": r.n_new,
+                               "finish": ev.finish_reason, "error": None if ev.error is None else str(ev.error)})
 
     req = {r.id: r for r in sched._active}
     new = []
