@@ -213,7 +213,8 @@ def report(res: dict, a) -> str:
             rel = base and base["batches"].get(b)
             ar = x.get("all_reduce")
             cells = [str(w), str(b), f"{d * 1e3:.3f}", f"{b / d:.1f}",
-                     f"{d / rel['decode_s']:.2f}" if rel else "-", f"{rel['decode_s'] / d:.2f}" if rel else "-"]
+                     f"{d / rel['decode_s']:.2f}" if rel else "-",
+                     f"{rel['decode_s'] / d:.2f}" if rel else "-"]
             if ar:
                 per_step = ar["count"] * ar["seconds"]
                 cells += [f"{per_step * 1e3:.3f} ms ({per_step / d:.0%} of the step)", str(ar["count"]),
@@ -233,7 +234,8 @@ def report(res: dict, a) -> str:
         lines.append(f"tp={w} memory: " + "; ".join(per))
     two = runs.get(2)
     if base and two:
-        for b, goal, what in ((1, 0.6, "batch-1 step at tp 2 / tp 1"), (32, 1.8, "batch-32 tokens/s at tp 2 / tp 1")):
+        for b, goal, what in ((1, 0.6, "batch-1 step at tp 2 / tp 1"),
+                              (32, 1.8, "batch-32 tokens/s at tp 2 / tp 1")):
             if b in base["batches"] and b in two["batches"]:
                 r = two["batches"][b]["decode_s"] / base["batches"][b]["decode_s"]
                 v, ok = (r, r <= goal) if b == 1 else (1 / r, 1 / r >= goal)
@@ -250,7 +252,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--backend", default="cuda", help="cuda (NCCL between ranks), or a CPU backend for a smoke run")
+    ap.add_argument("--backend", default="cuda",
+                    help="cuda (NCCL between ranks), or a CPU backend for a smoke run")
     ap.add_argument("--compute", default=None, help="compute dtype (default: bf16 on cuda, f32 elsewhere)")
     ap.add_argument("--rank-timeout", type=float, default=1800, help="seconds a rank may take to answer")
     ap.add_argument("--json", default="")

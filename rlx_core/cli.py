@@ -817,8 +817,8 @@ def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_
     from . import serve
 
     serve.require()
-    models, groups = serve.load_models(model_names, backend, profile, tp, echo=lambda t: click.echo(t, err=True),
-                                      progress=True)
+    models, groups = serve.load_models(model_names, backend, profile, tp,
+                                       echo=lambda t: click.echo(t, err=True), progress=True)
     click.echo(f"[serving {', '.join(models)} on http://{host}:{port}/v1 (max batch {max_batch})]", err=True)
     try:
         serve.run(models, host, port, max_batch, log_level, default_max_tokens, groups)

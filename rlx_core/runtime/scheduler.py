@@ -139,7 +139,8 @@ class Request:
             raise TimeoutError(f"request {self.id}: not finished within {timeout} s")
         if self.error is not None:
             raise self.error
-        return Completion(self.text, list(self.token_ids), self.finish_reason, len(self.prompt_ids), self.n_new)
+        return Completion(self.text, list(self.token_ids), self.finish_reason, len(self.prompt_ids),
+                          self.n_new)
 
     def cancel(self) -> None:
         """Stop generating (the request finishes with finish_reason "cancelled")."""

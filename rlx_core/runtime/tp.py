@@ -111,7 +111,8 @@ def _round(model, msg: dict, rank: int, held: dict, fault: dict | None) -> dict:
         if ev.token_ids:
             _fault(fault, rank, held)
         held["events"].append({"id": r.id, "tokens": ev.token_ids, "text": ev.text, "n_new": r.n_new,
-                               "finish": ev.finish_reason, "error": None if ev.error is None else str(ev.error)})
+                               "finish": ev.finish_reason,
+                               "error": None if ev.error is None else str(ev.error)})
 
     req = {r.id: r for r in sched._active}
     new = []

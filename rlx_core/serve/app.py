@@ -32,7 +32,8 @@ class Served:
 
         self.models, self.created = dict(models), int(time.time())
         self.groups = groups = dict(groups or {})
-        self.schedulers = {n: GroupScheduler(groups[n], m, max_batch) if n in groups else Scheduler(m, max_batch)
+        self.schedulers = {n: GroupScheduler(groups[n], m, max_batch) if n in groups
+                           else Scheduler(m, max_batch)
                            for n, m in self.models.items() if isinstance(m, CausalLM)}
         self.default_max_tokens = default_max_tokens
 

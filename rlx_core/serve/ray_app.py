@@ -60,7 +60,8 @@ def options(args: dict) -> dict:
                          ", ".join(f"{k} ({v})" for k, v in KEYS.items()))
     models = args.get("model")
     models = [models] if isinstance(models, str) else models
-    if not isinstance(models, (list, tuple)) or not models or not all(isinstance(m, str) and m for m in models):
+    if not isinstance(models, (list, tuple)) or not models \
+            or not all(isinstance(m, str) and m for m in models):
         raise ModelError(f"rlx Ray Serve app: model={args.get('model')!r}; expected {KEYS['model']}")
     for key in ("backend", "profile"):
         if args.get(key) is not None and not isinstance(args[key], str):
