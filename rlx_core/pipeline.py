@@ -532,6 +532,7 @@ class Executable:
                     cur = self.states.get(name)
                     if cur is None or tuple(cur.shape) != s.dims:
                         self.states[name] = self.backend.zeros(s.dims, s.dtype)
+                self._drop_stale()
                 progress.stage(f"{self.backend.name} compile")
                 r = self.backend.compile(lir, self._params, self.states)
             self._bound[key] = ({n: self.states[n] for n in g.states}, getattr(self.states, "version", None))
@@ -541,6 +542,14 @@ class Executable:
                 del self._runners[oldest]
                 self._bound.pop(oldest, None)
         return r
+
+    def _drop_stale(self) -> None:
+        """Forget the runners bound to state buffers that were replaced (by buffers of another
+        batch or context bucket: such a runner is rebuilt on use anyway), so the old buffers
+        and the runners' own memory can go."""
+        for key in [k for k, (bound, _) in self._bound.items() if states_moved(self.states, bound, None)]:
+            self._runners.pop(key, None)
+            self._bound.pop(key, None)
 
     def prepare(self, inputs: dict) -> tuple:
         """(runner, arrays, dims) of a call: the dims bound and checked, the inputs converted,

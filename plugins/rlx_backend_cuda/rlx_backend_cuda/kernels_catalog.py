@@ -10,6 +10,7 @@ import tempfile
 from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I32, I64
 
 from . import codegen, sources as S
+from .ops import attn_split_shape
 
 
 def catalog() -> list:
@@ -35,9 +36,11 @@ def catalog() -> list:
                                                    TP="int"), "rlx_rope"))
         for mk, mm in ((1, 0), (2, 1), (0, 2)):
             common = dict(MASKKIND=mk, MASKMODE=mm, TM="bool" if mm == 1 else t, TP="long long", HAS_POS=1)
-            out.append((f"attn_split {t} {mk}{mm}", S.render(S.ATTN_SPLIT, TQ=t, TK=t, TV=t, TO=t, ACC=acc,
-                                                            DK=64, DV=64, ROWS=4, TRIM=mk % 2,
-                                                            NW=4 + 4 * (mk % 2), **common), "rlx_attn_split"))
+            isz = {"float": 4, "double": 8}.get(t, 2)
+            for dk, dv, rows, vec in ((64, 64, 4, 16 // isz), (128, 128, 8, 16 // isz), (40, 24, 1, 1)):
+                sh = attn_split_shape(dk, dv, vec, vec, rows, 8 if acc == "double" else 4)
+                src = S.render(S.ATTN_SPLIT, TQ=t, TK=t, TV=t, TO=t, ACC=acc, DK=dk, DV=dv, **sh, **common)
+                out.append((f"attn_split {t} {mk}{mm} {dk}/{dv} rows {rows} vec {vec}", src, "rlx_attn_split"))
             out.append((f"mask_fill {t}", S.render(S.MASK_FILL, TS=t, TO=t, ACC=acc, **common), "rlx_mask_fill"))
             if t in ("__nv_bfloat16", "__half"):
                 for d, vec in ((64, 1), (128, 0), (32, 1), (96, 1)):

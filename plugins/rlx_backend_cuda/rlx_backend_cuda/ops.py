@@ -20,8 +20,14 @@ LOW = (F16, BF16)
 i32, i64, f64 = np.int32, np.int64, np.float64
 
 
-ATTN_BLOCKS_PER_SM = 2       # split-K attention: blocks per SM the key splits aim for
-ATTN_WARPS = 8               # split-K attention: warps per block (each walks its own keys)
+# split-K attention: blocks per SM the key splits aim for, threads per block, K (and V) vector
+# loads per lane and key tile, keys per split at least (tools/attn_bench.py --sweep on the H100,
+# 1B-shape decode, batch 1..64 at ctx 384 and 2048: 2 loads beat 1 and 4 by up to 1.4x at batch
+# 32-64, 128 threads beat 64 and 256, 2 blocks per SM beat 1 and 4 at batch 8-32)
+ATTN_BLOCKS_PER_SM = 2
+ATTN_THREADS = 128
+ATTN_LOADS = 2
+ATTN_MIN_CHUNK = 64
 ROW_THREADS = 1024           # threads of a row kernel (norms, softmax) at most
 
 
@@ -268,7 +274,11 @@ def _swiglu_consumer(b, n) -> int | None:
 
 
 def _b_matmul(b, n, ins, outs):
-    sw = _swiglu_consumer(b, n)
+    x = ins[0]
+    # only the GEMV (x rows <= GEMV_MAX_M) computes the SwiGLU: else no private output for it
+    # (at prefill it was one [batch, seq, intermediate] buffer per layer: 2.1 GB at batch 32)
+    rows = x.size // max(x.shape[-1], 1) if x.shape else 1
+    sw = _swiglu_consumer(b, n) if rows <= GEMV_MAX_M else None
     if sw is not None:
         dst = b.out_value(sw)
         if not b.disjoint(dst, ins[0]):
@@ -862,6 +872,49 @@ def _mask_args(b, mask: V | None, shape) -> tuple:
     return mv, st, (1 if mask.dt is BOOL else 2), ctype(mask.dt)
 
 
+def _attn_vec(t: V, d: int) -> int:
+    """Elements per vector load of rows of d elements of t [B, heads, S, d]: 16 bytes where
+    t's base, row strides and d allow."""
+    isz = t.arr.itemsize
+    w = max(1, 16 // isz)
+    while w > 1 and (d % w or t.arr.data.ptr % (w * isz) or any(s % w for s in t.es[:3])):
+        w //= 2
+    return w
+
+
+def attn_split_shape(dk: int, dv: int, vk: int, vv: int, rows: int, accsz: int) -> dict | None:
+    """The split-K attention's compile-time shape (sources.ATTN_SPLIT) for head dims dk/dv
+    read vk/vv elements per load, `rows` (query, head) rows per kv head, accumulating in
+    accsz-byte floats; None when the head dims are too large."""
+    if dk > 512 or dv > 512:
+        return None
+
+    def lanes(d, w):          # lanes per key row (a power of two <= 32), loads per lane
+        vecs = -(-d // w)
+        n = 1
+        while n < min(vecs, 32):
+            n *= 2
+        return n, -(-vecs // n)
+    nt = ATTN_THREADS
+    tpk, nvk = lanes(dk, vk)
+    tpv, nvv = lanes(dv, vv)
+    # keys per tile: ATTN_LOADS vector loads per lane for K and for V, each lane group one key
+    tile = max(nt // tpk, nt // tpv)
+    while tile * 2 * max(tpk * nvk, tpv * nvv) <= nt * ATTN_LOADS:
+        tile *= 2
+    r = 1
+    while r < min(rows, 8):
+        r *= 2
+
+    def smem(r):              # bytes: two tiles of scores or the warps' sums, row stats, merge weights
+        return (max(2 * r * (tile + 1), nt // 32 * r * dv) + 3 * r + nt // 32 * 64) * accsz
+    while r > 1 and (smem(r) > 44 * 1024 or r * max(nvk * vk, nvv * vv) > 64):
+        r //= 2
+    if smem(r) > 48 * 1024:
+        return None
+    return dict(ROWS=r, NT=nt, TILE=tile, VK=vk, TPK=tpk, NVK=nvk, VV=vv, TPV=tpv, NVV=nvv)
+
+
 def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
     if out.size == 0:
         return
@@ -897,35 +950,34 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
     # split-K kernel (always built: the decode path, f32/f64, and the TC fallback)
     acc = "double" if F64 in (q.dt, k.dt, v.dt) else "float"
     accsz = 8 if acc == "double" else 4
-    rows_needed = G * Sq
-    ROWS = 1
-    while ROWS < min(rows_needed, 8):
-        ROWS *= 2
-    while ROWS > 1 and ATTN_WARPS * ROWS * Dv * accsz > 40960:
-        ROWS //= 2
-    if ATTN_WARPS * ROWS * Dv * accsz > 40960 or Dk > 512:
+    sh = attn_split_shape(Dk, Dv, _attn_vec(k, Dk), _attn_vec(v, Dv), G * Sq, accsz)
+    if sh is None:
         raise BackendError(f"cuda backend: attention head_dim {Dk}/{Dv} is too large (node %{b.node})")
+    ROWS, NT = sh["ROWS"], sh["NT"]
+    rows_needed = G * Sq
     rowblocks = (rows_needed + ROWS - 1) // ROWS
     blocks = B * KVH * rowblocks
-    nsplit = max(1, min(-(-ATTN_BLOCKS_PER_SM * b.sms // blocks), -(-max(Sk, 1) // 16), 64))  # merge: <= 64
-    chunk = -(-max(Sk, 1) // nsplit)
-    nsplit = -(-max(Sk, 1) // chunk)
+    minchunk = max(ATTN_MIN_CHUNK, NT // sh["TPK"])
+    # splits (the merge takes at most 64); each cuts the keys the rows may keep at run time
+    nsplit = max(1, min(-(-ATTN_BLOCKS_PER_SM * b.sms // blocks), -(-max(Sk, 1) // minchunk), 64))
     src = sources.render(sources.ATTN_SPLIT, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt), ACC=acc,
-                         TO=ctype(out.dt), DK=Dk, DV=Dv, ROWS=ROWS, TRIM=int(rowblocks > 1), NW=ATTN_WARPS,
-                         **common)
+                         TO=ctype(out.dt), DK=Dk, DV=Dv, **sh, **common)
     fn_s = b.kernel(src, "rlx_attn_split")
     pdt = F64 if acc == "double" else F32
-    part_o = b.node_buffer((nsplit * B * H * Sq * Dv,), pdt, "attention partials (o)")
-    part_ml = b.node_buffer((nsplit * B * H * Sq * 2,), pdt, "attention partials (m, l)")
+    part_o = part_ml = counters = None            # one split writes the output itself
+    if nsplit > 1:
+        part_o = b.node_buffer((nsplit * B * H * Sq * Dv,), pdt, "attention partials (o)").arr
+        part_ml = b.node_buffer((nsplit * B * H * Sq * 2,), pdt, "attention partials (m, l)").arr
+        counters = b.counters(B * KVH * rowblocks)
     args_s = (q.arr, i64(qs[0]), i64(qs[1]), i64(qs[2]), k.arr, i64(ks[0]), i64(ks[1]), i64(ks[2]),
               v.arr, i64(vs[0]), i64(vs[1]), i64(vs[2]), mv, *[i64(s) for s in mst], pv.arr if pv else None,
-              part_o.arr, part_ml.arr, i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk), i32(chunk), scale, cap,
-              window, b.counters(B * KVH * rowblocks), out.arr)
+              part_o, part_ml, i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk), i32(minchunk), scale, cap,
+              window, counters, out.arr)
     grid_s = (B * KVH, rowblocks, nsplit)
     stream = b.stream
 
     def split():
-        fn_s(grid_s, (32 * ATTN_WARPS,), args_s, 0, stream)
+        fn_s(grid_s, (NT,), args_s, 0, stream)
     if tc is None:
         b.add(split)
     else:

@@ -531,165 +531,272 @@ extern "C" __global__ void rlx_mask_fill(const $TS* __restrict__ sc, long long s
 """
 
 # Split-K attention on CUDA cores (any float type; decode and the f32/f64 path).
-# grid (B*KVH, ceil(Sq*G/ROWS), nsplit), NW warps: the block's rows are (query i,
-# head g of this kv head) pairs, so K/V are read once for all G heads (GQA-native).
-# Each warp walks keys j = start+warp, +NW, ...; lanes split the head dims. Writes
-# unnormalized partials (acc, max, sum) per split; the last block of each (b, kv head, row
-# block) to finish merges them in the same launch (one launch, not a second combine kernel;
-# `counters` start at 0 and that block resets its own).
+# grid (B*KVH, ceil(Sq*G/ROWS), nsplit), NT threads. A block's rows are (query i, head g of
+# this kv head) pairs, so K/V are read once for all G heads (GQA-native). The block's keys
+# (the range the mask can keep, cut into nsplit chunks at run time, so splits follow the
+# position) go in tiles of TK: groups of TPK lanes each load a key row with VK-element
+# vector loads (16 bytes where the base and strides allow), NVK per lane, UK keys per lane,
+# K and V of the whole tile issued before any math; the group's dot products are summed by
+# lane shuffles; the tile's scores go to shared memory, where one warp per row takes their
+# max and exponentials (online softmax across tiles); then groups of TPV lanes accumulate
+# P.V for their keys in registers. At the end the key groups' sums meet in shared memory:
+# with one split they are the output; else each split writes unnormalized partials (acc,
+# max, sum) and the last block of each (b, kv head, row block) to finish merges them in the
+# same launch (one launch, not a second combine kernel; `counters` start at 0 and that block
+# resets its own).
 ATTN_SPLIT = ATTN_MASK + r"""
-#define NW $NW
-extern "C" __global__ void __launch_bounds__(32 * $NW) rlx_attn_split(
+template <typename T, int N> struct alignas(sizeof(T) * N) RlxVec { T v[N]; };
+template <int N, typename T> __device__ __forceinline__ RlxVec<T, N> rlx_vload(const T* p, bool ok) {
+  RlxVec<T, N> r;
+  if (ok) {
+    r = *reinterpret_cast<const RlxVec<T, N>*>(p);
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) r.v[e] = ST(T, 0.0f);
+  }
+  return r;
+}
+#define NT $NT
+#define NW ($NT / 32)
+extern "C" __global__ void __launch_bounds__($NT) rlx_attn_split(
     const $TQ* __restrict__ q, long long qsb, long long qsh, long long qss,
     const $TK* __restrict__ k, long long ksb, long long ksh, long long kss,
     const $TV* __restrict__ v, long long vsb, long long vsh, long long vss,
     const $TM* __restrict__ mask, long long m0, long long m1, long long m2, long long m3,
     const $TP* __restrict__ pos, $ACC* __restrict__ part_o, $ACC* __restrict__ part_ml,
-    int B, int H, int KVH, int Sq, int Sk, int chunk, double scale_d, double cap_d, int window,
+    int B, int H, int KVH, int Sq, int Sk, int minchunk, double scale_d, double cap_d, int window,
     int* __restrict__ counters, $TO* __restrict__ out) {
   typedef $ACC ACC;
-  constexpr int EK = ($DK + 31) / 32, EV = ($DV + 31) / 32;
+  constexpr int ROWS = $ROWS, DK = $DK, DV = $DV, TK = $TILE, LDT = $TILE + 1;
+  constexpr int VK = $VK, TPK = $TPK, NVK = $NVK, KPB = NT / TPK, UK = TK / KPB;
+  constexpr int VV = $VV, TPV = $TPV, NVV = $NVV, KPBV = NT / TPV, UV = TK / KPBV;
+  constexpr int WR = (ROWS + TPK - 1) / TPK;      // score rows each lane of a key group writes
+  constexpr int SH = 2 * ROWS * LDT > NW * ROWS * DV ? 2 * ROWS * LDT : NW * ROWS * DV;
+  // two tiles of scores / probabilities [2][ROWS][LDT], later the warps' sums [NW][ROWS][DV]
+  __shared__ ACC sh[SH];
+  __shared__ ACC s_m[ROWS], s_l[ROWS], s_a[ROWS];
   const int G = H / KVH;
   const int b = blockIdx.x / KVH, kvh = blockIdx.x % KVH;
-  const int r0 = blockIdx.y * $ROWS;
-  const int split = blockIdx.z;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int r0 = blockIdx.y * ROWS;
+  const int split = blockIdx.z, nsplit = gridDim.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gk = tid / TPK, lk = tid % TPK, gv = tid / TPV, lv = tid % TPV;
   const ACC scale = (ACC)scale_d, cap = (ACC)cap_d;
-  ACC qr[$ROWS][EK], acc[$ROWS][EV], m[$ROWS], l[$ROWS];
-  i64 qpos[$ROWS]; int hh[$ROWS], ii[$ROWS]; bool valid[$ROWS];
+  ACC qr[ROWS][NVK * VK];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const int rr = r0 + r, ok = rr < Sq * G;
+    const i64 qo = b * qsb + (kvh * G + (ok ? rr % G : 0)) * qsh + (ok ? rr / G : 0) * qss;
+#pragma unroll
+    for (int n = 0; n < NVK; ++n)
+#pragma unroll
+      for (int e = 0; e < VK; ++e) {
+        const int d = (lk + TPK * n) * VK + e;
+        qr[r][n * VK + e] = (ok && d < DK) ? LD(ACC, q[qo + d]) : (ACC)0;
+      }
+  }
 #if $HAS_POS
   const i64 p0 = (i64)pos[b];
 #else
   const i64 p0 = (i64)(Sk - Sq);
 #endif
-  i64 qmax = -1, qmin = ((i64)1) << 62;
+  // the rows this lane finishes scores for (r = lk + TPK * w): position, mask row, validity
+  i64 mq[WR], mo[WR]; bool mine[WR];
 #pragma unroll
-  for (int r = 0; r < $ROWS; ++r) {
-    const int rr = r0 + r;
-    valid[r] = rr < Sq * G;
-    const int i = valid[r] ? rr / G : 0, g = valid[r] ? rr % G : 0;
-    ii[r] = i; hh[r] = kvh * G + g;
-    qpos[r] = p0 + i;
-    if (valid[r]) { qmax = max(qmax, qpos[r]); qmin = min(qmin, qpos[r]); }
-#pragma unroll
-    for (int e = 0; e < EK; ++e) {
-      const int d = lane + 32 * e;
-      qr[r][e] = (valid[r] && d < $DK) ? LD(ACC, q[b * qsb + hh[r] * qsh + i * qss + d]) : (ACC)0;
-    }
-#pragma unroll
-    for (int e = 0; e < EV; ++e) acc[r][e] = 0;
-    m[r] = -(ACC)RLX_INF; l[r] = 0;
+  for (int w = 0; w < WR; ++w) {
+    const int r = lk + TPK * w, rr = r0 + r;
+    mine[w] = r < ROWS && rr < Sq * G;
+    const int i = mine[w] ? rr / G : 0, h = kvh * G + (mine[w] ? rr % G : 0);
+    mq[w] = p0 + i;
+    mo[w] = b * m0 + h * m1 + i * m2;
   }
+  // keys the mask may keep for some row of the block, this split's share of them
+  const int rows_here = min(ROWS, Sq * G - r0);
+  const i64 qmin = p0 + r0 / G, qmax = p0 + (r0 + rows_here - 1) / G;
   i64 kbeg = 0, kend = Sk;
-#if $TRIM
-  // skip the keys the mask drops for every row of the block (many query rows: prefill)
-  if ($MASKKIND >= 1) kend = min((i64)Sk, qmax + 1);
-  if ($MASKKIND == 2) kbeg = max((i64)0, qmin - window + 1);
-#endif
-  // (without TRIM the key range does not wait for pos, so the K/V loads start at once; the
-  // mask drops the keys per row: decode, where one block holds every query row)
-  const i64 cs = max((i64)split * chunk, kbeg);
-  const i64 ce = min(((i64)split + 1) * chunk, kend);
+  if ($MASKKIND >= 1) kend = max((i64)0, min((i64)Sk, qmax + 1));
+  if ($MASKKIND == 2) kbeg = min(kend, max((i64)0, qmin - window + 1));
+  i64 chunk = (kend - kbeg + nsplit - 1) / nsplit;
+  chunk = max((i64)minchunk, (chunk + KPB - 1) / KPB * KPB);
+  const i64 cs = min(kend, kbeg + split * chunk), ce = min(kend, cs + chunk);
+  if (tid < ROWS) { s_m[tid] = -(ACC)RLX_INF; s_l[tid] = 0; }
+  ACC acc[ROWS][NVV * VV];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int x = 0; x < NVV * VV; ++x) acc[r][x] = 0;
   const $TK* kb = k + b * ksb + kvh * ksh;
   const $TV* vb = v + b * vsb + kvh * vsh;
-  // KU keys per warp and round, all loaded before any math (latency, not bandwidth, bounds
-  // a decode step's short chunks)
-  constexpr int KU = $DK <= 64 ? 8 : $DK <= 128 ? 4 : 2;
-  for (i64 j0 = cs + warp; j0 < ce; j0 += NW * KU) {
-    ACC kvu[KU][EK], vvu[KU][EV];
-#if $MASKMODE == 1
-    bool mku[KU][$ROWS];
-#elif $MASKMODE == 2
-    ACC mku[KU][$ROWS];
-#endif
+  int buf = 0;
+  for (i64 t0 = cs; t0 < ce; t0 += TK, buf ^= 1) {
+    ACC* sp = sh + buf * ROWS * LDT;
+    // every load of the tile first: K, V and the mask entries this lane needs
+    RlxVec<$TK, VK> kr[UK][NVK];
+    RlxVec<$TV, VV> vr[UV][NVV];
 #pragma unroll
-    for (int u = 0; u < KU; ++u) {
-      const i64 j = j0 + u * NW;
-#if $MASKMODE == 1
+    for (int u = 0; u < UK; ++u) {
+      const i64 j = t0 + gk + u * KPB;
 #pragma unroll
-      for (int r = 0; r < $ROWS; ++r) mku[u][r] = j < ce && mask[b * m0 + hh[r] * m1 + ii[r] * m2 + j * m3] != 0;
-#elif $MASKMODE == 2
-#pragma unroll
-      for (int r = 0; r < $ROWS; ++r) mku[u][r] = j < ce ? LD(ACC, mask[b * m0 + hh[r] * m1 + ii[r] * m2 + j * m3]) : (ACC)0;
-#endif
-#pragma unroll
-      for (int e = 0; e < EK; ++e) {
-        const int d = lane + 32 * e;
-        kvu[u][e] = (j < ce && d < $DK) ? LD(ACC, kb[j * kss + d]) : (ACC)0;
-      }
-#pragma unroll
-      for (int e = 0; e < EV; ++e) {
-        const int d = lane + 32 * e;
-        vvu[u][e] = (j < ce && d < $DV) ? LD(ACC, vb[j * vss + d]) : (ACC)0;
+      for (int n = 0; n < NVK; ++n) {
+        const int c = (lk + TPK * n) * VK;
+        kr[u][n] = rlx_vload<VK>(kb + j * kss + c, j < ce && c < DK);
       }
     }
 #pragma unroll
-    for (int u = 0; u < KU; ++u) {
-      const i64 j = j0 + u * NW;
-      if (j >= ce) break;
-      const ACC* kv = kvu[u];
-      const ACC* vv = vvu[u];
+    for (int u = 0; u < UV; ++u) {
+      const i64 j = t0 + gv + u * KPBV;
 #pragma unroll
-      for (int r = 0; r < $ROWS; ++r) {
-        ACC s = 0;
-#pragma unroll
-        for (int e = 0; e < EK; ++e) s += qr[r][e] * kv[e];
-        s = warp_sum(s);
-        s = s * scale;
-        if (cap_d != 0.0) s = tanh(s / cap) * cap;
-        bool keep = valid[r];
-        RLX_KEEP(qpos[r], j, keep);
-#if $MASKMODE == 1
-        keep = keep && mku[u][r];
-#elif $MASKMODE == 2
-        s = s + mku[u][r];
-#endif
-        if (!keep) continue;
-        const ACC mn = s > m[r] ? s : m[r];
-        if (!(mn > -(ACC)RLX_INF)) continue;
-        const ACC a = exp(m[r] - mn), p = exp(s - mn);
-        l[r] = l[r] * a + p;
-#pragma unroll
-        for (int e = 0; e < EV; ++e) acc[r][e] = acc[r][e] * a + p * vv[e];
-        m[r] = mn;
+      for (int n = 0; n < NVV; ++n) {
+        const int c = (lv + TPV * n) * VV;
+        vr[u][n] = rlx_vload<VV>(vb + j * vss + c, j < ce && c < DV);
       }
+    }
+#if $MASKMODE == 1
+    bool mk[UK][WR];
+#elif $MASKMODE == 2
+    ACC mk[UK][WR];
+#endif
+#if $MASKMODE
+#pragma unroll
+    for (int u = 0; u < UK; ++u) {
+      const i64 j = t0 + gk + u * KPB;
+#pragma unroll
+      for (int w = 0; w < WR; ++w) {
+#if $MASKMODE == 1
+        mk[u][w] = mine[w] && j < ce && mask[mo[w] + j * m3] != 0;
+#else
+        mk[u][w] = (mine[w] && j < ce) ? LD(ACC, mask[mo[w] + j * m3]) : (ACC)0;
+#endif
+      }
+    }
+#endif
+    // scores: each lane's part of the dot products, summed over its group of TPK lanes
+#pragma unroll
+    for (int u = 0; u < UK; ++u) {
+      const i64 j = t0 + gk + u * KPB;
+      ACC s[ROWS];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        ACC t = 0;
+#pragma unroll
+        for (int n = 0; n < NVK; ++n)
+#pragma unroll
+          for (int e = 0; e < VK; ++e) t += qr[r][n * VK + e] * LD(ACC, kr[u][n].v[e]);
+        s[r] = t;
+      }
+#pragma unroll
+      for (int m = TPK / 2; m > 0; m >>= 1)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) s[r] += SHFL_XOR(s[r], m);
+#pragma unroll
+      for (int w = 0; w < WR; ++w) {
+        const int r = lk + TPK * w;
+        if (r >= ROWS) continue;
+        ACC x = 0;
+#pragma unroll
+        for (int t = 0; t < ROWS; ++t) x = t == r ? s[t] : x;
+        x = x * scale;
+        if (cap_d != 0.0) x = tanh(x / cap) * cap;
+        bool keep = mine[w] && j < ce;
+        RLX_KEEP(mq[w], j, keep);
+#if $MASKMODE == 1
+        keep = keep && mk[u][w];
+#elif $MASKMODE == 2
+        x = x + mk[u][w];
+#endif
+        sp[r * LDT + gk + u * KPB] = keep ? x : -(ACC)RLX_INF;
+      }
+    }
+    __syncthreads();
+    // online softmax over the tile: one warp per row
+    for (int r = warp; r < ROWS; r += NW) {
+      ACC* pr = sp + r * LDT;
+      ACC mx = -(ACC)RLX_INF;
+      for (int c = lane; c < TK; c += 32) mx = pr[c] > mx ? pr[c] : mx;
+      mx = warp_max(mx);
+      const ACC mold = s_m[r], mn = mx > mold ? mx : mold;
+      const bool live = mn > -(ACC)RLX_INF;
+      ACC sum = 0;
+      for (int c = lane; c < TK; c += 32) {
+        const ACC p = live ? exp(pr[c] - mn) : (ACC)0;
+        pr[c] = p;
+        sum += p;
+      }
+      sum = warp_sum(sum);
+      __syncwarp();
+      if (lane == 0) {
+        const ACC a = live ? exp(mold - mn) : (ACC)1;
+        s_a[r] = a; s_l[r] = s_l[r] * a + sum; s_m[r] = mn;
+      }
+    }
+    __syncthreads();
+    // P.V for this lane's keys and head dims (the next tile's scores go to the other buffer)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const ACC a = s_a[r];
+#pragma unroll
+      for (int x = 0; x < NVV * VV; ++x) acc[r][x] *= a;
+    }
+#pragma unroll
+    for (int u = 0; u < UV; ++u) {
+      const int c = gv + u * KPBV;
+      ACC p[ROWS];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) p[r] = sp[r * LDT + c];
+#pragma unroll
+      for (int n = 0; n < NVV; ++n)
+#pragma unroll
+        for (int e = 0; e < VV; ++e) {
+          const ACC x = LD(ACC, vr[u][n].v[e]);
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) acc[r][n * VV + e] += p[r] * x;
+        }
     }
   }
-  // merge the warps of this block
-  __shared__ ACC sm[NW][$ROWS], sl[NW][$ROWS];
-  __shared__ ACC sa[NW][$ROWS][$DV];
+  // sum the key groups: within each warp by shuffles, then the warps through shared memory
 #pragma unroll
-  for (int r = 0; r < $ROWS; ++r) {
-    if (lane == 0) { sm[warp][r] = m[r]; sl[warp][r] = l[r]; }
+  for (int m = TPV; m < 32; m <<= 1)
 #pragma unroll
-    for (int e = 0; e < EV; ++e) { const int d = lane + 32 * e; if (d < $DV) sa[warp][r][d] = acc[r][e]; }
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+      for (int x = 0; x < NVV * VV; ++x) acc[r][x] += SHFL_XOR(acc[r][x], m);
+  __syncthreads();
+  if (lane < TPV) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+      for (int n = 0; n < NVV; ++n)
+#pragma unroll
+        for (int e = 0; e < VV; ++e) {
+          const int d = (lv + TPV * n) * VV + e;
+          if (d < DV) sh[(warp * ROWS + r) * DV + d] = acc[r][n * VV + e];
+        }
   }
   __syncthreads();
-  for (int t = threadIdx.x; t < $ROWS * $DV; t += blockDim.x) {
-    const int r = t / $DV, d = t % $DV;
+  for (int t = tid; t < ROWS * DV; t += NT) {
+    const int r = t / DV, d = t % DV;
     const int rr = r0 + r;
     if (rr >= Sq * G) continue;
-    ACC M = -(ACC)RLX_INF;
-    for (int w = 0; w < NW; ++w) M = sm[w][r] > M ? sm[w][r] : M;
-    ACC L = 0, O = 0;
-    if (M > -(ACC)RLX_INF) {
-      for (int w = 0; w < NW; ++w) {
-        if (!(sm[w][r] > -(ACC)RLX_INF)) continue;
-        const ACC f = exp(sm[w][r] - M);
-        L += sl[w][r] * f; O += sa[w][r][d] * f;
-      }
-    }
+    ACC O = 0;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) O += sh[(w * ROWS + r) * DV + d];
     const int i = rr / G, h = kvh * G + rr % G;
+    const ACC L = s_l[r];
+    if (nsplit == 1) {
+      out[(((i64)b * H + h) * Sq + i) * DV + d] = ST($TO, L > 0 ? O / L : (ACC)0);
+      continue;
+    }
     const i64 orow = (((i64)split * B + b) * H + h) * Sq + i;
-    part_o[orow * $DV + d] = O;
-    if (d == 0) { part_ml[orow * 2] = M; part_ml[orow * 2 + 1] = L; }
+    part_o[orow * DV + d] = O;
+    if (d == 0) { part_ml[orow * 2] = s_m[r]; part_ml[orow * 2 + 1] = L; }
   }
+  if (nsplit == 1) return;
   __shared__ int last;
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
     const int slot = blockIdx.x * gridDim.y + blockIdx.y;
-    last = atomicAdd(counters + slot, 1) == (int)gridDim.z - 1;
+    last = atomicAdd(counters + slot, 1) == nsplit - 1;
     if (last) counters[slot] = 0;
   }
   __syncthreads();
@@ -699,19 +806,19 @@ extern "C" __global__ void __launch_bounds__(32 * $NW) rlx_attn_split(
   // weights in one round, then each lane sums its head dims over the splits with the loads
   // independent of each other (a few L2 round trips, not one per split)
   __shared__ ACC wsplit[NW][64];
-  const int nsplit = gridDim.z;
+  constexpr int EV = (DV + 31) / 32;
   const i64 rows = (i64)B * H * Sq;
-  for (int r = warp; r < $ROWS; r += NW) {
+  for (int r = warp; r < ROWS; r += NW) {
     const int rr = r0 + r;
     if (rr >= Sq * G) continue;
     const i64 row = ((i64)b * H + kvh * G + rr % G) * Sq + rr / G;
     const ACC* ml = part_ml + row * 2;
-    ACC mv[2], lv[2], M = -(ACC)RLX_INF;
+    ACC mv[2], lv2[2], M = -(ACC)RLX_INF;
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       const int sp = lane + 32 * t;
       mv[t] = sp < nsplit ? LDCG(ml + sp * rows * 2) : -(ACC)RLX_INF;
-      lv[t] = sp < nsplit ? LDCG(ml + sp * rows * 2 + 1) : (ACC)0;
+      lv2[t] = sp < nsplit ? LDCG(ml + sp * rows * 2 + 1) : (ACC)0;
       M = mv[t] > M ? mv[t] : M;
     }
     M = warp_max(M);
@@ -720,7 +827,7 @@ extern "C" __global__ void __launch_bounds__(32 * $NW) rlx_attn_split(
     for (int t = 0; t < 2; ++t) {
       const ACC f = (M > -(ACC)RLX_INF && mv[t] > -(ACC)RLX_INF) ? exp(mv[t] - M) : (ACC)0;
       wsplit[warp][lane + 32 * t] = f;
-      L += lv[t] * f;
+      L += lv2[t] * f;
     }
     L = warp_sum(L);
     __syncwarp();
@@ -733,13 +840,13 @@ extern "C" __global__ void __launch_bounds__(32 * $NW) rlx_attn_split(
 #pragma unroll
       for (int e = 0; e < EV; ++e) {
         const int d = lane + 32 * e;
-        if (d < $DV) O[e] += LDCG(part_o + (sp * rows + row) * $DV + d) * f;
+        if (d < DV && f != (ACC)0) O[e] += LDCG(part_o + (sp * rows + row) * DV + d) * f;
       }
     }
 #pragma unroll
     for (int e = 0; e < EV; ++e) {
       const int d = lane + 32 * e;
-      if (d < $DV) out[row * $DV + d] = ST($TO, L > 0 ? O[e] / L : (ACC)0);
+      if (d < DV) out[row * DV + d] = ST($TO, L > 0 ? O[e] / L : (ACC)0);
     }
     __syncwarp();
   }

@@ -72,7 +72,7 @@ def main():
         from rlx_backend_cuda import ops
 
         for name, values in (("ATTN_BLOCKS_PER_SM", (1, 2, 4, 8)), ("ROW_THREADS", (128, 256, 512, 1024)),
-                             ("ATTN_WARPS", (2, 4, 8)), ("GEMV_LOADS", (2, 4, 8))):
+                             ("ATTN_THREADS", (64, 128, 256)), ("GEMV_LOADS", (2, 4, 8))):
             keep = getattr(ops, name)
             for v in values:
                 setattr(ops, name, v)
