@@ -38,6 +38,13 @@ def _dtype(dt) -> int:
         raise BackendError(f"NCCL collectives: no NCCL type for {np.dtype(dt)}") from None
 
 
+def _id_bytes(uid) -> np.ndarray:
+    """NCCL's unique id as int8 bytes: cupy gives bytes (newer) or a tuple of ints (older)."""
+    if isinstance(uid, (bytes, bytearray)):
+        return np.frombuffer(bytes(uid), np.int8)
+    return np.asarray(uid, np.int8)
+
+
 class NcclCommunicator:
     """Rank `rank` of `world` on GPU `rank % device count` (the Communicator protocol)."""
 
@@ -50,14 +57,18 @@ class NcclCommunicator:
         try:
             slot = np.ndarray((_ID_BYTES,), np.int8, shm.buf)
             if rank == 0:
-                slot[:] = np.asarray(nccl.get_unique_id(), np.int8)
+                slot[:] = _id_bytes(nccl.get_unique_id())
             self._wait(barrier, timeout)
-            uid = tuple(int(v) for v in slot)
+            uid = bytes(slot.view(np.uint8))
             self._wait(barrier, timeout)       # every rank read the id before slot 0 is reused
             del slot
         finally:
             shm.close()
-        self.comm = nccl.NcclCommunicator(world, uid, rank)
+        try:
+            self.comm = nccl.NcclCommunicator(world, uid, rank)
+        except TypeError:                      # an older cupy takes the id as a tuple of ints
+            ints = tuple(int(v) for v in np.frombuffer(uid, np.int8))
+            self.comm = nccl.NcclCommunicator(world, ints, rank)
 
     @staticmethod
     def _wait(barrier, timeout):
