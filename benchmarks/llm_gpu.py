@@ -29,6 +29,8 @@ import traceback
 
 import numpy as np
 
+from common import log, run_child
+
 LLAMA_1B = dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
                 tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -37,10 +39,6 @@ LLAMA_1B = dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_
                               "original_max_position_embeddings": 8192, "rope_type": "llama3"},
                 bos_token_id=128000, eos_token_id=128001, pad_token_id=None,
                 architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
-
-
-def log(*a):
-    print(*a, flush=True)
 
 
 # ----------------------------------------------------------------------------- weights
@@ -455,7 +453,6 @@ def batch_child(side: str, a) -> dict:
 def batch_main(a) -> int:
     """Each side in its own process, then the table: ms/step and tokens/s per batch, the
     batch-B step over the batch-1 step, and RLX over each peer at the same batch."""
-    import subprocess
 
     import torch
 
@@ -465,14 +462,9 @@ def batch_main(a) -> int:
     for side in a.sides:
         cmd = [sys.executable, __file__, "--child", side, "--layers", str(a.layers), "--prompt", str(a.prompt),
                "--new", str(a.new), "--reps", str(a.reps), "--batch", *map(str, a.batch)]
-        t = time.perf_counter()
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.child_timeout)
-        line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
-        if p.returncode or line is None:
-            log(f"{side}: failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-2500:]}")
-            continue
-        res[side] = {int(k) if k.isdigit() else k: v for k, v in json.loads(line).items()}
-        log(f"{side}: done in {time.perf_counter() - t:.0f}s")
+        r = run_child(cmd, side, a.child_timeout)
+        if r is not None:
+            res[side] = {int(k) if k.isdigit() else k: v for k, v in r.items()}
     lines = ["| batch | " + " | ".join(f"{s} ms/step | {s} tokens/s" for s in res) + " | RLX step / its batch-1 step | "
              + " | ".join(f"RLX / {s}" for s in res if s != "rlx") + " |",
              "|---" * (1 + 2 * len(res) + 1 + sum(s != "rlx" for s in res)) + "|"]

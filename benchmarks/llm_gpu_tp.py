@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from common import llama_shapes, log
+
 LLAMA_8B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
                 tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -44,10 +46,6 @@ LLAMA_8B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_
                 bos_token_id=128000, eos_token_id=128001, architectures=["LlamaForCausalLM"],
                 torch_dtype="bfloat16")
 HERE = Path(__file__).stem            # the ranks import this file by this name (sys.path[0])
-
-
-def log(*a):
-    print(*a, flush=True)
 
 
 # ----------------------------------------------------------------------------- in the ranks
@@ -77,17 +75,7 @@ class RandomWeight:
 
 def rank_weights(cfg: dict) -> dict:
     """HF-named random weights of a LLaMA config (make_tensors of the rank spec)."""
-    h, it, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    nh, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or h // nh
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (nh * d, h), p + "self_attn.k_proj.weight": (kv * d, h),
-                       p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.o_proj.weight": (h, nh * d),
-                       p + "mlp.gate_proj.weight": (it, h), p + "mlp.up_proj.weight": (it, h),
-                       p + "mlp.down_proj.weight": (h, it)})
+    shapes = llama_shapes(cfg)
     return {k: RandomWeight(k, s, 0.1, 1.0) if len(s) == 1 else
             RandomWeight(k, s, 0.02 if "embed" in k else s[-1] ** -0.5) for k, s in shapes.items()}
 

@@ -17,22 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 
+from common import llama_shapes, log, run_child
 from hardware import cpu_name
 
 SMOLLM2 = dict(model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
                rms_norm_eps=1e-5, rope_theta=100000.0, hidden_act="silu", attention_bias=False, mlp_bias=False)
 SIDES = ("rlx", "torch_eager", "torch_compile")
-
-
-def log(*a):
-    print(*a, flush=True)
 
 
 def config(a) -> dict:
@@ -42,17 +38,7 @@ def config(a) -> dict:
 def make_weights(cfg: dict, seed: int = 0) -> dict:
     """HF-named float32 weights: norms at one, matrices N(0, 0.02)."""
     rng = np.random.default_rng(seed)
-    h, it, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    nh, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = h // nh
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (nh * d, h), p + "self_attn.k_proj.weight": (kv * d, h),
-                       p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.o_proj.weight": (h, nh * d),
-                       p + "mlp.gate_proj.weight": (it, h), p + "mlp.up_proj.weight": (it, h),
-                       p + "mlp.down_proj.weight": (h, it)})
+    shapes = llama_shapes(cfg)
     return {k: np.ones(s, np.float32) if k.endswith("norm.weight") else
             (0.02 * rng.standard_normal(s, dtype=np.float32)) for k, s in shapes.items()}
 
@@ -178,14 +164,10 @@ def main(argv=None) -> int:
                "--seq", str(a.seq), "--device", a.device, "--warmup", str(a.warmup), "--reps", str(a.reps)]
         if a.backend:
             cmd += ["--backend", a.backend]
-        t = time.perf_counter()
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.child_timeout)
-        line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
-        if p.returncode or line is None:
-            log(f"{side}: failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-2500:]}")
-            continue
-        res[side] = json.loads(line)
-        log(f"{side}: done in {time.perf_counter() - t:.0f}s: {res[side]}")
+        r = run_child(cmd, side, a.child_timeout)
+        if r is not None:
+            res[side] = r
+            log(f"{side}: {r}")
     rl = res.get("rlx")
     lines = ["| side | ms/step (median) | ms/step (min) | loss | RLX / side |", "|---|---|---|---|---|"]
     for side, r in res.items():

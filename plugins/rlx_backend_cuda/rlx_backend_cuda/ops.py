@@ -25,8 +25,8 @@ i32, i64, f64 = np.int32, np.int64, np.float64
 # 1B-shape decode, batch 1..64 at ctx 384 and 2048: 2 loads beat 1 and 4 by up to 1.4x at batch
 # 32-64, 128 threads beat 64 and 256, 2 blocks per SM beat 1 and 4 at batch 8-32)
 ATTN_BLOCKS_PER_SM = 2
-ATTN_THREADS = 128
-ATTN_LOADS = 2
+ATTN_THREADS = sources.ATTN_THREADS
+ATTN_LOADS = sources.ATTN_LOADS
 ATTN_MIN_CHUNK = 64
 ROW_THREADS = 1024           # threads of a row kernel (norms, softmax) at most
 
@@ -882,39 +882,6 @@ def _attn_vec(t: V, d: int) -> int:
     return w
 
 
-def attn_split_shape(dk: int, dv: int, vk: int, vv: int, rows: int, accsz: int) -> dict | None:
-    """The split-K attention's compile-time shape (sources.ATTN_SPLIT) for head dims dk/dv
-    read vk/vv elements per load, `rows` (query, head) rows per kv head, accumulating in
-    accsz-byte floats; None when the head dims are too large."""
-    if dk > 512 or dv > 512:
-        return None
-
-    def lanes(d, w):          # lanes per key row (a power of two <= 32), loads per lane
-        vecs = -(-d // w)
-        n = 1
-        while n < min(vecs, 32):
-            n *= 2
-        return n, -(-vecs // n)
-    nt = ATTN_THREADS
-    tpk, nvk = lanes(dk, vk)
-    tpv, nvv = lanes(dv, vv)
-    # keys per tile: ATTN_LOADS vector loads per lane for K and for V, each lane group one key
-    tile = max(nt // tpk, nt // tpv)
-    while tile * 2 * max(tpk * nvk, tpv * nvv) <= nt * ATTN_LOADS:
-        tile *= 2
-    r = 1
-    while r < min(rows, 8):
-        r *= 2
-
-    def smem(r):              # bytes: two tiles of scores or the warps' sums, row stats, merge weights
-        return (max(2 * r * (tile + 1), nt // 32 * r * dv) + 3 * r + nt // 32 * 64) * accsz
-    while r > 1 and (smem(r) > 44 * 1024 or r * max(nvk * vk, nvv * vv) > 64):
-        r //= 2
-    if smem(r) > 48 * 1024:
-        return None
-    return dict(ROWS=r, NT=nt, TILE=tile, VK=vk, TPK=tpk, NVK=nvk, VV=vv, TPV=tpv, NVV=nvv)
-
-
 def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
     if out.size == 0:
         return
@@ -950,7 +917,8 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
     # split-K kernel (always built: the decode path, f32/f64, and the TC fallback)
     acc = "double" if F64 in (q.dt, k.dt, v.dt) else "float"
     accsz = 8 if acc == "double" else 4
-    sh = attn_split_shape(Dk, Dv, _attn_vec(k, Dk), _attn_vec(v, Dv), G * Sq, accsz)
+    sh = sources.attn_split_shape(Dk, Dv, _attn_vec(k, Dk), _attn_vec(v, Dv), G * Sq, accsz,
+                                 ATTN_THREADS, ATTN_LOADS)
     if sh is None:
         raise BackendError(f"cuda backend: attention head_dim {Dk}/{Dv} is too large (node %{b.node})")
     ROWS, NT = sh["ROWS"], sh["NT"]

@@ -1570,3 +1570,44 @@ def dq_dequant_shape(kind: str, block: int, itemsize: int) -> dict:
 def dq_parts(kind: str, block: int) -> int:
     """Parts per block of a scheme's snippet (its PARTS)."""
     return block // 8 if kind in ("int8", "int4") else {"q4_k": 8, "q5_k": 8, "q6_k": 8}.get(kind, 2)
+
+
+# ----------------------------------------------------------------------------- launch shapes
+ATTN_THREADS = 128       # threads of a split-K decode attention block (ops.py may override)
+ATTN_LOADS = 2           # vector loads per lane for K and for V in one key tile
+
+
+def attn_split_shape(dk: int, dv: int, vk: int, vv: int, rows: int, accsz: int, threads: int = ATTN_THREADS,
+                     loads: int = ATTN_LOADS) -> dict | None:
+    """The split-K attention's compile-time shape (sources.ATTN_SPLIT) for head dims dk/dv
+    read vk/vv elements per load, `rows` (query, head) rows per kv head, accumulating in
+    accsz-byte floats, blocks of `threads` with `loads` vector loads per lane and tile; None when
+    the head dims are too large. (Here, not in ops.py, so the kernel catalog can build the same
+    shapes without importing the op builders.)"""
+    if dk > 512 or dv > 512:
+        return None
+
+    def lanes(d, w):          # lanes per key row (a power of two <= 32), loads per lane
+        vecs = -(-d // w)
+        n = 1
+        while n < min(vecs, 32):
+            n *= 2
+        return n, -(-vecs // n)
+    nt = threads
+    tpk, nvk = lanes(dk, vk)
+    tpv, nvv = lanes(dv, vv)
+    # keys per tile: `loads` vector loads per lane for K and for V, each lane group one key
+    tile = max(nt // tpk, nt // tpv)
+    while tile * 2 * max(tpk * nvk, tpv * nvv) <= nt * loads:
+        tile *= 2
+    r = 1
+    while r < min(rows, 8):
+        r *= 2
+
+    def smem(r):              # bytes: two tiles of scores or the warps' sums, row stats, merge weights
+        return (max(2 * r * (tile + 1), nt // 32 * r * dv) + 3 * r + nt // 32 * 64) * accsz
+    while r > 1 and (smem(r) > 44 * 1024 or r * max(nvk * vk, nvv * vv) > 64):
+        r //= 2
+    if smem(r) > 48 * 1024:
+        return None
+    return dict(ROWS=r, NT=nt, TILE=tile, VK=vk, TPK=tpk, NVK=nvk, VV=vv, TPV=tpv, NVV=nvv)
