@@ -29,7 +29,7 @@ import traceback
 
 import numpy as np
 
-from common import log, run_child
+from common import llama_shapes, log, run_child
 
 LLAMA_1B = dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
@@ -43,35 +43,19 @@ LLAMA_1B = dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_
 
 # ----------------------------------------------------------------------------- weights
 def make_weights(cfg: dict, seed: int = 0) -> dict:
-    """HF-named random bf16 tensors (numpy, ml_dtypes.bfloat16), made on this machine."""
+    """HF-named random bf16 tensors (numpy, ml_dtypes.bfloat16), made on this machine: norms
+    near one, the embedding N(0, 0.02), matrices N(0, 1/K)."""
     import ml_dtypes
 
     rng = np.random.default_rng(seed)
-    h, it, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    nh, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or h // nh
 
-    def w(*shape, scale=None):
+    def init(name, shape):
+        if len(shape) == 1:
+            return (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(ml_dtypes.bfloat16)
         a = rng.standard_normal(shape, dtype=np.float32)
-        a *= scale if scale is not None else 1.0 / math.sqrt(shape[-1])
+        a *= 0.02 if "embed" in name else 1.0 / math.sqrt(shape[-1])
         return a.astype(ml_dtypes.bfloat16)
-
-    def ln(n):
-        return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(ml_dtypes.bfloat16)
-
-    t = {"model.embed_tokens.weight": w(v, h, scale=0.02), "model.norm.weight": ln(h)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = ln(h)
-        t[p + "post_attention_layernorm.weight"] = ln(h)
-        t[p + "self_attn.q_proj.weight"] = w(nh * d, h)
-        t[p + "self_attn.k_proj.weight"] = w(kv * d, h)
-        t[p + "self_attn.v_proj.weight"] = w(kv * d, h)
-        t[p + "self_attn.o_proj.weight"] = w(h, nh * d)
-        t[p + "mlp.gate_proj.weight"] = w(it, h)
-        t[p + "mlp.up_proj.weight"] = w(it, h)
-        t[p + "mlp.down_proj.weight"] = w(h, it)
-    return t
+    return {k: init(k, s) for k, s in llama_shapes(cfg).items()}
 
 
 def weight_bytes(t: dict) -> int:

@@ -618,6 +618,12 @@ def echo_text(text: str) -> None:
     click.echo(text, nl=False)
 
 
+def tp_option(per: str = "", more: str = ""):
+    return click.option("--tp", type=click.IntRange(1), default=None,
+                        help=f"Tensor-parallel ranks{per}, one process each (default: RLX_TP, else the "
+                             f"profile's [parallel] tensor).{more}")
+
+
 @main.command("generate")
 @click.argument("model_name", metavar="MODEL")
 @click.argument("prompt")
@@ -625,9 +631,7 @@ def echo_text(text: str) -> None:
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @model_profile_option
 @backend_option
-@click.option("--tp", type=click.IntRange(1), default=None,
-              help="Tensor-parallel ranks, one process each (default: RLX_TP, else the profile's "
-                   "[parallel] tensor). The text comes whole at the end.")
+@tp_option("", " The text comes whole at the end.")
 def generate_cmd(model_name: str, prompt: str, sampling: dict, chat: bool, profile: str | None,
                  backend: str | None, tp: int | None) -> None:
     """Generate text from PROMPT with MODEL, streaming tokens as they come.
@@ -802,9 +806,7 @@ def embed_cmd(model_name: str, texts: tuple, file: str | None, json_out: bool, b
               default="info", show_default=True, help="uvicorn's log level.")
 @model_profile_option
 @backend_option
-@click.option("--tp", type=click.IntRange(1), default=None,
-              help="Tensor-parallel ranks per causal model, one process each (default: RLX_TP, else "
-                   "the profile's [parallel] tensor).")
+@tp_option(" per causal model")
 def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_max_tokens: int | None,
               log_level: str, profile: str | None, backend: str | None, tp: int | None) -> None:
     """Serve MODEL(s) over OpenAI's HTTP API: /v1/models, /v1/completions,

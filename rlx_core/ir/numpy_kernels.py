@@ -398,6 +398,9 @@ def _kv_write(a, cache, new, pos):
     return cache
 
 
+_kv_write.returns_cache = True      # its output is its first input (runners bind it once)
+
+
 def _fused_swiglu(a, out, g, u):
     o = out[0]
     if o.dtype == g.dtype == u.dtype == np.float32 and o.shape == g.shape == u.shape:

@@ -9,39 +9,24 @@ dense_solve is cuSOLVER's getrf/getrs through cupy.linalg.solve.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from rlx_core.ir.control import bodies
 from rlx_core.ir.dtype import DType
-from rlx_core.ir.errors import ModelError
 from rlx_core.ir.lir import plan
 
-from . import device
 from .ops import BUILDERS
-
-
-class _PrivateArena:
-    """The backend, except that `arena` gives this body runner memory of its own."""
-
-    def __init__(self, backend):
-        self._backend = backend
-
-    def arena(self, nbytes: int):
-        return device.alloc(max(int(nbytes), 256), "a control-flow body's arena")
-
-    def __getattr__(self, name):
-        return getattr(self._backend, name)
 
 
 class Body:
     """One body Graph, run on device arrays: a runner per shape of its operands."""
 
-    def __init__(self, backend, graph, where: str):
-        self.backend, self.graph, self.where = _PrivateArena(backend), graph, where
+    def __init__(self, backend, graph):
+        self.backend, self.graph = backend, graph
         self.ins = [n for n in graph.nodes if n.op == "input"]
         self.runners: dict = {}
 
-    def _runner(self, arrays: list):
+    def __call__(self, arrays: list) -> list:
+        """The body's outputs for `arrays` (its inputs in order), as device arrays that stay
+        valid until this body runs again."""
         from rlx_core.pipeline import specialize
 
         from .runner import CudaRunner
@@ -52,31 +37,14 @@ class Body:
             env: dict = {}
             for n, a in zip(self.ins, arrays):
                 env.update({d: v for d, v in zip(n.outs[0].dims, a.shape) if isinstance(d, str)})
-            r = self.runners[key] = CudaRunner(self.backend, plan(specialize(self.graph, env)), {}, {})
-        return r
-
-    def __call__(self, arrays: list) -> list:
-        """The body's outputs for `arrays` (its inputs in order), as device arrays that stay
-        valid until this body runs again."""
-        cp = device.cupy()
-        r = self._runner(arrays)
-        for n, a in zip(self.ins, arrays):
-            off, nb, s = r.inputs[n.name]
-            if nb:
-                dst = cp.ndarray(s.dims, device.storage_dtype(s.dtype), memptr=r.in_dev + off)
-                cp.copyto(dst, a)
-        r._eager()
-        return [v.arr for _, v, _, _ in r.outputs]
+            r = self.runners[key] = CudaRunner(self.backend, plan(specialize(self.graph, env)), {}, {},
+                                               private_arena=True)
+        return r.run_device({n.name: a for n, a in zip(self.ins, arrays)})
 
     def check(self) -> None:
-        """Raise what a kernel of the body flagged (an index out of range) for its node."""
+        """Raise what a kernel of the body flagged (an index out of range)."""
         for r in self.runners.values():
-            code, node, value, limit = (int(x) for x in r.err.get())
-            if code:
-                r.err.fill(0)
-                op = r.lir.graph.nodes[node].op if 0 <= node < len(r.lir.graph.nodes) else "?"
-                raise ModelError(f"{self.where}: body node %{node} ({op}) flagged device error {code} "
-                                 f"(value {value}, limit {limit})")
+            r.check_flags()
 
 
 def _scalar_true(arr) -> bool:
@@ -85,7 +53,7 @@ def _scalar_true(arr) -> bool:
 
 def _b_control(b, n, ins, outs):
     a = dict(n.a)
-    body = {k: Body(b.r.backend, g, f"{n.op} node %{b.node} {k}") for k, g in bodies(n).items()}
+    body = {k: Body(b.r.backend, g) for k, g in bodies(n).items()}
     arrays = [v.arr for v in ins]
     stream = b.stream
 
@@ -125,30 +93,22 @@ def _b_control(b, n, ins, outs):
     b.add(run, capturable=False)
 
 
-def _f32(cp, arr, dt: DType):
-    """A float32 copy of a 16-bit float value (bf16 lives in uint16 storage)."""
-    if dt is DType.BF16:
-        return (arr.astype(np.uint32) << 16).view(np.float32)
-    return arr.astype(np.float32)
-
-
 def _b_dense_solve(b, n, ins, outs):
     a_, rhs = ins
     out = outs[0]
-    cp, stream = b.cp, b.stream
     vector = len(rhs.shape) == len(a_.shape) - 1
-    low = a_.dt in (DType.F16, DType.BF16)      # solved in f32, like the NumPy kernel
+    res = out
+    if out.dt in (DType.F16, DType.BF16):      # solved in f32, like the NumPy kernel
+        a_, rhs, res = b.contiguous(a_, DType.F32), b.contiguous(rhs, DType.F32), b.buffer(out.shape, DType.F32)
+    cp, stream = b.cp, b.stream
 
     def run():
         with stream:
-            x, y = (_f32(cp, a_.arr, a_.dt), _f32(cp, rhs.arr, rhs.dt)) if low else (a_.arr, rhs.arr)
-            r = cp.linalg.solve(x, y[..., None] if vector else y)
-            r = r[..., 0] if vector else r
-            if out.dt is DType.BF16:        # round to nearest even, like ml_dtypes
-                u = r.astype(np.float32).view(np.uint32)
-                r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-            out.arr[...] = r
+            r = cp.linalg.solve(a_.arr, rhs.arr[..., None] if vector else rhs.arr)
+            res.arr[...] = r[..., 0] if vector else r
     b.add(run, capturable=False)
+    if res is not out:
+        b.copy(res, out)
 
 
 BUILDERS.update({"if_": _b_control, "while_": _b_control, "scan": _b_control, "dense_solve": _b_dense_solve})

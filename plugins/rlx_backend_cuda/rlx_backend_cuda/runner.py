@@ -205,8 +205,9 @@ class Build:
 
 
 class CudaRunner(Runner):
-    def __init__(self, backend, lir, params: dict, states: dict):
+    def __init__(self, backend, lir, params: dict, states: dict, private_arena: bool = False):
         self.backend = backend
+        self.private_arena = private_arena    # a body runs while its graph's arena is live
         self.lir = lir
         self.params = params
         self.states = states
@@ -231,7 +232,8 @@ class CudaRunner(Runner):
                     raise BackendError(f"cuda backend: node %{i} ({n.op}) computes in complex64, which "
                                        "this backend does not support on the GPU")
         # arena (shared, grown monotonically)
-        self.arena = self.backend.arena(lir.arena_bytes)
+        self.arena = (device.alloc(max(lir.arena_bytes, 256), f"the arena of graph {self.name!r}")
+                      if self.private_arena else self.backend.arena(lir.arena_bytes))
         # error flag
         self.err = cp.zeros(4, np.int32)
         self.err_host = np.zeros(4, np.int32)
@@ -416,21 +418,7 @@ class CudaRunner(Runner):
             raise BackendError(f"cuda backend: running graph {self.name!r} failed: {type(e).__name__}: {e} "
                                "(set RLX_CUDA_SYNC_EACH=1 to name the failing node)") from e
         self.runs += 1
-        err = self.out_host[:16].view(np.int32)
-        if err[0]:
-            code, node, value, limit = (int(x) for x in err)
-            with s:
-                self.err.fill(0)
-            s.synchronize()
-            op = self.lir.graph.nodes[node].op if 0 <= node < len(self.lir.graph.nodes) else "?"
-            if code == 1:
-                msg = f"gather: index out of range [0, {limit}) (got {value})"
-            elif code == 2:
-                msg = (f"kv_write: writing at position {value} overflows the cache of length {limit} "
-                       "(context full)")
-            else:
-                msg = f"device error code {code}"
-            raise ModelError(f"graph {self.name!r} node %{node} ({op}): {msg}")
+        self._raise_flagged(self.out_host[:16].view(np.int32))
         out = {}
         for name, v, off, nb in self.outputs:
             if fetch is not None and name not in fetch:
@@ -439,6 +427,41 @@ class CudaRunner(Runner):
             npdt = v.dt.np
             out[name] = a.view(npdt).reshape(v.shape) if nb else np.zeros(v.shape, npdt)
         return out
+
+    def _raise_flagged(self, err) -> None:
+        """Raise what a kernel flagged in the error word (host copy `err`: code, node, value,
+        limit), after clearing it; nothing when the code is 0."""
+        code, node, value, limit = (int(x) for x in err)
+        if not code:
+            return
+        with self.stream:
+            self.err.fill(0)
+        self.stream.synchronize()
+        op = self.lir.graph.nodes[node].op if 0 <= node < len(self.lir.graph.nodes) else "?"
+        if code == 1:
+            msg = f"gather: index out of range [0, {limit}) (got {value})"
+        elif code == 2:
+            msg = (f"kv_write: writing at position {value} overflows the cache of length {limit} "
+                   "(context full)")
+        else:
+            msg = f"device error code {code}"
+        raise ModelError(f"graph {self.name!r} node %{node} ({op}): {msg}")
+
+    def run_device(self, arrays: dict) -> list:
+        """Run on device arrays (by input name) with the steps launched eagerly on this
+        runner's stream: its outputs as device arrays, valid until it runs again (control-flow
+        bodies run so; `check_flags` afterwards raises what a kernel flagged)."""
+        cp = device.cupy()
+        with self.stream:
+            for name, a in arrays.items():
+                off, nb, s = self.inputs[name]
+                if nb:
+                    cp.copyto(cp.ndarray(s.dims, device.storage_dtype(s.dtype), memptr=self.in_dev + off), a)
+            self._eager()
+        return [v.arr for _, v, _, _ in self.outputs]
+
+    def check_flags(self) -> None:
+        self._raise_flagged(self.err.get())
 
     def poison(self, byte: int) -> bool:
         """Fill the arena and scratch buffers with `byte` (tests: unwritten outputs show)."""

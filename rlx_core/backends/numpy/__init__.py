@@ -61,6 +61,7 @@ class NumpyRunner(Runner):
         self.vals = vals
         self.graph = g
         self.outputs = [(name, index[tuple(r)]) for name, r in g.outputs]
+        self._calls = None            # bound_calls, made at the first run (a subclass swaps steps first)
 
     profile_clock = "host clock"
 
@@ -94,10 +95,9 @@ class NumpyRunner(Runner):
         """All steps as calls bound at the first run (`bound_calls`): a decode step is
         hundreds of small kernels, and gathering each one's operands every token cost more
         than some of the kernels."""
-        calls = getattr(self, "_calls", None)
-        if calls is None:
-            calls = self._calls = bound_calls(self.steps, self.vals, {s for s, _ in self.inputs.values()})
-        k = 0
+        if self._calls is None:
+            self._calls = bound_calls(self.steps, self.vals, {s for s, _ in self.inputs.values()})
+        calls, k = self._calls, 0
         try:
             for k, call in enumerate(calls):
                 call()
@@ -146,12 +146,12 @@ def _fold_fixed_views(steps: list, vals: list, dynamic: set) -> list:
 def bound_calls(steps: list, vals: list, inputs: set) -> list:
     """Each step as a call without arguments: its operands bound once where none of them
     moves between runs (a graph input or a view of one moves; such a step gathers them each
-    run). kv_write returns the cache it wrote into, so its output moves only with the cache."""
+    run). A view marked `returns_cache` (kv_write) returns the cache it wrote into, so its
+    output moves only with the cache."""
     dynamic = set(inputs)
     calls = []
     for i, is_view, fn, a, ins, out in steps:
-        if dynamic.intersection(ins) or (is_view and not (fn is VIEWS["kv_write"]
-                                                          or getattr(fn, "returns_cache", False))):
+        if dynamic.intersection(ins) or (is_view and not getattr(fn, "returns_cache", False)):
             calls.append(functools.partial(_gathered, vals, is_view, fn, a, ins, out))
             if is_view:
                 dynamic.add(out)
