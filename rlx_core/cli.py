@@ -218,6 +218,7 @@ def _pipeline_summary(pipe) -> list:
         lines.append("# fused: " + ", ".join(f"{r} x{c}" for r, c in fused.items()))
     if getattr(pipe, "legalized", None):
         lines.append("# legalized for the backend: " + ", ".join(pipe.legalized))
+    lines += [f"# tensor parallel: {line}" for line in getattr(pipe, "shard_log", [])]
     return lines
 
 

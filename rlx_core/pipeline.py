@@ -84,6 +84,7 @@ class CompilePipeline:
         self.trace: list = []          # (pass name, nodes after, seconds)
         self.graphs: list | None = None   # a list here keeps (pass name, graph after it)
         self.rank: int | None = None      # tensor-parallel rank; None: the bound communicator's
+        self.shard_log: list = []         # nodes the shard pass left replicated, and why
 
     def _step(self, name, g, fn):
         progress.detail(name)
@@ -118,7 +119,11 @@ class CompilePipeline:
             g = self._step("cse", g, cse)
         if p.parallel.tensor > 1:
             rank = self.tp_rank()
-            g = self._step("shard", g, lambda x: shard(x, p.parallel.tensor, rank))
+            self.shard_log = []
+            g = self._step("shard", g, lambda x: shard(x, p.parallel.tensor, rank, self.shard_log))
+            if p.passes.verbose:
+                for line in self.shard_log:
+                    print(f"[rlx] shard: {line}")
         target = b.target if p.fusion.target == "auto" else p.fusion.target
         groups = fusion.groups_for(target, p.fusion.skip)
         log: list = []

@@ -16,6 +16,11 @@ the rank binds (`bind_slices`), so a rank reads only its slice of a memory-mappe
 The pass runs on the MIR before fusion: the fusion passes then fuse the rank's graph (the
 concatenated QKV and gate/up weights are concatenations of the rank's slices: packed
 weights split on block boundaries). Collectives are boundaries to every fusion group.
+Packed weights (passes/packed.py ran first: u8 [rows, bytes per row] params) shard alike:
+a dequant_matmul is column-parallel on whole packed rows, row-parallel on the bytes of whole
+blocks of each row (only when the rank's slice of K starts and ends on the scheme's block
+boundaries; else it runs replicated, noted in `log`), and a packed lookup is vocab-parallel
+(its rows dequantized before the masked all_reduce).
 A MIR lowered `direct` may hold matmul epilogues, and a matmul whose output is read only
 through views of parts of its weight (BERT's matmul on concat(W_q, W_k, W_v), NomicBERT's
 on one Wqkv): `unfuse_matmuls` takes them apart first (a part of one weight is a param
@@ -28,8 +33,9 @@ import numpy as np
 
 from ..ir.errors import GraphError, ModelError
 from ..ir.graph import Builder, Graph, Node
-from ..ir.ops import COLLECTIVES, get_op, infer
 from ..ir.lower import DECOMPOSE_FUSED
+from ..ir.ops import COLLECTIVES, get_op, infer
+from ..ir.quant import PackedTensor, QuantScheme
 from ..ir.rewrite import rewrite
 from ..ir.shape import norm_axis
 from .generic import dce, leaves_first
@@ -139,6 +145,23 @@ def _weight(g: Graph, ref):
     return ref[0] if n.op == "param" and n.outs[0].rank == 2 and not n.a.get("scheme") else None
 
 
+def _packed(g: Graph, ref):
+    """(param node id, QuantScheme) of a packed weight operand (u8 [rows, bytes per row]
+    with a scheme), else None."""
+    n = g.nodes[ref[0]]
+    if n.op != "param" or not n.a.get("scheme") or n.outs[0].dtype.is_float or n.outs[0].rank != 2:
+        return None
+    return ref[0], QuantScheme.parse(n.a["scheme"])
+
+
+def _projection(g: Graph, node: Node) -> bool:
+    """Whether `node` multiplies x by a weight param's rows: x @ W^T or x @ W (matmul, not
+    transposing x) or dequant_matmul on a packed weight."""
+    if node.op == "dequant_matmul":
+        return _packed(g, node.inputs[1]) is not None
+    return node.op == "matmul" and _weight(g, node.inputs[1]) is not None and not node.a["trans_a"]
+
+
 def head_demands(g: Graph, world: int, rank: int) -> tuple:
     """Trace each attention's q, k and v back to the column-parallel matmul producing them:
     {matmul node: (start, length, total) of its output features} and {state node: Split}."""
@@ -169,8 +192,7 @@ def head_demands(g: Graph, world: int, rank: int) -> tuple:
                     continue
                 elif op in ("rope", "rms_norm", "layer_norm", "cast", "activation", "binary"):
                     pass
-                elif op == "matmul" and _weight(g, node.inputs[1]) is not None \
-                        and axis == node.outs[0].rank - 1 and not node.a["trans_a"]:
+                elif _projection(g, node) and axis == node.outs[0].rank - 1:
                     if mm.setdefault(ref[0], sel) != sel:
                         raise GraphError(f"tensor parallel: node %{ref[0]} (matmul) feeds attentions "
                                          f"that need different head splits")
@@ -284,8 +306,11 @@ class _Lazy:
 
 
 class _Sharder:
-    def __init__(self, g: Graph, world: int, rank: int):
+    def __init__(self, g: Graph, world: int, rank: int, log: list | None = None):
         self.g, self.world, self.rank = g, world, rank
+        self.log = log if log is not None else []     # why a node that could shard runs replicated
+        self.consumers = g.consumers()
+        self.lookups: dict = {}      # dequantize node -> its packed lookup's vocab-parallel rows
         self.m = Builder(g.name, g.level)
         self.m.constants = dict(g.constants)
         self.vals: dict = {}         # old ref -> (new Value, Split | None)
@@ -403,6 +428,10 @@ class _Sharder:
         op = n.op
         if op == "matmul":
             return self.matmul(i, n, ins)
+        if op == "dequant_matmul":
+            return self.dequant_matmul(i, n, ins)
+        if i in self.lookups:
+            return self.lookups.pop(i), None
         if op == "gather":
             return self.gather(i, n, ins)
         if op == "kv_write":
@@ -492,12 +521,9 @@ class _Sharder:
             a = self.get(ra)[0]
             nax = 0 if tb else 1
             big = wn[nax]
-            sel = self.demands.get(i)
+            sel = self.demands.get(i) or self.even_sel(big)
             if sel is None:
-                if big < self.world:
-                    return None
-                length = -(-big // self.world)
-                sel = (self.rank * length, length, length * self.world)
+                return None
             sp = Split(nax, sel[0], sel[1], sel[2], big)
             y = self.emit("matmul", [a, self.leaf(w, sp)], **n.a)
             return y, Split(rank - 1, sel[0], sel[1], sel[2], big)
@@ -506,6 +532,60 @@ class _Sharder:
             y = self.emit("matmul", [a, self.leaf(w, attrs.evolve(sa, axis=kax))], **n.a)
             return self.emit("all_reduce", [y], **self.group()), None
         return None
+
+    def even_sel(self, rows: int):
+        """(start, length, total) of this rank's rows of `rows` split evenly (the last ranks'
+        zero-padded), or None when there are fewer rows than ranks."""
+        if not isinstance(rows, int) or rows < self.world:
+            return None
+        length = -(-rows // self.world)
+        return self.rank * length, length, length * self.world
+
+    def dequant_matmul(self, i: int, n: Node, ins):
+        """x @ W^T on packed W: column-parallel (whole packed rows, a bias its slice) for a
+        replicated x; row-parallel (the bytes of whole blocks of every row, then all_reduce,
+        bias and activation) for x split on K at the scheme's block boundaries."""
+        (rx, x, sx), (rw, _, sw) = ins[:2]
+        pw = _packed(self.g, rw)
+        if pw is None or sw is not None or any(s is not None for _, _, s in ins[2:]):
+            return None
+        w, q = pw
+        rows = self.g.nodes[w].outs[0].dims[0]
+        if sx is None:                                  # column-parallel
+            sel = self.demands.get(i) or self.even_sel(rows)
+            if sel is None:
+                return None
+            sp = Split(0, *sel, rows)
+            bias = [self.vec_part(n.inputs[2], sp)] if len(ins) > 2 else []
+            if None in bias:
+                return None
+            y = self.emit("dequant_matmul", [self.get(rx)[0], self.leaf(w, sp), *bias], **n.a)
+            return y, Split(n.outs[0].rank - 1, *sel, rows)
+        if sx.axis != x.shape.rank - 1:
+            return None
+        if sx.start % q.block or sx.length % q.block or sx.real != sx.total:
+            self.log.append(f"node %{i} (dequant_matmul): packed {q.name} weight "
+                            f"{self.g.nodes[w].name!r} runs replicated: this rank's K slice "
+                            f"[{sx.start}, {sx.start + sx.length}) of {sx.real} is not whole blocks "
+                            f"of {q.block}")
+            return None
+        per = q.bytes_per_block
+        sp = Split(1, *(v // q.block * per for v in (sx.start, sx.length, sx.total, sx.total)))
+        y = self.emit("dequant_matmul", [x, self.leaf(w, sp)], scheme=n.a["scheme"])
+        y = self.emit("all_reduce", [y], **self.group())
+        if len(ins) > 2:
+            y = self.emit("binary", [y, self.full(n.inputs[2], i)], op="add")
+        act = n.a.get("act", "identity")
+        return (y if act == "identity" else self.emit("activation", [y], fn=act)), None
+
+    def vec_part(self, ref, sp: Split):
+        """This rank's part `sp` (on axis 0) of a replicated 1-D value: a param's slice, else
+        a narrow of it (None where it would need zero padding)."""
+        if self.g.nodes[ref[0]].op == "param":
+            return self.leaf(ref[0], sp)
+        if sp.real != sp.total:
+            return None
+        return self.emit("narrow", [self.get(ref)[0]], axis=0, start=sp.start, length=sp.length)
 
     def gather(self, i: int, n: Node, ins):
         (rt, t, st), (ri, ids, si) = ins
@@ -516,16 +596,17 @@ class _Sharder:
             out_axis = st.axis if st.axis < ax else st.axis + idx.shape.rank - 1
             return self.emit("gather", [t, idx], **n.a), attrs.evolve(st, axis=out_axis)
         ids = self.get(ri)[0]
+        reader = self.lookup_reader(i, rt)
         if g.nodes[rt[0]].op != "param" or n.a["axis"] != 0 or si is not None or st is not None \
-                or g.nodes[rt[0]].a.get("scheme"):
+                or g.nodes[rt[0]].a.get("scheme") and reader is None:
             return None
         rows = g.nodes[rt[0]].outs[0].dims[0]
-        if not isinstance(rows, int) or rows < self.world:
+        sel = self.even_sel(rows)
+        if sel is None:
             return None
-        length = -(-rows // self.world)
-        sp = Split(0, self.rank * length, length, length * self.world, rows)
+        sp = Split(0, *sel, rows)
         table = self.leaf(rt[0], sp)
-        real = max(0, min(length, rows - sp.start))
+        real = max(0, min(sp.length, rows - sp.start))
         m, idt = self.m, ids.dtype
         lo = m.constant(np.asarray(sp.start, idt.np))
         hi = m.constant(np.asarray(sp.start + real, idt.np))
@@ -534,10 +615,25 @@ class _Sharder:
                                      m.constant(np.asarray(False))])
         local = self.emit("where", [inside, self.emit("binary", [ids, lo], op="sub"),
                                     m.constant(np.asarray(0, idt.np))])
-        got = self.emit("gather", [table, local], axis=0)
+        got = packed_rows = self.emit("gather", [table, local], axis=0)
+        if reader is not None:         # (the sum is of floats: the reader's dequantize comes first)
+            got = self.emit("dequantize", [packed_rows], **g.nodes[reader].a)
         keep = self.emit("reshape", [inside], shape=tuple(ids.shape.dims) + (1,) * (table.shape.rank - 1))
         zero = m.constant(np.asarray(0, got.dtype.np))
-        return self.emit("all_reduce", [self.emit("where", [keep, got, zero])], **self.group()), None
+        out = self.emit("all_reduce", [self.emit("where", [keep, got, zero])], **self.group())
+        if reader is None:
+            return out, None
+        self.lookups[reader] = out      # the reader's value; the local rows are read by nothing else
+        return packed_rows, None
+
+    def lookup_reader(self, i: int, table_ref):
+        """The dequantize node that alone reads packed lookup node i (passes/packed.py's
+        gather of packed rows), else None."""
+        readers = self.consumers.get((i, 0), [])
+        if _packed(self.g, table_ref) is None or len(readers) != 1 or readers[0] < 0 \
+                or self.g.nodes[readers[0]].op != "dequantize":
+            return None
+        return readers[0]
 
     def kv_write(self, i: int, n: Node, ins):
         (rc, c, sc), (rn, new, sn), (rp, pos, sp_) = ins
@@ -575,22 +671,24 @@ class _Sharder:
         return self.emit(n.op, [q, k, v, *rest], **n.a), sq
 
 
-def shard(g: Graph, world: int, rank: int) -> Graph:
-    """Rank `rank`'s part of MIR `g` over `world` ranks (see the module doc)."""
+def shard(g: Graph, world: int, rank: int, log: list | None = None) -> Graph:
+    """Rank `rank`'s part of MIR `g` over `world` ranks (see the module doc). `log` gets a
+    line for each packed matmul left replicated (its K slice not on whole blocks)."""
     if not isinstance(world, int) or world < 1 or not isinstance(rank, int) or not 0 <= rank < world:
         raise GraphError(f"tensor parallel: rank {rank!r} of a group of {world!r}")
     if world == 1:
         return g
-    return _Sharder(unfuse_matmuls(g), world, rank).run()
+    return _Sharder(unfuse_matmuls(g), world, rank, log).run()
 
 
 _SLICES: dict = {}         # id(source weight) -> (weakref to it, {slice key: the rank's part})
 
 
-def _part(w, axis: int, start: int, length: int, padded: int):
-    """w's [start, start + length) along `axis`, zero-padded to `padded`: the same object for
-    the same source and slice while the source lives, so the executables of one model
-    (prefill, decode, ...) find it uploaded already (their shared params key on identity)."""
+def _part(w, axis: int, start: int, length: int, padded: int, contiguous: bool = False):
+    """w's [start, start + length) along `axis`, zero-padded to `padded` (a copy where
+    `contiguous` and the slice is strided): the same object for the same source and slice
+    while the source lives, so the executables of one model (prefill, decode, ...) find it
+    uploaded already (their shared params key on identity)."""
     import weakref
 
     ref, parts = _SLICES.get(id(w), (None, None))
@@ -604,7 +702,8 @@ def _part(w, axis: int, start: int, length: int, padded: int):
             _SLICES[id(w)] = (ref, parts)
     key = (axis, start, length, padded)
     if key not in parts:
-        part = np.asarray(w[(slice(None),) * axis + (slice(start, start + length),)])
+        part = w[(slice(None),) * axis + (slice(start, start + length),)]
+        part = np.ascontiguousarray(part) if contiguous else np.asarray(part)
         if padded != length:
             pad = [(0, 0)] * part.ndim
             pad[axis] = (0, padded - length)
@@ -613,11 +712,25 @@ def _part(w, axis: int, start: int, length: int, padded: int):
     return parts[key]
 
 
+def _packed_part(src: str, w: PackedTensor, axis: int, start: int, length: int, padded: int) -> PackedTensor:
+    """A packed weight's slice of its bytes (rows, or bytes of whole blocks of each row) as
+    the PackedTensor of the logical rows and columns it holds."""
+    s = w.scheme
+    if axis not in (0, 1) or axis == 1 and (start % s.bytes_per_block or length % s.bytes_per_block
+                                             or padded != length):
+        raise ModelError(f"param {src!r}: a tensor-parallel slice of a packed {s.name} weight is "
+                         f"whole rows or the bytes of whole blocks ({s.bytes_per_block} bytes) of each "
+                         f"row; got [{start}, {start + length}) padded to {padded} on axis {axis}")
+    raw = _part(w.raw, axis, start, length, padded, contiguous=True)    # (kernels read whole rows)
+    return PackedTensor(raw, s, (raw.shape[0], raw.shape[1] // s.bytes_per_block * s.block), w.name)
+
+
 def bind_slices(nodes, params: dict) -> dict:
     """The params a sharded graph binds, from the whole weights: each param node with a
     `shard` attr takes its slice (a view of a memory-mapped weight where the axis allows;
-    an array-like weight is asked for that part only), zero-padded to the rank's length;
-    one without binds its weight whole. Weights no node reads pass through (reported later)."""
+    an array-like weight is asked for that part only), zero-padded to the rank's length (a
+    packed weight: of its bytes, rows or whole blocks of each row; zero bytes decode to
+    zeros); one without binds its weight whole. Weights no node reads pass through."""
     out, used = {}, set()
     for n in nodes:
         if n.op != "param":
@@ -631,6 +744,9 @@ def bind_slices(nodes, params: dict) -> dict:
             continue
         used.add(src)
         w = params[src]
+        if isinstance(w, PackedTensor) and n.a.get("scheme"):
+            out[n.name] = _packed_part(src, w, axis, start, length, padded)
+            continue
         if not hasattr(w, "shape") or getattr(w, "ndim", 0) <= axis:
             raise ModelError(f"param {src!r}: cannot take a tensor-parallel slice on axis {axis} of "
                              f"{type(w).__name__}")
