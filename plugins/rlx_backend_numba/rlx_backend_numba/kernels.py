@@ -125,19 +125,26 @@ def softmax_ser(x, o):
 
 # --------------------------------------------------------------------------- RoPE
 @njit(**_OPT)
+def _rope_vec(x, cos, sin, o, interleaved):
+    """One head's row: pairs (2i, 2i + 1) or (i, i + half) rotated by cos[i], sin[i]; the
+    dims past 2 * half copied."""
+    half = cos.shape[0]
+    for i in range(half):
+        c, sn = cos[i], sin[i]
+        j, k = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+        x1, x2 = x[j], x[k]
+        o[j] = x1 * c - x2 * sn
+        o[k] = x2 * c + x1 * sn
+    for d in range(2 * half, x.shape[0]):
+        o[d] = x[d]
+
+
+@njit(**_OPT)
 def _rope_row(t, x, cos, sin, o, interleaved):
     nb, nh, ns, nd = x.shape
     b, hh, s = t // (nh * ns), (t // ns) % nh, t % ns
     tb = b if cos.shape[0] > 1 else 0
-    half = cos.shape[2]
-    for i in range(half):
-        c, sn = cos[tb, s, i], sin[tb, s, i]
-        j, k = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
-        x1, x2 = x[b, hh, s, j], x[b, hh, s, k]
-        o[b, hh, s, j] = x1 * c - x2 * sn
-        o[b, hh, s, k] = x2 * c + x1 * sn
-    for d in range(2 * half, nd):
-        o[b, hh, s, d] = x[b, hh, s, d]
+    _rope_vec(x[b, hh, s], cos[tb, s], sin[tb, s], o[b, hh, s], interleaved)
 
 
 @njit(parallel=True, **_OPT)
@@ -439,17 +446,47 @@ def kv_write(cache, new, pos):
     """new [B, pre, s, post] into cache [B, pre, n, post] at position pos[b] (or pos[0] for
     every row) of axis 2; returns -1, or the first row whose write would not fit (nothing
     written then)."""
-    s, n = new.shape[2], cache.shape[2]
-    for b in range(cache.shape[0]):
-        p = pos[b] if pos.shape[0] > 1 else pos[0]
-        if p < 0 or p + s > n:
-            return b
+    s = new.shape[2]
+    bad = _overflow(cache, s, pos)
+    if bad >= 0:
+        return bad
     for b in range(cache.shape[0]):
         p = pos[b] if pos.shape[0] > 1 else pos[0]
         for i in range(cache.shape[1]):
             for t in range(s):
                 for j in range(cache.shape[3]):
                     cache[b, i, p + t, j] = new[b, i, t, j]
+    return -1
+
+
+@njit(**_OPT)
+def _overflow(cache, s, pos):
+    """-1, or the first row b whose s entries at pos[b] (pos[0] for every row) do not fit."""
+    for b in range(cache.shape[0]):
+        p = pos[b] if pos.shape[0] > 1 else pos[0]
+        if p < 0 or p + s > cache.shape[2]:
+            return b
+    return -1
+
+
+@njit(**_OPT)
+def rope_kv_write(q, k, v, cos, sin, kc, vc, pos, qr, interleaved):
+    """What a decode step's attention reads, made in one call: RoPE of q [B, H, 1, D] into
+    qr, RoPE of k straight into the K cache at each row's position, v into the V cache.
+    Returns -1, or the first row whose position is outside the cache (nothing written)."""
+    bad = _overflow(kc, 1, pos)
+    if bad >= 0:
+        return bad
+    for b in range(q.shape[0]):
+        p = pos[b] if pos.shape[0] > 1 else pos[0]
+        tb = b if cos.shape[0] > 1 else 0
+        c, sn = cos[tb, 0], sin[tb, 0]
+        for h in range(q.shape[1]):
+            _rope_vec(q[b, h, 0], c, sn, qr[b, h, 0], interleaved)
+        for h in range(k.shape[1]):
+            _rope_vec(k[b, h, 0], c, sn, kc[b, h, p], interleaved)
+            for j in range(v.shape[3]):
+                vc[b, h, p, j] = v[b, h, 0, j]
     return -1
 
 

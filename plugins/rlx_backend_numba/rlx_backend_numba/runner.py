@@ -208,6 +208,31 @@ def _attention_block(a, outs, protos, op=None):
     return run
 
 
+def _decode_attention_step(a, rope_a, kv_a, protos, o):
+    """A decode attention step that also makes what it reads (RoPE of q and k, the K/V cache
+    writes) in one compiled call: protos are (q, k, v, cos, sin, K cache, V cache, pos,
+    mask?) as the rope and kv_write nodes read them. None where a layout is not covered."""
+    q, k, v, cos, sin, kc, vc, pos = protos[:8]
+    mask = protos[8] if a["has_mask"] else None
+    if (not _native(q, k, v, cos, kc, vc, o) or q.ndim != 4 or kc.ndim != 4 or q.shape[2] != 1
+            or k.shape[2] != 1 or k.shape[:2] != kc.shape[:2] or v.shape[:2] != vc.shape[:2]
+            or k.shape[3] != kc.shape[3] or v.shape[3] != vc.shape[3] or cos.ndim not in (2, 3)
+            or pos.ndim != 1 or pos.size not in (1, kc.shape[0])):
+        return None
+    qr = np.empty(q.shape, q.dtype)
+    attend = _attention_fn(a, qr, kc, vc, o, mask)
+    if attend is None:
+        return None
+    inter = rope_a["style"] == "interleaved"
+    numpy_kv_write = VIEWS["kv_write"]
+
+    def run(a_, out, q, k, v, c, s, kc, vc, pos, *mask):
+        if K.rope_kv_write(q, k, v, _table3(c), _table3(s), kc, vc, pos, qr, inter) >= 0:
+            numpy_kv_write(kv_a, kc, k, pos)          # raises the NumPy backend's error
+        attend(qr, kc, vc, mask[0] if mask else None, pos)
+    return run
+
+
 # --------------------------------------------------------------------------- packed sequences
 @prepares("varlen_attention")
 def _varlen_attention(a, outs, protos, op=None):
@@ -321,11 +346,15 @@ class NumbaRunner(NumpyRunner):
         g = self.graph
         users = g.consumers()
         glu = self._glu_pairs(users)
+        attn = self._attention_inputs(users)
+        member = {m: i for i, ms in attn.items() for m in ms}
+        held = {}                 # attention node -> its members' steps, until it is reached
         protos = list(self.vals)
         for _, (slot, s) in self.inputs.items():
             protos[slot] = np.zeros(s.dims, s.dtype.np)
         steps, self_rounding, fused = [], set(), set()
-        for i, is_view, fn, a, ins, out in self.steps:
+
+        def prepare(i, is_view, fn, a, ins, out):
             node = g.nodes[i]
             if is_view and node.op == "kv_write":
                 fn = _kv_write_step(a, *[protos[j] for j in ins]) or fn
@@ -333,7 +362,7 @@ class NumbaRunner(NumpyRunner):
             elif is_view:
                 protos[out] = fn(a, *[protos[j] for j in ins])
             elif i in fused:
-                continue                                     # computed by its gate/up GEMV
+                return                                       # computed by its gate/up GEMV
             elif node.op in PREPARE:
                 if node.op == "dequant_matmul" and self._int8_rounded(node.inputs[0]):
                     a = {**a, "int8_x": True}
@@ -350,12 +379,67 @@ class NumbaRunner(NumpyRunner):
                     self_rounding.add(i)
                 fn = made or fn
             steps.append((i, is_view, fn, a, ins, out))
+
+        for step in self.steps:
+            i = step[0]
+            if i in member:
+                held.setdefault(member[i], []).append(step)
+                continue
+            if i in attn:
+                members = held.pop(i)
+                made = self._attention_step(step, attn[i], members, protos)
+                if made is not None:
+                    steps.append(made)
+                    continue
+                for m in members:
+                    prepare(*m)
+            prepare(*step)
         self.steps = self._drop_rounding(steps, self_rounding, users)
 
     def _int8_rounded(self, ref) -> bool:
         """`ref` is the output of a fake_quantize to int8_b32 (its values are int8 blocks)."""
         n = self.graph.nodes[ref[0]]
         return n.op == "fake_quantize" and QuantScheme.parse(n.a["scheme"]).name == "int8_b32"
+
+    def _attention_inputs(self, users: dict) -> dict:
+        """attention node -> its (rope q, rope k, kv_write k, kv_write v) nodes where a decode
+        attention (one query row, positions given) reads a RoPE'd q and the K/V caches just
+        written at those positions (K RoPE'd by the same tables), nothing else reads what
+        those four make, and their steps come right before the attention's: one step then
+        makes all of it (_decode_attention_step)."""
+        g = self.graph
+        order = [i for i, *_ in self.steps]
+        found = {}
+        for at, nxt in zip(range(len(order)), order[4:]):
+            n = g.nodes[nxt]
+            if n.op != "attention" or not n.a["has_pos"] or n.outs[0].dims[2] != 1:
+                continue
+            rq, kw, vw = (r[0] for r in n.inputs[:3])
+            rk = g.nodes[kw].inputs[1][0] if g.nodes[kw].op == "kv_write" else None
+            group = (rq, rk, kw, vw)
+            ops = tuple(g.nodes[m].op if m is not None else None for m in group)
+            if ops != ("rope", "rope", "kv_write", "kv_write") or sorted(order[at:at + 4]) != sorted(group):
+                continue
+            q_rope, k_rope = g.nodes[rq], g.nodes[rk]
+            pos = n.inputs[-1]
+            if (k_rope.inputs[1:] != q_rope.inputs[1:] or k_rope.a["style"] != q_rope.a["style"]
+                    or any(g.nodes[w].inputs[2] != pos or g.nodes[w].a["axis"] % 4 != 2 for w in (kw, vw))
+                    or any(users.get((m, 0)) != [user] for m, user in zip(group, (nxt, kw, nxt, nxt)))):
+                continue
+            found[nxt] = group
+        return found
+
+    @staticmethod
+    def _attention_step(step, group, members, protos):
+        """The attention step `step` with its `group`'s held steps `members` (rope q, rope k,
+        kv_write k, kv_write v) folded in, or None."""
+        i, _, _, a, ins, out = step
+        by_node = {m[0]: m for m in members}
+        q_rope, k_rope, k_write, v_write = (by_node[m] for m in group)
+        fused_ins = [q_rope[4][0], k_rope[4][0], v_write[4][1], q_rope[4][1], q_rope[4][2],
+                     k_write[4][0], v_write[4][0], ins[-1]] + ([ins[3]] if a["has_mask"] else [])
+        made = _decode_attention_step(a, q_rope[3], k_write[3], [protos[j] for j in fused_ins], out[0])
+        return None if made is None else (i, False, made, a, fused_ins, out)
 
     def _glu_pairs(self, users: dict) -> dict:
         """dequant_matmul node -> (its fused_swiglu node, that node's output) where the matmul

@@ -275,6 +275,46 @@ def test_decode_over_kv_cache(rng, driver):
         close(got, want, np.float32)
 
 
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_decode_step_makes_its_attention_inputs_in_one_step(rng, driver, style):
+    """A decode layer's RoPE of q and k, both cache writes and the attention run as one step
+    (no rope or kv_write step left), equal to float64 RoPE + cache + attention over several
+    steps with rows at different positions; a position past the cache is kv_write's error."""
+    from rlx_core.ir.errors import ModelError
+
+    b, h, kvh, ctx, d, half = 2, 4, 2, 12, 8, 3        # half < d / 2: the dims past 2 * half pass through
+
+    def build(m):
+        kc, vc = m.state("kc", (b, kvh, ctx, d)), m.state("vc", (b, kvh, ctx, d))
+        pos = m.input("pos", (b,), I32)
+        cos, sin = m.input("cos", (b, 1, half)), m.input("sin", (b, 1, half))
+        q = m.add("rope", (m.input("q", (b, h, 1, d)), cos, sin), style=style)
+        k = m.add("rope", (m.input("k", (b, kvh, 1, d)), cos, sin), style=style)
+        keys = m.add("kv_write", (kc, k, pos), axis=2)
+        vals = m.add("kv_write", (vc, m.input("v", (b, kvh, 1, d)), pos), axis=2)
+        return m.attention(q, keys, vals, pos=pos, scale=d ** -0.5)
+
+    exe = compile_numba(build)
+    keys, vals = np.zeros((b, kvh, ctx, d)), np.zeros((b, kvh, ctx, d))
+    start = np.array([0, 5], np.int32)
+    for step in range(4):
+        pos = start + step
+        q, k, v = (rng.uniform(-2, 2, s).astype(np.float32) for s in ((b, h, 1, d), (b, kvh, 1, d), (b, kvh, 1, d)))
+        ang = rng.uniform(-3, 3, (b, 1, half))
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        feed = {"q": q, "k": k, "v": v, "pos": pos, "cos": cos, "sin": sin}
+        r = exe.runner(exe._bind_dims(feed))
+        assert [r.graph.nodes[st[0]].op for st in r.steps] == ["attention"]
+        kr = parity.ref_rope(k, cos.astype(np.float64), sin.astype(np.float64), style)
+        for i in range(b):
+            keys[i, :, pos[i]], vals[i, :, pos[i]] = kr[i, :, 0], v[i, :, 0]
+        got = run_poisoned(exe, feed)["out0"]
+        qr = parity.ref_rope(q, cos.astype(np.float64), sin.astype(np.float64), style)
+        close(got, parity.ref_attention(qr, keys, vals, None, pos, scale=d ** -0.5), np.float32)
+    with pytest.raises(ModelError, match="kv_write.*overflows the cache of length 12"):
+        exe.run(dict(feed, pos=np.array([3, ctx], np.int32)))
+
+
 # --------------------------------------------------------------------------- matmul
 @pytest.mark.parametrize("rows", [1, 5], ids=["gemv", "blas"])
 @pytest.mark.parametrize("dt", [F32, F64], ids=["f32", "f64"])
