@@ -176,6 +176,47 @@ def test_int_block_decoders_agree_on_random_bytes(rng, name):
     np.testing.assert_array_equal(s.dequantize(raw, shape, dtype="f64"), ref)
 
 
+# Scale bit patterns the vectorized decoders must treat exactly as the reference: signed zeros,
+# f16 subnormals, the largest finite f16, inf and NaN.
+_EDGE_F16 = np.array([0.0, -0.0, 6e-8, -6.1e-5, 65504.0, -65504.0, 1.0, -2.5, np.inf, -np.inf, np.nan],
+                     "<f2")
+_EDGE_F32 = np.array([0.0, -0.0, 1e-45, -1e-38, 3.4e38, 1.0, -2.5, np.inf, -np.inf, np.nan], "<f4")
+
+
+@pytest.mark.parametrize("name", GGUF_NAMES + INT_NAMES + ["int4_b24", "int4_b64", "int8_b24"])
+def test_vectorized_decoders_equal_the_reference_on_every_byte_value(rng, name, monkeypatch):
+    """The numpy decoders (u64 nibble words, f16 table, in-place ufuncs) against the block-by-block
+    reference: every value of every quant byte, edge scales, several chunks (the chunk size made
+    tiny so the chunk loop and a short last chunk run), f64 exact, f32 and f16 rounded once."""
+    import rlx_core.ir.quant as quant
+
+    s = QuantScheme.parse(name)
+    n = 2 * 256 + 6                                      # every byte value in every byte position
+    raw = rng.integers(0, 256, (n, s.bytes_per_block), dtype=np.uint8)
+    raw[:256, :] = np.arange(256, dtype=np.uint8)[:, None]
+    raw[256:512, :] = np.arange(255, -1, -1, dtype=np.uint8)[:, None]
+    edges, fields = (_EDGE_F32, [0]) if name.startswith("int") else (_EDGE_F16, F16_FIELDS[name])
+    size = edges.dtype.itemsize
+    for off in fields:
+        scale = (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 3, n)).astype(edges.dtype)
+        scale[::7][:len(edges)] = edges
+        scale[-len(edges):] = edges[::-1]
+        raw[:, off:off + size] = scale.reshape(-1, 1).view(np.uint8)
+    shape = (n // 2, 2 * s.block_size)
+    raw = raw.reshape(s.packed_shape(shape))
+    monkeypatch.setattr(quant, "_CHUNK_ELEMENTS", 5 * s.block_size)
+    ref = s.dequantize_reference(raw, shape)
+    f64 = s.dequantize(raw, shape, dtype=np.float64)
+    np.testing.assert_array_equal(f64, ref)
+    np.testing.assert_array_equal(np.signbit(f64), np.signbit(ref))
+    f32 = s.dequantize(raw, shape)
+    fin = np.isfinite(ref) & (np.abs(ref) < 3e38)
+    np.testing.assert_array_equal(np.isnan(f32), np.isnan(ref))
+    np.testing.assert_allclose(f32[fin], ref[fin], rtol=2.0 ** -23, atol=1e-45)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(s.dequantize(raw, shape, dtype=np.float16), f32.astype(np.float16))
+
+
 @pytest.mark.parametrize("model, schemes", [("smollm2", {"q4_1", "q8_0"}),
                                             ("gemma3", {"q4_k", "q6_k", "q5_0", "q8_0"})])
 def test_real_llama_cpp_files_decode_like_gguf(model, schemes):

@@ -29,6 +29,7 @@ with d = absmax(block) / 127 (or / 7) and q the nearest integer (half away from 
 """
 from __future__ import annotations
 
+import functools
 import re
 import struct
 from typing import Callable
@@ -45,11 +46,11 @@ _INT_BLOCK_MAX = 1 << 16
 
 
 # ----------------------------------------------------------------------------- byte helpers
-def _f16(b: bytes, off: int) -> float:
+def _rf16(b: bytes, off: int) -> float:
     return struct.unpack_from("<e", b, off)[0]
 
 
-def _f32(b: bytes, off: int) -> float:
+def _rf32(b: bytes, off: int) -> float:
     return struct.unpack_from("<f", b, off)[0]
 
 
@@ -57,15 +58,44 @@ def _i8(v: int) -> int:
     return v - 256 if v > 127 else v
 
 
-def _field(blocks: np.ndarray, off: int, dt: str, ct) -> np.ndarray:
-    """A scalar field of every block as a (n, 1) column of the compute dtype."""
-    n = np.dtype(dt).itemsize
-    return np.ascontiguousarray(blocks[:, off:off + n]).view(dt).astype(ct)
+@functools.cache
+def _f16_table(ct) -> np.ndarray:
+    """Every f16 bit pattern as `ct`: one gather of the u16 index decodes a column of f16
+    scales, 3x faster than copying the strided field and converting it."""
+    return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(ct)
+
+
+def _f16(blocks: np.ndarray, off: int, ct) -> np.ndarray:
+    """The f16 field at byte `off` of every block as a (n, 1) column of the compute dtype."""
+    idx = blocks[:, off + 1].astype(np.intp)
+    idx <<= 8
+    idx |= blocks[:, off]
+    return _f16_table(ct)[idx][:, None]
+
+
+def _f32(blocks: np.ndarray, off: int, ct) -> np.ndarray:
+    """The f32 field at byte `off` of every block as a (n, 1) column of the compute dtype."""
+    return np.ascontiguousarray(blocks[:, off:off + 4]).view("<f4").astype(ct)
+
+
+_LOW4 = np.uint64(0x0F0F0F0F0F0F0F0F)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """(n, m) bytes -> (n, 2m) nibbles: the low nibbles first, then the high ones."""
-    return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)
+    """(..., m) bytes -> (..., 2m) u8 nibbles: per row the low nibbles first, then the high ones.
+    Eight bytes at a time as u64 words, one column of words per ufunc call: a ufunc over an
+    (n, m) view costs a loop call per row, which for a block's 16 bytes outweighs the work."""
+    *lead, m = qs.shape
+    if m % 8:
+        return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)
+    words = np.ascontiguousarray(qs).reshape(-1, m).view("<u8")
+    w = m // 8
+    out = np.empty((len(words), 2 * w), "<u8")
+    for j in range(w):
+        np.bitwise_and(words[:, j], _LOW4, out=out[:, j])
+        np.right_shift(words[:, j], np.uint64(4), out=out[:, w + j])
+        np.bitwise_and(out[:, w + j], _LOW4, out=out[:, w + j])
+    return out.view(np.uint8).reshape(*lead, 2 * m)
 
 
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:
@@ -99,22 +129,22 @@ def _f16_bytes(v: np.ndarray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- GGUF legacy formats
 def _ref_q4_0(b: bytes) -> list:
-    d = _f16(b, 0)
+    d = _rf16(b, 0)
     lo = [d * ((b[2 + j] & 0x0F) - 8) for j in range(16)]
     hi = [d * ((b[2 + j] >> 4) - 8) for j in range(16)]
     return lo + hi
 
 
 def _ref_q4_1(b: bytes) -> list:
-    d, m = _f16(b, 0), _f16(b, 2)
+    d, m = _rf16(b, 0), _rf16(b, 2)
     lo = [d * (b[4 + j] & 0x0F) + m for j in range(16)]
     hi = [d * (b[4 + j] >> 4) + m for j in range(16)]
     return lo + hi
 
 
 def _ref_q5(b: bytes, has_min: bool) -> list:
-    d = _f16(b, 0)
-    m = _f16(b, 2) if has_min else 0.0
+    d = _rf16(b, 0)
+    m = _rf16(b, 2) if has_min else 0.0
     off = 4 if has_min else 2
     qh = struct.unpack_from("<I", b, off)[0]
     qs = b[off + 4:off + 20]
@@ -124,33 +154,47 @@ def _ref_q5(b: bytes, has_min: bool) -> list:
 
 
 def _ref_q8_0(b: bytes) -> list:
-    d = _f16(b, 0)
+    d = _rf16(b, 0)
     return [d * _i8(b[2 + j]) for j in range(32)]
 
 
-def _dq_q4_0(b, ct):
-    return (_nibbles(b[:, 2:18]).astype(np.int8) - np.int8(8)).astype(ct) * _field(b, 0, "<f2", ct)
+# The decoders write into `out` ((n, block), the compute dtype) with in-place ufuncs: the
+# integer values are built in u8 (wrapping u8 subtraction then an i8 view gives q - 8 exactly),
+# and one multiply converts them and applies the scale, so each element is rounded exactly as
+# in llama.cpp's `d * q (+ m)`, with no float temporaries.
+def _signed(q: np.ndarray, bias: int) -> np.ndarray:
+    """u8 values q (< 256) -> (q - bias) as i8, in place."""
+    np.subtract(q, np.uint8(bias), out=q)
+    return q.view(np.int8)
 
 
-def _dq_q4_1(b, ct):
-    return _nibbles(b[:, 4:20]).astype(ct) * _field(b, 0, "<f2", ct) + _field(b, 2, "<f2", ct)
+def _dq_q4_0(b, out):
+    q = _signed(_nibbles(b[:, 2:18]), 8)
+    np.multiply(q, _f16(b, 0, out.dtype), out=out)
+
+
+def _dq_q4_1(b, out):
+    np.multiply(_nibbles(b[:, 4:20]), _f16(b, 0, out.dtype), out=out)
+    out += _f16(b, 2, out.dtype)
 
 
 def _q5_values(b, off):
     high = np.unpackbits(b[:, off:off + 4], axis=1, bitorder="little")   # bit j of the LE u32
-    return _nibbles(b[:, off + 4:off + 20]) | (high << np.uint8(4))
+    np.left_shift(high, np.uint8(4), out=high)
+    return np.bitwise_or(_nibbles(b[:, off + 4:off + 20]), high, out=high)
 
 
-def _dq_q5_0(b, ct):
-    return (_q5_values(b, 2).astype(np.int8) - np.int8(16)).astype(ct) * _field(b, 0, "<f2", ct)
+def _dq_q5_0(b, out):
+    np.multiply(_signed(_q5_values(b, 2), 16), _f16(b, 0, out.dtype), out=out)
 
 
-def _dq_q5_1(b, ct):
-    return _q5_values(b, 4).astype(ct) * _field(b, 0, "<f2", ct) + _field(b, 2, "<f2", ct)
+def _dq_q5_1(b, out):
+    np.multiply(_q5_values(b, 4), _f16(b, 0, out.dtype), out=out)
+    out += _f16(b, 2, out.dtype)
 
 
-def _dq_q8_0(b, ct):
-    return b[:, 2:34].view(np.int8).astype(ct) * _field(b, 0, "<f2", ct)
+def _dq_q8_0(b, out):
+    np.multiply(b[:, 2:34].view(np.int8), _f16(b, 0, out.dtype), out=out)
 
 
 # The quantizers below follow llama.cpp's quantize_row_*_ref in float32 step for step, so their
@@ -205,7 +249,7 @@ def _scale_min_k4(j: int, s: bytes) -> tuple[int, int]:
 
 
 def _ref_qk(b: bytes, five: bool) -> list:
-    d, dmin = _f16(b, 0), _f16(b, 2)
+    d, dmin = _rf16(b, 0), _rf16(b, 2)
     scales = b[4:16]
     qh = b[16:48] if five else bytes(32)
     qs = b[48:176] if five else b[16:144]
@@ -219,7 +263,7 @@ def _ref_qk(b: bytes, five: bool) -> list:
 
 
 def _ref_q6_k(b: bytes) -> list:
-    ql, qh, sc, d = b[0:128], b[128:192], b[192:208], _f16(b, 208)
+    ql, qh, sc, d = b[0:128], b[128:192], b[192:208], _rf16(b, 208)
     out = [0.0] * QK_K
     for n in range(2):                       # two halves of 128 elements
         for l in range(32):
@@ -241,26 +285,30 @@ def _k_scales(s):
     return sc, mn
 
 
-def _dq_qk(b, ct, five: bool):
-    n = b.shape[0]
+def _dq_qk(b, out, five: bool):
+    n, ct = b.shape[0], out.dtype
     sc, mn = _k_scales(b[:, 4:16])
     qs = b[:, 48:176] if five else b[:, 16:144]
     q = _nibbles(qs.reshape(n, 4, 32)).reshape(n, 8, 32)
     if five:
-        q = q | (((b[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << np.uint8(4))
-    d = _field(b, 0, "<f2", ct)[:, :, None]
-    dmin = _field(b, 2, "<f2", ct)[:, :, None]
-    return ((d * sc[:, :, None].astype(ct)) * q.astype(ct) - dmin * mn[:, :, None].astype(ct)).reshape(n, -1)
+        high = b[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]
+        high &= np.uint8(1)
+        high <<= np.uint8(4)
+        q |= high
+    o = out.reshape(n, 8, 32)
+    np.multiply(q, (_f16(b, 0, ct) * sc)[:, :, None], out=o)
+    o -= (_f16(b, 2, ct) * mn)[:, :, None]
 
 
-def _dq_q6_k(b, ct):
+def _dq_q6_k(b, out):
     n = b.shape[0]
-    low = _nibbles(b[:, 0:128].reshape(n, 2, 64)).reshape(n, 2, 4, 32)
-    shifts = np.array([0, 2, 4, 6], np.uint8)[:, None]
-    high = (b[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & np.uint8(3)
-    q = ((low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)).reshape(n, 16, 16)
-    dsc = _field(b, 208, "<f2", ct) * b[:, 192:208].view(np.int8).astype(ct)
-    return (dsc[:, :, None] * q.astype(ct)).reshape(n, -1)
+    q = _nibbles(b[:, 0:128].reshape(n, 2, 64)).reshape(n, 2, 4, 32)
+    high = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    high &= np.uint8(3)
+    high <<= np.uint8(4)
+    q |= high
+    dsc = _f16(b, 208, out.dtype) * b[:, 192:208].view(np.int8)
+    np.multiply(_signed(q, 32).reshape(n, 16, 16), dsc[:, :, None], out=out.reshape(n, 16, 16))
 
 
 def _ceil_div(v, d, top):
@@ -314,22 +362,22 @@ def _q_q6_k(x):
 
 # ----------------------------------------------------------------------------- RLX int blocks
 def _ref_int8(b: bytes) -> list:
-    d = _f32(b, 0)
+    d = _rf32(b, 0)
     return [d * _i8(v) for v in b[4:]]
 
 
 def _ref_int4(b: bytes) -> list:
-    d = _f32(b, 0)
+    d = _rf32(b, 0)
     qs = b[4:]
     return [d * ((v & 0x0F) - 8) for v in qs] + [d * ((v >> 4) - 8) for v in qs]
 
 
-def _dq_int8(b, ct):
-    return b[:, 4:].view(np.int8).astype(ct) * _field(b, 0, "<f4", ct)
+def _dq_int8(b, out):
+    np.multiply(b[:, 4:].view(np.int8), _f32(b, 0, out.dtype), out=out)
 
 
-def _dq_int4(b, ct):
-    return (_nibbles(b[:, 4:]).astype(np.int8) - np.int8(8)).astype(ct) * _field(b, 0, "<f4", ct)
+def _dq_int4(b, out):
+    np.multiply(_signed(_nibbles(b[:, 4:]), 8), _f32(b, 0, out.dtype), out=out)
 
 
 def _q_int(x, qmax: int):
@@ -348,7 +396,7 @@ class _Format:
     nbytes: Callable[[int], int]   # block size -> bytes per block
     gguf_type: int | None
     reference: Callable            # bytes of one block -> list of floats (float64)
-    decode: Callable               # (n, bytes per block) u8, compute dtype -> (n, block)
+    decode: Callable               # (n, bytes per block) u8, out (n, block) of the compute dtype
     encode: Callable               # (n, block) f32 -> (list of byte columns, f16 scales to check)
 
 
@@ -359,9 +407,9 @@ _FORMATS = {
     "q5_1": _Format(32, lambda b: 24, 7, lambda b: _ref_q5(b, True), _dq_q5_1, _q_q5_1),
     "q8_0": _Format(32, lambda b: 34, 8, _ref_q8_0, _dq_q8_0, _q_q8_0),
     "q4_k": _Format(QK_K, lambda b: 144, 12, lambda b: _ref_qk(b, False),
-                    lambda b, ct: _dq_qk(b, ct, False), lambda x: _q_qk(x, 15)),
+                    lambda b, o: _dq_qk(b, o, False), lambda x: _q_qk(x, 15)),
     "q5_k": _Format(QK_K, lambda b: 176, 13, lambda b: _ref_qk(b, True),
-                    lambda b, ct: _dq_qk(b, ct, True), lambda x: _q_qk(x, 31)),
+                    lambda b, o: _dq_qk(b, o, True), lambda x: _q_qk(x, 31)),
     "q6_k": _Format(QK_K, lambda b: 210, 14, _ref_q6_k, _dq_q6_k, _q_q6_k),
     "int8": _Format(0, lambda b: 4 + b, None, _ref_int8, _dq_int8, lambda x: _q_int(x, 127)),
     "int4": _Format(0, lambda b: 4 + b // 2, None, _ref_int4, _dq_int4, lambda x: _q_int(x, 7)),
@@ -518,9 +566,15 @@ class QuantScheme:
         decode = _FORMATS[self.kind].decode
         flat = out.reshape(-1, self.block)
         step = max(1, _CHUNK_ELEMENTS // self.block)
+        scratch = None if out.dtype == ct else np.empty((min(step, len(blocks)), self.block), ct)
         with np.errstate(invalid="ignore", over="ignore"):
             for i in range(0, len(blocks), step):
-                flat[i:i + step] = decode(blocks[i:i + step], ct)
+                chunk = blocks[i:i + step]
+                if scratch is None:
+                    decode(chunk, flat[i:i + step])
+                else:                               # f16/bf16: decode in f32, then round once
+                    decode(chunk, scratch[:len(chunk)])
+                    flat[i:i + step] = scratch[:len(chunk)]
         return out
 
     # -- encoding
