@@ -220,7 +220,7 @@ def read_graph(kind: str, k: str):
         data = read_blob(c.pop("blob", ""))
         if data is None:
             return None
-        c["data"] = base64.b64encode(data).decode()
+        c["data"] = data                # raw bytes: graph_from_dict takes them without base64
     try:
         return graph_from_dict(d, str(_path(kind, k)))
     except SerializeError as e:

@@ -7,6 +7,7 @@ import itertools
 import json
 import re
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -243,6 +244,33 @@ def test_json_dropped_attrs():
     del d["nodes"][i]["attrs"]["offset"]
     assert graph_from_json(json.dumps(d)).nodes[i].a == {"eps": 1e-5, "offset": 0.0}
 
+
+
+@pytest.mark.parametrize("value", [1, 1.0, 0, "true", None])
+def test_a_repeated_node_is_checked_on_its_own(value):
+    """Loading and verify remember the answer for a node equal to one already checked (a model's
+    layers repeat); a copy whose attr differs only in type (True vs 1 / 1.0) must still fail."""
+    def doc():
+        return json.loads(Graph.define("two", lambda m: {
+            "a": m.softmax(m.input("x", (2, 4)), axis=-1),
+            "b": m.reduce(m.input("z", (2, 4)), "sum", axes=(1,), keepdims=True)}).to_json())
+    d = doc()
+    i = next(i for i, n in enumerate(d["nodes"]) if n["op"] == "reduce")
+    d["nodes"].insert(i + 1, copy.deepcopy(d["nodes"][i]))  # a second, identical reduce
+    d["nodes"][i + 1]["inputs"] = d["nodes"][i]["inputs"]
+    for o in d["outputs"]:                                  # (later refs shift by one)
+        o[1][0] += o[1][0] > i
+    graph_from_json(json.dumps(d))                          # two valid copies load
+    d["nodes"][i + 1]["attrs"]["keepdims"] = value
+    with pytest.raises(SerializeError, match=rf"nodes\[{i + 1}\]\.attrs: op 'reduce': attr 'keepdims'"):
+        graph_from_json(json.dumps(d), "m.json")
+    g = graph_from_json(json.dumps(doc()))                 # verify on a graph built in memory
+    j = next(i for i, n in enumerate(g.nodes) if n.op == "reduce")
+    bad = attrs.evolve(g.nodes[j], attrs=tuple((k, value if k == "keepdims" else v) for k, v in g.nodes[j].attrs))
+    g2 = attrs.evolve(g, nodes=g.nodes[:j + 1] + (bad,) + g.nodes[j + 1:],
+                      outputs=tuple((n, (r[0] + (r[0] > j), r[1])) for n, r in g.outputs))
+    with pytest.raises(GraphError, match=rf"node %{j + 1} \(reduce\).*keepdims"):
+        verify(g2)
 
 @pytest.mark.parametrize("mutate,place", [
     (lambda d: d["nodes"].__setitem__(1, 5), r"nodes\[1\]: expected an object"),

@@ -41,28 +41,42 @@ def _ref(r, where):
     return (r[0], r[1])
 
 
-def _node(nd, w):
-    """One node object; every field checked, attrs through the op table's schema."""
+def _node(nd, w, memo: dict):
+    """One node object; every field checked, attrs through the op table's schema. The checked
+    attrs and shapes are kept in `memo` by the text of (op, attrs, outs): a model repeats the
+    same few dozen nodes once per layer, and checking each copy again costs most of a load."""
 
     op = _need(nd, "op", str, w)
     name = _need(nd, "name", str, w)
     inputs = tuple(_ref(r, f"{w}.inputs") for r in _need(nd, "inputs", list, w))
+    raw_outs = _need(nd, "outs", list, w)
+    given = _need(nd, "attrs", dict, w)
+    key = None if any(isinstance(v, dict) for v in given.values()) else repr((op, given, raw_outs))
+    hit = memo.get(key)
+    if hit is None:
+        hit = _checked(op, given, raw_outs, w)
+        if key is not None:
+            memo[key] = hit
+    return Node(op, inputs, hit[0], hit[1], name)
+
+
+def _checked(op, given, raw_outs, w):
+    """(sorted normalized attrs, output Shapes) of one node's JSON fields."""
     outs = []
-    for j, s in enumerate(_need(nd, "outs", list, w)):
+    for j, s in enumerate(raw_outs):
         if not isinstance(s, list) or len(s) != 2 or not isinstance(s[0], list) or not isinstance(s[1], str):
             raise SerializeError(f"{w}.outs[{j}]: expected [dims, dtype], got {brief(s)}")
         try:
             outs.append(Shape(tuple(s[0]), s[1]))
         except RlxError as e:
             raise SerializeError(f"{w}.outs[{j}]: {e}") from None
-    given = _need(nd, "attrs", dict, w)
     given = {k: graph_from_dict(v["graph"], f"{w}.attrs.{k}") if isinstance(v, dict) and "graph" in v
              else v for k, v in given.items()}          # control-flow bodies, verified on load
     try:
         a = get_op(op).check_attrs(given)
     except RlxError as e:
         raise SerializeError(f"{w}.attrs: {e}") from None
-    return Node(op, inputs, tuple(sorted(a.items())), tuple(outs), name)
+    return tuple(sorted(a.items())), tuple(outs)
 
 
 def _constant(c, w):
@@ -74,10 +88,13 @@ def _constant(c, w):
     shape = _need(c, "shape", list, w)
     if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape):
         raise SerializeError(f"{w}.shape: expected a list of ints >= 0, got {brief(shape)}")
-    try:
-        raw = base64.b64decode(_need(c, "data", str, w), validate=True)
-    except ValueError as e:
-        raise SerializeError(f"{w}.data: not base64: {e}") from None
+    if isinstance(c.get("data"), bytes):           # the compile cache's blob, read as it is
+        raw = c["data"]
+    else:
+        try:
+            raw = base64.b64decode(_need(c, "data", str, w), validate=True)
+        except ValueError as e:
+            raise SerializeError(f"{w}.data: not base64: {e}") from None
     if len(raw) != math.prod(shape) * dt.itemsize:
         raise SerializeError(f"{w}.data: {len(raw)} bytes; shape {shape} of {dt.value} needs "
                              f"{math.prod(shape) * dt.itemsize}")
@@ -95,7 +112,9 @@ def graph_from_dict(d: dict, source: str = "<json>"):
         raise SerializeError(f"{source}: format must be {FORMAT!r}, got {brief(d.get('format'))}")
     if d.get("version") != VERSION or isinstance(d.get("version"), bool):
         raise SerializeError(f"{source}: unsupported version {brief(d.get('version'))}; expected {VERSION}")
-    nodes = tuple(_node(nd, f"{source}: nodes[{i}]") for i, nd in enumerate(_need(d, "nodes", list, source)))
+    memo: dict = {}
+    nodes = tuple(_node(nd, f"{source}: nodes[{i}]", memo)
+                  for i, nd in enumerate(_need(d, "nodes", list, source)))
     outputs = []
     for j, o in enumerate(_need(d, "outputs", list, source)):
         if not isinstance(o, list) or len(o) != 2 or not isinstance(o[0], str):
