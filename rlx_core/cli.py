@@ -218,7 +218,6 @@ def _pipeline_summary(pipe) -> list:
         lines.append("# fused: " + ", ".join(f"{r} x{c}" for r, c in fused.items()))
     if getattr(pipe, "legalized", None):
         lines.append("# legalized for the backend: " + ", ".join(pipe.legalized))
-    lines += [f"# tensor parallel: {line}" for line in getattr(pipe, "shard_log", [])]
     return lines
 
 
@@ -807,7 +806,7 @@ def embed_cmd(model_name: str, texts: tuple, file: str | None, json_out: bool, b
               default="info", show_default=True, help="uvicorn's log level.")
 @model_profile_option
 @backend_option
-@tp_option(" per causal model")
+@tp_option(" per model (causal or encoder)")
 def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_max_tokens: int | None,
               log_level: str, profile: str | None, backend: str | None, tp: int | None) -> None:
     """Serve MODEL(s) over OpenAI's HTTP API: /v1/models, /v1/completions,

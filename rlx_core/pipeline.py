@@ -13,6 +13,7 @@ import hashlib
 import mmap
 import sys
 import time
+import warnings
 
 import attrs
 import numpy as np
@@ -121,9 +122,9 @@ class CompilePipeline:
             rank = self.tp_rank()
             self.shard_log = []
             g = self._step("shard", g, lambda x: shard(x, p.parallel.tensor, rank, self.shard_log))
-            if p.passes.verbose:
-                for line in self.shard_log:
-                    print(f"[rlx] shard: {line}")
+            if self.shard_log and rank == 0:      # (every rank does the same; one says so)
+                warnings.warn(f"tensor parallel: {len(self.shard_log)} packed matmul(s) of graph "
+                              f"{g.name!r} run replicated: " + "; ".join(self.shard_log), stacklevel=2)
         target = b.target if p.fusion.target == "auto" else p.fusion.target
         groups = fusion.groups_for(target, p.fusion.skip)
         log: list = []

@@ -2,8 +2,9 @@
 processes (rlx_core.runtime.tp.GroupScheduler replays each Scheduler round on the ranks).
 A tiny random LLaMA folder with a word tokenizer is served by the CLI in a subprocess on a
 loopback port it picks; the official `openai` client gets the text the unsharded model
-generates in this process (one request, three concurrent ones, a stream). The test stops
-the server (SIGINT) and checks the rank processes are gone. Every request is bounded."""
+generates in this process (one request, three concurrent ones, a stream); a tiny BERT's
+/v1/embeddings equal the unsharded encoder's. The test stops the server (SIGINT) and
+checks the rank processes are gone. Every request is bounded."""
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ import pytest
 for mod in ("openai", "starlette", "uvicorn"):
     pytest.importorskip(mod)
 
-from tiny_models import tiny_llama_folder  # noqa: E402
+from tiny_models import WORDS, tiny_bert_folder, tiny_llama_folder  # noqa: E402
 
 TIMEOUT = 60
 PROMPTS = ["w3 w5 w7", "w9 w1", "w20 w21 w22 w23", "w40"]
@@ -105,6 +106,45 @@ def test_serve_tp2_gives_the_unsharded_text(tmp_path):
         code = srv.stop()
     assert code == 0, "".join(srv.lines)
     for pid in pids:                             # the ranks stopped with the server
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_serve_tp2_embeds_like_the_unsharded_encoder(tmp_path, rng):
+    """An encoder served at --tp 2 runs sharded on its ranks (not on the server's copy)."""
+    import numpy as np
+    import openai
+
+    import rlx_core
+
+    folder = tiny_bert_folder(tmp_path / "bert", int(rng.integers(2 ** 31)), num_attention_heads=4)
+    ref = rlx_core.load(folder, backend="numpy", progress=False)
+    texts = [" ".join(rng.choice(WORDS[5:], n)) for n in (3, 7, 1, 5)]
+    want = ref.embed(texts)
+    srv = Server(folder, 2)
+    try:
+        pids = srv.rank_pids()
+        assert len(pids) == 2, srv.lines
+        client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=TIMEOUT)
+        got: dict = {}
+
+        def ask(i, part):
+            got[i] = client.embeddings.create(model=folder, input=part)
+
+        threads = [threading.Thread(target=ask, args=(i, texts[2 * i:2 * i + 2])) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        rows = np.array([d.embedding for i in (0, 1) for d in got[i].data], np.float32)
+        np.testing.assert_allclose(rows, want, rtol=1e-5, atol=1e-5)
+        assert got[0].usage.prompt_tokens == 3 + 7 + 2 * 2          # [CLS] and [SEP] each
+        ids = client.embeddings.create(model=folder, input=[[2, 9, 11, 3]]).data[0].embedding
+        np.testing.assert_allclose(ids, ref.embed([[2, 9, 11, 3]])[0], rtol=1e-5, atol=1e-5)
+    finally:
+        code = srv.stop()
+    assert code == 0, "".join(srv.lines)
+    for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 

@@ -133,6 +133,7 @@ def test_bind_slices_reads_each_slice_once():
 def test_reshape_groups():
     assert reshape_groups(("b", 1, 16), ("b", 1, 2, 8)) == [([0], [0]), ([1], [1]), ([2], [2, 3])]
     assert reshape_groups(("b", 4, 8), ("c", 32)) is None
+    assert reshape_groups((1, "t", 24), ("t", 4, 6)) == [([0], []), ([1], [0]), ([2], [1, 2])]
 
 
 def test_profile_section_and_overrides(monkeypatch):
@@ -200,6 +201,9 @@ def test_bert_rank_mir_is_megatron_sharded():
     assert all(n.outs[0].dims[1] == 2 for n in g.nodes if n.op == "attention")   # 2 of 4 heads
     fused = _rank_mir(m, "padded", 2, 1)
     assert _count(fused, "fused_matmul_bias_act") == 4 * layers       # q, k, v, FFN-in re-fused
+    packed = _rank_mir(m, "packed", 2, 1, fused=False)     # [1, tokens, h] -> [tokens, heads, d]
+    assert _count(packed, "all_reduce") == 2 * layers + 3 and _count(packed, "all_gather") == 0
+    assert all(n.outs[0].dims[1] == 2 for n in packed.nodes if n.op == "varlen_attention")
 
 
 def test_nomic_rank_mir_splits_the_one_qkv_weight():
@@ -221,12 +225,16 @@ def test_bert_sharded_equals_unsharded(spec, model_type, config, world):
     ids = np.array([[2, 7, 9, 11, 13, 3], [2, 4, 8, 3, 0, 0]])
     mask = ids != 0
     types = np.array([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 0, 0]])
+    rows = [r[r != 0].tolist() for r in ids]
     with TensorParallel(s, world, timeout=60) as tp:
         got = tp.forward(ids, mask, types)
+        emb, tokens = tp.embed(rows)                 # (the layout embed runs: packed on numpy)
     want = ref.forward(ids, mask, types)
     assert sorted(got) == sorted(want)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5 * np.abs(want[k]).max(), err_msg=k)
+    np.testing.assert_allclose(emb, ref.embed(rows), rtol=1e-5, atol=1e-5)
+    assert tokens == mask.sum()
 
 
 def test_killed_rank_stops_the_group_naming_it(spec):

@@ -70,10 +70,15 @@ def _prod(xs) -> int:
 
 def reshape_groups(src: tuple, dst: tuple):
     """Axis groups (src axes, dst axes) of a reshape whose sizes match, left to right, or
-    None when symbols do not pair up one to one."""
+    None when symbols do not pair up one to one (an axis of 1 against a symbol is a group
+    of its own: [1, tokens, h] -> [tokens, heads, d])."""
     groups, i, j = [], 0, 0
     while i < len(src) and j < len(dst):
         a, b = src[i], dst[j]
+        if (a == 1 and isinstance(b, str)) or (b == 1 and isinstance(a, str)):
+            groups.append(([i], []) if a == 1 else ([], [j]))
+            i, j = i + (a == 1), j + (b == 1)
+            continue
         if isinstance(a, str) or isinstance(b, str):
             if a != b:
                 return None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import threading
 import time
 from multiprocessing.connection import wait
 
@@ -134,6 +135,10 @@ def _answer(model, msg: dict, rank: int, fault: dict | None, held: dict):
         return _round(model, msg, rank, held, fault)
     if op == "call":
         return {"result": named(msg["fn"], "call")(model, **msg.get("kwargs", {}))}
+    if op == "embed":                  # (rank 0's rows are the answer: the others send none)
+        out = model.embed(msg["inputs"])
+        return {"embeddings": out.tolist() if rank == 0 else [],
+                "tokens": int(model.last_timings.get("tokens", 0))}
     if op == "forward":
         out = model.forward(np.asarray(msg["ids"], np.int64), msg.get("mask"), msg.get("token_type_ids"))
         return {"outputs": {k: np.asarray(v).tolist() for k, v in out.items()}}
@@ -186,7 +191,8 @@ def _rank_main(rank: int, world: int, spec_json: str, block: str, slot_bytes: in
 # ------------------------------------------------------------------ the supervisor
 class TensorParallel:
     """`world` supervised rank processes of one model; `generate` and `logits` as on a
-    CausalLM (ids or text), `forward` as on an Encoder, `close()` (or a with block) stops them."""
+    CausalLM (ids or text), `forward` and `embed` as on an Encoder, `close()` (or a with
+    block) stops them."""
 
     def __init__(self, spec: dict, world: int, timeout: float = TIMEOUT,
                  slot_bytes: int | None = None):
@@ -195,6 +201,7 @@ class TensorParallel:
         if world < 1:
             raise ProfileError(f"tensor parallel: {world} ranks; expected >= 1")
         self.world, self.timeout = world, timeout
+        self._lock = threading.Lock()        # one request at a time (the server's threads share a group)
         ctx = mp.get_context("spawn")
         slot = slot_bytes or SLOT_BYTES
         self.block = create_block(world, slot)
@@ -260,17 +267,18 @@ class TensorParallel:
 
     def request(self, msg: dict, what: str, every: bool = False):
         """Send `msg` to every rank; rank 0's answer (every=True: the list of all answers)."""
-        if not self.procs:
-            raise ModelError("tensor parallel: the group is stopped")
-        data = json.dumps(msg).encode()
-        for r, c in enumerate(self.conns):
-            try:
-                c.send_bytes(data)
-            except (BrokenPipeError, OSError):
-                self.barrier.abort()
-                self.close()
-                raise ModelError(f"tensor parallel: rank {r} is gone (before {what})") from None
-        replies = self._collect(what)
+        with self._lock:
+            if not self.procs:
+                raise ModelError("tensor parallel: the group is stopped")
+            data = json.dumps(msg).encode()
+            for r, c in enumerate(self.conns):
+                try:
+                    c.send_bytes(data)
+                except (BrokenPipeError, OSError):
+                    self.barrier.abort()
+                    self.close()
+                    raise ModelError(f"tensor parallel: rank {r} is gone (before {what})") from None
+            replies = self._collect(what)
         return replies if every else replies[0]
 
     def generate(self, prompt, **kw):
@@ -301,6 +309,12 @@ class TensorParallel:
             msg["token_type_ids"] = np.asarray(token_type_ids, np.int64).tolist()
         out = self.request(msg, "encoding")["outputs"]
         return {k: np.asarray(v, np.float32) for k, v in out.items()}
+
+    def embed(self, inputs: list) -> tuple:
+        """Encoder.embed of `inputs` (texts or token-id lists) on the ranks: (embeddings
+        [n, dim] float32, tokens embedded)."""
+        out = self.request({"op": "embed", "inputs": list(inputs)}, "embedding")
+        return np.asarray(out["embeddings"], np.float32), out["tokens"]
 
     def close(self) -> None:
         """Stop every rank (asked, then terminated, then killed) and free the shared block."""

@@ -26,13 +26,14 @@ def load_models(names, backend: str | None = None, profile: str | None = None, t
                 echo=None, progress: bool = False) -> tuple:
     """(models, groups) to serve: each name loaded here (rlx_core.load); with more than one
     tensor-parallel rank (`tp`, else RLX_TP, else the profile's [parallel] tensor) each
-    causal model also gets its group of supervised rank processes (runtime.tp.TensorParallel)
-    that runs it, the one loaded here keeping only its tokenizer and config in use (its
-    weights are mapped, not read). `echo(str)` reports each model; `progress` shows bars while
+    causal model and encoder also gets its group of supervised rank processes
+    (runtime.tp.TensorParallel) that runs it, the one loaded here keeping only its tokenizer
+    and config in use (its weights are mapped, not read). `echo(str)` reports each model; `progress` shows bars while
     loading. The app stops the groups."""
     import time
 
     from ..profile import CompileProfile
+    from ..runtime.encoder import Encoder
     from ..runtime.model import CausalLM, load
     from ..runtime.tp import TensorParallel, tensor_size
 
@@ -42,7 +43,7 @@ def load_models(names, backend: str | None = None, profile: str | None = None, t
         for name in names:
             t0 = time.perf_counter()
             m = models[name] = load(name, backend=backend, profile=profile, progress=progress)
-            if world > 1 and isinstance(m, CausalLM):
+            if world > 1 and isinstance(m, (CausalLM, Encoder)):
                 groups[name] = TensorParallel({"model": name, "backend": backend, "profile": profile}, world)
             if echo:
                 how = f", {world} tensor-parallel ranks (pids {', '.join(map(str, groups[name].pids()))})" \
@@ -59,7 +60,7 @@ def load_models(names, backend: str | None = None, profile: str | None = None, t
 def create_app(models: dict, max_batch: int = 8, default_max_tokens: int | None = None,
                groups: dict | None = None):
     """The ASGI app serving `models` (name -> loaded CausalLM or Encoder); `groups` (name ->
-    rlx_core.runtime.tp.TensorParallel) runs those causal models tensor-parallel."""
+    rlx_core.runtime.tp.TensorParallel) runs those models tensor-parallel."""
     require()
     from .app import create_app as make
 

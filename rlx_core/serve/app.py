@@ -21,9 +21,8 @@ from .protocol import ApiError
 
 class Served:
     """The models of one server by name: causal LMs with their schedulers, and encoders.
-    `groups` (name -> rlx_core.runtime.tp.TensorParallel): those causal models run on the
-    group's rank processes (the model given here serves its tokenizer and config); `close`
-    stops them."""
+    `groups` (name -> rlx_core.runtime.tp.TensorParallel): those models run on the group's
+    rank processes (the model given here serves its tokenizer and config); `close` stops them."""
 
     def __init__(self, models: dict, max_batch: int = 8, default_max_tokens: int | None = None,
                  groups: dict | None = None):
@@ -176,6 +175,8 @@ async def embeddings(request: Request):
     fmt = P.embedding_format(body)
 
     def run():
+        if name in served.groups:        # embedded by the tensor-parallel ranks
+            return served.groups[name].embed(inputs)
         with enc._lock:                  # (last_timings of this call, not another thread's)
             out = enc.embed(inputs)
             return out, int(enc.last_timings.get("tokens", 0))
