@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+import attrs
 import numpy as np
 import pytest
 
@@ -53,7 +54,8 @@ def test_rank_binds_only_its_slice_of_each_packed_weight(packed, world):
             if k.endswith(("k_proj.weight", "v_proj.weight")) else world
 
     for rank in range(world):
-        with pytest.warns(UserWarning, match="1 packed matmul.* run replicated") if rank == 0 else nullcontext():
+        warns = pytest.warns(UserWarning, match="1 packed matmul.* run replicated")
+        with warns if rank == 0 else nullcontext():          # (rank 0 says so)
             mir, log, g = _rank(m, world, rank)
         assert len(log) == 1 and f"'{FALLBACK}' runs replicated" in log[0] and "blocks of 256" in log[0]
         assert sum(n.op == "all_reduce" for n in g.nodes) == 2 * 3 + 1 - 1    # (the fallback's: none)
@@ -83,9 +85,10 @@ def test_row_parallel_slices_blocks_and_bind_checks_the_slice(packed):
     part = bind_slices([node], tensors)[name]
     assert part.shape == (256, 512) and part.scheme.name == "q6_k"
     np.testing.assert_array_equal(part.dequantize(), tensors[name].dequantize()[:, 512:])
-    node_bad = type(node)(node.op, node.inputs, dict(node.attrs, shard=(name, 3, 0, 1, 1)), node.outs, node.name)
-    with pytest.raises(ModelError, match=f"param '{name}'"):
-        bind_slices([node_bad], {name: tensors[name]})
+    for bad in ((name, 3, 0, 1, 1), (name, 1, 7, 210, 210)):    # no such axis; not whole blocks
+        node_bad = attrs.evolve(node, attrs=dict(node.attrs, shard=bad))
+        with pytest.raises(ModelError, match=f"param '{name}': a tensor-parallel slice of a packed q6_k"):
+            bind_slices([node_bad], {name: tensors[name]})
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -96,7 +96,8 @@ PACKED_SCHEMES = {
         ("q8_0", "q4_1", "q4_k", "q4_0", "q6_k", "q4_0", "q4_k"),
         ("q4_k", "q6_k", "q8_0", "q4_1", "q4_0", "q4_1", "q6_k"),
         ("q4_0", "q4_k", "q4_1", "q6_k", "q8_0", "q6_k", "q8_0")])
-       for part, s in zip(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), row)},
+       for part, s in zip(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                          row)},
 }
 
 

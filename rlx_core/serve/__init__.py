@@ -28,7 +28,8 @@ def load_models(names, backend: str | None = None, profile: str | None = None, t
     tensor-parallel rank (`tp`, else RLX_TP, else the profile's [parallel] tensor) each
     causal model and encoder also gets its group of supervised rank processes
     (runtime.tp.TensorParallel) that runs it, the one loaded here keeping only its tokenizer
-    and config in use (its weights are mapped, not read). `echo(str)` reports each model; `progress` shows bars while
+    and config in use (its weights are mapped, not read). `echo(str)` reports each model;
+    `progress` shows bars while
     loading. The app stops the groups."""
     import time
 
