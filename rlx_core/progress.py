@@ -36,10 +36,8 @@ class _Stages:
         if self.bar is None:
             if time.monotonic() - self.t0 < DELAY:
                 return
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=self.total, desc=self.desc, file=sys.stderr, leave=False,
-                            bar_format="{desc}: stage {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+            self.bar = tqdm_class()(total=self.total, desc=self.desc, file=sys.stderr, leave=False,
+                                    bar_format="{desc}: stage {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
             self.bar.start_t -= time.monotonic() - self.t0      # elapsed since the work began
         self.bar.n = max(self.done, 0)
         self.bar.set_postfix_str(postfix)        # (redraws)
@@ -47,6 +45,19 @@ class _Stages:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def tqdm_class():
+    """tqdm.auto's bar (a Jupyter widget in a notebook, else text) without its asyncio mixin:
+    importing asyncio costs ~40 ms of every start, and no bar here is iterated with async for."""
+    import warnings
+
+    from tqdm.std import TqdmExperimentalWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", category=TqdmExperimentalWarning)
+        from tqdm.autonotebook import tqdm
+    return tqdm
 
 
 def _redraws() -> bool:

@@ -169,9 +169,10 @@ def _load_folder(folder: str, progress: bool, files: list[str] | None = None) ->
     total = sum(len(read_safetensors_header(p)[0]) for p in files)
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from rlx_core.progress import tqdm_class
 
-        bar = tqdm(total=total, desc=f"loading {os.path.basename(folder.rstrip(os.sep))}", unit="tensor")
+        bar = tqdm_class()(total=total, desc=f"loading {os.path.basename(folder.rstrip(os.sep))}",
+                           unit="tensor")
     tensors: dict[str, np.ndarray] = {}
     try:
         for p in files:

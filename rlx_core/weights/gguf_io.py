@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from rlx_core.ir.errors import WeightError
-from rlx_core.ir.quant import PackedTensor, QuantScheme
+from rlx_core.ir.quant import GGUF_SCHEMES, PackedTensor, QuantScheme
 
 GGUF_MAGIC = b"GGUF"
 SCHEME_KEY = "rlx.scheme."  # RLX's own int blocks: "<scheme>:<rows>x<cols>" per i8 tensor
@@ -219,19 +219,21 @@ def _check_tokenizer(path: str, md: dict) -> None:
     tokens = md.get("tokenizer.ggml.tokens")
     if tokens is None:
         return
-    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+    # (the types of a parsed list, compared as a set: the values are the parser's own ints,
+    # floats, bools and strs, and a loop of isinstance over a 262k vocabulary costs 50 ms)
+    if not isinstance(tokens, list) or not set(map(type, tokens)) <= {str}:
         raise WeightError(f"{path}: GGUF metadata tokenizer.ggml.tokens is not a list of strings")
-    for key, kind in (("scores", (int, float)), ("token_type", int)):
+    for key, kind in (("scores", {int, float, bool}), ("token_type", {int, bool})):
         v = md.get(f"tokenizer.ggml.{key}")
         if v is not None and (
-            not isinstance(v, list) or len(v) != len(tokens) or not all(isinstance(x, kind) for x in v)
+            not isinstance(v, list) or len(v) != len(tokens) or not set(map(type, v)) <= kind
         ):
             raise WeightError(
                 f"{path}: GGUF metadata tokenizer.ggml.{key} is not a list of {len(tokens)} numbers "
                 "(one per token)"
             )
     merges = md.get("tokenizer.ggml.merges")
-    if merges is not None and (not isinstance(merges, list) or not all(isinstance(m, str) for m in merges)):
+    if merges is not None and (not isinstance(merges, list) or not set(map(type, merges)) <= {str}):
         raise WeightError(f"{path}: GGUF metadata tokenizer.ggml.merges is not a list of strings")
     if md.get("tokenizer.ggml.model") == "gpt2" and not merges:
         raise WeightError(
@@ -250,16 +252,26 @@ def _check_tokenizer(path: str, md: dict) -> None:
 # ---------------------------------------------------------------------------------------------- tensors
 
 
-def _nbytes(info: TensorInfo, path: str) -> int:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+_F32, _F16 = 0, 1
+# (block, bytes per block) of the types RLX reads itself: with these a model loads without
+# importing the gguf package (~50 ms of a warm start); other types ask gguf's table
+_SIZES = {_F32: (1, 4), _F16: (1, 2), 30: (1, 2)} | {
+    s.gguf_type: (s.block_size, s.bytes_per_block) for s in GGUF_SCHEMES}
 
-    try:
-        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
-    except (ValueError, KeyError):
-        raise WeightError(
-            f"{path}: tensor {info.name!r} has unknown ggml type {info.ggml_type} "
-            f"(expected one of {sorted(int(t) for t in GGML_QUANT_SIZES)})"
-        ) from None
+
+def _nbytes(info: TensorInfo, path: str) -> int:
+    size = _SIZES.get(info.ggml_type)
+    if size is None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        try:
+            size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+        except (ValueError, KeyError):
+            raise WeightError(
+                f"{path}: tensor {info.name!r} has unknown ggml type {info.ggml_type} "
+                f"(expected one of {sorted(int(t) for t in GGML_QUANT_SIZES)})"
+            ) from None
+    block, type_size = size
     if (info.shape[-1] if info.shape else 1) % block:
         raise WeightError(
             f"{path}: tensor {info.name!r} row length {info.shape[-1] if info.shape else 1} is not a "
@@ -269,10 +281,8 @@ def _nbytes(info: TensorInfo, path: str) -> int:
 
 
 def dequantize_tensor(gf: GGUFFile, info: TensorInfo, blob: np.ndarray) -> np.ndarray:
-    """One tensor as a float32 array of shape `info.shape` (numpy order, e.g. [out, in] for a matmul)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
+    """One tensor as a float32 array of shape `info.shape` (numpy order, e.g. [out, in] for a matmul);
+    F32 and F16 (a model's norms and biases) as gguf.quants.dequantize converts them, without it."""
     start = gf.data_start + info.offset
     nbytes = info.nbytes
     if start + nbytes > blob.size:
@@ -284,6 +294,13 @@ def dequantize_tensor(gf: GGUFFile, info: TensorInfo, blob: np.ndarray) -> np.nd
         return np.zeros(info.shape, np.float32)
     rows = int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
     raw = blob[start : start + nbytes].reshape(rows, -1)
+    if info.ggml_type == _F32:      # a copy: not a view of the mapped file
+        return raw.view(np.float32).reshape(info.shape).copy()
+    if info.ggml_type == _F16:
+        return raw.view(np.float16).astype(np.float32).reshape(info.shape)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
     qtype = GGMLQuantizationType(info.ggml_type)
     try:
         out = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(info.shape)
@@ -291,7 +308,7 @@ def dequantize_tensor(gf: GGUFFile, info: TensorInfo, blob: np.ndarray) -> np.nd
         raise WeightError(
             f"{gf.path}: tensor {info.name!r} uses ggml type {qtype.name}, which cannot be dequantized"
         ) from None
-    return out.copy() if qtype == GGMLQuantizationType.F32 else out  # F32 is a view of the mapped file
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- names
@@ -519,9 +536,9 @@ def load_gguf(path: str, progress: bool = False, packed: bool = False
     blob = np.memmap(path, dtype=np.uint8, mode="r")
     items = gf.tensors
     if progress:
-        from tqdm.auto import tqdm
+        from rlx_core.progress import tqdm_class
 
-        items = tqdm(items, desc=f"loading {os.path.basename(path)}", unit="tensor")
+        items = tqdm_class()(items, desc=f"loading {os.path.basename(path)}", unit="tensor")
     tensors = {}
     for info in items:
         name = hf_name(arch, info.name)

@@ -9,8 +9,10 @@ rebuilding a sentencepiece vocabulary's merges costs seconds that weight-only ca
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
+import re
 from collections.abc import Callable, Iterable, Sequence
 
 from rlx_core import cache
@@ -435,6 +437,13 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+@functools.cache
+def _outside_byte_alphabet():
+    """`search(token)`: a match when the token has a character outside GPT-2's byte alphabet (one
+    regex scan in C, 3x faster over a vocabulary than a set per token)."""
+    return re.compile("[^" + re.escape("".join(sorted(_bytes_to_unicode().values()))) + "]").search
+
+
 def _byte_level(tokens: list[str], merges: list[str]):
     """transformers' GPT2Tokenizer backend: byte-level BPE."""
     from tokenizers import Tokenizer as TkTokenizer
@@ -442,9 +451,9 @@ def _byte_level(tokens: list[str], merges: list[str]):
     from tokenizers.models import BPE
 
     spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
+    outside = _outside_byte_alphabet()
     vocab = {
-        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+        t if outside(t) is None else "".join(spelling[b] for b in t.encode("utf-8")): i
         for i, t in enumerate(tokens)
     }
     pairs = [tuple(m.split(" ")) for m in merges]
@@ -545,20 +554,18 @@ def _add_gguf_tokens(tk, tokens: list[str], types: list[int], byte_level: bool) 
     is a llama.cpp mislabel and is skipped)."""
     from tokenizers import AddedToken
 
-    alphabet = set(_bytes_to_unicode().values()) if byte_level else None
+    outside = _outside_byte_alphabet()
     control = [
         AddedToken(t, normalized=False, special=True)
         for t, ty in zip(tokens, types)
-        if ty == 3 and (alphabet is None or set(t) <= alphabet)
+        if ty == 3 and (not byte_level or outside(t) is None)
     ]
     if control:
         tk.add_special_tokens(control)
-    vocab = tk.get_vocab(with_added_tokens=True)
-    user = [
-        AddedToken(t, normalized=False, special=False)
-        for t, ty in zip(tokens, types)
-        if ty == 4 and t in vocab
-    ]
+    user = [t for t, ty in zip(tokens, types) if ty == 4]
+    if user:                 # (a vocabulary of 50k-260k ids costs 30-200 ms to list: only if needed)
+        vocab = tk.get_vocab(with_added_tokens=True)
+        user = [AddedToken(t, normalized=False, special=False) for t in user if t in vocab]
     if user:
         tk.add_tokens(user)
 
