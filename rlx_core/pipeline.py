@@ -199,7 +199,7 @@ class CompilePipeline:
         fusion rules). None when `g` has no JSON form."""
         b = self.backend
         try:
-            text = g.to_json()
+            text = g.key_text()
         except (TypeError, ValueError):
             return None
         rules = registry().rules

@@ -132,6 +132,12 @@ def test_keys_change_with_what_the_compile_reads(cache_dir):
     keys = {numpy_default.cache_key(g), numpy_default.cache_key(h), other_profile.cache_key(g)}
     assert len(keys) == 3
     assert numpy_default.cache_key(g) == CompilePipeline(backend="numpy").cache_key(g)
+    # a constant is keyed by its bytes' digest, its dtype and its shape
+    consts = [np.arange(4, dtype=np.float32), np.arange(4, dtype=np.float32) + 1,
+              np.arange(4, dtype=np.float32).view(np.int32), np.arange(4, dtype=np.float32).reshape(2, 2)]
+    keyed = [numpy_default.cache_key(rlx_core.Graph.define("k", lambda m, c=c: m.input("x", c.shape, c.dtype)
+                                                           + m.constant(c, name="c"))) for c in consts]
+    assert len(set(keyed)) == 4
 
 
 def test_off_and_bad_settings(tmp_path, monkeypatch, pass_runs):

@@ -32,17 +32,26 @@ def _attr_json(v):
     return [_attr_json(x) for x in v] if isinstance(v, tuple) else v
 
 
-def graph_dict(g) -> dict:
-    """The JSON form of a graph (serialize.py reads it back)."""
+def _constant_json(a, data: bool) -> dict:
+    raw = np.ascontiguousarray(a).tobytes()
+    c = {"dtype": DType.parse(a.dtype).value, "shape": list(a.shape)}
+    if data:
+        c["data"] = base64.b64encode(raw).decode()
+    else:
+        c["sha256"] = hashlib.sha256(raw).hexdigest()
+    return c
+
+
+def graph_dict(g, data: bool = True) -> dict:
+    """The JSON form of a graph (serialize.py reads it back); with `data` False each constant's
+    bytes are given by their sha256 (a digest of the graph: `Graph.key_text`)."""
     return {
         "format": FORMAT, "version": VERSION, "name": g.name, "level": g.level,
         "nodes": [{"op": n.op, "name": n.name, "inputs": [list(r) for r in n.inputs],
                    "attrs": {k: _attr_json(v) for k, v in n.attrs},
                    "outs": [_shape_json(s) for s in n.outs]} for n in g.nodes],
         "outputs": [[name, list(r)] for name, r in g.outputs],
-        "constants": {k: {"dtype": DType.parse(a.dtype).value, "shape": list(a.shape),
-                          "data": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()}
-                      for k, a in sorted(g.constants.items())},
+        "constants": {k: _constant_json(a, data) for k, a in sorted(g.constants.items())},
     }
 
 
@@ -126,6 +135,11 @@ class Graph:
 
     def to_json(self) -> str:
         return json.dumps(graph_dict(self), sort_keys=True, separators=(",", ":"))
+
+    def key_text(self) -> str:
+        """Text naming the graph exactly, as `to_json` but with each constant's bytes given by
+        their sha256: a cache key without base64-encoding megabytes of tables (RoPE's)."""
+        return json.dumps(graph_dict(self, data=False), sort_keys=True, separators=(",", ":"))
 
     def stable_hash(self) -> str:
         h = hashlib.sha256(self.to_json().encode())
