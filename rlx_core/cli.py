@@ -657,8 +657,8 @@ def generate_cmd(model_name: str, prompt: str, sampling: dict, chat: bool, profi
 
     model = load_causal_lm(model_name, backend, profile, "generate")
     ids = model.encode_prompt(prompt, chat=chat)
-    click.echo(f"[compiling prefill and decode graphs for {len(ids)} prompt tokens ...]", err=True)
-    model.executable("prefill"), model.executable("decode")
+    click.echo(f"[compiling the prefill graph for {len(ids)} prompt tokens ...]", err=True)
+    model.executable("prefill")            # (decode compiles once the first token is out)
     model.generate([ids], stream=TextStream(model.tokenizer, model.eos_ids, echo_text), **sampling)
     click.echo()
     t = model.last_timings

@@ -295,28 +295,28 @@ class CausalLM:
                           f"generating {room}", stacklevel=3)
             max_new_tokens = room
         ctx = min(-(-(s + max_new_tokens) // CTX_BUCKET) * CTX_BUCKET, self.max_positions)
-        prefill, decode = self.executable("prefill"), self.executable("decode")
-        prefill.fixed_dims = decode.fixed_dims = {"ctx": ctx}
+        prefill = self.executable("prefill")
+        prefill.fixed_dims = {"ctx": ctx}
+        decode = None             # compiled once the first token is out (never for one token)
         rng = np.random.default_rng(seed)
         inputs = self._inputs(ids, mask)
         cols: list = []                          # the new tokens, one column per step
         done = np.zeros(b, bool)
-        greedy = greedy_outputs(decode) and not do_sample
 
         def step(exe, feed, t):
             """(None, the greedy ids [b]) where fetch_greedy gives them, else (this step's
             logits [b, vocab], None)."""
-            if greedy:
+            if greedy_outputs(exe) and not do_sample:
                 nxt = fetch_greedy(exe, feed, slice(None), slice(None) if t < min_new_tokens else [],
                                    eos_arr)
                 if nxt is not None:
                     return None, nxt
             return exe.run(feed, fetch=("logits",))["logits"][:, -1], None
 
-        t0 = t1 = time.perf_counter()
+        t0 = t1 = t_decode = time.perf_counter()
         if max_new_tokens:
             logits, nxt = step(prefill, dict(inputs, cache_pos=np.zeros(b, np.int32)), 0)
-            t1 = time.perf_counter()
+            t1 = t_decode = time.perf_counter()
         full_mask = np.zeros((b, ctx), bool)
         full_mask[:, :s] = mask
         positions = inputs["positions"][:, -1:]
@@ -336,13 +336,17 @@ class CausalLM:
                 break
             full_mask[:, s + t] = True
             positions = positions + 1
+            if decode is None:
+                decode = self.executable("decode")
+                decode.fixed_dims = {"ctx": ctx}
+                t_decode = time.perf_counter()        # (its compile is not a decode step's time)
             logits, nxt = step(decode, {"ids": nxt[:, None], "positions": positions,
                                         "key_mask": full_mask[:, None, None, :],
                                         "cache_pos": np.full(b, s + t, np.int32)}, t + 1)
         t2 = time.perf_counter()
         new = np.stack(cols, 1) if cols else np.zeros((b, 0), np.int64)
         steps = max(new.shape[1] - 1, 1)
-        self.last_timings = {"prefill_s": t1 - t0, "decode_s_per_token": (t2 - t1) / steps,
+        self.last_timings = {"prefill_s": t1 - t0, "decode_s_per_token": (t2 - t_decode) / steps,
                              "new_tokens": int(new.shape[1]), "prompt_tokens": int(s)}
         if text_in:
             toks = [int(x) for x in new[0] if not (done[0] and x in eos)]
