@@ -15,6 +15,7 @@ Values compute in the dtype the graph gives each step (f32 or f64; bool for mask
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import math
@@ -26,6 +27,7 @@ import threading
 import numpy as np
 
 from rlx_core.cache import cache_dir as rlx_cache_dir
+from rlx_core.cache import code_fingerprint
 from rlx_core.ir.dtype import BOOL, F32, F64, DType
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.ops import infer
@@ -220,8 +222,17 @@ def cache_dir() -> str:
     return os.environ.get("RLX_NUMBA_CACHE") or os.path.join(rlx_cache_dir(), "numba")
 
 
+@functools.lru_cache(maxsize=None)
+def _plugin_code() -> str:
+    return code_fingerprint(__name__.partition(".")[0])
+
+
 def load_source(src: str):
-    """The module for generated source `src` (written once to the cache dir, imported once)."""
+    """The module for generated source `src` (written once to the cache dir, imported once).
+    The file names this plugin's code: numba's cache of a generated kernel checks only that
+    file, so a kernel it calls in another module (simd.py, quant_kernels.py) that changed
+    must give the source another name, or the old machine code would load."""
+    src = f"# rlx_backend_numba {_plugin_code()}\n{src}"
     key = hashlib.sha1(src.encode()).hexdigest()[:20]
     mod = _MODULES.get(key)
     if mod is not None:

@@ -153,6 +153,18 @@ def test_source_is_one_expression_per_step_and_cached(tmp_path, monkeypatch):
     assert any(p.suffix == ".nbi" and p.name.startswith(Path(mod.__file__).stem) for p in index.iterdir())
 
 
+def test_generated_source_is_named_by_the_plugin_code(tmp_path, monkeypatch):
+    """The same generated text under another version of the plugin's code is another file
+    (numba's cache of it would hold the machine code of the kernels it calls as they were)."""
+    monkeypatch.setenv("RLX_NUMBA_CACHE", str(tmp_path))
+    src = codegen.elementwise_source(PROGRAM, [F32, F32], F32, "FR")
+    first = codegen.load_source(src)
+    monkeypatch.setattr(codegen, "_plugin_code", lambda: "another version")
+    second = codegen.load_source(src)
+    assert first is not second and first.__file__ != second.__file__
+    assert "another version" in Path(second.__file__).read_text().splitlines()[0]
+
+
 # --------------------------------------------------------------------------- row kernels
 @pytest.mark.parametrize("dt", [F32, F64], ids=["f32", "f64"])
 def test_row_kernels_on_strided_rows(rng, driver, dt):
