@@ -224,9 +224,10 @@ class CompilePipeline:
         self._check_support(mir)
         return mir
 
-    def compile(self, module: Graph, params: dict | None = None, states=None) -> "Executable":
+    def compile(self, module: Graph, params: dict | None = None, states=None,
+                shared: dict | None = None) -> "Executable":
         mir = self.optimize_cached(module)
-        return Executable(mir, self.backend, self.profile, params, states, source=module)
+        return Executable(mir, self.backend, self.profile, params, states, source=module, shared=shared)
 
 
 _CACHE: collections.OrderedDict = collections.OrderedDict()

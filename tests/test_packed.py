@@ -164,6 +164,24 @@ def test_rlx_quantize_writes_a_gguf_that_runs_packed(hf_folder, tmp_path, rng, s
     assert err < {"q8_0": 0.02, "q4_k": 0.6, "int4_b32": 0.6}[scheme], err     # 4 bits: coarser
 
 
+def test_a_model_derives_its_fused_weights_once(hf_folder, monkeypatch):
+    """A model's prefill and decode executables derive the fused q/k/v and gate/up weights
+    in one prologue run between them: binding an executable to private params first, then
+    to the model's shared ones, derived (and for a moment held) every fused weight twice."""
+    runs = []
+    compile_ = NumpyBackend.compile
+
+    def counting(self, lir, params, states):
+        runs.append(lir.graph.name) if lir.graph.name.endswith(".prologue") else None
+        return compile_(self, lir, params, states)
+
+    monkeypatch.setattr(NumpyBackend, "compile", counting)
+    m = rlx_core.load(str(hf_folder), backend="numpy", progress=False)
+    m.executable("prefill"), m.executable("decode")
+    assert len(runs) == 1, runs
+    assert m.generate(np.array([[1, 2, 3]]), max_new_tokens=3, min_new_tokens=3).shape == (1, 6)
+
+
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_real_gguf_packed_matches_dequantized(name):
     from rlx_core.weights import resolve_model_path

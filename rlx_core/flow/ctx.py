@@ -173,8 +173,10 @@ class BuiltModel:
     stages: tuple = ()
     streams: tuple = ()          # StreamRecords, in emit order
 
-    def compile(self, backend=None, profile=None, states=None):
+    def compile(self, backend=None, profile=None, states=None, shared=None):
+        """shared: the dict through which a model's executables hold uploaded and derived
+        params once (binding into a private one first would derive the fused weights twice)."""
         from ..pipeline import CompilePipeline
 
         pipe = CompilePipeline(profile or self.profile, backend)
-        return pipe.compile(self.graph, self.params, states)
+        return pipe.compile(self.graph, self.params, states, shared)

@@ -144,14 +144,11 @@ class CausalLM:
         key = (mode, taps)
         with self._lock:
             if key not in self._exes:
-                with progress.task(f"compiling {mode}", 3, self.progress):
+                with progress.task(f"compiling {mode}", 2, self.progress):
                     progress.stage("build graph")
                     built = self.built(mode, taps)
-                    progress.stage("optimize")
-                    exe = built.compile(self.backend, self.profile, self.states)
-                    progress.stage("bind params")
-                    exe.shared = self._shared
-                    exe.set_params(built.params)
+                    progress.stage("optimize, bind params")
+                    exe = built.compile(self.backend, self.profile, self.states, self._shared)
                 exe.progress = self.progress
                 self._exes[key] = exe
             return self._exes[key]
@@ -160,10 +157,7 @@ class CausalLM:
         """A new, uncached executable of `mode` over its own `states` (a StateStore: the
         batched KV cache of a Scheduler), sharing this model's resident params."""
         built = self.built(mode)
-        exe = built.compile(self.backend, self.profile, states)
-        exe.shared = self._shared
-        exe.set_params(built.params)
-        return exe
+        return built.compile(self.backend, self.profile, states, self._shared)
 
     def memory_report(self) -> dict:
         """Bytes held for this model: weights, KV cache, arenas, pool overhead (see

@@ -96,9 +96,7 @@ class FluxModel:
         with self._lock:
             if key not in self._exes:
                 built = self.built("forward", *key)
-                exe = built.compile(self.backend, self.profile)
-                exe.shared = self._shared
-                exe.set_params(built.params)
+                exe = built.compile(self.backend, self.profile, shared=self._shared)
                 self._exes[key] = exe
             return self._exes[key]
 
