@@ -12,7 +12,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
+
+from .simd import LANES, exp, hsum, load_f32, store_f32, zeros
 
 _FM = {"reassoc", "contract"}
 _OPT = dict(cache=True, error_model="numpy", fastmath=_FM)
@@ -171,74 +174,110 @@ def _bounds(qp, sk, causal, window):
     return lo, max(lo, hi)
 
 
+def exp_shifted(s, n, m):
+    """s[:n] = exp(s[:n] - m), returning their sum: eight lanes at a time for f32 (simd.exp),
+    libm's exp for f64 (the reference precision)."""
+
+
+@overload(exp_shifted, jit_options=dict(fastmath=_FM))
+def _exp_shifted(s, n, m):
+    if s.dtype == types.float32:
+        def lanes(s, n, m):
+            acc, j = zeros(), 0
+            while j + LANES <= n:
+                e = exp(load_f32(s, j) - m)
+                store_f32(s, j, e)
+                acc = acc + e
+                j += LANES
+            tot = hsum(acc)
+            for i in range(j, n):
+                e = math.exp(s[i] - m)
+                s[i] = e
+                tot += e
+            return tot
+        return lanes
+
+    def scalar(s, n, m):
+        tot = m * 0
+        for i in range(n):
+            e = math.exp(s[i] - m)
+            s[i] = e
+            tot += e
+        return tot
+    return scalar
+
+
+ATTN_ROWS = 16            # query rows of one head per task (their buffers allocated once)
+
+
 @njit(**_OPT)
-def _attn_row(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
-              ninf):
-    """One query row: keys [lo, hi) the causal/window mask leaves, scores, softmax, sum.
+def _attn_rows(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
+               ninf):
+    """Query rows [ATTN_ROWS * c, ...) of head h of batch row b for task t = (b, h, c): per
+    row the keys [lo, hi) the causal/window mask leaves, scores, softmax, weighted sum.
     `keep` and `bias` are 4-D with each dim 1 (broadcast) or full, as the graph gives them.
     The query row and the sum live in contiguous buffers and keys are read as rows (dots
     that vectorize); a masked key costs no dot and no value row (a ring cache or padded
     bucket is mostly masked)."""
     nb, nh, sq, d = q.shape
     kvh, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    b, h, i = t // (nh * sq), (t // sq) % nh, t % sq
+    chunks = (sq + ATTN_ROWS - 1) // ATTN_ROWS
+    b, h, c = t // (nh * chunks), (t // chunks) % nh, t % chunks
     kh = h // (nh // kvh)
     zero = scale * 0
-    acc_o = np.zeros(dv, o.dtype)
-    lo, hi = _bounds(pos[b] + i, sk, causal, window)
-    if hi > lo:
-        qb = np.empty(d, q.dtype)
-        for c in range(d):
-            qb[c] = q[b, h, i, c]
-        krow = keep[min(b, keep.shape[0] - 1), min(h, keep.shape[1] - 1), min(i, keep.shape[2] - 1)]
-        brow = bias[min(b, bias.shape[0] - 1), min(h, bias.shape[1] - 1), min(i, bias.shape[2] - 1)]
-        kj, bj = min(krow.shape[0] - 1, 1), min(brow.shape[0] - 1, 1)     # 0: one value for every key
-        s = np.empty(hi - lo, q.dtype)
-        m = ninf
-        for j in range(lo, hi):
-            if use_keep and not krow[j * kj]:
-                s[j - lo] = ninf
-                continue
-            kr = k[b, kh, j]
-            acc = zero
-            for c in range(d):
-                acc += qb[c] * kr[c]
-            acc *= scale
-            if softcap > 0:
-                acc = math.tanh(acc / softcap) * softcap
-            if use_bias:
-                acc += brow[j * bj]
-            s[j - lo] = acc
-            if acc > m:
-                m = acc
-        if m != ninf:                            # (every key masked: a zero row)
-            tot = zero
-            for j in range(hi - lo):
-                e = math.exp(s[j] - m)
-                s[j] = e
-                tot += e
+    qb = np.empty(d, q.dtype)
+    s = np.empty(max(sk, 1), q.dtype)
+    acc_o = np.empty(dv, o.dtype)
+    for i in range(ATTN_ROWS * c, min(sq, ATTN_ROWS * (c + 1))):
+        acc_o[:] = 0
+        lo, hi = _bounds(pos[b] + i, sk, causal, window)
+        if hi > lo:
+            for x in range(d):
+                qb[x] = q[b, h, i, x]
+            krow = keep[min(b, keep.shape[0] - 1), min(h, keep.shape[1] - 1), min(i, keep.shape[2] - 1)]
+            brow = bias[min(b, bias.shape[0] - 1), min(h, bias.shape[1] - 1), min(i, bias.shape[2] - 1)]
+            kj, bj = min(krow.shape[0] - 1, 1), min(brow.shape[0] - 1, 1)   # 0: one value for every key
+            m = ninf
             for j in range(lo, hi):
-                p = s[j - lo] / tot
-                if p != 0:
-                    vr = v[b, kh, j]
-                    for c in range(dv):
-                        acc_o[c] += p * vr[c]
-    for c in range(dv):
-        o[b, h, i, c] = acc_o[c]
+                if use_keep and not krow[j * kj]:
+                    s[j - lo] = ninf
+                    continue
+                kr = k[b, kh, j]
+                acc = zero
+                for x in range(d):
+                    acc += qb[x] * kr[x]
+                acc *= scale
+                if softcap > 0:
+                    acc = math.tanh(acc / softcap) * softcap
+                if use_bias:
+                    acc += brow[j * bj]
+                s[j - lo] = acc
+                if acc > m:
+                    m = acc
+            if m != ninf:                            # (every key masked: a zero row)
+                inv = 1 / exp_shifted(s, hi - lo, m)
+                for j in range(lo, hi):
+                    p = s[j - lo] * inv
+                    if p != 0:
+                        vr = v[b, kh, j]
+                        for x in range(dv):
+                            acc_o[x] += p * vr[x]
+        for x in range(dv):
+            o[b, h, i, x] = acc_o[x]
 
 
 @njit(parallel=True, **_OPT)
 def attention_par(q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias, ninf):
-    for t in prange(q.shape[0] * q.shape[1] * q.shape[2]):
-        _attn_row(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
-                  ninf)
+    for t in prange(q.shape[0] * q.shape[1] * ((q.shape[2] + ATTN_ROWS - 1) // ATTN_ROWS)):
+        _attn_rows(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
+                   ninf)
 
 
 @njit(**_OPT)
 def attention_ser(q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias, ninf):
-    for t in range(q.shape[0] * q.shape[1] * q.shape[2]):
-        _attn_row(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
-                  ninf)
+    for t in range(q.shape[0] * q.shape[1] * ((q.shape[2] + ATTN_ROWS - 1) // ATTN_ROWS)):
+        _attn_rows(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
+                   ninf)
 
 
 # --------------------------------------------------------------------------- decode attention
@@ -278,12 +317,7 @@ def _decode_chunk(b, kh, c, lo, hi, q, k, v, keep, bias, scale, softcap, use_kee
         m = ninf
         for j in range(n):
             m = max(m, s[g, j])
-        tot = scale * 0
-        if m != ninf:
-            for j in range(n):
-                e = math.exp(s[g, j] - m)
-                s[g, j] = e
-                tot += e
+        tot = exp_shifted(s[g], n, m) if m != ninf else scale * 0
         pm[b, h, c], pl[b, h, c] = m, tot
     acc_o = np.zeros((g_n, dv), q.dtype)
     for j in range(lo, hi):
@@ -378,11 +412,7 @@ def _varlen_task(t, q, k, v, starts, lens, o, scale, ninf):
             p[j] = a
             if a > m:
                 m = a
-        tot = zero
-        for j in range(n):
-            e = math.exp(p[j] - m)
-            p[j] = e
-            tot += e
+        tot = exp_shifted(p, n, m)
         for c in range(dv):
             acc[c] = zero
         for j in range(n):

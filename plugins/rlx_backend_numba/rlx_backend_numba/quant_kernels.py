@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
@@ -26,6 +25,7 @@ from rlx_core.backends.numpy.blas import single_threaded_blas
 from rlx_core.ir.errors import ShapeError
 from rlx_core.ir.quant import QuantScheme
 
+from .cblas import SGEMM
 from .codegen import SWIGLU_HEAD, load_source, with_epilogue
 from .simd import (bits, bits32, fma, halves, idot_s, idot_u, load_bytes32, load_i8, load_u8, nibbles32,
                    to_f32, zeros)
@@ -241,6 +241,7 @@ _DRIVERS = """
 import numpy as np
 from numba import njit, prange
 from rlx_backend_numba.quant_kernels import lanes_{fmt} as lanes
+from rlx_backend_numba.cblas import sgemm_nt
 from rlx_backend_numba.simd import fma, hsum, load_f32, prefetch, store_f32, zeros
 
 _OPT = dict(cache=True, error_model="numpy", fastmath={{"reassoc", "contract"}})
@@ -329,6 +330,22 @@ def rows(w, r0, out, tab):
 def rows_ser(w, r0, out, tab):
     for i in range(out.shape[0]):
         decode(w[r0 + i], out[i], tab)
+
+
+@njit(parallel=True, **_OPT)
+def rows_gemm(x, w, out, tab, scratch, gemm, ilp64):
+    \"\"\"out = x @ W^T: W's rows split in len(scratch) parts, each decoding blocks of its rows
+    into its scratch and multiplying them with one call of cblas_sgemm at address gemm (on
+    one BLAS thread: the caller's), on numba's own threads.\"\"\"
+    parts, step = scratch.shape[0], scratch.shape[1]
+    n = w.shape[0]
+    for p in prange(parts):
+        r0, r1 = n * p // parts, n * (p + 1) // parts
+        buf = scratch[p]
+        for r in range(r0, r1, step):
+            e = min(r1, r + step)
+            rows_ser(w, r, buf[:e - r], tab)
+            sgemm_nt(gemm, ilp64, x, buf, e - r, out, r)
 """
 
 
@@ -425,48 +442,36 @@ def dequant_gemv(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | None 
 _LOCAL = threading.local()
 
 
-def scratch(rows: int, k: int) -> np.ndarray:
-    """This thread's decode scratch as [rows, k] f32: one buffer shared by every step (steps
-    of a thread run one at a time), so a model's many matmuls do not each hold one."""
+def scratch(rows: int, k: int, parts: int = 1) -> np.ndarray:
+    """This thread's decode scratch as [parts, rows, k] f32: one buffer shared by every step
+    (steps of a thread run one at a time), so a model's many matmuls do not each hold one."""
+    n = parts * rows * k
     buf = getattr(_LOCAL, "buf", None)
-    if buf is None or buf.size < rows * k:
-        buf = _LOCAL.buf = np.empty(rows * k, np.float32)
-    return buf[:rows * k].reshape(rows, k)
-
-
-def _rows_times_x(mod, w, xf, out, r0: int, r1: int) -> None:
-    """out[:, r0:r1] = xf @ W[r0:r1]^T, decoding blocks of rows into this thread's scratch."""
-    k = xf.shape[1]
-    step = max(1, min(r1 - r0, SCRATCH // max(k, 1)))
-    buf = scratch(step, k)
-    for r in range(r0, r1, step):
-        e = min(r1, r + step)
-        mod.rows_ser(w, r, buf[:e - r], F16)
-        np.matmul(xf, buf[:e - r].T, out=out[:, r:e])
-
-
-@functools.lru_cache(maxsize=None)
-def _pool(n: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(n, thread_name_prefix="rlx-numba-gemm")
+    if buf is None or buf.size < n:
+        buf = _LOCAL.buf = np.empty(n, np.float32)
+    return buf[:n].reshape(parts, rows, k)
 
 
 def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | None = None) -> np.ndarray:
-    """x [M, K] @ W^T: W's rows split over the threads, each decoding blocks of its rows into
-    its own scratch and multiplying them with one-thread BLAS (BLAS's own pool would spin
-    beside numba's threads on the same cores)."""
+    """x [M, K] @ W^T: W's rows split over numba's threads, each decoding blocks of its rows
+    into its part of the scratch and multiplying them with one-thread BLAS (cblas.py says
+    why). Without a cblas_sgemm to call: blocks decoded in turn, each multiplied by numpy."""
     k = x.shape[-1]
     w, mod = _args(scheme, raw, k)
     n = w.shape[0]
     out = np.empty((x.shape[0], n), x.dtype) if out is None else out
     xf = np.ascontiguousarray(x, np.float32)
     parts = max(1, min(numba.get_num_threads(), n // 64))
-    bounds = [n * i // parts for i in range(parts + 1)]
+    step = max(1, min(-(-n // parts), SCRATCH // max(k, 1)))
+    if SGEMM is None or not out.flags.c_contiguous:
+        buf = scratch(step, k)[0]
+        for r in range(0, n, step):
+            e = min(n, r + step)
+            mod.rows_ser(w, r, buf[:e - r], F16)
+            np.matmul(xf, buf[:e - r].T, out=out[:, r:e])
+        return out
     with single_threaded_blas():
-        if parts == 1:
-            _rows_times_x(mod, w, xf, out, 0, n)
-        else:
-            list(_pool(parts).map(lambda i: _rows_times_x(mod, w, xf, out, bounds[i], bounds[i + 1]),
-                                  range(parts)))
+        mod.rows_gemm(xf, w, out, F16, scratch(step, k, parts), *SGEMM)
     return out
 
 

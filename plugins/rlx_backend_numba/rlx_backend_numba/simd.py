@@ -178,6 +178,40 @@ def fma(typingctx, a, b, c):
     return F32x8(a, b, c), codegen
 
 
+def _vcall(builder, name, *args):
+    f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * len(args)), name)
+    return builder.call(f, list(args))
+
+
+# Cephes' expf: x = n ln2 + r (ln2 in two parts), e^r a degree-6 polynomial, 2^n in the exponent bits
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+             5.0000001201e-1)
+
+
+@intrinsic
+def exp(typingctx, v):
+    """e^v lane-wise in a few multiply-adds (within 2 ulp of expf; 0 below -87.3, where expf's
+    results go subnormal; NaN stays NaN; +inf above 88.37). A softmax takes one per score,
+    and a call to libm's expf per lane would cost more than the scores' dot products."""
+    def codegen(context, builder, sig, args):
+        c = lambda x: ir.Constant(_VF, [x] * LANES)                      # noqa: E731
+        x = args[0]
+        xc = _vcall(builder, "llvm.maxnum.v8f32", _vcall(builder, "llvm.minnum.v8f32", x, c(88.37)), c(-87.33))
+        n = _vcall(builder, "llvm.floor.v8f32", builder.fadd(builder.fmul(xc, c(1.44269504088896341)), c(0.5)))
+        r = builder.fsub(builder.fsub(xc, builder.fmul(n, c(0.693359375))), builder.fmul(n, c(-2.12194440e-4)))
+        p = c(_EXP_POLY[0])
+        for k in _EXP_POLY[1:]:
+            p = _vcall(builder, "llvm.fmuladd.v8f32", p, r, c(k))
+        y = builder.fadd(_vcall(builder, "llvm.fmuladd.v8f32", p, builder.fmul(r, r), r), c(1.0))
+        e = builder.shl(builder.add(builder.fptosi(n, _VI), ir.Constant(_VI, [127] * LANES)),
+                        ir.Constant(_VI, [23] * LANES))
+        y = builder.fmul(y, builder.bitcast(e, _VF))
+        y = builder.select(builder.fcmp_ordered(">", x, c(88.37)), c(float("inf")), y)
+        y = builder.select(builder.fcmp_ordered("<", x, c(-87.33)), c(0.0), y)
+        return builder.select(builder.fcmp_unordered("uno", x, x), x, y)
+    return F32x8(v), codegen
+
+
 @intrinsic
 def bits(typingctx, word, start):
     """Lane j: bit start + j of the 32-bit `word` (0 or 1), as I32x8."""
@@ -281,5 +315,5 @@ idot_u = _idot(False)        # q lanes 0..255
 idot_s = _idot(True)         # q lanes -128..127
 
 
-__all__ = ["F32x8", "I32x8", "I8x32", "LANES", "bits", "bits32", "halves", "idot_s", "idot_u", "load_bytes32", "nibbles32", "fma", "hsum", "load_f32", "load_i8", "load_u8",
+__all__ = ["F32x8", "I32x8", "I8x32", "LANES", "bits", "bits32", "exp", "halves", "idot_s", "idot_u", "load_bytes32", "nibbles32", "fma", "hsum", "load_f32", "load_i8", "load_u8",
            "store_f32", "to_f32", "zeros"]

@@ -49,6 +49,25 @@ def test_gemv_and_blocked_matmul(rng, kind, monkeypatch):
         close(Q.dequant_matmul(x, raw, kind), want)
 
 
+@pytest.mark.parametrize("blas", ["cblas", "numpy"])
+def test_blocked_matmul_over_threads(rng, blas, monkeypatch):
+    """Enough rows for a part per thread (each calling cblas_sgemm on numba's threads), several
+    scratch blocks per part; and the path for a numpy whose BLAS gives no cblas_sgemm."""
+    if blas == "numpy":
+        monkeypatch.setattr(Q, "SGEMM", None)
+    elif Q.SGEMM is None:
+        pytest.skip("numpy's BLAS here is not an OpenBLAS with cblas_sgemm")
+    s = QuantScheme.parse("q4_1")
+    n = 300
+    w = rng.standard_normal((n, K)).astype(np.float32)
+    raw = s.quantize(w)
+    ref = s.dequantize_reference(raw, (n, K))
+    monkeypatch.setattr(Q, "SCRATCH", 23 * K)
+    x = rng.uniform(-1, 1, (17, K)).astype(np.float32)
+    out = np.full((17, n), np.nan, np.float32)
+    close(Q.dequant_matmul(x, raw, s, out), x.astype(np.float64) @ ref.T)
+
+
 @pytest.mark.parametrize("kind", Q.FORMATS)
 def test_int8_activation_gemv(rng, kind):
     """x rounded through int8_b32 (as a fake_quantize leaves it) times each format's integers

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("numba")
 from numba import njit  # noqa: E402
 
-from rlx_backend_numba.simd import bits, fma, hsum, load_f32, load_i8, load_u8, store_f32, to_f32, zeros  # noqa: E402
+from rlx_backend_numba.simd import bits, exp, fma, hsum, load_f32, load_i8, load_u8, store_f32, to_f32, zeros  # noqa: E402
 
 
 @njit(cache=False)
@@ -40,3 +40,26 @@ def test_lanes_match_numpy():
     v = f[1:9].astype(np.float64)
     np.testing.assert_allclose(out[32:40], v * 2 + 1 - v * v, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(out[40], v.sum(), rtol=1e-6, atol=1e-6)
+
+
+@njit(cache=False)
+def _exp(x, o):
+    for i in range(0, x.shape[0], 8):
+        store_f32(o, i, exp(load_f32(x, i)))
+
+
+def test_exp_lanes_against_float64():
+    """Within 2 ulp of e^x where the result is a normal float below 88.37; 0 below -87.33,
+    +inf above 88.37, NaN for NaN (a softmax's masked scores are -inf)."""
+    rng = np.random.default_rng()
+    x = np.concatenate([rng.uniform(-87.3, 88.3, 40000), rng.uniform(-2, 2, 40000),
+                        [0.0, -0.0, 1e-30, -1e-30, -87.3, 88.3, -90.0, 89.0, -np.inf, np.inf, np.nan, -1e4, 1e4,
+                         -88.0, 88.5, 1.0]]).astype(np.float32)
+    out = np.empty_like(x)
+    _exp(x, out)
+    with np.errstate(over="ignore"):
+        want = np.exp(x.astype(np.float64))
+    normal = (x > -87.33) & (x < 88.37)
+    np.testing.assert_allclose(out[normal], want[normal], rtol=2 * 2.0 ** -23, atol=0)
+    assert (out[(x < -87.33)] == 0).all() and (out[x > 88.37] == np.inf).all()
+    assert np.isnan(out[np.isnan(x)]).all()

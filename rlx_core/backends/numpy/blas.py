@@ -18,8 +18,15 @@ _LIB: list = []            # [(get, set)] once looked up; [None] when not found
 _LOCK = threading.Lock()
 
 
+_SYMBOLS = (("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_", "scipy_cblas_sgemm64_"),
+            ("scipy_openblas_get_num_threads", "scipy_openblas_set_num_threads", "scipy_cblas_sgemm"),
+            ("openblas_get_num_threads64_", "openblas_set_num_threads64_", "cblas_sgemm64_"),
+            ("openblas_get_num_threads", "openblas_set_num_threads", "cblas_sgemm"))
+
+
 def _openblas():
-    """(get_num_threads, set_num_threads) of the OpenBLAS numpy bundles, or None."""
+    """(get_num_threads, set_num_threads, cblas_sgemm name) of the OpenBLAS numpy bundles
+    and its CDLL, or None."""
     if not _LIB:
         found = None
         libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
@@ -28,19 +35,25 @@ def _openblas():
                 lib = ctypes.CDLL(path)
             except OSError:
                 continue
-            for get, put in (("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
-                             ("scipy_openblas_get_num_threads", "scipy_openblas_set_num_threads"),
-                             ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
-                             ("openblas_get_num_threads", "openblas_set_num_threads")):
+            for get, put, gemm in _SYMBOLS:
                 if hasattr(lib, get) and hasattr(lib, put):
                     g, s = getattr(lib, get), getattr(lib, put)
                     g.restype, s.argtypes, s.restype = ctypes.c_int, [ctypes.c_int], None
-                    found = (g, s)
+                    found = (g, s, gemm, lib)
                     break
             if found:
                 break
         _LIB.append(found)
     return _LIB[0]
+
+
+def cblas_sgemm() -> tuple | None:
+    """(address, ilp64) of that OpenBLAS's cblas_sgemm, for compiled kernels that call it
+    from their own threads (ilp64: its integer arguments are 64-bit), or None."""
+    lib = _openblas()
+    if lib is None or not hasattr(lib[3], lib[2]):
+        return None
+    return ctypes.cast(getattr(lib[3], lib[2]), ctypes.c_void_p).value, lib[2].endswith("64_")
 
 
 def blas_threads() -> int | None:
