@@ -15,6 +15,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from .cblas import sgemm_nt
 from .simd import LANES, exp, hsum, load_f32, store_f32, zeros
 
 _FM = {"reassoc", "contract"}
@@ -540,6 +541,16 @@ def gemv_nt_par(x, w, o):
 def gemv_nt_ser(x, w, o):
     for n in range(w.shape[0]):
         _gemv_row(x, w, o, n)
+
+
+@njit(parallel=True, **_OPT)
+def gemm_nt_par(x, w, o, parts, gemm, ilp64):
+    """o = x @ w^T (f32, C order; w [N, K]): N split in `parts`, each one cblas_sgemm call at
+    address gemm on a numba thread (cblas.py says why not BLAS's own threads)."""
+    n = w.shape[0]
+    for p in prange(parts):
+        r0, r1 = n * p // parts, n * (p + 1) // parts
+        sgemm_nt(gemm, ilp64, x, w[r0:], r1 - r0, o, r0)
 
 
 # --------------------------------------------------------------------------- copy (a yardstick)

@@ -15,6 +15,7 @@ import numba
 import numpy as np
 
 from rlx_core.backends.numpy import NumpyRunner
+from rlx_core.backends.numpy.blas import blas_threads, single_threaded_blas
 from rlx_core.ir.numpy_kernels import KERNELS, VIEWS, segments
 from rlx_core.ir.lir import LirModule
 from rlx_core.ir.ops import MaskKind
@@ -23,6 +24,7 @@ from rlx_core.ir.quant import QuantScheme
 from . import codegen
 from . import kernels as K
 from . import quant_kernels
+from .cblas import SGEMM
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 GEMV_MAX_M = 1                  # rows up to which a matmul on a [N, K] weight is a numba GEMV
@@ -272,7 +274,8 @@ def _segment_pool(a, outs, protos, op=None):
 # --------------------------------------------------------------------------- matmul
 def _matmul_fn(x, w, o, trans_b: bool):
     """fn(x, w) writing x @ w(^T) into `o`: a numba GEMV for a few rows on an [N, K] weight,
-    else BLAS through numpy (np.matmul with out=)."""
+    column blocks of an f32 [N, K] weight on numba's threads calling cblas_sgemm, else BLAS
+    through numpy (np.matmul with out=)."""
     m = math.prod(x.shape[:-1])
     k = x.shape[-1]
     if (trans_b and w.ndim == 2 and m <= GEMV_MAX_M and k > 0 and o.size
@@ -282,6 +285,18 @@ def _matmul_fn(x, w, o, trans_b: bool):
         return lambda x, w: kern(x.reshape(m, k), w, o2)
     blas = KERNELS["matmul"]
     a = {"trans_a": False, "trans_b": trans_b}
+    n = o.shape[-1]
+    if (trans_b and w.ndim == 2 and SGEMM is not None and k > 0 and o.size and x.dtype == w.dtype
+            == o.dtype == np.float32 and w.flags.c_contiguous and o.flags.c_contiguous and n >= 128):
+        o2 = o.reshape(m, n)
+        parts = max(1, min(numba.get_num_threads(), n // 64))
+
+        def gemm(x, w):
+            if blas_threads() == 1:            # an encoder's data-parallel part: one core each
+                return blas(a, [o], x, w)
+            with single_threaded_blas():
+                K.gemm_nt_par(np.ascontiguousarray(x.reshape(m, k)), w, o2, parts, *SGEMM)
+        return gemm
     return lambda x, w: blas(a, [o], x, w)
 
 

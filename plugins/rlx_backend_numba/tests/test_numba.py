@@ -6,6 +6,7 @@ The op table's parity suite (rlx_core.testing, run by tests/test_ops.py) runs on
 as on every other."""
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import rlx_core
+from rlx_core.backends.numpy.blas import single_threaded_blas
 from rlx_core.ir.dtype import BOOL, F32, F64, I32, DType
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.graph import Builder
@@ -332,21 +334,24 @@ def test_decode_step_makes_its_attention_inputs_in_one_step(rng, driver, style):
 # --------------------------------------------------------------------------- matmul
 @pytest.mark.parametrize("rows", [1, 5], ids=["gemv", "blas"])
 @pytest.mark.parametrize("dt", [F32, F64], ids=["f32", "f64"])
-def test_linear_epilogue(rng, driver, rows, dt):
+@pytest.mark.parametrize("n", [40, 200], ids=["narrow", "cblas"])     # >= 128 columns: cblas_sgemm parts
+def test_linear_epilogue(rng, driver, rows, dt, n):
     x = rng.uniform(-1, 1, (1, rows, 24)).astype(dt.np)
-    w = rng.uniform(-1, 1, (40, 24)).astype(dt.np)
-    bias = rng.uniform(-1, 1, (40,)).astype(dt.np)
+    w = rng.uniform(-1, 1, (n, 24)).astype(dt.np)
+    bias = rng.uniform(-1, 1, (n,)).astype(dt.np)
 
     def build(m):
-        y = m.add("fused_matmul_bias_act", (m.input("x", (1, rows, 24), dt), m.param("w", (40, 24), dt),
-                                            m.param("b", (40,), dt)), trans_b=True, act="gelu_tanh")
-        return y, m.matmul(m.input("x2", (1, rows, 24), dt), m.param("w2", (40, 24), dt), trans_b=True)
+        y = m.add("fused_matmul_bias_act", (m.input("x", (1, rows, 24), dt), m.param("w", (n, 24), dt),
+                                            m.param("b", (n,), dt)), trans_b=True, act="gelu_tanh")
+        return y, m.matmul(m.input("x2", (1, rows, 24), dt), m.param("w2", (n, 24), dt), trans_b=True)
 
     exe = compile_numba(build, params={"w": w, "b": bias, "w2": w})
-    got = run_poisoned(exe, {"x": x, "x2": x})
     y = x.astype(np.float64) @ w.T.astype(np.float64)
-    close(got["out0"], parity.REF_ACT["gelu_tanh"](y + bias), dt.np)
-    close(got["out1"], y, dt.np)
+    for scope in (contextlib.nullcontext, single_threaded_blas):   # (an encoder's data-parallel part)
+        with scope():
+            got = run_poisoned(exe, {"x": x, "x2": x})
+        close(got["out0"], parity.REF_ACT["gelu_tanh"](y + bias), dt.np)
+        close(got["out1"], y, dt.np)
 
 
 # --------------------------------------------------------------------------- selection
