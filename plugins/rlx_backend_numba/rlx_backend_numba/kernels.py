@@ -243,10 +243,9 @@ def _attn_rows(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, u
                 if use_keep and not krow[j * kj]:
                     s[j - lo] = ninf
                     continue
-                kr = k[b, kh, j]
                 acc = zero
                 for x in range(d):
-                    acc += qb[x] * kr[x]
+                    acc += qb[x] * k[b, kh, j, x]
                 acc *= scale
                 if softcap > 0:
                     acc = math.tanh(acc / softcap) * softcap
@@ -259,10 +258,9 @@ def _attn_rows(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, u
                 inv = 1 / exp_shifted(s, hi - lo, m)
                 for j in range(lo, hi):
                     p = s[j - lo] * inv
-                    if p != 0:
-                        vr = v[b, kh, j]
+                    if p != 0:                   # (indexed, not a row view: that stays scalar)
                         for x in range(dv):
-                            acc_o[x] += p * vr[x]
+                            acc_o[x] += p * v[b, kh, j, x]
         for x in range(dv):
             o[b, h, i, x] = acc_o[x]
 
@@ -297,7 +295,6 @@ def _decode_chunk(b, kh, c, lo, hi, q, k, v, keep, bias, scale, softcap, use_kee
             qb[g, x] = q[b, kh * g_n + g, 0, x]
     s = np.empty((g_n, max(n, 1)), q.dtype)
     for j in range(lo, hi):
-        kr = k[b, kh, j]
         for g in range(g_n):
             h = kh * g_n + g
             if use_keep and not keep[min(b, keep.shape[0] - 1), min(h, keep.shape[1] - 1), 0,
@@ -306,7 +303,7 @@ def _decode_chunk(b, kh, c, lo, hi, q, k, v, keep, bias, scale, softcap, use_kee
                 continue
             acc = scale * 0
             for x in range(d):
-                acc += qb[g, x] * kr[x]
+                acc += qb[g, x] * k[b, kh, j, x]
             acc *= scale
             if softcap > 0:
                 acc = math.tanh(acc / softcap) * softcap
@@ -322,12 +319,11 @@ def _decode_chunk(b, kh, c, lo, hi, q, k, v, keep, bias, scale, softcap, use_kee
         pm[b, h, c], pl[b, h, c] = m, tot
     acc_o = np.zeros((g_n, dv), q.dtype)
     for j in range(lo, hi):
-        vr = v[b, kh, j]
         for g in range(g_n):
             p = s[g, j - lo]
             if p != 0 and pm[b, kh * g_n + g, c] != ninf:
-                for x in range(dv):
-                    acc_o[g, x] += p * vr[x]
+                for x in range(dv):                  # (indexed: a row view stays scalar)
+                    acc_o[g, x] += p * v[b, kh, j, x]
     for g in range(g_n):
         for x in range(dv):
             pa[b, kh * g_n + g, c, x] = acc_o[g, x]
