@@ -208,6 +208,10 @@ def _exp_shifted(s, n, m):
     return scalar
 
 
+# A softmax weight below this adds nothing an f32 or f64 sum can hold (the largest weight is
+# at least 1 / keys), and its products with the values would be subnormal: one microcode
+# assist per lane (Gemma 3's peaked heads ran their prefill attention 3x slower).
+P_MIN = 1e-30
 ATTN_ROWS = 16            # query rows of one head per task (their buffers allocated once)
 
 
@@ -258,7 +262,7 @@ def _attn_rows(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, u
                 inv = 1 / exp_shifted(s, hi - lo, m)
                 for j in range(lo, hi):
                     p = s[j - lo] * inv
-                    if p != 0:                   # (indexed, not a row view: that stays scalar)
+                    if p > P_MIN:                # (indexed, not a row view: that stays scalar)
                         for x in range(dv):
                             acc_o[x] += p * v[b, kh, j, x]
         for x in range(dv):
@@ -321,7 +325,7 @@ def _decode_chunk(b, kh, c, lo, hi, q, k, v, keep, bias, scale, softcap, use_kee
     for j in range(lo, hi):
         for g in range(g_n):
             p = s[g, j - lo]
-            if p != 0 and pm[b, kh * g_n + g, c] != ninf:
+            if p > P_MIN and pm[b, kh * g_n + g, c] != ninf:
                 for x in range(dv):                  # (indexed: a row view stays scalar)
                     acc_o[g, x] += p * v[b, kh, j, x]
     for g in range(g_n):
@@ -414,6 +418,8 @@ def _varlen_task(t, q, k, v, starts, lens, o, scale, ninf):
             acc[c] = zero
         for j in range(n):
             pj = p[j]
+            if pj <= P_MIN * tot:
+                continue
             for c in range(dv):
                 acc[c] += pj * vl[j, c]
         for c in range(dv):
