@@ -308,6 +308,36 @@ def test_packaged_model_not_installed(monkeypatch):
         resolve_model_path("minilm")
 
 
+def test_assembled_gemma3_is_hashed_once(tmp_path, monkeypatch):
+    """The assembled file is checked against the package's sha256 when it is made and after
+    it changed (size or mtime), not on every start."""
+    import types
+
+    from rlx_core.weights import packaged
+
+    calls = []
+
+    def assemble(output_path):
+        calls.append(output_path)
+        if not os.path.exists(output_path):
+            with open(output_path, "wb") as f:
+                f.write(b"GGUF" * 10)
+        return output_path
+
+    pkg = types.SimpleNamespace(MODEL_NAME="m.gguf", EXPECTED_SHA256="ab12", assemble=assemble)
+    monkeypatch.setenv("RLX_CACHE", str(tmp_path))
+    monkeypatch.setattr(packaged, "_package_dir", lambda *a: str(tmp_path))
+    monkeypatch.setattr(importlib, "import_module", lambda name: pkg)
+    target = str(tmp_path / "m.gguf")
+    assert resolve_model_path("gemma3") == target and len(calls) == 2     # assembled, then checked
+    assert resolve_model_path("gemma3") == target and len(calls) == 2     # the stamp holds
+    with open(target, "ab") as f:
+        f.write(b"!")
+    assert resolve_model_path("gemma3") == target and len(calls) == 3     # changed: checked again
+    pkg.EXPECTED_SHA256 = "cd34"                                          # another release
+    assert resolve_model_path("gemma3") == target and len(calls) == 4
+
+
 def test_chat_template_rendering_and_missing():
     tok = Tokenizer(
         lambda: None,
