@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import gc
 import json
 import os
 import re
@@ -389,10 +390,15 @@ def tokenizer_from_gguf(path: str, metadata: dict) -> Tokenizer | None:
     eos += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == 3 and t in _EOG_TEXTS]
 
     def build():
+        gc_on = gc.isenabled()        # (the cyclic GC would walk every string and merge pair
+        gc.disable()                  # made here, again and again: 0.1 s of Gemma's build)
         try:
             return _build()
         except Exception as e:  # tokenizers raises plain Exceptions on inconsistent vocabularies
             raise WeightError(f"{path}: cannot build the {kind!r} tokenizer from GGUF metadata ({e})") from e
+        finally:
+            if gc_on:
+                gc.enable()
 
     def _build():
         if kind == "gpt2":
