@@ -449,14 +449,15 @@ class Executable:
             raise ModelError(f"graph {self.mir.name!r} params: " + " | ".join(parts))
         b = self.backend
 
+        needed = {n.name for n in self.mir.nodes if n.op == "param"}
+
         def upload(name):
             key = ("param", name, id(params[name]), specs[name].dtype)
             if key not in self.shared:
-                self.shared[key] = (params[name], b.to_device(               # (keeps 0-d 0-d)
-                    numeric(f"param {name!r}", params[name], specs[name].dtype)))
+                value = numeric(f"param {name!r}", params[name], specs[name].dtype)  # (keeps 0-d 0-d)
+                self.shared[key] = (params[name], (b.adopt if name in needed else b.to_device)(value))
             return key, self.shared[key][1]
 
-        needed = {n.name for n in self.mir.nodes if n.op == "param"}
         resident = {}
         if self.prologue is not None:
             keys = derived_keys(self.prologue, params)

@@ -182,6 +182,20 @@ def test_a_model_derives_its_fused_weights_once(hf_folder, monkeypatch):
     assert m.generate(np.array([[1, 2, 3]]), max_new_tokens=3, min_new_tokens=3).shape == (1, 6)
 
 
+def test_only_weights_every_run_reads_are_adopted(hf_folder, monkeypatch):
+    """Backend.adopt (where a CPU backend may copy a weight into its own memory) gets the
+    weights the graphs read; the q/k/v and gate/up only the prologue reads go through
+    to_device and are dropped once fused."""
+    adopted = []
+    monkeypatch.setattr(NumpyBackend, "adopt", lambda self, a: adopted.append(a) or a)
+    m = rlx_core.load(str(hf_folder), backend="numpy", progress=False)
+    m.executable("prefill"), m.executable("decode")
+    fused = [t for k, t in m.tensors.items() if k.endswith(("q_proj.weight", "up_proj.weight"))]
+    mlp_out = [t for k, t in m.tensors.items() if k.endswith(("o_proj.weight", "down_proj.weight"))]
+    assert fused and not any(np.shares_memory(a, t) for a in adopted for t in fused)
+    assert all(any(np.shares_memory(a, t) for a in adopted) for t in mlp_out)
+
+
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_real_gguf_packed_matches_dequantized(name):
     from rlx_core.weights import resolve_model_path

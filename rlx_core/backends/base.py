@@ -114,6 +114,12 @@ class Backend(abc.ABC):
     def to_device(self, array: np.ndarray):
         return array
 
+    def adopt(self, array: np.ndarray):
+        """A weight that every run reads, made resident (to_device here). A CPU backend may
+        copy one read from a file mapping into its own memory; weights only the load-time
+        prologue reads go through to_device, so they are never copied."""
+        return self.to_device(array)
+
     def to_host(self, value) -> np.ndarray:
         return np.asarray(value)
 

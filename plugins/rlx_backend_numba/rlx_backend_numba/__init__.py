@@ -21,6 +21,7 @@ from rlx_core.ir.lir import LirModule
 from rlx_core.plugins.hookspecs import hookimpl
 
 __version__ = "0.1.0"
+ADOPT_MIN_BYTES = 8 << 20        # file-mapped weights from this size are copied (NumbaBackend.adopt)
 
 
 def requested_threads(value=None) -> int | None:
@@ -119,6 +120,29 @@ class NumbaBackend(Backend):
         src = np.ones(nbytes // 8, np.float64)
         dst = np.empty_like(src)
         return 2 * src.nbytes / best_time(lambda: copy_par(src, dst))
+
+    def adopt(self, array):
+        """A large weight read from a file mapping (an LM head in a GGUF) is copied into NumPy's
+        memory, which NumPy backs with transparent huge pages (168 MB of them for Gemma 3), and
+        the file's pages leave this process: a decode GEMV streams it with fewer TLB misses
+        (Gemma 3's 178 MB LM head, Intel Xeon: 10.9 -> 8.6 ms alone, decode 24 -> 21 ms a
+        token, the same peak RSS). Small ones stay mapped: copies of them came from malloc's heap,
+        whose freed holes among them stayed resident (Gemma 3: +21 MB), for little gain."""
+        import numpy as np
+
+        from rlx_core.pipeline import release_file_pages
+
+        base = array
+        while isinstance(base, np.ndarray) and not isinstance(base, np.memmap) and base.base is not None:
+            base = base.base
+        if array.nbytes < ADOPT_MIN_BYTES or not isinstance(base, np.memmap) or base.mode != "r":
+            return array
+        copy = np.empty_like(array)
+        step = max(1, (4 << 20) // max(array[:1].nbytes, 1))       # 4 MB at a time: the file's
+        for i in range(0, len(array), step):                      # pages go as the copy grows
+            copy[i:i + step] = array[i:i + step]
+            release_file_pages(array[i:i + step])
+        return copy
 
     def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:
         ok, why = self.availability()

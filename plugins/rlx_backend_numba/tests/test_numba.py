@@ -362,6 +362,23 @@ def test_numba_ranks_above_numpy_and_numpy_stays_selectable():
     assert select_backend("numpy").name == "numpy"
 
 
+def test_adopt_copies_large_file_mapped_weights(tmp_path, monkeypatch):
+    """A file-mapped weight from ADOPT_MIN_BYTES on becomes the backend's own copy (same
+    values, no memory shared with the file); a smaller one and an in-memory array stay."""
+    import rlx_backend_numba
+
+    monkeypatch.setattr(rlx_backend_numba, "ADOPT_MIN_BYTES", 1 << 16)
+    data = np.random.default_rng().integers(0, 256, (3000, 100), dtype=np.uint8)
+    data.tofile(tmp_path / "w.bin")
+    mapped = np.memmap(tmp_path / "w.bin", dtype=np.uint8, mode="r", shape=data.shape)
+    b = NumbaBackend()
+    big = b.adopt(mapped[100:2900])
+    assert not np.shares_memory(big, mapped) and np.array_equal(big, data[100:2900])
+    small = mapped[:10]
+    assert b.adopt(small) is small
+    assert b.adopt(data) is data
+
+
 def test_unavailable_without_numba(monkeypatch):
     monkeypatch.setitem(sys.modules, "numba", None)
     ok, why = NumbaBackend().availability()
