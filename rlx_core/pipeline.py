@@ -349,16 +349,21 @@ def unpack(name: str, value, scheme: str, bad: list):
     return value.raw
 
 
-def release_file_pages(arr) -> None:
-    """Let the OS take back the resident pages of a weight read from a read-only file
-    mapping (touching them again reads the file again): once fused weights are derived from
-    a checkpoint's q/k/v or gate/up, the file's copies of those bytes only add to RSS."""
+def read_only_mapping(arr) -> bool:
+    """Whether array `arr` views a read-only file mapping (a checkpoint's weight as loaded)."""
     base = arr
     while isinstance(base, np.ndarray) and base.base is not None and not (
             isinstance(base, np.memmap) and base._mmap is not None):
         base = base.base
-    if (not sys.platform.startswith("linux") or not isinstance(base, np.memmap) or base._mmap is None
-            or base.mode != "r" or not isinstance(arr, np.ndarray)):
+    return (isinstance(arr, np.ndarray) and isinstance(base, np.memmap) and base._mmap is not None
+            and base.mode == "r")
+
+
+def release_file_pages(arr) -> None:
+    """Let the OS take back the resident pages of a weight read from a read-only file
+    mapping (touching them again reads the file again): once fused weights are derived from
+    a checkpoint's q/k/v or gate/up, the file's copies of those bytes only add to RSS."""
+    if not sys.platform.startswith("linux") or not read_only_mapping(arr):
         return
     page = mmap.PAGESIZE
     lo, hi = arr.ctypes.data, arr.ctypes.data + arr.nbytes

@@ -297,10 +297,10 @@ class CausalLM:
         cols: list = []                          # the new tokens, one column per step
         done = np.zeros(b, bool)
 
-        def step(exe, feed, t):
-            """(None, the greedy ids [b]) where fetch_greedy gives them, else (this step's
-            logits [b, vocab], None)."""
-            if greedy_outputs(exe) and not do_sample:
+        def step(exe, feed, t, greedy):
+            """(None, the greedy ids [b]) where fetch_greedy gives them (greedy: exe has them
+            and nothing is sampled), else (this step's logits [b, vocab], None)."""
+            if greedy:
                 nxt = fetch_greedy(exe, feed, slice(None), slice(None) if t < min_new_tokens else [],
                                    eos_arr)
                 if nxt is not None:
@@ -309,7 +309,8 @@ class CausalLM:
 
         t0 = t1 = t_decode = time.perf_counter()
         if max_new_tokens:
-            logits, nxt = step(prefill, dict(inputs, cache_pos=np.zeros(b, np.int32)), 0)
+            logits, nxt = step(prefill, dict(inputs, cache_pos=np.zeros(b, np.int32)), 0,
+                               greedy_outputs(prefill) and not do_sample)
             t1 = t_decode = time.perf_counter()
         full_mask = np.zeros((b, ctx), bool)
         full_mask[:, :s] = mask
@@ -333,10 +334,11 @@ class CausalLM:
             if decode is None:
                 decode = self.executable("decode")
                 decode.fixed_dims = {"ctx": ctx}
+                greedy = greedy_outputs(decode) and not do_sample
                 t_decode = time.perf_counter()        # (its compile is not a decode step's time)
             logits, nxt = step(decode, {"ids": nxt[:, None], "positions": positions,
                                         "key_mask": full_mask[:, None, None, :],
-                                        "cache_pos": np.full(b, s + t, np.int32)}, t + 1)
+                                        "cache_pos": np.full(b, s + t, np.int32)}, t + 1, greedy)
         t2 = time.perf_counter()
         new = np.stack(cols, 1) if cols else np.zeros((b, 0), np.int64)
         steps = max(new.shape[1] - 1, 1)

@@ -130,12 +130,9 @@ class NumbaBackend(Backend):
         whose freed holes among them stayed resident (Gemma 3: +21 MB), for little gain."""
         import numpy as np
 
-        from rlx_core.pipeline import release_file_pages
+        from rlx_core.pipeline import read_only_mapping, release_file_pages
 
-        base = array
-        while isinstance(base, np.ndarray) and not isinstance(base, np.memmap) and base.base is not None:
-            base = base.base
-        if array.nbytes < ADOPT_MIN_BYTES or not isinstance(base, np.memmap) or base.mode != "r":
+        if array.nbytes < ADOPT_MIN_BYTES or not read_only_mapping(array):
             return array
         copy = np.empty_like(array)
         step = max(1, (4 << 20) // max(array[:1].nbytes, 1))       # 4 MB at a time: the file's

@@ -11,6 +11,7 @@ numba's on-disk cache (an address differs from one process to the next).
 """
 from __future__ import annotations
 
+import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -56,6 +57,11 @@ def sgemm_nt(typingctx, fn, ilp64, x, w, rows, out, col):
     return types.none(fn, ilp64, x, w, rows, out, col), codegen
 
 
+def parts(n: int) -> int:
+    """Column parts of an N-wide product, one per numba thread, none under 64 columns."""
+    return max(1, min(numba.get_num_threads(), n // 64))
+
+
 SGEMM = cblas_sgemm()         # (address, ilp64), or None where numpy's BLAS is not an OpenBLAS
 
-__all__ = ["SGEMM", "sgemm_nt"]
+__all__ = ["SGEMM", "parts", "sgemm_nt"]

@@ -17,7 +17,6 @@ import functools
 import math
 import threading
 
-import numba
 import numpy as np
 from numba import njit, prange
 
@@ -25,6 +24,7 @@ from rlx_core.backends.numpy.blas import single_threaded_blas
 from rlx_core.ir.errors import ShapeError
 from rlx_core.ir.quant import QuantScheme
 
+from . import cblas
 from .cblas import SGEMM
 from .codegen import SWIGLU_HEAD, load_source, with_epilogue
 from .simd import (bits, bits32, fma, halves, idot_s, idot_u, load_bytes32, load_i8, load_u8, nibbles32,
@@ -461,7 +461,7 @@ def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | Non
     n = w.shape[0]
     out = np.empty((x.shape[0], n), x.dtype) if out is None else out
     xf = np.ascontiguousarray(x, np.float32)
-    parts = max(1, min(numba.get_num_threads(), n // 64))
+    parts = cblas.parts(n)
     step = max(1, min(-(-n // parts), SCRATCH // max(k, 1)))
     if SGEMM is None or not out.flags.c_contiguous:
         buf = scratch(step, k)[0]

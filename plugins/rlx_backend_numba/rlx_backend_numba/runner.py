@@ -24,6 +24,7 @@ from rlx_core.ir.quant import QuantScheme
 from . import codegen
 from . import kernels as K
 from . import quant_kernels
+from . import cblas
 from .cblas import SGEMM
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -168,11 +169,13 @@ def _attention_fn(a, q, k, v, o, mask):
         kern = lambda *args: K.attention_decode(*args, DECODE_CHUNK, numba.get_num_threads())  # noqa: E731
     is_bool = mask is not None and mask.dtype == np.bool_
     m4 = None if mask is None else (1,) * (4 - mask.ndim) + tuple(mask.shape)
+    # a strided q/k/v (a view the buffer plan left: Gemma's v in some layers) would run the
+    # kernel compiled for any layout, whose inner loops stay scalar (3x slower)
+    strided = not all(x.flags.c_contiguous for x in (q, k, v))
 
     def run(q, k, v, mask, pos):
-        # a strided q/k/v (a view the buffer plan left: Gemma's v in some layers) would run
-        # the kernel compiled for any layout, whose inner loops stay scalar (3x slower)
-        q, k, v = (x if x.flags.c_contiguous else np.ascontiguousarray(x) for x in (q, k, v))
+        if strided:
+            q, k, v = (np.ascontiguousarray(x) for x in (q, k, v))
         m = None if mask is None else mask.reshape(m4)
         keep = m if is_bool else no_keep
         bias = no_bias if mask is None or is_bool else m.astype(o.dtype, copy=False)
@@ -292,7 +295,7 @@ def _matmul_fn(x, w, o, trans_b: bool):
     if (trans_b and w.ndim == 2 and SGEMM is not None and k > 0 and o.size and x.dtype == w.dtype
             == o.dtype == np.float32 and w.flags.c_contiguous and o.flags.c_contiguous and n >= 128):
         o2 = o.reshape(m, n)
-        parts = max(1, min(numba.get_num_threads(), n // 64))
+        parts = cblas.parts(n)
 
         def gemm(x, w):
             if blas_threads() == 1:            # an encoder's data-parallel part: one core each
