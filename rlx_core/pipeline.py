@@ -576,13 +576,33 @@ class Executable:
         """Outputs by name; `fetch` (names) returns only those, and a backend whose outputs
         live on a device copies back only those (greedy decode: ids, not [batch, vocab])."""
         if fetch is not None:
-            fetch = tuple(fetch)
-            unknown = sorted(set(fetch) - {n for n, _ in self.mir.outputs})
-            if unknown:
-                raise GraphError(f"graph {self.mir.name!r}: no output(s) {unknown} to fetch; outputs: "
-                                 f"{[n for n, _ in self.mir.outputs]}")
+            fetch = self._outputs_named("fetch", fetch)
         runner, arrays, _ = self.prepare(dict(inputs or {}, **kw))
         return runner.run(arrays) if fetch is None else runner.run_fetch(arrays, fetch)
+
+    def submit(self, inputs: dict, fetch, chain: dict | None = None):
+        """Start a run; returns a function that waits for it and gives the outputs `fetch`.
+        `chain` ({input: output}) feeds inputs from the outputs of the last submit on the same
+        dims, whose values in `inputs` then only give their shapes: on a backend whose runs
+        overlap the host (`Backend.overlaps`, a GPU), a decode step so starts before the
+        step before it has been read back."""
+        fetch = self._outputs_named("fetch", fetch)
+        chain = dict(chain or {})
+        self._outputs_named("chain", chain.values())
+        unknown = sorted(set(chain) - set(self.input_specs))
+        if unknown:
+            raise GraphError(f"graph {self.mir.name!r}: chain names no input(s) {unknown}; inputs: "
+                             f"{sorted(self.input_specs)}")
+        runner, arrays, _ = self.prepare(dict(inputs))
+        return runner.submit(arrays, fetch, chain)
+
+    def _outputs_named(self, what: str, names) -> tuple:
+        names = tuple(names)
+        unknown = sorted(set(names) - {n for n, _ in self.mir.outputs})
+        if unknown:
+            raise GraphError(f"graph {self.mir.name!r}: no output(s) {unknown} to {what}; outputs: "
+                             f"{[n for n, _ in self.mir.outputs]}")
+        return names
 
     __call__ = run
 

@@ -82,3 +82,80 @@ def test_an_eos_argmax_before_min_new_tokens_takes_the_logits_path(rng):
     m = CausalLM.from_tensors(dict(LLAMA, eos_token_id=0, pad_token_id=0), t, backend="numpy")
     assert m.generate([5, 6, 7], max_new_tokens=3, min_new_tokens=3) == [5, 6, 7, 1, 1, 1]
     assert m.generate([5, 6, 7], max_new_tokens=3) == [5, 6, 7, 0]
+
+
+def test_queued_greedy_steps_give_the_same_tokens(model, rng, monkeypatch):
+    """With the backend's runs taken as overlapping the host (a GPU's do), generate queues
+    each greedy step before reading the one before, its ids chained on the device: the
+    tokens are those of the in-turn loop."""
+    prompt = rng.integers(1, model.vocab_size, (2, 4)).astype(np.int64)
+    runs = []
+    for overlaps in (False, True):
+        monkeypatch.setattr(model.backend, "overlaps", overlaps)
+        runs.append([model.generate(prompt, max_new_tokens=n, min_new_tokens=n) for n in (1, 2, 6)])
+    for want, got in zip(*runs):
+        np.testing.assert_array_equal(got, want)
+    # the 4th new token of row 1 made the EOS: banned there, so that step is run again for
+    # its logits (after the next step was queued on its arg-max)
+    monkeypatch.setattr(model, "tokenizer", None)
+    monkeypatch.setitem(model.config, "eos_token_id", int(runs[0][2][1, 4 + 3]))
+    runs = []
+    for overlaps in (False, True):
+        monkeypatch.setattr(model.backend, "overlaps", overlaps)
+        runs.append(model.generate(prompt, max_new_tokens=6, min_new_tokens=6))
+    np.testing.assert_array_equal(runs[1], runs[0])
+
+
+def test_a_chained_submit_takes_the_last_submits_output(model, rng):
+    """submit(chain={"ids": "next_ids"}) feeds a decode step the ids the step before chose,
+    also when another graph ran in between (then from the host copy)."""
+    dec = model.executable("decode")
+    dec.fixed_dims = {"ctx": 16}
+    pre = model.executable("prefill")
+    pre.fixed_dims = {"ctx": 16}
+    f1, f2 = _feed(model, rng), _feed(model, rng)
+
+    def feed(pos, ids):
+        return {"ids": ids[:, None], "positions": np.full((3, 1), pos), "cache_pos": np.full(3, pos, np.int32),
+                "key_mask": np.arange(16)[None, None, None, :].repeat(3, 0) <= pos}
+
+    def ids(out):
+        return out["next_ids"][:, -1]
+    first, zeros = rng.integers(1, model.vocab_size, 3).astype(np.int64), np.zeros(3, np.int64)
+    pre.run(f1)
+    a = ids(dec.submit(feed(5, first), GREEDY_OUTPUTS)())
+    b = dec.submit(feed(6, zeros), GREEDY_OUTPUTS, chain={"ids": "next_ids"})
+    c = dec.submit(feed(7, zeros), GREEDY_OUTPUTS, chain={"ids": "next_ids"})
+    got = [ids(b()), ids(c())]
+    pre.run(f2)                                            # (rewrites the cache rows 0..4)
+    got.append(ids(dec.submit(feed(8, zeros), GREEDY_OUTPUTS, chain={"ids": "next_ids"})()))
+    pre.run(f1)
+    want = [ids(dec.run(feed(5, first), fetch=GREEDY_OUTPUTS))]
+    for pos in (6, 7, 8):
+        if pos == 8:
+            pre.run(f2)
+        want.append(ids(dec.run(feed(pos, want[-1]), fetch=GREEDY_OUTPUTS)))
+    np.testing.assert_array_equal(a, want[0])
+    np.testing.assert_array_equal(np.stack(got), np.stack(want[1:]))
+
+
+def test_a_chain_is_checked(model, rng):
+    dec = model.executable("decode")
+    with pytest.raises(GraphError, match=r"chain names no input\(s\) \['nope'\]"):
+        dec.submit({}, GREEDY_OUTPUTS, chain={"nope": "next_ids"})
+    with pytest.raises(GraphError, match=r"no output\(s\) \['gone'\] to chain"):
+        dec.submit({}, GREEDY_OUTPUTS, chain={"ids": "gone"})
+
+
+def test_an_eos_ban_when_steps_are_queued(rng, monkeypatch):
+    """The banned-EOS fallback reruns a step for its logits after the next step was queued:
+    the queued step is dropped and the tokens are those of the in-turn loop."""
+    from tiny_models import LLAMA, llama_tensors
+    from rlx_core.runtime.model import CausalLM
+
+    t = llama_tensors(LLAMA, rng)
+    t["model.norm.weight"] = np.zeros_like(t["model.norm.weight"])
+    m = CausalLM.from_tensors(dict(LLAMA, eos_token_id=0, pad_token_id=0), t, backend="numpy")
+    monkeypatch.setattr(m.backend, "overlaps", True)
+    assert m.generate([5, 6, 7], max_new_tokens=4, min_new_tokens=3) == [5, 6, 7, 1, 1, 1, 0]
+    assert m.generate([5, 6, 7], max_new_tokens=3) == [5, 6, 7, 0]

@@ -38,6 +38,22 @@ class Runner(abc.ABC):
         out = self.run(inputs)
         return {k: out[k] for k in names}
 
+    def submit(self, inputs: dict, names: tuple, chain: dict):
+        """Start a run and return a function that waits for it and gives the outputs `names`.
+        `chain` ({input: output}) takes those inputs from the outputs of this runner's last
+        submit (`inputs` holds placeholders of their shape). Here the run happens now and the
+        chained values come from the host copies of that submit's outputs; a backend whose
+        runs overlap the host (`Backend.overlaps`) copies them on its device instead."""
+        last = getattr(self, "_submitted", None)
+        if chain and last is None:
+            from ..ir.errors import BackendError
+
+            raise BackendError(f"{type(self).__name__}: a chained run must follow a submit of the same graph")
+        inputs = dict(inputs, **{i: last[o].astype(inputs[i].dtype, copy=False).reshape(inputs[i].shape)
+                                 for i, o in chain.items()})
+        self._submitted = out = self.run_fetch(inputs, tuple(dict.fromkeys((*names, *chain.values()))))
+        return lambda: {k: out[k] for k in names}
+
     def run_profiled(self, inputs: dict) -> tuple:
         """Run once timing every step: (outputs, [(node index, seconds), ...] in run order; a
         node may have several steps). The profiler (`Executable.profile`) builds on this alone,
@@ -52,6 +68,7 @@ class Backend(abc.ABC):
     priority: int = 0
     target: str = "generic"                  # fusion pattern set (passes/fusion.py TARGETS)
     dtypes: frozenset = frozenset(DType)
+    overlaps: bool = False          # Runner.submit returns before the run ends (a device's queue)
 
     def configure(self, config) -> "Backend":
         """This backend set up for a profile's [backend] section (a device selector, a thread

@@ -94,7 +94,11 @@ def fetch_greedy(exe, feed: dict, rows, banning, eos) -> np.ndarray | None:
     the ids when the logits of `rows` are finite and no row of `banning` (rows that may not
     yet end) picked an EOS (banning only lowers EOS), else None: the caller runs the step
     again for the logits (it writes the same KV rows)."""
-    out = exe.run(feed, fetch=GREEDY_OUTPUTS)
+    return checked_greedy(exe.run(feed, fetch=GREEDY_OUTPUTS), rows, banning, eos)
+
+
+def checked_greedy(out: dict, rows, banning, eos) -> np.ndarray | None:
+    """fetch_greedy's ids and checks on a step's fetched greedy outputs `out`."""
     ids = out["next_ids"][:, -1]
     if not np.isfinite(out["logits_sum"][rows]).all() or np.isin(ids[banning], eos).any():
         return None
@@ -297,12 +301,15 @@ class CausalLM:
         cols: list = []                          # the new tokens, one column per step
         done = np.zeros(b, bool)
 
+        def greedy_of(out, t):
+            """The greedy ids [b] in a step's fetched outputs, or None (fetch_greedy's checks)."""
+            return checked_greedy(out, slice(None), slice(None) if t < min_new_tokens else [], eos_arr)
+
         def step(exe, feed, t, greedy):
-            """(None, the greedy ids [b]) where fetch_greedy gives them (greedy: exe has them
-            and nothing is sampled), else (this step's logits [b, vocab], None)."""
+            """(None, the greedy ids [b]) where the greedy outputs give them (greedy: exe has
+            them and nothing is sampled), else (this step's logits [b, vocab], None)."""
             if greedy:
-                nxt = fetch_greedy(exe, feed, slice(None), slice(None) if t < min_new_tokens else [],
-                                   eos_arr)
+                nxt = greedy_of(exe.run(feed, fetch=GREEDY_OUTPUTS), t)
                 if nxt is not None:
                     return None, nxt
             return exe.run(feed, fetch=("logits",))["logits"][:, -1], None
@@ -314,8 +321,44 @@ class CausalLM:
             t1 = t_decode = time.perf_counter()
         full_mask = np.zeros((b, ctx), bool)
         full_mask[:, :s] = mask
-        positions = inputs["positions"][:, -1:]
+        last_pos = inputs["positions"][:, -1:]
+
+        def feed(t, ids):
+            """The inputs of the decode step giving token t, from token t - 1 (`ids` [b])."""
+            full_mask[:, s + t - 1] = True
+            return {"ids": ids[:, None], "positions": last_pos + t, "key_mask": full_mask[:, None, None, :].copy(),
+                    "cache_pos": np.full(b, s + t - 1, np.int32)}
+
+        # On a backend whose runs overlap the host (a GPU), the greedy step giving token t + 1
+        # is queued before token t is read, fed token t's ids on the device: the device never
+        # waits for the host. It is dropped where token t ends the rows or is not the greedy id.
+        ahead = None              # (feed, wait) of the step giving token t, queued early
         for t in range(max_new_tokens):
+            if t:
+                if decode is None:
+                    decode = self.executable("decode")
+                    decode.fixed_dims = {"ctx": ctx}
+                    greedy = greedy_outputs(decode) and not do_sample
+                    overlap = greedy and self.backend.overlaps
+                    t_decode = time.perf_counter()        # (its compile is not a decode step's time)
+                if ahead is None:
+                    now = feed(t, nxt)
+                    if not overlap:
+                        logits, nxt = step(decode, now, t, greedy)
+                    else:
+                        ahead = (now, decode.submit(now, GREEDY_OUTPUTS))
+                if ahead is not None:
+                    now, wait = ahead
+                    ahead = None
+                    if t + 1 < max_new_tokens:       # (nxt, token t - 1, gives the ids' shape)
+                        later = feed(t + 1, nxt)
+                        ahead = (later, decode.submit(later, GREEDY_OUTPUTS, chain={"ids": "next_ids"}))
+                    nxt = greedy_of(wait(), t)
+                    if nxt is None:                       # the logits were needed after all
+                        if ahead is not None:
+                            ahead[1]()
+                            ahead = None          # (its ids, chained, were this step's arg-max)
+                        logits, nxt = step(decode, dict(now, ids=cols[-1][:, None]), t, False)
             if nxt is None:
                 if not np.isfinite(logits).all():
                     self._check_finite(logits, ids, mask)
@@ -329,16 +372,8 @@ class CausalLM:
             done |= (nxt[:, None] == eos_arr).any(1)
             if done.all() or t == max_new_tokens - 1:
                 break
-            full_mask[:, s + t] = True
-            positions = positions + 1
-            if decode is None:
-                decode = self.executable("decode")
-                decode.fixed_dims = {"ctx": ctx}
-                greedy = greedy_outputs(decode) and not do_sample
-                t_decode = time.perf_counter()        # (its compile is not a decode step's time)
-            logits, nxt = step(decode, {"ids": nxt[:, None], "positions": positions,
-                                        "key_mask": full_mask[:, None, None, :],
-                                        "cache_pos": np.full(b, s + t, np.int32)}, t + 1, greedy)
+        if ahead is not None:
+            ahead[1]()                  # (a step queued past the end: let it finish)
         t2 = time.perf_counter()
         new = np.stack(cols, 1) if cols else np.zeros((b, 0), np.int64)
         steps = max(new.shape[1] - 1, 1)

@@ -50,6 +50,7 @@ class CudaArray:
 class CudaBackend(Backend):
     name = "cuda"
     priority = 30
+    overlaps = True          # a submit returns before its run ends (Runner.submit)
     target = "cuda"
 
     def __init__(self):
@@ -58,6 +59,7 @@ class CudaBackend(Backend):
         self._arena_bytes = 0
         self._scratch = None
         self._scratch_bytes = 0
+        self.runs = 0               # runs enqueued on the stream (a chained submit checks it)
 
     # -- identity
     def availability(self) -> tuple:
@@ -215,7 +217,8 @@ def rlx_register_backends(register):
 
 def set_config(**kw) -> None:
     """Implementation switches: gemv (decode GEMV kernel vs cuBLAS), tc_attention
-    (tensor-core prefill attention vs CUDA cores), graphs (CUDA graph replay)."""
+    (tensor-core prefill attention vs CUDA cores), graphs (CUDA graph replay),
+    dependent_launch (kernels start as programmatic dependents on Hopper: device.Kernel)."""
     from .values import set_config as _set
 
     _set(**kw)

@@ -2,6 +2,7 @@
 errors, the stream, and the NVRTC kernel cache (errors name the op and the source line)."""
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -136,22 +137,113 @@ def _source_line(source: str, log: str) -> str:
 
 def kernel(source: str, name: str, op: str):
     """The compiled function `name` of `source` (compiled once per process, NVRTC's disk
-    cache across processes). A compile error is a BackendError naming the op and the line."""
+    cache across processes), launched as `fn(grid, block, args, shared_mem, stream)`. A
+    compile error is a BackendError naming the op and the line."""
     key = (hashlib.sha1(source.encode()).hexdigest(), name)
     fn = _KERNELS.get(key)
     if fn is not None:
         return fn
     cp = cupy()
+    source = with_grid_wait(source, name)
     try:
         mod = cp.RawModule(code=source, options=OPTIONS)
         raw = mod.get_function(name)
-        fn = raw.kernel          # the launchable cupy.cuda.function.Function
     except cp.cuda.compiler.CompileException as e:
         log = str(e)
         raise BackendError(f"cuda backend: compiling kernel {name!r} for op {op!r} failed:\n"
                            f"{log.strip()[:2000]}{_source_line(source, log)}") from None
-    _KERNELS[key] = fn
+    # (raw.kernel: the launchable cupy.cuda.function.Function)
+    fn = _KERNELS[key] = Kernel(raw.kernel, name) if dependent_launch() else raw.kernel
     return fn
+
+
+def with_grid_wait(source: str, name: str) -> str:
+    """`source` with kernel `name` starting at RLX_GRID_WAIT() (see Kernel; on the line of its
+    brace, so compile errors keep their line numbers), unless the kernel places it itself
+    (after loads of what no earlier kernel writes) or the source lacks the prelude."""
+    head = re.search(r'extern "C" __global__ void[^{;]*\b' + re.escape(name) + r"\s*\([^{;]*\)\s*\{", source)
+    if head is None or "RLX_GRID_WAIT" in source[head.end():] or "#define RLX_GRID_WAIT" not in source:
+        return source
+    return source[:head.end()] + " RLX_GRID_WAIT();" + source[head.end():]
+
+
+@functools.lru_cache(maxsize=1)
+def dependent_launch():
+    """cuLaunchKernelEx of the driver where a kernel may launch as a programmatic dependent
+    (Hopper and later, CUDA not HIP), else None."""
+    if probe()[2].get("hip") or tuple(probe()[2].get("cc", (0, 0))) < (9, 0):
+        return None
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class _LaunchAttr(ctypes.Structure):          # CUlaunchAttribute: id, padding, a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):        # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("nattrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6        # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_ARG_CTYPES = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
+               np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.uint64): ctypes.c_uint64,
+               np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
+
+
+class Kernel:
+    """A kernel launched as a programmatic dependent of the kernel before it on the stream
+    (Hopper's PDL): its blocks start while that kernel's last blocks finish, run what reads
+    no result of it (a GEMV's first weight loads), and wait for it at RLX_GRID_WAIT(). A
+    decode step is ~130 small kernels, so each one's start no longer waits for the drain of
+    the one before. Arguments CuPy would convert otherwise (Python ints) launch as CuPy does."""
+    __slots__ = ("fn", "name")
+
+    def __init__(self, fn, name: str):
+        self.fn, self.name = fn, name
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        from .values import CONFIG
+
+        params = _c_args(args) if CONFIG["dependent_launch"] else None
+        if params is None:
+            return self.fn(grid, block, args, shared_mem, stream)
+        attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1
+        cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid, *[1] * (3 - len(grid))),
+                            (ctypes.c_uint * 3)(*block, *[1] * (3 - len(block))), shared_mem,
+                            stream.ptr if stream is not None else 0, ctypes.pointer(attr), 1)
+        ptrs = (ctypes.c_void_p * len(params))(*[ctypes.addressof(c) for c in params])
+        err = dependent_launch()(ctypes.byref(cfg), self.fn.ptr, ptrs, None)
+        if err:
+            raise BackendError(f"cuda backend: launching kernel {self.name!r} failed (CUresult {err})")
+
+
+def _c_args(args) -> list | None:
+    """The kernel arguments as ctypes values, or None where one is not a device array, None
+    (a null pointer), float (a double) or a NumPy scalar of a known type."""
+    out = []
+    for a in args:
+        if a is None:
+            out.append(ctypes.c_void_p(0))
+        elif isinstance(a, np.generic):
+            t = _ARG_CTYPES.get(a.dtype)
+            if t is None:
+                return None
+            out.append(t(a.item()))
+        elif isinstance(a, float):
+            out.append(ctypes.c_double(a))
+        elif hasattr(a, "data") and hasattr(a.data, "ptr"):
+            out.append(ctypes.c_void_p(a.data.ptr))
+        else:
+            return None
+    return out
 
 
 def compile_check_sources() -> list:

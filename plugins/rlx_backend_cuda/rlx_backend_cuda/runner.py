@@ -22,6 +22,11 @@ from . import codegen, device
 from .ops import BUILDERS, VIEW_BUILDERS
 from .values import CONFIG, V, nocopy_reshape_strides
 
+def pinned(n: int) -> np.ndarray:
+    """n bytes of page-locked host memory (asynchronous copies to and from the device)."""
+    return np.frombuffer(device.cupy().cuda.alloc_pinned_memory(n), np.uint8, n)
+
+
 def _grid(n: int, block: int, sms: int) -> tuple:
     return (max(1, min((n + block - 1) // block, sms * 32)),)
 
@@ -245,8 +250,6 @@ class CudaRunner(Runner):
             tot += (s.nbytes() + 63) // 64 * 64
         self.in_bytes = tot
         self.in_dev = device.alloc(max(tot, 64), f"inputs of graph {self.name!r}")
-        self.in_pin = cp.cuda.alloc_pinned_memory(max(tot, 64))
-        self.in_host = np.frombuffer(self.in_pin, np.uint8, max(tot, 64))
         vals = b.vals
         self.inputs = {}
         for (name, i, s), off in zip(ins, offs):
@@ -308,8 +311,12 @@ class CudaRunner(Runner):
             nb = v.size * v.arr.itemsize
             self.outputs.append((name, v, otot, nb))
             otot += (nb + 63) // 64 * 64
-        self.out_pin = cp.cuda.alloc_pinned_memory(otot)
-        self.out_host = np.frombuffer(self.out_pin, np.uint8, otot)
+        # pinned staging, two slots (a run can be enqueued while the one before runs): the
+        # inputs' bytes, the outputs' bytes, the event that says the slot's run is done
+        self.slots = [(pinned(max(tot, 64)), pinned(otot), cp.cuda.Event(disable_timing=True))
+                      for _ in range(2)]
+        self.slot = 0
+        self.chain_mark = None            # (backend's runs, this runner's runs, slot) after a submit
         self.steps = b.steps
         self.keep = b.keep
         self.capturable = all(s.capturable for s in self.steps) and not b.hip
@@ -360,6 +367,33 @@ class CudaRunner(Runner):
     def run_fetch(self, inputs: dict, names: tuple) -> dict:
         return self._run(inputs, None, set(names))
 
+    def submit(self, inputs: dict, names: tuple, chain: dict):
+        """Enqueue the run and return at once. A chained input is copied on the device from
+        this runner's last submit's output when nothing ran on the backend since (else from
+        that submit's host copy, once it is done)."""
+        from_dev = {}
+        if chain:
+            mark = self.chain_mark
+            if mark is None or mark[1] != self.runs:
+                raise BackendError(f"cuda backend: graph {self.name!r}: a chained run must follow a submit "
+                                   "of the same graph, with no other run of it between")
+            outs = {name: (v, off, nb) for name, v, off, nb in self.outputs}
+            for i, o in chain.items():
+                v, off, nb = outs[o]
+                if (nb, v.dt) != (self.inputs[i][1], self.inputs[i][2].dtype):
+                    raise BackendError(f"cuda backend: graph {self.name!r}: output {o!r} ({v.dt}{list(v.shape)}) "
+                                       f"cannot feed input {i!r} ({self.inputs[i][2]})")
+                if mark[0] == self.backend.runs:
+                    from_dev[i] = v
+                else:
+                    done_slot = self.slots[mark[2]]
+                    done_slot[2].synchronize()
+                    inputs = dict(inputs, **{i: done_slot[1][off:off + nb].view(v.dt.np)})
+        fetch = set(names) | set(chain.values())
+        slot = self._enqueue(inputs, None, fetch, from_dev)
+        self.chain_mark = (self.backend.runs, self.runs, slot)
+        return lambda: {k: v for k, v in self._collect(slot, fetch).items() if k in names}
+
     def run_profiled(self, inputs: dict) -> tuple:
         """run() with the steps launched eagerly and a CUDA event recorded after each (the
         graph replay has no points to time between kernels): (outputs, [(node, seconds)])."""
@@ -378,16 +412,22 @@ class CudaRunner(Runner):
                      for st, a, b in zip(self.steps, events, events[1:])]
 
     def _run(self, inputs: dict, launch, fetch: set | None = None) -> dict:
-        """Stage the inputs, enqueue the steps (`launch()`, else the CUDA graph or the eager
-        loop), read the outputs back (those in `fetch`, default all), synchronize once."""
+        return self._collect(self._enqueue(inputs, launch, fetch, {}), fetch)
+
+    def _enqueue(self, inputs: dict, launch, fetch: set | None, from_dev: dict) -> int:
+        """Stage the inputs in the next slot, copy `from_dev` (input -> device value) into
+        the device inputs, enqueue the steps (`launch()`, else the CUDA graph or the eager
+        loop) and the copies back of the outputs in `fetch` (default all): the slot."""
         cp = device.cupy()
         if self._states_changed():
             self._build()
         rt = cp.cuda.runtime
-        host = self.in_host
+        self.slot = slot = 1 - self.slot
+        host, oh, done = self.slots[slot]
+        done.synchronize()                  # (its last run has finished with the slot's buffers)
         for name, (off, nb, s) in self.inputs.items():
             a = inputs[name]
-            if nb:
+            if nb and name not in from_dev:
                 host[off:off + nb] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         s = self.stream
         try:
@@ -395,6 +435,9 @@ class CudaRunner(Runner):
                 if self.in_bytes:
                     rt.memcpyAsync(self.in_dev.ptr, host.ctypes.data, self.in_bytes,
                                    rt.memcpyHostToDevice, s.ptr)
+                for name, v in from_dev.items():
+                    off, nb, _ = self.inputs[name]
+                    rt.memcpyAsync(self.in_dev.ptr + off, v.arr.data.ptr, nb, rt.memcpyDeviceToDevice, s.ptr)
                 if self.graph is not None and self.graph_version != CONFIG["version"]:
                     self.graph = None
                 use_graph = launch is None and CONFIG["graphs"] and self.capturable and self.runs >= 1
@@ -406,27 +449,39 @@ class CudaRunner(Runner):
                     self.graph.launch(s)
                 else:
                     self._eager()
-                oh = self.out_host
                 rt.memcpyAsync(oh.ctypes.data, self.err.data.ptr, 16, rt.memcpyDeviceToHost, s.ptr)
                 for name, v, off, nb in self.outputs:
                     if nb and (fetch is None or name in fetch):
                         rt.memcpyAsync(oh.ctypes.data + off, v.arr.data.ptr, nb, rt.memcpyDeviceToHost, s.ptr)
-            s.synchronize()
+                done.record(s)
         except RlxError:
             raise
         except Exception as e:
-            raise BackendError(f"cuda backend: running graph {self.name!r} failed: {type(e).__name__}: {e} "
-                               "(set RLX_CUDA_SYNC_EACH=1 to name the failing node)") from e
+            raise self._failed(e) from e
         self.runs += 1
-        self._raise_flagged(self.out_host[:16].view(np.int32))
+        self.backend.runs += 1
+        return slot
+
+    def _collect(self, slot: int, fetch: set | None) -> dict:
+        """Wait for the run of `slot`; its outputs in `fetch` (default all) as numpy arrays,
+        after raising what a kernel flagged."""
+        _, oh, done = self.slots[slot]
+        try:
+            done.synchronize()
+        except Exception as e:
+            raise self._failed(e) from e
+        self._raise_flagged(oh[:16].view(np.int32))
         out = {}
         for name, v, off, nb in self.outputs:
             if fetch is not None and name not in fetch:
                 continue
-            a = np.array(self.out_host[off:off + nb])
             npdt = v.dt.np
-            out[name] = a.view(npdt).reshape(v.shape) if nb else np.zeros(v.shape, npdt)
+            out[name] = np.array(oh[off:off + nb]).view(npdt).reshape(v.shape) if nb else np.zeros(v.shape, npdt)
         return out
+
+    def _failed(self, e) -> BackendError:
+        return BackendError(f"cuda backend: running graph {self.name!r} failed: {type(e).__name__}: {e} "
+                            "(set RLX_CUDA_SYNC_EACH=1 to name the failing node)")
 
     def _raise_flagged(self, err) -> None:
         """Raise what a kernel flagged in the error word (host copy `err`: code, node, value,
@@ -458,6 +513,7 @@ class CudaRunner(Runner):
                 if nb:
                     cp.copyto(cp.ndarray(s.dims, device.storage_dtype(s.dtype), memptr=self.in_dev + off), a)
             self._eager()
+        self.backend.runs += 1
         return [v.arr for _, v, _, _ in self.outputs]
 
     def check_flags(self) -> None:

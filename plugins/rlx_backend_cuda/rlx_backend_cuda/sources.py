@@ -32,6 +32,13 @@ typedef __hip_bfloat16 __nv_bfloat16;
 #endif
 typedef long long i64;
 typedef unsigned int u32;
+// A kernel launched as a programmatic dependent (device.Kernel) waits here for the kernel
+// before it, then lets the kernel after it start its blocks; a no-op launched otherwise.
+#if !defined(RLX_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define RLX_GRID_WAIT() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define RLX_GRID_WAIT()
+#endif
 #define RLX_INF __int_as_float(0x7f800000)
 
 // load any storage type as float / double
@@ -1057,12 +1064,19 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const $T* __restrict_
 #endif
     wr[r] = (const uint4*)(w + (i64)row * K);
   }
+  const int KV = K / 8;
+  // the weights depend on no earlier kernel: the first 4 KB of each row go to L2 before the
+  // wait for the kernel that writes x (device.Kernel)
+#pragma unroll
+  for (int r = 0; r < $R; ++r)
+    for (int c = lane; c < KV && c < 256; c += 32)
+      asm volatile("prefetch.global.L2 [%0];" :: "l"(wr[r] + c));
+  RLX_GRID_WAIT();
   float acc[$R][$MMAX];
 #pragma unroll
   for (int r = 0; r < $R; ++r)
 #pragma unroll
     for (int m = 0; m < $MMAX; ++m) acc[r][m] = 0.f;
-  const int KV = K / 8;
   for (int c0 = lane; c0 < KV; c0 += 32 * $U) {
     uint4 wv[$U][$R];
 #pragma unroll

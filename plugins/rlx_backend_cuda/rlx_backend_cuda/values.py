@@ -3,10 +3,13 @@ no-copy reshape strides (a room of its own, so neither imports the other)."""
 from __future__ import annotations
 
 import math
+import os
 
 from rlx_core.ir.dtype import DType
 
-CONFIG = {"gemv": True, "tc_attention": True, "graphs": True, "version": 0}
+# dependent_launch: RLX_CUDA_DEPENDENT_LAUNCH=0 launches every kernel as CuPy does (device.Kernel)
+CONFIG = {"gemv": True, "tc_attention": True, "graphs": True,
+          "dependent_launch": os.environ.get("RLX_CUDA_DEPENDENT_LAUNCH", "1") != "0", "version": 0}
 
 
 def set_config(**kw) -> None:

@@ -416,7 +416,9 @@ def test_tiny_decode_kv_cache_graph_replay(rng, dt):
 
     try:
         for t in range(8):
-            set_config(gemv=t < 6)      # the last steps: cuBLAS and the unfused SwiGLU launch
+            # the last steps: cuBLAS and the unfused SwiGLU launch; every other step's kernels
+            # launch as programmatic dependents
+            set_config(gemv=t < 6, dependent_launch=t % 2 == 0)
             pos = np.array([t, t + 3], np.int32)
             ang = pos[:, None, None] * (0.3 + np.arange(D // 2))[None, None, :] * 0.1
             ins = {"x": rand(rng, (B, 1, hid), dt), "pos": pos, "cos": np.cos(ang).astype(np.float32),
@@ -427,7 +429,7 @@ def test_tiny_decode_kv_cache_graph_replay(rng, dt):
             kn = np.asarray(exes["numpy"].states["cache_k"])
             assert err(kc, kn) <= TOL[dt]
     finally:
-        set_config(gemv=True)
+        set_config(gemv=True, dependent_launch=True)
     runner = next(iter(exes["cuda"]._runners.values()))
     d = runner.describe()
     assert d["graph"], f"decode was not replayed as a CUDA graph: {d}"
@@ -469,6 +471,21 @@ def test_out_of_memory_names_bytes():
 
     with pytest.raises(BackendError, match=r"out of GPU memory allocating \d+ bytes.*\d+ bytes free"):
         device.alloc(1 << 50, "a test buffer")
+
+
+def test_every_kernel_waits_for_the_kernel_before_it():
+    """Launched as programmatic dependents (device.Kernel), kernels must wait for the kernel
+    before them before reading its results: each catalog kernel gets one RLX_GRID_WAIT()
+    (the GEMV places its own, after its weight prefetch), and no line moves."""
+    from rlx_backend_cuda import device, kernels_catalog
+
+    for name, src, kname in kernels_catalog.catalog():
+        out = device.with_grid_wait(src, kname)
+        assert out.count("RLX_GRID_WAIT();") == 1, name
+        assert out.count("\n") == src.count("\n"), name
+        body = out[out.index(f" {kname}("):]
+        assert "RLX_GRID_WAIT();" in body, name
+        assert ("{ RLX_GRID_WAIT();" in body) is (kname != "rlx_gemv"), name     # (first, or placed)
 
 
 @gpu

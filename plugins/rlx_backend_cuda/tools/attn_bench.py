@@ -65,7 +65,7 @@ def timed(runner, reps=200) -> float:
 
 
 SWEEP = {"ATTN_LOADS": (1, 2, 4), "ATTN_THREADS": (64, 128), "ATTN_BLOCKS_PER_SM": (1, 2, 4),
-         "ATTN_MIN_CHUNK": (32, 64, 128)}
+         "ATTN_MIN_CHUNK": (16, 32, 64, 128)}
 
 
 def main():
