@@ -412,6 +412,7 @@ def batch_child(side: str, a) -> dict:
     prompts = {b: rng.integers(0, cfg["vocab_size"], (b, a.prompt)).astype(np.int64) for b in a.batch}
     out = {}
     if side == "rlx":
+        out["floor_s"] = weight_bytes(tensors) / copy_bandwidth()     # (weights read once a step)
         model = runtime_model(cfg, tensors, a.prompt + a.new + 128)
         del tensors
         for b, prompt in prompts.items():
@@ -461,6 +462,10 @@ def batch_main(a) -> int:
         ratio = [f"{rl[b]['decode_s'] / rl[a.batch[0]]['decode_s']:.2f}" if rl else "-"]
         ratio += [f"{rl[b]['decode_s'] / res[s][b]['decode_s']:.2f}" if rl else "-" for s in res if s != "rlx"]
         lines.append(f"| {b} | " + " | ".join(cells + ratio) + " |")
+    if "rlx" in res:
+        fl = res["rlx"]["floor_s"]
+        lines.append(f"weight-read floor {fl * 1e3:.3f} ms/step (weights over the copy rate measured in the rlx "
+                     f"process); RLX batch-1 step {res['rlx'][a.batch[0]]['decode_s'] / fl:.2f}x it")
     lines.append("peak device memory: " + ", ".join(f"{s} {res[s]['peak_bytes'] / 1e9:.2f} GB" for s in res)
                  + " (RLX: the CuPy pool's total; HF: torch's max allocated)")
     print("\n".join(lines), flush=True)
