@@ -1434,6 +1434,12 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const $T* __restri
   const u8* wr[$R];
 #pragma unroll
   for (int r = 0; r < $R; ++r) wr[r] = w + (i64)(min(n0 + r % OUTR, N - 1) + (r / OUTR) * N) * wrs;
+  // the packed rows depend on no earlier kernel: their first 4 KB go to L2 before the wait
+#pragma unroll
+  for (int r = 0; r < $R; ++r)
+    for (i64 c = (kw * 32 + lane) * 128; c < wrs && c < 4096; c += 32 * $KW * 128)
+      asm volatile("prefetch.global.L2 [%0];" :: "l"(wr[r] + c));
+  RLX_GRID_WAIT();
   W acc[$R][$MMAX];
 #pragma unroll
   for (int r = 0; r < $R; ++r)
