@@ -24,19 +24,21 @@ ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 
 
 @intrinsic
-def sgemm_nt(typingctx, fn, ilp64, x, w, rows, out, col):
-    """out[:, col:col + rows] = x @ w[:rows]^T for C-ordered f32 x [M, K], w [>= rows, K] and
-    out [M, N]: one call of the cblas_sgemm at address `fn` (64-bit integers when ilp64)."""
+def sgemm(typingctx, fn, ilp64, a, b, c, trans_b):
+    """c = a @ b^T (trans_b) or a @ b for f32 2-D arrays, c [M, N] and a [M, K]: one call of
+    the cblas_sgemm at address `fn` (64-bit integers when ilp64). Rows may be strided (a
+    view's leading dimension, so sub-blocks go in without copies); elements within a row
+    must be contiguous, which the caller ensures. Empty shapes are the caller's to skip."""
     def codegen(context, builder, sig, args):
-        fn_, ilp, xv, wv, rows_, outv, col_ = args
-        xa = context.make_array(sig.args[2])(context, builder, xv)
-        wa = context.make_array(sig.args[3])(context, builder, wv)
-        oa = context.make_array(sig.args[5])(context, builder, outv)
-        m, k = cgutils.unpack_tuple(builder, xa.shape, 2)
-        ldo = cgutils.unpack_tuple(builder, oa.shape, 2)[1]
-        n = context.cast(builder, rows_, sig.args[4], types.intp)
-        optr = builder.gep(oa.data, [context.cast(builder, col_, sig.args[6], types.intp)])
-        ptrs = [builder.bitcast(p, _VP) for p in (xa.data, wa.data, optr)]
+        fn_, ilp, av, bv, cv, tb = args
+        arrs = [context.make_array(t)(context, builder, x) for t, x in zip(sig.args[2:5], (av, bv, cv))]
+        m, k = cgutils.unpack_tuple(builder, arrs[0].shape, 2)
+        n = cgutils.unpack_tuple(builder, arrs[2].shape, 2)[1]
+        four = ir.Constant(_I64, 4)
+        lds = [builder.sdiv(cgutils.unpack_tuple(builder, x.strides, 2)[0], four) for x in arrs]
+        ptrs = [builder.bitcast(x.data, _VP) for x in arrs]
+        op_b = builder.select(context.cast(builder, tb, sig.args[5], types.boolean),
+                              ir.Constant(_I32, TRANS), ir.Constant(_I32, NO_TRANS))
         address = context.cast(builder, fn_, sig.args[0], types.int64)
 
         def call(it):
@@ -44,9 +46,9 @@ def sgemm_nt(typingctx, fn, ilp64, x, w, rows, out, col):
                                                    _F32, _VP, it])
             i = (lambda v: v) if it is _I64 else (lambda v: builder.trunc(v, it))
             builder.call(builder.inttoptr(address, fnty.as_pointer()), [
-                ir.Constant(_I32, ROW_MAJOR), ir.Constant(_I32, NO_TRANS), ir.Constant(_I32, TRANS),
-                i(m), i(n), i(k), ir.Constant(_F32, 1.0), ptrs[0], i(k), ptrs[1], i(k),
-                ir.Constant(_F32, 0.0), ptrs[2], i(ldo)])
+                ir.Constant(_I32, ROW_MAJOR), ir.Constant(_I32, NO_TRANS), op_b,
+                i(m), i(n), i(k), ir.Constant(_F32, 1.0), ptrs[0], i(lds[0]), ptrs[1], i(lds[1]),
+                ir.Constant(_F32, 0.0), ptrs[2], i(lds[2])])
 
         with builder.if_else(context.cast(builder, ilp, sig.args[1], types.boolean)) as (wide, narrow):
             with wide:
@@ -54,7 +56,7 @@ def sgemm_nt(typingctx, fn, ilp64, x, w, rows, out, col):
             with narrow:
                 call(_I32)
         return context.get_dummy_value()
-    return types.none(fn, ilp64, x, w, rows, out, col), codegen
+    return types.none(fn, ilp64, a, b, c, trans_b), codegen
 
 
 def parts(n: int) -> int:
@@ -64,4 +66,4 @@ def parts(n: int) -> int:
 
 SGEMM = cblas_sgemm()         # (address, ilp64), or None where numpy's BLAS is not an OpenBLAS
 
-__all__ = ["SGEMM", "parts", "sgemm_nt"]
+__all__ = ["SGEMM", "parts", "sgemm"]

@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .cblas import sgemm_nt
+from .cblas import sgemm
 from .simd import LANES, exp, hsum, load_f32, store_f32, zeros
 
 _FM = {"reassoc", "contract"}
@@ -281,6 +281,85 @@ def attention_ser(q, k, v, keep, bias, pos, o, scale, softcap, causal, window, u
     for t in range(q.shape[0] * q.shape[1] * ((q.shape[2] + ATTN_ROWS - 1) // ATTN_ROWS)):
         _attn_rows(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
                    ninf)
+
+
+@njit(**_OPT)
+def _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
+               ninf, gemm, ilp64):
+    """Prefill attention as two matrix products (f32), for task t = (tile of `rows` query
+    rows, batch row b, kv head kh): the tile's rows of every query head of kh's group stacked
+    into one Q [g * rows, d], S = Q K^T over the keys [lo, hi) any of them sees in one
+    cblas_sgemm call, each score row masked (causal/window bounds, keep, bias, softcap) and
+    softmaxed in place, O = P V in a second call. As in _attn_rows, a weight below P_MIN
+    becomes 0 and a row with every key masked (or a NaN score) gives zeros; unlike it, P V
+    reads every value row in [lo, hi), as the NumPy backend reads every key's. k and v may
+    have strided rows (cblas.sgemm). Tiles go 0, last, 1, last - 1, ...: numba hands each
+    thread a contiguous range of tasks and causal tiles grow with their index."""
+    nb, nh, sq, d = q.shape
+    kvh, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    g, tiles = nh // kvh, (sq + rows - 1) // rows
+    c, b, kh = t // (nb * kvh), (t // kvh) % nb, t % kvh
+    c = c // 2 if c % 2 == 0 else tiles - 1 - c // 2
+    r0, r1 = c * rows, min(sq, (c + 1) * rows)
+    m = r1 - r0
+    lo = _bounds(pos[b] + r0, sk, causal, window)[0]
+    n = max(lo, _bounds(pos[b] + r1 - 1, sk, causal, window)[1]) - lo
+    zero, one = scale * 0, q.dtype.type(1)
+    qs = np.empty((g * m, d), q.dtype)
+    for r in range(g * m):
+        for x in range(d):
+            qs[r, x] = q[b, kh * g + r // m, r0 + r % m, x] * scale
+    s = np.empty((g * m, max(n, 1)), q.dtype)
+    out = np.zeros((g * m, dv), q.dtype)
+    if n > 0:
+        sgemm(gemm, ilp64, qs, k[b, kh, lo:lo + n], s[:, :n], True)
+    for r in range(g * m):
+        h, i = kh * g + r // m, r0 + r % m
+        a, e = _bounds(pos[b] + i, sk, causal, window)
+        a, e = a - lo, e - lo
+        row, seg = s[r], s[r, a:e]            # (indexed from 0: the loops vectorize)
+        krow = keep[min(b, keep.shape[0] - 1), min(h, keep.shape[1] - 1), min(i, keep.shape[2] - 1)]
+        brow = bias[min(b, bias.shape[0] - 1), min(h, bias.shape[1] - 1), min(i, bias.shape[2] - 1)]
+        kj, bj = min(krow.shape[0] - 1, 1), min(brow.shape[0] - 1, 1)   # 0: one value for every key
+        mx = ninf
+        for j in range(e - a):
+            x = seg[j]
+            if softcap > 0:
+                x = math.tanh(x / softcap) * softcap
+            if use_bias:
+                x += brow[(lo + a + j) * bj]
+            if use_keep and not krow[(lo + a + j) * kj]:
+                x = ninf
+            seg[j] = x
+            if x > mx:
+                mx = x
+        inv = one / exp_shifted(seg, e - a, mx) if mx != ninf else zero
+        row[:a] = zero
+        row[e:] = zero
+        for j in range(e - a):
+            p = seg[j] * inv
+            seg[j] = p if p > P_MIN else zero
+    if n > 0:
+        sgemm(gemm, ilp64, s[:, :n], v[b, kh, lo:lo + n], out, False)
+    for r in range(g * m):
+        for x in range(dv):
+            o[b, kh * g + r // m, r0 + r % m, x] = out[r, x]
+
+
+@njit(parallel=True, **_OPT)
+def attention_gemm_par(q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
+                       ninf, rows, gemm, ilp64):
+    for t in prange(((q.shape[2] + rows - 1) // rows) * q.shape[0] * k.shape[1]):
+        _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
+                   ninf, gemm, ilp64)
+
+
+@njit(**_OPT)
+def attention_gemm_ser(q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
+                       ninf, rows, gemm, ilp64):
+    for t in range(((q.shape[2] + rows - 1) // rows) * q.shape[0] * k.shape[1]):
+        _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
+                   ninf, gemm, ilp64)
 
 
 # --------------------------------------------------------------------------- decode attention
@@ -552,7 +631,7 @@ def gemm_nt_par(x, w, o, parts, gemm, ilp64):
     n = w.shape[0]
     for p in prange(parts):
         r0, r1 = n * p // parts, n * (p + 1) // parts
-        sgemm_nt(gemm, ilp64, x, w[r0:], r1 - r0, o, r0)
+        sgemm(gemm, ilp64, x, w[r0:r1], o[:, r0:r1], True)
 
 
 # --------------------------------------------------------------------------- copy (a yardstick)

@@ -241,7 +241,7 @@ _DRIVERS = """
 import numpy as np
 from numba import njit, prange
 from rlx_backend_numba.quant_kernels import lanes_{fmt} as lanes
-from rlx_backend_numba.cblas import sgemm_nt
+from rlx_backend_numba.cblas import sgemm
 from rlx_backend_numba.simd import fma, hsum, load_f32, prefetch, store_f32, zeros
 
 _OPT = dict(cache=True, error_model="numpy", fastmath={{"reassoc", "contract"}})
@@ -345,7 +345,7 @@ def rows_gemm(x, w, out, tab, scratch, gemm, ilp64):
         for r in range(r0, r1, step):
             e = min(r1, r + step)
             rows_ser(w, r, buf[:e - r], tab)
-            sgemm_nt(gemm, ilp64, x, buf, e - r, out, r)
+            sgemm(gemm, ilp64, x, buf[:e - r], out[:, r:e], True)
 """
 
 

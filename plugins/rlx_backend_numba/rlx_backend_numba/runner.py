@@ -31,6 +31,7 @@ FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 GEMV_MAX_M = 1                  # rows up to which a matmul on a [N, K] weight is a numba GEMV
 PAR_MIN = codegen.PAR_MIN       # work (elements, or multiply-adds) from which kernels use all threads
 DECODE_CHUNK = 32               # fewest keys per task of decode attention
+ATTN_TILE = 32                  # query rows per head in a task of f32 prefill attention
 PREPARE: dict = {}              # op -> prepare(a, outs, protos) -> fn(a, out, *ins) | None
 
 
@@ -164,18 +165,30 @@ def _attention_fn(a, q, k, v, o, mask):
     scale, softcap, ninf = t(a["scale"]), t(a["softcap"]), t(-np.inf)
     no_keep, no_bias = np.ones((1, 1, 1, 1), np.bool_), np.zeros((1, 1, 1, 1), o.dtype)
     default_pos = np.full(nb, sk - sq, np.int64)
-    kern = _pick(K.attention_par, K.attention_ser, nb * nh * sq * sk * max(d, 1))
+    work = nb * nh * sq * sk * max(d, 1)
+    kern = _pick(K.attention_par, K.attention_ser, work)
+    gemm = sq > 1 and d > 0 and SGEMM is not None and o.dtype == np.float32
     if sq == 1:          # decode: split over kv heads and chunks of keys, not query rows
         kern = lambda *args: K.attention_decode(*args, DECODE_CHUNK, numba.get_num_threads())  # noqa: E731
+    elif gemm:           # prefill: tiles of query rows as two sgemm calls each, on numba's threads
+        tiles = _pick(K.attention_gemm_par, K.attention_gemm_ser, work)
+
+        def kern(*args):
+            with single_threaded_blas():
+                tiles(*args, ATTN_TILE, *SGEMM)
     is_bool = mask is not None and mask.dtype == np.bool_
     m4 = None if mask is None else (1,) * (4 - mask.ndim) + tuple(mask.shape)
     # a strided q/k/v (a view the buffer plan left: Gemma's v in some layers) would run the
-    # kernel compiled for any layout, whose inner loops stay scalar (3x slower)
-    strided = not all(x.flags.c_contiguous for x in (q, k, v))
+    # scalar kernel compiled for any layout, whose inner loops stay scalar (3x slower). The
+    # sgemm tiles copy q themselves and read k and v in place: only each row must be contiguous.
+    copy = [not x.flags.c_contiguous for x in (q, k, v)]
+    if gemm:
+        copy = [False] + [x.strides[3] != x.itemsize or x.strides[2] < x.strides[3] * x.shape[3]
+                          for x in (k, v)]
 
     def run(q, k, v, mask, pos):
-        if strided:
-            q, k, v = (np.ascontiguousarray(x) for x in (q, k, v))
+        if any(copy):
+            q, k, v = (np.ascontiguousarray(x) if c else x for x, c in zip((q, k, v), copy))
         m = None if mask is None else mask.reshape(m4)
         keep = m if is_bool else no_keep
         bias = no_bias if mask is None or is_bool else m.astype(o.dtype, copy=False)

@@ -210,7 +210,7 @@ ATTN = {  # mask_kind, window, mask input, softcap, Sq, Sk, pos
     "custom_bool": ("custom", 0, "bool", 0.0, 4, 5, None),
     "bias_pos_softcap": ("causal", 0, "bias", 4.0, 2, 6, (1, 3)),
     "chunk_pos": ("causal", 0, None, 0.0, 3, 8, (0, 4)),
-    # prefill rows in tasks of ATTN_ROWS per head: several tasks, a ragged last one
+    # prefill rows in tasks of ATTN_TILE (sgemm) or ATTN_ROWS rows: several, the last ragged
     "rows_sliding_bool": ("sliding_window", 7, "bool", 0.0, 37, 40, (3, 0)),
     # one query row over a long cache: decode attention splits the keys into chunks
     "decode_sliding": ("sliding_window", 50, None, 0.0, 1, 130, (120, 40)),
@@ -248,9 +248,44 @@ def attention_ref(attrs_, n_extra=0):
 
 @pytest.mark.parametrize("case", list(ATTN))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)], ids=["mha", "gqa3"])
-def test_attention_variants(rng, driver, case, heads, kv_heads):
+@pytest.mark.parametrize("sgemm", [True, False], ids=["sgemm", "no_sgemm"])
+def test_attention_variants(rng, driver, monkeypatch, case, heads, kv_heads, sgemm):
+    if not sgemm:                                    # f32 prefill without a cblas_sgemm to call
+        monkeypatch.setattr(runner, "SGEMM", None)
     args, attrs_ = attention_case(rng, case, F32, heads, kv_heads)
     parity.run_parity("numba", "attention", args, attrs_, attention_ref(attrs_), tol=2e-5)
+
+
+@pytest.mark.skipif(runner.SGEMM is None, reason="numpy's BLAS has no cblas_sgemm to call")
+@pytest.mark.parametrize("kind,window,mask,softcap", [("sliding_window", 21, "bool", 0.0),
+                                                      ("causal", 0, "bias", 5.0), ("custom", 0, "bool", 0.0)])
+def test_prefill_attention_as_sgemm_tiles(rng, driver, monkeypatch, kind, window, mask, softcap):
+    """f32 prefill attention runs as tiles of query rows x a GQA group's heads, two sgemm
+    calls each, equal to float64: three tiles (the last ragged) after cached positions, 6
+    heads on 2 kv heads, a k and v with strided rows read in place, one fully masked row."""
+    called = []
+    for name in ("attention_gemm_par", "attention_gemm_ser"):
+        kern = getattr(runner.K, name)
+        monkeypatch.setattr(runner.K, name, lambda *args, kern=kern: called.append(kern) or kern(*args))
+    b, h, kvh, sq, d, sk = 2, 6, 2, 2 * runner.ATTN_TILE + 7, 16, 2 * runner.ATTN_TILE + 20
+    pos = np.array([13, 0], np.int64)
+    q = rng.standard_normal((b, h, sq, d)).astype(np.float32)
+    k, v = (rng.standard_normal((b, kvh, sk, 3 * d)).astype(np.float32)[..., d:2 * d] for _ in "kv")
+    if mask == "bool":
+        m = rng.random((b, 1, sq, sk)) < 0.7
+        m[1, 0, 40] = False                          # every key of this row masked: zeros
+    else:
+        m = rng.standard_normal((1, h, sq, sk)).astype(np.float32)
+    a = {"mask_kind": kind, "window": window, "scale": d ** -0.5, "softcap": softcap}
+    o = np.full((b, h, sq, d), np.nan, np.float32)
+    runner._attention_fn(a, q, k, v, o, m)(q, k, v, m, pos)
+    assert called, "not the sgemm path"
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    want = parity.ref_attention(q64, k64, v64, m if mask == "bool" else m.astype(np.float64), pos,
+                                scale=a["scale"], mask_kind=kind, window=window, softcap=softcap)
+    close(o, want, np.float32)
+    if mask == "bool":
+        assert not o[1, :3, 40].any()
 
 
 def test_fused_attention_block(rng, driver):
