@@ -12,6 +12,8 @@ import numpy as np
 from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import BackendError
 
+from . import sources
+
 _cp = None
 
 
@@ -144,7 +146,7 @@ def kernel(source: str, name: str, op: str):
     if fn is not None:
         return fn
     cp = cupy()
-    source = with_grid_wait(source, name)
+    source = sources.with_grid_wait(source, name)
     try:
         mod = cp.RawModule(code=source, options=OPTIONS)
         raw = mod.get_function(name)
@@ -155,16 +157,6 @@ def kernel(source: str, name: str, op: str):
     # (raw.kernel: the launchable cupy.cuda.function.Function)
     fn = _KERNELS[key] = Kernel(raw.kernel, name) if dependent_launch() else raw.kernel
     return fn
-
-
-def with_grid_wait(source: str, name: str) -> str:
-    """`source` with kernel `name` starting at RLX_GRID_WAIT() (see Kernel; on the line of its
-    brace, so compile errors keep their line numbers), unless the kernel places it itself
-    (after loads of what no earlier kernel writes) or the source lacks the prelude."""
-    head = re.search(r'extern "C" __global__ void[^{;]*\b' + re.escape(name) + r"\s*\([^{;]*\)\s*\{", source)
-    if head is None or "RLX_GRID_WAIT" in source[head.end():] or "#define RLX_GRID_WAIT" not in source:
-        return source
-    return source[:head.end()] + " RLX_GRID_WAIT();" + source[head.end():]
 
 
 @functools.lru_cache(maxsize=1)

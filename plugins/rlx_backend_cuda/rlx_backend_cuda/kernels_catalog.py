@@ -9,7 +9,7 @@ import tempfile
 
 from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I32, I64
 
-from . import codegen, device, sources as S
+from . import codegen, sources as S
 
 
 def catalog() -> list:
@@ -109,7 +109,7 @@ def check(arch: str = "sm_90", include: str | None = None) -> list:
         for i, (name, src, kname) in enumerate(catalog()):
             p = os.path.join(d, f"k{i}.cu")
             with open(p, "w") as f:
-                f.write(device.with_grid_wait(src, kname))     # (as device.kernel compiles it)
+                f.write(S.with_grid_wait(src, kname))     # (as device.kernel compiles it)
             cmd = ["nvcc", "-std=c++17", f"-arch={arch}", "-cubin", "-o", p + ".cubin", p]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode:

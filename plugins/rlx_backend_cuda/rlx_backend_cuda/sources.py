@@ -13,6 +13,7 @@ so it also holds on 64-wide wavefronts. The tensor-core attention kernel uses in
 """
 from __future__ import annotations
 
+import re
 import string
 
 PRELUDE = r"""
@@ -157,6 +158,16 @@ template <typename A> __device__ A block_max(A v, A lowest) {
 def render(template: str, **subs) -> str:
     """Fill `$NAME` placeholders; a missing one is a KeyError naming it."""
     return PRELUDE + string.Template(template).substitute(**{k: str(v) for k, v in subs.items()})
+
+
+def with_grid_wait(source: str, name: str) -> str:
+    """`source` with kernel `name` starting at RLX_GRID_WAIT() (see device.Kernel; on the line of its
+    brace, so compile errors keep their line numbers), unless the kernel places it itself
+    (after loads of what no earlier kernel writes) or the source lacks the prelude."""
+    head = re.search(r'extern "C" __global__ void[^{;]*\b' + re.escape(name) + r"\s*\([^{;]*\)\s*\{", source)
+    if head is None or "RLX_GRID_WAIT" in source[head.end():] or "#define RLX_GRID_WAIT" not in source:
+        return source
+    return source[:head.end()] + " RLX_GRID_WAIT();" + source[head.end():]
 
 
 # --------------------------------------------------------------------------- rows

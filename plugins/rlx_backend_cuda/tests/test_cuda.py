@@ -477,10 +477,10 @@ def test_every_kernel_waits_for_the_kernel_before_it():
     """Launched as programmatic dependents (device.Kernel), kernels must wait for the kernel
     before them before reading its results: each catalog kernel gets one RLX_GRID_WAIT()
     (the GEMVs place their own, after their weight prefetch), and no line moves."""
-    from rlx_backend_cuda import device, kernels_catalog
+    from rlx_backend_cuda import kernels_catalog, sources
 
     for name, src, kname in kernels_catalog.catalog():
-        out = device.with_grid_wait(src, kname)
+        out = sources.with_grid_wait(src, kname)
         assert out.count("RLX_GRID_WAIT();") == 1, name
         assert out.count("\n") == src.count("\n"), name
         body = out[out.index(f" {kname}("):]
