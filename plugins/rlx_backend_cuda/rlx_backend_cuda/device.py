@@ -13,6 +13,7 @@ from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import BackendError
 
 from . import sources
+from .values import CONFIG
 
 _cp = None
 
@@ -184,6 +185,8 @@ class _LaunchConfig(ctypes.Structure):        # CUlaunchConfig
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6        # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_DEPENDENT = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)       # (the same for every launch)
+_DEPENDENT.value[0] = 1
 _ARG_CTYPES = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
                np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.uint64): ctypes.c_uint64,
                np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
@@ -201,16 +204,12 @@ class Kernel:
         self.fn, self.name = fn, name
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
-        from .values import CONFIG
-
         params = _c_args(args) if CONFIG["dependent_launch"] else None
         if params is None:
             return self.fn(grid, block, args, shared_mem, stream)
-        attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-        attr.value[0] = 1
         cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid, *[1] * (3 - len(grid))),
                             (ctypes.c_uint * 3)(*block, *[1] * (3 - len(block))), shared_mem,
-                            stream.ptr if stream is not None else 0, ctypes.pointer(attr), 1)
+                            stream.ptr if stream is not None else 0, ctypes.pointer(_DEPENDENT), 1)
         ptrs = (ctypes.c_void_p * len(params))(*[ctypes.addressof(c) for c in params])
         err = dependent_launch()(ctypes.byref(cfg), self.fn.ptr, ptrs, None)
         if err:

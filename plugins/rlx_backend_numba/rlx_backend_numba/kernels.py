@@ -175,6 +175,16 @@ def _bounds(qp, sk, causal, window):
     return lo, max(lo, hi)
 
 
+@njit(**_OPT)
+def _mask_rows(keep, bias, b, h, i):
+    """(keep row, its key step, bias row, its key step) of query row i of head h of batch row
+    b: `keep` and `bias` are 4-D with each dim 1 (broadcast) or full; a step 0 is one value
+    for every key."""
+    krow = keep[min(b, keep.shape[0] - 1), min(h, keep.shape[1] - 1), min(i, keep.shape[2] - 1)]
+    brow = bias[min(b, bias.shape[0] - 1), min(h, bias.shape[1] - 1), min(i, bias.shape[2] - 1)]
+    return krow, min(krow.shape[0] - 1, 1), brow, min(brow.shape[0] - 1, 1)
+
+
 def exp_shifted(s, n, m):
     """s[:n] = exp(s[:n] - m), returning their sum: eight lanes at a time for f32 (simd.exp),
     libm's exp for f64 (the reference precision)."""
@@ -239,9 +249,7 @@ def _attn_rows(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, u
         if hi > lo:
             for x in range(d):
                 qb[x] = q[b, h, i, x]
-            krow = keep[min(b, keep.shape[0] - 1), min(h, keep.shape[1] - 1), min(i, keep.shape[2] - 1)]
-            brow = bias[min(b, bias.shape[0] - 1), min(h, bias.shape[1] - 1), min(i, bias.shape[2] - 1)]
-            kj, bj = min(krow.shape[0] - 1, 1), min(brow.shape[0] - 1, 1)   # 0: one value for every key
+            krow, kj, brow, bj = _mask_rows(keep, bias, b, h, i)
             m = ninf
             for j in range(lo, hi):
                 if use_keep and not krow[j * kj]:
@@ -318,9 +326,7 @@ def _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, win
         a, e = _bounds(pos[b] + i, sk, causal, window)
         a, e = a - lo, e - lo
         row, seg = s[r], s[r, a:e]            # (indexed from 0: the loops vectorize)
-        krow = keep[min(b, keep.shape[0] - 1), min(h, keep.shape[1] - 1), min(i, keep.shape[2] - 1)]
-        brow = bias[min(b, bias.shape[0] - 1), min(h, bias.shape[1] - 1), min(i, bias.shape[2] - 1)]
-        kj, bj = min(krow.shape[0] - 1, 1), min(brow.shape[0] - 1, 1)   # 0: one value for every key
+        krow, kj, brow, bj = _mask_rows(keep, bias, b, h, i)
         mx = ninf
         for j in range(e - a):
             x = seg[j]
