@@ -20,6 +20,7 @@ import numpy as np
 
 from rlx_core.ir.errors import WeightError
 from rlx_core.ir.quant import GGUF_SCHEMES, PackedTensor, QuantScheme
+from rlx_core.pipeline import release_file_pages
 
 GGUF_MAGIC = b"GGUF"
 SCHEME_KEY = "rlx.scheme."  # RLX's own int blocks: "<scheme>:<rows>x<cols>" per i8 tensor
@@ -549,8 +550,10 @@ def load_gguf(path: str, progress: bool = False, packed: bool = False
             tensors[name] = fix_tensor(arch, info.name, dequantize_tensor(gf, info, blob), config, path)
         elif packed:
             raw = fix_tensor(arch, info.name, p.raw, config, path)    # a row permutation at most
-            tensors[name] = p if raw is p.raw else PackedTensor(np.ascontiguousarray(raw), p.scheme,
-                                                                 p.shape, p.name)
+            if raw is not p.raw:                  # a copy: the file's pages of it are not read again
+                raw = np.ascontiguousarray(raw)
+                release_file_pages(p.raw)
+            tensors[name] = p if raw is p.raw else PackedTensor(raw, p.scheme, p.shape, p.name)
         else:
             tensors[name] = fix_tensor(arch, info.name, p.dequantize(), config, path)
     del blob

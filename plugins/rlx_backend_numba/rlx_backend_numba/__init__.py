@@ -67,6 +67,7 @@ class NumbaBackend(Backend):
 
     def __init__(self):
         self._threads_set = False
+        self._loaded = False
 
     def availability(self) -> tuple:
         try:
@@ -147,7 +148,22 @@ class NumbaBackend(Backend):
             raise BackendError(f"backend 'numba' is not available here: {why}")
         from .runner import NumbaRunner
 
+        if not self._loaded:
+            self._load_code_generator()
         return NumbaRunner(lir, params, states)
+
+    def _load_code_generator(self) -> None:
+        """numba's first kernel load in a process sets up its code generator, which runs tens of
+        MB of LLVM's code once (resident.py). Done here, before the runner's weights and arena
+        exist, and released after, those pages never add to the model's peak RSS."""
+        import numpy as np
+
+        from .kernels import copy_par
+        from .resident import release_llvm_pages
+
+        copy_par(np.zeros(1), np.zeros(1))
+        release_llvm_pages()
+        self._loaded = True
 
 
 @hookimpl

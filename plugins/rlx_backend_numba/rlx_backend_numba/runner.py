@@ -26,6 +26,7 @@ from . import kernels as K
 from . import quant_kernels
 from . import cblas
 from .cblas import SGEMM
+from .resident import release_llvm_pages
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 GEMV_MAX_M = 1                  # rows up to which a matmul on a [N, K] weight is a numba GEMV
@@ -429,6 +430,17 @@ class NumbaRunner(NumpyRunner):
                     prepare(*m)
             prepare(*step)
         self.steps = self._drop_rounding(steps, self_rounding, users)
+
+    _loaded = False       # set by the first run, which loads this runner's kernels
+
+    def run(self, inputs: dict) -> dict:
+        """NumpyRunner.run; after the first, LLVM's code pages that loading the kernels ran
+        leave the process (resident.py)."""
+        out = super().run(inputs)
+        if not self._loaded:
+            self._loaded = True
+            release_llvm_pages()
+        return out
 
     def _int8_rounded(self, ref) -> bool:
         """`ref` is the output of a fake_quantize to int8_b32 (its values are int8 blocks)."""
