@@ -20,6 +20,9 @@ What is timed, per side:
 * decode: ms per new token over `decode` greedy tokens with the KV cache (the prompt's
   prefill excluded). RLX: `CausalLM.generate`. HF: a greedy loop over `model(next_id,
   past_key_values=cache)`. llama.cpp: a greedy loop of one-token `eval`s.
+* numba-int8 and numba-bf16 are the numba side with the model's profile changed in one
+  setting: `[precision] activations = "int8"`, or `[backend] matmul = "bf16"` (prefill
+  matmuls in AMX bf16 tiles where the CPU has them, else as the numba side).
 * the numba side also reports its kernels' first-compile time (an empty numba cache, in
   the first round) and the warm start: process start to the first generated token of
   `rlx generate` with a filled cache.
@@ -43,8 +46,11 @@ from hardware import cpu_name  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {"smollm2": "SmolLM2-135M-Instruct Q4_1 GGUF", "gemma3": "gemma-3-270m Q4_K_M GGUF"}
-SIDES = {"numba": "RLX numba, packed", "numba-int8": "RLX numba, packed, int8 x", "numpy": "RLX numpy, packed", "hf": "HF eager fp32",
+SIDES = {"numba": "RLX numba, packed", "numba-int8": "RLX numba, packed, int8 x",
+         "numba-bf16": "RLX numba, packed, bf16 matmul", "numpy": "RLX numpy, packed", "hf": "HF eager fp32",
          "llama.cpp": "llama.cpp"}
+VARIANTS = {"numba-int8": {"precision": {"activations": "int8"}},   # profile settings of a numba side
+            "numba-bf16": {"backend": {"matmul": "bf16"}}}
 
 
 
@@ -66,14 +72,14 @@ def run_rlx(args) -> dict:
 
     t0 = time.perf_counter()
     backend, profile = args.child, None
-    if args.child == "numba-int8":           # the profile's `[precision] activations = "int8"`
+    if args.child in VARIANTS:               # the model's own profile, one setting changed
         from rlx_core.runtime.model import find_recipe
         from rlx_core.weights import load_checkpoint, resolve_model_path
 
         arch = load_checkpoint(resolve_model_path(args.model), progress=False, packed=True).architecture()
         name = getattr(find_recipe(arch), "default_profile", "default")
         backend = "numba"
-        profile = rlx_core.CompileProfile.preset(name).evolve(precision={"activations": "int8"})
+        profile = rlx_core.CompileProfile.preset(name).evolve(**VARIANTS[args.child])
     m = rlx_core.load(args.model, backend=backend, profile=profile, progress=False)
     ids = np.array([prompt_ids(m.tokenizer.encode, args.prefill)])
     m.generate(ids, max_new_tokens=4, min_new_tokens=4)           # compile + warm up
@@ -353,15 +359,16 @@ def report(res: dict, sides: list) -> str:
     if "hf" in sides and "prefill_all_logits_s" in res["hf"]:
         lines.append(f"{'HF eager, all logits':24}{span(res['hf']['prefill_all_logits_s']):>24}")
     rlx = "numba" if "numba" in sides else "numpy"
-    for stat in ("best", "median"):
-        parts = []
-        for other, key, target in (("hf", "prefill_s", "<= 1.0"), ("llama.cpp", "prefill_s", "<= 0.5"),
-                                   ("llama.cpp", "decode_s", "<= 1.0"), ("hf", "decode_s", "")):
-            q = ratio(res, rlx, other, key, stat) if other in sides else None
-            if q is not None:
-                parts.append(f"{key[:-2]} vs {other} {q:.2f}x" + (f" (target {target})" if target else ""))
-        if parts:
-            lines.append(f"ratio {SIDES[rlx]} ({stat}): " + ", ".join(parts))
+    for side in [s for s in sides if s.startswith("numba")] or [rlx]:
+        for stat in ("best", "median"):
+            parts = []
+            for other, key, target in (("hf", "prefill_s", "<= 1.0"), ("llama.cpp", "prefill_s", "<= 0.5"),
+                                       ("llama.cpp", "decode_s", "<= 1.0"), ("hf", "decode_s", "")):
+                q = ratio(res, side, other, key, stat) if other in sides else None
+                if q is not None:
+                    parts.append(f"{key[:-2]} vs {other} {q:.2f}x" + (f" (target {target})" if target else ""))
+            if parts:
+                lines.append(f"ratio {SIDES[side]} ({stat}): " + ", ".join(parts))
     r = res.get(rlx, {})
     if "peak_rss_mb" in r and r.get("peak_rss_mb"):
         budget = 1.5 * res["file_mb"] + 150

@@ -33,7 +33,7 @@ from .passes.packed import pack_params, packed_params
 from .passes.generic import const_fold, cse, dce, leaves_first
 from .passes.shard import bind_slices, shard
 from .passes.transform import hoist_params, to_precision
-from .profile import CompileProfile
+from .profile import BackendConfig, CompileProfile
 
 
 def available_backends() -> list:
@@ -80,7 +80,8 @@ class CompilePipeline:
         self.profile = profile or CompileProfile()
         self.backend = backend if backend is not None and not isinstance(backend, str) else \
             select_backend(backend or self.profile.backend.name or None)
-        if self.profile.backend.device or self.profile.backend.threads:
+        cfg = self.profile.backend
+        if cfg.device or cfg.threads or cfg.matmul != BackendConfig().matmul:
             self.backend = self.backend.configure(self.profile.backend)
         self.trace: list = []          # (pass name, nodes after, seconds)
         self.graphs: list | None = None   # a list here keeps (pass name, graph after it)

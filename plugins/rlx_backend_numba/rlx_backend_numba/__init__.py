@@ -11,6 +11,7 @@ into RLX_NUMBA_CACHE (default: `numba` in the RLX cache dir) and numba's own cac
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -68,6 +69,7 @@ class NumbaBackend(Backend):
     def __init__(self):
         self._threads_set = False
         self._loaded = False
+        self.matmul = "f32"         # "bf16": packed prefill matmuls in AMX bf16 tiles (amx.py)
 
     def availability(self) -> tuple:
         try:
@@ -84,12 +86,18 @@ class NumbaBackend(Backend):
         return True, ""
 
     def configure(self, config) -> "NumbaBackend":
-        """`[backend] threads` sets numba's thread count (process-wide, like RLX_NUM_THREADS)."""
+        """`[backend] threads` sets numba's thread count (process-wide, like RLX_NUM_THREADS);
+        `[backend] matmul` holds for the runners compiled through what this returns (a copy of
+        this backend where it differs)."""
         super().configure(config)
         if config.threads:
             set_threads(config.threads)
             self._threads_set = True
-        return self
+        if config.matmul == self.matmul:
+            return self
+        b = copy.copy(self)
+        b.matmul = config.matmul
+        return b
 
     def supported_ops(self) -> set:
         """Every op with a NumPy kernel: numba kernels where they apply, numpy's elsewhere."""
@@ -150,7 +158,7 @@ class NumbaBackend(Backend):
 
         if not self._loaded:
             self._load_code_generator()
-        return NumbaRunner(lir, params, states)
+        return NumbaRunner(lir, params, states, matmul=self.matmul)
 
     def _load_code_generator(self) -> None:
         """numba's first kernel load in a process sets up its code generator, which runs tens of

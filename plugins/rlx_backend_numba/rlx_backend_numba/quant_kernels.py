@@ -7,7 +7,8 @@ vector (simd.py); drivers generated per format unroll it over a block and either
   multiply-added lane by lane as the packed row is read (no float copy of the weight
   anywhere), several rows of x share one decode of each weight row into an L1 buffer;
 - `rows`, prefill: blocks of weight rows decoded into a bounded scratch, then multiplied
-  by BLAS (the two run one after the other, never nested).
+  by BLAS (the two run one after the other, never nested), or with `[backend] matmul =
+  "bf16"` on a CPU with AMX, rounded to bf16 and multiplied in tiles (`rows_amx`).
 f16 scales come from a 65536-entry table (as ggml's); values compute in f32.
 `prepare_dequant_matmul` binds them to a `dequant_matmul` node (runner.PREPARE).
 """
@@ -17,6 +18,7 @@ import functools
 import math
 import threading
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -24,7 +26,7 @@ from rlx_core.backends.numpy.blas import single_threaded_blas
 from rlx_core.ir.errors import ShapeError
 from rlx_core.ir.quant import QuantScheme
 
-from . import cblas
+from . import amx, cblas
 from .cblas import SGEMM
 from .codegen import SWIGLU_HEAD, load_source, with_epilogue
 from .simd import (bits, bits32, fma, halves, idot_s, idot_u, load_bytes32, load_i8, load_u8, nibbles32,
@@ -349,6 +351,62 @@ def rows_gemm(x, w, out, tab, scratch, gemm, ilp64):
 """
 
 
+_AMX_DRIVER = """
+
+from rlx_backend_numba.amx import dot_bf16, load, load_config, pairs_bf16, release, store, zero
+
+
+@njit(parallel=True, **_OPT)
+def rows_amx(xb, w, out, tab, fbuf, wbuf, cfg):
+    \"\"\"out = x @ W^T in AMX bf16 tiles (amx.py; only compiled where amx.available()): W's
+    blocks of 32 rows split in len(fbuf) parts, each decoded (f32), rounded to bf16 pairs and
+    multiplied with x's bf16 rows xb (zero rows pad them to a multiple of 32), 32 x 32
+    outputs at a time. `out` is C-contiguous.\"\"\"
+    parts = fbuf.shape[0]
+    n, k = w.shape[0], xb.shape[1]
+    m_, mp = out.shape[0], xb.shape[0]
+    blocks = (n + 31) // 32
+    for p in prange(parts):
+        load_config(cfg)
+        f, wt = fbuf[p], wbuf[p]
+        c = np.empty((32, 32), np.float32)
+        for b in range(blocks * p // parts, blocks * (p + 1) // parts):
+            r = 32 * b
+            e = min(n, r + 32)
+            rows_ser(w, r, f[:e - r], tab)
+            f[e - r:] = 0
+            pairs_bf16(f, wt)
+            for m0 in range(0, mp, 32):
+                zero(0)
+                zero(1)
+                zero(2)
+                zero(3)
+                for k0 in range(0, k, 32):
+                    load(4, xb, m0 * k + k0, 2 * k)
+                    load(5, xb, (m0 + 16) * k + k0, 2 * k)
+                    load(6, wt, 16 * k0, 128)
+                    load(7, wt, 16 * k0 + 16, 128)
+                    dot_bf16(0, 4, 6)
+                    dot_bf16(1, 4, 7)
+                    dot_bf16(2, 5, 6)
+                    dot_bf16(3, 5, 7)
+                if m0 + 32 <= m_ and e - r == 32:
+                    store(0, out, m0 * n + r, 4 * n)
+                    store(1, out, m0 * n + r + 16, 4 * n)
+                    store(2, out, (m0 + 16) * n + r, 4 * n)
+                    store(3, out, (m0 + 16) * n + r + 16, 4 * n)
+                    continue
+                store(0, c, 0, 128)
+                store(1, c, 16, 128)
+                store(2, c, 512, 128)
+                store(3, c, 528, 128)
+                for mm in range(m0, min(m_, m0 + 32)):
+                    for nn in range(e - r):
+                        out[mm, r + nn] = c[mm - m0, nn]
+        release()
+"""
+
+
 _INT8_DRIVERS = """
 
 from rlx_backend_numba.quant_kernels import iblock_{fmt} as iblock, quantize_x
@@ -403,7 +461,7 @@ def drivers(kind: str):
     dot_body = "\n".join(f"        a{i % 4} = fma(lanes(r, o, {i}, tab), load_f32(x, p + {8 * i}), a{i % 4})"
                           for i in groups)
     decode_body = "\n".join(f"        store_f32(out, p + {8 * i}, lanes(r, o, {i}, tab))" for i in groups)
-    src = _DRIVERS + (_INT8_DRIVERS if kind in INT8_FORMATS else "")
+    src = _DRIVERS + _AMX_DRIVER + (_INT8_DRIVERS if kind in INT8_FORMATS else "")
     return load_source(SWIGLU_HEAD + src.format(
         fmt=kind, rows=ROWS_PER_TASK, ahead=AHEAD_ROWS, elems=elems, nbytes=nbytes, dot_body=dot_body,
         decode_body=decode_body))
@@ -440,6 +498,7 @@ def dequant_gemv(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | None 
 
 
 _LOCAL = threading.local()
+_TILES = amx.tile_config()
 
 
 def scratch(rows: int, k: int, parts: int = 1) -> np.ndarray:
@@ -452,14 +511,22 @@ def scratch(rows: int, k: int, parts: int = 1) -> np.ndarray:
     return buf[:n].reshape(parts, rows, k)
 
 
-def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | None = None) -> np.ndarray:
+def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | None = None,
+                   bf16: bool = False) -> np.ndarray:
     """x [M, K] @ W^T: W's rows split over numba's threads, each decoding blocks of its rows
     into its part of the scratch and multiplying them with one-thread BLAS (cblas.py says
-    why). Without a cblas_sgemm to call: blocks decoded in turn, each multiplied by numpy."""
+    why). Without a cblas_sgemm to call: blocks decoded in turn, each multiplied by numpy.
+    `bf16` (`[backend] matmul = "bf16"`): in AMX bf16 tiles where the CPU has them."""
     k = x.shape[-1]
     w, mod = _args(scheme, raw, k)
     n = w.shape[0]
     out = np.empty((x.shape[0], n), x.dtype) if out is None else out
+    if bf16 and k % 32 == 0 and out.flags.c_contiguous and amx.available():
+        xb = np.empty((-(-x.shape[0] // 32) * 32, k), np.uint16)
+        amx.rows_bf16(x, xb)
+        parts = max(1, min(numba.get_num_threads(), -(-n // 32)))
+        mod.rows_amx(xb, w, out, F16, scratch(32, k, parts), np.empty((parts, k // 2, 32), np.uint32), _TILES)
+        return out
     xf = np.ascontiguousarray(x, np.float32)
     parts = cblas.parts(n)
     step = max(1, min(-(-n // parts), SCRATCH // max(k, 1)))
@@ -500,7 +567,8 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
         gemv = mod.igemv if rounds_x_itself(a, x) else mod.gemv
         mm = lambda x, w: gemv(x.reshape(m, k), w, o2, F16)  # noqa: E731
     else:
-        mm = lambda x, w: dequant_matmul(x.reshape(m, k), w, s, o2)  # noqa: E731
+        bf16 = bool(a.get("bf16"))
+        mm = lambda x, w: dequant_matmul(x.reshape(m, k), w, s, o2, bf16)  # noqa: E731
     return with_epilogue(mm, o, protos[2:], a.get("act", "identity"))
 
 

@@ -376,7 +376,7 @@ class NumbaRunner(NumpyRunner):
     dropped."""
     backend_name = "numba"
 
-    def __init__(self, lir: LirModule, params: dict, states: dict):
+    def __init__(self, lir: LirModule, params: dict, states: dict, matmul: str = "f32"):
         super().__init__(lir, params, states)
         g = self.graph
         users = g.consumers()
@@ -401,6 +401,8 @@ class NumbaRunner(NumpyRunner):
             elif node.op in PREPARE:
                 if node.op == "dequant_matmul" and self._int8_rounded(node.inputs[0]):
                     a = {**a, "int8_x": True}
+                elif node.op == "dequant_matmul" and matmul == "bf16":
+                    a = {**a, "bf16": True}
                 x = protos[ins[0]]
                 made = None
                 if i in glu:

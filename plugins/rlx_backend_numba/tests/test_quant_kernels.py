@@ -138,3 +138,96 @@ def test_decode_fusions_in_the_runner(rng, kind, activations):
         xr = (i8.dequantize(i8.quantize(x), x.shape) if activations == "int8" else x).astype(np.float64)
         g, u = xr @ ref_w["g"].T, xr @ ref_w["u"].T
         close(exe.run(x=x)["y"], g / (1 + np.exp(-g)) * u)
+
+
+AMX = pytest.mark.skipif(not Q.amx.available(), reason="no AMX-BF16 here (the CPU lacks it, numba does not "
+                         "compile for this CPU, or the kernel does not grant the tile state)")
+
+
+def bf16(a) -> np.ndarray:
+    import ml_dtypes
+
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def close_bf16(got, x, w):
+    """got equals bf16(x) @ bf16(w)^T in float64 up to f32 sums (relative to the sum of |terms|)."""
+    xb, wb = bf16(x), bf16(w)
+    bound = 1e-5 * (np.abs(xb) @ np.abs(wb).T) + 1e-30
+    err = np.abs(got.astype(np.float64) - xb @ wb.T)
+    assert np.isfinite(got).all() and (err <= bound).all(), float((err / bound).max())
+
+
+@AMX
+@pytest.mark.parametrize("kind", Q.FORMATS)
+def test_amx_bf16_matmul(rng, kind):
+    """x and the decoded weight rounded to bf16 and multiplied in tiles equal the float64
+    product of the same roundings: a ragged block of weight rows (N = 40), rows of x that
+    fill no tile (1, 33) or several (70), every output written (poisoned first)."""
+    s, raw, ref = packed(rng, kind)
+    for m in (1, 33, 70):
+        x = rng.uniform(-1, 1, (m, K)).astype(np.float32)
+        out = np.full((m, N), np.nan, np.float32)
+        assert Q.dequant_matmul(x, raw, s, out, bf16=True) is out
+        close_bf16(out, x, ref)
+
+
+@AMX
+def test_amx_bf16_matmul_over_threads_on_strided_x(rng):
+    """Enough 32-row blocks for every thread, full tiles stored straight into the output, and an
+    x that is a strided view."""
+    s = QuantScheme.parse("q8_0")
+    n, k = 200, 256
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    raw = s.quantize(w)
+    ref = s.dequantize_reference(raw, (n, k))
+    x = rng.uniform(-2, 2, (64, 2 * k)).astype(np.float32)[:, ::2]
+    close_bf16(Q.dequant_matmul(x, raw, s, bf16=True), x, ref)
+
+
+def test_bf16_without_amx_keeps_f32(rng, monkeypatch):
+    monkeypatch.setattr(Q.amx, "available", lambda: False)
+    s, raw, ref = packed(rng, "q4_k")
+    x = rng.uniform(-1, 1, (21, K)).astype(np.float32)
+    close(Q.dequant_matmul(x, raw, s, bf16=True), x.astype(np.float64) @ ref.T)
+
+
+@pytest.mark.parametrize("matmul", ["f32", "bf16"])
+def test_backend_matmul_setting_reaches_prefill_matmuls(rng, monkeypatch, matmul):
+    """`[backend] matmul` holds for the pipeline that asked (a copy of the registry's backend),
+    reaches the packed matmuls of many rows (AMX tiles where available) and not the GEMV; the
+    result is the f32 product, or within bf16 rounding of it."""
+    import rlx_core
+    from rlx_core import CompileProfile, Graph
+    from rlx_core.ir.quant import PackedTensor
+    from rlx_core.pipeline import CompilePipeline, select_backend
+
+    s = QuantScheme.parse("q4_0")
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    params = {"w": PackedTensor(s.quantize(w), s, (N, K), "w")}
+    ref = s.dequantize_reference(params["w"].raw, (N, K))
+    prof = CompileProfile().evolve(backend={"matmul": matmul})
+    pipe = CompilePipeline(prof, "numba")
+    assert pipe.backend.matmul == matmul and select_backend("numba").matmul == "f32"
+    calls = []
+    real = Q.dequant_matmul
+    monkeypatch.setattr(Q, "dequant_matmul", lambda *a: calls.append(a[-1]) or real(*a))
+    exe = rlx_core.compile(Graph.define("mm", lambda m: {"y": m.linear(m.input("x", ("s", K)),
+                                                                      m.param("w", (N, K), scheme="q4_0"))}),
+                           profile=prof, backend="numba", params=params)
+    for rows in (1, 40):
+        x = rng.uniform(-1, 1, (rows, K)).astype(np.float32)
+        got = exe.run(x=x)["y"]
+        if matmul == "bf16" and rows > Q.GEMV_MAX_M:
+            close_bf16(got, x, ref)
+        else:
+            close(got, x.astype(np.float64) @ ref.T)
+    assert calls == [matmul == "bf16"]
+
+
+def test_bad_matmul_setting_is_named():
+    from rlx_core import CompileProfile
+    from rlx_core.ir.errors import ProfileError
+
+    with pytest.raises(ProfileError, match=r"\[backend\] matmul = 'f16'.*'f32', 'bf16'"):
+        CompileProfile.from_toml_str('[backend]\nmatmul = "f16"\n')
