@@ -21,7 +21,7 @@ import sys
 import numpy as np
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -144,24 +144,20 @@ def _bf16(bits):
     return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
 
 
-@njit(**_OPT)
-def rows_bf16(x, xb):
-    """xb[:M] = x (f32 [M, K]) rounded to bf16 (uint16 [Mp, K], Mp >= M); rows past M = 0."""
-    u = x.view(np.uint32) if x.flags.c_contiguous else x.copy().view(np.uint32)
-    for m in range(xb.shape[0]):
-        for k in range(xb.shape[1]):
-            xb[m, k] = np.uint16(_bf16(u[m, k])) if m < x.shape[0] else np.uint16(0)
+@njit(parallel=True, **_OPT)
+def pairs_of_rows(x, xt):
+    """xt [K/2, Mp] (uint32) = x (f32 [M, K], C-contiguous) as the B operand of dot_bf16:
+    word [kk, m] holds x[m, 2kk] (low half) and x[m, 2kk + 1] in bf16; columns past M are 0.
+    In 16 x 16 blocks of words, whose rows of x stay in L1 while they are read."""
+    u = x.view(np.uint32)
+    m_, mp, half = x.shape[0], xt.shape[1], xt.shape[0]
+    for t in prange((half + 15) // 16):
+        for m0 in range(0, mp, 16):
+            for kk in range(16 * t, min(half, 16 * t + 16)):
+                for m in range(m0, m0 + 16):
+                    xt[kk, m] = (_bf16(u[m, 2 * kk]) | (_bf16(u[m, 2 * kk + 1]) << np.uint32(16))) if m < m_ \
+                        else np.uint32(0)
 
 
-@njit(**_OPT)
-def pairs_bf16(f, wt):
-    """wt [K/2, 32] (uint32) = rows of f (f32 [32, K]) as the B operand of dot_bf16: word
-    [kk, n] holds f[n, 2kk] (low half) and f[n, 2kk + 1] in bf16."""
-    u = f.view(np.uint32)
-    for n in range(32):
-        for kk in range(wt.shape[0]):
-            wt[kk, n] = _bf16(u[n, 2 * kk]) | (_bf16(u[n, 2 * kk + 1]) << np.uint32(16))
-
-
-__all__ = ["available", "dot_bf16", "load", "load_config", "pairs_bf16", "release", "rows_bf16", "store",
-           "tile_config", "zero"]
+__all__ = ["available", "dot_bf16", "load", "load_config", "pairs_of_rows", "release", "store", "tile_config",
+           "zero"]

@@ -353,56 +353,59 @@ def rows_gemm(x, w, out, tab, scratch, gemm, ilp64):
 
 _AMX_DRIVER = """
 
-from rlx_backend_numba.amx import dot_bf16, load, load_config, pairs_bf16, release, store, zero
+from rlx_backend_numba.amx import dot_bf16, load, load_config, release, store, zero
+from rlx_backend_numba.simd import store_bf16
+
+
+@njit(**_OPT)
+def decode_bf16(r, out, tab):
+    for b in range(out.shape[0] // E):
+        o, p = B * b, E * b
+{decode_bf16_body}
 
 
 @njit(parallel=True, **_OPT)
-def rows_amx(xb, w, out, tab, fbuf, wbuf, cfg):
+def rows_amx(xt, w, out, tab, wbuf, cbuf, cfg):
     \"\"\"out = x @ W^T in AMX bf16 tiles (amx.py; only compiled where amx.available()): W's
-    blocks of 32 rows split in len(fbuf) parts, each decoded (f32), rounded to bf16 pairs and
-    multiplied with x's bf16 rows xb (zero rows pad them to a multiple of 32), 32 x 32
-    outputs at a time. `out` is C-contiguous.\"\"\"
-    parts = fbuf.shape[0]
-    n, k = w.shape[0], xb.shape[1]
-    m_, mp = out.shape[0], xb.shape[0]
+    blocks of 32 rows split in len(wbuf) parts, each decoded straight to bf16 (wbuf[p], zero
+    rows past N) and multiplied with x's bf16 pairs xt ([K/2, Mp], amx.pairs_of_rows) into
+    out^T tiles (cbuf[p], [32, Mp]), then written into out's 32 columns of the block.\"\"\"
+    parts = wbuf.shape[0]
+    n, k = w.shape[0], wbuf.shape[2]
+    m_, mp = out.shape[0], xt.shape[1]
     blocks = (n + 31) // 32
     for p in prange(parts):
         load_config(cfg)
-        f, wt = fbuf[p], wbuf[p]
-        c = np.empty((32, 32), np.float32)
+        wb, c = wbuf[p], cbuf[p]
         for b in range(blocks * p // parts, blocks * (p + 1) // parts):
             r = 32 * b
             e = min(n, r + 32)
-            rows_ser(w, r, f[:e - r], tab)
-            f[e - r:] = 0
-            pairs_bf16(f, wt)
+            for i in range(32):
+                if r + i < e:
+                    decode_bf16(w[r + i], wb[i], tab)
+                else:
+                    wb[i] = 0
             for m0 in range(0, mp, 32):
                 zero(0)
                 zero(1)
                 zero(2)
                 zero(3)
                 for k0 in range(0, k, 32):
-                    load(4, xb, m0 * k + k0, 2 * k)
-                    load(5, xb, (m0 + 16) * k + k0, 2 * k)
-                    load(6, wt, 16 * k0, 128)
-                    load(7, wt, 16 * k0 + 16, 128)
+                    load(4, wb, k0, 2 * k)
+                    load(5, wb, 16 * k + k0, 2 * k)
+                    load(6, xt, (k0 // 2) * mp + m0, 4 * mp)
+                    load(7, xt, (k0 // 2) * mp + m0 + 16, 4 * mp)
                     dot_bf16(0, 4, 6)
                     dot_bf16(1, 4, 7)
                     dot_bf16(2, 5, 6)
                     dot_bf16(3, 5, 7)
-                if m0 + 32 <= m_ and e - r == 32:
-                    store(0, out, m0 * n + r, 4 * n)
-                    store(1, out, m0 * n + r + 16, 4 * n)
-                    store(2, out, (m0 + 16) * n + r, 4 * n)
-                    store(3, out, (m0 + 16) * n + r + 16, 4 * n)
-                    continue
-                store(0, c, 0, 128)
-                store(1, c, 16, 128)
-                store(2, c, 512, 128)
-                store(3, c, 528, 128)
-                for mm in range(m0, min(m_, m0 + 32)):
-                    for nn in range(e - r):
-                        out[mm, r + nn] = c[mm - m0, nn]
+                store(0, c, m0, 4 * mp)
+                store(1, c, m0 + 16, 4 * mp)
+                store(2, c, 16 * mp + m0, 4 * mp)
+                store(3, c, 16 * mp + m0 + 16, 4 * mp)
+            for mm in range(m_):
+                for i in range(e - r):
+                    out[mm, r + i] = c[i, mm]
         release()
 """
 
@@ -461,10 +464,11 @@ def drivers(kind: str):
     dot_body = "\n".join(f"        a{i % 4} = fma(lanes(r, o, {i}, tab), load_f32(x, p + {8 * i}), a{i % 4})"
                           for i in groups)
     decode_body = "\n".join(f"        store_f32(out, p + {8 * i}, lanes(r, o, {i}, tab))" for i in groups)
+    decode_bf16_body = decode_body.replace("store_f32", "store_bf16")
     src = _DRIVERS + _AMX_DRIVER + (_INT8_DRIVERS if kind in INT8_FORMATS else "")
     return load_source(SWIGLU_HEAD + src.format(
         fmt=kind, rows=ROWS_PER_TASK, ahead=AHEAD_ROWS, elems=elems, nbytes=nbytes, dot_body=dot_body,
-        decode_body=decode_body))
+        decode_body=decode_body, decode_bf16_body=decode_bf16_body))
 
 
 # --------------------------------------------------------------------------- host side
@@ -521,11 +525,13 @@ def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | Non
     w, mod = _args(scheme, raw, k)
     n = w.shape[0]
     out = np.empty((x.shape[0], n), x.dtype) if out is None else out
-    if bf16 and k % 32 == 0 and out.flags.c_contiguous and amx.available():
-        xb = np.empty((-(-x.shape[0] // 32) * 32, k), np.uint16)
-        amx.rows_bf16(x, xb)
+    if bf16 and k % 32 == 0 and amx.available():
+        mp = -(-x.shape[0] // 32) * 32
+        xt = np.empty((k // 2, mp), np.uint32)
+        amx.pairs_of_rows(np.ascontiguousarray(x, np.float32), xt)
         parts = max(1, min(numba.get_num_threads(), -(-n // 32)))
-        mod.rows_amx(xb, w, out, F16, scratch(32, k, parts), np.empty((parts, k // 2, 32), np.uint32), _TILES)
+        mod.rows_amx(xt, w, out, F16, np.empty((parts, 32, k), np.uint16), np.empty((parts, 32, mp), np.float32),
+                     _TILES)
         return out
     xf = np.ascontiguousarray(x, np.float32)
     parts = cblas.parts(n)
