@@ -41,6 +41,10 @@ def catalog() -> list:
                 src = S.render(S.ATTN_SPLIT, TQ=t, TK=t, TV=t, TO=t, ACC=acc, DK=dk, DV=dv, **sh, **common)
                 out.append((f"attn_split {t} {mk}{mm} {dk}/{dv} rows {rows} vec {vec}", src, "rlx_attn_split"))
             out.append((f"mask_fill {t}", S.render(S.MASK_FILL, TS=t, TO=t, ACC=acc, **common), "rlx_mask_fill"))
+            if acc == "float":
+                for g, d, sk, vk in ((4, 64, 512, 16 // isz), (1, 256, 300, 1), (4, 128, 64, 16 // isz)):
+                    src = S.render(S.ATTN_SHORT, TQ=t, TK=t, TV=t, TO=t, **S.attn_short_shape(g, d, sk, vk), **common)
+                    out.append((f"attn_short {t} {mk}{mm} G{g} D{d} Sk{sk}", src, "rlx_attn_short"))
             if t in ("__nv_bfloat16", "__half"):
                 for d, vec in ((64, 1), (128, 0), (32, 1), (96, 1)):
                     out.append((f"attn_tc {t} {d}", S.render(S.ATTN_TC, T=t, MMAT="bf16" if "bf" in t else "f16",

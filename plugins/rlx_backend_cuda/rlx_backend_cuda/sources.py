@@ -562,7 +562,7 @@ extern "C" __global__ void rlx_mask_fill(const $TS* __restrict__ sc, long long s
 # max, sum) and the last block of each (b, kv head, row block) to finish merges them in the
 # same launch (one launch, not a second combine kernel; `counters` start at 0 and that block
 # resets its own).
-ATTN_SPLIT = ATTN_MASK + r"""
+ATTN_VEC = r"""
 template <typename T, int N> struct alignas(sizeof(T) * N) RlxVec { T v[N]; };
 template <int N, typename T> __device__ __forceinline__ RlxVec<T, N> rlx_vload(const T* p, bool ok) {
   RlxVec<T, N> r;
@@ -574,6 +574,9 @@ template <int N, typename T> __device__ __forceinline__ RlxVec<T, N> rlx_vload(c
   }
   return r;
 }
+"""
+
+ATTN_SPLIT = ATTN_MASK + ATTN_VEC + r"""
 #define NT $NT
 #define NW ($NT / 32)
 extern "C" __global__ void __launch_bounds__($NT) rlx_attn_split(
@@ -1603,9 +1606,177 @@ def dq_parts(kind: str, block: int) -> int:
     return block // 8 if kind in ("int8", "int4") else {"q4_k": 8, "q5_k": 8, "q6_k": 8}.get(kind, 2)
 
 
+# Decode attention over a short KV cache (one query row per head): one block per (batch, kv
+# head), no split over blocks and so no merge. Its G heads' q rows go to shared memory; each
+# thread scores whole keys (all its K rows loaded first, VK-element loads along the row: a
+# warp reads 32 consecutive rows); one warp per head turns its row of scores into
+# probabilities; then each warp sums P.V over every NW-th key, a lane per D/32 head dims (its
+# first value rows were loaded with the keys, later ones 8 at a time), and the warps' sums
+# meet in shared memory.
+# The split kernel's 96 small blocks and cross-block merge made a Llama-3.2-1B decode layer's
+# attention latency-bound (11.6 us on an H100 for 1.2 MB of K/V at batch 1).
+ATTN_SHORT = ATTN_MASK + ATTN_VEC + r"""
+#define NT $NT
+#define NW ($NT / 32)
+extern "C" __global__ void __launch_bounds__($NT) rlx_attn_short(
+    const $TQ* __restrict__ q, long long qsb, long long qsh,
+    const $TK* __restrict__ k, long long ksb, long long ksh, long long kss,
+    const $TV* __restrict__ v, long long vsb, long long vsh, long long vss,
+    const $TM* __restrict__ mask, long long m0, long long m1, long long m3,
+    const $TP* __restrict__ pos, int H, int KVH, int Sk, double scale_d, double cap_d, int window,
+    $TO* __restrict__ out) {
+  typedef float ACC;
+  constexpr int G = $G, D = $D, SK = $SK, VK = $VK, VD = D / 32;
+  constexpr int SH = G * SK > NW * G * D ? G * SK : NW * G * D;
+  __shared__ ACC sq[G * D];
+  __shared__ ACC sh[SH];          // scores, then probabilities, then the warps' P.V sums
+  __shared__ ACC s_l[G];
+  const int b = blockIdx.x / KVH, kvh = blockIdx.x % KVH;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const ACC scale = (ACC)scale_d, cap = (ACC)cap_d;
+  for (int t = tid; t < G * D; t += NT)
+    sq[t] = LD(ACC, q[b * qsb + (kvh * G + t / D) * qsh + t % D]);
+#if $HAS_POS
+  const i64 p0 = (i64)pos[b];
+#else
+  const i64 p0 = (i64)(Sk - 1);
+#endif
+  i64 kbeg = 0, kend = Sk;
+  if ($MASKKIND >= 1) kend = max((i64)0, min((i64)Sk, p0 + 1));
+  if ($MASKKIND == 2) kbeg = min(kend, max((i64)0, p0 - window + 1));
+  __syncthreads();
+  // every thread's key rows (SK <= U1 * NT keys) and its warp's first UP value rows are
+  // loaded before any score is computed: one round trip to memory for most of the work
+  constexpr int U1 = (SK + NT - 1) / NT, NV = D / VK, UV = 8;
+  constexpr int UP = (SK + NW - 1) / NW < 2 * UV ? (SK + NW - 1) / NW : 2 * UV;
+  const $TK* kb = k + b * ksb + kvh * ksh;
+  const $TV* vb = v + b * vsb + kvh * vsh + lane * VD;
+  RlxVec<$TK, VK> kr[U1][NV];
+#pragma unroll
+  for (int u = 0; u < U1; ++u) {
+    const i64 j = kbeg + tid + u * NT;
+#pragma unroll
+    for (int n = 0; n < NV; ++n) kr[u][n] = rlx_vload<VK>(kb + j * kss + n * VK, j < kend);
+  }
+  RlxVec<$TV, VD> vp[UP];
+#pragma unroll
+  for (int u = 0; u < UP; ++u) vp[u] = rlx_vload<VD>(vb + (kbeg + warp + u * NW) * vss, kbeg + warp + u * NW < kend);
+#pragma unroll
+  for (int u = 0; u < U1; ++u) {
+    const i64 j = kbeg + tid + u * NT;
+    if (j >= kend) continue;
+    ACC s[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) s[g] = 0;
+#pragma unroll
+    for (int n = 0; n < NV; ++n)
+#pragma unroll
+      for (int e = 0; e < VK; ++e) {
+        const ACC x = LD(ACC, kr[u][n].v[e]);
+#pragma unroll
+        for (int g = 0; g < G; ++g) s[g] += sq[g * D + n * VK + e] * x;
+      }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      ACC x = s[g] * scale;
+      if (cap_d != 0.0) x = tanh(x / cap) * cap;
+      bool keep = true;
+#if $MASKMODE == 1
+      keep = mask[b * m0 + (kvh * G + g) * m1 + j * m3] != 0;
+#elif $MASKMODE == 2
+      x = x + LD(ACC, mask[b * m0 + (kvh * G + g) * m1 + j * m3]);
+#endif
+      sh[g * SK + j] = keep ? x : -(ACC)RLX_INF;
+    }
+  }
+  __syncthreads();
+  for (int g = warp; g < G; g += NW) {
+    ACC* row = sh + g * SK;
+    ACC mx = -(ACC)RLX_INF;
+    for (i64 j = kbeg + lane; j < kend; j += 32) mx = row[j] > mx ? row[j] : mx;
+    mx = warp_max(mx);
+    const bool live = mx > -(ACC)RLX_INF;
+    ACC sum = 0;
+    for (i64 j = kbeg + lane; j < kend; j += 32) {
+      const ACC p = live ? exp(row[j] - mx) : (ACC)0;
+      row[j] = p;
+      sum += p;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) s_l[g] = sum;
+  }
+  __syncthreads();
+  ACC acc[G][VD];
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int e = 0; e < VD; ++e) acc[g][e] = 0;
+  // P.V: warp w takes keys w, w + NW, ...: the UP it holds, then UV rows at a time
+#pragma unroll
+  for (int u = 0; u < UP; ++u) {
+    const i64 j = kbeg + warp + u * NW;
+    if (j >= kend) break;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const ACC p = sh[g * SK + j];
+#pragma unroll
+      for (int e = 0; e < VD; ++e) acc[g][e] += p * LD(ACC, vp[u].v[e]);
+    }
+  }
+  for (i64 j0 = kbeg + warp + UP * NW; j0 < kend; j0 += NW * UV) {
+    RlxVec<$TV, VD> vv[UV];
+#pragma unroll
+    for (int u = 0; u < UV; ++u) vv[u] = rlx_vload<VD>(vb + (j0 + u * NW) * vss, j0 + u * NW < kend);
+#pragma unroll
+    for (int u = 0; u < UV; ++u) {
+      const i64 j = j0 + u * NW;
+      if (j >= kend) break;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const ACC p = sh[g * SK + j];
+#pragma unroll
+        for (int e = 0; e < VD; ++e) acc[g][e] += p * LD(ACC, vv[u].v[e]);
+      }
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int e = 0; e < VD; ++e) sh[(warp * G + g) * D + lane * VD + e] = acc[g][e];
+  __syncthreads();
+  for (int t = tid; t < G * D; t += NT) {
+    const int g = t / D, d = t % D;
+    ACC o = 0;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) o += sh[(w * G + g) * D + d];
+    const ACC l = s_l[g];
+    out[((i64)b * H + kvh * G + g) * D + d] = ST($TO, l > 0 ? o / l : (ACC)0);
+  }
+}
+"""
+
+
 # ----------------------------------------------------------------------------- launch shapes
 ATTN_THREADS = 128       # threads of a split-K decode attention block (ops.py may override)
 ATTN_LOADS = 2           # vector loads per lane for K and for V in one key tile
+
+
+ATTN_SHORT_THREADS = 512
+ATTN_SHORT_KEYS = 512           # cache positions up to which the short kernel is used (one key a thread)
+ATTN_SHORT_SMEM = 44 * 1024     # bytes of shared memory it may take
+
+
+def attn_short_shape(g: int, d: int, sk: int, vk: int) -> dict | None:
+    """ATTN_SHORT's compile-time shape for G query heads per kv head, head dim d (both K and
+    V), a KV cache of sk positions and vk-element K loads; None where it does not apply
+    (d not a multiple of 32 or over 256, G over 8, sk over ATTN_SHORT_KEYS, shared memory
+    over ATTN_SHORT_SMEM)."""
+    nt = ATTN_SHORT_THREADS
+    if (d % 32 or d > 256 or g > 8 or d % vk or sk > ATTN_SHORT_KEYS
+            or 4 * max(g * sk, nt // 32 * g * d) + 4 * g * d > ATTN_SHORT_SMEM):
+        return None
+    return dict(NT=nt, G=g, D=d, SK=sk, VK=vk)
 
 
 def attn_split_shape(dk: int, dv: int, vk: int, vv: int, rows: int, accsz: int, threads: int = ATTN_THREADS,
