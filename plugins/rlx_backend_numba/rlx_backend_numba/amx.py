@@ -4,7 +4,8 @@ Why: a prefill matmul over packed weights is bound by f32 BLAS (Gemma 3's 128-to
 about 150 of its 200 ms in sgemm at ~85 GFLOP/s a core). A CPU with AMX (Sapphire Rapids and
 later) multiplies 16x32 bf16 tiles in one instruction, an order of magnitude more products a
 cycle. `[backend] matmul = "bf16"` lets the numba backend round x and the decoded weight rows
-to bf16 for such a product (logits move ~1e-2, as in a bf16 model); without AMX it keeps f32.
+to bf16 for such a product (logits move by about 1% of their range, as in a bf16 model);
+without AMX it keeps f32.
 
 The intrinsics name tile registers by constants (tile numbers must be literal ints at the call
 site) and take an array, an element offset and a row stride in bytes. Linux grants the tile

@@ -16,7 +16,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .cblas import sgemm
-from .simd import LANES, exp, hsum, load_f32, store_f32, zeros
+from .simd import LANES, exp, hsum, load_f32, store_lanes, zeros
 
 _FM = {"reassoc", "contract"}
 _OPT = dict(cache=True, error_model="numpy", fastmath=_FM)
@@ -197,7 +197,7 @@ def _exp_shifted(s, n, m):
             acc, j = zeros(), 0
             while j + LANES <= n:
                 e = exp(load_f32(s, j) - m)
-                store_f32(s, j, e)
+                store_lanes(s, j, e)
                 acc = acc + e
                 j += LANES
             tot = hsum(acc)

@@ -244,7 +244,7 @@ import numpy as np
 from numba import njit, prange
 from rlx_backend_numba.quant_kernels import lanes_{fmt} as lanes
 from rlx_backend_numba.cblas import sgemm
-from rlx_backend_numba.simd import fma, hsum, load_f32, prefetch, store_f32, zeros
+from rlx_backend_numba.simd import fma, hsum, load_f32, prefetch, store_lanes, zeros
 
 _OPT = dict(cache=True, error_model="numpy", fastmath={{"reassoc", "contract"}})
 E, B = {elems}, {nbytes}                # elements and bytes per block
@@ -354,22 +354,15 @@ def rows_gemm(x, w, out, tab, scratch, gemm, ilp64):
 _AMX_DRIVER = """
 
 from rlx_backend_numba.amx import dot_bf16, load, load_config, release, store, zero
-from rlx_backend_numba.simd import store_bf16
-
-
-@njit(**_OPT)
-def decode_bf16(r, out, tab):
-    for b in range(out.shape[0] // E):
-        o, p = B * b, E * b
-{decode_bf16_body}
 
 
 @njit(parallel=True, **_OPT)
 def rows_amx(xt, w, out, tab, wbuf, cbuf, cfg):
     \"\"\"out = x @ W^T in AMX bf16 tiles (amx.py; only compiled where amx.available()): W's
-    blocks of 32 rows split in len(wbuf) parts, each decoded straight to bf16 (wbuf[p], zero
-    rows past N) and multiplied with x's bf16 pairs xt ([K/2, Mp], amx.pairs_of_rows) into
-    out^T tiles (cbuf[p], [32, Mp]), then written into out's 32 columns of the block.\"\"\"
+    blocks of 32 rows split in len(wbuf) parts, each decoded straight to bf16 (`decode` into
+    uint16 rows, where store_lanes rounds) in wbuf[p] (zero rows past N), multiplied with x's
+    bf16 pairs xt ([K/2, Mp], amx.pairs_of_rows) into out^T tiles (cbuf[p], [32, Mp]), then
+    written into out's 32 columns of the block.\"\"\"
     parts = wbuf.shape[0]
     n, k = w.shape[0], wbuf.shape[2]
     m_, mp = out.shape[0], xt.shape[1]
@@ -382,7 +375,7 @@ def rows_amx(xt, w, out, tab, wbuf, cbuf, cfg):
             e = min(n, r + 32)
             for i in range(32):
                 if r + i < e:
-                    decode_bf16(w[r + i], wb[i], tab)
+                    decode(w[r + i], wb[i], tab)
                 else:
                     wb[i] = 0
             for m0 in range(0, mp, 32):
@@ -463,12 +456,11 @@ def drivers(kind: str):
     groups = range(elems // 8)         # unrolled: each lane group's scale and shifts fold
     dot_body = "\n".join(f"        a{i % 4} = fma(lanes(r, o, {i}, tab), load_f32(x, p + {8 * i}), a{i % 4})"
                           for i in groups)
-    decode_body = "\n".join(f"        store_f32(out, p + {8 * i}, lanes(r, o, {i}, tab))" for i in groups)
-    decode_bf16_body = decode_body.replace("store_f32", "store_bf16")
+    decode_body = "\n".join(f"        store_lanes(out, p + {8 * i}, lanes(r, o, {i}, tab))" for i in groups)
     src = _DRIVERS + _AMX_DRIVER + (_INT8_DRIVERS if kind in INT8_FORMATS else "")
     return load_source(SWIGLU_HEAD + src.format(
         fmt=kind, rows=ROWS_PER_TASK, ahead=AHEAD_ROWS, elems=elems, nbytes=nbytes, dot_body=dot_body,
-        decode_body=decode_body, decode_bf16_body=decode_bf16_body))
+        decode_body=decode_body))
 
 
 # --------------------------------------------------------------------------- host side

@@ -126,31 +126,32 @@ def prefetch(typingctx, a, i):
     return types.none(a, i), codegen
 
 
-@intrinsic
-def store_f32(typingctx, a, i, v):
-    """a[i:i+8] = v for a float32 array."""
-    def codegen(context, builder, sig, args):
-        builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], args[1],
-                                            sig.args[1], _VF), align=4)
-        return context.get_dummy_value()
-    return types.none(a, i, v), codegen
+def _store_f32(context, builder, sig, args):
+    builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _VF),
+                  align=4)
+    return context.get_dummy_value()
+
+
+def _store_bf16(context, builder, sig, args):
+    bits = builder.bitcast(args[2], _VI)
+    one, half, sixteen = (ir.Constant(_VI, [c] * LANES) for c in (1, 0x7FFF, 16))
+    odd = builder.and_(builder.lshr(bits, sixteen), one)
+    r = builder.lshr(builder.add(builder.add(bits, half), odd), sixteen)
+    v16 = ir.VectorType(ir.IntType(16), LANES)
+    builder.store(builder.trunc(r, v16), _element_ptr(context, builder, sig.args[0], args[0], args[1],
+                                                      sig.args[1], v16), align=2)
+    return context.get_dummy_value()
 
 
 @intrinsic
-def store_bf16(typingctx, a, i, v):
-    """a[i:i+8] = v rounded to bf16 (nearest, ties to even; NaN is not kept apart) for a
-    uint16 array: the bits AMX tiles read (amx.py)."""
-    def codegen(context, builder, sig, args):
-        bits = builder.bitcast(args[2], _VI)
-        one, half = ir.Constant(_VI, [1] * LANES), ir.Constant(_VI, [0x7FFF] * LANES)
-        sixteen = ir.Constant(_VI, [16] * LANES)
-        odd = builder.and_(builder.lshr(bits, sixteen), one)
-        r = builder.lshr(builder.add(builder.add(bits, half), odd), sixteen)
-        v16 = ir.VectorType(ir.IntType(16), LANES)
-        builder.store(builder.trunc(r, v16), _element_ptr(context, builder, sig.args[0], args[0], args[1],
-                                                          sig.args[1], v16), align=2)
-        return context.get_dummy_value()
-    return types.none(a, i, v), codegen
+def store_lanes(typingctx, a, i, v):
+    """a[i:i+8] = v for a float32 array; for a uint16 array, v rounded to bf16 (nearest, ties
+    to even; NaN is not kept apart): the bits AMX tiles read (amx.py)."""
+    if a.dtype == types.float32:
+        return types.none(a, i, v), _store_f32
+    if a.dtype == types.uint16:
+        return types.none(a, i, v), _store_bf16
+    return None
 
 
 def _load_bytes(signed: bool):
@@ -333,4 +334,4 @@ idot_s = _idot(True)         # q lanes -128..127
 
 
 __all__ = ["F32x8", "I32x8", "I8x32", "LANES", "bits", "bits32", "exp", "halves", "idot_s", "idot_u", "load_bytes32", "nibbles32", "fma", "hsum", "load_f32", "load_i8", "load_u8",
-           "store_bf16", "store_f32", "to_f32", "zeros"]
+           "store_lanes", "to_f32", "zeros"]

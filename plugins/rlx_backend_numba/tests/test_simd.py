@@ -9,19 +9,19 @@ import pytest
 pytest.importorskip("numba")
 from numba import njit  # noqa: E402
 
-from rlx_backend_numba.simd import bits, exp, fma, hsum, load_f32, load_i8, load_u8, store_f32, to_f32, zeros  # noqa: E402
+from rlx_backend_numba.simd import bits, exp, fma, hsum, load_f32, load_i8, load_u8, store_lanes, to_f32, zeros  # noqa: E402
 
 
 @njit(cache=False)
 def _lanes(raw, f, word, out):
     u = load_u8(raw, 3)                                  # unaligned on purpose
     s = load_i8(raw, 3)
-    store_f32(out, 0, to_f32(u))
-    store_f32(out, 8, to_f32(s))
-    store_f32(out, 16, to_f32(((u & 15) | (u >> 4) << 2) - 5))
-    store_f32(out, 24, to_f32(bits(word, 3)))
+    store_lanes(out, 0, to_f32(u))
+    store_lanes(out, 8, to_f32(s))
+    store_lanes(out, 16, to_f32(((u & 15) | (u >> 4) << 2) - 5))
+    store_lanes(out, 24, to_f32(bits(word, 3)))
     v = load_f32(f, 1)
-    store_f32(out, 32, fma(v, 2.0, zeros() + 1.0) - v * v)
+    store_lanes(out, 32, fma(v, 2.0, zeros() + 1.0) - v * v)
     out[40] = hsum(v)
 
 
@@ -45,7 +45,7 @@ def test_lanes_match_numpy():
 @njit(cache=False)
 def _exp(x, o):
     for i in range(0, x.shape[0], 8):
-        store_f32(o, i, exp(load_f32(x, i)))
+        store_lanes(o, i, exp(load_f32(x, i)))
 
 
 def test_exp_lanes_against_float64():
@@ -63,3 +63,24 @@ def test_exp_lanes_against_float64():
     np.testing.assert_allclose(out[normal], want[normal], rtol=2 * 2.0 ** -23, atol=0)
     assert (out[(x < -87.33)] == 0).all() and (out[x > 88.37] == np.inf).all()
     assert np.isnan(out[np.isnan(x)]).all()
+
+
+@njit(cache=False)
+def _to_bf16(x, o):
+    for i in range(0, x.shape[0], 8):
+        store_lanes(o, i, load_f32(x, i))
+
+
+def test_store_lanes_rounds_to_bf16_in_uint16_rows():
+    """Into a uint16 array the lanes are bf16 bits, rounded to nearest with ties to even as
+    ml_dtypes rounds: random values, exact ties both ways, infinities, signed zeros."""
+    import ml_dtypes
+
+    rng = np.random.default_rng()
+    ties = ((rng.integers(0, 1 << 15, 16, dtype=np.uint32) << 16) | 0x8000).view(np.float32)
+    x = np.concatenate([rng.standard_normal(64) * 10.0 ** rng.integers(-30, 30, 64), ties,
+                        [0.0, -0.0, np.inf, -np.inf, 1.0, -3.5, 65504.0, 1e-40]]).astype(np.float32)
+    x = x[: x.size // 8 * 8]
+    out = np.zeros(x.size, np.uint16)
+    _to_bf16(x, out)
+    np.testing.assert_array_equal(out, x.astype(ml_dtypes.bfloat16).view(np.uint16))
