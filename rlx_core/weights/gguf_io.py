@@ -551,9 +551,9 @@ def load_gguf(path: str, progress: bool = False, packed: bool = False
         elif packed:
             raw = fix_tensor(arch, info.name, p.raw, config, path)    # a row permutation at most
             if raw is not p.raw:                  # a copy: the file's pages of it are not read again
-                raw = np.ascontiguousarray(raw)
                 release_file_pages(p.raw)
-            tensors[name] = p if raw is p.raw else PackedTensor(raw, p.scheme, p.shape, p.name)
+                p = PackedTensor(np.ascontiguousarray(raw), p.scheme, p.shape, p.name)
+            tensors[name] = p
         else:
             tensors[name] = fix_tensor(arch, info.name, p.dequantize(), config, path)
     del blob
