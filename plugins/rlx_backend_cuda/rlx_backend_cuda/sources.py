@@ -877,7 +877,9 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_split(
 # Flash-style prefill on tensor cores (f16/bf16, head_dim D % 16 == 0, D <= 128):
 # FlashAttention-2 register layout with mma.sync.m16n8k16 (f32 accumulate). Block = 4
 # warps x 16 query rows of one head; 64-key tiles of K and V staged in shared memory;
-# S = Q K^T and the online softmax stay in registers; P is re-packed to A fragments.
+# S = Q K^T and the online softmax stay in registers; P is re-packed to A fragments. K's and
+# V's B fragments come from shared memory by ldmatrix (V's transposed): V read one 16-bit
+# element at a time took 2.40 against 1.91 ms (FLUX's 4608-token, 24-head attention, H100).
 ATTN_TC = ATTN_MASK + r"""
 #define BM 64
 #define BN 64
@@ -887,6 +889,18 @@ __device__ __forceinline__ void rlx_mma(float* c, const u32* a, u32 b0, u32 b1) 
                "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void rlx_ldm_x4(u32* r, const unsigned short* p) {
+  // four 8x8 b16 matrices from shared memory: lanes 8i..8i+7 give matrix i's rows
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void rlx_ldm_x4_trans(u32* r, const unsigned short* p) {
+  // the same, each matrix transposed
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 __device__ __forceinline__ u32 rlx_pack(float lo, float hi) {
   $T l = ST($T, lo), h = ST($T, hi);
@@ -963,10 +977,14 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+      // K's B fragments for two k-steps at once: keys nt*8.. +7, head dims ks*16.. +31
+      const unsigned short* krow = Ks + (nt * 8 + (lane & 7)) * LDS + (lane >> 3) * 8;
 #pragma unroll
-      for (int ks = 0; ks < $D / 16; ++ks) {
-        const unsigned short* kr = Ks + (nt * 8 + g) * LDS + ks * 16 + tg * 2;
-        rlx_mma(s[nt], qf[ks], *(const u32*)kr, *(const u32*)(kr + 8));
+      for (int ks = 0; ks < $D / 16; ks += 2) {
+        u32 kb[4];
+        rlx_ldm_x4(kb, krow + ks * 16);
+        rlx_mma(s[nt], qf[ks], kb[0], kb[1]);
+        rlx_mma(s[nt], qf[ks + 1], kb[2], kb[3]);
       }
     }
     float mx[2] = {-RLX_INF, -RLX_INF};
@@ -1021,13 +1039,14 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
       a[1] = rlx_pack(s[2 * kk][2], s[2 * kk][3]);
       a[2] = rlx_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
       a[3] = rlx_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      const int key = kk * 16 + tg * 2;
+      // V's B fragments for two column tiles at once: keys kk*16.. +15, columns dt*8.. +15
+      const unsigned short* vrow = Vs + (kk * 16 + (lane & 7) + (lane & 8)) * LDS + (lane >> 4) * 8;
 #pragma unroll
-      for (int dt = 0; dt < $D / 8; ++dt) {
-        const int dc = dt * 8 + g;
-        const u32 b0 = (u32)Vs[key * LDS + dc] | ((u32)Vs[(key + 1) * LDS + dc] << 16);
-        const u32 b1 = (u32)Vs[(key + 8) * LDS + dc] | ((u32)Vs[(key + 9) * LDS + dc] << 16);
-        rlx_mma(o[dt], a, b0, b1);
+      for (int dt = 0; dt < $D / 8; dt += 2) {
+        u32 vb[4];
+        rlx_ldm_x4_trans(vb, vrow + dt * 8);
+        rlx_mma(o[dt], a, vb[0], vb[1]);
+        rlx_mma(o[dt + 1], a, vb[2], vb[3]);
       }
     }
     __syncthreads();
