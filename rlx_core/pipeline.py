@@ -80,8 +80,7 @@ class CompilePipeline:
         self.profile = profile or CompileProfile()
         self.backend = backend if backend is not None and not isinstance(backend, str) else \
             select_backend(backend or self.profile.backend.name or None)
-        cfg = self.profile.backend
-        if cfg.device or cfg.threads or cfg.matmul != BackendConfig().matmul:
+        if attrs.evolve(self.profile.backend, name="") != BackendConfig():   # a setting besides the name
             self.backend = self.backend.configure(self.profile.backend)
         self.trace: list = []          # (pass name, nodes after, seconds)
         self.graphs: list | None = None   # a list here keeps (pass name, graph after it)

@@ -23,11 +23,12 @@ import numpy as np
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
-_I8, _I64 = ir.IntType(8), ir.IntType(64)
-_P = _I8.as_pointer()
+from .simd import call_intrinsic, element_ptr
+
+_I8 = ir.IntType(8)
+_VOID = ir.VoidType()
 _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 _OPT = dict(cache=True, error_model="numpy")
 
@@ -60,17 +61,8 @@ def tile_config() -> np.ndarray:
     return cfg
 
 
-def _fn(builder, name, argtys):
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), argtys), name)
-
-
 def _literal(t) -> ir.Constant:
     return ir.Constant(_I8, t.literal_value)
-
-
-def _address(context, builder, aty, ary, idx, ity):
-    arr = context.make_array(aty)(context, builder, ary)
-    return builder.bitcast(builder.gep(arr.data, [context.cast(builder, idx, ity, types.intp)]), _P)
 
 
 def _literals(*ts) -> bool:
@@ -81,8 +73,8 @@ def _literals(*ts) -> bool:
 def load_config(typingctx, cfg):
     """ldtilecfg from a uint8[64] array (once per thread before its tiles are used)."""
     def codegen(context, builder, sig, args):
-        arr = context.make_array(sig.args[0])(context, builder, args[0])
-        builder.call(_fn(builder, "llvm.x86.ldtilecfg", [_P]), [builder.bitcast(arr.data, _P)])
+        call_intrinsic(builder, "llvm.x86.ldtilecfg", _VOID,
+                       element_ptr(context, builder, sig.args[0], args[0], ir.Constant(_I8, 0), types.int8, _I8))
         return context.get_dummy_value()
     return types.none(cfg), codegen
 
@@ -91,7 +83,7 @@ def load_config(typingctx, cfg):
 def release(typingctx):
     """tilerelease: the thread's tile state back to its initial (unused) form."""
     def codegen(context, builder, sig, args):
-        builder.call(_fn(builder, "llvm.x86.tilerelease", []), [])
+        call_intrinsic(builder, "llvm.x86.tilerelease", _VOID)
         return context.get_dummy_value()
     return types.none(), codegen
 
@@ -103,7 +95,7 @@ def zero(typingctx, t):
         return None
 
     def codegen(context, builder, sig, args):
-        builder.call(_fn(builder, "llvm.x86.tilezero", [_I8]), [_literal(sig.args[0])])
+        call_intrinsic(builder, "llvm.x86.tilezero", _VOID, _literal(sig.args[0]))
         return context.get_dummy_value()
     return types.none(t), codegen
 
@@ -115,9 +107,9 @@ def _move(name: str):
             return None
 
         def codegen(context, builder, sig, args):
-            p = _address(context, builder, sig.args[1], args[1], args[2], sig.args[2])
-            s = context.cast(builder, args[3], sig.args[3], types.int64)
-            builder.call(_fn(builder, name, [_I8, _P, _I64]), [_literal(sig.args[0]), p, s])
+            p = element_ptr(context, builder, sig.args[1], args[1], args[2], sig.args[2], _I8)
+            call_intrinsic(builder, name, _VOID, _literal(sig.args[0]), p,
+                           context.cast(builder, args[3], sig.args[3], types.int64))
             return context.get_dummy_value()
         return types.none(t, a, i, stride), codegen
     return impl
@@ -134,7 +126,7 @@ def dot_bf16(typingctx, c, a, b):
         return None
 
     def codegen(context, builder, sig, args):
-        builder.call(_fn(builder, "llvm.x86.tdpbf16ps", [_I8, _I8, _I8]), [_literal(t) for t in sig.args])
+        call_intrinsic(builder, "llvm.x86.tdpbf16ps", _VOID, *[_literal(t) for t in sig.args])
         return context.get_dummy_value()
     return types.none(c, a, b), codegen
 

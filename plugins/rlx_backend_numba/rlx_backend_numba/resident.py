@@ -19,22 +19,27 @@ LIBRARY = "libllvmlite"
 _MADV_DONTNEED = 4
 
 
-def clean_mappings(smaps: str, library: str = LIBRARY) -> list:
-    """(start, end) of every mapping of `library` in /proc/<pid>/smaps text that is not
-    writable and has no anonymous or privately dirtied page: the ones safe to drop."""
+def mappings(smaps: str, library: str = LIBRARY) -> list:
+    """Every mapping of `library` in /proc/<pid>/smaps text: {"range": (start, end), "perms":
+    "r-xp", ...}, plus its kB fields ("Rss", "Anonymous", ...) as ints."""
     found, cur = [], None
     for line in smaps.splitlines():
         head = line.split()
         if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
-            path = head[5] if len(head) > 5 else ""
-            named = os.path.basename(path).startswith(library)
-            cur = {"range": tuple(int(x, 16) for x in head[0].split("-")), "perms": head[1],
-                   "dirty": 0} if named else None
+            named = len(head) > 5 and os.path.basename(head[5]).startswith(library)
+            cur = {"range": tuple(int(x, 16) for x in head[0].split("-")), "perms": head[1]} if named else None
             if cur is not None:
                 found.append(cur)
-        elif cur is not None and head and head[0] in ("Anonymous:", "Private_Dirty:"):
-            cur["dirty"] += int(head[1])
-    return [m["range"] for m in found if "w" not in m["perms"] and m["dirty"] == 0]
+        elif cur is not None and len(head) >= 2 and head[0].endswith(":") and head[1].isdigit():
+            cur[head[0][:-1]] = int(head[1])
+    return found
+
+
+def clean_mappings(smaps: str, library: str = LIBRARY) -> list:
+    """(start, end) of every mapping of `library` in /proc/<pid>/smaps text that is not
+    writable and has no anonymous or privately dirtied page: the ones safe to drop."""
+    return [m["range"] for m in mappings(smaps, library)
+            if "w" not in m["perms"] and not m.get("Anonymous") and not m.get("Private_Dirty")]
 
 
 def release_llvm_pages() -> int:
@@ -53,4 +58,4 @@ def release_llvm_pages() -> int:
                if madvise(start, end - start, _MADV_DONTNEED) == 0)
 
 
-__all__ = ["clean_mappings", "release_llvm_pages"]
+__all__ = ["clean_mappings", "mappings", "release_llvm_pages"]

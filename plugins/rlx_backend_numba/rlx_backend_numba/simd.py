@@ -91,7 +91,7 @@ for _vt in (I32x8, I8x32):
     _register(operator.rshift, _vt, lambda b, x, y: b.lshr(x, y))  # logical: lanes hold bits
 
 
-def _element_ptr(context, builder, aty, ary, idx, ity, elem):
+def element_ptr(context, builder, aty, ary, idx, ity, elem):
     """A pointer to `elem`-typed lanes starting at element `idx` of contiguous array `ary`."""
     arr = context.make_array(aty)(context, builder, ary)
     i = context.cast(builder, idx, ity, types.intp)
@@ -102,7 +102,7 @@ def _load(vt, align: int):
     @intrinsic
     def impl(typingctx, a, i):
         def codegen(context, builder, sig, args):
-            return builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1],
+            return builder.load(element_ptr(context, builder, sig.args[0], args[0], args[1],
                                              sig.args[1], vt.llvm), align=align)
         return vt(a, i), codegen
     return impl
@@ -118,7 +118,7 @@ def prefetch(typingctx, a, i):
     soon: a GEMV asks for the bytes a few rows ahead, which the hardware prefetcher of a
     two-stream read alone leaves late."""
     def codegen(context, builder, sig, args):
-        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _I8)
+        ptr = element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _I8)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
             ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
         builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
@@ -127,7 +127,7 @@ def prefetch(typingctx, a, i):
 
 
 def _store_f32(context, builder, sig, args):
-    builder.store(args[2], _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _VF),
+    builder.store(args[2], element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _VF),
                   align=4)
     return context.get_dummy_value()
 
@@ -138,7 +138,7 @@ def _store_bf16(context, builder, sig, args):
     odd = builder.and_(builder.lshr(bits, sixteen), one)
     r = builder.lshr(builder.add(builder.add(bits, half), odd), sixteen)
     v16 = ir.VectorType(ir.IntType(16), LANES)
-    builder.store(builder.trunc(r, v16), _element_ptr(context, builder, sig.args[0], args[0], args[1],
+    builder.store(builder.trunc(r, v16), element_ptr(context, builder, sig.args[0], args[0], args[1],
                                                       sig.args[1], v16), align=2)
     return context.get_dummy_value()
 
@@ -158,7 +158,7 @@ def _load_bytes(signed: bool):
     @intrinsic
     def impl(typingctx, a, i):
         def codegen(context, builder, sig, args):
-            vb = builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1],
+            vb = builder.load(element_ptr(context, builder, sig.args[0], args[0], args[1],
                                            sig.args[1], ir.VectorType(ir.IntType(8), LANES)),
                               align=1)
             return builder.sext(vb, _VI) if signed else builder.zext(vb, _VI)
@@ -273,7 +273,7 @@ def nibbles32(typingctx, a, i):
     """The 16 bytes at a[i]: lane j < 16 the low nibble of byte j, lane 16 + j its high one."""
     def codegen(context, builder, sig, args):
         v16 = ir.VectorType(_I8, 16)
-        q = builder.load(_element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], v16),
+        q = builder.load(element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], v16),
                          align=1)
         m = ir.Constant(v16, [15] * 16)
         words = builder.bitcast(q, ir.VectorType(ir.IntType(16), 8))       # one shift for all bytes
@@ -293,7 +293,8 @@ def bits32(typingctx, word):
     return I8x32(word), codegen
 
 
-def _x86(builder, name, ret, *args):
+def call_intrinsic(builder, name, ret, *args):
+    """A call of LLVM intrinsic `name` returning `ret`, typed by its arguments."""
     f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
     return builder.call(f, args)
 
@@ -303,16 +304,16 @@ def _idot(signed: bool):
     def impl(typingctx, q, x, i):
         """Lane k: sum over e = 4k..4k+3 of q[e] * x[i + e] (x int8; q unsigned or signed)."""
         def codegen(context, builder, sig, args):
-            xb = builder.load(_element_ptr(context, builder, sig.args[1], args[1], args[2], sig.args[2], _VB),
+            xb = builder.load(element_ptr(context, builder, sig.args[1], args[1], args[2], sig.args[2], _VB),
                               align=1)
             q = args[0]
             if AVX2:                     # llama.cpp's sequence: u8 x s8 pairs, then i16 pairs
                 if signed:               # |q| unsigned, its sign moved onto x
-                    xb = _x86(builder, "llvm.x86.avx2.psign.b", _VB, xb, q)
-                    q = _x86(builder, "llvm.abs.v32i8", _VB, q, ir.Constant(ir.IntType(1), 0))
+                    xb = call_intrinsic(builder, "llvm.x86.avx2.psign.b", _VB, xb, q)
+                    q = call_intrinsic(builder, "llvm.abs.v32i8", _VB, q, ir.Constant(ir.IntType(1), 0))
                 v16 = ir.VectorType(ir.IntType(16), 16)
-                pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, q, xb)
-                return _x86(builder, "llvm.x86.avx2.pmadd.wd", _VI, pairs, ir.Constant(v16, [1] * 16))
+                pairs = call_intrinsic(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, q, xb)
+                return call_intrinsic(builder, "llvm.x86.avx2.pmadd.wd", _VI, pairs, ir.Constant(v16, [1] * 16))
             v16 = ir.VectorType(ir.IntType(16), 32)
             qa = builder.sext(q, v16) if signed else builder.zext(q, v16)
             xa = builder.sext(xb, v16)

@@ -58,15 +58,8 @@ def test_only_clean_read_only_mappings_of_llvm_are_chosen():
 def _clean_rss_kb() -> int:
     with open("/proc/self/smaps") as f:
         text = f.read()
-    ranges = set(resident.clean_mappings(text))
-    total, cur = 0, None
-    for line in text.splitlines():
-        head = line.split()
-        if head and "-" in head[0] and ":" not in head[0]:
-            cur = tuple(int(x, 16) for x in head[0].split("-"))
-        elif head and head[0] == "Rss:" and cur in ranges:
-            total += int(head[1])
-    return total
+    clean = set(resident.clean_mappings(text))
+    return sum(m.get("Rss", 0) for m in resident.mappings(text) if m["range"] in clean)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_DONTNEED of file pages: Linux only")
