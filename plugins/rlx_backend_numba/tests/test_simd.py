@@ -73,11 +73,15 @@ def _to_bf16(x, o):
 
 def test_store_lanes_rounds_to_bf16_in_uint16_rows():
     """Into a uint16 array the lanes are bf16 bits, rounded to nearest with ties to even as
-    ml_dtypes rounds: random values, exact ties both ways, infinities, signed zeros."""
+    ml_dtypes rounds: random values, exact ties both ways (finite: NaN is not kept apart),
+    infinities, signed zeros."""
     import ml_dtypes
 
     rng = np.random.default_rng()
-    ties = ((rng.integers(0, 1 << 15, 16, dtype=np.uint32) << 16) | 0x8000).view(np.float32)
+    # High halves below 0x7F80 keep the exponent finite (the kernel does not keep NaN apart),
+    # with a random sign; the low half 0x8000 is the exact tie.
+    high = rng.integers(0, 0x7F80, 16, dtype=np.uint32) | (rng.integers(0, 2, 16, dtype=np.uint32) << 15)
+    ties = ((high << 16) | 0x8000).view(np.float32)
     x = np.concatenate([rng.standard_normal(64) * 10.0 ** rng.integers(-30, 30, 64), ties,
                         [0.0, -0.0, np.inf, -np.inf, 1.0, -3.5, 65504.0, 1e-40]]).astype(np.float32)
     x = x[: x.size // 8 * 8]
