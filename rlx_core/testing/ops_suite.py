@@ -169,8 +169,22 @@ def test_cast(backend, rng, src, dst):
                                            ((0, 1, 2), False), ((0, 1, 2), True)], ids=str)
 @fdtype
 def test_reduce(backend, rng, op, axes, keepdims, dt):
+    _check_reduce(backend, rng, op, axes, keepdims, dt, (2, 3, 5))
+
+
+@covers("reduce")
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+@pytest.mark.parametrize("axes", [(1,), (0, 1), (-1,), (0, 2)], ids=str)
+@fdtype
+def test_reduce_long(backend, rng, op, axes, dt):
+    """Reductions long enough for a backend's other kernel shapes: a long middle axis with
+    columns beside it, a long last axis, axes apart."""
+    _check_reduce(backend, rng, op, axes, False, dt, (3, 70, 40))
+
+
+def _check_reduce(backend, rng, op, axes, keepdims, dt, shape):
     lo, hi = (0.5, 1.5) if op == "prod" else (-2.0, 2.0)
-    x = exact(rng.uniform(lo, hi, (2, 3, 5)), dt)
+    x = exact(rng.uniform(lo, hi, shape), dt)
     tol = None
     if op in ("sum", "mean"):       # (rounding grows with the sum of |x|, not with a cancelling result)
         x64 = x.astype(np.float64)

@@ -26,6 +26,9 @@ def catalog() -> list:
         out.append((f"reduce {t}", S.render(S.REDUCE, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
                                             COMB="rlx_max((a), (b))", IDENT="(-(ACC)RLX_INF)",
                                             FINAL=f"ST({t}, r)"), "rlx_reduce"))
+        out.append((f"reduce_cols {t}", S.render(S.REDUCE_COLS, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
+                                                 COMB="(a) + (b)", IDENT="(ACC)0", FINAL=f"ST({t}, (r / (ACC)n))"),
+                    "rlx_reduce_cols"))
         out.append((f"argmax {t}", S.render(S.ARGMAX, TX=t, ACC=acc, LOAD="LD(ACC, v)"), "rlx_argmax"))
         out.append((f"topk {t}", S.render(S.TOPK, TX=t, ACC=acc, LOAD="LD(ACC, v)"), "rlx_topk"))
         out.append((f"cumsum {t}", S.render(S.CUMSUM, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",

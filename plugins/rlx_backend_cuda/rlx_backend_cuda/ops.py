@@ -676,8 +676,6 @@ def _b_reduce(b, n, ins, outs):
     op = n.a["op"]
     if R == 0 and op in ("max", "min"):
         raise BackendError(f"reduce {op} over an empty axis (node %{b.node})")
-    xm = b.moved_last(x, axes)
-    xv, rs = _as_matrix(b, xm, rows, R)
     acc, ld = _loader(x.dt)
     if op == "mean" and not x.dt.is_float:
         acc, ld = "double", "(ACC)(v)"
@@ -691,10 +689,35 @@ def _b_reduce(b, n, ins, outs):
     comb = {"sum": "(a) + (b)", "mean": "(a) + (b)", "prod": "(a) * (b)", "max": mx, "min": mn}[op]
     ident = {"sum": "(ACC)0", "mean": "(ACC)0", "prod": "(ACC)1", "max": lo, "min": hi}[op]
     final = _storer(y.dt, "(r / (ACC)n)" if op == "mean" else "r")
-    src = sources.render(sources.REDUCE, TX=ctype(x.dt), TO=ctype(y.dt), ACC=acc, LOAD=ld, COMB=comb,
-                         IDENT=ident, FINAL=final)
-    fn = b.kernel(src, "rlx_reduce")
+    macros = dict(TX=ctype(x.dt), TO=ctype(y.dt), ACC=acc, LOAD=ld, COMB=comb, IDENT=ident, FINAL=final)
+    oni = _one_run(x.shape, axes)
+    if oni is not None and (oni[2] > 1 or R <= REDUCE_SERIAL):
+        O, _, I = oni
+        fn = b.kernel(sources.render(sources.REDUCE_COLS, **macros), "rlx_reduce_cols")
+        ty = 1
+        while ty < 32 and ty * 16 < R and O * I * ty < b.sms * 2048:
+            ty *= 2
+        bx = 32 if ty > 1 else 256
+        b.launch(fn, ((O * I + bx - 1) // bx,), (bx, ty), (b.contiguous(x).arr, y.arr, i64(O), i32(R), i64(I)))
+        return
+    xv, rs = _as_matrix(b, b.moved_last(x, axes), rows, R)
+    fn = b.kernel(sources.render(sources.REDUCE, **macros), "rlx_reduce")
     b.launch(fn, (rows,), (_block(R),), (xv.arr, i64(rs), y.arr, i32(R)))
+
+
+REDUCE_SERIAL = 32      # a reduction this short runs one thread per output, not one block per row
+
+
+def _one_run(shape: tuple, axes: tuple) -> tuple | None:
+    """(O, R, I) when the reduced axes, size-1 axes aside, are one run of adjacent axes, so
+    the contiguous x is [O, R, I] reduced over the middle; None otherwise."""
+    marks = [(d, k in axes) for k, d in enumerate(shape) if d != 1]
+    red = [i for i, (_, m) in enumerate(marks) if m]
+    if red and red != list(range(red[0], red[-1] + 1)):
+        return None
+    first, last = (red[0], red[-1] + 1) if red else (len(marks), len(marks))
+    return (math.prod(d for d, _ in marks[:first]), math.prod(d for d, _ in marks[first:last]),
+            math.prod(d for d, _ in marks[last:]))
 
 
 def _b_argmax(b, n, ins, outs):

@@ -318,6 +318,40 @@ extern "C" __global__ void rlx_reduce(const $TX* __restrict__ x, long long rs, $
 }
 """
 
+# y[o, i] = COMB over r of x[o, r, i], x contiguous as [O, n, I] with I > 1 or n small: one
+# thread per output, threadIdx.x along i so a warp's loads are coalesced; with blockDim.y > 1
+# (then blockDim.x == 32) the threads of a column split r and meet in shared memory.
+REDUCE_COLS = r"""
+#define RLX_LOAD(v) ($LOAD)
+#define RLX_COMB(a, b) ($COMB)
+extern "C" __global__ void rlx_reduce_cols(const $TX* __restrict__ x, $TO* __restrict__ y, long long O, int n,
+                                           long long I) {
+  typedef $ACC ACC;
+  __shared__ ACC sh[32 * 33];
+  const long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const bool live = j < O * I;
+  ACC a = $IDENT;
+  if (live) {
+    const long long o = j / I;
+    const $TX* xc = x + o * (long long)n * I + (j - o * I);
+#pragma unroll 4
+    for (int k = threadIdx.y; k < n; k += blockDim.y) { ACC v = RLX_LOAD(xc[(long long)k * I]); a = RLX_COMB(a, v); }
+  }
+  if (blockDim.y > 1) {
+    sh[threadIdx.y * 33 + threadIdx.x] = a;
+    __syncthreads();
+    for (int st = blockDim.y / 2; st > 0; st >>= 1) {
+      if (threadIdx.y < st)
+        sh[threadIdx.y * 33 + threadIdx.x] = RLX_COMB(sh[threadIdx.y * 33 + threadIdx.x],
+                                                      sh[(threadIdx.y + st) * 33 + threadIdx.x]);
+      __syncthreads();
+    }
+    a = sh[threadIdx.x];
+  }
+  if (threadIdx.y == 0 && live) { ACC r = a; y[j] = $FINAL; }
+}
+"""
+
 # argmax (NaN is the largest, first index wins ties)
 ARGMAX = r"""
 #define RLX_LOAD(v) ($LOAD)
