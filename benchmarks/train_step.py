@@ -1,13 +1,16 @@
-"""One training step (forward + backward) of a SmolLM2-shaped Llama: RLX against PyTorch.
+"""One training step (forward, backward, Adam update) of a SmolLM2-shaped Llama: RLX against PyTorch.
 
 SmolLM2-135M shape (hidden 576, 30 layers, 9 heads, 3 KV heads, intermediate 1536, vocab
 49152, tied embeddings; --layers shrinks it) with random weights made here (numpy rng, the
 same in every process), one batch of random ids; the loss is the mean token cross-entropy.
-RLX: the recipe's cache-free `train` graph through rlx_core.value_and_grad (the gradient of
-every weight), compiled once, weights bound. PyTorch: HF LlamaForCausalLM with the same
-weights, `loss.backward()` (eager; torch.compile with --compile). Each side runs in its own
-process; bf16 on cuda, fp32 on cpu. Prints ms/step (median of --reps after --warmup), each
-side's loss on the batch (they agree when both compute the same model) and RLX / peer.
+RLX: `rlx_core.Trainer` on the recipe's cache-free `train` graph: the gradients of every
+weight and Adam's update in one step graph, weights and moments kept on the backend (16-bit
+weights with an f32 master copy). PyTorch: HF LlamaForCausalLM with the same weights,
+`loss.backward()` and `torch.optim.Adam` (fused on cuda; eager, and torch.compile of the
+model with --compile). Both sides update every weight and read back only the loss. Each side
+runs in its own process; bf16 on cuda, fp32 on cpu. Prints ms/step (median of --reps after
+--warmup), each side's loss at the first step (before any update: they agree when both
+compute the same model) and RLX / peer.
 
     python benchmarks/train_step.py --layers 2 --seq 32                # cpu: numpy vs torch
     python benchmarks/train_step.py --device cuda --compile            # the H100 run
@@ -29,6 +32,7 @@ SMOLLM2 = dict(model_type="llama", hidden_size=576, num_hidden_layers=30, num_at
                num_key_value_heads=3, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
                rms_norm_eps=1e-5, rope_theta=100000.0, hidden_act="silu", attention_bias=False, mlp_bias=False)
 SIDES = ("rlx", "torch_eager", "torch_compile")
+LR = 1e-4
 
 
 def config(a) -> dict:
@@ -78,16 +82,14 @@ def rlx_child(a) -> dict:
     t = time.perf_counter()
     built = find_recipe("llama").flow_class.for_training(cfg, batch=a.batch, seq=a.seq).build(
         weights, dtype=BF16 if bf16 else F32)
-    step_graph = rlx_core.value_and_grad(built.graph, list(built.params), output="loss")
     backend = a.backend or ("cuda" if a.device == "cuda" else "numpy")
-    exe = rlx_core.compile(step_graph, backend=backend, params=built.params)
+    trainer = rlx_core.Trainer(built.graph, built.params, rlx_core.Adam(lr=LR), backend=backend)
     feed = {"ids": ids, "labels": labels, "positions": np.tile(np.arange(a.seq), (a.batch, 1)),
             "key_mask": np.ones((a.batch, 1, 1, a.seq), bool)}
-    exe.run(feed)                         # specialize + first run outside the timing
+    first = trainer.step(feed)                # specialize + first step outside the timing
     compile_s = time.perf_counter() - t
-    fetch = ("loss",) + tuple(f"grad_{k}" for k in built.params)   # the gradients come back to the host
-    res = timed(lambda: exe.run(feed, fetch=fetch)["loss"], a)
-    return dict(res, backend=backend, compile_s=compile_s, nodes=len(step_graph.nodes))
+    res = timed(lambda: trainer.step(feed), a)
+    return dict(res, backend=backend, compile_s=compile_s, nodes=len(trainer.graph.nodes), first_loss=first)
 
 
 def torch_child(a, compiled: bool) -> dict:
@@ -104,22 +106,24 @@ def torch_child(a, compiled: bool) -> dict:
     model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
     model = model.to(dev, dtype).train()
     fwd = torch.compile(model) if compiled else model
+    opt = torch.optim.Adam(model.parameters(), lr=LR, **({"fused": True} if a.device == "cuda" else {}))
     tids, tlab = torch.from_numpy(ids).to(dev), torch.from_numpy(labels).to(dev)
 
     def step():
-        model.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
         logits = fwd(tids).logits
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, cfg["vocab_size"]), tlab.reshape(-1))
         loss.backward()
+        opt.step()
         return loss.detach()
 
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     t = time.perf_counter()
-    step()
+    first = step().item()
     sync()
     first_s = time.perf_counter() - t
     res = timed(lambda: step().item(), a, sync)
-    return dict(res, torch=torch.__version__, first_s=first_s,
+    return dict(res, torch=torch.__version__, first_s=first_s, first_loss=first,
                 threads=torch.get_num_threads() if a.device == "cpu" else None)
 
 
@@ -157,7 +161,7 @@ def main(argv=None) -> int:
         return 0
     precision = "bf16" if a.device == "cuda" else "fp32"
     log(f"{hardware(a.device)}; SmolLM2 shape, {a.layers} layers, batch {a.batch} x seq {a.seq}, {precision}; "
-        f"forward + backward of every weight; median of {a.reps} after {a.warmup} warmup; each side in its own process")
+        f"forward + backward + Adam on every weight; median of {a.reps} after {a.warmup} warmup; each side in its own process")
     res = {}
     for side in SIDES if a.compile else SIDES[:2]:
         cmd = [sys.executable, __file__, "--child", side, "--layers", str(a.layers), "--batch", str(a.batch),
@@ -169,11 +173,11 @@ def main(argv=None) -> int:
             res[side] = r
             log(f"{side}: {r}")
     rl = res.get("rlx")
-    lines = ["| side | ms/step (median) | ms/step (min) | loss | RLX / side |", "|---|---|---|---|---|"]
+    lines = ["| side | ms/step (median) | ms/step (min) | first step's loss | RLX / side |", "|---|---|---|---|---|"]
     for side, r in res.items():
         name = f"rlx ({r['backend']})" if side == "rlx" else side
         ratio = f"{rl['ms'] / r['ms']:.2f}" if rl and side != "rlx" else "-"
-        lines.append(f"| {name} | {r['ms']:.1f} | {r['ms_min']:.1f} | {r['loss']:.5f} | {ratio} |")
+        lines.append(f"| {name} | {r['ms']:.1f} | {r['ms_min']:.1f} | {r['first_loss']:.5f} | {ratio} |")
     print("\n".join(lines), flush=True)
     if a.json:
         with open(a.json, "w") as f:

@@ -1,9 +1,9 @@
 """Train a 2-layer tiny Llama, built with the flow DSL, on a toy character corpus.
 
 The recipe's `train` mode gives a cache-free graph whose output `loss` is the mean token
-cross-entropy; `rlx_core.value_and_grad` turns it into a graph that also returns every
-weight's gradient; the weights are fed as inputs each step and updated by Adam, written here
-in NumPy (the optimizer is the example's, not the core's).
+cross-entropy; `rlx_core.Trainer` compiles it with its gradients and Adam's update into one
+step graph, the weights and Adam's moments kept on the backend, so a step moves only the
+batch in and the loss out.
 
     python examples/train_tiny_llama.py --steps 300            # numpy
     python examples/train_tiny_llama.py --backend cuda         # any backend that runs the graph
@@ -15,8 +15,7 @@ import time
 
 import numpy as np
 
-import rlx_core
-from rlx_core.passes.transform import params_as_inputs
+from rlx_core import Adam, Trainer
 from rlx_core.runtime.model import find_recipe
 
 CORPUS = ("the quick brown fox jumps over the lazy dog. a small model learns to spell the words it "
@@ -36,23 +35,6 @@ def init_weights(cfg: dict, rng) -> dict:
             for k, v in tensors.items()}
 
 
-class Adam:
-    """Adam (Kingma & Ba) over a dict of arrays."""
-
-    def __init__(self, params: dict, lr: float = 3e-3, betas=(0.9, 0.99), eps: float = 1e-8):
-        self.lr, (self.b1, self.b2), self.eps, self.t = lr, betas, eps, 0
-        self.m = {k: np.zeros_like(v) for k, v in params.items()}
-        self.v = {k: np.zeros_like(v) for k, v in params.items()}
-
-    def step(self, params: dict, grads: dict) -> None:
-        self.t += 1
-        c1, c2 = 1 - self.b1 ** self.t, 1 - self.b2 ** self.t
-        for k, g in grads.items():
-            self.m[k] = self.b1 * self.m[k] + (1 - self.b1) * g
-            self.v[k] = self.b2 * self.v[k] + (1 - self.b2) * g * g
-            params[k] -= (self.lr * (self.m[k] / c1) / (np.sqrt(self.v[k] / c2) + self.eps)).astype(params[k].dtype)
-
-
 def train(steps: int = 300, backend: str = "numpy", batch: int = 8, seq: int = 32, lr: float = 3e-3,
           seed: int = 0, log_every: int = 0) -> list:
     """Train `steps` Adam steps on random windows of CORPUS; returns the loss of every step."""
@@ -60,20 +42,14 @@ def train(steps: int = 300, backend: str = "numpy", batch: int = 8, seq: int = 3
     chars = sorted(set(CORPUS))
     data = np.array([chars.index(c) for c in CORPUS], np.int64)
     cfg = config(len(chars), seq)
-    weights = init_weights(cfg, rng)
-    built = find_recipe("llama").flow_class.for_training(cfg, batch=batch, seq=seq).build(weights)
-    names = list(built.params)
-    step_graph = rlx_core.value_and_grad(params_as_inputs(built.graph), names, output="loss")
-    exe = rlx_core.compile(step_graph, backend=backend)
+    built = find_recipe("llama").flow_class.for_training(cfg, batch=batch, seq=seq).build(init_weights(cfg, rng))
+    trainer = Trainer(built.graph, built.params, Adam(lr, betas=(0.9, 0.99)), backend=backend)
     fixed = {"positions": np.tile(np.arange(seq), (batch, 1)), "key_mask": np.ones((batch, 1, 1, seq), bool)}
-    opt = Adam(weights, lr)
     losses = []
     for step in range(steps):
         start = rng.integers(0, len(data) - seq - 1, batch)
         window = data[start[:, None] + np.arange(seq + 1)]
-        out = exe.run({**fixed, **weights, "ids": window[:, :-1], "labels": window[:, 1:]})
-        losses.append(float(out["loss"]))
-        opt.step(weights, {k: out[f"grad_{k}"] for k in names})
+        losses.append(trainer.step({**fixed, "ids": window[:, :-1], "labels": window[:, 1:]}))
         if log_every and (step % log_every == 0 or step == steps - 1):
             print(f"step {step:4d}  loss {losses[-1]:.4f}", flush=True)
     return losses

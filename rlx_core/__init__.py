@@ -9,6 +9,7 @@ from .ir.shape import Shape  # noqa: E402
 from .pipeline import CompilePipeline, Executable, compile  # noqa: E402
 from .plugins.manager import core_version  # noqa: E402  (installs the registry source)
 from .profile import CompileProfile  # noqa: E402
+from .runtime.train import SGD, Adam, Trainer  # noqa: E402
 
 __version__ = core_version()
 
@@ -34,4 +35,4 @@ def bisect(model, backend: str, ref: str = "numpy", input=None, pass_name: str |
 
 __all__ = ["DType", "F32", "F16", "BF16", "F64", "I32", "I64", "BOOL", "Graph", "Builder", "Emit",
            "Shape", "MaskKind", "RlxError", "CompileProfile", "CompilePipeline", "Executable",
-           "compile", "load", "bisect", "grad", "value_and_grad", "__version__"]
+           "compile", "load", "bisect", "grad", "value_and_grad", "Trainer", "Adam", "SGD", "__version__"]

@@ -403,6 +403,9 @@ class Builder:
     def kv_write(self, cache, new, pos, axis=2):
         return self.add("kv_write", (cache, new, pos), axis=axis)
 
+    def assign(self, state, value):
+        return self.add("assign", (state, value))
+
     def custom(self, name, *xs, **params):
         out = self.add("custom", xs, name=name, params=tuple(sorted(params.items())))
         return out

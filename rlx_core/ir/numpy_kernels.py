@@ -401,6 +401,14 @@ def _kv_write(a, cache, new, pos):
 _kv_write.returns_cache = True      # its output is its first input (runners bind it once)
 
 
+def _assign(a, state, value):
+    state[...] = value
+    return state
+
+
+_assign.returns_cache = True
+
+
 def _fused_swiglu(a, out, g, u):
     o = out[0]
     if o.dtype == g.dtype == u.dtype == np.float32 and o.shape == g.shape == u.shape:
@@ -721,4 +729,5 @@ VIEWS = {
     "narrow": lambda a, x: _narrow(a, x),
     "expand": lambda a, x: np.broadcast_to(x, a["shape"]),
     "kv_write": _kv_write,
+    "assign": _assign,
 }

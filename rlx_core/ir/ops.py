@@ -657,6 +657,17 @@ def _m_kv_write(s, a):
     return (c,)
 
 
+@op("assign", ["state", "value"], view_of=0, effect=True)
+def _m_assign(s, a):
+    """Overwrite the state `state` with `value` (same shape and dtype), in place, where the
+    node stands in the graph: after every node before it (an optimizer step writes the
+    weights the step read); returns the state."""
+    st, v = s
+    if st.dims != v.dims or st.dtype != v.dtype:
+        raise ShapeError(f"assign value {v} does not match the state {st}")
+    return (st,)
+
+
 @op("custom", ["xs*"], attrs={"name": NAME, "params": PARAMS(())})
 def _m_custom(s, a):
     """An op registered by a plugin through rlx_register_ops; meta and kernels come from it."""

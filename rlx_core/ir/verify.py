@@ -32,6 +32,9 @@ def verify(g) -> None:
             names[n.name] = i
             if n.op == "constant" and n.name not in g.constants:
                 raise GraphError(f"{where}: constant {n.name!r} has no value in the constant table")
+        if n.op == "assign" and n.inputs and g.nodes[n.inputs[0][0]].op != "state":
+            raise GraphError(f"{where}: writes %{n.inputs[0][0]} ({g.nodes[n.inputs[0][0]].op}); "
+                             "assign writes a state")
         bodies = False
         for key, body in n.attrs:               # control-flow bodies, verified recursively
             if getattr(body, "_rlx_graph_attr", False):

@@ -445,6 +445,13 @@ def test_kv_write(backend, rng, dt, pos, pdt):
     run_parity(backend, "kv_write", [cache, new, p], {"axis": 2}, ref_kv_write)
 
 
+@covers("assign")
+@fdtype
+def test_assign(backend, rng, dt):
+    state = Arg("state", rand(rng, (3, 5, 4), dt), dt, kind="state")
+    run_parity(backend, "assign", [state, arg(rng, "value", (3, 5, 4), dt)], {}, lambda s, v: v)
+
+
 # ----------------------------------------------------------------------------- HIR blocks
 DIRECT_AND_FUSABLE = pytest.mark.parametrize("profile", [
     PARITY_PROFILE, PARITY_PROFILE.evolve(fusion={"policy": "fusable"}),

@@ -799,6 +799,11 @@ def _grid(n, sms, block=256):
     return (max(1, min((n + block - 1) // block, sms * 32)),)
 
 
+def _v_assign(b, n, ins):
+    b.copy(ins[1], ins[0])
+    return ins[0]
+
+
 def _v_kv_write(b, n, ins):
     cache, new, pos = ins
     if b.node in b.absorbed:          # its producer (rope) wrote the rows already
@@ -1207,6 +1212,7 @@ VIEW_BUILDERS = {
     "narrow": _v_narrow,
     "expand": _v_expand,
     "kv_write": _v_kv_write,
+    "assign": _v_assign,
 }
 
 __all__ = ["BUILDERS", "VIEW_BUILDERS"]

@@ -394,6 +394,8 @@ class NumbaRunner(NumpyRunner):
             if is_view and node.op == "kv_write":
                 fn = _kv_write_step(a, *[protos[j] for j in ins]) or fn
                 protos[out] = protos[ins[0]]
+            elif is_view and getattr(fn, "returns_cache", False):      # a write (assign): not now
+                protos[out] = protos[ins[0]]
             elif is_view:
                 protos[out] = fn(a, *[protos[j] for j in ins])
             elif i in fused:

@@ -356,6 +356,10 @@ class OpenCLRunner(Runner):
             self._kv_write(i, a, *ins)
             vals[(i, 0)] = ins[0]
             return
+        if op == "assign":
+            self.copy(ins[1], ins[0])
+            vals[(i, 0)] = ins[0]
+            return
         outs = [self.out_view(i, k) for k in range(len(n.outs))]
         for k, v in enumerate(outs):
             vals[(i, k)] = v
@@ -909,5 +913,5 @@ class OpenCLRunner(Runner):
 def kernel_ops() -> set:
     """Op names this runner has a kernel (or view) for: the backend's supported_ops()."""
     own = {name[4:] for name in dir(OpenCLRunner) if name.startswith("_op_")}
-    return own | EW_OPS | {"reshape", "narrow", "expand", "kv_write", "fused_elementwise", "input", "param",
-                           "state", "constant"}
+    return own | EW_OPS | {"reshape", "narrow", "expand", "kv_write", "assign", "fused_elementwise", "input",
+                           "param", "state", "constant"}

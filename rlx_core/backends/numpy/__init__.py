@@ -127,12 +127,12 @@ class NumpyRunner(Runner):
 def _fold_fixed_views(steps: list, vals: list, dynamic: set) -> list:
     """Views of buffers that never move (arena slots, params, states, constants) are taken
     once here instead of every run: a decode step has hundreds of reshapes and narrows. A
-    view of an input (or of such a view), kv_write (it writes) and a reshape that had to
-    copy stay steps."""
+    view of an input (or of such a view), a write (kv_write, assign: `returns_cache`) and a
+    reshape that had to copy stay steps."""
     kept = []
     for step in steps:
         _, is_view, fn, a, ins, out = step
-        if is_view and fn is not VIEWS["kv_write"] and not dynamic.intersection(ins):
+        if is_view and not getattr(fn, "returns_cache", False) and not dynamic.intersection(ins):
             v = fn(a, *[vals[j] for j in ins])
             if np.may_share_memory(v, vals[ins[0]]):
                 vals[out] = v

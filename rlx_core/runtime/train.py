@@ -1,0 +1,200 @@
+"""Training on the backend: one graph holds the forward pass, the gradients and the
+optimizer's update. The trained weights and the optimizer's moments are states, kept on the
+backend between steps and overwritten in place by `assign` nodes at the end of the graph, so
+a step moves only the batch in and the loss out (on a GPU, nothing of the size of the model
+crosses to the host).
+
+Weights of a 16-bit dtype train through an f32 master copy (a state too): the update adds to
+the f32 value and the weight the forward pass reads is its rounding, so updates smaller than
+a bf16 step accumulate instead of vanishing.
+
+    trainer = Trainer(graph, weights, Adam(lr=3e-3), backend="cuda")
+    for batch in batches:
+        loss = trainer.step(batch)
+    weights = trainer.weights()
+"""
+from __future__ import annotations
+
+import math
+
+import attrs
+import numpy as np
+
+from ..ir.autodiff import value_and_grad
+from ..ir.dtype import F32
+from ..ir.errors import GraphError, ModelError
+from ..ir.graph import MIR, Builder, Graph
+from ..ir.rewrite import copy_node
+from ..passes.transform import params_as_inputs
+
+MASTER = "opt.master."             # + weight name: the f32 copy of a 16-bit weight
+
+
+def _number(owner: str, name: str, value, lo: float, hi: float = math.inf, lo_open=False, hi_open=True):
+    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool) \
+        and math.isfinite(value) and (value > lo if lo_open else value >= lo) and \
+        (value < hi if hi_open else value <= hi)
+    if not ok:
+        span = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise ModelError(f"{owner}: {name} must be a number in {span}, got {value!r}")
+    return float(value)
+
+
+@attrs.frozen
+class SGD:
+    """Stochastic gradient descent, with heavy-ball `momentum` (torch.optim.SGD's form: the
+    buffer sums gradients, the step is lr times the buffer) and decoupled `weight_decay`."""
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+    def __attrs_post_init__(self):
+        _number("SGD", "lr", self.lr, 0.0, lo_open=True)
+        _number("SGD", "momentum", self.momentum, 0.0, 1.0)
+        _number("SGD", "weight_decay", self.weight_decay, 0.0)
+
+    @property
+    def slots(self) -> tuple:
+        return ("momentum",) if self.momentum else ()
+
+    def scalars(self, t: int) -> dict:
+        return {"lr": self.lr}
+
+    def update(self, m: Builder, w, g, slots: dict, sc: dict) -> tuple:
+        if self.momentum:
+            g = slots["momentum"] * self.momentum + g
+            slots = {"momentum": g}
+        if self.weight_decay:
+            w = w - w * (sc["lr"] * self.weight_decay)
+        return w - g * sc["lr"], slots
+
+
+@attrs.frozen
+class Adam:
+    """Adam (Kingma & Ba), with decoupled `weight_decay` (AdamW) when it is set. The bias
+    corrections of step t come in as the step's scalars: step_size = lr * sqrt(1 - b2^t) /
+    (1 - b1^t) and eps_t = eps * sqrt(1 - b2^t), the paper's efficient form."""
+    lr: float = 1e-3
+    betas: tuple = attrs.field(default=(0.9, 0.999), converter=tuple)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __attrs_post_init__(self):
+        _number("Adam", "lr", self.lr, 0.0, lo_open=True)
+        if len(self.betas) != 2:
+            raise ModelError(f"Adam: betas must be two numbers, got {self.betas!r}")
+        for k, b in enumerate(self.betas):
+            _number("Adam", f"betas[{k}]", b, 0.0, 1.0)
+        _number("Adam", "eps", self.eps, 0.0, lo_open=True)
+        _number("Adam", "weight_decay", self.weight_decay, 0.0)
+
+    slots = ("m", "v")
+
+    def scalars(self, t: int) -> dict:
+        b1, b2 = self.betas
+        c2 = math.sqrt(1.0 - b2 ** t)
+        return {"lr": self.lr, "step_size": self.lr * c2 / (1.0 - b1 ** t), "eps": self.eps * c2}
+
+    def update(self, m: Builder, w, g, slots: dict, sc: dict) -> tuple:
+        b1, b2 = self.betas
+        mo = slots["m"] * b1 + g * (1.0 - b1)
+        v = slots["v"] * b2 + g * g * (1.0 - b2)
+        if self.weight_decay:
+            w = w - w * (sc["lr"] * self.weight_decay)
+        return w - mo * sc["step_size"] / (m.act(v, "sqrt") + sc["eps"]), {"m": mo, "v": v}
+
+
+def slot_name(optimizer, slot: str, weight: str) -> str:
+    return f"opt.{slot}.{weight}"
+
+
+def train_graph(g: Graph, wrt, optimizer, output: str = "loss") -> Graph:
+    """One training step as a graph: `output` of `g`, the gradient of each weight in `wrt`
+    and the optimizer's update written back into the weights, which become states of the
+    same name (with their optimizer slots `opt.<slot>.<name>` and, for 16-bit weights, the
+    f32 master `opt.master.<name>`). The step's scalars are f32 inputs `opt.<scalar>`; the
+    only output is `output`."""
+    wrt = list(wrt)
+    vg = value_and_grad(params_as_inputs(g, wrt), wrt, output)
+    trained = set(wrt)
+    m = Builder(f"{g.name}.train", MIR)
+    m.constants = dict(vg.constants)
+    vals: dict = {}
+    for i, n in enumerate(vg.nodes):
+        if n.op == "input" and n.name in trained:
+            s = n.outs[0]
+            out = m.state(n.name, s.dims, s.dtype)
+        else:
+            out = copy_node(m, n, [vals[tuple(r)] for r in n.inputs])
+        for k, v in enumerate(out if isinstance(out, tuple) else (out,)):
+            vals[(i, k)] = v
+    refs = dict(vg.outputs)
+    leaf = {n.name: vals[(i, 0)] for i, n in enumerate(vg.nodes) if n.name in trained}
+    sc = {k: m.input(f"opt.{k}", (), F32) for k in optimizer.scalars(1)}
+    writes = []
+    for name in wrt:
+        w = leaf[name]
+        g32 = vals[tuple(refs[f"grad_{name}"])]
+        g32 = g32 if g32.dtype == F32 else m.cast(g32, F32)
+        master = w if w.dtype == F32 else m.state(MASTER + name, w.dims, F32)
+        slots = {s: m.state(slot_name(optimizer, s, name), w.dims, F32) for s in optimizer.slots}
+        new, new_slots = optimizer.update(m, master, g32, slots, sc)
+        writes.append((master, new))
+        if master is not w:
+            writes.append((w, m.cast(new, w.dtype)))
+        writes += [(slots[s], new_slots[s]) for s in new_slots]
+    for state, value in writes:      # last: every read of the old values comes before
+        m.assign(state, value)
+    m.output(output, vals[tuple(refs[output])])
+    return m.build()
+
+
+class Trainer:
+    """Train the params `wrt` (default: all) of a graph whose output `output` is the loss:
+    `step(inputs)` runs one step on the backend and returns the loss; `weights()` copies the
+    trained weights back. Params not in `wrt` stay bound as they are."""
+
+    def __init__(self, graph: Graph, weights: dict, optimizer, *, wrt=None, output: str = "loss",
+                 backend: str | None = None, profile=None):
+        from ..pipeline import compile, numeric
+
+        if not hasattr(optimizer, "update") or not hasattr(optimizer, "scalars"):
+            raise ModelError(f"Trainer: optimizer must be an rlx_core optimizer (SGD, Adam), got {optimizer!r}")
+        params = graph.params
+        specs = {name: graph.nodes[i].outs[0] for name, i in params.items()}
+        wrt = list(params) if wrt is None else [wrt] if isinstance(wrt, str) else list(wrt)
+        unknown = sorted(set(wrt) - set(params))
+        if unknown:
+            raise GraphError(f"Trainer: {unknown} are not params of graph {graph.name!r}; it has {sorted(params)}")
+        missing = sorted(set(params) - set(weights))
+        if missing:
+            raise ModelError(f"Trainer: weights lack {missing} (params of graph {graph.name!r})")
+        self.optimizer, self.output, self.wrt, self.t = optimizer, output, wrt, 0
+        self.graph = train_graph(graph, wrt, optimizer, output)
+        frozen = {k: weights[k] for k in params if k not in set(wrt)}
+        self.exe = compile(self.graph, backend=backend, profile=profile, params=frozen)
+        b = self.exe.backend
+        for name in wrt:
+            s = specs[name]
+            w = numeric(f"weight {name!r}", weights[name], s.dtype)
+            if tuple(w.shape) != s.dims:
+                raise ModelError(f"Trainer: weight {name!r} is {list(w.shape)}, the graph's param is {list(s.dims)}")
+            self.exe.states[name] = b.to_device(w.copy())
+            if s.dtype != F32:
+                self.exe.states[MASTER + name] = b.to_device(np.asarray(weights[name], np.float32).copy())
+            for slot in optimizer.slots:
+                self.exe.states[slot_name(optimizer, slot, name)] = b.zeros(s.dims, F32)
+
+    def step(self, inputs: dict) -> float:
+        """One step on `inputs` (the batch); the loss before the update."""
+        self.t += 1
+        feed = dict(inputs, **{f"opt.{k}": np.float32(v) for k, v in self.optimizer.scalars(self.t).items()})
+        return float(self.exe.run(feed, fetch=(self.output,))[self.output])
+
+    def weights(self) -> dict:
+        """The trained weights now, as host arrays of their dtype."""
+        b = self.exe.backend
+        return {name: np.array(b.to_host(self.exe.states[name])) for name in self.wrt}
+
+
+__all__ = ["SGD", "Adam", "Trainer", "train_graph"]
