@@ -85,6 +85,15 @@ CASES = {
                  lambda x, w: x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5) * w, False),
     "layer_norm": (((2, 5), (5,), (5,)), lambda m, x, g, b: m.layer_norm(x, g, b, eps=1e-5),
                    lambda x, g, b: torch.nn.functional.layer_norm(x, (5,), g, b, 1e-5), False),
+    "rms_norm_3d_offset": (((2, 3, 5), (5,)), lambda m, x, w: m.rms_norm(x, w, eps=1e-5, offset=1.0),
+                           lambda x, w: x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5) * (w + 1), False),
+    "rms_norm_no_weight": (((2, 5),), lambda m, x: m.rms_norm(x, eps=1e-5),
+                           lambda x: x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5), False),
+    "layer_norm_gamma_only": (((3, 2, 5), (5,)), lambda m, x, g: m.layer_norm(x, g, eps=1e-5),
+                              lambda x, g: torch.nn.functional.layer_norm(x, (5,), g, None, 1e-5), False),
+    "layer_norm_bare": (((2, 5),), lambda m, x: m.layer_norm(x, eps=1e-5),
+                        lambda x: torch.nn.functional.layer_norm(x, (5,), None, None, 1e-5), False),
+    "softmax_axis0": (((4, 3),), lambda m, x: m.softmax(x, 0), lambda x: torch.softmax(x, 0), False),
     "linear_bias": (((2, 3), (4, 3), (4,)), lambda m, x, w, b: m.linear(x, w, b),
                     lambda x, w, b: x @ w.T + b, False),
     "swiglu": (((2, 3), (4, 3), (4, 3), (3, 4)), lambda m, x, g, u, d: m.swiglu(x, g, u, d),
@@ -179,3 +188,27 @@ def test_ops_without_a_rule_are_named():
         rlx_core.value_and_grad(Graph.define("c", f), ["x"])
     with pytest.raises(GraphError, match=r"'y' is not an input or param"):
         rlx_core.value_and_grad(Graph.define("c", f), ["y"])
+
+
+def test_norms_and_softmax_backward_are_fused_ops_and_legalize(rng):
+    """value_and_grad keeps softmax / rms_norm / layer_norm and emits their fused backward
+    ops; legalized to primitives (as for a backend without the kernels) they give the same
+    gradients."""
+    from rlx_core.ir.lower import legalize
+    from rlx_core.ir.ops import OPS
+
+    def f(m):
+        x, w, gm = m.input("x", (2, 3, 8), F64), m.input("w", (8,), F64), m.input("gm", (8,), F64)
+        h = m.softmax(m.rms_norm(x, w, eps=1e-5), -1)
+        return m.sum(m.layer_norm(h, gm, eps=1e-5) * m.input("r", (2, 3, 8), F64), (0, 1, 2))
+    vg = rlx_core.value_and_grad(Graph.define("nsm", f), ["x", "w", "gm"])
+    ops = {n.op for n in vg.nodes}
+    assert {"softmax_grad", "rms_norm_grad", "layer_norm_grad"} <= ops
+    plain, _ = legalize(vg, set(OPS) - {"softmax_grad", "rms_norm_grad", "layer_norm_grad"})
+    assert not {"softmax_grad", "rms_norm_grad", "layer_norm_grad"} & {n.op for n in plain.nodes}
+    feed = {"x": rng.standard_normal((2, 3, 8)), "w": rng.standard_normal(8), "gm": rng.standard_normal(8),
+            "r": rng.standard_normal((2, 3, 8))}
+    a = compile_graph(vg, backend="numpy").run(feed)
+    b = compile_graph(plain, backend="numpy").run(feed)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-12, atol=1e-13, err_msg=k)

@@ -1,8 +1,10 @@
 """Reverse-mode AD: `value_and_grad` / `grad` build a backward graph from a VJP rule per op.
 
-The graph is first lowered with the `fusable` policy, so blocks (linear, rms_norm,
-layer_norm, softmax, rope, attention, ...) reach AD as their primitive decompositions and
-only primitives need rules. Forward nodes are replayed into a new MIR graph, then the
+The graph is first lowered with the `fusable` policy, so blocks (linear, rope, attention,
+...) reach AD as their primitive decompositions and only primitives need rules; softmax,
+rms_norm and layer_norm stay ops, and their rules emit the fused backward ops
+`softmax_grad`, `rms_norm_grad`, `layer_norm_grad` (one kernel where a backend has it,
+legalized to primitives where not). Forward nodes are replayed into a new MIR graph, then the
 cotangents flow back node by node: a rule is graph-building code
 `rule(m, attrs, inputs, output, cotangent) -> cotangent per input (None: not differentiable)`.
 The result is an ordinary MIR graph: it goes through the same passes, planner and
@@ -19,10 +21,13 @@ import numpy as np
 
 from .errors import GraphError
 from .graph import MIR, Builder, Graph
-from .lower import lower
+from .lower import layer_norm_grad_prims, lower, rms_norm_grad_prims
 from .rewrite import copy_node
 
 VJP: dict = {}
+# ops the forward keeps (not lowered to primitives) because their VJP rule emits a fused
+# backward op (softmax_grad, rms_norm_grad, layer_norm_grad)
+FUSED_BACKWARD = frozenset({"softmax", "rms_norm", "layer_norm"})
 MULTI: set = set()          # ops whose rule takes every output and cotangent (lists; None: none)
 
 
@@ -194,7 +199,21 @@ def _matmul(m, a, ins, y, g):
 
 @vjp("softmax")
 def _softmax(m, a, ins, y, g):
-    return (m.cast(y * (g - m.sum(g * y, (a["axis"],), keepdims=True)), ins[0].dtype),)
+    return (m.add("softmax_grad", (y, g), axis=a["axis"]),)
+
+
+@vjp("rms_norm")
+def _rms_norm(m, a, ins, y, g):
+    if len(ins) == 1:
+        return (rms_norm_grad_prims(m, ins[0], None, g, a["eps"], a["offset"])[0],)
+    return m.add("rms_norm_grad", (ins[0], ins[1], g), eps=a["eps"], offset=a["offset"])
+
+
+@vjp("layer_norm")
+def _layer_norm(m, a, ins, y, g):
+    if len(ins) == 1:
+        return (layer_norm_grad_prims(m, ins[0], None, g, a["eps"])[0],)
+    return m.add("layer_norm_grad", (ins[0], ins[1], g), eps=a["eps"])[:len(ins)]
 
 
 @vjp("reshape")
@@ -363,7 +382,7 @@ def value_and_grad(g: Graph, wrt, output: str | None = None) -> Graph:
         output = names[0]
     if output not in names:
         raise GraphError(f"value_and_grad: graph {g.name!r} has no output {output!r}; it has {names}")
-    f = lower(g, "fusable") if g.level == "hir" else g
+    f = lower(g, "fusable", keep=FUSED_BACKWARD) if g.level == "hir" else g
     leaves = {n.name: i for i, n in enumerate(f.nodes) if n.op in ("input", "param")}
     for w in wrt:
         if w not in leaves:

@@ -56,6 +56,40 @@ def softmax_prims(m, x, axis=-1):
     return m.cast(e / m.maximum(m.sum(e, (axis,), keepdims=True), 1.0), x.dtype)
 
 
+def _rows_sum(m, t, w):
+    """t [..., D] summed over every leading axis, as w's dtype [D]."""
+    return m.cast(m.sum(t, tuple(range(t.shape.rank - 1))) if t.shape.rank > 1 else t, w.dtype)
+
+
+def softmax_grad_prims(m, y, g, axis=-1):
+    yf, gf = _f32(m, y), _f32(m, g)
+    return m.cast(yf * (gf - m.sum(gf * yf, (axis,), keepdims=True)), y.dtype)
+
+
+def rms_norm_grad_prims(m, x, w, g, eps=1e-6, offset=0.0):
+    """(dx, dw) of rms_norm(x, w); without w (None) dw is None."""
+    xf, gf = _f32(m, x), _f32(m, g)
+    inv = m.rsqrt(m.mean(xf * xf, (-1,), keepdims=True) + eps)
+    n = xf * inv
+    dn = gf if w is None else gf * (_f32(m, w) + offset if offset else _f32(m, w))
+    dx = inv * (dn - n * m.mean(dn * n, (-1,), keepdims=True))
+    return m.cast(dx, x.dtype), (None if w is None else _rows_sum(m, gf * n, w))
+
+
+def layer_norm_grad_prims(m, x, gamma, g, eps=1e-5):
+    """(dx, dgamma, dbeta) of layer_norm(x, gamma, beta); without gamma dgamma is None and
+    dbeta is summed in x's dtype."""
+    xf, gf = _f32(m, x), _f32(m, g)
+    d = xf - m.mean(xf, (-1,), keepdims=True)
+    inv = m.rsqrt(m.mean(d * d, (-1,), keepdims=True) + eps)
+    n = d * inv
+    dn = gf if gamma is None else gf * _f32(m, gamma)
+    dx = inv * (dn - m.mean(dn, (-1,), keepdims=True) - n * m.mean(dn * n, (-1,), keepdims=True))
+    like = gamma if gamma is not None else x
+    return (m.cast(dx, x.dtype), None if gamma is None else _rows_sum(m, gf * n, gamma),
+            _rows_sum(m, gf, like))
+
+
 def _table(m, t, x):
     """Rope tables [S,R/2] / [B,S,R/2] -> broadcastable against [B,H,S,R/2]."""
     if t.shape.rank == 2:
@@ -92,7 +126,7 @@ def repeat_kv(m, k, heads):
 
 
 def attention_prims(m, q, k, v, mask=None, pos=None, *, scale, mask_kind="causal", window=0,
-                    softcap=0.0, has_mask=False, has_pos=False):
+                    softcap=0.0, has_mask=False, has_pos=False, softmax=softmax_prims):
     heads = q.dims[1]
     kk, vv = repeat_kv(m, k, heads), repeat_kv(m, v, heads)
     s = m.matmul(_f32(m, q), _f32(m, kk), trans_b=True) * scale
@@ -102,8 +136,12 @@ def attention_prims(m, q, k, v, mask=None, pos=None, *, scale, mask_kind="causal
     if mask_kind != MaskKind.NONE.value or has_mask:
         s = m.add("mask_fill", ins, mask_kind=mask_kind, window=window, has_mask=has_mask,
                   has_pos=has_pos)
-    p = softmax_prims(m, s, -1)
+    p = softmax(m, s, -1)
     return m.cast(m.matmul(p, _f32(m, vv)), q.dtype)
+
+
+def _softmax_op(m, x, axis):
+    return m.softmax(x, axis)
 
 
 def _iota(m, n, tie):
@@ -207,6 +245,9 @@ def _decompose(deep: bool):
         "segment_pool": lambda m, ins, a: segment_pool_prims(m, *ins, **a),
         "fake_quantize": lambda m, ins, a: _dequantize(
             m, m.add("quantize", (ins[0],), scheme=a["scheme"]), a["scheme"], ins[0].dtype),
+        "softmax_grad": lambda m, ins, a: softmax_grad_prims(m, *ins, axis=a["axis"]),
+        "rms_norm_grad": lambda m, ins, a: rms_norm_grad_prims(m, *ins, eps=a["eps"], offset=a["offset"]),
+        "layer_norm_grad": lambda m, ins, a: layer_norm_grad_prims(m, *ins, eps=a["eps"]),
     }
     if deep:
         table.update({
@@ -243,15 +284,20 @@ def _direct(m, node, ins):
     return None
 
 
-def lower(g: Graph, policy: FusionPolicy | str = FusionPolicy.DIRECT) -> Graph:
+def lower(g: Graph, policy: FusionPolicy | str = FusionPolicy.DIRECT, keep=frozenset()) -> Graph:
     """HIR -> MIR. Under `fusable` every block, norm, softmax, rope and attention becomes
-    primitives, leaving the fusion passes to rebuild what the target can fuse."""
+    primitives, leaving the fusion passes to rebuild what the target can fuse; the MIR ops
+    named in `keep` stay (value_and_grad keeps those whose backward is a fused op)."""
     policy = FusionPolicy(policy)
-    g = map_bodies(g, lambda body: lower(body, policy))        # control-flow bodies first
+    g = map_bodies(g, lambda body: lower(body, policy, keep))        # control-flow bodies first
 
     def replace(m, node, ins, i, lookup):
         if policy is FusionPolicy.DIRECT:
             return _direct(m, node, ins)
+        if node.op in keep:
+            return None
+        if node.op == "attention" and "softmax" in keep:     # its softmax kept as the op too
+            return attention_prims(m, *_attn_split(ins, node.a), **node.a, softmax=_softmax_op)
         fn = DECOMPOSE_DEEP.get(node.op)
         return fn(m, ins, node.a) if fn else None
 

@@ -220,6 +220,36 @@ def _layer_norm(a, out, x, g=None, b=None):
     put(out[0], _ln(x, g, b, a["eps"]))
 
 
+def _softmax_grad(a, out, y, g):
+    yf, gf = up(y), up(g)
+    put(out[0], yf * (gf - np.sum(gf * yf, axis=a["axis"], keepdims=True)))
+
+
+def _norm_grad(out, xf, gf, dn, n, inv, centered: bool):
+    """dx of n = (x - mean?) * inv with dn the cotangent of n; the rows' sums of g * n and g
+    into out[1:] (dweight, and dbeta when there are three outputs)."""
+    c = np.mean(dn, axis=-1, keepdims=True) if centered else 0
+    put(out[0], inv * (dn - c - n * np.mean(dn * n, axis=-1, keepdims=True)))
+    lead = tuple(range(xf.ndim - 1))
+    put(out[1], np.sum(gf * n, axis=lead))
+    if len(out) > 2:
+        put(out[2], np.sum(gf, axis=lead))
+
+
+def _rms_norm_grad(a, out, x, w, g):
+    xf, gf = up(x), up(g)
+    inv = 1 / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + np.asarray(a["eps"], xf.dtype))
+    wf = up(w).astype(xf.dtype, copy=False) + np.asarray(a["offset"], xf.dtype)
+    _norm_grad(out, xf, gf, gf * wf, xf * inv, inv, False)
+
+
+def _layer_norm_grad(a, out, x, gamma, g):
+    xf, gf = up(x), up(g)
+    d = xf - np.mean(xf, axis=-1, keepdims=True)
+    inv = 1 / np.sqrt(np.mean(d * d, axis=-1, keepdims=True) + np.asarray(a["eps"], xf.dtype))
+    _norm_grad(out, xf, gf, gf * up(gamma).astype(xf.dtype, copy=False), d * inv, inv, True)
+
+
 def rope_apply(x, cos, sin, style):
     """Rotate the first 2*R/2 dims of x [B,H,S,D] by tables [S,R/2] or [B,S,R/2]."""
     xf = up(x)
@@ -689,6 +719,9 @@ KERNELS = {
     "cast": lambda a, out, x: put(out[0], x),
     "reduce": _reduce,
     "softmax": _softmax,
+    "softmax_grad": _softmax_grad,
+    "rms_norm_grad": _rms_norm_grad,
+    "layer_norm_grad": _layer_norm_grad,
     "layer_norm": _layer_norm,
     "rms_norm": _rms_norm,
     "rope": _rope,

@@ -844,6 +844,41 @@ def _m_fused_rln(s, a):
     return (h, h)
 
 
+# the backward of the norms and softmax as fusion targets: value_and_grad keeps these ops in
+# the forward graph and their VJP rules emit these; a backend without a kernel gets them
+# legalized to the closed-form primitives (lower.py)
+def _grad_of(x: Shape, g: Shape, what: str) -> None:
+    _float(x, what)
+    if x.dims != g.dims:
+        raise ShapeError(f"{what}: cotangent {g} does not match {x}")
+
+
+@op("softmax_grad", ["y", "g"], Level.FUSED, attrs={"axis": INT(-1)})
+def _m_softmax_grad(s, a):
+    """dx = y * (g - sum(g * y, axis)) for y = softmax(x, axis) and cotangent g."""
+    _grad_of(s[0], s[1], "softmax_grad")
+    norm_axis(a["axis"], s[0].rank, "softmax_grad")
+    return (s[0],)
+
+
+@op("rms_norm_grad", ["x", "weight", "g"], Level.FUSED, attrs={"eps": EPS(1e-6), "offset": FLOAT(0.0)},
+    n_outputs=2)
+def _m_rms_norm_grad(s, a):
+    """(dx, dweight) of y = rms_norm(x, weight) for cotangent g; dweight sums every row."""
+    _grad_of(s[0], s[2], "rms_norm_grad")
+    _check_vec(s[0], s[1], "rms_norm_grad")
+    return (s[0], s[1])
+
+
+@op("layer_norm_grad", ["x", "gamma", "g"], Level.FUSED, attrs={"eps": EPS(1e-5)}, n_outputs=3)
+def _m_layer_norm_grad(s, a):
+    """(dx, dgamma, dbeta) of y = layer_norm(x, gamma, beta) for cotangent g; dgamma and
+    dbeta sum every row."""
+    _grad_of(s[0], s[2], "layer_norm_grad")
+    _check_vec(s[0], s[1], "layer_norm_grad")
+    return (s[0], s[1], s[1])
+
+
 @op("fused_attention_block", ["q", "k", "v", "cos", "sin", "mask?", "pos?"], Level.FUSED,
     attrs=dict(_ATTN_ATTRS, style=STYLE("half")))
 def _m_fused_attn_block(s, a):

@@ -19,9 +19,10 @@ from rlx_core.ir.ops import ACTIVATIONS, BINARY_OPS, COMPARE_OPS, INT_OK_ACTIVAT
 
 from .parity import (FLOATS, PARITY_PROFILE, REF_ACT, TOL, Arg, arg, backend, compile_on,  # noqa: F401
                      exact, one_op, rand, ref_attention, ref_binary, ref_compare, ref_cumsum,
-                     ref_elementwise, ref_keep, ref_kv_write, ref_layer_norm, ref_mask_fill, ref_matmul,
-                     ref_reduce, ref_rms_norm, ref_rope, ref_segment_pool, ref_softmax, ref_swiglu,
-                     ref_topk, ref_varlen_attention, rlx_backend, rng, run_parity)
+                     ref_elementwise, ref_keep, ref_kv_write, ref_layer_norm, ref_layer_norm_grad,
+                     ref_mask_fill, ref_matmul, ref_reduce, ref_rms_norm, ref_rms_norm_grad, ref_rope,
+                     ref_segment_pool, ref_softmax, ref_softmax_grad, ref_swiglu, ref_topk,
+                     ref_varlen_attention, rlx_backend, rng, run_parity)
 
 COVERED: set = set()
 
@@ -231,6 +232,33 @@ def test_rms_norm(backend, rng, weight, offset, dt):
     args = [arg(rng, "x", (2, 3, 16), dt)] + ([arg(rng, "w", (16,), dt)] if weight else [])
     run_parity(backend, "rms_norm", args, {"eps": 1e-6, "offset": offset},
                lambda x, *w: ref_rms_norm(x, *w, eps=1e-6, offset=offset))
+
+
+@covers("softmax_grad")
+@pytest.mark.parametrize("axis", [-1, 0])
+@fdtype
+def test_softmax_grad(backend, rng, axis, dt):
+    y = exact(ref_softmax(rng.uniform(-3, 3, (3, 4, 6)), axis), dt)
+    run_parity(backend, "softmax_grad", [Arg("y", y, dt), arg(rng, "g", (3, 4, 6), dt)], {"axis": axis},
+               lambda yv, gv: ref_softmax_grad(yv, gv, axis))
+
+
+@covers("rms_norm_grad")
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@fdtype
+def test_rms_norm_grad(backend, rng, offset, dt):
+    args = [arg(rng, "x", (2, 3, 16), dt), arg(rng, "w", (16,), dt), arg(rng, "g", (2, 3, 16), dt)]
+    run_parity(backend, "rms_norm_grad", args, {"eps": 1e-6, "offset": offset},
+               lambda x, w, g: ref_rms_norm_grad(x, w, g, eps=1e-6, offset=offset))
+
+
+@covers("layer_norm_grad")
+@fdtype
+def test_layer_norm_grad(backend, rng, dt):
+    args = [Arg("x", exact(rng.uniform(-2, 3, (2, 3, 16)), dt), dt), arg(rng, "gamma", (16,), dt),
+            arg(rng, "g", (2, 3, 16), dt)]
+    run_parity(backend, "layer_norm_grad", args, {"eps": 1e-5},
+               lambda x, gm, g: ref_layer_norm_grad(x, gm, g, eps=1e-5))
 
 
 # ----------------------------------------------------------------------------- rope

@@ -333,6 +333,42 @@ def ref_rms_norm(x, w=None, eps=1e-6, offset=0.0):
     return y if w is None else y * (w + offset)
 
 
+def _rows_vjp(jac, x, g):
+    """sum_i g_i dy_i/dx_j row by row over the last axis, from each row's explicit Jacobian."""
+    xr, gr = x.reshape(-1, x.shape[-1]), g.reshape(-1, x.shape[-1])
+    return np.stack([jac(i, xr[i]).T @ gr[i] for i in range(len(xr))]).reshape(x.shape)
+
+
+def ref_softmax_grad(y, g, axis=-1):
+    """The Jacobian diag(y) - y y^T of each softmax row, applied to g."""
+    yt, gt = np.moveaxis(y, axis, -1), np.moveaxis(g, axis, -1)
+    yr = yt.reshape(-1, yt.shape[-1])
+    dx = _rows_vjp(lambda i, row: np.diag(yr[i]) - np.outer(yr[i], yr[i]), yt, gt)
+    return np.moveaxis(dx, -1, axis)
+
+
+def ref_rms_norm_grad(x, w, g, eps=1e-6, offset=0.0):
+    d = x.shape[-1]
+
+    def jac(i, row):
+        inv = 1 / np.sqrt(row @ row / d + eps)
+        return (w + offset)[:, None] * (inv * np.eye(d) - np.outer(row, row) * inv ** 3 / d)
+    lead = tuple(range(x.ndim - 1))
+    return _rows_vjp(jac, x, g), (g * ref_rms_norm(x, eps=eps)).sum(lead)
+
+
+def ref_layer_norm_grad(x, gamma, g, eps=1e-5):
+    d = x.shape[-1]
+
+    def jac(i, row):
+        c = row - row.mean()
+        inv = 1 / np.sqrt(c @ c / d + eps)
+        n = c * inv
+        return gamma[:, None] * (inv * (np.eye(d) - 1 / d) - np.outer(n, n) * inv / d)
+    lead = tuple(range(x.ndim - 1))
+    return _rows_vjp(jac, x, g), (g * ref_layer_norm(x, eps=eps)).sum(lead), g.sum(lead)
+
+
 def ref_rope(x, cos, sin, style="half"):
     """Element by element: pair (i, i+R/2) (half) or (2i, 2i+1) (interleaved) of the first R dims."""
     x = np.asarray(x, np.float64)

@@ -29,6 +29,10 @@ def catalog() -> list:
         out.append((f"reduce_cols {t}", S.render(S.REDUCE_COLS, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
                                                  COMB="(a) + (b)", IDENT="(ACC)0", FINAL=f"ST({t}, (r / (ACC)n))"),
                     "rlx_reduce_cols"))
+        out.append((f"softmax_grad {t}", S.render(S.SOFTMAX_GRAD, TY=t, TG=t, TO=t, ACC=acc), "rlx_softmax_grad"))
+        for center in (0, 1):
+            out.append((f"norm_grad {t} {center}", S.render(S.NORM_GRAD, TX=t, TW=t, TG=t, TO=t, ACC=acc,
+                                                              CENTER=center), "rlx_norm_grad"))
         out.append((f"argmax {t}", S.render(S.ARGMAX, TX=t, ACC=acc, LOAD="LD(ACC, v)"), "rlx_argmax"))
         out.append((f"topk {t}", S.render(S.TOPK, TX=t, ACC=acc, LOAD="LD(ACC, v)"), "rlx_topk"))
         out.append((f"cumsum {t}", S.render(S.CUMSUM, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",

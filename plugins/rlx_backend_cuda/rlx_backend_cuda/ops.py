@@ -643,6 +643,73 @@ def _b_softmax(b, n, ins, outs):
     _along_axis(b, x, y, n.a["axis"], k)
 
 
+def _last_contiguous(b, v: V, axis: int) -> V:
+    """v with `axis` moved last, contiguous (a copy unless it is the last axis already)."""
+    rank = len(v.shape)
+    ax = axis % rank
+    if ax == rank - 1:
+        return b.contiguous(v)
+    return b.contiguous(V(v.arr.transpose([i for i in range(rank) if i != ax] + [ax]), v.dt))
+
+
+def _b_softmax_grad(b, n, ins, outs):
+    y, g = ins
+    dx = outs[0]
+    if dx.size == 0:
+        return
+    rank, ax = len(y.shape), n.a["axis"] % len(y.shape)
+    yv, gv = _last_contiguous(b, y, ax), _last_contiguous(b, g, ax)
+    perm = [i for i in range(rank) if i != ax] + [ax]
+    last = ax == rank - 1 and dx.contiguous()
+    o = dx if last else b.buffer(yv.shape, dx.dt)
+    nn = yv.shape[-1]
+    src = sources.render(sources.SOFTMAX_GRAD, TY=ctype(y.dt), TG=ctype(g.dt), TO=ctype(dx.dt),
+                         ACC=acc_of(y.dt, g.dt))
+    b.launch(b.kernel(src, "rlx_softmax_grad"), (yv.size // nn,), (_block(nn),), (yv.arr, gv.arr, o.arr, i32(nn)))
+    if not last:
+        b.copy(o, V(dx.arr.transpose(perm), dx.dt))
+
+
+def _norm_grad(b, x, w, g, outs, eps, off, center: bool):
+    """dx into outs[0]; the weight's gradient (rows summed) into outs[1]; for layer_norm the
+    bias's (the rows of g summed) into outs[2]."""
+    dx = outs[0]
+    if dx.size == 0:
+        return
+    xv, gv, wv = b.contiguous(x), b.contiguous(g), b.contiguous(w)
+    nn = x.shape[-1]
+    rows = x.size // nn
+    acc = acc_of(x.dt, g.dt)
+    o = dx if dx.contiguous() else b.buffer(dx.shape, dx.dt)
+    pw = b.buffer((rows, nn), F64 if acc == "double" else F32)
+    src = sources.render(sources.NORM_GRAD, TX=ctype(x.dt), TW=ctype(w.dt), TG=ctype(g.dt), TO=ctype(dx.dt),
+                         ACC=acc, CENTER=int(center))
+    b.launch(b.kernel(src, "rlx_norm_grad"), (rows,), (_block(nn),),
+             (xv.arr, wv.arr, gv.arr, o.arr, pw.arr, i32(nn), f64(eps), f64(off)))
+    if o is not dx:
+        b.copy(o, dx)
+    for src_rows, out in ((pw, outs[1]),) + (((gv, outs[2]),) if len(outs) > 2 else ()):
+        _sum_rows(b, src_rows, rows, nn, out)
+
+
+def _sum_rows(b, t: V, rows: int, nn: int, out: V) -> None:
+    """out [nn] <- the sum of contiguous t's rows (viewed as [rows, nn]), accumulated in f32/f64."""
+    macros = dict(TX=ctype(t.dt), TO=ctype(out.dt), ACC=acc_of(t.dt), LOAD="LD(ACC, v)", COMB="(a) + (b)",
+                  IDENT="(ACC)0", FINAL=_storer(out.dt, "r"))
+    o = out if out.contiguous() else b.buffer(out.shape, out.dt)
+    _reduce_cols(b, macros, t, o, (1, rows, nn))
+    if o is not out:
+        b.copy(o, out)
+
+
+def _b_rms_norm_grad(b, n, ins, outs):
+    _norm_grad(b, ins[0], ins[1], ins[2], outs, n.a["eps"], n.a["offset"], False)
+
+
+def _b_layer_norm_grad(b, n, ins, outs):
+    _norm_grad(b, ins[0], ins[1], ins[2], outs, n.a["eps"], 0.0, True)
+
+
 def _int_acc(dt: DType) -> str:
     return "long long"
 
@@ -692,13 +759,7 @@ def _b_reduce(b, n, ins, outs):
     macros = dict(TX=ctype(x.dt), TO=ctype(y.dt), ACC=acc, LOAD=ld, COMB=comb, IDENT=ident, FINAL=final)
     oni = _one_run(x.shape, axes)
     if oni is not None and (oni[2] > 1 or R <= REDUCE_SERIAL):
-        O, _, I = oni
-        fn = b.kernel(sources.render(sources.REDUCE_COLS, **macros), "rlx_reduce_cols")
-        ty = 1
-        while ty < 32 and ty * 16 < R and O * I * ty < b.sms * 2048:
-            ty *= 2
-        bx = 32 if ty > 1 else 256
-        b.launch(fn, ((O * I + bx - 1) // bx,), (bx, ty), (b.contiguous(x).arr, y.arr, i64(O), i32(R), i64(I)))
+        _reduce_cols(b, macros, b.contiguous(x), y, oni)
         return
     xv, rs = _as_matrix(b, b.moved_last(x, axes), rows, R)
     fn = b.kernel(sources.render(sources.REDUCE, **macros), "rlx_reduce")
@@ -706,6 +767,17 @@ def _b_reduce(b, n, ins, outs):
 
 
 REDUCE_SERIAL = 32      # a reduction this short runs one thread per output, not one block per row
+
+
+def _reduce_cols(b, macros: dict, x: V, y: V, oni: tuple) -> None:
+    """y [O, I] <- contiguous x [O, R, I] reduced over R (rlx_reduce_cols)."""
+    O, R, I = oni
+    ty = 1
+    while ty < 32 and ty * 16 < R and O * I * ty < b.sms * 2048:
+        ty *= 2
+    bx = 32 if ty > 1 else 256
+    b.launch(b.kernel(sources.render(sources.REDUCE_COLS, **macros), "rlx_reduce_cols"),
+             ((O * I + bx - 1) // bx,), (bx, ty), (x.arr, y.arr, i64(O), i32(R), i64(I)))
 
 
 def _one_run(shape: tuple, axes: tuple) -> tuple | None:
@@ -1200,6 +1272,9 @@ BUILDERS = {
     "fused_residual_rms_norm": _b_res_rms,
     "fused_residual_ln": _b_res_ln,
     "fused_attention_block": _b_attn_block,
+    "softmax_grad": _b_softmax_grad,
+    "rms_norm_grad": _b_rms_norm_grad,
+    "layer_norm_grad": _b_layer_norm_grad,
     "dequant_matmul": _b_dequant_matmul,
     "dequantize": _b_dequantize,
     "quantize": _b_host,
