@@ -161,7 +161,9 @@ def test_rlx_quantize_writes_a_gguf_that_runs_packed(hf_folder, tmp_path, rng, s
     _same_model(packed, f32, ids)
     hf = rlx_core.load(str(hf_folder), backend="numpy", progress=False)     # the unquantized source
     err = np.abs(packed.logits(ids) - hf.logits(ids)).max()
-    assert err < {"q8_0": 0.02, "q4_k": 0.6, "int4_b32": 0.6}[scheme], err     # 4 bits: coarser
+    # the source's weights are a fresh random init each run: over 6 runs q8_0 gave 0.014-0.019
+    # (0.021 once in CI), q4_k 0.21-0.28, on logits of max |x| ~1.1; the bounds leave 2x
+    assert err < {"q8_0": 0.04, "q4_k": 0.6, "int4_b32": 0.6}[scheme], err     # 4 bits: coarser
 
 
 def test_a_model_derives_its_fused_weights_once(hf_folder, monkeypatch):
