@@ -313,3 +313,33 @@ def test_file_pages_of_weights_only_a_prologue_reads_are_released(rng, tmp_path)
     x = rng.standard_normal((2, k)).astype(np.float32)
     want = np.concatenate([x.astype(np.float64) @ w.T.astype(np.float64) for w in ws], -1)
     np.testing.assert_allclose(exe.run(x=x)["y"], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("scheme,act", [("q8_0", "identity"), ("q4_k", "silu")])
+def test_numpy_decodes_a_large_weight_in_parts(rng, monkeypatch, scheme, act):
+    """A packed weight over PARALLEL_BYTES is decoded in row ranges side by side (one per
+    BLAS thread): the result equals the float64 reference, bias and activation included.
+    The host's thread counts are set here, so the parts run on any machine."""
+    import rlx_core.backends.numpy as nb
+
+    calls = []
+    monkeypatch.setattr(nb, "PARALLEL_BYTES", 1)
+    monkeypatch.setattr(nb, "_cores", lambda: 3)
+    monkeypatch.setattr(nb, "blas_threads", lambda: 3)
+    kernel = nb.KERNELS["dequant_matmul"]
+    monkeypatch.setitem(nb.KERNELS, "dequant_matmul", lambda a, out, x, w, b=None: (
+        calls.append(w.shape[0]), kernel(a, out, x, w, b)))
+    n, k = 37, 512
+    packed = quantize(rng.standard_normal((n, k)).astype(np.float32), scheme)
+    x, b = rng.standard_normal((2, 5, k)).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+
+    def f(m):
+        y = m.add("dequant_matmul", (m.input("x", (2, 5, k)), m.param("w", packed.data.shape, rlx_core.DType.U8),
+                                     m.input("b", (n,))), scheme=scheme, act=act)
+        return y
+    exe = rlx_core.compile(Graph.define("dq", f), backend="numpy", params={"w": packed.data})
+    got = exe.run({"x": x, "b": b})["out"]
+    assert sorted(calls) == [12, 12, 13]
+    y = matmul_reference(x.astype(np.float64), packed.data, scheme, (n, k)) + b
+    want = y if act == "identity" else y / (1 + np.exp(-y))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)

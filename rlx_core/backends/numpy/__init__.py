@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 
@@ -56,7 +57,10 @@ class NumpyRunner(Runner):
                     arr = self.arena[sl.offset:sl.offset + s.nbytes()].view(s.dtype.np).reshape(s.dims)
                     vals[index[(i, k)]] = arr
                     outs.append(arr)
-                self.steps.append((i, False, KERNELS[n.op], a, ins, outs))
+                fn = KERNELS[n.op]
+                if n.op == "dequant_matmul":
+                    fn = _rows_in_threads(fn, math.prod(g.shape_of(n.inputs[1]).dims))
+                self.steps.append((i, False, fn, a, ins, outs))
         self.steps = _fold_fixed_views(self.steps, vals, {slot for slot, _ in self.inputs.values()})
         self.vals = vals
         self.graph = g
@@ -122,6 +126,44 @@ class NumpyRunner(Runner):
             raise type(e)(f"graph {self.name!r} node %{i} ({self.graph.nodes[i].op}): {e}") from None
         raise BackendError(f"{self.backend_name} backend: graph {self.name!r} node %{i} "
                            f"({self.graph.nodes[i].op}) failed: {type(e).__name__}: {e}") from e
+
+
+PARALLEL_BYTES = 1 << 20      # a packed weight this large decodes in parts side by side
+_POOL: list = []
+
+
+def _rows_in_threads(kernel, nbytes: int):
+    """`kernel` (dequant_matmul) with a large packed weight's rows split into one part per
+    BLAS thread, run side by side: decoding the weight is most of such a step and numpy's
+    ufuncs release the GIL, so one thread would leave the other cores idle. BLAS runs at
+    one thread meanwhile. Inside a data-parallel scope (BLAS already at one thread) it runs
+    as it is."""
+    if nbytes < PARALLEL_BYTES:
+        return kernel
+
+    def step(a, out, x, w, b=None):
+        parts = min(blas_threads() or 1, _cores(), w.shape[0])
+        if parts < 2:
+            return kernel(a, out, x, w, b)
+        o, cuts = out[0], np.linspace(0, w.shape[0], parts + 1).astype(int)
+
+        def part(j):
+            r, e = cuts[j], cuts[j + 1]
+            kernel(a, [o[..., r:e]], x, w[r:e], None if b is None else b[r:e])
+        if not _POOL or _POOL[0]._max_workers < parts:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _POOL[:] = [ThreadPoolExecutor(parts, thread_name_prefix="rlx-numpy")]
+        with single_threaded_blas():
+            list(_POOL[0].map(part, range(parts)))
+    return step
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _fold_fixed_views(steps: list, vals: list, dynamic: set) -> list:
