@@ -129,7 +129,7 @@ class NumpyRunner(Runner):
 
 
 PARALLEL_BYTES = 1 << 20      # a packed weight this large decodes in parts side by side
-_POOL: list = []
+_POOL: list = []            # [executor, its worker count] once made
 
 
 def _rows_in_threads(kernel, nbytes: int):
@@ -150,10 +150,10 @@ def _rows_in_threads(kernel, nbytes: int):
         def part(j):
             r, e = cuts[j], cuts[j + 1]
             kernel(a, [o[..., r:e]], x, w[r:e], None if b is None else b[r:e])
-        if not _POOL or _POOL[0]._max_workers < parts:
+        if not _POOL or _POOL[1] < parts:
             from concurrent.futures import ThreadPoolExecutor
 
-            _POOL[:] = [ThreadPoolExecutor(parts, thread_name_prefix="rlx-numpy")]
+            _POOL[:] = [ThreadPoolExecutor(parts, thread_name_prefix="rlx-numpy"), parts]
         with single_threaded_blas():
             list(_POOL[0].map(part, range(parts)))
     return step
