@@ -27,29 +27,34 @@ def regression(dtype=F32) -> rlx_core.Graph:
     return m.build()
 
 
-def reference(opt, w: dict, batches, steps: int) -> tuple:
-    """(losses, weights) of `steps` float64 steps of `opt` (the formulas written out)."""
+def reference(opt, w: dict, batches, steps: int, lrs=None, clip=None) -> tuple:
+    """(losses, weights, gradient norms) of `steps` float64 steps of `opt` (the formulas
+    written out), with per-step learning rates `lrs` and clipping at global norm `clip`."""
     w = {k: v.astype(np.float64) for k, v in w.items()}
     slots = {k: {s: np.zeros_like(v) for s in ("m", "v", "buf")} for k, v in w.items()}
-    losses = []
+    losses, norms = [], []
     for t in range(1, steps + 1):
+        lr = opt.lr if lrs is None else lrs[t - 1]
         x, y = (a.astype(np.float64) for a in batches[(t - 1) % len(batches)])
         d = x @ w["W"] + w["b"] - y
         losses.append(float(np.mean(d * d)))
         dd = 2 * d / d.size
         grads = {"W": x.T @ dd, "b": dd.sum(0)}
+        norms.append(math.sqrt(sum(float((g * g).sum()) for g in grads.values())))
+        if clip is not None:
+            grads = {k: g * min(1.0, clip / (norms[-1] + 1e-6)) for k, g in grads.items()}
         for k, g in grads.items():
             s = slots[k]
             if isinstance(opt, Adam):
                 b1, b2 = opt.betas
                 s["m"] = b1 * s["m"] + (1 - b1) * g
                 s["v"] = b2 * s["v"] + (1 - b2) * g * g
-                w[k] = w[k] * (1 - opt.lr * opt.weight_decay) - opt.lr * (s["m"] / (1 - b1 ** t)) / (
+                w[k] = w[k] * (1 - lr * opt.weight_decay) - lr * (s["m"] / (1 - b1 ** t)) / (
                     np.sqrt(s["v"] / (1 - b2 ** t)) + opt.eps)
             else:
                 s["buf"] = opt.momentum * s["buf"] + g if opt.momentum else g
-                w[k] = w[k] * (1 - opt.lr * opt.weight_decay) - opt.lr * s["buf"]
-    return losses, w
+                w[k] = w[k] * (1 - lr * opt.weight_decay) - lr * s["buf"]
+    return losses, w, norms
 
 
 def problem(rng):
@@ -66,12 +71,34 @@ def test_trajectory_matches_the_formulas(backend, rng, opt):
     w, batches = problem(rng)
     tr = Trainer(regression(), w, opt, backend=backend)
     losses = [tr.step({"x": x, "y": y}) for x, y in (batches * 3)[:7]]
-    want_losses, want_w = reference(opt, w, batches, 7)
+    want_losses, want_w, _ = reference(opt, w, batches, 7)
     np.testing.assert_allclose(losses, want_losses, rtol=2e-5, atol=1e-6)
     got = tr.weights()
     for k in want_w:
         np.testing.assert_allclose(got[k], want_w[k], rtol=2e-5, atol=2e-6, err_msg=k)
     assert got["W"].dtype == np.float32
+
+
+@pytest.mark.parametrize("backend", backend_params(only=("numpy", "numba", "cuda")))
+@pytest.mark.parametrize("opt", [Adam(lr=0.05, weight_decay=0.1), SGD(lr=0.1, momentum=0.5)], ids=repr)
+def test_a_schedule_and_clipping(backend, rng, opt):
+    """lr per step (a warmup then decay) and gradients clipped at a global norm that the
+    first steps exceed and later ones do not; grad_norm is the norm before clipping."""
+    w, batches = problem(rng)
+    lrs = [opt.lr * f for f in (0.2, 0.6, 1.0, 0.8, 0.5, 0.3, 0.1)]
+    _, _, norms = reference(opt, w, batches, 7, lrs)
+    clip = float(np.median(norms))
+    tr = Trainer(regression(), w, opt, clip_norm=clip, backend=backend)
+    losses, got_norms = [], []
+    for t, (x, y) in enumerate((batches * 3)[:7]):
+        losses.append(tr.step({"x": x, "y": y}, lr=lrs[t]))
+        got_norms.append(tr.grad_norm)
+    want_losses, want_w, want_norms = reference(opt, w, batches, 7, lrs, clip)
+    assert min(want_norms) < clip < max(want_norms)            # clipping both bit and did not
+    np.testing.assert_allclose(losses, want_losses, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(got_norms, want_norms, rtol=2e-5)
+    for k in want_w:
+        np.testing.assert_allclose(tr.weights()[k], want_w[k], rtol=2e-5, atol=2e-6, err_msg=k)
 
 
 def test_the_callers_weights_are_not_written(rng):
@@ -135,7 +162,7 @@ def test_the_graph_writes_every_state_last():
 
 def test_adam_scalars_fold_the_bias_corrections():
     opt = Adam(lr=0.1, betas=(0.9, 0.99), eps=1e-6)
-    s = opt.scalars(3)
+    s = opt.scalars(3, 0.1)
     assert math.isclose(s["step_size"], 0.1 * math.sqrt(1 - 0.99 ** 3) / (1 - 0.9 ** 3))
     assert math.isclose(s["eps"], 1e-6 * math.sqrt(1 - 0.99 ** 3))
 
@@ -162,6 +189,12 @@ def test_bad_trainer_arguments_are_named(rng):
         Trainer(regression(), dict(w, W=w["W"].T.copy()), Adam())
     with pytest.raises(ModelError, match="optimizer must be"):
         Trainer(regression(), w, "adam")
+    with pytest.raises(ModelError, match="clip_norm"):
+        Trainer(regression(), w, Adam(), clip_norm=0.0)
+    tr = Trainer(regression(), w, Adam(), backend="numpy")
+    with pytest.raises(ModelError, match=r"Trainer.step: lr must be"):
+        tr.step({"x": np.zeros((8, 3), np.float32), "y": np.zeros((8, 2), np.float32)}, lr=-1.0)
+    assert tr.t == 0                                   # a refused step is not counted
 
 
 def test_assign_writes_only_a_state_of_its_shape():

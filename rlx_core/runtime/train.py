@@ -8,13 +8,14 @@ Weights of a 16-bit dtype train through an f32 master copy (a state too): the up
 the f32 value and the weight the forward pass reads is its rounding, so updates smaller than
 a bf16 step accumulate instead of vanishing.
 
-    trainer = Trainer(graph, weights, Adam(lr=3e-3), backend="cuda")
-    for batch in batches:
-        loss = trainer.step(batch)
+    trainer = Trainer(graph, weights, Adam(lr=3e-3), clip_norm=1.0, backend="cuda")
+    for t, batch in enumerate(batches):
+        loss = trainer.step(batch, lr=schedule(t))      # lr optional: the optimizer's
     weights = trainer.weights()
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import attrs
@@ -57,8 +58,8 @@ class SGD:
     def slots(self) -> tuple:
         return ("momentum",) if self.momentum else ()
 
-    def scalars(self, t: int) -> dict:
-        return {"lr": self.lr}
+    def scalars(self, t: int, lr: float) -> dict:
+        return {"lr": lr}
 
     def update(self, m: Builder, w, g, slots: dict, sc: dict) -> tuple:
         if self.momentum:
@@ -90,10 +91,10 @@ class Adam:
 
     slots = ("m", "v")
 
-    def scalars(self, t: int) -> dict:
+    def scalars(self, t: int, lr: float) -> dict:
         b1, b2 = self.betas
         c2 = math.sqrt(1.0 - b2 ** t)
-        return {"lr": self.lr, "step_size": self.lr * c2 / (1.0 - b1 ** t), "eps": self.eps * c2}
+        return {"lr": lr, "step_size": lr * c2 / (1.0 - b1 ** t), "eps": self.eps * c2}
 
     def update(self, m: Builder, w, g, slots: dict, sc: dict) -> tuple:
         b1, b2 = self.betas
@@ -108,13 +109,17 @@ def slot_name(optimizer, slot: str, weight: str) -> str:
     return f"opt.{slot}.{weight}"
 
 
-def train_graph(g: Graph, wrt, optimizer, output: str = "loss") -> Graph:
+def train_graph(g: Graph, wrt, optimizer, output: str = "loss", clip_norm: float | None = None) -> Graph:
     """One training step as a graph: `output` of `g`, the gradient of each weight in `wrt`
     and the optimizer's update written back into the weights, which become states of the
     same name (with their optimizer slots `opt.<slot>.<name>` and, for 16-bit weights, the
-    f32 master `opt.master.<name>`). The step's scalars are f32 inputs `opt.<scalar>`; the
-    only output is `output`."""
+    f32 master `opt.master.<name>`). The step's scalars are f32 inputs `opt.<scalar>`.
+    With `clip_norm` the gradients are scaled by min(1, clip_norm / (norm + 1e-6)), norm
+    being their global L2 norm (torch's clip_grad_norm_), output as `grad_norm` beside
+    `output`."""
     wrt = list(wrt)
+    if clip_norm is not None:
+        clip_norm = _number("train_graph", "clip_norm", clip_norm, 0.0, lo_open=True)
     vg = value_and_grad(params_as_inputs(g, wrt), wrt, output)
     trained = set(wrt)
     m = Builder(f"{g.name}.train", MIR)
@@ -130,12 +135,22 @@ def train_graph(g: Graph, wrt, optimizer, output: str = "loss") -> Graph:
             vals[(i, k)] = v
     refs = dict(vg.outputs)
     leaf = {n.name: vals[(i, 0)] for i, n in enumerate(vg.nodes) if n.name in trained}
-    sc = {k: m.input(f"opt.{k}", (), F32) for k in optimizer.scalars(1)}
+    sc = {k: m.input(f"opt.{k}", (), F32) for k in optimizer.scalars(1, optimizer.lr)}
+    grads = {}
+    for name in wrt:
+        g32 = vals[tuple(refs[f"grad_{name}"])]
+        grads[name] = g32 if g32.dtype == F32 else m.cast(g32, F32)
+    norm = None
+    if clip_norm is not None:
+        squares = [m.sum(gr * gr, tuple(range(gr.shape.rank))) if gr.shape.rank else gr * gr
+                   for gr in grads.values()]
+        norm = m.act(functools.reduce(lambda a, b: a + b, squares), "sqrt")
+        coef = m.minimum(m.lift(clip_norm, F32) / (norm + 1e-6), m.lift(1.0, F32))
+        grads = {k: gr * coef for k, gr in grads.items()}
     writes = []
     for name in wrt:
         w = leaf[name]
-        g32 = vals[tuple(refs[f"grad_{name}"])]
-        g32 = g32 if g32.dtype == F32 else m.cast(g32, F32)
+        g32 = grads[name]
         master = w if w.dtype == F32 else m.state(MASTER + name, w.dims, F32)
         slots = {s: m.state(slot_name(optimizer, s, name), w.dims, F32) for s in optimizer.slots}
         new, new_slots = optimizer.update(m, master, g32, slots, sc)
@@ -146,6 +161,8 @@ def train_graph(g: Graph, wrt, optimizer, output: str = "loss") -> Graph:
     for state, value in writes:      # last: every read of the old values comes before
         m.assign(state, value)
     m.output(output, vals[tuple(refs[output])])
+    if norm is not None:
+        m.output("grad_norm", norm)
     return m.build()
 
 
@@ -155,7 +172,7 @@ class Trainer:
     trained weights back. Params not in `wrt` stay bound as they are."""
 
     def __init__(self, graph: Graph, weights: dict, optimizer, *, wrt=None, output: str = "loss",
-                 backend: str | None = None, profile=None):
+                 clip_norm: float | None = None, backend: str | None = None, profile=None):
         from ..pipeline import compile, numeric
 
         if not hasattr(optimizer, "update") or not hasattr(optimizer, "scalars"):
@@ -170,7 +187,9 @@ class Trainer:
         if missing:
             raise ModelError(f"Trainer: weights lack {missing} (params of graph {graph.name!r})")
         self.optimizer, self.output, self.wrt, self.t = optimizer, output, wrt, 0
-        self.graph = train_graph(graph, wrt, optimizer, output)
+        self.graph = train_graph(graph, wrt, optimizer, output, clip_norm)
+        self.fetch = (output,) + (("grad_norm",) if clip_norm is not None else ())
+        self.grad_norm = None         # the last step's global gradient norm (with clip_norm)
         frozen = {k: weights[k] for k in params if k not in set(wrt)}
         self.exe = compile(self.graph, backend=backend, profile=profile, params=frozen)
         b = self.exe.backend
@@ -185,11 +204,17 @@ class Trainer:
             for slot in optimizer.slots:
                 self.exe.states[slot_name(optimizer, slot, name)] = b.zeros(s.dims, F32)
 
-    def step(self, inputs: dict) -> float:
-        """One step on `inputs` (the batch); the loss before the update."""
+    def step(self, inputs: dict, lr: float | None = None) -> float:
+        """One step on `inputs` (the batch); the loss before the update. `lr` overrides the
+        optimizer's for this step (a schedule: the scalars are inputs, nothing recompiles)."""
+        lr = self.optimizer.lr if lr is None else _number("Trainer.step", "lr", lr, 0.0, lo_open=True)
         self.t += 1
-        feed = dict(inputs, **{f"opt.{k}": np.float32(v) for k, v in self.optimizer.scalars(self.t).items()})
-        return float(self.exe.run(feed, fetch=(self.output,))[self.output])
+        scalars = self.optimizer.scalars(self.t, lr)
+        out = self.exe.run(dict(inputs, **{f"opt.{k}": np.float32(v) for k, v in scalars.items()}),
+                           fetch=self.fetch)
+        if "grad_norm" in out:
+            self.grad_norm = float(out["grad_norm"])
+        return float(out[self.output])
 
     def weights(self) -> dict:
         """The trained weights now, as host arrays of their dtype."""
