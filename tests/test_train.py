@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import rlx_core
-from rlx_core import BF16, F32, Builder
+from rlx_core import BF16, F32, F64, Builder
 from rlx_core.ir.errors import GraphError, ModelError, ShapeError
 from rlx_core.runtime.train import MASTER, SGD, Adam, Trainer, train_graph
 from rlx_core.testing.parity import backend_params
@@ -23,7 +23,7 @@ def regression(dtype=F32) -> rlx_core.Graph:
     m = Builder("regression")
     x, y = m.input("x", (8, 3), dtype), m.input("y", (8, 2), dtype)
     d = m.matmul(x, m.param("W", (3, 2), dtype)) + m.param("b", (2,), dtype) - y
-    m.output("loss", m.mean(m.cast(d * d, F32), (0, 1)))
+    m.output("loss", m.mean(m.cast(d * d, F64 if dtype == F64 else F32), (0, 1)))
     return m.build()
 
 
@@ -241,3 +241,17 @@ def test_tiny_llama_steps_equal_gradient_steps(backend, rng):
     got = tr.weights()
     for k in names:
         np.testing.assert_allclose(got[k], w[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def test_f64_weights_update_in_f64(rng):
+    """f64 weights keep f64 moments and scalars: the trajectory equals the float64 formulas
+    to rounding."""
+    w, batches = problem(rng)
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    batches = [(x.astype(np.float64), y.astype(np.float64)) for x, y in batches]
+    tr = Trainer(regression(F64), w, Adam(lr=0.05), backend="numpy")
+    assert tr.exe.states["opt.m.W"].dtype == np.float64 and not any(k.startswith(MASTER) for k in tr.exe.states)
+    losses = [tr.step({"x": x, "y": y}) for x, y in batches]
+    want_losses, want_w, _ = reference(Adam(lr=0.05), w, batches, 3)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-12)
+    np.testing.assert_allclose(tr.weights()["W"], want_w["W"], rtol=1e-12, atol=1e-14)

@@ -4,9 +4,10 @@ backend between steps and overwritten in place by `assign` nodes at the end of t
 a step moves only the batch in and the loss out (on a GPU, nothing of the size of the model
 crosses to the host).
 
-Weights of a 16-bit dtype train through an f32 master copy (a state too): the update adds to
-the f32 value and the weight the forward pass reads is its rounding, so updates smaller than
-a bf16 step accumulate instead of vanishing.
+The update runs in f32 (f64 for f64 weights). Weights of a 16-bit dtype train through an
+f32 master copy (a state too): the update adds to the f32 value and the weight the forward
+pass reads is its rounding, so updates smaller than a bf16 step accumulate instead of
+vanishing.
 
     trainer = Trainer(graph, weights, Adam(lr=3e-3), clip_norm=1.0, backend="cuda")
     for t, batch in enumerate(batches):
@@ -22,7 +23,7 @@ import attrs
 import numpy as np
 
 from ..ir.autodiff import value_and_grad
-from ..ir.dtype import F32
+from ..ir.dtype import F32, F64
 from ..ir.errors import GraphError, ModelError
 from ..ir.graph import MIR, Builder, Graph
 from ..ir.rewrite import copy_node
@@ -105,7 +106,7 @@ class Adam:
         return w - mo * sc["step_size"] / (m.act(v, "sqrt") + sc["eps"]), {"m": mo, "v": v}
 
 
-def slot_name(optimizer, slot: str, weight: str) -> str:
+def slot_name(slot: str, weight: str) -> str:
     return f"opt.{slot}.{weight}"
 
 
@@ -113,7 +114,8 @@ def train_graph(g: Graph, wrt, optimizer, output: str = "loss", clip_norm: float
     """One training step as a graph: `output` of `g`, the gradient of each weight in `wrt`
     and the optimizer's update written back into the weights, which become states of the
     same name (with their optimizer slots `opt.<slot>.<name>` and, for 16-bit weights, the
-    f32 master `opt.master.<name>`). The step's scalars are f32 inputs `opt.<scalar>`.
+    f32 master `opt.master.<name>`). The step's scalars are inputs `opt.<scalar>` (f64 when a
+    weight is f64, else f32).
     With `clip_norm` the gradients are scaled by min(1, clip_norm / (norm + 1e-6)), norm
     being their global L2 norm (torch's clip_grad_norm_), output as `grad_norm` beside
     `output`."""
@@ -135,11 +137,13 @@ def train_graph(g: Graph, wrt, optimizer, output: str = "loss", clip_norm: float
             vals[(i, k)] = v
     refs = dict(vg.outputs)
     leaf = {n.name: vals[(i, 0)] for i, n in enumerate(vg.nodes) if n.name in trained}
-    sc = {k: m.input(f"opt.{k}", (), F32) for k in optimizer.scalars(1, optimizer.lr)}
+    sdt = F64 if any(leaf[n].dtype == F64 for n in wrt) else F32
+    sc = {k: m.input(f"opt.{k}", (), sdt) for k in optimizer.scalars(1, optimizer.lr)}
     grads = {}
-    for name in wrt:
-        g32 = vals[tuple(refs[f"grad_{name}"])]
-        grads[name] = g32 if g32.dtype == F32 else m.cast(g32, F32)
+    for name in wrt:             # the update runs in f32 (f64 for f64 weights)
+        gr = vals[tuple(refs[f"grad_{name}"])]
+        ct = _update_dtype(leaf[name].dtype)
+        grads[name] = gr if gr.dtype == ct else m.cast(gr, ct)
     norm = None
     if clip_norm is not None:
         squares = [m.sum(gr * gr, tuple(range(gr.shape.rank))) if gr.shape.rank else gr * gr
@@ -150,10 +154,10 @@ def train_graph(g: Graph, wrt, optimizer, output: str = "loss", clip_norm: float
     writes = []
     for name in wrt:
         w = leaf[name]
-        g32 = grads[name]
-        master = w if w.dtype == F32 else m.state(MASTER + name, w.dims, F32)
-        slots = {s: m.state(slot_name(optimizer, s, name), w.dims, F32) for s in optimizer.slots}
-        new, new_slots = optimizer.update(m, master, g32, slots, sc)
+        ct = _update_dtype(w.dtype)
+        master = w if w.dtype == ct else m.state(MASTER + name, w.dims, ct)
+        slots = {s: m.state(slot_name(s, name), w.dims, ct) for s in optimizer.slots}
+        new, new_slots = optimizer.update(m, master, grads[name], slots, sc)
         writes.append((master, new))
         if master is not w:
             writes.append((w, m.cast(new, w.dtype)))
@@ -164,6 +168,10 @@ def train_graph(g: Graph, wrt, optimizer, output: str = "loss", clip_norm: float
     if norm is not None:
         m.output("grad_norm", norm)
     return m.build()
+
+
+def _update_dtype(dt):
+    return F64 if dt == F64 else F32
 
 
 class Trainer:
@@ -199,10 +207,11 @@ class Trainer:
             if tuple(w.shape) != s.dims:
                 raise ModelError(f"Trainer: weight {name!r} is {list(w.shape)}, the graph's param is {list(s.dims)}")
             self.exe.states[name] = b.to_device(w.copy())
-            if s.dtype != F32:
-                self.exe.states[MASTER + name] = b.to_device(np.asarray(weights[name], np.float32).copy())
+            ct = _update_dtype(s.dtype)
+            if s.dtype != ct:
+                self.exe.states[MASTER + name] = b.to_device(np.asarray(weights[name], ct.np).copy())
             for slot in optimizer.slots:
-                self.exe.states[slot_name(optimizer, slot, name)] = b.zeros(s.dims, F32)
+                self.exe.states[slot_name(slot, name)] = b.zeros(s.dims, ct)
 
     def step(self, inputs: dict, lr: float | None = None) -> float:
         """One step on `inputs` (the batch); the loss before the update. `lr` overrides the
@@ -210,7 +219,7 @@ class Trainer:
         lr = self.optimizer.lr if lr is None else _number("Trainer.step", "lr", lr, 0.0, lo_open=True)
         self.t += 1
         scalars = self.optimizer.scalars(self.t, lr)
-        out = self.exe.run(dict(inputs, **{f"opt.{k}": np.float32(v) for k, v in scalars.items()}),
+        out = self.exe.run(dict(inputs, **{f"opt.{k}": np.float64(v) for k, v in scalars.items()}),
                            fetch=self.fetch)
         if "grad_norm" in out:
             self.grad_norm = float(out["grad_norm"])
