@@ -255,3 +255,36 @@ def test_f64_weights_update_in_f64(rng):
     want_losses, want_w, _ = reference(Adam(lr=0.05), w, batches, 3)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-12)
     np.testing.assert_allclose(tr.weights()["W"], want_w["W"], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("backend", backend_params(only=("numpy", "cuda")))
+def test_state_resumes_a_run(backend, rng):
+    """Two steps, state(), a new Trainer loads it, two more: the same as four in a row
+    (Adam: the moments and the step count come back too)."""
+    w, batches = problem(rng)
+    feeds = [{"x": x, "y": y} for x, y in (batches * 2)[:4]]
+    one = Trainer(regression(), w, Adam(lr=0.05), backend=backend)
+    straight = [one.step(f) for f in feeds]
+    a = Trainer(regression(), w, Adam(lr=0.05), backend=backend)
+    first = [a.step(f) for f in feeds[:2]]
+    saved = a.state()
+    assert sorted(saved) == ["W", "b", "opt.m.W", "opt.m.b", "opt.step", "opt.v.W", "opt.v.b"]
+    b = Trainer(regression(), w, Adam(lr=0.05), backend=backend)
+    b.load_state(saved)
+    np.testing.assert_allclose(first + [b.step(f) for f in feeds[2:]], straight, rtol=1e-6)
+    for k, v in one.weights().items():
+        np.testing.assert_allclose(b.weights()[k], v, rtol=1e-6, atol=1e-7)
+
+
+def test_load_state_names_every_problem(rng):
+    w, _ = problem(rng)
+    tr = Trainer(regression(), w, Adam(), backend="numpy")
+    good = tr.state()
+    bad = dict(good, W=good["W"].T.copy(), extra=np.zeros(1))
+    del bad["opt.v.b"]
+    with pytest.raises(ModelError) as e:
+        tr.load_state(bad)
+    msg = str(e.value)
+    assert "missing ['opt.v.b']" in msg and "unexpected ['extra']" in msg and "W: expected float32[3, 2]" in msg
+    with pytest.raises(ModelError, match="opt.step: expected a step count"):
+        tr.load_state(dict(good, **{"opt.step": np.array(-1)}))

@@ -30,6 +30,7 @@ from ..ir.rewrite import copy_node
 from ..passes.transform import params_as_inputs
 
 MASTER = "opt.master."             # + weight name: the f32 copy of a 16-bit weight
+STEP = "opt.step"                  # in Trainer.state(): the steps taken (Adam's bias corrections)
 
 
 def _number(owner: str, name: str, value, lo: float, hi: float = math.inf, lo_open=False, hi_open=True):
@@ -217,10 +218,10 @@ class Trainer:
         """One step on `inputs` (the batch); the loss before the update. `lr` overrides the
         optimizer's for this step (a schedule: the scalars are inputs, nothing recompiles)."""
         lr = self.optimizer.lr if lr is None else _number("Trainer.step", "lr", lr, 0.0, lo_open=True)
-        self.t += 1
-        scalars = self.optimizer.scalars(self.t, lr)
+        scalars = self.optimizer.scalars(self.t + 1, lr)
         out = self.exe.run(dict(inputs, **{f"opt.{k}": np.float64(v) for k, v in scalars.items()}),
                            fetch=self.fetch)
+        self.t += 1
         if "grad_norm" in out:
             self.grad_norm = float(out["grad_norm"])
         return float(out[self.output])
@@ -229,6 +230,37 @@ class Trainer:
         """The trained weights now, as host arrays of their dtype."""
         b = self.exe.backend
         return {name: np.array(b.to_host(self.exe.states[name])) for name in self.wrt}
+
+    def state(self) -> dict:
+        """What resuming needs, as host arrays: the weights, their masters, the optimizer's
+        moments (by state name) and the steps taken (`opt.step`)."""
+        b = self.exe.backend
+        out = {k: np.array(b.to_host(v)) for k, v in self.exe.states.items()}
+        out[STEP] = np.array(self.t, np.int64)
+        return out
+
+    def load_state(self, state: dict) -> None:
+        """Resume from a `state()` of a Trainer of the same graph and optimizer: every entry
+        of its name, shape and dtype (all problems in one error)."""
+        want = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in self.exe.states.items()}
+        missing = sorted((set(want) | {STEP}) - set(state))
+        problems = [f"missing {missing}"] if missing else []
+        extra = sorted(set(state) - set(want) - {STEP})
+        if extra:
+            problems.append(f"unexpected {extra}")
+        for k, (shape, dt) in want.items():
+            if k in state and (np.shape(state[k]) != shape or np.asarray(state[k]).dtype != dt):
+                problems.append(f"{k}: expected {dt.name}{list(shape)}, got "
+                                f"{np.asarray(state[k]).dtype.name}{list(np.shape(state[k]))}")
+        t = state.get(STEP)
+        if t is not None and (np.shape(t) != () or not np.issubdtype(np.asarray(t).dtype, np.integer) or t < 0):
+            problems.append(f"{STEP}: expected a step count (an integer >= 0), got {t!r}")
+        if problems:
+            raise ModelError("Trainer.load_state: " + " | ".join(problems))
+        b = self.exe.backend
+        for k in want:
+            self.exe.states[k] = b.to_device(np.array(state[k], copy=True))
+        self.t = int(state[STEP])
 
 
 __all__ = ["SGD", "Adam", "Trainer", "train_graph"]
