@@ -214,4 +214,21 @@ def elementwise_source(program, in_dtypes: list, out_dtype: DType, kinds: list, 
     return render(src.replace("$", "$$"))
 
 
-__all__ = ["elementwise_source", "collapse", "ctype", "acc_of", "conv", "emit_op", "step_dtypes"]
+def copy16_source(rank: int) -> str:
+    """Kernel `rlx_copy16`: dst <- src in 16-byte chunks over `rank` dims (chunk units:
+    dims d*, src strides s*, dst strides t*; each last stride 1)."""
+    from .sources import render
+
+    params = ", ".join([f"long long d{j}" for j in range(rank)] + [f"long long s{j}" for j in range(rank)]
+                       + [f"long long t{j}" for j in range(rank)])
+    body = " ".join(f"c = r % d{j}; r /= d{j}; os += c * s{j}; od += c * t{j};" for j in reversed(range(rank)))
+    return render(
+        "extern \"C\" __global__ void rlx_copy16(const uint4* __restrict__ src, uint4* __restrict__ dst, "
+        f"long long n, {params}) {{\n"
+        "  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; "
+        "i += (long long)gridDim.x * blockDim.x) {\n"
+        f"    long long r = i, c, os = 0, od = 0; {body}\n"
+        "    dst[od] = src[os];\n  }\n}\n")
+
+
+__all__ = ["elementwise_source", "copy16_source", "collapse", "ctype", "acc_of", "conv", "emit_op", "step_dtypes"]

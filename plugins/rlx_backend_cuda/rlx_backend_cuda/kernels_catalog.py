@@ -58,6 +58,8 @@ def catalog() -> list:
                                                             D=d, VEC=vec, **common), "rlx_attn_tc"))
         out.append((f"gather {t}", S.render(S.GATHER, TT=t, TI="long long"), "rlx_gather"))
     out.append(("gather u8", S.render(S.GATHER, TT="unsigned char", TI="int"), "rlx_gather"))
+    for rank in (1, 4):
+        out.append((f"copy16 rank {rank}", codegen.copy16_source(rank), "rlx_copy16"))
     out.append(("reduce int", S.render(S.REDUCE, TX="int", TO="int", ACC="long long", LOAD="(ACC)(v)",
                                        COMB="rlx_maxi<ACC>((a), (b))", IDENT="((ACC)(-9223372036854775807LL - 1))",
                                        FINAL="(int)(r)"), "rlx_reduce"))

@@ -174,8 +174,30 @@ class Build:
         self.launch(fn, _grid(n, 256, self.sms), (256,), args)
 
     def copy(self, src: V, dst: V) -> None:
-        """dst <- src (any strides, dtype conversion), one kernel."""
+        """dst <- src (any strides, dtype conversion), one kernel: 16 bytes a thread where
+        both walk their last axis contiguously in 16-byte aligned chunks (a transpose that
+        keeps the head dim, a concat, a contiguous copy), else one element a thread."""
+        if src.dt is dst.dt and CONFIG["copy16"] and self._copy16(src, dst):
+            return
         self.elementwise(((("cast", (("dtype", dst.dt.value),), (0,))),), [src], dst)
+
+    def _copy16(self, src: V, dst: V) -> bool:
+        n, isz = dst.size, dst.arr.itemsize
+        a = src.arr if src.shape == dst.shape else self.cp.broadcast_to(src.arr, dst.shape)
+        if n == 0 or isz > 8 or a.itemsize != isz or a.data.ptr % 16 or dst.arr.data.ptr % 16:
+            return False
+        shape, strides = codegen.collapse(dst.shape, [[s // isz for s in a.strides], list(dst.es)])
+        w = 16 // isz
+        if not shape or shape[-1] % w or any(st[-1] != 1 or any(x < 0 or x % w for x in st[:-1])
+                                             for st in strides):
+            return False
+        dims = list(shape[:-1]) + [shape[-1] // w]
+        chunks = [[x // w for x in st[:-1]] + [1] for st in strides]
+        fn = self.kernel(codegen.copy16_source(len(dims)), "rlx_copy16")
+        i64 = np.int64
+        self.launch(fn, _grid(n // w, 256, self.sms), (256,),
+                    [a, dst.arr, i64(n // w)] + [i64(d) for d in dims] + [i64(x) for st in chunks for x in st])
+        return True
 
     def contiguous(self, v: V, dt: DType | None = None) -> V:
         dt = dt or v.dt

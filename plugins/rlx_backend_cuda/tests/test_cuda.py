@@ -367,6 +367,30 @@ def test_mask_fill_gather_views(rng, dt):
 
 
 @gpu
+@pytest.mark.parametrize("dt", FLOATS + [I64])
+def test_copies_in_16_byte_chunks(rng, dt):
+    """Transposes that keep the last axis, concats and broadcast sources copy 16 bytes a
+    thread; a source off 16-byte alignment (a narrow by one element) takes the element
+    kernel. Every result is exact."""
+    x = rand(rng, (2, 5, 3, 16), dt)
+
+    def f(m):
+        v = m.input("x", (2, 5, 3, 16), dt)
+        flat = m.reshape(v, (2, 15, 16))
+        return {"t": m.transpose(v, (0, 2, 1, 3)),
+                "cat": m.concat([m.narrow(flat, 1, 0, 4), m.narrow(flat, 1, 6, 9)], 1),
+                "bc": m.transpose(m.expand(m.narrow(flat, 0, 1, 1), (3, 15, 16)), (1, 0, 2)),
+                "off": m.transpose(m.narrow(v, 3, 1, 8), (0, 2, 1, 3)),
+                "t2": m.transpose(m.reshape(v, (2, 5, 24, 2)), (2, 1, 0, 3))}
+    outs = {}
+    for name in ("numpy", "cuda"):
+        exe = rlx_core.compile(Graph.define("copies", f), profile=UNFUSED, backend=name)
+        outs[name] = {k: exe.backend.to_host(a) for k, a in exe.run({"x": x}).items()}
+    for k, want in outs["numpy"].items():
+        np.testing.assert_array_equal(outs["cuda"][k], want, err_msg=k)
+
+
+@gpu
 @pytest.mark.parametrize("dt", FLOATS)
 @pytest.mark.parametrize("sa,sb,ta,tb", [((5, 7), (7, 3), False, False), ((2, 5, 7), (3, 7), False, True),
                                          ((2, 1, 7, 5), (3, 7, 4), True, False), ((1, 64), (96, 64), False, True),
