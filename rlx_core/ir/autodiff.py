@@ -62,8 +62,8 @@ def _zeros(m, dims, like):
 
 
 def inline(m, g: Graph, args: dict) -> list:
-    """Emit graph `g` (inputs and constants only) into builder `m` with its inputs bound by
-    name from `args`; returns its outputs' values in order."""
+    """Emit graph `g` into builder `m` with its inputs bound by name from `args` (its
+    constants re-added, any params copied as they are); returns its outputs' values in order."""
     vals: dict = {}
     for i, n in enumerate(g.nodes):
         if n.op == "input":

@@ -22,11 +22,10 @@ import math
 import attrs
 import numpy as np
 
-from ..ir.autodiff import value_and_grad
+from ..ir.autodiff import inline, value_and_grad
 from ..ir.dtype import F32, F64
 from ..ir.errors import GraphError, ModelError
 from ..ir.graph import MIR, Builder, Graph
-from ..ir.rewrite import copy_node
 from ..passes.transform import params_as_inputs
 
 MASTER = "opt.master."             # + weight name: the f32 copy of a 16-bit weight
@@ -126,23 +125,14 @@ def train_graph(g: Graph, wrt, optimizer, output: str = "loss", clip_norm: float
     vg = value_and_grad(params_as_inputs(g, wrt), wrt, output)
     trained = set(wrt)
     m = Builder(f"{g.name}.train", MIR)
-    m.constants = dict(vg.constants)
-    vals: dict = {}
-    for i, n in enumerate(vg.nodes):
-        if n.op == "input" and n.name in trained:
-            s = n.outs[0]
-            out = m.state(n.name, s.dims, s.dtype)
-        else:
-            out = copy_node(m, n, [vals[tuple(r)] for r in n.inputs])
-        for k, v in enumerate(out if isinstance(out, tuple) else (out,)):
-            vals[(i, k)] = v
-    refs = dict(vg.outputs)
-    leaf = {n.name: vals[(i, 0)] for i, n in enumerate(vg.nodes) if n.name in trained}
+    leaf = {n.name: (m.state if n.name in trained else m.input)(n.name, n.outs[0].dims, n.outs[0].dtype)
+            for n in vg.nodes if n.op == "input"}
+    outs = dict(zip((name for name, _ in vg.outputs), inline(m, vg, leaf)))
     sdt = F64 if any(leaf[n].dtype == F64 for n in wrt) else F32
     sc = {k: m.input(f"opt.{k}", (), sdt) for k in optimizer.scalars(1, optimizer.lr)}
     grads = {}
     for name in wrt:             # the update runs in f32 (f64 for f64 weights)
-        gr = vals[tuple(refs[f"grad_{name}"])]
+        gr = outs[f"grad_{name}"]
         ct = _update_dtype(leaf[name].dtype)
         grads[name] = gr if gr.dtype == ct else m.cast(gr, ct)
     norm = None
@@ -165,7 +155,7 @@ def train_graph(g: Graph, wrt, optimizer, output: str = "loss", clip_norm: float
         writes += [(slots[s], new_slots[s]) for s in new_slots]
     for state, value in writes:      # last: every read of the old values comes before
         m.assign(state, value)
-    m.output(output, vals[tuple(refs[output])])
+    m.output(output, outs[output])
     if norm is not None:
         m.output("grad_norm", norm)
     return m.build()

@@ -643,31 +643,21 @@ def _b_softmax(b, n, ins, outs):
     _along_axis(b, x, y, n.a["axis"], k)
 
 
-def _last_contiguous(b, v: V, axis: int) -> V:
-    """v with `axis` moved last, contiguous (a copy unless it is the last axis already)."""
-    rank = len(v.shape)
-    ax = axis % rank
-    if ax == rank - 1:
-        return b.contiguous(v)
-    return b.contiguous(V(v.arr.transpose([i for i in range(rank) if i != ax] + [ax]), v.dt))
-
-
 def _b_softmax_grad(b, n, ins, outs):
     y, g = ins
     dx = outs[0]
     if dx.size == 0:
         return
-    rank, ax = len(y.shape), n.a["axis"] % len(y.shape)
-    yv, gv = _last_contiguous(b, y, ax), _last_contiguous(b, g, ax)
-    perm = [i for i in range(rank) if i != ax] + [ax]
-    last = ax == rank - 1 and dx.contiguous()
-    o = dx if last else b.buffer(yv.shape, dx.dt)
+    ax = (n.a["axis"] % len(y.shape),)
+    yv, gv = b.contiguous(b.moved_last(y, ax)), b.contiguous(b.moved_last(g, ax))
+    target = b.moved_last(dx, ax)                 # dx with the axis last: the rows the kernel writes
+    o = target if target.contiguous() else b.buffer(yv.shape, dx.dt)
     nn = yv.shape[-1]
     src = sources.render(sources.SOFTMAX_GRAD, TY=ctype(y.dt), TG=ctype(g.dt), TO=ctype(dx.dt),
                          ACC=acc_of(y.dt, g.dt))
     b.launch(b.kernel(src, "rlx_softmax_grad"), (yv.size // nn,), (_block(nn),), (yv.arr, gv.arr, o.arr, i32(nn)))
-    if not last:
-        b.copy(o, V(dx.arr.transpose(perm), dx.dt))
+    if o is not target:
+        b.copy(o, target)
 
 
 def _norm_grad(b, x, w, g, outs, eps, off, center: bool):

@@ -142,7 +142,7 @@ def _rows_in_threads(kernel, nbytes: int):
         return kernel
 
     def step(a, out, x, w, b=None):
-        parts = min(blas_threads() or 1, _cores(), w.shape[0])
+        parts = min(blas_parts(), w.shape[0])
         if parts < 2:
             return kernel(a, out, x, w, b)
         o, cuts = out[0], np.linspace(0, w.shape[0], parts + 1).astype(int)
@@ -164,6 +164,13 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def blas_parts() -> int:
+    """Parts to run side by side: one per BLAS thread (when the BLAS count can be read), at
+    most one per usable core; 1 inside a single-threaded BLAS scope."""
+    n = blas_threads()
+    return 1 if not n or n < 2 else max(1, min(n, _cores()))
 
 
 def _fold_fixed_views(steps: list, vals: list, dynamic: set) -> list:
@@ -230,14 +237,7 @@ class NumpyBackend(Backend):
         """One part per BLAS thread (when the BLAS count can be set): a part's numpy passes
         (softmax, LayerNorm, GELU, ...) are single-threaded, so one run alone leaves the
         other cores idle between GEMMs; parts side by side keep every core busy."""
-        n = blas_threads()
-        if not n or n < 2:
-            return 1
-        try:
-            n = min(n, len(os.sched_getaffinity(0)))
-        except (AttributeError, OSError):
-            n = min(n, os.cpu_count() or 1)
-        return max(n, 1)
+        return blas_parts()
 
     def parallel_scope(self):
         return single_threaded_blas()
