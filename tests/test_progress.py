@@ -51,7 +51,7 @@ def test_a_model_shows_compiles_and_specializations_only_when_asked(no_delay, ca
     assert capsys.readouterr().err == ""
     m = tiny_llama(rng)
     m.progress = True
-    m.generate([[5, 6, 7]], max_new_tokens=2)
+    m.generate([[5, 6, 7]], max_new_tokens=2, min_new_tokens=2)   # (an EOS first would skip decode)
     err = capsys.readouterr().err
     for text in ("compiling prefill", "compiling decode", "optimize", "bind params",
                  "specializing llama_prefill (batch=1, ctx=64, seq=3)", "numpy compile"):
