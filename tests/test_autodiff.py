@@ -190,25 +190,33 @@ def test_ops_without_a_rule_are_named():
         rlx_core.value_and_grad(Graph.define("c", f), ["y"])
 
 
-def test_norms_and_softmax_backward_are_fused_ops_and_legalize(rng):
-    """value_and_grad keeps softmax / rms_norm / layer_norm and emits their fused backward
-    ops; legalized to primitives (as for a backend without the kernels) they give the same
-    gradients."""
+def test_norms_softmax_and_attention_backward_are_fused_ops_and_legalize(rng):
+    """value_and_grad keeps softmax / rms_norm / layer_norm / attention and emits their fused
+    backward ops; legalized to primitives (as for a backend without the kernels, the
+    attention_grad decomposition's own softmax_grad legalized in turn) they give the same
+    gradients. The attention has GQA, a softcap and a sliding window."""
     from rlx_core.ir.lower import legalize
     from rlx_core.ir.ops import OPS
+
+    grad_ops = {"softmax_grad", "rms_norm_grad", "layer_norm_grad", "attention_grad"}
 
     def f(m):
         x, w, gm = m.input("x", (2, 3, 8), F64), m.input("w", (8,), F64), m.input("gm", (8,), F64)
         h = m.softmax(m.rms_norm(x, w, eps=1e-5), -1)
+        q, kv = m.reshape(h, (2, 4, 3, 2)), m.reshape(x, (2, 2, 6, 2))
+        a = m.attention(q, kv, kv * 0.5, scale=0.7, softcap=2.0, mask_kind="sliding_window", window=4)
+        h = m.reshape(a, (2, 3, 8)) + h
         return m.sum(m.layer_norm(h, gm, eps=1e-5) * m.input("r", (2, 3, 8), F64), (0, 1, 2))
     vg = rlx_core.value_and_grad(Graph.define("nsm", f), ["x", "w", "gm"])
-    ops = {n.op for n in vg.nodes}
-    assert {"softmax_grad", "rms_norm_grad", "layer_norm_grad"} <= ops
-    plain, _ = legalize(vg, set(OPS) - {"softmax_grad", "rms_norm_grad", "layer_norm_grad"})
-    assert not {"softmax_grad", "rms_norm_grad", "layer_norm_grad"} & {n.op for n in plain.nodes}
+    assert grad_ops <= {n.op for n in vg.nodes}
+    half, names = legalize(vg, set(OPS) - {"attention_grad"})      # its softmax_grad stays
+    assert names == ["attention_grad"] and "softmax_grad" in {n.op for n in half.nodes}
+    plain, names = legalize(vg, set(OPS) - grad_ops)
+    assert not grad_ops & {n.op for n in plain.nodes} and set(names) == grad_ops
     feed = {"x": rng.standard_normal((2, 3, 8)), "w": rng.standard_normal(8), "gm": rng.standard_normal(8),
             "r": rng.standard_normal((2, 3, 8))}
     a = compile_graph(vg, backend="numpy").run(feed)
-    b = compile_graph(plain, backend="numpy").run(feed)
-    for k in a:
-        np.testing.assert_allclose(a[k], b[k], rtol=1e-12, atol=1e-13, err_msg=k)
+    for other in (half, plain):
+        b = compile_graph(other, backend="numpy").run(feed)
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-12, atol=1e-13, err_msg=k)

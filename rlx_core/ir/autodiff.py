@@ -1,10 +1,11 @@
 """Reverse-mode AD: `value_and_grad` / `grad` build a backward graph from a VJP rule per op.
 
-The graph is first lowered with the `fusable` policy, so blocks (linear, rope, attention,
-...) reach AD as their primitive decompositions and only primitives need rules; softmax,
-rms_norm and layer_norm stay ops, and their rules emit the fused backward ops
-`softmax_grad`, `rms_norm_grad`, `layer_norm_grad` (one kernel where a backend has it,
-legalized to primitives where not). Forward nodes are replayed into a new MIR graph, then the
+The graph is first lowered with the `fusable` policy, so blocks (linear, rope, swiglu, ...)
+reach AD as their primitive decompositions and only primitives need rules; softmax,
+rms_norm, layer_norm and attention stay ops, and their rules emit the fused backward ops
+`softmax_grad`, `rms_norm_grad`, `layer_norm_grad`, `attention_grad` (one kernel where a
+backend has it, legalized to primitives where not). So the forward runs the backend's
+attention kernel and the backward recomputes the probabilities: no [B,H,Sq,Sk] is kept. Forward nodes are replayed into a new MIR graph, then the
 cotangents flow back node by node: a rule is graph-building code
 `rule(m, attrs, inputs, output, cotangent) -> cotangent per input (None: not differentiable)`.
 The result is an ordinary MIR graph: it goes through the same passes, planner and
@@ -26,8 +27,8 @@ from .rewrite import copy_node
 
 VJP: dict = {}
 # ops the forward keeps (not lowered to primitives) because their VJP rule emits a fused
-# backward op (softmax_grad, rms_norm_grad, layer_norm_grad)
-FUSED_BACKWARD = frozenset({"softmax", "rms_norm", "layer_norm"})
+# backward op (softmax_grad, rms_norm_grad, layer_norm_grad, attention_grad)
+FUSED_BACKWARD = frozenset({"softmax", "rms_norm", "layer_norm", "attention"})
 MULTI: set = set()          # ops whose rule takes every output and cotangent (lists; None: none)
 
 
@@ -214,6 +215,13 @@ def _layer_norm(m, a, ins, y, g):
     if len(ins) == 1:
         return (layer_norm_grad_prims(m, ins[0], None, g, a["eps"])[0],)
     return m.add("layer_norm_grad", (ins[0], ins[1], g), eps=a["eps"])[:len(ins)]
+
+
+@vjp("attention")
+def _attention(m, a, ins, y, g):
+    """The mask and positions get no gradient (a float bias is a constant of the step)."""
+    grads = m.add("attention_grad", tuple(ins[:3]) + (y, g) + tuple(ins[3:]), **a)
+    return tuple(grads) + (None,) * (len(ins) - 3)
 
 
 @vjp("reshape")

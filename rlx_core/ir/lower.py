@@ -125,23 +125,48 @@ def repeat_kv(m, k, heads):
     return m.reshape(k5, (b, heads, s, d))
 
 
+def _attention_probs(m, q, kk, mask, pos, a, softmax):
+    """softmax(mask(softcap(q kk^T * scale))) in f32, and the softcap's tanh (None without)."""
+    s = m.matmul(_f32(m, q), _f32(m, kk), trans_b=True) * a["scale"]
+    t = None
+    if a["softcap"]:
+        t = m.tanh(s / a["softcap"])
+        s = t * a["softcap"]
+    if a["mask_kind"] != MaskKind.NONE.value or a["has_mask"]:
+        s = m.add("mask_fill", (s,) + tuple(x for x in (mask, pos) if x is not None),
+                  **{k: a[k] for k in ("mask_kind", "window", "has_mask", "has_pos")})
+    return softmax(m, s, -1), t
+
+
 def attention_prims(m, q, k, v, mask=None, pos=None, *, scale, mask_kind="causal", window=0,
-                    softcap=0.0, has_mask=False, has_pos=False, softmax=softmax_prims):
+                    softcap=0.0, has_mask=False, has_pos=False):
     heads = q.dims[1]
-    kk, vv = repeat_kv(m, k, heads), repeat_kv(m, v, heads)
-    s = m.matmul(_f32(m, q), _f32(m, kk), trans_b=True) * scale
-    if softcap:
-        s = m.tanh(s / softcap) * softcap
-    ins = (s,) + tuple(t for t in (mask, pos) if t is not None)
-    if mask_kind != MaskKind.NONE.value or has_mask:
-        s = m.add("mask_fill", ins, mask_kind=mask_kind, window=window, has_mask=has_mask,
-                  has_pos=has_pos)
-    p = softmax(m, s, -1)
-    return m.cast(m.matmul(p, _f32(m, vv)), q.dtype)
+    a = dict(scale=scale, mask_kind=mask_kind, window=window, softcap=softcap, has_mask=has_mask,
+             has_pos=has_pos)
+    p, _ = _attention_probs(m, q, repeat_kv(m, k, heads), mask, pos, a, softmax_prims)
+    return m.cast(m.matmul(p, _f32(m, repeat_kv(m, v, heads))), q.dtype)
 
 
-def _softmax_op(m, x, axis):
-    return m.softmax(x, axis)
+def _group_sum(m, x, kvh):
+    """[B, H, S, D] -> [B, KVH, S, D]: the sum over each kv head's query heads (GQA)."""
+    b, h, s, d = x.dims
+    return x if h == kvh else m.sum(m.reshape(x, (b, kvh, h // kvh, s, d)), (2,))
+
+
+def attention_grad_prims(m, q, k, v, out, g, mask=None, pos=None, **a):
+    """attention_grad as primitives: the probabilities recomputed, dv = P^T g, dS =
+    softmax_grad(P, g v^T) through the softcap's tanh, times scale; dq = dS k, dk = dS^T q."""
+    heads, kvh = q.dims[1], k.dims[1]
+    kk, vv, gf = repeat_kv(m, k, heads), _f32(m, repeat_kv(m, v, heads)), _f32(m, g)
+    p, t = _attention_probs(m, q, kk, mask, pos, a, lambda m, x, axis: m.softmax(x, axis))
+    ds = m.add("softmax_grad", (p, m.matmul(gf, vv, trans_b=True)), axis=-1)
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    ds = ds * a["scale"]
+    dq = m.matmul(ds, _f32(m, kk))
+    dk = _group_sum(m, m.matmul(ds, _f32(m, q), trans_a=True), kvh)
+    dv = _group_sum(m, m.matmul(p, gf, trans_a=True), kvh)
+    return m.cast(dq, q.dtype), m.cast(dk, k.dtype), m.cast(dv, v.dtype)
 
 
 def _iota(m, n, tie):
@@ -248,6 +273,8 @@ def _decompose(deep: bool):
         "softmax_grad": lambda m, ins, a: softmax_grad_prims(m, *ins, axis=a["axis"]),
         "rms_norm_grad": lambda m, ins, a: rms_norm_grad_prims(m, *ins, eps=a["eps"], offset=a["offset"]),
         "layer_norm_grad": lambda m, ins, a: layer_norm_grad_prims(m, *ins, eps=a["eps"]),
+        "attention_grad": lambda m, ins, a: attention_grad_prims(
+            m, *ins[:5], *_attn_split(ins[:3] + ins[5:], a)[3:], **a),
     }
     if deep:
         table.update({
@@ -296,8 +323,6 @@ def lower(g: Graph, policy: FusionPolicy | str = FusionPolicy.DIRECT, keep=froze
             return _direct(m, node, ins)
         if node.op in keep:
             return None
-        if node.op == "attention" and "softmax" in keep:     # its softmax kept as the op too
-            return attention_prims(m, *_attn_split(ins, node.a), **node.a, softmax=_softmax_op)
         fn = DECOMPOSE_DEEP.get(node.op)
         return fn(m, ins, node.a) if fn else None
 
@@ -315,13 +340,19 @@ def legalize(g: Graph, supported: set) -> tuple:
 
     g = map_bodies(g, inner)
 
+    def lacking(op):
+        return op in DECOMPOSE_FUSED and op not in supported
+
     def replace(m, node, ins, i, lookup):
-        if node.op in DECOMPOSE_FUSED and node.op not in supported:
+        if lacking(node.op):
             done.append(node.op)
             return DECOMPOSE_FUSED[node.op](m, ins, node.a)
         return None
 
-    return rewrite(g, replace), sorted(set(done))
+    g = rewrite(g, replace)
+    while any(lacking(n.op) for n in g.nodes):      # a decomposition may emit another fused op
+        g = rewrite(g, replace)
+    return g, sorted(set(done))
 
 
 __all__ = ["FusionPolicy", "lower", "legalize"]

@@ -303,14 +303,14 @@ def attention_mask(a, b, sq, sk, mask=None, pos=None, q0=0, sq_total=None):
 _ATTN_BLOCK = 1 << 22
 
 
-def attention_core(a, q, k, v, mask=None, pos=None):
-    qf, kf, vf = up(q), up(k), up(v)
-    b, h, sq, d = qf.shape
-    sk = kf.shape[2]
-    rows = max(1, _ATTN_BLOCK // max(1, h * sk))
+def _query_blocks(qf, kf, mask, pos):
+    """(batch slice, row slice, mask, pos, first row) blocks of at most _ATTN_BLOCK scores:
+    the whole query when it fits, else one batch row at a time in runs of query rows."""
+    b, h, sq, _ = qf.shape
+    rows = max(1, _ATTN_BLOCK // max(1, h * kf.shape[2]))
     if b * sq <= rows:
-        return _attention_block(a, qf, kf, vf, mask, pos)
-    out = np.empty((b, h, sq, vf.shape[-1]), np.result_type(qf.dtype, vf.dtype))
+        yield slice(None), slice(None), mask, pos, 0
+        return
     if mask is not None:
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     for i in range(b):
@@ -319,23 +319,33 @@ def attention_core(a, q, k, v, mask=None, pos=None):
         for s0 in range(0, sq, rows):
             s1 = min(sq, s0 + rows)
             m = None if m_b is None else (m_b if m_b.shape[2] == 1 else m_b[:, :, s0:s1])
-            out[i:i + 1, :, s0:s1] = _attention_block(a, qf[i:i + 1, :, s0:s1], kf[i:i + 1], vf[i:i + 1],
-                                                      m, p_b, s0, sq)
+            yield slice(i, i + 1), slice(s0, s1), m, p_b, s0
+
+
+def attention_core(a, q, k, v, mask=None, pos=None):
+    qf, kf, vf = up(q), up(k), up(v)
+    b, h, sq, _ = qf.shape
+    out = np.empty((b, h, sq, vf.shape[-1]), np.result_type(qf.dtype, vf.dtype))
+    for bi, rows, m, p, q0 in _query_blocks(qf, kf, mask, pos):
+        out[bi, :, rows] = _attention_block(a, qf[bi, :, rows], kf[bi], vf[bi], m, p, q0, sq)
     return out
 
 
-def _attention_block(a, qf, kf, vf, mask=None, pos=None, q0=0, sq_total=None):
+def _attention_probs(a, qf, kf, mask, pos, q0, sq_total):
+    """Probabilities [B, KVH, G*Sq, Sk] of a block of query rows (a kv head's G query heads
+    share one [G*Sq, D] @ [D, Sk] product: a plain batched matmul, as a broadcast kv operand
+    would drop numpy off BLAS), the queries as [B, KVH, G*Sq, D], and the softcap's tanh."""
     b, h, sq, d = qf.shape
     kvh, sk = kf.shape[1], kf.shape[2]
     g = h // kvh
-    # a kv head's G query heads share one [G*Sq, D] @ [D, Sk] product: a plain batched
-    # matmul (a broadcast kv operand would drop numpy off BLAS)
     q4 = np.ascontiguousarray(qf).reshape(b, kvh, g * sq, d)
     s = np.matmul(q4, kf.swapaxes(-1, -2)).reshape(b, kvh, g, sq, sk)
     s *= np.asarray(a["scale"], s.dtype)
+    t = None
     if a["softcap"]:
         cap = np.asarray(a["softcap"], s.dtype)
-        s = np.tanh(s / cap) * cap
+        t = np.tanh(s / cap)
+        s = t * cap
     keep, bias = attention_mask(a, b, sq, sk, mask, pos, q0, sq_total)
     if bias is not None or keep is not None:
         s = s.reshape(b, h, sq, sk)
@@ -344,8 +354,45 @@ def _attention_block(a, qf, kf, vf, mask=None, pos=None, q0=0, sq_total=None):
         if keep is not None:
             s = np.where(keep, s, np.asarray(-np.inf, s.dtype))
         s = s.reshape(b, kvh, g, sq, sk)
-    p = _softmax_f32(s, -1).reshape(b, kvh, g * sq, sk)
+    return _softmax_f32(s, -1).reshape(b, kvh, g * sq, sk), q4, t
+
+
+def _attention_block(a, qf, kf, vf, mask=None, pos=None, q0=0, sq_total=None):
+    b, h, sq, _ = qf.shape
+    p, _, _ = _attention_probs(a, qf, kf, mask, pos, q0, sq_total)
     return np.matmul(p, vf).reshape(b, h, sq, vf.shape[-1])
+
+
+def _attention_grad_block(a, qf, kf, vf, of, gf, mask, pos, q0, sq_total):
+    """A block of query rows' dq and its parts of dk, dv: dv = P^T g; dS = P (g v^T - the
+    row's sum(g out)), through the softcap's tanh, times scale; dq = dS k, dk = dS^T q."""
+    b, h, sq, d = qf.shape
+    kvh = kf.shape[1]
+    rows = (b, kvh, (h // kvh) * sq, -1)
+    p, q4, t = _attention_probs(a, qf, kf, mask, pos, q0, sq_total)
+    g4 = np.ascontiguousarray(gf).reshape(rows)
+    delta = np.sum(g4 * np.ascontiguousarray(of).reshape(rows), -1, keepdims=True)
+    dv = np.matmul(p.swapaxes(-1, -2), g4)
+    ds = p * (np.matmul(g4, vf.swapaxes(-1, -2)) - delta)
+    if t is not None:
+        ds *= 1 - np.square(t.reshape(ds.shape))
+    ds *= np.asarray(a["scale"], ds.dtype)
+    return np.matmul(ds, kf).reshape(b, h, sq, d), np.matmul(ds.swapaxes(-1, -2), q4), dv
+
+
+def _attention_grad(a, out, *ins):
+    q, k, v, mask, pos = _split_attn(a, ins[:3] + ins[5:])
+    qf, kf, vf, of, gf = (up(t) for t in (q, k, v) + tuple(ins[3:5]))
+    dt = np.result_type(qf.dtype, kf.dtype, vf.dtype)
+    dq, dk, dv = np.empty(qf.shape, dt), np.zeros(kf.shape, dt), np.zeros(vf.shape, dt)
+    for bi, rows, m, p, q0 in _query_blocks(qf, kf, mask, pos):
+        parts = _attention_grad_block(a, qf[bi, :, rows], kf[bi], vf[bi], of[bi, :, rows],
+                                      gf[bi, :, rows], m, p, q0, qf.shape[2])
+        dq[bi, :, rows] = parts[0]
+        dk[bi] += parts[1]
+        dv[bi] += parts[2]
+    for o, x in zip(out, (dq, dk, dv)):
+        put(o, x)
 
 
 def _split_attn(a, ins):
@@ -726,6 +773,7 @@ KERNELS = {
     "rms_norm": _rms_norm,
     "rope": _rope,
     "attention": _attention,
+    "attention_grad": _attention_grad,
     "mask_fill": _mask_fill,
     "gather": _gather,
     "transpose": lambda a, out, x: put(out[0], x.transpose(a["perm"])),

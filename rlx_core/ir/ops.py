@@ -879,6 +879,19 @@ def _m_layer_norm_grad(s, a):
     return (s[0], s[1], s[1])
 
 
+@op("attention_grad", ["q", "k", "v", "out", "g", "mask?", "pos?"], Level.FUSED, attrs=_ATTN_ATTRS,
+    n_outputs=3)
+def _m_attention_grad(s, a):
+    """(dq, dk, dv) of out = attention(q, k, v, ...) for cotangent g (same attrs as attention).
+    A kernel recomputes the probabilities from q and k instead of keeping [B,H,Sq,Sk] from
+    the forward; `out` gives each row's sum(g * out). GQA: dk, dv sum their query heads."""
+    o = _attention_meta(s[:3] + s[5:], a)
+    for t, nm in ((s[3], "out"), (s[4], "g")):
+        if t.dims != o.dims:
+            raise ShapeError(f"attention_grad {nm} {t} does not match the attention output {o}")
+    return (s[0], s[1], s[2])
+
+
 @op("fused_attention_block", ["q", "k", "v", "cos", "sin", "mask?", "pos?"], Level.FUSED,
     attrs=dict(_ATTN_ATTRS, style=STYLE("half")))
 def _m_fused_attn_block(s, a):

@@ -18,7 +18,7 @@ from rlx_core.ir.shape import Shape
 from rlx_core.ir.ops import ACTIVATIONS, BINARY_OPS, COMPARE_OPS, INT_OK_ACTIVATIONS, OPS, POOL_MODES, Level
 
 from .parity import (FLOATS, PARITY_PROFILE, REF_ACT, TOL, Arg, arg, backend, compile_on,  # noqa: F401
-                     exact, one_op, rand, ref_attention, ref_binary, ref_compare, ref_cumsum,
+                     exact, one_op, rand, ref_attention, ref_attention_grad, ref_binary, ref_compare, ref_cumsum,
                      ref_elementwise, ref_keep, ref_kv_write, ref_layer_norm, ref_layer_norm_grad,
                      ref_mask_fill, ref_matmul, ref_reduce, ref_rms_norm, ref_rms_norm_grad, ref_rope,
                      ref_segment_pool, ref_softmax, ref_softmax_grad, ref_swiglu, ref_topk,
@@ -337,6 +337,26 @@ def _attn_ref(attrs_, n_extra=0):
 def test_attention(backend, rng, case, heads, kv_heads, dt):
     args, attrs_ = attention_args(rng, case, dt, heads, kv_heads)
     run_parity(backend, "attention", args, attrs_, _attn_ref(attrs_))
+
+
+@covers("attention_grad")
+@pytest.mark.parametrize("case", list(ATTN_CASES))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)], ids=["mha", "gqa2"])
+@fdtype
+def test_attention_grad(backend, rng, case, heads, kv_heads, dt):
+    """`out` is the attention of the same inputs (rounded to dt), as the VJP rule passes it."""
+    args, attrs_ = attention_args(rng, case, dt, heads, kv_heads)
+    host = [a.data.astype(np.float64) if a.dtype.is_float else a.data for a in args]
+    out = _attn_ref(attrs_)(*host)
+    args[3:3] = [Arg("out", exact(out, dt), dt), arg(rng, "g", out.shape, dt)]
+
+    def ref(q, k, v, o, g, *rest):
+        rest = list(rest)
+        mask = rest.pop(0) if attrs_["has_mask"] else None
+        pos = rest.pop(0) if attrs_["has_pos"] else None
+        return ref_attention_grad(q, k, v, g, mask, pos, **{n: attrs_[n] for n in (
+            "scale", "mask_kind", "window", "softcap")})
+    run_parity(backend, "attention_grad", args, attrs_, ref)
 
 
 def test_attention_sliding_window_actually_masks(rng):

@@ -415,19 +415,17 @@ def ref_mask_fill(scores, mask=None, pos=None, *, mask_kind="causal", window=0):
     return np.where(keep, s, -np.inf)
 
 
-def ref_attention(q, k, v, mask=None, pos=None, *, scale, mask_kind="causal", window=0, softcap=0.0):
-    """Per (batch, head): scores, softcap, mask, softmax, weighted sum; GQA by head index."""
+def _ref_head_probs(q, k, mask, pos, scale, mask_kind, window, softcap):
+    """(b, h, kv head, probabilities, softcap's tanh or None) per (batch, head); GQA by index."""
     bsz, heads, sq, _ = q.shape
     kvh, sk = k.shape[1], k.shape[2]
-    group = heads // kvh
     keep = ref_keep(mask_kind, bsz, sq, sk, window, pos)
-    out = np.zeros((bsz, heads, sq, v.shape[-1]))
     for b in range(bsz):
         for h in range(heads):
-            kh = h // group
+            kh = h // (heads // kvh)
             s = (q[b, h] @ k[b, kh].T) * scale
-            if softcap:
-                s = np.tanh(s / softcap) * softcap
+            t = np.tanh(s / softcap) if softcap else None
+            s = t * softcap if softcap else s
             kp = keep[b].copy()
             if mask is not None:
                 mb = np.broadcast_to(mask, (bsz, heads, sq, sk))[b, h]
@@ -435,9 +433,29 @@ def ref_attention(q, k, v, mask=None, pos=None, *, scale, mask_kind="causal", wi
                     kp &= mb
                 else:
                     s = s + mb
-            s = np.where(kp, s, -np.inf)
-            out[b, h] = ref_softmax(s, -1) @ v[b, kh]
+            yield b, h, kh, ref_softmax(np.where(kp, s, -np.inf), -1), t
+
+
+def ref_attention(q, k, v, mask=None, pos=None, *, scale, mask_kind="causal", window=0, softcap=0.0):
+    """Per (batch, head): scores, softcap, mask, softmax, weighted sum; GQA by head index."""
+    out = np.zeros(q.shape[:3] + (v.shape[-1],))
+    for b, h, kh, p, _ in _ref_head_probs(q, k, mask, pos, scale, mask_kind, window, softcap):
+        out[b, h] = p @ v[b, kh]
     return out
+
+
+def ref_attention_grad(q, k, v, g, mask=None, pos=None, *, scale, mask_kind="causal", window=0,
+                       softcap=0.0):
+    """(dq, dk, dv) by the chain rule per (batch, head): dv = P^T g, each softmax row's explicit
+    Jacobian applied to g v^T, the softcap's derivative, the scale; GQA summed per kv head."""
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for b, h, kh, p, t in _ref_head_probs(q, k, mask, pos, scale, mask_kind, window, softcap):
+        dv[b, kh] += p.T @ g[b, h]
+        ds = ref_softmax_grad(p, g[b, h] @ v[b, kh].T) * scale
+        ds = ds * (1 - t * t) if t is not None else ds
+        dq[b, h] = ds @ k[b, kh]
+        dk[b, kh] += ds.T @ q[b, h]
+    return dq, dk, dv
 
 
 def ref_varlen_attention(q, k, v, starts, lens, *, scale):
