@@ -9,7 +9,7 @@ This module is pure Python (no cupy), so the generated text can be checked offli
 """
 from __future__ import annotations
 
-from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I64, DType
+from rlx_core.ir.dtype import BF16, BOOL, C64, F16, F32, F64, I64, DType
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.ops import infer
 from rlx_core.ir.shape import Shape
@@ -18,7 +18,7 @@ LOW = (F16, BF16)
 CT = {  # the C type a value of each dtype is computed in
     DType.F32: "float", DType.F64: "double", DType.F16: "float", DType.BF16: "float",
     DType.I8: "signed char", DType.I16: "short", DType.I32: "int", DType.I64: "long long",
-    DType.U8: "unsigned char", DType.U32: "unsigned int", DType.BOOL: "bool",
+    DType.U8: "unsigned char", DType.U32: "unsigned int", DType.BOOL: "bool", DType.C64: "rlx_c64",
 }
 STORE = {**CT, DType.F16: "__half", DType.BF16: "__nv_bfloat16"}
 
@@ -86,9 +86,26 @@ def _sub_x(template: str, var: str) -> str:
     return re.sub(r"\bx\b", var, template)
 
 
+# what complex64 values may go through (rlx_c64 in the prelude): arithmetic, negation, a
+# select, casts to a float or complex type
+_COMPLEX_OK = {("binary", "add"), ("binary", "sub"), ("binary", "mul"), ("binary", "div"),
+               ("activation", "neg"), ("activation", "identity"), ("where", None), ("cast", None)}
+
+
+def _check_complex(op: str, a: dict, args: list, out: DType) -> None:
+    if C64 not in [t for _, t in args] + [out]:
+        return
+    kind = a.get("op") if op == "binary" else a.get("fn") if op == "activation" else None
+    if (op, kind) not in _COMPLEX_OK or (op == "cast" and not (out.is_float or out is C64)):
+        what = f"{op} {kind!r}" if kind else f"{op} to {out.value}" if op == "cast" else op
+        raise BackendError(f"cuda backend: {what} on complex64 values is not supported on the GPU "
+                           "(complex values take add, sub, mul, div, neg, where and casts)")
+
+
 def emit_op(op: str, a: dict, args: list, out: DType, lines: list, tmp: str) -> str:
     """C statements (appended to `lines`) computing `op` on `args` [(expr, dtype)];
     returns an expression of CT[out] holding the (rounded) result."""
+    _check_complex(op, a, args, out)
     if op == "cast":
         (x, t), = args
         return conv(x, t, out)
@@ -101,7 +118,7 @@ def emit_op(op: str, a: dict, args: list, out: DType, lines: list, tmp: str) -> 
         if kind in ("add", "sub", "mul"):
             e = f"({X} {dict(add='+', sub='-', mul='*')[kind]} {Y})"
         elif kind == "div":
-            if cdt.is_float:
+            if cdt.is_float or cdt is C64:
                 e = f"({X} / {Y})"
             else:                                    # integer division floors (numpy's //)
                 e = f"rlx_floordiv<{c}>({X}, {Y})"

@@ -58,9 +58,10 @@ def info() -> dict:
 
 
 def supported_dtypes() -> frozenset:
-    """What this GPU computes: every float and int type but complex; bf16 needs sm_80+."""
+    """What this GPU computes: every type (complex64 in FFTs, elementwise arithmetic and
+    views); bf16 needs sm_80+."""
     ok, _, inf = probe()
-    out = set(DType) - {DType.C64}
+    out = set(DType)
     if ok and not inf.get("hip") and inf["cc"] < (8, 0):
         out.discard(DType.BF16)
     if ok and not inf.get("hip") and inf["cc"] < (5, 3):
@@ -112,8 +113,6 @@ def from_host(array: np.ndarray, what: str):
     array stays 0-d (ascontiguousarray alone makes it [1])."""
     a = np.ascontiguousarray(array).reshape(np.shape(array))
     dt = DType.parse(a.dtype)
-    if dt is DType.C64:
-        raise BackendError(f"cuda backend: {what}: complex64 is not supported on the GPU")
     out = empty(a.shape, dt, what)
     if a.size:
         out.set(a.view(storage_dtype(dt)) if dt is DType.BF16 else a)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import tempfile
 
-from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I32, I64
+from rlx_core.ir.dtype import BF16, BOOL, C64, F16, F32, F64, I32, I64
 
 from . import codegen, sources as S
 
@@ -108,6 +108,11 @@ def catalog() -> list:
         ((("cast", (("dtype", "bf16"),), (0,)),), [F64], BF16),
         ((("cast", (("dtype", "i32"),), (0,)),), [F16], I32),
         ((("fused_swiglu", (), (0, 1)),), [BF16, BF16], BF16),
+        # complex64: arithmetic with real operands, negation, a select, a cast to real
+        ((("binary", (("op", "mul"),), (0, 1)), ("binary", (("op", "div"),), (2, 1)),
+          ("activation", (("fn", "neg"),), (3,)), ("binary", (("op", "sub"),), (4, 0))), [C64, F64], C64),
+        ((("where", (), (0, 1, 2)),), [BOOL, C64, F32], C64),
+        ((("cast", (("dtype", "bf16"),), (0,)),), [C64], BF16),
     ]
     for k, (prog, ins, od) in enumerate(progs):
         kinds = ["s"] * (len(ins) + 1)

@@ -14,6 +14,7 @@ from rlx_core.ir.ops import MaskKind
 
 from . import codegen, device, sources
 from .codegen import acc_of, ctype
+from .fft import build_fft
 from .values import CONFIG, V, nocopy_reshape_strides
 
 LOW = (F16, BF16)
@@ -1244,6 +1245,7 @@ BUILDERS = {
     "matmul": _b_matmul,
     "binary": _ew, "compare": _ew, "where": _ew, "activation": _ew, "cast": _ew,
     "fused_swiglu": _ew, "fused_elementwise": _ew,
+    "fft": build_fft, "ifft": build_fft, "rfft": build_fft, "irfft": build_fft,
     "reduce": _b_reduce,
     "softmax": _b_softmax,
     "layer_norm": _b_layer_norm,

@@ -41,6 +41,29 @@ typedef unsigned int u32;
 #define RLX_GRID_WAIT()
 #endif
 #define RLX_INF __int_as_float(0x7f800000)
+// complex64 as numpy lays it out (real, imaginary floats); + - * / as numpy computes them
+// (division by Smith's method), a cast to a real type keeps the real part
+struct __align__(8) rlx_c64 {
+  float re, im;
+  __device__ __forceinline__ rlx_c64() {}
+  __device__ __forceinline__ rlx_c64(float r, float i = 0.f) : re(r), im(i) {}
+  __device__ __forceinline__ explicit operator float() const { return re; }
+  __device__ __forceinline__ explicit operator double() const { return re; }
+};
+__device__ __forceinline__ rlx_c64 operator-(rlx_c64 a) { return rlx_c64(-a.re, -a.im); }
+__device__ __forceinline__ rlx_c64 operator+(rlx_c64 a, rlx_c64 b) { return rlx_c64(a.re + b.re, a.im + b.im); }
+__device__ __forceinline__ rlx_c64 operator-(rlx_c64 a, rlx_c64 b) { return rlx_c64(a.re - b.re, a.im - b.im); }
+__device__ __forceinline__ rlx_c64 operator*(rlx_c64 a, rlx_c64 b) {
+  return rlx_c64(a.re * b.re - a.im * b.im, a.re * b.im + a.im * b.re);
+}
+__device__ __forceinline__ rlx_c64 operator/(rlx_c64 a, rlx_c64 b) {
+  if (fabsf(b.re) >= fabsf(b.im)) {
+    const float r = b.im / b.re, d = b.re + b.im * r;
+    return rlx_c64((a.re + a.im * r) / d, (a.im - a.re * r) / d);
+  }
+  const float r = b.re / b.im, d = b.im + b.re * r;
+  return rlx_c64((a.re * r + a.im) / d, (a.im * r - a.re) / d);
+}
 
 // load any storage type as float / double
 __device__ __forceinline__ float tof(float v) { return v; }

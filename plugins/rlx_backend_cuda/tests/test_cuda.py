@@ -53,11 +53,6 @@ def test_default_backend_where_gpu():
         assert select_backend().name != "cuda"
 
 
-# ops cuda has no kernel for yet (compiling them fails naming the op): FFT (complex64 values
-# are not held on the GPU)
-NOT_YET = {"fft", "ifft", "rfft", "irfft"}
-
-
 def test_supported_ops_cover_the_table():
     """Every op below HIR has a kernel here, or is a fused op the pipeline legalizes."""
     from rlx_backend_cuda.ops import BUILDERS, VIEW_BUILDERS
@@ -66,8 +61,7 @@ def test_supported_ops_cover_the_table():
 
     supported = _B.supported_ops()
     missing = {n for n, d in OPS.items() if d.level is not Level.HIR} - supported
-    assert missing - NOT_YET <= set(DECOMPOSE_FUSED), missing - NOT_YET
-    assert not NOT_YET & supported, "an op listed as missing has a kernel now: take it off NOT_YET"
+    assert missing <= set(DECOMPOSE_FUSED), missing
     assert {"dequant_matmul", "dequantize", "quantize", "fake_quantize"} <= supported
     assert supported <= {n for n, d in OPS.items() if d.level is Level.LEAF} | set(BUILDERS) | set(VIEW_BUILDERS)
 
@@ -563,11 +557,28 @@ def test_compile_error_names_op_and_line():
 
 
 @gpu
-def test_unsupported_dtype_fails_at_compile_time():
-    g = Graph.define("c", lambda m: m.input("x", (3,), DType.C64) * 2.0)
-    exe = rlx_core.compile(g, profile=UNFUSED, backend="cuda")
-    with pytest.raises(RlxError, match="complex"):
-        exe.runner({})
+def test_complex_values_take_arithmetic_and_name_what_they_cannot(rng):
+    """c64 inputs and outputs, + - * / with complex and real operands, negation; an op
+    without complex support fails when the runner is built, naming it."""
+    def c64(*dims):
+        return (rng.standard_normal(dims) + 1j * rng.standard_normal(dims)).astype(np.complex64)
+
+    def f(m):
+        a, b, r = m.input("a", (3, 4), DType.C64), m.input("b", (4,), DType.C64), m.input("r", (3, 1))
+        return -(a * b - b / (a + 2.0)) * r
+    a, b, r = c64(3, 4), c64(4), rng.standard_normal((3, 1)).astype(np.float32)
+    want = -(a.astype(np.complex128) * b - b / (a + 2.0)) * r
+    for profile in (UNFUSED, None):
+        got = rlx_core.compile(Graph.define("c", f), profile=profile, backend="cuda").run(
+            {"a": a, "b": b, "r": r})["out"]
+        assert got.dtype == np.complex64
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    g = Graph.define("s", lambda m: m.sum(m.input("x", (3,), DType.C64), (0,)))
+    with pytest.raises(RlxError, match=r"\(reduce\) computes in complex64"):
+        rlx_core.compile(g, profile=UNFUSED, backend="cuda").runner({})
+    g = Graph.define("e", lambda m: m.exp(m.input("x", (3,), DType.C64)))
+    with pytest.raises(RlxError, match=r"activation 'exp' on complex64"):
+        rlx_core.compile(g, profile=UNFUSED, backend="cuda").run({"x": c64(3)})
 
 
 @gpu
