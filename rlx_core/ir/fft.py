@@ -6,8 +6,8 @@
 
 and helpers composed from them (graph-building functions, no ops of their own): `fftfreq`
 (a constant table), `stft` (frames gathered, windowed, rfft) and `fft_conv1d` (full linear
-convolution by zero-padded rfft products). The NumPy kernels call numpy.fft; a backend
-without them (cuda, opencl today) fails to compile naming the op.
+convolution by zero-padded rfft products). The NumPy kernels call numpy.fft; opencl has
+its own FFT kernels; a backend without them (cuda today) fails to compile naming the op.
 """
 from __future__ import annotations
 

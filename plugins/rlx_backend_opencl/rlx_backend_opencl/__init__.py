@@ -20,8 +20,6 @@ from . import device as _device
 from .device import CLArray
 
 __version__ = "0.1.0"
-_BASE_DTYPES = frozenset({DType.F32, DType.I8, DType.I16, DType.I32, DType.I64, DType.U8, DType.U32,
-                          DType.BOOL})
 
 
 class OpenCLBackend(Backend):
@@ -76,7 +74,7 @@ class OpenCLBackend(Backend):
         try:
             return self.device.dtypes()
         except Exception:
-            return _BASE_DTYPES
+            return _device.BASE_DTYPES
 
     def check_dtype(self, dtype: DType, where: str) -> None:
         if dtype in self.dtypes:

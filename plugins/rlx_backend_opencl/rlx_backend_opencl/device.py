@@ -15,6 +15,9 @@ from rlx_core.ir.errors import BackendError
 ENV_DEVICE = "RLX_OPENCL_DEVICE"
 ENV_FP16 = "RLX_OPENCL_FP16"
 ENV_BUILD_OPTIONS = "RLX_OPENCL_BUILD_OPTIONS"     # extra clBuildProgram options
+# every device: c64 is a float2 (interleaved, numpy's complex64 bytes)
+BASE_DTYPES = frozenset({DType.F32, DType.I8, DType.I16, DType.I32, DType.I64, DType.U8, DType.U32,
+                         DType.BOOL, DType.C64})
 _HINT = ("install `pocl-binary-distribution` for a CPU device, or register a vendor ICD "
          "(NVIDIA: plugins/rlx_backend_opencl/scripts/register_nvidia_icd.sh)")
 
@@ -93,7 +96,7 @@ class Device:
         self.programs: dict = {}
 
     def dtypes(self) -> frozenset:
-        base = {DType.F32, DType.I8, DType.I16, DType.I32, DType.I64, DType.U8, DType.U32, DType.BOOL}
+        base = set(BASE_DTYPES)
         if self.has_fp16():
             base.add(DType.F16)
         if self.fp64:

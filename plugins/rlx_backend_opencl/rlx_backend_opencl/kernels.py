@@ -8,17 +8,21 @@ Conventions shared by every kernel:
 - values compute in `ACC` (float for f16/f32, double for f64, long for integers) and are
   rounded once on the store, as the numpy reference does; bool is stored as uchar 0/1;
 - kernels that can fail on data (gather bounds, kv_write overflow) record the first failure
-  in `err[4]` = {code, node, a, b}; the host raises after the run.
+  in `err[4]` = {code, node, a, b}; the host raises after the run;
+- c64 is a `float2` (interleaved re, im: numpy's complex64 bytes); elementwise programs take
+  it in binary add/sub/mul/div, cast and where (c64_error names the rest), the FFT kernels
+  (FFT) in and out.
 """
 from __future__ import annotations
 
 import math
 
 from rlx_core.ir.dtype import DType
+from rlx_core.ir.errors import BackendError
 
 CL_TYPE = {DType.F32: "float", DType.F16: "half", DType.F64: "double", DType.I8: "char",
            DType.I16: "short", DType.I32: "int", DType.I64: "long", DType.U8: "uchar",
-           DType.U32: "uint", DType.BOOL: "uchar"}
+           DType.U32: "uint", DType.BOOL: "uchar", DType.C64: "float2"}
 UNSIGNED = (DType.U8, DType.U32, DType.BOOL)
 
 
@@ -48,6 +52,8 @@ def to(dt: DType, expr: str) -> str:
         return f"((uchar)(({expr}) != 0))"
     if dt is DType.F16:
         return f"rnd_half((float)({expr}))"
+    if dt is DType.C64:
+        return f"({expr})"
     return f"(({ctype(dt)})({expr}))"
 
 
@@ -69,6 +75,8 @@ def prelude(dts) -> str:
     if DType.F64 in dts or "double" in dts:
         out.append("#pragma OPENCL EXTENSION cl_khr_fp64 : enable")
     out.append(_HELPERS)
+    if DType.C64 in dts:
+        out.append(_COMPLEX_HELPERS)
     return "\n".join(out) + "\n"
 
 
@@ -97,6 +105,8 @@ _HELPERS = r"""
 #define ST_uchar(p, i, v) ((p)[i] = (v))
 #define LD_uint(p, i) ((p)[i])
 #define ST_uint(p, i, v) ((p)[i] = (v))
+#define LD_float2(p, i) ((p)[i])
+#define ST_float2(p, i, v) ((p)[i] = (v))
 inline float rnd_half(float v) {
   ushort u;
   vstore_half_rte(v, 0, (__private half*)&u);
@@ -107,6 +117,21 @@ inline float rnd_half(float v) {
 #define MINP(a, b) (ISNAN(a) ? (a) : (ISNAN(b) ? (b) : ((a) < (b) ? (a) : (b))))
 inline void set_err(__global int* err, int code, int node, int a, int b) {
   if (atomic_cmpxchg(err, 0, code) == 0) { err[1] = node; err[2] = a; err[3] = b; }
+}
+"""
+
+# numpy's complex64 arithmetic: the textbook product, Smith's quotient (npy_math's order)
+_COMPLEX_HELPERS = r"""
+inline float2 cmul(float2 a, float2 b) { return (float2)(a.x * b.x - a.y * b.y, a.x * b.y + a.y * b.x); }
+inline float2 cdiv(float2 a, float2 b) {
+  float ar = fabs(b.x), ai = fabs(b.y);
+  if (ar >= ai) {
+    if (ar == 0.0f && ai == 0.0f) return (float2)(a.x / ar, a.y / ar);
+    float rat = b.y / b.x, scl = 1.0f / (b.x + b.y * rat);
+    return (float2)((a.x + a.y * rat) * scl, (a.y - a.x * rat) * scl);
+  }
+  float rat = b.x / b.y, scl = 1.0f / (b.y + b.x * rat);
+  return (float2)((a.x * rat + a.y) * scl, (a.y * rat - a.x) * scl);
 }
 """
 
@@ -143,6 +168,8 @@ def _ct(dt: DType) -> str:
 def _np_result(dts) -> DType:
     import numpy as np
 
+    if DType.C64 in dts:         # numpy would widen c64 with f64 to complex128; the IR keeps c64
+        return DType.C64
     return DType.parse(np.result_type(*[d.np for d in dts]))
 
 
@@ -160,14 +187,40 @@ def step_dtype(op: str, a: dict, dts: list) -> DType:
 
 
 def _cv(name: str, dt: DType, ct: str) -> str:
+    """`name` (a value of `dt`) converted to C type `ct`: a real becomes (re, 0), a complex
+    keeps its real part (numpy's complex-to-real cast)."""
+    if ct == "float2" and dt is not DType.C64:
+        return f"((float2)((float)({name}), 0.0f))"
+    if dt is DType.C64 and ct != "float2":
+        return f"(({ct})({name}).x)"
     return f"(({ct}){name})"
+
+
+C64_BINARY = ("add", "sub", "mul", "div")
+
+
+def c64_error(op: str, a: dict) -> BackendError | None:
+    """Why the elementwise step `op` has no kernel on c64 values (None: it has one)."""
+    if op in ("cast", "where") or (op == "binary" and a.get("op") in C64_BINARY):
+        return None
+    what = f"{op} {a['op'] if 'op' in a else a.get('fn', '')}".strip()
+    return BackendError(f"no OpenCL kernel for {what} on c64 values (c64 elementwise ops here: binary "
+                        f"{'/'.join(C64_BINARY)}, cast, where)")
 
 
 def step_expr(op: str, a: dict, args: list, o: DType) -> str:
     """C expression for one elementwise step writing dtype `o`; args are (var, dtype)."""
+    if DType.C64 in (o, *(d for _, d in args)):
+        err = c64_error(op, a)
+        if err is not None:
+            raise err
     if op == "binary":
         (x, xd), (y, yd) = args
         f = a["op"]
+        if o is DType.C64:
+            xa, ya = _cv(x, xd, "float2"), _cv(y, yd, "float2")
+            return {"add": f"({xa} + {ya})", "sub": f"({xa} - {ya})", "mul": f"cmul({xa}, {ya})",
+                    "div": f"cdiv({xa}, {ya})"}[f]
         if o is DType.BOOL:
             xb, yb = f"({x} != 0)", f"({y} != 0)"
             e = {"add": f"{xb} | {yb}", "max": f"{xb} | {yb}", "mul": f"{xb} & {yb}",
@@ -207,6 +260,8 @@ def step_expr(op: str, a: dict, args: list, o: DType) -> str:
         ((x, xd),) = args
         if xd is o:
             return x
+        if xd is DType.C64 and o is DType.BOOL:
+            return f"((uchar)(({x}).x != 0 || ({x}).y != 0))"
         return to(o, _cv(x, xd, _ct(o)) if o is not DType.BOOL else x)
     if op == "fused_swiglu":
         (g, gd), (u, ud) = args
@@ -817,5 +872,87 @@ __kernel void kv_write(__global T_X* c, int c_off, __global const T_X* nw, int n
   }
   long p = (long)pos[p_off + (npos == 1 ? 0 : b)];
   STORE(T_X, c, oc + (int)p * m[1 + 2 * nd + axis], LOAD(T_X, nw, on));
+}
+"""
+
+# --------------------------------------------------------------------------- FFT
+# Rows are ROW_COMMON's (operand 0 the input, 1 the output, both over the input's shape).
+# Stockham autosort of any radix, one output per work-item per stage: with Ns the product of
+# the radices before stage R and L = Ns * R,
+#   out[o] = sum_r in[j + r n/R] * W^(((r * (o mod L)) mod L) * n/L),  j = (o / L) Ns + o mod Ns,
+# W^e = tw[e] = exp(-2 pi i e / n) (float64 on the host, rounded once; sgn = -1 conjugates it),
+# the exponent exact in integers. A stage of radix n is the direct DFT.
+# MODE 0: c64 -> c64; 1: real -> c64 (the first m outputs); 2: c64 Hermitian half (m of them)
+# -> real n outputs (the missing half conjugated; the real part kept, like numpy's irfft).
+FFT = r"""
+inline float2 fft_in(__global const T_X* x, int xo, int xs, int j, int m, int n) {
+#if MODE == 1
+  return (float2)((float)LOAD(T_X, x, xo + j * xs), 0.0f);
+#elif MODE == 2
+  if (j < m) return x[xo + j * xs];
+  float2 v = x[xo + (n - j) * xs];
+  return (float2)(v.x, -v.y);
+#else
+  return x[xo + j * xs];
+#endif
+}
+inline void fft_out(__global T_Y* y, int yo, int ys, int k, int m, float2 v) {
+#if MODE == 2
+  STORE(T_Y, y, yo + k * ys, v.x);
+#else
+  if (k < m) y[yo + k * ys] = v;
+#endif
+}
+#define FFT_STAGE(acc, SRC, o) { \
+  int L_ = Ns * R, q_ = (o) % L_, j_ = (o) / L_ * Ns + (o) % Ns, st_ = n / R, f_ = n / L_, e_ = q_; \
+  acc = SRC(j_); \
+  for (int r_ = 1; r_ < R; ++r_) { \
+    float2 w_ = tw[tw_off + e_ * f_]; \
+    acc += cmul(SRC(j_ + r_ * st_), (float2)(w_.x, sgn * w_.y)); \
+    e_ += q_; if (e_ >= L_) e_ -= L_; \
+  } }
+#define FFT_ROW(row) \
+  __global const int* mt = meta + moff; \
+  int xo = x_off + row_off(mt, row, 0), xs = INNER(mt, 0); \
+  int yo = y_off + row_off(mt, row, 1), ys = INNER(mt, 1);
+
+// one work-group per row: the stages ping-pong between two rows of n in local memory
+__kernel void fft_local(__global const T_X* x, int x_off, __global T_Y* y, int y_off,
+                        __global const float2* tw, int tw_off, __global const int* meta, int moff, int rows,
+                        int n, int m, int rad, int nst, float sgn, float scale, __local float2* buf) {
+  int lx = get_local_id(0), LX = get_local_size(0);
+  FFT_ROW(get_group_id(1))
+  __local float2* a = buf;
+  __local float2* b = buf + n;
+  for (int j = lx; j < n; j += LX) a[j] = fft_in(x, xo, xs, j, m, n);
+  barrier(CLK_LOCAL_MEM_FENCE);
+#define SRC_L(i) a[i]
+  for (int s = 0, Ns = 1; s < nst; ++s) {
+    int R = meta[rad + s];
+    for (int o = lx; o < n; o += LX) { float2 acc; FFT_STAGE(acc, SRC_L, o) b[o] = acc; }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    __local float2* t = a; a = b; b = t;
+    Ns *= R;
+  }
+  for (int k = lx; k < n; k += LX) fft_out(y, yo, ys, k, m, a[k] * scale);
+}
+
+// one stage of every row (rows too long for local memory): flags 1 reads x (the first
+// stage), 2 writes y (the last); between them rows of n in s at s_in / s_out
+__kernel void fft_pass(__global const T_X* x, int x_off, __global T_Y* y, int y_off,
+                       __global const float2* tw, int tw_off, __global const int* meta, int moff, int rows,
+                       int n, int m, int Ns, int R, float sgn, float scale,
+                       __global float2* s, int s_in, int s_out, int flags) {
+  int g = get_global_id(0);
+  if (g >= rows * n) return;
+  int row = g / n, o = g % n;
+  FFT_ROW(row)
+  int si = s_in + row * n;
+  float2 acc;
+#define SRC_X(i) fft_in(x, xo, xs, (i), m, n)
+#define SRC_S(i) s[si + (i)]
+  if (flags & 1) FFT_STAGE(acc, SRC_X, o) else FFT_STAGE(acc, SRC_S, o)
+  if (flags & 2) fft_out(y, yo, ys, o, m, acc * scale);
+  else s[s_out + row * n + o] = acc;
 }
 """

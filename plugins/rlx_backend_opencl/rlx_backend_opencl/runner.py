@@ -30,6 +30,13 @@ from .device import CLArray, Device, alloc, upload
 
 INT_MAX = 2**31 - 1
 EW_OPS = {"binary", "compare", "where", "activation", "cast", "fused_swiglu"}
+FFT_OPS = {"fft": (0, False), "ifft": (0, True), "rfft": (1, False), "irfft": (2, True)}  # K.FFT MODE, inverse
+FFT_LOCAL_CAP = 256 * 1024      # bytes of local memory one row's FFT may use (2 x n float2)
+LEAVES = {"input", "param", "state", "constant"}
+# ops that may see c64 values: elementwise ones (their c64 steps checked in kernels.step_expr),
+# FFTs, views and copies
+C64_OPS = EW_OPS | set(FFT_OPS) | LEAVES | {"fused_elementwise", "reshape", "narrow", "expand", "transpose",
+                                            "concat", "gather", "assign", "kv_write", "custom"}
 SWITCHED = {"binary": BINARY_OPS, "compare": COMPARE_OPS, "activation": ACTIVATIONS}
 
 
@@ -144,6 +151,26 @@ def collapse(shape, stride_sets):
     return sh, sts
 
 
+def fft_radices(n: int) -> list:
+    """The stages of an n-point FFT (K.FFT): radix 4 while it divides, then the prime factors
+    (a large prime is a direct DFT of that length); [1] (a copy) for n = 1."""
+    out = []
+    while n % 4 == 0:
+        out.append(4)
+        n //= 4
+    f = 2
+    while n > 1:
+        if f * f > n:
+            out.append(n)
+            break
+        if n % f:
+            f += 1
+        else:
+            out.append(f)
+            n //= f
+    return out or [1]
+
+
 def _defs(**kw) -> str:
     return "".join(f"#define {k} {v}\n" for k, v in kw.items())
 
@@ -167,11 +194,12 @@ class OpenCLRunner(Runner):
         self.inputs: dict = {}
         self.checks = False
         self._kv_info: dict = {}
+        self._const_blob: list = []      # (byte offset, host array) of the constants buffer
+        self._const_bytes = 0
+        self._twiddles: dict = {}        # FFT length -> its table (a constant)
         self._check_dtypes()
         vals: dict = {}
         in_off = 0
-        const_blob: list = []
-        const_off = 0
         for i, n in enumerate(g.nodes):
             op = n.op
             s = n.outs[0] if n.outs else None
@@ -192,10 +220,7 @@ class OpenCLRunner(Runner):
                         raise BackendError(f"{op} {n.name!r}: bound {arr} does not match {s}")
                     vals[(i, 0)] = View(Storage(n.name, arr.buf), 0, s.dims, c_strides(s.dims), s.dtype)
                 elif op == "constant":
-                    arr = np.ascontiguousarray(np.asarray(g.constants[n.name]).astype(s.dtype.np, copy=False))
-                    vals[(i, 0)] = View(self.consts, const_off // s.dtype.itemsize, s.dims, c_strides(s.dims), s.dtype)
-                    const_blob.append((const_off, arr))
-                    const_off += _align(arr.nbytes)
+                    vals[(i, 0)] = self.constant(np.asarray(g.constants[n.name]), s.dtype, s.dims)
                 else:
                     self._at = i
                     self._node(i, n, [vals[tuple(r)] for r in n.inputs], vals)
@@ -209,12 +234,21 @@ class OpenCLRunner(Runner):
             if not v.contiguous():
                 v = self._materialize(v)
             self.outputs.append((name, v))
-        self._finish(in_off, const_blob, const_off)
+        self._finish(in_off)
 
     # ------------------------------------------------------------------ helpers
     def _check_dtypes(self) -> None:
+        """Every value in a dtype the device has; c64 only where a kernel handles it (the
+        elementwise ops check their c64 steps when generated)."""
         ok = self.dev.dtypes()
-        for i, n in enumerate(self.graph.nodes):
+        nodes = self.graph.nodes
+        for i, n in enumerate(nodes):
+            if n.op not in C64_OPS:
+                ins = [nodes[r[0]].outs[r[1]] for r in n.inputs]
+                if any(s.dtype is DType.C64 for s in (*ins, *n.outs)):
+                    raise BackendError(f"opencl: node %{i} ({n.op}) has no OpenCL kernel for c64 values (c64 "
+                                       f"goes through binary {'/'.join(K.C64_BINARY)}, cast, where, "
+                                       f"{'/'.join(FFT_OPS)}, copies and views)")
             for s in n.outs:
                 if s.dtype not in ok:
                     why = ""
@@ -238,6 +272,15 @@ class OpenCLRunner(Runner):
         off = self._scratch_bytes
         self._scratch_bytes += _align(math.prod(shape) * dtype.itemsize)
         return View(self.scratch, off // dtype.itemsize, shape, c_strides(shape), dtype)
+
+    def constant(self, arr: np.ndarray, dtype: DType, shape=None) -> View:
+        """A host array placed in the constants buffer (uploaded once, at the end of compile)."""
+        arr = np.ascontiguousarray(arr.astype(dtype.np, copy=False))
+        shape = arr.shape if shape is None else tuple(shape)
+        off = self._const_bytes
+        self._const_blob.append((off, arr))
+        self._const_bytes += _align(arr.nbytes)
+        return View(self.consts, off // dtype.itemsize, shape, c_strides(shape), dtype)
 
     def out_view(self, i: int, k: int = 0) -> View:
         sl = self.lir.slots[(i, k)]
@@ -285,6 +328,11 @@ class OpenCLRunner(Runner):
             op, a, args = program[0]
             key = "fn" if op == "activation" else "op"
             names = SWITCHED[op] if op != "activation" or out.dtype.is_float else INT_OK_ACTIVATIONS
+            if DType.C64 in (out.dtype, *(v.dtype for v in ins)):
+                err = K.c64_error(op, a)
+                if err is not None:
+                    raise err
+                names = [x for x in names if K.c64_error(op, {key: x}) is None]
             choices, opc = [{key: x} for x in names], names.index(a[key])
             program = [(op, choices[opc], args)]
         src = K.elementwise_source([v.dtype for v in ins], program, out.dtype, choices)
@@ -298,9 +346,9 @@ class OpenCLRunner(Runner):
         self.ew([src], [("cast", {"dtype": dst.dtype.value}, (0,))], dst, "copy")
 
     # ------------------------------------------------------------------ row kernels
-    def rows(self, kname, template, defs, views, axis, n, extra_args, what, arg_views=None, lx=None):
-        """Launch a row kernel: `views` (all of the iteration shape, axis `axis` is the row)
-        give the meta strides; `arg_views` the buffer arguments in kernel order."""
+    def row_meta(self, views, axis) -> tuple:
+        """(meta offset, row count) of a row kernel (K.ROW_COMMON's row_off / INNER) over `views`:
+        all of the iteration shape of views[0] (or broadcast to it), axis `axis` is the row."""
         shape = views[0].shape
         rank = len(shape)
         ax = axis % rank if rank else 0
@@ -312,8 +360,13 @@ class OpenCLRunner(Runner):
             stsets.append([s for i, s in enumerate(st) if i != ax] if rank else [])
             inner.append(st[ax] if rank else 0)
         sh, sts = collapse(outer, stsets)
-        rows_n = math.prod(sh)
         moff = self.meta([len(sh)] + sh + [x for st, inn in zip(sts, inner) for x in st + [inn]])
+        return moff, math.prod(sh)
+
+    def rows(self, kname, template, defs, views, axis, n, extra_args, what, arg_views=None, lx=None):
+        """Launch a row kernel: `views` (all of the iteration shape, axis `axis` is the row)
+        give the meta strides; `arg_views` the buffer arguments in kernel order."""
+        moff, rows_n = self.row_meta(views, axis)
         src = K.prelude(defs["_dtypes"]) + _defs(**{k: v for k, v in defs.items() if k != "_dtypes"}) \
             + K.ROW_COMMON + template
         prg = self.program(src, what)
@@ -606,6 +659,57 @@ class OpenCLRunner(Runner):
             return View(v.st, v.off, x.shape, tuple(st), v.dtype)
         self.rows("topk", K.TOPK, defs, [x, over(yv), over(yi)], ax, x.shape[ax], [np.int32(a["k"])], what)
 
+    # -- FFT (K.FFT): a row in local memory when 2 x n float2 fit, else one launch per stage
+    def _op_fft(self, i, a, ins, outs, what):
+        self._fft("fft", a, ins[0], outs[0], what)
+
+    def _op_ifft(self, i, a, ins, outs, what):
+        self._fft("ifft", a, ins[0], outs[0], what)
+
+    def _op_rfft(self, i, a, ins, outs, what):
+        self._fft("rfft", a, ins[0], outs[0], what)
+
+    def _op_irfft(self, i, a, ins, outs, what):
+        self._fft("irfft", a, ins[0], outs[0], what)
+
+    def _fft(self, op, a, x, y, what):
+        mode, inverse = FFT_OPS[op]
+        ax = a["axis"] % len(x.shape)
+        n, m = (y.shape[ax], x.shape[ax]) if op == "irfft" else (x.shape[ax], y.shape[ax])
+        if x.numel == 0 or y.numel == 0:
+            return
+        moff, rows = self.row_meta([x, View(y.st, y.off, x.shape, y.strides, y.dtype)], ax)
+        tw = self._twiddles.get(n)
+        if tw is None:
+            tw = self._twiddles[n] = self.constant(np.exp(-2j * np.pi * np.arange(n) / n), DType.C64)
+        src = K.prelude([x.dtype, y.dtype, DType.C64]) + _defs(T_X=K.ctype(x.dtype), T_Y=K.ctype(y.dtype),
+                                                                ACC="float", MODE=mode) + K.ROW_COMMON + K.FFT
+        prg = self.program(src, what)
+        # numpy's norms: "ortho" scales both ways by 1/sqrt(n), "backward" the inverse by 1/n,
+        # "forward" the forward transform by 1/n
+        scaled = "backward" if inverse else "forward"
+        scale = n ** -0.5 if a["norm"] == "ortho" else 1.0 / n if a["norm"] == scaled else 1.0
+        radices = fft_radices(n)
+        args = [*self.buf(x), *self.buf(y), *self.buf(tw), self.meta_st, np.int32(moff), np.int32(rows),
+                np.int32(n), np.int32(m)]
+        sg, sc = np.float32(-1.0 if inverse else 1.0), np.float32(scale)
+        local_bytes = 2 * n * 8
+        if local_bytes <= min(self.dev.local_mem - 1024, FFT_LOCAL_CAP):
+            lx = min(256, _pow2(n)) if self.dev.is_gpu else 64      # PoCL: one local size per kernel
+            args += [np.int32(self.meta(radices)), np.int32(len(radices)), sg, sc,
+                     _cl().LocalMemory(local_bytes)]
+            self.launch(prg, "fft_local", args, (lx, rows), (lx, 1))
+            return
+        st, off = self.buf(self.scratch_view((2, rows, n), DType.C64))
+        ns = 1
+        for k, r in enumerate(radices):
+            flags = int(k == 0) | int(k == len(radices) - 1) << 1
+            s_in, s_out = off + (k + 1) % 2 * rows * n, off + k % 2 * rows * n
+            self.launch(prg, "fft_pass", args + [np.int32(ns), np.int32(r), sg, sc, st, np.int32(s_in),
+                                                np.int32(s_out), np.int32(flags)],
+                        ((rows * n + 63) // 64 * 64,), (64,))
+            ns *= r
+
     # -- attention family
     def _op_rope(self, i, a, ins, outs, what):
         x, cs, sn = ins
@@ -764,14 +868,14 @@ class OpenCLRunner(Runner):
         self._launch_nodes.append(self._at)
 
     # ------------------------------------------------------------------ finish and run
-    def _finish(self, in_bytes, const_blob, const_bytes) -> None:
+    def _finish(self, in_bytes) -> None:
         cl = _cl()
         dev = self.dev
         self.arena.buf = alloc(dev, self.lir.arena_bytes)
         self.scratch.buf = alloc(dev, self._scratch_bytes)
         self.staging.buf = alloc(dev, in_bytes)
-        self.consts.buf = alloc(dev, const_bytes)
-        for off, arr in const_blob:
+        self.consts.buf = alloc(dev, self._const_bytes)
+        for off, arr in self._const_blob:
             if arr.nbytes:
                 cl.enqueue_copy(dev.queue, self.consts.buf, arr.reshape(-1).view(np.uint8), dst_offset=off)
         meta = np.asarray(self._meta or [0], np.int32)
