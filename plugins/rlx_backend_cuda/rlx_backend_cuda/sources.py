@@ -1041,6 +1041,24 @@ __device__ __forceinline__ void rlx_load_tile(unsigned short* dst, const $T* src
   }
 #endif
 }
+__device__ __forceinline__ void rlx_load_tile_async(unsigned short* dst, const $T* src, long long rstride,
+    i64 row0, i64 nrows, int tid) {
+  // rlx_load_tile by cp.async (16 bytes a copy, rows past nrows zero-filled): the copies run
+  // while the warps compute; the caller commits the group and waits for it
+#if $VEC
+  for (int idx = tid; idx < BN * ($D / 8); idx += 128) {
+    const int r = idx / ($D / 8), c = (idx % ($D / 8)) * 8;
+    const bool ok = row0 + r < nrows;
+    const unsigned s = (unsigned)__cvta_generic_to_shared(dst + r * LDS + c);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(s), "l"(ok ? src + (row0 + r) * rstride + c : src), "r"(ok ? 16 : 0));
+  }
+#else
+  rlx_load_tile(dst, src, rstride, row0, nrows, tid);
+#endif
+}
+#define RLX_CP_COMMIT() asm volatile("cp.async.commit_group;\n" ::: "memory")
+#define RLX_CP_WAIT1() asm volatile("cp.async.wait_group 1;\n" ::: "memory")
 extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
     const $T* __restrict__ q, long long qsb, long long qsh, long long qss,
     const $T* __restrict__ k, long long ksb, long long ksh, long long kss,
@@ -1085,9 +1103,13 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
   if ($MASKKIND == 2) kbeg = max((i64)0, p0 + q0 - window + 1);
   const $T* kb = k + b * ksb + kvh * ksh;
   const $T* vb = v + b * vsb + kvh * vsh;
+  // pipeline: V's tile loads while S = Q K^T and the softmax run, the next K tile while P V runs
+  if (kbeg < kend) rlx_load_tile_async(Ks, kb, kss, kbeg, Sk, tid);
+  RLX_CP_COMMIT();
   for (i64 kt = kbeg; kt < kend; kt += BN) {
-    rlx_load_tile(Ks, kb, kss, kt, Sk, tid);
-    rlx_load_tile(Vs, vb, vss, kt, Sk, tid);
+    rlx_load_tile_async(Vs, vb, vss, kt, Sk, tid);
+    RLX_CP_COMMIT();
+    RLX_CP_WAIT1();                                 // this K tile has landed
     __syncthreads();
     float s[8][4];
 #pragma unroll
@@ -1148,6 +1170,11 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
         lrow[e >> 1] += p;
       }
     }
+    __syncthreads();                                // every warp is done with this K tile
+    if (kt + BN < kend) rlx_load_tile_async(Ks, kb, kss, kt + BN, Sk, tid);
+    RLX_CP_COMMIT();
+    RLX_CP_WAIT1();                                 // this V tile has landed
+    __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       u32 a[4];
