@@ -6,8 +6,9 @@
 
 and helpers composed from them (graph-building functions, no ops of their own): `fftfreq`
 (a constant table), `stft` (frames gathered, windowed, rfft) and `fft_conv1d` (full linear
-convolution by zero-padded rfft products). The NumPy kernels call numpy.fft; opencl has
-its own FFT kernels; a backend without them (cuda today) fails to compile naming the op.
+convolution by zero-padded rfft products). The NumPy kernels call numpy.fft (numba runs
+them too), cuda calls cuFFT, opencl has its own Stockham kernels; a backend without them
+fails to compile naming the op.
 """
 from __future__ import annotations
 
