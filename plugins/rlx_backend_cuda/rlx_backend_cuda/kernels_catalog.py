@@ -15,10 +15,11 @@ from . import codegen, sources as S
 def catalog() -> list:
     out = []
     for t, acc in (("float", "float"), ("__nv_bfloat16", "float"), ("__half", "float"), ("double", "double")):
-        for vpt in (0, 8):
+        for vpt, warp in ((0, 0), (8, 0), (4, 1), (16, 1)):
             for hr in (0, 1):
-                out.append((f"rms {t} {vpt} {hr}", S.render(S.RMS_NORM, TX=t, TR=t, TW=t, TH=t, TO=t, ACC=acc,
-                                                             HAS_R=hr, HAS_W=1, VPT=vpt), "rlx_rms_norm"))
+                out.append((f"rms {t} {vpt} {warp} {hr}", S.render(S.RMS_NORM, TX=t, TR=t, TW=t, TH=t, TO=t,
+                                                                   ACC=acc, HAS_R=hr, HAS_W=1, VPT=vpt, WARP=warp),
+                            "rlx_rms_norm"))
         for hr in (0, 1):
             out.append((f"ln {t} {hr}", S.render(S.LAYER_NORM, TX=t, TR=t, TG=t, TB=t, TH=t, TO=t, ACC=acc,
                                                  HAS_R=hr, HAS_G=1, HAS_B=1), "rlx_layer_norm"))

@@ -30,6 +30,7 @@ ATTN_THREADS = sources.ATTN_THREADS
 ATTN_LOADS = sources.ATTN_LOADS
 ATTN_MIN_CHUNK = 64
 ROW_THREADS = 1024           # threads of a row kernel (norms, softmax) at most
+ROPE_ROWS = 8                # (head, position) rows of a RoPE block, a warp each
 
 
 def _block(n: int, cap: int | None = None) -> int:
@@ -541,9 +542,13 @@ def _norm_rows(b, x: V, r: V | None) -> tuple:
     return xv, rows, nn, xrs, rv, rrs
 
 
-def _vpt(n: int) -> int:
-    """Values per thread that keep a row of n in registers with _block(n) threads (0: too long)."""
-    v = -(-n // _block(n))
+WARP_ROW = 512               # rows this long or shorter get a warp each (RMSNorm), longer a block
+
+
+def _vpt(n: int, threads: int | None = None) -> int:
+    """Values per thread that keep a row of n in registers with `threads` (default _block(n))
+    threads (0: too long)."""
+    v = -(-n // (threads or _block(n)))
     return v if v <= 16 else 0
 
 
@@ -553,14 +558,16 @@ def _rms_norm(b, x, r, w, h, y, eps, off):
         return
     xv, rows, nn, xrs, rv, rrs = _norm_rows(b, x, r)
     wv = b.contiguous(w) if w is not None else None
+    warp = nn <= WARP_ROW
     src = sources.render(sources.RMS_NORM, TX=ctype(x.dt), TR=ctype(r.dt) if r else "float",
                          TW=ctype(w.dt) if w else "float", TH=ctype(h.dt) if h else "float",
                          TO=ctype(y.dt), ACC=acc_of(x.dt, r.dt if r else x.dt),
-                         HAS_R=int(r is not None), HAS_W=int(w is not None), VPT=_vpt(nn))
+                         HAS_R=int(r is not None), HAS_W=int(w is not None), WARP=int(warp),
+                         VPT=_vpt(nn, 32 if warp else None))
     fn = b.kernel(src, "rlx_rms_norm")
-    b.launch(fn, (rows,), (_block(nn),), (xv.arr, i64(xrs), rv.arr if rv else None, i64(rrs),
-                                           wv.arr if wv else None, h.arr if h else None, y.arr, i32(nn),
-                                           f64(eps), f64(off)))
+    grid, block = ((-(-rows // 8),), (256,)) if warp else ((rows,), (_block(nn),))
+    b.launch(fn, grid, block, (xv.arr, i64(xrs), rv.arr if rv else None, i64(rrs), wv.arr if wv else None,
+                               h.arr if h else None, y.arr, i32(nn), f64(eps), f64(off), i64(rows)))
 
 
 def _b_rms_norm(b, n, ins, outs):
@@ -1107,8 +1114,8 @@ def _rope(b, jobs: list, cos: V, sin: V, style: str, pos: V | None = None, node:
                      i32(rot), i32(at)]
         else:
             args += [None, *[i64(0)] * 4, None, *[i64(0)] * 4, i32(0), i32(0), i32(0)]
-    heads = sum(x.shape[1] for x, _, _, _ in jobs)
-    b.launch(fn, _grid(B * heads * S * (half + D - 2 * half), b.sms), (256,), args)
+    rows = B * sum(x.shape[1] for x, _, _, _ in jobs) * S
+    b.launch(fn, _grid(rows, b.sms, ROPE_ROWS), (32, ROPE_ROWS), args)
 
 
 def _into_cache(b, w: int, new: V):

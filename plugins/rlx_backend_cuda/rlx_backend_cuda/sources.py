@@ -202,10 +202,18 @@ def with_grid_wait(source: str, name: str) -> str:
 RMS_NORM = r"""
 extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long xrs,
     const $TR* __restrict__ r, long long rrs, const $TW* __restrict__ w,
-    $TH* __restrict__ h, $TO* __restrict__ y, int n, double eps_d, double off_d) {
-  // HAS_R: y = rms_norm(x + r) and h = x + r (fused_residual_rms_norm); else y = rms_norm(x)
+    $TH* __restrict__ h, $TO* __restrict__ y, int n, double eps_d, double off_d, long long rows) {
+  // HAS_R: y = rms_norm(x + r) and h = x + r (fused_residual_rms_norm); else y = rms_norm(x).
+  // WARP: a warp per row (short rows: FLUX's q/k norms over 128 values, 110k rows), else a block
   typedef $ACC ACC;
+#if $WARP
+  const i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const int tid = threadIdx.x & 31, nt = 32;
+#else
   const i64 row = blockIdx.x;
+  const int tid = threadIdx.x, nt = blockDim.x;
+#endif
   const $TX* xr = x + row * xrs;
   $TO* yr = y + row * (i64)n;
 #if $HAS_R
@@ -220,17 +228,17 @@ extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long xrs
   ACC vals[$VPT];
 #pragma unroll
   for (int k = 0; k < $VPT; ++k) {
-    const int i = threadIdx.x + k * blockDim.x;
+    const int i = tid + k * nt;
     vals[k] = i < n ? RLX_VAL(i) : (ACC)0;
   }
 #endif
 #if $VPT
 #pragma unroll
   for (int k = 0; k < $VPT; ++k) {
-    const int i = threadIdx.x + k * blockDim.x;
+    const int i = tid + k * nt;
     const ACC v = vals[k];
 #else
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+  for (int i = tid; i < n; i += nt) {
     const ACC v = RLX_VAL(i);
 #endif
 #if $HAS_R
@@ -238,17 +246,21 @@ extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long xrs
 #endif
     ss += v * v;
   }
+#if $WARP
+  ss = warp_sum(ss);
+#else
   ss = block_sum(ss);
+#endif
   const ACC den = sqrt(ss / (ACC)n + (ACC)eps_d);
   const ACC off = (ACC)off_d;
 #if $VPT
 #pragma unroll
   for (int k = 0; k < $VPT; ++k) {
-    const int i = threadIdx.x + k * blockDim.x;
+    const int i = tid + k * nt;
     if (i >= n) break;
     ACC v = vals[k] / den;
 #else
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+  for (int i = tid; i < n; i += nt) {
     ACC v = RLX_VAL(i) / den;
 #endif
 #if $HAS_W
@@ -585,44 +597,48 @@ ROPE = r"""
 extern "C" __global__ void rlx_rope(const $TC* __restrict__ cs, const $TC* __restrict__ sn, int B, int S,
     int D, int half, int per_batch, const $TP* __restrict__ pos, long long nax, int* err, int node,
     RLX_JOB(0), RLX_JOB(1), RLX_JOB(2)) {
+  // rows (head, batch, position) go to the block's threadIdx.y; the W pairs of a row to its
+  // x threads: the row's index divisions are done once, not once per element
   typedef $ACC ACC;
   const int W = half + (D - 2 * half);
-  const i64 per_head = (i64)B * S * W;
+  const i64 per_head = (i64)B * S;
   const i64 total = per_head * (H0 + H1 + H2);
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-    i64 h = i / per_head;
+  for (i64 row = blockIdx.x * (i64)blockDim.y + threadIdx.y; row < total; row += (i64)gridDim.x * blockDim.y) {
+    i64 h = row / per_head;
     const $TX* x; $TO* o; long long xs0, xs1, xs2, xs3, os0, os1, os2, os3; int rope, at;
     if (h < H0) RLX_PICK(0)
     else if (h < H0 + H1) { RLX_PICK(1) h -= H0; }
     else { RLX_PICK(2) h -= H0 + H1; }
-    const i64 rem = i % per_head;
-    const int t = (int)(rem % W), s = (int)((rem / W) % S), b = (int)(rem / ((i64)W * S));
+    const i64 rem = row % per_head;
+    const int s = (int)(rem % S), b = (int)(rem / S);
     const i64 xb = b * xs0 + h * xs1 + s * xs2;
     i64 p = 0;
     if (at) {
       p = (i64)pos[b];
-      if (p < 0 || p + S > nax) { rlx_error(err, 2, node, p, nax); continue; }
+      if (p < 0 || p + S > nax) { if (threadIdx.x == 0) rlx_error(err, 2, node, p, nax); continue; }
     }
     $TO* orow = o + b * os0 + h * os1 + (s + p) * os2;
-    if (t < half) {
+    for (int t = threadIdx.x; t < W; t += blockDim.x) {
+      if (t < half) {
 #if $INTERLEAVED
-      const int d1 = 2 * t, d2 = 2 * t + 1;
+        const int d1 = 2 * t, d2 = 2 * t + 1;
 #else
-      const int d1 = t, d2 = t + half;
+        const int d1 = t, d2 = t + half;
 #endif
-      const ACC x1 = LD(ACC, x[xb + d1 * xs3]), x2 = LD(ACC, x[xb + d2 * xs3]);
-      if (rope) {
-        const i64 ci = (per_batch ? (i64)b * S * half : 0) + (i64)s * half + t;
-        const ACC cc = LD(ACC, cs[ci]), ss = LD(ACC, sn[ci]);
-        orow[d1 * os3] = ST($TO, x1 * cc - x2 * ss);
-        orow[d2 * os3] = ST($TO, x2 * cc + x1 * ss);
+        const ACC x1 = LD(ACC, x[xb + d1 * xs3]), x2 = LD(ACC, x[xb + d2 * xs3]);
+        if (rope) {
+          const i64 ci = (per_batch ? (i64)b * S * half : 0) + (i64)s * half + t;
+          const ACC cc = LD(ACC, cs[ci]), ss = LD(ACC, sn[ci]);
+          orow[d1 * os3] = ST($TO, x1 * cc - x2 * ss);
+          orow[d2 * os3] = ST($TO, x2 * cc + x1 * ss);
+        } else {
+          orow[d1 * os3] = ST($TO, x1);
+          orow[d2 * os3] = ST($TO, x2);
+        }
       } else {
-        orow[d1 * os3] = ST($TO, x1);
-        orow[d2 * os3] = ST($TO, x2);
+        const int d = 2 * half + (t - half);
+        orow[d * os3] = ST($TO, LD(ACC, x[xb + d * xs3]));
       }
-    } else {
-      const int d = 2 * half + (t - half);
-      orow[d * os3] = ST($TO, LD(ACC, x[xb + d * xs3]));
     }
   }
 }
