@@ -278,3 +278,26 @@ def test_backend_claims_only_ops_it_has_kernels_for(backend, op_without_kernels)
     assert "test_only_op" not in select_backend(backend).supported_ops()
     with pytest.raises(BackendError, match="'test_only_op'"):
         rlx_core.compile(op_without_kernels, profile="default", backend=backend)
+
+
+def test_bf16_compute_keeps_exact_scalars_in_bf16():
+    """Under bf16 compute `x * (s + 1.0)` stays bf16 (1.0 is exact in bf16: no f32 chain and
+    no cast before the matmul, as FLUX's `norm * (1 + scale) + shift` had); a scalar bf16
+    cannot hold (0.044715) keeps f32, and its chain is cast to bf16 for the matmul."""
+    from rlx_core.ir.dtype import BF16, F32
+    from rlx_core.ir.lower import lower
+    from rlx_core.passes.transform import to_precision
+
+    def f(m):
+        x, s, w = m.input("x", (4, 8), F32), m.param("s", (8,), F32), m.param("w", (8, 8), F32)
+        return {"y": m.matmul(x * (s + 1.0), w), "z": m.matmul(x * (s + 0.044715), w)}
+    g = to_precision(lower(Graph.define("p", f)), BF16)
+
+    def chain(out):             # the ops from the output back to the input cast, with dtypes
+        n, seen = g.nodes[dict(g.outputs)[out][0]], []
+        while n.op != "input":
+            seen.append((n.op, n.outs[0].dtype))
+            n = g.nodes[n.inputs[0][0]]
+        return seen
+    assert chain("y") == [("cast", F32), ("matmul", BF16), ("binary", BF16), ("cast", BF16)]
+    assert chain("z") == [("cast", F32), ("matmul", BF16), ("cast", BF16), ("binary", F32), ("cast", BF16)]

@@ -2,6 +2,7 @@
 subgraphs to load time, and the compute-precision rewrite."""
 from __future__ import annotations
 
+import numpy as np
 
 from ..ir.dtype import DType
 from ..ir.graph import Builder, Graph
@@ -102,13 +103,21 @@ def param_free(g: Graph) -> set:
     return free
 
 
+def _exact_in(value, dt: DType) -> bool:
+    """Whether a scalar keeps its value in dtype `dt` (1.0 in `x * (1 + scale)`: an f32 scalar
+    there would promote a bf16 chain to f32 and add a cast; 0.044715 keeps promoting)."""
+    v = np.asarray(value)
+    return bool(np.all(v.astype(dt.np).astype(v.dtype) == v))
+
+
 def to_precision(g: Graph, compute: DType) -> Graph:
     """Run the graph in `compute` (f16/bf16): float params and states change dtype (params
     are converted when bound), float inputs are cast on entry and outputs cast back, so the
     binding contract keeps its dtypes. Constants change too, except those only the
     param-free part uses: that part (tables from positions or timesteps) runs in f32 and its
     values are cast to `compute` where the rest takes them (RoPE tables excepted); matmul and
-    attention operands are always `compute` (AUTOCAST)."""
+    attention operands are always `compute` (AUTOCAST). A scalar constant changes only when
+    `compute` holds its value exactly."""
     if compute is DType.F32:
         return g
     free = param_free(g)
@@ -134,8 +143,8 @@ def to_precision(g: Graph, compute: DType) -> Graph:
                 return copy_node(m, node, [m.cast(v, compute) if j in at else v for j, v in enumerate(ins)])
         if node.op in ("param", "state") and s.dtype in FLOATS and s.dtype is not compute:
             return m._leaf_add(node.op, node.name, s.dims, compute)
-        if (node.op == "constant" and s.dtype in FLOATS and s.dtype is not compute and s.dims
-                and not users.get(i, set()) <= free):
+        if (node.op == "constant" and s.dtype in FLOATS and s.dtype is not compute
+                and not users.get(i, set()) <= free and (s.dims or _exact_in(g.constants[node.name], compute))):
             m.constants[node.name] = m.constants[node.name].astype(compute.np)
             return m.emit_node(type(node)(node.op, (), tuple(sorted({**node.a, "dtype": compute.value}.items())),
                                           (s.with_dtype(compute),), node.name))
