@@ -1016,6 +1016,7 @@ ATTN_TC = ATTN_MASK + r"""
 #define BM 64
 #define BN 64
 #define LDS ($D + 8)
+#define RLX_LOG2E 1.4426950408889634f
 __device__ __forceinline__ void rlx_mma(float* c, const u32* a, u32 b0, u32 b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.$MMAT.$MMAT.f32 "
                "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -1087,7 +1088,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
   const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int G = H / KVH, kvh = h / G;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
-  const float scale = (float)scale_d, cap = (float)cap_d;
+  const float scale = (float)scale_d, cap = (float)cap_d, scale2 = scale * RLX_LOG2E;
   const i64 q0 = (i64)qt * BM;
 #if $HAS_POS
   const i64 p0 = (i64)pos[b];
@@ -1141,25 +1142,40 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
         rlx_mma(s[nt], qf[ks + 1], kb[2], kb[3]);
       }
     }
+    // scores in log2 units (exp2 below): a tile every query row sees whole (no mask input,
+    // no softcap, in range, below the causal diagonal) is only scaled
     float mx[2] = {-RLX_INF, -RLX_INF};
+    const bool whole = $MASKMODE == 0 && cap_d == 0.0 && kt + BN <= Sk && q0 + BM <= Sq &&
+                       ($MASKKIND == 0 || ($MASKKIND == 1 && kt + BN - 1 <= p0 + q0));
+    if (whole) {
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+      for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int rsel = e >> 1;
-        const i64 j = kt + nt * 8 + tg * 2 + (e & 1);
-        float x = s[nt][e] * scale;
-        if (cap_d != 0.0) x = tanhf(x / cap) * cap;
-        bool keep = (j < Sk) && (qi[rsel] < Sq);
-        RLX_KEEP(qp[rsel], j, keep);
+        for (int e = 0; e < 4; ++e) {
+          s[nt][e] *= scale2;
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int rsel = e >> 1;
+          const i64 j = kt + nt * 8 + tg * 2 + (e & 1);
+          float x = s[nt][e] * scale;
+          if (cap_d != 0.0) x = tanhf(x / cap) * cap;
+          bool keep = (j < Sk) && (qi[rsel] < Sq);
+          RLX_KEEP(qp[rsel], j, keep);
 #if $MASKMODE == 1
-        if (keep) keep = mask[b * m0 + h * m1 + qi[rsel] * m2 + j * m3] != 0;
+          if (keep) keep = mask[b * m0 + h * m1 + qi[rsel] * m2 + j * m3] != 0;
 #elif $MASKMODE == 2
-        if (keep) x = x + tof(mask[b * m0 + h * m1 + qi[rsel] * m2 + j * m3]);
+          if (keep) x = x + tof(mask[b * m0 + h * m1 + qi[rsel] * m2 + j * m3]);
 #endif
-        x = keep ? x : -RLX_INF;
-        s[nt][e] = x;
-        mx[rsel] = x > mx[rsel] ? x : mx[rsel];
+          x = keep ? x * RLX_LOG2E : -RLX_INF;
+          s[nt][e] = x;
+          mx[rsel] = x > mx[rsel] ? x : mx[rsel];
+        }
       }
     }
     float alpha[2], muse[2];
@@ -1169,7 +1185,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
       mx[r] = fmaxf(mx[r], SHFL_XOR(mx[r], 2));
       const float mn = fmaxf(mrow[r], mx[r]);
       muse[r] = (mn > -RLX_INF) ? mn : 0.f;
-      alpha[r] = expf(mrow[r] - muse[r]);
+      alpha[r] = exp2f(mrow[r] - muse[r]);
       mrow[r] = mn;
       lrow[r] *= alpha[r];
     }
@@ -1181,7 +1197,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float p = expf(s[nt][e] - muse[e >> 1]);
+        const float p = exp2f(s[nt][e] - muse[e >> 1]);
         s[nt][e] = p;
         lrow[e >> 1] += p;
       }
