@@ -186,48 +186,74 @@ def collapse(shape: tuple, strides: list) -> tuple:
 
 
 def elementwise_source(program, in_dtypes: list, out_dtype: DType, kinds: list, rank: int,
-                       idx64: bool) -> str:
+                       idx64: bool, vec: int = 1) -> str:
     """Kernel `rlx_ew` for a program. kinds[k] per operand (inputs then output):
-    'c' contiguous over the collapsed shape, 's' strided, 'z' a broadcast scalar."""
+    'c' contiguous over the collapsed shape, 's' strided, 'z' a broadcast scalar, 'r' a row
+    vector broadcast over the rows (offset i % d_last). vec > 1: each thread takes `vec`
+    consecutive elements, every 'c' and 'r' operand moved as one aligned vector (the caller
+    checks n, d_last and the pointers are multiples of it; no 's' operand then)."""
     from .sources import render
 
     it = "long long" if idx64 else "int"
     nin = len(in_dtypes)
+    dts = list(in_dtypes) + [out_dtype]
     params = [f"const {ctype(dt)}* p{k}" for k, dt in enumerate(in_dtypes)]
     params.append(f"{ctype(out_dtype)}* po")
     params.append(f"{it} n")
     strided = [k for k, kd in enumerate(kinds) if kd == "s"]
-    if strided:
+    if strided or "r" in kinds:
         params += [f"{it} d{j}" for j in range(rank)]
         for k in strided:
             params += [f"{it} s{k}_{j}" for j in range(rank)]
-    body = [f"{it} r = i;"] if strided else []
-    if strided:
+    ptr = [f"p{k}" for k in range(nin)] + ["po"]
+
+    def off(k, i="i"):
+        return {"c": i, "z": "0", "s": f"o{k}", "r": f"(({i}) % d{rank - 1})"}[kinds[k]]
+
+    def vtype(k):
+        return f"rlx_vec<{ctype(dts[k])}, {vec}>"
+
+    head, body = [], []
+    if vec > 1:          # whole vectors of the 'c' and 'r' operands, element u of each below
+        for k in range(nin):
+            if kinds[k] in "cr":
+                head.append(f"const {vtype(k)} a{k} = *(const {vtype(k)}*)(p{k} + {off(k, 'i0')});")
+        head.append(f"{vtype(nin)} ao;")
+        ptr = [f"a{k}.v" if kinds[k] in "cr" else f"p{k}" for k in range(nin)] + ["ao.v"]
+    elif strided:
+        body.append(f"{it} r = i;")
         body.append(" ".join(f"{it} o{k} = 0;" for k in strided))
         for j in reversed(range(rank)):
             parts = [f"const {it} c{j} = r % d{j};", f"r /= d{j};"]
             parts += [f"o{k} += c{j} * s{k}_{j};" for k in strided]
             body.append(" ".join(parts))
 
-    def off(k):
-        return {"c": "i", "z": "0", "s": f"o{k}"}[kinds[k]]
+    def at(k):
+        return "u" if vec > 1 and kinds[k] in "cr" else off(k)
 
     for k, dt in enumerate(in_dtypes):
-        body.append(f"const {CT[dt]} v{k} = {load(f'p{k}[{off(k)}]', dt)};")
+        body.append(f"const {CT[dt]} v{k} = {load(f'{ptr[k]}[{at(k)}]', dt)};")
     slot_dt = list(in_dtypes)
     step_dt = step_dtypes(program, in_dtypes)
-    for s, ((op, attrs_, args), dt) in enumerate(zip(program, step_dt)):
-        k = nin + s
+    for s_, ((op, attrs_, args), dt) in enumerate(zip(program, step_dt)):
+        k = nin + s_
         lines: list = []
         e = emit_op(op, dict(attrs_), [(f"v{i}", slot_dt[i]) for i in args], dt, lines, f"t{k}")
         body += lines
         body.append(f"const {CT[dt]} v{k} = {e};")
         slot_dt.append(dt)
     last = len(slot_dt) - 1
-    body.append(f"po[{off(nin)}] = {store(conv(f'v{last}', slot_dt[last], out_dtype), out_dtype)};")
-    src = ("extern \"C\" __global__ void rlx_ew(" + ", ".join(params) + ") {\n"
-           f"  for ({it} i = blockIdx.x * ({it})blockDim.x + threadIdx.x; i < n; "
-           f"i += ({it})gridDim.x * blockDim.x) {{\n    " + "\n    ".join(body) + "\n  }\n}\n")
+    body.append(f"{ptr[nin]}[{at(nin)}] = {store(conv(f'v{last}', slot_dt[last], out_dtype), out_dtype)};")
+    grid_loop = (f"for ({it} {{i}} = blockIdx.x * ({it})blockDim.x + threadIdx.x; {{i}} < {{n}}; "
+                 f"{{i}} += ({it})gridDim.x * blockDim.x)")
+    if vec > 1:
+        inner = ("    " + "\n    ".join(head) + f"\n#pragma unroll\n    for (int u = 0; u < {vec}; ++u) {{\n"
+                 f"      const {it} i = i0 + u;\n      (void)i;\n      " + "\n      ".join(body) + "\n    }\n"
+                 f"    *({vtype(nin)}*)(po + i0) = ao;\n")
+        loop = grid_loop.format(i="iv", n=f"n / {vec}") + f" {{\n    const {it} i0 = iv * {vec};\n" + inner + "  }"
+    else:
+        loop = grid_loop.format(i="i", n="n") + " {\n    " + "\n    ".join(body) + "\n  }"
+    src = ("extern \"C\" __global__ void rlx_ew(" + ", ".join(params) + ") {\n  " + loop + "\n}\n")
     return render(src.replace("$", "$$"))
 
 

@@ -118,6 +118,9 @@ def catalog() -> list:
     for k, (prog, ins, od) in enumerate(progs):
         kinds = ["s"] * (len(ins) + 1)
         out.append((f"ew{k}", codegen.elementwise_source(prog, ins, od, kinds, 3, k % 2 == 0), "rlx_ew"))
+        # vectorized: contiguous, a row-broadcast vector (a bias) and a scalar operand
+        kinds = (["c", "r", "z"] * 2)[:len(ins)] + ["c"]
+        out.append((f"ew{k} vec", codegen.elementwise_source(prog, ins, od, kinds, 2, k % 2 == 1, 8), "rlx_ew"))
     return out
 
 

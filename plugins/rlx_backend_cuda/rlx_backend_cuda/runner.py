@@ -22,6 +22,7 @@ from . import codegen, device
 from .ops import BUILDERS, VIEW_BUILDERS
 from .values import CONFIG, V, nocopy_reshape_strides
 
+EW_VEC = 8                   # elements a thread of a contiguous elementwise kernel moves at once
 # ops a complex64 value may come out of: leaves, FFTs, views and copies, and elementwise
 # arithmetic (codegen names any other elementwise op given a complex operand)
 LEAVES = {"input", "param", "state", "constant"}
@@ -156,28 +157,41 @@ class Build:
         contig = []
         for k in range(rank):
             contig.append(math.prod(shape[k + 1:]))
+        row = [0] * (rank - 1) + [1]
         kinds = []
         for st in strides:
             if all(s == 0 for s in st):
                 kinds.append("z")
             elif list(st) == contig:
                 kinds.append("c")
+            elif rank > 1 and list(st) == row:
+                kinds.append("r")            # a bias broadcast over the rows
             else:
                 kinds.append("s")
         if kinds[-1] == "z" and n > 1:
             raise BackendError(f"cuda backend: node %{self.node} ({self.op}) writes a broadcast view")
         maxoff = max([n] + [sum(abs(s) * (d - 1) for s, d in zip(st, shape)) for st in strides])
         idx64 = maxoff >= 2 ** 31 - 2 ** 26
-        src = codegen.elementwise_source(program, [v.dt for v in ins], out.dt, kinds, rank, idx64)
+        vec = EW_VEC if self._vectors(views, kinds, n, shape) else 1
+        src = codegen.elementwise_source(program, [v.dt for v in ins], out.dt, kinds, rank, idx64, vec)
         fn = self.kernel(src, "rlx_ew")
         itype = np.int64 if idx64 else np.int32
         args = [v.arr for v in views] + [itype(n)]
-        if "s" in kinds:
+        if "s" in kinds or "r" in kinds:
             args += [itype(d) for d in shape]
             for k, kd in enumerate(kinds):
                 if kd == "s":
                     args += [itype(s) for s in strides[k]]
-        self.launch(fn, _grid(n, 256, self.sms), (256,), args)
+        self.launch(fn, _grid(n // vec, 256, self.sms), (256,), args)
+
+    @staticmethod
+    def _vectors(views: list, kinds: list, n: int, shape: tuple) -> bool:
+        """Whether EW_VEC elements a thread can move as aligned vectors: no strided operand,
+        the output contiguous, n and a row vector's length multiples of EW_VEC, and every
+        vector operand's address aligned to EW_VEC elements."""
+        if "s" in kinds or kinds[-1] != "c" or n % EW_VEC or ("r" in kinds and shape[-1] % EW_VEC):
+            return False
+        return all(v.arr.data.ptr % (v.arr.itemsize * EW_VEC) == 0 for v, k in zip(views, kinds) if k in "cr")
 
     def copy(self, src: V, dst: V) -> None:
         """dst <- src (any strides, dtype conversion), one kernel: 16 bytes a thread where

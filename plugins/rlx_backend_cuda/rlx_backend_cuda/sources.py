@@ -41,6 +41,9 @@ typedef unsigned int u32;
 #define RLX_GRID_WAIT()
 #endif
 #define RLX_INF __int_as_float(0x7f800000)
+// V consecutive values moved as one aligned vector (16-byte loads and stores where V * size
+// allows): the vectorized elementwise kernels
+template <typename T, int V> struct __align__(sizeof(T) * V) rlx_vec { T v[V]; };
 // complex64 as numpy lays it out (real, imaginary floats); + - * / as numpy computes them
 // (division by Smith's method), a cast to a real type keeps the real part
 struct __align__(8) rlx_c64 {
