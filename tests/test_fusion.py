@@ -301,3 +301,26 @@ def test_bf16_compute_keeps_exact_scalars_in_bf16():
         return seen
     assert chain("y") == [("cast", F32), ("matmul", BF16), ("binary", BF16), ("cast", BF16)]
     assert chain("z") == [("cast", F32), ("matmul", BF16), ("cast", BF16), ("binary", F32), ("cast", BF16)]
+
+
+def test_bf16_compute_retypes_fused_elementwise_regions(rng):
+    """A region fused while the graph was f32 computes in bf16 once to_precision makes its
+    inputs bf16 (its dtype attr re-inferred from the program): the modulation
+    tanh(x) * (u + 1.0) + t feeds the matmul with no f32 intermediate and no cast; it runs,
+    and agrees with float64 to bf16's tolerance."""
+    from rlx_core.ir.dtype import BF16, F32
+
+    def f(m):
+        x, u, t, w = (m.input("x", (4, 8), F32), m.input("u", (8,), F32), m.param("t", (8,), F32),
+                      m.param("w", (8, 8), F32))
+        return m.matmul(m.tanh(x) * (u + 1.0) + t, w)
+    prof = CompileProfile().evolve(precision={"compute": "bf16"}, fusion={"target": "generic"})
+    exe = rlx_core.compile(Graph.define("mod", f), profile=prof, backend="numpy")
+    ops = [(n.op, n.outs[0].dtype) for n in exe.mir.nodes if n.op not in ("input", "param", "constant")]
+    assert ("fused_elementwise", BF16) in ops and ("fused_elementwise", F32) not in ops, ops
+    assert [o for o in ops if o[0] == "cast"] == [("cast", BF16)] * 2 + [("cast", F32)], ops  # in, in, out
+    p = {"t": rng.standard_normal(8).astype(np.float32), "w": rng.standard_normal((8, 8)).astype(np.float32)}
+    x, u = rng.standard_normal((4, 8)).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    exe.set_params(p)
+    want = (np.tanh(x) * (u + 1.0) + p["t"]) @ p["w"].astype(np.float64)
+    np.testing.assert_allclose(exe.run({"x": x, "u": u})["out"], want, rtol=0.05, atol=0.05 * np.abs(want).max())
