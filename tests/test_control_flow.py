@@ -1,6 +1,7 @@
 """Control flow (ir/control.py): if_, while_ and scan with Graph bodies, against Python loops
 in float64 on fresh random inputs; printing, JSON, recursive verify, passes inside bodies,
-shape rules, and how each backend runs them (numba: the host loop; opencl: an error)."""
+shape rules, and how each backend runs them (numba: the host loop; cuda and opencl: bodies as
+runners of their own on the device)."""
 from __future__ import annotations
 
 import json
@@ -9,14 +10,12 @@ import numpy as np
 import pytest
 
 from rlx_core.ir.dtype import BOOL, F32, F64, I64
-from rlx_core.ir.errors import BackendError, GraphError, SerializeError, ShapeError
+from rlx_core.ir.errors import GraphError, SerializeError, ShapeError
 from rlx_core.ir.graph import Builder, Graph
 from rlx_core.ir.serialize import graph_from_json
 from rlx_core.ir.verify import verify
-from rlx_core.pipeline import available_backends
 from rlx_core.pipeline import compile as compile_graph
-
-AVAILABLE = {b.name for b, ok, _ in available_backends() if ok}
+from rlx_core.testing.parity import backend_params
 
 
 def _halvings(m):
@@ -118,11 +117,11 @@ def test_nested_bodies_print_round_trip_and_run(rng):
     np.testing.assert_allclose(got["ys"], ys, rtol=1e-12)
 
 
-@pytest.mark.parametrize("backend", sorted({"numpy", "numba", "cuda"} & AVAILABLE))
+@pytest.mark.parametrize("backend", backend_params(("numpy", "numba", "cuda", "opencl")))
 def test_loop_backends(rng, backend):
-    """numpy and numba run the bodies with NumPy kernels on the host; cuda runs them as
-    runners of their own on the device: nested if_/scan, a data-dependent while_, both
-    directions of scan."""
+    """numpy and numba run the bodies with NumPy kernels on the host; cuda and opencl run
+    them as runners of their own on the device: nested if_/scan, a data-dependent while_,
+    both directions of scan."""
     xs = rng.uniform(0.1, 1, (4, 2)) * rng.choice([-1, 1], (4, 1))
     got = compile_graph(Graph.define("nested", _nested), backend=backend).run({"xs": xs, "limit": np.float64(3.0)})
     acc, ys = _nested_ref(xs, 3.0)
@@ -141,12 +140,6 @@ def test_loop_backends(rng, backend):
         h, ys = _rnn_ref(**feed, reverse=reverse)
         np.testing.assert_allclose(got["h"], h, rtol=1e-12)
         np.testing.assert_allclose(got["ys"], ys, rtol=1e-12)
-
-
-@pytest.mark.skipif("opencl" not in AVAILABLE, reason="opencl not available here")
-def test_device_backend_without_control_flow_names_the_op():
-    with pytest.raises(BackendError, match="does not implement op 'while_'"):
-        compile_graph(Graph.define("halve", _halvings), backend="opencl")
 
 
 def test_scan_without_xs_uses_length_and_symbolic_carry(rng):

@@ -1,6 +1,7 @@
 """dense_solve beyond the parity suite (rlx_core/testing/ops_suite.py) and the VJP cases of
 tests/test_autodiff.py: shape and dtype errors name the op and the mismatch; a symbolic batch
-binds at run time; the gradient graph runs on numba (and cuda where it is available)."""
+binds at run time; the gradient graph runs on every backend (skipped with the reason where one
+is unavailable)."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,10 +12,8 @@ import rlx_core
 from rlx_core.ir.dtype import F32, F64, I64
 from rlx_core.ir.errors import DTypeError, ShapeError
 from rlx_core.ir.graph import Graph
-from rlx_core.pipeline import available_backends
 from rlx_core.pipeline import compile as compile_graph
-
-AVAILABLE = {b.name for b, ok, _ in available_backends() if ok}
+from rlx_core.testing.parity import backend_params
 
 
 @pytest.mark.parametrize("a,b,err,msg", [
@@ -35,7 +34,8 @@ def test_bad_operands_name_the_op(a, b, err, msg):
         Graph.define("bad", f)
 
 
-def test_symbolic_batch_and_grad_on_numba(rng):
+@pytest.mark.parametrize("backend", backend_params(("numpy", "numba", "cuda", "opencl")))
+def test_symbolic_batch_and_grad(rng, backend):
     def f(m):
         a, b = m.input("a", ("batch", 3, 3), F64), m.input("b", ("batch", 3), F64)
         return m.sum(m.tanh(m.dense_solve(a, b)), (0, 1))
@@ -45,8 +45,7 @@ def test_symbolic_batch_and_grad_on_numba(rng):
     ta, tb = torch.tensor(a, requires_grad=True), torch.tensor(b, requires_grad=True)
     loss = torch.tanh(torch.linalg.solve(ta, tb)).sum()
     loss.backward()
-    for backend in sorted({"numpy", "numba", "cuda"} & AVAILABLE):
-        got = compile_graph(vg, backend=backend).run({"a": a, "b": b})
-        np.testing.assert_allclose(got["out"], loss.item(), rtol=1e-12)
-        np.testing.assert_allclose(got["grad_a"], ta.grad.numpy(), rtol=1e-10, atol=1e-12)
-        np.testing.assert_allclose(got["grad_b"], tb.grad.numpy(), rtol=1e-10, atol=1e-12)
+    got = compile_graph(vg, backend=backend).run({"a": a, "b": b})
+    np.testing.assert_allclose(got["out"], loss.item(), rtol=1e-12)
+    np.testing.assert_allclose(got["grad_a"], ta.grad.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got["grad_b"], tb.grad.numpy(), rtol=1e-10, atol=1e-12)

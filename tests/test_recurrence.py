@@ -1,7 +1,7 @@
 """selective_scan (Mamba) and gated_delta_rule (Gated DeltaNet), written with scan
-(ir/recurrence.py): against float64 Python loops on fresh random inputs, on numpy, numba and cuda;
-reverse-mode AD through them (scan's VJP) against torch.autograd on the same loops and
-central finite differences; bad shapes name the op and the argument."""
+(ir/recurrence.py): against float64 Python loops on fresh random inputs, on numpy, numba, cuda
+and opencl; reverse-mode AD through them (scan's VJP) against torch.autograd on the same loops
+and central finite differences; bad shapes name the op and the argument."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,10 +13,10 @@ from rlx_core.ir.dtype import F32, F64
 from rlx_core.ir.errors import ShapeError
 from rlx_core.ir.graph import Graph
 from rlx_core.ir.recurrence import gated_delta_rule, selective_scan
-from rlx_core.pipeline import available_backends
 from rlx_core.pipeline import compile as compile_graph
+from rlx_core.testing.parity import backend_params
 
-BACKENDS = [n for n in ("numpy", "numba", "cuda") if n in {b.name for b, ok, _ in available_backends() if ok}]
+BACKENDS = backend_params(("numpy", "numba", "cuda", "opencl"))     # unavailable ones skip with the reason
 Bn, L, D, N = 2, 5, 3, 4           # selective scan: batch, length, channels, state
 H, K, V = 2, 3, 4                  # gated delta rule: heads, key dim, value dim
 
@@ -132,9 +132,10 @@ def test_gradients_vs_torch_and_finite_differences(rng, case):
                                    err_msg=f"{case}: grad of {name} vs finite differences")
 
 
-def test_scan_vjp_reverse_with_int_carry_and_numba(rng):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scan_vjp_reverse_with_int_carry(rng, backend):
     """A reverse scan with an int step counter beside the float carry: the counter has no
-    cotangent; the gradient graph runs on numba too."""
+    cotangent; the gradient graph runs on every backend."""
     def f(m):
         w, h0, xs = m.input("w", (3,), F64), m.input("h0", (3,), F64), m.input("xs", (4, 3), F64)
         n0 = m.constant(np.array(0, np.int64))
@@ -152,10 +153,9 @@ def test_scan_vjp_reverse_with_int_carry_and_numba(rng):
         h = torch.tanh(h * tw + tx[t] * (n + 1))
         loss = loss + (h * h).sum()
     (loss + h.sum()).backward()
-    for backend in BACKENDS:
-        got = compile_graph(vg, backend=backend).run({"w": w, "h0": h0, "xs": xs})
-        for name, t in (("w", tw), ("h0", th), ("xs", tx)):
-            np.testing.assert_allclose(got[f"grad_{name}"], t.grad.numpy(), rtol=1e-10, atol=1e-12)
+    got = compile_graph(vg, backend=backend).run({"w": w, "h0": h0, "xs": xs})
+    for name, t in (("w", tw), ("h0", th), ("xs", tx)):
+        np.testing.assert_allclose(got[f"grad_{name}"], t.grad.numpy(), rtol=1e-10, atol=1e-12)
 
 
 def test_bad_shapes_name_the_op_and_argument():

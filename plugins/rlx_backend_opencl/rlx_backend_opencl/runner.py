@@ -3,7 +3,8 @@
 Memory: the LIR arena is one device buffer; graph inputs share one staging buffer; constants
 one buffer; kernel metadata (shapes and strides) one int buffer; copies the plan cannot
 express as views (a reshape of a non-contiguous view, a gather table that is a view) go to
-one scratch buffer. Params and states are resident device arrays. Every value is a View:
+one scratch buffer. Params and states are resident device arrays. A control-flow body is a
+runner of its own (control.py) that `run_device` runs on device values. Every value is a View:
 a buffer, an element offset, a shape and strides, so reshape/narrow/expand/transpose are free
 and every kernel reads strided operands.
 
@@ -24,6 +25,7 @@ from rlx_core.ir.lir import ALIGN, LirModule
 from rlx_core.ir.ops import ACTIVATIONS, BINARY_OPS, COMPARE_OPS, INT_OK_ACTIVATIONS, MaskKind
 from rlx_core.ir.quant import QuantScheme
 
+from . import control
 from . import kernels as K
 from . import quant as Q
 from .device import CLArray, Device, alloc, upload
@@ -34,9 +36,11 @@ FFT_OPS = {"fft": (0, False), "ifft": (0, True), "rfft": (1, False), "irfft": (2
 FFT_LOCAL_CAP = 256 * 1024      # bytes of local memory one row's FFT may use (2 x n float2)
 LEAVES = {"input", "param", "state", "constant"}
 # ops that may see c64 values: elementwise ones (their c64 steps checked in kernels.step_expr),
-# FFTs, views and copies
-C64_OPS = EW_OPS | set(FFT_OPS) | LEAVES | {"fused_elementwise", "reshape", "narrow", "expand", "transpose",
-                                            "concat", "gather", "assign", "kv_write", "custom"}
+# FFTs, views and copies, control flow (its bodies check their own nodes)
+C64_OPS = EW_OPS | set(FFT_OPS) | LEAVES | set(control.OPS) | {
+    "fused_elementwise", "reshape", "narrow", "expand", "transpose", "concat", "gather", "assign", "kv_write",
+    "custom"}
+SOLVE_LOCAL_CAP = 48 * 1024     # bytes of local memory one dense_solve matrix [A | B] may use
 SWITCHED = {"binary": BINARY_OPS, "compare": COMPARE_OPS, "activation": ACTIVATIONS}
 
 
@@ -192,11 +196,13 @@ class OpenCLRunner(Runner):
         self._launch_nodes: list = []    # the node each launch computes (profiling names it)
         self._at = -1                    # the node being built
         self.inputs: dict = {}
+        self.in_views: list = []         # the inputs' Views in the staging buffer, in order
         self.checks = False
         self._kv_info: dict = {}
         self._const_blob: list = []      # (byte offset, host array) of the constants buffer
         self._const_bytes = 0
         self._twiddles: dict = {}        # FFT length -> its table (a constant)
+        self.bodies: list = []           # runners of the control-flow bodies under this graph
         self._check_dtypes()
         vals: dict = {}
         in_off = 0
@@ -207,6 +213,7 @@ class OpenCLRunner(Runner):
                 if op == "input":
                     vals[(i, 0)] = View(self.staging, in_off // s.dtype.itemsize, s.dims, c_strides(s.dims), s.dtype)
                     self.inputs[n.name] = (in_off, s)
+                    self.in_views.append(vals[(i, 0)])
                     in_off += _align(s.nbytes())
                 elif op in ("param", "state"):
                     src = params if op == "param" else states
@@ -829,6 +836,47 @@ class OpenCLRunner(Runner):
         else:
             self.launch(prg, "attn_prefill", args, ((Sq + bq - 1) // bq * bk, B * H * bq), (bk, bq))
 
+    # -- control flow (control.py): bodies are runners of their own, driven by a host step
+    def _op_if_(self, i, a, ins, outs, what):
+        control.build(self, self.graph.nodes[i], ins, outs)
+
+    _op_while_ = _op_scan = _op_if_
+
+    def host_step(self, fn, bodies=()) -> None:
+        """A step the host runs in order with the launches (it may enqueue work itself);
+        `bodies`: the runners it drives (their error flags are read after a run)."""
+        self._launches.append(fn)
+        self._launch_nodes.append(self._at)
+        self.bodies.extend(bodies)
+
+    # -- dense_solve (K.DENSE_SOLVE): a work-group per matrix, [A | B] in local memory or scratch
+    def _op_dense_solve(self, i, a, ins, outs, what):
+        A, B, x = self.contig(ins[0]), self.contig(ins[1]), outs[0]
+        n = A.shape[-1]
+        k = 1 if len(B.shape) == len(A.shape) - 1 else B.shape[-1]
+        batch = math.prod(A.shape[:-2])
+        if x.numel == 0 or batch == 0:
+            return
+        acc = "double" if self.dev.fp64 else "float"    # numpy.linalg solves every float dtype in f64
+        asz = 8 if acc == "double" else 4
+        lx = min(256, max(32, _pow2(n))) if self.dev.is_gpu else 64   # PoCL: one local size per kernel
+        wbytes = n * (n + k) * asz
+        # [A | B] in local memory when it fits beside the pivot search's 256 (value, row) pairs
+        local = wbytes + 256 * (asz + 4) <= min(self.dev.local_mem - 1024, SOLVE_LOCAL_CAP)
+        src = K.prelude([A.dtype, x.dtype, acc]) + _defs(T_X=K.ctype(A.dtype), T_Y=K.ctype(x.dtype), ACC=acc,
+                                                           W_SPACE="__local" if local else "__global") + \
+            f"#define TO_Y(v) {K.to(x.dtype, 'v')}\n" + K.DENSE_SOLVE
+        prg = self.program(src, what)
+        if local:
+            w = [_cl().LocalMemory(wbytes), np.int32(0), np.int32(0)]
+        else:
+            w = [*self.buf(self.scratch_view((batch, n, n + k), DType.F64 if acc == "double" else DType.F32)),
+                 np.int32(n * (n + k))]
+        self.checks = True
+        args = [*self.buf(A), *self.buf(B), *self.buf(x), *w, np.int32(n), np.int32(k), self.err_st,
+                np.int32(i)]
+        self.launch(prg, "dense_solve", args, (lx, batch), (lx, 1))
+
     # -- custom ops: an "opencl" kernel fn(*pyopencl.array.Array, **params) -> Array(s)
     def _op_custom(self, i, a, ins, outs, what):
         from rlx_core.ir.custom import custom_op
@@ -921,12 +969,14 @@ class OpenCLRunner(Runner):
         return tuple(gsize), tuple(lsize)
 
     def poison(self, byte: int = 0xFF) -> None:
-        """Fill the arena and scratch with `byte` (0xFF: NaN for floats, -1 for ints): a test
-        that then sees it found an element no kernel wrote."""
+        """Fill the arena and scratch with `byte` (0xFF: NaN for floats, -1 for ints), the
+        bodies' too: a test that then sees it found an element no kernel wrote."""
         cl = _cl()
         for st, n in ((self.arena, self.lir.arena_bytes), (self.scratch, self._scratch_bytes)):
             if n:
                 cl.enqueue_fill_buffer(self.dev.queue, st.buf, np.uint8(byte), 0, _align(n))
+        for body in self.bodies:
+            body.poison(byte)
         self.dev.queue.finish()
 
     def enqueue(self, steps=None) -> None:
@@ -945,6 +995,16 @@ class OpenCLRunner(Runner):
         keep = self._upload(inputs)
         self.enqueue()
         return self._download(keep)
+
+    def run_device(self, views: list) -> list:
+        """Enqueue a run on device values, one contiguous View per input in order (copied
+        buffer to buffer into the staging buffer): the output Views, valid until the next
+        run. No sync; the top runner's download reads this runner's error flag."""
+        q = self.dev.queue
+        for src, dst in zip(views, self.in_views):
+            control.copy_view(q, src, dst)
+        self.enqueue()
+        return [v for _, v in self.outputs]
 
     def run_profiled(self, inputs: dict) -> tuple:
         """run() with the queue finished after each step, so the host clock times the step."""
@@ -992,26 +1052,37 @@ class OpenCLRunner(Runner):
                 cl.enqueue_copy(q, host.reshape(-1).view(np.uint8), v.st.buf,
                                 src_offset=v.off * v.dtype.itemsize, is_blocking=False)
             out[name] = host
-        if self.checks:
-            cl.enqueue_copy(q, self.err_host, self.err_st.buf, is_blocking=False)
+        flagged = self._flagged()
+        for r in flagged:
+            cl.enqueue_copy(q, r.err_host, r.err_st.buf, is_blocking=False)
         q.finish()
         keep.clear()
-        if self.checks and self.err_host[0]:
-            self._raise_err()
+        errors = [r._take_err() for r in flagged if r.err_host[0]]
+        if errors:
+            raise errors[0]
         return out
 
-    def _raise_err(self):
+    def _flagged(self) -> list:
+        """This runner and the bodies under it (at any depth) whose kernels can flag an error."""
+        below = [r for b in self.bodies for r in b._flagged()]
+        return [self] + below if self.checks else below
+
+    def _take_err(self) -> Exception:
+        """The error the kernels flagged (err_host as read back), the flag cleared for the next run."""
         cl = _cl()
         code, node, x, y = (int(v) for v in self.err_host)
         self.err_host[:] = 0
         cl.enqueue_copy(self.dev.queue, self.err_st.buf, self.err_host)
-        op = self.graph.nodes[node].op
+        where = f"graph {self.name!r} node %{node} ({self.graph.nodes[node].op})"
+        if code == 3:           # what numpy.linalg.solve raises as LinAlgError (a BackendError on numpy)
+            return BackendError(f"opencl: {where}: singular matrix (matrix {x} of the batch has a zero "
+                                f"pivot in column {y})")
         if code == 1:
             msg = f"gather: index out of range [0, {y}) (index {x})"
         else:
             msg = (f"kv_write: writing {self._kv_info.get(node, '?')} entries at position {x} overflows the "
                    f"cache of length {y} (context full)")
-        raise ModelError(f"graph {self.name!r} node %{node} ({op}): {msg}")
+        return ModelError(f"{where}: {msg}")
 
 
 def kernel_ops() -> set:
