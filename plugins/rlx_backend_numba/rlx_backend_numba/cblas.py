@@ -24,20 +24,24 @@ ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 
 
 @intrinsic
-def sgemm(typingctx, fn, ilp64, a, b, c, trans_b):
-    """c = a @ b^T (trans_b) or a @ b for f32 2-D arrays, c [M, N] and a [M, K]: one call of
-    the cblas_sgemm at address `fn` (64-bit integers when ilp64). Rows may be strided (a
-    view's leading dimension, so sub-blocks go in without copies); elements within a row
-    must be contiguous, which the caller ensures. Empty shapes are the caller's to skip."""
+def sgemm(typingctx, fn, ilp64, a, b, c, trans_a, trans_b):
+    """c = op(a) @ op(b) for f32 2-D arrays, c [M, N]; a is [M, K], or [K, M] when trans_a
+    (a weight gradient's activations^T); b is [K, N], or [N, K] when trans_b: one call of the
+    cblas_sgemm at address `fn` (64-bit integers when ilp64). Rows may be strided (a view's
+    leading dimension, so sub-blocks go in without copies); elements within a row must be
+    contiguous, which the caller ensures. Empty shapes are the caller's to skip."""
     def codegen(context, builder, sig, args):
-        fn_, ilp, av, bv, cv, tb = args
+        fn_, ilp, av, bv, cv, ta, tb = args
         arrs = [context.make_array(t)(context, builder, x) for t, x in zip(sig.args[2:5], (av, bv, cv))]
-        m, k = cgutils.unpack_tuple(builder, arrs[0].shape, 2)
+        r0, r1 = cgutils.unpack_tuple(builder, arrs[0].shape, 2)
+        ta = context.cast(builder, ta, sig.args[5], types.boolean)
+        m, k = builder.select(ta, r1, r0), builder.select(ta, r0, r1)
         n = cgutils.unpack_tuple(builder, arrs[2].shape, 2)[1]
         four = ir.Constant(_I64, 4)
         lds = [builder.sdiv(cgutils.unpack_tuple(builder, x.strides, 2)[0], four) for x in arrs]
         ptrs = [builder.bitcast(x.data, _VP) for x in arrs]
-        op_b = builder.select(context.cast(builder, tb, sig.args[5], types.boolean),
+        op_a = builder.select(ta, ir.Constant(_I32, TRANS), ir.Constant(_I32, NO_TRANS))
+        op_b = builder.select(context.cast(builder, tb, sig.args[6], types.boolean),
                               ir.Constant(_I32, TRANS), ir.Constant(_I32, NO_TRANS))
         address = context.cast(builder, fn_, sig.args[0], types.int64)
 
@@ -46,7 +50,7 @@ def sgemm(typingctx, fn, ilp64, a, b, c, trans_b):
                                                    _F32, _VP, it])
             i = (lambda v: v) if it is _I64 else (lambda v: builder.trunc(v, it))
             builder.call(builder.inttoptr(address, fnty.as_pointer()), [
-                ir.Constant(_I32, ROW_MAJOR), ir.Constant(_I32, NO_TRANS), op_b,
+                ir.Constant(_I32, ROW_MAJOR), op_a, op_b,
                 i(m), i(n), i(k), ir.Constant(_F32, 1.0), ptrs[0], i(lds[0]), ptrs[1], i(lds[1]),
                 ir.Constant(_F32, 0.0), ptrs[2], i(lds[2])])
 
@@ -56,7 +60,7 @@ def sgemm(typingctx, fn, ilp64, a, b, c, trans_b):
             with narrow:
                 call(_I32)
         return context.get_dummy_value()
-    return types.none(fn, ilp64, a, b, c, trans_b), codegen
+    return types.none(fn, ilp64, a, b, c, trans_a, trans_b), codegen
 
 
 def parts(n: int) -> int:

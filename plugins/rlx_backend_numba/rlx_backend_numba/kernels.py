@@ -320,7 +320,7 @@ def _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, win
     s = np.empty((g * m, max(n, 1)), q.dtype)
     out = np.zeros((g * m, dv), q.dtype)
     if n > 0:
-        sgemm(gemm, ilp64, qs, k[b, kh, lo:lo + n], s[:, :n], True)
+        sgemm(gemm, ilp64, qs, k[b, kh, lo:lo + n], s[:, :n], False, True)
     for r in range(g * m):
         h, i = kh * g + r // m, r0 + r % m
         a, e = _bounds(pos[b] + i, sk, causal, window)
@@ -346,7 +346,7 @@ def _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, win
             p = seg[j] * inv
             seg[j] = p if p > P_MIN else zero
     if n > 0:
-        sgemm(gemm, ilp64, s[:, :n], v[b, kh, lo:lo + n], out, False)
+        sgemm(gemm, ilp64, s[:, :n], v[b, kh, lo:lo + n], out, False, False)
     for r in range(g * m):
         for x in range(dv):
             o[b, kh * g + r // m, r0 + r % m, x] = out[r, x]
@@ -631,13 +631,17 @@ def gemv_nt_ser(x, w, o):
 
 
 @njit(parallel=True, **_OPT)
-def gemm_nt_par(x, w, o, parts, gemm, ilp64):
-    """o = x @ w^T (f32, C order; w [N, K]): N split in `parts`, each one cblas_sgemm call at
-    address gemm on a numba thread (cblas.py says why not BLAS's own threads)."""
-    n = w.shape[0]
+def gemm_par(x, w, o, parts, gemm, ilp64, trans_a, trans_b):
+    """o = op(x) @ op(w) (f32, C order; x [K, M] when trans_a, w [N, K] when trans_b): N split
+    in `parts`, each one cblas_sgemm call at address gemm on a numba thread (cblas.py says
+    why not BLAS's own threads)."""
+    n = o.shape[1]
     for p in prange(parts):
-        r0, r1 = n * p // parts, n * (p + 1) // parts
-        sgemm(gemm, ilp64, x, w[r0:r1], o[:, r0:r1], True)
+        c0, c1 = n * p // parts, n * (p + 1) // parts
+        if trans_b:
+            sgemm(gemm, ilp64, x, w[c0:c1], o[:, c0:c1], trans_a, True)
+        else:
+            sgemm(gemm, ilp64, x, w[:, c0:c1], o[:, c0:c1], trans_a, False)
 
 
 # --------------------------------------------------------------------------- copy (a yardstick)

@@ -347,7 +347,7 @@ def rows_gemm(x, w, out, tab, scratch, gemm, ilp64):
         for r in range(r0, r1, step):
             e = min(r1, r + step)
             rows_ser(w, r, buf[:e - r], tab)
-            sgemm(gemm, ilp64, x, buf[:e - r], out[:, r:e], True)
+            sgemm(gemm, ilp64, x, buf[:e - r], out[:, r:e], False, True)
 """
 
 

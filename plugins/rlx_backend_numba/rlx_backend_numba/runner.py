@@ -292,39 +292,43 @@ def _segment_pool(a, outs, protos, op=None):
 
 
 # --------------------------------------------------------------------------- matmul
-def _matmul_fn(x, w, o, trans_b: bool):
-    """fn(x, w) writing x @ w(^T) into `o`: a numba GEMV for a few rows on an [N, K] weight,
-    column blocks of an f32 [N, K] weight on numba's threads calling cblas_sgemm, else BLAS
+def _matmul_fn(x, w, o, trans_b: bool, trans_a: bool = False):
+    """fn(x, w) writing op(x) @ op(w) into `o`: a numba GEMV for a few rows on an [N, K]
+    weight; column blocks of an f32 2-D weight on numba's threads calling cblas_sgemm
+    (forward and gradient products alike: BLAS's own threads beside numba's spinning
+    workers took 544 ms for a 30 ms gradient product of a 2-layer train step); else BLAS
     through numpy (np.matmul with out=)."""
-    m = math.prod(x.shape[:-1])
-    k = x.shape[-1]
-    if (trans_b and w.ndim == 2 and m <= GEMV_MAX_M and k > 0 and o.size
+    m = x.shape[-1] if trans_a else math.prod(x.shape[:-1])
+    k = x.shape[0] if trans_a else x.shape[-1]
+    if (trans_b and not trans_a and w.ndim == 2 and m <= GEMV_MAX_M and k > 0 and o.size
             and _native(x, w, o) and w.flags.c_contiguous):
         o2 = o.reshape(m, -1)
         kern = _pick(K.gemv_nt_par, K.gemv_nt_ser, o.size * k)
         return lambda x, w: kern(x.reshape(m, k), w, o2)
     blas = KERNELS["matmul"]
-    a = {"trans_a": False, "trans_b": trans_b}
+    a = {"trans_a": trans_a, "trans_b": trans_b}
     n = o.shape[-1]
-    if (trans_b and w.ndim == 2 and SGEMM is not None and k > 0 and o.size and x.dtype == w.dtype
-            == o.dtype == np.float32 and w.flags.c_contiguous and o.flags.c_contiguous and n >= 128):
+    if (w.ndim == 2 and (x.ndim == 2 or not trans_a) and SGEMM is not None and k > 0 and o.size
+            and x.dtype == w.dtype == o.dtype == np.float32 and w.flags.c_contiguous
+            and o.flags.c_contiguous and n >= 128):
         o2 = o.reshape(m, n)
         parts = cblas.parts(n)
 
         def gemm(x, w):
             if blas_threads() == 1:            # an encoder's data-parallel part: one core each
                 return blas(a, [o], x, w)
+            x2 = np.ascontiguousarray(x if trans_a else x.reshape(m, k))
             with single_threaded_blas():
-                K.gemm_nt_par(np.ascontiguousarray(x.reshape(m, k)), w, o2, parts, *SGEMM)
+                K.gemm_par(x2, w, o2, parts, *SGEMM, trans_a, trans_b)
         return gemm
     return lambda x, w: blas(a, [o], x, w)
 
 
 @prepares("matmul")
 def _matmul(a, outs, protos, op=None):
-    if a["trans_a"]:
+    if a["trans_a"] and protos[0].ndim != 2:
         return None
-    f = _matmul_fn(protos[0], protos[1], outs[0], a["trans_b"])
+    f = _matmul_fn(protos[0], protos[1], outs[0], a["trans_b"], a["trans_a"])
     return lambda a_, out, x, w: f(x, w)
 
 
