@@ -12,7 +12,7 @@ runs in its own process; bf16 on cuda, fp32 on cpu. Prints ms/step (median of --
 --warmup), each side's loss at the first step (before any update: they agree when both
 compute the same model) and RLX / peer.
 
-    python benchmarks/train_step.py --layers 2 --seq 32                # cpu: numpy vs torch
+    python benchmarks/train_step.py --layers 2 --seq 32                # cpu: numba (else numpy) vs torch
     python benchmarks/train_step.py --device cuda --compile            # the H100 run
 """
 from __future__ import annotations
@@ -66,6 +66,13 @@ def timed(step, a, sync=lambda: None) -> dict:
     return {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times), "loss": float(loss)}
 
 
+def cpu_backend() -> str:
+    """The default CPU backend: numba where it is installed and usable, else numpy."""
+    from rlx_core.pipeline import available_backends
+
+    return "numba" if any(b.name == "numba" and ok for b, ok, _ in available_backends()) else "numpy"
+
+
 def rlx_child(a) -> dict:
     import rlx_core
     from rlx_core.ir.dtype import BF16, F32
@@ -82,7 +89,7 @@ def rlx_child(a) -> dict:
     t = time.perf_counter()
     built = find_recipe("llama").flow_class.for_training(cfg, batch=a.batch, seq=a.seq).build(
         weights, dtype=BF16 if bf16 else F32)
-    backend = a.backend or ("cuda" if a.device == "cuda" else "numpy")
+    backend = a.backend or ("cuda" if a.device == "cuda" else cpu_backend())
     trainer = rlx_core.Trainer(built.graph, built.params, rlx_core.Adam(lr=LR), backend=backend)
     feed = {"ids": ids, "labels": labels, "positions": np.tile(np.arange(a.seq), (a.batch, 1)),
             "key_mask": np.ones((a.batch, 1, 1, a.seq), bool)}
@@ -143,7 +150,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if torch sees one")
-    ap.add_argument("--backend", default=None, help="RLX backend (default: cuda on cuda, numpy on cpu)")
+    ap.add_argument("--backend", default=None, help="RLX backend (default: cuda on cuda, numba (else numpy) on cpu)")
     ap.add_argument("--compile", action="store_true", help="also torch.compile")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)

@@ -8,9 +8,9 @@ go through the same lowering, legalization, DCE, CSE and constant folding (`map_
 
 Execution: the NumPy kernels drive the loop on the host and run each body through
 `run_body`, a small interpreter over the NumPy kernels. numba inherits them (its
-supported ops are NumPy's); cuda runs each body as a cuda runner of its own (its
-control.py); a backend without these ops (opencl) fails to compile with an error naming
-the op, never a silent wrong result.
+supported ops are NumPy's); cuda and opencl run each body as a runner of their own on the
+device (their control.py); a backend without these ops fails to compile with an error
+naming the op, never a silent wrong result.
 
 Operand layout (JAX's `cond` / `while_loop` / `scan`):
   if_(pred, *operands)                 then_/else_(*operands) -> outs (same in both)

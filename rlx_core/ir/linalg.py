@@ -2,9 +2,9 @@
 
 a is [..., n, n]; b is [..., n, k] (a matrix right-hand side, same batch dims) or [..., n]
 (one vector per matrix: b's rank is a's minus one). The NumPy kernel is LAPACK's gesv
-through numpy.linalg.solve (f16/bf16 solve in f32); numba inherits it; cuda calls
-cupy.linalg.solve; a backend without a kernel (opencl) fails to compile naming the op. Its VJP (ir/autodiff.py): grad_b = solve(A^T, g),
-grad_A = -grad_b x^T.
+through numpy.linalg.solve (which computes in f64); numba inherits it; cuda calls
+cupy.linalg.solve; opencl has a batched LU kernel (partial pivoting, f64 where the device
+has it). Its VJP (ir/autodiff.py): grad_b = solve(A^T, g), grad_A = -grad_b x^T.
 """
 from __future__ import annotations
 
