@@ -192,3 +192,6 @@ def test_sentencepiece_merges_are_read_back(cache_dir, monkeypatch):
     assert first == real({t: i for i, t in enumerate(tokens)}, dict(zip(tokens, scores))) and len(calls) == 1
     assert tokenizer._cached_merges(tokens, scores) == first and len(calls) == 1
     assert tokenizer._cached_merges(tokens, scores[::-1]) != first and len(calls) == 2   # other scores, other key
+    # None ranks the tokens in file order (these scores): its own key, the same merges, read back
+    assert tokenizer._cached_merges(tokens, None) == first and len(calls) == 3
+    assert tokenizer._cached_merges(tokens, None) == first and len(calls) == 3
