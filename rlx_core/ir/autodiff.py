@@ -5,8 +5,9 @@ reach AD as their primitive decompositions and only primitives need rules; softm
 rms_norm, layer_norm and attention stay ops, and their rules emit the fused backward ops
 `softmax_grad`, `rms_norm_grad`, `layer_norm_grad`, `attention_grad` (one kernel where a
 backend has it, legalized to primitives where not). So the forward runs the backend's
-attention kernel and the backward recomputes the probabilities: no [B,H,Sq,Sk] is kept. Forward nodes are replayed into a new MIR graph, then the
-cotangents flow back node by node: a rule is graph-building code
+attention kernel and the backward recomputes the probabilities: no [B,H,Sq,Sk] is kept.
+Forward nodes are replayed into a new MIR graph, then the cotangents flow back node by
+node: a rule is graph-building code
 `rule(m, attrs, inputs, output, cotangent) -> cotangent per input (None: not differentiable)`.
 The result is an ordinary MIR graph: it goes through the same passes, planner and
 backends. An op on the path from `wrt` to the output without a rule is a GraphError naming it.

@@ -159,7 +159,8 @@ def to_precision(g: Graph, compute: DType) -> Graph:
         if node.op in ("param", "state") and s.dtype in FLOATS and s.dtype is not compute:
             return m._leaf_add(node.op, node.name, s.dims, compute)
         if (node.op == "constant" and s.dtype in FLOATS and s.dtype is not compute
-                and not users.get(i, set()) <= free and (s.dims or _exact_in(g.constants[node.name], compute))):
+                and not users.get(i, set()) <= free
+                and (s.dims or _exact_in(g.constants[node.name], compute))):
             m.constants[node.name] = m.constants[node.name].astype(compute.np)
             return m.emit_node(type(node)(node.op, (), tuple(sorted({**node.a, "dtype": compute.value}.items())),
                                           (s.with_dtype(compute),), node.name))

@@ -18,13 +18,10 @@ WORKSPACE = 32 << 20
 
 def _find_lib() -> str:
     device.cupy().cuda.device.get_cublas_handle()          # makes CuPy load libcublas
-    with open("/proc/self/maps") as f:
-        for line in f:
-            path = line.split()[-1] if "/" in line else ""
-            name = path.rsplit("/", 1)[-1]
-            if name.startswith("libcublas.so") or name.startswith("libhipblas.so"):
-                return path
-    raise BackendError("cuda backend: cannot find the cuBLAS library CuPy loaded")
+    path = device.loaded_library("libcublas.so", "libhipblas.so")
+    if path is None:
+        raise BackendError("cuda backend: cannot find the cuBLAS library CuPy loaded")
+    return path
 
 
 class Lib:

@@ -243,6 +243,17 @@ def compile_check_sources() -> list:
     return kernels_catalog.catalog()
 
 
+def loaded_library(*prefixes: str) -> str | None:
+    """The path of the first shared library this process has mapped whose file name starts
+    with one of `prefixes` (the cuBLAS / cuFFT that CuPy loaded, called through ctypes)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            path = line.split()[-1] if "/" in line else ""
+            if path.rsplit("/", 1)[-1].startswith(prefixes):
+                return path
+    return None
+
+
 def env_flag(name: str, default: bool) -> bool:
     v = os.environ.get(name)
     if v is None or v == "":

@@ -29,12 +29,10 @@ def _find_lib() -> str:
         import cupy.cuda.cufft  # noqa: F401  (makes CuPy load libcufft)
     except ImportError as e:
         raise BackendError(f"cuda backend: FFT ops need CuPy's cuFFT module: {e}") from None
-    with open("/proc/self/maps") as f:
-        for line in f:
-            path = line.split()[-1] if "/" in line else ""
-            if path.rsplit("/", 1)[-1].startswith("libcufft.so"):
-                return path
-    raise BackendError("cuda backend: cannot find the cuFFT library CuPy loaded")
+    path = device.loaded_library("libcufft.so")
+    if path is None:
+        raise BackendError("cuda backend: cannot find the cuFFT library CuPy loaded")
+    return path
 
 
 class Lib:

@@ -53,6 +53,17 @@ def test_default_backend_where_gpu():
         assert select_backend().name != "cuda"
 
 
+def test_loaded_library_finds_what_the_process_mapped():
+    """cuBLAS and cuFFT are found this way, after CuPy loaded them (checked here on libc)."""
+    import os
+
+    from rlx_backend_cuda import device
+
+    path = device.loaded_library("libc.so", "libc-")
+    assert path is not None and os.path.exists(path), path
+    assert device.loaded_library("librlx-never-loaded.so") is None
+
+
 def test_supported_ops_cover_the_table():
     """Every op below HIR has a kernel here, or is a fused op the pipeline legalizes."""
     from rlx_backend_cuda.ops import BUILDERS, VIEW_BUILDERS
