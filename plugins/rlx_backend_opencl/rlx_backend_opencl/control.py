@@ -24,12 +24,11 @@ class Body:
     def __init__(self, outer, graph, shapes: list):
         from rlx_core.pipeline import specialize
 
-        from .runner import OpenCLRunner
-
         env: dict = {}
         for n, shape in zip([n for n in graph.nodes if n.op == "input"], shapes):
             env.update({d: v for d, v in zip(n.outs[0].dims, shape) if isinstance(d, str)})
-        self.runner = OpenCLRunner(outer.backend, outer.dev, plan(specialize(graph, env)), {}, {})
+        # the enclosing runner's class (runner.py imports this module: no import back)
+        self.runner = type(outer)(outer.backend, outer.dev, plan(specialize(graph, env)), {}, {})
 
     def __call__(self, views: list) -> list:
         """Enqueue the body on `views` (its inputs in order): its outputs, valid until it runs again."""
