@@ -363,17 +363,17 @@ def _attention_block(a, qf, kf, vf, mask=None, pos=None, q0=0, sq_total=None):
     return np.matmul(p, vf).reshape(b, h, sq, vf.shape[-1])
 
 
-def _attention_grad_block(a, qf, kf, vf, of, gf, mask, pos, q0, sq_total):
-    """A block of query rows' dq and its parts of dk, dv: dv = P^T g; dS = P (g v^T - the
-    row's sum(g out)), through the softcap's tanh, times scale; dq = dS k, dk = dS^T q."""
+def _attention_grad_block(a, qf, kf, vf, gf, mask, pos, q0, sq_total):
+    """A block of query rows' dq and its parts of dk, dv: dv = P^T g; dS = P (dP - the row's
+    sum(P dP)) with dP = g v^T (the row sum from P itself, not from the rounded `out`),
+    through the softcap's tanh, times scale; dq = dS k, dk = dS^T q."""
     b, h, sq, d = qf.shape
     kvh = kf.shape[1]
-    rows = (b, kvh, (h // kvh) * sq, -1)
     p, q4, t = _attention_probs(a, qf, kf, mask, pos, q0, sq_total)
-    g4 = np.ascontiguousarray(gf).reshape(rows)
-    delta = np.sum(g4 * np.ascontiguousarray(of).reshape(rows), -1, keepdims=True)
+    g4 = np.ascontiguousarray(gf).reshape(b, kvh, (h // kvh) * sq, -1)
     dv = np.matmul(p.swapaxes(-1, -2), g4)
-    ds = p * (np.matmul(g4, vf.swapaxes(-1, -2)) - delta)
+    dp = np.matmul(g4, vf.swapaxes(-1, -2))
+    ds = p * (dp - np.sum(p * dp, -1, keepdims=True))
     if t is not None:
         ds *= 1 - np.square(t.reshape(ds.shape))
     ds *= np.asarray(a["scale"], ds.dtype)
@@ -382,12 +382,12 @@ def _attention_grad_block(a, qf, kf, vf, of, gf, mask, pos, q0, sq_total):
 
 def _attention_grad(a, out, *ins):
     q, k, v, mask, pos = _split_attn(a, ins[:3] + ins[5:])
-    qf, kf, vf, of, gf = (up(t) for t in (q, k, v) + tuple(ins[3:5]))
+    qf, kf, vf, gf = (up(t) for t in (q, k, v, ins[4]))
     dt = np.result_type(qf.dtype, kf.dtype, vf.dtype)
     dq, dk, dv = np.empty(qf.shape, dt), np.zeros(kf.shape, dt), np.zeros(vf.shape, dt)
     for bi, rows, m, p, q0 in _query_blocks(qf, kf, mask, pos):
-        parts = _attention_grad_block(a, qf[bi, :, rows], kf[bi], vf[bi], of[bi, :, rows],
-                                      gf[bi, :, rows], m, p, q0, qf.shape[2])
+        parts = _attention_grad_block(a, qf[bi, :, rows], kf[bi], vf[bi], gf[bi, :, rows], m, p, q0,
+                                      qf.shape[2])
         dq[bi, :, rows] = parts[0]
         dk[bi] += parts[1]
         dv[bi] += parts[2]

@@ -884,7 +884,9 @@ def _m_layer_norm_grad(s, a):
 def _m_attention_grad(s, a):
     """(dq, dk, dv) of out = attention(q, k, v, ...) for cotangent g (same attrs as attention).
     A kernel recomputes the probabilities from q and k instead of keeping [B,H,Sq,Sk] from
-    the forward; `out` gives each row's sum(g * out). GQA: dk, dv sum their query heads."""
+    the forward; `out` is there for a flash-style kernel, whose row sums sum(g * out) replace
+    sum(P dP) (the NumPy kernel and the legalized form use P itself, not the rounded out).
+    GQA: dk, dv sum their query heads."""
     o = _attention_meta(s[:3] + s[5:], a)
     for t, nm in ((s[3], "out"), (s[4], "g")):
         if t.dims != o.dims:
