@@ -269,6 +269,15 @@ def infer(name: str, shapes: list, attrs_: dict) -> tuple:
                          f"{[str(s) for s in shapes]}: {type(e).__name__}: {e}") from None
 
 
+def step_dtypes(program, in_dtypes: list) -> list:
+    """The dtype of every step of an elementwise program (fused_elementwise's) on inputs of
+    `in_dtypes`, inferred as the unfused ops would be."""
+    dts = list(in_dtypes)
+    for op_name, attrs_, args in program:
+        dts.append(infer(op_name, [Shape((), dts[i]) for i in args], dict(attrs_))[0].dtype)
+    return dts[len(in_dtypes):]
+
+
 # ----------------------------------------------------------------- helpers for metas
 def _float(s: Shape, what: str) -> None:
     if not (s.dtype.is_float or s.dtype.is_complex):

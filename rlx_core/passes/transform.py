@@ -6,9 +6,8 @@ import numpy as np
 
 from ..ir.dtype import DType
 from ..ir.graph import Builder, Graph
-from ..ir.ops import get_op, infer
+from ..ir.ops import get_op, step_dtypes
 from ..ir.rewrite import copy_node, rewrite
-from ..ir.shape import Shape
 
 HOISTED = "__hoisted."
 
@@ -111,15 +110,6 @@ def _exact_in(value, dt: DType) -> bool:
     return bool(np.all(v.astype(dt.np).astype(v.dtype) == v))
 
 
-def _program_dtype(program, in_dtypes: list) -> DType:
-    """The dtype a fused elementwise program computes from inputs of `in_dtypes` (its steps
-    inferred as the unfused ops would be)."""
-    dts = list(in_dtypes)
-    for op, attrs_, args in program:
-        dts.append(infer(op, [Shape((), dts[k]) for k in args], dict(attrs_))[0].dtype)
-    return dts[-1]
-
-
 def to_precision(g: Graph, compute: DType) -> Graph:
     """Run the graph in `compute` (f16/bf16): float params and states change dtype (params
     are converted when bound), float inputs are cast on entry and outputs cast back, so the
@@ -152,7 +142,7 @@ def to_precision(g: Graph, compute: DType) -> Graph:
             if at:
                 ins = [m.cast(v, compute) if j in at else v for j, v in enumerate(ins)]
             if node.op == "fused_elementwise":     # its dtype attr was fixed when it was fused
-                dt = _program_dtype(node.a["program"], [v.dtype for v in ins])
+                dt = step_dtypes(node.a["program"], [v.dtype for v in ins])[-1]
                 return m.add("fused_elementwise", tuple(ins), program=node.a["program"], dtype=dt.value)
             if at:
                 return copy_node(m, node, ins)

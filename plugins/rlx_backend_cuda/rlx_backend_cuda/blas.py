@@ -18,10 +18,7 @@ WORKSPACE = 32 << 20
 
 def _find_lib() -> str:
     device.cupy().cuda.device.get_cublas_handle()          # makes CuPy load libcublas
-    path = device.loaded_library("libcublas.so", "libhipblas.so")
-    if path is None:
-        raise BackendError("cuda backend: cannot find the cuBLAS library CuPy loaded")
-    return path
+    return device.required_library("cuBLAS", "libcublas.so", "libhipblas.so")
 
 
 class Lib:

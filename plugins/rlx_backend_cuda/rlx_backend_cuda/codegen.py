@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from rlx_core.ir.dtype import BF16, BOOL, C64, F16, F32, F64, I64, DType
 from rlx_core.ir.errors import BackendError
-from rlx_core.ir.ops import infer
-from rlx_core.ir.shape import Shape
+from rlx_core.ir.ops import step_dtypes
 
 LOW = (F16, BF16)
 CT = {  # the C type a value of each dtype is computed in
@@ -161,15 +160,6 @@ def emit_op(op: str, a: dict, args: list, out: DType, lines: list, tmp: str) -> 
     raise BackendError(f"cuda backend: {op!r} is not an elementwise op")
 
 
-def step_dtypes(program, in_dtypes: list) -> list:
-    """The dtype of every step of a program, inferred like the unfused graph would."""
-    dts = list(in_dtypes)
-    for op, attrs_, args in program:
-        s = infer(op, [Shape((), dts[i]) for i in args], dict(attrs_))
-        dts.append(s[0].dtype)
-    return dts[len(in_dtypes):]
-
-
 def collapse(shape: tuple, strides: list) -> tuple:
     """Drop size-1 dims and merge adjacent dims every operand walks contiguously.
     `strides` is a list (one per operand) of per-dim element strides."""
@@ -274,4 +264,4 @@ def copy16_source(rank: int) -> str:
         "    dst[od] = src[os];\n  }\n}\n")
 
 
-__all__ = ["elementwise_source", "copy16_source", "collapse", "ctype", "acc_of", "conv", "emit_op", "step_dtypes"]
+__all__ = ["elementwise_source", "copy16_source", "collapse", "ctype", "acc_of", "conv", "emit_op"]

@@ -254,6 +254,14 @@ def loaded_library(*prefixes: str) -> str | None:
     return None
 
 
+def required_library(what: str, *prefixes: str) -> str:
+    """loaded_library(*prefixes), or a BackendError saying CuPy did not load `what`."""
+    path = loaded_library(*prefixes)
+    if path is None:
+        raise BackendError(f"cuda backend: cannot find the {what} library CuPy loaded")
+    return path
+
+
 def env_flag(name: str, default: bool) -> bool:
     v = os.environ.get(name)
     if v is None or v == "":

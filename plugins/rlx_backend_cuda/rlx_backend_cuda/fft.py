@@ -29,10 +29,7 @@ def _find_lib() -> str:
         import cupy.cuda.cufft  # noqa: F401  (makes CuPy load libcufft)
     except ImportError as e:
         raise BackendError(f"cuda backend: FFT ops need CuPy's cuFFT module: {e}") from None
-    path = device.loaded_library("libcufft.so")
-    if path is None:
-        raise BackendError("cuda backend: cannot find the cuFFT library CuPy loaded")
-    return path
+    return device.required_library("cuFFT", "libcufft.so")
 
 
 class Lib:

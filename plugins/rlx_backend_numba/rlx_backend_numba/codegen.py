@@ -30,8 +30,7 @@ from rlx_core.cache import cache_dir as rlx_cache_dir
 from rlx_core.cache import code_fingerprint
 from rlx_core.ir.dtype import BOOL, F32, F64, DType
 from rlx_core.ir.errors import BackendError
-from rlx_core.ir.ops import infer
-from rlx_core.ir.shape import Shape
+from rlx_core.ir.ops import step_dtypes
 
 NATIVE = (F32, F64, BOOL)         # dtypes generated kernels compute in; others run on numpy
 CHUNK = 8192                      # columns per row when the output is walked flat
@@ -71,14 +70,6 @@ def _sub(template: str, **names) -> str:
     for k, v in names.items():
         template = re.sub(rf"\b{k}\b", v, template)
     return template
-
-
-def step_dtypes(program, in_dtypes: list) -> list:
-    """The dtype of every step, inferred as the unfused graph would."""
-    dts = list(in_dtypes)
-    for op, attrs_, args in program:
-        dts.append(infer(op, [Shape((), dts[i]) for i in args], dict(attrs_))[0].dtype)
-    return dts[len(in_dtypes):]
 
 
 def _conv(var: str, src: DType, dst: DType) -> str:
@@ -391,4 +382,4 @@ def with_epilogue(mm, out: np.ndarray, bias: list, act: str):
 
 __all__ = ["ACT", "ACT_F32", "epilogue_step",
            "BINARY", "COMPARE", "elementwise_source", "elementwise_step", "load_source",
-           "plan_operands", "cache_dir", "step_dtypes", "with_epilogue"]
+           "plan_operands", "cache_dir", "with_epilogue"]

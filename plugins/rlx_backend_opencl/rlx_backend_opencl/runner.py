@@ -668,16 +668,9 @@ class OpenCLRunner(Runner):
 
     # -- FFT (K.FFT): a row in local memory when 2 x n float2 fit, else one launch per stage
     def _op_fft(self, i, a, ins, outs, what):
-        self._fft("fft", a, ins[0], outs[0], what)
+        self._fft(self.graph.nodes[i].op, a, ins[0], outs[0], what)
 
-    def _op_ifft(self, i, a, ins, outs, what):
-        self._fft("ifft", a, ins[0], outs[0], what)
-
-    def _op_rfft(self, i, a, ins, outs, what):
-        self._fft("rfft", a, ins[0], outs[0], what)
-
-    def _op_irfft(self, i, a, ins, outs, what):
-        self._fft("irfft", a, ins[0], outs[0], what)
+    _op_ifft = _op_rfft = _op_irfft = _op_fft
 
     def _fft(self, op, a, x, y, what):
         mode, inverse = FFT_OPS[op]
