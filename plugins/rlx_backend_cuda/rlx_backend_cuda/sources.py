@@ -1064,18 +1064,33 @@ __device__ __forceinline__ void rlx_load_tile(unsigned short* dst, const $T* src
 __device__ __forceinline__ void rlx_load_tile_async(unsigned short* dst, const $T* src, long long rstride,
     i64 row0, i64 nrows, int tid) {
   // rlx_load_tile by cp.async (16 bytes a copy, rows past nrows zero-filled): the copies run
-  // while the warps compute; the caller commits the group and waits for it
+  // while the warps compute; the caller commits the group and waits for it. A thread copies
+  // the same 16-byte column of every RSTEP-th row: its addresses advance by one add a copy
 #if $VEC
-  for (int idx = tid; idx < BN * ($D / 8); idx += 128) {
-    const int r = idx / ($D / 8), c = (idx % ($D / 8)) * 8;
-    const bool ok = row0 + r < nrows;
-    const unsigned s = (unsigned)__cvta_generic_to_shared(dst + r * LDS + c);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(s), "l"(ok ? src + (row0 + r) * rstride + c : src), "r"(ok ? 16 : 0));
+  constexpr int CPR = $D / 8, RSTEP = 128 / CPR;
+  if (tid >= RSTEP * CPR) return;
+  const int r0 = tid / CPR, c = (tid % CPR) * 8;
+  const int lim = (int)min((i64)BN, nrows - row0);
+  const $T* p = src + (row0 + r0) * rstride + c;
+  const i64 step = (i64)RSTEP * rstride;
+  unsigned s = (unsigned)__cvta_generic_to_shared(dst + r0 * LDS + c);
+#pragma unroll
+  for (int i = 0; i < (BN + RSTEP - 1) / RSTEP; ++i, p += step, s += RSTEP * LDS * 2) {
+    const int r = r0 + i * RSTEP;
+    if (BN % RSTEP != 0 && r >= BN) break;
+    const bool ok = r < lim;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(ok ? p : src), "r"(ok ? 16 : 0));
   }
 #else
   rlx_load_tile(dst, src, rstride, row0, nrows, tid);
 #endif
+}
+__device__ __forceinline__ float rlx_exp2(float x) {
+  // 2^x in one MUFU instruction (exp2f adds a denormal fix-up around it; a probability
+  // under 2^-126 is 0 to the bf16/f16 P.V product anyway)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 #define RLX_CP_COMMIT() asm volatile("cp.async.commit_group;\n" ::: "memory")
 #define RLX_CP_WAIT1() asm volatile("cp.async.wait_group 1;\n" ::: "memory")
@@ -1145,21 +1160,23 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
         rlx_mma(s[nt], qf[ks + 1], kb[2], kb[3]);
       }
     }
-    // scores in log2 units (exp2 below): a tile every query row sees whole (no mask input,
-    // no softcap, in range, below the causal diagonal) is only scaled
+    // scores in log2 units (exp2 below). A tile every query row sees whole (no mask input,
+    // no softcap, in range, below the causal diagonal) keeps raw scores: the scale is folded
+    // into the exponent's multiply-add (sm), and the row max of raw scores, scaled, is the max
     float mx[2] = {-RLX_INF, -RLX_INF};
-    const bool whole = $MASKMODE == 0 && cap_d == 0.0 && kt + BN <= Sk && q0 + BM <= Sq &&
+    const bool whole = $MASKMODE == 0 && cap_d == 0.0 && scale_d > 0.0 && kt + BN <= Sk && q0 + BM <= Sq &&
                        ($MASKKIND == 0 || ($MASKKIND == 1 && kt + BN - 1 <= p0 + q0));
+    float sm = scale2;
     if (whole) {
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[nt][e] *= scale2;
-          mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-        }
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
       }
+      mx[0] *= sm;
+      mx[1] *= sm;
     } else {
+      sm = 1.f;
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -1181,26 +1198,39 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
         }
       }
     }
-    float alpha[2], muse[2];
+    // The running max moves only when a row's max grows past it by 2^8 (any row of the
+    // warp: the branch is uniform): until then P = 2^(s - max) stays under 256 and O and l
+    // need no rescale; the quotient O / l is the same for any max
+    float muse[2];
+    bool grow = false;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       mx[r] = fmaxf(mx[r], SHFL_XOR(mx[r], 1));
       mx[r] = fmaxf(mx[r], SHFL_XOR(mx[r], 2));
-      const float mn = fmaxf(mrow[r], mx[r]);
-      muse[r] = (mn > -RLX_INF) ? mn : 0.f;
-      alpha[r] = exp2f(mrow[r] - muse[r]);
-      mrow[r] = mn;
-      lrow[r] *= alpha[r];
+      grow |= mx[r] > mrow[r] + 8.f;
+    }
+    if (__any_sync(0xffffffffu, grow)) {
+      float alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float mn = fmaxf(mrow[r], mx[r]);
+        const float mu = (mn > -RLX_INF) ? mn : 0.f;
+        alpha[r] = rlx_exp2(mrow[r] - mu);
+        mrow[r] = mn;
+        lrow[r] *= alpha[r];
+      }
+#pragma unroll
+      for (int dt = 0; dt < $D / 8; ++dt) {
+        o[dt][0] *= alpha[0]; o[dt][1] *= alpha[0]; o[dt][2] *= alpha[1]; o[dt][3] *= alpha[1];
+      }
     }
 #pragma unroll
-    for (int dt = 0; dt < $D / 8; ++dt) {
-      o[dt][0] *= alpha[0]; o[dt][1] *= alpha[0]; o[dt][2] *= alpha[1]; o[dt][3] *= alpha[1];
-    }
+    for (int r = 0; r < 2; ++r) muse[r] = (mrow[r] > -RLX_INF) ? mrow[r] : 0.f;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float p = exp2f(s[nt][e] - muse[e >> 1]);
+        const float p = rlx_exp2(fmaf(s[nt][e], sm, -muse[e >> 1]));
         s[nt][e] = p;
         lrow[e >> 1] += p;
       }
