@@ -137,10 +137,12 @@ def _source_line(source: str, log: str) -> str:
     return ""
 
 
-def kernel(source: str, name: str, op: str):
+def kernel(source: str, name: str, op: str, dynamic_smem: int = 0):
     """The compiled function `name` of `source` (compiled once per process, NVRTC's disk
     cache across processes), launched as `fn(grid, block, args, shared_mem, stream)`. A
-    compile error is a BackendError naming the op and the line."""
+    compile error is a BackendError naming the op and the line. `dynamic_smem`: the bytes of
+    dynamic shared memory its launches take (above 48 KB a kernel must opt in; the source
+    fixes the size, so once per compile)."""
     key = (hashlib.sha1(source.encode()).hexdigest(), name)
     fn = _KERNELS.get(key)
     if fn is not None:
@@ -154,6 +156,12 @@ def kernel(source: str, name: str, op: str):
         log = str(e)
         raise BackendError(f"cuda backend: compiling kernel {name!r} for op {op!r} failed:\n"
                            f"{log.strip()[:2000]}{_source_line(source, log)}") from None
+    if dynamic_smem > 48 * 1024:
+        try:
+            raw.max_dynamic_shared_size_bytes = dynamic_smem
+        except Exception as e:
+            raise BackendError(f"cuda backend: kernel {name!r} for op {op!r} needs {dynamic_smem} bytes of "
+                               f"shared memory: {e}") from None
     # (raw.kernel: the launchable cupy.cuda.function.Function)
     fn = _KERNELS[key] = Kernel(raw.kernel, name) if dependent_launch() else raw.kernel
     return fn

@@ -26,6 +26,11 @@ i32, i64, f64 = np.int32, np.int64, np.float64
 # 1B-shape decode, batch 1..64 at ctx 384 and 2048: 2 loads beat 1 and 4 by up to 1.4x at batch
 # 32-64, 128 threads beat 64 and 256, 2 blocks per SM beat 1 and 4 at batch 8-32)
 ATTN_BLOCKS_PER_SM = 2
+# the tensor-core attention's warps take 2 m-tiles of 16 query rows (a block 128 rows) where
+# that still gives this many blocks per SM, else 1. FLUX's 1x24x4608x128 on the H200: 0.885
+# against 1.029 ms (each K/V tile feeds twice the rows); 1x24x1024x64 (192 blocks of 128
+# rows): 0.039 against 0.033 ms
+ATTN_TC_MIN_BLOCKS_PER_SM = 2
 ATTN_THREADS = sources.ATTN_THREADS
 ATTN_LOADS = sources.ATTN_LOADS
 ATTN_MIN_CHUNK = 64
@@ -1001,16 +1006,18 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
             and tuple(b.cc) >= (8, 0) and Sq >= 16):
         vec = all(t.arr.data.ptr % 16 == 0 for t in (q, k, v)) and all(
             s % 8 == 0 for s in qs[:3] + ks[:3] + vs[:3])
+        mt = 2 if -(-Sq // 128) * H * B >= ATTN_TC_MIN_BLOCKS_PER_SM * b.sms else 1
         src = sources.render(sources.ATTN_TC, T=ctype(q.dt), MMAT="bf16" if q.dt is BF16 else "f16",
-                             D=Dk, VEC=int(vec), **common)
-        fn = b.kernel(src, "rlx_attn_tc")
+                             D=Dk, VEC=int(vec), MT=mt, **common)
+        smem = sources.attn_tc_smem(Dk, mt)
+        fn = b.kernel(src, "rlx_attn_tc", smem)
         args = (q.arr, i64(qs[0]), i64(qs[1]), i64(qs[2]), k.arr, i64(ks[0]), i64(ks[1]), i64(ks[2]),
                 v.arr, i64(vs[0]), i64(vs[1]), i64(vs[2]), mv, *[i64(s) for s in mst], pv.arr if pv else None,
                 out.arr, i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk), scale, cap, window)
-        grid, block, stream = ((Sq + 63) // 64, H, B), (128,), b.stream
+        grid, block, stream = (-(-Sq // (64 * mt)), H, B), (128,), b.stream
 
         def tc_run():
-            fn(grid, block, args, 0, stream)
+            fn(grid, block, args, smem, stream)
         tc = tc_run
     # split-K kernel (always built: the decode path, f32/f64, and the TC fallback)
     acc = "double" if F64 in (q.dt, k.dt, v.dt) else "float"

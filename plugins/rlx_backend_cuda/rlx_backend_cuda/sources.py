@@ -1011,12 +1011,16 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_split(
 
 # Flash-style prefill on tensor cores (f16/bf16, head_dim D % 16 == 0, D <= 128):
 # FlashAttention-2 register layout with mma.sync.m16n8k16 (f32 accumulate). Block = 4
-# warps x 16 query rows of one head; 64-key tiles of K and V staged in shared memory;
-# S = Q K^T and the online softmax stay in registers; P is re-packed to A fragments. K's and
-# V's B fragments come from shared memory by ldmatrix (V's transposed): V read one 16-bit
-# element at a time took 2.40 against 1.91 ms (FLUX's 4608-token, 24-head attention, H100).
+# warps x MT m-tiles of 16 query rows of one head (warp w takes rows mt * 64 + w * 16..);
+# Q and 64-key tiles of K and V staged in shared memory (dynamic: attn_tc_smem bytes);
+# S = Q K^T and the online softmax stay in registers; P is re-packed to A fragments. Q's A
+# and K's and V's B fragments come from shared memory by ldmatrix (V's transposed), each K
+# and V fragment feeding the MT m-tiles. With MT = 2 a block reads each K/V tile for 128
+# query rows. V read one 16-bit element at a time took 2.40 against 1.91 ms (FLUX's
+# 4608-token, 24-head attention, H100).
 ATTN_TC = ATTN_MASK + r"""
-#define BM 64
+#define MT $MT
+#define BM (64 * MT)
 #define BN 64
 #define LDS ($D + 8)
 #define RLX_LOG2E 1.4426950408889634f
@@ -1043,17 +1047,17 @@ __device__ __forceinline__ u32 rlx_pack(float lo, float hi) {
   return (u32)(*(unsigned short*)&l) | ((u32)(*(unsigned short*)&h) << 16);
 }
 __device__ __forceinline__ void rlx_load_tile(unsigned short* dst, const $T* src, long long rstride,
-    i64 row0, i64 nrows, int tid) {
-  // rows row0..row0+BN-1 of a [rows, D] strided matrix into dst[BN][LDS]; rows past nrows are 0
+    i64 row0, i64 nrows, int tid, int nr = BN) {
+  // rows row0..row0+nr-1 of a [rows, D] strided matrix into dst[nr][LDS]; rows past nrows are 0
 #if $VEC
-  for (int idx = tid; idx < BN * ($D / 8); idx += 128) {
+  for (int idx = tid; idx < nr * ($D / 8); idx += 128) {
     const int r = idx / ($D / 8), c = (idx % ($D / 8)) * 8;
     uint4 val = make_uint4(0, 0, 0, 0);
     if (row0 + r < nrows) val = *(const uint4*)(src + (row0 + r) * rstride + c);
     *(uint4*)(dst + r * LDS + c) = val;
   }
 #else
-  for (int idx = tid; idx < BN * $D; idx += 128) {
+  for (int idx = tid; idx < nr * $D; idx += 128) {
     const int r = idx / $D, c = idx % $D;
     unsigned short val = 0;
     if (row0 + r < nrows) val = *(const unsigned short*)(src + (row0 + r) * rstride + c);
@@ -1101,8 +1105,10 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
     const $TM* __restrict__ mask, long long m0, long long m1, long long m2, long long m3,
     const $TP* __restrict__ pos, $T* __restrict__ out,
     int B, int H, int KVH, int Sq, int Sk, double scale_d, double cap_d, int window) {
-  __shared__ __align__(16) unsigned short Ks[BN * LDS];
-  __shared__ __align__(16) unsigned short Vs[BN * LDS];
+  extern __shared__ __align__(16) unsigned short rlx_smem[];
+  unsigned short* Ks = rlx_smem;                  // [BN][LDS]
+  unsigned short* Vs = rlx_smem + BN * LDS;       // [BN][LDS]
+  unsigned short* Qs = rlx_smem + 2 * BN * LDS;   // [BM][LDS]
   const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int G = H / KVH, kvh = h / G;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
@@ -1113,126 +1119,146 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
 #else
   const i64 p0 = (i64)(Sk - Sq);
 #endif
-  // Q tile -> registers (A fragments), staged through Ks
-  rlx_load_tile(Ks, q + b * qsb + h * qsh, qss, q0, Sq, tid);
-  __syncthreads();
-  u32 qf[$D / 16][4];
+  rlx_load_tile(Qs, q + b * qsb + h * qsh, qss, q0, Sq, tid, BM);
+  float o[MT][$D / 8][4];
 #pragma unroll
-  for (int ks = 0; ks < $D / 16; ++ks) {
-    const int c = ks * 16 + tg * 2, r = warp * 16 + g;
-    qf[ks][0] = *(const u32*)(Ks + r * LDS + c);
-    qf[ks][1] = *(const u32*)(Ks + (r + 8) * LDS + c);
-    qf[ks][2] = *(const u32*)(Ks + r * LDS + c + 8);
-    qf[ks][3] = *(const u32*)(Ks + (r + 8) * LDS + c + 8);
-  }
-  __syncthreads();
-  float o[$D / 8][4];
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-  for (int dt = 0; dt < $D / 8; ++dt) { o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f; }
-  float mrow[2] = {-RLX_INF, -RLX_INF}, lrow[2] = {0.f, 0.f};
-  const i64 qi[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
-  const i64 qp[2] = {p0 + qi[0], p0 + qi[1]};
+    for (int dt = 0; dt < $D / 8; ++dt) { o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.f; }
+  float mrow[MT][2], lrow[MT][2];
+  i64 qi[MT][2], qp[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mrow[mt][r] = -RLX_INF;
+      lrow[mt][r] = 0.f;
+      qi[mt][r] = q0 + mt * 64 + warp * 16 + g + 8 * r;
+      qp[mt][r] = p0 + qi[mt][r];
+    }
   const i64 qlast = min(q0 + BM, (i64)Sq) - 1;
   i64 kend = Sk, kbeg = 0;
   if ($MASKKIND >= 1) kend = min((i64)Sk, p0 + qlast + 1);
   if ($MASKKIND == 2) kbeg = max((i64)0, p0 + q0 - window + 1);
   const $T* kb = k + b * ksb + kvh * ksh;
   const $T* vb = v + b * vsb + kvh * vsh;
+  // Q's A fragments: lanes 0-15 address rows 0-15 of the m-tile at column 0, lanes 16-31 at 8
+  const unsigned short* qrow = Qs + (warp * 16 + (lane & 15)) * LDS + (lane >> 4) * 8;
   // pipeline: V's tile loads while S = Q K^T and the softmax run, the next K tile while P V runs
   if (kbeg < kend) rlx_load_tile_async(Ks, kb, kss, kbeg, Sk, tid);
   RLX_CP_COMMIT();
   for (i64 kt = kbeg; kt < kend; kt += BN) {
     rlx_load_tile_async(Vs, vb, vss, kt, Sk, tid);
     RLX_CP_COMMIT();
-    RLX_CP_WAIT1();                                 // this K tile has landed
+    RLX_CP_WAIT1();                                 // this K tile has landed (and Q, first time)
     __syncthreads();
-    float s[8][4];
+    float s[MT][BN / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-      // K's B fragments for two k-steps at once: keys nt*8.. +7, head dims ks*16.. +31
-      const unsigned short* krow = Ks + (nt * 8 + (lane & 7)) * LDS + (lane >> 3) * 8;
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int ks = 0; ks < $D / 16; ks += 2) {
-        u32 kb[4];
-        rlx_ldm_x4(kb, krow + ks * 16);
-        rlx_mma(s[nt], qf[ks], kb[0], kb[1]);
-        rlx_mma(s[nt], qf[ks + 1], kb[2], kb[3]);
+      for (int nt = 0; nt < BN / 8; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < $D / 16; ks += 2) {
+      u32 qa[MT][2][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        rlx_ldm_x4(qa[mt][0], qrow + mt * 64 * LDS + ks * 16);
+        rlx_ldm_x4(qa[mt][1], qrow + mt * 64 * LDS + ks * 16 + 16);
+      }
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+        // K's B fragments for two k-steps at once: keys nt*8.. +7, head dims ks*16.. +31
+        u32 kf[4];
+        rlx_ldm_x4(kf, Ks + (nt * 8 + (lane & 7)) * LDS + (lane >> 3) * 8 + ks * 16);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          rlx_mma(s[mt][nt], qa[mt][0], kf[0], kf[1]);
+          rlx_mma(s[mt][nt], qa[mt][1], kf[2], kf[3]);
+        }
       }
     }
     // scores in log2 units (exp2 below). A tile every query row sees whole (no mask input,
     // no softcap, in range, below the causal diagonal) keeps raw scores: the scale is folded
     // into the exponent's multiply-add (sm), and the row max of raw scores, scaled, is the max
-    float mx[2] = {-RLX_INF, -RLX_INF};
     const bool whole = $MASKMODE == 0 && cap_d == 0.0 && scale_d > 0.0 && kt + BN <= Sk && q0 + BM <= Sq &&
                        ($MASKKIND == 0 || ($MASKKIND == 1 && kt + BN - 1 <= p0 + q0));
-    float sm = scale2;
-    if (whole) {
+    const float sm = whole ? scale2 : 1.f;
+    float mx[MT][2];
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
+    for (int mt = 0; mt < MT; ++mt) {
+      mx[mt][0] = mx[mt][1] = -RLX_INF;
+      if (whole) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-      }
-      mx[0] *= sm;
-      mx[1] *= sm;
-    } else {
-      sm = 1.f;
+        for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
+          for (int e = 0; e < 4; ++e) mx[mt][e >> 1] = fmaxf(mx[mt][e >> 1], s[mt][nt][e]);
+        }
+        mx[mt][0] *= sm;
+        mx[mt][1] *= sm;
+      } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int rsel = e >> 1;
-          const i64 j = kt + nt * 8 + tg * 2 + (e & 1);
-          float x = s[nt][e] * scale;
-          if (cap_d != 0.0) x = tanhf(x / cap) * cap;
-          bool keep = (j < Sk) && (qi[rsel] < Sq);
-          RLX_KEEP(qp[rsel], j, keep);
+        for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int rsel = e >> 1;
+            const i64 j = kt + nt * 8 + tg * 2 + (e & 1);
+            float x = s[mt][nt][e] * scale;
+            if (cap_d != 0.0) x = tanhf(x / cap) * cap;
+            bool keep = (j < Sk) && (qi[mt][rsel] < Sq);
+            RLX_KEEP(qp[mt][rsel], j, keep);
 #if $MASKMODE == 1
-          if (keep) keep = mask[b * m0 + h * m1 + qi[rsel] * m2 + j * m3] != 0;
+            if (keep) keep = mask[b * m0 + h * m1 + qi[mt][rsel] * m2 + j * m3] != 0;
 #elif $MASKMODE == 2
-          if (keep) x = x + tof(mask[b * m0 + h * m1 + qi[rsel] * m2 + j * m3]);
+            if (keep) x = x + tof(mask[b * m0 + h * m1 + qi[mt][rsel] * m2 + j * m3]);
 #endif
-          x = keep ? x * RLX_LOG2E : -RLX_INF;
-          s[nt][e] = x;
-          mx[rsel] = x > mx[rsel] ? x : mx[rsel];
+            x = keep ? x * RLX_LOG2E : -RLX_INF;
+            s[mt][nt][e] = x;
+            mx[mt][rsel] = x > mx[mt][rsel] ? x : mx[mt][rsel];
+          }
         }
       }
     }
     // The running max moves only when a row's max grows past it by 2^8 (any row of the
     // warp: the branch is uniform): until then P = 2^(s - max) stays under 256 and O and l
     // need no rescale; the quotient O / l is the same for any max
-    float muse[2];
     bool grow = false;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], SHFL_XOR(mx[r], 1));
-      mx[r] = fmaxf(mx[r], SHFL_XOR(mx[r], 2));
-      grow |= mx[r] > mrow[r] + 8.f;
-    }
-    if (__any_sync(0xffffffffu, grow)) {
-      float alpha[2];
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float mn = fmaxf(mrow[r], mx[r]);
-        const float mu = (mn > -RLX_INF) ? mn : 0.f;
-        alpha[r] = rlx_exp2(mrow[r] - mu);
-        mrow[r] = mn;
-        lrow[r] *= alpha[r];
+        mx[mt][r] = fmaxf(mx[mt][r], SHFL_XOR(mx[mt][r], 1));
+        mx[mt][r] = fmaxf(mx[mt][r], SHFL_XOR(mx[mt][r], 2));
+        grow |= mx[mt][r] > mrow[mt][r] + 8.f;
       }
+    if (__any_sync(0xffffffffu, grow)) {
 #pragma unroll
-      for (int dt = 0; dt < $D / 8; ++dt) {
-        o[dt][0] *= alpha[0]; o[dt][1] *= alpha[0]; o[dt][2] *= alpha[1]; o[dt][3] *= alpha[1];
+      for (int mt = 0; mt < MT; ++mt) {
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float mn = fmaxf(mrow[mt][r], mx[mt][r]);
+          alpha[r] = rlx_exp2(mrow[mt][r] - ((mn > -RLX_INF) ? mn : 0.f));
+          mrow[mt][r] = mn;
+          lrow[mt][r] *= alpha[r];
+        }
+#pragma unroll
+        for (int dt = 0; dt < $D / 8; ++dt) {
+          o[mt][dt][0] *= alpha[0]; o[mt][dt][1] *= alpha[0]; o[mt][dt][2] *= alpha[1]; o[mt][dt][3] *= alpha[1];
+        }
       }
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) muse[r] = (mrow[r] > -RLX_INF) ? mrow[r] : 0.f;
+    for (int mt = 0; mt < MT; ++mt) {
+      const float mu0 = mrow[mt][0] > -RLX_INF ? mrow[mt][0] : 0.f;
+      const float mu1 = mrow[mt][1] > -RLX_INF ? mrow[mt][1] : 0.f;
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+      for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float p = rlx_exp2(fmaf(s[nt][e], sm, -muse[e >> 1]));
-        s[nt][e] = p;
-        lrow[e >> 1] += p;
+        for (int e = 0; e < 4; ++e) {
+          const float p = rlx_exp2(fmaf(s[mt][nt][e], sm, -(e < 2 ? mu0 : mu1)));
+          s[mt][nt][e] = p;
+          lrow[mt][e >> 1] += p;
+        }
       }
     }
     __syncthreads();                                // every warp is done with this K tile
@@ -1241,43 +1267,55 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
     RLX_CP_WAIT1();                                 // this V tile has landed
     __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      u32 a[4];
-      a[0] = rlx_pack(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = rlx_pack(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = rlx_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = rlx_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      u32 a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = rlx_pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = rlx_pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = rlx_pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = rlx_pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
       // V's B fragments for two column tiles at once: keys kk*16.. +15, columns dt*8.. +15
       const unsigned short* vrow = Vs + (kk * 16 + (lane & 7) + (lane & 8)) * LDS + (lane >> 4) * 8;
 #pragma unroll
       for (int dt = 0; dt < $D / 8; dt += 2) {
-        u32 vb[4];
-        rlx_ldm_x4_trans(vb, vrow + dt * 8);
-        rlx_mma(o[dt], a, vb[0], vb[1]);
-        rlx_mma(o[dt + 1], a, vb[2], vb[3]);
+        u32 vf[4];
+        rlx_ldm_x4_trans(vf, vrow + dt * 8);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          rlx_mma(o[mt][dt], a[mt], vf[0], vf[1]);
+          rlx_mma(o[mt][dt + 1], a[mt], vf[2], vf[3]);
+        }
       }
     }
     __syncthreads();
   }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    lrow[r] += SHFL_XOR(lrow[r], 1);
-    lrow[r] += SHFL_XOR(lrow[r], 2);
-  }
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (qi[r] >= Sq) continue;
-    const float inv = lrow[r] > 0.f ? 1.f / lrow[r] : 0.f;
-    $T* orow = out + (((i64)b * H + h) * Sq + qi[r]) * $D;
+    for (int r = 0; r < 2; ++r) {
+      float l = lrow[mt][r];
+      l += SHFL_XOR(l, 1);
+      l += SHFL_XOR(l, 2);
+      if (qi[mt][r] >= Sq) continue;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      $T* orow = out + (((i64)b * H + h) * Sq + qi[mt][r]) * $D;
 #pragma unroll
-    for (int dt = 0; dt < $D / 8; ++dt) {
-      const int c = dt * 8 + tg * 2;
-      orow[c] = ST($T, o[dt][2 * r] * inv);
-      orow[c + 1] = ST($T, o[dt][2 * r + 1] * inv);
+      for (int dt = 0; dt < $D / 8; ++dt) {
+        const int c = dt * 8 + tg * 2;
+        orow[c] = ST($T, o[mt][dt][2 * r] * inv);
+        orow[c + 1] = ST($T, o[mt][dt][2 * r + 1] * inv);
+      }
     }
-  }
 }
 """
+
+
+def attn_tc_smem(D: int, MT: int) -> int:
+    """Dynamic shared memory of ATTN_TC: the K and V tiles and the Q rows (16-bit, padded rows)."""
+    return (2 * 64 + 64 * MT) * (D + 8) * 2
+
 
 # --------------------------------------------------------------------------- matmul helpers
 # Decode GEMV: y[M, N] = x[M, K] @ W[N, K]^T for small M, 16-bit data: one warp per $R

@@ -274,15 +274,24 @@ ATTN_CASES = [
     (2, 4, 2, 17, 17, 64, "causal", 0, 30.0, "bias", False),
     (1, 2, 2, 5, 9, 40, "none", 0, 0.0, None, False),
     (1, 8, 8, 64, 64, 96, "bias", 0, 0.0, "bias", False),
+    # 128 query rows and more: the tensor-core kernel's blocks of 2 m-tiles a warp
+    (1, 4, 2, 200, 200, 128, "causal", 0, 0.0, None, False),
+    (1, 2, 2, 160, 300, 64, "none", 0, 30.0, "bool", True),
+    (1, 2, 1, 130, 130, 96, "sliding_window", 50, 0.0, "bias", False),
+    (1, 2, 2, 256, 256, 128, "none", 0, 0.0, None, False),
 ]
 
 
 @gpu
 @pytest.mark.parametrize("dt", FLOATS)
 @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"{c[6]}-Sq{c[3]}-Sk{c[4]}-D{c[5]}-{c[9]}")
-@pytest.mark.parametrize("tc", [True, False])
-def test_attention(rng, dt, case, tc):
-    from rlx_backend_cuda import set_config
+@pytest.mark.parametrize("tc", ["mt1", "mt2", "off"])
+def test_attention(rng, dt, case, tc, monkeypatch):
+    """Each kernel: the tensor-core one with warps of 1 or 2 m-tiles of 16 query rows (mt1,
+    mt2; 16-bit data and 16+ query rows), and the split-K one (off)."""
+    from rlx_backend_cuda import ops, set_config
+
+    monkeypatch.setattr(ops, "ATTN_TC_MIN_BLOCKS_PER_SM", 0 if tc == "mt2" else 1 << 30)
 
     B, H, KVH, Sq, Sk, D, kind, window, cap, mask, pos = case
     ins = {"q": rand(rng, (B, H, Sq, D), dt), "k": rand(rng, (B, KVH, Sk, D), dt),
@@ -301,11 +310,33 @@ def test_attention(rng, dt, case, tc):
         mv = m.input("mask", ins["mask"].shape, BOOL if mask == "bool" else dt) if mask else None
         pv = m.input("pos", (B,), I32) if pos else None
         return m.attention(q, k, v, mv, pv, mask_kind=kind, window=window, softcap=cap)
-    set_config(tc_attention=tc)
+    set_config(tc_attention=tc != "off")
     try:
         compare(Graph.define("attn", f), ins, dt, profile=UNFUSED)
     finally:
         set_config(tc_attention=True)
+
+
+@gpu
+@pytest.mark.parametrize("dt", [F16, BF16])
+@pytest.mark.parametrize("kind", ["none", "causal"])
+@pytest.mark.parametrize("mt", [1, 2])
+def test_attention_tc_growing_scores(rng, dt, kind, mt, monkeypatch):
+    """Keys scaled up along the sequence make each query row's max grow tile after tile: the
+    tensor-core kernel rescales its running sums only when a max passes the old one by 2^8,
+    so both its branches run."""
+    from rlx_backend_cuda import ops
+
+    monkeypatch.setattr(ops, "ATTN_TC_MIN_BLOCKS_PER_SM", 0 if mt == 2 else 1 << 30)
+    B, H, S, D = 1, 2, 256, 128
+    ramp = np.linspace(0.2, 3.0, S, dtype=np.float32)[None, None, :, None]
+    ins = {"q": rand(rng, (B, H, S, D), dt), "k": (rand(rng, (B, H, S, D), F32) * ramp).astype(dt.np),
+           "v": rand(rng, (B, H, S, D), dt)}
+
+    def f(m):
+        q, k, v = (m.input(n, (B, H, S, D), dt) for n in ("q", "k", "v"))
+        return m.attention(q, k, v, mask_kind=kind)
+    compare(Graph.define("attn", f), ins, dt, profile=UNFUSED)
 
 
 DECODE_CASES = [c for c in ATTN_CASES if c[3] == 1] + [
