@@ -41,6 +41,9 @@ def catalog() -> list:
         for il in (0, 1):
             out.append((f"rope {t} {il}", S.render(S.ROPE, TX=t, TC="float", TO=t, ACC=acc, INTERLEAVED=il,
                                                    TP="int"), "rlx_rope"))
+            if t in ("__nv_bfloat16", "__half"):
+                out.append((f"rope_vec {t} {il}", S.render(S.ROPE_VEC, TX=t, TC=t, TO=t, ACC="float",
+                                                           INTERLEAVED=il), "rlx_rope_vec"))
         for mk, mm in ((1, 0), (2, 1), (0, 2)):
             common = dict(MASKKIND=mk, MASKMODE=mm, TM="bool" if mm == 1 else t, TP="long long", HAS_POS=1)
             isz = {"float": 4, "double": 8}.get(t, 2)

@@ -1107,6 +1107,8 @@ def _rope(b, jobs: list, cos: V, sin: V, style: str, pos: V | None = None, node:
     B, _, S, D = jobs[0][0].shape
     half = c.shape[-1]
     pos = b.contiguous(pos) if pos is not None else None
+    if _rope_vec(b, jobs, c, s, style, B, S, D, half):
+        return
     nax = next((o.shape[2] for _, o, _, at in jobs if at), 0)
     src = sources.render(sources.ROPE, TX=ctype(jobs[0][0].dt), TC=ctype(c.dt), TO=ctype(jobs[0][1].dt),
                          ACC=acc_of(jobs[0][0].dt), INTERLEAVED=int(style == "interleaved"),
@@ -1123,6 +1125,28 @@ def _rope(b, jobs: list, cos: V, sin: V, style: str, pos: V | None = None, node:
             args += [None, *[i64(0)] * 4, None, *[i64(0)] * 4, i32(0), i32(0), i32(0)]
     rows = B * sum(x.shape[1] for x, _, _, _ in jobs) * S
     b.launch(fn, _grid(rows, b.sms, ROPE_ROWS), (32, ROPE_ROWS), args)
+
+
+def _rope_vec(b, jobs: list, c: V, s: V, style: str, B: int, S: int, D: int, half: int) -> bool:
+    """The launch of sources.ROPE_VEC where every job ropes 16-bit rows of unit element
+    stride and 16-byte aligned starts, every element in a pair (prefill's q and k), else False."""
+    per_row = (D if style == "interleaved" else half) // 8
+    if (D != 2 * half or D % 16 or not per_row or jobs[0][0].dt not in (BF16, F16) or jobs[0][1].dt not in (BF16, F16)
+            or any(not rot or at or x.es[3] != 1 or o.es[3] != 1 for x, o, rot, at in jobs)
+            or any(e % 8 or t.arr.data.ptr % 16 for x, o, _, _ in jobs for t in (x, o) for e in t.es[:3])):
+        return False
+    src = sources.render(sources.ROPE_VEC, TX=ctype(jobs[0][0].dt), TC=ctype(c.dt), TO=ctype(jobs[0][1].dt),
+                         ACC="float", INTERLEAVED=int(style == "interleaved"))
+    args = [c.arr, s.arr, i32(B), i32(S), i32(D), i32(half), i32(len(c.shape) == 3)]
+    for k in range(3):
+        if k < len(jobs):
+            x, o, _, _ = jobs[k]
+            args += [x.arr, *[i64(v) for v in x.es[:3]], o.arr, *[i64(v) for v in o.es[:3]], i32(x.shape[1])]
+        else:
+            args += [None, *[i64(0)] * 3, None, *[i64(0)] * 3, i32(0)]
+    total = B * S * per_row * sum(x.shape[1] for x, _, _, _ in jobs)
+    b.launch(b.kernel(src, "rlx_rope_vec"), _grid(total, b.sms), (256,), args)
+    return True
 
 
 def _into_cache(b, w: int, new: V):

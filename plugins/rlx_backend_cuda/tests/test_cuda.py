@@ -250,9 +250,10 @@ def test_norms(rng, dt):
 @gpu
 @pytest.mark.parametrize("dt", FLOATS)
 @pytest.mark.parametrize("style", ["half", "interleaved"])
-@pytest.mark.parametrize("rot,batched", [(16, False), (8, True)])
-def test_rope(rng, dt, style, rot, batched):
-    B, H, S, D = 2, 3, 5, 16
+@pytest.mark.parametrize("rot,batched,D", [(16, False, 16), (8, True, 16), (64, True, 64)])
+def test_rope(rng, dt, style, rot, batched, D):
+    """Partial rotation (the generic kernel), full rotation of 16-bit rows (the vector one)."""
+    B, H, S = 2, 3, 5
     x = rand(rng, (B, S, H, D), dt)
     tshape = (B, S, rot // 2) if batched else (S, rot // 2)
     ang = rng.uniform(0, 6, size=tshape)
