@@ -602,7 +602,8 @@ def _layer_norm(b, x, r, g, bb, h, y, eps):
     src = sources.render(sources.LAYER_NORM, TX=ctype(x.dt), TR=ctype(r.dt) if r else "float",
                          TG=ctype(g.dt) if g else "float", TB=ctype(bb.dt) if bb else "float",
                          TH=ctype(h.dt) if h else "float", TO=ctype(y.dt), ACC=acc_of(*dts),
-                         HAS_R=int(r is not None), HAS_G=int(g is not None), HAS_B=int(bb is not None))
+                         HAS_R=int(r is not None), HAS_G=int(g is not None), HAS_B=int(bb is not None),
+                         VPT=_vpt(nn))
     fn = b.kernel(src, "rlx_layer_norm")
     b.launch(fn, (rows,), (_block(nn),), (xv.arr, i64(xrs), rv.arr if rv else None, i64(rrs),
                                            gv.arr if gv else None, bv.arr if bv else None,

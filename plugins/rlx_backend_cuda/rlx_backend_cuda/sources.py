@@ -279,9 +279,11 @@ LAYER_NORM = r"""
 extern "C" __global__ void rlx_layer_norm(const $TX* __restrict__ x, long long xrs,
     const $TR* __restrict__ r, long long rrs, const $TG* __restrict__ g, const $TB* __restrict__ b,
     $TH* __restrict__ h, $TO* __restrict__ y, int n, double eps_d) {
-  // HAS_R: y = layer_norm(x + r) and h = x + r (fused_residual_ln); else y = layer_norm(x)
+  // HAS_R: y = layer_norm(x + r) and h = x + r (fused_residual_ln); else y = layer_norm(x).
+  // VPT: the row is read once into registers (VPT values a thread), else once per pass
   typedef $ACC ACC;
   const i64 row = blockIdx.x;
+  const int tid = threadIdx.x, nt = blockDim.x;
   const $TX* xr = x + row * xrs;
   $TO* yr = y + row * (i64)n;
 #if $HAS_R
@@ -291,9 +293,23 @@ extern "C" __global__ void rlx_layer_norm(const $TX* __restrict__ x, long long x
 #else
 #define RLX_VAL(i) LD(ACC, xr[i])
 #endif
+#if $VPT
+  ACC vals[$VPT];
+#define RLX_EACH for (int k = 0, i = tid; k < $VPT && i < n; ++k, i += nt)
+#define RLX_GET(i) vals[k]
+#pragma unroll
+  for (int k = 0; k < $VPT; ++k) {
+    const int i = tid + k * nt;
+    vals[k] = i < n ? RLX_VAL(i) : (ACC)0;
+  }
+#else
+#define RLX_EACH for (int i = tid; i < n; i += nt)
+#define RLX_GET(i) RLX_VAL(i)
+#endif
   ACC s = 0;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    ACC v = RLX_VAL(i);
+#pragma unroll
+  RLX_EACH {
+    const ACC v = RLX_GET(i);
 #if $HAS_R
     hr[i] = ST($TH, v);
 #endif
@@ -301,10 +317,12 @@ extern "C" __global__ void rlx_layer_norm(const $TX* __restrict__ x, long long x
   }
   const ACC mean = block_sum(s) / (ACC)n;
   ACC q = 0;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) { ACC d = RLX_VAL(i) - mean; q += d * d; }
+#pragma unroll
+  RLX_EACH { const ACC d = RLX_GET(i) - mean; q += d * d; }
   const ACC den = sqrt(block_sum(q) / (ACC)n + (ACC)eps_d);
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    ACC v = (RLX_VAL(i) - mean) / den;
+#pragma unroll
+  RLX_EACH {
+    ACC v = (RLX_GET(i) - mean) / den;
 #if $HAS_G
     v = v * LD(ACC, g[i]);
 #endif
@@ -314,6 +332,8 @@ extern "C" __global__ void rlx_layer_norm(const $TX* __restrict__ x, long long x
     yr[i] = ST($TO, v);
   }
 #undef RLX_VAL
+#undef RLX_EACH
+#undef RLX_GET
 }
 """
 
