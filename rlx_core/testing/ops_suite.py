@@ -679,10 +679,11 @@ def varlen_args(rng, case, dt, heads, kv_heads, d=8, dv=6, sdt=I64) -> list:
 @covers("varlen_attention")
 @pytest.mark.parametrize("case", list(SEGMENTS))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)], ids=["mha", "gqa2"])
+@pytest.mark.parametrize("dv", [6, 40])          # (40: a multiple of 8, numba's vector kernel)
 @fdtype
-def test_varlen_attention(backend, rng, case, heads, kv_heads, dt):
+def test_varlen_attention(backend, rng, case, heads, kv_heads, dv, dt):
     sdt = I32 if heads == kv_heads else I64
-    args = varlen_args(rng, case, dt, heads, kv_heads, sdt=sdt)
+    args = varlen_args(rng, case, dt, heads, kv_heads, dv=dv, sdt=sdt)
     run_parity(backend, "varlen_attention", args, {"scale": 0.3},
                lambda q, k, v, st, ln: ref_varlen_attention(q, k, v, st, ln, scale=0.3))
 

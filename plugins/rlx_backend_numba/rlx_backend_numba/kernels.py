@@ -16,7 +16,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .cblas import sgemm
-from .simd import LANES, exp, hsum, load_f32, store_lanes, zeros
+from .simd import LANES, below, exp, fma, hmax, hsum, load_f32, store_lanes, vmax, zeros
 
 _FM = {"reassoc", "contract"}
 _OPT = dict(cache=True, error_model="numpy", fastmath=_FM)
@@ -509,6 +509,92 @@ def _varlen_task(t, q, k, v, starts, lens, o, scale, ninf):
                 acc[c] += pj * vl[j, c]
         for c in range(dv):
             o[i, h, c] = acc[c] / tot
+
+
+@njit(**_OPT)
+def _varlen_task_f32(t, q, k, v, starts, lens, o, scale, ninf):
+    """_varlen_task for float32 with Dv a multiple of 8, task t = (segment, KV head). The
+    segment's keys go transposed and zero-padded to a multiple of 32 ([D, n32]), its values
+    contiguous. A query row's scores are summed 32 keys at a time and its output 32 columns
+    at a time in four F32x8 registers, one query element or probability feeding four
+    multiply-adds. (The general task takes a horizontal sum per key and keeps its output
+    sums in memory: 4.7 GFLOP/s on MiniLM's 18-token texts.)"""
+    nh, kvh, d, dv = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
+    seg, kh = t // kvh, t % kvh
+    s0, n = starts[seg], lens[seg]
+    if n <= 0:
+        return
+    w = 4 * LANES
+    n32 = (n + w - 1) // w * w
+    n8 = (n + LANES - 1) // LANES * LANES
+    kt = np.zeros(d * n32, np.float32)
+    vl = np.empty(n * dv, np.float32)
+    p = np.empty(n32, np.float32)
+    for j in range(n):
+        for c in range(d):
+            kt[c * n32 + j] = k[s0 + j, kh, c]
+        for c in range(dv):
+            vl[j * dv + c] = v[s0 + j, kh, c]
+    g = nh // kvh
+    for h in range(kh * g, (kh + 1) * g):
+        for i in range(s0, s0 + n):
+            for jb in range(0, n32, w):
+                a0, a1, a2, a3 = zeros(), zeros(), zeros(), zeros()
+                for c in range(d):
+                    qc, at = q[i, h, c], c * n32 + jb
+                    a0 = fma(qc, load_f32(kt, at), a0)
+                    a1 = fma(qc, load_f32(kt, at + LANES), a1)
+                    a2 = fma(qc, load_f32(kt, at + 2 * LANES), a2)
+                    a3 = fma(qc, load_f32(kt, at + 3 * LANES), a3)
+                store_lanes(p, jb, a0)
+                store_lanes(p, jb + LANES, a1)
+                store_lanes(p, jb + 2 * LANES, a2)
+                store_lanes(p, jb + 3 * LANES, a3)
+            mx = zeros() + ninf                        # (vector passes: no scalar store feeds a
+            for jb in range(0, n8, LANES):             # vector load)
+                x = below(load_f32(p, jb) * scale, n - jb, ninf)     # padding keys: exp gives 0
+                store_lanes(p, jb, x)
+                mx = vmax(mx, x)
+            m = hmax(mx)
+            tot = zeros()
+            for jb in range(0, n8, LANES):
+                e = exp(load_f32(p, jb) - m)
+                store_lanes(p, jb, e)
+                tot = tot + e
+            inv = np.float32(1.0) / hsum(tot)
+            orow = o[i, h]
+            cb = 0
+            while cb + w <= dv:
+                a0, a1, a2, a3 = zeros(), zeros(), zeros(), zeros()
+                for j in range(n):
+                    pj, at = p[j], j * dv + cb
+                    a0 = fma(pj, load_f32(vl, at), a0)
+                    a1 = fma(pj, load_f32(vl, at + LANES), a1)
+                    a2 = fma(pj, load_f32(vl, at + 2 * LANES), a2)
+                    a3 = fma(pj, load_f32(vl, at + 3 * LANES), a3)
+                store_lanes(orow, cb, a0 * inv)
+                store_lanes(orow, cb + LANES, a1 * inv)
+                store_lanes(orow, cb + 2 * LANES, a2 * inv)
+                store_lanes(orow, cb + 3 * LANES, a3 * inv)
+                cb += w
+            while cb < dv:
+                a0 = zeros()
+                for j in range(n):
+                    a0 = fma(p[j], load_f32(vl, j * dv + cb), a0)
+                store_lanes(orow, cb, a0 * inv)
+                cb += LANES
+
+
+@njit(parallel=True, **_OPT)
+def varlen_f32_par(q, k, v, starts, lens, o, scale, ninf):
+    for t in prange(starts.shape[0] * k.shape[1]):
+        _varlen_task_f32(t, q, k, v, starts, lens, o, scale, ninf)
+
+
+@njit(**_OPT)
+def varlen_f32_ser(q, k, v, starts, lens, o, scale, ninf):
+    for t in range(starts.shape[0] * k.shape[1]):
+        _varlen_task_f32(t, q, k, v, starts, lens, o, scale, ninf)
 
 
 @njit(parallel=True, **_OPT)

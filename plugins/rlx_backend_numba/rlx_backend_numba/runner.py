@@ -270,8 +270,10 @@ def _varlen_attention(a, outs, protos, op=None):
         st, ln, covered = segments(starts, lens, tokens, "varlen_attention")
         if not covered:
             o.fill(0)
-        kern = _pick(K.varlen_par, K.varlen_ser, int((ln * ln).sum()) * heads * max(d, 1))
+        kern = _pick(*kerns, int((ln * ln).sum()) * heads * max(d, 1))
         kern(q, k, v, st, ln, o, scale, ninf)
+    kerns = ((K.varlen_f32_par, K.varlen_f32_ser) if o.dtype == np.float32 and v.shape[2] % 8 == 0
+             else (K.varlen_par, K.varlen_ser))
     return run
 
 

@@ -256,6 +256,39 @@ def hsum(typingctx, v):
 
 
 @intrinsic
+def hmax(typingctx, v):
+    """The largest of the eight lanes (as a tree of halves; maxnum: NaN lanes lose)."""
+    def codegen(context, builder, sig, args):
+        x, n = args[0], LANES
+        while n > 1:
+            n //= 2
+            lo = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+            hi = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+            x = call_intrinsic(builder, f"llvm.maxnum.v{n}f32", lo.type, lo, hi)
+        return builder.extract_element(x, ir.Constant(_I32, 0))
+    return types.float32(v), codegen
+
+
+@intrinsic
+def vmax(typingctx, a, b):
+    """Lane-wise maximum (maxnum) of two F32x8."""
+    def codegen(context, builder, sig, args):
+        return call_intrinsic(builder, "llvm.maxnum.v8f32", _VF, *args)
+    return F32x8(a, b), codegen
+
+
+@intrinsic
+def below(typingctx, v, k, fill):
+    """Lanes j < k of v, the others `fill`: a row's lanes past its end (k may be <= 0 or
+    >= 8)."""
+    def codegen(context, builder, sig, args):
+        kk = _splat(builder, context.cast(builder, args[1], sig.args[1], types.int32), _VI)
+        keep = builder.icmp_signed("<", ir.Constant(_VI, list(range(LANES))), kk)
+        return builder.select(keep, args[0], _vec(context, builder, sig.args[2], args[2], F32x8))
+    return F32x8(v, k, fill), codegen
+
+
+@intrinsic
 def halves(typingctx, a, b):
     """Lanes 0-3 a, lanes 4-7 b (f32)."""
     def codegen(context, builder, sig, args):

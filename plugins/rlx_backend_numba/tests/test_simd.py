@@ -1,6 +1,7 @@
 """simd.py's eight-lane vectors against NumPy on the same lanes: loads (u8 zero-extended,
 i8 sign-extended, f32), integer bit ops with vector and scalar operands, conversion,
-multiply-add, lane bits of a word, the horizontal sum and the store."""
+multiply-add, lane bits of a word, the horizontal sum and max, lane-wise max, the lanes
+below a count and the store."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,8 @@ import pytest
 pytest.importorskip("numba")
 from numba import njit  # noqa: E402
 
-from rlx_backend_numba.simd import bits, exp, fma, hsum, load_f32, load_i8, load_u8, store_lanes, to_f32, zeros  # noqa: E402
+from rlx_backend_numba.simd import (below, bits, exp, fma, hmax, hsum, load_f32, load_i8, load_u8,  # noqa: E402
+                                    store_lanes, to_f32, vmax, zeros)
 
 
 @njit(cache=False)
@@ -40,6 +42,29 @@ def test_lanes_match_numpy():
     v = f[1:9].astype(np.float64)
     np.testing.assert_allclose(out[32:40], v * 2 + 1 - v * v, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(out[40], v.sum(), rtol=1e-6, atol=1e-6)
+
+
+@njit(cache=False)
+def _max_below(a, b, k, out):
+    x, y = load_f32(a, 0), load_f32(b, 0)
+    store_lanes(out, 0, vmax(x, y))
+    store_lanes(out, 8, below(x, k, -np.inf))
+    out[16] = hmax(x)
+    out[17] = hmax(below(x, k, -np.inf))
+
+
+@pytest.mark.parametrize("k", [-1, 0, 3, 8, 20])
+def test_max_and_lanes_below_a_count(k):
+    """vmax lane-wise, hmax across lanes, below(v, k, fill): lanes 0..k-1 kept, the rest
+    `fill` (k past either end keeps all or none; a masked softmax row's tail)."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal(8).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    out = np.full(18, np.nan, np.float32)
+    _max_below(a, b, k, out)
+    np.testing.assert_array_equal(out[:8], np.maximum(a, b))
+    kept = np.where(np.arange(8) < k, a, -np.inf)
+    np.testing.assert_array_equal(out[8:16], kept)
+    assert out[16] == a.max() and out[17] == kept.max()
 
 
 @njit(cache=False)
