@@ -272,7 +272,8 @@ def _varlen_attention(a, outs, protos, op=None):
             o.fill(0)
         kern = _pick(*kerns, int((ln * ln).sum()) * heads * max(d, 1))
         kern(q, k, v, st, ln, o, scale, ninf)
-    kerns = ((K.varlen_f32_par, K.varlen_f32_ser) if o.dtype == np.float32 and v.shape[2] % 8 == 0
+    kerns = ((K.varlen_f32_par, K.varlen_f32_ser)     # (8-lane stores into the output rows)
+             if o.dtype == np.float32 and v.shape[2] % 8 == 0 and o.flags.c_contiguous
              else (K.varlen_par, K.varlen_ser))
     return run
 
