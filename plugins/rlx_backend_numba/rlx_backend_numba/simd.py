@@ -241,31 +241,31 @@ def bits(typingctx, word, start):
     return I32x8(word, start), codegen
 
 
+def _fold_halves(builder, x, combine):
+    """The eight lanes of x folded into one by `combine(lo half, hi half)`, a tree of halves."""
+    n = LANES
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+        hi = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+        x = combine(lo, hi)
+    return builder.extract_element(x, ir.Constant(_I32, 0))
+
+
 @intrinsic
 def hsum(typingctx, v):
-    """The sum of the eight lanes (as a tree of halves)."""
+    """The sum of the eight lanes."""
     def codegen(context, builder, sig, args):
-        x, n = args[0], LANES
-        while n > 1:
-            n //= 2
-            lo = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-            hi = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
-            x = builder.fadd(lo, hi)
-        return builder.extract_element(x, ir.Constant(_I32, 0))
+        return _fold_halves(builder, args[0], builder.fadd)
     return types.float32(v), codegen
 
 
 @intrinsic
 def hmax(typingctx, v):
-    """The largest of the eight lanes (as a tree of halves; maxnum: NaN lanes lose)."""
+    """The largest of the eight lanes (maxnum: NaN lanes lose)."""
     def codegen(context, builder, sig, args):
-        x, n = args[0], LANES
-        while n > 1:
-            n //= 2
-            lo = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-            hi = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
-            x = call_intrinsic(builder, f"llvm.maxnum.v{n}f32", lo.type, lo, hi)
-        return builder.extract_element(x, ir.Constant(_I32, 0))
+        return _fold_halves(builder, args[0], lambda lo, hi: call_intrinsic(
+            builder, f"llvm.maxnum.v{lo.type.count}f32", lo.type, lo, hi))
     return types.float32(v), codegen
 
 
