@@ -1131,11 +1131,13 @@ def _rope(b, jobs: list, cos: V, sin: V, style: str, pos: V | None = None, node:
 def _rope_vec(b, jobs: list, c: V, s: V, style: str, B: int, S: int, D: int, half: int) -> bool:
     """The launch of sources.ROPE_VEC where every job ropes 16-bit rows of unit element
     stride and 16-byte aligned starts, every element in a pair (prefill's q and k), else False."""
-    per_row = (D if style == "interleaved" else half) // 8
-    if (D != 2 * half or D % 16 or not per_row or jobs[0][0].dt not in (BF16, F16) or jobs[0][1].dt not in (BF16, F16)
-            or any(not rot or at or x.es[3] != 1 or o.es[3] != 1 for x, o, rot, at in jobs)
-            or any(e % 8 or t.arr.data.ptr % 16 for x, o, _, _ in jobs for t in (x, o) for e in t.es[:3])):
+    if D != 2 * half or D % 16 or jobs[0][0].dt not in (BF16, F16) or jobs[0][1].dt not in (BF16, F16):
         return False
+    for x, o, rot, at in jobs:
+        if not rot or at or any(t.es[3] != 1 or t.arr.data.ptr % 16 or any(e % 8 for e in t.es[:3])
+                                for t in (x, o)):
+            return False
+    per_row = (D if style == "interleaved" else half) // 8
     src = sources.render(sources.ROPE_VEC, TX=ctype(jobs[0][0].dt), TC=ctype(c.dt), TO=ctype(jobs[0][1].dt),
                          ACC="float", INTERLEAVED=int(style == "interleaved"))
     args = [c.arr, s.arr, i32(B), i32(S), i32(D), i32(half), i32(len(c.shape) == 3)]

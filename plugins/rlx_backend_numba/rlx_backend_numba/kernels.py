@@ -585,28 +585,44 @@ def _varlen_task_f32(t, q, k, v, starts, lens, o, scale, ninf):
                 cb += LANES
 
 
+def _varlen_kv_task(t, q, k, v, starts, lens, o, scale, ninf, vec):
+    """Task t = (segment, KV head): the heads that KV head serves. `vec` (float32 only: Dv a
+    multiple of 8, output rows contiguous) takes _varlen_task_f32, else _varlen_task per head."""
+
+
+@njit(**_OPT)
+def _varlen_heads(t, q, k, v, starts, lens, o, scale, ninf):
+    nh, kvh = q.shape[1], k.shape[1]
+    seg, kh = t // kvh, t % kvh
+    g = nh // kvh
+    for h in range(kh * g, (kh + 1) * g):
+        _varlen_task(seg * nh + h, q, k, v, starts, lens, o, scale, ninf)
+
+
+@overload(_varlen_kv_task, jit_options=dict(fastmath=_FM))
+def _ov_varlen_kv_task(t, q, k, v, starts, lens, o, scale, ninf, vec):
+    if o.dtype != types.float32:           # (the vector body types only for float32)
+        return lambda t, q, k, v, starts, lens, o, scale, ninf, vec: _varlen_heads(
+            t, q, k, v, starts, lens, o, scale, ninf)
+
+    def f32(t, q, k, v, starts, lens, o, scale, ninf, vec):
+        if vec:
+            _varlen_task_f32(t, q, k, v, starts, lens, o, scale, ninf)
+        else:
+            _varlen_heads(t, q, k, v, starts, lens, o, scale, ninf)
+    return f32
+
+
 @njit(parallel=True, **_OPT)
-def varlen_f32_par(q, k, v, starts, lens, o, scale, ninf):
+def varlen_par(q, k, v, starts, lens, o, scale, ninf, vec):
     for t in prange(starts.shape[0] * k.shape[1]):
-        _varlen_task_f32(t, q, k, v, starts, lens, o, scale, ninf)
+        _varlen_kv_task(t, q, k, v, starts, lens, o, scale, ninf, vec)
 
 
 @njit(**_OPT)
-def varlen_f32_ser(q, k, v, starts, lens, o, scale, ninf):
+def varlen_ser(q, k, v, starts, lens, o, scale, ninf, vec):
     for t in range(starts.shape[0] * k.shape[1]):
-        _varlen_task_f32(t, q, k, v, starts, lens, o, scale, ninf)
-
-
-@njit(parallel=True, **_OPT)
-def varlen_par(q, k, v, starts, lens, o, scale, ninf):
-    for t in prange(starts.shape[0] * q.shape[1]):
-        _varlen_task(t, q, k, v, starts, lens, o, scale, ninf)
-
-
-@njit(**_OPT)
-def varlen_ser(q, k, v, starts, lens, o, scale, ninf):
-    for t in range(starts.shape[0] * q.shape[1]):
-        _varlen_task(t, q, k, v, starts, lens, o, scale, ninf)
+        _varlen_kv_task(t, q, k, v, starts, lens, o, scale, ninf, vec)
 
 
 @njit(**_OPT)

@@ -265,16 +265,14 @@ def _varlen_attention(a, outs, protos, op=None):
     t = o.dtype.type
     scale, ninf = t(a["scale"]), t(-np.inf)
     tokens, heads, d = q.shape
+    vec = bool(o.dtype == np.float32 and v.shape[2] % 8 == 0 and o.flags.c_contiguous)  # (8-lane stores)
 
     def run(a_, out, q, k, v, starts, lens):
         st, ln, covered = segments(starts, lens, tokens, "varlen_attention")
         if not covered:
             o.fill(0)
-        kern = _pick(*kerns, int((ln * ln).sum()) * heads * max(d, 1))
-        kern(q, k, v, st, ln, o, scale, ninf)
-    kerns = ((K.varlen_f32_par, K.varlen_f32_ser)     # (8-lane stores into the output rows)
-             if o.dtype == np.float32 and v.shape[2] % 8 == 0 and o.flags.c_contiguous
-             else (K.varlen_par, K.varlen_ser))
+        kern = _pick(K.varlen_par, K.varlen_ser, int((ln * ln).sum()) * heads * max(d, 1))
+        kern(q, k, v, st, ln, o, scale, ninf, vec)
     return run
 
 
