@@ -661,4 +661,4 @@ def test_params_and_cache_stay_on_device(rng):
     exe = rlx_core.compile(g, backend="cuda", params={"w": w})
     assert all(isinstance(v, CudaArray) for v in exe._params.values())
     out = exe.run({"x": np.ones((1, 8), np.float32)})["out"]
-    np.testing.assert_allclose(out, np.ones((1, 8)) @ w.T, rtol=1e-5)
+    np.testing.assert_allclose(out, np.ones((1, 8)) @ w.T, rtol=1e-5, atol=1e-5)
