@@ -14,6 +14,14 @@ def pytest_report_header(config):
     return None
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The seed again beside a failure: `-q` (CI's command) prints no header."""
+    if exitstatus not in (0, 5):
+        from rlx_core import testing
+
+        terminalreporter.write_line(testing.seed_header())
+
+
 def pytest_configure(config):
     """The compile cache of a test run lives in a folder of its own: tests neither read what
     another run left nor fill the user's cache."""

@@ -119,6 +119,13 @@ class Backend(abc.ABC):
 
         return contextlib.nullcontext()
 
+    def part_scope(self):
+        """A context manager each part's thread holds while its part runs (a backend whose
+        kernels spread over threads keeps a part's on its own core: parts run side by side)."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def copy_bandwidth(self, nbytes: int = 1 << 27) -> float:
         """Bytes per second a large array copy moves here, read and written bytes both counted
         (2x the array per copy), best of 5: the yardstick of the profiler's achieved GB/s.

@@ -20,6 +20,7 @@ one run at a time), so concurrent calls give the results of the same calls made 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -323,7 +324,8 @@ class Encoder:
 
         def part(k: int) -> None:
             sub = idx[spans[k][0]:spans[k][1]]
-            res = self._run_packed(exes[k], [rows[i] for i in sub], n_seqs)[key]
+            with self.backend.part_scope() if len(spans) > 1 else contextlib.nullcontext():
+                res = self._run_packed(exes[k], [rows[i] for i in sub], n_seqs)[key]
             out[sub] = res[:len(sub)]
 
         if len(spans) == 1:

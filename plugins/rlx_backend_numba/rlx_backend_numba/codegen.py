@@ -50,7 +50,8 @@ ACT = {
 # f32 overrides: libm's erf and tanh are a call per element, which keeps a loop scalar (a
 # matmul's GELU epilogue cost as much as the GEMM, SwiGLU 2.7x NumPy's); erf32 and tanh32 (in
 # every generated module) are clamped rational approximations, relative error < 5e-7, that
-# vectorize.
+# vectorize. Their polynomials may contract to FMAs (fastmath "contract" on them alone: a
+# 304x1536 GELU epilogue 206 -> 138 us on one core); nothing else in a kernel changes.
 ACT_F32 = {
     "gelu": "T(0.5) * x * (T(1.0) + erf32(x * T(0.7071067811865476)))",
     "gelu_tanh": "T(0.5) * x * (T(1.0) + tanh32(T(0.7978845608028654) * (x + T(0.044715) * x * x * x)))",
@@ -120,7 +121,7 @@ f32 = np.float32
 f64 = np.float64
 
 
-@njit(cache=True, fastmath=False, error_model="numpy")
+@njit(cache=True, fastmath={"contract"}, error_model="numpy")
 def erf32(x):
     x = f32(4.0) if x > f32(4.0) else x            # (written so that a NaN stays NaN)
     x = f32(-4.0) if x < f32(-4.0) else x
@@ -138,7 +139,7 @@ def erf32(x):
     return x * p / q
 
 
-@njit(cache=True, fastmath=False, error_model="numpy")
+@njit(cache=True, fastmath={"contract"}, error_model="numpy")
 def tanh32(x):
     x = f32(7.90531110763549805) if x > f32(7.90531110763549805) else x
     x = f32(-7.90531110763549805) if x < f32(-7.90531110763549805) else x

@@ -26,6 +26,7 @@ from . import kernels as K
 from . import quant_kernels
 from . import cblas
 from .cblas import SGEMM
+from .simd import LANES
 from .resident import release_llvm_pages
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -71,6 +72,14 @@ def _region(a, outs, protos, op=None):
 
 
 # --------------------------------------------------------------------------- row-wise
+def _lanes(*rows) -> bool:
+    """The norms' float32 vector rows apply: rows of a multiple of 8 elements, each array in
+    unit stride along them (checked per run: an input's layout is the caller's)."""
+    o = rows[-1]
+    return (o.dtype == np.float32 and o.shape[-1] % LANES == 0
+            and all(a.strides[-1] == 4 for a in rows))
+
+
 def _row_scalars(o: np.ndarray, eps: float) -> tuple:
     t = o.dtype.type
     return t(eps), t(o.shape[-1])
@@ -94,7 +103,7 @@ def _rms(a, outs, protos, op=None):
         x2 = _rows(x)
         r2 = _rows(rest[0]) if fused else x2
         w_ = rest[-1] if w is not None else ones
-        kern(x2, r2, w_, h2, o2, fused, w is not None, offset, eps, dd)
+        kern(x2, r2, w_, h2, o2, fused, w is not None, offset, eps, dd, _lanes(x2, r2, w_, h2, o2))
     return run
 
 
@@ -116,8 +125,8 @@ def _ln(a, outs, protos, op=None):
         x2 = _rows(x)
         r2 = _rows(ins[0]) if fused else x2
         aff = ins[1:] if fused else ins
-        kern(x2, r2, aff[0] if has_g else ones, aff[1] if has_b else ones, h2, o2,
-             fused, has_g, has_b, eps, dd)
+        g, b = aff[0] if has_g else ones, aff[1] if has_b else ones
+        kern(x2, r2, g, b, h2, o2, fused, has_g, has_b, eps, dd, _lanes(x2, r2, g, b, h2, o2))
     return run
 
 
