@@ -23,9 +23,11 @@ What is timed, per side:
 * numba-int8 and numba-bf16 are the numba side with the model's profile changed in one
   setting: `[precision] activations = "int8"`, or `[backend] matmul = "bf16"` (prefill
   matmuls in AMX bf16 tiles where the CPU has them, else as the numba side).
-* the numba side also reports its kernels' first-compile time (an empty numba cache, in
-  the first round) and the warm start: process start to the first generated token of
-  `rlx generate` with a filled cache.
+* the numba sides keep their generated kernels in a cache folder of this run: the first
+  round of the numba side compiles into it while empty (its first-compile time and its
+  RSS are reported apart), later rounds and the warm start (process start to the first
+  generated token of `rlx generate`) find it filled. (The user's own cache could hold
+  kernels of older code, which a "warm" round would then compile, and its RSS with them.)
 
 The HF side loads the GGUF through transformers once and keeps a safetensors copy in
 $RLX_CACHE/bench (HF's GGUF dequantization takes minutes on a busy 2-core machine).
@@ -133,13 +135,14 @@ def run_llamacpp(args) -> dict:
     return {"runs": runs, "tokens": toks}
 
 
-def warm_start(model: str, threads: int) -> float:
-    """Seconds from starting `rlx generate` to its first generated token (numba cache filled),
-    with Python's bytecode cache on as in a pip install (PYTHONDONTWRITEBYTECODE dropped)."""
+def warm_start(model: str, threads: int, kernels: str) -> float:
+    """Seconds from starting `rlx generate` to its first generated token (the kernel cache
+    `kernels` filled), with Python's bytecode cache on as in a pip install
+    (PYTHONDONTWRITEBYTECODE dropped)."""
     import select
 
     env = dict(os.environ, RLX_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
-               OPENBLAS_NUM_THREADS=str(threads))
+               OPENBLAS_NUM_THREADS=str(threads), RLX_NUMBA_CACHE=kernels)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     rlx = os.path.join(os.path.dirname(sys.executable), "rlx")
     t0 = time.perf_counter()
@@ -287,24 +290,33 @@ def bench(model: str, threads: int, sides: list, prefill_tokens: int = 128, deco
     """`model` (a packaged name) on every side with `threads` threads. Returns every timing
     (seconds), best/median/worst over all runs of all rounds, peak RSS, ratios on the best
     runs and on the medians, and which sides produced the same greedy tokens as HF."""
+    import shutil
+    import tempfile
+
     from rlx_core.weights import resolve_model_path
 
+    kernels = tempfile.mkdtemp(prefix="rlx-numba-")       # this run's kernel cache (see top)
+    try:
+        return _bench(model, threads, sides, prefill_tokens, decode_tokens, rounds, repeat, kernels,
+                      resolve_model_path(model))
+    finally:
+        shutil.rmtree(kernels, ignore_errors=True)
+
+
+def _bench(model, threads, sides, prefill_tokens, decode_tokens, rounds, repeat, kernels, path) -> dict:
     runs: dict = {s: [] for s in sides}
     info: dict = {s: {"peak_rss_mb": 0.0} for s in sides}
     tokens: dict = {}
     for rnd in range(rounds):
         for side in sides:
-            extra = None
-            if side == "numba" and rnd == 0:          # first compile: an empty kernel cache
-                import tempfile
-
-                extra = {"RLX_NUMBA_CACHE": tempfile.mkdtemp(prefix="rlx-numba-")}
+            extra = {"RLX_NUMBA_CACHE": kernels} if side.startswith("numba") else None
+            cold = side == "numba" and rnd == 0           # first compile: the cache still empty
             r = spawn(side, model, threads, prefill_tokens, decode_tokens, repeat, extra)
             if "crashed" in r:
                 info[side]["crashed"] = r["crashed"]
                 continue
             runs[side].extend(r["runs"])
-            if extra:     # compiling the kernels costs LLVM memory once: reported on its own
+            if cold:      # compiling the kernels costs LLVM memory once: reported on its own
                 info[side]["cold_peak_rss_mb"] = r["peak_rss_mb"]
             else:
                 info[side]["peak_rss_mb"] = max(info[side]["peak_rss_mb"], r["peak_rss_mb"])
@@ -316,7 +328,7 @@ def bench(model: str, threads: int, sides: list, prefill_tokens: int = 128, deco
                 info[side].setdefault("load_and_compile_s", []).append(r["load_and_compile_s"])
     res: dict = {"model": MODELS[model], "threads": threads, "prefill_tokens": prefill_tokens,
                  "decode_tokens": decode_tokens, "rounds": rounds, "repeat": repeat,
-                 "file_mb": os.path.getsize(resolve_model_path(model)) / 2**20,
+                 "file_mb": os.path.getsize(path) / 2**20,
                  "hardware": f"{cpu_name()}, {os.cpu_count()} cores", "load_avg": os.getloadavg(),
                  "same_greedy_tokens_as_hf": {s: tokens.get(s) == tokens.get("hf") for s in sides
                                               if s != "hf" and "hf" in tokens}}
@@ -326,7 +338,7 @@ def bench(model: str, threads: int, sides: list, prefill_tokens: int = 128, deco
             res[side].update({k: _stats([r[k] for r in runs[side]]) for k in runs[side][0]})
             res[side]["runs"] = runs[side]
     if "numba" in sides and runs["numba"]:
-        res["numba"]["warm_start_s"] = warm_start(model, threads)
+        res["numba"]["warm_start_s"] = warm_start(model, threads, kernels)
     return res
 
 
