@@ -280,10 +280,11 @@ ROPE_CASES = [  # (table rank, rotary dims R of head_dim 8)
 
 @covers("rope")
 @pytest.mark.parametrize("style", ["half", "interleaved"])
-@pytest.mark.parametrize("rank,rot", ROPE_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("rank,rot,d", [c + (8,) for c in ROPE_CASES] + [(2, 32, 32), (3, 16, 24)],
+                         ids=lambda v: str(v))   # (the last two: a CPU backend's 8-lane rows, a tail)
 @fdtype
-def test_rope(backend, rng, style, rank, rot, dt):
-    b, h, s, d = 2, 3, 4, 8
+def test_rope(backend, rng, style, rank, rot, d, dt):
+    b, h, s = 2, 3, 4
     cos, sin = rope_tables(rng, ((s,) if rank == 2 else (b, s)) + (rot // 2,))
     run_parity(backend, "rope", [arg(rng, "x", (b, h, s, d), dt), cos, sin], {"style": style},
                lambda x, c, sn: ref_rope(x, c, sn, style))

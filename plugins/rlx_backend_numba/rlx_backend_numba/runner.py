@@ -73,8 +73,8 @@ def _region(a, outs, protos, op=None):
 
 # --------------------------------------------------------------------------- row-wise
 def _lanes(*rows) -> bool:
-    """The norms' float32 vector rows apply: rows of a multiple of 8 elements, each array in
-    unit stride along them (checked per run: an input's layout is the caller's)."""
+    """The float32 vector rows (norms, RoPE) apply: rows of a multiple of 8 elements, each
+    array in unit stride along them (checked per run: an input's layout is the caller's)."""
     o = rows[-1]
     return (o.dtype == np.float32 and o.shape[-1] % LANES == 0
             and all(a.strides[-1] == 4 for a in rows))
@@ -150,7 +150,12 @@ def _rope_fn(x, cos, o, style):
         return None
     kern = _pick(K.rope_par, K.rope_ser, o.size)
     inter = style == "interleaved"
-    return lambda x, c, s: kern(x, _table3(c), _table3(s), o, inter)
+
+    def run(x, c, s):
+        c, s = _table3(c), _table3(s)
+        vec = not inter and c.shape[-1] % LANES == 0 and _lanes(x, c, s, o)
+        kern(x, c, s, o, inter, vec)
+    return run
 
 
 @prepares("rope")
