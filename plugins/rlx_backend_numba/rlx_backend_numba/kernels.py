@@ -271,18 +271,22 @@ def _ov_rope_lanes(t, x, cos, sin, o):
         return lambda t, x, cos, sin, o: None
 
     def f32(t, x, cos, sin, o):
-        nb, nh, ns, nd = x.shape
-        b, hh, s = t // (nh * ns), (t // ns) % nh, t % ns
-        tb = b if cos.shape[0] > 1 else 0
+        b, hh, s, tb = _rope_at(t, x, cos)
         _rope_row_f32(x[b, hh, s], cos[tb, s], sin[tb, s], o[b, hh, s])
     return f32
 
 
 @njit(**_OPT)
-def _rope_row(t, x, cos, sin, o, interleaved):
+def _rope_at(t, x, cos):
+    """Row t of x [B, H, S, D] as (b, h, s) and its table row's batch index."""
     nb, nh, ns, nd = x.shape
-    b, hh, s = t // (nh * ns), (t // ns) % nh, t % ns
-    tb = b if cos.shape[0] > 1 else 0
+    b = t // (nh * ns)
+    return b, (t // ns) % nh, t % ns, (b if cos.shape[0] > 1 else 0)
+
+
+@njit(**_OPT)
+def _rope_row(t, x, cos, sin, o, interleaved):
+    b, hh, s, tb = _rope_at(t, x, cos)
     _rope_vec(x[b, hh, s], cos[tb, s], sin[tb, s], o[b, hh, s], interleaved)
 
 
