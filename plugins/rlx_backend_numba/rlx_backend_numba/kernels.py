@@ -47,6 +47,16 @@ def _rms_row(i, x, r, w, h, o, has_r, has_w, offset, eps, dd):
         o[i, j] = y * (w[j] + offset) if has_w else y
 
 
+@njit(inline="always", **_OPT)
+def _summed_lanes(x, r, h, j, has_r):
+    """Lanes j..j+7 of the norm's input: x, or x + r (the residual sum, stored in h)."""
+    v = load_f32(x, j)
+    if has_r:
+        v = v + load_f32(r, j)
+        store_lanes(h, j, v)
+    return v
+
+
 @njit(**_OPT)
 def _rms_row_f32(x, r, w, h, o, has_r, has_w, offset, eps, dd):
     n = x.shape[0]
@@ -54,10 +64,7 @@ def _rms_row_f32(x, r, w, h, o, has_r, has_w, offset, eps, dd):
     q0, q1 = zeros(), zeros()
     j = 0
     while j < n:                      # (a while loop: numba's stepped range costs ~20% here)
-        v = load_f32(x, j)
-        if has_r:
-            v = v + load_f32(r, j)
-            store_lanes(h, j, v)
+        v = _summed_lanes(x, r, h, j, has_r)
         if j % _W2 == 0:
             q0 = fma(v, v, q0)
         else:
@@ -137,10 +144,7 @@ def _ln_row_f32(x, r, g, b, h, o, has_r, has_g, has_b, eps, dd):
     s0, s1 = zeros(), zeros()
     j = 0
     while j < n:
-        v = load_f32(x, j)
-        if has_r:
-            v = v + load_f32(r, j)
-            store_lanes(h, j, v)
+        v = _summed_lanes(x, r, h, j, has_r)
         if j % _W2 == 0:
             s0 = s0 + v
         else:

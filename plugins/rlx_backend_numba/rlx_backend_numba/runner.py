@@ -279,7 +279,7 @@ def _varlen_attention(a, outs, protos, op=None):
     t = o.dtype.type
     scale, ninf = t(a["scale"]), t(-np.inf)
     tokens, heads, d = q.shape
-    vec = bool(o.dtype == np.float32 and v.shape[2] % 8 == 0 and o.flags.c_contiguous)  # (8-lane stores)
+    vec = bool(o.dtype == np.float32 and v.shape[2] % LANES == 0 and o.flags.c_contiguous)
 
     def run(a_, out, q, k, v, starts, lens):
         st, ln, covered = segments(starts, lens, tokens, "varlen_attention")
