@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I64, DType
+from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I32, I64, DType
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.ops import MaskKind
 
@@ -725,6 +725,9 @@ def _loader(dt: DType) -> tuple:
     return "long long", "(ACC)(v)"
 
 
+_ACC_DT = {"float": F32, "double": F64, "long long": I64}      # the dtype of an ACC type
+
+
 def _storer(dt: DType, var: str) -> str:
     if dt.is_float:
         return f"ST({ctype(dt)}, {var})"
@@ -766,11 +769,26 @@ def _b_reduce(b, n, ins, outs):
         _reduce_cols(b, macros, b.contiguous(x), y, oni)
         return
     xv, rs = _as_matrix(b, b.moved_last(x, axes), rows, R)
+    ns, chunk = _row_split(b, rows, R)
+    if ns > 1:
+        fn = b.kernel(sources.render(sources.REDUCE_SPLIT, **macros), "rlx_reduce_split")
+        part = b.node_buffer((rows * ns,), _ACC_DT[acc], "reduce partials")
+        b.launch(fn, (rows, ns), (256,), (xv.arr, i64(rs), y.arr, i32(R), i32(chunk), part.arr, b.counters(rows)))
+        return
     fn = b.kernel(sources.render(sources.REDUCE, **macros), "rlx_reduce")
     b.launch(fn, (rows,), (_block(R),), (xv.arr, i64(rs), y.arr, i32(R)))
 
 
 REDUCE_SERIAL = 32      # a reduction this short runs one thread per output, not one block per row
+ROW_CHUNK = 4096        # few rows longer than this are cut into chunks of a block each (_row_split)
+
+
+def _row_split(b, rows: int, R: int) -> tuple:
+    """(chunks per row, chunk length) of a row reduction: rows much longer than ROW_CHUNK,
+    too few to fill the GPU with a block each, go in up to two blocks per SM in all. The
+    1B-shape decode's argmax and logit sum over 128256 entries: 33 and 28 us as one block."""
+    ns = max(1, min(-(-R // ROW_CHUNK), 2 * b.sms // max(rows, 1)))
+    return ns, -(-R // ns)
 
 
 def _reduce_cols(b, macros: dict, x: V, y: V, oni: tuple) -> None:
@@ -809,7 +827,14 @@ def _b_argmax(b, n, ins, outs):
     acc, ld = _loader(x.dt)
     src = sources.render(sources.ARGMAX, TX=ctype(x.dt), ACC=acc, LOAD=ld)
     fn = b.kernel(src, "rlx_argmax")
-    b.launch(fn, (rows,), (_block(R),), (xv.arr, i64(rs), y.arr, i32(R)))
+    ns, chunk = _row_split(b, rows, R)
+    if ns == 1:
+        b.launch(fn, (rows,), (_block(R),), (xv.arr, i64(rs), y.arr, i32(R), i32(R), None, None, None))
+        return
+    pv = b.node_buffer((rows * ns,), _ACC_DT[acc], "argmax partial values")
+    pi = b.node_buffer((rows * ns,), I32, "argmax partial indices")
+    b.launch(fn, (rows, ns), (256,), (xv.arr, i64(rs), y.arr, i32(R), i32(chunk), pv.arr, pi.arr,
+                                      b.counters(rows)))
 
 
 def _b_topk(b, n, ins, outs):

@@ -435,6 +435,47 @@ extern "C" __global__ void rlx_reduce(const $TX* __restrict__ x, long long rs, $
 }
 """
 
+# Few long rows (decode's sums over a 128k-entry vocabulary row: one block took 28 us): each
+# row is cut into gridDim.y chunks, a block per chunk writes its partial, and the last block
+# of the row to finish (`counters` start at 0 and it resets its own) combines the partials in
+# chunk order, lanes first, then a fixed shuffle tree: the same result on every run.
+REDUCE_SPLIT = r"""
+#define RLX_LOAD(v) ($LOAD)
+#define RLX_COMB(a, b) ($COMB)
+extern "C" __global__ void __launch_bounds__(256) rlx_reduce_split(const $TX* __restrict__ x, long long rs,
+    $TO* __restrict__ y, int n, int chunk, $ACC* __restrict__ part, int* __restrict__ counters) {
+  typedef $ACC ACC;
+  const i64 row = blockIdx.x;
+  const int ns = gridDim.y, beg = blockIdx.y * chunk, end = min(n, beg + chunk);
+  const $TX* xr = x + row * rs;
+  __shared__ ACC sh[256];
+  __shared__ int last;
+  ACC a = $IDENT;
+#pragma unroll 4
+  for (int i = beg + threadIdx.x; i < end; i += 256) { ACC v = RLX_LOAD(xr[i]); a = RLX_COMB(a, v); }
+  sh[threadIdx.x] = a;
+  __syncthreads();
+  for (int st = 128; st > 0; st >>= 1) {
+    if (threadIdx.x < st) sh[threadIdx.x] = RLX_COMB(sh[threadIdx.x], sh[threadIdx.x + st]);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    part[row * ns + blockIdx.y] = sh[0];
+    __threadfence();
+    last = atomicAdd(counters + row, 1) == ns - 1;
+    if (last) counters[row] = 0;
+  }
+  __syncthreads();
+  if (!last || threadIdx.x >= 32) return;
+  __threadfence();
+  a = $IDENT;
+  for (int k = threadIdx.x; k < ns; k += 32) a = RLX_COMB(a, LDCG(part + row * ns + k));
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) { ACC o = SHFL_XOR(a, m); a = threadIdx.x & m ? RLX_COMB(o, a) : RLX_COMB(a, o); }
+  if (threadIdx.x == 0) { ACC r = a; y[row] = $FINAL; }
+}
+"""
+
 # y[o, i] = COMB over r of x[o, r, i], x contiguous as [O, n, I] with I > 1 or n small: one
 # thread per output, threadIdx.x along i so a warp's loads are coalesced; with blockDim.y > 1
 # (then blockDim.x == 32) the threads of a column split r and meet in shared memory.
@@ -469,41 +510,66 @@ extern "C" __global__ void rlx_reduce_cols(const $TX* __restrict__ x, $TO* __res
 }
 """
 
-# argmax (NaN is the largest, first index wins ties)
+# argmax (NaN is the largest, first index wins ties). Rows of gridDim.y > 1 chunks: a block
+# per chunk, the last to finish takes the best of the chunks' picks (as in REDUCE_SPLIT).
 ARGMAX = r"""
 #define RLX_LOAD(v) ($LOAD)
-extern "C" __global__ void rlx_argmax(const $TX* __restrict__ x, long long rs, long long* __restrict__ y, int n) {
-  typedef $ACC ACC;
+typedef $ACC ACC;
+// whether candidate (v, i) beats the current pick (b, j); i < 0 / j < 0: none
+__device__ __forceinline__ bool rlx_beats(ACC v, int i, ACC b, int j) {
+  if (i < 0) return false;
+  if (j < 0) return true;
+  const bool vn = v != v, bn = b != b;
+  if (vn != bn) return vn;
+  if (!vn && v != b) return v > b;
+  return i < j;
+}
+extern "C" __global__ void rlx_argmax(const $TX* __restrict__ x, long long rs, long long* __restrict__ y, int n,
+                                      int chunk, ACC* __restrict__ pv, int* __restrict__ pi, int* __restrict__ counters) {
   const i64 row = blockIdx.x;
+  const int ns = gridDim.y, beg = blockIdx.y * chunk, end = min(n, beg + chunk);
   const $TX* xr = x + row * rs;
   __shared__ ACC sv[1024];
   __shared__ int si[1024];
+  __shared__ int last;
   ACC bv = 0; int bi = -1;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+#pragma unroll 4
+  for (int i = beg + threadIdx.x; i < end; i += blockDim.x) {
     ACC v = RLX_LOAD(xr[i]);
-    bool vn = v != v, bn = bv != bv;
-    if (bi < 0 || (vn && !bn) || (!bn && v > bv)) { bv = v; bi = i; }
+    if (rlx_beats(v, i, bv, bi)) { bv = v; bi = i; }
   }
   sv[threadIdx.x] = bv; si[threadIdx.x] = bi;
   __syncthreads();
   for (int st = blockDim.x / 2; st > 0; st >>= 1) {
-    if (threadIdx.x < st) {
-      ACC v = sv[threadIdx.x + st]; int i = si[threadIdx.x + st];
-      ACC b = sv[threadIdx.x]; int j = si[threadIdx.x];
-      bool take;
-      if (i < 0) take = false;
-      else if (j < 0) take = true;
-      else {
-        bool vn = v != v, bn = b != b;
-        if (vn != bn) take = vn;
-        else if (!vn && v != b) take = v > b;
-        else take = i < j;
-      }
-      if (take) { sv[threadIdx.x] = v; si[threadIdx.x] = i; }
+    if (threadIdx.x < st && rlx_beats(sv[threadIdx.x + st], si[threadIdx.x + st], sv[threadIdx.x], si[threadIdx.x])) {
+      sv[threadIdx.x] = sv[threadIdx.x + st]; si[threadIdx.x] = si[threadIdx.x + st];
     }
     __syncthreads();
   }
-  if (threadIdx.x == 0) y[row] = si[0] < 0 ? 0 : si[0];
+  if (ns == 1) {
+    if (threadIdx.x == 0) y[row] = si[0] < 0 ? 0 : si[0];
+    return;
+  }
+  if (threadIdx.x == 0) {
+    pv[row * ns + blockIdx.y] = sv[0]; pi[row * ns + blockIdx.y] = si[0];
+    __threadfence();
+    last = atomicAdd(counters + row, 1) == ns - 1;
+    if (last) counters[row] = 0;
+  }
+  __syncthreads();
+  if (!last || threadIdx.x >= 32) return;
+  __threadfence();
+  bv = 0; bi = -1;
+  for (int k = threadIdx.x; k < ns; k += 32) {
+    const ACC v = LDCG(pv + row * ns + k); const int i = LDCG(pi + row * ns + k);
+    if (rlx_beats(v, i, bv, bi)) { bv = v; bi = i; }
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+    const ACC v = SHFL_XOR(bv, m); const int i = SHFL_XOR(bi, m);
+    if (rlx_beats(v, i, bv, bi)) { bv = v; bi = i; }
+  }
+  if (threadIdx.x == 0) y[row] = bi < 0 ? 0 : bi;
 }
 """
 

@@ -223,6 +223,39 @@ def test_softmax_cumsum_argmax_topk(rng, dt, axis):
 
 
 @gpu
+@pytest.mark.parametrize("dt", [F32, BF16, I32])
+@pytest.mark.parametrize("rows,n", [(1, 128256), (3, 40001), (64, 9000)])
+def test_long_row_reductions_in_chunks(rng, dt, rows, n):
+    """Few rows much longer than a block's chunk (decode's argmax and logit sum over the
+    vocabulary) go in chunks of a block each, the last block of a row combining them: argmax
+    keeps the first index of a tie across chunks and a NaN beats any number; sums, means,
+    maxima and minima match float64 NumPy."""
+    x = rand(rng, (rows, n), dt, -3, 3)
+    x[0, n // 2] = x[0, n - 5] = 100                 # a tie in two chunks: the lower index wins
+    z = x.copy()
+    if dt.is_float:
+        z[-1, 3] = z[-1, n - 2] = np.nan              # NaN wins over any number, the first one
+
+    def f(m):
+        v, w = m.input("x", (rows, n), dt), m.input("z", (rows, n), dt)
+        out = {"am": m.argmax(v, -1), "amz": m.argmax(w, -1), "sum": m.reduce(v, "sum", (-1,))}
+        out |= {op: m.reduce(v, op, (-1,)) for op in ("max", "min") + (("mean",) if dt.is_float else ())}
+        return out
+    exe = rlx_core.compile(Graph.define("long_rows", f), backend="cuda", profile=UNFUSED)
+    got = {k: np.asarray(exe.backend.to_host(v), np.float64) for k, v in exe.run({"x": x, "z": z}).items()}
+    x64, z64 = np.asarray(x, np.float64), np.asarray(z, np.float64)
+    np.testing.assert_array_equal(got["am"], np.argmax(x64, -1))
+    np.testing.assert_array_equal(got["amz"], np.argmax(z64, -1))      # (NumPy's argmax takes the first NaN)
+    np.testing.assert_array_equal(got["max"], x64.max(-1))
+    np.testing.assert_array_equal(got["min"], x64.min(-1))
+    mag = np.abs(x64).sum(-1)
+    rtol, acc = {F32: (1e-6, 1e-6), BF16: (2.0 ** -8, 1e-6), I32: (0.0, 0.0)}[dt]
+    for k, want, scale in (("sum", x64.sum(-1), 1), ("mean", x64.mean(-1), n)):
+        if k in got:
+            assert (np.abs(got[k] - want) <= rtol * np.abs(want) + acc * mag / scale).all(), k
+
+
+@gpu
 def test_topk_vocab(rng):
     x = rng.standard_normal((2, 128256)).astype(np.float32)
     x[0, 7] = x[0, 9] = 50.0                     # a tie: lower index first
