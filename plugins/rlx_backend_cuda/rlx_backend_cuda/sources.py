@@ -147,6 +147,15 @@ __device__ __forceinline__ void rlx_error(int* err, int code, int node, long lon
   if (atomicCAS(err, 0, code) == 0) { err[1] = node; err[2] = (int)value; err[3] = (int)limit; }
 }
 
+// split work: whether this block is the last of n to arrive at counter *c (and then resets
+// it for the next launch); one thread calls it after the block's partial results are stored
+__device__ __forceinline__ bool rlx_last_arrival(int* c, int n) {
+  __threadfence();
+  const bool last = atomicAdd(c, 1) == n - 1;
+  if (last) *c = 0;
+  return last;
+}
+
 template <typename A> __device__ __forceinline__ A warp_sum(A v) {
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) v += SHFL_XOR(v, m);
@@ -461,9 +470,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_reduce_split(const $TX* __
   }
   if (threadIdx.x == 0) {
     part[row * ns + blockIdx.y] = sh[0];
-    __threadfence();
-    last = atomicAdd(counters + row, 1) == ns - 1;
-    if (last) counters[row] = 0;
+    last = rlx_last_arrival(counters + row, ns);
   }
   __syncthreads();
   if (!last || threadIdx.x >= 32) return;
@@ -552,9 +559,7 @@ extern "C" __global__ void rlx_argmax(const $TX* __restrict__ x, long long rs, l
   }
   if (threadIdx.x == 0) {
     pv[row * ns + blockIdx.y] = sv[0]; pi[row * ns + blockIdx.y] = si[0];
-    __threadfence();
-    last = atomicAdd(counters + row, 1) == ns - 1;
-    if (last) counters[row] = 0;
+    last = rlx_last_arrival(counters + row, ns);
   }
   __syncthreads();
   if (!last || threadIdx.x >= 32) return;
@@ -1093,11 +1098,7 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_split(
   __shared__ int last;
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) {
-    const int slot = blockIdx.x * gridDim.y + blockIdx.y;
-    last = atomicAdd(counters + slot, 1) == nsplit - 1;
-    if (last) counters[slot] = 0;
-  }
+  if (threadIdx.x == 0) last = rlx_last_arrival(counters + blockIdx.x * gridDim.y + blockIdx.y, nsplit);
   __syncthreads();
   if (!last) return;
   __threadfence();

@@ -611,7 +611,7 @@ def test_out_of_memory_names_bytes():
 def test_every_kernel_waits_for_the_kernel_before_it():
     """Launched as programmatic dependents (device.Kernel), kernels must wait for the kernel
     before them before reading its results: each catalog kernel gets one RLX_GRID_WAIT()
-    (the GEMVs place their own, after their weight prefetch), and no line moves."""
+    (the GEMVs place their own, after their first weight loads), and no line moves."""
     from rlx_backend_cuda import kernels_catalog, sources
 
     for name, src, kname in kernels_catalog.catalog():
