@@ -3,6 +3,7 @@ op, with a reason, and is chosen by name or priority)."""
 from __future__ import annotations
 
 import abc
+import contextlib
 
 import numpy as np
 
@@ -115,15 +116,11 @@ class Backend(abc.ABC):
     def parallel_scope(self):
         """A context manager held while parts run concurrently (the NumPy backend sets its
         BLAS to one thread meanwhile)."""
-        import contextlib
-
         return contextlib.nullcontext()
 
     def part_scope(self):
         """A context manager each part's thread holds while its part runs (a backend whose
         kernels spread over threads keeps a part's on its own core: parts run side by side)."""
-        import contextlib
-
         return contextlib.nullcontext()
 
     def copy_bandwidth(self, nbytes: int = 1 << 27) -> float:
