@@ -214,6 +214,19 @@ GEMV_ROWS, GEMV_LOADS = 1, 2      # rows of W per warp, 16-byte loads in flight 
 GEMV_MAX_M = 2
 
 
+GEMV_WARPS_PER_SM = 128      # a GEMV with fewer warps than this per SM gives each row more warps
+
+
+def gemv_split(warps: int, K: int, sms: int) -> int:
+    """Warps per row of sources.GEMV (1, 2, 4 or 8): doubled while the launch has fewer than
+    GEMV_WARPS_PER_SM warps an SM and each warp keeps a whole round of loads (32 lanes x
+    GEMV_LOADS 16-byte loads) of its row."""
+    ks = 1
+    while ks < 8 and warps * ks < GEMV_WARPS_PER_SM * sms and K // 8 >= 64 * GEMV_LOADS * ks:
+        ks *= 2
+    return ks
+
+
 def _gemv_step(b, Ab, W, out: V, M: int, N: int, K: int, swiglu: bool = False):
     """The GEMV launch for out[M, N] (swiglu: out[M, N/2] = silu(gate) * up)."""
     t = ctype(out.dt)
@@ -221,12 +234,13 @@ def _gemv_step(b, Ab, W, out: V, M: int, N: int, K: int, swiglu: bool = False):
     while mmax < M:
         mmax *= 2
     rows = 2 if swiglu else GEMV_ROWS
-    src = sources.render(sources.GEMV, T=t, TO=t, MMAX=mmax, R=rows, U=GEMV_LOADS, SWIGLU=int(swiglu))
-    fn = b.kernel(src, "rlx_gemv")
     n_out = N // 2 if swiglu else N
     warps = n_out if swiglu else -(-N // rows)
+    ks = gemv_split(warps, K, b.sms)
+    src = sources.render(sources.GEMV, T=t, TO=t, MMAX=mmax, R=rows, U=GEMV_LOADS, SWIGLU=int(swiglu), KS=ks)
+    fn = b.kernel(src, "rlx_gemv")
     args = (Ab, i64(K), W, out.arr, i32(M), i32(n_out), i32(K))
-    grid, block, stream = ((warps + 7) // 8,), (256,), b.stream
+    grid, block, stream = (-(-warps * ks // 8),), (256,), b.stream
 
     def run():
         fn(grid, block, args, 0, stream)

@@ -1462,26 +1462,29 @@ def attn_tc_smem(D: int, MT: int) -> int:
 
 
 # --------------------------------------------------------------------------- matmul helpers
-# Decode GEMV: y[M, N] = x[M, K] @ W[N, K]^T for small M, 16-bit data: one warp per $R
+# Decode GEMV: y[M, N] = x[M, K] @ W[N, K]^T for small M, 16-bit data: $KS warps per $R
 # rows of W, 16-byte loads, $U of them in flight per row and lane (the weight bytes bound
-# a decode step, so the loads are issued before any arithmetic). SWIGLU: W is [2N, K]
+# a decode step, so the loads are issued before any arithmetic). Few rows: more warps per
+# row, so more loads are in flight and each warp waits for fewer of them in turn. SWIGLU: W is [2N, K]
 # (gate rows, then up rows); the warp computes gate row n and up row n + N and writes
 # silu(gate) * up, each rounded to $TO first as the unfused matmul would.
 GEMV = r"""
 extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const $T* __restrict__ x, long long xrs,
     const $T* __restrict__ w, $TO* __restrict__ y, int M, int N, int K) {
-  const int lane = threadIdx.x & 31;
-  const int n = blockIdx.x * 8 + (threadIdx.x >> 5);
+  constexpr int KS = $KS;           // warps per row (each a KS-th of the row's 512-byte chunks)
+  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, part = wib % KS;
+  const int n = blockIdx.x * (8 / KS) + wib / KS;
 #if $SWIGLU
-  if (n >= N) return;
+  const bool live = n < N;
 #else
-  if (n * $R >= N) return;
+  const bool live = n * $R < N;
 #endif
+  if (KS == 1 && !live) return;     // (with KS > 1 the row's warps meet at a barrier below)
   const uint4* wr[$R];
 #pragma unroll
   for (int r = 0; r < $R; ++r) {
 #if $SWIGLU
-    const int row = n + r * N;
+    const int row = min(n, N - 1) + r * N;
 #else
     const int row = min(n * $R + r, N - 1);
 #endif
@@ -1492,24 +1495,25 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const $T* __restrict_
 #define RLX_LOAD_W(c0) \
   _Pragma("unroll") for (int u = 0; u < $U; ++u) \
   _Pragma("unroll") for (int r = 0; r < $R; ++r) \
-    wv[u][r] = (c0) + 32 * u < KV ? __ldg(wr[r] + (c0) + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
+    wv[u][r] = (c0) + 32 * KS * u < KV ? __ldg(wr[r] + (c0) + 32 * KS * u) : make_uint4(0u, 0u, 0u, 0u);
   // the weights depend on no earlier kernel: the first iteration's loads are issued before
   // the wait for the kernel that writes x (device.Kernel). The 1B-shape decode graph on the
   // H100: 1.157 ms; with an L2 prefetch of each row's first 4 KB there instead, 1.358 ms.
-  RLX_LOAD_W(lane)
+  const int first = part * 32 + lane;
+  RLX_LOAD_W(first)
   RLX_GRID_WAIT();
   float acc[$R][$MMAX];
 #pragma unroll
   for (int r = 0; r < $R; ++r)
 #pragma unroll
     for (int m = 0; m < $MMAX; ++m) acc[r][m] = 0.f;
-  for (int c0 = lane; c0 < KV; c0 += 32 * $U) {
-    if (c0 != lane) {
+  for (int c0 = first; c0 < KV; c0 += 32 * $U * KS) {
+    if (c0 != first) {
       RLX_LOAD_W(c0)
     }
 #pragma unroll
     for (int u = 0; u < $U; ++u) {
-      const int c = c0 + 32 * u;
+      const int c = c0 + 32 * KS * u;
       if (c >= KV) break;
 #pragma unroll
       for (int m = 0; m < $MMAX; ++m) {
@@ -1529,20 +1533,41 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const $T* __restrict_
       }
     }
   }
+  float s[$MMAX][$R];
+#pragma unroll
+  for (int m = 0; m < $MMAX; ++m)
+#pragma unroll
+    for (int r = 0; r < $R; ++r) s[m][r] = warp_sum(acc[r][m]);
+  if (KS > 1) {                     // the row's warps add their parts in a fixed order
+    __shared__ float red[8][$MMAX][$R];
+    if (lane == 0)
+#pragma unroll
+      for (int m = 0; m < $MMAX; ++m)
+#pragma unroll
+        for (int r = 0; r < $R; ++r) red[wib][m][r] = s[m][r];
+    __syncthreads();
+    if (part != 0 || !live) return;
+#pragma unroll
+    for (int m = 0; m < $MMAX; ++m)
+#pragma unroll
+      for (int r = 0; r < $R; ++r) {
+        float t = red[wib][m][r];
+#pragma unroll
+        for (int p = 1; p < KS; ++p) t += red[wib + p][m][r];
+        s[m][r] = t;
+      }
+  }
+  if (lane != 0) return;
 #pragma unroll
   for (int m = 0; m < $MMAX; ++m) {
     if (m >= M) continue;
-    float s[$R];
-#pragma unroll
-    for (int r = 0; r < $R; ++r) s[r] = warp_sum(acc[r][m]);
-    if (lane != 0) continue;
 #if $SWIGLU
-    const float g = tof(ST($TO, s[0])), u = tof(ST($TO, s[1]));
+    const float g = tof(ST($TO, s[m][0])), u = tof(ST($TO, s[m][1]));
     y[(i64)m * N + n] = ST($TO, g * rlx_sigmoid(g) * u);
 #else
 #pragma unroll
     for (int r = 0; r < $R; ++r)
-      if (n * $R + r < N) y[(i64)m * N + n * $R + r] = ST($TO, s[r]);
+      if (n * $R + r < N) y[(i64)m * N + n * $R + r] = ST($TO, s[m][r]);
 #endif
   }
 }

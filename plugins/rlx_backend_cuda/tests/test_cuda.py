@@ -464,7 +464,8 @@ def test_copies_in_16_byte_chunks(rng, dt):
 @pytest.mark.parametrize("dt", FLOATS)
 @pytest.mark.parametrize("sa,sb,ta,tb", [((5, 7), (7, 3), False, False), ((2, 5, 7), (3, 7), False, True),
                                          ((2, 1, 7, 5), (3, 7, 4), True, False), ((1, 64), (96, 64), False, True),
-                                         ((3, 1, 64), (40, 64), False, True)])
+                                         ((3, 1, 64), (40, 64), False, True), ((1, 4096), (37, 4096), False, True),
+                                         ((2, 1, 2048), (45, 2048), False, True)])
 def test_matmul(rng, dt, sa, sb, ta, tb):
     from rlx_backend_cuda import set_config
 
@@ -474,6 +475,27 @@ def test_matmul(rng, dt, sa, sb, ta, tb):
         set_config(gemv=gemv)
         compare(g, {"a": a, "b": b}, dt, profile=UNFUSED)
     set_config(gemv=True)
+
+
+@gpu
+@pytest.mark.parametrize("dt", [F16, BF16])
+@pytest.mark.parametrize("hid,inter", [(2048, 21), (4096, 8), (256, 40)])
+def test_gemv_rows_split_over_warps(rng, dt, hid, inter, monkeypatch):
+    """Decode's gate/up GEMV computing the SwiGLU, then the down GEMV, with few rows and long
+    ones: each row's dot product split over 2-8 warps (added in a fixed order) equals NumPy."""
+    from rlx_backend_cuda import ops
+
+    splits = []
+    real = ops.gemv_split
+    monkeypatch.setattr(ops, "gemv_split", lambda *a: splits.append(real(*a)) or splits[-1])
+    shapes = {"gate": (inter, hid), "up": (inter, hid), "down": (hid, inter)}
+    pv = {n: rand(rng, sh, dt, -1, 1) / math.sqrt(sh[-1]) for n, sh in shapes.items()}
+
+    def f(m):
+        p = {n: m.param(n, sh, dt) for n, sh in shapes.items()}
+        return m.swiglu(m.input("x", (1, 1, hid), dt), p["gate"], p["up"], p["down"])
+    compare(Graph.define("mlp", f), {"x": rand(rng, (1, 1, hid), dt)}, dt, params=pv)
+    assert splits and splits[0] == {2048: 4, 4096: 8, 256: 1}[hid], splits     # (the gate/up GEMV's)
 
 
 @gpu
