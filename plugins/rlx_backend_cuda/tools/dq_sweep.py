@@ -34,7 +34,7 @@ def main(schemes):
         wb = cp.asarray(wf.astype(ml_dtypes.bfloat16).view(np.uint16))
         y = cp.empty((1, N), cp.uint16)
         fn = cp.RawKernel(sources.render(sources.GEMV, T="__nv_bfloat16", TO="__nv_bfloat16", MMAX=1, R=1, U=2,
-                                         SWIGLU=0), "rlx_gemv")
+                                         SWIGLU=0, KS=1), "rlx_gemv")
         t = graph_time(lambda: fn(((N + 7) // 8,), (256,), (x, np.int64(K), wb, y, np.int32(1), np.int32(N),
                                                              np.int32(K))))
         print(f"{name} N={N} K={K}: bf16 rlx_gemv {wb.nbytes / t / 1e9:5.0f} GB/s ({t * 1e6:5.1f} us)", flush=True)

@@ -1,6 +1,7 @@
-"""Decode GEMV on the GPU: rlx_gemv variants (rows per warp R, loads in flight U, the SwiGLU
-epilogue) against cuBLAS, for the Llama-3.2-1B decode shapes, each timed as 50 launches
-replayed in one CUDA graph (as a decode step runs; cuBLAS back to back). Prints GB/s of weight bytes read.
+"""Decode GEMV on the GPU: rlx_gemv variants (rows per warp R, loads in flight U, one warp a
+row; then the warps a row ops.gemv_split picks; the SwiGLU epilogue) against cuBLAS, for the
+Llama-3.2-1B decode shapes, each timed as 50 launches replayed in one CUDA graph (as a decode
+step runs; cuBLAS back to back). Prints GB/s of weight bytes read.
 
     python plugins/rlx_backend_cuda/tools/gemv_sweep.py
 """
@@ -10,6 +11,7 @@ import cupy as cp
 import numpy as np
 
 from rlx_backend_cuda import sources
+from rlx_backend_cuda.ops import GEMV_LOADS, gemv_split
 
 SHAPES = [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192),
           ("lm_head", 128256, 2048)]
@@ -67,16 +69,25 @@ def main():
         t = loop_time(lambda: cp.matmul(xk, w.T, out=y))
         line = [f"{name:8s} N={N:6d} K={K:5d} {w.nbytes / 1e6:6.1f} MB  cublas {w.nbytes / t / 1e9:5.0f} GB/s ({t * 1e6:5.1f} us)"]
         for r, u in ((1, 4), (1, 8), (2, 4), (2, 8), (4, 4)):
-            fn = cp.RawKernel(sources.render(sources.GEMV, T="__half", TO="__half", MMAX=1, R=r, U=u, SWIGLU=0),
+            fn = cp.RawKernel(sources.render(sources.GEMV, T="__half", TO="__half", MMAX=1, R=r, U=u, SWIGLU=0,
+                                             KS=1),
                               "rlx_gemv")
             warps = -(-N // r)
             args = (xk, np.int64(K), w, y, np.int32(1), np.int32(N), np.int32(K))
             t = graph_time(lambda: fn(((warps + 7) // 8,), (256,), args))
             err = float(cp.max(cp.abs(y.astype(cp.float32) - ref)) / cp.max(cp.abs(ref)))
             line.append(f"R{r}U{u} {w.nbytes / t / 1e9:5.0f} ({t * 1e6:5.1f} us{'' if err < 1e-2 else f' ERR {err:.3g}'})")
+        ks = gemv_split(N, K, cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"])
+        fn = cp.RawKernel(sources.render(sources.GEMV, T="__half", TO="__half", MMAX=1, R=1, U=GEMV_LOADS,
+                                         SWIGLU=0, KS=ks), "rlx_gemv")
+        t = graph_time(lambda: fn((-(-N * ks // 8),), (256,), args))
+        err = float(cp.max(cp.abs(y.astype(cp.float32) - ref)) / cp.max(cp.abs(ref)))
+        line.append(f"ops' choice R1U{GEMV_LOADS} {ks} warps a row {w.nbytes / t / 1e9:5.0f} ({t * 1e6:5.1f} us"
+                    f"{'' if err < 1e-2 else f' ERR {err:.3g}'})")
         if name == "gate_up":
             for u in (4, 8):
-                fn = cp.RawKernel(sources.render(sources.GEMV, T="__half", TO="__half", MMAX=1, R=2, U=u, SWIGLU=1),
+                fn = cp.RawKernel(sources.render(sources.GEMV, T="__half", TO="__half", MMAX=1, R=2, U=u, SWIGLU=1,
+                                                 KS=1),
                                   "rlx_gemv")
                 ys = cp.empty((1, N // 2), cp.float16)
                 args = (xk, np.int64(K), w, ys, np.int32(1), np.int32(N // 2), np.int32(K))
