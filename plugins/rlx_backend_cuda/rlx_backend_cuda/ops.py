@@ -212,9 +212,11 @@ GEMV_ROWS, GEMV_LOADS = 1, 2      # rows of W per warp, 16-byte loads in flight 
 # H100 (tools/batch_decode.py --cublas) at batch 1/2/4/8: GEMV 1.68/1.89/2.49/4.35 ms, cuBLAS
 # 2.45/2.02/2.13/2.24 ms
 GEMV_MAX_M = 2
-
-
-GEMV_WARPS_PER_SM = 128      # a GEMV with fewer warps than this per SM gives each row more warps
+# a GEMV with fewer warps than this an SM gives each row more warps (more than an SM holds:
+# split as far as the row length allows, but not lm_head's 128K rows). The 1B decode graph on
+# an H100, variants alternating in one process: 0 / 32 / 64 -> 1.264 / 1.200 / 1.185 ms; in
+# another run 48 / 64 / 96 / 128 -> 1.200 / 1.186 / 1.185 / 1.179 ms
+GEMV_WARPS_PER_SM = 128
 
 
 def gemv_split(warps: int, K: int, sms: int) -> int:
