@@ -219,14 +219,19 @@ GEMV_MAX_M = 2
 GEMV_WARPS_PER_SM = 128
 
 
-def gemv_split(warps: int, K: int, sms: int) -> int:
-    """Warps per row of sources.GEMV (1, 2, 4 or 8): doubled while the launch has fewer than
-    GEMV_WARPS_PER_SM warps an SM and each warp keeps a whole round of loads (32 lanes x
-    GEMV_LOADS 16-byte loads) of its row."""
+def warps_per_row(units: int, loads: int, more=lambda ks: True) -> int:
+    """Warps that split one row of a decode GEMV (1, 2, 4 or 8): doubled while each keeps a
+    whole round of loads of the row's `units` (32 lanes x `loads`) and `more(ks)` holds."""
     ks = 1
-    while ks < 8 and warps * ks < GEMV_WARPS_PER_SM * sms and K // 8 >= 64 * GEMV_LOADS * ks:
+    while ks < 8 and 64 * loads * ks <= units and more(ks):
         ks *= 2
     return ks
+
+
+def gemv_split(warps: int, K: int, sms: int) -> int:
+    """Warps per row of sources.GEMV (16-byte units of a row): split while the launch has
+    fewer than GEMV_WARPS_PER_SM warps an SM."""
+    return warps_per_row(K // 8, GEMV_LOADS, lambda ks: warps * ks < GEMV_WARPS_PER_SM * sms)
 
 
 def _gemv_step(b, Ab, W, out: V, M: int, N: int, K: int, swiglu: bool = False):
@@ -442,10 +447,7 @@ def dq_gemv_shape(kind: str, block: int, M: int, K: int, loads: int = DQ_LOADS) 
     mmax = 1
     while mmax < M:
         mmax *= 2
-    units = K // block * sources.dq_parts(kind, block)
-    kw = 1
-    while kw < 8 and 2 * kw * 32 * loads <= units:
-        kw *= 2
+    kw = warps_per_row(K // block * sources.dq_parts(kind, block), loads)
     return mmax, kw, DQ_ROWS if mmax <= 2 else 2
 
 

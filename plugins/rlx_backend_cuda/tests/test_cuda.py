@@ -127,6 +127,17 @@ def compare(g: Graph, inputs: dict, tol_dt: DType, params=None, states=None, pro
     return outs["cuda"]
 
 
+def spy(monkeypatch, module, name: str) -> list:
+    """Replace module.name by a wrapper that records each result; returns the record."""
+    seen, real = [], getattr(module, name)
+
+    def record(*a, **k):
+        seen.append(real(*a, **k))
+        return seen[-1]
+    monkeypatch.setattr(module, name, record)
+    return seen
+
+
 @pytest.fixture
 def rng(request):
     import zlib
@@ -390,9 +401,7 @@ def test_decode_attention_short_and_split_kernels(rng, dt, case, short, monkeypa
     short one when it is on."""
     from rlx_backend_cuda import ops, set_config
 
-    made = []
-    real = ops._short_attention
-    monkeypatch.setattr(ops, "_short_attention", lambda *a: made.append(real(*a)) or made[-1])
+    made = spy(monkeypatch, ops, "_short_attention")
     B, H, KVH, Sq, Sk, D, kind, window, cap, mask, pos = case
     ins = {"q": rand(rng, (B, H, 1, D), dt), "k": rand(rng, (B, KVH, Sk, D), dt),
            "v": rand(rng, (B, KVH, Sk, D), dt), "pos": np.array([Sk - 1 - 7 * b for b in range(B)], np.int32)}
@@ -485,9 +494,7 @@ def test_gemv_rows_split_over_warps(rng, dt, hid, inter, monkeypatch):
     ones: each row's dot product split over 2-8 warps (added in a fixed order) equals NumPy."""
     from rlx_backend_cuda import ops
 
-    splits = []
-    real = ops.gemv_split
-    monkeypatch.setattr(ops, "gemv_split", lambda *a: splits.append(real(*a)) or splits[-1])
+    splits = spy(monkeypatch, ops, "gemv_split")
     shapes = {"gate": (inter, hid), "up": (inter, hid), "down": (hid, inter)}
     pv = {n: rand(rng, sh, dt, -1, 1) / math.sqrt(sh[-1]) for n, sh in shapes.items()}
 
