@@ -20,9 +20,11 @@ What is timed, per side:
 * decode: ms per new token over `decode` greedy tokens with the KV cache (the prompt's
   prefill excluded). RLX: `CausalLM.generate`. HF: a greedy loop over `model(next_id,
   past_key_values=cache)`. llama.cpp: a greedy loop of one-token `eval`s.
-* numba-int8 and numba-bf16 are the numba side with the model's profile changed in one
-  setting: `[precision] activations = "int8"`, or `[backend] matmul = "bf16"` (prefill
-  matmuls in AMX bf16 tiles where the CPU has them, else as the numba side).
+* numba-int8, numba-bf16 and numba-blas are the numba side with the model's profile changed
+  in one setting: `[precision] activations = "int8"`, `[backend] matmul = "bf16"` (prefill
+  matmuls rounded to bf16 in AMX tiles where the CPU has them, else as the numba side), or
+  `[backend] matmul = "blas"` (prefill matmuls in f32 BLAS even where the numba side uses
+  AMX tiles of exact bf16 parts).
 * the numba sides keep their generated kernels in a cache folder of this run: the first
   round of the numba side compiles into it while empty (its first-compile time and its
   RSS are reported apart), later rounds and the warm start (process start to the first
@@ -49,10 +51,10 @@ from hardware import cpu_name  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {"smollm2": "SmolLM2-135M-Instruct Q4_1 GGUF", "gemma3": "gemma-3-270m Q4_K_M GGUF"}
 SIDES = {"numba": "RLX numba, packed", "numba-int8": "RLX numba, packed, int8 x",
-         "numba-bf16": "RLX numba, packed, bf16 matmul", "numpy": "RLX numpy, packed", "hf": "HF eager fp32",
+         "numba-bf16": "RLX numba, packed, bf16 matmul", "numba-blas": "RLX numba, packed, BLAS matmul", "numpy": "RLX numpy, packed", "hf": "HF eager fp32",
          "llama.cpp": "llama.cpp"}
 VARIANTS = {"numba-int8": {"precision": {"activations": "int8"}},   # profile settings of a numba side
-            "numba-bf16": {"backend": {"matmul": "bf16"}}}
+            "numba-bf16": {"backend": {"matmul": "bf16"}}, "numba-blas": {"backend": {"matmul": "blas"}}}
 
 
 

@@ -62,7 +62,9 @@ class BackendConfig:
     device: str = ""              # device selector for backends with several devices
     threads: int = 0              # worker threads of a CPU backend that has them (0: its default)
     # "bf16" lets a backend multiply large matmuls in bf16 with f32 sums where it has such a
-    # kernel (numba: packed prefill matmuls in AMX tiles); others keep "f32"
+    # kernel (numba: packed prefill matmuls in AMX tiles); "blas" keeps f32 BLAS where "f32"
+    # would use another kernel of f32 accuracy (numba: AMX tiles of exact bf16 parts);
+    # backends without such kernels treat both as "f32"
     matmul: str = "f32"
 
 
@@ -172,7 +174,7 @@ _ALLOWED = {
     ("precision", "compute"): ["f32", "f16", "bf16", "f64"],
     ("precision", "weights"): ["packed", "f32", "f16", "bf16"],
     ("precision", "activations"): ["f32", "int8"],
-    ("backend", "matmul"): ["f32", "bf16"],
+    ("backend", "matmul"): ["f32", "bf16", "blas"],
 }
 # The profile sits below the plugin registry, so it checks a backend name's form only; the
 # point that resolves the backend (pipeline.select_backend) names the installed ones.

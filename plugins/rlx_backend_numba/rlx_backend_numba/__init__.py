@@ -2,7 +2,7 @@
 
 Elementwise regions are generated from the op table (codegen.py), row-wise ops, attention
 and the decode GEMV are hand-written parallel kernels (kernels.py); large matmuls stay on
-BLAS. Every other op, and f16/bf16 or integer steps, run on the NumPy backend's kernels
+BLAS, except packed ones on a CPU with AMX (amx.py: tiles, to f32 accuracy). Every other op, and f16/bf16 or integer steps, run on the NumPy backend's kernels
 inside the same arena. Above numpy in priority, so installing it makes it the default CPU
 backend; `backend="numpy"` still selects the embedded one.
 
@@ -70,7 +70,8 @@ class NumbaBackend(Backend):
     def __init__(self):
         self._threads_set = False
         self._loaded = False
-        self.matmul = "f32"         # "bf16": packed prefill matmuls in AMX bf16 tiles (amx.py)
+        self.matmul = "f32"         # packed prefill matmuls: "f32" (AMX tiles where present, to f32
+                                    # accuracy), "blas" (f32 BLAS), "bf16" (rounded, AMX tiles)
 
     def availability(self) -> tuple:
         try:

@@ -3,9 +3,13 @@
 Why: a prefill matmul over packed weights is bound by f32 BLAS (Gemma 3's 128-token prefill:
 about 150 of its 200 ms in sgemm at ~85 GFLOP/s a core). A CPU with AMX (Sapphire Rapids and
 later) multiplies 16x32 bf16 tiles in one instruction, an order of magnitude more products a
-cycle. `[backend] matmul = "bf16"` lets the numba backend round x and the decoded weight rows
-to bf16 for such a product (logits move by about 1% of their range, as in a bf16 model);
-without AMX it keeps f32.
+cycle. Two uses in the numba backend:
+- f32 accuracy (the default): an f32 is exactly the sum of three bf16 parts (8 + 8 + 8
+  significand bits), so x @ W^T is six tile products of parts (the other three fall below
+  f32 rounding), every product exact and every sum f32 (quant_kernels.rows_amx_x6);
+- `[backend] matmul = "bf16"`: x and the decoded weight rows rounded to bf16, one product
+  (logits move by about 1% of their range, as in a bf16 model).
+Without AMX both keep f32 BLAS.
 
 The intrinsics name tile registers by constants (tile numbers must be literal ints at the call
 site) and take an array, an element offset and a row stride in bytes. Linux grants the tile
@@ -25,7 +29,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .simd import call_intrinsic, element_ptr
+from .simd import bf16_high, call_intrinsic, element_ptr, load_f32, store_lanes
 
 _I8 = ir.IntType(8)
 _VOID = ir.VoidType()
@@ -152,5 +156,31 @@ def pairs_of_rows(x, xt):
                         else np.uint32(0)
 
 
-__all__ = ["available", "dot_bf16", "load", "load_config", "pairs_of_rows", "release", "store", "tile_config",
-           "zero"]
+@njit(parallel=True, **_OPT)
+def parts_of_rows(x, xt):
+    """x (f32 [M, K], C-contiguous) as three exact bf16 parts (simd.bf16_high) in B tiles of
+    dot_bf16: xt [Mp/32, K/32, 3, 2, 16, 16] (uint32), the tiles of 32 rows of x, then of one
+    k-step, side by side; word [b, s, i, t, r, c] holds part i of x[32b + 16t + c, 32s + 2r]
+    (low half) and of x[32b + 16t + c, 32s + 2r + 1]. Rows past M are 0."""
+    m_, k = x.shape
+    for b in prange(xt.shape[0]):
+        h = np.zeros((3, 32, k), np.float32)
+        for mm in range(min(32, m_ - 32 * b)):
+            xr = x[32 * b + mm]
+            for j in range(0, k, 8):
+                v = load_f32(xr, j)
+                for i in range(3):
+                    p, v = bf16_high(v)
+                    store_lanes(h[i, mm], j, p)
+        u = h.view(np.uint32)
+        for s in range(k // 32):
+            for i in range(3):
+                for t in range(2):
+                    for r in range(16):
+                        for c in range(16):
+                            xt[b, s, i, t, r, c] = ((u[i, 16 * t + c, 32 * s + 2 * r] >> np.uint32(16))
+                                                    | (u[i, 16 * t + c, 32 * s + 2 * r + 1] & np.uint32(0xFFFF0000)))
+
+
+__all__ = ["available", "dot_bf16", "load", "load_config", "pairs_of_rows", "parts_of_rows", "release", "store",
+           "tile_config", "zero"]

@@ -6,9 +6,11 @@ vector (simd.py); drivers generated per format unroll it over a block and either
 - `gemv`, decode (a few rows of x): parallel over chunks of output rows; one row of x is
   multiply-added lane by lane as the packed row is read (no float copy of the weight
   anywhere), several rows of x share one decode of each weight row into an L1 buffer;
-- `rows`, prefill: blocks of weight rows decoded into a bounded scratch, then multiplied
-  by BLAS (the two run one after the other, never nested), or with `[backend] matmul =
-  "bf16"` on a CPU with AMX, rounded to bf16 and multiplied in tiles (`rows_amx`).
+- `rows`, prefill: on a CPU with AMX, blocks of weight rows decoded into tiles of three
+  exact bf16 parts and multiplied with x's parts to f32 accuracy (`rows_amx_x6`), or with
+  `[backend] matmul = "bf16"` rounded to bf16 and multiplied once (`rows_amx`); elsewhere
+  (or with matmul = "blas"), decoded into a bounded scratch, then multiplied by BLAS (the
+  two run one after the other, never nested).
 f16 scales come from a 65536-entry table (as ggml's); values compute in f32.
 `prepare_dequant_matmul` binds them to a `dequant_matmul` node (runner.PREPARE).
 """
@@ -65,8 +67,9 @@ def _nibbles(r, qo, i):
 # One function per format: `lanes_<fmt>(r, o, i, tab)`, the dequantized values of lanes
 # 8i..8i+7 of the block at byte o of packed row r, as an F32x8. The drivers below call it
 # with constant i for every lane group of a block (so scale lookups fold and repeated byte
-# loads merge) and either store the lanes (prefill's decode) or multiply-add them with x
-# (decode's GEMV): one description of each format serves both.
+# loads merge) and either store the lanes (prefill's decode, as f32, bf16 or three bf16
+# parts) or multiply-add them with x (decode's GEMV): one description of each format serves
+# every driver.
 @njit(**_OPT)
 def lanes_q4_0(r, o, i, tab):
     d = _h(r, o, tab)
@@ -354,6 +357,7 @@ def rows_gemm(x, w, out, tab, scratch, gemm, ilp64):
 _AMX_DRIVER = """
 
 from rlx_backend_numba.amx import dot_bf16, load, load_config, release, store, zero
+from rlx_backend_numba.simd import bf16_high
 
 
 @njit(parallel=True, **_OPT)
@@ -399,6 +403,93 @@ def rows_amx(xt, w, out, tab, wbuf, cbuf, cfg):
             for mm in range(m_):
                 for i in range(e - r):
                     out[mm, r + i] = c[i, mm]
+        release()
+"""
+
+
+_AMX_X6_DRIVER = """
+
+
+@njit(**_OPT)
+def decode_parts(r, q, row, tab):
+    \"\"\"Row r decoded and split into three exact bf16 parts (simd.bf16_high), written as
+    row `row` of rows_amx_x6's A tiles in q (flat bf16 bits).\"\"\"
+    for b in range(q.shape[0] // (96 * E)):
+        o, p = B * b, E * b
+{parts_body}
+
+
+@njit(**_OPT)
+def _products(xf, xo, wf, wo):
+    \"\"\"Tiles 0-3 += the six products of bf16 parts that carry f32's precision, W1 x3,
+    W1 x2, W1 x1, W2 x1, W3 x1, W2 x2, for one k-step: W part i's two A tiles at wf[wo +
+    1024 i] and 512 elements on, x part j's two B tiles at xf[xo + 512 j] and 256 words on
+    (1 KB each, rows 64 bytes apart). 16 tile loads.\"\"\"
+    load(4, wf, wo, 64)
+    load(5, wf, wo + 512, 64)
+    for j in (2, 1, 0):
+        load(6, xf, xo + 512 * j, 64)
+        load(7, xf, xo + 512 * j + 256, 64)
+        dot_bf16(0, 4, 6)
+        dot_bf16(1, 4, 7)
+        dot_bf16(2, 5, 6)
+        dot_bf16(3, 5, 7)
+    for i in (1, 2):
+        load(4, wf, wo + 1024 * i, 64)
+        load(5, wf, wo + 1024 * i + 512, 64)
+        dot_bf16(0, 4, 6)
+        dot_bf16(1, 4, 7)
+        dot_bf16(2, 5, 6)
+        dot_bf16(3, 5, 7)
+    load(4, wf, wo + 1024, 64)
+    load(5, wf, wo + 1536, 64)
+    load(6, xf, xo + 512, 64)
+    load(7, xf, xo + 768, 64)
+    dot_bf16(0, 4, 6)
+    dot_bf16(1, 4, 7)
+    dot_bf16(2, 5, 6)
+    dot_bf16(3, 5, 7)
+
+
+@njit(parallel=True, **_OPT)
+def rows_amx_x6(xt, w, out, tab, wq, cbuf, cfg):
+    \"\"\"out = x @ W^T to f32 accuracy in AMX bf16 tiles (amx.py; only compiled where
+    amx.available()): W's decoded rows and x each as three exact bf16 parts (x's in xt,
+    amx.parts_of_rows), the six products of parts that carry f32's precision summed in f32.
+    W's blocks of 32 rows are split in len(wq) parts, each block decoded into wq[p] (A tiles,
+    flat bf16 bits: tile (k-step s, part i, rows 16t..16t+15) 1 KB at 32 * (32 * (3s + i) +
+    16t)); out^T tiles pass through cbuf[p] ([32 * 32]).\"\"\"
+    parts = wq.shape[0]
+    n, k = w.shape[0], wq.shape[1] // 96
+    m_, ks = out.shape[0], k // 32
+    blocks = (n + 31) // 32
+    xf = xt.reshape(-1)
+    for p in prange(parts):
+        load_config(cfg)
+        wf, c = wq[p], cbuf[p]
+        for blk in range(blocks * p // parts, blocks * (p + 1) // parts):
+            r = 32 * blk
+            e = min(n, r + 32)
+            for i in range(32):
+                if r + i < e:
+                    decode_parts(w[r + i], wf, i, tab)
+                else:
+                    for t in range(3 * k // 32):
+                        wf[1024 * t + 32 * i:1024 * t + 32 * i + 32] = 0
+            for b in range(xt.shape[0]):
+                zero(0)
+                zero(1)
+                zero(2)
+                zero(3)
+                for st in range(ks):
+                    _products(xf, 1536 * (b * ks + st), wf, 3072 * st)
+                store(0, c, 0, 128)
+                store(1, c, 16, 128)
+                store(2, c, 512, 128)
+                store(3, c, 528, 128)
+                for mm in range(32 * b, min(m_, 32 * b + 32)):
+                    for i in range(e - r):
+                        out[mm, r + i] = c[32 * i + mm - 32 * b]
         release()
 """
 
@@ -457,10 +548,14 @@ def drivers(kind: str):
     dot_body = "\n".join(f"        a{i % 4} = fma(lanes(r, o, {i}, tab), load_f32(x, p + {8 * i}), a{i % 4})"
                           for i in groups)
     decode_body = "\n".join(f"        store_lanes(out, p + {8 * i}, lanes(r, o, {i}, tab))" for i in groups)
-    src = _DRIVERS + _AMX_DRIVER + (_INT8_DRIVERS if kind in INT8_FORMATS else "")
+    parts_body = "\n".join(
+        f"        v = lanes(r, o, {i}, tab)\n        t = 32 * (96 * ((p + {8 * i}) // 32) + row) + (p + {8 * i}) % 32\n"
+        + "\n".join(f"        h, v = bf16_high(v)\n        store_lanes(q, t + {1024 * j}, h)" for j in range(3))
+        for i in groups)
+    src = _DRIVERS + _AMX_DRIVER + _AMX_X6_DRIVER + (_INT8_DRIVERS if kind in INT8_FORMATS else "")
     return load_source(SWIGLU_HEAD + src.format(
         fmt=kind, rows=ROWS_PER_TASK, ahead=AHEAD_ROWS, elems=elems, nbytes=nbytes, dot_body=dot_body,
-        decode_body=decode_body))
+        decode_body=decode_body, parts_body=parts_body))
 
 
 # --------------------------------------------------------------------------- host side
@@ -508,16 +603,20 @@ def scratch(rows: int, k: int, parts: int = 1) -> np.ndarray:
 
 
 def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | None = None,
-                   bf16: bool = False) -> np.ndarray:
-    """x [M, K] @ W^T: W's rows split over numba's threads, each decoding blocks of its rows
-    into its part of the scratch and multiplying them with one-thread BLAS (cblas.py says
-    why). Without a cblas_sgemm to call: blocks decoded in turn, each multiplied by numpy.
-    `bf16` (`[backend] matmul = "bf16"`): in AMX bf16 tiles where the CPU has them."""
+                   matmul: str = "f32") -> np.ndarray:
+    """x [M, K] @ W^T by `matmul` (`[backend] matmul`): "f32", in AMX tiles to f32 accuracy
+    where the CPU has them (rows_amx_x6), else as "blas"; "blas", W's rows split over
+    numba's threads, each decoding blocks of its rows into its part of the scratch and
+    multiplying them with one-thread BLAS (cblas.py says why), or without a cblas_sgemm to
+    call, blocks decoded in turn, each multiplied by numpy; "bf16", x and W rounded to bf16
+    in AMX tiles where the CPU has them, else as "blas"."""
     k = x.shape[-1]
     w, mod = _args(scheme, raw, k)
     n = w.shape[0]
     out = np.empty((x.shape[0], n), x.dtype) if out is None else out
-    if bf16 and k % 32 == 0 and amx.available():
+    if matmul == "f32" and k % 32 == 0 and amx.available():
+        return _f32_tiles(x, w, mod, out)
+    if matmul == "bf16" and k % 32 == 0 and amx.available():
         mp = -(-x.shape[0] // 32) * 32
         xt = np.empty((k // 2, mp), np.uint32)
         amx.pairs_of_rows(np.ascontiguousarray(x, np.float32), xt)
@@ -537,6 +636,18 @@ def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | Non
         return out
     with single_threaded_blas():
         mod.rows_gemm(xf, w, out, F16, scratch(step, k, parts), *SGEMM)
+    return out
+
+
+def _f32_tiles(x, w, mod, out):
+    """out = x @ W^T in AMX tiles to f32 accuracy (rows_amx_x6)."""
+    m, k = x.shape
+    mp = -(-m // 32) * 32
+    xt = np.empty((mp // 32, k // 32, 3, 2, 16, 16), np.uint32)
+    amx.parts_of_rows(np.ascontiguousarray(x, np.float32), xt)
+    parts = max(1, min(numba.get_num_threads(), -(-w.shape[0] // 32)))
+    mod.rows_amx_x6(xt, w, out, F16, np.empty((parts, 96 * k), np.uint16), np.empty((parts, 1024), np.float32),
+                    _TILES)
     return out
 
 
@@ -565,8 +676,8 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
         gemv = mod.igemv if rounds_x_itself(a, x) else mod.gemv
         mm = lambda x, w: gemv(x.reshape(m, k), w, o2, F16)  # noqa: E731
     else:
-        bf16 = bool(a.get("bf16"))
-        mm = lambda x, w: dequant_matmul(x.reshape(m, k), w, s, o2, bf16)  # noqa: E731
+        how = a.get("matmul", "f32")
+        mm = lambda x, w: dequant_matmul(x.reshape(m, k), w, s, o2, how)  # noqa: E731
     return with_epilogue(mm, o, protos[2:], a.get("act", "identity"))
 
 

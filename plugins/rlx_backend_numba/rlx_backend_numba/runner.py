@@ -422,8 +422,8 @@ class NumbaRunner(NumpyRunner):
             elif node.op in PREPARE:
                 if node.op == "dequant_matmul" and self._int8_rounded(node.inputs[0]):
                     a = {**a, "int8_x": True}
-                elif node.op == "dequant_matmul" and matmul == "bf16":
-                    a = {**a, "bf16": True}
+                elif node.op == "dequant_matmul" and matmul != "f32":
+                    a = {**a, "matmul": matmul}
                 x = protos[ins[0]]
                 made = None
                 if i in glu:

@@ -186,6 +186,20 @@ def to_f32(typingctx, v):
 
 
 @intrinsic
+def bf16_high(typingctx, v):
+    """(h, v - h) for h the bf16 nearest each lane of v (ties to even), as f32: an exact
+    split (h has 8 significand bits, the rest at most 16; plain IEEE ops, nothing fused)."""
+    def codegen(context, builder, sig, args):
+        u = builder.bitcast(args[0], _VI)
+        lsb = builder.and_(builder.lshr(u, _splat(builder, ir.Constant(_I32, 16), _VI)),
+                           _splat(builder, ir.Constant(_I32, 1), _VI))
+        r = builder.add(builder.add(u, _splat(builder, ir.Constant(_I32, 0x7FFF), _VI)), lsb)
+        h = builder.bitcast(builder.and_(r, _splat(builder, ir.Constant(_I32, 0xFFFF0000 - (1 << 32)), _VI)), _VF)
+        return context.make_tuple(builder, sig.return_type, [h, builder.fsub(args[0], h)])
+    return types.UniTuple(F32x8, 2)(v), codegen
+
+
+@intrinsic
 def fma(typingctx, a, b, c):
     """a * b + c lane-wise (fused where the target has FMA; llvm.fmuladd never calls libm)."""
     def codegen(context, builder, sig, args):

@@ -158,6 +158,52 @@ def close_bf16(got, x, w):
     assert np.isfinite(got).all() and (err <= bound).all(), float((err / bound).max())
 
 
+def close_f32(got, x, w):
+    """got equals x @ w^T in float64 up to f32 rounding (relative to the sum of |terms|: an
+    f32 sgemm's own error bound at these K is ~K * 2^-24; it measures ~1e-7 here)."""
+    bound = 2e-6 * (np.abs(x.astype(np.float64)) @ np.abs(w).T) + 1e-30
+    err = np.abs(got.astype(np.float64) - x.astype(np.float64) @ w.T)
+    assert np.isfinite(got).all() and (err <= bound).all(), float((err / bound).max())
+
+
+@AMX
+@pytest.mark.parametrize("kind", Q.FORMATS)
+def test_amx_f32_matmul(rng, kind, monkeypatch):
+    """The default on a CPU with AMX: x and the decoded weight each as three exact bf16 parts,
+    six tile products, as accurate as f32 BLAS: a ragged block of weight rows (N = 40), rows
+    of x that fill no tile (1, 33) or several (70), x spread over 12 decades, every output
+    written (poisoned first)."""
+    s, raw, ref = packed(rng, kind)
+    spy = []
+    real = Q._f32_tiles
+    monkeypatch.setattr(Q, "_f32_tiles", lambda *a: spy.append(a[0].shape) or real(*a))
+    for m in (1, 33, 70):
+        x = (rng.standard_normal((m, K)) * 10.0 ** rng.uniform(-6, 6, (m, K))).astype(np.float32)
+        out = np.full((m, N), np.nan, np.float32)
+        assert Q.dequant_matmul(x, raw, s, out) is out
+        close_f32(out, x, ref)
+    assert spy == [(1, K), (33, K), (70, K)]
+
+
+@AMX
+def test_amx_f32_matmul_over_threads_on_strided_x(rng):
+    """Enough 32-row blocks for every thread and an x that is a strided view."""
+    s = QuantScheme.parse("q6_k")
+    n, k = 200, 512
+    raw = s.quantize(rng.standard_normal((n, k)).astype(np.float32))
+    ref = s.dequantize_reference(raw, (n, k))
+    x = rng.uniform(-2, 2, (64, 2 * k)).astype(np.float32)[:, ::2]
+    close_f32(Q.dequant_matmul(x, raw, s), x, ref)
+
+
+def test_blas_setting_keeps_sgemm(rng, monkeypatch):
+    """matmul = "blas" multiplies by BLAS even where AMX tiles are there."""
+    monkeypatch.setattr(Q, "_f32_tiles", lambda *a: pytest.fail("AMX tiles used under matmul = 'blas'"))
+    s, raw, ref = packed(rng, "q5_0")
+    x = rng.uniform(-1, 1, (21, K)).astype(np.float32)
+    close(Q.dequant_matmul(x, raw, s, matmul="blas"), x.astype(np.float64) @ ref.T)
+
+
 @AMX
 @pytest.mark.parametrize("kind", Q.FORMATS)
 def test_amx_bf16_matmul(rng, kind):
@@ -168,7 +214,7 @@ def test_amx_bf16_matmul(rng, kind):
     for m in (1, 33, 70):
         x = rng.uniform(-1, 1, (m, K)).astype(np.float32)
         out = np.full((m, N), np.nan, np.float32)
-        assert Q.dequant_matmul(x, raw, s, out, bf16=True) is out
+        assert Q.dequant_matmul(x, raw, s, out, matmul="bf16") is out
         close_bf16(out, x, ref)
 
 
@@ -182,21 +228,23 @@ def test_amx_bf16_matmul_over_threads_on_strided_x(rng):
     raw = s.quantize(w)
     ref = s.dequantize_reference(raw, (n, k))
     x = rng.uniform(-2, 2, (64, 2 * k)).astype(np.float32)[:, ::2]
-    close_bf16(Q.dequant_matmul(x, raw, s, bf16=True), x, ref)
-
-
-def test_bf16_without_amx_keeps_f32(rng, monkeypatch):
-    monkeypatch.setattr(Q.amx, "available", lambda: False)
-    s, raw, ref = packed(rng, "q4_k")
-    x = rng.uniform(-1, 1, (21, K)).astype(np.float32)
-    close(Q.dequant_matmul(x, raw, s, bf16=True), x.astype(np.float64) @ ref.T)
+    close_bf16(Q.dequant_matmul(x, raw, s, matmul="bf16"), x, ref)
 
 
 @pytest.mark.parametrize("matmul", ["f32", "bf16"])
+def test_without_amx_blas_multiplies(rng, monkeypatch, matmul):
+    monkeypatch.setattr(Q.amx, "available", lambda: False)
+    monkeypatch.setattr(Q, "_f32_tiles", lambda *a: pytest.fail("AMX tiles used without AMX"))
+    s, raw, ref = packed(rng, "q4_k")
+    x = rng.uniform(-1, 1, (21, K)).astype(np.float32)
+    close(Q.dequant_matmul(x, raw, s, matmul=matmul), x.astype(np.float64) @ ref.T)
+
+
+@pytest.mark.parametrize("matmul", ["f32", "bf16", "blas"])
 def test_backend_matmul_setting_reaches_prefill_matmuls(rng, monkeypatch, matmul):
     """`[backend] matmul` holds for the pipeline that asked (a copy of the registry's backend),
     reaches the packed matmuls of many rows and not the GEMV; the result is the bf16 product
-    where this CPU has AMX, else the f32 one."""
+    for "bf16" where this CPU has AMX, else the f32 one."""
     import rlx_core
     from rlx_core import CompileProfile, Graph
     from rlx_core.ir.quant import PackedTensor
@@ -222,7 +270,7 @@ def test_backend_matmul_setting_reaches_prefill_matmuls(rng, monkeypatch, matmul
             close_bf16(got, x, ref)
         else:
             close(got, x.astype(np.float64) @ ref.T)
-    assert calls == [matmul == "bf16"]
+    assert calls == [matmul]
 
 
 def test_bad_matmul_setting_is_named():

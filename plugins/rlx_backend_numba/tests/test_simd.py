@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("numba")
 from numba import njit  # noqa: E402
 
-from rlx_backend_numba.simd import (below, bits, exp, fma, hmax, hsum, load_f32, load_i8, load_u8,  # noqa: E402
+from rlx_backend_numba.simd import (below, bf16_high, bits, exp, fma, hmax, hsum, load_f32, load_i8, load_u8,  # noqa: E402
                                     store_lanes, to_f32, vmax, zeros)
 
 
@@ -113,3 +113,33 @@ def test_store_lanes_rounds_to_bf16_in_uint16_rows():
     out = np.zeros(x.size, np.uint16)
     _to_bf16(x, out)
     np.testing.assert_array_equal(out, x.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@njit(cache=False)
+def _split3(x, parts):
+    for i in range(0, x.shape[0], 8):
+        v = load_f32(x, i)
+        for j in range(3):
+            h, v = bf16_high(v)
+            store_lanes(parts[j], i, h)
+
+
+def test_bf16_high_splits_f32_into_three_exact_bf16_parts():
+    """Each part is the bf16 nearest what the parts before it leave (ml_dtypes' rounding), and
+    the three add up to x exactly: x's 24 significand bits, over exponents far apart, ties,
+    signed zeros, subnormal-free values down to 1e-30."""
+    import ml_dtypes
+
+    rng = np.random.default_rng()
+    high = rng.integers(0x0100, 0x7F00, 16, dtype=np.uint32) | (rng.integers(0, 2, 16, dtype=np.uint32) << 15)
+    ties = ((high << 16) | 0x8000).view(np.float32)
+    x = np.concatenate([rng.standard_normal(64) * 10.0 ** rng.integers(-30, 30, 64), ties,
+                        [0.0, -0.0, 1.0, -3.5, 65504.0, 1.0 + 2.0 ** -23, -(1.0 + 2.0 ** -9 + 2.0 ** -17)]])
+    x = x.astype(np.float32)[: x.size // 8 * 8]
+    parts = np.full((3, x.size), np.nan, np.float32)
+    _split3(x, parts)
+    rest = x.astype(np.float64)
+    for p in parts:
+        np.testing.assert_array_equal(p, rest.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32))
+        rest = rest - p
+    assert (rest == 0).all()
