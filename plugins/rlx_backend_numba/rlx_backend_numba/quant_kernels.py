@@ -410,6 +410,9 @@ def rows_amx(xt, w, out, tab, wbuf, cbuf, cfg):
 _AMX_X6_DRIVER = """
 
 
+WP = {wparts}                           # exact bf16 parts of a decoded weight (2: d * (q - c), 16 bits)
+
+
 @njit(**_OPT)
 def decode_parts(r, q, row, tab):
     \"\"\"Row r decoded and split into three exact bf16 parts (simd.bf16_high), written as
@@ -424,7 +427,7 @@ def _products(xf, xo, wf, wo):
     \"\"\"Tiles 0-3 += the six products of bf16 parts that carry f32's precision, W1 x3,
     W1 x2, W1 x1, W2 x1, W3 x1, W2 x2, for one k-step: W part i's two A tiles at wf[wo +
     1024 i] and 512 elements on, x part j's two B tiles at xf[xo + 512 j] and 256 words on
-    (1 KB each, rows 64 bytes apart). 16 tile loads.\"\"\"
+    (1 KB each, rows 64 bytes apart). 16 tile loads; W3 x1 left out where W has two parts.\"\"\"
     load(4, wf, wo, 64)
     load(5, wf, wo + 512, 64)
     for j in (2, 1, 0):
@@ -434,7 +437,7 @@ def _products(xf, xo, wf, wo):
         dot_bf16(1, 4, 7)
         dot_bf16(2, 5, 6)
         dot_bf16(3, 5, 7)
-    for i in (1, 2):
+    for i in (1, 2) if WP == 3 else (1,):
         load(4, wf, wo + 1024 * i, 64)
         load(5, wf, wo + 1024 * i + 512, 64)
         dot_bf16(0, 4, 6)
@@ -548,14 +551,15 @@ def drivers(kind: str):
     dot_body = "\n".join(f"        a{i % 4} = fma(lanes(r, o, {i}, tab), load_f32(x, p + {8 * i}), a{i % 4})"
                           for i in groups)
     decode_body = "\n".join(f"        store_lanes(out, p + {8 * i}, lanes(r, o, {i}, tab))" for i in groups)
+    wparts = 2 if kind in ("q4_0", "q5_0") else 3      # f16 d (11 bits) * (q - c) (5 bits signed)
     parts_body = "\n".join(
         f"        v = lanes(r, o, {i}, tab)\n        t = 32 * (96 * ((p + {8 * i}) // 32) + row) + (p + {8 * i}) % 32\n"
-        + "\n".join(f"        h, v = bf16_high(v)\n        store_lanes(q, t + {1024 * j}, h)" for j in range(3))
+        + "\n".join(f"        h, v = bf16_high(v)\n        store_lanes(q, t + {1024 * j}, h)" for j in range(wparts))
         for i in groups)
     src = _DRIVERS + _AMX_DRIVER + _AMX_X6_DRIVER + (_INT8_DRIVERS if kind in INT8_FORMATS else "")
     return load_source(SWIGLU_HEAD + src.format(
         fmt=kind, rows=ROWS_PER_TASK, ahead=AHEAD_ROWS, elems=elems, nbytes=nbytes, dot_body=dot_body,
-        decode_body=decode_body, parts_body=parts_body))
+        decode_body=decode_body, parts_body=parts_body, wparts=wparts))
 
 
 # --------------------------------------------------------------------------- host side

@@ -188,7 +188,7 @@ def to_f32(typingctx, v):
 @intrinsic
 def bf16_high(typingctx, v):
     """(h, v - h) for h the bf16 nearest each lane of v (ties to even), as f32: an exact
-    split (h has 8 significand bits, the rest at most 16; plain IEEE ops, nothing fused)."""
+    split (h has 8 significand bits, v - h at most 16, half a bf16 ulp; plain IEEE ops)."""
     def codegen(context, builder, sig, args):
         u = builder.bitcast(args[0], _VI)
         lsb = builder.and_(builder.lshr(u, _splat(builder, ir.Constant(_I32, 16), _VI)),
