@@ -27,9 +27,9 @@ def catalog() -> list:
         out.append((f"reduce {t}", S.render(S.REDUCE, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
                                             COMB="rlx_max((a), (b))", IDENT="(-(ACC)RLX_INF)",
                                             FINAL=f"ST({t}, r)"), "rlx_reduce"))
-        out.append((f"reduce_split {t}", S.render(S.REDUCE_SPLIT, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
-                                                  COMB="(a) + (b)", IDENT="(ACC)0", FINAL=f"ST({t}, r)"),
-                    "rlx_reduce_split"))
+        out.append((f"reduce sum {t}", S.render(S.REDUCE, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
+                                                COMB="(a) + (b)", IDENT="(ACC)0", FINAL=f"ST({t}, r)"),
+                    "rlx_reduce"))
         out.append((f"reduce_cols {t}", S.render(S.REDUCE_COLS, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
                                                  COMB="(a) + (b)", IDENT="(ACC)0", FINAL=f"ST({t}, (r / (ACC)n))"),
                     "rlx_reduce_cols"))
@@ -71,10 +71,6 @@ def catalog() -> list:
     out.append(("reduce int", S.render(S.REDUCE, TX="int", TO="int", ACC="long long", LOAD="(ACC)(v)",
                                        COMB="rlx_maxi<ACC>((a), (b))", IDENT="((ACC)(-9223372036854775807LL - 1))",
                                        FINAL="(int)(r)"), "rlx_reduce"))
-    out.append(("reduce_split int", S.render(S.REDUCE_SPLIT, TX="int", TO="int", ACC="long long", LOAD="(ACC)(v)",
-                                             COMB="rlx_maxi<ACC>((a), (b))",
-                                             IDENT="((ACC)(-9223372036854775807LL - 1))", FINAL="(int)(r)"),
-                "rlx_reduce_split"))
     out.append(("argmax int", S.render(S.ARGMAX, TX="int", ACC="long long", LOAD="(ACC)(v)"), "rlx_argmax"))
     out.append(("cumsum bool", S.render(S.CUMSUM, TX="bool", TO="bool", ACC="long long", LOAD="(ACC)(v)",
                                         STORE="(v != 0)"), "rlx_cumsum"))

@@ -787,14 +787,13 @@ def _b_reduce(b, n, ins, outs):
         _reduce_cols(b, macros, b.contiguous(x), y, oni)
         return
     xv, rs = _as_matrix(b, b.moved_last(x, axes), rows, R)
-    ns, chunk = _row_split(b, rows, R)
-    if ns > 1:
-        fn = b.kernel(sources.render(sources.REDUCE_SPLIT, **macros), "rlx_reduce_split")
-        part = b.node_buffer((rows * ns,), _ACC_DT[acc], "reduce partials")
-        b.launch(fn, (rows, ns), (256,), (xv.arr, i64(rs), y.arr, i32(R), i32(chunk), part.arr, b.counters(rows)))
-        return
     fn = b.kernel(sources.render(sources.REDUCE, **macros), "rlx_reduce")
-    b.launch(fn, (rows,), (_block(R),), (xv.arr, i64(rs), y.arr, i32(R)))
+    ns, chunk = _row_split(b, rows, R)
+    if ns == 1:
+        b.launch(fn, (rows,), (_block(R),), (xv.arr, i64(rs), y.arr, i32(R), i32(R), None, None))
+        return
+    part = b.node_buffer((rows * ns,), _ACC_DT[acc], "reduce partials")
+    b.launch(fn, (rows, ns), (256,), (xv.arr, i64(rs), y.arr, i32(R), i32(chunk), part.arr, b.counters(rows)))
 
 
 REDUCE_SERIAL = 32      # a reduction this short runs one thread per output, not one block per row

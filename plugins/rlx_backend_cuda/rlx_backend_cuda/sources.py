@@ -423,50 +423,34 @@ extern "C" __global__ void rlx_norm_grad(const $TX* __restrict__ x, const $TW* _
 }
 """
 
-# op: 0 sum, 1 mean, 2 max, 3 min, 4 prod
+# A row per blockIdx.x. Few long rows (decode's sums over a 128k-entry vocabulary row: one
+# block took 28 us) are cut into gridDim.y chunks: a block per chunk writes its partial, and
+# the last block of the row to finish (`counters` start at 0 and it resets its own) combines
+# the partials in chunk order, lanes first, then a fixed shuffle tree: the same result on
+# every run. With one chunk (chunk = n) part and counters are not used.
 REDUCE = r"""
 #define RLX_LOAD(v) ($LOAD)
 #define RLX_COMB(a, b) ($COMB)
-extern "C" __global__ void rlx_reduce(const $TX* __restrict__ x, long long rs, $TO* __restrict__ y, int n) {
+extern "C" __global__ void rlx_reduce(const $TX* __restrict__ x, long long rs, $TO* __restrict__ y, int n,
+                                      int chunk, $ACC* __restrict__ part, int* __restrict__ counters) {
   typedef $ACC ACC;
   const i64 row = blockIdx.x;
+  const int ns = gridDim.y, beg = blockIdx.y * chunk, end = min(n, beg + chunk);
   const $TX* xr = x + row * rs;
   __shared__ ACC sh[1024];
+  __shared__ int last;
   ACC a = $IDENT;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) { ACC v = RLX_LOAD(xr[i]); a = RLX_COMB(a, v); }
+#pragma unroll 4
+  for (int i = beg + threadIdx.x; i < end; i += blockDim.x) { ACC v = RLX_LOAD(xr[i]); a = RLX_COMB(a, v); }
   sh[threadIdx.x] = a;
   __syncthreads();
   for (int st = blockDim.x / 2; st > 0; st >>= 1) {
     if (threadIdx.x < st) sh[threadIdx.x] = RLX_COMB(sh[threadIdx.x], sh[threadIdx.x + st]);
     __syncthreads();
   }
-  if (threadIdx.x == 0) { ACC r = sh[0]; y[row] = $FINAL; }
-}
-"""
-
-# Few long rows (decode's sums over a 128k-entry vocabulary row: one block took 28 us): each
-# row is cut into gridDim.y chunks, a block per chunk writes its partial, and the last block
-# of the row to finish (`counters` start at 0 and it resets its own) combines the partials in
-# chunk order, lanes first, then a fixed shuffle tree: the same result on every run.
-REDUCE_SPLIT = r"""
-#define RLX_LOAD(v) ($LOAD)
-#define RLX_COMB(a, b) ($COMB)
-extern "C" __global__ void __launch_bounds__(256) rlx_reduce_split(const $TX* __restrict__ x, long long rs,
-    $TO* __restrict__ y, int n, int chunk, $ACC* __restrict__ part, int* __restrict__ counters) {
-  typedef $ACC ACC;
-  const i64 row = blockIdx.x;
-  const int ns = gridDim.y, beg = blockIdx.y * chunk, end = min(n, beg + chunk);
-  const $TX* xr = x + row * rs;
-  __shared__ ACC sh[256];
-  __shared__ int last;
-  ACC a = $IDENT;
-#pragma unroll 4
-  for (int i = beg + threadIdx.x; i < end; i += 256) { ACC v = RLX_LOAD(xr[i]); a = RLX_COMB(a, v); }
-  sh[threadIdx.x] = a;
-  __syncthreads();
-  for (int st = 128; st > 0; st >>= 1) {
-    if (threadIdx.x < st) sh[threadIdx.x] = RLX_COMB(sh[threadIdx.x], sh[threadIdx.x + st]);
-    __syncthreads();
+  if (ns == 1) {
+    if (threadIdx.x == 0) { ACC r = sh[0]; y[row] = $FINAL; }
+    return;
   }
   if (threadIdx.x == 0) {
     part[row * ns + blockIdx.y] = sh[0];
@@ -518,7 +502,7 @@ extern "C" __global__ void rlx_reduce_cols(const $TX* __restrict__ x, $TO* __res
 """
 
 # argmax (NaN is the largest, first index wins ties). Rows of gridDim.y > 1 chunks: a block
-# per chunk, the last to finish takes the best of the chunks' picks (as in REDUCE_SPLIT).
+# per chunk, the last to finish takes the best of the chunks' picks (as in REDUCE).
 ARGMAX = r"""
 #define RLX_LOAD(v) ($LOAD)
 typedef $ACC ACC;
