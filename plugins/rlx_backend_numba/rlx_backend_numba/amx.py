@@ -6,7 +6,7 @@ later) multiplies 16x32 bf16 tiles in one instruction, an order of magnitude mor
 cycle. Two uses in the numba backend:
 - f32 accuracy (the default): an f32 is exactly the sum of three bf16 parts (8 + 8 + 8
   significand bits), so x @ W^T is six tile products of parts (the other three fall below
-  f32 rounding), every product exact and every sum f32 (quant_kernels.rows_amx_x6);
+  f32 rounding), every product exact and every sum f32 (quant_kernels' rows_f32);
 - `[backend] matmul = "bf16"`: x and the decoded weight rows rounded to bf16, one product
   (logits move by about 1% of their range, as in a bf16 model).
 Without AMX both keep f32 BLAS.
@@ -135,46 +135,27 @@ def dot_bf16(typingctx, c, a, b):
     return types.none(c, a, b), codegen
 
 
-@njit(inline="always")
-def _bf16(bits):
-    """The bf16 nearest a float32's bits (ties to even), in the low 16 bits."""
-    return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-
-
-@njit(parallel=True, **_OPT)
-def pairs_of_rows(x, xt):
-    """xt [K/2, Mp] (uint32) = x (f32 [M, K], C-contiguous) as the B operand of dot_bf16:
-    word [kk, m] holds x[m, 2kk] (low half) and x[m, 2kk + 1] in bf16; columns past M are 0.
-    In 16 x 16 blocks of words, whose rows of x stay in L1 while they are read."""
-    u = x.view(np.uint32)
-    m_, mp, half = x.shape[0], xt.shape[1], xt.shape[0]
-    for t in prange((half + 15) // 16):
-        for m0 in range(0, mp, 16):
-            for kk in range(16 * t, min(half, 16 * t + 16)):
-                for m in range(m0, m0 + 16):
-                    xt[kk, m] = (_bf16(u[m, 2 * kk]) | (_bf16(u[m, 2 * kk + 1]) << np.uint32(16))) if m < m_ \
-                        else np.uint32(0)
-
-
 @njit(parallel=True, **_OPT)
 def parts_of_rows(x, xt):
-    """x (f32 [M, K], C-contiguous) as three exact bf16 parts (simd.bf16_high) in B tiles of
-    dot_bf16: xt [Mp/32, K/32, 3, 2, 16, 16] (uint32), the tiles of 32 rows of x, then of one
-    k-step, side by side; word [b, s, i, t, r, c] holds part i of x[32b + 16t + c, 32s + 2r]
-    (low half) and of x[32b + 16t + c, 32s + 2r + 1]. Rows past M are 0."""
+    """x (f32 [M, K], C-contiguous) as P bf16 parts (simd.bf16_high: P = 3, exactly x; P = 1,
+    x rounded to bf16) in B tiles of dot_bf16: xt [Mp/32, K/32, P, 2, 16, 16] (uint32), the
+    tiles of 32 rows of x, then of one k-step, side by side; word [b, s, i, t, r, c] holds
+    part i of x[32b + 16t + c, 32s + 2r] (low half) and of x[32b + 16t + c, 32s + 2r + 1].
+    Rows past M are 0."""
     m_, k = x.shape
+    np_ = xt.shape[2]
     for b in prange(xt.shape[0]):
-        h = np.zeros((3, 32, k), np.float32)
+        h = np.zeros((np_, 32, k), np.float32)
         for mm in range(min(32, m_ - 32 * b)):
             xr = x[32 * b + mm]
             for j in range(0, k, 8):
                 v = load_f32(xr, j)
-                for i in range(3):
+                for i in range(np_):
                     p, v = bf16_high(v)
                     store_lanes(h[i, mm], j, p)
         u = h.view(np.uint32)
         for s in range(k // 32):
-            for i in range(3):
+            for i in range(np_):
                 for t in range(2):
                     for r in range(16):
                         for c in range(16):
@@ -182,5 +163,5 @@ def parts_of_rows(x, xt):
                                                     | (u[i, 16 * t + c, 32 * s + 2 * r + 1] & np.uint32(0xFFFF0000)))
 
 
-__all__ = ["available", "dot_bf16", "load", "load_config", "pairs_of_rows", "parts_of_rows", "release", "store",
+__all__ = ["available", "dot_bf16", "load", "load_config", "parts_of_rows", "release", "store",
            "tile_config", "zero"]

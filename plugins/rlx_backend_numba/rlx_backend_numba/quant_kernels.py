@@ -6,9 +6,9 @@ vector (simd.py); drivers generated per format unroll it over a block and either
 - `gemv`, decode (a few rows of x): parallel over chunks of output rows; one row of x is
   multiply-added lane by lane as the packed row is read (no float copy of the weight
   anywhere), several rows of x share one decode of each weight row into an L1 buffer;
-- `rows`, prefill: on a CPU with AMX, blocks of weight rows decoded into tiles of three
-  exact bf16 parts and multiplied with x's parts to f32 accuracy (`rows_amx_x6`), or with
-  `[backend] matmul = "bf16"` rounded to bf16 and multiplied once (`rows_amx`); elsewhere
+- `rows`, prefill: on a CPU with AMX, blocks of weight rows decoded into tiles of exact
+  bf16 parts and multiplied with x's parts to f32 accuracy (`rows_f32`), or with
+  `[backend] matmul = "bf16"` rounded to bf16 and multiplied once (`rows_bf16`); elsewhere
   (or with matmul = "blas"), decoded into a bounded scratch, then multiplied by BLAS (the
   two run one after the other, never nested).
 f16 scales come from a 65536-entry table (as ggml's); values compute in f32.
@@ -354,116 +354,44 @@ def rows_gemm(x, w, out, tab, scratch, gemm, ilp64):
 """
 
 
-_AMX_DRIVER = """
+# AMX drivers, one per mode (amx.py says why): "f32", W's decoded rows and x each as exact
+# bf16 parts (three; two for a weight d * (q - c) of 16 bits) and the products of parts
+# that carry f32's precision; "bf16", both rounded to bf16, one product. A mode's W parts
+# are decoded straight into A tiles, x's laid out as B tiles (amx.parts_of_rows).
+_AMX_HEAD = """
 
 from rlx_backend_numba.amx import dot_bf16, load, load_config, release, store, zero
 from rlx_backend_numba.simd import bf16_high
-
-
-@njit(parallel=True, **_OPT)
-def rows_amx(xt, w, out, tab, wbuf, cbuf, cfg):
-    \"\"\"out = x @ W^T in AMX bf16 tiles (amx.py; only compiled where amx.available()): W's
-    blocks of 32 rows split in len(wbuf) parts, each decoded straight to bf16 (`decode` into
-    uint16 rows, where store_lanes rounds) in wbuf[p] (zero rows past N), multiplied with x's
-    bf16 pairs xt ([K/2, Mp], amx.pairs_of_rows) into out^T tiles (cbuf[p], [32, Mp]), then
-    written into out's 32 columns of the block.\"\"\"
-    parts = wbuf.shape[0]
-    n, k = w.shape[0], wbuf.shape[2]
-    m_, mp = out.shape[0], xt.shape[1]
-    blocks = (n + 31) // 32
-    for p in prange(parts):
-        load_config(cfg)
-        wb, c = wbuf[p], cbuf[p]
-        for b in range(blocks * p // parts, blocks * (p + 1) // parts):
-            r = 32 * b
-            e = min(n, r + 32)
-            for i in range(32):
-                if r + i < e:
-                    decode(w[r + i], wb[i], tab)
-                else:
-                    wb[i] = 0
-            for m0 in range(0, mp, 32):
-                zero(0)
-                zero(1)
-                zero(2)
-                zero(3)
-                for k0 in range(0, k, 32):
-                    load(4, wb, k0, 2 * k)
-                    load(5, wb, 16 * k + k0, 2 * k)
-                    load(6, xt, (k0 // 2) * mp + m0, 4 * mp)
-                    load(7, xt, (k0 // 2) * mp + m0 + 16, 4 * mp)
-                    dot_bf16(0, 4, 6)
-                    dot_bf16(1, 4, 7)
-                    dot_bf16(2, 5, 6)
-                    dot_bf16(3, 5, 7)
-                store(0, c, m0, 4 * mp)
-                store(1, c, m0 + 16, 4 * mp)
-                store(2, c, 16 * mp + m0, 4 * mp)
-                store(3, c, 16 * mp + m0 + 16, 4 * mp)
-            for mm in range(m_):
-                for i in range(e - r):
-                    out[mm, r + i] = c[i, mm]
-        release()
 """
 
-
-_AMX_X6_DRIVER = """
-
-
-WP = {wparts}                           # exact bf16 parts of a decoded weight (2: d * (q - c), 16 bits)
+_AMX_DRIVER = """
 
 
 @njit(**_OPT)
-def decode_parts(r, q, row, tab):
-    \"\"\"Row r decoded and split into three exact bf16 parts (simd.bf16_high), written as
-    row `row` of rows_amx_x6's A tiles in q (flat bf16 bits).\"\"\"
-    for b in range(q.shape[0] // (96 * E)):
+def decode_{mode}(r, q, row, tab):
+    \"\"\"Row r decoded and split into {wp} bf16 part(s) (simd.bf16_high), written as row
+    `row` of rows_{mode}'s A tiles in q (flat bf16 bits).\"\"\"
+    for b in range(q.shape[0] // ({wp} * 32 * E)):
         o, p = B * b, E * b
 {parts_body}
 
 
 @njit(**_OPT)
-def _products(xf, xo, wf, wo):
-    \"\"\"Tiles 0-3 += the six products of bf16 parts that carry f32's precision, W1 x3,
-    W1 x2, W1 x1, W2 x1, W3 x1, W2 x2, for one k-step: W part i's two A tiles at wf[wo +
-    1024 i] and 512 elements on, x part j's two B tiles at xf[xo + 512 j] and 256 words on
-    (1 KB each, rows 64 bytes apart). 16 tile loads; W3 x1 left out where W has two parts.\"\"\"
-    load(4, wf, wo, 64)
-    load(5, wf, wo + 512, 64)
-    for j in (2, 1, 0):
-        load(6, xf, xo + 512 * j, 64)
-        load(7, xf, xo + 512 * j + 256, 64)
-        dot_bf16(0, 4, 6)
-        dot_bf16(1, 4, 7)
-        dot_bf16(2, 5, 6)
-        dot_bf16(3, 5, 7)
-    for i in (1, 2) if WP == 3 else (1,):
-        load(4, wf, wo + 1024 * i, 64)
-        load(5, wf, wo + 1024 * i + 512, 64)
-        dot_bf16(0, 4, 6)
-        dot_bf16(1, 4, 7)
-        dot_bf16(2, 5, 6)
-        dot_bf16(3, 5, 7)
-    load(4, wf, wo + 1024, 64)
-    load(5, wf, wo + 1536, 64)
-    load(6, xf, xo + 512, 64)
-    load(7, xf, xo + 768, 64)
-    dot_bf16(0, 4, 6)
-    dot_bf16(1, 4, 7)
-    dot_bf16(2, 5, 6)
-    dot_bf16(3, 5, 7)
+def products_{mode}(xf, xo, wf, wo):
+    \"\"\"Tiles 0-3 += one k-step's products of parts {pairs} (W part, x part): W part i's
+    two A tiles at wf[wo + 1024 i] and 512 elements on, x part j's two B tiles at xf[xo +
+    512 j] and 256 words on (1 KB each, rows 64 bytes apart), each loaded once in turn.\"\"\"
+{products_body}
 
 
 @njit(parallel=True, **_OPT)
-def rows_amx_x6(xt, w, out, tab, wq, cbuf, cfg):
-    \"\"\"out = x @ W^T to f32 accuracy in AMX bf16 tiles (amx.py; only compiled where
-    amx.available()): W's decoded rows and x each as three exact bf16 parts (x's in xt,
-    amx.parts_of_rows), the six products of parts that carry f32's precision summed in f32.
-    W's blocks of 32 rows are split in len(wq) parts, each block decoded into wq[p] (A tiles,
-    flat bf16 bits: tile (k-step s, part i, rows 16t..16t+15) 1 KB at 32 * (32 * (3s + i) +
-    16t)); out^T tiles pass through cbuf[p] ([32 * 32]).\"\"\"
+def rows_{mode}(xt, w, out, tab, wq, cbuf, cfg):
+    \"\"\"out = x @ W^T in AMX tiles (only compiled where amx.available()), x's {xp} part(s)
+    in xt (amx.parts_of_rows). W's blocks of 32 rows are split in len(wq) parts, each block
+    decoded into wq[p] (A tiles, flat bf16 bits: tile (k-step s, part i, rows 16t..16t+15)
+    1 KB at 32 * (32 * ({wp}s + i) + 16t)); out^T tiles pass through cbuf[p] ([32 * 32]).\"\"\"
     parts = wq.shape[0]
-    n, k = w.shape[0], wq.shape[1] // 96
+    n, k = w.shape[0], wq.shape[1] // ({wp} * 32)
     m_, ks = out.shape[0], k // 32
     blocks = (n + 31) // 32
     xf = xt.reshape(-1)
@@ -475,9 +403,9 @@ def rows_amx_x6(xt, w, out, tab, wq, cbuf, cfg):
             e = min(n, r + 32)
             for i in range(32):
                 if r + i < e:
-                    decode_parts(w[r + i], wf, i, tab)
+                    decode_{mode}(w[r + i], wf, i, tab)
                 else:
-                    for t in range(3 * k // 32):
+                    for t in range({wp} * ks):
                         wf[1024 * t + 32 * i:1024 * t + 32 * i + 32] = 0
             for b in range(xt.shape[0]):
                 zero(0)
@@ -485,7 +413,7 @@ def rows_amx_x6(xt, w, out, tab, wq, cbuf, cfg):
                 zero(2)
                 zero(3)
                 for st in range(ks):
-                    _products(xf, 1536 * (b * ks + st), wf, 3072 * st)
+                    products_{mode}(xf, {xp} * 512 * (b * ks + st), wf, {wp} * 1024 * st)
                 store(0, c, 0, 128)
                 store(1, c, 16, 128)
                 store(2, c, 512, 128)
@@ -495,6 +423,38 @@ def rows_amx_x6(xt, w, out, tab, wq, cbuf, cfg):
                         out[mm, r + i] = c[32 * i + mm - 32 * b]
         release()
 """
+
+# (W part, x part) products of each AMX mode, in the order their tiles are loaded
+_PAIRS = {"f32": ((0, 2), (0, 1), (0, 0), (1, 0), (2, 0), (1, 1)), "bf16": ((0, 0),)}
+
+
+def amx_parts(kind: str, mode: str) -> tuple[int, int]:
+    """(W parts, x parts) of an AMX mode: "f32" splits x in three and W in three, or in two
+    where its values are an f16 d times a 5-bit q - c (16 bits); "bf16" rounds both."""
+    if mode == "bf16":
+        return 1, 1
+    return (2 if kind in ("q4_0", "q5_0") else 3), 3
+
+
+def _amx_source(kind: str, mode: str, groups) -> str:
+    """The AMX driver of one format and mode: decode_<mode>, products_<mode>, rows_<mode>."""
+    wp, xp = amx_parts(kind, mode)
+    pairs = [(i, j) for i, j in _PAIRS[mode] if i < wp]
+    parts_body = "\n".join(
+        f"        v = lanes(r, o, {i}, tab)\n        t = 32 * ({32 * wp} * ((p + {8 * i}) // 32) + row) + (p + {8 * i}) % 32\n"
+        + "\n".join(f"        h, v = bf16_high(v)\n        store_lanes(q, t + {1024 * j}, h)" for j in range(wp))
+        for i in groups)
+    body, w_in, x_in = [], None, None
+    for i, j in pairs:
+        if i != w_in:
+            body += [f"    load(4, wf, wo + {1024 * i}, 64)", f"    load(5, wf, wo + {1024 * i + 512}, 64)"]
+            w_in = i
+        if j != x_in:
+            body += [f"    load(6, xf, xo + {512 * j}, 64)", f"    load(7, xf, xo + {512 * j + 256}, 64)"]
+            x_in = j
+        body += ["    dot_bf16(0, 4, 6)", "    dot_bf16(1, 4, 7)", "    dot_bf16(2, 5, 6)", "    dot_bf16(3, 5, 7)"]
+    return _AMX_DRIVER.format(mode=mode, wp=wp, xp=xp, pairs=", ".join(map(str, pairs)), parts_body=parts_body,
+                              products_body="\n".join(body))
 
 
 _INT8_DRIVERS = """
@@ -545,21 +505,17 @@ def igemv_glu(x, w, o, tab):
 
 @functools.lru_cache(maxsize=None)
 def drivers(kind: str):
-    """The generated module with `gemv`, `rows` and `rows_ser` for one format."""
+    """The generated module of one format: `gemv`, `rows`, `rows_ser`, ... and its AMX drivers."""
     elems, nbytes = BLOCK[kind]
     groups = range(elems // 8)         # unrolled: each lane group's scale and shifts fold
     dot_body = "\n".join(f"        a{i % 4} = fma(lanes(r, o, {i}, tab), load_f32(x, p + {8 * i}), a{i % 4})"
                           for i in groups)
     decode_body = "\n".join(f"        store_lanes(out, p + {8 * i}, lanes(r, o, {i}, tab))" for i in groups)
-    wparts = 2 if kind in ("q4_0", "q5_0") else 3      # f16 d (11 bits) * (q - c) (5 bits signed)
-    parts_body = "\n".join(
-        f"        v = lanes(r, o, {i}, tab)\n        t = 32 * (96 * ((p + {8 * i}) // 32) + row) + (p + {8 * i}) % 32\n"
-        + "\n".join(f"        h, v = bf16_high(v)\n        store_lanes(q, t + {1024 * j}, h)" for j in range(wparts))
-        for i in groups)
-    src = _DRIVERS + _AMX_DRIVER + _AMX_X6_DRIVER + (_INT8_DRIVERS if kind in INT8_FORMATS else "")
-    return load_source(SWIGLU_HEAD + src.format(
+    src = _DRIVERS + (_INT8_DRIVERS if kind in INT8_FORMATS else "")
+    src = SWIGLU_HEAD + src.format(
         fmt=kind, rows=ROWS_PER_TASK, ahead=AHEAD_ROWS, elems=elems, nbytes=nbytes, dot_body=dot_body,
-        decode_body=decode_body, parts_body=parts_body, wparts=wparts))
+        decode_body=decode_body)
+    return load_source(src + _AMX_HEAD + "".join(_amx_source(kind, m, groups) for m in _PAIRS))
 
 
 # --------------------------------------------------------------------------- host side
@@ -609,7 +565,7 @@ def scratch(rows: int, k: int, parts: int = 1) -> np.ndarray:
 def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | None = None,
                    matmul: str = "f32") -> np.ndarray:
     """x [M, K] @ W^T by `matmul` (`[backend] matmul`): "f32", in AMX tiles to f32 accuracy
-    where the CPU has them (rows_amx_x6), else as "blas"; "blas", W's rows split over
+    where the CPU has them (rows_f32), else as "blas"; "blas", W's rows split over
     numba's threads, each decoding blocks of its rows into its part of the scratch and
     multiplying them with one-thread BLAS (cblas.py says why), or without a cblas_sgemm to
     call, blocks decoded in turn, each multiplied by numpy; "bf16", x and W rounded to bf16
@@ -618,16 +574,8 @@ def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | Non
     w, mod = _args(scheme, raw, k)
     n = w.shape[0]
     out = np.empty((x.shape[0], n), x.dtype) if out is None else out
-    if matmul == "f32" and k % 32 == 0 and amx.available():
-        return _f32_tiles(x, w, mod, out)
-    if matmul == "bf16" and k % 32 == 0 and amx.available():
-        mp = -(-x.shape[0] // 32) * 32
-        xt = np.empty((k // 2, mp), np.uint32)
-        amx.pairs_of_rows(np.ascontiguousarray(x, np.float32), xt)
-        parts = max(1, min(numba.get_num_threads(), -(-n // 32)))
-        mod.rows_amx(xt, w, out, F16, np.empty((parts, 32, k), np.uint16), np.empty((parts, 32, mp), np.float32),
-                     _TILES)
-        return out
+    if matmul != "blas" and k % 32 == 0 and amx.available():
+        return _tiles(x, w, mod, out, QuantScheme.parse(scheme).kind, matmul)
     xf = np.ascontiguousarray(x, np.float32)
     parts = cblas.parts(n)
     step = max(1, min(-(-n // parts), SCRATCH // max(k, 1)))
@@ -643,15 +591,15 @@ def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | Non
     return out
 
 
-def _f32_tiles(x, w, mod, out):
-    """out = x @ W^T in AMX tiles to f32 accuracy (rows_amx_x6)."""
+def _tiles(x, w, mod, out, kind: str, mode: str):
+    """out = x @ W^T in AMX tiles (rows_<mode>)."""
     m, k = x.shape
-    mp = -(-m // 32) * 32
-    xt = np.empty((mp // 32, k // 32, 3, 2, 16, 16), np.uint32)
+    wp, xp = amx_parts(kind, mode)
+    xt = np.empty((-(-m // 32), k // 32, xp, 2, 16, 16), np.uint32)
     amx.parts_of_rows(np.ascontiguousarray(x, np.float32), xt)
     parts = max(1, min(numba.get_num_threads(), -(-w.shape[0] // 32)))
-    mod.rows_amx_x6(xt, w, out, F16, np.empty((parts, 96 * k), np.uint16), np.empty((parts, 1024), np.float32),
-                    _TILES)
+    getattr(mod, f"rows_{mode}")(xt, w, out, F16, np.empty((parts, wp * 32 * k), np.uint16),
+                                 np.empty((parts, 1024), np.float32), _TILES)
     return out
 
 

@@ -175,14 +175,14 @@ def test_amx_f32_matmul(rng, kind, monkeypatch):
     written (poisoned first)."""
     s, raw, ref = packed(rng, kind)
     spy = []
-    real = Q._f32_tiles
-    monkeypatch.setattr(Q, "_f32_tiles", lambda *a: spy.append(a[0].shape) or real(*a))
+    real = Q._tiles
+    monkeypatch.setattr(Q, "_tiles", lambda *a: spy.append((a[0].shape, a[-1])) or real(*a))
     for m in (1, 33, 70):
         x = (rng.standard_normal((m, K)) * 10.0 ** rng.uniform(-6, 6, (m, K))).astype(np.float32)
         out = np.full((m, N), np.nan, np.float32)
         assert Q.dequant_matmul(x, raw, s, out) is out
         close_f32(out, x, ref)
-    assert spy == [(1, K), (33, K), (70, K)]
+    assert spy == [((1, K), "f32"), ((33, K), "f32"), ((70, K), "f32")]
 
 
 @AMX
@@ -198,7 +198,7 @@ def test_amx_f32_matmul_over_threads_on_strided_x(rng):
 
 def test_blas_setting_keeps_sgemm(rng, monkeypatch):
     """matmul = "blas" multiplies by BLAS even where AMX tiles are there."""
-    monkeypatch.setattr(Q, "_f32_tiles", lambda *a: pytest.fail("AMX tiles used under matmul = 'blas'"))
+    monkeypatch.setattr(Q, "_tiles", lambda *a: pytest.fail("AMX tiles used under matmul = 'blas'"))
     s, raw, ref = packed(rng, "q5_0")
     x = rng.uniform(-1, 1, (21, K)).astype(np.float32)
     close(Q.dequant_matmul(x, raw, s, matmul="blas"), x.astype(np.float64) @ ref.T)
@@ -234,7 +234,7 @@ def test_amx_bf16_matmul_over_threads_on_strided_x(rng):
 @pytest.mark.parametrize("matmul", ["f32", "bf16"])
 def test_without_amx_blas_multiplies(rng, monkeypatch, matmul):
     monkeypatch.setattr(Q.amx, "available", lambda: False)
-    monkeypatch.setattr(Q, "_f32_tiles", lambda *a: pytest.fail("AMX tiles used without AMX"))
+    monkeypatch.setattr(Q, "_tiles", lambda *a: pytest.fail("AMX tiles used without AMX"))
     s, raw, ref = packed(rng, "q4_k")
     x = rng.uniform(-1, 1, (21, K)).astype(np.float32)
     close(Q.dequant_matmul(x, raw, s, matmul=matmul), x.astype(np.float64) @ ref.T)
