@@ -51,8 +51,8 @@ from hardware import cpu_name  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {"smollm2": "SmolLM2-135M-Instruct Q4_1 GGUF", "gemma3": "gemma-3-270m Q4_K_M GGUF"}
 SIDES = {"numba": "RLX numba, packed", "numba-int8": "RLX numba, packed, int8 x",
-         "numba-bf16": "RLX numba, packed, bf16 matmul", "numba-blas": "RLX numba, packed, BLAS matmul", "numpy": "RLX numpy, packed", "hf": "HF eager fp32",
-         "llama.cpp": "llama.cpp"}
+         "numba-bf16": "RLX numba, packed, bf16 matmul", "numba-blas": "RLX numba, packed, BLAS matmul",
+         "numpy": "RLX numpy, packed", "hf": "HF eager fp32", "llama.cpp": "llama.cpp"}
 VARIANTS = {"numba-int8": {"precision": {"activations": "int8"}},   # profile settings of a numba side
             "numba-bf16": {"backend": {"matmul": "bf16"}}, "numba-blas": {"backend": {"matmul": "blas"}}}
 

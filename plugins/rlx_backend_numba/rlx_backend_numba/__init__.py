@@ -2,9 +2,10 @@
 
 Elementwise regions are generated from the op table (codegen.py), row-wise ops, attention
 and the decode GEMV are hand-written parallel kernels (kernels.py); large matmuls stay on
-BLAS, except packed ones on a CPU with AMX (amx.py: tiles, to f32 accuracy). Every other op, and f16/bf16 or integer steps, run on the NumPy backend's kernels
-inside the same arena. Above numpy in priority, so installing it makes it the default CPU
-backend; `backend="numpy"` still selects the embedded one.
+BLAS, except packed ones on a CPU with AMX (amx.py: tiles, to f32 accuracy). Every other
+op, and f16/bf16 or integer steps, run on the NumPy backend's kernels inside the same arena.
+Above numpy in priority, so installing it makes it the default CPU backend; `backend="numpy"`
+still selects the embedded one.
 
 Threads: RLX_NUM_THREADS (else every core numba sees). Kernels compile once per machine
 into RLX_NUMBA_CACHE (default: `numba` in the RLX cache dir) and numba's own cache.

@@ -159,8 +159,8 @@ def parts_of_rows(x, xt):
                 for t in range(2):
                     for r in range(16):
                         for c in range(16):
-                            xt[b, s, i, t, r, c] = ((u[i, 16 * t + c, 32 * s + 2 * r] >> np.uint32(16))
-                                                    | (u[i, 16 * t + c, 32 * s + 2 * r + 1] & np.uint32(0xFFFF0000)))
+                            lo, hi = u[i, 16 * t + c, 32 * s + 2 * r], u[i, 16 * t + c, 32 * s + 2 * r + 1]
+                            xt[b, s, i, t, r, c] = (lo >> np.uint32(16)) | (hi & np.uint32(0xFFFF0000))
 
 
 __all__ = ["available", "dot_bf16", "load", "load_config", "parts_of_rows", "release", "store",

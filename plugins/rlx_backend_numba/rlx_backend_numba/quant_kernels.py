@@ -441,8 +441,10 @@ def _amx_source(kind: str, mode: str, groups) -> str:
     wp, xp = amx_parts(kind, mode)
     pairs = [(i, j) for i, j in _PAIRS[mode] if i < wp]
     parts_body = "\n".join(
-        f"        v = lanes(r, o, {i}, tab)\n        t = 32 * ({32 * wp} * ((p + {8 * i}) // 32) + row) + (p + {8 * i}) % 32\n"
-        + "\n".join(f"        h, v = bf16_high(v)\n        store_lanes(q, t + {1024 * j}, h)" for j in range(wp))
+        f"        v = lanes(r, o, {i}, tab)\n"
+        f"        t = 32 * ({32 * wp} * ((p + {8 * i}) // 32) + row) + (p + {8 * i}) % 32\n"
+        + "\n".join(f"        h, v = bf16_high(v)\n        store_lanes(q, t + {1024 * j}, h)"
+                    for j in range(wp))
         for i in groups)
     body, w_in, x_in = [], None, None
     for i, j in pairs:
@@ -452,9 +454,9 @@ def _amx_source(kind: str, mode: str, groups) -> str:
         if j != x_in:
             body += [f"    load(6, xf, xo + {512 * j}, 64)", f"    load(7, xf, xo + {512 * j + 256}, 64)"]
             x_in = j
-        body += ["    dot_bf16(0, 4, 6)", "    dot_bf16(1, 4, 7)", "    dot_bf16(2, 5, 6)", "    dot_bf16(3, 5, 7)"]
-    return _AMX_DRIVER.format(mode=mode, wp=wp, xp=xp, pairs=", ".join(map(str, pairs)), parts_body=parts_body,
-                              products_body="\n".join(body))
+        body += [f"    dot_bf16({c}, {a}, {b})" for c, a, b in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7))]
+    return _AMX_DRIVER.format(mode=mode, wp=wp, xp=xp, pairs=", ".join(map(str, pairs)),
+                              parts_body=parts_body, products_body="\n".join(body))
 
 
 _INT8_DRIVERS = """

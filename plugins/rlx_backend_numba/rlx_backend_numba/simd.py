@@ -194,7 +194,8 @@ def bf16_high(typingctx, v):
         lsb = builder.and_(builder.lshr(u, _splat(builder, ir.Constant(_I32, 16), _VI)),
                            _splat(builder, ir.Constant(_I32, 1), _VI))
         r = builder.add(builder.add(u, _splat(builder, ir.Constant(_I32, 0x7FFF), _VI)), lsb)
-        h = builder.bitcast(builder.and_(r, _splat(builder, ir.Constant(_I32, 0xFFFF0000 - (1 << 32)), _VI)), _VF)
+        high = _splat(builder, ir.Constant(_I32, 0xFFFF0000 - (1 << 32)), _VI)     # as a signed i32
+        h = builder.bitcast(builder.and_(r, high), _VF)
         return context.make_tuple(builder, sig.return_type, [h, builder.fsub(args[0], h)])
     return types.UniTuple(F32x8, 2)(v), codegen
 

@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("numba")
 from numba import njit  # noqa: E402
 
-from rlx_backend_numba.simd import (below, bf16_high, bits, exp, fma, hmax, hsum, load_f32, load_i8, load_u8,  # noqa: E402
-                                    store_lanes, to_f32, vmax, zeros)
+from rlx_backend_numba.simd import (below, bf16_high, bits, exp, fma, hmax, hsum, load_f32,  # noqa: E402
+                                    load_i8, load_u8, store_lanes, to_f32, vmax, zeros)
 
 
 @njit(cache=False)
@@ -140,6 +140,7 @@ def test_bf16_high_splits_f32_into_three_exact_bf16_parts():
     _split3(x, parts)
     rest = x.astype(np.float64)
     for p in parts:
-        np.testing.assert_array_equal(p, rest.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32))
+        nearest = rest.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(p, nearest)
         rest = rest - p
     assert (rest == 0).all()
