@@ -29,7 +29,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .simd import bf16_high, call_intrinsic, element_ptr, load_f32, store_lanes
+from .simd import call_intrinsic, element_ptr, load_f32, store_bf16_part
 
 _I8 = ir.IntType(8)
 _VOID = ir.VoidType()
@@ -137,30 +137,28 @@ def dot_bf16(typingctx, c, a, b):
 
 @njit(parallel=True, **_OPT)
 def parts_of_rows(x, xt):
-    """x (f32 [M, K], C-contiguous) as P bf16 parts (simd.bf16_high: P = 3, exactly x; P = 1,
-    x rounded to bf16) in B tiles of dot_bf16: xt [Mp/32, K/32, P, 2, 16, 16] (uint32), the
-    tiles of 32 rows of x, then of one k-step, side by side; word [b, s, i, t, r, c] holds
+    """x (f32 [M, K], C-contiguous) as P bf16 parts (simd.store_bf16_part: P = 3, exactly x;
+    P = 1, x rounded to bf16) in B tiles of dot_bf16: xt [Mp/32, K/32, P, 2, 16, 16] (uint32),
+    the tiles of 32 rows of x, then of one k-step, side by side; word [b, s, i, t, r, c] holds
     part i of x[32b + 16t + c, 32s + 2r] (low half) and of x[32b + 16t + c, 32s + 2r + 1].
     Rows past M are 0."""
     m_, k = x.shape
     np_ = xt.shape[2]
     for b in prange(xt.shape[0]):
-        h = np.zeros((np_, 32, k), np.float32)
+        h = np.zeros((np_, 32, k), np.uint16)
         for mm in range(min(32, m_ - 32 * b)):
             xr = x[32 * b + mm]
             for j in range(0, k, 8):
                 v = load_f32(xr, j)
                 for i in range(np_):
-                    p, v = bf16_high(v)
-                    store_lanes(h[i, mm], j, p)
-        u = h.view(np.uint32)
+                    v = store_bf16_part(h[i, mm], j, v)
+        pairs = h.view(np.uint32)                      # [P, 32, K/2]: (2r, 2r + 1) in a word
         for s in range(k // 32):
             for i in range(np_):
                 for t in range(2):
                     for r in range(16):
                         for c in range(16):
-                            lo, hi = u[i, 16 * t + c, 32 * s + 2 * r], u[i, 16 * t + c, 32 * s + 2 * r + 1]
-                            xt[b, s, i, t, r, c] = (lo >> np.uint32(16)) | (hi & np.uint32(0xFFFF0000))
+                            xt[b, s, i, t, r, c] = pairs[i, 16 * t + c, 16 * s + r]
 
 
 __all__ = ["available", "dot_bf16", "load", "load_config", "parts_of_rows", "release", "store",

@@ -154,6 +154,26 @@ def store_lanes(typingctx, a, i, v):
     return None
 
 
+@intrinsic
+def store_bf16_part(typingctx, a, i, v):
+    """a[i:i+8] (uint16) = the bits of h, the bf16 nearest each lane of v (ties to even);
+    returns v - h, exactly (h has 8 significand bits, v - h at most 16): called three times,
+    an f32 split into three bf16 parts that sum to it (amx.py)."""
+    if a.dtype != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        bits = builder.bitcast(args[2], _VI)
+        one, half, sixteen = (ir.Constant(_VI, [c] * LANES) for c in (1, 0x7FFF, 16))
+        r = builder.lshr(builder.add(builder.add(bits, half), builder.and_(builder.lshr(bits, sixteen), one)),
+                         sixteen)
+        v16 = ir.VectorType(ir.IntType(16), LANES)
+        builder.store(builder.trunc(r, v16), element_ptr(context, builder, sig.args[0], args[0], args[1],
+                                                          sig.args[1], v16), align=2)
+        return builder.fsub(args[2], builder.bitcast(builder.shl(r, sixteen), _VF))
+    return F32x8(a, i, v), codegen
+
+
 def _load_bytes(signed: bool):
     @intrinsic
     def impl(typingctx, a, i):
@@ -183,21 +203,6 @@ def to_f32(typingctx, v):
     def codegen(context, builder, sig, args):
         return builder.sitofp(args[0], _VF)
     return F32x8(v), codegen
-
-
-@intrinsic
-def bf16_high(typingctx, v):
-    """(h, v - h) for h the bf16 nearest each lane of v (ties to even), as f32: an exact
-    split (h has 8 significand bits, v - h at most 16, half a bf16 ulp; plain IEEE ops)."""
-    def codegen(context, builder, sig, args):
-        u = builder.bitcast(args[0], _VI)
-        lsb = builder.and_(builder.lshr(u, _splat(builder, ir.Constant(_I32, 16), _VI)),
-                           _splat(builder, ir.Constant(_I32, 1), _VI))
-        r = builder.add(builder.add(u, _splat(builder, ir.Constant(_I32, 0x7FFF), _VI)), lsb)
-        high = _splat(builder, ir.Constant(_I32, 0xFFFF0000 - (1 << 32)), _VI)     # as a signed i32
-        h = builder.bitcast(builder.and_(r, high), _VF)
-        return context.make_tuple(builder, sig.return_type, [h, builder.fsub(args[0], h)])
-    return types.UniTuple(F32x8, 2)(v), codegen
 
 
 @intrinsic

@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("numba")
 from numba import njit  # noqa: E402
 
-from rlx_backend_numba.simd import (below, bf16_high, bits, exp, fma, hmax, hsum, load_f32,  # noqa: E402
-                                    load_i8, load_u8, store_lanes, to_f32, vmax, zeros)
+from rlx_backend_numba.simd import (below, bits, exp, fma, hmax, hsum, load_f32,  # noqa: E402
+                                    load_i8, load_u8, store_bf16_part, store_lanes, to_f32, vmax, zeros)
 
 
 @njit(cache=False)
@@ -120,11 +120,10 @@ def _split3(x, parts):
     for i in range(0, x.shape[0], 8):
         v = load_f32(x, i)
         for j in range(3):
-            h, v = bf16_high(v)
-            store_lanes(parts[j], i, h)
+            v = store_bf16_part(parts[j], i, v)
 
 
-def test_bf16_high_splits_f32_into_three_exact_bf16_parts():
+def test_store_bf16_part_splits_f32_into_three_exact_bf16_parts():
     """Each part is the bf16 nearest what the parts before it leave (ml_dtypes' rounding), and
     the three add up to x exactly: x's 24 significand bits, over exponents far apart, ties,
     signed zeros, subnormal-free values down to 1e-30."""
@@ -136,8 +135,9 @@ def test_bf16_high_splits_f32_into_three_exact_bf16_parts():
     x = np.concatenate([rng.standard_normal(64) * 10.0 ** rng.integers(-30, 30, 64), ties,
                         [0.0, -0.0, 1.0, -3.5, 65504.0, 1.0 + 2.0 ** -23, -(1.0 + 2.0 ** -9 + 2.0 ** -17)]])
     x = x.astype(np.float32)[: x.size // 8 * 8]
-    parts = np.full((3, x.size), np.nan, np.float32)
-    _split3(x, parts)
+    bits = np.full((3, x.size), 0xFFFF, np.uint16)
+    _split3(x, bits)
+    parts = bits.view(ml_dtypes.bfloat16).astype(np.float32)
     rest = x.astype(np.float64)
     for p in parts:
         nearest = rest.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
