@@ -132,14 +132,24 @@ def _store_f32(context, builder, sig, args):
     return context.get_dummy_value()
 
 
-def _store_bf16(context, builder, sig, args):
+_SIXTEEN = ir.Constant(_VI, [16] * LANES)
+
+
+def _put_bf16(context, builder, sig, args):
+    """Store the bf16 nearest each lane of args[2] (ties to even) at args[0][args[1]:+8];
+    returns those bf16 values' bits in the high halves of i32 lanes."""
     bits = builder.bitcast(args[2], _VI)
-    one, half, sixteen = (ir.Constant(_VI, [c] * LANES) for c in (1, 0x7FFF, 16))
-    odd = builder.and_(builder.lshr(bits, sixteen), one)
-    r = builder.lshr(builder.add(builder.add(bits, half), odd), sixteen)
+    one, half = (ir.Constant(_VI, [c] * LANES) for c in (1, 0x7FFF))
+    odd = builder.and_(builder.lshr(bits, _SIXTEEN), one)
+    r = builder.lshr(builder.add(builder.add(bits, half), odd), _SIXTEEN)
     v16 = ir.VectorType(ir.IntType(16), LANES)
     builder.store(builder.trunc(r, v16), element_ptr(context, builder, sig.args[0], args[0], args[1],
                                                       sig.args[1], v16), align=2)
+    return builder.shl(r, _SIXTEEN)
+
+
+def _store_bf16(context, builder, sig, args):
+    _put_bf16(context, builder, sig, args)
     return context.get_dummy_value()
 
 
@@ -163,14 +173,7 @@ def store_bf16_part(typingctx, a, i, v):
         return None
 
     def codegen(context, builder, sig, args):
-        bits = builder.bitcast(args[2], _VI)
-        one, half, sixteen = (ir.Constant(_VI, [c] * LANES) for c in (1, 0x7FFF, 16))
-        r = builder.lshr(builder.add(builder.add(bits, half), builder.and_(builder.lshr(bits, sixteen), one)),
-                         sixteen)
-        v16 = ir.VectorType(ir.IntType(16), LANES)
-        builder.store(builder.trunc(r, v16), element_ptr(context, builder, sig.args[0], args[0], args[1],
-                                                          sig.args[1], v16), align=2)
-        return builder.fsub(args[2], builder.bitcast(builder.shl(r, sixteen), _VF))
+        return builder.fsub(args[2], builder.bitcast(_put_bf16(context, builder, sig, args), _VF))
     return F32x8(a, i, v), codegen
 
 
