@@ -38,12 +38,16 @@ ROW_THREADS = 1024           # threads of a row kernel (norms, softmax) at most
 ROPE_ROWS = 8                # (head, position) rows of a RoPE block, a warp each
 
 
-def _block(n: int, cap: int | None = None) -> int:
-    cap = cap or ROW_THREADS
-    p = 32
-    while p < n and p < cap:
+def pow2(n: int, lo: int = 32, hi: int = 1024) -> int:
+    """The smallest power of two from lo up that reaches n, at most hi."""
+    p = lo
+    while p < n and p < hi:
         p *= 2
     return p
+
+
+def _block(n: int, cap: int | None = None) -> int:
+    return pow2(n, 32, cap or ROW_THREADS)
 
 
 def _ew(b, n, ins, outs):
@@ -237,9 +241,7 @@ def gemv_split(warps: int, K: int, sms: int) -> int:
 def _gemv_step(b, Ab, W, out: V, M: int, N: int, K: int, swiglu: bool = False):
     """The GEMV launch for out[M, N] (swiglu: out[M, N/2] = silu(gate) * up)."""
     t = ctype(out.dt)
-    mmax = 1
-    while mmax < M:
-        mmax *= 2
+    mmax = pow2(M, 1, M)
     rows = 2 if swiglu else GEMV_ROWS
     n_out = N // 2 if swiglu else N
     warps = n_out if swiglu else -(-N // rows)
@@ -444,9 +446,7 @@ def _dq_epilogue(out_dt: DType, has_bias: bool, act: str) -> str:
 def dq_gemv_shape(kind: str, block: int, M: int, K: int, loads: int = DQ_LOADS) -> tuple:
     """(MMAX, KW, R) of the decode GEMV: M rounded up to a power of 2; warps of a block that
     split a row (as many as keep each lane `loads` parts busy); rows per warp."""
-    mmax = 1
-    while mmax < M:
-        mmax *= 2
+    mmax = pow2(M, 1, M)
     kw = warps_per_row(K // block * sources.dq_parts(kind, block), loads)
     return mmax, kw, DQ_ROWS if mmax <= 2 else 2
 

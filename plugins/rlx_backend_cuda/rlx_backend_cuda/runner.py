@@ -38,13 +38,6 @@ def _grid(n: int, block: int, sms: int) -> tuple:
     return (max(1, min((n + block - 1) // block, sms * 32)),)
 
 
-def _pow2(n: int, lo: int = 32, hi: int = 1024) -> int:
-    p = lo
-    while p < n and p < hi:
-        p *= 2
-    return p
-
-
 class Step:
     __slots__ = ("node", "op", "fn", "capturable")
 

@@ -1521,7 +1521,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const $T* __restrict_
 #pragma unroll
   for (int m = 0; m < $MMAX; ++m)
 #pragma unroll
-    for (int r = 0; r < $R; ++r) s[m][r] = warp_sum(acc[r][m]);
+    for (int r = 0; r < $R; ++r) s[m][r] = m < M ? warp_sum(acc[r][m]) : 0.f;
   if (KS > 1) {                     // the row's warps add their parts in a fixed order
     __shared__ float red[8][$MMAX][$R];
     if (lane == 0)

@@ -571,12 +571,12 @@ def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | Non
     multiplying them with one-thread BLAS (cblas.py says why), or without a cblas_sgemm to
     call, blocks decoded in turn, each multiplied by numpy; "bf16", x and W rounded to bf16
     in AMX tiles where the CPU has them, else as "blas"."""
-    k = x.shape[-1]
-    w, mod = _args(scheme, raw, k)
+    k, s = x.shape[-1], QuantScheme.parse(scheme)
+    w, mod = _args(s, raw, k)
     n = w.shape[0]
     out = np.empty((x.shape[0], n), x.dtype) if out is None else out
     if matmul != "blas" and k % 32 == 0 and amx.available():
-        return _tiles(x, w, mod, out, QuantScheme.parse(scheme).kind, matmul)
+        return _tiles(x, w, mod, out, s.kind, matmul)
     xf = np.ascontiguousarray(x, np.float32)
     parts = cblas.parts(n)
     step = max(1, min(-(-n // parts), SCRATCH // max(k, 1)))
@@ -599,8 +599,8 @@ def _tiles(x, w, mod, out, kind: str, mode: str):
     xt = np.empty((-(-m // 32), k // 32, xp, 2, 16, 16), np.uint32)
     amx.parts_of_rows(np.ascontiguousarray(x, np.float32), xt)
     parts = max(1, min(numba.get_num_threads(), -(-w.shape[0] // 32)))
-    getattr(mod, f"rows_{mode}")(xt, w, out, F16, np.empty((parts, wp * 32 * k), np.uint16),
-                                 np.empty((parts, 1024), np.float32), _TILES)
+    tiles = scratch(wp * 16, k, parts).view(np.uint16).reshape(parts, -1)     # bf16 A tiles, 2 a float
+    getattr(mod, f"rows_{mode}")(xt, w, out, F16, tiles, np.empty((parts, 1024), np.float32), _TILES)
     return out
 
 

@@ -150,20 +150,23 @@ def bf16(a) -> np.ndarray:
     return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
-def close_bf16(got, x, w):
-    """got equals bf16(x) @ bf16(w)^T in float64 up to f32 sums (relative to the sum of |terms|)."""
-    xb, wb = bf16(x), bf16(w)
-    bound = 1e-5 * (np.abs(xb) @ np.abs(wb).T) + 1e-30
-    err = np.abs(got.astype(np.float64) - xb @ wb.T)
+def close_sums(got, x, w, rel: float):
+    """got equals x @ w^T in float64 up to `rel` of the sum of |terms| (each output's)."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    bound = rel * (np.abs(x) @ np.abs(w).T) + 1e-30
+    err = np.abs(got.astype(np.float64) - x @ w.T)
     assert np.isfinite(got).all() and (err <= bound).all(), float((err / bound).max())
+
+
+def close_bf16(got, x, w):
+    """got equals bf16(x) @ bf16(w)^T in float64 up to f32 sums."""
+    close_sums(got, bf16(x), bf16(w), 1e-5)
 
 
 def close_f32(got, x, w):
-    """got equals x @ w^T in float64 up to f32 rounding (relative to the sum of |terms|: an
-    f32 sgemm's own error bound at these K is ~K * 2^-24; it measures ~1e-7 here)."""
-    bound = 2e-6 * (np.abs(x.astype(np.float64)) @ np.abs(w).T) + 1e-30
-    err = np.abs(got.astype(np.float64) - x.astype(np.float64) @ w.T)
-    assert np.isfinite(got).all() and (err <= bound).all(), float((err / bound).max())
+    """got equals x @ w^T in float64 up to f32 rounding (an f32 sgemm's own error bound at
+    these K is ~K * 2^-24 of the sum of |terms|; it measures ~1e-7 here)."""
+    close_sums(got, x, w, 2e-6)
 
 
 @AMX
