@@ -71,12 +71,14 @@ def main():
         ks = gemv_split(N, K, cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"])
         args = (xk, np.int64(K), w, y, np.int32(1), np.int32(N), np.int32(K))
         variants = [(r, u, 1, f"R{r}U{u}") for r, u in ((1, 4), (1, 8), (2, 4), (2, 8), (4, 4))]
-        for r, u, s, label in variants + [(1, GEMV_LOADS, ks, f"ops' choice R1U{GEMV_LOADS} {ks} warps a row")]:
+        variants.append((1, GEMV_LOADS, ks, f"ops' choice R1U{GEMV_LOADS} {ks} warps a row"))
+        for r, u, s, label in variants:
             fn = cp.RawKernel(sources.render(sources.GEMV, T="__half", TO="__half", MMAX=1, R=r, U=u, SWIGLU=0,
                                              KS=s), "rlx_gemv")
             t = graph_time(lambda: fn((-(-N // r * s // 8),), (256,), args))
             err = float(cp.max(cp.abs(y.astype(cp.float32) - ref)) / cp.max(cp.abs(ref)))
-            line.append(f"{label} {w.nbytes / t / 1e9:5.0f} ({t * 1e6:5.1f} us{'' if err < 1e-2 else f' ERR {err:.3g}'})")
+            flag = "" if err < 1e-2 else f" ERR {err:.3g}"
+            line.append(f"{label} {w.nbytes / t / 1e9:5.0f} ({t * 1e6:5.1f} us{flag})")
         if name == "gate_up":
             for u in (4, 8):
                 fn = cp.RawKernel(sources.render(sources.GEMV, T="__half", TO="__half", MMAX=1, R=2, U=u, SWIGLU=1,
