@@ -65,6 +65,18 @@ def tile_config() -> np.ndarray:
     return cfg
 
 
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte (cache-line) boundary. Tile rows
+    are 64 bytes: a row that straddles two lines makes tileloadd about three times slower
+    (measured: 44 against 15.5 cycles a product when every operand is loaded), and NumPy
+    aligns only to 16 bytes."""
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    raw = np.empty(n * dt.itemsize + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + n * dt.itemsize].view(dt).reshape(shape)
+
+
 def _literal(t) -> ir.Constant:
     return ir.Constant(_I8, t.literal_value)
 
@@ -161,5 +173,5 @@ def parts_of_rows(x, xt):
                             xt[b, s, i, t, r, c] = pairs[i, 16 * t + c, 16 * s + r]
 
 
-__all__ = ["available", "dot_bf16", "load", "load_config", "parts_of_rows", "release", "store",
+__all__ = ["aligned_empty", "available", "dot_bf16", "load", "load_config", "parts_of_rows", "release", "store",
            "tile_config", "zero"]

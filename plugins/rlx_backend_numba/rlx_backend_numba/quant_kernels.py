@@ -425,7 +425,7 @@ def rows_{mode}(xt, w, out, tab, wq, cbuf, cfg):
 """
 
 # (W part, x part) products of each AMX mode, in the order their tiles are loaded
-_PAIRS = {"f32": ((0, 2), (0, 1), (0, 0), (1, 0), (2, 0), (1, 1)), "bf16": ((0, 0),)}
+_PAIRS = {"f32": ((0, 2), (0, 1), (1, 1), (1, 0), (2, 0), (0, 0)), "bf16": ((0, 0),)}
 
 
 def amx_parts(kind: str, mode: str) -> tuple[int, int]:
@@ -447,13 +447,17 @@ def _amx_source(kind: str, mode: str, groups) -> str:
         for i in groups)
     body, w_in, x_in = [], None, None
     for i, j in pairs:
-        if i != w_in:
-            body += [f"    load(4, wf, wo + {1024 * i}, 64)", f"    load(5, wf, wo + {1024 * i + 512}, 64)"]
-            w_in = i
-        if j != x_in:
-            body += [f"    load(6, xf, xo + {512 * j}, 64)", f"    load(7, xf, xo + {512 * j + 256}, 64)"]
-            x_in = j
-        body += [f"    dot_bf16({c}, {a}, {b})" for c, a, b in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7))]
+        a = [f"load({t}, wf, wo + {1024 * i + 512 * h}, 64)" for h, t in ((0, 4), (1, 5))] if i != w_in else [None, None]
+        b = [f"load({t}, xf, xo + {512 * j + 256 * h}, 64)" for h, t in ((0, 6), (1, 7))] if j != x_in else [None, None]
+        w_in, x_in = i, j
+        dots = [f"dot_bf16({c}, {p}, {q})" for c, p, q in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7))]
+        if a[0] and b[0]:      # both operands new: each load just before the first dot that reads it
+            seq = [a[0], b[0], dots[0], b[1], dots[1], a[1], dots[2], dots[3]]
+        elif a[0]:
+            seq = [a[0], dots[0], dots[1], a[1], dots[2], dots[3]]
+        else:
+            seq = [b[0], dots[0], dots[2], b[1], dots[1], dots[3]]
+        body += ["    " + line for line in seq]
     return _AMX_DRIVER.format(mode=mode, wp=wp, xp=xp, pairs=", ".join(map(str, pairs)),
                               parts_body=parts_body, products_body="\n".join(body))
 
@@ -559,7 +563,7 @@ def scratch(rows: int, k: int, parts: int = 1) -> np.ndarray:
     n = parts * rows * k
     buf = getattr(_LOCAL, "buf", None)
     if buf is None or buf.size < n:
-        buf = _LOCAL.buf = np.empty(n, np.float32)
+        buf = _LOCAL.buf = amx.aligned_empty(n, np.float32)
     return buf[:n].reshape(parts, rows, k)
 
 
@@ -596,11 +600,11 @@ def _tiles(x, w, mod, out, kind: str, mode: str):
     """out = x @ W^T in AMX tiles (rows_<mode>)."""
     m, k = x.shape
     wp, xp = amx_parts(kind, mode)
-    xt = np.empty((-(-m // 32), k // 32, xp, 2, 16, 16), np.uint32)
+    xt = amx.aligned_empty((-(-m // 32), k // 32, xp, 2, 16, 16), np.uint32)
     amx.parts_of_rows(np.ascontiguousarray(x, np.float32), xt)
     parts = max(1, min(numba.get_num_threads(), -(-w.shape[0] // 32)))
     tiles = scratch(wp * 16, k, parts).view(np.uint16).reshape(parts, -1)     # bf16 A tiles, 2 a float
-    getattr(mod, f"rows_{mode}")(xt, w, out, F16, tiles, np.empty((parts, 1024), np.float32), _TILES)
+    getattr(mod, f"rows_{mode}")(xt, w, out, F16, tiles, amx.aligned_empty((parts, 1024), np.float32), _TILES)
     return out
 
 
