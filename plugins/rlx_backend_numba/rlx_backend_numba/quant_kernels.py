@@ -361,7 +361,7 @@ def rows_gemm(x, w, out, tab, scratch, gemm, ilp64):
 _AMX_HEAD = """
 
 from rlx_backend_numba.amx import dot_bf16, load, load_config, release, store, zero
-from rlx_backend_numba.simd import store_bf16_part
+from rlx_backend_numba.simd import store_bf16_part_normal
 """
 
 _AMX_DRIVER = """
@@ -369,8 +369,9 @@ _AMX_DRIVER = """
 
 @njit(**_OPT)
 def decode_{mode}(r, q, row, tab):
-    \"\"\"Row r decoded and split into {wp} bf16 part(s) (simd.store_bf16_part), written as row
-    `row` of rows_{mode}'s A tiles in q (flat bf16 bits).\"\"\"
+    \"\"\"Row r decoded and split into {wp} bf16 part(s) (simd.store_bf16_part_normal: a decoded
+    weight is never subnormal), written as row `row` of rows_{mode}'s A tiles in q (flat bf16
+    bits).\"\"\"
     for b in range(q.shape[0] // ({wp} * 32 * E)):
         o, p = B * b, E * b
 {parts_body}
@@ -443,7 +444,7 @@ def _amx_source(kind: str, mode: str, groups) -> str:
     parts_body = "\n".join(
         f"        v = lanes(r, o, {i}, tab)\n"
         f"        t = 32 * ({32 * wp} * ((p + {8 * i}) // 32) + row) + (p + {8 * i}) % 32\n"
-        + "\n".join(f"        v = store_bf16_part(q, t + {1024 * j}, v)" for j in range(wp))
+        + "\n".join(f"        v = store_bf16_part_normal(q, t + {1024 * j}, v)" for j in range(wp))
         for i in groups)
     body, w_in, x_in = [], None, None
     for i, j in pairs:

@@ -177,6 +177,38 @@ def store_bf16_part(typingctx, a, i, v):
     return F32x8(a, i, v), codegen
 
 
+class _BFloat(ir.types._BaseFloatType):
+    """LLVM's bfloat (llvmlite names no such type): fptrunc to it is one vcvtneps2bf16."""
+    null = "0.0"
+    intrinsic_name = "bf16"
+
+    def __str__(self):
+        return "bfloat"
+
+
+_BFloat._create_instance()
+AVX512_BF16 = "+avx512bf16" in llvm_binding.get_host_cpu_features().flatten().split(",")
+
+
+@intrinsic
+def store_bf16_part_normal(typingctx, a, i, v):
+    """store_bf16_part for lanes that are 0 or normal floats (|v| >= 2**-126), in the CPU's
+    own rounding instruction where it has one (AVX512-BF16, which reads a subnormal as 0):
+    a decoded weight (an f16 scale times a small integer) and its remainders never are
+    subnormal. About a quarter fewer instructions a part than the integer rounding."""
+    if a.dtype != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        if not AVX512_BF16:
+            return builder.fsub(args[2], builder.bitcast(_put_bf16(context, builder, sig, args), _VF))
+        v16 = ir.VectorType(ir.IntType(16), LANES)
+        h = builder.bitcast(builder.fptrunc(args[2], ir.VectorType(_BFloat(), LANES)), v16)
+        builder.store(h, element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], v16), align=2)
+        return builder.fsub(args[2], builder.bitcast(builder.shl(builder.zext(h, _VI), _SIXTEEN), _VF))
+    return F32x8(a, i, v), codegen
+
+
 def _load_bytes(signed: bool):
     @intrinsic
     def impl(typingctx, a, i):
