@@ -361,7 +361,7 @@ def rows_gemm(x, w, out, tab, scratch, gemm, ilp64):
 _AMX_HEAD = """
 
 from rlx_backend_numba.amx import dot_bf16, load, load_config, release, store, zero
-from rlx_backend_numba.simd import store_bf16_part_normal
+from rlx_backend_numba.simd import store_bf16_part_normal, transpose8
 """
 
 _AMX_DRIVER = """
@@ -390,12 +390,13 @@ def rows_{mode}(xt, w, out, tab, wq, cbuf, cfg):
     \"\"\"out = x @ W^T in AMX tiles (only compiled where amx.available()), x's {xp} part(s)
     in xt (amx.parts_of_rows). W's blocks of 32 rows are split in len(wq) parts, each block
     decoded into wq[p] (A tiles, flat bf16 bits: tile (k-step s, part i, rows 16t..16t+15)
-    1 KB at 32 * (32 * ({wp}s + i) + 16t)); out^T tiles pass through cbuf[p] ([32 * 32]).\"\"\"
+    1 KB at 32 * (32 * ({wp}s + i) + 16t)); out^T tiles pass through cbuf[p] ([32 * 32]), whole
+    32 x 32 blocks moved into out (C-contiguous) 8 x 8 at a time in registers.\"\"\"
     parts = wq.shape[0]
     n, k = w.shape[0], wq.shape[1] // ({wp} * 32)
     m_, ks = out.shape[0], k // 32
     blocks = (n + 31) // 32
-    xf = xt.reshape(-1)
+    xf, of = xt.reshape(-1), out.reshape(-1)
     for p in prange(parts):
         load_config(cfg)
         wf, c = wq[p], cbuf[p]
@@ -419,9 +420,14 @@ def rows_{mode}(xt, w, out, tab, wq, cbuf, cfg):
                 store(1, c, 16, 128)
                 store(2, c, 512, 128)
                 store(3, c, 528, 128)
-                for mm in range(32 * b, min(m_, 32 * b + 32)):
-                    for i in range(e - r):
-                        out[mm, r + i] = c[32 * i + mm - 32 * b]
+                if e - r == 32 and 32 * b + 32 <= m_:
+                    for i in range(0, 32, 8):
+                        for j in range(0, 32, 8):
+                            transpose8(c, 32 * i + j, 32, of, n * (32 * b + j) + r + i, n)
+                else:
+                    for mm in range(32 * b, min(m_, 32 * b + 32)):
+                        for i in range(e - r):
+                            out[mm, r + i] = c[32 * i + mm - 32 * b]
         release()
 """
 
@@ -605,7 +611,10 @@ def _tiles(x, w, mod, out, kind: str, mode: str):
     amx.parts_of_rows(np.ascontiguousarray(x, np.float32), xt)
     parts = max(1, min(numba.get_num_threads(), -(-w.shape[0] // 32)))
     tiles = scratch(wp * 16, k, parts).view(np.uint16).reshape(parts, -1)     # bf16 A tiles, 2 a float
-    getattr(mod, f"rows_{mode}")(xt, w, out, F16, tiles, amx.aligned_empty((parts, 1024), np.float32), _TILES)
+    dst = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
+    getattr(mod, f"rows_{mode}")(xt, w, dst, F16, tiles, amx.aligned_empty((parts, 1024), np.float32), _TILES)
+    if dst is not out:
+        out[...] = dst
     return out
 
 

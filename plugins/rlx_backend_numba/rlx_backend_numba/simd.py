@@ -209,6 +209,40 @@ def store_bf16_part_normal(typingctx, a, i, v):
     return F32x8(a, i, v), codegen
 
 
+@intrinsic
+def transpose8(typingctx, src, si, ss, dst, di, ds):
+    """dst[di + ds * j + i] = src[si + ss * i + j] for i, j < 8 (float32 arrays, row strides
+    ss and ds in elements): an 8x8 block moved across the diagonal in registers, eight row
+    loads, 24 shuffles and eight row stores (an element-by-element copy reads one column
+    element at a time)."""
+    if src.dtype != types.float32 or dst.dtype != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        def row(aty, a, base, stride, j):
+            i = builder.add(context.cast(builder, base, sig.args[1 if aty is sig.args[0] else 4], types.intp),
+                            builder.mul(context.cast(builder, stride, sig.args[2 if aty is sig.args[0] else 5],
+                                                     types.intp), ir.Constant(ir.IntType(64), j)))
+            return element_ptr(context, builder, aty, a, i, types.intp, _VF)
+
+        rows = [builder.load(row(sig.args[0], args[0], args[1], args[2], j), align=4) for j in range(8)]
+        shuffle = lambda a, b, mask: builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 8), mask))
+        for step in (1, 2, 4):          # swap the off-diagonal step x step blocks of each 2step x 2step block
+            out = list(rows)
+            for j in range(8):
+                if j & step:
+                    continue
+                a, b = rows[j], rows[j + step]
+                lo = [i if not (i & step) else 8 + i - step for i in range(8)]
+                hi = [i + step if not (i & step) else 8 + i for i in range(8)]
+                out[j], out[j + step] = shuffle(a, b, lo), shuffle(a, b, hi)
+            rows = out
+        for j in range(8):
+            builder.store(rows[j], row(sig.args[3], args[3], args[4], args[5], j), align=4)
+        return context.get_dummy_value()
+    return types.none(src, si, ss, dst, di, ds), codegen
+
+
 def _load_bytes(signed: bool):
     @intrinsic
     def impl(typingctx, a, i):

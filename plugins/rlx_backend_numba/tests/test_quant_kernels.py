@@ -190,13 +190,17 @@ def test_amx_f32_matmul(rng, kind, monkeypatch):
 
 @AMX
 def test_amx_f32_matmul_over_threads_on_strided_x(rng):
-    """Enough 32-row blocks for every thread and an x that is a strided view."""
+    """Enough 32-row blocks for every thread, an x and an out that are strided views (whole
+    blocks of a C-contiguous out are moved in 8 x 8 transposes)."""
     s = QuantScheme.parse("q6_k")
     n, k = 200, 512
     raw = s.quantize(rng.standard_normal((n, k)).astype(np.float32))
     ref = s.dequantize_reference(raw, (n, k))
     x = rng.uniform(-2, 2, (64, 2 * k)).astype(np.float32)[:, ::2]
     close_f32(Q.dequant_matmul(x, raw, s), x, ref)
+    out = np.full((64, 2 * n), np.nan, np.float32)[:, ::2]
+    assert Q.dequant_matmul(x, raw, s, out) is out
+    close_f32(out, x, ref)
 
 
 def test_blas_setting_keeps_sgemm(rng, monkeypatch):
