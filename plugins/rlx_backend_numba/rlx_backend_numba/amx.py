@@ -29,7 +29,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .simd import call_intrinsic, element_ptr, load_f32, store_bf16_part
+from .simd import call_intrinsic, element_ptr, load_f32, store_bf16_part, transpose8
 
 _I8 = ir.IntType(8)
 _VOID = ir.VoidType()
@@ -150,10 +150,10 @@ def dot_bf16(typingctx, c, a, b):
 @njit(parallel=True, **_OPT)
 def parts_of_rows(x, xt):
     """x (f32 [M, K], C-contiguous) as P bf16 parts (simd.store_bf16_part: P = 3, exactly x;
-    P = 1, x rounded to bf16) in B tiles of dot_bf16: xt [Mp/32, K/32, P, 2, 16, 16] (uint32),
-    the tiles of 32 rows of x, then of one k-step, side by side; word [b, s, i, t, r, c] holds
-    part i of x[32b + 16t + c, 32s + 2r] (low half) and of x[32b + 16t + c, 32s + 2r + 1].
-    Rows past M are 0."""
+    P = 1, x rounded to bf16) in B tiles of dot_bf16: xt [Mp/32, K/32, P, 2, 16, 16] (float32
+    words, only moved: two bf16 each), the tiles of 32 rows of x, then of one k-step, side by
+    side; word [b, s, i, t, r, c] holds part i of x[32b + 16t + c, 32s + 2r] (low half) and of
+    x[32b + 16t + c, 32s + 2r + 1]. Rows past M are 0."""
     m_, k = x.shape
     np_ = xt.shape[2]
     for b in prange(xt.shape[0]):
@@ -164,13 +164,15 @@ def parts_of_rows(x, xt):
                 v = load_f32(xr, j)
                 for i in range(np_):
                     v = store_bf16_part(h[i, mm], j, v)
-        pairs = h.view(np.uint32)                      # [P, 32, K/2]: (2r, 2r + 1) in a word
+        pairs = h.reshape(-1).view(np.float32)         # [P, 32, K/2] words: (2r, 2r + 1) in one
+        tiles = xt[b].reshape(-1)
         for s in range(k // 32):
             for i in range(np_):
-                for t in range(2):
-                    for r in range(16):
-                        for c in range(16):
-                            xt[b, s, i, t, r, c] = pairs[i, 16 * t + c, 16 * s + r]
+                for t in range(2):                     # the tile is a 16 x 16 block of words, transposed
+                    src, dst = (32 * i + 16 * t) * (k // 2) + 16 * s, 512 * (np_ * s + i) + 256 * t
+                    for r in range(0, 16, 8):
+                        for c in range(0, 16, 8):
+                            transpose8(pairs, src + (k // 2) * c + r, k // 2, tiles, dst + 16 * r + c, 16)
 
 
 __all__ = ["aligned_empty", "available", "dot_bf16", "load", "load_config", "parts_of_rows", "release", "store",

@@ -607,7 +607,7 @@ def _tiles(x, w, mod, out, kind: str, mode: str):
     """out = x @ W^T in AMX tiles (rows_<mode>)."""
     m, k = x.shape
     wp, xp = amx_parts(kind, mode)
-    xt = amx.aligned_empty((-(-m // 32), k // 32, xp, 2, 16, 16), np.uint32)
+    xt = amx.aligned_empty((-(-m // 32), k // 32, xp, 2, 16, 16), np.float32)     # bf16 pairs as words
     amx.parts_of_rows(np.ascontiguousarray(x, np.float32), xt)
     parts = max(1, min(numba.get_num_threads(), -(-w.shape[0] // 32)))
     tiles = scratch(wp * 16, k, parts).view(np.uint16).reshape(parts, -1)     # bf16 A tiles, 2 a float
