@@ -443,15 +443,26 @@ def amx_parts(kind: str, mode: str) -> tuple[int, int]:
     return (2 if kind in ("q4_0", "q5_0") else 3), 3
 
 
+def _decoded(groups, stores) -> str:
+    """Generated lines decoding a block's lane groups (v<i> = lanes(...)) and storing each by
+    `stores(i)`, every 32-element sub-block decoded before its stores: a store may alias the
+    packed row as far as LLVM can tell, so a later group would read the sub-block's scales
+    again (q4_k's decode: 1.17 -> 0.82 cycles a weight)."""
+    lines = []
+    for g0 in range(0, len(groups), 4):
+        lines += [f"        v{i} = lanes(r, o, {i}, tab)" for i in groups[g0:g0 + 4]]
+        for i in groups[g0:g0 + 4]:
+            lines += stores(i)
+    return "\n".join(lines)
+
+
 def _amx_source(kind: str, mode: str, groups) -> str:
     """The AMX driver of one format and mode: decode_<mode>, products_<mode>, rows_<mode>."""
     wp, xp = amx_parts(kind, mode)
     pairs = [(i, j) for i, j in _PAIRS[mode] if i < wp]
-    parts_body = "\n".join(
-        f"        v = lanes(r, o, {i}, tab)\n"
-        f"        t = 32 * ({32 * wp} * ((p + {8 * i}) // 32) + row) + (p + {8 * i}) % 32\n"
-        + "\n".join(f"        v = store_bf16_part_normal(q, t + {1024 * j}, v)" for j in range(wp))
-        for i in groups)
+    parts_body = _decoded(groups, lambda i: [
+        f"        t = 32 * ({32 * wp} * ((p + {8 * i}) // 32) + row) + (p + {8 * i}) % 32",
+        *(f"        v{i} = store_bf16_part_normal(q, t + {1024 * j}, v{i})" for j in range(wp))])
     body, w_in, x_in = [], None, None
     for i, j in pairs:
         a = [f"load({t}, wf, wo + {1024 * i + 512 * h}, 64)" for h, t in ((0, 4), (1, 5))] if i != w_in else [None, None]
@@ -522,7 +533,7 @@ def drivers(kind: str):
     groups = range(elems // 8)         # unrolled: each lane group's scale and shifts fold
     dot_body = "\n".join(f"        a{i % 4} = fma(lanes(r, o, {i}, tab), load_f32(x, p + {8 * i}), a{i % 4})"
                           for i in groups)
-    decode_body = "\n".join(f"        store_lanes(out, p + {8 * i}, lanes(r, o, {i}, tab))" for i in groups)
+    decode_body = _decoded(groups, lambda i: [f"        store_lanes(out, p + {8 * i}, v{i})"])
     src = _DRIVERS + (_INT8_DRIVERS if kind in INT8_FORMATS else "")
     src = SWIGLU_HEAD + src.format(
         fmt=kind, rows=ROWS_PER_TASK, ahead=AHEAD_ROWS, elems=elems, nbytes=nbytes, dot_body=dot_body,
