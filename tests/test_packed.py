@@ -24,6 +24,12 @@ def _weights(rng, scheme, n=N, k=K, name="w"):
     return PackedTensor(quantize(rng.standard_normal((n, k)).astype(np.float32), q, name), q, (n, k), name)
 
 
+def _require(backend: str):
+    ok, why = {b.name: (ok, why) for b, ok, why in available_backends()}.get(backend, (False, "not installed"))
+    if not ok:
+        pytest.skip(f"backend {backend!r} is not available: {why}")
+
+
 def _mlp(scheme):
     """q/k/v-like projections of one input, an embedding lookup and one odd use (a transpose)."""
     def f(m):
@@ -89,6 +95,28 @@ class _NoDequantMatmul(NumpyBackend):
 
     def compile(self, lir, params, states):
         return NumpyRunner(lir, params, states)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_packed_matmuls_with_an_activation_share_one_matmul(rng, backend):
+    """GeGLU's gate (its GELU folded into the packed matmul) and up read one x: they become one
+    matmul on the concatenated rows, the GELU an activation of the gate's view."""
+    _require(backend)
+    scheme = "q5_0"
+
+    def f(m):
+        x = m.input("x", ("s", K))
+        gate, up = (m.linear(x, m.param(n, (N, K), scheme=scheme)) for n in ("g", "u"))
+        return {"y": m.gelu_tanh(gate) * up}
+
+    params = {n: _weights(rng, scheme, name=n) for n in ("g", "u")}
+    exe = rlx_core.compile(Graph.define("geglu", f), backend=backend, params=params)
+    assert [n.op for n in exe.mir.nodes].count("dequant_matmul") == 1
+    x = rng.standard_normal((40, K)).astype(np.float64)
+    g, u = (matmul_reference(x, params[n].raw, scheme, (N, K)) for n in ("g", "u"))
+    want = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) * u
+    got = exe.run(x=x.astype(np.float32))["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
 def test_backend_without_the_kernel_gets_dequantize_plus_matmul(rng):
@@ -238,9 +266,7 @@ def test_int8_activations_round_x_before_the_packed_matmul(rng, backend, scheme)
     """`[precision] activations = "int8"`: x reaches every packed matmul rounded through
     int8_b32 blocks (the q, k, v projections share one rounding), as the float64 reference
     of the rounded x times the dequantized weight; "f32" leaves x alone."""
-    why = {b.name: (ok, reason) for b, ok, reason in available_backends()}.get(backend, (False, "not installed"))
-    if not why[0]:
-        pytest.skip(f"backend {backend!r} is not available: {why[1]}")
+    _require(backend)
     params = {n: _weights(rng, scheme, name=n) for n in ("w0", "w1", "w2", "table")}
     prof = CompileProfile().evolve(precision={"activations": "int8"})
     exe = rlx_core.compile(_mlp(scheme), profile=prof, backend=backend, params=params)

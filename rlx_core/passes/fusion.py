@@ -344,12 +344,14 @@ def _leaves_first(g: Graph) -> Graph:
 
 def fuse_shared_matmuls(g: Graph) -> tuple:
     """matmul(x, W1), matmul(x, W2), ... with params W_i -> one matmul on concat(W_i) and
-    views of its output. The concat of params is hoisted to load time by the pipeline."""
+    views of its output. The concat of params is hoisted to load time by the pipeline. A
+    packed member's activation epilogue (GeGLU's gate) becomes an activation of its view,
+    which the elementwise pass joins to the ops after it."""
     groups: dict = {}
     for i, n in enumerate(g.nodes):
         if n.op == "matmul" and not n.a["trans_a"]:
             kind = n.a["trans_b"]
-        elif n.op == "dequant_matmul" and len(n.inputs) == 2 and n.a["act"] == "identity":
+        elif n.op == "dequant_matmul" and len(n.inputs) == 2:
             kind = n.a["scheme"]           # packed rows of one scheme concatenate as bytes
         else:
             continue
@@ -390,7 +392,9 @@ def fuse_shared_matmuls(g: Graph) -> tuple:
         outs = []
         for j, w in zip(members, ws):
             n_out = w.dims[axis]
-            outs.append(m.narrow(y, -1, off, n_out))
+            v = m.narrow(y, -1, off, n_out)
+            act = g.nodes[j].a.get("act", "identity") if isinstance(kind, str) else "identity"
+            outs.append(v if act == "identity" else m.act(v, act))
             off += n_out
         for j, v in zip(members[1:], outs[1:]):
             extra[(j, 0)] = v
