@@ -98,14 +98,19 @@ def _ov_rms_any(i, x, r, w, h, o, has_r, has_w, offset, eps, dd, vec):
 
 @njit(parallel=True, **_OPT)
 def rms_par(x, r, w, h, o, has_r, has_w, offset, eps, dd, vec):
-    for i in prange(x.shape[0]):
-        _rms_any(i, x, r, w, h, o, has_r, has_w, offset, eps, dd, vec)
+    """RMSNorm of the rows of 3-D arrays [n0, n1, D]: a view's rows need not be evenly spaced
+    (q's heads in a fused QKV output), so no copy makes them rows of a matrix first."""
+    n1 = x.shape[1]
+    for t in prange(x.shape[0] * n1):
+        i = t // n1
+        _rms_any(t - i * n1, x[i], r[i], w, h[i], o[i], has_r, has_w, offset, eps, dd, vec)
 
 
 @njit(**_OPT)
 def rms_ser(x, r, w, h, o, has_r, has_w, offset, eps, dd, vec):
     for i in range(x.shape[0]):
-        _rms_any(i, x, r, w, h, o, has_r, has_w, offset, eps, dd, vec)
+        for j in range(x.shape[1]):
+            _rms_any(j, x[i], r[i], w, h[i], o[i], has_r, has_w, offset, eps, dd, vec)
 
 
 # --------------------------------------------------------------------------- LayerNorm (+ residual)

@@ -59,6 +59,13 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1])
 
 
+def _rows3(x: np.ndarray) -> np.ndarray:
+    """x as [n0, n1, D] with its last two axes kept: a view wherever the leading axes merge,
+    which a head-split view of a wider row ([.., S, H, D] of a fused QKV output) allows and
+    a matrix of rows does not."""
+    return x.reshape(-1, x.shape[-2] if x.ndim > 1 else 1, x.shape[-1])
+
+
 # --------------------------------------------------------------------------- elementwise
 @prepares("binary", "compare", "where", "activation", "cast", "fused_swiglu")
 def _single(a, outs, protos, op=None):
@@ -95,15 +102,15 @@ def _rms(a, outs, protos, op=None):
         return None
     eps, dd = _row_scalars(o, a["eps"])
     offset = o.dtype.type(a["offset"])
-    o2, h2 = _rows(o), _rows(outs[0])
+    o3, h3 = _rows3(o), _rows3(outs[0])
     kern = _pick(K.rms_par, K.rms_ser, o.size)
     ones = np.ones(1, o.dtype)
 
     def run(a_, out, x, *rest):
-        x2 = _rows(x)
-        r2 = _rows(rest[0]) if fused else x2
+        x3 = _rows3(x)
+        r3 = _rows3(rest[0]) if fused else x3
         w_ = rest[-1] if w is not None else ones
-        kern(x2, r2, w_, h2, o2, fused, w is not None, offset, eps, dd, _lanes(x2, r2, w_, h2, o2))
+        kern(x3, r3, w_, h3, o3, fused, w is not None, offset, eps, dd, _lanes(x3, r3, w_, h3, o3))
     return run
 
 

@@ -170,7 +170,8 @@ def test_generated_source_is_named_by_the_plugin_code(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- row kernels
 @pytest.mark.parametrize("dt", [F32, F64], ids=["f32", "f64"])
 def test_row_kernels_on_strided_rows(rng, driver, dt):
-    """Norms with and without residual, softmax and rope read a narrowed (row-strided) input."""
+    """Norms with and without residual, softmax and rope read a narrowed (row-strided) input;
+    an RMSNorm over its heads reads rows that are not evenly spaced."""
     npdt = dt.np
     xs = rng.uniform(-2, 2, (2, 5, 48)).astype(npdt)
     r = rng.uniform(-2, 2, (2, 5, 32)).astype(npdt)
@@ -188,10 +189,12 @@ def test_row_kernels_on_strided_rows(rng, driver, dt):
         s = m.softmax(x, -1)
         q = m.reshape(x, (2, 5, 2, 16))
         rot = m.rope(q, m.input("cos", (2, 8), dt), m.input("sin", (2, 8), dt), style="interleaved")
-        return h, y, z, s, rot, m.rms_norm(x, eps=1e-6), m.layer_norm(x, eps=1e-5)
+        heads = m.rms_norm(q, m.input("wh", (16,), dt), eps=1e-6)      # rows 16 then 32 apart
+        return h, y, z, s, rot, m.rms_norm(x, eps=1e-6), m.layer_norm(x, eps=1e-5), heads
 
     exe = compile_numba(build)
-    got = run_poisoned(exe, {"x": xs, "r": r, "r2": r, "w": w, "g": w, "b": b, "cos": cos, "sin": sin})
+    got = run_poisoned(exe, {"x": xs, "r": r, "r2": r, "w": w, "g": w, "b": b, "cos": cos, "sin": sin,
+                             "wh": w[:16]})
     x64 = xs[..., 8:40].astype(np.float64)
     h = x64 + r
     close(got["out0"], h, npdt)
@@ -201,6 +204,7 @@ def test_row_kernels_on_strided_rows(rng, driver, dt):
     close(got["out4"], parity.ref_rope(x64.reshape(2, 5, 2, 16), cos, sin, "interleaved"), npdt)
     close(got["out5"], parity.ref_rms_norm(x64, eps=1e-6), npdt)
     close(got["out6"], parity.ref_layer_norm(x64, eps=1e-5), npdt)
+    close(got["out7"], parity.ref_rms_norm(x64.reshape(2, 5, 2, 16), w[:16], eps=1e-6), npdt)
 
 
 # --------------------------------------------------------------------------- attention
