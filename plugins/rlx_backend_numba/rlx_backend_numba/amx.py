@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import platform
 import sys
 
@@ -71,9 +72,9 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     (measured: 44 against 15.5 cycles a product when every operand is loaded), and NumPy
     aligns only to 16 bytes."""
     dt = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64))
+    n = math.prod(shape) if isinstance(shape, tuple) else int(shape)
     raw = np.empty(n * dt.itemsize + 64, np.uint8)
-    start = -raw.ctypes.data % 64
+    start = -raw.__array_interface__["data"][0] % 64          # (ndarray.ctypes costs ~3 us)
     return raw[start:start + n * dt.itemsize].view(dt).reshape(shape)
 
 
@@ -157,7 +158,8 @@ def parts_of_rows(x, xt):
     m_, k = x.shape
     np_ = xt.shape[2]
     for b in prange(xt.shape[0]):
-        h = np.zeros((np_, 32, k), np.uint16)
+        h = np.empty((np_, 32, k), np.uint16)
+        h[:, max(0, m_ - 32 * b):] = 0
         for mm in range(min(32, m_ - 32 * b)):
             xr = x[32 * b + mm]
             for j in range(0, k, 8):

@@ -593,12 +593,17 @@ def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | Non
     multiplying them with one-thread BLAS (cblas.py says why), or without a cblas_sgemm to
     call, blocks decoded in turn, each multiplied by numpy; "bf16", x and W rounded to bf16
     in AMX tiles where the CPU has them, else as "blas"."""
-    k, s = x.shape[-1], QuantScheme.parse(scheme)
-    w, mod = _args(s, raw, k)
-    n = w.shape[0]
-    out = np.empty((x.shape[0], n), x.dtype) if out is None else out
+    s = QuantScheme.parse(scheme)
+    w, mod = _args(s, raw, x.shape[-1])
+    out = np.empty((x.shape[0], w.shape[0]), x.dtype) if out is None else out
+    return _matmul(x, w, mod, s.kind, out, matmul)
+
+
+def _matmul(x, w, mod, kind: str, out, matmul: str):
+    """dequant_matmul on rows of bytes w (checked by _args) and the format's module."""
+    k, n = x.shape[-1], w.shape[0]
     if matmul != "blas" and k % 32 == 0 and amx.available():
-        return _tiles(x, w, mod, out, s.kind, matmul)
+        return _tiles(x, w, mod, out, kind, matmul)
     xf = np.ascontiguousarray(x, np.float32)
     parts = cblas.parts(n)
     step = max(1, min(-(-n // parts), SCRATCH // max(k, 1)))
@@ -648,14 +653,13 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
     k = x.shape[-1]
     m = math.prod(x.shape[:-1])
     o2 = o.reshape(m, -1)
+    w2, mod = _args(s, w, k)                     # checked once: the step runs per token
     if m <= GEMV_MAX_M:
-        _args(s, w, k)                                   # checked once: the step runs per token
-        mod = drivers(s.kind)
         gemv = mod.igemv if rounds_x_itself(a, x) else mod.gemv
         mm = lambda x, w: gemv(x.reshape(m, k), w, o2, F16)  # noqa: E731
     else:
         how = a.get("matmul", "f32")
-        mm = lambda x, w: dequant_matmul(x.reshape(m, k), w, s, o2, how)  # noqa: E731
+        mm = lambda x, w: _matmul(x.reshape(m, k), w.reshape(w2.shape), mod, s.kind, o2, how)  # noqa: E731
     return with_epilogue(mm, o, protos[2:], a.get("act", "identity"))
 
 

@@ -265,8 +265,8 @@ def test_backend_matmul_setting_reaches_prefill_matmuls(rng, monkeypatch, matmul
     pipe = CompilePipeline(prof, "numba")
     assert pipe.backend.matmul == matmul and select_backend("numba").matmul == "f32"
     calls = []
-    real = Q.dequant_matmul
-    monkeypatch.setattr(Q, "dequant_matmul", lambda *a: calls.append(a[-1]) or real(*a))
+    real = Q._matmul
+    monkeypatch.setattr(Q, "_matmul", lambda *a: calls.append(a[-1]) or real(*a))
     exe = rlx_core.compile(Graph.define("mm", lambda m: {"y": m.linear(m.input("x", ("s", K)),
                                                                       m.param("w", (N, K), scheme="q4_0"))}),
                            profile=prof, backend="numba", params=params)
