@@ -97,7 +97,7 @@ class _NoDequantMatmul(NumpyBackend):
         return NumpyRunner(lir, params, states)
 
 
-@pytest.mark.parametrize("backend", ["numpy", "numba"])
+@pytest.mark.parametrize("backend", ["numpy", "numba", "opencl", "cuda"])
 def test_packed_matmuls_with_an_activation_share_one_matmul(rng, backend):
     """GeGLU's gate (its GELU folded into the packed matmul) and up read one x: they become one
     matmul on the concatenated rows, the GELU an activation of the gate's view."""
