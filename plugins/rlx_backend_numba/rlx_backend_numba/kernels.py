@@ -475,8 +475,9 @@ def _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, win
     zero, one = scale * 0, q.dtype.type(1)
     qs = np.empty((g * m, d), q.dtype)
     for r in range(g * m):
+        qr, dst = q[b, kh * g + r // m, r0 + r % m], qs[r]      # (row views: the copies vectorize)
         for x in range(d):
-            qs[r, x] = q[b, kh * g + r // m, r0 + r % m, x] * scale
+            dst[x] = qr[x] * scale
     s = np.empty((g * m, max(n, 1)), q.dtype)
     out = np.zeros((g * m, dv), q.dtype)
     if n > 0:
@@ -487,18 +488,21 @@ def _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, win
         a, e = a - lo, e - lo
         row, seg = s[r], s[r, a:e]            # (indexed from 0: the loops vectorize)
         krow, kj, brow, bj = _mask_rows(keep, bias, b, h, i)
-        mx = ninf
-        for j in range(e - a):
-            x = seg[j]
-            if softcap > 0:
-                x = math.tanh(x / softcap) * softcap
-            if use_bias:
-                x += brow[(lo + a + j) * bj]
-            if use_keep and not krow[(lo + a + j) * kj]:
-                x = ninf
-            seg[j] = x
-            if x > mx:
-                mx = x
+        if softcap > 0 or use_bias or use_keep:
+            mx = ninf
+            for j in range(e - a):
+                x = seg[j]
+                if softcap > 0:
+                    x = math.tanh(x / softcap) * softcap
+                if use_bias:
+                    x += brow[(lo + a + j) * bj]
+                if use_keep and not krow[(lo + a + j) * kj]:
+                    x = ninf
+                seg[j] = x
+                if x > mx:
+                    mx = x
+        else:                                 # scores as they are: the max in vector lanes
+            mx = row_max(seg, e - a, ninf)
         inv = one / exp_shifted(seg, e - a, mx) if mx != ninf else zero
         row[:a] = zero
         row[e:] = zero
@@ -508,8 +512,9 @@ def _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, win
     if n > 0:
         sgemm(gemm, ilp64, s[:, :n], v[b, kh, lo:lo + n], out, False, False)
     for r in range(g * m):
+        orow, src = o[b, kh * g + r // m, r0 + r % m], out[r]
         for x in range(dv):
-            o[b, kh * g + r // m, r0 + r % m, x] = out[r, x]
+            orow[x] = src[x]
 
 
 @njit(parallel=True, **_OPT)
@@ -821,6 +826,34 @@ def pool_ser(x, starts, lens, o, mode, zero):
 
 # --------------------------------------------------------------------------- small-M GEMV
 # --------------------------------------------------------------------------- KV cache write
+def row_max(s, n, ninf):
+    """max(s[:n], ninf), NaN lanes losing as to `x > mx`: eight lanes at a time for f32."""
+
+
+@overload(row_max, jit_options=dict(fastmath=_FM))
+def _row_max(s, n, ninf):
+    if s.dtype == types.float32:
+        def lanes(s, n, ninf):
+            mx, j = zeros() + ninf, 0
+            while j + LANES <= n:
+                mx = vmax(mx, load_f32(s, j))
+                j += LANES
+            m = hmax(mx)
+            for t in range(j, n):
+                if s[t] > m:
+                    m = s[t]
+            return m
+        return lanes
+
+    def scalar(s, n, ninf):
+        m = ninf
+        for t in range(n):
+            if s[t] > m:
+                m = s[t]
+        return m
+    return scalar
+
+
 @njit(**_OPT)
 def kv_write(cache, new, pos):
     """new [B, pre, s, post] into cache [B, pre, n, post] at position pos[b] (or pos[0] for

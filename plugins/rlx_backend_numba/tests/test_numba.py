@@ -262,11 +262,13 @@ def test_attention_variants(rng, driver, monkeypatch, case, heads, kv_heads, sge
 
 @pytest.mark.skipif(runner.SGEMM is None, reason="numpy's BLAS has no cblas_sgemm to call")
 @pytest.mark.parametrize("kind,window,mask,softcap", [("sliding_window", 21, "bool", 0.0),
-                                                      ("causal", 0, "bias", 5.0), ("custom", 0, "bool", 0.0)])
+                                                      ("causal", 0, "bias", 5.0), ("custom", 0, "bool", 0.0),
+                                                      ("causal", 0, None, 0.0)])
 def test_prefill_attention_as_sgemm_tiles(rng, driver, monkeypatch, kind, window, mask, softcap):
     """f32 prefill attention runs as tiles of query rows x a GQA group's heads, two sgemm
     calls each, equal to float64: three tiles (the last ragged) after cached positions, 6
-    heads on 2 kv heads, a k and v with strided rows read in place, one fully masked row."""
+    heads on 2 kv heads, a k and v with strided rows read in place, one fully masked row, no
+    mask at all."""
     called = []
     for name in ("attention_gemm_par", "attention_gemm_ser"):
         kern = getattr(runner.K, name)
@@ -278,14 +280,16 @@ def test_prefill_attention_as_sgemm_tiles(rng, driver, monkeypatch, kind, window
     if mask == "bool":
         m = rng.random((b, 1, sq, sk)) < 0.7
         m[1, 0, 40] = False                          # every key of this row masked: zeros
-    else:
+    elif mask == "bias":
         m = rng.standard_normal((1, h, sq, sk)).astype(np.float32)
+    else:                                            # scores as they are: the vector row max
+        m = None
     a = {"mask_kind": kind, "window": window, "scale": d ** -0.5, "softcap": softcap}
     o = np.full((b, h, sq, d), np.nan, np.float32)
     runner._attention_fn(a, q, k, v, o, m)(q, k, v, m, pos)
     assert called, "not the sgemm path"
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
-    want = parity.ref_attention(q64, k64, v64, m if mask == "bool" else m.astype(np.float64), pos,
+    want = parity.ref_attention(q64, k64, v64, m if mask != "bias" else m.astype(np.float64), pos,
                                 scale=a["scale"], mask_kind=kind, window=window, softcap=softcap)
     close(o, want, np.float32)
     if mask == "bool":
