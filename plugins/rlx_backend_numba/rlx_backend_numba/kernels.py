@@ -345,6 +345,34 @@ def _mask_rows(keep, bias, b, h, i):
     return krow, min(krow.shape[0] - 1, 1), brow, min(brow.shape[0] - 1, 1)
 
 
+def row_max(s, n, ninf):
+    """max(s[:n], ninf), NaN lanes losing as to `x > mx`: eight lanes at a time for f32."""
+
+
+@overload(row_max, jit_options=dict(fastmath=_FM))
+def _row_max(s, n, ninf):
+    if s.dtype == types.float32:
+        def lanes(s, n, ninf):
+            mx, j = zeros() + ninf, 0
+            while j + LANES <= n:
+                mx = vmax(mx, load_f32(s, j))
+                j += LANES
+            m = hmax(mx)
+            for t in range(j, n):
+                if s[t] > m:
+                    m = s[t]
+            return m
+        return lanes
+
+    def scalar(s, n, ninf):
+        m = ninf
+        for t in range(n):
+            if s[t] > m:
+                m = s[t]
+        return m
+    return scalar
+
+
 def exp_shifted(s, n, m):
     """s[:n] = exp(s[:n] - m), returning their sum: eight lanes at a time for f32 (simd.exp),
     libm's exp for f64 (the reference precision)."""
@@ -826,34 +854,6 @@ def pool_ser(x, starts, lens, o, mode, zero):
 
 # --------------------------------------------------------------------------- small-M GEMV
 # --------------------------------------------------------------------------- KV cache write
-def row_max(s, n, ninf):
-    """max(s[:n], ninf), NaN lanes losing as to `x > mx`: eight lanes at a time for f32."""
-
-
-@overload(row_max, jit_options=dict(fastmath=_FM))
-def _row_max(s, n, ninf):
-    if s.dtype == types.float32:
-        def lanes(s, n, ninf):
-            mx, j = zeros() + ninf, 0
-            while j + LANES <= n:
-                mx = vmax(mx, load_f32(s, j))
-                j += LANES
-            m = hmax(mx)
-            for t in range(j, n):
-                if s[t] > m:
-                    m = s[t]
-            return m
-        return lanes
-
-    def scalar(s, n, ninf):
-        m = ninf
-        for t in range(n):
-            if s[t] > m:
-                m = s[t]
-        return m
-    return scalar
-
-
 @njit(**_OPT)
 def kv_write(cache, new, pos):
     """new [B, pre, s, post] into cache [B, pre, n, post] at position pos[b] (or pos[0] for

@@ -219,13 +219,12 @@ def transpose8(typingctx, src, si, ss, dst, di, ds):
         return None
 
     def codegen(context, builder, sig, args):
-        def row(aty, a, base, stride, j):
-            i = builder.add(context.cast(builder, base, sig.args[1 if aty is sig.args[0] else 4], types.intp),
-                            builder.mul(context.cast(builder, stride, sig.args[2 if aty is sig.args[0] else 5],
-                                                     types.intp), ir.Constant(ir.IntType(64), j)))
-            return element_ptr(context, builder, aty, a, i, types.intp, _VF)
+        def row(at, j):                 # row j of the array at argument at (its start, stride next)
+            base, stride = (context.cast(builder, args[at + k], sig.args[at + k], types.intp) for k in (1, 2))
+            i = builder.add(base, builder.mul(stride, ir.Constant(ir.IntType(64), j)))
+            return element_ptr(context, builder, sig.args[at], args[at], i, types.intp, _VF)
 
-        rows = [builder.load(row(sig.args[0], args[0], args[1], args[2], j), align=4) for j in range(8)]
+        rows = [builder.load(row(0, j), align=4) for j in range(8)]
         shuffle = lambda a, b, mask: builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 8), mask))
         for step in (1, 2, 4):          # swap the off-diagonal step x step blocks of each 2step x 2step block
             out = list(rows)
@@ -238,7 +237,7 @@ def transpose8(typingctx, src, si, ss, dst, di, ds):
                 out[j], out[j + step] = shuffle(a, b, lo), shuffle(a, b, hi)
             rows = out
         for j in range(8):
-            builder.store(rows[j], row(sig.args[3], args[3], args[4], args[5], j), align=4)
+            builder.store(rows[j], row(3, j), align=4)
         return context.get_dummy_value()
     return types.none(src, si, ss, dst, di, ds), codegen
 
