@@ -872,6 +872,27 @@ def kv_write(cache, new, pos):
     return -1
 
 
+@njit(parallel=True, **_OPT)
+def kv_write_rows(cache, table, idx, pos):
+    """kv_write(cache, gather(table, idx, axis 2), pos) without the gathered copy: rows idx
+    of table [B, pre, t, post] into cache [B, pre, n, post] at pos[b] (or pos[0]) on; a
+    negative index counts from the end, as gather's. Returns -1, or 0 when an index or
+    position is out of range (nothing written then)."""
+    s, t = idx.shape[0], table.shape[2]
+    if _overflow(cache, s, pos) >= 0:
+        return 0
+    for j in range(s):
+        if idx[j] < -t or idx[j] >= t:
+            return 0
+    nb, pre = cache.shape[0], cache.shape[1]
+    for r in prange(nb * pre * s):            # rows on every thread: a cold cache is memory-bound
+        b, i, j = r // (pre * s), (r // s) % pre, r % s
+        src, dst = table[b, i, idx[j] % t], cache[b, i, (pos[b] if pos.shape[0] > 1 else pos[0]) + j]
+        for c in range(cache.shape[3]):
+            dst[c] = src[c]
+    return -1
+
+
 @njit(**_OPT)
 def _overflow(cache, s, pos):
     """-1, or the first row b whose s entries at pos[b] (pos[0] for every row) do not fit."""

@@ -386,6 +386,30 @@ def _kv_write_step(a, cache, new, pos):
     return step
 
 
+def _gathered_write_step(a, ga, cache, table, idx, pos):
+    """kv_write(cache, gather(table, idx), pos) as one copy of the chosen rows (Gemma's ring
+    prefill: 512 gathered rows were written twice, once to the gather's buffer, once to the
+    cache); a layout it does not cover keeps the two steps."""
+    ax, dims = a["axis"] % cache.ndim, cache.shape
+    if (ax == 0 or ga["axis"] % table.ndim != ax or table.ndim != cache.ndim or idx.ndim != 1
+            or table.shape[:ax] + table.shape[ax + 1:] != dims[:ax] + dims[ax + 1:]
+            or not _native(cache, table) or pos.ndim != 1 or pos.size not in (1, dims[0])):
+        return None
+    pre, post = math.prod(dims[1:ax]), math.prod(dims[ax + 1:])
+    numpy_gather, numpy_kv_write = KERNELS["gather"], VIEWS["kv_write"]
+
+    def step(a, cache, table, idx, pos):
+        c4 = cache.reshape(dims[0], pre, dims[ax], post)
+        t4 = table.reshape(dims[0], pre, table.shape[ax], post)
+        if not np.may_share_memory(c4, cache) or K.kv_write_rows(c4, t4, idx, pos) >= 0:
+            new = np.empty(dims[:ax] + idx.shape + dims[ax + 1:], table.dtype)
+            numpy_gather(ga, [new], table, idx)         # NumPy's steps, and their errors
+            numpy_kv_write(a, cache, new, pos)
+        return cache
+    step.returns_cache = True
+    return step
+
+
 def _glu_step(x, w, o, a):
     """A gate/up dequant_matmul step that writes the SwiGLU of its halves into `o`."""
     glu = quant_kernels.glu_gemv(x, w, o, a["scheme"], a.get("int8_x"))
@@ -396,10 +420,11 @@ def _glu_step(x, w, o, a):
 class NumbaRunner(NumpyRunner):
     """NumpyRunner's arena, values, view steps and run loop; compiled kernels where they apply.
 
-    Two decode fusions happen here, on the built steps: a packed gate/up matmul whose halves
-    only feed a SwiGLU computes the SwiGLU in its GEMV (the pair's outputs are never written),
-    and an int8 rounding (fake_quantize) whose every reader is a GEMV that rounds x itself is
-    dropped."""
+    Fusions happen here, on the built steps: a packed gate/up matmul whose halves only feed a
+    SwiGLU computes the SwiGLU in its GEMV (the pair's outputs are never written), an int8
+    rounding (fake_quantize) whose every reader is a GEMV that rounds x itself is dropped, and
+    a kv_write of a gather (Gemma's ring prefill) copies the chosen rows straight into the
+    cache."""
     backend_name = "numba"
 
     def __init__(self, lir: LirModule, params: dict, states: dict, matmul: str = "f32"):
@@ -409,6 +434,7 @@ class NumbaRunner(NumpyRunner):
         glu = self._glu_pairs(users)
         attn = self._attention_inputs(users)
         member = {m: i for i, ms in attn.items() for m in ms}
+        gathered = {w: gi for w, gi in self._gathered_writes(users).items() if w not in member}
         held = {}                 # attention node -> its members' steps, until it is reached
         protos = list(self.vals)
         for _, (slot, s) in self.inputs.items():
@@ -445,11 +471,22 @@ class NumbaRunner(NumpyRunner):
                 fn = made or fn
             steps.append((i, is_view, fn, a, ins, out))
 
+        gathers = set(gathered.values())
         for step in self.steps:
             i = step[0]
-            if i in member:
-                held.setdefault(member[i], []).append(step)
+            if i in member or i in gathers:
+                held.setdefault(member.get(i, i), []).append(step)
                 continue
+            if i in gathered:
+                (gather,) = held.pop(gathered[i])
+                gins = gather[4]
+                fused_ins = [step[4][0], gins[0], gins[1], step[4][2]]
+                made = _gathered_write_step(step[3], gather[3], *[protos[j] for j in fused_ins])
+                if made is not None:
+                    protos[step[5]] = protos[step[4][0]]
+                    steps.append((i, True, made, step[3], fused_ins, step[5]))
+                    continue
+                prepare(*gather)
             if i in attn:
                 members = held.pop(i)
                 made = self._attention_step(step, attn[i], members, protos)
@@ -516,6 +553,18 @@ class NumbaRunner(NumpyRunner):
                      k_write[4][0], v_write[4][0], ins[-1]] + ([ins[3]] if a["has_mask"] else [])
         made = _decode_attention_step(a, q_rope[3], k_write[3], [protos[j] for j in fused_ins], out[0])
         return None if made is None else (i, False, made, a, fused_ins, out)
+
+    def _gathered_writes(self, users: dict) -> dict:
+        """kv_write node -> the gather node whose output only it reads (as `new`), where the
+        gather's step comes right before the write's (so no buffer changes between them)."""
+        g = self.graph
+        order = [i for i, *_ in self.steps]
+        found = {}
+        for gi, wi in zip(order, order[1:]):
+            gn, wn = g.nodes[gi], g.nodes[wi]
+            if gn.op == "gather" and wn.op == "kv_write" and wn.inputs[1][0] == gi and users.get((gi, 0)) == [wi]:
+                found[wi] = gi
+        return found
 
     def _glu_pairs(self, users: dict) -> dict:
         """dequant_matmul node -> (its fused_swiglu node, that node's output) where the matmul

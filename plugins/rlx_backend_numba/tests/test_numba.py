@@ -309,6 +309,40 @@ def test_fused_attention_block(rng, driver):
     parity.run_parity("numba", "fused_attention_block", args, attrs_, ref)
 
 
+def test_gathered_rows_written_to_a_cache_in_one_step(rng, monkeypatch):
+    """kv_write(cache, gather(k, idx)) as Gemma's ring prefill emits it: one copy of the chosen
+    rows (negative indices from the end), equal to gathering then writing; an index or a
+    position out of range is the NumPy backend's error, with nothing written."""
+    from rlx_core.ir.errors import ModelError
+
+    calls = []
+    real = runner.K.kv_write_rows
+    monkeypatch.setattr(runner.K, "kv_write_rows", lambda *a: calls.append(1) or real(*a))
+    b, kvh, s, ctx, d, n = 2, 3, 5, 12, 8, 7
+
+    def build(m):
+        cache = m.state("kc", (b, kvh, ctx, d))
+        idx = m.input("idx", (n,), rlx_core.I64)
+        return m.kv_write(cache, m.gather(m.input("k", (b, kvh, s, d)), idx, axis=2), m.input("pos", (b,), I32))
+
+    exe = compile_numba(build)
+    k = rng.uniform(-2, 2, (b, kvh, s, d)).astype(np.float32)
+    idx = np.array([4, 0, -1, 2, 2, -5, 1])
+    pos = np.array([0, 5], np.int32)
+    got = exe.run(k=k, idx=idx, pos=pos)["out0"]
+    want = np.zeros((b, kvh, ctx, d), np.float32)
+    for i in range(b):
+        want[i, :, pos[i]:pos[i] + n] = k[i][:, idx]
+    np.testing.assert_array_equal(got, want)
+    assert calls, "not the one-step write"
+    before = exe.states["kc"].copy()
+    with pytest.raises(ModelError, match="index out of range"):
+        exe.run(k=k, idx=np.array([0, 1, 2, 3, 4, 5, 0]), pos=pos)
+    with pytest.raises(ModelError, match="kv_write"):
+        exe.run(k=k, idx=idx, pos=np.array([0, 6], np.int32))
+    np.testing.assert_array_equal(exe.states["kc"], before)
+
+
 def test_decode_over_kv_cache(rng, driver):
     """Steps of one token each: kv_write into state caches, attention at pos over the cache."""
     b, h, kvh, ctx, d = 2, 4, 2, 12, 8
