@@ -168,7 +168,8 @@ def store_lanes(typingctx, a, i, v):
 def store_bf16_part(typingctx, a, i, v):
     """a[i:i+8] (uint16) = the bits of h, the bf16 nearest each lane of v (ties to even);
     returns v - h, exactly (h has 8 significand bits, v - h at most 16): called three times,
-    an f32 split into three bf16 parts that sum to it (amx.py)."""
+    an f32 split into three bf16 parts that sum to it (amx.py), for lanes whose parts stay
+    normal (|v| >= 2**-110 or 0: a subnormal bf16 cannot hold a subnormal f32's low bits)."""
     if a.dtype != types.uint16:
         return None
 
