@@ -435,7 +435,7 @@ class NumbaRunner(NumpyRunner):
         attn = self._attention_inputs(users)
         member = {m: i for i, ms in attn.items() for m in ms}
         gathered = {w: gi for w, gi in self._gathered_writes(users).items() if w not in member}
-        held = {}                 # attention node -> its members' steps, until it is reached
+        held = {}                 # attention node -> its members' steps (a gather -> its own), until needed
         protos = list(self.vals)
         for _, (slot, s) in self.inputs.items():
             protos[slot] = np.zeros(s.dims, s.dtype.np)
