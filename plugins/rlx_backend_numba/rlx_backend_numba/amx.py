@@ -177,5 +177,5 @@ def parts_of_rows(x, xt):
                             transpose8(pairs, src + (k // 2) * c + r, k // 2, tiles, dst + 16 * r + c, 16)
 
 
-__all__ = ["aligned_empty", "available", "dot_bf16", "load", "load_config", "parts_of_rows", "release", "store",
-           "tile_config", "zero"]
+__all__ = ["aligned_empty", "available", "dot_bf16", "load", "load_config", "parts_of_rows", "release",
+           "store", "tile_config", "zero"]

@@ -381,7 +381,8 @@ def decode_{mode}(r, q, row, tab):
 def products_{mode}(xf, xo, wf, wo):
     \"\"\"Tiles 0-3 += one k-step's products of parts {pairs} (W part, x part): W part i's
     two A tiles at wf[wo + 1024 i] and 512 elements on, x part j's two B tiles at xf[xo +
-    512 j] and 256 words on (1 KB each, rows 64 bytes apart), each loaded once in turn.\"\"\"
+    512 j] and 256 words on (1 KB each, rows 64 bytes apart), each loaded just before the
+    first product that reads it.\"\"\"
 {products_body}
 
 
@@ -465,8 +466,10 @@ def _amx_source(kind: str, mode: str, groups) -> str:
         *(f"        v{i} = store_bf16_part_normal(q, t + {1024 * j}, v{i})" for j in range(wp))])
     body, w_in, x_in = [], None, None
     for i, j in pairs:
-        a = [f"load({t}, wf, wo + {1024 * i + 512 * h}, 64)" for h, t in ((0, 4), (1, 5))] if i != w_in else [None, None]
-        b = [f"load({t}, xf, xo + {512 * j + 256 * h}, 64)" for h, t in ((0, 6), (1, 7))] if j != x_in else [None, None]
+        a = ([f"load({t}, wf, wo + {1024 * i + 512 * h}, 64)" for h, t in ((0, 4), (1, 5))]
+             if i != w_in else [None, None])
+        b = ([f"load({t}, xf, xo + {512 * j + 256 * h}, 64)" for h, t in ((0, 6), (1, 7))]
+             if j != x_in else [None, None])
         w_in, x_in = i, j
         dots = [f"dot_bf16({c}, {p}, {q})" for c, p, q in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7))]
         if a[0] and b[0]:      # both operands new: each load just before the first dot that reads it

@@ -365,21 +365,30 @@ PREPARE["dequantize"] = quant_kernels.prepare_dequantize
 PREPARE["fake_quantize"] = quant_kernels.prepare_fake_quantize
 
 
+def _kv_layout(a, cache, pos, other):
+    """(axis, B, pre, post) of a compiled kv_write, which sees the cache as [B, pre, n, post]
+    around the written axis: where that axis is past the batch, cache and `other` share a
+    float dtype and there is one position per batch row or one for all; else None."""
+    ax, dims = a["axis"] % cache.ndim, cache.shape
+    if ax == 0 or not _native(cache, other) or pos.ndim != 1 or pos.size not in (1, dims[0]):
+        return None
+    return ax, dims[0], math.prod(dims[1:ax]), math.prod(dims[ax + 1:])
+
+
 def _kv_write_step(a, cache, new, pos):
     """kv_write as one compiled copy (NumPy's takes ~20 numpy calls a token per layer); a
     layout it does not cover keeps NumPy's, whose errors it also reuses."""
-    ax = a["axis"] % cache.ndim
-    dims = cache.shape
-    if ax == 0 or not _native(cache, new) or pos.ndim != 1 or pos.size not in (1, dims[0]):
+    layout = _kv_layout(a, cache, pos, new)
+    if layout is None:
         return None
-    pre, post = math.prod(dims[1:ax]), math.prod(dims[ax + 1:])
+    ax, nb, pre, post = layout
     numpy_kv_write = VIEWS["kv_write"]
 
     def step(a, cache, new, pos):
-        c4 = cache.reshape(dims[0], pre, dims[ax], post)
+        c4 = cache.reshape(nb, pre, cache.shape[ax], post)
         if not np.may_share_memory(c4, cache):
             return numpy_kv_write(a, cache, new, pos)
-        if K.kv_write(c4, new.reshape(dims[0], pre, new.shape[ax], post), pos) >= 0:
+        if K.kv_write(c4, new.reshape(nb, pre, new.shape[ax], post), pos) >= 0:
             numpy_kv_write(a, cache, new, pos)          # raises the NumPy backend's error
         return cache
     step.returns_cache = True            # its output never moves (NumpyRunner's bound calls)
@@ -390,17 +399,18 @@ def _gathered_write_step(a, ga, cache, table, idx, pos):
     """kv_write(cache, gather(table, idx), pos) as one copy of the chosen rows (Gemma's ring
     prefill: 512 gathered rows were written twice, once to the gather's buffer, once to the
     cache); a layout it does not cover keeps the two steps."""
-    ax, dims = a["axis"] % cache.ndim, cache.shape
-    if (ax == 0 or ga["axis"] % table.ndim != ax or table.ndim != cache.ndim or idx.ndim != 1
-            or table.shape[:ax] + table.shape[ax + 1:] != dims[:ax] + dims[ax + 1:]
-            or not _native(cache, table) or pos.ndim != 1 or pos.size not in (1, dims[0])):
+    layout = _kv_layout(a, cache, pos, table)
+    if layout is None:
         return None
-    pre, post = math.prod(dims[1:ax]), math.prod(dims[ax + 1:])
+    ax, nb, pre, post = layout
+    dims = cache.shape
+    if (ga["axis"] % table.ndim != ax or table.ndim != cache.ndim or idx.ndim != 1
+            or table.shape[:ax] + table.shape[ax + 1:] != dims[:ax] + dims[ax + 1:]):
+        return None
     numpy_gather, numpy_kv_write = KERNELS["gather"], VIEWS["kv_write"]
 
     def step(a, cache, table, idx, pos):
-        c4 = cache.reshape(dims[0], pre, dims[ax], post)
-        t4 = table.reshape(dims[0], pre, table.shape[ax], post)
+        c4, t4 = cache.reshape(nb, pre, dims[ax], post), table.reshape(nb, pre, table.shape[ax], post)
         if not np.may_share_memory(c4, cache) or K.kv_write_rows(c4, t4, idx, pos) >= 0:
             new = np.empty(dims[:ax] + idx.shape + dims[ax + 1:], table.dtype)
             numpy_gather(ga, [new], table, idx)         # NumPy's steps, and their errors
@@ -562,7 +572,8 @@ class NumbaRunner(NumpyRunner):
         found = {}
         for gi, wi in zip(order, order[1:]):
             gn, wn = g.nodes[gi], g.nodes[wi]
-            if gn.op == "gather" and wn.op == "kv_write" and wn.inputs[1][0] == gi and users.get((gi, 0)) == [wi]:
+            if (gn.op == "gather" and wn.op == "kv_write" and wn.inputs[1][0] == gi
+                    and users.get((gi, 0)) == [wi]):
                 found[wi] = gi
         return found
 

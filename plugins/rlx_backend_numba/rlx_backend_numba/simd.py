@@ -164,6 +164,11 @@ def store_lanes(typingctx, a, i, v):
     return None
 
 
+def _split_bf16(context, builder, sig, args):
+    """store_bf16_part's body: the rounded store, then what it left of each lane."""
+    return builder.fsub(args[2], builder.bitcast(_put_bf16(context, builder, sig, args), _VF))
+
+
 @intrinsic
 def store_bf16_part(typingctx, a, i, v):
     """a[i:i+8] (uint16) = the bits of h, the bf16 nearest each lane of v (ties to even);
@@ -172,10 +177,7 @@ def store_bf16_part(typingctx, a, i, v):
     normal (|v| >= 2**-110 or 0: a subnormal bf16 cannot hold a subnormal f32's low bits)."""
     if a.dtype != types.uint16:
         return None
-
-    def codegen(context, builder, sig, args):
-        return builder.fsub(args[2], builder.bitcast(_put_bf16(context, builder, sig, args), _VF))
-    return F32x8(a, i, v), codegen
+    return F32x8(a, i, v), _split_bf16
 
 
 class _BFloat(ir.types._BaseFloatType):
@@ -193,7 +195,7 @@ AVX512_BF16 = "+avx512bf16" in llvm_binding.get_host_cpu_features().flatten().sp
 
 @intrinsic
 def store_bf16_part_normal(typingctx, a, i, v):
-    """store_bf16_part for lanes that are 0 or normal floats (|v| >= 2**-126), in the CPU's
+    """store_bf16_part for lanes that are 0 or normal floats, with normal parts, in the CPU's
     own rounding instruction where it has one (AVX512-BF16, which reads a subnormal as 0):
     a decoded weight (an f16 scale times a small integer) and its remainders never are
     subnormal. About a quarter fewer instructions a part than the integer rounding."""
@@ -202,10 +204,11 @@ def store_bf16_part_normal(typingctx, a, i, v):
 
     def codegen(context, builder, sig, args):
         if not AVX512_BF16:
-            return builder.fsub(args[2], builder.bitcast(_put_bf16(context, builder, sig, args), _VF))
+            return _split_bf16(context, builder, sig, args)
         v16 = ir.VectorType(ir.IntType(16), LANES)
         h = builder.bitcast(builder.fptrunc(args[2], ir.VectorType(_BFloat(), LANES)), v16)
-        builder.store(h, element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], v16), align=2)
+        ptr = element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], v16)
+        builder.store(h, ptr, align=2)
         return builder.fsub(args[2], builder.bitcast(builder.shl(builder.zext(h, _VI), _SIXTEEN), _VF))
     return F32x8(a, i, v), codegen
 
