@@ -25,10 +25,10 @@ What is timed, per side:
   matmuls rounded to bf16 in AMX tiles where the CPU has them, else as the numba side), or
   `[backend] matmul = "blas"` (prefill matmuls in f32 BLAS even where the numba side uses
   AMX tiles of exact bf16 parts).
-* the numba sides keep their generated kernels in a cache folder of this run: the first
-  round of the numba side compiles into it while empty (its first-compile time and its
-  RSS are reported apart), later rounds and the warm start (process start to the first
-  generated token of `rlx generate`) find it filled. (The user's own cache could hold
+* the numba sides keep their kernels (generated and the plugin's own) in a cache folder of
+  this run: the first round of the numba side compiles into it while empty (its
+  first-compile time and its RSS are reported apart), later rounds and the warm start
+  (process start to the first generated token of `rlx generate`) find it filled. (The user's own cache could hold
   kernels of older code, which a "warm" round would then compile, and its RSS with them.)
 
 The HF side loads the GGUF through transformers once and keeps a safetensors copy in
@@ -137,6 +137,13 @@ def run_llamacpp(args) -> dict:
     return {"runs": runs, "tokens": toks}
 
 
+def kernel_cache(folder: str) -> dict:
+    """The environment that puts every numba kernel of a child in `folder`: the generated
+    ones (RLX_NUMBA_CACHE) and the plugin's own (NUMBA_CACHE_DIR; numba's default is the
+    package's __pycache__, which earlier runs may have filled)."""
+    return {"RLX_NUMBA_CACHE": folder, "NUMBA_CACHE_DIR": os.path.join(folder, "static")}
+
+
 def warm_start(model: str, threads: int, kernels: str) -> float:
     """Seconds from starting `rlx generate` to its first generated token (the kernel cache
     `kernels` filled), with Python's bytecode cache on as in a pip install
@@ -144,7 +151,7 @@ def warm_start(model: str, threads: int, kernels: str) -> float:
     import select
 
     env = dict(os.environ, RLX_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
-               OPENBLAS_NUM_THREADS=str(threads), RLX_NUMBA_CACHE=kernels)
+               OPENBLAS_NUM_THREADS=str(threads), **kernel_cache(kernels))
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     rlx = os.path.join(os.path.dirname(sys.executable), "rlx")
     t0 = time.perf_counter()
@@ -311,7 +318,7 @@ def _bench(model, threads, sides, prefill_tokens, decode_tokens, rounds, repeat,
     tokens: dict = {}
     for rnd in range(rounds):
         for side in sides:
-            extra = {"RLX_NUMBA_CACHE": kernels} if side.startswith("numba") else None
+            extra = kernel_cache(kernels) if side.startswith("numba") else None
             cold = side == "numba" and rnd == 0           # first compile: the cache still empty
             r = spawn(side, model, threads, prefill_tokens, decode_tokens, repeat, extra)
             if "crashed" in r:
