@@ -191,7 +191,8 @@ def _attention_fn(a, q, k, v, o, mask):
     kern = _pick(K.attention_par, K.attention_ser, work)
     gemm = sq > 1 and d > 0 and SGEMM is not None and o.dtype == np.float32
     if sq == 1:          # decode: split over kv heads and chunks of keys, not query rows
-        kern = lambda *args: K.attention_decode(*args, DECODE_CHUNK, numba.get_num_threads())  # noqa: E731
+        vec = o.dtype == np.float32 and d % LANES == 0 and v.shape[3] % LANES == 0    # (k, v copied if strided)
+        kern = lambda *args: K.attention_decode(*args, vec, DECODE_CHUNK, numba.get_num_threads())  # noqa: E731
     elif gemm:           # prefill: tiles of query rows as two sgemm calls each, on numba's threads
         tiles = _pick(K.attention_gemm_par, K.attention_gemm_ser, work)
 

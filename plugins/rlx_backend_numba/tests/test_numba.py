@@ -250,6 +250,15 @@ def attention_ref(attrs_, n_extra=0):
     return ref
 
 
+@pytest.mark.parametrize("d", [24, 12], ids=["lanes_and_tail", "scalar"])
+@pytest.mark.parametrize("case", ["decode_bias_softcap", "decode_custom_bool"])
+def test_decode_attention_head_sizes(rng, driver, case, d):
+    """Decode attention multiplies f32 key and value rows 8 lanes at a time when the head
+    size is a multiple of 8 (24: a pair of lane groups, then one more), else in scalar loops."""
+    args, attrs_ = attention_case(rng, case, F32, 6, 2, d=d)
+    parity.run_parity("numba", "attention", args, attrs_, attention_ref(attrs_), tol=2e-5)
+
+
 @pytest.mark.parametrize("case", list(ATTN))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)], ids=["mha", "gqa3"])
 @pytest.mark.parametrize("sgemm", [True, False], ids=["sgemm", "no_sgemm"])
