@@ -186,7 +186,7 @@ def _attention_fn(a, q, k, v, o, mask):
     t = o.dtype.type
     scale, softcap, ninf = t(a["scale"]), t(a["softcap"]), t(-np.inf)
     no_keep, no_bias = np.ones((1, 1, 1, 1), np.bool_), np.zeros((1, 1, 1, 1), o.dtype)
-    default_pos = np.full(nb, sk - sq, np.int64)
+    default_pos = np.full(nb, sk - sq, np.int32)           # (the type of a graph's cache_pos: one compiled kernel)
     work = nb * nh * sq * sk * max(d, 1)
     kern = _pick(K.attention_par, K.attention_ser, work)
     gemm = sq > 1 and d > 0 and SGEMM is not None and o.dtype == np.float32
