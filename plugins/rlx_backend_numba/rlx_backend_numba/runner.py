@@ -186,13 +186,15 @@ def _attention_fn(a, q, k, v, o, mask):
     t = o.dtype.type
     scale, softcap, ninf = t(a["scale"]), t(a["softcap"]), t(-np.inf)
     no_keep, no_bias = np.ones((1, 1, 1, 1), np.bool_), np.zeros((1, 1, 1, 1), o.dtype)
-    default_pos = np.full(nb, sk - sq, np.int32)           # (the type of a graph's cache_pos: one compiled kernel)
+    default_pos = np.full(nb, sk - sq, np.int32)       # a graph's cache_pos type: one kernel for both
     work = nb * nh * sq * sk * max(d, 1)
     kern = _pick(K.attention_par, K.attention_ser, work)
     gemm = sq > 1 and d > 0 and SGEMM is not None and o.dtype == np.float32
     if sq == 1:          # decode: split over kv heads and chunks of keys, not query rows
-        vec = o.dtype == np.float32 and d % LANES == 0 and v.shape[3] % LANES == 0    # (k, v copied if strided)
-        kern = lambda *args: K.attention_decode(*args, vec, DECODE_CHUNK, numba.get_num_threads())  # noqa: E731
+        vec = o.dtype == np.float32 and d % LANES == 0 and v.shape[3] % LANES == 0   # (strided k, v: copied)
+
+        def kern(*args):
+            K.attention_decode(*args, vec, DECODE_CHUNK, numba.get_num_threads())
     elif gemm:           # prefill: tiles of query rows as two sgemm calls each, on numba's threads
         tiles = _pick(K.attention_gemm_par, K.attention_gemm_ser, work)
 
