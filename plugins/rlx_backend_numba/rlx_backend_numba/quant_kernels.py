@@ -31,8 +31,8 @@ from rlx_core.ir.quant import QuantScheme
 from . import amx, cblas
 from .cblas import SGEMM
 from .codegen import SWIGLU_HEAD, load_source, with_epilogue
-from .simd import (bits, bits32, fma, halves, idot_s, idot_u, load_bytes32, load_i8, load_u8, nibbles32,
-                   to_f32, zeros)
+from .simd import (bits, bits32, fma, halves, idot_s, idot_u, load_bytes32, load_i8, load_u8, load_u32,
+                   nibbles32, to_f32, zeros)
 
 FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 GEMV_MAX_M = 8                  # rows of x up to which the GEMV beats decode-to-scratch + BLAS
@@ -47,12 +47,6 @@ _OPT = dict(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
 def _h(r, o, tab):
     """The f16 at byte o of row r."""
     return tab[np.int32(r[o]) | (np.int32(r[o + 1]) << 8)]
-
-
-@njit(**_OPT)
-def _u32(r, o):
-    return (np.uint32(r[o]) | (np.uint32(r[o + 1]) << 8) | (np.uint32(r[o + 2]) << 16)
-            | (np.uint32(r[o + 3]) << 24))
 
 
 @njit(**_OPT)
@@ -84,13 +78,13 @@ def lanes_q4_1(r, o, i, tab):
 @njit(**_OPT)
 def lanes_q5_0(r, o, i, tab):
     d = _h(r, o, tab)
-    q = _nibbles(r, o + 6, i) | (bits(_u32(r, o + 2), 8 * i) << 4)
+    q = _nibbles(r, o + 6, i) | (bits(load_u32(r, o + 2), 8 * i) << 4)
     return fma(d, to_f32(q), np.float32(-16) * d)
 
 
 @njit(**_OPT)
 def lanes_q5_1(r, o, i, tab):
-    q = _nibbles(r, o + 8, i) | (bits(_u32(r, o + 4), 8 * i) << 4)
+    q = _nibbles(r, o + 8, i) | (bits(load_u32(r, o + 4), 8 * i) << 4)
     return fma(_h(r, o, tab), to_f32(q), _h(r, o + 2, tab))
 
 
@@ -208,13 +202,13 @@ def iblock_q4_1(r, o, xq, xd, xs, c, tab):
 @njit(**_OPT)
 def iblock_q5_0(r, o, xq, xd, xs, c, tab):
     d = _h(r, o, tab)
-    q = nibbles32(r, o + 6) | (bits32(_u32(r, o + 2)) << 4)
+    q = nibbles32(r, o + 6) | (bits32(load_u32(r, o + 2)) << 4)
     return _iblock32(q, xq, xd, xs, c, d, np.float32(-16) * d)
 
 
 @njit(**_OPT)
 def iblock_q5_1(r, o, xq, xd, xs, c, tab):
-    q = nibbles32(r, o + 8) | (bits32(_u32(r, o + 4)) << 4)
+    q = nibbles32(r, o + 8) | (bits32(load_u32(r, o + 4)) << 4)
     return _iblock32(q, xq, xd, xs, c, _h(r, o, tab), _h(r, o + 2, tab))
 
 
