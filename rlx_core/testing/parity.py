@@ -198,9 +198,11 @@ def run_poisoned(exe, inputs: dict, env: dict | None = None, byte: int = 0xFF,
     return {k: exe.backend.to_host(v) for k, v in out.items()}
 
 
-def assert_close(out, ref, dtype: DType, what: str = "", tol: float | None = None) -> None:
-    """`out` equals `ref` within `tol` (default TOL of the dtype) relative to the largest
-    |ref|, exactly for other dtypes. The error starts with `what` (pytest's summary line)."""
+def assert_close(out, ref, dtype: DType, what: str = "", tol: float | None = None,
+                 scale: float | None = None) -> None:
+    """`out` equals `ref` within `tol` (default TOL of the dtype) relative to `scale` (default
+    the largest |ref|), exactly for other dtypes. The error starts with `what` (pytest's
+    summary line)."""
     out = np.asarray(out)
     dtype = DType.parse(dtype)
     assert out.dtype == dtype.np, f"{what}: output dtype {out.dtype}, expected {dtype.np}"
@@ -211,9 +213,10 @@ def assert_close(out, ref, dtype: DType, what: str = "", tol: float | None = Non
             tol = TOL[dtype] if tol is None else tol
             o = out.astype(np.float64)
             r = ref.astype(np.float64)
-            finite = r[np.isfinite(r)]
-            scale = max(float(np.max(np.abs(finite))) if finite.size else 0.0, 1e-30)
-            np.testing.assert_allclose(o, r, rtol=tol, atol=tol * scale)
+            if scale is None:
+                finite = r[np.isfinite(r)]
+                scale = float(np.max(np.abs(finite))) if finite.size else 0.0
+            np.testing.assert_allclose(o, r, rtol=tol, atol=tol * max(scale, 1e-30))
         else:
             np.testing.assert_array_equal(out, ref.astype(out.dtype))
     except AssertionError as e:
@@ -237,9 +240,11 @@ def _signature(args: list) -> str:
 
 def run_parity(backend: str, op: str, args: list, attrs_: dict | None, ref, *,
                tol: float | None = None, out_dtypes=None, level: str = MIR, profile=None,
-               check=None) -> list:
+               check=None, scale=None) -> list:
     """Compile one `op` on `args`, run it poisoned twice, compare every output with
-    `ref(*float64 inputs)` (a value or a tuple). Returns the outputs of the NaN-poisoned run."""
+    `ref(*float64 inputs)` (a value or a tuple). `scale(*float64 inputs)`: the magnitude the
+    tolerance is relative to where the outputs' own can cancel (a sum of products: the sum
+    of |terms|), else the largest |reference|. Returns the outputs of the NaN-poisoned run."""
     g = one_op(op, args, attrs_, level=level)
     from rlx_core.pipeline import select_backend
 
@@ -258,6 +263,7 @@ def run_parity(backend: str, op: str, args: list, attrs_: dict | None, ref, *,
     host = [a.data.astype(np.float64) if a.dtype.is_float else a.data for a in args]
     want = ref(*host)
     want = want if isinstance(want, tuple) else (want,)
+    magnitude = None if scale is None else float(scale(*host))
     names = [n for n, _ in g.outputs]
     shapes = [g.shape_of(r) for _, r in g.outputs]
     first = None
@@ -270,7 +276,7 @@ def run_parity(backend: str, op: str, args: list, attrs_: dict | None, ref, *,
             if check is not None:
                 check(k, got[name], want[k], dt, what)
             else:
-                assert_close(got[name], want[k], dt, what, tol)
+                assert_close(got[name], want[k], dt, what, tol, scale=magnitude)
         first = first or [got[n] for n in names]
     return first
 
