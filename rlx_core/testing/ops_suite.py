@@ -186,11 +186,10 @@ def test_reduce_long(backend, rng, op, axes, dt):
 def _check_reduce(backend, rng, op, axes, keepdims, dt, shape):
     lo, hi = (0.5, 1.5) if op == "prod" else (-2.0, 2.0)
     x = exact(rng.uniform(lo, hi, shape), dt)
-    scale = None
-    if op in ("sum", "mean"):       # (rounding grows with the sum of |x|, not with a cancelling result)
-        scale = lambda v: np.max(ref_reduce(op, np.abs(v), axes, keepdims))  # noqa: E731
+    # a sum's rounding grows with the sum of |x|, not with a cancelling result
+    terms = (lambda v: np.max(ref_reduce(op, np.abs(v), axes, keepdims))) if op in ("sum", "mean") else None
     run_parity(backend, "reduce", [Arg("x", x, dt)], {"op": op, "axes": axes, "keepdims": keepdims},
-               lambda v: ref_reduce(op, v, axes, keepdims), scale=scale)
+               lambda v: ref_reduce(op, v, axes, keepdims), magnitude=terms)
 
 
 @pytest.mark.parametrize("op", ["sum", "max", "min"])
@@ -909,7 +908,7 @@ def test_dot_general(backend, rng, dt, case):
     attrs_ = {"lhs_contract": lc, "rhs_contract": rc, "lhs_batch": lb, "rhs_batch": rb}
     run_parity(backend, "dot_general", [arg(rng, "a", ld, dt), arg(rng, "b", rd, dt)], attrs_,
                lambda x, y: ref_dot_general(x, y, lc, rc, lb, rb),
-               scale=lambda x, y: np.max(ref_dot_general(np.abs(x), np.abs(y), lc, rc, lb, rb)))
+               magnitude=lambda x, y: np.max(ref_dot_general(np.abs(x), np.abs(y), lc, rc, lb, rb)))
 
 
 # ----------------------------------------------------------------------------- control flow

@@ -240,11 +240,11 @@ def _signature(args: list) -> str:
 
 def run_parity(backend: str, op: str, args: list, attrs_: dict | None, ref, *,
                tol: float | None = None, out_dtypes=None, level: str = MIR, profile=None,
-               check=None, scale=None) -> list:
+               check=None, magnitude=None) -> list:
     """Compile one `op` on `args`, run it poisoned twice, compare every output with
-    `ref(*float64 inputs)` (a value or a tuple). `scale(*float64 inputs)`: the magnitude the
-    tolerance is relative to where the outputs' own can cancel (a sum of products: the sum
-    of |terms|), else the largest |reference|. Returns the outputs of the NaN-poisoned run."""
+    `ref(*float64 inputs)` (a value or a tuple). `magnitude(*float64 inputs)`: what the
+    tolerance is relative to where the outputs can cancel (a sum of products: the sum of
+    |terms|), else the largest |reference|. Returns the outputs of the NaN-poisoned run."""
     g = one_op(op, args, attrs_, level=level)
     from rlx_core.pipeline import select_backend
 
@@ -263,7 +263,7 @@ def run_parity(backend: str, op: str, args: list, attrs_: dict | None, ref, *,
     host = [a.data.astype(np.float64) if a.dtype.is_float else a.data for a in args]
     want = ref(*host)
     want = want if isinstance(want, tuple) else (want,)
-    magnitude = None if scale is None else float(scale(*host))
+    scale = None if magnitude is None else float(magnitude(*host))
     names = [n for n, _ in g.outputs]
     shapes = [g.shape_of(r) for _, r in g.outputs]
     first = None
@@ -276,7 +276,7 @@ def run_parity(backend: str, op: str, args: list, attrs_: dict | None, ref, *,
             if check is not None:
                 check(k, got[name], want[k], dt, what)
             else:
-                assert_close(got[name], want[k], dt, what, tol, scale=magnitude)
+                assert_close(got[name], want[k], dt, what, tol, scale=scale)
         first = first or [got[n] for n in names]
     return first
 
