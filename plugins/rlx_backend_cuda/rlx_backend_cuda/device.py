@@ -137,20 +137,20 @@ def _source_line(source: str, log: str) -> str:
     return ""
 
 
-def kernel(source: str, name: str, op: str, dynamic_smem: int = 0):
+def kernel(source: str, name: str, op: str, dynamic_smem: int = 0, arch: str | None = None):
     """The compiled function `name` of `source` (compiled once per process, NVRTC's disk
     cache across processes), launched as `fn(grid, block, args, shared_mem, stream)`. A
     compile error is a BackendError naming the op and the line. `dynamic_smem`: the bytes of
     dynamic shared memory its launches take (above 48 KB a kernel must opt in; the source
-    fixes the size, so once per compile)."""
-    key = (hashlib.sha1(source.encode()).hexdigest(), name)
+    fixes the size, so once per compile). `arch`: a target of its own (sm_90a for wgmma)."""
+    key = (hashlib.sha1(source.encode()).hexdigest(), name, arch)
     fn = _KERNELS.get(key)
     if fn is not None:
         return fn
     cp = cupy()
     source = sources.with_grid_wait(source, name)
     try:
-        mod = cp.RawModule(code=source, options=OPTIONS)
+        mod = cp.RawModule(code=source, options=OPTIONS + ((f"-arch={arch}",) if arch else ()))
         raw = mod.get_function(name)
     except cp.cuda.compiler.CompileException as e:
         log = str(e)

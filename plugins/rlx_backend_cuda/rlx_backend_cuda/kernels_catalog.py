@@ -64,6 +64,9 @@ def catalog() -> list:
                     out.append((f"attn_tc {t} {d} MT {mt}", S.render(
                         S.ATTN_TC, T=t, MMAT="bf16" if "bf" in t else "f16", D=d, VEC=vec, MT=mt, **common),
                         "rlx_attn_tc"))
+                for d, whole in ((64, 0), (128, 0), (128, 1)):
+                    out.append((f"attn_wg {t} {mk}{mm} {d} whole {whole}", S.attn_wg_source(
+                        d, T=t, MMAT="bf16" if "bf" in t else "f16", WHOLE=whole, **common), "rlx_attn_wg"))
         out.append((f"gather {t}", S.render(S.GATHER, TT=t, TI="long long"), "rlx_gather"))
     out.append(("gather u8", S.render(S.GATHER, TT="unsigned char", TI="int"), "rlx_gather"))
     for rank in (1, 4):
@@ -140,7 +143,8 @@ def check(arch: str = "sm_90", include: str | None = None) -> list:
             p = os.path.join(d, f"k{i}.cu")
             with open(p, "w") as f:
                 f.write(S.with_grid_wait(src, kname))     # (as device.kernel compiles it)
-            cmd = ["nvcc", "-std=c++17", f"-arch={arch}", "-cubin", "-o", p + ".cubin", p]
+            target = "sm_90a" if "wgmma" in src else arch          # (device.kernel's arch for it)
+            cmd = ["nvcc", "-std=c++17", f"-arch={target}", "-cubin", "-o", p + ".cubin", p]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode:
                 fails.append((name, r.stderr[-3000:]))

@@ -1445,6 +1445,319 @@ def attn_tc_smem(D: int, MT: int) -> int:
     return (2 * 64 + 64 * MT) * (D + 8) * 2
 
 
+# Hopper (sm_90a) prefill attention on wgmma (f16/bf16, head_dim 64 or 128, 16-byte rows).
+# Block = 2 warpgroups x 64 query rows of one head. Shared memory: Q, and two slots of a K and
+# a V tile of 128 keys each, as the 128-byte-swizzled layout wgmma reads (each 64-column half
+# of a row is 128 bytes, its 16-byte chunk c at c ^ (row % 8)), filled by cp.async. S = Q K^T
+# with A and B from shared memory (K-major); the online softmax on S's registers (the FA2
+# layout: a thread holds 2 rows x 2 columns of every 8); P re-packed as A registers; O += P V
+# with V as an MN-major B (LBO: the next 64 columns, SBO: the next 8 keys). Pipelined: S of
+# tile t + 1 runs on the tensor cores while the exponentials of tile t run, and the copies of
+# tile t + 2's K and t + 1's V while both do. FLUX's attention (4608 tokens, 24 x 128, bf16,
+# H200): 0.545 ms, 479 TFLOP/s (rlx_attn_tc: 0.883 ms; lock-step tiles without that overlap
+# 0.602; with per-chunk address math in the copies 0.835).
+ATTN_WG = ATTN_MASK + r"""
+#define D $D
+#define BM 128
+#define BN 128
+#define RLX_LOG2E 1.4426950408889634f
+__device__ __forceinline__ unsigned long long rlx_desc(unsigned a, unsigned lbo, unsigned sbo) {
+  // a wgmma shared-memory matrix descriptor, 128-byte swizzle
+  return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |
+         ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void rlx_wg_qk(float* d, unsigned long long a, unsigned long long b, int acc) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.$MMAT.$MMAT {@S_REGS@}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+               : @S_OUTS@ : "l"(a), "l"(b), "r"(acc));
+}
+__device__ __forceinline__ void rlx_wg_pv(float* d, const u32* a, unsigned long long b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %@ONE@, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n@D@k16.f32.$MMAT.$MMAT {@O_REGS@}, "
+               "{%@A0@, %@A1@, %@A2@, %@A3@}, %@B@, p, 1, 1, 1;\n}\n"
+               : @O_OUTS@ : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+#define RLX_WG_FENCE() asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory")
+#define RLX_WG_COMMIT() asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory")
+#define RLX_WG_WAIT0() asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory")
+#define RLX_CP_COMMIT() asm volatile("cp.async.commit_group;\n" ::: "memory")
+__device__ __forceinline__ u32 rlx_pack(float lo, float hi) {
+  // two floats rounded to one register of 16-bit values (one cvt instruction)
+#if $BF16
+  __nv_bfloat162 t = __floats2bfloat162_rn(lo, hi);
+#else
+  __half2 t = __floats2half2_rn(lo, hi);
+#endif
+  return *(u32*)&t;
+}
+__device__ __forceinline__ float rlx_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+struct rlx_wg_loader {
+  // a thread's share of copying 128 rows x D columns into D / 64 swizzled [128][128 B]
+  // halves: 16-byte column cc of rows r0, r0 + 256 / (D / 8), ... (the same swizzled slot in
+  // each: the row step is a multiple of 8)
+  static constexpr int CPR = D / 8, RSTEP = 256 / CPR, N = 128 / RSTEP;
+  int r0;
+  unsigned dst;
+  long long col;
+  __device__ __forceinline__ rlx_wg_loader(int tid) {
+    r0 = tid / CPR;
+    const int cc = tid % CPR;
+    dst = (cc >> 3) * 128 * 128 + r0 * 128 + (((cc & 7) ^ (r0 & 7)) << 4);
+    col = cc * 8;
+  }
+  __device__ __forceinline__ void operator()(unsigned base, const $T* src, long long rstride, i64 row0,
+                                             i64 nrows) const {
+    const $T* p = src + (row0 + r0) * rstride + col;
+    const long long step = (long long)RSTEP * rstride;
+    if (row0 + 128 <= nrows) {
+#pragma unroll
+      for (int i = 0; i < N; ++i, p += step)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(base + dst + i * RSTEP * 128), "l"(p));
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i, p += step) {
+        const bool ok = row0 + r0 + i * RSTEP < nrows;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                     :: "r"(base + dst + i * RSTEP * 128), "l"(ok ? p : src), "r"(ok ? 16 : 0));
+      }
+    }
+  }
+};
+template <int N> __device__ __forceinline__ void rlx_wg_settle(float* d) {
+  // the compiler may not move reads of registers an async wgmma writes above its wait
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+struct rlx_wg_attn {
+  // one block's state: the pipeline runs S = Q K^T of tile t + 1 on the tensor cores while
+  // the softmax of tile t runs on the others, then P V of tile t
+  const $T *kb, *vb;
+  long long kss, vss;
+  const $TM* mask;
+  long long m0, m1, m2, m3;
+  i64 q0, p0, kbeg, Sq, Sk;
+  int b, h, tg, window, n;
+  float scale, cap, scale2;
+  double cap_d, scale_d;
+  unsigned KV0;
+  unsigned long long qdesc;
+  rlx_wg_loader load;
+  float o[D / 8][4];
+  float mrow[2], lrow[2];
+  i64 qi[2], qp[2];
+
+  __device__ __forceinline__ rlx_wg_attn(int tid) : load(tid) {}
+  __device__ __forceinline__ unsigned kslot(int t) const { return KV0 + (t & 1) * 2 * BN * D * 2; }
+  __device__ __forceinline__ unsigned vslot(int t) const { return kslot(t) + BN * D * 2; }
+  __device__ __forceinline__ void qk(float (&s)[BN / 8][4], int t) const {
+    const unsigned long long kd = rlx_desc(kslot(t), 16, 1024);
+    RLX_WG_FENCE();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)      // a step along K adds to the descriptor's address (16-byte units)
+      rlx_wg_qk(&s[0][0], qdesc + (((ks >> 2) * BM * 128 + (ks & 3) * 32) >> 4),
+                kd + (((ks >> 2) * BN * 128 + (ks & 3) * 32) >> 4), ks);
+    RLX_WG_COMMIT();
+  }
+  __device__ __forceinline__ void tile(int t, float (&sc)[BN / 8][4], float (&sn)[BN / 8][4]) {
+    // K of tile t + 1 and V of tile t have landed (this thread's copies, fenced for wgmma's
+    // proxy while none is in flight; then every thread's), and every warp is past tile t - 1
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    const i64 kt = kbeg + (i64)t * BN;
+    // $WHOLE: every tile is whole (no mask or softcap, Sq and Sk multiples of the tiles)
+    const bool whole = $WHOLE || ($MASKMODE == 0 && cap_d == 0.0 && scale_d > 0.0 && kt + BN <= Sk &&
+                       q0 + BM <= Sq && ($MASKKIND == 0 || ($MASKKIND == 1 && kt + BN - 1 <= p0 + q0)));
+    const float sm = whole ? scale2 : 1.f;
+    float mx[2] = {-RLX_INF, -RLX_INF};
+    if (whole) {
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], sc[nt][e]);
+      mx[0] *= sm;
+      mx[1] *= sm;
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int rsel = e >> 1;
+          const i64 j = kt + nt * 8 + tg * 2 + (e & 1);
+          float x = sc[nt][e] * scale;
+          if (cap_d != 0.0) x = tanhf(x / cap) * cap;
+          bool keep = (j < Sk) && (qi[rsel] < Sq);
+          RLX_KEEP(qp[rsel], j, keep);
+#if $MASKMODE == 1
+          if (keep) keep = mask[b * m0 + h * m1 + qi[rsel] * m2 + j * m3] != 0;
+#elif $MASKMODE == 2
+          if (keep) x = x + tof(mask[b * m0 + h * m1 + qi[rsel] * m2 + j * m3]);
+#endif
+          x = keep ? x * RLX_LOG2E : -RLX_INF;
+          sc[nt][e] = x;
+          mx[rsel] = fmaxf(mx[rsel], x);
+        }
+    }
+    // as rlx_attn_tc: the running max moves only when a row's max grows past it by 2^8
+    bool grow = false;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], SHFL_XOR(mx[r], 1));
+      mx[r] = fmaxf(mx[r], SHFL_XOR(mx[r], 2));
+      grow |= mx[r] > mrow[r] + 8.f;
+    }
+    if (__any_sync(0xffffffffu, grow)) {
+      float alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float mn = fmaxf(mrow[r], mx[r]);
+        alpha[r] = rlx_exp2(mrow[r] - ((mn > -RLX_INF) ? mn : 0.f));
+        mrow[r] = mn;
+        lrow[r] *= alpha[r];
+      }
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        o[dt][0] *= alpha[0]; o[dt][1] *= alpha[0]; o[dt][2] *= alpha[1]; o[dt][3] *= alpha[1];
+      }
+    }
+    // the next tile's S runs on the tensor cores from here (no other instruction may write
+    // an accumulator of a wgmma in flight: O was rescaled above), its copies load
+    rlx_wg_settle<D / 2>(&o[0][0]);
+    if (t + 1 < n) qk(sn, t + 1);
+    if (t + 2 < n) load(kslot(t), kb, kss, kt + 2 * BN, Sk);
+    if (t + 1 < n) load(vslot(t + 1), vb, vss, kt + BN, Sk);
+    RLX_CP_COMMIT();
+    const float mu0 = mrow[0] > -RLX_INF ? mrow[0] : 0.f;
+    const float mu1 = mrow[1] > -RLX_INF ? mrow[1] : 0.f;
+    u32 pa[BN / 16][4];
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+      float p[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        p[e] = rlx_exp2(fmaf(sc[nt][e], sm, -(e < 2 ? mu0 : mu1)));
+        lrow[e >> 1] += p[e];
+      }
+      pa[nt >> 1][(nt & 1) * 2] = rlx_pack(p[0], p[1]);
+      pa[nt >> 1][(nt & 1) * 2 + 1] = rlx_pack(p[2], p[3]);
+    }
+    const unsigned long long vd = rlx_desc(vslot(t), @V_LBO@, @V_SBO@);
+    RLX_WG_FENCE();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) rlx_wg_pv(&o[0][0], pa[kk], vd + ((kk * 16 * 128) >> 4));
+    RLX_WG_COMMIT();
+    RLX_WG_WAIT0();                                  // this P V and the next tile's S
+    rlx_wg_settle<D / 2>(&o[0][0]);
+    rlx_wg_settle<BN / 2>(&sn[0][0]);
+  }
+};
+extern "C" __global__ void __launch_bounds__(256, 1) rlx_attn_wg(
+    const $T* __restrict__ q, long long qsb, long long qsh, long long qss,
+    const $T* __restrict__ k, long long ksb, long long ksh, long long kss,
+    const $T* __restrict__ v, long long vsb, long long vsh, long long vss,
+    const $TM* __restrict__ mask, long long m0, long long m1, long long m2, long long m3,
+    const $TP* __restrict__ pos, $T* __restrict__ out, long long osb, long long osh, long long oss,
+    int B, int H, int KVH, int Sq, int Sk, double scale_d, double cap_d, int window) {
+  extern __shared__ __align__(1024) unsigned char rlx_smem[];
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2;
+  const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KVH);
+  rlx_wg_attn a(tid);
+  const unsigned Qs = ((unsigned)__cvta_generic_to_shared(rlx_smem) + 1023) & ~1023u;   // 1024-byte swizzle atoms
+  a.KV0 = Qs + BM * D * 2;             // then two slots, each K and V of a tile
+  a.qdesc = rlx_desc(Qs + wg * 64 * 128, 16, 1024);
+  a.kb = k + b * ksb + kvh * ksh;
+  a.vb = v + b * vsb + kvh * vsh;
+  a.kss = kss; a.vss = vss;
+  a.mask = mask; a.m0 = m0; a.m1 = m1; a.m2 = m2; a.m3 = m3;
+  a.b = b; a.h = h; a.tg = lane & 3; a.window = window;
+  a.Sq = Sq; a.Sk = Sk;
+  a.scale = (float)scale_d; a.cap = (float)cap_d; a.scale2 = a.scale * RLX_LOG2E;
+  a.scale_d = scale_d; a.cap_d = cap_d;
+  a.q0 = (i64)blockIdx.x * BM;
+#if $HAS_POS
+  a.p0 = (i64)pos[b];
+#else
+  a.p0 = (i64)(Sk - Sq);
+#endif
+  const i64 qlast = min(a.q0 + BM, (i64)Sq) - 1;
+  i64 kend = Sk, kbeg = 0;
+  if ($MASKKIND >= 1) kend = min((i64)Sk, a.p0 + qlast + 1);
+  if ($MASKKIND == 2) kbeg = max((i64)0, a.p0 + a.q0 - window + 1);
+  a.kbeg = kbeg;
+  a.n = kbeg < kend ? (int)((kend - kbeg + BN - 1) / BN) : 0;
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) a.o[dt][0] = a.o[dt][1] = a.o[dt][2] = a.o[dt][3] = 0.f;
+  rlx_wg_settle<D / 2>(&a.o[0][0]);   // zeroed before any wgmma is in flight
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    a.mrow[r] = -RLX_INF;
+    a.lrow[r] = 0.f;
+    a.qi[r] = a.q0 + wg * 64 + warp * 16 + g + 8 * r;
+    a.qp[r] = a.p0 + a.qi[r];
+  }
+  // prologue: Q and K of tile 0, its S; then K of tile 1 and V of tile 0 load
+  a.load(Qs, q + b * qsb + h * qsh, qss, a.q0, Sq);
+  if (a.n > 0) a.load(a.kslot(0), a.kb, kss, kbeg, Sk);
+  RLX_CP_COMMIT();
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  float sa[BN / 8][4], sb[BN / 8][4];
+  if (a.n > 0) a.qk(sa, 0);
+  if (a.n > 1) a.load(a.kslot(1), a.kb, kss, kbeg + BN, Sk);
+  if (a.n > 0) a.load(a.vslot(0), a.vb, vss, kbeg, Sk);
+  RLX_CP_COMMIT();
+  RLX_WG_WAIT0();
+  rlx_wg_settle<BN / 2>(&sa[0][0]);
+  for (int t = 0; t < a.n; t += 2) {
+    a.tile(t, sa, sb);
+    if (t + 1 < a.n) a.tile(t + 1, sb, sa);
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = a.lrow[r];
+    l += SHFL_XOR(l, 1);
+    l += SHFL_XOR(l, 2);
+    if (a.qi[r] >= Sq) continue;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    $T* orow = out + b * osb + h * osh + a.qi[r] * oss;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+      *(u32*)(orow + dt * 8 + a.tg * 2) = rlx_pack(a.o[dt][2 * r] * inv, a.o[dt][2 * r + 1] * inv);
+  }
+}
+"""
+
+
+def attn_wg_source(D: int, **subs) -> str:
+    """ATTN_WG for head_dim D (64 or 128), its wgmma operand lists written out."""
+    def regs(n):
+        return ", ".join(f"%{i}" for i in range(n))
+
+    def outs(n):
+        return ", ".join(f'"+f"(d[{i}])' for i in range(n))
+    h = D // 2                                    # O's accumulator registers; then P's four, V's descriptor
+    src = (ATTN_WG.replace("@S_REGS@", regs(64)).replace("@S_OUTS@", outs(64))
+           .replace("@O_REGS@", regs(h)).replace("@O_OUTS@", outs(h)).replace("@D@", str(D))
+           .replace("@A0@", str(h)).replace("@A1@", str(h + 1)).replace("@A2@", str(h + 2))
+           .replace("@A3@", str(h + 3)).replace("@B@", str(h + 4)).replace("@ONE@", str(h + 5))
+           .replace("@V_LBO@", str(BN_WG * 128)).replace("@V_SBO@", "1024"))
+    return render(src, D=D, BF16=int(subs.get("MMAT") == "bf16"), **subs)
+
+
+BN_WG = 128         # keys a tile (ATTN_WG's BN)
+
+
+def attn_wg_smem(D: int) -> int:
+    """Dynamic shared memory of ATTN_WG: Q, two stages of K and V, and 1024 bytes of alignment."""
+    return (128 + 4 * BN_WG) * D * 2 + 1024
+
+
 # --------------------------------------------------------------------------- matmul helpers
 # Decode GEMV: y[M, N] = x[M, K] @ W[N, K]^T for small M, 16-bit data: $KS warps per $R
 # rows of W, 16-byte loads, $U of them in flight per row and lane (the weight bytes bound

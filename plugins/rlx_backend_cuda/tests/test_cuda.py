@@ -324,18 +324,21 @@ ATTN_CASES = [
     (1, 2, 2, 160, 300, 64, "none", 0, 30.0, "bool", True),
     (1, 2, 1, 130, 130, 96, "sliding_window", 50, 0.0, "bias", False),
     (1, 2, 2, 256, 256, 128, "none", 0, 0.0, None, False),
+    (1, 4, 2, 256, 384, 64, "none", 0, 0.0, None, False),      # whole tiles, GQA (the wgmma kernel's fast path)
 ]
 
 
 @gpu
 @pytest.mark.parametrize("dt", FLOATS)
 @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"{c[6]}-Sq{c[3]}-Sk{c[4]}-D{c[5]}-{c[9]}")
-@pytest.mark.parametrize("tc", ["mt1", "mt2", "off"])
+@pytest.mark.parametrize("tc", ["wg", "mt1", "mt2", "off"])
 def test_attention(rng, dt, case, tc, monkeypatch):
-    """Each kernel: the tensor-core one with warps of 1 or 2 m-tiles of 16 query rows (mt1,
-    mt2; 16-bit data and 16+ query rows), and the split-K one (off)."""
-    from rlx_backend_cuda import ops, set_config
+    """Each kernel: Hopper's wgmma one (wg), the tensor-core one with warps of 1 or 2 m-tiles
+    of 16 query rows (mt1, mt2; 16-bit data and 16+ query rows), and the split-K one (off)."""
+    from rlx_backend_cuda import device, ops, set_config
 
+    if tc == "wg" and tuple(device.info().get("cc", (0, 0))) != (9, 0):
+        pytest.skip("the wgmma attention runs on sm_90 GPUs (H100, H200) only")
     monkeypatch.setattr(ops, "ATTN_TC_MIN_BLOCKS_PER_SM", 0 if tc == "mt2" else 1 << 30)
 
     B, H, KVH, Sq, Sk, D, kind, window, cap, mask, pos = case
@@ -355,23 +358,25 @@ def test_attention(rng, dt, case, tc, monkeypatch):
         mv = m.input("mask", ins["mask"].shape, BOOL if mask == "bool" else dt) if mask else None
         pv = m.input("pos", (B,), I32) if pos else None
         return m.attention(q, k, v, mv, pv, mask_kind=kind, window=window, softcap=cap)
-    set_config(tc_attention=tc != "off")
+    set_config(tc_attention=tc != "off", wg_attention=tc == "wg")
     try:
         compare(Graph.define("attn", f), ins, dt, profile=UNFUSED)
     finally:
-        set_config(tc_attention=True)
+        set_config(tc_attention=True, wg_attention=True)
 
 
 @gpu
 @pytest.mark.parametrize("dt", [F16, BF16])
 @pytest.mark.parametrize("kind", ["none", "causal"])
-@pytest.mark.parametrize("mt", [1, 2])
+@pytest.mark.parametrize("mt", [1, 2, "wg"])
 def test_attention_tc_growing_scores(rng, dt, kind, mt, monkeypatch):
     """Keys scaled up along the sequence make each query row's max grow tile after tile: the
-    tensor-core kernel rescales its running sums only when a max passes the old one by 2^8,
-    so both its branches run."""
-    from rlx_backend_cuda import ops
+    tensor-core kernels rescale their running sums only when a max passes the old one by 2^8,
+    so both their branches run."""
+    from rlx_backend_cuda import device, ops, set_config
 
+    if mt == "wg" and tuple(device.info().get("cc", (0, 0))) != (9, 0):
+        pytest.skip("the wgmma attention runs on sm_90 GPUs (H100, H200) only")
     monkeypatch.setattr(ops, "ATTN_TC_MIN_BLOCKS_PER_SM", 0 if mt == 2 else 1 << 30)
     B, H, S, D = 1, 2, 256, 128
     ramp = np.linspace(0.2, 3.0, S, dtype=np.float32)[None, None, :, None]
@@ -381,7 +386,11 @@ def test_attention_tc_growing_scores(rng, dt, kind, mt, monkeypatch):
     def f(m):
         q, k, v = (m.input(n, (B, H, S, D), dt) for n in ("q", "k", "v"))
         return m.attention(q, k, v, mask_kind=kind)
-    compare(Graph.define("attn", f), ins, dt, profile=UNFUSED)
+    set_config(wg_attention=mt == "wg")
+    try:
+        compare(Graph.define("attn", f), ins, dt, profile=UNFUSED)
+    finally:
+        set_config(wg_attention=True)
 
 
 DECODE_CASES = [c for c in ATTN_CASES if c[3] == 1] + [
