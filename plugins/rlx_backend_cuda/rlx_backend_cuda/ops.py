@@ -86,13 +86,16 @@ def _mat_layout(R, C, sr, sc):
 _CUDA_T = {F32: "CUDA_R_32F", F64: "CUDA_R_64F", F16: "CUDA_R_16F", BF16: "CUDA_R_16BF"}
 
 
-def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None) -> bool:
+def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None, epilogue=None) -> bool:
     """out <- a @ w (cuBLAS, or the GEMV kernel for decode shapes). swiglu: also compute the
-    fused_swiglu of out's two halves into this array in the same step; returns False
-    (adding no step) when that epilogue cannot be fused here."""
+    fused_swiglu of out's two halves into this array in the same step; epilogue (bias, act):
+    add the bias and apply act in cuBLASLt's epilogue. Returns False (adding no step) when
+    that epilogue cannot be fused here."""
     cp = b.cp
     od = out.dt
     if swiglu is not None and (od not in LOW or a.dt is not od or w.dt is not od or out.size == 0):
+        return False
+    if epilogue is not None and not _lt_fits(b, a, w, out, *epilogue):
         return False
     if out.size == 0:
         return True
@@ -110,7 +113,7 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None) 
 
         def flat(v):
             return V(v.arr.reshape(rows, v.shape[-1]), v.dt)
-        return _matmul(b, flat(a), w, False, tb, flat(out), None if swiglu is None else flat(swiglu))
+        return _matmul(b, flat(a), w, False, tb, flat(out), None if swiglu is None else flat(swiglu), epilogue)
     A = a.arr.swapaxes(-1, -2) if ta else a.arr
     Bm = w.arr.swapaxes(-1, -2) if tb else w.arr
     M, K = A.shape[-2], A.shape[-1]
@@ -128,7 +131,7 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None) 
     la, lda = _mat_layout(M, K, sa[-2], sa[-1])
     lb, ldb = _mat_layout(K, N, sb[-2], sb[-1])
     if la is None or lb is None:
-        if swiglu is not None:
+        if swiglu is not None or epilogue is not None:
             return False
         if la is None:
             a = b.contiguous(V(A, od))
@@ -145,6 +148,8 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None) 
             and Bm.data.ptr % 16 == 0 and A.data.ptr % 16 == 0):
         gemv = _gemv_step(b, Ab, Bm, out if swiglu is None else swiglu, M * nb, N, K, swiglu is not None)
     if swiglu is not None and gemv is None:
+        return False
+    if epilogue is not None and gemv is not None:
         return False
     # batch offsets: collapse batch dims, loop over all but the innermost
     sc_ = [math.prod(out.shape[i + 1:]) for i in range(len(out.shape))]
@@ -198,7 +203,27 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None) 
                       swiglu)
         tail = [st.fn for st in b.steps[mark:]]
         del b.steps[mark:]
-    if gemv is None:
+    if epilogue is not None:
+        lt = None
+        if len(calls) == 1 and cnt == 1:
+            bias, act = epilogue
+            lt = cublas.lt_library().prepare(opx, opy, N, M, K_, ldx, ldy, dtype_c, bias.arr.data.ptr, dtype_c, act)
+        if lt is None:
+            return False
+        mark = len(b.steps)         # the unfused epilogue, for the switch
+        _bias_act(b, out, *epilogue)
+        tail = [st.fn for st in b.steps[mark:]]
+        del b.steps[mark:]
+        (px, py, pcc), = calls
+
+        def lt_or_blas():
+            if CONFIG["lt_epilogue"]:
+                return lt(px, py, pcc, ap, bp, stream.ptr)
+            blas()
+            for fn in tail:
+                fn()
+        b.add(lt_or_blas)
+    elif gemv is None:
         b.add(blas)
     else:
         def dispatch():
@@ -321,8 +346,22 @@ def _b_matmul(b, n, ins, outs):
 
 
 def _b_mba(b, n, ins, outs):
+    bias, act = (ins[2] if len(ins) > 2 else None), n.a["act"]
+    if bias is not None and _matmul(b, ins[0], ins[1], False, n.a["trans_b"], outs[0], epilogue=(bias, act)):
+        return
     _matmul(b, ins[0], ins[1], False, n.a["trans_b"], outs[0])
-    _bias_act(b, outs[0], ins[2] if len(ins) > 2 else None, n.a["act"])
+    _bias_act(b, outs[0], bias, act)
+
+
+def _lt_fits(b, a: V, w: V, out: V, bias: V, act: str) -> bool:
+    """Whether cuBLASLt can take this matmul's bias and act (same float type throughout, a
+    contiguous bias per output column, an activation its epilogues have)."""
+    from . import blas as cublas
+
+    od = out.dt
+    return (od in (F16, BF16, F32) and a.dt is od and w.dt is od and bias.dt is od and out.size > 0
+            and bias.shape == (out.shape[-1],) and bias.contiguous() and bias.arr.data.ptr % 16 == 0
+            and out.contiguous() and act in cublas.LT_EPILOGUES and cublas.lt_library() is not None)
 
 
 def _bias_act(b, out: V, bias: V | None, act: str) -> None:

@@ -8,7 +8,7 @@ import os
 from rlx_core.ir.dtype import DType
 
 # dependent_launch: RLX_CUDA_DEPENDENT_LAUNCH=0 launches every kernel as CuPy does (device.Kernel)
-CONFIG = {"gemv": True, "tc_attention": True, "wg_attention": True, "graphs": True,
+CONFIG = {"gemv": True, "tc_attention": True, "wg_attention": True, "lt_epilogue": True, "graphs": True,
           "short_attention": os.environ.get("RLX_CUDA_SHORT_ATTENTION", "1") != "0",
           "copy16": os.environ.get("RLX_CUDA_COPY16", "1") != "0",
           "dependent_launch": os.environ.get("RLX_CUDA_DEPENDENT_LAUNCH", "1") != "0", "version": 0}

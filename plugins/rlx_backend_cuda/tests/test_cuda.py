@@ -393,6 +393,30 @@ def test_attention_tc_growing_scores(rng, dt, kind, mt, monkeypatch):
         set_config(wg_attention=True)
 
 
+@gpu
+@pytest.mark.parametrize("dt", [F32, F16, BF16])
+@pytest.mark.parametrize("act", ["identity", "relu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("lt", [True, False])
+def test_matmul_bias_act_epilogue(rng, dt, act, lt, monkeypatch):
+    """A biased linear + activation over 111 rows: cuBLASLt adds the bias (and applies ReLU or
+    GELU-tanh) in its epilogue; silu, or the switch off, takes the separate elementwise pass."""
+    from rlx_backend_cuda import blas, set_config
+
+    prepared = spy(monkeypatch, blas.LtLib, "prepare")
+    ins = {"x": rand(rng, (3, 37, 64), dt)}
+    params = {"w": rand(rng, (96, 64), dt), "b": rand(rng, (96,), dt)}
+
+    def f(m):
+        y = m.linear(m.input("x", (3, 37, 64), dt), m.param("w", (96, 64), dt), m.param("b", (96,), dt))
+        return y if act == "identity" else m.act(y, act)
+    set_config(lt_epilogue=lt)
+    try:
+        compare(Graph.define("mba", f), ins, dt, params=params)
+    finally:
+        set_config(lt_epilogue=True)
+    assert any(p is not None for p in prepared) is (act != "silu")       # built either way; run when lt
+
+
 DECODE_CASES = [c for c in ATTN_CASES if c[3] == 1] + [
     (2, 8, 2, 1, 300, 64, "sliding_window", 40, 30.0, "bias", True),
     (1, 12, 3, 1, 64, 128, "causal", 0, 0.0, "bool", True),
