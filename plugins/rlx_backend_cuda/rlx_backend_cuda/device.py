@@ -244,6 +244,23 @@ def _c_args(args) -> list | None:
     return out
 
 
+def tensor_map(arr, box: tuple, what: str):
+    """A tiled TMA descriptor (CUtensorMap, 128-byte swizzle) of the 16-bit device array
+    `arr` for boxes of `box` elements (innermost first), in device memory: a kernel's
+    cp.async.bulk.tensor reads it there (cuTensorMapEncodeTiled of the driver)."""
+    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    rank = arr.ndim
+    dims = (ctypes.c_uint64 * rank)(*reversed(arr.shape))
+    strides = (ctypes.c_uint64 * (rank - 1))(*reversed(arr.strides[:-1]))
+    tmap = (ctypes.c_uint64 * 16)()
+    err = fn(ctypes.byref(tmap), 1, rank, ctypes.c_void_p(arr.data.ptr), dims, strides,
+             (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*[1] * rank), 0, 3, 2, 0)
+    if err:
+        raise BackendError(f"cuda backend: cuTensorMapEncodeTiled failed for {what} (CUresult {err}; shape "
+                           f"{tuple(arr.shape)}, strides {tuple(arr.strides)} bytes)")
+    return from_host(np.frombuffer(bytes(tmap), np.uint8), f"the tensor map of {what}")
+
+
 def compile_check_sources() -> list:
     """(name, source) of representative specializations, for an offline nvcc check."""
     from . import kernels_catalog

@@ -1448,13 +1448,16 @@ def attn_tc_smem(D: int, MT: int) -> int:
 # Hopper (sm_90a) prefill attention on wgmma (f16/bf16, head_dim 64 or 128, 16-byte rows).
 # Block = 2 warpgroups x 64 query rows of one head. Shared memory: Q, and two slots of a K and
 # a V tile of 128 keys each, as the 128-byte-swizzled layout wgmma reads (each 64-column half
-# of a row is 128 bytes, its 16-byte chunk c at c ^ (row % 8)), filled by cp.async. S = Q K^T
-# with A and B from shared memory (K-major); the online softmax on S's registers (the FA2
-# layout: a thread holds 2 rows x 2 columns of every 8); P re-packed as A registers; O += P V
-# with V as an MN-major B (LBO: the next 64 columns, SBO: the next 8 keys). Pipelined: S of
-# tile t + 1 runs on the tensor cores while the exponentials of tile t run, and the copies of
-# tile t + 2's K and t + 1's V while both do. FLUX's attention (4608 tokens, 24 x 128, bf16,
-# H200): 0.545 ms, 479 TFLOP/s (rlx_attn_tc: 0.883 ms; lock-step tiles without that overlap
+# of a row is 128 bytes, its 16-byte chunk c at c ^ (row % 8)). Q comes by every thread's
+# cp.async; K and V by the copy engine (TMA, tensor maps made by device.tensor_map), which
+# one thread issues into a slot once both warpgroups have released it (mbarriers: no
+# block-wide barrier a tile, so the warpgroups drift apart and overlap). S = Q K^T with A and
+# B from shared memory (K-major); the online softmax on S's registers (the FA2 layout: a
+# thread holds 2 rows x 2 columns of every 8); P re-packed as A registers; O += P V with V as
+# an MN-major B (LBO: the next 64 columns, SBO: the next 8 keys). S of tile t + 1 runs on the
+# tensor cores while the exponentials of tile t run. FLUX's attention (4608 tokens, 24 x 128,
+# bf16, H200): 0.473 ms, 552 TFLOP/s (rlx_attn_tc: 0.885 ms; the same kernel with every
+# thread's cp.async and a block barrier a tile 0.545; lock-step tiles without the overlap
 # 0.602; with per-chunk address math in the copies 0.835).
 ATTN_WG = ATTN_MASK + r"""
 #define D $D
@@ -1532,28 +1535,56 @@ template <int N> __device__ __forceinline__ void rlx_wg_settle(float* d) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
+// mbarriers (shared-memory addresses): a tile's K or V has landed (the copy engine's byte
+// count completes the phase), or both warpgroups are done reading a slot (256 arrivals)
+__device__ __forceinline__ void rlx_bar_init(unsigned bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void rlx_bar_wait(unsigned bar, int parity) {
+  unsigned ok = 0;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+  } while (!ok);
+}
+__device__ __forceinline__ void rlx_bar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
 struct rlx_wg_attn {
-  // one block's state: the pipeline runs S = Q K^T of tile t + 1 on the tensor cores while
-  // the softmax of tile t runs on the others, then P V of tile t
-  const $T *kb, *vb;
-  long long kss, vss;
+  // one block's state. The pipeline: S = Q K^T of tile t + 1 runs on the tensor cores while
+  // the exponentials of tile t run, then P V of tile t. Thread 0 also issues the copy
+  // engine's (TMA) loads: K of tile t + 2 and V of tile t + 1 at the start of tile t, each
+  // into the slot both warpgroups have released
+  const void *tk, *tv;                 // tensor maps of K and V (global memory)
   const $TM* mask;
   long long m0, m1, m2, m3;
   i64 q0, p0, kbeg, Sq, Sk;
-  int b, h, tg, window, n;
+  int b, h, kvh, tg, window, n, tid;
   float scale, cap, scale2;
   double cap_d, scale_d;
-  unsigned KV0;
+  unsigned KV0, bars;
   unsigned long long qdesc;
-  rlx_wg_loader load;
   float o[D / 8][4];
   float mrow[2], lrow[2];
   i64 qi[2], qp[2];
 
-  __device__ __forceinline__ rlx_wg_attn(int tid) : load(tid) {}
   __device__ __forceinline__ unsigned kslot(int t) const { return KV0 + (t & 1) * 2 * BN * D * 2; }
   __device__ __forceinline__ unsigned vslot(int t) const { return kslot(t) + BN * D * 2; }
+  // barriers: kfull, vfull, kempty, vempty, two slots each
+  __device__ __forceinline__ unsigned bar(int which, int t) const { return bars + (which * 2 + (t & 1)) * 8; }
+  __device__ __forceinline__ void fetch(const void* map, unsigned dst, unsigned full, int t) const {
+    // tile t's rows (kbeg + t * BN ..; rows past Sk are zeros) as D / 64 boxes of [128][64]
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(full), "r"(BN * D * 2) : "memory");
+    const int row = (int)(kbeg + (i64)t * BN);
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c)
+      asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                   "[%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+                   :: "r"(dst + c * BN * 128), "l"(map), "r"(c * 64), "r"(row), "r"(kvh), "r"(b), "r"(full)
+                   : "memory");
+  }
   __device__ __forceinline__ void qk(float (&s)[BN / 8][4], int t) const {
+    rlx_bar_wait(bar(0, t), (t >> 1) & 1);
     const unsigned long long kd = rlx_desc(kslot(t), 16, 1024);
     RLX_WG_FENCE();
 #pragma unroll
@@ -1563,11 +1594,17 @@ struct rlx_wg_attn {
     RLX_WG_COMMIT();
   }
   __device__ __forceinline__ void tile(int t, float (&sc)[BN / 8][4], float (&sn)[BN / 8][4]) {
-    // K of tile t + 1 and V of tile t have landed (this thread's copies, fenced for wgmma's
-    // proxy while none is in flight; then every thread's), and every warp is past tile t - 1
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
+    if (tid == 0) {
+      if (t + 2 < n) {                             // K of tile t + 2 where tile t's was
+        rlx_bar_wait(bar(2, t), (t >> 1) & 1);
+        fetch(tk, kslot(t), bar(0, t), t + 2);
+      }
+      if (t + 1 < n) {                             // V of tile t + 1 where tile t - 1's was
+        if (t >= 1) rlx_bar_wait(bar(3, t + 1), ((t - 1) >> 1) & 1);
+        fetch(tv, vslot(t + 1), bar(1, t + 1), t + 1);
+      }
+    }
+    __syncwarp();
     const i64 kt = kbeg + (i64)t * BN;
     // $WHOLE: every tile is whole (no mask or softcap, Sq and Sk multiples of the tiles)
     const bool whole = $WHOLE || ($MASKMODE == 0 && cap_d == 0.0 && scale_d > 0.0 && kt + BN <= Sk &&
@@ -1625,12 +1662,9 @@ struct rlx_wg_attn {
       }
     }
     // the next tile's S runs on the tensor cores from here (no other instruction may write
-    // an accumulator of a wgmma in flight: O was rescaled above), its copies load
+    // an accumulator of a wgmma in flight: O was rescaled above)
     rlx_wg_settle<D / 2>(&o[0][0]);
     if (t + 1 < n) qk(sn, t + 1);
-    if (t + 2 < n) load(kslot(t), kb, kss, kt + 2 * BN, Sk);
-    if (t + 1 < n) load(vslot(t + 1), vb, vss, kt + BN, Sk);
-    RLX_CP_COMMIT();
     const float mu0 = mrow[0] > -RLX_INF ? mrow[0] : 0.f;
     const float mu1 = mrow[1] > -RLX_INF ? mrow[1] : 0.f;
     u32 pa[BN / 16][4];
@@ -1645,6 +1679,7 @@ struct rlx_wg_attn {
       pa[nt >> 1][(nt & 1) * 2] = rlx_pack(p[0], p[1]);
       pa[nt >> 1][(nt & 1) * 2 + 1] = rlx_pack(p[2], p[3]);
     }
+    rlx_bar_wait(bar(1, t), (t >> 1) & 1);
     const unsigned long long vd = rlx_desc(vslot(t), @V_LBO@, @V_SBO@);
     RLX_WG_FENCE();
 #pragma unroll
@@ -1653,27 +1688,27 @@ struct rlx_wg_attn {
     RLX_WG_WAIT0();                                  // this P V and the next tile's S
     rlx_wg_settle<D / 2>(&o[0][0]);
     rlx_wg_settle<BN / 2>(&sn[0][0]);
+    if (t + 1 < n) rlx_bar_arrive(bar(2, t + 1));    // K of tile t + 1 and V of tile t are read
+    rlx_bar_arrive(bar(3, t));
   }
 };
 extern "C" __global__ void __launch_bounds__(256, 1) rlx_attn_wg(
     const $T* __restrict__ q, long long qsb, long long qsh, long long qss,
-    const $T* __restrict__ k, long long ksb, long long ksh, long long kss,
-    const $T* __restrict__ v, long long vsb, long long vsh, long long vss,
+    const void* tk, const void* tv,
     const $TM* __restrict__ mask, long long m0, long long m1, long long m2, long long m3,
     const $TP* __restrict__ pos, $T* __restrict__ out, long long osb, long long osh, long long oss,
     int B, int H, int KVH, int Sq, int Sk, double scale_d, double cap_d, int window) {
   extern __shared__ __align__(1024) unsigned char rlx_smem[];
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2;
-  const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KVH);
-  rlx_wg_attn a(tid);
+  const int h = blockIdx.y, b = blockIdx.z;
+  rlx_wg_attn a;
   const unsigned Qs = ((unsigned)__cvta_generic_to_shared(rlx_smem) + 1023) & ~1023u;   // 1024-byte swizzle atoms
   a.KV0 = Qs + BM * D * 2;             // then two slots, each K and V of a tile
+  a.bars = a.KV0 + 4 * BN * D * 2;     // then the 8 mbarriers
   a.qdesc = rlx_desc(Qs + wg * 64 * 128, 16, 1024);
-  a.kb = k + b * ksb + kvh * ksh;
-  a.vb = v + b * vsb + kvh * vsh;
-  a.kss = kss; a.vss = vss;
+  a.tk = tk; a.tv = tv;
   a.mask = mask; a.m0 = m0; a.m1 = m1; a.m2 = m2; a.m3 = m3;
-  a.b = b; a.h = h; a.tg = lane & 3; a.window = window;
+  a.b = b; a.h = h; a.kvh = h / (H / KVH); a.tg = lane & 3; a.window = window; a.tid = tid;
   a.Sq = Sq; a.Sk = Sk;
   a.scale = (float)scale_d; a.cap = (float)cap_d; a.scale2 = a.scale * RLX_LOG2E;
   a.scale_d = scale_d; a.cap_d = cap_d;
@@ -1699,25 +1734,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) rlx_attn_wg(
     a.qi[r] = a.q0 + wg * 64 + warp * 16 + g + 8 * r;
     a.qp[r] = a.p0 + a.qi[r];
   }
-  // prologue: Q and K of tile 0, its S; then K of tile 1 and V of tile 0 load
-  a.load(Qs, q + b * qsb + h * qsh, qss, a.q0, Sq);
-  if (a.n > 0) a.load(a.kslot(0), a.kb, kss, kbeg, Sk);
+  // prologue: the barriers; Q by every thread's copies; K of tiles 0 and 1 and V of tile 0
+  // by the copy engine; S of tile 0
+  if (tid == 0) {
+    for (int i = 0; i < 8; ++i) rlx_bar_init(a.bars + i * 8, i < 4 ? 1 : 256);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (tid == 0 && a.n > 0) {
+    a.fetch(tk, a.kslot(0), a.bar(0, 0), 0);
+    if (a.n > 1) a.fetch(tk, a.kslot(1), a.bar(0, 1), 1);
+    a.fetch(tv, a.vslot(0), a.bar(1, 0), 0);
+  }
+  const rlx_wg_loader load(tid);
+  load(Qs, q + b * qsb + h * qsh, qss, a.q0, Sq);
   RLX_CP_COMMIT();
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
   float sa[BN / 8][4], sb[BN / 8][4];
-  if (a.n > 0) a.qk(sa, 0);
-  if (a.n > 1) a.load(a.kslot(1), a.kb, kss, kbeg + BN, Sk);
-  if (a.n > 0) a.load(a.vslot(0), a.vb, vss, kbeg, Sk);
-  RLX_CP_COMMIT();
-  RLX_WG_WAIT0();
-  rlx_wg_settle<BN / 2>(&sa[0][0]);
+  if (a.n > 0) {
+    a.qk(sa, 0);
+    RLX_WG_WAIT0();
+    rlx_wg_settle<BN / 2>(&sa[0][0]);
+    rlx_bar_arrive(a.bar(2, 0));
+  }
   for (int t = 0; t < a.n; t += 2) {
     a.tile(t, sa, sb);
     if (t + 1 < a.n) a.tile(t + 1, sb, sa);
   }
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float l = a.lrow[r];
@@ -1754,8 +1799,8 @@ BN_WG = 128         # keys a tile (ATTN_WG's BN)
 
 
 def attn_wg_smem(D: int) -> int:
-    """Dynamic shared memory of ATTN_WG: Q, two stages of K and V, and 1024 bytes of alignment."""
-    return (128 + 4 * BN_WG) * D * 2 + 1024
+    """Dynamic shared memory of ATTN_WG: Q, two slots of K and V, 1024 bytes of alignment, the mbarriers."""
+    return (128 + 4 * BN_WG) * D * 2 + 1024 + 64
 
 
 # --------------------------------------------------------------------------- matmul helpers
