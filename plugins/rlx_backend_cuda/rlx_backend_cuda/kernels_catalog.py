@@ -20,9 +20,11 @@ def catalog() -> list:
                 out.append((f"rms {t} {vpt} {warp} {hr}", S.render(S.RMS_NORM, TX=t, TR=t, TW=t, TH=t, TO=t,
                                                                    ACC=acc, HAS_R=hr, HAS_W=1, VPT=vpt, WARP=warp),
                             "rlx_rms_norm"))
-        for hr, vpt in ((0, 0), (1, 0), (1, 3)):
-            out.append((f"ln {t} {hr} {vpt}", S.render(S.LAYER_NORM, TX=t, TR=t, TG=t, TB=t, TH=t, TO=t, ACC=acc,
-                                                        HAS_R=hr, HAS_G=1, HAS_B=1, VPT=vpt), "rlx_layer_norm"))
+        for hr, vpt, vec in ((0, 0, 1), (1, 0, 1), (1, 3, 1)) + (((0, 8, 8), (1, 24, 8)) if acc == "float" and t != "float"
+                                                              else ()):
+            out.append((f"ln {t} {hr} {vpt} vec {vec}", S.render(
+                S.LAYER_NORM, TX=t, TR=t, TG=t, TB=t, TH=t, TO=t, ACC=acc, HAS_R=hr, HAS_G=1, HAS_B=1, VPT=vpt,
+                VEC=vec), "rlx_layer_norm"))
         out.append((f"softmax {t}", S.render(S.SOFTMAX, TX=t, TO=t, ACC=acc), "rlx_softmax"))
         out.append((f"reduce {t}", S.render(S.REDUCE, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
                                             COMB="rlx_max((a), (b))", IDENT="(-(ACC)RLX_INF)",

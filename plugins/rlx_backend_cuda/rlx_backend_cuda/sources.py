@@ -302,6 +302,68 @@ extern "C" __global__ void rlx_layer_norm(const $TX* __restrict__ x, long long x
 #else
 #define RLX_VAL(i) LD(ACC, xr[i])
 #endif
+#if $VEC > 1
+  // rows in vectors of VEC values (16 bytes of 16-bit data), NV vectors a thread, in registers:
+  // FLUX's residual + LayerNorm over 3072 values moved 2 bytes a load before
+  constexpr int NV = $VPT / $VEC;
+  ACC vals[$VPT];
+  ACC s = 0;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int e0 = (tid + k * nt) * $VEC;
+    if (e0 >= n) {
+#pragma unroll
+      for (int j = 0; j < $VEC; ++j) vals[k * $VEC + j] = (ACC)0;
+      continue;
+    }
+    const rlx_vec<$TX, $VEC> xv = *(const rlx_vec<$TX, $VEC>*)(xr + e0);
+#if $HAS_R
+    const rlx_vec<$TR, $VEC> rv = *(const rlx_vec<$TR, $VEC>*)(rr + e0);
+    rlx_vec<$TH, $VEC> hv;
+#endif
+#pragma unroll
+    for (int j = 0; j < $VEC; ++j) {
+#if $HAS_R
+      const ACC v = LD(ACC, xv.v[j]) + LD(ACC, rv.v[j]);
+      hv.v[j] = ST($TH, v);
+#else
+      const ACC v = LD(ACC, xv.v[j]);
+#endif
+      vals[k * $VEC + j] = v;
+      s += v;
+    }
+#if $HAS_R
+    *(rlx_vec<$TH, $VEC>*)(hr + e0) = hv;
+#endif
+  }
+  const ACC mean = block_sum(s) / (ACC)n;
+  ACC q = 0;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if ((tid + k * nt) * $VEC >= n) continue;
+#pragma unroll
+    for (int j = 0; j < $VEC; ++j) { const ACC d = vals[k * $VEC + j] - mean; q += d * d; }
+  }
+  const ACC den = sqrt(block_sum(q) / (ACC)n + (ACC)eps_d);
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int e0 = (tid + k * nt) * $VEC;
+    if (e0 >= n) continue;
+    rlx_vec<$TO, $VEC> yv;
+#pragma unroll
+    for (int j = 0; j < $VEC; ++j) {
+      ACC v = (vals[k * $VEC + j] - mean) / den;
+#if $HAS_G
+      v = v * LD(ACC, g[e0 + j]);
+#endif
+#if $HAS_B
+      v = v + LD(ACC, b[e0 + j]);
+#endif
+      yv.v[j] = ST($TO, v);
+    }
+    *(rlx_vec<$TO, $VEC>*)(yr + e0) = yv;
+  }
+#else
 #if $VPT
   ACC vals[$VPT];
 #define RLX_EACH for (int k = 0, i = tid; k < $VPT && i < n; ++k, i += nt)
@@ -340,9 +402,10 @@ extern "C" __global__ void rlx_layer_norm(const $TX* __restrict__ x, long long x
 #endif
     yr[i] = ST($TO, v);
   }
-#undef RLX_VAL
 #undef RLX_EACH
 #undef RLX_GET
+#endif
+#undef RLX_VAL
 }
 """
 

@@ -293,6 +293,22 @@ def test_norms(rng, dt):
 
 @gpu
 @pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("n", [100, 1000, 3072])
+def test_layer_norm_row_lengths(rng, dt, n):
+    """(Residual) LayerNorm rows of 16-bit data in 16-byte vectors (1000: a thread's last
+    vector past the row end; 3072: three a thread), single values otherwise (100)."""
+    ins = {"x": rand(rng, (5, n), dt), "r": rand(rng, (5, n), dt), "w": rand(rng, (n,), dt), "b": rand(rng, (n,), dt)}
+
+    def f(m):
+        x, r = m.input("x", (5, n), dt), m.input("r", (5, n), dt)
+        h = x + r
+        return {"ln": m.layer_norm(h, m.input("w", (n,), dt), m.input("b", (n,), dt)), "ln0": m.layer_norm(x),
+                "h": h}
+    compare(Graph.define("ln", f), ins, dt)
+
+
+@gpu
+@pytest.mark.parametrize("dt", FLOATS)
 @pytest.mark.parametrize("style", ["half", "interleaved"])
 @pytest.mark.parametrize("rot,batched,D", [(16, False, 16), (8, True, 16), (64, True, 64)])
 def test_rope(rng, dt, style, rot, batched, D):
