@@ -621,13 +621,16 @@ def _rms_norm(b, x, r, w, h, y, eps, off):
     xv, rows, nn, xrs, rv, rrs = _norm_rows(b, x, r)
     wv = b.contiguous(w) if w is not None else None
     warp = nn <= WARP_ROW
+    if warp:                  # a warp a row: its lanes' values in one vector each where they fit
+        vec, threads, vpt = _row_vectors(nn, [xv, rv, h, y], [xrs, rrs], 32, 1)
+    else:
+        vec, threads, vpt = _row_vectors(nn, [xv, rv, h, y], [xrs, rrs])
     src = sources.render(sources.RMS_NORM, TX=ctype(x.dt), TR=ctype(r.dt) if r else "float",
                          TW=ctype(w.dt) if w else "float", TH=ctype(h.dt) if h else "float",
                          TO=ctype(y.dt), ACC=acc_of(x.dt, r.dt if r else x.dt),
-                         HAS_R=int(r is not None), HAS_W=int(w is not None), WARP=int(warp),
-                         VPT=_vpt(nn, 32 if warp else None))
+                         HAS_R=int(r is not None), HAS_W=int(w is not None), WARP=int(warp), VPT=vpt, VEC=vec)
     fn = b.kernel(src, "rlx_rms_norm")
-    grid, block = ((-(-rows // 8),), (256,)) if warp else ((rows,), (_block(nn),))
+    grid, block = ((-(-rows // 8),), (256,)) if warp else ((rows,), (threads,))
     b.launch(fn, grid, block, (xv.arr, i64(xrs), rv.arr if rv else None, i64(rrs), wv.arr if wv else None,
                                h.arr if h else None, y.arr, i32(nn), f64(eps), f64(off), i64(rows)))
 
@@ -656,7 +659,7 @@ def _layer_norm(b, x, r, g, bb, h, y, eps):
     gv = b.contiguous(g) if g is not None else None
     bv = b.contiguous(bb) if bb is not None else None
     dts = [x.dt] + ([r.dt] if r is not None else [])
-    vec, threads, vpt = _ln_vectors(nn, [xv, rv, h, y], [xrs, rrs])
+    vec, threads, vpt = _row_vectors(nn, [xv, rv, h, y], [xrs, rrs])
     src = sources.render(sources.LAYER_NORM, TX=ctype(x.dt), TR=ctype(r.dt) if r else "float",
                          TG=ctype(g.dt) if g else "float", TB=ctype(bb.dt) if bb else "float",
                          TH=ctype(h.dt) if h else "float", TO=ctype(y.dt), ACC=acc_of(*dts),
@@ -668,19 +671,24 @@ def _layer_norm(b, x, r, g, bb, h, y, eps):
                                            h.arr if h else None, y.arr, i32(nn), f64(eps)))
 
 
-def _ln_vectors(n: int, rows: list, strides: list) -> tuple:
-    """(values a vector, threads, values a thread) of a LayerNorm over rows of n: 16-byte
-    vectors of 16-bit rows where every row array (None: absent) and stride allows, about four
-    a thread; else single values, a block of _block(n) threads."""
+def _row_vectors(n: int, rows: list, strides: list, threads: int | None = None, per: int = 4) -> tuple:
+    """(values a vector, threads, values a thread) of a norm over rows of n: vectors of 16-bit
+    values (16 bytes, or 8 / 4 where a row is shorter than `threads` x 8) where every row array
+    (None: absent) and stride allows, about `per` a thread, threads `threads` (default: a
+    power of two for that); else single values, a block of _block(n) threads (or `threads`)."""
     vs = [v for v in rows if v is not None]
-    if (n % 8 == 0 and all(v.arr.itemsize == 2 and v.arr.data.ptr % 16 == 0 for v in vs)
-            and all(s % 8 == 0 for s in strides)):
-        nvec = n // 8
-        threads = _block(-(-nvec // 4))
-        nv = -(-nvec // threads)
+    vec = 8
+    while threads and vec > 2 and n < threads * vec:
+        vec //= 2
+    if (n % vec == 0 and all(v.arr.itemsize == 2 and v.arr.data.ptr % (2 * vec) == 0 for v in vs)
+            and all(s % vec == 0 for s in strides)):
+        nvec = n // vec
+        t = threads or _block(-(-nvec // per))
+        nv = -(-nvec // t)
         if nv <= 4:
-            return 8, threads, 8 * nv
-    return 1, _block(n), _vpt(n)
+            return vec, t, vec * nv
+    t = threads or _block(n)
+    return 1, t, _vpt(n, t)
 
 
 def _b_layer_norm(b, n, ins, outs):

@@ -235,6 +235,63 @@ extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long xrs
 #else
 #define RLX_VAL(i) LD(ACC, xr[i])
 #endif
+#if $VEC > 1
+  // rows in vectors of VEC 16-bit values (8 or 16 bytes), NV vectors a thread, in registers
+  // (FLUX's q/k norms over 128 values: a lane's 4 values in one load, not 4)
+  constexpr int NV = $VPT / $VEC;
+  ACC vals[$VPT];
+  ACC ss = 0;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int e0 = (tid + k * nt) * $VEC;
+    if (e0 >= n) {
+#pragma unroll
+      for (int j = 0; j < $VEC; ++j) vals[k * $VEC + j] = (ACC)0;
+      continue;
+    }
+    const rlx_vec<$TX, $VEC> xv = *(const rlx_vec<$TX, $VEC>*)(xr + e0);
+#if $HAS_R
+    const rlx_vec<$TR, $VEC> rv = *(const rlx_vec<$TR, $VEC>*)(rr + e0);
+    rlx_vec<$TH, $VEC> hv;
+#endif
+#pragma unroll
+    for (int j = 0; j < $VEC; ++j) {
+#if $HAS_R
+      const ACC v = LD(ACC, xv.v[j]) + LD(ACC, rv.v[j]);
+      hv.v[j] = ST($TH, v);
+#else
+      const ACC v = LD(ACC, xv.v[j]);
+#endif
+      vals[k * $VEC + j] = v;
+      ss += v * v;
+    }
+#if $HAS_R
+    *(rlx_vec<$TH, $VEC>*)(hr + e0) = hv;
+#endif
+  }
+#if $WARP
+  ss = warp_sum(ss);
+#else
+  ss = block_sum(ss);
+#endif
+  const ACC den = sqrt(ss / (ACC)n + (ACC)eps_d);
+  const ACC off = (ACC)off_d;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int e0 = (tid + k * nt) * $VEC;
+    if (e0 >= n) continue;
+    rlx_vec<$TO, $VEC> yv;
+#pragma unroll
+    for (int j = 0; j < $VEC; ++j) {
+      ACC v = vals[k * $VEC + j] / den;
+#if $HAS_W
+      v = v * (LD(ACC, w[e0 + j]) + off);
+#endif
+      yv.v[j] = ST($TO, v);
+    }
+    *(rlx_vec<$TO, $VEC>*)(yr + e0) = yv;
+  }
+#else
   ACC ss = 0;
 #if $VPT
   ACC vals[$VPT];
@@ -280,6 +337,7 @@ extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long xrs
 #endif
     yr[i] = ST($TO, v);
   }
+#endif
 #undef RLX_VAL
 }
 """

@@ -309,6 +309,22 @@ def test_layer_norm_row_lengths(rng, dt, n):
 
 @gpu
 @pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("n", [40, 64, 128, 200, 512, 99, 1536, 3000, 1001])
+def test_rms_norm_row_lengths(rng, dt, n):
+    """(Residual) RMSNorm rows: a warp a row up to 512 values, a block beyond; 16-bit data in
+    vectors of 2 to 8 values where n allows (a lane's last vector past the row end: 200),
+    single values where none fits (99, 1001)."""
+    ins = {"x": rand(rng, (7, n), dt), "r": rand(rng, (7, n), dt), "w": rand(rng, (n,), dt)}
+
+    def f(m):
+        x, r = m.input("x", (7, n), dt), m.input("r", (7, n), dt)
+        return {"rms": m.rms_norm(x + r, m.input("w", (n,), dt), eps=1e-6), "rms0": m.rms_norm(x)}
+    compare(Graph.define("rms", f), ins, dt)
+    compare(Graph.define("rms", f), ins, dt, profile=UNFUSED)
+
+
+@gpu
+@pytest.mark.parametrize("dt", FLOATS)
 @pytest.mark.parametrize("style", ["half", "interleaved"])
 @pytest.mark.parametrize("rot,batched,D", [(16, False, 16), (8, True, 16), (64, True, 64)])
 def test_rope(rng, dt, style, rot, batched, D):
