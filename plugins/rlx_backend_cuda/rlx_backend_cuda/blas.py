@@ -87,7 +87,6 @@ def library():
     return Lib(_find_lib())
 
 
-
 # ----------------------------------------------------------------------------- cuBLASLt
 # A GEMM with its bias (and GELU-tanh / ReLU) added to the f32 accumulator before the one
 # rounding to the output type (cublasLtMatmul's epilogue), instead of a second pass over the

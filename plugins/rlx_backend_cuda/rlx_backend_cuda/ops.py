@@ -1184,14 +1184,17 @@ def _wg_attention(b, a: dict, q: V, k: V, v: V, mv, mst, pv, out: V, common: dic
     if (D not in (64, 128) or tuple(b.cc) != (9, 0) or oe[3] != 1 or any(s % 2 for s in oe[:3])
             or out.arr.data.ptr % 4):
         return None
+    box = (64, sources.BN_WG, 1, 1)
+    try:                      # (a layout the copy engine cannot take, a broadcast head say: the mma.sync kernel)
+        tk, tv = device.tensor_map(k.arr, box, "attention keys"), device.tensor_map(v.arr, box, "attention values")
+    except BackendError:
+        return None
     whole = int(common["MASKKIND"] == 0 and common["MASKMODE"] == 0 and float(a["softcap"]) == 0.0
                 and float(a["scale"]) > 0.0 and Sq % 128 == 0 and Sk % 128 == 0)
     src = sources.attn_wg_source(D, T=ctype(q.dt), MMAT="bf16" if q.dt is BF16 else "f16", WHOLE=whole, **common)
     smem = sources.attn_wg_smem(D)
     fn = b.kernel(src, "rlx_attn_wg", smem, arch="sm_90a")
     qs = q.es
-    box = (64, sources.BN_WG, 1, 1)
-    tk, tv = device.tensor_map(k.arr, box, "attention keys"), device.tensor_map(v.arr, box, "attention values")
     args = (q.arr, i64(qs[0]), i64(qs[1]), i64(qs[2]), tk, tv, mv, *[i64(s) for s in mst], pv.arr if pv else None,
             out.arr, i64(oe[0]), i64(oe[1]), i64(oe[2]), i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk),
             f64(a["scale"]), f64(a["softcap"]), i32(a["window"]))
