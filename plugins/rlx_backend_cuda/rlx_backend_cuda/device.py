@@ -137,18 +137,20 @@ def _source_line(source: str, log: str) -> str:
     return ""
 
 
-def kernel(source: str, name: str, op: str, dynamic_smem: int = 0, arch: str | None = None):
+def kernel(source: str, name: str, op: str, dynamic_smem: int = 0):
     """The compiled function `name` of `source` (compiled once per process, NVRTC's disk
     cache across processes), launched as `fn(grid, block, args, shared_mem, stream)`. A
     compile error is a BackendError naming the op and the line. `dynamic_smem`: the bytes of
     dynamic shared memory its launches take (above 48 KB a kernel must opt in; the source
-    fixes the size, so once per compile). `arch`: a target of its own (sm_90a for wgmma)."""
-    key = (hashlib.sha1(source.encode()).hexdigest(), name, arch)
+    fixes the size, so once per compile). A kernel on wgmma compiles for sm_90a
+    (sources.own_arch)."""
+    key = (hashlib.sha1(source.encode()).hexdigest(), name)
     fn = _KERNELS.get(key)
     if fn is not None:
         return fn
     cp = cupy()
     source = sources.with_grid_wait(source, name)
+    arch = sources.own_arch(source)
     try:
         mod = cp.RawModule(code=source, options=OPTIONS + ((f"-arch={arch}",) if arch else ()))
         raw = mod.get_function(name)

@@ -146,8 +146,7 @@ def check(arch: str = "sm_90", include: str | None = None) -> list:
             p = os.path.join(d, f"k{i}.cu")
             with open(p, "w") as f:
                 f.write(S.with_grid_wait(src, kname))     # (as device.kernel compiles it)
-            target = "sm_90a" if "wgmma" in src else arch          # (device.kernel's arch for it)
-            cmd = ["nvcc", "-std=c++17", f"-arch={target}", "-cubin", "-o", p + ".cubin", p]
+            cmd = ["nvcc", "-std=c++17", f"-arch={S.own_arch(src) or arch}", "-cubin", "-o", p + ".cubin", p]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode:
                 fails.append((name, r.stderr[-3000:]))

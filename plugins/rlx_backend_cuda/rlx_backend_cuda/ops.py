@@ -1193,7 +1193,7 @@ def _wg_attention(b, a: dict, q: V, k: V, v: V, mv, mst, pv, out: V, common: dic
                 and float(a["scale"]) > 0.0 and Sq % 128 == 0 and Sk % 128 == 0)
     src = sources.attn_wg_source(D, T=ctype(q.dt), MMAT="bf16" if q.dt is BF16 else "f16", WHOLE=whole, **common)
     smem = sources.attn_wg_smem(D)
-    fn = b.kernel(src, "rlx_attn_wg", smem, arch="sm_90a")
+    fn = b.kernel(src, "rlx_attn_wg", smem)
     qs = q.es
     args = (q.arr, i64(qs[0]), i64(qs[1]), i64(qs[2]), tk, tv, mv, *[i64(s) for s in mst], pv.arr if pv else None,
             out.arr, i64(oe[0]), i64(oe[1]), i64(oe[2]), i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk),

@@ -120,8 +120,8 @@ class Build:
         return V(arr[:n].reshape(tuple(shape)), dt)
 
     # -- launches
-    def kernel(self, source: str, name: str, dynamic_smem: int = 0, arch: str | None = None):
-        return device.kernel(source, name, self.op, dynamic_smem, arch)
+    def kernel(self, source: str, name: str, dynamic_smem: int = 0):
+        return device.kernel(source, name, self.op, dynamic_smem)
 
     def launch(self, fn, grid, block, args, capturable=True):
         stream = self.stream

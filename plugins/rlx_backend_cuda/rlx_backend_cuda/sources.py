@@ -195,6 +195,12 @@ def render(template: str, **subs) -> str:
     return PRELUDE + string.Template(template).substitute(**{k: str(v) for k, v in subs.items()})
 
 
+def own_arch(source: str) -> str | None:
+    """The target a kernel needs beyond the device's own: sm_90a for Hopper's wgmma (which the
+    plain sm_90 target rejects), else None."""
+    return "sm_90a" if "wgmma." in source else None
+
+
 def with_grid_wait(source: str, name: str) -> str:
     """`source` with kernel `name` starting at RLX_GRID_WAIT() (see device.Kernel; on the line of its
     brace, so compile errors keep their line numbers), unless the kernel places it itself
@@ -209,9 +215,42 @@ def with_grid_wait(source: str, name: str) -> str:
 # Row kernels work on contiguous rows: input rows of length n with row stride `rs`
 # (elements, last axis unit-stride), outputs contiguous [rows, n]. One block per row.
 
+# Norm rows of 16-bit data in vectors of VEC values (4 to 16 bytes), NV vectors a thread,
+# held in registers: vals[k * VEC + j] is the row's value (tid + k * nt) * VEC + j, 0 past the
+# row's end; with a residual row r, h = x + r is stored on the way (the fused variants).
+NORM_VEC = r"""
+template <int NV, int VEC, bool HAS_R, typename ACC, typename TX, typename TR, typename TH>
+__device__ __forceinline__ void rlx_norm_row_vec(ACC* vals, const TX* xr, const TR* rr, TH* hr, int n, int tid,
+                                                 int nt) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int e0 = (tid + k * nt) * VEC;
+    if (e0 >= n) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) vals[k * VEC + j] = (ACC)0;
+      continue;
+    }
+    const rlx_vec<TX, VEC> xv = *(const rlx_vec<TX, VEC>*)(xr + e0);
+    if (HAS_R) {
+      const rlx_vec<TR, VEC> rv = *(const rlx_vec<TR, VEC>*)(rr + e0);
+      rlx_vec<TH, VEC> hv;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        vals[k * VEC + j] = LD(ACC, xv.v[j]) + LD(ACC, rv.v[j]);
+        hv.v[j] = ST(TH, vals[k * VEC + j]);
+      }
+      *(rlx_vec<TH, VEC>*)(hr + e0) = hv;
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) vals[k * VEC + j] = LD(ACC, xv.v[j]);
+    }
+  }
+}
+"""
+
 # VPT > 0: a row fits in VPT values per thread, kept in registers between the sum of squares
 # and the scaling (one pass over memory: a decode step's norms are latency-bound); 0: two passes.
-RMS_NORM = r"""
+RMS_NORM = NORM_VEC + r"""
 extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long xrs,
     const $TR* __restrict__ r, long long rrs, const $TW* __restrict__ w,
     $TH* __restrict__ h, $TO* __restrict__ y, int n, double eps_d, double off_d, long long rows) {
@@ -236,38 +275,21 @@ extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long xrs
 #define RLX_VAL(i) LD(ACC, xr[i])
 #endif
 #if $VEC > 1
-  // rows in vectors of VEC 16-bit values (8 or 16 bytes), NV vectors a thread, in registers
-  // (FLUX's q/k norms over 128 values: a lane's 4 values in one load, not 4)
+  // rows in vectors (rlx_norm_row_vec; FLUX's q/k norms over 128 values: a lane's 4 values
+  // in one load, not 4)
   constexpr int NV = $VPT / $VEC;
   ACC vals[$VPT];
+#if $HAS_R
+  rlx_norm_row_vec<NV, $VEC, true, ACC>(vals, xr, rr, hr, n, tid, nt);
+#else
+  rlx_norm_row_vec<NV, $VEC, false, ACC>(vals, xr, xr, yr, n, tid, nt);
+#endif
   ACC ss = 0;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
-    const int e0 = (tid + k * nt) * $VEC;
-    if (e0 >= n) {
+    if ((tid + k * nt) * $VEC >= n) continue;
 #pragma unroll
-      for (int j = 0; j < $VEC; ++j) vals[k * $VEC + j] = (ACC)0;
-      continue;
-    }
-    const rlx_vec<$TX, $VEC> xv = *(const rlx_vec<$TX, $VEC>*)(xr + e0);
-#if $HAS_R
-    const rlx_vec<$TR, $VEC> rv = *(const rlx_vec<$TR, $VEC>*)(rr + e0);
-    rlx_vec<$TH, $VEC> hv;
-#endif
-#pragma unroll
-    for (int j = 0; j < $VEC; ++j) {
-#if $HAS_R
-      const ACC v = LD(ACC, xv.v[j]) + LD(ACC, rv.v[j]);
-      hv.v[j] = ST($TH, v);
-#else
-      const ACC v = LD(ACC, xv.v[j]);
-#endif
-      vals[k * $VEC + j] = v;
-      ss += v * v;
-    }
-#if $HAS_R
-    *(rlx_vec<$TH, $VEC>*)(hr + e0) = hv;
-#endif
+    for (int j = 0; j < $VEC; ++j) ss += vals[k * $VEC + j] * vals[k * $VEC + j];
   }
 #if $WARP
   ss = warp_sum(ss);
@@ -342,7 +364,7 @@ extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long xrs
 }
 """
 
-LAYER_NORM = r"""
+LAYER_NORM = NORM_VEC + r"""
 extern "C" __global__ void rlx_layer_norm(const $TX* __restrict__ x, long long xrs,
     const $TR* __restrict__ r, long long rrs, const $TG* __restrict__ g, const $TB* __restrict__ b,
     $TH* __restrict__ h, $TO* __restrict__ y, int n, double eps_d) {
@@ -361,38 +383,21 @@ extern "C" __global__ void rlx_layer_norm(const $TX* __restrict__ x, long long x
 #define RLX_VAL(i) LD(ACC, xr[i])
 #endif
 #if $VEC > 1
-  // rows in vectors of VEC values (16 bytes of 16-bit data), NV vectors a thread, in registers:
-  // FLUX's residual + LayerNorm over 3072 values moved 2 bytes a load before
+  // rows in vectors (rlx_norm_row_vec; FLUX's residual + LayerNorm over 3072 values moved 2
+  // bytes a load before)
   constexpr int NV = $VPT / $VEC;
   ACC vals[$VPT];
+#if $HAS_R
+  rlx_norm_row_vec<NV, $VEC, true, ACC>(vals, xr, rr, hr, n, tid, nt);
+#else
+  rlx_norm_row_vec<NV, $VEC, false, ACC>(vals, xr, xr, yr, n, tid, nt);
+#endif
   ACC s = 0;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
-    const int e0 = (tid + k * nt) * $VEC;
-    if (e0 >= n) {
+    if ((tid + k * nt) * $VEC >= n) continue;
 #pragma unroll
-      for (int j = 0; j < $VEC; ++j) vals[k * $VEC + j] = (ACC)0;
-      continue;
-    }
-    const rlx_vec<$TX, $VEC> xv = *(const rlx_vec<$TX, $VEC>*)(xr + e0);
-#if $HAS_R
-    const rlx_vec<$TR, $VEC> rv = *(const rlx_vec<$TR, $VEC>*)(rr + e0);
-    rlx_vec<$TH, $VEC> hv;
-#endif
-#pragma unroll
-    for (int j = 0; j < $VEC; ++j) {
-#if $HAS_R
-      const ACC v = LD(ACC, xv.v[j]) + LD(ACC, rv.v[j]);
-      hv.v[j] = ST($TH, v);
-#else
-      const ACC v = LD(ACC, xv.v[j]);
-#endif
-      vals[k * $VEC + j] = v;
-      s += v;
-    }
-#if $HAS_R
-    *(rlx_vec<$TH, $VEC>*)(hr + e0) = hv;
-#endif
+    for (int j = 0; j < $VEC; ++j) s += vals[k * $VEC + j];
   }
   const ACC mean = block_sum(s) / (ACC)n;
   ACC q = 0;
@@ -1258,6 +1263,18 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_split(
 }
 """
 
+# What both tensor-core attention kernels use: 2^x in one MUFU instruction (exp2f adds a
+# denormal fix-up around it; a probability under 2^-126 is 0 to the bf16/f16 P.V product
+# anyway) and the cp.async group commit.
+ATTN_TC_COMMON = r"""
+__device__ __forceinline__ float rlx_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+#define RLX_CP_COMMIT() asm volatile("cp.async.commit_group;\n" ::: "memory")
+"""
+
 # Flash-style prefill on tensor cores (f16/bf16, head_dim D % 16 == 0, D <= 128):
 # FlashAttention-2 register layout with mma.sync.m16n8k16 (f32 accumulate). Block = 4
 # warps x MT m-tiles of 16 query rows of one head (warp w takes rows mt * 64 + w * 16..);
@@ -1267,7 +1284,7 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_split(
 # and V fragment feeding the MT m-tiles. With MT = 2 a block reads each K/V tile for 128
 # query rows. V read one 16-bit element at a time took 2.40 against 1.91 ms (FLUX's
 # 4608-token, 24-head attention, H100).
-ATTN_TC = ATTN_MASK + r"""
+ATTN_TC = ATTN_MASK + ATTN_TC_COMMON + r"""
 #define MT $MT
 #define BM (64 * MT)
 #define BN 64
@@ -1338,14 +1355,6 @@ __device__ __forceinline__ void rlx_load_tile_async(unsigned short* dst, const $
   rlx_load_tile(dst, src, rstride, row0, nrows, tid);
 #endif
 }
-__device__ __forceinline__ float rlx_exp2(float x) {
-  // 2^x in one MUFU instruction (exp2f adds a denormal fix-up around it; a probability
-  // under 2^-126 is 0 to the bf16/f16 P.V product anyway)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-#define RLX_CP_COMMIT() asm volatile("cp.async.commit_group;\n" ::: "memory")
 #define RLX_CP_WAIT1() asm volatile("cp.async.wait_group 1;\n" ::: "memory")
 extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
     const $T* __restrict__ q, long long qsb, long long qsh, long long qss,
@@ -1580,7 +1589,7 @@ def attn_tc_smem(D: int, MT: int) -> int:
 # bf16, H200): 0.473 ms, 552 TFLOP/s (rlx_attn_tc: 0.885 ms; the same kernel with every
 # thread's cp.async and a block barrier a tile 0.545; lock-step tiles without the overlap
 # 0.602; with per-chunk address math in the copies 0.835).
-ATTN_WG = ATTN_MASK + r"""
+ATTN_WG = ATTN_MASK + ATTN_TC_COMMON + r"""
 #define D $D
 #define BM 128
 #define BN 128
@@ -1604,7 +1613,6 @@ __device__ __forceinline__ void rlx_wg_pv(float* d, const u32* a, unsigned long 
 #define RLX_WG_FENCE() asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory")
 #define RLX_WG_COMMIT() asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory")
 #define RLX_WG_WAIT0() asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory")
-#define RLX_CP_COMMIT() asm volatile("cp.async.commit_group;\n" ::: "memory")
 __device__ __forceinline__ u32 rlx_pack(float lo, float hi) {
   // two floats rounded to one register of 16-bit values (one cvt instruction)
 #if $BF16
@@ -1613,11 +1621,6 @@ __device__ __forceinline__ u32 rlx_pack(float lo, float hi) {
   __half2 t = __floats2half2_rn(lo, hi);
 #endif
   return *(u32*)&t;
-}
-__device__ __forceinline__ float rlx_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 struct rlx_wg_loader {
   // a thread's share of copying 128 rows x D columns into D / 64 swizzled [128][128 B]
