@@ -241,6 +241,30 @@ def test_views_take_no_arena():
                                rtol=1e-6)
 
 
+def test_a_backend_view_keeps_its_input_alive():
+    """A node the backend names in plan's `views` takes no arena: its input's bytes live until
+    the view's last reader, so nothing planned in between may reuse them."""
+    m = Builder("backend_views", "mir")
+    x = m.input("x", (2, 3, 4, 8))
+    y = m.act(x, "tanh")
+    t = m.transpose(y, (0, 2, 1, 3))
+    z = m.act(m.act(x, "exp"), "neg")                      # made while the view is pending
+    m.output("o", m.concat([t, m.transpose(z, (0, 2, 1, 3))], 2))
+    g = m.build()
+    ti = [i for i, n in enumerate(g.nodes) if n.op == "transpose"]
+    yi = g.nodes[ti[0]].inputs[0][0]
+    reader = len(g.nodes) - 1
+    copied, viewed = plan(g), plan(g, frozenset(ti[:1]))
+    assert copied.slots[(ti[0], 0)].home == "arena"
+    s = viewed.slots[(ti[0], 0)]
+    assert s.home == "view" and s.base == (yi, 0), viewed.text()
+    ys = viewed.slots[(yi, 0)]
+    assert ys.end == reader, viewed.text()
+    for (i, k), o in viewed.slots.items():      # no value made while y is read overlaps its bytes
+        if o.home == "arena" and i != yi and o.start <= ys.end and ys.start <= o.end:
+            assert o.offset + o.nbytes <= ys.offset or ys.offset + ys.nbytes <= o.offset, viewed.text()
+
+
 def test_a_transpose_of_unit_axes_becomes_a_view(rng):
     """Once dims are bound, a transpose that moves only size-1 axes (decode's head
     transposes at seq = 1) is a reshape: no copy, no arena; other transposes stay."""

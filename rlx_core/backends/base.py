@@ -169,6 +169,12 @@ class Backend(abc.ABC):
         memory pool); {} when its runners own their memory (model.memory_report counts it)."""
         return {}
 
+    def planned_views(self, g) -> frozenset:
+        """Nodes of the static graph `g` this backend runs as views of their input (a
+        transpose whose readers take strides), so the buffer plan keeps that input alive for
+        them (ir.lir.plan's `views`); none by default."""
+        return frozenset()
+
     @abc.abstractmethod
     def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:
         """A Runner for this LIR, reading the resident `params` and `states` (name -> value)."""

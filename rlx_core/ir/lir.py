@@ -1,7 +1,8 @@
 """LIR: an MIR graph with static shapes plus a buffer plan — what a backend compiles.
 
 The plan gives every value a home: a graph input, a resident param/state/constant, a view
-of another value (reshape, narrow, expand, kv_write), or a slice of one arena. Arena slices
+of another value (reshape, narrow, expand, kv_write, and the nodes a backend reads through
+strides: `plan(g, views=...)`), or a slice of one arena. Arena slices
 come from lifetimes (definition to last use) placed greedily by size, TFLite-style; an
 elementwise op may write over an input that dies at it (in-place reuse).
 """
@@ -124,8 +125,10 @@ class LirModule:
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
 
-def plan(g: Graph) -> LirModule:
-    """Plan buffers for a static MIR graph."""
+def plan(g: Graph, views: frozenset = frozenset()) -> LirModule:
+    """Plan buffers for a static MIR graph. `views`: nodes (single-input layout ops, a
+    transpose) the backend runs as views of their first input (Backend.planned_views): that
+    input's bytes then live as long as the view is read."""
     for i, n in enumerate(g.nodes):
         for s in n.outs:
             if not s.is_static:
@@ -148,8 +151,8 @@ def plan(g: Graph) -> LirModule:
             slots[(i, 0)] = Slot(LEAF_HOMES[n.op], nbytes=n.outs[0].nbytes())
             root[(i, 0)] = (i, 0)
             continue
-        if d.view_of is not None:
-            base = tuple(n.inputs[d.view_of])
+        if d.view_of is not None or i in views:
+            base = tuple(n.inputs[d.view_of or 0])
             slots[(i, 0)] = Slot("view", nbytes=n.outs[0].nbytes(), base=base)
             root[(i, 0)] = root[base]
             continue

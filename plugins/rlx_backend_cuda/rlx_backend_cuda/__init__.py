@@ -181,6 +181,12 @@ class CudaBackend(Backend):
             table[name] = v
         return v
 
+    def planned_views(self, g) -> frozenset:
+        """Transposes read through strides instead of copied (ops.planned_views)."""
+        from .ops import planned_views
+
+        return planned_views(g)
+
     # -- compile
     def compile(self, lir, params: dict, states: dict):
         ok, why = self.availability()

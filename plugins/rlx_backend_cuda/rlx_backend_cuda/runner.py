@@ -19,7 +19,7 @@ from rlx_core.ir.errors import BackendError, ModelError, RlxError
 from rlx_core.pipeline import states_moved
 
 from . import codegen, device
-from .ops import BUILDERS, VIEW_BUILDERS
+from .ops import BUILDERS, STRIDED_WRITERS, VIEW_BUILDERS
 from .values import CONFIG, V, nocopy_reshape_strides
 
 EW_VEC = 8                   # elements a thread of a contiguous elementwise kernel moves at once
@@ -64,6 +64,9 @@ class Build:
         self.uses = runner.lir.graph.consumers()     # (node, out) -> consumer nodes (-1: output)
         self.absorbed: set = set()    # nodes an earlier step already computed
         self.node_local: dict = {}    # (purpose, dtype) -> buffer shared by the nodes (node_buffer)
+        g = runner.lir.graph
+        self.view_transposes = {i for i, n in enumerate(g.nodes)
+                                if n.op == "transpose" and runner.lir.slots[(i, 0)].home == "view"}
 
     # -- fusion helpers
     def sole_consumer(self, i: int, op: str, k: int = 0) -> int | None:
@@ -91,13 +94,20 @@ class Build:
         return pa + a.arr.nbytes <= pc or pc + c.arr.nbytes <= pa
 
     def out_value(self, i: int, k: int = 0) -> V:
-        """The arena array of node i's output k (made once; an epilogue may fill it early)."""
+        """The arena array of node i's output k (made once; an epilogue may fill it early). An
+        attention read only by a transpose the plan made a view lays its bytes out in that
+        transpose's order (ops.planned_views)."""
         v = self.vals.get((i, k))
         if v is None:
-            s = self.r.lir.graph.nodes[i].outs[k]
+            g = self.r.lir.graph
+            s = g.nodes[i].outs[k]
             sl = self.r.lir.slots[(i, k)]
-            v = V(self.cp.ndarray(s.dims, device.storage_dtype(s.dtype), memptr=self.r.arena + sl.offset),
-                  s.dtype)
+            use = self.uses.get((i, k), [])
+            perm = (g.nodes[use[0]].a["perm"] if len(use) == 1 and use[0] in self.view_transposes
+                    and g.nodes[i].op in STRIDED_WRITERS else tuple(range(len(s.dims))))
+            arr = self.cp.ndarray(tuple(s.dims[p] for p in perm), device.storage_dtype(s.dtype),
+                                  memptr=self.r.arena + sl.offset)
+            v = V(arr.transpose(tuple(perm.index(j) for j in range(len(perm)))), s.dtype)
             self.vals[(i, k)] = v
         return v
 
@@ -317,7 +327,7 @@ class CudaRunner(Runner):
                 vals[(i, 0)] = V(consts[n.name], n.outs[0].dtype)
                 continue
             ins_v = [vals[tuple(r)] for r in n.inputs]
-            if n.op in VIEW_BUILDERS:
+            if lir.slots[(i, 0)].home == "view":
                 vals[(i, 0)] = VIEW_BUILDERS[n.op](b, n, ins_v)
                 continue
             outs = [b.out_value(i, k) for k in range(len(n.outs))]

@@ -979,7 +979,7 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_split(
     const $TM* __restrict__ mask, long long m0, long long m1, long long m2, long long m3,
     const $TP* __restrict__ pos, $ACC* __restrict__ part_o, $ACC* __restrict__ part_ml,
     int B, int H, int KVH, int Sq, int Sk, int minchunk, double scale_d, double cap_d, int window,
-    int* __restrict__ counters, $TO* __restrict__ out) {
+    int* __restrict__ counters, $TO* __restrict__ out, long long osb, long long osh, long long oss) {
   typedef $ACC ACC;
   constexpr int ROWS = $ROWS, DK = $DK, DV = $DV, TK = $TILE, LDT = $TILE + 1;
   constexpr int VK = $VK, TPK = $TPK, NVK = $NVK, KPB = NT / TPK, UK = TK / KPB;
@@ -1197,7 +1197,7 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_split(
     const int i = rr / G, h = kvh * G + rr % G;
     const ACC L = s_l[r];
     if (nsplit == 1) {
-      out[(((i64)b * H + h) * Sq + i) * DV + d] = ST($TO, L > 0 ? O / L : (ACC)0);
+      out[b * osb + h * osh + i * oss + d] = ST($TO, L > 0 ? O / L : (ACC)0);
       continue;
     }
     const i64 orow = (((i64)split * B + b) * H + h) * Sq + i;
@@ -1221,7 +1221,8 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_split(
   for (int r = warp; r < ROWS; r += NW) {
     const int rr = r0 + r;
     if (rr >= Sq * G) continue;
-    const i64 row = ((i64)b * H + kvh * G + rr % G) * Sq + rr / G;
+    const int h = kvh * G + rr % G, i = rr / G;
+    const i64 row = ((i64)b * H + h) * Sq + i;
     const ACC* ml = part_ml + row * 2;
     ACC mv[2], lv2[2], M = -(ACC)RLX_INF;
 #pragma unroll
@@ -1256,7 +1257,7 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_split(
 #pragma unroll
     for (int e = 0; e < EV; ++e) {
       const int d = lane + 32 * e;
-      if (d < DV) out[row * DV + d] = ST($TO, L > 0 ? O[e] / L : (ACC)0);
+      if (d < DV) out[b * osb + h * osh + i * oss + d] = ST($TO, L > 0 ? O[e] / L : (ACC)0);
     }
     __syncwarp();
   }
@@ -1361,7 +1362,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
     const $T* __restrict__ k, long long ksb, long long ksh, long long kss,
     const $T* __restrict__ v, long long vsb, long long vsh, long long vss,
     const $TM* __restrict__ mask, long long m0, long long m1, long long m2, long long m3,
-    const $TP* __restrict__ pos, $T* __restrict__ out,
+    const $TP* __restrict__ pos, $T* __restrict__ out, long long osb, long long osh, long long oss,
     int B, int H, int KVH, int Sq, int Sk, double scale_d, double cap_d, int window) {
   extern __shared__ __align__(16) unsigned short rlx_smem[];
   unsigned short* Ks = rlx_smem;                  // [BN][LDS]
@@ -1558,7 +1559,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
       l += SHFL_XOR(l, 2);
       if (qi[mt][r] >= Sq) continue;
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      $T* orow = out + (((i64)b * H + h) * Sq + qi[mt][r]) * $D;
+      $T* orow = out + b * osb + h * osh + qi[mt][r] * oss;
 #pragma unroll
       for (int dt = 0; dt < $D / 8; ++dt) {
         const int c = dt * 8 + tg * 2;
@@ -2525,7 +2526,7 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_short(
     const $TV* __restrict__ v, long long vsb, long long vsh, long long vss,
     const $TM* __restrict__ mask, long long m0, long long m1, long long m3,
     const $TP* __restrict__ pos, int H, int KVH, int Sk, double scale_d, double cap_d, int window,
-    $TO* __restrict__ out) {
+    $TO* __restrict__ out, long long osb, long long osh) {
   typedef float ACC;
   constexpr int G = $G, D = $D, SK = $SK, VK = $VK, VD = D / 32;
   constexpr int SH = G * SK > NW * G * D ? G * SK : NW * G * D;
@@ -2652,7 +2653,7 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_short(
 #pragma unroll
     for (int w = 0; w < NW; ++w) o += sh[(w * G + g) * D + d];
     const ACC l = s_l[g];
-    out[((i64)b * H + kvh * G + g) * D + d] = ST($TO, l > 0 ? o / l : (ACC)0);
+    out[b * osb + (kvh * G + g) * osh + d] = ST($TO, l > 0 ? o / l : (ACC)0);
   }
 }
 """

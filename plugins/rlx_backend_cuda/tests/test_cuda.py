@@ -77,6 +77,32 @@ def test_supported_ops_cover_the_table():
     assert supported <= {n for n, d in OPS.items() if d.level is Level.LEAF} | set(BUILDERS) | set(VIEW_BUILDERS)
 
 
+def test_planned_views_pick_the_transposes_read_through_strides():
+    """Transposes around attention become views (no GPU needed: the rule reads the graph);
+    one a matmul reads, one that leaves the graph, and one of an attention output another
+    node also reads stay copies."""
+    from rlx_backend_cuda.ops import planned_views
+    from rlx_core.ir.graph import Builder
+
+    swap = (0, 2, 1, 3)
+    m = Builder("views", "mir")
+    q, k, v = (m.input(n, (1, 6, 2, 8), F16) for n in "qkv")
+    heads = [m.transpose(t, swap) for t in (q, k, v)]
+    joined = m.concat([heads[0], m.transpose(m.input("q2", (1, 3, 2, 8), F16), swap)], 2)
+    o = m.attention(heads[0], heads[1], heads[2], mask_kind="none")
+    o2 = m.attention(joined, joined, joined, mask_kind="none")
+    m.output("o", m.reshape(m.transpose(o, swap), (1, 6, 16)))
+    m.output("o2t", m.transpose(o2, swap))
+    m.output("o2", o2)                                   # o2 read twice: its transpose copies
+    w = m.transpose(m.input("w", (1, 8, 8, 8), F16), swap)
+    m.output("mm", m.matmul(w, w))
+    m.output("t", m.transpose(v, (0, 1, 3, 2)))          # moves the last axis
+    g = m.build()
+    ts = [i for i, n in enumerate(g.nodes) if n.op == "transpose"]
+    views = planned_views(g)
+    assert [i in views for i in ts] == [True, True, True, True, True, False, False, False]
+
+
 def test_elementwise_codegen_is_pure_python():
     from rlx_backend_cuda import codegen
 
@@ -364,9 +390,12 @@ ATTN_CASES = [
 @pytest.mark.parametrize("dt", FLOATS)
 @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"{c[6]}-Sq{c[3]}-Sk{c[4]}-D{c[5]}-{c[9]}")
 @pytest.mark.parametrize("tc", ["wg", "mt1", "mt2", "off"])
-def test_attention(rng, dt, case, tc, monkeypatch):
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_attention(rng, dt, case, tc, layout, monkeypatch):
     """Each kernel: Hopper's wgmma one (wg), the tensor-core one with warps of 1 or 2 m-tiles
-    of 16 query rows (mt1, mt2; 16-bit data and 16+ query rows), and the split-K one (off)."""
+    of 16 query rows (mt1, mt2; 16-bit data and 16+ query rows), and the split-K one (off).
+    bshd: q, k, v come [B, S, H, D] and the output leaves so, through transposes the plan runs
+    as views: the kernels read and write through strides."""
     from rlx_backend_cuda import device, ops, set_config
 
     if tc == "wg" and tuple(device.info().get("cc", (0, 0))) != (9, 0):
@@ -384,12 +413,18 @@ def test_attention(rng, dt, case, tc, monkeypatch):
         ins["mask"] = rand(rng, (1, H, Sq, Sk), dt)
     if pos:
         ins["pos"] = np.array([Sk - Sq - b for b in range(B)], np.int32)
+    swap = (0, 2, 1, 3)
+    if layout == "bshd":
+        ins.update({n: np.ascontiguousarray(ins[n].transpose(swap)) for n in "qkv"})
 
     def f(m):
         q, k, v = (m.input(n, ins[n].shape, dt) for n in ("q", "k", "v"))
+        if layout == "bshd":
+            q, k, v = (m.transpose(t, swap) for t in (q, k, v))
         mv = m.input("mask", ins["mask"].shape, BOOL if mask == "bool" else dt) if mask else None
         pv = m.input("pos", (B,), I32) if pos else None
-        return m.attention(q, k, v, mv, pv, mask_kind=kind, window=window, softcap=cap)
+        o = m.attention(q, k, v, mv, pv, mask_kind=kind, window=window, softcap=cap)
+        return m.transpose(o, swap) if layout == "bshd" else o
     set_config(tc_attention=tc != "off", wg_attention=tc == "wg")
     try:
         compare(Graph.define("attn", f), ins, dt, profile=UNFUSED)
