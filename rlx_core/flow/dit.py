@@ -165,22 +165,23 @@ class MultiAxisRope:
 
 
 def to_heads(ctx, y, head_dim: int, norm_key: str | None = None, eps: float = 1e-6):
-    """[B, S, H*D] -> [B, H, S, D], RMS-normalized over D by `<norm_key>.weight` (QK-norm)."""
+    """[B, S, H*D] -> [B, S, H, D], RMS-normalized over D by `<norm_key>.weight` (QK-norm)."""
     m = ctx.m
     b, s, hd = y.dims
     y = m.reshape(y, (b, s, hd // head_dim, head_dim))
     if norm_key:
         y = m.rms_norm(y, ctx.param(ctx.key(f"{norm_key}.weight"), (head_dim,)), eps=eps)
-    return m.transpose(y, (0, 2, 1, 3))
+    return y
 
 
 def joint_attention(ctx, parts: list, rope: str | None = "rope", scale: float | None = None) -> list:
     """Bidirectional attention over token groups joined along the sequence: parts are
-    (q, k, v) [B, H, S_i, D]; RoPE (state `rope`, interleaved pairs) on the joined q and k.
-    Returns each group's output [B, S_i, H*D]."""
+    (q, k, v) [B, S_i, H, D] (to_heads); RoPE (state `rope`, interleaved pairs) on the joined q
+    and k. The groups join before the head transpose, so a backend can have each group's
+    producer write its rows into the joined value. Returns each group's output [B, S_i, H*D]."""
     m = ctx.m
-    cat = (lambda xs: xs[0] if len(xs) == 1 else m.concat(xs, 2))
-    q, k, v = (cat([p[i] for p in parts]) for i in range(3))
+    cat = (lambda xs: xs[0] if len(xs) == 1 else m.concat(xs, 1))
+    q, k, v = (m.transpose(cat([p[i] for p in parts]), (0, 2, 1, 3)) for i in range(3))
     if rope:
         if rope not in ctx.state:
             raise ModelError(f"joint attention: no RoPE tables {rope!r} in the flow state (add MultiAxisRope "
@@ -197,7 +198,7 @@ def joint_attention(ctx, parts: list, rope: str | None = "rope", scale: float | 
         return [o]
     out, at = [], 0
     for p in parts:
-        n = p[0].dims[2]
+        n = p[0].dims[1]
         out.append(m.narrow(o, 1, at, n))
         at += n
     return out
