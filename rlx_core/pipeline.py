@@ -538,7 +538,7 @@ class Executable:
                 progress.stage("bind dims")
                 g = specialize(self.mir, env)
                 progress.stage("plan buffers")
-                lir = plan(g, self.backend.planned_views(g))
+                lir = plan(g, *self.backend.planned_layouts(g))
                 self.lir_cache[key] = lir
                 for name, i in g.states.items():
                     s = g.nodes[i].outs[0]
@@ -621,7 +621,7 @@ class Executable:
         key = tuple(sorted(dims.items()))
         if key not in self.lir_cache:
             g = specialize(self.mir, dims)
-            self.lir_cache[key] = plan(g, self.backend.planned_views(g))
+            self.lir_cache[key] = plan(g, *self.backend.planned_layouts(g))
         return self.lir_cache[key]
 
     def reset_states(self) -> None:

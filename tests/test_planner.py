@@ -265,6 +265,31 @@ def test_a_backend_view_keeps_its_input_alive():
             assert o.offset + o.nbytes <= ys.offset or ys.offset + ys.nbytes <= o.offset, viewed.text()
 
 
+def test_placed_concat_inputs_live_in_the_concat():
+    """A placed concat input owns no bytes ('placed' in the concat); the concat's output is
+    born with its first placed producer, so nothing live meanwhile overlaps it. An input
+    read by another node too stays in the arena."""
+    m = Builder("placed", "mir")
+    x = m.input("x", (1, 4, 8))
+    a = m.act(x, "tanh")
+    b = m.act(x, "exp")
+    shared = m.act(x, "neg")
+    cat = m.concat([a, b, shared], 1)
+    m.output("o", m.act(cat, "sin"))
+    m.output("shared", shared)
+    g = m.build()
+    ci = next(i for i, n in enumerate(g.nodes) if n.op == "concat")
+    lir = plan(g, placed=frozenset({(ci, 0), (ci, 1), (ci, 2)}))
+    ai, bi, si = (g.nodes[ci].inputs[k][0] for k in range(3))
+    assert [lir.slots[(j, 0)].home for j in (ai, bi, si)] == ["placed", "placed", "arena"], lir.text()
+    assert lir.slots[(ai, 0)].base == (ci, 0)
+    cs = lir.slots[(ci, 0)]
+    assert cs.start == ai, lir.text()
+    for (j, k), o in lir.slots.items():
+        if o.home == "arena" and j != ci and o.base != (ci, 0) and o.start <= cs.end and cs.start <= o.end:
+            assert o.offset + o.nbytes <= cs.offset or cs.offset + cs.nbytes <= o.offset, lir.text()
+
+
 def test_a_transpose_of_unit_axes_becomes_a_view(rng):
     """Once dims are bound, a transpose that moves only size-1 axes (decode's head
     transposes at seq = 1) is a reshape: no copy, no arena; other transposes stay."""

@@ -169,11 +169,12 @@ class Backend(abc.ABC):
         memory pool); {} when its runners own their memory (model.memory_report counts it)."""
         return {}
 
-    def planned_views(self, g) -> frozenset:
-        """Nodes of the static graph `g` this backend runs as views of their input (a
-        transpose whose readers take strides), so the buffer plan keeps that input alive for
-        them (ir.lir.plan's `views`); none by default."""
-        return frozenset()
+    def planned_layouts(self, g) -> tuple:
+        """(views, placed) for ir.lir.plan on the static graph `g`: nodes this backend runs as
+        views of their input (a transpose whose readers take strides), and (concat, input)
+        pairs whose input's producer writes straight into the concat's output; none by
+        default."""
+        return frozenset(), frozenset()
 
     @abc.abstractmethod
     def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:

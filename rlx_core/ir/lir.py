@@ -2,7 +2,8 @@
 
 The plan gives every value a home: a graph input, a resident param/state/constant, a view
 of another value (reshape, narrow, expand, kv_write, and the nodes a backend reads through
-strides: `plan(g, views=...)`), or a slice of one arena. Arena slices
+strides: `plan(g, views=...)`), a part of a concat's output its producer writes in place
+(`placed`), or a slice of one arena. Arena slices
 come from lifetimes (definition to last use) placed greedily by size, TFLite-style; an
 elementwise op may write over an input that dies at it (in-place reuse).
 """
@@ -33,10 +34,10 @@ def _align(n: int) -> int:
 
 @attrs.frozen
 class Slot:
-    home: str              # input | param | state | const | arena | view
+    home: str              # input | param | state | const | arena | view | placed
     offset: int = 0        # arena byte offset (arena)
     nbytes: int = 0
-    base: tuple | None = None   # the value this one views (view) or reuses (arena in place)
+    base: tuple | None = None   # the value this one views (view), lives in (placed) or reuses (arena in place)
     start: int = 0         # lifetime in node indices (arena values)
     end: int = 0
 
@@ -102,8 +103,8 @@ class LirModule:
                 if s.base is not None:
                     tag += f" inplace(%{s.base[0]})"
                 parts.append(tag)
-            elif s.home == "view":
-                parts.append(f"view(%{s.base[0]})")
+            elif s.home in ("view", "placed"):
+                parts.append(f"{s.home}(%{s.base[0]})")
             else:
                 parts.append(s.home)
         return " ".join(parts)
@@ -125,10 +126,22 @@ class LirModule:
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
 
-def plan(g: Graph, views: frozenset = frozenset()) -> LirModule:
-    """Plan buffers for a static MIR graph. `views`: nodes (single-input layout ops, a
-    transpose) the backend runs as views of their first input (Backend.planned_views): that
-    input's bytes then live as long as the view is read."""
+def _sole_chain(uses: dict, slots: dict, r: tuple, own: tuple, reader: int) -> bool:
+    """Whether `reader` alone reads r, and each value from r back through views to its owner
+    `own` is read only by the next."""
+    while uses.get(r) == [reader]:
+        if r == own:
+            return True
+        reader, r = r[0], slots[r].base
+    return False
+
+
+def plan(g: Graph, views: frozenset = frozenset(), placed: frozenset = frozenset()) -> LirModule:
+    """Plan buffers for a static MIR graph. The backend's layouts (Backend.planned_layouts):
+    `views` are nodes (a transpose) it runs as views of their first input, whose bytes then
+    live as long as the view is read; `placed` are (concat node, input index) pairs whose
+    input it has the producer write straight into the concat's output: where that input's
+    own value is read by nothing else (through views), it gets home 'placed' and no bytes."""
     for i, n in enumerate(g.nodes):
         for s in n.outs:
             if not s.is_static:
@@ -160,6 +173,22 @@ def plan(g: Graph, views: frozenset = frozenset()) -> LirModule:
             slots[(i, k)] = None
             root[(i, k)] = (i, k)
 
+    # placed concat inputs: their owner lives in the concat's output, which is born with the
+    # first of them
+    begin: dict = {}
+    uses = g.consumers()
+    for c, k in sorted(placed):
+        r = tuple(g.nodes[c].inputs[k])
+        own = root[r]
+        if (g.nodes[c].op != "concat" or slots.get(own, 1) is not None or slots[(c, 0)] is not None
+                or not _sole_chain(uses, slots, r, own, c)):
+            continue
+        slots[own] = Slot("placed", nbytes=g.shape_of(own).nbytes(), base=(c, 0))
+        for v, o in root.items():
+            if o == own:
+                root[v] = (c, 0)
+        begin[(c, 0)] = min(begin.get((c, 0), c), own[0])
+
     # lifetimes of owning values: extended by the last use of any view of them
     end: dict = {}
     for v, r in root.items():
@@ -171,7 +200,7 @@ def plan(g: Graph, views: frozenset = frozenset()) -> LirModule:
     taken: set = set()
     for i, n in enumerate(g.nodes):
         d = get_op(n.op)
-        if not d.elementwise or len(n.outs) != 1:
+        if not d.elementwise or len(n.outs) != 1 or slots[(i, 0)] is not None:
             continue
         roots = [root[tuple(r)] for r in n.inputs]
         for r in n.inputs:
@@ -195,7 +224,7 @@ def plan(g: Graph, views: frozenset = frozenset()) -> LirModule:
         o = find(v)
         owner[v] = o
         s, e = buffers.get(o, (v[0], end[v]))
-        buffers[o] = (min(s, v[0]), max(e, end[v]))
+        buffers[o] = (min(s, begin.get(v, v[0])), max(e, end[v]))
 
     sizes = {o: _align(g.shape_of(o).nbytes()) for o in buffers}
     placed: list = []                        # (offset, size, start, end)
@@ -226,7 +255,7 @@ def plan(g: Graph, views: frozenset = frozenset()) -> LirModule:
     for v in end:
         o = owner[v]
         slots[v] = Slot("arena", offsets[o], g.shape_of(v).nbytes(),
-                        base=inplace.get(v), start=v[0], end=end[v])
+                        base=inplace.get(v), start=begin.get(v, v[0]), end=end[v])
 
     entries = []
     off = 0

@@ -181,11 +181,11 @@ class CudaBackend(Backend):
             table[name] = v
         return v
 
-    def planned_views(self, g) -> frozenset:
-        """Transposes read through strides instead of copied (ops.planned_views)."""
-        from .ops import planned_views
+    def planned_layouts(self, g) -> tuple:
+        """Transposes read through strides, concat inputs written in place (ops.planned_layouts)."""
+        from .ops import planned_layouts
 
-        return planned_views(g)
+        return planned_layouts(g)
 
     # -- compile
     def compile(self, lir, params: dict, states: dict):

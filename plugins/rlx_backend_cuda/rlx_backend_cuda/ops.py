@@ -10,7 +10,7 @@ import math
 import numpy as np
 from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I32, I64, DType
 from rlx_core.ir.errors import BackendError
-from rlx_core.ir.ops import MaskKind
+from rlx_core.ir.ops import Level, MaskKind, get_op
 
 from . import codegen, device, sources
 from .codegen import acc_of, ctype
@@ -1058,11 +1058,14 @@ STRIDED_READERS = {"concat": None, "rope": (0,), "attention": (0, 1, 2), "fused_
 STRIDED_WRITERS = ("attention", "fused_attention_block")
 
 
-def planned_views(g) -> frozenset:
-    """The transposes this backend runs as views (Backend.planned_views), those keeping the
-    last axis where either every reader takes strides, or an attention's output is read by the
-    transpose alone (the attention then writes its rows in the transposed order, so the view is
-    contiguous). FLUX's step copied 285 transposes, 4.9 ms on an H200."""
+def planned_layouts(g) -> tuple:
+    """(views, placed) for the buffer plan (Backend.planned_layouts). Views: the transposes
+    keeping the last axis where either every reader takes strides, or an attention's output is
+    read by the transpose alone (the attention then writes its rows in the transposed order,
+    so the view is contiguous); FLUX's step copied 285 transposes, 4.9 ms on an H200. Placed:
+    concat inputs whose producer writes into the concat's output: any producer where its
+    part is a contiguous, aligned run of the output, an attention where it is any layout of
+    unit last stride."""
     uses = g.consumers()
     views = set()
     for i, n in enumerate(g.nodes):
@@ -1075,7 +1078,67 @@ def planned_views(g) -> frozenset:
             views.add(i)
         elif readers and all(c >= 0 and _reads_strided(g.nodes[c], (i, 0)) for c in readers):
             views.add(i)
-    return frozenset(views)
+    placed = set()
+    for c, n in enumerate(g.nodes):
+        for k, r in enumerate(n.inputs if n.op == "concat" else ()):
+            own, chain = owner_chain(g, views, tuple(r))
+            lay = part_layout(g, c, k, chain)
+            op = g.nodes[own[0]].op
+            if lay is None or op == "concat" or get_op(op).level is Level.LEAF:
+                continue
+            off, st = lay
+            shape = g.shape_of(own).dims
+            isz = g.shape_of(own).dtype.itemsize
+            if (_same_strides(shape, st, _contiguous(shape)) and off * isz % 64 == 0) or (op in STRIDED_WRITERS and st[-1] == 1):
+                placed.add((c, k))
+    return frozenset(views), frozenset(placed)
+
+
+def owner_chain(g, views, r: tuple) -> tuple:
+    """(the value owning r's bytes, the view nodes from r back to it)."""
+    chain = []
+    while True:
+        n = g.nodes[r[0]]
+        d = get_op(n.op)
+        if not (r[0] in views or (d.view_of is not None and not d.effect)):
+            return r, chain
+        chain.append(r[0])
+        r = tuple(n.inputs[d.view_of or 0])
+
+
+def _same_strides(shape, a, b) -> bool:
+    return all(x == y for d, x, y in zip(shape, a, b) if d != 1)
+
+
+def _contiguous(shape) -> tuple:
+    return tuple(math.prod(shape[j + 1:]) for j in range(len(shape)))
+
+
+def part_layout(g, c: int, k: int, chain: list) -> tuple | None:
+    """(offset, strides) in elements of concat c's output at which the owner of its input k
+    (reached through the view nodes `chain`) lies, or None where a view cannot be undone."""
+    cat = g.nodes[c]
+    dims = cat.outs[0].dims
+    ax = cat.a["axis"] % len(dims)
+    st = _contiguous(dims)
+    off = sum(g.shape_of(r).dims[ax] for r in cat.inputs[:k]) * st[ax]
+    shape = g.shape_of(cat.inputs[k]).dims
+    for j in chain:
+        n = g.nodes[j]
+        src = g.shape_of(n.inputs[0]).dims
+        if n.op == "transpose":
+            back = [0] * len(st)
+            for at, p in enumerate(n.a["perm"]):
+                back[p] = st[at]
+            st = tuple(back)
+        elif n.op == "reshape":
+            st = nocopy_reshape_strides(shape, st, src)
+            if st is None:
+                return None
+        else:
+            return None
+        shape = src
+    return off, tuple(st)
 
 
 def _reads_strided(n, ref: tuple) -> bool:
@@ -1084,14 +1147,15 @@ def _reads_strided(n, ref: tuple) -> bool:
 
 
 def _b_concat(b, n, ins, outs):
+    """Copies each part not already written in place (a planned part's producer wrote it)."""
     out = outs[0]
     ax = n.a["axis"] % len(out.shape)
     off = 0
     for x in ins:
         ln = x.shape[ax]
-        if ln:
-            sl = (slice(None),) * ax + (slice(off, off + ln),)
-            b.copy(x, V(out.arr[sl], out.dt))
+        sl = out.arr[(slice(None),) * ax + (slice(off, off + ln),)]
+        if ln and not (x.arr.data.ptr == sl.data.ptr and x.arr.strides == sl.strides and x.dt is out.dt):
+            b.copy(x, V(sl, out.dt))
         off += ln
 
 
@@ -1503,4 +1567,4 @@ VIEW_BUILDERS = {
     "transpose": _v_transpose,         # where the plan made it a view (planned_views)
 }
 
-__all__ = ["BUILDERS", "VIEW_BUILDERS", "STRIDED_WRITERS", "planned_views"]
+__all__ = ["BUILDERS", "VIEW_BUILDERS", "STRIDED_WRITERS", "planned_layouts", "owner_chain", "part_layout"]

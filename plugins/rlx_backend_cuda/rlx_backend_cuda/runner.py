@@ -19,7 +19,7 @@ from rlx_core.ir.errors import BackendError, ModelError, RlxError
 from rlx_core.pipeline import states_moved
 
 from . import codegen, device
-from .ops import BUILDERS, STRIDED_WRITERS, VIEW_BUILDERS
+from .ops import BUILDERS, STRIDED_WRITERS, VIEW_BUILDERS, owner_chain, part_layout
 from .values import CONFIG, V, nocopy_reshape_strides
 
 EW_VEC = 8                   # elements a thread of a contiguous elementwise kernel moves at once
@@ -94,14 +94,18 @@ class Build:
         return pa + a.arr.nbytes <= pc or pc + c.arr.nbytes <= pa
 
     def out_value(self, i: int, k: int = 0) -> V:
-        """The arena array of node i's output k (made once; an epilogue may fill it early). An
-        attention read only by a transpose the plan made a view lays its bytes out in that
-        transpose's order (ops.planned_views)."""
+        """The arena array of node i's output k (made once; an epilogue may fill it early). A
+        value the plan placed in a concat's output is its part there; an attention read only
+        by a transpose the plan made a view lays its bytes out in that transpose's order
+        (ops.planned_layouts)."""
         v = self.vals.get((i, k))
         if v is None:
             g = self.r.lir.graph
             s = g.nodes[i].outs[k]
             sl = self.r.lir.slots[(i, k)]
+            if sl.home == "placed":
+                v = self.vals[(i, k)] = self._placed(i, k, sl.base[0])
+                return v
             use = self.uses.get((i, k), [])
             perm = (g.nodes[use[0]].a["perm"] if len(use) == 1 and use[0] in self.view_transposes
                     and g.nodes[i].op in STRIDED_WRITERS else tuple(range(len(s.dims))))
@@ -110,6 +114,19 @@ class Build:
             v = V(arr.transpose(tuple(perm.index(j) for j in range(len(perm)))), s.dtype)
             self.vals[(i, k)] = v
         return v
+
+    def _placed(self, i: int, k: int, c: int) -> V:
+        g = self.r.lir.graph
+        whole = self.out_value(c).arr.reshape(-1)
+        for at, r in enumerate(g.nodes[c].inputs):
+            own, chain = owner_chain(g, self.view_transposes, tuple(r))
+            if own == (i, k):
+                off, st = part_layout(g, c, at, chain)
+                isz = whole.itemsize
+                arr = self.cp.lib.stride_tricks.as_strided(whole[off:], g.nodes[i].outs[k].dims,
+                                                           tuple(x * isz for x in st))
+                return V(arr, g.nodes[i].outs[k].dtype)
+        raise BackendError(f"cuda backend: node %{i} is placed in concat %{c}, which does not read it")
 
     # -- memory
     def buffer(self, shape, dt: DType, what: str = "scratch") -> V:
@@ -327,7 +344,7 @@ class CudaRunner(Runner):
                 vals[(i, 0)] = V(consts[n.name], n.outs[0].dtype)
                 continue
             ins_v = [vals[tuple(r)] for r in n.inputs]
-            if lir.slots[(i, 0)].home == "view":
+            if lir.slots[(i, 0)].home == "view":       # (a value placed in a concat is not one)
                 vals[(i, 0)] = VIEW_BUILDERS[n.op](b, n, ins_v)
                 continue
             outs = [b.out_value(i, k) for k in range(len(n.outs))]

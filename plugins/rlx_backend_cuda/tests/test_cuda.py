@@ -81,7 +81,7 @@ def test_planned_views_pick_the_transposes_read_through_strides():
     """Transposes around attention become views (no GPU needed: the rule reads the graph);
     one a matmul reads, one that leaves the graph, and one of an attention output another
     node also reads stay copies."""
-    from rlx_backend_cuda.ops import planned_views
+    from rlx_backend_cuda.ops import planned_layouts
     from rlx_core.ir.graph import Builder
 
     swap = (0, 2, 1, 3)
@@ -99,8 +99,33 @@ def test_planned_views_pick_the_transposes_read_through_strides():
     m.output("t", m.transpose(v, (0, 1, 3, 2)))          # moves the last axis
     g = m.build()
     ts = [i for i, n in enumerate(g.nodes) if n.op == "transpose"]
-    views = planned_views(g)
+    views, placed = planned_layouts(g)
     assert [i in views for i in ts] == [True, True, True, True, True, False, False, False]
+    assert placed == frozenset()
+
+
+def test_planned_layouts_place_concat_parts():
+    """Concat inputs written in place: a contiguous, aligned run of the output (any producer),
+    an attention's output in any layout (through its transpose and reshape); not a part at
+    an unaligned offset, nor one behind a narrow."""
+    from rlx_backend_cuda.ops import planned_layouts
+    from rlx_core.ir.graph import Builder
+
+    swap = (0, 2, 1, 3)
+    m = Builder("placed", "mir")
+    x = m.input("x", (1, 32, 64), F16)
+    a, b = m.act(x, "tanh"), m.act(x, "exp")
+    m.output("rows", m.concat([a, b], 1))                              # runs of 32 x 64 x 2 bytes
+    y = m.input("y", (1, 3, 5), F16)
+    m.output("odd", m.concat([m.act(y, "neg"), m.act(y, "abs")], 1))     # the second at byte 30
+    m.output("cut", m.concat([m.narrow(a, 1, 0, 3), x], 1))
+    q = m.transpose(m.reshape(m.act(x, "sin"), (1, 32, 4, 16)), swap)
+    o = m.reshape(m.transpose(m.attention(q, q, q, mask_kind="none"), swap), (1, 32, 64))
+    m.output("cols", m.concat([o, m.act(x, "cos")], -1))
+    g = m.build()
+    cats = [i for i, n in enumerate(g.nodes) if n.op == "concat"]
+    _, placed = planned_layouts(g)
+    assert sorted(placed) == [(cats[0], 0), (cats[0], 1), (cats[1], 0), (cats[3], 0)]
 
 
 def test_elementwise_codegen_is_pure_python():
@@ -384,6 +409,34 @@ ATTN_CASES = [
     (1, 2, 2, 256, 256, 128, "none", 0, 0.0, None, False),
     (1, 4, 2, 256, 384, 64, "none", 0, 0.0, None, False),      # whole tiles, GQA (the wgmma kernel's fast path)
 ]
+
+
+@gpu
+@pytest.mark.parametrize("dt", [F32, BF16])
+def test_concat_parts_written_in_place(rng, dt):
+    """Producers writing straight into a concat's output (ops.planned_layouts): an RMSNorm
+    and a matmul into contiguous runs, an attention through its transpose and reshape into
+    columns beside a part that is copied, and a part that another node also reads."""
+    swap = (0, 2, 1, 3)
+    S, H, D = 40, 4, 32
+    ins = {"x": rand(rng, (1, S, H * D), dt), "w": rand(rng, (H * D, H * D), dt, -0.1, 0.1),
+           "g": rand(rng, (D,), dt)}
+
+    def f(m):
+        x, w = m.input("x", (1, S, H * D), dt), m.input("w", (H * D, H * D), dt)
+        heads = m.rms_norm(m.reshape(x, (1, S, H, D)), m.input("g", (D,), dt))
+        up = m.reshape(m.matmul(x, w), (1, S, H, D))
+        shared = m.act(m.reshape(x, (1, S, H, D)), "tanh")
+        joined = m.concat([heads, up, shared], 1)                       # [1, 3S, H, D]
+        q = m.transpose(joined, swap)
+        o = m.reshape(m.transpose(m.attention(q, q, q, mask_kind="none"), swap), (1, 3 * S, H * D))
+        cols = m.concat([o, m.act(m.concat([x, x, x], 1), "exp")], -1)
+        return {"cols": cols, "shared": shared}
+    g = Graph.define("placed", f)
+    exe = rlx_core.compile(g, backend="cuda")
+    homes = [s.home for s in exe.lir().slots.values()]
+    assert homes.count("placed") >= 3, exe.lir().text()
+    compare(g, ins, dt)
 
 
 @gpu
