@@ -126,9 +126,11 @@ class LtLib:
         self.keep.append(lay)
         return lay
 
-    def prepare(self, opa, opb, m, n, k, a_ld, b_ld, dtype, bias_ptr: int, bias_dtype: int, act: str):
-        """A call D[m, n] = op(A) op(B) + bias (column-major, as cublasGemmEx's operands) with
-        `act` after the bias, or None where no algorithm takes it: `fn(a, b, d, alpha, beta, stream)`."""
+    def prepare(self, opa, opb, m, n, k, a_ld, b_ld, dtype, bias_ptr: int, bias_dtype: int, act: str,
+                d_ld: int | None = None):
+        """A call D[m, n] = op(A) op(B) + bias (column-major, as cublasGemmEx's operands; D's
+        leading dimension d_ld, m by default) with `act` after the bias, or None where no
+        algorithm takes it: `fn(a, b, d, alpha, beta, stream)`."""
         lib = self._lib
         desc = ctypes.c_void_p()
         Lib._check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), COMPUTE_32F, 0), "cublasLtMatmulDescCreate")
@@ -140,7 +142,7 @@ class LtLib:
             self._set(lib.cublasLtMatmulDescSetAttribute, desc, attr, v)
         la = self._layout(dtype, *((m, k) if opa == 0 else (k, m)), a_ld)
         lb = self._layout(dtype, *((k, n) if opb == 0 else (n, k)), b_ld)
-        lc = self._layout(dtype, m, n, m)
+        lc = self._layout(dtype, m, n, d_ld or m)
         pref = ctypes.c_void_p()
         Lib._check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
         self.keep.append(pref)

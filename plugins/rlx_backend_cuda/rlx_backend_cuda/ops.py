@@ -70,6 +70,16 @@ def _as_matrix(b, v: V, rows: int, cols: int) -> tuple:
     return c, cols
 
 
+def _rows_ld(v: V) -> int | None:
+    """The row stride of v seen as rows [prod(shape[:-1]), shape[-1]] of unit element stride
+    (a GEMM's output: its ldc), or None where no such view exists."""
+    rows = v.size // max(v.shape[-1], 1)
+    st = nocopy_reshape_strides(v.shape, v.es, (rows, v.shape[-1])) if v.size and len(v.shape) > 1 else None
+    if st is None or (v.shape[-1] > 1 and st[1] != 1):
+        return None
+    return st[0] if rows > 1 else v.shape[-1]
+
+
 def _mat_layout(R, C, sr, sc):
     """'r' row-major (ld=sr), 'c' column-major (ld=sc), or None."""
     if R == 1:
@@ -106,14 +116,24 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None, 
     if w.dt is not od:
         w = b.contiguous(w, od)
     if (len(out.shape) > 2 and w.arr.ndim == 2 and not ta and a.shape[:-1] == out.shape[:-1]
-            and a.contiguous() and out.contiguous() and (swiglu is None or swiglu.contiguous())):
+            and a.contiguous() and _rows_ld(out) is not None and (swiglu is None or swiglu.contiguous())):
         # x [..., M, K] @ one weight: all leading rows as one GEMM, so the weight is read once
-        # for the batch (a strided batch of M=1 products re-reads it per row)
+        # for the batch (a strided batch of M=1 products re-reads it per row); the output
+        # rows may have any stride (a part of a concat)
         rows = math.prod(out.shape[:-1])
 
         def flat(v):
-            return V(v.arr.reshape(rows, v.shape[-1]), v.dt)
+            ld = _rows_ld(v)
+            return V(cp.lib.stride_tricks.as_strided(v.arr, (rows, v.shape[-1]), (ld * v.arr.itemsize,
+                                                                                  v.arr.itemsize)), v.dt)
         return _matmul(b, flat(a), w, False, tb, flat(out), None if swiglu is None else flat(swiglu), epilogue)
+    ldc = _rows_ld(out) if len(out.shape) == 2 else None
+    if not out.contiguous() and ldc is None:       # (no planned layout asks this)
+        c = b.buffer(out.shape, od, "matmul output")
+        if not _matmul(b, a, w, ta, tb, c, swiglu, epilogue):
+            return False
+        b.copy(c, out)
+        return True
     A = a.arr.swapaxes(-1, -2) if ta else a.arr
     Bm = w.arr.swapaxes(-1, -2) if tb else w.arr
     M, K = A.shape[-2], A.shape[-1]
@@ -191,7 +211,7 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None, 
         for px, py, pcc in calls:
             if cnt == 1:
                 lib.gemm(handle, opx, opy, N, M, K_, ap, px, dtype_c, ldx, py, dtype_c, ldy,
-                         bp, pcc, dtype_c, N, compute)
+                         bp, pcc, dtype_c, ldc or N, compute)
             else:
                 lib.gemm_strided(handle, opx, opy, N, M, K_, ap, px, dtype_c, ldx, s_b, py, dtype_c, ldy,
                                  s_a, bp, pcc, dtype_c, N, s_c, cnt, compute)
@@ -207,7 +227,8 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None, 
         lt = None
         if len(calls) == 1 and cnt == 1:
             bias, act = epilogue
-            lt = cublas.lt_library().prepare(opx, opy, N, M, K_, ldx, ldy, dtype_c, bias.arr.data.ptr, dtype_c, act)
+            lt = cublas.lt_library().prepare(opx, opy, N, M, K_, ldx, ldy, dtype_c, bias.arr.data.ptr, dtype_c, act,
+                                             ldc)
         if lt is None:
             return False
         mark = len(b.steps)         # the unfused epilogue, for the switch
@@ -361,7 +382,7 @@ def _lt_fits(b, a: V, w: V, out: V, bias: V, act: str) -> bool:
     od = out.dt
     return (od in (F16, BF16, F32) and a.dt is od and w.dt is od and bias.dt is od and out.size > 0
             and bias.shape == (out.shape[-1],) and bias.contiguous() and bias.arr.data.ptr % 16 == 0
-            and out.contiguous() and act in cublas.LT_EPILOGUES and cublas.lt_library() is not None)
+            and _rows_ld(out) is not None and act in cublas.LT_EPILOGUES and cublas.lt_library() is not None)
 
 
 def _bias_act(b, out: V, bias: V | None, act: str) -> None:
@@ -1056,6 +1077,7 @@ def _v_transpose(b, n, ins):
 STRIDED_READERS = {"concat": None, "rope": (0,), "attention": (0, 1, 2), "fused_attention_block": (0, 1, 2),
                    "kv_write": (1,)}
 STRIDED_WRITERS = ("attention", "fused_attention_block")
+ROW_WRITERS = ("matmul", "fused_matmul_bias_act")      # rows of any stride (cuBLAS's ldc)
 
 
 def planned_layouts(g) -> tuple:
@@ -1065,7 +1087,8 @@ def planned_layouts(g) -> tuple:
     so the view is contiguous); FLUX's step copied 285 transposes, 4.9 ms on an H200. Placed:
     concat inputs whose producer writes into the concat's output: any producer where its
     part is a contiguous, aligned run of the output, an attention where it is any layout of
-    unit last stride."""
+    unit last stride, a GEMM where it is rows of one stride (FLUX's single blocks join the
+    attention and the MLP's GEMM this way)."""
     uses = g.consumers()
     views = set()
     for i, n in enumerate(g.nodes):
@@ -1089,7 +1112,11 @@ def planned_layouts(g) -> tuple:
             off, st = lay
             shape = g.shape_of(own).dims
             isz = g.shape_of(own).dtype.itemsize
-            if (_same_strides(shape, st, _contiguous(shape)) and off * isz % 64 == 0) or (op in STRIDED_WRITERS and st[-1] == 1):
+            rows = (math.prod(shape[:-1]), shape[-1])
+            if ((_same_strides(shape, st, _contiguous(shape)) and off * isz % 64 == 0)
+                    or (op in STRIDED_WRITERS and st[-1] == 1)
+                    or (op in ROW_WRITERS and off * isz % 16 == 0 and st[-1] == 1
+                        and (lay := nocopy_reshape_strides(shape, st, rows)) is not None and lay[0] % 8 == 0)):
                 placed.add((c, k))
     return frozenset(views), frozenset(placed)
 

@@ -415,12 +415,13 @@ ATTN_CASES = [
 @pytest.mark.parametrize("dt", [F32, BF16])
 def test_concat_parts_written_in_place(rng, dt):
     """Producers writing straight into a concat's output (ops.planned_layouts): an RMSNorm
-    and a matmul into contiguous runs, an attention through its transpose and reshape into
-    columns beside a part that is copied, and a part that another node also reads."""
+    and a matmul into contiguous runs, an attention through its transpose and reshape and a
+    GEMM with its bias and GELU into columns, beside a part that is copied, and a part that
+    another node also reads."""
     swap = (0, 2, 1, 3)
     S, H, D = 40, 4, 32
     ins = {"x": rand(rng, (1, S, H * D), dt), "w": rand(rng, (H * D, H * D), dt, -0.1, 0.1),
-           "g": rand(rng, (D,), dt)}
+           "g": rand(rng, (D,), dt), "bias": rand(rng, (H * D,), dt)}
 
     def f(m):
         x, w = m.input("x", (1, S, H * D), dt), m.input("w", (H * D, H * D), dt)
@@ -430,12 +431,14 @@ def test_concat_parts_written_in_place(rng, dt):
         joined = m.concat([heads, up, shared], 1)                       # [1, 3S, H, D]
         q = m.transpose(joined, swap)
         o = m.reshape(m.transpose(m.attention(q, q, q, mask_kind="none"), swap), (1, 3 * S, H * D))
-        cols = m.concat([o, m.act(m.concat([x, x, x], 1), "exp")], -1)
+        xs = m.concat([x, x, x], 1)
+        lin = m.act(m.matmul(xs, w) + m.input("bias", (H * D,), dt), "gelu_tanh")     # GEMM rows, strided
+        cols = m.concat([o, lin, m.act(xs, "exp")], -1)
         return {"cols": cols, "shared": shared}
     g = Graph.define("placed", f)
     exe = rlx_core.compile(g, backend="cuda")
     homes = [s.home for s in exe.lir().slots.values()]
-    assert homes.count("placed") >= 3, exe.lir().text()
+    assert homes.count("placed") == 4, exe.lir().text()
     compare(g, ins, dt)
 
 
