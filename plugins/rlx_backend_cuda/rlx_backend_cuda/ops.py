@@ -1112,11 +1112,11 @@ def planned_layouts(g) -> tuple:
             off, st = lay
             shape = g.shape_of(own).dims
             isz = g.shape_of(own).dtype.itemsize
-            rows = (math.prod(shape[:-1]), shape[-1])
+            rows = nocopy_reshape_strides(shape, st, (math.prod(shape[:-1]), shape[-1]))
             if ((_same_strides(shape, st, _contiguous(shape)) and off * isz % 64 == 0)
                     or (op in STRIDED_WRITERS and st[-1] == 1)
-                    or (op in ROW_WRITERS and off * isz % 16 == 0 and st[-1] == 1
-                        and (lay := nocopy_reshape_strides(shape, st, rows)) is not None and lay[0] % 8 == 0)):
+                    or (op in ROW_WRITERS and st[-1] == 1 and rows is not None and off * isz % 16 == 0
+                        and rows[0] * isz % 16 == 0)):        # (16-byte rows: cuBLAS's fast kernels)
                 placed.add((c, k))
     return frozenset(views), frozenset(placed)
 
@@ -1591,7 +1591,7 @@ VIEW_BUILDERS = {
     "expand": _v_expand,
     "kv_write": _v_kv_write,
     "assign": _v_assign,
-    "transpose": _v_transpose,         # where the plan made it a view (planned_views)
+    "transpose": _v_transpose,         # where the plan made it a view (planned_layouts)
 }
 
 __all__ = ["BUILDERS", "VIEW_BUILDERS", "STRIDED_WRITERS", "planned_layouts", "owner_chain", "part_layout"]
