@@ -15,12 +15,12 @@ from . import codegen, sources as S
 def catalog() -> list:
     out = []
     for t, acc in (("float", "float"), ("__nv_bfloat16", "float"), ("__half", "float"), ("double", "double")):
-        vecs = ((4, 1, 4), (16, 1, 8), (24, 0, 8)) if acc == "float" and t != "float" else ()
-        for vpt, warp, vec in ((0, 0, 1), (8, 0, 1), (4, 1, 1), (16, 1, 1)) + vecs:
+        vecs = ((4, 1, 4, 32), (8, 1, 8, 16), (16, 1, 8, 32), (24, 0, 8, 32)) if acc == "float" and t != "float" else ()
+        for vpt, warp, vec, lanes in ((0, 0, 1, 32), (8, 0, 1, 32), (4, 1, 1, 32), (16, 1, 1, 32)) + vecs:
             for hr in (0, 1):
-                out.append((f"rms {t} {vpt} {warp} {hr} vec {vec}", S.render(
+                out.append((f"rms {t} {vpt} {warp} {hr} vec {vec} lanes {lanes}", S.render(
                     S.RMS_NORM, TX=t, TR=t, TW=t, TH=t, TO=t, ACC=acc, HAS_R=hr, HAS_W=1, VPT=vpt, WARP=warp,
-                    VEC=vec), "rlx_rms_norm"))
+                    VEC=vec, LANES=lanes), "rlx_rms_norm"))
         for hr, vpt, vec in ((0, 0, 1), (1, 0, 1), (1, 3, 1)) + (((0, 8, 8), (1, 24, 8)) if acc == "float" and t != "float"
                                                               else ()):
             out.append((f"ln {t} {hr} {vpt} vec {vec}", S.render(

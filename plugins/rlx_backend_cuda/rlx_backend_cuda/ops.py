@@ -642,16 +642,25 @@ def _rms_norm(b, x, r, w, h, y, eps, off):
     xv, rows, nn, xrs, rv, rrs = _norm_rows(b, x, r)
     wv = b.contiguous(w) if w is not None else None
     warp = nn <= WARP_ROW
+    lanes = 32
     if warp:                  # a warp a row: its lanes' values in one vector each where they fit
         vec, threads, vpt = _row_vectors(nn, [xv, rv, h, y], [xrs, rrs], 32, 1)
+        # fewer lanes a row, each with a wider vector, while one vector a lane covers the row
+        # (FLUX's q/k rows of 128 bf16 values: 16 lanes of 16 bytes, two rows a warp)
+        while not b.hip and lanes > 1 and vec == vpt and 2 * vec * y.arr.itemsize <= 16:
+            cand = _row_vectors(nn, [xv, rv, h, y], [xrs, rrs], lanes // 2, 1)
+            if cand[0] != 2 * vec:
+                break
+            lanes, (vec, threads, vpt) = lanes // 2, cand
     else:
         vec, threads, vpt = _row_vectors(nn, [xv, rv, h, y], [xrs, rrs])
     src = sources.render(sources.RMS_NORM, TX=ctype(x.dt), TR=ctype(r.dt) if r else "float",
                          TW=ctype(w.dt) if w else "float", TH=ctype(h.dt) if h else "float",
                          TO=ctype(y.dt), ACC=acc_of(x.dt, r.dt if r else x.dt),
-                         HAS_R=int(r is not None), HAS_W=int(w is not None), WARP=int(warp), VPT=vpt, VEC=vec)
+                         HAS_R=int(r is not None), HAS_W=int(w is not None), WARP=int(warp), VPT=vpt, VEC=vec,
+                         LANES=lanes)
     fn = b.kernel(src, "rlx_rms_norm")
-    grid, block = ((-(-rows // 8),), (256,)) if warp else ((rows,), (threads,))
+    grid, block = ((-(-rows // (256 // lanes)),), (256,)) if warp else ((rows,), (threads,))
     b.launch(fn, grid, block, (xv.arr, i64(xrs), rv.arr if rv else None, i64(rrs), wv.arr if wv else None,
                                h.arr if h else None, y.arr, i32(nn), f64(eps), f64(off), i64(rows)))
 

@@ -255,12 +255,14 @@ extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long xrs
     const $TR* __restrict__ r, long long rrs, const $TW* __restrict__ w,
     $TH* __restrict__ h, $TO* __restrict__ y, int n, double eps_d, double off_d, long long rows) {
   // HAS_R: y = rms_norm(x + r) and h = x + r (fused_residual_rms_norm); else y = rms_norm(x).
-  // WARP: a warp per row (short rows: FLUX's q/k norms over 128 values, 110k rows), else a block
+  // WARP: $LANES lanes of a warp per row (short rows: FLUX's q/k norms over 128 values, 110k
+  // rows, 16 lanes of one 16-byte load each), else a block
   typedef $ACC ACC;
 #if $WARP
-  const i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (row >= rows) return;
-  const int tid = threadIdx.x & 31, nt = 32;
+  const i64 grp = (i64)blockIdx.x * (blockDim.x / $LANES) + threadIdx.x / $LANES;
+  if ($LANES == 32 && grp >= rows) return;
+  const i64 row = grp < rows ? grp : rows - 1;    // (a group past the end redoes the last row: same bytes)
+  const int tid = threadIdx.x % $LANES, nt = $LANES;
 #else
   const i64 row = blockIdx.x;
   const int tid = threadIdx.x, nt = blockDim.x;
@@ -292,7 +294,8 @@ extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long xrs
     for (int j = 0; j < $VEC; ++j) ss += vals[k * $VEC + j] * vals[k * $VEC + j];
   }
 #if $WARP
-  ss = warp_sum(ss);
+#pragma unroll
+  for (int m = $LANES / 2; m > 0; m >>= 1) ss += SHFL_XOR(ss, m);
 #else
   ss = block_sum(ss);
 #endif
@@ -338,7 +341,8 @@ extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long xrs
     ss += v * v;
   }
 #if $WARP
-  ss = warp_sum(ss);
+#pragma unroll
+  for (int m = $LANES / 2; m > 0; m >>= 1) ss += SHFL_XOR(ss, m);
 #else
   ss = block_sum(ss);
 #endif

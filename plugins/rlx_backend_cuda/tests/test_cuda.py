@@ -364,7 +364,8 @@ def test_layer_norm_row_lengths(rng, dt, n):
 def test_rms_norm_row_lengths(rng, dt, n):
     """(Residual) RMSNorm rows: a warp a row up to 512 values, a block beyond; 16-bit data in
     vectors of 2 to 8 values where n allows (a lane's last vector past the row end: 200),
-    single values where none fits (99, 1001)."""
+    single values where none fits (99, 1001); rows of 64 and 128 16-bit values take 8 and 16
+    lanes of one 16-byte vector each, the groups past the 7th row redoing the last one."""
     ins = {"x": rand(rng, (7, n), dt), "r": rand(rng, (7, n), dt), "w": rand(rng, (n,), dt)}
 
     def f(m):
