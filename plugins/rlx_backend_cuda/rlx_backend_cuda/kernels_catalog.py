@@ -67,10 +67,9 @@ def catalog() -> list:
                     out.append((f"attn_tc {t} {d} MT {mt}", S.render(
                         S.ATTN_TC, T=t, MMAT="bf16" if "bf" in t else "f16", D=d, VEC=vec, MT=mt, **common),
                         "rlx_attn_tc"))
-                for d, whole, rope in ((64, 0, 0), (128, 0, 1), (128, 1, 0), (128, 1, 1)):
-                    out.append((f"attn_wg {t} {mk}{mm} {d} whole {whole} rope {rope}", S.attn_wg_source(
-                        d, T=t, MMAT="bf16" if "bf" in t else "f16", WHOLE=whole, ROPE_Q=rope, TC="float",
-                        **common), "rlx_attn_wg"))
+                for d, whole in ((64, 0), (128, 0), (128, 1)):
+                    out.append((f"attn_wg {t} {mk}{mm} {d} whole {whole}", S.attn_wg_source(
+                        d, T=t, MMAT="bf16" if "bf" in t else "f16", WHOLE=whole, **common), "rlx_attn_wg"))
         out.append((f"gather {t}", S.render(S.GATHER, TT=t, TI="long long"), "rlx_gather"))
     out.append(("gather u8", S.render(S.GATHER, TT="unsigned char", TI="int"), "rlx_gather"))
     for rank in (1, 4):

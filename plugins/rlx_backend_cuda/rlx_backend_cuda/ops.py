@@ -1228,22 +1228,9 @@ def _attn_vec(t: V, d: int) -> int:
     return w
 
 
-def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V, rope_q: tuple | None = None) -> None:
-    """out <- attention(q, k, v); rope_q (x, cos, sin): q is still to be filled with x's
-    interleaved RoPE, which the wgmma kernel does as it loads x and the others by a launch
-    of their own first."""
+def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
     if out.size == 0:
         return
-    first: list = []
-    if rope_q is not None:
-        mark = len(b.steps)
-        _rope(b, [(rope_q[0], q, True, False)], rope_q[1], rope_q[2], "interleaved")
-        first = [st.fn for st in b.steps[mark:]]
-        del b.steps[mark:]
-
-    def rope_first():
-        for fn in first:
-            fn()
     q, k, v = _unit_last(b, q), _unit_last(b, k), _unit_last(b, v)
     B, H, Sq, Dk = q.shape
     KVH, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -1273,12 +1260,11 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V, rope_q: tuple | 
                 out.arr, *ostr, i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk), scale, cap, window)
         grid, block, stream = (-(-Sq // (64 * mt)), H, B), (128,), b.stream
 
-        wg = _wg_attention(b, a, q, k, v, mv, mst, pv, out, common, rope_q) if vec else None
+        wg = _wg_attention(b, a, q, k, v, mv, mst, pv, out, common) if vec else None
 
         def tc_run():
             if wg is not None and CONFIG["wg_attention"]:
                 return wg()
-            rope_first()
             fn(grid, block, args, smem, stream)
         tc = tc_run
     # split-K kernel (always built: the decode path, f32/f64, and the TC fallback)
@@ -1315,36 +1301,27 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V, rope_q: tuple | 
         fn_s(grid_s, (NT,), args_s, 0, stream)
     short = _short_attention(b, q, k, v, mv, mst, pv, out, scale, cap, window, common) if acc == "float" else None
     if tc is None and short is None:
-        b.add(lambda: (rope_first(), split()))
+        b.add(split)
     else:
         def dispatch():
             if tc is not None and CONFIG["tc_attention"]:
                 tc()
             else:
-                rope_first()
                 (short if short is not None and CONFIG["short_attention"] else split)()
         b.add(dispatch)
 
 
-def _wg_attention(b, a: dict, q: V, k: V, v: V, mv, mst, pv, out: V, common: dict, rope_q=None):
+def _wg_attention(b, a: dict, q: V, k: V, v: V, mv, mst, pv, out: V, common: dict):
     """A launch of sources.ATTN_WG (Hopper's wgmma: 128 query rows a block, two warpgroups)
     for 16-byte-aligned rows of head_dim 64 or 128 on an sm_90 GPU, or None; K and V through
-    tensor maps; with rope_q (x, cos, sin) Q is x roped as it loads. FLUX's attention (4608
-    tokens, 24 heads x 128, bf16, H200): 0.473 ms against rlx_attn_tc's 0.885."""
+    tensor maps. FLUX's attention (4608 tokens, 24 heads x 128, bf16, H200): 0.473 ms against
+    rlx_attn_tc's 0.885."""
     B, H, Sq, D = q.shape
     KVH, Sk = k.shape[1], k.shape[2]
     oe = out.es
     if (D not in (64, 128) or tuple(b.cc) != (9, 0) or oe[3] != 1 or any(s % 2 for s in oe[:3])
             or out.arr.data.ptr % 4):
         return None
-    tables = (None, None, 0)
-    if rope_q is not None:
-        q, c, s = rope_q
-        c = b.contiguous(c)
-        s = b.contiguous(s, c.dt)
-        if q.es[3] != 1 or q.arr.data.ptr % 16 or any(e % 8 for e in q.es[:3]) or 2 * c.shape[-1] != D:
-            return None
-        tables = (c.arr, s.arr, Sq * (D // 2) if len(c.shape) == 3 else 0)
     box = (64, sources.BN_WG, 1, 1)
     try:                      # (a layout the copy engine cannot take, a broadcast head say: the mma.sync kernel)
         tk, tv = device.tensor_map(k.arr, box, "attention keys"), device.tensor_map(v.arr, box, "attention values")
@@ -1352,15 +1329,13 @@ def _wg_attention(b, a: dict, q: V, k: V, v: V, mv, mst, pv, out: V, common: dic
         return None
     whole = int(common["MASKKIND"] == 0 and common["MASKMODE"] == 0 and float(a["softcap"]) == 0.0
                 and float(a["scale"]) > 0.0 and Sq % 128 == 0 and Sk % 128 == 0)
-    src = sources.attn_wg_source(D, T=ctype(q.dt), MMAT="bf16" if q.dt is BF16 else "f16", WHOLE=whole,
-                                 ROPE_Q=int(rope_q is not None), TC=ctype(c.dt) if rope_q is not None else "float",
-                                 **common)
+    src = sources.attn_wg_source(D, T=ctype(q.dt), MMAT="bf16" if q.dt is BF16 else "f16", WHOLE=whole, **common)
     smem = sources.attn_wg_smem(D)
     fn = b.kernel(src, "rlx_attn_wg", smem)
     qs = q.es
     args = (q.arr, i64(qs[0]), i64(qs[1]), i64(qs[2]), tk, tv, mv, *[i64(s) for s in mst], pv.arr if pv else None,
             out.arr, i64(oe[0]), i64(oe[1]), i64(oe[2]), i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk),
-            f64(a["scale"]), f64(a["softcap"]), i32(a["window"]), tables[0], tables[1], i64(tables[2]))
+            f64(a["scale"]), f64(a["softcap"]), i32(a["window"]))
     grid, stream = (-(-Sq // 128), H, B), b.stream
 
     def run():
@@ -1532,18 +1507,12 @@ def _b_attn_block(b, n, ins, outs):
     q, k, v, cos, sin, *rest = ins
     qr = b.node_buffer(q.shape, q.dt, "roped q")
     kr = b.node_buffer(k.shape, k.dt, "roped k")
-    _, _, _, mask, pos = _split_attn(a, [q, k, v] + rest)
-    if (a["style"] == "interleaved" and 2 * cos.shape[-1] == q.shape[3] and q.dt in LOW and not b.hip
-            and tuple(b.cc) == (9, 0)):
-        # Hopper: the wgmma kernel ropes q as it loads it (FLUX: 57 x ~25 us of RoPE a step)
-        _rope(b, [(k, kr, True, False)], cos, sin, a["style"])
-        _attention(b, a, qr, kr, v, mask, pos, outs[0], rope_q=(q, cos, sin))
-        return
     if _same_bsd(q, k) and q.dt is k.dt:
         _rope(b, [(q, qr, True, False), (k, kr, True, False)], cos, sin, a["style"])
     else:
         _rope(b, [(q, qr, True, False)], cos, sin, a["style"])
         _rope(b, [(k, kr, True, False)], cos, sin, a["style"])
+    _, _, _, mask, pos = _split_attn(a, [q, k, v] + rest)
     _attention(b, a, qr, kr, v, mask, pos, outs[0])
 
 

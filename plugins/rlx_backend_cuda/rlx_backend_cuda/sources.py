@@ -1658,36 +1658,6 @@ struct rlx_wg_loader {
       }
     }
   }
-#if $ROPE_Q
-  // the same rows rotated on their way in (RoPE of interleaved pairs over all D columns;
-  // tables tc / ts [rows, D / 2]), through registers: the block's RoPE launch then ropes K alone
-  __device__ __forceinline__ void rope(unsigned base, const $T* src, long long rstride, i64 row0, i64 nrows,
-                                       const $TC* __restrict__ tc, const $TC* __restrict__ ts) const {
-    const $T* p = src + (row0 + r0) * rstride + col;
-#pragma unroll
-    for (int i = 0; i < N; ++i, p += (long long)RSTEP * rstride) {
-      const i64 row = row0 + r0 + i * RSTEP;
-      rlx_vec<$T, 8> v;
-      if (row < nrows) {
-        v = *(const rlx_vec<$T, 8>*)p;
-        const i64 t = row * (D / 2) + col / 2;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float x1 = LD(float, v.v[2 * e]), x2 = LD(float, v.v[2 * e + 1]);
-          const float cc = LD(float, tc[t + e]), ss = LD(float, ts[t + e]);
-          v.v[2 * e] = ST($T, x1 * cc - x2 * ss);
-          v.v[2 * e + 1] = ST($T, x2 * cc + x1 * ss);
-        }
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v.v[e] = ST($T, 0.f);
-      }
-      const uint4 w = *(const uint4*)&v;
-      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
-                   :: "r"(base + dst + i * RSTEP * 128), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w) : "memory");
-    }
-  }
-#endif
 };
 template <int N> __device__ __forceinline__ void rlx_wg_settle(float* d) {
   // the compiler may not move reads of registers an async wgmma writes above its wait
@@ -1856,9 +1826,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) rlx_attn_wg(
     const void* tk, const void* tv,
     const $TM* __restrict__ mask, long long m0, long long m1, long long m2, long long m3,
     const $TP* __restrict__ pos, $T* __restrict__ out, long long osb, long long osh, long long oss,
-    int B, int H, int KVH, int Sq, int Sk, double scale_d, double cap_d, int window,
-    const $TC* __restrict__ rtc, const $TC* __restrict__ rts, long long rtb) {
-  // ROPE_Q: q comes un-rotated and is roped by the tables rtc / rts (batch stride rtb) as it loads
+    int B, int H, int KVH, int Sq, int Sk, double scale_d, double cap_d, int window) {
   extern __shared__ __align__(1024) unsigned char rlx_smem[];
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2;
   const int h = blockIdx.y, b = blockIdx.z;
@@ -1908,11 +1876,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) rlx_attn_wg(
     a.fetch(tv, a.vslot(0), a.bar(1, 0), 0);
   }
   const rlx_wg_loader load(tid);
-#if $ROPE_Q
-  load.rope(Qs, q + b * qsb + h * qsh, qss, a.q0, Sq, rtc + b * rtb, rts + b * rtb);
-#else
   load(Qs, q + b * qsb + h * qsh, qss, a.q0, Sq);
-#endif
   RLX_CP_COMMIT();
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

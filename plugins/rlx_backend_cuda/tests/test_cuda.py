@@ -491,38 +491,6 @@ def test_attention(rng, dt, case, tc, layout, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("dt", [F16, BF16])
-@pytest.mark.parametrize("style", ["interleaved", "half"])
-@pytest.mark.parametrize("B,S,D,batched", [(1, 200, 128, False), (2, 130, 64, True), (1, 256, 128, False)])
-@pytest.mark.parametrize("wg", [True, False])
-def test_attention_block_rope(rng, dt, style, B, S, D, batched, wg):
-    """RoPE on q and k, then attention (one fused_attention_block): on Hopper the wgmma kernel
-    ropes q (interleaved, full rotation) as it loads it, ragged rows past S zeroed; with it
-    switched off (or the half style) q is roped by a launch first."""
-    from rlx_backend_cuda import set_config
-
-    H, KVH = 4, 2
-    tshape = (B, S, D // 2) if batched else (S, D // 2)
-    ang = rng.uniform(0, 6, size=tshape)
-    ins = {"q": rand(rng, (B, S, H, D), dt), "k": rand(rng, (B, S, KVH, D), dt), "v": rand(rng, (B, S, KVH, D), dt),
-           "cos": np.cos(ang).astype(np.float32), "sin": np.sin(ang).astype(np.float32)}
-    swap = (0, 2, 1, 3)
-
-    def f(m):
-        q, k, v = (m.transpose(m.input(n, ins[n].shape, dt), swap) for n in "qkv")
-        c, s = m.input("cos", tshape, F32), m.input("sin", tshape, F32)
-        o = m.attention(m.rope(q, c, s, style), m.rope(k, c, s, style), v, mask_kind="none")
-        return m.transpose(o, swap)
-    g = Graph.define("block", f)
-    assert "fused_attention_block" in [n.op for n in rlx_core.compile(g, backend="cuda").lir().graph.nodes]
-    set_config(wg_attention=wg)
-    try:
-        compare(g, ins, dt)
-    finally:
-        set_config(wg_attention=True)
-
-
-@gpu
-@pytest.mark.parametrize("dt", [F16, BF16])
 @pytest.mark.parametrize("kind", ["none", "causal"])
 @pytest.mark.parametrize("mt", [1, 2, "wg"])
 def test_attention_tc_growing_scores(rng, dt, kind, mt, monkeypatch):
