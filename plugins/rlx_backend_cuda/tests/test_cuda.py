@@ -491,6 +491,38 @@ def test_attention(rng, dt, case, tc, layout, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("dt", [F16, BF16])
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+@pytest.mark.parametrize("B,S,D,batched", [(1, 200, 128, False), (2, 130, 64, True), (1, 256, 128, False)])
+@pytest.mark.parametrize("wg", [True, False])
+def test_attention_block_rope(rng, dt, style, B, S, D, batched, wg):
+    """RoPE on q and k read through [B, S, H, D] views, then attention: one
+    fused_attention_block (one RoPE launch into scratch, then the attention kernel), with the
+    wgmma kernel and without it, ragged query blocks, GQA, per-batch tables."""
+    from rlx_backend_cuda import set_config
+
+    H, KVH = 4, 2
+    tshape = (B, S, D // 2) if batched else (S, D // 2)
+    ang = rng.uniform(0, 6, size=tshape)
+    ins = {"q": rand(rng, (B, S, H, D), dt), "k": rand(rng, (B, S, KVH, D), dt), "v": rand(rng, (B, S, KVH, D), dt),
+           "cos": np.cos(ang).astype(np.float32), "sin": np.sin(ang).astype(np.float32)}
+    swap = (0, 2, 1, 3)
+
+    def f(m):
+        q, k, v = (m.transpose(m.input(n, ins[n].shape, dt), swap) for n in "qkv")
+        c, s = m.input("cos", tshape, F32), m.input("sin", tshape, F32)
+        o = m.attention(m.rope(q, c, s, style), m.rope(k, c, s, style), v, mask_kind="none")
+        return m.transpose(o, swap)
+    g = Graph.define("block", f)
+    assert "fused_attention_block" in [n.op for n in rlx_core.compile(g, backend="cuda").lir().graph.nodes]
+    set_config(wg_attention=wg)
+    try:
+        compare(g, ins, dt)
+    finally:
+        set_config(wg_attention=True)
+
+
+@gpu
+@pytest.mark.parametrize("dt", [F16, BF16])
 @pytest.mark.parametrize("kind", ["none", "causal"])
 @pytest.mark.parametrize("mt", [1, 2, "wg"])
 def test_attention_tc_growing_scores(rng, dt, kind, mt, monkeypatch):
