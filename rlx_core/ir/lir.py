@@ -227,20 +227,20 @@ def plan(g: Graph, views: frozenset = frozenset(), placed: frozenset = frozenset
         buffers[o] = (min(s, begin.get(v, v[0])), max(e, end[v]))
 
     sizes = {o: _align(g.shape_of(o).nbytes()) for o in buffers}
-    placed: list = []                        # (offset, size, start, end)
+    laid: list = []                          # (offset, size, start, end) of the buffers placed so far
     offsets: dict = {}
     for o in sorted(buffers, key=lambda o: (-sizes[o], buffers[o][0])):
         s, e = buffers[o]
         size = sizes[o]
-        conflicts = sorted((off, sz) for off, sz, ps, pe in placed if not (pe < s or e < ps))
+        conflicts = sorted((off, sz) for off, sz, ps, pe in laid if not (pe < s or e < ps))
         off = 0
         for coff, csz in conflicts:
             if off + size <= coff:
                 break
             off = max(off, coff + csz)
         offsets[o] = off
-        placed.append((off, size, s, e))
-    arena = max((off + sz for off, sz, _, _ in placed), default=0)
+        laid.append((off, size, s, e))
+    arena = max((off + sz for off, sz, _, _ in laid), default=0)
 
     # liveness lower bound: max over time of bytes that must coexist
     events = [0] * (n_nodes + 2)
