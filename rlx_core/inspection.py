@@ -115,7 +115,8 @@ class Inspection:
 
     def bind(self, dims: dict) -> None:
         """Plan the graph the executable runs (param-only parts hoisted to load time) with
-        `dims` bound and the rest by default."""
+        `dims` bound and the rest by default, with the backend's layouts (its views and
+        concat parts written in place) as the executable plans it."""
         from .passes.transform import hoist_params
         from .pipeline import specialize
         from .ir.lir import plan
@@ -124,7 +125,8 @@ class Inspection:
         self.defaulted = tuple(sorted(symbols - set(dims)))
         self.dims = {s: dims.get(s, DEFAULT_DIMS.get(s, OTHER_DIM)) for s in sorted(symbols)}
         main, self.prologue = hoist_params(self.mir)
-        self.lir = plan(specialize(main, self.dims))
+        g = specialize(main, self.dims)
+        self.lir = plan(g, *self.pipe.backend.planned_layouts(g))
 
     # -- the report, section by section
     def header(self) -> dict:
@@ -257,7 +259,7 @@ class Inspection:
             d = get_op(n.op)
             if n.op in LEAVES:
                 kernel = "-"
-            elif d.view_of is not None and not d.effect:
+            elif s.home == "view" and not d.effect:          # (kv_write writes: a kernel)
                 kernel = "view"
             else:
                 kernel = kernel_name(n)

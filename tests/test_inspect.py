@@ -237,6 +237,23 @@ def test_graph_dot_of_every_level_matches_the_graph(tiny, tiny_model, tmp_path, 
     assert "arena[" not in (tmp_path / "mir.dot").read_text()
 
 
+def test_placement_shows_the_backends_planned_layouts(tiny, monkeypatch):
+    """The plan `rlx inspect` shows is the executable's: with a backend that runs transposes
+    as views (Backend.planned_layouts; cuda's do), they are listed as views that own no bytes."""
+    from rlx_core.inspection import Inspection
+
+    x = Inspection.load(str(tiny), backend="numpy")
+    x.bind({"seq": 4})
+    copied = [n for n in x.placement() if n["op"] == "transpose"]
+    assert copied and all(n["kernel"] != "view" and n["home"] == "arena" for n in copied)
+    monkeypatch.setattr(type(x.pipe.backend), "planned_layouts", lambda self, g: (
+        frozenset(i for i, n in enumerate(g.nodes) if n.op == "transpose"), frozenset()))
+    x.bind({"seq": 4})
+    viewed = [n for n in x.placement() if n["op"] == "transpose"]
+    assert [n["node"] for n in viewed] == [n["node"] for n in copied]
+    assert all(n["kernel"] == "view" and n["home"] == "view" for n in viewed)
+
+
 def test_graph_layers_collapse_the_others(tiny, tmp_path, no_dot):
     out = tmp_path / "l0.dot"
     r = run("inspect", str(tiny), "--backend", "numpy", "--graph", str(out), "--layers", "0")
