@@ -1190,7 +1190,8 @@ def _b_concat(b, n, ins, outs):
     for x in ins:
         ln = x.shape[ax]
         sl = out.arr[(slice(None),) * ax + (slice(off, off + ln),)]
-        if ln and not (x.arr.data.ptr == sl.data.ptr and x.arr.strides == sl.strides and x.dt is out.dt):
+        if ln and not (x.arr.data.ptr == sl.data.ptr and x.dt is out.dt
+                       and _same_strides(x.shape, x.arr.strides, sl.strides)):   # (size-1 dims: any stride)
             b.copy(x, V(sl, out.dt))
         off += ln
 

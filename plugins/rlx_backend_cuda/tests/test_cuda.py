@@ -128,6 +128,36 @@ def test_planned_layouts_place_concat_parts():
     assert sorted(placed) == [(cats[0], 0), (cats[0], 1), (cats[1], 0), (cats[3], 0)]
 
 
+def test_concat_copies_only_the_parts_not_in_place():
+    """ops._b_concat (numpy arrays standing in for CuPy's: no GPU needed) skips a part whose
+    bytes already are its slice of the output, whatever the stride of a size-1 dim (a reshape
+    view's batch stride differs from the slice's), and copies one that lives elsewhere."""
+    from rlx_backend_cuda import ops
+    from rlx_backend_cuda.values import V
+
+    class Dev(np.ndarray):                       # .data.ptr, as a CuPy array has
+        @property
+        def data(self):
+            return type("Mem", (), {"ptr": self.ctypes.data})()
+
+    class Build:
+        copies: list = []
+
+        def copy(self, src, dst):
+            self.copies.append(src.shape)
+            dst.arr[...] = src.arr
+
+    out = np.zeros((1, 10, 4, 8), np.float32).view(Dev)
+    same = out[:, 0:3]
+    batch_stride = np.lib.stride_tricks.as_strided(out[:, 3:7], (1, 4, 4, 8), (4 * 32 * 4, 32 * 4, 8 * 4, 4))
+    elsewhere = np.ones((1, 3, 4, 8), np.float32).view(Dev)
+    b = Build()
+    node = type("Node", (), {"a": {"axis": 1}})()
+    ops._b_concat(b, node, [V(same, F32), V(batch_stride.view(Dev), F32), V(elsewhere, F32)], [V(out, F32)])
+    assert b.copies == [(1, 3, 4, 8)]
+    assert (out[:, 7:] == 1).all() and (out[:, :7] == 0).all()
+
+
 def test_elementwise_codegen_is_pure_python():
     from rlx_backend_cuda import codegen
 
