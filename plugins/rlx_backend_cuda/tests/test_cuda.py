@@ -141,7 +141,8 @@ def test_concat_copies_only_the_parts_not_in_place():
             return type("Mem", (), {"ptr": self.ctypes.data})()
 
     class Build:
-        copies: list = []
+        def __init__(self):
+            self.copies = []
 
         def copy(self, src, dst):
             self.copies.append(src.shape)
