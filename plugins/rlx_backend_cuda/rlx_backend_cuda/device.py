@@ -170,13 +170,19 @@ def kernel(source: str, name: str, op: str, dynamic_smem: int = 0):
 
 
 @functools.lru_cache(maxsize=1)
+def driver():
+    """The CUDA driver library (libcuda), opened once."""
+    return ctypes.CDLL("libcuda.so.1")
+
+
+@functools.lru_cache(maxsize=1)
 def dependent_launch():
     """cuLaunchKernelEx of the driver where a kernel may launch as a programmatic dependent
     (Hopper and later, CUDA not HIP), else None."""
     if probe()[2].get("hip") or tuple(probe()[2].get("cc", (0, 0))) < (9, 0):
         return None
     try:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        fn = driver().cuLaunchKernelEx
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
@@ -250,7 +256,7 @@ def tensor_map(arr, box: tuple, what: str):
     """A tiled TMA descriptor (CUtensorMap, 128-byte swizzle) of the 16-bit device array
     `arr` for boxes of `box` elements (innermost first), in device memory: a kernel's
     cp.async.bulk.tensor reads it there (cuTensorMapEncodeTiled of the driver)."""
-    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    fn = driver().cuTensorMapEncodeTiled
     rank = arr.ndim
     dims = (ctypes.c_uint64 * rank)(*reversed(arr.shape))
     strides = (ctypes.c_uint64 * (rank - 1))(*reversed(arr.strides[:-1]))

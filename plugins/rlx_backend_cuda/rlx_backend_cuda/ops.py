@@ -15,7 +15,7 @@ from rlx_core.ir.ops import Level, MaskKind, get_op
 from . import codegen, device, sources
 from .codegen import acc_of, ctype
 from .fft import build_fft
-from .values import CONFIG, V, nocopy_reshape_strides
+from .values import CONFIG, V, contiguous_strides, nocopy_reshape_strides
 
 LOW = (F16, BF16)
 i32, i64, f64 = np.int32, np.int64, np.float64
@@ -172,7 +172,7 @@ def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None, 
     if epilogue is not None and gemv is not None:
         return False
     # batch offsets: collapse batch dims, loop over all but the innermost
-    sc_ = [math.prod(out.shape[i + 1:]) for i in range(len(out.shape))]
+    sc_ = contiguous_strides(out.shape)
     dims = [(d, sa[i], sb[i], sc_[i]) for i, d in enumerate(batch) if d != 1]
     merged: list = []
     for d, x, y, z in dims:
@@ -1122,7 +1122,7 @@ def planned_layouts(g) -> tuple:
             shape = g.shape_of(own).dims
             isz = g.shape_of(own).dtype.itemsize
             rows = nocopy_reshape_strides(shape, st, (math.prod(shape[:-1]), shape[-1]))
-            if ((_same_strides(shape, st, _contiguous(shape)) and off * isz % 64 == 0)
+            if ((_same_strides(shape, st, contiguous_strides(shape)) and off * isz % 64 == 0)
                     or (op in STRIDED_WRITERS and st[-1] == 1)
                     or (op in ROW_WRITERS and st[-1] == 1 and rows is not None and off * isz % 16 == 0
                         and rows[0] * isz % 16 == 0)):        # (16-byte rows: cuBLAS's fast kernels)
@@ -1146,17 +1146,13 @@ def _same_strides(shape, a, b) -> bool:
     return all(x == y for d, x, y in zip(shape, a, b) if d != 1)
 
 
-def _contiguous(shape) -> tuple:
-    return tuple(math.prod(shape[j + 1:]) for j in range(len(shape)))
-
-
 def part_layout(g, c: int, k: int, chain: list) -> tuple | None:
     """(offset, strides) in elements of concat c's output at which the owner of its input k
     (reached through the view nodes `chain`) lies, or None where a view cannot be undone."""
     cat = g.nodes[c]
     dims = cat.outs[0].dims
     ax = cat.a["axis"] % len(dims)
-    st = _contiguous(dims)
+    st = contiguous_strides(dims)
     off = sum(g.shape_of(r).dims[ax] for r in cat.inputs[:k]) * st[ax]
     shape = g.shape_of(cat.inputs[k]).dims
     for j in chain:

@@ -20,7 +20,7 @@ from rlx_core.pipeline import states_moved
 
 from . import codegen, device
 from .ops import BUILDERS, STRIDED_WRITERS, VIEW_BUILDERS, owner_chain, part_layout
-from .values import CONFIG, V, nocopy_reshape_strides
+from .values import CONFIG, V, contiguous_strides, nocopy_reshape_strides
 
 EW_VEC = 8                   # elements a thread of a contiguous elementwise kernel moves at once
 # ops a complex64 value may come out of: leaves, FFTs, views and copies, and elementwise
@@ -174,9 +174,7 @@ class Build:
         views.append(out)
         shape, strides = codegen.collapse(out.shape, [list(v.es) for v in views])
         rank = len(shape)
-        contig = []
-        for k in range(rank):
-            contig.append(math.prod(shape[k + 1:]))
+        contig = list(contiguous_strides(shape))
         row = [0] * (rank - 1) + [1]
         kinds = []
         for st in strides:

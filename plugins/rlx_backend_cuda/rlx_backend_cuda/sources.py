@@ -246,6 +246,18 @@ __device__ __forceinline__ void rlx_norm_row_vec(ACC* vals, const TX* xr, const 
     }
   }
 }
+// this thread's share of a row's sum (SQ: of squares) from the values rlx_norm_row_vec loaded
+template <int NV, int VEC, bool SQ, typename ACC>
+__device__ __forceinline__ ACC rlx_norm_row_sum(const ACC* vals, int n, int tid, int nt) {
+  ACC s = 0;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    if ((tid + k * nt) * VEC >= n) continue;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) s += SQ ? vals[k * VEC + j] * vals[k * VEC + j] : vals[k * VEC + j];
+  }
+  return s;
+}
 """
 
 # VPT > 0: a row fits in VPT values per thread, kept in registers between the sum of squares
@@ -286,13 +298,7 @@ extern "C" __global__ void rlx_rms_norm(const $TX* __restrict__ x, long long xrs
 #else
   rlx_norm_row_vec<NV, $VEC, false, ACC>(vals, xr, xr, yr, n, tid, nt);
 #endif
-  ACC ss = 0;
-#pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    if ((tid + k * nt) * $VEC >= n) continue;
-#pragma unroll
-    for (int j = 0; j < $VEC; ++j) ss += vals[k * $VEC + j] * vals[k * $VEC + j];
-  }
+  ACC ss = rlx_norm_row_sum<NV, $VEC, true>(vals, n, tid, nt);
 #if $WARP
 #pragma unroll
   for (int m = $LANES / 2; m > 0; m >>= 1) ss += SHFL_XOR(ss, m);
@@ -396,13 +402,7 @@ extern "C" __global__ void rlx_layer_norm(const $TX* __restrict__ x, long long x
 #else
   rlx_norm_row_vec<NV, $VEC, false, ACC>(vals, xr, xr, yr, n, tid, nt);
 #endif
-  ACC s = 0;
-#pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    if ((tid + k * nt) * $VEC >= n) continue;
-#pragma unroll
-    for (int j = 0; j < $VEC; ++j) s += vals[k * $VEC + j];
-  }
+  ACC s = rlx_norm_row_sum<NV, $VEC, false>(vals, n, tid, nt);
   const ACC mean = block_sum(s) / (ACC)n;
   ACC q = 0;
 #pragma unroll

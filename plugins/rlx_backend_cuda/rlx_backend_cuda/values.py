@@ -48,6 +48,11 @@ class V:
         return bool(self.arr.flags.c_contiguous)
 
 
+def contiguous_strides(shape) -> tuple:
+    """Element strides of a C-contiguous array of `shape`."""
+    return tuple(math.prod(shape[j + 1:]) for j in range(len(shape)))
+
+
 def nocopy_reshape_strides(shape, strides, newshape):
     """Strides for viewing (shape, strides) as newshape without a copy, or None
     (numpy's _attempt_nocopy_reshape)."""
@@ -85,4 +90,4 @@ def nocopy_reshape_strides(shape, strides, newshape):
     return tuple(out)
 
 
-__all__ = ["CONFIG", "set_config", "V", "nocopy_reshape_strides"]
+__all__ = ["CONFIG", "set_config", "V", "contiguous_strides", "nocopy_reshape_strides"]
