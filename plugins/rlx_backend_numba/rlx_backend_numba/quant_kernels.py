@@ -31,7 +31,7 @@ from rlx_core.ir.quant import QuantScheme
 from . import amx, cblas
 from .cblas import SGEMM
 from .codegen import SWIGLU_HEAD, load_source, with_epilogue
-from .simd import (bits, bits32, fma, halves, idot_s, idot_u, load_bytes32, load_i8, load_u8, load_u32,
+from .simd import (VNNI, bits, bits32, fma, halves, idot_s, idot_u, load_bytes32, load_i8, load_u8, load_u32,
                    nibbles32, to_f32, zeros)
 
 FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
@@ -139,6 +139,77 @@ def lanes_q6_k(r, o, i, tab):
     return (_h(r, o + 208, tab) * sc) * to_f32(q)
 
 
+
+# --------------------------------------------------------------------------- integer codes
+# `codes_<fmt>(r, o, j, tab)`: sub-block j (32 elements) of the block at byte o as unsigned
+# integer codes u (an I8x32, lanes 0..255) and floats (a0, a1, c) with element value
+# a * (u - ZERO[fmt]) + c, a0 the scale of elements 0-15 and a1 of 16-31 (equal but for
+# q6_k's scales per 16). The int8 GEMVs and the int8 GEMM (igemm) multiply the codes.
+ZERO = {"q4_0": 8, "q5_0": 16, "q8_0": 128, "q6_k": 32}      # others: 0, a float offset c
+
+
+@njit(**_OPT)
+def codes_q4_0(r, o, j, tab):
+    d = _h(r, o, tab)
+    return nibbles32(r, o + 2), d, d, np.float32(0)
+
+
+@njit(**_OPT)
+def codes_q4_1(r, o, j, tab):
+    d = _h(r, o, tab)
+    return nibbles32(r, o + 4), d, d, _h(r, o + 2, tab)
+
+
+@njit(**_OPT)
+def codes_q5_0(r, o, j, tab):
+    d = _h(r, o, tab)
+    return nibbles32(r, o + 6) | (bits32(load_u32(r, o + 2)) << 4), d, d, np.float32(0)
+
+
+@njit(**_OPT)
+def codes_q5_1(r, o, j, tab):
+    d = _h(r, o, tab)
+    return nibbles32(r, o + 8) | (bits32(load_u32(r, o + 4)) << 4), d, d, _h(r, o + 2, tab)
+
+
+@njit(**_OPT)
+def codes_q8_0(r, o, j, tab):
+    d = _h(r, o, tab)
+    return load_bytes32(r, o + 2) + 128, d, d, np.float32(0)      # int8 q as q + 128
+
+
+@njit(**_OPT)
+def _kcodes(r, o, j, tab, qs, five):
+    """Sub-block j of a q4_k / q5_k super-block (_k45's layout)."""
+    q = load_bytes32(r, o + qs + 32 * (j // 2))
+    q = (q & 15) if j % 2 == 0 else (q >> 4)
+    if five:
+        q = q | (((load_bytes32(r, o + 16) >> j) & 1) << 4)
+    sc, mn = _scale_min(r, o + 4, j)
+    a = _h(r, o, tab) * np.float32(sc)
+    return q, a, a, -(_h(r, o + 2, tab) * np.float32(mn))
+
+
+@njit(**_OPT)
+def codes_q4_k(r, o, j, tab):
+    return _kcodes(r, o, j, tab, 16, False)
+
+
+@njit(**_OPT)
+def codes_q5_k(r, o, j, tab):
+    return _kcodes(r, o, j, tab, 48, True)
+
+
+@njit(**_OPT)
+def codes_q6_k(r, o, j, tab):
+    """Sub-block j is quarter j % 4 of half j // 4 (lanes_q6_k's layout)."""
+    nh, s = j // 4, j % 4
+    a = load_bytes32(r, o + 64 * nh + 32 * (s % 2))
+    a = (a & 15) if s < 2 else (a >> 4)
+    q = a | (((load_bytes32(r, o + 128 + 32 * nh) >> (2 * s)) & 3) << 4)
+    d, sb = _h(r, o + 208, tab), o + 192 + 8 * nh + 2 * s
+    return q, d * np.float32(np.int8(r[sb])), d * np.float32(np.int8(r[sb + 1])), np.float32(0)
+
 # --------------------------------------------------------------------------- int8 activations
 # With `[precision] activations = "int8"` a packed matmul's x arrives rounded through int8
 # blocks of 32 (a fake_quantize int8_b32 node). The GEMV then takes x's int8 values and
@@ -190,26 +261,26 @@ def _iblock32(q, xq, xd, xs, c, d, m):
 
 @njit(**_OPT)
 def iblock_q4_0(r, o, xq, xd, xs, c, tab):
-    d = _h(r, o, tab)
-    return _iblock32(nibbles32(r, o + 2), xq, xd, xs, c, d, np.float32(-8) * d)
+    q, d, _, m = codes_q4_0(r, o, 0, tab)
+    return _iblock32(q, xq, xd, xs, c, d, m - np.float32(8) * d)
 
 
 @njit(**_OPT)
 def iblock_q4_1(r, o, xq, xd, xs, c, tab):
-    return _iblock32(nibbles32(r, o + 4), xq, xd, xs, c, _h(r, o, tab), _h(r, o + 2, tab))
+    q, d, _, m = codes_q4_1(r, o, 0, tab)
+    return _iblock32(q, xq, xd, xs, c, d, m)
 
 
 @njit(**_OPT)
 def iblock_q5_0(r, o, xq, xd, xs, c, tab):
-    d = _h(r, o, tab)
-    q = nibbles32(r, o + 6) | (bits32(load_u32(r, o + 2)) << 4)
-    return _iblock32(q, xq, xd, xs, c, d, np.float32(-16) * d)
+    q, d, _, m = codes_q5_0(r, o, 0, tab)
+    return _iblock32(q, xq, xd, xs, c, d, m - np.float32(16) * d)
 
 
 @njit(**_OPT)
 def iblock_q5_1(r, o, xq, xd, xs, c, tab):
-    q = nibbles32(r, o + 8) | (bits32(load_u32(r, o + 4)) << 4)
-    return _iblock32(q, xq, xd, xs, c, _h(r, o, tab), _h(r, o + 2, tab))
+    q, d, _, m = codes_q5_1(r, o, 0, tab)
+    return _iblock32(q, xq, xd, xs, c, d, m)
 
 
 @njit(**_OPT)
@@ -523,6 +594,111 @@ def igemv_glu(x, w, o, tab):
 """
 
 
+# The int8 GEMM (prefill with int8 activations; simd.VNNI says where it pays): W's rows
+# decoded into integer panels of 16 rows, each multiplied by every 4 rows of x in dot4
+# (vpdpbusd), each sub-block's integer sums scaled once.
+IGEMM_ROWS, IGEMM_COLS = 4, 16          # rows of x and of W a register tile multiplies
+_IGEMM_DRIVER = """
+
+from rlx_backend_numba.quant_kernels import codes_{fmt} as codes
+from rlx_backend_numba.simd import dot4, izeros, load_bytes32, store_words, to_f32
+
+L, Z = {sub}, {zero}               # the sub-blocks scaled as one; codes' zero point
+
+
+@njit(**_OPT)
+def panel_row(r, i, u, a, c, tab):
+    \"\"\"Packed row r as row i of a panel of 16: group g of its codes (4 bytes) at word 16 g + i
+    of u, the scale and float offset of its sub-block s at a[s, i] and c[s, i].\"\"\"
+    for b in range(u.shape[0] // (4 * E)):
+        o, p = B * b, E * b
+{panel_body}
+
+
+@njit(**_OPT)
+def put(out, m, n0, f0, f1, tail):
+    \"\"\"Columns n0..n0 + 15 of row m (those inside out).\"\"\"
+    if n0 + 16 <= out.shape[1]:
+        store_lanes(out[m], n0, f0)
+        store_lanes(out[m], n0 + 8, f1)
+    else:
+        store_lanes(tail, 0, f0)
+        store_lanes(tail, 8, f1)
+        for j in range(out.shape[1] - n0):
+            out[m, n0 + j] = tail[j]
+
+
+@njit(parallel=True, **_OPT)
+def igemm(x4, xd, xs, xi, w, out, tab, parts):
+    \"\"\"out = x @ W^T for x as int8 blocks: x4 its values as words of four [M, K/4], xd each
+    block's scale, xi and xs each sub-block's sum and scale * sum. Parallel over `parts`
+    runs of W's panels (rows past W's last repeat it); rows of x past the last repeat it.\"\"\"
+    m_, k4 = x4.shape
+    n_ = w.shape[0]
+    panels = (n_ + 15) // 16
+    for part in prange(parts):
+        u = np.empty(16 * k4, np.int32)
+        ub = u.view(np.uint8)
+        a, c = np.zeros((4 * k4 // L, 16), np.float32), np.zeros((4 * k4 // L, 16), np.float32)
+        af, cf = a.reshape(-1), c.reshape(-1)
+        tail = np.empty(16, np.float32)
+        for pn in range(panels * part // parts, panels * (part + 1) // parts):
+            for i in range(16):
+                panel_row(w[min(16 * pn + i, n_ - 1)], i, u, a, c, tab)
+            for m0 in range(0, m_, 4):
+{tile_body}
+"""
+
+
+def _igemm_source(kind: str) -> str:
+    """The int8 GEMM of one format: its panel decoder and a 4 x 16 register tile (4 rows of x,
+    two vectors of 8 W rows), unrolled here."""
+    elems = BLOCK[kind][0]
+    sub, zero, offset = (16 if kind == "q6_k" else 32), ZERO.get(kind, 0), kind not in ZERO
+    panel = []
+    for j in range(elems // 32):
+        e = f"p + {32 * j}"
+        panel += [f"        q, a0, a1, m = codes(r, o, {j}, tab)",
+                  f"        store_words(u, 4 * ({e}) + i, 16, q)"]
+        panel += ([f"        a[({e}) // 16, i] = a0", f"        a[({e}) // 16 + 1, i] = a1"] if sub == 16 else
+                  [f"        a[({e}) // 32, i] = a0"] + ([f"        c[({e}) // 32, i] = m"] if offset else []))
+    rows, vecs = range(IGEMM_ROWS), range(IGEMM_COLS // 8)
+    t = [f"                r{r} = min(m0 + {r}, m_ - 1)" for r in rows]
+    t += ["                " + "; ".join(f"f{r}{v} = zeros()" for r in rows for v in vecs),
+          "                for s in range(4 * k4 // L):",
+          "                    " + "; ".join(f"i{r}{v} = izeros()" for r in rows for v in vecs),
+          "                    for g in range(s * (L // 4), (s + 1) * (L // 4)):",
+          "                        " + "; ".join(f"w{v} = load_bytes32(ub, 64 * g + {32 * v})" for v in vecs),
+          "                        " + "; ".join(f"x{r} = x4[r{r}, g]" for r in rows)]
+    t += ["                        " + "; ".join(f"i{r}{v} = dot4(i{r}{v}, w{v}, x{r})" for v in vecs) for r in rows]
+    t += ["                    " + "; ".join(f"a{v} = load_f32(af, 16 * s + {8 * v})" for v in vecs)]
+    if offset:
+        t += ["                    " + "; ".join(f"c{v} = load_f32(cf, 16 * s + {8 * v})" for v in vecs)]
+    for r in rows:
+        t += [f"                    d = xd[r{r}, s * L // 32]"]
+        for v in vecs:
+            i = f"i{r}{v} - Z * xi[r{r}, s]" if zero else f"i{r}{v}"
+            acc = f"fma(c{v}, xs[r{r}, s], f{r}{v})" if offset else f"f{r}{v}"
+            t += [f"                    f{r}{v} = fma(to_f32({i}), a{v} * d, {acc})"]
+    t += [f"                put(out, r{r}, 16 * pn, f{r}0, f{r}1, tail)" for r in rows]
+    return _IGEMM_DRIVER.format(fmt=kind, sub=sub, zero=zero, panel_body="\n".join(panel), tile_body="\n".join(t))
+
+
+@njit(parallel=True, **_OPT)
+def quantize_rows(x, xq, xd, xs, xi):
+    """Rows of x as int8_b32 blocks (quantize_x) with each sub-block's sum xi and scale * sum
+    xs, sub-blocks of K // xs.shape[1] elements (16 or 32)."""
+    k = x.shape[1]
+    sub = k // xs.shape[1]
+    for m in prange(x.shape[0]):
+        quantize_x(x[m], xq[m], xd[m], np.empty(k // 32, np.float32))
+        for s in range(xs.shape[1]):
+            t = 0
+            for j in range(sub * s, sub * (s + 1)):
+                t += xq[m, j]
+            xi[m, s] = t
+            xs[m, s] = xd[m, sub * s // 32] * np.float32(t)
+
 @functools.lru_cache(maxsize=None)
 def drivers(kind: str):
     """The generated module of one format: `gemv`, `rows`, `rows_ser`, ... and its AMX drivers."""
@@ -531,7 +707,7 @@ def drivers(kind: str):
     dot_body = "\n".join(f"        a{i % 4} = fma(lanes(r, o, {i}, tab), load_f32(x, p + {8 * i}), a{i % 4})"
                           for i in groups)
     decode_body = _decoded(groups, lambda i: [f"        store_lanes(out, p + {8 * i}, v{i})"])
-    src = _DRIVERS + (_INT8_DRIVERS if kind in INT8_FORMATS else "")
+    src = _DRIVERS + (_INT8_DRIVERS if kind in INT8_FORMATS else "") + _igemm_source(kind)
     src = SWIGLU_HEAD + src.format(
         fmt=kind, rows=ROWS_PER_TASK, ahead=AHEAD_ROWS, elems=elems, nbytes=nbytes, dot_body=dot_body,
         decode_body=decode_body)
@@ -583,16 +759,19 @@ def scratch(rows: int, k: int, parts: int = 1) -> np.ndarray:
 
 
 def dequant_matmul(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | None = None,
-                   matmul: str = "f32") -> np.ndarray:
+                   matmul: str = "f32", int8_x: bool = False) -> np.ndarray:
     """x [M, K] @ W^T by `matmul` (`[backend] matmul`): "f32", in AMX tiles to f32 accuracy
     where the CPU has them (rows_f32), else as "blas"; "blas", W's rows split over
     numba's threads, each decoding blocks of its rows into its part of the scratch and
     multiplying them with one-thread BLAS (cblas.py says why), or without a cblas_sgemm to
     call, blocks decoded in turn, each multiplied by numpy; "bf16", x and W rounded to bf16
-    in AMX tiles where the CPU has them, else as "blas"."""
+    in AMX tiles where the CPU has them, else as "blas". `int8_x`: x holds int8_b32-rounded
+    values, multiplied as integers (igemm; on any CPU, fast where simd.VNNI)."""
     s = QuantScheme.parse(scheme)
     w, mod = _args(s, raw, x.shape[-1])
     out = np.empty((x.shape[0], w.shape[0]), x.dtype) if out is None else out
+    if int8_x:
+        return _igemm(x, w, mod, s.kind, out)
     return _matmul(x, w, mod, s.kind, out, matmul)
 
 
@@ -616,6 +795,21 @@ def _matmul(x, w, mod, kind: str, out, matmul: str):
     return out
 
 
+def _igemm(x, w, mod, kind: str, out):
+    """out = x @ W^T with x rounded to int8_b32 blocks and multiplied as integers (igemm)."""
+    m, k = x.shape
+    sub = 16 if kind == "q6_k" else 32
+    xq = np.empty((m, k), np.int8)
+    xd, xs, xi = np.empty((m, k // 32), np.float32), np.empty((m, k // sub), np.float32), np.empty((m, k // sub), np.int32)
+    quantize_rows(np.ascontiguousarray(x, np.float32), xq, xd, xs, xi)
+    dst = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
+    parts = max(1, min(numba.get_num_threads(), -(-w.shape[0] // IGEMM_COLS)))
+    mod.igemm(xq.view(np.int32), xd, xs, xi, w, dst, F16, parts)
+    if dst is not out:
+        out[...] = dst
+    return out
+
+
 def _tiles(x, w, mod, out, kind: str, mode: str):
     """out = x @ W^T in AMX tiles (rows_<mode>)."""
     m, k = x.shape
@@ -634,8 +828,11 @@ def _tiles(x, w, mod, out, kind: str, mode: str):
 def rounds_x_itself(a, x) -> bool:
     """A `dequant_matmul` step (attrs `a`, x like `x`) multiplies int8 blocks of x that its
     GEMV rounds itself: the fake_quantize before it is then redundant."""
-    return (bool(a.get("int8_x")) and QuantScheme.parse(a["scheme"]).kind in INT8_FORMATS
-            and math.prod(x.shape[:-1]) <= GEMV_MAX_M)
+    if not a.get("int8_x"):
+        return False
+    if math.prod(x.shape[:-1]) <= GEMV_MAX_M:
+        return QuantScheme.parse(a["scheme"]).kind in INT8_FORMATS
+    return VNNI                  # igemm; elsewhere decode + f32 BLAS of the rounded x is faster
 
 
 def prepare_dequant_matmul(a, outs, protos, op=None):
@@ -654,6 +851,8 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
     if m <= GEMV_MAX_M:
         gemv = mod.igemv if rounds_x_itself(a, x) else mod.gemv
         mm = lambda x, w: gemv(x.reshape(m, k), w, o2, F16)  # noqa: E731
+    elif rounds_x_itself(a, x):
+        mm = lambda x, w: _igemm(x.reshape(m, k), w.reshape(w2.shape), mod, s.kind, o2)  # noqa: E731
     else:
         how = a.get("matmul", "f32")
         mm = lambda x, w: _matmul(x.reshape(m, k), w.reshape(w2.shape), mod, s.kind, o2, how)  # noqa: E731

@@ -23,7 +23,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, overload, register_model
 
 LANES = 8
-AVX2 = "+avx2" in llvm_binding.get_host_cpu_features().flatten().split(",")   # numba compiles for the host
+_HOST = set(llvm_binding.get_host_cpu_features().flatten().split(","))       # numba compiles for the host
+AVX2 = "+avx2" in _HOST
+VNNI = "+avxvnni" in _HOST or {"+avx512vnni", "+avx512vl"} <= _HOST     # u8 x s8 dot products of 4
 _I32 = ir.IntType(32)
 _I8 = ir.IntType(8)
 
@@ -471,5 +473,46 @@ idot_u = _idot(False)        # q lanes 0..255
 idot_s = _idot(True)         # q lanes -128..127
 
 
-__all__ = ["F32x8", "I32x8", "I8x32", "LANES", "bits", "bits32", "exp", "halves", "idot_s", "idot_u", "load_bytes32", "nibbles32", "fma", "hsum", "load_f32", "load_i8", "load_u8", "load_u32",
-           "store_lanes", "to_f32", "zeros"]
+@intrinsic
+def izeros(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VI, [0] * LANES)
+    return I32x8(), codegen
+
+
+@intrinsic
+def dot4(typingctx, acc, u, x4):
+    """Lane j: acc[j] + sum over e < 4 of u[4j + e] (unsigned) * byte e of the 32-bit x4
+    (signed): one vpdpbusd where the CPU has VNNI; elsewhere the same sums in plain LLVM
+    (exact, several instructions: callers pick this path only where VNNI holds)."""
+    def codegen(context, builder, sig, args):
+        acc, u = args[0], args[1]
+        xs = _splat(builder, context.cast(builder, args[2], sig.args[2], types.int32), _VI)
+        if VNNI:
+            return call_intrinsic(builder, "llvm.x86.avx512.vpdpbusd.256", _VI, acc, builder.bitcast(u, _VI), xs)
+        v32 = ir.VectorType(_I32, 32)
+        p = builder.mul(builder.zext(u, v32), builder.sext(builder.bitcast(xs, _VB), v32))
+        for e in range(4):
+            acc = builder.add(acc, builder.shuffle_vector(p, p, _lane_mask([4 * j + e for j in range(LANES)])))
+        return acc
+    return I32x8(acc, u, x4), codegen
+
+
+@intrinsic
+def store_words(typingctx, a, i, stride, v):
+    """Word t of the 32 bytes v (bytes 4t..4t+3) to a[i + stride * t] (a 32-bit array)."""
+    def codegen(context, builder, sig, args):
+        words = builder.bitcast(args[3], _VI)
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        i = context.cast(builder, args[1], sig.args[1], types.intp)
+        st = context.cast(builder, args[2], sig.args[2], types.intp)
+        ptr = builder.bitcast(arr.data, _I32.as_pointer())
+        for t in range(LANES):
+            at = builder.add(i, builder.mul(st, ir.Constant(st.type, t)))
+            builder.store(builder.extract_element(words, ir.Constant(_I32, t)), builder.gep(ptr, [at]), align=4)
+        return context.get_dummy_value()
+    return types.none(a, i, stride, v), codegen
+
+
+__all__ = ["F32x8", "I32x8", "I8x32", "LANES", "VNNI", "bits", "bits32", "dot4", "exp", "halves", "idot_s", "idot_u", "izeros", "load_bytes32", "nibbles32", "fma", "hsum", "load_f32", "load_i8", "load_u8", "load_u32",
+           "store_lanes", "store_words", "to_f32", "zeros"]

@@ -69,19 +69,25 @@ def test_blocked_matmul_over_threads(rng, blas, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", Q.FORMATS)
-def test_int8_activation_gemv(rng, kind):
+def test_int8_activation_gemv_and_gemm(rng, kind):
     """x rounded through int8_b32 (as a fake_quantize leaves it) times each format's integers
-    equals the float64 product of the rounded x and the dequantized weight."""
+    equals the float64 product of the rounded x and the dequantized weight: in the GEMV (a few
+    rows) and the int8 GEMM (rows not a multiple of its 4, N = 40 not of its 16, a strided
+    output; simd.dot4 runs its plain-LLVM form where the CPU lacks VNNI)."""
     s, raw, ref = packed(rng, kind)
     i8 = QuantScheme.parse("int8_b32")
-    for m in (1, 3):
+    for m in (1, 3, 13):
         x = rng.uniform(-1, 1, (m, K)).astype(np.float32)
         x[0, :32] = 0                                                  # an all-zero block
         xr = i8.dequantize(i8.quantize(x), x.shape)
         fq = np.full_like(x, np.nan)
         Q.fake_quantize_int8(x, fq)
         np.testing.assert_array_equal(fq, xr)
-        close(Q.dequant_gemv(xr, raw, s, int8_x=True), xr.astype(np.float64) @ ref.T)
+        want = xr.astype(np.float64) @ ref.T
+        close(Q.dequant_gemv(xr, raw, s, int8_x=True), want)
+        wide = np.full((m, N + 5), np.nan, np.float32)
+        close(Q.dequant_matmul(xr, raw, s, wide[:, 2:N + 2], int8_x=True), want)
+        assert np.isnan(wide[:, :2]).all() and np.isnan(wide[:, N + 2:]).all()
 
 
 @pytest.mark.parametrize("rows", [1, 12], ids=["gemv", "blocked"])
@@ -103,12 +109,16 @@ def test_bad_packed_rows_are_named():
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q6_k", "q4_k"])
-@pytest.mark.parametrize("activations", ["f32", "int8"])
-def test_decode_fusions_in_the_runner(rng, kind, activations):
+@pytest.mark.parametrize("activations, vnni", [("f32", False), ("int8", False), ("int8", True)],
+                         ids=["f32", "int8", "int8-igemm"])
+def test_decode_fusions_in_the_runner(rng, kind, activations, vnni, monkeypatch):
     """A packed gate/up pair whose halves only feed a SwiGLU: one row computes the SwiGLU in
     the GEMV (no fused_swiglu step left), more rows keep the step; with int8 activations the
-    rounding step is gone where a GEMV (up to GEMV_MAX_M rows) rounds x itself. Each equals the float64 reference
-    of (rounded) x times the dequantized weights, on a poisoned arena."""
+    rounding step is gone where a GEMV (up to GEMV_MAX_M rows) rounds x itself, and for more
+    rows where the runner picks the int8 GEMM (on a CPU with VNNI; forced here either way).
+    Each equals the float64 reference of (rounded) x times the dequantized weights, on a
+    poisoned arena."""
+    monkeypatch.setattr(Q, "VNNI", vnni)
     import rlx_core
     from rlx_core import CompileProfile, Graph
     from rlx_core.ir.quant import PackedTensor
@@ -133,7 +143,8 @@ def test_decode_fusions_in_the_runner(rng, kind, activations):
         r = exe.runner(exe._bind_dims({"x": x}))
         ops = [r.graph.nodes[st[0]].op for st in r.steps]
         assert ("fused_swiglu" in ops) == (rows > 1)
-        assert ("fake_quantize" in ops) == (activations == "int8" and (rows > Q.GEMV_MAX_M or kind == "q4_k"))
+        rounded_apart = (rows > Q.GEMV_MAX_M and not vnni) or (rows <= Q.GEMV_MAX_M and kind == "q4_k")
+        assert ("fake_quantize" in ops) == (activations == "int8" and rounded_apart)
         r.arena.fill(0xFF)
         xr = (i8.dequantize(i8.quantize(x), x.shape) if activations == "int8" else x).astype(np.float64)
         g, u = xr @ ref_w["g"].T, xr @ ref_w["u"].T

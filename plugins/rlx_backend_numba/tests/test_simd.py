@@ -154,3 +154,35 @@ def test_store_bf16_part_splits_f32_into_three_exact_bf16_parts(store):
         np.testing.assert_array_equal(p, nearest)
         rest = rest - p
     assert (rest == 0).all()
+
+
+@pytest.mark.parametrize("vnni", [True, False], ids=["host", "plain-llvm"])
+def test_dot4_and_store_words(vnni, monkeypatch):
+    """dot4's lane j adds the four products u[4j + e] * x's byte e (u unsigned, x signed) to
+    the accumulator exactly, in vpdpbusd where the CPU has VNNI and in the plain-LLVM form
+    (compiled here by hiding VNNI) either way; store_words scatters the 32 bytes' words."""
+    from rlx_backend_numba import simd
+
+    if vnni and not simd.VNNI:
+        pytest.skip("the CPU has no VNNI (avxvnni, or avx512vnni with avx512vl)")
+    monkeypatch.setattr(simd, "VNNI", vnni)
+
+    @njit(cache=False)
+    def run(u, x4, words, sums):
+        acc = simd.izeros()
+        for g in range(x4.shape[0]):
+            acc = simd.dot4(acc, simd.load_bytes32(u, 32 * g), x4[g])
+        store_lanes(sums, 0, to_f32(acc))                # exact: |sums| < 2 ** 24
+        simd.store_words(words, 1, 3, simd.load_bytes32(u, 0))
+
+    rng = np.random.default_rng()
+    u = rng.integers(0, 256, 3 * 32, dtype=np.uint8)
+    u[:32] = 255                                         # the largest products of a lane
+    x = rng.integers(-128, 128, 3 * 4, dtype=np.int8)
+    x[:4] = -128
+    words, got = np.zeros(25, np.int32), np.full(8, np.nan, np.float32)
+    run(u, x.view(np.int32), words, got)
+    want = (u.reshape(3, 8, 4).astype(np.int64) * x.reshape(3, 1, 4)).sum(axis=(0, 2))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(words[1::3], u[:32].view(np.int32))
+    assert not words[0] and not words[2::3].any()
