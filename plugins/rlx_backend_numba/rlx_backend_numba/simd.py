@@ -450,6 +450,9 @@ def _idot(signed: bool):
                 if signed:               # |q| unsigned, its sign moved onto x
                     xb = call_intrinsic(builder, "llvm.x86.avx2.psign.b", _VB, xb, q)
                     q = call_intrinsic(builder, "llvm.abs.v32i8", _VB, q, ir.Constant(ir.IntType(1), 0))
+                if VNNI:                 # or one vpdpbusd
+                    return call_intrinsic(builder, "llvm.x86.avx512.vpdpbusd.256", _VI, ir.Constant(_VI, [0] * LANES),
+                                          builder.bitcast(q, _VI), builder.bitcast(xb, _VI))
                 v16 = ir.VectorType(ir.IntType(16), 16)
                 pairs = call_intrinsic(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, q, xb)
                 return call_intrinsic(builder, "llvm.x86.avx2.pmadd.wd", _VI, pairs, ir.Constant(v16, [1] * 16))
