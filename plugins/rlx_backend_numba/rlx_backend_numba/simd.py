@@ -424,11 +424,11 @@ def nibbles32(typingctx, a, i):
 @intrinsic
 def bits32(typingctx, word):
     """Lane j: bit j of the 32-bit `word` (0 or 1), as I8x32."""
-    def codegen(context, builder, sig, args):
-        v32 = ir.VectorType(_I32, 32)
-        w = _splat(builder, context.cast(builder, args[0], sig.args[0], types.uint32), v32)
-        b = builder.and_(builder.lshr(w, ir.Constant(v32, list(range(32)))), ir.Constant(v32, [1] * 32))
-        return builder.trunc(b, _VB)
+    def codegen(context, builder, sig, args):      # byte j // 8 to lane j, then its bit j % 8 tested
+        w = builder.bitcast(context.cast(builder, args[0], sig.args[0], types.uint32), ir.VectorType(_I8, 4))
+        byte = [j // 8 if sys.byteorder == "little" else 3 - j // 8 for j in range(32)]
+        b = builder.and_(builder.shuffle_vector(w, w, _lane_mask(byte)), ir.Constant(_VB, [1 << (j % 8) for j in range(32)]))
+        return builder.zext(builder.icmp_unsigned("!=", b, ir.Constant(_VB, [0] * 32)), _VB)
     return I8x32(word), codegen
 
 
