@@ -31,8 +31,8 @@ from rlx_core.ir.quant import QuantScheme
 from . import amx, cblas
 from .cblas import SGEMM
 from .codegen import SWIGLU_HEAD, load_source, with_epilogue
-from .simd import (VNNI, bits, bits32, fma, halves, idot_s, idot_u, load_bytes32, load_i8, load_u8, load_u32,
-                   nibbles32, to_f32, zeros)
+from .simd import (VNNI, bits, bits32, blend4, fma, halves, idot_s, idot_u, lane, load_bytes32, load_f32, load_i8,
+                   load_u8, load_u32, nibbles32, to_f32, zeros)
 
 FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 GEMV_MAX_M = 8                  # rows of x up to which the GEMV beats decode-to-scratch + BLAS
@@ -210,15 +210,13 @@ def codes_q6_k(r, o, j, tab):
     d, sb = _h(r, o + 208, tab), o + 192 + 8 * nh + 2 * s
     return q, d * np.float32(np.int8(r[sb])), d * np.float32(np.int8(r[sb + 1])), np.float32(0)
 
+
 # --------------------------------------------------------------------------- int8 activations
 # With `[precision] activations = "int8"` a packed matmul's x arrives rounded through int8
 # blocks of 32 (a fake_quantize int8_b32 node). The GEMV then takes x's int8 values and
 # multiplies them with each block's integer weights exactly (u8 x s8 pair sums, as
 # llama.cpp's q8 dot products), scaling once per block: `iblock_<fmt>(r, o, xq, xd, xs, c,
 # tab)` is the block at byte o against x blocks c, c+1, ... as (eight lanes, a scalar).
-# q4_k / q5_k have none yet (their integer form measured slower than the float GEMV, which
-# computes the same product of the rounded x).
-INT8_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q6_k")
 
 
 @njit(**_OPT)
@@ -281,6 +279,52 @@ def iblock_q5_0(r, o, xq, xd, xs, c, tab):
 def iblock_q5_1(r, o, xq, xd, xs, c, tab):
     q, d, _, m = codes_q5_1(r, o, 0, tab)
     return _iblock32(q, xq, xd, xs, c, d, m)
+
+
+@njit(**_OPT)
+def _k45_scales(r, o):
+    """The eight 6-bit scales and mins of a q4_k / q5_k super-block as I32x8 lanes
+    (_scale_min of every j at once, from the 12 bytes at o + 4)."""
+    lo, hi, head = load_u8(r, o + 4), load_u8(r, o + 8), load_u8(r, o)     # bytes 0-7, 4-11, (lanes 4-7) 0-3
+    sc = blend4(lo & 63, (hi & 15) | ((head >> 6) << 4))
+    mn = blend4(hi & 63, (hi >> 4) | ((lo >> 6) << 4))
+    return sc, mn
+
+
+@njit(**_OPT)
+def _ksub(r, o, xq, c, j, f, acc, qs, five):
+    q = load_bytes32(r, o + qs + 32 * (j // 2))
+    q = (q & 15) if j % 2 == 0 else (q >> 4)
+    if five:
+        q = q | (((load_bytes32(r, o + 16) >> j) & 1) << 4)
+    return fma(to_f32(idot_u(q, xq, 32 * (c + j))), lane(f, j), acc)
+
+
+@njit(**_OPT)
+def _iblock_k45(r, o, xq, xd, xs, c, tab, qs, five):
+    """Each sub-block's integer dot product times its scale and x's (one vector of eight
+    factors, a lane broadcast each); the mins times x's sums as one vector."""
+    sc, mn = _k45_scales(r, o)
+    f = (to_f32(sc) * _h(r, o, tab)) * load_f32(xd, c)
+    extra = (to_f32(mn) * -_h(r, o + 2, tab)) * load_f32(xs, c)
+    a = _ksub(r, o, xq, c, 0, f, extra, qs, five)
+    a = _ksub(r, o, xq, c, 1, f, a, qs, five)
+    a = _ksub(r, o, xq, c, 2, f, a, qs, five)
+    a = _ksub(r, o, xq, c, 3, f, a, qs, five)
+    a = _ksub(r, o, xq, c, 4, f, a, qs, five)
+    a = _ksub(r, o, xq, c, 5, f, a, qs, five)
+    a = _ksub(r, o, xq, c, 6, f, a, qs, five)
+    return _ksub(r, o, xq, c, 7, f, a, qs, five), np.float32(0)
+
+
+@njit(**_OPT)
+def iblock_q4_k(r, o, xq, xd, xs, c, tab):
+    return _iblock_k45(r, o, xq, xd, xs, c, tab, 16, False)
+
+
+@njit(**_OPT)
+def iblock_q5_k(r, o, xq, xd, xs, c, tab):
+    return _iblock_k45(r, o, xq, xd, xs, c, tab, 48, True)
 
 
 @njit(**_OPT)
@@ -707,7 +751,7 @@ def drivers(kind: str):
     dot_body = "\n".join(f"        a{i % 4} = fma(lanes(r, o, {i}, tab), load_f32(x, p + {8 * i}), a{i % 4})"
                           for i in groups)
     decode_body = _decoded(groups, lambda i: [f"        store_lanes(out, p + {8 * i}, v{i})"])
-    src = _DRIVERS + (_INT8_DRIVERS if kind in INT8_FORMATS else "") + _igemm_source(kind)
+    src = _DRIVERS + _INT8_DRIVERS + _igemm_source(kind)
     src = SWIGLU_HEAD + src.format(
         fmt=kind, rows=ROWS_PER_TASK, ahead=AHEAD_ROWS, elems=elems, nbytes=nbytes, dot_body=dot_body,
         decode_body=decode_body)
@@ -740,7 +784,7 @@ def dequant_gemv(x: np.ndarray, raw: np.ndarray, scheme, out: np.ndarray | None 
     int8_b32-rounded values, multiplied in integers."""
     w, mod = _args(scheme, raw, x.shape[-1])
     out = np.empty((x.shape[0], w.shape[0]), x.dtype) if out is None else out
-    (mod.igemv if int8_x and hasattr(mod, "igemv") else mod.gemv)(x, w, out, F16)
+    (mod.igemv if int8_x else mod.gemv)(x, w, out, F16)
     return out
 
 
@@ -830,9 +874,8 @@ def rounds_x_itself(a, x) -> bool:
     GEMV rounds itself: the fake_quantize before it is then redundant."""
     if not a.get("int8_x"):
         return False
-    if math.prod(x.shape[:-1]) <= GEMV_MAX_M:
-        return QuantScheme.parse(a["scheme"]).kind in INT8_FORMATS
-    return VNNI                  # igemm; elsewhere decode + f32 BLAS of the rounded x is faster
+    # more rows: igemm, where VNNI holds; elsewhere decode + f32 BLAS of the rounded x is faster
+    return math.prod(x.shape[:-1]) <= GEMV_MAX_M or VNNI
 
 
 def prepare_dequant_matmul(a, outs, protos, op=None):
@@ -869,7 +912,7 @@ def glu_gemv(x, w, o, scheme, int8_x: bool):
         return None
     _args(s, w, k)
     mod = drivers(s.kind)
-    glu = mod.igemv_glu if int8_x and hasattr(mod, "igemv_glu") else mod.gemv_glu
+    glu = mod.igemv_glu if int8_x else mod.gemv_glu
     o2 = o.reshape(1, -1)
     return lambda x, w: glu(x.reshape(1, k), w, o2, F16)
 

@@ -403,6 +403,23 @@ def halves(typingctx, a, b):
     return F32x8(a, b), codegen
 
 
+@intrinsic
+def blend4(typingctx, a, b):
+    """Lanes 0-3 of a, lanes 4-7 of b (I32x8)."""
+    def codegen(context, builder, sig, args):
+        return builder.shuffle_vector(args[0], args[1], _lane_mask([0, 1, 2, 3, 12, 13, 14, 15]))
+    return I32x8(a, b), codegen
+
+
+@intrinsic
+def lane(typingctx, v, j):
+    """Every lane lane j of F32x8 v (a constant j after inlining: one permute)."""
+    def codegen(context, builder, sig, args):
+        x = builder.extract_element(args[0], context.cast(builder, args[1], sig.args[1], types.int32))
+        return _splat(builder, x, _VF)
+    return F32x8(v, j), codegen
+
+
 def _lane_mask(idx):
     return ir.Constant(ir.VectorType(_I32, len(idx)), list(idx))
 
@@ -517,5 +534,5 @@ def store_words(typingctx, a, i, stride, v):
     return types.none(a, i, stride, v), codegen
 
 
-__all__ = ["F32x8", "I32x8", "I8x32", "LANES", "VNNI", "bits", "bits32", "dot4", "exp", "halves", "idot_s", "idot_u", "izeros", "load_bytes32", "nibbles32", "fma", "hsum", "load_f32", "load_i8", "load_u8", "load_u32",
+__all__ = ["F32x8", "I32x8", "I8x32", "LANES", "VNNI", "bits", "bits32", "blend4", "lane", "dot4", "exp", "halves", "idot_s", "idot_u", "izeros", "load_bytes32", "nibbles32", "fma", "hsum", "load_f32", "load_i8", "load_u8", "load_u32",
            "store_lanes", "store_words", "to_f32", "zeros"]
