@@ -333,19 +333,31 @@ def iblock_q8_0(r, o, xq, xd, xs, c, tab):
 
 
 @njit(**_OPT)
+def _q6sub(r, o, xq, c, j, sc, xf, acc):
+    """Sub-block j of a q6_k super-block (quarter j % 4 of half j // 4) with its scales,
+    lanes 2j % 8 and 2j % 8 + 1 of sc, times x's block scale, lane j of xf."""
+    nh, s = j // 4, j % 4
+    a = load_bytes32(r, o + 64 * nh + 32 * (s % 2))
+    a = (a & 15) if s < 2 else (a >> 4)
+    q = (a | (((load_bytes32(r, o + 128 + 32 * nh) >> (2 * s)) & 3) << 4)) - 32
+    k = 2 * j % 8
+    return fma(to_f32(idot_s(q, xq, 32 * (c + j))), halves(lane(sc, k), lane(sc, k + 1)) * lane(xf, j), acc)
+
+
+@njit(**_OPT)
 def iblock_q6_k(r, o, xq, xd, xs, c, tab):
-    """x block j is quarter j % 4 of half j // 4; its two halves of 16 have their own scale."""
-    d = _h(r, o + 208, tab)
-    acc = zeros()
-    for j in range(8):
-        nh, s = j // 4, j % 4
-        a = load_bytes32(r, o + 64 * nh + 32 * (s % 2))
-        a = (a & 15) if s < 2 else (a >> 4)
-        q = (a | (((load_bytes32(r, o + 128 + 32 * nh) >> (2 * s)) & 3) << 4)) - 32
-        sb, dd = o + 192 + 8 * nh + 2 * s, d * xd[c + j]
-        acc = fma(to_f32(idot_s(q, xq, 32 * (c + j))),
-                  halves(dd * np.float32(np.int8(r[sb])), dd * np.float32(np.int8(r[sb + 1]))), acc)
-    return acc, np.float32(0)
+    """x block j is quarter j % 4 of half j // 4; its two halves of 16 have their own scale
+    (the sixteen int8 scales read as two vectors, x's eight block scales as one)."""
+    s0, s1 = to_f32(load_i8(r, o + 192)), to_f32(load_i8(r, o + 200))
+    xf = load_f32(xd, c) * _h(r, o + 208, tab)
+    a = _q6sub(r, o, xq, c, 0, s0, xf, zeros())
+    a = _q6sub(r, o, xq, c, 1, s0, xf, a)
+    a = _q6sub(r, o, xq, c, 2, s0, xf, a)
+    a = _q6sub(r, o, xq, c, 3, s0, xf, a)
+    a = _q6sub(r, o, xq, c, 4, s1, xf, a)
+    a = _q6sub(r, o, xq, c, 5, s1, xf, a)
+    a = _q6sub(r, o, xq, c, 6, s1, xf, a)
+    return _q6sub(r, o, xq, c, 7, s1, xf, a), np.float32(0)
 
 
 BLOCK = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
