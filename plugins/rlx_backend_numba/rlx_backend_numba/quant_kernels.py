@@ -790,7 +790,7 @@ def igemm(x4, xd, xs, xi, w, out, tab, parts):
         for pn in range(panels * part // parts, panels * (part + 1) // parts):
             for i in range(16):
                 panel_row(w[min(16 * pn + i, n_ - 1)], i, u, a, c, tab)
-            for m0 in range(0, m_, 4):
+            for m0 in range(0, m_, {mrows}):
 {tile_body}
 """
 
@@ -814,8 +814,8 @@ def _igemm_source(kind: str) -> str:
           "                    " + "; ".join(f"i{r}{v} = izeros()" for r in rows for v in vecs),
           "                    for g in range(s * (L // 4), (s + 1) * (L // 4)):",
           "                        " + "; ".join(f"w{v} = load_bytes32(ub, 64 * g + {32 * v})" for v in vecs),
-          "                        " + "; ".join(f"x{r} = x4[r{r}, g]" for r in rows)]
-    t += ["                        " + "; ".join(f"i{r}{v} = dot4(i{r}{v}, w{v}, x{r})" for v in vecs) for r in rows]
+          "                        " + "; ".join(f"b{r} = x4[r{r}, g]" for r in rows)]
+    t += ["                        " + "; ".join(f"i{r}{v} = dot4(i{r}{v}, w{v}, b{r})" for v in vecs) for r in rows]
     t += ["                    " + "; ".join(f"a{v} = load_f32(af, 16 * s + {8 * v})" for v in vecs)]
     if offset:
         t += ["                    " + "; ".join(f"c{v} = load_f32(cf, 16 * s + {8 * v})" for v in vecs)]
@@ -826,7 +826,8 @@ def _igemm_source(kind: str) -> str:
             acc = f"fma(c{v}, xs[r{r}, s], f{r}{v})" if offset else f"f{r}{v}"
             t += [f"                    f{r}{v} = fma(to_f32({i}), a{v} * d, {acc})"]
     t += [f"                put(out, r{r}, 16 * pn, f{r}0, f{r}1, tail)" for r in rows]
-    return _IGEMM_DRIVER.format(fmt=kind, sub=sub, zero=zero, panel_body="\n".join(panel), tile_body="\n".join(t))
+    return _IGEMM_DRIVER.format(fmt=kind, sub=sub, zero=zero, mrows=IGEMM_ROWS, panel_body="\n".join(panel),
+                                tile_body="\n".join(t))
 
 
 @njit(parallel=True, **_OPT)
