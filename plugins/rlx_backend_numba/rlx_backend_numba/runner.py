@@ -453,6 +453,7 @@ class NumbaRunner(NumpyRunner):
         for _, (slot, s) in self.inputs.items():
             protos[slot] = np.zeros(s.dims, s.dtype.np)
         steps, self_rounding, fused = [], set(), set()
+        writes = {}             # step -> the arrays it writes, where not its node's outputs
 
         def prepare(i, is_view, fn, a, ins, out):
             node = g.nodes[i]
@@ -477,6 +478,7 @@ class NumbaRunner(NumpyRunner):
                     made = _glu_step(x, protos[ins[1]], o, a)
                     if made is not None:
                         fused.add(swiglu)
+                        writes[i] = [o]
                 if made is None:
                     made = PREPARE[node.op](a, out, [protos[j] for j in ins], op=node.op)
                 if made is not None and node.op == "dequant_matmul" and quant_kernels.rounds_x_itself(a, x):
@@ -509,7 +511,7 @@ class NumbaRunner(NumpyRunner):
                 for m in members:
                     prepare(*m)
             prepare(*step)
-        self.steps = self._drop_rounding(steps, self_rounding, users)
+        self.steps = self._drop_rounding(steps, self_rounding, users, protos, writes)
 
     _loaded = False       # set by the first run, which loads this runner's kernels
 
@@ -608,13 +610,22 @@ class NumbaRunner(NumpyRunner):
                 pairs[d] = (s, o)
         return pairs
 
-    def _drop_rounding(self, steps: list, self_rounding: set, users: dict) -> list:
+    def _drop_rounding(self, steps: list, self_rounding: set, users: dict, protos: list, writes: dict) -> list:
         """Steps without the fake_quantize nodes whose every reader rounds x itself; those
-        readers read the fake_quantize's input instead."""
+        readers read the fake_quantize's input x instead. The buffer plan let x's memory go
+        after the fake_quantize read it, so one is dropped only where no step from it up to
+        its last reader writes that memory (the last reader rounds x before it writes)."""
         g = self.graph
+        at = {step[0]: k for k, step in enumerate(steps)}
         source = {}
-        for i, is_view, fn, a, ins, out in steps:
-            if g.nodes[i].op == "fake_quantize" and set(users.get((i, 0), [])) <= self_rounding:
+        for k, (i, is_view, fn, a, ins, out) in enumerate(steps):
+            readers = set(users.get((i, 0), []))
+            if g.nodes[i].op != "fake_quantize" or not readers <= self_rounding:
+                continue
+            x = protos[ins[0]]
+            last = max(at[r] for r in readers)
+            if x is None or not any(np.may_share_memory(x, o) for step in steps[k + 1:last]
+                                    for o in writes.get(step[0], step[5] if isinstance(step[5], list) else [])):
                 source[i] = ins[0]
         kept = []
         for i, is_view, fn, a, ins, out in steps:

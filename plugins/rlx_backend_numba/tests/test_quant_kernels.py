@@ -150,6 +150,38 @@ def test_decode_fusions_in_the_runner(rng, kind, activations, vnni, monkeypatch)
         close(exe.run(x=x)["y"], g / (1 + np.exp(-g)) * u)
 
 
+@pytest.mark.parametrize("vnni", [False, True], ids=["gemv", "igemm"])
+def test_rounding_shared_by_two_packed_matmuls(rng, vnni, monkeypatch):
+    """One int8 rounding read by two packed matmuls of different formats (Gemma 3's q5_0 q/k
+    and q8_0 v): dropping it must not let the first matmul's output overwrite the x the
+    second still reads (the buffer plan freed x after the rounding). Equals the float64
+    reference of the rounded x, in decode (GEMV) and prefill rows (the int8 GEMM)."""
+    import rlx_core
+    from rlx_core import CompileProfile, Graph
+    from rlx_core.ir.quant import PackedTensor
+
+    monkeypatch.setattr(Q, "VNNI", vnni)
+    kinds = {"a": "q5_0", "b": "q8_0"}
+    ws = {n: rng.standard_normal((K, K)).astype(np.float32) for n in kinds}
+    params = {n: PackedTensor(QuantScheme.parse(kinds[n]).quantize(w), QuantScheme.parse(kinds[n]), (K, K), n)
+              for n, w in ws.items()}
+    ref = {n: QuantScheme.parse(kinds[n]).dequantize_reference(p.raw, (K, K)) for n, p in params.items()}
+
+    def two(m):
+        x = m.input("x", ("s", K))
+        h = m.mul(x, x)                                     # the rounding reads a value of the arena
+        return {"y": m.add_(m.linear(h, m.param("a", (K, K), scheme="q5_0")),
+                           m.linear(h, m.param("b", (K, K), scheme="q8_0")))}
+
+    prof = CompileProfile().evolve(precision={"activations": "int8"})
+    exe = rlx_core.compile(Graph.define("two", two), profile=prof, backend="numba", params=params)
+    i8 = QuantScheme.parse("int8_b32")
+    for rows in (1, Q.GEMV_MAX_M + 4):
+        x = rng.uniform(-1, 1, (rows, K)).astype(np.float32)
+        hr = i8.dequantize(i8.quantize(x * x), x.shape).astype(np.float64)
+        close(exe.run(x=x)["y"], hr @ ref["a"].T + hr @ ref["b"].T)
+
+
 AMX = pytest.mark.skipif(not Q.amx.available(), reason="no AMX-BF16 here (the CPU lacks it, numba does not "
                          "compile for this CPU, or the kernel does not grant the tile state)")
 
