@@ -103,16 +103,23 @@ def _scale_min(r, so, j):
 
 
 @njit(**_OPT)
+def _k45_q(r, o, j, g, qs, five):
+    """The codes of lane group g (8 lanes) of sub-block j of a q4_k / q5_k super-block."""
+    ll = 8 * g
+    q = load_u8(r, o + qs + 32 * (j // 2) + ll)
+    q = (q & 15) if j % 2 == 0 else (q >> 4)
+    if five:
+        q = q | (((load_u8(r, o + 16 + ll) >> j) & 1) << 4)
+    return q
+
+
+@njit(**_OPT)
 def _k45(r, o, i, tab, qs, five):
     """Lanes of a q4_k / q5_k super-block: 8 sub-blocks of 32, each with a 6-bit scale and
     min; chunk c's 32 bytes hold sub-block 2c in the low nibbles, 2c + 1 in the high ones
     (q5_k: their 5th bits are bits 2c, 2c + 1 of the 32 bytes at o + 16)."""
-    j, ll = i // 4, 8 * (i % 4)
-    c = j // 2
-    q = load_u8(r, o + qs + 32 * c + ll)
-    q = (q & 15) if j % 2 == 0 else (q >> 4)
-    if five:
-        q = q | (((load_u8(r, o + 16 + ll) >> j) & 1) << 4)
+    j = i // 4
+    q = _k45_q(r, o, j, i % 4, qs, five)
     sc, mn = _scale_min(r, o + 4, j)
     return fma(_h(r, o, tab) * np.float32(sc), to_f32(q), -(_h(r, o + 2, tab) * np.float32(mn)))
 
@@ -128,17 +135,22 @@ def lanes_q5_k(r, o, i, tab):
 
 
 @njit(**_OPT)
+def _q6_q(r, o, j, g):
+    """The codes (0..63) of lane group g (8 lanes) of sub-block j of a q6_k super-block:
+    quarter j % 4 of half j // 4."""
+    nh, s, ll = j // 4, j % 4, 8 * g
+    a = load_u8(r, o + 64 * nh + 32 * (s % 2) + ll)
+    a = (a & 15) if s < 2 else (a >> 4)
+    return a | (((load_u8(r, o + 128 + 32 * nh + ll) >> (2 * s)) & 3) << 4)
+
+
+@njit(**_OPT)
 def lanes_q6_k(r, o, i, tab):
     """Two halves of 128: quarter s of a half takes the low (s < 2) or high nibbles of
     ql[32 * (s % 2) + ll], bits 2s..2s+1 of qh[ll] as bits 4..5, minus 32; int8 scale per 16."""
     nh, s, ll = i // 16, (i % 16) // 4, 8 * (i % 4)
-    a = load_u8(r, o + 64 * nh + 32 * (s % 2) + ll)
-    a = (a & 15) if s < 2 else (a >> 4)
-    q = (a | (((load_u8(r, o + 128 + 32 * nh + ll) >> (2 * s)) & 3) << 4)) - 32
     sc = np.float32(np.int8(r[o + 192 + 8 * nh + ll // 16 + 2 * s]))
-    return (_h(r, o + 208, tab) * sc) * to_f32(q)
-
-
+    return (_h(r, o + 208, tab) * sc) * to_f32(_q6_q(r, o, i // 4, i % 4) - 32)
 
 
 # The f32 GEMV's k-quant blocks (`fblock_<fmt>(r, o, x, p, xs, c, tab)`: the super-block at
@@ -169,12 +181,7 @@ def _k45_scales(r, o):
 def _fk45_sub(r, o, x, p, j, f, acc, qs, five):
     s = zeros()
     for g in range(4):
-        ll = 8 * g
-        q = load_u8(r, o + qs + 32 * (j // 2) + ll)
-        q = (q & 15) if j % 2 == 0 else (q >> 4)
-        if five:
-            q = q | (((load_u8(r, o + 16 + ll) >> j) & 1) << 4)
-        s = fma(to_f32(q), load_f32(x, p + 32 * j + ll), s)
+        s = fma(to_f32(_k45_q(r, o, j, g, qs, five)), load_f32(x, p + 32 * j + 8 * g), s)
     return fma(s, lane(f, j), acc)
 
 
@@ -207,17 +214,14 @@ def fblock_q5_k(r, o, x, p, xs, c, tab):
 def _fq6_sub(r, o, x, p, j, sc, acc):
     """Sub-block j (lanes_q6_k's quarter j % 4 of half j // 4): its halves of 16 take lanes
     2 (j % 4) and 2 (j % 4) + 1 of the half's scales sc."""
-    nh, s = j // 4, j % 4
+    s = j % 4
     lo, hi = zeros(), zeros()
     for g in range(4):
-        ll = 8 * g
-        a = load_u8(r, o + 64 * nh + 32 * (s % 2) + ll)
-        a = (a & 15) if s < 2 else (a >> 4)
-        q = to_f32((a | (((load_u8(r, o + 128 + 32 * nh + ll) >> (2 * s)) & 3) << 4)) - 32)
+        q = to_f32(_q6_q(r, o, j, g) - 32)
         if g < 2:
-            lo = fma(q, load_f32(x, p + 32 * j + ll), lo)
+            lo = fma(q, load_f32(x, p + 32 * j + 8 * g), lo)
         else:
-            hi = fma(q, load_f32(x, p + 32 * j + ll), hi)
+            hi = fma(q, load_f32(x, p + 32 * j + 8 * g), hi)
     return fma(lo, lane(sc, 2 * s), fma(hi, lane(sc, 2 * s + 1), acc))
 
 
@@ -236,6 +240,7 @@ def fblock_q6_k(r, o, x, p, xs, c, tab):
 
 
 FBLOCK_FORMATS = ("q4_k", "q5_k", "q6_k")
+
 
 # --------------------------------------------------------------------------- integer codes
 # `codes_<fmt>(r, o, j, tab)`: sub-block j (32 elements) of the block at byte o as unsigned
@@ -276,15 +281,20 @@ def codes_q8_0(r, o, j, tab):
 
 
 @njit(**_OPT)
-def _kcodes(r, o, j, tab, qs, five):
-    """Sub-block j of a q4_k / q5_k super-block (_k45's layout)."""
+def _k45_q32(r, o, j, qs, five):
+    """The codes of sub-block j of a q4_k / q5_k super-block (_k45's layout)."""
     q = load_bytes32(r, o + qs + 32 * (j // 2))
     q = (q & 15) if j % 2 == 0 else (q >> 4)
     if five:
         q = q | (((load_bytes32(r, o + 16) >> j) & 1) << 4)
+    return q
+
+
+@njit(**_OPT)
+def _kcodes(r, o, j, tab, qs, five):
     sc, mn = _scale_min(r, o + 4, j)
     a = _h(r, o, tab) * np.float32(sc)
-    return q, a, a, -(_h(r, o + 2, tab) * np.float32(mn))
+    return _k45_q32(r, o, j, qs, five), a, a, -(_h(r, o + 2, tab) * np.float32(mn))
 
 
 @njit(**_OPT)
@@ -298,14 +308,18 @@ def codes_q5_k(r, o, j, tab):
 
 
 @njit(**_OPT)
-def codes_q6_k(r, o, j, tab):
-    """Sub-block j is quarter j % 4 of half j // 4 (lanes_q6_k's layout)."""
+def _q6_q32(r, o, j):
+    """The codes (0..63) of sub-block j of a q6_k super-block: quarter j % 4 of half j // 4."""
     nh, s = j // 4, j % 4
     a = load_bytes32(r, o + 64 * nh + 32 * (s % 2))
     a = (a & 15) if s < 2 else (a >> 4)
-    q = a | (((load_bytes32(r, o + 128 + 32 * nh) >> (2 * s)) & 3) << 4)
-    d, sb = _h(r, o + 208, tab), o + 192 + 8 * nh + 2 * s
-    return q, d * np.float32(np.int8(r[sb])), d * np.float32(np.int8(r[sb + 1])), np.float32(0)
+    return a | (((load_bytes32(r, o + 128 + 32 * nh) >> (2 * s)) & 3) << 4)
+
+
+@njit(**_OPT)
+def codes_q6_k(r, o, j, tab):
+    d, sb = _h(r, o + 208, tab), o + 192 + 2 * j
+    return _q6_q32(r, o, j), d * np.float32(np.int8(r[sb])), d * np.float32(np.int8(r[sb + 1])), np.float32(0)
 
 
 # --------------------------------------------------------------------------- int8 activations
@@ -380,11 +394,7 @@ def iblock_q5_1(r, o, xq, xd, xs, c, tab):
 
 @njit(**_OPT)
 def _ksub(r, o, xq, c, j, f, acc, qs, five):
-    q = load_bytes32(r, o + qs + 32 * (j // 2))
-    q = (q & 15) if j % 2 == 0 else (q >> 4)
-    if five:
-        q = q | (((load_bytes32(r, o + 16) >> j) & 1) << 4)
-    return fma(to_f32(idot_u(q, xq, 32 * (c + j))), lane(f, j), acc)
+    return fma(to_f32(idot_u(_k45_q32(r, o, j, qs, five), xq, 32 * (c + j))), lane(f, j), acc)
 
 
 @njit(**_OPT)
@@ -421,12 +431,9 @@ def iblock_q8_0(r, o, xq, xd, xs, c, tab):
 
 @njit(**_OPT)
 def _q6sub(r, o, xq, c, j, sc, xf, acc):
-    """Sub-block j of a q6_k super-block (quarter j % 4 of half j // 4) with its scales,
-    lanes 2j % 8 and 2j % 8 + 1 of sc, times x's block scale, lane j of xf."""
-    nh, s = j // 4, j % 4
-    a = load_bytes32(r, o + 64 * nh + 32 * (s % 2))
-    a = (a & 15) if s < 2 else (a >> 4)
-    q = (a | (((load_bytes32(r, o + 128 + 32 * nh) >> (2 * s)) & 3) << 4)) - 32
+    """Sub-block j of a q6_k super-block with its scales, lanes 2j % 8 and 2j % 8 + 1 of
+    sc, times x's block scale, lane j of xf."""
+    q = _q6_q32(r, o, j) - 32
     k = 2 * j % 8
     return fma(to_f32(idot_s(q, xq, 32 * (c + j))), halves(lane(sc, k), lane(sc, k + 1)) * lane(xf, j), acc)
 
