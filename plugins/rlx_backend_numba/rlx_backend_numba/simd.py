@@ -413,7 +413,7 @@ def blend4(typingctx, a, b):
 
 @intrinsic
 def lane(typingctx, v, j):
-    """Every lane lane j of F32x8 v (a constant j after inlining: one permute)."""
+    """Lane j of F32x8 v in every lane (one permute, j being a constant after inlining)."""
     def codegen(context, builder, sig, args):
         x = builder.extract_element(args[0], context.cast(builder, args[1], sig.args[1], types.int32))
         return _splat(builder, x, _VF)
