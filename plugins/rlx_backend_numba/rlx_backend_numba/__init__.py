@@ -168,6 +168,13 @@ class NumbaBackend(Backend):
             release_file_pages(array[i:i + step])
         return copy
 
+    def planned_layouts(self, g) -> tuple:
+        """The int8 roundings its matmuls do themselves, planned as views of their input
+        (quant_kernels.redundant_roundings)."""
+        from .quant_kernels import redundant_roundings
+
+        return redundant_roundings(g), frozenset()
+
     def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:
         ok, why = self.availability()
         if not ok:

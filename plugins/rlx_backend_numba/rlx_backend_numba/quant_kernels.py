@@ -248,6 +248,7 @@ FBLOCK_FORMATS = ("q4_k", "q5_k", "q6_k")
 # a * (u - ZERO[fmt]) + c, a0 the scale of elements 0-15 and a1 of 16-31 (equal but for
 # q6_k's scales per 16). The int8 GEMVs and the int8 GEMM (igemm) multiply the codes.
 ZERO = {"q4_0": 8, "q5_0": 16, "q8_0": 128, "q6_k": 32}      # others: 0, a float offset c
+SUB = {"q6_k": 16}              # elements that share a scale (igemm's sub-blocks); others 32
 
 
 @njit(**_OPT)
@@ -806,7 +807,7 @@ def _igemm_source(kind: str) -> str:
     """The int8 GEMM of one format: its panel decoder and a 4 x 16 register tile (4 rows of x,
     two vectors of 8 W rows), unrolled here."""
     elems = BLOCK[kind][0]
-    sub, zero, offset = (16 if kind == "q6_k" else 32), ZERO.get(kind, 0), kind not in ZERO
+    sub, zero, offset = SUB.get(kind, 32), ZERO.get(kind, 0), kind not in ZERO
     panel = []
     for j in range(elems // 32):
         e = f"p + {32 * j}"
@@ -955,7 +956,7 @@ def _matmul(x, w, mod, kind: str, out, matmul: str):
 def _igemm(x, w, mod, kind: str, out):
     """out = x @ W^T with x rounded to int8_b32 blocks and multiplied as integers (igemm)."""
     m, k = x.shape
-    sub = 16 if kind == "q6_k" else 32
+    sub = SUB.get(kind, 32)
     xq = np.empty((m, k), np.int8)
     xd, xs, xi = np.empty((m, k // 32), np.float32), np.empty((m, k // sub), np.float32), np.empty((m, k // sub), np.int32)
     quantize_rows(np.ascontiguousarray(x, np.float32), xq, xd, xs, xi)
@@ -982,13 +983,34 @@ def _tiles(x, w, mod, out, kind: str, mode: str):
     return out
 
 
-def rounds_x_itself(a, x) -> bool:
-    """A `dequant_matmul` step (attrs `a`, x like `x`) multiplies int8 blocks of x that its
-    GEMV rounds itself: the fake_quantize before it is then redundant."""
+def rounds_x_itself(a, rows: int) -> bool:
+    """A `dequant_matmul` step (attrs `a`, `rows` rows of x) multiplies int8 blocks of x that
+    it rounds itself (the GEMV, or igemm): the fake_quantize before it is then redundant."""
     if not a.get("int8_x"):
         return False
     # more rows: igemm, where VNNI holds; elsewhere decode + f32 BLAS of the rounded x is faster
-    return math.prod(x.shape[:-1]) <= GEMV_MAX_M or VNNI
+    return rows <= GEMV_MAX_M or VNNI
+
+
+def redundant_roundings(g) -> frozenset:
+    """The fake_quantize nodes (to int8_b32) of the static graph g whose every reader is a
+    dequant_matmul step that rounds x itself (as prepare_dequant_matmul builds it). The
+    backend plans them as views of x (NumbaBackend.planned_layouts), so x's bytes live until
+    the last reader, which then reads x itself (NumbaRunner drops the rounding)."""
+    users = g.consumers()
+    f32 = np.dtype(np.float32)
+
+    def rounds(r: int, ref: tuple) -> bool:
+        n = g.nodes[r] if r >= 0 else None
+        if n is None or n.op != "dequant_matmul" or [tuple(i) for i in n.inputs].index(ref) != 0:
+            return False
+        x, o = g.shape_of(n.inputs[0]), n.outs[0]
+        return (QuantScheme.parse(n.a["scheme"]).kind in FORMATS and x.dtype.np == f32 and o.dtype.np == f32
+                and o.nbytes() > 0 and rounds_x_itself({"int8_x": True}, math.prod(x.dims[:-1])))
+
+    return frozenset(i for i, n in enumerate(g.nodes)
+                     if n.op == "fake_quantize" and QuantScheme.parse(n.a["scheme"]).name == "int8_b32"
+                     and users.get((i, 0)) and all(rounds(r, (i, 0)) for r in users[(i, 0)]))
 
 
 def prepare_dequant_matmul(a, outs, protos, op=None):
@@ -1005,9 +1027,9 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
     o2 = o.reshape(m, -1)
     w2, mod = _args(s, w, k)                     # checked once: the step runs per token
     if m <= GEMV_MAX_M:
-        gemv = mod.igemv if rounds_x_itself(a, x) else mod.gemv
+        gemv = mod.igemv if rounds_x_itself(a, m) else mod.gemv
         mm = lambda x, w: gemv(x.reshape(m, k), w, o2, F16)  # noqa: E731
-    elif rounds_x_itself(a, x):
+    elif rounds_x_itself(a, m):
         mm = lambda x, w: _igemm(x.reshape(m, k), w.reshape(w2.shape), mod, s.kind, o2)  # noqa: E731
     else:
         how = a.get("matmul", "f32")
@@ -1054,5 +1076,5 @@ def prepare_fake_quantize(a, outs, protos, op=None):
     return lambda a_, out, x: fake_quantize_int8(x.reshape(-1, k), out[0].reshape(-1, k))
 
 
-__all__ = ["FORMATS", "dequant_gemv", "glu_gemv", "rounds_x_itself", "dequant_matmul", "dequant_rows", "prepare_dequant_matmul",
+__all__ = ["FORMATS", "dequant_gemv", "glu_gemv", "redundant_roundings", "rounds_x_itself", "dequant_matmul", "dequant_rows", "prepare_dequant_matmul",
            "prepare_dequantize", "prepare_fake_quantize"]

@@ -17,6 +17,7 @@ import numpy as np
 from rlx_core.backends.numpy import NumpyRunner
 from rlx_core.backends.numpy.blas import blas_threads, single_threaded_blas
 from rlx_core.ir.numpy_kernels import KERNELS, VIEWS, segments
+from rlx_core.ir.errors import BackendError
 from rlx_core.ir.lir import LirModule
 from rlx_core.ir.ops import MaskKind
 from rlx_core.ir.quant import QuantScheme
@@ -453,7 +454,6 @@ class NumbaRunner(NumpyRunner):
         for _, (slot, s) in self.inputs.items():
             protos[slot] = np.zeros(s.dims, s.dtype.np)
         steps, self_rounding, fused = [], set(), set()
-        writes = {}             # step -> the arrays it writes, where not its node's outputs
 
         def prepare(i, is_view, fn, a, ins, out):
             node = g.nodes[i]
@@ -478,10 +478,10 @@ class NumbaRunner(NumpyRunner):
                     made = _glu_step(x, protos[ins[1]], o, a)
                     if made is not None:
                         fused.add(swiglu)
-                        writes[i] = [o]
                 if made is None:
                     made = PREPARE[node.op](a, out, [protos[j] for j in ins], op=node.op)
-                if made is not None and node.op == "dequant_matmul" and quant_kernels.rounds_x_itself(a, x):
+                if made is not None and node.op == "dequant_matmul" and quant_kernels.rounds_x_itself(
+                        a, math.prod(x.shape[:-1])):
                     self_rounding.add(i)
                 fn = made or fn
             steps.append((i, is_view, fn, a, ins, out))
@@ -511,7 +511,7 @@ class NumbaRunner(NumpyRunner):
                 for m in members:
                     prepare(*m)
             prepare(*step)
-        self.steps = self._drop_rounding(steps, self_rounding, users, protos, writes)
+        self.steps = self._drop_rounding(lir, steps, self_rounding, users)
 
     _loaded = False       # set by the first run, which loads this runner's kernels
 
@@ -610,22 +610,17 @@ class NumbaRunner(NumpyRunner):
                 pairs[d] = (s, o)
         return pairs
 
-    def _drop_rounding(self, steps: list, self_rounding: set, users: dict, protos: list, writes: dict) -> list:
-        """Steps without the fake_quantize nodes whose every reader rounds x itself; those
-        readers read the fake_quantize's input x instead. The buffer plan let x's memory go
-        after the fake_quantize read it, so one is dropped only where no step from it up to
-        its last reader writes that memory (the last reader rounds x before it writes)."""
+    def _drop_rounding(self, lir: LirModule, steps: list, self_rounding: set, users: dict) -> list:
+        """Steps without the fake_quantize nodes planned as views of their input x (the backend's
+        planned_layouts: every reader rounds x itself, and x's bytes live until the last one);
+        those readers read x instead."""
         g = self.graph
-        at = {step[0]: k for k, step in enumerate(steps)}
         source = {}
-        for k, (i, is_view, fn, a, ins, out) in enumerate(steps):
-            readers = set(users.get((i, 0), []))
-            if g.nodes[i].op != "fake_quantize" or not readers <= self_rounding:
-                continue
-            x = protos[ins[0]]
-            last = max(at[r] for r in readers)
-            if x is None or not any(np.may_share_memory(x, o) for step in steps[k + 1:last]
-                                    for o in writes.get(step[0], step[5] if isinstance(step[5], list) else [])):
+        for i, is_view, fn, a, ins, out in steps:
+            if g.nodes[i].op == "fake_quantize" and lir.slots[(i, 0)].home == "view":
+                if not set(users.get((i, 0), [])) <= self_rounding:
+                    raise BackendError(f"numba: the int8 rounding %{i} was planned away, but a reader "
+                                       "of it does not round x itself")
                 source[i] = ins[0]
         kept = []
         for i, is_view, fn, a, ins, out in steps:
