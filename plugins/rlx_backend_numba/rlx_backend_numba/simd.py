@@ -156,14 +156,23 @@ def _store_bf16(context, builder, sig, args):
     return context.get_dummy_value()
 
 
+def _store_i8(context, builder, sig, args):
+    ptr = element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], ir.VectorType(_I8, LANES))
+    builder.store(builder.trunc(args[2], ir.VectorType(_I8, LANES)), ptr, align=1)
+    return context.get_dummy_value()
+
+
 @intrinsic
 def store_lanes(typingctx, a, i, v):
     """a[i:i+8] = v for a float32 array; for a uint16 array, v rounded to bf16 (nearest, ties
-    to even; NaN is not kept apart): the bits AMX tiles read (amx.py)."""
-    if a.dtype == types.float32:
+    to even; NaN is not kept apart): the bits AMX tiles read (amx.py); for an int8 array,
+    the I32x8 v's low bytes."""
+    if a.dtype == types.float32 and v is F32x8:
         return types.none(a, i, v), _store_f32
-    if a.dtype == types.uint16:
+    if a.dtype == types.uint16 and v is F32x8:
         return types.none(a, i, v), _store_bf16
+    if a.dtype == types.int8 and v is I32x8:
+        return types.none(a, i, v), _store_i8
     return None
 
 
@@ -376,6 +385,25 @@ def hmax(typingctx, v):
 
 
 @intrinsic
+def vabs(typingctx, v):
+    """Lane-wise |v| (f32)."""
+    def codegen(context, builder, sig, args):
+        return call_intrinsic(builder, "llvm.fabs.v8f32", _VF, args[0])
+    return F32x8(v), codegen
+
+
+@intrinsic
+def round_int8(typingctx, v):
+    """Lane-wise v rounded half away from zero (llvm.round: exact for every f32) and clamped
+    to -127..127, as I32x8: int8_b32's rounding of x / d."""
+    def codegen(context, builder, sig, args):
+        r = builder.fptosi(call_intrinsic(builder, "llvm.round.v8f32", _VF, args[0]), _VI)
+        r = call_intrinsic(builder, "llvm.smin.v8i32", _VI, r, ir.Constant(_VI, [127] * LANES))
+        return call_intrinsic(builder, "llvm.smax.v8i32", _VI, r, ir.Constant(_VI, [-127] * LANES))
+    return I32x8(v), codegen
+
+
+@intrinsic
 def vmax(typingctx, a, b):
     """Lane-wise maximum (maxnum) of two F32x8."""
     def codegen(context, builder, sig, args):
@@ -534,5 +562,5 @@ def store_words(typingctx, a, i, stride, v):
     return types.none(a, i, stride, v), codegen
 
 
-__all__ = ["F32x8", "I32x8", "I8x32", "LANES", "VNNI", "bits", "bits32", "blend4", "lane", "dot4", "exp", "halves", "idot_s", "idot_u", "izeros", "load_bytes32", "nibbles32", "fma", "hsum", "load_f32", "load_i8", "load_u8", "load_u32",
+__all__ = ["F32x8", "I32x8", "I8x32", "LANES", "VNNI", "bits", "bits32", "blend4", "lane", "dot4", "exp", "halves", "idot_s", "idot_u", "izeros", "load_bytes32", "nibbles32", "fma", "hsum", "round_int8", "vabs", "load_f32", "load_i8", "load_u8", "load_u32",
            "store_lanes", "store_words", "to_f32", "zeros"]

@@ -72,7 +72,7 @@ def test_blocked_matmul_over_threads(rng, blas, monkeypatch):
 def test_int8_activation_gemv_and_gemm(rng, kind):
     """x rounded through int8_b32 (as a fake_quantize leaves it) times each format's integers
     equals the float64 product of the rounded x and the dequantized weight: in the GEMV (a few
-    rows) and the int8 GEMM (rows not a multiple of its 4, N = 40 not of its 16, a strided
+    rows) and the int8 GEMM (rows not a multiple of its 4, N = 40 not of its 32, a strided
     output; simd.dot4 runs its plain-LLVM form where the CPU lacks VNNI)."""
     s, raw, ref = packed(rng, kind)
     i8 = QuantScheme.parse("int8_b32")
@@ -88,6 +88,30 @@ def test_int8_activation_gemv_and_gemm(rng, kind):
         wide = np.full((m, N + 5), np.nan, np.float32)
         close(Q.dequant_matmul(xr, raw, s, wide[:, 2:N + 2], int8_x=True), want)
         assert np.isnan(wide[:, :2]).all() and np.isnan(wide[:, N + 2:]).all()
+
+
+@pytest.mark.parametrize("sub", [32, 16])
+def test_int8_rounding_of_rows_equals_int8_b32(rng, sub):
+    """quantize_rows (the int8 GEMM's rounding of x, SIMD) gives int8_b32's integers and scales
+    bit for bit, ties k + 1/2 rounded away from zero, and each sub-block's integer sum."""
+    m, k = 5, 256
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 100.0, (m, 1))).astype(np.float32)
+    x[0, :32] = np.arange(32, dtype=np.float32) - 15.5          # ties, the scale exactly 1
+    x[0, 31] = 127.0
+    x[1, 32:64] = 0
+    xq, xd = np.empty((m, k), np.int8), np.empty((m, k // 32), np.float32)
+    xs, xi = np.empty((m, k // sub), np.float32), np.empty((m, k // sub), np.int32)
+    Q.quantize_rows(x, xq, xd, xs, xi)
+    raw = QuantScheme.parse("int8_b32").quantize(x.reshape(-1)).reshape(-1, 36)
+    d = raw[:, :4].copy().view("<f4").reshape(m, k // 32)
+    q = raw[:, 4:].copy().view(np.int8).reshape(m, k)
+    np.testing.assert_array_equal(xq, q)
+    np.testing.assert_array_equal(xd, d)
+    j = np.arange(31)
+    np.testing.assert_array_equal(q[0, :31], np.where(j < 16, j - 16, j - 15))     # -15.5 -> -16, 0.5 -> 1
+    sums = q.astype(np.int64).reshape(m, k // sub, sub).sum(-1)
+    np.testing.assert_array_equal(xi, sums)
+    np.testing.assert_array_equal(xs, np.repeat(d, 32 // sub, axis=1) * sums.astype(np.float32))
 
 
 @pytest.mark.parametrize("rows", [1, 12], ids=["gemv", "blocked"])
