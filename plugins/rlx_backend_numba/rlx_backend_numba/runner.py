@@ -431,6 +431,17 @@ def _glu_step(x, w, o, a):
 
 
 # --------------------------------------------------------------------------- the runner
+def _read_only(a):
+    """A read-only view of a param array: weights memory-mapped from the file are read-only,
+    ones derived at load (fused q/k/v, huge-page copies) are not, and numba compiles a kernel
+    once per flag (SmolLM2's first run compiled its packed GEMV twice, 2 s)."""
+    if not isinstance(a, np.ndarray) or not a.flags.writeable:
+        return a
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
 class NumbaRunner(NumpyRunner):
     """NumpyRunner's arena, values, view steps and run loop; compiled kernels where they apply.
 
@@ -442,7 +453,7 @@ class NumbaRunner(NumpyRunner):
     backend_name = "numba"
 
     def __init__(self, lir: LirModule, params: dict, states: dict, matmul: str = "f32"):
-        super().__init__(lir, params, states)
+        super().__init__(lir, {k: _read_only(v) for k, v in params.items()}, states)
         g = self.graph
         users = g.consumers()
         glu = self._glu_pairs(users)
