@@ -862,6 +862,7 @@ def quantize_rows(x, xq, xd, xs, xi):
                 xi[m, b] = t0 + t1
                 xs[m, b] = d * np.float32(t0 + t1)
 
+
 @functools.lru_cache(maxsize=None)
 def drivers(kind: str):
     """The generated module of one format: `gemv`, `rows`, `rows_ser`, ... and its AMX drivers."""
