@@ -558,3 +558,23 @@ def test_a_replaced_state_buffer_is_rebound(rng):
     np.testing.assert_array_equal(store["cache.k"][:, :, 3:4], k2)     # b wrote the live buffer
     np.testing.assert_array_equal(store["cache.k"][:, :, 0:1], k)
     assert not states_moved(store, *next(iter(b._bound.values())))
+
+
+def test_bound_calls_let_a_step_bind_itself_once():
+    """A step with `bind` makes its own call once its operands are known never to move (work
+    a kernel wrapper would repeat every run: reshapes, layout checks); a step reading a graph
+    input still gathers its operands each run, bind or not."""
+    from rlx_core.backends.numpy import bound_calls
+
+    log = []
+
+    def fn(a, out, x):
+        log.append(("run", a, x))
+    fn.bind = lambda a, out, x: (log.append(("bind", a, x)), lambda: log.append(("bound", a, x)))[1]
+    vals = ["param", "input"]
+    calls = bound_calls([(0, False, fn, "p", [0], []), (1, False, fn, "i", [1], [])], vals, {1})
+    assert log == [("bind", "p", "param")]
+    vals[1] = "moved"
+    for call in calls:
+        call()
+    assert log[1:] == [("bound", "p", "param"), ("run", "i", "moved")]

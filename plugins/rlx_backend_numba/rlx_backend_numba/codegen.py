@@ -339,8 +339,13 @@ def elementwise_step(program, protos: list, out: np.ndarray):
     o_flat = out.reshape(-1)
     pitched = [i for i, kd in enumerate(kinds) if kd == "P"]
 
+    def operands(*ins):
+        return (o_flat, n, C, *[f(x) for f, x in zip(convs, ins)], *[_pitch(ins[i], rows, C) for i in pitched])
+
     def run(a, o, *ins):
-        kernel(o_flat, n, C, *[f(x) for f, x in zip(convs, ins)], *[_pitch(ins[i], rows, C) for i in pitched])
+        kernel(*operands(*ins))
+    if not scratch:                     # (a broadcast copy reads its input every run)
+        run.bind = lambda a, o, *ins: functools.partial(kernel, *operands(*ins))
     return run
 
 
@@ -378,6 +383,14 @@ def with_epilogue(mm, out: np.ndarray, bias: list, act: str):
     def run(a_, o, x, w, *b):
         mm(x, w)
         epi(*b)
+
+    def bind(a_, o, x, w, *b):          # NumpyRunner's bound calls: operands that never move
+        m = mm.bind(x, w) if hasattr(mm, "bind") else functools.partial(mm, x, w)
+        if not bias and act == "identity":
+            return m
+        e = functools.partial(epi, *b)
+        return lambda: (m(), e())
+    run.bind = bind
     return run
 
 

@@ -204,7 +204,9 @@ def bound_calls(steps: list, vals: list, inputs: set) -> list:
     """Each step as a call without arguments: its operands bound once where none of them
     moves between runs (a graph input or a view of one moves; such a step gathers them each
     run). A view marked `returns_cache` (kv_write) returns the cache it wrote into, so its
-    output moves only with the cache."""
+    output moves only with the cache. A step with a `bind(a, out, *operands)` makes that
+    call itself, doing once what it would do every run (reshapes, layout checks: a few
+    microseconds, hundreds of times a decode token)."""
     dynamic = set(inputs)
     calls = []
     for i, is_view, fn, a, ins, out in steps:
@@ -218,7 +220,8 @@ def bound_calls(steps: list, vals: list, inputs: set) -> list:
             vals[out] = args[0]
             calls.append(functools.partial(fn, a, *args))
         else:
-            calls.append(functools.partial(fn, a, out, *args))
+            bind = getattr(fn, "bind", None)
+            calls.append(bind(a, out, *args) if bind is not None else functools.partial(fn, a, out, *args))
     return calls
 
 
