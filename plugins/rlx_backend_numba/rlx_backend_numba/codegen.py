@@ -341,12 +341,9 @@ def elementwise_step(program, protos: list, out: np.ndarray):
 
     def operands(*ins):
         return (o_flat, n, C, *[f(x) for f, x in zip(convs, ins)], *[_pitch(ins[i], rows, C) for i in pitched])
-
-    def run(a, o, *ins):
-        kernel(*operands(*ins))
-    if not scratch:                     # (a broadcast copy reads its input every run)
-        run.bind = lambda a, o, *ins: functools.partial(kernel, *operands(*ins))
-    return run
+    if scratch:                         # a broadcast copy reads its input every run: never bound
+        return lambda a, o, *ins: kernel(*operands(*ins))
+    return as_step(bindable(kernel, operands))
 
 
 def _pitch(x, rows: int, cols: int) -> int:
@@ -373,6 +370,23 @@ def epilogue_step(out: np.ndarray, bias: list, act: str):
     return None if step is None else (lambda *b: step(None, None, out, *b))
 
 
+def bindable(kernel, operands):
+    """fn(*ins) calling kernel(*operands(*ins)), and fn.bind(*ins): that call with its
+    operands taken once, for NumpyRunner's bound calls (buffers that never move: a decode
+    step's reshapes and layout checks, hundreds a token, cost 5% of it)."""
+    fn = lambda *ins: kernel(*operands(*ins))  # noqa: E731
+    fn.bind = lambda *ins: functools.partial(kernel, *operands(*ins))
+    return fn
+
+
+def as_step(fn):
+    """fn(*ins) as a runner step fn(a, out, *ins), keeping its `bind`."""
+    step = lambda a, out, *ins: fn(*ins)  # noqa: E731
+    if hasattr(fn, "bind"):
+        step.bind = lambda a, out, *ins: fn.bind(*ins)
+    return step
+
+
 def with_epilogue(mm, out: np.ndarray, bias: list, act: str):
     """A matmul step: `mm(x, w)` writes `out`, then the generated bias/act epilogue; None when
     the epilogue cannot be generated (the step keeps the NumPy kernel)."""
@@ -394,6 +408,6 @@ def with_epilogue(mm, out: np.ndarray, bias: list, act: str):
     return run
 
 
-__all__ = ["ACT", "ACT_F32", "epilogue_step",
+__all__ = ["ACT", "ACT_F32", "as_step", "bindable", "epilogue_step",
            "BINARY", "COMPARE", "elementwise_source", "elementwise_step", "load_source",
            "plan_operands", "cache_dir", "with_epilogue"]

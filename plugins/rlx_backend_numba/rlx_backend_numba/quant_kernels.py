@@ -30,7 +30,7 @@ from rlx_core.ir.quant import QuantScheme
 
 from . import amx, cblas
 from .cblas import SGEMM
-from .codegen import SWIGLU_HEAD, load_source, with_epilogue
+from .codegen import SWIGLU_HEAD, bindable, load_source, with_epilogue
 from .simd import (VNNI, bits, bits32, blend4, fma, halves, hmax, hsum, idot_s, idot_u, lane, load_bytes32, load_f32,
                    load_i8, load_u8, load_u32, nibbles32, round_int8, store_lanes, to_f32, vabs, vmax, zeros)
 
@@ -1023,14 +1023,6 @@ def redundant_roundings(g) -> frozenset:
                      and users.get((i, 0)) and all(rounds(r, (i, 0)) for r in users[(i, 0)]))
 
 
-def _bindable(kernel, operands):
-    """fn(x, w) calling kernel(*operands(x, w)), with fn.bind(x, w): the same call with its
-    operands taken once (a decode step's GEMVs run on buffers that never move)."""
-    fn = lambda x, w: kernel(*operands(x, w))  # noqa: E731
-    fn.bind = lambda x, w: functools.partial(kernel, *operands(x, w))
-    return fn
-
-
 def prepare_dequant_matmul(a, outs, protos, op=None):
     """A runner step for `dequant_matmul` (x, packed w, bias?; attrs scheme, act): the GEMV for
     a few rows, decode-to-scratch + BLAS otherwise, then the generated bias/act epilogue.
@@ -1046,7 +1038,7 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
     w2, mod = _args(s, w, k)                     # checked once: the step runs per token
     if m <= GEMV_MAX_M:
         gemv = mod.igemv if rounds_x_itself(a, m) else mod.gemv
-        mm = _bindable(gemv, lambda x, w: (x.reshape(m, k), w, o2, F16))
+        mm = bindable(gemv, lambda x, w: (x.reshape(m, k), w, o2, F16))
     elif rounds_x_itself(a, m):
         mm = lambda x, w: _igemm(x.reshape(m, k), w.reshape(w2.shape), mod, s.kind, o2)  # noqa: E731
     else:
@@ -1067,7 +1059,7 @@ def glu_gemv(x, w, o, scheme, int8_x: bool):
     mod = drivers(s.kind)
     glu = mod.igemv_glu if int8_x else mod.gemv_glu
     o2 = o.reshape(1, -1)
-    return _bindable(glu, lambda x, w: (x.reshape(1, k), w, o2, F16))
+    return bindable(glu, lambda x, w: (x.reshape(1, k), w, o2, F16))
 
 
 def prepare_dequantize(a, outs, protos, op=None):

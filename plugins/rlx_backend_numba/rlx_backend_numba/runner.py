@@ -9,7 +9,6 @@ backend's kernel; BLAS runs between numba kernels, never inside one.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import numba
@@ -89,15 +88,6 @@ def _lanes(*rows) -> bool:
             and all(a.strides[-1] == 4 for a in rows))
 
 
-def _step(kern, operands):
-    """A step calling kern(*operands(*ins)); NumpyRunner's bound calls take the operands
-    once (`bind`) where none of them moves between runs."""
-    def run(a_, out, *ins):
-        kern(*operands(*ins))
-    run.bind = lambda a_, out, *ins: functools.partial(kern, *operands(*ins))
-    return run
-
-
 def _row_scalars(o: np.ndarray, eps: float) -> tuple:
     t = o.dtype.type
     return t(eps), t(o.shape[-1])
@@ -122,7 +112,7 @@ def _rms(a, outs, protos, op=None):
         r3 = _rows3(rest[0]) if fused else x3
         w_ = rest[-1] if w is not None else ones
         return x3, r3, w_, h3, o3, fused, w is not None, offset, eps, dd, _lanes(x3, r3, w_, h3, o3)
-    return _step(kern, operands)
+    return codegen.as_step(codegen.bindable(kern, operands))
 
 
 @prepares("layer_norm", "fused_residual_ln")
@@ -437,11 +427,7 @@ def _gathered_write_step(a, ga, cache, table, idx, pos):
 def _glu_step(x, w, o, a):
     """A gate/up dequant_matmul step that writes the SwiGLU of its halves into `o`."""
     glu = quant_kernels.glu_gemv(x, w, o, a["scheme"], a.get("int8_x"))
-    if glu is None:
-        return None
-    step = lambda a_, out, x, w: glu(x, w)  # noqa: E731
-    step.bind = lambda a_, out, x, w: glu.bind(x, w)
-    return step
+    return None if glu is None else codegen.as_step(glu)
 
 
 # --------------------------------------------------------------------------- the runner
