@@ -993,6 +993,11 @@ def _tiles(x, w, mod, out, kind: str, mode: str):
     return out
 
 
+def _has_kernel(kind: str, x_dtype, o_dtype, o_size: int) -> bool:
+    """A packed matmul the steps here run: a format here, f32 x and output, not empty."""
+    return kind in FORMATS and x_dtype == np.float32 and o_dtype == np.float32 and o_size > 0
+
+
 def rounds_x_itself(a, rows: int) -> bool:
     """A `dequant_matmul` step (attrs `a`, `rows` rows of x) multiplies int8 blocks of x that
     it rounds itself (the GEMV, or igemm): the fake_quantize before it is then redundant."""
@@ -1008,15 +1013,14 @@ def redundant_roundings(g) -> frozenset:
     backend plans them as views of x (NumbaBackend.planned_layouts), so x's bytes live until
     the last reader, which then reads x itself (NumbaRunner drops the rounding)."""
     users = g.consumers()
-    f32 = np.dtype(np.float32)
 
     def rounds(r: int, ref: tuple) -> bool:
         n = g.nodes[r] if r >= 0 else None
         if n is None or n.op != "dequant_matmul" or [tuple(i) for i in n.inputs].index(ref) != 0:
             return False
         x, o = g.shape_of(n.inputs[0]), n.outs[0]
-        return (QuantScheme.parse(n.a["scheme"]).kind in FORMATS and x.dtype.np == f32 and o.dtype.np == f32
-                and o.nbytes() > 0 and rounds_x_itself({"int8_x": True}, math.prod(x.dims[:-1])))
+        return (_has_kernel(QuantScheme.parse(n.a["scheme"]).kind, x.dtype.np, o.dtype.np, o.nbytes())
+                and rounds_x_itself({"int8_x": True}, math.prod(x.dims[:-1])))
 
     return frozenset(i for i, n in enumerate(g.nodes)
                      if n.op == "fake_quantize" and QuantScheme.parse(n.a["scheme"]).name == "int8_b32"
@@ -1030,7 +1034,7 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
     GEMV multiplies x's int8 values with the packed integers."""
     x, w, o = protos[0], protos[1], outs[0]
     s = QuantScheme.parse(a["scheme"])               # checked by the op table's schema
-    if s.kind not in FORMATS or x.dtype != np.float32 or o.dtype != np.float32 or o.size == 0:
+    if not _has_kernel(s.kind, x.dtype, o.dtype, o.size):
         return None
     k = x.shape[-1]
     m = math.prod(x.shape[:-1])
@@ -1052,8 +1056,8 @@ def glu_gemv(x, w, o, scheme, int8_x: bool):
     or None when the packed weight is not [2H, ...] of a format with kernels here."""
     s = QuantScheme.parse(scheme)
     k = x.shape[-1]
-    if (s.kind not in FORMATS or x.dtype != np.float32 or o.dtype != np.float32 or x.size != k
-            or o.size == 0 or w.ndim != 2 or w.shape[0] != 2 * o.size):
+    if (not _has_kernel(s.kind, x.dtype, o.dtype, o.size) or x.size != k or w.ndim != 2
+            or w.shape[0] != 2 * o.size):
         return None
     _args(s, w, k)
     mod = drivers(s.kind)

@@ -626,13 +626,12 @@ class NumbaRunner(NumpyRunner):
         planned_layouts: every reader rounds x itself, and x's bytes live until the last one);
         those readers read x instead."""
         g = self.graph
-        source = {}
-        for i, is_view, fn, a, ins, out in steps:
-            if g.nodes[i].op == "fake_quantize" and lir.slots[(i, 0)].home == "view":
-                if not set(users.get((i, 0), [])) <= self_rounding:
-                    raise BackendError(f"numba: the int8 rounding %{i} was planned away, but a reader "
-                                       "of it does not round x itself")
-                source[i] = ins[0]
+        planned = {i for i, n in enumerate(g.nodes) if n.op == "fake_quantize" and lir.slots[(i, 0)].home == "view"}
+        for i in planned:               # every one, also those NumpyRunner folded into x already
+            if not set(users.get((i, 0), [])) <= self_rounding:
+                raise BackendError(f"numba: the int8 rounding %{i} was planned away, but a reader "
+                                   "of it does not round x itself")
+        source = {i: ins[0] for i, is_view, fn, a, ins, out in steps if i in planned}
         kept = []
         for i, is_view, fn, a, ins, out in steps:
             if i in source:
