@@ -49,17 +49,19 @@ class OpenCLBackend(Backend):
         return self.with_device(getattr(config, "device", "") or None)
 
     def availability(self) -> tuple:
+        """(True, "") when pyopencl imports, the device opens and a probe kernel builds and runs
+        on it (once per device and process); else (False, why)."""
         try:
             import pyopencl  # noqa: F401  (importable at all?)
         except Exception as e:  # ImportError, or a broken ICD loader
             return False, f"pyopencl is not importable: {type(e).__name__}: {e}"
         try:
-            self.device
+            why = self.device.unusable()
         except BackendError as e:
             return False, str(e)
         except Exception as e:  # a driver that fails while creating the context
             return False, f"OpenCL initialisation failed: {type(e).__name__}: {e}"
-        return True, ""
+        return not why, why
 
     @property
     def priority(self) -> int:

@@ -20,6 +20,10 @@ BASE_DTYPES = frozenset({DType.F32, DType.I8, DType.I16, DType.I32, DType.I64, D
                          DType.BOOL, DType.C64})
 _HINT = ("install `pocl-binary-distribution` for a CPU device, or register a vendor ICD "
          "(NVIDIA: plugins/rlx_backend_opencl/scripts/register_nvidia_icd.sh)")
+# What availability() builds and runs once per device: a driver can open a device it cannot
+# compile for (PoCL whose LLVM does not know the host CPU: "unknown target CPU 'generic'").
+PROBE = "__kernel void rlx_probe(__global int *out) { int i = get_global_id(0); out[i] = 3 * i + 1; }"
+PROBE_ITEMS = 8
 
 
 def _cl():
@@ -78,6 +82,23 @@ def select(selector: str | None = None):
     raise BackendError(f"OpenCL device selector {sel!r} matches no device; devices: {listing}")
 
 
+class BuildError(BackendError):
+    """A program the device's compiler rejected; `log` is pyopencl's message with the build log."""
+
+    def __init__(self, message: str, log: str = ""):
+        super().__init__(message)
+        self.log = log
+
+
+def first_log_line(log: str) -> str:
+    """The line of a pyopencl build failure that says why: the first line of the compiler's
+    log (after pyopencl's "Build on <device>:" header) naming an error, else its first line."""
+    lines = [line.strip() for line in log.splitlines()]
+    start = next((i + 1 for i, line in enumerate(lines) if line.startswith("Build on ")), 0)
+    body = [line for line in lines[start:] if line and not line.startswith("(options:")]
+    return next((line for line in body if "error" in line.lower()), body[0] if body else log.strip())
+
+
 class Device:
     """A context and queue on one device, its capabilities and its built programs."""
 
@@ -94,6 +115,7 @@ class Device:
         self.local_mem = int(device.local_mem_size)
         self.max_wg = int(device.max_work_group_size)
         self.programs: dict = {}
+        self._unusable: str | None = None     # the probe's verdict, once run
 
     def dtypes(self) -> frozenset:
         base = set(BASE_DTYPES)
@@ -123,10 +145,35 @@ class Device:
                 prg = cl.Program(self.ctx, source).build(options=opts, devices=[self.dev])
         except cl.Error as e:
             numbered = "\n".join(f"{i + 1:4d}  {line}" for i, line in enumerate(source.splitlines()))
-            raise BackendError(f"opencl: building the kernel for {what} on {self.name} failed.\n"
-                               f"--- build log ---\n{e}\n--- source ---\n{numbered}") from None
+            raise BuildError(f"opencl: building the kernel for {what} on {self.name} failed.\n"
+                             f"--- build log ---\n{e}\n--- source ---\n{numbered}", str(e)) from None
         self.programs[key] = prg
         return prg
+
+    def unusable(self) -> str:
+        """Why this device cannot build or run kernels ("" when it can): PROBE, run once."""
+        if self._unusable is None:
+            self._unusable = self._probe()
+        return self._unusable
+
+    def _probe(self) -> str:
+        cl = _cl()
+        try:
+            prg = self.build(PROBE, "the availability probe")
+        except BuildError as e:
+            return f"OpenCL device {self.name} cannot build kernels: {first_log_line(e.log)}"
+        out = np.zeros(PROBE_ITEMS, np.int32)
+        try:
+            buf = cl.Buffer(self.ctx, cl.mem_flags.WRITE_ONLY, out.nbytes)
+            prg.rlx_probe(self.queue, (PROBE_ITEMS,), None, buf)
+            cl.enqueue_copy(self.queue, out, buf)           # blocking: the kernel has finished
+        except cl.Error as e:
+            return f"OpenCL device {self.name} cannot run kernels: {first_log_line(str(e))}"
+        want = 3 * np.arange(PROBE_ITEMS, dtype=np.int32) + 1
+        if not np.array_equal(out, want):
+            return (f"OpenCL device {self.name} runs kernels wrongly: the probe kernel wrote "
+                    f"{out.tolist()}, expected {want.tolist()}")
+        return ""
 
 
 _DEVICES: dict = {}
