@@ -127,12 +127,29 @@ def gated_mlp_weights(ctx, prefix: str, hidden: int) -> tuple:
             ctx.param(f"{p}.down_proj.weight", (hidden, inter) if inter else None))
 
 
+def gated_mlp(m, x, gate, up, down, act: str = "silu"):
+    """down(act(gate(x)) * up(x)) with HF-layout weights; silu as the one swiglu_mlp op."""
+    if act == "silu":
+        return m.swiglu(x, gate, up, down)
+    return m.linear(m.act(m.linear(x, gate), act) * m.linear(x, up), down)
+
+
 @attrs.frozen
 class SwigluMlp:
     prefix: str = "mlp"
 
     def emit(self, ctx, x):
         return ctx.m.swiglu(x, *gated_mlp_weights(ctx, self.prefix, x.dims[-1]))
+
+
+@attrs.frozen
+class GatedMlp:
+    """A gated MLP whose gate activation the config names (`hidden_act`: gelu, relu, ...)."""
+    prefix: str = "mlp"
+    act: str = "silu"               # an IR activation
+
+    def emit(self, ctx, x):
+        return gated_mlp(ctx.m, x, *gated_mlp_weights(ctx, self.prefix, x.dims[-1]), self.act)
 
 
 @attrs.frozen
@@ -329,7 +346,7 @@ class GreedyNext:
 
 GENERIC_BLOCKS = {
     "token_embed": TokenEmbed, "rms_norm": RmsNorm, "layer_norm": LayerNorm, "linear": Linear,
-    "residual_save": ResidualSave, "residual_add": ResidualAdd, "swiglu_mlp": SwigluMlp,
+    "residual_save": ResidualSave, "residual_add": ResidualAdd, "swiglu_mlp": SwigluMlp, "gated_mlp": GatedMlp,
     "self_attention": lambda **kw: SelfAttention(AttnSpec(**kw)), "gather_last_token": GatherLastToken,
     "lm_head": LmHead, "tap": Tap, "greedy_next": GreedyNext, "cross_entropy_loss": CrossEntropyLoss,
 }

@@ -150,6 +150,10 @@ class ModelFlow:
     def swiglu_hf_mlp(self, prefix: str = "mlp") -> "ModelFlow":
         return self._add(B.SwigluMlp(prefix))
 
+    def gated_hf_mlp(self, prefix: str = "mlp", act: str = "silu") -> "ModelFlow":
+        """The gated MLP with IR activation `act` (silu: the swiglu block)."""
+        return self._add(B.SwigluMlp(prefix) if act == "silu" else B.GatedMlp(prefix, act))
+
     def self_attn_prefill(self, spec: "B.AttnSpec") -> "ModelFlow":
         return self._add(B.SelfAttention(attrs.evolve(spec, mode="prefill")))
 

@@ -8,7 +8,30 @@ from __future__ import annotations
 
 import math
 
-from rlx_core.ir.errors import RlxError, WeightError
+from rlx_core.ir.errors import ModelError, RlxError, WeightError
+
+# transformers' ACT2FN names -> the IR activation (rlx_core.ir.ops.ACTIVATIONS) computing the
+# same function; a name not here (quick_gelu, relu6, mish, ...) has no IR activation and is refused
+HF_ACTIVATIONS = {
+    "gelu": "gelu", "gelu_python": "gelu",                                  # erf GELU
+    **dict.fromkeys(("gelu_new", "gelu_fast", "gelu_accurate", "gelu_pytorch_tanh", "gelu_python_tanh"),
+                    "gelu_tanh"),                                           # tanh approximation
+    "silu": "silu", "swish": "silu", "relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh",
+    "linear": "identity",
+}
+_ACTIVATION = (lambda v: v in HF_ACTIVATIONS if isinstance(v, str) else False,
+               f"one of {sorted(HF_ACTIVATIONS)}")
+
+
+def hf_activation(config: dict, *keys: str, default: str, error: type[RlxError] = ModelError) -> str:
+    """The IR activation of the first of `keys` the config sets (`default`, an ACT2FN name,
+    when none is), so a family computes the activation its config names or refuses it."""
+    key = next((k for k in keys if config.get(k) is not None), None)
+    name = config[key] if key else default
+    if not _ACTIVATION[0](name):
+        raise error(f"{config_source(config)}: {key or 'the default activation'} must be "
+                    f"{_ACTIVATION[1]}, got {name!r}")
+    return HF_ACTIVATIONS[name]
 
 
 def _int(lo):
@@ -70,10 +93,8 @@ _SCHEMA = {
         k: (*_BOOL, True)
         for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_bidirectional_attention")
     },
-    **{
-        k: (*_STR, True)
-        for k in ("hidden_act", "hidden_activation", "activation_function", "position_embedding_type")
-    },
+    **{k: (*_ACTIVATION, True) for k in ("hidden_act", "hidden_activation")},
+    **{k: (*_STR, True) for k in ("activation_function", "position_embedding_type")},
     "bos_token_id": (*_ID, True),
     "pad_token_id": (*_ID, True),
     "eos_token_id": (*_IDS, True),

@@ -27,18 +27,12 @@ from rlx_core.flow.flow import LayerScope
 from rlx_core.ir.dtype import BOOL, I64
 from rlx_core.ir.errors import ModelError
 from rlx_core.ir.ops import MaskKind
-
-# HF `hidden_act` / nomic `activation_function` -> the IR activation that computes it
-ACTIVATIONS = {"gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
-               "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "silu": "silu", "swish": "silu",
-               "tanh": "tanh", "sigmoid": "sigmoid"}
+from rlx_core.weights.config import hf_activation
 
 
 def ir_activation(name: str, what: str = "hidden_act") -> str:
     """The IR activation for an HF activation name, or a ModelError listing the supported ones."""
-    if not isinstance(name, str) or name not in ACTIVATIONS:
-        raise ModelError(f"unsupported {what} {name!r}; supported: {sorted(ACTIVATIONS)}")
-    return ACTIVATIONS[name]
+    return hf_activation({what: name}, what, default="gelu")
 
 
 def _join(*parts: str) -> str:

@@ -17,12 +17,10 @@ import attrs
 
 from rlx_core.flow.rope import rope_params
 from rlx_core.ir.errors import ModelError
-from rlx_core.weights.config import check_config, config_source
+from rlx_core.weights.config import HF_ACTIVATIONS as ACTIVATIONS
+from rlx_core.weights.config import check_config, config_source, hf_activation
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-# transformers' ACT2FN names -> the core's activation op
-ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
-               "gelu": "gelu", "silu": "silu", "relu": "relu"}
 # Gemma3TextConfig.default_theta
 GEMMA3_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
 
@@ -124,10 +122,7 @@ def gemma_arch(config: dict) -> GemmaArch:
     if cfg.get("use_bidirectional_attention"):
         raise ModelError(f"{mt} config with use_bidirectional_attention=true (an encoder, e.g. "
                          "EmbeddingGemma) is not a causal LM; rlx-blocks-gemma builds causal Gemma only")
-    act_name = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-    if act_name not in ACTIVATIONS:
-        raise ModelError(f"{mt}: hidden_activation {act_name!r} is not supported; supported: "
-                         f"{sorted(ACTIVATIONS)}")
+    act = hf_activation(cfg, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh")
     if cfg.get("attention_bias"):
         raise ModelError(f"{mt} configs with attention_bias=true are not supported")
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
@@ -145,7 +140,7 @@ def gemma_arch(config: dict) -> GemmaArch:
         rope=_rope(cfg, family), scale=scale,
         attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if family == "gemma2" else 0.0,
         final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
-        qk_norm=family == "gemma3", act=ACTIVATIONS[act_name],
+        qk_norm=family == "gemma3", act=act,
         tied=bool(cfg.get("tie_word_embeddings", True)),
         max_positions=int(cfg.get("max_position_embeddings") or 8192))
 

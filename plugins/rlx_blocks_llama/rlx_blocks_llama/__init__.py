@@ -6,11 +6,12 @@ import attrs
 import numpy as np
 
 from rlx_core.flow import AttnSpec, ModelFlow, SelfAttention
+from rlx_core.flow.blocks import gated_mlp
 from rlx_core.flow.recipe import DecoderFlow, LayerCtx
 from rlx_core.flow.rope import rope_params
 from rlx_core.ir.errors import ModelError
 from rlx_core.plugins import hookimpl
-from rlx_core.weights.config import check_config, config_source
+from rlx_core.weights.config import check_config, config_source, hf_activation
 
 
 def attn_spec(cfg: dict, mode: str = "prefill", qk_norm: bool = False) -> AttnSpec:
@@ -27,13 +28,14 @@ def attn_spec(cfg: dict, mode: str = "prefill", qk_norm: bool = False) -> AttnSp
         mode=mode)
 
 
-def llama_prefill_layer_composed(i: int, spec: AttnSpec, eps: float, flow: ModelFlow | None = None) -> ModelFlow:
-    """A decoder layer from small blocks."""
+def llama_prefill_layer_composed(i: int, spec: AttnSpec, eps: float, flow: ModelFlow | None = None,
+                                 act: str = "silu") -> ModelFlow:
+    """A decoder layer from small blocks; `act`: the MLP's gate activation (IR name)."""
     f = flow or ModelFlow()
     return (f.residual_save().rms_norm("input_layernorm.weight", eps)
             .raw_stage(SelfAttention(spec)).residual_add()
             .residual_save().rms_norm("post_attention_layernorm.weight", eps)
-            .swiglu_hf_mlp("mlp").residual_add())
+            .gated_hf_mlp("mlp", act).residual_add())
 
 
 @attrs.frozen
@@ -41,6 +43,7 @@ class LlamaLayerFused:
     """The same decoder layer as one stage that emits fused ops itself (residual+RMSNorm)."""
     spec: AttnSpec
     eps: float
+    act: str = "silu"
 
     def emit(self, ctx, x):
         m, d = ctx.m, x.dims[-1]
@@ -51,11 +54,11 @@ class LlamaLayerFused:
         inter = ctx.cfg("intermediate_size")
         w = [ctx.param(ctx.key(f"mlp.{n}_proj.weight"), s) for n, s in
              (("gate", (inter, d)), ("up", (inter, d)), ("down", (d, inter)))]
-        return m.swiglu(h2, *w) + x2
+        return gated_mlp(m, h2, *w, self.act) + x2
 
 
-def llama_prefill_layer_fused(i: int, spec: AttnSpec, eps: float) -> LlamaLayerFused:
-    return LlamaLayerFused(spec, eps)
+def llama_prefill_layer_fused(i: int, spec: AttnSpec, eps: float, act: str = "silu") -> LlamaLayerFused:
+    return LlamaLayerFused(spec, eps, act)
 
 
 class Llama32Flow(DecoderFlow):
@@ -83,10 +86,15 @@ class Llama32Flow(DecoderFlow):
     def eps(self) -> float:
         return float(self.cfg.get("rms_norm_eps") or 1e-6)
 
+    @property
+    def act(self) -> str:
+        """The MLP's activation: `hidden_act` (transformers' default silu)."""
+        return hf_activation(self.cfg, "hidden_act", default="silu")
+
     def default_layer(self, i: int):
         if self._fused:
-            return llama_prefill_layer_fused(i, self.spec(i), self.eps)
-        return llama_prefill_layer_composed(i, self.spec(i), self.eps)
+            return llama_prefill_layer_fused(i, self.spec(i), self.eps, self.act)
+        return llama_prefill_layer_composed(i, self.spec(i), self.eps, act=self.act)
 
     def head(self, f: ModelFlow) -> ModelFlow:
         c = self.cfg
@@ -173,8 +181,8 @@ def rlx_register_recipes(register):
 
 @hookimpl
 def rlx_register_blocks(register):
-    register("llama_layer", lambda i, spec, eps=1e-6: llama_prefill_layer_composed(i, spec, eps))
-    register("llama_layer_fused", lambda i, spec, eps=1e-6: llama_prefill_layer_fused(i, spec, eps))
+    register("llama_layer", lambda i, spec, eps=1e-6, act="silu": llama_prefill_layer_composed(i, spec, eps, act=act))
+    register("llama_layer_fused", lambda i, spec, eps=1e-6, act="silu": llama_prefill_layer_fused(i, spec, eps, act))
 
 
 __all__ = ["Llama32Flow", "Qwen3Flow", "LlamaRecipe", "Qwen3Recipe", "attn_spec", "LayerCtx",

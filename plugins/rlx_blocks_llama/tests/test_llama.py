@@ -24,6 +24,12 @@ TINY = {
                                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                               "high_freq_factor": 4.0,
                                               "original_max_position_embeddings": 32}),
+    # the MLP computes the activation hidden_act names (silu elsewhere): erf GELU, tanh GELU
+    "llama-gelu": dict(arch="llama", hidden_size=48, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=80, tie_word_embeddings=False, hidden_act="gelu"),
+    "qwen3-gelu-tanh": dict(arch="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, intermediate_size=96, tie_word_embeddings=True,
+                            hidden_act="gelu_pytorch_tanh"),
     "qwen3-gqa2": dict(arch="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=24, intermediate_size=96, tie_word_embeddings=True),
     "qwen3-untied-gqa4": dict(arch="qwen3", hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
@@ -117,6 +123,37 @@ def test_fused_and_composed_layers_identical(small, rng):
     b = _logits(Llama32Flow.for_logits(small.config).fused_layers(), small, ids)
     np.testing.assert_allclose(a, b, atol=1e-5)
     np.testing.assert_allclose(a, small.logits(ids), atol=1e-5)
+
+
+def test_fused_layers_honour_hidden_act(tmp_path_factory, rng):
+    """The fused layer computes the config's activation too (against HF, not just the composed one)."""
+    from rlx_blocks_llama import Llama32Flow
+
+    hf, path = _hf_model("llama-gelu", tmp_path_factory)
+    model = rlx_core.load(path, backend="numpy", progress=False)
+    ids = rng.integers(0, 151, (2, 11))
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    got = _logits(Llama32Flow.for_logits(model.config).fused_layers(), model, ids)
+    assert np.abs(got - ref).max() <= 1e-4
+
+
+@pytest.mark.parametrize("act", ["bogus", "quick_gelu", 3])
+def test_unknown_hidden_act_is_refused(small, tmp_path, act):
+    """An activation RLX cannot compute is an error naming the file, the key and the choices."""
+    import json
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(small.source, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(cfg, hidden_act=act)))
+    choices = r"hidden_act must be one of \[.*'gelu'.*'silu'.*\].*, got " + repr(act)
+    with pytest.raises(WeightError, match=choices) as e:
+        rlx_core.load(str(folder), backend="numpy", progress=False)
+    assert str(folder / "config.json") in str(e.value)
+    with pytest.raises(ModelError, match=choices):
+        CausalLM.from_tensors(dict(small.config, hidden_act=act), small.tensors).logits(np.zeros((1, 2), int))
 
 
 def test_layer_override_with_ctx(small, rng):
