@@ -10,6 +10,12 @@ another rlx version fails its header check, is reported with a CacheWarning, rem
 rebuilt, never trusted. Bodies are JSON; arrays (a graph's constants) are raw bytes in
 `<root>/blobs/<sha256>.bin`, shared by content and checked against their name. No pickle.
 
+The root may be any folder the user names, so the cache touches only what it wrote: it creates
+the root with a marker file (`rlx-compile-cache.json`) first, adopts an existing folder only when
+it is empty (or holds nothing but entries by the cache's own names: a cache from before the
+marker), refuses any other folder with an RlxError naming what it found, and its pruning and
+`clear` remove only files named as its entries, blobs and their temporaries.
+
 RLX_COMPILE_CACHE: `0`/`off` turns the cache off; any other value is its root folder
 (default: `compiled` under the RLX cache dir, $RLX_CACHE or the XDG cache dir).
 RLX_COMPILE_CACHE_MB: the size the cache is pruned to, least recently used first (1024).
@@ -22,6 +28,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import time
 import warnings
 
@@ -30,6 +37,12 @@ from .version import core_version
 
 FORMAT = "rlx-compile-cache/1"
 SUFFIX = ".rlxc"
+MARKER = "rlx-compile-cache.json"
+_MARKER_BODY = {"marker": "rlx-compile-cache",
+                "note": "RLX's compile cache: it removes only the entries and blobs it wrote here"}
+# what the cache writes under its root, relative to it: entries, blobs, and their temporaries
+_KIND, _KEY, _DIGEST = r"[a-z][a-z0-9_]*", r"[A-Za-z0-9_-]+", r"[0-9a-f]{64}"
+_OWN = re.compile(rf"(?:{_KIND}/{_KEY}\{SUFFIX}|blobs/{_DIGEST}\.bin)(?:\.\d+\.tmp)?")
 _OFF = ("0", "off", "false", "no")
 
 
@@ -79,10 +92,73 @@ def code_fingerprint(package: str) -> str:
     return h.hexdigest()
 
 
-# --------------------------------------------------------------------------- entries
-def _path(kind: str, k: str) -> pathlib.Path | None:
+# --------------------------------------------------------------------------- the root
+def _marked(r: pathlib.Path) -> bool:
+    try:
+        with open(r / MARKER, "rb") as f:
+            return json.loads(f.read(4096)).get("marker") == _MARKER_BODY["marker"]
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _foreign(r: pathlib.Path, limit: int = 3) -> list:
+    """Up to `limit` things in folder `r` the cache would not have written (links, files not
+    named as its entries and blobs, folders below its kind folders)."""
+    found = []
+    for e in _scan(r):
+        if e.is_dir(follow_symlinks=False):
+            for f in _scan(e.path):
+                rel = f"{e.name}/{f.name}"
+                if f.is_symlink() or not f.is_file() or not _OWN.fullmatch(rel):
+                    found.append(rel)
+        elif e.name != MARKER and not e.name.startswith(MARKER + "."):   # another process's marker
+            found.append(e.name)
+        if len(found) >= limit:
+            break
+    return found[:limit]
+
+
+def _scan(folder) -> list:
+    try:
+        with os.scandir(folder) as it:
+            return sorted(it, key=lambda e: e.name)
+    except OSError:
+        return []
+
+
+def _claimed(create: bool = False) -> pathlib.Path | None:
+    """The root, once it is the cache's own: a folder with its marker, or one it may adopt (empty,
+    or holding only entries by its names), marked first when `create`. None when the cache is off,
+    when the folder does not exist and `create` is false, or when it cannot be written (warned).
+    RlxError for a folder holding anything else: the cache never mixes with files it did not write."""
     r = root()
-    return None if r is None else r / kind / f"{k}{SUFFIX}"
+    if r is None or _marked(r):
+        return r
+    if r.exists() and not r.is_dir():
+        _refuse(r, "is not a folder")
+    foreign = _foreign(r)
+    if foreign:
+        _refuse(r, f"holds files the cache did not write ({', '.join(foreign)})")
+    if not create:
+        return r if r.exists() else None
+    body = json.dumps(_MARKER_BODY, indent=1).encode() + b"\n"
+    return r if _atomic_write(r / MARKER, body) else None
+
+
+def _refuse(r: pathlib.Path, what: str):
+    raise RlxError(f"compile cache folder {r} {what}; the cache uses only a folder it created (marked "
+                   f"by {MARKER}) or an empty one, and removes only its own entries: set "
+                   f"RLX_COMPILE_CACHE to a new or empty folder, or to 0 to turn the cache off")
+
+
+# --------------------------------------------------------------------------- entries
+def _path(kind: str, k: str, create: bool = False) -> pathlib.Path | None:
+    r = _claimed(create)
+    if r is None:
+        return None
+    if not _OWN.fullmatch(f"{kind}/{k}{SUFFIX}"):
+        raise RlxError(f"compile cache: entry {kind}/{k}: a kind must match {_KIND} and a key {_KEY}")
+    return r / kind / f"{k}{SUFFIX}"
 
 
 def _warn(msg: str) -> None:
@@ -148,7 +224,7 @@ def read(kind: str, k: str) -> bytes | None:
 
 
 def write(kind: str, k: str, body: bytes) -> None:
-    path = _path(kind, k)
+    path = _path(kind, k, create=True)
     if path is None:
         return
     h = {"format": FORMAT, "rlx": core_version(), "kind": kind, "key": k, "bytes": len(body),
@@ -167,14 +243,18 @@ def write_json(kind: str, k: str, obj) -> None:
 
 
 # --------------------------------------------------------------------------- blobs
-def _blob_path(digest: str) -> pathlib.Path | None:
-    r = root()
+def _blob_path(digest: str, create: bool = False) -> pathlib.Path | None:
+    """Where blob `digest` lives; None when the cache is off or `digest` (read from an entry)
+    is not a sha256 in hex, so no entry can name a file outside the blobs."""
+    if not isinstance(digest, str) or not re.fullmatch(_DIGEST, digest):
+        return None
+    r = _claimed(create)
     return None if r is None else r / "blobs" / f"{digest}.bin"
 
 
 def write_blob(data: bytes) -> str:
     digest = hashlib.sha256(data).hexdigest()
-    path = _blob_path(digest)
+    path = _blob_path(digest, create=True)
     if path is not None and not path.exists():
         _atomic_write(path, data)
     return digest
@@ -229,13 +309,23 @@ def read_graph(kind: str, k: str):
 
 
 # --------------------------------------------------------------------------- housekeeping
+def _own_files(r: pathlib.Path) -> list:
+    """The files under `r` named as the cache's entries, blobs and their temporaries (no links):
+    all that pruning and `clear` ever remove."""
+    return [pathlib.Path(f.path) for e in _scan(r) if e.is_dir(follow_symlinks=False)
+            for f in _scan(e.path)
+            if f.is_file(follow_symlinks=False) and _OWN.fullmatch(f"{e.name}/{f.name}")]
+
+
 def entries() -> list:
     """Every entry: dict(kind, key, bytes, used (seconds since the epoch), rlx, path)."""
-    r = root()
+    r = _claimed()
     out = []
-    if r is None or not r.exists():
+    if r is None:
         return out
-    for p in sorted(r.glob(f"*/*{SUFFIX}")):
+    for p in _own_files(r):
+        if p.suffix != SUFFIX:
+            continue
         try:
             st = p.stat()
             with p.open("rb") as f:
@@ -247,24 +337,27 @@ def entries() -> list:
     return out
 
 
-def _files(r: pathlib.Path) -> list:
-    return [p for p in r.glob("*/*") if p.is_file()]
+def _sizes(r: pathlib.Path | None) -> list:
+    """(mtime, bytes, path) of each of the cache's own files under `r`."""
+    out = []
+    for p in _own_files(r) if r is not None else []:
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        out.append((st.st_mtime, st.st_size, p))
+    return out
 
 
 def size() -> int:
-    r = root()
-    return 0 if r is None or not r.exists() else sum(p.stat().st_size for p in _files(r))
+    return sum(s for _, s, _ in _sizes(_claimed()))
 
 
 def clear() -> tuple:
-    """Remove every entry and blob: (files removed, bytes freed)."""
-    r = root()
+    """Remove every entry and blob (and nothing else): (files removed, bytes freed)."""
     n = freed = 0
-    if r is None or not r.exists():
-        return n, freed
-    for p in _files(r):
+    for _, s, p in _sizes(_claimed()):
         try:
-            s = p.stat().st_size
             p.unlink()
             n, freed = n + 1, freed + s
         except OSError:
@@ -284,19 +377,10 @@ def _limit() -> int:
 
 
 def prune(limit: int | None = None) -> None:
-    """Keep the cache under RLX_COMPILE_CACHE_MB: the least recently used files go first."""
-    r = root()
+    """Keep the cache under RLX_COMPILE_CACHE_MB: the least recently used entries and blobs go first."""
     if limit is None:
         limit = _limit()
-    if r is None or not r.exists():
-        return
-    files = []
-    for p in _files(r):
-        try:
-            st = p.stat()
-        except OSError:
-            continue
-        files.append((st.st_mtime, st.st_size, p))
+    files = _sizes(_claimed())
     total = sum(s for _, s, _ in files)
     for _, s, p in sorted(files, key=lambda t: t[0]):
         if total <= limit:

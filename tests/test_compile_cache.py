@@ -195,3 +195,101 @@ def test_sentencepiece_merges_are_read_back(cache_dir, monkeypatch):
     # None ranks the tokens in file order (these scores): its own key, the same merges, read back
     assert tokenizer._cached_merges(tokens, None) == first and len(calls) == 3
     assert tokenizer._cached_merges(tokens, None) == first and len(calls) == 3
+
+
+# --------------------------------------------------------------------------- files not its own
+def _plant(root: pathlib.Path, names) -> dict:
+    """Files the cache did not write, by path under `root`: {path: bytes}."""
+    out = {}
+    for i, name in enumerate(names):
+        p = root / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(f"user data {i}".encode())
+        out[p] = p.read_bytes()
+    return out
+
+
+def _intact(planted: dict) -> None:
+    for p, data in planted.items():
+        assert p.is_file() and p.read_bytes() == data, f"{p} was removed or changed"
+
+
+FOREIGN = ["videos/holiday.mp4", "photos/img.jpg", "sub/a.txt", "blobs/keep.bin", "mir/notes.txt"]
+
+
+@pytest.mark.parametrize("first", [["videos/holiday.mp4"], ["notes.txt"], FOREIGN])
+def test_a_folder_with_foreign_files_is_refused_and_kept(tmp_path, monkeypatch, first):
+    root = tmp_path / "mine"
+    planted = _plant(root, first)
+    monkeypatch.setenv("RLX_COMPILE_CACHE", str(root))
+    monkeypatch.setenv("RLX_COMPILE_CACHE_MB", "0")          # pruning would remove all it may
+    with pytest.raises(RlxError, match=f"compile cache folder {root} holds files the cache did not write"):
+        _logits()
+    for args in (["cache", "ls"], ["cache", "ls", "--json"], ["cache", "clear"]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 2 and "error: compile cache folder" in r.output, (args, r.output)
+        assert any(name in r.output for name in first)          # it says what it found
+    _intact(planted)
+    assert not (root / cache.MARKER).exists()
+
+
+def test_a_file_as_the_folder_is_refused(tmp_path, monkeypatch):
+    root = tmp_path / "f"
+    root.write_bytes(b"mine")
+    monkeypatch.setenv("RLX_COMPILE_CACHE", str(root))
+    with pytest.raises(RlxError, match="is not a folder"):
+        cache.write("mir", "k", b"{}")
+    assert root.read_bytes() == b"mine"
+
+
+def test_pruning_and_clear_remove_only_its_own_files(cache_dir, tmp_path, monkeypatch):
+    """In the cache's own folder, files it did not write (beside, in and below its kind folders,
+    links named like its entries) survive pruning to 0 and `rlx cache clear`."""
+    _logits()
+    outside = _plant(tmp_path / "outside", ["victim.rlxc"])
+    planted = _plant(cache_dir, FOREIGN + ["mir/deeper/x.rlxc", "mir/k.rlxc.txt", "README"])
+    (cache_dir / "mir" / "link.rlxc").symlink_to(next(iter(outside)))
+    (cache_dir / "blobs" / ("0" * 64 + ".bin")).symlink_to(next(iter(outside)))
+    ours = {e["path"] for e in cache.entries()}
+    assert ours and all(pathlib.Path(p).parent.name == "mir" and "link" not in p for p in ours)
+    monkeypatch.setenv("RLX_COMPILE_CACHE_MB", "0")
+    cache.write("merges", "k", b"x" * 100)                  # writing prunes: every own file goes
+    assert cache.entries() == [] and cache.size() == 0
+    _intact(planted)
+    _intact(outside)
+    monkeypatch.setenv("RLX_COMPILE_CACHE_MB", "1024")
+    _logits()
+    assert cache.entries()
+    r = CliRunner().invoke(main, ["cache", "clear"])
+    assert r.exit_code == 0, r.output
+    assert cache.entries() == [] and cache.size() == 0 and (cache_dir / cache.MARKER).exists()
+    _intact(planted)
+    _intact(outside)
+
+
+def test_an_entry_cannot_name_a_blob_outside_the_blobs(cache_dir, tmp_path):
+    g = rlx_core.Graph.define("c", lambda m: m.input("x", (3,)) + m.constant(np.arange(3, dtype=np.float32)))
+    cache.write_graph("mir", "k", g)
+    victim = _plant(tmp_path, ["victim.bin"])
+    d = cache.read_json("mir", "k")
+    for c in d["constants"].values():
+        c["blob"] = "../../victim"
+    cache.write_json("mir", "k", d)
+    assert cache.read_graph("mir", "k") is None
+    _intact(victim)
+
+
+def test_an_empty_folder_is_adopted_and_an_old_cache_kept(tmp_path, monkeypatch, pass_runs):
+    """An empty folder becomes the cache's (marked); so does a cache written before the marker,
+    whose entries are read back."""
+    root = tmp_path / "empty"
+    root.mkdir()
+    monkeypatch.setenv("RLX_COMPILE_CACHE", str(root))
+    first = _logits()
+    assert (root / cache.MARKER).is_file() and _mir_files(root)
+    (root / cache.MARKER).unlink()                          # as rlx before the marker left it
+    pass_runs.clear()
+    assert np.array_equal(_logits(), first)
+    assert pass_runs == [] and (root / cache.MARKER).is_file() is False
+    cache.write("merges", "k", b"x")
+    assert (root / cache.MARKER).is_file()
