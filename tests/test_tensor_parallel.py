@@ -244,7 +244,7 @@ def test_killed_rank_stops_the_group_naming_it(spec):
     t0 = time.monotonic()
     with pytest.raises(ModelError, match=r"rank 1 \(pid \d+\) died while generating \(exit code 9\)"):
         tp.generate(PROMPT, max_new_tokens=20)
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < tp.timeout            # the rank's exit told, not the timeout
     for pid in pids:                              # no orphans
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -156,7 +156,8 @@ def test_int_activations_and_casts(ocl):
         x = m.input("x", (6,), F32)
         return {"neg": m.act(i, "neg"), "abs": m.act(i, "abs"), "relu": m.act(i, "relu"),
                 "f2i": m.cast(x, I32), "f2b": m.cast(x, BOOL), "i2f": m.cast(i, F32),
-                "b2f": m.cast(m.cast(x, BOOL), F32), "i64": m.cast(i, I64), "f64": m.cast(x, F64)}
+                "b2f": m.cast(m.cast(x, BOOL), F32), "i64": m.cast(i, I64),
+                **({"f64": m.cast(x, F64)} if F64 in ocl.dtypes else {})}   # cl_khr_fp64 only
     i = np.array([-3, -1, 0, 1, 2, 5], np.int32)
     x = np.array([-2.7, -0.5, 0.0, 0.4, 1.9, 3.5], np.float32)
     check(ocl, build, {"i": i, "x": x}, exact=True)
@@ -516,7 +517,9 @@ def test_f16_compiles_or_names_the_device(ocl, monkeypatch):
     if ocl.device.fp16:
         got = rlx_core.compile(g, profile=RAW, backend=ocl).run(x=x, y=y)["out"]
         ref = rlx_core.compile(g, profile=RAW, backend="numpy").run(x=x, y=y)["out"]
-        np.testing.assert_array_equal(got, ref)
+        assert got.dtype == ref.dtype == np.float16     # the device's exp and sum order are its own:
+        np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32),  # f16 ulps apart
+                                   rtol=2e-3, atol=2e-3)
     else:
         with pytest.raises(BackendError, match="cl_khr_fp16") as e:
             rlx_core.compile(g, profile=RAW, backend=ocl)
