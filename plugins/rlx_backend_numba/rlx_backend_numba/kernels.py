@@ -345,8 +345,16 @@ def _mask_rows(keep, bias, b, h, i):
     return krow, min(krow.shape[0] - 1, 1), brow, min(brow.shape[0] - 1, 1)
 
 
+@njit(inline="always", **_OPT)
+def nan_max(m, x):
+    """The larger of m and x, NaN if either is (numpy's maximum): a running max of scores
+    that keeps a NaN, so its softmax row comes out NaN as the reference's does (`x > m`
+    alone lets a NaN lose, and a row of NaN looked fully masked: zeros)."""
+    return x if (x > m or x != x) else m
+
+
 def row_max(s, n, ninf):
-    """max(s[:n], ninf), NaN lanes losing as to `x > mx`: eight lanes at a time for f32."""
+    """max(s[:n], ninf), NaN if any of s[:n] is (nan_max): eight lanes at a time for f32."""
 
 
 @overload(row_max, jit_options=dict(fastmath=_FM))
@@ -359,16 +367,14 @@ def _row_max(s, n, ninf):
                 j += LANES
             m = hmax(mx)
             for t in range(j, n):
-                if s[t] > m:
-                    m = s[t]
+                m = nan_max(m, s[t])
             return m
         return lanes
 
     def scalar(s, n, ninf):
         m = ninf
         for t in range(n):
-            if s[t] > m:
-                m = s[t]
+            m = nan_max(m, s[t])
         return m
     return scalar
 
@@ -413,6 +419,13 @@ P_MIN = 1e-30
 ATTN_ROWS = 16            # query rows of one head per task (their buffers allocated once)
 
 
+@njit(inline="always", **_OPT)
+def weighs(p):
+    """Whether softmax weight p takes part in the weighted sum: above P_MIN, or NaN (a NaN
+    weight must reach the output; `p > P_MIN` alone dropped it)."""
+    return not p <= P_MIN
+
+
 @njit(**_OPT)
 def _attn_rows(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
                ninf):
@@ -452,13 +465,12 @@ def _attn_rows(t, q, k, v, keep, bias, pos, o, scale, softcap, causal, window, u
                 if use_bias:
                     acc += brow[j * bj]
                 s[j - lo] = acc
-                if acc > m:
-                    m = acc
+                m = nan_max(m, acc)
             if m != ninf:                            # (every key masked: a zero row)
                 inv = 1 / exp_shifted(s, hi - lo, m)
                 for j in range(lo, hi):
                     p = s[j - lo] * inv
-                    if p > P_MIN:                # (indexed, not a row view: that stays scalar)
+                    if weighs(p):                # (indexed, not a row view: that stays scalar)
                         for x in range(dv):
                             acc_o[x] += p * v[b, kh, j, x]
         for x in range(dv):
@@ -487,7 +499,7 @@ def _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, win
     into one Q [g * rows, d], S = Q K^T over the keys [lo, hi) any of them sees in one
     cblas_sgemm call, each score row masked (causal/window bounds, keep, bias, softcap) and
     softmaxed in place, O = P V in a second call. As in _attn_rows, a weight below P_MIN
-    becomes 0 and a row with every key masked (or a NaN score) gives zeros; unlike it, P V
+    becomes 0, a row with every key masked gives zeros and one with a NaN score NaN; unlike it, P V
     reads every value row in [lo, hi), as the NumPy backend reads every key's. k and v may
     have strided rows (cblas.sgemm). Tiles go 0, last, 1, last - 1, ...: numba hands each
     thread a contiguous range of tasks and causal tiles grow with their index."""
@@ -527,8 +539,7 @@ def _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, win
                 if use_keep and not krow[(lo + a + j) * kj]:
                     x = ninf
                 seg[j] = x
-                if x > mx:
-                    mx = x
+                mx = nan_max(mx, x)
         else:                                 # scores as they are: the max in vector lanes
             mx = row_max(seg, e - a, ninf)
         inv = one / exp_shifted(seg, e - a, mx) if mx != ninf else zero
@@ -536,7 +547,7 @@ def _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, win
         row[e:] = zero
         for j in range(e - a):
             p = seg[j] * inv
-            seg[j] = p if p > P_MIN else zero
+            seg[j] = p if weighs(p) else zero
     if n > 0:
         sgemm(gemm, ilp64, s[:, :n], v[b, kh, lo:lo + n], out, False, False)
     for r in range(g * m):
@@ -650,7 +661,7 @@ def _decode_chunk(b, kh, c, lo, hi, q, k, v, keep, bias, scale, softcap, use_kee
         h = kh * g_n + g
         m = ninf
         for j in range(n):
-            m = max(m, s[g, j])
+            m = nan_max(m, s[g, j])
         tot = exp_shifted(s[g], n, m) if m != ninf else scale * 0
         pm[b, h, c], pl[b, h, c] = m, tot
     acc_o = np.zeros((g_n, dv), q.dtype)
@@ -658,7 +669,7 @@ def _decode_chunk(b, kh, c, lo, hi, q, k, v, keep, bias, scale, softcap, use_kee
         vr = v[b, kh, j]
         for g in range(g_n):
             p = s[g, j - lo]
-            if p > P_MIN and pm[b, kh * g_n + g, c] != ninf:
+            if weighs(p) and pm[b, kh * g_n + g, c] != ninf:
                 _add_row(acc_o[g], p, vr, vec)
     for g in range(g_n):
         for x in range(dv):
@@ -692,7 +703,7 @@ def attention_decode(q, k, v, keep, bias, pos, o, scale, softcap, causal, window
         for h in range(nh):
             m = ninf
             for c in range(nc):
-                m = max(m, pm[b, h, c])
+                m = nan_max(m, pm[b, h, c])
             tot = scale * 0
             for x in range(dv):
                 o[b, h, 0, x] = scale * 0
@@ -743,8 +754,7 @@ def _varlen_task(t, q, k, v, starts, lens, o, scale, ninf):
                 a += qb[c] * kl[j, c]
             a *= scale
             p[j] = a
-            if a > m:
-                m = a
+            m = nan_max(m, a)
         tot = exp_shifted(p, n, m)
         for c in range(dv):
             acc[c] = zero

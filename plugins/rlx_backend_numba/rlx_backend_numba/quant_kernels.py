@@ -334,7 +334,9 @@ def codes_q6_k(r, o, j, tab):
 @njit(**_OPT)
 def quantize_block(x, o, xq):
     """x[o:o+32] (f32) as rlx_core.ir.quant's int8_b32 does it (d = amax / 127, q = x * (1 / d)
-    rounded half away from zero) into xq[o:o+32]: d and the sums of the two halves of q."""
+    rounded half away from zero) into xq[o:o+32]: d and the sums of the two halves of q. A
+    block holding NaN or inf gets a NaN or inf d (hmax keeps NaN), so whatever multiplies it
+    stays non-finite, as in the reference."""
     v0, v1, v2, v3 = load_f32(x, o), load_f32(x, o + 8), load_f32(x, o + 16), load_f32(x, o + 24)
     d = hmax(vmax(vmax(vabs(v0), vabs(v1)), vmax(vabs(v2), vabs(v3)))) / np.float32(127)
     inv = np.float32(1) / d if d != 0 else np.float32(0)

@@ -375,12 +375,18 @@ def hsum(typingctx, v):
     return types.float32(v), codegen
 
 
+def _max_nan(builder, a, b):
+    """Lane-wise maximum of float vectors a and b, NaN where either lane is NaN (numpy's
+    maximum; LLVM's maxnum alone lets a NaN lose, which hid NaN scores and activations)."""
+    m = call_intrinsic(builder, f"llvm.maxnum.v{a.type.count}f32", a.type, a, b)
+    return builder.select(builder.fcmp_unordered("uno", a, b), builder.fadd(a, b), m)
+
+
 @intrinsic
 def hmax(typingctx, v):
-    """The largest of the eight lanes (maxnum: NaN lanes lose)."""
+    """The largest of the eight lanes; NaN if any lane is."""
     def codegen(context, builder, sig, args):
-        return _fold_halves(builder, args[0], lambda lo, hi: call_intrinsic(
-            builder, f"llvm.maxnum.v{lo.type.count}f32", lo.type, lo, hi))
+        return _fold_halves(builder, args[0], lambda lo, hi: _max_nan(builder, lo, hi))
     return types.float32(v), codegen
 
 
@@ -395,9 +401,12 @@ def vabs(typingctx, v):
 @intrinsic
 def round_int8(typingctx, v):
     """Lane-wise v rounded half away from zero (llvm.round: exact for every f32) and clamped
-    to -127..127, as I32x8: int8_b32's rounding of x / d."""
+    to -127..127, as I32x8: int8_b32's rounding of x / d. A NaN lane gives 0 (fptosi of NaN
+    is undefined): its block's scale d is NaN or inf then, which the products carry."""
     def codegen(context, builder, sig, args):
-        r = builder.fptosi(call_intrinsic(builder, "llvm.round.v8f32", _VF, args[0]), _VI)
+        v = builder.select(builder.fcmp_unordered("uno", args[0], args[0]), ir.Constant(_VF, [0.0] * LANES),
+                           args[0])
+        r = builder.fptosi(call_intrinsic(builder, "llvm.round.v8f32", _VF, v), _VI)
         r = call_intrinsic(builder, "llvm.smin.v8i32", _VI, r, ir.Constant(_VI, [127] * LANES))
         return call_intrinsic(builder, "llvm.smax.v8i32", _VI, r, ir.Constant(_VI, [-127] * LANES))
     return I32x8(v), codegen
@@ -405,9 +414,9 @@ def round_int8(typingctx, v):
 
 @intrinsic
 def vmax(typingctx, a, b):
-    """Lane-wise maximum (maxnum) of two F32x8."""
+    """Lane-wise maximum of two F32x8, NaN where either lane is (_max_nan)."""
     def codegen(context, builder, sig, args):
-        return call_intrinsic(builder, "llvm.maxnum.v8f32", _VF, *args)
+        return _max_nan(builder, *args)
     return F32x8(a, b), codegen
 
 
