@@ -701,8 +701,9 @@ def test_gguf_unknown_type_and_zero_element_tensor(tiny_llama, tmp_path):
     # a quantized tensor with no elements is an empty array, not a crash in gguf.quants
     p = str(tmp_path / "z.gguf")
     w = gguf.GGUFWriter(p, "llama")
-    for key in ("block_count", "embedding_length", "feed_forward_length", "head_count"):
+    for key in ("embedding_length", "feed_forward_length", "head_count"):
         getattr(w, f"add_{key}")(32)
+    w.add_block_count(1)
     w.add_tensor("blk.0.ffn_up.weight", np.zeros((0, 34), np.uint8), raw_dtype=Q.Q8_0)  # [0, 32] values
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -731,6 +732,54 @@ def test_huge_context_allocates_no_rope_tables(tmp_path, context):
         tracemalloc.stop()
     cos, _ = rope_tables(inv, 64, scale)  # what a max_context=64 model builds
     assert cos.shape == (64, cfg["head_dim"] // 2)
+
+
+def test_gguf_block_count_beyond_its_tensors(tmp_path):
+    """A block_count no tensor table backs (2**31 once built flow stages for minutes) is refused
+    while the header is read, naming the key, the value and the blocks the file has."""
+    path = _bad_gguf(tmp_path, raw={"llama.block_count": (2**31, V.UINT32)})
+    with pytest.raises(WeightError, match=r"llama.block_count = 2147483648, but the tensors hold 1 "
+                                          r"\(blk.0 to blk.0\)") as e:
+        load_checkpoint(path)
+    assert path in str(e.value)
+    # a count the blocks cover loads
+    assert load_checkpoint(_bad_gguf(tmp_path)).config["num_hidden_layers"] == 1
+
+
+def test_vocabulary_only_file_loads_but_builds_no_model(tmp_path):
+    """A file with no block tensors at all (a vocabulary-only GGUF) is read for its tokenizer,
+    but no model is built from it, whatever block_count says."""
+    from rlx_core import load
+
+    t = {"token_embd.weight": (np.ones((10, 64), np.float32), Q.F32)}
+    toks = ["<s>", "</s>", "a", "b", "c", "ab", "abc", "\u0120", "\u0120a", "x"]
+    path = _write_gguf(tmp_path / "v.gguf", "llama", t, tokens=toks, merges=["a b"],
+                       raw={"llama.block_count": (2**31, V.UINT32)})
+    assert load_checkpoint(path).tokenizer.encode("ab") == [5]
+    with pytest.raises(WeightError, match="num_hidden_layers = 2147483648, but the tensors hold no numbered"):
+        load(path, backend="numpy", progress=False)
+
+
+@pytest.mark.parametrize("key, count, held", [
+    ("num_hidden_layers", 10**9, "2 \\(model.layers.0 to model.layers.1\\)"),
+    ("num_hidden_layers", 3, "2 "),                 # a block missing in the middle counts as the end
+    ("n_layer", 5, "2 "),
+    ("num_single_layers", 1, "no numbered blocks"),
+])
+def test_config_layer_count_beyond_its_tensors(tmp_path, key, count, held):
+    from safetensors.numpy import save_file
+
+    names = ["model.layers.0.w", "model.layers.1.w", "model.layers.3.w", "model.norm.weight"]
+    if key == "num_single_layers":
+        names = ["model.norm.weight"]
+    save_file({k: np.ones(2, np.float32) for k in names}, str(tmp_path / "model.safetensors"))
+    _write_config(tmp_path, **{key: count})
+    from rlx_core import load
+
+    read = load_checkpoint if held != "no numbered blocks" else load    # (no blocks: a model refuses)
+    with pytest.raises(WeightError, match=f"{key} = {count}, but the tensors hold {held}") as e:
+        read(tmp_path)
+    assert str(tmp_path) in str(e.value)
 
 
 def test_rope_scaling_without_its_factors():

@@ -57,9 +57,11 @@ def find_recipe(model_type: str, source: str = ""):
 
 def load(path_or_name: str, backend: str | None = None, profile=None, progress: bool = True, **kw):
     from ..weights import load_checkpoint, resolve_model_path
+    from ..weights.config import check_layer_counts
 
     path = resolve_model_path(str(path_or_name))
     ckpt = load_checkpoint(path, progress=progress, packed=True)
+    check_layer_counts(ckpt.config, ckpt.tensors, ckpt.path)     # a model needs its blocks' tensors
     recipe = find_recipe(ckpt.architecture(), path)
     if ckpt.packed_names():          # a quantized file: the profile says how to hold it
         profile = resolve_profile(profile, getattr(recipe, "default_profile", "default"), path)

@@ -17,7 +17,7 @@ from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import WeightError
 from rlx_core.ir.quant import PackedTensor
 
-from .config import check_config
+from .config import check_config, check_layer_counts
 from .gguf_io import GGUF_MAGIC, load_gguf
 from .packaged import resolve_model_path
 from .safetensors_io import iter_safetensors, read_safetensors_header
@@ -166,7 +166,9 @@ def _load_folder(folder: str, progress: bool, files: list[str] | None = None) ->
     check_config(config, cfg_path)
 
     files = files or _weight_files(folder)
-    total = sum(len(read_safetensors_header(p)[0]) for p in files)
+    names = [n for p in files for n in read_safetensors_header(p)[0]]
+    check_layer_counts(config, names, cfg_path, blocks=False)
+    total = len(names)
     bar = None
     if progress:
         from rlx_core.progress import tqdm_class

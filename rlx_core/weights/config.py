@@ -7,6 +7,7 @@ wrong value fails naming the file and key instead of as a ValueError deep in mod
 from __future__ import annotations
 
 import math
+import re
 
 from rlx_core.ir.errors import ModelError, RlxError, WeightError
 
@@ -136,3 +137,44 @@ def config_source(config: dict) -> str:
     """How an error names a config dict handed over without its file."""
     name = config.get("_name_or_path") if isinstance(config, dict) else None
     return f"{name} config" if isinstance(name, str) and name else "config"
+
+
+# config keys that count repeated blocks (HF decoders and encoders, GPT-2 style, diffusers)
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_single_layers")
+_INDEXED = re.compile(r"^(.*?)\.(\d+)\.")       # "model.layers.12.mlp..." -> ("model.layers", "12")
+
+
+def layer_runs(names) -> dict:
+    """prefix -> how many blocks 0, 1, 2, ... in a row have tensors named `prefix.<i>.*`."""
+    seen: dict = {}
+    for name in names:
+        if m := _INDEXED.match(name):
+            seen.setdefault(m[1], set()).add(int(m[2]))
+    runs = {}
+    for prefix, held in seen.items():
+        n = 0
+        while n in held:
+            n += 1
+        runs[prefix] = n
+    return runs
+
+
+def check_layer_count(source: str, key: str, count: int, names, error: type[RlxError] = WeightError,
+                      blocks: bool = True) -> None:
+    """A block count is at most what the tensors hold (blocks 0 .. count-1 of one prefix), so
+    a count no file could back (10**9 layers) is refused before anything is built for it.
+    `blocks=False`: a file without any numbered block passes (a vocabulary-only file is read
+    for its tokenizer; building a model from it checks again, with blocks required)."""
+    prefix, held = max(layer_runs(names).items(), key=lambda kv: kv[1], default=("", 0))
+    if count > held and (held or blocks):
+        has = f"{held} ({prefix}.0 to {prefix}.{held - 1})" if held else "no numbered blocks"
+        raise error(f"{source}: {key} = {count}, but the tensors hold {has}")
+
+
+def check_layer_counts(config: dict, names, source: str = "config.json", blocks: bool = True) -> None:
+    """`check_layer_count` for every layer count a config (and its text_config) states."""
+    names = list(names)
+    for cfg, where in ((config, source), (config.get("text_config"), f"{source} (text_config)")):
+        for key in LAYER_KEYS if isinstance(cfg, dict) else ():
+            if _POS_INT[0](cfg.get(key)):
+                check_layer_count(where, key, cfg[key], names, blocks=blocks)

@@ -21,6 +21,7 @@ import numpy as np
 from rlx_core.ir.errors import WeightError
 from rlx_core.ir.quant import GGUF_SCHEMES, PackedTensor, QuantScheme
 from rlx_core.pipeline import release_file_pages
+from rlx_core.weights.config import check_layer_count
 
 GGUF_MAGIC = b"GGUF"
 SCHEME_KEY = "rlx.scheme."  # RLX's own int blocks: "<scheme>:<rows>x<cols>" per i8 tensor
@@ -412,6 +413,8 @@ def gguf_config(gf: GGUFFile, sources: dict | None = None) -> dict:
     hidden = num("embedding_length", to="hidden_size")
     heads = num("attention.head_count", to="num_attention_heads")
     layers = num("block_count", to="num_hidden_layers")
+    check_layer_count(path, f"GGUF metadata {arch}.block_count", layers, (t.name for t in gf.tensors),
+                      blocks=False)
     kv_heads = num("attention.head_count_kv", heads, to="num_key_value_heads")
     if heads % kv_heads:
         raise WeightError(
