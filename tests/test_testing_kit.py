@@ -237,3 +237,24 @@ def test_rlx_recipe_runs_a_recipes_checks_and_names_the_seed(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "rlx test seed: 7 (set RLX_TEST_SEED=7 to replay)" in out, out
     assert "3 passed" in out and "test_decode_with_cache_equals_recompute[llama] PASSED" in out, out
+
+
+def test_greedy_agreement_allows_a_near_tie_and_nothing_else():
+    """assert_greedy_agrees: equal rows pass; a first difference passes only where the
+    reference's logits put the chosen token within tol of its own (after it, anything goes)."""
+    from rlx_core.testing.parity import assert_greedy_agrees
+
+    seen = []
+
+    def logits(prefix):
+        seen.append(prefix.tolist())
+        return np.array([0.0, 1.0, 1.0 - 1e-5, -3.0])      # 1 the best, 2 a near tie, 0 far behind
+    want = np.array([[3, 3, 1, 1]])
+    assert_greedy_agrees(want, want, logits, 1e-4)
+    assert seen == []
+    assert_greedy_agrees(np.array([[3, 3, 2, 0]]), want, logits, 1e-4)
+    assert seen == [[[3, 3]]]
+    with pytest.raises(AssertionError, match=r"row 0 position 2: token 0, the reference's 1 is ahead by 1"):
+        assert_greedy_agrees(np.array([[3, 3, 0, 1]]), want, logits, 1e-4)
+    with pytest.raises(AssertionError, match="token rows"):
+        assert_greedy_agrees(np.array([[3, 3, 1]]), want, logits, 1e-4)

@@ -223,6 +223,27 @@ def assert_close(out, ref, dtype: DType, what: str = "", tol: float | None = Non
         raise AssertionError(f"{what}{e}") from None
 
 
+def assert_greedy_agrees(got, want, logits, tol: float, what: str = "") -> None:
+    """Greedy tokens `got` equal the reference's `want` (rows of prompt + new tokens) up to the
+    first position where they differ, and there the token chosen is within `tol` of the
+    reference's best by the reference's own logits: a near tie, which another host's rounding
+    (its BLAS kernels, its summation order) may break the other way; the continuations after it
+    legitimately differ. `logits(prefix)`: the reference's next-token logits after a [1, n]
+    prefix (a vector); `tol`: the bound on the two implementations' logit difference."""
+    got, want = np.atleast_2d(np.asarray(got)), np.atleast_2d(np.asarray(want))
+    assert got.shape == want.shape, f"{what}: token rows {got.shape}, expected {want.shape}"
+    for row, (g, w) in enumerate(zip(got, want)):
+        differ = np.flatnonzero(g != w)
+        if differ.size == 0:
+            continue
+        i = int(differ[0])
+        ref = np.asarray(logits(w[None, :i]), np.float64).reshape(-1)
+        margin = float(ref[w[i]] - ref[g[i]])
+        assert margin <= tol, (f"{what}: row {row} position {i}: token {g[i]}, the reference's {w[i]} is "
+                               f"ahead by {margin:.3g} in its logits (> {tol:g}, no near tie); "
+                               f"tokens {g.tolist()}, reference {w.tolist()}")
+
+
 def lacking_ops(g, backend, profile) -> list:
     """The ops of `g` that `backend` has no kernel for once lowered by the profile's policy
     and legalized (fused ops it lacks become primitives): what it does not claim to run."""

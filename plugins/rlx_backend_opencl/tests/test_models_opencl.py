@@ -7,6 +7,7 @@ import pytest
 
 import rlx_core
 from rlx_core.plugins import registry
+from rlx_core.testing.parity import assert_greedy_agrees
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -51,7 +52,8 @@ def test_tiny_llama_greedy_matches_hf(tiny, rng):
     with torch.no_grad():
         ref = hf.generate(torch.tensor(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long),
                           max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0).numpy()
-    np.testing.assert_array_equal(m.generate(ids, max_new_tokens=16, min_new_tokens=16), ref)
+    assert_greedy_agrees(m.generate(ids, max_new_tokens=16, min_new_tokens=16), ref,
+                         lambda p: hf(torch.tensor(p)).logits[0, -1].detach().numpy(), 2e-4, "opencl against HF")
 
 
 def test_smollm2_greedy_16_tokens_identical_to_numpy():
@@ -68,4 +70,4 @@ def test_smollm2_greedy_16_tokens_identical_to_numpy():
     ids = np.array([cpu.tokenizer.encode("The three primary colors are")])
     a = cpu.generate(ids, max_new_tokens=16, min_new_tokens=16)
     b = ocl.generate(ids, max_new_tokens=16, min_new_tokens=16)
-    np.testing.assert_array_equal(a, b)
+    assert_greedy_agrees(b, a, lambda p: cpu.logits(p)[0, -1], 1e-3, "opencl against numpy")
