@@ -59,22 +59,24 @@ def load_models(names, backend: str | None = None, profile: str | None = None, t
 
 
 def create_app(models: dict, max_batch: int = 8, default_max_tokens: int | None = None,
-               groups: dict | None = None):
+               groups: dict | None = None, **limits):
     """The ASGI app serving `models` (name -> loaded CausalLM or Encoder); `groups` (name ->
-    rlx_core.runtime.tp.TensorParallel) runs those models tensor-parallel."""
+    rlx_core.runtime.tp.TensorParallel) runs those models tensor-parallel; `limits`:
+    max_body_mb (a request body's limit, default 8) and body_idle_s (see serve.app)."""
     require()
     from .app import create_app as make
 
-    return make(models, max_batch, default_max_tokens, groups)
+    return make(models, max_batch, default_max_tokens, groups, **limits)
 
 
 def run(models: dict, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
-        log_level: str = "info", default_max_tokens: int | None = None, groups: dict | None = None) -> None:
+        log_level: str = "info", default_max_tokens: int | None = None, groups: dict | None = None,
+        **limits) -> None:
     """Serve until interrupted (uvicorn)."""
     require()
     import uvicorn
 
-    uvicorn.run(create_app(models, max_batch, default_max_tokens, groups), host=host, port=port,
+    uvicorn.run(create_app(models, max_batch, default_max_tokens, groups, **limits), host=host, port=port,
                 log_level=log_level)
 
 

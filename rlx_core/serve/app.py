@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import time
 
 from starlette.applications import Starlette
@@ -19,16 +21,31 @@ from . import protocol as P
 from .protocol import ApiError
 
 
+MAX_BODY_MB = 8              # the default limit of a request body (rlx serve --max-body-mb)
+BODY_IDLE_S = 30.0           # a body that stops arriving this long is a 400 (not a wait forever)
+BIG_BODY = 1 << 20           # after a request this big, freed memory goes back to the OS
+_ABS_PATH = re.compile(r"(?<![\w.:/])/(?:[^\s/'\"]+/)+[^\s/'\",;:)]*")
+
+
+class ClientGone(Exception):
+    """The client disconnected: nothing more is read or computed for its request."""
+
+
 class Served:
     """The models of one server by name: causal LMs with their schedulers, and encoders.
     `groups` (name -> rlx_core.runtime.tp.TensorParallel): those models run on the group's
-    rank processes (the model given here serves its tokenizer and config); `close` stops them."""
+    rank processes (the model given here serves its tokenizer and config); `close` stops them.
+    `max_body_mb` bounds a request body; `body_idle_s`: how long a body may stop arriving."""
 
     def __init__(self, models: dict, max_batch: int = 8, default_max_tokens: int | None = None,
-                 groups: dict | None = None):
+                 groups: dict | None = None, max_body_mb: float = MAX_BODY_MB,
+                 body_idle_s: float = BODY_IDLE_S):
         from ..runtime.model import CausalLM
         from ..runtime.tp import GroupScheduler
 
+        if not (isinstance(max_body_mb, (int, float)) and max_body_mb > 0):
+            raise RlxError(f"max_body_mb must be a number of megabytes > 0, got {max_body_mb!r}")
+        self.max_body, self.body_idle_s = int(max_body_mb * 2**20), float(body_idle_s)
         self.models, self.created = dict(models), int(time.time())
         self.groups = groups = dict(groups or {})
         self.schedulers = {n: GroupScheduler(groups[n], m, max_batch) if n in groups
@@ -48,6 +65,19 @@ class Served:
             raise P.bad(f"'{name}' generates text; embeddings come from an encoder model", "model")
         return self.models[name]
 
+    def public(self, message: str) -> str:
+        """`message` fit for a client: a model's source (a path on this server) becomes the
+        name it is served as; any other absolute path is hidden."""
+        for name, m in self.models.items():
+            src = str(getattr(m, "source", "") or "")
+            if os.path.isabs(src):
+                message = message.replace(src, name)
+        return _ABS_PATH.sub("<path>", message)
+
+    def bad(self, e: Exception, param: str | None = None) -> ApiError:
+        """The 400 of an RlxError a request caused, with no server path in it."""
+        return P.bad(self.public(str(e)), param)
+
     def close(self) -> None:
         """Stop the schedulers, then the tensor-parallel groups' rank processes."""
         for s in self.schedulers.values():
@@ -60,14 +90,85 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-async def _body(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError):
-        raise P.bad("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise P.bad("the request body must be a JSON object")
+def too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"the request body ({size} bytes) is over this server's limit of {limit} bytes "
+                    f"(rlx serve --max-body-mb)", code="request_too_large")
+
+
+def declared_length(request: Request, limit: int) -> int | None:
+    """The Content-Length, if given: a 413 at once when over `limit` (nothing is read)."""
+    v = request.headers.get("content-length")
+    if v is None:
+        return None
+    if not (v.isascii() and v.strip().isdigit()):
+        raise P.bad(f"Content-Length must be a whole number of bytes, got {v[:40]!r}")
+    if int(v) > limit:
+        raise too_large(int(v), limit)
+    return int(v)
+
+
+async def read_body(request: Request, limit: int, idle_s: float) -> bytes:
+    """The body in chunks, at most `limit` bytes: a 413 as soon as Content-Length or the
+    bytes read pass it (the rest is never read), a 400 when it ends short of its
+    Content-Length or stops arriving for `idle_s` seconds; ClientGone when the client left."""
+    declared = declared_length(request, limit)
+    chunks, size, more = [], 0, True
+    while more:
+        try:
+            msg = await asyncio.wait_for(request.receive(), idle_s)
+        except asyncio.TimeoutError:
+            of = f" of the {declared} its Content-Length says" if declared is not None else ""
+            raise P.bad(f"the request body stopped arriving: {size} bytes{of} came, then nothing "
+                        f"for {idle_s:g} s") from None
+        if msg["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large(size, limit)
+        chunks.append(chunk)
+        more = msg.get("more_body", False)
+    if declared is not None and size != declared:
+        raise P.bad(f"the request body has {size} bytes; its Content-Length says {declared}")
+    return b"".join(chunks)
+
+
+async def _body(request: Request, endpoint: str) -> dict:
+    """The request's JSON object, read within the limits and parsed off the event loop;
+    its keys checked for `endpoint` (protocol.KEYS)."""
+    served: Served = request.app.state.served
+    raw = await read_body(request, served.max_body, served.body_idle_s)
+    if len(raw) >= BIG_BODY:
+        request.state.big = True
+    body = await run_in_threadpool(P.parse_body, raw)
+    P.check_keys(body, endpoint)
     return body
+
+
+def release_memory() -> None:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere):
+    a big request's freed buffers would otherwise stay in the server's resident memory."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):        # not glibc (musl): nothing to trim with
+        pass
+
+
+def _releasing(handler):
+    """handler, then (after a big request) release_memory."""
+    async def endpoint(request: Request):
+        try:
+            return await handler(request)
+        finally:
+            if getattr(request.state, "big", False):
+                await run_in_threadpool(release_memory)
+    endpoint.__name__ = handler.__name__
+    return endpoint
 
 
 def sse(obj) -> bytes:
@@ -83,7 +184,7 @@ def _submit_all(served: Served, name: str, prompts: list, body: dict, loop, queu
             ids = model.encode_chat(p) if isinstance(p, list) and p and isinstance(p[0], dict) else (
                 model.encode_prompt(p) if isinstance(p, str) else p)
         except RlxError as e:
-            raise P.bad(str(e), "prompt") from None
+            raise served.bad(e, "messages" if "messages" in body else "prompt") from None
         params = P.sampling(body, len(ids), model.max_positions, served.default_max_tokens
                             if "messages" in body else 16)
         jobs.append((ids, params))
@@ -95,43 +196,62 @@ def _submit_all(served: Served, name: str, prompts: list, body: dict, loop, queu
         except RlxError as e:
             for r in reqs:
                 r.cancel()
-            raise P.bad(str(e)) from None
+            raise served.bad(e) from None
     return reqs
+
+
+async def _watch(request: Request, queue: asyncio.Queue) -> None:
+    """Put None in `queue` when the client disconnects (the body is read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    queue.put_nowait(None)
+
+
+async def _collect(served: Served, request: Request, reqs: list, queue: asyncio.Queue) -> tuple:
+    """({index: text}, {index: finish reason}) of every request once all finished; when the
+    client leaves first, they are cancelled (they stop decoding) and ClientGone raised."""
+    watch = asyncio.ensure_future(_watch(request, queue))
+    texts, reasons, left = {}, {}, len(reqs)
+    try:
+        while left:
+            item = await queue.get()
+            if item is None:
+                raise ClientGone
+            i, ev = item
+            texts[i] = texts.get(i, "") + ev.text
+            if ev.finish_reason is not None:
+                if ev.error is not None:
+                    raise ApiError(500, served.public(f"generation failed: {ev.error}"))
+                reasons[i] = P.finish_reason(ev.finish_reason)
+                left -= 1
+    finally:
+        watch.cancel()
+        for r in reqs:
+            r.cancel()
+    return texts, reasons
 
 
 async def _generate(request: Request, chat: bool):
     served: Served = request.app.state.served
-    body = await _body(request)
+    body = await _body(request, "chat" if chat else "completions")
     name = body.get("model")
     served.get(name, "causal")
     prompts = [P.chat_messages(body)] if chat else P.completion_prompts(body)
     stream, include_usage = P.stream_flags(body)
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-    reqs = _submit_all(served, name, prompts, body, loop, queue)
+    reqs = await run_in_threadpool(_submit_all, served, name, prompts, body, loop, queue)   # tokenizing
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if stream:
-        return StreamingResponse(_stream(rid, name, reqs, queue, chat, include_usage),
+        return StreamingResponse(_stream(served, rid, name, reqs, queue, chat, include_usage),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:
-        texts, reasons, left = {}, {}, len(reqs)
-        while left:
-            i, ev = await queue.get()
-            texts[i] = texts.get(i, "") + ev.text
-            if ev.finish_reason is not None:
-                if ev.error is not None:
-                    raise ApiError(500, f"generation failed: {ev.error}")
-                reasons[i] = P.finish_reason(ev.finish_reason)
-                left -= 1
-    finally:
-        for r in reqs:
-            r.cancel()
+    texts, reasons = await _collect(served, request, reqs, queue)
     use = P.usage(sum(len(r.prompt_ids) for r in reqs), sum(r.n_new for r in reqs))
     choices = [(i, texts.get(i, ""), reasons[i]) for i in range(len(reqs))]
     return JSONResponse(P.completion_body(rid, name, choices, use, chat))
 
 
-async def _stream(rid, name, reqs, queue, chat, include_usage):
+async def _stream(served, rid, name, reqs, queue, chat, include_usage):
     created = int(time.time())
     try:
         if chat:
@@ -141,7 +261,7 @@ async def _stream(rid, name, reqs, queue, chat, include_usage):
         while left:
             i, ev = await queue.get()
             if ev.finish_reason is not None and ev.error is not None:
-                yield sse(ApiError(500, f"generation failed: {ev.error}").body())
+                yield sse(ApiError(500, served.public(f"generation failed: {ev.error}")).body())
                 return
             if ev.text:
                 yield sse(P.chunk_body(rid, name, i, ev.text, None, chat, created=created))
@@ -158,17 +278,20 @@ async def _stream(rid, name, reqs, queue, chat, include_usage):
             r.cancel()
 
 
+@_releasing
 async def completions(request: Request):
     return await _generate(request, chat=False)
 
 
+@_releasing
 async def chat_completions(request: Request):
     return await _generate(request, chat=True)
 
 
+@_releasing
 async def embeddings(request: Request):
     served: Served = request.app.state.served
-    body = await _body(request)
+    body = await _body(request, "embeddings")
     name = body.get("model")
     enc = served.get(name, "encoder")
     inputs = P.embedding_inputs(body)
@@ -181,14 +304,17 @@ async def embeddings(request: Request):
             out = enc.embed(inputs)
             return out, int(enc.last_timings.get("tokens", 0))
 
+    def respond(out, tokens):
+        data = [{"object": "embedding", "index": i, "embedding": P.embedding_value(row, fmt)}
+                for i, row in enumerate(out.reshape(len(inputs), -1))]
+        return JSONResponse({"object": "list", "data": data, "model": name,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
     try:
         out, tokens = await run_in_threadpool(run)
     except RlxError as e:
-        raise P.bad(str(e), "input") from None
-    data = [{"object": "embedding", "index": i, "embedding": P.embedding_value(row, fmt)}
-            for i, row in enumerate(out.reshape(len(inputs), -1))]
-    return JSONResponse({"object": "list", "data": data, "model": name,
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        raise served.bad(e, "input") from None
+    return await run_in_threadpool(respond, out, tokens)          # (rendering a big JSON too)
 
 
 async def list_models(request: Request):
@@ -207,19 +333,25 @@ async def _http_error(request, exc):
                                    f"{exc.detail}", code=code))
 
 
+async def _client_gone(request, exc):
+    return error_response(ApiError(400, "the client disconnected"))       # (read by no one)
+
+
 async def _server_error(request, exc):
-    return error_response(ApiError(500, f"{type(exc).__name__}: {exc}"))
+    return error_response(ApiError(500, request.app.state.served.public(f"{type(exc).__name__}: {exc}")))
 
 
 def create_app(models: dict, max_batch: int = 8, default_max_tokens: int | None = None,
-               groups: dict | None = None) -> Starlette:
-    """The app serving `models` (name -> CausalLM or Encoder; `groups`: see Served); its
-    schedulers close when the app shuts down (or call app.state.served.close())."""
+               groups: dict | None = None, max_body_mb: float = MAX_BODY_MB,
+               body_idle_s: float = BODY_IDLE_S) -> Starlette:
+    """The app serving `models` (name -> CausalLM or Encoder; `groups`, `max_body_mb`,
+    `body_idle_s`: see Served); its schedulers close when the app shuts down (or call
+    app.state.served.close())."""
     from contextlib import asynccontextmanager
 
     from starlette.exceptions import HTTPException
 
-    served = Served(models, max_batch, default_max_tokens, groups)
+    served = Served(models, max_batch, default_max_tokens, groups, max_body_mb, body_idle_s)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -233,10 +365,11 @@ def create_app(models: dict, max_batch: int = 8, default_max_tokens: int | None 
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
-    ], exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
+    ], exception_handlers={ApiError: _api_error, ClientGone: _client_gone, HTTPException: _http_error,
+                          Exception: _server_error},
         lifespan=lifespan)
     app.state.served = served
     return app
 
 
-__all__ = ["create_app", "Served"]
+__all__ = ["create_app", "Served", "read_body", "release_memory", "MAX_BODY_MB", "BODY_IDLE_S"]

@@ -4,7 +4,9 @@ it is tested and imported without the `serve` extra."""
 from __future__ import annotations
 
 import base64
+import json
 import math
+import re
 import time
 import uuid
 
@@ -52,10 +54,83 @@ def field(body: dict, name: str, kinds: tuple, default=None, lo=None, hi=None):
     return v
 
 
+MAX_JSON_DEPTH = 64          # nesting of arrays and objects in a request body
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.?[^"\\]*)*(?:"|\Z)', re.DOTALL)   # one string, closed or not
+_BRACKETS = np.zeros(256, np.int8)
+_BRACKETS[[ord("["), ord("{")]], _BRACKETS[[ord("]"), ord("}")]] = 1, -1
+
+
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of arrays and objects in the JSON text `raw` (brackets inside
+    strings do not count); linear time, no recursion, so a hostile body cannot overflow."""
+    outside = _JSON_STRING.sub(b'""', raw)
+    if not outside:
+        return 0
+    return int(np.cumsum(_BRACKETS[np.frombuffer(outside, np.uint8)], dtype=np.int64).max(initial=0))
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body as a JSON object: valid UTF-8, nested at most MAX_JSON_DEPTH deep,
+    every string valid Unicode (no lone surrogate escapes); else a 400 saying which."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    depth = json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise bad(f"the request body nests arrays/objects {depth} deep; at most {MAX_JSON_DEPTH} "
+                  "are allowed")
+    try:
+        body = json.loads(text)
+    except ValueError as e:
+        raise bad(f"the request body is not valid JSON: {e}"[:300]) from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    check_text(body)
+    return body
+
+
+def check_text(value, where: str = "the body", param: str | None = None) -> None:
+    """A 400 naming the field (e.g. messages[0].content) of the first string in `value`
+    that is not valid Unicode (a lone surrogate, which JSON's \\u escapes allow)."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad(f"{where} is not valid Unicode text: a lone surrogate {value[e.start]!r} at "
+                          f"character {e.start}", param) from None
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_text(v, f"{where}[{i}]", param)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(k, f"a key of {where}", param)
+            check_text(v, k if param is None else f"{where}.{k}", param or k)
+
+
 UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False),
                "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+               "tool_choice": (None, "none", "auto"),
                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                "logit_bias": (None, {}), "response_format": (None, {"type": "text"})}
+NOT_YET = ("min_p", "typical_p", "repetition_penalty", "grammar", "guided_json")   # a later issue's
+_GENERATE = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream",
+             "stream_options", "user", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty"}
+KEYS = {"chat": _GENERATE | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                             "response_format"},
+        "completions": _GENERATE | {"prompt", "echo", "best_of", "suffix"},
+        "embeddings": {"model", "input", "encoding_format", "dimensions", "user"}}
+
+
+def check_keys(body: dict, endpoint: str) -> None:
+    """A 400 naming the first key that `endpoint` (a KEYS name) does not take: a sampler
+    knob this server does not have yet, or a key it does not know (never silently ignored)."""
+    for k in body:
+        if k in NOT_YET:
+            raise bad(f"'{k}' is not supported by this server yet", k)
+        if k not in KEYS[endpoint]:
+            raise bad(f"unknown field {k[:100]!r}; this endpoint takes {sorted(KEYS[endpoint])}", k[:100])
 
 
 def sampling(body: dict, prompt_tokens: int, context: int, default_max: int | None) -> SamplingParams:
@@ -90,12 +165,12 @@ def sampling(body: dict, prompt_tokens: int, context: int, default_max: int | No
         stop = [stop]
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise bad("'stop' must be a non-empty string or a list of at most 4 of them", "stop")
-    seed = field(body, "seed", (int,), None)
+    seed = field(body, "seed", (int,), None, lo=0, hi=2**63 - 1)        # as the runtime: >= 0
+    top_k = field(body, "top_k", (int,), None, lo=0)                    # 0 or none: no top-k
     try:
         return SamplingParams.checked(max_tokens=max_tokens, do_sample=temperature > 0,
                                       temperature=temperature if temperature > 0 else 1.0,
-                                      top_k=None, top_p=top_p, seed=None if seed is None else abs(seed),
-                                      stop=stop)
+                                      top_k=top_k or None, top_p=top_p, seed=seed, stop=stop)
     except RlxError as e:
         raise bad(str(e)) from None
 
@@ -156,7 +231,12 @@ def completion_prompts(body: dict) -> list:
 
 
 def embedding_inputs(body: dict) -> list:
-    return _texts_or_ids(body, "input", "a non-empty string, array of strings, or token ids")
+    inputs = _texts_or_ids(body, "input", "a non-empty string, array of strings, or token ids")
+    for i, x in enumerate(inputs):
+        if isinstance(x, str) and not x:
+            raise bad(f"'input[{i}]' is an empty string; every input must be non-empty"
+                      if isinstance(body["input"], list) else "'input' must be a non-empty string", "input")
+    return inputs
 
 
 def embedding_format(body: dict) -> str:
@@ -217,6 +297,7 @@ def finish_reason(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-__all__ = ["ApiError", "bad", "field", "sampling", "stream_flags", "chat_messages", "completion_prompts",
+__all__ = ["ApiError", "bad", "field", "parse_body", "json_depth", "check_text", "check_keys", "MAX_JSON_DEPTH",
+           "sampling", "stream_flags", "chat_messages", "completion_prompts",
            "embedding_inputs", "embedding_format", "embedding_value", "new_id", "usage",
            "completion_body", "chunk_body", "finish_reason"]
