@@ -804,11 +804,14 @@ def embed_cmd(model_name: str, texts: tuple, file: str | None, json_out: bool, b
               help="Chat completions' max_tokens when a request gives none. Default: the context left.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True, help="uvicorn's log level.")
+@click.option("--max-body-mb", type=click.FloatRange(0, min_open=True), default=8, show_default=True,
+              help="Largest request body in MB; a larger one is refused (HTTP 413) before it is read.")
 @model_profile_option
 @backend_option
 @tp_option(" per model (causal or encoder)")
 def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_max_tokens: int | None,
-              log_level: str, profile: str | None, backend: str | None, tp: int | None) -> None:
+              log_level: str, max_body_mb: float, profile: str | None, backend: str | None,
+              tp: int | None) -> None:
     """Serve MODEL(s) over OpenAI's HTTP API: /v1/models, /v1/completions,
     /v1/chat/completions (streaming too), /v1/embeddings (encoder models such as `minilm`).
 
@@ -823,7 +826,8 @@ def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_
                                        echo=lambda t: click.echo(t, err=True), progress=True)
     click.echo(f"[serving {', '.join(models)} on http://{host}:{port}/v1 (max batch {max_batch})]", err=True)
     try:
-        serve.run(models, host, port, max_batch, log_level, default_max_tokens, groups)
+        serve.run(models, host, port, max_batch, log_level, default_max_tokens, groups,
+                  max_body_mb=max_body_mb)
     finally:
         for g in groups.values():
             g.close()
