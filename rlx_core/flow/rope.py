@@ -38,6 +38,10 @@ def rope_params(config: dict) -> tuple:
 
 def inv_freq(dim: int, theta: float, scaling: dict | None = None) -> tuple:
     """(inv_freq float32 [dim/2], attention scaling) for rope types default, linear, llama3."""
+    if dim // 2 * 8 > _MAX_TABLE_BYTES:     # tables of even one position would be over the limit
+        raise ModelError(f"RoPE width {dim} (head_dim) would take {dim // 2 * 8 >> 20} MiB of tables per "
+                         f"position, over the {_MAX_TABLE_BYTES >> 20} MiB limit; the config's head size "
+                         "does not fit any checkpoint")
     base = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     inv = (np.float32(1.0) / (np.float32(theta) ** base)).astype(np.float32)
     if not scaling:

@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import progress
 from ..ir.dtype import F32
-from ..ir.errors import ModelError
+from ..ir.errors import ModelError, WeightError
 from ..pipeline import StateStore, select_backend
 from ..plugins.manager import registry
 from ..profile import CompileProfile
@@ -142,8 +142,11 @@ class CausalLM:
         """The flow of `mode` built on this model's tensors (HIR graph, params, stage records),
         not yet compiled: what `executable` compiles and `rlx inspect` shows."""
         flow = self.recipe.flow(self.config, mode, taps=taps)
-        return flow.build(self.tensors, self.config, F32,
-                          ignore_unused=getattr(self.recipe, "ignore_unused", ()))
+        try:
+            return flow.build(self.tensors, self.config, F32,
+                              ignore_unused=getattr(self.recipe, "ignore_unused", ()))
+        except WeightError as e:        # the tensors disagree with the config: name the file
+            raise WeightError(f"{self.source}: {e}") from None
 
     def executable(self, mode: str, taps: bool = False):
         """mode: logits (every position), prefill (last position, writes the KV cache), decode."""
