@@ -841,13 +841,15 @@ def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_
                    "or RLX's own int8 / int4 blocks (int8_b64: block size 64; RLX reads these only).")
 def quantize_cmd(src: str, dst: str, scheme: str) -> None:
     """Write the HF model SRC (folder or packaged name) to the GGUF file DST with its matmul
-    weights packed in SCHEME; `rlx generate DST ...` then runs it packed."""
+    weights packed in SCHEME; `rlx generate DST ...` then runs it packed. DST is written whole
+    or not at all, and never over a file of SRC."""
     from .ir.errors import WeightError
     from .ir.quant import QuantScheme
-    from .weights import load_checkpoint
-    from .weights.gguf_write import write_gguf
+    from .weights import load_checkpoint, resolve_model_path
+    from .weights.gguf_write import destination, write_gguf
 
     q = QuantScheme.parse(scheme)
+    destination(dst, resolve_model_path(src))     # a bad DST is named before the load
     ckpt = load_checkpoint(src)
     if ckpt.format != "safetensors":
         raise WeightError(f"{src}: rlx quantize reads HF safetensors folders; this is a {ckpt.format} file")

@@ -10,11 +10,16 @@ vocabularies, so both RLX and llama.cpp read the file.
 RLX's own int8/int4 blocks have no GGUF type: they are stored as GGUF I8 bytes
 [rows, bytes per row] with the scheme under `rlx.scheme.<tensor>`, which RLX reads back and
 llama.cpp does not.
+
+The file is written under a temporary name beside DST and renamed at the end, so a failed run
+leaves no partial file and never the old DST half-written; DST may not be a file of the source
+model's folder (see `destination`).
 """
 from __future__ import annotations
 
 import json
 import os
+import secrets
 
 import gguf
 import numpy as np
@@ -23,8 +28,19 @@ from rlx_core.ir.errors import WeightError
 from rlx_core.ir.quant import QuantScheme
 
 from .checkpoint import Checkpoint
-from .gguf_io import _LAYER_NAMES, _MODEL_TYPES, _TOP_NAMES, SCHEME_KEY
+from .config import check_config
+from .gguf_io import _LAYER_NAMES, _MODEL_TYPES, _TOP_NAMES, GGUF_MAGIC, SCHEME_KEY
 from .tokenizer import HF_TOKENIZER_KEY, RLX_TOKENIZER_KEY
+
+
+# the config keys every GGUF of these families needs (the rest have defaults), and the keys
+# written as GGUF's uint32 and float32 values
+_REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+_U32 = _REQUIRED + ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
+                    "bos_token_id", "eos_token_id", "pad_token_id")
+_F32 = ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "query_pre_attn_scalar",
+        "attn_logit_softcapping", "final_logit_softcapping")
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _gguf_names(arch: str) -> dict:
@@ -46,8 +62,11 @@ def gguf_name(arch: str, hf: str) -> str:
     raise WeightError(f"tensor {hf!r} has no GGUF name for architecture {arch!r}")
 
 
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+def _permute(w: np.ndarray, n_head: int, name: str) -> np.ndarray:
     """llama.cpp's converter rope permutation of Q/K rows (convert_hf_to_gguf.py `permute`)."""
+    if w.ndim != 2 or w.shape[0] % (2 * n_head):
+        raise WeightError(f"tensor {name!r} of shape {list(w.shape)}: expected a matrix whose rows split "
+                          f"into {n_head} heads of an even size")
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -76,8 +95,6 @@ def _metadata(w, arch: str, cfg: dict) -> None:
     scaling = cfg.get("rope_scaling") or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind not in (None, "default"):
-        if kind != "linear":
-            raise WeightError(f"config rope_scaling type {kind!r} cannot be written to GGUF (only linear)")
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(scaling["factor"]))
     if arch.startswith("gemma"):
@@ -126,6 +143,95 @@ def _tokenizer(w, tok) -> None:
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])])
 
 
+def destination(dst, *sources) -> str:
+    """The real path to write `dst` to (links resolved), checked before any work: not a folder,
+    in a folder that exists, and not a file of a source (see `_source_files`). WeightError
+    naming `dst` and what was expected otherwise."""
+    given = os.fspath(dst)
+    if not given or given.endswith(os.sep) or os.path.isdir(given):
+        what = "is a folder" if given else "is empty"
+        raise WeightError(f"destination {given!r} {what}; expected the path of the .gguf file to write")
+    path = os.path.realpath(given)
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        raise WeightError(f"{given}: the folder {folder} does not exist (or is not a folder); "
+                          f"expected the .gguf file's path in an existing folder")
+    if os.path.exists(path):
+        for f in _source_files(sources):
+            if os.path.samefile(path, f):
+                raise WeightError(f"{given}: is {f}, a file of the source model; rlx quantize never "
+                                  f"overwrites its input: choose a path outside it (or a new name)")
+    return path
+
+
+def _source_files(sources) -> list:
+    """What a destination may not be: each source file, and every file in a source's folder
+    but GGUF files (a safetensors checkpoint never reads one; an earlier run may have written it)."""
+    out = []
+    for src in sources:
+        src = os.fspath(src)
+        folder = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+        out += [src] if os.path.isfile(src) else []
+        try:
+            with os.scandir(folder) as it:
+                out += [e.path for e in it if e.is_file() and not _is_gguf(e.path)]
+        except OSError as e:
+            raise WeightError(f"{src}: cannot list the source folder {folder} ({e.strerror})") from None
+    return out
+
+
+def _is_gguf(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def _temporary(path: str, given: str) -> str:
+    """A new empty file beside `path` to write into: the check that its folder takes a file."""
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.part")
+    try:
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+    except OSError as e:
+        raise WeightError(f"{given}: cannot write a file in {folder} ({e.strerror}); expected a "
+                          f"writable folder") from None
+    return tmp
+
+
+def _check_for_gguf(cfg: dict, source: str) -> None:
+    """What check_config leaves to the writer: every value written as a GGUF uint32 or float32
+    fits it, and rope scaling is linear (or none) with a positive factor."""
+    for key in _U32:
+        v = cfg.get(key)
+        if any(x >= 2**32 for x in (v if isinstance(v, list) else [v]) if x is not None):
+            raise WeightError(f"{source}: {key} = {v!r} does not fit GGUF's 32-bit field (expected < 2**32)")
+    for key in _F32:
+        if cfg.get(key) is not None and abs(cfg[key]) > _F32_MAX:
+            raise WeightError(f"{source}: {key} = {cfg[key]!r} does not fit GGUF's float32 "
+                              f"(expected at most {_F32_MAX:.4g})")
+    scaling = cfg.get("rope_scaling") or {}
+    kind, factor = scaling.get("rope_type", scaling.get("type")), scaling.get("factor")
+    if kind not in (None, "default", "linear"):
+        raise WeightError(f"{source}: rope_scaling type {kind!r} cannot be written to GGUF (only linear)")
+    real = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+    if kind == "linear" and not (real and 0 < factor <= _F32_MAX):
+        raise WeightError(f"{source}: rope_scaling factor {factor!r}: expected a finite number > 0")
+
+
+def _reads_back(tmp: str, source: str, dst: str) -> None:
+    """The written file loads as RLX loads a GGUF (gguf_io's checks of metadata and tensors):
+    a config the model could not run from is named here, not when DST is first used."""
+    from .checkpoint import load_checkpoint
+
+    try:
+        load_checkpoint(tmp, packed=True)
+    except WeightError as e:
+        raise WeightError(f"{source}: the GGUF written from it would not load, so {dst} is not written: "
+                          f"{str(e).replace(tmp, 'the GGUF')}") from None
+
+
 def write_gguf(ckpt: Checkpoint, dst: str, scheme: QuantScheme | str, echo=print) -> dict:
     """Write `ckpt` (an HF folder's checkpoint) to `dst` with matmul weights in `scheme`.
     Returns {"quantized": n, "kept": [names kept in f32]}."""
@@ -136,7 +242,25 @@ def write_gguf(ckpt: Checkpoint, dst: str, scheme: QuantScheme | str, echo=print
     if arch is None:
         raise WeightError(f"{ckpt.path}: model_type {model_type!r} cannot be written to GGUF; "
                           f"supported: {sorted(mt for mt, _ in _MODEL_TYPES.values())}")
-    writer = gguf.GGUFWriter(os.fspath(dst), arch)
+    source = os.path.join(ckpt.path, "config.json")
+    _check_for_gguf(check_config(cfg, source, required=_REQUIRED), source)
+    path = destination(dst, ckpt.path)
+    tmp = _temporary(path, os.fspath(dst))
+    try:
+        done = _write(ckpt, tmp, arch, q, echo)
+        _reads_back(tmp, source, os.fspath(dst))
+        os.replace(tmp, path)                       # all of it, or the old DST untouched
+    except OSError as e:
+        raise WeightError(f"{os.fspath(dst)}: cannot write ({e.strerror or e})") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return done
+
+
+def _write(ckpt: Checkpoint, path: str, arch: str, q: QuantScheme, echo) -> dict:
+    cfg = ckpt.config
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_name(os.path.basename(os.path.normpath(ckpt.path)))
     writer.add_file_type(q.gguf_type if q.gguf_type is not None else 0)
     _metadata(writer, arch, cfg)
@@ -150,7 +274,8 @@ def write_gguf(ckpt: Checkpoint, dst: str, scheme: QuantScheme | str, echo=print
         name = gguf_name(arch, hf)
         x = np.asarray(ckpt.tensors[hf], np.float32)
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-            x = _permute(x, cfg["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"])
+            heads = "num_attention_heads" if ".attn_q." in name else "num_key_value_heads"
+            x = _permute(x, cfg.get(heads) or cfg["num_attention_heads"], hf)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             x = x + np.float32(1.0)
         if x.ndim == 2 and x.shape[1] % q.block_size == 0:
@@ -165,10 +290,12 @@ def write_gguf(ckpt: Checkpoint, dst: str, scheme: QuantScheme | str, echo=print
             writer.add_tensor(name, x)
             if x.ndim == 2:
                 kept.append(hf)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
     if kept:
         echo(f"kept in f32 (rows do not split into {q.block_size}-element blocks): {', '.join(kept)}")
     return {"quantized": quantized, "kept": kept}
