@@ -228,8 +228,9 @@ def assert_greedy_agrees(got, want, logits, tol: float, what: str = "") -> None:
     first position where they differ, and there the token chosen is within `tol` of the
     reference's best by the reference's own logits: a near tie, which another host's rounding
     (its BLAS kernels, its summation order) may break the other way; the continuations after it
-    legitimately differ. `logits(prefix)`: the reference's next-token logits after a [1, n]
-    prefix (a vector); `tol`: the bound on the two implementations' logit difference."""
+    legitimately differ. `logits(prefix)`: the reference's logits for a [1, n] prefix (its last
+    position's are used: a model's `logits` will do); `tol`: the bound on the two
+    implementations' logit difference."""
     got, want = np.atleast_2d(np.asarray(got)), np.atleast_2d(np.asarray(want))
     assert got.shape == want.shape, f"{what}: token rows {got.shape}, expected {want.shape}"
     for row, (g, w) in enumerate(zip(got, want)):
@@ -237,7 +238,8 @@ def assert_greedy_agrees(got, want, logits, tol: float, what: str = "") -> None:
         if differ.size == 0:
             continue
         i = int(differ[0])
-        ref = np.asarray(logits(w[None, :i]), np.float64).reshape(-1)
+        ref = np.asarray(logits(w[None, :i]), np.float64)
+        ref = ref.reshape(-1, ref.shape[-1])[-1]
         margin = float(ref[w[i]] - ref[g[i]])
         assert margin <= tol, (f"{what}: row {row} position {i}: token {g[i]}, the reference's {w[i]} is "
                                f"ahead by {margin:.3g} in its logits (> {tol:g}, no near tie); "

@@ -9,9 +9,11 @@ import pytest
 
 import rlx_core
 from rlx_core.ir.errors import ModelError
+from rlx_core.testing.parity import assert_greedy_agrees
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from test_gemma import hf_logits  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "Water boils at a temperature of"]
@@ -80,7 +82,8 @@ def test_greedy_32_tokens_match_transformers(rlx_gemma3, hf_gemma3):
     with torch.no_grad():
         ref = hf_gemma3.generate(torch.tensor(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long),
                                  max_new_tokens=32, min_new_tokens=32, do_sample=False).numpy()
-    np.testing.assert_array_equal(rlx_gemma3.generate(ids, max_new_tokens=32, min_new_tokens=32), ref)
+    assert_greedy_agrees(rlx_gemma3.generate(ids, max_new_tokens=32, min_new_tokens=32), ref,
+                         hf_logits(hf_gemma3), 2e-3, "Gemma 3 against HF")
 
 
 def test_text_generation_and_chat_is_a_clear_error(rlx_gemma3):
