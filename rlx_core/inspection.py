@@ -54,6 +54,36 @@ def config_sources(path: str, fmt: str) -> dict:
     return sources
 
 
+def stored_dtypes(path: str, fmt: str, tensors) -> dict:
+    """Checkpoint tensor -> its dtype as the file stores it (a GGUF's ggml type), so the report
+    says which weights were converted to the dtype they are bound in."""
+    if fmt != "gguf":
+        return {k: _dtype_name(v.dtype) for k, v in tensors.items() if hasattr(v, "dtype")
+                and getattr(v, "scheme", None) is None}
+    from gguf import GGMLQuantizationType
+
+    from .weights.gguf_io import hf_name, read_gguf
+
+    gf = read_gguf(path)
+    out = {}
+    for t in gf.tensors:
+        name = hf_name(gf.metadata["general.architecture"], t.name)
+        if name is not None:
+            out[name] = _dtype_name(GGMLQuantizationType(t.ggml_type).name)
+    return out
+
+
+def _dtype_name(dt) -> str:
+    """An RLX dtype name ('f16') where there is one, else as a scheme or numpy names it ('q4_1')."""
+    from .ir.dtype import DType
+    from .ir.errors import DTypeError
+
+    try:
+        return DType.parse(dt.lower() if isinstance(dt, str) else dt).value
+    except DTypeError:
+        return str(dt).lower()
+
+
 def _ops(g: Graph, ids=None) -> collections.Counter:
     nodes = g.nodes if ids is None else (g.nodes[i] for i in ids)
     return collections.Counter(n.op for n in nodes)
@@ -230,13 +260,17 @@ class Inspection:
                 "derived_at_load": {"tensors": len(derived), "bytes": sum(s.nbytes() for s in derived)}}
 
     def params(self) -> dict:
+        """Every bound param; `stored`: its dtype in the file, where it is converted from that
+        (an f16 norm bound f32, a bf16 checkpoint, a GGUF block dequantized) to `scheme`."""
         tensors = []
+        stored = stored_dtypes(self.path, self.fmt, self.model.tensors)
         for n in self.mir.nodes:
             if n.op != "param":
                 continue
             s, scheme = n.outs[0], n.a.get("scheme", "")
             tensors.append({"name": n.name, "group": param_group(n.name), "dtype": s.dtype.value,
                             "shape": list(s.dims), "scheme": scheme or s.dtype.value,
+                            "stored": stored.get(n.name, scheme or s.dtype.value),
                             "logical_shape": list(packed_logical(scheme, s.dims) if scheme else s.dims),
                             "bytes": s.nbytes()})
         groups: dict = {}
@@ -443,6 +477,13 @@ def report_text(rep: dict, nodes_of: set | None = None) -> str:
         else:
             lines.append(f"  {keys[0]:<22} " + "; ".join(
                 f"{t['name']} {t['scheme']} {human_bytes(t['bytes'])}" for t in members[keys[0]]))
+    converted: dict = {}
+    for t in pa["tensors"]:
+        if t["stored"] != t["scheme"]:
+            converted.setdefault(f"{t['stored']} -> {t['scheme']}", []).append(t["name"])
+    for how, names in converted.items():
+        lines.append(f"  converted when loaded: {len(names)} stored {how}"
+                     + (f" ({', '.join(names)})" if len(names) <= 3 else ""))
     if pa["not_bound"]:
         lines.append(f"  checkpoint tensors the graph does not read: {pa['not_bound']}")
 

@@ -693,6 +693,54 @@ def test_gguf_shifted_tensor_offset_is_an_error(tiny_llama, shift):
         load_checkpoint(path)
 
 
+def test_gguf_retyped_last_tensor_is_an_error(tiny_llama):
+    """output_norm (the last tensor) F32 -> F16 in the header: the reader once took the first
+    half of its f32 bytes as f16 values; now the bytes past the tensors are an error."""
+    path, _ = tiny_llama
+    _patch_tensor_info(path, "output_norm.weight", 1, lambda _: 1)
+    with pytest.raises(WeightError, match=r"bytes no tensor owns follow 'output_norm.weight' \(ggml type 1, "
+                                          r"128 bytes\)") as e:
+        load_checkpoint(path)
+    assert path in str(e.value)
+
+
+def _tiny_llama_model_gguf(path, norm_type, rng_seed=5):
+    """A whole 1-layer llama GGUF (every tensor the recipe reads), output_norm stored as `norm_type`."""
+    r = np.random.default_rng(rng_seed)
+    shapes = {"token_embd.weight": (10, 64), "blk.0.attn_q.weight": (64, 64), "blk.0.attn_k.weight": (32, 64),
+              "blk.0.attn_v.weight": (32, 64), "blk.0.attn_output.weight": (64, 64),
+              "blk.0.ffn_gate.weight": (96, 64), "blk.0.ffn_up.weight": (96, 64), "blk.0.ffn_down.weight": (64, 96)}
+    tensors = {k: (0.3 * r.standard_normal(s).astype(np.float32), Q.F32) for k, s in shapes.items()}
+    for k in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
+        tensors[k] = ((1 + 0.3 * r.standard_normal(64)).astype(np.float16).astype(np.float32), Q.F32)
+    tensors["output_norm.weight"] = (tensors["output_norm.weight"][0], norm_type)
+    toks = ["<s>", "</s>", "a", "b", "c", "ab", "abc", "\u0120", "\u0120a", "x"]
+    return _write_gguf(path, "llama", tensors, tokens=toks, merges=["a b", "ab c"])
+
+
+def test_gguf_f16_norm_gives_the_f32_tokens(tmp_path, rng):
+    """A norm stored F16 is converted to f32 (exactly: its values are f16's) and the model gives
+    the logits and greedy tokens of the same norm stored F32."""
+    from rlx_core import load
+
+    f32 = _tiny_llama_model_gguf(tmp_path / "f32.gguf", Q.F32)
+    f16 = _tiny_llama_model_gguf(tmp_path / "f16.gguf", Q.F16)
+    a, b = load_checkpoint(f32), load_checkpoint(f16)
+    assert b.tensors["model.norm.weight"].dtype == np.float32
+    np.testing.assert_array_equal(a.tensors["model.norm.weight"], b.tensors["model.norm.weight"])
+    ma, mb = (load(p, backend="numpy", progress=False) for p in (f32, f16))
+    ids = rng.integers(0, 10, (2, 5))
+    np.testing.assert_allclose(mb.logits(ids), ma.logits(ids), rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(mb.generate(ids[:1], max_new_tokens=8, min_new_tokens=8),
+                                  ma.generate(ids[:1], max_new_tokens=8, min_new_tokens=8))
+    # `rlx inspect` says which tensor was converted from what
+    from rlx_core.inspection import Inspection
+
+    text = Inspection.load(f16, backend="numpy").text()
+    assert "converted when loaded: 1 stored f16 -> f32 (model.norm.weight)" in text
+    assert "converted" not in Inspection.load(f32, backend="numpy").text()
+
+
 def test_gguf_unknown_type_and_zero_element_tensor(tiny_llama, tmp_path):
     path, _ = tiny_llama
     _patch_tensor_info(path, "blk.0.attn_k.weight", 1, lambda _: 77)

@@ -72,6 +72,7 @@ class FlowCtx:
         self._params: dict = {}
         self.missing: list = []
         self.misshaped: list = []
+        self.mistyped: list = []         # integer tensors asked for as (float) weights
         self.stages: list = []           # StageRecord of every stage, in the order they started
         self._depth = 0
         self.streams: dict = {}          # stream name -> its current value (rlx_core.flow.stream)
@@ -143,11 +144,11 @@ class FlowCtx:
             if shape is not None and tuple(shape) != got:
                 self.misshaped.append(f"{key}: expected {list(shape)}, got {list(got)}")
                 got = tuple(shape)
-        dt = DType.parse(getattr(w, "dtype", np.float32)) if w is not None else self.dtype
-        if dt.is_float:
-            dt = self.dtype
+        if w is not None and np.dtype(w.dtype).kind in "iub":     # (a PackedTensor says float32)
+            self.mistyped.append(f"{key}: {np.dtype(w.dtype).name}, expected a float dtype "
+                                 "(or a packed quantization scheme)")
         scheme = w.scheme.name if isinstance(w, PackedTensor) else ""
-        v = self.m.param(key, got, dt, scheme=scheme)
+        v = self.m.param(key, got, self.dtype, scheme=scheme)
         self._params[key] = v
         return v
 

@@ -251,8 +251,8 @@ class ModelFlow:
     # -- build
     def build(self, weights, config: dict | None = None, dtype: DType = F32,
               check_unused: bool = True, ignore_unused: tuple = ()) -> BuiltModel:
-        """Emit the graph; then one error lists every missing, unexpected and mis-shaped
-        tensor. `weights` maps checkpoint keys to arrays."""
+        """Emit the graph; then one error lists every missing, unexpected, mis-shaped and
+        mis-typed (integer) tensor. `weights` maps checkpoint keys to arrays."""
         m = Builder(self.name)
         ctx = FlowCtx(m, weights, config, dtype)
         value = None
@@ -265,7 +265,7 @@ class ModelFlow:
             used = set(ctx.used_params())
             unused = sorted(k for k in weights if k not in used and not any(
                 k.endswith(s) or k == s for s in ignore_unused))
-        if ctx.missing or ctx.misshaped or unused:
+        if ctx.missing or ctx.misshaped or ctx.mistyped or unused:
             parts = []
             if ctx.missing:
                 parts.append(f"missing {len(ctx.missing)}: {ctx.missing}")
@@ -273,6 +273,8 @@ class ModelFlow:
                 parts.append(f"unexpected {len(unused)}: {unused}")
             if ctx.misshaped:
                 parts.append(f"mis-shaped {len(ctx.misshaped)}: {ctx.misshaped}")
+            if ctx.mistyped:
+                parts.append(f"mis-typed {len(ctx.mistyped)}: {ctx.mistyped}")
             raise WeightError(f"flow {self.name!r}: checkpoint does not fit the model — " + "; ".join(parts))
         m.output("logits" if "logits" not in ctx.outputs else "out", value)
         for name, v in ctx.outputs.items():

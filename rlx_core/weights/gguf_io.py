@@ -213,6 +213,15 @@ def _parse(path: str, buf: mmap.mmap) -> GGUFFile:
         raise WeightError(
             f"{path}: tensor data ends at byte {end} but the file has {len(buf)}; the file is truncated"
         )
+    if tensors and len(buf) > data_start + expect:
+        # bytes past the last tensor's padding: some tensor's header understates its size (an F32
+        # tensor retyped F16 would be read as half its bytes, reinterpreted)
+        last = max(tensors, key=lambda t: t.offset)
+        raise WeightError(
+            f"{path}: the tensors end at byte {data_start + expect} (padded) but the file has "
+            f"{len(buf)}; bytes no tensor owns follow {last.name!r} (ggml type {last.ggml_type}, "
+            f"{last.nbytes} bytes): a tensor's type or shape is wrong, or the file is corrupt"
+        )
     return GGUFFile(path, metadata, tensors, data_start)
 
 

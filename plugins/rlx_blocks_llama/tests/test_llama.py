@@ -198,6 +198,28 @@ def test_sizes_beyond_the_tensors_are_refused_without_allocating(small, tmp_path
     assert isinstance(e.value, ModelError) or str(folder) in str(e.value)
 
 
+def test_integer_dtype_for_a_float_weight_is_refused(small, tmp_path):
+    """A safetensors header that calls q_proj I32 (same size as F32) is not read as a weight:
+    the error names the folder, the tensor, its dtype and what a weight must be."""
+    import json
+    import shutil
+    import struct
+
+    folder = tmp_path / "m"
+    shutil.copytree(small.source, folder)
+    f = folder / "model.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header["model.layers.0.self_attn.q_proj.weight"]["dtype"] = "I32"
+    text = json.dumps(header).encode()
+    f.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    with pytest.raises(WeightError, match=r"mis-typed 1: \['model.layers.0.self_attn.q_proj.weight: int32, "
+                                          r"expected a float dtype") as e:
+        rlx_core.load(str(folder), backend="numpy", progress=False).logits(np.zeros((1, 3), int))
+    assert str(folder) in str(e.value)
+
+
 def test_layer_override_with_ctx(small, rng):
     """Replacing every layer by the identity leaves logits = head(norm(embedding))."""
     from rlx_blocks_llama import Llama32Flow
