@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import numpy as np
 import pytest
 
@@ -17,7 +18,7 @@ from rlx_core.ir.graph import HIR, MIR, Builder
 from rlx_core.ir.shape import Shape
 from rlx_core.ir.ops import ACTIVATIONS, BINARY_OPS, COMPARE_OPS, INT_OK_ACTIVATIONS, OPS, POOL_MODES, Level
 
-from .parity import (FLOATS, PARITY_PROFILE, REF_ACT, TOL, Arg, arg, backend, compile_on,  # noqa: F401
+from .parity import (FLOATS, PARITY_PROFILE, REF_ACT, TOL, Arg, arg, assert_close, backend, compile_on,  # noqa: F401
                      exact, one_op, rand, ref_attention, ref_attention_grad, ref_binary, ref_compare, ref_cumsum,
                      ref_elementwise, ref_keep, ref_kv_write, ref_layer_norm, ref_layer_norm_grad,
                      ref_mask_fill, ref_matmul, ref_reduce, ref_rms_norm, ref_rms_norm_grad, ref_rope,
@@ -1031,6 +1032,148 @@ def test_irfft(backend, rng, norm, n, axis):
     dims = (m, 3) if axis == 0 else (2, m)
     run_parity(backend, "irfft", [complex_arg(rng, "x", dims)], {"axis": axis, "norm": norm, "n": n},
                lambda x: np.fft.irfft(x.astype(np.complex128), n=n, axis=axis, norm=norm), check=check_fft)
+
+
+# ----------------------------------------------------------------------------- non-finite values
+# A NaN or inf in an input or a weight must come out wherever the float64 reference has one:
+# a kernel may not clamp, skip or max it away (the runtime's finiteness check reads only the
+# logits). Each case spoils a few values of otherwise fresh random inputs.
+def check_nonfinite(k, out, ref, dtype, what) -> None:
+    """run_parity's `check` for such cases: output k is non-finite exactly where the reference
+    is and close to it elsewhere. A reference without NaN or inf fails (it would test nothing)."""
+    out, ref = np.asarray(out), np.asarray(ref)
+    bad = ~np.isfinite(ref.astype(np.float64))
+    assert bad.any(), f"{what}: the reference holds no NaN or inf; the case tests nothing"
+    got = ~np.isfinite(out.astype(np.float64))
+    assert np.array_equal(got, bad), (f"{what}: non-finite at {np.argwhere(got).tolist()}, the "
+                                      f"reference at {np.argwhere(bad).tolist()}")
+    assert_close(np.where(bad, 0, out).astype(out.dtype), np.where(bad, 0, ref), dtype, what)
+
+
+def spoiled(a: Arg, spots: dict) -> Arg:
+    """`a` with value v at each index of `spots` ({index: v})."""
+    data = np.array(a.data)
+    for at, v in spots.items():
+        data[at] = v
+    return attrs.evolve(a, data=data)
+
+
+NAN, INF = float("nan"), float("inf")
+quiet = pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:overflow:RuntimeWarning")
+NONFINITE_F = [F32, F64]
+nfdtype = pytest.mark.parametrize("dt", NONFINITE_F, ids=[d.value for d in NONFINITE_F])
+# {argument index: spots}: q [B, H, Sq, D], k and v [B, KVH, Sk, D]; key 0 is one every query
+# row of the cases below sees (a masked key's value takes weight 0, and 0 * NaN is NaN). An
+# inf in q meets a positive k at key 0: a +inf score, whose row is NaN (inf - inf).
+ATTN_SPOILS = {
+    "q_nan": {0: {(0, 1, -1, 3): NAN}},
+    "q_inf": {0: {(1, 2, -1, 0): INF}, 1: {(1, 1, 0, 0): 1.0}},
+    "k_nan": {1: {(1, 0, 0, 3): NAN}},
+    "v_inf": {2: {(0, 1, 0, 2): -INF}},
+}
+
+
+@quiet
+@pytest.mark.parametrize("spoil", list(ATTN_SPOILS))
+@pytest.mark.parametrize("case", ["causal", "decode_pos", "causal_and_bias"])
+@nfdtype
+def test_nonfinite_attention(backend, rng, case, spoil, dt):
+    """Prefill rows (numba: sgemm tiles for f32, per-row kernels for f64) and a decode row."""
+    args, attrs_ = attention_args(rng, case, dt, 4, 2)
+    for i, spots in ATTN_SPOILS[spoil].items():
+        args[i] = spoiled(args[i], spots)
+    run_parity(backend, "attention", args, attrs_, _attn_ref(attrs_), check=check_nonfinite)
+
+
+@quiet
+@pytest.mark.parametrize("dv", [6, 40])
+@nfdtype
+def test_nonfinite_varlen_attention(backend, rng, dv, dt):
+    args = varlen_args(rng, "unsorted_cover", dt, 4, 2, dv=dv)
+    args[0] = spoiled(args[0], {(5, 1, 2): NAN})                 # segment 2's token 5, head 1
+    args[1] = spoiled(args[1], {(11, 0, 0): INF})                # segment 0's key 11
+    args[2] = spoiled(args[2], {(1, 1, 3): NAN})                 # segment 1's value 1: its rows only
+    run_parity(backend, "varlen_attention", args, {"scale": 0.3},
+               lambda q, k, v, st, ln: ref_varlen_attention(q, k, v, st, ln, scale=0.3),
+               check=check_nonfinite)
+
+
+@quiet
+@nfdtype
+def test_nonfinite_rows(backend, rng, dt):
+    """Row-wise ops: softmax, RMSNorm and LayerNorm (a NaN input row, an inf weight), RoPE."""
+    x = spoiled(arg(rng, "x", (3, 4, 16), dt), {(0, 1, 2): NAN, (2, 3, 0): INF, (1, 0, 15): -INF})
+    w = spoiled(arg(rng, "w", (16,), dt), {(5,): INF})
+    run_parity(backend, "softmax", [x], {"axis": -1}, lambda v: ref_softmax(v, -1), check=check_nonfinite)
+    run_parity(backend, "rms_norm", [x, w], {"eps": 1e-6, "offset": 0.0},
+               lambda v, g: ref_rms_norm(v, g, 1e-6), check=check_nonfinite)
+    run_parity(backend, "layer_norm", [x, w], {"eps": 1e-5}, lambda v, g: ref_layer_norm(v, g, eps=1e-5),
+               check=check_nonfinite)
+    xr = spoiled(arg(rng, "x", (1, 2, 3, 16), dt), {(0, 1, 2, 3): NAN})
+    cos, sin = rope_tables(rng, (3, 8))
+    run_parity(backend, "rope", [xr, cos, sin], {"style": "half"},
+               lambda v, c, s: ref_rope(v, c, s, "half"), check=check_nonfinite)
+
+
+@quiet
+@nfdtype
+def test_nonfinite_matmul_binary_pool(backend, rng, dt):
+    """matmul, max and min (NaN wins, as numpy's maximum), segment pooling."""
+    a = spoiled(arg(rng, "a", (3, 5), dt), {(1, 2): NAN})
+    b = spoiled(arg(rng, "b", (5, 4), dt), {(0, 3): INF})
+    run_parity(backend, "matmul", [a, b], {"trans_a": False, "trans_b": False},
+               lambda x, y: ref_matmul(x, y), check=check_nonfinite)
+    y = spoiled(arg(rng, "b", (3, 5), dt), {(2, 4): NAN, (0, 0): -INF})
+    for op in ("max", "min"):
+        run_parity(backend, "binary", [a, y], {"op": op}, lambda p, q: ref_binary(op, p, q),
+                   check=check_nonfinite)
+    # (tokens 4 and 10: the first of two segments, what mode "cls" takes)
+    x = spoiled(arg(rng, "x", (SEGMENTS["unsorted_cover"][2], 5), dt), {(4, 1): NAN, (10, 4): INF})
+    for mode in POOL_MODES:
+        run_parity(backend, "segment_pool", [x] + segment_args("unsorted_cover"), {"mode": mode},
+                   lambda v, st, ln: ref_segment_pool(v, st, ln, mode=mode), check=check_nonfinite)
+
+
+def _scale_bytes(scheme) -> tuple:
+    """(offset, NaN bytes) of the first block's scale d in a row packed in `scheme`."""
+    if scheme == "int8_b32":
+        return 0, np.array([0x7FC00000], "<u4").view(np.uint8)     # an f32 d
+    return (208 if scheme == "q6_k" else 0), np.array([0x00, 0x7E], np.uint8)     # an f16 d
+
+
+@quiet
+@pytest.mark.parametrize("rows", [3, 12], ids=["gemv", "blocked"])
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if s != "int4_b64"])
+def test_nonfinite_dequant_matmul(backend, rng, scheme, rows):
+    """A NaN scale in one block of a packed weight: that output column is NaN, every row."""
+    from rlx_core.ir.quant import matmul_reference
+
+    w, k = _packed_arg(rng, scheme, 6)
+    raw = np.array(w.data)
+    at, nan = _scale_bytes(scheme)
+    raw[2, at:at + nan.size] = nan
+    args = [arg(rng, "x", (1, rows, k), F32), Arg("w", raw, U8)]
+    run_parity(backend, "dequant_matmul", args, {"scheme": scheme, "act": "identity"},
+               lambda x, r: matmul_reference(x, r.astype(np.uint8), scheme, (6, k)), check=check_nonfinite)
+
+
+@quiet
+def test_nonfinite_fake_quantize(backend, rng):
+    """An activation block holding NaN or inf rounds to a block of NaN (its scale d is NaN or
+    inf, and x / d * d is NaN); the other blocks as the reference quantizer rounds them."""
+    from rlx_core.ir.quant import QuantScheme
+
+    q = QuantScheme.parse("int8_b32")
+    x = spoiled(arg(rng, "x", (3, 4 * q.block_size), F32), {(0, 5): NAN, (2, 100): INF})
+
+    def ref(v):
+        blocks = v.astype(np.float32).reshape(-1, q.block_size)
+        bad = ~np.isfinite(blocks).all(1)
+        y = q.dequantize_reference(q.quantize(np.where(bad[:, None], 0, blocks)), blocks.shape)
+        y[bad] = np.nan
+        return y.reshape(v.shape)
+
+    run_parity(backend, "fake_quantize", [x], {"scheme": "int8_b32"}, ref, check=check_nonfinite)
 
 
 # what `from rlx_core.testing.ops_suite import *` brings: the tests and the fixtures they use
