@@ -203,21 +203,23 @@ def varlen_attention_prims(m, q, k, v, starts, lens, *, scale):
 
 
 def segment_pool_prims(m, x, starts, lens, *, mode):
-    """mean: a membership matmul over the lengths; max: a masked max over [segments, T, D];
-    cls: a gather of each first token. Empty segments give zeros."""
+    """mean and max: a masked sum or max over [segments, T, D] (a membership matmul would
+    spread one segment's NaN or inf to every other through 0 * NaN); cls: a gather of each
+    first token. Empty segments give zeros."""
     tokens, d = x.dims
     n = starts.dims[0]
     nonempty = m.compare(lens, 0, "gt")
     col = m.reshape(nonempty, (n, 1))
     if mode == "cls":
         r = m.gather(x, m.where(nonempty, starts, 0))
-    elif mode == "mean":
-        mf = segment_membership(m, tokens, starts, lens)
-        r = m.matmul(mf, _f32(m, x), trans_a=True) / m.maximum(m.reshape(m.cast(lens, F32), (n, 1)), 1.0)
     else:
         mf = segment_membership(m, tokens, starts, lens)
         keep = m.reshape(m.transpose(m.compare(mf, 0.5, "gt"), (1, 0)), (n, tokens, 1))
-        r = m.max(m.where(keep, m.reshape(x, (1, tokens, d)), float("-inf")), (1,))
+        if mode == "mean":
+            total = m.sum(m.where(keep, m.reshape(_f32(m, x), (1, tokens, d)), 0.0), (1,))
+            r = total / m.maximum(m.reshape(m.cast(lens, F32), (n, 1)), 1.0)
+        else:
+            r = m.max(m.where(keep, m.reshape(x, (1, tokens, d)), float("-inf")), (1,))
     return m.where(col, m.cast(r, x.dtype), 0.0)
 
 

@@ -1201,7 +1201,7 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_split(
     const int i = rr / G, h = kvh * G + rr % G;
     const ACC L = s_l[r];
     if (nsplit == 1) {
-      out[b * osb + h * osh + i * oss + d] = ST($TO, L > 0 ? O / L : (ACC)0);
+      out[b * osb + h * osh + i * oss + d] = ST($TO, L == 0 ? (ACC)0 : O / L);
       continue;
     }
     const i64 orow = (((i64)split * B + b) * H + h) * Sq + i;
@@ -1261,7 +1261,7 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_split(
 #pragma unroll
     for (int e = 0; e < EV; ++e) {
       const int d = lane + 32 * e;
-      if (d < DV) out[b * osb + h * osh + i * oss + d] = ST($TO, L > 0 ? O[e] / L : (ACC)0);
+      if (d < DV) out[b * osb + h * osh + i * oss + d] = ST($TO, L == 0 ? (ACC)0 : O[e] / L);
     }
     __syncwarp();
   }
@@ -1562,7 +1562,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
       l += SHFL_XOR(l, 1);
       l += SHFL_XOR(l, 2);
       if (qi[mt][r] >= Sq) continue;
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float inv = l == 0.f ? 0.f : 1.f / l;
       $T* orow = out + b * osb + h * osh + qi[mt][r] * oss;
 #pragma unroll
       for (int dt = 0; dt < $D / 8; ++dt) {
@@ -1898,7 +1898,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) rlx_attn_wg(
     l += SHFL_XOR(l, 1);
     l += SHFL_XOR(l, 2);
     if (a.qi[r] >= Sq) continue;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l == 0.f ? 0.f : 1.f / l;
     $T* orow = out + b * osb + h * osh + a.qi[r] * oss;
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt)
@@ -2657,7 +2657,7 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_short(
 #pragma unroll
     for (int w = 0; w < NW; ++w) o += sh[(w * G + g) * D + d];
     const ACC l = s_l[g];
-    out[b * osb + (kvh * G + g) * osh + d] = ST($TO, l > 0 ? o / l : (ACC)0);
+    out[b * osb + (kvh * G + g) * osh + d] = ST($TO, l == 0 ? (ACC)0 : o / l);
   }
 }
 """

@@ -708,6 +708,10 @@ inline void key_range(long qlo, long qhi, int Sk, int kind, int window, int* kb,
 }
 """
 
+# NaN and inf (issue 41, 2.3): a value row whose weight is 0 (a masked key: another segment of
+# a packed batch, a slot past the cache position) is skipped, as 0 * NaN would carry its NaN
+# into rows that never see it; a NaN score makes the row's sum l NaN, and the output divides
+# by l unless l is 0 (`l > 0` dropped the NaN: zeros).
 ATTN_PREFILL = r"""
 #define DPT ((DV + BK - 1) / BK)
 __kernel __attribute__((reqd_work_group_size(BK, BQ, 1)))
@@ -764,7 +768,7 @@ void attn_prefill(ATTN_ARGS) {
       int d = lx + t * BK;
       if (d < DV) {
         ACC a = acc[t] * alpha;
-        for (int jj = 0; jj < BK; ++jj) a += Ps[ly][jj] * Vs[jj][d];
+        for (int jj = 0; jj < BK; ++jj) if (Ps[ly][jj] != 0) a += Ps[ly][jj] * Vs[jj][d];
         acc[t] = a;
       }
     }
@@ -773,7 +777,7 @@ void attn_prefill(ATTN_ARGS) {
   }
   if (qi < Sq) for (int t = 0; t < DPT; ++t) {
     int d = lx + t * BK;
-    if (d < DV) STORE(T_O, o, o_off + ((b * H + h) * Sq + qi) * DV + d, TO_O(l > 0 ? acc[t] / l : (ACC)0));
+    if (d < DV) STORE(T_O, o, o_off + ((b * H + h) * Sq + qi) * DV + d, TO_O(l == 0 ? (ACC)0 : acc[t] / l));
   }
 }
 """
@@ -817,7 +821,7 @@ void attn_decode(ATTN_ARGS) {
       int d = lid + t * W;
       if (d < DV) {
         ACC a = acc[t] * alpha;
-        for (int jj = 0; jj < nk; ++jj) a += Ps[jj] * LOADV(b, kh, k0 + jj, d);
+        for (int jj = 0; jj < nk; ++jj) if (Ps[jj] != 0) a += Ps[jj] * LOADV(b, kh, k0 + jj, d);
         acc[t] = a;
       }
     }
@@ -830,7 +834,7 @@ void attn_decode(ATTN_ARGS) {
   ACC l = red[0];
   for (int t = 0; t < DPT; ++t) {
     int d = lid + t * W;
-    if (d < DV) STORE(T_O, o, o_off + (bh * Sq + i) * DV + d, TO_O(l > 0 ? acc[t] / l : (ACC)0));
+    if (d < DV) STORE(T_O, o, o_off + (bh * Sq + i) * DV + d, TO_O(l == 0 ? (ACC)0 : acc[t] / l));
   }
 }
 """
