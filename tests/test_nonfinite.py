@@ -21,31 +21,44 @@ BACKENDS = [pytest.param(b.name, id=b.name, marks=() if ok else pytest.mark.skip
             for b, ok, why in available_backends()]
 PROMPT = [5, 9, 14, 3, 22]
 Q = "model.layers.0.self_attn.q_proj.weight"
+PACKED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
 
 
-def spoiled_model(backend: str, spoil: str):
-    """The tiny LLaMA with layer 0's q_proj packed in q4_1, every weight finite but for one
-    spoil: "nan_scale" (the first block's f16 scale of q_proj row 3 is NaN, the bytes 00 7e
-    of the issue) or "inf_weight" (one element of layer 1's o_proj, f32, is inf)."""
+def spoiled_model(backend: str, spoil: str, activations: str = "f32"):
+    """The tiny LLaMA with its attention projections packed in q4_1, every weight finite but
+    for one spoil: "nan_scale" (the first block's f16 scale of layer 0's q_proj row 3 is NaN,
+    the bytes 00 7e of the issue), "inf_weight" (one element of layer 1's MLP down_proj, f32,
+    is inf) or "nan_norm" (one element of layer 0's input norm weight is NaN: a NaN in the
+    x of packed matmuls, which with int8 activations are rounded to int8 blocks first)."""
+    from rlx_core.pipeline import select_backend
+    from rlx_core.profile import CompileProfile
     from rlx_core.runtime.model import CausalLM
 
+    if activations == "int8" and not {"fake_quantize", "quantize"} & select_backend(backend).supported_ops():
+        pytest.skip(f"backend {backend!r} does not round activations to int8 (no quantize op)")
     t = llama_tensors(LLAMA, np.random.default_rng(3))
     s = QuantScheme.parse("q4_1")
-    raw = s.quantize(t[Q])
-    if spoil == "nan_scale":
-        raw[3, :2] = (0x00, 0x7E)
-    else:
-        t["model.layers.1.self_attn.o_proj.weight"][4, 7] = np.inf
-    t[Q] = PackedTensor(raw, s, t[Q].shape, Q)
-    return CausalLM.from_tensors(LLAMA, t, tokenizer=word_tokenizer(False), backend=backend)
+    if spoil == "inf_weight":
+        t["model.layers.1.mlp.down_proj.weight"][4, 7] = np.inf
+    elif spoil == "nan_norm":
+        t["model.layers.0.input_layernorm.weight"][5] = np.nan
+    for name in [n for n in t if n.endswith(PACKED)]:
+        raw = s.quantize(t[name])
+        if spoil == "nan_scale" and name == Q:
+            raw[3, :2] = (0x00, 0x7E)
+        t[name] = PackedTensor(raw, s, t[name].shape, name)
+    prof = CompileProfile().evolve(precision={"activations": activations})
+    return CausalLM.from_tensors(LLAMA, t, tokenizer=word_tokenizer(False), backend=backend, profile=prof)
 
 
-@pytest.mark.parametrize("spoil", ["nan_scale", "inf_weight"])
+@pytest.mark.parametrize("spoil, activations", [("nan_scale", "f32"), ("inf_weight", "f32"),
+                                                ("nan_norm", "f32"), ("nan_scale", "int8"),
+                                                ("nan_norm", "int8")])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_nonfinite_weight_gives_non_finite_logits(backend, spoil):
+def test_a_nonfinite_weight_gives_non_finite_logits(backend, spoil, activations):
     from rlx_core.runtime.scheduler import Scheduler
 
-    m = spoiled_model(backend, spoil)
+    m = spoiled_model(backend, spoil, activations)
     with pytest.raises(ModelError, match="non-finite logits"):
         m.logits([PROMPT])
     with pytest.raises(ModelError, match="non-finite logits"):
@@ -58,13 +71,10 @@ def test_a_nonfinite_weight_gives_non_finite_logits(backend, spoil):
             req.result(timeout=120)
 
 
+@pytest.mark.parametrize("activations", ["f32", "int8"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_same_model_unspoiled_is_finite(backend):
-    """The check above fails for the NaN, not for the packing: without it every logit is finite."""
-    from rlx_core.runtime.model import CausalLM
-
-    t = llama_tensors(LLAMA, np.random.default_rng(3))
-    s = QuantScheme.parse("q4_1")
-    t[Q] = PackedTensor(s.quantize(t[Q]), s, t[Q].shape, Q)
-    m = CausalLM.from_tensors(LLAMA, t, tokenizer=word_tokenizer(False), backend=backend)
+def test_the_same_model_unspoiled_is_finite(backend, activations):
+    """The check above fails for the spoil, not for the packing: without it every logit is finite."""
+    m = spoiled_model(backend, "none", activations)
     assert np.isfinite(m.logits([PROMPT])).all()
+    assert len(m.generate(PROMPT, max_new_tokens=3)) == len(PROMPT) + 3
