@@ -218,6 +218,72 @@ def test_safetensors_byte_mutations(tmp_path, edits):
     assert (ref is None) == isinstance(ours, RlxError), (ours, ref)
 
 
+def _nested(depth: int, inner: str = "1") -> str:
+    """JSON text of `depth` levels, arrays and objects alternating, around `inner`."""
+    text = inner
+    for i in range(depth):
+        text = f"[{text}]" if i % 2 else f'{{"k": {text}}}'
+    return text
+
+
+@FUZZ
+@given(st.sampled_from(["top", "entry", "shape", "metadata", "name"]),
+       st.one_of(st.integers(1, 80), st.sampled_from([1000, 5000, 100000])))
+def test_safetensors_nested_headers(tmp_path, where, depth):
+    """A header nested `depth` levels where a value goes: a checkpoint or the project's error,
+    and over the depth limit an error naming the file and the limit, before any parsing (the
+    issue's case: 5,000 levels gave a raw RecursionError)."""
+    from rlx_core.weights import safetensors_io
+
+    entry = '"dtype": "F32", "shape": [1], "data_offsets": [0, 4]'
+    v = _nested(depth)
+    text = {"top": f'{{"a": {{{entry}}}, "x": {v}}}', "entry": f'{{"a": {{{entry}, "x": {v}}}}}',
+            "shape": f'{{"a": {{"dtype": "F32", "shape": {v}, "data_offsets": [0, 4]}}}}',
+            "metadata": f'{{"__metadata__": {{"x": {v}}}, "a": {{{entry}}}}}',
+            "name": f'{{{json.dumps("[" * depth)}: {{{entry}}}}}'}[where]    # brackets in a string: no depth
+    p = tmp_path / "m.safetensors"
+    raw = text.encode()
+    p.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 4)
+    ours = _outcome(lambda: read_safetensors(str(p)))
+    nesting = {"top": depth + 1, "entry": depth + 2, "shape": depth + 2, "metadata": depth + 2, "name": 2}[where]
+    if nesting > safetensors_io._MAX_DEPTH:
+        assert isinstance(ours, RlxError) and str(p) in str(ours)
+        assert f"nests {nesting} levels deep, over the limit of {safetensors_io._MAX_DEPTH}" in str(ours)
+    elif where in ("top", "shape", "metadata"):                   # not a tensor entry / a string
+        assert isinstance(ours, RlxError) and str(p) in str(ours) and len(str(ours)) < 2000, ours
+    else:
+        assert not isinstance(ours, RlxError), ours
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(alphabet='[]{}"\\ ab\n\u00e9', max_size=6),
+                    lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(alphabet='[]{}"\\ ab', max_size=4), inner, max_size=3),
+                    max_leaves=20)
+
+
+def _depth(v) -> int:
+    inner = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+    return 0 if inner is None else 1 + max(map(_depth, inner), default=0)
+
+
+@FUZZ
+@given(JSON, st.booleans(), st.booleans())
+def test_json_depth_is_the_parsed_depth(value, ascii_only, indent):
+    """The depth found without parsing is the parsed value's, whatever brackets, quotes and
+    backslashes its strings hold."""
+    from rlx_core.weights.safetensors_io import json_depth
+
+    text = json.dumps(value, ensure_ascii=ascii_only, indent=1 if indent else None).encode()
+    assert json_depth(text) == _depth(value), text
+
+
+def test_safetensors_header_length_over_the_format_limit(tmp_path):
+    p = tmp_path / "m.safetensors"
+    p.write_bytes((2**40).to_bytes(8, "little") + b"{}")
+    with pytest.raises(RlxError, match=rf"{p}: header length {2**40} exceeds the format's limit of 104857600 bytes"):
+        read_safetensors(str(p))
+
+
 # ---------------------------------------------------------------------------------------------- config.json
 
 JSON_VALUES = st.one_of(

@@ -622,7 +622,7 @@ def test_safetensors_deep_or_binary_header(tmp_path):
     for raw in (b"[" * 100000 + b"]" * 100000, b"\xff\xfe" * 10, b'{"a": 1' + b"9" * 5000 + b"}"):
         p = tmp_path / "m.safetensors"
         p.write_bytes(len(raw).to_bytes(8, "little") + raw)
-        with pytest.raises(WeightError, match="not valid JSON|tensor 'a'"):
+        with pytest.raises(WeightError, match="not valid JSON|tensor 'a'|nests 100000 levels deep, over the limit"):
             read_safetensors(str(p))
 
 

@@ -36,6 +36,9 @@ _DTYPES = {
 }
 
 _MAX_HEADER = 100 * 1024 * 1024  # the format's own limit; a bigger number means a corrupt file
+# a header nests 3 deep (file -> tensor -> shape); the parser recurses per level, so deeper
+# headers are refused before parsing (the safetensors library's parser allows 128)
+_MAX_DEPTH = 64
 
 
 class TensorEntry(NamedTuple):
@@ -65,15 +68,25 @@ def read_safetensors_header(path: str) -> tuple[dict[str, TensorEntry], int]:
                     "(expected an 8-byte header length)"
                 )
             (length,) = struct.unpack("<Q", head)
-            if length > _MAX_HEADER or 8 + length > size:
+            if length > _MAX_HEADER:
+                raise WeightError(
+                    f"{path}: header length {length} exceeds the format's limit of {_MAX_HEADER} bytes; "
+                    "corrupt or not safetensors"
+                )
+            if 8 + length > size:
                 raise WeightError(
                     f"{path}: header length {length} does not fit a {size}-byte file; "
                     "truncated or not safetensors"
                 )
-            header = json.loads(f.read(length))
+            raw = f.read(length)
+        depth = json_depth(raw)
+        if depth > _MAX_DEPTH:
+            raise WeightError(f"{path}: safetensors header nests {depth} levels deep, over the limit of "
+                              f"{_MAX_DEPTH} (a header nests 3); corrupt or not safetensors")
+        header = json.loads(raw)
     except OSError as e:
         raise WeightError(f"{path}: cannot read safetensors file ({e})") from e
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise WeightError(
             f"{path}: safetensors header is not valid JSON ({type(e).__name__}: {e}); "
             "corrupt or not safetensors"
@@ -100,6 +113,24 @@ def read_safetensors_header(path: str) -> tuple[dict[str, TensorEntry], int]:
             + ("the file is truncated" if pos > data else "corrupt (bytes no tensor owns)")
         )
     return entries, 8 + length
+
+
+def json_depth(text: bytes) -> int:
+    """How deep JSON `text` nests arrays and objects (brackets in strings skipped), found without
+    parsing it, in linear time and bounded memory: a bound to check before json.loads, which
+    recurses per level (a hostile file drives it into RecursionError)."""
+    # escaped backslashes, then escaped quotes, go first: every quote left opens or closes a string
+    t = np.frombuffer(text.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
+    quotes = level = deepest = 0
+    for i in range(0, len(t), 1 << 20):           # in chunks: a 100 MB header takes ~40 MB
+        c = t[i:i + (1 << 20)]
+        is_quote = c == ord('"')
+        outside = (quotes + np.cumsum(is_quote)) % 2 == 0
+        steps = (((c == ord("[")) | (c == ord("{"))).astype(np.int64)
+                 - ((c == ord("]")) | (c == ord("}")))) * outside
+        levels = level + np.cumsum(steps)
+        deepest, level, quotes = max(deepest, int(levels.max())), int(levels[-1]), quotes + int(is_quote.sum())
+    return deepest
 
 
 def _entry(path: str, name: str, info) -> TensorEntry:
