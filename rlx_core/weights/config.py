@@ -83,6 +83,7 @@ _SCHEMA = {
     },
     "type_vocab_size": (*_NONNEG_INT, False),
     "sliding_window": (*_NONNEG_INT, True),
+    "max_window_layers": (*_NONNEG_INT, True),
     **{
         k: (*_POS, False)
         for k in ("layer_norm_eps", "rms_norm_eps", "layer_norm_epsilon", "rope_theta", "rotary_emb_base")
@@ -92,7 +93,8 @@ _SCHEMA = {
     "rotary_emb_fraction": (*_FRACTION, True),
     **{
         k: (*_BOOL, True)
-        for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_bidirectional_attention")
+        for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_bidirectional_attention",
+                  "use_sliding_window")
     },
     **{k: (*_ACTIVATION, True) for k in ("hidden_act", "hidden_activation")},
     **{k: (*_STR, True) for k in ("activation_function", "position_embedding_type")},

@@ -14,8 +14,28 @@ from rlx_core.plugins import hookimpl
 from rlx_core.weights.config import check_config, config_source, hf_activation
 
 
-def attn_spec(cfg: dict, mode: str = "prefill", qk_norm: bool = False) -> AttnSpec:
-    """The attention spec of a LLaMA-family config (HF field names)."""
+def sliding_window(cfg: dict, i: int) -> int:
+    """Layer i's attention window (0: global) as transformers reads the config: Mistral slides
+    every layer by `sliding_window`; Qwen3 only with `use_sliding_window`, on the layers
+    `layer_types` marks (default: from `max_window_layers` on); LLaMA has no window."""
+    window = cfg.get("sliding_window") or 0
+    mt = cfg.get("model_type")
+    if mt == "mistral":
+        return window
+    if mt != "qwen3" or not cfg.get("use_sliding_window") or not window:
+        return 0
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != cfg["num_hidden_layers"] or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise ModelError(f"{config_source(cfg)}: layer_types must list 'sliding_attention' or "
+                             f"'full_attention' for each of {cfg['num_hidden_layers']} layers, got {types!r}")
+        return window if types[i] == "sliding_attention" else 0
+    first = cfg.get("max_window_layers")
+    return window if i >= (28 if first is None else first) else 0      # Qwen3Config's default: 28
+
+
+def attn_spec(cfg: dict, mode: str = "prefill", qk_norm: bool = False, i: int = 0) -> AttnSpec:
+    """The attention spec of layer i of a LLaMA-family config (HF field names)."""
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     theta, scaling = rope_params(cfg)
     return AttnSpec(
@@ -25,7 +45,7 @@ def attn_spec(cfg: dict, mode: str = "prefill", qk_norm: bool = False) -> AttnSp
         max_positions=int(cfg.get("max_position_embeddings") or 2048),     # null reads as absent
         qk_norm_eps=(cfg.get("rms_norm_eps") or 1e-6) if qk_norm else None,
         bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
-        mode=mode)
+        window=sliding_window(cfg, i), mode=mode)
 
 
 def llama_prefill_layer_composed(i: int, spec: AttnSpec, eps: float, flow: ModelFlow | None = None,
@@ -70,7 +90,8 @@ class Llama32Flow(DecoderFlow):
         check_config(cfg, config_source(cfg), ModelError, required=(
             "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"))
         if cfg.get("mlp_bias"):
-            raise ModelError("LLaMA configs with mlp_bias=true are not supported")
+            raise ModelError(f"{config_source(cfg)}: mlp_bias=true (biases on the MLP projections) is not "
+                             "supported; expected false or absent")
         super().__init__(cfg, mode, batch, seq)
         self._fused = False
 
@@ -80,7 +101,7 @@ class Llama32Flow(DecoderFlow):
         return self
 
     def spec(self, i: int = 0) -> AttnSpec:
-        return attn_spec(self.cfg, "decode" if self.mode == "decode" else "prefill", self.qk_norm)
+        return attn_spec(self.cfg, "decode" if self.mode == "decode" else "prefill", self.qk_norm, i)
 
     @property
     def eps(self) -> float:

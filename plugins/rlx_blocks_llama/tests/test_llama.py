@@ -40,6 +40,13 @@ TINY = {
     "qwen3-gelu-tanh": dict(arch="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=16, intermediate_size=96, tie_word_embeddings=True,
                             hidden_act="gelu_pytorch_tanh"),
+    # sliding-window attention (13-token prompts, a window of 4): Mistral on every layer, Qwen3
+    # where use_sliding_window puts it (layers from max_window_layers on)
+    "mistral-window": dict(arch="mistral", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=96, tie_word_embeddings=False, sliding_window=4),
+    "qwen3-window": dict(arch="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=96, tie_word_embeddings=True, use_sliding_window=True,
+                         sliding_window=4, max_window_layers=1),
     "qwen3-gqa2": dict(arch="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=24, intermediate_size=96, tie_word_embeddings=True),
     "qwen3-untied-gqa4": dict(arch="qwen3", hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
@@ -55,6 +62,9 @@ def _hf_model(name, tmp_path_factory):
     if arch == "llama":
         cfg = transformers.LlamaConfig(**common, **spec)
         model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**common, **spec)
+        model = transformers.MistralForCausalLM(cfg)
     else:
         cfg = transformers.Qwen3Config(**common, **spec)
         model = transformers.Qwen3ForCausalLM(cfg)
