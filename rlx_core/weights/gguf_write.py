@@ -17,6 +17,7 @@ model's folder (see `destination`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -253,8 +254,8 @@ def write_gguf(ckpt: Checkpoint, dst: str, scheme: QuantScheme | str, echo=print
     except OSError as e:
         raise WeightError(f"{os.fspath(dst)}: cannot write ({e.strerror or e})") from None
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)                          # gone already once renamed
     return done
 
 
@@ -301,4 +302,4 @@ def _write(ckpt: Checkpoint, path: str, arch: str, q: QuantScheme, echo) -> dict
     return {"quantized": quantized, "kept": kept}
 
 
-__all__ = ["write_gguf", "gguf_name", "SCHEME_KEY"]
+__all__ = ["write_gguf", "destination", "gguf_name", "SCHEME_KEY"]
