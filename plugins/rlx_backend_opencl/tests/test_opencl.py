@@ -636,6 +636,26 @@ def test_a_device_that_cannot_build_kernels_is_unavailable(fresh_devices, monkey
     assert "error" in why and "\n" not in why and OpenCLBackend().device.name in why
 
 
+def test_a_device_that_cannot_run_the_probe_is_unavailable(fresh_devices, monkeypatch):
+    """A probe that builds but fails to run, or writes other values, makes the device unusable."""
+    import pyopencl as cl
+
+    from rlx_backend_opencl import OpenCLBackend, device
+
+    probe = device.PROBE
+    monkeypatch.setattr(device, "PROBE", probe.replace("3 * i + 1", "3 * i + 2"))
+    ok, why = OpenCLBackend().availability()
+    assert not ok and "runs kernels wrongly" in why and "[2, 5, 8" in why and "expected [1, 4, 7" in why, why
+    monkeypatch.setattr(device, "PROBE", probe)
+    monkeypatch.setattr(device, "_DEVICES", {})              # a fresh device: probed again
+
+    def lost(*a, **k):
+        raise cl.RuntimeError("clEnqueueReadBuffer failed: OUT_OF_RESOURCES")
+    monkeypatch.setattr(cl, "enqueue_copy", lost)
+    ok, why = OpenCLBackend().availability()
+    assert not ok and why.endswith("cannot run kernels: clEnqueueReadBuffer failed: OUT_OF_RESOURCES"), why
+
+
 def test_unknown_target_cpu_is_the_reason_everywhere(fresh_devices, monkeypatch):
     """PoCL's "unknown target CPU" (issue 41, AMD Zen 5): availability(), `rlx plugins` and the
     kit's backend parameters all give that line; nothing is left to fail inside a test."""
