@@ -162,15 +162,16 @@ def layer_runs(names) -> dict:
 
 
 def check_layer_count(source: str, key: str, count: int, names, error: type[RlxError] = WeightError,
-                      blocks: bool = True) -> None:
-    """A block count is at most what the tensors hold (blocks 0 .. count-1 of one prefix), so
-    a count no file could back (10**9 layers) is refused before anything is built for it.
-    `blocks=False`: a file without any numbered block passes (a vocabulary-only file is read
-    for its tokenizer; building a model from it checks again, with blocks required)."""
+                      blocks: bool = True) -> int:
+    """How many blocks the tensors hold (blocks 0 .. n-1 of one prefix), refusing a `count`
+    above it, so a count no file could back (10**9 layers) fails before anything is built for
+    it. `blocks=False`: a file without any numbered block passes (a vocabulary-only file is
+    read for its tokenizer; building a model from it checks again, with blocks required)."""
     prefix, held = max(layer_runs(names).items(), key=lambda kv: kv[1], default=("", 0))
     if count > held and (held or blocks):
         has = f"{held} ({prefix}.0 to {prefix}.{held - 1})" if held else "no numbered blocks"
         raise error(f"{source}: {key} = {count}, but the tensors hold {has}")
+    return held
 
 
 def check_layer_counts(config: dict, names, source: str = "config.json", blocks: bool = True) -> None:

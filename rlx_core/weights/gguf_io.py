@@ -422,8 +422,8 @@ def gguf_config(gf: GGUFFile, sources: dict | None = None) -> dict:
     hidden = num("embedding_length", to="hidden_size")
     heads = num("attention.head_count", to="num_attention_heads")
     layers = num("block_count", to="num_hidden_layers")
-    check_layer_count(path, f"GGUF metadata {arch}.block_count", layers, (t.name for t in gf.tensors),
-                      blocks=False)
+    held = check_layer_count(path, f"GGUF metadata {arch}.block_count", layers, (t.name for t in gf.tensors),
+                             blocks=False)      # (0: a vocabulary-only file, read for its tokenizer)
     kv_heads = num("attention.head_count_kv", heads, to="num_key_value_heads")
     if heads % kv_heads:
         raise WeightError(
@@ -496,7 +496,7 @@ def gguf_config(gf: GGUFFile, sources: dict | None = None) -> dict:
             pattern = sliding.index(False) + 1 if False in sliding else len(sliding) + 1
         else:  # every `pattern`-th layer is global, as in transformers' configs
             pattern = meta_int(path, md, pkey, pattern)
-            sliding = [bool((i + 1) % pattern) for i in range(layers)]
+            sliding = [bool((i + 1) % pattern) for i in range(layers if held else 0)]
         cfg |= {
             "sliding_window": num("attention.sliding_window", None, lo=0, to="sliding_window"),
             "query_pre_attn_scalar": real("attention.query_pre_attn_scalar", head_dim,
