@@ -168,7 +168,8 @@ def hf_folder(tmp_path_factory):
 def _same_model(a, b, ids, n=24, atol=1e-4):
     np.testing.assert_allclose(a.logits(ids), b.logits(ids), atol=atol, rtol=0)
     assert_greedy_agrees(a.generate(ids, max_new_tokens=n, min_new_tokens=n),
-                         b.generate(ids, max_new_tokens=n, min_new_tokens=n), b.logits, 2 * atol, "greedy tokens")
+                         b.generate(ids, max_new_tokens=n, min_new_tokens=n), b.logits, 2 * atol,
+                         "greedy tokens")
 
 
 @pytest.mark.parametrize("scheme", ["q8_0", "q4_k", "int4_b32"])

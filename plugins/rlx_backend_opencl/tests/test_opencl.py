@@ -610,10 +610,11 @@ def test_without_pyopencl_in_a_fresh_process():
 
 
 # What PoCL 3.0 raises on a CPU its LLVM does not know (AMD Zen 5: getHostCPUName() is "generic").
-UNKNOWN_CPU_LOG = ("clBuildProgram failed: BUILD_PROGRAM_FAILURE - clBuildProgram failed: BUILD_PROGRAM_FAILURE\n\n"
-                   "Build on <pyopencl.Device 'pthread-x86_64-unknown-linux-gnu-generic' on 'Portable Computing "
-                   "Language' at 0x55d0>:\n\nerror: unknown target CPU 'generic'\nDevice "
-                   "pthread-x86_64-unknown-linux-gnu-generic failed to build the program\n\n(options: -I /x/cl)")
+UNKNOWN_CPU_LOG = ("clBuildProgram failed: BUILD_PROGRAM_FAILURE - clBuildProgram failed: "
+                   "BUILD_PROGRAM_FAILURE\n\nBuild on <pyopencl.Device 'pthread-x86_64-unknown-linux-gnu-"
+                   "generic' on 'Portable Computing Language' at 0x55d0>:\n\nerror: unknown target CPU "
+                   "'generic'\nDevice pthread-x86_64-unknown-linux-gnu-generic failed to build the program"
+                   "\n\n(options: -I /x/cl)")
 
 
 @pytest.fixture
