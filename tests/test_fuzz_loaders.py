@@ -245,7 +245,7 @@ def test_safetensors_nested_headers(tmp_path, where, depth):
     raw = text.encode()
     p.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 4)
     ours = _outcome(lambda: read_safetensors(str(p)))
-    nesting = {"top": depth + 1, "entry": depth + 2, "shape": depth + 2, "metadata": depth + 2, "name": 2}[where]
+    nesting = {"top": depth + 1, "name": 2}.get(where, depth + 2)
     if nesting > safetensors_io._MAX_DEPTH:
         assert isinstance(ours, RlxError) and str(p) in str(ours)
         assert f"nests {nesting} levels deep, over the limit of {safetensors_io._MAX_DEPTH}" in str(ours)
@@ -255,7 +255,8 @@ def test_safetensors_nested_headers(tmp_path, where, depth):
         assert not isinstance(ours, RlxError), ours
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(alphabet='[]{}"\\ ab\n\u00e9', max_size=6),
+JSON = st.recursive(st.none() | st.booleans() | st.integers()
+                    | st.text(alphabet='[]{}"\\ ab\n\u00e9', max_size=6),
                     lambda inner: st.lists(inner, max_size=3)
                     | st.dictionaries(st.text(alphabet='[]{}"\\ ab', max_size=4), inner, max_size=3),
                     max_leaves=20)
@@ -280,7 +281,8 @@ def test_json_depth_is_the_parsed_depth(value, ascii_only, indent):
 def test_safetensors_header_length_over_the_format_limit(tmp_path):
     p = tmp_path / "m.safetensors"
     p.write_bytes((2**40).to_bytes(8, "little") + b"{}")
-    with pytest.raises(RlxError, match=rf"{p}: header length {2**40} exceeds the format's limit of 104857600 bytes"):
+    limit = "exceeds the format's limit of 104857600 bytes"
+    with pytest.raises(RlxError, match=rf"{p}: header length {2**40} {limit}"):
         read_safetensors(str(p))
 
 

@@ -92,6 +92,14 @@ def test_a_bad_destination_is_named_before_the_load(src, tmp_path, monkeypatch):
         assert not os.path.isfile(dst) if dst else True
 
 
+def test_a_device_is_not_replaced(src):
+    """Renaming a finished file over /dev/null would replace the device (tests run as root)."""
+    import stat
+
+    _refused(_quantize(src, os.devnull), os.devnull, "is not a regular file")
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
 @pytest.mark.parametrize("dst", ["/proc", "/proc/m.gguf"])
 def test_proc_is_refused(src, dst):
@@ -146,7 +154,7 @@ SCHEMES = st.one_of(
     st.text(max_size=8))
 SOURCES = ["folder", "folder/", "weights file", "config file", "missing", "empty folder", "gguf", "text"]
 DESTS = ["new", "in source", "source weights", "source config", "link to source", "folder", "missing folder",
-         "under a file", "proc", "empty", "slash", "existing", "text"]
+         "under a file", "proc", "device", "empty", "slash", "existing", "text"]
 
 
 def _fuzz_paths(tmp: pathlib.Path, src: pathlib.Path, source: str, dest: str, text: str):
@@ -166,14 +174,16 @@ def _fuzz_paths(tmp: pathlib.Path, src: pathlib.Path, source: str, dest: str, te
     d = {"new": tmp / "new.gguf", "in source": src / "fuzz.gguf", "source weights": src / "model.safetensors",
          "source config": src / "config.json", "link to source": tmp / "link.gguf", "folder": tmp,
          "missing folder": tmp / "no" / "m.gguf", "under a file": src / "config.json" / "m.gguf",
-         "proc": "/proc/m.gguf", "empty": "", "slash": f"{tmp / 'x'}{os.sep}", "existing": tmp / "existing.gguf",
+         "proc": "/proc/m.gguf", "device": os.devnull, "empty": "", "slash": f"{tmp / 'x'}{os.sep}",
+         "existing": tmp / "existing.gguf",
          "text": tmp / text}[dest]
     return s, d
 
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=IN_CI,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
-NAMES = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\0/"), min_size=1, max_size=6)
+NAMES = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\0/"),
+                min_size=1, max_size=6)
 
 
 @FUZZ
@@ -197,9 +207,9 @@ def test_quantize_arguments(src, tmp_path_factory, scheme, source, dest, text):
 
 # what write_gguf reads from a config, set to values of every JSON type
 CONFIG_KEYS = ["model_type", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
-               "intermediate_size", "num_hidden_layers", "vocab_size", "max_position_embeddings", "rms_norm_eps",
-               "rope_theta", "rope_scaling", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
-               "sliding_window", "layer_types", "query_pre_attn_scalar"]
+               "intermediate_size", "num_hidden_layers", "vocab_size", "max_position_embeddings",
+               "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings", "bos_token_id",
+               "eos_token_id", "pad_token_id", "sliding_window", "layer_types", "query_pre_attn_scalar"]
 JSON_VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 70), st.sampled_from([2**31, 2**64, -(2**63)]), st.floats(),
     st.text(max_size=4), st.sampled_from(["llama", "gemma3_text", "gemma2", "qwen3", "bert", "linear"]),

@@ -157,6 +157,9 @@ def destination(dst, *sources) -> str:
     if not os.path.isdir(folder):
         raise WeightError(f"{given}: the folder {folder} does not exist (or is not a folder); "
                           f"expected the .gguf file's path in an existing folder")
+    if os.path.exists(path) and not os.path.isfile(path):       # renaming over it would replace it
+        raise WeightError(f"{given}: is not a regular file (a device, pipe or socket); expected the "
+                          f"path of the .gguf file to write")
     if os.path.exists(path):
         for f in _source_files(sources):
             if os.path.samefile(path, f):

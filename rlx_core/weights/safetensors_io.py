@@ -129,7 +129,8 @@ def json_depth(text: bytes) -> int:
         steps = (((c == ord("[")) | (c == ord("{"))).astype(np.int64)
                  - ((c == ord("]")) | (c == ord("}")))) * outside
         levels = level + np.cumsum(steps)
-        deepest, level, quotes = max(deepest, int(levels.max())), int(levels[-1]), quotes + int(is_quote.sum())
+        deepest, level = max(deepest, int(levels.max())), int(levels[-1])
+        quotes += int(is_quote.sum())
     return deepest
 
 
