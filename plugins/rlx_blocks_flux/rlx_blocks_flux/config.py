@@ -8,6 +8,8 @@ into one `FluxArch` for both families:
 """
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from rlx_core.ir.errors import ModelError
@@ -51,6 +53,20 @@ def _int(cfg: dict, key: str, default=None, lo: int = 1) -> int:
     return v
 
 
+def _real(cfg: dict, key: str, default: float) -> float:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ModelError(f"FLUX config: {key!r} is {v!r}, expected a finite number > 0")
+    return float(v)
+
+
+def _flag(cfg: dict, key: str, default: bool) -> bool:
+    v = cfg.get(key, default)
+    if not isinstance(v, bool):        # bool("false") would read a string as true
+        raise ModelError(f"FLUX config: {key!r} is {v!r}, expected true or false")
+    return v
+
+
 def flux_arch(cfg: dict) -> FluxArch:
     """The FluxArch of a diffusers FLUX transformer config (ModelError naming a bad key)."""
     cls = cfg.get("_class_name")
@@ -62,7 +78,7 @@ def flux_arch(cfg: dict) -> FluxArch:
     hidden = heads * head_dim
     patch = _int(cfg, "patch_size", 1)
     in_ch = _int(cfg, "in_channels", 128 if v2 else 64)
-    out_ch = cfg.get("out_channels") or in_ch
+    out_ch = _int({"out_channels": cfg.get("out_channels") or in_ch}, "out_channels")   # null: in_channels
     axes = cfg.get("axes_dims_rope", (32, 32, 32, 32) if v2 else (16, 56, 56))
     if not isinstance(axes, (list, tuple)) or not all(isinstance(a, int) and a > 0 and a % 2 == 0 for a in axes):
         raise ModelError(f"FLUX config: axes_dims_rope is {axes!r}, expected a list of even positive integers")
@@ -70,17 +86,15 @@ def flux_arch(cfg: dict) -> FluxArch:
         raise ModelError(f"FLUX config: axes_dims_rope {list(axes)} sums to {sum(axes)}, but attention_head_dim "
                          f"is {head_dim}")
     if v2:
-        ratio = cfg.get("mlp_ratio", 3.0)
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio <= 0:
-            raise ModelError(f"FLUX config: mlp_ratio is {ratio!r}, expected a number > 0")
-        return FluxArch(2, in_ch, patch * patch * int(out_ch), _int(cfg, "num_layers", 8, 0),
+        ratio = _real(cfg, "mlp_ratio", 3.0)
+        return FluxArch(2, in_ch, patch * patch * out_ch, _int(cfg, "num_layers", 8, 0),
                         _int(cfg, "num_single_layers", 48, 0), heads, head_dim,
-                        _int(cfg, "joint_attention_dim", 15360), tuple(axes), float(cfg.get("rope_theta", 2000)),
-                        bool(cfg.get("guidance_embeds", True)), 0, int(hidden * ratio),
-                        float(cfg.get("eps", 1e-6)), _int(cfg, "timestep_guidance_channels", 256))
-    return FluxArch(1, in_ch, patch * patch * int(out_ch), _int(cfg, "num_layers", 19, 0),
+                        _int(cfg, "joint_attention_dim", 15360), tuple(axes), _real(cfg, "rope_theta", 2000.0),
+                        _flag(cfg, "guidance_embeds", True), 0, int(hidden * ratio),
+                        _real(cfg, "eps", 1e-6), _int(cfg, "timestep_guidance_channels", 256))
+    return FluxArch(1, in_ch, patch * patch * out_ch, _int(cfg, "num_layers", 19, 0),
                     _int(cfg, "num_single_layers", 38, 0), heads, head_dim, _int(cfg, "joint_attention_dim", 4096),
-                    tuple(axes), 10000.0, bool(cfg.get("guidance_embeds", False)),
+                    tuple(axes), 10000.0, _flag(cfg, "guidance_embeds", False),
                     _int(cfg, "pooled_projection_dim", 768), 4 * hidden)
 
 

@@ -268,17 +268,25 @@ def test_missing_block_weight_names_the_tensor(tiny, tmp_path):
         m.forward(**feed)
 
 
-def test_bad_config_names_the_key(tiny, tmp_path):
+@pytest.mark.parametrize("key, value, v2_only", [
+    ("axes_dims_rope", [4, 4], False), ("guidance_embeds", "false", False), ("out_channels", "16", False),
+    ("eps", "x", True), ("rope_theta", "x", True), ("mlp_ratio", True, True),
+])
+def test_bad_config_names_the_key(tiny, tmp_path, key, value, v2_only):
+    """A value of the wrong type is refused, naming the key (bool("false") once read true, and
+    int("16") / float("x") raised raw ValueErrors); FLUX.1 has no eps, rope_theta, mlp_ratio."""
     import json
 
     family, model, path = tiny
+    if v2_only and family == "flux1":
+        pytest.skip(f"FluxTransformer2DModel has no {key}")
     src = Path(path)
     cfg = json.loads((src / "config.json").read_text())
-    cfg["axes_dims_rope"] = [4, 4]
+    cfg[key] = value
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     for f in src.glob("*.safetensors"):
         (tmp_path / f.name).write_bytes(f.read_bytes())
-    with pytest.raises(ModelError, match="axes_dims_rope"):
+    with pytest.raises((ModelError, WeightError), match=f"{key}"):
         rlx_core.load(str(tmp_path), backend="numpy", progress=False)
 
 
