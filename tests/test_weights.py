@@ -856,6 +856,10 @@ def test_rope_scaling_without_its_factors():
         ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
         ({"vocab_size": 8, "eos_token_id": [1, 9]}, "eos_token_id must be below vocab_size 8"),
         ({"text_config": {"rope_theta": "x"}}, r"\(text_config\): rope_theta"),
+        ({"hidden_act": "bogus"}, r"hidden_act must be one of \['gelu'"),
+        ({"qkv_proj_bias": "false"}, "qkv_proj_bias must be true or false"),    # bool("false") reads true
+        ({"use_sliding_window": 1}, "use_sliding_window must be true or false"),
+        ({"max_window_layers": -1}, "max_window_layers must be an integer >= 0"),
     ],
 )
 def test_config_json_bad_values_name_file_and_key(tmp_path, extra, match):

@@ -88,13 +88,17 @@ _SCHEMA = {
         k: (*_POS, False)
         for k in ("layer_norm_eps", "rms_norm_eps", "layer_norm_epsilon", "rope_theta", "rotary_emb_base")
     },
-    **{k: (*_POS, True) for k in ("rope_local_base_freq", "query_pre_attn_scalar")},
+    **{k: (*_POS, True) for k in ("rope_local_base_freq", "query_pre_attn_scalar", "rotary_scaling_factor",
+                                  "rotary_emb_scale_base")},
+    **{k: (*_NONNEG_INT, True) for k in ("moe_every_n_layers", "num_experts")},
     **{k: (*_NONNEG, True) for k in ("attn_logit_softcapping", "final_logit_softcapping")},
     "rotary_emb_fraction": (*_FRACTION, True),
     **{
         k: (*_BOOL, True)
         for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_bidirectional_attention",
-                  "use_sliding_window")
+                  "use_sliding_window", "is_decoder", "add_cross_attention", "qkv_proj_bias", "mlp_fc1_bias",
+                  "mlp_fc2_bias", "rotary_emb_interleaved", "prenorm", "parallel_block", "causal",
+                  "use_rms_norm", "guidance_embeds")
     },
     **{k: (*_ACTIVATION, True) for k in ("hidden_act", "hidden_activation")},
     **{k: (*_STR, True) for k in ("activation_function", "position_embedding_type")},
