@@ -659,9 +659,7 @@ def _decode_chunk(b, kh, c, lo, hi, q, k, v, keep, bias, scale, softcap, use_kee
             s[g, j - lo] = acc
     for g in range(g_n):
         h = kh * g_n + g
-        m = ninf
-        for j in range(n):
-            m = nan_max(m, s[g, j])
+        m = row_max(s[g], n, ninf)
         tot = exp_shifted(s[g], n, m) if m != ninf else scale * 0
         pm[b, h, c], pl[b, h, c] = m, tot
     acc_o = np.zeros((g_n, dv), q.dtype)
