@@ -78,3 +78,35 @@ def test_the_same_model_unspoiled_is_finite(backend, activations):
     m = spoiled_model(backend, "none", activations)
     assert np.isfinite(m.logits([PROMPT])).all()
     assert len(m.generate(PROMPT, max_new_tokens=3)) == len(PROMPT) + 3
+
+
+@pytest.fixture(scope="module")
+def nan_gguf(tmp_path_factory) -> str:
+    """The tiny LLaMA written as a q4_1 GGUF (`rlx quantize`'s writer), then the issue's edit:
+    the bytes 00 7e (an f16 NaN) over the scale of blk.0.attn_q's first block."""
+    from tiny_models import tiny_llama_folder
+
+    from rlx_core.weights.checkpoint import load_checkpoint
+    from rlx_core.weights.gguf_io import read_gguf
+    from rlx_core.weights.gguf_write import write_gguf
+
+    folder = tmp_path_factory.mktemp("nan_gguf")
+    path = str(folder / "tiny.q4_1.gguf")
+    write_gguf(load_checkpoint(tiny_llama_folder(folder / "hf")), path, "q4_1", echo=lambda *a: None)
+    gf = read_gguf(path)
+    info = next(t for t in gf.tensors if t.name == "blk.0.attn_q.weight")
+    with open(path, "r+b") as f:
+        f.seek(gf.data_start + info.offset)
+        f.write(b"\x00\x7e")
+    return path
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_nan_scale_in_a_gguf_gives_non_finite_logits(nan_gguf, backend):
+    import rlx_core
+
+    m = rlx_core.load(nan_gguf, backend=backend)
+    with pytest.raises(ModelError, match="non-finite logits"):
+        m.logits([PROMPT])
+    with pytest.raises(ModelError, match="non-finite logits"):
+        m.generate(PROMPT, max_new_tokens=2)
