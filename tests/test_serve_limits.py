@@ -234,3 +234,21 @@ def test_top_k_and_seed_sample_as_generate_does(server, models):
             outs[top_k, seed] = out["choices"][0]["text"]
     assert outs[1, 0] == outs[1, 1]                      # top-1: the seed no longer matters
     assert len({outs[None, 0], outs[None, 1], outs[3, 0], outs[3, 1]}) > 1
+
+
+def test_an_idle_scheduler_gives_its_kv_cache_back(server, monkeypatch):
+    """After a long request (a KV cache of its context) the scheduler, once idle
+    IDLE_RELEASE_S, drops the cache; the next request rebuilds it and answers the same."""
+    from rlx_core.runtime import scheduler as S
+
+    monkeypatch.setattr(S, "IDLE_RELEASE_S", 0.2)
+    sched = server.app.state.served.schedulers["tiny"]
+    before = greedy(server)
+    code, out = post(server, "/completions", {"model": "tiny", "prompt": "w1", "max_tokens": 200,
+                                              "temperature": 1.0, "seed": 3})
+    assert code == 200, out
+    deadline = time.monotonic() + WAIT
+    while sched.cache is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sched.cache is None and sched._decode is None, "the idle scheduler kept its KV cache"
+    assert greedy(server) == before and sched.cache is not None

@@ -29,6 +29,21 @@ from .sampling import choose, process_logits
 from .stop_text import StopText
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+IDLE_RELEASE_S = 2.0           # idle this long, a scheduler gives its KV cache back (release_cache)
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim; a no-op elsewhere):
+    freed buffers of a burst of big requests would otherwise stay in resident memory."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):          # not glibc (musl): nothing to trim with
+        pass
 
 
 @dataclass(frozen=True)
@@ -246,21 +261,44 @@ class Scheduler:
             stores = [self.cache.store] if self.cache is not None else []
             return memory_report(self.model, stores, [self._decode] if self._decode else [])
 
+    def release_cache(self) -> None:
+        """Drop the batched decode's KV cache and its executable (rebuilt by the next
+        request: a specialization, no recompile of the model) and trim the heap, so the
+        memory long requests took goes back once the scheduler has been idle
+        IDLE_RELEASE_S seconds (the scheduler thread calls this)."""
+        with self.model._lock:
+            if self.cache is not None:
+                self.cache.clear()
+            self.cache = self._decode = None
+        trim_heap()
+
     # -- the scheduler thread
+    def _idle(self) -> bool:
+        """Under _cv: wait for work; True when none came for IDLE_RELEASE_S while a KV
+        cache is held (the thread then releases it)."""
+        while not (self._closed or self._waiting or self._active):
+            timed_out = not self._cv.wait(None if self.cache is None else IDLE_RELEASE_S)
+            if timed_out and self.cache is not None and not (self._closed or self._waiting or self._active):
+                return True
+        return False
+
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and not self._waiting and not self._active:
-                    self._cv.wait()
+                release = self._idle()
                 if self._closed:
                     leftover = list(self._waiting) + self._active
                     self._waiting.clear()
                     self._active = []
                     break
-                room = self.max_batch - len(self._active)
-                new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-                idle = not self._waiting
-            self.round(new, idle)
+                if not release:
+                    room = self.max_batch - len(self._active)
+                    new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                    idle = not self._waiting
+            if release:
+                self.release_cache()
+            else:
+                self.round(new, idle)
         for r in leftover:
             self._finish(r, "cancelled")
         if self.cache is not None:
@@ -424,5 +462,5 @@ class Scheduler:
 
 
 __all__ = ["Scheduler", "SamplingParams", "Request", "Event", "Completion", "batch_buckets",
-           "FINISH_REASONS"]
+           "FINISH_REASONS", "IDLE_RELEASE_S", "trim_heap"]
 

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..ir.errors import RlxError
-from ..runtime.scheduler import Scheduler
+from ..runtime.scheduler import Scheduler, trim_heap
 from . import protocol as P
 from .protocol import ApiError
 
@@ -145,28 +145,14 @@ async def _body(request: Request, endpoint: str) -> dict:
     return body
 
 
-def release_memory() -> None:
-    """Give the C heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere):
-    a big request's freed buffers would otherwise stay in the server's resident memory."""
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):        # not glibc (musl): nothing to trim with
-        pass
-
-
 def _releasing(handler):
-    """handler, then (after a big request) release_memory."""
+    """handler, then (after a big request) the freed heap given back to the OS."""
     async def endpoint(request: Request):
         try:
             return await handler(request)
         finally:
             if getattr(request.state, "big", False):
-                await run_in_threadpool(release_memory)
+                await run_in_threadpool(trim_heap)
     endpoint.__name__ = handler.__name__
     return endpoint
 
@@ -372,4 +358,4 @@ def create_app(models: dict, max_batch: int = 8, default_max_tokens: int | None 
     return app
 
 
-__all__ = ["create_app", "Served", "read_body", "release_memory", "MAX_BODY_MB", "BODY_IDLE_S"]
+__all__ = ["create_app", "Served", "read_body", "MAX_BODY_MB", "BODY_IDLE_S"]
