@@ -5,7 +5,7 @@ its decode batch; streamed as server-sent events) and /v1/embeddings (encoder mo
 Hostile requests get a 4xx and cost little: a body is bounded (max_body_mb: a 413 before
 it is read when Content-Length says more, or as its chunks pass the limit; a 400 when it
 stops short), parsing, tokenizing and rendering run off the event loop (GET /v1/models
-answers during a 20 MB prompt), and every request, streamed or not, stops decoding when
+answers while a multi-MB prompt is tokenized), and every request, streamed or not, stops decoding when
 its client leaves. Client errors never show a path on this server."""
 from __future__ import annotations
 
