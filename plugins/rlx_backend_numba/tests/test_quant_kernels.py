@@ -90,6 +90,33 @@ def test_int8_activation_gemv_and_gemm(rng, kind):
         assert np.isnan(wide[:, :2]).all() and np.isnan(wide[:, N + 2:]).all()
 
 
+@pytest.mark.parametrize("kind", Q.FORMATS)
+def test_nonfinite_values_reach_the_int8_products(rng, kind):
+    """A NaN block scale in W and a NaN or inf in x, which the int8 GEMV and GEMM round to
+    int8 blocks themselves: the output is non-finite exactly where the float64 product of
+    x's rounding (a block holding NaN or inf is NaN, as the NumPy backend rounds it) and the
+    dequantized W is (hmax let a NaN lane lose: the block's scale came out finite)."""
+    s = QuantScheme.parse(kind)
+    raw = s.quantize(rng.standard_normal((N, K)).astype(np.float32))
+    at = 208 if kind == "q6_k" else 0
+    raw[5, at:at + 2] = (0x00, 0x7E)                               # row 5's first scale: NaN
+    ref = s.dequantize_reference(raw, (N, K))
+    i8 = QuantScheme.parse("int8_b32")
+    for m in (1, 3, 13):
+        x = rng.uniform(-1, 1, (m, K)).astype(np.float32)
+        if m > 1:                                                  # (one row of x: W's NaN alone)
+            x[m - 1, 40], x[0, 300] = np.nan, np.inf
+        blocks = x.reshape(-1, 32)
+        bad = ~np.isfinite(blocks).all(1)
+        xr = i8.dequantize(i8.quantize(np.where(bad[:, None], 0, blocks)), blocks.shape)
+        xr[bad] = np.nan
+        with np.errstate(invalid="ignore"):
+            want = ~np.isfinite(xr.reshape(m, K).astype(np.float64) @ ref.T)
+        assert want.any() and not want.all()
+        np.testing.assert_array_equal(~np.isfinite(Q.dequant_gemv(x, raw, s, int8_x=True)), want)
+        np.testing.assert_array_equal(~np.isfinite(Q.dequant_matmul(x, raw, s, int8_x=True)), want)
+
+
 @pytest.mark.parametrize("sub", [32, 16])
 def test_int8_rounding_of_rows_equals_int8_b32(rng, sub):
     """quantize_rows (the int8 GEMM's rounding of x, SIMD) gives int8_b32's integers and scales
