@@ -709,7 +709,8 @@ def _tiny_llama_model_gguf(path, norm_type, rng_seed=5):
     r = np.random.default_rng(rng_seed)
     shapes = {"token_embd.weight": (10, 64), "blk.0.attn_q.weight": (64, 64), "blk.0.attn_k.weight": (32, 64),
               "blk.0.attn_v.weight": (32, 64), "blk.0.attn_output.weight": (64, 64),
-              "blk.0.ffn_gate.weight": (96, 64), "blk.0.ffn_up.weight": (96, 64), "blk.0.ffn_down.weight": (64, 96)}
+              "blk.0.ffn_gate.weight": (96, 64), "blk.0.ffn_up.weight": (96, 64),
+              "blk.0.ffn_down.weight": (64, 96)}
     tensors = {k: (0.3 * r.standard_normal(s).astype(np.float32), Q.F32) for k, s in shapes.items()}
     for k in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
         tensors[k] = ((1 + 0.3 * r.standard_normal(64)).astype(np.float16).astype(np.float32), Q.F32)

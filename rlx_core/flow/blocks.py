@@ -346,7 +346,8 @@ class GreedyNext:
 
 GENERIC_BLOCKS = {
     "token_embed": TokenEmbed, "rms_norm": RmsNorm, "layer_norm": LayerNorm, "linear": Linear,
-    "residual_save": ResidualSave, "residual_add": ResidualAdd, "swiglu_mlp": SwigluMlp, "gated_mlp": GatedMlp,
+    "residual_save": ResidualSave, "residual_add": ResidualAdd, "swiglu_mlp": SwigluMlp,
+    "gated_mlp": GatedMlp,
     "self_attention": lambda **kw: SelfAttention(AttnSpec(**kw)), "gather_last_token": GatherLastToken,
     "lm_head": LmHead, "tap": Tap, "greedy_next": GreedyNext, "cross_entropy_loss": CrossEntropyLoss,
 }

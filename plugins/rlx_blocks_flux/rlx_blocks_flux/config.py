@@ -89,7 +89,8 @@ def flux_arch(cfg: dict) -> FluxArch:
         ratio = _real(cfg, "mlp_ratio", 3.0)
         return FluxArch(2, in_ch, patch * patch * out_ch, _int(cfg, "num_layers", 8, 0),
                         _int(cfg, "num_single_layers", 48, 0), heads, head_dim,
-                        _int(cfg, "joint_attention_dim", 15360), tuple(axes), _real(cfg, "rope_theta", 2000.0),
+                        _int(cfg, "joint_attention_dim", 15360), tuple(axes),
+                        _real(cfg, "rope_theta", 2000.0),
                         _flag(cfg, "guidance_embeds", True), 0, int(hidden * ratio),
                         _real(cfg, "eps", 1e-6), _int(cfg, "timestep_guidance_channels", 256))
     return FluxArch(1, in_ch, patch * patch * out_ch, _int(cfg, "num_layers", 19, 0),

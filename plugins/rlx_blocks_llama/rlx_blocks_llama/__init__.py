@@ -26,9 +26,10 @@ def sliding_window(cfg: dict, i: int) -> int:
         return 0
     types = cfg.get("layer_types")
     if types:
-        if len(types) != cfg["num_hidden_layers"] or not set(types) <= {"sliding_attention", "full_attention"}:
+        n = cfg["num_hidden_layers"]
+        if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
             raise ModelError(f"{config_source(cfg)}: layer_types must list 'sliding_attention' or "
-                             f"'full_attention' for each of {cfg['num_hidden_layers']} layers, got {types!r}")
+                             f"'full_attention' for each of {n} layers, got {types!r}")
         return window if types[i] == "sliding_attention" else 0
     first = cfg.get("max_window_layers")
     return window if i >= (28 if first is None else first) else 0      # Qwen3Config's default: 28
@@ -202,8 +203,10 @@ def rlx_register_recipes(register):
 
 @hookimpl
 def rlx_register_blocks(register):
-    register("llama_layer", lambda i, spec, eps=1e-6, act="silu": llama_prefill_layer_composed(i, spec, eps, act=act))
-    register("llama_layer_fused", lambda i, spec, eps=1e-6, act="silu": llama_prefill_layer_fused(i, spec, eps, act))
+    register("llama_layer",
+             lambda i, spec, eps=1e-6, act="silu": llama_prefill_layer_composed(i, spec, eps, act=act))
+    register("llama_layer_fused",
+             lambda i, spec, eps=1e-6, act="silu": llama_prefill_layer_fused(i, spec, eps, act))
 
 
 __all__ = ["Llama32Flow", "Qwen3Flow", "LlamaRecipe", "Qwen3Recipe", "attn_spec", "LayerCtx",
