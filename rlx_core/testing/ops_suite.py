@@ -18,8 +18,8 @@ from rlx_core.ir.graph import HIR, MIR, Builder
 from rlx_core.ir.shape import Shape
 from rlx_core.ir.ops import ACTIVATIONS, BINARY_OPS, COMPARE_OPS, INT_OK_ACTIVATIONS, OPS, POOL_MODES, Level
 
-from .parity import (FLOATS, PARITY_PROFILE, REF_ACT, TOL, Arg, arg, assert_close, backend, compile_on,  # noqa: F401
-                     exact, one_op, rand, ref_attention, ref_attention_grad, ref_binary, ref_compare, ref_cumsum,
+from .parity import (FLOATS, PARITY_PROFILE, REF_ACT, TOL, Arg, arg, backend, compile_on,  # noqa: F401
+                     assert_close, exact, one_op, rand, ref_attention, ref_attention_grad, ref_binary, ref_compare, ref_cumsum,
                      ref_elementwise, ref_keep, ref_kv_write, ref_layer_norm, ref_layer_norm_grad,
                      ref_mask_fill, ref_matmul, ref_reduce, ref_rms_norm, ref_rms_norm_grad, ref_rope,
                      ref_segment_pool, ref_softmax, ref_softmax_grad, ref_swiglu, ref_topk,
