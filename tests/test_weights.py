@@ -822,7 +822,8 @@ def test_vocabulary_only_file_loads_but_builds_no_model(tmp_path):
 def test_config_layer_count_beyond_its_tensors(tmp_path, key, count, held):
     from safetensors.numpy import save_file
 
-    names = ["model.layers.0.w", "model.layers.1.w", "model.layers.3.w", "model.norm.weight"]
+    names = ["model.layers.0.w", "model.layers.1.w", "model.layers.3.w", "model.norm.weight",
+             "model.layers." + "9" * 5000 + ".w"]           # (int() of 5000 digits raises ValueError)
     if key == "num_single_layers":
         names = ["model.norm.weight"]
     save_file({k: np.ones(2, np.float32) for k in names}, str(tmp_path / "model.safetensors"))

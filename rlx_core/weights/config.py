@@ -20,8 +20,7 @@ HF_ACTIVATIONS = {
     "silu": "silu", "swish": "silu", "relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh",
     "linear": "identity",
 }
-_ACTIVATION = (lambda v: v in HF_ACTIVATIONS if isinstance(v, str) else False,
-               f"one of {sorted(HF_ACTIVATIONS)}")
+_ACTIVATION = (lambda v: isinstance(v, str) and v in HF_ACTIVATIONS, f"one of {sorted(HF_ACTIVATIONS)}")
 
 
 def hf_activation(config: dict, *keys: str, default: str, error: type[RlxError] = ModelError) -> str:
@@ -147,7 +146,8 @@ def config_source(config: dict) -> str:
 
 # config keys that count repeated blocks (HF decoders and encoders, GPT-2 style, diffusers)
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_single_layers")
-_INDEXED = re.compile(r"^(.*?)\.(\d+)\.")       # "model.layers.12.mlp..." -> ("model.layers", "12")
+# "model.layers.12.mlp..." -> ("model.layers", "12"); an index of 10 digits or more is no block's
+_INDEXED = re.compile(r"^(.*?)\.(\d{1,9})\.")
 
 
 def layer_runs(names) -> dict:
