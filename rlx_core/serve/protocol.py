@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import json
 import math
-import re
 import time
 import uuid
 
@@ -14,6 +13,7 @@ import numpy as np
 
 from ..ir.errors import RlxError
 from ..runtime.scheduler import SamplingParams
+from ..weights.safetensors_io import json_depth
 
 
 class ApiError(Exception):
@@ -55,18 +55,6 @@ def field(body: dict, name: str, kinds: tuple, default=None, lo=None, hi=None):
 
 
 MAX_JSON_DEPTH = 64          # nesting of arrays and objects in a request body
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.?[^"\\]*)*(?:"|\Z)', re.DOTALL)   # one string, closed or not
-_BRACKETS = np.zeros(256, np.int8)
-_BRACKETS[[ord("["), ord("{")]], _BRACKETS[[ord("]"), ord("}")]] = 1, -1
-
-
-def json_depth(raw: bytes) -> int:
-    """The deepest nesting of arrays and objects in the JSON text `raw` (brackets inside
-    strings do not count); linear time, no recursion, so a hostile body cannot overflow."""
-    outside = _JSON_STRING.sub(b'""', raw)
-    if not outside:
-        return 0
-    return int(np.cumsum(_BRACKETS[np.frombuffer(outside, np.uint8)], dtype=np.int64).max(initial=0))
 
 
 def parse_body(raw: bytes) -> dict:
@@ -297,7 +285,7 @@ def finish_reason(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-__all__ = ["ApiError", "bad", "field", "parse_body", "json_depth", "check_text", "check_keys", "MAX_JSON_DEPTH",
+__all__ = ["ApiError", "bad", "field", "parse_body", "check_text", "check_keys", "MAX_JSON_DEPTH",
            "sampling", "stream_flags", "chat_messages", "completion_prompts",
            "embedding_inputs", "embedding_format", "embedding_value", "new_id", "usage",
            "completion_body", "chunk_body", "finish_reason"]
