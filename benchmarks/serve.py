@@ -110,10 +110,10 @@ def round_of(client, model: str, n: int, new: int) -> dict:
 
 # ============================================================================ --soak
 NORMAL = [("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}),
-          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8,
-                                    "temperature": 0}),
-          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 8,
-                                    "temperature": 0, "stream": True})]
+          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a color."}],
+                                    "max_tokens": 8, "temperature": 0}),
+          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to five."}],
+                                    "max_tokens": 8, "temperature": 0, "stream": True})]
 
 
 def rss_mb(pid: int) -> float:
@@ -251,7 +251,8 @@ def abuses(model: str, limit: int) -> dict:
 
 def soak(a) -> None:
     port, limit = free_port(), int(a.max_body_mb * 2**20)
-    proc = start_server(a.model, a.backend, a.soak_workers, port, a.wait, ["--max-body-mb", str(a.max_body_mb)])
+    proc = start_server(a.model, a.backend, a.soak_workers, port, a.wait,
+                        ["--max-body-mb", str(a.max_body_mb)])
     try:
         loaded = rss_mb(proc.pid)
         want = {}
@@ -283,7 +284,8 @@ def soak(a) -> None:
                 path, body = NORMAL[i % len(NORMAL)]      # a normal request between abuses
                 st, out = post(port, path, dict(body, model=a.model))
                 got = answer_text(st, out)
-                note(f"normal {path}{' (stream)' if body.get('stream') else ''}", st, got == want[json.dumps(body)])
+                note(f"normal {path}{' (stream)' if body.get('stream') else ''}", st,
+                     got == want[json.dumps(body)])
                 name, (fn, right) = acts[i % len(acts)]
                 try:
                     st = fn(port)
@@ -312,7 +314,8 @@ def soak(a) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
     print(f"rlx serve {a.model} (backend {a.backend or 'default'}, --max-body-mb {a.max_body_mb:g}) soak: "
-          f"{ran:.0f} s, {a.soak_workers} clients; {hardware(a.backend or '')}; Python {platform.python_version()}")
+          f"{ran:.0f} s, {a.soak_workers} clients; {hardware(a.backend or '')}; "
+          f"Python {platform.python_version()}")
     print(f"RSS MB: loaded {loaded:.0f}, after warm-up {warm:.0f}, peak {top:.0f}, end {end:.0f} "
           f"({end / warm:.2f}x warm-up, {a.settle:g} s after the load)")
     for name, by in counts.items():

@@ -52,11 +52,13 @@ FIELDS = {
     "input": mostly(words | st.lists(clean, min_size=1, max_size=3),
                     st.lists(st.integers(-3, 70), max_size=5) | st.lists(words, max_size=3) | values),
     "max_tokens": mostly(st.integers(1, 24), st.integers(-2, 300) | values),
-    "max_completion_tokens": st.integers(-1, 20), "temperature": mostly(st.floats(0, 2), st.floats() | values),
-    "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-2, 80), "seed": mostly(st.integers(0, 2**63),
-                                                                           st.integers(-2**64, 2**65) | values),
+    "max_completion_tokens": st.integers(-1, 20),
+    "temperature": mostly(st.floats(0, 2), st.floats() | values),
+    "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-2, 80),
+    "seed": mostly(st.integers(0, 2**63), st.integers(-2**64, 2**65) | values),
     "stop": mostly(clean, st.lists(words, max_size=5) | values), "n": st.integers(0, 3),
-    "stream": st.booleans() | values, "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "stream": st.booleans() | values,
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "encoding_format": st.sampled_from(["float", "base64", "hex"]), "dimensions": st.integers(0, 9),
     "user": st.text(max_size=5), "logprobs": st.booleans(), "echo": st.booleans(),
     **{k: values for k in P.NOT_YET + ("frobnicate", "tools", "logit_bias", "response_format")},
@@ -66,7 +68,7 @@ ROUTES = {"/v1/completions": ("tiny", "prompt"), "/v1/chat/completions": ("tiny"
 
 
 def encode(body: dict) -> bytes:
-    return json.dumps(body).encode("utf-8", "surrogatepass")   # lone surrogates as the bytes JSON escapes give
+    return json.dumps(body).encode("utf-8", "surrogatepass")   # (json.dumps escapes lone surrogates)
 
 
 @st.composite
@@ -82,7 +84,8 @@ def requests(draw, hostile: bool):
             main: draw(FIELDS[main])}
     for k in draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=2, unique=True)):
         body[k] = draw(FIELDS[k])
-    raw = {"json": lambda: encode(body), "cut": lambda: encode(body)[:draw(st.integers(0, len(encode(body))))],
+    raw = {"json": lambda: encode(body),
+           "cut": lambda: encode(body)[:draw(st.integers(0, len(encode(body))))],
            "deep": lambda: draw(st.sampled_from([b"[", b'{"a":', b'{"model": "tiny", "prompt": ['])) * draw(
                st.integers(1, 3000)),
            "binary": lambda: draw(st.binary(max_size=64)), "big": lambda: b"x" * int(LIMIT_MB * 2**20 + 1),

@@ -81,15 +81,13 @@ def test_body_over_the_limit_is_413_before_it_is_read(server):
 
 def test_body_short_of_its_content_length_is_400_not_a_hang(server):
     body = b'{"model": "tiny", "prompt": "w1"}'
-    t0 = time.monotonic()
     status, out = exchange(server.port, http_head("/v1/completions", len(body) + 100) + body)
     assert status == 400 and "Content-Length" in error_of(out)["message"], out
-    assert time.monotonic() - t0 < WAIT
     # a huge declared length with a tiny body: 413 at once
     status, out = exchange(server.port, http_head("/v1/completions", 2**62) + body)
     assert status == 413
     status, out = exchange(server.port, http_head("/v1/completions", len(body) - 3) + body)
-    assert status in (400, 200) and out is not None         # the extra bytes: another request's
+    assert status == 400 and "not valid JSON" in error_of(out)["message"]    # the first len - 3 bytes
 
 
 def test_deep_json_is_a_400_naming_the_depth(server):
@@ -204,8 +202,8 @@ def test_served_public_hides_paths(models):
 ])
 def test_fields_it_cannot_honour_are_400s_naming_them(server, extra, param):
     for path, body in (("/completions", {"model": "tiny", "prompt": "w1", "max_tokens": 2}),
-                       ("/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}],
-                                              "max_tokens": 2})):
+                       ("/chat/completions", {"model": "tiny", "max_tokens": 2,
+                                              "messages": [{"role": "user", "content": "w1"}]})):
         code, out = post(server, path, dict(body, **extra))
         assert code == 400 and error_of(out)["param"] == param and param in error_of(out)["message"], out
 
