@@ -250,3 +250,13 @@ def test_an_idle_scheduler_gives_its_kv_cache_back(server, monkeypatch):
         time.sleep(0.02)
     assert sched.cache is None and sched._decode is None, "the idle scheduler kept its KV cache"
     assert greedy(server) == before and sched.cache is not None
+
+
+@pytest.mark.parametrize("limits, name", [
+    ({"max_body_mb": 0}, "max_body_mb"), ({"max_body_mb": "8"}, "max_body_mb"), ({"body_idle_s": -1.0}, "body_idle_s")])
+def test_bad_limits_are_named(models, limits, name):
+    from rlx_core.ir.errors import ModelError
+    from rlx_core.serve import create_app
+
+    with pytest.raises(ModelError, match=name):
+        create_app(models, **limits)

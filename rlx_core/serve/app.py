@@ -49,9 +49,10 @@ class Served:
         from ..runtime.model import CausalLM
         from ..runtime.tp import GroupScheduler
 
-        if not (isinstance(max_body_mb, (int, float)) and max_body_mb > 0):
-            raise RlxError(f"max_body_mb must be a number of megabytes > 0, got {max_body_mb!r}")
-        self.max_body, self.body_idle_s = int(max_body_mb * 2**20), float(body_idle_s)
+        from ..runtime.args import float_arg
+
+        self.max_body = int(float_arg("max_body_mb", max_body_mb, 0.0, lo_open=True) * 2**20)
+        self.body_idle_s = float_arg("body_idle_s", body_idle_s, 0.0, lo_open=True)
         self.models, self.created = dict(models), int(time.time())
         self.groups = groups = dict(groups or {})
         self.schedulers = {n: GroupScheduler(groups[n], m, max_batch) if n in groups
