@@ -253,7 +253,8 @@ def test_an_idle_scheduler_gives_its_kv_cache_back(server, monkeypatch):
 
 
 @pytest.mark.parametrize("limits, name", [
-    ({"max_body_mb": 0}, "max_body_mb"), ({"max_body_mb": "8"}, "max_body_mb"), ({"body_idle_s": -1.0}, "body_idle_s")])
+    ({"max_body_mb": 0}, "max_body_mb"), ({"max_body_mb": "8"}, "max_body_mb"),
+    ({"body_idle_s": -1.0}, "body_idle_s")])
 def test_bad_limits_are_named(models, limits, name):
     from rlx_core.ir.errors import ModelError
     from rlx_core.serve import create_app
