@@ -126,6 +126,29 @@ def test_models_answer_while_a_prompt_is_tokenized(server, models):
     assert [a[0] for a in answered][:1] == ["models"], answered   # before the tokenizer let go
 
 
+@pytest.mark.parametrize("path, field", [("/completions", "prompt"), ("/chat/completions", "messages")])
+def test_a_huge_prompt_is_refused_without_tokenizing_it_whole(server, models, path, field):
+    """A tokenizer holds the GIL (a thread pool does not help): a prompt far over the context
+    is refused after tokenizing prefixes about twice the context, not its 200 KB."""
+    m = models["tiny"]
+    text = "w1 w2 w3 " * 22000
+    seen: list = []
+    real = m.encode_prompt
+
+    def spy(t, *a, **k):
+        seen.append(len(t))
+        return real(t, *a, **k)
+
+    m.encode_prompt = spy
+    try:
+        body = {"prompt": text} if field == "prompt" else {"messages": [{"role": "user", "content": text}]}
+        code, out = post(server, path, dict(body, model="tiny", max_tokens=1))
+    finally:
+        m.encode_prompt = real
+    assert code == 400 and error_of(out)["param"] == field and "context" in error_of(out)["message"], out
+    assert seen and max(seen) <= 16 * m.max_positions < len(text), seen
+
+
 def test_a_client_that_leaves_cancels_its_request(server, models):
     m = models["tiny"]
     sched = server.app.state.served.schedulers["tiny"]

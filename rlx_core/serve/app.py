@@ -168,16 +168,34 @@ def sse(obj) -> bytes:
     return f"data: {json.dumps(obj) if not isinstance(obj, str) else obj}\n\n".encode()
 
 
+def surely_too_long(model, text: str, param: str) -> None:
+    """A 400 when `text` has surely more tokens than the model's context: prefixes of it,
+    each twice as long as the last, are tokenized until one has over twice the context (or
+    the text is reached). A tokenizer holds the GIL, so a multi-MB prompt tokenized whole
+    stalls every request for seconds, thread pool or not; this costs about what tokenizing a
+    prompt of twice the context does."""
+    n, context = 4 * model.max_positions, model.max_positions
+    while n < len(text):
+        count = len(model.encode_prompt(text[:n]))
+        if count > 2 * context:
+            raise P.bad(f"This model's maximum context length is {context} tokens; the first {n} of the "
+                        f"{len(text)} characters of the {param} already have {count}", param)
+        n *= 2
+
+
 def _submit_all(served: Served, name: str, prompts: list, body: dict, loop, queue) -> list:
     """Tokenize, check and submit every prompt (all checked before any is submitted)."""
     model, sched = served.get(name, "causal"), served.schedulers[name]
+    param = "messages" if "messages" in body else "prompt"
     jobs = []
     for p in prompts:
+        chat = isinstance(p, list) and p and isinstance(p[0], dict)
         try:
-            ids = model.encode_chat(p) if isinstance(p, list) and p and isinstance(p[0], dict) else (
-                model.encode_prompt(p) if isinstance(p, str) else p)
+            if chat or isinstance(p, str):
+                surely_too_long(model, "\n".join(m["content"] for m in p) if chat else p, param)
+            ids = model.encode_chat(p) if chat else (model.encode_prompt(p) if isinstance(p, str) else p)
         except RlxError as e:
-            raise served.bad(e, "messages" if "messages" in body else "prompt") from None
+            raise served.bad(e, param) from None
         params = P.sampling(body, len(ids), model.max_positions, served.default_max_tokens
                             if "messages" in body else 16)
         jobs.append((ids, params))
