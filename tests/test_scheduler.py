@@ -197,4 +197,5 @@ def test_memory_report_counts_weights_kv_and_arenas(tiny):
     with Scheduler(tiny, max_batch=2) as s:
         s.submit([5, 6], max_tokens=2).result(WAIT)
         with_cache = s.memory_report()
-        assert with_cache["kv_bytes"] == rep["kv_bytes"] + sum(v.nbytes for v in s.cache.store.values())
+        own = [*s.cache.store.values(), *s._prefill.states.values()]    # its batch cache, its prefill's
+        assert with_cache["kv_bytes"] == rep["kv_bytes"] + sum(v.nbytes for v in own)

@@ -1,9 +1,9 @@
 """Continuous batching: requests join a running decode batch as others finish.
 
-A request is prefilled alone (batch 1, the model's own prefill graph, the context bucket it
-would get alone) and its KV rows copied into a free row of the batched decode cache
-(`BatchCache`); each row then decodes at its own positions (per-row `positions`,
-`cache_pos` and `key_mask`). So a request admitted mid-decode computes what it computes run
+A request is prefilled alone (batch 1, the model's prefill graph over the scheduler's own
+states, the context bucket it would get alone) and its KV rows copied into a free row of
+the batched decode cache (`BatchCache`); each row then decodes at its own positions
+(per-row `positions`, `cache_pos` and `key_mask`). So a request admitted mid-decode computes what it computes run
 alone by `CausalLM.generate`, up to the rounding of batched matrix products. Decode graphs
 specialize once per (batch bucket, context bucket). Works on any backend: the cache moves
 through `Backend.copy_into`.
@@ -187,7 +187,7 @@ class Scheduler:
         self.closed_by = ""                    # why, when something other than close() closed it
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
-        self._decode = None
+        self._decode = self._prefill = None
         self.cache: BatchCache | None = None
         self.submitted = 0                     # requests taken in
         self.steps = 0                         # decode steps run (a test sees batching happen)
@@ -258,18 +258,18 @@ class Scheduler:
         from .memory import memory_report
 
         with self.model._lock:
-            stores = [self.cache.store] if self.cache is not None else []
-            return memory_report(self.model, stores, [self._decode] if self._decode else [])
+            exes = [e for e in (self._prefill, self._decode) if e is not None]
+            return memory_report(self.model, [e.states for e in exes], exes)
 
     def release_cache(self) -> None:
-        """Drop the batched decode's KV cache and its executable (rebuilt by the next
-        request: a specialization, no recompile of the model) and trim the heap, so the
-        memory long requests took goes back once the scheduler has been idle
-        IDLE_RELEASE_S seconds (the scheduler thread calls this)."""
+        """Drop the KV caches (the batched decode's and the last prefill's) with their
+        executables (rebuilt by the next request, ~0.1 s each: the model is not reloaded)
+        and trim the heap, so the memory long requests took goes back once the scheduler has
+        been idle IDLE_RELEASE_S seconds (the scheduler thread calls this)."""
         with self.model._lock:
             if self.cache is not None:
                 self.cache.clear()
-            self.cache = self._decode = None
+            self.cache = self._decode = self._prefill = None
         trim_heap()
 
     # -- the scheduler thread
@@ -331,6 +331,15 @@ class Scheduler:
                     r.error = err
                     self._finish(r, "error")
 
+    def _prefill_exe(self):
+        """The model's prefill graph over this scheduler's own states (its KV goes to a row
+        of the batch cache; release_cache drops both)."""
+        if self._prefill is None:
+            from ..pipeline import StateStore
+
+            self._prefill = self.model.executable_over("prefill", StateStore())
+        return self._prefill
+
     def _decode_exe(self):
         if self._decode is None:
             from ..pipeline import StateStore
@@ -371,7 +380,7 @@ class Scheduler:
             self._finish(r, "cancelled" if r.cancelled else "length")
             return
         r.ctx = min(-(-(n + r.max_new) // CTX_BUCKET) * CTX_BUCKET, m.max_positions)
-        prefill = m.executable("prefill")
+        prefill = self._prefill_exe()
         prefill.fixed_dims = {"ctx": r.ctx}
         ids = np.asarray([r.prompt_ids], np.int64)
         logits = prefill.run({"ids": ids, "positions": np.arange(n, dtype=np.int64)[None],
@@ -380,7 +389,7 @@ class Scheduler:
         self._fit(extra_ctx=r.ctx, extra_row=True)
         used = {q.slot for q in self._active}
         r.slot = next(i for i in range(self.cache.batch) if i not in used)
-        self.cache.place(r.slot, m.states, n)
+        self.cache.place(r.slot, prefill.states, n)
         r.length = n
         self._active.append(r)
         self._active.sort(key=lambda q: q.slot)
