@@ -16,7 +16,8 @@ JSON nested 100,000 deep, multi-MB prompts, clients that leave mid-request (stre
 not) after asking for thousands of tokens, fields the server refuses; between them normal
 greedy requests (completion, chat, streamed chat) whose answers must never change. Reports
 the server's resident memory (RSS) after loading, after warm-up, at its peak and at the end
-(after the load went away), every answer's status, and any changed greedy answer.
+(after the load went away), every answer's status, any changed greedy answer, and how long
+GET /v1/models (polled twice a second) waited meanwhile.
 """
 from __future__ import annotations
 
@@ -294,16 +295,26 @@ def soak(a) -> None:
                 note(name, st, st in right)
                 i += a.soak_workers
 
+        waits: list = []
+
+        def models_poll():                              # GET /v1/models must not wait on the rest
+            while time.monotonic() < deadline:
+                t = time.perf_counter()
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=120).read()
+                waits.append(time.perf_counter() - t)
+                time.sleep(0.5)
+
         threads = [threading.Thread(target=worker, args=(k,)) for k in range(a.soak_workers)]
+        threads.append(threading.Thread(target=models_poll))
         t0 = time.monotonic()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         ran = time.monotonic() - t0
-        time.sleep(a.settle)                              # the load has gone away
         after = [answer_text(*post(port, path, dict(body, model=a.model))) == want[json.dumps(body)]
                  for path, body in NORMAL]
+        time.sleep(a.settle)                              # then the load has gone away
         end = rss_mb(proc.pid)
         top = max(peak.stop(), end)
         alive = proc.poll() is None
@@ -318,6 +329,9 @@ def soak(a) -> None:
           f"Python {platform.python_version()}")
     print(f"RSS MB: loaded {loaded:.0f}, after warm-up {warm:.0f}, peak {top:.0f}, end {end:.0f} "
           f"({end / warm:.2f}x warm-up, {a.settle:g} s after the load)")
+    if waits:
+        print(f"GET /v1/models during the soak: {len(waits)} answers, median "
+              f"{statistics.median(waits) * 1e3:.0f} ms, longest {max(waits) * 1e3:.0f} ms")
     for name, by in counts.items():
         print(f"  {name:<40} " + ", ".join(f"{k}: {v}" for k, v in sorted(by.items())))
     changed = [w for w in wrong if w.startswith("normal")]
@@ -328,7 +342,8 @@ def soak(a) -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"model": a.model, "backend": a.backend, "seconds": ran, "rss_mb": {
-                "loaded": loaded, "warm": warm, "peak": top, "end": end}, "counts": counts, "wrong": wrong,
+                "loaded": loaded, "warm": warm, "peak": top, "end": end}, "models_wait_s": waits,
+                "counts": counts, "wrong": wrong,
                 "after_equal": after, "alive": alive}, f, indent=1)
 
 

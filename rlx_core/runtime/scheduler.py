@@ -3,10 +3,11 @@
 A request is prefilled alone (batch 1, the model's prefill graph over the scheduler's own
 states, the context bucket it would get alone) and its KV rows copied into a free row of
 the batched decode cache (`BatchCache`); each row then decodes at its own positions
-(per-row `positions`, `cache_pos` and `key_mask`). So a request admitted mid-decode computes what it computes run
-alone by `CausalLM.generate`, up to the rounding of batched matrix products. Decode graphs
-specialize once per (batch bucket, context bucket). Works on any backend: the cache moves
-through `Backend.copy_into`.
+(per-row `positions`, `cache_pos` and `key_mask`). So a request admitted mid-decode
+computes what it computes run alone by `CausalLM.generate`, up to the rounding of batched
+matrix products. Decode graphs specialize once per (batch bucket, context bucket). Works
+on any backend: the cache moves through `Backend.copy_into`. Idle a while, a scheduler
+gives its KV caches back (release_cache).
 
 Submission is thread-safe (`Scheduler.submit` from any thread); one scheduler thread runs
 the model, holding the backend's lock for each step, so direct `generate` calls on the same
