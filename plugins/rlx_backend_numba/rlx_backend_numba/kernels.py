@@ -542,7 +542,10 @@ def _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, win
                 mx = nan_max(mx, x)
         else:                                 # scores as they are: the max in vector lanes
             mx = row_max(seg, e - a, ninf)
-        inv = one / exp_shifted(seg, e - a, mx) if mx != ninf else zero
+        if mx == ninf:                        # every key masked: a zero row (its -inf
+            row[:] = zero                     # scores times 0 would be NaN)
+            continue
+        inv = one / exp_shifted(seg, e - a, mx)
         row[:a] = zero
         row[e:] = zero
         for j in range(e - a):
