@@ -68,7 +68,9 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(self._text(text), add_special_tokens=add_special_tokens).ids
+        """Through encode_batch: tokenizers releases the GIL there (not in encode), so a long
+        prompt tokenized on a server's worker thread does not stall its event loop."""
+        return self.encode_batch([text], add_special_tokens)[0]
 
     def encode_batch(self, texts: Iterable[str], add_special_tokens: bool = True) -> list[list[int]]:
         texts = [self._text(t) for t in texts]
