@@ -19,6 +19,9 @@ class Registry:
     rules: dict = attrs.field(factory=dict)       # fusion group -> [Rule] added by plugins
     weight_formats: dict = attrs.field(factory=dict)   # name -> (detect, load)
     ops: dict = attrs.field(factory=dict)         # custom op name -> CustomOp
+    gguf_architectures: dict = attrs.field(factory=dict)  # general.architecture -> GGUFArchitecture
+    packaged_models: dict = attrs.field(factory=dict)     # name -> locate() -> path
+    commands: dict = attrs.field(factory=dict)    # command name -> click.Command
     owner: dict = attrs.field(factory=dict)       # (kind, name) -> plugin name
 
 

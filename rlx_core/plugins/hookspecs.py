@@ -84,3 +84,31 @@ def rlx_register_weight_formats(register: Callable) -> None:
     `detect(path) -> bool` says whether `path` is in this format (cheaply: a suffix, a
     magic number) and `load(path, progress) -> rlx_core.weights.Checkpoint` reads it.
     Names are unique across plugins."""
+
+
+@hookspec
+def rlx_register_gguf_architectures(register: Callable) -> None:
+    """Register how a family's checkpoints are laid out in GGUF, both ways: call
+    `register(architecture, mapping)` with a GGUF `general.architecture` value and an
+    `rlx_core.weights.gguf_arch.GGUFArchitecture` (see its docstring): tensor names GGUF <->
+    HF, value transforms (llama.cpp's row permutations, norms stored as 1 + w), metadata ->
+    config for loading and config -> metadata for `rlx quantize`, and any tokenizer quirk of
+    the family's GGUF files. The core keeps only the container format; a GGUF file of an
+    architecture nobody registered is an error naming it and the registered ones. Each
+    architecture is owned by one plugin."""
+
+
+@hookspec
+def rlx_register_packaged_models(register: Callable) -> None:
+    """Register checkpoints shipped inside Python packages: call `register(name, locate)`
+    where `locate() -> str` returns the checkpoint's path (an HF folder or a GGUF file) and
+    raises `rlx_core.ir.errors.ModelError` naming the package to install when it is absent.
+    `rlx_core.load(name)` and `rlx generate NAME` then find it; an unknown name lists the
+    registered ones. Names are unique across plugins."""
+
+
+@hookspec
+def rlx_register_commands(register: Callable) -> None:
+    """Register command-line commands: call `register(command)` with a `click.Command`; it
+    becomes `rlx <command.name>`. A name that a core command or another plugin's command
+    already has makes the plugin broken (`rlx plugins` says why); the others keep working."""

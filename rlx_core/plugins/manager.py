@@ -204,7 +204,11 @@ _REGISTER_ARGS = {
     "rlx_register_recipes": ("recipe",), "rlx_register_ops": ("op",),
     "rlx_register_passes": ("group", "rule"),
     "rlx_register_weight_formats": ("name", "detect", "load"),
+    "rlx_register_gguf_architectures": ("architecture", "mapping"),
+    "rlx_register_packaged_models": ("name", "locate"),
+    "rlx_register_commands": ("command",),
 }
+RESERVED_COMMANDS: set = set()   # the core CLI's own command names (filled by rlx_core.cli)
 
 
 def _recorder(hook: str, calls: list) -> Callable:
@@ -287,6 +291,20 @@ def _entries(hook: str, args: tuple) -> list:
         _need(len(args) == 3 and isinstance(args[0], str) and args[0] and callable(args[1])
               and callable(args[2]), f"{where}: expected register(name: str, detect, load)")
         return [("weight format", args[0], "weight_formats", (args[1], args[2]))]
+    if hook == "rlx_register_gguf_architectures":
+        _need(len(args) == 2 and isinstance(args[0], str) and args[0] and args[1] is not None,
+              f"{where}: expected register(architecture: str, mapping: GGUFArchitecture)")
+        return [("gguf architecture", args[0], "gguf_architectures", args[1])]
+    if hook == "rlx_register_packaged_models":
+        _need(len(args) == 2 and isinstance(args[0], str) and args[0] and callable(args[1]),
+              f"{where}: expected register(name: str, locate: callable)")
+        return [("packaged model", args[0], "packaged_models", args[1])]
+    if hook == "rlx_register_commands":
+        name = getattr(args[0], "name", None) if len(args) == 1 else None
+        _need(isinstance(name, str) and bool(name) and callable(getattr(args[0], "main", None)),
+              f"{where}: expected register(command: click.Command)")
+        _need(name not in RESERVED_COMMANDS, f"{where}: command {name!r} is a core rlx command")
+        return [("command", name, "commands", args[0])]
     raise PluginError(f"unknown hook {hook!r}")  # pragma: no cover - HOOKS is the spec list
 
 
