@@ -8,7 +8,8 @@ from .hookspecs import hookimpl, hookspec
 from .manager import (HOOKS, PluginInfo, Registry, RlxPluginWarning, ensure_loaded, filter_reason,
                       owner_of, plugin_infos, plugin_manager, register_plugin, registry, reset,
                       temporary_plugin, unregister_plugin)
+from .providers import provider_hint, provider_of
 
 __all__ = ["HOOKS", "PluginInfo", "Registry", "RlxPluginWarning", "ensure_loaded", "filter_reason",
-           "hookimpl", "hookspec", "owner_of", "plugin_infos", "plugin_manager", "register_plugin",
-           "registry", "reset", "temporary_plugin", "unregister_plugin"]
+           "hookimpl", "hookspec", "owner_of", "plugin_infos", "plugin_manager", "provider_hint",
+           "provider_of", "register_plugin", "registry", "reset", "temporary_plugin", "unregister_plugin"]

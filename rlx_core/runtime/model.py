@@ -14,17 +14,12 @@ from ..ir.dtype import F32
 from ..ir.errors import ModelError, WeightError
 from ..pipeline import StateStore, select_backend
 from ..plugins.manager import registry
+from ..plugins.providers import provider_hint
 from ..profile import CompileProfile
 from .args import (bool_arg, callable_arg, float_arg, id_matrix, int_arg, mask_arg, text_arg, token_id,
                    token_rows)
 from .sampling import choose, process_logits
 
-# Which package adds which architecture, for the "unknown architecture" error.
-KNOWN_PLUGINS = {"llama": "rlx-blocks-llama", "qwen3": "rlx-blocks-llama", "mistral": "rlx-blocks-llama",
-                 "bert": "rlx-blocks-bert", "nomic_bert": "rlx-blocks-bert",
-                 "gemma2": "rlx-blocks-gemma", "gemma3": "rlx-blocks-gemma",
-                 "gemma3_text": "rlx-blocks-gemma", "flux": "rlx-blocks-flux",
-                 "FluxTransformer2DModel": "rlx-blocks-flux", "Flux2Transformer2DModel": "rlx-blocks-flux"}
 CTX_BUCKET = 128
 
 
@@ -48,8 +43,8 @@ def resolve_profile(profile, default: str, near: str | None = None) -> CompilePr
 def find_recipe(model_type: str, source: str = ""):
     recipes = registry().recipes
     if model_type not in recipes:
-        hint = KNOWN_PLUGINS.get(model_type)
-        add = f"; install {hint} to add it (pip install ./plugins/{hint.replace('-', '_')})" if hint else ""
+        hint = provider_hint(model_type)
+        add = f"; {hint}" if hint else ""
         raise ModelError(f"unknown architecture {model_type!r}{f' in {source}' if source else ''}; "
                          f"registered recipes: {sorted(recipes) or 'none'}{add}")
     return recipes[model_type]
@@ -392,4 +387,4 @@ class CausalLM:
         return np.concatenate([ids, new], axis=1)
 
 
-__all__ = ["GREEDY_OUTPUTS", "greedy_outputs", "fetch_greedy", "CausalLM", "load", "find_recipe", "resolve_profile", "backend_lock", "KNOWN_PLUGINS"]
+__all__ = ["GREEDY_OUTPUTS", "greedy_outputs", "fetch_greedy", "CausalLM", "load", "find_recipe", "resolve_profile", "backend_lock"]
