@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import rlx_core
-from rlx_core.ir.errors import ModelError
+from rlx_core.ir.errors import ModelError, PluginError
 from rlx_core.plugins import hookimpl, manager, provider_hint, provider_of, temporary_plugin
 from rlx_core.plugins.providers import known_providers
 
@@ -33,9 +33,12 @@ def hf_folder(tmp_path, model_type: str):
 
 
 def test_the_table_maps_names_to_distributions():
-    table = known_providers()
-    assert table and all(isinstance(v, str) and v for v in table.values())
+    tables = known_providers()
+    assert set(tables) == {"model_types", "packaged_models"}
+    assert all(d.startswith("rlx-") for rows in tables.values() for d in rows.values())
     assert provider_of("no-such-type") == "" and provider_hint("no-such-type") == ""
+    with pytest.raises(PluginError, match="no table of providers 'nope'"):
+        provider_of("gemma3", "nope")
 
 
 def test_a_registered_name_is_answered_by_its_plugins_distribution():
@@ -58,7 +61,7 @@ def test_a_registered_name_is_answered_by_its_plugins_distribution():
         assert provider_of("toy_provided") == "rlx-toy"
 
 
-@pytest.mark.parametrize("dist,model_type", [(d, t) for t, d in sorted(known_providers().items())
+@pytest.mark.parametrize("dist,model_type", [(d, t) for t, d in sorted(known_providers()["model_types"].items())
                                              if t in ("gemma3_text", "bert")])
 def test_blocked_family_names_model_type_and_package(tmp_path, monkeypatch, dist, model_type):
     folder = hf_folder(tmp_path, model_type)

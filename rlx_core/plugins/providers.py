@@ -13,44 +13,48 @@ from ..ir.errors import PluginError
 from .manager import _norm, plugin_infos, registry
 
 TABLE = os.path.join(os.path.dirname(__file__), "providers.toml")
-_KINDS = ("recipe", "gguf architecture", "packaged model")
+TABLES = {"model_types": ("recipe", "gguf architecture"), "packaged_models": ("packaged model",)}
 
 
 @functools.lru_cache(maxsize=1)
 def known_providers() -> dict:
-    """providers.toml's table: name -> distribution."""
+    """providers.toml's tables: {table: {name: distribution}} for each of TABLES."""
     try:
         import tomllib
     except ImportError:  # pragma: no cover - Python 3.10
         import tomli as tomllib
     try:
         with open(TABLE, "rb") as f:
-            table = tomllib.load(f).get("providers")
+            data = tomllib.load(f)
     except (OSError, ValueError) as e:
-        raise PluginError(f"{TABLE}: cannot read the table of providers: {e}") from None
-    if not isinstance(table, dict) or not all(isinstance(v, str) and v for v in table.values()):
-        raise PluginError(f"{TABLE}: expected a [providers] table of name = \"distribution\"")
-    return dict(table)
+        raise PluginError(f"{TABLE}: cannot read the tables of providers: {e}") from None
+    for table in TABLES:
+        rows = data.get(table)
+        if not isinstance(rows, dict) or not all(isinstance(v, str) and v for v in rows.values()):
+            raise PluginError(f"{TABLE}: expected a [{table}] table of name = \"distribution\"")
+    return {table: dict(data[table]) for table in TABLES}
 
 
-def _registered_by(name: str) -> str:
-    """The distribution of the loaded plugin that registered `name`, or ""."""
+def _registered_by(name: str, table: str) -> str:
+    """The distribution of the loaded plugin that registered `name` (of `table`'s kinds), or ""."""
     owners = registry().owner
-    plugin = next((owners[(k, name)] for k in _KINDS if (k, name) in owners), "")
+    plugin = next((owners[(k, name)] for k in TABLES[table] if (k, name) in owners), "")
     info = next((i for i in plugin_infos() if i.name == plugin), None)
     return info.package if info is not None else ""
 
 
-def provider_of(name: str) -> str:
-    """The distribution that provides `name` (a model type, a GGUF architecture or a
-    packaged model's name), or "" when none is known."""
-    return _registered_by(name) or known_providers().get(name, "")
+def provider_of(name: str, table: str = "model_types") -> str:
+    """The distribution that provides `name`, or "" when none is known: a model type or GGUF
+    architecture (table "model_types"), or a packaged model's name ("packaged_models")."""
+    if table not in TABLES:
+        raise PluginError(f"no table of providers {table!r}; tables: {sorted(TABLES)}")
+    return _registered_by(name, table) or known_providers()[table].get(name, "")
 
 
-def provider_hint(name: str) -> str:
+def provider_hint(name: str, table: str = "model_types") -> str:
     """A clause for an error about `name` that no loaded plugin provides: which package
     provides it and why it is not loaded (absent, blocked, broken); "" when none is known."""
-    dist = provider_of(name)
+    dist = provider_of(name, table)
     if not dist:
         return ""
     info = next((i for i in plugin_infos() if i.package and _norm(i.package) == _norm(dist)), None)
@@ -64,4 +68,4 @@ def provider_hint(name: str) -> str:
     return f"{dist} {info.version} is loaded but does not register it; upgrade it"
 
 
-__all__ = ["TABLE", "known_providers", "provider_hint", "provider_of"]
+__all__ = ["TABLE", "TABLES", "known_providers", "provider_hint", "provider_of"]
