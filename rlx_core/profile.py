@@ -280,16 +280,18 @@ PRESET_TABLE = {
     "llama32_prefill": _like("", "Fusion-first prefill: direct lowering, fusion passes on."),
     "llama32_decode": _like("llama32_prefill", "Decode graphs: fusable lowering, so the KV-cache "
                             "patterns fuse cleanly.", fusion={"policy": "fusable"}),
-    "qwen35_prefill": _like("llama32_prefill", "Qwen3.5 prefill: as llama32_prefill."),
-    "qwen35_decode": _like("llama32_decode", "Qwen3.5 decode (GDN / full-attention KV patterns): "
+    "qwen35_prefill": _like("llama32_prefill", "Hybrid (gated-delta / full-attention) prefill: as "
+                            "llama32_prefill."),
+    "qwen35_decode": _like("llama32_decode", "Hybrid decode (GDN / full-attention KV patterns): "
                            "as llama32_decode."),
-    "qwen3_prefill": _like("llama32_prefill", "Qwen3 dense prefill (GQA + SwiGLU): as llama32_prefill."),
-    "qwen3_decode": _like("llama32_decode", "Qwen3 decode (bucketed KV cache): as llama32_decode."),
-    "gemma_prefill": _like("llama32_prefill", "Gemma 2/3 prefill (GQA, RMSNorm, softcap): as "
+    "qwen3_prefill": _like("llama32_prefill", "Dense GQA + SwiGLU prefill: as llama32_prefill."),
+    "qwen3_decode": _like("llama32_decode", "Dense decode (bucketed KV cache): as llama32_decode."),
+    "gemma_prefill": _like("llama32_prefill", "Sliding-window prefill (GQA, RMSNorm, softcap): as "
                            "llama32_prefill."),
-    "gemma_decode": _like("llama32_decode", "Gemma decode (bucketed KV cache): as llama32_decode."),
-    "encoder": _like("", "Bidirectional encoders (BERT, NomicBERT, vision): direct lowering."),
-    "flux2": _like("encoder", "FLUX.2 transformer, VAE and text-encoder graphs: as encoder."),
+    "gemma_decode": _like("llama32_decode", "Sliding-window decode (bucketed KV cache): as "
+                          "llama32_decode."),
+    "encoder": _like("", "Bidirectional encoders (text, vision): direct lowering."),
+    "flux2": _like("encoder", "Diffusion transformer, VAE and text-encoder graphs: as encoder."),
     "sam_encoder": _like("encoder", "SAM / SAM2 image encoder and mask decoder: as encoder."),
     "sam2": _like("sam_encoder", "SAM2 image, mask-decoder and memory graphs: as sam_encoder."),
     "sam3": _like("sam_encoder", "SAM3 detector encoder/decoder layers: as sam_encoder."),

@@ -110,11 +110,13 @@ class ModelFlow:
         self._profile = CompileProfile.preset(p) if isinstance(p, str) else p
         return self
 
-    def profile_prefill(self, family: str = "llama32") -> "ModelFlow":
-        return self.profile(f"{family}_prefill")
+    def profile_prefill(self, family: str | None = None) -> "ModelFlow":
+        """The preset `<family>_prefill`; without a family, upstream's first (llama32_prefill)."""
+        return self.profile(f"{family}_prefill" if family else "llama32_prefill")
 
-    def profile_decode(self, family: str = "llama32") -> "ModelFlow":
-        return self.profile(f"{family}_decode")
+    def profile_decode(self, family: str | None = None) -> "ModelFlow":
+        """The preset `<family>_decode`; without a family, upstream's first (llama32_decode)."""
+        return self.profile(f"{family}_decode" if family else "llama32_decode")
 
     # -- inputs and state
     def input(self, name: str, shape: tuple, dtype: DType | str = I64) -> "ModelFlow":

@@ -361,7 +361,7 @@ class Encoder:
         name a text as f"{item} {first + i}" (embed_command says "line 3 of FILE")."""
         if self.tokenizer is None:
             raise ModelError(f"{self.source} has no tokenizer (expected tokenizer.json, or vocab.txt for "
-                             "BERT WordPiece, beside config.json); embed token ids instead")
+                             "a WordPiece vocabulary, beside config.json); embed token ids instead")
         for i, t in enumerate(texts):
             text_arg(f"{item} {first + i}", t)
         if self.do_lower_case:
@@ -514,6 +514,14 @@ def _read_lines(file) -> list:
         raise ModelError(f"{file}: cannot read the text file ({e})") from e
 
 
+def encoder_model_types() -> list:
+    """The model types whose registered recipe builds encoders (it has `embedding_dim`), so a
+    message can say which checkpoints `rlx embed` takes without the core naming them."""
+    from ..plugins.manager import registry
+
+    return sorted(t for t, r in registry().recipes.items() if callable(getattr(r, "embedding_dim", None)))
+
+
 def embed_command(model, texts=None, file=None, json_out: bool = False, batch_size: int = 32,
                   normalize: bool = True, no_truncate: bool = False, echo=print, progress=None) -> np.ndarray:
     """What `rlx embed MODEL "text" ... [--json]` / `rlx embed MODEL --file lines.txt` does.
@@ -539,7 +547,8 @@ def embed_command(model, texts=None, file=None, json_out: bool = False, batch_si
         enc = load(str(model), progress=False)
         if not isinstance(enc, Encoder):
             raise ModelError(f"{model}: a {enc.config.get('model_type', type(enc).__name__)} model is not a "
-                             "text encoder; rlx embed needs an encoder checkpoint (bert, nomic_bert)")
+                             "text encoder; rlx embed needs an encoder checkpoint (model types with an "
+                             f"encoder recipe: {', '.join(encoder_model_types()) or 'none registered'})")
     if progress is None:
         progress = file is not None and len(texts) > 8 * batch_size
     # messages count from 1, as a user reading the command line or the file does
@@ -557,4 +566,4 @@ def embed_command(model, texts=None, file=None, json_out: bool = False, batch_si
     return emb
 
 
-__all__ = ["Encoder", "embed_command", "sentence_transformers_config"]
+__all__ = ["Encoder", "embed_command", "encoder_model_types", "sentence_transformers_config"]
