@@ -50,7 +50,8 @@ def docstring_spans(tree: ast.AST) -> list:
     """(start, end) of every string that stands alone as a statement: docstrings, and the odd
     string used as a block comment."""
     return [((n.lineno, n.col_offset), (n.end_lineno, n.end_col_offset)) for n in ast.walk(tree)
-            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)]
+            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+            and isinstance(n.value.value, str)]
 
 
 def family_names(source: str, rel: str = "") -> list:
