@@ -38,7 +38,6 @@ FOREIGN_NAMES = {
 # shrink: take a file out once it is clean (test_pending_files_still_name_a_family says which,
 # as a skip, so the work that cleans a file is not failed by this list); never add one.
 PENDING = {
-    "rlx_core/runtime/model.py",
     "rlx_core/weights/gguf_io.py",
     "rlx_core/weights/gguf_write.py",
     "rlx_core/weights/packaged.py",
