@@ -34,7 +34,7 @@ from .pipeline import CompilePipeline, Executable, select_backend, specialize
 LEVELS = ("hir", "mir", "fused", "lir")
 # How far a value deep in a model may be from the reference's, relative to the reference's
 # largest magnitude. A node's inputs carry the rounding of every node before it, and
-# backends accumulate in other orders (SmolLM2's q4_1 MLPs: 3e-5 between numba and numpy);
+# backends accumulate in other orders (a 135M decoder's q4_1 MLPs: 3e-5 between numba and numpy);
 # a wrong kernel is off by far more (order 1). Other dtypes must match exactly.
 TOLERANCE = {F32: 1e-3, F16: 5e-2, BF16: 1e-1, F64: 1e-9}
 DEFAULT_IDS = tuple(range(1, 9))

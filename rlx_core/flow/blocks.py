@@ -48,7 +48,7 @@ class ZeroBeta:
 @attrs.frozen
 class TokenEmbed:
     key: str = "model.embed_tokens.weight"
-    scale: float | None = None       # Gemma multiplies by sqrt(hidden)
+    scale: float | None = None       # some families multiply by sqrt(hidden)
 
     def emit(self, ctx, ids):
         vocab = ctx.cfg("vocab_size")
@@ -65,7 +65,7 @@ class TokenEmbed:
 class RmsNorm:
     key: str
     eps: float = 1e-6
-    offset: float = 0.0              # Gemma: x * (1 + w)
+    offset: float = 0.0              # 1.0: x * (1 + w), for weights stored as w - 1
     absolute: bool = False
 
     def emit(self, ctx, x):
@@ -164,7 +164,7 @@ class AttnSpec:
     max_positions: int = 2048
     rotary_dim: int | None = None
     rope_style: str = "half"
-    qk_norm_eps: float | None = None     # Qwen3 / Gemma 3 QK-norm
+    qk_norm_eps: float | None = None     # QK-norm (RMSNorm of q and k per head)
     qk_norm_offset: float = 0.0
     bias: bool = False                   # q/k/v biases
     o_bias: bool = False
@@ -224,7 +224,7 @@ class SelfAttention:
                 self._proj(ctx, x, "v", s.kv_heads))
 
     def rope_tables(self, ctx) -> tuple:
-        """(cos, sin) of this layer at the flow's positions (a hook: Gemma computes its own)."""
+        """(cos, sin) of this layer at the flow's positions (a hook: per-layer RoPE computes its own)."""
         return rope_for(ctx, self.spec)
 
     def roped_qkv(self, ctx, x) -> tuple:
@@ -283,7 +283,7 @@ class LmHead:
     hidden: int
     tied: bool = False
     key: str | None = None
-    softcap: float = 0.0            # Gemma 2 final-logit softcapping
+    softcap: float = 0.0            # final-logit softcapping: cap * tanh(logits / cap)
 
     def emit(self, ctx, x):
         key = self.key or ("model.embed_tokens.weight" if self.tied else "lm_head.weight")

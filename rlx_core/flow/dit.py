@@ -1,8 +1,8 @@
 """Generic diffusion-transformer (DiT) blocks and helpers: sinusoidal timestep embeddings
 and their MLPs, adaLN modulation (shift / scale / gate vectors from a conditioning vector),
 multi-axis RoPE tables from position ids, and attention over several token groups joined
-along the sequence (MM-DiT joint attention). FLUX composes them (rlx-blocks-flux); other
-DiT families can too. Computed the way diffusers computes them, so outputs match it."""
+along the sequence (MM-DiT joint attention). A DiT family's plugin composes them. Computed
+the way diffusers computes them, so outputs match it."""
 from __future__ import annotations
 
 import math
@@ -103,7 +103,7 @@ def plain_layer_norm(m, x, eps: float):
 @attrs.frozen
 class AdaLnModulation:
     """Shared modulation: linear(silu(stream `cond`)) at `key`, split into n vectors kept in
-    the flow state under `name` for the blocks that read them (FLUX.2)."""
+    the flow state under `name` for the blocks that read them."""
     cond: str
     key: str
     n: int
@@ -130,7 +130,7 @@ class AdaNormOut:
 
 
 def rope_inv_freq(dim: int, theta: float) -> np.ndarray:
-    """1 / theta^(2i/dim), computed in f64 as diffusers does for FLUX, stored f32."""
+    """1 / theta^(2i/dim), computed in f64 as diffusers does, stored f32."""
     if dim % 2:
         raise ModelError(f"multi-axis RoPE: axis dim {dim} is odd")
     return (1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)).astype(np.float32)
@@ -138,8 +138,8 @@ def rope_inv_freq(dim: int, theta: float) -> np.ndarray:
 
 @attrs.frozen
 class MultiAxisRope:
-    """RoPE tables from position ids with one column per axis ((t, h, w) for FLUX.1, four
-    for FLUX.2): the id inputs [S_i, axes] are joined along the sequence in the order
+    """RoPE tables from position ids with one column per axis (e.g. (t, h, w), or
+    four): the id inputs [S_i, axes] are joined along the sequence in the order
     given; axis j rotates axes_dim[j] channels. Sets state `name` = (cos, sin) [S, sum/2]
     for the interleaved rope op."""
     inputs: tuple

@@ -1,6 +1,6 @@
 """ModelFlow: a fluent chain of stages that builds an HIR graph from blocks.
 
-    ModelFlow("llama").input("ids", (1, "seq"), I64).token_embed()
+    ModelFlow("decoder").input("ids", (1, "seq"), I64).token_embed()
         .repeat_layers(n, lambda f, i: f.rms_norm(...).self_attn_prefill(spec)...)
         .final_norm(eps).lm_head(vocab, hidden, tied=True).build(weights)
 """

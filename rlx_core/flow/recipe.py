@@ -1,4 +1,4 @@
-"""The shared shape of a decoder recipe (Llama32Flow, Qwen3Flow, Gemma2Flow, Gemma3Flow):
+"""The shared shape of a decoder recipe (the decoder flows of the family plugins):
 the inputs of each mode, the layer loop and the hooks a model author overrides.
 Architectures fill in the embedding, the default layer, the final norm and the head."""
 from __future__ import annotations
@@ -44,7 +44,7 @@ class DecoderFlow(abc.ABC):
     `loss`, the mean token cross-entropy, for `rlx_core.value_and_grad(g, wrt, "loss")`.
     """
     family = "decoder"
-    profile_family = None          # preset family if not `family` (gemma2/gemma3 -> gemma)
+    profile_family = None          # preset family if not `family` (model types sharing presets)
     layer_ctx = LayerCtx
 
     def __init__(self, cfg: dict, mode: str = "prefill", batch="batch", seq="seq"):

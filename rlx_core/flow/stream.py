@@ -1,5 +1,5 @@
 """Streams: named activations a flow carries beside its current value, so a block can work
-on several at once (FLUX's image and text tokens). MAIN / IMG / TXT are conventions; any
+on several at once (a DiT's image and text tokens). MAIN / IMG / TXT are conventions; any
 string names a stream. Stages here only move values between the current value, inputs
 and streams; blocks read and write streams through `ctx.stream` / `ctx.set_stream`."""
 from __future__ import annotations

@@ -299,7 +299,7 @@ def attention_mask(a, b, sq, sk, mask=None, pos=None, q0=0, sq_total=None):
 
 
 # score elements one attention block may hold: past it the query rows go in blocks, so a
-# long joint sequence (FLUX: 4608 tokens, 24 heads) never holds its whole [heads, S, S]
+# long joint sequence (a DiT's 4608 tokens, 24 heads) never holds its whole [heads, S, S]
 _ATTN_BLOCK = 1 << 22
 
 

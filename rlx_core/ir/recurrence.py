@@ -8,13 +8,13 @@ channel d, state n:
 delta is taken as given (Mamba applies softplus(delta + bias) before the scan).
 
 gated_delta_rule (Gated DeltaNet, Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks:
-Improving Mamba2 with Delta Rule"; the recurrent form of Qwen3-Next's
+Improving Mamba2 with Delta Rule"; the recurrent form of transformers'
 torch_recurrent_gated_delta_rule), per batch b, head h, step t, state S [K, V]:
     S = exp(g[t]) * S                                (gated decay; g <= 0 is a log-gate)
     S = S + k[t] (beta[t] * (v[t] - S^T k[t]))^T     (the delta rule: write the correction)
     o[t] = S^T (scale * q[t])                        (scale defaults to 1 / sqrt(K))
 i.e. S_t = S_{t-1} alpha_t (I - beta_t k_t k_t^T) + beta_t k_t v_t^T with alpha_t = exp(g_t)
-in the key-major layout. q and k are used as given (Qwen3-Next L2-normalizes them first).
+in the key-major layout. q and k are used as given (models L2-normalize them first where they need it).
 """
 from __future__ import annotations
 

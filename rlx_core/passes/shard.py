@@ -22,8 +22,8 @@ blocks of each row (only when the rank's slice of K starts and ends on the schem
 boundaries; else it runs replicated, noted in `log`), and a packed lookup is vocab-parallel
 (its rows dequantized before the masked all_reduce).
 A MIR lowered `direct` may hold matmul epilogues, and a matmul whose output is read only
-through views of parts of its weight (BERT's matmul on concat(W_q, W_k, W_v), NomicBERT's
-on one Wqkv): `unfuse_matmuls` takes them apart first (a part of one weight is a param
+through views of parts of its weight (an encoder's matmul on concat(W_q, W_k, W_v), or
+on one fused Wqkv): `unfuse_matmuls` takes them apart first (a part of one weight is a param
 whose `shard` attr names it; the walk slices such a part further on the same axis).
 """
 from __future__ import annotations
@@ -262,7 +262,7 @@ def _mm_parts(g: Graph, i: int, consumers: dict):
 def unfuse_matmuls(g: Graph) -> Graph:
     """`g` with every matmul epilogue (fused_matmul_bias_act) as matmul + bias + activation,
     and a matmul whose output is read only through views of parts of its weight
-    (`_mm_parts`: BERT's matmul on concat(W_q, W_k, W_v), NomicBERT's on one Wqkv) as one
+    (`_mm_parts`: a matmul on concat(W_q, W_k, W_v), or on one fused Wqkv) as one
     matmul per part, on that part of the weight (a param with a `shard` attr where it is a
     slice of one): the walk shards each part column-parallel on its own."""
     if not any(n.op in ("fused_matmul_bias_act", "narrow") for n in g.nodes):

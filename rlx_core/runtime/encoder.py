@@ -1,6 +1,6 @@
-"""Encoder models: sentence embeddings from a recipe's encoder flow (BERT, NomicBERT, ...).
+"""Encoder models: sentence embeddings from a recipe's encoder flow.
 
-A recipe that builds encoders (rlx-blocks-bert's BertRecipe) returns an `Encoder` from
+A recipe that builds encoders (an encoder family's plugin) returns an `Encoder` from
 `build(ckpt, ...)`. The recipe provides `flow(config, pooling=...)` — a ModelFlow with inputs
 `ids`, `positions` [batch, seq], optionally `token_type_ids`, and `key_mask` [batch,1,1,seq]
 (bool), and taps `last_hidden_state`, `pooled` and `embedding` (pooled, L2-normalized) —
@@ -526,7 +526,7 @@ def embed_command(model, texts=None, file=None, json_out: bool = False, batch_si
                   normalize: bool = True, no_truncate: bool = False, echo=print, progress=None) -> np.ndarray:
     """What `rlx embed MODEL "text" ... [--json]` / `rlx embed MODEL --file lines.txt` does.
 
-    `model`: a path, a packaged name (`minilm`) or an Encoder. `file`: a path or "-" (stdin),
+    `model`: a path, a packaged name or an Encoder. `file`: a path or "-" (stdin),
     one text per line (empty lines included). Prints one line per text (the vector, values
     separated by spaces, loadable by numpy.loadtxt) or, with json_out, one JSON object
     {"model", "dim", "normalized", "count", "embeddings"}. A progress bar goes to stderr for

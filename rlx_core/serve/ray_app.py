@@ -7,9 +7,9 @@ actor. Ray does the placement, routing and restarts; nothing here is cluster cod
       - name: rlx
         route_prefix: /
         import_path: rlx_core.serve.ray_app:app_builder
-        args: {model: smollm2, backend: numpy, replicas: 2, tp: 1}
+        args: {model: NAME, backend: numpy, replicas: 2, tp: 1}
 
-or `serve run rlx_core.serve.ray_app:app_builder model=smollm2 replicas=2`. The args:
+or `serve run rlx_core.serve.ray_app:app_builder model=NAME replicas=2`. The args:
 `model` (a name or path, or a list of them), `backend`, `profile`, `replicas` (default 1),
 `tp` (ranks per replica, default 1), `max_batch` (default 8), `max_tokens` (chat default).
 The deployment is named "rlx": a config's `deployments:` entry of that name sets Ray's own

@@ -32,7 +32,7 @@ COMPOSED = {"fusion": {"policy": "fusable", "skip": True}}
 # a whole tiny model's outputs computed in another order: twice one op's tolerance (TOL;
 # the project's recipes differ by 2.4e-6 at most, relative to the largest output)
 MODEL_TOL_FACTOR = 2
-LENGTHS = (5, 9, 2)           # rows of a batch (the longest beyond a tiny Gemma's window)
+LENGTHS = (5, 9, 2)           # rows of a batch (the longest beyond a tiny sliding window)
 
 
 # ----------------------------------------------------------------------------- recipes

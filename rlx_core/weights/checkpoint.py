@@ -33,8 +33,8 @@ class Checkpoint:
     tokenizer: Tokenizer | None
 
     def architecture(self) -> str:
-        """The HF `model_type`, e.g. "llama", "bert", "gemma3_text"; for a diffusers model
-        folder (no model_type) its `_class_name`, e.g. "FluxTransformer2DModel"."""
+        """The HF `model_type`, as config.json names it; for a diffusers model folder
+        (no model_type) its `_class_name`, the transformer's class name."""
         arch = self.config.get("model_type") or self.config.get("_class_name")
         if not isinstance(arch, str) or not arch:
             raise WeightError(f"{self.path}: config has no 'model_type' (nor a diffusers '_class_name')")

@@ -119,7 +119,7 @@ def check_config(
         raise error(f"{source}: config is {type(config).__name__}, expected a JSON object")
     pad = config.get("pad_token_id")
     if type(pad) is int and pad < 0:
-        config["pad_token_id"] = None      # LLaMA-1 conversions write -1 for "no pad token"
+        config["pad_token_id"] = None      # older conversions write -1 for "no pad token"
     for key, (ok, want, nullable) in _SCHEMA.items():
         if key in config and not ((nullable and config[key] is None) or ok(config[key])):
             null = " or null" if nullable else ""
