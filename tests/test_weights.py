@@ -326,7 +326,7 @@ def test_assembled_gemma3_is_hashed_once(tmp_path, monkeypatch):
 
     pkg = types.SimpleNamespace(MODEL_NAME="m.gguf", EXPECTED_SHA256="ab12", assemble=assemble)
     monkeypatch.setenv("RLX_CACHE", str(tmp_path))
-    monkeypatch.setattr(packaged, "_package_dir", lambda *a: str(tmp_path))
+    monkeypatch.setattr(packaged, "package_dir", lambda *a: str(tmp_path))
     monkeypatch.setattr(importlib, "import_module", lambda name: pkg)
     target = str(tmp_path / "m.gguf")
     assert resolve_model_path("gemma3") == target and len(calls) == 2     # assembled, then checked

@@ -211,6 +211,17 @@ _REGISTER_ARGS = {
 RESERVED_COMMANDS: set = set()   # the core CLI's own command names (filled by rlx_core.cli)
 
 
+def reserve_commands(names) -> None:
+    """Mark `names` as the core CLI's own commands (rlx_core.cli does, on import): a plugin
+    registering one is broken. A registry built before with such a plugin command is dropped,
+    so the next build lists that plugin broken too."""
+    global _registry
+    with _lock:
+        RESERVED_COMMANDS.update(names)
+        if _registry is not None and RESERVED_COMMANDS & set(_registry.commands):
+            _registry = None
+
+
 def _recorder(hook: str, calls: list) -> Callable:
     """The `register` callback handed to `hook`: records each call (positional or by the
     parameter names the hookspec documents) for validation in `_commit`."""
@@ -446,4 +457,4 @@ def reset() -> None:
 
 __all__ = ["ENTRY_GROUP", "HOOKS", "PluginInfo", "Registry", "RlxPluginWarning", "ensure_loaded",
            "filter_reason", "owner_of", "plugin_infos", "plugin_manager", "register_plugin",
-           "registry", "reset", "temporary_plugin", "unregister_plugin"]
+           "registry", "reserve_commands", "reset", "temporary_plugin", "unregister_plugin"]

@@ -30,7 +30,7 @@ _LOCKS_GUARD = threading.Lock()
 def backend_lock(backend) -> threading.RLock:
     """The lock a model's calls hold while they run on `backend`. One per backend, not per
     model: backends share a device stream, queue or activation arena between the runners
-    of every model (CUDA), and measured on the NumPy backend (16 cores, SmolLM2-sized LLaMA,
+    of every model (CUDA), and measured on the NumPy backend (16 cores, a 135M-parameter decoder,
     8 threads) runs side by side were 2.3x slower than in turn (BLAS threads oversubscribed)."""
     with _LOCKS_GUARD:
         return _BACKEND_LOCKS.setdefault(id(backend), (backend, threading.RLock()))[1]

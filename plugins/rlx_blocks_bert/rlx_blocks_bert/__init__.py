@@ -11,6 +11,8 @@ from .blocks import (BLOCKS, BertEncoderLayer, BertFlowBuilder, BertSelfAttentio
                      NomicSpec, ir_activation, pool_stage)
 from .recipes import (BertFlow, BertRecipe, NomicBertFlow, NomicBertRecipe, bert_config, encoder_tensors,
                       nomic_config)
+from .commands import rlx_register_commands  # noqa: F401
+from .packaged import rlx_register_packaged_models  # noqa: F401
 
 
 @hookimpl

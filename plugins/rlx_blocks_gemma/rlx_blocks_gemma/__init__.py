@@ -12,6 +12,7 @@ from .blocks import GEMMA_BLOCKS, GeGLU, GemmaAttention, GemmaDecoderLayer, Gemm
 from .config import GemmaArch, gemma_arch, text_config
 from .recipes import (Gemma2Flow, Gemma2Recipe, Gemma3Flow, Gemma3Recipe, GemmaFlow, GemmaLM,
                       GemmaRecipe, LayerCtx, attn_spec, text_tensors)
+from .packaged import rlx_register_packaged_models  # noqa: F401
 
 
 @hookimpl

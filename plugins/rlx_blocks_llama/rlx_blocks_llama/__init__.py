@@ -13,6 +13,8 @@ from rlx_core.ir.errors import ModelError
 from rlx_core.plugins import hookimpl
 from rlx_core.weights.config import check_config, config_source, hf_activation
 
+from .packaged import rlx_register_packaged_models  # noqa: F401
+
 
 def sliding_window(cfg: dict, i: int) -> int:
     """Layer i's attention window (0: global) as transformers reads the config: Mistral slides
