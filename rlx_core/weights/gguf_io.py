@@ -3,8 +3,9 @@
 The header is parsed here because `gguf.GGUFReader` builds a numpy view per array element and takes
 ~15 s on a 262k-token vocabulary; `gguf.quants.dequantize` still does all the unpacking. What the
 tensors look like after loading follows transformers' GGUF loader exactly (see
-`transformers/modeling_gguf_pytorch_utils.py`): llama's Q/K rows are un-permuted, gemma's norms
-lose the `+1` llama.cpp baked in.
+`transformers/modeling_gguf_pytorch_utils.py`); what differs per family (tensor names, value
+transforms such as row permutations, extra metadata) comes from the `GGUFArchitecture` its plugin
+registered (`gguf_arch`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import re
 import struct
 from typing import Any, NamedTuple
 
@@ -41,15 +41,6 @@ _SCALAR = {
     11: "<q",
     12: "<d",
 }
-
-# GGUF architecture -> HF model_type / class
-_MODEL_TYPES = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
-    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
-}
-
 
 class TensorInfo(NamedTuple):
     name: str
@@ -324,101 +315,30 @@ def dequantize_tensor(gf: GGUFFile, info: TensorInfo, blob: np.ndarray) -> np.nd
 
 # ---------------------------------------------------------------------------------------------- names
 
-_COMMON = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-}
-_LAYER_NAMES = {
-    "llama": {**_COMMON, "ffn_norm": "post_attention_layernorm"},
-    "qwen3": {**_COMMON, "ffn_norm": "post_attention_layernorm"},
-    # gemma has four norms per block: around attention and around the MLP
-    "gemma2": {
-        **_COMMON,
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
-}
-_LAYER_NAMES["gemma3"] = _LAYER_NAMES["gemma2"]
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_DROPPED = {"rope_freqs.weight"}  # llama3 rope factors; transformers rebuilds them from the config
-_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
-
-
 def hf_name(arch: str, gguf_name: str) -> str | None:
-    """The transformers parameter name for a GGUF tensor name; None for one transformers drops."""
-    if gguf_name in _DROPPED:
-        return None
-    if m := _BLOCK.match(gguf_name):
-        layer, leaf, kind = m.groups()
-        if leaf in _LAYER_NAMES[arch]:
-            return f"model.layers.{layer}.{_LAYER_NAMES[arch][leaf]}.{kind}"
-    else:
-        stem, _, kind = gguf_name.rpartition(".")
-        if stem in _TOP_NAMES:
-            return f"{_TOP_NAMES[stem]}.{kind}"
-    return gguf_name  # unknown: kept under its GGUF name so a model builder can report it
+    """The transformers parameter name for a GGUF tensor name of architecture `arch` (see
+    `GGUFArchitecture.hf_name`); None for one transformers drops."""
+    from .gguf_arch import gguf_architecture
 
-
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's rope row permutation (`permute` in convert_hf_to_gguf.py), as transformers does."""
-    dim = w.shape[0] // n_head // 2
-    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
-
-
-def fix_tensor(arch: str, gguf_name: str, w: np.ndarray, config: dict, path: str = "") -> np.ndarray:
-    """Undo what llama.cpp's converter did to a tensor's values, so it equals the HF original."""
-    if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
-        key = "num_attention_heads" if ".attn_q." in gguf_name else "num_key_value_heads"
-        heads = config[key]
-        if w.ndim == 0 or w.shape[0] % (2 * heads):
-            raise WeightError(
-                f"{path}: tensor {gguf_name!r} of shape {list(w.shape)} does not split into {heads} heads "
-                f"({key}) of an even size"
-            )
-        return _unpermute(w, heads)
-    if arch.startswith("gemma") and "norm.weight" in gguf_name:
-        return w - np.float32(1.0)  # llama.cpp stores gemma's (1 + w) RMSNorm scale
-    return w
+    return gguf_architecture("", arch).hf_name(gguf_name)
 
 
 # ---------------------------------------------------------------------------------------------- config
 
 
 def gguf_config(gf: GGUFFile, sources: dict | None = None) -> dict:
-    """An HF-style config.json dict synthesized from GGUF metadata, every value type- and range-checked.
+    """An HF-style config.json dict synthesized from GGUF metadata, every value type- and range-checked:
+    the generic llama.cpp keys here, the family's own through its registered `GGUFArchitecture`.
     `sources` (a dict) gets config key -> the metadata key it was read from (`rlx inspect`)."""
+    from .gguf_arch import MetadataReader, gguf_architecture
+
     md, path = gf.metadata, gf.path
-    src = sources if sources is not None else {}
     arch = md.get("general.architecture")
-    if not isinstance(arch, str) or arch not in _MODEL_TYPES:
-        raise WeightError(
-            f"{path}: GGUF architecture {arch!r} is not supported (expected one of {sorted(_MODEL_TYPES)})"
-        )
-
-    def took(key, to):
-        if to and key in md:
-            src.setdefault(to, key)
-
-    def num(name, default=_REQUIRED, lo=1, to=""):
-        took(f"{arch}.{name}", to)
-        return meta_int(path, md, f"{arch}.{name}", default, lo)
-
-    def real(name, default, lo=0.0, strict=True, to=""):
-        took(f"{arch}.{name}", to)
-        return meta_float(path, md, f"{arch}.{name}", default, lo, strict)
-
-    model_type, hf_class = _MODEL_TYPES[arch]
-    took("general.architecture", "model_type")
-    took("general.architecture", "architectures")
+    mapping = gguf_architecture(path, arch)
+    m = MetadataReader(path, md, arch, sources if sources is not None else {})
+    num, real = m.num, m.real
+    m.took("general.architecture", "model_type")
+    m.took("general.architecture", "architectures")
     hidden = num("embedding_length", to="hidden_size")
     heads = num("attention.head_count", to="num_attention_heads")
     layers = num("block_count", to="num_hidden_layers")
@@ -430,14 +350,13 @@ def gguf_config(gf: GGUFFile, sources: dict | None = None) -> dict:
             f"{path}: GGUF metadata {arch}.attention.head_count = {heads} is not a multiple of "
             f"{arch}.attention.head_count_kv = {kv_heads}"
         )
-    # llama files state the head size only as the rotary width, which is the whole head there
-    head_dim = num("attention.key_length", None, to="head_dim") or (
-        arch == "llama" and num("rope.dimension_count", None, to="head_dim"))
+    head_dim = num("attention.key_length", None, to="head_dim") or mapping.head_dim(m)
     if not head_dim:
         if hidden % heads:
             raise WeightError(
                 f"{path}: GGUF metadata {arch}.embedding_length = {hidden} is not a multiple of "
-                f"{arch}.attention.head_count = {heads}, and no {arch}.attention.key_length gives the head size"
+                f"{arch}.attention.head_count = {heads}, and no {arch}.attention.key_length gives the "
+                "head size"
             )
         head_dim = hidden // heads
     names = {t.name: t for t in gf.tensors}
@@ -445,10 +364,10 @@ def gguf_config(gf: GGUFFile, sources: dict | None = None) -> dict:
     embd = names.get("token_embd.weight")
     vocab = num("vocab_size", len(tokens) if tokens else embd.shape[0] if embd and embd.shape else None,
                 to="vocab_size")
-    took("tokenizer.ggml.tokens", "vocab_size")
+    m.took("tokenizer.ggml.tokens", "vocab_size")
     cfg = {
-        "model_type": model_type,
-        "architectures": [hf_class],
+        "model_type": mapping.model_type,
+        "architectures": [mapping.hf_class],
         "hidden_size": hidden,
         "intermediate_size": num("feed_forward_length", to="intermediate_size"),
         "num_hidden_layers": layers,
@@ -463,52 +382,21 @@ def gguf_config(gf: GGUFFile, sources: dict | None = None) -> dict:
     }
     for key, gkey in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
         hi = vocab - 1 if vocab is not None else None
-        took(f"tokenizer.ggml.{gkey}_token_id", f"{key}_token_id")
+        m.took(f"tokenizer.ggml.{gkey}_token_id", f"{key}_token_id")
         cfg[f"{key}_token_id"] = meta_int(path, md, f"tokenizer.ggml.{gkey}_token_id", None, 0, hi)
-    if arch.startswith("gemma"):
-        cfg["hidden_activation"] = "gelu_pytorch_tanh"
-    else:
-        cfg["hidden_act"] = "silu"
     if (scaling := md.get(f"{arch}.rope.scaling.type")) not in (None, "none"):
         if scaling != "linear":
-            # llama3 needs low/high frequency factors that GGUF metadata has no keys for (llama.cpp
-            # bakes them into a rope_freqs tensor, which transformers drops), yarn is not implemented
+            # other kinds need low/high frequency factors that GGUF metadata has no keys for (llama.cpp
+            # bakes them into a rope_freqs tensor, which transformers drops); yarn is not implemented
             raise WeightError(
                 f"{path}: GGUF metadata {arch}.rope.scaling.type = {scaling!r} is not supported "
                 "(expected 'none' or 'linear' with rope.scaling.factor)"
             )
-        took(f"{arch}.rope.scaling.type", "rope_scaling")
+        m.took(f"{arch}.rope.scaling.type", "rope_scaling")
         cfg["rope_scaling"] = {"rope_type": scaling, "factor": real("rope.scaling.factor", 1.0)}
         if (orig := num("rope.scaling.original_context_length", None)) is not None:
             cfg["rope_scaling"]["original_max_position_embeddings"] = orig
-    if arch.startswith("gemma"):
-        pkey = f"{arch}.attention.sliding_window_pattern"
-        pattern = md.get(pkey, 6 if arch == "gemma3" else 2)
-        took(pkey, "sliding_window_pattern")
-        took(pkey, "layer_types")
-        if isinstance(pattern, list):  # newer files: one flag per layer, true where attention slides
-            if len(pattern) != layers or not all(isinstance(p, (bool, int)) for p in pattern):
-                raise WeightError(
-                    f"{path}: GGUF metadata {pkey} is a list of {len(pattern)} values, expected "
-                    f"{layers} booleans (one per layer)"
-                )
-            sliding = [bool(p) for p in pattern]
-            pattern = sliding.index(False) + 1 if False in sliding else len(sliding) + 1
-        else:  # every `pattern`-th layer is global, as in transformers' configs
-            pattern = meta_int(path, md, pkey, pattern)
-            sliding = [bool((i + 1) % pattern) for i in range(layers if held else 0)]
-        cfg |= {
-            "sliding_window": num("attention.sliding_window", None, lo=0, to="sliding_window"),
-            "query_pre_attn_scalar": real("attention.query_pre_attn_scalar", head_dim,
-                                          to="query_pre_attn_scalar"),
-            "sliding_window_pattern": pattern,
-            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-        }
-    if arch == "gemma3":
-        cfg["rope_local_base_freq"] = real("rope.freq_base_swa", 10000.0, to="rope_local_base_freq")
-    if arch == "gemma2":
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            cfg[key] = real(key, None, strict=False, to=key) if f"{arch}.{key}" in md else None
+    mapping.config(m, cfg, held)
     return cfg
 
 
@@ -543,9 +431,11 @@ def load_gguf(path: str, progress: bool = False, packed: bool = False
               ) -> tuple[dict, dict[str, np.ndarray], GGUFFile]:
     """`(config, tensors, header)` of a GGUF file: every tensor dequantized to float32, or with
     `packed` the quantized matmul weights as PackedTensors over the memory-mapped file."""
+    from .gguf_arch import gguf_architecture
+
     gf = read_gguf(path)
     config = gguf_config(gf)
-    arch = gf.metadata["general.architecture"]
+    mapping = gguf_architecture(path, gf.metadata["general.architecture"])
     blob = np.memmap(path, dtype=np.uint8, mode="r")
     items = gf.tensors
     if progress:
@@ -554,19 +444,19 @@ def load_gguf(path: str, progress: bool = False, packed: bool = False
         items = tqdm_class()(items, desc=f"loading {os.path.basename(path)}", unit="tensor")
     tensors = {}
     for info in items:
-        name = hf_name(arch, info.name)
+        name = mapping.hf_name(info.name)
         if name is None:
             continue
         p = _packed(gf, info, blob)
         if p is None:
-            tensors[name] = fix_tensor(arch, info.name, dequantize_tensor(gf, info, blob), config, path)
+            tensors[name] = mapping.from_gguf(info.name, dequantize_tensor(gf, info, blob), config, path)
         elif packed:
-            raw = fix_tensor(arch, info.name, p.raw, config, path)    # a row permutation at most
+            raw = mapping.from_gguf(info.name, p.raw, config, path)    # a row permutation at most
             if raw is not p.raw:                  # a copy: the file's pages of it are not read again
                 release_file_pages(p.raw)
                 p = PackedTensor(np.ascontiguousarray(raw), p.scheme, p.shape, p.name)
             tensors[name] = p
         else:
-            tensors[name] = fix_tensor(arch, info.name, p.dequantize(), config, path)
+            tensors[name] = mapping.from_gguf(info.name, p.dequantize(), config, path)
     del blob
     return config, tensors, gf

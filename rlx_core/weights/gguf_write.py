@@ -1,11 +1,11 @@
 """Writing a checkpoint as a GGUF file with packed weights (`rlx quantize`).
 
-The inverse of `gguf_io`'s loading: HF names become llama.cpp's, llama's Q/K rows get the
-converter's rope permutation, gemma's norms get the `+1` llama.cpp stores, the config becomes
-GGUF metadata, and every matmul weight whose rows split into whole blocks is quantized with
-the scheme (the rest stays f32, as llama.cpp's own quantizer keeps norms). The HF tokenizer
-travels as `tokenizer.huggingface.json`, plus llama.cpp's BPE fields for byte-level BPE
-vocabularies, so both RLX and llama.cpp read the file.
+The inverse of `gguf_io`'s loading: HF names become llama.cpp's, values get what llama.cpp's
+converter does to them (row permutations, norms stored as 1 + w: the family's registered
+`GGUFArchitecture` says which), the config becomes GGUF metadata, and every matmul weight whose
+rows split into whole blocks is quantized with the scheme (the rest stays f32, as llama.cpp's
+own quantizer keeps norms). The HF tokenizer travels as `tokenizer.huggingface.json`, plus
+llama.cpp's BPE fields for byte-level BPE vocabularies, so both RLX and llama.cpp read the file.
 
 RLX's own int8/int4 blocks have no GGUF type: they are stored as GGUF I8 bytes
 [rows, bytes per row] with the scheme under `rlx.scheme.<tensor>`, which RLX reads back and
@@ -30,7 +30,8 @@ from rlx_core.ir.quant import QuantScheme
 
 from .checkpoint import Checkpoint
 from .config import check_config
-from .gguf_io import _LAYER_NAMES, _MODEL_TYPES, _TOP_NAMES, GGUF_MAGIC, SCHEME_KEY
+from .gguf_arch import GGUFArchitecture, gguf_architecture
+from .gguf_io import GGUF_MAGIC, SCHEME_KEY
 from .tokenizer import HF_TOKENIZER_KEY, RLX_TOKENIZER_KEY
 
 
@@ -44,34 +45,16 @@ _F32 = ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "query_pre_attn_sc
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
-def _gguf_names(arch: str) -> dict:
-    """HF tensor name -> GGUF name, as a function of the layer index."""
-    layer = {hf: g for g, hf in _LAYER_NAMES[arch].items()}
-    top = {hf: g for g, hf in _TOP_NAMES.items()}
-    return layer, top
-
-
 def gguf_name(arch: str, hf: str) -> str:
-    layer, top = _gguf_names(arch)
-    stem, _, kind = hf.rpartition(".")
-    if stem.startswith("model.layers."):
-        idx, _, leaf = stem[len("model.layers."):].partition(".")
-        if leaf in layer:
-            return f"blk.{idx}.{layer[leaf]}.{kind}"
-    elif stem in top:
-        return f"{top[stem]}.{kind}"
-    raise WeightError(f"tensor {hf!r} has no GGUF name for architecture {arch!r}")
+    """The GGUF name of HF tensor `hf` in architecture `arch`; WeightError when it has none."""
+    name = gguf_architecture("", arch).gguf_name(hf)
+    if name is None:
+        raise WeightError(f"tensor {hf!r} has no GGUF name for architecture {arch!r}")
+    return name
 
 
-def _permute(w: np.ndarray, n_head: int, name: str) -> np.ndarray:
-    """llama.cpp's converter rope permutation of Q/K rows (convert_hf_to_gguf.py `permute`)."""
-    if w.ndim != 2 or w.shape[0] % (2 * n_head):
-        raise WeightError(f"tensor {name!r} of shape {list(w.shape)}: expected a matrix whose rows split "
-                          f"into {n_head} heads of an even size")
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _metadata(w, arch: str, cfg: dict) -> None:
+def _metadata(w, mapping: GGUFArchitecture, cfg: dict) -> None:
+    """The generic llama.cpp keys, the family's own (`write_metadata`), then the token ids."""
     def get(*keys, default=None):
         for k in keys:
             if cfg.get(k) is not None:
@@ -91,27 +74,7 @@ def _metadata(w, arch: str, cfg: dict) -> None:
     w.add_layer_norm_rms_eps(float(get("rms_norm_eps", default=1e-6)))
     w.add_rope_freq_base(float(get("rope_theta", default=10000.0)))
     w.add_vocab_size(cfg["vocab_size"])
-    if arch == "llama":
-        w.add_rope_dimension_count(head_dim)
-    scaling = cfg.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind not in (None, "default"):
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(float(scaling["factor"]))
-    if arch.startswith("gemma"):
-        if cfg.get("sliding_window") is not None:
-            w.add_sliding_window(cfg["sliding_window"])
-        w.add_float32(f"{arch}.attention.query_pre_attn_scalar",
-                      float(get("query_pre_attn_scalar", default=head_dim)))
-        types = cfg.get("layer_types")
-        if types:
-            w.add_array(f"{arch}.attention.sliding_window_pattern", [t == "sliding_attention" for t in types])
-    if arch == "gemma3":
-        w.add_rope_freq_base_swa(float(get("rope_local_base_freq", default=10000.0)))
-    if arch == "gemma2":
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if cfg.get(key) is not None:
-                w.add_float32(f"{arch}.{key}", float(cfg[key]))
+    mapping.write_metadata(w, cfg, head_dim)
     for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
                      ("pad_token_id", w.add_pad_token_id)):
         v = cfg.get(key)
@@ -241,11 +204,7 @@ def write_gguf(ckpt: Checkpoint, dst: str, scheme: QuantScheme | str, echo=print
     Returns {"quantized": n, "kept": [names kept in f32]}."""
     q = QuantScheme.parse(scheme)
     cfg = ckpt.config
-    model_type = cfg.get("model_type")
-    arch = next((a for a, (mt, _) in _MODEL_TYPES.items() if mt == model_type), None)
-    if arch is None:
-        raise WeightError(f"{ckpt.path}: model_type {model_type!r} cannot be written to GGUF; "
-                          f"supported: {sorted(mt for mt, _ in _MODEL_TYPES.values())}")
+    arch = _architecture_of(ckpt.path, cfg.get("model_type"))
     source = os.path.join(ckpt.path, "config.json")
     _check_for_gguf(check_config(cfg, source, required=_REQUIRED), source)
     path = destination(dst, ckpt.path)
@@ -262,12 +221,25 @@ def write_gguf(ckpt: Checkpoint, dst: str, scheme: QuantScheme | str, echo=print
     return done
 
 
+def _architecture_of(path: str, model_type) -> str:
+    """The GGUF architecture a plugin registered for `model_type` (the first, in registration order)."""
+    from rlx_core.plugins import registry
+
+    archs = registry().gguf_architectures
+    arch = next((a for a, m in archs.items() if m.model_type == model_type), None)
+    if arch is None:
+        raise WeightError(f"{path}: model_type {model_type!r} cannot be written to GGUF; "
+                          f"supported: {sorted({m.model_type for m in archs.values()})}")
+    return arch
+
+
 def _write(ckpt: Checkpoint, path: str, arch: str, q: QuantScheme, echo) -> dict:
     cfg = ckpt.config
+    mapping = gguf_architecture(ckpt.path, arch)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(os.path.basename(os.path.normpath(ckpt.path)))
     writer.add_file_type(q.gguf_type if q.gguf_type is not None else 0)
-    _metadata(writer, arch, cfg)
+    _metadata(writer, mapping, cfg)
     if ckpt.tokenizer is not None:
         _tokenizer(writer, ckpt.tokenizer)
     kept, quantized = [], 0
@@ -276,12 +248,7 @@ def _write(ckpt: Checkpoint, path: str, arch: str, q: QuantScheme, echo) -> dict
         if tied and hf == "lm_head.weight":
             continue
         name = gguf_name(arch, hf)
-        x = np.asarray(ckpt.tensors[hf], np.float32)
-        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-            heads = "num_attention_heads" if ".attn_q." in name else "num_key_value_heads"
-            x = _permute(x, cfg.get(heads) or cfg["num_attention_heads"], hf)
-        if arch.startswith("gemma") and name.endswith("norm.weight"):
-            x = x + np.float32(1.0)
+        x = mapping.to_gguf(name, np.asarray(ckpt.tensors[hf], np.float32), cfg, hf)
         if x.ndim == 2 and x.shape[1] % q.block_size == 0:
             raw = q.quantize(x, name=hf)
             if q.gguf_type is not None:

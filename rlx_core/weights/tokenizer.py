@@ -321,6 +321,9 @@ def _wordpiece(vocab_txt: str, tok_cfg: dict, special: dict[str, str]):
 # ---------------------------------------------------------------------------------------------- GGUF
 
 
+# `tokenizer.ggml.model` values: byte-level BPE, and sentencepiece (named after the llama.cpp format's
+# first model, as every file spells it)
+_BYTE_LEVEL_BPE, _SENTENCEPIECE = "gpt2", "llama"
 HF_TOKENIZER_KEY = "tokenizer.huggingface.json"
 RLX_TOKENIZER_KEY = "rlx.tokenizer"      # special tokens and ids beside it (rlx quantize writes both)
 
@@ -362,11 +365,14 @@ def tokenizer_from_gguf(path: str, metadata: dict) -> Tokenizer | None:
     """The tokenizer a GGUF file's metadata describes, or None if it has none this module can build."""
     if HF_TOKENIZER_KEY in metadata:
         return _tokenizer_from_hf_json(path, metadata)
+    from .gguf_arch import GGUFArchitecture, registered_gguf_architecture
+
     kind = metadata.get("tokenizer.ggml.model")
     tokens = metadata.get("tokenizer.ggml.tokens")
-    arch = metadata.get("general.architecture", "")
-    if kind not in ("gpt2", "llama") or not tokens:
+    if kind not in (_BYTE_LEVEL_BPE, _SENTENCEPIECE) or not tokens:
         return None
+    arch = metadata.get("general.architecture")
+    family = registered_gguf_architecture(arch) or GGUFArchitecture("", "", {})    # (no quirks)
 
     def tok(key):
         i = metadata.get(f"tokenizer.ggml.{key}")
@@ -382,9 +388,10 @@ def tokenizer_from_gguf(path: str, metadata: dict) -> Tokenizer | None:
         )
     }
     special = {k: v for k, v in special.items() if v is not None}
-    if kind == "llama" and arch.startswith("gemma"):
-        special.setdefault("mask_token", "<mask>")  # GemmaTokenizer's default, which transformers adds too
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    if kind == _SENTENCEPIECE:
+        for k, v in family.sentencepiece_special_tokens().items():
+            special.setdefault(k, v)
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == _SENTENCEPIECE))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
 
@@ -395,7 +402,7 @@ def tokenizer_from_gguf(path: str, metadata: dict) -> Tokenizer | None:
 
     def build():
         gc_on = gc.isenabled()        # (the cyclic GC would walk every string and merge pair
-        gc.disable()                  # made here, again and again: 0.1 s of Gemma's build)
+        gc.disable()                  # made here, again and again: 0.1 s of a 262k vocabulary's build)
         try:
             return _build()
         except Exception as e:  # tokenizers raises plain Exceptions on inconsistent vocabularies
@@ -405,15 +412,13 @@ def tokenizer_from_gguf(path: str, metadata: dict) -> Tokenizer | None:
                 gc.enable()
 
     def _build():
-        if kind == "gpt2":
+        if kind == _BYTE_LEVEL_BPE:
             tk = _byte_level(tokens, metadata.get("tokenizer.ggml.merges") or [])
-        elif arch.startswith("gemma"):
-            tk = _gemma(tokens)
         else:
-            tk = _llama_spm(
+            tk = family.sentencepiece_tokenizer(tokens) or _sentencepiece_bpe(
                 tokens, metadata.get("tokenizer.ggml.merges"), metadata.get("tokenizer.ggml.scores")
             )
-        _add_gguf_tokens(tk, tokens, types, byte_level=kind == "gpt2")
+        _add_gguf_tokens(tk, tokens, types, byte_level=kind == _BYTE_LEVEL_BPE)
         _set_split(tk, metadata.get("tokenizer.ggml.pre"))
         _add_named(tk, special)
         _set_post_processor(tk, special.get("bos_token"), special.get("eos_token"), add_bos, add_eos)
@@ -482,9 +487,10 @@ def _byte_level(tokens: list[str], merges: list[str]):
     return tk
 
 
-def _cached_merges(tokens: list[str], scores: list[float] | None) -> list[tuple[str, str]]:
-    """`_generate_merges` of the vocabulary `tokens` (id order) with `scores` (None: file order
-    ranks them), kept in the compile cache as i32 id pairs: Gemma's 262k tokens take seconds
+def vocabulary_merges(tokens: list[str], scores: list[float] | None) -> list[tuple[str, str]]:
+    """The BPE merges of a sentencepiece vocabulary (for a family's `sentencepiece_tokenizer`):
+    `_generate_merges` of the vocabulary `tokens` (id order) with `scores` (None: file order
+    ranks them), kept in the compile cache as i32 id pairs: a 262k-token vocabulary takes seconds
     to split; read back, the pairs are taken from an object array (~0.05 s for 515k)."""
     k = cache.key("merges", "\0".join(tokens),
                   "file order" if scores is None else np.asarray(scores, np.float64).tobytes())
@@ -516,28 +522,12 @@ def _generate_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tu
     return [(a, b) for a, b, _ in merges]
 
 
-def _gemma(tokens: list[str]):
-    """transformers' gemma GGUF tokenizer: whitespace runs spelled with '▁', merges rebuilt in file order."""
-    from tokenizers import Tokenizer as TkTokenizer
-    from tokenizers import decoders, normalizers, pre_tokenizers
-    from tokenizers.models import BPE
-
-    respelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
-    vocab = dict(zip(respelled, range(len(respelled))))
-    merges = _cached_merges(respelled, None)
-    tk = TkTokenizer(
-        BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token="<unk>", dropout=None, byte_fallback=True)
-    )
-    tk.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
-    tk.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    )
-    tk.normalizer = normalizers.Replace(" ", "\u2581")
-    return tk
+_cached_merges = vocabulary_merges      # (its name in the compile cache's tests)
 
 
-def _llama_spm(tokens: list[str], merges: list[str] | None, scores: list[float] | None):
-    """transformers' LlamaTokenizer backend: sentencepiece-style BPE with byte fallback."""
+def _sentencepiece_bpe(tokens: list[str], merges: list[str] | None, scores: list[float] | None):
+    """transformers' default backend for a GGUF sentencepiece vocabulary: BPE with byte fallback
+    and a metaspace pre-tokenizer (a family whose HF tokenizer differs supplies its own)."""
     from tokenizers import Tokenizer as TkTokenizer
     from tokenizers import decoders, pre_tokenizers
     from tokenizers.models import BPE
@@ -546,7 +536,7 @@ def _llama_spm(tokens: list[str], merges: list[str] | None, scores: list[float] 
     if merges:
         pairs = [tuple(m.split(" ")) for m in merges]
     else:
-        pairs = _cached_merges(tokens, list(scores or [0.0] * len(tokens)))
+        pairs = vocabulary_merges(tokens, list(scores or [0.0] * len(tokens)))
     tk = TkTokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True, dropout=None))
     tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
     tk.decoder = decoders.Sequence(
@@ -582,23 +572,23 @@ def _add_gguf_tokens(tk, tokens: list[str], types: list[int], byte_level: bool) 
         tk.add_tokens(user)
 
 
-_LLAMA3_SPLIT = (
+_SPLIT_DIGITS_1_3 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN2_SPLIT = (
+_SPLIT_DIGITS_1 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # `tokenizer.ggml.pre` -> the split regex its merges were learned with (a subset of transformers' table)
 _SPLITS = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "llama3": _SPLIT_DIGITS_1_3,
+    "llama-v3": _SPLIT_DIGITS_1_3,
+    "llama-bpe": _SPLIT_DIGITS_1_3,
+    "smaug-bpe": _SPLIT_DIGITS_1_3,
+    "dbrx": _SPLIT_DIGITS_1_3,
+    "qwen2": _SPLIT_DIGITS_1,
+    "deepseek-r1-qwen": _SPLIT_DIGITS_1,
 }
 
 

@@ -10,6 +10,7 @@ from rlx_core.plugins import hookimpl
 
 from .blocks import GEMMA_BLOCKS, GeGLU, GemmaAttention, GemmaDecoderLayer, GemmaRmsNorm, gemma_rope
 from .config import GemmaArch, gemma_arch, text_config
+from .gguf import rlx_register_gguf_architectures  # noqa: F401
 from .recipes import (Gemma2Flow, Gemma2Recipe, Gemma3Flow, Gemma3Recipe, GemmaFlow, GemmaLM,
                       GemmaRecipe, LayerCtx, attn_spec, text_tensors)
 from .packaged import rlx_register_packaged_models  # noqa: F401

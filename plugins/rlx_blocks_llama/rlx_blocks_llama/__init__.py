@@ -13,6 +13,7 @@ from rlx_core.ir.errors import ModelError
 from rlx_core.plugins import hookimpl
 from rlx_core.weights.config import check_config, config_source, hf_activation
 
+from .gguf import rlx_register_gguf_architectures  # noqa: F401
 from .packaged import rlx_register_packaged_models  # noqa: F401
 
 

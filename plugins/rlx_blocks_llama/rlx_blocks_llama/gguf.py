@@ -1,0 +1,94 @@
+"""LLaMA and Qwen3 GGUF files, both ways (llama.cpp's `llama` and `qwen3` architectures):
+tensor names, LLaMA's rope row permutation of Q/K, the head size LLaMA files state only as the
+rotary width, and the keys `rlx quantize` writes for them."""
+from __future__ import annotations
+
+import numpy as np
+
+from rlx_core.ir.errors import WeightError
+from rlx_core.plugins import hookimpl
+from rlx_core.weights.gguf_arch import GGUFArchitecture, write_rope_scaling
+
+# blk.N.<GGUF leaf> -> model.layers.N.<HF leaf>
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+ROPE_FACTORS = frozenset({"rope_freqs.weight"})  # llama3 rope factors; transformers rebuilds them
+
+
+def _rope_heads(gguf_name: str) -> str | None:
+    """The config key of the head count whose rows llama.cpp permuted in this tensor, or None."""
+    if ".attn_q." in gguf_name:
+        return "num_attention_heads"
+    return "num_key_value_heads" if ".attn_k." in gguf_name else None
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's rope row permutation (`permute` in convert_hf_to_gguf.py), as transformers does."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def permute(w: np.ndarray, n_head: int, name: str) -> np.ndarray:
+    """llama.cpp's converter rope permutation of Q/K rows (convert_hf_to_gguf.py `permute`)."""
+    if w.ndim != 2 or w.shape[0] % (2 * n_head):
+        raise WeightError(f"tensor {name!r} of shape {list(w.shape)}: expected a matrix whose rows split "
+                          f"into {n_head} heads of an even size")
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class LlamaGGUF(GGUFArchitecture):
+    """llama.cpp's `llama`: Q/K rows permuted for its rope, the head size as the rotary width."""
+
+    def from_gguf(self, gguf_name, w, config, path):
+        key = _rope_heads(gguf_name)
+        if key is None:
+            return w
+        heads = config[key]
+        if w.ndim == 0 or w.shape[0] % (2 * heads):
+            raise WeightError(
+                f"{path}: tensor {gguf_name!r} of shape {list(w.shape)} does not split into {heads} heads "
+                f"({key}) of an even size"
+            )
+        return unpermute(w, heads)
+
+    def to_gguf(self, gguf_name, w, config, hf):
+        key = _rope_heads(gguf_name)
+        return w if key is None else permute(w, config.get(key) or config["num_attention_heads"], hf)
+
+    def head_dim(self, meta):
+        return meta.num("rope.dimension_count", None, to="head_dim")
+
+    def config(self, meta, cfg, held):
+        cfg["hidden_act"] = "silu"
+
+    def write_metadata(self, writer, cfg, head_dim):
+        writer.add_rope_dimension_count(head_dim)
+        write_rope_scaling(writer, cfg)
+
+
+class Qwen3GGUF(GGUFArchitecture):
+    """llama.cpp's `qwen3`: LLaMA's names plus QK norms, no permutation."""
+
+    def config(self, meta, cfg, held):
+        cfg["hidden_act"] = "silu"
+
+
+LLAMA = LlamaGGUF("llama", "LlamaForCausalLM", LAYER_NAMES, dropped=ROPE_FACTORS)
+QWEN3 = Qwen3GGUF("qwen3", "Qwen3ForCausalLM", LAYER_NAMES, dropped=ROPE_FACTORS)
+
+
+@hookimpl
+def rlx_register_gguf_architectures(register):
+    register("llama", LLAMA)
+    register("qwen3", QWEN3)
