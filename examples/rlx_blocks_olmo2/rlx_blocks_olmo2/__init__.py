@@ -24,6 +24,8 @@ from rlx_core.ir.errors import ModelError
 from rlx_core.plugins import hookimpl
 from rlx_core.weights.config import check_config, config_source, hf_activation
 
+from .gguf import rlx_register_gguf_architectures  # noqa: F401
+
 REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
 
 
