@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import rlx_core
-from rlx_core.ir.errors import ModelError, PluginError
+from rlx_core.ir.errors import ModelError, PluginError, RlxError
 from rlx_core.plugins import hookimpl, manager, provider_hint, provider_of, temporary_plugin
 from rlx_core.plugins.providers import known_providers
 
@@ -72,6 +72,37 @@ def test_blocked_family_names_model_type_and_package(tmp_path, monkeypatch, dist
     msg = str(e.value)
     assert f"unknown architecture {model_type!r} in {folder}" in msg
     assert f"{dist} provides it but is not loaded: blocked by RLX_DISABLE_PLUGINS" in msg
+
+
+def tiny_gguf(path, architecture: str) -> str:
+    """A GGUF file of `architecture`: one layer's worth of keys, two tensors."""
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), architecture)
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(96)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    for name, shape in [("token_embd.weight", (8, 64)), ("blk.0.attn_norm.weight", (64,))]:
+        w.add_tensor(name, np.ones(shape, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_blocked_family_gguf_names_the_package(tmp_path, monkeypatch):
+    """A GGUF file fails like an HF folder: naming what it is and the package that provides it
+    (whether the GGUF loader or the recipe lookup says so)."""
+    path = tiny_gguf(tmp_path / "t.gguf", "gemma3")
+    monkeypatch.setenv("RLX_DISABLE_PLUGINS", "rlx-blocks-gemma")
+    manager.reset()
+    with pytest.raises(RlxError, match=r"'gemma3(_text)?'.*rlx-blocks-gemma provides it but is not loaded: "
+                                       r"blocked by RLX_DISABLE_PLUGINS"):
+        rlx_core.load(path, progress=False)
 
 
 def test_absent_family_says_what_to_install(tmp_path, monkeypatch):
