@@ -161,6 +161,19 @@ def test_an_architecture_another_plugin_owns_is_refused_whole(tmp_path):
         assert load_checkpoint(_toy_gguf(tmp_path / "toy.gguf")[0]).config["model_type"] == "toy_lm"
 
 
+def test_a_mapping_that_is_not_a_gguf_architecture(tmp_path):
+    class Wrong:
+        @hookimpl
+        def rlx_register_gguf_architectures(self, register):
+            register("toylm", {"model_type": "toy_lm"})
+
+    path, _ = _toy_gguf(tmp_path / "toy.gguf")
+    with temporary_plugin(Wrong(), "test-wrong-gguf"), pytest.raises(
+            PluginError, match=r"plugin 'test-wrong-gguf' registered GGUF architecture 'toylm' as dict; "
+                               r"expected a rlx_core.weights.gguf_arch.GGUFArchitecture"):
+        load_checkpoint(path)
+
+
 def test_blocked_family_gguf_names_its_package(tmp_path, plugins_env):
     path, _ = _toy_gguf(tmp_path / "g.gguf", arch="gemma3")
     plugins_env.setenv("RLX_DISABLE_PLUGINS", "gemma")

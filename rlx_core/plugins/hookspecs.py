@@ -90,12 +90,16 @@ def rlx_register_weight_formats(register: Callable) -> None:
 def rlx_register_gguf_architectures(register: Callable) -> None:
     """Register how a family's checkpoints are laid out in GGUF, both ways: call
     `register(architecture, mapping)` with a GGUF `general.architecture` value and an
-    `rlx_core.weights.gguf_arch.GGUFArchitecture` (see its docstring): tensor names GGUF <->
-    HF, value transforms (llama.cpp's row permutations, norms stored as 1 + w), metadata ->
-    config for loading and config -> metadata for `rlx quantize`, and any tokenizer quirk of
-    the family's GGUF files. The core keeps only the container format; a GGUF file of an
-    architecture nobody registered is an error naming it and the registered ones. Each
-    architecture is owned by one plugin."""
+    `rlx_core.weights.gguf_arch.GGUFArchitecture` (see its docstring): the HF model type and
+    class, tensor names GGUF <-> HF, and, in methods a subclass overrides, value transforms
+    (`from_gguf` / `to_gguf`: llama.cpp's row permutations, norms stored as 1 + w), metadata ->
+    config for loading (`head_dim`, `config`), config -> metadata for `rlx quantize`
+    (`write_metadata`) and the tokenizer quirk of the family's GGUF files
+    (`sentencepiece_tokenizer`, `sentencepiece_special_tokens`). The core keeps only the
+    container, the quantization schemes and the generic llama.cpp keys; a GGUF file of an
+    architecture nobody registered is a WeightError naming it, the registered ones and the
+    package that provides it where one is known. Each architecture is owned by one plugin;
+    `rlx quantize` writes a model under the architecture whose mapping has its model_type."""
 
 
 @hookspec

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from rlx_core.ir.errors import WeightError
+from rlx_core.ir.errors import PluginError, WeightError
 
 from .gguf_io import _REQUIRED, meta_float, meta_int
 
@@ -152,10 +152,16 @@ class GGUFArchitecture:
 
 
 def registered_gguf_architecture(arch) -> GGUFArchitecture | None:
-    """The mapping a plugin registered for `arch`, or None."""
-    from rlx_core.plugins import registry
+    """The mapping a plugin registered for `arch`, or None; a PluginError naming the plugin when
+    what it registered is not a GGUFArchitecture."""
+    from rlx_core.plugins import owner_of, registry
 
-    return registry().gguf_architectures.get(arch) if isinstance(arch, str) else None
+    mapping = registry().gguf_architectures.get(arch) if isinstance(arch, str) else None
+    if mapping is not None and not isinstance(mapping, GGUFArchitecture):
+        raise PluginError(f"plugin {owner_of('gguf architecture', arch)!r} registered GGUF architecture "
+                          f"{arch!r} as {type(mapping).__name__}; expected a "
+                          "rlx_core.weights.gguf_arch.GGUFArchitecture")
+    return mapping
 
 
 def gguf_architecture(path: str, arch) -> GGUFArchitecture:
