@@ -2,7 +2,7 @@
 rlx_core.weights.packaged, and the errors for an unknown name or a blocked provider."""
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import os
 import sys
 import types
