@@ -106,7 +106,7 @@ def rlx_register_gguf_architectures(register: Callable) -> None:
 def rlx_register_packaged_models(register: Callable) -> None:
     """Register checkpoints shipped inside Python packages: call `register(name, locate)`
     where `locate() -> str` returns the checkpoint's path (an HF folder or a GGUF file) and
-    raises `rlx_core.ir.errors.ModelError` naming the package to install when it is absent.
+    raises `rlx_core.ir.errors.WeightError` naming the package to install when it is absent.
     `rlx_core.load(name)` and `rlx generate NAME` then find it; an unknown name lists the
     registered ones. Names are unique across plugins."""
 
