@@ -37,14 +37,6 @@ FOREIGN_NAMES = {
         r'|^"(?:llama|llama3|llama-v3|llama-bpe|qwen2|deepseek-r1-qwen)"$',  # tokenizer.ggml.model / .pre
 }
 
-# Files other work on issue 42 is still moving family code out of. A baseline that may only
-# shrink: take a file out once it is clean (test_pending_files_still_name_a_family says which,
-# as a skip, so the work that cleans a file is not failed by this list); never add one.
-PENDING = {
-    "rlx_core/weights/tokenizer.py",
-}
-
-
 # identifiers and strings (Python 3.12+ splits an f-string: its literal parts are FSTRING_MIDDLE)
 CHECKED = {tokenize.NAME, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
 
@@ -84,18 +76,10 @@ def rel(path: pathlib.Path) -> str:
 
 
 def test_core_names_no_family():
-    hits = [f"{rel(p)}:{line}: {name}" for p in core_files() if rel(p) not in PENDING
+    hits = [f"{rel(p)}:{line}: {name}" for p in core_files()
             for line, name in family_names(p.read_text(encoding="utf-8"), rel(p))]
     assert not hits, ("rlx_core names a model family; move it into the family's plugin "
                       "(or rename it for what it does):\n" + "\n".join(hits))
-
-
-def test_pending_files_still_name_a_family():
-    """The PENDING baseline only shrinks: a file that is clean, or gone, is reported to leave it."""
-    clean = sorted(f for f in PENDING
-                   if not (ROOT / f).exists() or not family_names((ROOT / f).read_text(encoding="utf-8"), f))
-    if clean:
-        pytest.skip(f"no family name left in {clean}: take them out of PENDING")
 
 
 def test_the_scan_sees_names_in_code_and_strings_only():

@@ -18,7 +18,7 @@ import numpy as np
 
 from rlx_core.ir.errors import PluginError, WeightError
 
-from .gguf_io import _REQUIRED, meta_float, meta_int
+from .gguf_meta import _REQUIRED, meta_float, meta_int
 
 # llama.cpp's names of the tensors outside the blocks, as most families' converters write them
 STANDARD_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}

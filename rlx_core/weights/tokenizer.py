@@ -308,7 +308,7 @@ def _wordpiece(vocab_txt: str, tok_cfg: dict, special: dict[str, str]):
     cls, sep = special["cls_token"], special["sep_token"]
     if cls not in vocab or sep not in vocab:
         raise WeightError(
-            f"{vocab_txt}: vocabulary lacks the {cls!r} / {sep!r} tokens a BERT tokenizer needs"
+            f"{vocab_txt}: vocabulary lacks the {cls!r} / {sep!r} tokens a WordPiece tokenizer needs"
         )
     tk.post_processor = processors.TemplateProcessing(
         single=f"{cls}:0 $A:0 {sep}:0",

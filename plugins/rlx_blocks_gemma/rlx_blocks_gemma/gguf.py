@@ -9,7 +9,7 @@ import numpy as np
 from rlx_core.ir.errors import WeightError
 from rlx_core.plugins import hookimpl
 from rlx_core.weights.gguf_arch import GGUFArchitecture, write_rope_scaling
-from rlx_core.weights.gguf_io import meta_int
+from rlx_core.weights.gguf_meta import meta_int
 from rlx_core.weights.tokenizer import vocabulary_merges
 
 # blk.N.<GGUF leaf> -> model.layers.N.<HF leaf>: norms around attention and around the MLP
