@@ -26,6 +26,7 @@ import gguf
 import numpy as np
 
 from rlx_core.ir.errors import WeightError
+from rlx_core.flow.rope import rope_params
 from rlx_core.ir.quant import QuantScheme
 
 from .checkpoint import Checkpoint
@@ -199,18 +200,27 @@ def _reads_back(tmp: str, source: str, dst: str) -> None:
                           f"{str(e).replace(tmp, 'the GGUF')}") from None
 
 
+def _rope_keys_of_gguf(cfg: dict) -> dict:
+    """The config with its RoPE base and scaling as `rope_theta` / `rope_scaling`, the keys
+    GGUF's metadata follows: transformers 5 saves them inside `rope_parameters` instead."""
+    if not isinstance(cfg.get("rope_parameters"), dict):
+        return cfg
+    theta, scaling = rope_params(cfg)
+    return {**cfg, "rope_theta": theta, "rope_scaling": scaling}
+
+
 def write_gguf(ckpt: Checkpoint, dst: str, scheme: QuantScheme | str, echo=print) -> dict:
     """Write `ckpt` (an HF folder's checkpoint) to `dst` with matmul weights in `scheme`.
     Returns {"quantized": n, "kept": [names kept in f32]}."""
     q = QuantScheme.parse(scheme)
-    cfg = ckpt.config
+    cfg = _rope_keys_of_gguf(ckpt.config)
     arch = _architecture_of(ckpt.path, cfg.get("model_type"))
     source = os.path.join(ckpt.path, "config.json")
     _check_for_gguf(check_config(cfg, source, required=_REQUIRED), source)
     path = destination(dst, ckpt.path)
     tmp = _temporary(path, os.fspath(dst))
     try:
-        done = _write(ckpt, tmp, arch, q, echo)
+        done = _write(ckpt, cfg, tmp, arch, q, echo)
         _reads_back(tmp, source, os.fspath(dst))
         os.replace(tmp, path)                       # all of it, or the old DST untouched
     except OSError as e:
@@ -233,8 +243,7 @@ def _architecture_of(path: str, model_type) -> str:
     return arch
 
 
-def _write(ckpt: Checkpoint, path: str, arch: str, q: QuantScheme, echo) -> dict:
-    cfg = ckpt.config
+def _write(ckpt: Checkpoint, cfg: dict, path: str, arch: str, q: QuantScheme, echo) -> dict:
     mapping = gguf_architecture(ckpt.path, arch)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(os.path.basename(os.path.normpath(ckpt.path)))

@@ -48,8 +48,8 @@ def q8_exact(w: torch.Tensor) -> torch.Tensor:
 
 def as_published(config_json) -> None:
     """The config as allenai's OLMo 2 checkpoints spell it: `rope_theta` at the top, where
-    transformers 5 writes `rope_parameters` (which `rlx quantize` does not read yet: it would
-    write the default rope base; see test_rope_parameters_reach_the_gguf)."""
+    transformers 5 writes `rope_parameters` (test_rope_parameters_reach_the_gguf covers that
+    spelling)."""
     cfg = json.loads(config_json.read_text())
     cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
     config_json.write_text(json.dumps(cfg))
@@ -171,9 +171,6 @@ def test_llama_cpp_reads_the_same_file(source):
     assert_greedy_agrees(np.array([prompt + got]), want, m.logits, 5e-2, "llama.cpp against RLX")
 
 
-@pytest.mark.xfail(strict=True, reason="core: gguf_write's metadata reads rope_theta / rope_scaling only at "
-                   "the top of config.json, not transformers 5's rope_parameters (it writes the default "
-                   "10000)")
 def test_rope_parameters_reach_the_gguf(source, tmp_path):
     """A folder saved by transformers 5 (`rope_parameters`) keeps its rope base in the GGUF."""
     import shutil
