@@ -1,12 +1,15 @@
 """Which package provides a model type, GGUF architecture or packaged model name, for the
 errors that say what to install (or unblock) when no loaded plugin registers it.
 
-What loaded plugins registered answers first; `providers.toml` beside this file (data, not
-code) answers for plugins that are absent, blocked or broken.
+What loaded plugins registered answers first; then what installed distributions declare in
+the entry-point groups `rlx.model_types` and `rlx.packaged_models` (read from their metadata,
+nothing imported: a blocked or broken third-party plugin is still named); then
+`providers.toml` beside this file (data, not code), for plugins that are not installed.
 """
 from __future__ import annotations
 
 import functools
+import importlib.metadata as md
 import os
 
 from ..ir.errors import PluginError
@@ -35,6 +38,16 @@ def known_providers() -> dict:
     return {table: dict(data[table]) for table in TABLES}
 
 
+def declared_providers(table: str) -> dict:
+    """{name: distribution} from the entry points of group `rlx.<table>` of every installed
+    distribution (`[project.entry-points."rlx.model_types"] olmo2 = "rlx_blocks_olmo2"`)."""
+    try:
+        eps = md.entry_points(group=f"rlx.{table}")
+    except Exception:  # pragma: no cover - broken metadata somewhere on sys.path
+        return {}
+    return {ep.name: ep.dist.name for ep in eps if ep.dist is not None}
+
+
 def _registered_by(name: str, table: str) -> str:
     """The distribution of the loaded plugin that registered `name` (of `table`'s kinds), or ""."""
     owners = registry().owner
@@ -48,7 +61,8 @@ def provider_of(name: str, table: str = "model_types") -> str:
     architecture (table "model_types"), or a packaged model's name ("packaged_models")."""
     if table not in TABLES:
         raise PluginError(f"no table of providers {table!r}; tables: {sorted(TABLES)}")
-    return _registered_by(name, table) or known_providers()[table].get(name, "")
+    return (_registered_by(name, table) or declared_providers(table).get(name)
+            or known_providers()[table].get(name, ""))
 
 
 def provider_hint(name: str, table: str = "model_types") -> str:
@@ -68,4 +82,4 @@ def provider_hint(name: str, table: str = "model_types") -> str:
     return f"{dist} {info.version} is loaded but does not register it; upgrade it"
 
 
-__all__ = ["TABLE", "TABLES", "known_providers", "provider_hint", "provider_of"]
+__all__ = ["TABLE", "TABLES", "declared_providers", "known_providers", "provider_hint", "provider_of"]

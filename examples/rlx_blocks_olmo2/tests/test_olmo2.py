@@ -184,7 +184,8 @@ def plugins_env(monkeypatch):
 
 def test_found_through_its_entry_point_and_blockable(hf_models, plugins_env, rng):
     """The recipe arrives through the `rlx` entry point `olmo2` alone; blocked, an OLMo 2
-    folder is the project's error naming the model type; unblocked, it loads again."""
+    folder is the project's error naming the model type and this package (from its
+    `rlx.model_types` entry point, read without importing it); unblocked, it loads again."""
     from rlx_core.plugins import plugin_infos
 
     info = next(i for i in plugin_infos() if i.name == "olmo2")
@@ -194,8 +195,9 @@ def test_found_through_its_entry_point_and_blockable(hf_models, plugins_env, rng
     plugins_env.setenv("RLX_DISABLE_PLUGINS", "rlx-blocks-olmo2")
     reset()
     assert "olmo2" not in registry().recipes
-    with pytest.raises(ModelError, match="unknown architecture 'olmo2'"):
+    with pytest.raises(ModelError, match="unknown architecture 'olmo2'") as e:
         rlx_core.load(path, backend="numpy", progress=False)
+    assert "rlx-blocks-olmo2 provides it but is not loaded: blocked by RLX_DISABLE_PLUGINS" in str(e.value)
     plugins_env.delenv("RLX_DISABLE_PLUGINS")
     reset()
     assert rlx_core.load(path, backend="numpy", progress=False).logits(rng.integers(0, VOCAB, (1, 4))).shape \

@@ -208,7 +208,7 @@ def test_blocked_the_gguf_is_the_projects_error(source, monkeypatch):
     try:
         with pytest.raises(WeightError, match=r"GGUF architecture 'olmo2' is not supported") as e:
             rlx_core.load(str(dst), backend="numpy", progress=False)
-        assert str(dst) in str(e.value)
+        assert str(dst) in str(e.value) and "rlx-blocks-olmo2 provides it but is not loaded" in str(e.value)
     finally:
         monkeypatch.delenv("RLX_DISABLE_PLUGINS")
         reset()
