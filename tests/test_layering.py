@@ -98,7 +98,8 @@ def test_every_core_room_has_a_floor():
     assert rooms - {"__init__"} <= set(FLOOR_OF), sorted(rooms - {"__init__"} - set(FLOOR_OF))
 
 
-@pytest.mark.parametrize("top", [CORE] + sorted(p for p in (ROOT / "plugins").glob("*/rlx_*")
+@pytest.mark.parametrize("top", [CORE] + sorted(p for where in ("plugins", "examples")
+                                               for p in (ROOT / where).glob("*/rlx_*")
                                                if (p / "__init__.py").exists()),
                          ids=lambda p: p.name)
 def test_no_import_circles(top):
