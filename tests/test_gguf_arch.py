@@ -78,16 +78,6 @@ def _toy_gguf(path, arch="toylm", factor=3.0):
     return str(path), {k: v.astype(np.float32) for k, v in arrays.items()}
 
 
-@pytest.fixture
-def plugins_env(monkeypatch):
-    monkeypatch.delenv("RLX_PLUGINS", raising=False)
-    monkeypatch.delenv("RLX_DISABLE_PLUGINS", raising=False)
-    reset()
-    yield monkeypatch
-    monkeypatch.delenv("RLX_DISABLE_PLUGINS", raising=False)
-    reset()
-
-
 def test_third_party_architecture_loads_its_gguf(tmp_path):
     path, arrays = _toy_gguf(tmp_path / "toy.gguf")
     unknown = r"toy\.gguf: GGUF architecture 'toylm' is not supported.*registered: .*llama"

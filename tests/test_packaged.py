@@ -15,13 +15,7 @@ from rlx_core.weights import packaged
 from rlx_core.weights.packaged import assembled, package_file, packaged_names, resolve_model_path
 
 
-@pytest.fixture(autouse=True)
-def fresh_plugins(monkeypatch):
-    monkeypatch.delenv("RLX_PLUGINS", raising=False)
-    monkeypatch.delenv("RLX_DISABLE_PLUGINS", raising=False)
-    manager.reset()
-    yield
-    manager.reset()
+pytestmark = pytest.mark.usefixtures("plugins_env")   # rlx_core.testing: plugins afresh
 
 
 class Packaged:

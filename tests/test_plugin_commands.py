@@ -17,13 +17,7 @@ from rlx_core.ir.errors import ModelError, PluginError
 from rlx_core.plugins import RlxPluginWarning, hookimpl, manager, register_plugin, temporary_plugin
 
 
-@pytest.fixture(autouse=True)
-def fresh_plugins(monkeypatch):
-    monkeypatch.delenv("RLX_PLUGINS", raising=False)
-    monkeypatch.delenv("RLX_DISABLE_PLUGINS", raising=False)
-    manager.reset()
-    yield
-    manager.reset()
+pytestmark = pytest.mark.usefixtures("plugins_env")   # rlx_core.testing: plugins afresh
 
 
 def command(name: str, fail: bool = False) -> click.Command:

@@ -19,14 +19,7 @@ from rlx_core.plugins import (HOOKS, RlxPluginWarning, hookimpl, hookspecs, mana
                               unregister_plugin)
 
 
-@pytest.fixture(autouse=True)
-def fresh_plugins(monkeypatch):
-    """Every test starts and ends with freshly discovered plugins and no filter env vars."""
-    monkeypatch.delenv("RLX_PLUGINS", raising=False)
-    monkeypatch.delenv("RLX_DISABLE_PLUGINS", raising=False)
-    reset()
-    yield
-    reset()
+pytestmark = pytest.mark.usefixtures("plugins_env")   # rlx_core.testing: plugins afresh
 
 
 def infos() -> dict:

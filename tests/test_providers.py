@@ -14,13 +14,7 @@ from rlx_core.plugins import hookimpl, manager, provider_hint, provider_of, temp
 from rlx_core.plugins.providers import known_providers
 
 
-@pytest.fixture(autouse=True)
-def fresh_plugins(monkeypatch):
-    monkeypatch.delenv("RLX_PLUGINS", raising=False)
-    monkeypatch.delenv("RLX_DISABLE_PLUGINS", raising=False)
-    manager.reset()
-    yield
-    manager.reset()
+pytestmark = pytest.mark.usefixtures("plugins_env")   # rlx_core.testing: plugins afresh
 
 
 def hf_folder(tmp_path, model_type: str):

@@ -29,7 +29,7 @@ import pytest
 pytest.register_assert_rewrite("rlx_core.testing.parity", "rlx_core.testing.ops_suite",
                                "rlx_core.testing.recipes", "rlx_core.testing.recipe_suite")
 
-from .session import clear, rng, seed_header, select, selected  # noqa: E402,F401  (rng: a fixture)
+from .session import clear, plugins_env, rng, seed_header, select, selected  # noqa: E402,F401  (fixtures)
 
 HERE = pathlib.Path(__file__).resolve().parent
 # option -> (the suite module it collects, the test module variable that narrows it)

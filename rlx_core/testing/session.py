@@ -40,3 +40,19 @@ def rng(request):
     import numpy as np
 
     return np.random.default_rng(seed_for(request.node.nodeid))
+
+
+@pytest.fixture
+def plugins_env(monkeypatch):
+    """Plugins discovered afresh, with no RLX_PLUGINS / RLX_DISABLE_PLUGINS, before and after
+    the test; yields `monkeypatch`, so a test can block a plugin (setenv, then
+    `rlx_core.plugins.reset()`) without leaving it blocked for the next."""
+    from rlx_core.plugins import reset
+
+    for var in ("RLX_PLUGINS", "RLX_DISABLE_PLUGINS"):
+        monkeypatch.delenv(var, raising=False)
+    reset()
+    yield monkeypatch
+    for var in ("RLX_PLUGINS", "RLX_DISABLE_PLUGINS"):
+        monkeypatch.delenv(var, raising=False)
+    reset()

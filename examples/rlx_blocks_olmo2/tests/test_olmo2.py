@@ -172,14 +172,6 @@ def test_a_config_without_a_required_size_is_refused(hf_models, tmp_path):
 
 
 # ---------------------------------------------------------------- a plugin like any other
-@pytest.fixture
-def plugins_env(monkeypatch):
-    monkeypatch.delenv("RLX_PLUGINS", raising=False)
-    monkeypatch.delenv("RLX_DISABLE_PLUGINS", raising=False)
-    reset()
-    yield monkeypatch
-    monkeypatch.delenv("RLX_DISABLE_PLUGINS", raising=False)
-    reset()
 
 
 def test_found_through_its_entry_point_and_blockable(hf_models, plugins_env, rng):

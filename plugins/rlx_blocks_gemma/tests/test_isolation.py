@@ -42,16 +42,6 @@ def tiny_gemma(tmp_path_factory):
     return str(path), ids, ref
 
 
-@pytest.fixture
-def plugins_env(monkeypatch):
-    monkeypatch.delenv("RLX_PLUGINS", raising=False)
-    monkeypatch.delenv("RLX_DISABLE_PLUGINS", raising=False)
-    reset()
-    yield monkeypatch
-    monkeypatch.delenv("RLX_DISABLE_PLUGINS", raising=False)
-    reset()
-
-
 def test_disabled_plugin_names_the_package(tiny_gemma, plugins_env):
     path, ids, ref = tiny_gemma
     plugins_env.setenv("RLX_DISABLE_PLUGINS", "gemma")
