@@ -22,6 +22,19 @@ from .gguf_meta import _REQUIRED, meta_float, meta_int
 
 # llama.cpp's names of the tensors outside the blocks, as most families' converters write them
 STANDARD_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# llama.cpp's names of a decoder block's attention and MLP tensors (blk.N.<leaf>) for HF's usual
+# layout (model.layers.N.<leaf>); a family adds its norms, which is where families differ
+STANDARD_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 _LAYER = "model.layers."
 
@@ -179,5 +192,5 @@ def gguf_architecture(path: str, arch) -> GGUFArchitecture:
                                                     "(`rlx plugins` lists what loaded)"))
 
 
-__all__ = ["GGUFArchitecture", "MetadataReader", "STANDARD_TOP_NAMES", "gguf_architecture",
+__all__ = ["GGUFArchitecture", "MetadataReader", "STANDARD_LAYER_NAMES", "STANDARD_TOP_NAMES", "gguf_architecture",
            "registered_gguf_architecture", "write_rope_scaling"]

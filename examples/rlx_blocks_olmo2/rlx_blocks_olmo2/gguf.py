@@ -10,20 +10,12 @@ from __future__ import annotations
 from rlx_core.ir.errors import WeightError
 from rlx_core.plugins import hookimpl
 from rlx_core.weights.config import config_source
-from rlx_core.weights.gguf_arch import GGUFArchitecture
+from rlx_core.weights.gguf_arch import STANDARD_LAYER_NAMES, GGUFArchitecture
 
 # blk.N.<GGUF leaf> -> model.layers.N.<HF leaf>: gguf-py's MODEL_TENSORS[MODEL_ARCH.OLMO2]
 LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
+    **STANDARD_LAYER_NAMES,
     "post_attention_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 

@@ -8,21 +8,13 @@ import numpy as np
 
 from rlx_core.ir.errors import WeightError
 from rlx_core.plugins import hookimpl
-from rlx_core.weights.gguf_arch import GGUFArchitecture, write_rope_scaling
+from rlx_core.weights.gguf_arch import STANDARD_LAYER_NAMES, GGUFArchitecture, write_rope_scaling
 from rlx_core.weights.gguf_meta import meta_int
 from rlx_core.weights.tokenizer import vocabulary_merges
 
 # blk.N.<GGUF leaf> -> model.layers.N.<HF leaf>: norms around attention and around the MLP
 LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    **STANDARD_LAYER_NAMES,
     "attn_norm": "input_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
