@@ -163,7 +163,7 @@ template <typename A> __device__ __forceinline__ A warp_sum(A v) {
 }
 template <typename A> __device__ __forceinline__ A warp_max(A v) {
 #pragma unroll
-  for (int m = 16; m > 0; m >>= 1) { A o = SHFL_XOR(v, m); v = o > v ? o : v; }
+  for (int m = 16; m > 0; m >>= 1) { A o = SHFL_XOR(v, m); v = (o > v || o != o) ? o : v; }  // NaN wins
   return v;
 }
 // block-wide sum / max (blockDim.x a multiple of 32, <= 1024); all threads get the result
@@ -1130,10 +1130,10 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_split(
     for (int r = warp; r < ROWS; r += NW) {
       ACC* pr = sp + r * LDT;
       ACC mx = -(ACC)RLX_INF;
-      for (int c = lane; c < TK; c += 32) mx = pr[c] > mx ? pr[c] : mx;
+      for (int c = lane; c < TK; c += 32) mx = rlx_max(mx, pr[c]);   // a NaN score stays
       mx = warp_max(mx);
-      const ACC mold = s_m[r], mn = mx > mold ? mx : mold;
-      const bool live = mn > -(ACC)RLX_INF;
+      const ACC mold = s_m[r], mn = rlx_max(mx, mold);
+      const bool live = mn != -(ACC)RLX_INF;    // (NaN is live: its row comes out NaN)
       ACC sum = 0;
       for (int c = lane; c < TK; c += 32) {
         const ACC p = live ? exp(pr[c] - mn) : (ACC)0;
@@ -1167,7 +1167,7 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_split(
         for (int e = 0; e < VV; ++e) {
           const ACC x = LD(ACC, vr[u][n].v[e]);
 #pragma unroll
-          for (int r = 0; r < ROWS; ++r) acc[r][n * VV + e] += p[r] * x;
+          for (int r = 0; r < ROWS; ++r) acc[r][n * VV + e] += p[r] == (ACC)0 ? (ACC)0 : p[r] * x;
         }
     }
   }
@@ -1234,13 +1234,13 @@ extern "C" __global__ void __launch_bounds__($NT) rlx_attn_split(
       const int sp = lane + 32 * t;
       mv[t] = sp < nsplit ? LDCG(ml + sp * rows * 2) : -(ACC)RLX_INF;
       lv2[t] = sp < nsplit ? LDCG(ml + sp * rows * 2 + 1) : (ACC)0;
-      M = mv[t] > M ? mv[t] : M;
+      M = rlx_max(M, mv[t]);
     }
     M = warp_max(M);
     ACC L = 0;
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      const ACC f = (M > -(ACC)RLX_INF && mv[t] > -(ACC)RLX_INF) ? exp(mv[t] - M) : (ACC)0;
+      const ACC f = (M != -(ACC)RLX_INF && mv[t] != -(ACC)RLX_INF) ? exp(mv[t] - M) : (ACC)0;
       wsplit[warp][lane + 32 * t] = f;
       L += lv2[t] * f;
     }
