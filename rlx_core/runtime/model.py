@@ -387,4 +387,30 @@ class CausalLM:
         return np.concatenate([ids, new], axis=1)
 
 
-__all__ = ["GREEDY_OUTPUTS", "greedy_outputs", "fetch_greedy", "CausalLM", "load", "find_recipe", "resolve_profile", "backend_lock"]
+class DecoderRecipe:
+    """A recipe for a decoder-only causal LM whose layers a `DecoderFlow` subclass builds: a
+    family sets `name`, `model_types` and `flow_class` (and, where its defaults differ,
+    `default_profile` and `default_context`); `build` is the same for every such family."""
+    name = ""
+    model_types: tuple = ()
+    flow_class = None
+    default_profile = "llama32_prefill"
+    default_context = 2048            # the RoPE table length when the config states none
+    ignore_unused = ("rotary_emb.inv_freq",)
+
+    def flow(self, cfg: dict, mode: str, taps: bool = False):
+        return self.flow_class(cfg, mode).taps(taps).flow()
+
+    def build(self, ckpt, backend=None, profile=None, **kw) -> CausalLM:
+        cfg = dict(ckpt.config)
+        if kw.get("max_context"):     # RoPE tables are sized by the context asked for, not the file's
+            cfg["max_position_embeddings"] = min(kw["max_context"],
+                                                 cfg.get("max_position_embeddings") or self.default_context)
+        tensors = dict(ckpt.tensors)
+        if cfg.get("tie_word_embeddings"):
+            tensors.pop("lm_head.weight", None)
+        return CausalLM(self, cfg, tensors, ckpt.tokenizer, backend, profile, source=ckpt.path, **kw)
+
+
+__all__ = ["GREEDY_OUTPUTS", "greedy_outputs", "fetch_greedy", "CausalLM", "DecoderRecipe", "load", "find_recipe",
+           "resolve_profile", "backend_lock"]

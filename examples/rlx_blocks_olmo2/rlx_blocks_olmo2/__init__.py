@@ -22,6 +22,7 @@ from rlx_core.flow.recipe import DecoderFlow
 from rlx_core.flow.rope import rope_params
 from rlx_core.ir.errors import ModelError
 from rlx_core.plugins import hookimpl
+from rlx_core.runtime.model import DecoderRecipe
 from rlx_core.weights.config import check_config, config_source, hf_activation
 
 from .gguf import rlx_register_gguf_architectures  # noqa: F401
@@ -106,28 +107,13 @@ class Olmo2Flow(DecoderFlow):
         return f.lm_head(c["vocab_size"], c["hidden_size"], tied=bool(c.get("tie_word_embeddings", False)))
 
 
-class Olmo2Recipe:
-    """Registered recipe: an `olmo2` checkpoint (HF folder, or GGUF) -> CausalLM."""
+class Olmo2Recipe(DecoderRecipe):
+    """Registered recipe: an `olmo2` checkpoint (HF folder, or GGUF) -> CausalLM (core's
+    DecoderRecipe builds it: the flow class is all a decoder family supplies)."""
     name = "olmo2"
     model_types = ("olmo2",)
     flow_class = Olmo2Flow
-    default_profile = "llama32_prefill"
-    ignore_unused = ("rotary_emb.inv_freq",)
-
-    def flow(self, cfg: dict, mode: str, taps: bool = False) -> ModelFlow:
-        return self.flow_class(cfg, mode).taps(taps).flow()
-
-    def build(self, ckpt, backend=None, profile=None, **kw):
-        from rlx_core.runtime.model import CausalLM
-
-        cfg = dict(ckpt.config)
-        if kw.get("max_context"):      # RoPE tables sized by the context asked for, not the file's
-            cfg["max_position_embeddings"] = min(kw["max_context"],
-                                                 cfg.get("max_position_embeddings") or 4096)
-        tensors = dict(ckpt.tensors)
-        if cfg.get("tie_word_embeddings"):
-            tensors.pop("lm_head.weight", None)
-        return CausalLM(self, cfg, tensors, ckpt.tokenizer, backend, profile, source=ckpt.path, **kw)
+    default_context = 4096
 
     # -- the conformance kit's tiny model (rlx_core.testing.recipes)
     def tiny_config(self) -> dict:

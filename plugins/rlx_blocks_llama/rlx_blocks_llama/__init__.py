@@ -11,6 +11,7 @@ from rlx_core.flow.recipe import DecoderFlow, LayerCtx
 from rlx_core.flow.rope import rope_params
 from rlx_core.ir.errors import ModelError
 from rlx_core.plugins import hookimpl
+from rlx_core.runtime.model import DecoderRecipe
 from rlx_core.weights.config import check_config, config_source, hf_activation
 
 from .gguf import rlx_register_gguf_architectures  # noqa: F401
@@ -137,27 +138,11 @@ class Qwen3Flow(Llama32Flow):
     qk_norm = True
 
 
-class LlamaRecipe:
+class LlamaRecipe(DecoderRecipe):
     """Registered recipe: checkpoint config -> CausalLM."""
     name = "llama"
     model_types = ("llama", "mistral")
     flow_class = Llama32Flow
-    default_profile = "llama32_prefill"
-    ignore_unused = ("rotary_emb.inv_freq",)
-
-    def flow(self, cfg: dict, mode: str, taps: bool = False) -> ModelFlow:
-        return self.flow_class(cfg, mode).taps(taps).flow()
-
-    def build(self, ckpt, backend=None, profile=None, **kw):
-        from rlx_core.runtime.model import CausalLM
-
-        cfg = dict(ckpt.config)
-        if kw.get("max_context"):  # RoPE tables are sized by the context asked for, not the file's
-            cfg["max_position_embeddings"] = min(kw["max_context"], cfg.get("max_position_embeddings") or 2048)
-        tensors = dict(ckpt.tensors)
-        if cfg.get("tie_word_embeddings") and "lm_head.weight" in tensors:
-            tensors.pop("lm_head.weight")
-        return CausalLM(self, cfg, tensors, ckpt.tokenizer, backend, profile, source=ckpt.path, **kw)
 
     # -- the conformance kit's tiny model (rlx_core.testing.recipes)
     def tiny_config(self) -> dict:
