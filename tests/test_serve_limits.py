@@ -10,7 +10,6 @@ import json
 import socket
 import threading
 import time
-import urllib.error
 import urllib.request
 
 import pytest
@@ -20,7 +19,7 @@ for mod in ("starlette", "uvicorn"):
 pytest.importorskip("rlx_blocks_llama")
 pytest.importorskip("rlx_blocks_bert")
 
-from serve_tiny import SECRET, Server, exchange, http_head, tiny_models  # noqa: E402
+from serve_tiny import SECRET, Server, exchange, http_head, request_json, tiny_models  # noqa: E402
 
 WAIT = 60                       # seconds any one exchange may take
 LIMIT_MB = 0.25                 # the body limit of the app under test
@@ -42,15 +41,7 @@ def server(models):
 
 
 def post(srv, path: str, body, timeout: float = WAIT) -> tuple:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{srv.port}/v1{path}", data=data, method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
+    return request_json(f"http://127.0.0.1:{srv.port}/v1{path}", body, timeout=timeout)
 
 def error_of(out: dict) -> dict:
     err = out["error"]
