@@ -90,6 +90,14 @@ class Backend(abc.ABC):
     def supported_ops(self) -> set:
         """Op names this backend implements (fused ones it lacks get legalized)."""
 
+    def expression_renderers(self) -> tuple:
+        """The renderers (rlx_core.ir.expr) its generated elementwise kernels are written with,
+        one per compute dtype or dialect; when the backend registers, every entry of the
+        expression table is rendered with each, so a formula a dialect cannot write is an error
+        then, naming the op, the backend and the missing piece. () for a backend without
+        generated kernels."""
+        return ()
+
     def supports_custom(self, name: str) -> bool:
         from ..ir.custom import custom_ops
 
