@@ -12,6 +12,8 @@ import numpy as np
 from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import BackendError
 
+from .kernels import source
+
 ENV_DEVICE = "RLX_OPENCL_DEVICE"
 ENV_FP16 = "RLX_OPENCL_FP16"
 ENV_BUILD_OPTIONS = "RLX_OPENCL_BUILD_OPTIONS"     # extra clBuildProgram options
@@ -22,7 +24,7 @@ _HINT = ("install `pocl-binary-distribution` for a CPU device, or register a ven
          "(NVIDIA: plugins/rlx_backend_opencl/scripts/register_nvidia_icd.sh)")
 # What availability() builds and runs once per device: a driver can open a device it cannot
 # compile for (PoCL whose LLVM does not know the host CPU: "unknown target CPU 'generic'").
-PROBE = "__kernel void rlx_probe(__global int *out) { int i = get_global_id(0); out[i] = 3 * i + 1; }"
+PROBE = source("probe.cl")
 PROBE_ITEMS = 8
 
 
