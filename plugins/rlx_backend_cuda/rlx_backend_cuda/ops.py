@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import numpy as np
 from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I32, I64, DType
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.ops import Level, MaskKind, get_op
 
 from . import codegen, device, sources
+from . import rows as row_kernels
 from .codegen import acc_of, ctype
 from .fft import build_fft
 from .values import CONFIG, V, contiguous_strides, nocopy_reshape_strides
@@ -73,11 +75,17 @@ def _as_matrix(b, v: V, rows: int, cols: int) -> tuple:
 def _rows_ld(v: V) -> int | None:
     """The row stride of v seen as rows [prod(shape[:-1]), shape[-1]] of unit element stride
     (a GEMM's output: its ldc), or None where no such view exists."""
-    rows = v.size // max(v.shape[-1], 1)
-    st = nocopy_reshape_strides(v.shape, v.es, (rows, v.shape[-1])) if v.size and len(v.shape) > 1 else None
-    if st is None or (v.shape[-1] > 1 and st[1] != 1):
+    return _row_stride(v.shape, v.es)
+
+
+def _row_stride(shape: tuple, strides: tuple) -> int | None:
+    """`_rows_ld` of an array of `shape` and element `strides`."""
+    size = math.prod(shape)
+    rows = size // max(shape[-1], 1)
+    st = nocopy_reshape_strides(shape, strides, (rows, shape[-1])) if size and len(shape) > 1 else None
+    if st is None or (shape[-1] > 1 and st[1] != 1):
         return None
-    return st[0] if rows > 1 else v.shape[-1]
+    return st[0] if rows > 1 else shape[-1]
 
 
 def _mat_layout(R, C, sr, sc):
@@ -96,165 +104,349 @@ def _mat_layout(R, C, sr, sc):
 _CUDA_T = {F32: "CUDA_R_32F", F64: "CUDA_R_64F", F16: "CUDA_R_16F", BF16: "CUDA_R_16BF"}
 
 
-def _matmul(b, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None, epilogue=None) -> bool:
+@attrs.frozen(eq=False)
+class MatmulCall:
+    """One out <- a @ w (a, w transposed per ta, tb) and what may fuse into it: swiglu (also
+    compute the fused_swiglu of out's two halves into this value, in the same step) or
+    epilogue (bias, act: added and applied in cuBLASLt's epilogue)."""
+    a: V
+    w: V
+    ta: bool
+    tb: bool
+    out: V
+    swiglu: V | None = None
+    epilogue: tuple | None = None
+
+
+OP_N, OP_T = 0, 1            # cuBLAS's operations: as stored, transposed
+# a float matmul's strategies (matmul_strategy); UNFUSABLE: its swiglu or epilogue cannot fuse
+ROWS, STAGED, REPACKED, GEMV, LT_EPILOGUE, BLAS, UNFUSABLE = (
+    "rows", "staged", "repacked", "gemv", "lt_epilogue", "blas", "unfusable")
+
+
+def _as_read(call: MatmulCall) -> tuple:
+    """(A [.., M, K], W [.., K, N]): the operands' arrays transposed per ta/tb (views)."""
+    return (call.a.arr.swapaxes(-1, -2) if call.ta else call.a.arr,
+            call.w.arr.swapaxes(-1, -2) if call.tb else call.w.arr)
+
+
+def _gemm_operands(xp, call: MatmulCall) -> tuple:
+    """(A, W): `_as_read`'s operands broadcast to the output's batch dims (views)."""
+    a_mat, w_mat = _as_read(call)
+    batch = tuple(call.out.shape[:-2])
+    return (xp.broadcast_to(a_mat, batch + a_mat.shape[-2:]),
+            xp.broadcast_to(w_mat, batch + (a_mat.shape[-1], w_mat.shape[-1])))
+
+
+@attrs.frozen
+class MatmulCase:
+    """What chooses a float matmul's strategy (its operands already in the output's dtype),
+    as plain values: `matmul_strategy` reads nothing else, so its choices are testable without
+    a device. a_strides / w_strides: element strides of the GEMM's operands (`_gemm_operands`)."""
+    dtype: DType
+    a_shape: tuple
+    a_contiguous: bool
+    ta: bool
+    w_ndim: int
+    out_shape: tuple
+    out_strides: tuple
+    out_contiguous: bool
+    a_strides: tuple
+    w_strides: tuple
+    mkn: tuple                      # (M, K, N)
+    aligned: bool                   # A's and W's first bytes on 16-byte boundaries (GEMV loads)
+    swiglu: bool = False
+    swiglu_contiguous: bool = False
+    epilogue: bool = False
+
+    @classmethod
+    def of(cls, xp, call: MatmulCall) -> MatmulCase:
+        a_mat, w_mat = _gemm_operands(xp, call)
+        size = call.out.arr.itemsize
+
+        def elements(arr):
+            return tuple(s // size for s in arr.strides)
+        return cls(call.out.dt, call.a.shape, call.a.contiguous(), call.ta, call.w.arr.ndim, call.out.shape,
+                   call.out.es, call.out.contiguous(), elements(a_mat), elements(w_mat),
+                   (a_mat.shape[-2], a_mat.shape[-1], w_mat.shape[-1]),
+                   call.a.arr.data.ptr % 16 == 0 and call.w.arr.data.ptr % 16 == 0,
+                   call.swiglu is not None, call.swiglu is not None and call.swiglu.contiguous(),
+                   call.epilogue is not None)
+
+    @property
+    def batch(self) -> tuple:
+        return self.out_shape[:-2]
+
+    @property
+    def ldc(self) -> int | None:
+        """The output's row stride where cuBLAS writes it as one matrix of any row stride."""
+        return _row_stride(self.out_shape, self.out_strides) if len(self.out_shape) == 2 else None
+
+    def layouts(self) -> tuple:
+        """(A's, W's) `_mat_layout`: (layout, leading dimension)."""
+        M, K, N = self.mkn
+        return (_mat_layout(M, K, self.a_strides[-2], self.a_strides[-1]),
+                _mat_layout(K, N, self.w_strides[-2], self.w_strides[-1]))
+
+    def batch_calls(self) -> tuple:
+        """`_batch_calls` of this product."""
+        M, _, N = self.mkn
+        out_strides = contiguous_strides(self.out_shape)
+        return _batch_calls(self.batch, self.a_strides, self.w_strides, out_strides, M * N)
+
+    def rows_of_one_weight(self) -> bool:
+        """x [..., M, K] (contiguous) @ one 2-D weight into rows of one row stride."""
+        return (len(self.out_shape) > 2 and self.w_ndim == 2 and not self.ta
+                and self.a_shape[:-1] == self.out_shape[:-1] and self.a_contiguous
+                and _row_stride(self.out_shape, self.out_strides) is not None
+                and (not self.swiglu or self.swiglu_contiguous))
+
+    def gemv_fits(self) -> bool:
+        """A 16-bit decode product the GEMV kernel takes: few x rows, contiguous and aligned,
+        W [N, K] row-major (one matrix for the whole batch), K a multiple of 8."""
+        M, K, _ = self.mkn
+        nb = math.prod(self.batch)
+        (_, _), (w_layout, ldw) = self.layouts()
+        return (self.dtype in LOW and w_layout == "c" and ldw == K
+                and (nb == 1 or all(s == 0 for s in self.w_strides[:-2]))
+                and self.a_contiguous and not self.ta and M * nb <= GEMV_MAX_M
+                and math.prod(self.a_shape[:-2]) == nb and K % 8 == 0 and self.out_contiguous
+                and self.aligned)
+
+
+def matmul_strategy(case: MatmulCase) -> str:
+    """The strategy computing a float, non-empty matmul (each strategy function says when
+    and why it is chosen), or UNFUSABLE where its swiglu or epilogue cannot fuse into it."""
+    if case.rows_of_one_weight():
+        return ROWS
+    if not case.out_contiguous and case.ldc is None:
+        return STAGED
+    (a_layout, _), (w_layout, _) = case.layouts()
+    if a_layout is None or w_layout is None:
+        return UNFUSABLE if case.swiglu or case.epilogue else REPACKED
+    gemv = case.gemv_fits()
+    if case.epilogue:
+        offsets, (count, *_) = case.batch_calls()
+        return LT_EPILOGUE if not gemv and not case.swiglu and len(offsets) == 1 and count == 1 else UNFUSABLE
+    if case.swiglu:
+        return GEMV if gemv else UNFUSABLE
+    return GEMV if gemv else BLAS
+
+
+def _matmul(builder, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None, epilogue=None) -> bool:
     """out <- a @ w (cuBLAS, or the GEMV kernel for decode shapes). swiglu: also compute the
     fused_swiglu of out's two halves into this array in the same step; epilogue (bias, act):
     add the bias and apply act in cuBLASLt's epilogue. Returns False (adding no step) when
-    that epilogue cannot be fused here."""
-    cp = b.cp
-    od = out.dt
-    if swiglu is not None and (od not in LOW or a.dt is not od or w.dt is not od or out.size == 0):
+    that swiglu or epilogue cannot be fused here."""
+    return _matmul_call(builder, MatmulCall(a, w, ta, tb, out, swiglu, epilogue))
+
+
+def _matmul_call(builder, call: MatmulCall) -> bool:
+    if not _fusion_fits(call):
         return False
-    if epilogue is not None and not _lt_fits(b, a, w, out, *epilogue):
-        return False
+    out = call.out
     if out.size == 0:
         return True
-    if not od.is_float:
-        return _matmul_naive(b, a, w, ta, tb, out)
-    if a.dt is not od:
-        a = b.contiguous(a, od)
-    if w.dt is not od:
-        w = b.contiguous(w, od)
-    if (len(out.shape) > 2 and w.arr.ndim == 2 and not ta and a.shape[:-1] == out.shape[:-1]
-            and a.contiguous() and _rows_ld(out) is not None and (swiglu is None or swiglu.contiguous())):
-        # x [..., M, K] @ one weight: all leading rows as one GEMM, so the weight is read once
-        # for the batch (a strided batch of M=1 products re-reads it per row); the output
-        # rows may have any stride (a part of a concat)
-        rows = math.prod(out.shape[:-1])
-
-        def flat(v):
-            ld = _rows_ld(v)
-            return V(cp.lib.stride_tricks.as_strided(v.arr, (rows, v.shape[-1]), (ld * v.arr.itemsize,
-                                                                                  v.arr.itemsize)), v.dt)
-        return _matmul(b, flat(a), w, False, tb, flat(out), None if swiglu is None else flat(swiglu), epilogue)
-    ldc = _rows_ld(out) if len(out.shape) == 2 else None
-    if not out.contiguous() and ldc is None:       # (no planned layout asks this)
-        c = b.buffer(out.shape, od, "matmul output")
-        if not _matmul(b, a, w, ta, tb, c, swiglu, epilogue):
-            return False
-        b.copy(c, out)
+    if not out.dt.is_float:
+        _matmul_naive(builder, call.a, call.w, call.ta, call.tb, out)
         return True
-    A = a.arr.swapaxes(-1, -2) if ta else a.arr
-    Bm = w.arr.swapaxes(-1, -2) if tb else w.arr
-    M, K = A.shape[-2], A.shape[-1]
-    N = Bm.shape[-1]
-    batch = tuple(out.shape[:-2])
-    nb = math.prod(batch)
-    Ab = cp.broadcast_to(A, batch + (M, K))
-    Bb = cp.broadcast_to(Bm, batch + (K, N))
-    isz = out.arr.itemsize
+    if call.a.dt is not out.dt:
+        call = attrs.evolve(call, a=builder.contiguous(call.a, out.dt))
+    if call.w.dt is not out.dt:
+        call = attrs.evolve(call, w=builder.contiguous(call.w, out.dt))
+    case = MatmulCase.of(builder.cp, call)
+    return _MATMUL_STRATEGIES[matmul_strategy(case)](builder, case, call)
 
-    def estr(x):
-        return [s // isz for s in x.strides]
 
-    sa, sb = estr(Ab), estr(Bb)
-    la, lda = _mat_layout(M, K, sa[-2], sa[-1])
-    lb, ldb = _mat_layout(K, N, sb[-2], sb[-1])
-    if la is None or lb is None:
-        if swiglu is not None or epilogue is not None:
-            return False
-        if la is None:
-            a = b.contiguous(V(A, od))
-            A = a.arr
-        if lb is None:
-            w = b.contiguous(V(Bm, od))
-            Bm = w.arr
-        return _matmul(b, V(A, od), V(Bm, od), False, False, out)
-    K_ = K
-    # GEMV fast path for decode: small M, W [N, K] row-major resident, x rows contiguous
-    gemv = None
-    if (od in LOW and lb == "c" and ldb == K and (nb == 1 or all(s == 0 for s in sb[:-2]))
-            and a.contiguous() and not ta and M * nb <= GEMV_MAX_M and math.prod(a.shape[:-2]) == nb and K % 8 == 0 and out.contiguous()
-            and Bm.data.ptr % 16 == 0 and A.data.ptr % 16 == 0):
-        gemv = _gemv_step(b, Ab, Bm, out if swiglu is None else swiglu, M * nb, N, K, swiglu is not None)
-    if swiglu is not None and gemv is None:
+def _fusion_fits(call: MatmulCall) -> bool:
+    """Whether the call's swiglu (16-bit, one dtype throughout, a non-empty output) or
+    epilogue (`_lt_fits`) may fuse at all, before any strategy is weighed."""
+    out = call.out
+    if call.swiglu is not None and (out.dt not in LOW or call.a.dt is not out.dt or call.w.dt is not out.dt
+                                    or out.size == 0):
         return False
-    if epilogue is not None and gemv is not None:
+    return call.epilogue is None or _lt_fits(call.a, call.w, out, *call.epilogue)
+
+
+def _matmul_rows(builder, case: MatmulCase, call: MatmulCall) -> bool:
+    """x [..., M, K] @ one weight: all leading rows as one GEMM, so the weight is read once
+    for the batch (a strided batch of M=1 products re-reads it per row); the output rows may
+    have any stride (a part of a concat)."""
+    rows = math.prod(call.out.shape[:-1])
+
+    def flat(v):
+        ld = _rows_ld(v)
+        return V(builder.cp.lib.stride_tricks.as_strided(v.arr, (rows, v.shape[-1]),
+                                                         (ld * v.arr.itemsize, v.arr.itemsize)), v.dt)
+    return _matmul_call(builder, attrs.evolve(call, a=flat(call.a), ta=False, out=flat(call.out),
+                                              swiglu=None if call.swiglu is None else flat(call.swiglu)))
+
+
+def _matmul_staged(builder, case: MatmulCase, call: MatmulCall) -> bool:
+    """An output cuBLAS cannot write (neither contiguous nor rows of one stride; no planned
+    layout asks this): the product into a fresh buffer, then copied."""
+    staging = builder.buffer(call.out.shape, call.out.dt, "matmul output")
+    if not _matmul_call(builder, attrs.evolve(call, out=staging)):
         return False
-    # batch offsets: collapse batch dims, loop over all but the innermost
-    sc_ = contiguous_strides(out.shape)
-    dims = [(d, sa[i], sb[i], sc_[i]) for i, d in enumerate(batch) if d != 1]
+    builder.copy(staging, call.out)
+    return True
+
+
+def _matmul_repacked(builder, case: MatmulCase, call: MatmulCall) -> bool:
+    """An operand with no matrix layout cuBLAS reads (neither rows nor columns of unit
+    stride): that operand copied contiguous (as the GEMM reads it, so no longer transposed)."""
+    a_mat, w_mat = _as_read(call)
+    (a_layout, _), (w_layout, _) = case.layouts()
+    if a_layout is None:
+        a_mat = builder.contiguous(V(a_mat, case.dtype)).arr
+    if w_layout is None:
+        w_mat = builder.contiguous(V(w_mat, case.dtype)).arr
+    repacked = MatmulCall(V(a_mat, case.dtype), V(w_mat, case.dtype), False, False, call.out)
+    return _matmul_call(builder, repacked)
+
+
+def _matmul_gemv(builder, case: MatmulCase, call: MatmulCall) -> bool:
+    """A 16-bit decode product (`MatmulCase.gemv_fits`): the GEMV kernel, which beats cuBLAS
+    up to GEMV_MAX_M rows and can write the SwiGLU of the result; cuBLAS (and an unfused
+    SwiGLU) where CONFIG["gemv"] is off."""
+    a_mat, w_mat = _gemm_operands(builder.cp, call)
+    M, K, N = case.mkn
+    rows = M * math.prod(case.batch)
+    target = call.out if call.swiglu is None else call.swiglu
+    gemv = _gemv_step(builder, a_mat, _as_read(call)[1], target, rows, N, K, call.swiglu is not None)
+    blas = _CublasGemm(builder, case, a_mat, w_mat, call.out)
+    tail = [] if call.swiglu is None else _swiglu_tail(builder, call.out, call.swiglu, N)
+
+    def dispatch():
+        if CONFIG["gemv"]:
+            return gemv()
+        blas()
+        for fn in tail:
+            fn()
+    builder.add(dispatch)
+    return True
+
+
+def _matmul_lt_epilogue(builder, case: MatmulCase, call: MatmulCall) -> bool:
+    """A matmul with a bias/activation epilogue cuBLASLt has, as one GEMM: the epilogue in
+    cuBLASLt's call (one launch, no extra pass over out); cuBLAS and an elementwise launch
+    where CONFIG["lt_epilogue"] is off. False where cuBLASLt finds no algorithm for it."""
+    from . import blas as cublas
+
+    a_mat, w_mat = _gemm_operands(builder.cp, call)
+    M, K, N = case.mkn
+    blas = _CublasGemm(builder, case, a_mat, w_mat, call.out)
+    bias, act = call.epilogue
+    lt = cublas.lt_library().prepare(blas.op_w, blas.op_a, N, M, K, blas.ld_w, blas.ld_a, blas.dtype_c,
+                                     bias.arr.data.ptr, blas.dtype_c, act, case.ldc)
+    if lt is None:
+        return False
+    mark = len(builder.steps)           # the unfused epilogue, for the switch
+    _bias_act(builder, call.out, bias, act)
+    tail = [st.fn for st in builder.steps[mark:]]
+    del builder.steps[mark:]
+    (ptr_w, ptr_a, ptr_c), = blas.calls
+    alpha, beta, stream = blas.alpha, blas.beta, builder.stream
+
+    def lt_or_blas():
+        if CONFIG["lt_epilogue"]:
+            return lt(ptr_w, ptr_a, ptr_c, alpha, beta, stream.ptr)
+        blas()
+        for fn in tail:
+            fn()
+    builder.add(lt_or_blas)
+    return True
+
+
+def _matmul_blas(builder, case: MatmulCase, call: MatmulCall) -> bool:
+    """Every other float matmul: cuBLAS (`_CublasGemm`)."""
+    a_mat, w_mat = _gemm_operands(builder.cp, call)
+    builder.add(_CublasGemm(builder, case, a_mat, w_mat, call.out))
+    return True
+
+
+def _matmul_unfusable(builder, case: MatmulCase, call: MatmulCall) -> bool:
+    """The swiglu or epilogue asked for cannot fuse into this product's strategy: no step."""
+    return False
+
+
+_MATMUL_STRATEGIES = {ROWS: _matmul_rows, STAGED: _matmul_staged, REPACKED: _matmul_repacked,
+                      GEMV: _matmul_gemv, LT_EPILOGUE: _matmul_lt_epilogue, BLAS: _matmul_blas,
+                      UNFUSABLE: _matmul_unfusable}
+
+
+def _swiglu_tail(builder, out: V, swiglu: V, n: int) -> list:
+    """The run functions of the unfused SwiGLU of out's halves into swiglu (built, not added
+    as steps: the GEMV's cuBLAS switch runs them)."""
+    half = n // 2
+    mark = len(builder.steps)
+    builder.elementwise(((("fused_swiglu", (), (0, 1))),),
+                        [V(out.arr[..., :half], out.dt), V(out.arr[..., half:], out.dt)], swiglu)
+    tail = [st.fn for st in builder.steps[mark:]]
+    del builder.steps[mark:]
+    return tail
+
+
+def _batch_calls(batch: tuple, a_strides, w_strides, out_strides, matrix_size: int) -> tuple:
+    """How a batched GEMM's batch dims become cuBLAS calls: dims (of size > 1) merged where
+    the strides of A, W and out all chain; the innermost run is one strided-batched call,
+    (count, A stride, W stride, out stride), made at each of the (A, W, out) element offsets
+    of the outer ones."""
     merged: list = []
-    for d, x, y, z in dims:
+    for i, d in enumerate(batch):
+        if d == 1:
+            continue
+        x, y, z = a_strides[i], w_strides[i], out_strides[i]
         if merged:
             pd, px, py, pz = merged[-1]
             if px == x * d and py == y * d and pz == z * d:
                 merged[-1] = (pd * d, x, y, z)
                 continue
         merged.append((d, x, y, z))
-    inner = merged[-1] if merged else (1, 0, 0, M * N)
-    outer = merged[:-1]
+    inner = merged[-1] if merged else (1, 0, 0, matrix_size)
     offsets = [(0, 0, 0)]
-    for d, x, y, z in outer:
+    for d, x, y, z in merged[:-1]:
         offsets = [(oa + i * x, ob + i * y, oc + i * z) for oa, ob, oc in offsets for i in range(d)]
-    from . import blas as cublas
+    return offsets, inner
 
-    rt = cp.cuda.runtime
-    dtype_c = getattr(rt, _CUDA_T[od])
-    compute = cublas.COMPUTE_64F if od is F64 else cublas.COMPUTE_32F
-    scal = np.float64 if od is F64 else np.float32
-    alpha, beta = np.ones(1, scal), np.zeros(1, scal)
-    b.keep += [alpha, beta]
-    opN, opT = 0, 1
-    opx, ldx = (opN, ldb) if lb == "r" else (opT, ldb)
-    opy, ldy = (opN, lda) if la == "r" else (opT, lda)
-    lib = cublas.library()
-    handle = lib.handle
-    pa, pb, pc = Ab.data.ptr, Bb.data.ptr, out.arr.data.ptr
-    calls = [(pb + ob * isz, pa + oa * isz, pc + oc * isz) for oa, ob, oc in offsets]
-    cnt, s_a, s_b, s_c = inner[0], inner[1], inner[2], inner[3]
-    ap, bp = alpha.ctypes.data, beta.ctypes.data
-    stream = b.stream
 
-    def blas():
-        lib.prepare(handle, stream.ptr)
-        for px, py, pcc in calls:
-            if cnt == 1:
-                lib.gemm(handle, opx, opy, N, M, K_, ap, px, dtype_c, ldx, py, dtype_c, ldy,
-                         bp, pcc, dtype_c, ldc or N, compute)
+class _CublasGemm:
+    """The cuBLAS calls of out <- A @ W (`_gemm_operands`; row-major out, so cuBLAS, column-
+    major, computes out^T = W^T A^T): one per outer batch offset, each a GEMM or one strided-
+    batched GEMM over the innermost merged batch dims (`_batch_calls`). Calling it runs them."""
+
+    def __init__(self, builder, case: MatmulCase, a_mat, w_mat, out: V):
+        from . import blas as cublas
+
+        self.mkn, self.ldc = case.mkn, case.ldc
+        M, _, N = case.mkn
+        (a_layout, lda), (w_layout, ldw) = case.layouts()
+        self.op_w, self.ld_w = (OP_N if w_layout == "r" else OP_T), ldw
+        self.op_a, self.ld_a = (OP_N if a_layout == "r" else OP_T), lda
+        self.dtype_c = getattr(builder.cp.cuda.runtime, _CUDA_T[case.dtype])
+        self.compute = cublas.COMPUTE_64F if case.dtype is F64 else cublas.COMPUTE_32F
+        scalar = np.float64 if case.dtype is F64 else np.float32
+        alpha, beta = np.ones(1, scalar), np.zeros(1, scalar)
+        builder.keep += [alpha, beta]
+        self.alpha, self.beta = alpha.ctypes.data, beta.ctypes.data
+        offsets, (self.count, self.stride_a, self.stride_w, self.stride_c) = case.batch_calls()
+        size = out.arr.itemsize
+        ptr_a, ptr_w, ptr_c = a_mat.data.ptr, w_mat.data.ptr, out.arr.data.ptr
+        self.calls = [(ptr_w + ow * size, ptr_a + oa * size, ptr_c + oc * size) for oa, ow, oc in offsets]
+        self.lib = cublas.library()
+        self.stream = builder.stream
+
+    def __call__(self):
+        lib, (M, K, N) = self.lib, self.mkn
+        lib.prepare(lib.handle, self.stream.ptr)
+        for ptr_w, ptr_a, ptr_c in self.calls:
+            if self.count == 1:
+                lib.gemm(lib.handle, self.op_w, self.op_a, N, M, K, self.alpha, ptr_w, self.dtype_c, self.ld_w,
+                         ptr_a, self.dtype_c, self.ld_a, self.beta, ptr_c, self.dtype_c, self.ldc or N, self.compute)
             else:
-                lib.gemm_strided(handle, opx, opy, N, M, K_, ap, px, dtype_c, ldx, s_b, py, dtype_c, ldy,
-                                 s_a, bp, pcc, dtype_c, N, s_c, cnt, compute)
-    tail: list = []
-    if swiglu is not None:          # the unfused epilogue, for the cuBLAS switch
-        h = N // 2
-        mark = len(b.steps)
-        b.elementwise(((("fused_swiglu", (), (0, 1))),), [V(out.arr[..., :h], od), V(out.arr[..., h:], od)],
-                      swiglu)
-        tail = [st.fn for st in b.steps[mark:]]
-        del b.steps[mark:]
-    if epilogue is not None:
-        lt = None
-        if len(calls) == 1 and cnt == 1:
-            bias, act = epilogue
-            lt = cublas.lt_library().prepare(opx, opy, N, M, K_, ldx, ldy, dtype_c, bias.arr.data.ptr, dtype_c, act,
-                                             ldc)
-        if lt is None:
-            return False
-        mark = len(b.steps)         # the unfused epilogue, for the switch
-        _bias_act(b, out, *epilogue)
-        tail = [st.fn for st in b.steps[mark:]]
-        del b.steps[mark:]
-        (px, py, pcc), = calls
-
-        def lt_or_blas():
-            if CONFIG["lt_epilogue"]:
-                return lt(px, py, pcc, ap, bp, stream.ptr)
-            blas()
-            for fn in tail:
-                fn()
-        b.add(lt_or_blas)
-    elif gemv is None:
-        b.add(blas)
-    else:
-        def dispatch():
-            if CONFIG["gemv"]:
-                return gemv()
-            blas()
-            for fn in tail:
-                fn()
-        b.add(dispatch)
-    return True
+                lib.gemm_strided(lib.handle, self.op_w, self.op_a, N, M, K, self.alpha, ptr_w, self.dtype_c,
+                                 self.ld_w, self.stride_w, ptr_a, self.dtype_c, self.ld_a, self.stride_a, self.beta,
+                                 ptr_c, self.dtype_c, N, self.stride_c, self.count, self.compute)
 
 
 GEMV_ROWS, GEMV_LOADS = 1, 2      # rows of W per warp, 16-byte loads in flight per row and lane
@@ -374,7 +566,7 @@ def _b_mba(b, n, ins, outs):
     _bias_act(b, outs[0], bias, act)
 
 
-def _lt_fits(b, a: V, w: V, out: V, bias: V, act: str) -> bool:
+def _lt_fits(a: V, w: V, out: V, bias: V, act: str) -> bool:
     """Whether cuBLASLt can take this matmul's bias and act (same float type throughout, a
     contiguous bias per output column, an activation its epilogues have)."""
     from . import blas as cublas
@@ -760,8 +952,7 @@ def _b_softmax(b, n, ins, outs):
     x, y = ins[0], outs[0]
     if y.size == 0:
         return
-    src = sources.render(sources.SOFTMAX, TX=ctype(x.dt), TO=ctype(y.dt), ACC=acc_of(x.dt))
-    fn = b.kernel(src, "rlx_softmax")
+    fn = b.kernel(row_kernels.source("softmax", x.dt, y.dt), "rlx_softmax")
 
     def k(xv, rows, nn, rs, yv):
         b.launch(fn, (rows,), (_block(nn),), (xv.arr, i64(rs), yv.arr, i32(nn)))
@@ -809,8 +1000,7 @@ def _norm_grad(b, x, w, g, outs, eps, off, center: bool):
 
 def _sum_rows(b, t: V, rows: int, nn: int, out: V) -> None:
     """out [nn] <- the sum of contiguous t's rows (viewed as [rows, nn]), accumulated in f32/f64."""
-    macros = dict(TX=ctype(t.dt), TO=ctype(out.dt), ACC=acc_of(t.dt), LOAD="LD(ACC, v)", COMB="(a) + (b)",
-                  IDENT="(ACC)0", FINAL=_storer(out.dt, "r"))
+    macros = row_kernels.reduce_macros("sum", t.dt, out.dt)
     o = out if out.contiguous() else b.buffer(out.shape, out.dt)
     _reduce_cols(b, macros, t, o, (1, rows, nn))
     if o is not out:
@@ -861,31 +1051,18 @@ def _b_reduce(b, n, ins, outs):
     op = n.a["op"]
     if R == 0 and op in ("max", "min"):
         raise BackendError(f"reduce {op} over an empty axis (node %{b.node})")
-    acc, ld = _loader(x.dt)
-    if op == "mean" and not x.dt.is_float:
-        acc, ld = "double", "(ACC)(v)"
-    if x.dt.is_float or op == "mean":
-        mx = "rlx_max((a), (b))" if x.dt.is_float else "rlx_maxi<ACC>((a), (b))"
-        mn = "rlx_min((a), (b))" if x.dt.is_float else "rlx_mini<ACC>((a), (b))"
-        lo, hi = "(-(ACC)RLX_INF)", "((ACC)RLX_INF)"
-    else:
-        mx, mn = "rlx_maxi<ACC>((a), (b))", "rlx_mini<ACC>((a), (b))"
-        lo, hi = "((ACC)(-9223372036854775807LL - 1))", "((ACC)9223372036854775807LL)"
-    comb = {"sum": "(a) + (b)", "mean": "(a) + (b)", "prod": "(a) * (b)", "max": mx, "min": mn}[op]
-    ident = {"sum": "(ACC)0", "mean": "(ACC)0", "prod": "(ACC)1", "max": lo, "min": hi}[op]
-    final = _storer(y.dt, "(r / (ACC)n)" if op == "mean" else "r")
-    macros = dict(TX=ctype(x.dt), TO=ctype(y.dt), ACC=acc, LOAD=ld, COMB=comb, IDENT=ident, FINAL=final)
+    macros = row_kernels.reduce_macros(op, x.dt, y.dt)
     oni = _one_run(x.shape, axes)
     if oni is not None and (oni[2] > 1 or R <= REDUCE_SERIAL):
         _reduce_cols(b, macros, b.contiguous(x), y, oni)
         return
     xv, rs = _as_matrix(b, b.moved_last(x, axes), rows, R)
-    fn = b.kernel(sources.render(sources.REDUCE, **macros), "rlx_reduce")
+    fn = b.kernel(row_kernels.source("reduce", x.dt, y.dt, op), "rlx_reduce")
     ns, chunk = _row_split(b, rows, R)
     if ns == 1:
         b.launch(fn, (rows,), (_block(R),), (xv.arr, i64(rs), y.arr, i32(R), i32(R), None, None))
         return
-    part = b.node_buffer((rows * ns,), _ACC_DT[acc], "reduce partials")
+    part = b.node_buffer((rows * ns,), _ACC_DT[macros["ACC"]], "reduce partials")
     b.launch(fn, (rows, ns), (256,), (xv.arr, i64(rs), y.arr, i32(R), i32(chunk), part.arr, b.counters(rows)))
 
 
@@ -934,9 +1111,8 @@ def _b_argmax(b, n, ins, outs):
     R = x.shape[ax] if rank else 1
     xm = b.moved_last(x, (ax,)) if rank else x
     xv, rs = _as_matrix(b, xm, rows, R)
-    acc, ld = _loader(x.dt)
-    src = sources.render(sources.ARGMAX, TX=ctype(x.dt), ACC=acc, LOAD=ld)
-    fn = b.kernel(src, "rlx_argmax")
+    acc = row_kernels.acc_type(x.dt)
+    fn = b.kernel(row_kernels.source("argmax", x.dt, I64), "rlx_argmax")
     ns, chunk = _row_split(b, rows, R)
     if ns == 1:
         b.launch(fn, (rows,), (_block(R),), (xv.arr, i64(rs), y.arr, i32(R), i32(R), None, None, None))
