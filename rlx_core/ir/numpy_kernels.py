@@ -15,6 +15,7 @@ import numpy as np
 from . import comm
 from .dtype import DType
 from .errors import ModelError
+from .expr import ACTIVATIONS, BINARY_TABLE, COMPARE_TABLE, NumpyRenderer
 from .ops import MaskKind
 from .quant import QuantScheme
 
@@ -56,18 +57,9 @@ def _sigmoid(x):
     return y
 
 
-ACT = {
-    "gelu": lambda x: 0.5 * x * (1.0 + erf(x * np.asarray(1 / math.sqrt(2), x.dtype))),
-    "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(np.asarray(math.sqrt(2 / math.pi), x.dtype)
-                                                    * (x + np.asarray(0.044715, x.dtype) * x * x * x))),
-    "silu": lambda x: x * _sigmoid(x),
-    "relu": lambda x: np.maximum(x, np.zeros((), x.dtype)),
-    "sigmoid": _sigmoid,
-    "tanh": np.tanh, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
-    "rsqrt": lambda x: 1.0 / np.sqrt(x) if x.dtype.kind == "c" else np.reciprocal(np.sqrt(x)),
-    "neg": np.negative, "abs": np.abs, "sin": np.sin, "cos": np.cos,
-    "recip": np.reciprocal, "identity": lambda x: x,
-}
+# the expression table's formulas as NumPy callables (erf and sigmoid are the fast ones above)
+NUMPY = NumpyRenderer({"erf": erf, "sigmoid": _sigmoid, "recip": np.reciprocal})
+ACT = {n: NUMPY.build("activation", n) for n in ACTIVATIONS}
 # GELU = x * Phi(x), f32: Phi tabulated on [-8, 8] in steps of 1/512 as one linear piece per
 # step (value and slope stored as complex64, so one gather fetches both): |Phi error| < 4e-8
 # inside, and Phi is 0 / 1 to f32 precision outside. About 8 f32 passes and one gather per
@@ -137,20 +129,19 @@ def _gelu_fast(o: np.ndarray, *others) -> bool:
     return o.dtype == _F32 and o.flags.c_contiguous and all(x is None or x.dtype == _F32 for x in others)
 
 
-BIN = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
-       "max": np.maximum, "min": np.minimum, "pow": np.power}
-CMP = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
-       "gt": np.greater, "ge": np.greater_equal}
+BIN = {n: NUMPY.build("binary", n, DType.F64) for n in BINARY_TABLE}       # ufuncs: out= works
+BIN_INT = {n: NUMPY.build("binary", n, DType.I64) for n in BINARY_TABLE}   # div floors
+CMP = {n: NUMPY.build("compare", n) for n in COMPARE_TABLE}
 RED = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}
 
 
 def _binary(a, out, x, y):
     o = out[0]
     # integer div floors, whatever the input widths (mixed widths used to truncate)
-    f = np.floor_divide if a["op"] == "div" and o.dtype.kind in "iu" else BIN[a["op"]]
+    f = (BIN_INT if o.dtype.kind in "iu" else BIN)[a["op"]]
     if o.dtype == x.dtype == y.dtype and o.dtype not in _LOW:
         if a["op"] == "div" and o.dtype.kind in "iu":
-            put(o, np.floor_divide(x, y))
+            put(o, f(x, y))
         else:
             f(x, y, out=o)
     else:

@@ -47,20 +47,28 @@ PARITY_PROFILE = CompileProfile("parity", FusionConfig(skip=True), PassConfig(ve
 
 
 # ----------------------------------------------------------------------------- fixtures
+PRIMITIVES_ONLY = "numpy-primitives"     # the kit's own backend: see `primitives_only`
+
+
 def check_backend_option(name: str) -> None:
     """`--rlx-backend NAME` must name a backend that runs here (BackendError otherwise)."""
     from rlx_core.pipeline import select_backend
 
-    select_backend(name)
+    if name != PRIMITIVES_ONLY:
+        select_backend(name)
 
 
 def backend_params(only=None) -> list:
     """pytest params of the backends to test: `--rlx-backend`'s, else those of `only` (names),
-    else every registered one; one not available here is skipped with its reason."""
+    else every registered one; one not available here is skipped with its reason. The kit's
+    PRIMITIVES_ONLY backend is a param only where named."""
     from rlx_core.pipeline import available_backends
 
     want = selected("rlx_backend")
-    out = []
+    if want == PRIMITIVES_ONLY or (not want and only is not None and PRIMITIVES_ONLY in only):
+        out = [pytest.param(PRIMITIVES_ONLY, id=PRIMITIVES_ONLY)]
+    else:
+        out = []
     for b, ok, why in available_backends():
         if (want and b.name != want) or (only is not None and b.name not in only):
             continue
@@ -70,12 +78,17 @@ def backend_params(only=None) -> list:
 
 
 @pytest.fixture
-def rlx_backend(request) -> str:
-    """The name of the backend under test (parametrized by the kit's pytest plugin)."""
+def rlx_backend(request):
+    """The name of the backend under test (parametrized by the kit's pytest plugin); the
+    kit's PRIMITIVES_ONLY backend is registered for the test's duration."""
     if not hasattr(request, "param"):
         raise pytest.UsageError("the rlx_backend fixture is parametrized by the rlx_core.testing "
                                 "pytest plugin: load it with -p rlx_core.testing")
-    return request.param
+    if request.param == PRIMITIVES_ONLY:
+        with primitives_only() as name:
+            yield name
+    else:
+        yield request.param
 
 
 @pytest.fixture
@@ -87,7 +100,8 @@ def backend(rlx_backend) -> str:
 @contextlib.contextmanager
 def numpy_without(ops, name: str = "numpy-without"):
     """While the block runs, backend `name` is the NumPy backend without kernels for `ops`:
-    the pipeline legalizes them (lower.DECOMPOSE_FUSED), as for a backend that never had them."""
+    the pipeline legalizes those with a composite (rlx_core.ir.composites), as for a backend
+    that never had them."""
     from rlx_core.backends.numpy import NumpyBackend
     from rlx_core.plugins import hookimpl, register_plugin, unregister_plugin
 
@@ -109,6 +123,15 @@ def numpy_without(ops, name: str = "numpy-without"):
         yield name
     finally:
         unregister_plugin(f"parity-{name}")
+
+
+def primitives_only(name: str = PRIMITIVES_ONLY):
+    """`numpy_without` every op that has a composite (rlx_core.ir.composites): the NumPy
+    backend reduced to the primitives (and the optional ops), so every other op runs as its
+    composite. `pytest --rlx-backend=numpy-primitives` runs the whole suite so."""
+    from rlx_core.ir.composites import COMPOSITES
+
+    return numpy_without(set(COMPOSITES), name)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -319,6 +342,7 @@ REF_ACT = {
     "tanh": np.tanh, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
     "rsqrt": lambda x: 1.0 / np.sqrt(x), "neg": lambda x: -x, "abs": np.abs,
     "sin": np.sin, "cos": np.cos, "recip": lambda x: 1.0 / x, "identity": lambda x: x,
+    "quick_gelu": lambda x: x / (1.0 + np.exp(-1.702 * x)),
 }
 
 

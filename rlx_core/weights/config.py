@@ -12,13 +12,13 @@ import re
 from rlx_core.ir.errors import ModelError, RlxError, WeightError
 
 # transformers' ACT2FN names -> the IR activation (rlx_core.ir.ops.ACTIVATIONS) computing the
-# same function; a name not here (quick_gelu, relu6, mish, ...) has no IR activation and is refused
+# same function; a name not here (relu6, mish, ...) has no IR activation and is refused
 HF_ACTIVATIONS = {
     "gelu": "gelu", "gelu_python": "gelu",                                  # erf GELU
     **dict.fromkeys(("gelu_new", "gelu_fast", "gelu_accurate", "gelu_pytorch_tanh", "gelu_python_tanh"),
                     "gelu_tanh"),                                           # tanh approximation
     "silu": "silu", "swish": "silu", "relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh",
-    "linear": "identity",
+    "linear": "identity", "quick_gelu": "quick_gelu",                     # x * sigmoid(1.702 x)
 }
 _ACTIVATION = (lambda v: isinstance(v, str) and v in HF_ACTIVATIONS, f"one of {sorted(HF_ACTIVATIONS)}")
 

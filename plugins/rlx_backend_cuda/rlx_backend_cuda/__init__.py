@@ -77,6 +77,11 @@ class CudaBackend(Backend):
 
         return {n for n, d in OPS.items() if d.level is Level.LEAF or n in BUILDERS or n in VIEW_BUILDERS}
 
+    def expression_renderers(self) -> tuple:
+        from .codegen import CUDA
+
+        return (CUDA,)
+
     def supports_scheme(self, scheme) -> bool:
         """Whether dequant_matmul / dequantize have a kernel for this QuantScheme (or name): all do."""
         from rlx_core.ir.quant import QuantScheme

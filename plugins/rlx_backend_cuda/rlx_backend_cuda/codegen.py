@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from rlx_core.ir.dtype import BF16, BOOL, C64, F16, F32, F64, I64, DType
 from rlx_core.ir.errors import BackendError
+from rlx_core.ir.expr import BINARY_TABLE, INT_OK_ACTIVATIONS, CRenderer
 from rlx_core.ir.ops import step_dtypes
 
 LOW = (F16, BF16)
@@ -57,32 +58,28 @@ def store(expr: str, dt: DType) -> str:
     return f"(({STORE[dt]})({expr}))"
 
 
-_FLOAT_FN = {
-    "gelu": "(0.5f * x * (1.0f + erff(x * 0.70710678118654752f)))",
-    "gelu_tanh": "(0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x))))",
-    "silu": "(x * rlx_sigmoid(x))",
-    "relu": "((x != x) ? x : (x > 0.0f ? x : 0.0f))",
-    "sigmoid": "rlx_sigmoid(x)", "tanh": "tanhf(x)", "exp": "expf(x)", "log": "logf(x)",
-    "sqrt": "sqrtf(x)", "rsqrt": "(1.0f / sqrtf(x))", "neg": "(-x)", "abs": "fabsf(x)",
-    "sin": "sinf(x)", "cos": "cosf(x)", "recip": "(1.0f / x)", "identity": "x",
-}
-_DOUBLE_FN = {
-    "gelu": "(0.5 * x * (1.0 + erf(x * 0.70710678118654752)))",
-    "gelu_tanh": "(0.5 * x * (1.0 + tanh(0.79788456080286536 * (x + 0.044715 * x * x * x))))",
-    "silu": "(x * rlx_sigmoid(x))",
-    "relu": "((x != x) ? x : (x > 0.0 ? x : 0.0))",
-    "sigmoid": "rlx_sigmoid(x)", "tanh": "tanh(x)", "exp": "exp(x)", "log": "log(x)",
-    "sqrt": "sqrt(x)", "rsqrt": "(1.0 / sqrt(x))", "neg": "(-x)", "abs": "fabs(x)",
-    "sin": "sin(x)", "cos": "cos(x)", "recip": "(1.0 / x)", "identity": "x",
-}
-_INT_FN = {"neg": "(-x)", "abs": "(x < 0 ? -x : x)", "relu": "(x > 0 ? x : 0)", "identity": "x"}
-_CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+class CudaRenderer(CRenderer):
+    """CUDA C: the C renderer plus the prelude's helpers (rlx_sigmoid, the NaN-keeping
+    rlx_max/rlx_min, integer rlx_maxi/rlx_mini/rlx_floordiv/rlx_ipow templates)."""
+    name = "CUDA C"
+    dtypes = (F32, F64, DType.I8, DType.I16, DType.I32, I64, DType.U8, DType.U32)
+    functions = {"sigmoid": "rlx_sigmoid", "isnan": "({0} != {0})"}
+    INT = {"max": "rlx_maxi<{ct}>", "min": "rlx_mini<{ct}>", "floordiv": "rlx_floordiv<{ct}>",
+           "pow": "rlx_ipow<{ct}>"}
+
+    def function(self, name: str, dt: DType):
+        if dt.is_int or dt is BOOL:
+            return self.INT.get(name)
+        if name in ("max", "min"):
+            return f"rlx_{name}"
+        return super().function(name, dt)
 
 
-def _sub_x(template: str, var: str) -> str:
-    import re
+CUDA = CudaRenderer()
 
-    return re.sub(r"\bx\b", var, template)
+
+def _render(kind: str, name: str, dt: DType, **values: str) -> str:
+    return CUDA.render(kind, name, dt, "cuda", **values)
 
 
 # what complex64 values may go through (rlx_c64 in the prelude): arithmetic, negation, a
@@ -114,29 +111,15 @@ def emit_op(op: str, a: dict, args: list, out: DType, lines: list, tmp: str) -> 
         cdt = F32 if out in LOW else (I64 if out is BOOL else out)
         X, Y = conv(x, tx, cdt), conv(y, ty, cdt)
         c = CT[cdt]
-        if kind in ("add", "sub", "mul"):
-            e = f"({X} {dict(add='+', sub='-', mul='*')[kind]} {Y})"
-        elif kind == "div":
-            if cdt.is_float or cdt is C64:
-                e = f"({X} / {Y})"
-            else:                                    # integer division floors (numpy's //)
-                e = f"rlx_floordiv<{c}>({X}, {Y})"
-        elif kind in ("max", "min"):
-            e = f"rlx_{kind}({X}, {Y})" if cdt.is_float else f"rlx_{kind}i<{c}>({X}, {Y})"
-        elif kind == "pow":
-            if cdt is F64:
-                e = f"pow({X}, {Y})"
-            elif cdt.is_float:
-                e = f"powf({X}, {Y})"
-            else:
-                e = f"rlx_ipow<{c}>({X}, {Y})"
-        else:
+        if kind not in BINARY_TABLE:
             raise BackendError(f"cuda backend: binary op {kind!r} is not supported")
+        e = _render("binary", kind, cdt, a=X, b=Y)
         return conv(f"(({c}){e})", cdt, out)
     if op == "compare":
         (x, tx), (y, ty) = args
-        ct = "double" if (tx.is_float or ty.is_float) else "long long"
-        return f"((({ct})({x})) {_CMP[a['op']]} (({ct})({y})))"
+        cdt = F64 if (tx.is_float or ty.is_float) else I64
+        ct = CT[cdt]
+        return _render("compare", a["op"], cdt, a=f"(({ct})({x}))", b=f"(({ct})({y}))")
     if op == "where":
         (c, _), (x, tx), (y, ty) = args
         return f"(({c}) ? {conv(x, tx, out)} : {conv(y, ty, out)})"
@@ -144,19 +127,18 @@ def emit_op(op: str, a: dict, args: list, out: DType, lines: list, tmp: str) -> 
         (x, tx), = args
         fn = a["fn"]
         if not out.is_float:
-            if fn not in _INT_FN:
+            if fn not in INT_OK_ACTIVATIONS:
                 raise BackendError(f"cuda backend: activation {fn!r} needs a float input")
             lines.append(f"const {CT[out]} {tmp} = {conv(x, tx, out)};")
-            return f"(({CT[out]}){_sub_x(_INT_FN[fn], tmp)})"
+            return f"(({CT[out]}){_render('activation', fn, out, x=tmp)})"
         cdt = F64 if out is F64 else F32
         lines.append(f"const {CT[cdt]} {tmp} = {conv(x, tx, cdt)};")
-        table = _DOUBLE_FN if cdt is F64 else _FLOAT_FN
-        return conv(_sub_x(table[fn], tmp), cdt, out)
+        return conv(_render("activation", fn, cdt, x=tmp), cdt, out)
     if op == "fused_swiglu":
         (g, tg), (u, tu) = args
         cdt = F64 if F64 in (tg, tu) else F32
         lines.append(f"const {CT[cdt]} {tmp} = {conv(g, tg, cdt)};")
-        return conv(f"({tmp} * rlx_sigmoid({tmp}) * {conv(u, tu, cdt)})", cdt, out)
+        return conv(_render("fused_swiglu", "fused_swiglu", cdt, a=tmp, b=conv(u, tu, cdt)), cdt, out)
     raise BackendError(f"cuda backend: {op!r} is not an elementwise op")
 
 
@@ -264,4 +246,4 @@ def copy16_source(rank: int) -> str:
         "    dst[od] = src[os];\n  }\n}\n")
 
 
-__all__ = ["elementwise_source", "copy16_source", "collapse", "ctype", "acc_of", "conv", "emit_op"]
+__all__ = ["CUDA", "CudaRenderer", "elementwise_source", "copy16_source", "collapse", "ctype", "acc_of", "conv", "emit_op"]

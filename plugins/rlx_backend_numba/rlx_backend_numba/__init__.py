@@ -106,6 +106,14 @@ class NumbaBackend(Backend):
         """Every op with a NumPy kernel: numba kernels where they apply, numpy's elsewhere."""
         return NumpyBackend().supported_ops()
 
+    def expression_renderers(self) -> tuple:
+        """numba's generated kernels, and numpy's kernels for what they do not cover."""
+        from rlx_core.ir.numpy_kernels import NUMPY
+
+        from .codegen import NUMBA
+
+        return (NUMBA, NUMPY)
+
     def supports_custom(self, name: str) -> bool:
         """A custom op with a NumPy kernel: it runs on numpy arrays in this backend's arena."""
         from rlx_core.ir.custom import custom_ops

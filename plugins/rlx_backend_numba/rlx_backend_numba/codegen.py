@@ -28,6 +28,7 @@ import numpy as np
 
 from rlx_core.cache import cache_dir as rlx_cache_dir
 from rlx_core.cache import code_fingerprint
+from rlx_core.ir import expr as E
 from rlx_core.ir.dtype import BOOL, F32, F64, DType
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.ops import step_dtypes
@@ -36,35 +37,52 @@ NATIVE = (F32, F64, BOOL)         # dtypes generated kernels compute in; others 
 CHUNK = 8192                      # columns per row when the output is walked flat
 PAR_MIN = 1 << 15                 # elements from which a kernel runs on all threads
 
-# One expression per op: `x` (activation) or `a`, `b` (binary, compare) in compute type `T`.
-ACT = {
-    "gelu": "T(0.5) * x * (T(1.0) + math.erf(x * T(0.7071067811865476)))",
-    "gelu_tanh": "T(0.5) * x * (T(1.0) + math.tanh(T(0.7978845608028654) * (x + T(0.044715) * x * x * x)))",
-    "silu": "x * (T(0.5) * (T(1.0) + math.tanh(x * T(0.5))))",
-    "relu": "(x if (x > T(0.0) or x != x) else T(0.0))",
-    "sigmoid": "T(0.5) * (T(1.0) + math.tanh(x * T(0.5)))",
-    "tanh": "math.tanh(x)", "exp": "math.exp(x)", "log": "math.log(x)", "sqrt": "math.sqrt(x)",
-    "rsqrt": "T(1.0) / math.sqrt(x)", "neg": "-x", "abs": "abs(x)", "sin": "math.sin(x)",
-    "cos": "math.cos(x)", "recip": "T(1.0) / x", "identity": "x",
-}
-# f32 overrides: libm's erf and tanh are a call per element, which keeps a loop scalar (a
-# matmul's GELU epilogue cost as much as the GEMM, SwiGLU 2.7x NumPy's); erf32 and tanh32 (in
-# every generated module) are clamped rational approximations, relative error < 5e-7, that
-# vectorize. Their polynomials may contract to FMAs (fastmath "contract" on them alone: a
-# 304x1536 GELU epilogue 206 -> 138 us on one core); nothing else in a kernel changes.
-ACT_F32 = {
-    "gelu": "T(0.5) * x * (T(1.0) + erf32(x * T(0.7071067811865476)))",
-    "gelu_tanh": "T(0.5) * x * (T(1.0) + tanh32(T(0.7978845608028654) * (x + T(0.044715) * x * x * x)))",
-    "silu": "x * (T(0.5) * (T(1.0) + tanh32(x * T(0.5))))",
-    "sigmoid": "T(0.5) * (T(1.0) + tanh32(x * T(0.5)))",
-    "tanh": "tanh32(x)",
-}
-BINARY = {"add": "a + b", "sub": "a - b", "mul": "a * b", "div": "a / b", "pow": "a ** b",
-          "max": "(a if (a > b or a != a) else b)", "min": "(a if (a < b or a != a) else b)"}
-COMPARE = {"eq": "a == b", "ne": "a != b", "lt": "a < b", "le": "a <= b", "gt": "a > b", "ge": "a >= b"}
-SWIGLU = "a * (T(0.5) * (T(1.0) + math.tanh(a * T(0.5)))) * b"
-SWIGLU_F32 = "a * (T(0.5) * (T(1.0) + tanh32(a * T(0.5)))) * b"
 _TNAME = {F32: "f32", F64: "f64"}
+
+
+class NumbaRenderer(E.TextRenderer):
+    """Python for numba's nopython mode: math.* functions, `f32(0.5)` literals, NaN-keeping
+    max/min as conditional expressions, sigmoid as 0.5 * (1 + tanh(x / 2)) (exact, no overflow).
+    f32 overrides: libm's erf and tanh are a call per element, which keeps a loop scalar (a
+    matmul's GELU epilogue cost as much as the GEMM, SwiGLU 2.7x NumPy's); erf32 and tanh32 (in
+    every generated module) are clamped rational approximations, relative error < 5e-7, that
+    vectorize. Their polynomials may contract to FMAs (fastmath "contract" on them alone: a
+    304x1536 GELU epilogue 206 -> 138 us on one core); nothing else in a kernel changes."""
+    name = "numba"
+    dtypes = (F32, F64)
+    wrap_top = False
+    overrides = {"sigmoid": 0.5 * (1 + E.tanh(E.x * 0.5))}
+    functions = {"abs": "abs", "pow": "{0} ** {1}",
+                 "max": "({0} if ({0} > {1} or {0} != {0}) else {1})",
+                 "min": "({0} if ({0} < {1} or {0} != {0}) else {1})"}
+    MATH = ("exp", "log", "tanh", "erf", "sqrt", "sin", "cos")
+
+    def function(self, name: str, dt: DType):
+        if dt is F32 and name in ("erf", "tanh"):
+            return name + "32"
+        return self.functions.get(name) or (f"math.{name}" if name in self.MATH else None)
+
+    def const(self, v, dt: DType) -> str:
+        return f"{_TNAME[dt]}({float(v)!r})"
+
+    def select(self, c: str, a: str, b: str) -> str:
+        return f"({a} if {c} else {b})"
+
+
+NUMBA = NumbaRenderer()
+
+
+def _rendered(kind: str, names) -> dict:
+    """{name: {dtype: source}} with the entry's own variable names (x, or a and b)."""
+    return {n: {dt: NUMBA.render(kind, n, dt, "numba", **{v: v for v in E.entry(kind, n).variables})
+                for dt in NUMBA.dtypes} for n in names}
+
+
+# One expression per op and compute dtype: `x` (activation) or `a`, `b` (binary, compare).
+ACT = _rendered("activation", E.ACTIVATIONS)
+BINARY = _rendered("binary", E.BINARY_TABLE)
+COMPARE = _rendered("compare", E.COMPARE_TABLE)
+SWIGLU = _rendered("fused_swiglu", ["fused_swiglu"])["fused_swiglu"]
 
 
 def _sub(template: str, **names) -> str:
@@ -92,23 +110,23 @@ def _step(op: str, a: dict, args: list, out: DType, k: int, lines: list) -> str 
     if op == "compare":
         if not all(d.is_float for d in dts) or a["op"] not in COMPARE:
             return None
-        return _sub(COMPARE[a["op"]], a=args[0][0], b=args[1][0])
+        return _sub(COMPARE[a["op"]][F64], a=args[0][0], b=args[1][0])
     if out is BOOL:
         return None                                      # bool arithmetic runs on numpy
-    t = _TNAME[out]
     if op == "where":
         (c, dc), (x, dx), (y, dy) = args
         return f"({_conv(x, dx, out)} if {c} else {_conv(y, dy, out)})" if dc is BOOL else None
     if op == "activation" and a["fn"] in ACT:
         lines.append(f"x{k} = {_conv(args[0][0], dts[0], out)}")
-        return _sub((ACT_F32 if out is F32 else ACT).get(a["fn"], ACT[a["fn"]]), x=f"x{k}", T=t)
+        return _sub(ACT[a["fn"]][out], x=f"x{k}")
     if op in ("binary", "fused_swiglu"):
-        expr = BINARY.get(a.get("op")) if op == "binary" else (SWIGLU_F32 if out is F32 else SWIGLU)
+        expr = BINARY[a["op"]][out] if op == "binary" and a.get("op") in BINARY else \
+            SWIGLU[out] if op == "fused_swiglu" else None
         if expr is None:
             return None
         lines.append(f"a{k} = {_conv(args[0][0], dts[0], out)}")
         lines.append(f"b{k} = {_conv(args[1][0], dts[1], out)}")
-        return _sub(expr, a=f"a{k}", b=f"b{k}", T=t)
+        return _sub(expr, a=f"a{k}", b=f"b{k}")
     return None
 
 
@@ -162,7 +180,7 @@ SWIGLU_HEAD = _HEAD + f"""
 
 @njit(cache=True, fastmath=False, error_model="numpy")
 def swiglu(a, b):
-    return {_sub(SWIGLU_F32, T="f32")}
+    return {SWIGLU[F32]}
 """
 
 
@@ -408,6 +426,6 @@ def with_epilogue(mm, out: np.ndarray, bias: list, act: str):
     return run
 
 
-__all__ = ["ACT", "ACT_F32", "as_step", "bindable", "epilogue_step",
+__all__ = ["ACT", "NUMBA", "NumbaRenderer", "SWIGLU", "as_step", "bindable", "epilogue_step",
            "BINARY", "COMPARE", "elementwise_source", "elementwise_step", "load_source",
            "plan_operands", "cache_dir", "with_epilogue"]

@@ -95,6 +95,11 @@ class OpenCLBackend(Backend):
 
         return kernel_ops() & set(OPS)
 
+    def expression_renderers(self) -> tuple:
+        from .kernels import OPENCL
+
+        return (OPENCL,)
+
     def supports_scheme(self, scheme) -> bool:
         """Whether dequant_matmul / dequantize have a kernel for this QuantScheme (or name)."""
         from rlx_core.ir.quant import QuantScheme

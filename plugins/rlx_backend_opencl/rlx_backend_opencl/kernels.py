@@ -24,6 +24,7 @@ import functools
 import importlib.resources
 import math
 
+from rlx_core.ir import expr as E
 from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import BackendError
 
@@ -98,25 +99,42 @@ _COMPLEX_HELPERS = source("complex.cl")         # numpy's complex64 product and 
 
 # --------------------------------------------------------------------------- elementwise
 
-ACT_C = {
-    "gelu": "((T)0.5 * {v} * ((T)1 + erf({v} * (T)0.7071067811865476)))",
-    "gelu_tanh": "((T)0.5 * {v} * ((T)1 + tanh((T)0.7978845608028654 * ({v} + (T)0.044715 * {v} * {v} * {v}))))",
-    "silu": "({v} / ((T)1 + exp(-{v})))",
-    "relu": "(ISNAN({v}) ? {v} : ({v} > (T)0 ? {v} : (T)0))",
-    "sigmoid": "((T)1 / ((T)1 + exp(-{v})))",
-    "tanh": "tanh({v})", "exp": "exp({v})", "log": "log({v})", "sqrt": "sqrt({v})",
-    "rsqrt": "((T)1 / sqrt({v}))", "neg": "(-{v})", "abs": "fabs({v})", "sin": "sin({v})",
-    "cos": "cos({v})", "recip": "((T)1 / {v})", "identity": "({v})",
-}
-ACT_INT = {"neg": "(-{v})", "abs": "({v} < 0 ? -{v} : {v})", "relu": "({v} > 0 ? {v} : 0)",
-           "identity": "({v})"}
+class OpenCLRenderer(E.CRenderer):
+    """OpenCL C: overloaded libm names for float and double, `(float)0.5` literals, the
+    prelude's ISNAN/MAXP/MINP and the integer fdiv_/udiv_/ipow_ helpers. Its own formulas (kept
+    from before the table, for bitwise-unchanged results): silu as x / (1 + exp(-x)), one
+    rounding fewer than x * sigmoid(x); relu as ISNAN(x) ? x : (x > 0 ? x : 0)."""
+    name = "OpenCL C"
+    dtypes = (DType.F32, DType.F64, DType.I8, DType.I16, DType.I32, DType.I64, DType.U8, DType.U32)
+    CT = {DType.F32: "float", DType.F64: "double", DType.I8: "char", DType.I16: "short", DType.I32: "int",
+          DType.I64: "long", DType.U8: "uchar", DType.U32: "uint", DType.BOOL: "uchar"}
+    overrides = {"silu": E.x / (1 + E.exp(-E.x)),
+                 "relu": E.select(E.isnan(E.x), E.x, E.select(E.x > 0, E.x, 0))}
+    wrap_var = True
+    FLOAT = {"abs": "fabs", "max": "MAXP", "min": "MINP", "isnan": "ISNAN"}
+    INT = {"max": "({0} > {1} ? {0} : {1})", "min": "({0} < {1} ? {0} : {1})", "pow": "ipow_{ct}"}
+
+    def function(self, name: str, dt: DType):
+        if dt.is_int or dt is DType.BOOL:
+            if name == "floordiv":
+                return "udiv_{ct}" if dt in (DType.U8, DType.U32) else "fdiv_{ct}"
+            return self.INT.get(name)
+        return self.FLOAT.get(name) or (name if name in self.LIBM else None)
+
+    def const(self, v, dt: DType) -> str:
+        if dt.is_int or dt is DType.BOOL:
+            return str(int(v))
+        s = repr(float(v))
+        return f"({self.CT[dt]}){s[:-2] if s.endswith('.0') else s}"
+
+
+OPENCL = OpenCLRenderer()
+_ACT_DT = {"float": DType.F32, "double": DType.F64}
 
 
 def act_expr(fn: str, v: str, ct: str) -> str:
     """Activation `fn` on the C expression `v` (a variable name) computed in C type `ct`."""
-    if ct in ("float", "double"):
-        return ACT_C[fn].replace("(T)", f"({ct})").format(v=v)
-    return ACT_INT[fn].format(v=v)
+    return OPENCL.render("activation", fn, _ACT_DT.get(ct, DType.I64), "opencl", x=v)
 
 
 def _ct(dt: DType) -> str:
@@ -287,10 +305,8 @@ __kernel void ew({", ".join(params)}, __global const int* meta, int moff, int to
 # meta for row kernels: [nd, outer shape[nd], then per operand: outer strides[nd], inner stride]
 
 ROW_COMMON = source("rows.cl")
-SOFTMAX = source("softmax.cl")
+# softmax, reduce and argmax: rows.source (core's rowkernels in this dialect)
 NORM = source("norm.cl")
-REDUCE = source("reduce.cl")
-ARGMAX = source("argmax.cl")
 TOPK = source("topk.cl")
 CUMSUM = source("cumsum.cl")
 

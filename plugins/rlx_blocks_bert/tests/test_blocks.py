@@ -170,7 +170,7 @@ def test_max_length_and_lowercase_from_st_config(weights):
     (dict(position_embedding_type="relative_key"), "position_embedding_type 'relative_key'"),
     (dict(is_decoder=True), "is_decoder"),
     (dict(add_cross_attention=True), "add_cross_attention"),
-    (dict(hidden_act="quick_gelu"), "hidden_act must be one of .*, got 'quick_gelu'"),
+    (dict(hidden_act="relu6"), "hidden_act must be one of .*, got 'relu6'"),
     (dict(num_attention_heads=5), "not a multiple of 5 attention heads"),
     (dict(intermediate_size=None), "missing \\['intermediate_size'\\]"),
     (dict(hidden_size="big"), "hidden_size must be a positive integer"),

@@ -302,7 +302,7 @@ def test_config_spellings_agree():
 
 @pytest.mark.parametrize("bad, match", [
     (dict(use_bidirectional_attention=True), "bidirectional"),
-    (dict(hidden_activation="quick_gelu"), "hidden_activation must be one of .*, got .quick_gelu."),
+    (dict(hidden_activation="relu6"), "hidden_activation must be one of .*, got .relu6."),
     (dict(layer_types=["sliding_attention"]), "layer_types"),
     (dict(layer_types=["local", "global"]), "unknown layer types"),
 ])

@@ -160,7 +160,7 @@ def test_fused_layers_honour_hidden_act(tmp_path_factory, rng):
     assert np.abs(got - ref).max() <= 1e-4
 
 
-@pytest.mark.parametrize("act", ["bogus", "quick_gelu", 3])
+@pytest.mark.parametrize("act", ["bogus", "relu6", 3])
 def test_unknown_hidden_act_is_refused(small, tmp_path, act):
     """An activation RLX cannot compute is an error naming the file, the key and the choices."""
     import json

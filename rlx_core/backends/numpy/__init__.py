@@ -237,6 +237,11 @@ class NumpyBackend(Backend):
     priority = 10
     target = "numpy"
 
+    def expression_renderers(self) -> tuple:
+        from ...ir.numpy_kernels import NUMPY
+
+        return (NUMPY,)
+
     def supported_ops(self) -> set:
         # what has a kernel: an op added to the table without one is a compile-time BackendError
         return {n for n, d in OPS.items() if d.level is Level.LEAF or n in KERNELS or n in VIEWS}
