@@ -28,7 +28,8 @@ HEADER = ("# mypy's errors on rlx_core that are tolerated for now; may only shri
           "# Regenerate with: .venv/bin/python scripts/typecheck.py --update\n")
 
 # mypy's line: "path:LINE[:COL]: error: message  [code]"; notes and the summary do not match
-_ERROR = re.compile(r"^(?P<path>[^:\s][^:]*):\d+(?::\d+)?: error: (?P<msg>.*?)(?:  \[(?P<code>[a-z0-9-]+)\])?$")
+_ERROR = re.compile(r"^(?P<path>[^:\s][^:]*):\d+(?::\d+)?: error: "
+                    r"(?P<msg>.*?)(?:  \[(?P<code>[a-z0-9-]+)\])?$")
 # a message that names another line ("already defined on line 42") would churn like a line number
 _LINE_REF = re.compile(r"\bline \d+\b")
 
@@ -66,7 +67,8 @@ def compare(baseline: Counter[str], current: Counter[str]) -> tuple[Counter[str]
 
 
 def run_mypy() -> str:
-    """mypy on rlx_core as pyproject.toml configures it; its report, or TypecheckError if it could not check."""
+    """mypy on rlx_core as pyproject.toml configures it: its report, or TypecheckError if it
+    could not check."""
     proc = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml")],
                           cwd=ROOT, capture_output=True, text=True)
     # 0: clean, 1: type errors found; anything else (2: blocking error, a crash) means nothing was checked
@@ -109,7 +111,8 @@ def check(mypy_output: str, baseline_path: Path, mode: str = "check") -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--update", action="store_true", help="shrink the baseline to today's errors")
     group.add_argument("--reset", action="store_true", help="write today's errors as the baseline (may grow)")

@@ -15,8 +15,9 @@ _spec = importlib.util.spec_from_file_location("typecheck", ROOT / "scripts" / "
 typecheck = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(typecheck)
 
-A = 'rlx_core/a.py:12: error: Incompatible return value type (got "int", expected "str")  [return-value]'
-A_MOVED = 'rlx_core/a.py:40: error: Incompatible return value type (got "int", expected "str")  [return-value]'
+RETURN = 'Incompatible return value type (got "int", expected "str")'
+A = f'rlx_core/a.py:12: error: {RETURN}  [return-value]'
+A_MOVED = f'rlx_core/a.py:40: error: {RETURN}  [return-value]'
 B = 'rlx_core/b.py:3:5: error: Name "x" already defined on line 1  [no-redef]'
 C = 'rlx_core/c.py:7: error: "object" has no attribute "graph"  [attr-defined]'
 NOTE = 'rlx_core/a.py:12: note: See https://mypy.readthedocs.io'
@@ -35,7 +36,7 @@ def baseline(tmp_path):
 
 def test_normalize_drops_line_numbers_and_notes():
     got = typecheck.normalize(report(A, A_MOVED, B, NOTE))
-    assert got == {'rlx_core/a.py: [return-value] Incompatible return value type (got "int", expected "str")': 2,
+    assert got == {f'rlx_core/a.py: [return-value] {RETURN}': 2,
                    'rlx_core/b.py: [no-redef] Name "x" already defined on line N': 1}
 
 
@@ -100,7 +101,8 @@ def test_failure_without_error_lines_fails(monkeypatch):
 
 def test_committed_baseline_is_sorted_and_normalized():
     """The committed file is what --reset/--update write: sorted, no line numbers, no stray text."""
-    lines = [ln for ln in (ROOT / ".ci" / "mypy-baseline.txt").read_text().splitlines() if not ln.startswith("#")]
+    text = (ROOT / ".ci" / "mypy-baseline.txt").read_text()
+    lines = [ln for ln in text.splitlines() if not ln.startswith("#")]
     assert lines == sorted(lines)
     for line in lines:
         assert line.startswith("rlx_core/") and ": [" in line, line

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any, Union
 
 import ml_dtypes
 import numpy as np
@@ -42,7 +43,7 @@ class DType(enum.Enum):
         return self is DType.C64
 
     @classmethod
-    def parse(cls, value: "DType | str | np.dtype") -> "DType":
+    def parse(cls, value: "DTypeLike") -> "DType":
         """Accept a DType, its short name ('f32'), a numpy dtype or a type like np.float32."""
         if isinstance(value, DType):
             return value
@@ -68,6 +69,9 @@ class DType(enum.Enum):
     def __repr__(self) -> str:
         return self.value
 
+
+# what DType.parse accepts: a DType, a name ('f32', 'float32'), a numpy dtype or a scalar type (np.float32)
+DTypeLike = Union[DType, str, "np.dtype[Any]", type]
 
 F32, F16, BF16, F64 = DType.F32, DType.F16, DType.BF16, DType.F64
 I8, I16, I32, I64, U8, U32, BOOL, C64 = (
