@@ -142,22 +142,35 @@ def plan(g: Graph, views: frozenset = frozenset(), placed: frozenset = frozenset
     live as long as the view is read; `placed` are (concat node, input index) pairs whose
     input it has the producer write straight into the concat's output: where that input's
     own value is read by nothing else (through views), it gets home 'placed' and no bytes."""
+    _check_static(g)
+    slots, root = _homes(g, views)
+    begin = _place_concat_inputs(g, placed, slots, root)
+    end = _lifetimes(g, slots, root)
+    inplace = _in_place(g, slots, root, end)
+    owner, buffers = _buffers(end, inplace, begin)
+    sizes = {o: _align(g.shape_of(o).nbytes()) for o in buffers}
+    offsets, arena = _lay_out(buffers, sizes)
+    for v in end:
+        slots[v] = Slot("arena", offsets[owner[v]], g.shape_of(v).nbytes(),
+                        base=inplace.get(v), start=begin.get(v, v[0]), end=end[v])
+    return LirModule(g.with_level("mir"), slots, arena, _liveness_bound(buffers, sizes, len(g.nodes)),
+                     _manifest(g, slots))
+
+
+def _check_static(g: Graph) -> None:
     for i, n in enumerate(g.nodes):
         for s in n.outs:
             if not s.is_static:
                 raise GraphError(f"plan: node %{i} ({n.op}) has unbound dims {sorted(s.symbols)}; "
                                  "bind all dims before planning")
-    n_nodes = len(g.nodes)
-    last_use: dict = {}
-    for i, n in enumerate(g.nodes):
-        for r in n.inputs:
-            last_use[tuple(r)] = i
-    for _, r in g.outputs:
-        last_use[tuple(r)] = n_nodes          # outputs live to the end
 
+
+def _homes(g: Graph, views: frozenset) -> tuple:
+    """(slots, root): the Slot of every leaf (its LEAF_HOMES home) and view (of its base);
+    None for the values the arena will hold. root: value -> the value owning its memory
+    (a view's is its base's)."""
     slots: dict = {}
-    root: dict = {}                          # value -> the arena/leaf value owning its memory
-
+    root: dict = {}
     for i, n in enumerate(g.nodes):
         d = get_op(n.op)
         if n.op in LEAF_HOMES:
@@ -172,9 +185,13 @@ def plan(g: Graph, views: frozenset = frozenset(), placed: frozenset = frozenset
         for k, s in enumerate(n.outs):
             slots[(i, k)] = None
             root[(i, k)] = (i, k)
+    return slots, root
 
-    # placed concat inputs: their owner lives in the concat's output, which is born with the
-    # first of them
+
+def _place_concat_inputs(g: Graph, placed: frozenset, slots: dict, root: dict) -> dict:
+    """Give each `placed` concat input whose owner is an arena value read (through views)
+    only by the concat the home 'placed' in the concat's output, re-rooting its views there.
+    Returns begin: the concat outputs' births, moved back to their first placed producer."""
     begin: dict = {}
     uses = g.consumers()
     for c, k in sorted(placed):
@@ -188,14 +205,34 @@ def plan(g: Graph, views: frozenset = frozenset(), placed: frozenset = frozenset
             if o == own:
                 root[v] = (c, 0)
         begin[(c, 0)] = min(begin.get((c, 0), c), own[0])
+    return begin
 
-    # lifetimes of owning values: extended by the last use of any view of them
+
+def _last_uses(g: Graph) -> dict:
+    """value -> index of the last node reading it (graph outputs: len(nodes), the end)."""
+    last_use: dict = {}
+    for i, n in enumerate(g.nodes):
+        for r in n.inputs:
+            last_use[tuple(r)] = i
+    for _, r in g.outputs:
+        last_use[tuple(r)] = len(g.nodes)
+    return last_use
+
+
+def _lifetimes(g: Graph, slots: dict, root: dict) -> dict:
+    """The last node of each arena value's life: its own last use, extended by the last use of
+    any view of it."""
+    last_use = _last_uses(g)
     end: dict = {}
     for v, r in root.items():
         if slots[r] is None:
             end[r] = max(end.get(r, r[0]), last_use.get(v, r[0]))
+    return end
 
-    # in-place: an elementwise op may take over an arena input that dies here
+
+def _in_place(g: Graph, slots: dict, root: dict, end: dict) -> dict:
+    """value -> the arena input it overwrites: an elementwise op may take over an input of its
+    shape that dies at it (read once by it, not through a view, not taken already)."""
     inplace: dict = {}
     taken: set = set()
     for i, n in enumerate(g.nodes):
@@ -210,23 +247,31 @@ def plan(g: Graph, views: frozenset = frozenset(), placed: frozenset = frozenset
                 inplace[(i, 0)] = src
                 taken.add(src)
                 break
+    return inplace
 
-    # merge in-place chains into one buffer with the union lifetime
-    owner: dict = {}
 
-    def find(v):
+def _buffers(end: dict, inplace: dict, begin: dict) -> tuple:
+    """(owner, buffers): in-place chains merged into one buffer each, named by the chain's first
+    value (owner: value -> it), living over the union of their lifetimes (buffers: owner ->
+    (start, end))."""
+    def first(v):
         while v in inplace:
             v = inplace[v]
         return v
 
+    owner: dict = {}
     buffers: dict = {}
     for v in end:
-        o = find(v)
+        o = first(v)
         owner[v] = o
         s, e = buffers.get(o, (v[0], end[v]))
         buffers[o] = (min(s, begin.get(v, v[0])), max(e, end[v]))
+    return owner, buffers
 
-    sizes = {o: _align(g.shape_of(o).nbytes()) for o in buffers}
+
+def _lay_out(buffers: dict, sizes: dict) -> tuple:
+    """(offsets, arena bytes): buffers placed largest first (then earliest) at the lowest
+    offset clear of every placed buffer whose lifetime overlaps theirs (greedy by size)."""
     laid: list = []                          # (offset, size, start, end) of the buffers placed so far
     offsets: dict = {}
     for o in sorted(buffers, key=lambda o: (-sizes[o], buffers[o][0])):
@@ -240,9 +285,11 @@ def plan(g: Graph, views: frozenset = frozenset(), placed: frozenset = frozenset
             off = max(off, coff + csz)
         offsets[o] = off
         laid.append((off, size, s, e))
-    arena = max((off + sz for off, sz, _, _ in laid), default=0)
+    return offsets, max((off + sz for off, sz, _, _ in laid), default=0)
 
-    # liveness lower bound: max over time of bytes that must coexist
+
+def _liveness_bound(buffers: dict, sizes: dict, n_nodes: int) -> int:
+    """The most buffer bytes live at once: no plan's arena can be smaller."""
     events = [0] * (n_nodes + 2)
     for o, (s, e) in buffers.items():
         events[s] += sizes[o]
@@ -251,12 +298,12 @@ def plan(g: Graph, views: frozenset = frozenset(), placed: frozenset = frozenset
     for x in events:
         cur += x
         bound = max(bound, cur)
+    return bound
 
-    for v in end:
-        o = owner[v]
-        slots[v] = Slot("arena", offsets[o], g.shape_of(v).nbytes(),
-                        base=inplace.get(v), start=begin.get(v, v[0]), end=end[v])
 
+def _manifest(g: Graph, slots: dict) -> BindingManifest:
+    """What a runner binds: inputs, params (packed one after another, aligned), states, and
+    outputs (at their arena offsets)."""
     entries = []
     off = 0
     for kind in ("input", "param", "state"):
@@ -273,4 +320,4 @@ def plan(g: Graph, views: frozenset = frozenset(), placed: frozenset = frozenset
         sl = slots[tuple(r)]
         entries.append(ManifestEntry(name, "output", s.dtype.value, s.dims, s.nbytes(),
                                      sl.offset if sl.home == "arena" else 0))
-    return LirModule(g.with_level("mir"), slots, arena, bound, BindingManifest(tuple(entries)))
+    return BindingManifest(tuple(entries))
