@@ -8,12 +8,28 @@ import sys
 import tempfile
 
 from rlx_core.ir.dtype import BF16, BOOL, C64, F16, F32, F64, I32, I64
+from rlx_core.ir.rowkernels import REDUCTIONS
 
-from . import codegen, sources as S
+from . import codegen, rows, sources as S
+
+
+def row_kernels() -> list:
+    """Core's row kernels (rlx_core.ir.rowkernels) in this dialect: softmax, every reduce op
+    (as rlx_reduce and through rlx_reduce_cols) and argmax, over float and integer dtypes."""
+    out = []
+    for dt in (F32, BF16, F16, F64):
+        out.append((f"softmax {dt.value}", rows.source("softmax", dt, dt), "rlx_softmax"))
+    for dt in (F32, BF16, F16, F64, I32, I64, BOOL):
+        for op in REDUCTIONS:
+            out.append((f"reduce {op} {dt.value}", rows.source("reduce", dt, dt, op), "rlx_reduce"))
+            out.append((f"reduce_cols {op} {dt.value}", S.render(S.REDUCE_COLS, **rows.reduce_macros(op, dt, dt)),
+                        "rlx_reduce_cols"))
+        out.append((f"argmax {dt.value}", rows.source("argmax", dt, I64), "rlx_argmax"))
+    return out
 
 
 def catalog() -> list:
-    out = []
+    out = row_kernels()
     for t, acc in (("float", "float"), ("__nv_bfloat16", "float"), ("__half", "float"), ("double", "double")):
         vecs = ((4, 1, 4, 32), (8, 1, 8, 16), (16, 1, 8, 32), (24, 0, 8, 32)) if acc == "float" and t != "float" else ()
         for vpt, warp, vec, lanes in ((0, 0, 1, 32), (8, 0, 1, 32), (4, 1, 1, 32), (16, 1, 1, 32)) + vecs:
@@ -26,21 +42,10 @@ def catalog() -> list:
             out.append((f"ln {t} {hr} {vpt} vec {vec}", S.render(
                 S.LAYER_NORM, TX=t, TR=t, TG=t, TB=t, TH=t, TO=t, ACC=acc, HAS_R=hr, HAS_G=1, HAS_B=1, VPT=vpt,
                 VEC=vec), "rlx_layer_norm"))
-        out.append((f"softmax {t}", S.render(S.SOFTMAX, TX=t, TO=t, ACC=acc), "rlx_softmax"))
-        out.append((f"reduce {t}", S.render(S.REDUCE, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
-                                            COMB="rlx_max((a), (b))", IDENT="(-(ACC)RLX_INF)",
-                                            FINAL=f"ST({t}, r)"), "rlx_reduce"))
-        out.append((f"reduce sum {t}", S.render(S.REDUCE, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
-                                                COMB="(a) + (b)", IDENT="(ACC)0", FINAL=f"ST({t}, r)"),
-                    "rlx_reduce"))
-        out.append((f"reduce_cols {t}", S.render(S.REDUCE_COLS, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
-                                                 COMB="(a) + (b)", IDENT="(ACC)0", FINAL=f"ST({t}, (r / (ACC)n))"),
-                    "rlx_reduce_cols"))
         out.append((f"softmax_grad {t}", S.render(S.SOFTMAX_GRAD, TY=t, TG=t, TO=t, ACC=acc), "rlx_softmax_grad"))
         for center in (0, 1):
             out.append((f"norm_grad {t} {center}", S.render(S.NORM_GRAD, TX=t, TW=t, TG=t, TO=t, ACC=acc,
                                                               CENTER=center), "rlx_norm_grad"))
-        out.append((f"argmax {t}", S.render(S.ARGMAX, TX=t, ACC=acc, LOAD="LD(ACC, v)"), "rlx_argmax"))
         out.append((f"topk {t}", S.render(S.TOPK, TX=t, ACC=acc, LOAD="LD(ACC, v)"), "rlx_topk"))
         out.append((f"cumsum {t}", S.render(S.CUMSUM, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
                                             STORE=f"ST({t}, v)"), "rlx_cumsum"))
@@ -74,10 +79,6 @@ def catalog() -> list:
     out.append(("gather u8", S.render(S.GATHER, TT="unsigned char", TI="int"), "rlx_gather"))
     for rank in (1, 4):
         out.append((f"copy16 rank {rank}", codegen.copy16_source(rank), "rlx_copy16"))
-    out.append(("reduce int", S.render(S.REDUCE, TX="int", TO="int", ACC="long long", LOAD="(ACC)(v)",
-                                       COMB="rlx_maxi<ACC>((a), (b))", IDENT="((ACC)(-9223372036854775807LL - 1))",
-                                       FINAL="(int)(r)"), "rlx_reduce"))
-    out.append(("argmax int", S.render(S.ARGMAX, TX="int", ACC="long long", LOAD="(ACC)(v)"), "rlx_argmax"))
     out.append(("cumsum bool", S.render(S.CUMSUM, TX="bool", TO="bool", ACC="long long", LOAD="(ACC)(v)",
                                         STORE="(v != 0)"), "rlx_cumsum"))
     for t in ("__nv_bfloat16", "__half"):

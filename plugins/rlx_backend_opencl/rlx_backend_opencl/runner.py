@@ -24,10 +24,12 @@ from rlx_core.ir.errors import BackendError, ModelError
 from rlx_core.ir.lir import ALIGN, LirModule
 from rlx_core.ir.ops import ACTIVATIONS, BINARY_OPS, COMPARE_OPS, INT_OK_ACTIVATIONS, MaskKind
 from rlx_core.ir.quant import QuantScheme
+from rlx_core.ir.rowkernels import REDUCTIONS
 
 from . import control
 from . import kernels as K
 from . import quant as Q
+from . import rows as R
 from .device import CLArray, Device, alloc, upload
 
 INT_MAX = 2**31 - 1
@@ -572,7 +574,7 @@ class OpenCLRunner(Runner):
     def _op_softmax(self, i, a, ins, outs, what):
         x, y = ins[0], outs[0]
         ax = a["axis"] % len(x.shape)
-        self.rows("softmax", K.SOFTMAX, self._row_defs(x.dtype, y.dtype), [x, y], ax, x.shape[ax], [], what)
+        self.rows("softmax", R.source("softmax"), self._row_defs(x.dtype, y.dtype), [x, y], ax, x.shape[ax], [], what)
 
     def _norm(self, what, x, r, w, b, h, y, eps, offset, layer):
         acc = K.acc_type(*[v.dtype for v in (x, r, w, b) if v is not None])
@@ -628,11 +630,11 @@ class OpenCLRunner(Runner):
         xv = View(xp.st, xp.off, kshape + (n,), tuple(xp.strides[:len(kept)]) + (ist[0] if ist else 0,), x.dtype)
         yv = View(y.st, y.off, kshape + (1,), c_strides(kshape) + (0,), y.dtype)
         defs = self._row_defs(x.dtype, y.dtype)
-        code = {"sum": 0, "mean": 1, "max": 2, "min": 3, "prod": 4}[a["op"]]
+        code = list(REDUCTIONS).index(a["op"])         # the op code of rows.source("reduce")
         acc = defs["ACC"]
         lo, hi = ("(-INFINITY)", "INFINITY") if acc != "long" else ("LONG_MIN", "LONG_MAX")
         defs.update(ACC_LO=lo, ACC_HI=hi)
-        self.rows("reduce", K.REDUCE, defs, [xv, yv], -1, n, [np.int32(code)], what)
+        self.rows("reduce", R.source("reduce"), defs, [xv, yv], -1, n, [np.int32(code)], what)
 
     def _op_argmax(self, i, a, ins, outs, what):
         x, y = ins[0], outs[0]
@@ -644,7 +646,7 @@ class OpenCLRunner(Runner):
         yv = View(y.st, y.off, x.shape, tuple(yst), y.dtype)
         defs = self._row_defs(x.dtype, y.dtype)
         defs["ACC"] = K.acc_type(x.dtype) if x.dtype.is_float else "long"
-        self.rows("argmax", K.ARGMAX, defs, [x, yv], ax, x.shape[ax], [], what)
+        self.rows("argmax", R.source("argmax"), defs, [x, yv], ax, x.shape[ax], [], what)
 
     def _op_cumsum(self, i, a, ins, outs, what):
         x, y = ins[0], outs[0]
