@@ -18,10 +18,12 @@ and `while_` have no rule yet.
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 
 from .errors import GraphError
+from .expr import ACTIVATION_TABLE
 from .graph import MIR, Builder, Graph
 from .lower import layer_norm_grad_prims, lower, rms_norm_grad_prims
 from .rewrite import copy_node
@@ -106,39 +108,40 @@ def _binary(m, a, ins, y, g):
     return unbroadcast(m, d1, x1.shape), unbroadcast(m, d2, x2.shape)
 
 
-_GELU_C = math.sqrt(2 / math.pi)
-
-
 def _act_grad(m, fn, x, y, g):
-    if fn == "identity":
-        return g
-    if fn == "neg":
-        return -g
-    if fn == "relu":
-        return m.where(m.compare(x, 0.0, "gt"), g, 0.0)
-    if fn == "abs":
-        return m.where(m.compare(x, 0.0, "lt"), -g, g)
-    d = {
-        "tanh": lambda: 1.0 - y * y,
-        "exp": lambda: y,
-        "log": lambda: m.act(x, "recip"),
-        "sqrt": lambda: 0.5 / y,
-        "rsqrt": lambda: (y * -0.5) / x,
-        "recip": lambda: -(y * y),
-        "sin": lambda: m.act(x, "cos"),
-        "cos": lambda: -m.act(x, "sin"),
-        "sigmoid": lambda: y * (1.0 - y),
-        "silu": lambda: (lambda s: s * (1.0 + x * (1.0 - s)))(m.sigmoid(x)),
-        # Phi(x) + x phi(x), with Phi = gelu(x) / x (0.5 at 0): the table has no erf
-        "gelu": lambda: (lambda z: m.where(z, 0.5, y / m.where(z, 1.0, x)))(m.compare(x, 0.0, "eq"))
-        + x * m.exp(x * x * -0.5) * (1.0 / math.sqrt(2 * math.pi)),
-        "gelu_tanh": lambda: (lambda t: 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_C
-                              * (1.0 + 3 * 0.044715 * x * x))(
-            m.tanh(_GELU_C * (x + 0.044715 * x * x * x))),
-    }.get(fn)
-    if d is None:
+    """The cotangent of an activation's input: its table entry's `vjp` (rlx_core.ir.expr, beside
+    the formula), from x, the output y and its cotangent g, built as graph ops."""
+    e = ACTIVATION_TABLE.get(fn)
+    if e is None or e.vjp is None:
         raise GraphError(f"no VJP rule for activation {fn!r}")
-    return g * d()
+    return _build(m, e.vjp, {"x": x, "y": y, "g": g}, {})
+
+
+_ARITH = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv}
+
+
+def _build(m, e, env: dict, memo: dict):
+    """Expression `e` as graph ops on the values in `env` (constants stay Python floats, as
+    operands of Value arithmetic); a repeated subexpression is built once."""
+    if e.op == "var":
+        return env[e.name]
+    if e.op == "const":
+        return e.name
+    if e in memo:
+        return memo[e]
+    args = [_build(m, c, env, memo) for c in e.args]
+    if e.op == "call":
+        v = m.act(args[0], e.name)
+    elif e.op == "select":
+        v = m.where(*args)
+    elif e.op == "cmp":
+        v = m.compare(args[0], args[1], e.name)
+    elif e.op == "neg":
+        v = -args[0]
+    else:
+        v = _ARITH[e.op](*args)
+    memo[e] = v
+    return v
 
 
 @vjp("activation")

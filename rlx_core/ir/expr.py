@@ -137,7 +137,8 @@ ACTIVATION_TABLE = {e.name: e for e in (
     _act("cos", cos(x), vjp=g * -sin(x)),
     _act("recip", 1 / x, vjp=g * -(y * y)),
     _act("identity", x, x, vjp=g),
-    _act("quick_gelu", x * sigmoid(1.702 * x)),        # HF's quick_gelu (CLIP)
+    _act("quick_gelu", x * sigmoid(1.702 * x),          # HF's quick_gelu (CLIP)
+         vjp=g * (sigmoid(1.702 * x) * (1.0 + 1.702 * x * (1.0 - sigmoid(1.702 * x))))),
 )}
 BINARY_TABLE = {e.name: e for e in (
     Entry("binary", "add", a + b, a + b), Entry("binary", "sub", a - b, a - b),
