@@ -6,7 +6,6 @@ import ctypes
 import functools
 import hashlib
 import os
-import re
 
 import numpy as np
 from rlx_core.ir.dtype import DType
@@ -126,17 +125,6 @@ _KERNELS: dict = {}
 OPTIONS = ("--std=c++17",)
 
 
-def _source_line(source: str, log: str) -> str:
-    m = re.search(r"\((\d+)\): (?:catastrophic )?error", log)
-    if not m:
-        return ""
-    n = int(m.group(1))
-    lines = source.split("\n")
-    if 1 <= n <= len(lines):
-        return f"\n  kernel source line {n}: {lines[n - 1].strip()}"
-    return ""
-
-
 def kernel(source: str, name: str, op: str, dynamic_smem: int = 0):
     """The compiled function `name` of `source` (compiled once per process, NVRTC's disk
     cache across processes), launched as `fn(grid, block, args, shared_mem, stream)`. A
@@ -157,7 +145,7 @@ def kernel(source: str, name: str, op: str, dynamic_smem: int = 0):
     except cp.cuda.compiler.CompileException as e:
         log = str(e)
         raise BackendError(f"cuda backend: compiling kernel {name!r} for op {op!r} failed:\n"
-                           f"{log.strip()[:2000]}{_source_line(source, log)}") from None
+                           f"{log.strip()[:2000]}{sources.error_line(source, log)}") from None
     if dynamic_smem > 48 * 1024:
         try:
             raw.max_dynamic_shared_size_bytes = dynamic_smem

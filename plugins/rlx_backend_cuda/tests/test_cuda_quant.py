@@ -52,7 +52,9 @@ def test_snippet_layout_matches_the_scheme(name):
     s = QuantScheme.parse(name)
     src = sources.dq_source(sources.DQ_DEQUANT, s.kind, s.block_size, TO="float", ACC="float", A=4, YV=1,
                             **sources.dq_dequant_shape(s.kind, s.block_size, 4))
-    consts = {k: eval(v, {}) for k, v in re.findall(r"#define (BLK|BPB|PARTS|RUNS) (.+)", src)}
+    consts: dict = {}          # in order: the int schemes' BLK, BPB, PARTS are expressions of their IB
+    for k, v in re.findall(r"#define (IB|BLK|BPB|PARTS|RUNS) (.+)", src):
+        consts[k] = eval(v, {}, consts)
     assert consts["BLK"] == s.block_size and consts["BPB"] == s.bytes_per_block
     assert consts["PARTS"] == sources.dq_parts(s.kind, s.block_size)
     assert consts["PARTS"] * consts["RUNS"] * 4 == s.block_size        # the runs cover the block

@@ -1,0 +1,402 @@
+// Packed weights (GGUF / RLX int blocks): the decode GEMV and dequantize over any scheme. A
+// kernel is common + the scheme's parts + qf + x4 / gemv or dequant (sources.dq_source).
+// @part common(ACC, A)
+// Packed (GGUF / RLX int block) weights, layouts in rlx_core/ir/quant.py. A row is K / BLK
+// blocks of BPB bytes; each block is cut into PARTS parts, the unit one lane decodes: a part's
+// bytes are loaded into registers (`rlx_raw`, `rlx_load`), then taken RUNS times as 4
+// consecutive weights at element offset `rlx_run_off(p, k)` of the block, as a word of 4
+// bytes b (`rlx_qword`) and a scale d and offset m (`rlx_scale`): weight = d * (b - BIAS) + m
+// (m only where HAS_MIN). One snippet per format (DQ_SCHEMES) serves every kernel below.
+// A byte becomes an exact float in two full-rate instructions (a byte permute into the
+// mantissa of 2^23, a subtraction; no int-to-float conversion), and the GEMV factors d and m
+// out of each 4-run's dot product, so a weight costs about three instructions. W = ACC (f32,
+// f64 for f64 data). A: the alignment (2..16 bytes) of the row base and row length, so loads
+// are as wide as the offsets allow: `rlx_ldw<AL, N>` loads N 32-bit words at a byte offset
+// aligned to AL within the row (2-aligned offsets in 4-aligned rows: aligned words + funnel
+// shifts).
+typedef ACC W;
+typedef unsigned char u8;
+typedef unsigned short u16;
+__device__ __forceinline__ W rlx_h2w(u32 h) { return (W)__half2float(__ushort_as_half((u16)(h & 0xffffu))); }
+__device__ __forceinline__ int rlx_byte(u32 v, int i) { return (int)((v >> (8 * i)) & 255u); }
+// bits 0..3 of h at bits 0, 8, 16, 24
+__device__ __forceinline__ u32 rlx_spread4(u32 h) { return ((h & 15u) * 0x00204081u) & 0x01010101u; }
+template <int AL, int N> __device__ __forceinline__ void rlx_ldw(const u8* p, u32* w) {
+  constexpr int al = AL < A ? AL : A;
+  if constexpr (al >= 16 && N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const uint4 v = __ldg((const uint4*)p + i);
+      w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+    }
+  } else if constexpr (al >= 8 && N % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) { const uint2 v = __ldg((const uint2*)p + i); w[2 * i] = v.x; w[2 * i + 1] = v.y; }
+  } else if constexpr (al >= 4) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = __ldg((const u32*)p + i);
+  } else if constexpr (A >= 4) {
+    // a 2-aligned offset in a 4-aligned row: the aligned words around it, shifted; the extra
+    // word lies inside the row (the row ends 4-aligned, the bytes asked for 2 bytes before)
+    const u32* q = (const u32*)((size_t)p & ~(size_t)3);
+    const int sh = (int)((size_t)p & 2) * 8;
+    u32 lo = __ldg(q);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const u32 hi = (i + 1 < N || sh) ? __ldg(q + i + 1) : 0u;
+      w[i] = __funnelshift_r(lo, hi, sh);
+      lo = hi;
+    }
+  } else {
+    const u16* q = (const u16*)p;
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = (u32)__ldg(q + 2 * i) | ((u32)__ldg(q + 2 * i + 1) << 16);
+  }
+}
+// @part qf()
+// after a snippet: byte i of a q-word as the exact float (b - BIAS)
+__device__ __forceinline__ float rlx_qf(u32 qw, int i) {
+  return __int_as_float(__byte_perm(qw, 0x4B00u, 0x5440u | (u32)i)) - (8388608.0f + (float)BIAS);
+}
+// @part nib()
+// Legacy GGUF formats: a part is 8 bytes of nibbles (16 weights: 4-runs at 8p, 8p+4 from the
+// low nibbles, 16 further on from the high ones) or 16 int8 bytes (q8_0).
+#define BLK 32
+#define PARTS 2
+#define RUNS 4
+__device__ __forceinline__ int rlx_run_off(int p, int k) { return 8 * p + 4 * (k & 1) + 16 * (k >> 1); }
+__device__ __forceinline__ u32 rlx_nibs(const u32* q, int k) { return (q[k & 1] >> (4 * (k >> 1))) & 0x0F0F0F0Fu; }
+// @part q4_0()
+#define BPB 18
+#define BIAS 8
+#define HAS_MIN 0
+struct rlx_raw { u32 q[2]; u32 d; };
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; r.d = __ldg((const u16*)b); rlx_ldw<2, 2>(b + 2 + 8 * p, r.q); return r;
+}
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) { return rlx_nibs(r.q, k); }
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) { *d = rlx_h2w(r.d); }
+// @part q4_1()
+#define BPB 20
+#define BIAS 0
+#define HAS_MIN 1
+struct rlx_raw { u32 q[2]; u32 dm; };
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; rlx_ldw<4, 1>(b, &r.dm); rlx_ldw<4, 2>(b + 4 + 8 * p, r.q); return r;
+}
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) { return rlx_nibs(r.q, k); }
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) {
+  *d = rlx_h2w(r.dm); *m = rlx_h2w(r.dm >> 16);
+}
+// @part q5_0()
+#define BPB 22
+#define BIAS 16
+#define HAS_MIN 0
+struct rlx_raw { u32 q[2]; u32 qh; u32 d; };
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; r.d = __ldg((const u16*)b); rlx_ldw<2, 1>(b + 2, &r.qh); rlx_ldw<2, 2>(b + 6 + 8 * p, r.q); return r;
+}
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
+  return rlx_nibs(r.q, k) | (rlx_spread4(r.qh >> rlx_run_off(p, k)) << 4);
+}
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) { *d = rlx_h2w(r.d); }
+// @part q5_1()
+#define BPB 24
+#define BIAS 0
+#define HAS_MIN 1
+struct rlx_raw { u32 q[2]; u32 qh; u32 dm; };
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; rlx_ldw<4, 1>(b, &r.dm); rlx_ldw<4, 1>(b + 4, &r.qh); rlx_ldw<8, 2>(b + 8 + 8 * p, r.q); return r;
+}
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
+  return rlx_nibs(r.q, k) | (rlx_spread4(r.qh >> rlx_run_off(p, k)) << 4);
+}
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) {
+  *d = rlx_h2w(r.dm); *m = rlx_h2w(r.dm >> 16);
+}
+// @part q8_0()
+#define BLK 32
+#define BPB 34
+#define PARTS 2
+#define RUNS 4
+#define BIAS 128
+#define HAS_MIN 0
+struct rlx_raw { u32 q[4]; u32 d; };
+__device__ __forceinline__ int rlx_run_off(int p, int k) { return 16 * p + 4 * k; }
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; r.d = __ldg((const u16*)b); rlx_ldw<2, 4>(b + 2 + 16 * p, r.q); return r;
+}
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) { return r.q[k] ^ 0x80808080u; }
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) { *d = rlx_h2w(r.d); }
+// @part int8(IB)
+// RLX int blocks of IB weights: f32 scale, then int8 values (int8) or q4_0-style nibbles (int4)
+#define BLK IB
+#define BPB (4 + IB)
+#define PARTS (IB / 8)
+#define RUNS 2
+#define BIAS 128
+#define HAS_MIN 0
+struct rlx_raw { u32 q[2]; u32 d; };
+__device__ __forceinline__ int rlx_run_off(int p, int k) { return 8 * p + 4 * k; }
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; rlx_ldw<4, 1>(b, &r.d); rlx_ldw<4, 2>(b + 4 + 8 * p, r.q); return r;
+}
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) { return r.q[k] ^ 0x80808080u; }
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) { *d = (W)__uint_as_float(r.d); }
+// @part int4(IB)
+#define BLK IB
+#define BPB (4 + IB / 2)
+#define PARTS (IB / 8)
+#define RUNS 2
+#define BIAS 8
+#define HAS_MIN 0
+struct rlx_raw { u32 q; u32 d; };
+__device__ __forceinline__ int rlx_run_off(int p, int k) { return 4 * p + k * (IB / 2); }
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; rlx_ldw<4, 1>(b, &r.d); rlx_ldw<4, 1>(b + 4 + 4 * p, &r.q); return r;
+}
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) { return (r.q >> (4 * k)) & 0x0F0F0F0Fu; }
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) { *d = (W)__uint_as_float(r.d); }
+// @part k45()
+// K-quants, super-blocks of 256. Q4_K/Q5_K: part p = half (p & 1) of 64-element chunk p >> 1:
+// 16 nibble bytes whose low nibbles are 16 weights of sub-block 2c, high ones of 2c + 1 (runs
+// 0-3 and 4-7); the 16-byte header (d, dmin, six-bit scales) comes along.
+#define BLK 256
+#define PARTS 8
+#define RUNS 8
+#define BIAS 0
+#define HAS_MIN 1
+__device__ __forceinline__ int rlx_run_off(int p, int k) { return 64 * (p >> 1) + 16 * (p & 1) + 4 * (k & 3) + 32 * (k >> 2); }
+// the part's two sub-blocks 2c, 2c+1 (c = p >> 1): llama.cpp get_scale_min_k4 over the 12
+// scale bytes (header words 1..3), four sub-blocks at a time, decoded once per part:
+// weight = (d * sc) * q - dmin * mn
+__device__ __forceinline__ void rlx_k_scales(rlx_raw& r, const u32* hd, int p) {
+  const int c = p >> 1, sh = 16 * (c & 1);            // byte 2c & 3 of the words
+  const u32 sc = c < 2 ? hd[1] & 0x3F3F3F3Fu : (hd[3] & 0x0F0F0F0Fu) | ((hd[1] >> 2) & 0x30303030u);
+  const u32 mn = c < 2 ? hd[2] & 0x3F3F3F3Fu : ((hd[3] >> 4) & 0x0F0F0F0Fu) | ((hd[2] >> 2) & 0x30303030u);
+  const W d = rlx_h2w(hd[0]), dmin = rlx_h2w(hd[0] >> 16);
+  r.d[0] = d * (W)((sc >> sh) & 255u); r.d[1] = d * (W)((sc >> (sh + 8)) & 255u);
+  r.m[0] = -(dmin * (W)((mn >> sh) & 255u)); r.m[1] = -(dmin * (W)((mn >> (sh + 8)) & 255u));
+}
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) {
+  *d = r.d[k >> 2]; *m = r.m[k >> 2];
+}
+// @part q4_k_raw()
+// Q4_K: this, then k45, then q4_k; Q5_K likewise
+#define BPB 144
+struct rlx_raw { u32 q[4]; W d[2]; W m[2]; };
+// @part q4_k()
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; u32 hd[4]; rlx_ldw<16, 4>(b, hd); rlx_ldw<16, 4>(b + 16 + 16 * p, r.q); rlx_k_scales(r, hd, p); return r;
+}
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
+  return (r.q[k & 3] >> (4 * (k >> 2))) & 0x0F0F0F0Fu;
+}
+// @part q5_k_raw()
+#define BPB 176
+struct rlx_raw { u32 qh[4]; u32 q[4]; W d[2]; W m[2]; };
+// @part q5_k()
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; u32 hd[4]; rlx_ldw<16, 4>(b, hd); rlx_ldw<16, 4>(b + 16 + 16 * (p & 1), r.qh);
+  rlx_ldw<16, 4>(b + 48 + 16 * p, r.q); rlx_k_scales(r, hd, p); return r;
+}
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
+  const int j = 2 * (p >> 1) + (k >> 2);        // sub-block: bit j of each qh byte
+  return ((r.q[k & 3] >> (4 * (k >> 2))) & 0x0F0F0F0Fu) | (((r.qh[k & 3] >> j) & 0x01010101u) << 4);
+}
+// @part q6_k()
+// Q6_K: part p = 8 lanes l in [8j, 8j + 8) (j = p & 3) of half n = p >> 2; quarter t of the
+// half takes low (t < 2) or high nibbles of ql[64n + l] (t even) / ql[64n + 32 + l] (t odd)
+// and bits 2t, 2t+1 of qh[32n + l]; runs k = 2t + (4-run within the 8 lanes).
+#define BLK 256
+#define BPB 210
+#define PARTS 8
+#define RUNS 8
+#define BIAS 32
+#define HAS_MIN 0
+struct rlx_raw { u32 a[2]; u32 b[2]; u32 h[2]; W d[4]; };
+__device__ __forceinline__ int rlx_run_off(int p, int k) { return 128 * (p >> 2) + 32 * (k >> 1) + 8 * (p & 3) + 4 * (k & 1); }
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  const int n = p >> 2, j = p & 3;
+  rlx_raw r;
+  rlx_ldw<2, 2>(b + 64 * n + 8 * j, r.a); rlx_ldw<2, 2>(b + 64 * n + 32 + 8 * j, r.b);
+  u32 s[2];
+  rlx_ldw<2, 2>(b + 128 + 32 * n + 8 * j, r.h); rlx_ldw<2, 2>(b + 192 + 8 * n, s);
+  const W d = rlx_h2w(__ldg((const u16*)(b + 208)));
+  const u32 sw = (j >> 1) ? __funnelshift_r(s[0], s[1], 8) : s[0];   // scales j>>1 + 2t, t = 0..3
+#pragma unroll
+  for (int t = 0; t < 4; ++t) r.d[t] = d * (W)(signed char)rlx_byte(t < 2 ? sw : (j >> 1) ? s[1] >> 8 : s[1], 2 * (t & 1));
+  return r;
+}
+__device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
+  const int t = k >> 1, half = k & 1;
+  const u32 lo = (t & 1) ? r.b[half] : r.a[half];
+  return ((lo >> (4 * (t >> 1))) & 0x0F0F0F0Fu) | (((r.h[half] >> (2 * t)) & 0x03030303u) << 4);
+}
+__device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) { *d = r.d[k >> 1]; }
+// @part x4(T, XV)
+// 4 consecutive x values as W (one vector load where XV says x rows and offsets allow it)
+struct alignas(4 * sizeof(T)) rlx_x4t { T v[4]; };
+__device__ __forceinline__ void rlx_x4(const T* p, W* o) {
+#if XV
+  const rlx_x4t t = *(const rlx_x4t*)p;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = LD(W, t.v[i]);
+#else
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = LD(W, p[i]);
+#endif
+}
+// @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE)
+// Decode: y[M, N] = act(x[M, K] @ dequant(w)^T + bias) for M <= MMAX <= 8. A block is 8
+// warps: KW of them split a row's parts, 8 / KW take R rows each, so x is read once per
+// R rows. Each lane loads its next U parts of every row first (the packed bytes bound a
+// decode step), then decodes them in registers. Partial sums meet in shared memory; the
+// epilogue rounds like the unfused ops (to TO, + bias, round, activation). SWIGLU: w is
+// [2N, K] (gate rows, then up rows); a warp's first R/2 rows are gate rows, the others the
+// up rows of the same outputs, and y[M, N] = silu(gate) * up, each rounded to TO first.
+extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restrict__ x, long long xrs,
+    const u8* __restrict__ w, long long wrs, const TB* __restrict__ bias, TO* __restrict__ y,
+    int M, int N, int nb) {
+  constexpr int RW = 8 / KW, OUTR = SWIGLU ? R / 2 : R;     // outputs per warp
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int kw = warp % KW, rw = warp / KW;
+  const int n0 = (blockIdx.x * RW + rw) * OUTR;
+  const u8* wr[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) wr[r] = w + (i64)(min(n0 + r % OUTR, N - 1) + (r / OUTR) * N) * wrs;
+  const int units = nb * PARTS, first = kw * 32 + lane;
+  rlx_raw q[U][R];
+#define RLX_LOAD_Q(u0) \
+  _Pragma("unroll") for (int u = 0; u < U; ++u) { \
+    const int uu = (u0) + 32 * KW * u; \
+    if (uu < units) \
+      _Pragma("unroll") for (int r = 0; r < R; ++r) q[u][r] = rlx_load(wr[r] + (i64)(uu / PARTS) * BPB, uu % PARTS); \
+  }
+  // the packed rows depend on no earlier kernel: the first iteration's loads are issued
+  // before the wait (as in GEMV). q4_k 1B-shape decode on the H100: 0.940 -> 0.896 ms/token;
+  // an L2 prefetch of each row's first 4 KB beside them made no difference (0.903)
+  RLX_LOAD_Q(first)
+  RLX_GRID_WAIT();
+  W acc[R][MMAX];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int m = 0; m < MMAX; ++m) acc[r][m] = 0;
+  for (int u0 = first; u0 < units; u0 += 32 * KW * U) {
+    if (u0 != first) {
+      RLX_LOAD_Q(u0)
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int uu = u0 + 32 * KW * u;
+      if (uu >= units) break;
+      const int p = uu % PARTS;
+      const i64 e0 = (i64)(uu / PARTS) * BLK;
+#pragma unroll
+      for (int k = 0; k < RUNS; ++k) {
+        const i64 e = e0 + rlx_run_off(p, k);
+        W xv[MMAX][4], xs[MMAX];
+#pragma unroll
+        for (int m = 0; m < MMAX; ++m)
+          if (m < M) {
+            rlx_x4(x + m * xrs + e, xv[m]);
+            xs[m] = HAS_MIN ? (xv[m][0] + xv[m][1]) + (xv[m][2] + xv[m][3]) : (W)0;
+          }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          W d, mn = 0;
+          rlx_scale(q[u][r], p, k, &d, &mn);
+          const u32 qw = rlx_qword(q[u][r], p, k);
+          W qf[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) qf[i] = (W)rlx_qf(qw, i);
+#pragma unroll
+          for (int m = 0; m < MMAX; ++m)
+            if (m < M) {
+              const W s = qf[0] * xv[m][0] + qf[1] * xv[m][1] + qf[2] * xv[m][2] + qf[3] * xv[m][3];
+              acc[r][m] += HAS_MIN ? d * s + mn * xs[m] : d * s;
+            }
+        }
+      }
+    }
+  }
+  __shared__ W red[8][R][MMAX];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int m = 0; m < MMAX; ++m) {
+      const W s = warp_sum(acc[r][m]);
+      if (lane == 0) red[warp][r][m] = s;
+    }
+  __syncthreads();
+  for (int t = threadIdx.x; t < RW * OUTR * MMAX; t += blockDim.x) {
+    const int g = t / (OUTR * MMAX), r = (t / MMAX) % OUTR, m = t % MMAX;
+    const int n = (blockIdx.x * RW + g) * OUTR + r;
+    if (m >= M || n >= N) continue;
+    W v = 0;
+#pragma unroll
+    for (int j = 0; j < KW; ++j) v += red[g * KW + j][r][m];
+#if SWIGLU
+    W u = 0;
+#pragma unroll
+    for (int j = 0; j < KW; ++j) u += red[g * KW + j][r + OUTR][m];
+    v = LD(W, ST(TO, v));
+    v = v * rlx_sigmoid(v) * LD(W, ST(TO, u));
+#else
+    EPILOGUE
+#endif
+    y[(i64)m * N + n] = ST(TO, v);
+  }
+}
+// @part dequant(THREADS, TO, STAGE, BPT, YV)
+// Dequantize rows into a contiguous y [rows, K]. STAGE: a tile of BPT blocks (one run of
+// elements of y) is decoded into shared memory, a part per thread, then written with 16-byte
+// stores (YV) so the writes coalesce (a part's own runs are scattered over its block); blocks
+// too large for a tile are decoded straight into y.
+extern "C" __global__ void __launch_bounds__(THREADS) rlx_dequant(const u8* __restrict__ w, long long wrs,
+    TO* __restrict__ y, long long rows, int nb) {
+  const i64 blocks = rows * nb;
+#if STAGE
+  __shared__ __align__(16) TO tile[BPT * BLK];
+  for (i64 g0 = (i64)blockIdx.x * BPT; g0 < blocks; g0 += (i64)gridDim.x * BPT) {
+    const int nbl = (int)min((i64)BPT, blocks - g0);
+    for (int t = threadIdx.x; t < nbl * PARTS; t += blockDim.x) {
+      const int lb = t / PARTS, p = t % PARTS;
+      const i64 g = g0 + lb, row = g / nb;
+      const rlx_raw q = rlx_load(w + row * wrs + (g - row * nb) * BPB, p);
+      TO* yr = tile + lb * BLK;
+#else
+  for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < blocks * PARTS; t += (i64)gridDim.x * blockDim.x) {
+    {
+      const i64 g = t / PARTS, row = g / nb;
+      const int p = (int)(t % PARTS);
+      const rlx_raw q = rlx_load(w + row * wrs + (g - row * nb) * BPB, p);
+      TO* yr = y + g * BLK;
+#endif
+#pragma unroll
+      for (int k = 0; k < RUNS; ++k) {
+        W d, mn = 0;
+        rlx_scale(q, p, k, &d, &mn);
+        const u32 qw = rlx_qword(q, p, k);
+        const int o = rlx_run_off(p, k);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const W qf = (W)rlx_qf(qw, i);
+          yr[o + i] = ST(TO, HAS_MIN ? qf * d + mn : qf * d);
+        }
+      }
+    }
+#if STAGE
+    __syncthreads();
+    TO* dst = y + g0 * BLK;
+    const int n = nbl * BLK;
+#if YV
+    for (int i = threadIdx.x; i < n * (int)sizeof(TO) / 16; i += blockDim.x) ((uint4*)dst)[i] = ((const uint4*)tile)[i];
+#else
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = tile[i];
+#endif
+    __syncthreads();
+#endif
+  }
+}

@@ -1,0 +1,28 @@
+// Indexing: gather along an axis, and the KV-cache write at per-batch positions.
+// @part gather(TT, TI)
+typedef TT rlx_tt;     // a one-word name: `unsigned char()` is no valid expression
+extern "C" __global__ void rlx_gather(const TT* __restrict__ table, const TI* __restrict__ ind,
+    TT* __restrict__ out, long long outer, long long nax, long long ni, long long inner,
+    int* err, int node) {
+  const i64 total = outer * ni * inner;
+  for (i64 o = blockIdx.x * (i64)blockDim.x + threadIdx.x; o < total; o += (i64)gridDim.x * blockDim.x) {
+    i64 in_i = o % inner; i64 t = o / inner; i64 ii = t % ni; i64 ou = t / ni;
+    i64 ix = (i64)ind[ii];
+    if (ix < -nax || ix >= nax) { rlx_error(err, 1, node, ix, nax); out[o] = rlx_tt(); continue; }
+    if (ix < 0) ix += nax;
+    out[o] = table[(ou * nax + ix) * inner + in_i];
+  }
+}
+// @part kv_write(T, TP, DIMS_ARGS, NSTR_ARGS, CSTR_ARGS, DECOMP, AXIS)
+// kv_write: cache (contiguous) gets `new` (strided, rank R) at pos[b] along `axis`
+extern "C" __global__ void rlx_kv_write(T* cache, const T* __restrict__ nw, const TP* __restrict__ pos,
+    long long total, DIMS_ARGS, NSTR_ARGS, CSTR_ARGS, long long nax, long long snew,
+    int* err, int node) {
+  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+    i64 r = i, src = 0, dst = 0, b = 0;
+DECOMP
+    i64 p = (i64)pos[b];
+    if (p < 0 || p + snew > nax) { rlx_error(err, 2, node, p, nax); continue; }
+    cache[dst + p * RLX_CAT(cs, AXIS)] = nw[src];
+  }
+}

@@ -1,0 +1,111 @@
+// Rotary position embedding, up to three jobs (decode's q, k, v) in one launch.
+// @part rope(TX, TO, TC, TP, ACC, INTERLEAVED)
+// RoPE for up to three jobs in one launch (decode's q, k and v of a layer): job j maps
+// x_j [B, H_j, S, D] (any strides) to o_j (any strides), rotated (rope_j) or copied as is;
+// at_j: o_j is a KV cache and row s goes to position pos[b] + s (the kv_write the job does).
+#define RLX_JOB(j) const TX* __restrict__ x##j, long long xa##j, long long xb##j, long long xc##j, \
+    long long xd##j, TO* o##j, long long oa##j, long long ob##j, long long oc##j, long long od##j, \
+    int H##j, int rope##j, int at##j
+#define RLX_PICK(j) { x = x##j; xs0 = xa##j; xs1 = xb##j; xs2 = xc##j; xs3 = xd##j; o = o##j; os0 = oa##j; \
+    os1 = ob##j; os2 = oc##j; os3 = od##j; rope = rope##j; at = at##j; }
+extern "C" __global__ void rlx_rope(const TC* __restrict__ cs, const TC* __restrict__ sn, int B, int S,
+    int D, int half, int per_batch, const TP* __restrict__ pos, long long nax, int* err, int node,
+    RLX_JOB(0), RLX_JOB(1), RLX_JOB(2)) {
+  // rows (head, batch, position) go to the block's threadIdx.y; the W pairs of a row to its
+  // x threads: the row's index divisions are done once, not once per element
+  const int W = half + (D - 2 * half);
+  const i64 per_head = (i64)B * S;
+  const i64 total = per_head * (H0 + H1 + H2);
+  for (i64 row = blockIdx.x * (i64)blockDim.y + threadIdx.y; row < total; row += (i64)gridDim.x * blockDim.y) {
+    i64 h = row / per_head;
+    const TX* x; TO* o; long long xs0, xs1, xs2, xs3, os0, os1, os2, os3; int rope, at;
+    if (h < H0) RLX_PICK(0)
+    else if (h < H0 + H1) { RLX_PICK(1) h -= H0; }
+    else { RLX_PICK(2) h -= H0 + H1; }
+    const i64 rem = row % per_head;
+    const int s = (int)(rem % S), b = (int)(rem / S);
+    const i64 xb = b * xs0 + h * xs1 + s * xs2;
+    i64 p = 0;
+    if (at) {
+      p = (i64)pos[b];
+      if (p < 0 || p + S > nax) { if (threadIdx.x == 0) rlx_error(err, 2, node, p, nax); continue; }
+    }
+    TO* orow = o + b * os0 + h * os1 + (s + p) * os2;
+    for (int t = threadIdx.x; t < W; t += blockDim.x) {
+      if (t < half) {
+#if INTERLEAVED
+        const int d1 = 2 * t, d2 = 2 * t + 1;
+#else
+        const int d1 = t, d2 = t + half;
+#endif
+        const ACC x1 = LD(ACC, x[xb + d1 * xs3]), x2 = LD(ACC, x[xb + d2 * xs3]);
+        if (rope) {
+          const i64 ci = (per_batch ? (i64)b * S * half : 0) + (i64)s * half + t;
+          const ACC cc = LD(ACC, cs[ci]), ss = LD(ACC, sn[ci]);
+          orow[d1 * os3] = ST(TO, x1 * cc - x2 * ss);
+          orow[d2 * os3] = ST(TO, x2 * cc + x1 * ss);
+        } else {
+          orow[d1 * os3] = ST(TO, x1);
+          orow[d2 * os3] = ST(TO, x2);
+        }
+      } else {
+        const int d = 2 * half + (t - half);
+        orow[d * os3] = ST(TO, LD(ACC, x[xb + d * xs3]));
+      }
+    }
+  }
+}
+// @part rope_vec(TX, TO, TC, ACC, INTERLEAVED)
+// RoPE over 16-bit rows of unit element stride and 16-byte aligned starts, every pair rotated:
+// a thread reads and writes 8 elements as one 16-byte vector (interleaved: 4 pairs; half
+// style: 8 elements and their 8 partners half a row on). The launch shape and jobs of ROPE.
+#define RLX_JOB(j) const TX* __restrict__ x##j, long long xa##j, long long xb##j, long long xc##j, \
+    TO* o##j, long long oa##j, long long ob##j, long long oc##j, int H##j
+#define RLX_PICK(j) { x = x##j; xs0 = xa##j; xs1 = xb##j; xs2 = xc##j; o = o##j; os0 = oa##j; \
+    os1 = ob##j; os2 = oc##j; }
+extern "C" __global__ void rlx_rope_vec(const TC* __restrict__ cs, const TC* __restrict__ sn, int B, int S,
+    int D, int half, int per_batch, RLX_JOB(0), RLX_JOB(1), RLX_JOB(2)) {
+  typedef rlx_vec<TX, 8> VX;
+  typedef rlx_vec<TO, 8> VO;
+  const int per_row = (INTERLEAVED ? D : half) / 8;
+  const i64 per_head = (i64)B * S;
+  const i64 total = per_head * (H0 + H1 + H2) * per_row;
+  for (i64 idx = blockIdx.x * (i64)blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
+    const int c = (int)(idx % per_row) * 8;
+    const i64 row = idx / per_row;
+    i64 h = row / per_head;
+    const TX* x; TO* o; long long xs0, xs1, xs2, os0, os1, os2;
+    if (h < H0) RLX_PICK(0)
+    else if (h < H0 + H1) { RLX_PICK(1) h -= H0; }
+    else { RLX_PICK(2) h -= H0 + H1; }
+    const i64 rem = row % per_head;
+    const int s = (int)(rem % S), b = (int)(rem / S);
+    const TX* xr = x + b * xs0 + h * xs1 + s * xs2;
+    TO* orow = o + b * os0 + h * os1 + s * os2;
+    const i64 cb = (per_batch ? (i64)b * S * half : 0) + (i64)s * half;
+#if INTERLEAVED
+    const VX xv = *(const VX*)(xr + c);
+    VO ov;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const ACC x1 = LD(ACC, xv.v[2 * e]), x2 = LD(ACC, xv.v[2 * e + 1]);
+      const ACC cc = LD(ACC, cs[cb + c / 2 + e]), ss = LD(ACC, sn[cb + c / 2 + e]);
+      ov.v[2 * e] = ST(TO, x1 * cc - x2 * ss);
+      ov.v[2 * e + 1] = ST(TO, x2 * cc + x1 * ss);
+    }
+    *(VO*)(orow + c) = ov;
+#else
+    const VX a = *(const VX*)(xr + c), z = *(const VX*)(xr + c + half);
+    VO oa, oz;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const ACC x1 = LD(ACC, a.v[e]), x2 = LD(ACC, z.v[e]);
+      const ACC cc = LD(ACC, cs[cb + c + e]), ss = LD(ACC, sn[cb + c + e]);
+      oa.v[e] = ST(TO, x1 * cc - x2 * ss);
+      oz.v[e] = ST(TO, x2 * cc + x1 * ss);
+    }
+    *(VO*)(orow + c) = oa;
+    *(VO*)(orow + c + half) = oz;
+#endif
+  }
+}
