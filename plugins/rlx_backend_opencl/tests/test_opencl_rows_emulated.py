@@ -1,0 +1,166 @@
+"""The row programs (rows.py's softmax, reduce, argmax after kernels/rows.cl, as the runner
+assembles them) run on any host without an OpenCL device: compiled by gcc as C, one pthread per
+work-item, a pthread barrier for barrier(), a work-group's __local arrays static (one group at
+a time). PoCL cannot build kernels on some CPUs (Zen 5), so this is what checks the kernels'
+logic there: against float64 numpy on fresh random rows with NaN, -inf rows and ties, rows that
+do not fill the work-group's rows (`ok` false), rows shorter and longer than LX. The device
+build itself is the OpenCL suite's (test_opencl.py)."""
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from rlx_backend_opencl import kernels as K
+from rlx_backend_opencl import rows as R
+from rlx_backend_opencl.runner import _defs
+from rlx_core.ir.dtype import DType
+from rlx_core.ir.rowkernels import REDUCTIONS
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")
+
+_SHIM = r"""
+#include <tgmath.h>
+#include <stdbool.h>
+#include <limits.h>
+#include <pthread.h>
+#define __kernel
+#define __global
+#define __private
+#define __local
+#define inline static inline
+#define CLK_LOCAL_MEM_FENCE 1
+typedef unsigned char uchar; typedef unsigned short ushort; typedef unsigned int uint;
+typedef _Float16 half;
+static float vload_half(int i, const half* p) { return (float)p[i]; }
+static void vstore_half_rte(float v, int i, half* p) { p[i] = (half)v; }
+static int atomic_cmpxchg(volatile int* p, int c, int v) { return __sync_val_compare_and_swap(p, c, v); }
+static pthread_barrier_t g_bar;
+static __thread int t_l0, t_l1;
+static int g_LX, g_LY, g_group;
+static int get_local_id(int d) { return d ? t_l1 : t_l0; }
+static int get_local_size(int d) { return d ? g_LY : g_LX; }
+static int get_global_id(int d) { return d ? g_group * g_LY + t_l1 : t_l0; }
+static void barrier(int f) { (void)f; pthread_barrier_wait(&g_bar); }
+"""
+
+_DRIVER = r"""
+static void *A_x, *A_y; static int *A_meta; static int A_rows, A_n, A_op;
+static void call_kernel(void) { CALL; }
+static void* worker(void* p) { int id = (int)(long)p; t_l0 = id % g_LX; t_l1 = id / g_LX; call_kernel(); return 0; }
+void run(void* x, void* y, int* meta, int rows, int n, int op, int LX, int LY) {
+  A_x = x; A_y = y; A_meta = meta; A_rows = rows; A_n = n; A_op = op; g_LX = LX; g_LY = LY;
+  pthread_t th[256];
+  for (g_group = 0; g_group < (rows + LY - 1) / LY; ++g_group) {
+    pthread_barrier_init(&g_bar, 0, LX * LY);
+    for (int i = 0; i < LX * LY; ++i) pthread_create(&th[i], 0, worker, (void*)(long)i);
+    for (int i = 0; i < LX * LY; ++i) pthread_join(th[i], 0);
+    pthread_barrier_destroy(&g_bar);
+  }
+}
+"""
+
+_CALLS = {
+    "softmax": "softmax((const T_X*)A_x, 0, (T_Y*)A_y, 0, A_meta, 0, A_rows, A_n)",
+    "reduce": "reduce((const T_X*)A_x, 0, (T_Y*)A_y, 0, A_meta, 0, A_rows, A_n, A_op)",
+    "argmax": "argmax((const T_X*)A_x, 0, (long*)A_y, 0, A_meta, 0, A_rows, A_n)",
+}
+_NP = {DType.F32: np.float32, DType.F64: np.float64, DType.F16: np.float16, DType.I32: np.int32,
+       DType.I64: np.int64}
+# (rows, n, LX, LY): partial last group, n < LX, n = 1, one row per group with LX = n
+SHAPES = ((5, 37, 16, 4), (3, 300, 16, 16), (7, 1, 4, 2), (2, 64, 64, 1))
+
+
+def _program(kind: str, dt: DType) -> str:
+    """The program text as runner.rows() assembles it for x of dtype dt."""
+    ydt = DType.I64 if kind == "argmax" else dt
+    acc = K.acc_type(dt) if dt.is_float else "long"
+    defs = dict(T_X=K.ctype(dt), T_Y=K.ctype(ydt), ACC=acc, **{"TO_Y(v)": K.to(ydt, "v")})
+    if kind == "reduce":     # as runner._op_reduce
+        defs.update(ACC_LO="(-INFINITY)" if acc != "long" else "LONG_MIN",
+                    ACC_HI="INFINITY" if acc != "long" else "LONG_MAX")
+    return K.prelude([dt, ydt, acc]) + _defs(**defs) + K.ROW_COMMON + R.source(kind)
+
+
+def _build(kind: str, dt: DType, tmp_path):
+    body = re.sub(r"__local (\w+) (\w+)\[LMAX\];", r"static \1 \2[LMAX];", _program(kind, dt))
+    body = body.replace("#pragma OPENCL EXTENSION cl_khr_fp64 : enable", "")
+    c, so = tmp_path / "k.c", tmp_path / "k.so"
+    c.write_text(_SHIM + body + _DRIVER.replace("CALL", _CALLS[kind]))
+    r = subprocess.run(["gcc", "-std=gnu11", "-O1", "-shared", "-fPIC", "-pthread", "-o", str(so), str(c)],
+                       capture_output=True, text=True)
+    if r.returncode and "_Float16" in r.stderr:
+        pytest.skip("this gcc has no _Float16")
+    assert r.returncode == 0, r.stderr[-3000:]
+    fn = ctypes.CDLL(str(so)).run
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+    return fn
+
+
+def _rows(rng, dt, rows, n):
+    if not dt.is_float:
+        return rng.integers(-9, 9, (rows, n)).astype(_NP[dt])
+    x = (rng.standard_normal((rows, n)) * 3).astype(_NP[dt])
+    if n > 3:
+        x[0, 1] = x[0, 0]             # a tie
+        x[1, 2] = np.nan
+        x[2 % rows, :] = -np.inf
+    return x
+
+
+def _launch(fn, kind, x, ydt, op_code, LX, LY):
+    rows, n = x.shape
+    y = np.zeros((rows, n) if kind == "softmax" else (rows,), _NP[ydt])
+    inner = [n, 1] if kind == "softmax" else [1, 0]        # y's row stride, its stride along the row
+    meta = np.array([1, rows, n, 1] + inner, np.int32)
+    fn(x.ctypes.data, y.ctypes.data, meta.ctypes.data, rows, n, op_code, LX, LY)
+    return y
+
+
+@pytest.mark.parametrize("dt", [DType.F32, DType.F64, DType.F16])
+def test_softmax(tmp_path, rng, dt):
+    fn = _build("softmax", dt, tmp_path)
+    for rows, n, LX, LY in SHAPES:
+        x = _rows(rng, dt, rows, n)
+        got = _launch(fn, "softmax", x, dt, 0, LX, LY)
+        x64 = x.astype(np.float64)
+        with np.errstate(all="ignore"):
+            m = np.max(x64, -1, keepdims=True)
+            m[~np.isfinite(m)] = 0
+            e = np.exp(x64 - m)
+            s = e.sum(-1, keepdims=True)
+            s[s == 0] = 1
+        tol = 2e-3 if dt is DType.F16 else 1e-5
+        np.testing.assert_allclose(got.astype(np.float64), e / s, rtol=tol, atol=tol, equal_nan=True)
+
+
+@pytest.mark.parametrize("dt", [DType.F32, DType.F64, DType.F16, DType.I32, DType.I64])
+def test_reduce(tmp_path, rng, dt):
+    fn = _build("reduce", dt, tmp_path)
+    for rows, n, LX, LY in SHAPES:
+        x = _rows(rng, dt, rows, n)
+        if dt.is_float:
+            x = np.where(np.isfinite(x), np.clip(x, -1.5, 1.5), x).astype(x.dtype)   # prod stays finite
+        for code, op in enumerate(REDUCTIONS):
+            got = _launch(fn, "reduce", x, dt, code, LX, LY)
+            with np.errstate(all="ignore"):
+                want = getattr(np, op)(x.astype(np.float64 if dt.is_float or op == "mean" else np.int64), -1)
+            if dt.is_float:
+                tol = 2e-3 if dt is DType.F16 else 1e-5
+                np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol, equal_nan=True,
+                                           err_msg=op)
+            else:
+                np.testing.assert_array_equal(got, want.astype(_NP[dt]), err_msg=op)
+
+
+@pytest.mark.parametrize("dt", [DType.F32, DType.F64, DType.F16, DType.I32, DType.I64])
+def test_argmax(tmp_path, rng, dt):
+    fn = _build("argmax", dt, tmp_path)
+    for rows, n, LX, LY in SHAPES:
+        x = _rows(rng, dt, rows, n)
+        got = _launch(fn, "argmax", x, DType.I64, 0, LX, LY)
+        np.testing.assert_array_equal(got, np.argmax(x, -1))
