@@ -6,7 +6,9 @@ import os
 import threading
 import time
 import warnings
+from typing import TYPE_CHECKING, Any, Protocol
 
+import attrs
 import numpy as np
 
 from .. import progress
@@ -15,10 +17,19 @@ from ..ir.errors import ModelError, WeightError
 from ..pipeline import StateStore, select_backend
 from ..plugins.manager import registry
 from ..plugins.providers import provider_hint
-from ..profile import CompileProfile
+from ..profile import CompileProfile, ProfileLike
 from .args import (bool_arg, callable_arg, float_arg, id_matrix, int_arg, mask_arg, text_arg, token_id,
                    token_rows)
 from .sampling import choose, process_logits
+
+if TYPE_CHECKING:
+    from ..backends.base import Backend
+    from ..flow.ctx import BuiltModel
+    from ..flow.flow import ModelFlow
+    from ..flow.recipe import DecoderFlow
+    from ..pipeline import Executable
+    from ..weights.checkpoint import Checkpoint
+    from ..weights.tokenizer import Tokenizer
 
 CTX_BUCKET = 128
 
@@ -27,7 +38,7 @@ _BACKEND_LOCKS: dict = {}          # id(backend) -> (backend, its lock)
 _LOCKS_GUARD = threading.Lock()
 
 
-def backend_lock(backend) -> threading.RLock:
+def backend_lock(backend: Backend) -> threading.RLock:
     """The lock a model's calls hold while they run on `backend`. One per backend, not per
     model: backends share a device stream, queue or activation arena between the runners
     of every model (CUDA), and measured on the NumPy backend (16 cores, a 135M-parameter decoder,
@@ -36,11 +47,21 @@ def backend_lock(backend) -> threading.RLock:
         return _BACKEND_LOCKS.setdefault(id(backend), (backend, threading.RLock()))[1]
 
 
-def resolve_profile(profile, default: str, near: str | None = None) -> CompileProfile:
+def resolve_profile(profile: ProfileLike, default: str, near: str | None = None) -> CompileProfile:
     return CompileProfile.resolve(profile, default, near)
 
 
-def find_recipe(model_type: str, source: str = ""):
+class Recipe(Protocol):
+    """What a registered recipe (the `rlx_recipes` hook) gives `load`: the model types it builds
+    and `build`, which returns the runnable model (a CausalLM, an Encoder, or a plugin's own)."""
+    name: str
+    model_types: tuple
+
+    def build(self, ckpt: Checkpoint, backend: str | None = None, profile: ProfileLike = None,
+              **kw: Any) -> Any: ...
+
+
+def find_recipe(model_type: str, source: str = "") -> Recipe:
     recipes = registry().recipes
     if model_type not in recipes:
         hint = provider_hint(model_type)
@@ -50,7 +71,9 @@ def find_recipe(model_type: str, source: str = ""):
     return recipes[model_type]
 
 
-def load(path_or_name: str, backend: str | None = None, profile=None, progress: bool = True, **kw):
+def load(path_or_name: str, backend: str | None = None, profile: ProfileLike = None, progress: bool = True,
+         **kw: Any) -> Any:
+    """The model a registered recipe builds from a checkpoint (see rlx_core.load)."""
     from ..weights import load_checkpoint, resolve_model_path
     from ..weights.config import check_layer_counts
 
@@ -81,7 +104,7 @@ def _pad_batch(rows: list, pad_id: int) -> tuple:
 GREEDY_OUTPUTS = ("next_ids", "logits_sum")       # flow.blocks.GreedyNext
 
 
-def greedy_outputs(exe) -> bool:
+def greedy_outputs(exe: Executable) -> bool:
     """Whether a generation graph also gives the greedy ids (every DecoderFlow recipe does)."""
     return set(GREEDY_OUTPUTS) <= {n for n, _ in exe.mir.outputs}
 
@@ -102,6 +125,37 @@ def checked_greedy(out: dict, rows, banning, eos) -> np.ndarray | None:
     return ids
 
 
+@attrs.frozen
+class Sampling:
+    """How `generate` chooses and stops (HF generate's meanings), made once from its checked
+    arguments. A new setting (issue 47: min_p, penalties, stop strings, ...) is a field here
+    and a step of `next_tokens`; where it makes the choice differ from the logits' arg-max, it
+    also turns `argmax` off (the graphs' greedy ids are then not the choice)."""
+    max_new_tokens: int = 32
+    min_new_tokens: int = 0          # EOS is banned until this many tokens are out
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = 50
+    top_p: float | None = 1.0
+    seed: int | None = None
+
+    @property
+    def argmax(self) -> bool:
+        """Whether each next token is its logits' arg-max (`checked_greedy` checks the EOS ban)."""
+        return not self.do_sample
+
+    def bans_eos(self, n_new: int) -> bool:
+        """Whether EOS may not be chosen after n_new new tokens."""
+        return n_new < self.min_new_tokens
+
+    def next_tokens(self, logits: np.ndarray, n_new: int, eos: tuple, rng: np.random.Generator) -> np.ndarray:
+        """The next token of each row from a step's logits [batch, vocab] (changed in place:
+        they are the caller's alone), n_new tokens already made."""
+        lg = process_logits(logits, n_new=n_new, min_new_tokens=self.min_new_tokens, eos_ids=eos,
+                            inplace=True)
+        return choose(lg, rng, self.do_sample, self.temperature, self.top_k, self.top_p)
+
+
 class CausalLM:
     """A decoder-only language model compiled from a recipe's flows.
 
@@ -110,8 +164,9 @@ class CausalLM:
     one set, and the backend's stream is shared), so concurrent calls give the results of
     the same calls made one at a time."""
 
-    def __init__(self, recipe, config: dict, tensors: dict, tokenizer=None, backend=None,
-                 profile=None, max_context: int | None = None, source: str = ""):
+    def __init__(self, recipe: Any, config: dict, tensors: dict, tokenizer: Tokenizer | None = None,
+                 backend: str | None = None, profile: ProfileLike = None, max_context: int | None = None,
+                 source: str = ""):
         self.recipe, self.config, self.tensors, self.tokenizer = recipe, dict(config), tensors, tokenizer
         self.source = source or config.get("_name_or_path", "model")
         self.profile = resolve_profile(profile, recipe.default_profile, source or None)
@@ -125,15 +180,16 @@ class CausalLM:
         self.progress = False        # bars while its graphs compile and specialize (rlx_core.progress)
 
     @classmethod
-    def from_tensors(cls, config: dict, tensors: dict, tokenizer=None, backend=None, profile=None,
-                     max_context: int | None = None, recipe=None):
+    def from_tensors(cls, config: dict, tensors: dict, tokenizer: Tokenizer | None = None,
+                     backend: str | None = None, profile: ProfileLike = None, max_context: int | None = None,
+                     recipe: Any = None) -> CausalLM:
         recipe = recipe or find_recipe(config.get("model_type", ""))
         return cls(recipe, config, tensors, tokenizer, backend, profile, max_context)
 
     # -- compiled graphs
     graph_modes = ("prefill", "decode", "logits")     # what `built` and `executable` take
 
-    def built(self, mode: str = "prefill", taps: bool = False):
+    def built(self, mode: str = "prefill", taps: bool = False) -> BuiltModel:
         """The flow of `mode` built on this model's tensors (HIR graph, params, stage records),
         not yet compiled: what `executable` compiles and `rlx inspect` shows."""
         flow = self.recipe.flow(self.config, mode, taps=taps)
@@ -143,7 +199,7 @@ class CausalLM:
         except WeightError as e:        # the tensors disagree with the config: name the file
             raise WeightError(f"{self.source}: {e}") from None
 
-    def executable(self, mode: str, taps: bool = False):
+    def executable(self, mode: str, taps: bool = False) -> Executable:
         """mode: logits (every position), prefill (last position, writes the KV cache), decode."""
         key = (mode, taps)
         with self._lock:
@@ -157,7 +213,7 @@ class CausalLM:
                 self._exes[key] = exe
             return self._exes[key]
 
-    def executable_over(self, mode: str, states):
+    def executable_over(self, mode: str, states: StateStore) -> Executable:
         """A new, uncached executable of `mode` over its own `states` (a StateStore: the
         batched KV cache of a Scheduler), sharing this model's resident params."""
         built = self.built(mode)
@@ -202,7 +258,7 @@ class CausalLM:
             raise ModelError(f"prompt of {seq} tokens is longer than the context of "
                              f"{self.max_positions} positions")
 
-    def logits(self, ids, attention_mask=None) -> np.ndarray:
+    def logits(self, ids: Any, attention_mask: Any = None) -> np.ndarray:
         """Logits [batch, seq, vocab] for token ids: equally long rows (left-padded, with
         attention_mask marking the real tokens), at least one row of at least one token (an
         empty batch is an error, not an empty result)."""
@@ -216,25 +272,25 @@ class CausalLM:
         return out
 
     # -- generation
-    def encode_prompt(self, text: str, chat: bool = False) -> list:
+    def encode_prompt(self, text: str, chat: bool = False) -> list[int]:
         text = text_arg("prompt", text)
         if chat:
             return self.encode_chat([{"role": "user", "content": text}])
         return self._tokenizer().encode(text)
 
-    def encode_chat(self, messages: list) -> list:
+    def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation ({"role", "content"} dicts) in the model's chat
         template, ending where the assistant's next answer starts."""
-        text = self._tokenizer().apply_chat_template(messages)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        tokenizer = self._tokenizer()
+        return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
-    def _tokenizer(self):
+    def _tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise ModelError(f"{self.source} has no tokenizer; pass token ids instead of text")
         return self.tokenizer
 
     @property
-    def eos_ids(self) -> tuple:
+    def eos_ids(self) -> tuple[int, ...]:
         if self.tokenizer is not None and self.tokenizer.eos_token_ids:
             return tuple(self.tokenizer.eos_token_ids)
         eos = self.config.get("eos_token_id")
@@ -260,6 +316,7 @@ class CausalLM:
         top_p = float_arg("top_p", top_p, 0.0, 1.0, lo_open=True, none=True)
         seed = int_arg("seed", seed, none=True)
         stream = callable_arg("stream", stream)
+        sampling = Sampling(max_new_tokens, min_new_tokens, do_sample, temperature, top_k, top_p, seed)
         text_in = isinstance(prompt, str)
         if text_in and attention_mask is not None:
             raise ModelError("attention_mask goes with token ids; a text prompt has none")
@@ -274,117 +331,166 @@ class CausalLM:
             else:
                 rows, one_dim = token_rows("prompt", prompt, self.vocab_size)
             self._check_length(max(map(len, rows)))
-            return self._generate(rows, one_dim and not isinstance(prompt, np.ndarray), text_in,
-                                  max_new_tokens, min_new_tokens, do_sample, temperature, top_k, top_p,
-                                  seed, stream)
+            as_list = one_dim and not isinstance(prompt, np.ndarray)
+            return self._generate(rows, as_list, text_in, sampling, stream)
 
-    def _generate(self, rows, as_list, text_in, max_new_tokens, min_new_tokens, do_sample,
-                  temperature, top_k, top_p, seed, stream):
-        eos = tuple(token_id(f"{self.source}: eos_token_id", e, self.vocab_size) for e in self.eos_ids)
-        eos_arr = np.array(eos or (), np.int64)
-        pad = self.config.get("pad_token_id")
-        pad = token_id(f"{self.source}: pad_token_id", pad, self.vocab_size) if pad is not None else (
-            eos[0] if eos else 0)
+    def _generate(self, rows: list, as_list: bool, text_in: bool, sampling: Sampling, stream):
+        eos, pad = self._eos_and_pad()
         ids, mask = _pad_batch(rows, pad)
-        b, s = ids.shape
-        room = self.max_positions - s
-        if max_new_tokens > room:
-            warnings.warn(f"max_new_tokens={max_new_tokens} passes the context of {self.max_positions}; "
-                          f"generating {room}", stacklevel=3)
-            max_new_tokens = room
-        ctx = min(-(-(s + max_new_tokens) // CTX_BUCKET) * CTX_BUCKET, self.max_positions)
-        prefill = self.executable("prefill")
-        prefill.fixed_dims = {"ctx": ctx}
-        decode = None             # compiled once the first token is out (never for one token)
-        rng = np.random.default_rng(seed)
-        inputs = self._inputs(ids, mask)
-        cols: list = []                          # the new tokens, one column per step
-        done = np.zeros(b, bool)
-
-        def greedy_of(out, t):
-            """The greedy ids [b] in a step's fetched outputs, or None (fetch_greedy's checks)."""
-            return checked_greedy(out, slice(None), slice(None) if t < min_new_tokens else [], eos_arr)
-
-        def step(exe, feed, t, greedy):
-            """(None, the greedy ids [b]) where the greedy outputs give them (greedy: exe has
-            them and nothing is sampled), else (this step's logits [b, vocab], None)."""
-            if greedy:
-                nxt = greedy_of(exe.run(feed, fetch=GREEDY_OUTPUTS), t)
-                if nxt is not None:
-                    return None, nxt
-            return exe.run(feed, fetch=("logits",))["logits"][:, -1], None
-
-        t0 = t1 = t_decode = time.perf_counter()
-        if max_new_tokens:
-            logits, nxt = step(prefill, dict(inputs, cache_pos=np.zeros(b, np.int32)), 0,
-                               greedy_outputs(prefill) and not do_sample)
-            t1 = t_decode = time.perf_counter()
-        full_mask = np.zeros((b, ctx), bool)
-        full_mask[:, :s] = mask
-        last_pos = inputs["positions"][:, -1:]
-
-        def feed(t, ids):
-            """The inputs of the decode step giving token t, from token t - 1 (`ids` [b])."""
-            full_mask[:, s + t - 1] = True
-            return {"ids": ids[:, None], "positions": last_pos + t, "key_mask": full_mask[:, None, None, :].copy(),
-                    "cache_pos": np.full(b, s + t - 1, np.int32)}
-
-        # On a backend whose runs overlap the host (a GPU), the greedy step giving token t + 1
-        # is queued before token t is read, fed token t's ids on the device: the device never
-        # waits for the host. It is dropped where token t ends the rows or is not the greedy id.
-        ahead = None              # (feed, wait) of the step giving token t, queued early
-        for t in range(max_new_tokens):
-            if t:
-                if decode is None:
-                    decode = self.executable("decode")
-                    decode.fixed_dims = {"ctx": ctx}
-                    greedy = greedy_outputs(decode) and not do_sample
-                    overlap = greedy and self.backend.overlaps
-                    t_decode = time.perf_counter()        # (its compile is not a decode step's time)
-                if ahead is None:
-                    now = feed(t, nxt)
-                    if not overlap:
-                        logits, nxt = step(decode, now, t, greedy)
-                    else:
-                        ahead = (now, decode.submit(now, GREEDY_OUTPUTS))
-                if ahead is not None:
-                    now, wait = ahead
-                    ahead = None
-                    if t + 1 < max_new_tokens:       # (nxt, token t - 1, gives the ids' shape)
-                        later = feed(t + 1, nxt)
-                        ahead = (later, decode.submit(later, GREEDY_OUTPUTS, chain={"ids": "next_ids"}))
-                    nxt = greedy_of(wait(), t)
-                    if nxt is None:                       # the logits were needed after all
-                        if ahead is not None:
-                            ahead[1]()
-                            ahead = None          # (its ids, chained, were this step's arg-max)
-                        logits, nxt = step(decode, dict(now, ids=cols[-1][:, None]), t, False)
-            if nxt is None:
-                if not np.isfinite(logits).all():
-                    self._check_finite(logits, ids, mask)
-                lg = process_logits(logits, n_new=t, min_new_tokens=min_new_tokens, eos_ids=eos,
-                                    inplace=True)       # (this step's logits are ours alone)
-                nxt = choose(lg, rng, do_sample, temperature, top_k, top_p)
-            nxt = np.where(done, pad, nxt.astype(np.int64))
-            cols.append(nxt)
-            if stream is not None:
-                stream(nxt.tolist())
-            done |= (nxt[:, None] == eos_arr).any(1)
-            if done.all() or t == max_new_tokens - 1:
-                break
-        if ahead is not None:
-            ahead[1]()                  # (a step queued past the end: let it finish)
-        t2 = time.perf_counter()
-        new = np.stack(cols, 1) if cols else np.zeros((b, 0), np.int64)
-        steps = max(new.shape[1] - 1, 1)
-        self.last_timings = {"prefill_s": t1 - t0, "decode_s_per_token": (t2 - t_decode) / steps,
-                             "new_tokens": int(new.shape[1]), "prompt_tokens": int(s)}
+        room = self.max_positions - ids.shape[1]
+        if sampling.max_new_tokens > room:
+            warnings.warn(f"max_new_tokens={sampling.max_new_tokens} passes the context of "
+                          f"{self.max_positions}; generating {room}", stacklevel=3)
+            sampling = attrs.evolve(sampling, max_new_tokens=room)
+        run = _Decoding(self, ids, mask, sampling, eos, pad)
+        new = run.tokens(stream)
+        self.last_timings = run.timings
         if text_in:
-            toks = [int(x) for x in new[0] if not (done[0] and x in eos)]
+            toks = [int(x) for x in new[0] if not (run.done[0] and x in eos)]
             return self.tokenizer.decode(toks)
         if as_list:
             return list(rows[0]) + [int(x) for x in new[0]]
         return np.concatenate([ids, new], axis=1)
+
+    def _eos_and_pad(self) -> tuple:
+        """(the EOS ids, the pad id: the config's, else the first EOS, else 0), each checked
+        against the vocabulary."""
+        eos = tuple(token_id(f"{self.source}: eos_token_id", e, self.vocab_size) for e in self.eos_ids)
+        pad = self.config.get("pad_token_id")
+        pad = token_id(f"{self.source}: pad_token_id", pad, self.vocab_size) if pad is not None else (
+            eos[0] if eos else 0)
+        return eos, pad
+
+
+class _Decoding:
+    """One generate call's steps: the prefill, then a decode step per token, each giving the
+    next token of every row (`_next_ids`), which `_accept` takes, streams and checks for EOS."""
+
+    def __init__(self, model: CausalLM, ids: np.ndarray, mask: np.ndarray, sampling: Sampling, eos: tuple,
+                 pad: int):
+        self.model, self.ids, self.mask, self.sampling = model, ids, mask, sampling
+        self.eos, self.pad = eos, pad
+        self.eos_arr = np.array(eos or (), np.int64)
+        b, self.prompt_len = ids.shape
+        self.ctx = min(-(-(self.prompt_len + sampling.max_new_tokens) // CTX_BUCKET) * CTX_BUCKET,
+                       model.max_positions)
+        self.prefill = model.executable("prefill")
+        self.prefill.fixed_dims = {"ctx": self.ctx}
+        self.decode = None            # compiled once the first token is out (never for one token)
+        self.greedy = self.overlap = False      # (the decode steps': set with `decode`)
+        self.rng = np.random.default_rng(sampling.seed)
+        self.inputs = model._inputs(ids, mask)
+        self.full_mask = np.zeros((b, self.ctx), bool)
+        self.full_mask[:, :self.prompt_len] = mask
+        self.last_pos = self.inputs["positions"][:, -1:]
+        self.cols: list = []                     # the new tokens, one column per step
+        self.done = np.zeros(b, bool)
+        # On a backend whose runs overlap the host (a GPU), the greedy step giving token t + 1
+        # is queued before token t is read, fed token t's ids on the device: the device never
+        # waits for the host. It is dropped where token t ends the rows or is not the greedy id.
+        self.ahead = None             # (feed, wait) of the step giving the next token, queued early
+        self.timings: dict = {}
+
+    def tokens(self, stream) -> np.ndarray:
+        """The new tokens [batch, n]: until every row has ended, or max_new_tokens."""
+        n = self.sampling.max_new_tokens
+        t0 = t1 = self.t_decode = time.perf_counter()
+        if n:
+            first = dict(self.inputs, cache_pos=np.zeros(len(self.ids), np.int32))
+            greedy = greedy_outputs(self.prefill) and self.sampling.argmax
+            logits, nxt = self._step(self.prefill, first, 0, greedy)
+            t1 = self.t_decode = time.perf_counter()
+        for t in range(n):
+            if t:
+                logits, nxt = self._decode_step(t, nxt)
+            if nxt is None:
+                nxt = self._chosen(logits, t)
+            if self._accept(nxt, stream) or t == n - 1:
+                break
+        if self.ahead is not None:
+            self.ahead[1]()             # (a step queued past the end: let it finish)
+        t2 = time.perf_counter()
+        new = np.stack(self.cols, 1) if self.cols else np.zeros((len(self.ids), 0), np.int64)
+        steps = max(new.shape[1] - 1, 1)
+        self.timings = {"prefill_s": t1 - t0, "decode_s_per_token": (t2 - self.t_decode) / steps,
+                        "new_tokens": int(new.shape[1]), "prompt_tokens": int(self.prompt_len)}
+        return new
+
+    def _greedy_of(self, out: dict, t: int):
+        """The greedy ids [b] in a step's fetched outputs, or None (fetch_greedy's checks)."""
+        banning = slice(None) if self.sampling.bans_eos(t) else []
+        return checked_greedy(out, slice(None), banning, self.eos_arr)
+
+    def _step(self, exe, feed: dict, t: int, greedy: bool) -> tuple:
+        """(None, the greedy ids [b]) where the greedy outputs give them (greedy: exe has
+        them and nothing is sampled), else (this step's logits [b, vocab], None)."""
+        if greedy:
+            nxt = self._greedy_of(exe.run(feed, fetch=GREEDY_OUTPUTS), t)
+            if nxt is not None:
+                return None, nxt
+        return exe.run(feed, fetch=("logits",))["logits"][:, -1], None
+
+    def _feed(self, t: int, ids: np.ndarray) -> dict:
+        """The inputs of the decode step giving token t, from token t - 1 (`ids` [b])."""
+        s = self.prompt_len
+        self.full_mask[:, s + t - 1] = True
+        return {"ids": ids[:, None], "positions": self.last_pos + t,
+                "key_mask": self.full_mask[:, None, None, :].copy(),
+                "cache_pos": np.full(len(ids), s + t - 1, np.int32)}
+
+    def _start_decode(self) -> None:
+        self.decode = self.model.executable("decode")
+        self.decode.fixed_dims = {"ctx": self.ctx}
+        self.greedy = greedy_outputs(self.decode) and self.sampling.argmax
+        self.overlap = self.greedy and self.model.backend.overlaps
+        self.t_decode = time.perf_counter()        # (its compile is not a decode step's time)
+
+    def _decode_step(self, t: int, last: np.ndarray) -> tuple:
+        """`_step`'s (logits, ids) of the decode step giving token t from token t - 1 (`last`):
+        run now, or queued ahead where runs overlap the host (`_queued`)."""
+        if self.decode is None:
+            self._start_decode()
+        if self.ahead is None:
+            now = self._feed(t, last)
+            if not self.overlap:
+                return self._step(self.decode, now, t, self.greedy)
+            self.ahead = (now, self.decode.submit(now, GREEDY_OUTPUTS))
+        return self._queued(t, last)
+
+    def _queued(self, t: int, last: np.ndarray) -> tuple:
+        """Read the queued step giving token t, after queuing the one giving t + 1 (its ids
+        chained from this one's on the device; `last` only gives their shape). Where this
+        step's ids are not the choice (`checked_greedy`), the queued one is dropped and this
+        step runs again for its logits (it writes the same KV rows)."""
+        now, wait = self.ahead
+        self.ahead = None
+        if t + 1 < self.sampling.max_new_tokens:
+            later = self._feed(t + 1, last)
+            self.ahead = (later, self.decode.submit(later, GREEDY_OUTPUTS, chain={"ids": "next_ids"}))
+        nxt = self._greedy_of(wait(), t)
+        if nxt is not None:
+            return None, nxt
+        if self.ahead is not None:
+            self.ahead[1]()
+            self.ahead = None             # (its ids, chained, were this step's arg-max)
+        return self._step(self.decode, dict(now, ids=self.cols[-1][:, None]), t, False)
+
+    def _chosen(self, logits: np.ndarray, t: int) -> np.ndarray:
+        """The next tokens chosen from this step's logits (`Sampling.next_tokens`), which must
+        be finite."""
+        if not np.isfinite(logits).all():
+            self.model._check_finite(logits, self.ids, self.mask)
+        return self.sampling.next_tokens(logits, t, self.eos, self.rng)
+
+    def _accept(self, nxt: np.ndarray, stream) -> bool:
+        """Take a step's tokens (the pad id for rows that have ended), stream them, and say
+        whether every row has now ended (made an EOS)."""
+        nxt = np.where(self.done, self.pad, nxt.astype(np.int64))
+        self.cols.append(nxt)
+        if stream is not None:
+            stream(nxt.tolist())
+        self.done |= (nxt[:, None] == self.eos_arr).any(1)
+        return bool(self.done.all())
 
 
 class DecoderRecipe:
@@ -393,15 +499,18 @@ class DecoderRecipe:
     `default_profile` and `default_context`); `build` is the same for every such family."""
     name = ""
     model_types: tuple = ()
-    flow_class = None
+    flow_class: type[DecoderFlow] | None = None
     default_profile = "llama32_prefill"
     default_context = 2048            # the RoPE table length when the config states none
     ignore_unused = ("rotary_emb.inv_freq",)
 
-    def flow(self, cfg: dict, mode: str, taps: bool = False):
+    def flow(self, cfg: dict, mode: str, taps: bool = False) -> ModelFlow:
+        if self.flow_class is None:
+            raise ModelError(f"recipe {self.name or type(self).__name__!r} sets no flow_class")
         return self.flow_class(cfg, mode).taps(taps).flow()
 
-    def build(self, ckpt, backend=None, profile=None, **kw) -> CausalLM:
+    def build(self, ckpt: Checkpoint, backend: str | None = None, profile: ProfileLike = None,
+              **kw: Any) -> CausalLM:
         cfg = dict(ckpt.config)
         if kw.get("max_context"):     # RoPE tables are sized by the context asked for, not the file's
             cfg["max_position_embeddings"] = min(kw["max_context"],
@@ -412,5 +521,5 @@ class DecoderRecipe:
         return CausalLM(self, cfg, tensors, ckpt.tokenizer, backend, profile, source=ckpt.path, **kw)
 
 
-__all__ = ["GREEDY_OUTPUTS", "greedy_outputs", "fetch_greedy", "CausalLM", "DecoderRecipe", "load", "find_recipe",
-           "resolve_profile", "backend_lock"]
+__all__ = ["GREEDY_OUTPUTS", "greedy_outputs", "fetch_greedy", "CausalLM", "Sampling", "DecoderRecipe",
+           "load", "find_recipe", "resolve_profile", "backend_lock"]
