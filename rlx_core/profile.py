@@ -8,6 +8,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any, Union
 
 import attrs
 
@@ -107,7 +108,7 @@ class CompileProfile:
             lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
         return "\n".join(lines)
 
-    def evolve(self, **sections) -> "CompileProfile":
+    def evolve(self, **sections: Any) -> "CompileProfile":
         """Copy with some section fields changed: evolve(fusion={"policy": "fusable"})."""
         changes = {}
         for section, values in sections.items():
@@ -129,7 +130,7 @@ class CompileProfile:
         return from_dict(data, source)
 
     @staticmethod
-    def from_toml_path(path) -> "CompileProfile":
+    def from_toml_path(path: str | os.PathLike[str]) -> "CompileProfile":
         p = Path(path)
         try:
             text = p.read_text(encoding="utf-8")
@@ -138,7 +139,8 @@ class CompileProfile:
         return CompileProfile.from_toml_str(text, str(p))
 
     @staticmethod
-    def resolve(value=None, default: str = "default", near: str | None = None) -> "CompileProfile":
+    def resolve(value: "ProfileLike" = None, default: str = "default",
+                near: str | None = None) -> "CompileProfile":
         """A profile object, a preset name or a *.rlx.toml path; with None, a *.rlx.toml
         beside the weights at `near` if there is one, else the preset `default`."""
         if isinstance(value, CompileProfile):
@@ -165,6 +167,10 @@ class CompileProfile:
             raise ProfileError(f"unknown profile preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
         return PRESETS[name]
 
+
+# what `profile=` takes everywhere (CompileProfile.resolve): a profile, a preset name, a *.rlx.toml
+# path, or None for the default (a *.rlx.toml beside the weights, else the caller's preset)
+ProfileLike = Union[CompileProfile, str, "os.PathLike[str]", None]
 
 _SECTIONS = {"fusion": FusionConfig, "passes": PassConfig, "precision": PrecisionConfig,
              "backend": BackendConfig, "parallel": ParallelConfig}
