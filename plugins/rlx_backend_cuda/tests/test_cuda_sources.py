@@ -1,0 +1,111 @@
+"""The kernel sources (rlx_backend_cuda/kernels/*.cu) and their loader, sources.render: no GPU
+needed. That every catalog kernel compiles is `python -m rlx_backend_cuda.kernels_catalog`
+(nvcc), run here when nvcc is installed for one kernel of each .cu file."""
+import importlib.resources
+import re
+import shutil
+import subprocess
+
+import pytest
+from rlx_core.ir.errors import BackendError
+
+from rlx_backend_cuda import kernels_catalog, sources as S
+
+CU = sorted(p.name for p in importlib.resources.files("rlx_backend_cuda").joinpath("kernels").iterdir()
+            if p.name.endswith(".cu"))
+
+
+def constants():
+    """Every Source the module defines (the DQ schemes too), by name."""
+    out = {k: v for k, v in vars(S).items() if isinstance(v, S.Source)}
+    out.update({f"DQ_SCHEMES[{k}]": v for k, v in S.DQ_SCHEMES.items()})
+    return out
+
+
+def test_every_part_is_used_and_uses_its_defines():
+    """Each part of each .cu file belongs to some Source, and names each define its @part line
+    declares (a define the code never reads is a stale declaration)."""
+    used = {p for src in constants().values() for p in src.parts}
+    for file in CU:
+        if file == "prelude.cu":
+            continue
+        parts = S._parts(file)
+        assert parts, file
+        for name, (_, defines, text) in parts.items():
+            assert f"{file}:{name}" in used, f"{file}:{name} is in no Source"
+            code = re.sub(r"//[^\n]*", "", text)
+            for d in defines:
+                assert re.search(rf"\b{d}\b", code), f"{file}:{name} declares {d} but never uses it"
+            assert "$" not in code, f"{file}:{name} keeps a $ placeholder"
+
+
+def test_render_writes_defines_then_parts_after_line_directives():
+    src = S.render(S.CUMSUM, TX="float", TO="__half", ACC="float", LOAD="LD(ACC, v)", STORE="ST(__half, v)")
+    assert src.startswith(S._file("prelude.cu"))
+    tail = src[len(S._file("prelude.cu")):].split("\n")
+    assert tail[:5] == ["#define LOAD(v) (LD(ACC, v))", "#define STORE(v) (ST(__half, v))", "#define TX float",
+                        "#define TO __half", "#define ACC float"]
+    first, defines, text = S._parts("rows.cu")["cumsum"]
+    assert tail[5] == f'#line {first} "rows.cu"'
+    # the #line is the file's own numbering: its line `first` is the part's first line
+    assert S._file("rows.cu").split("\n")[first - 1] == text.split("\n")[0]
+    assert "rlx_cumsum" in src and "$" not in src
+
+
+def test_a_multi_line_define_continues_its_lines():
+    src = S.render(S.KV_WRITE, T="float", TP="int", DIMS_ARGS="long long d0", NSTR_ARGS="long long ns0",
+                   CSTR_ARGS="long long cs0", DECOMP="{ a; }\n{ b; }", AXIS=0)
+    assert "#define DECOMP { a; } \\\n{ b; }\n" in src
+
+
+def test_render_names_missing_and_unknown_defines():
+    with pytest.raises(BackendError, match=r"rows.cu:cumsum.*missing: STORE, TO; unknown: TY"):
+        S.render(S.CUMSUM, TX="float", ACC="float", LOAD="v", TY="float")
+
+
+def test_an_unknown_part_or_file_is_named():
+    with pytest.raises(BackendError, match=r"kernels/rows.cu has no part 'nope'"):
+        S.render(S.Source("rows.cu:nope"))
+    with pytest.raises(BackendError, match=r"kernels/nope.cu is missing"):
+        S.render(S.Source("nope.cu:x"))
+
+
+def test_generated_text_keeps_dollar_placeholders():
+    """A str is source generated in Python (codegen.py, rows.py): filled as text, after the prelude."""
+    assert S.render("typedef $ACC ACC;\n", ACC="double") == S._file("prelude.cu") + "typedef double ACC;\n"
+
+
+def test_a_compile_error_quotes_the_kernel_file_line():
+    src = S.render(S.GATHER, TT="float", TI="int")
+    first, _, text = S._parts("index.cu")["gather"]
+    log = f'/tmp/x/index.cu({first + 1}): error: identifier "y" is undefined'
+    assert S.error_line(src, log) == f"\n  kernels/index.cu line {first + 1}: {text.split(chr(10))[1].strip()}"
+    # a source without #line: the line of the source itself
+    plain = "extern \"C\" __global__ void k(float* x) {\n  x[0] = y;\n}\n"
+    assert S.error_line(plain, "kern.cu(2): error: identifier") == "\n  kernel source line 2: x[0] = y;"
+    assert S.error_line(plain, "no line here") == ""
+
+
+def test_wgmma_operands_are_string_literal_defines():
+    src = S.attn_wg_source(64, T="__half", MMAT="f16", WHOLE=0, MASKKIND=0, MASKMODE=0, TM="__half", TP="int",
+                           HAS_POS=0)
+    assert '#define O_REGS "' + ", ".join(f"%{i}" for i in range(32)) + '"' in src
+    assert '#define PV_A0 "32"' in src and '#define PV_ONE "37"' in src and "#define BF16 0" in src
+    assert S.own_arch(src) == "sm_90a"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_one_kernel_of_each_file_compiles(tmp_path):
+    """nvcc compiles the first catalog kernel from each .cu file (the catalog module does all)."""
+    done = set()
+    for name, src, kname in kernels_catalog.catalog():
+        files = set(re.findall(r'#line \d+ "(\w+\.cu)"', src))
+        if not files or files <= done:
+            continue
+        done |= files
+        p = tmp_path / "k.cu"
+        p.write_text(S.with_grid_wait(src, kname))
+        r = subprocess.run(["nvcc", "-std=c++17", f"-arch={S.own_arch(src) or 'sm_90'}", "-ptx", "-o",
+                            str(tmp_path / "k.ptx"), str(p)], capture_output=True, text=True)
+        assert r.returncode == 0, (name, r.stderr[-2000:])
+    assert done == set(CU) - {"prelude.cu"}
