@@ -8,6 +8,8 @@ fusion, a copy per node): speed is what a real backend adds, one fused kernel at
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from rlx_core.backends.base import Backend, Runner
@@ -39,7 +41,16 @@ class MinimalRunner(Runner):
                 self.buffers[(i, k)] = raw.view(s.dtype.np).reshape(s.dims)
 
     def run(self, inputs: dict) -> dict:
+        return self._run(inputs, None)
+
+    def run_profiled(self, inputs: dict) -> tuple:
+        """run() with the host clock read after every node (what `Executable.profile` shows)."""
+        times: list = []
+        return self._run(inputs, times), times
+
+    def _run(self, inputs: dict, times: list | None) -> dict:
         vals = {}
+        start = time.perf_counter()
         for i, node in enumerate(self.graph.nodes):
             try:
                 results = self._node(node, [vals[tuple(r)] for r in node.inputs], inputs)
@@ -50,6 +61,10 @@ class MinimalRunner(Runner):
                                    f"failed: {type(e).__name__}: {e}") from e
             for k, value in enumerate(results):
                 vals[(i, k)] = self._keep((i, k), value)
+            if times is not None and node.op not in LEAVES:
+                end = time.perf_counter()
+                times.append((i, end - start))
+                start = end
         return {name: np.array(vals[tuple(r)]) for name, r in self.graph.outputs}
 
     def _node(self, node, args: list, inputs: dict) -> tuple:
