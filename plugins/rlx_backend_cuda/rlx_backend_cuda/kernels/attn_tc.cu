@@ -325,6 +325,9 @@ __device__ __forceinline__ unsigned long long rlx_desc(unsigned a, unsigned lbo,
   return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |
          ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
+// the wgmma operand lists (sources.attn_wg_source writes them for D): S_REGS / O_REGS the
+// accumulators' operands as a string ("%0, %1, ..."), S_OUTS / O_OUTS their asm outputs, PV_A0..3,
+// PV_B, PV_ONE the numbers of the P.V wgmma's further operands as strings
 __device__ __forceinline__ void rlx_wg_qk(float* d, unsigned long long a, unsigned long long b, int acc) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n128k16.f32." RLX_STR(MMAT) "." RLX_STR(MMAT) " {" S_REGS "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
