@@ -81,8 +81,11 @@ class Source:
 
 def _define(name: str, params: str, value) -> str:
     """`#define NAME value`, or `#define NAME(params) (value)`; a line break in the value continues
-    the line."""
-    v = str(value).replace("\n", " \\\n")
+    the line (so the value can hold neither a // comment nor a preprocessor line)."""
+    v = str(value)
+    if "//" in v or re.search(r"^\s*#", v, re.M):
+        raise BackendError(f"cuda backend: the value of define {name} holds a // comment or a # line: {v!r}")
+    v = v.replace("\n", " \\\n")
     return f"#define {name}({params}) ({v})" if params else f"#define {name} {v}"
 
 
@@ -134,10 +137,8 @@ def with_grid_wait(source: str, name: str) -> str:
 # --------------------------------------------------------------------------- rows
 RMS_NORM = Source("norm.cu:norm_vec", "norm.cu:rms_norm")
 LAYER_NORM = Source("norm.cu:norm_vec", "norm.cu:layer_norm")
-SOFTMAX = Source("rows.cu:softmax")
-REDUCE = Source("rows.cu:reduce")
+# softmax, reduce and argmax: rows.py (core's row kernels in this dialect)
 REDUCE_COLS = Source("rows.cu:reduce_cols")
-ARGMAX = Source("rows.cu:argmax")
 TOPK = Source("rows.cu:topk")
 CUMSUM = Source("rows.cu:cumsum")
 SOFTMAX_GRAD = Source("grad.cu:softmax_grad")

@@ -109,3 +109,11 @@ def test_one_kernel_of_each_file_compiles(tmp_path):
                             str(tmp_path / "k.ptx"), str(p)], capture_output=True, text=True)
         assert r.returncode == 0, (name, r.stderr[-2000:])
     assert done == set(CU) - {"prelude.cu"}
+
+
+def test_a_define_value_with_a_comment_or_directive_is_refused():
+    """A value's line breaks become continuations: a // comment would swallow the lines after it."""
+    for decomp in ("{ a; } // the first\n{ b; }", "{ a; }\n#pragma unroll\n{ b; }"):
+        with pytest.raises(BackendError, match=r"define DECOMP holds a // comment or a # line"):
+            S.render(S.KV_WRITE, T="float", TP="int", DIMS_ARGS="long long d0", NSTR_ARGS="long long ns0",
+                     CSTR_ARGS="long long cs0", DECOMP=decomp, AXIS=0)
