@@ -571,9 +571,10 @@ def test_f16_on_device_without_fp16_is_a_compile_error(ocl, monkeypatch):
 
 # --------------------------------------------------------------------------- failures
 def test_broken_kernel_shows_build_log_and_op(ocl, monkeypatch):
-    from rlx_backend_opencl import kernels
+    from rlx_backend_opencl import rows
 
-    monkeypatch.setattr(kernels, "SOFTMAX", kernels.SOFTMAX.replace("ACC s = 0;", "ACC s = undeclared_x;"))
+    source = rows.source
+    monkeypatch.setattr(rows, "source", lambda kind: source(kind).replace("ACC s = 0;", "ACC s = undeclared_x;"))
     g = Graph.define("b", lambda m: m.softmax(m.input("x", (2, 3))))
     with pytest.raises(BackendError) as e:
         rlx_core.compile(g, profile=RAW, backend=ocl).run(x=rn(2, 3))
