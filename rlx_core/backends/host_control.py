@@ -154,9 +154,9 @@ class Part:
             m.emit_node(Node(n.op, tuple(value(r) for r in n.inputs), n.attrs, n.outs, n.name))
             for k in range(len(n.outs)):
                 local[(i, k)] = (len(m.nodes) - 1, k)
-        self.writes = {f"v{i}_{k}": (i, k) for i in nodes if g.nodes[i].op not in LEAVES
-                       for k in range(len(g.nodes[i].outs))
-                       if (i, k) in read_after or get_op(g.nodes[i].op).effect}   # (a write kept)
+        made = [(i, k) for i in nodes if g.nodes[i].op not in LEAVES for k in range(len(g.nodes[i].outs))]
+        kept = [r for r in made if r in read_after] or [r for r in made if get_op(g.nodes[r[0]].op).effect]
+        self.writes = {f"v{i}_{k}": (i, k) for i, k in kept}   # (a part that only writes states: those)
         m.outputs = [(name, local[ref]) for name, ref in self.writes.items()]
         self.empty = not m.outputs
         self.runner = None if self.empty else compile_graph(backend, m.build(), params, states)

@@ -51,27 +51,45 @@ def test_nested_control_flow_on_the_minimal_backend(rng):
 
 
 def _cache_around_loop(m):
-    """A KV-cache write before a while_ and a read of the cache after it: the write must land
-    in the state itself, not in a copy that crossed the cut."""
-    cache = m.state("cache", (1, 1, 4, 2), F64)
+    """KV-cache writes before and after a while_, the second into the first's result, and a
+    read of the cache after both: each write must land in the state itself, not in a copy of
+    it that crossed the cut."""
+    cache = m.state("cache", (1, 1, 5, 2), F64)
     new, pos = m.input("new", (1, 1, 1, 2), F64), m.input("pos", (1,), I64)
     x = m.input("x", (2,), F64)
     written = m.add("kv_write", (cache, new, pos), axis=2)
     (y,) = m.while_((x,), lambda b, v: b.compare(b.sum(v, (0,)), 10.0, "lt"), lambda b, v: (v * 3.0,))
-    return {"out": m.sum(written, (0, 1, 2)) * y}
+    again = m.add("kv_write", (written, m.reshape(y, (1, 1, 1, 2)), pos + 1), axis=2)
+    return {"out": m.sum(again, (0, 1, 2)) * y}
 
 
 def test_state_written_before_a_cut_is_read_after_it(rng):
     exe = compile_graph(Graph.define("cache_loop", _cache_around_loop), backend="minimal")
-    cache = np.zeros((1, 1, 4, 2))
+    cache = np.zeros((1, 1, 5, 2))
     for p in (0, 2, 3):
         new, x = rng.standard_normal((1, 1, 1, 2)), rng.uniform(0.1, 1, 2)
         got = exe.run({"new": new, "pos": np.array([p]), "x": x})
-        cache[0, 0, p] = new[0, 0, 0]
         while x.sum() < 10:
             x = x * 3
+        cache[0, 0, p], cache[0, 0, p + 1] = new[0, 0, 0], x
         np.testing.assert_allclose(exe.states["cache"], cache, rtol=0)
         np.testing.assert_allclose(got["out"], cache.sum((0, 1, 2)) * x, rtol=1e-12)
+
+
+def test_a_part_that_only_writes_a_state_runs(rng):
+    """The cache written before the loop is read by nothing after it: the write still happens."""
+    def f(m):
+        cache = m.state("cache", (1, 1, 3, 2), F64)
+        m.add("kv_write", (cache, m.input("new", (1, 1, 1, 2), F64), m.input("pos", (1,), I64)), axis=2)
+        (y,) = m.while_((m.input("x", (2,), F64),), lambda b, v: b.compare(b.sum(v, (0,)), 5.0, "lt"),
+                        lambda b, v: (v + 1.0,))
+        return y
+    exe = compile_graph(Graph.define("write_only", f), backend="minimal")
+    new, x = rng.standard_normal((1, 1, 1, 2)), np.array([0.5, 1.0])
+    got = exe.run({"new": new, "pos": np.array([1]), "x": x})
+    np.testing.assert_array_equal(got["out"], [2.5, 3.0])
+    np.testing.assert_array_equal(exe.states["cache"][0, 0, 1], new[0, 0, 0])
+    assert not exe.states["cache"][0, 0, [0, 2]].any()
 
 
 def test_a_backend_with_control_flow_is_not_cut():
