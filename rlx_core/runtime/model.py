@@ -347,7 +347,7 @@ class CausalLM:
         self.last_timings = run.timings
         if text_in:
             toks = [int(x) for x in new[0] if not (run.done[0] and x in eos)]
-            return self.tokenizer.decode(toks)
+            return self._tokenizer().decode(toks)
         if as_list:
             return list(rows[0]) + [int(x) for x in new[0]]
         return np.concatenate([ids, new], axis=1)
@@ -376,7 +376,7 @@ class _Decoding:
                        model.max_positions)
         self.prefill = model.executable("prefill")
         self.prefill.fixed_dims = {"ctx": self.ctx}
-        self.decode = None            # compiled once the first token is out (never for one token)
+        self.decode: Executable | None = None     # compiled once the first token is out (never for one token)
         self.greedy = self.overlap = False      # (the decode steps': set with `decode`)
         self.rng = np.random.default_rng(sampling.seed)
         self.inputs = model._inputs(ids, mask)
@@ -388,7 +388,7 @@ class _Decoding:
         # On a backend whose runs overlap the host (a GPU), the greedy step giving token t + 1
         # is queued before token t is read, fed token t's ids on the device: the device never
         # waits for the host. It is dropped where token t ends the rows or is not the greedy id.
-        self.ahead = None             # (feed, wait) of the step giving the next token, queued early
+        self.ahead: tuple | None = None           # (feed, wait) of the next step, queued early
         self.timings: dict = {}
 
     def tokens(self, stream) -> np.ndarray:
@@ -418,7 +418,7 @@ class _Decoding:
 
     def _greedy_of(self, out: dict, t: int):
         """The greedy ids [b] in a step's fetched outputs, or None (fetch_greedy's checks)."""
-        banning = slice(None) if self.sampling.bans_eos(t) else []
+        banning: slice | list = slice(None) if self.sampling.bans_eos(t) else []
         return checked_greedy(out, slice(None), banning, self.eos_arr)
 
     def _step(self, exe, feed: dict, t: int, greedy: bool) -> tuple:
@@ -438,42 +438,43 @@ class _Decoding:
                 "key_mask": self.full_mask[:, None, None, :].copy(),
                 "cache_pos": np.full(len(ids), s + t - 1, np.int32)}
 
-    def _start_decode(self) -> None:
-        self.decode = self.model.executable("decode")
-        self.decode.fixed_dims = {"ctx": self.ctx}
-        self.greedy = greedy_outputs(self.decode) and self.sampling.argmax
+    def _start_decode(self) -> Executable:
+        decode = self.decode = self.model.executable("decode")
+        decode.fixed_dims = {"ctx": self.ctx}
+        self.greedy = greedy_outputs(decode) and self.sampling.argmax
         self.overlap = self.greedy and self.model.backend.overlaps
         self.t_decode = time.perf_counter()        # (its compile is not a decode step's time)
+        return decode
 
     def _decode_step(self, t: int, last: np.ndarray) -> tuple:
         """`_step`'s (logits, ids) of the decode step giving token t from token t - 1 (`last`):
         run now, or queued ahead where runs overlap the host (`_queued`)."""
-        if self.decode is None:
-            self._start_decode()
-        if self.ahead is None:
+        decode = self.decode or self._start_decode()
+        queued = self.ahead
+        if queued is None:
             now = self._feed(t, last)
             if not self.overlap:
-                return self._step(self.decode, now, t, self.greedy)
-            self.ahead = (now, self.decode.submit(now, GREEDY_OUTPUTS))
-        return self._queued(t, last)
+                return self._step(decode, now, t, self.greedy)
+            queued = (now, decode.submit(now, GREEDY_OUTPUTS))
+        return self._queued(decode, queued, t, last)
 
-    def _queued(self, t: int, last: np.ndarray) -> tuple:
-        """Read the queued step giving token t, after queuing the one giving t + 1 (its ids
-        chained from this one's on the device; `last` only gives their shape). Where this
-        step's ids are not the choice (`checked_greedy`), the queued one is dropped and this
-        step runs again for its logits (it writes the same KV rows)."""
-        now, wait = self.ahead
+    def _queued(self, decode: Executable, queued: tuple, t: int, last: np.ndarray) -> tuple:
+        """Read the `queued` (feed, wait) step giving token t, after queuing the one giving
+        t + 1 (its ids chained from this one's on the device; `last` only gives their shape).
+        Where this step's ids are not the choice (`checked_greedy`), the one queued after it is
+        dropped and this step runs again for its logits (it writes the same KV rows)."""
+        now, wait = queued
         self.ahead = None
         if t + 1 < self.sampling.max_new_tokens:
             later = self._feed(t + 1, last)
-            self.ahead = (later, self.decode.submit(later, GREEDY_OUTPUTS, chain={"ids": "next_ids"}))
+            self.ahead = (later, decode.submit(later, GREEDY_OUTPUTS, chain={"ids": "next_ids"}))
         nxt = self._greedy_of(wait(), t)
         if nxt is not None:
             return None, nxt
         if self.ahead is not None:
             self.ahead[1]()
             self.ahead = None             # (its ids, chained, were this step's arg-max)
-        return self._step(self.decode, dict(now, ids=self.cols[-1][:, None]), t, False)
+        return self._step(decode, dict(now, ids=self.cols[-1][:, None]), t, False)
 
     def _chosen(self, logits: np.ndarray, t: int) -> np.ndarray:
         """The next tokens chosen from this step's logits (`Sampling.next_tokens`), which must
