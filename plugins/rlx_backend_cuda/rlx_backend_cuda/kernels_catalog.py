@@ -1,11 +1,12 @@
 """Representative specializations of every kernel template, for checking that all of
-them compile (offline with nvcc, no GPU needed: `python -m rlx_backend_cuda.kernels_catalog`)."""
+them compile (offline with nvcc, no GPU needed: `python -m rlx_backend_cuda.kernels_catalog [ARCH [JOBS]]`)."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 from rlx_core.ir.dtype import BF16, BOOL, C64, F16, F32, F64, I32, I64
 from rlx_core.ir.rowkernels import REDUCTIONS
@@ -139,23 +140,24 @@ def catalog() -> list:
     return out
 
 
-def check(arch: str = "sm_90", include: str | None = None) -> list:
-    """Compile every catalog entry with nvcc; returns the failures [(name, log)]."""
-    fails = []
-    with tempfile.TemporaryDirectory() as d:
-        for i, (name, src, kname) in enumerate(catalog()):
-            p = os.path.join(d, f"k{i}.cu")
-            with open(p, "w") as f:
-                f.write(S.with_grid_wait(src, kname))     # (as device.kernel compiles it)
-            cmd = ["nvcc", "-std=c++17", f"-arch={S.own_arch(src) or arch}", "-cubin", "-o", p + ".cubin", p]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode:
-                fails.append((name, r.stderr[-3000:]))
-    return fails
+def check(arch: str = "sm_90", jobs: int | None = None) -> list:
+    """Compile every catalog entry with nvcc, `jobs` at a time (default: a CPU each); returns the
+    failures [(name, log)] in catalog order."""
+    def compile_one(d, i, name, src, kname):
+        p = os.path.join(d, f"k{i}.cu")
+        with open(p, "w") as f:
+            f.write(S.with_grid_wait(src, kname))     # (as device.kernel compiles it)
+        cmd = ["nvcc", "-std=c++17", f"-arch={S.own_arch(src) or arch}", "-cubin", "-o", p + ".cubin", p]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        return (name, r.stderr[-3000:]) if r.returncode else None
+
+    with tempfile.TemporaryDirectory() as d, ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
+        done = pool.map(lambda e: compile_one(d, e[0], *e[1]), enumerate(catalog()))
+        return [f for f in done if f is not None]
 
 
 if __name__ == "__main__":  # pragma: no cover - developer tool
-    f = check(*(sys.argv[1:2] or ["sm_90"]))
+    f = check(*(sys.argv[1:2] or ["sm_90"]), *(int(j) for j in sys.argv[2:3]))
     for name, log in f:
         print("FAIL", name, "\n", log)
     print(f"{len(catalog()) - len(f)} compiled, {len(f)} failed")
