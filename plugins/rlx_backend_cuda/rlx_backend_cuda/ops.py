@@ -476,43 +476,47 @@ def gemv_split(warps: int, K: int, sms: int) -> int:
     return warps_per_row(K // 8, GEMV_LOADS, lambda ks: warps * ks < GEMV_WARPS_PER_SM * sms)
 
 
-def _gemv_step(b, Ab, W, out: V, M: int, N: int, K: int, swiglu: bool = False):
-    """The GEMV launch for out[M, N] (swiglu: out[M, N/2] = silu(gate) * up)."""
-    t = ctype(out.dt)
+def _gemv_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool = False):
+    """The GEMV launch for out[M, N] = x[M, K] @ weight (W [N, K] row-major) (swiglu: out[M,
+    N/2] = silu(gate) * up)."""
+    dtype = ctype(out.dt)
     mmax = pow2(M, 1, M)
     rows = 2 if swiglu else GEMV_ROWS
     n_out = N // 2 if swiglu else N
     warps = n_out if swiglu else -(-N // rows)
-    ks = gemv_split(warps, K, b.sms)
-    src = sources.render(sources.GEMV, T=t, TO=t, MMAX=mmax, R=rows, U=GEMV_LOADS, SWIGLU=int(swiglu), KS=ks)
-    fn = b.kernel(src, "rlx_gemv")
-    args = (Ab, i64(K), W, out.arr, i32(M), i32(n_out), i32(K))
-    grid, block, stream = (-(-warps * ks // 8),), (256,), b.stream
+    ks = gemv_split(warps, K, builder.sms)
+    src = sources.render(sources.GEMV, T=dtype, TO=dtype, MMAX=mmax, R=rows, U=GEMV_LOADS, SWIGLU=int(swiglu),
+                         KS=ks)
+    fn = builder.kernel(src, "rlx_gemv")
+    args = (x, i64(K), weight, out.arr, i32(M), i32(n_out), i32(K))
+    grid, block, stream = (-(-warps * ks // 8),), (256,), builder.stream
 
     def run():
         fn(grid, block, args, 0, stream)
     return run
 
 
-def _matmul_naive(b, a: V, w: V, ta, tb, out: V) -> None:
-    cp = b.cp
-    A = a.arr.swapaxes(-1, -2) if ta else a.arr
-    Bm = w.arr.swapaxes(-1, -2) if tb else w.arr
+def _matmul_naive(builder, a: V, w: V, ta, tb, out: V) -> None:
+    """An integer or bool matmul (cuBLAS has none): one thread per output element, summing
+    in long long (bool: or of ands), over dense copies of the operands."""
+    cp = builder.cp
+    a_mat = a.arr.swapaxes(-1, -2) if ta else a.arr
+    w_mat = w.arr.swapaxes(-1, -2) if tb else w.arr
     batch = tuple(out.shape[:-2])
-    M, K, N = A.shape[-2], A.shape[-1], Bm.shape[-1]
-    Ab = b.contiguous(V(cp.broadcast_to(A, batch + (M, K)), a.dt))
-    Bb = b.contiguous(V(cp.broadcast_to(Bm, batch + (K, N)), w.dt))
+    M, K, N = a_mat.shape[-2], a_mat.shape[-1], w_mat.shape[-1]
+    a_dense = builder.contiguous(V(cp.broadcast_to(a_mat, batch + (M, K)), a.dt))
+    w_dense = builder.contiguous(V(cp.broadcast_to(w_mat, batch + (K, N)), w.dt))
     if out.dt is BOOL:
         acc, mac = "bool", "(s) || ((a) && (b))"
     else:
         acc, mac = "long long", "(s) + (a) * (b)"
     src = sources.render(sources.MATMUL_NAIVE, TA=ctype(a.dt), TB=ctype(w.dt), TO=ctype(out.dt),
                          ACC=acc, MAC=mac)
-    fn = b.kernel(src, "rlx_matmul_naive")
+    fn = builder.kernel(src, "rlx_matmul_naive")
     nb = math.prod(batch)
-    b.launch(fn, ((nb * M * N + 255) // 256,), (256,),
-             (Ab.arr, Bb.arr, out.arr, i64(nb), i32(M), i32(N), i32(K), i64(M * K), i64(K), i64(1),
-              i64(K * N), i64(N), i64(1)))
+    builder.launch(fn, ((nb * M * N + 255) // 256,), (256,),
+                   (a_dense.arr, w_dense.arr, out.arr, i64(nb), i32(M), i32(N), i32(K), i64(M * K), i64(K), i64(1),
+                    i64(K * N), i64(N), i64(1)))
 
 
 def _swiglu_consumer(b, n) -> int | None:
