@@ -242,6 +242,8 @@ def _matmul(builder, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = 
 
 
 def _matmul_call(builder, call: MatmulCall) -> bool:
+    """`_matmul`: what needs no strategy (no fusion possible, an empty output, an integer
+    product), else the operands cast to the output's dtype and `matmul_strategy`'s choice."""
     if not _fusion_fits(call):
         return False
     out = call.out
