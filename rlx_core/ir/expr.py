@@ -202,7 +202,7 @@ class Renderer:
         return self.overrides.get(e.name, e.expr) if e.kind == "activation" else e.expr
 
     def covers(self, e: Entry, dt: DType) -> bool:
-        return dt not in _INT_DTYPES or (e.int_expr is not None and e.kind != "fused_swiglu")
+        return dt not in _INT_DTYPES or e.int_expr is not None
 
     def resolve(self, e: Expr, dt: DType, inlining: tuple = ()):
         """(spelling, None) for a call the dialect spells, else (None, the inlined formula)."""
@@ -266,16 +266,13 @@ class TextRenderer(Renderer):
         `values` (each used as an atom: the caller parenthesizes)."""
         e = entry(kind, name)
         try:
-            s, p = self._r(*self._root_args(e, dt, values))
+            expr, inlining = self.root(e, dt)
+            s, p = self._r(expr, dt, values, inlining)
         except MissingFunction as m:
             raise self.error(e, dt, str(m), backend) from None
         if self.wrap_top and (p < ATOM or (self.wrap_var and p == VAR)):
             return f"({s})"
         return s
-
-    def _root_args(self, e: Entry, dt: DType, values: dict) -> tuple:
-        expr, inlining = self.root(e, dt)
-        return expr, dt, values, inlining
 
     def check(self, e: Entry, dt: DType, backend: str) -> None:
         self.render(e.kind, e.name, dt, backend, **{v: v for v in e.variables})
@@ -410,12 +407,12 @@ class NumpyRenderer(Renderer):
         if ufunc is not None and [c.name for c in expr.args] == list(names[:len(expr.args)]) \
                 and all(c.op == "var" for c in expr.args):
             return ufunc
-        ev = self._compile(expr, inlining)
+        ev = self._compile(expr, dt, inlining)
         np = self.np
 
         def fn(*xs):
             env = dict(zip(names, xs))
-            env[None] = xs[0].dtype if len(xs) == 1 else np.result_type(*xs)
+            env[None] = xs[0].dtype if len(xs) == 1 else np.result_type(*xs)    # the constants' dtype
             return ev(env)
         return fn
 
@@ -426,21 +423,21 @@ class NumpyRenderer(Renderer):
             return self.ops[e.name]
         return self.ops.get(e.op)
 
-    def _compile(self, e: Expr, inlining: tuple):
+    def _compile(self, e: Expr, dt: DType, inlining: tuple):
         np = self.np
         if e.op == "var":
             return lambda env, n=e.name: env[n]
         if e.op == "const":
             return lambda env, v=e.name: np.asarray(v, env[None])
         if e.op == "call":
-            spelling, inlined = self.resolve(e, DType.F64, inlining)
+            spelling, inlined = self.resolve(e, dt, inlining)
             if inlined is not None:
-                return self._compile(inlined, inlining + (e.name,))
+                return self._compile(inlined, dt, inlining + (e.name,))
         elif e.op == "select":
             spelling = np.where
         else:
             spelling = self._ufunc(e)
-        args = [self._compile(c, inlining) for c in e.args]
+        args = [self._compile(c, dt, inlining) for c in e.args]
         if len(args) == 1:
             (f0,) = args
             return lambda env: spelling(f0(env))
