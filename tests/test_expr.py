@@ -114,13 +114,15 @@ def test_dialect_spellings():
     from rlx_backend_numba.codegen import NUMBA
     from rlx_backend_opencl.kernels import OPENCL, act_expr
 
-    assert CUDA.render("activation", "gelu", F32, x="t") == "(0.5f * t * (1.0f + erff(t * 0.7071067811865476f)))"
+    assert CUDA.render("activation", "gelu", F32, x="t") == \
+        "(0.5f * t * (1.0f + erff(t * 0.7071067811865476f)))"
     assert CUDA.render("activation", "gelu", F64, x="t") == "(0.5 * t * (1.0 + erf(t * 0.7071067811865476)))"
     assert CUDA.render("activation", "silu", F32, x="t") == "(t * rlx_sigmoid(t))"
     assert CUDA.render("activation", "abs", I32, x="t") == "(t < 0 ? -t : t)"
     assert CUDA.render("binary", "div", I64, a="p", b="q") == "rlx_floordiv<long long>(p, q)"
     assert CUDA.render("fused_swiglu", "fused_swiglu", F32, a="g", b="u") == "(g * rlx_sigmoid(g) * u)"
-    assert act_expr("gelu", "v", "float") == "((float)0.5 * v * ((float)1 + erf(v * (float)0.7071067811865476)))"
+    assert act_expr("gelu", "v", "float") == \
+        "((float)0.5 * v * ((float)1 + erf(v * (float)0.7071067811865476)))"
     assert act_expr("silu", "v", "double") == "(v / ((double)1 + exp(-v)))"
     assert act_expr("relu", "v", "float") == "(ISNAN(v) ? v : (v > (float)0 ? v : (float)0))"
     assert act_expr("relu", "v", "int") == "(v > 0 ? v : 0)"
