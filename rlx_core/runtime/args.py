@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -16,7 +17,13 @@ def _is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-def int_arg(name: str, v, lo: int = 0, none: bool = False) -> int | None:
+@overload
+def int_arg(name: str, v: Any, lo: int = 0, none: Literal[False] = False) -> int: ...
+@overload
+def int_arg(name: str, v: Any, lo: int = 0, *, none: bool) -> int | None: ...
+
+
+def int_arg(name: str, v: Any, lo: int = 0, none: bool = False) -> int | None:
     """An integer >= lo (None passes through when `none`)."""
     if v is None and none:
         return None
@@ -25,7 +32,15 @@ def int_arg(name: str, v, lo: int = 0, none: bool = False) -> int | None:
     return int(v)
 
 
-def float_arg(name: str, v, lo: float, hi: float = math.inf, lo_open: bool = False,
+@overload
+def float_arg(name: str, v: Any, lo: float, hi: float = math.inf, lo_open: bool = False,
+              none: Literal[False] = False) -> float: ...
+@overload
+def float_arg(name: str, v: Any, lo: float, hi: float = math.inf, lo_open: bool = False, *,
+              none: bool) -> float | None: ...
+
+
+def float_arg(name: str, v: Any, lo: float, hi: float = math.inf, lo_open: bool = False,
               none: bool = False) -> float | None:
     """A finite real number in [lo, hi] ((lo, hi] with lo_open)."""
     if v is None and none:

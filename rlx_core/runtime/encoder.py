@@ -26,6 +26,7 @@ import os
 import sys
 import time
 import warnings
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -34,6 +35,15 @@ from ..ir.errors import ModelError, WeightError
 from ..pipeline import CompilePipeline, Executable, select_backend
 from .args import bool_arg, id_matrix, int_arg, mask_arg, text_arg
 from .model import backend_lock
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenizers import Tokenizer as TkTokenizer
+
+    from ..flow.ctx import BuiltModel
+    from ..profile import ProfileLike
+    from ..weights.tokenizer import Tokenizer
 
 # sentence-transformers Pooling config keys -> our pooling names (None: not supported here)
 _ST_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
@@ -60,10 +70,11 @@ def _pooling_from(cfg: dict, path: str) -> str:
             raise ModelError(f"{path}: pooling_mode {name!r} is not supported; supported: cls, mean, max")
         return _ST_POOLING_NAMES[name]
     on = [k for k in _ST_POOLING if cfg.get(k)]
-    if len(on) != 1 or _ST_POOLING[on[0]] is None:
+    pooling = _ST_POOLING[on[0]] if len(on) == 1 else None
+    if pooling is None:
         raise ModelError(f"{path}: pooling {on or 'none'} is not supported; supported: exactly one of "
                          "pooling_mode_cls_token, pooling_mode_mean_tokens, pooling_mode_max_tokens")
-    return _ST_POOLING[on[0]]
+    return pooling
 
 
 def sentence_transformers_config(path: str) -> dict:
@@ -78,9 +89,9 @@ def sentence_transformers_config(path: str) -> dict:
             break
     out: dict = {}
     sbc = None
-    for cand in (folder, root):
-        if cand and sbc is None:
-            sbc = _read_json(os.path.join(cand, "sentence_bert_config.json"))
+    for where in (folder, root):
+        if where and sbc is None:
+            sbc = _read_json(os.path.join(where, "sentence_bert_config.json"))
     if isinstance(sbc, dict):
         if isinstance(sbc.get("max_seq_length"), int) and sbc["max_seq_length"] > 0:
             out["max_seq_length"] = sbc["max_seq_length"]
@@ -112,7 +123,8 @@ def _fmt_rows(emb: np.ndarray) -> list:
 class Encoder:
     """A text encoder compiled from a recipe's flow: `embed(texts)` -> [n, dim] float32."""
 
-    def __init__(self, recipe, config: dict, tensors: dict, tokenizer=None, backend=None, profile=None,
+    def __init__(self, recipe: Any, config: dict, tensors: dict, tokenizer: Tokenizer | None = None,
+                 backend: str | None = None, profile: ProfileLike = None,
                  source: str = "", st: dict | None = None, max_length: int | None = None,
                  pooling: str | None = None, flow_options: dict | None = None):
         from .model import resolve_profile
@@ -136,17 +148,18 @@ class Encoder:
         self.do_lower_case = bool(self.st.get("do_lower_case", False))
         self._exes: dict = {}            # (layout, part) -> Executable
         self._built: dict = {}           # layout -> (optimized graph, built flow)
-        self.parts = None                # data-parallel parts per batch (None: the backend's choice)
-        self._pool = None                # (workers, ThreadPoolExecutor, pid) for the parts
+        self.parts: int | None = None    # data-parallel parts per batch (None: the backend's choice)
+        self._pool: tuple[int, ThreadPoolExecutor, int] | None = None    # (workers, pool, pid) for the parts
         self._shared: dict = {}
-        self._truncating = None
+        self._truncating: TkTokenizer | None = None
         self._lock = backend_lock(self.backend)
         self.flow_options = dict(flow_options or {})     # extra recipe.flow() options
         self.last_timings: dict = {}
 
     @classmethod
-    def from_tensors(cls, config: dict, tensors: dict, tokenizer=None, backend=None, profile=None,
-                     recipe=None, **kw) -> "Encoder":
+    def from_tensors(cls, config: dict, tensors: dict, tokenizer: Tokenizer | None = None,
+                     backend: str | None = None, profile: ProfileLike = None, recipe: Any = None,
+                     **kw: Any) -> "Encoder":
         from .model import find_recipe
 
         recipe = recipe or find_recipe(config.get("model_type", ""))
@@ -159,7 +172,7 @@ class Encoder:
                 f"pooling={self.pooling!r}, max_length={self.max_length}, backend={self.backend.name!r})")
 
     # -- compiled graphs
-    def executable(self, layout: str | None = None, part: int = 0):
+    def executable(self, layout: str | None = None, part: int = 0) -> Executable:
         """The compiled encoder for a layout ("padded": ids [batch, seq] + key mask; "packed":
         the texts of a batch concatenated into one row of tokens; None: the recipe's choice for
         this backend). One executable serves every shape (specialized per shape, cached).
@@ -170,7 +183,7 @@ class Encoder:
 
     graph_modes = ("padded", "packed")       # the layouts `built` and `executable` take
 
-    def built(self, layout: str | None = None):
+    def built(self, layout: str | None = None) -> BuiltModel:
         """The encoder flow of `layout` built on this model's tensors (HIR graph, params,
         stage records), not yet compiled: what `executable` compiles and `rlx inspect` shows."""
         opts = dict(self.flow_options)
@@ -180,7 +193,7 @@ class Encoder:
         return flow.build(self.tensors, self.config, F32,
                           ignore_unused=getattr(self.recipe, "ignore_unused", ()))
 
-    def _executable(self, layout: str | None, part: int):
+    def _executable(self, layout: str | None, part: int) -> Executable:
         key = layout or self.flow_options.get("layout")
         if (key, part) not in self._exes:
             if key not in self._built:
@@ -191,14 +204,13 @@ class Encoder:
             # executables of one model share params uploaded (and hoisted ones computed) once
             exe = Executable(mir, self.backend, self.profile, source=built.graph, shared=self._shared)
             exe.set_params(built.params)
-            exe.input_names = {n.name for n in exe.mir.nodes if n.op == "input"}
             self._exes[(key, part)] = exe
         return self._exes[(key, part)]
 
     @property
     def layout(self) -> str:
         """The layout embed() runs: packed when the recipe's flow for this backend is packed."""
-        return "packed" if "seq_starts" in self.executable().input_names else "padded"
+        return "packed" if "seq_starts" in self.executable().mir.inputs else "padded"
 
     @staticmethod
     def _run_exe(exe, feed: dict, env: dict) -> dict:
@@ -236,7 +248,7 @@ class Encoder:
         v = self.config.get("vocab_size")
         return int(v) if isinstance(v, int) else None
 
-    def forward(self, ids, attention_mask=None, token_type_ids=None) -> dict:
+    def forward(self, ids: Any, attention_mask: Any = None, token_type_ids: Any = None) -> dict:
         """Every output of the graph for right-padded ids [B,S] (`last_hidden_state`,
         `pooled`, `embedding`); rows of attention_mask mark real tokens."""
         ids = id_matrix(ids, self.recipe_vocab())
@@ -253,7 +265,7 @@ class Encoder:
         with self._lock:
             return self._run(ids, types, mask)
 
-    def hidden_states(self, ids, attention_mask=None, token_type_ids=None) -> np.ndarray:
+    def hidden_states(self, ids: Any, attention_mask: Any = None, token_type_ids: Any = None) -> np.ndarray:
         return self.forward(ids, attention_mask, token_type_ids)["last_hidden_state"]
 
     def _run(self, ids, types, mask) -> dict:
@@ -261,9 +273,9 @@ class Encoder:
         exe = self.executable("padded")
         b, s = ids.shape
         feed = {"ids": ids, "key_mask": mask[:, None, None, :]}
-        if "positions" in exe.input_names:
+        if "positions" in exe.mir.inputs:
             feed["positions"] = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s))
-        if "token_type_ids" in exe.input_names:
+        if "token_type_ids" in exe.mir.inputs:
             feed["token_type_ids"] = types
         return self._run_exe(exe, feed, {"batch": b, "seq": s})
 
@@ -290,9 +302,9 @@ class Encoder:
             starts[len(rows)], seg[len(rows)] = at, pad
         starts[len(rows) + (1 if pad else 0):] = total          # empty segments
         feed = {"ids": ids[None], "seq_starts": starts, "seq_lens": seg}
-        if "positions" in exe.input_names:
+        if "positions" in exe.mir.inputs:
             feed["positions"] = pos[None]
-        if "token_type_ids" in exe.input_names:
+        if "token_type_ids" in exe.mir.inputs:
             feed["token_type_ids"] = types[None]
         return self._run_exe(exe, feed, {"tokens": total, "seqs": n_seqs})
 
@@ -346,11 +358,11 @@ class Encoder:
                 raise e
 
     # -- text
-    def _truncating_tokenizer(self):
+    def _truncating_tokenizer(self, tokenizer: Tokenizer) -> TkTokenizer:
         if self._truncating is None:
             from tokenizers import Tokenizer as TkTokenizer
 
-            tk = TkTokenizer.from_str(self.tokenizer.backend.to_str())
+            tk = TkTokenizer.from_str(tokenizer.backend.to_str())
             tk.no_padding()
             tk.enable_truncation(self.max_length)
             self._truncating = tk
@@ -359,14 +371,15 @@ class Encoder:
     def tokenize(self, texts: list, truncate: bool = True, item: str = "text", first: int = 0) -> tuple:
         """([(ids, type_ids)] per text, indices of the texts that were truncated). Messages
         name a text as f"{item} {first + i}" (embed_command says "line 3 of FILE")."""
-        if self.tokenizer is None:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
             raise ModelError(f"{self.source} has no tokenizer (expected tokenizer.json, or vocab.txt for "
                              "a WordPiece vocabulary, beside config.json); embed token ids instead")
         for i, t in enumerate(texts):
             text_arg(f"{item} {first + i}", t)
         if self.do_lower_case:
             texts = [t.lower() for t in texts]
-        encs = list(self.tokenizer.backend.encode_batch(texts))
+        encs = list(tokenizer.backend.encode_batch(texts))
         long = [i for i, e in enumerate(encs) if len(e.ids) > self.max_length]
         if long:
             worst = max(long, key=lambda i: len(encs[i].ids))
@@ -378,7 +391,8 @@ class Encoder:
             if not truncate:
                 raise ModelError(f"{what}; the model takes at most {self.max_length} (truncation is off)")
             warnings.warn(f"{what} truncated to {self.max_length} tokens", stacklevel=3)
-            for i, e in zip(long, self._truncating_tokenizer().encode_batch([texts[i] for i in long])):
+            cut = self._truncating_tokenizer(tokenizer).encode_batch([texts[i] for i in long])
+            for i, e in zip(long, cut):
                 encs[i] = e
         return [(e.ids, e.type_ids) for e in encs], long
 
@@ -387,7 +401,8 @@ class Encoder:
         """Index lists: longest first; a batch is cut when it is full or when padding the next
         text to the batch's length would waste more than it saves."""
         order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-        batches, cur = [], []
+        batches: list[list[int]] = []
+        cur: list[int] = []
         for i in order:
             if cur and (len(cur) >= batch_size or lengths[i] * 4 < lengths[cur[0]] * 3 and len(cur) >= 8):
                 batches.append(cur)
@@ -399,7 +414,9 @@ class Encoder:
 
     def plan_packs(self, lengths: list, batch_size: int) -> list:
         """Index lists for packed runs: at most batch_size texts and PACK_MAX_TOKENS tokens each."""
-        packs, cur, tokens = [], [], 0
+        packs: list[list[int]] = []
+        cur: list[int] = []
+        tokens = 0
         cap = max(self.PACK_MAX_TOKENS, self.max_positions)
         for i, n in enumerate(lengths):
             if cur and (len(cur) >= batch_size or tokens + n > cap):
@@ -411,7 +428,7 @@ class Encoder:
             packs.append(cur)
         return packs
 
-    def embed(self, texts_or_ids, batch_size: int = 32, normalize: bool = True, truncate: bool = True,
+    def embed(self, texts_or_ids: Any, batch_size: int = 32, normalize: bool = True, truncate: bool = True,
               progress: bool = False, item: str = "text", first: int = 0) -> np.ndarray:
         """Embeddings [n, dim] float32 (a single string or id sequence gives [dim]).
 
@@ -443,7 +460,7 @@ class Encoder:
             t0 = time.perf_counter()
             exe = self.executable()
             try:
-                if "seq_starts" in exe.input_names:
+                if "seq_starts" in exe.mir.inputs:
                     for idx in self.plan_packs(lengths, int(batch_size)):
                         self._embed_pack(rows, idx, lengths, int(batch_size) + 1, key, out)
                         if bar is not None:
@@ -522,8 +539,10 @@ def encoder_model_types() -> list:
     return sorted(t for t, r in registry().recipes.items() if callable(getattr(r, "embedding_dim", None)))
 
 
-def embed_command(model, texts=None, file=None, json_out: bool = False, batch_size: int = 32,
-                  normalize: bool = True, no_truncate: bool = False, echo=print, progress=None) -> np.ndarray:
+def embed_command(model: Any, texts: str | list[str] | None = None, file: str | None = None,
+                  json_out: bool = False, batch_size: int = 32, normalize: bool = True,
+                  no_truncate: bool = False, echo: Callable[[str], Any] = print,
+                  progress: bool | None = None) -> np.ndarray:
     """What `rlx embed MODEL "text" ... [--json]` / `rlx embed MODEL --file lines.txt` does.
 
     `model`: a path, a packaged name or an Encoder. `file`: a path or "-" (stdin),
@@ -552,9 +571,9 @@ def embed_command(model, texts=None, file=None, json_out: bool = False, batch_si
     if progress is None:
         progress = file is not None and len(texts) > 8 * batch_size
     # messages count from 1, as a user reading the command line or the file does
-    where = {"item": f"line of {'stdin' if file == '-' else file}" if file is not None else "text", "first": 1}
+    item = f"line of {'stdin' if file == '-' else file}" if file is not None else "text"
     emb = enc.embed(texts, batch_size=batch_size, normalize=normalize, truncate=not no_truncate,
-                    progress=progress, **where)
+                    progress=progress, item=item, first=1)
     if json_out:
         body = ",".join("[" + ",".join(r) + "]" for r in _fmt_rows(emb))
         head = json.dumps({"model": str(model if not isinstance(model, Encoder) else model.source),
