@@ -237,10 +237,11 @@ class Inspection:
         out = []
         for op in self.pipe.legalized:
             ids = [i for i, n in enumerate(before.nodes) if n.op == op]
+            how = ("decomposed by its composite (rlx_core.ir.composites) into ops it has" if ids else
+                   "emitted by another op's composite, and decomposed by its own in turn")
             out.append({"op": op, "nodes": len(ids),
                         "layers": sorted({json_layer(lay[i]) for i in ids}, key=str),
-                        "reason": f"backend {self.pipe.backend.name!r} has no kernel for {op}; "
-                                  "decomposed into primitives it has"})
+                        "reason": f"backend {self.pipe.backend.name!r} has no kernel for {op}; {how}"})
         return out
 
     def buffers(self) -> dict:

@@ -85,7 +85,8 @@ GOOD = """
             return False, "no accelerator in this test"
 
         def supported_ops(self):
-            return set()
+            from rlx_core.ir.composites import PRIMITIVES
+            return set(PRIMITIVES)
 
         def compile(self, lir, params, states):
             raise NotImplementedError

@@ -29,6 +29,7 @@ import numpy as np
 
 from rlx_core.backends.base import Runner
 from rlx_core.backends.numpy import NumpyBackend
+from rlx_core.ir.composites import PRIMITIVES
 from rlx_core.ir.dtype import F32, F64
 from rlx_core.plugins import hookimpl
 
@@ -61,11 +62,13 @@ class TinyBackend(NumpyBackend):
     priority = -50
     dtypes = frozenset({{F32, F64}})
 
-    def supported_ops(self):
-        return {{"input", "param", "state", "constant", "softmax"}}
+    def supported_ops(self):           # its softmax, and the primitives every backend needs
+        return set(PRIMITIVES) | {{"input", "param", "state", "constant", "softmax"}}
 
     def compile(self, lir, params, states):
-        return TinyRunner(lir.graph, params)
+        if {{n.op for n in lir.graph.nodes}} <= {{"input", "param", "softmax"}}:
+            return TinyRunner(lir.graph, params)
+        return super().compile(lir, params, states)     # the primitives: NumPy's kernels
 
 
 @hookimpl

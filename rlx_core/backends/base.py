@@ -88,7 +88,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def supported_ops(self) -> set:
-        """Op names this backend implements (fused ones it lacks get legalized)."""
+        """Op names this backend implements: at least rlx_core.ir.composites.PRIMITIVES (checked
+        when it registers); an op it lacks that has a composite is legalized into others."""
 
     def expression_renderers(self) -> tuple:
         """The renderers (rlx_core.ir.expr) its generated elementwise kernels are written with,

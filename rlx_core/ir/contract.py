@@ -13,7 +13,7 @@ import numpy as np
 
 from .dtype import promote
 from .errors import GraphError, ShapeError
-from .lower import DECOMPOSE_FUSED
+from .composites import composite, ex
 from .numpy_kernels import KERNELS, put, up
 from .ops import INTS, op
 from .shape import Shape
@@ -111,4 +111,8 @@ def _dot_general(a, out, x, y):
 
 
 KERNELS["dot_general"] = _dot_general
-DECOMPOSE_FUSED["dot_general"] = lambda m, ins, a: dot_general_prims(m, *ins, **a)
+@composite("dot_general", ex("f16[2,3,4]", "f16[2,4,5]", lhs_contract=(2,), rhs_contract=(1,),
+                             lhs_batch=(0,), rhs_batch=(0,)),
+           ex("f32[4,3]", "f32[5,4]", lhs_contract=(0,), rhs_contract=(1,)))
+def _dot_general_composite(m, ins, a):
+    return dot_general_prims(m, *ins, **a)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .composites import composite, ex
 from .errors import DTypeError, ShapeError
 from .numpy_kernels import KERNELS, put, up
 from .ops import op
@@ -48,3 +49,39 @@ def _dense_solve(a_, out, a, b):
 
 
 KERNELS["dense_solve"] = _dense_solve
+
+
+# ----------------------------------------------------------------- the composite
+def dense_solve_prims(m, a, b):
+    """Gauss-Jordan elimination with partial pivoting on [a | b], unrolled over a static n,
+    in f32 (f64 for f64): per column, the row of the largest |entry| at or below the diagonal
+    is swapped up (a one-hot permutation matmul, per batch), scaled to a pivot of 1 and
+    subtracted from every other row. What is left right of a is x."""
+    from .composites import _f32, argmax_prims, iota
+
+    n = a.dims[-1]
+    if not isinstance(n, int):
+        raise ShapeError(f"dense_solve's composite needs a static n, got a {a.shape}: a backend "
+                         f"without a dense_solve kernel solves only static sizes")
+    vector = b.shape.rank == a.shape.rank - 1
+    rhs = _f32(m, m.reshape(b, b.dims + (1,)) if vector else b)
+    work = m.concat([_f32(m, a), m.cast(rhs, _f32(m, a).dtype)], -1)     # [..., n, n + k]
+    rows = m.reshape(iota(m, n, a), (n, 1))                              # [n, 1]
+    cols = m.reshape(rows, (1, n))
+    for c in range(n):
+        size = m.act(m.narrow(work, -1, c, 1), "abs")                   # [..., n, 1]
+        size = m.where(m.compare(rows, c, "ge"), size, -1.0)
+        p = argmax_prims(m, size, -2, keepdims=True)                     # [..., 1, 1]
+        src = m.where(m.compare(rows, c, "eq"), p, m.where(m.compare(rows, p, "eq"), c, rows))
+        work = m.matmul(m.cast(m.compare(cols, src, "eq"), work.dtype), work)
+        pivot_row = m.narrow(work, -2, c, 1)
+        pivot_row = pivot_row / m.narrow(pivot_row, -1, c, 1)
+        below = work - m.narrow(work, -1, c, 1) * pivot_row
+        work = m.where(m.compare(rows, c, "eq"), pivot_row, below)
+    x = m.narrow(work, -1, n, work.dims[-1] - n)
+    return m.cast(m.reshape(x, b.dims) if vector else x, b.dtype)
+
+
+@composite("dense_solve", ex("f16[2,3,3]", "f16[2,3]"), ex("f32[3,3]", "f32[3,2]"))
+def _dense_solve_composite(m, ins, a):
+    return dense_solve_prims(m, *ins)

@@ -277,6 +277,7 @@ def _entries(hook: str, args: tuple) -> list:
         _need(isinstance(getattr(b, "name", None), str) and b.name and
               all(callable(getattr(b, m, None)) for m in ("availability", "supported_ops", "compile")),
               f"{where}: a backend needs a name and availability(), supported_ops(), compile()")
+        _covers(b, where)
         return [("backend", b.name, "backends", b)]
     if hook == "rlx_register_blocks":
         _need(len(args) == 2 and isinstance(args[0], str) and args[0] and callable(args[1]),
@@ -317,6 +318,18 @@ def _entries(hook: str, args: tuple) -> list:
         _need(name not in RESERVED_COMMANDS, f"{where}: command {name!r} is a core rlx command")
         return [("command", name, "commands", args[0])]
     raise PluginError(f"unknown hook {hook!r}")  # pragma: no cover - HOOKS is the spec list
+
+
+def _covers(backend, where: str) -> None:
+    """A backend runs every op of the table, itself or through composites, and its expression
+    renderers write every formula (composites.check_coverage): checked here, when it registers,
+    so a missing primitive is an error now and not at a model's first run."""
+    from ..ir.composites import check_coverage
+
+    try:
+        check_coverage(backend)
+    except Exception as e:                   # a backend's own method may raise anything
+        raise PluginError(f"{where}: {_error_text(e)}") from e
 
 
 def _commit(reg: Registry, plugin: str, calls: list) -> None:

@@ -37,6 +37,15 @@ FLOAT_IDS = [d.value for d in FLOATS]
 fdtype = pytest.mark.parametrize("dt", FLOATS, ids=FLOAT_IDS)
 
 
+def test_backend_covers_the_op_table(backend):
+    """The kit's smallest case (also checked when the backend registers): every op of the
+    table runs on the backend, through its own kernel or a composite of ops it has."""
+    from rlx_core.ir.composites import check_coverage
+    from rlx_core.pipeline import select_backend
+
+    check_coverage(select_backend(backend))
+
+
 def test_every_op_has_a_parity_case():
     ops = {n for n, d in OPS.items() if d.level is not Level.LEAF}
     assert ops - COVERED == set(), f"ops without a parity test: {sorted(ops - COVERED)}"
