@@ -356,95 +356,67 @@ def check_dialect(renderer: Renderer, backend: str) -> None:
 
 
 # --------------------------------------------------------------------------- NumPy
-class NumpyRenderer(Renderer):
-    """Builds NumPy callables `f(x)` / `f(a, b)` from entries: a ufunc itself when the formula
-    is one ufunc of the variables (so callers may pass out=), else a closure over ufuncs;
-    constants take the first operand's dtype (numpy_kernels adds erf and the tanh-identity
-    sigmoid as functions)."""
+class NumpyRenderer(TextRenderer):
+    """NumPy: an entry becomes a Python lambda over arrays (ufuncs, operators, Python literals,
+    which NumPy casts to the array's dtype), or the ufunc itself when the formula is one ufunc of
+    the variables (so callers may pass out=). `functions` adds or replaces spellings with
+    callables (numpy_kernels: erf, the tanh-identity sigmoid)."""
     name = "NumPy"
     dtypes = (DType.F32, DType.F64, DType.I32, DType.I64)
+    wrap_top = False
+    UFUNCS = {"exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt", "sin": "sin", "cos": "cos",
+              "abs": "abs", "pow": "power", "max": "maximum", "min": "minimum",
+              "floordiv": "floor_divide", "isnan": "isnan"}
 
     def __init__(self, functions: dict | None = None):
         import numpy as np
 
-        self.np = np
-        self.functions = {"exp": np.exp, "log": np.log, "tanh": np.tanh, "sqrt": np.sqrt, "sin": np.sin,
-                          "cos": np.cos, "abs": np.abs, "pow": np.power, "max": np.maximum,
-                          "min": np.minimum, "floordiv": np.floor_divide, "isnan": np.isnan,
-                          **(functions or {})}
-        self.ops = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
-                    "neg": np.negative, **{k: getattr(np, n) for k, n in (
-                        ("eq", "equal"), ("ne", "not_equal"), ("lt", "less"), ("le", "less_equal"),
-                        ("gt", "greater"), ("ge", "greater_equal"))}}
+        self.namespace = {"np": np, **{f"_{k}": v for k, v in (functions or {}).items()}}
+        self.functions = {**{k: f"np.{v}" for k, v in self.UFUNCS.items()},
+                          **{k: f"_{k}" for k in (functions or {})}}
 
-    def build(self, kind: str, name: str, dt: DType | None = None, backend: str | None = None):
-        """The callable for entry (kind, name) computed in `dt`; without `dt`, one running
-        `int_expr` on integer (and bool) arrays and `expr` on the rest."""
-        e = entry(kind, name)
-        try:
-            if dt is not None:
-                return self._callable(e, dt)
-            f = self._callable(e, DType.F64)
-            if e.int_expr is None or e.int_expr == e.expr:
-                return f
-            i = self._callable(e, DType.I64)
-        except MissingFunction as m:
-            raise self.error(e, dt or DType.F64, str(m), backend) from None
-        return lambda *xs: (i if xs[0].dtype.kind in "iub" else f)(*xs)
+    OPS = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "divide", "neg": "negative",
+           "eq": "equal", "ne": "not_equal", "lt": "less", "le": "less_equal", "gt": "greater",
+           "ge": "greater_equal"}
+
+    def const(self, v, dt: DType) -> str:
+        return str(int(v)) if dt in _INT_DTYPES else repr(float(v))
+
+    def select(self, c: str, a: str, b: str) -> str:
+        return f"np.where({c}, {a}, {b})"
+
+    def _r(self, e: Expr, dt: DType, values: dict, inlining: tuple) -> tuple:
+        """Arithmetic and comparisons as ufunc calls: `a + b` is np.add(a, b), a ufunc itself."""
+        if e.op not in ("add", "sub", "mul", "div", "neg", "cmp"):
+            return super()._r(e, dt, values, inlining)
+        args = ", ".join(self._r(c, dt, values, inlining)[0] for c in e.args)
+        return f"np.{self.OPS[e.name if e.op == 'cmp' else e.op]}({args})", ATOM
 
     def check(self, e: Entry, dt: DType, backend: str) -> None:
-        try:
-            self._callable(e, dt)
-        except MissingFunction as m:
-            raise self.error(e, dt, str(m), backend) from None
+        self.source(e, dt, backend)
 
-    def _callable(self, e: Entry, dt: DType):
-        names = e.variables
-        expr, inlining = self.root(e, dt)
-        if expr.op == "var":
-            return lambda *xs: xs[0]
-        ufunc = self._ufunc(expr)
-        if ufunc is not None and [c.name for c in expr.args] == list(names[:len(expr.args)]) \
-                and all(c.op == "var" for c in expr.args):
-            return ufunc
-        ev = self._compile(expr, dt, inlining)
-        np = self.np
+    def source(self, e: Entry, dt: DType, backend: str | None = None) -> str:
+        return self.render(e.kind, e.name, dt, backend, **{v: v for v in e.variables})
 
-        def fn(*xs):
-            env = dict(zip(names, xs))
-            env[None] = xs[0].dtype if len(xs) == 1 else np.result_type(*xs)    # the constants' dtype
-            return ev(env)
-        return fn
+    def build(self, kind: str, name: str, dt: DType | None = None, backend: str | None = None):
+        """The callable for entry (kind, name) computed in `dt`; without `dt`, one that runs
+        the integer formula on integer (and bool) arrays when that differs."""
+        e = entry(kind, name)
+        if dt is not None:
+            return self._callable(e, self.source(e, dt, backend))
+        text = self.source(e, DType.F64, backend)
+        f = self._callable(e, text)
+        if e.int_expr is None or self.source(e, DType.I64, backend) == text:
+            return f
+        i = self._callable(e, self.source(e, DType.I64, backend))
+        return lambda *xs: (i if xs[0].dtype.kind in "iub" else f)(*xs)
 
-    def _ufunc(self, e: Expr):
-        if e.op == "call":
-            return self.function(e.name, DType.F64)
-        if e.op == "cmp":
-            return self.ops[e.name]
-        return self.ops.get(e.op)
-
-    def _compile(self, e: Expr, dt: DType, inlining: tuple):
-        np = self.np
-        if e.op == "var":
-            return lambda env, n=e.name: env[n]
-        if e.op == "const":
-            return lambda env, v=e.name: np.asarray(v, env[None])
-        if e.op == "call":
-            spelling, inlined = self.resolve(e, dt, inlining)
-            if inlined is not None:
-                return self._compile(inlined, dt, inlining + (e.name,))
-        elif e.op == "select":
-            spelling = np.where
-        else:
-            spelling = self._ufunc(e)
-        args = [self._compile(c, dt, inlining) for c in e.args]
-        if len(args) == 1:
-            (f0,) = args
-            return lambda env: spelling(f0(env))
-        if len(args) == 2:
-            f0, f1 = args
-            return lambda env: spelling(f0(env), f1(env))
-        return lambda env: spelling(*[f(env) for f in args])
+    def _callable(self, e: Entry, text: str):
+        args = ", ".join(e.variables)
+        head, _, rest = text.partition("(")
+        if rest == f"{args})" and head.replace(".", "").replace("_", "").isalnum():
+            return eval(head, self.namespace)          # one ufunc (or kernel) of the variables
+        return eval(f"lambda {args}: {text}", self.namespace)
 
 
 __all__ = ["Expr", "Entry", "Renderer", "TextRenderer", "CRenderer", "NumpyRenderer", "TABLE",
