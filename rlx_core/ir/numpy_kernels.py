@@ -57,7 +57,8 @@ def _sigmoid(x):
     return y
 
 
-# the expression table's formulas as NumPy callables (erf and sigmoid are the fast ones above)
+# the expression table's formulas as NumPy callables: erf and sigmoid are the ones above (fast
+# f32), recip is np.reciprocal (on complex64 it rounds differently from 1 / z)
 NUMPY = NumpyRenderer({"erf": erf, "sigmoid": _sigmoid, "recip": np.reciprocal})
 ACT = {n: NUMPY.build("activation", n) for n in ACTIVATIONS}
 # GELU = x * Phi(x), f32: Phi tabulated on [-8, 8] in steps of 1/512 as one linear piece per
