@@ -175,3 +175,28 @@ def test_argmax_and_topk_composites_over_a_symbolic_axis(rng):
             order = np.argsort(-x, axis=-1, kind="stable")[:, :3]
             np.testing.assert_array_equal(out["out2"], order)
             np.testing.assert_array_equal(out["out1"], np.take_along_axis(x, order, -1))
+
+
+# ----------------------------------------------------------------------------- a model
+@pytest.mark.parametrize("policy", ["direct", "fusable"])
+@pytest.mark.parametrize("model", ["llama", "bert"])
+def test_models_on_the_primitives_alone_match_numpy(rng, policy, model):
+    """A decoder (causal attention over a symbolic sequence, GQA, RoPE, RMSNorm, SwiGLU) and
+    an encoder on the NumPy backend reduced to the primitives: legalized into them, the
+    outputs are NumPy's own."""
+    import rlx_core
+    from graphs import Cfg, bert, llama, llama_inputs, random_params
+    from rlx_core.profile import CompileProfile
+
+    g = llama() if model == "llama" else bert()
+    params = random_params(g, rng)
+    inputs = llama_inputs(Cfg(), rng, 5, batch=1) if model == "llama" else \
+        {"x": rng.standard_normal((1, 5, 32)).astype(np.float32)}
+    prof = CompileProfile("p").evolve(fusion={"policy": policy})
+    ref = rlx_core.compile(g, profile=prof, params=params, backend="numpy").run(inputs)
+    with primitives_only("test-prims-model") as name:
+        exe = rlx_core.compile(g, profile=prof, params=params, backend=name)
+        assert {n.op for n in exe.mir.nodes} <= PRIMITIVES | LEAVES
+        got = exe.run(inputs)
+    for k in ref:
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-5)
