@@ -566,7 +566,7 @@ def test_fused_swiglu(backend, rng, dt):
 
 @covers("fused_matmul_bias_act")
 @fdtype
-@pytest.mark.parametrize("act", ["identity", "gelu", "gelu_tanh", "relu", "silu", "tanh", "sigmoid"])
+@pytest.mark.parametrize("act", ["identity", "gelu", "gelu_tanh", "relu", "silu", "tanh", "sigmoid", "quick_gelu"])
 @pytest.mark.parametrize("bias,trans_b", [(True, False), (True, True), (False, True)])
 def test_fused_matmul_bias_act(backend, rng, dt, act, bias, trans_b):
     args = [arg(rng, "x", (2, 3, 8), dt), arg(rng, "w", (6, 8) if trans_b else (8, 6), dt)]
