@@ -626,7 +626,13 @@ def _segment_pool(m, ins, a):
     return segment_pool_prims(m, *ins, **a)
 
 
-@composite("fake_quantize", ex("f32[2,32]", scheme="q8_0"), deep=True)
+def _quantized(m, x, scheme: str):
+    """x through quantize and dequantize (what quantize does with NaN or inf is its own)."""
+    return _dequantize(m, m.add("quantize", (x,), scheme=scheme), scheme, x.dtype)
+
+
+@composite("fake_quantize", ex("f32[2,32]", scheme="q8_0"), deep=True,
+           fusable=lambda m, ins, a: _quantized(m, ins[0], a["scheme"]))
 def _fake_quantize(m, ins, a):
     return fake_quantize_prims(m, ins[0], a["scheme"])
 
@@ -636,7 +642,7 @@ def fake_quantize_prims(m, x, scheme: str):
     as in the kernels (quantize refuses non-finite values: they go in as 0, the block is
     NaN'd after); a last dim that is a symbol has no blocks to find, and is not checked."""
     finite = m.compare(x - x, 0.0, "eq")
-    y = _dequantize(m, m.add("quantize", (m.where(finite, x, 0.0),), scheme=scheme), scheme, x.dtype)
+    y = _quantized(m, m.where(finite, x, 0.0), scheme)
     k, size = x.dims[-1], QuantScheme.parse(scheme).block_size
     if not isinstance(k, int):
         return y
