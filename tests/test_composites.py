@@ -200,3 +200,29 @@ def test_models_on_the_primitives_alone_match_numpy(rng, policy, model):
         got = exe.run(inputs)
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-5)
+
+
+def test_coverage_renders_the_expression_table_in_each_dialect_the_backend_declares():
+    """check_coverage runs expr.check_dialect on each of the backend's renderers: a formula
+    the dialect cannot write fails the backend then (here a dialect without tanh)."""
+    from rlx_core.ir import expr
+    from rlx_core.ir.dtype import F32
+
+    class NoTanh:
+        name, dtypes = "no-tanh C", (F32,)
+
+        def covers(self, entry, dt):
+            return True
+
+        def check(self, entry, dt, backend):
+            if "tanh" in str(entry):
+                raise BackendError(f"backend {backend!r}: dialect {self.name!r} cannot write "
+                                   f"{entry.name} ({dt.value}): no tanh")
+
+    class WithDialect(Lacking):
+        def expression_renderers(self):
+            return (NoTanh(),)
+
+    assert any("tanh" in str(e) for e in expr.TABLE.values())
+    with pytest.raises(BackendError, match="backend 'test-dialect'.*no tanh"):
+        check_coverage(WithDialect((), "test-dialect"))
