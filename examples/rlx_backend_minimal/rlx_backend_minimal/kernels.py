@@ -4,7 +4,9 @@ it in place and returns it (kv_write, assign); the runner copies any other resul
 node's buffer.
 
 f16 and bf16 compute in f32 (`up`) and round once, when the result is copied out. The
-activation formulas are core's, `rlx_core.ir.numpy_kernels.ACT`: one definition of each.
+formulas of the elementwise ops are core's expression table (rlx_core.ir.expr) rendered for
+NumPy, as the NumPy backend has them (`rlx_core.ir.numpy_kernels`: ACT, BIN, CMP): one
+definition of each.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import numpy as np
 
 from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import ModelError
-from rlx_core.ir.numpy_kernels import ACT
+from rlx_core.ir.numpy_kernels import ACT, BIN, BIN_INT, CMP
 from rlx_core.ir.quant import QuantScheme
 
 LOW = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
@@ -25,22 +27,15 @@ def up(x):
     return x.astype(np.float32) if x.dtype in LOW else x
 
 
-def axis_of(a: dict, x, key: str = "axis") -> int:
-    return a[key] % x.ndim
+def axis_of(a: dict, x) -> int:
+    return a["axis"] % x.ndim
 
 
 # --- elementwise
-BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
-          "max": np.maximum, "min": np.minimum, "pow": np.power}
-COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
-           "gt": np.greater, "ge": np.greater_equal}
-
-
 def binary(a, x, y):
     x, y = up(x), up(y)
-    if a["op"] == "div" and np.result_type(x, y).kind in "iub":
-        return np.floor_divide(x, y)                 # integer division floors
-    return BINARY[a["op"]](x, y)
+    ints = np.result_type(x, y).kind in "iub"        # integer formulas (div floors)
+    return (BIN_INT if ints else BIN)[a["op"]](x, y)
 
 
 def activation(a, x):
@@ -59,7 +54,8 @@ def reduce(a, x):
 
 # --- data movement
 def gather(a, table, idx):
-    ax, n = axis_of(a, table), table.shape[axis_of(a, table)]
+    ax = axis_of(a, table)
+    n = table.shape[ax]
     if idx.size and (idx.min() < -n or idx.max() >= n):
         raise ModelError(f"gather: index out of range [0, {n}) (min {idx.min()}, max {idx.max()})")
     return np.take(table, idx, axis=ax)
@@ -74,7 +70,8 @@ def narrow(a, x):
 # --- state, written in place
 def kv_write(a, cache, new, pos):
     """new [B, .., S, ..] into cache at pos[b] along `axis`, for each row b."""
-    ax, s = axis_of(a, cache), new.shape[axis_of(a, cache)]
+    ax = axis_of(a, cache)
+    s = new.shape[ax]
     if ax == 0:
         raise ModelError("kv_write: axis 0 is the batch axis")
     pos = pos.astype(np.int64)
@@ -101,7 +98,7 @@ def dequantize(a, raw):
 KERNELS = {
     "binary": binary,
     "activation": activation,
-    "compare": lambda a, x, y: COMPARE[a["op"]](x, y),
+    "compare": lambda a, x, y: CMP[a["op"]](x, y),
     "where": lambda a, c, x, y: np.where(c, x, y),
     "cast": lambda a, x: x,                                      # the copy out converts
     "reduce": reduce,
