@@ -84,10 +84,10 @@ def test_max_min_keep_nan(op):
     assert math.isnan(acc)
 
 
-def _beats(v, i, b, j) -> bool:
-    """ARGMAX_BEATS's C statements (if-return, const bool declarations, return) run as Python."""
+def _c_function(text: str):
+    """A bool function's C statements (if-return, const bool declarations, return) as Python."""
     lines = []
-    for st in rk.ARGMAX_BEATS.format(v="v", i="i", b="b", j="j").strip().splitlines():
+    for st in text.strip().splitlines():
         st = st.strip().rstrip(";")
         if (m := re.match(r"if \((.*)\) return (.*)$", st)):
             lines.append(f"if {_py(m[1])}: return {_py(m[2])}")
@@ -97,8 +97,12 @@ def _beats(v, i, b, j) -> bool:
             assert st.startswith("return "), st
             lines.append(_py(st))
     scope: dict = {}
-    exec("def beats(v, i, b, j):\n" + "".join(f"    {ln}\n" for ln in lines), {}, scope)
-    return scope["beats"](v, i, b, j)
+    exec("def f(v, i, b, j):\n" + "".join(f"    {ln}\n" for ln in lines), {}, scope)
+    return scope["f"]
+
+
+def _beats(v, i, b, j) -> bool:
+    return _c_function(rk.ARGMAX_BEATS.format(v="v", i="i", b="b", j="j"))(v, i, b, j)
 
 
 @pytest.mark.parametrize("row", [[1.0, 3.0, 3.0, 2.0], [1.0, float("nan"), 5.0, float("nan")], [-1.0, -1.0],
@@ -109,6 +113,27 @@ def test_argmax_order_is_numpys(row):
         if _beats(v, j, bv, bi):
             bv, bi = v, j
     assert bi == int(np.argmax(np.array(row)))
+
+
+@pytest.mark.parametrize("cmp, key", [(">", lambda x: x), ("<", lambda x: -x)])
+def test_topk_order_is_numpys_stable_argsort_of_minus_x(cmp, key, rng):
+    """Both dialects' orders (values with >, negated keys with <) give numpy's order."""
+    before = _c_function(rk.TOPK_BEFORE.format(a="v", i="i", b="b", j="j", cmp=cmp))
+    x = np.round(rng.standard_normal(40), 1)           # ties
+    x[[3, 17]] = np.nan
+    x[[5, 6]] = [-0.0, 0.0]
+    keys = [key(float(v)) for v in x]
+    order, prev = [], None
+    for _ in range(len(x)):                             # the kernel's passes: the first after the last pick
+        best = None
+        for j, kv in enumerate(keys):
+            if prev is not None and not before(keys[prev], prev, kv, j):
+                continue
+            if best is None or before(kv, j, keys[best], best):
+                best = j
+        order.append(best)
+        prev = best
+    assert order == list(np.argsort(-x, kind="stable"))
 
 
 def test_a_dialect_without_a_hook_is_named():

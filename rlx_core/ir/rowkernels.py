@@ -1,6 +1,6 @@
 """The row-reduction kernels written once for the C-family GPU dialects (issue 43).
 
-softmax, reduce and argmax are each one skeleton here: every thread of a row's group walks a
+softmax, reduce, argmax and topk are each one skeleton here: every thread of a row's group walks a
 strided share of the row (elements tid, tid + nt, ... in order), the group combines the
 threads' values (a tree that halves the active threads each step: value[t] = f(value[t],
 value[t + h]) for h = nt/2, nt/4, ..., 1, or the dialect's own block reduction), and one
@@ -8,12 +8,13 @@ thread finishes and stores the row's result. A `RowDialect` (one per backend: CU
 supplies only what differs between dialects -- the kernel's head and how it finds its row,
 the thread index, barriers, the block-wide sum/max (CUDA's warp shuffles), helper spellings --
 and phases of its own (CUDA's rows split over several blocks). The formulas (identities,
-combines, finishes, argmax's order) are written here once, so both dialects reduce in the
-same order they did when each had its own copy.
+combines, finishes, argmax's and topk's orders) are written here once, so both dialects reduce
+in the same order they did when each had its own copy. topk's comparison is the dialect's:
+OpenCL orders keys -x ascending (numpy's argsort of -x, which wraps on unsigned and integer
+minimum values), CUDA orders values descending.
 
-cumsum (a serial scan per row on OpenCL, a blocked two-level scan on CUDA) and topk (OpenCL
-orders keys -x, CUDA orders values, which differ on unsigned and integer-minimum values)
-differ for real reasons and stay each dialect's own.
+cumsum is not here: a serial scan per row on OpenCL, a blocked two-level scan on CUDA (different
+rounding), each dialect keeps its own.
 
 Expressions are C text; ACC names the accumulation type, which each program defines.
 """
@@ -54,6 +55,14 @@ ARGMAX_BEATS = """\
   const bool vn = {v} != {v}, bn = {b} != {b};
   if (vn != bn) return vn;
   if (!vn && {v} != {b}) return {v} > {b};
+  return {i} < {j};"""
+
+# topk's order: whether ({a}, {i}) comes before ({b}, {j}) (both real picks); NaN last, then by
+# key ({cmp} is the dialect's: > on values, or < on keys that negate them), the first index on ties.
+TOPK_BEFORE = """\
+  const bool n1 = {a} != {a}, n2 = {b} != {b};
+  if (n1 != n2) return !n1;
+  if (!n1 && {a} != {b}) return {a} {cmp} {b};
   return {i} < {j};"""
 
 # --------------------------------------------------------------------------- dialect
@@ -138,6 +147,18 @@ class RowDialect:
     def argmax_result(self, value: str, index: str) -> str:
         raise self._missing("argmax_result")
 
+    # topk: the key a row's element is ordered by, how keys compare, the index type, the store
+    topk_cmp = ""           # ">" (larger key first) or "<"
+    topk_index = ""         # C type of an element index
+
+    def topk_key(self, j: str) -> str:
+        """Element j of input row x as the ACC key topk orders by."""
+        raise self._missing("topk_key")
+
+    def topk_store(self, r: str, index: str) -> str:
+        """The statement storing pick `r` of the row: x's element `index` and the index."""
+        raise self._missing("topk_store")
+
     def fill(self, template: str, **kw) -> str:
         """A formula with the dialect's spellings and the given names filled in."""
         return template.format(**{**self.spell, **kw})
@@ -207,16 +228,49 @@ def argmax(d: RowDialect) -> str:
     return beats + d.kernel("argmax", ("x",), ("y",), (), (("ACC", "sh"), ("int", "si")), body)
 
 
+def topk(d: RowDialect) -> str:
+    """The k first elements of the row in TOPK_BEFORE's order, with their indices: k passes,
+    each the group's first element strictly after the previous pass's pick."""
+    ix = d.topk_index
+    before = (f"{d.helper_head('bool', 'rlx_better', f'ACC a, {ix} i, ACC b, {ix} j')} {{\n"
+              f"{d.fill(TOPK_BEFORE, a='a', i='i', b='b', j='j', cmp=d.topk_cmp)}\n}}\n")
+    t = d.tid
+    body = (f"  ACC pv = 0; {ix} pi = -1;\n"
+            f"  for (int r = 0; r < k; ++r) {{\n"
+            f"    ACC bv = 0; {ix} bi = -1;\n"
+            f"    {d.loop('j', False)} {{\n"
+            f"      ACC v = {d.topk_key('j')};\n"
+            f"      if (pi >= 0 && !rlx_better(pv, pi, v, j)) continue;\n"
+            f"      if (bi < 0 || rlx_better(v, j, bv, bi)) {{ bv = v; bi = j; }}\n"
+            f"    }}\n"
+            f"    sh[{t}] = bv; si[{t}] = bi;\n"
+            f"    {d.barrier()}\n"
+            + "".join("  " + line + "\n" for line in _tree(d, lambda t, u: (
+                f"if ({t} < h) {{ ACC v = sh[{u}]; {ix} i = si[{u}]; "
+                f"if (i >= 0 && (si[{t}] < 0 || rlx_better(v, i, sh[{t}], si[{t}]))) {{ sh[{t}] = v; si[{t}] = i; }} }}"
+            )).rstrip("\n").split("\n"))
+            + f"    pv = sh[0]; pi = si[0];\n"
+            f"    {d.topk_store('r', 'pi')}\n"
+            f"    {d.barrier()}\n"
+            f"  }}\n")
+    return before + d.kernel("topk", ("x",), ("y", "yi"), (("int", "k"),), (("ACC", "sh"), (ix, "si")), body)
+
+
+KINDS = ("softmax", "reduce", "argmax", "topk")
+
+
 def row_kernel(d: RowDialect, kind: str, op: str | None = None) -> str:
-    """The source of row kernel `kind` (softmax, reduce, argmax) in dialect `d`."""
+    """The source of row kernel `kind` (KINDS) in dialect `d`."""
     if kind == "reduce":
         return reduce(d, op)
     if kind == "softmax":
         return softmax(d)
     if kind == "argmax":
         return argmax(d)
-    raise BackendError(f"row kernels: no kind {kind!r} (kinds: softmax, reduce, argmax)")
+    if kind == "topk":
+        return topk(d)
+    raise BackendError(f"row kernels: no kind {kind!r} (kinds: {', '.join(KINDS)})")
 
 
-__all__ = ["ARGMAX_BEATS", "REDUCTIONS", "Reduction", "RowDialect", "argmax", "reduce", "row_kernel",
-           "softmax"]
+__all__ = ["ARGMAX_BEATS", "KINDS", "REDUCTIONS", "Reduction", "RowDialect", "TOPK_BEFORE", "argmax", "reduce",
+           "row_kernel", "softmax", "topk"]

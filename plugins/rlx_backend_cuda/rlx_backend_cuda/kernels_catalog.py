@@ -16,7 +16,7 @@ from . import codegen, rows, sources as S
 
 def row_kernels() -> list:
     """Core's row kernels (rlx_core.ir.rowkernels) in this dialect: softmax, every reduce op
-    (as rlx_reduce and through rlx_reduce_cols) and argmax, over float and integer dtypes."""
+    (as rlx_reduce and through rlx_reduce_cols), argmax and topk, over float and integer dtypes."""
     out = []
     for dt in (F32, BF16, F16, F64):
         out.append((f"softmax {dt.value}", rows.source("softmax", dt, dt), "rlx_softmax"))
@@ -26,6 +26,7 @@ def row_kernels() -> list:
             out.append((f"reduce_cols {op} {dt.value}", S.render(S.REDUCE_COLS, **rows.reduce_macros(op, dt, dt)),
                         "rlx_reduce_cols"))
         out.append((f"argmax {dt.value}", rows.source("argmax", dt, I64), "rlx_argmax"))
+        out.append((f"topk {dt.value}", rows.source("topk", dt, dt), "rlx_topk"))
     return out
 
 
@@ -47,7 +48,6 @@ def catalog() -> list:
         for center in (0, 1):
             out.append((f"norm_grad {t} {center}", S.render(S.NORM_GRAD, TX=t, TW=t, TG=t, TO=t, ACC=acc,
                                                               CENTER=center), "rlx_norm_grad"))
-        out.append((f"topk {t}", S.render(S.TOPK, TX=t, ACC=acc, LOAD="LD(ACC, v)"), "rlx_topk"))
         out.append((f"cumsum {t}", S.render(S.CUMSUM, TX=t, TO=t, ACC=acc, LOAD="LD(ACC, v)",
                                             STORE=f"ST({t}, v)"), "rlx_cumsum"))
         for il in (0, 1):

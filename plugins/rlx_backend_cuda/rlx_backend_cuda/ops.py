@@ -1137,9 +1137,7 @@ def _b_topk(b, n, ins, outs):
     ax = n.a["axis"] % rank
     if vals.size == 0:
         return
-    acc, ld = _loader(x.dt)
-    src = sources.render(sources.TOPK, TX=ctype(x.dt), ACC=acc, LOAD=ld)
-    fn = b.kernel(src, "rlx_topk")
+    fn = b.kernel(row_kernels.source("topk", x.dt, x.dt), "rlx_topk")
     perm = [i for i in range(rank) if i != ax] + [ax]
     inv = list(np.argsort(perm))
     xm = b.contiguous(V(x.arr.transpose(perm), x.dt)) if ax != rank - 1 else x

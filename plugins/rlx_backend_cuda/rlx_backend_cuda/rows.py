@@ -1,8 +1,8 @@
-"""CUDA's dialect of core's row kernels (rlx_core.ir.rowkernels: softmax, reduce, argmax).
+"""CUDA's dialect of core's row kernels (rlx_core.ir.rowkernels: softmax, reduce, argmax, topk).
 
 Rows are contiguous along the reduced axis: row `blockIdx.x` starts at x + row * rs, one
 block per row; the output row of softmax is contiguous [rows, n], reduce and argmax write
-y[row]. reduce and argmax may split a long row into gridDim.y chunks (ops._row_split): a
+y[row], topk its k values and indices contiguous [rows, k]. reduce and argmax may split a long row into gridDim.y chunks (ops._row_split): a
 block per chunk stores its partial, and the last block of the row to finish (`counters`
 start at 0 and it resets its own) merges the partials in chunk order, lanes first, then a
 fixed shuffle tree: the same result on every run.
@@ -38,8 +38,10 @@ class CudaRows(rowkernels.RowDialect):
 
     def kernel(self, name, ins, outs, scalars, shared, body):
         chunked = name in _PARTIALS
-        out_t = "long long" if name == "argmax" else self.to
-        params = [f"const {self.tx}* __restrict__ x", "long long rs", f"{out_t}* __restrict__ y", "int n"]
+        outs = {"argmax": ["long long* __restrict__ y"],
+                "topk": [f"{self.tx}* __restrict__ vals", "long long* __restrict__ idx"]}.get(
+                    name, [f"{self.to}* __restrict__ y"])
+        params = [f"const {self.tx}* __restrict__ x", "long long rs", *outs, "int n"]
         params += [f"{t} {v}" for t, v in scalars]
         if chunked:
             params += ["int chunk", _PARTIALS[name], "int* __restrict__ counters"]
@@ -79,6 +81,15 @@ class CudaRows(rowkernels.RowDialect):
 
     def store(self, operand, j, value):
         return f"{operand}r[{j}] = {self._rounded(value)}"
+
+    topk_cmp = ">"                 # values, larger first
+    topk_index = "long long"
+
+    def topk_key(self, j):
+        return self.load("x", j)
+
+    def topk_store(self, r, index):
+        return f"if (threadIdx.x == 0) {{ vals[row * k + {r}] = xr[{index}]; idx[row * k + {r}] = {index}; }}"
 
     def block_max(self, var):
         return f"{var} = block_max({var}, -(ACC)RLX_INF);"

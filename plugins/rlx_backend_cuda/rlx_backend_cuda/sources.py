@@ -137,9 +137,8 @@ def with_grid_wait(source: str, name: str) -> str:
 # --------------------------------------------------------------------------- rows
 RMS_NORM = Source("norm.cu:norm_vec", "norm.cu:rms_norm")
 LAYER_NORM = Source("norm.cu:norm_vec", "norm.cu:layer_norm")
-# softmax, reduce and argmax: rows.py (core's row kernels in this dialect)
+# softmax, reduce, argmax and topk: rows.py (core's row kernels in this dialect)
 REDUCE_COLS = Source("rows.cu:reduce_cols")
-TOPK = Source("rows.cu:topk")
 CUMSUM = Source("rows.cu:cumsum")
 SOFTMAX_GRAD = Source("grad.cu:softmax_grad")
 NORM_GRAD = Source("grad.cu:norm_grad")

@@ -20,6 +20,7 @@ FLOATS = (F32, BF16, F16, F64)
 def test_every_row_kernel_renders(dt):
     srcs = {f"rlx_reduce {op}": rows.source("reduce", dt, dt, op) for op in REDUCTIONS}
     srcs["rlx_argmax"] = rows.source("argmax", dt, I64)
+    srcs["rlx_topk"] = rows.source("topk", dt, dt)
     if dt.is_float:
         srcs["rlx_softmax"] = rows.source("softmax", dt, dt)
     for what, src in srcs.items():
@@ -34,7 +35,7 @@ def test_the_catalog_lists_every_row_kernel():
     for dt in FLOATS:
         assert f"softmax {dt.value}" in names
     for dt in FLOATS + (I32, I64, BOOL):
-        assert f"argmax {dt.value}" in names
+        assert {f"argmax {dt.value}", f"topk {dt.value}"} <= names
         for op in REDUCTIONS:
             assert {f"reduce {op} {dt.value}", f"reduce_cols {op} {dt.value}"} <= names
 
@@ -56,7 +57,7 @@ def test_unknown_row_kernel_is_a_backend_error():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 @pytest.mark.parametrize("kind, dt, op", [("softmax", BF16, None), ("reduce", F32, "mean"), ("reduce", I64, "min"),
-                                          ("argmax", F16, None)])
+                                          ("argmax", F16, None), ("topk", I32, None)])
 def test_row_kernels_compile(tmp_path, kind, dt, op):
     src = rows.source(kind, dt, I64 if kind == "argmax" else dt, op)
     p = os.path.join(tmp_path, "k.cu")

@@ -305,9 +305,8 @@ __kernel void ew({", ".join(params)}, __global const int* meta, int moff, int to
 # meta for row kernels: [nd, outer shape[nd], then per operand: outer strides[nd], inner stride]
 
 ROW_COMMON = source("rows.cl")
-# softmax, reduce and argmax: rows.source (core's rowkernels in this dialect)
+# softmax, reduce, argmax and topk: rows.source (core's rowkernels in this dialect)
 NORM = source("norm.cl")
-TOPK = source("topk.cl")
 CUMSUM = source("cumsum.cl")
 
 # --------------------------------------------------------------------------- matmul

@@ -1,4 +1,4 @@
-"""OpenCL's dialect of core's row kernels (rlx_core.ir.rowkernels: softmax, reduce, argmax).
+"""OpenCL's dialect of core's row kernels (rlx_core.ir.rowkernels: softmax, reduce, argmax, topk).
 
 A work-group is LX work-items along a row times LY rows (ROW_SETUP in kernels/rows.cl: `sh`,
 this row's LX slots of local memory, and `ok`, whether the row exists); operands are found
@@ -22,15 +22,19 @@ class OpenCLRows(rowkernels.RowDialect):
     spell = {"max": "MAXP", "min": "MINP", "lowest": "ACC_LO", "highest": "ACC_HI"}
 
     def kernel(self, name, ins, outs, scalars, shared, body):
-        out_t = "long" if name == "argmax" else "T_Y"
-        params = ["__global const T_X* x", "int x_off", f"__global {out_t}* y", "int y_off",
-                  "__global const int* meta", "int moff", "int rows", "int n"] + [f"{t} {v}" for t, v in scalars]
+        outs = {"argmax": ["__global long* y", "int y_off"],
+                "topk": ["__global T_X* y", "int y_off", "__global long* yi", "int yi_off"]}.get(
+                    name, ["__global T_Y* y", "int y_off"])
+        params = ["__global const T_X* x", "int x_off", *outs, "__global const int* meta", "int moff", "int rows",
+                  "int n"] + [f"{t} {v}" for t, v in scalars]
         setup = ["ROW_SETUP"]          # declares sh, this row's ACC slots
         setup += [f"__local {t} {v}_[LMAX]; __local {t}* {v} = {v}_ + get_local_id(1) * LX;"
                   for t, v in shared if v != "sh"]
         setup.append("int xo = x_off + (ok ? row_off(m, row, 0) : 0), xs = INNER(m, 0);")
-        setup.append("int yo = y_off + (ok ? row_off(m, row, 1) : 0)" + (", ys = INNER(m, 1);" if name == "softmax"
-                                                                          else ";"))
+        setup.append("int yo = y_off + (ok ? row_off(m, row, 1) : 0)" + (", ys = INNER(m, 1);"
+                                                                          if name in ("softmax", "topk") else ";"))
+        if name == "topk":
+            setup.append("int io = yi_off + (ok ? row_off(m, row, 2) : 0), is = INNER(m, 2);")
         return (f"__kernel void {name}({', '.join(params)}) {{\n" + "".join(f"  {line}\n" for line in setup)
                 + body + "}\n")
 
@@ -48,6 +52,16 @@ class OpenCLRows(rowkernels.RowDialect):
 
     def store(self, operand, j, value):
         return f"STORE(T_Y, {operand}, {operand}o + {j} * {operand}s, TO_Y({value}))"
+
+    topk_cmp = "<"                 # keys KEY(v) (the runner's define: -v, wrapping as numpy's -x), smaller first
+    topk_index = "int"
+
+    def topk_key(self, j):
+        return f"KEY(LOAD(T_X, x, xo + {j} * xs))"
+
+    def topk_store(self, r, index):
+        return (f"if (ok && lx == 0) {{ STORE(T_X, y, yo + {r} * ys, LOAD(T_X, x, xo + {index} * xs)); "
+                f"yi[io + {r} * is] = (long){index}; }}")
 
     def block_max(self, var):
         return f"{var} = seg_max({var}, sh, lx, LX);"
@@ -68,5 +82,5 @@ class OpenCLRows(rowkernels.RowDialect):
 
 @functools.cache
 def source(kind: str) -> str:
-    """Row kernel `kind` (softmax, reduce, argmax): it follows kernels/rows.cl in a program."""
+    """Row kernel `kind` (rowkernels.KINDS): it follows kernels/rows.cl in a program."""
     return rowkernels.row_kernel(OpenCLRows(), kind)

@@ -666,7 +666,7 @@ class OpenCLRunner(Runner):
         def over(v):
             st = list(v.strides)
             return View(v.st, v.off, x.shape, tuple(st), v.dtype)
-        self.rows("topk", K.TOPK, defs, [x, over(yv), over(yi)], ax, x.shape[ax], [np.int32(a["k"])], what)
+        self.rows("topk", R.source("topk"), defs, [x, over(yv), over(yi)], ax, x.shape[ax], [np.int32(a["k"])], what)
 
     # -- FFT (K.FFT): a row in local memory when 2 x n float2 fit, else one launch per stage
     def _op_fft(self, i, a, ins, outs, what):

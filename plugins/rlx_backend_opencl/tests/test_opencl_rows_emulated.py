@@ -1,4 +1,4 @@
-"""The row programs (rows.py's softmax, reduce, argmax after kernels/rows.cl, as the runner
+"""The row programs (rows.py's softmax, reduce, argmax, topk after kernels/rows.cl, as the runner
 assembles them) run on any host without an OpenCL device: compiled by gcc as C, one pthread per
 work-item, a pthread barrier for barrier(), a work-group's __local arrays static (one group at
 a time). PoCL cannot build kernels on some CPUs (Zen 5), so this is what checks the kernels'
@@ -49,11 +49,11 @@ static void barrier(int f) { (void)f; pthread_barrier_wait(&g_bar); }
 """
 
 _DRIVER = r"""
-static void *A_x, *A_y; static int *A_meta; static int A_rows, A_n, A_op;
+static void *A_x, *A_y, *A_yi; static int *A_meta; static int A_rows, A_n, A_op;
 static void call_kernel(void) { CALL; }
 static void* worker(void* p) { int id = (int)(long)p; t_l0 = id % g_LX; t_l1 = id / g_LX; call_kernel(); return 0; }
-void run(void* x, void* y, int* meta, int rows, int n, int op, int LX, int LY) {
-  A_x = x; A_y = y; A_meta = meta; A_rows = rows; A_n = n; A_op = op; g_LX = LX; g_LY = LY;
+void run(void* x, void* y, void* yi, int* meta, int rows, int n, int op, int LX, int LY) {
+  A_x = x; A_y = y; A_yi = yi; A_meta = meta; A_rows = rows; A_n = n; A_op = op; g_LX = LX; g_LY = LY;
   pthread_t th[256];
   for (g_group = 0; g_group < (rows + LY - 1) / LY; ++g_group) {
     pthread_barrier_init(&g_bar, 0, LX * LY);
@@ -68,9 +68,10 @@ _CALLS = {
     "softmax": "softmax((const T_X*)A_x, 0, (T_Y*)A_y, 0, A_meta, 0, A_rows, A_n)",
     "reduce": "reduce((const T_X*)A_x, 0, (T_Y*)A_y, 0, A_meta, 0, A_rows, A_n, A_op)",
     "argmax": "argmax((const T_X*)A_x, 0, (long*)A_y, 0, A_meta, 0, A_rows, A_n)",
+    "topk": "topk((const T_X*)A_x, 0, (T_X*)A_y, 0, (long*)A_yi, 0, A_meta, 0, A_rows, A_n, A_op)",
 }
 _NP = {DType.F32: np.float32, DType.F64: np.float64, DType.F16: np.float16, DType.I32: np.int32,
-       DType.I64: np.int64}
+       DType.I64: np.int64, DType.U8: np.uint8}
 # (rows, n, LX, LY): partial last group, n < LX, n = 1, one row per group with LX = n
 SHAPES = ((5, 37, 16, 4), (3, 300, 16, 16), (7, 1, 4, 2), (2, 64, 64, 1))
 
@@ -83,6 +84,8 @@ def _program(kind: str, dt: DType) -> str:
     if kind == "reduce":     # as runner._op_reduce
         defs.update(ACC_LO="(-INFINITY)" if acc != "long" else "LONG_MIN",
                     ACC_HI="INFINITY" if acc != "long" else "LONG_MAX")
+    if kind == "topk":       # as runner._op_topk
+        defs["KEY(v)"] = f"(-({acc})(v))" if dt.is_float else f"((long)({K.ctype(dt)})(-(v)))"
     return K.prelude([dt, ydt, acc]) + _defs(**defs) + K.ROW_COMMON + R.source(kind)
 
 
@@ -97,13 +100,17 @@ def _build(kind: str, dt: DType, tmp_path):
         pytest.skip("this gcc has no _Float16")
     assert r.returncode == 0, r.stderr[-3000:]
     fn = ctypes.CDLL(str(so)).run
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     return fn
 
 
-def _rows(rng, dt, rows, n):
+def _rows(rng, dt, rows, n, extremes=False):
     if not dt.is_float:
-        return rng.integers(-9, 9, (rows, n)).astype(_NP[dt])
+        info = np.iinfo(_NP[dt])
+        x = rng.integers(max(info.min, -9), min(info.max, 9), (rows, n)).astype(_NP[dt])
+        if extremes:
+            x[0, 0], x[-1, -1] = info.min, info.max   # where -x wraps
+        return x
     x = (rng.standard_normal((rows, n)) * 3).astype(_NP[dt])
     if n > 3:
         x[0, 1] = x[0, 0]             # a tie
@@ -117,7 +124,7 @@ def _launch(fn, kind, x, ydt, op_code, LX, LY):
     y = np.zeros((rows, n) if kind == "softmax" else (rows,), _NP[ydt])
     inner = [n, 1] if kind == "softmax" else [1, 0]        # y's row stride, its stride along the row
     meta = np.array([1, rows, n, 1] + inner, np.int32)
-    fn(x.ctypes.data, y.ctypes.data, meta.ctypes.data, rows, n, op_code, LX, LY)
+    fn(x.ctypes.data, y.ctypes.data, None, meta.ctypes.data, rows, n, op_code, LX, LY)
     return y
 
 
@@ -165,6 +172,24 @@ def test_reduce(tmp_path, rng, dt):
 def test_argmax(tmp_path, rng, dt):
     fn = _build("argmax", dt, tmp_path)
     for rows, n, LX, LY in SHAPES:
-        x = _rows(rng, dt, rows, n)
+        x = _rows(rng, dt, rows, n, extremes=True)
         got = _launch(fn, "argmax", x, DType.I64, 0, LX, LY)
         np.testing.assert_array_equal(got, np.argmax(x, -1))
+
+
+@pytest.mark.parametrize("dt", [DType.F32, DType.F64, DType.F16, DType.I32, DType.I64, DType.U8])
+def test_topk(tmp_path, rng, dt):
+    """numpy's stable argsort of -x (-x wrapping on unsigned and minimum values, as numpy's)."""
+    fn = _build("topk", dt, tmp_path)
+    for rows, n, LX, LY in SHAPES:
+        x = _rows(rng, dt, rows, n, extremes=True)
+        if dt.is_float and n > 6:
+            x[0, 5], x[0, 6] = -0.0, 0.0            # equal keys: the first index first
+        k = min(n, 5)
+        y, yi = np.zeros((rows, k), _NP[dt]), np.zeros((rows, k), np.int64)
+        meta = np.array([1, rows, n, 1, k, 1, k, 1], np.int32)      # x, y, yi: rows of n, k, k
+        fn(x.ctypes.data, y.ctypes.data, yi.ctypes.data, meta.ctypes.data, rows, n, k, LX, LY)
+        with np.errstate(over="ignore"):
+            want = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(yi, want)
+        np.testing.assert_array_equal(y, np.take_along_axis(x, want, -1))

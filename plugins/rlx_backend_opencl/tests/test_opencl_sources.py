@@ -70,7 +70,7 @@ float vload_half(int, const half*); void vstore_half_rte(float, int, half*);
 int atomic_cmpxchg(volatile int*, int, int);
 """
 
-ROW_KINDS = ("softmax", "reduce", "argmax")
+ROW_KINDS = ("softmax", "reduce", "argmax", "topk")
 
 
 @pytest.mark.parametrize("kind", ROW_KINDS)
@@ -79,7 +79,7 @@ def test_row_kernel_renders(kind):
 
     src = rows.source(kind)
     assert f"__kernel void {kind}(" in src
-    assert src.count("barrier(CLK_LOCAL_MEM_FENCE);") == (0 if kind == "softmax" else 2)
+    assert src.count("barrier(CLK_LOCAL_MEM_FENCE);") == {"softmax": 0, "reduce": 2, "argmax": 2, "topk": 3}[kind]
 
 
 @pytest.mark.skipif(__import__("shutil").which("gcc") is None, reason="gcc not installed")
@@ -95,7 +95,8 @@ def test_row_program_is_c_that_gcc_accepts(tmp_path, kind, dt):
         pytest.skip("softmax is for floats")
     acc = K.acc_type(dt)
     defs = dict(T_X=K.ctype(dt), T_Y=K.ctype(dt), ACC=acc, **{"TO_Y(v)": K.to(dt, "v")},
-                ACC_LO="(-INFINITY)" if acc != "long" else "LONG_MIN", ACC_HI="INFINITY" if acc != "long" else "LONG_MAX")
+                ACC_LO="(-INFINITY)" if acc != "long" else "LONG_MIN", ACC_HI="INFINITY" if acc != "long" else "LONG_MAX",
+                **{"KEY(v)": f"(-({acc})(v))"})
     src = K.prelude([dt, acc]).replace("#pragma OPENCL EXTENSION cl_khr_fp64 : enable", "") + _defs(**defs) \
         + K.ROW_COMMON + rows.source(kind)
     (tmp_path / "shim.h").write_text(_CL_SHIM)
