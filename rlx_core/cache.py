@@ -320,7 +320,7 @@ def _own_files(r: pathlib.Path) -> list:
 def entries() -> list:
     """Every entry: dict(kind, key, bytes, used (seconds since the epoch), rlx, path)."""
     r = _claimed()
-    out = []
+    out: list[dict] = []
     if r is None:
         return out
     for p in _own_files(r):

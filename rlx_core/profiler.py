@@ -54,7 +54,7 @@ def node_bytes(graph, i: int) -> int:
     return sum(s.nbytes() for s in ins) + sum(s.nbytes() for s in n.outs)
 
 
-def _shapes(graph, i: int) -> tuple:
+def _shapes(graph, i: int) -> tuple[str, str, tuple[str, ...], tuple[str, ...]]:
     """(op, name, input shapes, output shapes) of node i as text; i past the last node is
     "output": the contiguous copies a backend makes of the graph's outputs."""
     if not 0 <= i < len(graph.nodes):

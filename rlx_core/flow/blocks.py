@@ -9,6 +9,7 @@ import numpy as np
 
 from ..ir.dtype import F32, F64, DType
 from ..ir.errors import ModelError
+from ..ir.graph import Value
 from ..ir.ops import MaskKind
 from ..plugins.hookspecs import hookimpl
 from .rope import inv_freq, rope_tables
@@ -118,7 +119,7 @@ class ResidualAdd:
         return x + ctx.state[self.slot]
 
 
-def gated_mlp_weights(ctx, prefix: str, hidden: int) -> tuple:
+def gated_mlp_weights(ctx, prefix: str, hidden: int) -> tuple[Value, Value, Value]:
     """(gate, up, down) HF-layout weights of a gated MLP under the layer's `prefix`."""
     inter = ctx.cfg("intermediate_size")
     p = ctx.key(prefix)

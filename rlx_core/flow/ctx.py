@@ -44,7 +44,7 @@ class StreamRecord:
     source: str = ""
 
 
-def stage_label(stage) -> tuple:
+def stage_label(stage) -> tuple[str, str]:
     """(name, key) of a stage: its class in snake_case and the checkpoint key or prefix it reads."""
     name = re.sub(r"(?<=[a-z0-9])(?=[A-Z][a-z])", "_", type(stage).__name__).lower()
     for holder, attr in ((stage, "key"), (stage, "prefix"), (stage, "gamma"), (stage, "name"),

@@ -134,7 +134,7 @@ def graph_dot(g, layers: set | None = None, title: str = "", leaves: dict | None
             c.attr(label=label(layer), style="rounded", color="#999999")
             for i in members:
                 c.node(f"n{i}", **_node_attrs(g, i, lir))
-    hidden = {}
+    hidden: dict = {}
     for i, n in enumerate(g.nodes):
         if n.inputs and lay[i] in collapsed:
             hidden[box_of[lay[i]]] = hidden.get(box_of[lay[i]], 0) + 1

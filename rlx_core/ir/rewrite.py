@@ -171,7 +171,8 @@ def apply_rules(g: Graph, rules: list, on_match: Callable | None = None) -> tupl
 
     def replace(m, node, ins, i, lookup):
         for rule in by_op.get(node.op, ()):
-            caps, inner = {}, set()
+            caps: dict = {}
+            inner: set = set()
             if not match(g, rule.pattern, (i, rule.pattern.out), caps, inner):
                 continue
             inner_ids = {n for n, _ in inner}

@@ -170,7 +170,8 @@ def _projection(g: Graph, node: Node) -> bool:
 def head_demands(g: Graph, world: int, rank: int) -> tuple:
     """Trace each attention's q, k and v back to the column-parallel matmul producing them:
     {matmul node: (start, length, total) of its output features} and {state node: Split}."""
-    mm, states = {}, {}
+    mm: dict = {}
+    states: dict = {}
     for i, n in enumerate(g.nodes):
         if n.op not in ATTENTION:
             continue

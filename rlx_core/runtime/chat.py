@@ -24,7 +24,8 @@ class ChatSession:
         if model.tokenizer is None or not getattr(model.tokenizer, "chat_template", None):
             raise ModelError(f"{model.source}: chatting needs a chat template and this model has none "
                              "(a base model, not an instruction-tuned one); use `rlx generate` on plain text")
-        self.model, self.kw, self.history = model, generate_kw, []
+        self.model, self.kw = model, generate_kw
+        self.history: list[dict] = []
         self.system = text_arg("system", system) if system else None
 
     def messages(self, user: str | None = None) -> list:

@@ -222,7 +222,9 @@ async def _collect(served: Served, request: Request, reqs: list, queue: asyncio.
     """({index: text}, {index: finish reason}) of every request once all finished; when the
     client leaves first, they are cancelled (they stop decoding) and ClientGone raised."""
     watch = asyncio.ensure_future(_watch(request, queue))
-    texts, reasons, left = {}, {}, len(reqs)
+    texts: dict = {}
+    reasons: dict = {}
+    left = len(reqs)
     try:
         while left:
             item = await queue.get()
@@ -249,7 +251,8 @@ async def _generate(request: Request, chat: bool):
     served.get(name, "causal")
     prompts = [P.chat_messages(body)] if chat else P.completion_prompts(body)
     stream, include_usage = P.stream_flags(body)
-    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
     reqs = await run_in_threadpool(_submit_all, served, name, prompts, body, loop, queue)   # tokenizing
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if stream:

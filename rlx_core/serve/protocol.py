@@ -97,11 +97,12 @@ def check_text(value, where: str = "the body", param: str | None = None) -> None
             check_text(v, k if param is None else f"{where}.{k}", param or k)
 
 
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False),
-               "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
-               "tool_choice": (None, "none", "auto"),
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "logit_bias": (None, {}), "response_format": (None, {"type": "text"})}
+UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False),
+    "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}), "response_format": (None, {"type": "text"})}
 NOT_YET = ("min_p", "typical_p", "repetition_penalty", "grammar", "guided_json")   # a later issue's
 _GENERATE = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream",
              "stream_options", "user", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty"}

@@ -99,14 +99,14 @@ def read_safetensors_header(path: str) -> tuple[dict[str, TensorEntry], int]:
     entries = {name: _entry(path, name, info) for name, info in header.items()}
     data = size - 8 - length
     pos = 0
-    for name, e in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
-        if e.begin != pos:
-            what = "overlaps the tensor before it" if e.begin < pos else f"leaves a gap after byte {pos}"
+    for name, entry in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if entry.begin != pos:
+            what = "overlaps the tensor before it" if entry.begin < pos else f"leaves a gap after byte {pos}"
             raise WeightError(
-                f"{path}: tensor {name!r} data_offsets [{e.begin}, {e.end}) {what}; expected the "
+                f"{path}: tensor {name!r} data_offsets [{entry.begin}, {entry.end}) {what}; expected the "
                 "tensors to cover the data section in order without gaps or overlaps"
             )
-        pos = e.end
+        pos = entry.end
     if pos != data:
         raise WeightError(
             f"{path}: the tensors cover {pos} bytes but the data section has {data}; "

@@ -15,6 +15,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -22,6 +23,9 @@ from rlx_core import cache
 from rlx_core.ir.errors import ModelError, WeightError
 
 from .config import check_config
+
+if TYPE_CHECKING:
+    import tokenizers        # imported where a tokenizer is first built (it is slow to import)
 
 _NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # tokens llama.cpp also treats as end-of-generation (llama-vocab.cpp), so generation stops on them
@@ -33,7 +37,7 @@ class Tokenizer:
 
     def __init__(
         self,
-        backend: tokenizers.Tokenizer | Callable[[], tokenizers.Tokenizer | None],  # noqa: F821
+        backend: tokenizers.Tokenizer | Callable[[], tokenizers.Tokenizer],
         *,
         name: str,
         special_tokens: dict[str, str] | None = None,
@@ -42,7 +46,9 @@ class Tokenizer:
         pad_token_id: int | None = None,
         chat_template: str | None = None,
     ):
-        self._backend = backend if callable(backend) and not hasattr(backend, "encode") else (lambda: backend)
+        deferred = callable(backend) and not hasattr(backend, "encode")   # (no tokenizers import here)
+        self._make = cast("Callable[[], tokenizers.Tokenizer]", backend if deferred else (lambda: backend))
+        self._backend: tokenizers.Tokenizer | None = None
         self.name = name
         self.special_tokens = dict(special_tokens or {})  # bos_token/eos_token/... -> text, for templates
         self.eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
@@ -51,15 +57,16 @@ class Tokenizer:
         self.chat_template = chat_template
 
     @property
-    def backend(self):
+    def backend(self) -> tokenizers.Tokenizer:
         """The `tokenizers.Tokenizer`, built now if it was deferred."""
-        if callable(self._backend) and not hasattr(self._backend, "encode"):
-            tk = self._backend()
+        if self._backend is None:
+            tk = self._make()
             # tokenizer.json may carry padding/truncation settings; transformers turns them off per call
             # unless asked, so ids here are the unpadded, untruncated ones
             tk.no_padding()
             tk.no_truncation()
             self._backend = tk
+            self._make = lambda: tk      # (drops the builder: it may hold tokenizer.json's text)
         return self._backend
 
     @property
