@@ -176,8 +176,6 @@ def check_coverage(backend) -> None:
     lacks fail only when a graph uses them. Each expression renderer the backend declares is
     checked against the expression table (rlx_core.ir.expr.check_dialect). BackendError
     naming the op, the backend and what is missing."""
-    from . import contract, fft, linalg  # noqa: F401  (their ops and composites in the table)
-
     supported = set(backend.supported_ops()) | CONTROL_FLOW        # host_control runs them
     problems = []
     for name, d in sorted(OPS.items()):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .composites import composite, ex
+from .composites import _f32, argmax_prims, composite, ex, iota
 from .errors import DTypeError, ShapeError
 from .numpy_kernels import KERNELS, put, up
 from .ops import op
@@ -57,8 +57,6 @@ def dense_solve_prims(m, a, b):
     in f32 (f64 for f64): per column, the row of the largest |entry| at or below the diagonal
     is swapped up (a one-hot permutation matmul, per batch), scaled to a pivot of 1 and
     subtracted from every other row. What is left right of a is x."""
-    from .composites import _f32, argmax_prims, iota
-
     n = a.dims[-1]
     if not isinstance(n, int):
         raise ShapeError(f"dense_solve's composite needs a static n, got a {a.shape}: a backend "
