@@ -1,6 +1,8 @@
 """rlx_core.testing: the conformance kit for RLX plugins, and the pytest plugin that runs it.
 
     pytest --rlx-backend=NAME --pyargs rlx_core.testing   # the op parity suite on backend NAME
+    pytest --rlx-backend=numpy-primitives --pyargs rlx_core.testing   # ... on NumPy reduced to
+                                                          # the primitives: every composite tested
     pytest --rlx-recipe=NAME --pyargs rlx_core.testing    # a recipe's conformance checks
 
 or, in a plugin's own tests, one file that pulls a suite in (`RLX_BACKENDS` / `RLX_RECIPES`
