@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Iterable, Protocol
 
 import attrs
 import numpy as np
@@ -25,8 +26,9 @@ import numpy as np
 from ..ir.autodiff import inline, value_and_grad
 from ..ir.dtype import F32, F64
 from ..ir.errors import GraphError, ModelError
-from ..ir.graph import MIR, Builder, Graph
+from ..ir.graph import MIR, Builder, Graph, Value
 from ..passes.transform import params_as_inputs
+from ..profile import CompileProfile
 
 MASTER = "opt.master."             # + weight name: the f32 copy of a 16-bit weight
 STEP = "opt.step"                  # in Trainer.state(): the steps taken (Adam's bias corrections)
@@ -62,7 +64,7 @@ class SGD:
     def scalars(self, t: int, lr: float) -> dict:
         return {"lr": lr}
 
-    def update(self, m: Builder, w, g, slots: dict, sc: dict) -> tuple:
+    def update(self, m: Builder, w: Value, g: Value, slots: dict, sc: dict) -> tuple[Value, dict]:
         if self.momentum:
             g = slots["momentum"] * self.momentum + g
             slots = {"momentum": g}
@@ -97,7 +99,7 @@ class Adam:
         c2 = math.sqrt(1.0 - b2 ** t)
         return {"lr": lr, "step_size": lr * c2 / (1.0 - b1 ** t), "eps": self.eps * c2}
 
-    def update(self, m: Builder, w, g, slots: dict, sc: dict) -> tuple:
+    def update(self, m: Builder, w: Value, g: Value, slots: dict, sc: dict) -> tuple[Value, dict]:
         b1, b2 = self.betas
         mo = slots["m"] * b1 + g * (1.0 - b1)
         v = slots["v"] * b2 + g * g * (1.0 - b2)
@@ -106,11 +108,25 @@ class Adam:
         return w - mo * sc["step_size"] / (m.act(v, "sqrt") + sc["eps"]), {"m": mo, "v": v}
 
 
+class Optimizer(Protocol):
+    """What Trainer needs of an optimizer (SGD, Adam): its default lr, the names of its
+    per-weight slots, the step's scalars and the graph of one weight's update."""
+    lr: float
+
+    @property
+    def slots(self) -> tuple: ...
+
+    def scalars(self, t: int, lr: float) -> dict: ...
+
+    def update(self, m: Builder, w: Value, g: Value, slots: dict, sc: dict) -> tuple[Value, dict]: ...
+
+
 def slot_name(slot: str, weight: str) -> str:
     return f"opt.{slot}.{weight}"
 
 
-def train_graph(g: Graph, wrt, optimizer, output: str = "loss", clip_norm: float | None = None) -> Graph:
+def train_graph(g: Graph, wrt: Iterable[str], optimizer: Optimizer, output: str = "loss",
+                clip_norm: float | None = None) -> Graph:
     """One training step as a graph: `output` of `g`, the gradient of each weight in `wrt`
     and the optimizer's update written back into the weights, which become states of the
     same name (with their optimizer slots `opt.<slot>.<name>` and, for 16-bit weights, the
@@ -170,8 +186,9 @@ class Trainer:
     `step(inputs)` runs one step on the backend and returns the loss; `weights()` copies the
     trained weights back. Params not in `wrt` stay bound as they are."""
 
-    def __init__(self, graph: Graph, weights: dict, optimizer, *, wrt=None, output: str = "loss",
-                 clip_norm: float | None = None, backend: str | None = None, profile=None):
+    def __init__(self, graph: Graph, weights: dict, optimizer: Optimizer, *,
+                 wrt: str | Iterable[str] | None = None, output: str = "loss", clip_norm: float | None = None,
+                 backend: str | None = None, profile: CompileProfile | str | None = None):
         from ..pipeline import compile, numeric
 
         if not hasattr(optimizer, "update") or not hasattr(optimizer, "scalars"):
@@ -188,7 +205,7 @@ class Trainer:
         self.optimizer, self.output, self.wrt, self.t = optimizer, output, wrt, 0
         self.graph = train_graph(graph, wrt, optimizer, output, clip_norm)
         self.fetch = (output,) + (("grad_norm",) if clip_norm is not None else ())
-        self.grad_norm = None         # the last step's global gradient norm (with clip_norm)
+        self.grad_norm: float | None = None    # the last step's global gradient norm (with clip_norm)
         frozen = {k: weights[k] for k in params if k not in set(wrt)}
         self.exe = compile(self.graph, backend=backend, profile=profile, params=frozen)
         b = self.exe.backend
