@@ -23,7 +23,6 @@ from .ir.dtype import DType
 from .ir.errors import BackendError, GraphError, ModelError, ProfileError
 from .ir.graph import HIR, MIR, Graph
 from .ir.lir import LirModule, plan
-from .backends import host_control
 from .ir.lower import legalize, lower
 from .ir.ops import OPS, Level, infer
 from .ir.quant import PackedTensor
@@ -174,7 +173,7 @@ class CompilePipeline:
 
     def _check_support(self, g: Graph) -> None:
         b = self.backend
-        supported = host_control.runnable_ops(b)       # control flow core runs when b lacks it
+        supported = b.runnable_ops()       # (control flow: core runs it from the host when b lacks it)
         for i, n in enumerate(g.nodes):
             for s in n.outs:
                 if s.dtype.is_float:
@@ -471,8 +470,7 @@ class Executable:
             if todo:                   # what no executable sharing these weights derived yet
                 pro = dce(attrs.evolve(self.prologue, outputs=tuple(todo)), keep=())
                 uploads = {n: upload(n) for n in pro.params}
-                derived = host_control.compile_lir(
-                    b, plan(pro), {n: v for n, (_, v) in uploads.items()}, {}).run({})
+                derived = b.compile_runner(plan(pro), {n: v for n, (_, v) in uploads.items()}, {}).run({})
                 for name, v in derived.items():
                     self.shared[keys[name]] = b.to_device(v)
                 for n, (ukey, _) in uploads.items():   # weights only the prologue reads go away
@@ -549,7 +547,7 @@ class Executable:
                         self.states[name] = self.backend.zeros(s.dims, s.dtype)
                 self._drop_stale()
                 progress.stage(f"{self.backend.name} compile")
-                r = host_control.compile_lir(self.backend, lir, self._params, self.states)
+                r = self.backend.compile_runner(lir, self._params, self.states)
             self._bound[key] = ({n: self.states[n] for n in g.states}, getattr(self.states, "version", None))
             self._runners[key] = r
             while len(self._runners) > MAX_RUNNERS:      # each holds an arena: keep the newest

@@ -7,8 +7,10 @@ import contextlib
 
 import numpy as np
 
+from ..ir.control import CONTROL_OPS
 from ..ir.dtype import DType
 from ..ir.lir import LirModule
+from .runner import Runner
 
 
 def best_time(fn, times: int = 5) -> float:
@@ -22,46 +24,6 @@ def best_time(fn, times: int = 5) -> float:
         fn()
         best = min(best, time.perf_counter() - t)
     return best
-
-
-class Runner(abc.ABC):
-    """A compiled, shape-specialized graph: inputs (numpy) in, outputs (numpy) out."""
-
-    profile_clock = ""          # what run_profiled's times are ("host clock", "CUDA events", ...)
-
-    @abc.abstractmethod
-    def run(self, inputs: dict) -> dict:
-        """Run once; returns fresh numpy arrays (the arena is reused by the next run)."""
-
-    def run_fetch(self, inputs: dict, names: tuple) -> dict:
-        """run() returning only the outputs `names`; a device backend overrides it to copy
-        back only those."""
-        out = self.run(inputs)
-        return {k: out[k] for k in names}
-
-    def submit(self, inputs: dict, names: tuple, chain: dict):
-        """Start a run and return a function that waits for it and gives the outputs `names`.
-        `chain` ({input: output}) takes those inputs from the outputs of this runner's last
-        submit (`inputs` holds placeholders of their shape). Here the run happens now and the
-        chained values come from the host copies of that submit's outputs; a backend whose
-        runs overlap the host (`Backend.overlaps`) copies them on its device instead."""
-        last = getattr(self, "_submitted", None)
-        if chain and last is None:
-            from ..ir.errors import BackendError
-
-            raise BackendError(f"{type(self).__name__}: a chained run must follow a submit of the same graph")
-        inputs = dict(inputs, **{i: last[o].astype(inputs[i].dtype, copy=False).reshape(inputs[i].shape)
-                                 for i, o in chain.items()})
-        self._submitted = out = self.run_fetch(inputs, tuple(dict.fromkeys((*names, *chain.values()))))
-        return lambda: {k: out[k] for k in names}
-
-    def run_profiled(self, inputs: dict) -> tuple:
-        """Run once timing every step: (outputs, [(node index, seconds), ...] in run order; a
-        node may have several steps). The profiler (`Executable.profile`) builds on this alone,
-        so a backend gets profiling by implementing it next to its run loop."""
-        from ..ir.errors import BackendError
-
-        raise BackendError(f"{type(self).__name__} cannot time its steps (it has no run_profiled)")
 
 
 class Backend(abc.ABC):
@@ -90,6 +52,11 @@ class Backend(abc.ABC):
     def supported_ops(self) -> set:
         """Op names this backend implements: at least rlx_core.ir.composites.PRIMITIVES (checked
         when it registers); an op it lacks that has a composite is legalized into others."""
+
+    def runnable_ops(self) -> set:
+        """The ops a graph for this backend may hold once legalized: its own, and control flow
+        (if_, while_, scan), which core runs from the host where it lacks them."""
+        return set(self.supported_ops()) | set(CONTROL_OPS)
 
     def expression_renderers(self) -> tuple:
         """The renderers (rlx_core.ir.expr) its generated elementwise kernels are written with,
@@ -184,6 +151,14 @@ class Backend(abc.ABC):
         pairs whose input's producer writes straight into the concat's output; none by
         default."""
         return frozenset(), frozenset()
+
+    def compile_runner(self, lir: LirModule, params: dict, states: dict) -> Runner:
+        """compile(), or, where the graph holds control flow this backend lacks, a runner that
+        runs it from the host between parts compile() makes (backends/host_control.py): what
+        the pipeline calls."""
+        from .host_control import compile_lir
+
+        return compile_lir(self, lir, params, states)
 
     @abc.abstractmethod
     def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:

@@ -17,15 +17,9 @@ from ..ir.control import CONTROL_OPS, bodies
 from ..ir.graph import Builder, Graph, Node
 from ..ir.lir import LirModule, plan
 from ..ir.ops import get_op
-from .base import Runner
+from .runner import Runner
 
 LEAVES = ("input", "param", "state", "constant")
-
-
-def runnable_ops(backend) -> set:
-    """The ops a graph may hold for `backend`: its own, and the control ops, which core runs
-    from the host where the backend lacks them."""
-    return set(backend.supported_ops()) | set(CONTROL_OPS)
 
 
 def host_run(backend, g: Graph) -> list:
@@ -36,7 +30,8 @@ def host_run(backend, g: Graph) -> list:
 
 def compile_lir(backend, lir: LirModule, params: dict, states: dict) -> Runner:
     """backend.compile(lir, ...), or, where the graph holds control ops the backend lacks, a
-    runner that runs those from the host between parts the backend compiles."""
+    runner that runs those from the host between parts the backend compiles (what
+    Backend.compile_runner does)."""
     cuts = host_run(backend, lir.graph)
     if not cuts:
         return backend.compile(lir, params, states)
@@ -240,4 +235,4 @@ class HostControlRunner(Runner):
             vals[(i, k)] = np.array(r, s.dtype.np).reshape(s.dims)
 
 
-__all__ = ["runnable_ops", "host_run", "compile_lir", "compile_graph", "HostControlRunner", "Body"]
+__all__ = ["host_run", "compile_lir", "compile_graph", "HostControlRunner", "Body"]

@@ -272,10 +272,9 @@ def assert_greedy_agrees(got, want, logits, tol: float, what: str = "") -> None:
 def lacking_ops(g, backend, profile) -> list:
     """The ops of `g` that `backend` has no kernel for once lowered by the profile's policy
     and legalized (fused ops it lacks become primitives): what it does not claim to run."""
-    from rlx_core.backends.host_control import runnable_ops
     from rlx_core.ir.lower import legalize, lower
 
-    have = runnable_ops(backend)           # (control flow: core runs it where the backend lacks it)
+    have = backend.runnable_ops()          # (control flow: core runs it where the backend lacks it)
     mir = lower(g, profile.fusion.policy) if g.level == HIR else g
     mir, _ = legalize(mir, have)
     return sorted({n.op for n in mir.nodes if n.op != "custom" and n.op not in have})
