@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
 import attrs
 import numpy as np
@@ -11,6 +11,10 @@ from ..ir.dtype import F32, DType
 from ..ir.errors import ModelError, WeightError
 from ..ir.graph import Builder, Graph, Value
 from ..ir.quant import PackedTensor
+
+if TYPE_CHECKING:
+    from ..pipeline import Executable
+    from ..profile import CompileProfile
 
 
 @runtime_checkable
@@ -78,7 +82,7 @@ class FlowCtx:
         self.streams: dict = {}          # stream name -> its current value (rlx_core.flow.stream)
         self.stream_log: list = []       # StreamRecord of every read and write, for `rlx inspect`
 
-    def emit(self, stage, value):
+    def emit(self, stage: FlowStage, value: Any) -> Any:
         """Emit `stage` on `value`, recording the HIR nodes it adds. Structural stages
         (sequences, layer scopes) are walked, not recorded; a block that runs sub-stages
         should run them through here too, so they are listed."""
@@ -155,7 +159,7 @@ class FlowCtx:
     def used_params(self) -> list:
         return list(self._params)
 
-    def cfg(self, *names, default=None):
+    def cfg(self, *names: str, default: Any = None) -> Any:
         """First config value present among `names`."""
         for n in names:
             if n in self.config and self.config[n] is not None:
@@ -174,7 +178,8 @@ class BuiltModel:
     stages: tuple = ()
     streams: tuple = ()          # StreamRecords, in emit order
 
-    def compile(self, backend=None, profile=None, states=None, shared=None):
+    def compile(self, backend: Any = None, profile: CompileProfile | None = None,
+                states: dict | None = None, shared: dict | None = None) -> Executable:
         """shared: the dict through which a model's executables hold uploaded and derived
         params once (binding into a private one first would derive the fused weights twice)."""
         from ..pipeline import CompilePipeline

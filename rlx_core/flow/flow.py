@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import attrs
 
@@ -17,6 +17,11 @@ from . import blocks as B
 from . import stream as S
 from .ctx import BuiltModel, FlowCtx, FlowStage
 
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..profile import CompileProfile
+
 
 # Structural stages (`structural = True`) only arrange others: FlowCtx.emit walks them
 # without a record of their own, so the stages listed by layer are the blocks.
@@ -25,7 +30,7 @@ class Sequence:
     stages: tuple
     structural = True
 
-    def emit(self, ctx, value):
+    def emit(self, ctx: FlowCtx, value: Any) -> Any:
         for s in self.stages:
             value = ctx.emit(s, value)
         return value
@@ -37,7 +42,7 @@ class When:
     then: Any               # a flow or stage
     structural = True
 
-    def emit(self, ctx, value):
+    def emit(self, ctx: FlowCtx, value: Any) -> Any:
         ok = self.cond(ctx) if callable(self.cond) else bool(self.cond)
         return ctx.emit(_as_stage(self.then), value) if ok else value
 
@@ -50,7 +55,7 @@ class LayerScope:
     body: Any
     structural = True
 
-    def emit(self, ctx, value):
+    def emit(self, ctx: FlowCtx, value: Any) -> Any:
         saved = (ctx.prefix, ctx._index)
         ctx.prefix, ctx._index = self.prefix, self.index
         try:
@@ -64,7 +69,7 @@ class Custom:
     """Tier 2: `fn(emit, value, ctx)` writes raw IR with the Emit handle."""
     fn: Callable
 
-    def emit(self, ctx, value):
+    def emit(self, ctx: FlowCtx, value: Any) -> Any:
         return self.fn(ctx.m, value, ctx)
 
 
@@ -74,7 +79,7 @@ class Lazy:
     fn: Callable
     structural = True
 
-    def emit(self, ctx, value):
+    def emit(self, ctx: FlowCtx, value: Any) -> Any:
         return ctx.emit(_as_stage(self.fn(ctx)), value)
 
 
@@ -93,7 +98,7 @@ class ModelFlow:
         self.name = name
         self.layer_prefix = layer_prefix
         self.stages: list = []
-        self._profile = None
+        self._profile: CompileProfile | None = None
 
     def _add(self, stage) -> "ModelFlow":
         self.stages.append(stage)
@@ -104,7 +109,7 @@ class ModelFlow:
         return ModelFlow(self.name, self.layer_prefix)
 
     # -- profile
-    def profile(self, p) -> "ModelFlow":
+    def profile(self, p: CompileProfile | str) -> "ModelFlow":
         from ..profile import CompileProfile
 
         self._profile = CompileProfile.preset(p) if isinstance(p, str) else p
@@ -122,7 +127,7 @@ class ModelFlow:
     def input(self, name: str, shape: tuple, dtype: DType | str = I64) -> "ModelFlow":
         return self._add(B.Input(name, tuple(shape), DType.parse(dtype)))
 
-    def rope_tables(self, tables) -> "ModelFlow":
+    def rope_tables(self, tables: tuple[np.ndarray, np.ndarray]) -> "ModelFlow":
         """Use these (cos, sin) [max_pos, rot/2] tables for RoPE instead of computing them."""
         return self._add(B.SetState("rope_tables", tables))
 
@@ -182,13 +187,13 @@ class ModelFlow:
         return self._add(B.Tap(name))
 
     # -- structure
-    def sequence(self, *stages) -> "ModelFlow":
+    def sequence(self, *stages: FlowStage | ModelFlow) -> "ModelFlow":
         return self._add(Sequence(tuple(_as_stage(s) for s in stages)))
 
-    def when(self, cond, then) -> "ModelFlow":
+    def when(self, cond: bool | Callable[[FlowCtx], bool], then: FlowStage | ModelFlow) -> "ModelFlow":
         return self._add(When(cond, then))
 
-    def layer(self, name_or_index, body: Callable[["ModelFlow"], "ModelFlow"],
+    def layer(self, name_or_index: str | int, body: Callable[["ModelFlow"], "ModelFlow"],
               prefix: str | None = None) -> "ModelFlow":
         """One layer: `.layer("L0", lambda s: s.rms_norm(...)...)` or `.layer(3, ...)`; keys
         inside are relative to `prefix`, by default `<layer_prefix>.<index>` (a model with
@@ -222,7 +227,7 @@ class ModelFlow:
     def accumulate_stream(self, name: str) -> "ModelFlow":
         return self._add(S.AccumulateStream(name))
 
-    def join_streams(self, names, into: str = S.MAIN) -> "ModelFlow":
+    def join_streams(self, names: Iterable[str], into: str = S.MAIN) -> "ModelFlow":
         """Stream `into` = the streams concatenated along the sequence axis."""
         return self._add(S.JoinStreams(tuple(names), into))
 
@@ -241,7 +246,7 @@ class ModelFlow:
     def raw_stage(self, stage: FlowStage) -> "ModelFlow":
         return self._add(_as_stage(stage))
 
-    def plugin_named(self, name: str, **kw) -> "ModelFlow":
+    def plugin_named(self, name: str, **kw: Any) -> "ModelFlow":
         """A block registered by any installed plugin through rlx_register_blocks."""
         from ..plugins.manager import registry
 
@@ -251,7 +256,7 @@ class ModelFlow:
         return self._add(_as_stage(blocks[name](**kw)))
 
     # -- build
-    def build(self, weights, config: dict | None = None, dtype: DType = F32,
+    def build(self, weights: Mapping[str, Any], config: dict | None = None, dtype: DType = F32,
               check_unused: bool = True, ignore_unused: tuple = ()) -> BuiltModel:
         """Emit the graph; then one error lists every missing, unexpected, mis-shaped and
         mis-typed (integer) tensor. `weights` maps checkpoint keys to arrays."""
