@@ -19,6 +19,7 @@ import itertools
 import queue
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from .batch_cache import BatchCache
 from .model import CTX_BUCKET, fetch_greedy, greedy_outputs
 from .sampling import choose, process_logits
 from .stop_text import StopText
+
+if TYPE_CHECKING:
+    from ..pipeline import Executable
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 IDLE_RELEASE_S = 2.0           # idle this long, a scheduler gives its KV cache back (release_cache)
@@ -108,7 +112,7 @@ class Request:
     id: str
     prompt_ids: list
     params: SamplingParams
-    on_event: object = None
+    on_event: Callable[[Event], Any] | None = None
     # -- the scheduler's
     slot: int = -1
     length: int = 0                 # tokens in its KV cache
@@ -117,7 +121,7 @@ class Request:
     max_new: int = 0
     token_ids: list = field(default_factory=list)
     n_new: int = 0
-    rng: object = None
+    rng: np.random.Generator | None = None
     stream: StopText | None = None
     text: str = ""                  # the text of its events so far
     finish_reason: str | None = None
@@ -188,7 +192,8 @@ class Scheduler:
         self.closed_by = ""                    # why, when something other than close() closed it
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
-        self._decode = self._prefill = None
+        self._decode: Executable | None = None
+        self._prefill: Executable | None = None
         self.cache: BatchCache | None = None
         self.submitted = 0                     # requests taken in
         self.steps = 0                         # decode steps run (a test sees batching happen)
@@ -332,7 +337,7 @@ class Scheduler:
                     r.error = err
                     self._finish(r, "error")
 
-    def _prefill_exe(self):
+    def _prefill_exe(self) -> Executable:
         """The model's prefill graph over this scheduler's own states (its KV goes to a row
         of the batch cache; release_cache drops both)."""
         if self._prefill is None:
@@ -341,7 +346,7 @@ class Scheduler:
             self._prefill = self.model.executable_over("prefill", StateStore())
         return self._prefill
 
-    def _decode_exe(self):
+    def _decode_exe(self) -> Executable:
         if self._decode is None:
             from ..pipeline import StateStore
 
@@ -352,16 +357,21 @@ class Scheduler:
             self._decode = exe
         return self._decode
 
+    def _batch_cache(self) -> BatchCache:
+        """The batched KV cache (made with the decode executable)."""
+        self._decode_exe()
+        assert self.cache is not None            # (_decode_exe made it)
+        return self.cache
+
     def _bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
     def _fit(self, extra_ctx: int = 0, extra_row: bool = False) -> None:
         """Size the cache for the running requests (+ one being admitted), rows compacted."""
-        self._decode_exe()
+        c = self._batch_cache()
         rows = len(self._active) + extra_row
         batch = self._bucket(max(rows, 1))
         ctx = max([r.ctx for r in self._active] + [extra_ctx])
-        c = self.cache
         if (c.batch, c.ctx) == (batch, ctx) and all(r.slot == i for i, r in enumerate(self._active)):
             return
         if extra_row and c.batch >= batch and c.ctx >= ctx:
@@ -388,16 +398,17 @@ class Scheduler:
                               "key_mask": np.ones((1, 1, 1, n), bool),
                               "cache_pos": np.zeros(1, np.int32)})["logits"][:, -1]
         self._fit(extra_ctx=r.ctx, extra_row=True)
+        cache = self._batch_cache()
         used = {q.slot for q in self._active}
-        r.slot = next(i for i in range(self.cache.batch) if i not in used)
-        self.cache.place(r.slot, prefill.states, n)
+        r.slot = next(i for i in range(cache.batch) if i not in used)
+        cache.place(r.slot, prefill.states, n)
         r.length = n
         self._active.append(r)
         self._active.sort(key=lambda q: q.slot)
         self._take(r, logits)
 
     def _step(self) -> None:
-        exe, c = self._decode_exe(), self.cache
+        exe, c = self._decode_exe(), self._batch_cache()
         b, ctx = c.batch, c.ctx
         ids = np.zeros((b, 1), np.int64)
         pos = np.zeros((b, 1), np.int64)
