@@ -153,11 +153,10 @@ class Part:
         kept = [r for r in made if r in read_after] or [r for r in made if get_op(g.nodes[r[0]].op).effect]
         self.writes = {f"v{i}_{k}": (i, k) for i, k in kept}   # (a part that only writes states: those)
         m.outputs = [(name, local[ref]) for name, ref in self.writes.items()]
-        self.empty = not m.outputs
-        self.runner = None if self.empty else compile_graph(backend, m.build(), params, states)
+        self.runner = compile_graph(backend, m.build(), params, states) if m.outputs else None
 
     def run(self, vals: dict) -> None:
-        if self.empty:
+        if self.runner is None:                 # it makes nothing read later (or nothing at all)
             return
         out = self.runner.run({name: vals[ref] for name, ref in self.reads.items()})
         vals.update({ref: out[name] for name, ref in self.writes.items()})
@@ -187,12 +186,11 @@ class HostControlRunner(Runner):
     def poison(self, byte: int) -> None:
         """Fill the scratch memory of every part's runner with `byte` (the conformance kit's
         check that each kernel writes its whole output)."""
-        for step in self.steps:
-            r = getattr(step, "runner", None)
+        for r in [s.runner for s in self.steps if isinstance(s, Part) and s.runner is not None]:
             if hasattr(r, "poison"):
                 r.poison(byte)
-            elif getattr(r, "arena", None) is not None:
-                r.arena.view(np.uint8).fill(byte)
+            elif (arena := getattr(r, "arena", None)) is not None:
+                arena.view(np.uint8).fill(byte)
 
     def _leaf(self, ref, inputs: dict):
         n = self.graph.nodes[ref[0]]

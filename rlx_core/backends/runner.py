@@ -26,11 +26,11 @@ class Runner(abc.ABC):
         submit (`inputs` holds placeholders of their shape). Here the run happens now and the
         chained values come from the host copies of that submit's outputs; a backend whose
         runs overlap the host (`Backend.overlaps`) copies them on its device instead."""
-        last = getattr(self, "_submitted", None)
-        if chain and last is None:
+        if chain and not hasattr(self, "_submitted"):
             from ..ir.errors import BackendError
 
             raise BackendError(f"{type(self).__name__}: a chained run must follow a submit of the same graph")
+        last: dict = getattr(self, "_submitted", {})
         inputs = dict(inputs, **{i: last[o].astype(inputs[i].dtype, copy=False).reshape(inputs[i].shape)
                                  for i, o in chain.items()})
         self._submitted = out = self.run_fetch(inputs, tuple(dict.fromkeys((*names, *chain.values()))))
