@@ -47,6 +47,8 @@ def test_nested_control_flow_on_the_minimal_backend(rng):
         acc, total = _nested_ref(xs, limit)
         np.testing.assert_allclose(got["acc"], acc, rtol=1e-12)
         np.testing.assert_allclose(got["total"], total, rtol=1e-12)
+        only = exe.run({"xs": xs, "limit": np.float64(limit)}, fetch=("total",))     # Runner.run_fetch
+        assert list(only) == ["total"] and only["total"] == got["total"]
     assert isinstance(exe.runner({}), host_control.HostControlRunner)
 
 
