@@ -262,11 +262,11 @@ def write_blob(data: bytes) -> str:
 
 def read_blob(digest: str) -> bytes | None:
     path = _blob_path(digest)
-    try:
-        data = path.read_bytes() if path is not None else None
-    except OSError:
+    if path is None:
         return None
-    if data is None:
+    try:
+        data = path.read_bytes()
+    except OSError:
         return None
     if hashlib.sha256(data).hexdigest() != digest:
         _warn(f"compile cache blob {path}: corrupt (its bytes do not match its name); rebuilt")

@@ -13,16 +13,18 @@ import contextlib
 import contextvars
 import sys
 import time
+from typing import Any
 
 DELAY = 0.5
-_CURRENT = contextvars.ContextVar("rlx_progress", default=None)
+_CURRENT: contextvars.ContextVar[_Stages | None] = contextvars.ContextVar("rlx_progress", default=None)
 
 
 class _Stages:
     """The stages of one piece of work; its tqdm bar is made once the work has lasted DELAY."""
 
     def __init__(self, desc: str, total: int):
-        self.desc, self.total, self.done, self.name, self.bar = desc, total, -1, "", None
+        self.desc, self.total, self.done, self.name = desc, total, -1, ""
+        self.bar: Any = None            # a tqdm bar (untyped), made once the work outlasts DELAY
         self.t0 = time.monotonic()
 
     def stage(self, name: str) -> None:

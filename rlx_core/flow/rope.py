@@ -23,6 +23,7 @@ def rope_params(config: dict) -> tuple:
     """(theta, scaling dict or None) from either config style (`rope_parameters`, new in
     transformers 5, or the older `rope_theta` + `rope_scaling`)."""
     rp = config.get("rope_parameters")
+    scaling: dict | None
     if isinstance(rp, dict) and "rope_theta" in rp:
         scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
         if scaling.get("rope_type", scaling.get("type", "default")) == "default":
