@@ -21,9 +21,10 @@ how a composite counts 0..n-1 along a dim whose length is a symbol ("seq"), know
 time (`iota`).
 
 OPTIONAL ops are capabilities a backend may lack: a graph using one fails to compile on it,
-naming the op (quantize and fake_quantize, custom ops, the collectives, the FFTs and
-dense_solve, which have no composite yet); control flow (if_, while_, scan) core runs from the
-host for a backend without it (backends/host_control.py).
+naming the op: quantize (and so fake_quantize), custom ops, the collectives, and the FFTs
+(a DFT composite would need complex matmuls and a real part, which the primitives lack).
+Control flow (if_, while_, scan) core runs from the host for a backend without it
+(backends/host_control.py).
 """
 from __future__ import annotations
 
@@ -197,7 +198,8 @@ def check_coverage(backend) -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _f32(m: Builder, x):
+def in_f32(m: Builder, x):
+    """x as the float type composites compute in: f32, or f64 for f64."""
     return x if x.dtype in (F32, F64) else m.cast(x, F32)
 
 
@@ -228,7 +230,7 @@ def _along(m: Builder, v, axis: int, rank: int):
 
 # ----------------------------------------------------------------------------- norms, softmax
 def rms_norm_prims(m, x, w=None, eps=1e-6, offset=0.0):
-    xf = _f32(m, x)
+    xf = in_f32(m, x)
     inv = m.rsqrt(m.mean(xf * xf, (-1,), keepdims=True) + eps)
     y = m.cast(xf * inv, x.dtype)
     if w is not None:
@@ -237,7 +239,7 @@ def rms_norm_prims(m, x, w=None, eps=1e-6, offset=0.0):
 
 
 def layer_norm_prims(m, x, g=None, b=None, eps=1e-5):
-    xf = _f32(m, x)
+    xf = in_f32(m, x)
     d = xf - m.mean(xf, (-1,), keepdims=True)
     y = m.cast(d * m.rsqrt(m.mean(d * d, (-1,), keepdims=True) + eps), x.dtype)
     if g is not None:
@@ -253,7 +255,7 @@ def softmax_prims(m, x, axis=-1, finite_max=False):
     the sum (>= 1 whenever the row has a finite entry) to 1. `finite_max` clamps the max from
     above too, so a row holding +inf is NaN there and 0 elsewhere, as in the kernels (the
     fusable lowering leaves it out: fusion's softmax pattern is the form without)."""
-    xf = _f32(m, x)
+    xf = in_f32(m, x)
     top = m.maximum(m.max(xf, (axis,), keepdims=True), F32_LOWEST)
     e = m.exp(xf - (m.minimum(top, F32_MAX) if finite_max else top))
     return m.cast(e / m.maximum(m.sum(e, (axis,), keepdims=True), 1.0), x.dtype)
@@ -265,16 +267,16 @@ def _rows_sum(m, t, w):
 
 
 def softmax_grad_prims(m, y, g, axis=-1):
-    yf, gf = _f32(m, y), _f32(m, g)
+    yf, gf = in_f32(m, y), in_f32(m, g)
     return m.cast(yf * (gf - m.sum(gf * yf, (axis,), keepdims=True)), y.dtype)
 
 
 def rms_norm_grad_prims(m, x, w, g, eps=1e-6, offset=0.0):
     """(dx, dw) of rms_norm(x, w); without w (None) dw is None."""
-    xf, gf = _f32(m, x), _f32(m, g)
+    xf, gf = in_f32(m, x), in_f32(m, g)
     inv = m.rsqrt(m.mean(xf * xf, (-1,), keepdims=True) + eps)
     n = xf * inv
-    dn = gf if w is None else gf * (_f32(m, w) + offset if offset else _f32(m, w))
+    dn = gf if w is None else gf * (in_f32(m, w) + offset if offset else in_f32(m, w))
     dx = inv * (dn - n * m.mean(dn * n, (-1,), keepdims=True))
     return m.cast(dx, x.dtype), (None if w is None else _rows_sum(m, gf * n, w))
 
@@ -282,11 +284,11 @@ def rms_norm_grad_prims(m, x, w, g, eps=1e-6, offset=0.0):
 def layer_norm_grad_prims(m, x, gamma, g, eps=1e-5):
     """(dx, dgamma, dbeta) of layer_norm(x, gamma, beta); without gamma dgamma is None and
     dbeta is summed in x's dtype."""
-    xf, gf = _f32(m, x), _f32(m, g)
+    xf, gf = in_f32(m, x), in_f32(m, g)
     d = xf - m.mean(xf, (-1,), keepdims=True)
     inv = m.rsqrt(m.mean(d * d, (-1,), keepdims=True) + eps)
     n = d * inv
-    dn = gf if gamma is None else gf * _f32(m, gamma)
+    dn = gf if gamma is None else gf * in_f32(m, gamma)
     dx = inv * (dn - m.mean(dn, (-1,), keepdims=True) - n * m.mean(dn * n, (-1,), keepdims=True))
     like = gamma if gamma is not None else x
     return (m.cast(dx, x.dtype), None if gamma is None else _rows_sum(m, gf * n, gamma),
@@ -331,7 +333,7 @@ def repeat_kv(m, k, heads):
 
 def _attention_probs(m, q, kk, mask, pos, a, softmax):
     """softmax(mask(softcap(q kk^T * scale))) in f32, and the softcap's tanh (None without)."""
-    s = m.matmul(_f32(m, q), _f32(m, kk), trans_b=True) * a["scale"]
+    s = m.matmul(in_f32(m, q), in_f32(m, kk), trans_b=True) * a["scale"]
     t = None
     if a["softcap"]:
         t = m.tanh(s / a["softcap"])
@@ -353,7 +355,7 @@ def attention_prims(m, q, k, v, mask=None, pos=None, *, scale, mask_kind="causal
              has_pos=has_pos)
     softmax = (lambda m, x, axis: m.softmax(x, axis)) if legalized else softmax_prims
     p, _ = _attention_probs(m, q, repeat_kv(m, k, heads), mask, pos, a, softmax)
-    vv = _f32(m, repeat_kv(m, v, heads))
+    vv = in_f32(m, repeat_kv(m, v, heads))
     return m.cast(_weighted_values(m, p, vv) if legalized else m.matmul(p, vv), q.dtype)
 
 
@@ -377,14 +379,14 @@ def attention_grad_prims(m, q, k, v, out, g, mask=None, pos=None, **a):
     """attention_grad as primitives: the probabilities recomputed, dv = P^T g, dS =
     softmax_grad(P, g v^T) through the softcap's tanh, times scale; dq = dS k, dk = dS^T q."""
     heads, kvh = q.dims[1], k.dims[1]
-    kk, vv, gf = repeat_kv(m, k, heads), _f32(m, repeat_kv(m, v, heads)), _f32(m, g)
+    kk, vv, gf = repeat_kv(m, k, heads), in_f32(m, repeat_kv(m, v, heads)), in_f32(m, g)
     p, t = _attention_probs(m, q, kk, mask, pos, a, lambda m, x, axis: m.softmax(x, axis))
     ds = m.add("softmax_grad", (p, m.matmul(gf, vv, trans_b=True)), axis=-1)
     if t is not None:
         ds = ds * (1.0 - t * t)
     ds = ds * a["scale"]
-    dq = m.matmul(ds, _f32(m, kk))
-    dk = _group_sum(m, m.matmul(ds, _f32(m, q), trans_a=True), kvh)
+    dq = m.matmul(ds, in_f32(m, kk))
+    dk = _group_sum(m, m.matmul(ds, in_f32(m, q), trans_a=True), kvh)
     dv = _group_sum(m, m.matmul(p, gf, trans_a=True), kvh)
     return m.cast(dq, q.dtype), m.cast(dk, k.dtype), m.cast(dv, v.dtype)
 
@@ -395,9 +397,9 @@ def mask_fill_prims(m, scores, mask=None, pos=None, *, mask_kind="causal", windo
     causal keeps keys j <= that position, a sliding window also j > position - window.
     Without pos, j <= Sk - Sq + i is compared as (Sk-1-j) >= (Sq-1-i): the counts from the
     end need no subtraction of two symbolic lengths."""
-    s = _f32(m, scores)
+    s = in_f32(m, scores)
     if mask is not None and mask.dtype.is_float:
-        s = s + _f32(m, mask)
+        s = s + in_f32(m, mask)
     kind = MaskKind(mask_kind)
     if kind in (MaskKind.CAUSAL, MaskKind.SLIDING_WINDOW):
         sq, sk = scores.dims[2], scores.dims[3]
@@ -512,7 +514,7 @@ def segment_pool_prims(m, x, starts, lens, *, mode):
         mf = segment_membership(m, tokens, starts, lens)
         keep = m.reshape(m.transpose(m.compare(mf, 0.5, "gt"), (1, 0)), (n, tokens, 1))
         if mode == "mean":
-            total = m.sum(m.where(keep, m.reshape(_f32(m, x), (1, tokens, d)), 0.0), (1,))
+            total = m.sum(m.where(keep, m.reshape(in_f32(m, x), (1, tokens, d)), 0.0), (1,))
             r = total / m.maximum(m.reshape(m.cast(lens, F32), (n, 1)), 1.0)
         else:
             r = m.max(m.where(keep, m.reshape(x, (1, tokens, d)), float("-inf")), (1,))

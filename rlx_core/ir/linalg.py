@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .composites import _f32, argmax_prims, composite, ex, iota
+from .composites import argmax_prims, composite, ex, in_f32, iota
 from .errors import DTypeError, ShapeError
 from .numpy_kernels import KERNELS, put, up
 from .ops import op
@@ -62,8 +62,8 @@ def dense_solve_prims(m, a, b):
         raise ShapeError(f"dense_solve's composite needs a static n, got a {a.shape}: a backend "
                          f"without a dense_solve kernel solves only static sizes")
     vector = b.shape.rank == a.shape.rank - 1
-    rhs = _f32(m, m.reshape(b, b.dims + (1,)) if vector else b)
-    work = m.concat([_f32(m, a), m.cast(rhs, _f32(m, a).dtype)], -1)     # [..., n, n + k]
+    rhs = in_f32(m, m.reshape(b, b.dims + (1,)) if vector else b)
+    work = m.concat([in_f32(m, a), m.cast(rhs, in_f32(m, a).dtype)], -1)     # [..., n, n + k]
     rows = m.reshape(iota(m, n, a), (n, 1))                              # [n, 1]
     cols = m.reshape(rows, (1, n))
     for c in range(n):

@@ -27,9 +27,9 @@ _MAX_DEPTH = 16          # attr values nest a few levels (a fused program); JSON
 
 class Level(enum.Enum):
     LEAF = "leaf"      # graph inputs, params, state, constants
-    PRIM = "prim"      # MIR primitives every backend implements
+    PRIM = "prim"      # MIR ops: every backend implements those without a composite (composites.py)
     HIR = "hir"        # blocks that lowering turns into MIR
-    FUSED = "fused"    # fused MIR ops; a backend lacking one gets it legalized back
+    FUSED = "fused"    # fused MIR ops; a backend lacking one gets its composite (legalize)
 
 
 class MaskKind(str, enum.Enum):
@@ -853,7 +853,7 @@ def _m_fused_rln(s, a):
 
 # the backward of the norms and softmax as fusion targets: value_and_grad keeps these ops in
 # the forward graph and their VJP rules emit these; a backend without a kernel gets them
-# legalized to the closed-form primitives (lower.py)
+# legalized to the closed-form primitives (composites.py)
 def _grad_of(x: Shape, g: Shape, what: str) -> None:
     _float(x, what)
     if x.dims != g.dims:
