@@ -83,7 +83,7 @@ class Lazy:
         return ctx.emit(_as_stage(self.fn(ctx)), value)
 
 
-def _as_stage(x) -> FlowStage:
+def _as_stage(x: FlowStage | ModelFlow) -> FlowStage:
     if isinstance(x, ModelFlow):
         return Sequence(tuple(x.stages))
     if isinstance(x, FlowStage):
@@ -100,7 +100,7 @@ class ModelFlow:
         self.stages: list = []
         self._profile: CompileProfile | None = None
 
-    def _add(self, stage) -> "ModelFlow":
+    def _add(self, stage: FlowStage) -> "ModelFlow":
         self.stages.append(stage)
         return self
 

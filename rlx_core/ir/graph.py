@@ -27,13 +27,13 @@ def _shape_json(s: Shape) -> list:
     return [list(s.dims), s.dtype.value]
 
 
-def _attr_json(v):
+def _attr_json(v: Any) -> Any:
     if isinstance(v, Graph):                 # a control-flow body (ir/control.py)
         return {"graph": graph_dict(v)}
     return [_attr_json(x) for x in v] if isinstance(v, tuple) else v
 
 
-def _constant_json(a, data: bool) -> dict:
+def _constant_json(a: np.ndarray, data: bool) -> dict:
     raw = np.ascontiguousarray(a).tobytes()
     c = {"dtype": DType.parse(a.dtype).value, "shape": list(a.shape)}
     if data:
@@ -126,7 +126,7 @@ class Graph:
 
     __str__ = text
 
-    def _repr_svg_(self):
+    def _repr_svg_(self) -> str | None:
         """Jupyter shows the graph drawn (ir/dot.py); without Graphviz's `dot` program this
         returns None and Jupyter falls back to the text repr."""
         from .dot import graph_dot, svg_or_none

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Protocol
 
 import attrs
 import numpy as np
 
 from ..ir.autodiff import inline, value_and_grad
-from ..ir.dtype import F32, F64
+from ..ir.dtype import F32, F64, DType
 from ..ir.errors import GraphError, ModelError
 from ..ir.graph import MIR, Builder, Graph, Value
 from ..passes.transform import params_as_inputs
@@ -34,7 +34,8 @@ MASTER = "opt.master."             # + weight name: the f32 copy of a 16-bit wei
 STEP = "opt.step"                  # in Trainer.state(): the steps taken (Adam's bias corrections)
 
 
-def _number(owner: str, name: str, value, lo: float, hi: float = math.inf, lo_open=False, hi_open=True):
+def _number(owner: str, name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False,
+            hi_open: bool = True) -> float:
     ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool) \
         and math.isfinite(value) and (value > lo if lo_open else value >= lo) and \
         (value < hi if hi_open else value <= hi)
@@ -52,7 +53,7 @@ class SGD:
     momentum: float = 0.0
     weight_decay: float = 0.0
 
-    def __attrs_post_init__(self):
+    def __attrs_post_init__(self) -> None:
         _number("SGD", "lr", self.lr, 0.0, lo_open=True)
         _number("SGD", "momentum", self.momentum, 0.0, 1.0)
         _number("SGD", "weight_decay", self.weight_decay, 0.0)
@@ -83,7 +84,7 @@ class Adam:
     eps: float = 1e-8
     weight_decay: float = 0.0
 
-    def __attrs_post_init__(self):
+    def __attrs_post_init__(self) -> None:
         _number("Adam", "lr", self.lr, 0.0, lo_open=True)
         if len(self.betas) != 2:
             raise ModelError(f"Adam: betas must be two numbers, got {self.betas!r}")
@@ -177,7 +178,7 @@ def train_graph(g: Graph, wrt: Iterable[str], optimizer: Optimizer, output: str 
     return m.build()
 
 
-def _update_dtype(dt):
+def _update_dtype(dt: DType) -> DType:
     return F64 if dt == F64 else F32
 
 
