@@ -27,6 +27,7 @@ import os
 import re
 import threading
 import warnings
+import weakref
 from typing import Callable
 
 import attrs
@@ -320,16 +321,27 @@ def _entries(hook: str, args: tuple) -> list:
     raise PluginError(f"unknown hook {hook!r}")  # pragma: no cover - HOOKS is the spec list
 
 
+_covered: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # backend -> ops it passed with
+
+
 def _covers(backend, where: str) -> None:
     """A backend runs every op of the table, itself or through composites, and its expression
     renderers write every formula (composites.check_coverage): checked here, when it registers,
-    so a missing primitive is an error now and not at a model's first run."""
+    so a missing primitive is an error now and not at a model's first run. Once per backend
+    object and set of ops (the registry is rebuilt whenever a plugin comes or goes)."""
     from ..ir.composites import check_coverage
 
     try:
+        ops = frozenset(backend.supported_ops())
+        if _covered.get(backend) == ops:
+            return
         check_coverage(backend)
     except Exception as e:                   # a backend's own method may raise anything
         raise PluginError(f"{where}: {_error_text(e)}") from e
+    try:
+        _covered[backend] = ops
+    except TypeError:                        # (an object without weak references: checked each time)
+        pass
 
 
 def _commit(reg: Registry, plugin: str, calls: list) -> None:
