@@ -10,15 +10,14 @@ definition of each.
 """
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
-from rlx_core.ir.dtype import DType
+from rlx_core.ir.dtype import BF16, F16, DType
 from rlx_core.ir.errors import ModelError
 from rlx_core.ir.numpy_kernels import ACT, BIN, BIN_INT, CMP
 from rlx_core.ir.quant import QuantScheme
 
-LOW = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+LOW = (F16.np, BF16.np)
 
 
 def up(x):
