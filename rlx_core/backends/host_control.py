@@ -44,16 +44,18 @@ def compile_graph(backend, g: Graph, params: dict, states: dict) -> Runner:
 
 
 # ----------------------------------------------------------------- the three loops
+# Each is fn(attrs, run, outs, *operands) -> the op's outputs: run(body name, args) runs one
+# of the op's bodies, `outs` are the op's output Shapes.
 def _truth(x) -> bool:
     return bool(np.asarray(x).reshape(-1)[0])
 
 
-def run_if(a, run, pred, *operands) -> list:
-    """then_(*operands) if pred else else_(*operands); run(body name, args) runs a body."""
+def run_if(a, run, outs, pred, *operands) -> list:
+    """then_(*operands) if pred else else_(*operands)."""
     return run("then_" if _truth(pred) else "else_", list(operands))
 
 
-def run_while(a, run, *operands) -> list:
+def run_while(a, run, outs, *operands) -> list:
     """The carries once cond(*consts, *carries) is false, body(*consts, *carries) each trip."""
     k = a["n_consts"]
     consts, carry = list(operands[:k]), list(operands[k:])
@@ -64,7 +66,7 @@ def run_while(a, run, *operands) -> list:
 
 def run_scan(a, run, outs, *operands) -> list:
     """(*final carries, *ys): body(*consts, *carries, *x_t) for t along axis 0 of the xs (from
-    the end with reverse), each step's ys written into row t of their outputs `outs` (Shapes)."""
+    the end with reverse), each step's ys written into row t of their outputs."""
     k, c = a["n_consts"], a["n_carry"]
     consts, carry, xs = list(operands[:k]), list(operands[k:k + c]), operands[k + c:]
     steps = outs[c].dims[0] if len(outs) > c else (xs[0].shape[0] if xs else a["length"])
@@ -77,7 +79,7 @@ def run_scan(a, run, outs, *operands) -> list:
     return carry + ys
 
 
-LOOPS = {"if_": run_if, "while_": run_while}
+LOOPS = {"if_": run_if, "while_": run_while, "scan": run_scan}
 
 
 class Body:
@@ -222,13 +224,7 @@ class HostControlRunner(Runner):
         n = self.graph.nodes[i]
         body = self.bodies[i]
 
-        def run(key, xs):
-            return body[key](xs)
-
-        if n.op == "scan":
-            res = run_scan(n.a, run, n.outs, *args)
-        else:
-            res = LOOPS[n.op](n.a, run, *args)
+        res = LOOPS[n.op](n.a, lambda key, xs: body[key](xs), n.outs, *args)
         for k, (s, r) in enumerate(zip(n.outs, res)):
             vals[(i, k)] = np.array(r, s.dtype.np).reshape(s.dims)
 
