@@ -27,7 +27,7 @@ def _file(name: str) -> str:
     """The text of kernels/`name`, read once."""
     try:
         return importlib.resources.files(__package__).joinpath("kernels", name).read_text()
-    except FileNotFoundError:
+    except OSError:
         raise BackendError(f"cuda backend: kernel source file kernels/{name} is missing "
                            f"(an incomplete install of rlx-backend-cuda)") from None
 
