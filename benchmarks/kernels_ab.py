@@ -79,6 +79,9 @@ def main():
     ap.add_argument("--backend", default="numba")
     ap.add_argument("--base-tree", help="a source tree of the base (a checkout or an unpacked git archive)")
     ap.add_argument("--base-rev", help="a git revision of this repository, unpacked into a temporary tree")
+    ap.add_argument("--base-extra", help="PYTHONPATH entries after the base tree (where its plugins' "
+                    "metadata is installed; default: the inherited PYTHONPATH)")
+    ap.add_argument("--new-extra", help="the same for this tree")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--side", action="store_true", help=argparse.SUPPRESS)
@@ -97,10 +100,10 @@ def main():
     best: dict = {"base": {}, "new": {}}
     rest = os.environ.get("PYTHONPATH", "")
     for r in range(a.rounds):
-        for label, tree in (("base", base), ("new", new)):
+        for label, tree, extra in (("base", base, a.base_extra), ("new", new, a.new_extra)):
             cmd = [sys.executable, os.path.join(HERE, "kernels_ab.py"), "--side", "--backend", a.backend,
                    "--repeat", str(a.repeat)]
-            os.environ["PYTHONPATH"] = tree_path(tree, rest)
+            os.environ["PYTHONPATH"] = tree_path(tree, rest if extra is None else extra)
             got = run_child(cmd, f"{label} round {r + 1}", 1800)
             if got is None:
                 return 1
