@@ -107,7 +107,9 @@ def _plugin_of(backend):
 
 def test_registered_backends_legalize_only_fused_ops():
     """numpy, numba, cuda and opencl have a kernel for every op with a composite but fused ones
-    (and dot_general): legalize decomposes for them what it did before the table grew."""
+    (and dot_general; opencl has no collectives: it runs a group of one rank through their
+    composite): legalize decomposes for them what it did before the table grew."""
+    from rlx_core.ir.ops import COLLECTIVES
     from rlx_core.pipeline import available_backends
 
     seen = set()
@@ -115,7 +117,9 @@ def test_registered_backends_legalize_only_fused_ops():
         if b.name in ("numpy", "numba", "cuda", "opencl"):
             seen.add(b.name)
             lacking = set(COMPOSITES) - set(b.supported_ops())
-            assert lacking <= FUSED | {"dot_general", "linear", "swiglu_mlp"}, (b.name, sorted(lacking))
+            allowed = FUSED | {"dot_general", "linear", "swiglu_mlp"}
+            allowed |= set(COLLECTIVES) if b.name == "opencl" else set()
+            assert lacking <= allowed, (b.name, sorted(lacking))
     assert {"numpy", "numba"} <= seen
 
 

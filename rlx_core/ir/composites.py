@@ -21,10 +21,11 @@ how a composite counts 0..n-1 along a dim whose length is a symbol ("seq"), know
 time (`iota`).
 
 OPTIONAL ops are capabilities a backend may lack: a graph using one fails to compile on it,
-naming the op: quantize (and so fake_quantize), custom ops, the collectives, and the FFTs
-(a DFT composite would need complex matmuls and a real part, which the primitives lack).
-Control flow (if_, while_, scan) core runs from the host for a backend without it
-(backends/host_control.py).
+naming the op: quantize (and so fake_quantize) and custom ops. The FFTs have composites
+(ir/fft.py: a DFT as a real matmul with a constant cos/sin table, for a static length), and
+so do the collectives, for a group of one rank (the identity); over more ranks a backend
+without them fails to compile, naming the op. Control flow (if_, while_, scan) core runs
+from the host for a backend without it (backends/host_control.py).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from .control import map_bodies
 from .dtype import F32, F64, I64, DType
 from .errors import BackendError, GraphError
 from .graph import MIR, Builder, Graph
-from .ops import OPS, Level, MaskKind, get_op
+from .ops import COLLECTIVES, OPS, Level, MaskKind, get_op
 from .quant import QuantScheme
 from .rewrite import rewrite
 from .shape import Shape, broadcast_dims, norm_axis
@@ -48,8 +49,7 @@ PRIMITIVES = frozenset({
     "matmul", "binary", "compare", "where", "activation", "cast", "reduce", "gather", "reshape",
     "transpose", "narrow", "concat", "expand", "cumsum", "kv_write", "assign", "dequantize"})
 CONTROL_FLOW = frozenset({"if_", "while_", "scan"})
-OPTIONAL = frozenset({"quantize", "custom", "all_reduce", "all_gather", "reduce_scatter",
-                      "fft", "ifft", "rfft", "irfft"}) | CONTROL_FLOW
+OPTIONAL = frozenset({"quantize", "custom"}) | CONTROL_FLOW
 
 F32_LOWEST = -3.4028234663852886e38     # np.finfo(np.float32).min
 F32_MAX = 3.4028234663852886e38
@@ -718,6 +718,26 @@ def _argmax(m, ins, a):
 @composite("topk", ex("f16[2,5]", k=2), ex("i32[2,seq]", k=1, axis=1))
 def _topk(m, ins, a):
     return topk_prims(m, ins[0], a["k"], a["axis"])
+
+
+# ----------------------------------------------------------------------------- collectives
+def _group_of_one(op: str):
+    """`op`'s composite: the identity for a group of one rank; more ranks need a backend
+    that has the collective (BackendError naming the op, when legalize meets it). Not
+    OPTIONAL: coverage traces it at world 1 and counts the op as run, and a graph of more
+    ranks still fails to compile naming the op, as an OPTIONAL op lacking would."""
+    def build(m, ins, a):
+        if a["world"] != 1:
+            raise BackendError(f"{op} over a group of {a['world']} ranks needs a backend with "
+                               f"collectives; without them only a group of one rank runs (where "
+                               f"{op} is the identity)")
+        return ins[0]
+    build.__qualname__ = f"_{op}"
+    return build
+
+
+for _op in COLLECTIVES:
+    composite(_op, ex("f32[2,4]", world=1, rank=0))(_group_of_one(_op))
 
 
 __all__ = ["COMPOSITES", "PRIMITIVES", "OPTIONAL", "CONTROL_FLOW", "Composite", "composite", "ex",

@@ -8,17 +8,19 @@ and helpers composed from them (graph-building functions, no ops of their own): 
 (a constant table), `stft` (frames gathered, windowed, rfft) and `fft_conv1d` (full linear
 convolution by zero-padded rfft products). The NumPy kernels call numpy.fft (numba runs
 them too), cuda calls cuFFT, opencl has its own Stockham kernels; a backend without them
-fails to compile naming the op.
+gets the composites below (a DFT as one real matmul with a constant cos/sin table: O(n^2),
+for a static length along the axis).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from .composites import composite, ex, in_f32
 from .dtype import C64, F32, I64, DType
 from .errors import DTypeError, ShapeError
 from .graph import Value
 from .numpy_kernels import KERNELS, put, up
-from .ops import INT, COUNT, one_of, op
+from .ops import INT, COUNT, infer, one_of, op
 from .shape import Shape, norm_axis
 
 NORMS = ("backward", "ortho", "forward")
@@ -90,6 +92,105 @@ def _kernel(fn, with_n=False):
 
 KERNELS.update({"fft": _kernel(np.fft.fft), "ifft": _kernel(np.fft.ifft),
                 "rfft": _kernel(np.fft.rfft), "irfft": _kernel(np.fft.irfft, with_n=True)})
+
+
+# ----------------------------------------------------------------- composites
+# A DFT along one axis is a real-linear map of the (real, imaginary) parts: one matmul of
+# [re | im] [.., 2n] with a constant block table of cos and sin. The primitives have no
+# complex matmul: a c64 value is split into two f32 parts and joined back at the end.
+def _norm_scale(norm: str, n: int, inverse: bool) -> float:
+    """numpy.fft's factor: 'backward' scales the inverse by 1/n, 'forward' the forward
+    transform, 'ortho' both by 1/sqrt(n)."""
+    if norm == "ortho":
+        return 1.0 / float(np.sqrt(n))
+    return 1.0 / n if (norm == "forward") != inverse else 1.0
+
+
+def _roots(rows: int, cols: int, n: int, inverse: bool, scale: float) -> tuple:
+    """(c, s) float64 [rows, cols] with scale * exp(-+2 pi i j k / n) = c + i s (+ for the
+    inverse); j k is reduced mod n first, so the angles stay exact for a long axis."""
+    turn = 2.0 * np.pi * (np.outer(np.arange(rows), np.arange(cols)) % n) / n
+    return scale * np.cos(turn), (1.0 if inverse else -1.0) * scale * np.sin(turn)
+
+
+def _parts(m, z) -> list:
+    """[re, im] f32 of a c64 z: the complex -> real cast keeps the real part, and z * -i has
+    z's imaginary part as its real part."""
+    return [m.cast(z, F32), m.cast(z * m.constant(np.complex64(-1j), C64), F32)]
+
+
+def _joined(m, y, k: int):
+    """c64 re + i im from y [.., 2k] = [re | im]."""
+    re, im = m.narrow(y, -1, 0, k), m.narrow(y, -1, k, k)
+    return re + im * m.constant(np.complex64(1j), C64)
+
+
+def _along_last(m, x, ax: int, fn):
+    """fn ([.., n] -> [.., n'], rank >= 2 as matmul needs) applied along axis `ax` of x:
+    the axis moved last and back, a vector made a row and back."""
+    rank = x.shape.rank
+    perm = [i for i in range(rank) if i != ax] + [ax]
+    moved = x if ax == rank - 1 else m.transpose(x, perm)
+    y = fn(moved if rank > 1 else m.reshape(moved, (1,) + moved.dims))
+    y = y if rank > 1 else m.reshape(y, y.dims[1:])
+    return y if ax == rank - 1 else m.transpose(y, [perm.index(i) for i in range(rank)])
+
+
+def fft_prims(m, z, a: dict, inverse: bool, name: str):
+    """fft / ifft of c64 z: [re | im] @ [[c, s], [-s, c]] is (re c - im s | re s + im c)."""
+    ax, n = _axis_len(z.shape, a, name)
+    c, s = _roots(n, n, n, inverse, _norm_scale(a["norm"], n, inverse))
+    table = m.constant(np.block([[c, s], [-s, c]]), F32)
+    return _along_last(m, z, ax, lambda v: _joined(m, m.matmul(m.concat(_parts(m, v), -1), table), n))
+
+
+def rfft_prims(m, x, a: dict):
+    """rfft of real x (in f32, f64 for f64): x @ [c | s] over the n // 2 + 1 non-negative
+    frequencies."""
+    ax, n = _axis_len(x.shape, a, "rfft")
+    k = n // 2 + 1
+    xf = in_f32(m, x)
+    c, s = _roots(n, k, n, False, _norm_scale(a["norm"], n, False))
+    table = m.constant(np.concatenate([c, s], 1), xf.dtype)
+    return _along_last(m, xf, ax, lambda v: _joined(m, m.matmul(v, table), k))
+
+
+def irfft_prims(m, z, a: dict):
+    """irfft of c64 z [.., k] to the meta's n reals: the Hermitian sum re c - im s, each
+    frequency weighted 2 (itself and its mirror image) but DC and, for an even n, Nyquist,
+    which have no mirror: 1. Their imaginary parts meet sin = 0 and drop out, as in numpy."""
+    ax, k = _axis_len(z.shape, a, "irfft")
+    n = infer("irfft", [z.shape], a)[0].dims[ax]
+    c, s = _roots(k, n, n, True, _norm_scale(a["norm"], n, True))
+    w = np.full((k, 1), 2.0)
+    w[0] = 1.0
+    if n % 2 == 0:
+        w[k - 1] = 1.0
+    table = m.constant(np.concatenate([w * c, -w * s], 0), F32)
+    return _along_last(m, z, ax, lambda v: m.matmul(m.concat(_parts(m, v), -1), table))
+
+
+_COMPLEX_EXAMPLES = (ex("c64[2,8]"), ex("c64[5,3]", axis=0), ex("c64[7]"))
+
+
+@composite("fft", *_COMPLEX_EXAMPLES)
+def _fft(m, ins, a):
+    return fft_prims(m, ins[0], a, False, "fft")
+
+
+@composite("ifft", *_COMPLEX_EXAMPLES)
+def _ifft(m, ins, a):
+    return fft_prims(m, ins[0], a, True, "ifft")
+
+
+@composite("rfft", ex("f16[2,8]"), ex("f32[5,3]", axis=0), ex("f64[7]"))
+def _rfft(m, ins, a):
+    return rfft_prims(m, ins[0], a)
+
+
+@composite("irfft", ex("c64[2,5]"), ex("c64[5,3]", axis=0, n=9), ex("c64[4]"))
+def _irfft(m, ins, a):
+    return irfft_prims(m, ins[0], a)
 
 
 # ----------------------------------------------------------------- helpers
