@@ -1,5 +1,5 @@
 """FFT helpers (ir/fft.py) composed from the ops, against numpy in float64; errors of bad
-input; JSON; a backend without FFT kernels names the op."""
+input; JSON; a backend without FFT kernels runs their composites."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 
 from rlx_core.ir import fft as F
 from rlx_core.ir.dtype import C64, F32, F64
-from rlx_core.ir.errors import BackendError, DTypeError, GraphError, ShapeError
+from rlx_core.ir.errors import DTypeError, GraphError, ShapeError
 from rlx_core.ir.graph import Graph
 from rlx_core.ir.serialize import graph_from_json
 from rlx_core.pipeline import compile as compile_graph
@@ -71,10 +71,14 @@ def test_bad_input_names_the_op(build, err, msg):
         Graph.define("bad", build)
 
 
-def test_backend_without_fft_names_the_op():
-    """rfft has no decomposition to legalize into: a backend without its kernel (the NumPy
-    backend less the FFT ops) is a compile error naming it."""
+def test_backend_without_fft_runs_the_composites(rng):
+    """A backend without FFT kernels (the NumPy backend less the FFT ops) gets the composites
+    (ir/fft.py: a DFT as a matmul with a constant table): numpy's result. A length known
+    only at run time has no such table: a ShapeError naming the op."""
     g = Graph.define("r", lambda m: m.rfft(m.input("x", (8,), F32)))
+    x = rng.standard_normal(8).astype(np.float32)
+    sym = Graph.define("f", lambda m: m.fft(m.input("x", ("t",), C64)))
     with numpy_without({"fft", "ifft", "rfft", "irfft"}, "no-fft") as name:
-        with pytest.raises(BackendError, match="does not implement op 'rfft'"):
-            compile_graph(g, backend=name)
+        _close(compile_graph(g, backend=name).run({"x": x})["out"], np.fft.rfft(x.astype(np.float64)))
+        with pytest.raises(ShapeError, match="fft needs a static length along axis 0"):
+            compile_graph(sym, backend=name)
