@@ -158,7 +158,8 @@ def rfft_prims(m, x, a: dict):
 def irfft_prims(m, z, a: dict):
     """irfft of c64 z [.., k] to the meta's n reals: the Hermitian sum re c - im s, each
     frequency weighted 2 (itself and its mirror image) but DC and, for an even n, Nyquist,
-    which have no mirror: 1. Their imaginary parts meet sin = 0 and drop out, as in numpy."""
+    which have no mirror: 1. Their imaginary parts meet sin(0) and sin(pi t), zero to rounding,
+    and drop out as numpy drops them."""
     ax, k = _axis_len(z.shape, a, "irfft")
     n = infer("irfft", [z.shape], a)[0].dims[ax]
     c, s = _roots(k, n, n, True, _norm_scale(a["norm"], n, True))
