@@ -29,6 +29,10 @@ def up(x: np.ndarray) -> np.ndarray:
 
 
 def put(out: np.ndarray, value) -> None:
+    """value written into out, converted to out's dtype (a complex value into a real buffer
+    keeps its real part, the IR's cast, without numpy's ComplexWarning)."""
+    if np.iscomplexobj(value) and not np.iscomplexobj(out):
+        value = np.real(value)
     np.copyto(out, value, casting="unsafe")
 
 

@@ -99,7 +99,8 @@ KERNELS = {
     "activation": activation,
     "compare": lambda a, x, y: CMP[a["op"]](x, y),
     "where": lambda a, c, x, y: np.where(c, x, y),
-    "cast": lambda a, x: x,                                      # the copy out converts
+    # the copy out converts; a complex value cast to a real dtype keeps its real part
+    "cast": lambda a, x: np.real(x) if np.iscomplexobj(x) and not DType.parse(a["dtype"]).is_complex else x,
     "reduce": reduce,
     "cumsum": lambda a, x: np.cumsum(up(x), axis=a["axis"]),
     "matmul": lambda a, x, y: np.matmul(up(x).swapaxes(-1, -2) if a["trans_a"] else up(x),
