@@ -154,6 +154,32 @@ def test_dialect_spellings():
         "a * (f64(0.5) * (f64(1.0) + math.tanh(a * f64(0.5)))) * b"
 
 
+def test_opencl_elementwise_steps_render_from_the_table(monkeypatch):
+    """binary, compare and fused_swiglu steps come from the table (text pinned: unchanged from
+    the hand-written forms); an int-only fused_swiglu is refused, naming the dtypes."""
+    kernels = _need("rlx_backend_opencl.kernels")
+    step, F16, U8 = kernels.step_expr, DType.F16, DType.U8
+    assert step("binary", {"op": "max"}, [("p", F32), ("q", F16)], F32) == \
+        "((float)(MAXP(((float)p), ((float)q))))"
+    assert step("binary", {"op": "div"}, [("p", U8), ("q", U8)], U8) == \
+        "((uchar)(udiv_uchar(((uchar)p), ((uchar)q))))"
+    assert step("binary", {"op": "min"}, [("p", I32), ("q", I32)], I32) == \
+        "((int)((((int)p) < ((int)q) ? ((int)p) : ((int)q))))"
+    assert step("compare", {"op": "le"}, [("p", I32), ("q", F32)], DType.BOOL) == \
+        "((uchar)(((double)p) <= ((double)q)))"
+    assert step("fused_swiglu", {}, [("g", F16), ("u", F32)], F32) == \
+        "((float)((((float)g) / ((float)1 + exp(-((float)g)))) * ((float)u)))"
+    with pytest.raises(BackendError, match="opencl backend: fused_swiglu needs a float gate or up, got i32 and i32"):
+        step("fused_swiglu", {}, [("g", I32), ("u", I32)], I32)
+    # a changed entry changes the kernel: nothing is written twice
+    monkeypatch.setitem(E.TABLE, ("binary", "sub"), E.Entry("binary", "sub", E.a + -E.b, E.a + -E.b))
+    monkeypatch.setitem(E.TABLE, ("fused_swiglu", "fused_swiglu"),
+                        E.Entry("fused_swiglu", "fused_swiglu", E.sigmoid(E.a) * E.b))
+    assert step("binary", {"op": "sub"}, [("p", I32), ("q", I32)], I32) == "((int)(((int)p) + -((int)q)))"
+    assert step("fused_swiglu", {}, [("g", F32), ("u", F32)], F32) == \
+        "((float)(((float)1 / ((float)1 + exp(-((float)g)))) * ((float)u)))"
+
+
 def test_parentheses_follow_precedence():
     _cuda_codegen = _need("rlx_backend_cuda.codegen")
     CUDA = _cuda_codegen.CUDA

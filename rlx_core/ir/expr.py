@@ -260,6 +260,7 @@ class TextRenderer(Renderer):
     it is the C type of the compute dtype."""
     wrap_top = True              # parenthesize a whole compound expression
     wrap_var = False             # ... and a bare variable
+    wrap_inlined = False         # parenthesize an inlined activation like the call it replaces
 
     def render(self, kind: str, name: str, dt: DType, backend: str | None = None, **values: str) -> str:
         """Entry (kind, name) computed in `dt`, its variables bound to the source strings
@@ -296,7 +297,8 @@ class TextRenderer(Renderer):
         if op == "call":
             spelling, inlined = self.resolve(e, dt, inlining)
             if inlined is not None:
-                return self._r(inlined, dt, values, inlining + (e.name,))
+                s, p = self._r(inlined, dt, values, inlining + (e.name,))
+                return (f"({s})", ATOM) if self.wrap_inlined and p < ATOM else (s, p)
             args = [self._r(c, dt, values, inlining) for c in e.args]
             spelling = spelling.replace("{ct}", self.ctype(dt))
             if "{0}" in spelling:

@@ -103,8 +103,10 @@ class OpenCLRenderer(E.CRenderer):
     """OpenCL C: overloaded libm names for float and double, `(float)0.5` literals, the
     prelude's ISNAN/MAXP/MINP and the integer fdiv_/udiv_/ipow_ helpers. Its own formulas (kept
     from before the table, for bitwise-unchanged results): silu as x / (1 + exp(-x)), one
-    rounding fewer than x * sigmoid(x); relu as ISNAN(x) ? x : (x > 0 ? x : 0)."""
+    rounding fewer than x * sigmoid(x); relu as ISNAN(x) ? x : (x > 0 ? x : 0). An inlined
+    activation keeps its parentheses (fused_swiglu's `(g / (1 + exp(-g))) * u`)."""
     name = "OpenCL C"
+    wrap_inlined = True
     dtypes = (DType.F32, DType.F64, DType.I8, DType.I16, DType.I32, DType.I64, DType.U8, DType.U32)
     CT = {DType.F32: "float", DType.F64: "double", DType.I8: "char", DType.I16: "short", DType.I32: "int",
           DType.I64: "long", DType.U8: "uchar", DType.U32: "uint", DType.BOOL: "uchar"}
@@ -128,13 +130,25 @@ class OpenCLRenderer(E.CRenderer):
         return f"({self.CT[dt]}){s[:-2] if s.endswith('.0') else s}"
 
 
+class StepRenderer(OpenCLRenderer):
+    """The same dialect writing an elementwise step's bare expression: `to()` parenthesizes it."""
+    wrap_top = False
+
+
 OPENCL = OpenCLRenderer()
+STEP = StepRenderer()
 _ACT_DT = {"float": DType.F32, "double": DType.F64}
 
 
 def act_expr(fn: str, v: str, ct: str) -> str:
     """Activation `fn` on the C expression `v` (a variable name) computed in C type `ct`."""
     return OPENCL.render("activation", fn, _ACT_DT.get(ct, DType.I64), "opencl", x=v)
+
+
+def _step(kind: str, name: str, dt: DType, **values: str) -> str:
+    """Table entry (kind, name) computed in `dt` (half computes in float) on the C expressions
+    `values`, unparenthesized."""
+    return STEP.render(kind, name, DType.F32 if dt is DType.F16 else dt, "opencl", **values)
 
 
 def _ct(dt: DType) -> str:
@@ -207,24 +221,12 @@ def step_expr(op: str, a: dict, args: list, o: DType) -> str:
                  "pow": f"{xb} | !{yb}"}[f]
             return f"((uchar)({e}))"
         ct = _ct(o)
-        xa, ya = _cv(x, xd, ct), _cv(y, yd, ct)
-        if ct in ("float", "double"):
-            e = {"add": f"{xa} + {ya}", "sub": f"{xa} - {ya}", "mul": f"{xa} * {ya}",
-                 "div": f"{xa} / {ya}", "max": f"MAXP({xa}, {ya})", "min": f"MINP({xa}, {ya})",
-                 "pow": f"pow({xa}, {ya})"}[f]
-            return to(o, e)
-        if f == "div":       # integer division floors (numpy floor_divide; x // 0 -> 0)
-            return to(o, f"{'udiv_' if o in UNSIGNED else 'fdiv_'}{ct}({xa}, {ya})")
-        if f == "pow":
-            return to(o, f"ipow_{ct}({xa}, {ya})")
-        e = {"add": f"{xa} + {ya}", "sub": f"{xa} - {ya}", "mul": f"{xa} * {ya}",
-             "max": f"({xa} > {ya} ? {xa} : {ya})", "min": f"({xa} < {ya} ? {xa} : {ya})"}[f]
-        return to(o, e)
+        return to(o, _step("binary", f, o, a=_cv(x, xd, ct), b=_cv(y, yd, ct)))
     if op == "compare":
         (x, xd), (y, yd) = args
-        ct = _ct(_np_result([xd, yd]))
-        sym = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}[a["op"]]
-        return f"((uchar)({_cv(x, xd, ct)} {sym} {_cv(y, yd, ct)}))"
+        r = _np_result([xd, yd])
+        ct = _ct(r)
+        return f"((uchar)({_step('compare', a['op'], r, a=_cv(x, xd, ct), b=_cv(y, yd, ct))}))"
     if op == "where":
         (c, _), (x, xd), (y, yd) = args
         r = _np_result([xd, yd])
@@ -244,9 +246,11 @@ def step_expr(op: str, a: dict, args: list, o: DType) -> str:
         return to(o, _cv(x, xd, _ct(o)) if o is not DType.BOOL else x)
     if op == "fused_swiglu":
         (g, gd), (u, ud) = args
-        ct = acc_type(gd, ud) if (gd.is_float or ud.is_float) else _ct(o)
-        gv = _cv(g, gd, ct)
-        return to(o, f"({gv} / (({ct})1 + exp(-{gv}))) * {_cv(u, ud, ct)}")
+        if not (gd.is_float or ud.is_float):
+            raise BackendError(f"opencl backend: fused_swiglu needs a float gate or up, got {gd.value} "
+                               f"and {ud.value}")
+        ct = acc_type(gd, ud)
+        return to(o, _step("fused_swiglu", "fused_swiglu", _ACT_DT[ct], a=_cv(g, gd, ct), b=_cv(u, ud, ct)))
     raise KeyError(op)
 
 
