@@ -247,14 +247,15 @@ __device__ __forceinline__ void rlx_x4(const T* p, W* o) {
   for (int i = 0; i < 4; ++i) o[i] = LD(W, p[i]);
 #endif
 }
-// @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE)
+// @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE, SWIGLU_OF(g, u))
 // Decode: y[M, N] = act(x[M, K] @ dequant(w)^T + bias) for M <= MMAX <= 8. A block is 8
 // warps: KW of them split a row's parts, 8 / KW take R rows each, so x is read once per
 // R rows. Each lane loads its next U parts of every row first (the packed bytes bound a
 // decode step), then decodes them in registers. Partial sums meet in shared memory; the
 // epilogue rounds like the unfused ops (to TO, + bias, round, activation). SWIGLU: w is
 // [2N, K] (gate rows, then up rows); a warp's first R/2 rows are gate rows, the others the
-// up rows of the same outputs, and y[M, N] = silu(gate) * up, each rounded to TO first.
+// up rows of the same outputs, and y[M, N] = SWIGLU_OF(gate, up) (the expression table's
+// fused_swiglu), each rounded to TO first.
 extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restrict__ x, long long xrs,
     const u8* __restrict__ w, long long wrs, const TB* __restrict__ bias, TO* __restrict__ y,
     int M, int N, int nb) {
@@ -342,7 +343,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
 #pragma unroll
     for (int j = 0; j < KW; ++j) u += red[g * KW + j][r + OUTR][m];
     v = LD(W, ST(TO, v));
-    v = v * rlx_sigmoid(v) * LD(W, ST(TO, u));
+    v = SWIGLU_OF(v, LD(W, ST(TO, u)));
 #else
     EPILOGUE
 #endif

@@ -1,11 +1,12 @@
 // Matmul helpers: the 16-bit decode GEMV and the naive integer / bool matmul.
-// @part gemv(T, TO, KS, SWIGLU, R, U, MMAX)
+// @part gemv(T, TO, KS, SWIGLU, R, U, MMAX, SWIGLU_OF(g, u))
 // Decode GEMV: y[M, N] = x[M, K] @ W[N, K]^T for small M, 16-bit data: KS warps per R
 // rows of W, 16-byte loads, U of them in flight per row and lane (the weight bytes bound
 // a decode step, so the loads are issued before any arithmetic). Few rows: more warps per
 // row, so more loads are in flight and each warp waits for fewer of them in turn. SWIGLU: W is [2N, K]
 // (gate rows, then up rows); the warp computes gate row n and up row n + N and writes
-// silu(gate) * up, each rounded to TO first as the unfused matmul would.
+// SWIGLU_OF(gate, up) (the expression table's fused_swiglu), each rounded to TO first as the
+// unfused matmul would.
 extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__ x, long long xrs,
     const T* __restrict__ w, TO* __restrict__ y, int M, int N, int K) {
   // KS: warps per row (each a KS-th of the row's 512-byte chunks)
@@ -100,7 +101,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
     if (m >= M) continue;
 #if SWIGLU
     const float g = tof(ST(TO, s[m][0])), u = tof(ST(TO, s[m][1]));
-    y[(i64)m * N + n] = ST(TO, g * rlx_sigmoid(g) * u);
+    y[(i64)m * N + n] = ST(TO, SWIGLU_OF(g, u));
 #else
 #pragma unroll
     for (int r = 0; r < R; ++r)
