@@ -10,12 +10,12 @@ from hypothesis import HealthCheck, given, settings
 import rlx_core
 from graphs import (Cfg, attention_programs, bert, build, inputs_for, llama, llama_inputs, programs,
                     random_params)
-from rlx_core.testing.parity import backend, rlx_backend, rng  # noqa: F401
+from rlx_core.testing.parity import REF_ACT, backend, rlx_backend, rng  # noqa: F401
 from rlx_core import Graph
 from rlx_core.backends import Backend
 from rlx_core.backends.numpy import NumpyBackend, NumpyRunner
 from rlx_core.ir.errors import BackendError, GraphError
-from rlx_core.ir.ops import FUSED, OPS, Level, OpDef
+from rlx_core.ir.ops import ACTIVATIONS, FUSED, OPS, Level, OpDef
 from rlx_core.profile import CompileProfile
 
 _VERIFY = {"verify_each": True}
@@ -154,6 +154,26 @@ def test_fusable_low_precision_norms_fuse(dt):
     mir = rlx_core.compile(Graph.define("lowp", fn), profile="fusable").mir
     assert [n.op for n in mir.nodes if n.op not in ("input", "param")] == \
         ["rms_norm", "layer_norm", "softmax"], mir.text()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("fn", [f for f in ACTIVATIONS if f != "identity"])
+def test_every_table_activation_fuses_into_the_matmul_epilogue(rng, fn, bias):
+    """act(x @ w (+ b)) becomes one fused_matmul_bias_act for every activation of the expression
+    table (quick_gelu, exp, ... too), and matches act's float64 reference (positive data: log,
+    sqrt and rsqrt are defined on it)."""
+    def define(m):
+        h = m.matmul(m.input("x", (3, 8)), m.param("w", (8, 5)))
+        return m.act(h + m.param("b", (5,)) if bias else h, fn)
+    params = {"w": rng.uniform(0.1, 1.0, (8, 5)).astype(np.float32),
+              **({"b": rng.uniform(0.1, 1.0, 5).astype(np.float32)} if bias else {})}
+    exe = rlx_core.compile(Graph.define("mba", define), profile="fusable", params=params)
+    steps = [(n.op, n.a.get("act")) for n in exe.mir.nodes if n.op not in ("input", "param", "constant")]
+    assert steps == [("fused_matmul_bias_act", fn)], exe.mir.text()
+    x = rng.uniform(0.1, 1.0, (3, 8)).astype(np.float32)
+    h = x.astype(np.float64) @ params["w"].astype(np.float64) + (params["b"].astype(np.float64) if bias else 0.0)
+    (out,) = exe.run(x=x).values()
+    np.testing.assert_allclose(out, REF_ACT[fn](h), rtol=1e-5, atol=1e-5)
 
 
 def test_fully_masked_rows_give_zeros_under_every_profile(rng):

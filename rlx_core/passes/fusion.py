@@ -166,7 +166,11 @@ def _matmul_bias(mt):
                     trans_b=mt.attrs("mm")["trans_b"])
 
 
-_ACTS = lambda fn: fn in ("gelu", "gelu_tanh", "relu", "silu", "tanh", "sigmoid")  # noqa: E731
+# Which activations fuse into a matmul epilogue (fused_matmul_bias_act, dequant_matmul `act`):
+# every one of the expression table but identity (nothing to fuse), since each backend's epilogue
+# renders the table's formula for any of them (CUDA's elementwise emit_op, OpenCL's act_expr,
+# numba's elementwise step, NumPy's activation kernel).
+_ACTS = lambda fn: fn != "identity"  # noqa: E731
 
 
 @rule("matmul_bias_act", A(P("fused_matmul_bias_act")(X("x"), X("w"), X("b"), act="identity", name="f"),

@@ -564,9 +564,12 @@ def test_fused_swiglu(backend, rng, dt):
                {}, ref_swiglu)
 
 
+_MBA_ACTS = ("identity", "gelu", "gelu_tanh", "relu", "silu", "tanh", "sigmoid", "quick_gelu")
+
+
 @covers("fused_matmul_bias_act")
 @fdtype
-@pytest.mark.parametrize("act", ["identity", "gelu", "gelu_tanh", "relu", "silu", "tanh", "sigmoid", "quick_gelu"])
+@pytest.mark.parametrize("act", _MBA_ACTS)
 @pytest.mark.parametrize("bias,trans_b", [(True, False), (True, True), (False, True)])
 def test_fused_matmul_bias_act(backend, rng, dt, act, bias, trans_b):
     args = [arg(rng, "x", (2, 3, 8), dt), arg(rng, "w", (6, 8) if trans_b else (8, 6), dt)]
@@ -578,6 +581,19 @@ def test_fused_matmul_bias_act(backend, rng, dt, act, bias, trans_b):
         return REF_ACT[act](y if b is None else y + b)
 
     run_parity(backend, "fused_matmul_bias_act", args, {"trans_b": trans_b, "act": act}, ref)
+
+
+@fdtype
+@pytest.mark.parametrize("act", [a for a in ACTIVATIONS if a not in _MBA_ACTS])
+def test_fused_matmul_bias_act_any_activation(backend, rng, dt, act):
+    """Fusion puts every activation of the expression table into the matmul epilogue, so each
+    backend's epilogue must take all of them. Small data: sums far from exp's f16 overflow, and
+    positive for log, sqrt, rsqrt and recip."""
+    lo = 0.05 if act in (*_DOMAIN, "recip") else -0.5
+    args = [arg(rng, "x", (2, 3, 8), dt, lo=lo, hi=0.5), arg(rng, "w", (8, 6), dt, lo=lo, hi=0.5),
+            arg(rng, "b", (6,), dt, lo=lo, hi=0.5)]
+    run_parity(backend, "fused_matmul_bias_act", args, {"trans_b": False, "act": act},
+               lambda x, w, b: REF_ACT[act](ref_matmul(x, w, False, False) + b))
 
 
 @covers("fused_residual_rms_norm")
@@ -847,6 +863,21 @@ def test_dequant_matmul(backend, rng, dt, scheme):
         return REF_ACT[act](y if b is None else y + b)
 
     run_parity(backend, "dequant_matmul", args, {"scheme": scheme, "act": act}, ref)
+
+
+@fdtype
+@pytest.mark.parametrize("act", [a for a in ACTIVATIONS if a not in ("identity", "gelu", "silu")])
+def test_dequant_matmul_any_activation(backend, rng, dt, act):
+    """Every table activation fuses into dequant_matmul's epilogue too (fusion._ACTS). Small
+    centered data (positive for log, sqrt, rsqrt and recip), q8_0 weights."""
+    from rlx_core.ir.quant import QuantScheme, matmul_reference
+
+    q = QuantScheme.parse("q8_0")
+    k, lo = 2 * q.block_size, 0.05 if act in (*_DOMAIN, "recip") else -0.5
+    w = Arg("w", q.quantize(rng.uniform(lo, 0.5, (6, k)).astype(np.float32)), U8)
+    args = [arg(rng, "x", (2, 3, k), dt, lo=lo, hi=0.5), w, arg(rng, "b", (6,), dt, lo=lo, hi=0.5)]
+    run_parity(backend, "dequant_matmul", args, {"scheme": "q8_0", "act": act},
+               lambda x, raw, b: REF_ACT[act](matmul_reference(x, raw.astype(np.uint8), "q8_0", (6, k)) + b))
 
 
 @covers("dequantize")
