@@ -1,6 +1,6 @@
 """Op parity: the conformance kit's suite (rlx_core.testing.ops_suite: every op of the table
-against an independent float64 reference, every float dtype, poisoned outputs) on every
-registered backend, or the one `--rlx-backend` names; then checks of the table and the
+against an independent float64 reference, every float dtype, poisoned outputs) on each of the
+project's backends, or the one of them `--rlx-backend` names; then checks of the table and the
 NumPy kernels that are not about a backend."""
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ from rlx_core.testing.ops_suite import *  # noqa: F401,F403  (the suite, on ever
 from rlx_core.testing.ops_suite import SEGMENTS, VARLEN_OPS, segment_args, varlen_args
 from rlx_core.testing.parity import (Arg, arg, compile_on, numpy_without, one_op, ref_segment_pool,
                                      ref_varlen_attention, run_parity)
+
+# the project's backends; an example's or a third party's backend runs the suite in its own tests
+# (examples/rlx_backend_minimal/tests/test_minimal_ops.py), not a second time here
+RLX_BACKENDS = ("numpy", "numba", "cuda", "opencl")
 
 
 # ----------------------------------------------------------------------------- packed sequences
