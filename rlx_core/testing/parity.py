@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from typing import Callable
 
 import attrs
 import ml_dtypes
@@ -332,7 +333,7 @@ def _erf(x):
     return np.vectorize(math.erf, otypes=[np.float64])(x)
 
 
-REF_ACT = {
+REF_ACT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
     "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3))),
     "silu": lambda x: x / (1.0 + np.exp(-x)),
