@@ -420,35 +420,38 @@ class _CublasGemm:
     def __init__(self, builder, case: MatmulCase, a_mat, w_mat, out: V):
         from . import blas as cublas
 
-        self.mkn, self.ldc = case.mkn, case.ldc
-        M, _, N = case.mkn
-        (a_layout, lda), (w_layout, ldw) = case.layouts()
-        self.op_w, self.ld_w = (OP_N if w_layout == "r" else OP_T), ldw
-        self.op_a, self.ld_a = (OP_N if a_layout == "r" else OP_T), lda
-        self.dtype_c = getattr(builder.cp.cuda.runtime, _CUDA_T[case.dtype])
-        self.compute = cublas.COMPUTE_64F if case.dtype is F64 else cublas.COMPUTE_32F
+        M, K, N = case.mkn
+        (a_layout, self.ld_a), (w_layout, self.ld_w) = case.layouts()
+        self.op_w, self.op_a = (OP_N if w_layout == "r" else OP_T), (OP_N if a_layout == "r" else OP_T)
+        self.dtype_c = dtype_c = getattr(builder.cp.cuda.runtime, _CUDA_T[case.dtype])
+        compute = cublas.COMPUTE_64F if case.dtype is F64 else cublas.COMPUTE_32F
         scalar = np.float64 if case.dtype is F64 else np.float32
         alpha, beta = np.ones(1, scalar), np.zeros(1, scalar)
         builder.keep += [alpha, beta]
         self.alpha, self.beta = alpha.ctypes.data, beta.ctypes.data
-        offsets, (self.count, self.stride_a, self.stride_w, self.stride_c) = case.batch_calls()
+        offsets, (count, stride_a, stride_w, stride_c) = case.batch_calls()
         size = out.arr.itemsize
         ptr_a, ptr_w, ptr_c = a_mat.data.ptr, w_mat.data.ptr, out.arr.data.ptr
         self.calls = [(ptr_w + ow * size, ptr_a + oa * size, ptr_c + oc * size) for oa, ow, oc in offsets]
-        self.lib = cublas.library()
-        self.stream = builder.stream
+        lib = cublas.library()
+        # every call's arguments bound here: a prefill step is host-bound, and looking them up
+        # per call cost about 1 us a GEMM
+        head = (lib.handle, self.op_w, self.op_a, N, M, K, self.alpha)
+        if count == 1:
+            self.gemm = lib.gemm
+            self.args = [head + (pw, dtype_c, self.ld_w, pa, dtype_c, self.ld_a, self.beta, pc, dtype_c,
+                                 case.ldc or N, compute) for pw, pa, pc in self.calls]
+        else:
+            self.gemm = lib.gemm_strided
+            self.args = [head + (pw, dtype_c, self.ld_w, stride_w, pa, dtype_c, self.ld_a, stride_a, self.beta,
+                                 pc, dtype_c, N, stride_c, count, compute) for pw, pa, pc in self.calls]
+        self.prepare, self.handle, self.stream = lib.prepare, lib.handle, builder.stream
 
     def __call__(self):
-        lib, (M, K, N) = self.lib, self.mkn
-        lib.prepare(lib.handle, self.stream.ptr)
-        for ptr_w, ptr_a, ptr_c in self.calls:
-            if self.count == 1:
-                lib.gemm(lib.handle, self.op_w, self.op_a, N, M, K, self.alpha, ptr_w, self.dtype_c, self.ld_w,
-                         ptr_a, self.dtype_c, self.ld_a, self.beta, ptr_c, self.dtype_c, self.ldc or N, self.compute)
-            else:
-                lib.gemm_strided(lib.handle, self.op_w, self.op_a, N, M, K, self.alpha, ptr_w, self.dtype_c,
-                                 self.ld_w, self.stride_w, ptr_a, self.dtype_c, self.ld_a, self.stride_a, self.beta,
-                                 ptr_c, self.dtype_c, N, self.stride_c, self.count, self.compute)
+        self.prepare(self.handle, self.stream.ptr)
+        gemm = self.gemm
+        for args in self.args:
+            gemm(*args)
 
 
 GEMV_ROWS, GEMV_LOADS = 1, 2      # rows of W per warp, 16-byte loads in flight per row and lane
