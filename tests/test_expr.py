@@ -183,18 +183,18 @@ def test_opencl_elementwise_steps_render_from_the_table(monkeypatch):
 def test_cuda_gemv_swiglu_epilogues_come_from_the_table(monkeypatch):
     """The decode GEMV and DQ GEMV kernels write silu(gate) * up through their SWIGLU_OF define,
     rendered from the table's fused_swiglu: the .cu files hold no formula of their own."""
-    sources = _need("rlx_backend_cuda.sources")
-    assert sources.swiglu_of("float") == "((g) * rlx_sigmoid((g)) * (u))"
+    sources, codegen = _need("rlx_backend_cuda.sources"), _need("rlx_backend_cuda.codegen")
+    assert codegen.swiglu_of("float") == "((g) * rlx_sigmoid((g)) * (u))"
     src = sources.render(sources.GEMV, T="__half", TO="__half", MMAX=1, R=2, U=4, SWIGLU=1, KS=1,
-                         SWIGLU_OF=sources.swiglu_of("float"))
+                         SWIGLU_OF=codegen.swiglu_of("float"))
     assert "#define SWIGLU_OF(g, u) (((g) * rlx_sigmoid((g)) * (u)))" in src
     assert "ST(TO, SWIGLU_OF(g, u))" in src
     for name in ("gemv.cu", "dq.cu"):
         assert "sigmoid" not in sources._file(name), name
     monkeypatch.setitem(E.TABLE, ("fused_swiglu", "fused_swiglu"),
                         E.Entry("fused_swiglu", "fused_swiglu", E.a * 0.5 * E.b))
-    assert sources.swiglu_of("double") == "((g) * 0.5 * (u))"
-    assert sources.swiglu_of("float") == "((g) * 0.5f * (u))"
+    assert codegen.swiglu_of("double") == "((g) * 0.5 * (u))"
+    assert codegen.swiglu_of("float") == "((g) * 0.5f * (u))"
 
 
 def test_parentheses_follow_precedence():

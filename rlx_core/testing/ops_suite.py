@@ -583,15 +583,25 @@ def test_fused_matmul_bias_act(backend, rng, dt, act, bias, trans_b):
     run_parity(backend, "fused_matmul_bias_act", args, {"trans_b": trans_b, "act": act}, ref)
 
 
+def _epilogue_ranges(act: str) -> tuple:
+    """(low end of x and w, bias range) for a matmul with activation `act`: positive sums for
+    log, sqrt, rsqrt and recip, and for log sums past 1.5, away from log(1) = 0, where the
+    low-precision product's rounding would be all of the result."""
+    if act == "log":
+        return 0.3, (1.0, 1.5)
+    lo = 0.05 if act in (*_DOMAIN, "recip") else -0.5
+    return lo, (lo, 0.5)
+
+
 @fdtype
 @pytest.mark.parametrize("act", [a for a in ACTIVATIONS if a not in _MBA_ACTS])
 def test_fused_matmul_bias_act_any_activation(backend, rng, dt, act):
     """Fusion puts every activation of the expression table into the matmul epilogue, so each
     backend's epilogue must take all of them. Small data: sums far from exp's f16 overflow, and
     positive for log, sqrt, rsqrt and recip."""
-    lo = 0.05 if act in (*_DOMAIN, "recip") else -0.5
+    lo, bias = _epilogue_ranges(act)
     args = [arg(rng, "x", (2, 3, 8), dt, lo=lo, hi=0.5), arg(rng, "w", (8, 6), dt, lo=lo, hi=0.5),
-            arg(rng, "b", (6,), dt, lo=lo, hi=0.5)]
+            arg(rng, "b", (6,), dt, lo=bias[0], hi=bias[1])]
     run_parity(backend, "fused_matmul_bias_act", args, {"trans_b": False, "act": act},
                lambda x, w, b: REF_ACT[act](ref_matmul(x, w, False, False) + b))
 
@@ -873,9 +883,9 @@ def test_dequant_matmul_any_activation(backend, rng, dt, act):
     from rlx_core.ir.quant import QuantScheme, matmul_reference
 
     q = QuantScheme.parse("q8_0")
-    k, lo = 2 * q.block_size, 0.05 if act in (*_DOMAIN, "recip") else -0.5
+    k, (lo, bias) = 2 * q.block_size, _epilogue_ranges(act)
     w = Arg("w", q.quantize(rng.uniform(lo, 0.5, (6, k)).astype(np.float32)), U8)
-    args = [arg(rng, "x", (2, 3, k), dt, lo=lo, hi=0.5), w, arg(rng, "b", (6,), dt, lo=lo, hi=0.5)]
+    args = [arg(rng, "x", (2, 3, k), dt, lo=lo, hi=0.5), w, arg(rng, "b", (6,), dt, lo=bias[0], hi=bias[1])]
     run_parity(backend, "dequant_matmul", args, {"scheme": "q8_0", "act": act},
                lambda x, raw, b: REF_ACT[act](matmul_reference(x, raw.astype(np.uint8), "q8_0", (6, k)) + b))
 

@@ -142,6 +142,12 @@ def emit_op(op: str, a: dict, args: list, out: DType, lines: list, tmp: str) -> 
     raise BackendError(f"cuda backend: {op!r} is not an elementwise op")
 
 
+def swiglu_of(acc: str) -> str:
+    """The SWIGLU_OF(g, u) define of GEMV and DQ_GEMV: the expression table's fused_swiglu on
+    values of C type `acc` (float or double), so the epilogue is the elementwise op's formula."""
+    return CUDA.render("fused_swiglu", "fused_swiglu", F64 if acc == "double" else F32, "cuda", a="(g)", b="(u)")
+
+
 def collapse(shape: tuple, strides: list) -> tuple:
     """Drop size-1 dims and merge adjacent dims every operand walks contiguously.
     `strides` is a list (one per operand) of per-dim element strides."""

@@ -86,7 +86,7 @@ def catalog() -> list:
         for r, u, sw, ks in ((1, 4, 0, 1), (2, 8, 0, 2), (2, 4, 1, 1), (1, 2, 0, 4), (2, 2, 1, 8)):
             out.append((f"gemv {t} {r} {u} {sw} ks {ks}",
                         S.render(S.GEMV, T=t, TO=t, MMAX=4, R=r, U=u, SWIGLU=sw, KS=ks,
-                                 SWIGLU_OF=S.swiglu_of("float")), "rlx_gemv"))
+                                 SWIGLU_OF=codegen.swiglu_of("float")), "rlx_gemv"))
     out.append(("naive", S.render(S.MATMUL_NAIVE, TA="int", TB="int", TO="int", ACC="long long",
                                   MAC="(s) + (a) * (b)"), "rlx_matmul_naive"))
     out.append(("naive bool", S.render(S.MATMUL_NAIVE, TA="bool", TB="bool", TO="bool", ACC="bool",
@@ -104,10 +104,10 @@ def catalog() -> list:
             out.append((f"dq_gemv {kind} {al} {t}", S.dq_source(
                 S.DQ_GEMV, kind, blk, T=t, TO=t, TB=t, ACC="float", A=al, MMAX=mmax, R=4 if mmax < 4 else 2, U=2,
                 KW=2, XV=al % 2, SWIGLU=int(al == 4), EPILOGUE="v = v + LD(W, bias[n]);",
-                SWIGLU_OF=S.swiglu_of("float")), "rlx_dq_gemv"))
+                SWIGLU_OF=codegen.swiglu_of("float")), "rlx_dq_gemv"))
         out.append((f"dq_gemv {kind} f64", S.dq_source(S.DQ_GEMV, kind, blk, T="double", TO="double", TB="double", ACC="double",
                                                        A=8, MMAX=1, R=4, U=2, KW=8, XV=0, SWIGLU=1, EPILOGUE="",
-                                                       SWIGLU_OF=S.swiglu_of("double")), "rlx_dq_gemv"))
+                                                       SWIGLU_OF=codegen.swiglu_of("double")), "rlx_dq_gemv"))
         for t, acc in (("float", "float"), ("__nv_bfloat16", "float"), ("double", "double")):
             staged = S.dq_dequant_shape(kind, blk, 8 if acc == "double" else 4)
             for stage in range(staged["STAGE"] + 1):

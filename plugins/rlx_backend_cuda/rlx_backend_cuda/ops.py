@@ -491,7 +491,7 @@ def _gemv_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool 
     warps = n_out if swiglu else -(-N // rows)
     ks = gemv_split(warps, K, builder.sms)
     src = sources.render(sources.GEMV, T=dtype, TO=dtype, MMAX=mmax, R=rows, U=GEMV_LOADS, SWIGLU=int(swiglu),
-                         KS=ks, SWIGLU_OF=sources.swiglu_of("float"))
+                         KS=ks, SWIGLU_OF=codegen.swiglu_of("float"))
     fn = builder.kernel(src, "rlx_gemv")
     args = (x, i64(K), weight, out.arr, i32(M), i32(n_out), i32(K))
     grid, block, stream = (-(-warps * ks // 8),), (256,), builder.stream
@@ -721,7 +721,7 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
     fn = _dq_kernel(b, sources.DQ_GEMV, s, "rlx_dq_gemv", T=ctype(x.dt), TO=ctype(out.dt), ACC=acc_of(x.dt),
                     TB=ctype(bias.dt) if bias is not None else "float",
                     A=al, MMAX=mmax, R=rows, U=DQ_LOADS, KW=kw, XV=xv, SWIGLU=int(swiglu),
-                    EPILOGUE=_dq_epilogue(out.dt, bias is not None, act), SWIGLU_OF=sources.swiglu_of(acc_of(x.dt)))
+                    EPILOGUE=_dq_epilogue(out.dt, bias is not None, act), SWIGLU_OF=codegen.swiglu_of(acc_of(x.dt)))
     per_block = 8 // kw * (rows // 2 if swiglu else rows)
     b.launch(fn, (-(-N // per_block),), (256,), (x.arr, i64(xrs), w.arr, i64(wrs), bias.arr if bias else None,
                                                  out.arr, i32(M), i32(N), i32(nb)))

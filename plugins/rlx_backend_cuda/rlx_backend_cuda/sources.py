@@ -189,13 +189,6 @@ def attn_wg_smem(D: int) -> int:
 GEMV = Source("gemv.cu:gemv")
 
 
-def swiglu_of(acc: str) -> str:
-    """The SWIGLU_OF(g, u) define of GEMV and DQ_GEMV: the expression table's fused_swiglu on
-    values of C type `acc` (float or double), so the epilogue is the elementwise op's formula."""
-    from rlx_core.ir.dtype import F32, F64
-
-    from .codegen import CUDA
-    return CUDA.render("fused_swiglu", "fused_swiglu", F64 if acc == "double" else F32, "cuda", a="(g)", b="(u)")
 MATMUL_NAIVE = Source("gemv.cu:matmul_naive")
 
 # --------------------------------------------------------------------------- packed weights

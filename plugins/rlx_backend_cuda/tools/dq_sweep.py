@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 from gemv_sweep import graph_time
 
-from rlx_backend_cuda import sources
+from rlx_backend_cuda import codegen, sources
 from rlx_backend_cuda.ops import dq_gemv_shape
 from rlx_core.ir.quant import QuantScheme
 
@@ -34,7 +34,7 @@ def main(schemes):
         wb = cp.asarray(wf.astype(ml_dtypes.bfloat16).view(np.uint16))
         y = cp.empty((1, N), cp.uint16)
         fn = cp.RawKernel(sources.render(sources.GEMV, T="__nv_bfloat16", TO="__nv_bfloat16", MMAX=1, R=1, U=2,
-                                         SWIGLU=0, KS=1, SWIGLU_OF=sources.swiglu_of("float")), "rlx_gemv")
+                                         SWIGLU=0, KS=1, SWIGLU_OF=codegen.swiglu_of("float")), "rlx_gemv")
         t = graph_time(lambda: fn(((N + 7) // 8,), (256,), (x, np.int64(K), wb, y, np.int32(1), np.int32(N),
                                                              np.int32(K))))
         print(f"{name} N={N} K={K}: bf16 rlx_gemv {wb.nbytes / t / 1e9:5.0f} GB/s ({t * 1e6:5.1f} us)", flush=True)
@@ -60,7 +60,7 @@ def main(schemes):
                 _, kw, _ = dq_gemv_shape(s.kind, s.block_size, 1, K, u)
                 src = sources.dq_source(sources.DQ_GEMV, s.kind, s.block_size, T="__nv_bfloat16", TO="float",
                                         TB="float", ACC="float", A=16, MMAX=1, R=r, U=u, KW=kw, XV=1, SWIGLU=0, EPILOGUE="",
-                                        SWIGLU_OF=sources.swiglu_of("float"))
+                                        SWIGLU_OF=codegen.swiglu_of("float"))
                 k = cp.RawKernel(src, "rlx_dq_gemv")
                 grid = (-(-N // (8 // kw * r)),)
                 args = (x, np.int64(K), w, np.int64(raw.shape[1]), None, yo, np.int32(1), np.int32(N), np.int32(nb))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from rlx_backend_cuda import sources
+from rlx_backend_cuda import codegen, sources
 from rlx_backend_cuda.ops import GEMV_LOADS, gemv_split
 
 SHAPES = [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192),
@@ -74,7 +74,7 @@ def main():
         variants.append((1, GEMV_LOADS, ks, f"ops' choice R1U{GEMV_LOADS} {ks} warps a row"))
         for r, u, s, label in variants:
             fn = cp.RawKernel(sources.render(sources.GEMV, T="__half", TO="__half", MMAX=1, R=r, U=u, SWIGLU=0,
-                                             KS=s, SWIGLU_OF=sources.swiglu_of("float")), "rlx_gemv")
+                                             KS=s, SWIGLU_OF=codegen.swiglu_of("float")), "rlx_gemv")
             t = graph_time(lambda: fn((-(-N // r * s // 8),), (256,), args))
             err = float(cp.max(cp.abs(y.astype(cp.float32) - ref)) / cp.max(cp.abs(ref)))
             flag = "" if err < 1e-2 else f" ERR {err:.3g}"
@@ -82,7 +82,7 @@ def main():
         if name == "gate_up":
             for u in (4, 8):
                 fn = cp.RawKernel(sources.render(sources.GEMV, T="__half", TO="__half", MMAX=1, R=2, U=u, SWIGLU=1,
-                                                 KS=1, SWIGLU_OF=sources.swiglu_of("float")),
+                                                 KS=1, SWIGLU_OF=codegen.swiglu_of("float")),
                                   "rlx_gemv")
                 ys = cp.empty((1, N // 2), cp.float16)
                 args = (xk, np.int64(K), w, ys, np.int32(1), np.int32(N // 2), np.int32(K))
