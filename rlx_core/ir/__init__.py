@@ -12,6 +12,8 @@ from . import contract  # noqa: F401,E402  (registers dot_general in the op tabl
 from . import control  # noqa: F401,E402  (registers if_, while_, scan)
 from . import fft  # noqa: F401,E402  (registers fft, ifft, rfft, irfft)
 from . import linalg  # noqa: F401,E402  (registers dense_solve)
+from . import moe  # noqa: F401,E402  (registers moe_route, moe_experts)
+from . import deltanet  # noqa: F401,E402  (registers gated_delta_rule, causal_conv1d)
 
 __all__ = ["DType", "promote", "RlxError", "HIR", "MIR", "LIR", "Builder", "Emit", "Graph", "Node",
            "Value", "BindingManifest", "LirModule", "plan", "FusionPolicy", "legalize", "lower",

@@ -1226,6 +1226,9 @@ def test_nonfinite_fake_quantize(backend, rng):
     run_parity(backend, "fake_quantize", [x], {"scheme": "int8_b32"}, ref, check=check_nonfinite)
 
 
+from .ops_suite_moe import *  # noqa: F401,F403,E402  (routed experts)
+from .ops_suite_deltanet import *  # noqa: F401,F403,E402  (gated delta rule, causal conv1d)
+
 # what `from rlx_core.testing.ops_suite import *` brings: the tests and the fixtures they use
 __all__ = sorted(n for n in dir() if n.startswith("test_")) + ["backend", "custom_plugin", "rlx_backend",
                                                                "rng"]
