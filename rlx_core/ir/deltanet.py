@@ -11,8 +11,11 @@ Both return their new state beside the output; a decode graph writes it back int
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .composites import composite, ex, iota
 from .errors import DTypeError, ShapeError
+from .numpy_kernels import ACT as ACT_FN, KERNELS, put, up
 from .ops import ACT, COUNT, FLOAT, Level, _float, _same_dim, op
 from .recurrence import gated_delta_rule as delta_scan
 from .shape import Shape
@@ -79,6 +82,109 @@ def _m_causal_conv1d(s, a):
     return (Shape(x.dims, x.dtype), st)
 
 
+# ----------------------------------------------------------------- NumPy kernels
+# The chunked (WY / UT) form of flash-linear-attention's chunk_gated_delta_rule. Within a
+# chunk of c steps from state S0, with gamma_i = exp(cum_i) (cum: the chunk's cumulative
+# log-decay) and u_i the delta each step writes (S_i = alpha_i S_{i-1} + k_i u_i^T):
+#     u_i + sum_{j<i} A_ij u_j = beta_i (v_i - gamma_i S0^T k_i),
+#     A_ij = beta_i (k_i . k_j) gamma_i / gamma_j                   (strictly lower),
+# so U = (I + A)^-1 (V_beta - W S0) with W = beta gamma K: the triangular solve is on
+# values alone, done once for all chunks before the one sequential loop over them;
+#     o_i = gamma_i S0^T q_i + sum_{j<=i} (q_i . k_j) gamma_i / gamma_j u_j
+#     S_c = gamma_c S0 + sum_j (gamma_c / gamma_j) k_j u_j^T.
+# Every exponent is a difference cum_i - cum_j <= 0 (j <= i) or cum_i <= 0: no overflow for
+# any g <= 0, and a strongly negative g underflows to the decay it means.
+def heads_major(x, times: int = 1):
+    """[B, T, Hk, D] -> [B, Hk * times, T, D], each head repeated `times` times in place."""
+    return np.repeat(x, times, axis=2).transpose(0, 2, 1, 3) if times > 1 else x.transpose(0, 2, 1, 3)
+
+
+def _lower_solve(a, rhs):
+    """X with (I + a) X = rhs, a strictly lower [.., c, c]: forward substitution, row by row."""
+    x = rhs.copy()
+    for i in range(1, a.shape[-1]):
+        x[..., i, :] -= (a[..., i:i + 1, :i] @ x[..., :i, :])[..., 0, :]
+    return x
+
+
+def _pairwise_decay(cum, strict: bool):
+    """exp(cum_i - cum_j) where j < i (j <= i unless strict), else 0: [.., c] -> [.., c, c]."""
+    c = cum.shape[-1]
+    keep = np.tril(np.ones((c, c), bool), -1 if strict else 0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        diff = cum[..., :, None] - cum[..., None, :]
+    return np.exp(np.where(keep, diff, -np.inf))
+
+
+def delta_chunked(q, k, v, g, beta, s, chunk: int) -> tuple:
+    """The gated delta rule, heads-major: q, k [B, H, T, K] (q scaled), v [B, H, T, V],
+    g, beta [B, H, T], s [B, H, K, V] -> (o [B, H, T, V], the final state)."""
+    b, h, t, kd = q.shape
+    c = min(chunk, t)
+    n = -(-t // c)
+    pad = n * c - t                    # padded steps: g = beta = k = 0 leave the state as it is
+
+    def chunks(x):
+        x = np.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3)) if pad else x
+        return x.reshape((b, h, n, c) + x.shape[3:])
+    q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))
+    cum = np.cumsum(g, axis=-1)
+    gamma = np.exp(cum)
+    within = _pairwise_decay(cum, strict=False)                    # [B, H, N, c, c]
+    kt = np.swapaxes(k, -1, -2)
+    a = np.tril((beta[..., None] * (k @ kt)) * within, -1)
+    attn = (q @ kt) * within
+    # (I + A)^-1 [V_beta | W]: the values' part and the part the chunk's start state scales
+    solved = _lower_solve(a, np.concatenate([beta[..., None] * v, (beta * gamma)[..., None] * k], -1))
+    vd = v.shape[-1]
+    u0, w = solved[..., :vd], solved[..., vd:]
+    qg = q * gamma[..., None]
+    tail = np.exp(cum[..., -1:] - cum)[..., None] * k               # gamma_c / gamma_j k_j
+    o = np.empty_like(v)
+    for i in range(n):
+        u = u0[:, :, i] - w[:, :, i] @ s
+        o[:, :, i] = qg[:, :, i] @ s + attn[:, :, i] @ u
+        s = s * gamma[:, :, i, -1, None, None] + np.swapaxes(tail[:, :, i], -1, -2) @ u
+    return o.reshape(b, h, n * c, vd)[:, :, :t], s
+
+
+def delta_step(q, k, v, g, beta, s) -> tuple:
+    """One step of the recurrence, heads-major [B, H, D] (q scaled): decode's form."""
+    s = s * np.exp(g)[..., None, None]
+    u = beta[..., None] * (v - np.einsum("bhk,bhkv->bhv", k, s))
+    s = s + k[..., :, None] * u[..., None, :]
+    return np.einsum("bhk,bhkv->bhv", q, s), s
+
+
+def _k_gated_delta_rule(a, out, q, k, v, g, beta, state):
+    times = v.shape[2] // q.shape[2]
+    q, k, v, g, beta, s = (up(x) for x in (q, k, v, g, beta, state))
+    q = heads_major(q * q.dtype.type(a["scale"]), times)
+    k, v = heads_major(k, times), heads_major(v)
+    g, beta = g.transpose(0, 2, 1), beta.transpose(0, 2, 1)
+    if q.shape[2] == 1:
+        o, s = delta_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], s)
+        o = o[:, :, None]
+    else:
+        o, s = delta_chunked(q, k, v, g, beta, s, a["chunk"])
+    put(out[0], o.transpose(0, 2, 1, 3))
+    put(out[1], s)
+
+
+def _k_causal_conv1d(a, out, x, w, state, bias=None):
+    t, width = x.shape[1], w.shape[1]
+    u = np.concatenate([up(state).transpose(0, 2, 1), up(x)], axis=1)        # [B, W - 1 + T, C]
+    w = up(w)
+    y = sum(w[:, i] * u[:, i:i + t] for i in range(width))
+    if bias is not None:
+        y = y + up(bias)
+    put(out[0], ACT_FN[a["act"]](y))
+    put(out[1], u[:, u.shape[1] - (width - 1):].transpose(0, 2, 1))
+
+
+KERNELS.update({"gated_delta_rule": _k_gated_delta_rule, "causal_conv1d": _k_causal_conv1d})
+
+
 # ----------------------------------------------------------------- composites
 def repeat_heads(m, x, times: int):
     """[B, T, Hk, K] -> [B, T, Hk * times, K], each head repeated `times` times in place
@@ -117,4 +223,4 @@ def _causal_conv1d(m, ins, a):
     return m.act(y, a["act"]), new_state
 
 
-__all__ = ["repeat_heads"]
+__all__ = ["delta_chunked", "delta_step", "heads_major", "repeat_heads"]
