@@ -326,12 +326,13 @@ SHARD = A("[] or [source, axis, start, length, padded length]", _shard)
 def _m_param(s, a):
     """A named weight, resident on the backend between runs. With a quant `scheme` it is
     bound packed: as a float it is the logical weight (HIR; passes/packed.py rewrites it),
-    as u8 [rows, bytes per row] it is the packed bytes. With `shard` (passes/shard.py) it
+    as u8 [rows, bytes per row] it is the packed bytes (a stack of matrices, such as routed
+    experts' [E, rows, bytes per row], keeps its leading dims). With `shard` (passes/shard.py) it
     binds rows [start, start + length) of `source` along `axis`, zero-padded to `padded`
     (packed: of the bytes, whole rows or whole blocks of each row)."""
     out = Shape(a["shape"], a["dtype"])
-    if a["scheme"] and not out.dtype.is_float and (out.dtype is not DType.U8 or out.rank != 2):
-        raise ShapeError(f"a packed {a['scheme']} param is u8 [rows, bytes per row] or its float "
+    if a["scheme"] and not out.dtype.is_float and (out.dtype is not DType.U8 or out.rank < 2):
+        raise ShapeError(f"a packed {a['scheme']} param is u8 [..., rows, bytes per row] or its float "
                          f"logical shape, got {out}")
     return (out,)
 

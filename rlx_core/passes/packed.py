@@ -3,10 +3,12 @@ reads them through the op that can.
 
 In the HIR a packed weight is an ordinary float param of its logical shape [N, K] with a
 `scheme` attr, so blocks, metas and printing need nothing special. This pass (MIR, before
-fusion) turns it into the bytes the checkpoint holds, u8 [N, bytes_per_row(K)], and rewrites
-its consumers: `x @ W^T` (plain or with a bias/activation epilogue) becomes
-`dequant_matmul`, an embedding lookup gathers packed rows and dequantizes only those, and any
-other use dequantizes the whole weight (correct, at the cost of a float copy).
+fusion) turns it into the bytes the checkpoint holds, u8 [N, bytes_per_row(K)] (a stack of
+three or more dims keeps its leading dims: [E, N, bytes], as a PackedTensor binds it), and
+rewrites its consumers: `x @ W^T` (plain or with a bias/activation epilogue) becomes
+`dequant_matmul`, routed experts (moe_experts) read packed stacks with their `schemes` set, an
+embedding lookup gathers packed rows and dequantizes only those, and any other use
+dequantizes the whole weight (correct, at the cost of a float copy).
 """
 from __future__ import annotations
 
@@ -21,6 +23,13 @@ def packed_params(g: Graph) -> dict:
             if n.op == "param" and n.a.get("scheme") and n.outs[0].dtype.is_float}
 
 
+def packed_dims(dims: tuple, scheme: QuantScheme, name: str) -> tuple:
+    """The packed bytes' dims of a weight of logical `dims` (..., K): [rows, bytes per row]
+    for a matrix (or a vector: one row), the leading dims kept for a stack of three or more."""
+    rows, row_bytes = scheme.packed_shape(dims, name)
+    return tuple(dims[:-1]) + (row_bytes,) if len(dims) > 2 else (rows, row_bytes)
+
+
 def pack_params(g: Graph, activations: str = "f32") -> Graph:
     """`activations="int8"`: each dequant_matmul's x is rounded through int8 blocks of 32 (a
     fake_quantize to int8_b32), which a backend may multiply as integers."""
@@ -33,10 +42,8 @@ def pack_params(g: Graph, activations: str = "f32") -> Graph:
 
     def replace(m, node, ins, i, lookup):
         if i in packed:
-            s = node.outs[0]
-            rows, row_bytes = packed[i].packed_shape(s.dims, node.name)
-            return m.add("param", (), _leaf_name=node.name, shape=(rows, row_bytes), dtype="u8",
-                         scheme=packed[i].name)
+            dims = packed_dims(node.outs[0].dims, packed[i], node.name)
+            return m.add("param", (), _leaf_name=node.name, shape=dims, dtype="u8", scheme=packed[i].name)
         refs = [tuple(r) for r in node.inputs]
         if not any(is_packed(r) for r in refs):
             return None
@@ -50,6 +57,10 @@ def pack_params(g: Graph, activations: str = "f32") -> Graph:
                 x = m.add("fake_quantize", (x,), scheme="int8_b32")
             return m.add("dequant_matmul", (x, *ins[1:]), scheme=packed[w[0]].name,
                          act=a.get("act", "identity"))
+        if node.op == "moe_experts" and not any(is_packed(r) for r in refs[:3]):
+            schemes = tuple(packed[r[0]].name if is_packed(r) else sch
+                            for r, sch in zip(refs[3:], a["schemes"]))
+            return m.add("moe_experts", tuple(ins), act=a["act"], schemes=schemes)
         if node.op == "gather" and is_packed(refs[0]) and a["axis"] == 0:
             rows = m.gather(ins[0], ins[1])
             return m.add("dequantize", (rows,), scheme=packed[refs[0][0]].name,
@@ -62,4 +73,4 @@ def pack_params(g: Graph, activations: str = "f32") -> Graph:
     return rewrite(g, replace)
 
 
-__all__ = ["pack_params", "packed_params"]
+__all__ = ["pack_params", "packed_params", "packed_dims"]
