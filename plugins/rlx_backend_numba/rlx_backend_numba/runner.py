@@ -25,6 +25,7 @@ from rlx_core.ir.quant import QuantScheme
 from . import codegen
 from . import kernels as K
 from . import quant_kernels
+from .moe import prepare_moe_experts
 from . import cblas
 from .cblas import SGEMM
 from .simd import LANES
@@ -367,6 +368,7 @@ def _matmul_epilogue(a, outs, protos, op=None):
 PREPARE["dequant_matmul"] = quant_kernels.prepare_dequant_matmul
 PREPARE["dequantize"] = quant_kernels.prepare_dequantize
 PREPARE["fake_quantize"] = quant_kernels.prepare_fake_quantize
+PREPARE["moe_experts"] = prepare_moe_experts
 
 
 def _kv_layout(a, cache, pos, other):

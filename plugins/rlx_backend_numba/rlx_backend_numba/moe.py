@@ -1,0 +1,356 @@
+"""Routed experts (`moe_experts`) on numba's threads: dense f32 or packed expert stacks.
+
+A step routes first: the (token, slot) pairs are counting-sorted by expert, so each expert's
+tokens form one group of consecutive rows. Then two parallel passes, each reading an
+expert's weight bytes once per group:
+  up    h[s] = act(gate[e] @ x[t]) * (up[e] @ x[t])   for every sorted pair s = (t, e)
+  down  ys[s] = down[e] @ h[s]
+and a last one sums each token's rows of ys with the route's weights into the output.
+Each pass runs one of two ways, chosen per call from the groups' mean size:
+- GEMV (decode: a token or a few per expert): threads over (group, tile of output rows),
+  each packed row dotted with the group's rows as it is read (quant_kernels' `dot`);
+- GEMM (prefill: many tokens per expert): threads over parts of the (group, row tile)
+  tasks split by cost, each tile of weight rows decoded once into the part's scratch
+  (`rows_ser`) and multiplied with the group's rows by one-thread cblas_sgemm on numba's
+  workers (as quant_kernels' rows_gemm; dense f32 tiles are multiplied in place).
+The formats' decoders are quant_kernels' generated ones; a module generated here per
+(gate, up, down format, activation) binds them. Steps it does not cover (f16/bf16/f64, a
+format without numba kernels) keep the NumPy backend's kernel.
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from rlx_core.backends.numpy.blas import single_threaded_blas
+from rlx_core.ir.dtype import F32
+from rlx_core.ir.errors import ModelError
+from rlx_core.ir.quant import QuantScheme
+
+from . import quant_kernels
+from .cblas import SGEMM
+from .codegen import ACT, SWIGLU_HEAD, load_source
+from .quant_kernels import F16, FORMATS
+
+ROWS = 16                   # output rows per GEMV task
+GROUP_GEMM = 4.0            # mean tokens per expert group from which the passes run as GEMMs
+TILE_FLOATS = 1 << 16       # floats of a decoded weight tile (256 KB: stays in L2 beside x's rows)
+DECODE_COST = 4             # a tile's decode, in tokens' products (the GEMM tasks' cost split)
+_OPT = dict(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
+
+
+# --------------------------------------------------------------------------- routing
+@njit(cache=True)
+def route(ids, n_experts, weights):
+    """The pairs (t, j) counting-sorted by expert: tok[s] and wt[s] the token and route weight
+    of sorted pair s, slot[t, j] = s, experts the ids with any pair and starts[g] where group
+    g (expert experts[g]) begins (starts[-1] = T k). bad: the first pair t k + j whose id is
+    outside [0, n_experts), else -1 (the arrays are then meaningless)."""
+    t_, k = ids.shape
+    count = np.zeros(n_experts + 1, np.int64)
+    for t in range(t_):
+        for j in range(k):
+            e = np.int64(ids[t, j])
+            if e < 0 or e >= n_experts:
+                return (np.empty(0, np.int64), np.empty(0, np.float32), np.empty((0, 0), np.int64),
+                        np.empty(0, np.int64), np.empty(0, np.int64), np.int64(t * k + j))
+            count[e + 1] += 1
+    active = 0
+    for e in range(n_experts):
+        active += count[e + 1] > 0
+        count[e + 1] += count[e]
+    experts, starts = np.empty(active, np.int64), np.empty(active + 1, np.int64)
+    g = 0
+    for e in range(n_experts):
+        if count[e + 1] > count[e]:
+            experts[g], starts[g] = e, count[e]
+            g += 1
+    starts[active] = t_ * k
+    tok, wt, slot = np.empty(t_ * k, np.int64), np.empty(t_ * k, np.float32), np.empty((t_, k), np.int64)
+    for t in range(t_):
+        for j in range(k):
+            e = np.int64(ids[t, j])
+            s = count[e]
+            count[e] += 1
+            tok[s], wt[s], slot[t, j] = t, weights[t, j], s
+    return tok, wt, slot, experts, starts, np.int64(-1)
+
+
+@njit(parallel=True, **_OPT)
+def combine(ys, slot, wt, out):
+    """out[t] = sum over j of the route weight times ys[slot[t, j]]."""
+    t_, k = slot.shape
+    for t in prange(t_):
+        o = out[t]
+        o[:] = 0
+        for j in range(k):
+            s = slot[t, j]
+            w, y = wt[s], ys[s]
+            for c in range(o.shape[0]):
+                o[c] += w * y[c]
+
+
+@njit(parallel=True, **_OPT)
+def gather_rows(x, tok, xg):
+    """xg[s] = x[tok[s]]: each group's tokens as consecutive rows (the GEMMs' operand)."""
+    for s in prange(tok.shape[0]):
+        xg[s] = x[tok[s]]
+
+
+@njit(cache=True)
+def split_tasks(starts, tiles, parts):
+    """bounds[p]..bounds[p + 1]: part p's run of the (group, tile) tasks, task g * tiles + i
+    costing the group's tokens plus a tile's decode, runs of about equal cost."""
+    groups = starts.shape[0] - 1
+    total = 0
+    for g in range(groups):
+        total += (starts[g + 1] - starts[g] + DECODE_COST) * tiles
+    bounds = np.empty(parts + 1, np.int64)
+    bounds[0] = 0
+    p, acc = 1, 0
+    for task in range(groups * tiles):
+        g = task // tiles
+        acc += starts[g + 1] - starts[g] + DECODE_COST
+        while p < parts and acc * parts >= total * p:
+            bounds[p] = task + 1
+            p += 1
+    while p <= parts:
+        bounds[p] = groups * tiles
+        p += 1
+    return bounds
+
+
+# --------------------------------------------------------------------------- dense rows
+# A dense f32 stack reads through the same names as a packed format's driver module
+# (quant_kernels.drivers): `dot` of a row with x, `ahead` (a prefetch; none here).
+@njit(**_OPT)
+def dense_dot(r, x, xs, tab):
+    acc = np.float32(0)
+    for i in range(x.shape[0]):
+        acc += r[i] * x[i]
+    return acc
+
+
+@njit(**_OPT)
+def dense_ahead(w, n):
+    pass
+
+
+# --------------------------------------------------------------------------- generated
+_IMPORTS = {
+    "packed": "from {mod} import dot as {w}_dot, ahead as {w}_ahead, rows_ser as {w}_rows\n",
+    "dense": "from rlx_backend_numba.moe import dense_dot as {w}_dot, dense_ahead as {w}_ahead\n",
+}
+_TILE = {
+    "packed": """
+@njit(**_OPT)
+def {w}_tile(w, r0, nr, buf, tab):
+    \"\"\"Rows r0 .. r0 + nr of packed w decoded into buf.\"\"\"
+    {w}_rows(w, r0, buf[:nr], tab)
+    return buf[:nr]
+""",
+    "dense": """
+@njit(**_OPT)
+def {w}_tile(w, r0, nr, buf, tab):
+    \"\"\"Rows r0 .. r0 + nr of dense w, in place.\"\"\"
+    return w[r0:r0 + nr]
+""",
+}
+
+_KERNELS = """
+import numpy as np
+from numba import njit, prange
+from rlx_backend_numba.cblas import sgemm
+from rlx_backend_numba.quant_kernels import sums32
+
+_OPT = dict(cache=True, error_model="numpy", fastmath={{"reassoc", "contract"}})
+R, PF = {rows}, {ahead}
+{imports}
+{tiles}
+
+@njit(**_OPT)
+def inner(g, u):
+    \"\"\"The gated MLP's hidden value: act(gate . x) * (up . x).\"\"\"
+    return ({act}) * u
+
+
+@njit(parallel=True, **_OPT)
+def gemv_up(x, xs, tok, experts, starts, gate, up, h, tab):
+    \"\"\"h[s] = inner(gate[e] @ x[tok[s]], up[e] @ x[tok[s]]) for every pair s of each group
+    (expert experts[g], pairs starts[g] ..), parallel over (group, R rows); xs: x's sums32.\"\"\"
+    ni = h.shape[1]
+    tiles = (ni + R - 1) // R
+    for task in prange(experts.shape[0] * tiles):
+        g, i = task // tiles, task % tiles
+        e = experts[g]
+        wg, wu = gate[e], up[e]
+        for n in range(R * i, min(R * (i + 1), ni)):
+            gate_ahead(wg, n + PF)
+            up_ahead(wu, n + PF)
+            for s in range(starts[g], starts[g + 1]):
+                t = tok[s]
+                h[s, n] = inner(gate_dot(wg[n], x[t], xs[t], tab), up_dot(wu[n], x[t], xs[t], tab))
+
+
+@njit(parallel=True, **_OPT)
+def gemv_down(h, experts, starts, down, ys, tab):
+    \"\"\"ys[s] = down[e] @ h[s] for every pair s of each group, parallel over (group, R rows).\"\"\"
+    hs = np.empty((h.shape[0], h.shape[1] // 32), np.float32)
+    for s in range(h.shape[0]):
+        hs[s] = sums32(h[s])
+    nh = ys.shape[1]
+    tiles = (nh + R - 1) // R
+    for task in prange(experts.shape[0] * tiles):
+        g, i = task // tiles, task % tiles
+        wd = down[experts[g]]
+        for n in range(R * i, min(R * (i + 1), nh)):
+            down_ahead(wd, n + PF)
+            for s in range(starts[g], starts[g + 1]):
+                ys[s, n] = down_dot(wd[n], h[s], hs[s], tab)
+
+
+@njit(parallel=True, **_OPT)
+def gemm_up(xg, experts, starts, gate, up, h, tab, tr, gbuf, ubuf, cbuf, bounds, gemm, ilp64):
+    \"\"\"gemv_up for groups of many rows: part p runs tasks bounds[p] .., a task a group and a
+    tile of tr rows of gate and up, packed ones decoded into gbuf[p] and ubuf[p], multiplied
+    with the group's rows of xg (cblas_sgemm at `gemm`) into h and cbuf[p].\"\"\"
+    ni = h.shape[1]
+    tiles = (ni + tr - 1) // tr
+    for p in prange(bounds.shape[0] - 1):
+        for task in range(bounds[p], bounds[p + 1]):
+            g, i = task // tiles, task % tiles
+            e, s0, s1 = experts[g], starts[g], starts[g + 1]
+            r0 = tr * i
+            nr = min(tr, ni - r0)
+            xs = xg[s0:s1]
+            hv, c = h[s0:s1, r0:r0 + nr], cbuf[p, :s1 - s0, :nr]
+            sgemm(gemm, ilp64, xs, gate_tile(gate[e], r0, nr, gbuf[p], tab), hv, False, True)
+            sgemm(gemm, ilp64, xs, up_tile(up[e], r0, nr, ubuf[p], tab), c, False, True)
+            for a in range(s1 - s0):
+                for n in range(nr):
+                    hv[a, n] = inner(hv[a, n], c[a, n])
+
+
+@njit(parallel=True, **_OPT)
+def gemm_down(h, experts, starts, down, ys, tab, tr, dbuf, bounds, gemm, ilp64):
+    \"\"\"gemv_down for groups of many rows, as gemm_up: tiles of tr rows of down (into dbuf[p]).\"\"\"
+    nh = ys.shape[1]
+    tiles = (nh + tr - 1) // tr
+    for p in prange(bounds.shape[0] - 1):
+        for task in range(bounds[p], bounds[p + 1]):
+            g, i = task // tiles, task % tiles
+            e, s0, s1 = experts[g], starts[g], starts[g + 1]
+            r0 = tr * i
+            nr = min(tr, nh - r0)
+            sgemm(gemm, ilp64, h[s0:s1], down_tile(down[e], r0, nr, dbuf[p], tab), ys[s0:s1, r0:r0 + nr],
+                  False, True)
+"""
+
+
+def _kind(scheme: str) -> str:
+    """A stack's format: "" (dense) or its quant kind."""
+    return QuantScheme.parse(scheme).kind if scheme else ""
+
+
+@functools.lru_cache(maxsize=None)
+def kernels(kinds: tuple, act: str):
+    """The generated module of one (gate, up, down) format triple ("" dense f32) and
+    activation: gemv_up, gemv_down, gemm_up, gemm_down."""
+    imports, tiles = [], []
+    for w, kind in zip(("gate", "up", "down"), kinds):
+        how = "packed" if kind else "dense"
+        mod = quant_kernels.drivers(kind).__name__ if kind else ""
+        imports.append(_IMPORTS[how].format(mod=mod, w=w))
+        tiles.append(_TILE[how].format(w=w))
+    src = _KERNELS.format(rows=ROWS, ahead=quant_kernels.AHEAD_ROWS, imports="".join(imports),
+                          tiles="".join(tiles), act=re.sub(r"\bx\b", "g", ACT[act][F32]))
+    return load_source(SWIGLU_HEAD + src)
+
+
+def _tile_rows(k: int) -> int:
+    """Weight rows of a GEMM tile of K columns: TILE_FLOATS of them, 16 to 256 rows."""
+    return max(16, min(256, TILE_FLOATS // max(k, 1) // 16 * 16))
+
+
+def _scratch(kind: str, parts: int, rows: int, k: int) -> np.ndarray:
+    """Decode scratch for a packed stack's tiles (a dense stack's tiles need none)."""
+    return np.empty((parts, rows, k) if kind else (parts, 0, 0), np.float32)
+
+
+def run_moe_experts(mod, kinds: tuple, x, weights, ids, gate, up, down, out) -> None:
+    """out = moe_experts(x, weights, ids, gate, up, down) through the module `mod` (kernels()),
+    all f32 but the packed stacks (u8 rows of their formats) and the int ids."""
+    n_experts = gate.shape[0]
+    x = np.ascontiguousarray(x)
+    tok, wt, slot, experts, starts, bad = route(ids, n_experts, weights)
+    if bad >= 0:
+        t, j = divmod(int(bad), ids.shape[1])
+        raise ModelError(f"moe_experts: expert id {int(ids[t, j])} of token {t} (slot {j}) is outside "
+                         f"[0, {n_experts}) (the {n_experts} experts of the gate/up/down stacks)")
+    pairs, inter, hidden = tok.shape[0], gate.shape[1], down.shape[1]
+    h = np.empty((pairs, inter), np.float32)
+    ys = np.empty((pairs, hidden), np.float32)
+    if SGEMM is None or pairs < GROUP_GEMM * len(experts):
+        xs = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
+        for t in range(x.shape[0]):         # per token (a few: the GEMV runs up to GROUP_GEMM a group)
+            xs[t] = quant_kernels.sums32(x[t])
+        mod.gemv_up(x, xs, tok, experts, starts, gate, up, h, F16)
+        mod.gemv_down(h, experts, starts, down, ys, F16)
+    else:
+        _gemms(mod, kinds, x, tok, experts, starts, gate, up, down, h, ys)
+    combine(ys, slot, wt, out)
+
+
+def _gemms(mod, kinds, x, tok, experts, starts, gate, up, down, h, ys) -> None:
+    """The up and down passes as tiles of decoded weight rows times each group's rows (BLAS)."""
+    xg = np.empty((tok.shape[0], x.shape[1]), np.float32)
+    gather_rows(x, tok, xg)
+    threads = numba.get_num_threads()
+    group_max = int(np.diff(starts).max())
+    tu, td = _tile_rows(x.shape[1]), _tile_rows(h.shape[1])
+    tasks_up = len(experts) * -(-h.shape[1] // tu)
+    tasks_down = len(experts) * -(-ys.shape[1] // td)
+    pu, pd = max(1, min(threads, tasks_up)), max(1, min(threads, tasks_down))
+    bu = split_tasks(starts, -(-h.shape[1] // tu), pu)
+    bd = split_tasks(starts, -(-ys.shape[1] // td), pd)
+    with single_threaded_blas():
+        mod.gemm_up(xg, experts, starts, gate, up, h, F16, tu, _scratch(kinds[0], pu, tu, x.shape[1]),
+                    _scratch(kinds[1], pu, tu, x.shape[1]), np.empty((pu, group_max, tu), np.float32),
+                    bu, *SGEMM)
+        mod.gemm_down(h, experts, starts, down, ys, F16, td, _scratch(kinds[2], pd, td, h.shape[1]), bd, *SGEMM)
+
+
+def _stack_kind(w: np.ndarray, scheme: str) -> str | None:
+    """The kernel format of one expert stack, or None where no kernel here reads it."""
+    if w.ndim != 3 or not w.flags.c_contiguous:
+        return None
+    if not scheme:
+        return "" if w.dtype == np.float32 else None
+    kind = _kind(scheme)
+    return kind if kind in FORMATS and w.dtype == np.uint8 else None
+
+
+def prepare_moe_experts(a, outs, protos, op=None):
+    """A runner step for `moe_experts` over f32 x with dense f32 or packed stacks (a format of
+    quant_kernels), or None (the NumPy backend's kernel runs it)."""
+    x, weights, ids, *stacks = protos
+    o = outs[0]
+    if (x.ndim != 2 or x.dtype != np.float32 or weights.dtype != np.float32 or o.dtype != np.float32
+            or o.size == 0 or not o.flags.c_contiguous or ids.dtype.kind not in "iu"):
+        return None
+    kinds = tuple(_stack_kind(w, s) for w, s in zip(stacks, a["schemes"]))
+    if None in kinds:
+        return None
+    mod = kernels(kinds, a["act"])
+    out = o.reshape(x.shape)
+
+    def step(a_, o_, x, weights, ids, gate, up, down):
+        run_moe_experts(mod, kinds, x, weights, ids, gate, up, down, out)
+    return step
+
+
+__all__ = ["GROUP_GEMM", "kernels", "prepare_moe_experts", "route", "run_moe_experts"]
