@@ -25,6 +25,7 @@ from rlx_core.ir.quant import QuantScheme
 from . import codegen
 from . import kernels as K
 from . import quant_kernels
+from .deltanet import prepare_causal_conv1d, prepare_gated_delta_rule
 from .moe import prepare_moe_experts
 from . import cblas
 from .cblas import SGEMM
@@ -368,6 +369,7 @@ def _matmul_epilogue(a, outs, protos, op=None):
 PREPARE["dequant_matmul"] = quant_kernels.prepare_dequant_matmul
 PREPARE["dequantize"] = quant_kernels.prepare_dequantize
 PREPARE["fake_quantize"] = quant_kernels.prepare_fake_quantize
+PREPARE.update(gated_delta_rule=prepare_gated_delta_rule, causal_conv1d=prepare_causal_conv1d)
 PREPARE["moe_experts"] = prepare_moe_experts
 
 
