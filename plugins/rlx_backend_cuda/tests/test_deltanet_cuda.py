@@ -1,0 +1,80 @@
+"""gated_delta_rule and causal_conv1d on CUDA's own kernels (rlx_backend_cuda/deltanet.py):
+against the step-by-step float64 references of rlx_core.testing.ops_suite_deltanet, outputs
+poisoned first, at a Qwen3.5-like head shape (K = V = 128, 2 value heads a key head) and an
+odd one (K = 48, V = 72: partial warps and column groups), decode (T = 1 from a nonzero
+state) and prefills past two chunks, every float dtype; a decode loop over a state leaf
+equals one prefill. Skipped with the backend's reason without a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_cuda import gpu
+
+import rlx_core
+from rlx_core.ir.dtype import BF16, F16, F32, F64
+from rlx_core.ir.graph import Graph
+from rlx_core.testing.ops_suite_deltanet import conv_args, ref_causal_conv1d, ref_gated_delta_rule
+from rlx_core.testing.parity import Arg, exact, rand, run_parity
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+
+
+def _unit(rng, dims, dt):
+    x = rng.normal(size=dims)
+    return exact(x / np.linalg.norm(x, axis=-1, keepdims=True), dt)
+
+
+def _gdn_args(rng, b, t, hk, h, kd, vd, dt, state_kind="input"):
+    return [Arg("q", _unit(rng, (b, t, hk, kd), dt), dt), Arg("k", _unit(rng, (b, t, hk, kd), dt), dt),
+            Arg("v", rand(rng, (b, t, h, vd), dt), dt), Arg("g", rand(rng, (b, t, h), dt, -1.0, 0.0), dt),
+            Arg("beta", rand(rng, (b, t, h), dt, 0.0, 1.0), dt),
+            Arg("state", rand(rng, (b, h, kd, vd), dt, -1.0, 1.0), dt, state_kind)]
+
+
+SHAPES = {"qwen35": (1, 2, 4, 128, 128), "odd": (2, 1, 3, 48, 72)}      # b, hk, h, kd, vd
+
+
+@gpu
+@pytest.mark.parametrize("dt", [F32, F16, BF16, F64], ids=lambda d: d.value)
+@pytest.mark.parametrize("t", [1, 150], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_gated_delta_rule(rng, dt, t, shape):
+    b, hk, h, kd, vd = SHAPES[shape]
+    scale = kd ** -0.5
+    run_parity("cuda", "gated_delta_rule", _gdn_args(rng, b, t, hk, h, kd, vd, dt),
+               {"scale": scale, "chunk": 64}, lambda *a: ref_gated_delta_rule(*a, scale=scale))
+
+
+@gpu
+def test_decode_steps_on_a_state_leaf_equal_one_prefill(rng):
+    """Eight one-token runs of one compiled graph, the state written back into its leaf,
+    give the outputs and final state of one 8-token call (the decode path in place)."""
+    b, hk, h, kd, vd = SHAPES["odd"]
+    args = _gdn_args(rng, b, 8, hk, h, kd, vd, F32)
+    q, k, v, g, beta, s0 = (a.data for a in args)
+
+    def build(m):
+        ins = [m.input(n, (b, 1) + x.shape[2:], F32) for n, x in zip("q k v g beta".split(), (q, k, v, g, beta))]
+        st = m.state("state", s0.shape, F32)
+        o, s1 = m.add("gated_delta_rule", (*ins, st), scale=0.3, chunk=64)
+        m.assign(st, s1)
+        return {"o": o}
+    ex = rlx_core.compile(Graph.define("gdn_decode", build), backend="cuda")
+    assert "gated_delta_rule" in {n.op for n in ex.mir.nodes}
+    ex.states["state"] = ex.backend.to_device(s0.astype(np.float32))
+    outs = [ex.backend.to_host(ex.run({n: x[:, i:i + 1].astype(np.float32) for n, x in
+                                       zip("q k v g beta".split(), (q, k, v, g, beta))})["o"]) for i in range(8)]
+    want_o, want_s = ref_gated_delta_rule(q, k, v, g, beta, s0, scale=0.3)
+    np.testing.assert_allclose(np.concatenate(outs, 1), want_o, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(ex.backend.to_host(ex.states["state"]), want_s, rtol=1e-4, atol=1e-4)
+
+
+@gpu
+@pytest.mark.parametrize("dt", [F32, F16, BF16], ids=lambda d: d.value)
+@pytest.mark.parametrize("t", [1, 33], ids=lambda t: f"T{t}")
+def test_causal_conv1d(rng, dt, t):
+    args = conv_args(rng, t, dt, width=4, channels=200)
+    run_parity("cuda", "causal_conv1d", args, {"act": "silu"}, lambda *a: ref_causal_conv1d(*a, act="silu"))
