@@ -1,0 +1,284 @@
+"""VisionModel: what `rlx_core.load(folder)` returns for ViT, DINOv2, CLIP and SigLIP
+checkpoints. `embed(images=...)` gives HF's pooler_output (image_embeds after the projection
+for a CLIP model), `embed(texts=...)` the text tower's text_embeds (CLIP / SigLIP), and
+`similarity(images, texts)` HF's logits_per_image.
+
+Images go through the checkpoint's own preprocessing (rlx_blocks_vision.images.ImageProcessor,
+from preprocessor_config.json) to pixels [N, 3, H, W]; `embed_pixels` takes such pixels
+directly. One executable per image size (the position table is resized for its patch grid
+when the graph is built, then hoisted to load time), its batch dim symbolic."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from rlx_core.ir.dtype import F32
+from rlx_core.ir.errors import ModelError
+from rlx_core.pipeline import select_backend
+from rlx_core.runtime.args import bool_arg, int_arg
+from rlx_core.runtime.model import backend_lock, resolve_profile
+
+from .recipes import text_flow, vision_flow
+
+
+def _l2(x: np.ndarray) -> np.ndarray:
+    """torch.nn.functional.normalize over the last axis."""
+    n = np.sqrt(np.sum(x.astype(np.float64) ** 2, -1, keepdims=True))
+    return (x / np.maximum(n, 1e-12)).astype(np.float32)
+
+
+def pixel_array(pixel_values, channels: int) -> np.ndarray:
+    """Pixels as float32 [N, C, H, W], or a ModelError saying what was expected."""
+    try:
+        a = np.asarray(pixel_values)
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"pixel_values: not an array ({e})") from None
+    if a.dtype.kind not in "fiu" or a.ndim != 4 or a.shape[1] != channels or 0 in a.shape:
+        raise ModelError(f"pixel_values: expected a float array [N, {channels}, height, width], got "
+                         f"{a.dtype} of shape {list(a.shape)}")
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if not np.isfinite(a).all():
+        raise ModelError("pixel_values: has non-finite values")
+    return a
+
+
+class VisionModel:
+    """A vision encoder (and, for CLIP / SigLIP, its text tower) compiled from the recipe's flows."""
+
+    graph_modes = ("vision", "text")
+
+    def __init__(self, recipe, config: dict, tensors: dict, tokenizer=None, backend=None, profile=None,
+                 source: str = "", interpolate_pos_encoding: bool | None = None):
+        self.recipe, self.config, self.tensors, self.tokenizer = recipe, dict(config), tensors, tokenizer
+        self.source = str(source or config.get("_name_or_path") or "model")
+        self.profile = resolve_profile(profile, recipe.default_profile, source or None)
+        self.backend = select_backend(backend or self.profile.backend.name or None)
+        self.arch = recipe.vision_arch(self.config, tensors)
+        self.text = recipe.text_arch(self.config, tokenizer)
+        self.interpolate = bool_arg("interpolate_pos_encoding", recipe.interpolate_default
+                                    if interpolate_pos_encoding is None else interpolate_pos_encoding)
+        self.embeds_images = True
+        self.embeds_texts = self.text is not None
+        self._lock = backend_lock(self.backend)
+        self._exes: dict = {}
+        self._shared: dict = {}
+        self._processor = None
+        self._truncating = None
+        probe = self.built("vision")
+        self.embedding_dim = self._dim_of(probe)
+        self.dim = self.embedding_dim
+
+    @staticmethod
+    def _dim_of(built) -> int:
+        g = built.graph
+        for name, ref in g.outputs:
+            if name == "embedding":
+                return int(g.shape_of(ref).dims[-1])
+        raise ModelError("the vision flow has no 'embedding' output")
+
+    def __repr__(self) -> str:
+        a = self.arch
+        return (f"VisionModel({self.source!r}, model_type={self.config.get('model_type')!r}, {a.layers} layers, "
+                f"hidden {a.hidden}, patch {a.patch}, dim {self.embedding_dim}, texts={self.embeds_texts}, "
+                f"backend={self.backend.name!r})")
+
+    # -- graphs
+    @property
+    def image_size(self) -> int:
+        return self.arch.image_size
+
+    def built(self, mode: str = "vision", height: int | None = None, width: int | None = None):
+        """The flow of `mode` ("vision" for [batch, 3, height, width] pixels, by default the
+        config's image_size; "text") built on the model's tensors: what `executable` compiles
+        and `rlx inspect` shows."""
+        if mode == "vision":
+            h, w = height or self.image_size, width or self.image_size
+            flow = vision_flow(self.arch, h, w, self.interpolate, profile=self.profile)
+        elif mode == "text":
+            if self.text is None:
+                raise ModelError(f"mode 'text': a {self.config.get('model_type')} model has no text tower")
+            flow = text_flow(self.text, profile=self.profile)
+        else:
+            raise ModelError(f"mode {mode!r} is not a graph of this VisionModel; expected one of "
+                             f"{list(self.graph_modes)}")
+        other = ("text_model.", "text_projection.") if mode == "vision" else ("vision_model.", "visual_projection.")
+        tower = {k: v for k, v in self.tensors.items() if not k.startswith(other)}
+        # the other tower's tensors are left out; the logit scale / bias are read on the host
+        unused = tuple(self.recipe.ignore_unused) + tuple(k for k in self.recipe.logit_keys() if k)
+        return flow.build(tower, self.config, F32, ignore_unused=unused)
+
+    def executable(self, mode: str = "vision", height: int | None = None, width: int | None = None):
+        key = (mode, height, width)
+        with self._lock:
+            if key not in self._exes:
+                self._exes[key] = self.built(mode, height, width).compile(self.backend, self.profile,
+                                                                          shared=self._shared)
+            return self._exes[key]
+
+    # -- images
+    @property
+    def processor(self):
+        """The checkpoint's image preprocessing (preprocessor_config.json beside config.json)."""
+        if self._processor is None:
+            from .images import ImageProcessor
+
+            self._processor = ImageProcessor.from_folder(self.source)
+        return self._processor
+
+    def forward_pixels(self, pixel_values) -> dict:
+        """Every output of the vision graph (last_hidden_state, pooled, embedding) for pixels."""
+        x = pixel_array(pixel_values, self.arch.channels)
+        exe = self.executable("vision", x.shape[2], x.shape[3])
+        with self._lock:
+            return exe.run({"pixel_values": x})
+
+    def embed_pixels(self, pixel_values, normalize: bool = False, batch_size: int = 16) -> np.ndarray:
+        """Embeddings [N, dim] of pixels [N, C, H, W] (preprocessed as the checkpoint's processor does)."""
+        x = pixel_array(pixel_values, self.arch.channels)
+        bs = int_arg("batch_size", batch_size, lo=1)
+        out = [self.forward_pixels(x[i:i + bs])["embedding"] for i in range(0, len(x), bs)]
+        e = np.concatenate(out).astype(np.float32)
+        return _l2(e) if bool_arg("normalize", normalize) else e
+
+    def _pixels_of(self, images) -> np.ndarray:
+        if isinstance(images, np.ndarray) and images.dtype.kind == "f" and images.ndim == 4:
+            return images                               # already pixels [N, C, H, W]
+        if isinstance(images, (str, bytes)) or not isinstance(images, (list, tuple)):
+            images = [images]
+        return self.processor(list(images))
+
+    # -- texts
+    def _tokens(self, texts: list) -> list:
+        t = self.text
+        if self.tokenizer is None:
+            raise ModelError(f"{self.source} has no tokenizer (expected tokenizer.json beside config.json); "
+                             "the text tower needs one")
+        for i, s in enumerate(texts):
+            if not isinstance(s, str):
+                raise ModelError(f"text {i}: expected a string, got {type(s).__name__}")
+        encs = list(self.tokenizer.backend.encode_batch(texts))
+        long = [i for i, e in enumerate(encs) if len(e.ids) > t.max_positions]
+        if long:
+            warnings.warn(f"{len(long)} text(s) longer than {t.max_positions} tokens truncated (text {long[0]}: "
+                          f"{len(encs[long[0]].ids)} tokens)", stacklevel=4)
+            if self._truncating is None:
+                from tokenizers import Tokenizer as TkTokenizer
+
+                tk = TkTokenizer.from_str(self.tokenizer.backend.to_str())
+                tk.no_padding()
+                tk.enable_truncation(t.max_positions)
+                self._truncating = tk
+            for i, e in zip(long, self._truncating.encode_batch([texts[i] for i in long])):
+                encs[i] = e
+        rows = [list(e.ids) for e in encs]
+        if any(not r for r in rows):
+            raise ModelError(f"text {next(i for i, r in enumerate(rows) if not r)}: no tokens")
+        return rows
+
+    def text_feed(self, rows: list) -> dict:
+        """The text graph's inputs for token-id rows: right-padded with the pad id (SigLIP:
+        to max_position_embeddings, as its processor pads), and the pooled token per row
+        (CLIP: the first EOS, or the largest id for configs with the legacy eos_token_id 2;
+        SigLIP: the last)."""
+        t = self.text
+        s = t.max_positions if t.pooling == "last" else max(len(r) for r in rows)
+        ids = np.full((len(rows), s), t.pad_id, np.int64)
+        for b, r in enumerate(rows):
+            if len(r) > t.max_positions:
+                raise ModelError(f"text {b}: {len(r)} tokens, the model takes at most {t.max_positions}")
+            ids[b, :len(r)] = r
+        if np.any(ids < 0) or np.any(ids >= t.vocab):
+            raise ModelError(f"token id out of range [0, {t.vocab})")
+        if t.pooling == "last":
+            at = np.full(len(rows), s - 1)
+        elif t.eos_id == 2:
+            at = ids.argmax(-1)
+        else:
+            hit = ids == t.eos_id
+            if not hit.any(-1).all():
+                bad = int(np.flatnonzero(~hit.any(-1))[0])
+                raise ModelError(f"text {bad}: no EOS token (id {t.eos_id}); CLIP pools the EOS token's "
+                                 "state (the tokenizer's post-processor adds it)")
+            at = hit.argmax(-1)
+        pos = np.broadcast_to(np.arange(s, dtype=np.int64), ids.shape)
+        onehot = np.zeros(ids.shape, np.float32)
+        onehot[np.arange(len(rows)), at] = 1.0
+        return {"ids": ids, "positions": np.ascontiguousarray(pos), "pool_onehot": onehot}
+
+    def forward_ids(self, rows) -> dict:
+        """Every output of the text graph for token-id rows (lists of ints)."""
+        if self.text is None:
+            raise ModelError(f"a {self.config.get('model_type')} model has no text tower")
+        feed = self.text_feed([list(map(int, r)) for r in rows])
+        exe = self.executable("text")
+        with self._lock:
+            return exe.run(feed)
+
+    def embed_texts(self, texts, normalize: bool = False, batch_size: int = 16) -> np.ndarray:
+        if self.text is None:
+            raise ModelError(f"{self.source}: a {self.config.get('model_type')} model embeds images only "
+                             "(no text tower)")
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        bs = int_arg("batch_size", batch_size, lo=1)
+        rows = self._tokens(texts)
+        out = [self.forward_ids(rows[i:i + bs])["embedding"] for i in range(0, len(rows), bs)]
+        e = np.concatenate(out).astype(np.float32) if out else np.zeros((0, self.embedding_dim), np.float32)
+        return _l2(e) if bool_arg("normalize", normalize) else e
+
+    # -- the interface
+    def embed(self, texts=None, images=None, normalize: bool = False, batch_size: int = 16) -> np.ndarray:
+        """[n, dim] embeddings of `images` (paths, bytes, HWC uint8 arrays, PIL images, or
+        pixels [N, C, H, W]) or of `texts`; L2-normalized only when `normalize`."""
+        if (texts is None) == (images is None):
+            raise ModelError("embed() takes texts or images (one of them)")
+        if images is not None:
+            return self.embed_pixels(self._pixels_of(images), normalize, batch_size)
+        return self.embed_texts(texts, normalize, batch_size)
+
+    def logit_scale_bias(self) -> tuple:
+        """(exp(logit_scale), logit_bias) as HF's CLIPModel / SiglipModel apply them."""
+        scale_key, bias_key = self.recipe.logit_keys()
+        if not scale_key or scale_key not in self.tensors:
+            raise ModelError(f"{self.source}: similarity needs a two-tower model with {scale_key or 'logit_scale'}")
+        scale = float(np.exp(np.asarray(self.tensors[scale_key], np.float32).reshape(-1)[0]))
+        bias = float(np.asarray(self.tensors[bias_key], np.float32).reshape(-1)[0]) if bias_key else 0.0
+        return scale, bias
+
+    def similarity(self, images, texts, batch_size: int = 16) -> np.ndarray:
+        """HF's logits_per_image [n_images, n_texts]: exp(logit_scale) * cosine (+ logit_bias
+        for SigLIP)."""
+        scale, bias = self.logit_scale_bias()
+        img = self.embed(images=images, normalize=True, batch_size=batch_size)
+        txt = self.embed(texts=texts, normalize=True, batch_size=batch_size)
+        return (img @ txt.T * np.float32(scale) + np.float32(bias)).astype(np.float32)
+
+    # -- rlx_core.testing's batch and fused/composed checks (this model takes pixels)
+    def kit_rows(self, rng) -> list:
+        """Three single images at the config's size (and, with a text tower, a text each)."""
+        size, rows = self.image_size, []
+        for n in (3, 5, 2):
+            r = {"pixel_values": rng.standard_normal((1, self.arch.channels, size, size)).astype(np.float32)}
+            if self.text is not None:
+                r["ids"] = [[int(x) for x in rng.integers(1, self.text.vocab, n)]
+                            + ([self.text.eos_id] if self.text.eos_id is not None else [])]
+            rows.append(r)
+        return rows
+
+    @staticmethod
+    def kit_batch(rows: list) -> dict:
+        out = {"pixel_values": np.concatenate([r["pixel_values"] for r in rows])}
+        if "ids" in rows[0]:
+            out["ids"] = [x for r in rows for x in r["ids"]]
+        return out
+
+    def kit_outputs(self, feed: dict) -> dict:
+        out = {f"image.{k}": v for k, v in self.forward_pixels(feed["pixel_values"]).items()
+               if k in ("pooled", "embedding")}
+        if "ids" in feed:
+            out.update({f"text.{k}": v for k, v in self.forward_ids(feed["ids"]).items()
+                        if k in ("pooled", "embedding")})
+        return out
+
+
+__all__ = ["VisionModel", "pixel_array"]

@@ -1,0 +1,277 @@
+"""The flows of a vision tower and of a CLIP / SigLIP text tower, and the registered recipes
+(HF model types vit, dinov2, dinov2_with_registers, clip, clip_vision_model, siglip,
+siglip_vision_model) that build a VisionModel from a checkpoint folder.
+
+Vision flow inputs: pixel_values [batch, C, H, W] (H, W static: the position table is
+resized for that grid when built). Text flow inputs: ids, positions [batch, seq] and
+pool_onehot [batch, seq] (1.0 at the token each text is pooled at). Outputs:
+last_hidden_state, pooled (HF's pooler_output) and embedding (image_embeds / text_embeds:
+pooled through the projection where the model has one)."""
+from __future__ import annotations
+
+import numpy as np
+
+from rlx_core.flow import ModelFlow
+from rlx_core.flow.blocks import LayerNorm
+from rlx_core.flow.flow import LayerScope
+from rlx_core.flow.vision import (AttentionProbeHead, Dense, InsertTokens, PatchEmbed, PositionsAt, SelectToken,
+                                  ResizedPositions, TokenEmbed, TokenPool, VitLayer, VitLayerSpec)
+from rlx_core.ir.dtype import F32, I64
+from rlx_core.ir.errors import ModelError
+from rlx_core.profile import CompileProfile
+from rlx_core.weights.config import check_config, config_source
+
+from .config import (TextArch, VisionArch, clip_vision_arch, dinov2_arch, siglip_vision_arch, sub_config,
+                     text_arch, vit_arch)
+
+PROFILE = "encoder"
+
+
+def _layers(f: ModelFlow, n: int, prefix: str, spec: VitLayerSpec) -> None:
+    for i in range(n):
+        f.raw_stage(LayerScope(i, f"{prefix}.{i}", VitLayer(spec)))
+
+
+def _norm(f: ModelFlow, key: str, eps: float) -> None:
+    f.raw_stage(LayerNorm(f"{key}.weight", f"{key}.bias", eps))
+
+
+def vision_flow(a: VisionArch, height: int, width: int, interpolate: bool = False, batch="batch",
+                profile=None, name: str = "") -> ModelFlow:
+    """The vision tower for [batch, C, height, width] pixels."""
+    p = a.prefix
+    f = ModelFlow(name or f"{a.family}_vision", layer_prefix=f"{p}{a.layer_prefix}")
+    f.profile(profile or CompileProfile.preset(PROFILE))
+    f.input("pixel_values", (batch, a.channels, height, width), F32)
+    f.raw_stage(PatchEmbed(f"{p}{a.patch_key}", a.patch, a.patch_bias))
+    if a.cls_key:
+        f.raw_stage(InsertTokens(f"{p}{a.cls_key}", 0))
+    grid = (height // a.patch, width // a.patch)
+    f.raw_stage(ResizedPositions(f"{p}{a.pos_key}", grid, 1 if a.cls_key else 0, "bicubic", a.antialias,
+                                 interpolate or a.always_interpolate))
+    if a.registers:
+        f.raw_stage(InsertTokens(f"{p}embeddings.register_tokens", 1))
+    if a.pre_norm:
+        _norm(f, f"{p}{a.pre_norm}", a.eps)
+    spec = VitLayerSpec(a.hidden, a.heads, a.eps, a.act, a.qkv_bias, False, a.keys)
+    _layers(f, a.layers, f"{p}{a.layer_prefix}", spec)
+    if a.final_norm:
+        _norm(f, f"{p}{a.final_norm}", a.eps)
+    f.output("last_hidden_state")
+    if a.pooling == "probe":
+        f.raw_stage(AttentionProbeHead(f"{p}head", a.heads, a.eps, a.act))
+    else:
+        f.raw_stage(TokenPool(0))
+        if a.pooling == "cls_norm":
+            _norm(f, f"{p}post_layernorm", a.eps)
+        elif a.pooling == "pooler":
+            f.raw_stage(Dense("pooler.dense", True, a.pooler_act))
+    f.output("pooled")
+    if a.projection:
+        f.raw_stage(Dense(a.projection, False))
+    return f.output("embedding")
+
+
+def text_flow(t: TextArch, batch="batch", seq="seq", profile=None, name: str = "") -> ModelFlow:
+    """The text tower: token + position embeddings, layers (causal for CLIP), final norm, the
+    token pool_onehot marks, the head / projection."""
+    p = t.prefix
+    f = ModelFlow(name or f"{t.family}_text", layer_prefix=f"{p}encoder.layers")
+    f.profile(profile or CompileProfile.preset(PROFILE))
+    f.input("ids", (batch, seq), I64).input("positions", (batch, seq), I64).input("pool_onehot", (batch, seq), F32)
+    f.raw_stage(TokenEmbed(f"{p}embeddings.token_embedding.weight"))
+    f.raw_stage(PositionsAt(f"{p}embeddings.position_embedding.weight"))
+    spec = VitLayerSpec(t.hidden, t.heads, t.eps, t.act, True, t.causal, t.keys)
+    _layers(f, t.layers, f"{p}encoder.layers", spec)
+    _norm(f, f"{p}final_layer_norm", t.eps)
+    f.output("last_hidden_state")
+    f.raw_stage(SelectToken("pool_onehot"))
+    if t.pooling == "last":                  # SigLIP: pooler_output is after the head
+        f.raw_stage(Dense(t.head, t.head_bias)).output("pooled")
+    else:                                    # CLIP: pooler_output is the EOS state
+        f.output("pooled").raw_stage(Dense(t.head, t.head_bias))
+    return f.output("embedding")
+
+
+# ------------------------------------------------------------------------------ recipes
+def strip_prefix(tensors, prefix: str, drop: tuple = ()) -> dict:
+    """Checkpoint tensors with a task model's `prefix` (ViTForImageClassification's `vit.`)
+    removed and its task heads (`drop`) left out."""
+    has = any(k.startswith(prefix) for k in tensors)
+    out = {}
+    for k, v in tensors.items():
+        if k.startswith(drop):
+            continue
+        out[k[len(prefix):] if has and k.startswith(prefix) else k] = v
+    return out
+
+
+def _tower_prefix(tensors) -> str:
+    """A vision-only model's key prefix: "vision_model." as HF's hub checkpoints have it, or
+    none (as some transformers versions save a bare SiglipVisionModel)."""
+    return "vision_model." if any(k.startswith("vision_model.") for k in tensors) or not tensors else ""
+
+
+class VisionRecipe:
+    """A registered recipe: checkpoint -> rlx_blocks_vision.model.VisionModel. Subclasses say
+    how to read the config into a VisionArch (and a TextArch for two-tower models)."""
+    name = "vision"
+    model_types: tuple = ()
+    default_profile = PROFILE
+    ignore_unused: tuple = ()
+    task_prefix = ""
+    task_heads: tuple = ()
+    interpolate_default = False
+
+    def tensors(self, tensors) -> dict:
+        return strip_prefix(tensors, self.task_prefix, self.task_heads) if self.task_prefix else dict(tensors)
+
+    def vision_arch(self, cfg: dict, tensors) -> VisionArch:
+        raise NotImplementedError
+
+    def text_arch(self, cfg: dict, tokenizer=None) -> TextArch | None:
+        return None
+
+    def logit_keys(self) -> tuple:
+        """(logit_scale, logit_bias) tensor names of a two-tower model ("" where it has none)."""
+        return ("", "")
+
+    def embedding_dim(self, cfg: dict) -> int:
+        t = self.vision_arch(cfg, {})
+        return t.hidden
+
+    def vision_flow(self, cfg: dict, tensors, height: int, width: int, interpolate: bool = False,
+                    profile=None) -> ModelFlow:
+        return vision_flow(self.vision_arch(cfg, tensors), height, width, interpolate, profile=profile)
+
+    def text_flow(self, cfg: dict, tokenizer=None, profile=None) -> ModelFlow:
+        t = self.text_arch(cfg, tokenizer)
+        if t is None:
+            raise ModelError(f"{config_source(cfg)}: a {cfg.get('model_type')} model has no text tower")
+        return text_flow(t, profile=profile)
+
+    def build(self, ckpt, backend=None, profile=None, **kw):
+        from .model import VisionModel
+
+        cfg = dict(ckpt.config)
+        check_config(cfg, config_source(cfg), ModelError)
+        tensors = self.tensors(ckpt.tensors)
+        self.vision_arch(cfg, tensors)                 # an unsupported variant fails here, by key
+        self.text_arch(cfg, ckpt.tokenizer)
+        return VisionModel(self, cfg, tensors, ckpt.tokenizer, backend, profile, source=ckpt.path, **kw)
+
+
+class ViTRecipe(VisionRecipe):
+    """HF ViTModel (and ViTForImageClassification's encoder). pooled: the pooler's
+    act(dense(CLS)) where the checkpoint has pooler.dense, else the CLS token after the final
+    layernorm."""
+    name = "vit"
+    model_types = ("vit",)
+    task_prefix = "vit."
+    task_heads = ("classifier.",)
+    ignore_unused = ("embeddings.mask_token",)
+
+    def vision_arch(self, cfg, tensors):
+        return vit_arch(cfg, pooler="pooler.dense.weight" in tensors)
+
+
+class Dinov2Recipe(VisionRecipe):
+    """HF Dinov2Model / Dinov2WithRegistersModel: pooled is the CLS token after the final norm."""
+    name = "dinov2"
+    model_types = ("dinov2", "dinov2_with_registers")
+    task_prefix = "dinov2."
+    task_heads = ("classifier.",)
+    ignore_unused = ("embeddings.mask_token",)
+    interpolate_default = True
+
+    def vision_arch(self, cfg, tensors):
+        return dinov2_arch(cfg)
+
+
+class ClipRecipe(VisionRecipe):
+    """HF CLIPModel (image and text towers; embeddings after visual_projection and
+    text_projection, logits scaled by exp(logit_scale)) and CLIPVisionModel /
+    CLIPVisionModelWithProjection (model_type clip_vision_model)."""
+    name = "clip"
+    model_types = ("clip", "clip_vision_model")
+
+    def vision_arch(self, cfg, tensors):
+        if cfg.get("model_type") == "clip_vision_model":
+            proj = "visual_projection" if "visual_projection.weight" in tensors else ""
+            return clip_vision_arch(cfg, "", _tower_prefix(tensors), proj)
+        return clip_vision_arch(sub_config(cfg, "vision_config"), " (vision_config)", "vision_model.",
+                                "visual_projection")
+
+    def text_arch(self, cfg, tokenizer=None):
+        if cfg.get("model_type") == "clip_vision_model":
+            return None
+        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        return text_arch(sub_config(cfg, "text_config"), "clip", " (text_config)", pad)
+
+    def logit_keys(self):
+        return ("logit_scale", "")
+
+    def embedding_dim(self, cfg):
+        if cfg.get("model_type") == "clip_vision_model":
+            return int(cfg.get("projection_dim") or cfg.get("hidden_size"))
+        return int(cfg.get("projection_dim", 512))
+
+
+class SiglipRecipe(VisionRecipe):
+    """HF SiglipModel (image and text towers; logits exp(logit_scale) * cosine + logit_bias)
+    and SiglipVisionModel (model_type siglip_vision_model). Fixed-resolution SigLIP 2
+    checkpoints are `siglip` models too."""
+    name = "siglip"
+    model_types = ("siglip", "siglip_vision_model")
+
+    def vision_arch(self, cfg, tensors):
+        if cfg.get("model_type") == "siglip_vision_model":
+            return siglip_vision_arch(cfg, "", _tower_prefix(tensors))
+        return siglip_vision_arch(sub_config(cfg, "vision_config"), " (vision_config)", "vision_model.")
+
+    def text_arch(self, cfg, tokenizer=None):
+        if cfg.get("model_type") == "siglip_vision_model":
+            return None
+        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        return text_arch(sub_config(cfg, "text_config"), "siglip", " (text_config)", pad)
+
+    def logit_keys(self):
+        return ("logit_scale", "logit_bias")
+
+    def embedding_dim(self, cfg):
+        if cfg.get("model_type") == "siglip_vision_model":
+            return int(cfg.get("hidden_size"))
+        return int(sub_config(cfg, "vision_config").get("hidden_size"))
+
+
+class Siglip2Recipe(VisionRecipe):
+    """model_type siglip2 is SigLIP 2's NaFlex form (variable resolution: pre-patchified
+    pixels, per-image spatial shapes, an antialiased bilinear position resize per image, a
+    patch mask): not supported yet; refused by name. Fixed-resolution SigLIP 2 checkpoints
+    declare model_type siglip and load through SiglipRecipe."""
+    name = "siglip2"
+    model_types = ("siglip2", "siglip2_vision_model")
+
+    def vision_arch(self, cfg, tensors):
+        raise ModelError(f"{config_source(cfg)}: model_type {cfg.get('model_type')!r} (SigLIP 2 NaFlex, "
+                         "variable resolution) is not supported; the fixed-resolution SigLIP 2 checkpoints "
+                         "(model_type 'siglip') are")
+
+    def embedding_dim(self, cfg):
+        self.vision_arch(cfg, {})
+
+
+RECIPES = (ViTRecipe, Dinov2Recipe, ClipRecipe, SiglipRecipe, Siglip2Recipe)
+
+
+def random_like(shapes: dict, rng) -> dict:
+    """float32 N(0, 0.2^2) tensors; norm weights and LayerScale around 1."""
+    def one(k):
+        return k.endswith(".weight") and ("norm" in k or "layrnorm" in k)
+
+    return {k: (0.2 * rng.standard_normal(s) + (1.0 if one(k) else 0.0)).astype(np.float32)
+            for k, s in shapes.items()}
+
+
+__all__ = ["VisionRecipe", "ViTRecipe", "Dinov2Recipe", "ClipRecipe", "SiglipRecipe", "Siglip2Recipe",
+           "RECIPES", "vision_flow", "text_flow", "strip_prefix"]
