@@ -72,7 +72,7 @@ class CudaBackend(Backend):
 
     def supported_ops(self) -> set:
         """Ops with a builder; a fused op without one (varlen_attention, segment_pool) is legalized."""
-        from . import control  # noqa: F401  (registers control flow and dense_solve)
+        from . import control, deltanet, moe  # noqa: F401  (register control flow, dense_solve and the MoE / GDN ops)
         from .ops import BUILDERS, VIEW_BUILDERS
 
         return {n for n, d in OPS.items() if d.level is Level.LEAF or n in BUILDERS or n in VIEW_BUILDERS}
@@ -197,7 +197,7 @@ class CudaBackend(Backend):
         ok, why = self.availability()
         if not ok:
             raise BackendError(f"backend 'cuda' is not available here: {why}")
-        from . import control  # noqa: F401  (registers control flow and dense_solve)
+        from . import control, deltanet, moe  # noqa: F401  (register control flow, dense_solve and the MoE / GDN ops)
         from .runner import CudaRunner
 
         self.trim()

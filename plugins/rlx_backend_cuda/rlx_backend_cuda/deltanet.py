@@ -12,12 +12,9 @@ import numpy as np
 
 from . import sources
 from .codegen import acc_of, ctype
+from .ops import BUILDERS, _dq_epilogue
 
 i32, i64 = np.int32, np.int64
-
-GDN = sources.Source("deltanet.cu:rule")
-CONV = sources.Source("deltanet.cu:conv")
-CONV_STATE = sources.Source("deltanet.cu:conv_state")
 
 GDN_WARPS = 4             # warps of a block
 GDN_COLUMNS = 4           # state columns a warp holds (registers: K / 32 x this)
@@ -32,7 +29,7 @@ def build_gated_delta_rule(b, n, ins, outs):
         return
     od = o if o.contiguous() else b.buffer(o.shape, o.dt, "gated_delta_rule output")
     sd = s1 if s1.contiguous() else b.buffer(s1.shape, s1.dt, "gated_delta_rule state")
-    src = sources.render(GDN, T=ctype(q.dt), ACC=acc_of(q.dt), KD=KD, VD=VD, KPL=-(-KD // 32), VPW=GDN_COLUMNS)
+    src = sources.render(sources.GDN_RULE, T=ctype(q.dt), ACC=acc_of(q.dt), KD=KD, VD=VD, KPL=-(-KD // 32), VPW=GDN_COLUMNS)
     fn = b.kernel(src, "rlx_gdn")
     per_block = GDN_WARPS * GDN_COLUMNS
     scale = np.float64(n.a["scale"]) if acc_of(q.dt) == "double" else np.float32(n.a["scale"])
@@ -44,8 +41,6 @@ def build_gated_delta_rule(b, n, ins, outs):
 
 
 def build_causal_conv1d(b, n, ins, outs):
-    from .ops import _dq_epilogue
-
     x, w, st = (b.contiguous(t) for t in ins[:3])
     bias = b.contiguous(ins[3]) if len(ins) > 3 else None
     y, nst = outs
@@ -53,7 +48,7 @@ def build_causal_conv1d(b, n, ins, outs):
     width = w.shape[1]
     if y.size:
         yd = y if y.contiguous() else b.buffer(y.shape, y.dt, "causal_conv1d output")
-        src = sources.render(CONV, T=ctype(x.dt), ACC=acc_of(x.dt), WID=width,
+        src = sources.render(sources.CONV1D, T=ctype(x.dt), ACC=acc_of(x.dt), WID=width,
                              EPILOGUE=_dq_epilogue(x.dt, bias is not None, n.a["act"]))
         b.launch(b.kernel(src, "rlx_conv1d"), (max(1, min(-(-y.size // 256), b.sms * 32)),), (256,),
                  (x.arr, w.arr, st.arr, bias.arr if bias is not None else None, yd.arr, i64(B), i32(T), i32(C)))
@@ -65,11 +60,13 @@ def build_causal_conv1d(b, n, ins, outs):
         b.copy(st, nst)
         return
     nd = nst if nst.contiguous() else b.buffer(nst.shape, nst.dt, "causal_conv1d state")
-    src = sources.render(CONV_STATE, T=ctype(x.dt), WID=width)
+    src = sources.render(sources.CONV1D_STATE, T=ctype(x.dt), WID=width)
     b.launch(b.kernel(src, "rlx_conv1d_state"), (max(1, min(-(-B * C // 256), b.sms * 32)),), (256,),
              (x.arr, st.arr, nd.arr, i64(B), i32(T), i32(C)))
     if nd is not nst:
         b.copy(nd, nst)
 
+
+BUILDERS.update({"gated_delta_rule": build_gated_delta_rule, "causal_conv1d": build_causal_conv1d})
 
 __all__ = ["build_gated_delta_rule", "build_causal_conv1d"]

@@ -140,6 +140,30 @@ def catalog() -> list:
         # vectorized: contiguous, a row-broadcast vector (a bias) and a scalar operand
         kinds = (["c", "r", "z"] * 2)[:len(ins)] + ["c"]
         out.append((f"ew{k} vec", codegen.elementwise_source(prog, ins, od, kinds, 2, k % 2 == 1, 8), "rlx_ew"))
+    return out + moe_gdn()
+
+
+def moe_gdn() -> list:
+    """moe_experts' kernels (moe.py: dense in each dtype, packed in each scheme, gate/up fused or
+    not, the sort, the combine) and gated_delta_rule's and causal_conv1d's (deltanet.py)."""
+    silu = "v = (W)tof(ST(__nv_bfloat16, v)); { v = v / (1.0f + expf(-v)); }"
+    out = [("moe sort", S.render(S.MOE_SORT, TI="long long", NE=64), "rlx_moe_sort")]
+    for t, acc, vec in (("float", "float", 4), ("__nv_bfloat16", "float", 8), ("__half", "float", 8),
+                        ("double", "double", 2)):
+        for dual in (0, 1):
+            out.append((f"moe dense {t} {dual}", S.render(S.MOE_DENSE, ACC=acc, T=t, TO=t, VEC=vec, MC=8, DUAL=dual,
+                                                         EPILOGUE="v = v * 0.5f;" if dual else ""), "rlx_moe_gemv"))
+        out.append((f"moe combine {t}", S.render(S.MOE_COMBINE, ACC=acc, TO=t, TW=t, TI="int", NE=64),
+                    "rlx_moe_combine"))
+        out.append((f"gdn {t}", S.render(S.GDN_RULE, T=t, ACC=acc, KD=128, VD=128, KPL=4, VPW=4), "rlx_gdn"))
+        out.append((f"conv1d {t}", S.render(S.CONV1D, T=t, ACC=acc, WID=4, EPILOGUE="v = v + LD(W, bias[n]);"),
+                    "rlx_conv1d"))
+        out.append((f"conv1d state {t}", S.render(S.CONV1D_STATE, T=t, WID=4), "rlx_conv1d_state"))
+    for kind in S.DQ_SCHEMES:
+        src = S.DQ_COMMON + S.DQ_SCHEMES[kind] + S.DQ_QF + S.MOE_PACKED_TAIL
+        out.append((f"moe packed {kind}", S.render(src, ACC="float", A=16, XV=1, T="__nv_bfloat16", TO="__nv_bfloat16",
+                                                  MC=8, DUAL=1, EPILOGUE=silu,
+                                                  **({"IB": 32} if "IB" in src.defines() else {})), "rlx_moe_gemv"))
     return out
 
 

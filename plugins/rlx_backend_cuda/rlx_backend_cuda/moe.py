@@ -21,6 +21,7 @@ from rlx_core.ir.errors import BackendError
 
 from . import sources
 from .codegen import acc_of, ctype
+from .ops import BUILDERS, _dq_epilogue, _packed
 from .values import V
 
 i32, i64 = np.int32, np.int64
@@ -28,10 +29,6 @@ i32, i64 = np.int32, np.int64
 PAIRS_PER_PASS = 8        # pairs one pass over a weight row serves (registers: 2 x this accumulators)
 ROWS_PER_BLOCK = 8        # warps (output rows) of a gemv block
 
-SORT = sources.Source("moe.cu:sort")
-DENSE = sources.Source("moe.cu:w", "moe.cu:dense", "moe.cu:gemv")
-PACKED_TAIL = sources.Source("dq.cu:x4", "moe.cu:packed", "moe.cu:gemv")
-COMBINE = sources.Source("moe.cu:w", "moe.cu:combine")
 
 
 class Stack:
@@ -39,8 +36,6 @@ class Stack:
     it: contiguous bytes, the expert and row strides in bytes, and how to decode a row."""
 
     def __init__(self, b, w: V, scheme: str, x: V, what: str):
-        from .ops import _packed
-
         self.scheme = None
         if scheme:
             from rlx_core.ir.quant import QuantScheme
@@ -73,9 +68,9 @@ class Stack:
             while (vec * 2 * isz <= 16 and K % (vec * 2) == 0 and xalign % (vec * 2 * isz) == 0
                    and self.arr.data.ptr % (vec * 2 * isz) == 0 and self.rs % (vec * 2 * isz) == 0):
                 vec *= 2
-            return sources.render(DENSE, VEC=vec, **defines)
+            return sources.render(sources.MOE_DENSE, VEC=vec, **defines)
         s = self.scheme
-        source = sources.DQ_COMMON + sources.DQ_SCHEMES[s.kind] + sources.DQ_QF + PACKED_TAIL
+        source = sources.DQ_COMMON + sources.DQ_SCHEMES[s.kind] + sources.DQ_QF + sources.MOE_PACKED_TAIL
         extra = {"IB": s.block} if "IB" in source.defines() else {}
         return sources.render(source, A=self.align, XV=int(xalign % (4 * isz) == 0), **extra, **defines)
 
@@ -89,8 +84,6 @@ def _align(ptr: int, row_bytes: int) -> int:
 
 def _gemv(b, x: V, xdiv: int, a: Stack, bb: Stack | None, sort, out, N: int, K: int, act: str, n_slots: int):
     """One gemv launch: out[pair, :N] from stack a (and bb: gate/up) on x rows pair // xdiv."""
-    from .ops import _dq_epilogue
-
     dual = bb is not None
     xal = _align(x.arr.data.ptr, x.arr.strides[0])
     src = a.source(x, xal, K, T=ctype(x.dt), TO=ctype(x.dt), ACC=acc_of(x.dt), MC=PAIRS_PER_PASS,
@@ -118,7 +111,7 @@ def build_moe_experts(b, n, ins, outs):
     if P and E:
         _experts(b, n, ins, x, ids_c, part)
     dst = y if y.contiguous() else b.buffer(y.shape, y.dt, "moe output")
-    src = sources.render(COMBINE, ACC=acc_of(x.dt), TO=ctype(y.dt), TW=ctype(wts_c.dt), TI=ctype(ids_c.dt), NE=E)
+    src = sources.render(sources.MOE_COMBINE, ACC=acc_of(x.dt), TO=ctype(y.dt), TW=ctype(wts_c.dt), TI=ctype(ids_c.dt), NE=E)
     b.launch(b.kernel(src, "rlx_moe_combine"), (max(1, min(-(-T * H // 256), b.sms * 32)),), (256,),
              (part.arr, wts_c.arr, ids_c.arr, dst.arr, i64(T), i32(H), i32(ks)))
     if dst is not y:
@@ -163,9 +156,11 @@ def _sort(b, ids: V, P: int, E: int) -> tuple:
     if E > 8192:
         raise BackendError(f"cuda backend: moe_experts with {E} experts: the sort kernel takes at most 8192 "
                            f"(node %{b.node})")
-    fn = b.kernel(sources.render(SORT, TI=ctype(ids.dt), NE=E), "rlx_moe_sort")
+    fn = b.kernel(sources.render(sources.MOE_SORT, TI=ctype(ids.dt), NE=E), "rlx_moe_sort")
     b.launch(fn, (1,), (1024,), (ids.arr, i32(P), offsets.arr, order.arr, active.arr, b.r.err, i32(b.node)))
     return offsets, order, active
 
+
+BUILDERS["moe_experts"] = build_moe_experts
 
 __all__ = ["build_moe_experts"]

@@ -16,9 +16,7 @@ from rlx_core.ir.ops import Level, MaskKind, get_op
 from . import codegen, device, sources
 from . import rows as row_kernels
 from .codegen import acc_of, ctype
-from .deltanet import build_causal_conv1d, build_gated_delta_rule
 from .fft import build_fft
-from .moe import build_moe_experts
 from .values import CONFIG, V, contiguous_strides, nocopy_reshape_strides
 
 LOW = (F16, BF16)
@@ -1774,8 +1772,6 @@ BUILDERS = {
     "quantize": _b_host,
     "fake_quantize": _b_host,
     "all_reduce": _b_collective, "all_gather": _b_collective, "reduce_scatter": _b_collective,
-    "moe_experts": build_moe_experts,
-    "gated_delta_rule": build_gated_delta_rule, "causal_conv1d": build_causal_conv1d,
 }
 
 VIEW_BUILDERS = {

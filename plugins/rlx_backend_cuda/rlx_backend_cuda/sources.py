@@ -230,6 +230,16 @@ def dq_parts(kind: str, block: int) -> int:
     return block // 8 if kind in ("int8", "int4") else {"q4_k": 8, "q5_k": 8, "q6_k": 8}.get(kind, 2)
 
 
+# --------------------------------------------------------------------------- routed experts, Gated DeltaNet
+# (builders and launch shapes: moe.py, deltanet.py)
+MOE_SORT = Source("moe.cu:sort")
+MOE_DENSE = Source("moe.cu:w", "moe.cu:dense", "moe.cu:gemv")
+MOE_PACKED_TAIL = Source("dq.cu:x4", "moe.cu:packed", "moe.cu:gemv")    # after DQ_COMMON + a scheme + DQ_QF
+MOE_COMBINE = Source("moe.cu:w", "moe.cu:combine")
+GDN_RULE = Source("deltanet.cu:rule")
+CONV1D = Source("deltanet.cu:conv")
+CONV1D_STATE = Source("deltanet.cu:conv_state")
+
 # Decode attention over a short KV cache (one query row per head): one block per (batch, kv
 # head), no split over blocks and so no merge. Its G heads' q rows go to shared memory; each
 # thread scores whole keys (all its K rows loaded first, VK-element loads along the row: a
