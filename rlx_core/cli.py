@@ -792,26 +792,31 @@ def chat_cmd(model_name: str, system: str | None, sampling: dict, profile: str |
 @main.command("embed")
 @click.argument("model_name", metavar="MODEL")
 @click.argument("texts", nargs=-1)
+@click.option("--image", "images", is_flag=True,
+              help="The arguments (or the lines of --file) are image files (PNG, JPEG, WebP, ...) to embed "
+                   "with a vision MODEL: rlx embed MODEL --image a.png b.jpg.")
 @click.option("--file", "-f", "file", metavar="FILE", default=None,
               help="Embed every line of FILE ('-' for stdin), one embedding per line.")
 @click.option("--json", "json_out", is_flag=True, help="Print one JSON object with every embedding.")
 @click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True,
-              help="Texts per compiled batch.")
+              help="Texts or images per compiled batch.")
 @click.option("--no-normalize", is_flag=True, help="Skip the L2 normalization.")
 @click.option("--no-truncate", is_flag=True,
               help="Fail on text longer than the model's limit instead of truncating it.")
-def embed_cmd(model_name: str, texts: tuple, file: str | None, json_out: bool, batch_size: int,
+def embed_cmd(model_name: str, texts: tuple, images: bool, file: str | None, json_out: bool, batch_size: int,
               no_normalize: bool, no_truncate: bool) -> None:
-    """Embed TEXTS (or the lines of --file) with the encoder MODEL.
+    """Embed TEXTS (or the lines of --file) with the encoder MODEL, or images with --image.
 
     MODEL is an HF folder or a packaged name of a model type with an encoder recipe
-    (`rlx plugins` lists them). Prints one vector per line, or JSON with --json.
+    (`rlx plugins` lists them), or a vision checkpoint: its images go through the
+    checkpoint's own preprocessing (preprocessor_config.json), and CLIP / SigLIP embed texts
+    into the same space. Prints one vector per line, or JSON with --json.
     """
     from .runtime.encoder import embed_command
 
     embed_command(model_name, texts=list(texts) or None, file=file, json_out=json_out,
                   batch_size=batch_size, normalize=not no_normalize, no_truncate=no_truncate,
-                  echo=click.echo)
+                  echo=click.echo, images=images)
 
 
 # ============================================================================ rlx serve
@@ -835,7 +840,8 @@ def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_
               log_level: str, max_body_mb: float, profile: str | None, backend: str | None,
               tp: int | None) -> None:
     """Serve MODEL(s) over OpenAI's HTTP API: /v1/models, /v1/completions,
-    /v1/chat/completions (streaming too), /v1/embeddings (encoder models).
+    /v1/chat/completions (streaming too), /v1/embeddings (encoder models; vision models take
+    images as base64 data URLs).
 
     Each model is requested by its name as given here. Concurrent requests share a causal
     model's decode batch (continuous batching). Needs the serve extra:

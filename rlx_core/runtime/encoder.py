@@ -539,45 +539,72 @@ def encoder_model_types() -> list:
     return sorted(t for t, r in registry().recipes.items() if callable(getattr(r, "embedding_dim", None)))
 
 
+def embeds_images(model: Any) -> bool:
+    """Whether `model` embeds images: a vision family's model says so (`embeds_images`), and
+    takes `embed(images=[paths or encoded bytes], normalize=..., batch_size=...)`; core never
+    decodes an image itself."""
+    return bool(getattr(model, "embeds_images", False))
+
+
+def _load_embedder(model: Any) -> Any:
+    if isinstance(model, Encoder) or embeds_images(model):
+        return model
+    from .model import load
+
+    m = load(str(model), progress=False)
+    if not (isinstance(m, Encoder) or embeds_images(m)):
+        raise ModelError(f"{model}: a {_kind(m)} model is not a text encoder; rlx embed needs an encoder "
+                         "checkpoint (model types with an encoder recipe: "
+                         f"{', '.join(encoder_model_types()) or 'none registered'}) or a vision one (a model "
+                         "that embeds images)")
+    return m
+
+
+def _kind(m: Any) -> str:
+    return str(getattr(m, "config", {}).get("model_type") or type(m).__name__)
+
+
 def embed_command(model: Any, texts: str | list[str] | None = None, file: str | None = None,
                   json_out: bool = False, batch_size: int = 32, normalize: bool = True,
                   no_truncate: bool = False, echo: Callable[[str], Any] = print,
-                  progress: bool | None = None) -> np.ndarray:
-    """What `rlx embed MODEL "text" ... [--json]` / `rlx embed MODEL --file lines.txt` does.
+                  progress: bool | None = None, images: bool = False) -> np.ndarray:
+    """What `rlx embed MODEL "text" ... [--json]` / `rlx embed MODEL --file lines.txt` /
+    `rlx embed MODEL --image a.png b.jpg` does.
 
-    `model`: a path, a packaged name or an Encoder. `file`: a path or "-" (stdin),
-    one text per line (empty lines included). Prints one line per text (the vector, values
-    separated by spaces, loadable by numpy.loadtxt) or, with json_out, one JSON object
-    {"model", "dim", "normalized", "count", "embeddings"}. A progress bar goes to stderr for
-    long files. Errors are RlxErrors (the CLI prints them as one `error:` line); text longer
-    than the model's limit is truncated with a warning, or an error with no_truncate."""
+    `model`: a path, a packaged name, an Encoder or a model that embeds images (see
+    embeds_images). `file`: a path or "-" (stdin), one text per line (empty lines included).
+    With `images`, the texts (or the file's lines) are image paths, read by the model's own
+    preprocessing. A vision model with a text tower (CLIP, SigLIP) embeds texts too, into the
+    images' space. Prints one line per item (the vector, values separated by spaces, loadable
+    by numpy.loadtxt) or, with json_out, one JSON object {"model", "dim", "normalized",
+    "count", "embeddings"}. A progress bar goes to stderr for long text files. Errors are
+    RlxErrors (the CLI prints them as one `error:` line); text longer than the model's limit
+    is truncated with a warning, or an error with no_truncate (text encoders only)."""
     texts = [texts] if isinstance(texts, str) else list(texts or ())
+    what = "image paths" if images else "texts"
     if texts and file is not None:
-        raise ModelError("give texts or --file, not both")
+        raise ModelError(f"give {what} or --file, not both")
     if file is not None:
         texts = _read_lines(file)
     elif not texts:
-        raise ModelError("nothing to embed: give one or more texts, or --file FILE (one text per line)")
-    if isinstance(model, Encoder):
-        enc = model
+        raise ModelError(f"nothing to embed: give one or more {what}, or --file FILE (one per line)")
+    if images and no_truncate:
+        raise ModelError("--no-truncate applies to texts; images are resized by the model's preprocessing")
+    m = _load_embedder(model)
+    if images or not isinstance(m, Encoder):
+        emb = _embed_with_vision_model(model, m, texts, images, batch_size, normalize, no_truncate)
     else:
-        from .model import load
-
-        enc = load(str(model), progress=False)
-        if not isinstance(enc, Encoder):
-            raise ModelError(f"{model}: a {enc.config.get('model_type', type(enc).__name__)} model is not a "
-                             "text encoder; rlx embed needs an encoder checkpoint (model types with an "
-                             f"encoder recipe: {', '.join(encoder_model_types()) or 'none registered'})")
-    if progress is None:
-        progress = file is not None and len(texts) > 8 * batch_size
-    # messages count from 1, as a user reading the command line or the file does
-    item = f"line of {'stdin' if file == '-' else file}" if file is not None else "text"
-    emb = enc.embed(texts, batch_size=batch_size, normalize=normalize, truncate=not no_truncate,
-                    progress=progress, item=item, first=1)
+        if progress is None:
+            progress = file is not None and len(texts) > 8 * batch_size
+        # messages count from 1, as a user reading the command line or the file does
+        item = f"line of {'stdin' if file == '-' else file}" if file is not None else "text"
+        emb = m.embed(texts, batch_size=batch_size, normalize=normalize, truncate=not no_truncate,
+                      progress=progress, item=item, first=1)
     if json_out:
         body = ",".join("[" + ",".join(r) + "]" for r in _fmt_rows(emb))
-        head = json.dumps({"model": str(model if not isinstance(model, Encoder) else model.source),
-                           "dim": enc.dim, "normalized": bool(normalize), "count": int(len(texts))})
+        name = model if isinstance(model, (str, os.PathLike)) else getattr(model, "source", model)
+        head = json.dumps({"model": str(name), "dim": int(emb.shape[-1]), "normalized": bool(normalize),
+                           "count": int(len(texts))})
         echo(head[:-1] + f', "embeddings": [{body}]}}')
     else:
         for r in _fmt_rows(emb):
@@ -585,4 +612,23 @@ def embed_command(model: Any, texts: str | list[str] | None = None, file: str | 
     return emb
 
 
-__all__ = ["Encoder", "embed_command", "encoder_model_types", "sentence_transformers_config"]
+def _embed_with_vision_model(name: Any, m: Any, items: list, images: bool, batch_size: int,
+                             normalize: bool, no_truncate: bool) -> np.ndarray:
+    """Images (paths) or, for a model with a text tower, texts through a vision model."""
+    if images and not embeds_images(m):
+        raise ModelError(f"{name}: a {_kind(m)} model embeds texts, not images; --image needs a vision "
+                         "checkpoint")
+    if not images:
+        if not getattr(m, "embeds_texts", False):
+            raise ModelError(f"{name}: a {_kind(m)} model embeds images only; give image paths with --image")
+        if no_truncate:
+            raise ModelError(f"{name}: --no-truncate applies to text encoders; this model's text tower "
+                             "truncates at its position limit")
+    kw = {"images" if images else "texts": items}
+    emb = np.asarray(m.embed(**kw, normalize=normalize, batch_size=batch_size), np.float32)
+    if emb.ndim != 2 or len(emb) != len(items):
+        raise ModelError(f"{name}: the model returned embeddings of shape {emb.shape} for {len(items)} inputs")
+    return emb
+
+
+__all__ = ["Encoder", "embed_command", "embeds_images", "encoder_model_types", "sentence_transformers_config"]

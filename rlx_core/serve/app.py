@@ -1,6 +1,7 @@
 """The OpenAI-compatible ASGI app (Starlette): GET /v1/models, POST /v1/completions,
 /v1/chat/completions (through each causal model's Scheduler, so concurrent requests share
-its decode batch; streamed as server-sent events) and /v1/embeddings (encoder models).
+its decode batch; streamed as server-sent events) and /v1/embeddings (encoder models, and
+models that embed images: base64 data URLs in, as vLLM's multimodal embeddings take them).
 
 Hostile requests get a 4xx and cost little: a body is bounded (max_body_mb: a 413 before
 it is read when Content-Length says more, or as its chunks pass the limit; a 400 when it
@@ -22,6 +23,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..ir.errors import RlxError
+from ..runtime.encoder import embeds_images
 from ..runtime.scheduler import Scheduler, trim_heap
 from . import protocol as P
 from .protocol import ApiError
@@ -308,6 +310,11 @@ async def embeddings(request: Request):
     body = await _body(request, "embeddings")
     name = body.get("model")
     enc = served.get(name, "encoder")
+    if embeds_images(enc):
+        return await _embed_images_or_texts(served, name, enc, body)
+    if "messages" in body:
+        raise P.bad(f"'{name}' embeds texts: give them in 'input' ('messages' carries images, for models "
+                    "that embed them)", "messages")
     inputs = P.embedding_inputs(body)
     fmt = P.embedding_format(body)
 
@@ -318,17 +325,33 @@ async def embeddings(request: Request):
             out = enc.embed(inputs)
             return out, int(enc.last_timings.get("tokens", 0))
 
-    def respond(out, tokens):
-        data = [{"object": "embedding", "index": i, "embedding": P.embedding_value(row, fmt)}
-                for i, row in enumerate(out.reshape(len(inputs), -1))]
-        return JSONResponse({"object": "list", "data": data, "model": name,
-                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
-
     try:
         out, tokens = await run_in_threadpool(run)
     except RlxError as e:
         raise served.bad(e, "input") from None
-    return await run_in_threadpool(respond, out, tokens)          # (rendering a big JSON too)
+    return await run_in_threadpool(_embeddings_response, name, out, len(inputs), fmt, tokens)
+
+
+async def _embed_images_or_texts(served: Served, name: str, model, body: dict):
+    """/v1/embeddings on a model that embeds images (runtime.encoder.embeds_images): images as
+    base64 data URLs decoded here to their encoded bytes, which the model's own preprocessing
+    reads; texts when it has a text tower. L2-normalized, as the text encoders' rows are. No
+    tokens are counted for images (usage 0)."""
+    kind, items, param = await run_in_threadpool(
+        P.vision_embedding_inputs, body, bool(getattr(model, "embeds_texts", False)))
+    fmt = P.embedding_format(body)
+    try:
+        out = await run_in_threadpool(lambda: model.embed(**{kind: items}, normalize=True))
+    except RlxError as e:
+        raise served.bad(e, param) from None
+    return await run_in_threadpool(_embeddings_response, name, out, len(items), fmt, 0)
+
+
+def _embeddings_response(name: str, out, n: int, fmt: str, tokens: int) -> JSONResponse:
+    data = [{"object": "embedding", "index": i, "embedding": P.embedding_value(row, fmt)}
+            for i, row in enumerate(out.reshape(n, -1))]
+    return JSONResponse({"object": "list", "data": data, "model": name,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
 async def list_models(request: Request):

@@ -109,7 +109,7 @@ _GENERATE = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "stop"
 KEYS = {"chat": _GENERATE | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                              "response_format"},
         "completions": _GENERATE | {"prompt", "echo", "best_of", "suffix"},
-        "embeddings": {"model", "input", "encoding_format", "dimensions", "user"}}
+        "embeddings": {"model", "input", "messages", "encoding_format", "dimensions", "user"}}
 
 
 def check_keys(body: dict, endpoint: str) -> None:
@@ -228,6 +228,87 @@ def embedding_inputs(body: dict) -> list:
     return inputs
 
 
+IMAGE_URL = "data:image/"        # an input string that starts so is an image (models that embed images)
+
+
+def image_bytes(url, where: str, param: str) -> bytes:
+    """The encoded image in a base64 data URL 'data:image/<type>;base64,<data>', as vLLM's
+    multimodal embeddings take images; a 400 naming `where` otherwise. No other URL is
+    fetched: a server that fetches what a client names can be made to reach its own network."""
+    if not isinstance(url, str) or not url.startswith(IMAGE_URL):
+        got = url[:40] + "..." if isinstance(url, str) and len(url) > 40 else url
+        raise bad(f"{where} must be an image as a data URL 'data:image/<type>;base64,<data>' (this server "
+                  f"fetches no URL), got {got!r}", param)
+    head, comma, payload = url.partition(",")
+    if not comma or not head.endswith(";base64"):
+        raise bad(f"{where}: a data URL of an image must be base64 ('data:image/<type>;base64,<data>')", param)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except ValueError:                                  # binascii.Error: bad characters or padding
+        raise bad(f"{where}: the data URL's base64 data is malformed", param) from None
+
+
+def _message_parts(body: dict) -> list:
+    """Every content part of a `messages` body (vLLM's chat-style embeddings request) as
+    ("text", str) or ("image", data URL)."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty array", "messages")
+    parts = []
+    for i, m in enumerate(msgs):
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, str):
+            parts.append(("text", c))
+            continue
+        if not isinstance(c, list):
+            raise bad(f"messages[{i}].content must be a string or an array of parts", "messages")
+        for j, p in enumerate(c):
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind == "text" and isinstance(p.get("text"), str):
+                parts.append(("text", p["text"]))
+            elif kind == "image_url":
+                url = p.get("image_url")
+                parts.append(("image", url.get("url") if isinstance(url, dict) else url))
+            else:
+                raise bad(f"messages[{i}].content[{j}] must be a text part or an image_url part", "messages")
+    return parts
+
+
+def vision_embedding_inputs(body: dict, embeds_texts: bool) -> tuple:
+    """(kind, items, param) of an embeddings request to a model that embeds images: kind
+    "images" with encoded images (bytes) or "texts" with strings (a model with a text tower).
+    Images come as data URLs, in `input` (a string or an array of them) or as the one
+    image_url part of `messages` (vLLM's form); a request holds images or texts, not both (the
+    towers embed them apart, as vLLM serves CLIP and SigLIP)."""
+    if ("messages" in body) == ("input" in body):
+        raise bad("give 'input' (texts or image data URLs) or 'messages' (one image_url or text part), "
+                  "not both or neither", "input")
+    if "messages" in body:
+        parts = _message_parts(body)
+        if len(parts) != 1:
+            raise bad(f"'messages' holds {len(parts)} parts; this model embeds one image or one text per "
+                      "messages request (send more in 'input')", "messages")
+        kind, value = parts[0]
+        if kind == "text" and not value:
+            raise bad("the text part of 'messages' is empty; it must be non-empty", "messages")
+        items, param, where = [value], "messages", ["the image_url part of 'messages'"]
+    else:
+        items, param = embedding_inputs(body), "input"
+        if not all(isinstance(x, str) for x in items):
+            raise bad("this model takes texts or image data URLs in 'input', not token ids", "input")
+        images = [isinstance(x, str) and x.startswith(IMAGE_URL) for x in items]
+        if any(images) and not all(images):
+            raise bad("'input' mixes image data URLs and texts; embed them in separate requests", "input")
+        kind = "image" if any(images) else "text"
+        where = [f"input[{i}]" if isinstance(body["input"], list) else "input" for i in range(len(items))]
+    if kind == "text":
+        if not embeds_texts:
+            raise bad("this model embeds images only: give images as data URLs "
+                      "'data:image/<type>;base64,<data>'", param)
+        return "texts", items, param
+    return "images", [image_bytes(u, w, param) for u, w in zip(items, where)], param
+
+
 def embedding_format(body: dict) -> str:
     fmt = field(body, "encoding_format", (str,), "float")
     if fmt not in ("float", "base64"):
@@ -288,5 +369,6 @@ def finish_reason(reason: str) -> str:
 
 __all__ = ["ApiError", "bad", "field", "parse_body", "check_text", "check_keys", "MAX_JSON_DEPTH",
            "sampling", "stream_flags", "chat_messages", "completion_prompts",
-           "embedding_inputs", "embedding_format", "embedding_value", "new_id", "usage",
+           "embedding_inputs", "embedding_format", "vision_embedding_inputs", "image_bytes", "IMAGE_URL",
+           "embedding_value", "new_id", "usage",
            "completion_body", "chunk_body", "finish_reason"]
