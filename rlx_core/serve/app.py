@@ -332,7 +332,7 @@ async def embeddings(request: Request):
     return await run_in_threadpool(_embeddings_response, name, out, len(inputs), fmt, tokens)
 
 
-async def _embed_images_or_texts(served: Served, name: str, model, body: dict):
+async def _embed_images_or_texts(served: Served, name, model, body: dict):
     """/v1/embeddings on a model that embeds images (runtime.encoder.embeds_images): images as
     base64 data URLs decoded here to their encoded bytes, which the model's own preprocessing
     reads; texts when it has a text tower. L2-normalized, as the text encoders' rows are. No
@@ -347,7 +347,7 @@ async def _embed_images_or_texts(served: Served, name: str, model, body: dict):
     return await run_in_threadpool(_embeddings_response, name, out, len(items), fmt, 0)
 
 
-def _embeddings_response(name: str, out, n: int, fmt: str, tokens: int) -> JSONResponse:
+def _embeddings_response(name, out, n: int, fmt: str, tokens: int) -> JSONResponse:
     data = [{"object": "embedding", "index": i, "embedding": P.embedding_value(row, fmt)}
             for i, row in enumerate(out.reshape(n, -1))]
     return JSONResponse({"object": "list", "data": data, "model": name,

@@ -254,7 +254,7 @@ def _message_parts(body: dict) -> list:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty array", "messages")
-    parts = []
+    parts: list[tuple[str, object]] = []
     for i, m in enumerate(msgs):
         c = m.get("content") if isinstance(m, dict) else None
         if isinstance(c, str):
