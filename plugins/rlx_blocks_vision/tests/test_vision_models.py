@@ -257,3 +257,39 @@ def test_bad_pixels_are_refused(hf_models, bad):
     m = rlx_core.load(hf_models["vit"][1], backend="numpy", progress=False)
     with pytest.raises(ModelError, match="pixel_values"):
         m.embed_pixels(bad)
+
+
+# ------------------------------------------------------------------------------ images in
+@pytest.mark.parametrize("name,processor", [
+    ("clip", {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 40}, "crop_size": 33}),
+    ("dinov2_with_registers", {"image_processor_type": "BitImageProcessor", "size": {"shortest_edge": 60},
+                               "crop_size": {"height": 56, "width": 56}})])
+def test_image_files_end_to_end_match_hf(hf_models, tmp_path, name, processor):
+    """PNG / JPEG files through the checkpoint's preprocessor_config.json and the model,
+    against transformers' Pillow processor and model."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    import shutil
+
+    model, src = hf_models[name]
+    folder = tmp_path / name
+    shutil.copytree(src, folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(processor))
+    rng = np.random.default_rng(5)
+    files = []
+    for i, (size, ext) in enumerate([((53, 71), "png"), ((97, 45), "jpg"), ((64, 64), "png")]):
+        f = tmp_path / f"img{i}.{ext}"
+        Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(f)
+        files.append(str(f))
+    hf_proc = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+    pixels = np.asarray(hf_proc([Image.open(f) for f in files], return_tensors="np")["pixel_values"], np.float32)
+    m = rlx_core.load(str(folder), backend="numpy", progress=False)
+    _close(m.embed(images=files), _hf_image(name, model, pixels), f"{name}: embed(images=files)")
+    if name == "clip":
+        with torch.no_grad():
+            want = model(pixel_values=torch.from_numpy(pixels),
+                         input_ids=torch.from_numpy(_ids(name, CAPTIONS))).logits_per_image.numpy()
+        got = m.similarity(files, CAPTIONS)
+        _close(got, want, "clip: similarity(files, texts)")
+        assert (got.argmax(1) == want.argmax(1)).all()
