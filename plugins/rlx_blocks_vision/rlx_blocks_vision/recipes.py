@@ -25,6 +25,8 @@ from .config import (TextArch, VisionArch, clip_vision_arch, dinov2_arch, siglip
                      text_arch, vit_arch)
 
 PROFILE = "encoder"
+TINY_VISION = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=48)
+TINY_TEXT = dict(TINY_VISION, vocab_size=40, max_position_embeddings=12, pad_token_id=0)
 
 
 def _layers(f: ModelFlow, n: int, prefix: str, spec: VitLayerSpec) -> None:
@@ -175,6 +177,16 @@ class ViTRecipe(VisionRecipe):
         return vit_arch(cfg, pooler="pooler.dense.weight" in tensors)
 
 
+    def tiny_config(self) -> dict:
+        """A small ViT with its pooler: patch 16 on 35x35 images (a 2x2 grid)."""
+        return dict(model_type="vit", hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                    intermediate_size=48, image_size=35, patch_size=16, layer_norm_eps=1e-12)
+
+    def tiny_tensors(self, cfg: dict, rng) -> dict:
+        a = vit_arch(cfg, pooler=True)
+        return random_like(vision_shapes(cfg, a), rng)
+
+
 class Dinov2Recipe(VisionRecipe):
     """HF Dinov2Model / Dinov2WithRegistersModel: pooled is the CLS token after the final norm."""
     name = "dinov2"
@@ -186,6 +198,15 @@ class Dinov2Recipe(VisionRecipe):
 
     def vision_arch(self, cfg, tensors):
         return dinov2_arch(cfg)
+
+    def tiny_config(self) -> dict:
+        """DINOv2 with 2 registers and the SwiGLU FFN: patch 14 on 42x42 images."""
+        return dict(model_type="dinov2_with_registers", hidden_size=32, num_attention_heads=4,
+                    num_hidden_layers=2, mlp_ratio=3, use_swiglu_ffn=True, num_register_tokens=2,
+                    image_size=42, patch_size=14, layer_norm_eps=1e-6)
+
+    def tiny_tensors(self, cfg: dict, rng) -> dict:
+        return random_like(vision_shapes(cfg, dinov2_arch(cfg)), rng)
 
 
 class ClipRecipe(VisionRecipe):
@@ -216,6 +237,18 @@ class ClipRecipe(VisionRecipe):
             return int(cfg.get("projection_dim") or cfg.get("hidden_size"))
         return int(cfg.get("projection_dim", 512))
 
+    def tiny_config(self) -> dict:
+        """CLIP with both towers: patch 16 on 33x33 images, a causal text tower (EOS id 3)."""
+        return dict(model_type="clip", projection_dim=24, logit_scale_init_value=2.6592,
+                    text_config=dict(TINY_TEXT, eos_token_id=3),
+                    vision_config=dict(TINY_VISION, image_size=33, patch_size=16))
+
+    def tiny_tensors(self, cfg: dict, rng) -> dict:
+        t = random_like({**vision_shapes(cfg["vision_config"], self.vision_arch(cfg, {})),
+                         **text_shapes(cfg["text_config"], self.text_arch(cfg), cfg["projection_dim"])}, rng)
+        t["logit_scale"] = np.float32(2.6592).reshape(())
+        return t
+
 
 class SiglipRecipe(VisionRecipe):
     """HF SiglipModel (image and text towers; logits exp(logit_scale) * cosine + logit_bias)
@@ -243,6 +276,17 @@ class SiglipRecipe(VisionRecipe):
             return int(cfg.get("hidden_size"))
         return int(sub_config(cfg, "vision_config").get("hidden_size"))
 
+    def tiny_config(self) -> dict:
+        """SigLIP with both towers: patch 14 on 30x30 images, the attention-probe head."""
+        return dict(model_type="siglip", text_config=dict(TINY_TEXT, projection_size=32),
+                    vision_config=dict(TINY_VISION, image_size=30, patch_size=14))
+
+    def tiny_tensors(self, cfg: dict, rng) -> dict:
+        t = random_like({**vision_shapes(cfg["vision_config"], self.vision_arch(cfg, {})),
+                         **text_shapes(cfg["text_config"], self.text_arch(cfg), 32)}, rng)
+        t["logit_scale"], t["logit_bias"] = np.array([2.3], np.float32), np.array([-10.0], np.float32)
+        return t
+
 
 class Siglip2Recipe(VisionRecipe):
     """model_type siglip2 is SigLIP 2's NaFlex form (variable resolution: pre-patchified
@@ -264,6 +308,77 @@ class Siglip2Recipe(VisionRecipe):
 RECIPES = (ViTRecipe, Dinov2Recipe, ClipRecipe, SiglipRecipe, Siglip2Recipe)
 
 
+# ------------------------------------------------------------------------------ tiny models (the kit)
+def _layer_shapes(prefix: str, keys, d: int, inter: int, qkv_bias: bool = True) -> dict:
+    out = {}
+    for n in (keys.norm1, keys.norm2):
+        out[f"{prefix}.{n}.weight"] = out[f"{prefix}.{n}.bias"] = (d,)
+    for n in (keys.q, keys.k, keys.v, keys.o):
+        out[f"{prefix}.{n}.weight"] = (d, d)
+        if qkv_bias or n == keys.o:
+            out[f"{prefix}.{n}.bias"] = (d,)
+    if keys.gate_up:
+        out[f"{prefix}.{keys.gate_up}.weight"], out[f"{prefix}.{keys.gate_up}.bias"] = (2 * inter, d), (2 * inter,)
+    else:
+        out[f"{prefix}.{keys.fc1}.weight"], out[f"{prefix}.{keys.fc1}.bias"] = (inter, d), (inter,)
+    out[f"{prefix}.{keys.fc2}.weight"], out[f"{prefix}.{keys.fc2}.bias"] = (d, inter), (d,)
+    for n in keys.layer_scale:
+        out[f"{prefix}.{n}"] = (d,)
+    return out
+
+
+def _intermediate(cfg: dict, a: VisionArch) -> int:
+    if a.family.startswith("dinov2"):
+        inter = int(a.hidden * cfg.get("mlp_ratio", 4))
+        return (int(inter * 2 / 3) + 7) // 8 * 8 if a.keys.gate_up else inter
+    return int(cfg["intermediate_size"])
+
+
+def vision_shapes(cfg: dict, a: VisionArch) -> dict:
+    """name -> shape of every tensor an HF checkpoint of vision tower `a` holds (`cfg`: its config)."""
+    p, d, n = a.prefix, a.hidden, a.grid * a.grid
+    out = {f"{p}{a.patch_key}.weight": (d, a.channels, a.patch, a.patch)}
+    if a.patch_bias:
+        out[f"{p}{a.patch_key}.bias"] = (d,)
+    if a.cls_key:
+        out[f"{p}{a.cls_key}"] = (d,) if a.family == "clip" else (1, 1, d)
+    out[f"{p}{a.pos_key}"] = (n + 1, d) if a.family == "clip" else (n, d) if not a.cls_key else (1, n + 1, d)
+    if a.registers:
+        out[f"{p}embeddings.register_tokens"] = (1, a.registers, d)
+    for key in (a.pre_norm, a.final_norm, "post_layernorm" if a.pooling == "cls_norm" else ""):
+        if key:
+            out[f"{p}{key}.weight"] = out[f"{p}{key}.bias"] = (d,)
+    inter = _intermediate(cfg, a)
+    for i in range(a.layers):
+        out.update(_layer_shapes(f"{p}{a.layer_prefix}.{i}", a.keys, d, inter, a.qkv_bias))
+    if a.pooling == "pooler":
+        out["pooler.dense.weight"], out["pooler.dense.bias"] = (d, d), (d,)
+    if a.pooling == "probe":
+        h = f"{p}head"
+        out.update({f"{h}.probe": (1, 1, d), f"{h}.attention.in_proj_weight": (3 * d, d),
+                    f"{h}.attention.in_proj_bias": (3 * d,), f"{h}.attention.out_proj.weight": (d, d),
+                    f"{h}.attention.out_proj.bias": (d,), f"{h}.layernorm.weight": (d,), f"{h}.layernorm.bias": (d,),
+                    f"{h}.mlp.fc1.weight": (inter, d), f"{h}.mlp.fc1.bias": (inter,),
+                    f"{h}.mlp.fc2.weight": (d, inter), f"{h}.mlp.fc2.bias": (d,)})
+    if a.projection:
+        out[f"{a.projection}.weight"] = (int(cfg.get("projection_dim") or d), d)
+    return out
+
+
+def text_shapes(cfg: dict, t: TextArch, projection: int) -> dict:
+    """name -> shape of every tensor of text tower `t` (`cfg`: its text_config)."""
+    p, d = t.prefix, t.hidden
+    out = {f"{p}embeddings.token_embedding.weight": (t.vocab, d),
+           f"{p}embeddings.position_embedding.weight": (t.max_positions, d),
+           f"{p}final_layer_norm.weight": (d,), f"{p}final_layer_norm.bias": (d,)}
+    for i in range(t.layers):
+        out.update(_layer_shapes(f"{p}encoder.layers.{i}", t.keys, d, int(cfg["intermediate_size"])))
+    out[f"{t.head}.weight"] = (projection, d)
+    if t.head_bias:
+        out[f"{t.head}.bias"] = (projection,)
+    return out
+
+
 def random_like(shapes: dict, rng) -> dict:
     """float32 N(0, 0.2^2) tensors; norm weights and LayerScale around 1."""
     def one(k):
@@ -274,4 +389,5 @@ def random_like(shapes: dict, rng) -> dict:
 
 
 __all__ = ["VisionRecipe", "ViTRecipe", "Dinov2Recipe", "ClipRecipe", "SiglipRecipe", "Siglip2Recipe",
-           "RECIPES", "vision_flow", "text_flow", "strip_prefix"]
+           "RECIPES", "vision_flow", "text_flow", "strip_prefix", "vision_shapes", "text_shapes",
+           "random_like"]
