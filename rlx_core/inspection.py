@@ -306,13 +306,17 @@ class Inspection:
 
     def memory(self) -> dict | None:
         """Bytes the planned graph holds at the bound dims: resident weights (params and
-        those derived at load), KV cache (states), arena; a running model's own numbers
+        those derived at load), KV cache (states; `state_bytes` the part without a context
+        axis: recurrent states), arena; a running model's own numbers
         (pool overhead included, on cuda) come from model.memory_report()."""
         if self.lir is None:
             return None
         g = self.lir.graph
         held = {k: sum(n.outs[0].nbytes() for n in g.nodes if n.op == op)
                 for k, op in (("weights_bytes", "param"), ("kv_bytes", "state"))}
+        # states without a context axis (recurrent states): the same bytes at any context
+        fixed = {n.name for n in self.mir.nodes if n.op == "state" and "ctx" not in n.outs[0].dims}
+        held["state_bytes"] = sum(n.outs[0].nbytes() for n in g.nodes if n.op == "state" and n.name in fixed)
         out = {**held, "arena_bytes": self.lir.arena_bytes, "dims": self.dims}
         out["total_bytes"] = out["weights_bytes"] + out["kv_bytes"] + out["arena_bytes"]
         return out
@@ -490,8 +494,10 @@ def report_text(rep: dict, nodes_of: set | None = None) -> str:
 
     mem = rep.get("memory")
     if mem:
+        fixed = (f" (of which recurrent state, constant in the context: {human_bytes(mem['state_bytes'])})"
+                 if mem.get("state_bytes") else "")
         lines.append(f"\n# memory at the dims above: weights {human_bytes(mem['weights_bytes'])}, KV cache "
-                     f"{human_bytes(mem['kv_bytes'])}, arena {human_bytes(mem['arena_bytes'])}; total "
+                     f"{human_bytes(mem['kv_bytes'])}{fixed}, arena {human_bytes(mem['arena_bytes'])}; total "
                      f"{human_bytes(mem['total_bytes'])} (a loaded model: model.memory_report())")
 
     pl = rep["placement"]["nodes"]

@@ -82,20 +82,26 @@ class RecurrentState:
     dims: tuple
     mode: str
 
+    def leaf(self, ctx, batch, dtype):
+        """The graph's `state` leaf (one per name and graph)."""
+        key = ("state_leaf", self.name)
+        if key not in ctx.state:
+            ctx.state[key] = ctx.m.state(self.name, (batch,) + tuple(self.dims), dtype)
+        return ctx.state[key]
+
     def initial(self, ctx, like):
         """The state a graph starts from: the leaf (decode) or zeros [B, *dims] like `like`'s
         batch and dtype."""
         m = ctx.m
-        shape = (like.dims[0],) + tuple(self.dims)
         if self.mode == DECODE:
-            return m.state(self.name, shape, like.dtype)
-        zero = m.constant(np.zeros((1,) * len(shape), like.dtype.np))
-        return m.expand(zero, shape)
+            return self.leaf(ctx, like.dims[0], like.dtype)
+        shape = (like.dims[0],) + tuple(self.dims)
+        return m.expand(m.constant(np.zeros((1,) * len(shape), like.dtype.np)), shape)
 
     def write(self, ctx, new) -> None:
         """The state after this graph's last step goes into the leaf (generation graphs)."""
         if self.mode != STATELESS:
-            ctx.m.assign(ctx.m.state(self.name, new.dims, new.dtype), new)
+            ctx.m.assign(self.leaf(ctx, new.dims[0], new.dtype), new)
 
 
 def short_conv(ctx, x, w, state: RecurrentState, act: str = "silu", bias=None):

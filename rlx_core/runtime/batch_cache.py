@@ -1,6 +1,7 @@
 """The KV cache of a batched decode: one row per running request, resized by buckets.
 
-A decode graph's KV states are [batch, kv_heads, ctx, head_dim]. The cache is sized to a
+A decode graph's KV states are [batch, kv_heads, ctx, head_dim]; states without a ctx axis
+(a recurrent layer's [batch, ...] conv and delta-rule states) move whole, per row. The cache is sized to a
 (batch bucket, ctx bucket); when the running requests need another size, their rows move
 (in order, compacted) into buffers of that size. Buffers of a size used before are kept and
 reused, so the decode runner compiled for that size finds the very buffers it was bound to
@@ -21,8 +22,11 @@ class BatchCache:
         self.batch = self.ctx = 0
         self._sets: dict = {}        # (batch, ctx) -> {name: buffer}, least recently used first
 
-    def _axis(self, name: str) -> int:
-        return list(self.specs[name].dims).index("ctx")
+    def _axis(self, name: str) -> int | None:
+        """The context axis of state `name`; None for a state without one (a recurrent
+        layer's conv or delta-rule state: a row's whole state moves with the row)."""
+        dims = list(self.specs[name].dims)
+        return dims.index("ctx") if "ctx" in dims else None
 
     def _buffers(self, batch: int, ctx: int) -> dict:
         key = (batch, ctx)
@@ -36,8 +40,12 @@ class BatchCache:
         return bufs
 
     def _region(self, name: str, row: int, length: int) -> tuple:
+        """Row `row`'s first `length` cache positions of state `name` (all of a state
+        without a context axis)."""
         idx = [row] + [slice(None)] * (len(self.specs[name].dims) - 1)
-        idx[self._axis(name)] = slice(0, length)
+        axis = self._axis(name)
+        if axis is not None:
+            idx[axis] = slice(0, length)
         return tuple(idx)
 
     def resize(self, batch: int, ctx: int, moves: list) -> None:
@@ -57,7 +65,8 @@ class BatchCache:
         self.batch, self.ctx = batch, ctx
 
     def place(self, row: int, states, length: int) -> None:
-        """Copy positions [0, length) of row 0 of `states` (a prefill's KV) into `row`."""
+        """Copy positions [0, length) of row 0 of `states` (a prefill's KV; a state without a
+        ctx axis: all of row 0) into `row`."""
         for name in self.specs:
             buf = self.backend.copy_into(self.store[name], self._region(name, row, length),
                                          states[name], self._region(name, 0, length))

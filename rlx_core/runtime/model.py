@@ -104,6 +104,12 @@ def _pad_batch(rows: list, pad_id: int) -> tuple:
 GREEDY_OUTPUTS = ("next_ids", "logits_sum")       # flow.blocks.GreedyNext
 
 
+def updates_in_place(exe: Executable) -> bool:
+    """Whether a decode graph has states without a context axis (a recurrent layer's conv
+    and delta-rule states): a step reads and rewrites them whole, so it cannot run twice."""
+    return any(n.op == "state" and "ctx" not in n.outs[0].dims for n in exe.mir.nodes)
+
+
 def greedy_outputs(exe: Executable) -> bool:
     """Whether a generation graph also gives the greedy ids (every DecoderFlow recipe does)."""
     return set(GREEDY_OUTPUTS) <= {n for n, _ in exe.mir.outputs}
@@ -378,6 +384,7 @@ class _Decoding:
         self.prefill.fixed_dims = {"ctx": self.ctx}
         self.decode: Executable | None = None     # compiled once the first token is out (never for one token)
         self.greedy = self.overlap = False      # (the decode steps': set with `decode`)
+        self.in_place = False                   # decode updates states in place (`_greedy_at`)
         self.rng = np.random.default_rng(sampling.seed)
         self.inputs = model._inputs(ids, mask)
         self.full_mask = np.zeros((b, self.ctx), bool)
@@ -443,6 +450,7 @@ class _Decoding:
         decode.fixed_dims = {"ctx": self.ctx}
         self.greedy = greedy_outputs(decode) and self.sampling.argmax
         self.overlap = self.greedy and self.model.backend.overlaps
+        self.in_place = updates_in_place(decode)
         self.t_decode = time.perf_counter()        # (its compile is not a decode step's time)
         return decode
 
@@ -453,8 +461,8 @@ class _Decoding:
         queued = self.ahead
         if queued is None:
             now = self._feed(t, last)
-            if not self.overlap:
-                return self._step(decode, now, t, self.greedy)
+            if not (self.overlap and self._greedy_at(t)):
+                return self._step(decode, now, t, self._greedy_at(t))
             queued = (now, decode.submit(now, GREEDY_OUTPUTS))
         return self._queued(decode, queued, t, last)
 
@@ -465,7 +473,7 @@ class _Decoding:
         dropped and this step runs again for its logits (it writes the same KV rows)."""
         now, wait = queued
         self.ahead = None
-        if t + 1 < self.sampling.max_new_tokens:
+        if t + 1 < self.sampling.max_new_tokens and self._greedy_at(t + 1):
             later = self._feed(t + 1, last)
             self.ahead = (later, decode.submit(later, GREEDY_OUTPUTS, chain={"ids": "next_ids"}))
         nxt = self._greedy_of(wait(), t)
@@ -475,6 +483,13 @@ class _Decoding:
             self.ahead[1]()
             self.ahead = None             # (its ids, chained, were this step's arg-max)
         return self._step(decode, dict(now, ids=self.cols[-1][:, None]), t, False)
+
+    def _greedy_at(self, t: int) -> bool:
+        """Whether the decode step giving token t may take the graph's greedy ids. Where they
+        may be refused (EOS banned) the step runs again for its logits, rewriting the same KV
+        rows; a state the step updates in place (a recurrent layer's) would be stepped twice,
+        so such models fetch the logits at once while EOS is banned."""
+        return self.greedy and not (self.in_place and self.sampling.bans_eos(t))
 
     def _chosen(self, logits: np.ndarray, t: int) -> np.ndarray:
         """The next tokens chosen from this step's logits (`Sampling.next_tokens`), which must
@@ -522,5 +537,5 @@ class DecoderRecipe:
         return CausalLM(self, cfg, tensors, ckpt.tokenizer, backend, profile, source=ckpt.path, **kw)
 
 
-__all__ = ["GREEDY_OUTPUTS", "greedy_outputs", "fetch_greedy", "CausalLM", "Sampling", "DecoderRecipe",
-           "load", "find_recipe", "resolve_profile", "backend_lock"]
+__all__ = ["GREEDY_OUTPUTS", "greedy_outputs", "updates_in_place", "fetch_greedy", "CausalLM", "Sampling",
+           "DecoderRecipe", "load", "find_recipe", "resolve_profile", "backend_lock"]

@@ -26,7 +26,7 @@ import numpy as np
 from ..ir.errors import ModelError, RlxError
 from .args import bool_arg, callable_arg, float_arg, int_arg, text_arg, token_rows
 from .batch_cache import BatchCache
-from .model import CTX_BUCKET, fetch_greedy, greedy_outputs
+from .model import CTX_BUCKET, fetch_greedy, greedy_outputs, updates_in_place
 from .sampling import choose, process_logits
 from .stop_text import StopText
 
@@ -437,6 +437,8 @@ class Scheduler:
         if not greedy_outputs(exe) or any(r.params.do_sample for r in self._active):
             return None
         banning = [r.slot for r in self._active if r.n_new < r.params.min_tokens]
+        if banning and updates_in_place(exe):
+            return None          # (a refused greedy id reruns the step: in-place states would step twice)
         return fetch_greedy(exe, feed, [r.slot for r in self._active], banning,
                             np.array(self.model.eos_ids, np.int64))
 

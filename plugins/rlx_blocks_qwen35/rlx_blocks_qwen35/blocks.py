@@ -8,8 +8,8 @@
                     in_proj_qkvz / in_proj_ba), the short conv (silu) with its state, l2norm of
                     q and k, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), the gated
                     delta rule with its state, the gated RMSNorm with z, out_proj.
-* `sparse_moe`      the core's MoeFfn: routed experts (softmax, top k, renormalized) plus the shared expert behind
-                    a sigmoid gate.
+* `sparse_moe`      the core MoeFfn: routed experts (softmax, top k, renormalized) plus the
+                    shared expert behind a sigmoid gate.
 * `Qwen35DecoderLayer`  x + mixer(norm(x)), then h + mlp(norm(h)); norms are (1 + w).
 
 The conv and recurrent states live in the leaves `state.<i>.conv` [batch, channels, W - 1]
@@ -20,7 +20,8 @@ from __future__ import annotations
 import attrs
 
 from rlx_core.flow import AttnSpec
-from rlx_core.flow.blocks import ResidualAdd, ResidualSave, RmsNorm, SelfAttention, SwigluMlp, gated_mlp
+from rlx_core.flow.blocks import (ResidualAdd, ResidualSave, RmsNorm, SelfAttention, SwigluMlp,
+                                  gated_mlp)
 from rlx_core.flow.moe import MoeFfn, SharedExpert
 from rlx_core.flow.hybrid import (RecurrentState, delta_rule, gated_rms_norm, l2norm, output_gate, short_conv,
                                   softplus, state_mode, zero_pads)

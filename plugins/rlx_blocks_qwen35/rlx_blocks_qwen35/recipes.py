@@ -111,7 +111,8 @@ def text_tensors(tensors: dict) -> dict:
 def _split_gate_up(key: str, v) -> dict:
     arr = np.asarray(v)
     if arr.ndim != 3 or arr.shape[1] % 2:
-        raise WeightError(f"{key}: expected [experts, 2 * moe_intermediate_size, hidden], got {list(arr.shape)}")
+        raise WeightError(f"{key}: expected [experts, 2 * moe_intermediate_size, hidden], "
+                          f"got {list(arr.shape)}")
     half, base = arr.shape[1] // 2, key[: -len("gate_up_proj")]
     return {base + "gate_proj": arr[:, :half], base + "up_proj": arr[:, half:]}
 
@@ -184,24 +185,27 @@ def random_tensors(a: Qwen35Arch, rng) -> dict:
             lin = {"conv1d.weight": (a.conv_channels, 1, a.conv_width), "A_log": (a.v_heads,),
                    "dt_bias": (a.v_heads,), "norm.weight": (a.v_dim,), "out_proj.weight": (h, vd)}
             if a.family == "qwen3_next":
-                lin.update({"in_proj_qkvz.weight": (2 * kd + 2 * vd, h), "in_proj_ba.weight": (2 * a.v_heads, h)})
+                lin.update({"in_proj_qkvz.weight": (2 * kd + 2 * vd, h),
+                            "in_proj_ba.weight": (2 * a.v_heads, h)})
             else:
                 lin.update({"in_proj_qkv.weight": (2 * kd + vd, h), "in_proj_z.weight": (vd, h),
                             "in_proj_b.weight": (a.v_heads, h), "in_proj_a.weight": (a.v_heads, h)})
             layer.update({f"linear_attn.{k}": s for k, s in lin.items()})
         else:
-            layer.update({"self_attn.q_proj.weight": (2 * a.heads * d, h), "self_attn.k_proj.weight": (a.kv_heads * d, h),
-                          "self_attn.v_proj.weight": (a.kv_heads * d, h), "self_attn.o_proj.weight": (h, a.heads * d),
-                          "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+            attn = {"q_proj.weight": (2 * a.heads * d, h), "k_proj.weight": (a.kv_heads * d, h),
+                    "v_proj.weight": (a.kv_heads * d, h), "o_proj.weight": (h, a.heads * d),
+                    "q_norm.weight": (d,), "k_norm.weight": (d,)}
+            layer.update({f"self_attn.{k}": s for k, s in attn.items()})
         if a.moe_layers[i]:
             e, mi, si = a.experts, a.moe_intermediate, a.shared_intermediate
-            layer.update({"mlp.gate.weight": (e, h), "mlp.experts.gate_proj": (e, mi, h),
-                          "mlp.experts.up_proj": (e, mi, h), "mlp.experts.down_proj": (e, h, mi),
-                          "mlp.shared_expert.gate_proj.weight": (si, h), "mlp.shared_expert.up_proj.weight": (si, h),
-                          "mlp.shared_expert.down_proj.weight": (h, si), "mlp.shared_expert_gate.weight": (1, h)})
+            mlp = {"gate.weight": (e, h), "experts.gate_proj": (e, mi, h), "experts.up_proj": (e, mi, h),
+                   "experts.down_proj": (e, h, mi), "shared_expert.gate_proj.weight": (si, h),
+                   "shared_expert.up_proj.weight": (si, h), "shared_expert.down_proj.weight": (h, si),
+                   "shared_expert_gate.weight": (1, h)}
         else:
-            layer.update({"mlp.gate_proj.weight": (a.intermediate, h), "mlp.up_proj.weight": (a.intermediate, h),
-                          "mlp.down_proj.weight": (h, a.intermediate)})
+            mlp = {"gate_proj.weight": (a.intermediate, h), "up_proj.weight": (a.intermediate, h),
+                   "down_proj.weight": (h, a.intermediate)}
+        layer.update({f"mlp.{k}": s for k, s in mlp.items()})
         shapes.update({p + k: s for k, s in layer.items()})
     return {k: (0.2 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
 
