@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import re
 import struct
 from typing import Any, NamedTuple
 
@@ -25,7 +26,8 @@ from rlx_core.weights.config import check_layer_count
 from rlx_core.weights.gguf_meta import meta_int
 
 GGUF_MAGIC = b"GGUF"
-SCHEME_KEY = "rlx.scheme."  # RLX's own int blocks: "<scheme>:<rows>x<cols>" per i8 tensor
+# RLX's own int blocks: "<scheme>:<rows>x<cols>" (a stack: "<scheme>:<E>x<rows>x<cols>") per i8 tensor
+SCHEME_KEY = "rlx.scheme."
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 
 # metadata value types: fixed-size scalars by struct format; 8 is string, 9 is array
@@ -362,11 +364,37 @@ def gguf_config(gf: GGUFFile, sources: dict | None = None) -> dict:
         if (orig := num("rope.scaling.original_context_length", None)) is not None:
             cfg["rope_scaling"]["original_max_position_embeddings"] = orig
     mapping.config(m, cfg, held)
+    check_expert_tensors(gf, arch)
     return cfg
 
 
+# llama.cpp's expert tensors, whatever the family: the stacks blk.N.ffn_*_exps (numpy
+# [E, rows, cols], ggml ne [cols, rows, E]; a bias [E, rows]) and the router blk.N.ffn_gate_inp
+# ([E, hidden]; a bias [E]): each holds one slice per expert along its first numpy dim
+_EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(?:\w+_exps|gate_inp)\.(?:weight|bias)$")
+
+
+def check_expert_tensors(gf: GGUFFile, arch) -> None:
+    """Every expert tensor's first dim is `{arch}.expert_count`: a WeightError naming the
+    tensor, its shape and the key otherwise (or naming the key a file with experts lacks)."""
+    experts = [t for t in gf.tensors if _EXPERT_TENSOR.match(t.name)]
+    if not experts:
+        return
+    key = f"{arch}.expert_count"
+    n = meta_int(gf.path, gf.metadata, key, None)
+    if n is None:
+        raise WeightError(f"{gf.path}: tensor {experts[0].name!r} holds experts but the GGUF metadata "
+                          f"lacks {key} (expected the number of experts)")
+    for t in experts:
+        if not t.shape or t.shape[0] != n:
+            raise WeightError(f"{gf.path}: tensor {t.name!r} of shape {list(t.shape)} holds "
+                              f"{t.shape[0] if t.shape else 0} experts, but GGUF metadata {key} = {n}; "
+                              f"expected its first dim to be {n}")
+
+
 def _packed(gf: GGUFFile, info: TensorInfo, blob: np.ndarray) -> PackedTensor | None:
-    """A 2-D tensor in a packed scheme as its bytes (a view of the mapped file), or None."""
+    """A matrix, or a stack of them (routed experts' [E, rows, cols]), in a packed scheme as
+    its bytes (a view of the mapped file, [rows of all, bytes per row]), or None."""
     start = gf.data_start + info.offset
     rlx = gf.metadata.get(SCHEME_KEY + info.name)
     if rlx is not None:             # RLX's own int blocks, stored as i8 bytes (gguf_write)
@@ -375,7 +403,7 @@ def _packed(gf: GGUFFile, info: TensorInfo, blob: np.ndarray) -> PackedTensor | 
             shape = tuple(int(d) for d in dims.split("x"))
         except (AttributeError, ValueError):
             raise WeightError(f"{gf.path}: metadata {SCHEME_KEY + info.name} = {rlx!r}; expected "
-                              "'<scheme>:<rows>x<cols>'") from None
+                              "'<scheme>:<rows>x<cols>' or '<scheme>:<E>x<rows>x<cols>'") from None
         scheme = QuantScheme.parse(name)
     else:
         try:
@@ -383,7 +411,7 @@ def _packed(gf: GGUFFile, info: TensorInfo, blob: np.ndarray) -> PackedTensor | 
         except WeightError:
             return None             # f32/f16/bf16 and types without a kernel: loaded as floats
         shape = info.shape
-    if len(shape) != 2 or shape[-1] % scheme.block_size or 0 in shape:
+    if len(shape) not in (2, 3) or shape[-1] % scheme.block_size or 0 in shape:
         return None
     rows, per_row = scheme.packed_shape(shape, info.name)
     if info.nbytes != rows * per_row or start + info.nbytes > blob.size:
@@ -395,7 +423,8 @@ def _packed(gf: GGUFFile, info: TensorInfo, blob: np.ndarray) -> PackedTensor | 
 def load_gguf(path: str, progress: bool = False, packed: bool = False
               ) -> tuple[dict, dict[str, np.ndarray], GGUFFile]:
     """`(config, tensors, header)` of a GGUF file: every tensor dequantized to float32, or with
-    `packed` the quantized matmul weights as PackedTensors over the memory-mapped file."""
+    `packed` the quantized matmul weights (and expert stacks) as PackedTensors over the
+    memory-mapped file."""
     from .gguf_arch import gguf_architecture
 
     gf = read_gguf(path)

@@ -4,11 +4,13 @@ The inverse of `gguf_io`'s loading: HF names become llama.cpp's, values get what
 converter does to them (row permutations, norms stored as 1 + w: the family's registered
 `GGUFArchitecture` says which), the config becomes GGUF metadata, and every matmul weight whose
 rows split into whole blocks is quantized with the scheme (the rest stays f32, as llama.cpp's
-own quantizer keeps norms). The HF tokenizer travels as `tokenizer.huggingface.json`, plus
+own quantizer keeps norms); a 3-D stack of them (routed experts, numpy [E, rows, cols]) is
+quantized as llama.cpp's ffn_*_exps are, ggml ne [cols, rows, E]. The HF tokenizer travels as `tokenizer.huggingface.json`, plus
 llama.cpp's BPE fields for byte-level BPE vocabularies, so both RLX and llama.cpp read the file.
 
 RLX's own int8/int4 blocks have no GGUF type: they are stored as GGUF I8 bytes
-[rows, bytes per row] with the scheme under `rlx.scheme.<tensor>`, which RLX reads back and
+[(E,) rows, bytes per row] with the scheme and logical shape under `rlx.scheme.<tensor>`
+("<scheme>:<rows>x<cols>", or "<scheme>:<E>x<rows>x<cols>"), which RLX reads back and
 llama.cpp does not.
 
 The file is written under a temporary name beside DST and renamed at the end, so a failed run
@@ -243,6 +245,17 @@ def _architecture_of(path: str, model_type) -> str:
     return arch
 
 
+def _add_packed(writer, name: str, x: np.ndarray, q: QuantScheme, hf: str) -> None:
+    """A matrix [rows, cols] or a stack of them [E, rows, cols] (routed experts) quantized in
+    llama.cpp's layout: the bytes [.., rows, bytes per row], ggml ne [cols, rows(, E)]."""
+    raw = q.quantize(x, name=hf).reshape(x.shape[:-1] + (-1,))
+    if q.gguf_type is not None:
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType(q.gguf_type))
+    else:
+        writer.add_string(SCHEME_KEY + name, f"{q.name}:" + "x".join(str(d) for d in x.shape))
+        writer.add_tensor(name, raw.view(np.int8), raw_dtype=gguf.GGMLQuantizationType.I8)
+
+
 def _write(ckpt: Checkpoint, cfg: dict, path: str, arch: str, q: QuantScheme, echo) -> dict:
     mapping = gguf_architecture(ckpt.path, arch)
     writer = gguf.GGUFWriter(path, arch)
@@ -258,17 +271,12 @@ def _write(ckpt: Checkpoint, cfg: dict, path: str, arch: str, q: QuantScheme, ec
             continue
         name = gguf_name(arch, hf)
         x = mapping.to_gguf(name, np.asarray(ckpt.tensors[hf], np.float32), cfg, hf)
-        if x.ndim == 2 and x.shape[1] % q.block_size == 0:
-            raw = q.quantize(x, name=hf)
-            if q.gguf_type is not None:
-                writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType(q.gguf_type))
-            else:
-                writer.add_string(SCHEME_KEY + name, f"{q.name}:{x.shape[0]}x{x.shape[1]}")
-                writer.add_tensor(name, raw.view(np.int8), raw_dtype=gguf.GGMLQuantizationType.I8)
+        if x.ndim in (2, 3) and x.shape[-1] % q.block_size == 0:
+            _add_packed(writer, name, x, q, hf)
             quantized += 1
         else:
             writer.add_tensor(name, x)
-            if x.ndim == 2:
+            if x.ndim in (2, 3):
                 kept.append(hf)
     try:
         writer.write_header_to_file()
