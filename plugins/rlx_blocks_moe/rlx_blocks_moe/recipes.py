@@ -21,7 +21,7 @@ from rlx_core.flow import AttnSpec, ModelFlow, SelfAttention
 from rlx_core.flow.moe import MoeFfn
 from rlx_core.flow.recipe import DecoderFlow
 from rlx_core.flow.rope import rope_params
-from rlx_core.ir.errors import ModelError
+from rlx_core.ir.errors import ModelError, WeightError
 from rlx_core.runtime.model import DecoderRecipe
 from rlx_core.weights.config import check_config, config_source, hf_activation
 
@@ -185,12 +185,36 @@ class MoeRecipe(DecoderRecipe):
     stacked once at load (`weights.stack_experts`), whatever form the checkpoint holds them in."""
     flow_class: type[MoeFlow] = MoeFlow
     default_context = 4096
+    # the model type whose GGUF architecture holds this family's files (None: its own)
+    gguf_model_type: str | None = None
 
     def build(self, ckpt, backend=None, profile=None, **kw):
+        return super().build(self.stacked(ckpt), backend, profile, **kw)
+
+    def stacked(self, ckpt):
+        """`ckpt` with its experts as the canonical stacks (weights.stack_experts)."""
         cfg = dict(ckpt.config)
         check_moe_config(cfg)
-        tensors = stack_experts(ckpt.tensors, cfg, ckpt.path)
-        return super().build(attrs.evolve(ckpt, tensors=tensors), backend, profile, **kw)
+        return attrs.evolve(ckpt, tensors=stack_experts(ckpt.tensors, cfg, ckpt.path, self.count_key(ckpt)))
+
+    def count_key(self, ckpt) -> str:
+        """Where `ckpt`'s expert count came from, as an error names it."""
+        if ckpt.format != "gguf":
+            return "num_experts"
+        from rlx_core.plugins import registry
+
+        mt = self.gguf_model_type or ckpt.config.get("model_type")
+        arch = next((a for a, m in registry().gguf_architectures.items() if m.model_type == mt), mt)
+        return f"GGUF metadata {arch}.expert_count"
+
+    def gguf_checkpoint(self, ckpt):
+        """The checkpoint as `rlx quantize` writes it: experts stacked (llama.cpp's 3-D
+        ffn_*_exps) and, where another architecture holds the family's GGUF files (Mixtral:
+        llama.cpp's `llama`), the config under that architecture's model type."""
+        out = self.stacked(ckpt)
+        if self.gguf_model_type:
+            out = attrs.evolve(out, config={**out.config, "model_type": self.gguf_model_type})
+        return out
 
     # -- the conformance kit's tiny model (rlx_core.testing.recipes)
     def tiny_config(self) -> dict:
@@ -255,6 +279,13 @@ class MixtralRecipe(MoeRecipe):
     name = "mixtral"
     model_types = ("mixtral",)
     flow_class = MixtralFlow
+    gguf_model_type = "llama"           # llama.cpp's `llama` with llama.expert_count > 0
+
+    def gguf_checkpoint(self, ckpt):
+        if ckpt.config.get("sliding_window"):
+            raise WeightError(f"{ckpt.path}: sliding_window = {ckpt.config['sliding_window']} cannot be "
+                              "written as llama.cpp's 'llama' GGUF: its llama graph attends globally")
+        return super().gguf_checkpoint(ckpt)
 
     def tiny_config(self) -> dict:
         """Mixtral's key for the expert count; a sliding window shorter than the kit's rows."""

@@ -45,10 +45,10 @@ def router_name(layer: int) -> str:
     return f"model.layers.{layer}.mlp.gate.weight"
 
 
-def stack_experts(tensors: Mapping, cfg: dict, source: str) -> dict:
+def stack_experts(tensors: Mapping, cfg: dict, source: str, count: str = "num_experts") -> dict:
     """`tensors` with every MoE layer's experts as the canonical stacks (module docstring);
     the rest unchanged. A missing, extra or mis-shaped expert tensor is a WeightError naming
-    it and what was expected."""
+    it and what was expected (`count`: where the expert count came from, for the message)."""
     sparse = sparse_layers(cfg)
     experts = num_experts(cfg) if sparse else 0
     out: dict = {}
@@ -74,7 +74,7 @@ def stack_experts(tensors: Mapping, cfg: dict, source: str) -> dict:
         out[stack_name(layer, which)] = _stack(found, experts, layer, which, source)
     for layer in sorted(sparse):
         for which in EXPERT_STACKS:
-            _check_stack(out.get(stack_name(layer, which)), layer, which, experts, source)
+            _check_stack(out.get(stack_name(layer, which)), layer, which, experts, source, count)
     return out
 
 
@@ -106,7 +106,7 @@ def _stack(found: dict, experts: int, layer: int, which: str, source: str):
     return np.stack([np.asarray(found[e][1]) for e in range(experts)])
 
 
-def _check_stack(t, layer: int, which: str, experts: int, source: str) -> None:
+def _check_stack(t, layer: int, which: str, experts: int, source: str, count: str) -> None:
     """A sparse layer's stack is present with E experts (its inner sizes the build checks)."""
     name = stack_name(layer, which)
     if t is None:
@@ -116,7 +116,7 @@ def _check_stack(t, layer: int, which: str, experts: int, source: str) -> None:
     shape = tuple(np.shape(t))
     if len(shape) != 3 or shape[0] != experts:
         raise WeightError(f"{source}: tensor {name!r} has shape {list(shape)}; expected [{experts}, rows, "
-                          f"cols]: one matrix per expert of the config's {experts} (num_experts)")
+                          f"cols]: one matrix per expert, as {count} = {experts} says")
 
 
 __all__ = ["EXPERT_STACKS", "router_name", "stack_experts", "stack_name"]
