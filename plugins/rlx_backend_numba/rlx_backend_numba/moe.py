@@ -289,7 +289,8 @@ def run_moe_experts(mod, kinds: tuple, x, weights, ids, gate, up, down, out) -> 
     tok, wt, slot, experts, starts, bad = route(ids, n_experts, weights)
     if bad >= 0:
         t, j = divmod(int(bad), ids.shape[1])
-        raise ModelError(f"moe_experts: expert id {int(ids[t, j])} of token {t} (slot {j}) is outside "
+        raise ModelError(f"moe_experts: expert id {int(ids[t, j])} of token {t} (slot {j}; tokens "
+                         f"counted over x's leading dims) is outside "
                          f"[0, {n_experts}) (the {n_experts} experts of the gate/up/down stacks)")
     pairs, inter, hidden = tok.shape[0], gate.shape[1], down.shape[1]
     h = np.empty((pairs, inter), np.float32)
@@ -335,21 +336,23 @@ def _stack_kind(w: np.ndarray, scheme: str) -> str | None:
 
 
 def prepare_moe_experts(a, outs, protos, op=None):
-    """A runner step for `moe_experts` over f32 x with dense f32 or packed stacks (a format of
-    quant_kernels), or None (the NumPy backend's kernel runs it)."""
+    """A runner step for `moe_experts` over f32 x [..., H] with dense f32 or packed stacks (a
+    format of quant_kernels), or None (the NumPy backend's kernel runs it)."""
     x, weights, ids, *stacks = protos
     o = outs[0]
-    if (x.ndim != 2 or x.dtype != np.float32 or weights.dtype != np.float32 or o.dtype != np.float32
+    if (x.ndim < 2 or x.dtype != np.float32 or weights.dtype != np.float32 or o.dtype != np.float32
             or o.size == 0 or not o.flags.c_contiguous or ids.dtype.kind not in "iu"):
         return None
     kinds = tuple(_stack_kind(w, s) for w, s in zip(stacks, a["schemes"]))
     if None in kinds:
         return None
     mod = kernels(kinds, a["act"])
-    out = o.reshape(x.shape)
+    hidden, k = x.shape[-1], ids.shape[-1]
+    out = o.reshape(-1, hidden)
 
-    def step(a_, o_, x, weights, ids, gate, up, down):
-        run_moe_experts(mod, kinds, x, weights, ids, gate, up, down, out)
+    def step(a_, o_, x, weights, ids, gate, up, down):        # tokens: every leading dim
+        run_moe_experts(mod, kinds, x.reshape(-1, hidden), weights.reshape(-1, k), ids.reshape(-1, k),
+                        gate, up, down, out)
     return step
 
 

@@ -1,0 +1,176 @@
+"""numba's moe_experts kernels (rlx_backend_numba/moe.py) against a float64 reference (each
+token through its experts one by one, the packed stacks decoded by rlx_core.ir.quant's
+reference decoder) on fresh random inputs: dense f32 and every packed format numba's
+matmuls read, both passes' GEMV and GEMM forms (and the GEMV where numpy gives no
+cblas_sgemm), T = 1 and 37, k from 1 to E, uneven expert load (an expert with every token,
+experts with none), any activation; the runner's step equals the NumPy backend's kernel;
+an id outside the experts is the project's error."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+import rlx_core  # noqa: E402
+from rlx_core.ir.dtype import F32, I64, U8  # noqa: E402
+from rlx_core.ir.errors import ModelError  # noqa: E402
+from rlx_core.ir.graph import Builder  # noqa: E402
+from rlx_core.ir.quant import QuantScheme  # noqa: E402
+from rlx_core.testing.parity import rng  # noqa: E402,F401  (seeded per test; RLX_TEST_SEED replays)
+
+from rlx_backend_numba import moe as M  # noqa: E402
+from rlx_backend_numba.quant_kernels import FORMATS  # noqa: E402
+
+E, H, I = 5, 256, 256           # k-quant rows need multiples of 256
+# (gate, up, down) schemes: "" dense f32; every packed format appears in one triple
+TRIPLES = [("", "", ""), ("q4_0", "q4_1", "q5_0"), ("q5_1", "q8_0", "q4_k"), ("q5_k", "q4_k", "q6_k")]
+assert {s for t in TRIPLES for s in t} - {""} == set(FORMATS)
+ACT_OF = {TRIPLES[1]: "gelu_tanh"}      # the activation is generated per module: one other than silu
+ACTS = {"silu": lambda v: v / (1 + np.exp(-v)), "gelu_tanh": lambda v: 0.5 * v * (
+    1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))}
+
+
+def stacks(rng, schemes, e=E):
+    """(gate, up, down) as the kernel reads them (f32 or packed u8 [E, rows, bytes]) and as
+    float64 (the packed ones decoded by the reference decoder)."""
+    raw, f64 = [], []
+    for shape, s in zip([(e, I, H), (e, I, H), (e, H, I)], schemes):
+        w = (rng.standard_normal(shape) / np.sqrt(shape[2])).astype(np.float32)
+        w *= rng.uniform(0.5, 2.0, (e, shape[1], 1)).astype(np.float32)
+        if s:
+            q = QuantScheme.parse(s)
+            packed = np.stack([q.quantize(w[i]) for i in range(e)])
+            raw.append(packed)
+            f64.append(np.stack([q.dequantize_reference(packed[i], shape[1:]) for i in range(e)]))
+        else:
+            raw.append(w)
+            f64.append(w.astype(np.float64))
+    return raw, f64
+
+
+def reference(x, weights, ids, gate, up, down, act="silu"):
+    """y[t] = sum_j weights[t, j] down[e] (act(gate[e] x[t]) * up[e] x[t]), e = ids[t, j], float64."""
+    y = np.zeros((x.shape[0], down.shape[1]))
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            y[t] += weights[t, j] * (down[e] @ (ACTS[act](gate[e] @ x[t]) * (up[e] @ x[t])))
+    return y
+
+
+def routes(rng, t, k, e=E, skew=False):
+    """ids [t, k] of distinct experts per token (skew: expert 0 in every token, the last two in
+    none) and positive weights."""
+    if skew:
+        ids = np.stack([np.r_[0, 1 + rng.choice(e - 3, k - 1, replace=False)] for _ in range(t)])
+    else:
+        ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)])
+    return rng.uniform(0.1, 1.0, (t, k)).astype(np.float32), ids.astype(np.int64)
+
+
+def run(schemes, x, weights, ids, raw, act="silu"):
+    kinds = tuple(QuantScheme.parse(s).kind if s else "" for s in schemes)
+    out = np.full((x.shape[0], raw[2].shape[1]), np.nan, np.float32)
+    M.run_moe_experts(M.kernels(kinds, act), kinds, x, weights, ids, *raw, out)
+    return out
+
+
+def close(got, want):
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-5, atol=2e-6 * scale)
+
+
+@pytest.fixture(params=["gemv", "gemm", "gemv-no-cblas"])
+def form(request, monkeypatch):
+    """Which form both passes take: the GEMV (a few tokens an expert), the GEMM (decoded
+    tiles times each group, whatever the group's size), or the GEMV without a cblas_sgemm."""
+    if request.param == "gemm":
+        if M.SGEMM is None:
+            pytest.skip("numpy's BLAS here gives no cblas_sgemm: the GEMM form never runs")
+        monkeypatch.setattr(M, "GROUP_GEMM", 0.0)
+    elif request.param == "gemv":
+        monkeypatch.setattr(M, "GROUP_GEMM", float("inf"))
+    else:
+        monkeypatch.setattr(M, "SGEMM", None)
+    return request.param
+
+
+@pytest.mark.parametrize("schemes", TRIPLES, ids=lambda t: "-".join(s or "f32" for s in t))
+def test_every_scheme_tokens_and_k(rng, schemes, form):
+    raw, f64 = stacks(rng, schemes)
+    act = ACT_OF.get(schemes, "silu")
+    for t, k, id_type in ((1, 1, np.int64), (1, 2, np.int64), (37, 2, np.int64), (37, E, np.int64),
+                          (3, 3, np.int32)):
+        x = rng.standard_normal((t, H)).astype(np.float32)
+        weights, ids = routes(rng, t, k)
+        got = run(schemes, x, weights, ids.astype(id_type), raw, act)
+        close(got, reference(x.astype(np.float64), weights, ids, *f64, act=act))
+
+
+@pytest.mark.parametrize("schemes", [TRIPLES[0], TRIPLES[3]], ids=["f32", "kquants"])
+def test_uneven_load(rng, schemes, form):
+    """Expert 0 takes every token, the last two none; the GEMM's cost split sees one big group."""
+    raw, f64 = stacks(rng, schemes)
+    x = rng.standard_normal((37, H)).astype(np.float32)
+    weights, ids = routes(rng, 37, 2, skew=True)
+    close(run(schemes, x, weights, ids, raw), reference(x.astype(np.float64), weights, ids, *f64))
+
+
+def test_split_tasks_covers_every_task_in_runs_of_about_equal_cost():
+    starts = np.array([0, 30, 31, 33, 60])           # groups of 30, 1, 2, 27 tokens
+    for tiles in (1, 4):
+        cost = np.repeat(np.diff(starts) + M.DECODE_COST, tiles)
+        for parts in (1, 2, 3, 7, 40):
+            b = M.split_tasks(starts, tiles, parts)
+            assert b[0] == 0 and b[-1] == 4 * tiles and len(b) == parts + 1
+            assert np.all(np.diff(b) >= 0)
+            runs = [cost[b[p]:b[p + 1]].sum() for p in range(parts)]
+            assert max(runs) <= cost.sum() / parts + cost.max()
+
+
+def test_id_outside_the_experts_is_a_model_error(rng):
+    raw, _ = stacks(rng, ("", "", ""))
+    x = rng.standard_normal((3, H)).astype(np.float32)
+    weights, ids = routes(rng, 3, 2)
+    ids[1, 1] = E
+    with pytest.raises(ModelError, match=r"expert id 5 of token 1 \(slot 1;.* is outside \[0, 5\)"):
+        run(("", "", ""), x, weights, ids, raw)
+
+
+# --------------------------------------------------------------------------- the runner
+def moe_graph(lead, k, schemes):
+    m = Builder("moe", "mir")
+    x, w = m.input("x", lead + (H,), F32), m.input("weights", lead + (k,), F32)
+    ids = m.input("ids", lead + (k,), I64)
+    ws = []
+    for name, shape, s in zip(("gate", "up", "down"), ((E, I, H), (E, I, H), (E, H, I)), schemes):
+        if s:
+            rows, nbytes = QuantScheme.parse(s).packed_shape(shape[1:])
+            ws.append(m.input(name, (E, rows, nbytes), U8))
+        else:
+            ws.append(m.input(name, shape, F32))
+    m.output("y", m.add("moe_experts", (x, w, ids, *ws), schemes=tuple(schemes)))
+    return m.build()
+
+
+@pytest.mark.parametrize("schemes", [TRIPLES[0], TRIPLES[2]], ids=["f32", "packed"])
+@pytest.mark.parametrize("lead", [(1,), (37,), (2, 3)], ids=str)
+def test_runner_step_equals_numpy_backend(rng, schemes, lead):
+    """The step numba's runner builds (tokens over every leading dim) equals the NumPy
+    backend's kernel and the reference."""
+    raw, f64 = stacks(rng, schemes)
+    t = int(np.prod(lead))
+    x = rng.standard_normal((t, H)).astype(np.float32)
+    weights, ids = routes(rng, t, 2)
+    inputs = dict(x=x.reshape(lead + (H,)), weights=weights.reshape(lead + (2,)), ids=ids.reshape(lead + (2,)),
+                  gate=raw[0], up=raw[1], down=raw[2])
+    g = moe_graph(lead, 2, schemes)
+    numba_exe = rlx_core.compile(g, backend="numba")
+    got = numba_exe.run(inputs)["y"]
+    runner = numba_exe.runner(numba_exe._bind_dims(inputs))
+    fns = [fn for i, _, fn, *_ in runner.steps if runner.graph.nodes[i].op == "moe_experts"]
+    assert len(fns) == 1 and "prepare_moe_experts" in fns[0].__qualname__, "numba's kernel did not run"
+    want = rlx_core.compile(g, backend="numpy").run(inputs)["y"]
+    close(got, want.astype(np.float64))
+    close(got.reshape(t, H), reference(x.astype(np.float64), weights, ids, *f64))
