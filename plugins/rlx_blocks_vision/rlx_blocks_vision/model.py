@@ -19,7 +19,7 @@ from rlx_core.pipeline import select_backend
 from rlx_core.runtime.args import bool_arg, int_arg
 from rlx_core.runtime.model import backend_lock, resolve_profile
 
-from .recipes import text_flow, vision_flow
+from .flows import text_flow, vision_flow
 
 
 def _l2(x: np.ndarray) -> np.ndarray:

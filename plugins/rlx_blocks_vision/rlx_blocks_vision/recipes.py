@@ -1,98 +1,22 @@
-"""The flows of a vision tower and of a CLIP / SigLIP text tower, and the registered recipes
-(HF model types vit, dinov2, dinov2_with_registers, clip, clip_vision_model, siglip,
-siglip_vision_model) that build a VisionModel from a checkpoint folder.
-
-Vision flow inputs: pixel_values [batch, C, H, W] (H, W static: the position table is
-resized for that grid when built). Text flow inputs: ids, positions [batch, seq] and
-pool_onehot [batch, seq] (1.0 at the token each text is pooled at). Outputs:
-last_hidden_state, pooled (HF's pooler_output) and embedding (image_embeds / text_embeds:
-pooled through the projection where the model has one)."""
+"""The registered recipes (HF model types vit, dinov2, dinov2_with_registers, clip,
+clip_vision_model, siglip, siglip_vision_model; siglip2 refused by name) that read a
+checkpoint's config into a VisionArch (+ TextArch) and build a VisionModel, and each
+recipe's tiny model for the conformance kit."""
 from __future__ import annotations
 
 import numpy as np
 
 from rlx_core.flow import ModelFlow
-from rlx_core.flow.blocks import LayerNorm
-from rlx_core.flow.flow import LayerScope
-from rlx_core.flow.vision import (AttentionProbeHead, Dense, InsertTokens, PatchEmbed, PositionsAt, SelectToken,
-                                  ResizedPositions, TokenEmbed, TokenPool, VitLayer, VitLayerSpec)
-from rlx_core.ir.dtype import F32, I64
 from rlx_core.ir.errors import ModelError
-from rlx_core.profile import CompileProfile
 from rlx_core.weights.config import check_config, config_source
 
 from .config import (TextArch, VisionArch, clip_vision_arch, dinov2_arch, siglip_vision_arch, sub_config,
                      text_arch, vit_arch)
+from .flows import PROFILE, text_flow, vision_flow
+from .model import VisionModel
 
-PROFILE = "encoder"
 TINY_VISION = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=48)
 TINY_TEXT = dict(TINY_VISION, vocab_size=40, max_position_embeddings=12, pad_token_id=0)
-
-
-def _layers(f: ModelFlow, n: int, prefix: str, spec: VitLayerSpec) -> None:
-    for i in range(n):
-        f.raw_stage(LayerScope(i, f"{prefix}.{i}", VitLayer(spec)))
-
-
-def _norm(f: ModelFlow, key: str, eps: float) -> None:
-    f.raw_stage(LayerNorm(f"{key}.weight", f"{key}.bias", eps))
-
-
-def vision_flow(a: VisionArch, height: int, width: int, interpolate: bool = False, batch="batch",
-                profile=None, name: str = "") -> ModelFlow:
-    """The vision tower for [batch, C, height, width] pixels."""
-    p = a.prefix
-    f = ModelFlow(name or f"{a.family}_vision", layer_prefix=f"{p}{a.layer_prefix}")
-    f.profile(profile or CompileProfile.preset(PROFILE))
-    f.input("pixel_values", (batch, a.channels, height, width), F32)
-    f.raw_stage(PatchEmbed(f"{p}{a.patch_key}", a.patch, a.patch_bias))
-    if a.cls_key:
-        f.raw_stage(InsertTokens(f"{p}{a.cls_key}", 0))
-    grid = (height // a.patch, width // a.patch)
-    f.raw_stage(ResizedPositions(f"{p}{a.pos_key}", grid, 1 if a.cls_key else 0, "bicubic", a.antialias,
-                                 interpolate or a.always_interpolate))
-    if a.registers:
-        f.raw_stage(InsertTokens(f"{p}embeddings.register_tokens", 1))
-    if a.pre_norm:
-        _norm(f, f"{p}{a.pre_norm}", a.eps)
-    spec = VitLayerSpec(a.hidden, a.heads, a.eps, a.act, a.qkv_bias, False, a.keys)
-    _layers(f, a.layers, f"{p}{a.layer_prefix}", spec)
-    if a.final_norm:
-        _norm(f, f"{p}{a.final_norm}", a.eps)
-    f.output("last_hidden_state")
-    if a.pooling == "probe":
-        f.raw_stage(AttentionProbeHead(f"{p}head", a.heads, a.eps, a.act))
-    else:
-        f.raw_stage(TokenPool(0))
-        if a.pooling == "cls_norm":
-            _norm(f, f"{p}post_layernorm", a.eps)
-        elif a.pooling == "pooler":
-            f.raw_stage(Dense("pooler.dense", True, a.pooler_act))
-    f.output("pooled")
-    if a.projection:
-        f.raw_stage(Dense(a.projection, False))
-    return f.output("embedding")
-
-
-def text_flow(t: TextArch, batch="batch", seq="seq", profile=None, name: str = "") -> ModelFlow:
-    """The text tower: token + position embeddings, layers (causal for CLIP), final norm, the
-    token pool_onehot marks, the head / projection."""
-    p = t.prefix
-    f = ModelFlow(name or f"{t.family}_text", layer_prefix=f"{p}encoder.layers")
-    f.profile(profile or CompileProfile.preset(PROFILE))
-    f.input("ids", (batch, seq), I64).input("positions", (batch, seq), I64).input("pool_onehot", (batch, seq), F32)
-    f.raw_stage(TokenEmbed(f"{p}embeddings.token_embedding.weight"))
-    f.raw_stage(PositionsAt(f"{p}embeddings.position_embedding.weight"))
-    spec = VitLayerSpec(t.hidden, t.heads, t.eps, t.act, True, t.causal, t.keys)
-    _layers(f, t.layers, f"{p}encoder.layers", spec)
-    _norm(f, f"{p}final_layer_norm", t.eps)
-    f.output("last_hidden_state")
-    f.raw_stage(SelectToken("pool_onehot"))
-    if t.pooling == "last":                  # SigLIP: pooler_output is after the head
-        f.raw_stage(Dense(t.head, t.head_bias)).output("pooled")
-    else:                                    # CLIP: pooler_output is the EOS state
-        f.output("pooled").raw_stage(Dense(t.head, t.head_bias))
-    return f.output("embedding")
 
 
 # ------------------------------------------------------------------------------ recipes
@@ -153,8 +77,6 @@ class VisionRecipe:
         return text_flow(t, profile=profile)
 
     def build(self, ckpt, backend=None, profile=None, **kw):
-        from .model import VisionModel
-
         cfg = dict(ckpt.config)
         check_config(cfg, config_source(cfg), ModelError)
         tensors = self.tensors(ckpt.tensors)
