@@ -5,20 +5,24 @@ gated_delta_rule runs one task per (batch row, value head) on numba's threads; a
 its head's state [K, V] in a local array from the first step to the last and writes it out
 once. Up to RECURRENT_MAX steps (decode, a few draft tokens) it takes the recurrent form, two
 passes over the state a step; longer inputs take the chunked (WY / UT) form of the NumPy
-kernel (rlx_core.ir.deltanet: the formulas are written there), one chunk after another, each
-as small dense products whose innermost loop runs along a contiguous row of V (or K) values,
-so the state's row stays in L1 while the chunk's rows stream past it. f16 and bf16 compute
-in f32 (inputs widened, outputs rounded once), f32 in f32, f64 in f64.
+kernel (rlx_core.ir.deltanet: the formulas are written there), one chunk after another: five
+dense products a chunk (f32: one cblas_sgemm call each, made by numba's threads as in
+cblas.py; else loops), the decays, the forward substitution and the sums between them in
+loops. f16 and bf16 compute in f32 (inputs widened, outputs rounded once), f32 in f32, f64
+in f64.
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
+from rlx_core.backends.numpy.blas import single_threaded_blas
 from rlx_core.ir.numpy_kernels import put
 
+from .cblas import SGEMM, sgemm
 from .codegen import PAR_MIN, epilogue_step
 
 _OPT = dict(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
@@ -54,80 +58,117 @@ def _steps(q, k, v, g, beta, s, o, b, h, kh, scale):
 
 
 @njit(**_OPT)
-def _dot(x, y):
-    acc = x[0] * 0
-    for i in range(x.shape[0]):
-        acc += x[i] * y[i]
-    return acc
+def _mm_loops(a, b, c, ta, tb):
+    """c = op(a) @ op(b) in loops (not both transposed): the innermost loop runs along a row
+    of b and c, or along rows of a and b for a dot product (tb)."""
+    m, n = c.shape
+    depth = a.shape[0] if ta else a.shape[1]
+    if tb:
+        for i in range(m):
+            ai = a[i]
+            for j in range(n):
+                bj = b[j]
+                acc = ai[0] * 0
+                for r in range(depth):
+                    acc += ai[r] * bj[r]
+                c[i, j] = acc
+        return
+    c[:, :] = 0
+    for r in range(depth):
+        br = b[r]
+        for i in range(m):
+            x, ci = (a[r, i] if ta else a[i, r]), c[i]
+            for j in range(n):
+                ci[j] += x * br[j]
+
+
+def _product(gemm, ilp64, a, b, c, ta, tb):
+    """c = op(a) @ op(b): one cblas_sgemm call for f32 where `gemm` (its address) is not 0,
+    else _mm_loops."""
+
+
+@overload(_product, inline="always", jit_options=_OPT)
+def _ov_product(gemm, ilp64, a, b, c, ta, tb):
+    if c.dtype != types.float32:           # (sgemm types only for float32)
+        return lambda gemm, ilp64, a, b, c, ta, tb: _mm_loops(a, b, c, ta, tb)
+
+    def f32(gemm, ilp64, a, b, c, ta, tb):
+        if gemm != 0:
+            sgemm(gemm, ilp64, a, b, c, ta, tb)
+        else:
+            _mm_loops(a, b, c, ta, tb)
+    return f32
 
 
 @njit(**_OPT)
-def _chunk(q, k, v, g, beta, s, o, b, h, kh, scale, t0, n, ks, qs, u, a, p, cum):
+def _chunk(q, k, v, g, beta, s, o, b, h, kh, scale, t0, n, scratch, gemm, ilp64):
     """Steps [t0, t0 + n) in the chunked form (rlx_core.ir.deltanet's formulas), from state
-    s, which it leaves as the state after the chunk. ks, qs, u [chunk, V], a, p
-    [chunk, chunk], cum [chunk]: the task's scratch."""
+    s, which it leaves as the state after the chunk; the products are _product calls.
+    scratch: the task's (_scratch)."""
+    kq, sq, ap, t, r, u, ds, cum = scratch
     kd, vd = s.shape
     acc = scale * 0
     for i in range(n):
         acc += g[b, t0 + i, h]
         cum[i] = acc
-    # K S0 and Q S0, one row of the state at a time
-    ks[:n] = 0
-    qs[:n] = 0
-    for r in range(kd):
-        row = s[r]
-        for i in range(n):
-            ki, qi = k[b, t0 + i, kh, r], q[b, t0 + i, kh, r]
-            kr, qr = ks[i], qs[i]
-            for j in range(vd):
-                kr[j] += ki * row[j]
-                qr[j] += qi * row[j]
-    # the strictly lower system A and the causal scores P (diagonal included), decays applied
+        ki, qi, kr, qr = k[b, t0 + i, kh], q[b, t0 + i, kh], kq[i], kq[n + i]
+        for j in range(kd):                                 # rows [0, n): keys, [n, 2n): scaled queries
+            kr[j] = ki[j]
+            qr[j] = qi[j] * scale
+    both, keys = kq[:2 * n], kq[:n]
+    _product(gemm, ilp64, both, s, sq[:2 * n], False, False)          # [K S0; Q S0]
+    _product(gemm, ilp64, both, keys, ap[:2 * n, :n], False, True)    # [K K^T; Q K^T]
+    # (I + A)^-1, A_ij = beta_i (k_i . k_j) exp(cum_i - cum_j) for j < i: forward substitution
     for i in range(n):
-        ki, qi = k[b, t0 + i, kh], q[b, t0 + i, kh]
-        bi = beta[b, t0 + i, h]
-        for j in range(i + 1):
-            d = math.exp(cum[i] - cum[j])
-            kj = k[b, t0 + j, kh]
-            p[i, j] = scale * d * _dot(qi, kj)
-            if j < i:
-                a[i, j] = bi * d * _dot(ki, kj)
-    # U = (I + A)^-1 beta (V - gamma K S0), row by row
-    for i in range(n):
-        bi, gi, vi, ui = beta[b, t0 + i, h], math.exp(cum[i]), v[b, t0 + i, h], u[i]
-        kr = ks[i]
-        for j in range(vd):
-            ui[j] = bi * (vi[j] - gi * kr[j])
+        bi, ti = beta[b, t0 + i, h], t[i]
+        ti[:n] = 0
+        ti[i] = 1
         for m in range(i):
-            c, um = a[i, m], u[m]
-            for j in range(vd):
-                ui[j] -= c * um[j]
-    # o_i = scale gamma_i S0^T q_i + sum_{j <= i} P_ij u_j
+            c, tm = bi * ap[i, m] * math.exp(cum[i] - cum[m]), t[m]
+            for j in range(m + 1):
+                ti[j] -= c * tm[j]
+    # U = (I + A)^-1 R, R = beta (V - gamma K S0)
     for i in range(n):
-        gi, oi, qr = scale * math.exp(cum[i]), o[b, t0 + i, h], qs[i]
+        bi, gi, vi, ri, ks = beta[b, t0 + i, h], math.exp(cum[i]), v[b, t0 + i, h], r[i], sq[i]
         for j in range(vd):
-            oi[j] = gi * qr[j]
-        for m in range(i + 1):
-            c, um = p[i, m], u[m]
-            for j in range(vd):
-                oi[j] += c * um[j]
-    # S = gamma_n S0 + sum_i (gamma_n / gamma_i) k_i u_i^T, one row of the state at a time
+            ri[j] = bi * (vi[j] - gi * ks[j])
+    _product(gemm, ilp64, t[:n, :n], r[:n], u[:n], False, False)
+    # o_i = gamma_i S0^T (scale q_i) + sum_{j <= i} (scale q_i . k_j) exp(cum_i - cum_j) u_j
+    for i in range(n):
+        pi = ap[n + i]
+        for m in range(n):
+            pi[m] = pi[m] * math.exp(cum[i] - cum[m]) if m <= i else pi[m] * 0
+    pu = r                                                   # (R is spent)
+    _product(gemm, ilp64, ap[n:2 * n, :n], u[:n], pu[:n], False, False)
+    for i in range(n):
+        gi, oi, qs, pi = math.exp(cum[i]), o[b, t0 + i, h], sq[n + i], pu[i]
+        for j in range(vd):
+            oi[j] = gi * qs[j] + pi[j]
+    # S = gamma_n S0 + sum_i exp(cum_n - cum_i) k_i u_i^T (the key rows scaled in place)
     last = cum[n - 1]
-    gn = math.exp(last)
     for i in range(n):
-        cum[i] = math.exp(last - cum[i])
-    for r in range(kd):
-        row = s[r]
+        d, ki = math.exp(last - cum[i]), kq[i]
+        for j in range(kd):
+            ki[j] *= d
+    _product(gemm, ilp64, keys, u[:n], ds, True, False)
+    gn = math.exp(last)
+    for rr in range(kd):
+        row, dr = s[rr], ds[rr]
         for j in range(vd):
-            row[j] *= gn
-        for i in range(n):
-            c, ui = cum[i] * k[b, t0 + i, kh, r], u[i]
-            for j in range(vd):
-                row[j] += c * ui[j]
+            row[j] = gn * row[j] + dr[j]
 
 
 @njit(**_OPT)
-def _head(task, q, k, v, g, beta, s0, o, s1, scale, chunk, recurrent):
+def _scratch(c, kd, vd, dt):
+    """A task's scratch for chunks of up to c steps: kq [2c, K], sq [2c, V], ap [2c, c],
+    t [c, c], r, u [c, V], ds [K, V], cum [c]."""
+    return (np.empty((2 * c, kd), dt), np.empty((2 * c, vd), dt), np.empty((2 * c, c), dt),
+            np.empty((c, c), dt), np.empty((c, vd), dt), np.empty((c, vd), dt), np.empty((kd, vd), dt),
+            np.empty(c, dt))
+
+
+@njit(**_OPT)
+def _head(task, q, k, v, g, beta, s0, o, s1, scale, chunk, recurrent, gemm, ilp64):
     """One (batch row, value head): its state through every step, written to s1."""
     nh, kd, vd = v.shape[2], q.shape[3], v.shape[3]
     b, h = task // nh, task % nh
@@ -137,23 +178,22 @@ def _head(task, q, k, v, g, beta, s0, o, s1, scale, chunk, recurrent):
         _steps(q, k, v, g, beta, s, o, b, h, kh, scale)
     else:
         c = min(chunk, q.shape[1])
-        ks, qs, u = np.empty((c, vd), s.dtype), np.empty((c, vd), s.dtype), np.empty((c, vd), s.dtype)
-        a, p, cum = np.empty((c, c), s.dtype), np.empty((c, c), s.dtype), np.empty(c, s.dtype)
+        scratch = _scratch(c, kd, vd, s.dtype)
         for t0 in range(0, q.shape[1], c):
-            _chunk(q, k, v, g, beta, s, o, b, h, kh, scale, t0, min(c, q.shape[1] - t0), ks, qs, u, a, p, cum)
+            _chunk(q, k, v, g, beta, s, o, b, h, kh, scale, t0, min(c, q.shape[1] - t0), scratch, gemm, ilp64)
     s1[b, h] = s
 
 
 @njit(parallel=True, **_OPT)
-def gdn_par(q, k, v, g, beta, s0, o, s1, scale, chunk, recurrent):
+def gdn_par(q, k, v, g, beta, s0, o, s1, scale, chunk, recurrent, gemm, ilp64):
     for task in prange(v.shape[0] * v.shape[2]):
-        _head(task, q, k, v, g, beta, s0, o, s1, scale, chunk, recurrent)
+        _head(task, q, k, v, g, beta, s0, o, s1, scale, chunk, recurrent, gemm, ilp64)
 
 
 @njit(**_OPT)
-def gdn_ser(q, k, v, g, beta, s0, o, s1, scale, chunk, recurrent):
+def gdn_ser(q, k, v, g, beta, s0, o, s1, scale, chunk, recurrent, gemm, ilp64):
     for task in range(v.shape[0] * v.shape[2]):
-        _head(task, q, k, v, g, beta, s0, o, s1, scale, chunk, recurrent)
+        _head(task, q, k, v, g, beta, s0, o, s1, scale, chunk, recurrent, gemm, ilp64)
 
 
 def _compute_dtype(x: np.ndarray) -> np.dtype:
@@ -181,10 +221,12 @@ def prepare_gated_delta_rule(a, outs, protos, op=None):
         return None                       # nothing to run: the NumPy kernel's empty writes
     kern = gdn_par if nb * nh * t * kd * vd >= PAR_MIN and nb * nh > 1 else gdn_ser
     scale, chunk, recurrent = dt.type(a["scale"]), int(a["chunk"]), t <= RECURRENT_MAX
+    gemm = SGEMM or (0, False)
 
     def step(a_, out, q, k, v, g, beta, state):
         o, s1 = _target(out[0], dt), _target(out[1], dt)
-        kern(*(_operand(x, dt) for x in (q, k, v, g, beta, state)), o, s1, scale, chunk, recurrent)
+        with single_threaded_blas():                 # (numba's threads make the BLAS calls)
+            kern(*(_operand(x, dt) for x in (q, k, v, g, beta, state)), o, s1, scale, chunk, recurrent, *gemm)
         for dst, src in zip(out, (o, s1)):
             if dst is not src:
                 put(dst, src)

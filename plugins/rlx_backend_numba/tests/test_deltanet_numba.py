@@ -18,7 +18,10 @@ from rlx_core.testing.parity import rng  # noqa: F401  (seeded per test; RLX_TES
 pytest.importorskip("numba")
 
 from rlx_backend_numba import deltanet as ND  # noqa: E402
+from rlx_backend_numba.cblas import SGEMM  # noqa: E402
 
+LOOPS = (0, False)                  # no cblas_sgemm: every product in loops
+GEMM = SGEMM or LOOPS               # what the backend passes
 TOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-10}
 
 
@@ -38,11 +41,22 @@ def _gdn_inputs(rng, t: int, dt, hk=2, decay="typical") -> dict:
                                                (7, 3, False), (1, 16, False)], ids=str)
 @pytest.mark.parametrize("hk", [2, 4], ids=["gqa", "mha"])
 def test_gdn_kernel_matches_the_reference(rng, kern, dt, t, chunk, recurrent, hk):
-    """Either form from a nonzero state, any chunk: both outputs against the recurrence."""
+    """Either form from a nonzero state, any chunk (f32: the chunk's products by cblas_sgemm
+    where numpy's BLAS is an OpenBLAS): both outputs against the recurrence."""
+    _check_kernel(rng, kern, dt, t, chunk, recurrent, hk, GEMM)
+
+
+@pytest.mark.parametrize("t,chunk", [(45, 16), (7, 3)], ids=str)
+def test_gdn_f32_products_in_loops(rng, t, chunk):
+    """The f32 chunked form without cblas_sgemm (numpy's BLAS not an OpenBLAS): loops."""
+    _check_kernel(rng, ND.gdn_par, np.float32, t, chunk, False, 2, LOOPS)
+
+
+def _check_kernel(rng, kern, dt, t, chunk, recurrent, hk, gemm):
     x = _gdn_inputs(rng, t, F64 if dt is np.float64 else F32, hk=hk)
     args = [np.ascontiguousarray(x[n], dt) for n in ("q", "k", "v", "g", "beta", "state")]
     o, s1 = np.full(x["v"].shape, np.nan, dt), np.full(x["state"].shape, np.nan, dt)
-    kern(*args, o, s1, dt(0.35), chunk, recurrent)
+    kern(*args, o, s1, dt(0.35), chunk, recurrent, *gemm)
     want_o, want_s = ref_gated_delta_rule(*(x[n] for n in ("q", "k", "v", "g", "beta", "state")), scale=0.35)
     close(o, want_o, TOL[np.dtype(dt)])
     close(s1, want_s, TOL[np.dtype(dt)])
@@ -55,7 +69,7 @@ def test_gdn_kernel_decay_extremes(rng, decay):
     x = _gdn_inputs(rng, 40, F64, decay=decay)
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "state")]
     o, s1 = np.empty(x["v"].shape), np.empty(x["state"].shape)
-    ND.gdn_par(*args, o, s1, 0.35, 16, False)
+    ND.gdn_par(*args, o, s1, 0.35, 16, False, *LOOPS)
     want_o, want_s = ref_gated_delta_rule(*args, scale=0.35)
     close(o, want_o, 1e-10)
     close(s1, want_s, 1e-10)
