@@ -255,6 +255,7 @@ class ImageProcessor:
                     raise ModelError(f"{source}: 'do_normalize' is true but '{key}' is missing")
             self.mean = np.array(_channels(merged["image_mean"], "image_mean", source), np.float32)
             self.std = np.array(_channels(merged["image_std"], "image_std", source, nonzero=True), np.float32)
+        self._levels: np.ndarray | None = None
         self.max_pixels = max_pixels_default() if max_pixels is None else max_pixels
         if isinstance(self.max_pixels, bool) or not isinstance(self.max_pixels, int) or self.max_pixels < 1:
             raise ModelError(f"max_pixels must be a whole number >= 1, got {max_pixels!r}")
@@ -331,12 +332,25 @@ class ImageProcessor:
             rgb = self._resize(rgb)
         if self.crop_to is not None:
             rgb = center_crop(rgb, *self.crop_to)
-        x = rgb
-        if self.rescale is not None:                 # HF: float64 product, then float32
-            x = (x.astype(np.float64) * self.rescale).astype(np.float32)
-        if self.mean is not None:
-            x = (x.astype(np.float32, copy=False) - self.mean) / self.std
-        return np.ascontiguousarray(np.moveaxis(x, -1, 0), dtype=np.float32)
+        out = np.empty((3,) + rgb.shape[:2], np.float32)
+        for c in range(3):                           # rescale + normalize: a lookup per channel
+            np.take(self.levels[c], rgb[..., c], out=out[c])
+        return out
+
+    @property
+    def levels(self) -> np.ndarray:
+        """[3, 256] float32: what rescale then normalize make of each uint8 level of each
+        channel, by HF's own arithmetic (the product in float64 rounded to float32, then
+        (x - mean) / std in float32), so a lookup gives HF's values bit for bit."""
+        if self._levels is None:
+            x = np.arange(256, dtype=np.uint8)[None, :].repeat(3, axis=0)
+            if self.rescale is not None:
+                x = (x.astype(np.float64) * self.rescale).astype(np.float32)
+            x = x.astype(np.float32)
+            if self.mean is not None:
+                x = (x - self.mean[:, None]) / self.std[:, None]
+            self._levels = np.ascontiguousarray(x, np.float32)
+        return self._levels
 
     def decode(self, item, name: str):
         """A path, bytes, PIL image or array as a PIL image or a uint8 array [H, W, C]."""
