@@ -80,8 +80,8 @@ class MoeFfn:
         gate, up, down = (ctx.param(self.key(ctx, name), shp) for name, shp in zip(self.stacks, shapes))
         return ctx.m.add("moe_experts", (x, weights, ids, gate, up, down), act=self.act)
 
-    def shared_expert(self, ctx, x):
-        s, m, h = self.shared, ctx.m, x.dims[-1]
+    def shared_expert(self, ctx, s: SharedExpert, x):
+        m, h = ctx.m, x.dims[-1]
         p = self.key(ctx, s.prefix)
         y = gated_mlp(m, x, ctx.param(f"{p}.gate_proj.weight", (s.inter, h)),
                       ctx.param(f"{p}.up_proj.weight", (s.inter, h)),
@@ -93,7 +93,7 @@ class MoeFfn:
     def emit(self, ctx, x):
         self.check(ctx)
         y = self.routed(ctx, x, *self.route(ctx, x))
-        return y if self.shared is None else y + self.shared_expert(ctx, x)
+        return y if self.shared is None else y + self.shared_expert(ctx, self.shared, x)
 
 
 __all__ = ["MoeFfn", "SharedExpert", "EXPERT_STACKS"]

@@ -157,8 +157,9 @@ def _moe_experts_kernel(a, out, x, weights, ids, gate, up_, down):
     bounds = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=n_exp))])
     slots = np.zeros((flat.size, hid), ct)
     sg, su, sd = a["schemes"]
-    act, scratch = NUMPY_ACT[a["act"]], {}
-    for e in np.flatnonzero(np.diff(bounds)):
+    act = NUMPY_ACT[a["act"]]
+    scratch: dict = {}
+    for e in map(int, np.flatnonzero(np.diff(bounds))):
         sel = order[bounds[e]:bounds[e + 1]]
         xs = xf[sel // k]
         h = act(xs @ _expert_rows(gate, sg, e, hid, ct, scratch).T)

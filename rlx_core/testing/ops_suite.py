@@ -24,17 +24,7 @@ from .parity import (FLOATS, PARITY_PROFILE, REF_ACT, TOL, Arg, arg, backend, co
                      ref_mask_fill, ref_matmul, ref_reduce, ref_rms_norm, ref_rms_norm_grad, ref_rope,
                      ref_segment_pool, ref_softmax, ref_softmax_grad, ref_swiglu, ref_topk,
                      ref_varlen_attention, rlx_backend, rng, run_parity)
-
-COVERED: set = set()
-
-
-def covers(*ops):
-    COVERED.update(ops)
-    return lambda f: f
-
-
-FLOAT_IDS = [d.value for d in FLOATS]
-fdtype = pytest.mark.parametrize("dt", FLOATS, ids=FLOAT_IDS)
+from .suite_base import COVERED, FLOAT_IDS, SCHEMES, covers, fdtype  # noqa: F401  (shared with its modules)
 
 
 def test_backend_covers_the_op_table(backend):
@@ -845,9 +835,6 @@ def test_softmax_masked_rows(backend, rng, profile, dt):
 
 
 # ----------------------------------------------------------------------------- packed weights
-SCHEMES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8_b32", "int4_b64"]
-
-
 def _packed_arg(rng, scheme, n, name="w"):
     """Packed bytes of fresh random [n, K] weights, K two blocks long."""
     from rlx_core.ir.quant import QuantScheme

@@ -11,7 +11,7 @@ import pytest
 
 from rlx_core.ir.dtype import F16, F32, I32, I64, U8
 
-from .ops_suite import SCHEMES, covers, fdtype
+from .suite_base import SCHEMES, covers, fdtype
 from .parity import REF_ACT, Arg, arg, exact, run_parity
 
 ROUTERS = [("softmax_topk", False), ("softmax_topk", True), ("topk_softmax", False)]
@@ -113,11 +113,13 @@ def run_experts(backend, rng, dtype, tokens, k, dims, schemes=("", "", ""), act=
     w = arg(rng, "weights", tuple(tokens) + (k,), dtype, lo=0.1, hi=1.0)
     stacks, dense = expert_args(rng, dims, dtype, schemes)
 
+    g, u, d = dense
+
     def ref(x_, w_, ids_, *_):              # (the packed stacks as their float64 decode)
-        return ref_moe_experts(x_, w_, ids_, *dense, act=act)
+        return ref_moe_experts(x_, w_, ids_, g, u, d, act=act)
 
     def magnitude(x_, w_, ids_, *_):
-        return np.abs(ref_moe_experts(x_, w_, ids_, *dense, act=act, magnitude=True)).max()
+        return np.abs(ref_moe_experts(x_, w_, ids_, g, u, d, act=act, magnitude=True)).max()
 
     return run_parity(backend, "moe_experts", [x, w, ids] + stacks, {"act": act, "schemes": tuple(schemes)},
                       ref, magnitude=magnitude)
