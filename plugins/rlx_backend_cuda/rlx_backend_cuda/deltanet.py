@@ -18,6 +18,7 @@ i32, i64 = np.int32, np.int64
 
 GDN_WARPS = 4             # warps of a block
 GDN_COLUMNS = 4           # state columns a warp holds (registers: K / 32 x this)
+GDN_PREFETCH = 4          # steps whose inputs are in flight ahead of the one computed
 
 
 def build_gated_delta_rule(b, n, ins, outs):
@@ -29,7 +30,8 @@ def build_gated_delta_rule(b, n, ins, outs):
         return
     od = o if o.contiguous() else b.buffer(o.shape, o.dt, "gated_delta_rule output")
     sd = s1 if s1.contiguous() else b.buffer(s1.shape, s1.dt, "gated_delta_rule state")
-    src = sources.render(sources.GDN_RULE, T=ctype(q.dt), ACC=acc_of(q.dt), KD=KD, VD=VD, KPL=-(-KD // 32), VPW=GDN_COLUMNS)
+    src = sources.render(sources.GDN_RULE, T=ctype(q.dt), ACC=acc_of(q.dt), KD=KD, VD=VD, KPL=-(-KD // 32), VPW=GDN_COLUMNS,
+                         PF=GDN_PREFETCH)
     fn = b.kernel(src, "rlx_gdn")
     per_block = GDN_WARPS * GDN_COLUMNS
     scale = np.float64(n.a["scale"]) if acc_of(q.dt) == "double" else np.float32(n.a["scale"])

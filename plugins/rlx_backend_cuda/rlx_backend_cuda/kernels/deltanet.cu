@@ -1,5 +1,5 @@
 // Gated DeltaNet (gated_delta_rule) and the short causal convolution before it (causal_conv1d).
-// @part rule(T, ACC, KD, VD, KPL, VPW)
+// @part rule(T, ACC, KD, VD, KPL, VPW, PF)
 // The recurrent form, one step after another: a warp holds the state columns [v0, v0 + VPW)
 // of one (batch, head), lane l its rows l, l + 32, ... (KPL of them), in registers for the
 // whole sequence; the state is read once and written once (a decode step inside the CUDA
@@ -7,7 +7,7 @@
 //   S' = e^g S + k delta^T,  delta = beta (v - e^g S^T k),  o = scale S'^T q
 //      = scale (e^g S^T q + delta (k . q)),
 // so the three sums over K (S^T k, S^T q, k . q) come from one round of warp reductions.
-// The next step's inputs are loaded before this step's sums. Value head h reads key head
+// Inputs are loaded PF steps ahead (a ring of registers). Value head h reads key head
 // h / (H / HK). Layouts contiguous: q, k [B, T, HK, KD]; v, o [B, T, H, VD]; g, beta [B, T, H];
 // states [B, H, KD, VD].
 typedef ACC W;
@@ -42,38 +42,45 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn(const T* __restrict__ 
       const int kk = lane + 32 * i;
       S[i][j] = kk < KD && v0 + j < VD ? LD(W, s0[sb + (i64)kk * VD + v0 + j]) : (W)0;
     }
-  rlx_gdn_in cur, nxt;
-  if (steps > 0)
-    rlx_gdn_load(cur, q, k, v, g, beta, ((i64)b * steps * HK + hk) * KD, ((i64)b * steps * H + h) * VD,
-                 (i64)b * steps * H + h, lane, v0);
-  for (int t = 0; t < steps; ++t) {
-    const i64 bt = (i64)b * steps + t + 1;
-    if (t + 1 < steps) rlx_gdn_load(nxt, q, k, v, g, beta, (bt * HK + hk) * KD, (bt * H + h) * VD, bt * H + h, lane, v0);
-    W sk[VPW], sq[VPW], kq = 0;
+  // a ring of PF steps' inputs: step t + PF is loaded as soon as step t is done with its slot
+  rlx_gdn_in buf[PF];
+  const i64 b0 = (i64)b * steps;
 #pragma unroll
-    for (int i = 0; i < KPL; ++i) kq += cur.k[i] * cur.q[i];
+  for (int d = 0; d < PF; ++d)
+    if (d < steps) rlx_gdn_load(buf[d], q, k, v, g, beta, ((b0 + d) * HK + hk) * KD, ((b0 + d) * H + h) * VD, (b0 + d) * H + h, lane, v0);
+  for (int t0 = 0; t0 < steps; t0 += PF) {
 #pragma unroll
-    for (int j = 0; j < VPW; ++j) {
-      sk[j] = sq[j] = 0;
+    for (int d = 0; d < PF; ++d) {
+      const int t = t0 + d;
+      if (t >= steps) break;
+      rlx_gdn_in& cur = buf[d];
+      W sk[VPW], sq[VPW], kq = 0;
 #pragma unroll
-      for (int i = 0; i < KPL; ++i) { sk[j] += S[i][j] * cur.k[i]; sq[j] += S[i][j] * cur.q[i]; }
+      for (int i = 0; i < KPL; ++i) kq += cur.k[i] * cur.q[i];
+#pragma unroll
+      for (int j = 0; j < VPW; ++j) {
+        sk[j] = sq[j] = 0;
+#pragma unroll
+        for (int i = 0; i < KPL; ++i) { sk[j] += S[i][j] * cur.k[i]; sq[j] += S[i][j] * cur.q[i]; }
+      }
+#pragma unroll
+      for (int m = 16; m > 0; m >>= 1) {
+        kq += SHFL_XOR(kq, m);
+#pragma unroll
+        for (int j = 0; j < VPW; ++j) { sk[j] += SHFL_XOR(sk[j], m); sq[j] += SHFL_XOR(sq[j], m); }
+      }
+      const W decay = exp(cur.g);
+      const i64 vo = ((b0 + t) * H + h) * VD + v0;
+#pragma unroll
+      for (int j = 0; j < VPW; ++j) {
+        const W delta = cur.beta * (cur.v[j] - decay * sk[j]);
+#pragma unroll
+        for (int i = 0; i < KPL; ++i) S[i][j] = decay * S[i][j] + cur.k[i] * delta;
+        if (lane == j && v0 + j < VD) o[vo + j] = ST(T, scale * (decay * sq[j] + delta * kq));
+      }
+      const i64 tn = b0 + t + PF;
+      if (t + PF < steps) rlx_gdn_load(cur, q, k, v, g, beta, (tn * HK + hk) * KD, (tn * H + h) * VD, tn * H + h, lane, v0);
     }
-#pragma unroll
-    for (int m = 16; m > 0; m >>= 1) {
-      kq += SHFL_XOR(kq, m);
-#pragma unroll
-      for (int j = 0; j < VPW; ++j) { sk[j] += SHFL_XOR(sk[j], m); sq[j] += SHFL_XOR(sq[j], m); }
-    }
-    const W decay = exp(cur.g);
-    const i64 vo = ((bt - 1) * H + h) * VD + v0;
-#pragma unroll
-    for (int j = 0; j < VPW; ++j) {
-      const W delta = cur.beta * (cur.v[j] - decay * sk[j]);
-#pragma unroll
-      for (int i = 0; i < KPL; ++i) S[i][j] = decay * S[i][j] + cur.k[i] * delta;
-      if (lane == j && v0 + j < VD) o[vo + j] = ST(T, scale * (decay * sq[j] + delta * kq));
-    }
-    cur = nxt;
   }
 #pragma unroll
   for (int i = 0; i < KPL; ++i)
