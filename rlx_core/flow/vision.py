@@ -128,9 +128,10 @@ def token_rows(ctx, key: str, dim: int):
     return ctx.m.reshape(p, (n, dim))
 
 
-def attend(ctx, q, k, v, heads: int, causal: bool = False):
-    """softmax(q k^T / sqrt(d)) v over every key ([B,Sq,heads*d] q, [B,Sk,heads*d] k and v):
-    the `attention` op without a mask, or causal (a text tower's)."""
+def attend(ctx, q, k, v, heads: int, causal: bool = False, mask_input: str = ""):
+    """softmax(q k^T / sqrt(d)) v ([B,Sq,heads*d] q, [B,Sk,heads*d] k and v): the `attention`
+    op over every key, or causal (a text tower's), or over the keys flow input `mask_input`
+    [B,1,1,Sk] (bool) keeps (variable-resolution images padded to one patch count)."""
     m = ctx.m
     b, sq, n = q.dims
     d = n // heads
@@ -138,7 +139,12 @@ def attend(ctx, q, k, v, heads: int, causal: bool = False):
     def split(t):
         return m.transpose(m.reshape(t, (b, t.dims[1], heads, d)), (0, 2, 1, 3))
 
-    o = m.attention(split(q), split(k), split(v), None, None, scale=1.0 / math.sqrt(d),
+    mask = None
+    if mask_input:
+        mask = ctx.inputs.get(mask_input)
+        if mask is None:
+            raise ModelError(f"attention: the flow has no {mask_input!r} input (the key mask)")
+    o = m.attention(split(q), split(k), split(v), mask, None, scale=1.0 / math.sqrt(d),
                     mask_kind=MaskKind.CAUSAL if causal else MaskKind.NONE)
     return m.reshape(m.transpose(o, (0, 2, 1, 3)), (b, sq, n))
 
@@ -252,6 +258,51 @@ class PositionsAt:
 
 
 @attrs.frozen
+class PatchLinear:
+    """Patches given already cut and flattened (flow input `input` [B, N, C*p*p]) through the
+    linear patch embedding `<key>.weight` [D, C*p*p] (+ bias)."""
+    key: str
+    input: str = "pixel_values"
+
+    def emit(self, ctx, value):
+        x = ctx.inputs.get(self.input)
+        if x is None:
+            raise ModelError(f"patch_linear: the flow has no {self.input!r} input")
+        return dense(ctx, x, self.key)
+
+
+@attrs.frozen
+class WeightedPositions:
+    """x [B, N, D] + weights [B, N, R] @ table [R, D]: a learned position table resized per
+    image by weights the host computes (grid_position_weights), one image's grid per row."""
+    key: str
+    input: str = "pos_weights"
+
+    def emit(self, ctx, x):
+        w = ctx.inputs.get(self.input)
+        if w is None:
+            raise ModelError(f"weighted_positions: the flow has no {self.input!r} input")
+        table = ctx.param(ctx.key(self.key), (w.dims[-1], x.dims[-1]))
+        return x + ctx.m.linear(w, table, None, transpose_w=False)
+
+
+def grid_position_weights(side: int, grid: tuple, n: int, mode: str = "bilinear",
+                          antialias: bool = True) -> np.ndarray:
+    """[n, side*side] float32: row i resizes a side x side position table to token i of a
+    (rows, cols) patch grid laid out row-major (torch's interpolate weights); rows past the
+    grid (padding tokens) take the first position's, as the variable-resolution models do."""
+    rows, cols = grid
+    if rows * cols > n or rows < 1 or cols < 1:
+        raise ModelError(f"a {rows}x{cols} patch grid does not fit {n} tokens")
+    w = np.einsum("ip,jq->ijpq", resize_weights(side, rows, mode, antialias),
+                  resize_weights(side, cols, mode, antialias)).reshape(rows * cols, side * side)
+    out = np.empty((n, side * side))
+    out[:rows * cols] = w
+    out[rows * cols:] = w[0]
+    return out.astype(np.float32)
+
+
+@attrs.frozen
 class TokenEmbed:
     """table[ids] for flow input `input`."""
     key: str
@@ -291,6 +342,7 @@ class VitLayerSpec:
     qkv_bias: bool = True
     causal: bool = False               # a text tower's causal self-attention
     keys: VitLayerKeys = VitLayerKeys()
+    mask_input: str = ""               # a flow input [B,1,1,S] (bool): the keys to attend to
 
     def __attrs_post_init__(self):
         if self.heads <= 0 or self.hidden % self.heads:
@@ -310,7 +362,7 @@ class VitSelfAttention:
         bs = [ctx.param(ctx.key(f"{n}.bias"), (d,)) for n in (kk.q, kk.k, kk.v)] if s.qkv_bias else None
         qkv = m.linear(x, m.concat(ws, 0), m.concat(bs, 0) if bs else None)
         q, k, v = (m.narrow(qkv, 2, i * d, d) for i in range(3))
-        return dense(ctx, attend(ctx, q, k, v, s.heads, s.causal), kk.o, out=d)
+        return dense(ctx, attend(ctx, q, k, v, s.heads, s.causal, s.mask_input), kk.o, out=d)
 
 
 @attrs.frozen
@@ -397,6 +449,7 @@ class AttentionProbeHead:
     heads: int
     eps: float = 1e-6
     act: str = "gelu_tanh"
+    mask_input: str = ""               # a flow input [B,1,1,S] (bool): the tokens to pool over
 
     def emit(self, ctx, x):
         m = ctx.m
@@ -407,7 +460,7 @@ class AttentionProbeHead:
         bias = ctx.param(f"{p}.attention.in_proj_bias", (3 * d,))
         q = m.linear(probe, m.narrow(w, 0, 0, d), m.narrow(bias, 0, 0, d))
         kv = m.linear(x, m.narrow(w, 0, d, 2 * d), m.narrow(bias, 0, d, 2 * d))
-        o = attend(ctx, q, m.narrow(kv, 2, 0, d), m.narrow(kv, 2, d, d), self.heads)
+        o = attend(ctx, q, m.narrow(kv, 2, 0, d), m.narrow(kv, 2, d, d), self.heads, False, self.mask_input)
         h = dense(ctx, o, f"{self.prefix}.attention.out_proj", out=d)
         y = dense(ctx, layer_norm(ctx, h, f"{self.prefix}.layernorm", self.eps), f"{self.prefix}.mlp.fc1",
                   act=self.act)
@@ -429,7 +482,8 @@ class L2Normalize:
 VISION_BLOCKS = {
     "vision.patch_embed": PatchEmbed, "vision.insert_tokens": InsertTokens,
     "vision.resized_positions": ResizedPositions, "vision.positions_at": PositionsAt,
-    "vision.token_embed": TokenEmbed, "vision.layer": VitLayer, "vision.self_attention": VitSelfAttention,
+    "vision.token_embed": TokenEmbed, "vision.patch_linear": PatchLinear,
+    "vision.weighted_positions": WeightedPositions, "vision.layer": VitLayer, "vision.self_attention": VitSelfAttention,
     "vision.mlp": VitMlp, "vision.token_pool": TokenPool, "vision.select_token": SelectToken,
     "vision.mean_tokens": MeanTokens, "vision.dense": Dense, "vision.attention_probe_head": AttentionProbeHead,
     "vision.l2_normalize": L2Normalize,
@@ -437,5 +491,5 @@ VISION_BLOCKS = {
 
 __all__ = ["PatchEmbed", "InsertTokens", "ResizedPositions", "PositionsAt", "TokenEmbed", "VitLayerKeys",
            "VitLayerSpec", "VitSelfAttention", "VitMlp", "VitLayer", "TokenPool", "SelectToken", "MeanTokens",
-           "Dense", "AttentionProbeHead", "L2Normalize", "VISION_BLOCKS", "resize_weights", "resize_grid",
+           "Dense", "AttentionProbeHead", "L2Normalize", "VISION_BLOCKS", "resize_weights", "resize_grid", "PatchLinear", "WeightedPositions", "grid_position_weights",
            "square_grid", "attend", "dense", "layer_norm", "token_rows", "RESIZE_MODES"]

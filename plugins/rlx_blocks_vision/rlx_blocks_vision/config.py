@@ -50,6 +50,7 @@ class VisionArch:
     always_interpolate: bool = False     # DINOv2 resizes its positions to any grid
     antialias: bool = False              # DINOv2 with registers resizes antialiased
     projection: str = ""                 # CLIP's visual_projection (no bias)
+    naflex: bool = False                 # pre-patchified variable-resolution images (SigLIP 2)
 
     @property
     def grid(self) -> int:
@@ -188,6 +189,26 @@ def siglip_vision_arch(cfg: dict, where: str, prefix: str) -> VisionArch:
                       pooling="probe", **c)
 
 
+def siglip2_vision_arch(cfg: dict, where: str, prefix: str) -> VisionArch:
+    """HF Siglip2VisionTransformer (NaFlex): pre-patchified pixels through a linear patch
+    embedding, a square position table resized per image (antialiased bilinear) to its patch
+    grid, a patch mask over the padding, post_layernorm, the masked attention-probe head."""
+    n = _int(cfg, "num_patches", where, 256)
+    side = int(round(math.sqrt(n)))
+    if side * side != n:
+        raise ModelError(f"{_src(cfg, where)}: num_patches must be a square number (the position "
+                         f"table is a square grid), got {n}")
+    patch = _int(cfg, "patch_size", where, 16)
+    c = _common(dict(cfg, image_size=side * patch, patch_size=patch), where, "gelu_pytorch_tanh", 1e-6)
+    if not _flag(cfg, "vision_use_head", where, True):
+        raise ModelError(f"{_src(cfg, where)}: vision_use_head=false is not supported (the model's "
+                         "pooler_output is the attention-probe head's)")
+    return VisionArch(family="siglip2", keys=CLIP_KEYS, prefix=prefix, layer_prefix="encoder.layers",
+                      patch_key="embeddings.patch_embedding", patch_bias=True,
+                      pos_key="embeddings.position_embedding.weight", final_norm="post_layernorm",
+                      pooling="probe", naflex=True, **c)
+
+
 def text_arch(cfg: dict, family: str, where: str, pad_id: int | None) -> TextArch:
     """CLIPTextTransformer (causal, EOS-token pooling, text_projection) or SiglipTextTransformer
     (bidirectional, last token of texts padded to max_position_embeddings, its head)."""
@@ -219,5 +240,5 @@ def sub_config(cfg: dict, key: str) -> dict:
     return sub
 
 
-__all__ = ["VisionArch", "TextArch", "vit_arch", "dinov2_arch", "clip_vision_arch", "siglip_vision_arch",
+__all__ = ["VisionArch", "TextArch", "vit_arch", "dinov2_arch", "clip_vision_arch", "siglip_vision_arch", "siglip2_vision_arch",
            "text_arch", "sub_config", "VIT_KEYS", "DINOV2_KEYS", "CLIP_KEYS"]

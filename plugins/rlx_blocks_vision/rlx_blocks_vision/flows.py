@@ -11,9 +11,10 @@ from __future__ import annotations
 from rlx_core.flow import ModelFlow
 from rlx_core.flow.blocks import LayerNorm
 from rlx_core.flow.flow import LayerScope
-from rlx_core.flow.vision import (AttentionProbeHead, Dense, InsertTokens, PatchEmbed, PositionsAt, ResizedPositions,
-                                  SelectToken, TokenEmbed, TokenPool, VitLayer, VitLayerSpec)
-from rlx_core.ir.dtype import F32, I64
+from rlx_core.flow.vision import (AttentionProbeHead, Dense, InsertTokens, PatchEmbed, PatchLinear, PositionsAt,
+                                  ResizedPositions, SelectToken, TokenEmbed, TokenPool, VitLayer, VitLayerSpec,
+                                  WeightedPositions)
+from rlx_core.ir.dtype import BOOL, F32, I64
 from rlx_core.profile import CompileProfile
 
 from .config import TextArch, VisionArch
@@ -28,6 +29,26 @@ def _layers(f: ModelFlow, n: int, prefix: str, spec: VitLayerSpec) -> None:
 
 def _norm(f: ModelFlow, key: str, eps: float) -> None:
     f.raw_stage(LayerNorm(f"{key}.weight", f"{key}.bias", eps))
+
+
+def naflex_flow(a: VisionArch, batch="batch", tokens="tokens", profile=None, name: str = "") -> ModelFlow:
+    """The variable-resolution tower: inputs pixel_values [batch, tokens, C*p*p] (patches cut
+    by the processor, padded to one count), pos_weights [batch, tokens, grid*grid] (each
+    image's position resize, grid_position_weights) and key_mask [batch, 1, 1, tokens]."""
+    p = a.prefix
+    f = ModelFlow(name or f"{a.family}_vision", layer_prefix=f"{p}{a.layer_prefix}")
+    f.profile(profile or CompileProfile.preset(PROFILE))
+    f.input("pixel_values", (batch, tokens, a.channels * a.patch * a.patch), F32)
+    f.input("pos_weights", (batch, tokens, a.grid * a.grid), F32)
+    f.input("key_mask", (batch, 1, 1, tokens), BOOL)
+    f.raw_stage(PatchLinear(f"{p}{a.patch_key}"))
+    f.raw_stage(WeightedPositions(f"{p}{a.pos_key}"))
+    spec = VitLayerSpec(a.hidden, a.heads, a.eps, a.act, a.qkv_bias, False, a.keys, mask_input="key_mask")
+    _layers(f, a.layers, f"{p}{a.layer_prefix}", spec)
+    _norm(f, f"{p}{a.final_norm}", a.eps)
+    f.output("last_hidden_state")
+    f.raw_stage(AttentionProbeHead(f"{p}head", a.heads, a.eps, a.act, mask_input="key_mask"))
+    return f.output("pooled").output("embedding")
 
 
 def vision_flow(a: VisionArch, height: int, width: int, interpolate: bool = False, batch="batch",
@@ -87,4 +108,4 @@ def text_flow(t: TextArch, batch="batch", seq="seq", profile=None, name: str = "
     return f.output("embedding")
 
 
-__all__ = ["vision_flow", "text_flow", "PROFILE"]
+__all__ = ["vision_flow", "naflex_flow", "text_flow", "PROFILE"]

@@ -31,6 +31,9 @@ from rlx_core.ir.errors import ModelError
 DEFAULT_MAX_PIXELS = 64_000_000          # 64 megapixels: 8000 x 8000
 MAX_PIXELS_ENV = "RLX_MAX_IMAGE_PIXELS"
 CONFIG_NAME = "preprocessor_config.json"
+# the encoded formats read: the common image files; not every format Pillow knows (EPS would
+# run Ghostscript on bytes a server's client sent)
+IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP", "TIFF")
 
 _IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -115,9 +118,10 @@ def _open_encoded(data: bytes, name: str, max_pixels: int):
     with _OPEN_LOCK:                      # Pillow's own bomb bound is lifted so ours governs
         saved, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
         try:
-            img = Image.open(io.BytesIO(data))          # lazy: reads the header only
+            img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)    # lazy: reads the header only
         except UnidentifiedImageError:
-            raise ModelError(f"{name}: not an image file Pillow can read (PNG, JPEG, WebP, ...)") from None
+            raise ModelError(f"{name}: not an image file of a format read here "
+                             f"({', '.join(f for f in IMAGE_FORMATS if f != 'MPO')})") from None
         except Exception as e:                          # a known format whose header is cut or broken
             raise ModelError(f"{name}: the image data is truncated or corrupt ({e})") from None
         finally:
@@ -431,4 +435,4 @@ def center_crop(x: np.ndarray, height: int, width: int) -> np.ndarray:
 
 
 __all__ = ["ImageProcessor", "center_crop", "patch_grid", "processor_class", "max_pixels_default",
-           "DEFAULT_MAX_PIXELS", "MAX_PIXELS_ENV", "CLASS_DEFAULTS", "MODEL_TYPE_PROCESSOR"]
+           "IMAGE_FORMATS", "DEFAULT_MAX_PIXELS", "MAX_PIXELS_ENV", "CLASS_DEFAULTS", "MODEL_TYPE_PROCESSOR"]

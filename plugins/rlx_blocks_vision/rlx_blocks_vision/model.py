@@ -13,13 +13,14 @@ import warnings
 
 import numpy as np
 
+from rlx_core.flow.vision import grid_position_weights
 from rlx_core.ir.dtype import F32
 from rlx_core.ir.errors import ModelError
 from rlx_core.pipeline import select_backend
 from rlx_core.runtime.args import bool_arg, int_arg
 from rlx_core.runtime.model import backend_lock, resolve_profile
 
-from .flows import text_flow, vision_flow
+from .flows import naflex_flow, text_flow, vision_flow
 
 
 def _l2(x: np.ndarray) -> np.ndarray:
@@ -92,7 +93,9 @@ class VisionModel:
         """The flow of `mode` ("vision" for [batch, 3, height, width] pixels, by default the
         config's image_size; "text") built on the model's tensors: what `executable` compiles
         and `rlx inspect` shows."""
-        if mode == "vision":
+        if mode == "vision" and self.arch.naflex:
+            flow = naflex_flow(self.arch, profile=self.profile)
+        elif mode == "vision":
             h, w = height or self.image_size, width or self.image_size
             flow = vision_flow(self.arch, h, w, self.interpolate, profile=self.profile)
         elif mode == "text":
@@ -120,33 +123,89 @@ class VisionModel:
     @property
     def processor(self):
         """The checkpoint's image preprocessing (preprocessor_config.json beside config.json)."""
-        if self._processor is None:
+        if self._processor is None and self.arch.naflex:
+            from .naflex import NaflexProcessor
+
+            self._processor = NaflexProcessor.from_folder(self.source)
+        elif self._processor is None:
             from .images import ImageProcessor
 
             self._processor = ImageProcessor.from_folder(self.source)
         return self._processor
 
-    def forward_pixels(self, pixel_values) -> dict:
-        """Every output of the vision graph (last_hidden_state, pooled, embedding) for pixels."""
-        x = pixel_array(pixel_values, self.arch.channels)
-        exe = self.executable("vision", x.shape[2], x.shape[3])
+    def forward_pixels(self, pixel_values, pixel_attention_mask=None, spatial_shapes=None) -> dict:
+        """Every output of the vision graph (last_hidden_state, pooled, embedding) for pixels
+        [N, C, H, W] or, for a NaFlex model, the processor's patches [N, T, p*p*C] with their
+        pixel_attention_mask [N, T] and spatial_shapes [N, 2]."""
+        if self.arch.naflex:
+            feed = self.naflex_feed(pixel_values, pixel_attention_mask, spatial_shapes)
+            exe = self.executable("vision")
+        else:
+            if pixel_attention_mask is not None or spatial_shapes is not None:
+                raise ModelError("pixel_attention_mask / spatial_shapes are for NaFlex (siglip2) models")
+            feed = {"pixel_values": pixel_array(pixel_values, self.arch.channels)}
+            exe = self.executable("vision", *feed["pixel_values"].shape[2:])
         with self._lock:
-            return exe.run({"pixel_values": x})
+            return exe.run(feed)
 
-    def embed_pixels(self, pixel_values, normalize: bool = False, batch_size: int = 16) -> np.ndarray:
-        """Embeddings [N, dim] of pixels [N, C, H, W] (preprocessed as the checkpoint's processor does)."""
-        x = pixel_array(pixel_values, self.arch.channels)
+    def naflex_feed(self, pixel_values, pixel_attention_mask, spatial_shapes) -> dict:
+        """The NaFlex graph's inputs: the patches, each image's position-resize weights (its
+        spatial shape's grid), and the key mask."""
+        a = self.arch
+        x = np.asarray(pixel_values)
+        width = a.channels * a.patch * a.patch
+        if x.dtype.kind not in "fiu" or x.ndim != 3 or x.shape[2] != width or 0 in x.shape:
+            raise ModelError(f"pixel_values: expected patches [N, tokens, {width}] (the NaFlex processor's), "
+                             f"got {x.dtype} of shape {list(x.shape)}")
+        n, t = x.shape[:2]
+        shapes = np.asarray(spatial_shapes if spatial_shapes is not None else np.zeros((0,)))
+        if shapes.shape != (n, 2) or shapes.dtype.kind not in "iu":
+            raise ModelError(f"spatial_shapes: expected [{n}, 2] integers (patch rows, cols per image), got "
+                             f"{list(shapes.shape)}")
+        mask = np.asarray(pixel_attention_mask) if pixel_attention_mask is not None else \
+            (np.arange(t)[None, :] < shapes.prod(-1)[:, None])
+        if mask.shape != (n, t):
+            raise ModelError(f"pixel_attention_mask: expected [{n}, {t}], got {list(mask.shape)}")
+        for i, (h, w) in enumerate(shapes):
+            if h < 1 or w < 1 or h * w > t:
+                raise ModelError(f"spatial_shapes: image {i} has a {h}x{w} patch grid; expected at least 1x1 "
+                                 f"and at most {t} patches")
+        weights = np.stack([grid_position_weights(a.grid, (int(h), int(w)), t) for h, w in shapes])
+        x = np.ascontiguousarray(x, np.float32)
+        if not np.isfinite(x).all():
+            raise ModelError("pixel_values: has non-finite values")
+        return {"pixel_values": x, "pos_weights": weights,
+                "key_mask": np.ascontiguousarray(mask.astype(bool)[:, None, None, :])}
+
+    def embed_pixels(self, pixel_values, normalize: bool = False, batch_size: int = 16,
+                     pixel_attention_mask=None, spatial_shapes=None) -> np.ndarray:
+        """Embeddings [N, dim] of preprocessed pixels [N, C, H, W] (NaFlex: the processor's
+        patches, pixel_attention_mask and spatial_shapes)."""
         bs = int_arg("batch_size", batch_size, lo=1)
-        out = [self.forward_pixels(x[i:i + bs])["embedding"] for i in range(0, len(x), bs)]
+        n = len(pixel_values) if hasattr(pixel_values, "__len__") else 0
+        out = []
+        for i in range(0, n, bs):
+            part = slice(i, i + bs)
+            out.append(self.forward_pixels(
+                pixel_values[part], None if pixel_attention_mask is None else pixel_attention_mask[part],
+                None if spatial_shapes is None else spatial_shapes[part])["embedding"])
+        if not out:
+            raise ModelError("pixel_values: no images")
         e = np.concatenate(out).astype(np.float32)
         return _l2(e) if bool_arg("normalize", normalize) else e
 
-    def _pixels_of(self, images) -> np.ndarray:
-        if isinstance(images, np.ndarray) and images.dtype.kind == "f" and images.ndim == 4:
-            return images                               # already pixels [N, C, H, W]
+    def _pixels_of(self, images) -> dict:
+        """embed_pixels' arguments for images (pixels [N, C, H, W], or a NaFlex processor's
+        dict of pixel_values / pixel_attention_mask / spatial_shapes, pass through)."""
+        if isinstance(images, dict):
+            return dict(images)
+        if isinstance(images, np.ndarray) and images.dtype.kind == "f" and images.ndim == 4 \
+                and not self.arch.naflex:
+            return {"pixel_values": images}
         if isinstance(images, (str, bytes)) or not isinstance(images, (list, tuple)):
             images = [images]
-        return self.processor(list(images))
+        out = self.processor(list(images))
+        return dict(out) if isinstance(out, dict) else {"pixel_values": out}
 
     # -- texts
     def _tokens(self, texts: list) -> list:
@@ -233,7 +292,7 @@ class VisionModel:
         if (texts is None) == (images is None):
             raise ModelError("embed() takes texts or images (one of them)")
         if images is not None:
-            return self.embed_pixels(self._pixels_of(images), normalize, batch_size)
+            return self.embed_pixels(normalize=normalize, batch_size=batch_size, **self._pixels_of(images))
         return self.embed_texts(texts, normalize, batch_size)
 
     def logit_scale_bias(self) -> tuple:
@@ -258,7 +317,12 @@ class VisionModel:
         """Three single images at the config's size (and, with a text tower, a text each)."""
         size, rows = self.image_size, []
         for n in (3, 5, 2):
-            r = {"pixel_values": rng.standard_normal((1, self.arch.channels, size, size)).astype(np.float32)}
+            if self.arch.naflex:        # grids 2x3, 3x2, 1x4 padded to 7 patches
+                g = {3: (2, 3), 5: (3, 2), 2: (1, 4)}[n]
+                r = {"pixel_values": rng.standard_normal((1, 7, self.arch.channels * self.arch.patch ** 2))
+                     .astype(np.float32), "spatial_shapes": np.array([g], np.int64)}
+            else:
+                r = {"pixel_values": rng.standard_normal((1, self.arch.channels, size, size)).astype(np.float32)}
             if self.text is not None:
                 r["ids"] = [[int(x) for x in rng.integers(1, self.text.vocab, n)]
                             + ([self.text.eos_id] if self.text.eos_id is not None else [])]
@@ -267,13 +331,14 @@ class VisionModel:
 
     @staticmethod
     def kit_batch(rows: list) -> dict:
-        out = {"pixel_values": np.concatenate([r["pixel_values"] for r in rows])}
+        out = {k: np.concatenate([r[k] for r in rows]) for k in ("pixel_values", "spatial_shapes") if k in rows[0]}
         if "ids" in rows[0]:
             out["ids"] = [x for r in rows for x in r["ids"]]
         return out
 
     def kit_outputs(self, feed: dict) -> dict:
-        out = {f"image.{k}": v for k, v in self.forward_pixels(feed["pixel_values"]).items()
+        out = {f"image.{k}": v for k, v in self.forward_pixels(feed["pixel_values"], None,
+                                                                feed.get("spatial_shapes")).items()
                if k in ("pooled", "embedding")}
         if "ids" in feed:
             out.update({f"text.{k}": v for k, v in self.forward_ids(feed["ids"]).items()

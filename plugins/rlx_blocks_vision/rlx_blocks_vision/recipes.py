@@ -1,5 +1,5 @@
 """The registered recipes (HF model types vit, dinov2, dinov2_with_registers, clip,
-clip_vision_model, siglip, siglip_vision_model; siglip2 refused by name) that read a
+clip_vision_model, siglip, siglip_vision_model, siglip2, siglip2_vision_model) that read a
 checkpoint's config into a VisionArch (+ TextArch) and build a VisionModel, and each
 recipe's tiny model for the conformance kit."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ from rlx_core.flow import ModelFlow
 from rlx_core.ir.errors import ModelError
 from rlx_core.weights.config import check_config, config_source
 
-from .config import (TextArch, VisionArch, clip_vision_arch, dinov2_arch, siglip_vision_arch, sub_config,
-                     text_arch, vit_arch)
+from .config import (TextArch, VisionArch, clip_vision_arch, dinov2_arch, siglip2_vision_arch, siglip_vision_arch,
+                     sub_config, text_arch, vit_arch)
 from .flows import PROFILE, text_flow, vision_flow
 from .model import VisionModel
 
@@ -210,21 +210,42 @@ class SiglipRecipe(VisionRecipe):
         return t
 
 
-class Siglip2Recipe(VisionRecipe):
-    """model_type siglip2 is SigLIP 2's NaFlex form (variable resolution: pre-patchified
-    pixels, per-image spatial shapes, an antialiased bilinear position resize per image, a
-    patch mask): not supported yet; refused by name. Fixed-resolution SigLIP 2 checkpoints
-    declare model_type siglip and load through SiglipRecipe."""
+class Siglip2Recipe(SiglipRecipe):
+    """HF Siglip2Model / Siglip2VisionModel: SigLIP 2's NaFlex (variable-resolution) form.
+    Images keep their aspect ratio: the processor resizes each to at most max_num_patches
+    patches, cuts them, and pads to that count; the model resizes its position table to each
+    image's grid and masks the padding. (Fixed-resolution SigLIP 2 checkpoints declare
+    model_type siglip and load through SiglipRecipe.)"""
     name = "siglip2"
     model_types = ("siglip2", "siglip2_vision_model")
 
     def vision_arch(self, cfg, tensors):
-        raise ModelError(f"{config_source(cfg)}: model_type {cfg.get('model_type')!r} (SigLIP 2 NaFlex, "
-                         "variable resolution) is not supported; the fixed-resolution SigLIP 2 checkpoints "
-                         "(model_type 'siglip') are")
+        if cfg.get("model_type") == "siglip2_vision_model":
+            return siglip2_vision_arch(cfg, "", _tower_prefix(tensors))
+        return siglip2_vision_arch(sub_config(cfg, "vision_config"), " (vision_config)", "vision_model.")
+
+    def text_arch(self, cfg, tokenizer=None):
+        if cfg.get("model_type") == "siglip2_vision_model":
+            return None
+        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        return text_arch(sub_config(cfg, "text_config"), "siglip", " (text_config)", pad)
 
     def embedding_dim(self, cfg):
-        self.vision_arch(cfg, {})
+        if cfg.get("model_type") == "siglip2_vision_model":
+            return int(cfg.get("hidden_size"))
+        return int(sub_config(cfg, "vision_config").get("hidden_size"))
+
+    def tiny_config(self) -> dict:
+        """SigLIP 2 NaFlex with both towers: patch 4, a 3x3 position grid (num_patches 9)."""
+        return dict(model_type="siglip2", text_config=dict(TINY_TEXT, projection_size=32),
+                    vision_config=dict(TINY_VISION, num_patches=9, patch_size=4))
+
+    def tiny_tensors(self, cfg: dict, rng) -> dict:
+        a = self.vision_arch(cfg, {})
+        shapes = vision_shapes(cfg["vision_config"], a)
+        t = random_like({**shapes, **text_shapes(cfg["text_config"], self.text_arch(cfg), 32)}, rng)
+        t["logit_scale"], t["logit_bias"] = np.array([2.3], np.float32), np.array([-10.0], np.float32)
+        return t
 
 
 RECIPES = (ViTRecipe, Dinov2Recipe, ClipRecipe, SiglipRecipe, Siglip2Recipe)
@@ -259,7 +280,8 @@ def _intermediate(cfg: dict, a: VisionArch) -> int:
 def vision_shapes(cfg: dict, a: VisionArch) -> dict:
     """name -> shape of every tensor an HF checkpoint of vision tower `a` holds (`cfg`: its config)."""
     p, d, n = a.prefix, a.hidden, a.grid * a.grid
-    out = {f"{p}{a.patch_key}.weight": (d, a.channels, a.patch, a.patch)}
+    out = {f"{p}{a.patch_key}.weight": (d, a.channels * a.patch * a.patch) if a.naflex else
+           (d, a.channels, a.patch, a.patch)}
     if a.patch_bias:
         out[f"{p}{a.patch_key}.bias"] = (d,)
     if a.cls_key:

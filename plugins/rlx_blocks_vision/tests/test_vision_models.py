@@ -239,12 +239,6 @@ def test_bad_config_names_the_key(hf_models, tmp_path, name, key, value):
         rlx_core.load(path, backend="numpy", progress=False)
 
 
-def test_siglip2_naflex_is_refused_by_name(hf_models, tmp_path):
-    path = _config_folder(hf_models, "siglip", tmp_path, model_type="siglip2")
-    with pytest.raises(ModelError, match="NaFlex"):
-        rlx_core.load(path, backend="numpy", progress=False)
-
-
 def test_size_mismatch_without_interpolation_names_image_size(hf_models):
     m = rlx_core.load(hf_models["vit"][1], backend="numpy", progress=False)
     with pytest.raises(ModelError, match="image_size"):
@@ -293,3 +287,70 @@ def test_image_files_end_to_end_match_hf(hf_models, tmp_path, name, processor):
         got = m.similarity(files, CAPTIONS)
         _close(got, want, "clip: similarity(files, texts)")
         assert (got.argmax(1) == want.argmax(1)).all()
+
+
+# ------------------------------------------------------------------------------ SigLIP 2 (NaFlex)
+NAFLEX = {"image_processor_type": "Siglip2ImageProcessor", "patch_size": 4, "max_num_patches": 12}
+
+
+@pytest.fixture(scope="module")
+def siglip2(tmp_path_factory):
+    cfg = transformers.Siglip2Config(text_config=dict(TEXT, projection_size=32),
+                                     vision_config=dict(VISION, num_patches=9, patch_size=4))
+    model = _randomize(transformers.Siglip2Model(cfg), 7)
+    path = _save(model, tmp_path_factory, "siglip2", TEMPLATES["siglip"])
+    with open(f"{path}/preprocessor_config.json", "w") as f:
+        json.dump(NAFLEX, f)
+    return model, path
+
+
+def _images(tmp_path, sizes) -> list:
+    from PIL import Image
+
+    rng = np.random.default_rng(8)
+    files = []
+    for i, size in enumerate(sizes):
+        f = tmp_path / f"img{i}.png"
+        Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(f)
+        files.append(str(f))
+    return files
+
+
+def test_naflex_processor_matches_hf(siglip2, tmp_path):
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from rlx_blocks_vision.naflex import NaflexProcessor
+
+    files = _images(tmp_path, [(9, 30), (21, 13), (16, 16), (40, 5)])
+    hf = AutoImageProcessor.from_pretrained(siglip2[1], backend="pil")
+    want = hf([Image.open(f) for f in files], return_tensors="np")
+    got = NaflexProcessor.from_folder(siglip2[1])(files)
+    for key in ("spatial_shapes", "pixel_attention_mask"):
+        assert (np.asarray(got[key]) == np.asarray(want[key])).all(), key
+    _close(got["pixel_values"], want["pixel_values"], "NaFlex pixel_values")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_siglip2_naflex_matches_hf(siglip2, tmp_path, backend):
+    """Images of several aspect ratios (each its own patch grid, padded to max_num_patches):
+    image embeddings, text embeddings and logits_per_image against HF's Siglip2Model."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    model, path = siglip2
+    files = _images(tmp_path, [(9, 30), (21, 13), (16, 16)])
+    feed = AutoImageProcessor.from_pretrained(path, backend="pil")([Image.open(f) for f in files],
+                                                                    return_tensors="pt")
+    ids = torch.from_numpy(_ids("siglip", CAPTIONS))
+    with torch.no_grad():
+        want_img = model.vision_model(**feed).pooler_output.numpy()
+        want = model(input_ids=ids, **feed).logits_per_image.numpy()
+        want_txt = model.text_model(input_ids=ids).pooler_output.numpy()
+    m = rlx_core.load(path, backend=backend, progress=False)
+    _close(m.embed(images=files), want_img, f"siglip2 on {backend}: embed(images=files)")
+    _close(m.embed_pixels(**{k: v.numpy() for k, v in feed.items()}), want_img, "siglip2: embed_pixels")
+    _close(m.embed(texts=CAPTIONS), want_txt, "siglip2: text embeddings")
+    got = m.similarity(files, CAPTIONS)
+    _close(got, want, f"siglip2 on {backend}: logits_per_image")
+    assert (np.argsort(got, axis=1) == np.argsort(want, axis=1)).all()
