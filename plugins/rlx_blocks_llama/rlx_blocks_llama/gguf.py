@@ -16,6 +16,14 @@ LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 ROPE_FACTORS = frozenset({"rope_freqs.weight"})  # llama3 rope factors; transformers rebuilds them
+# llama.cpp's `llama` also holds Mixtral: a router and 3-D expert stacks per block, named as the
+# `mixtral` recipe (a plugin found through the recipe registry) reads them
+EXPERT_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
 
 
 def _rope_heads(gguf_name: str) -> str | None:
@@ -63,10 +71,30 @@ class LlamaGGUF(GGUFArchitecture):
 
     def config(self, meta, cfg, held):
         cfg["hidden_act"] = "silu"
+        experts = meta.num("expert_count", 0, lo=0, to="num_local_experts")
+        if experts:
+            mixtral_config(meta, cfg, experts)
 
     def write_metadata(self, writer, cfg, head_dim):
         writer.add_rope_dimension_count(head_dim)
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+        if experts:         # Mixtral, written as llama.cpp's converter writes it
+            writer.add_expert_count(experts)
+            writer.add_expert_used_count(cfg["num_experts_per_tok"])
         write_rope_scaling(writer, cfg)
+
+
+def mixtral_config(meta, cfg: dict, experts: int) -> None:
+    """A `llama` GGUF with experts is a Mixtral: its config as transformers names it, for the
+    recipe registered for `mixtral` (a WeightError naming what provides it when none is)."""
+    from rlx_core.plugins import provider_hint, registry
+
+    if "mixtral" not in registry().recipes:
+        raise WeightError(f"{meta.path}: a llama GGUF with experts ({meta.key('expert_count')} = {experts}) "
+                          "is a Mixtral model, and no loaded plugin registers the recipe 'mixtral'; "
+                          + (provider_hint("mixtral") or "install the plugin of the MoE families"))
+    cfg.update(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=experts,
+               num_experts_per_tok=meta.num("expert_used_count", to="num_experts_per_tok"))
 
 
 class Qwen3GGUF(GGUFArchitecture):
@@ -76,7 +104,7 @@ class Qwen3GGUF(GGUFArchitecture):
         cfg["hidden_act"] = "silu"
 
 
-LLAMA = LlamaGGUF("llama", "LlamaForCausalLM", LAYER_NAMES, dropped=ROPE_FACTORS)
+LLAMA = LlamaGGUF("llama", "LlamaForCausalLM", {**LAYER_NAMES, **EXPERT_NAMES}, dropped=ROPE_FACTORS)
 QWEN3 = Qwen3GGUF("qwen3", "Qwen3ForCausalLM", LAYER_NAMES, dropped=ROPE_FACTORS)
 
 

@@ -32,7 +32,7 @@ TINY = {
 }
 
 
-def uneven_router(model) -> None:
+def uneven_router(model, scale: float = 0.3) -> None:
     """Random weights of a visible size, norms around 1, and an uneven expert load: every
     embedding shares one component, so the experts whose router rows lean towards it take most
     tokens, and routers' rows 0 and 1 are near zero, so those experts are seldom chosen."""
@@ -42,11 +42,11 @@ def uneven_router(model) -> None:
             if "norm" in n:
                 p.copy_(1 + 0.3 * torch.randn_like(p))
             elif p.ndim >= 2:
-                p.copy_(0.3 * torch.randn_like(p))
+                p.copy_(scale * torch.randn_like(p))
             if n.endswith("mlp.gate.weight"):
                 p[:2] *= 0.05
         emb = model.get_input_embeddings().weight
-        emb += 0.4 * torch.sign(torch.randn(emb.shape[1]))
+        emb += 4 / 3 * scale * torch.sign(torch.randn(emb.shape[1]))
 
 
 def hf_model(family: str, path, **overrides):
