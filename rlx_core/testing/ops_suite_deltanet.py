@@ -11,7 +11,7 @@ import pytest
 from rlx_core.ir.dtype import F32, F64
 
 from .parity import REF_ACT, Arg, exact, rand, run_parity
-from .ops_suite import covers, fdtype
+from .suite_base import covers, fdtype
 
 # gated_delta_rule's shapes: batch, key heads, value heads (GQA: 2 per key head), K, V
 GDN = dict(b=2, hk=2, h=4, kd=8, vd=6)
