@@ -33,7 +33,7 @@ from rlx_core.ir.quant import QuantScheme
 
 from . import quant_kernels
 from .cblas import SGEMM
-from .codegen import ACT, SWIGLU_HEAD, load_source
+from .codegen import ACT, PAR_MIN, SWIGLU_HEAD, load_source
 from .quant_kernels import F16, FORMATS
 
 ROWS = 16                   # output rows per GEMV task
@@ -80,18 +80,29 @@ def route(ids, n_experts, weights):
     return tok, wt, slot, experts, starts, np.int64(-1)
 
 
-@njit(parallel=True, **_OPT)
-def combine(ys, slot, wt, out):
+@njit(**_OPT)
+def _combine_token(ys, slot, wt, out, t):
     """out[t] = sum over j of the route weight times ys[slot[t, j]]."""
-    t_, k = slot.shape
-    for t in prange(t_):
-        o = out[t]
-        o[:] = 0
-        for j in range(k):
-            s = slot[t, j]
-            w, y = wt[s], ys[s]
-            for c in range(o.shape[0]):
-                o[c] += w * y[c]
+    o = out[t]
+    o[:] = 0
+    for j in range(slot.shape[1]):
+        s = slot[t, j]
+        w, y = wt[s], ys[s]
+        for c in range(o.shape[0]):
+            o[c] += w * y[c]
+
+
+@njit(parallel=True, **_OPT)
+def combine_par(ys, slot, wt, out):
+    for t in prange(slot.shape[0]):
+        _combine_token(ys, slot, wt, out, t)
+
+
+@njit(**_OPT)
+def combine_ser(ys, slot, wt, out):
+    """combine_par on one thread: a decode step's few rows (a parallel launch costs more)."""
+    for t in range(slot.shape[0]):
+        _combine_token(ys, slot, wt, out, t)
 
 
 @njit(parallel=True, **_OPT)
@@ -303,7 +314,7 @@ def run_moe_experts(mod, kinds: tuple, x, weights, ids, gate, up, down, out) -> 
         mod.gemv_down(h, experts, starts, down, ys, F16)
     else:
         _gemms(mod, kinds, x, tok, experts, starts, gate, up, down, h, ys)
-    combine(ys, slot, wt, out)
+    (combine_par if ys.size >= PAR_MIN else combine_ser)(ys, slot, wt, out)
 
 
 def _gemms(mod, kinds, x, tok, experts, starts, gate, up, down, h, ys) -> None:
