@@ -11,6 +11,7 @@ from rlx_core.plugins import hookimpl
 
 from .blocks import (QWEN35_BLOCKS, DenseMlp, GatedAttention, GdnScan, Qwen35DecoderLayer, sparse_moe,
                      attn_spec)
+from .gguf import rlx_register_gguf_architectures  # noqa: F401
 from .config import FULL, LINEAR, Qwen35Arch, qwen35_arch, text_config
 from .recipes import Qwen35Flow, Qwen35LM, Qwen35Recipe, random_tensors, text_tensors
 

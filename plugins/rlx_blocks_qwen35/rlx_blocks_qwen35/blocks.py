@@ -29,6 +29,8 @@ from rlx_core.ir.ops import MaskKind
 
 from .config import Qwen35Arch
 
+# the routed experts' [E, I, H] / [E, H, I] stacks (recipes.text_tensors builds them)
+STACKS = ("experts.gate_proj.weight", "experts.up_proj.weight", "experts.down_proj.weight")
 ONE = 1.0            # Qwen3.5 / Qwen3-Next RMSNorms hold w of (1 + w) (Qwen3NextRMSNorm)
 
 
@@ -74,33 +76,47 @@ class GdnScan:
         return ctx.param(ctx.key(f"{self.prefix}.{name}"), shape)
 
     def project(self, ctx, x) -> tuple:
-        """(mixed q|k|v [B, T, C], z [B, T, H, V], b [B, T, H], a [B, T, H])."""
+        """(mixed q|k|v [B, T, C], z [B, T, H, V], b [B, T, H], a [B, T, H]) from the
+        projections the checkpoint holds: Qwen3.5's in_proj_qkv / _z / _b / _a, Qwen3-Next's
+        in_proj_qkvz / in_proj_ba (grouped by key head), or a Qwen3-Next GGUF's in_proj_qkv /
+        in_proj_z (llama.cpp splits qkvz) with in_proj_ba."""
         a_, m = self.arch, ctx.m
         b, t, hid = x.dims[0], x.dims[1], a_.hidden
-        kd, vd = a_.k_heads * a_.k_dim, a_.v_heads * a_.v_dim
-        if not self.fused_inputs:
-            mixed = m.linear(x, self._w(ctx, "in_proj_qkv.weight", (2 * kd + vd, hid)))
-            z = m.linear(x, self._w(ctx, "in_proj_z.weight", (vd, hid)))
-            beta_in = m.linear(x, self._w(ctx, "in_proj_b.weight", (a_.v_heads, hid)))
-            alpha_in = m.linear(x, self._w(ctx, "in_proj_a.weight", (a_.v_heads, hid)))
-            return mixed, m.reshape(z, (b, t, a_.v_heads, a_.v_dim)), beta_in, alpha_in
-        # Qwen3-Next: per key head [q (K), k (K), v (r V), z (r V)] and [b (r), a (r)], r = H / Hk
-        r = a_.v_heads // a_.k_heads
-        per = 2 * a_.k_dim + 2 * r * a_.v_dim
-        qkvz = m.reshape(m.linear(x, self._w(ctx, "in_proj_qkvz.weight", (a_.k_heads * per, hid))),
-                         (b, t, a_.k_heads, per))
-        ba = m.reshape(m.linear(x, self._w(ctx, "in_proj_ba.weight", (2 * a_.v_heads, hid))),
-                       (b, t, a_.k_heads, 2 * r))
+        kd, vd, r = a_.k_heads * a_.k_dim, a_.v_heads * a_.v_dim, a_.v_heads // a_.k_heads
 
-        def part(y, start, length, dims):
+        def part(y, start, length, dims):          # a slice of each key head's group
             return m.reshape(m.narrow(y, 3, start, length), dims)
 
-        q = part(qkvz, 0, a_.k_dim, (b, t, kd))
-        k = part(qkvz, a_.k_dim, a_.k_dim, (b, t, kd))
-        v = part(qkvz, 2 * a_.k_dim, r * a_.v_dim, (b, t, vd))
-        z = part(qkvz, 2 * a_.k_dim + r * a_.v_dim, r * a_.v_dim, (b, t, a_.v_heads, a_.v_dim))
-        return (m.concat([q, k, v], 2), z, part(ba, 0, r, (b, t, a_.v_heads)),
-                part(ba, r, r, (b, t, a_.v_heads)))
+        qkvz = ctx.key(f"{self.prefix}.in_proj_qkvz.weight")
+        if ctx.has(qkvz) or (self.fused_inputs and not ctx.has(ctx.key(f"{self.prefix}.in_proj_qkv.weight"))):
+            # per key head [q (K), k (K), v (r V), z (r V)]
+            per = 2 * a_.k_dim + 2 * r * a_.v_dim
+            y = m.reshape(m.linear(x, ctx.param(qkvz, (a_.k_heads * per, hid))), (b, t, a_.k_heads, per))
+            mixed = m.concat([part(y, 0, a_.k_dim, (b, t, kd)), part(y, a_.k_dim, a_.k_dim, (b, t, kd)),
+                              part(y, 2 * a_.k_dim, r * a_.v_dim, (b, t, vd))], 2)
+            z = part(y, 2 * a_.k_dim + r * a_.v_dim, r * a_.v_dim, (b, t, a_.v_heads, a_.v_dim))
+        else:
+            mixed = m.linear(x, self._w(ctx, "in_proj_qkv.weight", (2 * kd + vd, hid)))
+            z = m.linear(x, self._w(ctx, "in_proj_z.weight", (vd, hid)))
+            z = m.reshape(z, (b, t, a_.v_heads, a_.v_dim))
+        ba = ctx.key(f"{self.prefix}.in_proj_ba.weight")
+        if ctx.has(ba) or (self.fused_inputs and not ctx.has(ctx.key(f"{self.prefix}.in_proj_b.weight"))):
+            # per key head [b (r), a (r)]
+            y = m.reshape(m.linear(x, ctx.param(ba, (2 * a_.v_heads, hid))), (b, t, a_.k_heads, 2 * r))
+            return mixed, z, part(y, 0, r, (b, t, a_.v_heads)), part(y, r, r, (b, t, a_.v_heads))
+        return (mixed, z, m.linear(x, self._w(ctx, "in_proj_b.weight", (a_.v_heads, hid))),
+                m.linear(x, self._w(ctx, "in_proj_a.weight", (a_.v_heads, hid))))
+
+    def heads_for_out_proj(self, m, o):
+        """o [B, T, H, V] in the column order of out_proj: HF's (value heads grouped by key
+        head) unless the config says the checkpoint holds llama.cpp's tiled order."""
+        a_ = self.arch
+        if not a_.out_proj_tiled or a_.k_heads == a_.v_heads:
+            return o
+        b, t = o.dims[0], o.dims[1]
+        r = a_.v_heads // a_.k_heads
+        grouped = m.reshape(o, (b, t, a_.k_heads, r, a_.v_dim))
+        return m.reshape(m.transpose(grouped, (0, 1, 3, 2, 4)), (b, t, a_.v_heads, a_.v_dim))
 
     def emit(self, ctx, x):
         a_, m, i = self.arch, ctx.m, ctx.index()
@@ -121,17 +137,19 @@ class GdnScan:
         rec = RecurrentState(f"state.{i}.recurrent", (a_.v_heads, a_.k_dim, a_.v_dim), mode)
         o = delta_rule(ctx, q, k, v, g, beta, rec, scale=a_.k_dim ** -0.5, chunk=self.chunk)
         o = gated_rms_norm(m, o, self._w(ctx, "norm.weight", (a_.v_dim,)), z, a_.eps)
+        o = self.heads_for_out_proj(m, o)
         return m.linear(m.reshape(o, (b, t, a_.v_heads * a_.v_dim)),
                         self._w(ctx, "out_proj.weight", (a_.hidden, a_.v_heads * a_.v_dim)))
 
 
 def sparse_moe(arch: Qwen35Arch) -> MoeFfn:
     """Routed experts (softmax, top k, renormalized when norm_topk_prob) over the stacks
-    `mlp.experts.gate_proj` / `up_proj` [E, I, H] (HF's gate_up_proj split by
-    recipes.text_tensors) and `down_proj` [E, H, I], router `mlp.gate.weight`, plus
+    `mlp.experts.gate_proj.weight` / `up_proj.weight` [E, I, H] and `down_proj.weight`
+    [E, H, I] (recipes.text_tensors builds them from HF's per-expert or gate_up tensors),
+    router `mlp.gate.weight`, plus
     `mlp.shared_expert` scaled by sigmoid(`mlp.shared_expert_gate`)."""
     return MoeFfn(experts=arch.experts, k=arch.top_k, inter=arch.moe_intermediate, prefix="mlp",
-                  order="softmax_topk", normalize=arch.norm_topk, act=arch.act,
+                  order="softmax_topk", normalize=arch.norm_topk, act=arch.act, stacks=STACKS,
                   shared=SharedExpert(arch.shared_intermediate, "shared_expert", "shared_expert_gate.weight"))
 
 

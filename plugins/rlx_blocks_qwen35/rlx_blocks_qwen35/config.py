@@ -57,6 +57,8 @@ class Qwen35Arch:
     shared_intermediate: int = 0   # shared_expert_intermediate_size
     norm_topk: bool = True         # norm_topk_prob (Qwen3.5-MoE always normalizes)
     moe_layers: tuple = ()         # per layer: routed experts or not
+    out_proj_tiled: bool = False   # linear_value_head_order == "tiled": out_proj's columns in
+                                   # llama.cpp's order (value heads tiled over key heads; GGUF)
 
     def is_linear(self, i: int) -> bool:
         return self.layer_types[i] == LINEAR
@@ -148,6 +150,14 @@ def _moe_layers(cfg: dict, family: str, n: int) -> tuple:
     return tuple(i not in only and (i + 1) % step == 0 for i in range(n))
 
 
+def _head_order(cfg: dict) -> str:
+    order = cfg.get("linear_value_head_order", "grouped")
+    if order not in ("grouped", "tiled"):
+        raise ModelError(f"{config_source(cfg)}: linear_value_head_order={order!r}; expected 'grouped' "
+                         "(transformers) or 'tiled' (llama.cpp's out_proj columns)")
+    return order
+
+
 def qwen35_arch(config: dict) -> Qwen35Arch:
     """Normalize a Qwen3.5 / Qwen3.5-MoE / Qwen3-Next config; a bad one is a ModelError
     naming the key."""
@@ -190,7 +200,7 @@ def qwen35_arch(config: dict) -> Qwen35Arch:
         moe_intermediate=int(cfg.get("moe_intermediate_size") or 0),
         shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0),
         norm_topk=True if family == "qwen3_5_moe" else bool(cfg.get("norm_topk_prob", True)),
-        moe_layers=moe)
+        moe_layers=moe, out_proj_tiled=_head_order(cfg) == "tiled")
 
 
 __all__ = ["Qwen35Arch", "qwen35_arch", "text_config", "LINEAR", "FULL", "FAMILIES"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+import attrs
 import numpy as np
 
 from rlx_core.flow import ModelFlow
@@ -80,8 +81,8 @@ _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 def text_tensors(tensors: dict) -> dict:
     """The language model's tensors under the text model's names: a vision-language
     checkpoint's prefixes mapped, the vision tower and the multi-token-prediction head
-    dropped, and routed experts as stacks `<...>.experts.gate_proj` / `up_proj` [E, I, H] and
-    `down_proj` [E, H, I] (the core MoE block's, GGUF's ffn_*_exps): from a fused
+    dropped, and routed experts as stacks `<...>.experts.gate_proj.weight` / `up_proj.weight`
+    [E, I, H] and `down_proj.weight` [E, H, I] (GGUF's ffn_*_exps): from a fused
     `gate_up_proj` [E, 2I, H] (split) or from one tensor per expert (stacked)."""
     out, per_expert = {}, {}
     for k, v in tensors.items():
@@ -104,7 +105,7 @@ def text_tensors(tensors: dict) -> dict:
         if gaps:
             raise WeightError(f"missing tensor {base}.{gaps[0]}.{which}_proj.weight (experts 0..{n - 1} "
                               f"are stacked; {len(gaps)} absent)")
-        out[f"{base}.{which}_proj"] = np.stack([np.asarray(rows[e]) for e in range(n)])
+        out[f"{base}.{which}_proj.weight"] = np.stack([np.asarray(rows[e]) for e in range(n)])
     return out
 
 
@@ -114,7 +115,25 @@ def _split_gate_up(key: str, v) -> dict:
         raise WeightError(f"{key}: expected [experts, 2 * moe_intermediate_size, hidden], "
                           f"got {list(arr.shape)}")
     half, base = arr.shape[1] // 2, key[: -len("gate_up_proj")]
-    return {base + "gate_proj": arr[:, :half], base + "up_proj": arr[:, half:]}
+    return {base + "gate_proj.weight": arr[:, :half], base + "up_proj.weight": arr[:, half:]}
+
+
+def split_qkvz(a: Qwen35Arch, tensors: dict) -> dict:
+    """Each in_proj_qkvz [Hk * (2K + 2rV), hidden] (grouped by key head) as in_proj_qkv (every
+    head's q, then k, then v) and in_proj_z, as llama.cpp's converter splits it."""
+    out = {}
+    r = a.v_heads // a.k_heads
+    cuts = np.cumsum([a.k_dim, a.k_dim, r * a.v_dim])
+    for k, v in tensors.items():
+        if not k.endswith(".linear_attn.in_proj_qkvz.weight"):
+            out[k] = v
+            continue
+        w = np.asarray(v)
+        q, kk, vv, z = np.split(w.reshape(a.k_heads, -1, w.shape[-1]), cuts, axis=1)
+        base = k[: -len("in_proj_qkvz.weight")]
+        out[base + "in_proj_qkv.weight"] = np.concatenate([t.reshape(-1, w.shape[-1]) for t in (q, kk, vv)])
+        out[base + "in_proj_z.weight"] = z.reshape(-1, w.shape[-1])
+    return out
 
 
 REQUIRED = ("A_log", "dt_bias")
@@ -153,6 +172,19 @@ class Qwen35Recipe:
             tensors.pop("lm_head.weight", None)
         check_linear_tensors(arch, tensors, str(ckpt.path))
         return Qwen35LM(self, cfg, tensors, ckpt.tokenizer, backend, profile, source=ckpt.path, **kw)
+
+    def gguf_checkpoint(self, ckpt):
+        """The checkpoint as `rlx quantize` writes it: the text model's config and tensors
+        (experts stacked) and, for Qwen3-Next, in_proj_qkvz split into in_proj_qkv and
+        in_proj_z (llama.cpp's attn_qkv / attn_gate)."""
+        cfg = text_config(ckpt.config)
+        arch = qwen35_arch(cfg)
+        if cfg.get("intermediate_size") is None:      # (Qwen3.5-MoE has no dense MLP; GGUF's generic
+            cfg["intermediate_size"] = arch.moe_intermediate      # feed_forward_length is required)
+        tensors = text_tensors(ckpt.tensors)
+        if arch.family == "qwen3_next":
+            tensors = split_qkvz(arch, tensors)
+        return attrs.evolve(ckpt, config=cfg, tensors=tensors)
 
     # -- the conformance kit's tiny model (rlx_core.testing.recipes)
     def tiny_config(self) -> dict:
@@ -198,8 +230,9 @@ def random_tensors(a: Qwen35Arch, rng) -> dict:
             layer.update({f"self_attn.{k}": s for k, s in attn.items()})
         if a.moe_layers[i]:
             e, mi, si = a.experts, a.moe_intermediate, a.shared_intermediate
-            mlp = {"gate.weight": (e, h), "experts.gate_proj": (e, mi, h), "experts.up_proj": (e, mi, h),
-                   "experts.down_proj": (e, h, mi), "shared_expert.gate_proj.weight": (si, h),
+            mlp = {"gate.weight": (e, h), "experts.gate_proj.weight": (e, mi, h),
+                   "experts.up_proj.weight": (e, mi, h), "experts.down_proj.weight": (e, h, mi),
+                   "shared_expert.gate_proj.weight": (si, h),
                    "shared_expert.up_proj.weight": (si, h), "shared_expert.down_proj.weight": (h, si),
                    "shared_expert_gate.weight": (1, h)}
         else:
@@ -210,4 +243,5 @@ def random_tensors(a: Qwen35Arch, rng) -> dict:
     return {k: (0.2 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
 
 
-__all__ = ["Qwen35Flow", "Qwen35LM", "Qwen35Recipe", "text_tensors", "random_tensors", "check_linear_tensors"]
+__all__ = ["Qwen35Flow", "Qwen35LM", "Qwen35Recipe", "text_tensors", "random_tensors", "check_linear_tensors",
+           "split_qkvz"]
