@@ -53,7 +53,7 @@ class FakeVision:
         for i, x in enumerate(items):
             data = x.encode() if kind == "texts" else x if isinstance(x, bytes) else open(x, "rb").read()
             if data.startswith(b"BAD"):
-                raise ModelError(f"image {i} (bytes): not an image file Pillow can read")
+                raise ModelError(f"image {i} (bytes): not an image file of a format read here")
             rows.append(self.row(data))
         e = np.stack(rows)
         return e / np.linalg.norm(e, axis=1, keepdims=True) if normalize else e

@@ -33,7 +33,7 @@ MAX_PIXELS_ENV = "RLX_MAX_IMAGE_PIXELS"
 CONFIG_NAME = "preprocessor_config.json"
 # the encoded formats read: the common image files; not every format Pillow knows (EPS would
 # run Ghostscript on bytes a server's client sent)
-IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP", "TIFF")
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")       # (JPEG's opener reads MPO too)
 
 _IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -121,7 +121,7 @@ def _open_encoded(data: bytes, name: str, max_pixels: int):
             img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)    # lazy: reads the header only
         except UnidentifiedImageError:
             raise ModelError(f"{name}: not an image file of a format read here "
-                             f"({', '.join(f for f in IMAGE_FORMATS if f != 'MPO')})") from None
+                             f"({', '.join(IMAGE_FORMATS)})") from None
         except Exception as e:                          # a known format whose header is cut or broken
             raise ModelError(f"{name}: the image data is truncated or corrupt ({e})") from None
         finally:

@@ -219,6 +219,12 @@ def test_non_image_and_missing_files_are_errors_naming_them(tmp_path):
         proc([str(p)])
     with pytest.raises(ModelError, match=r"image 1 \(bytes\): not an image"):
         proc([_png(_random_rgb(np.random.default_rng(0), (8, 8))), b"\x00" * 64])
+    for fmt in ("EPS", "PCX"):                          # formats Pillow reads, this module does not
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(buf, fmt)
+        with pytest.raises(ModelError, match=r"image 0 \(bytes\): not an image file of a format read here "
+                                             r"\(PNG, JPEG, WEBP, GIF, BMP, TIFF\)"):
+            proc([buf.getvalue()])
     with pytest.raises(ModelError, match=r"nope\.png: no such image file"):
         proc([str(tmp_path / "nope.png")])
     with pytest.raises(ModelError, match=r"image 0 \(dict\): expected a path, bytes"):
