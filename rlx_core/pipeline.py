@@ -29,7 +29,7 @@ from .ir.quant import PackedTensor
 from .ir.registry import registry
 from .ir.verify import verify
 from .passes import fusion
-from .passes.packed import pack_params, packed_dims, packed_params
+from .passes.packed import pack_params, packed_bytes, packed_params
 from .passes.generic import const_fold, cse, dce, leaves_first
 from .passes.shard import bind_slices, shard
 from .passes.transform import hoist_params, to_precision
@@ -346,7 +346,7 @@ def unpack(name: str, value, scheme: str, bad: list):
         return value.dequantize()
     if value.scheme.name != scheme:
         bad.append(f"{name}: expected packed {scheme}, got {value.scheme.name}")
-    return value.raw.reshape(packed_dims(value.shape, value.scheme, name))     # (a stack keeps [E, ...])
+    return packed_bytes(value)
 
 
 def read_only_mapping(arr) -> bool:

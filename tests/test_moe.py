@@ -145,6 +145,18 @@ def test_moe_block_packed_stacks_stay_packed(backend, rng, scheme):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def test_packed_stacks_bound_once_for_executables_sharing_them(rng):
+    """A model's executables (prefill, decode) bind one [E, rows, bytes] array per packed
+    stack, not one each (a GPU would hold every expert twice)."""
+    packed = _packed_weights(_layer_weights(rng, hid=32, inter=64), "q8_0")
+    shared: dict = {}
+    exes = [_build(MoeFfn(E, K, 64), packed, 32).compile("numpy", shared=shared) for _ in range(2)]
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        key = f"model.layers.0.mlp.experts.{name}"
+        assert exes[0]._params[key] is exes[1]._params[key]
+        assert exes[0]._params[key].shape[:2] == packed[key].shape[:2]
+
+
 def test_moe_block_bad_checkpoints(rng):
     w = _layer_weights(rng)
     missing = {k: v for k, v in w.items() if not k.endswith("up_proj")}

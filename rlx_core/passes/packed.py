@@ -12,8 +12,12 @@ dequantizes the whole weight (correct, at the cost of a float copy).
 """
 from __future__ import annotations
 
+import weakref
+
+import numpy as np
+
 from ..ir.graph import Graph
-from ..ir.quant import QuantScheme
+from ..ir.quant import PackedTensor, QuantScheme
 from ..ir.rewrite import copy_node, rewrite
 
 
@@ -28,6 +32,23 @@ def packed_dims(dims: tuple, scheme: QuantScheme, name: str) -> tuple:
     for a matrix (or a vector: one row), the leading dims kept for a stack of three or more."""
     rows, row_bytes = scheme.packed_shape(dims, name)
     return tuple(dims[:-1]) + (row_bytes,) if len(dims) > 2 else (rows, row_bytes)
+
+
+# each packed stack's [E, rows, bytes] view of its PackedTensor's bytes, made once while the
+# PackedTensor lives: executables sharing the weight (a model's prefill and decode) then bind
+# the same array, and the upload cache (keyed on its id) holds it once
+_STACK_VIEWS: "weakref.WeakKeyDictionary[PackedTensor, np.ndarray]" = weakref.WeakKeyDictionary()
+
+
+def packed_bytes(w: PackedTensor) -> np.ndarray:
+    """What a packed param binds: `w`'s bytes, in the param's dims (`packed_dims`)."""
+    dims = packed_dims(w.shape, w.scheme, w.name)
+    if w.raw.shape == dims:
+        return w.raw
+    view = _STACK_VIEWS.get(w)
+    if view is None:
+        view = _STACK_VIEWS[w] = w.raw.reshape(dims)
+    return view
 
 
 def pack_params(g: Graph, activations: str = "f32") -> Graph:
@@ -73,4 +94,4 @@ def pack_params(g: Graph, activations: str = "f32") -> Graph:
     return rewrite(g, replace)
 
 
-__all__ = ["pack_params", "packed_params", "packed_dims"]
+__all__ = ["pack_params", "packed_params", "packed_dims", "packed_bytes"]
