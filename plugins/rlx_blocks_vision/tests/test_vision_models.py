@@ -354,3 +354,42 @@ def test_siglip2_naflex_matches_hf(siglip2, tmp_path, backend):
     got = m.similarity(files, CAPTIONS)
     _close(got, want, f"siglip2 on {backend}: logits_per_image")
     assert (np.argsort(got, axis=1) == np.argsort(want, axis=1)).all()
+
+
+# ------------------------------------------------------------------------------ inspect, pooling rows
+@pytest.mark.parametrize("name,mode", [("dinov2_with_registers", None), ("clip", "text"), ("siglip", "vision")])
+def test_rlx_inspect_shows_the_vision_model(hf_models, name, mode):
+    from rlx_core.inspection import Inspection
+
+    ins = Inspection.load(hf_models[name][1], mode=mode, backend="numpy")
+    ins.bind({})
+    rep = ins.report()
+    assert rep["model"]["model_class"] == "VisionModel" and rep["model"]["model_type"] == name
+    stages = {s["stage"] for s in rep["stages"]}
+    want = {"token_embed", "vit_layer", "select_token"} if mode == "text" else {"patch_embed", "vit_layer"}
+    assert want <= stages, stages
+    assert "VisionModel" in ins.text()
+
+
+def test_text_pooling_rows(hf_models):
+    """CLIP pools the first EOS (the largest id for configs with the legacy eos_token_id 2, as
+    HF's argmax does); SigLIP pads to max_position_embeddings and pools the last token."""
+    import attrs
+
+    clip = rlx_core.load(hf_models["clip"][1], backend="numpy", progress=False)
+    rows = [[BOS, 7, EOS, 9], [BOS, 5, 6, 7, EOS]]
+    feed = clip.text_feed(rows)
+    assert feed["ids"].shape == (2, 5) and (feed["pool_onehot"].argmax(1) == [2, 4]).all()
+    assert (feed["pool_onehot"].sum(1) == 1).all()
+    clip.text = attrs.evolve(clip.text, eos_id=2)
+    assert (clip.text_feed(rows)["pool_onehot"].argmax(1) == [3, 3]).all()       # ids 9 and 7: the largest
+    clip.text = attrs.evolve(clip.text, eos_id=EOS)
+    with pytest.raises(ModelError, match="no EOS"):
+        clip.text_feed([[BOS, 7, 8]])
+    siglip = rlx_core.load(hf_models["siglip"][1], backend="numpy", progress=False)
+    feed = siglip.text_feed(rows)
+    assert feed["ids"].shape == (2, TEXT["max_position_embeddings"])
+    assert (feed["pool_onehot"].argmax(1) == TEXT["max_position_embeddings"] - 1).all()
+    with pytest.warns(UserWarning, match="truncated"):
+        long = siglip.embed(texts=[" ".join(WORDS)])
+    assert long.shape == (1, siglip.embedding_dim)
