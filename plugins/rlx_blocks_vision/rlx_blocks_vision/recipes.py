@@ -62,10 +62,6 @@ class VisionRecipe:
         """(logit_scale, logit_bias) tensor names of a two-tower model ("" where it has none)."""
         return ("", "")
 
-    def embedding_dim(self, cfg: dict) -> int:
-        t = self.vision_arch(cfg, {})
-        return t.hidden
-
     def vision_flow(self, cfg: dict, tensors, height: int, width: int, interpolate: bool = False,
                     profile=None) -> ModelFlow:
         return vision_flow(self.vision_arch(cfg, tensors), height, width, interpolate, profile=profile)
@@ -154,11 +150,6 @@ class ClipRecipe(VisionRecipe):
     def logit_keys(self):
         return ("logit_scale", "")
 
-    def embedding_dim(self, cfg):
-        if cfg.get("model_type") == "clip_vision_model":
-            return int(cfg.get("projection_dim") or cfg.get("hidden_size"))
-        return int(cfg.get("projection_dim", 512))
-
     def tiny_config(self) -> dict:
         """CLIP with both towers: patch 16 on 33x33 images, a causal text tower (EOS id 3)."""
         return dict(model_type="clip", projection_dim=24, logit_scale_init_value=2.6592,
@@ -193,11 +184,6 @@ class SiglipRecipe(VisionRecipe):
     def logit_keys(self):
         return ("logit_scale", "logit_bias")
 
-    def embedding_dim(self, cfg):
-        if cfg.get("model_type") == "siglip_vision_model":
-            return int(cfg.get("hidden_size"))
-        return int(sub_config(cfg, "vision_config").get("hidden_size"))
-
     def tiny_config(self) -> dict:
         """SigLIP with both towers: patch 14 on 30x30 images, the attention-probe head."""
         return dict(model_type="siglip", text_config=dict(TINY_TEXT, projection_size=32),
@@ -229,11 +215,6 @@ class Siglip2Recipe(SiglipRecipe):
             return None
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         return text_arch(sub_config(cfg, "text_config"), "siglip", " (text_config)", pad)
-
-    def embedding_dim(self, cfg):
-        if cfg.get("model_type") == "siglip2_vision_model":
-            return int(cfg.get("hidden_size"))
-        return int(sub_config(cfg, "vision_config").get("hidden_size"))
 
     def tiny_config(self) -> dict:
         """SigLIP 2 NaFlex with both towers: patch 4, a 3x3 position grid (num_patches 9)."""
