@@ -28,7 +28,7 @@ def test_legalized_composites_match_the_references(rng, dt):
         run_gdn(name, args, chunk=8, tol=tol)
         conv = conv_args(rng, 6, dt)
         run_parity(name, "causal_conv1d", conv, {"act": "silu"},
-                   lambda *a: ref_causal_conv1d(*a, act="silu"), tol=tol)
+                   lambda x, w, st, b: ref_causal_conv1d(x, w, st, b, "silu"), tol=tol)
         for op, a, attrs in (("gated_delta_rule", args, {"scale": 0.5}), ("causal_conv1d", conv, {})):
             assert op not in {n.op for n in compile_on(one_op(op, a, attrs), name).mir.nodes}
 

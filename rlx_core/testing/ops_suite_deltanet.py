@@ -77,7 +77,7 @@ def gdn_args(rng, t: int, dt, decay: str = "typical", hk: int = GDN["hk"], h: in
 def run_gdn(backend, args: list, scale: float = 0.35, chunk: int = 16, tol=None) -> list:
     """gated_delta_rule on `args` against the step-by-step reference: both outputs."""
     return run_parity(backend, "gated_delta_rule", args, {"scale": scale, "chunk": chunk},
-                      lambda *a: ref_gated_delta_rule(*a, scale=scale), tol=tol)
+                      lambda q, k, v, g, beta, st: ref_gated_delta_rule(q, k, v, g, beta, st, scale), tol=tol)
 
 
 # ----------------------------------------------------------------------------- gated_delta_rule
@@ -131,7 +131,7 @@ def test_causal_conv1d(backend, rng, dt, t, act, bias):
     """Decode (T = 1: every tap but the last from the state) and prefill, from a nonzero
     state; the new state is the last W - 1 inputs."""
     run_parity(backend, "causal_conv1d", conv_args(rng, t, dt, bias=bias), {"act": act},
-               lambda *a: ref_causal_conv1d(*a, act=act))
+               lambda x, w, st, b=None: ref_causal_conv1d(x, w, st, b, act))
 
 
 @pytest.mark.parametrize("width,t", [(1, 5), (2, 1), (4, 2), (5, 3)], ids=str)
