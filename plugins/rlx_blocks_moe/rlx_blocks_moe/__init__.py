@@ -1,5 +1,6 @@
-"""Mixture-of-experts decoders for RLX: the recipes Qwen3-MoE (`qwen3_moe`), Mixtral
-(`mixtral`) and OLMoE (`olmoe`), HF folders and GGUF files (llama.cpp's `qwen3moe`, `olmoe`;
+"""Mixture-of-experts decoders for RLX: the recipes Qwen3-MoE (`qwen3_moe`), Qwen2-MoE
+(`qwen2_moe`), Mixtral (`mixtral`) and OLMoE (`olmoe`), HF folders and GGUF files (llama.cpp's
+`qwen3moe`, `qwen2moe`, `olmoe`;
 Mixtral GGUFs are llama.cpp's `llama` with experts, which the LLaMA plugin hands to the
 `mixtral` mapping registered here), registered through the rlx plugin hooks."""
 from __future__ import annotations
@@ -9,7 +10,8 @@ from rlx_core.plugins import hookimpl
 from .config import FAMILIES, Routing, routing, sparse_layers
 from .gguf import rlx_register_gguf_architectures  # noqa: F401
 from .recipes import (RECIPES, MixtralFlow, MixtralRecipe, MoeFlow, MoeRecipe, OlmoeFlow, OlmoeRecipe,
-                      Qwen3MoeFlow, Qwen3MoeRecipe, routed_experts, WholeQKNormAttention)
+                      Qwen2MoeFlow, Qwen2MoeRecipe, Qwen3MoeFlow, Qwen3MoeRecipe, routed_experts,
+                      WholeQKNormAttention)
 from .weights import stack_experts
 
 
@@ -19,6 +21,6 @@ def rlx_register_recipes(register):
         register(recipe())
 
 
-__all__ = ["FAMILIES", "Routing", "routing", "sparse_layers", "MoeFlow", "Qwen3MoeFlow", "MixtralFlow",
-           "OlmoeFlow", "MoeRecipe", "Qwen3MoeRecipe", "MixtralRecipe", "OlmoeRecipe", "routed_experts",
+__all__ = ["FAMILIES", "Routing", "routing", "sparse_layers", "MoeFlow", "Qwen3MoeFlow", "Qwen2MoeFlow", "MixtralFlow",
+           "OlmoeFlow", "MoeRecipe", "Qwen3MoeRecipe", "Qwen2MoeRecipe", "MixtralRecipe", "OlmoeRecipe", "routed_experts",
            "WholeQKNormAttention", "stack_experts"]

@@ -1,9 +1,10 @@
 """What a mixture-of-experts config says about its experts, read once and checked.
 
-The three families differ only in data (`MoeFamily`): which key sizes an expert's MLP, the
+The families differ only in data (`MoeFamily`): which key sizes an expert's MLP, the
 router's order (softmax then top-k, or top-k then softmax) and whether `norm_topk_prob`
-rescales the chosen weights, and whether some layers keep a dense MLP (Qwen3-MoE's
-`mlp_only_layers` / `decoder_sparse_step`). Every key read here is honoured or refused with a
+rescales the chosen weights, whether some layers keep a dense MLP (Qwen2/3-MoE's
+`mlp_only_layers` / `decoder_sparse_step`), and whether a sigmoid-gated shared expert of
+`shared_expert_intermediate_size` runs beside the routed ones (Qwen2-MoE). Every key read here is honoured or refused with a
 ModelError naming it. Training-only keys are ignored on purpose: `output_router_logits`,
 `router_aux_loss_coef`, `router_jitter_noise` (noise only while training), `attention_dropout`.
 """
@@ -24,10 +25,12 @@ class MoeFamily:
     order: str                       # moe_route's order
     reads_norm_topk: bool            # `norm_topk_prob` (default false) renormalizes the top-k
     dense_layers: bool = False       # `mlp_only_layers` / `decoder_sparse_step` pick dense layers
+    shared_expert: bool = False      # a gated shared expert (`shared_expert_intermediate_size`)
 
 
 FAMILIES = {
     "qwen3_moe": MoeFamily("moe_intermediate_size", "softmax_topk", True, dense_layers=True),
+    "qwen2_moe": MoeFamily("moe_intermediate_size", "softmax_topk", True, dense_layers=True, shared_expert=True),
     "mixtral": MoeFamily("intermediate_size", "topk_softmax", False),
     "olmoe": MoeFamily("intermediate_size", "softmax_topk", True),
 }
@@ -35,12 +38,14 @@ FAMILIES = {
 
 @attrs.frozen
 class Routing:
-    """One MoE layer's experts: E experts of intermediate size `inter`, k chosen per token."""
+    """One MoE layer's experts: E experts of intermediate size `inter`, k chosen per token;
+    `shared`: the shared expert's intermediate size (0: none)."""
     experts: int
     k: int
     inter: int
     order: str
     normalize: bool
+    shared: int = 0
 
 
 def _count(cfg: dict, key: str, lo: int, default=None) -> int:
@@ -87,7 +92,8 @@ def routing(cfg: dict) -> Routing:
         normalize = cfg.get("norm_topk_prob", False)
         if not isinstance(normalize, bool):
             raise ModelError(f"{config_source(cfg)}: norm_topk_prob = {normalize!r}; expected true or false")
-    return Routing(e, k, _count(cfg, fam.inter_key, 1), fam.order, normalize)
+    shared = _count(cfg, "shared_expert_intermediate_size", 1) if fam.shared_expert else 0
+    return Routing(e, k, _count(cfg, fam.inter_key, 1), fam.order, normalize, shared)
 
 
 def sparse_layers(cfg: dict) -> frozenset:

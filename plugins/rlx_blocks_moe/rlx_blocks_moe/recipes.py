@@ -1,4 +1,4 @@
-"""The MoE decoders as recipes: Qwen3-MoE, Mixtral and OLMoE.
+"""The MoE decoders as recipes: Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE.
 
 Each is a LLaMA-shaped pre-norm decoder (RMSNorm, attention, residual, RMSNorm, MLP,
 residual) whose MLP is routed experts. What differs is the attention and the router:
@@ -6,6 +6,10 @@ residual) whose MLP is routed experts. What differs is the attention and the rou
 * Qwen3-MoE: Qwen3's attention (RMSNorm of q and k per head); `sliding_window` on every layer
   when `use_sliding_window`; softmax -> top-k, rescaled when `norm_topk_prob`; dense MLP layers
   where `mlp_only_layers` / `decoder_sparse_step` say; experts of `moe_intermediate_size`.
+* Qwen2-MoE: Qwen2's attention (q/k/v biases when `qkv_bias`, default true), sliding windows
+  on the layers `layer_types` marks (else every other layer below `max_window_layers` when
+  `use_sliding_window`); Qwen3-MoE's router and dense layers, plus a shared expert of
+  `shared_expert_intermediate_size` scaled by sigmoid(`shared_expert_gate`).
 * Mixtral: Mistral's attention (`sliding_window` on every layer when set); top-k -> softmax.
 * OLMoE: RMSNorm over the whole q and k projections (as OLMo 2), `clip_qkv` clamps q, k, v;
   softmax -> top-k, rescaled when `norm_topk_prob` (default false).
@@ -18,7 +22,7 @@ import attrs
 import numpy as np
 
 from rlx_core.flow import AttnSpec, ModelFlow, SelfAttention
-from rlx_core.flow.moe import MoeFfn
+from rlx_core.flow.moe import MoeFfn, SharedExpert
 from rlx_core.flow.recipe import DecoderFlow
 from rlx_core.flow.rope import rope_params
 from rlx_core.ir.errors import ModelError, WeightError
@@ -34,33 +38,52 @@ DEFAULT_THETA = {"mixtral": 1_000_000.0}
 
 
 # ----------------------------------------------------------------------------- attention
-def window_of(cfg: dict) -> int:
-    """Every layer's attention window (0: global) as transformers reads the config."""
+def window_of(cfg: dict, i: int) -> int:
+    """Layer i's attention window (0: global) as transformers reads the config."""
     mt, window = cfg.get("model_type"), cfg.get("sliding_window") or 0
     if mt == "mixtral":
         return window
     if mt == "qwen3_moe":
         return window if cfg.get("use_sliding_window") else 0
+    if mt == "qwen2_moe":
+        return window if cfg.get("use_sliding_window") and layer_slides(cfg, i) else 0
     if window:          # OLMoE's attention has no window: transformers' mask ignores the key
         raise ModelError(f"{config_source(cfg)}: sliding_window = {window} on an OLMoE config; OLMoE "
                          "attends globally (expected null or absent)")
     return 0
 
 
-def attn_spec(cfg: dict, mode: str = "prefill") -> AttnSpec:
-    """The attention of every layer of an MoE config (HF field names)."""
+def layer_slides(cfg: dict, i: int) -> bool:
+    """Qwen2-MoE: `layer_types[i]` is "sliding_attention", or without layer_types, every other
+    layer (i + 1 odd) below `max_window_layers` (default 28), as its config class fills them."""
+    types = cfg.get("layer_types")
+    n = cfg["num_hidden_layers"]
+    if types is not None:
+        if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise ModelError(f"{config_source(cfg)}: layer_types must list 'sliding_attention' or "
+                             f"'full_attention' for each of {n} layers, got {types!r}")
+        return types[i] == "sliding_attention"
+    first = cfg.get("max_window_layers")
+    return bool((i + 1) % 2) and i < (28 if first is None else first)
+
+
+def attn_spec(cfg: dict, mode: str = "prefill", i: int = 0) -> AttnSpec:
+    """The attention of layer i of an MoE config (HF field names)."""
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     mt = cfg.get("model_type")
     theta, scaling = rope_params(cfg if "rope_theta" in cfg or "rope_parameters" in cfg
                                  else {**cfg, "rope_theta": DEFAULT_THETA.get(mt, 10000.0)})
     bias = bool(cfg.get("attention_bias", False))
+    qkv_bias = cfg.get("qkv_bias", True) if mt == "qwen2_moe" else bias
+    if not isinstance(qkv_bias, bool):
+        raise ModelError(f"{config_source(cfg)}: qkv_bias = {qkv_bias!r}; expected true or false")
     return AttnSpec(
         heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or hidden // heads, hidden=hidden,
         rope_theta=theta, rope_scaling=scaling,
         max_positions=int(cfg.get("max_position_embeddings") or 4096),
         qk_norm_eps=rms_eps(cfg) if mt in ("qwen3_moe", "olmoe") else None,
-        bias=bias, o_bias=bias, window=window_of(cfg), mode=mode)
+        bias=qkv_bias, o_bias=bias, window=window_of(cfg, i), mode=mode)
 
 
 def rms_eps(cfg: dict) -> float:
@@ -115,9 +138,11 @@ STACKS = ("experts.gate_proj.weight", "experts.up_proj.weight", "experts.down_pr
 
 
 def routed_experts(r: Routing, act: str) -> MoeFfn:
-    """The core MoE block over the canonical names (router `mlp.gate.weight`)."""
+    """The core MoE block over the canonical names (router `mlp.gate.weight`; the shared
+    expert, if any, `mlp.shared_expert.*_proj.weight` gated by `mlp.shared_expert_gate.weight`)."""
+    shared = SharedExpert(r.shared, "shared_expert", "shared_expert_gate.weight") if r.shared else None
     return MoeFfn(r.experts, r.k, r.inter, prefix="mlp", router="gate.weight", stacks=STACKS,
-                  order=r.order, normalize=r.normalize, act=act)
+                  order=r.order, normalize=r.normalize, act=act, shared=shared)
 
 
 # ----------------------------------------------------------------------------- the flow
@@ -139,7 +164,7 @@ class MoeFlow(DecoderFlow):
         self._sparse = sparse_layers(cfg)
 
     def spec(self, i: int = 0) -> AttnSpec:
-        return attn_spec(self.cfg, "decode" if self.mode == "decode" else "prefill")
+        return attn_spec(self.cfg, "decode" if self.mode == "decode" else "prefill", i)
 
     @property
     def act(self) -> str:
@@ -169,6 +194,10 @@ class MoeFlow(DecoderFlow):
 class Qwen3MoeFlow(MoeFlow):
     family = "qwen3_moe"
     profile_family = "qwen3"
+
+
+class Qwen2MoeFlow(MoeFlow):
+    family = "qwen2_moe"
 
 
 class MixtralFlow(MoeFlow):
@@ -243,6 +272,9 @@ def hf_tensor_shapes(cfg: dict) -> dict:
              "self_attn.v_proj.weight": (kv * d, h), "self_attn.o_proj.weight": (h, heads * d)}
     if mt == "qwen3_moe":
         layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    elif mt == "qwen2_moe" and cfg.get("qkv_bias", True):
+        layer.update({"self_attn.q_proj.bias": (heads * d,), "self_attn.k_proj.bias": (kv * d,),
+                      "self_attn.v_proj.bias": (kv * d,)})
     elif mt == "olmoe":
         layer.update({"self_attn.q_norm.weight": (heads * d,), "self_attn.k_norm.weight": (kv * d,)})
     moe, names = "block_sparse_moe" if mt == "mixtral" else "mlp", (
@@ -256,6 +288,11 @@ def hf_tensor_shapes(cfg: dict) -> dict:
             for e in range(r.experts):
                 for n, s in zip(names, ((r.inter, h), (r.inter, h), (h, r.inter))):
                     shapes[f"model.layers.{i}.{moe}.experts.{e}.{n}.weight"] = s
+            if r.shared:
+                shapes[f"model.layers.{i}.mlp.shared_expert_gate.weight"] = (1, h)
+                shapes.update({f"model.layers.{i}.mlp.shared_expert.{n}.weight": s for n, s in
+                               (("gate_proj", (r.shared, h)), ("up_proj", (r.shared, h)),
+                                ("down_proj", (h, r.shared)))})
         else:
             inter = cfg["intermediate_size"]
             shapes.update({f"model.layers.{i}.mlp.{n}.weight": s for n, s in
@@ -273,6 +310,17 @@ class Qwen3MoeRecipe(MoeRecipe):
         """QK-norm, a head_dim that is not hidden / heads, normalized top-k, layer 1 dense."""
         return dict(super().tiny_config(), head_dim=12, moe_intermediate_size=16, norm_topk_prob=True,
                     mlp_only_layers=[1])
+
+
+class Qwen2MoeRecipe(MoeRecipe):
+    name = "qwen2_moe"
+    model_types = ("qwen2_moe",)
+    flow_class = Qwen2MoeFlow
+
+    def tiny_config(self) -> dict:
+        """q/k/v biases, a shared expert, layer 1 dense, layer 0 sliding (window 4)."""
+        return dict(super().tiny_config(), moe_intermediate_size=16, shared_expert_intermediate_size=20,
+                    mlp_only_layers=[1], use_sliding_window=True, sliding_window=4, max_window_layers=1)
 
 
 class MixtralRecipe(MoeRecipe):
@@ -304,8 +352,8 @@ class OlmoeRecipe(MoeRecipe):
         return dict(super().tiny_config(), clip_qkv=1.5)
 
 
-RECIPES = (Qwen3MoeRecipe, MixtralRecipe, OlmoeRecipe)
+RECIPES = (Qwen3MoeRecipe, Qwen2MoeRecipe, MixtralRecipe, OlmoeRecipe)
 
-__all__ = ["MoeFlow", "Qwen3MoeFlow", "MixtralFlow", "OlmoeFlow", "MoeRecipe", "Qwen3MoeRecipe",
-           "MixtralRecipe", "OlmoeRecipe", "RECIPES", "routed_experts", "WholeQKNormAttention", "attn_spec",
-           "hf_tensor_shapes", "num_experts"]
+__all__ = ["MoeFlow", "Qwen3MoeFlow", "Qwen2MoeFlow", "MixtralFlow", "OlmoeFlow", "MoeRecipe", "Qwen3MoeRecipe",
+           "Qwen2MoeRecipe", "MixtralRecipe", "OlmoeRecipe", "RECIPES", "routed_experts", "WholeQKNormAttention",
+           "attn_spec", "hf_tensor_shapes", "num_experts"]

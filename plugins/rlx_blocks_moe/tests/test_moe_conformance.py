@@ -3,4 +3,4 @@ against composed, batch against one row at a time and decode with the KV cache a
 recompute, on the recipes' tiny random models (8 experts, top-2; per-expert tensors)."""
 from rlx_core.testing.recipe_suite import *  # noqa: F401,F403
 
-RLX_RECIPES = ("qwen3_moe", "mixtral", "olmoe")
+RLX_RECIPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")

@@ -1,4 +1,4 @@
-"""Qwen3-MoE, Mixtral and OLMoE against HF transformers: tiny random models (8 experts, top-2,
+"""Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE against HF transformers: tiny random models (8 experts, top-2,
 an uneven expert load) built in-process and saved as HF folders; their logits, greedy tokens,
 left-padded batches and continuous batching on RLX; the forms expert tensors come in; bad
 configs and tensors."""
@@ -20,11 +20,16 @@ VOCAB = 61
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=128, rms_norm_eps=1e-5, eos_token_id=2, pad_token_id=0)
 # each family with the options that change what it computes: Qwen3-MoE's head_dim, normalized
-# top-k and a dense layer; Mixtral's sliding window (shorter than the prompts); OLMoE's clip_qkv
+# top-k and a dense layer; Qwen2-MoE's q/k/v biases, gated shared expert, a dense layer and a
+# sliding window on layer 0; Mixtral's sliding window (shorter than the prompts); OLMoE's clip_qkv
 TINY = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(intermediate_size=40, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
                        head_dim=12, norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(intermediate_size=40, moe_intermediate_size=16, shared_expert_intermediate_size=20,
+                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
+                       use_sliding_window=True, sliding_window=5, max_window_layers=1)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, sliding_window=5)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
@@ -237,7 +242,8 @@ def test_misshaped_expert_tensor_names_it(tiny, tmp_path):
 
 def test_experts_beyond_the_count_are_refused(tiny, tmp_path):
     family, _, path = tiny
-    key = "num_local_experts" if family != "olmoe" else "num_experts"
+    saved = json.loads(open(f"{path}/config.json").read())
+    key = "num_local_experts" if "num_local_experts" in saved else "num_experts"
     bad = _config_with(path, tmp_path, **{key: 6})
     with pytest.raises(WeightError, match=r"is expert 6, but the config has 6 experts"):
         rlx_core.load(bad, backend="numpy", progress=False)
