@@ -243,3 +243,59 @@ def test_missing_decay_tensor_names_it(saved, tmp_path, name):
     (tmp_path / "config.json").write_text(open(f"{path}/config.json").read())
     with pytest.raises(WeightError, match=f"model.layers.2.linear_attn.{name}"):
         load(str(tmp_path), backend="numpy", progress=False)
+
+
+def test_serve_completions_equal_generate(saved):
+    """`rlx serve`'s app (uvicorn on a loopback port) serving the hybrid model: greedy
+    completions of concurrent requests equal `generate` run alone."""
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    for mod in ("starlette", "uvicorn"):
+        pytest.importorskip(mod)
+    import uvicorn
+    from tokenizers import Tokenizer as Tk
+    from tokenizers import models, pre_tokenizers
+
+    from rlx_core.serve import create_app
+    from rlx_core.weights.tokenizer import Tokenizer
+
+    words = {f"w{i}": i for i in range(61)}
+    tk = Tk(models.WordLevel(words, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    lm = load(saved["dense"][1], backend="numpy", progress=False)
+    lm.tokenizer = Tokenizer(tk, name="words", eos_token_ids=(1,))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    app = create_app({"q": lm}, max_batch=4)
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and th.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+    prompts = [" ".join(f"w{i}" for i in np.random.default_rng(k).integers(2, 61, n)) for k, n in
+               enumerate((5, 70, 12))]
+    got: dict = {}
+
+    def ask(k: int):
+        body = json.dumps({"model": "q", "prompt": prompts[k], "max_tokens": 10, "temperature": 0}).encode()
+        req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            got[k] = json.loads(r.read())["choices"][0]["text"]
+    try:
+        threads = [threading.Thread(target=ask, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        srv.should_exit = True
+        th.join(30)
+        sock.close()
+    assert sorted(got) == [0, 1, 2] and sum(map(bool, got.values())) >= 2      # (one may end at once)
+    for k, p in enumerate(prompts):
+        assert got[k] == lm.generate(p, max_new_tokens=10)
