@@ -38,7 +38,8 @@ from .quant_kernels import F16, FORMATS
 
 ROWS = 16                   # output rows per GEMV task
 GROUP_GEMM = 4.0            # mean tokens per expert group from which the passes run as GEMMs
-TILE_FLOATS = 1 << 16       # floats of a decoded weight tile (256 KB: stays in L2 beside x's rows)
+TILE_FLOATS = 1 << 18       # floats of a weight tile (1 MB): OLMoE's 128-token prefill, 2 loaded AMD
+                            # EPYC cores: 15 GFLOP/s at 1 << 16 (sgemm's N too narrow), 22 at 1 << 18
 DECODE_COST = 4             # a tile's decode, in tokens' products (the GEMM tasks' cost split)
 _OPT = dict(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
 

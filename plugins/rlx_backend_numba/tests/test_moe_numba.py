@@ -84,11 +84,13 @@ def close(got, want):
 @pytest.fixture(params=["gemv", "gemm", "gemv-no-cblas"])
 def form(request, monkeypatch):
     """Which form both passes take: the GEMV (a few tokens an expert), the GEMM (decoded
-    tiles times each group, whatever the group's size), or the GEMV without a cblas_sgemm."""
+    tiles times each group, whatever the group's size; several tiles a matrix), or the GEMV
+    without a cblas_sgemm."""
     if request.param == "gemm":
         if M.SGEMM is None:
             pytest.skip("numpy's BLAS here gives no cblas_sgemm: the GEMM form never runs")
         monkeypatch.setattr(M, "GROUP_GEMM", 0.0)
+        monkeypatch.setattr(M, "TILE_FLOATS", 48 * max(H, I))     # tiles of 48 rows: a ragged last one
     elif request.param == "gemv":
         monkeypatch.setattr(M, "GROUP_GEMM", float("inf"))
     else:
