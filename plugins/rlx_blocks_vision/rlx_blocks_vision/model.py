@@ -47,8 +47,6 @@ def pixel_array(pixel_values, channels: int) -> np.ndarray:
 class VisionModel:
     """A vision encoder (and, for CLIP / SigLIP, its text tower) compiled from the recipe's flows."""
 
-    graph_modes = ("vision", "text")
-
     def __init__(self, recipe, config: dict, tensors: dict, tokenizer=None, backend=None, profile=None,
                  source: str = "", interpolate_pos_encoding: bool | None = None):
         self.recipe, self.config, self.tensors, self.tokenizer = recipe, dict(config), tensors, tokenizer
@@ -61,12 +59,16 @@ class VisionModel:
                                     if interpolate_pos_encoding is None else interpolate_pos_encoding)
         self.embeds_images = True
         self.embeds_texts = self.text is not None
+        self.graph_modes = ("vision", "text") if self.embeds_texts else ("vision",)
         self._lock = backend_lock(self.backend)
         self._exes: dict = {}
         self._shared: dict = {}
         self._processor = None
         self._truncating = None
+        # both graphs built once now: a checkpoint that does not fit fails at load, naming its tensors
         probe = self.built("vision")
+        if self.embeds_texts:
+            self.built("text")
         self.embedding_dim = self._dim_of(probe)
         self.dim = self.embedding_dim
 
