@@ -1,14 +1,17 @@
-"""The MoE families' GGUF files, both ways: llama.cpp's `qwen3moe` and `olmoe` architectures
+"""The MoE families' GGUF files, both ways: llama.cpp's `qwen3moe`, `qwen2moe` and `olmoe` architectures
 (Mixtral files are llama.cpp's `llama` with `llama.expert_count` > 0, which the LLaMA plugin
 reads as a `mixtral` config; see `MixtralRecipe.gguf_architecture`).
 
 Names: the router `blk.N.ffn_gate_inp` and the 3-D stacks `blk.N.ffn_{gate,up,down}_exps`
 (numpy [E, rows, cols], ggml ne [cols, rows, E]) are this plugin's canonical names
-(`weights.stack_name`). Metadata: `{arch}.expert_count`, `{arch}.expert_used_count`, and for
-qwen3moe `qwen3moe.expert_feed_forward_length` (absent: feed_forward_length / used count, as
-llama.cpp reads it). llama.cpp hard-codes each architecture's router: qwen3moe renormalizes
-the top-k (norm_topk_prob true), olmoe does not; a config llama.cpp would compute differently
-(the other norm_topk_prob, Qwen3-MoE dense layers or a sliding window, OLMoE's clip_qkv,
+(`weights.stack_name`); qwen2moe's shared expert is `blk.N.ffn_{gate,up,down}_shexp` and its
+gate `blk.N.ffn_gate_inp_shexp`. Metadata: `{arch}.expert_count`, `{arch}.expert_used_count`, and for
+qwen3moe / qwen2moe `expert_feed_forward_length` (absent: feed_forward_length / used count, as
+llama.cpp reads it), qwen2moe `expert_shared_feed_forward_length` (absent: feed_forward_length).
+llama.cpp hard-codes each architecture's router: qwen3moe renormalizes the top-k
+(norm_topk_prob true), qwen2moe and olmoe do not; a config llama.cpp would compute differently
+(the other norm_topk_prob, Qwen2/3-MoE dense layers or a sliding window, Qwen2-MoE without
+q/k/v biases or with tied embeddings, OLMoE's clip_qkv,
 grouped k heads or tied embeddings, which its loader cannot size) is refused by `rlx quantize`
 with a WeightError naming the key, not written as a file llama.cpp misreads.
 """
@@ -29,6 +32,12 @@ EXPERT_NAMES = {
 }
 LAYER_NAMES = {**STANDARD_LAYER_NAMES, **EXPERT_NAMES,
                "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+SHARED_EXPERT_NAMES = {
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
 
 
 class MoeGGUF(GGUFArchitecture):
@@ -67,7 +76,7 @@ class MoeGGUF(GGUFArchitecture):
 
     @property
     def arch(self) -> str:
-        return {"qwen3_moe": "qwen3moe"}.get(self.model_type, self.model_type)
+        return self.model_type.replace("_", "")
 
     def refuse(self, cfg: dict, what: str, why: str) -> None:
         raise WeightError(f"{cfg.get('_name_or_path') or 'config'}: {what} cannot be written as llama.cpp's "
@@ -99,6 +108,35 @@ class Qwen3MoeGGUF(MoeGGUF):
                         "it attends globally")
 
 
+class Qwen2MoeGGUF(Qwen3MoeGGUF):
+    """llama.cpp's `qwen2moe`: q/k/v biases, no QK norms, every layer routed, top-k not
+    renormalized, and a shared expert gated by sigmoid(ffn_gate_inp_shexp)."""
+
+    normalizes = False
+
+    def config(self, meta, cfg, held):
+        super().config(meta, cfg, held)
+        cfg["shared_expert_intermediate_size"] = meta.num(
+            "expert_shared_feed_forward_length", cfg["intermediate_size"], to="shared_expert_intermediate_size")
+        cfg["qkv_bias"] = True
+
+    def from_gguf(self, gguf_name, w, config, path):
+        """The shared expert's gate as transformers holds it, [1, hidden] (a 1-D file's too)."""
+        return w.reshape(1, -1) if gguf_name.endswith(".ffn_gate_inp_shexp.weight") and w.ndim == 1 else w
+
+    def write_expert_size(self, writer, r) -> None:
+        writer.add_expert_feed_forward_length(r.inter)
+        writer.add_expert_shared_feed_forward_length(r.shared)
+
+    def check_writable(self, cfg):
+        super().check_writable(cfg)
+        if cfg.get("qkv_bias") is False:
+            self.refuse(cfg, "qkv_bias = false", "RLX reads its qwen2moe files with q/k/v biases, as every "
+                        "Qwen2-MoE checkpoint has them")
+        if cfg.get("tie_word_embeddings"):
+            self.refuse(cfg, "tie_word_embeddings = true", "its loader requires output.weight")
+
+
 class OlmoeGGUF(MoeGGUF):
     """llama.cpp's `olmoe`: q/k norms over the whole projection, top-k not renormalized."""
 
@@ -119,13 +157,16 @@ class OlmoeGGUF(MoeGGUF):
 
 
 QWEN3MOE = Qwen3MoeGGUF("qwen3_moe", "Qwen3MoeForCausalLM", LAYER_NAMES)
+QWEN2MOE = Qwen2MoeGGUF("qwen2_moe", "Qwen2MoeForCausalLM", {**LAYER_NAMES, **SHARED_EXPERT_NAMES})
 OLMOE = OlmoeGGUF("olmoe", "OlmoeForCausalLM", LAYER_NAMES)
 
 
 @hookimpl
 def rlx_register_gguf_architectures(register):
     register("qwen3moe", QWEN3MOE)
+    register("qwen2moe", QWEN2MOE)
     register("olmoe", OLMOE)
 
 
-__all__ = ["EXPERT_NAMES", "LAYER_NAMES", "MoeGGUF", "Qwen3MoeGGUF", "OlmoeGGUF", "QWEN3MOE", "OLMOE"]
+__all__ = ["EXPERT_NAMES", "LAYER_NAMES", "SHARED_EXPERT_NAMES", "MoeGGUF", "Qwen3MoeGGUF", "Qwen2MoeGGUF", "OlmoeGGUF",
+           "QWEN3MOE", "QWEN2MOE", "OLMOE"]

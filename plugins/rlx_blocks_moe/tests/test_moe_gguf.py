@@ -27,13 +27,16 @@ from rlx_blocks_moe.quantize import write_moe_gguf  # noqa: E402
 
 VOCAB = 61
 # configs llama.cpp's graphs compute as transformers does: Qwen3-MoE normalized top-k and no
-# dense layer, Mixtral without a window, OLMoE without clip_qkv, kv heads = heads, untied
+# dense layer, Qwen2-MoE with biases and its shared expert, no window, Mixtral without a window, OLMoE without clip_qkv, kv heads = heads, untied
 COMMON = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5, eos_token_id=2,
               pad_token_id=0, tie_word_embeddings=False)
 FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3moe",
                   dict(moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "qwen2moe",
+                  dict(moe_intermediate_size=256, shared_expert_intermediate_size=256, num_experts=8,
+                       num_experts_per_tok=2)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", "llama", dict(num_local_experts=8, num_experts_per_tok=2)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", "olmoe", dict(num_experts=8, num_experts_per_tok=2)),
 }
@@ -66,11 +69,16 @@ def test_layout_and_keys_as_llama_cpp_reads_them(written):
     for scheme, path in files.items():
         r = gguf.GGUFReader(path)
         field = lambda k: r.fields[k].contents()                # noqa: E731
+        tensors = {t.name: t for t in r.tensors}
         assert field("general.architecture") == arch
         assert field(f"{arch}.expert_count") == 8 and field(f"{arch}.expert_used_count") == 2
-        if family == "qwen3_moe":
-            assert field("qwen3moe.expert_feed_forward_length") == 256
-        tensors = {t.name: t for t in r.tensors}
+        if family in ("qwen3_moe", "qwen2_moe"):
+            assert field(f"{arch}.expert_feed_forward_length") == 256
+        if family == "qwen2_moe":
+            assert field("qwen2moe.expert_shared_feed_forward_length") == 256
+            for leaf in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"):
+                assert list(tensors[f"blk.0.{leaf}.weight"].shape) == [256, 256]
+            assert list(tensors["blk.0.ffn_gate_inp_shexp.weight"].shape) == [256, 1]
         assert not [n for n in tensors if ".experts." in n or "exps." in n and not n.endswith(".weight")]
         want = gguf.GGMLQuantizationType[scheme.upper()]
         for i in range(2):
@@ -90,8 +98,10 @@ def test_config_read_back(written):
         assert (got.get("num_experts") or got.get("num_local_experts")) == 8
         if family != "mixtral":
             assert got["norm_topk_prob"] == want["norm_topk_prob"]
-        if family == "qwen3_moe":
+        if family in ("qwen3_moe", "qwen2_moe"):
             assert got["moe_intermediate_size"] == 256
+        if family == "qwen2_moe":
+            assert got["shared_expert_intermediate_size"] == 256
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba"])
@@ -162,6 +172,8 @@ def test_expert_count_disagreeing_with_tensors_names_key_and_tensor(written, tmp
 @pytest.mark.parametrize("family, change, what", [
     ("qwen3_moe", dict(norm_topk_prob=False), "norm_topk_prob = false"),
     ("qwen3_moe", dict(mlp_only_layers=[1]), r"dense MLP layers \[1\]"),
+    ("qwen2_moe", dict(norm_topk_prob=True), "norm_topk_prob = true"),
+    ("qwen2_moe", dict(qkv_bias=False), "qkv_bias = false"),
     ("olmoe", dict(clip_qkv=2.0), "clip_qkv = 2.0"),
     ("olmoe", dict(norm_topk_prob=True), "norm_topk_prob = true"),
     ("olmoe", dict(num_key_value_heads=2), "num_key_value_heads = 2"),
@@ -173,7 +185,8 @@ def test_what_llama_cpp_would_compute_otherwise_is_refused(family, change, what,
 
     recipe = registry().recipes[family]
     cfg = {**dict(COMMON, hidden_size=32, intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
-                  model_type=family), **FAMILIES[family][3], "moe_intermediate_size": 32, **change}
+                  model_type=family), **FAMILIES[family][3], "moe_intermediate_size": 32,
+           "shared_expert_intermediate_size": 32, **change}
     tensors = recipe.tiny_tensors(cfg, np.random.default_rng(0))
     ckpt = Checkpoint(str(tmp_path), "safetensors", cfg, tensors, None)
     dst = tmp_path / "out.gguf"
