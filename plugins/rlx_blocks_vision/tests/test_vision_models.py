@@ -393,3 +393,19 @@ def test_text_pooling_rows(hf_models):
     with pytest.warns(UserWarning, match="truncated"):
         long = siglip.embed(texts=[" ".join(WORDS)])
     assert long.shape == (1, siglip.embedding_dim)
+
+
+@pytest.mark.parametrize("name,drop", [("clip", "text_model.final_layer_norm.weight"),
+                                       ("dinov2_with_registers", "embeddings.register_tokens")])
+def test_checkpoint_missing_a_tensor_fails_at_load_naming_it(hf_models, tmp_path, name, drop):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    dst = tmp_path / name
+    shutil.copytree(hf_models[name][1], dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    del tensors[drop]
+    save_file(tensors, str(dst / "model.safetensors"))
+    with pytest.raises(RlxError, match=drop.replace(".", r"\.")):
+        rlx_core.load(str(dst), backend="numpy", progress=False)
