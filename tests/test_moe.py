@@ -9,7 +9,7 @@ import pytest
 
 from rlx_core.flow import ModelFlow
 from rlx_core.flow.moe import MoeFfn, SharedExpert
-from rlx_core.ir.dtype import F32
+from rlx_core.ir.dtype import F32, I64
 from rlx_core.ir.errors import ModelError, WeightError
 from rlx_core.ir.graph import MIR, Builder
 from rlx_core.ir.quant import PackedTensor, QuantScheme
@@ -45,6 +45,17 @@ def test_moe_ops_over_symbolic_tokens(backend, rng):
         want = ref_moe_experts(xs.astype(np.float32).astype(np.float64), rw, rids,
                                *(weights[n].astype(np.float32).astype(np.float64) for n in ("gate", "up", "down")))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_moe_experts_refuses_an_expert_id_out_of_range():
+    from rlx_core.testing.parity import Arg, one_op
+
+    args = [Arg("x", np.ones((3, 8)), F32), Arg("weights", np.ones((3, 2)), F32),
+            Arg("ids", np.array([[0, 1], [2, 7], [1, 0]]), I64), Arg("gate", np.ones((4, 6, 8)), F32),
+            Arg("up", np.ones((4, 6, 8)), F32), Arg("down", np.ones((4, 8, 6)), F32)]
+    exe = compile_on(one_op("moe_experts", args), "numpy")
+    with pytest.raises(ModelError, match=r"moe_experts: expert id out of range \[0, 4\) \(min 0, max 7\)"):
+        exe.run({a.name: a.data.astype(a.dtype.np) for a in args})
 
 
 # ----------------------------------------------------------------------------- the block
