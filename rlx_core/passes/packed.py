@@ -27,7 +27,7 @@ def packed_params(g: Graph) -> dict:
             if n.op == "param" and n.a.get("scheme") and n.outs[0].dtype.is_float}
 
 
-def packed_dims(dims: tuple, scheme: QuantScheme, name: str) -> tuple:
+def packed_dims(dims: tuple, scheme: QuantScheme, name: str | None) -> tuple:
     """The packed bytes' dims of a weight of logical `dims` (..., K): [rows, bytes per row]
     for a matrix (or a vector: one row), the leading dims kept for a stack of three or more."""
     rows, row_bytes = scheme.packed_shape(dims, name)
