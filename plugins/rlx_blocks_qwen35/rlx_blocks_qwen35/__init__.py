@@ -13,7 +13,7 @@ from .blocks import (QWEN35_BLOCKS, DenseMlp, GatedAttention, GdnScan, Qwen35Dec
                      attn_spec)
 from .gguf import rlx_register_gguf_architectures  # noqa: F401
 from .config import FULL, LINEAR, Qwen35Arch, qwen35_arch, text_config
-from .recipes import Qwen35Flow, Qwen35LM, Qwen35Recipe, random_tensors, text_tensors
+from .recipes import Qwen35Flow, Qwen35Recipe, random_tensors, text_tensors
 
 
 @hookimpl
@@ -27,6 +27,6 @@ def rlx_register_blocks(register):
         register(name, factory)
 
 
-__all__ = ["Qwen35Flow", "Qwen35LM", "Qwen35Recipe", "Qwen35Arch", "qwen35_arch", "text_config",
+__all__ = ["Qwen35Flow", "Qwen35Recipe", "Qwen35Arch", "qwen35_arch", "text_config",
            "text_tensors", "random_tensors", "GatedAttention", "GdnScan", "sparse_moe", "DenseMlp",
            "Qwen35DecoderLayer", "attn_spec", "LINEAR", "FULL"]

@@ -65,10 +65,6 @@ class Qwen35Flow(DecoderFlow):
         return f.lm_head(a.vocab, a.hidden, tied=a.tied)
 
 
-class Qwen35LM(CausalLM):
-    """CausalLM of a hybrid model: its graphs keep recurrent states beside the KV cache."""
-
-
 # checkpoint prefixes: a vision-language model's language model, and what is not text
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
@@ -152,7 +148,8 @@ def check_linear_tensors(arch: Qwen35Arch, tensors: dict, source: str) -> None:
 
 
 class Qwen35Recipe:
-    """Registered recipe: checkpoint -> Qwen35LM."""
+    """Registered recipe: checkpoint -> CausalLM (whose graphs keep the recurrent states
+    beside the KV cache)."""
     name = "qwen35"
     model_types: tuple = tuple(FAMILIES)
     flow_class = Qwen35Flow
@@ -171,7 +168,7 @@ class Qwen35Recipe:
         if arch.tied:
             tensors.pop("lm_head.weight", None)
         check_linear_tensors(arch, tensors, str(ckpt.path))
-        return Qwen35LM(self, cfg, tensors, ckpt.tokenizer, backend, profile, source=ckpt.path, **kw)
+        return CausalLM(self, cfg, tensors, ckpt.tokenizer, backend, profile, source=ckpt.path, **kw)
 
     def gguf_checkpoint(self, ckpt):
         """The checkpoint as `rlx quantize` writes it: the text model's config and tensors
@@ -243,5 +240,5 @@ def random_tensors(a: Qwen35Arch, rng) -> dict:
     return {k: (0.2 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
 
 
-__all__ = ["Qwen35Flow", "Qwen35LM", "Qwen35Recipe", "text_tensors", "random_tensors", "check_linear_tensors",
+__all__ = ["Qwen35Flow", "Qwen35Recipe", "text_tensors", "random_tensors", "check_linear_tensors",
            "split_qkvz"]

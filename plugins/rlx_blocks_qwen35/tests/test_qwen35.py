@@ -80,17 +80,30 @@ def test_logits_match_hf(saved, kind, backend):
     np.testing.assert_allclose(got, want, atol=TOL * np.abs(want).max(), rtol=0)
 
 
+@pytest.fixture(scope="module")
+def hf_greedy(saved):
+    """kind -> (prompt, HF's 80 greedy tokens after it), made once per kind."""
+    out: dict = {}
+
+    def get(kind: str):
+        if kind not in out:
+            ids = prompt(140, 2)
+            with torch.no_grad():
+                new = saved[kind][0].generate(torch.from_numpy(ids), max_new_tokens=80, min_new_tokens=80,
+                                              do_sample=False)[0, 140:].numpy()
+            out[kind] = (ids, new.tolist())
+        return out[kind]
+    return get
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["dense", "next"])
-def test_greedy_tokens_equal_hf(saved, kind, backend):
+def test_greedy_tokens_equal_hf(saved, hf_greedy, kind, backend):
     """80 new tokens after a 140-token prompt: prefill writes the states, decode carries them."""
-    model, path = saved[kind]
-    ids = prompt(140, 2)
-    with torch.no_grad():
-        want = model.generate(torch.from_numpy(ids), max_new_tokens=80, min_new_tokens=80,
-                              do_sample=False)[0, 140:].numpy()
-    got = load(path, backend=backend, progress=False).generate(ids, max_new_tokens=80, min_new_tokens=80)
-    assert got[0, 140:].tolist() == want.tolist()
+    ids, want = hf_greedy(kind)
+    got = load(saved[kind][1], backend=backend, progress=False).generate(ids, max_new_tokens=80,
+                                                                          min_new_tokens=80)
+    assert got[0, 140:].tolist() == want
 
 
 def test_left_padded_batch_equals_one_by_one(saved):
