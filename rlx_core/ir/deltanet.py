@@ -175,7 +175,10 @@ def _k_causal_conv1d(a, out, x, w, state, bias=None):
     t, width = x.shape[1], w.shape[1]
     u = np.concatenate([up(state).transpose(0, 2, 1), up(x)], axis=1)        # [B, W - 1 + T, C]
     w = up(w)
-    y = sum(w[:, i] * u[:, i:i + t] for i in range(width))
+    y = u[:, :t] * w[:, 0]
+    tap = np.empty_like(y)                          # one scratch for the taps after the first
+    for i in range(1, width):
+        y += np.multiply(u[:, i:i + t], w[:, i], out=tap)
     if bias is not None:
         y = y + up(bias)
     put(out[0], ACT_FN[a["act"]](y))
