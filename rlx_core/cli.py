@@ -809,8 +809,8 @@ def embed_cmd(model_name: str, texts: tuple, images: bool, file: str | None, jso
 
     MODEL is an HF folder or a packaged name of a model type with an encoder recipe
     (`rlx plugins` lists them), or a vision checkpoint: its images go through the
-    checkpoint's own preprocessing (preprocessor_config.json), and CLIP / SigLIP embed texts
-    into the same space. Prints one vector per line, or JSON with --json.
+    checkpoint's own preprocessing (preprocessor_config.json), and one with a text tower
+    embeds texts into the same space. Prints one vector per line, or JSON with --json.
     """
     from .runtime.encoder import embed_command
 

@@ -574,7 +574,7 @@ def embed_command(model: Any, texts: str | list[str] | None = None, file: str | 
     `model`: a path, a packaged name, an Encoder or a model that embeds images (see
     embeds_images). `file`: a path or "-" (stdin), one text per line (empty lines included).
     With `images`, the texts (or the file's lines) are image paths, read by the model's own
-    preprocessing. A vision model with a text tower (CLIP, SigLIP) embeds texts too, into the
+    preprocessing. A vision model with a text tower (image-text pairs) embeds texts too, into the
     images' space. Prints one line per item (the vector, values separated by spaces, loadable
     by numpy.loadtxt) or, with json_out, one JSON object {"model", "dim", "normalized",
     "count", "embeddings"}. A progress bar goes to stderr for long text files. Errors are

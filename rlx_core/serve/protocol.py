@@ -279,7 +279,7 @@ def vision_embedding_inputs(body: dict, embeds_texts: bool) -> tuple:
     "images" with encoded images (bytes) or "texts" with strings (a model with a text tower).
     Images come as data URLs, in `input` (a string or an array of them) or as the one
     image_url part of `messages` (vLLM's form); a request holds images or texts, not both (the
-    towers embed them apart, as vLLM serves CLIP and SigLIP)."""
+    towers embed them apart, as vLLM serves such models)."""
     if ("messages" in body) == ("input" in body):
         raise bad("give 'input' (texts or image data URLs) or 'messages' (one image_url or text part), "
                   "not both or neither", "input")
