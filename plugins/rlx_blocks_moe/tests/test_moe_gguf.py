@@ -151,6 +151,26 @@ def test_gguf_equals_hf_on_its_weights(written, scheme, rng):
     assert np.abs(got - ref).max() <= 1e-4, family
 
 
+@pytest.mark.xfail(raises=WeightError, strict=False,
+                   reason="core's write_gguf does not yet apply the recipe's gguf_checkpoint (per-expert "
+                          "tensors stacked; Mixtral under llama), so `rlx quantize` cannot name an expert tensor")
+def test_rlx_quantize_writes_the_same_file(written, tmp_path):
+    """`rlx quantize FOLDER DST --scheme q8_0` writes what write_moe_gguf writes, byte for byte."""
+    from click.testing import CliRunner
+
+    from rlx_core.cli import main
+
+    family, folder, files = written
+    dst = tmp_path / "cli.gguf"
+    res = CliRunner().invoke(main, ["quantize", folder, str(dst), "--scheme", "q8_0"])
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        raise res.exception
+    if "has no GGUF name" in res.output or "'mixtral' cannot be written to GGUF" in res.output:
+        raise WeightError(res.output)           # the missing core step (the xfail's reason), nothing else
+    assert res.exit_code == 0, res.output
+    assert dst.read_bytes() == open(files["q8_0"], "rb").read()
+
+
 # ------------------------------------------------------------------ bad input
 def test_expert_count_disagreeing_with_tensors_names_key_and_tensor(written, tmp_path):
     """A file whose {arch}.expert_count says 4 while its stacks hold 8 experts is refused,
