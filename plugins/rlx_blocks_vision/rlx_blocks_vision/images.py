@@ -14,7 +14,10 @@ than `max_pixels` pixels (default DEFAULT_MAX_PIXELS, or the RLX_MAX_IMAGE_PIXEL
 variable): a small compressed file can decode to gigabytes. Their EXIF orientation is applied,
 as HF's load_image does. An image that is not 8-bit RGB is converted as HF's convert_to_rgb
 does (alpha composited onto white) when the config says do_convert_rgb, and refused otherwise:
-HF would hand the model one or four channels, or 16-bit values it clips."""
+HF would hand the model one or four channels, or 16-bit values it clips. (Given a path, HF's
+load_image converts every file to RGB first, dropping alpha rather than compositing it; a
+file here is treated as HF treats the opened image, so a transparent file matches
+processor(Image.open(path)), and an RGB file matches either.)"""
 from __future__ import annotations
 
 import io
