@@ -44,8 +44,47 @@ def test_moe_ops_over_symbolic_tokens(backend, rng):
         got = exe.run({k: v.astype(np.float32) for k, v in feed.items()})["y"]
         rw, rids = ref_moe_route(lg.astype(np.float32), K, "softmax_topk", True)
         want = ref_moe_experts(xs.astype(np.float32).astype(np.float64), rw, rids,
-                               *(weights[n].astype(np.float32).astype(np.float64) for n in ("gate", "up", "down")))
+                               *(weights[n].astype(np.float32).astype(np.float64)
+                                 for n in ("gate", "up", "down")))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_moe_ops_print_and_round_trip_through_json():
+    from rlx_core.ir.serialize import graph_from_json
+
+    m = Builder("moe_json", MIR)
+    x, logits = m.input("x", ("b", "s", 32), F32), m.input("logits", ("b", "s", 4), F32)
+    w, ids = m.add("moe_route", (logits,), k=2, order="topk_softmax")
+    stacks = (m.param("g", (4, 6, 34), "u8", scheme="q8_0"), m.param("u", (4, 6, 34), "u8", scheme="q8_0"),
+              m.param("d", (4, 32, 6), F32))
+    m.output("y", m.add("moe_experts", (x, w, ids, *stacks), schemes=("q8_0", "q8_0", ""), act="gelu"))
+    g = m.build()
+    assert graph_from_json(g.to_json()).to_json() == g.to_json()
+    text = str(g)
+    assert "moe_route(%1) {k=2 normalize=false order=topk_softmax} : f32[b,s,2], i64[b,s,2]" in text
+    assert "{act=gelu schemes=(q8_0,q8_0,)} : f32[b,s,32]" in text
+
+
+@pytest.mark.parametrize("case,match", [
+    ("k_over_e", r"moe_route k=5: expected 1 <= k <= the 4 experts"),
+    ("rank1", r"moe_experts x must be \[..., tokens, hidden\], got f32\[32\]"),
+    ("tokens", r"moe_experts weights vs x dim 0 \(tokens\): 2 != 3"),
+    ("hidden", r"moe_experts hidden of x/gate/up/down: 32 != 16"),
+    ("float_ids", r"moe_experts ids must be an int type, got f32"),
+])
+def test_moe_metas_refuse_bad_shapes(case, match):
+    from rlx_core.ir.errors import RlxError
+
+    m = Builder("bad", MIR)
+    x = m.input("x", (32,) if case == "rank1" else (3, 32), F32)
+    t = 2 if case == "tokens" else 3
+    stacks = (m.input("g", (4, 6, 32), F32), m.input("u", (4, 6, 16 if case == "hidden" else 32), F32),
+              m.input("d", (4, 32, 6), F32))
+    with pytest.raises(RlxError, match=match):
+        if case == "k_over_e":
+            m.add("moe_route", (m.input("lg", (3, 4), F32),), k=5)
+        ids = m.input("ids", (t, 2), F32 if case == "float_ids" else I64)
+        m.add("moe_experts", (x, m.input("w", (t, 2), F32), ids, *stacks))
 
 
 def test_moe_experts_refuses_an_expert_id_out_of_range():
@@ -174,7 +213,8 @@ def test_moe_block_bad_checkpoints(rng):
     missing = {k: v for k, v in w.items() if not k.endswith("up_proj")}
     with pytest.raises(WeightError, match=r"missing 1: \['model.layers.0.mlp.experts.up_proj'\]"):
         _build(MoeFfn(E, K, I), missing)
-    bad = dict(w, **{"model.layers.0.mlp.experts.down_proj": w["model.layers.0.mlp.experts.down_proj"][:, :, :5]})
+    down = "model.layers.0.mlp.experts.down_proj"
+    bad = dict(w, **{down: w[down][:, :, :5]})
     with pytest.raises(WeightError, match=r"model.layers.0.mlp.experts.down_proj: expected \[6, 16, 12\], "
                                           r"got \[6, 16, 5\]"):
         _build(MoeFfn(E, K, I), bad)
@@ -219,7 +259,8 @@ def _toy_checkpoint(folder, hid, inter, experts=3, vocab=8, seed=0):
            "intermediate_size": inter, "vocab_size": vocab, "num_experts": experts, "num_experts_per_tok": 2}
     p = "model.layers.0."
     t = {"model.embed_tokens.weight": rng.standard_normal((vocab, hid)),
-         "model.norm.weight": rng.standard_normal(hid), p + "input_layernorm.weight": rng.standard_normal(hid),
+         "model.norm.weight": rng.standard_normal(hid),
+         p + "input_layernorm.weight": rng.standard_normal(hid),
          p + "mlp.gate.weight": rng.standard_normal((experts, hid)),
          p + "mlp.experts.gate_proj.weight": rng.standard_normal((experts, inter, hid)),
          p + "mlp.experts.up_proj.weight": rng.standard_normal((experts, inter, hid)),
@@ -260,8 +301,8 @@ def test_gguf_expert_stacks_both_ways(tmp_path, scheme):
         if q.gguf_type is not None:
             assert t.tensor_type == q.gguf_type and list(t.shape) == list(reversed(x.shape))   # ne
             np.testing.assert_array_equal(np.asarray(t.data).reshape(raw.shape), raw)
-            np.testing.assert_array_equal(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(x.shape),
-                                          q.dequantize(raw.reshape(-1, raw.shape[-1]), x.shape))
+            theirs = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(x.shape)
+            np.testing.assert_array_equal(theirs, q.dequantize(raw.reshape(-1, raw.shape[-1]), x.shape))
         else:                                            # RLX's int blocks: i8 bytes, shape in metadata
             assert t.tensor_type == gguf.GGMLQuantizationType.I8
             np.testing.assert_array_equal(np.asarray(t.data).view(np.uint8).reshape(raw.shape), raw)
@@ -322,7 +363,8 @@ def test_gguf_expert_count_disagreeing_with_tensors(tmp_path):
                                               r"\[4, 32, 32\] holds 4 experts, but GGUF metadata "
                                               r"toymoe.expert_count = 3"):
             load_checkpoint(bad)
-        router = _write_raw_gguf(tmp_path / "router.gguf", 3, dict(ok, **{"blk.0.ffn_gate_inp.weight": (2, 32)}))
+        router = _write_raw_gguf(tmp_path / "router.gguf", 3,
+                                 dict(ok, **{"blk.0.ffn_gate_inp.weight": (2, 32)}))
         with pytest.raises(WeightError, match=r"tensor 'blk.0.ffn_gate_inp.weight' of shape \[2, 32\]"):
             load_checkpoint(router)
     nokey = _write_raw_gguf(tmp_path / "nokey.gguf", 3, ok, key=False)

@@ -5,8 +5,9 @@ converter does to them (row permutations, norms stored as 1 + w: the family's re
 `GGUFArchitecture` says which), the config becomes GGUF metadata, and every matmul weight whose
 rows split into whole blocks is quantized with the scheme (the rest stays f32, as llama.cpp's
 own quantizer keeps norms); a 3-D stack of them (routed experts, numpy [E, rows, cols]) is
-quantized as llama.cpp's ffn_*_exps are, ggml ne [cols, rows, E]. The HF tokenizer travels as `tokenizer.huggingface.json`, plus
-llama.cpp's BPE fields for byte-level BPE vocabularies, so both RLX and llama.cpp read the file.
+quantized as llama.cpp's ffn_*_exps are, ggml ne [cols, rows, E]. The HF tokenizer travels
+as `tokenizer.huggingface.json`, plus llama.cpp's BPE fields for byte-level BPE vocabularies,
+so both RLX and llama.cpp read the file.
 
 RLX's own int8/int4 blocks have no GGUF type: they are stored as GGUF I8 bytes
 [(E,) rows, bytes per row] with the scheme and logical shape under `rlx.scheme.<tensor>`
