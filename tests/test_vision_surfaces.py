@@ -281,7 +281,7 @@ def tiny_vision(tmp_path_factory):
     return str(vit_dir), str(clip_dir), vit, clip, tk
 
 
-def _hf_pixels(folder: str, images: list) -> "object":
+def _hf_pixels(folder: str, images: list):
     from PIL import Image
     from transformers import AutoImageProcessor
 

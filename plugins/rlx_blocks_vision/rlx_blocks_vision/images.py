@@ -25,7 +25,6 @@ import json
 import math
 import os
 import threading
-from typing import Any
 
 import numpy as np
 
