@@ -71,6 +71,15 @@ def tiny(request, tmp_path_factory):
     return request.param, hf_model(request.param, path), str(path)
 
 
+def backends_here() -> list:
+    """numpy, numba and OpenCL (and cuda, on the device), each skipped with its reason where it
+    is not available here."""
+    from rlx_core.pipeline import available_backends
+
+    return [pytest.param(b.name, id=b.name, marks=() if ok else pytest.mark.skip(reason=why))
+            for b, ok, why in available_backends() if b.name in ("numpy", "numba", "opencl", "cuda")]
+
+
 def hf_logits(hf):
     def logits(prefix):
         with torch.no_grad():
@@ -78,11 +87,9 @@ def hf_logits(hf):
     return logits
 
 
-@pytest.mark.parametrize("backend", ["numpy", "numba"])
+@pytest.mark.parametrize("backend", backends_here())
 def test_logits_match_hf(tiny, backend, rng):
     family, hf, path = tiny
-    if backend == "numba":
-        pytest.importorskip("numba")
     ids = rng.integers(1, VOCAB, (2, 13))
     with torch.no_grad():
         ref = hf(torch.tensor(ids)).logits.numpy()
