@@ -131,6 +131,9 @@ def test_cli_embed_image_flag(tmp_path, monkeypatch):
     np.testing.assert_allclose(body["embeddings"], _unit([FakeVision.row(b"first image"),
                                                           FakeVision.row(b"second image")]), rtol=1e-6)
     assert fake.calls[0][0] == "images" and fake.calls[0][1] == [str(a), str(b)]
+    r = CliRunner().invoke(main, ["embed", "some-model", "--image", "--file", "-"], input=f"{b}\n{a}\n")
+    assert r.exit_code == 0, r.output                    # paths as lines of stdin
+    assert fake.calls[-1][1] == [str(b), str(a)] and len(r.output.splitlines()) == 2
     bad = CliRunner().invoke(main, ["embed", "some-model", "--image", str(a), "--no-truncate"])
     assert bad.exit_code != 0 and "--no-truncate applies to texts" in bad.output
 
