@@ -230,3 +230,33 @@ def test_llama_gguf_with_experts_needs_the_moe_plugin(written, plugins_env):
     plugins_env.delenv("RLX_DISABLE_PLUGINS")
     reset()
     assert load_checkpoint(files["q8_0"]).config["model_type"] == "mixtral"
+
+
+def test_more_experts_used_than_held_names_both_keys():
+    from rlx_blocks_moe.gguf import QWEN3MOE
+    from rlx_core.weights.gguf_arch import MetadataReader
+
+    meta = MetadataReader("f.gguf", {"qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 6}, "qwen3moe")
+    with pytest.raises(WeightError, match=r"f\.gguf: GGUF metadata qwen3moe\.expert_used_count = 6 exceeds "
+                                          r"qwen3moe\.expert_count = 4"):
+        QWEN3MOE.config(meta, {"intermediate_size": 64}, 2)
+
+
+def test_without_the_llama_plugin(written, plugins_env, rng):
+    """The MoE plugin needs no other family plugin for its own architectures (the same logits
+    with the LLaMA plugin disabled); a Mixtral file (llama.cpp's `llama`) then names the
+    LLaMA plugin that reads it."""
+    from rlx_core.plugins import reset
+
+    family, _, files = written
+    ids = rng.integers(1, VOCAB, (1, 6))
+    want = rlx_core.load(files["q8_0"], backend="numpy", progress=False).logits(ids)
+    plugins_env.setenv("RLX_DISABLE_PLUGINS", "llama")
+    reset()
+    if family == "mixtral":
+        with pytest.raises(WeightError, match="rlx-blocks-llama"):
+            load_checkpoint(files["q8_0"])
+        return
+    got = rlx_core.load(files["q8_0"], backend="numpy", progress=False)
+    assert got.config["model_type"] == family
+    np.testing.assert_array_equal(got.logits(ids), want)
