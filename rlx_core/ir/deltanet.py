@@ -134,10 +134,10 @@ def delta_chunked(q, k, v, g, beta, s, chunk: int) -> tuple:
     kt = np.swapaxes(k, -1, -2)
     a = np.tril((beta[..., None] * (k @ kt)) * within, -1)
     attn = (q @ kt) * within
-    # (I + A)^-1 [V_beta | W]: the values' part and the part the chunk's start state scales
-    solved = _lower_solve(a, np.concatenate([beta[..., None] * v, (beta * gamma)[..., None] * k], -1))
+    # (I + A)^-1 V_beta and (I + A)^-1 W: the values' part and the part the chunk's start state scales
+    inv = _lower_solve(a, np.broadcast_to(np.eye(c, dtype=a.dtype), a.shape))
+    u0, w = inv @ (beta[..., None] * v), inv @ ((beta * gamma)[..., None] * k)
     vd = v.shape[-1]
-    u0, w = solved[..., :vd], solved[..., vd:]
     qg = q * gamma[..., None]
     tail = np.exp(cum[..., -1:] - cum)[..., None] * k               # gamma_c / gamma_j k_j
     o = np.empty_like(v)
