@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from rlx_core.plugins import hookimpl
 
-from .blocks import (QWEN35_BLOCKS, DenseMlp, GatedAttention, GdnScan, Qwen35DecoderLayer, sparse_moe,
-                     attn_spec)
-from .gguf import rlx_register_gguf_architectures  # noqa: F401
+from .blocks import (QWEN35_BLOCKS, GatedAttention, GdnScan, Qwen35DecoderLayer, attn_spec, dense_mlp,
+                     sparse_moe)
 from .config import FULL, LINEAR, Qwen35Arch, qwen35_arch, text_config
+from .gguf import rlx_register_gguf_architectures  # noqa: F401
 from .recipes import Qwen35Flow, Qwen35Recipe, random_tensors, text_tensors
 
 
@@ -28,5 +28,5 @@ def rlx_register_blocks(register):
 
 
 __all__ = ["Qwen35Flow", "Qwen35Recipe", "Qwen35Arch", "qwen35_arch", "text_config",
-           "text_tensors", "random_tensors", "GatedAttention", "GdnScan", "sparse_moe", "DenseMlp",
+           "text_tensors", "random_tensors", "GatedAttention", "GdnScan", "sparse_moe", "dense_mlp",
            "Qwen35DecoderLayer", "attn_spec", "LINEAR", "FULL"]

@@ -20,8 +20,7 @@ from __future__ import annotations
 import attrs
 
 from rlx_core.flow import AttnSpec
-from rlx_core.flow.blocks import (ResidualAdd, ResidualSave, RmsNorm, SelfAttention, SwigluMlp,
-                                  gated_mlp)
+from rlx_core.flow.blocks import GatedMlp, ResidualAdd, ResidualSave, RmsNorm, SelfAttention, SwigluMlp
 from rlx_core.flow.moe import MoeFfn, SharedExpert
 from rlx_core.flow.hybrid import (RecurrentState, delta_rule, gated_rms_norm, l2norm, output_gate, short_conv,
                                   softplus, state_mode, zero_pads)
@@ -153,20 +152,9 @@ def sparse_moe(arch: Qwen35Arch) -> MoeFfn:
                   shared=SharedExpert(arch.shared_intermediate, "shared_expert", "shared_expert_gate.weight"))
 
 
-@attrs.frozen
-class DenseMlp:
-    """The gated MLP of `intermediate_size` (HF gate_proj / up_proj / down_proj)."""
-    arch: Qwen35Arch
-    prefix: str = "mlp"
-
-    def emit(self, ctx, x):
-        a_, p = self.arch, ctx.key(self.prefix)
-        inter, hid = a_.intermediate, a_.hidden
-        if a_.act == "silu":
-            return ctx.emit(SwigluMlp(self.prefix), x)
-        return gated_mlp(ctx.m, x, ctx.param(f"{p}.gate_proj.weight", (inter, hid)),
-                         ctx.param(f"{p}.up_proj.weight", (inter, hid)),
-                         ctx.param(f"{p}.down_proj.weight", (hid, inter)), a_.act)
+def dense_mlp(arch: Qwen35Arch):
+    """The gated MLP of `intermediate_size` (HF gate_proj / up_proj / down_proj): the core's."""
+    return SwigluMlp("mlp") if arch.act == "silu" else GatedMlp("mlp", arch.act)
 
 
 @attrs.frozen
@@ -202,5 +190,5 @@ QWEN35_BLOCKS = {
     "qwen35.decoder_layer": Qwen35DecoderLayer,
 }
 
-__all__ = ["GatedAttention", "GdnScan", "sparse_moe", "DenseMlp", "Qwen35DecoderLayer", "attn_spec",
+__all__ = ["GatedAttention", "GdnScan", "sparse_moe", "dense_mlp", "Qwen35DecoderLayer", "attn_spec",
            "QWEN35_BLOCKS"]

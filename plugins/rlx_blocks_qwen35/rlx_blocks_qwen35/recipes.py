@@ -17,10 +17,10 @@ import numpy as np
 
 from rlx_core.flow import ModelFlow
 from rlx_core.flow.recipe import DecoderFlow
-from rlx_core.ir.errors import ModelError, WeightError
+from rlx_core.ir.errors import WeightError
 from rlx_core.runtime.model import CausalLM
 
-from .blocks import DenseMlp, GatedAttention, GdnScan, Qwen35DecoderLayer, sparse_moe, attn_spec
+from .blocks import GatedAttention, GdnScan, Qwen35DecoderLayer, attn_spec, dense_mlp, sparse_moe
 from .config import FAMILIES, Qwen35Arch, qwen35_arch, text_config
 
 ONE = 1.0
@@ -49,7 +49,7 @@ class Qwen35Flow(DecoderFlow):
         return GatedAttention(self.spec(i))
 
     def mlp(self, i: int):
-        return sparse_moe(self.arch) if self.arch.moe_layers[i] else DenseMlp(self.arch)
+        return sparse_moe(self.arch) if self.arch.moe_layers[i] else dense_mlp(self.arch)
 
     def default_layer(self, i: int):
         return Qwen35DecoderLayer(self.mixer(i), self.mlp(i), self.arch.eps)
