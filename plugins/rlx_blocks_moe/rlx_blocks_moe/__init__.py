@@ -21,6 +21,7 @@ def rlx_register_recipes(register):
         register(recipe())
 
 
-__all__ = ["FAMILIES", "Routing", "routing", "sparse_layers", "MoeFlow", "Qwen3MoeFlow", "Qwen2MoeFlow", "MixtralFlow",
-           "OlmoeFlow", "MoeRecipe", "Qwen3MoeRecipe", "Qwen2MoeRecipe", "MixtralRecipe", "OlmoeRecipe", "routed_experts",
+__all__ = ["FAMILIES", "Routing", "routing", "sparse_layers", "MoeFlow", "Qwen3MoeFlow", "Qwen2MoeFlow",
+           "MixtralFlow", "OlmoeFlow", "MoeRecipe", "Qwen3MoeRecipe", "Qwen2MoeRecipe", "MixtralRecipe",
+           "OlmoeRecipe", "routed_experts",
            "WholeQKNormAttention", "stack_experts"]

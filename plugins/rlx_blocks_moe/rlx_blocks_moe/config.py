@@ -4,9 +4,10 @@ The families differ only in data (`MoeFamily`): which key sizes an expert's MLP,
 router's order (softmax then top-k, or top-k then softmax) and whether `norm_topk_prob`
 rescales the chosen weights, whether some layers keep a dense MLP (Qwen2/3-MoE's
 `mlp_only_layers` / `decoder_sparse_step`), and whether a sigmoid-gated shared expert of
-`shared_expert_intermediate_size` runs beside the routed ones (Qwen2-MoE). Every key read here is honoured or refused with a
-ModelError naming it. Training-only keys are ignored on purpose: `output_router_logits`,
-`router_aux_loss_coef`, `router_jitter_noise` (noise only while training), `attention_dropout`.
+`shared_expert_intermediate_size` runs beside the routed ones (Qwen2-MoE). Every key read
+here is honoured or refused with a ModelError naming it. Training-only keys are ignored on
+purpose: `output_router_logits`, `router_aux_loss_coef`, `router_jitter_noise` (noise only
+while training), `attention_dropout`.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ class MoeFamily:
 
 FAMILIES = {
     "qwen3_moe": MoeFamily("moe_intermediate_size", "softmax_topk", True, dense_layers=True),
-    "qwen2_moe": MoeFamily("moe_intermediate_size", "softmax_topk", True, dense_layers=True, shared_expert=True),
+    "qwen2_moe": MoeFamily("moe_intermediate_size", "softmax_topk", True, dense_layers=True,
+                           shared_expert=True),
     "mixtral": MoeFamily("intermediate_size", "topk_softmax", False),
     "olmoe": MoeFamily("intermediate_size", "softmax_topk", True),
 }

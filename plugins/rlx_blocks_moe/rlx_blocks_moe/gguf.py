@@ -117,7 +117,8 @@ class Qwen2MoeGGUF(Qwen3MoeGGUF):
     def config(self, meta, cfg, held):
         super().config(meta, cfg, held)
         cfg["shared_expert_intermediate_size"] = meta.num(
-            "expert_shared_feed_forward_length", cfg["intermediate_size"], to="shared_expert_intermediate_size")
+            "expert_shared_feed_forward_length", cfg["intermediate_size"],
+            to="shared_expert_intermediate_size")
         cfg["qkv_bias"] = True
 
     def from_gguf(self, gguf_name, w, config, path):
@@ -168,5 +169,5 @@ def rlx_register_gguf_architectures(register):
     register("olmoe", OLMOE)
 
 
-__all__ = ["EXPERT_NAMES", "LAYER_NAMES", "SHARED_EXPERT_NAMES", "MoeGGUF", "Qwen3MoeGGUF", "Qwen2MoeGGUF", "OlmoeGGUF",
-           "QWEN3MOE", "QWEN2MOE", "OLMOE"]
+__all__ = ["EXPERT_NAMES", "LAYER_NAMES", "SHARED_EXPERT_NAMES", "MoeGGUF", "Qwen3MoeGGUF", "Qwen2MoeGGUF",
+           "OlmoeGGUF", "QWEN3MOE", "QWEN2MOE", "OLMOE"]

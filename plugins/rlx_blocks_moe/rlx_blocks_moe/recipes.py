@@ -354,6 +354,6 @@ class OlmoeRecipe(MoeRecipe):
 
 RECIPES = (Qwen3MoeRecipe, Qwen2MoeRecipe, MixtralRecipe, OlmoeRecipe)
 
-__all__ = ["MoeFlow", "Qwen3MoeFlow", "Qwen2MoeFlow", "MixtralFlow", "OlmoeFlow", "MoeRecipe", "Qwen3MoeRecipe",
-           "Qwen2MoeRecipe", "MixtralRecipe", "OlmoeRecipe", "RECIPES", "routed_experts", "WholeQKNormAttention",
-           "attn_spec", "hf_tensor_shapes", "num_experts"]
+__all__ = ["MoeFlow", "Qwen3MoeFlow", "Qwen2MoeFlow", "MixtralFlow", "OlmoeFlow", "MoeRecipe",
+           "Qwen3MoeRecipe", "Qwen2MoeRecipe", "MixtralRecipe", "OlmoeRecipe", "RECIPES", "routed_experts",
+           "WholeQKNormAttention", "attn_spec", "hf_tensor_shapes", "num_experts"]

@@ -57,8 +57,9 @@ def stack_experts(tensors: Mapping, cfg: dict, source: str, count: str = "num_ex
         if m := _PER_EXPERT.match(name):
             layer, e, leaf = int(m[1]), int(m[2]), m[3]
             if e >= experts:
+                dense = "" if layer in sparse else f" and layer {layer} is dense"
                 raise WeightError(f"{source}: tensor {name!r} is expert {e}, but the config has {experts} "
-                                  f"experts (num_experts){'' if layer in sparse else ' and layer %d is dense' % layer}")
+                                  f"experts (num_experts){dense}")
             per.setdefault((layer, _LEAF[leaf]), {})[e] = (name, t)
         elif m := _FUSED.match(name):
             layer, leaf = int(m[1]), m[2]

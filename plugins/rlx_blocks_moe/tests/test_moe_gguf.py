@@ -27,7 +27,8 @@ from rlx_blocks_moe.quantize import write_moe_gguf  # noqa: E402
 
 VOCAB = 61
 # configs llama.cpp's graphs compute as transformers does: Qwen3-MoE normalized top-k and no
-# dense layer, Qwen2-MoE with biases and its shared expert, no window, Mixtral without a window, OLMoE without clip_qkv, kv heads = heads, untied
+# dense layer, Qwen2-MoE with biases and its shared expert, no window, Mixtral without a
+# window, OLMoE without clip_qkv, kv heads = heads, untied
 COMMON = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5, eos_token_id=2,
               pad_token_id=0, tie_word_embeddings=False)
