@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from test_moe_families import uneven_router  # noqa: E402  (the shared tiny-model helper)
+from test_moe_families import backends_here, uneven_router  # noqa: E402  (shared helpers)
 
 from rlx_blocks_moe.quantize import write_moe_gguf  # noqa: E402
 
@@ -105,13 +105,11 @@ def test_config_read_back(written):
             assert got["shared_expert_intermediate_size"] == 256
 
 
-@pytest.mark.parametrize("backend", ["numpy", "numba"])
+@pytest.mark.parametrize("backend", backends_here())
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_packed_equals_dequantized(written, scheme, backend, rng):
     """The experts stay packed (PackedTensor stacks into moe_experts) and compute what the same
     file dequantized at load (`[precision] weights = "f32"`) computes."""
-    if backend == "numba":
-        pytest.importorskip("numba")
     family, _, files = written
     packed = rlx_core.load(files[scheme], backend=backend, progress=False)
     stacks = [k for k, t in packed.tensors.items() if ".experts." in k]
