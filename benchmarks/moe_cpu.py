@@ -17,7 +17,7 @@ cannot write it, the script says why and stops. Shrink with --layers / --experts
 Sides, each in its own process with `--threads` threads (numba's, BLAS's, llama.cpp's):
 * numba      `rlx_core.load(gguf, backend="numba")`: a `--prefill`-token prompt (its time to
              the next token's logits) and `--decode` greedy tokens (ms per token), best and
-             median of `--repeat` generate calls after a warm-up one; peak RSS (ru_maxrss)
+             median of `--repeat` generate calls after a warm-up one; peak RSS (VmHWM)
 * llama.cpp  the same file through llama-cpp-python's `eval` (prefill, then one-token evals),
              when installed; else "peer not installed" and no ratio
 * layer      one MoE layer (router matmul, moe_route, moe_experts) at the checkpoint's layer
@@ -97,13 +97,15 @@ def quantize(src: str, dst: str) -> None:
         log(f"{p.stdout.strip().splitlines()[-1]} ({time.perf_counter() - t0:.0f}s)")
         return
     log(f"rlx quantize failed (exit {p.returncode}): {(p.stdout + p.stderr).strip()[-600:]}\n"
-        "  -> written by rlx_blocks_moe.quantize.write_moe_gguf instead")
-    from rlx_blocks_moe.quantize import write_moe_gguf
-    from rlx_core.ir.quant import QuantScheme
-    from rlx_core.weights import load_checkpoint
-
-    write_moe_gguf(load_checkpoint(src), dst, QuantScheme.parse("q4_k"), echo=lambda *_: None)
-    log(f"wrote {dst}: {os.path.getsize(dst) / 2**20:.1f} MiB ({time.perf_counter() - t0:.0f}s)")
+        "  -> written by rlx_blocks_moe.quantize.write_moe_gguf instead (in a process of its own)")
+    code = ("import sys; from rlx_blocks_moe.quantize import write_moe_gguf; from rlx_core.weights import "
+            "load_checkpoint; write_moe_gguf(load_checkpoint(sys.argv[1]), sys.argv[2], 'q4_k', echo=lambda *_: None); "
+            "print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
+    p = subprocess.run([sys.executable, "-c", code, src, dst], capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(f"write_moe_gguf failed (exit {p.returncode}): {(p.stdout + p.stderr)[-1500:]}")
+    log(f"wrote {dst}: {os.path.getsize(dst) / 2**20:.1f} MiB ({time.perf_counter() - t0:.0f}s; the writer's "
+        f"peak RSS {int(p.stdout.split()[-1]) / 1024:.0f} MB)")
 
 
 # ------------------------------------------------------------------------------ the sides
@@ -208,9 +210,19 @@ def side_layer(a) -> dict:
 
 
 # ------------------------------------------------------------------------------ plumbing
+def peak_rss_mb() -> float:
+    """This process's peak RSS: VmHWM (Linux's ru_maxrss keeps the parent's peak across exec),
+    else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(f.read().split("VmHWM:")[1].split()[0]) / 1024
+    except (OSError, IndexError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def child(a) -> None:
     res = {"numba": side_numba, "llama.cpp": side_llamacpp, "layer": side_layer}[a.child](a)
-    res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    res["peak_rss_mb"] = peak_rss_mb()
     print(json.dumps(res), flush=True)
 
 
