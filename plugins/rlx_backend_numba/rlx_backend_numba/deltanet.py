@@ -1,9 +1,9 @@
 """numba kernels for the linear-attention ops of rlx_core.ir.deltanet: gated_delta_rule and
 causal_conv1d (runner.PREPARE binds them to their nodes).
 
-gated_delta_rule runs one task per (batch row, value head) on numba's threads; a task keeps
-its head's state [K, V] in a local array from the first step to the last and writes it out
-once. Up to RECURRENT_MAX steps (decode, a few draft tokens) it takes the recurrent form, two
+gated_delta_rule runs one task per (batch row, value head) on numba's threads; a task copies
+its head's start state [K, V] into the new state's block once and updates it there from the
+first step to the last. Up to RECURRENT_MAX steps (decode, a few draft tokens) it takes the recurrent form, two
 passes over the state a step; longer inputs take the chunked (WY / UT) form of the NumPy
 kernel (rlx_core.ir.deltanet: the formulas are written there), one chunk after another: five
 dense products a chunk (f32: one cblas_sgemm call each, made by numba's threads as in
@@ -169,11 +169,13 @@ def _scratch(c, kd, vd, dt):
 
 @njit(**_OPT)
 def _head(task, q, k, v, g, beta, s0, o, s1, scale, chunk, recurrent, gemm, ilp64):
-    """One (batch row, value head): its state through every step, written to s1."""
+    """One (batch row, value head): its state through every step, kept in s1 (its
+    [K, V] block, contiguous) from the start."""
     nh, kd, vd = v.shape[2], q.shape[3], v.shape[3]
     b, h = task // nh, task % nh
     kh = h // (nh // q.shape[2])
-    s = s0[b, h].copy()
+    s = s1[b, h]
+    s[:, :] = s0[b, h]
     if recurrent:
         _steps(q, k, v, g, beta, s, o, b, h, kh, scale)
     else:
@@ -181,7 +183,6 @@ def _head(task, q, k, v, g, beta, s0, o, s1, scale, chunk, recurrent, gemm, ilp6
         scratch = _scratch(c, kd, vd, s.dtype)
         for t0 in range(0, q.shape[1], c):
             _chunk(q, k, v, g, beta, s, o, b, h, kh, scale, t0, min(c, q.shape[1] - t0), scratch, gemm, ilp64)
-    s1[b, h] = s
 
 
 @njit(parallel=True, **_OPT)
