@@ -88,8 +88,9 @@ def _m_causal_conv1d(s, a):
 # log-decay) and u_i the delta each step writes (S_i = alpha_i S_{i-1} + k_i u_i^T):
 #     u_i + sum_{j<i} A_ij u_j = beta_i (v_i - gamma_i S0^T k_i),
 #     A_ij = beta_i (k_i . k_j) gamma_i / gamma_j                   (strictly lower),
-# so U = (I + A)^-1 (V_beta - W S0) with W = beta gamma K: the triangular solve is on
-# values alone, done once for all chunks before the one sequential loop over them;
+# so U = (I + A)^-1 V_beta - (I + A)^-1 W S0 with W = beta gamma K: (I + A)^-1 and both
+# products need no state, so they are made for all chunks at once before the one
+# sequential loop over chunks, which takes U and then
 #     o_i = gamma_i S0^T q_i + sum_{j<=i} (q_i . k_j) gamma_i / gamma_j u_j
 #     S_c = gamma_c S0 + sum_j (gamma_c / gamma_j) k_j u_j^T.
 # Every exponent is a difference cum_i - cum_j <= 0 (j <= i) or cum_i <= 0: no overflow for
@@ -107,10 +108,10 @@ def _lower_solve(a, rhs):
     return x
 
 
-def _pairwise_decay(cum, strict: bool):
-    """exp(cum_i - cum_j) where j < i (j <= i unless strict), else 0: [.., c] -> [.., c, c]."""
+def _pairwise_decay(cum):
+    """exp(cum_i - cum_j) where j <= i, else 0: [.., c] -> [.., c, c]."""
     c = cum.shape[-1]
-    keep = np.tril(np.ones((c, c), bool), -1 if strict else 0)
+    keep = np.tril(np.ones((c, c), bool))
     with np.errstate(over="ignore", invalid="ignore"):
         diff = cum[..., :, None] - cum[..., None, :]
     return np.exp(np.where(keep, diff, -np.inf))
@@ -130,7 +131,7 @@ def delta_chunked(q, k, v, g, beta, s, chunk: int) -> tuple:
     q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))
     cum = np.cumsum(g, axis=-1)
     gamma = np.exp(cum)
-    within = _pairwise_decay(cum, strict=False)                    # [B, H, N, c, c]
+    within = _pairwise_decay(cum)                    # [B, H, N, c, c]
     kt = np.swapaxes(k, -1, -2)
     a = np.tril((beta[..., None] * (k @ kt)) * within, -1)
     attn = (q @ kt) * within
