@@ -307,14 +307,14 @@ class Inspection:
     def memory(self) -> dict | None:
         """Bytes the planned graph holds at the bound dims: resident weights (params and
         those derived at load), KV cache (states; `state_bytes` the part without a context
-        axis: recurrent states), arena; a running model's own numbers
+        axis: recurrent states, ring buffers), arena; a running model's own numbers
         (pool overhead included, on cuda) come from model.memory_report()."""
         if self.lir is None:
             return None
         g = self.lir.graph
         held = {k: sum(n.outs[0].nbytes() for n in g.nodes if n.op == op)
                 for k, op in (("weights_bytes", "param"), ("kv_bytes", "state"))}
-        # states without a context axis (recurrent states): the same bytes at any context
+        # states without a context axis (recurrent states, ring buffers): the same bytes at any context
         fixed = {n.name for n in self.mir.nodes if n.op == "state" and "ctx" not in n.outs[0].dims}
         held["state_bytes"] = sum(n.outs[0].nbytes() for n in g.nodes if n.op == "state" and n.name in fixed)
         out = {**held, "arena_bytes": self.lir.arena_bytes, "dims": self.dims}
@@ -494,7 +494,7 @@ def report_text(rep: dict, nodes_of: set | None = None) -> str:
 
     mem = rep.get("memory")
     if mem:
-        fixed = (f" (of which recurrent state, constant in the context: {human_bytes(mem['state_bytes'])})"
+        fixed = (f" (of which fixed-size states, the same at any context: {human_bytes(mem['state_bytes'])})"
                  if mem.get("state_bytes") else "")
         lines.append(f"\n# memory at the dims above: weights {human_bytes(mem['weights_bytes'])}, KV cache "
                      f"{human_bytes(mem['kv_bytes'])}{fixed}, arena {human_bytes(mem['arena_bytes'])}; total "

@@ -201,7 +201,7 @@ def test_inspect_reports_state_memory(saved):
         r = CliRunner().invoke(main, ["inspect", path, "--backend", "numpy", "--mode", "decode",
                                       "--dim", "batch=1", "--dim", f"ctx={ctx}"])
         assert r.exit_code == 0, r.output
-        assert f"recurrent state, constant in the context: {human_bytes(want)}" in r.output
+        assert f"fixed-size states, the same at any context: {human_bytes(want)}" in r.output
 
 
 def test_vision_language_checkpoint_loads_its_text_model(saved, tmp_path):
