@@ -142,7 +142,9 @@ def missing(side: str) -> str | None:
         from rlx_core.ir.registry import registry
 
         b = registry().backends.get("numba")
-        return "not installed (pip install ./plugins/rlx_backend_numba)" if b is None else b.availability()[1] or None
+        if b is None:
+            return "not installed (pip install ./plugins/rlx_backend_numba)"
+        return b.availability()[1] or None
     return None
 
 
@@ -189,9 +191,10 @@ def main() -> None:
                 if side == "scan" and t > args.scan_max:
                     continue
                 out = os.path.join(tmp, f"{side}_{t}.npy")
-                cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--length", str(t), "--out", out,
-                       "--threads", str(args.threads), "--heads", str(args.heads), "--key-heads", str(args.key_heads),
-                       "--dim", str(args.dim), "--chunk", str(args.chunk), "--repeat", str(args.repeat)]
+                cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--length", str(t),
+                       "--out", out, "--threads", str(args.threads), "--heads", str(args.heads),
+                       "--key-heads", str(args.key_heads), "--dim", str(args.dim), "--chunk", str(args.chunk),
+                       "--repeat", str(args.repeat)]
                 cmd += ["--no-pin"] if args.no_pin else []
                 res = run_child(cmd, f"{side} T={t}", timeout=3600)
                 if res is not None:
@@ -213,7 +216,8 @@ def main() -> None:
                 ratio = f"{min(base['times']) / ts[0]:.3f}" if side != "numba" else "1"
                 ref = base["out"]
                 diff = f"{np.max(np.abs(r['out'] - ref)) / max(np.max(np.abs(ref)), 1e-30):.1e}"
-            log(f"{t:>6} {LABEL[side]:<46} {best:>10.1f} {med:>10.1f} {best / t * 1e3:>12.2f} {ratio:>13} {diff:>11}")
+            per_k = best / t * 1e3
+            log(f"{t:>6} {LABEL[side]:<46} {best:>10.1f} {med:>10.1f} {per_k:>12.2f} {ratio:>13} {diff:>11}")
 
 
 if __name__ == "__main__":

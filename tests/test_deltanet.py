@@ -10,8 +10,8 @@ import pytest
 import rlx_core
 from rlx_core import BF16, F32, Builder
 from rlx_core.ir.errors import DTypeError, RlxError, ShapeError
-from rlx_core.testing.ops_suite_deltanet import (GDN, conv_args, gdn_args, ref_causal_conv1d, ref_gated_delta_rule,
-                                                 run_gdn)
+from rlx_core.testing.ops_suite_deltanet import (GDN, conv_args, gdn_args, ref_causal_conv1d,
+                                                 ref_gated_delta_rule, run_gdn)
 from rlx_core.testing.parity import backend_params, compile_on, numpy_without, one_op, run_parity
 
 OPS = ("gated_delta_rule", "causal_conv1d")
@@ -59,8 +59,9 @@ def test_gated_delta_rule_matches_transformers(rng, t):
     for fn in (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule):
         ho, hs = fn(tt["q"], tt["k"], tt["v"], tt["g"], tt["beta"], initial_state=tt["state"],
                     output_final_state=True)
-        np.testing.assert_allclose(o, ho.double().numpy(), rtol=1e-4, atol=1e-4 * np.abs(o).max(), err_msg=fn.__name__)
-        np.testing.assert_allclose(s, hs.double().numpy(), rtol=1e-4, atol=1e-4 * np.abs(s).max(), err_msg=fn.__name__)
+        for got, want in ((o, ho), (s, hs)):
+            np.testing.assert_allclose(got, want.double().numpy(), rtol=1e-4, atol=1e-4 * np.abs(got).max(),
+                                       err_msg=fn.__name__)
 
 
 def test_causal_conv1d_matches_transformers(rng):
@@ -72,7 +73,8 @@ def test_causal_conv1d_matches_transformers(rng):
     zero = np.zeros((x.shape[0], x.shape[2], w.shape[1] - 1))
     y, state = _run_numpy("causal_conv1d", dict(x=x, w=w, state=zero, bias=bias), {"act": "silu"})
     tw, tb = torch.tensor(w, dtype=torch.float32), torch.tensor(bias, dtype=torch.float32)
-    want = hf.causal_conv1d_fn(torch.tensor(x, dtype=torch.float32).transpose(1, 2), tw, tb, activation="silu")
+    tx = torch.tensor(x, dtype=torch.float32).transpose(1, 2)
+    want = hf.causal_conv1d_fn(tx, tw, tb, activation="silu")
     np.testing.assert_allclose(y, want.transpose(1, 2).double().numpy(), rtol=1e-5, atol=1e-5)
     x1 = rng.standard_normal((x.shape[0], 1, x.shape[2]))
     y1, state1 = _run_numpy("causal_conv1d", dict(x=x1, w=w, state=state, bias=bias), {"act": "silu"})
@@ -117,8 +119,9 @@ def test_prefill_then_decode_carries_both_states(backend, rng):
     y, conv_end = ref_causal_conv1d(x, w, conv0, act="silu")
     want, rule_end = ref_gated_delta_rule(whole["q"], whole["k"], y.reshape(b, total, h, vd), whole["g"],
                                           whole["beta"], whole["state"], scale=0.4)
+    states = {"conv": conv0.astype(np.float32), "rule": whole["state"].astype(np.float32)}
     exe = rlx_core.compile(_decode_graph(dims), backend=backend, params={"w": w.astype(np.float32)},
-                           states={"conv": conv0.astype(np.float32), "rule": whole["state"].astype(np.float32)})
+                           states=states)
     got = []
     for lo, hi in ((0, 19), (19, 20), (20, 21), (21, 22)):
         feed = {n: whole[n][:, lo:hi].astype(np.float32) for n in ("q", "k", "g", "beta")}
@@ -139,7 +142,8 @@ def _gdn(q=(1, 3, 2, 4), k=None, v=(1, 3, 4, 5), g=(1, 3, 4), beta=None, state=(
 
 
 @pytest.mark.parametrize("kw,err,match", [
-    (dict(v=(1, 3, 3, 5), g=(1, 3, 3), state=(1, 3, 4, 5)), ShapeError, "3 value heads is not a multiple of 2 key heads"),
+    (dict(v=(1, 3, 3, 5), g=(1, 3, 3), state=(1, 3, 4, 5)), ShapeError,
+     "3 value heads is not a multiple of 2 key heads"),
     (dict(state=(1, 4, 5, 5)), ShapeError, "gated_delta_rule state"),
     (dict(k=(1, 4, 2, 4)), ShapeError, "gated_delta_rule k"),
     (dict(dtypes={"state": BF16}), DTypeError, "gated_delta_rule state is bf16, expected f32"),

@@ -68,7 +68,8 @@ def gdn_args(rng, t: int, dt, decay: str = "typical", hk: int = GDN["hk"], h: in
     g (<= 0) in the range DECAYS names, a nonzero start state."""
     b, kd, vd = GDN["b"], GDN["kd"], GDN["vd"]
     lo, hi = DECAYS[decay]
-    return [Arg("q", _unit_rows(rng, (b, t, hk, kd), dt), dt), Arg("k", _unit_rows(rng, (b, t, hk, kd), dt), dt),
+    return [Arg("q", _unit_rows(rng, (b, t, hk, kd), dt), dt),
+            Arg("k", _unit_rows(rng, (b, t, hk, kd), dt), dt),
             Arg("v", rand(rng, (b, t, h, vd), dt), dt), Arg("g", rand(rng, (b, t, h), dt, lo, hi), dt),
             Arg("beta", rand(rng, (b, t, h), dt, 0.0, 1.0), dt),
             Arg("state", rand(rng, (b, h, kd, vd), dt, -1.0, 1.0), dt, state_kind)]
@@ -118,7 +119,8 @@ def test_gated_delta_rule_chunk_independent(backend, rng):
 # ----------------------------------------------------------------------------- causal_conv1d
 def conv_args(rng, t: int, dt, width: int = 4, channels: int = 12, bias: bool = True) -> list:
     b = 2
-    args = [Arg("x", rand(rng, (b, t, channels), dt), dt), Arg("w", rand(rng, (channels, width), dt, -1, 1), dt),
+    args = [Arg("x", rand(rng, (b, t, channels), dt), dt),
+            Arg("w", rand(rng, (channels, width), dt, -1, 1), dt),
             Arg("state", rand(rng, (b, channels, width - 1), dt), dt)]
     return args + ([Arg("bias", rand(rng, (channels,), dt, -1, 1), dt)] if bias else [])
 
@@ -142,5 +144,5 @@ def test_causal_conv1d_widths(backend, rng, width, t):
                ref_causal_conv1d)
 
 
-__all__ = [n for n in dir() if n.startswith("test_")] + ["DECAYS", "GDN", "conv_args", "gdn_args",
-                                                          "ref_causal_conv1d", "ref_gated_delta_rule", "run_gdn"]
+__all__ = [n for n in dir() if n.startswith("test_")] + [
+    "DECAYS", "GDN", "conv_args", "gdn_args", "ref_causal_conv1d", "ref_gated_delta_rule", "run_gdn"]

@@ -3,13 +3,13 @@ causal_conv1d (runner.PREPARE binds them to their nodes).
 
 gated_delta_rule runs one task per (batch row, value head) on numba's threads; a task copies
 its head's start state [K, V] into the new state's block once and updates it there from the
-first step to the last. Up to RECURRENT_MAX steps (decode, a few draft tokens) it takes the recurrent form, two
-passes over the state a step; longer inputs take the chunked (WY / UT) form of the NumPy
-kernel (rlx_core.ir.deltanet: the formulas are written there), one chunk after another: five
-dense products a chunk (f32: one cblas_sgemm call each, made by numba's threads as in
-cblas.py; else loops), the decays, the forward substitution and the sums between them in
-loops. f16 and bf16 compute in f32 (inputs widened, outputs rounded once), f32 in f32, f64
-in f64.
+first step to the last. Up to RECURRENT_MAX steps (decode, a few draft tokens) it takes the
+recurrent form, two passes over the state a step; longer inputs take the chunked (WY / UT)
+form of the NumPy kernel (rlx_core.ir.deltanet: the formulas are written there), one chunk
+after another: five dense products a chunk (f32: one cblas_sgemm call each, made by numba's
+threads as in cblas.py; else loops), the decays, the forward substitution and the sums
+between them in loops. f16 and bf16 compute in f32 (inputs widened, outputs rounded once),
+f32 in f32, f64 in f64.
 """
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ TOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-10}
 
 def close(got, want, tol: float):
     want = np.asarray(want, np.float64)
-    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol * float(np.abs(want).max()))
+    atol = tol * float(np.abs(want).max())
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=atol)
 
 
 def _gdn_inputs(rng, t: int, dt, hk=2, decay="typical") -> dict:
