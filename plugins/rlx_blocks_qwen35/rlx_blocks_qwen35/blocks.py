@@ -18,12 +18,17 @@ and `state.<i>.recurrent` [batch, value heads, K, V] (rlx_core.flow.hybrid).
 from __future__ import annotations
 
 import attrs
+import numpy as np
 
 from rlx_core.flow import AttnSpec
-from rlx_core.flow.blocks import GatedMlp, ResidualAdd, ResidualSave, RmsNorm, SelfAttention, SwigluMlp
-from rlx_core.flow.moe import MoeFfn, SharedExpert
+from rlx_core.flow.blocks import (GatedMlp, ResidualAdd, ResidualSave, RmsNorm, SelfAttention, SwigluMlp,
+                                  rope_for)
 from rlx_core.flow.hybrid import (RecurrentState, delta_rule, gated_rms_norm, l2norm, output_gate, short_conv,
                                   softplus, state_mode, zero_pads)
+from rlx_core.flow.moe import MoeFfn, SharedExpert
+from rlx_core.flow.rope import inv_freq
+from rlx_core.ir.dtype import F32
+from rlx_core.ir.errors import ModelError
 from rlx_core.ir.ops import MaskKind
 
 from .config import Qwen35Arch
@@ -37,6 +42,27 @@ ONE = 1.0            # Qwen3.5 / Qwen3-Next RMSNorms hold w of (1 + w) (Qwen3Nex
 class GatedAttention(SelfAttention):
     """Qwen3-Next / Qwen3.5 full attention (see the module docstring); `spec` carries
     QK-norm (offset 1), rotary_dim and the mode."""
+
+    def rope_tables(self, ctx) -> tuple:
+        """(cos, sin) [batch, seq, rot/2] computed in the graph from the positions (f32
+        position x f32 inv_freq, HF's arithmetic) rather than gathered from tables of every
+        position: Qwen3.5's 262k-position context would make those tens of MB per graph."""
+        s, m = self.spec, ctx.m
+        if ctx.state.get("rope_tables") is not None:          # (ModelFlow.rope_tables given)
+            return rope_for(ctx, s)
+        rot = s.rotary_dim or s.head_dim
+        key = ("qwen35_rope", s.rope_theta, repr(s.rope_scaling), rot)
+        if key not in ctx.state:
+            pos = ctx.inputs.get("positions")
+            if pos is None:
+                raise ModelError("Qwen3.5 attention needs a 'positions' input ([batch, seq] int)")
+            inv, att = inv_freq(rot, s.rope_theta, s.rope_scaling)
+            freqs = m.reshape(m.cast(pos, F32), pos.dims + (1,)) * m.constant(inv.astype(np.float32))
+            cos, sin = m.act(freqs, "cos"), m.act(freqs, "sin")
+            if att != 1.0:
+                cos, sin = cos * float(np.float32(att)), sin * float(np.float32(att))
+            ctx.state[key] = (cos, sin)
+        return ctx.state[key]
 
     def emit(self, ctx, x):
         s, m = self.spec, ctx.m
