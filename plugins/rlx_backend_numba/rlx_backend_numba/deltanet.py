@@ -13,6 +13,7 @@ f32 in f32, f64 in f64.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -222,11 +223,12 @@ def prepare_gated_delta_rule(a, outs, protos, op=None):
         return None                       # nothing to run: the NumPy kernel's empty writes
     kern = gdn_par if nb * nh * t * kd * vd >= PAR_MIN and nb * nh > 1 else gdn_ser
     scale, chunk, recurrent = dt.type(a["scale"]), int(a["chunk"]), t <= RECURRENT_MAX
-    gemm = SGEMM or (0, False)
+    gemm = SGEMM if SGEMM is not None and dt == np.float32 and not recurrent else (0, False)
+    one_blas_thread = single_threaded_blas if gemm[0] else contextlib.nullcontext
 
     def step(a_, out, q, k, v, g, beta, state):
         o, s1 = _target(out[0], dt), _target(out[1], dt)
-        with single_threaded_blas():                 # (numba's threads make the BLAS calls)
+        with one_blas_thread():                      # (numba's threads make the BLAS calls)
             kern(*(_operand(x, dt) for x in (q, k, v, g, beta, state)), o, s1, scale, chunk, recurrent, *gemm)
         for dst, src in zip(out, (o, s1)):
             if dst is not src:
