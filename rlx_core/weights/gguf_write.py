@@ -216,6 +216,7 @@ def write_gguf(ckpt: Checkpoint, dst: str, scheme: QuantScheme | str, echo=print
     """Write `ckpt` (an HF folder's checkpoint) to `dst` with matmul weights in `scheme`.
     Returns {"quantized": n, "kept": [names kept in f32]}."""
     q = QuantScheme.parse(scheme)
+    ckpt = _as_gguf_holds_it(ckpt)
     cfg = _rope_keys_of_gguf(ckpt.config)
     arch = _architecture_of(ckpt.path, cfg.get("model_type"))
     source = os.path.join(ckpt.path, "config.json")
@@ -232,6 +233,17 @@ def write_gguf(ckpt: Checkpoint, dst: str, scheme: QuantScheme | str, echo=print
         with contextlib.suppress(OSError):
             os.unlink(tmp)                          # gone already once renamed
     return done
+
+
+def _as_gguf_holds_it(ckpt: Checkpoint) -> Checkpoint:
+    """The checkpoint as its family's GGUF holds it: a recipe may define
+    `gguf_checkpoint(ckpt)` (experts stacked into 3-D tensors, a model type llama.cpp spells
+    otherwise); other families' checkpoints are written as they are."""
+    from rlx_core.plugins import registry
+
+    recipe = registry().recipes.get(ckpt.config.get("model_type"))
+    convert = getattr(recipe, "gguf_checkpoint", None)
+    return convert(ckpt) if callable(convert) else ckpt
 
 
 def _architecture_of(path: str, model_type) -> str:
