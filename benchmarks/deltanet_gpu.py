@@ -127,6 +127,8 @@ def main():
                 continue
             res[side] = run_child([sys.executable, __file__, "--side", side, "--n", str(n), "--reps", str(a.reps)],
                                   f"{side} T={n}", a.budget)
+            if res[side]:              # each result as it comes: a run stopped early keeps what it measured
+                log(f"  {side} T={n}: {res[side]['ms']:.3f} ms")
         rows.append((n, res))
     device = next((r["device"] for _, res in rows for r in res.values() if r), "?")
     log(f"\ndevice: {device}")

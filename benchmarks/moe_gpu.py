@@ -145,6 +145,8 @@ def main():
                 cmd = [sys.executable, __file__, "--side", side, "--scheme", scheme, "--n", str(n), "--reps", str(a.reps)]
                 r = run_child(cmd + (["--small"] if a.small else []), f"{side} {scheme} T={n}", a.budget)
                 res[(side, scheme)] = r
+                if r:                  # each result as it comes: a run stopped early keeps what it measured
+                    log(f"  {side} {scheme} T={n}: {r['ms']:.3f} ms")
         rows.append((n, res))
     device = next((r["device"] for _, res in rows for r in res.values() if r), "?")
     log(f"\ndevice: {device}; llama.cpp CUDA: peer not run (no llama.cpp build in this run)")
