@@ -37,7 +37,9 @@ from .codegen import ACT, PAR_MIN, SWIGLU_HEAD, load_source
 from .quant_kernels import F16, FORMATS
 
 ROWS = 16                   # output rows per GEMV task
-GROUP_GEMM = 4.0            # mean tokens per expert group from which the passes run as GEMMs
+GROUP_GEMM = 8.0            # mean tokens per expert group from which the passes run as GEMMs (OLMoE's
+                            # layer, q4_k, 2 AMD EPYC cores: GEMV 72 / 97 / 187 ms, GEMM 160 / 99 / 128
+                            # ms at a mean group of 2 / 8 / 16 tokens)
 TILE_FLOATS = 1 << 18       # floats of a weight tile (1 MB): OLMoE's 128-token prefill, 2 loaded AMD
                             # EPYC cores: 15 GFLOP/s at 1 << 16 (sgemm's N too narrow), 22 at 1 << 18
 DECODE_COST = 4             # a tile's decode, in tokens' products (the GEMM tasks' cost split)
