@@ -11,7 +11,7 @@ import pytest
 
 import rlx_core
 from rlx_core.ir.errors import ModelError, WeightError
-from rlx_core.testing.parity import assert_greedy_agrees
+from rlx_core.testing.parity import assert_greedy_agrees, backend_params
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -74,10 +74,7 @@ def tiny(request, tmp_path_factory):
 def backends_here() -> list:
     """numpy, numba and OpenCL (and cuda, on the device), each skipped with its reason where it
     is not available here."""
-    from rlx_core.pipeline import available_backends
-
-    return [pytest.param(b.name, id=b.name, marks=() if ok else pytest.mark.skip(reason=why))
-            for b, ok, why in available_backends() if b.name in ("numpy", "numba", "opencl", "cuda")]
+    return backend_params(("numpy", "numba", "opencl", "cuda"))
 
 
 def hf_logits(hf):

@@ -15,8 +15,9 @@ transformers = pytest.importorskip("transformers")
 
 from rlx_core.ir.errors import ModelError, WeightError  # noqa: E402
 from rlx_core.runtime.model import load  # noqa: E402
+from rlx_core.testing.parity import backend_params  # noqa: E402
 
-BACKENDS = ("numpy", "numba")
+BACKENDS = backend_params(("numpy", "numba", "opencl", "cuda"))   # skipped with the reason where absent
 PROMPT = 150                      # > 2 chunks of 64
 TOL = 1e-4
 
