@@ -158,13 +158,13 @@ def layer_graph(a, schemes):
 
     m = Builder("moe_layer", "mir")
     x = m.input("x", (1, a.hidden), F32)
-    router = m.input("router", (a.experts, a.hidden), F32)
+    router = m.param("router", (a.experts, a.hidden), F32)
     weights, ids = m.add("moe_route", (m.matmul(x, router, trans_b=True),), k=a.k)
     stacks = []
     for name, (rows, cols) in zip(("gate", "up", "down"), ((a.inter, a.hidden), (a.inter, a.hidden),
                                                             (a.hidden, a.inter))):
         r, nbytes = QuantScheme.parse(schemes[0]).packed_shape((rows, cols))
-        stacks.append(m.input(name, (a.experts, r, nbytes), U8))
+        stacks.append(m.param(name, (a.experts, r, nbytes), U8))
     m.output("y", m.add("moe_experts", (x, weights, ids, *stacks), schemes=schemes))
     return m.build()
 
@@ -184,12 +184,12 @@ def side_layer(a) -> dict:
     schemes = ("q4_k", "q4_k", "q4_k")
     q = QuantScheme.parse("q4_k")
     rng = np.random.default_rng(0)
-    inputs = {"x": rng.standard_normal((1, a.hidden)).astype(np.float32),
-              "router": (0.1 * rng.standard_normal((a.experts, a.hidden))).astype(np.float32)}
+    inputs = {"x": rng.standard_normal((1, a.hidden)).astype(np.float32)}
+    params = {"router": (0.1 * rng.standard_normal((a.experts, a.hidden))).astype(np.float32)}
     for name, shape in (("gate", (a.inter, a.hidden)), ("up", (a.inter, a.hidden)), ("down", (a.hidden, a.inter))):
         one = q.quantize((0.02 * rng.standard_normal(shape)).astype(np.float32))
-        inputs[name] = np.ascontiguousarray(np.broadcast_to(one, (a.experts,) + one.shape))  # the bytes, E times
-    exe = rlx_core.compile(layer_graph(a, schemes), backend="numba")
+        params[name] = np.ascontiguousarray(np.broadcast_to(one, (a.experts,) + one.shape))  # the bytes, E times
+    exe = rlx_core.compile(layer_graph(a, schemes), backend="numba", params=params)
     exe.run(inputs)
     times = []
     for _ in range(a.layer_steps):

@@ -8,7 +8,8 @@ expert's weight bytes once per group:
 and a last one sums each token's rows of ys with the route's weights into the output.
 Each pass runs one of two ways, chosen per call from the groups' mean size:
 - GEMV (decode: a token or a few per expert): threads over (group, tile of output rows),
-  each packed row dotted with the group's rows as it is read (quant_kernels' `dot`);
+  each packed row dotted with the group's rows as it is read (quant_kernels' `dot`); on
+  one thread where the pass is small (GEMV_PAR_MIN);
 - GEMM (prefill: many tokens per expert): threads over parts of the (group, row tile)
   tasks split by cost, each tile of weight rows decoded once into the part's scratch
   (`rows_ser`) and multiplied with the group's rows by one-thread cblas_sgemm on numba's
@@ -37,6 +38,9 @@ from .codegen import ACT, PAR_MIN, SWIGLU_HEAD, load_source
 from .quant_kernels import F16, FORMATS
 
 ROWS = 16                   # output rows per GEMV task
+GEMV_PAR_MIN = 1 << 18      # multiply-adds of a GEMV pass from which it runs on every thread (below:
+                            # ~100 us of work; a tiny layer's step on 2 busy cores: 3.2 ms parallel,
+                            # 0.06 ms on one thread, the workers waiting for a core at each launch)
 GROUP_GEMM = 8.0            # mean tokens per expert group from which the passes run as GEMMs (OLMoE's
                             # layer, q4_k, 2 AMD EPYC cores: GEMV 72 / 97 / 187 ms, GEMM 160 / 99 / 128
                             # ms at a mean group of 2 / 8 / 16 tokens)
@@ -175,6 +179,45 @@ def {w}_tile(w, r0, nr, buf, tab):
 """,
 }
 
+# The GEMV passes, generated twice: parallel (`gemv_up`, `gemv_down`) and on one thread
+# (`..._ser`: a small step, where waking the workers costs more than the work).
+_GEMVS = """@njit({parallel}**_OPT)
+def gemv_up{sfx}(x, xs, tok, experts, starts, gate, up, h, tab):
+    \"\"\"h[s] = inner(gate[e] @ x[tok[s]], up[e] @ x[tok[s]]) for every pair s of each group
+    (expert experts[g], pairs starts[g] ..), tasks of (group, R rows); xs: x's sums32.\"\"\"
+    ni = h.shape[1]
+    tiles = (ni + R - 1) // R
+    for task in {loop}(experts.shape[0] * tiles):
+        g, i = task // tiles, task % tiles
+        e = experts[g]
+        wg, wu = gate[e], up[e]
+        for n in range(R * i, min(R * (i + 1), ni)):
+            gate_ahead(wg, n + PF)
+            up_ahead(wu, n + PF)
+            for s in range(starts[g], starts[g + 1]):
+                t = tok[s]
+                h[s, n] = inner(gate_dot(wg[n], x[t], xs[t], tab), up_dot(wu[n], x[t], xs[t], tab))
+
+
+@njit({parallel}**_OPT)
+def gemv_down{sfx}(h, experts, starts, down, ys, tab):
+    \"\"\"ys[s] = down[e] @ h[s] for every pair s of each group, tasks of (group, R rows).\"\"\"
+    hs = np.empty((h.shape[0], h.shape[1] // 32), np.float32)
+    for s in range(h.shape[0]):
+        hs[s] = sums32(h[s])
+    nh = ys.shape[1]
+    tiles = (nh + R - 1) // R
+    for task in {loop}(experts.shape[0] * tiles):
+        g, i = task // tiles, task % tiles
+        wd = down[experts[g]]
+        for n in range(R * i, min(R * (i + 1), nh)):
+            down_ahead(wd, n + PF)
+            for s in range(starts[g], starts[g + 1]):
+                ys[s, n] = down_dot(wd[n], h[s], hs[s], tab)
+
+
+"""
+
 _KERNELS = """
 import numpy as np
 from numba import njit, prange
@@ -192,42 +235,7 @@ def inner(g, u):
     return ({act}) * u
 
 
-@njit(parallel=True, **_OPT)
-def gemv_up(x, xs, tok, experts, starts, gate, up, h, tab):
-    \"\"\"h[s] = inner(gate[e] @ x[tok[s]], up[e] @ x[tok[s]]) for every pair s of each group
-    (expert experts[g], pairs starts[g] ..), parallel over (group, R rows); xs: x's sums32.\"\"\"
-    ni = h.shape[1]
-    tiles = (ni + R - 1) // R
-    for task in prange(experts.shape[0] * tiles):
-        g, i = task // tiles, task % tiles
-        e = experts[g]
-        wg, wu = gate[e], up[e]
-        for n in range(R * i, min(R * (i + 1), ni)):
-            gate_ahead(wg, n + PF)
-            up_ahead(wu, n + PF)
-            for s in range(starts[g], starts[g + 1]):
-                t = tok[s]
-                h[s, n] = inner(gate_dot(wg[n], x[t], xs[t], tab), up_dot(wu[n], x[t], xs[t], tab))
-
-
-@njit(parallel=True, **_OPT)
-def gemv_down(h, experts, starts, down, ys, tab):
-    \"\"\"ys[s] = down[e] @ h[s] for every pair s of each group, parallel over (group, R rows).\"\"\"
-    hs = np.empty((h.shape[0], h.shape[1] // 32), np.float32)
-    for s in range(h.shape[0]):
-        hs[s] = sums32(h[s])
-    nh = ys.shape[1]
-    tiles = (nh + R - 1) // R
-    for task in prange(experts.shape[0] * tiles):
-        g, i = task // tiles, task % tiles
-        wd = down[experts[g]]
-        for n in range(R * i, min(R * (i + 1), nh)):
-            down_ahead(wd, n + PF)
-            for s in range(starts[g], starts[g + 1]):
-                ys[s, n] = down_dot(wd[n], h[s], hs[s], tab)
-
-
-@njit(parallel=True, **_OPT)
+{gemvs}@njit(parallel=True, **_OPT)
 def gemm_up(xg, experts, starts, gate, up, h, tab, tr, gbuf, ubuf, cbuf, bounds, gemm, ilp64):
     \"\"\"gemv_up for groups of many rows: part p runs tasks bounds[p] .., a task a group and a
     tile of tr rows of gate and up, packed ones decoded into gbuf[p] and ubuf[p], multiplied
@@ -280,8 +288,10 @@ def kernels(kinds: tuple, act: str):
         mod = quant_kernels.drivers(kind).__name__ if kind else ""
         imports.append(_IMPORTS[how].format(mod=mod, w=w))
         tiles.append(_TILE[how].format(w=w))
+    gemvs = "".join(_GEMVS.format(parallel=par, sfx=sfx, loop=loop)
+                    for par, sfx, loop in (("parallel=True, ", "", "prange"), ("", "_ser", "range")))
     src = _KERNELS.format(rows=ROWS, ahead=quant_kernels.AHEAD_ROWS, imports="".join(imports),
-                          tiles="".join(tiles), act=re.sub(r"\bx\b", "g", ACT[act][F32]))
+                          tiles="".join(tiles), act=re.sub(r"\bx\b", "g", ACT[act][F32]), gemvs=gemvs)
     return load_source(SWIGLU_HEAD + src)
 
 
@@ -313,8 +323,9 @@ def run_moe_experts(mod, kinds: tuple, x, weights, ids, gate, up, down, out) -> 
         xs = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
         for t in range(x.shape[0]):         # per token (a few: the GEMV runs up to GROUP_GEMM a group)
             xs[t] = quant_kernels.sums32(x[t])
-        mod.gemv_up(x, xs, tok, experts, starts, gate, up, h, F16)
-        mod.gemv_down(h, experts, starts, down, ys, F16)
+        par = pairs * inter * hidden >= GEMV_PAR_MIN
+        (mod.gemv_up if par else mod.gemv_up_ser)(x, xs, tok, experts, starts, gate, up, h, F16)
+        (mod.gemv_down if par else mod.gemv_down_ser)(h, experts, starts, down, ys, F16)
     else:
         _gemms(mod, kinds, x, tok, experts, starts, gate, up, down, h, ys)
     (combine_par if ys.size >= PAR_MIN else combine_ser)(ys, slot, wt, out)

@@ -83,9 +83,9 @@ def close(got, want):
 
 @pytest.fixture(params=["gemv", "gemm", "gemv-no-cblas"])
 def form(request, monkeypatch):
-    """Which form both passes take: the GEMV (a few tokens an expert), the GEMM (decoded
-    tiles times each group, whatever the group's size; several tiles a matrix), or the GEMV
-    without a cblas_sgemm."""
+    """Which form both passes take: the GEMV (a few tokens an expert; on one thread for the
+    one-token cases, on all for T=37), the GEMM (decoded tiles times each group, whatever the
+    group's size; several tiles a matrix), or the GEMV without a cblas_sgemm."""
     if request.param == "gemm":
         if M.SGEMM is None:
             pytest.skip("numpy's BLAS here gives no cblas_sgemm: the GEMM form never runs")
@@ -93,6 +93,7 @@ def form(request, monkeypatch):
         monkeypatch.setattr(M, "TILE_FLOATS", 48 * max(H, I))     # tiles of 48 rows: a ragged last one
     elif request.param == "gemv":
         monkeypatch.setattr(M, "GROUP_GEMM", float("inf"))
+        assert 2 * I * H < M.GEMV_PAR_MIN <= 37 * 2 * I * H        # both the one-thread and parallel GEMVs
     else:
         monkeypatch.setattr(M, "SGEMM", None)
     return request.param
