@@ -162,7 +162,7 @@ def test_bad_requests_get_openai_errors(client, server):
         ("/completions", {"model": "smollm2", "prompt": "hi " * 9000, "max_tokens": 1}, 400, "prompt",
          "8192"),
         ("/chat/completions", {"model": "smollm2", "messages": []}, 400, "messages", "messages"),
-        ("/chat/completions", {"model": "smollm2", "messages": chat("hi"), "n": 2}, 400, "n", "n=1"),
+        ("/chat/completions", {"model": "smollm2", "messages": chat("hi"), "n": 0}, 400, "n", "'n'"),
         ("/completions", {"model": "smollm2", "prompt": 3}, 400, "prompt", "prompt"),
         ("/completions", {"model": "smollm2", "prompt": "hi", "stop": ["a"] * 5}, 400, "stop", "stop"),
         ("/embeddings", {"model": "smollm2", "input": "hi"}, 400, "model", "encoder"),

@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from ..ir.errors import RlxError
 from ..runtime.encoder import embeds_images
+from ..runtime.sampling import SamplingParams
 from ..runtime.scheduler import Scheduler, trim_heap
 from . import protocol as P
 from .protocol import ApiError
@@ -185,32 +186,156 @@ def surely_too_long(model, text: str, param: str) -> None:
         n *= 2
 
 
-def _submit_all(served: Served, name: str, prompts: list, body: dict, loop, queue) -> list:
-    """Tokenize, check and submit every prompt (all checked before any is submitted)."""
-    model, sched = served.get(name, "causal"), served.schedulers[name]
-    param = "messages" if "messages" in body else "prompt"
-    jobs = []
-    for p in prompts:
-        chat = isinstance(p, list) and p and isinstance(p[0], dict)
+class Choices:
+    """One chat or completions request's choices in the scheduler (n for each prompt, choice
+    i*n+j being prompt i's j-th): their requests, text, logprobs and finish reasons as events
+    come; an echoed prompt starts its choices' text (and logprobs, the first None)."""
+
+    def __init__(self, served: Served, name: str, body: dict, chat: bool, opts: P.Options):
+        self.served, self.name, self.body, self.chat, self.opts = served, name, body, chat, opts
+        self.model = served.get(name, "causal")
+        self.reqs: list = []
+        self.texts: dict = {}
+        self.logprobs: dict = {}
+        self.reasons: dict = {}
+        self.prompts: dict = {}          # index -> (echoed text, its logprobs or None)
+        self.style = None
+        self._pieces: dict = {}
+
+    def piece(self, token: int) -> str:
+        """The text of one token (special tokens shown), for logprobs."""
+        if token not in self._pieces:
+            self._pieces[token] = self.model.tokenizer.decode([token], skip_special_tokens=False)
+        return self._pieces[token]
+
+    def _encode(self, p, param: str) -> list:
+        model, chat = self.model, isinstance(p, list) and p and isinstance(p[0], dict)
+        if chat or isinstance(p, str):
+            surely_too_long(model, "\n".join(m["content"] for m in p) if chat else p, param)
+        if chat and self.opts.tools is not None:
+            tok = model._tokenizer()
+            return tok.encode(tok.apply_chat_template(p, tools=self.opts.tools), add_special_tokens=False)
+        return model.encode_chat(p) if chat else (model.encode_prompt(p) if isinstance(p, str) else p)
+
+    def _constraint(self):
+        """The structured output's or the forced tool call's ConstraintFactory (compiled once)."""
+        opts, tok = self.opts, self.model.tokenizer
+        if opts.grammar is not None:
+            from ..runtime.grammar import constraint_factory
+
+            try:
+                return constraint_factory(tok, **opts.grammar[1])
+            except RlxError as e:
+                raise self.served.bad(e, opts.grammar[0]) from None
+        if opts.tools is not None and opts.tool_choice != "auto":
+            from ..runtime.tools import tool_constraint
+
+            try:
+                return tool_constraint(tok, opts.tools, opts.tool_choice, self.style)
+            except RlxError as e:
+                raise self.served.bad(e, "tool_choice") from None
+        return None
+
+    def submit(self, prompts: list, loop, queue) -> None:
+        """Tokenize and check every prompt, then submit n requests each (all checked before
+        any is submitted); off the event loop."""
+        model, opts, body = self.model, self.opts, self.body
+        param = "messages" if "messages" in body else "prompt"
+        if opts.tools is not None:
+            from ..runtime.tools import tool_prompt_style
+
+            self.style = tool_prompt_style(model._tokenizer())
+        jobs = []
+        for p in prompts:
+            try:
+                ids = self._encode(p, param)
+            except RlxError as e:
+                raise self.served.bad(e, param) from None
+            max_new = P.max_new_tokens(body, opts.n, len(ids), model.max_positions,
+                                       self.served.default_max_tokens if self.chat else 16)
+            jobs.append((p, ids, max_new))
+        constraint = self._constraint() if model.tokenizer is not None else None
+        if constraint is None and (opts.grammar is not None or opts.tools is not None):
+            raise P.bad(f"'{self.name}' has no tokenizer: its output cannot be constrained or parsed",
+                        opts.grammar[0] if opts.grammar else "tools")
         try:
-            if chat or isinstance(p, str):
-                surely_too_long(model, "\n".join(m["content"] for m in p) if chat else p, param)
-            ids = model.encode_chat(p) if chat else (model.encode_prompt(p) if isinstance(p, str) else p)
+            params = [[runtime_params(opts, max_new, constraint, j) for j in range(opts.n)]
+                      for _, _, max_new in jobs]
         except RlxError as e:
-            raise served.bad(e, param) from None
-        params = P.sampling(body, len(ids), model.max_positions, served.default_max_tokens
-                            if "messages" in body else 16)
-        jobs.append((ids, params))
-    reqs = []
-    for i, (ids, params) in enumerate(jobs):
-        cb = (lambda ev, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, ev)))
-        try:
-            reqs.append(sched.submit(ids, params, on_event=cb))
-        except RlxError as e:
-            for r in reqs:
-                r.cancel()
-            raise served.bad(e) from None
-    return reqs
+            raise self.served.bad(e) from None
+        for i, (p, ids, _) in enumerate(jobs):
+            for j in range(opts.n):
+                index = i * opts.n + j
+                if opts.echo:
+                    self.prompts[index] = p if isinstance(p, str) else model.tokenizer.decode(ids)
+                cb = (lambda ev, index=index: loop.call_soon_threadsafe(queue.put_nowait, (index, ev)))
+                try:
+                    self.reqs.append(self.served.schedulers[self.name].submit(ids, params[i][j], on_event=cb))
+                except RlxError as e:
+                    self.cancel()
+                    raise self.served.bad(e) from None
+
+    def cancel(self) -> None:
+        for r in self.reqs:
+            r.cancel()
+
+    def take(self, index: int, ev) -> tuple:
+        """Record an event: (its text, its tokens' logprobs or None)."""
+        text, lps = ev.text, None
+        if self.opts.logprobs is not None:
+            lps = list(getattr(ev, "logprobs", None) or [])
+            if index in self.prompts and index not in self.logprobs:       # the echo comes first
+                lps = prompt_logprobs(self.reqs[index], ev) + lps
+        if index in self.prompts and index not in self.texts:
+            text = self.prompts[index] + text
+        self.texts[index] = self.texts.get(index, "") + text
+        if lps is not None:
+            self.logprobs.setdefault(index, []).extend(lps)
+        if ev.finish_reason is not None:
+            if ev.error is not None:
+                raise ApiError(500, self.served.public(f"generation failed: {ev.error}"))
+            self.reasons[index] = ev.finish_reason
+        return text, lps
+
+    def choice(self, index: int) -> P.Choice:
+        text, calls = self.texts.get(index, ""), None
+        if self.opts.tools is not None:
+            from ..runtime.tools import parse_tool_calls
+
+            content, calls = parse_tool_calls(text, self.style)
+            calls = calls[:1] if calls and not self.opts.parallel_tool_calls else calls
+            text = content or "" if calls else text
+        return P.Choice(index, text, P.finish_reason(self.reasons[index], bool(calls)),
+                        self.logprobs.get(index) if self.opts.logprobs is not None else None, calls)
+
+    def usage(self) -> dict:
+        return P.usage(sum(len(r.prompt_ids) for r in self.reqs[::self.opts.n]),
+                       sum(r.n_new for r in self.reqs))
+
+
+def prompt_logprobs(req, ev) -> list:
+    """The echoed prompt's logprobs (the runtime's TokenLogprob per token after the first),
+    the first token's entry with logprob None."""
+    got = getattr(ev, "prompt_logprobs", None) or getattr(req, "prompt_logprobs", None) or ()
+    return [lp if lp is not None else _NoLogprob(tok) for tok, lp in zip(req.prompt_ids, got)]
+
+
+class _NoLogprob:
+    """A prompt's first token: no logprob (nothing before it)."""
+    logprob = None
+    top = ()
+
+    def __init__(self, token: int):
+        self.token = token
+
+
+def runtime_params(opts: P.Options, max_new: int, constraint, choice: int):
+    """The runtime's parameters of one choice: its seed offset by the choice (n sampled
+    choices of one seeded request differ, and reproduce)."""
+    kw = dict(opts.sampling, max_new_tokens=max_new, constraint=constraint)
+    if kw.get("seed") is not None and choice:
+        kw["seed"] = (kw["seed"] + choice) % 2**63
+    return SamplingParams.checked(**kw)
 
 
 async def _watch(request: Request, queue: asyncio.Queue) -> None:
@@ -220,78 +345,91 @@ async def _watch(request: Request, queue: asyncio.Queue) -> None:
     queue.put_nowait(None)
 
 
-async def _collect(served: Served, request: Request, reqs: list, queue: asyncio.Queue) -> tuple:
-    """({index: text}, {index: finish reason}) of every request once all finished; when the
-    client leaves first, they are cancelled (they stop decoding) and ClientGone raised."""
+async def _collect(request: Request, gen: Choices, queue: asyncio.Queue) -> None:
+    """Wait until every choice finished; when the client leaves first, they are cancelled
+    (they stop decoding) and ClientGone raised."""
     watch = asyncio.ensure_future(_watch(request, queue))
-    texts: dict = {}
-    reasons: dict = {}
-    left = len(reqs)
+    left = len(gen.reqs)
     try:
         while left:
             item = await queue.get()
             if item is None:
                 raise ClientGone
-            i, ev = item
-            texts[i] = texts.get(i, "") + ev.text
-            if ev.finish_reason is not None:
-                if ev.error is not None:
-                    raise ApiError(500, served.public(f"generation failed: {ev.error}"))
-                reasons[i] = P.finish_reason(ev.finish_reason)
-                left -= 1
+            gen.take(*item)
+            left -= item[1].finish_reason is not None
     finally:
         watch.cancel()
-        for r in reqs:
-            r.cancel()
-    return texts, reasons
+        gen.cancel()
 
 
 async def _generate(request: Request, chat: bool):
     served: Served = request.app.state.served
     body = await _body(request, "chat" if chat else "completions")
     name = body.get("model")
-    served.get(name, "causal")
+    model = served.get(name, "causal")
     prompts = [P.chat_messages(body)] if chat else P.completion_prompts(body)
-    stream, include_usage = P.stream_flags(body)
+    opts = P.options(body, chat, model.vocab_size)
+    gen = Choices(served, name, body, chat, opts)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    reqs = await run_in_threadpool(_submit_all, served, name, prompts, body, loop, queue)   # tokenizing
+    await run_in_threadpool(gen.submit, prompts, loop, queue)         # tokenizing, compiling grammars
     rid = P.new_id("chatcmpl" if chat else "cmpl")
-    if stream:
-        return StreamingResponse(_stream(served, rid, name, reqs, queue, chat, include_usage),
-                                 media_type="text/event-stream",
+    if opts.stream:
+        return StreamingResponse(_stream(gen, rid, queue), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    texts, reasons = await _collect(served, request, reqs, queue)
-    use = P.usage(sum(len(r.prompt_ids) for r in reqs), sum(r.n_new for r in reqs))
-    choices = [(i, texts.get(i, ""), reasons[i]) for i in range(len(reqs))]
-    return JSONResponse(P.completion_body(rid, name, choices, use, chat))
+    await _collect(request, gen, queue)
+    choices = [gen.choice(i) for i in range(len(gen.reqs))]
+    return JSONResponse(await run_in_threadpool(P.completion_body, rid, name, choices, gen.usage(), chat,
+                                                gen.piece))
 
 
-async def _stream(served, rid, name, reqs, queue, chat, include_usage):
-    created = int(time.time())
+def _chunk_logprobs(gen: Choices, index: int, lps: list | None, offsets: dict):
+    """A streamed chunk's logprobs in the endpoint's shape (completions: text offsets go on)."""
+    if lps is None:
+        return None
+    if gen.chat:
+        return P.chat_logprobs(lps, gen.piece)
+    out = P.completion_logprobs(lps, gen.piece, offsets.get(index, 0))
+    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in out["tokens"])
+    return out
+
+
+async def _stream(gen: Choices, rid: str, queue: asyncio.Queue):
+    created, chat, name = int(time.time()), gen.chat, gen.name
+    offsets: dict = {}
+    parsers = {}
+    if gen.opts.tools is not None:
+        from ..runtime.tools import ToolCallStream
+
+        parsers = {i: ToolCallStream(gen.style) for i in range(len(gen.reqs))}
     try:
         if chat:
-            for i in range(len(reqs)):
+            for i in range(len(gen.reqs)):
                 yield sse(P.chunk_body(rid, name, i, None, None, True, role=True, created=created))
-        left = len(reqs)
+        left = len(gen.reqs)
         while left:
-            i, ev = await queue.get()
-            if ev.finish_reason is not None and ev.error is not None:
-                yield sse(ApiError(500, served.public(f"generation failed: {ev.error}")).body())
+            index, ev = await queue.get()
+            try:
+                text, lps = gen.take(index, ev)
+            except ApiError as e:
+                yield sse(e.body())
                 return
-            if ev.text:
-                yield sse(P.chunk_body(rid, name, i, ev.text, None, chat, created=created))
+            calls = None
+            if index in parsers:
+                text, calls = parsers[index].feed(text)
+            if text or lps or calls:
+                yield sse(P.chunk_body(rid, name, index, text, None, chat, created=created,
+                                       logprobs=_chunk_logprobs(gen, index, lps, offsets), tool_calls=calls))
             if ev.finish_reason is not None:
                 left -= 1
-                yield sse(P.chunk_body(rid, name, i, None, P.finish_reason(ev.finish_reason), chat,
+                called = bool(parsers) and parsers[index].called
+                yield sse(P.chunk_body(rid, name, index, None, P.finish_reason(ev.finish_reason, called), chat,
                                        created=created))
-        if include_usage:
-            use = P.usage(sum(len(r.prompt_ids) for r in reqs), sum(r.n_new for r in reqs))
-            yield sse(P.chunk_body(rid, name, 0, None, None, chat, use=use, created=created))
+        if gen.opts.include_usage:
+            yield sse(P.chunk_body(rid, name, 0, None, None, chat, use=gen.usage(), created=created))
         yield sse("[DONE]")
     finally:                        # a client gone mid-stream: its requests stop generating
-        for r in reqs:
-            r.cancel()
+        gen.cancel()
 
 
 @_releasing

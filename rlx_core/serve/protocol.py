@@ -8,11 +8,11 @@ import json
 import math
 import time
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir.errors import RlxError
-from ..runtime.scheduler import SamplingParams
+from ..runtime.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS as MAX_STOP
 from ..weights.safetensors_io import json_depth
 
 
@@ -38,18 +38,20 @@ KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a s
               dict: "an object"}
 
 
-def field(body: dict, name: str, kinds: tuple, default=None, lo=None, hi=None):
-    """body[name] checked: one of `kinds` (bool is not a number), in [lo, hi]."""
+def field(body: dict, name: str, kinds: tuple, default=None, lo=None, hi=None, open_lo: bool = False):
+    """body[name] checked: one of `kinds` (bool is not a number), in [lo, hi] ((lo, hi]
+    when open_lo)."""
     v = body.get(name, default)
     if v is None:
         return default
     ok = isinstance(v, kinds) and not (isinstance(v, bool) and bool not in kinds)
     if ok and isinstance(v, (int, float)) and not isinstance(v, bool):
-        ok = math.isfinite(v) and (lo is None or v >= lo) and (hi is None or v <= hi)
+        ok = math.isfinite(v) and (lo is None or v > lo or (v == lo and not open_lo)) and (
+            hi is None or v <= hi)
     if not ok:
         want = "a number" if float in kinds else " or ".join(KIND_NAMES[k] for k in kinds)
-        rng = f" in [{lo}, {hi}]" if lo is not None and hi is not None else (
-            f" >= {lo}" if lo is not None else "")
+        rng = f" in {'(' if open_lo else '['}{lo}, {hi}]" if lo is not None and hi is not None else (
+            f" {'>' if open_lo else '>='} {lo}" if lo is not None else "")
         raise bad(f"'{name}' must be {want}{rng}, got {v!r}"[:300], name)
     return v
 
@@ -97,71 +99,241 @@ def check_text(value, where: str = "the body", param: str | None = None) -> None
             check_text(v, k if param is None else f"{where}.{k}", param or k)
 
 
-UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False),
-    "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}), "response_format": (None, {"type": "text"})}
-NOT_YET = ("min_p", "typical_p", "repetition_penalty", "grammar", "guided_json")   # a later issue's
-_GENERATE = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream",
-             "stream_options", "user", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty"}
-KEYS = {"chat": _GENERATE | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                             "response_format"},
-        "completions": _GENERATE | {"prompt", "echo", "best_of", "suffix"},
+MAX_N = 128                  # choices a request may ask for (OpenAI's limit)
+_SAMPLING = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "typical_p",
+             "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop",
+             "min_tokens", "ignore_eos", "stream", "stream_options", "user", "logprobs", "response_format",
+             "guided_json", "guided_regex", "guided_grammar", "guided_choice", "structured_outputs", "grammar"}
+KEYS = {"chat": _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                             "parallel_tool_calls"},
+        "completions": _SAMPLING | {"prompt", "echo", "best_of", "suffix"},
         "embeddings": {"model", "input", "messages", "encoding_format", "dimensions", "user"}}
 
 
 def check_keys(body: dict, endpoint: str) -> None:
-    """A 400 naming the first key that `endpoint` (a KEYS name) does not take: a sampler
-    knob this server does not have yet, or a key it does not know (never silently ignored)."""
+    """A 400 naming the first key that `endpoint` (a KEYS name) does not take (never
+    silently ignored)."""
     for k in body:
-        if k in NOT_YET:
-            raise bad(f"'{k}' is not supported by this server yet", k)
         if k not in KEYS[endpoint]:
             raise bad(f"unknown field {k[:100]!r}; this endpoint takes {sorted(KEYS[endpoint])}", k[:100])
 
 
-def sampling(body: dict, prompt_tokens: int, context: int, default_max: int | None) -> SamplingParams:
-    """SamplingParams from a completions or chat body; a 400 naming the field when bad, and
-    when the prompt and max_tokens do not fit the model's context."""
-    for name, allowed in UNSUPPORTED.items():
+@dataclass
+class Options:
+    """What a chat or completions body asks, checked: `sampling` holds the runtime's
+    keywords (rlx_core.runtime.sampling's names) except max_new_tokens, which depends on the
+    prompt (see max_new_tokens); `grammar` is (field, constraint_factory keywords) of a
+    structured output; `tools` the functions offered (tool_choice "none": not offered)."""
+    sampling: dict
+    n: int = 1
+    logprobs: int | None = None          # top logprobs a token (0: the chosen one's only); None: none
+    echo: bool = False
+    grammar: tuple | None = None
+    tools: list | None = None
+    tool_choice: object = "auto"
+    parallel_tool_calls: bool = True
+    stream: bool = False
+    include_usage: bool = False
+
+
+def options(body: dict, chat: bool, vocab: int) -> Options:
+    """The Options of a chat (`chat`) or completions body; a 400 naming the field and its
+    range when a value is bad."""
+    for name, allowed in (("best_of", (None, field(body, "n", (int,), 1))), ("suffix", (None, ""))):
         if name in body and body[name] not in allowed:
-            raise bad(f"'{name}' is not supported by this server", name)
-    if field(body, "n", (int,), 1, lo=1) != 1:
-        raise bad("only n=1 is supported", "n")
+            raise bad(f"'{name}' is not supported by this server (only {allowed[1]!r})", name)
+    n = field(body, "n", (int,), 1, lo=1, hi=MAX_N)
+    temperature = field(body, "temperature", (int, float), 1.0, lo=0, hi=2)
+    top_k = field(body, "top_k", (int,), None, lo=-1)                   # -1 or 0: no top-k (vLLM)
+    s = {"do_sample": temperature > 0, "temperature": float(temperature) if temperature > 0 else 1.0,
+         "top_k": top_k if top_k and top_k > 0 else None,
+         "top_p": field(body, "top_p", (int, float), 1.0, lo=0, hi=1, open_lo=True),
+         "min_p": field(body, "min_p", (int, float), 0.0, lo=0, hi=1),
+         "typical_p": field(body, "typical_p", (int, float), 1.0, lo=0, hi=1, open_lo=True),
+         "repetition_penalty": field(body, "repetition_penalty", (int, float), 1.0, lo=0, open_lo=True),
+         "presence_penalty": field(body, "presence_penalty", (int, float), 0.0, lo=-2, hi=2),
+         "frequency_penalty": field(body, "frequency_penalty", (int, float), 0.0, lo=-2, hi=2),
+         "logit_bias": logit_bias(body, vocab),
+         "seed": field(body, "seed", (int,), None, lo=0, hi=2**63 - 1),   # as the runtime: >= 0
+         "stop": stop_strings(body),
+         "min_new_tokens": field(body, "min_tokens", (int,), 0, lo=0),
+         "ignore_eos": field(body, "ignore_eos", (bool,), False)}
+    top = logprobs_count(body, chat)
+    echo = False if chat else field(body, "echo", (bool,), False)
+    s["logprobs"] = top
+    s["prompt_logprobs"] = top if echo and top is not None else None
+    stream, include_usage = stream_flags(body)
+    tools, choice, parallel = tool_options(body) if chat else (None, "auto", True)
+    grammar = structured_output(body)
+    if grammar is not None and tools is not None and choice != "auto":
+        raise bad(f"'{grammar[0]}' and a tool_choice that forces a call cannot both constrain the output",
+                  grammar[0])
+    return Options(s, n, top, echo, grammar, tools, choice, parallel, stream, include_usage)
+
+
+def logit_bias(body: dict, vocab: int) -> dict:
+    """{token id: bias} of OpenAI's logit_bias (ids as JSON's string keys, biases in [-100, 100])."""
+    raw = field(body, "logit_bias", (dict,), {})
+    out = {}
+    for k, v in raw.items():
+        if not (k.isascii() and k.strip().isdigit() and int(k) < vocab):
+            raise bad(f"'logit_bias' keys must be token ids in [0, {vocab - 1}], got {k[:40]!r}", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise bad(f"'logit_bias' values must be numbers in [-100, 100], got {v!r} for token {k}"[:300],
+                      "logit_bias")
+        out[int(k)] = float(v)
+    return out
+
+
+def stop_strings(body: dict) -> list:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise bad(f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them", "stop")
+    return stop
+
+
+def logprobs_count(body: dict, chat: bool) -> int | None:
+    """How many top logprobs each token reports (0: the chosen token's only); None: none.
+    Chat: logprobs (bool) and top_logprobs; completions: logprobs (the count)."""
+    if not chat:
+        return field(body, "logprobs", (int,), None, lo=0, hi=MAX_LOGPROBS)
+    on = field(body, "logprobs", (bool,), False)
+    top = field(body, "top_logprobs", (int,), None, lo=0, hi=MAX_LOGPROBS)
+    if top is not None and not on:
+        raise bad("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+    return (top or 0) if on else None
+
+
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice"}
+STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+              "json_object": "json_object"}
+
+
+def structured_output(body: dict) -> tuple | None:
+    """(field, constraint_factory keywords) of the one structured output a body asks for:
+    response_format (json_object, json_schema), vLLM's guided_* and structured_outputs, or
+    llama-server's GBNF `grammar`; None when it asks none. Two at once: a 400 naming the second."""
+    found = []
+    rf = field(body, "response_format", (dict,), None)
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                raise bad("'response_format.json_schema' must be an object with the JSON schema in 'schema'",
+                          "response_format")
+            field(js, "strict", (bool,), None)
+            found.append(("response_format", {"json_schema": js.get("schema", {})}))
+        elif kind != "text":
+            raise bad(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}"[:200],
+                      "response_format")
+    for name, kind in GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, {kind: guided_value(name, kind, body[name])}))
+    for name in ("guided_grammar", "grammar"):
+        if body.get(name) is not None:
+            found.append((name, grammar_kind(name, body[name])))
+    so = field(body, "structured_outputs", (dict,), None)
+    if so is not None:
+        given = [k for k, v in so.items() if v is not None]
+        if len(given) != 1 or given[0] not in STRUCTURED:
+            raise bad(f"'structured_outputs' must give exactly one of {sorted(STRUCTURED)}, got {sorted(so)}",
+                      "structured_outputs")
+        key, value = given[0], so[given[0]]
+        if key == "grammar":
+            found.append(("structured_outputs", grammar_kind("structured_outputs.grammar", value)))
+        elif key == "json_object":
+            found.append(("structured_outputs", {"json_object": True}))
+        else:
+            found.append(("structured_outputs", {STRUCTURED[key]: guided_value(f"structured_outputs.{key}",
+                                                                               STRUCTURED[key], value)}))
+    if len(found) > 1:
+        raise bad(f"'{found[1][0]}' and '{found[0][0]}' each constrain the output; give one", found[1][0])
+    return found[0] if found else None
+
+
+def guided_value(name: str, kind: str, value):
+    """A JSON schema (an object, or its JSON text), a regex (a string) or choices (strings)."""
+    param = name.split(".")[0]
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise bad(f"'{name}' is not valid JSON: {e}"[:300], param) from None
+        if not isinstance(value, dict):
+            raise bad(f"'{name}' must be a JSON schema (an object)", param)
+    elif kind == "regex" and not (isinstance(value, str) and value):
+        raise bad(f"'{name}' must be a non-empty regular expression", param)
+    elif kind == "choice" and not (isinstance(value, list) and value
+                                   and all(isinstance(c, str) and c for c in value)):
+        raise bad(f"'{name}' must be a non-empty array of non-empty strings", param)
+    return value
+
+
+def grammar_kind(name: str, text) -> dict:
+    """A grammar's constraint keywords: GBNF when it has '::=' rules (llama.cpp's), else Lark."""
+    if not isinstance(text, str) or not text.strip():
+        raise bad(f"'{name}' must be a non-empty grammar (GBNF or Lark)", name.split(".")[0])
+    return {"gbnf": text} if "::=" in text else {"lark": text}
+
+
+def tool_options(body: dict) -> tuple:
+    """(tools offered or None, tool_choice, parallel_tool_calls) of a chat body."""
+    tools = field(body, "tools", (list,), None)
+    choice = body.get("tool_choice")
+    parallel = field(body, "parallel_tool_calls", (bool,), True)
+    if not tools:
+        if choice not in (None, "none"):
+            raise bad("'tool_choice' needs 'tools'", "tool_choice")
+        return None, "none", parallel
+    names = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
+                      "{...}}}}", "tools")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise bad(f"tools[{i}].function.parameters must be a JSON schema (an object)", "tools")
+        names.append(fn["name"])
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        if not isinstance(fn, dict) or fn.get("name") not in names:
+            raise bad(f"'tool_choice' must name one of the tools {names}, got {choice!r}"[:300], "tool_choice")
+    elif choice not in ("none", "auto", "required"):
+        raise bad(f"'tool_choice' must be none, auto, required or {{'type': 'function', 'function': "
+                  f"{{'name': ...}}}}, got {choice!r}"[:300], "tool_choice")
+    return (None if choice == "none" else tools), choice, parallel
+
+
+def max_new_tokens(body: dict, n: int, prompt_tokens: int, context: int, default_max: int | None) -> int:
+    """max_tokens (or max_completion_tokens) checked against the context: the prompt and n
+    choices of max_tokens each must fit it; unset: what fits, at most default_max."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = field(body, name, (int,), None, lo=1)
     room = context - prompt_tokens
-    if prompt_tokens > context or room < 1:
+    if prompt_tokens > context or room < n:
         raise bad(f"This model's maximum context length is {context} tokens; the prompt has "
-                  f"{prompt_tokens} tokens, leaving no room for a completion", "messages"
-                  if "messages" in body else "prompt")
+                  f"{prompt_tokens} tokens, leaving no room for a completion"
+                  + (f" for each of n={n} choices" if n > 1 else ""),
+                  "messages" if "messages" in body else "prompt")
     if max_tokens is None:
-        max_tokens = room if default_max is None else min(default_max, room)
-    elif prompt_tokens + max_tokens > context:
+        max_tokens = room // n if default_max is None else min(default_max, room // n)
+    elif prompt_tokens + n * max_tokens > context:
         raise bad(f"This model's maximum context length is {context} tokens; you requested "
-                  f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} "
-                  f"for the completion)", name)
-    temperature = field(body, "temperature", (int, float), 1.0, lo=0, hi=2)
-    top_p = field(body, "top_p", (int, float), 1.0, lo=0, hi=1)
-    if top_p == 0:
-        raise bad("'top_p' must be > 0", "top_p")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise bad("'stop' must be a non-empty string or a list of at most 4 of them", "stop")
-    seed = field(body, "seed", (int,), None, lo=0, hi=2**63 - 1)        # as the runtime: >= 0
-    top_k = field(body, "top_k", (int,), None, lo=0)                    # 0 or none: no top-k
-    try:
-        return SamplingParams.checked(max_tokens=max_tokens, do_sample=temperature > 0,
-                                      temperature=temperature if temperature > 0 else 1.0,
-                                      top_k=top_k or None, top_p=top_p, seed=seed, stop=stop)
-    except RlxError as e:
-        raise bad(str(e)) from None
+                  f"{prompt_tokens + n * max_tokens} tokens ({prompt_tokens} in the prompt, n={n} x "
+                  f"{name}={max_tokens} for the completions)", name)
+    minimum = field(body, "min_tokens", (int,), 0, lo=0)
+    if minimum > max_tokens:
+        raise bad(f"'min_tokens' ({minimum}) is more than {name} ({max_tokens})", "min_tokens")
+    return max_tokens
 
 
 def stream_flags(body: dict) -> tuple:
@@ -175,30 +347,71 @@ def stream_flags(body: dict) -> tuple:
 
 
 def message_text(m, i: int) -> dict:
-    """One chat message as {"role", "content": str} (content parts of type text joined)."""
+    """One chat message as {"role", "content": str} (content parts of type text joined), with
+    an assistant's tool_calls (their arguments as objects, as chat templates take them) and a
+    tool message's tool_call_id."""
     if not isinstance(m, dict):
         raise bad(f"messages[{i}] must be an object", "messages")
     role = m.get("role")
-    if role not in ("system", "developer", "user", "assistant"):
-        raise bad(f"messages[{i}].role must be system, user or assistant, got {role!r}", "messages")
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise bad(f"messages[{i}].role must be system, developer, user, assistant or tool, got {role!r}"[:200],
+                  "messages")
     c = m.get("content")
     if isinstance(c, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                    for p in c):
             raise bad(f"messages[{i}].content: only text parts are supported", "messages")
         c = "".join(p["text"] for p in c)
+    calls = assistant_calls(m, i) if role == "assistant" else None
     if c is None and role == "assistant":
         c = ""
     if not isinstance(c, str):
         raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    return {"role": "system" if role == "developer" else role, "content": c}
+    out = {"role": "system" if role == "developer" else role, "content": c}
+    if calls:
+        out["tool_calls"] = calls
+    if role == "tool":
+        out["tool_call_id"] = m.get("tool_call_id")
+    return out
+
+
+def assistant_calls(m: dict, i: int) -> list:
+    """An assistant message's tool_calls, each {"id", "type", "function": {"name", "arguments":
+    object}} (OpenAI sends the arguments as JSON text)."""
+    calls = m.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise bad(f"messages[{i}].tool_calls must be an array", "messages")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        where = f"messages[{i}].tool_calls[{j}]"
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(c.get("id"), str)):
+            raise bad(f"{where} must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
+                      "'arguments': ...}}}}", "messages")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except ValueError:
+                raise bad(f"{where}.function.arguments is not valid JSON", "messages") from None
+        out.append({"id": c["id"], "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
 
 
 def chat_messages(body: dict) -> list:
+    """The messages of a chat body; a tool message must answer a call an assistant message
+    before it made (its tool_call_id), else a 400 naming it."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty array", "messages")
-    return [message_text(m, i) for i, m in enumerate(msgs)]
+    out = [message_text(m, i) for i, m in enumerate(msgs)]
+    called: set = set()
+    for i, m in enumerate(out):
+        called.update(c["id"] for c in m.get("tool_calls", ()))
+        if m["role"] == "tool" and m["tool_call_id"] not in called:
+            raise bad(f"messages[{i}].tool_call_id {m['tool_call_id']!r} answers no tool call of an earlier "
+                      "assistant message"[:300], "messages")
+    return out
 
 
 def _texts_or_ids(body: dict, key: str, what: str) -> list:
@@ -333,28 +546,83 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_body(rid: str, model: str, choices: list, use: dict, chat: bool) -> dict:
-    """choices: (index, text, finish_reason)."""
-    if chat:
-        out = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": f,
-                "logprobs": None} for i, t, f in choices]
-    else:
-        out = [{"index": i, "text": t, "finish_reason": f, "logprobs": None} for i, t, f in choices]
+@dataclass
+class Choice:
+    """One choice of a response: its text, finish reason, the tokens' logprobs (the runtime's
+    TokenLogprob per token, or None) and the tool calls parsed from it (chat)."""
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: list | None = None
+    tool_calls: list | None = None
+
+
+def tool_call_json(call: dict, index: int | None = None) -> dict:
+    """A parsed call ({"id", "name", "arguments"}) as OpenAI's tool_calls entry (arguments as JSON text)."""
+    args = call["arguments"]
+    out = {"id": call["id"], "type": "function", "function": {
+        "name": call["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
+    return out if index is None else {"index": index, **out}
+
+
+def chat_logprobs(tokens: list, piece) -> dict:
+    """OpenAI's chat logprobs {content: [{token, logprob, bytes, top_logprobs}]} of `tokens`
+    (TokenLogprob), `piece(id)` the text of a token."""
+    def entry(tok, lp):
+        text = piece(tok)
+        return {"token": text, "logprob": float(lp), "bytes": list(text.encode("utf-8"))}
+    return {"content": [dict(entry(t.token, t.logprob), top_logprobs=[entry(i, lp) for i, lp in t.top])
+                        for t in tokens]}
+
+
+def completion_logprobs(tokens: list, piece, offset: int = 0) -> dict:
+    """OpenAI's completions logprobs {tokens, token_logprobs, top_logprobs, text_offset} of
+    `tokens` (TokenLogprob, or None for the prompt's first token, which has no logprob);
+    text_offset counts characters from `offset`."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in tokens:
+        text = piece(t.token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if t.logprob is None else float(t.logprob))
+        out["top_logprobs"].append(None if t.logprob is None else {piece(i): float(lp) for i, lp in t.top})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def completion_body(rid: str, model: str, choices: list, use: dict, chat: bool, piece=None) -> dict:
+    """The response of `choices` (Choice); `piece(id)`: a token's text, for logprobs."""
+    out = []
+    for c in choices:
+        if chat:
+            msg = {"role": "assistant", "content": c.text}
+            if c.tool_calls:
+                msg["content"] = c.text or None
+                msg["tool_calls"] = [tool_call_json(t) for t in c.tool_calls]
+            lp = None if c.logprobs is None else chat_logprobs(c.logprobs, piece)
+            out.append({"index": c.index, "message": msg, "finish_reason": c.finish_reason, "logprobs": lp})
+        else:
+            lp = None if c.logprobs is None else completion_logprobs(c.logprobs, piece)
+            out.append({"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": lp})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": out, "usage": use,
             "system_fingerprint": None}
 
 
 def chunk_body(rid: str, model: str, index: int, text: str | None, finish: str | None, chat: bool,
-               role: bool = False, use: dict | None = None, created: int | None = None) -> dict:
-    """One streamed chunk (no choices, only usage, when `use` is given)."""
+               role: bool = False, use: dict | None = None, created: int | None = None,
+               logprobs: dict | None = None, tool_calls: list | None = None) -> dict:
+    """One streamed chunk (no choices, only usage, when `use` is given); `logprobs` already
+    in the endpoint's shape; `tool_calls`: OpenAI's tool_calls deltas."""
     if use is not None:
         choices = []
     elif chat:
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-        choices = [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        choices = [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
     else:
-        choices = [{"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}]
+        choices = [{"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}]
     out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
            "created": created or int(time.time()), "model": model, "choices": choices}
     if use is not None:
@@ -362,13 +630,14 @@ def chunk_body(rid: str, model: str, index: int, text: str | None, finish: str |
     return out
 
 
-def finish_reason(reason: str) -> str:
-    """OpenAI's finish reasons: stop or length (a cancelled request never answers)."""
-    return "length" if reason == "length" else "stop"
+def finish_reason(reason: str, tool_calls: bool = False) -> str:
+    """OpenAI's finish reasons: stop, length or tool_calls (a cancelled request never answers)."""
+    return "length" if reason == "length" else ("tool_calls" if tool_calls else "stop")
 
 
 __all__ = ["ApiError", "bad", "field", "parse_body", "check_text", "check_keys", "MAX_JSON_DEPTH",
-           "sampling", "stream_flags", "chat_messages", "completion_prompts",
+           "Options", "options", "max_new_tokens", "structured_output", "tool_options", "logit_bias",
+           "Choice", "chat_logprobs", "completion_logprobs", "tool_call_json", "stream_flags", "chat_messages", "completion_prompts",
            "embedding_inputs", "embedding_format", "vision_embedding_inputs", "image_bytes", "IMAGE_URL",
            "embedding_value", "new_id", "usage",
            "completion_body", "chunk_body", "finish_reason"]
