@@ -2,6 +2,7 @@
 text with prefill + KV-cache decode (one compiled decode graph per context length bucket)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -20,7 +21,8 @@ from ..plugins.providers import provider_hint
 from ..profile import CompileProfile, ProfileLike
 from .args import (bool_arg, callable_arg, float_arg, id_matrix, int_arg, mask_arg, text_arg, token_id,
                    token_rows)
-from .sampling import choose, process_logits
+from .sampling import Sampling, SamplingParams, check_constraint, prompt_token_logprobs, token_logprobs
+from .stop_text import StopText
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -132,34 +134,18 @@ def checked_greedy(out: dict, rows, banning, eos) -> np.ndarray | None:
 
 
 @attrs.frozen
-class Sampling:
-    """How `generate` chooses and stops (HF generate's meanings), made once from its checked
-    arguments. A new setting (issue 47: min_p, penalties, stop strings, ...) is a field here
-    and a step of `next_tokens`; where it makes the choice differ from the logits' arg-max, it
-    also turns `argmax` off (the graphs' greedy ids are then not the choice)."""
-    max_new_tokens: int = 32
-    min_new_tokens: int = 0          # EOS is banned until this many tokens are out
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = 50
-    top_p: float | None = 1.0
-    seed: int | None = None
-
-    @property
-    def argmax(self) -> bool:
-        """Whether each next token is its logits' arg-max (`checked_greedy` checks the EOS ban)."""
-        return not self.do_sample
-
-    def bans_eos(self, n_new: int) -> bool:
-        """Whether EOS may not be chosen after n_new new tokens."""
-        return n_new < self.min_new_tokens
-
-    def next_tokens(self, logits: np.ndarray, n_new: int, eos: tuple, rng: np.random.Generator) -> np.ndarray:
-        """The next token of each row from a step's logits [batch, vocab] (changed in place:
-        they are the caller's alone), n_new tokens already made."""
-        lg = process_logits(logits, n_new=n_new, min_new_tokens=self.min_new_tokens, eos_ids=eos,
-                            inplace=True)
-        return choose(lg, rng, self.do_sample, self.temperature, self.top_k, self.top_p)
+class Generation:
+    """What `generate(..., return_dict=True)` gives: `ids` (what generate returns otherwise:
+    for ids in), `texts` (each row's new text, for text in; None for ids in), per row the
+    `finish_reasons` ("stop": EOS, a stop string or a finished constraint; "length"), the
+    `logprobs` (a TokenLogprob per new token; None unless asked) and the `prompt_logprobs`
+    (None for the first prompt token, then a TokenLogprob each; None unless asked). Rows are
+    the prompts' in order, each repeated n times (its choices) when n > 1."""
+    ids: Any
+    texts: list | None
+    finish_reasons: list
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class CausalLM:
@@ -304,28 +290,27 @@ class CausalLM:
 
     def generate(self, prompt, max_new_tokens: int = 32, min_new_tokens: int = 0, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int | None = 50, top_p: float | None = 1.0,
-                 seed: int | None = None, stream=None, chat: bool = False, attention_mask=None):
-        """HF generate's meanings. Text in -> the new text out; ids in -> the prompt followed by
-        the new tokens (2-D: padded like HF, rows that ended filled with the pad id).
+                 seed: int | None = None, stream=None, chat: bool = False, attention_mask=None,
+                 return_dict: bool = False, **sampling: Any):
+        """HF generate's meanings. Text in -> the new text out (a list of n texts when n > 1);
+        ids in -> the prompt followed by the new tokens (2-D: padded like HF, rows that ended
+        filled with the pad id; n > 1: each prompt row repeated n times). return_dict=True: a
+        `Generation`. Further keywords are SamplingParams fields (min_p, typical_p,
+        repetition_penalty, presence_penalty, frequency_penalty, logit_bias, stop, n,
+        ignore_eos, logprobs, prompt_logprobs, constraint).
         `stream(token_ids_of_each_row)` is called after every step (holding the model's lock).
         Every argument is checked first: a bad one is a ModelError naming it."""
-        max_new_tokens = int_arg("max_new_tokens", max_new_tokens)
-        min_new_tokens = int_arg("min_new_tokens", min_new_tokens)
-        if min_new_tokens > max_new_tokens:
-            raise ModelError(f"min_new_tokens ({min_new_tokens}) is more than max_new_tokens "
-                             f"({max_new_tokens})")
-        do_sample, chat = bool_arg("do_sample", do_sample), bool_arg("chat", chat)
-        temperature = float_arg("temperature", 1.0 if temperature is None else temperature, 0.0)
-        if temperature == 0 and do_sample:
-            raise ModelError("temperature must be > 0 when sampling (do_sample=True), got 0")
-        top_k = int_arg("top_k", top_k, none=True)
-        top_p = float_arg("top_p", top_p, 0.0, 1.0, lo_open=True, none=True)
-        seed = int_arg("seed", seed, none=True)
+        params = SamplingParams.checked(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                                        do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                                        seed=seed, **sampling)
+        params.check_vocab(self.vocab_size)
+        chat, return_dict = bool_arg("chat", chat), bool_arg("return_dict", return_dict)
         stream = callable_arg("stream", stream)
-        sampling = Sampling(max_new_tokens, min_new_tokens, do_sample, temperature, top_k, top_p, seed)
         text_in = isinstance(prompt, str)
         if text_in and attention_mask is not None:
             raise ModelError("attention_mask goes with token ids; a text prompt has none")
+        if params.stop:
+            self._tokenizer()                 # (stop strings are matched in the text)
         with self._lock:
             if text_in:
                 rows, one_dim = token_rows("prompt (as tokenized)", self.encode_prompt(prompt, chat),
@@ -337,26 +322,56 @@ class CausalLM:
             else:
                 rows, one_dim = token_rows("prompt", prompt, self.vocab_size)
             self._check_length(max(map(len, rows)))
-            as_list = one_dim and not isinstance(prompt, np.ndarray)
-            return self._generate(rows, as_list, text_in, sampling, stream)
+            self._check_choices(max(map(len, rows)), params)
+            as_list = one_dim and not isinstance(prompt, np.ndarray) and params.n == 1
+            out = self._generate(rows, as_list, text_in, params, stream)
+            if return_dict:
+                return out
+            if text_in:
+                return out.texts[0] if params.n == 1 else out.texts
+            return out.ids
 
-    def _generate(self, rows: list, as_list: bool, text_in: bool, sampling: Sampling, stream):
+    def _check_choices(self, prompt_len: int, params: SamplingParams) -> None:
+        """n choices of max_new_tokens each must fit the context beside the prompt."""
+        if params.n > 1 and prompt_len + params.n * params.max_new_tokens > self.max_positions:
+            raise ModelError(f"n ({params.n}) x max_new_tokens ({params.max_new_tokens}) with the prompt's "
+                             f"{prompt_len} tokens is over the context of {self.max_positions} positions")
+
+    def _generate(self, rows: list, as_list: bool, text_in: bool, sampling: SamplingParams, stream) -> Generation:
         eos, pad = self._eos_and_pad()
         ids, mask = _pad_batch(rows, pad)
         room = self.max_positions - ids.shape[1]
         if sampling.max_new_tokens > room:
             warnings.warn(f"max_new_tokens={sampling.max_new_tokens} passes the context of "
                           f"{self.max_positions}; generating {room}", stacklevel=3)
-            sampling = attrs.evolve(sampling, max_new_tokens=room)
+            sampling = dataclasses.replace(sampling, max_new_tokens=room)
         run = _Decoding(self, ids, mask, sampling, eos, pad)
         new = run.tokens(stream)
         self.last_timings = run.timings
+        prompt_lp = self._prompt_logprobs(rows, sampling) if sampling.prompt_logprobs is not None else None
+        reasons = ["stop" if d else "length" for d in run.done]
+        logprobs = run.logprobs
+        texts = None
         if text_in:
-            toks = [int(x) for x in new[0] if not (run.done[0] and x in eos)]
-            return self._tokenizer().decode(toks)
-        if as_list:
-            return list(rows[0]) + [int(x) for x in new[0]]
-        return np.concatenate([ids, new], axis=1)
+            texts = [run.text(b, new[b]) for b in range(len(new))]
+            out = None
+        elif as_list:
+            out = list(rows[0]) + [int(x) for x in new[0]]
+        else:
+            out = np.concatenate([run.ids_all, new], axis=1)
+        return Generation(out, texts, reasons, logprobs, prompt_lp)
+
+    def _prompt_logprobs(self, rows: list, sampling: SamplingParams) -> list:
+        """Each prompt row's prompt logprobs (`prompt_token_logprobs`), repeated for its n choices."""
+        k = sampling.prompt_logprobs
+        exe = self.executable("logits")
+        out = []
+        for r in rows:
+            ids = np.asarray([r], np.int64)
+            lg = exe.run(self._inputs(ids, np.ones(ids.shape, bool)))["logits"][0]
+            self._check_finite(lg, ids, np.ones(ids.shape, bool))
+            out += [prompt_token_logprobs(lg, r, k)] * sampling.n
+        return out
 
     def _eos_and_pad(self) -> tuple:
         """(the EOS ids, the pad id: the config's, else the first EOS, else 0), each checked
@@ -372,12 +387,13 @@ class _Decoding:
     """One generate call's steps: the prefill, then a decode step per token, each giving the
     next token of every row (`_next_ids`), which `_accept` takes, streams and checks for EOS."""
 
-    def __init__(self, model: CausalLM, ids: np.ndarray, mask: np.ndarray, sampling: Sampling, eos: tuple,
-                 pad: int):
-        self.model, self.ids, self.mask, self.sampling = model, ids, mask, sampling
+    def __init__(self, model: CausalLM, ids: np.ndarray, mask: np.ndarray, sampling: SamplingParams,
+                 eos: tuple, pad: int):
+        self.model, self.sampling = model, sampling
         self.eos, self.pad = eos, pad
         self.eos_arr = np.array(eos or (), np.int64)
         b, self.prompt_len = ids.shape
+        n = sampling.n                            # each prompt row's choices: rows b*n .. b*n+n-1
         self.ctx = min(-(-(self.prompt_len + sampling.max_new_tokens) // CTX_BUCKET) * CTX_BUCKET,
                        model.max_positions)
         self.prefill = model.executable("prefill")
@@ -386,12 +402,23 @@ class _Decoding:
         self.greedy = self.overlap = False      # (the decode steps': set with `decode`)
         self.in_place = False                   # decode updates states in place (`_greedy_at`)
         self.rng = np.random.default_rng(sampling.seed)
-        self.inputs = model._inputs(ids, mask)
-        self.full_mask = np.zeros((b, self.ctx), bool)
-        self.full_mask[:, :self.prompt_len] = mask
-        self.last_pos = self.inputs["positions"][:, -1:]
+        self.inputs = model._inputs(ids, mask)   # the prefill's: each prompt row once
+        self.ids, self.mask = np.repeat(ids, n, 0), np.repeat(mask, n, 0)
+        self.ids_all = self.ids
+        rows = len(self.ids)
+        self.full_mask = np.zeros((rows, self.ctx), bool)
+        self.full_mask[:, :self.prompt_len] = self.mask
+        self.last_pos = np.repeat(self.inputs["positions"][:, -1:], n, 0)
         self.cols: list = []                     # the new tokens, one column per step
-        self.done = np.zeros(b, bool)
+        self.done = np.zeros(rows, bool)
+        self.prompts = [self.ids[r][self.mask[r]].tolist() for r in range(rows)]
+        self.out: list = [[] for _ in range(rows)]             # each row's new tokens (before it ended)
+        self.constraints = ([check_constraint(sampling.constraint()) for _ in range(rows)]
+                            if sampling.constraint is not None else None)
+        self.stops = ([StopText(model.tokenizer, sampling.stop) for _ in range(rows)]
+                      if sampling.stop else None)
+        self.forced = np.zeros(rows, bool)       # rows whose finished constraint forced EOS this step
+        self.logprobs = [[] for _ in range(rows)] if sampling.logprobs is not None else None
         # On a backend whose runs overlap the host (a GPU), the greedy step giving token t + 1
         # is queued before token t is read, fed token t's ids on the device: the device never
         # waits for the host. It is dropped where token t ends the rows or is not the greedy id.
@@ -403,9 +430,11 @@ class _Decoding:
         n = self.sampling.max_new_tokens
         t0 = t1 = self.t_decode = time.perf_counter()
         if n:
-            first = dict(self.inputs, cache_pos=np.zeros(len(self.ids), np.int32))
+            first = dict(self.inputs, cache_pos=np.zeros(len(self.inputs["ids"]), np.int32))
             greedy = greedy_outputs(self.prefill) and self.sampling.argmax
             logits, nxt = self._step(self.prefill, first, 0, greedy)
+            if self.sampling.n > 1:
+                logits, nxt = self._share_prefill(logits, nxt)
             t1 = self.t_decode = time.perf_counter()
         for t in range(n):
             if t:
@@ -422,6 +451,32 @@ class _Decoding:
         self.timings = {"prefill_s": t1 - t0, "decode_s_per_token": (t2 - self.t_decode) / steps,
                         "new_tokens": int(new.shape[1]), "prompt_tokens": int(self.prompt_len)}
         return new
+
+    def _share_prefill(self, logits, nxt) -> tuple:
+        """The prefill's (logits, ids) and KV rows (the model's states) of each prompt row
+        repeated for its n choices: the prompt is prefilled once."""
+        n = self.sampling.n
+        backend, states = self.model.backend, self.model.states
+        for node in self.prefill.mir.nodes:
+            if node.op != "state":
+                continue
+            old = states[node.name]
+            shape = tuple(old.shape)
+            new = backend.zeros((shape[0] * n,) + shape[1:], node.outs[0].dtype)
+            rest = (slice(None),) * (len(shape) - 1)
+            for b in range(shape[0]):
+                for j in range(n):
+                    new = backend.copy_into(new, (slice(b * n + j, b * n + j + 1),) + rest,
+                                            old, (slice(b, b + 1),) + rest)
+            states[node.name] = new
+        return (None if logits is None else np.repeat(logits, n, 0)), (None if nxt is None else np.repeat(nxt, n, 0))
+
+    def text(self, row: int, new: np.ndarray) -> str:
+        """Row `row`'s new text: up to its EOS, or before its stop string."""
+        if self.stops is not None and self.stops[row].stopped:
+            return self.stops[row].text
+        toks = [int(x) for x in new if not (self.done[row] and x in self.eos)]
+        return self.model._tokenizer().decode(toks)
 
     def _greedy_of(self, out: dict, t: int):
         """The greedy ids [b] in a step's fetched outputs, or None (fetch_greedy's checks)."""
@@ -492,20 +547,51 @@ class _Decoding:
         return self.greedy and not (self.in_place and self.sampling.bans_eos(t))
 
     def _chosen(self, logits: np.ndarray, t: int) -> np.ndarray:
-        """The next tokens chosen from this step's logits (`Sampling.next_tokens`), which must
-        be finite."""
+        """The next tokens chosen from this step's logits (which must be finite): processed
+        and chosen by the sampling parameters; a row whose constraint is finished gets EOS.
+        Records the logprobs asked for (of the raw logits)."""
         if not np.isfinite(logits).all():
             self.model._check_finite(logits, self.ids, self.mask)
-        return self.sampling.next_tokens(logits, t, self.eos, self.rng)
+        sp, live = self.sampling, ~self.done
+        cons = None
+        if self.constraints is not None:
+            self.forced = np.array([live[b] and c.finished() for b, c in enumerate(self.constraints)])
+            if self.forced.any() and not self.eos:
+                raise ModelError(f"{self.model.source}: a constraint finished but the model has no EOS token")
+            cons = [c if live[b] and not self.forced[b] else None for b, c in enumerate(self.constraints)]
+        seen = [p + o for p, o in zip(self.prompts, self.out)] if sp.repetition_penalty != 1.0 else ()
+        x = sp.process(logits, seen=seen, generated=self.out,
+                       n_new=t, eos=self.eos, constraints=cons)
+        x[~live | self.forced] = 0.0           # (rows that ended or are forced: any finite row)
+        nxt = sp.choose(x, [self.rng] * len(x))
+        nxt[self.forced] = self.eos[0] if self.eos else 0
+        if self.logprobs is not None:
+            for b, lp in zip(np.flatnonzero(live), token_logprobs(logits[live], nxt[live], sp.logprobs)):
+                self.logprobs[b].append(lp)
+        return nxt
 
     def _accept(self, nxt: np.ndarray, stream) -> bool:
         """Take a step's tokens (the pad id for rows that have ended), stream them, and say
-        whether every row has now ended (made an EOS)."""
+        whether every row has now ended (an EOS unless ignore_eos, a forced EOS, a stop
+        string)."""
+        live = ~self.done
         nxt = np.where(self.done, self.pad, nxt.astype(np.int64))
         self.cols.append(nxt)
         if stream is not None:
             stream(nxt.tolist())
-        self.done |= (nxt[:, None] == self.eos_arr).any(1)
+        is_eos = (nxt[:, None] == self.eos_arr).any(1)
+        ends = live & (self.forced | (is_eos & (not self.sampling.ignore_eos)))
+        for b in np.flatnonzero(live):
+            tok = int(nxt[b])
+            self.out[b].append(tok)
+            if ends[b]:
+                continue
+            if self.constraints is not None:
+                self.constraints[b].accept(tok)
+            if self.stops is not None and self.stops[b].push(tok)[1]:
+                ends[b] = True
+        self.forced[:] = False
+        self.done |= ends
         return bool(self.done.all())
 
 
@@ -538,4 +624,5 @@ class DecoderRecipe:
 
 
 __all__ = ["GREEDY_OUTPUTS", "greedy_outputs", "updates_in_place", "fetch_greedy", "CausalLM", "Sampling",
+           "SamplingParams", "Generation",
            "DecoderRecipe", "load", "find_recipe", "resolve_profile", "backend_lock"]
