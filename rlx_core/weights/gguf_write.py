@@ -261,7 +261,8 @@ def _architecture_of(path: str, model_type) -> str:
 def _add_packed(writer, name: str, x: np.ndarray, q: QuantScheme, hf: str) -> None:
     """A matrix [rows, cols] or a stack of them [E, rows, cols] (routed experts) quantized in
     llama.cpp's layout: the bytes [.., rows, bytes per row], ggml ne [cols, rows(, E)]."""
-    raw = q.quantize(x, name=hf).reshape(x.shape[:-1] + (-1,))
+    raw = (np.stack([q.quantize(m, name=hf) for m in x]) if x.ndim == 3     # (an expert's temporaries at a time)
+           else q.quantize(x, name=hf)).reshape(x.shape[:-1] + (-1,))
     if q.gguf_type is not None:
         writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType(q.gguf_type))
     else:

@@ -220,11 +220,12 @@ class MoeRecipe(DecoderRecipe):
     def build(self, ckpt, backend=None, profile=None, **kw):
         return super().build(self.stacked(ckpt), backend, profile, **kw)
 
-    def stacked(self, ckpt):
+    def stacked(self, ckpt, lazy: bool = False):
         """`ckpt` with its experts as the canonical stacks (weights.stack_experts)."""
         cfg = dict(ckpt.config)
         check_moe_config(cfg)
-        return attrs.evolve(ckpt, tensors=stack_experts(ckpt.tensors, cfg, ckpt.path, self.count_key(ckpt)))
+        return attrs.evolve(ckpt, tensors=stack_experts(ckpt.tensors, cfg, ckpt.path, self.count_key(ckpt),
+                                                        lazy))
 
     def count_key(self, ckpt) -> str:
         """Where `ckpt`'s expert count came from, as an error names it."""
@@ -240,7 +241,7 @@ class MoeRecipe(DecoderRecipe):
         """The checkpoint as `rlx quantize` writes it: experts stacked (llama.cpp's 3-D
         ffn_*_exps) and, where another architecture holds the family's GGUF files (Mixtral:
         llama.cpp's `llama`), the config under that architecture's model type."""
-        out = self.stacked(ckpt)
+        out = self.stacked(ckpt, lazy=True)
         if self.gguf_model_type:
             out = attrs.evolve(out, config={**out.config, "model_type": self.gguf_model_type})
         return out

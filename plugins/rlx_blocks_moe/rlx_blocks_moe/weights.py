@@ -36,6 +36,24 @@ _FUSED = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.
 _ROUTER = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.gate\.(weight|bias)$")
 
 
+class LazyStack:
+    """E same-shaped expert matrices that become one [E, rows, cols] array each time one is
+    asked for (np.asarray): `rlx quantize` walks a model's tensors one at a time, so a writer
+    holds one stack, not the whole model's experts (a model's build stacks them eagerly)."""
+
+    def __init__(self, parts: tuple):
+        self.parts = parts
+        self.shape = (len(parts),) + tuple(np.shape(parts[0]))
+        self.dtype = np.asarray(parts[0][:0]).dtype
+        self.ndim = len(self.shape)
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.empty(self.shape, dtype or self.dtype)
+        for e, part in enumerate(self.parts):
+            out[e] = part
+        return out
+
+
 def stack_name(layer: int, which: str) -> str:
     """The canonical name of layer `layer`'s `which` ("gate", "up", "down") expert stack."""
     return f"model.layers.{layer}.mlp.experts.{which}_proj.weight"
@@ -45,9 +63,10 @@ def router_name(layer: int) -> str:
     return f"model.layers.{layer}.mlp.gate.weight"
 
 
-def stack_experts(tensors: Mapping, cfg: dict, source: str, count: str = "num_experts") -> dict:
-    """`tensors` with every MoE layer's experts as the canonical stacks (module docstring);
-    the rest unchanged. A missing, extra or mis-shaped expert tensor is a WeightError naming
+def stack_experts(tensors: Mapping, cfg: dict, source: str, count: str = "num_experts",
+                  lazy: bool = False) -> dict:
+    """`tensors` with every MoE layer's experts as the canonical stacks (module docstring;
+    `lazy`: LazyStacks, for a writer); the rest unchanged. A missing, extra or mis-shaped expert tensor is a WeightError naming
     it and what was expected (`count`: where the expert count came from, for the message)."""
     sparse = sparse_layers(cfg)
     experts = num_experts(cfg) if sparse else 0
@@ -72,7 +91,7 @@ def stack_experts(tensors: Mapping, cfg: dict, source: str, count: str = "num_ex
         else:
             out[name] = t
     for (layer, which), found in sorted(per.items()):
-        out[stack_name(layer, which)] = _stack(found, experts, layer, which, source)
+        out[stack_name(layer, which)] = _stack(found, experts, layer, which, source, lazy)
     for layer in sorted(sparse):
         for which in EXPERT_STACKS:
             _check_stack(out.get(stack_name(layer, which)), layer, which, experts, source, count)
@@ -89,7 +108,7 @@ def _split_gate_up(name: str, t, layer: int, source: str) -> dict:
     return {stack_name(layer, "gate"): t[:, :half], stack_name(layer, "up"): t[:, half:]}
 
 
-def _stack(found: dict, experts: int, layer: int, which: str, source: str):
+def _stack(found: dict, experts: int, layer: int, which: str, source: str, lazy: bool):
     """Expert tensors 0..E-1 of one stack as one [E, rows, cols] array (all of one shape)."""
     missing = [e for e in range(experts) if e not in found]
     if missing:
@@ -104,7 +123,8 @@ def _stack(found: dict, experts: int, layer: int, which: str, source: str):
         if isinstance(t, PackedTensor) or len(np.shape(t)) != 2 or tuple(np.shape(t)) != shape:
             raise WeightError(f"{source}: tensor {name!r} has shape {list(np.shape(t))}; expected "
                               f"{list(shape)} like {first_name!r} (a dense [rows, cols] matrix)")
-    return np.stack([np.asarray(found[e][1]) for e in range(experts)])
+    stack = LazyStack(tuple(found[e][1] for e in range(experts)))
+    return stack if lazy else np.asarray(stack)
 
 
 def _check_stack(t, layer: int, which: str, experts: int, source: str, count: str) -> None:
