@@ -241,7 +241,7 @@ COMP = {"model": "tiny", "prompt": "w1", "max_tokens": 2}
     ("/chat/completions", {"tool_choice": "required"}, "tool_choice", "tools"),
     ("/chat/completions", {"tools": [{"type": "function"}]}, "tools", "tools[0]"),
     ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
-                           "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "'f'"),
+                           "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "'g'"),
     ("/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options", "stream"),
 ])
 def test_bad_fields_are_400s_naming_them(server, path, extra, param, words):

@@ -224,14 +224,14 @@ class Choices:
             from ..runtime.grammar import constraint_factory
 
             try:
-                return constraint_factory(tok, **opts.grammar[1])
+                return constraint_factory(tok, vocab_size=self.model.vocab_size, **opts.grammar[1])
             except RlxError as e:
                 raise self.served.bad(e, opts.grammar[0]) from None
         if opts.tools is not None and opts.tool_choice != "auto":
             from ..runtime.tools import tool_constraint
 
             try:
-                return tool_constraint(tok, opts.tools, opts.tool_choice, self.style)
+                return tool_constraint(tok, opts.tools, opts.tool_choice, self.style, self.model.vocab_size)
             except RlxError as e:
                 raise self.served.bad(e, "tool_choice") from None
         return None
@@ -417,12 +417,17 @@ async def _stream(gen: Choices, rid: str, queue: asyncio.Queue):
             calls = None
             if index in parsers:
                 text, calls = parsers[index].feed(text)
+                if ev.finish_reason is not None:
+                    more, last = parsers[index].finish()
+                    text, calls = text + more, calls + last
+                if not gen.opts.parallel_tool_calls:
+                    calls = [c for c in calls if c["index"] == 0]
             if text or lps or calls:
                 yield sse(P.chunk_body(rid, name, index, text, None, chat, created=created,
                                        logprobs=_chunk_logprobs(gen, index, lps, offsets), tool_calls=calls))
             if ev.finish_reason is not None:
                 left -= 1
-                called = bool(parsers) and parsers[index].called
+                called = index in parsers and bool(parsers[index].calls)
                 yield sse(P.chunk_body(rid, name, index, None, P.finish_reason(ev.finish_reason, called), chat,
                                        created=created))
         if gen.opts.include_usage:

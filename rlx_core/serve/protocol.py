@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..ir.errors import ModelError
 from ..runtime.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS as MAX_STOP
+from ..runtime.tools import check_tool_choice, check_tools, template_messages
 from ..weights.safetensors_io import json_depth
 
 
@@ -284,33 +286,21 @@ def grammar_kind(name: str, text) -> dict:
 
 
 def tool_options(body: dict) -> tuple:
-    """(tools offered or None, tool_choice, parallel_tool_calls) of a chat body."""
-    tools = field(body, "tools", (list,), None)
+    """(tools offered or None, tool_choice, parallel_tool_calls) of a chat body (checked by
+    runtime.tools); tool_choice "none": the tools are not offered."""
+    tools = body.get("tools")
     choice = body.get("tool_choice")
     parallel = field(body, "parallel_tool_calls", (bool,), True)
-    if not tools:
-        if choice not in (None, "none"):
-            raise bad("'tool_choice' needs 'tools'", "tool_choice")
-        return None, "none", parallel
-    names = []
-    for i, t in enumerate(tools):
-        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
-                      "{...}}}}", "tools")
-        if not isinstance(fn.get("parameters", {}), dict):
-            raise bad(f"tools[{i}].function.parameters must be a JSON schema (an object)", "tools")
-        names.append(fn["name"])
-    if choice is None:
-        choice = "auto"
-    if isinstance(choice, dict):
-        fn = choice.get("function") if choice.get("type") == "function" else None
-        if not isinstance(fn, dict) or fn.get("name") not in names:
-            raise bad(f"'tool_choice' must name one of the tools {names}, got {choice!r}"[:300], "tool_choice")
-    elif choice not in ("none", "auto", "required"):
-        raise bad(f"'tool_choice' must be none, auto, required or {{'type': 'function', 'function': "
-                  f"{{'name': ...}}}}, got {choice!r}"[:300], "tool_choice")
-    return (None if choice == "none" else tools), choice, parallel
+    try:
+        if tools is not None:
+            check_tools(tools)
+    except ModelError as e:
+        raise bad(str(e)[:300], "tools") from None
+    try:
+        named = check_tool_choice(choice, tools)
+    except ModelError as e:
+        raise bad(str(e)[:300], "tool_choice") from None
+    return (None if named == "none" else tools), (named if choice is None else choice), parallel
 
 
 def max_new_tokens(body: dict, n: int, prompt_tokens: int, context: int, default_max: int | None) -> int:
@@ -348,8 +338,7 @@ def stream_flags(body: dict) -> tuple:
 
 def message_text(m, i: int) -> dict:
     """One chat message as {"role", "content": str} (content parts of type text joined), with
-    an assistant's tool_calls (their arguments as objects, as chat templates take them) and a
-    tool message's tool_call_id."""
+    an assistant's tool_calls and a tool message's tool_call_id."""
     if not isinstance(m, dict):
         raise bad(f"messages[{i}] must be an object", "messages")
     role = m.get("role")
@@ -362,7 +351,7 @@ def message_text(m, i: int) -> dict:
                    for p in c):
             raise bad(f"messages[{i}].content: only text parts are supported", "messages")
         c = "".join(p["text"] for p in c)
-    calls = assistant_calls(m, i) if role == "assistant" else None
+    calls = m.get("tool_calls") if role == "assistant" else None
     if c is None and role == "assistant":
         c = ""
     if not isinstance(c, str):
@@ -375,43 +364,17 @@ def message_text(m, i: int) -> dict:
     return out
 
 
-def assistant_calls(m: dict, i: int) -> list:
-    """An assistant message's tool_calls, each {"id", "type", "function": {"name", "arguments":
-    object}} (OpenAI sends the arguments as JSON text)."""
-    calls = m.get("tool_calls") or []
-    if not isinstance(calls, list):
-        raise bad(f"messages[{i}].tool_calls must be an array", "messages")
-    out = []
-    for j, c in enumerate(calls):
-        fn = c.get("function") if isinstance(c, dict) else None
-        where = f"messages[{i}].tool_calls[{j}]"
-        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(c.get("id"), str)):
-            raise bad(f"{where} must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
-                      "'arguments': ...}}}}", "messages")
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args or "{}")
-            except ValueError:
-                raise bad(f"{where}.function.arguments is not valid JSON", "messages") from None
-        out.append({"id": c["id"], "type": "function", "function": {"name": fn["name"], "arguments": args}})
-    return out
-
-
 def chat_messages(body: dict) -> list:
-    """The messages of a chat body; a tool message must answer a call an assistant message
-    before it made (its tool_call_id), else a 400 naming it."""
+    """The messages of a chat body as chat templates take them (runtime.tools.template_messages:
+    an assistant's tool_calls with their arguments as objects); a tool message must answer a
+    call an assistant message before it made (its tool_call_id), else a 400 naming it."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty array", "messages")
-    out = [message_text(m, i) for i, m in enumerate(msgs)]
-    called: set = set()
-    for i, m in enumerate(out):
-        called.update(c["id"] for c in m.get("tool_calls", ()))
-        if m["role"] == "tool" and m["tool_call_id"] not in called:
-            raise bad(f"messages[{i}].tool_call_id {m['tool_call_id']!r} answers no tool call of an earlier "
-                      "assistant message"[:300], "messages")
-    return out
+    try:
+        return template_messages([message_text(m, i) for i, m in enumerate(msgs)])
+    except ModelError as e:
+        raise bad(str(e)[:300], "messages") from None
 
 
 def _texts_or_ids(body: dict, key: str, what: str) -> list:
