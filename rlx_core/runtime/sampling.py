@@ -110,20 +110,22 @@ class SamplingParams:
     def checked(cls, **kw: Any) -> SamplingParams:
         """The parameters from keywords (the fields; max_tokens and min_tokens as aliases),
         each checked: a bad one is a ModelError naming it and its range."""
+        said = {name: name for name in ALIASES.values()}     # the name the caller used, for errors
         for alias, name in ALIASES.items():
             if alias in kw:
                 if name in kw:
                     raise ModelError(f"pass {name} or {alias}, not both")
-                kw[name] = kw.pop(alias)
+                kw[name], said[name] = kw.pop(alias), alias
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kw) - known)
         if unknown:
             raise ModelError(f"unknown sampling argument(s) {unknown}; expected some of {sorted(known | set(ALIASES))}")
         d = {f.name: f.default for f in fields(cls)} | kw
-        max_new = int_arg("max_new_tokens", d["max_new_tokens"])
-        min_new = int_arg("min_new_tokens", d["min_new_tokens"])
+        max_name, min_name = said["max_new_tokens"], said["min_new_tokens"]
+        max_new = int_arg(max_name, d["max_new_tokens"])
+        min_new = int_arg(min_name, d["min_new_tokens"])
         if min_new > max_new:
-            raise ModelError(f"min_new_tokens ({min_new}) is more than max_new_tokens ({max_new})")
+            raise ModelError(f"{min_name} ({min_new}) is more than {max_name} ({max_new})")
         do_sample = bool_arg("do_sample", d["do_sample"])
         temperature = float_arg("temperature", 1.0 if d["temperature"] is None else d["temperature"], 0.0)
         if temperature == 0 and do_sample:

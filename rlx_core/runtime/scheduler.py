@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ..ir.errors import ModelError, RlxError
-from .args import bool_arg, callable_arg, float_arg, int_arg, text_arg, token_rows
+from .args import bool_arg, callable_arg, int_arg, token_rows
 from .batch_cache import BatchCache
 from .model import CTX_BUCKET, fetch_greedy, greedy_outputs, updates_in_place
-from .sampling import choose, process_logits
+from .sampling import SamplingParams, check_constraint, prompt_token_logprobs, token_logprobs
 from .stop_text import StopText
 
 if TYPE_CHECKING:
@@ -51,59 +51,33 @@ def trim_heap() -> None:
         pass
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per request: greedy unless do_sample; HF's temperature/top-k/top-p; `stop` strings end
-    the text (not included); EOS ends it unless ignore_eos. `SamplingParams.checked(...)`
-    raises a ModelError naming a bad argument."""
-    max_tokens: int = 16
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = 50
-    top_p: float | None = 1.0
-    seed: int | None = None
-    stop: tuple = ()
-    min_tokens: int = 0
-    ignore_eos: bool = False
-
-    @classmethod
-    def checked(cls, max_tokens=16, do_sample=False, temperature=1.0, top_k=50, top_p=1.0, seed=None,
-                stop=(), min_tokens=0, ignore_eos=False) -> "SamplingParams":
-        max_tokens = int_arg("max_tokens", max_tokens)
-        min_tokens = int_arg("min_tokens", min_tokens)
-        if min_tokens > max_tokens:
-            raise ModelError(f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})")
-        do_sample = bool_arg("do_sample", do_sample)
-        temperature = float_arg("temperature", 1.0 if temperature is None else temperature, 0.0)
-        if temperature == 0 and do_sample:
-            raise ModelError("temperature must be > 0 when sampling (do_sample=True), got 0")
-        if isinstance(stop, str):
-            stop = (stop,)
-        if not isinstance(stop, (list, tuple)):
-            raise ModelError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
-        stop = tuple(text_arg("stop", s) for s in stop)
-        return cls(max_tokens, do_sample, temperature, int_arg("top_k", top_k, none=True),
-                   float_arg("top_p", top_p, 0.0, 1.0, lo_open=True, none=True),
-                   int_arg("seed", seed, none=True), stop, min_tokens, bool_arg("ignore_eos", ignore_eos))
-
-
 @dataclass
 class Event:
-    """What a request produced since its last event: new token ids, their text (what can be
-    shown: see StopText) and, on its last event, why it finished (and the error, if one)."""
+    """What a request (choice `index` of its prompt) produced since its last event: new token
+    ids, their text (what can be shown: see StopText), their `logprobs` (a TokenLogprob per
+    token when the request asked for them) and, on its last event, why it finished (and the
+    error, if one)."""
     token_ids: list
     text: str = ""
     finish_reason: str | None = None
     error: BaseException | None = None
+    logprobs: list = field(default_factory=list)
+    index: int = 0
 
 
 @dataclass
 class Completion:
+    """A finished choice: its text and tokens, why it finished, and the logprobs asked for
+    (`logprobs`: a TokenLogprob per new token; `prompt_logprobs`: None for the first prompt
+    token, then a TokenLogprob each)."""
     text: str
     token_ids: list
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+    index: int = 0
 
 
 @dataclass(eq=False)
@@ -113,6 +87,8 @@ class Request:
     prompt_ids: list
     params: SamplingParams
     on_event: Callable[[Event], Any] | None = None
+    index: int = 0                  # which of its prompt's n choices
+    choices: list = field(default_factory=list)    # the n choices (this one first): set by submit
     # -- the scheduler's
     slot: int = -1
     length: int = 0                 # tokens in its KV cache
@@ -127,8 +103,15 @@ class Request:
     finish_reason: str | None = None
     error: BaseException | None = None
     cancelled: bool = False
+    constraint: Any = None          # its Constraint (params.constraint's), made when admitted
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
     _queue: queue.Queue = field(default_factory=queue.Queue)
     _done: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self):
+        if not self.choices:
+            self.choices = [self]
 
     def _emit(self, ev: Event) -> None:
         self.text += ev.text
@@ -160,11 +143,17 @@ class Request:
         if self.error is not None:
             raise self.error
         return Completion(self.text, list(self.token_ids), self.finish_reason, len(self.prompt_ids),
-                          self.n_new)
+                          self.n_new, list(self.logprobs) if self.params.logprobs is not None else None,
+                          self.prompt_logprobs, self.index)
+
+    def results(self, timeout: float | None = None) -> list:
+        """Every choice's Completion (n of them), in order."""
+        return [c.result(timeout) for c in self.choices]
 
     def cancel(self) -> None:
-        """Stop generating (the request finishes with finish_reason "cancelled")."""
-        self.cancelled = True
+        """Stop generating (the request and its other choices finish with "cancelled")."""
+        for c in self.choices:
+            c.cancelled = True
 
     @property
     def done(self) -> bool:
@@ -203,8 +192,10 @@ class Scheduler:
     def submit(self, prompt, params: SamplingParams | None = None, on_event=None, chat: bool = False,
                **kw) -> Request:
         """Queue a request: prompt text (chat=True: in the chat template) or token ids;
-        `params` or SamplingParams.checked's keywords. `on_event(Event)` is called from the
-        scheduler thread as events come (keep it short)."""
+        `params` or SamplingParams.checked's keywords (max_tokens, min_tokens as aliases).
+        `on_event(Event)` is called from the scheduler thread as events come (keep it short).
+        With n > 1 the request's `choices` are n Requests (this one first; each its own events,
+        every Event with its `index`) admitted together: the prompt is prefilled once."""
         if params is None:
             params = SamplingParams.checked(**kw)
         elif kw:
@@ -224,7 +215,13 @@ class Scheduler:
         m._check_length(len(ids))
         if params.stop and m.tokenizer is None:
             raise ModelError(f"{m.source} has no tokenizer: stop strings cannot be matched")
+        params.check_vocab(m.vocab_size)
+        if params.n > self.max_batch:
+            raise ModelError(f"n ({params.n}) is more than the scheduler's max_batch ({self.max_batch})")
+        m._check_choices(len(ids), params)
         req = Request(f"req-{next(self._ids)}", list(ids), params, on_event)
+        req.choices = [req] + [Request(f"{req.id}-{j}", list(ids), params, on_event, index=j)
+                               for j in range(1, params.n)]
         with self._cv:
             if self._closed:
                 raise ModelError(f"the scheduler is closed{self.closed_by}")
@@ -293,13 +290,16 @@ class Scheduler:
             with self._cv:
                 release = self._idle()
                 if self._closed:
-                    leftover = list(self._waiting) + self._active
+                    leftover = [c for r in self._waiting for c in r.choices] + self._active
                     self._waiting.clear()
                     self._active = []
                     break
                 if not release:
                     room = self.max_batch - len(self._active)
-                    new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                    new = []
+                    while self._waiting and len(self._waiting[0].choices) <= room:
+                        room -= len(self._waiting[0].choices)
+                        new.append(self._waiting.popleft())
                     idle = not self._waiting
             if release:
                 self.release_cache()
@@ -318,7 +318,7 @@ class Scheduler:
         rounds on tensor-parallel ranks)."""
         with self.model._lock:
             for r in new:
-                self._guard([r], self._admit, r)
+                self._guard(list(r.choices), self._admit, r)
             self._drop_cancelled()
             if self._active:
                 self._guard(list(self._active), self._step)
@@ -382,30 +382,45 @@ class Scheduler:
             r.slot = i
 
     def _admit(self, r: Request) -> None:
+        """Prefill r's prompt once and place its KV rows in a free row for each of its choices."""
         m, p = self.model, r.params
         n = len(r.prompt_ids)
-        r.max_new = min(p.max_tokens, m.max_positions - n)
-        r.rng = np.random.default_rng(p.seed)
-        r.stream = StopText(m.tokenizer, p.stop) if m.tokenizer is not None else None
+        for c in r.choices:
+            c.max_new = min(p.max_tokens, m.max_positions - n)
+            c.rng = np.random.default_rng(p.seed if c.index == 0 or p.seed is None else (p.seed, c.index))
+            c.stream = StopText(m.tokenizer, p.stop) if m.tokenizer is not None else None
+            c.constraint = check_constraint(p.constraint()) if p.constraint is not None else None
         if r.cancelled or r.max_new == 0:
-            self._finish(r, "cancelled" if r.cancelled else "length")
+            for c in r.choices:
+                self._finish(c, "cancelled" if r.cancelled else "length")
             return
-        r.ctx = min(-(-(n + r.max_new) // CTX_BUCKET) * CTX_BUCKET, m.max_positions)
+        ctx = min(-(-(n + r.max_new) // CTX_BUCKET) * CTX_BUCKET, m.max_positions)
         prefill = self._prefill_exe()
-        prefill.fixed_dims = {"ctx": r.ctx}
+        prefill.fixed_dims = {"ctx": ctx}
         ids = np.asarray([r.prompt_ids], np.int64)
         logits = prefill.run({"ids": ids, "positions": np.arange(n, dtype=np.int64)[None],
                               "key_mask": np.ones((1, 1, 1, n), bool),
                               "cache_pos": np.zeros(1, np.int32)})["logits"][:, -1]
-        self._fit(extra_ctx=r.ctx, extra_row=True)
-        cache = self._batch_cache()
-        used = {q.slot for q in self._active}
-        r.slot = next(i for i in range(cache.batch) if i not in used)
-        cache.place(r.slot, prefill.states, n)
-        r.length = n
-        self._active.append(r)
-        self._active.sort(key=lambda q: q.slot)
-        self._take(r, logits)
+        prompt_lp = self._prompt_logprobs(r) if p.prompt_logprobs is not None else None
+        for c in r.choices:
+            c.ctx, c.prompt_logprobs = ctx, prompt_lp
+            self._fit(extra_ctx=ctx, extra_row=True)
+            cache = self._batch_cache()
+            used = {q.slot for q in self._active}
+            c.slot = next(i for i in range(cache.batch) if i not in used)
+            cache.place(c.slot, prefill.states, n)
+            c.length = n
+            self._active.append(c)
+            self._active.sort(key=lambda q: q.slot)
+            self._take(c, logits)
+
+    def _prompt_logprobs(self, r: Request) -> list:
+        """r's prompt logprobs from the model's logits graph (every position; no KV cache)."""
+        ids = np.asarray([r.prompt_ids], np.int64)
+        logits = self.model.executable("logits").run(self.model._inputs(ids, np.ones(ids.shape, bool)))["logits"][0]
+        if not np.isfinite(logits).all():
+            raise ModelError(f"{self.model.source}: non-finite prompt logits for request {r.id}")
+        return prompt_token_logprobs(logits, r.prompt_ids, r.params.prompt_logprobs)
 
     def _step(self) -> None:
         exe, c = self._decode_exe(), self._batch_cache()
@@ -434,7 +449,7 @@ class Scheduler:
     def _greedy_ids(self, exe, feed):
         """The graph's arg-max ids [batch] when every active request is greedy and
         fetch_greedy gives them (a few bytes per row instead of the logits), else None."""
-        if not greedy_outputs(exe) or any(r.params.do_sample for r in self._active):
+        if not greedy_outputs(exe) or not all(r.params.argmax for r in self._active):
             return None
         banning = [r.slot for r in self._active if r.n_new < r.params.min_tokens]
         if banning and updates_in_place(exe):
@@ -443,37 +458,54 @@ class Scheduler:
                             np.array(self.model.eos_ids, np.int64))
 
     def _take(self, r: Request, logits) -> None:
-        """Choose r's next token from its logits [1, vocab] and pass it on."""
+        """Choose r's next token from its logits [1, vocab] (SamplingParams.process, then
+        .choose; EOS where its constraint is finished) and pass it on."""
         if not np.isfinite(logits).all():
             raise ModelError(f"{self.model.source}: non-finite logits for request {r.id}")
-        p, eos = r.params, self.model.eos_ids
-        lg = process_logits(logits, n_new=r.n_new, min_new_tokens=p.min_tokens, eos_ids=eos)
-        self._accept(r, int(choose(lg, r.rng, p.do_sample, p.temperature, p.top_k, p.top_p)[0]))
+        p, eos = r.params, tuple(self.model.eos_ids)
+        forced = r.constraint is not None and r.constraint.finished()
+        if forced:
+            if not eos:
+                raise ModelError(f"{self.model.source}: request {r.id}'s constraint finished but the model "
+                                 "has no EOS token")
+            tok = eos[0]
+        else:
+            seen = [r.prompt_ids + r.token_ids] if p.repetition_penalty != 1.0 else ()
+            x = p.process(logits, seen=seen, generated=[r.token_ids], n_new=r.n_new, eos=eos,
+                          constraints=None if r.constraint is None else [r.constraint])
+            tok = int(p.choose(x, [r.rng])[0])
+        lp = token_logprobs(logits, [tok], p.logprobs)[0] if p.logprobs is not None else None
+        self._accept(r, tok, lp, forced)
 
-    def _accept(self, r: Request, tok: int) -> None:
-        """Pass r's next token on: finish it (EOS, a stop string, its length) or emit it."""
+    def _accept(self, r: Request, tok: int, logprob=None, forced: bool = False) -> None:
+        """Pass r's next token on: finish it (EOS, a forced EOS, a stop string, its length) or
+        emit it (with its logprob, when asked)."""
         p, eos = r.params, self.model.eos_ids
         r.n_new += 1
         r.last = tok
-        if tok in eos and not p.ignore_eos:
+        if forced or (tok in eos and not p.ignore_eos):
             self._finish(r, "stop")
             return
         r.token_ids.append(tok)
+        lps = [logprob] if logprob is not None else []
+        r.logprobs += lps
+        if r.constraint is not None:
+            r.constraint.accept(tok)
         text, stopped = r.stream.push(tok) if r.stream is not None else ("", False)
         if stopped:
-            self._finish(r, "stop", [tok], text)
+            self._finish(r, "stop", [tok], text, lps)
         elif r.n_new >= r.max_new or r.length + 1 > self.model.max_positions:
-            self._finish(r, "length", [tok], text)
+            self._finish(r, "length", [tok], text, lps)
         elif r.cancelled:
-            self._finish(r, "cancelled", [tok], text)
+            self._finish(r, "cancelled", [tok], text, lps)
         else:
-            r._emit(Event([tok], text))
+            r._emit(Event([tok], text, logprobs=lps, index=r.index))
 
     def _drop_cancelled(self) -> None:
         for r in [q for q in self._active if q.cancelled]:
             self._finish(r, "cancelled")
 
-    def _finish(self, r: Request, reason: str, tokens=(), text: str = "") -> None:
+    def _finish(self, r: Request, reason: str, tokens=(), text: str = "", logprobs=()) -> None:
         if r.done:
             return
         if r in self._active:
@@ -481,7 +513,7 @@ class Scheduler:
         if r.stream is not None and reason != "error":
             text += r.stream.finish()
         r.finish_reason = reason
-        r._emit(Event(list(tokens), text, reason, r.error))
+        r._emit(Event(list(tokens), text, reason, r.error, list(logprobs), r.index))
 
 
 __all__ = ["Scheduler", "SamplingParams", "Request", "Event", "Completion", "batch_buckets",
