@@ -15,6 +15,7 @@ import json
 import os
 import re
 import time
+from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -194,7 +195,8 @@ class Choices:
     def __init__(self, served: Served, name: str, body: dict, chat: bool, opts: P.Options):
         self.served, self.name, self.body, self.chat, self.opts = served, name, body, chat, opts
         self.model = served.get(name, "causal")
-        self.reqs: list = []
+        self.reqs: list = []             # a scheduler Request per prompt (its `choices`: n)
+        self.choices: list = []          # every choice's Request, by index
         self.texts: dict = {}
         self.logprobs: dict = {}
         self.reasons: dict = {}
@@ -259,21 +261,25 @@ class Choices:
             raise P.bad(f"'{self.name}' has no tokenizer: its output cannot be constrained or parsed",
                         opts.grammar[0] if opts.grammar else "tools")
         try:
-            params = [[runtime_params(opts, max_new, constraint, j) for j in range(opts.n)]
-                      for _, _, max_new in jobs]
+            params = SamplingParams.checked(**opts.sampling, n=opts.n, constraint=constraint,
+                                            max_new_tokens=max(m for _, _, m in jobs))
         except RlxError as e:
             raise self.served.bad(e) from None
-        for i, (p, ids, _) in enumerate(jobs):
-            for j in range(opts.n):
-                index = i * opts.n + j
-                if opts.echo:
-                    self.prompts[index] = p if isinstance(p, str) else model.tokenizer.decode(ids)
-                cb = (lambda ev, index=index: loop.call_soon_threadsafe(queue.put_nowait, (index, ev)))
-                try:
-                    self.reqs.append(self.served.schedulers[self.name].submit(ids, params[i][j], on_event=cb))
-                except RlxError as e:
-                    self.cancel()
-                    raise self.served.bad(e) from None
+        sched = self.served.schedulers[self.name]
+        if opts.n > sched.max_batch:
+            raise P.bad(f"'n' ({opts.n}) is more than this server's batch of {sched.max_batch} (rlx serve "
+                        "--max-batch)", "n")
+        for i, (p, ids, max_new) in enumerate(jobs):
+            if opts.echo:
+                for j in range(opts.n):
+                    self.prompts[i * opts.n + j] = p if isinstance(p, str) else model.tokenizer.decode(ids)
+            cb = (lambda ev, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i * opts.n + ev.index, ev)))
+            try:
+                self.reqs.append(sched.submit(ids, replace(params, max_new_tokens=max_new), on_event=cb))
+            except RlxError as e:
+                self.cancel()
+                raise self.served.bad(e) from None
+        self.choices = [c for r in self.reqs for c in r.choices]
 
     def cancel(self) -> None:
         for r in self.reqs:
@@ -285,7 +291,7 @@ class Choices:
         if self.opts.logprobs is not None:
             lps = list(getattr(ev, "logprobs", None) or [])
             if index in self.prompts and index not in self.logprobs:       # the echo comes first
-                lps = prompt_logprobs(self.reqs[index], ev) + lps
+                lps = prompt_logprobs(self.choices[index]) + lps
         if index in self.prompts and index not in self.texts:
             text = self.prompts[index] + text
         self.texts[index] = self.texts.get(index, "") + text
@@ -309,15 +315,15 @@ class Choices:
                         self.logprobs.get(index) if self.opts.logprobs is not None else None, calls)
 
     def usage(self) -> dict:
-        return P.usage(sum(len(r.prompt_ids) for r in self.reqs[::self.opts.n]),
-                       sum(r.n_new for r in self.reqs))
+        """The prompts' tokens (each prefilled once) and every choice's new tokens."""
+        return P.usage(sum(len(r.prompt_ids) for r in self.reqs), sum(c.n_new for c in self.choices))
 
 
-def prompt_logprobs(req, ev) -> list:
-    """The echoed prompt's logprobs (the runtime's TokenLogprob per token after the first),
-    the first token's entry with logprob None."""
-    got = getattr(ev, "prompt_logprobs", None) or getattr(req, "prompt_logprobs", None) or ()
-    return [lp if lp is not None else _NoLogprob(tok) for tok, lp in zip(req.prompt_ids, got)]
+def prompt_logprobs(choice) -> list:
+    """The echoed prompt's logprobs (the runtime's: None for the first token, then a
+    TokenLogprob each), the first as an entry whose logprob is None."""
+    return [lp if lp is not None else _NoLogprob(tok)
+            for tok, lp in zip(choice.prompt_ids, choice.prompt_logprobs or ())]
 
 
 class _NoLogprob:
@@ -327,15 +333,6 @@ class _NoLogprob:
 
     def __init__(self, token: int):
         self.token = token
-
-
-def runtime_params(opts: P.Options, max_new: int, constraint, choice: int):
-    """The runtime's parameters of one choice: its seed offset by the choice (n sampled
-    choices of one seeded request differ, and reproduce)."""
-    kw = dict(opts.sampling, max_new_tokens=max_new, constraint=constraint)
-    if kw.get("seed") is not None and choice:
-        kw["seed"] = (kw["seed"] + choice) % 2**63
-    return SamplingParams.checked(**kw)
 
 
 async def _watch(request: Request, queue: asyncio.Queue) -> None:
@@ -349,7 +346,7 @@ async def _collect(request: Request, gen: Choices, queue: asyncio.Queue) -> None
     """Wait until every choice finished; when the client leaves first, they are cancelled
     (they stop decoding) and ClientGone raised."""
     watch = asyncio.ensure_future(_watch(request, queue))
-    left = len(gen.reqs)
+    left = len(gen.choices)
     try:
         while left:
             item = await queue.get()
@@ -378,7 +375,7 @@ async def _generate(request: Request, chat: bool):
         return StreamingResponse(_stream(gen, rid, queue), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await _collect(request, gen, queue)
-    choices = [gen.choice(i) for i in range(len(gen.reqs))]
+    choices = [gen.choice(i) for i in range(len(gen.choices))]
     return JSONResponse(await run_in_threadpool(P.completion_body, rid, name, choices, gen.usage(), chat,
                                                 gen.piece))
 
@@ -401,12 +398,12 @@ async def _stream(gen: Choices, rid: str, queue: asyncio.Queue):
     if gen.opts.tools is not None:
         from ..runtime.tools import ToolCallStream
 
-        parsers = {i: ToolCallStream(gen.style) for i in range(len(gen.reqs))}
+        parsers = {i: ToolCallStream(gen.style) for i in range(len(gen.choices))}
     try:
         if chat:
-            for i in range(len(gen.reqs)):
+            for i in range(len(gen.choices)):
                 yield sse(P.chunk_body(rid, name, i, None, None, True, role=True, created=created))
-        left = len(gen.reqs)
+        left = len(gen.choices)
         while left:
             index, ev = await queue.get()
             try:
