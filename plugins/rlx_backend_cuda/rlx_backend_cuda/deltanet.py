@@ -1,14 +1,21 @@
 """gated_delta_rule and causal_conv1d on the GPU (kernels/deltanet.cu).
 
-gated_delta_rule runs the recurrent form for every T: a warp keeps a few state columns of
-one (batch, head) in registers across all steps, so a decode step reads and writes the
-state once, inside the CUDA graph. A prefill walks its T steps in order (the same kernel;
-the `chunk` attribute, the chunked form's tuning, has no effect here: no chunked kernel yet).
+gated_delta_rule, two forms:
+* recurrent (decode, T < GDN_CHUNKED_MIN, f64): a warp keeps a few state columns of one
+  (batch, head) in registers across all steps, so a decode step reads and writes the state
+  once, inside the CUDA graph;
+* chunked (prefill, f32/f16/bf16): the WY / UT form of rlx_core.ir.deltanet.delta_chunked in
+  two launches: every chunk's state-free parts at once (rlx_gdn_prep: the decays, (I + A)^-1,
+  W, U and the masked q k^T, into f32 node-local scratch), then one walk over the chunks per
+  (state columns, head, batch) (rlx_gdn_scan). Chunk length: the op's `chunk`, at most
+  GDN_CHUNK_MAX (shared memory), halved until the walk's stage fits.
 causal_conv1d: a thread per output, then the new state (its last W - 1 inputs).
 """
 from __future__ import annotations
 
 import numpy as np
+
+from rlx_core.ir.dtype import F32
 
 from . import sources
 from .codegen import acc_of, ctype
@@ -19,17 +26,48 @@ i32, i64 = np.int32, np.int64
 GDN_WARPS = 4             # warps of a block
 GDN_COLUMNS = 4           # state columns a warp holds (registers: K / 32 x this)
 GDN_PREFETCH = 4          # steps whose inputs are in flight ahead of the one computed
+GDN_CHUNKED_MIN = 64      # shortest T the chunked form runs (below: the recurrent kernel)
+GDN_CHUNK_MAX = 64        # longest chunk the chunked kernels take (their thread mapping)
+GDN_TILE = 32             # K / V columns pass 1 stages at a time
+GDN_SCAN_COLS = 16        # state columns a block of pass 2 holds
+GDN_SMEM_MAX = 200 * 1024  # pass 2's shared memory stage, at most
+
+
+def _scan_smem(c: int, kd: int) -> int:
+    """Bytes of rlx_gdn_scan's dynamic shared memory (its layout comment)."""
+    return 4 * (3 * c * (kd + 1) + c * (c + 1) + c * (GDN_SCAN_COLS + 1) + kd * (GDN_SCAN_COLS + 1) + c)
+
+
+def _chunk_len(chunk: int, kd: int) -> int | None:
+    """The chunk length the chunked kernels use for the op's `chunk`, or None (stay recurrent)."""
+    c = max(1, min(chunk, GDN_CHUNK_MAX))
+    while c > 1 and _scan_smem(c, kd) > GDN_SMEM_MAX:
+        c //= 2
+    return c if _scan_smem(c, kd) <= GDN_SMEM_MAX else None
 
 
 def build_gated_delta_rule(b, n, ins, outs):
     q, k, v, g, beta, s0 = (b.contiguous(t) for t in ins)
     o, s1 = outs
-    B, T, HK, KD = q.shape
-    H, VD = v.shape[2], v.shape[3]
+    T, KD = q.shape[1], q.shape[3]
     if s1.size == 0:
         return
     od = o if o.contiguous() else b.buffer(o.shape, o.dt, "gated_delta_rule output")
     sd = s1 if s1.contiguous() else b.buffer(s1.shape, s1.dt, "gated_delta_rule state")
+    c = _chunk_len(n.a["chunk"], KD) if T >= GDN_CHUNKED_MIN and acc_of(q.dt) == "float" else None
+    if c is None:
+        _recurrent(b, n, (q, k, v, g, beta, s0), od, sd)
+    else:
+        _chunked(b, n, (q, k, v, g, beta, s0), od, sd, c)
+    for src_v, dst in ((od, o), (sd, s1)):
+        if src_v is not dst:
+            b.copy(src_v, dst)
+
+
+def _recurrent(b, n, ins, od, sd):
+    q, k, v, g, beta, s0 = ins
+    B, T, HK, KD = q.shape
+    H, VD = v.shape[2], v.shape[3]
     src = sources.render(sources.GDN_RULE, T=ctype(q.dt), ACC=acc_of(q.dt), KD=KD, VD=VD, KPL=-(-KD // 32), VPW=GDN_COLUMNS,
                          PF=GDN_PREFETCH)
     fn = b.kernel(src, "rlx_gdn")
@@ -37,9 +75,30 @@ def build_gated_delta_rule(b, n, ins, outs):
     scale = np.float64(n.a["scale"]) if acc_of(q.dt) == "double" else np.float32(n.a["scale"])
     b.launch(fn, (-(-VD // per_block), H, B), (32 * GDN_WARPS,),
              (q.arr, k.arr, v.arr, g.arr, beta.arr, s0.arr, od.arr, sd.arr, i32(T), i32(H), i32(HK), scale))
-    for src_v, dst in ((od, o), (sd, s1)):
-        if src_v is not dst:
-            b.copy(src_v, dst)
+
+
+def _chunked(b, n, ins, od, sd, c):
+    q, k, v, g, beta, s0 = ins
+    B, T, HK, KD = q.shape
+    H, VD = v.shape[2], v.shape[3]
+    nch = -(-T // c)
+    wbuf = b.node_buffer((B, H, nch, c, KD), F32, "gated_delta_rule W")
+    ubuf = b.node_buffer((B, H, nch, c, VD), F32, "gated_delta_rule U")
+    abuf = b.node_buffer((B, H, nch, c, c), F32, "gated_delta_rule qk")
+    cbuf = b.node_buffer((B, H, nch, c), F32, "gated_delta_rule decay")
+    t, scale = ctype(q.dt), np.float32(n.a["scale"])
+    prep = b.kernel(sources.render(sources.GDN_PREP, T=t, C=c, KD=KD, VD=VD, TILE=GDN_TILE), "rlx_gdn_prep")
+    b.launch(prep, (nch, H, B), (256,), (q.arr, k.arr, v.arr, g.arr, beta.arr, wbuf.arr, ubuf.arr, abuf.arr,
+                                         cbuf.arr, i32(T), i32(H), i32(HK), scale))
+    smem = _scan_smem(c, KD)
+    scan = b.kernel(sources.render(sources.GDN_SCAN, T=t, C=c, KD=KD, VD=VD, VS=GDN_SCAN_COLS), "rlx_gdn_scan", smem)
+    grid, stream = (-(-VD // GDN_SCAN_COLS), H, B), b.stream
+    args = (q.arr, k.arr, wbuf.arr, ubuf.arr, abuf.arr, cbuf.arr, s0.arr, od.arr, sd.arr, i32(T), i32(H), i32(HK),
+            i32(nch), scale)
+
+    def run():
+        scan(grid, (256,), args, smem, stream)
+    b.add(run)
 
 
 def build_causal_conv1d(b, n, ins, outs):

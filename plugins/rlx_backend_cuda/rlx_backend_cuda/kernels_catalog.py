@@ -156,6 +156,9 @@ def moe_gdn() -> list:
         out.append((f"moe combine {t}", S.render(S.MOE_COMBINE, ACC=acc, TO=t, TW=t, TI="int", NE=64),
                     "rlx_moe_combine"))
         out.append((f"gdn {t}", S.render(S.GDN_RULE, T=t, ACC=acc, KD=128, VD=128, KPL=4, VPW=4, PF=4), "rlx_gdn"))
+        if acc == "float":
+            out.append((f"gdn prep {t}", S.render(S.GDN_PREP, T=t, C=64, KD=128, VD=128, TILE=32), "rlx_gdn_prep"))
+            out.append((f"gdn scan {t}", S.render(S.GDN_SCAN, T=t, C=64, KD=128, VD=128, VS=16), "rlx_gdn_scan"))
         out.append((f"conv1d {t}", S.render(S.CONV1D, T=t, ACC=acc, WID=4, EPILOGUE="v = v + LD(W, bias[n]);"),
                     "rlx_conv1d"))
         out.append((f"conv1d state {t}", S.render(S.CONV1D_STATE, T=t, WID=4), "rlx_conv1d_state"))

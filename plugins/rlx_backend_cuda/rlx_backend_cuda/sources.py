@@ -237,6 +237,8 @@ MOE_DENSE = Source("moe.cu:w", "moe.cu:dense", "moe.cu:gemv")
 MOE_PACKED_TAIL = Source("dq.cu:x4", "moe.cu:packed", "moe.cu:gemv")    # after DQ_COMMON + a scheme + DQ_QF
 MOE_COMBINE = Source("moe.cu:w", "moe.cu:combine")
 GDN_RULE = Source("deltanet.cu:rule")
+GDN_PREP = Source("deltanet.cu:chunk_prep")
+GDN_SCAN = Source("deltanet.cu:chunk_scan")
 CONV1D = Source("deltanet.cu:conv")
 CONV1D_STATE = Source("deltanet.cu:conv_state")
 

@@ -1,9 +1,12 @@
 """gated_delta_rule and causal_conv1d on CUDA's own kernels (rlx_backend_cuda/deltanet.py):
 against the step-by-step float64 references of rlx_core.testing.ops_suite_deltanet, outputs
 poisoned first, at a Qwen3.5-like head shape (K = V = 128, 2 value heads a key head) and an
-odd one (K = 48, V = 72: partial warps and column groups), decode (T = 1 from a nonzero
-state) and prefills past two chunks, every float dtype; a decode loop over a state leaf
-equals one prefill. Skipped with the backend's reason without a GPU."""
+odd one (K = 48, V = 72: partial warps, column groups and tiles), decode (T = 1 from a
+nonzero state: the recurrent kernel) and prefills past two chunks (the chunked kernels from
+T = GDN_CHUNKED_MIN; f64 stays recurrent), every float dtype; long prefills (T = 4096, a
+partial last chunk) and a state leaf written in place; the chunked form's outputs independent
+of the chunk length; a decode loop over a state leaf equals one prefill. Skipped with the
+backend's reason without a GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -46,6 +49,41 @@ def test_gated_delta_rule(rng, dt, t, shape):
     scale = kd ** -0.5
     run_parity("cuda", "gated_delta_rule", _gdn_args(rng, b, t, hk, h, kd, vd, dt),
                {"scale": scale, "chunk": 64}, lambda *a: ref_gated_delta_rule(*a, scale=scale))
+
+
+@gpu
+@pytest.mark.parametrize("dt", [F32, BF16], ids=lambda d: d.value)
+@pytest.mark.parametrize("t", [64, 4099], ids=lambda t: f"T{t}")
+def test_gated_delta_rule_long_prefill_in_place(rng, dt, t):
+    """The chunked kernels over many chunks (T = 4099: a last chunk of 3 steps; T = 64: the
+    shortest chunked call, one whole chunk), GQA heads, the state a leaf the op writes."""
+    b, hk, h, kd, vd = SHAPES["qwen35"]
+    run_parity("cuda", "gated_delta_rule", _gdn_args(rng, b, t, hk, h, kd, vd, dt, "state"),
+               {"scale": 0.3, "chunk": 64}, lambda *a: ref_gated_delta_rule(*a, scale=0.3))
+
+
+@gpu
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_gated_delta_rule_chunk_length_does_not_change_results(rng, shape):
+    """Chunks of 16, 37 (not a power of two) and 64 steps: the same outputs and state within
+    f32 rounding, each also against the float64 recurrence."""
+    b, hk, h, kd, vd = SHAPES[shape]
+    args = _gdn_args(rng, b, 300, hk, h, kd, vd, F32)
+    want = ref_gated_delta_rule(*(a.data for a in args), scale=0.25)
+    got = {}
+    for chunk in (16, 37, 64):
+        def build(m):
+            ins = [m.input(a.name, a.data.shape, F32) for a in args]
+            o, s1 = m.add("gated_delta_rule", ins, scale=0.25, chunk=chunk)
+            return {"o": o, "state": s1}
+        ex = rlx_core.compile(Graph.define(f"gdn_chunk{chunk}", build), backend="cuda")
+        out = ex.run({a.name: a.data.astype(np.float32) for a in args})
+        got[chunk] = [ex.backend.to_host(out[k]) for k in ("o", "state")]
+        for x, w in zip(got[chunk], want):
+            np.testing.assert_allclose(x, w, rtol=2e-4, atol=2e-4 * np.abs(w).max())
+    for chunk in (16, 37):
+        for x, y in zip(got[chunk], got[64]):
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4 * np.abs(y).max())
 
 
 @gpu

@@ -123,3 +123,190 @@ extern "C" __global__ void rlx_conv1d_state(const T* __restrict__ x, const T* st
     }
   }
 }
+// @part chunk_prep(T, C, KD, VD, TILE)
+// The chunked (WY / UT) form, pass 1 of 2: the parts of each chunk of C steps that need no
+// state, every (chunk, value head, batch) a block of 256 threads, all chunks at once
+// (rlx_core.ir.deltanet.delta_chunked's math). With cum the chunk's cumulative log-decay
+// (steps past the sequence: g = beta = k = q = v = 0, they change nothing):
+//   A  = strictly-lower(beta_i (k_i . k_j) e^(cum_i - cum_j)),  X = (I + A)^-1 (forward
+//        substitution, in place),
+//   wbuf = X (beta e^cum K) [C, KD],  ubuf = X (beta V) [C, VD],
+//   abuf = lower(scale (q_i . k_j) e^(cum_i - cum_j)) [C, C],  cbuf = cum [C]
+// (f32 scratch, chunk-major per (batch, head)). Rows of K and V are staged TILE columns at a time.
+extern "C" __global__ void __launch_bounds__(256) rlx_gdn_prep(const T* __restrict__ q, const T* __restrict__ k,
+    const T* __restrict__ v, const T* __restrict__ g, const T* __restrict__ beta, float* __restrict__ wbuf,
+    float* __restrict__ ubuf, float* __restrict__ abuf, float* __restrict__ cbuf, int steps, int H, int HK,
+    float scale) {
+  constexpr int PER = (C * C + 255) / 256;
+  __shared__ float X[C][C + 1];
+  __shared__ float ta[C][TILE + 1], tb[C][TILE + 1];
+  __shared__ float cum[C], bet[C];
+  const int tid = threadIdx.x, c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / (H / HK);
+  const int t0 = c * C, n = min(C, steps - t0);
+  const i64 chunk = ((i64)b * H + h) * gridDim.x + c;          // the chunk's index in the scratch
+  if (tid < C) {
+    const i64 at = ((i64)b * steps + t0 + tid) * H + h;
+    bet[tid] = tid < n ? LD(float, beta[at]) : 0.f;
+    cum[tid] = tid < n ? LD(float, g[at]) : 0.f;
+  }
+  __syncthreads();
+  if (tid == 0)
+    for (int i = 1; i < C; ++i) cum[i] += cum[i - 1];
+  __syncthreads();
+  if (tid < C) cbuf[chunk * C + tid] = cum[tid];
+  // k_i . k_j and q_i . k_j for j <= i, over KD in tiles
+  float kk[PER], qk[PER];
+#pragma unroll
+  for (int r = 0; r < PER; ++r) kk[r] = qk[r] = 0.f;
+  for (int d0 = 0; d0 < KD; d0 += TILE) {
+    for (int e = tid; e < C * TILE; e += 256) {
+      const int i = e / TILE, d = e % TILE;
+      const bool ok = i < n && d0 + d < KD;
+      const i64 off = (((i64)b * steps + t0 + i) * HK + hk) * KD + d0 + d;
+      ta[i][d] = ok ? LD(float, k[off]) : 0.f;
+      tb[i][d] = ok ? LD(float, q[off]) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < PER; ++r) {
+      const int e = tid + 256 * r, i = e / C, j = e % C;
+      if (e < C * C && j <= i) {
+#pragma unroll 8
+        for (int d = 0; d < TILE; ++d) { kk[r] += ta[i][d] * ta[j][d]; qk[r] += tb[i][d] * ta[j][d]; }
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int r = 0; r < PER; ++r) {
+    const int e = tid + 256 * r, i = e / C, j = e % C;
+    if (e < C * C) {
+      const float decay = j <= i ? expf(cum[i] - cum[j]) : 0.f;
+      X[i][j] = j < i ? bet[i] * kk[r] * decay : 0.f;
+      abuf[chunk * C * C + e] = scale * qk[r] * decay;
+    }
+  }
+  __syncthreads();
+  // X = (I + A)^-1, row by row: X_ic = [i == c] - sum_{c <= j < i} A_ij X_jc, 4 threads a column
+  {
+    const int col = tid >> 2, part = tid & 3;
+    for (int i = 0; i < C; ++i) {
+      float s = 0.f;
+      if (col < i)
+        for (int j = col + part; j < i; j += 4) s += X[i][j] * X[j][col];
+      s += SHFL_XOR(s, 1);
+      s += SHFL_XOR(s, 2);
+      __syncthreads();
+      if (col < C && part == 0) X[i][col] = col < i ? -s : (col == i ? 1.f : 0.f);
+      __syncthreads();
+    }
+  }
+  // wbuf = X (beta e^cum K), ubuf = X (beta V): TILE columns at a time
+  for (int pass = 0; pass < 2; ++pass) {
+    const int D = pass == 0 ? KD : VD;
+    float* out = pass == 0 ? wbuf : ubuf;
+    for (int d0 = 0; d0 < D; d0 += TILE) {
+      for (int e = tid; e < C * TILE; e += 256) {
+        const int i = e / TILE, d = e % TILE;
+        float x = 0.f;
+        if (i < n && d0 + d < D)
+          x = pass == 0 ? bet[i] * expf(cum[i]) * LD(float, k[(((i64)b * steps + t0 + i) * HK + hk) * KD + d0 + d])
+                        : bet[i] * LD(float, v[(((i64)b * steps + t0 + i) * H + h) * VD + d0 + d]);
+        ta[i][d] = x;
+      }
+      __syncthreads();
+      for (int e = tid; e < C * TILE; e += 256) {
+        const int i = e / TILE, d = e % TILE;
+        float s = 0.f;
+        for (int j = 0; j <= i; ++j) s += X[i][j] * ta[j][d];
+        if (d0 + d < D) out[(chunk * C + i) * D + d0 + d] = s;
+      }
+      __syncthreads();
+    }
+  }
+}
+// @part chunk_scan(T, C, KD, VD, VS)
+// Pass 2 of 2: the one walk over the chunks, a block per (VS state columns, value head, batch)
+// holding its columns of the state S [KD, VS] in shared memory. Per chunk, from pass 1's
+// scratch (whole chunk staged in dynamic shared memory, f32):
+//   U = ubuf - wbuf S,   O = (scale e^cum Q) S + abuf U,
+//   S <- e^cum_last S + (e^(cum_last - cum_j) k_j)^T U.
+// Shared memory: Wc, Qc, Kc [C][KD + 1], Ac [C][C + 1], U [C][VS + 1], S [KD][VS + 1], cum [C].
+extern "C" __global__ void __launch_bounds__(256) rlx_gdn_scan(const T* __restrict__ q, const T* __restrict__ k,
+    const float* __restrict__ wbuf, const float* __restrict__ ubuf, const float* __restrict__ abuf,
+    const float* __restrict__ cbuf, const T* s0, T* __restrict__ o, T* s1, int steps, int H, int HK, int nch,
+    float scale) {
+  constexpr int KP = KD + 1, CP = C + 1, VP = VS + 1, PER = (C * VS + 255) / 256;
+  extern __shared__ float sm[];
+  float* Wc = sm;
+  float* Qc = Wc + C * KP;
+  float* Kc = Qc + C * KP;
+  float* Ac = Kc + C * KP;
+  float* U = Ac + C * CP;
+  float* S = U + C * VP;
+  float* cum = S + KD * VP;
+  const int tid = threadIdx.x, v0 = blockIdx.x * VS, h = blockIdx.y, b = blockIdx.z, hk = h / (H / HK);
+  const i64 sb = ((i64)b * H + h) * KD * VD;
+  for (int e = tid; e < KD * VS; e += 256) {
+    const int r = e / VS, j = e % VS;
+    S[r * VP + j] = v0 + j < VD ? LD(float, s0[sb + (i64)r * VD + v0 + j]) : 0.f;
+  }
+  for (int c = 0; c < nch; ++c) {
+    const int t0 = c * C, n = min(C, steps - t0);
+    const i64 chunk = ((i64)b * H + h) * nch + c;
+    if (tid < C) cum[tid] = cbuf[chunk * C + tid];
+    __syncthreads();                  // cum is in; the last chunk is done with U, S and the stage
+    const float last = cum[C - 1];
+    for (int e = tid; e < C * KD; e += 256) {
+      const int i = e / KD, d = e % KD;
+      const i64 off = (((i64)b * steps + t0 + i) * HK + hk) * KD + d;
+      Wc[i * KP + d] = wbuf[chunk * C * KD + e];
+      Qc[i * KP + d] = i < n ? scale * expf(cum[i]) * LD(float, q[off]) : 0.f;
+      Kc[i * KP + d] = i < n ? expf(last - cum[i]) * LD(float, k[off]) : 0.f;
+    }
+    for (int e = tid; e < C * C; e += 256) Ac[(e / C) * CP + e % C] = abuf[chunk * C * C + e];
+    __syncthreads();
+    float ws[PER], qs[PER];
+#pragma unroll
+    for (int r = 0; r < PER; ++r) {
+      const int e = tid + 256 * r, i = e / VS, j = e % VS;
+      ws[r] = qs[r] = 0.f;
+      if (e < C * VS) {
+#pragma unroll 8
+        for (int d = 0; d < KD; ++d) {
+          const float sv = S[d * VP + j];
+          ws[r] += Wc[i * KP + d] * sv;
+          qs[r] += Qc[i * KP + d] * sv;
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < PER; ++r) {
+      const int e = tid + 256 * r, i = e / VS, j = e % VS;
+      if (e < C * VS) U[i * VP + j] = v0 + j < VD ? ubuf[(chunk * C + i) * VD + v0 + j] - ws[r] : 0.f;
+    }
+    __syncthreads();                  // U is complete; every read of S for this chunk is done
+#pragma unroll
+    for (int r = 0; r < PER; ++r) {
+      const int e = tid + 256 * r, i = e / VS, j = e % VS;
+      if (e < C * VS) {
+        float acc = qs[r];
+        for (int m = 0; m <= i; ++m) acc += Ac[i * CP + m] * U[m * VP + j];
+        if (i < n && v0 + j < VD) o[(((i64)b * steps + t0 + i) * H + h) * VD + v0 + j] = ST(T, acc);
+      }
+    }
+    const float gl = expf(last);
+    for (int e = tid; e < KD * VS; e += 256) {
+      const int d = e / VS, j = e % VS;
+      float acc = gl * S[d * VP + j];
+#pragma unroll 8
+      for (int m = 0; m < C; ++m) acc += Kc[m * KP + d] * U[m * VP + j];
+      S[d * VP + j] = acc;
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < KD * VS; e += 256) {
+    const int r = e / VS, j = e % VS;
+    if (v0 + j < VD) s1[sb + (i64)r * VD + v0 + j] = ST(T, S[r * VP + j]);
+  }
+}
