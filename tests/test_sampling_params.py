@@ -201,13 +201,14 @@ def test_ignore_eos_and_min_new_tokens(model):
 
 
 def test_stop_strings_end_the_text_before_them(model):
-    free = model.generate("w3 w4 w5", max_new_tokens=10, ignore_eos=True, logit_bias={EOS: -100})
+    words_only = {t: -100 for t in [*range(5), *range(50, model.vocab_size)]}     # (ids with text)
+    free = model.generate("w3 w4 w5", max_new_tokens=10, logit_bias=words_only)
     words = free.split()
     assert len(words) >= 4
     stop = " " + words[2]
     cut = free[:free.index(stop)]
     out = model.generate("w3 w4 w5", max_new_tokens=10, stop=["zzz", stop], return_dict=True,
-                         logit_bias={EOS: -100})
+                         logit_bias=words_only)
     assert out.texts == [cut] and out.finish_reasons == ["stop"]
 
 
