@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..ir.errors import ModelError, RlxError
 from .args import text_arg
 from .text_stream import TextStream
+from .tools import check_tool_choice, check_tools, template_messages, tool_prompt_style
 
 HELP = ("commands: /reset (forget the conversation), /system TEXT (set the system prompt and start "
         "over; /system alone removes it), /help, /exit (or end of input)")
@@ -54,6 +55,22 @@ class ChatSession:
         self.history = []
 
 
+def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None, tool_choice=None) -> str:
+    """The prompt text of an OpenAI-style chat request: `messages` (tool calls and `tool`
+    answers included) and `tools` rendered by the model's chat template. tool_choice "none"
+    does not offer the tools; offering them to a template that shows no tools (or in a call
+    syntax rlx cannot read back) is an error rather than a silently tool-less prompt."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ModelError("this model has no chat template (a base model, not an instruction-tuned one)")
+    offered = None
+    if tools is not None and check_tool_choice(tool_choice, tools) != "none":
+        offered = check_tools(tools)
+        if tool_prompt_style(tokenizer) is None:
+            raise ModelError("tools: this model's chat template does not offer tools (or not in a call "
+                             "syntax rlx reads: Hermes <tool_call> or Llama 3 JSON)")
+    return tokenizer.apply_chat_template(template_messages(messages), tools=offered)
+
+
 def chat_loop(session: ChatSession, read, write, note) -> None:
     """Until `read()` gives None (end of input) or /exit: a line starting with "/" is a command
     (HELP), any other non-empty line a message whose answer `write(text)` receives as it
@@ -94,4 +111,4 @@ def chat_loop(session: ChatSession, read, write, note) -> None:
         write("\n")
 
 
-__all__ = ["ChatSession", "chat_loop", "HELP"]
+__all__ = ["ChatSession", "chat_loop", "chat_prompt", "HELP"]

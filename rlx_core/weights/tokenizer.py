@@ -99,8 +99,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` with the model's jinja chat template, as transformers does (tokenize=False)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render `messages` with the model's jinja chat template, as transformers does (tokenize=False);
+        `tools`: JSON-schema function definitions ({"type": "function", "function": {...}}), which
+        the template shows the model (rlx_core.runtime.tools reads its calls back)."""
         if self.chat_template is None:
             raise ModelError(f"{self.name}: this model has no chat template")
         import jinja2
@@ -109,7 +112,7 @@ class Tokenizer:
         try:
             return template.render(
                 messages=messages,
-                tools=None,
+                tools=tools or None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
