@@ -243,6 +243,8 @@ COMP = {"model": "tiny", "prompt": "w1", "max_tokens": 2}
     ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
                            "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "'g'"),
     ("/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "tool-call syntax"),                                # the tiny model's template shows no tools
 ])
 def test_bad_fields_are_400s_naming_them(server, path, extra, param, words):
     body = dict(CHAT if path == "/chat/completions" else COMP, **extra)
@@ -264,6 +266,32 @@ def test_the_openai_client_gets_bad_request_errors(client):
 
 
 # -- structured outputs and tools on a real tokenizer (SmolLM2) ----------------------------------
+# A Qwen2.5-style template with Hermes tool calls (`<tool_call>` JSON), in SmolLM2's ChatML tokens.
+HERMES = """{%- if tools %}<|im_start|>system
+You may call functions. Their signatures, within <tools></tools>:
+<tools>{% for t in tools %}
+{{ t | tojson }}{% endfor %}
+</tools>
+Return each call as <tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% elif m.tool_calls %}<|im_start|>assistant
+{% for c in m.tool_calls %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}<|im_start|>assistant
+"""
+
+
 @pytest.fixture(scope="module")
 def smol():
     import importlib.util
@@ -275,6 +303,7 @@ def smol():
     from rlx_core.serve import create_app
 
     model = rlx_core.load("smollm2", progress=False)
+    model.tokenizer.chat_template = HERMES          # (SmolLM2's own template offers no tools)
     srv = Server(create_app({"smollm2": model}, max_batch=4))
     import openai
 
@@ -305,8 +334,11 @@ def test_structured_outputs_validate(smol):
     assert len(r.choices[0].text) == 5 and r.choices[0].text[1:].isdigit()
     parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model="smollm2", messages=ask, max_tokens=40, temperature=0, stream=True,
-        response_format={"type": "json_object"}) if c.choices]
-    assert isinstance(json.loads("".join(parts)), dict)
+        extra_body={"structured_outputs": {"json": SCHEMA}}) if c.choices]
+    jsonschema.validate(json.loads("".join(parts)), SCHEMA)
+    r = client.chat.completions.create(model="smollm2", messages=chat('Answer with the JSON {"a": 1} only.'),
+                                       max_tokens=60, temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 def test_an_unsatisfiable_schema_is_a_400_and_it_keeps_serving(smol):
@@ -327,19 +359,26 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["city"], "additionalProperties": False}}}]
 
 
-def test_a_required_tool_call_round_trips(smol):
+def test_a_forced_tool_call_round_trips(smol):
     client, _ = smol
     ask = chat("What is the weather in Paris?")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    # "required": one call or more (the grammar allows more; greedy SmolLM2 may go on to the limit)
     r = client.chat.completions.create(model="smollm2", messages=ask, tools=TOOLS, tool_choice="required",
                                        max_tokens=60, temperature=0)
+    first = r.choices[0].message.tool_calls[0]
+    assert first.function.name == "get_weather" and isinstance(json.loads(first.function.arguments)["city"], str)
+    # a named function: that call, once
+    r = client.chat.completions.create(model="smollm2", messages=ask, tools=TOOLS, tool_choice=named,
+                                       max_tokens=60, temperature=0)
     c = r.choices[0]
-    assert c.finish_reason == "tool_calls" and c.message.tool_calls
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
     call = c.message.tool_calls[0]
     assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
     # streamed: the tool_calls deltas reassemble to the same call
     name, args = "", ""
     reason = None
-    for ch in client.chat.completions.create(model="smollm2", messages=ask, tools=TOOLS, tool_choice="required",
+    for ch in client.chat.completions.create(model="smollm2", messages=ask, tools=TOOLS, tool_choice=named,
                                              max_tokens=60, temperature=0, stream=True):
         for d in ch.choices:
             reason = d.finish_reason or reason

@@ -243,10 +243,16 @@ class Choices:
         any is submitted); off the event loop."""
         model, opts, body = self.model, self.opts, self.body
         param = "messages" if "messages" in body else "prompt"
+        if model.tokenizer is None and (opts.grammar is not None or opts.tools is not None):
+            raise P.bad(f"'{self.name}' has no tokenizer: its output cannot be constrained or parsed",
+                        opts.grammar[0] if opts.grammar else "tools")
         if opts.tools is not None:
-            from ..runtime.tools import tool_prompt_style
+            from ..runtime.tools import STYLES, tool_prompt_style
 
-            self.style = tool_prompt_style(model._tokenizer())
+            self.style = tool_prompt_style(model.tokenizer)
+            if self.style is None:
+                raise P.bad(f"'{self.name}': its chat template offers no tools in a tool-call syntax known here "
+                            f"({', '.join(STYLES)})", "tools")
         jobs = []
         for p in prompts:
             try:
@@ -256,10 +262,7 @@ class Choices:
             max_new = P.max_new_tokens(body, opts.n, len(ids), model.max_positions,
                                        self.served.default_max_tokens if self.chat else 16)
             jobs.append((p, ids, max_new))
-        constraint = self._constraint() if model.tokenizer is not None else None
-        if constraint is None and (opts.grammar is not None or opts.tools is not None):
-            raise P.bad(f"'{self.name}' has no tokenizer: its output cannot be constrained or parsed",
-                        opts.grammar[0] if opts.grammar else "tools")
+        constraint = self._constraint()
         try:
             params = SamplingParams.checked(**opts.sampling, n=opts.n, constraint=constraint,
                                             max_new_tokens=max(m for _, _, m in jobs))
