@@ -10,8 +10,8 @@ import torch
 from transformers.generation import logits_process as hf
 
 from rlx_core.ir.errors import ModelError
-from rlx_core.runtime.sampling import (SamplingParams, add_logit_bias, log_softmax, presence_frequency_penalty,
-                                       repetition_penalty, warp)
+from rlx_core.runtime.sampling import (SamplingParams, add_logit_bias, log_softmax,
+                                       presence_frequency_penalty, repetition_penalty, warp)
 from rlx_core.runtime.scheduler import Scheduler
 from tiny_models import tiny_llama
 
@@ -82,10 +82,12 @@ def test_log_softmax_is_float64_exact(rng):
 
 
 @pytest.mark.parametrize("kw, name", [
-    ({"min_p": 1.5}, "min_p"), ({"typical_p": 0}, "typical_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"), ({"typical_p": 0}, "typical_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -2.5}, "frequency_penalty"),
     ({"logit_bias": {5: 101}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"), ({"n": 0}, "n"),
-    ({"logprobs": 21}, "logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"ignore_eos": 1}, "ignore_eos"),
+    ({"logprobs": 21}, "logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"ignore_eos": 1}, "ignore_eos"),
     ({"constraint": 3}, "constraint"), ({"stop": ["a"] * 65}, "stop"), ({"stop": [""]}, "stop"),
     ({"seed": -1}, "seed"), ({"nope": 1}, "nope"), ({"max_tokens": 3, "max_new_tokens": 3}, "max_tokens"),
 ])
@@ -99,7 +101,8 @@ def test_bad_arguments_are_model_errors_naming_them(model, kw, name):
 
 def test_argmax_only_when_nothing_changes_the_choice():
     assert SamplingParams().argmax and SamplingParams(min_p=0.5, typical_p=0.5, stop=("x",), n=3).argmax
-    for kw in ({"do_sample": True}, {"repetition_penalty": 1.1}, {"presence_penalty": 0.1}, {"frequency_penalty": 1},
+    for kw in ({"do_sample": True}, {"repetition_penalty": 1.1}, {"presence_penalty": 0.1},
+               {"frequency_penalty": 1},
                {"logit_bias": {3: 1}}, {"logprobs": 0}, {"constraint": lambda: None}):
         assert not SamplingParams.checked(**kw).argmax, kw
 
@@ -130,12 +133,14 @@ def _reference(model, prompt: list, steps: int, *, rep=1.0, presence=0.0, freq=0
 def test_top_k_1_equals_greedy(model):
     prompt = [5, 9, 11, 4]
     greedy = model.generate(prompt, max_new_tokens=6, ignore_eos=True)
-    assert model.generate(prompt, max_new_tokens=6, ignore_eos=True, do_sample=True, top_k=1, seed=3) == greedy
+    sampled = model.generate(prompt, max_new_tokens=6, ignore_eos=True, do_sample=True, top_k=1, seed=3)
+    assert sampled == greedy
 
 
 def test_penalties_and_bias_equal_the_reference(model):
     prompt = [5, 9, 11, 4, 9]
-    kw = dict(repetition_penalty=1.8, presence_penalty=0.5, frequency_penalty=0.9, logit_bias={7: 1.5, EOS: -100})
+    kw = dict(repetition_penalty=1.8, presence_penalty=0.5, frequency_penalty=0.9,
+              logit_bias={7: 1.5, EOS: -100})
     out = model.generate(prompt, max_new_tokens=8, return_dict=True, logprobs=2, **kw)
     want, raw = _reference(model, prompt, 8, rep=1.8, presence=0.5, freq=0.9, bias=((7, 1.5), (EOS, -100.0)))
     assert out.ids[len(prompt):] == want
@@ -149,7 +154,8 @@ def test_penalties_and_bias_equal_the_reference(model):
 
 def test_logprobs_and_prompt_logprobs_equal_a_float64_log_softmax(model):
     prompt = [5, 9, 11, 4, 20, 31]
-    out = model.generate(prompt, max_new_tokens=4, return_dict=True, logprobs=0, prompt_logprobs=3, ignore_eos=True)
+    out = model.generate(prompt, max_new_tokens=4, return_dict=True, logprobs=0, prompt_logprobs=3,
+                         ignore_eos=True)
     _, raw = _reference(model, prompt, 4)
     new = out.ids[len(prompt):]
     assert [lp.token for lp in out.logprobs[0]] == new and all(lp.top == () for lp in out.logprobs[0])
@@ -183,8 +189,8 @@ def test_n_choices_share_one_prefill(model):
 
 
 def test_seeds_reproduce_with_every_warper(model):
-    kw = dict(max_new_tokens=8, do_sample=True, temperature=1.3, top_k=20, top_p=0.95, min_p=0.02, typical_p=0.95,
-              ignore_eos=True)
+    kw = dict(max_new_tokens=8, do_sample=True, temperature=1.3, top_k=20, top_p=0.95, min_p=0.02,
+              typical_p=0.95, ignore_eos=True)
     a, b = model.generate([5, 6, 7], seed=11, **kw), model.generate([5, 6, 7], seed=11, **kw)
     assert a == b
     assert any(model.generate([5, 6, 7], seed=s, **kw) != a for s in range(12, 16))
@@ -266,8 +272,8 @@ def test_the_scheduler_runs_constrained_rows_beside_unconstrained_ones(model):
 
 
 def test_the_scheduler_matches_generate_with_every_parameter(model):
-    kw = dict(repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.6, logit_bias={7: 1.0}, logprobs=2,
-              prompt_logprobs=1, ignore_eos=True)
+    kw = dict(repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.6, logit_bias={7: 1.0},
+              logprobs=2, prompt_logprobs=1, ignore_eos=True)
     prompt = [5, 9, 11, 4, 9]
     want = model.generate(prompt, max_new_tokens=6, return_dict=True, **kw)
     events = []

@@ -135,8 +135,8 @@ def checked_greedy(out: dict, rows, banning, eos) -> np.ndarray | None:
 
 @attrs.frozen
 class Generation:
-    """What `generate(..., return_dict=True)` gives: `ids` (what generate returns otherwise:
-    for ids in), `texts` (each row's new text, for text in; None for ids in), per row the
+    """What `generate(..., return_dict=True)` gives: `ids` (what generate returns for ids in:
+    the prompt and the new tokens, text in too), `texts` (each row's new text, for text in; None for ids in), per row the
     `finish_reasons` ("stop": EOS, a stop string or a finished constraint; "length"), the
     `logprobs` (a TokenLogprob per new token; None unless asked) and the `prompt_logprobs`
     (None for the first prompt token, then a TokenLogprob each; None unless asked). Rows are
@@ -301,8 +301,8 @@ class CausalLM:
         `stream(token_ids_of_each_row)` is called after every step (holding the model's lock).
         Every argument is checked first: a bad one is a ModelError naming it."""
         params = SamplingParams.checked(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                                        do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                                        seed=seed, **sampling)
+                                        do_sample=do_sample, temperature=temperature, top_k=top_k,
+                                        top_p=top_p, seed=seed, **sampling)
         params.check_vocab(self.vocab_size)
         chat, return_dict = bool_arg("chat", chat), bool_arg("return_dict", return_dict)
         stream = callable_arg("stream", stream)
@@ -327,7 +327,7 @@ class CausalLM:
             out = self._generate(rows, as_list, text_in, params, stream)
             if return_dict:
                 return out
-            if text_in:
+            if out.texts is not None:
                 return out.texts[0] if params.n == 1 else out.texts
             return out.ids
 
@@ -337,7 +337,8 @@ class CausalLM:
             raise ModelError(f"n ({params.n}) x max_new_tokens ({params.max_new_tokens}) with the prompt's "
                              f"{prompt_len} tokens is over the context of {self.max_positions} positions")
 
-    def _generate(self, rows: list, as_list: bool, text_in: bool, sampling: SamplingParams, stream) -> Generation:
+    def _generate(self, rows: list, as_list: bool, text_in: bool, sampling: SamplingParams,
+                  stream) -> Generation:
         eos, pad = self._eos_and_pad()
         ids, mask = _pad_batch(rows, pad)
         room = self.max_positions - ids.shape[1]
@@ -351,14 +352,9 @@ class CausalLM:
         prompt_lp = self._prompt_logprobs(rows, sampling) if sampling.prompt_logprobs is not None else None
         reasons = ["stop" if d else "length" for d in run.done]
         logprobs = run.logprobs
-        texts = None
-        if text_in:
-            texts = [run.text(b, new[b]) for b in range(len(new))]
-            out = None
-        elif as_list:
-            out = list(rows[0]) + [int(x) for x in new[0]]
-        else:
-            out = np.concatenate([run.ids_all, new], axis=1)
+        texts = [run.text(b, new[b]) for b in range(len(new))] if text_in else None
+        out: Any = (list(rows[0]) + [int(x) for x in new[0]] if as_list
+                    else np.concatenate([run.ids_all, new], axis=1))
         return Generation(out, texts, reasons, logprobs, prompt_lp)
 
     def _prompt_logprobs(self, rows: list, sampling: SamplingParams) -> list:
@@ -418,7 +414,7 @@ class _Decoding:
         self.stops = ([StopText(model.tokenizer, sampling.stop) for _ in range(rows)]
                       if sampling.stop else None)
         self.forced = np.zeros(rows, bool)       # rows whose finished constraint forced EOS this step
-        self.logprobs = [[] for _ in range(rows)] if sampling.logprobs is not None else None
+        self.logprobs: list | None = [[] for _ in range(rows)] if sampling.logprobs is not None else None
         # On a backend whose runs overlap the host (a GPU), the greedy step giving token t + 1
         # is queued before token t is read, fed token t's ids on the device: the device never
         # waits for the host. It is dropped where token t ends the rows or is not the greedy id.
@@ -469,7 +465,7 @@ class _Decoding:
                     new = backend.copy_into(new, (slice(b * n + j, b * n + j + 1),) + rest,
                                             old, (slice(b, b + 1),) + rest)
             states[node.name] = new
-        return (None if logits is None else np.repeat(logits, n, 0)), (None if nxt is None else np.repeat(nxt, n, 0))
+        return tuple(None if a is None else np.repeat(a, n, 0) for a in (logits, nxt))
 
     def text(self, row: int, new: np.ndarray) -> str:
         """Row `row`'s new text: up to its EOS, or before its stop string."""

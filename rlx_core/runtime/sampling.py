@@ -119,7 +119,8 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kw) - known)
         if unknown:
-            raise ModelError(f"unknown sampling argument(s) {unknown}; expected some of {sorted(known | set(ALIASES))}")
+            raise ModelError(f"unknown sampling argument(s) {unknown}; expected some of "
+                             f"{sorted(known | set(ALIASES))}")
         d = {f.name: f.default for f in fields(cls)} | kw
         max_name, min_name = said["max_new_tokens"], said["min_new_tokens"]
         max_new = int_arg(max_name, d["max_new_tokens"])
@@ -138,7 +139,8 @@ class SamplingParams:
             typical_p=float_arg("typical_p", d["typical_p"], 0.0, 1.0, lo_open=True, none=True),
             repetition_penalty=float_arg("repetition_penalty", d["repetition_penalty"], 0.0, lo_open=True),
             presence_penalty=float_arg("presence_penalty", d["presence_penalty"], -MAX_PENALTY, MAX_PENALTY),
-            frequency_penalty=float_arg("frequency_penalty", d["frequency_penalty"], -MAX_PENALTY, MAX_PENALTY),
+            frequency_penalty=float_arg("frequency_penalty", d["frequency_penalty"], -MAX_PENALTY,
+                                        MAX_PENALTY),
             logit_bias=_logit_bias(d["logit_bias"]),
             seed=int_arg("seed", d["seed"], none=True),
             stop=_stop(d["stop"]),
@@ -160,7 +162,8 @@ class SamplingParams:
     @property
     def processes(self) -> bool:
         """Whether a step's logits change before the choice (penalties, bias, a constraint)."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0
                 or bool(self.logit_bias) or self.constraint is not None)
 
     @property
@@ -238,7 +241,8 @@ def mask_allowed(x: np.ndarray, constraints: Sequence, eos: tuple) -> None:
         if allowed is not None:
             allowed = np.asarray(allowed, bool)
             if allowed.shape != (x.shape[1],):
-                raise ModelError(f"constraint.allowed() must be a bool [{x.shape[1]}] array (the vocabulary), "
+                raise ModelError(f"constraint.allowed() must be a bool [{x.shape[1]}] array (the "
+                                 "vocabulary), "
                                  f"got shape {allowed.shape}")
             x[b, ~allowed] = -np.inf
         if eos and not finished:
@@ -341,12 +345,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
-def token_logprobs(logits: np.ndarray, tokens: Sequence, k: int) -> list:
+def token_logprobs(logits: np.ndarray, tokens: Any, k: int | None) -> list:
     """A TokenLogprob per row of the raw logits [rows, vocab] for tokens[row], with its k best."""
     lp = log_softmax(logits)
     out = []
     for row, tok in zip(lp, tokens):
-        top = ()
+        top: tuple = ()
         if k:
             best = np.argsort(-row, kind="stable")[:k]
             top = tuple((int(t), float(row[t])) for t in best)
@@ -354,7 +358,7 @@ def token_logprobs(logits: np.ndarray, tokens: Sequence, k: int) -> list:
     return out
 
 
-def prompt_token_logprobs(logits: np.ndarray, prompt: Sequence, k: int) -> list:
+def prompt_token_logprobs(logits: np.ndarray, prompt: Sequence, k: int | None) -> list:
     """The prompt's logprobs from the logits at its positions [seq, vocab]: None for the first
     token (nothing predicts it), then each token under the logits before it."""
     return [None] + token_logprobs(logits[:-1], prompt[1:], k)
@@ -362,10 +366,12 @@ def prompt_token_logprobs(logits: np.ndarray, prompt: Sequence, k: int) -> list:
 
 def check_constraint(c: Any) -> Constraint:
     if not all(callable(getattr(c, m, None)) for m in ("allowed", "accept", "finished")):
-        raise ModelError(f"constraint() must give a Constraint (allowed, accept, finished), got {type(c).__name__}")
+        raise ModelError("constraint() must give a Constraint (allowed, accept, finished), got "
+                         f"{type(c).__name__}")
     return c
 
 
-__all__ = ["SamplingParams", "Sampling", "TokenLogprob", "MAX_LOGPROBS", "MAX_STOP_STRINGS", "warp", "process_logits", "choose",
-           "mask_allowed", "repetition_penalty", "presence_frequency_penalty", "add_logit_bias", "log_softmax",
+__all__ = ["SamplingParams", "Sampling", "TokenLogprob", "MAX_LOGPROBS", "MAX_STOP_STRINGS", "warp",
+           "process_logits", "choose", "mask_allowed", "repetition_penalty", "presence_frequency_penalty",
+           "add_logit_bias", "log_softmax",
            "token_logprobs", "prompt_token_logprobs", "check_constraint"]

@@ -417,7 +417,8 @@ class Scheduler:
     def _prompt_logprobs(self, r: Request) -> list:
         """r's prompt logprobs from the model's logits graph (every position; no KV cache)."""
         ids = np.asarray([r.prompt_ids], np.int64)
-        logits = self.model.executable("logits").run(self.model._inputs(ids, np.ones(ids.shape, bool)))["logits"][0]
+        feed = self.model._inputs(ids, np.ones(ids.shape, bool))
+        logits = self.model.executable("logits").run(feed)["logits"][0]
         if not np.isfinite(logits).all():
             raise ModelError(f"{self.model.source}: non-finite prompt logits for request {r.id}")
         return prompt_token_logprobs(logits, r.prompt_ids, r.params.prompt_logprobs)
