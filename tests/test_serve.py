@@ -164,7 +164,7 @@ def test_bad_requests_get_openai_errors(client, server):
         ("/chat/completions", {"model": "smollm2", "messages": []}, 400, "messages", "messages"),
         ("/chat/completions", {"model": "smollm2", "messages": chat("hi"), "n": 0}, 400, "n", "'n'"),
         ("/completions", {"model": "smollm2", "prompt": 3}, 400, "prompt", "prompt"),
-        ("/completions", {"model": "smollm2", "prompt": "hi", "stop": ["a"] * 5}, 400, "stop", "stop"),
+        ("/completions", {"model": "smollm2", "prompt": "hi", "stop": ["a"] * 65}, 400, "stop", "64"),
         ("/embeddings", {"model": "smollm2", "input": "hi"}, 400, "model", "encoder"),
         ("/chat/completions", {"model": "minilm", "messages": chat("hi")}, 400, "model", "embedding"),
         ("/embeddings", {"model": "minilm", "input": []}, 400, "input", "input"),
