@@ -13,6 +13,7 @@ from rlx_core.ir.errors import ModelError
 from rlx_core.runtime.sampling import (SamplingParams, add_logit_bias, log_softmax,
                                        presence_frequency_penalty, repetition_penalty, warp)
 from rlx_core.runtime.scheduler import Scheduler
+from rlx_core.testing.parity import backend_params
 from tiny_models import tiny_llama
 
 WAIT = 120
@@ -296,3 +297,22 @@ def test_scheduler_seeds_reproduce(model):
         a = s.submit([5, 6, 7], **kw).result(WAIT).token_ids
         b = s.submit([5, 6, 7], **kw).result(WAIT).token_ids
     assert a == b
+
+
+@pytest.fixture(params=backend_params(("numba", "cuda", "opencl")))
+def device_model(request, rng):
+    return tiny_llama(rng, backend=request.param)
+
+
+def test_choices_and_constraints_on_every_backend(device_model):
+    """The prefill's KV rows copied to n rows go through the backend's copy_into; a constraint
+    and logprobs take the logits path: both on each backend."""
+    m = device_model
+    one = m.generate([[5, 9, 11], [7, 8, 3]], max_new_tokens=4, ignore_eos=True)
+    three = m.generate([[5, 9, 11], [7, 8, 3]], max_new_tokens=4, n=3, ignore_eos=True)
+    np.testing.assert_array_equal(three, np.repeat(one, 3, 0))
+    out = m.generate([5, 9, 11], max_new_tokens=6, return_dict=True, logprobs=1,
+                     constraint=lambda: OneOf(m.vocab_size, ALLOWED, 3))
+    assert all(t in ALLOWED for t in out.ids[3:6]) and out.ids[6] == EOS and out.finish_reasons == ["stop"]
+    _, raw = _reference(m, [5, 9, 11], 1)
+    assert abs(out.logprobs[0][0].logprob - log_softmax(raw[0])[out.ids[3]]) <= 1e-4
