@@ -192,7 +192,7 @@ class Choices:
     i*n+j being prompt i's j-th): their requests, text, logprobs and finish reasons as events
     come; an echoed prompt starts its choices' text (and logprobs, the first None)."""
 
-    def __init__(self, served: Served, name: str, body: dict, chat: bool, opts: P.Options):
+    def __init__(self, served: Served, name, body: dict, chat: bool, opts: P.Options):
         self.served, self.name, self.body, self.chat, self.opts = served, name, body, chat, opts
         self.model = served.get(name, "causal")
         self.reqs: list = []             # a scheduler Request per prompt (its `choices`: n)
@@ -201,7 +201,7 @@ class Choices:
         self.logprobs: dict = {}
         self.reasons: dict = {}
         self.prompts: dict = {}          # index -> (echoed text, its logprobs or None)
-        self.style = None
+        self.style = ""                  # the chat template's tool-call syntax, when tools are offered
         self._pieces: dict = {}
 
     def piece(self, token: int) -> str:
@@ -249,10 +249,11 @@ class Choices:
         if opts.tools is not None:
             from ..runtime.tools import STYLES, tool_prompt_style
 
-            self.style = tool_prompt_style(model.tokenizer)
-            if self.style is None:
+            style = tool_prompt_style(model.tokenizer)
+            if style is None:
                 raise P.bad(f"'{self.name}': its chat template offers no tools in a tool-call syntax known here "
                             f"({', '.join(STYLES)})", "tools")
+            self.style = style
         jobs = []
         for p in prompts:
             try:

@@ -150,8 +150,8 @@ def options(body: dict, chat: bool, vocab: int) -> Options:
     s = {"do_sample": temperature > 0, "temperature": float(temperature) if temperature > 0 else 1.0,
          "top_k": top_k if top_k and top_k > 0 else None,
          "top_p": field(body, "top_p", (int, float), 1.0, lo=0, hi=1, open_lo=True),
-         "min_p": field(body, "min_p", (int, float), 0.0, lo=0, hi=1),
-         "typical_p": field(body, "typical_p", (int, float), 1.0, lo=0, hi=1, open_lo=True),
+         "min_p": field(body, "min_p", (int, float), 0.0, lo=0, hi=1) or None,             # 0: off
+         "typical_p": _off_at(field(body, "typical_p", (int, float), 1.0, lo=0, hi=1, open_lo=True), 1),
          "repetition_penalty": field(body, "repetition_penalty", (int, float), 1.0, lo=0, open_lo=True),
          "presence_penalty": field(body, "presence_penalty", (int, float), 0.0, lo=-2, hi=2),
          "frequency_penalty": field(body, "frequency_penalty", (int, float), 0.0, lo=-2, hi=2),
@@ -171,6 +171,11 @@ def options(body: dict, chat: bool, vocab: int) -> Options:
         raise bad(f"'{grammar[0]}' and a tool_choice that forces a call cannot both constrain the output",
                   grammar[0])
     return Options(s, n, top, echo, grammar, tools, choice, parallel, stream, include_usage)
+
+
+def _off_at(value, off):
+    """None (the runtime's "off") when `value` is the setting that changes nothing."""
+    return None if value == off else value
 
 
 def logit_bias(body: dict, vocab: int) -> dict:
@@ -577,16 +582,15 @@ def chunk_body(rid: str, model: str, index: int, text: str | None, finish: str |
                logprobs: dict | None = None, tool_calls: list | None = None) -> dict:
     """One streamed chunk (no choices, only usage, when `use` is given); `logprobs` already
     in the endpoint's shape; `tool_calls`: OpenAI's tool_calls deltas."""
-    if use is not None:
-        choices = []
-    elif chat:
-        delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+    choices: list = []              # (none in the usage chunk)
+    if use is None and chat:
+        delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
         if tool_calls:
             delta["tool_calls"] = tool_calls
         choices = [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
-    else:
+    elif use is None:
         choices = [{"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}]
-    out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+    out: dict = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
            "created": created or int(time.time()), "model": model, "choices": choices}
     if use is not None:
         out["usage"] = use
