@@ -21,7 +21,7 @@ from ..plugins.providers import provider_hint
 from ..profile import CompileProfile, ProfileLike
 from .args import (bool_arg, callable_arg, float_arg, id_matrix, int_arg, mask_arg, text_arg, token_id,
                    token_rows)
-from .sampling import Sampling, SamplingParams, check_constraint, prompt_token_logprobs, token_logprobs
+from .sampling import Sampling, SamplingParams, ask, check_constraint, prompt_token_logprobs, token_logprobs
 from .stop_text import StopText
 
 if TYPE_CHECKING:
@@ -414,6 +414,7 @@ class _Decoding:
         self.stops = ([StopText(model.tokenizer, sampling.stop) for _ in range(rows)]
                       if sampling.stop else None)
         self.forced = np.zeros(rows, bool)       # rows whose finished constraint forced EOS this step
+        self.asked: list | None = None           # the constraints' answers for the running step (`_ask`)
         self.logprobs: list | None = [[] for _ in range(rows)] if sampling.logprobs is not None else None
         # On a backend whose runs overlap the host (a GPU), the greedy step giving token t + 1
         # is queued before token t is read, fed token t's ids on the device: the device never
@@ -486,7 +487,15 @@ class _Decoding:
             nxt = self._greedy_of(exe.run(feed, fetch=GREEDY_OUTPUTS), t)
             if nxt is not None:
                 return None, nxt
-        return exe.run(feed, fetch=("logits",))["logits"][:, -1], None
+        wait = exe.submit(feed, ("logits",))
+        self._ask()
+        return wait()["logits"][:, -1], None
+
+    def _ask(self) -> None:
+        """Each live row's constraint's answers for the step now running (`sampling.ask`): a
+        grammar's mask is computed while the device runs the step."""
+        if self.constraints is not None:
+            self.asked = [None if d else ask(c) for d, c in zip(self.done, self.constraints)]
 
     def _feed(self, t: int, ids: np.ndarray) -> dict:
         """The inputs of the decode step giving token t, from token t - 1 (`ids` [b])."""
@@ -551,10 +560,13 @@ class _Decoding:
         sp, live = self.sampling, ~self.done
         cons = None
         if self.constraints is not None:
-            self.forced = np.array([live[b] and c.finished() for b, c in enumerate(self.constraints)])
+            if self.asked is None:
+                self._ask()
+            asked, self.asked = self.asked or [], None
+            self.forced = np.array([a is not None and a.finished() for a in asked], bool)
             if self.forced.any() and not self.eos:
                 raise ModelError(f"{self.model.source}: a constraint finished but the model has no EOS token")
-            cons = [c if live[b] and not self.forced[b] else None for b, c in enumerate(self.constraints)]
+            cons = [None if f else a for a, f in zip(asked, self.forced)]
         seen = [p + o for p, o in zip(self.prompts, self.out)] if sp.repetition_penalty != 1.0 else ()
         x = sp.process(logits, seen=seen, generated=self.out,
                        n_new=t, eos=self.eos, constraints=cons)

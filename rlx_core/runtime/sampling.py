@@ -364,6 +364,24 @@ def prompt_token_logprobs(logits: np.ndarray, prompt: Sequence, k: int | None) -
     return [None] + token_logprobs(logits[:-1], prompt[1:], k)
 
 
+@dataclass(frozen=True)
+class Asked:
+    """A constraint's answers for the coming step (`ask`), taken while the device runs it: the
+    sampler reads them as it would the constraint's."""
+    mask: np.ndarray | None
+    done: bool
+
+    def allowed(self) -> np.ndarray | None:
+        return self.mask
+
+    def finished(self) -> bool:
+        return self.done
+
+
+def ask(c: Constraint) -> Asked:
+    return Asked(c.allowed(), c.finished())
+
+
 def check_constraint(c: Any) -> Constraint:
     if not all(callable(getattr(c, m, None)) for m in ("allowed", "accept", "finished")):
         raise ModelError("constraint() must give a Constraint (allowed, accept, finished), got "
@@ -374,4 +392,4 @@ def check_constraint(c: Any) -> Constraint:
 __all__ = ["SamplingParams", "Sampling", "TokenLogprob", "MAX_LOGPROBS", "MAX_STOP_STRINGS", "warp",
            "process_logits", "choose", "mask_allowed", "repetition_penalty", "presence_frequency_penalty",
            "add_logit_bias", "log_softmax",
-           "token_logprobs", "prompt_token_logprobs", "check_constraint"]
+           "token_logprobs", "prompt_token_logprobs", "check_constraint", "Asked", "ask"]

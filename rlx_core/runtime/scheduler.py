@@ -27,7 +27,7 @@ from ..ir.errors import ModelError, RlxError
 from .args import bool_arg, callable_arg, int_arg, token_rows
 from .batch_cache import BatchCache
 from .model import CTX_BUCKET, fetch_greedy, greedy_outputs, updates_in_place
-from .sampling import SamplingParams, check_constraint, prompt_token_logprobs, token_logprobs
+from .sampling import SamplingParams, ask, check_constraint, prompt_token_logprobs, token_logprobs
 from .stop_text import StopText
 
 if TYPE_CHECKING:
@@ -439,13 +439,19 @@ class Scheduler:
         self.steps += 1
         self.max_rows = max(self.max_rows, len(self._active))
         greedy = self._greedy_ids(exe, feed)
-        logits = None if greedy is not None else exe.run(feed, fetch=("logits",))["logits"][:, -1]
+        asked: dict = {}
+        if greedy is None:
+            wait = exe.submit(feed, ("logits",))
+            for r in self._active:          # (the masks while the device runs the step)
+                if r.constraint is not None:
+                    self._guard([r], lambda r=r: asked.__setitem__(r.id, ask(r.constraint)))
+            logits = wait()["logits"][:, -1]
         for r in list(self._active):
             r.length += 1
             if greedy is not None:
                 self._guard([r], self._accept, r, int(greedy[r.slot]))
-            else:
-                self._guard([r], self._take, r, logits[r.slot:r.slot + 1])
+            elif not r.done:
+                self._guard([r], self._take, r, logits[r.slot:r.slot + 1], asked.get(r.id))
 
     def _greedy_ids(self, exe, feed):
         """The graph's arg-max ids [batch] when every active request is greedy and
@@ -458,13 +464,15 @@ class Scheduler:
         return fetch_greedy(exe, feed, [r.slot for r in self._active], banning,
                             np.array(self.model.eos_ids, np.int64))
 
-    def _take(self, r: Request, logits) -> None:
+    def _take(self, r: Request, logits, asked=None) -> None:
         """Choose r's next token from its logits [1, vocab] (SamplingParams.process, then
-        .choose; EOS where its constraint is finished) and pass it on."""
+        .choose; EOS where its constraint is finished) and pass it on. `asked`: its
+        constraint's answers for this step (`ask`), when taken while the step ran."""
         if not np.isfinite(logits).all():
             raise ModelError(f"{self.model.source}: non-finite logits for request {r.id}")
         p, eos = r.params, tuple(self.model.eos_ids)
-        forced = r.constraint is not None and r.constraint.finished()
+        cons = asked if asked is not None or r.constraint is None else ask(r.constraint)
+        forced = cons is not None and cons.finished()
         if forced:
             if not eos:
                 raise ModelError(f"{self.model.source}: request {r.id}'s constraint finished but the model "
@@ -473,7 +481,7 @@ class Scheduler:
         else:
             seen = [r.prompt_ids + r.token_ids] if p.repetition_penalty != 1.0 else ()
             x = p.process(logits, seen=seen, generated=[r.token_ids], n_new=r.n_new, eos=eos,
-                          constraints=None if r.constraint is None else [r.constraint])
+                          constraints=None if cons is None else [cons])
             tok = int(p.choose(x, [r.rng])[0])
         lp = token_logprobs(logits, [tok], p.logprobs)[0] if p.logprobs is not None else None
         self._accept(r, tok, lp, forced)
