@@ -90,23 +90,39 @@ def test_top_k_1_equals_greedy_and_seeds_reproduce(client):
     assert len(set(a)) > 1                               # the choices' draws differ (seed + choice)
 
 
-def test_sampling_fields_reach_the_sampler(client, models):
-    """A bias of +100 on one token makes it every greedy choice; penalties, min_p, typical_p,
-    repetition_penalty, min_tokens and ignore_eos are taken (not refused, not dropped: the
-    bias and a huge repetition penalty change the text)."""
+@pytest.mark.parametrize("fields, runtime", [
+    ({"presence_penalty": 1.5, "frequency_penalty": -0.7}, {}),
+    ({"extra_body": {"repetition_penalty": 1.8}}, {}),
+    ({"temperature": 1.3, "seed": 5, "extra_body": {"min_p": 0.2}}, {"do_sample": True}),
+    ({"temperature": 1.3, "seed": 5, "extra_body": {"typical_p": 0.6, "top_k": 7}}, {"do_sample": True}),
+    ({"temperature": 0.9, "seed": 2, "top_p": 0.5, "extra_body": {"min_tokens": 10, "ignore_eos": True}},
+     {"do_sample": True}),
+])
+def test_sampling_fields_act_as_in_generate(client, models, fields, runtime):
+    """Each field gives what Model.generate gives with the same setting (whose processors the
+    runtime's tests hold to numpy references): honoured, not dropped."""
+    m = models["tiny"]
+    extra = fields.get("extra_body", {})
+    kw = {k: v for k, v in fields.items() if k != "extra_body"}
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=kw.pop("temperature", 0),
+                                  **kw, extra_body=extra)
+    want = dict(kw, **extra, **runtime)
+    want["temperature"] = fields.get("temperature", 1.0)
+    if "min_tokens" in want:
+        want["min_new_tokens"] = want.pop("min_tokens")
+    ids = m.encode_prompt(PROMPT)
+    out = list(m.generate(ids, max_new_tokens=10, **({"top_k": None} | want)))[len(ids):]
+    assert r.choices[0].text == m.tokenizer.decode(out), fields
+
+
+def test_logit_bias_forces_a_token(client, models):
     tok = models["tiny"].tokenizer.token_to_id("w7")
     r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
                                   logit_bias={str(tok): 100})
     assert r.choices[0].text.split() == ["w7"] * 4
-    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
-    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
-                                  presence_penalty=2, frequency_penalty=2,
-                                  extra_body={"repetition_penalty": 1.9, "min_p": 0.0, "typical_p": 1.0,
-                                              "min_tokens": 12, "ignore_eos": True})
-    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
-    words = r.choices[0].text.split()
-    if len(set(plain.split())) < len(plain.split()):     # the plain text repeats a word: penalised, it cannot
-        assert words != plain.split()
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
+                                  logit_bias={str(tok): -100})
+    assert "w7" not in r.choices[0].text.split()
 
 
 def test_chat_logprobs_equal_a_float64_log_softmax(client, models):
