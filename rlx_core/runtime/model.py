@@ -19,8 +19,7 @@ from ..pipeline import StateStore, select_backend
 from ..plugins.manager import registry
 from ..plugins.providers import provider_hint
 from ..profile import CompileProfile, ProfileLike
-from .args import (bool_arg, callable_arg, float_arg, id_matrix, int_arg, mask_arg, text_arg, token_id,
-                   token_rows)
+from .args import bool_arg, callable_arg, id_matrix, mask_arg, text_arg, token_id, token_rows
 from .sampling import Sampling, SamplingParams, ask, check_constraint, prompt_token_logprobs, token_logprobs
 from .stop_text import StopText
 
@@ -135,12 +134,13 @@ def checked_greedy(out: dict, rows, banning, eos) -> np.ndarray | None:
 
 @attrs.frozen
 class Generation:
-    """What `generate(..., return_dict=True)` gives: `ids` (what generate returns for ids in:
-    the prompt and the new tokens, text in too), `texts` (each row's new text, for text in; None for ids in), per row the
-    `finish_reasons` ("stop": EOS, a stop string or a finished constraint; "length"), the
-    `logprobs` (a TokenLogprob per new token; None unless asked) and the `prompt_logprobs`
-    (None for the first prompt token, then a TokenLogprob each; None unless asked). Rows are
-    the prompts' in order, each repeated n times (its choices) when n > 1."""
+    """What `generate(..., return_dict=True)` gives: `ids` (the prompt and the new tokens, as
+    generate returns them for ids in; text in too), `texts` (each row's new text for text in,
+    else None), per row the `finish_reasons` ("stop": EOS, a stop string or a finished
+    constraint; "length"), the `logprobs` (a TokenLogprob per new token; None unless asked)
+    and the `prompt_logprobs` (None for the first prompt token, then a TokenLogprob each;
+    None unless asked). Rows are the prompts' in order, each repeated n times (its choices)
+    when n > 1. Logprobs are of the raw logits (see rlx_core.runtime.sampling)."""
     ids: Any
     texts: list | None
     finish_reasons: list
