@@ -385,13 +385,13 @@ async def _generate(request: Request, chat: bool):
 
 
 def _chunk_logprobs(gen: Choices, index: int, lps: list | None, offsets: dict):
-    """A streamed chunk's logprobs in the endpoint's shape (completions: text offsets go on)."""
+    """A streamed chunk's logprobs in the endpoint's shape (completions: text offsets in the
+    choice's text so far, from where the last chunk's ended)."""
     if lps is None:
         return None
     if gen.chat:
         return P.chat_logprobs(lps, gen.piece)
-    out = P.completion_logprobs(lps, gen.piece, offsets.get(index, 0))
-    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in out["tokens"])
+    out, offsets[index] = P.completion_logprobs(lps, gen.piece, gen.texts.get(index, ""), offsets.get(index, 0))
     return out
 
 

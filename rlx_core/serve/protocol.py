@@ -543,19 +543,27 @@ def chat_logprobs(tokens: list, piece) -> dict:
                         for t in tokens]}
 
 
-def completion_logprobs(tokens: list, piece, offset: int = 0) -> dict:
-    """OpenAI's completions logprobs {tokens, token_logprobs, top_logprobs, text_offset} of
-    `tokens` (TokenLogprob, or None for the prompt's first token, which has no logprob);
-    text_offset counts characters from `offset`."""
+def completion_logprobs(tokens: list, piece, text: str, start: int = 0) -> tuple:
+    """(OpenAI's completions logprobs {tokens, token_logprobs, top_logprobs, text_offset} of
+    `tokens` (TokenLogprob, or an entry with logprob None for the prompt's first token), the
+    position after the last token): text_offset is where each token's text starts in `text`,
+    searched from `start` past whitespace only (a decoder may add spaces between tokens); a
+    token whose text is not there yet (held back, or changed by decoding) gets the position
+    reached."""
     out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    at = start
     for t in tokens:
-        text = piece(t.token)
-        out["tokens"].append(text)
+        p = piece(t.token)
+        i = text.find(p, at) if p else -1
+        if i >= 0 and not text[at:i].strip():
+            at = i
+        out["tokens"].append(p)
         out["token_logprobs"].append(None if t.logprob is None else float(t.logprob))
-        out["top_logprobs"].append(None if t.logprob is None else {piece(i): float(lp) for i, lp in t.top})
-        out["text_offset"].append(offset)
-        offset += len(text)
-    return out
+        out["top_logprobs"].append(None if t.logprob is None else {piece(j): float(lp) for j, lp in t.top})
+        out["text_offset"].append(at)
+        if i >= 0 and i == at:
+            at += len(p)
+    return out, at
 
 
 def completion_body(rid: str, model: str, choices: list, use: dict, chat: bool, piece=None) -> dict:
@@ -570,7 +578,7 @@ def completion_body(rid: str, model: str, choices: list, use: dict, chat: bool, 
             lp = None if c.logprobs is None else chat_logprobs(c.logprobs, piece)
             out.append({"index": c.index, "message": msg, "finish_reason": c.finish_reason, "logprobs": lp})
         else:
-            lp = None if c.logprobs is None else completion_logprobs(c.logprobs, piece)
+            lp = None if c.logprobs is None else completion_logprobs(c.logprobs, piece, c.text)[0]
             out.append({"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": lp})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": out, "usage": use,
