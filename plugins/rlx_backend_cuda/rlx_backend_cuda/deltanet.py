@@ -35,7 +35,7 @@ GDN_SMEM_MAX = 200 * 1024  # pass 2's shared memory stage, at most
 
 def _scan_smem(c: int, kd: int) -> int:
     """Bytes of rlx_gdn_scan's dynamic shared memory (its layout comment)."""
-    return 4 * (3 * c * (kd + 1) + c * (c + 1) + c * (GDN_SCAN_COLS + 1) + kd * (GDN_SCAN_COLS + 1) + c)
+    return 4 * (4 * c * (kd + 1) + 2 * c * (c + 1) + 2 * c * (GDN_SCAN_COLS + 1) + kd * (GDN_SCAN_COLS + 1) + c)
 
 
 def _chunk_len(chunk: int, kd: int) -> int | None:

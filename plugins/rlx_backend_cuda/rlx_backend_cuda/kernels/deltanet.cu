@@ -228,66 +228,118 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gdn_prep(const T* __restri
 // @part chunk_scan(T, C, KD, VD, VS)
 // Pass 2 of 2: the one walk over the chunks, a block per (VS state columns, value head, batch)
 // holding its columns of the state S [KD, VS] in shared memory. Per chunk, from pass 1's
-// scratch (whole chunk staged in dynamic shared memory, f32):
-//   U = ubuf - wbuf S,   O = (scale e^cum Q) S + abuf U,
-//   S <- e^cum_last S + (e^(cum_last - cum_j) k_j)^T U.
-// Shared memory: Wc, Qc, Kc [C][KD + 1], Ac [C][C + 1], U [C][VS + 1], S [KD][VS + 1], cum [C].
-extern "C" __global__ void __launch_bounds__(256) rlx_gdn_scan(const T* __restrict__ q, const T* __restrict__ k,
+// scratch:
+//   U = ubuf - wbuf S,   O = scale e^cum_i (q_i S) + abuf U,
+//   S <- e^cum_last S + sum_j e^(cum_last - cum_j) k_j U_j.
+// The next chunk's inputs are in flight while this one computes, so the walk waits on memory
+// once, not once a chunk: wbuf's and abuf's rows by cp.async into the other of two stages,
+// q, k, ubuf and cum in registers (rlx_gdn_next). Shared memory: Wc[2], Qc, Kc [C][KD + 1],
+// Ac[2] [C][C + 1], U and Ue (U_j e^(cum_last - cum_j)) [C][VS + 1], S [KD][VS + 1], cum [C].
+constexpr int SC_N = (C * KD + 255) / 256, SC_U = (C * VS + 255) / 256;
+constexpr int SC_KP = KD + 1, SC_CP = C + 1, SC_VP = VS + 1;
+__device__ __forceinline__ void rlx_cp4(float* dst, const float* src) {
+#if defined(RLX_HIP) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 800
+  *dst = *src;
+#else
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+#endif
+}
+__device__ __forceinline__ void rlx_cp_wait() {
+#if !defined(RLX_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+struct rlx_gdn_next { float u[SC_U], cum; T q[SC_N], k[SC_N]; };
+__device__ __forceinline__ void rlx_gdn_fetch(rlx_gdn_next& x, float* Wc, float* Ac, const T* __restrict__ q,
+    const T* __restrict__ k, const float* __restrict__ wbuf, const float* __restrict__ ubuf,
+    const float* __restrict__ abuf, const float* __restrict__ cbuf, i64 chunk, i64 row0, int HK, int n, int v0,
+    int tid) {
+#pragma unroll 1
+  for (int e = tid; e < C * KD; e += 256) rlx_cp4(Wc + (e / KD) * SC_KP + e % KD, wbuf + chunk * C * KD + e);
+#pragma unroll 1
+  for (int e = tid; e < C * C; e += 256) rlx_cp4(Ac + (e / C) * SC_CP + e % C, abuf + chunk * C * C + e);
+  const T* qr = q + row0 * KD;
+  const T* kr = k + row0 * KD;
+#pragma unroll
+  for (int r = 0; r < SC_N; ++r) {
+    const int e = tid + 256 * r, i = e / KD, d = e % KD;
+    const bool ok = e < C * KD && i < n;
+    x.q[r] = ok ? qr[(i64)i * HK * KD + d] : T();
+    x.k[r] = ok ? kr[(i64)i * HK * KD + d] : T();
+  }
+#pragma unroll
+  for (int r = 0; r < SC_U; ++r) {
+    const int e = tid + 256 * r, i = e / VS, j = e % VS;
+    x.u[r] = e < C * VS && v0 + j < VD ? ubuf[(chunk * C + i) * VD + v0 + j] : 0.f;
+  }
+  x.cum = tid < C ? cbuf[chunk * C + tid] : 0.f;
+}
+extern "C" __global__ void __launch_bounds__(256, 1) rlx_gdn_scan(const T* __restrict__ q, const T* __restrict__ k,
     const float* __restrict__ wbuf, const float* __restrict__ ubuf, const float* __restrict__ abuf,
     const float* __restrict__ cbuf, const T* s0, T* __restrict__ o, T* s1, int steps, int H, int HK, int nch,
     float scale) {
-  constexpr int KP = KD + 1, CP = C + 1, VP = VS + 1, PER = (C * VS + 255) / 256;
+  constexpr int KP = SC_KP, CP = SC_CP, VP = SC_VP;
   extern __shared__ float sm[];
-  float* Wc = sm;
-  float* Qc = Wc + C * KP;
+  float* Wst = sm;                    // two stages of C * KP
+  float* Qc = Wst + 2 * C * KP;
   float* Kc = Qc + C * KP;
-  float* Ac = Kc + C * KP;
-  float* U = Ac + C * CP;
-  float* S = U + C * VP;
+  float* Ast = Kc + C * KP;           // two stages of C * CP
+  float* U = Ast + 2 * C * CP;
+  float* Ue = U + C * VP;
+  float* S = Ue + C * VP;
   float* cum = S + KD * VP;
   const int tid = threadIdx.x, v0 = blockIdx.x * VS, h = blockIdx.y, b = blockIdx.z, hk = h / (H / HK);
-  const i64 sb = ((i64)b * H + h) * KD * VD;
+  const i64 sb = ((i64)b * H + h) * KD * VD, head = (i64)b * H + h;
   for (int e = tid; e < KD * VS; e += 256) {
     const int r = e / VS, j = e % VS;
     S[r * VP + j] = v0 + j < VD ? LD(float, s0[sb + (i64)r * VD + v0 + j]) : 0.f;
   }
+  rlx_gdn_next nx;
+  rlx_gdn_fetch(nx, Wst, Ast, q, k, wbuf, ubuf, abuf, cbuf, head * nch, (i64)b * steps * HK + hk, HK, min(C, steps),
+                v0, tid);
   for (int c = 0; c < nch; ++c) {
     const int t0 = c * C, n = min(C, steps - t0);
-    const i64 chunk = ((i64)b * H + h) * nch + c;
-    if (tid < C) cum[tid] = cbuf[chunk * C + tid];
-    __syncthreads();                  // cum is in; the last chunk is done with U, S and the stage
-    const float last = cum[C - 1];
-    for (int e = tid; e < C * KD; e += 256) {
-      const int i = e / KD, d = e % KD;
-      const i64 off = (((i64)b * steps + t0 + i) * HK + hk) * KD + d;
-      Wc[i * KP + d] = wbuf[chunk * C * KD + e];
-      Qc[i * KP + d] = i < n ? scale * expf(cum[i]) * LD(float, q[off]) : 0.f;
-      Kc[i * KP + d] = i < n ? expf(last - cum[i]) * LD(float, k[off]) : 0.f;
-    }
-    for (int e = tid; e < C * C; e += 256) Ac[(e / C) * CP + e % C] = abuf[chunk * C * C + e];
-    __syncthreads();
-    float ws[PER], qs[PER];
+    const float* Wc = Wst + (c & 1) * C * KP;
+    const float* Ac = Ast + (c & 1) * C * CP;
+    __syncthreads();                  // the last chunk is done with the stage, U and S
 #pragma unroll
-    for (int r = 0; r < PER; ++r) {
+    for (int r = 0; r < SC_N; ++r) {
+      const int e = tid + 256 * r, i = e / KD, d = e % KD;
+      if (e < C * KD) { Qc[i * KP + d] = LD(float, nx.q[r]); Kc[i * KP + d] = LD(float, nx.k[r]); }
+    }
+    float u0[SC_U];
+#pragma unroll
+    for (int r = 0; r < SC_U; ++r) u0[r] = nx.u[r];
+    if (tid < C) cum[tid] = nx.cum;
+    rlx_cp_wait();                    // this chunk's Wc and Ac rows (this thread's copies)
+    __syncthreads();
+    if (c + 1 < nch) {                // in flight while this chunk computes
+      const int tn = t0 + C;
+      rlx_gdn_fetch(nx, Wst + ((c + 1) & 1) * C * KP, Ast + ((c + 1) & 1) * C * CP, q, k, wbuf, ubuf, abuf, cbuf,
+                    head * nch + c + 1, ((i64)b * steps + tn) * HK + hk, HK, min(C, steps - tn), v0, tid);
+    }
+    const float last = cum[C - 1];
+    float qs[SC_U];
+#pragma unroll
+    for (int r = 0; r < SC_U; ++r) {
       const int e = tid + 256 * r, i = e / VS, j = e % VS;
-      ws[r] = qs[r] = 0.f;
+      float ws = 0.f;
+      qs[r] = 0.f;
       if (e < C * VS) {
-#pragma unroll 8
+#pragma unroll 4
         for (int d = 0; d < KD; ++d) {
           const float sv = S[d * VP + j];
-          ws[r] += Wc[i * KP + d] * sv;
+          ws += Wc[i * KP + d] * sv;
           qs[r] += Qc[i * KP + d] * sv;
         }
+        qs[r] *= scale * expf(cum[i]);
+        U[i * VP + j] = u0[r] - ws;
+        Ue[i * VP + j] = (u0[r] - ws) * expf(last - cum[i]);
       }
-    }
-#pragma unroll
-    for (int r = 0; r < PER; ++r) {
-      const int e = tid + 256 * r, i = e / VS, j = e % VS;
-      if (e < C * VS) U[i * VP + j] = v0 + j < VD ? ubuf[(chunk * C + i) * VD + v0 + j] - ws[r] : 0.f;
     }
     __syncthreads();                  // U is complete; every read of S for this chunk is done
 #pragma unroll
-    for (int r = 0; r < PER; ++r) {
+    for (int r = 0; r < SC_U; ++r) {
       const int e = tid + 256 * r, i = e / VS, j = e % VS;
       if (e < C * VS) {
         float acc = qs[r];
@@ -299,8 +351,8 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gdn_scan(const T* __restri
     for (int e = tid; e < KD * VS; e += 256) {
       const int d = e / VS, j = e % VS;
       float acc = gl * S[d * VP + j];
-#pragma unroll 8
-      for (int m = 0; m < C; ++m) acc += Kc[m * KP + d] * U[m * VP + j];
+#pragma unroll 4
+      for (int m = 0; m < C; ++m) acc += Kc[m * KP + d] * Ue[m * VP + j];
       S[d * VP + j] = acc;
     }
   }
