@@ -5,7 +5,8 @@ flash-linear-attention's chunk_gated_delta_rule (Triton), each side in its own p
 
 Shape: Qwen3.5-2B-like, batch 1, 16 heads (key heads = value heads), K = V = 128, bf16, a
 nonzero start state, T = 1 (a decode step), 8192 and 32768. Sides:
-* rlx       the gated_delta_rule op on the cuda backend (CUDA-graph replays timed with events)
+* rlx       the gated_delta_rule op on the cuda backend (CUDA-graph replays timed with events):
+            the recurrent kernel at T = 1, the chunked (WY/UT) kernels from T = 64
 * composed  the scan of rlx_core.ir.recurrence on the cuda backend (T <= --composed-max only)
 * fla       fla.ops.gated_delta_rule.chunk_gated_delta_rule (fla-core installed: carry its
             wheel), CUDA events; "peer not run" where it is not importable
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -125,8 +127,12 @@ def main():
         for side in a.sides.split(","):
             if side == "composed" and n > a.composed_max:
                 continue
-            res[side] = run_child([sys.executable, __file__, "--side", side, "--n", str(n), "--reps", str(a.reps)],
-                                  f"{side} T={n}", a.budget)
+            try:
+                res[side] = run_child([sys.executable, __file__, "--side", side, "--n", str(n), "--reps", str(a.reps)],
+                                      f"{side} T={n}", a.budget)
+            except subprocess.TimeoutExpired:          # (fla's first call compiles Triton kernels: minutes)
+                log(f"  {side} T={n}: not done within --budget {a.budget:g} s")
+                res[side] = None
             if res[side]:              # each result as it comes: a run stopped early keeps what it measured
                 log(f"  {side} T={n}: {res[side]['ms']:.3f} ms")
         rows.append((n, res))
