@@ -259,6 +259,21 @@ def test_a_constraint_is_obeyed_and_forces_eos_in_generate(model, sample):
         assert all(t in ALLOWED for t in new[:3]) and new[3] == EOS and c.seen == new[:3]
 
 
+class MayEnd(OneOf):
+    """OneOf whose mask allows EOS once a token is out: complete there, though it may go on."""
+
+    def allowed(self):
+        return self.mask | (np.arange(len(self.mask)) == EOS) * bool(self.seen)
+
+
+def test_eos_only_where_the_constraint_allows_it(model):
+    biased = dict(max_new_tokens=8, logit_bias={EOS: 100.0}, return_dict=True)
+    out = model.generate([5, 6, 7], constraint=lambda: OneOf(model.vocab_size, ALLOWED, 3), **biased)
+    assert all(t in ALLOWED for t in out.ids[3:6]) and out.ids[6:] == [EOS]      # (banned, then forced)
+    out = model.generate([5, 6, 7], constraint=lambda: MayEnd(model.vocab_size, ALLOWED, 3), **biased)
+    assert out.ids[3] in ALLOWED and out.ids[4:] == [EOS] and out.finish_reasons == ["stop"]
+
+
 def test_the_scheduler_runs_constrained_rows_beside_unconstrained_ones(model):
     plain = [5, 9, 11, 4]
     alone = model.generate(plain, max_new_tokens=10, ignore_eos=True)[4:]

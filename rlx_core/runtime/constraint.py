@@ -14,7 +14,8 @@ class Constraint(Protocol):
     """One sequence's grammar state."""
 
     def allowed(self) -> np.ndarray | None:
-        """bool [vocab]: the tokens allowed next (EOS counts only once `finished`); None: any."""
+        """bool [vocab]: the tokens allowed next, EOS included where the output may end here
+        (complete, though it may go on); None: any token."""
         ...
 
     def accept(self, token: int) -> None:

@@ -190,7 +190,7 @@ class SamplingParams:
         ids / output ids."""
         x = np.array(logits, np.float64)
         if constraints is not None:
-            mask_allowed(x, constraints, eos)
+            mask_allowed(x, constraints)
         if self.bans_eos(n_new) and eos:
             x[:, list(eos)] = -np.inf
         if self.repetition_penalty != 1.0:
@@ -231,13 +231,14 @@ def choose(logits: np.ndarray, rng, do_sample: bool, temperature: float, top_k, 
 
 
 # -- logits processors (each in place on float64 [batch, vocab]; one definition per rule)
-def mask_allowed(x: np.ndarray, constraints: Sequence, eos: tuple) -> None:
-    """Row b's tokens its constraint does not allow to -inf; EOS allowed only when finished."""
+def mask_allowed(x: np.ndarray, constraints: Sequence) -> None:
+    """Row b's tokens its constraint does not allow to -inf. EOS is a token like the others
+    here: allowed where the mask allows it (a complete output that may go on); a finished
+    constraint forces it (the caller's choice, not a mask)."""
     for b, c in enumerate(constraints):
         if c is None:
             continue
         allowed = c.allowed()
-        finished = c.finished()
         if allowed is not None:
             allowed = np.asarray(allowed, bool)
             if allowed.shape != (x.shape[1],):
@@ -245,8 +246,6 @@ def mask_allowed(x: np.ndarray, constraints: Sequence, eos: tuple) -> None:
                                  "vocabulary), "
                                  f"got shape {allowed.shape}")
             x[b, ~allowed] = -np.inf
-        if eos and not finished:
-            x[b, list(eos)] = -np.inf
 
 
 def repetition_penalty(x: np.ndarray, seen: Sequence, penalty: float) -> None:
