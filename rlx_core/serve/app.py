@@ -238,6 +238,19 @@ class Choices:
                 raise self.served.bad(e, "tool_choice") from None
         return None
 
+    def _check_group(self) -> None:
+        """A 400 naming what a tensor-parallel group's rounds do not carry yet (its ranks get
+        each request's parameters as JSON and send back tokens and text only)."""
+        if self.name not in self.served.groups:
+            return
+        opts = self.opts
+        for param, asked in (("n", opts.n > 1), ("logprobs", opts.logprobs is not None),
+                             (opts.grammar[0] if opts.grammar else "", opts.grammar is not None),
+                             ("tool_choice", opts.tools is not None and opts.tool_choice != "auto")):
+            if asked:
+                raise P.bad(f"'{param}' is not available for '{self.name}', which is served tensor-parallel",
+                            param)
+
     def submit(self, prompts: list, loop, queue) -> None:
         """Tokenize and check every prompt, then submit n requests each (all checked before
         any is submitted); off the event loop."""
@@ -263,6 +276,7 @@ class Choices:
             max_new = P.max_new_tokens(body, opts.n, len(ids), model.max_positions,
                                        self.served.default_max_tokens if self.chat else 16)
             jobs.append((p, ids, max_new))
+        self._check_group()
         constraint = self._constraint()
         try:
             params = SamplingParams.checked(**opts.sampling, n=opts.n, constraint=constraint,
