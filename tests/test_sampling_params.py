@@ -277,11 +277,17 @@ def test_eos_only_where_the_constraint_allows_it(model):
 def test_the_scheduler_runs_constrained_rows_beside_unconstrained_ones(model):
     plain = [5, 9, 11, 4]
     alone = model.generate(plain, max_new_tokens=10, ignore_eos=True)[4:]
+    later: list = []
     with Scheduler(model, max_batch=4) as s:
-        free = s.submit(plain, max_tokens=10, ignore_eos=True)
-        tied = s.submit([7, 8, 3], max_tokens=10, constraint=lambda: OneOf(model.vocab_size, ALLOWED, 4),
-                        logprobs=1)
-        got, c = free.result(WAIT), tied.result(WAIT)
+        def admit_tied(ev):            # (joins the batch while `free` decodes: admitted mid-decode)
+            if not later:
+                later.append(s.submit([7, 8, 3], max_tokens=10, logprobs=1,
+                                      constraint=lambda: OneOf(model.vocab_size, ALLOWED, 4)))
+
+        free = s.submit(plain, max_tokens=10, ignore_eos=True, on_event=admit_tied)
+        got = free.result(WAIT)
+        c = later[0].result(WAIT)
+        assert s.max_rows == 2
     assert got.token_ids == alone
     assert c.finish_reason == "stop" and len(c.token_ids) == 4 and all(t in ALLOWED for t in c.token_ids)
     assert [lp.token for lp in c.logprobs] == c.token_ids and all(len(lp.top) == 1 for lp in c.logprobs)
