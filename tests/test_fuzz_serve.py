@@ -60,7 +60,14 @@ FIELDS = {
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "encoding_format": st.sampled_from(["float", "base64", "hex"]), "dimensions": st.integers(0, 9),
     "user": st.text(max_size=5), "logprobs": st.booleans(), "echo": st.booleans(),
-    **{k: values for k in ("frobnicate", "tools", "logit_bias", "response_format", "min_p", "guided_json")},
+    "top_logprobs": st.integers(-1, 22), "logit_bias": st.dictionaries(st.sampled_from(["5", "49", "50", "x"]),
+                                                                      st.integers(-120, 120), max_size=2),
+    "guided_regex": st.sampled_from(["w[0-9]+", "(", "", "w1|w2"]),
+    "guided_choice": st.lists(st.sampled_from(["w1", "w2 w3", ""]), max_size=3),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "xml"},
+                                        {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}]),
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function"}]),
+    **{k: values for k in ("frobnicate", "tools", "min_p", "guided_json", "structured_outputs")},
 }
 ROUTES = {"/v1/completions": ("tiny", "prompt"), "/v1/chat/completions": ("tiny", "messages"),
           "/v1/embeddings": ("enc", "input")}
