@@ -1,7 +1,8 @@
 """The hook through which a grammar (rlx_core.runtime.grammar, or a test's hand-made one)
 constrains generation: the sampler asks each row's constraint which tokens may come next,
 masks the others to -inf before any other logits processing, and tells it the token chosen.
-A finished constraint (the grammar is complete) forces EOS: the row ends with "stop"."""
+A finished constraint (the grammar is complete) forces EOS: the row ends with "stop" (before
+min_new_tokens too: nothing else may follow)."""
 from __future__ import annotations
 
 from typing import Callable, Protocol, runtime_checkable

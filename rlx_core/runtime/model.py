@@ -137,7 +137,8 @@ class Generation:
     """What `generate(..., return_dict=True)` gives: `ids` (the prompt and the new tokens, as
     generate returns them for ids in; text in too), `texts` (each row's new text for text in,
     else None), per row the `finish_reasons` ("stop": EOS, a stop string or a finished
-    constraint; "length"), the `logprobs` (a TokenLogprob per new token; None unless asked)
+    constraint; "length"), the `logprobs` (a TokenLogprob per new token, the ending EOS
+    included, as in `ids`; None unless asked)
     and the `prompt_logprobs` (None for the first prompt token, then a TokenLogprob each;
     None unless asked). Rows are the prompts' in order, each repeated n times (its choices)
     when n > 1. Logprobs are of the raw logits (see rlx_core.runtime.sampling)."""
