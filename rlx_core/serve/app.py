@@ -200,7 +200,7 @@ class Choices:
         self.texts: dict = {}
         self.logprobs: dict = {}
         self.reasons: dict = {}
-        self.prompts: dict = {}          # index -> (echoed text, its logprobs or None)
+        self.prompts: dict = {}          # index -> the prompt's text its choice echoes
         self.style = ""                  # the chat template's tool-call syntax, when tools are offered
         self._pieces: dict = {}
 
@@ -252,8 +252,8 @@ class Choices:
                             param)
 
     def submit(self, prompts: list, loop, queue) -> None:
-        """Tokenize and check every prompt, then submit n requests each (all checked before
-        any is submitted); off the event loop."""
+        """Tokenize and check every prompt, then submit each as one request of n choices (all
+        checked before any is submitted); off the event loop."""
         model, opts, body = self.model, self.opts, self.body
         param = "messages" if "messages" in body else "prompt"
         if model.tokenizer is None and (opts.grammar is not None or opts.tools is not None):
@@ -307,7 +307,7 @@ class Choices:
         """Record an event: (its text, its tokens' logprobs or None)."""
         text, lps = ev.text, None
         if self.opts.logprobs is not None:
-            lps = list(getattr(ev, "logprobs", None) or [])
+            lps = list(ev.logprobs)
             if index in self.prompts and index not in self.logprobs:       # the echo comes first
                 lps = prompt_logprobs(self.choices[index]) + lps
         if index in self.prompts and index not in self.texts:
