@@ -216,6 +216,11 @@ class Scheduler:
         if params.stop and m.tokenizer is None:
             raise ModelError(f"{m.source} has no tokenizer: stop strings cannot be matched")
         params.check_vocab(m.vocab_size)
+        if type(self).round is not Scheduler.round and (params.n > 1 or params.constraint is not None):
+            # (a subclass replaying rounds elsewhere, a tensor-parallel group, sends the params
+            # as JSON and admits each request as one row)
+            raise ModelError(f"n > 1 and constraint are not supported by {type(self).__name__}; "
+                             f"got n={params.n}, constraint={params.constraint!r}")
         if params.n > self.max_batch:
             raise ModelError(f"n ({params.n}) is more than the scheduler's max_batch ({self.max_batch})")
         m._check_choices(len(ids), params)
