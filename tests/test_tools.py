@@ -95,7 +95,7 @@ def _tokenizer(template: str, tok=None) -> Tokenizer:
 @SMOLLM2
 def test_style_from_template():
     assert tool_prompt_style(HERMES) == "hermes"
-    assert tool_prompt_style(LLAMA3) == "llama3"
+    assert tool_prompt_style(LLAMA3) == "json"
     assert tool_prompt_style(_tokenizer(HERMES)) == "hermes"
     assert tool_prompt_style(smollm2_tokenizer()) is None     # (its template shows no tools)
     assert tool_prompt_style(None) is None
@@ -155,21 +155,24 @@ def _calls(calls):
 
 PARSED = [
     ("hermes", 'Let me look.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
-               '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"offset_hours": 2}}\n'
-               "</tool_call>",
-     "Let me look.", [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"offset_hours": 2})]),
+               '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+               '{"offset_hours": 2}}\n</tool_call>',
+     "Let me look.",
+     [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"offset_hours": 2})]),
     ("hermes", '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>', None, [("ping", {})]),
     ("hermes", "The answer is 42 <tool_ (not a call).", "The answer is 42 <tool_ (not a call).", []),
     ("hermes", 'Sure <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}', "Sure",
      [("get_weather", {"city": "Rome"})]),                                  # unclosed at the end
     ("hermes", 'x <tool_call>{broken</tool_call>', "x<tool_call>{broken</tool_call>", []),   # kept, not lost
-    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": [1, 2]}"}</tool_call>', None, [("f", {"a": [1, 2]})]),
-    ("llama3", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', None, [("get_weather", {"city": "Oslo"})]),
-    ("llama3", '<|python_tag|>{"name": "get_time", "parameters": {"offset_hours": -3}}; '
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": [1, 2]}"}</tool_call>', None,
+     [("f", {"a": [1, 2]})]),
+    ("json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', None,
+     [("get_weather", {"city": "Oslo"})]),
+    ("json", '<|python_tag|>{"name": "get_time", "parameters": {"offset_hours": -3}}; '
                '{"name": "ping", "arguments": {}}', None, [("get_time", {"offset_hours": -3}), ("ping", {})]),
-    ("llama3", '  {"name": "ping", "parameters": {}}\n', None, [("ping", {})]),
-    ("llama3", 'Use {"name": ...} to call.', 'Use {"name": ...} to call.', []),
-    ("llama3", '{"not": "a call"}', '{"not": "a call"}', []),
+    ("json", '  {"name": "ping", "parameters": {}}\n', None, [("ping", {})]),
+    ("json", 'Use {"name": ...} to call.', 'Use {"name": ...} to call.', []),
+    ("json", '{"not": "a call"}', '{"not": "a call"}', []),
 ]
 
 
@@ -203,7 +206,7 @@ def test_stream_reassembles_to_the_parse(style, text, content, calls):
 # ---------------------------------------------------------------------------------------------- constraint
 
 @SMOLLM2
-@pytest.mark.parametrize("style", ["hermes", "llama3"])
+@pytest.mark.parametrize("style", ["hermes", "json"])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_required_call_is_forced_and_valid(style, choice):
     tok = smollm2_tokenizer()

@@ -67,7 +67,7 @@ def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None
         offered = check_tools(tools)
         if tool_prompt_style(tokenizer) is None:
             raise ModelError("tools: this model's chat template does not offer tools (or not in a call "
-                             "syntax rlx reads: Hermes <tool_call> or Llama 3 JSON)")
+                             "syntax rlx reads: <tool_call> blocks or a JSON answer)")
     return tokenizer.apply_chat_template(template_messages(messages), tools=offered)
 
 

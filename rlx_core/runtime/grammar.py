@@ -15,6 +15,7 @@ depends only on the tokens accepted so far, never on the step's logits.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import weakref
 
@@ -187,10 +188,13 @@ _EXECUTOR = None
 
 
 def _executor():
+    """llguidance's thread pool for batches: RLX_NUM_THREADS threads (as the CPU backend uses),
+    else its own default (most cores)."""
     global _EXECUTOR
     with _LL_LOCK:
         if _EXECUTOR is None:
-            _EXECUTOR = _llg().LLExecutor()
+            raw = os.environ.get("RLX_NUM_THREADS", "")
+            _EXECUTOR = _llg().LLExecutor(int(raw) if raw.isdigit() and int(raw) > 0 else None)
         return _EXECUTOR
 
 

@@ -4,7 +4,7 @@ The chat template decides how a model sees the tools and how it answers with a c
 "style" is read from the template (`tool_prompt_style`):
 - "hermes": `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block a call
   (Qwen 2.5/3, Hermes, and the templates that copy them);
-- "llama3": the whole answer is `{"name": ..., "parameters": {...}}` (Llama 3.1-3.3's JSON
+- "json": the whole answer is `{"name": ..., "parameters": {...}}` (Llama 3.1-3.3's JSON
   tool calling; calls may be joined by ";", a leading <|python_tag|> is dropped).
 
 Requests come in OpenAI's form: `tools` = [{"type": "function", "function": {"name",
@@ -24,7 +24,7 @@ import uuid
 from ..ir.errors import ModelError
 from .grammar import JSON_OPTIONS, ConstraintFactory, GrammarError, _llg, constraint_factory
 
-STYLES = ("hermes", "llama3")
+STYLES = ("hermes", "json")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")       # OpenAI's function names (and a dot, as vLLM allows)
@@ -32,14 +32,14 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")       # OpenAI's function names (an
 
 def tool_prompt_style(source) -> str | None:
     """The tool-call syntax of a chat template (`source`: a Tokenizer, or the template text):
-    "hermes", "llama3", or None when the template offers no tools in a syntax known here."""
+    "hermes", "json", or None when the template offers no tools in a syntax known here."""
     template = getattr(source, "chat_template", source)
     if not isinstance(template, str) or "tools" not in template:
         return None
     if _HERMES_OPEN in template:
         return "hermes"
     if '"parameters"' in template:
-        return "llama3"
+        return "json"
     return None
 
 
@@ -60,13 +60,14 @@ def check_tools(tools) -> list[dict]:
     names = set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type") != "function":
             raise ModelError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
                              "\"parameters\": ...}}}")
-        fn = tool["function"]
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ModelError(f"{where}.function.name must be 1-64 letters, digits, '_', '-' or '.', got {name!r}")
+            raise ModelError(f"{where}.function.name must be 1-64 letters, digits, '_', '-' or '.', "
+                             f"got {name!r}")
         if name in names:
             raise ModelError(f"{where}.function.name {name!r} is given twice")
         names.add(name)
@@ -88,7 +89,8 @@ def check_tool_choice(tool_choice, tools) -> str:
         name = tool_choice["function"].get("name")
         known = [t["function"]["name"] for t in tools or ()]
         if name not in known:
-            raise ModelError(f"tool_choice.function.name {name!r} is not among the tools ({', '.join(known)})")
+            raise ModelError(f"tool_choice.function.name {name!r} is not among the tools "
+                             f"({', '.join(known)})")
         return name
     raise ModelError("tool_choice must be \"auto\", \"none\", \"required\" or "
                      "{\"type\": \"function\", \"function\": {\"name\": ...}}")
@@ -163,7 +165,7 @@ def _hermes_body(body: str) -> dict | None:
     return _call(obj.get("name"), obj.get("arguments", obj.get("parameters", {})))
 
 
-def _llama3_calls(text: str) -> list[dict] | None:
+def _json_calls(text: str) -> list[dict] | None:
     """The calls when the whole of `text` is one or more JSON calls (joined by ";"), else None."""
     text = text.strip()
     if text.startswith(_PYTHON_TAG):
@@ -190,10 +192,10 @@ def parse_tool_calls(text: str, style: str) -> tuple[str | None, list[dict]]:
     """(content, calls) of a model's answer: calls as [{"id", "name", "arguments" (JSON text)}].
     hermes: content is the text before the first <tool_call> (trailing whitespace dropped; None
     when blank), followed by any block that is not a well-formed call, kept verbatim (never lost);
-    an unclosed last block counts when it parses. llama3: calls when the whole answer is calls,
+    an unclosed last block counts when it parses. json: calls when the whole answer is calls,
     else the answer is content."""
-    if _style(style) == "llama3":
-        calls = _llama3_calls(text)
+    if _style(style) == "json":
+        calls = _json_calls(text)
         return (None, calls) if calls else ((text or None), [])
     stream = ToolCallStream(style)
     content = stream.feed(text)[0] + stream.finish()[0]
@@ -217,19 +219,19 @@ class ToolCallStream:
         self.style = _style(style)
         self.calls: list[dict] = []
         self._buf = ""            # text not yet sent (held back: it may start a call)
-        self._in_call = False     # hermes: inside <tool_call>...; llama3: the answer is JSON
+        self._in_call = False     # hermes: inside <tool_call>...
         self._started = False     # hermes: a <tool_call> was seen (content after it is no longer sent)
-        self._sent = False        # llama3: content was sent (so the answer is not a call)
+        self._sent = False        # json: content was sent (so the answer is not a call)
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
         self._buf += delta
-        return self._hermes() if self.style == "hermes" else self._llama3()
+        return self._hermes() if self.style == "hermes" else self._json_answer()
 
     def finish(self) -> tuple[str, list[dict]]:
         """The rest at the end of the answer (an unclosed hermes block counts when it parses)."""
-        if self.style == "llama3":
+        if self.style == "json":
             text, self._buf = self._buf, ""
-            calls = None if self._sent else _llama3_calls(text)
+            calls = None if self._sent else _json_calls(text)
             return ("", self._emit(calls)) if calls else (text, [])
         content, deltas = self._hermes()
         rest, self._buf = self._buf, ""
@@ -284,7 +286,7 @@ class ToolCallStream:
             self._buf = self._buf[len(sendable):]
             return content, deltas
 
-    def _llama3(self) -> tuple[str, list[dict]]:
+    def _json_answer(self) -> tuple[str, list[dict]]:
         if self._sent:
             text, self._buf = self._buf, ""
             return text, []
@@ -310,7 +312,7 @@ def _partial_suffix(text: str, tag: str) -> int:
 def tool_constraint(tokenizer, tools, tool_choice, style: str | None,
                     vocab_size: int | None = None) -> ConstraintFactory | None:
     """The grammar that makes the model call a tool when `tool_choice` requires it: "required"
-    (one call or more, hermes; one, llama3) or a function's name (that function, once), in the
+    (one call or more, hermes; one, json) or a function's name (that function, once), in the
     style's syntax with arguments valid for the function's JSON schema. "auto" and "none": None
     (the model answers freely; with "none" the caller does not offer the tools at all)."""
     choice = check_tool_choice(tool_choice, tools)
@@ -321,7 +323,8 @@ def tool_constraint(tokenizer, tools, tool_choice, style: str | None,
         raise ModelError(f"tool_choice {tool_choice!r}: this model's chat template has no tool-call "
                          f"syntax known here ({', '.join(STYLES)})")
     style = _style(style)
-    picked = [(i, t["function"]) for i, t in enumerate(tools) if choice in ("required", t["function"]["name"])]
+    picked = [(i, t["function"]) for i, t in enumerate(tools)
+              if choice in ("required", t["function"]["name"])]
     for i, fn in picked:
         _check_parameters(tokenizer, fn, f"tools[{i}].function.parameters", vocab_size)
     fns = [fn for _, fn in picked]
@@ -338,11 +341,12 @@ def tool_constraint(tokenizer, tools, tool_choice, style: str | None,
 def _call_rule(tokenizer, fn: dict, style: str, i: int) -> str:
     """One function's call in the style's syntax, its arguments the rule args_<i>."""
     name = json.dumps(fn["name"])
-    if style == "llama3":
+    if style == "json":
         head = '{"name": ' + name + ', "parameters": '
         return f"{_lit(head)} args_{i} {_lit('}')}"
     head, tail = '\n{"name": ' + name + ', "arguments": ', "}\n"
-    return f"{_tag(tokenizer, _HERMES_OPEN)} {_lit(head)} args_{i} {_lit(tail)} {_tag(tokenizer, _HERMES_CLOSE)}"
+    opening, closing = _tag(tokenizer, _HERMES_OPEN), _tag(tokenizer, _HERMES_CLOSE)
+    return f"{opening} {_lit(head)} args_{i} {_lit(tail)} {closing}"
 
 
 def _lit(text: str) -> str:
