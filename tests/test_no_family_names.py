@@ -32,6 +32,7 @@ FOREIGN = re.compile(rf"\b(?:{PROJECT_NAMES}|{PRESET_NAMES})\b", re.IGNORECASE)
 FOREIGN_NAMES = {
     "rlx_core/flow/rope.py": r"\bllama3\b",                          # HF rope_scaling's rope_type
     "rlx_core/runtime/encoder.py": r"\bsentence_bert_config\.json\b",  # sentence-transformers' file
+    "rlx_core/weights/gguf_write.py": r"^LlamaFileType$",            # gguf-py's enum of general.file_type
     "rlx_core/weights/tokenizer.py":
         r"^Bert(?:Normalizer|PreTokenizer)$"          # the tokenizers library's WordPiece classes
         r'|^"(?:llama|llama3|llama-v3|llama-bpe|qwen2|deepseek-r1-qwen)"$',  # tokenizer.ggml.model / .pre

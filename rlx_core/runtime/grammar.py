@@ -82,7 +82,9 @@ def _grammar_text(kind: str, spec) -> str:
             return m.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
         except (ValueError, TypeError) as e:
             raise GrammarError(f"json_schema cannot be read: {e}") from None
-    if not isinstance(spec, (str, list, tuple)):
+    if kind == "choice":
+        return m.grammar_from_lark(choice_lark(spec))
+    if not isinstance(spec, str):
         raise GrammarError(f"{kind} must be a string, got {type(spec).__name__}")
     if kind == "regex":
         return m.grammar_from_regex(spec)
@@ -94,7 +96,7 @@ def _grammar_text(kind: str, spec) -> str:
             return m.grammar_from_lark(any_to_lark(spec))
         except Exception as e:      # (the converter raises its own and plain errors)
             raise GrammarError(f"gbnf grammar does not parse: {e}") from None
-    return m.grammar_from_lark(choice_lark(spec))
+    raise GrammarError(f"unknown grammar kind {kind!r}")
 
 
 def choice_lark(choices) -> str:

@@ -100,7 +100,8 @@ def template_messages(messages: list[dict]) -> list[dict]:
     """OpenAI chat messages as HF chat templates take them: an assistant's tool_calls with
     their `arguments` as objects (OpenAI sends JSON text; templates write them with tojson),
     and each `tool` message checked to answer a call made before it (by tool_call_id)."""
-    out, called = [], {}
+    out: list[dict] = []
+    called: dict[str, str] = {}
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ModelError(f"messages[{i}] must be an object with a role")
@@ -253,7 +254,7 @@ class ToolCallStream:
         return out
 
     def _hermes(self) -> tuple[str, list[dict]]:
-        content, deltas = "", []
+        content, deltas = "", []  # type: tuple[str, list[dict]]
         while True:
             if self._in_call:
                 end = self._buf.find(_HERMES_CLOSE)
