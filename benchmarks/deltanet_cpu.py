@@ -30,29 +30,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import log, run_child  # noqa: E402
-from hardware import cpu_name  # noqa: E402
+from hardware import cpu_name, pin, loadavg  # noqa: E402
 
 SIDES = ("numba", "scan", "numpy", "hf")
 LABEL = {"numba": "RLX numba kernel", "scan": "RLX composed scan (legalized, NumPy backend)",
          "numpy": "RLX NumPy kernel", "hf": "HF torch_chunk_gated_delta_rule"}
-
-
-def pin(threads: int) -> str:
-    try:
-        allowed = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return "not pinned (no sched_setaffinity)"
-    if len(allowed) > threads:
-        os.sched_setaffinity(0, allowed[:threads])
-        return f"pinned to cores {allowed[:threads]} of {len(allowed)}"
-    return f"all {len(allowed)} cores"
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
 
 
 def make_inputs(t: int, args) -> dict:

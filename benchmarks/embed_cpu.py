@@ -23,7 +23,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hardware import cpu_name  # noqa: E402
+from hardware import cpu_name, pin, loadavg, stats  # noqa: E402
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog while the farmer watches from the porch.",
@@ -59,32 +59,6 @@ SENTENCES = [
     "The detective carefully examined the footprints in the snow outside the old cabin.",
     "Students must submit their essays by Friday at noon through the online portal.",
 ]
-
-
-
-
-def pin(threads: int) -> str:
-    """Pin this process to `threads` cores when it may run on more; returns a description."""
-    try:
-        allowed = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return "not pinned (no sched_setaffinity)"
-    if len(allowed) > threads:
-        os.sched_setaffinity(0, allowed[:threads])
-        return f"pinned to cores {allowed[:threads]} of {len(allowed)}"
-    return f"all {len(allowed)} cores"
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
-
-
-def stats(ts: list) -> tuple:
-    s = sorted(ts)
-    return s[0], s[len(s) // 2]
 
 
 def child(args) -> None:

@@ -29,7 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hardware import cpu_name  # noqa: E402
+from hardware import cpu_name, pin, loadavg, stats  # noqa: E402
 
 BATCH = 16
 # (height, width) of the decoded images: odd photo-like sizes, landscape and portrait
@@ -51,30 +51,6 @@ MODELS = {
                                 "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
                                 "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}},
 }
-
-
-def pin(threads: int) -> str:
-    """Pin this process to `threads` cores when it may run on more; returns a description."""
-    try:
-        allowed = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return "not pinned (no sched_setaffinity)"
-    if len(allowed) > threads:
-        os.sched_setaffinity(0, allowed[:threads])
-        return f"pinned to cores {allowed[:threads]} of {len(allowed)}"
-    return f"all {len(allowed)} cores"
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
-
-
-def stats(ts: list) -> tuple:
-    s = sorted(ts)
-    return s[0], s[len(s) // 2]
 
 
 def decoded_images() -> list:
