@@ -150,6 +150,13 @@ def attend(ctx, q, k, v, heads: int, causal: bool = False, mask_input: str = "")
 
 
 # ------------------------------------------------------------------------------ embedding blocks
+def flow_input(ctx, name: str, stage: str):
+    """The flow input `name` a stage reads: a ModelError naming the stage where the flow has none."""
+    v = ctx.inputs.get(name)
+    if v is None:
+        raise ModelError(f"{stage}: the flow has no {name!r} input")
+    return v
+
 @attrs.frozen
 class PatchEmbed:
     """Pixels [B, C, H, W] (flow input `input`) -> patch tokens [B, (H//p)*(W//p), D]: a conv
@@ -164,9 +171,7 @@ class PatchEmbed:
 
     def emit(self, ctx, value):
         m, p = ctx.m, self.patch
-        x = ctx.inputs.get(self.input)
-        if x is None:
-            raise ModelError(f"patch_embed: the flow has no {self.input!r} input")
+        x = flow_input(ctx, self.input, "patch_embed")
         b, c, h, w = x.dims
         gh, gw = h // p, w // p
         if gh < 1 or gw < 1:
@@ -251,9 +256,7 @@ class PositionsAt:
     input: str = "positions"
 
     def emit(self, ctx, x):
-        idx = ctx.inputs.get(self.input)
-        if idx is None:
-            raise ModelError(f"positions_at: the flow has no {self.input!r} input")
+        idx = flow_input(ctx, self.input, "positions_at")
         return x + ctx.m.gather(ctx.param(ctx.key(self.key)), idx)
 
 
@@ -265,9 +268,7 @@ class PatchLinear:
     input: str = "pixel_values"
 
     def emit(self, ctx, value):
-        x = ctx.inputs.get(self.input)
-        if x is None:
-            raise ModelError(f"patch_linear: the flow has no {self.input!r} input")
+        x = flow_input(ctx, self.input, "patch_linear")
         return dense(ctx, x, self.key)
 
 
@@ -279,9 +280,7 @@ class WeightedPositions:
     input: str = "pos_weights"
 
     def emit(self, ctx, x):
-        w = ctx.inputs.get(self.input)
-        if w is None:
-            raise ModelError(f"weighted_positions: the flow has no {self.input!r} input")
+        w = flow_input(ctx, self.input, "weighted_positions")
         table = ctx.param(ctx.key(self.key), (w.dims[-1], x.dims[-1]))
         return x + ctx.m.linear(w, table, None, transpose_w=False)
 
@@ -309,9 +308,7 @@ class TokenEmbed:
     input: str = "ids"
 
     def emit(self, ctx, value):
-        idx = ctx.inputs.get(self.input)
-        if idx is None:
-            raise ModelError(f"token_embed: the flow has no {self.input!r} input")
+        idx = flow_input(ctx, self.input, "token_embed")
         return ctx.m.gather(ctx.param(ctx.key(self.key)), idx)
 
 
@@ -414,9 +411,7 @@ class SelectToken:
     input: str = "pool_onehot"
 
     def emit(self, ctx, x):
-        sel = ctx.inputs.get(self.input)
-        if sel is None:
-            raise ModelError(f"select_token: the flow has no {self.input!r} input")
+        sel = flow_input(ctx, self.input, "select_token")
         b, s, _ = x.dims
         return ctx.m.sum(x * ctx.m.reshape(sel, (b, s, 1)), (1,))
 
