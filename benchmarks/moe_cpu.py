@@ -4,11 +4,11 @@ q4_k GGUF by `rlx quantize`, decode and prefill on RLX's numba backend vs llama.
 on the numba kernels vs the same ops legalized into their composites.
 
     .venv/bin/python benchmarks/moe_cpu.py [--layers 16] [--experts 64] [--k 8] [--hidden 2048]
-        [--inter 1024] [--vocab 50304] [--heads 16] [--threads 2] [--prefill 128] [--decode 32]
+        [--inter 1024] [--vocab 49152] [--heads 16] [--threads 2] [--prefill 128] [--decode 32]
         [--repeat 2] [--sides numba llama.cpp] [--layer-steps 20] [--keep DIR]
 
 The checkpoint (OLMoE-1B-7B's shape by default: 64 experts, top-8, 16 layers, hidden 2048,
-expert width 1024, vocab 50304) has random f16 weights (std 0.02, norms 1), one safetensors
+expert width 1024, vocab 49152 (SmolLM2's tokenizer; OLMoE's is 50304)) has random f16 weights (std 0.02, norms 1), one safetensors
 shard per layer, and is written to a q4_k GGUF by `rlx quantize` ("Q4_K_M-like": llama.cpp's
 Q4_K_M keeps some tensors in q6_k; `rlx quantize` writes one scheme). Where `rlx quantize`
 cannot write it, the script says why and stops. Shrink with --layers / --experts / --hidden /
@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import log, run_child  # noqa: E402
 from hardware import cpu_name  # noqa: E402
 
-FULL = dict(layers=16, experts=64, k=8, hidden=2048, inter=1024, vocab=50304, heads=16)
+FULL = dict(layers=16, experts=64, k=8, hidden=2048, inter=1024, vocab=49152, heads=16)   # vocab: SmolLM2's tokenizer
 LABEL = {"numba": "RLX numba, packed q4_k", "llama.cpp": "llama.cpp (llama-cpp-python)"}
 
 
@@ -84,6 +84,18 @@ def write_checkpoint(folder: str, a) -> None:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
+    save_tokenizer(folder)
+
+
+def save_tokenizer(folder: str) -> None:
+    """SmolLM2's byte-level BPE tokenizer (the packaged model's) as the checkpoint's: llama.cpp
+    loads no GGUF without a vocabulary."""
+    import rlx_core
+
+    tok = rlx_core.load("smollm2", backend="numpy", progress=False).tokenizer
+    tok.backend.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}, f)
 
 
 def quantize(src: str, dst: str) -> None:
