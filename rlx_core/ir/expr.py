@@ -12,6 +12,7 @@ so a formula a dialect cannot write is an error then, not at a model's first run
 """
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -182,7 +183,7 @@ class MissingFunction(Exception):
 _INT_DTYPES = (DType.I8, DType.I16, DType.I32, DType.I64, DType.U8, DType.U32, DType.BOOL)
 
 
-class Renderer:
+class Renderer(abc.ABC):
     """Writes table entries in one dialect. Subclasses set `functions` (primitive -> spelling,
     or a method `function(name, dtype)` for spellings that depend on the dtype) and may set
     `overrides` (activation -> the dialect's own float formula, each with its reason)."""
@@ -226,9 +227,9 @@ class Renderer:
             inlining += (name,)
         return expr, inlining
 
+    @abc.abstractmethod
     def check(self, e: Entry, dt: DType, backend: str) -> None:
         """Render entry `e` in `dt` (BackendError naming `backend` if the dialect cannot)."""
-        raise NotImplementedError
 
     def error(self, e: Entry, dt: DType, missing: str, backend: str | None) -> BackendError:
         who = f"backend {backend!r}" if backend else f"the {self.name} renderer"
@@ -281,8 +282,9 @@ class TextRenderer(Renderer):
     def ctype(self, dt: DType) -> str:
         return dt.value
 
+    @abc.abstractmethod
     def const(self, v, dt: DType) -> str:
-        raise NotImplementedError
+        """The literal `v` of type `dt` in the dialect."""
 
     def select(self, c: str, a: str, b: str) -> str:
         return f"({c} ? {a} : {b})"

@@ -4,6 +4,8 @@ checkpoint's config into a VisionArch (+ TextArch) and build a VisionModel, and 
 recipe's tiny model for the conformance kit."""
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 
 from rlx_core.flow import ModelFlow
@@ -38,7 +40,7 @@ def _tower_prefix(tensors) -> str:
     return "vision_model." if any(k.startswith("vision_model.") for k in tensors) or not tensors else ""
 
 
-class VisionRecipe:
+class VisionRecipe(abc.ABC):
     """A registered recipe: checkpoint -> rlx_blocks_vision.model.VisionModel. Subclasses say
     how to read the config into a VisionArch (and a TextArch for two-tower models)."""
     name = "vision"
@@ -52,8 +54,9 @@ class VisionRecipe:
     def tensors(self, tensors) -> dict:
         return strip_prefix(tensors, self.task_prefix, self.task_heads) if self.task_prefix else dict(tensors)
 
+    @abc.abstractmethod
     def vision_arch(self, cfg: dict, tensors) -> VisionArch:
-        raise NotImplementedError
+        """The vision tower's shape and tensor names, read from `cfg` (and the checkpoint's tensors)."""
 
     def text_arch(self, cfg: dict, tokenizer=None) -> TextArch | None:
         return None
