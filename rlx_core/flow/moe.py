@@ -22,7 +22,7 @@ EXPERT_STACKS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
 @attrs.frozen
 class SharedExpert:
     """A dense gated MLP every token goes through beside the routed experts; with `gate` (the
-    key of a [1, H] weight) its output is scaled by sigmoid(x @ gate^T), as Qwen2-MoE does.
+    key of a [1, H] weight) its output is scaled by sigmoid(x @ gate^T) (a gated shared expert).
     `prefix` holds gate_proj/up_proj/down_proj .weight, relative to the MoE block's prefix."""
     inter: int
     prefix: str = "shared_expert"

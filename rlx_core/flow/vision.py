@@ -316,7 +316,7 @@ class TokenEmbed:
 @attrs.frozen
 class VitLayerKeys:
     """Checkpoint names inside one layer (relative to its prefix). `layer_scale`: the two
-    LayerScale vectors (DINOv2) or () for none; `gate_up`: the fused [2I, D] SwiGLU input
+    LayerScale vectors or () for none; `gate_up`: the fused [2I, D] SwiGLU input
     projection (x1 gated by SiLU, times x2) or "" for a GELU MLP through fc1 / fc2."""
     norm1: str = "layer_norm1"
     norm2: str = "layer_norm2"
@@ -437,7 +437,7 @@ class Dense:
 
 @attrs.frozen
 class AttentionProbeHead:
-    """Attention-probe pooling (SigLIP's multihead attention pooling head): a learned query
+    """Attention-probe pooling (a multihead attention pooling head): a learned query
     `probe` attends over the tokens through torch's nn.MultiheadAttention (packed
     `in_proj_weight` [3D, D] / `in_proj_bias`, `out_proj`), then h + mlp(LN(h)); [B, D]."""
     prefix: str

@@ -1,4 +1,4 @@
-"""Linear-attention layers' fused ops (Gated DeltaNet, Qwen3.5 / Qwen3-Next):
+"""Linear-attention layers' fused ops (Gated DeltaNet and its hybrid models):
 
   gated_delta_rule  the gated delta rule over a sequence from a state, as one op: prefill in
                     the chunked (WY) form, one step the recurrent form; its composite is the

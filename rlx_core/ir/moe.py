@@ -10,11 +10,11 @@ The tokens are all the leading dims ([batch, seq] in a model, [T] alone in a tes
 symbolic batch and seq cannot be merged into one dim, and a kernel flattens them for free.
 
 The router variants are attributes, not code paths per model:
-  order="softmax_topk"                   softmax over E, then the k largest (OLMoE)
-  order="softmax_topk", normalize=True   ... rescaled to sum 1 (Qwen3-MoE norm_topk_prob)
+  order="softmax_topk"                   softmax over E, then the k largest
+  order="softmax_topk", normalize=True   ... rescaled to sum 1 (HF's norm_topk_prob)
   order="topk_softmax"                   the k largest logits, softmaxed among themselves
-                                         (Mixtral; the same weights as the line above)
-A shared expert with a sigmoid gate (Qwen2/Qwen3.5-MoE) is a dense gated MLP beside these
+                                         (the same weights as the line above)
+A shared expert with a sigmoid gate is a dense gated MLP beside these
 ops (rlx_core.flow's MoE block), not a router variant.
 """
 from __future__ import annotations

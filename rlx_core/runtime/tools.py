@@ -3,8 +3,8 @@
 The chat template decides how a model sees the tools and how it answers with a call; its
 "style" is read from the template (`tool_prompt_style`):
 - "hermes": `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block a call
-  (Qwen 2.5/3, Hermes, and the templates that copy them);
-- "json": the whole answer is `{"name": ..., "parameters": {...}}` (Llama 3.1-3.3's JSON
+  (Hermes and the templates that copy it);
+- "json": the whole answer is `{"name": ..., "parameters": {...}}` (the JSON
   tool calling; calls may be joined by ";", a leading <|python_tag|> is dropped).
 
 Requests come in OpenAI's form: `tools` = [{"type": "function", "function": {"name",

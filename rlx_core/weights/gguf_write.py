@@ -272,17 +272,17 @@ def _add_packed(writer, name: str, x: np.ndarray, q: QuantScheme, hf: str) -> No
 
 # general.file_type: llama.cpp's name for a file whose matrices are in one scheme (not the
 # ggml type id: q8_0's type is 8, its file type 7); RLX's own schemes: "guessed"
-_FILE_TYPES = {"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-               "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0, "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
-               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S,
-               "q5_k": gguf.LlamaFileType.MOSTLY_Q5_K_S, "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K}
+_FILE_TYPE = gguf.LlamaFileType                 # gguf-py's enum of general.file_type
+_FILE_TYPES = {"q4_0": _FILE_TYPE.MOSTLY_Q4_0, "q4_1": _FILE_TYPE.MOSTLY_Q4_1, "q5_0": _FILE_TYPE.MOSTLY_Q5_0,
+               "q5_1": _FILE_TYPE.MOSTLY_Q5_1, "q8_0": _FILE_TYPE.MOSTLY_Q8_0, "q4_k": _FILE_TYPE.MOSTLY_Q4_K_S,
+               "q5_k": _FILE_TYPE.MOSTLY_Q5_K_S, "q6_k": _FILE_TYPE.MOSTLY_Q6_K}
 
 
 def _write(ckpt: Checkpoint, cfg: dict, path: str, arch: str, q: QuantScheme, echo) -> dict:
     mapping = gguf_architecture(ckpt.path, arch)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(os.path.basename(os.path.normpath(ckpt.path)))
-    writer.add_file_type(_FILE_TYPES.get(q.name, gguf.LlamaFileType.GUESSED))
+    writer.add_file_type(_FILE_TYPES.get(q.name, _FILE_TYPE.GUESSED))
     _metadata(writer, mapping, cfg)
     if ckpt.tokenizer is not None:
         _tokenizer(writer, ckpt.tokenizer)
