@@ -362,4 +362,15 @@ def rlx_register_blocks(register):
         register(name, factory)
 
 
-__all__ = ["AttnSpec", "SelfAttention", "GENERIC_BLOCKS"]
+@attrs.frozen
+class L2Normalize:
+    """y / max(||y||, eps) over the last axis (torch.nn.functional.normalize)."""
+    eps: float = 1e-12
+
+    def emit(self, ctx, y):
+        m = ctx.m
+        n = m.act(m.sum(y * y, (-1,), keepdims=True), "sqrt")
+        return y / m.maximum(n, self.eps)
+
+
+__all__ = ["AttnSpec", "SelfAttention", "GENERIC_BLOCKS", "L2Normalize"]

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..ir.errors import ModelError
 from ..ir.ops import MaskKind
+from .blocks import L2Normalize
 
 RESIZE_MODES = ("bicubic", "bilinear")
 
@@ -461,17 +462,6 @@ class AttentionProbeHead:
                   act=self.act)
         h = h + dense(ctx, y, f"{self.prefix}.mlp.fc2", out=d)
         return m.reshape(h, (b, d))
-
-
-@attrs.frozen
-class L2Normalize:
-    """y / max(||y||, eps) over the last axis (torch.nn.functional.normalize)."""
-    eps: float = 1e-12
-
-    def emit(self, ctx, y):
-        m = ctx.m
-        n = m.act(m.sum(y * y, (-1,), keepdims=True), "sqrt")
-        return y / m.maximum(n, self.eps)
 
 
 VISION_BLOCKS = {

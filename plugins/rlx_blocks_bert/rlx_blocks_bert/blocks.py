@@ -22,7 +22,7 @@ import math
 import attrs
 
 from rlx_core.flow import AttnSpec, ModelFlow
-from rlx_core.flow.blocks import Input, LayerNorm, Tap, rope_for
+from rlx_core.flow.blocks import Input, L2Normalize, LayerNorm, Tap, rope_for
 from rlx_core.flow.flow import LayerScope
 from rlx_core.ir.dtype import BOOL, I64
 from rlx_core.ir.errors import ModelError
@@ -363,17 +363,6 @@ def pool_stage(mode: str):
     if mode not in POOLING:
         raise ModelError(f"unsupported pooling {mode!r}; supported: {sorted(POOLING)}")
     return POOLING[mode]()
-
-
-@attrs.frozen
-class L2Normalize:
-    """y / max(||y||, eps) over the last axis (torch.nn.functional.normalize)."""
-    eps: float = 1e-12
-
-    def emit(self, ctx, y):
-        m = ctx.m
-        n = m.act(m.sum(y * y, (-1,), keepdims=True), "sqrt")
-        return y / m.maximum(n, self.eps)
 
 
 # ------------------------------------------------------------------------------ fluent wrapper
