@@ -187,6 +187,8 @@ class Scheduler:
         self.submitted = 0                     # requests taken in
         self.steps = 0                         # decode steps run (a test sees batching happen)
         self.max_rows = 0                      # most requests decoded in one step
+        self.prefix_query_tokens = 0           # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0             # of them, found there (their prefill skipped)
 
     # -- submission
     def submit(self, prompt, params: SamplingParams | None = None, on_event=None, chat: bool = False,
@@ -260,6 +262,17 @@ class Scheduler:
     def pending(self) -> int:
         with self._cv:
             return len(self._waiting) + len(self._active)
+
+    def stats(self) -> dict:
+        """A snapshot for operators (the server's /metrics): requests waiting and running,
+        the batch size, decode steps run, and the prefix cache's looked-up and hit prompt
+        tokens (0 while no prefix cache runs)."""
+        with self._cv:
+            waiting = sum(len(r.choices) for r in self._waiting)
+            running = len(self._active)
+        return {"waiting": waiting, "running": running, "max_batch": self.max_batch,
+                "submitted": self.submitted, "steps": self.steps,
+                "prefix_query_tokens": self.prefix_query_tokens, "prefix_hit_tokens": self.prefix_hit_tokens}
 
     def memory_report(self) -> dict:
         """The model's memory_report with this scheduler's KV cache and decode runners."""

@@ -28,6 +28,7 @@ from ..runtime.encoder import embeds_images
 from ..runtime.sampling import SamplingParams
 from ..runtime.scheduler import Scheduler, trim_heap
 from . import protocol as P
+from .page import routes as page_routes
 from .protocol import ApiError
 
 
@@ -560,6 +561,7 @@ def create_app(models: dict, max_batch: int = 8, default_max_tokens: int | None 
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        *page_routes(),
     ], exception_handlers={ApiError: _api_error, ClientGone: _client_gone, HTTPException: _http_error,
                           Exception: _server_error},
         lifespan=lifespan)
