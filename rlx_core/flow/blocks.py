@@ -200,9 +200,22 @@ def rope_for(ctx, spec: AttnSpec):
     return ctx.state[key]
 
 
+def continues_cache(ctx) -> bool:
+    """Whether this graph continues sequences already in its caches: a decode or extend graph,
+    whose key mask spans the cache ("ctx" axis) and whose `cache_pos` says where each row's
+    new tokens go. Its attention then reads the KV caches with query i at cache_pos + i, and
+    its recurrent layers start from their state leaves (a prefill starts from nothing)."""
+    mask = ctx.inputs.get("key_mask")
+    return "cache_pos" in ctx.inputs and mask is not None and mask.dims[-1] == "ctx"
+
+
 @attrs.frozen
 class SelfAttention:
     spec: AttnSpec
+
+    def reads_cache(self, ctx) -> bool:
+        """Whether attention reads the KV caches (decode, extend) rather than the new k, v."""
+        return self.spec.mode == "decode" or continues_cache(ctx)
 
     def _proj(self, ctx, x, name, heads):
         s, m = self.spec, ctx.m
@@ -240,14 +253,14 @@ class SelfAttention:
 
     def cached_kv(self, ctx, x, k, v, cache_pos) -> tuple:
         """Writes k, v into this layer's full-length KV cache at cache_pos; returns what the
-        attention reads: the caches when decoding, else k and v themselves."""
+        attention reads: the caches when continuing them (decode, extend), else k and v."""
         s, m, i = self.spec, ctx.m, ctx.index()
         if cache_pos is None:
             raise ModelError("decode attention needs a 'cache_pos' input ([batch] int)")
         shape = (x.dims[0], s.kv_heads, "ctx", s.head_dim)
         kc = m.kv_write(m.state(f"kv.{i}.k", shape, k.dtype), k, cache_pos)
         vc = m.kv_write(m.state(f"kv.{i}.v", shape, v.dtype), v, cache_pos)
-        return (kc, vc) if s.mode == "decode" else (k, v)
+        return (kc, vc) if self.reads_cache(ctx) else (k, v)
 
     def out_proj(self, ctx, x, o):
         """The heads [B,H,S,D] merged back to [B,S,H*D] and projected (o_proj)."""
@@ -266,7 +279,7 @@ class SelfAttention:
         cache_pos = ctx.inputs.get("cache_pos")
         if s.mode == "decode" or (s.kv_cache and cache_pos is not None):
             k, v = self.cached_kv(ctx, x, k, v, cache_pos)
-        pos = cache_pos if s.mode == "decode" else None
+        pos = cache_pos if self.reads_cache(ctx) else None
         o = m.attention(q, k, v, mask, pos, scale=scale, mask_kind=kind, window=s.window,
                         softcap=s.softcap)
         return self.out_proj(ctx, x, o)
@@ -373,4 +386,4 @@ class L2Normalize:
         return y / m.maximum(n, self.eps)
 
 
-__all__ = ["AttnSpec", "SelfAttention", "GENERIC_BLOCKS", "L2Normalize"]
+__all__ = ["AttnSpec", "SelfAttention", "continues_cache", "GENERIC_BLOCKS", "L2Normalize"]

@@ -17,7 +17,8 @@ rlx_core.flow.blocks: the `rope` op rotates the first R dims and passes the rest
 
 State leaves: a generation graph (one with a `cache_pos` input) writes the state after its
 last step into the leaf; the prefill starts a sequence from zeros (it never reads the leaf:
-a leaf holds whatever sequence ran last in that row), decode reads the leaf. Graphs without
+a leaf holds whatever sequence ran last in that row), decode and extend (a prefill that
+continues the cached sequence, T > 1: `blocks.continues_cache`) read the leaf. Graphs without
 `cache_pos` (logits, train) start from zeros and write nothing. The runtime's caches copy
 such a state whole per row (rlx_core.runtime.batch_cache)."""
 from __future__ import annotations
@@ -28,6 +29,7 @@ import attrs
 import numpy as np
 
 from ..ir.errors import ModelError
+from .blocks import continues_cache
 
 DECODE, PREFILL, STATELESS = "decode", "prefill", "stateless"
 
@@ -54,9 +56,10 @@ def softplus(m, x):
 
 
 def state_mode(ctx, decode: bool) -> str:
-    """DECODE (read and write the leaves), PREFILL (start from zeros, write the leaves) or
-    STATELESS (zeros, no leaves): by the graph's mode and whether it has `cache_pos`."""
-    if decode:
+    """DECODE (read and write the leaves: decode, and extend graphs continuing the cache),
+    PREFILL (start from zeros, write the leaves) or STATELESS (zeros, no leaves): by the
+    graph's mode and its inputs."""
+    if decode or continues_cache(ctx):
         if "cache_pos" not in ctx.inputs:
             raise ModelError("a decode graph of a recurrent layer needs a 'cache_pos' input")
         return DECODE
@@ -65,7 +68,8 @@ def state_mode(ctx, decode: bool) -> str:
 
 def zero_pads(ctx, x, mode: str):
     """x [B, T, ...] with the positions the key mask marks as padding set to 0 (prefill and
-    logits graphs; a decoded token is never padding). Without a key mask x is returned."""
+    logits graphs; a decoded or extending token is never padding). Without a key mask x is
+    returned."""
     mask = ctx.inputs.get("key_mask")
     if mode == DECODE or mask is None:
         return x

@@ -13,8 +13,9 @@ from ..profile import CompileProfile
 from .blocks import GreedyNext
 from .flow import ModelFlow
 
-MODES = ("prefill", "decode", "logits", "train")
-GENERATION = ("prefill", "decode")        # the modes that write the KV cache
+MODES = ("prefill", "decode", "extend", "logits", "train")
+GENERATION = ("prefill", "decode", "extend")        # the modes that write the KV cache
+CONTINUING = ("decode", "extend")         # the modes that read the caches (key mask over "ctx")
 
 
 class LayerCtx:
@@ -37,8 +38,12 @@ class LayerCtx:
 class DecoderFlow(abc.ABC):
     """Builds the logits / prefill / decode flow of a decoder-only config.
 
-    Inputs: ids and positions [batch, seq]; key_mask [batch, 1, 1, seq] (decode: the whole
-    cache, "ctx"); prefill and decode also cache_pos [batch], where the KV states are written.
+    Inputs: ids and positions [batch, seq]; key_mask [batch, 1, 1, seq] (decode and extend:
+    the whole cache, "ctx"); prefill, decode and extend also cache_pos [batch], where the KV
+    states are written. `extend` is a prefill that continues the cached sequences: its seq
+    tokens go to cache_pos .. cache_pos + seq - 1, attention reads the caches (query i at
+    cache_pos + i) and recurrent layers start from their state leaves; it compiles with the
+    prefill preset. A prefix cache hit or a chunk of a long prompt runs through it.
     `logits` and `train` touch no cache and give every position's logits; `train` also takes
     labels [batch, seq] (the next token of each position; negative: ignored) and outputs
     `loss`, the mean token cross-entropy, for `rlx_core.value_and_grad(g, wrt, "loss")`.
@@ -69,6 +74,10 @@ class DecoderFlow(abc.ABC):
     @classmethod
     def for_decode(cls, cfg: dict, batch="batch"):
         return cls(cfg, "decode", batch)
+
+    @classmethod
+    def for_extend(cls, cfg: dict, batch="batch", seq="seq"):
+        return cls(cfg, "extend", batch, seq)
 
     @classmethod
     def for_logits(cls, cfg: dict, batch="batch", seq="seq"):
@@ -133,7 +142,7 @@ class DecoderFlow(abc.ABC):
     def flow(self) -> ModelFlow:
         f = ModelFlow(self.name).profile(self._profile)
         f.input("ids", (self.batch, self.seq), I64).input("positions", (self.batch, self.seq), I64)
-        f.input("key_mask", (self.batch, 1, 1, "ctx" if self.mode == "decode" else self.seq), BOOL)
+        f.input("key_mask", (self.batch, 1, 1, "ctx" if self.mode in CONTINUING else self.seq), BOOL)
         if self.mode in GENERATION:
             f.input("cache_pos", (self.batch,), I32)
         if self.mode == "train":

@@ -133,10 +133,14 @@ class GemmaAttention(SelfAttention):
         if cached and s.window and self.ring:
             if cache_pos is None:
                 raise ModelError("decode attention needs a 'cache_pos' input ([batch] int)")
+            if s.mode != "decode" and self.reads_cache(ctx):
+                raise ModelError(f"layer {ctx.index()}: a sliding layer's ring cache ({s.window} slots) "
+                                 "cannot be extended mid-sequence (a prefill writes it from slot 0); "
+                                 "ring=False keeps a full-length cache that can")
             return self.out_proj(ctx, x, self._ring(ctx, q, k, v, mask, cache_pos, common))
         if cached:
             k, v = self.cached_kv(ctx, x, k, v, cache_pos)
-        pos = cache_pos if s.mode == "decode" else None
+        pos = cache_pos if self.reads_cache(ctx) else None
         o = m.attention(q, k, v, mask, pos, mask_kind=kind, window=s.window, **common)
         return self.out_proj(ctx, x, o)
 

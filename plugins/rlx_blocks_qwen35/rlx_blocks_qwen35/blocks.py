@@ -78,7 +78,7 @@ class GatedAttention(SelfAttention):
         cache_pos = ctx.inputs.get("cache_pos")
         if s.mode == "decode" or (s.kv_cache and cache_pos is not None):
             k, v = self.cached_kv(ctx, x, k, v, cache_pos)
-        o = m.attention(q, k, v, ctx.inputs.get("key_mask"), cache_pos if s.mode == "decode" else None,
+        o = m.attention(q, k, v, ctx.inputs.get("key_mask"), cache_pos if self.reads_cache(ctx) else None,
                         scale=s.head_dim ** -0.5, mask_kind=MaskKind.CAUSAL)
         o = m.transpose(o, (0, 2, 1, 3))                                      # [B, T, H, D]
         o = m.reshape(output_gate(m, o, gate), (b, t, s.heads * s.head_dim))
