@@ -833,15 +833,37 @@ def embed_cmd(model_name: str, texts: tuple, images: bool, file: str | None, jso
               default="info", show_default=True, help="uvicorn's log level.")
 @click.option("--max-body-mb", type=click.FloatRange(0, min_open=True), default=8, show_default=True,
               help="Largest request body in MB; a larger one is refused (HTTP 413) before it is read.")
+@click.option("--api-key", envvar="RLX_API_KEY", default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /metrics "
+                   "(401 otherwise); /health and the chat page stay public.")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="An origin browsers may call the API from (repeatable; e.g. http://localhost:3000, or * "
+                   "for any). Default: none.")
+@click.option("--max-queue", type=click.IntRange(0), default=None,
+              help="Most requests that may wait for a batch row per model; beyond them HTTP 429 with "
+                   "Retry-After. Default: no bound.")
+@click.option("--request-timeout", type=click.FloatRange(0, min_open=True), default=None, metavar="S",
+              help="Cancel a generation running longer than S seconds (HTTP 504, or an error event in a "
+                   "stream). Default: none.")
+@click.option("--shutdown-grace", type=click.FloatRange(0), default=10, show_default=True, metavar="S",
+              help="On SIGTERM: refuse new requests (503) and let running ones finish for up to S seconds, "
+                   "then cancel the rest (streams end with finish_reason 'abort' and [DONE]).")
+@click.option("--prefix-cache-mb", type=click.FloatRange(0), default=None,
+              help="Memory for the scheduler's prefix cache (KV of shared prompt prefixes), in MB.")
+@click.option("--prefill-chunk", type=click.IntRange(1), default=None, metavar="N",
+              help="Prefill long prompts N tokens at a time between the batch's decode steps.")
 @model_profile_option
 @backend_option
 @tp_option(" per model (causal or encoder)")
 def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_max_tokens: int | None,
-              log_level: str, max_body_mb: float, profile: str | None, backend: str | None,
-              tp: int | None) -> None:
+              log_level: str, max_body_mb: float, api_key: str | None, cors_origins: tuple,
+              max_queue: int | None, request_timeout: float | None, shutdown_grace: float,
+              prefix_cache_mb: float | None, prefill_chunk: int | None, profile: str | None,
+              backend: str | None, tp: int | None) -> None:
     """Serve MODEL(s) over OpenAI's HTTP API: /v1/models, /v1/completions,
     /v1/chat/completions (streaming too), /v1/embeddings (encoder models; vision models take
-    images as base64 data URLs).
+    images as base64 data URLs); /tokenize and /detokenize (vLLM's), /health (ready once every
+    model is warm), /metrics (Prometheus) and a chat page at /.
 
     Each model is requested by its name as given here. Concurrent requests share a causal
     model's decode batch (continuous batching). Needs the serve extra:
@@ -850,12 +872,16 @@ def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_
     from . import serve
 
     serve.require()
+    options = {k: v for k, v in (("prefix_cache_mb", prefix_cache_mb), ("prefill_chunk", prefill_chunk))
+               if v is not None}
     models, groups = serve.load_models(model_names, backend, profile, tp,
                                        echo=lambda t: click.echo(t, err=True), progress=True)
     click.echo(f"[serving {', '.join(models)} on http://{host}:{port}/v1 (max batch {max_batch})]", err=True)
     try:
         serve.run(models, host, port, max_batch, log_level, default_max_tokens, groups,
-                  max_body_mb=max_body_mb)
+                  shutdown_grace=shutdown_grace, max_body_mb=max_body_mb, api_key=api_key or None,
+                  cors_origins=cors_origins, max_queue=max_queue, request_timeout=request_timeout,
+                  scheduler_options=options)
     finally:
         for g in groups.values():
             g.close()

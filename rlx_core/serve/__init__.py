@@ -1,6 +1,6 @@
 """`rlx serve`: an OpenAI-compatible HTTP server over the runtime's Scheduler. Starlette and
 uvicorn come with the optional extra `rlx-core[serve]`; nothing else in rlx_core needs them,
-and this package imports them only when an app is made."""
+and this package imports them only when an app is made (with prometheus-client, for /metrics)."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,8 +15,8 @@ class ServeDependencyError(RlxError):
 
 
 def require() -> None:
-    """A clean error naming the install command when Starlette or uvicorn is missing."""
-    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+    """A clean error naming the install command when Starlette, uvicorn or prometheus-client is missing."""
+    missing = [m for m in ("starlette", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
         raise ServeDependencyError(f"rlx serve needs {' and '.join(missing)}, which come with the "
                                    f"serve extra: {INSTALL}")
@@ -62,22 +62,29 @@ def create_app(models: dict, max_batch: int = 8, default_max_tokens: int | None 
                groups: dict | None = None, **limits):
     """The ASGI app serving `models` (name -> loaded CausalLM or Encoder); `groups` (name ->
     rlx_core.runtime.tp.TensorParallel) runs those models tensor-parallel; `limits`:
-    max_body_mb (a request body's limit, default 8) and body_idle_s (see serve.app)."""
+    max_body_mb (a request body's limit, default 8), body_idle_s, max_queue,
+    request_timeout, scheduler_options, api_key, cors_origins, metrics_merge and warm (see
+    serve.app.create_app)."""
     require()
     from .app import create_app as make
 
     return make(models, max_batch, default_max_tokens, groups, **limits)
 
 
+SHUTDOWN_GRACE_S = 10.0      # rlx serve --shutdown-grace: running requests get this long after SIGTERM
+
+
 def run(models: dict, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
         log_level: str = "info", default_max_tokens: int | None = None, groups: dict | None = None,
-        **limits) -> None:
-    """Serve until interrupted (uvicorn)."""
+        shutdown_grace: float = SHUTDOWN_GRACE_S, **limits) -> None:
+    """Serve until SIGTERM or SIGINT (uvicorn), then shut down gracefully: new requests get
+    503 while those running finish, for up to `shutdown_grace` seconds; the rest are
+    cancelled (their streams end with finish_reason "abort" and [DONE])."""
     require()
-    import uvicorn
+    from .ops import graceful_server
 
-    uvicorn.run(create_app(models, max_batch, default_max_tokens, groups, **limits), host=host, port=port,
-                log_level=log_level)
+    app = create_app(models, max_batch, default_max_tokens, groups, **limits)
+    graceful_server(app, shutdown_grace, host=host, port=port, log_level=log_level).run()
 
 
-__all__ = ["create_app", "run", "load_models", "require", "ServeDependencyError", "INSTALL"]
+__all__ = ["create_app", "run", "SHUTDOWN_GRACE_S", "load_models", "require", "ServeDependencyError", "INSTALL"]

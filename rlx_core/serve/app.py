@@ -7,27 +7,37 @@ Hostile requests get a 4xx and cost little: a body is bounded (max_body_mb: a 41
 it is read when Content-Length says more, or as its chunks pass the limit; a 400 when it
 stops short), parsing, tokenizing and rendering run off the event loop (GET /v1/models
 answers while a multi-MB prompt is tokenized), and every request, streamed or not, stops decoding when
-its client leaves. Client errors never show a path on this server."""
+its client leaves. Client errors never show a path on this server.
+
+For operators (rlx_core.serve.ops): GET /health (503 until every model is warm), GET /metrics
+(Prometheus), POST /tokenize and /detokenize (vLLM's shapes), an API key, CORS origins, a
+queue bound (429 with Retry-After), a request timeout and a graceful shutdown's drain."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import logging
 import os
 import re
+import threading
 import time
 from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..ir.errors import RlxError
+from ..ir.errors import ModelError, RlxError
 from ..runtime.encoder import embeds_images
 from ..runtime.sampling import SamplingParams
 from ..runtime.scheduler import Scheduler, trim_heap
 from . import protocol as P
+from .ops import METRICS_TYPE, Gate, Ops, Timing, error_response
 from .page import routes as page_routes
 from .protocol import ApiError
 
@@ -35,6 +45,8 @@ from .protocol import ApiError
 MAX_BODY_MB = 8              # the default limit of a request body (rlx serve --max-body-mb)
 BODY_IDLE_S = 30.0           # a body that stops arriving this long is a 400 (not a wait forever)
 BIG_BODY = 1 << 20           # after a request this big, freed memory goes back to the OS
+RETRY_AFTER_S = 1            # a 429's Retry-After: a batch row frees within a few decode steps
+log = logging.getLogger("rlx.serve")
 _ABS_PATH = re.compile(r"(?<![\w.:/])/(?:[^\s/'\"]+/)+[^\s/'\",;:)]*")
 
 
@@ -46,24 +58,85 @@ class Served:
     """The models of one server by name: causal LMs with their schedulers, and encoders.
     `groups` (name -> rlx_core.runtime.tp.TensorParallel): those models run on the group's
     rank processes (the model given here serves its tokenizer and config); `close` stops them.
-    `max_body_mb` bounds a request body; `body_idle_s`: how long a body may stop arriving."""
+    `max_body_mb` bounds a request body; `body_idle_s`: how long a body may stop arriving;
+    `max_queue`: how many requests (choices) may wait for a batch row per model (beyond it a
+    429), None: no bound; `request_timeout` (seconds): a generation running longer is
+    cancelled; `scheduler_options`: keywords for each model's Scheduler (only those given)."""
 
     def __init__(self, models: dict, max_batch: int = 8, default_max_tokens: int | None = None,
                  groups: dict | None = None, max_body_mb: float = MAX_BODY_MB,
-                 body_idle_s: float = BODY_IDLE_S):
+                 body_idle_s: float = BODY_IDLE_S, max_queue: int | None = None,
+                 request_timeout: float | None = None, scheduler_options: dict | None = None):
         from ..runtime.model import CausalLM
-        from ..runtime.tp import GroupScheduler
 
-        from ..runtime.args import float_arg
+        from ..runtime.args import float_arg, int_arg
 
         self.max_body = int(float_arg("max_body_mb", max_body_mb, 0.0, lo_open=True) * 2**20)
         self.body_idle_s = float_arg("body_idle_s", body_idle_s, 0.0, lo_open=True)
+        self.max_queue = None if max_queue is None else int_arg("max_queue", max_queue, lo=0)
+        self.request_timeout = None if request_timeout is None else float_arg(
+            "request_timeout", request_timeout, 0.0, lo_open=True)
         self.models, self.created = dict(models), int(time.time())
-        self.groups = groups = dict(groups or {})
-        self.schedulers = {n: GroupScheduler(groups[n], m, max_batch) if n in groups
-                           else Scheduler(m, max_batch)
+        self.groups = dict(groups or {})
+        options = dict(scheduler_options or {})
+        self.schedulers = {n: self._scheduler(n, m, max_batch, options)
                            for n, m in self.models.items() if isinstance(m, CausalLM)}
         self.default_max_tokens = default_max_tokens
+        self._admitted = dict.fromkeys(self.schedulers, 0)   # choices submitted and not finished
+        self._admit_lock = threading.Lock()
+
+    def _scheduler(self, name: str, model, max_batch: int, options: dict) -> Scheduler:
+        """`name`'s Scheduler with `options`; a ModelError naming those it cannot take (a
+        tensor-parallel group's ranks run rounds of their own: it takes none)."""
+        from ..runtime.tp import GroupScheduler
+
+        if name in self.groups:
+            if options:
+                raise ModelError(f"scheduler options {sorted(options)} are not available for '{name}', which "
+                                 "is served tensor-parallel (its rank processes run the rounds)")
+            return GroupScheduler(self.groups[name], model, max_batch)
+        takes = inspect.signature(Scheduler.__init__).parameters
+        unknown = sorted(k for k in options if k not in takes)
+        if unknown:
+            raise ModelError(f"scheduler options {unknown} are not taken by this runtime's Scheduler "
+                             f"(it takes {sorted(k for k in takes if k not in ('self', 'model'))})")
+        return Scheduler(model, max_batch, **options)
+
+    def admit(self, name: str, count: int) -> None:
+        """Reserve `count` choices of `name`'s scheduler: a 429 (with Retry-After) when
+        they would wait beyond max_queue others for a batch row."""
+        with self._admit_lock:
+            room = self.schedulers[name].max_batch + (self.max_queue if self.max_queue is not None else 1 << 62)
+            if self._admitted[name] + count > room:
+                waiting = max(self._admitted[name] - self.schedulers[name].max_batch, 0)
+                raise ApiError(429, f"'{name}' has {waiting} requests waiting for a batch row, this server's "
+                               f"limit (rlx serve --max-queue {self.max_queue}); retry later",
+                               code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+            self._admitted[name] += count
+
+    def release(self, name: str, count: int = 1) -> None:
+        """`count` admitted choices of `name` finished."""
+        with self._admit_lock:
+            self._admitted[name] -= count
+
+    def warm(self) -> None:
+        """Build every model's executables before /health says ready: a causal model runs one
+        greedy request of two tokens (its prefill and decode graphs), an encoder embeds once."""
+        from ..runtime.model import CausalLM
+
+        for name, m in self.models.items():
+            if name in self.schedulers:
+                params = SamplingParams.checked(max_new_tokens=2, ignore_eos=True)
+                self.schedulers[name].submit([0], params).result()
+            elif name in self.groups:
+                self.groups[name].embed([[0, 0]])
+            elif embeds_images(m):
+                import numpy as np
+
+                size = int(getattr(m, "image_size", None) or 224)
+                m.embed(images=[np.full((size, size, 3), 128, np.uint8)])
+            elif not isinstance(m, CausalLM):
+                m.embed(["warm"] if getattr(m, "tokenizer", None) is not None else [[0, 0]])
 
     def get(self, name, kind: str):
         if not isinstance(name, str) or not name:
@@ -96,10 +169,6 @@ class Served:
             s.close()
         for g in self.groups.values():
             g.close()
-
-
-def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
 
 
 def too_large(size: int, limit: int) -> ApiError:
@@ -193,9 +262,11 @@ class Choices:
     i*n+j being prompt i's j-th): their requests, text, logprobs and finish reasons as events
     come; an echoed prompt starts its choices' text (and logprobs, the first None)."""
 
-    def __init__(self, served: Served, name, body: dict, chat: bool, opts: P.Options):
+    def __init__(self, served: Served, name, body: dict, chat: bool, opts: P.Options, timing: Timing | None = None):
         self.served, self.name, self.body, self.chat, self.opts = served, name, body, chat, opts
         self.model = served.get(name, "causal")
+        self.timing = timing             # the request's token clock (metrics), if any
+        self.deadline: float | None = None   # (time.monotonic) when the request times out
         self.reqs: list = []             # a scheduler Request per prompt (its `choices`: n)
         self.choices: list = []          # every choice's Request, by index
         self.texts: dict = {}
@@ -284,18 +355,24 @@ class Choices:
                                             max_new_tokens=max(m for _, _, m in jobs))
         except RlxError as e:
             raise self.served.bad(e) from None
-        sched = self.served.schedulers[self.name]
+        served, sched = self.served, self.served.schedulers[self.name]
         if opts.n > sched.max_batch:
             raise P.bad(f"'n' ({opts.n}) is more than this server's batch of {sched.max_batch} (rlx serve "
                         "--max-batch)", "n")
+        served.admit(self.name, opts.n * len(jobs))
         for i, (p, ids, max_new) in enumerate(jobs):
             if opts.echo:
                 for j in range(opts.n):
                     self.prompts[i * opts.n + j] = p if isinstance(p, str) else model.tokenizer.decode(ids)
-            cb = (lambda ev, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i * opts.n + ev.index, ev)))
+
+            def cb(ev, i=i):             # (the scheduler thread's; a finished choice frees its admission)
+                if ev.finish_reason is not None:
+                    served.release(self.name)
+                loop.call_soon_threadsafe(queue.put_nowait, (i * opts.n + ev.index, ev))
             try:
                 self.reqs.append(sched.submit(ids, replace(params, max_new_tokens=max_new), on_event=cb))
             except RlxError as e:
+                served.release(self.name, opts.n * (len(jobs) - i))
                 self.cancel()
                 raise self.served.bad(e) from None
         self.choices = [c for r in self.reqs for c in r.choices]
@@ -307,6 +384,8 @@ class Choices:
     def take(self, index: int, ev) -> tuple:
         """Record an event: (its text, its tokens' logprobs or None)."""
         text, lps = ev.text, None
+        if self.timing is not None:
+            self.timing.tokens(index, len(ev.token_ids))
         if self.opts.logprobs is not None:
             lps = list(ev.logprobs)
             if index in self.prompts and index not in self.logprobs:       # the echo comes first
@@ -361,14 +440,29 @@ async def _watch(request: Request, queue: asyncio.Queue) -> None:
     queue.put_nowait(None)
 
 
+def timed_out(seconds: float) -> ApiError:
+    return ApiError(504, f"the request ran longer than this server's limit of {seconds:g} s (rlx serve "
+                    "--request-timeout); it was cancelled", code="request_timeout")
+
+
+async def _next(queue: asyncio.Queue, gen: Choices):
+    """The next item of `queue`; timed_out's ApiError when the request's deadline passes first."""
+    if gen.deadline is None:
+        return await queue.get()
+    try:
+        return await asyncio.wait_for(queue.get(), max(gen.deadline - time.monotonic(), 0.0))
+    except asyncio.TimeoutError:
+        raise timed_out(gen.served.request_timeout) from None
+
+
 async def _collect(request: Request, gen: Choices, queue: asyncio.Queue) -> None:
     """Wait until every choice finished; when the client leaves first, they are cancelled
-    (they stop decoding) and ClientGone raised."""
+    (they stop decoding) and ClientGone raised; past the request timeout, a 504."""
     watch = asyncio.ensure_future(_watch(request, queue))
     left = len(gen.choices)
     try:
         while left:
-            item = await queue.get()
+            item = await _next(queue, gen)
             if item is None:
                 raise ClientGone
             gen.take(*item)
@@ -380,15 +474,20 @@ async def _collect(request: Request, gen: Choices, queue: asyncio.Queue) -> None
 
 async def _generate(request: Request, chat: bool):
     served: Served = request.app.state.served
+    ops: Ops = request.app.state.ops
+    arrived = time.monotonic()
     body = await _body(request, "chat" if chat else "completions")
     name = body.get("model")
     model = served.get(name, "causal")
     prompts = [P.chat_messages(body)] if chat else P.completion_prompts(body)
     opts = P.options(body, chat, model.vocab_size)
-    gen = Choices(served, name, body, chat, opts)
+    gen = Choices(served, name, body, chat, opts, Timing(ops.metrics, name, arrived))
+    gen.deadline = None if served.request_timeout is None else arrived + served.request_timeout
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     await run_in_threadpool(gen.submit, prompts, loop, queue)         # tokenizing, compiling grammars
+    ops.live.add(gen)                    # (cancelled when a shutdown's grace ends)
+    ops.metrics.prompt_tokens.labels(name).inc(sum(len(r.prompt_ids) for r in gen.reqs))
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if opts.stream:
         return StreamingResponse(_stream(gen, rid, queue), media_type="text/event-stream",
@@ -424,7 +523,12 @@ async def _stream(gen: Choices, rid: str, queue: asyncio.Queue):
                 yield sse(P.chunk_body(rid, name, i, None, None, True, role=True, created=created))
         left = len(gen.choices)
         while left:
-            index, ev = await queue.get()
+            try:
+                index, ev = await _next(queue, gen)
+            except ApiError as e:            # the request timeout: an error event, then the end
+                yield sse(e.body())
+                yield sse("[DONE]")
+                return
             try:
                 text, lps = gen.take(index, ev)
             except ApiError as e:
@@ -519,6 +623,88 @@ async def list_models(request: Request):
         {"id": n, "object": "model", "created": served.created, "owned_by": "rlx"} for n in served.models]})
 
 
+@_releasing
+async def tokenize(request: Request):
+    """vLLM's POST /tokenize: {"model", "prompt" | "messages"} -> {"tokens", "count", "max_model_len"}."""
+    served: Served = request.app.state.served
+    body = await _body(request, "tokenize")
+    name = body.get("model")
+    model = served.get(name, "any")
+    kind, value, add_special = P.tokenize_input(body)
+    tok = _tokenizer_of(name, model, "messages" if kind == "messages" else "prompt")
+
+    def encode():
+        if kind == "prompt":
+            return tok.encode(value, add_special_tokens=add_special)
+        if not hasattr(model, "encode_chat"):
+            raise P.bad(f"'{name}' is not a chat model: give 'prompt'", "messages")
+        return model.encode_chat(value)
+
+    try:
+        ids = await run_in_threadpool(encode)
+    except RlxError as e:
+        raise served.bad(e, kind) from None
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": _context(model)})
+
+
+@_releasing
+async def detokenize(request: Request):
+    """vLLM's POST /detokenize: {"model", "tokens"} -> {"prompt"}."""
+    served: Served = request.app.state.served
+    body = await _body(request, "detokenize")
+    name = body.get("model")
+    model = served.get(name, "any")
+    tok = _tokenizer_of(name, model, "tokens")
+    ids = P.detokenize_ids(body, getattr(model, "vocab_size", None) or _vocab(tok))
+    return JSONResponse({"prompt": await run_in_threadpool(tok.decode, ids)})
+
+
+def _tokenizer_of(name: str, model, param: str):
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        raise P.bad(f"'{name}' has no tokenizer", param)
+    return tok
+
+
+def _vocab(tok) -> int | None:
+    size = getattr(getattr(tok, "backend", None), "get_vocab_size", None)
+    return int(size()) if callable(size) else None
+
+
+def _context(model) -> int | None:
+    n = getattr(model, "max_positions", None)
+    return int(n) if n is not None else None
+
+
+async def health(request: Request):
+    """200 {"status": "ok"} once every model is warm; 503 while loading, after a failed
+    warm-up (with its error) and while shutting down."""
+    ops: Ops = request.app.state.ops
+    if ops.status == "ok":
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": ops.status, **({"error": ops.error} if ops.error else {})}, status_code=503)
+
+
+async def metrics(request: Request):
+    """Prometheus text (rlx_core.serve.ops.Metrics), through ops.metrics_merge when set."""
+    ops: Ops = request.app.state.ops
+    text = await run_in_threadpool(ops.metrics.text)
+    if ops.metrics_merge is not None:
+        text = await ops.metrics_merge(text)
+    return Response(text, media_type=METRICS_TYPE)
+
+
+async def _warm(served: Served, ops: Ops) -> None:
+    try:
+        await run_in_threadpool(served.warm)
+    except Exception as e:               # noqa: BLE001  (reported by /health; the server stays up)
+        ops.status, ops.error = "failed", served.public(f"warming the models failed: {type(e).__name__}: {e}")
+        log.error("%s", ops.error)
+        return
+    if ops.status == "loading":
+        ops.status = "ok"
+
+
 async def _api_error(request, exc: ApiError):
     return error_response(exc)
 
@@ -539,34 +725,58 @@ async def _server_error(request, exc):
 
 def create_app(models: dict, max_batch: int = 8, default_max_tokens: int | None = None,
                groups: dict | None = None, max_body_mb: float = MAX_BODY_MB,
-               body_idle_s: float = BODY_IDLE_S) -> Starlette:
+               body_idle_s: float = BODY_IDLE_S, max_queue: int | None = None,
+               request_timeout: float | None = None, scheduler_options: dict | None = None,
+               api_key: str | None = None, cors_origins=(), metrics_merge=None, warm: bool = True) -> Starlette:
     """The app serving `models` (name -> CausalLM or Encoder; `groups`, `max_body_mb`,
-    `body_idle_s`: see Served); its schedulers close when the app shuts down (or call
+    `body_idle_s`, `max_queue`, `request_timeout`, `scheduler_options`: see Served);
+    `api_key`: the bearer key /v1/*, /tokenize, /detokenize and /metrics need (ops.PROTECTED);
+    `cors_origins`: origins a browser may call it from; `metrics_merge`: see ops.Ops. When
+    the app starts (its lifespan) its models warm off the event loop (`warm`; /health says
+    "loading" until then); its schedulers close when it shuts down (or call
     app.state.served.close())."""
     from contextlib import asynccontextmanager
 
     from starlette.exceptions import HTTPException
 
-    served = Served(models, max_batch, default_max_tokens, groups, max_body_mb, body_idle_s)
+    served = Served(models, max_batch, default_max_tokens, groups, max_body_mb, body_idle_s, max_queue,
+                    request_timeout, scheduler_options)
 
     @asynccontextmanager
     async def lifespan(app):
+        warming = asyncio.ensure_future(_warm(served, ops)) if warm else None
+        if warming is None:
+            ops.status = "ok"
         try:
             yield
         finally:
+            if warming is not None:
+                warming.cancel()
             served.close()
 
-    app = Starlette(routes=[
+    routes = [
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         *page_routes(),
-    ], exception_handlers={ApiError: _api_error, ClientGone: _client_gone, HTTPException: _http_error,
-                          Exception: _server_error},
-        lifespan=lifespan)
-    app.state.served = served
+    ]
+    ops = Ops(served, api_key, metrics_merge, [r.path for r in routes])
+    middleware = [Middleware(Gate, ops=ops)]
+    if cors_origins:
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(cors_origins),
+                                        allow_methods=["GET", "POST", "OPTIONS"],
+                                        allow_headers=["Authorization", "Content-Type"]))
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers={ApiError: _api_error, ClientGone: _client_gone, HTTPException: _http_error,
+                                        Exception: _server_error},
+                    lifespan=lifespan)
+    app.state.served, app.state.ops = served, ops
     return app
 
 
-__all__ = ["create_app", "Served", "read_body", "MAX_BODY_MB", "BODY_IDLE_S"]
+__all__ = ["create_app", "Served", "read_body", "MAX_BODY_MB", "BODY_IDLE_S", "error_response"]

@@ -22,9 +22,10 @@ class ApiError(Exception):
     """An error answered as OpenAI's error JSON with an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers             # extra response headers (Retry-After of a 429)
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
@@ -109,7 +110,9 @@ _SAMPLING = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p
 KEYS = {"chat": _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                              "parallel_tool_calls"},
         "completions": _SAMPLING | {"prompt", "echo", "best_of", "suffix"},
-        "embeddings": {"model", "input", "messages", "encoding_format", "dimensions", "user"}}
+        "embeddings": {"model", "input", "messages", "encoding_format", "dimensions", "user"},
+        "tokenize": {"model", "prompt", "messages", "add_special_tokens"},
+        "detokenize": {"model", "tokens"}}
 
 
 def check_keys(body: dict, endpoint: str) -> None:
@@ -409,6 +412,32 @@ def embedding_inputs(body: dict) -> list:
     return inputs
 
 
+def tokenize_input(body: dict) -> tuple:
+    """(kind, value, add_special_tokens) of a /tokenize body (vLLM's): kind "prompt" with
+    the text, or "messages" with the chat (in the model's chat template)."""
+    if ("prompt" in body) == ("messages" in body):
+        raise bad("give 'prompt' (a string) or 'messages' (a chat), not both or neither", "prompt")
+    add = field(body, "add_special_tokens", (bool,), True)
+    if "messages" in body:
+        if "add_special_tokens" in body:
+            raise bad("'add_special_tokens' goes with 'prompt' (the chat template places a chat's special "
+                      "tokens)", "add_special_tokens")
+        return "messages", chat_messages(body), add
+    if not isinstance(body["prompt"], str):
+        raise bad("'prompt' must be a string", "prompt")
+    return "prompt", body["prompt"], add
+
+
+def detokenize_ids(body: dict, vocab: int | None) -> list:
+    """The token ids of a /detokenize body, each in [0, vocab)."""
+    ids = body.get("tokens")
+    if not (isinstance(ids, list) and all(type(t) is int and 0 <= t and (vocab is None or t < vocab)
+                                          for t in ids)):
+        within = f" in [0, {vocab - 1}]" if vocab else " (whole numbers >= 0)"
+        raise bad(f"'tokens' must be an array of token ids{within}", "tokens")
+    return ids
+
+
 IMAGE_URL = "data:image/"        # an input string that starts so is an image (models that embed images)
 
 
@@ -606,13 +635,16 @@ def chunk_body(rid: str, model: str, index: int, text: str | None, finish: str |
 
 
 def finish_reason(reason: str, tool_calls: bool = False) -> str:
-    """OpenAI's finish reasons: stop, length or tool_calls (a cancelled request never answers)."""
+    """OpenAI's finish reasons: stop, length or tool_calls; "abort" (vLLM's) for a request the
+    server cancelled (its timeout, a shutdown's grace ended) that still answers."""
+    if reason == "cancelled":
+        return "abort"
     return "length" if reason == "length" else ("tool_calls" if tool_calls else "stop")
 
 
 __all__ = ["ApiError", "bad", "field", "parse_body", "check_text", "check_keys", "MAX_JSON_DEPTH",
            "Options", "options", "max_new_tokens", "structured_output", "tool_options", "logit_bias",
            "Choice", "chat_logprobs", "completion_logprobs", "tool_call_json", "stream_flags", "chat_messages", "completion_prompts",
-           "embedding_inputs", "embedding_format", "vision_embedding_inputs", "image_bytes", "IMAGE_URL",
+           "embedding_inputs", "embedding_format", "tokenize_input", "detokenize_ids", "vision_embedding_inputs", "image_bytes", "IMAGE_URL",
            "embedding_value", "new_id", "usage",
            "completion_body", "chunk_body", "finish_reason"]
