@@ -6,7 +6,9 @@ flash-linear-attention's chunk_gated_delta_rule (Triton), each side in its own p
 Shape: Qwen3.5-2B-like, batch 1, 16 heads (key heads = value heads), K = V = 128, bf16, a
 nonzero start state, T = 1 (a decode step), 8192 and 32768. Sides:
 * rlx       the gated_delta_rule op on the cuda backend (CUDA-graph replays timed with events):
-            the recurrent kernel at T = 1, the chunked (WY/UT) kernels from T = 64
+            the recurrent kernel at T = 1, the chunked (WY/UT) tensor-core kernels from T = 64
+            (--bv: the state columns a block of their walk holds, default the backend's)
+* rlx-fma   the same op on the f32 FMA chunked kernels (the tensor-core ones switched off)
 * composed  the scan of rlx_core.ir.recurrence on the cuda backend (T <= --composed-max only)
 * fla       fla.ops.gated_delta_rule.chunk_gated_delta_rule (fla-core installed: carry its
             wheel), CUDA events; "peer not run" where it is not importable
@@ -14,6 +16,7 @@ Printed: ms per call and the ratio rlx / fla (target <= 1.2) and rlx / composed.
 
     python benchmarks/deltanet_gpu.py
     python benchmarks/deltanet_gpu.py --tokens 1,256 --sides rlx,composed   # quick
+    python benchmarks/deltanet_gpu.py --tokens 8192,32768 --sides rlx,rlx-fma,fla --bv 64
 """
 from __future__ import annotations
 
@@ -42,10 +45,15 @@ def _inputs(t: int):
             "state": rng.standard_normal((B, H, K, V), np.float32)}
 
 
-def side_rlx(t: int, composed: bool, reps: int) -> dict:
+def side_rlx(t: int, composed: bool, reps: int, fma: bool = False, bv: int = 0) -> dict:
     import cupy as cp
 
     import rlx_core
+    from rlx_backend_cuda import deltanet
+    if fma:
+        deltanet._tensor_cores = lambda *a: False
+    if bv:
+        deltanet.GDN_TC_BV = bv
     from rlx_core.ir.dtype import BF16
     from rlx_core.ir.graph import Graph
     from rlx_core.ir.recurrence import gated_delta_rule as scan
@@ -113,11 +121,13 @@ def main():
     ap.add_argument("--composed-max", type=int, default=1024, help="longest T the composed scan runs")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--budget", type=float, default=180, help="seconds a side may run")
+    ap.add_argument("--bv", type=int, default=0, help="rlx: state columns a block of the tensor-core walk holds")
     ap.add_argument("--side", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.side:
-        out = side_fla(a.n, a.reps) if a.side == "fla" else side_rlx(a.n, a.side == "composed", a.reps)
+        out = side_fla(a.n, a.reps) if a.side == "fla" else side_rlx(a.n, a.side == "composed", a.reps,
+                                                                     a.side == "rlx-fma", a.bv)
         print(json.dumps(out))
         return
     log(f"gated_delta_rule: batch {B}, {H} heads, K = V = {K}, bf16")
@@ -128,8 +138,8 @@ def main():
             if side == "composed" and n > a.composed_max:
                 continue
             try:
-                res[side] = run_child([sys.executable, __file__, "--side", side, "--n", str(n), "--reps", str(a.reps)],
-                                      f"{side} T={n}", a.budget)
+                res[side] = run_child([sys.executable, __file__, "--side", side, "--n", str(n), "--reps", str(a.reps),
+                                       "--bv", str(a.bv)], f"{side} T={n}", a.budget)
             except subprocess.TimeoutExpired:          # (fla's first call compiles Triton kernels: minutes)
                 log(f"  {side} T={n}: not done within --budget {a.budget:g} s")
                 res[side] = None
@@ -138,14 +148,14 @@ def main():
         rows.append((n, res))
     device = next((r["device"] for _, res in rows for r in res.values() if r), "?")
     log(f"\ndevice: {device}")
-    log(f"{'T':>6} {'rlx ms':>9} {'composed ms':>12} {'fla ms':>9} {'rlx/fla':>8} {'rlx/composed':>12}")
+    log(f"{'T':>6} {'rlx ms':>9} {'fma ms':>9} {'composed ms':>12} {'fla ms':>9} {'rlx/fla':>8} {'rlx/composed':>12}")
     for n, res in rows:
         def ms(side):
             r = res.get(side)
             return r["ms"] if r else None
         r, c, f = ms("rlx"), ms("composed"), ms("fla")
         fmt = lambda v, w: f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
-        log(f"{n:>6} {fmt(r, 9)} {fmt(c, 12)} {fmt(f, 9)} {fmt(r / f if r and f else None, 8)} "
+        log(f"{n:>6} {fmt(r, 9)} {fmt(ms('rlx-fma'), 9)} {fmt(c, 12)} {fmt(f, 9)} {fmt(r / f if r and f else None, 8)} "
             f"{fmt(r / c if r and c else None, 12)}")
     if "fla" in a.sides and not any(res.get("fla") for _, res in rows):
         log("fla: peer not run (not importable here: carry fla-core's wheel)")

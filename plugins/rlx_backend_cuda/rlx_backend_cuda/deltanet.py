@@ -4,18 +4,24 @@ gated_delta_rule, two forms:
 * recurrent (decode, T < GDN_CHUNKED_MIN, f64): a warp keeps a few state columns of one
   (batch, head) in registers across all steps, so a decode step reads and writes the state
   once, inside the CUDA graph;
-* chunked (prefill, f32/f16/bf16): the WY / UT form of rlx_core.ir.deltanet.delta_chunked in
-  two launches: every chunk's state-free parts at once (rlx_gdn_prep: the decays, (I + A)^-1,
-  W, U and the masked q k^T, into f32 node-local scratch), then one walk over the chunks per
-  (state columns, head, batch) (rlx_gdn_scan). Chunk length: the op's `chunk`, at most
-  GDN_CHUNK_MAX (shared memory), halved until the walk's stage fits.
+* chunked on tensor cores (prefill, f16/bf16, K and V multiples of 16 up to 128, chunk >= 64,
+  16-byte aligned q and k): flash-linear-attention's three passes (kernels/deltanet.cu tc_*):
+  every chunk's state-free parts at once (rlx_gdn_tc_prep), the one walk over the chunks
+  that keeps the state in mma accumulators and stores it at each chunk's start
+  (rlx_gdn_tc_scan), then every chunk's outputs at once (rlx_gdn_tc_out); chunks of 64;
+* chunked with f32 FMA (prefill otherwise: f32, odd head sizes, shorter chunks): the same
+  WY / UT form in two launches: every chunk's state-free parts at once (rlx_gdn_prep: the
+  decays, (I + A)^-1, W, U and the masked q k^T, into f32 node-local scratch), then one walk
+  over the chunks per (state columns, head, batch) that also writes the outputs
+  (rlx_gdn_scan). Chunk length: the op's `chunk`, at most GDN_CHUNK_MAX (shared memory),
+  halved until the walk's stage fits.
 causal_conv1d: a thread per output, then the new state (its last W - 1 inputs).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from rlx_core.ir.dtype import F32
+from rlx_core.ir.dtype import BF16, F16, F32
 
 from . import sources
 from .codegen import acc_of, ctype
@@ -31,6 +37,9 @@ GDN_CHUNK_MAX = 64        # longest chunk the chunked kernels take (their thread
 GDN_TILE = 32             # K / V columns pass 1 stages at a time
 GDN_SCAN_COLS = 16        # state columns a block of pass 2 holds
 GDN_SMEM_MAX = 200 * 1024  # pass 2's shared memory stage, at most
+GDN_TC_CHUNK = 64         # the tensor-core kernels' chunk (4 warps x 16 rows)
+GDN_TC_DIM_MAX = 128      # largest K / V the tensor-core kernels stage (shared memory)
+GDN_TC_BV = 32            # state columns a block of the tensor-core walk holds (16 where V needs)
 
 
 def _scan_smem(c: int, kd: int) -> int:
@@ -57,6 +66,8 @@ def build_gated_delta_rule(b, n, ins, outs):
     c = _chunk_len(n.a["chunk"], KD) if T >= GDN_CHUNKED_MIN and acc_of(q.dt) == "float" else None
     if c is None:
         _recurrent(b, n, (q, k, v, g, beta, s0), od, sd)
+    elif c == GDN_TC_CHUNK and _tensor_cores(b, q, k, v):
+        _chunked_tc(b, n, (q, k, v, g, beta, s0), od, sd)
     else:
         _chunked(b, n, (q, k, v, g, beta, s0), od, sd, c)
     for src_v, dst in ((od, o), (sd, s1)):
@@ -99,6 +110,54 @@ def _chunked(b, n, ins, od, sd, c):
     def run():
         scan(grid, (256,), args, smem, stream)
     b.add(run)
+
+
+def _tensor_cores(b, q, k, v) -> bool:
+    """Whether the tensor-core kernels take this call: 16-bit data on an mma.sync GPU (CUDA,
+    sm_80+), K and V multiples of 16 up to GDN_TC_DIM_MAX, q's and k's rows 16-byte aligned."""
+    KD, VD = q.shape[3], v.shape[3]
+    return (q.dt in (BF16, F16) and not b.hip and tuple(b.cc) >= (8, 0)
+            and KD % 16 == 0 and VD % 16 == 0 and KD <= GDN_TC_DIM_MAX and VD <= GDN_TC_DIM_MAX
+            and q.arr.data.ptr % 16 == 0 and k.arr.data.ptr % 16 == 0)
+
+
+def _tc_smem(KD: int, VD: int, BV: int) -> tuple:
+    """Bytes of dynamic shared memory of rlx_gdn_tc_prep, _scan and _out (their layout comments)."""
+    c, kp, vp, bp = GDN_TC_CHUNK, KD + 8, VD + 8, BV + 8
+    prep = 2 * c * (kp + vp + c + 8) + 4 * (c * (c + 1) + 2 * c)
+    scan = 2 * (4 * c * kp + 3 * c * bp + KD * bp) + 4 * 2 * c
+    out = 2 * (2 * c * kp + KD * vp + c * vp + c * (c + 8)) + 4 * c
+    return prep, scan, out
+
+
+def _chunked_tc(b, n, ins, od, sd):
+    q, k, v, g, beta, s0 = ins
+    B, T, HK, KD = q.shape
+    H, VD = v.shape[2], v.shape[3]
+    c = GDN_TC_CHUNK
+    nch = -(-T // c)
+    bv = GDN_TC_BV if VD % GDN_TC_BV == 0 else 16
+    wbuf = b.node_buffer((B, H, nch * c, KD), q.dt, "gated_delta_rule W")
+    ubuf = b.node_buffer((B, H, nch * c, VD), q.dt, "gated_delta_rule U")        # V_new after the walk
+    cbuf = b.node_buffer((B, H, nch * c), F32, "gated_delta_rule decay")
+    hbuf = b.node_buffer((B, H, nch, KD, VD), q.dt, "gated_delta_rule chunk states")
+    mm = {"T": ctype(q.dt), "MMAT": "bf16" if q.dt is BF16 else "f16", "KD": KD, "VD": VD}
+    sm_prep, sm_scan, sm_out = _tc_smem(KD, VD, bv)
+    prep = b.kernel(sources.render(sources.GDN_TC_PREP, **mm), "rlx_gdn_tc_prep", sm_prep)
+    scan = b.kernel(sources.render(sources.GDN_TC_SCAN, BV=bv, **mm), "rlx_gdn_tc_scan", sm_scan)
+    out = b.kernel(sources.render(sources.GDN_TC_OUT, **mm), "rlx_gdn_tc_out", sm_out)
+    launches = (
+        (prep, (nch, H, B), sm_prep, (k.arr, v.arr, g.arr, beta.arr, wbuf.arr, ubuf.arr, cbuf.arr, i32(T), i32(H),
+                                      i32(HK))),
+        (scan, (VD // bv, H, B), sm_scan, (k.arr, wbuf.arr, ubuf.arr, cbuf.arr, s0.arr, sd.arr, hbuf.arr, i32(T),
+                                           i32(H), i32(HK), i32(nch))),
+        (out, (nch, H, B), sm_out, (q.arr, k.arr, ubuf.arr, cbuf.arr, hbuf.arr, od.arr, i32(T), i32(H), i32(HK),
+                                    np.float32(n.a["scale"]))))
+    stream = b.stream
+    for fn, grid, smem, args in launches:
+        def run(fn=fn, grid=grid, smem=smem, args=args):
+            fn(grid, (128,), args, smem, stream)
+        b.add(run)
 
 
 def build_causal_conv1d(b, n, ins, outs):

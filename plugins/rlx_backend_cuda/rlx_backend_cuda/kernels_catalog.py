@@ -159,6 +159,11 @@ def moe_gdn() -> list:
         if acc == "float":
             out.append((f"gdn prep {t}", S.render(S.GDN_PREP, T=t, C=64, KD=128, VD=128, TILE=32), "rlx_gdn_prep"))
             out.append((f"gdn scan {t}", S.render(S.GDN_SCAN, T=t, C=64, KD=128, VD=128, VS=16), "rlx_gdn_scan"))
+        if t in ("__nv_bfloat16", "__half"):
+            mm = {"T": t, "MMAT": "bf16" if "bf" in t else "f16", "KD": 128, "VD": 128}
+            out.append((f"gdn tc prep {t}", S.render(S.GDN_TC_PREP, **mm), "rlx_gdn_tc_prep"))
+            out.append((f"gdn tc scan {t}", S.render(S.GDN_TC_SCAN, BV=32, **mm), "rlx_gdn_tc_scan"))
+            out.append((f"gdn tc out {t}", S.render(S.GDN_TC_OUT, **mm), "rlx_gdn_tc_out"))
         out.append((f"conv1d {t}", S.render(S.CONV1D, T=t, ACC=acc, WID=4, EPILOGUE="v = v + LD(W, bias[n]);"),
                     "rlx_conv1d"))
         out.append((f"conv1d state {t}", S.render(S.CONV1D_STATE, T=t, WID=4), "rlx_conv1d_state"))

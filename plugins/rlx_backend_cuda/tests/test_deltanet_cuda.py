@@ -1,12 +1,14 @@
 """gated_delta_rule and causal_conv1d on CUDA's own kernels (rlx_backend_cuda/deltanet.py):
 against the step-by-step float64 references of rlx_core.testing.ops_suite_deltanet, outputs
 poisoned first, at a Qwen3.5-like head shape (K = V = 128, 2 value heads a key head) and an
-odd one (K = 48, V = 72: partial warps, column groups and tiles), decode (T = 1 from a
-nonzero state: the recurrent kernel) and prefills past two chunks (the chunked kernels from
-T = GDN_CHUNKED_MIN; f64 stays recurrent), every float dtype; long prefills (T = 4096, a
-partial last chunk) and a state leaf written in place; the chunked form's outputs independent
-of the chunk length; a decode loop over a state leaf equals one prefill. Skipped with the
-backend's reason without a GPU."""
+odd one (K = 48, V = 72: partial warps, column groups and tiles) and one the tensor-core
+kernels take with 16-column state blocks (K = 64, V = 48), decode (T = 1 from a nonzero state:
+the recurrent kernel) and prefills past two chunks (the chunked kernels from T =
+GDN_CHUNKED_MIN: on tensor cores for f16/bf16, f32 FMA otherwise; f64 stays recurrent), every
+float dtype; long prefills (T = 4096 and 4099, a partial last chunk) and a state leaf written
+in place; the chunked form's outputs independent of the chunk length (and of the kernels:
+bf16 on tensor cores against the FMA kernels); a decode loop over a state leaf equals one
+prefill. Skipped with the backend's reason without a GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -37,7 +39,7 @@ def _gdn_args(rng, b, t, hk, h, kd, vd, dt, state_kind="input"):
             Arg("state", rand(rng, (b, h, kd, vd), dt, -1.0, 1.0), dt, state_kind)]
 
 
-SHAPES = {"qwen35": (1, 2, 4, 128, 128), "odd": (2, 1, 3, 48, 72)}      # b, hk, h, kd, vd
+SHAPES = {"qwen35": (1, 2, 4, 128, 128), "odd": (2, 1, 3, 48, 72), "tc16": (2, 2, 4, 64, 48)}  # b, hk, h, kd, vd
 
 
 @gpu
@@ -52,8 +54,8 @@ def test_gated_delta_rule(rng, dt, t, shape):
 
 
 @gpu
-@pytest.mark.parametrize("dt", [F32, BF16], ids=lambda d: d.value)
-@pytest.mark.parametrize("t", [64, 4099], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("dt", [F32, F16, BF16], ids=lambda d: d.value)
+@pytest.mark.parametrize("t", [64, 4096, 4099], ids=lambda t: f"T{t}")
 def test_gated_delta_rule_long_prefill_in_place(rng, dt, t):
     """The chunked kernels over many chunks (T = 4099: a last chunk of 3 steps; T = 64: the
     shortest chunked call, one whole chunk), GQA heads, the state a leaf the op writes."""
@@ -84,6 +86,37 @@ def test_gated_delta_rule_chunk_length_does_not_change_results(rng, shape):
     for chunk in (16, 37):
         for x, y in zip(got[chunk], got[64]):
             np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4 * np.abs(y).max())
+
+
+def _run_gdn(args, dt, chunk, scale):
+    def build(m):
+        ins = [m.input(a.name, a.data.shape, dt) for a in args]
+        o, s1 = m.add("gated_delta_rule", ins, scale=scale, chunk=chunk)
+        return {"o": o, "state": s1}
+    ex = rlx_core.compile(Graph.define(f"gdn_{dt.value}_{chunk}", build), backend="cuda")
+    out = ex.run({a.name: a.data.astype(dt.np) for a in args})
+    return [ex.backend.to_host(out[k]).astype(np.float64) for k in ("o", "state")]
+
+
+@gpu
+@pytest.mark.parametrize("dt", [F16, BF16], ids=lambda d: d.value)
+@pytest.mark.parametrize("shape", ["qwen35", "tc16"])
+def test_tensor_core_kernels_agree_with_fma_kernels(rng, dt, shape):
+    """16-bit data over 5 chunks and a partial one: chunk 64 runs the tensor-core kernels
+    (their scan kernel is compiled), chunk 32 the f32 FMA ones; each within the dtype's
+    tolerance of the float64 recurrence, and of each other."""
+    from rlx_backend_cuda import device
+    b, hk, h, kd, vd = SHAPES[shape]
+    args = _gdn_args(rng, b, 5 * 64 + 17, hk, h, kd, vd, dt)
+    want = ref_gated_delta_rule(*(a.data.astype(np.float64) for a in args), scale=0.3)
+    tc = _run_gdn(args, dt, 64, 0.3)
+    assert any(name == "rlx_gdn_tc_scan" for _, name in device._KERNELS), "the tensor-core kernels did not run"
+    fma = _run_gdn(args, dt, 32, 0.3)
+    for got in (tc, fma):
+        for x, w in zip(got, want):
+            np.testing.assert_allclose(x, w, rtol=1e-2, atol=1e-2 * np.abs(w).max())
+    for x, y in zip(tc, fma):
+        np.testing.assert_allclose(x, y, rtol=2e-2, atol=2e-2 * np.abs(y).max())
 
 
 @gpu

@@ -362,3 +362,436 @@ extern "C" __global__ void __launch_bounds__(256, 1) rlx_gdn_scan(const T* __res
     if (v0 + j < VD) s1[sb + (i64)r * VD + v0 + j] = ST(T, S[r * VP + j]);
   }
 }
+// @part tc_common(T, MMAT)
+// The chunked form on tensor cores (f16 / bf16 data, chunks of 64 steps, K and V multiples of
+// 16): flash-linear-attention's split of chunk_gated_delta_rule in three launches,
+//   tc_prep  every chunk at once: cum, A, (I + A)^-1, W = X (beta e^cum K), U = X (beta V);
+//   tc_scan  per (BV state columns, head, batch) the one walk over the chunks: the state at
+//            each chunk's start H_c (stored), V_new = U - W H_c (stored over U), and
+//            H_{c+1} = e^cum_last H_c + K^T (V_new e^(cum_last - cum));
+//   tc_out   every chunk at once: O = scale (e^cum Q) H_c + lower(scale Q K^T e^(cum_i - cum_j)) V_new
+// (rlx_core.ir.deltanet.delta_chunked's math, its sequential loop cut at the state). Products
+// are mma.sync.m16n8k16 with f32 accumulate; their operands (W, U, V_new, H_c, (I + A)^-1, the
+// masked Q K^T) are rounded to the data's type as fla rounds them; A, its inverse's
+// substitution, the state itself and every decay stay f32. A warp's fragments come from
+// shared memory by ldmatrix: a row-major A [m][k] (rlx_gtc_a), a B stored [n][k]
+// (rlx_gtc_bn), a B or a transposed A stored [k][n] / [k][m] (.trans: rlx_gtc_bt, rlx_gtc_at).
+typedef unsigned short hword;
+#define GC 64
+__device__ __forceinline__ void rlx_gtc_mma(float* c, const u32* a, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." RLX_STR(MMAT) "." RLX_STR(MMAT) ".f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void rlx_gtc_ldm(u32* r, const hword* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+}
+__device__ __forceinline__ void rlx_gtc_ldmt(u32* r, const hword* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+}
+// A [16 x 16] at (m0, k0) of a row-major [m][k] matrix
+__device__ __forceinline__ void rlx_gtc_a(u32* a, const hword* s, int ld, int m0, int k0, int lane) {
+  rlx_gtc_ldm(a, s + (m0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8);
+}
+// A [16 x 16] at (m0, k0) of a matrix stored transposed, [k][m]
+__device__ __forceinline__ void rlx_gtc_at(u32* a, const hword* s, int ld, int m0, int k0, int lane) {
+  const int i = lane & 7, j = lane >> 3;
+  rlx_gtc_ldmt(a, s + (k0 + i + (j >> 1) * 8) * ld + m0 + (j & 1) * 8);
+}
+// B of two n-tiles (n0.. n0 + 15) for k0.. k0 + 15, B stored [n][k]: b[0], b[1] the first tile's
+__device__ __forceinline__ void rlx_gtc_bn(u32* b, const hword* s, int ld, int k0, int n0, int lane) {
+  const int i = lane & 7, j = lane >> 3;
+  rlx_gtc_ldm(b, s + (n0 + i + (j >> 1) * 8) * ld + k0 + (j & 1) * 8);
+}
+// the same, B stored [k][n]
+__device__ __forceinline__ void rlx_gtc_bt(u32* b, const hword* s, int ld, int k0, int n0, int lane) {
+  const int i = lane & 7, j = lane >> 3;
+  rlx_gtc_ldmt(b, s + (k0 + i + (j & 1) * 8) * ld + n0 + (j >> 1) * 8);
+}
+__device__ __forceinline__ u32 rlx_gtc_pack(float lo, float hi) {
+  T l = ST(T, lo), h = ST(T, hi);
+  return (u32)(*(hword*)&l) | ((u32)(*(hword*)&h) << 16);
+}
+__device__ __forceinline__ void rlx_gtc_cp16(void* dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+#define RLX_GTC_COMMIT() asm volatile("cp.async.commit_group;\n" ::: "memory")
+#define RLX_GTC_WAIT(n) asm volatile("cp.async.wait_group " #n ";\n" ::: "memory")
+// rows r0.. r0 + GC - 1 of a [rows][D] matrix (row stride `stride` elements) into s[GC][D + 8],
+// rows at or past `rows` zero; 16-byte copies in flight (the caller commits and waits)
+template <int D>
+__device__ __forceinline__ void rlx_gtc_rows(hword* s, const T* src, i64 stride, int r0, int rows, int tid) {
+  for (int e = tid; e < GC * (D / 8); e += 128) {
+    const int r = e / (D / 8), c = (e % (D / 8)) * 8;
+    const bool ok = r0 + r < rows;
+    rlx_gtc_cp16(s + r * (D + 8) + c, ok ? (const void*)(src + (i64)(r0 + r) * stride + c) : (const void*)src, ok);
+  }
+}
+// @part tc_prep(KD, VD)
+// Pass 1: a block of 4 warps per (chunk, value head, batch); warp w the rows 16w.. 16w + 15.
+// Shared: Ks [GC][KD + 8] (K, then beta e^cum K in place), Vs [GC][VD + 8] (beta V),
+// Xf [GC][GC + 1] f32 (I + A, then (I + A)^-1 in place), Xh [GC][GC + 8] (the inverse rounded), cum, bet.
+// Writes W [B, H, NT * GC, KD], U [B, H, NT * GC, VD] and cum [B, H, NT * GC].
+extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ g, const T* __restrict__ beta, T* __restrict__ wbuf, T* __restrict__ ubuf,
+    float* __restrict__ cbuf, int steps, int H, int HK) {
+  constexpr int KP = KD + 8, VP = VD + 8, XP = GC + 8;
+  extern __shared__ __align__(16) unsigned char rlx_sm[];
+  hword* Ks = (hword*)rlx_sm;
+  hword* Vs = Ks + GC * KP;
+  hword* Xh = Vs + GC * VP;
+  float* Xf = (float*)(Xh + GC * XP);
+  float* cum = Xf + GC * (GC + 1);
+  float* bet = cum + GC;
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, gr = lane >> 2, tg = lane & 3;
+  const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / (H / HK), t0 = c * GC;
+  const i64 row0 = ((i64)b * H + h) * gridDim.x * GC + t0;     // the chunk's first row in the scratch
+  rlx_gtc_rows<KD>(Ks, k + ((i64)b * steps * HK + hk) * KD, (i64)HK * KD, t0, steps, tid);
+  RLX_GTC_COMMIT();
+  if (tid < GC) {
+    const bool ok = t0 + tid < steps;
+    const i64 at = ((i64)b * steps + t0 + tid) * H + h;
+    float x = ok ? LD(float, g[at]) : 0.f;
+    bet[tid] = ok ? LD(float, beta[at]) : 0.f;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {           // the warp's inclusive prefix sum
+      const float y = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += y;
+    }
+    cum[tid] = x;
+  }
+  for (int e = tid; e < GC * VD; e += 128) {
+    const int r = e / VD, d = e % VD;
+    const bool ok = t0 + r < steps;
+    Vs[r * VP + d] = ok ? *(const hword*)&v[(((i64)b * steps + t0 + r) * H + h) * VD + d] : (hword)0;
+  }
+  __syncthreads();
+  if (tid >= 32 && tid < GC) cum[tid] += cum[31];
+  RLX_GTC_WAIT(0);
+  __syncthreads();
+  if (tid < GC) cbuf[row0 + tid] = cum[tid];
+  // beta V, in place
+  for (int e = tid; e < GC * VD; e += 128) {
+    const int r = e / VD, d = e % VD;
+    T x = ST(T, bet[r] * tof(*(T*)&Vs[r * VP + d]));
+    Vs[r * VP + d] = *(hword*)&x;
+  }
+  {  // A = strictly-lower(beta_i (k_i . k_j) e^(cum_i - cum_j)): warp w rows 16w.., all 64 columns
+    float acc[GC / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < GC / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+    for (int k0 = 0; k0 < KD; k0 += 16) {
+      u32 a[4];
+      rlx_gtc_a(a, Ks, KP, 16 * w, k0, lane);
+#pragma unroll
+      for (int nt = 0; nt < GC / 8; nt += 2) {
+        u32 bf[4];
+        rlx_gtc_bn(bf, Ks, KP, k0, nt * 8, lane);
+        rlx_gtc_mma(acc[nt], a, bf[0], bf[1]);
+        rlx_gtc_mma(acc[nt + 1], a, bf[2], bf[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < GC / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * w + gr + (e >> 1) * 8, j = nt * 8 + 2 * tg + (e & 1);
+        Xf[i * (GC + 1) + j] = j < i ? bet[i] * acc[nt][e] * expf(cum[i] - cum[j]) : (j == i ? 1.f : 0.f);
+      }
+  }
+  __syncthreads();
+  // beta e^cum K, in place (K's products are done)
+  for (int e = tid; e < GC * KD; e += 128) {
+    const int r = e / KD, d = e % KD;
+    T x = ST(T, bet[r] * expf(cum[r]) * tof(*(T*)&Ks[r * KP + d]));
+    Ks[r * KP + d] = *(hword*)&x;
+  }
+  {  // X = (I + A)^-1 by rows: X_ic = -sum_{c <= j < i} A_ij X_jc (c < i; X_cc = 1, Xf's diagonal
+     // already), two threads a column
+    const int col = tid >> 1, part = tid & 1;
+    for (int i = 1; i < GC; ++i) {
+      float s = 0.f;
+      if (col < i)
+        for (int j = col + part; j < i; j += 2) s -= Xf[i * (GC + 1) + j] * Xf[j * (GC + 1) + col];
+      s += SHFL_XOR(s, 1);
+      __syncthreads();
+      if (part == 0 && col < i) Xf[i * (GC + 1) + col] = s;
+      __syncthreads();
+    }
+  }
+  for (int e = tid; e < GC * GC; e += 128) {
+    const int i = e / GC, j = e % GC;
+    T x = ST(T, Xf[i * (GC + 1) + j]);
+    Xh[i * XP + j] = *(hword*)&x;
+  }
+  __syncthreads();
+  // W = X (beta e^cum K), U = X (beta V): warp w rows 16w.., 16 columns at a time
+  u32 xa[GC / 16][4];
+#pragma unroll
+  for (int k0 = 0; k0 < GC; k0 += 16) rlx_gtc_a(xa[k0 / 16], Xh, XP, 16 * w, k0, lane);
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int D = pass == 0 ? KD : VD, P = pass == 0 ? KP : VP;
+    const hword* src = pass == 0 ? Ks : Vs;
+    T* out = (pass == 0 ? wbuf : ubuf) + (row0 + 16 * w + gr) * D;
+    for (int n0 = 0; n0 < D; n0 += 16) {
+      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int k0 = 0; k0 < GC; k0 += 16) {
+        u32 bf[4];
+        rlx_gtc_bt(bf, src, P, k0, n0, lane);
+        rlx_gtc_mma(acc[0], xa[k0 / 16], bf[0], bf[1]);
+        rlx_gtc_mma(acc[1], xa[k0 / 16], bf[2], bf[3]);
+      }
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const int col = n0 + t * 8 + 2 * tg;
+        *(u32*)&out[col] = rlx_gtc_pack(acc[t][0], acc[t][1]);
+        *(u32*)&out[8 * D + col] = rlx_gtc_pack(acc[t][2], acc[t][3]);
+      }
+    }
+  }
+}
+// @part tc_scan(KD, VD, BV)
+// Pass 2: a block of 4 warps per (BV state columns, value head, batch) walks the chunks. The
+// state's [KD x BV] columns live in the warps' accumulators (warp w the row tiles w, w + 4, ..),
+// f32 for the whole walk. Per chunk, its W, K and U rows arrive by cp.async one chunk ahead:
+//   Ss = H_c rounded (shared, and hbuf[c] for pass 3);
+//   V_new = U - W Ss (warp w rows 16w..): over U in ubuf, and Vd = V_new e^(cum_last - cum) shared;
+//   H <- e^cum_last H + K^T Vd.
+// Shared: Ws[2], Kc[2] [GC][KD + 8], Us[2] [GC][BV + 8], Cs[2] [GC] f32, Ss [KD][BV + 8], Vd [GC][BV + 8].
+extern "C" __global__ void __launch_bounds__(128, 1) rlx_gdn_tc_scan(const T* __restrict__ k,
+    const T* __restrict__ wbuf, T* __restrict__ ubuf, const float* __restrict__ cbuf, const T* s0, T* s1,
+    T* __restrict__ hbuf, int steps, int H, int HK, int nch) {
+  constexpr int KP = KD + 8, BP = BV + 8, MT = (KD / 16 + 3) / 4;
+  extern __shared__ __align__(16) unsigned char rlx_sm[];
+  hword* Ws = (hword*)rlx_sm;
+  hword* Kc = Ws + 2 * GC * KP;
+  hword* Us = Kc + 2 * GC * KP;
+  hword* Ss = Us + 2 * GC * BP;
+  hword* Vd = Ss + KD * BP;
+  float* Cs = (float*)(Vd + GC * BP);
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, gr = lane >> 2, tg = lane & 3;
+  const int v0 = blockIdx.x * BV, h = blockIdx.y, b = blockIdx.z, hk = h / (H / HK);
+  const i64 head = (i64)b * H + h, rows = head * nch * GC;       // this head's first scratch row
+  const T* kh = k + ((i64)b * steps * HK + hk) * KD;
+  auto fetch = [&](int c) {
+    const int st = c & 1;
+    rlx_gtc_rows<KD>(Ws + st * GC * KP, wbuf + rows * KD, KD, c * GC, nch * GC, tid);
+    rlx_gtc_rows<KD>(Kc + st * GC * KP, kh, (i64)HK * KD, c * GC, steps, tid);
+    for (int e = tid; e < GC * (BV / 8); e += 128) {
+      const int r = e / (BV / 8), cc = (e % (BV / 8)) * 8;
+      rlx_gtc_cp16(Us + st * GC * BP + r * BP + cc, ubuf + (rows + c * GC + r) * VD + v0 + cc, true);
+    }
+    if (tid < GC / 4) rlx_gtc_cp16(Cs + st * GC + tid * 4, cbuf + rows + c * GC + tid * 4, true);
+  };
+  float S[MT][BV / 8][4];
+  const i64 sb = head * KD * VD;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < BV / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int d = (mt * 4 + w) * 16 + gr + (e >> 1) * 8, j = v0 + nt * 8 + 2 * tg + (e & 1);
+        S[mt][nt][e] = mt * 4 + w < KD / 16 ? LD(float, s0[sb + (i64)d * VD + j]) : 0.f;
+      }
+  fetch(0);
+  RLX_GTC_COMMIT();
+  for (int c = 0; c < nch; ++c) {
+    const int st = c & 1;
+    if (c + 1 < nch) fetch(c + 1);
+    RLX_GTC_COMMIT();
+    // H_c, rounded: into Ss and hbuf [B, H, NT, KD, VD]
+    T* hc = hbuf + (head * nch + c) * KD * VD + v0;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      if (mt * 4 + w >= KD / 16) break;
+#pragma unroll
+      for (int nt = 0; nt < BV / 8; ++nt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int d = (mt * 4 + w) * 16 + gr + r * 8, j = nt * 8 + 2 * tg;
+          const u32 x = rlx_gtc_pack(S[mt][nt][2 * r], S[mt][nt][2 * r + 1]);
+          *(u32*)&Ss[d * BP + j] = x;
+          *(u32*)&hc[(i64)d * VD + j] = x;
+        }
+    }
+    RLX_GTC_WAIT(1);                  // this chunk's rows have landed (this thread's copies)
+    __syncthreads();
+    const hword* Wc = Ws + st * GC * KP;
+    const hword* Kt = Kc + st * GC * KP;
+    const hword* Uc = Us + st * GC * BP;
+    const float* cum = Cs + st * GC;
+    const float last = cum[GC - 1];
+    {  // V_new = U - W H_c: warp w rows 16w..
+      float acc[BV / 8][4];
+#pragma unroll
+      for (int nt = 0; nt < BV / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+      for (int k0 = 0; k0 < KD; k0 += 16) {
+        u32 a[4];
+        rlx_gtc_a(a, Wc, KP, 16 * w, k0, lane);
+#pragma unroll
+        for (int nt = 0; nt < BV / 8; nt += 2) {
+          u32 bf[4];
+          rlx_gtc_bt(bf, Ss, BP, k0, nt * 8, lane);
+          rlx_gtc_mma(acc[nt], a, bf[0], bf[1]);
+          rlx_gtc_mma(acc[nt + 1], a, bf[2], bf[3]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = 16 * w + gr + r * 8;
+        const float dec = expf(last - cum[i]);
+        T* un = ubuf + (rows + (i64)c * GC + i) * VD + v0;
+#pragma unroll
+        for (int nt = 0; nt < BV / 8; ++nt) {
+          const int j = nt * 8 + 2 * tg;
+          const T* u = (const T*)&Uc[i * BP + j];
+          const float x0 = tof(u[0]) - acc[nt][2 * r], x1 = tof(u[1]) - acc[nt][2 * r + 1];
+          *(u32*)&un[j] = rlx_gtc_pack(x0, x1);
+          *(u32*)&Vd[i * BP + j] = rlx_gtc_pack(x0 * dec, x1 * dec);
+        }
+      }
+    }
+    __syncthreads();
+    {  // H <- e^cum_last H + K^T Vd
+      const float gl = expf(last);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (mt * 4 + w >= KD / 16) break;
+#pragma unroll
+        for (int nt = 0; nt < BV / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) S[mt][nt][e] *= gl;
+#pragma unroll
+        for (int k0 = 0; k0 < GC; k0 += 16) {
+          u32 a[4];
+          rlx_gtc_at(a, Kt, KP, (mt * 4 + w) * 16, k0, lane);
+#pragma unroll
+          for (int nt = 0; nt < BV / 8; nt += 2) {
+            u32 bf[4];
+            rlx_gtc_bt(bf, Vd, BP, k0, nt * 8, lane);
+            rlx_gtc_mma(S[mt][nt], a, bf[0], bf[1]);
+            rlx_gtc_mma(S[mt][nt + 1], a, bf[2], bf[3]);
+          }
+        }
+      }
+    }
+    __syncthreads();                  // the stage is free for chunk c + 2, Ss and Vd for the next chunk
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < BV / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int d = (mt * 4 + w) * 16 + gr + (e >> 1) * 8, j = v0 + nt * 8 + 2 * tg + (e & 1);
+        if (mt * 4 + w < KD / 16) s1[sb + (i64)d * VD + j] = ST(T, S[mt][nt][e]);
+      }
+}
+// @part tc_out(KD, VD)
+// Pass 3: a block of 4 warps per (chunk, value head, batch); warp w the output rows 16w..:
+//   P = lower(scale (q_i . k_j) e^(cum_i - cum_j)) (rounded, shared),
+//   O = scale e^cum_i (Q H_c)_i + P V_new, 64 output columns at a time.
+// Shared: Qs, Ks [GC][KD + 8], Hs [KD][VD + 8], Vs [GC][VD + 8], Ps [GC][GC + 8], cum.
+extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_out(const T* __restrict__ q, const T* __restrict__ k,
+    const T* __restrict__ ubuf, const float* __restrict__ cbuf, const T* __restrict__ hbuf, T* __restrict__ o,
+    int steps, int H, int HK, float scale) {
+  constexpr int KP = KD + 8, VP = VD + 8, PP = GC + 8;
+  extern __shared__ __align__(16) unsigned char rlx_sm[];
+  hword* Qs = (hword*)rlx_sm;
+  hword* Ks = Qs + GC * KP;
+  hword* Hs = Ks + GC * KP;
+  hword* Vs = Hs + KD * VP;
+  hword* Ps = Vs + GC * VP;
+  float* cum = (float*)(Ps + GC * PP);
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, gr = lane >> 2, tg = lane & 3;
+  const int c = blockIdx.x, nch = gridDim.x, h = blockIdx.y, b = blockIdx.z, hk = h / (H / HK), t0 = c * GC;
+  const i64 head = (i64)b * H + h, row0 = head * nch * GC + t0;
+  const i64 qk0 = ((i64)b * steps * HK + hk) * KD;
+  rlx_gtc_rows<KD>(Qs, q + qk0, (i64)HK * KD, t0, steps, tid);
+  rlx_gtc_rows<KD>(Ks, k + qk0, (i64)HK * KD, t0, steps, tid);
+  rlx_gtc_rows<VD>(Vs, ubuf + row0 * VD, VD, 0, GC, tid);
+  const T* hc = hbuf + (head * nch + c) * KD * VD;
+  for (int e = tid; e < KD * (VD / 8); e += 128) {
+    const int r = e / (VD / 8), cc = (e % (VD / 8)) * 8;
+    rlx_gtc_cp16(Hs + r * VP + cc, hc + (i64)r * VD + cc, true);
+  }
+  if (tid < GC / 4) rlx_gtc_cp16(cum + tid * 4, cbuf + row0 + tid * 4, true);
+  RLX_GTC_COMMIT();
+  RLX_GTC_WAIT(0);
+  __syncthreads();
+  const int i0 = 16 * w + gr, i1 = i0 + 8;
+  {  // P: warp w rows 16w.., the keys up to its last row
+    float acc[GC / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < GC / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+    for (int k0 = 0; k0 < KD; k0 += 16) {
+      u32 a[4];
+      rlx_gtc_a(a, Qs, KP, 16 * w, k0, lane);
+#pragma unroll
+      for (int nt = 0; nt < GC / 8; nt += 2) {
+        if (nt * 8 > 16 * w + 15) break;
+        u32 bf[4];
+        rlx_gtc_bn(bf, Ks, KP, k0, nt * 8, lane);
+        rlx_gtc_mma(acc[nt], a, bf[0], bf[1]);
+        rlx_gtc_mma(acc[nt + 1], a, bf[2], bf[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < GC / 8; ++nt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = r ? i1 : i0, j = nt * 8 + 2 * tg;
+        const float p0 = j <= i ? scale * acc[nt][2 * r] * expf(cum[i] - cum[j]) : 0.f;
+        const float p1 = j + 1 <= i ? scale * acc[nt][2 * r + 1] * expf(cum[i] - cum[j + 1]) : 0.f;
+        *(u32*)&Ps[i * PP + j] = rlx_gtc_pack(p0, p1);
+      }
+  }
+  __syncwarp();                       // a warp reads only its own rows of P
+  u32 pa[GC / 16][4], qa[KD / 16][4];
+#pragma unroll
+  for (int k0 = 0; k0 < GC; k0 += 16) rlx_gtc_a(pa[k0 / 16], Ps, PP, 16 * w, k0, lane);
+#pragma unroll
+  for (int k0 = 0; k0 < KD; k0 += 16) rlx_gtc_a(qa[k0 / 16], Qs, KP, 16 * w, k0, lane);
+  const float d0 = scale * expf(cum[i0]), d1 = scale * expf(cum[i1]);
+  const bool ok0 = t0 + i0 < steps, ok1 = t0 + i1 < steps;
+  T* o0 = o + (((i64)b * steps + t0 + i0) * H + h) * VD;
+  T* o1 = o + (((i64)b * steps + t0 + i1) * H + h) * VD;
+  for (int n0 = 0; n0 < VD; n0 += 16) {
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int k0 = 0; k0 < KD; k0 += 16) {
+      u32 bf[4];
+      rlx_gtc_bt(bf, Hs, VP, k0, n0, lane);
+      rlx_gtc_mma(acc[0], qa[k0 / 16], bf[0], bf[1]);
+      rlx_gtc_mma(acc[1], qa[k0 / 16], bf[2], bf[3]);
+    }
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      acc[t][0] *= d0; acc[t][1] *= d0; acc[t][2] *= d1; acc[t][3] *= d1;
+    }
+#pragma unroll
+    for (int k0 = 0; k0 < GC; k0 += 16) {
+      if (k0 > 16 * w) break;
+      u32 bf[4];
+      rlx_gtc_bt(bf, Vs, VP, k0, n0, lane);
+      rlx_gtc_mma(acc[0], pa[k0 / 16], bf[0], bf[1]);
+      rlx_gtc_mma(acc[1], pa[k0 / 16], bf[2], bf[3]);
+    }
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int col = n0 + t * 8 + 2 * tg;
+      if (ok0) *(u32*)&o0[col] = rlx_gtc_pack(acc[t][0], acc[t][1]);
+      if (ok1) *(u32*)&o1[col] = rlx_gtc_pack(acc[t][2], acc[t][3]);
+    }
+  }
+}
