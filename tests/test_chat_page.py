@@ -329,9 +329,9 @@ def test_the_servers_errors_are_shown(page, server):
 
 
 def test_an_api_key_is_asked_for_and_sent_as_a_bearer_token(browser, models):
-    from rlx_core.serve import create_app
+    from rlx_core.serve import app as serve_app, create_app
 
-    if "api_key" not in inspect.signature(create_app).parameters:
+    if "api_key" not in inspect.signature(serve_app.create_app).parameters:
         pytest.skip("create_app takes no api_key yet (rlx serve --api-key, issue 48 \u00a72)")
     srv = Server(create_app({"tiny": models["tiny"]}, max_batch=2, api_key="sesame"))
     p = Page(browser, srv, ready=False)
