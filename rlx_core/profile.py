@@ -76,6 +76,13 @@ class ParallelConfig:
 
 
 @attrs.frozen
+class RuntimeConfig:
+    # a prompt whose part left to compute is longer is prefilled in chunks of this many
+    # tokens, one per scheduler round between the running batch's decode steps (0: never)
+    prefill_chunk: int = 512
+
+
+@attrs.frozen
 class CompileProfile:
     name: str = "default"
     fusion: FusionConfig = FusionConfig()
@@ -83,6 +90,7 @@ class CompileProfile:
     precision: PrecisionConfig = PrecisionConfig()
     backend: BackendConfig = BackendConfig()
     parallel: ParallelConfig = ParallelConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
 
     def to_dict(self) -> dict:
         def conv(inst, a, v):
@@ -94,9 +102,11 @@ class CompileProfile:
         return attrs.asdict(self, value_serializer=conv)
 
     def stable_hash(self) -> str:
-        """Of the settings only: the name does not change what compiles (a compile-cache key)."""
+        """Of the settings that change what compiles (a compile-cache key): not the name, nor
+        how the runtime schedules the compiled graphs."""
         d = self.to_dict()
         d.pop("name")
+        d.pop("runtime")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def text(self) -> str:
@@ -173,7 +183,7 @@ class CompileProfile:
 ProfileLike = Union[CompileProfile, str, "os.PathLike[str]", None]
 
 _SECTIONS = {"fusion": FusionConfig, "passes": PassConfig, "precision": PrecisionConfig,
-             "backend": BackendConfig, "parallel": ParallelConfig}
+             "backend": BackendConfig, "parallel": ParallelConfig, "runtime": RuntimeConfig}
 _ALLOWED = {
     ("fusion", "policy"): [p.value for p in FusionPolicy],
     ("fusion", "target"): ["auto", *TARGETS],

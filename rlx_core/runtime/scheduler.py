@@ -9,6 +9,15 @@ matrix products. Decode graphs specialize once per (batch bucket, context bucket
 on any backend: the cache moves through `Backend.copy_into`. Idle a while, a scheduler
 gives its KV caches back (release_cache).
 
+Where the model has an `extend` graph (a prefill continuing the cached sequence), a prompt
+starts from the longest prefix found in the prefix cache (rlx_core.runtime.prefix_cache:
+blocks of earlier prompts and of finished requests' prompt + answer), and a prompt longer
+than `prefill_chunk` is prefilled in chunks, one per round between the running batch's
+decode steps, so streams keep producing tokens. A request being prefilled is in the
+running list without a row (`slot` -1) until its last chunk places it. A model whose
+caches cannot be extended (a ring-buffer window cache) gets whole prefills and no prefix
+cache; `extend_refused` says why.
+
 Submission is thread-safe (`Scheduler.submit` from any thread); one scheduler thread runs
 the model, holding the backend's lock for each step, so direct `generate` calls on the same
 model interleave between steps."""
@@ -18,15 +27,17 @@ import collections
 import itertools
 import queue
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from ..ir.errors import ModelError, RlxError
-from .args import bool_arg, callable_arg, int_arg, token_rows
+from .args import bool_arg, callable_arg, float_arg, int_arg, token_rows
 from .batch_cache import BatchCache
 from .model import CTX_BUCKET, fetch_greedy, greedy_outputs, updates_in_place
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, ask, check_constraint, prompt_token_logprobs, token_logprobs
 from .stop_text import StopText
 
@@ -90,8 +101,9 @@ class Request:
     index: int = 0                  # which of its prompt's n choices
     choices: list = field(default_factory=list)    # the n choices (this one first): set by submit
     # -- the scheduler's
-    slot: int = -1
+    slot: int = -1                  # its row of the decode batch (-1: not placed yet, prefilling)
     length: int = 0                 # tokens in its KV cache
+    filled: int = 0                 # prompt tokens in the prefill states (while prefilling)
     last: int = 0                   # the token the next decode step feeds
     ctx: int = 0                    # the context bucket it would get alone
     max_new: int = 0
@@ -168,11 +180,15 @@ def batch_buckets(max_batch: int) -> tuple:
 
 class Scheduler:
     """Runs `model` (a CausalLM) for many requests at once, up to `max_batch` in one decode
-    batch. Use as a context manager or call close()."""
+    batch. `prefix_cache_mb`: the prefix cache's bound in MiB (0: none); `prefill_chunk`:
+    the chunk of a long prompt's prefill in tokens (None: the profile's [runtime]
+    prefill_chunk; 0: whole prefills). Use as a context manager or call close()."""
 
-    def __init__(self, model, max_batch: int = 8):
+    def __init__(self, model, max_batch: int = 8, prefix_cache_mb: float = 256, prefill_chunk: int | None = None):
         self.model = model
         self.max_batch = int_arg("max_batch", max_batch, lo=1)
+        self.prefix_cache_mb = float_arg("prefix_cache_mb", prefix_cache_mb, 0.0)
+        self.prefill_chunk = int_arg("prefill_chunk", prefill_chunk, none=True)
         self.buckets = batch_buckets(self.max_batch)
         self._cv = threading.Condition()
         self._waiting: collections.deque = collections.deque()
@@ -183,12 +199,19 @@ class Scheduler:
         self._ids = itertools.count()
         self._decode: Executable | None = None
         self._prefill: Executable | None = None
+        self._extend: Executable | None = None
+        self._fill_states = None               # the prefill's and extend's StateStore (batch 1)
+        self._fills: collections.deque = collections.deque()   # requests to prefill, in order
+        self.extend_refused = ""               # why this model cannot extend (then whole prefills)
+        self.prefix: PrefixCache | None = None
         self.cache: BatchCache | None = None
         self.submitted = 0                     # requests taken in
         self.steps = 0                         # decode steps run (a test sees batching happen)
         self.max_rows = 0                      # most requests decoded in one step
         self.prefix_query_tokens = 0           # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0             # of them, found there (their prefill skipped)
+        self.prefill_tokens = 0                # prompt tokens computed (prefill and extend runs)
+        self.prefill_runs = 0                  # prefill and extend runs (chunks)
 
     # -- submission
     def submit(self, prompt, params: SamplingParams | None = None, on_event=None, chat: bool = False,
@@ -270,27 +293,35 @@ class Scheduler:
         with self._cv:
             waiting = sum(len(r.choices) for r in self._waiting)
             running = len(self._active)
+            prefilling = sum(r.slot < 0 for r in self._active)
+        cache = self.prefix.stats() if self.prefix is not None else {
+            "prefix_cache_blocks": 0, "prefix_cache_bytes": 0,
+            "prefix_cache_capacity": int(self.prefix_cache_mb * 2**20), "prefix_cache_evictions": 0}
         return {"waiting": waiting, "running": running, "max_batch": self.max_batch,
                 "submitted": self.submitted, "steps": self.steps,
-                "prefix_query_tokens": self.prefix_query_tokens, "prefix_hit_tokens": self.prefix_hit_tokens}
+                "prefix_query_tokens": self.prefix_query_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,
+                "prefilling": prefilling, "prefill_tokens": self.prefill_tokens,
+                "prefill_runs": self.prefill_runs, **cache}
 
     def memory_report(self) -> dict:
         """The model's memory_report with this scheduler's KV cache and decode runners."""
         from .memory import memory_report
 
         with self.model._lock:
-            exes = [e for e in (self._prefill, self._decode) if e is not None]
-            return memory_report(self.model, [e.states for e in exes], exes)
+            exes = [e for e in (self._prefill, self._extend, self._decode) if e is not None]
+            stores = list({id(e.states): e.states for e in exes}.values())   # (extend shares the prefill's)
+            return memory_report(self.model, stores, exes)
 
     def release_cache(self) -> None:
         """Drop the KV caches (the batched decode's and the last prefill's) with their
         executables (rebuilt by the next request, ~0.1 s each: the model is not reloaded)
         and trim the heap, so the memory long requests took goes back once the scheduler has
-        been idle IDLE_RELEASE_S seconds (the scheduler thread calls this)."""
+        been idle IDLE_RELEASE_S seconds (the scheduler thread calls this). The prefix cache
+        stays (bounded by prefix_cache_mb): the next turn of a chat comes after a pause."""
         with self.model._lock:
             if self.cache is not None:
                 self.cache.clear()
-            self.cache = self._decode = self._prefill = None
+            self.cache = self._decode = self._prefill = self._extend = self._fill_states = None
         trim_heap()
 
     # -- the scheduler thread
@@ -338,10 +369,15 @@ class Scheduler:
             for r in new:
                 self._guard(list(r.choices), self._admit, r)
             self._drop_cancelled()
-            if self._active:
-                self._guard(list(self._active), self._step)
-            if idle and self._active:
-                self._guard(list(self._active), self._fit)
+            self._prefill_round()
+            if self._running():
+                self._guard(self._running(), self._step)
+            if idle and self._running():
+                self._guard(self._running(), self._fit)
+
+    def _running(self) -> list:
+        """The requests with a row in the decode batch (in slot order)."""
+        return [r for r in self._active if r.slot >= 0]
 
     def _guard(self, reqs: list, fn, *a) -> None:
         """Run fn; an error fails `reqs` (a request's own problem, or a step's: every row)."""
@@ -361,8 +397,45 @@ class Scheduler:
         if self._prefill is None:
             from ..pipeline import StateStore
 
-            self._prefill = self.model.executable_over("prefill", StateStore())
+            self._fill_states = StateStore()
+            self._prefill = self.model.executable_over("prefill", self._fill_states)
         return self._prefill
+
+    def _extend_exe(self) -> Executable | None:
+        """The model's extend graph over the prefill's states, or None where the model
+        cannot extend its caches (`extend_refused` then says why, once)."""
+        if self._extend is None and not self.extend_refused:
+            prefill = self._prefill_exe()
+            try:
+                exe = self.model.executable_over("extend", self._fill_states)
+            except RlxError as e:
+                self._refuse(str(e))
+                return None
+            if _state_specs(exe) != _state_specs(prefill):
+                self._refuse("its extend graph's states differ from its prefill graph's")
+                return None
+            self._extend = exe
+        return self._extend
+
+    def _refuse(self, why: str) -> None:
+        self.extend_refused = why
+        warnings.warn(f"{self.model.source}: prompts are prefilled whole, without a prefix cache: "
+                      f"the model cannot extend its caches ({why})", RuntimeWarning, stacklevel=2)
+
+    def _chunk(self) -> int:
+        """The prefill chunk in tokens (0: whole prefills)."""
+        if self.prefill_chunk is not None:
+            return self.prefill_chunk
+        runtime = getattr(self.model.profile, "runtime", None)
+        return runtime.prefill_chunk if runtime is not None else 0
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache (made on first use), or None: off, or the model cannot extend."""
+        if self.prefix is None and self.prefix_cache_mb > 0 and self._extend_exe() is not None:
+            prefill = self._prefill_exe()
+            self.prefix = PrefixCache(self.model.backend, _state_specs(prefill),
+                                      prefill.input_specs["ids"].dims[0], int(self.prefix_cache_mb * 2**20))
+        return self.prefix
 
     def _decode_exe(self) -> Executable:
         if self._decode is None:
@@ -387,20 +460,22 @@ class Scheduler:
     def _fit(self, extra_ctx: int = 0, extra_row: bool = False) -> None:
         """Size the cache for the running requests (+ one being admitted), rows compacted."""
         c = self._batch_cache()
-        rows = len(self._active) + extra_row
+        running = self._running()
+        rows = len(running) + extra_row
         batch = self._bucket(max(rows, 1))
-        ctx = max([r.ctx for r in self._active] + [extra_ctx])
-        if (c.batch, c.ctx) == (batch, ctx) and all(r.slot == i for i, r in enumerate(self._active)):
+        ctx = max([r.ctx for r in running] + [extra_ctx])
+        if (c.batch, c.ctx) == (batch, ctx) and all(r.slot == i for i, r in enumerate(running)):
             return
         if extra_row and c.batch >= batch and c.ctx >= ctx:
             return                                   # room already: grow only when needed
-        moves = [(r.slot, i, r.length) for i, r in enumerate(self._active)]
+        moves = [(r.slot, i, r.length) for i, r in enumerate(running)]
         c.resize(batch, ctx, moves)
-        for i, r in enumerate(self._active):
+        for i, r in enumerate(running):
             r.slot = i
 
     def _admit(self, r: Request) -> None:
-        """Prefill r's prompt once and place its KV rows in a free row for each of its choices."""
+        """Take r in: its choices join the running requests without a row (prefilled by
+        `_prefill_round`, then placed), or finish at once (cancelled, no room to generate)."""
         m, p = self.model, r.params
         n = len(r.prompt_ids)
         for c in r.choices:
@@ -413,22 +488,111 @@ class Scheduler:
                 self._finish(c, "cancelled" if r.cancelled else "length")
             return
         ctx = min(-(-(n + r.max_new) // CTX_BUCKET) * CTX_BUCKET, m.max_positions)
-        prefill = self._prefill_exe()
-        prefill.fixed_dims = {"ctx": ctx}
-        ids = np.asarray([r.prompt_ids], np.int64)
-        logits = prefill.run({"ids": ids, "positions": np.arange(n, dtype=np.int64)[None],
-                              "key_mask": np.ones((1, 1, 1, n), bool),
-                              "cache_pos": np.zeros(1, np.int32)})["logits"][:, -1]
-        prompt_lp = self._prompt_logprobs(r) if p.prompt_logprobs is not None else None
         for c in r.choices:
-            c.ctx, c.prompt_logprobs = ctx, prompt_lp
-            self._fit(extra_ctx=ctx, extra_row=True)
-            cache = self._batch_cache()
-            used = {q.slot for q in self._active}
-            c.slot = next(i for i in range(cache.batch) if i not in used)
-            cache.place(c.slot, prefill.states, n)
-            c.length = n
+            c.ctx, c.slot, c.filled = ctx, -1, 0
             self._active.append(c)
+        self._active.sort(key=lambda q: q.slot)  # (slot order: the unplaced first, in their order)
+        self._fills.append(r)
+
+    def _prefill_round(self) -> None:
+        """Prefill the waiting requests in order: all of them whole, or, chunking, pieces of
+        at most `prefill_chunk` tokens until that many were computed this round while a
+        batch is decoding (so its streams go on between the chunks)."""
+        chunk, start = self._chunk(), self.prefill_tokens
+        while self._fills:
+            r = self._fills[0]
+            if r.done or r.cancelled or r not in self._active:
+                self._fills.popleft()
+                continue
+            self._guard(list(r.choices), self._fill, r, chunk)
+            if chunk and self.prefill_tokens - start >= chunk and self._running():
+                break
+
+    def _fill(self, r: Request, chunk: int) -> None:
+        """One piece of r's prefill (all of it unless chunking); the last places its choices."""
+        n = len(r.prompt_ids)
+        exe = self._prefill_exe()
+        if r.filled == 0:
+            self._start_fill(r)
+        a = r.filled
+        b = self._piece_end(a, n, chunk)
+        ext = self._extend if a else None
+        (ext or exe).fixed_dims = {"ctx": r.ctx}
+        ids = np.asarray([r.prompt_ids[a:b]], np.int64)
+        if ext is None:
+            feed = {"ids": ids, "positions": np.arange(b, dtype=np.int64)[None],
+                    "key_mask": np.ones((1, 1, 1, b), bool), "cache_pos": np.zeros(1, np.int32)}
+        else:
+            mask = np.zeros((1, 1, 1, r.ctx), bool)
+            mask[..., :b] = True
+            feed = {"ids": ids, "positions": np.arange(a, b, dtype=np.int64)[None], "key_mask": mask,
+                    "cache_pos": np.array([a], np.int32)}
+        logits = (ext or exe).run(feed)["logits"][:, -1]
+        r.filled = b
+        self.prefill_tokens += b - a
+        self.prefill_runs += 1
+        if self.prefix is not None:
+            blk = self.prefix.block
+            self.prefix.insert(r.prompt_ids, self._fill_states, 0, b // blk * blk, snapshot=b % blk == 0)
+        if b == n:
+            self._fills.popleft()
+            self._place(r, logits)
+
+    def _start_fill(self, r: Request) -> None:
+        """Before r's first piece: the prefill states sized to r's context, its longest
+        cached prefix (at most all but the last prompt token: that one gives the logits)
+        copied in, and r.filled set past it."""
+        n = len(r.prompt_ids)
+        if n > 1 and self._chunk() and n > self._chunk():
+            self._extend_exe()                   # (chunks need it; refused: whole prefills)
+        pc = self._prefix_cache()
+        if pc is None:
+            return
+        self.prefix_query_tokens += n
+        hit, entries = pc.lookup(r.prompt_ids, n - 1)
+        if hit:
+            self._size_fill_states(r.ctx)
+            pc.restore(entries, self._fill_states)
+            r.filled = hit
+            self.prefix_hit_tokens += hit
+
+    def _size_fill_states(self, ctx: int) -> None:
+        """The prefill's state buffers at batch 1 and context `ctx` (what its run would make)."""
+        exe = self._prefill_exe()
+        env = {exe.input_specs["ids"].dims[0]: 1, "ctx": ctx}
+        for name, spec in _state_specs(exe).items():
+            dims = spec.bind(env).dims
+            cur = self._fill_states.get(name)
+            if cur is None or tuple(cur.shape) != tuple(dims):
+                self._fill_states[name] = self.model.backend.zeros(dims, spec.dtype)
+
+    def _piece_end(self, a: int, n: int, chunk: int) -> int:
+        """Where the prefill piece starting at prompt token `a` ends: the prompt's end, or a
+        chunk on; and, for a model with recurrent states and a prefix cache, at the prompt's
+        last block boundary (a snapshot there lets a later prompt continue this one)."""
+        extend = self._extend is not None
+        b = min(n, a + chunk) if chunk and extend else n
+        if self.prefix is not None and self.prefix.needs_snapshot:
+            edge = n // self.prefix.block * self.prefix.block
+            if a < edge < b:
+                b = edge
+        return b
+
+    def _place(self, r: Request, logits) -> None:
+        """r's prompt is prefilled: each choice gets a free row of the batch cache (its KV
+        copied there) and its first token from the prefill's `logits`."""
+        n = len(r.prompt_ids)
+        prompt_lp = self._prompt_logprobs(r) if r.params.prompt_logprobs is not None else None
+        for c in r.choices:
+            if c.done:
+                continue
+            c.prompt_logprobs = prompt_lp
+            self._fit(extra_ctx=c.ctx, extra_row=True)
+            cache = self._batch_cache()
+            used = {q.slot for q in self._running()}
+            c.slot = next(i for i in range(cache.batch) if i not in used)
+            cache.place(c.slot, self._fill_states, n)
+            c.length = n
             self._active.sort(key=lambda q: q.slot)
             self._take(c, logits)
 
@@ -444,42 +608,43 @@ class Scheduler:
     def _step(self) -> None:
         exe, c = self._decode_exe(), self._batch_cache()
         b, ctx = c.batch, c.ctx
+        running = self._running()
         ids = np.zeros((b, 1), np.int64)
         pos = np.zeros((b, 1), np.int64)
         cache_pos = np.zeros(b, np.int32)
         mask = np.zeros((b, ctx), bool)
         mask[:, 0] = True                     # an idle row attends to one stale key, not none
-        for r in self._active:
+        for r in running:
             ids[r.slot, 0], pos[r.slot, 0], cache_pos[r.slot] = r.last, r.length, r.length
             mask[r.slot, :r.length + 1] = True
         exe.fixed_dims = {"ctx": ctx}
         feed = {"ids": ids, "positions": pos, "key_mask": mask[:, None, None, :], "cache_pos": cache_pos}
         self.steps += 1
-        self.max_rows = max(self.max_rows, len(self._active))
-        greedy = self._greedy_ids(exe, feed)
+        self.max_rows = max(self.max_rows, len(running))
+        greedy = self._greedy_ids(exe, feed, running)
         asked: dict = {}
         if greedy is None:
             wait = exe.submit(feed, ("logits",))
-            for r in self._active:          # (the masks while the device runs the step)
+            for r in running:               # (the masks while the device runs the step)
                 if r.constraint is not None:
                     self._guard([r], lambda r=r: asked.__setitem__(r.id, ask(r.constraint)))
             logits = wait()["logits"][:, -1]
-        for r in list(self._active):
+        for r in running:
             r.length += 1
             if greedy is not None:
                 self._guard([r], self._accept, r, int(greedy[r.slot]))
             elif not r.done:
                 self._guard([r], self._take, r, logits[r.slot:r.slot + 1], asked.get(r.id))
 
-    def _greedy_ids(self, exe, feed):
-        """The graph's arg-max ids [batch] when every active request is greedy and
+    def _greedy_ids(self, exe, feed, running: list):
+        """The graph's arg-max ids [batch] when every running request is greedy and
         fetch_greedy gives them (a few bytes per row instead of the logits), else None."""
-        if not greedy_outputs(exe) or not all(r.params.argmax for r in self._active):
+        if not greedy_outputs(exe) or not all(r.params.argmax for r in running):
             return None
-        banning = [r.slot for r in self._active if r.n_new < r.params.min_tokens]
+        banning = [r.slot for r in running if r.n_new < r.params.min_tokens]
         if banning and updates_in_place(exe):
             return None          # (a refused greedy id reruns the step: in-place states would step twice)
-        return fetch_greedy(exe, feed, [r.slot for r in self._active], banning,
+        return fetch_greedy(exe, feed, [r.slot for r in running], banning,
                             np.array(self.model.eos_ids, np.int64))
 
     def _take(self, r: Request, logits, asked=None) -> None:
@@ -528,6 +693,15 @@ class Scheduler:
         else:
             r._emit(Event([tok], text, logprobs=lps, index=r.index))
 
+    def _remember(self, r: Request) -> None:
+        """Keep a finished request's prompt + answer in the prefix cache (from its row of the
+        batch cache): the next turn of a conversation starts with them."""
+        pc, cache = self.prefix, self.cache
+        if pc is None or cache is None or not all(name in cache.store for name in {**pc.kv, **pc.recurrent}):
+            return
+        self._guard([], lambda: pc.insert(r.prompt_ids + r.token_ids, cache.store, r.slot, r.length,
+                                          snapshot=r.length % pc.block == 0))
+
     def _drop_cancelled(self) -> None:
         for r in [q for q in self._active if q.cancelled]:
             self._finish(r, "cancelled")
@@ -536,11 +710,18 @@ class Scheduler:
         if r.done:
             return
         if r in self._active:
+            if reason in ("stop", "length") and r.slot >= 0:
+                self._remember(r)
             self._active.remove(r)
         if r.stream is not None and reason != "error":
             text += r.stream.finish()
         r.finish_reason = reason
         r._emit(Event(list(tokens), text, reason, r.error, list(logprobs), r.index))
+
+
+def _state_specs(exe) -> dict:
+    """State name -> its Shape, of an executable's graph."""
+    return {n.name: n.outs[0] for n in exe.mir.nodes if n.op == "state"}
 
 
 __all__ = ["Scheduler", "SamplingParams", "Request", "Event", "Completion", "batch_buckets",

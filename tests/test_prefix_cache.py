@@ -1,0 +1,180 @@
+"""The prefix cache (rlx_core.runtime.prefix_cache) and the Scheduler using it: hash-chain keys
+name whole prefixes; a hit is the longest run of cached whole blocks (for a model with
+recurrent states, one ending at a snapshot); least recently used blocks go first and the
+bytes stay within the bound; greedy outputs with the cache on equal those with it off
+(hypothesis over request sets sharing prefixes, tiny LLaMA and the Qwen3.5 hybrid), with
+the prompt tokens computed counted (a hit computes only the rest)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlx_core.ir.errors import ModelError
+from rlx_core.pipeline import StateStore, select_backend
+from rlx_core.runtime.model import CausalLM, find_recipe
+from rlx_core.runtime.prefix_cache import BLOCK, PrefixCache, block_keys
+from rlx_core.runtime.scheduler import Scheduler
+
+pytest.importorskip("rlx_blocks_llama")
+WAIT = 120
+
+
+def tiny(model_type: str = "llama", backend: str = "numpy", seed: int = 5):
+    recipe = find_recipe(model_type)
+    cfg = dict(recipe.tiny_config(), max_position_embeddings=256)
+    return CausalLM.from_tensors(cfg, recipe.tiny_tensors(cfg, np.random.default_rng(seed)), backend=backend,
+                                 recipe=recipe)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny()
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    pytest.importorskip("rlx_blocks_qwen35")
+    return tiny("qwen3_5_text")
+
+
+def tokens(seed: int, n: int) -> list:
+    return np.random.default_rng(seed).integers(3, 61, n).tolist()
+
+
+# ----------------------------------------------------------------------------- the cache alone
+def test_keys_name_whole_prefixes():
+    a, b = tokens(0, 3 * BLOCK), tokens(1, 3 * BLOCK)
+    ka = block_keys(a)
+    assert len(ka) == 3 and len(block_keys(a[:-1])) == 2
+    assert block_keys(a[:BLOCK] + b[BLOCK:])[0] == ka[0]
+    # the same second block after another first block is another key
+    assert block_keys(b[:BLOCK] + a[BLOCK:])[1] != ka[1]
+
+
+def fake_states(length: int, seed: int) -> tuple:
+    """Specs and states of one 2-layer KV cache [batch, 2, ctx, 4] and a recurrent state."""
+    from rlx_core.ir.shape import Shape
+
+    specs = {f"kv.{i}.{x}": Shape(("batch", 2, "ctx", 4), "f32") for i in range(2) for x in "kv"}
+    specs["state.0.recurrent"] = Shape(("batch", 3, 3), "f32")
+    rng = np.random.default_rng(seed)
+    states = StateStore({n: rng.standard_normal((2,) + tuple(d if isinstance(d, int) else length
+                                                              for d in s.dims[1:])).astype(np.float32)
+                         for n, s in specs.items()})
+    return specs, states
+
+
+def test_insert_lookup_restore_and_eviction():
+    specs, states = fake_states(128, 0)
+    kv_only = {n: s for n, s in specs.items() if n.startswith("kv")}
+    block_bytes = 4 * 2 * BLOCK * 4 * 4
+    pc = PrefixCache(select_backend("numpy"), kv_only, "batch", capacity=5 * block_bytes)
+    ids = tokens(2, 100)
+    assert pc.insert(ids, states, 1, 100) == 3                     # 3 whole blocks of row 1
+    assert pc.lookup(ids, 99)[0] == 3 * BLOCK
+    assert pc.lookup(ids, 3 * BLOCK - 1)[0] == 2 * BLOCK          # a hit leaves the last token out
+    assert pc.lookup(ids[:40] + tokens(3, 60), 99)[0] == BLOCK
+    _, fresh = fake_states(128, 1)
+    pc.restore(pc.lookup(ids, 99)[1], fresh)
+    for n in kv_only:
+        np.testing.assert_array_equal(fresh[n][0, :, :3 * BLOCK], states[n][1, :, :3 * BLOCK])
+    # 3 more blocks of another prompt: over 5 blocks, the least recently used (ids' deepest) go
+    other = tokens(4, 3 * BLOCK)
+    pc.insert(other, states, 0, 3 * BLOCK)
+    assert pc.bytes <= pc.capacity and pc.evictions == 1 and len(pc.entries) == 5
+    assert pc.lookup(ids, 99)[0] == 2 * BLOCK and pc.lookup(other, 200)[0] == 3 * BLOCK
+
+
+def test_recurrent_hits_end_at_snapshots():
+    specs, states = fake_states(128, 0)
+    pc = PrefixCache(select_backend("numpy"), specs, "batch", capacity=1 << 20)
+    ids = tokens(5, 100)
+    pc.insert(ids, states, 0, 70)                                  # blocks, no snapshot
+    assert pc.lookup(ids, 99)[0] == 0
+    pc.insert(ids, states, 0, 2 * BLOCK, snapshot=True)
+    hit, entries = pc.lookup(ids, 99)
+    assert hit == 2 * BLOCK
+    _, fresh = fake_states(128, 1)
+    pc.restore(entries, fresh)
+    np.testing.assert_array_equal(fresh["state.0.recurrent"][0], states["state.0.recurrent"][0])
+
+
+def test_bad_capacity_is_a_model_error():
+    with pytest.raises(ModelError, match="capacity"):
+        PrefixCache(select_backend("numpy"), {}, "batch", capacity=-1)
+    with pytest.raises(ModelError, match="prefix_cache_mb"):
+        Scheduler(object(), prefix_cache_mb=-2)
+
+
+# ----------------------------------------------------------------------------- in the scheduler
+def run(model, jobs: list, together: bool, **kw) -> tuple:
+    """Each job's new tokens (greedy) and the scheduler's stats; `together`: submitted at
+    once, else one after another."""
+    with Scheduler(model, max_batch=4, **kw) as s:
+        if together:
+            reqs = [s.submit(ids, max_tokens=n) for ids, n in jobs]
+            out = [r.result(WAIT).token_ids for r in reqs]
+        else:
+            out = [s.submit(ids, max_tokens=n).result(WAIT).token_ids for ids, n in jobs]
+        return out, s.stats()
+
+
+request_sets = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30), st.integers(1, 5)), min_size=2,
+                        max_size=4)
+
+
+@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(jobs=request_sets, shared=st.integers(20, 90), together=st.booleans())
+def test_greedy_equal_with_and_without_prefix_cache(llama, jobs, shared, together):
+    base = tokens(9, shared)
+    reqs = [(base[:shared - 7 * k] + tokens(10 + i, extra), n) for i, (k, extra, n) in enumerate(jobs)]
+    off, _ = run(llama, reqs, together, prefix_cache_mb=0)
+    on, stats = run(llama, reqs, together)
+    assert on == off
+    assert stats["prefix_query_tokens"] == sum(len(ids) for ids, _ in reqs)
+    assert stats["prefill_tokens"] == stats["prefix_query_tokens"] - stats["prefix_hit_tokens"]
+
+
+def test_second_request_computes_only_the_rest(llama):
+    system = tokens(11, 70)
+    a, b = system + tokens(12, 5), system + tokens(13, 9)
+    out, stats = run(llama, [(a, 4), (b, 4)], together=False)
+    assert stats["prefix_hit_tokens"] == 2 * BLOCK                 # system's 2 whole blocks
+    assert stats["prefill_tokens"] == len(a) + len(b) - 2 * BLOCK
+    off, _ = run(llama, [(a, 4), (b, 4)], together=False, prefix_cache_mb=0)
+    assert out == off
+
+
+def test_finished_answer_is_cached_for_the_next_turn(llama):
+    first = tokens(14, 40)
+    with Scheduler(llama, max_batch=2) as s:
+        done = s.submit(first, max_tokens=30, ignore_eos=True).result(WAIT)
+        turn2 = first + done.token_ids + tokens(15, 3)
+        before = s.stats()["prefix_hit_tokens"]
+        s.submit(turn2, max_tokens=2).result(WAIT)
+        hit = s.stats()["prefix_hit_tokens"] - before
+    # the first turn's prompt and answer (69 tokens in the cache): 2 whole blocks
+    assert hit == (len(first) + len(done.token_ids) - 1) // BLOCK * BLOCK == 2 * BLOCK
+
+
+def test_memory_bound_evicts(llama):
+    with Scheduler(llama, max_batch=2, prefix_cache_mb=0.05) as s:    # 52 kB: 6 blocks of 8 kB
+        for seed in range(4):
+            s.submit(tokens(20 + seed, 2 * BLOCK + 1), max_tokens=1).result(WAIT)
+        st_ = s.stats()
+    assert 0 < st_["prefix_cache_bytes"] <= st_["prefix_cache_capacity"]
+    assert st_["prefix_cache_evictions"] > 0
+
+
+def test_hybrid_greedy_equal_and_hits_at_snapshots(hybrid):
+    system = tokens(16, 70)
+    jobs = [(system + tokens(17, 4), 5), (system + tokens(18, 11), 5), (system[:40], 3)]
+    off, _ = run(hybrid, jobs, together=False, prefix_cache_mb=0)
+    on, stats = run(hybrid, jobs, together=False)
+    assert on == off
+    # the first prefill stops at 64 for a snapshot (2 runs) and the second starts from it (1 run);
+    # the third's one cached block has no snapshot: it prefills from 0, stopping at 32 (2 runs)
+    assert stats["prefix_hit_tokens"] == 2 * BLOCK
+    assert stats["prefill_runs"] == 2 + 1 + 2
