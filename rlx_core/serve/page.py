@@ -25,7 +25,7 @@ def page_html() -> str:
 
 def _hashes(html: str, tag: str) -> str:
     """The CSP sources of the page's inline <tag> elements: their sha256 hashes."""
-    bodies = re.findall(rf"<{tag}>(.*?)</{tag}>", html, re.S)
+    bodies = re.findall(rf"<{tag}\b[^>]*>(.*?)</{tag}>", html, re.S)
     return " ".join("'sha256-" + base64.b64encode(hashlib.sha256(b.encode()).digest()).decode() + "'"
                     for b in bodies)
 
