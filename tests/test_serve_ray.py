@@ -2,11 +2,14 @@
 instance on loopback with 4 logical CPUs, the app builder's deployment with 2 replicas of a
 tiny random LLaMA on the numpy backend; the official `openai` client gets the text the
 model generates in this process (what one `rlx serve` gives: tests/test_serve*.py), from
-concurrent requests. The test shuts Serve and Ray down. Skipped without ray[serve]."""
+concurrent requests, and /metrics sums both replicas' counters. The test shuts Serve and
+Ray down. Skipped without ray[serve]."""
 from __future__ import annotations
 
 import socket
 import threading
+import time
+import urllib.request
 
 import pytest
 
@@ -19,6 +22,17 @@ from tiny_models import tiny_llama_folder  # noqa: E402
 
 TIMEOUT = 60
 PROMPTS = ["w3 w5 w7", "w9 w1", "w20 w21 w22 w23", "w40"]
+
+
+def sample(text: str, name: str, **labels) -> float | None:
+    """The value of the Prometheus sample `name` with exactly `labels` in `text`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    return None
 
 
 def test_builder_args_are_checked():
@@ -75,6 +89,18 @@ def test_two_replicas_answer_like_one_server(tmp_path):
         for t in threads:
             t.join(TIMEOUT)
         assert got == dict(enumerate(want))
+        # /metrics on any replica sums both replicas' (each pushes its own to "rlx-metrics")
+        deadline, text = time.monotonic() + TIMEOUT, ""
+        while time.monotonic() < deadline:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT).read().decode()
+            if "rlx_replicas 2.0" in text and sample(text, "rlx_requests_total", endpoint="/v1/completions",
+                                                     status="200") == len(PROMPTS):
+                break
+            time.sleep(0.5)
+        assert "rlx_replicas 2.0" in text, text
+        assert sample(text, "rlx_requests_total", endpoint="/v1/completions", status="200") == len(PROMPTS)
+        assert sample(text, "rlx_generation_tokens_total", model=folder) == sum(5 + i for i in range(len(PROMPTS)))
+        assert sample(text, "rlx_batch_size", model=folder) == 16           # 2 replicas x max_batch 8
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -22,6 +22,7 @@ from .protocol import ApiError
 PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/metrics")   # a path starting so needs the key
 UNDRAINED = ("/health", "/metrics")          # answered while shutting down (not counted in flight)
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+KV_WAIT_S = 0.25             # how long a scrape waits for a model's lock to read its KV bytes
 # seconds; from a tiny model on a CPU (ms) to a long prompt queued behind a full batch
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -54,10 +55,13 @@ def ratio(num: float, den: float) -> float:
 class SchedulerCollector:
     """The schedulers' state at scrape time: batch occupancy, queue depth, prefix-cache
     tokens looked up and hit, KV-cache bytes (not for a model run tensor-parallel: its cache
-    lives in the rank processes)."""
+    lives in the rank processes). Reading the KV bytes needs the model's lock; while a long
+    step holds it past KV_WAIT_S, the last value read is given (a scrape never waits a
+    whole prefill)."""
 
     def __init__(self, served):
         self.served = served
+        self.kv: dict = {}                   # model -> the KV bytes last read
 
     def describe(self):
         return []
@@ -91,8 +95,14 @@ class SchedulerCollector:
             fams["rlx_prefix_cache_hit_tokens"].add_sample("rlx_prefix_cache_hit_tokens_total", labels,
                                                            float(s["prefix_hit_tokens"]))
             if name not in self.served.groups:
-                fams["rlx_kv_cache_bytes"].add_sample("rlx_kv_cache_bytes", labels,
-                                                      float(sched.memory_report()["kv_bytes"]))
+                lock = sched.model._lock
+                if lock.acquire(timeout=KV_WAIT_S):
+                    try:
+                        self.kv[name] = sched.memory_report()["kv_bytes"]
+                    finally:
+                        lock.release()
+                if name in self.kv:
+                    fams["rlx_kv_cache_bytes"].add_sample("rlx_kv_cache_bytes", labels, float(self.kv[name]))
         return list(fams.values())
 
 

@@ -15,16 +15,31 @@ or `serve run rlx_core.serve.ray_app:app_builder model=NAME replicas=2`. The arg
 The deployment is named "rlx": a config's `deployments:` entry of that name sets Ray's own
 options (ray_actor_options such as num_gpus, autoscaling). Needs the cluster extra:
 pip install 'rlx-core[cluster]'.
+
+Each replica keeps its own scheduler, prefix cache and metrics; GET /metrics on any replica
+answers the sum over all of them: every replica pushes its Prometheus text to one small
+deployment, "rlx-metrics", every PUSH_S seconds (and right before it answers /metrics), and
+that deployment merges the latest text of each replica seen within STALE_S seconds
+(ops.merge_metrics: counters, histograms and gauges summed, ratios recomputed from the sums;
+rlx_replicas counts them). So another replica's part is at most PUSH_S seconds old.
 """
 from __future__ import annotations
 
 import importlib.util
+import logging
+import threading
+import time
+import uuid
 
 from ..ir.errors import ModelError
 from . import ServeDependencyError, create_app, load_models
 
 INSTALL = "pip install 'rlx-core[cluster]'"
 DEPLOYMENT = "rlx"
+METRICS_DEPLOYMENT = "rlx-metrics"
+PUSH_S = 2.0                 # how often a replica sends its metrics to the hub
+STALE_S = 30.0               # a replica not heard from this long is left out of the sum (gone)
+log = logging.getLogger("rlx.serve")
 KEYS = {"model": "a model name or path, or a list of them", "backend": "a backend name",
         "profile": "a profile name or .rlx.toml path", "replicas": "a whole number >= 1",
         "tp": "a whole number >= 1", "max_batch": "a whole number >= 1",
@@ -71,6 +86,45 @@ def options(args: dict) -> dict:
             "max_batch": _count(args, "max_batch", 8), "max_tokens": _count(args, "max_tokens", None)}
 
 
+class MetricsHub:
+    """The "rlx-metrics" deployment: each replica's latest metrics text, merged on request."""
+
+    def __init__(self):
+        self.texts: dict = {}
+
+    def push(self, replica: str, text: str) -> None:
+        self.texts[replica] = (time.monotonic(), text)
+
+    def merged(self) -> str:
+        from .ops import merge_metrics
+
+        now = time.monotonic()
+        return merge_metrics([t for at, t in self.texts.values() if now - at <= STALE_S])
+
+
+def replica_metrics(app, hub) -> None:
+    """Make `app` (in a replica) answer /metrics with the sum over replicas: its text pushed
+    to `hub` (a handle of MetricsHub) every PUSH_S seconds from a daemon thread and before
+    each answer, which is the hub's merge."""
+    replica = uuid.uuid4().hex
+    ops = app.state.ops
+
+    async def merge(text: str) -> str:
+        await hub.push.remote(replica, text)
+        return await hub.merged.remote()
+
+    def pushing():
+        while True:
+            try:
+                hub.push.remote(replica, ops.metrics.text()).result()
+            except Exception as e:          # noqa: BLE001  (the hub restarting: the next push retries)
+                log.debug("pushing metrics to %s failed: %s", METRICS_DEPLOYMENT, e)
+            time.sleep(PUSH_S)
+
+    ops.metrics_merge = merge
+    threading.Thread(target=pushing, name="rlx-metrics-push", daemon=True).start()
+
+
 def app_builder(args: dict):
     """The Ray Serve application (a `serve run` import path; see the module doc): deployment
     "rlx" with `replicas` replicas, its ASGI ingress the app `rlx serve` runs, built on each
@@ -82,10 +136,15 @@ def app_builder(args: dict):
 
     def build():                                   # runs in each replica
         models, groups = load_models(opts["models"], opts["backend"], opts["profile"], opts["tp"])
-        return create_app(models, opts["max_batch"], opts["max_tokens"], groups)
+        app = create_app(models, opts["max_batch"], opts["max_tokens"], groups)
+        hub = serve.get_deployment_handle(METRICS_DEPLOYMENT, app_name=serve.get_replica_context().app_name)
+        replica_metrics(app, hub)
+        return app
 
     ingress = serve.ingress(build)()
-    return serve.deployment(ingress, name=DEPLOYMENT, num_replicas=opts["replicas"]).bind()
+    hub = serve.deployment(MetricsHub, name=METRICS_DEPLOYMENT, num_replicas=1).bind()
+    return serve.deployment(ingress, name=DEPLOYMENT, num_replicas=opts["replicas"]).bind(hub)
 
 
-__all__ = ["app_builder", "options", "require", "INSTALL", "DEPLOYMENT"]
+__all__ = ["app_builder", "options", "require", "MetricsHub", "replica_metrics", "INSTALL", "DEPLOYMENT",
+           "METRICS_DEPLOYMENT"]
