@@ -1,0 +1,514 @@
+"""The serving race of issue 48: `rlx serve` against llama-cpp-python's OpenAI server
+(`python -m llama_cpp.server`, llama.cpp underneath) on the same GGUF file (the packaged
+SmolLM2-135M Q4_1), each server its own process with the same thread count, pinned to the same
+cores, run one after the other; the clients (the official openai package, streaming) run here.
+
+Scenarios (each reports both sides and the ratio where both ran; a side that failed says so):
+
+1. `shared`: --clients concurrent clients, a shared --system-tokens system prompt + distinct
+   short user messages, greedy, --new tokens each, --rounds rounds (a warm-up round with another
+   system prompt first): aggregate tokens/s and p50 / p99 time to first token (TTFT).
+   Targets: RLX >= 1.5x the peer's tokens/s; RLX's p99 TTFT <= the peer's.
+2. `prefix`: one request with a --prefix-tokens system prompt, then a second with the same
+   prefix and another question, one after the other: the second's TTFT over the first's
+   (median of --pairs pairs, each pair a fresh prefix). Target (RLX): <= 0.2x.
+3. `stall` (RLX only, once with chunked prefill on, once off): --clients streams decoding; then a
+   --long-tokens prompt arrives; the streams' p99 inter-token latency before it arrived vs while
+   it prefilled (from its arrival to its first token). Target: during <= 2x before, chunked.
+
+Both sides decode exactly --new tokens (RLX: `ignore_eos`; llama-cpp-python has no such field,
+so it gets `logit_bias` -100 on the end tokens). llama-cpp-python's server runs one request at a
+time (one llama context behind a lock; it has no parallel slots), with `--interrupt_requests
+false` (its default, true, would cut a running stream short whenever another request arrives),
+its prompt cache on (`--cache true`, RAM, 2 GiB) and its context keeping the longest common
+prefix of the previous request anyway. `--quick` runs small sizes (a smoke run, ~1-2 min).
+
+    python benchmarks/serve_race.py [--quick] [--threads 2] [--sides rlx llama]
+                                    [--scenarios shared prefix stall] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import log  # noqa: E402
+from hardware import cpu_name, loadavg  # noqa: E402
+from serve import free_port  # noqa: E402
+
+MODEL = "smollm2"
+END_TOKENS = (0, 1, 2)          # SmolLM2's <|endoftext|>, <|im_start|>, <|im_end|>: banned on the peer
+
+
+class SideFailed(Exception):
+    """A server that crashed, did not start, or answered a request wrongly: no ratio."""
+
+
+# ============================================================================ prompts
+WORDS = ("the of and to in is was for on that with as by at from his her are were this which be or have an "
+         "they one had not but all their has been more other time would when who will there so can if out "
+         "about into up them some these its than only over new first also after any may most such then two "
+         "like between many made well even back years through where much before must great same people "
+         "city river music water history house field school north world state small long right place part "
+         "family light night garden story winter summer market village mountain road teacher letter window "
+         "bridge island forest doctor kitchen station harbor morning evening language number table paper").split()
+
+
+class Texts:
+    """Texts of an exact token count (by the model's own tokenizer): seeded word salad, cut at
+    the token count and decoded back."""
+
+    def __init__(self, gguf: str):
+        from rlx_core.weights import load_checkpoint
+
+        self.tok = load_checkpoint(gguf).tokenizer
+
+    def of(self, tokens: int, seed: int) -> str:
+        rng = random.Random(seed)
+        words = " ".join(rng.choice(WORDS) for _ in range(int(tokens * 1.3) + 16))
+        ids = self.tok.encode(words)
+        if len(ids) < tokens:
+            raise SystemExit(f"internal: {len(ids)} tokens of salad, wanted {tokens}")
+        return self.tok.decode(ids[:tokens]).strip()
+
+    def count(self, text: str) -> int:
+        return len(self.tok.encode(text))
+
+
+def question(i: int) -> str:
+    return f"Question {i}: write a long story about the number {i * 7 + 3} and a {WORDS[i % len(WORDS)]}."
+
+
+# ============================================================================ servers
+def server_cores(threads: int) -> list:
+    """The cores every server is pinned to (hardware.pin's rule: the first `threads` of those
+    this process may use, or all of them when there are no more)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    return allowed[:threads] if len(allowed) > threads else allowed
+
+
+class Server:
+    """One server process on a free loopback port, pinned to `cores` with every thread pool at
+    `threads`; `alive()` says whether it still runs."""
+
+    def __init__(self, name: str, cmd: list, port: int, threads: int, cores: list, wait: float):
+        self.name, self.port = name, port
+        env = dict(os.environ, RLX_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+                   OPENBLAS_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env,
+                                     preexec_fn=lambda: os.sched_setaffinity(0, cores))
+        self.cmd = shlex.join(cmd)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SideFailed(f"{name} exited ({self.proc.returncode}) while loading: {self.tail()}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
+                return
+            except OSError:
+                time.sleep(0.25)
+        self.stop()
+        raise SideFailed(f"{name} did not answer within {wait:.0f} s: {self.tail()}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 1500) -> str:
+        self.log.seek(0)
+        return self.log.read()[-n:]
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def rlx_flags() -> str:
+    rlx = os.path.join(os.path.dirname(sys.executable), "rlx")
+    return subprocess.run([rlx, "serve", "--help"], capture_output=True, text=True).stdout
+
+
+def rlx_server(a, port: int, chunk: int) -> Server:
+    """`rlx serve` with the prefix cache on and prefill chunks of `chunk` tokens (0: off, given
+    as a chunk of the whole context, which no prompt exceeds: the CLI takes no 0)."""
+    rlx = os.path.join(os.path.dirname(sys.executable), "rlx")
+    cmd = [rlx, "serve", MODEL, "--host", "127.0.0.1", "--port", str(port), "--backend", a.backend,
+           "--max-batch", str(a.clients + 1), "--log-level", "warning"]
+    helps = rlx_flags()
+    for flag, value in (("--prefix-cache-mb", a.prefix_cache_mb), ("--prefill-chunk", chunk or a.ctx)):
+        if flag in helps:
+            cmd += [flag, str(value)]
+        else:
+            log(f"  NOTE: this rlx serve has no {flag}: run without it")
+    return Server(f"rlx (prefill chunk {chunk})", cmd, port, a.threads, a.cores, a.wait)
+
+
+def llama_server(a, gguf: str, port: int) -> Server:
+    try:
+        import llama_cpp  # noqa: F401
+        import sse_starlette  # noqa: F401
+        import starlette_context  # noqa: F401
+    except ImportError as e:
+        raise SideFailed(f"peer not installed ({e}): pip install llama-cpp-python fastapi sse-starlette "
+                         "pydantic-settings starlette-context")
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", MODEL,
+           "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(a.ctx),
+           "--n_threads", str(a.threads), "--n_threads_batch", str(a.threads),
+           "--cache", "true", "--cache_type", "ram", "--cache_size", str(2 << 30),
+           "--interrupt_requests", "false", "--logits_all", "false", "--verbose", "false"]
+    return Server("llama-cpp-python server", cmd, port, a.threads, a.cores, a.wait)
+
+
+# ============================================================================ clients
+def percentile(xs: list, p: float) -> float:
+    """The nearest-rank p-th percentile (p in [0, 100]) of a non-empty list."""
+    s = sorted(xs)
+    return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
+
+
+def no_eos(side: str) -> dict:
+    """The request fields that make `side` decode exactly max_tokens tokens."""
+    if side == "rlx":
+        return {"ignore_eos": True}
+    return {"logit_bias": {str(t): -100 for t in END_TOKENS}}
+
+
+class Stream:
+    """One streamed greedy chat completion, run on a thread: its start, its first token's time,
+    every content chunk's arrival time; `stop` (an Event) makes it close the stream early."""
+
+    def __init__(self, client, side: str, messages: list, new: int, stop: threading.Event | None = None):
+        self.client, self.side, self.messages, self.new, self.halt = client, side, messages, new, stop
+        self.t0 = self.first = None
+        self.arrivals: list = []
+        self.finish = self.error = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Stream:
+        self.thread.start()
+        return self
+
+    def join(self, timeout: float | None = None) -> Stream:
+        self.thread.join(timeout)
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.t0 = time.perf_counter()
+            stream = self.client.chat.completions.create(
+                model=MODEL, messages=self.messages, max_tokens=self.new, temperature=0, stream=True,
+                extra_body=no_eos(self.side))
+            with stream:
+                for ch in stream:
+                    now = time.perf_counter()
+                    if ch.choices and ch.choices[0].delta.content:
+                        self.arrivals.append(now)
+                        if self.first is None:
+                            self.first = now
+                    if ch.choices and ch.choices[0].finish_reason:
+                        self.finish = ch.choices[0].finish_reason
+                    if self.halt is not None and self.halt.is_set():
+                        self.finish = "closed by the client"
+                        break
+        except Exception as e:  # noqa: BLE001 (a side's failure is reported, not raised here)
+            self.error = f"{type(e).__name__}: {e}"[:500]
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.t0
+
+    def gaps(self) -> list:
+        """(arrival time, gap since the previous arrival) of every content chunk after the first."""
+        return [(b, b - a) for a, b in zip(self.arrivals, self.arrivals[1:])]
+
+
+def check(server: Server, streams: list, what: str, full: bool = True) -> None:
+    """Raise SideFailed when the server died or a stream failed (or, `full`, did not reach its
+    max_tokens: a wrong count would skew tokens/s)."""
+    if not server.alive():
+        raise SideFailed(f"{server.name} crashed during {what}: {server.tail()}")
+    for s in streams:
+        if s.error:
+            raise SideFailed(f"{server.name}: a request of {what} failed: {s.error}")
+        if s.first is None:
+            raise SideFailed(f"{server.name}: a request of {what} streamed no text (finish {s.finish})")
+        if full and s.finish != "length":
+            raise SideFailed(f"{server.name}: a request of {what} finished {s.finish!r}, not after max_tokens")
+
+
+def chat(system: str, user: str) -> list:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+# ============================================================================ scenarios
+def shared(client, server: Server, side: str, a, texts: Texts) -> dict:
+    """Scenario 1: rounds of --clients concurrent requests sharing one system prompt."""
+    def one_round(system: str, r: int) -> tuple:
+        streams = [Stream(client, side, chat(system, question(r * 100 + i)), a.new) for i in range(a.clients)]
+        t0 = time.perf_counter()
+        for s in streams:
+            s.start()
+        for s in streams:
+            s.join()
+        wall = time.perf_counter() - t0
+        check(server, streams, f"scenario 1 round {r}")
+        return streams, wall
+
+    one_round(texts.of(a.system_tokens, seed=1), 0)            # warm-up: compile, another prompt
+    system = texts.of(a.system_tokens, seed=2)
+    load0, rounds, ttfts = loadavg(), [], []
+    for r in range(1, a.rounds + 1):
+        streams, wall = one_round(system, r)
+        tokens = a.new * len(streams)
+        ttfts += [s.ttft for s in streams]
+        rounds.append({"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+                       "ttft_s": [s.ttft for s in streams]})
+    tokens, wall = sum(r["tokens"] for r in rounds), sum(r["wall_s"] for r in rounds)
+    return {"tokens_per_s": tokens / wall, "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+            "rounds": rounds, "system_tokens": texts.count(system), "loadavg": [load0, loadavg()]}
+
+
+def prefix(client, server: Server, side: str, a, texts: Texts) -> dict:
+    """Scenario 2: a second request sharing a long prefix with the first, one after the other."""
+    def pair(seed: int) -> tuple:
+        system = texts.of(a.prefix_tokens, seed=seed)
+        out = []
+        for i in range(2):
+            s = Stream(client, side, chat(system, question(seed * 10 + i)), a.prefix_new).start().join()
+            check(server, [s], "scenario 2")
+            out.append(s.ttft)
+        return tuple(out)
+
+    pair(1000)                                                 # warm-up: compile both graphs
+    load0 = loadavg()
+    pairs = [pair(1001 + k) for k in range(a.pairs)]
+    ratios = [second / first for first, second in pairs]
+    return {"first_s": [p[0] for p in pairs], "second_s": [p[1] for p in pairs], "ratio": statistics.median(ratios),
+            "ratios": ratios, "loadavg": [load0, loadavg()]}
+
+
+def stall(client, server: Server, side: str, a, texts: Texts) -> dict:
+    """Scenario 3: --clients streams decoding when a --long-tokens prompt arrives; their
+    inter-token gaps before it arrived and while it prefilled (arrival to its first token)."""
+    def run(seed: int) -> dict:
+        halt = threading.Event()
+        streams = [Stream(client, side, [{"role": "user", "content": question(seed + i)}], a.stall_new, halt).start()
+                   for i in range(a.clients)]
+
+        def wait_tokens(n: int, what: str, since: float = 0.0) -> None:
+            """Until every stream has n tokens after time `since` (halting them and failing if one
+            stops first)."""
+            deadline = time.monotonic() + a.wait
+            while any(sum(t > since for t in s.arrivals) < n for s in streams):
+                if time.monotonic() > deadline or any(s.error or s.finish for s in streams):
+                    halt.set()
+                    check(server, streams, f"scenario 3 ({what})", full=False)
+                    raise SideFailed(f"{server.name}: scenario 3's streams stopped before {n} tokens ({what})")
+                time.sleep(0.005)
+
+        wait_tokens(a.steady, "warming up")                              # all decoding, past their first steps
+        t_ready = time.perf_counter()
+        wait_tokens(a.steady + a.window, "before the long prompt")
+        long_ = Stream(client, side, [{"role": "user", "content": texts.of(a.long_tokens, seed=seed)}], 2).start()
+        long_.join()
+        if long_.first is not None:
+            wait_tokens(2, "after the long prompt's first token", since=long_.first)
+        halt.set()
+        for s in streams:
+            s.join(a.wait)
+        check(server, streams + [long_], "scenario 3", full=False)
+        t_arrive, t_first = long_.t0, long_.first
+        if any(s.arrivals[-1] < t_first for s in streams):
+            raise SideFailed(f"{server.name}: a stream of scenario 3 ended before the long prompt's first token; "
+                             "raise --stall-new")
+        gaps = [g for s in streams for g in s.gaps()]
+        before = [d for t, d in gaps if t_ready <= t - d and t <= t_arrive]
+        during = [d for t, d in gaps if t > t_arrive and t - d < t_first]   # every gap overlapping the prefill
+        if not before or not during:
+            raise SideFailed(f"{server.name}: scenario 3 saw no gaps before ({len(before)}) or during "
+                             f"({len(during)}) the prefill")
+        return {"before_p99_s": percentile(before, 99), "during_p99_s": percentile(during, 99),
+                "during_max_s": max(during), "before_n": len(before), "during_n": len(during),
+                "long_ttft_s": t_first - t_arrive}
+
+    run(5000)                                                   # rehearsal: the same graphs compiled
+    load0 = loadavg()
+    out = run(6000)
+    out["ratio"] = out["during_p99_s"] / out["before_p99_s"]
+    out["loadavg"] = [load0, loadavg()]
+    return out
+
+
+SCENARIOS = {"shared": shared, "prefix": prefix, "stall": stall}
+
+
+# ============================================================================ the race
+def serve_side(a, name: str, start, scenarios: list, side: str, texts: Texts) -> dict:
+    """Start one server, run `scenarios` against it, stop it: {scenario: result or {"failed": why}}."""
+    import openai
+
+    log(f"[{name}] starting (loadavg {loadavg()})")
+    out: dict = {}
+    try:
+        server = start(free_port())
+    except SideFailed as e:
+        log(f"[{name}] FAILED: {e}")
+        return {s: {"failed": str(e)} for s in scenarios}
+    out["command"] = server.cmd
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0,
+                           timeout=a.wait)
+    try:
+        for sc in scenarios:
+            t = time.perf_counter()
+            try:
+                out[sc] = SCENARIOS[sc](client, server, side, a, texts)
+                log(f"[{name}] {sc}: done in {time.perf_counter() - t:.0f} s (loadavg {loadavg()})")
+            except SideFailed as e:
+                out[sc] = {"failed": str(e)}
+                log(f"[{name}] {sc}: FAILED: {e}")
+                if not server.alive():
+                    for rest in scenarios[scenarios.index(sc) + 1:]:
+                        out[rest] = {"failed": f"{name} had crashed"}
+                    break
+    finally:
+        server.stop()
+    return out
+
+
+def ms(x: float) -> str:
+    return f"{x * 1e3:.0f} ms"
+
+
+def ratio(a_: dict, b: dict, key: str) -> str:
+    if "failed" in a_ or "failed" in b:
+        return "no ratio (a side failed)"
+    return f"{a_[key] / b[key]:.2f}x"
+
+
+def report(a, res: dict, hw: str) -> None:
+    r, p = res.get("rlx", {}), res.get("llama", {})
+    say = print
+    say(f"\n=== serve race: SmolLM2-135M Q4_1, {a.threads} threads each, {hw}; Python {platform.python_version()}")
+    say(f"    client pinning: {res['client_pin']}; loadavg at the end {loadavg()} (1/5/15 min)")
+    for name, side in (("rlx", r), ("llama", p), ("rlx chunk off", res.get("rlx_nochunk", {}))):
+        if "command" in side:
+            say(f"    {name}: {side['command']}")
+
+    def side_line(name, d, fmt):
+        return f"  {name:<26} " + (f"FAILED: {d['failed'][:300]}" if "failed" in d else fmt(d))
+
+    if "shared" in a.scenarios:
+        say(f"\n1. {a.clients} clients, shared {a.system_tokens}-token system prompt, {a.new} new tokens each, "
+            f"{a.rounds} rounds (p99 of {a.rounds * a.clients} TTFTs)")
+        f1 = (lambda d: f"{d['tokens_per_s']:7.1f} tokens/s  TTFT p50 {ms(d['ttft_p50_s'])}, p99 "
+              f"{ms(d['ttft_p99_s'])}  (loadavg {d['loadavg'][0]} -> {d['loadavg'][1]})")
+        for name, d in (("rlx", r.get("shared")), ("llama-cpp-python server", p.get("shared"))):
+            if d is not None:
+                say(side_line(name, d, f1))
+        if r.get("shared") and p.get("shared"):
+            say(f"  throughput rlx/llama: {ratio(r['shared'], p['shared'], 'tokens_per_s')} (target >= 1.5x); "
+                f"p99 TTFT rlx/llama: {ratio(r['shared'], p['shared'], 'ttft_p99_s')} (target <= 1x)")
+    if "prefix" in a.scenarios:
+        say(f"\n2. TTFT of a second request sharing a {a.prefix_tokens}-token prefix / the first's "
+            f"(median of {a.pairs} pairs)")
+        f2 = (lambda d: f"first {ms(statistics.median(d['first_s']))}, second {ms(statistics.median(d['second_s']))}"
+              f", ratio {d['ratio']:.3f}  (loadavg {d['loadavg'][0]} -> {d['loadavg'][1]})")
+        for name, d in (("rlx (target <= 0.2)", r.get("prefix")), ("llama-cpp-python server", p.get("prefix"))):
+            if d is not None:
+                say(side_line(name, d, f2))
+    if "stall" in a.scenarios:
+        say(f"\n3. a {a.long_tokens}-token prompt arriving during {a.clients} decoding streams: their p99 "
+            "inter-token latency before / during its prefill (target during <= 2x before, chunked)")
+        f3 = (lambda d: f"before {ms(d['before_p99_s'])} ({d['before_n']} gaps), during {ms(d['during_p99_s'])} "
+              f"({d['during_n']} gaps, longest {ms(d['during_max_s'])}), {d['ratio']:.2f}x; long prompt's TTFT "
+              f"{ms(d['long_ttft_s'])}  (loadavg {d['loadavg'][0]} -> {d['loadavg'][1]})")
+        for name, d in ((f"rlx, chunk {a.prefill_chunk}", r.get("stall")),
+                        ("rlx, chunk 0 (off)", res.get("rlx_nochunk", {}).get("stall"))):
+            if d is not None:
+                say(side_line(name, d, f3))
+    say(f"\nreproduce: {shlex.join([os.path.relpath(sys.executable), *sys.argv])}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    ap.add_argument("--sides", nargs="+", default=["rlx", "llama"], choices=["rlx", "llama"])
+    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    ap.add_argument("--threads", type=int, default=2, help="threads (and cores) of each server")
+    ap.add_argument("--backend", default="numba")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--new", type=int, default=64, help="scenario 1: new tokens per request")
+    ap.add_argument("--rounds", type=int, default=3, help="scenario 1: measured rounds")
+    ap.add_argument("--system-tokens", type=int, default=1000, help="scenario 1: the shared system prompt")
+    ap.add_argument("--prefix-tokens", type=int, default=2000, help="scenario 2: the shared prefix")
+    ap.add_argument("--prefix-new", type=int, default=4, help="scenario 2: new tokens per request")
+    ap.add_argument("--pairs", type=int, default=3, help="scenario 2: measured pairs")
+    ap.add_argument("--long-tokens", type=int, default=4000, help="scenario 3: the arriving prompt")
+    ap.add_argument("--stall-new", type=int, default=4000, help="scenario 3: the streams' max_tokens")
+    ap.add_argument("--steady", type=int, default=8, help="scenario 3: tokens each stream has before 'before'")
+    ap.add_argument("--window", type=int, default=32, help="scenario 3: tokens each stream decodes between "
+                    "'--steady' and the long prompt's arrival (the 'before' window)")
+    ap.add_argument("--prefix-cache-mb", type=int, default=512, help="rlx serve --prefix-cache-mb")
+    ap.add_argument("--prefill-chunk", type=int, default=256, help="rlx serve --prefill-chunk (scenario 3 "
+                    "also runs it at 0)")
+    ap.add_argument("--ctx", type=int, default=8192, help="the peer's n_ctx (SmolLM2's context)")
+    ap.add_argument("--wait", type=float, default=600, help="seconds to wait for a server or a request")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if a.quick:
+        for k, v in dict(clients=4, new=16, rounds=1, system_tokens=200, prefix_tokens=400, pairs=1,
+                         long_tokens=600, stall_new=2000, steady=4, window=8).items():
+            if getattr(a, k) == ap.get_default(k):
+                setattr(a, k, v)
+    if max(a.long_tokens, a.prefix_tokens, a.system_tokens + a.new) + 64 > a.ctx:
+        raise SystemExit(f"a prompt does not fit the context ({a.ctx})")
+
+    from rlx_core.weights import resolve_model_path
+
+    gguf = resolve_model_path(MODEL)
+    texts = Texts(gguf)
+    hw = f"{cpu_name()} ({os.cpu_count()} logical cores)"
+    allowed, a.cores = sorted(os.sched_getaffinity(0)), server_cores(a.threads)
+    if len(allowed) > a.threads:            # the servers take the first cores, the clients the rest
+        os.sched_setaffinity(0, allowed[a.threads:])
+        client_pin = f"servers on cores {a.cores}, clients on {allowed[a.threads:]}"
+    else:
+        client_pin = f"servers and clients share all {len(allowed)} cores"
+    log(f"{hw}; {client_pin}; loadavg {loadavg()}; model {gguf}")
+    res: dict = {"client_pin": client_pin}
+    if "rlx" in a.sides:
+        res["rlx"] = serve_side(a, "rlx", lambda port: rlx_server(a, port, a.prefill_chunk), a.scenarios, "rlx",
+                                texts)
+        if "stall" in a.scenarios:
+            res["rlx_nochunk"] = serve_side(a, "rlx chunk off", lambda port: rlx_server(a, port, 0), ["stall"],
+                                            "rlx", texts)
+    if "llama" in a.sides:
+        res["llama"] = serve_side(a, "llama", lambda port: llama_server(a, gguf, port),
+                                  [s for s in a.scenarios if s != "stall"], "llama", texts)
+    report(a, res, hw)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"hardware": hw, "args": vars(a), **res}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
