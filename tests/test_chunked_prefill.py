@@ -79,3 +79,89 @@ def test_ring_cache_refuses_to_extend():
     model = tiny("gemma3_text")
     with pytest.raises(ModelError, match="ring cache"):
         model.executable_over("extend", StateStore())
+
+
+# ----------------------------------------------------------------------------- chunked prefill
+def alone(model, ids: list, n: int) -> list:
+    """Greedy new tokens of `ids` run alone by generate (end-of-sequence dropped)."""
+    new = model.generate(list(ids), max_new_tokens=n)[len(ids):]
+    return [t for t in new if t not in model.eos_ids]
+
+
+def prompt(seed: int, n: int) -> list:
+    return np.random.default_rng(seed).integers(3, 61, n).tolist()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny("llama")
+
+
+def streaming(s: Scheduler, seen: list, then=None):
+    """A long greedy request whose every event records the scheduler's prefill runs so far
+    (and calls `then()`, on the scheduler thread)."""
+    first = threading.Event()
+
+    def on_event(ev):
+        seen.append(s.prefill_runs)
+        if then is not None:
+            then()
+        first.set()
+    r = s.submit(prompt(1, 6), max_tokens=200, ignore_eos=True, on_event=on_event)
+    assert first.wait(WAIT)
+    return r
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_chunks_interleave_with_decode_steps(llama, kind):
+    model = llama if kind == "llama" else tiny("qwen3_5_text")
+    long = prompt(2, 100)
+    with Scheduler(model, max_batch=2, prefill_chunk=16, prefix_cache_mb=0) as s:
+        seen: list = []
+        a = streaming(s, seen)
+        before = s.prefill_runs
+        got = s.submit(long, max_tokens=5).result(WAIT).token_ids
+        after = s.prefill_runs
+        a.cancel()
+        a.result(WAIT)
+    assert after - before == 7                                       # ceil(100 / 16) chunks
+    # the running request got a token after each chunk but the last, before the next chunk ran
+    assert set(range(before + 1, after)) <= set(seen)
+    assert got == alone(model, long, 5)
+
+
+def test_cancel_mid_prefill_frees_its_rows(llama):
+    long, short = prompt(3, 120), prompt(4, 9)
+    with Scheduler(llama, max_batch=2, prefill_chunk=8) as s:
+        seen: list = []
+        box: dict = {}
+
+        def cancel_b():                  # (on the scheduler thread: the request being prefilled,
+            if "start" in box and s.prefill_runs >= box["start"] + 3:      # 3 of its 15 chunks in)
+                for r in list(s._active):
+                    if r.slot < 0:
+                        r.cancel()
+        a = streaming(s, seen, cancel_b)
+        box["start"] = start = s.prefill_runs
+        b = s.submit(long, max_tokens=4)
+        assert b.result(WAIT).finish_reason == "cancelled"
+        assert s.prefill_runs < start + 15                           # it never finished its prefill
+        st = s.stats()
+        assert st["prefilling"] == 0 and st["running"] == 1
+        a.cancel()
+        a.result(WAIT)
+        assert s.pending == 0 and s.stats()["running"] == 0
+        assert s.submit(short, max_tokens=6).result(WAIT).token_ids == alone(llama, short, 6)
+        assert s.submit(long, max_tokens=4).result(WAIT).token_ids == alone(llama, long, 4)
+
+
+def test_ring_cache_model_prefills_whole():
+    pytest.importorskip("rlx_blocks_gemma")
+    model = tiny("gemma3_text")
+    long = prompt(5, 50)
+    with Scheduler(model, max_batch=2, prefill_chunk=8) as s:
+        with pytest.warns(RuntimeWarning, match="ring cache"):
+            got = s.submit(long, max_tokens=4).result(WAIT).token_ids
+        assert "ring cache" in s.extend_refused and s.prefill_runs == 1 and s.prefix is None
+        assert s.submit(long, max_tokens=4).result(WAIT).token_ids == got
+    assert got == alone(model, long, 4)
