@@ -559,6 +559,25 @@ def _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, win
             orow[x] = src[x]
 
 
+ATTN_TILE_BYTES = 512 << 10    # most score bytes of one task of unmasked prefill attention
+
+
+def attention_tile(rows: int, sq: int, sk: int, tasks_per_tile: int, threads: int, causal: bool) -> int:
+    """Query rows per task of the sgemm-tiled attention (_gemm_tile). Causal / windowed:
+    `rows` (small tiles balance, as the tiles grow with their index). Otherwise every row sees
+    every key, so fewer, larger tiles: each key and value block is packed once per tile, not
+    once per `rows` rows, and the two products are larger (16 images x 6 heads x 257 tokens
+    of DINOv2-S on one core: 5.1 ms in tiles of 32 rows, 2.1 ms in one tile of 257); at most
+    ATTN_TILE_BYTES of scores (in L2), split in equal tiles, and enough tiles that every one
+    of `threads` has two tasks (`tasks_per_tile`: batch rows x kv heads)."""
+    if causal or sq <= rows:
+        return max(1, min(rows, sq))
+    tiles = -(-sq // max(rows, ATTN_TILE_BYTES // (4 * max(sk, 1))))
+    while tiles * tasks_per_tile < 2 * threads and -(-sq // (tiles * 2)) >= rows:
+        tiles *= 2
+    return -(-sq // tiles)
+
+
 @njit(parallel=True, **_OPT)
 def attention_gemm_par(q, k, v, keep, bias, pos, o, scale, softcap, causal, window, use_keep, use_bias,
                        ninf, rows, gemm, ilp64):

@@ -200,10 +200,11 @@ def _attention_fn(a, q, k, v, o, mask):
             K.attention_decode(*args, vec, DECODE_CHUNK, numba.get_num_threads())
     elif gemm:           # prefill: tiles of query rows as two sgemm calls each, on numba's threads
         tiles = _pick(K.attention_gemm_par, K.attention_gemm_ser, work)
+        rows = K.attention_tile(ATTN_TILE, sq, sk, nb * k.shape[1], numba.get_num_threads(), causal)
 
         def kern(*args):
             with single_threaded_blas():
-                tiles(*args, ATTN_TILE, *SGEMM)
+                tiles(*args, rows, *SGEMM)
     is_bool = mask is not None and mask.dtype == np.bool_
     m4 = None if mask is None else (1,) * (4 - mask.ndim) + tuple(mask.shape)
     # a strided q/k/v (a view the buffer plan left: Gemma's v in some layers) would run the
@@ -482,7 +483,7 @@ class NumbaRunner(NumpyRunner):
             elif i in fused:
                 return                                       # computed by its gate/up GEMV
             elif node.op in PREPARE:
-                if node.op == "dequant_matmul" and self._int8_rounded(node.inputs[0]):
+                if node.op in ("dequant_matmul", "moe_experts") and self._int8_rounded(node.inputs[0]):
                     a = {**a, "int8_x": True}
                 elif node.op == "dequant_matmul" and matmul != "f32":
                     a = {**a, "matmul": matmul}

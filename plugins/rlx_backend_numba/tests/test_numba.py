@@ -306,6 +306,41 @@ def test_prefill_attention_as_sgemm_tiles(rng, driver, monkeypatch, kind, window
         assert not o[1, :3, 40].any()
 
 
+def test_attention_tile_sizes():
+    """Causal tiles stay small; unmasked ones grow to the whole query (a ViT's 257 tokens),
+    split equally when their scores would pass ATTN_TILE_BYTES, and split further so that
+    every thread has two tasks."""
+    tile = runner.K.attention_tile
+    assert tile(32, 257, 257, 96, 2, True) == 32
+    assert tile(32, 257, 257, 96, 2, False) == 257
+    assert tile(32, 1000, 1000, 96, 2, False) == 125                # 131 rows fit: 8 equal tiles
+    assert tile(32, 257, 257, 6, 16, False) == 33                   # 8 tiles x 6 heads >= 32 tasks
+    assert tile(32, 40, 40, 1, 64, False) == 40                     # no tile under `rows` rows
+    assert tile(32, 5, 9, 1, 2, True) == 5
+
+
+@pytest.mark.skipif(runner.SGEMM is None, reason="numpy's BLAS has no cblas_sgemm to call")
+@pytest.mark.parametrize("mask", [None, "bool"])
+def test_unmasked_prefill_attention_in_large_tiles(rng, driver, monkeypatch, mask):
+    """Attention without a causal mask (an encoder's) runs in tiles as large as fit
+    ATTN_TILE_BYTES: here two of 150 query rows over 600 keys, equal to float64."""
+    rows = []
+    monkeypatch.setattr(runner.numba, "get_num_threads", lambda: 2)     # (the split depends on it)
+    for name in ("attention_gemm_par", "attention_gemm_ser"):
+        kern = getattr(runner.K, name)
+        monkeypatch.setattr(runner.K, name, lambda *args, kern=kern: rows.append(args[-3]) or kern(*args))
+    b, h, sq, sk, d = 1, 2, 300, 600, 16
+    q, k, v = (rng.standard_normal((b, h, n, d)).astype(np.float32) for n in (sq, sk, sk))
+    m = rng.random((b, 1, sq, sk)) < 0.5 if mask else None
+    a = {"mask_kind": "custom" if mask else "none", "window": 0, "scale": d ** -0.5, "softcap": 0.0}
+    o = np.full((b, h, sq, d), np.nan, np.float32)
+    runner._attention_fn(a, q, k, v, o, m)(q, k, v, m, None)
+    assert rows == [150]
+    want = parity.ref_attention(*(x.astype(np.float64) for x in (q, k, v)), m, None, scale=a["scale"],
+                                mask_kind=a["mask_kind"], window=0, softcap=0.0)
+    close(o, want, np.float32)
+
+
 def test_fused_attention_block(rng, driver):
     ang = rng.uniform(0, 2 * math.pi, (6, 8))
     tables = (parity.Arg("cos", np.cos(ang), F64), parity.Arg("sin", np.sin(ang), F64))
