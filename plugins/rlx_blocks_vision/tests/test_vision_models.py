@@ -13,6 +13,7 @@ import pytest
 import rlx_core
 from rlx_core.flow.vision import resize_grid
 from rlx_core.ir.errors import ModelError, RlxError
+from rlx_core.profile import CompileProfile
 from rlx_core.testing import parity
 
 torch = pytest.importorskip("torch")
@@ -158,6 +159,27 @@ def test_image_embeddings_match_hf(hf_models, name, backend):
     _close(norm, want[:1] / np.linalg.norm(want[:1], axis=-1, keepdims=True), f"{name}: normalized")
     assert m.embedding_dim == want.shape[-1]
     assert m.embeds_images and m.embeds_texts == (name in ("clip", "siglip"))
+
+
+BF16_TOL = 2e-2
+
+
+@pytest.mark.parametrize("backend", parity.backend_params(only=("numpy", "cuda")))
+@pytest.mark.parametrize("name", ["vit", "dinov2_with_registers", "clip", "siglip"])
+def test_bf16_embeddings_near_hf(hf_models, name, backend):
+    """bf16 compute (the encoder profile with precision.compute = bf16: issue 46's GPU
+    configuration) against HF in f32: within BF16_TOL of max |ref|; the f32 runs above hold
+    1e-4 on every backend. On numpy too, so the bf16 graph is checked where no GPU is."""
+    model, path = hf_models[name]
+    prof = CompileProfile.preset("encoder").evolve(precision={"compute": "bf16"})
+    m = rlx_core.load(path, backend=backend, profile=prof, progress=False)
+    assert m.profile.precision.compute.value == "bf16"
+    pixels = _pixels(5, 4, m.image_size, m.image_size)
+    want = _hf_image(name, model, pixels)
+    got = np.asarray(m.embed_pixels(pixels, batch_size=4), np.float64)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err <= BF16_TOL, f"{name} bf16 on {backend}: max error {err:.3g} of max |ref| (tolerance {BF16_TOL})"
+    assert err > 0, "bf16 compute gave f32's exact output: the profile's precision was not applied"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
