@@ -475,3 +475,80 @@ def test_rlx_serve_sigterm_lets_a_running_stream_finish(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(WAIT)
+
+
+def fd_room(want: int) -> int:
+    """`want` open files, raising the soft limit toward the hard one where it is lower."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        top = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
+        soft = top
+    return want if soft == resource.RLIM_INFINITY else min(want, soft)
+
+
+def test_a_client_opening_1000_streams_gets_429s_and_others_are_served(serving, models):
+    srv = serving(max_batch=2, max_queue=4)
+    wait_ready(srv)
+    count = 1000 if fd_room(2 * 1000 + 200) >= 2 * 1000 + 200 else 300   # (both ends are in this process)
+    body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 3, "temperature": 0, "stream": True}
+    socks = []
+    try:
+        with models["tiny"]._lock:                  # none finishes while they arrive
+            for _ in range(count):
+                socks.append(raw_stream(srv.port, body, path="/v1/completions"))
+            statuses = []
+            for s in socks:
+                line = b""
+                while not line.endswith(b"\r\n"):
+                    line += s.recv(1)
+                statuses.append(int(line.split()[1]))
+            assert statuses.count(200) == 6 and statuses.count(429) == count - 6, set(statuses)
+        for s, status in zip(socks, statuses):
+            if status == 200:                        # the admitted streams finish as alone
+                got = events(b"HTTP/1.1 200 OK\r\n" + read_all(s))
+                text = "".join(json.loads(e)["choices"][0]["text"] for e in got[:-1])
+                assert got[-1] == "[DONE]" and text == greedy(models, "w1 w2", 3)
+    finally:
+        for s in socks:
+            s.close()
+    r = client(srv).completions.create(model="tiny", prompt="w3", max_tokens=2, temperature=0)
+    assert r.choices[0].text == greedy(models, "w3", 2)
+
+
+def test_scheduler_options_reach_only_a_scheduler_that_takes_them(models):
+    import inspect
+
+    from rlx_core.ir.errors import ModelError
+    from rlx_core.runtime.scheduler import Scheduler
+    from rlx_core.serve.app import Served
+
+    with pytest.raises(ModelError, match=r"scheduler options \['no_such_option'\] are not taken"):
+        Served(models, scheduler_options={"no_such_option": 1})
+    with pytest.raises(ModelError, match=r"\['prefill_chunk'\] are not available for 'tiny', which is served "
+                                         r"tensor-parallel"):
+        Served(models, groups={"tiny": object()}, scheduler_options={"prefill_chunk": 64})
+    takes = [k for k in ("prefix_cache_mb", "prefill_chunk") if k in inspect.signature(Scheduler).parameters]
+    if takes:                                        # (the runtime's prefix cache and chunked prefill)
+        served = Served(models, max_batch=2, scheduler_options={k: 64 for k in takes})
+        served.close()
+
+
+def test_health_reports_a_failed_warm_up(serving, monkeypatch):
+    from rlx_core.ir.errors import ModelError
+    from rlx_core.serve.app import Served
+
+    def broken(self):
+        raise ModelError(f"{self.models['plain'].source}: the prefill graph failed to compile")
+
+    monkeypatch.setattr(Served, "warm", broken)
+    srv = serving(max_batch=2)
+
+    def warmed():
+        answer = call(srv, "/health")
+        return answer if answer[2]["status"] != "loading" else None
+    status, _, out = until(warmed, "the warm-up never ended")
+    assert status == 503 and out["status"] == "failed" and "failed to compile" in out["error"]
+    assert "/srv/private" not in out["error"] and "plain" in out["error"]    # no server path

@@ -490,9 +490,12 @@ async def _generate(request: Request, chat: bool):
     ops.metrics.prompt_tokens.labels(name).inc(sum(len(r.prompt_ids) for r in gen.reqs))
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if opts.stream:
-        return StreamingResponse(_stream(gen, rid, queue), media_type="text/event-stream",
+        return StreamingResponse(_stream(gen, rid, queue, ops.live), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    await _collect(request, gen, queue)
+    try:
+        await _collect(request, gen, queue)
+    finally:
+        ops.live.discard(gen)
     choices = [gen.choice(i) for i in range(len(gen.choices))]
     return JSONResponse(await run_in_threadpool(P.completion_body, rid, name, choices, gen.usage(), chat,
                                                 gen.piece))
@@ -509,7 +512,7 @@ def _chunk_logprobs(gen: Choices, index: int, lps: list | None, offsets: dict):
     return out
 
 
-async def _stream(gen: Choices, rid: str, queue: asyncio.Queue):
+async def _stream(gen: Choices, rid: str, queue: asyncio.Queue, live=None):
     created, chat, name = int(time.time()), gen.chat, gen.name
     offsets: dict = {}
     parsers = {}
@@ -555,6 +558,8 @@ async def _stream(gen: Choices, rid: str, queue: asyncio.Queue):
         yield sse("[DONE]")
     finally:                        # a client gone mid-stream: its requests stop generating
         gen.cancel()
+        if live is not None:
+            live.discard(gen)
 
 
 @_releasing

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+import weakref
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -206,7 +207,7 @@ class Ops:
         self.served, self.api_key, self.metrics_merge = served, api_key or None, metrics_merge
         self.status, self.error = "loading", None
         self.inflight = 0
-        self.live: set = set()
+        self.live: weakref.WeakSet = weakref.WeakSet()   # (a stream never started is not kept)
         self.metrics = Metrics(served)
         self.paths = set(paths)
 
