@@ -25,6 +25,7 @@ import json
 import math
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -94,6 +95,13 @@ def max_pixels_default() -> int:
     if value < 1:
         raise ModelError(f"{MAX_PIXELS_ENV} must be a whole number of pixels >= 1, got {raw!r}")
     return value
+
+
+def preprocess_threads() -> int:
+    """Threads that preprocess a batch of images: RLX_NUM_THREADS (as the CPU backends use),
+    else every core."""
+    raw = os.environ.get("RLX_NUM_THREADS", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else (os.cpu_count() or 1)
 
 
 def patch_grid(height: int, width: int, patch: int, where: str) -> tuple[int, int]:
@@ -323,12 +331,23 @@ class ImageProcessor:
             images = [images]
         if not images:
             raise ModelError("no images given; expected a list of paths, bytes, arrays or PIL images")
-        out = [self.one(item, i) for i, item in enumerate(images)]
+        out = self._each(images)
         shapes = {x.shape for x in out}
         if len(shapes) > 1:
             raise ModelError(f"the images preprocess to different sizes {sorted(s[1:] for s in shapes)} "
                              f"({self.source} fixes no output size); give images of one size")
         return np.stack(out)
+
+    def _each(self, images: list) -> list:
+        """one() of every image, on up to preprocess_threads() threads: Pillow's decode and
+        resize and NumPy's lookups release the GIL, so the images of a batch go side by side
+        (the benchmark's 16 photos on 2 cores: ~110 ms one after another). Errors are
+        raised for the first bad image in order, as one after another."""
+        workers = min(len(images), preprocess_threads())
+        if workers < 2:
+            return [self.one(item, i) for i, item in enumerate(images)]
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(self.one, images, range(len(images))))
 
     def one(self, item, index: int = 0) -> np.ndarray:
         """One image as float32 [3, H, W]."""

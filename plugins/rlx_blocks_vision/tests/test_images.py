@@ -108,6 +108,20 @@ def test_batch_of_many_images_in_order(tmp_path):
     _close(ours(np.stack([arrays[3]] * 2)), _hf_pixels(hf, [arrays[3]] * 2))   # a 4-D array: a batch
 
 
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_batch_in_threads_keeps_order_and_the_first_error(tmp_path, monkeypatch, threads):
+    """A batch preprocessed on RLX_NUM_THREADS threads equals HF's, image for image in order,
+    and a batch with bad images names the first of them, as one after another would."""
+    monkeypatch.setenv("RLX_NUM_THREADS", threads)
+    rng = np.random.default_rng(4)
+    _write_config(tmp_path, *CONFIGS[4])
+    ours, hf = ImageProcessor.from_folder(tmp_path), _hf(tmp_path)
+    arrays = [_random_rgb(rng, SIZES[i % len(SIZES)]) for i in range(7)]
+    _close(ours(arrays), _hf_pixels(hf, arrays))
+    with pytest.raises(ModelError, match=r"image 2 \(bytes\): not an image"):
+        ours(arrays[:2] + [b"\x00" * 64, _png(arrays[3]), b"\x01" * 64])
+
+
 def test_exif_orientation_of_a_file_is_applied_as_hf(tmp_path):
     rng = np.random.default_rng(11)
     _write_config(tmp_path, *CONFIGS[1])
