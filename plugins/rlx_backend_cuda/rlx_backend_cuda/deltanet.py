@@ -5,7 +5,7 @@ gated_delta_rule, two forms:
   (batch, head) in registers across all steps, so a decode step reads and writes the state
   once, inside the CUDA graph;
 * chunked on tensor cores (prefill, f16/bf16, K and V multiples of 16 up to 128, chunk >= 64,
-  16-byte aligned q and k): flash-linear-attention's three passes (kernels/deltanet.cu tc_*):
+  16-byte aligned q, k and v): flash-linear-attention's three passes (kernels/deltanet.cu tc_*):
   every chunk's state-free parts at once (rlx_gdn_tc_prep), the one walk over the chunks
   that keeps the state in mma accumulators and stores it at each chunk's start
   (rlx_gdn_tc_scan), then every chunk's outputs at once (rlx_gdn_tc_out); chunks of 64;
@@ -39,7 +39,8 @@ GDN_SCAN_COLS = 16        # state columns a block of pass 2 holds
 GDN_SMEM_MAX = 200 * 1024  # pass 2's shared memory stage, at most
 GDN_TC_CHUNK = 64         # the tensor-core kernels' chunk (4 warps x 16 rows)
 GDN_TC_DIM_MAX = 128      # largest K / V the tensor-core kernels stage (shared memory)
-GDN_TC_BV = 32            # state columns a block of the tensor-core walk holds (16 where V needs)
+GDN_TC_BV = 16            # state columns a block of the tensor-core walk holds (H200, bf16, 16 heads,
+                          # K = V = 128, 32k steps: 16 columns 2.65 ms a layer, 32 3.03, 64 3.85)
 
 
 def _scan_smem(c: int, kd: int) -> int:
@@ -114,18 +115,18 @@ def _chunked(b, n, ins, od, sd, c):
 
 def _tensor_cores(b, q, k, v) -> bool:
     """Whether the tensor-core kernels take this call: 16-bit data on an mma.sync GPU (CUDA,
-    sm_80+), K and V multiples of 16 up to GDN_TC_DIM_MAX, q's and k's rows 16-byte aligned."""
+    sm_80+), K and V multiples of 16 up to GDN_TC_DIM_MAX, q's, k's and v's rows 16-byte aligned."""
     KD, VD = q.shape[3], v.shape[3]
     return (q.dt in (BF16, F16) and not b.hip and tuple(b.cc) >= (8, 0)
             and KD % 16 == 0 and VD % 16 == 0 and KD <= GDN_TC_DIM_MAX and VD <= GDN_TC_DIM_MAX
-            and q.arr.data.ptr % 16 == 0 and k.arr.data.ptr % 16 == 0)
+            and all(t.arr.data.ptr % 16 == 0 for t in (q, k, v)))
 
 
 def _tc_smem(KD: int, VD: int, BV: int) -> tuple:
     """Bytes of dynamic shared memory of rlx_gdn_tc_prep, _scan and _out (their layout comments)."""
     c, kp, vp, bp = GDN_TC_CHUNK, KD + 8, VD + 8, BV + 8
-    prep = 2 * c * (kp + vp + c + 8) + 4 * (c * (c + 1) + 2 * c)
-    scan = 2 * (4 * c * kp + 3 * c * bp + KD * bp) + 4 * 2 * c
+    prep = 2 * c * (kp + vp + c + 8) + 4 * (2 * c * (c + 1) + 4 * 16 * 17 + 2 * c)
+    scan = 2 * (6 * c * kp + 4 * c * bp + KD * bp) + 4 * 3 * c
     out = 2 * (2 * c * kp + KD * vp + c * vp + c * (c + 8)) + 4 * c
     return prep, scan, out
 

@@ -100,12 +100,14 @@ def _run_gdn(args, dt, chunk, scale):
 
 @gpu
 @pytest.mark.parametrize("dt", [F16, BF16], ids=lambda d: d.value)
-@pytest.mark.parametrize("shape", ["qwen35", "tc16"])
-def test_tensor_core_kernels_agree_with_fma_kernels(rng, dt, shape):
+@pytest.mark.parametrize("shape,bv", [("qwen35", 16), ("qwen35", 32), ("tc16", 32)])
+def test_tensor_core_kernels_agree_with_fma_kernels(rng, monkeypatch, dt, shape, bv):
     """16-bit data over 5 chunks and a partial one: chunk 64 runs the tensor-core kernels
-    (their scan kernel is compiled), chunk 32 the f32 FMA ones; each within the dtype's
-    tolerance of the float64 recurrence, and of each other."""
-    from rlx_backend_cuda import device
+    (their scan kernel is compiled; its blocks hold `bv` state columns, 16 where V = 48 needs),
+    chunk 32 the f32 FMA ones; each within the dtype's tolerance of the float64 recurrence,
+    and of each other."""
+    from rlx_backend_cuda import deltanet, device
+    monkeypatch.setattr(deltanet, "GDN_TC_BV", bv)
     b, hk, h, kd, vd = SHAPES[shape]
     args = _gdn_args(rng, b, 5 * 64 + 17, hk, h, kd, vd, dt)
     want = ref_gated_delta_rule(*(a.data.astype(np.float64) for a in args), scale=0.3)

@@ -434,7 +434,8 @@ __device__ __forceinline__ void rlx_gtc_rows(hword* s, const T* src, i64 stride,
 // @part tc_prep(KD, VD)
 // Pass 1: a block of 4 warps per (chunk, value head, batch); warp w the rows 16w.. 16w + 15.
 // Shared: Ks [GC][KD + 8] (K, then beta e^cum K in place), Vs [GC][VD + 8] (beta V),
-// Xf [GC][GC + 1] f32 (I + A, then (I + A)^-1 in place), Xh [GC][GC + 8] (the inverse rounded), cum, bet.
+// Af, Xf [GC][GC + 1] f32 (A; X = (I + A)^-1), Xh [GC][GC + 8] (X rounded), Tf [4][16][17]
+// (a warp's block product), cum, bet.
 // Writes W [B, H, NT * GC, KD], U [B, H, NT * GC, VD] and cum [B, H, NT * GC].
 extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ g, const T* __restrict__ beta, T* __restrict__ wbuf, T* __restrict__ ubuf,
@@ -444,13 +445,16 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __res
   hword* Ks = (hword*)rlx_sm;
   hword* Vs = Ks + GC * KP;
   hword* Xh = Vs + GC * VP;
-  float* Xf = (float*)(Xh + GC * XP);
-  float* cum = Xf + GC * (GC + 1);
+  float* Af = (float*)(Xh + GC * XP);
+  float* Xf = Af + GC * (GC + 1);
+  float* Tf = Xf + GC * (GC + 1);
+  float* cum = Tf + 4 * 16 * 17;
   float* bet = cum + GC;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, gr = lane >> 2, tg = lane & 3;
   const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / (H / HK), t0 = c * GC;
   const i64 row0 = ((i64)b * H + h) * gridDim.x * GC + t0;     // the chunk's first row in the scratch
   rlx_gtc_rows<KD>(Ks, k + ((i64)b * steps * HK + hk) * KD, (i64)HK * KD, t0, steps, tid);
+  rlx_gtc_rows<VD>(Vs, v + ((i64)b * steps * H + h) * VD, (i64)H * VD, t0, steps, tid);
   RLX_GTC_COMMIT();
   if (tid < GC) {
     const bool ok = t0 + tid < steps;
@@ -463,11 +467,6 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __res
       if (lane >= o) x += y;
     }
     cum[tid] = x;
-  }
-  for (int e = tid; e < GC * VD; e += 128) {
-    const int r = e / VD, d = e % VD;
-    const bool ok = t0 + r < steps;
-    Vs[r * VP + d] = ok ? *(const hword*)&v[(((i64)b * steps + t0 + r) * H + h) * VD + d] : (hword)0;
   }
   __syncthreads();
   if (tid >= 32 && tid < GC) cum[tid] += cum[31];
@@ -501,7 +500,8 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __res
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 16 * w + gr + (e >> 1) * 8, j = nt * 8 + 2 * tg + (e & 1);
-        Xf[i * (GC + 1) + j] = j < i ? bet[i] * acc[nt][e] * expf(cum[i] - cum[j]) : (j == i ? 1.f : 0.f);
+        Af[i * (GC + 1) + j] = j < i ? bet[i] * acc[nt][e] * expf(cum[i] - cum[j]) : 0.f;
+        Xf[i * (GC + 1) + j] = j == i ? 1.f : 0.f;
       }
   }
   __syncthreads();
@@ -511,18 +511,44 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __res
     T x = ST(T, bet[r] * expf(cum[r]) * tof(*(T*)&Ks[r * KP + d]));
     Ks[r * KP + d] = *(hword*)&x;
   }
-  {  // X = (I + A)^-1 by rows: X_ic = -sum_{c <= j < i} A_ij X_jc (c < i; X_cc = 1, Xf's diagonal
-     // already), two threads a column
-    const int col = tid >> 1, part = tid & 1;
-    for (int i = 1; i < GC; ++i) {
-      float s = 0.f;
+  {  // X = (I + A)^-1 in 16 x 16 blocks. Warp w inverts diagonal block w by rows (X_ic =
+     // -sum_{c <= j < i} A_ij X_jc, X_cc = 1; two lanes a column); then, one block diagonal
+     // d after another, warp r makes block (r, r - d): X_rc = -X_rr sum_{c <= m < r} A_rm X_mc
+     // (from (I + A) X = I; the blocks X_mc are on earlier diagonals)
+    constexpr int XL = GC + 1;
+    const int col = lane & 15, half = lane >> 4, r0 = 16 * w;
+    for (int i = 1; i < 16; ++i) {
+      float sum = 0.f;
       if (col < i)
-        for (int j = col + part; j < i; j += 2) s -= Xf[i * (GC + 1) + j] * Xf[j * (GC + 1) + col];
-      s += SHFL_XOR(s, 1);
-      __syncthreads();
-      if (part == 0 && col < i) Xf[i * (GC + 1) + col] = s;
-      __syncthreads();
+        for (int j = col + half; j < i; j += 2) sum -= Af[(r0 + i) * XL + r0 + j] * Xf[(r0 + j) * XL + r0 + col];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 16);
+      if (half == 0 && col < i) Xf[(r0 + i) * XL + r0 + col] = sum;
+      __syncwarp();
     }
+    float* tw = Tf + w * 16 * 17;
+    for (int d = 1; d < 4; ++d) {
+      __syncthreads();
+      if (w >= d) {
+        const int c0 = 16 * (w - d);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {        // T = sum_m A_rm X_mc, lane: row lane / 2, 8 columns
+          const int i = lane >> 1, j = (lane & 1) * 8 + q;
+          float t = 0.f;
+          for (int m = c0; m < r0; ++m) t += Af[(r0 + i) * XL + m] * Xf[m * XL + c0 + j];
+          tw[i * 17 + j] = t;
+        }
+        __syncwarp();
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {        // X_rc = -X_rr T (X_rr lower triangular)
+          const int i = lane >> 1, j = (lane & 1) * 8 + q;
+          float x = 0.f;
+          for (int m = 0; m <= i; ++m) x -= Xf[(r0 + i) * XL + r0 + m] * tw[m * 17 + j];
+          Xf[(r0 + i) * XL + c0 + j] = x;
+        }
+        __syncwarp();
+      }
+    }
+    __syncthreads();
   }
   for (int e = tid; e < GC * GC; e += 128) {
     const int i = e / GC, j = e % GC;
@@ -560,20 +586,21 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __res
 // @part tc_scan(KD, VD, BV)
 // Pass 2: a block of 4 warps per (BV state columns, value head, batch) walks the chunks. The
 // state's [KD x BV] columns live in the warps' accumulators (warp w the row tiles w, w + 4, ..),
-// f32 for the whole walk. Per chunk, its W, K and U rows arrive by cp.async one chunk ahead:
+// f32 for the whole walk. Per chunk, its W, K and U rows arrive by cp.async two chunks ahead:
 //   Ss = H_c rounded (shared, and hbuf[c] for pass 3);
 //   V_new = U - W Ss (warp w rows 16w..): over U in ubuf, and Vd = V_new e^(cum_last - cum) shared;
 //   H <- e^cum_last H + K^T Vd.
-// Shared: Ws[2], Kc[2] [GC][KD + 8], Us[2] [GC][BV + 8], Cs[2] [GC] f32, Ss [KD][BV + 8], Vd [GC][BV + 8].
+// Shared: Ws[NS], Kc[NS] [GC][KD + 8], Us[NS] [GC][BV + 8], Cs[NS] [GC] f32, Ss [KD][BV + 8],
+// Vd [GC][BV + 8]: NS = 3 stages, chunks c + 1 and c + 2 in flight while c computes.
 extern "C" __global__ void __launch_bounds__(128, 1) rlx_gdn_tc_scan(const T* __restrict__ k,
     const T* __restrict__ wbuf, T* __restrict__ ubuf, const float* __restrict__ cbuf, const T* s0, T* s1,
     T* __restrict__ hbuf, int steps, int H, int HK, int nch) {
-  constexpr int KP = KD + 8, BP = BV + 8, MT = (KD / 16 + 3) / 4;
+  constexpr int KP = KD + 8, BP = BV + 8, MT = (KD / 16 + 3) / 4, NS = 3;
   extern __shared__ __align__(16) unsigned char rlx_sm[];
   hword* Ws = (hword*)rlx_sm;
-  hword* Kc = Ws + 2 * GC * KP;
-  hword* Us = Kc + 2 * GC * KP;
-  hword* Ss = Us + 2 * GC * BP;
+  hword* Kc = Ws + NS * GC * KP;
+  hword* Us = Kc + NS * GC * KP;
+  hword* Ss = Us + NS * GC * BP;
   hword* Vd = Ss + KD * BP;
   float* Cs = (float*)(Vd + GC * BP);
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, gr = lane >> 2, tg = lane & 3;
@@ -581,7 +608,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) rlx_gdn_tc_scan(const T* __
   const i64 head = (i64)b * H + h, rows = head * nch * GC;       // this head's first scratch row
   const T* kh = k + ((i64)b * steps * HK + hk) * KD;
   auto fetch = [&](int c) {
-    const int st = c & 1;
+    const int st = c % NS;
     rlx_gtc_rows<KD>(Ws + st * GC * KP, wbuf + rows * KD, KD, c * GC, nch * GC, tid);
     rlx_gtc_rows<KD>(Kc + st * GC * KP, kh, (i64)HK * KD, c * GC, steps, tid);
     for (int e = tid; e < GC * (BV / 8); e += 128) {
@@ -603,9 +630,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) rlx_gdn_tc_scan(const T* __
       }
   fetch(0);
   RLX_GTC_COMMIT();
+  if (nch > 1) fetch(1);
+  RLX_GTC_COMMIT();
   for (int c = 0; c < nch; ++c) {
-    const int st = c & 1;
-    if (c + 1 < nch) fetch(c + 1);
+    const int st = c % NS;
+    if (c + 2 < nch) fetch(c + 2);    // into the stage chunk c - 1 left
     RLX_GTC_COMMIT();
     // H_c, rounded: into Ss and hbuf [B, H, NT, KD, VD]
     T* hc = hbuf + (head * nch + c) * KD * VD + v0;
@@ -622,17 +651,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) rlx_gdn_tc_scan(const T* __
           *(u32*)&hc[(i64)d * VD + j] = x;
         }
     }
-    RLX_GTC_WAIT(1);                  // this chunk's rows have landed (this thread's copies)
+    RLX_GTC_WAIT(2);                  // this chunk's rows have landed (this thread's copies)
     __syncthreads();
     const hword* Wc = Ws + st * GC * KP;
     const hword* Kt = Kc + st * GC * KP;
     const hword* Uc = Us + st * GC * BP;
     const float* cum = Cs + st * GC;
     const float last = cum[GC - 1];
-    {  // V_new = U - W H_c: warp w rows 16w..
-      float acc[BV / 8][4];
+    {  // V_new = U - W H_c: warp w rows 16w.. (even and odd k-steps in two accumulators: half the chain)
+      float acc[BV / 8][4], acc2[BV / 8][4];
 #pragma unroll
-      for (int nt = 0; nt < BV / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+      for (int nt = 0; nt < BV / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] = acc2[nt][e] = 0.f;
 #pragma unroll
       for (int k0 = 0; k0 < KD; k0 += 16) {
         u32 a[4];
@@ -641,10 +672,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) rlx_gdn_tc_scan(const T* __
         for (int nt = 0; nt < BV / 8; nt += 2) {
           u32 bf[4];
           rlx_gtc_bt(bf, Ss, BP, k0, nt * 8, lane);
-          rlx_gtc_mma(acc[nt], a, bf[0], bf[1]);
-          rlx_gtc_mma(acc[nt + 1], a, bf[2], bf[3]);
+          float* c0 = (k0 & 16) ? acc2[nt] : acc[nt];
+          float* c1 = (k0 & 16) ? acc2[nt + 1] : acc[nt + 1];
+          rlx_gtc_mma(c0, a, bf[0], bf[1]);
+          rlx_gtc_mma(c1, a, bf[2], bf[3]);
         }
       }
+#pragma unroll
+      for (int nt = 0; nt < BV / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] += acc2[nt][e];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int i = 16 * w + gr + r * 8;
@@ -684,7 +721,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) rlx_gdn_tc_scan(const T* __
         }
       }
     }
-    __syncthreads();                  // the stage is free for chunk c + 2, Ss and Vd for the next chunk
+    __syncthreads();                  // the stage is free for chunk c + 3, Ss and Vd for the next chunk
   }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
