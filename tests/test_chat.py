@@ -127,3 +127,37 @@ def test_an_encoder_is_a_clean_error(command):
     r = CliRunner().invoke(main, command, input="hi\n")
     assert r.exit_code == 2, r.output
     assert "error: minilm is not a causal language model" in r.stderr
+
+
+# ----------------------------------------------------------------------------- the cache across turns
+def test_second_turn_computes_only_what_follows_the_cached_conversation(rng):
+    """Turn 2's prompt starts with turn 1's prompt and answer: the session's prefix cache holds
+    them in whole blocks (the 29 answer tokens in the KV cache end the third), and turn 2
+    computes only the tokens after the cached ones (counted by the scheduler: tokens fed to
+    prefill and extend), answering as generate does."""
+    from tiny_models import LLAMA, llama_tensors, word_tokenizer
+
+    from rlx_core.runtime.model import CausalLM
+    from rlx_core.runtime.prefix_cache import BLOCK
+
+    cfg = dict(LLAMA, max_position_embeddings=256)
+    model = CausalLM.from_tensors(cfg, llama_tensors(cfg, rng), tokenizer=word_tokenizer(False), backend="numpy")
+    model.tokenizer.chat_template = TEMPLATE
+    long1 = " ".join(f"w{5 + i % 40}" for i in range(70))
+    words_only = [(t, -100.0) for t in [*range(5), *range(50, 61)]]    # answers re-encode to their ids
+    with ChatSession(model, max_new_tokens=30, logit_bias=words_only) as s:
+        a1 = s.reply(long1)
+        st = s.scheduler.stats()
+        n1 = len(model.encode_chat([user(long1)]))
+        assert (st["prefix_hit_tokens"], st["prefill_tokens"]) == (0, n1)
+        a2 = s.reply(U2)
+        conversation = [user(long1), {"role": "assistant", "content": a1}, user(U2)]
+        ids2 = model.encode_chat(conversation)
+        cached = model.encode_chat([user(long1)]) + model.tokenizer.encode(a1, add_special_tokens=False)
+        common = next((i for i, (x, y) in enumerate(zip(ids2, cached)) if x != y), min(len(ids2), len(cached)))
+        st2 = s.scheduler.stats()
+        hit = st2["prefix_hit_tokens"]
+        assert hit == min(common, len(ids2) - 1) // BLOCK * BLOCK == (n1 + 29) // BLOCK * BLOCK > n1
+        assert st2["prefill_tokens"] - st["prefill_tokens"] == len(ids2) - hit
+        new = model.generate(ids2, max_new_tokens=30, logit_bias=words_only)[len(ids2):]
+        assert a2 == model.tokenizer.decode(new)

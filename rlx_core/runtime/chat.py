@@ -2,14 +2,18 @@
 read-answer loop of `rlx chat` (`chat_loop`), which takes its input and output as functions
 so a terminal, a pipe and a test drive it alike.
 
-Each turn renders the whole conversation with the model's chat template and prefills it
-again: the runtime's KV cache holds one sequence written from position 0, so keeping the
-earlier turns' cache would need prefill to start mid-cache (a later step).
+Each turn renders the whole conversation with the model's chat template and runs it through
+the session's own Scheduler (one row), whose prefix cache keeps the earlier turns' KV (the
+last prompt and answer, in whole blocks): a turn computes only what follows the longest
+cached prefix, its new message and the template's tokens around it (and the part of the
+last block the cache does not hold). A model whose caches cannot be extended prefills the
+whole conversation each turn, as before.
 """
 from __future__ import annotations
 
 from ..ir.errors import ModelError, RlxError
-from .args import text_arg
+from .args import float_arg, text_arg
+from .sampling import SamplingParams
 from .text_stream import TextStream
 from .tools import check_tool_choice, check_tools, template_messages, tool_prompt_style
 
@@ -17,17 +21,46 @@ HELP = ("commands: /reset (forget the conversation), /system TEXT (set the syste
         "over; /system alone removes it), /help, /exit (or end of input)")
 
 
+PREFIX_CACHE_MB = 64.0        # a conversation's cache: ~2,000 tokens of SmolLM2-135M per 100 MB
+
+
 class ChatSession:
     """A conversation with `model`: an optional system prompt and the turns so far.
-    `generate_kw` are CausalLM.generate's sampling arguments (max_new_tokens, temperature, ...)."""
+    `generate_kw` are CausalLM.generate's sampling arguments (max_new_tokens, temperature, ...),
+    checked here; `prefix_cache_mb` bounds the cache of earlier turns (0: none). close()
+    (or the end of a `with` block) stops the session's scheduler thread."""
 
-    def __init__(self, model, system: str | None = None, **generate_kw):
+    def __init__(self, model, system: str | None = None, prefix_cache_mb: float = PREFIX_CACHE_MB,
+                 **generate_kw):
         if model.tokenizer is None or not getattr(model.tokenizer, "chat_template", None):
             raise ModelError(f"{model.source}: chatting needs a chat template and this model has none "
                              "(a base model, not an instruction-tuned one); use `rlx generate` on plain text")
         self.model, self.kw = model, generate_kw
+        self.params = SamplingParams.checked(**generate_kw)
+        self.prefix_cache_mb = float_arg("prefix_cache_mb", prefix_cache_mb, 0.0)
         self.history: list[dict] = []
         self.system = text_arg("system", system) if system else None
+        self._scheduler = None
+
+    @property
+    def scheduler(self):
+        """The session's Scheduler (one row; made on the first turn)."""
+        if self._scheduler is None:
+            from .scheduler import Scheduler
+
+            self._scheduler = Scheduler(self.model, 1, prefix_cache_mb=self.prefix_cache_mb)
+        return self._scheduler
+
+    def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+            self._scheduler = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def messages(self, user: str | None = None) -> list:
         """The conversation as chat messages, with `user`'s next message when given."""
@@ -40,9 +73,16 @@ class ChatSession:
         the turn joins the history only once answered."""
         user = text_arg("message", user)
         ids = self.model.encode_chat(self.messages(user))
-        out = self.model.generate(ids, stream=stream, **self.kw)
+        req = self.scheduler.submit(ids, self.params)
+        try:
+            for ev in req.events():
+                for t in ev.token_ids if stream is not None else ():
+                    stream([t])
+        except BaseException:                 # (Ctrl-C, a stream that failed: the turn stops)
+            req.cancel()
+            raise
         eos = set(self.model.eos_ids)
-        answer = self.model.tokenizer.decode([t for t in out[len(ids):] if t not in eos])
+        answer = self.model.tokenizer.decode([t for t in req.result().token_ids if t not in eos])
         self.history += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
         return answer
 
