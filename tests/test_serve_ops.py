@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 
@@ -130,13 +131,14 @@ def test_api_key_guards_the_api_and_metrics_not_health_or_the_page(serving, mode
     srv = serving(max_batch=2, api_key=KEY)
     wait_ready(srv)                                  # /health needs no key
     assert call(srv, "/")[0] == 200                  # nor does the page
-    for path, body in (("/v1/models", None), ("/metrics", None), ("/tokenize", {"model": "tiny", "prompt": "w1"}),
+    for path, body in (("/v1/models", None), ("/metrics", None),
+                       ("/tokenize", {"model": "tiny", "prompt": "w1"}),
                        ("/detokenize", {"model": "tiny", "tokens": [5]}),
                        ("/v1/completions", {"model": "tiny", "prompt": "w1"})):
         for key in (None, "wrong", KEY[:-1], KEY + "x"):
             status, hdrs, out = call(srv, path, body, key=key)
             assert status == 401, (path, key, out)
-            assert out["error"]["code"] == "invalid_api_key" and out["error"]["type"] == "authentication_error"
+            assert (out["error"]["code"], out["error"]["type"]) == ("invalid_api_key", "authentication_error")
             assert hdrs["WWW-Authenticate"] == "Bearer"
         assert call(srv, path, body, key=KEY)[0] == 200, path
     with pytest.raises(openai.AuthenticationError):
@@ -158,7 +160,7 @@ def test_cors_origins(serving):
                            headers=dict(pre, Origin="http://evil.example"))
     assert status == 400 and "access-control-allow-origin" not in hdrs
     status, hdrs, _ = call(srv, "/v1/models", key="wrong", headers={"Origin": "http://ok.example"})
-    assert status == 401 and hdrs["access-control-allow-origin"] == "http://ok.example"   # readable by the page
+    assert status == 401 and hdrs["access-control-allow-origin"] == "http://ok.example"   # the page reads it
     plain = serving(max_batch=2)                     # none by default
     status, hdrs, _ = call(plain, "/v1/models", headers={"Origin": "http://ok.example"})
     assert status == 200 and "access-control-allow-origin" not in hdrs
@@ -181,7 +183,8 @@ def test_tokenize_and_detokenize(serving, models):
             ("/tokenize", {"model": "tiny"}, "prompt"),
             ("/tokenize", {"model": "tiny", "prompt": "w1", "messages": msgs}, "prompt"),
             ("/tokenize", {"model": "tiny", "prompt": ["w1"]}, "prompt"),
-            ("/tokenize", {"model": "tiny", "messages": msgs, "add_special_tokens": False}, "add_special_tokens"),
+            ("/tokenize", {"model": "tiny", "messages": msgs, "add_special_tokens": False},
+             "add_special_tokens"),
             ("/tokenize", {"model": "tiny", "prompt": "w1", "extra": 1}, "extra"),
             ("/tokenize", {"model": "nope", "prompt": "w1"}, "model"),
             ("/detokenize", {"model": "tiny", "tokens": [m.vocab_size]}, "tokens"),
@@ -237,7 +240,8 @@ def test_metrics_merge_sums_replicas_and_recomputes_ratios():
         r = CollectorRegistry()
         Counter("rlx_requests", "r", ["endpoint", "status"], registry=r).labels("/v1/x", "200").inc(requests)
         for name, v in (("rlx_batch_running", running), ("rlx_batch_size", size),
-                        ("rlx_batch_occupancy", running / size), ("rlx_prefix_cache_hit_rate", hits / queries)):
+                        ("rlx_batch_occupancy", running / size),
+                        ("rlx_prefix_cache_hit_rate", hits / queries)):
             Gauge(name, name, ["model"], registry=r).labels("m").set(v)
         Counter("rlx_prefix_cache_hit_tokens", "h", ["model"], registry=r).labels("m").inc(hits)
         Counter("rlx_prefix_cache_query_tokens", "q", ["model"], registry=r).labels("m").inc(queries)
@@ -249,7 +253,8 @@ def test_metrics_merge_sums_replicas_and_recomputes_ratios():
     text = merge_metrics([replica(3, 1, 4, 10, 40, [0.05, 0.5]), replica(5, 3, 4, 30, 40, [2.0])])
     assert metric(text, "rlx_replicas") == 2
     assert metric(text, "rlx_requests_total", endpoint="/v1/x", status="200") == 8
-    assert metric(text, "rlx_batch_running", model="m") == 4 and metric(text, "rlx_batch_size", model="m") == 8
+    assert metric(text, "rlx_batch_running", model="m") == 4
+    assert metric(text, "rlx_batch_size", model="m") == 8
     assert metric(text, "rlx_batch_occupancy", model="m") == 0.5               # 4 / 8, not 0.25 + 0.75
     assert metric(text, "rlx_prefix_cache_hit_rate", model="m") == 0.5         # 40 / 80
     for le, n in (("0.1", 1), ("1.0", 2), ("+Inf", 3)):
@@ -371,7 +376,8 @@ def test_request_timeout_cancels(serving, models):
     err = json.loads(got[-2])["error"]
     assert err["code"] == "request_timeout" and got[-1] == "[DONE]"
     until(lambda: srv.app.state.served._admitted["tiny"] == 0, "timed-out requests kept their rows")
-    r = client(srv).chat.completions.create(model="tiny", messages=body["messages"], max_tokens=3, temperature=0)
+    r = client(srv).chat.completions.create(model="tiny", messages=body["messages"], max_tokens=3,
+                                            temperature=0)
     assert r.choices[0].message.content == models["tiny"].generate("w1", max_new_tokens=3, chat=True)
     with pytest.raises(openai.InternalServerError):  # (504 through the client)
         with models["tiny"]._lock:
@@ -392,11 +398,7 @@ def test_drain_refuses_new_requests_then_aborts_what_outlives_the_grace(models):
     th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     port = sock.getsockname()[1]
-
-    class At:
-        pass
-    at = At()
-    at.port = port
+    at = SimpleNamespace(port=port)
     until(lambda: srv.started, "the server did not start")
     wait_ready(at)
     sched = app.state.served.schedulers["tiny"]
@@ -405,12 +407,13 @@ def test_drain_refuses_new_requests_then_aborts_what_outlives_the_grace(models):
         s = raw_stream(port, {"model": "tiny", "messages": [{"role": "user", "content": "w1"}],
                               "max_tokens": 20, "stream": True})
         until(lambda: sched.stats()["submitted"] > before, "the stream was not submitted")
+        until(lambda: app.state.ops.live, "the stream's generation was not registered")
         srv.handle_exit(signal.SIGTERM, None)
         until(lambda: call(at, "/health")[0] == 503, "/health did not say shutting down")
         assert call(at, "/health")[2] == {"status": "shutting down"}
         status, _, out = call(at, "/v1/models")
         assert status == 503 and out["error"]["code"] == "shutting_down"
-        until(lambda: not app.state.ops.live or all(c.cancelled for g in app.state.ops.live for c in g.choices),
+        until(lambda: all(c.cancelled for g in list(app.state.ops.live) for c in g.choices),
               "the grace ended and nothing was cancelled")
     got = events(read_all(s))
     s.close()
@@ -430,7 +433,8 @@ def test_rlx_serve_sigterm_lets_a_running_stream_finish(tmp_path):
     import numpy as np
 
     cfg = dict(LLAMA, max_position_embeddings=1024)
-    folder = _folder(tmp_path / "tiny", cfg, llama_tensors(cfg, np.random.default_rng(3)), word_tokenizer(False))
+    folder = _folder(tmp_path / "tiny", cfg, llama_tensors(cfg, np.random.default_rng(3)),
+                     word_tokenizer(False))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -438,11 +442,7 @@ def test_rlx_serve_sigterm_lets_a_running_stream_finish(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "rlx_core.cli", "serve", folder, "--backend", "numpy",
                              "--port", str(port), "--shutdown-grace", "60", "--log-level", "warning"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-    class At:
-        pass
-    at = At()
-    at.port = port
+    at = SimpleNamespace(port=port)
     try:
         deadline = time.monotonic() + 180
         while True:

@@ -16,7 +16,8 @@ class ServeDependencyError(RlxError):
 
 def require() -> None:
     """A clean error naming the install command when Starlette, uvicorn or prometheus-client is missing."""
-    missing = [m for m in ("starlette", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("starlette", "uvicorn", "prometheus_client")
+               if importlib.util.find_spec(m) is None]
     if missing:
         raise ServeDependencyError(f"rlx serve needs {' and '.join(missing)}, which come with the "
                                    f"serve extra: {INSTALL}")
@@ -87,4 +88,5 @@ def run(models: dict, host: str = "127.0.0.1", port: int = 8000, max_batch: int 
     graceful_server(app, shutdown_grace, host=host, port=port, log_level=log_level).run()
 
 
-__all__ = ["create_app", "run", "SHUTDOWN_GRACE_S", "load_models", "require", "ServeDependencyError", "INSTALL"]
+__all__ = ["create_app", "run", "SHUTDOWN_GRACE_S", "load_models", "require", "ServeDependencyError",
+           "INSTALL"]

@@ -106,8 +106,10 @@ class Served:
         """Reserve `count` choices of `name`'s scheduler: a 429 (with Retry-After) when
         they would wait beyond max_queue others for a batch row."""
         with self._admit_lock:
-            room = self.schedulers[name].max_batch + (self.max_queue if self.max_queue is not None else 1 << 62)
-            if self._admitted[name] + count > room:
+            if self.max_queue is None:
+                self._admitted[name] += count
+                return
+            if self._admitted[name] + count > self.schedulers[name].max_batch + self.max_queue:
                 waiting = max(self._admitted[name] - self.schedulers[name].max_batch, 0)
                 raise ApiError(429, f"'{name}' has {waiting} requests waiting for a batch row, this server's "
                                f"limit (rlx serve --max-queue {self.max_queue}); retry later",
@@ -262,7 +264,8 @@ class Choices:
     i*n+j being prompt i's j-th): their requests, text, logprobs and finish reasons as events
     come; an echoed prompt starts its choices' text (and logprobs, the first None)."""
 
-    def __init__(self, served: Served, name, body: dict, chat: bool, opts: P.Options, timing: Timing | None = None):
+    def __init__(self, served: Served, name, body: dict, chat: bool, opts: P.Options,
+                 timing: Timing | None = None):
         self.served, self.name, self.body, self.chat, self.opts = served, name, body, chat, opts
         self.model = served.get(name, "causal")
         self.timing = timing             # the request's token clock (metrics), if any
@@ -687,7 +690,8 @@ async def health(request: Request):
     ops: Ops = request.app.state.ops
     if ops.status == "ok":
         return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": ops.status, **({"error": ops.error} if ops.error else {})}, status_code=503)
+    body = {"status": ops.status, **({"error": ops.error} if ops.error else {})}
+    return JSONResponse(body, status_code=503)
 
 
 async def metrics(request: Request):
@@ -732,7 +736,8 @@ def create_app(models: dict, max_batch: int = 8, default_max_tokens: int | None 
                groups: dict | None = None, max_body_mb: float = MAX_BODY_MB,
                body_idle_s: float = BODY_IDLE_S, max_queue: int | None = None,
                request_timeout: float | None = None, scheduler_options: dict | None = None,
-               api_key: str | None = None, cors_origins=(), metrics_merge=None, warm: bool = True) -> Starlette:
+               api_key: str | None = None, cors_origins=(), metrics_merge=None,
+               warm: bool = True) -> Starlette:
     """The app serving `models` (name -> CausalLM or Encoder; `groups`, `max_body_mb`,
     `body_idle_s`, `max_queue`, `request_timeout`, `scheduler_options`: see Served);
     `api_key`: the bearer key /v1/*, /tokenize, /detokenize and /metrics need (ops.PROTECTED);
@@ -777,8 +782,8 @@ def create_app(models: dict, max_batch: int = 8, default_max_tokens: int | None 
                                         allow_methods=["GET", "POST", "OPTIONS"],
                                         allow_headers=["Authorization", "Content-Type"]))
     app = Starlette(routes=routes, middleware=middleware,
-                    exception_handlers={ApiError: _api_error, ClientGone: _client_gone, HTTPException: _http_error,
-                                        Exception: _server_error},
+                    exception_handlers={ApiError: _api_error, ClientGone: _client_gone,
+                                        HTTPException: _http_error, Exception: _server_error},
                     lifespan=lifespan)
     app.state.served, app.state.ops = served, ops
     return app

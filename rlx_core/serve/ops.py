@@ -31,7 +31,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
                2.5, 5.0, 10.0)
 # gauges that are ratios of two other series: recomputed from their sums, never summed
 RATIOS = {"rlx_batch_occupancy": ("rlx_batch_running", "rlx_batch_size"),
-          "rlx_prefix_cache_hit_rate": ("rlx_prefix_cache_hit_tokens_total", "rlx_prefix_cache_query_tokens_total")}
+          "rlx_prefix_cache_hit_rate": ("rlx_prefix_cache_hit_tokens_total",
+                                        "rlx_prefix_cache_query_tokens_total")}
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -69,10 +70,13 @@ class SchedulerCollector:
 
     def collect(self):
         fams = {
-            "rlx_batch_running": Metric("rlx_batch_running", "Requests (choices) in the decode batch", "gauge"),
-            "rlx_batch_size": Metric("rlx_batch_size", "Most requests one decode batch holds (--max-batch)", "gauge"),
+            "rlx_batch_running": Metric("rlx_batch_running", "Requests (choices) in the decode batch",
+                                        "gauge"),
+            "rlx_batch_size": Metric("rlx_batch_size", "Most requests one decode batch holds (--max-batch)",
+                                     "gauge"),
             "rlx_batch_occupancy": Metric("rlx_batch_occupancy", "Running requests / batch size", "gauge"),
-            "rlx_queue_waiting": Metric("rlx_queue_waiting", "Requests (choices) waiting for a batch row", "gauge"),
+            "rlx_queue_waiting": Metric("rlx_queue_waiting", "Requests (choices) waiting for a batch row",
+                                        "gauge"),
             "rlx_prefix_cache_query_tokens": Metric("rlx_prefix_cache_query_tokens",
                                                     "Prompt tokens looked up in the prefix cache", "counter"),
             "rlx_prefix_cache_hit_tokens": Metric("rlx_prefix_cache_hit_tokens",
@@ -121,8 +125,8 @@ class Metrics:
                               "From a request's arrival to its first generated token", ["model"],
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("rlx_inter_token_latency_seconds",
-                             "Between a request's successive generated tokens", ["model"], buckets=ITL_BUCKETS,
-                             registry=r)
+                             "Between a request's successive generated tokens", ["model"],
+                             buckets=ITL_BUCKETS, registry=r)
         r.register(SchedulerCollector(served))
 
     def text(self) -> str:
@@ -226,7 +230,8 @@ class Ops:
                             "(rlx serve --api-key / RLX_API_KEY)", code="invalid_api_key",
                             type="authentication_error", headers={"WWW-Authenticate": "Bearer"})
         if self.draining and path not in UNDRAINED:
-            return ApiError(503, "the server is shutting down; it takes no new requests", code="shutting_down")
+            return ApiError(503, "the server is shutting down; it takes no new requests",
+                            code="shutting_down")
         return None
 
     async def drain(self, grace: float, settle: float = 5.0) -> None:
@@ -280,7 +285,8 @@ class Gate:
             ops.metrics.requests.labels(ops.endpoint(path), str(seen["status"])).inc()
 
 
-__all__ = ["Ops", "Gate", "Metrics", "Timing", "merge_metrics", "graceful_server", "SETTLE_S", "needs_key", "key_matches", "error_response",
+__all__ = ["Ops", "Gate", "Metrics", "Timing", "merge_metrics", "graceful_server", "SETTLE_S", "needs_key",
+           "key_matches", "error_response",
            "PROTECTED", "METRICS_TYPE"]
 
 

@@ -645,6 +645,7 @@ def finish_reason(reason: str, tool_calls: bool = False) -> str:
 __all__ = ["ApiError", "bad", "field", "parse_body", "check_text", "check_keys", "MAX_JSON_DEPTH",
            "Options", "options", "max_new_tokens", "structured_output", "tool_options", "logit_bias",
            "Choice", "chat_logprobs", "completion_logprobs", "tool_call_json", "stream_flags", "chat_messages", "completion_prompts",
-           "embedding_inputs", "embedding_format", "tokenize_input", "detokenize_ids", "vision_embedding_inputs", "image_bytes", "IMAGE_URL",
+           "embedding_inputs", "embedding_format", "tokenize_input", "detokenize_ids",
+           "vision_embedding_inputs", "image_bytes", "IMAGE_URL",
            "embedding_value", "new_id", "usage",
            "completion_body", "chunk_body", "finish_reason"]
