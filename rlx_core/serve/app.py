@@ -455,7 +455,7 @@ async def _next(queue: asyncio.Queue, gen: Choices):
     try:
         return await asyncio.wait_for(queue.get(), max(gen.deadline - time.monotonic(), 0.0))
     except asyncio.TimeoutError:
-        raise timed_out(gen.served.request_timeout) from None
+        raise timed_out(float(gen.served.request_timeout or 0.0)) from None
 
 
 async def _collect(request: Request, gen: Choices, queue: asyncio.Queue) -> None:
@@ -484,7 +484,7 @@ async def _generate(request: Request, chat: bool):
     model = served.get(name, "causal")
     prompts = [P.chat_messages(body)] if chat else P.completion_prompts(body)
     opts = P.options(body, chat, model.vocab_size)
-    gen = Choices(served, name, body, chat, opts, Timing(ops.metrics, name, arrived))
+    gen = Choices(served, name, body, chat, opts, Timing(ops.metrics, str(name), arrived))
     gen.deadline = None if served.request_timeout is None else arrived + served.request_timeout
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
@@ -667,7 +667,7 @@ async def detokenize(request: Request):
     return JSONResponse({"prompt": await run_in_threadpool(tok.decode, ids)})
 
 
-def _tokenizer_of(name: str, model, param: str):
+def _tokenizer_of(name, model, param: str):
     tok = getattr(model, "tokenizer", None)
     if tok is None:
         raise P.bad(f"'{name}' has no tokenizer", param)

@@ -209,7 +209,8 @@ class Ops:
 
     def __init__(self, served, api_key: str | None = None, metrics_merge=None, paths=()):
         self.served, self.api_key, self.metrics_merge = served, api_key or None, metrics_merge
-        self.status, self.error = "loading", None
+        self.status = "loading"
+        self.error: str | None = None
         self.inflight = 0
         self.live: weakref.WeakSet = weakref.WeakSet()   # (a stream never started is not kept)
         self.metrics = Metrics(served)
@@ -310,7 +311,8 @@ def graceful_server(app, grace: float, **config):
             if self.draining or self.should_exit or self.loop is None:
                 return super().handle_exit(sig, frame)
             self.draining = True
-            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain()))
+            loop = self.loop
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
 
         async def _drain(self):
             try:

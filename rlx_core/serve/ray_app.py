@@ -142,8 +142,10 @@ def app_builder(args: dict):
         return app
 
     ingress = serve.ingress(build)()
-    hub = serve.deployment(MetricsHub, name=METRICS_DEPLOYMENT, num_replicas=1).bind()
-    return serve.deployment(ingress, name=DEPLOYMENT, num_replicas=opts["replicas"]).bind(hub)
+    def deploy(target, name: str, replicas: int, *args):
+        return serve.deployment(target, name=name, num_replicas=replicas).bind(*args)
+
+    return deploy(ingress, DEPLOYMENT, opts["replicas"], deploy(MetricsHub, METRICS_DEPLOYMENT, 1))
 
 
 __all__ = ["app_builder", "options", "require", "MetricsHub", "replica_metrics", "INSTALL", "DEPLOYMENT",
