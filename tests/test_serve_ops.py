@@ -7,6 +7,7 @@ queued or running it holds the model's lock (the scheduler cannot step), so noth
 depends on speed; every wait is bounded."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -27,6 +28,8 @@ pytest.importorskip("rlx_blocks_llama")
 pytest.importorskip("rlx_blocks_bert")
 
 from serve_tiny import Server, tiny_models  # noqa: E402
+
+from rlx_core.runtime.scheduler import Scheduler  # noqa: E402
 
 WAIT = 60
 KEY = "sekrit-key"
@@ -208,11 +211,15 @@ def test_metrics_count_requests_tokens_and_latencies(serving, models, monkeypatc
                                             max_tokens=5, temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
     uses.append((chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens))
+    shared = " ".join(f"w{3 + i % 50}" for i in range(70))  # twice: its first blocks hit the prefix cache
+    for p in (shared, shared):
+        r = c.completions.create(model="tiny", prompt=p, max_tokens=2, temperature=0)
+        uses.append((r.usage.prompt_tokens, r.usage.completion_tokens))
     c.embeddings.create(model="enc", input=["w1"], encoding_format="float")
     assert call(srv, "/v1/completions", {"model": "tiny", "prompt": "w1", "top_p": 7})[0] == 400
     status, hdrs, text = call(srv, "/metrics")
     assert status == 200 and hdrs["Content-Type"].startswith("text/plain")
-    assert metric(text, "rlx_requests_total", endpoint="/v1/completions", status="200") == 3
+    assert metric(text, "rlx_requests_total", endpoint="/v1/completions", status="200") == 5
     assert metric(text, "rlx_requests_total", endpoint="/v1/completions", status="400") == 1
     assert metric(text, "rlx_requests_total", endpoint="/v1/chat/completions", status="200") == 1
     assert metric(text, "rlx_requests_total", endpoint="/v1/embeddings", status="200") == 1
@@ -225,7 +232,14 @@ def test_metrics_count_requests_tokens_and_latencies(serving, models, monkeypatc
     assert metric(text, "rlx_batch_running", model="tiny") == 0
     assert metric(text, "rlx_batch_occupancy", model="tiny") == 0
     assert metric(text, "rlx_queue_waiting", model="tiny") == 0
-    assert metric(text, "rlx_prefix_cache_hit_rate", model="tiny") == 0
+    stats = srv.app.state.served.schedulers["tiny"].stats()
+    hits, queries = stats["prefix_hit_tokens"], stats["prefix_query_tokens"]
+    assert metric(text, "rlx_prefix_cache_hit_tokens_total", model="tiny") == hits
+    assert metric(text, "rlx_prefix_cache_query_tokens_total", model="tiny") == queries
+    rate = metric(text, "rlx_prefix_cache_hit_rate", model="tiny")
+    assert rate == pytest.approx(hits / queries if queries else 0)
+    if "prefix_cache_mb" in inspect.signature(Scheduler).parameters:     # (a runtime with the prefix cache)
+        assert hits >= 64                            # the shared prompt's first two blocks, at least
     kv = srv.app.state.served.schedulers["tiny"].memory_report()["kv_bytes"]
     assert kv > 0 and metric(text, "rlx_kv_cache_bytes", model="tiny") == kv
     assert metric(text, "rlx_batch_size", model="enc") is None          # an encoder has no batch
@@ -519,10 +533,7 @@ def test_a_client_opening_1000_streams_gets_429s_and_others_are_served(serving, 
 
 
 def test_scheduler_options_reach_only_a_scheduler_that_takes_them(models):
-    import inspect
-
     from rlx_core.ir.errors import ModelError
-    from rlx_core.runtime.scheduler import Scheduler
     from rlx_core.serve.app import Served
 
     with pytest.raises(ModelError, match=r"scheduler options \['no_such_option'\] are not taken"):
