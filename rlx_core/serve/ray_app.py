@@ -11,7 +11,8 @@ actor. Ray does the placement, routing and restarts; nothing here is cluster cod
 
 or `serve run rlx_core.serve.ray_app:app_builder model=NAME replicas=2`. The args:
 `model` (a name or path, or a list of them), `backend`, `profile`, `replicas` (default 1),
-`tp` (ranks per replica, default 1), `max_batch` (default 8), `max_tokens` (chat default).
+`tp` (ranks per replica, default 1), `max_batch` (default 8), `max_tokens` (chat default),
+`prefix_cache_mb` and `prefill_chunk` (each replica's scheduler: `rlx serve`'s flags).
 The deployment is named "rlx": a config's `deployments:` entry of that name sets Ray's own
 options (ray_actor_options such as num_gpus, autoscaling). Needs the cluster extra:
 pip install 'rlx-core[cluster]'.
@@ -43,7 +44,8 @@ log = logging.getLogger("rlx.serve")
 KEYS = {"model": "a model name or path, or a list of them", "backend": "a backend name",
         "profile": "a profile name or .rlx.toml path", "replicas": "a whole number >= 1",
         "tp": "a whole number >= 1", "max_batch": "a whole number >= 1",
-        "max_tokens": "a whole number >= 1"}
+        "max_tokens": "a whole number >= 1", "prefix_cache_mb": "a number >= 0",
+        "prefill_chunk": "a whole number >= 1"}
 
 
 def require() -> None:
@@ -83,7 +85,25 @@ def options(args: dict) -> dict:
             raise ModelError(f"rlx Ray Serve app: {key}={args[key]!r}; expected {KEYS[key]}")
     return {"models": list(models), "backend": args.get("backend"), "profile": args.get("profile"),
             "replicas": _count(args, "replicas", 1), "tp": _count(args, "tp", 1),
-            "max_batch": _count(args, "max_batch", 8), "max_tokens": _count(args, "max_tokens", None)}
+            "max_batch": _count(args, "max_batch", 8), "max_tokens": _count(args, "max_tokens", None),
+            "scheduler_options": _scheduler_options(args)}
+
+
+def _scheduler_options(args: dict) -> dict:
+    """prefix_cache_mb (a number >= 0) and prefill_chunk (a count), where given."""
+    out = {}
+    if args.get("prefix_cache_mb") is not None:
+        value = args["prefix_cache_mb"]
+        try:
+            mb = float(value) if not isinstance(value, bool) else -1.0
+        except (TypeError, ValueError):
+            mb = -1.0
+        if not mb >= 0 or mb == float("inf"):
+            raise ModelError(f"rlx Ray Serve app: prefix_cache_mb={value!r}; expected {KEYS['prefix_cache_mb']}")
+        out["prefix_cache_mb"] = mb
+    if args.get("prefill_chunk") is not None:
+        out["prefill_chunk"] = _count(args, "prefill_chunk", None)
+    return out
 
 
 class MetricsHub:
@@ -136,7 +156,8 @@ def app_builder(args: dict):
 
     def build():                                   # runs in each replica
         models, groups = load_models(opts["models"], opts["backend"], opts["profile"], opts["tp"])
-        app = create_app(models, opts["max_batch"], opts["max_tokens"], groups)
+        app = create_app(models, opts["max_batch"], opts["max_tokens"], groups,
+                         scheduler_options=opts["scheduler_options"])
         hub = serve.get_deployment_handle(METRICS_DEPLOYMENT, app_name=serve.get_replica_context().app_name)
         replica_metrics(app, hub)
         return app
