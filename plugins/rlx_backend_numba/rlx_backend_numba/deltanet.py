@@ -1,10 +1,11 @@
 """numba kernels for the linear-attention ops of rlx_core.ir.deltanet: gated_delta_rule and
 causal_conv1d (runner.PREPARE binds them to their nodes).
 
-gated_delta_rule runs one task per (batch row, value head) on numba's threads; a task copies
-its head's start state [K, V] into the new state's block once and updates it there from the
-first step to the last. Up to RECURRENT_MAX steps (decode, a few draft tokens) it takes the
-recurrent form, two passes over the state a step; longer inputs take the chunked (WY / UT)
+gated_delta_rule runs one task per (batch row, value head) on numba's threads; a task updates
+its head's block [K, V] of the new state from the first step to the last. Up to RECURRENT_MAX
+steps (decode, a few draft tokens) it takes the recurrent form, a read-only pass and a
+writing pass over the state a step, the first step reading the start state's block (the new
+state may be the start state itself: decode in place); longer inputs take the chunked (WY / UT)
 form of the NumPy kernel (rlx_core.ir.deltanet: the formulas are written there), one chunk
 after another: five dense products a chunk (f32: one cblas_sgemm call each, made by numba's
 threads as in cblas.py; else loops), the decays, the forward substitution and the sums
@@ -33,29 +34,36 @@ NATIVE = (np.dtype(np.float32), np.dtype(np.float64))
 
 # --------------------------------------------------------------------------- gated_delta_rule
 @njit(**_OPT)
-def _steps(q, k, v, g, beta, s, o, b, h, kh, scale):
-    """The recurrence step by step (decode): S <- exp(g) S, u = beta (v - S^T k),
-    S <- S + k u^T, o = S^T (scale q): one pass to decay and read S^T k, one to write and read."""
+def _steps(q, k, v, g, beta, s0, s, o, b, h, kh, scale):
+    """The recurrence step by step (decode), from s0 into s (which may be s0 itself: a row is
+    read before it is written): S' = a S + k u^T with u = beta (v - a S^T k), and
+    o = S'^T q = a S^T q + (q . k) u. One read-only pass gives S^T k and S^T q, one pass
+    writes S'; the first step reads s0, so the start state is never copied."""
     kd, vd = s.shape
     kv = np.empty(vd, s.dtype)
+    qv = np.empty(vd, s.dtype)
     u = np.empty(vd, s.dtype)
+    src = s0
     for t in range(q.shape[1]):
         a, bt = math.exp(g[b, t, h]), beta[b, t, h]
         kt, qt, vt, ot = k[b, t, kh], q[b, t, kh], v[b, t, h], o[b, t, h]
         kv[:] = 0
+        qv[:] = 0
+        qk = kt[0] * 0
         for i in range(kd):
-            row, ki = s[i], kt[i]
+            row, ki, qi = src[i], kt[i], qt[i] * scale
+            qk += qi * ki
             for j in range(vd):
-                row[j] *= a
                 kv[j] += ki * row[j]
+                qv[j] += qi * row[j]
         for j in range(vd):
-            u[j] = bt * (vt[j] - kv[j])
-            ot[j] = 0
+            u[j] = bt * (vt[j] - a * kv[j])
+            ot[j] = a * qv[j] + qk * u[j]
         for i in range(kd):
-            row, ki, qi = s[i], kt[i], qt[i] * scale
+            row, out, ki = src[i], s[i], kt[i]
             for j in range(vd):
-                row[j] += ki * u[j]
-                ot[j] += qi * row[j]
+                out[j] = a * row[j] + ki * u[j]
+        src = s
 
 
 @njit(**_OPT)
@@ -171,15 +179,16 @@ def _scratch(c, kd, vd, dt):
 @njit(**_OPT)
 def _head(task, q, k, v, g, beta, s0, o, s1, scale, chunk, recurrent, gemm, ilp64):
     """One (batch row, value head): its state through every step, kept in s1 (its
-    [K, V] block, contiguous) from the start."""
+    [K, V] block, contiguous): the recurrent form writes it from s0's block (s1 may be s0:
+    decode in place), the chunked one copies s0's block in first."""
     nh, kd, vd = v.shape[2], q.shape[3], v.shape[3]
     b, h = task // nh, task % nh
     kh = h // (nh // q.shape[2])
     s = s1[b, h]
-    s[:, :] = s0[b, h]
     if recurrent:
-        _steps(q, k, v, g, beta, s, o, b, h, kh, scale)
+        _steps(q, k, v, g, beta, s0[b, h], s, o, b, h, kh, scale)
     else:
+        s[:, :] = s0[b, h]
         c = min(chunk, q.shape[1])
         scratch = _scratch(c, kd, vd, s.dtype)
         for t0 in range(0, q.shape[1], c):

@@ -63,6 +63,21 @@ def _check_kernel(rng, kern, dt, t, chunk, recurrent, hk, gemm):
     close(s1, want_s, TOL[np.dtype(dt)])
 
 
+@pytest.mark.parametrize("kern", [ND.gdn_par, ND.gdn_ser], ids=["par", "ser"])
+@pytest.mark.parametrize("t", [1, 3], ids=lambda t: f"T{t}")
+def test_gdn_recurrent_form_in_place(rng, kern, t):
+    """Decode writing the new state over the start state (one array for both, as a runner
+    updating a state leaf in place may pass): the same outputs as the recurrence."""
+    x = _gdn_inputs(rng, t, F32)
+    args = [np.ascontiguousarray(x[n], np.float32) for n in ("q", "k", "v", "g", "beta", "state")]
+    state = args[-1]
+    o = np.full(x["v"].shape, np.nan, np.float32)
+    kern(*args, o, state, np.float32(0.35), 16, True, *LOOPS)
+    want_o, want_s = ref_gated_delta_rule(*(x[n] for n in ("q", "k", "v", "g", "beta", "state")), scale=0.35)
+    close(o, want_o, TOL[np.dtype(np.float32)])
+    close(state, want_s, TOL[np.dtype(np.float32)])
+
+
 @pytest.mark.parametrize("decay", ["near0", "strong"])
 def test_gdn_kernel_decay_extremes(rng, decay):
     """A decay that keeps the state (near 0) and one whose exp underflows (every exponent the
