@@ -11,9 +11,14 @@ whole conversation each turn, as before.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..ir.errors import ModelError, RlxError
 from .args import float_arg, text_arg
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
 from .text_stream import TextStream
 from .tools import check_tool_choice, check_tools, template_messages, tool_prompt_style
 
@@ -40,10 +45,10 @@ class ChatSession:
         self.prefix_cache_mb = float_arg("prefix_cache_mb", prefix_cache_mb, 0.0)
         self.history: list[dict] = []
         self.system = text_arg("system", system) if system else None
-        self._scheduler = None
+        self._scheduler: Scheduler | None = None
 
     @property
-    def scheduler(self):
+    def scheduler(self) -> Scheduler:
         """The session's Scheduler (one row; made on the first turn)."""
         if self._scheduler is None:
             from .scheduler import Scheduler

@@ -53,7 +53,9 @@ class PrefixCache:
         if not isinstance(capacity, int) or capacity < 0:
             raise ModelError(f"prefix cache capacity must be a whole number of bytes >= 0, got {capacity!r}")
         self.backend, self.capacity, self.block = backend, capacity, block
-        self.kv, self.recurrent = {}, {}         # name -> (dims of one block's buffer, dtype, ctx axis)
+        # name -> (dims of one block's buffer, dtype, its ctx axis: None for a recurrent state)
+        self.kv: dict[str, tuple] = {}
+        self.recurrent: dict[str, tuple] = {}
         for name, s in specs.items():
             dims = list(s.dims)
             env = {batch_dim: 1, "ctx": block}

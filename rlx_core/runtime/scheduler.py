@@ -200,7 +200,6 @@ class Scheduler:
         self._decode: Executable | None = None
         self._prefill: Executable | None = None
         self._extend: Executable | None = None
-        self._fill_states = None               # the prefill's and extend's StateStore (batch 1)
         self._fills: collections.deque = collections.deque()   # requests to prefill, in order
         self.extend_refused = ""               # why this model cannot extend (then whole prefills)
         self.prefix: PrefixCache | None = None
@@ -321,7 +320,7 @@ class Scheduler:
         with self.model._lock:
             if self.cache is not None:
                 self.cache.clear()
-            self.cache = self._decode = self._prefill = self._extend = self._fill_states = None
+            self.cache = self._decode = self._prefill = self._extend = None
         trim_heap()
 
     # -- the scheduler thread
@@ -392,13 +391,13 @@ class Scheduler:
                     self._finish(r, "error")
 
     def _prefill_exe(self) -> Executable:
-        """The model's prefill graph over this scheduler's own states (its KV goes to a row
-        of the batch cache; release_cache drops both)."""
+        """The model's prefill graph over this scheduler's own states (batch 1, the context
+        of the request being prefilled; the extend graph shares them; its KV goes to a row
+        of the batch cache; release_cache drops them)."""
         if self._prefill is None:
             from ..pipeline import StateStore
 
-            self._fill_states = StateStore()
-            self._prefill = self.model.executable_over("prefill", self._fill_states)
+            self._prefill = self.model.executable_over("prefill", StateStore())
         return self._prefill
 
     def _extend_exe(self) -> Executable | None:
@@ -407,7 +406,7 @@ class Scheduler:
         if self._extend is None and not self.extend_refused:
             prefill = self._prefill_exe()
             try:
-                exe = self.model.executable_over("extend", self._fill_states)
+                exe = self.model.executable_over("extend", prefill.states)
             except RlxError as e:
                 self._refuse(str(e))
                 return None
@@ -533,7 +532,7 @@ class Scheduler:
         self.prefill_runs += 1
         if self.prefix is not None:
             blk = self.prefix.block
-            self.prefix.insert(r.prompt_ids, self._fill_states, 0, b // blk * blk, snapshot=b % blk == 0)
+            self.prefix.insert(r.prompt_ids, exe.states, 0, b // blk * blk, snapshot=b % blk == 0)
         if b == n:
             self._fills.popleft()
             self._place(r, logits)
@@ -552,19 +551,20 @@ class Scheduler:
         hit, entries = pc.lookup(r.prompt_ids, n - 1)
         if hit:
             self._size_fill_states(r.ctx)
-            pc.restore(entries, self._fill_states)
+            pc.restore(entries, self._prefill_exe().states)
             r.filled = hit
             self.prefix_hit_tokens += hit
 
     def _size_fill_states(self, ctx: int) -> None:
         """The prefill's state buffers at batch 1 and context `ctx` (what its run would make)."""
         exe = self._prefill_exe()
+        states = exe.states
         env = {exe.input_specs["ids"].dims[0]: 1, "ctx": ctx}
         for name, spec in _state_specs(exe).items():
             dims = spec.bind(env).dims
-            cur = self._fill_states.get(name)
+            cur = states.get(name)
             if cur is None or tuple(cur.shape) != tuple(dims):
-                self._fill_states[name] = self.model.backend.zeros(dims, spec.dtype)
+                states[name] = self.model.backend.zeros(dims, spec.dtype)
 
     def _piece_end(self, a: int, n: int, chunk: int) -> int:
         """Where the prefill piece starting at prompt token `a` ends: the prompt's end, or a
@@ -591,7 +591,7 @@ class Scheduler:
             cache = self._batch_cache()
             used = {q.slot for q in self._running()}
             c.slot = next(i for i in range(cache.batch) if i not in used)
-            cache.place(c.slot, self._fill_states, n)
+            cache.place(c.slot, self._prefill_exe().states, n)
             c.length = n
             self._active.sort(key=lambda q: q.slot)
             self._take(c, logits)
