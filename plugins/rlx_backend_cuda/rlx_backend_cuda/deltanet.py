@@ -125,7 +125,7 @@ def _tensor_cores(b, q, k, v) -> bool:
 def _tc_smem(KD: int, VD: int, BV: int) -> tuple:
     """Bytes of dynamic shared memory of rlx_gdn_tc_prep, _scan and _out (their layout comments)."""
     c, kp, vp, bp = GDN_TC_CHUNK, KD + 8, VD + 8, BV + 8
-    prep = 2 * c * (kp + vp + c + 8) + 4 * (2 * c * (c + 1) + 4 * 16 * 17 + 2 * c)
+    prep = 2 * c * (kp + vp + c + 8) + 4 * (2 * c * (c + 1) + 4 * 16 * 17 + 3 * c)
     scan = 2 * (6 * c * kp + 4 * c * bp + KD * bp) + 4 * 3 * c
     out = 2 * (2 * c * kp + KD * vp + c * vp + c * (c + 8)) + 4 * c
     return prep, scan, out

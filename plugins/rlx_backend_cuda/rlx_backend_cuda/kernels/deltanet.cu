@@ -435,7 +435,7 @@ __device__ __forceinline__ void rlx_gtc_rows(hword* s, const T* src, i64 stride,
 // Pass 1: a block of 4 warps per (chunk, value head, batch); warp w the rows 16w.. 16w + 15.
 // Shared: Ks [GC][KD + 8] (K, then beta e^cum K in place), Vs [GC][VD + 8] (beta V),
 // Af, Xf [GC][GC + 1] f32 (A; X = (I + A)^-1), Xh [GC][GC + 8] (X rounded), Tf [4][16][17]
-// (a warp's block product), cum, bet.
+// (a warp's block product), cum, bet, fac (beta e^cum).
 // Writes W [B, H, NT * GC, KD], U [B, H, NT * GC, VD] and cum [B, H, NT * GC].
 extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ g, const T* __restrict__ beta, T* __restrict__ wbuf, T* __restrict__ ubuf,
@@ -450,6 +450,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __res
   float* Tf = Xf + GC * (GC + 1);
   float* cum = Tf + 4 * 16 * 17;
   float* bet = cum + GC;
+  float* fac = bet + GC;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, gr = lane >> 2, tg = lane & 3;
   const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / (H / HK), t0 = c * GC;
   const i64 row0 = ((i64)b * H + h) * gridDim.x * GC + t0;     // the chunk's first row in the scratch
@@ -472,7 +473,10 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __res
   if (tid >= 32 && tid < GC) cum[tid] += cum[31];
   RLX_GTC_WAIT(0);
   __syncthreads();
-  if (tid < GC) cbuf[row0 + tid] = cum[tid];
+  if (tid < GC) {
+    cbuf[row0 + tid] = cum[tid];
+    fac[tid] = bet[tid] * expf(cum[tid]);
+  }
   // beta V, in place
   for (int e = tid; e < GC * VD; e += 128) {
     const int r = e / VD, d = e % VD;
@@ -508,7 +512,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __res
   // beta e^cum K, in place (K's products are done)
   for (int e = tid; e < GC * KD; e += 128) {
     const int r = e / KD, d = e % KD;
-    T x = ST(T, bet[r] * expf(cum[r]) * tof(*(T*)&Ks[r * KP + d]));
+    T x = ST(T, fac[r] * tof(*(T*)&Ks[r * KP + d]));
     Ks[r * KP + d] = *(hword*)&x;
   }
   {  // X = (I + A)^-1 in 16 x 16 blocks. Warp w inverts diagonal block w by rows (X_ic =
@@ -528,23 +532,28 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __res
     float* tw = Tf + w * 16 * 17;
     for (int d = 1; d < 4; ++d) {
       __syncthreads();
-      if (w >= d) {
-        const int c0 = 16 * (w - d);
+      if (w >= d) {                     // lane: row lane / 2, 8 columns (8 independent sums)
+        const int c0 = 16 * (w - d), i = lane >> 1, j0 = (lane & 1) * 8;
+        float t[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+        for (int m = c0; m < r0; ++m) {      // T = sum_m A_rm X_mc
+          const float a = Af[(r0 + i) * XL + m];
 #pragma unroll
-        for (int q = 0; q < 8; ++q) {        // T = sum_m A_rm X_mc, lane: row lane / 2, 8 columns
-          const int i = lane >> 1, j = (lane & 1) * 8 + q;
-          float t = 0.f;
-          for (int m = c0; m < r0; ++m) t += Af[(r0 + i) * XL + m] * Xf[m * XL + c0 + j];
-          tw[i * 17 + j] = t;
+          for (int q = 0; q < 8; ++q) t[q] += a * Xf[m * XL + c0 + j0 + q];
         }
+#pragma unroll
+        for (int q = 0; q < 8; ++q) tw[i * 17 + j0 + q] = t[q];
         __syncwarp();
 #pragma unroll
-        for (int q = 0; q < 8; ++q) {        // X_rc = -X_rr T (X_rr lower triangular)
-          const int i = lane >> 1, j = (lane & 1) * 8 + q;
-          float x = 0.f;
-          for (int m = 0; m <= i; ++m) x -= Xf[(r0 + i) * XL + r0 + m] * tw[m * 17 + j];
-          Xf[(r0 + i) * XL + c0 + j] = x;
+        for (int q = 0; q < 8; ++q) t[q] = 0.f;
+#pragma unroll
+        for (int m = 0; m < 16; ++m) {       // X_rc = -X_rr T (X_rr's upper part is 0)
+          const float a = Xf[(r0 + i) * XL + r0 + m];
+#pragma unroll
+          for (int q = 0; q < 8; ++q) t[q] -= a * tw[m * 17 + j0 + q];
         }
+#pragma unroll
+        for (int q = 0; q < 8; ++q) Xf[(r0 + i) * XL + c0 + j0 + q] = t[q];
         __syncwarp();
       }
     }
