@@ -21,7 +21,7 @@ from rlx_core.runtime.scheduler import Scheduler
 from rlx_core.testing.parity import backend_params
 
 pytest.importorskip("rlx_blocks_llama")
-BACKENDS = backend_params(("numpy", "numba"))
+BACKENDS = backend_params(("numpy", "numba", "cuda", "opencl"))   # skipped with the reason where absent
 TOL = 1e-4
 WAIT = 120
 

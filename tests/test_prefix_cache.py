@@ -164,6 +164,7 @@ def test_memory_bound_evicts(llama):
         for seed in range(4):
             s.submit(tokens(20 + seed, 2 * BLOCK + 1), max_tokens=1).result(WAIT)
         st_ = s.stats()
+        assert s.memory_report()["prefix_cache_bytes"] == st_["prefix_cache_bytes"]
     assert 0 < st_["prefix_cache_bytes"] <= st_["prefix_cache_capacity"]
     assert st_["prefix_cache_evictions"] > 0
 

@@ -303,13 +303,18 @@ class Scheduler:
                 "prefill_runs": self.prefill_runs, **cache}
 
     def memory_report(self) -> dict:
-        """The model's memory_report with this scheduler's KV cache and decode runners."""
+        """The model's memory_report with this scheduler's KV cache and runners, and its
+        prefix cache (`prefix_cache_bytes`, in total_bytes too)."""
         from .memory import memory_report
 
         with self.model._lock:
             exes = [e for e in (self._prefill, self._extend, self._decode) if e is not None]
             stores = list({id(e.states): e.states for e in exes}.values())   # (extend shares the prefill's)
-            return memory_report(self.model, stores, exes)
+            rep = memory_report(self.model, stores, exes)
+            held = self.prefix.bytes if self.prefix is not None else 0
+            rep["prefix_cache_bytes"] = held
+            rep["total_bytes"] += held
+            return rep
 
     def release_cache(self) -> None:
         """Drop the KV caches (the batched decode's and the last prefill's) with their
