@@ -1044,6 +1044,19 @@ def gemm_par(x, w, o, parts, gemm, ilp64, trans_a, trans_b):
             sgemm(gemm, ilp64, x, w[:, c0:c1], o[:, c0:c1], trans_a, False)
 
 
+@njit(parallel=True, **_OPT)
+def gemm_rows_par(x, w, o, parts, gemm, ilp64, trans_b):
+    """o = x @ op(w) as gemm_par, but M split in `parts`: for a product with more rows than
+    columns (an encoder's 16 x 257 tokens by 384 to 1536 columns). Each call packs all of
+    the weight and its share of x, where a column split packs all of x in every part: the
+    smaller operand is the one packed twice (DINOv2-S's four products on 2 loaded cores,
+    medians of 12: 20-35% less time than the column split)."""
+    m = o.shape[0]
+    for p in prange(parts):
+        r0, r1 = m * p // parts, m * (p + 1) // parts
+        sgemm(gemm, ilp64, x[r0:r1], w, o[r0:r1], False, trans_b)
+
+
 # --------------------------------------------------------------------------- copy (a yardstick)
 @njit(parallel=True, **_OPT)
 def copy_par(src, dst):

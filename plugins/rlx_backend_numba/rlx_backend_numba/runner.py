@@ -341,14 +341,18 @@ def _matmul_fn(x, w, o, trans_b: bool, trans_a: bool = False):
             and x.dtype == w.dtype == o.dtype == np.float32 and w.flags.c_contiguous
             and o.flags.c_contiguous and n >= 128):
         o2 = o.reshape(m, n)
-        parts = cblas.parts(n)
+        by_rows = not trans_a and m > n            # split the longer side (kernels.gemm_rows_par)
+        parts = cblas.parts(m if by_rows else n)
 
         def gemm(x, w):
             if blas_threads() == 1:            # an encoder's data-parallel part: one core each
                 return blas(a, [o], x, w)
             x2 = np.ascontiguousarray(x if trans_a else x.reshape(m, k))
             with single_threaded_blas():
-                K.gemm_par(x2, w, o2, parts, *SGEMM, trans_a, trans_b)
+                if by_rows:
+                    K.gemm_rows_par(x2, w, o2, parts, *SGEMM, trans_b)
+                else:
+                    K.gemm_par(x2, w, o2, parts, *SGEMM, trans_a, trans_b)
         return gemm
     return lambda x, w: blas(a, [o], x, w)
 

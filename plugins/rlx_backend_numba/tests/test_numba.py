@@ -454,7 +454,7 @@ def test_decode_step_makes_its_attention_inputs_in_one_step(rng, driver, style):
 
 
 # --------------------------------------------------------------------------- matmul
-@pytest.mark.parametrize("rows", [1, 5], ids=["gemv", "blas"])
+@pytest.mark.parametrize("rows", [1, 5, 300], ids=["gemv", "blas", "tall"])   # tall: M split
 @pytest.mark.parametrize("dt", [F32, F64], ids=["f32", "f64"])
 @pytest.mark.parametrize("n", [40, 200], ids=["narrow", "cblas"])     # >= 128 columns: cblas_sgemm parts
 def test_linear_epilogue(rng, driver, rows, dt, n):
@@ -474,6 +474,24 @@ def test_linear_epilogue(rng, driver, rows, dt, n):
             got = run_poisoned(exe, {"x": x, "x2": x})
         close(got["out0"], parity.REF_ACT["gelu_tanh"](y + bias), dt.np)
         close(got["out1"], y, dt.np)
+
+
+@pytest.mark.skipif(runner.SGEMM is None, reason="numpy's BLAS has no cblas_sgemm to call")
+@pytest.mark.parametrize("m,n,kernel", [(300, 200, "gemm_rows_par"), (150, 200, "gemm_par")])
+def test_f32_gemm_splits_its_longer_side(rng, monkeypatch, m, n, kernel):
+    """An f32 product on numba's threads splits its rows when it has more rows than columns
+    (the weight is then the operand each part packs), else its columns; both equal float64."""
+    called = []
+    monkeypatch.setattr(runner, "blas_threads", lambda: 2)       # (not a data-parallel part's one thread)
+    for name in ("gemm_par", "gemm_rows_par"):
+        kern = getattr(runner.K, name)
+        monkeypatch.setattr(runner.K, name, lambda *args, kern=kern, name=name: called.append(name) or kern(*args))
+    x = rng.standard_normal((m, 48)).astype(np.float32)
+    w = rng.standard_normal((n, 48)).astype(np.float32)
+    o = np.full((m, n), np.nan, np.float32)
+    runner._matmul_fn(x, w, o, trans_b=True)(x, w)
+    assert called == [kernel]
+    close(o, x.astype(np.float64) @ w.T.astype(np.float64), np.float32)
 
 
 # --------------------------------------------------------------------------- selection
