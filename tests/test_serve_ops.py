@@ -438,17 +438,14 @@ def test_drain_refuses_new_requests_then_aborts_what_outlives_the_grace(models):
 
 
 def test_rlx_serve_sigterm_lets_a_running_stream_finish(tmp_path):
-    """A real `rlx serve` (a tiny LLaMA folder, numpy) with RLX_API_KEY: SIGTERM while a
-    stream is being sent (its client paused reading, so the stream outlasts the checks);
-    /health and new requests get 503; the stream, read on, ends with its finish_reason and
-    [DONE]; the process exits 0."""
-    from tiny_models import LLAMA, _folder, llama_tensors, word_tokenizer
+    """A real `rlx serve` (a tiny LLaMA folder, numpy) with RLX_API_KEY, sent SIGTERM while
+    a streamed request is running: its client sent the headers with `Expect: 100-continue`,
+    got the 100 (so the request is in the handler) and holds its body back. /health and new
+    requests then get 503; the body sent, the stream runs to its max_tokens and ends with its
+    finish_reason and [DONE]; the process exits 0."""
+    from tiny_models import tiny_llama_folder
 
-    import numpy as np
-
-    cfg = dict(LLAMA, max_position_embeddings=1024)
-    folder = _folder(tmp_path / "tiny", cfg, llama_tensors(cfg, np.random.default_rng(3)),
-                     word_tokenizer(False))
+    folder = tiny_llama_folder(tmp_path / "tiny")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -469,21 +466,28 @@ def test_rlx_serve_sigterm_lets_a_running_stream_finish(tmp_path):
             assert time.monotonic() < deadline, "rlx serve never became ready"
             time.sleep(0.2)
         assert call(at, "/v1/models")[0] == 401                    # the key came from RLX_API_KEY
-        # ~1000 chunks of 20 top logprobs each: far more than the socket buffers hold unread
-        s = raw_stream(port, {"model": folder, "prompt": "w1 w2", "max_tokens": 1000, "logprobs": 20,
-                              "stream": True, "ignore_eos": True},
-                       rcvbuf=4096, key=KEY, path="/v1/completions")
-        first = s.recv(4096)
-        assert b" 200 " in first.split(b"\r\n")[0], first
+        body = json.dumps({"model": folder, "prompt": "w1 w2", "max_tokens": 20, "ignore_eos": True,
+                           "stream": True, "stream_options": {"include_usage": True}}).encode()
+        s = socket.create_connection(("127.0.0.1", port), timeout=WAIT)
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\nExpect: 100-continue\r\n"
+                  "Connection: close\r\n\r\n".encode())
+        interim = b""
+        while not interim.endswith(b"\r\n\r\n"):
+            interim += s.recv(1)
+        assert interim.startswith(b"HTTP/1.1 100"), interim      # the handler is reading the body
         proc.send_signal(signal.SIGTERM)
         until(lambda: call(at, "/health")[0] == 503, "/health did not say shutting down")
         assert call(at, "/health")[2] == {"status": "shutting down"}
         status, _, out = call(at, "/v1/models", key=KEY)
         assert status == 503 and out["error"]["code"] == "shutting_down"
-        got = events(first + read_all(s))
+        s.sendall(body)
+        got = events(read_all(s))
         s.close()
-        finals = [json.loads(e)["choices"][0]["finish_reason"] for e in got[:-1]]
+        chunks = [json.loads(e) for e in got[:-1]]
+        finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
         assert got[-1] == "[DONE]" and finals[-1] == "length" and finals.count("length") == 1
+        assert chunks[-1]["usage"]["completion_tokens"] == 20
         assert proc.wait(WAIT) == 0, proc.communicate()[1].decode()[-3000:]
     finally:
         if proc.poll() is None:
