@@ -121,7 +121,8 @@ def main():
     ap.add_argument("--composed-max", type=int, default=1024, help="longest T the composed scan runs")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--budget", type=float, default=180, help="seconds a side may run")
-    ap.add_argument("--bv", type=int, default=0, help="rlx: state columns a block of the tensor-core walk holds")
+    ap.add_argument("--bv", type=int, default=0,
+                    help="rlx: state columns a block of the tensor-core walk holds")
     ap.add_argument("--side", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -138,8 +139,8 @@ def main():
             if side == "composed" and n > a.composed_max:
                 continue
             try:
-                res[side] = run_child([sys.executable, __file__, "--side", side, "--n", str(n), "--reps", str(a.reps),
-                                       "--bv", str(a.bv)], f"{side} T={n}", a.budget)
+                res[side] = run_child([sys.executable, __file__, "--side", side, "--n", str(n),
+                                       "--reps", str(a.reps), "--bv", str(a.bv)], f"{side} T={n}", a.budget)
             except subprocess.TimeoutExpired:          # (fla's first call compiles Triton kernels: minutes)
                 log(f"  {side} T={n}: not done within --budget {a.budget:g} s")
                 res[side] = None
@@ -148,14 +149,16 @@ def main():
         rows.append((n, res))
     device = next((r["device"] for _, res in rows for r in res.values() if r), "?")
     log(f"\ndevice: {device}")
-    log(f"{'T':>6} {'rlx ms':>9} {'fma ms':>9} {'composed ms':>12} {'fla ms':>9} {'rlx/fla':>8} {'rlx/composed':>12}")
+    log(f"{'T':>6} {'rlx ms':>9} {'fma ms':>9} {'composed ms':>12} {'fla ms':>9} {'rlx/fla':>8} "
+        f"{'rlx/composed':>12}")
     for n, res in rows:
         def ms(side):
             r = res.get(side)
             return r["ms"] if r else None
         r, c, f = ms("rlx"), ms("composed"), ms("fla")
         fmt = lambda v, w: f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
-        log(f"{n:>6} {fmt(r, 9)} {fmt(ms('rlx-fma'), 9)} {fmt(c, 12)} {fmt(f, 9)} {fmt(r / f if r and f else None, 8)} "
+        log(f"{n:>6} {fmt(r, 9)} {fmt(ms('rlx-fma'), 9)} {fmt(c, 12)} {fmt(f, 9)} "
+            f"{fmt(r / f if r and f else None, 8)} "
             f"{fmt(r / c if r and c else None, 12)}")
     if "fla" in a.sides and not any(res.get("fla") for _, res in rows):
         log("fla: peer not run (not importable here: carry fla-core's wheel)")

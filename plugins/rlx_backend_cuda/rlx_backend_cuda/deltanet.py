@@ -147,12 +147,12 @@ def _chunked_tc(b, n, ins, od, sd):
     prep = b.kernel(sources.render(sources.GDN_TC_PREP, **mm), "rlx_gdn_tc_prep", sm_prep)
     scan = b.kernel(sources.render(sources.GDN_TC_SCAN, BV=bv, **mm), "rlx_gdn_tc_scan", sm_scan)
     out = b.kernel(sources.render(sources.GDN_TC_OUT, **mm), "rlx_gdn_tc_out", sm_out)
+    common = (i32(T), i32(H), i32(HK))
     launches = (
-        (prep, (nch, H, B), sm_prep, (k.arr, v.arr, g.arr, beta.arr, wbuf.arr, ubuf.arr, cbuf.arr, i32(T), i32(H),
-                                      i32(HK))),
-        (scan, (VD // bv, H, B), sm_scan, (k.arr, wbuf.arr, ubuf.arr, cbuf.arr, s0.arr, sd.arr, hbuf.arr, i32(T),
-                                           i32(H), i32(HK), i32(nch))),
-        (out, (nch, H, B), sm_out, (q.arr, k.arr, ubuf.arr, cbuf.arr, hbuf.arr, od.arr, i32(T), i32(H), i32(HK),
+        (prep, (nch, H, B), sm_prep, (k.arr, v.arr, g.arr, beta.arr, wbuf.arr, ubuf.arr, cbuf.arr, *common)),
+        (scan, (VD // bv, H, B), sm_scan, (k.arr, wbuf.arr, ubuf.arr, cbuf.arr, s0.arr, sd.arr, hbuf.arr, *common,
+                                           i32(nch))),
+        (out, (nch, H, B), sm_out, (q.arr, k.arr, ubuf.arr, cbuf.arr, hbuf.arr, od.arr, *common,
                                     np.float32(n.a["scale"]))))
     stream = b.stream
     for fn, grid, smem, args in launches:
