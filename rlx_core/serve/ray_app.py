@@ -163,10 +163,11 @@ def app_builder(args: dict):
         return app
 
     ingress = serve.ingress(build)()
-    def deploy(target, name: str, replicas: int, *args):
-        return serve.deployment(target, name=name, num_replicas=replicas).bind(*args)
+    def deploy(target, name: str, replicas: int, *args, **options):
+        return serve.deployment(target, name=name, num_replicas=replicas, **options).bind(*args)
 
-    return deploy(ingress, DEPLOYMENT, opts["replicas"], deploy(MetricsHub, METRICS_DEPLOYMENT, 1))
+    hub = deploy(MetricsHub, METRICS_DEPLOYMENT, 1, ray_actor_options={"num_cpus": 0})   # (it only adds)
+    return deploy(ingress, DEPLOYMENT, opts["replicas"], hub)
 
 
 __all__ = ["app_builder", "options", "require", "MetricsHub", "replica_metrics", "INSTALL", "DEPLOYMENT",
