@@ -238,8 +238,10 @@ def test_metrics_count_requests_tokens_and_latencies(serving, models, monkeypatc
     assert metric(text, "rlx_prefix_cache_query_tokens_total", model="tiny") == queries
     rate = metric(text, "rlx_prefix_cache_hit_rate", model="tiny")
     assert rate == pytest.approx(hits / queries if queries else 0)
+    assert metric(text, "rlx_prefix_cache_bytes", model="tiny") == stats.get("prefix_cache_bytes", 0)
     if "prefix_cache_mb" in inspect.signature(Scheduler).parameters:     # (a runtime with the prefix cache)
         assert hits >= 64                            # the shared prompt's first two blocks, at least
+        assert stats["prefix_cache_bytes"] > 0
     kv = srv.app.state.served.schedulers["tiny"].memory_report()["kv_bytes"]
     assert kv > 0 and metric(text, "rlx_kv_cache_bytes", model="tiny") == kv
     assert metric(text, "rlx_batch_size", model="enc") is None          # an encoder has no batch

@@ -84,6 +84,11 @@ class SchedulerCollector:
                                                   "counter"),
             "rlx_prefix_cache_hit_rate": Metric("rlx_prefix_cache_hit_rate",
                                                 "Prefix-cache hit tokens / looked-up tokens", "gauge"),
+            "rlx_prefix_cache_bytes": Metric("rlx_prefix_cache_bytes", "Bytes the prefix cache holds",
+                                             "gauge"),
+            "rlx_prefix_cache_evictions": Metric("rlx_prefix_cache_evictions",
+                                                 "Prefix-cache blocks evicted (least recently used)",
+                                                 "counter"),
             "rlx_kv_cache_bytes": Metric("rlx_kv_cache_bytes", "Bytes of KV cache and recurrent state held",
                                          "gauge"),
         }
@@ -99,6 +104,10 @@ class SchedulerCollector:
                                                              float(s["prefix_query_tokens"]))
             fams["rlx_prefix_cache_hit_tokens"].add_sample("rlx_prefix_cache_hit_tokens_total", labels,
                                                            float(s["prefix_hit_tokens"]))
+            fams["rlx_prefix_cache_bytes"].add_sample("rlx_prefix_cache_bytes", labels,
+                                                      float(s.get("prefix_cache_bytes", 0)))
+            fams["rlx_prefix_cache_evictions"].add_sample("rlx_prefix_cache_evictions_total", labels,
+                                                          float(s.get("prefix_cache_evictions", 0)))
             if name not in self.served.groups:
                 lock = sched.model._lock
                 if lock.acquire(timeout=KV_WAIT_S):
