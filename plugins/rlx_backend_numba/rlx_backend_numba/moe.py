@@ -35,7 +35,7 @@ from rlx_core.ir.quant import QuantScheme
 from . import quant_kernels
 from .cblas import SGEMM
 from .codegen import ACT, PAR_MIN, SWIGLU_HEAD, load_source
-from .quant_kernels import F16, FORMATS
+from .quant_kernels import F16, FORMATS, quantize_x
 
 ROWS = 16                   # output rows per GEMV task
 GEMV_PAR_MIN = 1 << 18      # multiply-adds of a GEMV pass from which it runs on every thread (below:
@@ -160,7 +160,7 @@ def dense_ahead(w, n):
 
 # --------------------------------------------------------------------------- generated
 _IMPORTS = {
-    "packed": "from {mod} import dot as {w}_dot, ahead as {w}_ahead, rows_ser as {w}_rows\n",
+    "packed": "from {mod} import dot as {w}_dot, idot as {w}_idot, ahead as {w}_ahead, rows_ser as {w}_rows\n",
     "dense": "from rlx_backend_numba.moe import dense_dot as {w}_dot, dense_ahead as {w}_ahead\n",
 }
 _TILE = {
@@ -218,11 +218,54 @@ def gemv_down{sfx}(h, experts, starts, down, ys, tab):
 
 """
 
+# The passes on int8 blocks of their input (`[precision] activations = "int8"`): x arrives
+# rounded through int8_b32 (a fake_quantize before the op); h, where the op says so
+# (`int8_h`), is rounded here, each row once. Each packed row times each row's int8 values
+# in integer block products (the formats' `idot`, as the dense int8 GEMV). Generated twice
+# as _GEMVS, each where its stacks are packed.
+_IGEMV_UP = """@njit({parallel}**_OPT)
+def igemv_up{sfx}(xq, xd, xs, tok, experts, starts, gate, up, h, tab):
+    \"\"\"gemv_up with x quantized: xq, xd, xs each token's int8 blocks (quant_kernels.quantize_x).\"\"\"
+    ni = h.shape[1]
+    tiles = (ni + R - 1) // R
+    for task in {loop}(experts.shape[0] * tiles):
+        g, i = task // tiles, task % tiles
+        e = experts[g]
+        wg, wu = gate[e], up[e]
+        for n in range(R * i, min(R * (i + 1), ni)):
+            gate_ahead(wg, n + PF)
+            up_ahead(wu, n + PF)
+            for s in range(starts[g], starts[g + 1]):
+                t = tok[s]
+                h[s, n] = inner(gate_idot(wg[n], xq[t], xd[t], xs[t], tab), up_idot(wu[n], xq[t], xd[t], xs[t], tab))
+
+
+"""
+_IGEMV_DOWN = """@njit({parallel}**_OPT)
+def igemv_down{sfx}(h, experts, starts, down, ys, tab):
+    \"\"\"gemv_down with each row of h rounded through int8 blocks (quantize_x) first.\"\"\"
+    p_, k_ = h.shape
+    hq, hd, hs = np.empty((p_, k_), np.int8), np.empty((p_, k_ // 32), np.float32), np.empty((p_, k_ // 32), np.float32)
+    for s in range(p_):
+        quantize_x(h[s], hq[s], hd[s], hs[s])
+    nh = ys.shape[1]
+    tiles = (nh + R - 1) // R
+    for task in {loop}(experts.shape[0] * tiles):
+        g, i = task // tiles, task % tiles
+        wd = down[experts[g]]
+        for n in range(R * i, min(R * (i + 1), nh)):
+            down_ahead(wd, n + PF)
+            for s in range(starts[g], starts[g + 1]):
+                ys[s, n] = down_idot(wd[n], hq[s], hd[s], hs[s], tab)
+
+
+"""
+
 _KERNELS = """
 import numpy as np
 from numba import njit, prange
 from rlx_backend_numba.cblas import sgemm
-from rlx_backend_numba.quant_kernels import sums32
+from rlx_backend_numba.quant_kernels import quantize_x, sums32
 
 _OPT = dict(cache=True, error_model="numpy", fastmath={{"reassoc", "contract"}})
 R, PF = {rows}, {ahead}
@@ -258,6 +301,14 @@ def gemm_up(xg, experts, starts, gate, up, h, tab, tr, gbuf, ubuf, cbuf, bounds,
 
 
 @njit(parallel=True, **_OPT)
+def inner_rows(h, c):
+    \"\"\"h = inner(h, c) elementwise (gate's and up's products of a group, rows of h and c).\"\"\"
+    for a in prange(h.shape[0]):
+        for n in range(h.shape[1]):
+            h[a, n] = inner(h[a, n], c[a, n])
+
+
+@njit(parallel=True, **_OPT)
 def gemm_down(h, experts, starts, down, ys, tab, tr, dbuf, bounds, gemm, ilp64):
     \"\"\"gemv_down for groups of many rows, as gemm_up: tiles of tr rows of down (into dbuf[p]).\"\"\"
     nh = ys.shape[1]
@@ -281,18 +332,25 @@ def _kind(scheme: str) -> str:
 @functools.lru_cache(maxsize=None)
 def kernels(kinds: tuple, act: str):
     """The generated module of one (gate, up, down) format triple ("" dense f32) and
-    activation: gemv_up, gemv_down, gemm_up, gemm_down."""
+    activation: gemv_up, gemv_down, gemm_up, gemm_down, inner_rows; igemv_up where
+    int8_up(kinds), igemv_down where down is packed."""
     imports, tiles = [], []
     for w, kind in zip(("gate", "up", "down"), kinds):
         how = "packed" if kind else "dense"
         mod = quant_kernels.drivers(kind).__name__ if kind else ""
         imports.append(_IMPORTS[how].format(mod=mod, w=w))
         tiles.append(_TILE[how].format(w=w))
-    gemvs = "".join(_GEMVS.format(parallel=par, sfx=sfx, loop=loop)
+    gemvs = "".join(t.format(parallel=par, sfx=sfx, loop=loop)
+                    for t in (_GEMVS,) + ((_IGEMV_UP,) if int8_up(kinds) else ()) + ((_IGEMV_DOWN,) if kinds[2] else ())
                     for par, sfx, loop in (("parallel=True, ", "", "prange"), ("", "_ser", "range")))
     src = _KERNELS.format(rows=ROWS, ahead=quant_kernels.AHEAD_ROWS, imports="".join(imports),
                           tiles="".join(tiles), act=re.sub(r"\bx\b", "g", ACT[act][F32]), gemvs=gemvs)
     return load_source(SWIGLU_HEAD + src)
+
+
+def int8_up(kinds: tuple) -> bool:
+    """The up pass can multiply int8 blocks of x: gate and up are both packed."""
+    return bool(kinds[0] and kinds[1])
 
 
 def _tile_rows(k: int) -> int:
@@ -305,9 +363,13 @@ def _scratch(kind: str, parts: int, rows: int, k: int) -> np.ndarray:
     return np.empty((parts, rows, k) if kind else (parts, 0, 0), np.float32)
 
 
-def run_moe_experts(mod, kinds: tuple, x, weights, ids, gate, up, down, out) -> None:
+def run_moe_experts(mod, kinds: tuple, x, weights, ids, gate, up, down, out, int8_x: bool = False,
+                    int8_h: bool = False) -> None:
     """out = moe_experts(x, weights, ids, gate, up, down) through the module `mod` (kernels()),
-    all f32 but the packed stacks (u8 rows of their formats) and the int ids."""
+    all f32 but the packed stacks (u8 rows of their formats) and the int ids. `int8_x` (only
+    where int8_up(kinds)): x holds int8_b32-rounded values, and the up pass multiplies its
+    int8 blocks with the packed integers; `int8_h` (only where down is packed): h is rounded
+    through int8_b32 and the down pass multiplies its int8 blocks."""
     n_experts = gate.shape[0]
     x = np.ascontiguousarray(x)
     tok, wt, slot, experts, starts, bad = route(ids, n_experts, weights)
@@ -320,34 +382,85 @@ def run_moe_experts(mod, kinds: tuple, x, weights, ids, gate, up, down, out) -> 
     h = np.empty((pairs, inter), np.float32)
     ys = np.empty((pairs, hidden), np.float32)
     if SGEMM is None or pairs < GROUP_GEMM * len(experts):
-        xs = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
-        for t in range(x.shape[0]):         # per token (a few: the GEMV runs up to GROUP_GEMM a group)
-            xs[t] = quant_kernels.sums32(x[t])
         par = pairs * inter * hidden >= GEMV_PAR_MIN
-        (mod.gemv_up if par else mod.gemv_up_ser)(x, xs, tok, experts, starts, gate, up, h, F16)
-        (mod.gemv_down if par else mod.gemv_down_ser)(h, experts, starts, down, ys, F16)
+        if int8_x:
+            _igemv_up(mod, par, x, tok, experts, starts, gate, up, h)
+        else:
+            xs = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
+            for t in range(x.shape[0]):         # per token (a few: the GEMV runs up to GROUP_GEMM a group)
+                xs[t] = quant_kernels.sums32(x[t])
+            (mod.gemv_up if par else mod.gemv_up_ser)(x, xs, tok, experts, starts, gate, up, h, F16)
+        if int8_h:
+            (mod.igemv_down if par else mod.igemv_down_ser)(h, experts, starts, down, ys, F16)
+        else:
+            (mod.gemv_down if par else mod.gemv_down_ser)(h, experts, starts, down, ys, F16)
     else:
-        _gemms(mod, kinds, x, tok, experts, starts, gate, up, down, h, ys)
+        _gemms(mod, kinds, x, tok, experts, starts, gate, up, down, h, ys, int8_x, int8_h)
     (combine_par if ys.size >= PAR_MIN else combine_ser)(ys, slot, wt, out)
 
 
-def _gemms(mod, kinds, x, tok, experts, starts, gate, up, down, h, ys) -> None:
-    """The up and down passes as tiles of decoded weight rows times each group's rows (BLAS)."""
+def _igemv_up(mod, par: bool, x, tok, experts, starts, gate, up, h) -> None:
+    """The up pass's GEMV on x's int8 blocks, each token quantized once."""
+    t_, k = x.shape
+    xq, xd, xs = np.empty((t_, k), np.int8), np.empty((t_, k // 32), np.float32), np.empty((t_, k // 32), np.float32)
+    for t in range(t_):
+        quantize_x(x[t], xq[t], xd[t], xs[t])
+    (mod.igemv_up if par else mod.igemv_up_ser)(xq, xd, xs, tok, experts, starts, gate, up, h, F16)
+
+
+def _gemms(mod, kinds, x, tok, experts, starts, gate, up, down, h, ys, int8_x: bool = False,
+           int8_h: bool = False) -> None:
+    """The up and down passes as tiles of decoded weight rows times each group's rows (BLAS);
+    `int8_x` / `int8_h`: that pass as each group's int8 GEMMs (_igemm_groups)."""
     xg = np.empty((tok.shape[0], x.shape[1]), np.float32)
     gather_rows(x, tok, xg)
     threads = numba.get_num_threads()
-    group_max = int(np.diff(starts).max())
-    tu, td = _tile_rows(x.shape[1]), _tile_rows(h.shape[1])
-    tasks_up = len(experts) * -(-h.shape[1] // tu)
-    tasks_down = len(experts) * -(-ys.shape[1] // td)
-    pu, pd = max(1, min(threads, tasks_up)), max(1, min(threads, tasks_down))
-    bu = split_tasks(starts, -(-h.shape[1] // tu), pu)
-    bd = split_tasks(starts, -(-ys.shape[1] // td), pd)
     with single_threaded_blas():
-        mod.gemm_up(xg, experts, starts, gate, up, h, F16, tu, _scratch(kinds[0], pu, tu, x.shape[1]),
-                    _scratch(kinds[1], pu, tu, x.shape[1]), np.empty((pu, group_max, tu), np.float32),
-                    bu, *SGEMM)
-        mod.gemm_down(h, experts, starts, down, ys, F16, td, _scratch(kinds[2], pd, td, h.shape[1]), bd, *SGEMM)
+        if int8_x:
+            c = np.empty_like(h)
+            blocks = _int8_blocks(xg, kinds[:2])
+            _igemm_groups(kinds[0], blocks, gate, experts, starts, h)
+            _igemm_groups(kinds[1], blocks, up, experts, starts, c)
+            mod.inner_rows(h, c)
+        else:
+            tu = _tile_rows(x.shape[1])
+            pu = max(1, min(threads, len(experts) * -(-h.shape[1] // tu)))
+            bu = split_tasks(starts, -(-h.shape[1] // tu), pu)
+            group_max = int(np.diff(starts).max())
+            mod.gemm_up(xg, experts, starts, gate, up, h, F16, tu, _scratch(kinds[0], pu, tu, x.shape[1]),
+                        _scratch(kinds[1], pu, tu, x.shape[1]), np.empty((pu, group_max, tu), np.float32),
+                        bu, *SGEMM)
+        if int8_h:
+            _igemm_groups(kinds[2], _int8_blocks(h, kinds[2:]), down, experts, starts, ys)
+        else:
+            td = _tile_rows(h.shape[1])
+            pd = max(1, min(threads, len(experts) * -(-ys.shape[1] // td)))
+            bd = split_tasks(starts, -(-ys.shape[1] // td), pd)
+            mod.gemm_down(h, experts, starts, down, ys, F16, td, _scratch(kinds[2], pd, td, h.shape[1]), bd, *SGEMM)
+
+
+def _int8_blocks(rows: np.ndarray, kinds) -> dict:
+    """rows rounded to int8_b32 blocks as the formats' igemm reads them (quantize_rows): sub-block
+    size (32, or q6_k's 16) -> (values as words of four, block scales, sub-block scale * sums, sums)."""
+    out = {}
+    m, k = rows.shape
+    for sub in dict.fromkeys(quant_kernels.SUB.get(kind, 32) for kind in kinds):
+        xq = np.empty((m, k), np.int8)
+        xd, xs, xi = np.empty((m, k // 32), np.float32), np.empty((m, k // sub), np.float32), np.empty((m, k // sub), np.int32)
+        quant_kernels.quantize_rows(rows, xq, xd, xs, xi)
+        out[sub] = (xq.view(np.int32), xd, xs, xi)
+    return out
+
+
+def _igemm_groups(kind: str, blocks: dict, stack, experts, starts, dst) -> None:
+    """dst[s0:s1] = rows s0:s1 @ stack[e]^T for each group (expert e, rows s0:s1), the rows as
+    int8 blocks (_int8_blocks): the format's igemm, its threads over panels of the expert's rows."""
+    x4, xd, xs, xi = blocks[quant_kernels.SUB.get(kind, 32)]
+    igemm = quant_kernels.drivers(kind).igemm
+    parts = max(1, min(numba.get_num_threads(), -(-dst.shape[1] // quant_kernels.IGEMM_COLS)))
+    for g in range(len(experts)):
+        s0, s1 = starts[g], starts[g + 1]
+        igemm(x4[s0:s1], xd[s0:s1], xs[s0:s1], xi[s0:s1], stack[experts[g]], dst[s0:s1], F16, parts)
 
 
 def _stack_kind(w: np.ndarray, scheme: str) -> str | None:
@@ -362,7 +475,9 @@ def _stack_kind(w: np.ndarray, scheme: str) -> str | None:
 
 def prepare_moe_experts(a, outs, protos, op=None):
     """A runner step for `moe_experts` over f32 x [..., H] with dense f32 or packed stacks (a
-    format of quant_kernels), or None (the NumPy backend's kernel runs it)."""
+    format of quant_kernels), or None (the NumPy backend's kernel runs it). `a["int8_x"]` (set
+    by the runner where x comes from a fake_quantize to int8_b32): the up pass multiplies x's
+    int8 blocks, where gate and up are packed."""
     x, weights, ids, *stacks = protos
     o = outs[0]
     if (x.ndim < 2 or x.dtype != np.float32 or weights.dtype != np.float32 or o.dtype != np.float32
@@ -374,10 +489,11 @@ def prepare_moe_experts(a, outs, protos, op=None):
     mod = kernels(kinds, a["act"])
     hidden, k = x.shape[-1], ids.shape[-1]
     out = o.reshape(-1, hidden)
+    int8_x = bool(a.get("int8_x")) and int8_up(kinds)
 
     def step(a_, o_, x, weights, ids, gate, up, down):        # tokens: every leading dim
         run_moe_experts(mod, kinds, x.reshape(-1, hidden), weights.reshape(-1, k), ids.reshape(-1, k),
-                        gate, up, down, out)
+                        gate, up, down, out, int8_x)
     return step
 
 

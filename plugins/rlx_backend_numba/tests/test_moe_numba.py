@@ -27,7 +27,7 @@ E, H, I = 5, 256, 256           # k-quant rows need multiples of 256
 TRIPLES = [("", "", ""), ("q4_0", "q4_1", "q5_0"), ("q5_1", "q8_0", "q4_k"), ("q5_k", "q4_k", "q6_k")]
 assert {s for t in TRIPLES for s in t} - {""} == set(FORMATS)
 ACT_OF = {TRIPLES[1]: "gelu_tanh"}      # the activation is generated per module: one other than silu
-ACTS = {"silu": lambda v: v / (1 + np.exp(-v)), "gelu_tanh": lambda v: 0.5 * v * (
+ACTS = {"silu": lambda v: v / (1 + np.exp(-v)), "relu": lambda v: np.maximum(v, 0), "gelu_tanh": lambda v: 0.5 * v * (
     1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))}
 
 
@@ -49,13 +49,17 @@ def stacks(rng, schemes, e=E):
     return raw, f64
 
 
-def reference(x, weights, ids, gate, up, down, act="silu"):
-    """y[t] = sum_j weights[t, j] down[e] (act(gate[e] x[t]) * up[e] x[t]), e = ids[t, j], float64."""
+def reference(x, weights, ids, gate, up, down, act="silu", round_h=None):
+    """y[t] = sum_j weights[t, j] down[e] h, h = act(gate[e] x[t]) * up[e] x[t], e = ids[t, j],
+    float64 (round_h: h rounded by it, as f32, first)."""
     y = np.zeros((x.shape[0], down.shape[1]))
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = ids[t, j]
-            y[t] += weights[t, j] * (down[e] @ (ACTS[act](gate[e] @ x[t]) * (up[e] @ x[t])))
+            h = ACTS[act](gate[e] @ x[t]) * (up[e] @ x[t])
+            if round_h is not None:
+                h = round_h(h.astype(np.float32)[None])[0].astype(np.float64)
+            y[t] += weights[t, j] * (down[e] @ h)
     return y
 
 
@@ -120,6 +124,50 @@ def test_uneven_load(rng, schemes, form):
     close(run(schemes, x, weights, ids, raw), reference(x.astype(np.float64), weights, ids, *f64))
 
 
+def int8_rounded(x):
+    """x rounded through int8_b32 blocks, as a fake_quantize leaves it (rlx_core.ir.quant)."""
+    i8 = QuantScheme.parse("int8_b32")
+    return i8.dequantize(i8.quantize(x), x.shape)
+
+
+@pytest.mark.parametrize("schemes", TRIPLES[1:], ids=lambda t: "-".join(t))
+def test_int8_up_pass(rng, schemes, form):
+    """With x rounded through int8_b32 (the `activations = "int8"` opt-in), the up pass's
+    integer block products (GEMV: the formats' idot; GEMM: their igemm, per group) equal the
+    float64 product of the rounded x and the decoded stacks; down stays f32."""
+    raw, f64 = stacks(rng, schemes)
+    act = ACT_OF.get(schemes, "silu")
+    kinds = tuple(QuantScheme.parse(s).kind for s in schemes)
+    for t, k in ((1, 2), (37, 2), (37, E)):
+        x = int8_rounded(rng.standard_normal((t, H)).astype(np.float32))
+        weights, ids = routes(rng, t, k)
+        out = np.full((t, H), np.nan, np.float32)
+        M.run_moe_experts(M.kernels(kinds, act), kinds, x, weights, ids, *raw, out, int8_x=True)
+        close(out, reference(x.astype(np.float64), weights, ids, *f64, act=act))
+
+
+@pytest.mark.parametrize("down", ["q4_k", "q6_k", "q8_0"])
+def test_int8_down_pass(rng, down, form):
+    """int8_h: each row of h rounded through int8_b32, the down pass's integer products (GEMV:
+    idot; GEMM: igemm per group, q6_k's sub-blocks of 16 included) equal the float64 down
+    product of the rounded h. gate and up are dense small integers (x too) and the act relu,
+    so h is exact in f32 and its rounding is the reference's, element for element."""
+    schemes = ("", "", down)
+    raw, f64 = stacks(rng, schemes)
+    for i in (0, 1):
+        raw[i] = (rng.integers(-3, 4, raw[i].shape) / 8).astype(np.float32)
+        f64[i] = raw[i].astype(np.float64)
+    kinds = ("", "", QuantScheme.parse(down).kind)
+    for t, k in ((1, 2), (37, 2), (37, E)):
+        x = rng.integers(-4, 5, (t, H)).astype(np.float32)
+        weights, ids = routes(rng, t, k)
+        out = np.full((t, H), np.nan, np.float32)
+        M.run_moe_experts(M.kernels(kinds, "relu"), kinds, x, weights, ids, *raw, out, int8_h=True)
+        want = reference(x.astype(np.float64), weights, ids, *f64, act="relu", round_h=int8_rounded)
+        close(out, want)
+        assert np.abs(want - reference(x.astype(np.float64), weights, ids, *f64, act="relu")).max() > 1e-3 * np.abs(want).max()
+
+
 def test_split_tasks_covers_every_task_in_runs_of_about_equal_cost():
     starts = np.array([0, 30, 31, 33, 60])           # groups of 30, 1, 2, 27 tokens
     for tiles in (1, 4):
@@ -142,9 +190,12 @@ def test_id_outside_the_experts_is_a_model_error(rng):
 
 
 # --------------------------------------------------------------------------- the runner
-def moe_graph(lead, k, schemes):
+def moe_graph(lead, k, schemes, int8=False):
+    """moe_experts over inputs; `int8`: x through a fake_quantize to int8_b32 first."""
     m = Builder("moe", "mir")
     x, w = m.input("x", lead + (H,), F32), m.input("weights", lead + (k,), F32)
+    if int8:
+        x = m.add("fake_quantize", (x,), scheme="int8_b32")
     ids = m.input("ids", lead + (k,), I64)
     ws = []
     for name, shape, s in zip(("gate", "up", "down"), ((E, I, H), (E, I, H), (E, H, I)), schemes):
@@ -177,3 +228,27 @@ def test_runner_step_equals_numpy_backend(rng, schemes, lead):
     want = rlx_core.compile(g, backend="numpy").run(inputs)["y"]
     close(got, want.astype(np.float64))
     close(got.reshape(t, H), reference(x.astype(np.float64), weights, ids, *f64))
+
+
+@pytest.mark.parametrize("schemes", [TRIPLES[3], ("", "q4_k", "q6_k")], ids=["packed", "dense-gate"])
+@pytest.mark.parametrize("lead", [(1,), (37,)], ids=str)
+def test_runner_multiplies_int8_x_after_a_rounding(rng, schemes, lead, monkeypatch):
+    """x from a fake_quantize to int8_b32: numba's step runs the int8 up pass where gate and
+    up are packed (f32 where one is dense) and equals the NumPy backend (which rounds x, then
+    multiplies in float)."""
+    monkeypatch.setattr(M, "GROUP_GEMM", 1.0)          # T = 37: the GEMM form (2 pairs a group, 5 experts)
+    seen = []
+    real = M.run_moe_experts
+    monkeypatch.setattr(M, "run_moe_experts", lambda *a: seen.append(a[-1]) or real(*a))
+    raw, f64 = stacks(rng, schemes)
+    t = int(np.prod(lead))
+    x = rng.standard_normal((t, H)).astype(np.float32)
+    weights, ids = routes(rng, t, 2)
+    inputs = dict(x=x.reshape(lead + (H,)), weights=weights.reshape(lead + (2,)), ids=ids.reshape(lead + (2,)),
+                  gate=raw[0], up=raw[1], down=raw[2])
+    g = moe_graph(lead, 2, schemes, int8=True)
+    got = rlx_core.compile(g, backend="numba").run(inputs)["y"]
+    assert seen == [bool(schemes[0])]
+    want = rlx_core.compile(g, backend="numpy").run(inputs)["y"]
+    close(got, want.astype(np.float64))
+    close(got.reshape(t, H), reference(int8_rounded(x).astype(np.float64), weights, ids, *f64))
