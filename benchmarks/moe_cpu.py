@@ -5,7 +5,7 @@ on the numba kernels vs the same ops legalized into their composites.
 
     .venv/bin/python benchmarks/moe_cpu.py [--layers 16] [--experts 64] [--k 8] [--hidden 2048]
         [--inter 1024] [--vocab 49152] [--heads 16] [--threads 2] [--prefill 128] [--decode 32]
-        [--repeat 2] [--sides numba llama.cpp] [--layer-steps 20] [--keep DIR]
+        [--repeat 2] [--activations f32] [--sides numba llama.cpp] [--layer-steps 20] [--keep DIR]
 
 The checkpoint (OLMoE-1B-7B's shape by default: 64 experts, top-8, 16 layers, hidden 2048,
 expert width 1024, vocab 49152 (SmolLM2's tokenizer; OLMoE's is 50304)) has random f16 weights (std 0.02, norms 1), one safetensors
@@ -15,13 +15,16 @@ cannot write it, the script says why and stops. Shrink with --layers / --experts
 --inter / --vocab while developing (k-quants need hidden and expert width multiples of 256).
 
 Sides, each in its own process with `--threads` threads (numba's, BLAS's, llama.cpp's):
-* numba      `rlx_core.load(gguf, backend="numba")`: a `--prefill`-token prompt (its time to
-             the next token's logits) and `--decode` greedy tokens (ms per token), best and
-             median of `--repeat` generate calls after a warm-up one; peak RSS (VmHWM)
+* numba      `rlx_core.load(gguf, backend="numba")` (`--activations int8`: with the profile's
+             `[precision] activations = "int8"`, the counterpart of llama.cpp's q8 activations):
+             a `--prefill`-token prompt (its time to the next token's logits) and `--decode`
+             greedy tokens (ms per token), best and median of `--repeat` generate calls after
+             a warm-up one; peak RSS (VmHWM)
 * llama.cpp  the same file through llama-cpp-python's `eval` (prefill, then one-token evals),
              when installed; else "peer not installed" and no ratio
 * layer      one MoE layer (router matmul, moe_route, moe_experts) at the checkpoint's layer
-             shape, packed q4_k, one token: the numba runner with its kernels vs the same
+             shape, packed q4_k, one token (`--activations int8`: the experts' x through a
+             fake_quantize to int8_b32 first): the numba runner with its kernels vs the same
              graph with moe_route / moe_experts legalized into their composites (every expert
              on every token), median ms per step of `--layer-steps` runs, and the route alone
              (moe_route's NumPy kernel, which the numba runner keeps: no numba kernel)
@@ -116,7 +119,11 @@ def side_numba(a) -> dict:
 
     import rlx_core
 
-    m = rlx_core.load(a.gguf, backend="numba", progress=False)
+    profile = None
+    if a.activations == "int8":        # the opt-in: packed matmuls' x rounded through int8 blocks
+        from rlx_core.profile import CompileProfile
+        profile = CompileProfile.from_toml_str('[precision]\nactivations = "int8"\n')
+    m = rlx_core.load(a.gguf, backend="numba", progress=False, profile=profile)
     ids = np.random.default_rng(1).integers(3, a.vocab, (1, a.prefill))
     m.generate(ids, max_new_tokens=4, min_new_tokens=4)                      # compile + warm up
     runs = []
@@ -162,6 +169,8 @@ def layer_graph(a, schemes):
     x = m.input("x", (1, a.hidden), F32)
     router = m.param("router", (a.experts, a.hidden), F32)
     weights, ids = m.add("moe_route", (m.matmul(x, router, trans_b=True),), k=a.k)
+    if a.activations == "int8":        # the experts' x rounded through int8 blocks: their up pass in integers
+        x = m.add("fake_quantize", (x,), scheme="int8_b32")
     stacks = []
     for name, (rows, cols) in zip(("gate", "up", "down"), ((a.inter, a.hidden), (a.inter, a.hidden),
                                                             (a.hidden, a.inter))):
@@ -258,6 +267,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--activations", choices=["f32", "int8"], default="f32",
+                    help='the numba side\'s `[precision] activations` ("int8": the opt-in, as llama.cpp\'s q8 activations)')
     ap.add_argument("--layer-steps", type=int, default=20)
     ap.add_argument("--sides", nargs="+", default=["numba", "llama.cpp", "layer"],
                     choices=["numba", "llama.cpp", "layer"])
@@ -309,7 +320,8 @@ def report(a, res: dict) -> None:
     for side in ("numba", "llama.cpp"):
         r = res.get(side)
         if r:
-            log(f"{LABEL[side]:32} prefill {a.prefill} tokens {stats(r['runs'], 'prefill_s')} ms, decode "
+            label = LABEL[side] + (f", {a.activations} activations" if side == "numba" else "")
+            log(f"{label:44} prefill {a.prefill} tokens {stats(r['runs'], 'prefill_s')} ms, decode "
                 f"{stats(r['runs'], 'decode_s')} ms/token ({1 / min(x['decode_s'] for x in r['runs']):.1f} tokens/s), "
                 f"peak RSS {r['peak_rss_mb']:.0f} MB (best [median])")
     if res.get("numba") and file_mb:
@@ -322,7 +334,7 @@ def report(a, res: dict) -> None:
             log(f"ratio numba / llama.cpp {key[:-2]} (best): {q:.2f}x (target {target})")
     lay, leg = res.get("layer"), res.get("layer-legalized")
     if lay:
-        log(f"one MoE layer, decode step (1 token, q4_k): numba kernels {lay['step_s'] * 1e3:.2f} ms (median), "
+        log(f"one MoE layer, decode step (1 token, q4_k, {a.activations} activations): numba kernels {lay['step_s'] * 1e3:.2f} ms (median), "
             f"moe_route's NumPy kernel alone {lay['route_s'] * 1e6:.0f} us")
     if lay and leg:
         log(f"  legalized composites {leg['step_s'] * 1e3:.2f} ms: the kernels {leg['step_s'] / lay['step_s']:.1f}x "
