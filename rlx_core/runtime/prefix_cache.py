@@ -83,10 +83,10 @@ class PrefixCache:
         tokens made of whole blocks (ending at a snapshot where the model needs one). The
         entries used become the most recently used, parents after children."""
         chain = []
-        for key in block_keys(ids[:limit], self.block):
+        for j, key in enumerate(block_keys(ids[:limit], self.block)):
             e = self.entries.get(key)
-            if e is None:
-                break
+            if e is None or e.ids != tuple(int(t) for t in ids[j * self.block:(j + 1) * self.block]):
+                break                      # (a different block: a hash collision is never a hit)
             chain.append((key, e))
         if self.needs_snapshot:
             while chain and chain[-1][1].snapshot is None:
@@ -119,6 +119,8 @@ class PrefixCache:
         0 .. length); `snapshot`: the recurrent states of that row are those after
         ids[:length] (length then a whole number of blocks) and go with its last block.
         Returns the blocks added."""
+        if self._nbytes(self.kv) > self.capacity:
+            return 0                       # (one block would not fit: nothing to keep)
         keys = block_keys(ids[:length], self.block)
         added = 0
         for j, key in enumerate(keys):
