@@ -103,11 +103,19 @@ def square_grid(n: int, what: str) -> int:
 
 
 # ------------------------------------------------------------------------------ helpers
-def dense(ctx, x, key: str, bias: bool = True, act: str = "identity", out: int | None = None):
-    """act(x @ W^T + b) for the HF-layout weight `<key>.weight` (relative to the layer prefix)."""
+def dense(ctx, x, key: str, bias: bool = True, act: str = "identity", out: int | None = None,
+          scale: str = ""):
+    """act(x @ W^T + b) for the HF-layout weight `<key>.weight` (relative to the layer prefix).
+    `scale`: a vector (LayerScale) multiplying the output columns, folded into the weight
+    and bias (diag(g) W and g * b: param-only, so computed once at load, and no product of
+    the activations at run time)."""
     k = ctx.key(key)
     w = ctx.param(f"{k}.weight", (out, x.dims[-1]) if out else None)
     b = ctx.param(f"{k}.bias", (w.dims[0],)) if bias else None
+    if scale:
+        g = ctx.param(ctx.key(scale), (w.dims[0],))
+        w = w * ctx.m.reshape(g, (w.dims[0], 1))
+        b = b * g if b is not None else None
     y = ctx.m.linear(x, w, b)
     return y if act == "identity" else ctx.m.act(y, act)
 
@@ -350,8 +358,10 @@ class VitLayerSpec:
 @attrs.frozen
 class VitSelfAttention:
     """Fused-QKV self-attention (the three projections one matmul: their weights are
-    concatenated at load time) with no mask (or a causal one), then the output projection."""
+    concatenated at load time) with no mask (or a causal one), then the output projection
+    (`out_scale`: a LayerScale vector folded into it, dense's `scale`)."""
     spec: VitLayerSpec
+    out_scale: str = ""
 
     def emit(self, ctx, x):
         s, m, kk = self.spec, ctx.m, self.spec.keys
@@ -360,37 +370,38 @@ class VitSelfAttention:
         bs = [ctx.param(ctx.key(f"{n}.bias"), (d,)) for n in (kk.q, kk.k, kk.v)] if s.qkv_bias else None
         qkv = m.linear(x, m.concat(ws, 0), m.concat(bs, 0) if bs else None)
         q, k, v = (m.narrow(qkv, 2, i * d, d) for i in range(3))
-        return dense(ctx, attend(ctx, q, k, v, s.heads, s.causal, s.mask_input), kk.o, out=d)
+        o = attend(ctx, q, k, v, s.heads, s.causal, s.mask_input)
+        return dense(ctx, o, kk.o, out=d, scale=self.out_scale)
 
 
 @attrs.frozen
 class VitMlp:
-    """fc2(act(fc1(x))), or SwiGLU down(silu(x1) * x2) with [x1; x2] = gate_up(x)."""
+    """fc2(act(fc1(x))), or SwiGLU down(silu(x1) * x2) with [x1; x2] = gate_up(x)
+    (`out_scale`: a LayerScale vector folded into fc2, dense's `scale`)."""
     spec: VitLayerSpec
+    out_scale: str = ""
 
     def emit(self, ctx, x):
         s, m, kk = self.spec, ctx.m, self.spec.keys
         if not kk.gate_up:
-            return dense(ctx, dense(ctx, x, kk.fc1, act=s.act), kk.fc2, out=s.hidden)
+            return dense(ctx, dense(ctx, x, kk.fc1, act=s.act), kk.fc2, out=s.hidden, scale=self.out_scale)
         h = dense(ctx, x, kk.gate_up)
         n = h.dims[-1] // 2
-        return dense(ctx, m.silu(m.narrow(h, 2, 0, n)) * m.narrow(h, 2, n, n), kk.fc2, out=s.hidden)
+        return dense(ctx, m.silu(m.narrow(h, 2, 0, n)) * m.narrow(h, 2, n, n), kk.fc2, out=s.hidden,
+                     scale=self.out_scale)
 
 
 @attrs.frozen
 class VitLayer:
     """A pre-norm transformer layer: x + ls1 * attn(norm1(x)), then h + ls2 * mlp(norm2(h))
-    (ls: LayerScale vectors, where the spec names them)."""
+    (ls: LayerScale vectors, where the spec names them, folded into the output projections)."""
     spec: VitLayerSpec
-
-    def _scaled(self, ctx, y, i: int):
-        ls = self.spec.keys.layer_scale
-        return y * ctx.param(ctx.key(ls[i]), (self.spec.hidden,)) if ls else y
 
     def emit(self, ctx, x):
         s = self.spec
-        h = x + self._scaled(ctx, ctx.emit(VitSelfAttention(s), layer_norm(ctx, x, s.keys.norm1, s.eps)), 0)
-        return h + self._scaled(ctx, ctx.emit(VitMlp(s), layer_norm(ctx, h, s.keys.norm2, s.eps)), 1)
+        ls1, ls2 = s.keys.layer_scale or ("", "")
+        h = x + ctx.emit(VitSelfAttention(s, ls1), layer_norm(ctx, x, s.keys.norm1, s.eps))
+        return h + ctx.emit(VitMlp(s, ls2), layer_norm(ctx, h, s.keys.norm2, s.eps))
 
 
 # ------------------------------------------------------------------------------ pooling and heads
