@@ -55,15 +55,18 @@ HEAD_SCALE = 5.0           # the final norm's (1 + w)
 
 # ------------------------------------------------------------------------------ the model
 def hf_config(shape: dict, max_pos: int) -> dict:
-    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(shape["layers"])]
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                   for i in range(shape["layers"])]
     return dict(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], vocab_size=shape["vocab"],
-                hidden_size=shape["hidden"], intermediate_size=shape["inter"], num_hidden_layers=shape["layers"],
+                hidden_size=shape["hidden"], intermediate_size=shape["inter"],
+                num_hidden_layers=shape["layers"],
                 num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
                 head_dim=shape["head_dim"], layer_types=layer_types, linear_num_key_heads=shape["lin_heads"],
                 linear_num_value_heads=shape["lin_heads"], linear_key_head_dim=shape["lin_dim"],
-                linear_value_head_dim=shape["lin_dim"], linear_conv_kernel_dim=4, max_position_embeddings=max_pos,
-                rms_norm_eps=1e-6, hidden_act="silu",
-                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+                linear_value_head_dim=shape["lin_dim"], linear_conv_kernel_dim=4,
+                max_position_embeddings=max_pos, rms_norm_eps=1e-6, hidden_act="silu",
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                 "partial_rotary_factor": 0.25},
                 tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
                 torch_dtype="bfloat16")
 
@@ -148,6 +151,29 @@ def autocast_delta_rule() -> bool:
     return True
 
 
+def reps_within(reps: int, first_s: float, seconds: float = 20.0) -> int:
+    """The timed repeats after a first call of `first_s` (compile included): at most `reps`,
+    fewer where they would take more than `seconds` (a slow side keeps the run in its lease)."""
+    return max(1, min(reps, int(seconds / max(first_s, 1e-9))))
+
+
+def prefill_by_op(model, ids) -> dict:
+    """Where one prefill's device time goes: op -> (nodes, ms), eager with events between
+    nodes (rlx_core.profiler), the most time first."""
+    import numpy as np
+
+    try:
+        exe = model.executable("prefill")
+        feed = dict(model._inputs(ids, np.ones(ids.shape, bool)), cache_pos=np.zeros(len(ids), np.int32))
+        prof = exe.profile(feed, repeat=1, warmup=1)
+        out = {o.op: (o.nodes, round(o.seconds * 1e3, 3)) for o in prof.by_op()[:12]}
+        log(f"rlx prefill {ids.shape[1]} by op (eager, ms): total {prof.total_s * 1e3:.1f}; {out}")
+        return out
+    except Exception:                                     # an explanation, not the measurement
+        log(f"rlx prefill profile failed: {traceback.format_exc()[-1200:]}")
+        return {}
+
+
 def side_rlx(a, cfg: dict) -> dict:
     import ml_dtypes
     import numpy as np
@@ -192,11 +218,13 @@ def side_rlx(a, cfg: dict) -> dict:
         model.generate(ids, max_new_tokens=1)                       # compile this length + warm up
         warm = time.perf_counter() - t0
         ts = []
-        for _ in range(a.reps):
+        for _ in range(reps_within(a.reps, warm)):
             model.generate(ids, max_new_tokens=1)
             ts.append(model.last_timings["prefill_s"])
         res["prefill"][str(n)] = {"s": statistics.median(ts), "all_s": ts, "first_s": warm}
         log(f"rlx prefill {n}: {statistics.median(ts) * 1e3:.1f} ms (first call {warm:.1f} s)")
+        if n == min(a.prefill):
+            res["prefill"][str(n)]["by_op_ms"] = prefill_by_op(model, ids)
     res["memory_prefill"] = model.memory_report()
     res["memory_prefill_tokens"] = max(a.prefill)
     return res
@@ -275,7 +303,7 @@ def side_hf(a, cfg: dict) -> dict:
             prefill(ids)                                                # Triton compile + warm up
             warm = time.perf_counter() - t0
             ts = []
-            for _ in range(a.reps):
+            for _ in range(reps_within(a.reps, warm)):
                 t0 = time.perf_counter()
                 prefill(ids)
                 ts.append(time.perf_counter() - t0)
@@ -307,7 +335,8 @@ def report(a, cfg: dict, res: dict) -> None:
         calls = hf.get("fla_calls") or {}
         how = (f"fla's Triton kernels ({', '.join(f'{k} x{v}' for k, v in calls.items())})"
                if any(calls.values()) else "its torch reference (fla not used: a fallback)")
-        log(f"HF: transformers {hf['transformers']}, torch {hf['torch']}, sdpa; the delta rule ran through {how}")
+        log(f"HF: transformers {hf['transformers']}, torch {hf['torch']}, sdpa; "
+            f"the delta rule ran through {how}")
     log("")
     log("| prefill tokens | RLX ms | HF ms | RLX / HF (target <= 1.0) |")
     log("|---|---|---|---|")
@@ -318,6 +347,9 @@ def report(a, cfg: dict, res: dict) -> None:
         ratio = f"{r['s'] / h['s']:.2f}" if r and h else "-"
         log(f"| {n} | {cell(r)} | {cell(h)} | {ratio} |")
     if rl:
+        for n, r in rl.get("prefill", {}).items():
+            if r.get("by_op_ms"):
+                log(f"RLX prefill {n} by op (eager, events between nodes; nodes, ms): {r['by_op_ms']}")
         wb = rl["weight_bytes"]
         log("")
         floors = [("nominal HBM 4.8 TB/s", wb / HBM_BW)]
@@ -325,17 +357,22 @@ def report(a, cfg: dict, res: dict) -> None:
             floors.append((f"measured D2D copy {rl['copy_bw'] / 1e12:.2f} TB/s", wb / rl["copy_bw"]))
         d = rl["decode_s"]
         log(f"decode after a {a.decode_prompt}-token prompt, {a.new} new tokens: RLX {d * 1e3:.3f} ms/token"
-            + (f", HF eager {hf['decode_s'] * 1e3:.3f} ms/token (HF / RLX {hf['decode_s'] / d:.2f})" if hf else ""))
+            + (f", HF eager {hf['decode_s'] * 1e3:.3f} ms/token (HF / RLX {hf['decode_s'] / d:.2f})"
+               if hf else ""))
         log(f"weights {wb / 1e9:.3f} GB read a step: " + "; ".join(
-            f"floor {f * 1e3:.3f} ms at the {name}: RLX {d / f:.2f}x it (target <= 1.6)" for name, f in floors))
+            f"floor {f * 1e3:.3f} ms at the {name}: RLX {d / f:.2f}x it (target <= 1.6)"
+            for name, f in floors))
         if hf and rl.get("tokens") and hf.get("tokens"):
             agree = next((i for i, (x, y) in enumerate(zip(rl["tokens"], hf["tokens"])) if x != y),
                          min(len(rl["tokens"]), len(hf["tokens"])))
-            log(f"greedy tokens: RLX and HF agree on the first {agree} of {len(hf['tokens'])} (bf16 both)")
+            log(f"greedy tokens: RLX and HF agree on the first {agree} of {len(hf['tokens'])} (bf16 both; a "
+                f"random model with tied embeddings tends to repeat one token: a weak check, the parity "
+                f"tests are the strong one)")
         m1, m2 = rl["memory_decode"], rl["memory_prefill"]
         item = 2 if m1["state_bytes"] == state_bytes_expected(cfg, 2) else 4
         log("")
-        log("| RLX memory_report | context ~" + f"{a.decode_prompt + a.new} | context {rl['memory_prefill_tokens']} |")
+        log(f"| RLX memory_report | context ~{a.decode_prompt + a.new} | "
+            f"context {rl['memory_prefill_tokens']} |")
         log("|---|---|---|")
         log(f"| state_bytes (recurrent + conv) | {m1['state_bytes']} | {m2['state_bytes']} |")
         log(f"| kv_bytes - state_bytes (full-attention KV) | {m1['kv_bytes'] - m1['state_bytes']} | "
@@ -382,7 +419,8 @@ def main() -> int:
 
         res["device"] = f"{platform.processor() or platform.machine()} (CPU)"
     base = [sys.executable, os.path.abspath(__file__), f"--prefill={','.join(map(str, a.prefill))}",
-            f"--decode-prompt={a.decode_prompt}", f"--new={a.new}", f"--reps={a.reps}", f"--layers={shape['layers']}",
+            f"--decode-prompt={a.decode_prompt}", f"--new={a.new}", f"--reps={a.reps}",
+            f"--layers={shape['layers']}",
             f"--backend={a.backend}", f"--device={a.device}"] + (["--tiny"] if a.tiny else [])
     for side in a.sides.split(","):
         try:
