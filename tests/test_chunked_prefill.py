@@ -113,8 +113,12 @@ def streaming(s: Scheduler, seen: list, then=None):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
-def test_chunks_interleave_with_decode_steps(llama, kind):
-    model = llama if kind == "llama" else tiny("qwen3_5_text")
+@pytest.mark.parametrize("backend", backend_params(("numpy", "numba", "cuda")))
+def test_chunks_interleave_with_decode_steps(llama, kind, backend):
+    if kind == "qwen3_5":
+        pytest.importorskip("rlx_blocks_qwen35")
+    model = llama if (kind, backend) == ("llama", "numpy") else tiny(
+        "llama" if kind == "llama" else "qwen3_5_text", backend)
     long = prompt(2, 100)
     with Scheduler(model, max_batch=2, prefill_chunk=16, prefix_cache_mb=0) as s:
         seen: list = []

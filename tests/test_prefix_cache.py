@@ -16,6 +16,7 @@ from rlx_core.pipeline import StateStore, select_backend
 from rlx_core.runtime.model import CausalLM, find_recipe
 from rlx_core.runtime.prefix_cache import BLOCK, PrefixCache, block_keys
 from rlx_core.runtime.scheduler import Scheduler
+from rlx_core.testing.parity import backend_params
 
 pytest.importorskip("rlx_blocks_llama")
 WAIT = 120
@@ -137,7 +138,10 @@ def test_greedy_equal_with_and_without_prefix_cache(llama, jobs, shared, togethe
     assert stats["prefill_tokens"] == stats["prefix_query_tokens"] - stats["prefix_hit_tokens"]
 
 
-def test_second_request_computes_only_the_rest(llama):
+@pytest.mark.parametrize("backend", backend_params(("numpy", "numba", "cuda")))
+def test_second_request_computes_only_the_rest(llama, backend):
+    if backend != "numpy":
+        llama = tiny(backend=backend)
     system = tokens(11, 70)
     a, b = system + tokens(12, 5), system + tokens(13, 9)
     out, stats = run(llama, [(a, 4), (b, 4)], together=False)
