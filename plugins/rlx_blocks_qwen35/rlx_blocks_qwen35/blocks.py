@@ -158,7 +158,10 @@ class GdnScan:
         v = m.reshape(m.narrow(mixed, 2, 2 * kd, a_.v_heads * a_.v_dim), (b, t, a_.v_heads, a_.v_dim))
         beta = m.act(beta_in, "sigmoid")
         decay = -m.exp(self._w(ctx, "A_log", (a_.v_heads,)))
-        g = decay * softplus(m, alpha_in + self._w(ctx, "dt_bias", (a_.v_heads,)))
+        # dt_bias as [1, 1, H], not a vector: a vector would fuse into in_proj_a's matmul as its
+        # bias, and a matmul with a bias stays out of the one GEMV over x's shared projections
+        dt_bias = m.reshape(self._w(ctx, "dt_bias", (a_.v_heads,)), (1, 1, a_.v_heads))
+        g = decay * softplus(m, alpha_in + dt_bias)
         rec = RecurrentState(f"state.{i}.recurrent", (a_.v_heads, a_.k_dim, a_.v_dim), mode)
         o = delta_rule(ctx, q, k, v, g, beta, rec, scale=a_.k_dim ** -0.5, chunk=self.chunk)
         o = gated_rms_norm(m, o, self._w(ctx, "norm.weight", (a_.v_dim,)), z, a_.eps)
