@@ -6,7 +6,7 @@ token: flat when prefill grows linearly in the length).
 
     .venv/bin/python benchmarks/qwen35_cpu.py [--layers 24] [--hidden 2048] [--inter 6144]
         [--vocab 49152] [--threads 2] [--prompt 128] [--decode 32] [--lengths 512,1024,2048,4096]
-        [--repeat 2] [--sides numba llama.cpp] [--parts decode prefill] [--keep DIR]
+        [--repeat 2] [--sides numba llama.cpp] [--parts logits decode prefill] [--keep DIR]
 
 The shape (`FULL`) is Qwen3.5-2B's text model as published: hidden 2048, 24 layers, every
 4th one full attention (8 query / 2 KV heads of 256, output gate, QK-norm, a quarter of each
@@ -14,17 +14,26 @@ head rotated), the other 18 Gated DeltaNet (16 key and 16 value heads, K = V = 1
 width 4), a dense MLP of 6144, tied embeddings; except the vocabulary: SmolLM2's tokenizer
 (49152 tokens; Qwen3.5's is 248320), because llama.cpp loads no GGUF without a vocabulary.
 `--layers` must be a multiple of 4 (the real layer mix: 3 linear, then 1 full). Weights are
-random f16 (std 0.02; the (1 + w) norms 0, the gated norm 1, A_log = log U(1, 16), dt_bias 1),
+random f16 (std 0.02; the (1 + w) norms 0 but the final one 4 (logits 5x wider: a clear greedy
+choice), the gated norm 1, A_log = log U(1, 16), dt_bias 1),
 written one safetensors shard per layer, then `rlx quantize -s q4_k` ("Q4_K_M-like": llama.cpp's
 Q4_K_M keeps some tensors in q6_k; `rlx quantize` writes one scheme; the conv, A, dt_bias and
 norms stay f32).
 
 Each side and part runs in its own process with `--threads` threads (numba's, BLAS's,
 llama.cpp's):
+* logits   every position's logits of one 64-token prompt: the largest difference between the
+           sides and the positions where their arg-maxes agree
+* twin     (not run unless named) the logits part on an f32 copy of the file (every tensor
+           dequantized): both engines multiply in f32 (on the q4_k file llama.cpp rounds the
+           activations to q8_K), so what differs is only their order of operations; the copy
+           is 4 bytes a weight: use a small --layers / --hidden
 * decode   a `--prompt`-token prompt, then `--decode` greedy tokens: ms per token, best and
            median of `--repeat` runs after a warm-up; the tokens are compared between the sides
 * prefill  for each of `--lengths`, the time of one prompt of that length to its next token's
-           logits (best of `--repeat` after a warm-up at that length) and ms per 1k tokens
+           logits (best of `--repeat`, after one warm-up call at the first length) and ms per
+           1k tokens; also the process's CPU time (both threads: on a shared machine the wall
+           time counts the waits for a core, the CPU time the work, for linearity)
 Prints the hardware, the load average before and after, and numba / llama.cpp (target: decode
 <= 1.0x; prefill: its ms per token constant from 512 to 4096).
 """
@@ -47,6 +56,10 @@ from moe_cpu import peak_rss_mb, quantize, save_tokenizer  # noqa: E402
 
 FULL = dict(layers=24, hidden=2048, inter=6144, vocab=49152, heads=8, kv_heads=2, head_dim=256,
             lin_heads=16, lin_dim=128)
+HEAD_SCALE = 5.0     # the final norm's (1 + w): logits 5x wider, so the two engines' rounding differences
+#                      (llama.cpp rounds activations to q8_K) rarely flip a greedy arg-max
+LOGITS_PROMPT = 64   # tokens whose logits the sides compare
+PARTS = ("logits", "decode", "prefill", "twin")
 LABEL = {"numba": "RLX numba, packed q4_k", "llama.cpp": "llama.cpp (llama-cpp-python)"}
 
 
@@ -59,8 +72,10 @@ def hf_config(a) -> dict:
                 layer_types=layer_types, linear_num_key_heads=a.lin_heads, linear_num_value_heads=a.lin_heads,
                 linear_key_head_dim=a.lin_dim, linear_value_head_dim=a.lin_dim, linear_conv_kernel_dim=4,
                 max_position_embeddings=8192, rms_norm_eps=1e-6, hidden_act="silu",
-                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float16")
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                 "partial_rotary_factor": 0.25},
+                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                torch_dtype="float16")
 
 
 def hf_shapes(cfg: dict) -> dict:
@@ -81,6 +96,8 @@ def random_tensor(name: str, shape: tuple, rng):
         return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float16)
     if name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
         return np.ones(shape, np.float16)
+    if name == "model.norm.weight":
+        return np.full(shape, HEAD_SCALE - 1.0, np.float16)
     if "norm" in name:                                   # (1 + w) RMSNorms: scale 1
         return np.zeros(shape, np.float16)
     return (0.02 * rng.standard_normal(shape, np.float32)).astype(np.float16)
@@ -133,6 +150,12 @@ class Rlx:
         new = np.asarray(out)[0, len(ids):].tolist()
         return t["prefill_s"], t["decode_s_per_token"], new
 
+    def logits(self, ids: list):
+        """[T, vocab] f32 logits of every position of one prompt."""
+        import numpy as np
+
+        return np.asarray(self.m.logits(np.asarray([ids])), np.float32)[0]
+
     def prefill(self, ids: list) -> float:
         import numpy as np
 
@@ -146,7 +169,8 @@ class LlamaCpp:
 
         n_ctx = max([a.prompt + a.decode] + [int(t) for t in a.lengths.split(",")]) + 16
         self.llm = Llama(model_path=a.gguf, n_threads=a.threads, n_threads_batch=a.threads,
-                         n_ctx=n_ctx, n_batch=512, n_ubatch=512, verbose=False)
+                         n_ctx=n_ctx, n_batch=512, n_ubatch=512, verbose=False,
+                         logits_all=a.part == "logits")
 
     def _next(self) -> int:            # eval keeps only the last position's logits (logits_all off)
         import numpy as np
@@ -165,6 +189,13 @@ class LlamaCpp:
             new.append(self._next())
         return pre, (time.perf_counter() - t0) / max(n - 1, 1), new
 
+    def logits(self, ids: list):
+        import numpy as np
+
+        self.llm.reset()
+        self.llm.eval(ids)
+        return np.array(self.llm.scores[:len(ids)], np.float32)
+
     def prefill(self, ids: list) -> float:
         self.llm.reset()
         t0 = time.perf_counter()
@@ -176,30 +207,72 @@ class LlamaCpp:
 def child(a) -> None:
     side = (Rlx if a.child == "numba" else LlamaCpp)(a)
     res: dict = {}
-    if a.part == "decode":
+    if a.part == "logits":
+        import numpy as np
+
+        np.save(a.out, side.logits(prompt(a, LOGITS_PROMPT)))
+    elif a.part == "decode":
         ids = prompt(a, a.prompt)
         side.decode(ids, 4)                                                     # compile + warm up
         runs = [side.decode(ids, a.decode) for _ in range(a.repeat)]
         res = {"decode_s": [r[1] for r in runs], "prefill_s": [r[0] for r in runs], "tokens": runs[0][2],
                "same_tokens_each_run": all(r[2] == runs[0][2] for r in runs)}
     else:
-        for t in (int(x) for x in a.lengths.split(",")):
+        lengths = [int(x) for x in a.lengths.split(",")]
+        side.prefill(prompt(a, lengths[0]))          # compile + warm up (once: a 4k prompt takes minutes)
+        for t in lengths:
             ids = prompt(a, t)
-            side.prefill(ids)                                                   # compile + warm up
-            res[str(t)] = [side.prefill(ids) for _ in range(a.repeat)]
+            res[str(t)], res[f"cpu {t}"] = [], []
+            for _ in range(a.repeat):
+                c0 = time.process_time()
+                res[str(t)].append(side.prefill(ids))
+                res[f"cpu {t}"].append(time.process_time() - c0)
             log(f"  {a.child} prefill {t}: {min(res[str(t)]) * 1e3:.0f} ms")
     res["peak_rss_mb"] = peak_rss_mb()
     print(json.dumps(res), flush=True)
 
 
 # ------------------------------------------------------------------------------ plumbing
+def f32_twin(src: str, dst: str) -> None:
+    """dst: the GGUF src with every tensor dequantized to f32 (same metadata), so that both
+    engines multiply in f32 and only their order of operations differs."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        array = f.types[0] == gguf.GGUFValueType.ARRAY
+        w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1] if array else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, dequantize(t.data, t.tensor_type).astype(np.float32)
+                     .reshape(tuple(int(d) for d in reversed(t.shape))))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def spawn(a, side: str, part: str) -> dict | None:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--part", part] + [
+    twin = part == "twin"
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", side,
+           "--part", "logits" if twin else part] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-        if k not in ("child", "part", "sides", "parts", "keep") and v is not None]
+        if k not in ("child", "part", "sides", "parts", "keep", "out", "gguf", "twin") and v is not None]
+    cmd.append(f"--gguf={a.twin if twin else a.gguf}")
+    if part in ("logits", "twin"):
+        cmd.append(f"--out={a.out}.{side}.npy")
     os.environ.update(RLX_NUM_THREADS=str(a.threads), OMP_NUM_THREADS=str(a.threads),
                       OPENBLAS_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
-    return run_child(cmd, f"{side} {part}", timeout=3600)
+    res = run_child(cmd, f"{side} {part}", timeout=3600)
+    if res is not None and part in ("logits", "twin"):
+        import numpy as np
+
+        res["logits"] = np.load(f"{a.out}.{side}.npy")
+    return res
 
 
 def have_llamacpp() -> bool:
@@ -214,21 +287,44 @@ def ms(v: list) -> str:
     return f"{min(v) * 1e3:.1f} [{statistics.median(v) * 1e3:.1f}]"
 
 
+def compare_logits(x, y) -> None:
+    """The two sides' logits of one prompt: largest difference relative to the largest |logit|,
+    and the positions where their arg-maxes agree."""
+    import numpy as np
+
+    diff = np.abs(x - y).max() / np.abs(y).max()
+    agree = int((x.argmax(-1) == y.argmax(-1)).sum())
+    top2 = np.sort(y, -1)[:, -2:]
+    log(f"  logits of a {len(x)}-token prompt, numba vs llama.cpp: max |diff| {diff:.1e} of max |logit|; "
+        f"arg-max equal at {agree} of "
+        f"{len(x)} positions; llama.cpp's top-1 - top-2 margin median "
+        f"{np.median(top2[:, 1] - top2[:, 0]):.2f}, "
+        f"|diff| median {np.median(np.abs(x - y)):.3f}")
+
+
 def report(a, res: dict) -> None:
     lengths = [int(t) for t in a.lengths.split(",")]
+    for part, what in (("logits", "the q4_k file"), ("twin", "its f32 twin (every tensor dequantized)")):
+        lx, ly = res.get(("numba", part)), res.get(("llama.cpp", part))
+        if lx and ly:
+            log(f"on {what}:")
+            compare_logits(lx["logits"], ly["logits"])
     for side in ("numba", "llama.cpp"):
         r = res.get((side, "decode"))
         if r:
-            log(f"{LABEL[side]:30} decode {ms(r['decode_s'])} ms/token ({1 / min(r['decode_s']):.1f} tokens/s) "
-                f"after a {a.prompt}-token prompt ({ms(r['prefill_s'])} ms); peak RSS {r['peak_rss_mb']:.0f} MB "
+            log(f"{LABEL[side]:30} decode {ms(r['decode_s'])} ms/token ({1 / min(r['decode_s']):.1f} "
+                f"tokens/s) after a {a.prompt}-token prompt ({ms(r['prefill_s'])} ms); peak RSS "
+                f"{r['peak_rss_mb']:.0f} MB "
                 f"(best [median])")
     d, p = res.get(("numba", "decode")), res.get(("llama.cpp", "decode"))
     if d and p:
         same = sum(x == y for x, y in zip(d["tokens"], p["tokens"]))
         first = next((i for i, (x, y) in enumerate(zip(d["tokens"], p["tokens"])) if x != y), None)
-        log(f"ratio numba / llama.cpp decode (best): {min(d['decode_s']) / min(p['decode_s']):.2f}x (target <= 1.0)")
+        log(f"ratio numba / llama.cpp decode (best): {min(d['decode_s']) / min(p['decode_s']):.2f}x "
+            "(target <= 1.0)")
         log(f"greedy tokens: {same} of {len(d['tokens'])} equal" + ("" if first is None else
-            f" (first difference at token {first}: numba {d['tokens'][first]}, llama.cpp {p['tokens'][first]})"))
+            f" (first difference at token {first}: numba {d['tokens'][first]}, "
+            f"llama.cpp {p['tokens'][first]})"))
         log(f"  numba     {d['tokens']}\n  llama.cpp {p['tokens']}")
     rows = {s: res.get((s, "prefill")) for s in ("numba", "llama.cpp")}
     if any(rows.values()):
@@ -239,11 +335,16 @@ def report(a, res: dict) -> None:
             q = min(rows["llama.cpp"][str(t)]) if rows["llama.cpp"] else None
             cell = (lambda x: (f"{x * 1e3:>10.0f} {x / t * 1e6:>12.1f}" if x else f"{'-':>10} {'-':>12}"))
             log(f"{t:>9} {cell(n)} {cell(q):>26} {(f'{n / q:.2f}' if n and q else '-'):>18}")
-        if rows["numba"] and len(lengths) > 1:
-            a0, a1 = lengths[0], lengths[-1]
-            slope = (min(rows["numba"][str(a1)]) - min(rows["numba"][str(a0)])) / (a1 - a0)
-            log(f"numba prefill slope {a0} -> {a1}: {slope * 1e3:.2f} ms per added token; ms per token at {a1} / at "
-                f"{a0}: {min(rows['numba'][str(a1)]) / a1 / (min(rows['numba'][str(a0)]) / a0):.2f} (1.0: linear)")
+        for side, r in rows.items():
+            if r and len(lengths) > 1:
+                a0, a1 = lengths[0], lengths[-1]
+                for what, key in (("wall", ""), ("CPU", "cpu ")):
+                    t0, t1 = min(r[f"{key}{a0}"]), min(r[f"{key}{a1}"])
+                    per = " ".join(f"{min(r[f'{key}{t}']) / t * 1e3:.1f}" for t in lengths)
+                    log(f"{side} prefill, {what} time: ms per token {per}; at {a1} / at {a0}: "
+                        f"{t1 / a1 / (t0 / a0):.2f} (1.0: linear); slope "
+                        f"{(t1 - t0) / (a1 - a0) * 1e3:.2f} ms per "
+                        f"added token")
     log(f"load avg at the end {os.getloadavg()}")
 
 
@@ -257,25 +358,29 @@ def main() -> None:
     ap.add_argument("--lengths", default="512,1024,2048,4096")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--sides", nargs="+", default=["numba", "llama.cpp"], choices=["numba", "llama.cpp"])
-    ap.add_argument("--parts", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
+    ap.add_argument("--parts", nargs="+", default=list(PARTS[:3]), choices=PARTS)
     ap.add_argument("--keep", help="folder for the checkpoint and GGUF (kept; reused if the GGUF is there)")
     ap.add_argument("--child", choices=["numba", "llama.cpp"])
-    ap.add_argument("--part", choices=["decode", "prefill"])
+    ap.add_argument("--part", choices=PARTS[:3])
+    ap.add_argument("--out")
     ap.add_argument("--gguf")
     a = ap.parse_args()
     if a.child:
         return child(a)
     if a.layers % 4:
-        raise SystemExit(f"--layers {a.layers}: must be a multiple of 4 (3 linear-attention layers, then 1 full)")
+        raise SystemExit(f"--layers {a.layers}: must be a multiple of 4 (3 linear-attention layers, "
+                         "then 1 full)")
     log(f"hardware: {cpu_name()} ({platform.machine()}), {os.cpu_count()} cores, {a.threads} threads; "
         f"load avg {os.getloadavg()}; python {platform.python_version()}")
-    log(f"shape: {a.layers} layers ({a.layers // 4 * 3} Gated DeltaNet, {a.layers // 4} full attention), hidden "
-        f"{a.hidden}, MLP {a.inter}, vocab {a.vocab}, attention {a.heads}/{a.kv_heads} heads of {a.head_dim}, "
+    log(f"shape: {a.layers} layers ({a.layers // 4 * 3} Gated DeltaNet, {a.layers // 4} full attention), "
+        f"hidden {a.hidden}, MLP {a.inter}, vocab {a.vocab}, attention {a.heads}/{a.kv_heads} heads of "
+        f"{a.head_dim}, "
         f"GDN {a.lin_heads} heads of {a.lin_dim}, tied embeddings, q4_k")
     folder = a.keep or tempfile.mkdtemp(prefix="rlx-qwen35-")
     os.makedirs(folder, exist_ok=True)
     try:
         a.gguf = os.path.join(folder, f"qwen35-{a.layers}l-q4_k.gguf")
+        a.out = os.path.join(folder, "logits")
         if not os.path.exists(a.gguf):
             src = os.path.join(folder, "hf")
             os.makedirs(src, exist_ok=True)
@@ -286,6 +391,9 @@ def main() -> None:
             shutil.rmtree(src)
         log(f"GGUF {a.gguf}: {os.path.getsize(a.gguf) / 2**20:.0f} MiB")
         res = {}
+        a.twin = os.path.join(folder, f"qwen35-{a.layers}l-f32.gguf")
+        if "twin" in a.parts and not os.path.exists(a.twin):
+            f32_twin(a.gguf, a.twin)
         for part in a.parts:
             for side in a.sides:
                 if side == "llama.cpp" and not have_llamacpp():
