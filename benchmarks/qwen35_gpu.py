@@ -255,10 +255,27 @@ def count_fla_calls() -> dict:
     return counts
 
 
+def fallback_warnings() -> list:
+    """The warnings transformers logs about falling back to a torch path (its "fast path is
+    not available" / "falling back to its reference PyTorch implementation"), as they come."""
+    import logging
+
+    seen: list = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            text = record.getMessage()
+            if "fall" in text.lower() or "fast path" in text.lower():
+                seen.append(text[:300])
+    logging.getLogger("transformers").addHandler(Keep())
+    return seen
+
+
 def side_hf(a, cfg: dict) -> dict:
     import torch
 
     counts = count_fla_calls()
+    warnings = fallback_warnings()
     import transformers
 
     res: dict = {"transformers": transformers.__version__, "torch": torch.__version__}
@@ -309,7 +326,7 @@ def side_hf(a, cfg: dict) -> dict:
                 ts.append(time.perf_counter() - t0)
             res["prefill"][str(n)] = {"s": statistics.median(ts), "all_s": ts, "first_s": warm}
             log(f"hf prefill {n}: {statistics.median(ts) * 1e3:.1f} ms (first call {warm:.1f} s)")
-    res["fla_calls"] = counts
+    res["fla_calls"], res["fallback_warnings"] = counts, warnings
     if dev == "cuda":
         res["peak_bytes"] = torch.cuda.max_memory_allocated()
     return res
@@ -337,6 +354,8 @@ def report(a, cfg: dict, res: dict) -> None:
                if any(calls.values()) else "its torch reference (fla not used: a fallback)")
         log(f"HF: transformers {hf['transformers']}, torch {hf['torch']}, sdpa; "
             f"the delta rule ran through {how}")
+        for w in hf.get("fallback_warnings") or []:
+            log(f"HF warned: {w}")
     log("")
     log("| prefill tokens | RLX ms | HF ms | RLX / HF (target <= 1.0) |")
     log("|---|---|---|---|")
