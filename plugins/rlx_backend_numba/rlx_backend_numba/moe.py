@@ -14,6 +14,12 @@ Each pass runs one of two ways, chosen per call from the groups' mean size:
   tasks split by cost, each tile of weight rows decoded once into the part's scratch
   (`rows_ser`) and multiplied with the group's rows by one-thread cblas_sgemm on numba's
   workers (as quant_kernels' rows_gemm; dense f32 tiles are multiplied in place).
+With `[precision] activations = "int8"` (x arrives from a fake_quantize to int8_b32; the
+runner sets int8_x) the up pass multiplies x's int8 blocks with the packed integers, as
+llama.cpp's q8 activations: the GEMV through the formats' `idot`, the GEMM as each group's
+int8 GEMM (`igemm`, threads over the expert's panels of rows). `int8_h` does the same for
+the down pass with h rounded through int8_b32 here; no graph asks for it yet (the op has
+no attribute saying h is rounded), so only run_moe_experts' callers use it.
 The formats' decoders are quant_kernels' generated ones; a module generated here per
 (gate, up, down format, activation) binds them. Steps it does not cover (f16/bf16/f64, a
 format without numba kernels) keep the NumPy backend's kernel.
@@ -44,6 +50,8 @@ GEMV_PAR_MIN = 1 << 18      # multiply-adds of a GEMV pass from which it runs on
 GROUP_GEMM = 8.0            # mean tokens per expert group from which the passes run as GEMMs (OLMoE's
                             # layer, q4_k, 2 AMD EPYC cores: GEMV 72 / 97 / 187 ms, GEMM 160 / 99 / 128
                             # ms at a mean group of 2 / 8 / 16 tokens)
+GROUP_GEMM_INT8 = 12.0      # the same with x's int8 blocks (int8_x): OLMoE's layer, q4_k, int8 up and down,
+                            # one loaded AMD EPYC Zen 5 core: GEMV 98 / 183 ms, GEMM 136 / 147 ms at 8 / 16
 TILE_FLOATS = 1 << 18       # floats of a weight tile (1 MB): OLMoE's 128-token prefill, 2 loaded AMD
                             # EPYC cores: 15 GFLOP/s at 1 << 16 (sgemm's N too narrow), 22 at 1 << 18
 DECODE_COST = 4             # a tile's decode, in tokens' products (the GEMM tasks' cost split)
@@ -381,7 +389,7 @@ def run_moe_experts(mod, kinds: tuple, x, weights, ids, gate, up, down, out, int
     pairs, inter, hidden = tok.shape[0], gate.shape[1], down.shape[1]
     h = np.empty((pairs, inter), np.float32)
     ys = np.empty((pairs, hidden), np.float32)
-    if SGEMM is None or pairs < GROUP_GEMM * len(experts):
+    if SGEMM is None or pairs < (GROUP_GEMM_INT8 if int8_x else GROUP_GEMM) * len(experts):
         par = pairs * inter * hidden >= GEMV_PAR_MIN
         if int8_x:
             _igemv_up(mod, par, x, tok, experts, starts, gate, up, h)
@@ -497,4 +505,4 @@ def prepare_moe_experts(a, outs, protos, op=None):
     return step
 
 
-__all__ = ["GROUP_GEMM", "kernels", "prepare_moe_experts", "route", "run_moe_experts"]
+__all__ = ["GROUP_GEMM", "GROUP_GEMM_INT8", "kernels", "prepare_moe_experts", "route", "run_moe_experts"]

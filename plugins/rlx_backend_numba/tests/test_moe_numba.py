@@ -94,9 +94,11 @@ def form(request, monkeypatch):
         if M.SGEMM is None:
             pytest.skip("numpy's BLAS here gives no cblas_sgemm: the GEMM form never runs")
         monkeypatch.setattr(M, "GROUP_GEMM", 0.0)
+        monkeypatch.setattr(M, "GROUP_GEMM_INT8", 0.0)
         monkeypatch.setattr(M, "TILE_FLOATS", 48 * max(H, I))     # tiles of 48 rows: a ragged last one
     elif request.param == "gemv":
         monkeypatch.setattr(M, "GROUP_GEMM", float("inf"))
+        monkeypatch.setattr(M, "GROUP_GEMM_INT8", float("inf"))
         assert 2 * I * H < M.GEMV_PAR_MIN <= 37 * 2 * I * H        # both the one-thread and parallel GEMVs
     else:
         monkeypatch.setattr(M, "SGEMM", None)
@@ -237,6 +239,7 @@ def test_runner_multiplies_int8_x_after_a_rounding(rng, schemes, lead, monkeypat
     up are packed (f32 where one is dense) and equals the NumPy backend (which rounds x, then
     multiplies in float)."""
     monkeypatch.setattr(M, "GROUP_GEMM", 1.0)          # T = 37: the GEMM form (2 pairs a group, 5 experts)
+    monkeypatch.setattr(M, "GROUP_GEMM_INT8", 1.0)
     seen = []
     real = M.run_moe_experts
     monkeypatch.setattr(M, "run_moe_experts", lambda *a: seen.append(a[-1]) or real(*a))
