@@ -446,8 +446,7 @@ class Scheduler:
             from ..pipeline import StateStore
 
             exe = self.model.executable_over("decode", StateStore())
-            specs = {n.name: n.outs[0] for n in exe.mir.nodes if n.op == "state"}
-            self.cache = BatchCache(self.model.backend, specs, exe.input_specs["ids"].dims[0])
+            self.cache = BatchCache(self.model.backend, _state_specs(exe), exe.input_specs["ids"].dims[0])
             exe.states = self.cache.store
             self._decode = exe
         return self._decode
