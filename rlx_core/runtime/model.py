@@ -180,7 +180,7 @@ class CausalLM:
         return cls(recipe, config, tensors, tokenizer, backend, profile, max_context)
 
     # -- compiled graphs
-    graph_modes = ("prefill", "decode", "logits")     # what `built` and `executable` take
+    graph_modes = ("prefill", "decode", "extend", "logits")     # what `built` and `executable` take
 
     def built(self, mode: str = "prefill", taps: bool = False) -> BuiltModel:
         """The flow of `mode` built on this model's tensors (HIR graph, params, stage records),
