@@ -14,8 +14,7 @@ head rotated), the other 18 Gated DeltaNet (16 key and 16 value heads, K = V = 1
 width 4), a dense MLP of 6144, tied embeddings; except the vocabulary: SmolLM2's tokenizer
 (49152 tokens; Qwen3.5's is 248320), because llama.cpp loads no GGUF without a vocabulary.
 `--layers` must be a multiple of 4 (the real layer mix: 3 linear, then 1 full). Weights are
-random f16 (std 0.02; the (1 + w) norms 0 but the final one 4 (logits 5x wider: a clear greedy
-choice), the gated norm 1, A_log = log U(1, 16), dt_bias 1),
+random f16 (std 0.02; the (1 + w) norms 0, the gated norm 1, A_log = log U(1, 16), dt_bias 1),
 written one safetensors shard per layer, then `rlx quantize -s q4_k` ("Q4_K_M-like": llama.cpp's
 Q4_K_M keeps some tensors in q6_k; `rlx quantize` writes one scheme; the conv, A, dt_bias and
 norms stay f32).
@@ -56,8 +55,6 @@ from moe_cpu import peak_rss_mb, quantize, save_tokenizer  # noqa: E402
 
 FULL = dict(layers=24, hidden=2048, inter=6144, vocab=49152, heads=8, kv_heads=2, head_dim=256,
             lin_heads=16, lin_dim=128)
-HEAD_SCALE = 5.0     # the final norm's (1 + w): logits 5x wider, so the two engines' rounding differences
-#                      (llama.cpp rounds activations to q8_K) rarely flip a greedy arg-max
 LOGITS_PROMPT = 64   # tokens whose logits the sides compare
 PARTS = ("logits", "decode", "prefill", "twin")
 LABEL = {"numba": "RLX numba, packed q4_k", "llama.cpp": "llama.cpp (llama-cpp-python)"}
@@ -96,8 +93,6 @@ def random_tensor(name: str, shape: tuple, rng):
         return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float16)
     if name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
         return np.ones(shape, np.float16)
-    if name == "model.norm.weight":
-        return np.full(shape, HEAD_SCALE - 1.0, np.float16)
     if "norm" in name:                                   # (1 + w) RMSNorms: scale 1
         return np.zeros(shape, np.float16)
     return (0.02 * rng.standard_normal(shape, np.float32)).astype(np.float16)
