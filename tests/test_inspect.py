@@ -310,7 +310,7 @@ def test_bad_level_layers_and_paths(tiny, tmp_path):
     assert_clean_error(run("inspect", t, "--backend", "numpy", "--graph", str(tmp_path / "g.txt")),
                        "g.txt", "expected one of .dot, .gv, .svg, .png, .pdf")
     assert_clean_error(run("inspect", t, "--backend", "numpy", "--mode", "train"),
-                       "mode 'train' is not a graph of this CausalLM", "'prefill', 'decode', 'logits'")
+                       "mode 'train' is not a graph of this CausalLM", "'prefill', 'decode', 'extend', 'logits'")
     assert_usage_error(run("inspect", t, "--dim", "nope=3"), "--dim", "no dim(s) ['nope']")
     assert_usage_error(run("inspect", "llama32_prefill", "--json"), "--json", "not a profile")
 
