@@ -346,9 +346,10 @@ def stall(client, server: Server, side: str, a, texts: Texts) -> dict:
         if not before or not during:
             raise SideFailed(f"{server.name}: scenario 3 saw no gaps before ({len(before)}) or during "
                              f"({len(during)}) the prefill")
+        timeline = sorted((round(t - t_arrive, 4), round(d, 4)) for t, d in gaps if t > t_arrive and t - d < t_first)
         return {"before_p99_s": percentile(before, 99), "during_p99_s": percentile(during, 99),
                 "during_max_s": max(during), "before_n": len(before), "during_n": len(during),
-                "long_ttft_s": t_first - t_arrive}
+                "long_ttft_s": t_first - t_arrive, "during_gaps": timeline}   # (end after arrival, gap) s
 
     run(5000)                                                   # rehearsal: the same graphs compiled
     load0 = loadavg()
@@ -359,6 +360,23 @@ def stall(client, server: Server, side: str, a, texts: Texts) -> dict:
 
 
 SCENARIOS = {"shared": shared, "prefix": prefix, "stall": stall}
+
+
+def prefix_cache_tokens(port: int) -> tuple | None:
+    """(prompt tokens found in rlx serve's prefix cache, prompt tokens looked up) so far, from
+    its /metrics; None where the server has no such metrics (the peer)."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    except OSError:
+        return None
+    got = {}
+    for line in text.splitlines():
+        for key in ("rlx_prefix_cache_hit_tokens_total", "rlx_prefix_cache_query_tokens_total"):
+            if line.startswith(key):
+                got[key] = got.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    if len(got) < 2:
+        return None
+    return got["rlx_prefix_cache_hit_tokens_total"], got["rlx_prefix_cache_query_tokens_total"]
 
 
 # ============================================================================ the race
@@ -378,9 +396,12 @@ def serve_side(a, name: str, start, scenarios: list, side: str, texts: Texts) ->
                            timeout=a.wait)
     try:
         for sc in scenarios:
-            t = time.perf_counter()
+            t, cached = time.perf_counter(), prefix_cache_tokens(server.port) if side == "rlx" else None
             try:
                 out[sc] = SCENARIOS[sc](client, server, side, a, texts)
+                now = prefix_cache_tokens(server.port) if cached else None
+                if now:
+                    out[sc]["prefix_cache_hit_tokens"] = [now[0] - cached[0], now[1] - cached[1]]
                 log(f"[{name}] {sc}: done in {time.perf_counter() - t:.0f} s (loadavg {loadavg()})")
             except SideFailed as e:
                 out[sc] = {"failed": str(e)}
@@ -414,7 +435,11 @@ def report(a, res: dict, hw: str) -> None:
             say(f"    {name}: {side['command']}")
 
     def side_line(name, d, fmt):
-        return f"  {name:<26} " + (f"FAILED: {d['failed'][:300]}" if "failed" in d else fmt(d))
+        if "failed" in d:
+            return f"  {name:<26} FAILED: {d['failed'][:300]}"
+        hit = d.get("prefix_cache_hit_tokens")
+        return f"  {name:<26} {fmt(d)}" + (f"\n  {'':<26} prefix cache: {hit[0]:.0f} of {hit[1]:.0f} prompt tokens "
+                                           "found (warm-up included)" if hit else "")
 
     if "shared" in a.scenarios:
         say(f"\n1. {a.clients} clients, shared {a.system_tokens}-token system prompt, {a.new} new tokens each, "
