@@ -18,6 +18,12 @@ threads, torch.set_num_threads HF's). Prints the hardware and the load average, 
 ms of each side over all rounds and each round's median (the spread), RLX's first call
 (compiling), the ratio RLX / HF (target <= 0.8) and the worst cosine between the two sides'
 embeddings.
+
+RLX's GEMMs are numpy's OpenBLAS; torch's are MKL's. The kernel set OpenBLAS runs is printed
+(an environment's OPENBLAS_CORETYPE overrides OpenBLAS's own choice: on AMD Zen 5 its own
+choice is the AVX-512 "SkylakeX" set, twice the f32 GEMM rate of the AVX2 "Haswell" one).
+`--openblas-coretype NAME` sets it for both sides' processes, `auto` removes it (OpenBLAS
+chooses); by default the environment's holds.
 """
 from __future__ import annotations
 
@@ -115,6 +121,25 @@ def child(args) -> None:
     print("RESULT " + json.dumps({"times": ts, "first": first}))
 
 
+def openblas_core() -> str:
+    """The kernel set numpy's OpenBLAS runs in this process ("?" where not found)."""
+    import ctypes
+    import glob
+
+    import numpy as np
+
+    libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
+    for path in glob.glob(os.path.join(libs, "*openblas*.so*")):
+        lib = ctypes.CDLL(path)
+        for name in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename",
+                     "openblas_get_corename"):
+            if hasattr(lib, name):
+                fn = getattr(lib, name)
+                fn.restype = ctypes.c_char_p
+                return fn().decode()
+    return "?"
+
+
 def spawn(side: str, args, model_path: str, out: str) -> dict:
     import subprocess
 
@@ -137,6 +162,8 @@ def main() -> None:
     ap.add_argument("--models", default="vit,dinov2", help=f"comma-separated, of {sorted(MODELS)}")
     ap.add_argument("--backend", default="numba", help="RLX's backend (numba; numpy for a comparison)")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the processes to --threads cores")
+    ap.add_argument("--openblas-coretype", default="",
+                    help="OPENBLAS_CORETYPE for both sides (auto: unset, OpenBLAS chooses; default: as set)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--model-path", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -144,6 +171,10 @@ def main() -> None:
 
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "RLX_NUM_THREADS"):
         os.environ[var] = str(args.threads)          # before numpy / torch load their BLAS
+    if args.openblas_coretype == "auto":
+        os.environ.pop("OPENBLAS_CORETYPE", None)
+    elif args.openblas_coretype:
+        os.environ["OPENBLAS_CORETYPE"] = args.openblas_coretype
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -201,6 +232,8 @@ def main() -> None:
         pass
     print(f"hardware: {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads, {pinned}; "
           f"load avg (1, 5, 15 min) {load0} before, {loadavg()} after")
+    core = os.environ.get("OPENBLAS_CORETYPE")
+    blas += f", kernels {openblas_core()}" + (f" (OPENBLAS_CORETYPE={core})" if core else " (its own choice)")
     print(f"software: python {platform.python_version()}, numpy {np.__version__} ({blas}), "
           f"torch {torch.__version__}, transformers {transformers.__version__}, pillow {pil_version}, "
           f"rlx {rlx_core.__version__}")
