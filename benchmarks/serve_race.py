@@ -64,7 +64,8 @@ WORDS = ("the of and to in is was for on that with as by at from his her are wer
          "like between many made well even back years through where much before must great same people "
          "city river music water history house field school north world state small long right place part "
          "family light night garden story winter summer market village mountain road teacher letter window "
-         "bridge island forest doctor kitchen station harbor morning evening language number table paper").split()
+         "bridge island forest doctor kitchen station harbor morning evening language number table "
+         "paper").split()
 
 
 class Texts:
@@ -252,7 +253,8 @@ def check(server: Server, streams: list, what: str, full: bool = True) -> None:
         if s.first is None:
             raise SideFailed(f"{server.name}: a request of {what} streamed no text (finish {s.finish})")
         if full and s.finish != "length":
-            raise SideFailed(f"{server.name}: a request of {what} finished {s.finish!r}, not after max_tokens")
+            raise SideFailed(f"{server.name}: a request of {what} finished {s.finish!r}, "
+                             "not after max_tokens")
 
 
 def chat(system: str, user: str) -> list:
@@ -283,8 +285,9 @@ def shared(client, server: Server, side: str, a, texts: Texts) -> dict:
         rounds.append({"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
                        "ttft_s": [s.ttft for s in streams]})
     tokens, wall = sum(r["tokens"] for r in rounds), sum(r["wall_s"] for r in rounds)
-    return {"tokens_per_s": tokens / wall, "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-            "rounds": rounds, "system_tokens": texts.count(system), "loadavg": [load0, loadavg()]}
+    return {"tokens_per_s": tokens / wall, "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p99_s": percentile(ttfts, 99), "rounds": rounds, "system_tokens": texts.count(system),
+            "loadavg": [load0, loadavg()]}
 
 
 def prefix(client, server: Server, side: str, a, texts: Texts) -> dict:
@@ -302,8 +305,8 @@ def prefix(client, server: Server, side: str, a, texts: Texts) -> dict:
     load0 = loadavg()
     pairs = [pair(1001 + k) for k in range(a.pairs)]
     ratios = [second / first for first, second in pairs]
-    return {"first_s": [p[0] for p in pairs], "second_s": [p[1] for p in pairs], "ratio": statistics.median(ratios),
-            "ratios": ratios, "loadavg": [load0, loadavg()]}
+    return {"first_s": [p[0] for p in pairs], "second_s": [p[1] for p in pairs],
+            "ratio": statistics.median(ratios), "ratios": ratios, "loadavg": [load0, loadavg()]}
 
 
 def stall(client, server: Server, side: str, a, texts: Texts) -> dict:
@@ -311,8 +314,8 @@ def stall(client, server: Server, side: str, a, texts: Texts) -> dict:
     inter-token gaps before it arrived and while it prefilled (arrival to its first token)."""
     def run(seed: int) -> dict:
         halt = threading.Event()
-        streams = [Stream(client, side, [{"role": "user", "content": question(seed + i)}], a.stall_new, halt).start()
-                   for i in range(a.clients)]
+        streams = [Stream(client, side, [{"role": "user", "content": question(seed + i)}], a.stall_new,
+                          halt).start() for i in range(a.clients)]
 
         def wait_tokens(n: int, what: str, since: float = 0.0) -> None:
             """Until every stream has n tokens after time `since` (halting them and failing if one
@@ -322,13 +325,15 @@ def stall(client, server: Server, side: str, a, texts: Texts) -> dict:
                 if time.monotonic() > deadline or any(s.error or s.finish for s in streams):
                     halt.set()
                     check(server, streams, f"scenario 3 ({what})", full=False)
-                    raise SideFailed(f"{server.name}: scenario 3's streams stopped before {n} tokens ({what})")
+                    raise SideFailed(f"{server.name}: scenario 3's streams stopped before {n} tokens "
+                                     f"({what})")
                 time.sleep(0.005)
 
-        wait_tokens(a.steady, "warming up")                              # all decoding, past their first steps
+        wait_tokens(a.steady, "warming up")                 # all decoding, past their first steps
         t_ready = time.perf_counter()
         wait_tokens(a.steady + a.window, "before the long prompt")
-        long_ = Stream(client, side, [{"role": "user", "content": texts.of(a.long_tokens, seed=seed)}], 2).start()
+        long_prompt = [{"role": "user", "content": texts.of(a.long_tokens, seed=seed)}]
+        long_ = Stream(client, side, long_prompt, 2).start()
         long_.join()
         if long_.first is not None:
             wait_tokens(2, "after the long prompt's first token", since=long_.first)
@@ -338,15 +343,16 @@ def stall(client, server: Server, side: str, a, texts: Texts) -> dict:
         check(server, streams + [long_], "scenario 3", full=False)
         t_arrive, t_first = long_.t0, long_.first
         if any(s.arrivals[-1] < t_first for s in streams):
-            raise SideFailed(f"{server.name}: a stream of scenario 3 ended before the long prompt's first token; "
-                             "raise --stall-new")
+            raise SideFailed(f"{server.name}: a stream of scenario 3 ended before the long prompt's first "
+                             "token; raise --stall-new")
         gaps = [g for s in streams for g in s.gaps()]
         before = [d for t, d in gaps if t_ready <= t - d and t <= t_arrive]
-        during = [d for t, d in gaps if t > t_arrive and t - d < t_first]   # every gap overlapping the prefill
+        overlap = [(t, d) for t, d in gaps if t > t_arrive and t - d < t_first]  # gaps across the prefill
+        during = [d for _, d in overlap]
         if not before or not during:
             raise SideFailed(f"{server.name}: scenario 3 saw no gaps before ({len(before)}) or during "
                              f"({len(during)}) the prefill")
-        timeline = sorted((round(t - t_arrive, 4), round(d, 4)) for t, d in gaps if t > t_arrive and t - d < t_first)
+        timeline = sorted((round(t - t_arrive, 4), round(d, 4)) for t, d in overlap)
         return {"before_p99_s": percentile(before, 99), "during_p99_s": percentile(during, 99),
                 "during_max_s": max(during), "before_n": len(before), "during_n": len(during),
                 "long_ttft_s": t_first - t_arrive, "during_gaps": timeline}   # (end after arrival, gap) s
@@ -428,7 +434,8 @@ def ratio(a_: dict, b: dict, key: str) -> str:
 def report(a, res: dict, hw: str) -> None:
     r, p = res.get("rlx", {}), res.get("llama", {})
     say = print
-    say(f"\n=== serve race: SmolLM2-135M Q4_1, {a.threads} threads each, {hw}; Python {platform.python_version()}")
+    say(f"\n=== serve race: SmolLM2-135M Q4_1, {a.threads} threads each, {hw}; "
+        f"Python {platform.python_version()}")
     say(f"    client pinning: {res['client_pin']}; loadavg at the end {loadavg()} (1/5/15 min)")
     for name, side in (("rlx", r), ("llama", p), ("rlx chunk off", res.get("rlx_nochunk", {}))):
         if "command" in side:
@@ -438,11 +445,14 @@ def report(a, res: dict, hw: str) -> None:
         if "failed" in d:
             return f"  {name:<26} FAILED: {d['failed'][:300]}"
         hit = d.get("prefix_cache_hit_tokens")
-        return f"  {name:<26} {fmt(d)}" + (f"\n  {'':<26} prefix cache: {hit[0]:.0f} of {hit[1]:.0f} prompt tokens "
-                                           "found (warm-up included)" if hit else "")
+        line = f"  {name:<26} {fmt(d)}"
+        if hit:
+            line += f"\n  {'':<26} prefix cache: {hit[0]:.0f} of {hit[1]:.0f} prompt tokens found (warm-up too)"
+        return line
 
     if "shared" in a.scenarios:
-        say(f"\n1. {a.clients} clients, shared {a.system_tokens}-token system prompt, {a.new} new tokens each, "
+        say(f"\n1. {a.clients} clients, shared {a.system_tokens}-token system prompt, {a.new} new tokens "
+            "each, "
             f"{a.rounds} rounds (p99 of {a.rounds * a.clients} TTFTs)")
         f1 = (lambda d: f"{d['tokens_per_s']:7.1f} tokens/s  TTFT p50 {ms(d['ttft_p50_s'])}, p99 "
               f"{ms(d['ttft_p99_s'])}  (loadavg {d['loadavg'][0]} -> {d['loadavg'][1]})")
@@ -450,21 +460,25 @@ def report(a, res: dict, hw: str) -> None:
             if d is not None:
                 say(side_line(name, d, f1))
         if r.get("shared") and p.get("shared"):
-            say(f"  throughput rlx/llama: {ratio(r['shared'], p['shared'], 'tokens_per_s')} (target >= 1.5x); "
+            say(f"  throughput rlx/llama: {ratio(r['shared'], p['shared'], 'tokens_per_s')} "
+                "(target >= 1.5x); "
                 f"p99 TTFT rlx/llama: {ratio(r['shared'], p['shared'], 'ttft_p99_s')} (target <= 1x)")
     if "prefix" in a.scenarios:
         say(f"\n2. TTFT of a second request sharing a {a.prefix_tokens}-token prefix / the first's "
             f"(median of {a.pairs} pairs)")
-        f2 = (lambda d: f"first {ms(statistics.median(d['first_s']))}, second {ms(statistics.median(d['second_s']))}"
+        f2 = (lambda d: f"first {ms(statistics.median(d['first_s']))}, "
+              f"second {ms(statistics.median(d['second_s']))}"
               f", ratio {d['ratio']:.3f}  (loadavg {d['loadavg'][0]} -> {d['loadavg'][1]})")
-        for name, d in (("rlx (target <= 0.2)", r.get("prefix")), ("llama-cpp-python server", p.get("prefix"))):
+        for name, d in (("rlx (target <= 0.2)", r.get("prefix")),
+                        ("llama-cpp-python server", p.get("prefix"))):
             if d is not None:
                 say(side_line(name, d, f2))
     if "stall" in a.scenarios:
         say(f"\n3. a {a.long_tokens}-token prompt arriving during {a.clients} decoding streams: their p99 "
             "inter-token latency before / during its prefill (target during <= 2x before, chunked)")
-        f3 = (lambda d: f"before {ms(d['before_p99_s'])} ({d['before_n']} gaps), during {ms(d['during_p99_s'])} "
-              f"({d['during_n']} gaps, longest {ms(d['during_max_s'])}), {d['ratio']:.2f}x; long prompt's TTFT "
+        f3 = (lambda d: f"before {ms(d['before_p99_s'])} ({d['before_n']} gaps), "
+              f"during {ms(d['during_p99_s'])} ({d['during_n']} gaps, longest {ms(d['during_max_s'])}), "
+              f"{d['ratio']:.2f}x; long prompt's TTFT "
               f"{ms(d['long_ttft_s'])}  (loadavg {d['loadavg'][0]} -> {d['loadavg'][1]})")
         for name, d in ((f"rlx, chunk {a.prefill_chunk}", r.get("stall")),
                         ("rlx, chunk 0 (off)", res.get("rlx_nochunk", {}).get("stall"))):
@@ -489,7 +503,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=3, help="scenario 2: measured pairs")
     ap.add_argument("--long-tokens", type=int, default=4000, help="scenario 3: the arriving prompt")
     ap.add_argument("--stall-new", type=int, default=4000, help="scenario 3: the streams' max_tokens")
-    ap.add_argument("--steady", type=int, default=8, help="scenario 3: tokens each stream has before 'before'")
+    ap.add_argument("--steady", type=int, default=8,
+                    help="scenario 3: tokens each stream has before 'before'")
     ap.add_argument("--window", type=int, default=32, help="scenario 3: tokens each stream decodes between "
                     "'--steady' and the long prompt's arrival (the 'before' window)")
     ap.add_argument("--prefix-cache-mb", type=int, default=512, help="rlx serve --prefix-cache-mb")
@@ -521,11 +536,11 @@ def main() -> None:
     log(f"{hw}; {client_pin}; loadavg {loadavg()}; model {gguf}")
     res: dict = {"client_pin": client_pin}
     if "rlx" in a.sides:
-        res["rlx"] = serve_side(a, "rlx", lambda port: rlx_server(a, port, a.prefill_chunk), a.scenarios, "rlx",
-                                texts)
+        res["rlx"] = serve_side(a, "rlx", lambda port: rlx_server(a, port, a.prefill_chunk), a.scenarios,
+                                "rlx", texts)
         if "stall" in a.scenarios:
-            res["rlx_nochunk"] = serve_side(a, "rlx chunk off", lambda port: rlx_server(a, port, 0), ["stall"],
-                                            "rlx", texts)
+            res["rlx_nochunk"] = serve_side(a, "rlx chunk off", lambda port: rlx_server(a, port, 0),
+                                            ["stall"], "rlx", texts)
     if "llama" in a.sides:
         res["llama"] = serve_side(a, "llama", lambda port: llama_server(a, gguf, port),
                                   [s for s in a.scenarios if s != "stall"], "llama", texts)
