@@ -447,7 +447,8 @@ def report(a, res: dict, hw: str) -> None:
         hit = d.get("prefix_cache_hit_tokens")
         line = f"  {name:<26} {fmt(d)}"
         if hit:
-            line += f"\n  {'':<26} prefix cache: {hit[0]:.0f} of {hit[1]:.0f} prompt tokens found (warm-up too)"
+            line += f"\n  {'':<26} prefix cache: {hit[0]:.0f} of {hit[1]:.0f} prompt tokens found"
+            line += " (warm-up included)"
         return line
 
     if "shared" in a.scenarios:
