@@ -8,7 +8,8 @@ token: flat when prefill grows linearly in the length).
         [--vocab 49152] [--threads 2] [--prompt 128] [--decode 32] [--lengths 512,1024,2048,4096]
         [--repeat 2] [--sides numba llama.cpp] [--parts logits decode prefill] [--keep DIR]
 
-The shape (`FULL`) is Qwen3.5-2B's text model as published: hidden 2048, 24 layers, every
+The shape (`FULL`) is Qwen3.5-2B-like (not checked against the published config.json here,
+no network): hidden 2048, 24 layers, every
 4th one full attention (8 query / 2 KV heads of 256, output gate, QK-norm, a quarter of each
 head rotated), the other 18 Gated DeltaNet (16 key and 16 value heads, K = V = 128, conv
 width 4), a dense MLP of 6144, tied embeddings; except the vocabulary: SmolLM2's tokenizer
