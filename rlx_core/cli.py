@@ -850,8 +850,9 @@ def embed_cmd(model_name: str, texts: tuple, images: bool, file: str | None, jso
                    "then cancel the rest (streams end with finish_reason 'abort' and [DONE]).")
 @click.option("--prefix-cache-mb", type=click.FloatRange(0), default=None,
               help="Memory for the scheduler's prefix cache (KV of shared prompt prefixes), in MB.")
-@click.option("--prefill-chunk", type=click.IntRange(1), default=None, metavar="N",
-              help="Prefill long prompts N tokens at a time between the batch's decode steps.")
+@click.option("--prefill-chunk", type=click.IntRange(0), default=None, metavar="N",
+              help="Prefill long prompts N tokens at a time between the batch's decode steps "
+                   "(0: whole prompts; default: the profile's [runtime] prefill_chunk).")
 @model_profile_option
 @backend_option
 @tp_option(" per model (causal or encoder)")

@@ -24,10 +24,12 @@ import numpy as np
 from .composites import composite, ex
 from .dtype import I64
 from .errors import DTypeError, ModelError, ShapeError
-from .numpy_kernels import ACT as NUMPY_ACT, KERNELS, _softmax_f32, put, scheme, up
+from .numpy_kernels import ACT as NUMPY_ACT, KERNELS, _softmax_f32, fake_quantized, put, scheme, up
 from .ops import ACT, COUNT, FLAG, Level, _float, _packed_k, _same_dim, one_of, op
 from .ops import A, _BAD, _scheme
 from .shape import Shape
+
+INT8_SCHEME, INT8_BLOCK = "int8_b32", 32     # the rounding of `activations = "int8"`
 
 ROUTE_ORDERS = ("softmax_topk", "topk_softmax")
 EXPERT_NAMES = ("gate", "up", "down")
@@ -76,13 +78,16 @@ def _expert_k(w: Shape, scheme: str, name: str, x: Shape):
 
 
 @op("moe_experts", ["x", "weights", "ids", "gate", "up", "down"], Level.FUSED,
-    attrs={"act": ACT("silu"), "schemes": SCHEMES(("", "", ""))})
+    attrs={"act": ACT("silu"), "schemes": SCHEMES(("", "", "")), "int8_h": FLAG(False)})
 def _m_moe_experts(s, a):
     """Routed gated MLPs: y[t] = sum_j weights[t, j] * down[e] @ (act(gate[e] @ x[t]) *
     (up[e] @ x[t])) with e = ids[t, j]. x [..., H]; weights [..., k] (x's dtype); ids [..., k]
     int, each in [0, E); gate, up [E, I, H] and down [E, H, I] (each expert an nn.Linear weight),
     or per `schemes` their packed rows u8 [E, I, bytes of H] / [E, H, bytes of I] (GGUF's
-    ffn_{gate,up,down}_exps). -> [..., H] in x's dtype."""
+    ffn_{gate,up,down}_exps). `int8_h`: the intermediate h is rounded through int8 blocks of
+    32 (int8_b32) before the down projection, as `[precision] activations = "int8"` rounds a
+    packed matmul's input, so a backend may run the down pass in integers. -> [..., H] in x's
+    dtype."""
     x, w, ids = s[:3]
     _float(x, "moe_experts")
     if x.rank < 2:
@@ -104,6 +109,9 @@ def _m_moe_experts(s, a):
                        ("hidden", (x.dims[-1], hg, hu, hd))):
         for d in dims[1:]:
             _same_dim(dims[0], d, f"moe_experts {what} of x/gate/up/down")
+    if a["int8_h"] and not (isinstance(ig, int) and ig % INT8_BLOCK == 0):
+        raise ShapeError(f"moe_experts int8_h rounds h in blocks of {INT8_BLOCK}: the intermediate "
+                         f"size must be a multiple of {INT8_BLOCK}, got {ig}")
     return (Shape(x.dims, x.dtype),)
 
 
@@ -164,6 +172,8 @@ def _moe_experts_kernel(a, out, x, weights, ids, gate, up_, down):
         xs = xf[sel // k]
         h = act(xs @ _expert_rows(gate, sg, e, hid, ct, scratch).T)
         h *= xs @ _expert_rows(up_, su, e, hid, ct, scratch).T
+        if a["int8_h"]:
+            h = fake_quantized(h, INT8_SCHEME)
         slots[sel] = h @ _expert_rows(down, sd, e, inter, ct, scratch).T
     w = up(weights).reshape(-1, 1, k).astype(ct, copy=False)
     y = np.matmul(w, slots.reshape(-1, k, hid))
@@ -198,7 +208,9 @@ def route_matrix(m, weights, ids, experts: int):
 @composite("moe_experts", ex("f16[3,4]", "f16[3,2]", "i64[3,2]", "f16[5,6,4]", "f16[5,6,4]", "f16[5,4,6]"),
            ex("f32[3,32]", "f32[3,2]", "i64[3,2]", "u8[5,6,34]", "u8[5,6,34]", "f32[5,32,6]",
               schemes=("q8_0", "q8_0", "")),
-           ex("f32[b,s,4]", "f32[b,s,2]", "i32[b,s,2]", "f32[3,6,4]", "f32[3,6,4]", "f32[3,4,6]"))
+           ex("f32[b,s,4]", "f32[b,s,2]", "i32[b,s,2]", "f32[3,6,4]", "f32[3,6,4]", "f32[3,4,6]"),
+           ex("f32[3,32]", "f32[3,2]", "i64[3,2]", "u8[5,32,34]", "u8[5,32,34]", "u8[5,32,34]",
+              schemes=("q8_0", "q8_0", "q8_0"), int8_h=True))
 def _moe_experts(m, ins, a):
     """Every expert on every token (gathers by expert would copy k weight stacks per token),
     then the outputs weighted by the dense routing matrix: E / k times the work of the fused
@@ -212,10 +224,12 @@ def _moe_experts(m, ins, a):
     gate, up_, down = (m.reshape(w, (e,) + ones + w.dims[1:]) for w in stacks)
     xe = m.expand(m.reshape(x, (1,) + x.dims), (e,) + x.dims)
     inner = m.act(m.matmul(xe, gate, trans_b=True), a["act"]) * m.matmul(xe, up_, trans_b=True)
+    if a["int8_h"]:
+        inner = m.add("fake_quantize", (inner,), scheme=INT8_SCHEME)
     ys = m.matmul(inner, down, trans_b=True)                              # [E, ..., H]
     r = route_matrix(m, weights, ids, e)                                  # [..., E]
     r = m.transpose(r, (len(lead),) + tuple(range(len(lead))))           # [E, ...]
     return m.sum(ys * m.reshape(r, (e,) + lead + (1,)), (0,))
 
 
-__all__ = ["ROUTE_ORDERS", "EXPERT_NAMES", "SCHEMES", "route_matrix"]
+__all__ = ["ROUTE_ORDERS", "EXPERT_NAMES", "SCHEMES", "INT8_SCHEME", "route_matrix"]

@@ -537,17 +537,21 @@ def _quantize(a, out, x):
     put(out[0], scheme(a["scheme"]).quantize(x).reshape(out[0].shape))
 
 
-def _fake_quantize(a, out, x):
+def fake_quantized(x: np.ndarray, scheme_name: str) -> np.ndarray:
     """x rounded through the scheme's blocks and back. A block holding NaN or inf comes out
     NaN, as x / d * d does with its NaN or inf scale d (quantize refuses non-finite weights;
     an activation's NaN must reach the logits' finiteness check)."""
-    s = scheme(a["scheme"])
+    s = scheme(scheme_name)
     blocks = np.asarray(x, np.float32).reshape(-1, s.block_size)
     bad = ~np.isfinite(blocks).all(axis=1)
     y = s.dequantize(s.quantize(np.where(bad[:, None], 0, blocks).reshape(x.shape)), x.shape,
                      dtype=np.float64 if x.dtype == np.float64 else np.float32)
     y.reshape(-1, s.block_size)[bad] = np.nan
-    put(out[0], y)
+    return y
+
+
+def _fake_quantize(a, out, x):
+    put(out[0], fake_quantized(x, a["scheme"]))
 
 
 def _dequant_matmul(a, out, x, w, b=None):

@@ -17,6 +17,7 @@ import weakref
 import numpy as np
 
 from ..ir.graph import Graph
+from ..ir.moe import INT8_BLOCK, INT8_SCHEME
 from ..ir.quant import PackedTensor, QuantScheme
 from ..ir.rewrite import copy_node, rewrite
 
@@ -51,9 +52,15 @@ def packed_bytes(w: PackedTensor) -> np.ndarray:
     return view
 
 
+def in_blocks(k) -> bool:
+    """A static width that int8 blocks of 32 tile."""
+    return isinstance(k, int) and k % INT8_BLOCK == 0
+
+
 def pack_params(g: Graph, activations: str = "f32") -> Graph:
-    """`activations="int8"`: each dequant_matmul's x is rounded through int8 blocks of 32 (a
-    fake_quantize to int8_b32), which a backend may multiply as integers."""
+    """`activations="int8"`: each dequant_matmul's x, and the x and intermediate h of routed
+    experts with packed stacks, are rounded through int8 blocks of 32 (a fake_quantize to
+    int8_b32; moe_experts' int8_h), which a backend may multiply as integers."""
     packed = packed_params(g)
     if not packed:
         return g
@@ -74,14 +81,19 @@ def pack_params(g: Graph, activations: str = "f32") -> Graph:
                 and a.get("trans_b") and not a.get("trans_a") and ins[1].shape.rank == 2:
             x = ins[0]
             k = x.shape.dims[-1]
-            if activations == "int8" and isinstance(k, int) and k % 32 == 0:
-                x = m.add("fake_quantize", (x,), scheme="int8_b32")
+            if activations == "int8" and in_blocks(k):
+                x = m.add("fake_quantize", (x,), scheme=INT8_SCHEME)
             return m.add("dequant_matmul", (x, *ins[1:]), scheme=packed[w[0]].name,
                          act=a.get("act", "identity"))
         if node.op == "moe_experts" and not any(is_packed(r) for r in refs[:3]):
             schemes = tuple(packed[r[0]].name if is_packed(r) else sch
                             for r, sch in zip(refs[3:], a["schemes"]))
-            return m.add("moe_experts", tuple(ins), act=a["act"], schemes=schemes)
+            x, hidden, inter = ins[0], ins[0].dims[-1], g.nodes[refs[5][0]].outs[0].dims[-1]
+            if activations == "int8" and schemes[0] and schemes[1] and in_blocks(hidden):
+                x = m.add("fake_quantize", (x,), scheme=INT8_SCHEME)
+            int8_h = activations == "int8" and bool(schemes[2]) and in_blocks(inter)
+            return m.add("moe_experts", (x, *ins[1:]), act=a["act"], schemes=schemes,
+                         int8_h=a["int8_h"] or int8_h)
         if node.op == "gather" and is_packed(refs[0]) and a["axis"] == 0:
             rows = m.gather(ins[0], ins[1])
             return m.add("dequantize", (rows,), scheme=packed[refs[0][0]].name,

@@ -18,10 +18,11 @@ from __future__ import annotations
 import numpy as np
 from rlx_core.ir.dtype import F32, F64, I32
 from rlx_core.ir.errors import BackendError
+from rlx_core.ir.moe import INT8_SCHEME
 
 from . import sources
 from .codegen import acc_of, ctype
-from .ops import BUILDERS, _dq_epilogue, _packed
+from .ops import BUILDERS, _b_host, _dq_epilogue, _packed
 from .values import V
 
 i32, i64 = np.int32, np.int64
@@ -140,7 +141,15 @@ def _experts(b, n, ins, x: V, ids: V, part: V) -> None:
         to_x = ("cast", (("dtype", x.dt.value),))
         b.elementwise(((*to_x, (0,)), ("activation", (("fn", act),), (2,)), (*to_x, (1,)),
                        ("binary", (("op", "mul"),), (3, 4))), [hg, hu], h)
+    if n.a["int8_h"]:                      # (activations = "int8": h rounded as the op says)
+        _b_host(b, Rounding(), [h], [h])
     _gemv(b, h, 1, down, None, sort, part, H, inter, act, slots)
+
+
+class Rounding:
+    """The step `_b_host` runs for int8_h: h through int8_b32 blocks (on the host, out of
+    graph capture, as every fake_quantize on this backend)."""
+    op, a = "fake_quantize", {"scheme": INT8_SCHEME}
 
 
 def _rows(v: V, shape: tuple) -> V:

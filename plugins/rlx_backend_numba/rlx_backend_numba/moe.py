@@ -17,9 +17,9 @@ Each pass runs one of two ways, chosen per call from the groups' mean size:
 With `[precision] activations = "int8"` (x arrives from a fake_quantize to int8_b32; the
 runner sets int8_x) the up pass multiplies x's int8 blocks with the packed integers, as
 llama.cpp's q8 activations: the GEMV through the formats' `idot`, the GEMM as each group's
-int8 GEMM (`igemm`, threads over the expert's panels of rows). `int8_h` does the same for
-the down pass with h rounded through int8_b32 here; no graph asks for it yet (the op has
-no attribute saying h is rounded), so only run_moe_experts' callers use it.
+int8 GEMM (`igemm`, threads over the expert's panels of rows). The op's `int8_h` (set by
+the same opt-in where down is packed) does the same for the down pass, h rounded through
+int8_b32 here.
 The formats' decoders are quant_kernels' generated ones; a module generated here per
 (gate, up, down format, activation) binds them. Steps it does not cover (f16/bf16/f64, a
 format without numba kernels) keep the NumPy backend's kernel.
@@ -485,7 +485,8 @@ def prepare_moe_experts(a, outs, protos, op=None):
     """A runner step for `moe_experts` over f32 x [..., H] with dense f32 or packed stacks (a
     format of quant_kernels), or None (the NumPy backend's kernel runs it). `a["int8_x"]` (set
     by the runner where x comes from a fake_quantize to int8_b32): the up pass multiplies x's
-    int8 blocks, where gate and up are packed."""
+    int8 blocks, where gate and up are packed; `a["int8_h"]` (the op's): h is rounded and the
+    down pass multiplies its int8 blocks, where down is packed."""
     x, weights, ids, *stacks = protos
     o = outs[0]
     if (x.ndim < 2 or x.dtype != np.float32 or weights.dtype != np.float32 or o.dtype != np.float32
@@ -498,10 +499,13 @@ def prepare_moe_experts(a, outs, protos, op=None):
     hidden, k = x.shape[-1], ids.shape[-1]
     out = o.reshape(-1, hidden)
     int8_x = bool(a.get("int8_x")) and int8_up(kinds)
+    int8_h = bool(a["int8_h"])
+    if int8_h and not kinds[2]:
+        return None                   # (h rounded but down dense: the NumPy kernel rounds it)
 
     def step(a_, o_, x, weights, ids, gate, up, down):        # tokens: every leading dim
         run_moe_experts(mod, kinds, x.reshape(-1, hidden), weights.reshape(-1, k), ids.reshape(-1, k),
-                        gate, up, down, out, int8_x)
+                        gate, up, down, out, int8_x, int8_h)
     return step
 
 

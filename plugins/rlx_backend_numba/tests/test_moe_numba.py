@@ -192,8 +192,9 @@ def test_id_outside_the_experts_is_a_model_error(rng):
 
 
 # --------------------------------------------------------------------------- the runner
-def moe_graph(lead, k, schemes, int8=False):
-    """moe_experts over inputs; `int8`: x through a fake_quantize to int8_b32 first."""
+def moe_graph(lead, k, schemes, int8=False, int8_h=False):
+    """moe_experts over inputs; `int8`: x through a fake_quantize to int8_b32 first; `int8_h`:
+    the op's attribute (h rounded before the down pass)."""
     m = Builder("moe", "mir")
     x, w = m.input("x", lead + (H,), F32), m.input("weights", lead + (k,), F32)
     if int8:
@@ -206,7 +207,7 @@ def moe_graph(lead, k, schemes, int8=False):
             ws.append(m.input(name, (E, rows, nbytes), U8))
         else:
             ws.append(m.input(name, shape, F32))
-    m.output("y", m.add("moe_experts", (x, w, ids, *ws), schemes=tuple(schemes)))
+    m.output("y", m.add("moe_experts", (x, w, ids, *ws), schemes=tuple(schemes), int8_h=int8_h))
     return m.build()
 
 
@@ -242,7 +243,7 @@ def test_runner_multiplies_int8_x_after_a_rounding(rng, schemes, lead, monkeypat
     monkeypatch.setattr(M, "GROUP_GEMM_INT8", 1.0)
     seen = []
     real = M.run_moe_experts
-    monkeypatch.setattr(M, "run_moe_experts", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(M, "run_moe_experts", lambda *a: seen.append(a[-2]) or real(*a))
     raw, f64 = stacks(rng, schemes)
     t = int(np.prod(lead))
     x = rng.standard_normal((t, H)).astype(np.float32)
@@ -255,3 +256,29 @@ def test_runner_multiplies_int8_x_after_a_rounding(rng, schemes, lead, monkeypat
     want = rlx_core.compile(g, backend="numpy").run(inputs)["y"]
     close(got, want.astype(np.float64))
     close(got.reshape(t, H), reference(int8_rounded(x).astype(np.float64), weights, ids, *f64))
+
+
+@pytest.mark.parametrize("lead", [(1,), (37,)], ids=str)
+def test_runner_rounds_h_where_the_op_says(rng, lead, monkeypatch):
+    """moe_experts' int8_h (set by pack_params under activations = "int8" where down is
+    packed): numba's step runs the int8 down pass and equals the NumPy backend, which rounds h
+    through int8_b32 and multiplies in float; the rounding changes the result."""
+    monkeypatch.setattr(M, "GROUP_GEMM", 1.0)
+    monkeypatch.setattr(M, "GROUP_GEMM_INT8", 1.0)
+    seen = []
+    real = M.run_moe_experts
+    monkeypatch.setattr(M, "run_moe_experts", lambda *a: seen.append(a[-2:]) or real(*a))
+    schemes = TRIPLES[3]
+    raw, f64 = stacks(rng, schemes)
+    t = int(np.prod(lead))
+    x = rng.standard_normal((t, H)).astype(np.float32)
+    weights, ids = routes(rng, t, 2)
+    inputs = dict(x=x.reshape(lead + (H,)), weights=weights.reshape(lead + (2,)), ids=ids.reshape(lead + (2,)),
+                  gate=raw[0], up=raw[1], down=raw[2])
+    g = moe_graph(lead, 2, schemes, int8=True, int8_h=True)
+    got = rlx_core.compile(g, backend="numba").run(inputs)["y"]
+    assert seen == [(True, True)]
+    want = rlx_core.compile(g, backend="numpy").run(inputs)["y"]
+    close(got, want.astype(np.float64))
+    unrounded = rlx_core.compile(moe_graph(lead, 2, schemes, int8=True), backend="numpy").run(inputs)["y"]
+    assert np.abs(want - unrounded).max() > 1e-6 * np.abs(want).max()
