@@ -211,17 +211,23 @@ def moe_graph(lead, k, schemes, int8=False, int8_h=False):
     return m.build()
 
 
-@pytest.mark.parametrize("schemes", [TRIPLES[0], TRIPLES[2]], ids=["f32", "packed"])
-@pytest.mark.parametrize("lead", [(1,), (37,), (2, 3)], ids=str)
-def test_runner_step_equals_numpy_backend(rng, schemes, lead):
-    """The step numba's runner builds (tokens over every leading dim) equals the NumPy
-    backend's kernel and the reference."""
+def runner_inputs(rng, schemes, lead):
+    """(float64 stacks, tokens, x, weights, ids, the graph's inputs) over `lead` token dims, k = 2."""
     raw, f64 = stacks(rng, schemes)
     t = int(np.prod(lead))
     x = rng.standard_normal((t, H)).astype(np.float32)
     weights, ids = routes(rng, t, 2)
     inputs = dict(x=x.reshape(lead + (H,)), weights=weights.reshape(lead + (2,)), ids=ids.reshape(lead + (2,)),
                   gate=raw[0], up=raw[1], down=raw[2])
+    return f64, t, x, weights, ids, inputs
+
+
+@pytest.mark.parametrize("schemes", [TRIPLES[0], TRIPLES[2]], ids=["f32", "packed"])
+@pytest.mark.parametrize("lead", [(1,), (37,), (2, 3)], ids=str)
+def test_runner_step_equals_numpy_backend(rng, schemes, lead):
+    """The step numba's runner builds (tokens over every leading dim) equals the NumPy
+    backend's kernel and the reference."""
+    f64, t, x, weights, ids, inputs = runner_inputs(rng, schemes, lead)
     g = moe_graph(lead, 2, schemes)
     numba_exe = rlx_core.compile(g, backend="numba")
     got = numba_exe.run(inputs)["y"]
@@ -244,12 +250,7 @@ def test_runner_multiplies_int8_x_after_a_rounding(rng, schemes, lead, monkeypat
     seen = []
     real = M.run_moe_experts
     monkeypatch.setattr(M, "run_moe_experts", lambda *a: seen.append(a[-2]) or real(*a))
-    raw, f64 = stacks(rng, schemes)
-    t = int(np.prod(lead))
-    x = rng.standard_normal((t, H)).astype(np.float32)
-    weights, ids = routes(rng, t, 2)
-    inputs = dict(x=x.reshape(lead + (H,)), weights=weights.reshape(lead + (2,)), ids=ids.reshape(lead + (2,)),
-                  gate=raw[0], up=raw[1], down=raw[2])
+    f64, t, x, weights, ids, inputs = runner_inputs(rng, schemes, lead)
     g = moe_graph(lead, 2, schemes, int8=True)
     got = rlx_core.compile(g, backend="numba").run(inputs)["y"]
     assert seen == [bool(schemes[0])]
@@ -269,12 +270,7 @@ def test_runner_rounds_h_where_the_op_says(rng, lead, monkeypatch):
     real = M.run_moe_experts
     monkeypatch.setattr(M, "run_moe_experts", lambda *a: seen.append(a[-2:]) or real(*a))
     schemes = TRIPLES[3]
-    raw, f64 = stacks(rng, schemes)
-    t = int(np.prod(lead))
-    x = rng.standard_normal((t, H)).astype(np.float32)
-    weights, ids = routes(rng, t, 2)
-    inputs = dict(x=x.reshape(lead + (H,)), weights=weights.reshape(lead + (2,)), ids=ids.reshape(lead + (2,)),
-                  gate=raw[0], up=raw[1], down=raw[2])
+    _, t, x, weights, ids, inputs = runner_inputs(rng, schemes, lead)
     g = moe_graph(lead, 2, schemes, int8=True, int8_h=True)
     got = rlx_core.compile(g, backend="numba").run(inputs)["y"]
     assert seen == [(True, True)]
