@@ -87,7 +87,9 @@ def params_as_inputs(g: Graph, names=None) -> Graph:
 # value a block computes in f32 on purpose meets bf16 weights here; promoting the product to
 # f32 would carry f32 through every later layer
 AUTOCAST = {"matmul": (0, 1), "fused_matmul_bias_act": (0, 1, 2), "dequant_matmul": (0, 2),
-            "attention": (0, 1, 2), "fused_attention_block": (0, 1, 2), "varlen_attention": (0, 1, 2)}
+            "attention": (0, 1, 2), "fused_attention_block": (0, 1, 2), "varlen_attention": (0, 1, 2),
+            # (one dtype for all six: q and k come out of an l2norm whose eps bf16 cannot hold)
+            "gated_delta_rule": (0, 1, 2, 3, 4, 5)}
 # RoPE tables may stay f32 into the ops that apply them (the kernels compute in f32)
 TABLES = {"rope": (1, 2), "fused_attention_block": (3, 4)}
 FLOATS = (DType.F32, DType.F64, DType.F16, DType.BF16)

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from rlx_core.ir.errors import ModelError, WeightError  # noqa: E402
+from rlx_core.profile import CompileProfile  # noqa: E402
 from rlx_core.runtime.model import load  # noqa: E402
 from rlx_core.testing.parity import backend_params  # noqa: E402
 
@@ -79,6 +80,20 @@ def test_logits_match_hf(saved, kind, backend):
     got = load(path, backend=backend, progress=False).logits(ids)
     assert np.abs(want).max() > 0.5                     # logits that tell tokens apart
     np.testing.assert_allclose(got, want, atol=TOL * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_compute_near_hf(saved, backend):
+    """bf16 compute (issue 45's GPU configuration: precision.compute = bf16; q and k leave an
+    l2norm whose eps bf16 cannot hold, so to_precision casts every gated_delta_rule input) gives
+    logits near HF's f32 ones, and not f32's exact ones."""
+    model, path = saved["dense"]
+    ids = prompt(40, 3)
+    want = hf_logits(model, ids)
+    prof = CompileProfile.preset("qwen35_prefill").evolve(precision={"compute": "bf16"})
+    m = load(path, backend=backend, profile=prof, progress=False)
+    err = np.abs(m.logits(ids) - want).max() / np.abs(want).max()
+    assert 0 < err <= 5e-2, f"bf16 on {backend}: max error {err:.3g} of max |ref|"
 
 
 @pytest.fixture(scope="module")
