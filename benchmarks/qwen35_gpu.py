@@ -137,20 +137,6 @@ def copy_bandwidth_torch(nbytes: int = 1 << 30, reps: int = 20) -> float:
 
 
 # ------------------------------------------------------------------------------ the RLX side
-def autocast_delta_rule() -> bool:
-    """Work around bf16 compute refusing the model (found by this benchmark, 2026-12-02):
-    hybrid.l2norm's `+ 1e-6` is a scalar bf16 cannot hold, so to_precision keeps q and k in
-    f32 while v is bf16 and gated_delta_rule refuses the mix. Listing the op's q, k, v, g,
-    beta, state among the operands cast to the compute dtype (AUTOCAST, as matmul's) runs it
-    in bf16 as fla does. True where the entry was added (a no-op once the core has one)."""
-    from rlx_core.passes import transform
-
-    if "gated_delta_rule" in transform.AUTOCAST:
-        return False
-    transform.AUTOCAST["gated_delta_rule"] = (0, 1, 2, 3, 4, 5)
-    return True
-
-
 def reps_within(reps: int, first_s: float, seconds: float = 20.0) -> int:
     """The timed repeats after a first call of `first_s` (compile included): at most `reps`,
     fewer where they would take more than `seconds` (a slow side keeps the run in its lease)."""
@@ -182,7 +168,7 @@ def side_rlx(a, cfg: dict) -> dict:
     from rlx_core.profile import CompileProfile, PrecisionConfig
     from rlx_core.runtime.model import CausalLM
 
-    res: dict = {"autocast_workaround": autocast_delta_rule()}
+    res: dict = {}
     on_gpu = a.backend == "cuda"
     if on_gpu:
         res["copy_bw"] = copy_bandwidth_torch()
