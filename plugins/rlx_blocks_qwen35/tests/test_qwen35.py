@@ -85,15 +85,21 @@ def test_logits_match_hf(saved, kind, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_compute_near_hf(saved, backend):
     """bf16 compute (issue 45's GPU configuration: precision.compute = bf16; q and k leave an
-    l2norm whose eps bf16 cannot hold, so to_precision casts every gated_delta_rule input) gives
-    logits near HF's f32 ones, and not f32's exact ones."""
+    l2norm whose eps bf16 cannot hold, so to_precision casts every gated_delta_rule input) is
+    as near HF's f32 logits as HF's own bf16 model is (on this tiny model with its large
+    logits both are a few % off), and not f32's exact ones."""
+    import copy
+
     model, path = saved["dense"]
     ids = prompt(40, 3)
     want = hf_logits(model, ids)
+    with torch.no_grad():
+        hf_bf16 = copy.deepcopy(model).to(torch.bfloat16)(torch.from_numpy(ids)).logits.float().numpy()
+    bound = max(np.abs(hf_bf16 - want).max() / np.abs(want).max(), 2e-2)
     prof = CompileProfile.preset("qwen35_prefill").evolve(precision={"compute": "bf16"})
     m = load(path, backend=backend, profile=prof, progress=False)
     err = np.abs(m.logits(ids) - want).max() / np.abs(want).max()
-    assert 0 < err <= 5e-2, f"bf16 on {backend}: max error {err:.3g} of max |ref|"
+    assert 0 < err <= bound, f"bf16 on {backend}: max error {err:.3g} of max |ref| (HF bf16's: {bound:.3g})"
 
 
 @pytest.fixture(scope="module")
