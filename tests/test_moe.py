@@ -62,7 +62,7 @@ def test_moe_ops_print_and_round_trip_through_json():
     assert graph_from_json(g.to_json()).to_json() == g.to_json()
     text = str(g)
     assert "moe_route(%1) {k=2 normalize=false order=topk_softmax} : f32[b,s,2], i64[b,s,2]" in text
-    assert "{act=gelu schemes=(q8_0,q8_0,)} : f32[b,s,32]" in text
+    assert "{act=gelu int8_h=false schemes=(q8_0,q8_0,)} : f32[b,s,32]" in text
 
 
 @pytest.mark.parametrize("case,match", [
