@@ -67,19 +67,30 @@ def write_checkpoint(folder: str, a) -> None:
     """Random f16 OLMoE tensors (HF names, per-expert), one safetensors shard per layer."""
     import numpy as np
     from rlx_blocks_moe.recipes import hf_tensor_shapes
-    from safetensors.numpy import save_file
+
+    def tensor(name, shape, rng):
+        return (np.ones(shape, np.float16) if "norm" in name else
+                (0.02 * rng.standard_normal(shape, np.float32)).astype(np.float16))
 
     cfg = hf_config(a)
+    write_sharded(folder, cfg, hf_tensor_shapes(cfg), tensor)
+
+
+def write_sharded(folder: str, cfg: dict, shapes: dict, tensor) -> None:
+    """`tensor(name, shape, rng)` for every HF name in `shapes`, one safetensors shard per
+    layer (a layer's tensors in memory at a time), the index, config.json and the tokenizer."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
     rng = np.random.default_rng(0)
     shards: dict = {}
-    for name, shape in hf_tensor_shapes(cfg).items():
+    for name, shape in shapes.items():
         layer = name.split(".")[2] if name.startswith("model.layers.") else "rest"
         shards.setdefault(layer, {})[name] = shape
     weight_map = {}
-    for layer, shapes in shards.items():
+    for layer, layer_shapes in shards.items():
         fname = f"model-{layer}.safetensors"
-        tensors = {n: (np.ones(s, np.float16) if "norm" in n else
-                       (0.02 * rng.standard_normal(s, np.float32)).astype(np.float16)) for n, s in shapes.items()}
+        tensors = {n: tensor(n, sh, rng) for n, sh in layer_shapes.items()}
         save_file(tensors, os.path.join(folder, fname))
         weight_map.update({n: fname for n in tensors})
         del tensors

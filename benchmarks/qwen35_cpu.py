@@ -52,7 +52,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import log, run_child  # noqa: E402
 from hardware import cpu_name  # noqa: E402
-from moe_cpu import peak_rss_mb, quantize, save_tokenizer  # noqa: E402
+from moe_cpu import peak_rss_mb, quantize, write_sharded  # noqa: E402
 
 FULL = dict(layers=24, hidden=2048, inter=6144, vocab=49152, heads=8, kv_heads=2, head_dim=256,
             lin_heads=16, lin_dim=128)
@@ -101,27 +101,8 @@ def random_tensor(name: str, shape: tuple, rng):
 
 def write_checkpoint(folder: str, a) -> None:
     """Random f16 tensors (HF names), one safetensors shard per layer, config and tokenizer."""
-    import numpy as np
-    from safetensors.numpy import save_file
-
     cfg = hf_config(a)
-    rng = np.random.default_rng(0)
-    shards: dict = {}
-    for name, shape in hf_shapes(cfg).items():
-        layer = name.split(".")[2] if name.startswith("model.layers.") else "rest"
-        shards.setdefault(layer, {})[name] = shape
-    weight_map = {}
-    for layer, shapes in shards.items():
-        fname = f"model-{layer}.safetensors"
-        tensors = {n: random_tensor(n, s, rng) for n, s in shapes.items()}
-        save_file(tensors, os.path.join(folder, fname))
-        weight_map.update({n: fname for n in tensors})
-        del tensors
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    save_tokenizer(folder)
+    write_sharded(folder, cfg, hf_shapes(cfg), random_tensor)
 
 
 # ------------------------------------------------------------------------------ the sides

@@ -4,7 +4,7 @@ endpoint and status) and the drain of a graceful shutdown.
 
 Which paths need the key (`Authorization: Bearer <key>`, as OpenAI's clients send it):
 /v1/*, /tokenize, /detokenize and /metrics. /health and the chat page at / stay public, as
-llama-server keeps them (a load balancer probes /health without a secret; the page asks for
+the common OpenAI-compatible servers keep them (a load balancer probes /health without a secret; the page asks for
 the key itself). Keys are compared in constant time."""
 from __future__ import annotations
 
