@@ -149,13 +149,12 @@ def rlx_flags() -> str:
 
 
 def rlx_server(a, port: int, chunk: int) -> Server:
-    """`rlx serve` with the prefix cache on and prefill chunks of `chunk` tokens (0: off, given
-    as a chunk of the whole context, which no prompt exceeds: the CLI takes no 0)."""
+    """`rlx serve` with the prefix cache on and prefill chunks of `chunk` tokens (0: whole prompts)."""
     rlx = os.path.join(os.path.dirname(sys.executable), "rlx")
     cmd = [rlx, "serve", MODEL, "--host", "127.0.0.1", "--port", str(port), "--backend", a.backend,
            "--max-batch", str(a.clients + 1), "--log-level", "warning"]
     helps = rlx_flags()
-    for flag, value in (("--prefix-cache-mb", a.prefix_cache_mb), ("--prefill-chunk", chunk or a.ctx)):
+    for flag, value in (("--prefix-cache-mb", a.prefix_cache_mb), ("--prefill-chunk", chunk)):
         if flag in helps:
             cmd += [flag, str(value)]
         else:
