@@ -135,10 +135,11 @@ class VisionModel:
             self._processor = ImageProcessor.from_folder(self.source)
         return self._processor
 
-    def forward_pixels(self, pixel_values, pixel_attention_mask=None, spatial_shapes=None) -> dict:
-        """Every output of the vision graph (last_hidden_state, pooled, embedding) for pixels
-        [N, C, H, W] or, for a NaFlex model, the processor's patches [N, T, p*p*C] with their
-        pixel_attention_mask [N, T] and spatial_shapes [N, 2]."""
+    def forward_pixels(self, pixel_values, pixel_attention_mask=None, spatial_shapes=None, fetch=None) -> dict:
+        """The outputs of the vision graph (last_hidden_state, pooled, embedding; `fetch` names
+        some, so a GPU copies back only those) for pixels [N, C, H, W] or, for a NaFlex model,
+        the processor's patches [N, T, p*p*C] with their pixel_attention_mask [N, T] and
+        spatial_shapes [N, 2]."""
         if self.arch.naflex:
             feed = self.naflex_feed(pixel_values, pixel_attention_mask, spatial_shapes)
             exe = self.executable("vision")
@@ -148,7 +149,7 @@ class VisionModel:
             feed = {"pixel_values": pixel_array(pixel_values, self.arch.channels)}
             exe = self.executable("vision", *feed["pixel_values"].shape[2:])
         with self._lock:
-            return exe.run(feed)
+            return exe.run(feed, fetch=fetch)
 
     def naflex_feed(self, pixel_values, pixel_attention_mask, spatial_shapes) -> dict:
         """The NaFlex graph's inputs: the patches, each image's position-resize weights (its
@@ -190,7 +191,7 @@ class VisionModel:
             part = slice(i, i + bs)
             out.append(self.forward_pixels(
                 pixel_values[part], None if pixel_attention_mask is None else pixel_attention_mask[part],
-                None if spatial_shapes is None else spatial_shapes[part])["embedding"])
+                None if spatial_shapes is None else spatial_shapes[part], fetch=("embedding",))["embedding"])
         if not out:
             raise ModelError("pixel_values: no images")
         e = np.concatenate(out).astype(np.float32)
@@ -267,14 +268,15 @@ class VisionModel:
         onehot[np.arange(len(rows)), at] = 1.0
         return {"ids": ids, "positions": np.ascontiguousarray(pos), "pool_onehot": onehot}
 
-    def forward_ids(self, rows) -> dict:
-        """Every output of the text graph for token-id rows (lists of ints)."""
+    def forward_ids(self, rows, fetch=None) -> dict:
+        """The outputs of the text graph (all, or those `fetch` names) for token-id rows (lists
+        of ints)."""
         if self.text is None:
             raise ModelError(f"a {self.config.get('model_type')} model has no text tower")
         feed = self.text_feed([list(map(int, r)) for r in rows])
         exe = self.executable("text")
         with self._lock:
-            return exe.run(feed)
+            return exe.run(feed, fetch=fetch)
 
     def embed_texts(self, texts, normalize: bool = False, batch_size: int = 16) -> np.ndarray:
         if self.text is None:
@@ -283,7 +285,7 @@ class VisionModel:
         texts = [texts] if isinstance(texts, str) else list(texts)
         bs = int_arg("batch_size", batch_size, lo=1)
         rows = self._tokens(texts)
-        out = [self.forward_ids(rows[i:i + bs])["embedding"] for i in range(0, len(rows), bs)]
+        out = [self.forward_ids(rows[i:i + bs], fetch=("embedding",))["embedding"] for i in range(0, len(rows), bs)]
         e = np.concatenate(out).astype(np.float32) if out else np.zeros((0, self.embedding_dim), np.float32)
         return _l2(e) if bool_arg("normalize", normalize) else e
 
