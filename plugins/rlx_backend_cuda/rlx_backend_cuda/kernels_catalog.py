@@ -69,13 +69,15 @@ def catalog() -> list:
                     src = S.render(S.ATTN_SHORT, TQ=t, TK=t, TV=t, TO=t, **S.attn_short_shape(g, d, sk, vk), **common)
                     out.append((f"attn_short {t} {mk}{mm} G{g} D{d} Sk{sk}", src, "rlx_attn_short"))
             if t in ("__nv_bfloat16", "__half"):
-                for d, vec, mt in ((64, 1, 2), (128, 0, 1), (128, 1, 2), (32, 1, 1), (96, 1, 2)):
+                heavy = int(mk == 1)
+                for d, vec, mt in ((64, 1, 2), (128, 0, 1), (128, 1, 2), (32, 1, 1), (96, 1, 2), (256, 1, 1)):
                     out.append((f"attn_tc {t} {d} MT {mt}", S.render(
-                        S.ATTN_TC, T=t, MMAT="bf16" if "bf" in t else "f16", D=d, VEC=vec, MT=mt, **common),
-                        "rlx_attn_tc"))
-                for d, whole in ((64, 0), (128, 0), (128, 1)):
+                        S.ATTN_TC, T=t, MMAT="bf16" if "bf" in t else "f16", D=d, VEC=vec, MT=mt, HEAVY_FIRST=heavy,
+                        **common), "rlx_attn_tc"))
+                for d, whole in ((64, 0), (128, 0), (128, 1), (256, 0), (256, 1)):
                     out.append((f"attn_wg {t} {mk}{mm} {d} whole {whole}", S.attn_wg_source(
-                        d, T=t, MMAT="bf16" if "bf" in t else "f16", WHOLE=whole, **common), "rlx_attn_wg"))
+                        d, T=t, MMAT="bf16" if "bf" in t else "f16", WHOLE=whole, HEAVY_FIRST=heavy, **common),
+                        "rlx_attn_wg"))
         out.append((f"gather {t}", S.render(S.GATHER, TT=t, TI="long long"), "rlx_gather"))
     out.append(("gather u8", S.render(S.GATHER, TT="unsigned char", TI="int"), "rlx_gather"))
     for rank in (1, 4):
@@ -147,7 +149,7 @@ def moe_gdn() -> list:
     """moe_experts' kernels (moe.py: dense in each dtype, packed in each scheme, gate/up fused or
     not, the sort, the combine) and gated_delta_rule's and causal_conv1d's (deltanet.py)."""
     silu = "v = (W)tof(ST(__nv_bfloat16, v)); { v = v / (1.0f + expf(-v)); }"
-    out = [("moe sort", S.render(S.MOE_SORT, TI="long long", NE=64), "rlx_moe_sort")]
+    out = [(f"moe sort {bm}", S.render(S.MOE_SORT, TI="long long", NE=64, BM=bm), "rlx_moe_sort") for bm in (0, 16)]
     for t, acc, vec in (("float", "float", 4), ("__nv_bfloat16", "float", 8), ("__half", "float", 8),
                         ("double", "double", 2)):
         for dual in (0, 1):
@@ -172,6 +174,15 @@ def moe_gdn() -> list:
         out.append((f"moe packed {kind}", S.render(src, ACC="float", A=16, XV=1, T="__nv_bfloat16", TO="__nv_bfloat16",
                                                   MC=8, DUAL=1, EPILOGUE=silu,
                                                   **({"IB": 32} if "IB" in src.defines() else {})), "rlx_moe_gemv"))
+        src = S.DQ_COMMON + S.DQ_SCHEMES[kind] + S.DQ_QF + S.MOE_GEMM_PACKED_TAIL
+        out.append((f"moe gemm packed {kind}", S.render(src, ACC="float", A=16, T="__nv_bfloat16", MMAT="bf16", BK=128,
+                                                       MT=2, TO="__nv_bfloat16", STAGES=1, DUAL=1, EPILOGUE=silu,
+                                                       **({"IB": 32} if "IB" in src.defines() else {})), "rlx_moe_gemm"))
+    for t, mmat in (("__nv_bfloat16", "bf16"), ("__half", "f16")):
+        for mt, dual in ((1, 0), (2, 1)):
+            out.append((f"moe gemm dense {t} {mt} {dual}", S.render(
+                S.MOE_GEMM_DENSE, ACC="float", T=t, MMAT=mmat, BK=64, MT=mt, TO=t, STAGES=2, DUAL=dual,
+                EPILOGUE="v = v * 0.5f;" if dual else ""), "rlx_moe_gemm"))
     return out
 
 

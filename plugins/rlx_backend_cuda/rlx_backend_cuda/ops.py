@@ -33,6 +33,10 @@ ATTN_BLOCKS_PER_SM = 2
 # against 1.029 ms (each K/V tile feeds twice the rows); 1x24x1024x64 (192 blocks of 128
 # rows): 0.039 against 0.033 ms
 ATTN_TC_MIN_BLOCKS_PER_SM = 2
+# head dims the tensor-core attention takes (mma.sync; at 256 a warp holds one m-tile)
+ATTN_TC_DIMS = (32, 64, 96, 128, 256)
+# causal prefill: the tensor-core kernels start the query tiles with the most keys first
+ATTN_HEAVY_FIRST = True
 ATTN_THREADS = sources.ATTN_THREADS
 ATTN_LOADS = sources.ATTN_LOADS
 ATTN_MIN_CHUNK = 64
@@ -1426,13 +1430,15 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
     common = dict(MASKKIND=mk, MASKMODE=mmode, TM=tm, TP=tp, HAS_POS=int(pv is not None))
     tc = None
     same = q.dt is k.dt is v.dt
-    if (same and q.dt in LOW and Dk == Dv and Dk in (32, 64, 96, 128) and not b.hip
+    if (same and q.dt in LOW and Dk == Dv and Dk in ATTN_TC_DIMS and not b.hip
             and tuple(b.cc) >= (8, 0) and Sq >= 16):
         vec = all(t.arr.data.ptr % 16 == 0 for t in (q, k, v)) and all(
             s % 8 == 0 for s in qs[:3] + ks[:3] + vs[:3])
-        mt = 2 if -(-Sq // 128) * H * B >= ATTN_TC_MIN_BLOCKS_PER_SM * b.sms else 1
+        # (two m-tiles a warp at D 256 would hold 256 accumulators a thread: one)
+        mt = 2 if Dk <= 128 and -(-Sq // 128) * H * B >= ATTN_TC_MIN_BLOCKS_PER_SM * b.sms else 1
+        tc_common = dict(common, HEAVY_FIRST=int(ATTN_HEAVY_FIRST and mk == 1))
         src = sources.render(sources.ATTN_TC, T=ctype(q.dt), MMAT="bf16" if q.dt is BF16 else "f16",
-                             D=Dk, VEC=int(vec), MT=mt, **common)
+                             D=Dk, VEC=int(vec), MT=mt, **tc_common)
         smem = sources.attn_tc_smem(Dk, mt)
         fn = b.kernel(src, "rlx_attn_tc", smem)
         args = (q.arr, i64(qs[0]), i64(qs[1]), i64(qs[2]), k.arr, i64(ks[0]), i64(ks[1]), i64(ks[2]),
@@ -1440,7 +1446,7 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
                 out.arr, *ostr, i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk), scale, cap, window)
         grid, block, stream = (-(-Sq // (64 * mt)), H, B), (128,), b.stream
 
-        wg = _wg_attention(b, a, q, k, v, mv, mst, pv, out, common) if vec else None
+        wg = _wg_attention(b, a, q, k, v, mv, mst, pv, out, tc_common) if vec else None
 
         def tc_run():
             if wg is not None and CONFIG["wg_attention"]:
@@ -1493,22 +1499,23 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
 
 def _wg_attention(b, a: dict, q: V, k: V, v: V, mv, mst, pv, out: V, common: dict):
     """A launch of sources.ATTN_WG (Hopper's wgmma: 128 query rows a block, two warpgroups)
-    for 16-byte-aligned rows of head_dim 64 or 128 on an sm_90 GPU, or None; K and V through
-    tensor maps. FLUX's attention (4608 tokens, 24 heads x 128, bf16, H200): 0.473 ms against
-    rlx_attn_tc's 0.885."""
+    for 16-byte-aligned rows of head_dim 64, 128 or 256 on an sm_90 GPU, or None; K and V
+    through tensor maps. FLUX's attention (4608 tokens, 24 heads x 128, bf16, H200): 0.473 ms
+    against rlx_attn_tc's 0.885."""
     B, H, Sq, D = q.shape
     KVH, Sk = k.shape[1], k.shape[2]
     oe = out.es
-    if (D not in (64, 128) or tuple(b.cc) != (9, 0) or oe[3] != 1 or any(s % 2 for s in oe[:3])
+    if (D not in (64, 128, 256) or tuple(b.cc) != (9, 0) or oe[3] != 1 or any(s % 2 for s in oe[:3])
             or out.arr.data.ptr % 4):
         return None
-    box = (64, sources.BN_WG, 1, 1)
+    bn = sources.attn_wg_bn(D)
+    box = (64, bn, 1, 1)
     try:                      # (a layout the copy engine cannot take, a broadcast head say: the mma.sync kernel)
         tk, tv = device.tensor_map(k.arr, box, "attention keys"), device.tensor_map(v.arr, box, "attention values")
     except BackendError:
         return None
     whole = int(common["MASKKIND"] == 0 and common["MASKMODE"] == 0 and float(a["softcap"]) == 0.0
-                and float(a["scale"]) > 0.0 and Sq % 128 == 0 and Sk % 128 == 0)
+                and float(a["scale"]) > 0.0 and Sq % 128 == 0 and Sk % bn == 0)
     src = sources.attn_wg_source(D, T=ctype(q.dt), MMAT="bf16" if q.dt is BF16 else "f16", WHOLE=whole, **common)
     smem = sources.attn_wg_smem(D)
     fn = b.kernel(src, "rlx_attn_wg", smem)

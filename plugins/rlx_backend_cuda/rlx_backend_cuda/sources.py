@@ -162,27 +162,32 @@ def attn_tc_smem(D: int, MT: int) -> int:
     return (2 * 64 + 64 * MT) * (D + 8) * 2
 
 
+def attn_wg_bn(D: int) -> int:
+    """Keys of a K / V tile of ATTN_WG at head_dim D: 128; 64 at 256 (O's 128 accumulators a
+    thread beside two S tiles within 255 registers; Q and two slots of K and V within 227 KB)."""
+    return 64 if D > 128 else 128
+
+
 def attn_wg_source(D: int, **defines) -> str:
-    """ATTN_WG for head_dim D (64 or 128), its wgmma operand lists written out (string
+    """ATTN_WG for head_dim D (64, 128 or 256), its wgmma operand lists written out (string
     literals and asm operands, as defines)."""
     def regs(n):
         return '"' + ", ".join(f"%{i}" for i in range(n)) + '"'
 
     def outs(n):
         return ", ".join(f'"+f"(d[{i}])' for i in range(n))
+    bn = attn_wg_bn(D)
+    s = bn // 2                                   # S's accumulator registers; then Q's and K's descriptors, the flag
     h = D // 2                                    # O's accumulator registers; then P's four, V's descriptor
     operands = {f"PV_A{i}": f'"{h + i}"' for i in range(4)}
-    operands.update(PV_B=f'"{h + 4}"', PV_ONE=f'"{h + 5}"')
-    return render(ATTN_WG, D=D, BF16=int(defines.get("MMAT") == "bf16"), S_REGS=regs(64), S_OUTS=outs(64),
+    operands.update(PV_B=f'"{h + 4}"', PV_ONE=f'"{h + 5}"', QK_A=f'"{s}"', QK_B=f'"{s + 1}"', QK_ACC=f'"{s + 2}"')
+    return render(ATTN_WG, D=D, BN=bn, BF16=int(defines.get("MMAT") == "bf16"), S_REGS=regs(s), S_OUTS=outs(s),
                   O_REGS=regs(h), O_OUTS=outs(h), **operands, **defines)
-
-
-BN_WG = 128         # keys a tile (ATTN_WG's BN)
 
 
 def attn_wg_smem(D: int) -> int:
     """Dynamic shared memory of ATTN_WG: Q, two slots of K and V, 1024 bytes of alignment, the mbarriers."""
-    return (128 + 4 * BN_WG) * D * 2 + 1024 + 64
+    return (128 + 4 * attn_wg_bn(D)) * D * 2 + 1024 + 64
 
 
 # --------------------------------------------------------------------------- matmul helpers
@@ -236,6 +241,8 @@ MOE_SORT = Source("moe.cu:sort")
 MOE_DENSE = Source("moe.cu:w", "moe.cu:dense", "moe.cu:gemv")
 MOE_PACKED_TAIL = Source("dq.cu:x4", "moe.cu:packed", "moe.cu:gemv")    # after DQ_COMMON + a scheme + DQ_QF
 MOE_COMBINE = Source("moe.cu:w", "moe.cu:combine")
+MOE_GEMM_DENSE = Source("deltanet.cu:tc_common", "moe.cu:w", "moe.cu:gemm_shape", "moe.cu:gemm_dense", "moe.cu:gemm")
+MOE_GEMM_PACKED_TAIL = Source("deltanet.cu:tc_common", "moe.cu:gemm_shape", "moe.cu:gemm_packed", "moe.cu:gemm")
 GDN_RULE = Source("deltanet.cu:rule")
 GDN_PREP = Source("deltanet.cu:chunk_prep")
 GDN_SCAN = Source("deltanet.cu:chunk_scan")

@@ -440,6 +440,15 @@ ATTN_CASES = [
     (1, 2, 1, 130, 130, 96, "sliding_window", 50, 0.0, "bias", False),
     (1, 2, 2, 256, 256, 128, "none", 0, 0.0, None, False),
     (1, 4, 2, 256, 384, 64, "none", 0, 0.0, None, False),      # whole tiles, GQA (the wgmma kernel's fast path)
+    # head_dim 256 (Qwen3.5's full attention: 8 query heads on 2 KV heads, causal): one m-tile a
+    # warp (mma.sync), 64-key tiles (wgmma); odd lengths, a right-padding mask, an extend (Sq < Sk)
+    (1, 8, 2, 1000, 1000, 256, "causal", 0, 0.0, None, False),
+    (1, 8, 2, 17, 17, 256, "causal", 0, 0.0, None, False),
+    (2, 4, 1, 130, 130, 256, "causal", 0, 0.0, "pad", False),
+    (2, 8, 2, 100, 300, 256, "causal", 0, 0.0, None, True),
+    (1, 4, 2, 128, 256, 256, "none", 0, 30.0, "bias", False),
+    (1, 4, 1, 200, 200, 256, "sliding_window", 50, 0.0, None, False),
+    (1, 4, 2, 256, 512, 256, "none", 0, 0.0, None, False),     # whole tiles (the wgmma kernel's fast path)
 ]
 
 
@@ -497,6 +506,11 @@ def test_attention(rng, dt, case, tc, layout, monkeypatch):
         mk = rng.random((B, 1, Sq, Sk)) < 0.8
         mk[..., 0] = True
         ins["mask"] = mk
+    elif mask == "pad":                        # batch row b's last 7 * b keys are padding
+        mk = np.ones((B, 1, Sq, Sk), bool)
+        for b in range(1, B):
+            mk[b, ..., Sk - 7 * b:] = False
+        ins["mask"] = mk
     elif mask == "bias":
         ins["mask"] = rand(rng, (1, H, Sq, Sk), dt)
     if pos:
@@ -509,7 +523,7 @@ def test_attention(rng, dt, case, tc, layout, monkeypatch):
         q, k, v = (m.input(n, ins[n].shape, dt) for n in ("q", "k", "v"))
         if layout == "bshd":
             q, k, v = (m.transpose(t, swap) for t in (q, k, v))
-        mv = m.input("mask", ins["mask"].shape, BOOL if mask == "bool" else dt) if mask else None
+        mv = m.input("mask", ins["mask"].shape, BOOL if mask in ("bool", "pad") else dt) if mask else None
         pv = m.input("pos", (B,), I32) if pos else None
         o = m.attention(q, k, v, mv, pv, mask_kind=kind, window=window, softcap=cap)
         return m.transpose(o, swap) if layout == "bshd" else o
@@ -556,7 +570,8 @@ def test_attention_block_rope(rng, dt, style, B, S, D, batched, wg):
 @pytest.mark.parametrize("dt", [F16, BF16])
 @pytest.mark.parametrize("kind", ["none", "causal"])
 @pytest.mark.parametrize("mt", [1, 2, "wg"])
-def test_attention_tc_growing_scores(rng, dt, kind, mt, monkeypatch):
+@pytest.mark.parametrize("D", [128, 256])
+def test_attention_tc_growing_scores(rng, dt, kind, mt, D, monkeypatch):
     """Keys scaled up along the sequence make each query row's max grow tile after tile: the
     tensor-core kernels rescale their running sums only when a max passes the old one by 2^8,
     so both their branches run."""
@@ -565,7 +580,7 @@ def test_attention_tc_growing_scores(rng, dt, kind, mt, monkeypatch):
     if mt == "wg" and tuple(device.info().get("cc", (0, 0))) != (9, 0):
         pytest.skip("the wgmma attention runs on sm_90 GPUs (H100, H200) only")
     monkeypatch.setattr(ops, "ATTN_TC_MIN_BLOCKS_PER_SM", 0 if mt == 2 else 1 << 30)
-    B, H, S, D = 1, 2, 256, 128
+    B, H, S = 1, 2, 256
     ramp = np.linspace(0.2, 3.0, S, dtype=np.float32)[None, None, :, None]
     ins = {"q": rand(rng, (B, H, S, D), dt), "k": (rand(rng, (B, H, S, D), F32) * ramp).astype(dt.np),
            "v": rand(rng, (B, H, S, D), dt)}
@@ -633,7 +648,7 @@ def test_decode_attention_short_and_split_kernels(rng, dt, case, short, monkeypa
 
     def f(m):
         q, k, v = (m.input(n, ins[n].shape, dt) for n in ("q", "k", "v"))
-        mv = m.input("mask", ins["mask"].shape, BOOL if mask == "bool" else dt) if mask else None
+        mv = m.input("mask", ins["mask"].shape, BOOL if mask in ("bool", "pad") else dt) if mask else None
         return m.attention(q, k, v, mv, m.input("pos", (B,), I32), mask_kind=kind, window=window, softcap=cap)
     set_config(short_attention=short)
     try:

@@ -11,8 +11,8 @@ __device__ __forceinline__ float rlx_exp2(float x) {
   return y;
 }
 #define RLX_CP_COMMIT() asm volatile("cp.async.commit_group;\n" ::: "memory")
-// @part tc(MT, D, MMAT, T, VEC, TM, TP, HAS_POS, MASKKIND, MASKMODE)
-// Flash-style prefill on tensor cores (f16/bf16, head_dim D % 16 == 0, D <= 128):
+// @part tc(MT, D, MMAT, T, VEC, TM, TP, HAS_POS, MASKKIND, MASKMODE, HEAVY_FIRST)
+// Flash-style prefill on tensor cores (f16/bf16, head_dim D % 16 == 0, D <= 256; MT = 1 at 256):
 // FlashAttention-2 register layout with mma.sync.m16n8k16 (f32 accumulate). Block = 4
 // warps x MT m-tiles of 16 query rows of one head (warp w takes rows mt * 64 + w * 16..);
 // Q and 64-key tiles of K and V staged in shared memory (dynamic: attn_tc_smem bytes);
@@ -20,7 +20,10 @@ __device__ __forceinline__ float rlx_exp2(float x) {
 // and K's and V's B fragments come from shared memory by ldmatrix (V's transposed), each K
 // and V fragment feeding the MT m-tiles. With MT = 2 a block reads each K/V tile for 128
 // query rows. V read one 16-bit element at a time took 2.40 against 1.91 ms (FLUX's
-// 4608-token, 24-head attention, H100).
+// 4608-token, 24-head attention, H100). At D = 256 a thread holds O's 128 accumulators (FA2's
+// hdim-256 tiles: 64 query rows, 64 keys, 4 warps); 101,376 bytes of shared memory, within
+// sm_80's and sm_86's limits. HEAVY_FIRST (causal): block x takes query tile gridDim.x - 1 - x,
+// so the tiles with the most keys start first and the short ones fill the tail.
 #define BM (64 * MT)
 #define BN 64
 #define LDS (D + 8)
@@ -102,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
   unsigned short* Ks = rlx_smem;                  // [BN][LDS]
   unsigned short* Vs = rlx_smem + BN * LDS;       // [BN][LDS]
   unsigned short* Qs = rlx_smem + 2 * BN * LDS;   // [BM][LDS]
-  const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int qt = HEAVY_FIRST ? gridDim.x - 1 - blockIdx.x : blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int G = H / KVH, kvh = h / G;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
   const float scale = (float)scale_d, cap = (float)cap_d, scale2 = scale * RLX_LOG2E;
@@ -302,10 +305,12 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
       }
     }
 }
-// @part wg(D, MMAT, BF16, T, TM, WHOLE, MASKMODE, MASKKIND, TP, HAS_POS, S_REGS, S_OUTS, O_REGS, O_OUTS, PV_A0, PV_A1, PV_A2, PV_A3, PV_B, PV_ONE)
-// Hopper (sm_90a) prefill attention on wgmma (f16/bf16, head_dim 64 or 128, 16-byte rows).
+// @part wg(D, BN, MMAT, BF16, T, TM, WHOLE, MASKMODE, MASKKIND, TP, HAS_POS, HEAVY_FIRST, S_REGS, S_OUTS, QK_A, QK_B, QK_ACC, O_REGS, O_OUTS, PV_A0, PV_A1, PV_A2, PV_A3, PV_B, PV_ONE)
+// Hopper (sm_90a) prefill attention on wgmma (f16/bf16, head_dim 64, 128 or 256, 16-byte rows).
 // Block = 2 warpgroups x 64 query rows of one head. Shared memory: Q, and two slots of a K and
-// a V tile of 128 keys each, as the 128-byte-swizzled layout wgmma reads (each 64-column half
+// a V tile of BN keys each (128; 64 for head_dim 256, as FA3 narrows its key tile there: O's
+// 128 accumulators a thread and both S tiles then fit the 255 registers, and Q, K and V the
+// 227 KB of shared memory), as the 128-byte-swizzled layout wgmma reads (each 64-column half
 // of a row is 128 bytes, its 16-byte chunk c at c ^ (row % 8)). Q comes by every thread's
 // cp.async; K and V by the copy engine (TMA, tensor maps made by device.tensor_map), which
 // one thread issues into a slot once both warpgroups have released it (mbarriers: no
@@ -318,19 +323,19 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
 // thread's cp.async and a block barrier a tile 0.545; lock-step tiles without the overlap
 // 0.602; with per-chunk address math in the copies 0.835).
 #define BM 128
-#define BN 128
 #define RLX_LOG2E 1.4426950408889634f
 __device__ __forceinline__ unsigned long long rlx_desc(unsigned a, unsigned lbo, unsigned sbo) {
   // a wgmma shared-memory matrix descriptor, 128-byte swizzle
   return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |
          ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
-// the wgmma operand lists (sources.attn_wg_source writes them for D): S_REGS / O_REGS the
-// accumulators' operands as a string ("%0, %1, ..."), S_OUTS / O_OUTS their asm outputs, PV_A0..3,
-// PV_B, PV_ONE the numbers of the P.V wgmma's further operands as strings
+// the wgmma operand lists (sources.attn_wg_source writes them for D and BN): S_REGS / O_REGS the
+// accumulators' operands as a string ("%0, %1, ..."), S_OUTS / O_OUTS their asm outputs; QK_A,
+// QK_B, QK_ACC and PV_A0..3, PV_B, PV_ONE the numbers of the two wgmmas' further operands as strings
 __device__ __forceinline__ void rlx_wg_qk(float* d, unsigned long long a, unsigned long long b, int acc) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." RLX_STR(MMAT) "." RLX_STR(MMAT) " {" S_REGS "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" QK_ACC ", 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n" RLX_STR(BN) "k16.f32." RLX_STR(MMAT) "." RLX_STR(MMAT) " {" S_REGS "}, "
+               "%" QK_A ", %" QK_B ", p, 1, 1, 0, 0;\n}\n"
                : S_OUTS : "l"(a), "l"(b), "r"(acc));
 }
 __device__ __forceinline__ void rlx_wg_pv(float* d, const u32* a, unsigned long long b) {
@@ -352,7 +357,7 @@ __device__ __forceinline__ u32 rlx_pack(float lo, float hi) {
   return *(u32*)&t;
 }
 struct rlx_wg_loader {
-  // a thread's share of copying 128 rows x D columns into D / 64 swizzled [128][128 B]
+  // a thread's share of copying 128 rows (Q's) x D columns into D / 64 swizzled [128][128 B]
   // halves: 16-byte column cc of rows r0, r0 + 256 / (D / 8), ... (the same swizzled slot in
   // each: the row step is a multiple of 8)
   static constexpr int CPR = D / 8, RSTEP = 256 / CPR, N = 128 / RSTEP;
@@ -426,7 +431,7 @@ struct rlx_wg_attn {
   // barriers: kfull, vfull, kempty, vempty, two slots each
   __device__ __forceinline__ unsigned bar(int which, int t) const { return bars + (which * 2 + (t & 1)) * 8; }
   __device__ __forceinline__ void fetch(const void* map, unsigned dst, unsigned full, int t) const {
-    // tile t's rows (kbeg + t * BN ..; rows past Sk are zeros) as D / 64 boxes of [128][64]
+    // tile t's rows (kbeg + t * BN ..; rows past Sk are zeros) as D / 64 boxes of [BN][64]
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(full), "r"(BN * D * 2) : "memory");
     const int row = (int)(kbeg + (i64)t * BN);
 #pragma unroll
@@ -565,7 +570,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) rlx_attn_wg(
   a.Sq = Sq; a.Sk = Sk;
   a.scale = (float)scale_d; a.cap = (float)cap_d; a.scale2 = a.scale * RLX_LOG2E;
   a.scale_d = scale_d; a.cap_d = cap_d;
-  a.q0 = (i64)blockIdx.x * BM;
+  a.q0 = (i64)(HEAVY_FIRST ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BM;   // (as rlx_attn_tc)
 #if HAS_POS
   a.p0 = (i64)pos[b];
 #else
