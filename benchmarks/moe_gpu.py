@@ -2,10 +2,12 @@
 1024; router softmax -> top-8, no renormalization): RLX against HF transformers'
 OlmoeSparseMoeBlock, each side in its own process (issue 44's GPU rows, at the layer level).
 
-Sides:
+Sides (a process each; a side process measures every token count on one set of weights):
 * rlx      the router linear + moe_route + moe_experts on the cuda backend, experts in bf16
            or packed (q4_k gate/up, q6_k down: Q4_K_M's mix); timed as CUDA-graph replays
            (events, no host copies), the median of --reps blocks of 20 replays
+* rlx-gemv the same with the grouped tensor-core GEMM off (the decode GEMV at every token
+           count: what moe_experts ran before the GEMM), measured in the rlx process
 * eager    transformers' OlmoeSparseMoeBlock in bf16 (random init), CUDA events
 * compile  the same under torch.compile (its compile time is printed apart)
 * llama.cpp CUDA on a GGUF of the same shape is not run here: printed "peer not run"
@@ -15,6 +17,7 @@ prefill), the ratios rlx / eager and rlx / compile for bf16, and the weight-read
 bytes of the experts the call routes to, at the copy bandwidth the rlx process measured).
 
     python benchmarks/moe_gpu.py                                  # the H200 run
+    python benchmarks/moe_gpu.py --sides rlx,rlx-gemv,eager,compile --json out.json
     python benchmarks/moe_gpu.py --sides rlx --tokens 1 --small   # a smoke test
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 
@@ -50,23 +54,32 @@ def _events(fn, reps: int, inner: int = 20) -> float:
     return statistics.median(times)
 
 
-def side_rlx(cfg: dict, tokens: int, scheme: str, reps: int) -> dict:
+def _params(cfg: dict, scheme: str) -> dict:
+    """Random router and expert stacks (packed where the scheme says), as the rlx side loads them."""
+    import numpy as np
+    from rlx_core.ir.quant import QuantScheme
+
+    rng = np.random.default_rng(0)
+    e, h, i = cfg["experts"], cfg["hidden"], cfg["inter"]
+    params = {"router": (rng.standard_normal((e, h)) / np.sqrt(h)).astype(np.float32)}
+    for name, shp, sch in zip(("gate", "up", "down"), ((e, i, h), (e, i, h), (e, h, i)), SCHEMES[scheme]):
+        w = (rng.uniform(-1, 1, shp) / np.sqrt(shp[-1])).astype(np.float32)
+        params[name] = (QuantScheme.parse(sch).quantize(w.reshape(-1, shp[-1])).reshape(shp[0], shp[1], -1)
+                        if sch else w)
+    return params
+
+
+def _rlx_ms(cfg: dict, params: dict, tokens: int, scheme: str, reps: int) -> float:
+    """Median ms of one CUDA-graph replay of the block at `tokens` tokens."""
     import cupy as cp
     import numpy as np
 
     import rlx_core
     from rlx_core.ir.dtype import BF16, U8
     from rlx_core.ir.graph import Graph
-    from rlx_core.ir.quant import QuantScheme
 
-    rng = np.random.default_rng(0)
-    e, k, h, i = cfg["experts"], cfg["k"], cfg["hidden"], cfg["inter"]
+    e, k, h = cfg["experts"], cfg["k"], cfg["hidden"]
     schemes = SCHEMES[scheme]
-    params = {"router": (rng.standard_normal((e, h)) / np.sqrt(h)).astype(np.float32)}
-    for name, shp, sch in zip(("gate", "up", "down"), ((e, i, h), (e, i, h), (e, h, i)), schemes):
-        w = (rng.uniform(-1, 1, shp) / np.sqrt(shp[-1])).astype(np.float32)
-        params[name] = (QuantScheme.parse(sch).quantize(w.reshape(-1, shp[-1])).reshape(shp[0], shp[1], -1)
-                        if sch else w)
 
     def build(m):
         x = m.input("x", (tokens, h), BF16)
@@ -75,7 +88,7 @@ def side_rlx(cfg: dict, tokens: int, scheme: str, reps: int) -> dict:
         st = [m.param(n, params[n].shape, U8 if s else BF16) for n, s in zip(("gate", "up", "down"), schemes)]
         return {"y": m.add("moe_experts", (x, wts, ids, *st), act="silu", schemes=schemes)}
     ex = rlx_core.compile(Graph.define("moe_block", build), backend="cuda", params=params)
-    inputs = {"x": rng.uniform(-1, 1, (tokens, h)).astype(np.float32)}
+    inputs = {"x": np.random.default_rng(1).uniform(-1, 1, (tokens, h)).astype(np.float32)}
     runner, arrays, _ = ex.prepare(inputs)
     for _ in range(3):
         runner.run(arrays)
@@ -92,79 +105,128 @@ def side_rlx(cfg: dict, tokens: int, scheme: str, reps: int) -> dict:
             b.record(s)
             b.synchronize()
         times.append(cp.cuda.get_elapsed_time(a, b) / 20)
-    used = tokens * k if tokens * k < e else e          # experts a call reads at most
-    stack_bytes = sum(params[n].nbytes if sch else params[n].nbytes // 2 for n, sch in zip(("gate", "up", "down"), schemes))
-    return {"ms": statistics.median(times), "floor_bytes": stack_bytes / e * used,
-            "copy_bw": ex.backend.copy_bandwidth(), "device": ex.backend.device_name()}
+    return statistics.median(times)
 
 
-def side_hf(cfg: dict, tokens: int, compiled: bool, reps: int) -> dict:
+def side_rlx(cfg: dict, tokens: list, scheme: str, reps: int, gemv_too: bool) -> dict:
+    """Each token count with the GEMM as built (ms) and, gemv_too, with it off (gemv_ms)."""
+    from rlx_backend_cuda import moe
+    from rlx_core.pipeline import select_backend
+
+    params = _params(cfg, scheme)
+    e, k = cfg["experts"], cfg["k"]
+    rows = {}
+    for n in tokens:
+        row = {"ms": _rlx_ms(cfg, params, n, scheme, reps)}
+        if gemv_too:
+            on = moe.GEMM_MIN_PAIRS
+            moe.GEMM_MIN_PAIRS = float("inf")          # every count below the GEMM's threshold
+            try:
+                row["gemv_ms"] = _rlx_ms(cfg, params, n, scheme, reps)
+            finally:
+                moe.GEMM_MIN_PAIRS = on
+        used = n * k if n * k < e else e          # experts a call reads at most
+        row["floor_bytes"] = sum(params[x].nbytes if sch else params[x].nbytes // 2
+                                 for x, sch in zip(("gate", "up", "down"), SCHEMES[scheme])) / e * used
+        rows[n] = row
+    be = select_backend("cuda")
+    return {"rows": rows, "copy_bw": be.copy_bandwidth(), "device": be.device_name()}
+
+
+def side_hf(cfg: dict, tokens: list, compiled: bool, reps: int) -> dict:
     import torch
     from transformers import OlmoeConfig
     from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 
     c = OlmoeConfig(hidden_size=cfg["hidden"], intermediate_size=cfg["inter"], num_experts=cfg["experts"],
                     num_experts_per_tok=cfg["k"], norm_topk_prob=False, num_hidden_layers=1, num_attention_heads=16)
-    block = OlmoeSparseMoeBlock(c).to("cuda", torch.bfloat16).eval()
-    x = torch.randn(1, tokens, cfg["hidden"], device="cuda", dtype=torch.bfloat16)
-    fn, compile_s = block, 0.0
+    with torch.device("cuda"):             # (initialized on the GPU: 400M weights)
+        block = OlmoeSparseMoeBlock(c).to(torch.bfloat16).eval()
+    fn = torch.compile(block) if compiled else block
+    rows = {}
     with torch.no_grad():
-        if compiled:
-            fn = torch.compile(block)
+        for n in tokens:
+            x = torch.randn(1, n, cfg["hidden"], device="cuda", dtype=torch.bfloat16)
             t = time.perf_counter()
-            fn(x)
+            fn(x)                                  # (compiles for this shape)
             torch.cuda.synchronize()
-            compile_s = time.perf_counter() - t
-        ms = _events(lambda: fn(x), reps)
-    return {"ms": ms, "compile_s": compile_s, "device": torch.cuda.get_device_name()}
+            compile_s = time.perf_counter() - t if compiled else 0.0
+            rows[n] = {"ms": _events(lambda: fn(x), reps), "compile_s": compile_s}
+    return {"rows": rows, "device": torch.cuda.get_device_name()}
+
+
+def _child(cmd: list, what: str, budget: float):
+    """run_child, a side over its budget logged as failed (what it measured is lost)."""
+    try:
+        return run_child(cmd, what, budget)
+    except subprocess.TimeoutExpired:
+        log(f"{what}: over its budget of {budget:.0f} s")
+        return None
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sides", default="rlx,eager,compile")
+    ap.add_argument("--sides", default="rlx,rlx-gemv,eager,compile")
     ap.add_argument("--tokens", default="1,32,128")
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--budget", type=float, default=240, help="seconds a side may run")
+    ap.add_argument("--json", help="write every side's result here")
     ap.add_argument("--side", help=argparse.SUPPRESS)
     ap.add_argument("--scheme", default="bf16", help=argparse.SUPPRESS)
-    ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--gemv", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     cfg = SMALL if a.small else FULL
+    tokens = [int(t) for t in a.tokens.split(",")]
     if a.side:
-        out = (side_rlx(cfg, a.n, a.scheme, a.reps) if a.side == "rlx"
-               else side_hf(cfg, a.n, a.side == "compile", a.reps))
+        out = (side_rlx(cfg, tokens, a.scheme, a.reps, a.gemv) if a.side == "rlx"
+               else side_hf(cfg, tokens, a.side == "compile", a.reps))
         print(json.dumps(out))
         return
-    log(f"MoE block {cfg}, bf16 activations")
-    rows = []
-    for n in (int(t) for t in a.tokens.split(",")):
-        res = {}
-        for side in a.sides.split(","):
-            for scheme in (SCHEMES if side == "rlx" else ("bf16",)):
-                cmd = [sys.executable, __file__, "--side", side, "--scheme", scheme, "--n", str(n), "--reps", str(a.reps)]
-                r = run_child(cmd + (["--small"] if a.small else []), f"{side} {scheme} T={n}", a.budget)
-                res[(side, scheme)] = r
-                if r:                  # each result as it comes: a run stopped early keeps what it measured
-                    log(f"  {side} {scheme} T={n}: {r['ms']:.3f} ms")
-        rows.append((n, res))
-    device = next((r["device"] for _, res in rows for r in res.values() if r), "?")
-    log(f"\ndevice: {device}; llama.cpp CUDA: peer not run (no llama.cpp build in this run)")
-    log(f"{'tokens':>6} {'side':>16} {'ms':>9} {'floor ms':>9} {'rlx/eager':>9} {'rlx/compile':>11}")
-    for n, res in rows:
-        for (side, scheme), r in res.items():
-            if r is None:
-                log(f"{n:>6} {side + ' ' + scheme:>16} {'failed':>9}")
+    sides = a.sides.split(",")
+    log(f"MoE block {cfg}, bf16 activations, tokens {tokens}")
+    res = {}                                   # (side, scheme) -> side result
+    base = [sys.executable, __file__, "--tokens", a.tokens, "--reps", str(a.reps)] + (["--small"] if a.small else [])
+    if "rlx" in sides or "rlx-gemv" in sides:
+        for scheme in a.schemes.split(","):
+            r = _child(base + ["--side", "rlx", "--scheme", scheme] + (["--gemv"] if "rlx-gemv" in sides else []),
+                       f"rlx {scheme}", a.budget)
+            if r:
+                res[("rlx", scheme)] = {n: {"ms": v["ms"], "floor_ms": v["floor_bytes"] / r["copy_bw"] * 1e3}
+                                        for n, v in r["rows"].items()}
+                if "rlx-gemv" in sides:
+                    res[("rlx-gemv", scheme)] = {n: {"ms": v["gemv_ms"]} for n, v in r["rows"].items()}
+                res["device"] = r["device"]
+    for side in ("eager", "compile"):
+        if side in sides:
+            r = _child(base + ["--side", side], side, a.budget)
+            if r:
+                res[(side, "bf16")] = r["rows"]
+                res.setdefault("device", r["device"])
+    log(f"\ndevice: {res.get('device', '?')}; llama.cpp CUDA: peer not run (no llama.cpp build in this run)")
+    log(f"{'tokens':>6} {'side':>18} {'ms':>9} {'floor ms':>9} {'rlx/eager':>9} {'rlx/compile':>11}")
+    for n in tokens:
+        for key, rows in res.items():
+            if key == "device":
                 continue
-            floor = r["floor_bytes"] / r["copy_bw"] * 1e3 if "floor_bytes" in r else None
+            side, scheme = key
+            r = rows.get(str(n))
+            if r is None:
+                continue
+            floor = f"{r['floor_ms']:.3f}" if "floor_ms" in r else "-"
             ratios = ""
-            if side == "rlx" and scheme == "bf16":
+            if side.startswith("rlx"):
                 for peer in ("eager", "compile"):
-                    p = res.get((peer, "bf16"))
+                    p = res.get((peer, "bf16"), {}).get(str(n))
                     ratios += f" {r['ms'] / p['ms']:>9.2f}" if p else f" {'-':>9}"
             extra = f"  (compile {r['compile_s']:.0f} s)" if r.get("compile_s") else ""
-            log(f"{n:>6} {side + ' ' + scheme:>16} {r['ms']:>9.3f} {floor if floor is None else round(floor, 3)!s:>9}"
-                f"{ratios}{extra}")
+            log(f"{n:>6} {side + ' ' + scheme:>18} {r['ms']:>9.3f} {floor:>9}{ratios}{extra}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": res.get("device"), "cfg": cfg,
+                       "rows": {f"{s} {sc}": v for (s, sc), v in ((k, v) for k, v in res.items() if k != "device")}},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,20 +3,25 @@ runner's CUDA graph).
 
 Four launches per node (kernels/moe.cu):
   sort     one block groups the (token, slot) pairs by expert from the ids in device memory
-           (counting sort) and lists the experts that have any pair;
-  gate/up  a warp per intermediate row of each active expert, over that expert's pairs a few
-           at a time (each weight row read once per group of pairs, not once per pair):
-           h[pair] = act(gate . x) * (up . x), rounded to x's dtype;
-  down     the same over down's rows: part[pair] = down . h[pair];
+           (counting sort), lists the experts that have any pair and, for the GEMM, the tiles
+           of BM pairs of one expert;
+  gate/up  h[pair] = act(gate . x) * (up . x), rounded to x's dtype;
+  down     part[pair] = down . h[pair];
   combine  y[t] = sum_j weights[t, j] * part[t * k + j].
+Gate/up and down are each one of two kernels, chosen by the token count known at build time:
+  gemv     (decode, few pairs an expert) a warp per output row of each active expert, over the
+           expert's pairs a few at a time: each weight row read once per group of pairs;
+  gemm     (batched decode, prefill: f16/bf16 on sm_80+) the grouped GEMM on tensor cores, a
+           block per (64 output rows, tile of the sort's list), the weight tile copied (dense)
+           or decoded (packed) into shared memory once for the tile's pairs; the grid is the
+           host's bound on the tiles, empty slots exit.
 Dense (f16/bf16/f32/f64) and packed stacks (every scheme of the dequant GEMV, decoded by
-its block decoders) take the same kernels. Decode reads each chosen expert's rows once; a
-prefill re-reads them from cache per group of pairs (SIMT, no tensor cores yet).
+its block decoders) take the same kernels.
 """
 from __future__ import annotations
 
 import numpy as np
-from rlx_core.ir.dtype import F32, F64, I32
+from rlx_core.ir.dtype import BF16, F16, F32, F64, I32
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.moe import INT8_SCHEME
 
@@ -29,6 +34,9 @@ i32, i64 = np.int32, np.int64
 
 PAIRS_PER_PASS = 8        # pairs one pass over a weight row serves (registers: 2 x this accumulators)
 ROWS_PER_BLOCK = 8        # warps (output rows) of a gemv block
+GEMM_MIN_PAIRS = 2        # pairs an active expert has on average from which the GEMM takes over
+GEMM_BN = 64              # output rows of a gemm tile (moe.cu gemm_shape's BN)
+GEMM_BK_PACKED = 128      # weights a packed gemm step decodes a row (K-quants: half a super-block)
 
 
 
@@ -75,6 +83,28 @@ class Stack:
         extra = {"IB": s.block} if "IB" in source.defines() else {}
         return sources.render(source, A=self.align, XV=int(xalign % (4 * isz) == 0), **extra, **defines)
 
+    def gemm_step(self, K: int) -> int:
+        """BK, the weights a grouped-GEMM step takes of each row, or 0 where the GEMM cannot
+        read this stack over K (then the gemv does): dense rows 16-byte aligned and K a
+        multiple of 64 or 32; packed blocks whole in a step, or a K-quant's half super-block."""
+        if self.scheme is None:
+            if self.arr.data.ptr % 16 or self.rs % 16:
+                return 0
+            return next((bk for bk in (64, 32) if K % bk == 0), 0)
+        blk, bk = self.scheme.block, GEMM_BK_PACKED
+        halves = self.scheme.kind in ("q4_k", "q5_k", "q6_k")
+        return bk if K % bk == 0 and (bk % blk == 0 or halves) else 0
+
+    def gemm_source(self, x: V, BK: int, **defines) -> str:
+        """The grouped-GEMM kernel over this stack's rows (tensor cores, x f16/bf16)."""
+        mm = dict(T=ctype(x.dt), MMAT="bf16" if x.dt is BF16 else "f16", BK=BK, **defines)
+        if self.scheme is None:
+            return sources.render(sources.MOE_GEMM_DENSE, ACC=acc_of(x.dt), STAGES=2, **mm)
+        s = self.scheme
+        source = sources.DQ_COMMON + sources.DQ_SCHEMES[s.kind] + sources.DQ_QF + sources.MOE_GEMM_PACKED_TAIL
+        extra = {"IB": s.block} if "IB" in source.defines() else {}
+        return sources.render(source, ACC=acc_of(x.dt), A=self.align, STAGES=1, **extra, **mm)
+
 
 def _align(ptr: int, row_bytes: int) -> int:
     a = 16
@@ -83,14 +113,37 @@ def _align(ptr: int, row_bytes: int) -> int:
     return a
 
 
-def _gemv(b, x: V, xdiv: int, a: Stack, bb: Stack | None, sort, out, N: int, K: int, act: str, n_slots: int):
-    """One gemv launch: out[pair, :N] from stack a (and bb: gate/up) on x rows pair // xdiv."""
+def _products(b, x: V, xdiv: int, a: Stack, bb: Stack | None, sort: Sort, out, N: int, K: int, act: str):
+    """out[pair, :N] from stack a (and bb: gate/up) on x rows pair // xdiv: the grouped GEMM
+    where the sort made a tile list and the stacks and x allow it, else the gemv."""
+    BK = a.gemm_step(K) if sort.mt else 0
+    if bb is not None and BK and bb.gemm_step(K) != BK:
+        BK = 0
+    if BK and _align(x.arr.data.ptr, x.arr.strides[0]) >= 16:          # (16-byte copies of x rows)
+        _gemm(b, x, xdiv, a, bb, sort, out, N, K, act, BK)
+    else:
+        _gemv(b, x, xdiv, a, bb, sort, out, N, K, act)
+
+
+def _gemm(b, x: V, xdiv: int, a: Stack, bb: Stack | None, sort: Sort, out, N: int, K: int, act: str, BK: int):
+    """One grouped-GEMM launch over the sort's tile list (a block per 64 rows and tile slot)."""
+    dual = bb is not None
+    src = a.gemm_source(x, BK, TO=ctype(x.dt), MT=sort.mt, DUAL=int(dual),
+                        EPILOGUE=_dq_epilogue(x.dt, False, act) if dual else "")
+    fn = b.kernel(src, "rlx_moe_gemm")
+    b.launch(fn, (-(-N // GEMM_BN), sort.ntiles), (128,),
+             (x.arr, i64(x.arr.strides[0] // x.arr.itemsize), i32(xdiv), a.arr, (bb or a).arr, i64(a.ers),
+              i64(a.rs), sort.offsets.arr, sort.order.arr, sort.tiles.arr, out.arr, i32(N), i32(K)))
+
+
+def _gemv(b, x: V, xdiv: int, a: Stack, bb: Stack | None, sort: Sort, out, N: int, K: int, act: str):
+    """One gemv launch: a block per 8 output rows and active expert."""
     dual = bb is not None
     xal = _align(x.arr.data.ptr, x.arr.strides[0])
     src = a.source(x, xal, K, T=ctype(x.dt), TO=ctype(x.dt), ACC=acc_of(x.dt), MC=PAIRS_PER_PASS,
                    DUAL=int(dual), EPILOGUE=_dq_epilogue(x.dt, False, act) if dual else "")
     fn = b.kernel(src, "rlx_moe_gemv")
-    offsets, order, active = sort
+    offsets, order, active, n_slots = sort.offsets, sort.order, sort.active, sort.slots
     grid = (-(-N // ROWS_PER_BLOCK), n_slots)
     b.launch(fn, grid, (32 * ROWS_PER_BLOCK,),
              (x.arr, i64(x.arr.strides[0] // x.arr.itemsize), i32(xdiv), a.arr, (bb or a).arr, i64(a.ers),
@@ -127,23 +180,33 @@ def _experts(b, n, ins, x: V, ids: V, part: V) -> None:
     E, inter = ins[3].shape[0], ins[3].shape[1]
     P, act = T * ks, n.a["act"]
     gate, up, down = (Stack(b, w, s, x, name) for w, s, name in zip(ins[3:], n.a["schemes"], ("gate", "up", "down")))
-    xc = x
-    sort = _sort(b, ids, P, E)
-    slots = min(E, P)
+    sort = Sort(b, ids, P, E, _gemm_m_tiles(b, x, P, E))
     h = b.node_buffer((P, inter), x.dt, "moe intermediate rows")
     if gate.key == up.key:
-        _gemv(b, xc, ks, gate, up, sort, h, inter, H, act, slots)
+        _products(b, x, ks, gate, up, sort, h, inter, H, act)
     else:                                  # two schemes: each product apart, then act(gate) * up
         hg = b.node_buffer((P, inter), part.dt, "moe gate rows")
         hu = b.node_buffer((P, inter), part.dt, "moe up rows")
-        _gemv(b, xc, ks, gate, None, sort, hg, inter, H, act, slots)
-        _gemv(b, xc, ks, up, None, sort, hu, inter, H, act, slots)
+        _products(b, x, ks, gate, None, sort, hg, inter, H, act)
+        _products(b, x, ks, up, None, sort, hu, inter, H, act)
         to_x = ("cast", (("dtype", x.dt.value),))
         b.elementwise(((*to_x, (0,)), ("activation", (("fn", act),), (2,)), (*to_x, (1,)),
                        ("binary", (("op", "mul"),), (3, 4))), [hg, hu], h)
     if n.a["int8_h"]:                      # (activations = "int8": h rounded as the op says)
         _b_host(b, Rounding(), [h], [h])
-    _gemv(b, h, 1, down, None, sort, part, H, inter, act, slots)
+    _products(b, h, 1, down, None, sort, part, H, inter, act)
+
+
+def _gemm_m_tiles(b, x: V, P: int, E: int) -> int:
+    """m-tiles of 16 pairs a grouped-GEMM tile takes (1 or 2: an expert's pairs mostly in one
+    tile, each weight tile read once), or 0: the gemv (f32/f64 data, no mma.sync before sm_80,
+    ROCm, or too few pairs an expert for a tile: decode)."""
+    if x.dt not in (BF16, F16) or b.hip or tuple(b.cc) < (8, 0):
+        return 0
+    per_expert = P / min(E, P)
+    if per_expert < GEMM_MIN_PAIRS:
+        return 0
+    return 1 if 1.5 * per_expert <= 16 else 2
 
 
 class Rounding:
@@ -157,17 +220,36 @@ def _rows(v: V, shape: tuple) -> V:
     return V(v.arr.reshape(shape), v.dt)
 
 
-def _sort(b, ids: V, P: int, E: int) -> tuple:
-    """(offsets [E + 1], order [P], active [E]) int32 scratch, filled by the sort launch."""
-    offsets = b.node_buffer((E + 1,), I32, "moe expert offsets")
-    order = b.node_buffer((P,), I32, "moe pair order")
-    active = b.node_buffer((E,), I32, "moe active experts")
-    if E > 8192:
-        raise BackendError(f"cuda backend: moe_experts with {E} experts: the sort kernel takes at most 8192 "
-                           f"(node %{b.node})")
-    fn = b.kernel(sources.render(sources.MOE_SORT, TI=ctype(ids.dt), NE=E), "rlx_moe_sort")
-    b.launch(fn, (1,), (1024,), (ids.arr, i32(P), offsets.arr, order.arr, active.arr, b.r.err, i32(b.node)))
-    return offsets, order, active
+class Sort:
+    """The sort launch and its int32 scratch: offsets [E + 1], order [P], active [E] and, for
+    the grouped GEMM (mt > 0), the tile list [ntiles, 2] of (expert, first position in order)."""
+
+    def __init__(self, b, ids: V, P: int, E: int, mt: int):
+        if E > 8192:
+            raise BackendError(f"cuda backend: moe_experts with {E} experts: the sort kernel takes at most 8192 "
+                               f"(node %{b.node})")
+        self.mt, self.slots = mt, min(E, P)
+        self.offsets = b.node_buffer((E + 1,), I32, "moe expert offsets")
+        self.order = b.node_buffer((P,), I32, "moe pair order")
+        self.active = b.node_buffer((E,), I32, "moe active experts")
+        bm = 16 * mt
+        # each expert's tiles: its pairs // BM whole ones and at most one partial
+        self.ntiles = P // bm + min(E, P) if mt else 0
+        self.tiles = b.node_buffer((max(self.ntiles, 1), 2), I32, "moe gemm tiles") if mt else None
+        fn = b.kernel(sources.render(sources.MOE_SORT, TI=ctype(ids.dt), NE=E, BM=bm), "rlx_moe_sort")
+        b.launch(fn, (1,), (1024,), (ids.arr, i32(P), self.offsets.arr, self.order.arr, self.active.arr,
+                                     self.tiles.arr if mt else None, i32(self.ntiles), b.r.err, i32(b.node)))
+
+
+class Rounding:
+    """The step `_b_host` runs for int8_h: h through int8_b32 blocks (on the host, out of
+    graph capture, as every fake_quantize on this backend)."""
+    op, a = "fake_quantize", {"scheme": INT8_SCHEME}
+
+
+def _rows(v: V, shape: tuple) -> V:
+    """A contiguous value viewed as `shape` (its tokens' leading dims merged)."""
+    return V(v.arr.reshape(shape), v.dt)
 
 
 BUILDERS["moe_experts"] = build_moe_experts

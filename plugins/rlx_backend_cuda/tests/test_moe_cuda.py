@@ -4,7 +4,10 @@ past the parity suite's (16 experts, hidden 128, uneven load; decode T = 1, batc
 a prefill of 40 tokens), dense in every float dtype and packed in K-quant mixes as GGUF's
 Q4_K_M writes them; the routing changing between replays of one compiled graph (the ids are
 read on the device, never synced to the host); an expert id out of range is the project's
-error. Skipped with the backend's reason without a GPU."""
+error. The grouped tensor-core GEMM (f16/bf16 from a few pairs an expert) at token counts
+that fill one and two 16-pair m-tiles, an expert with more pairs than a tile, experts with
+none, tile rows and output rows past the tiles' edges, dense and packed. Skipped with the
+backend's reason without a GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -102,3 +105,74 @@ def test_expert_id_out_of_range_is_an_error(rng):
              "ids": np.array([[0, 1], [2, e]], np.int64), **{a.name: a.data.astype(np.float32) for a in stacks}}
     with pytest.raises(RlxError, match="moe_experts"):
         ex.backend.to_host(ex.run(feeds)["y"])
+
+
+@pytest.fixture
+def gemm_calls(monkeypatch):
+    """The grouped-GEMM launches a compile makes (so a test knows the GEMM ran, not the gemv)."""
+    from rlx_backend_cuda import moe
+    calls = []
+    real = moe._gemm
+
+    def spy(b, x, xdiv, a, bb, sort, out, N, K, act, BK):
+        calls.append((N, K, BK, sort.mt, bb is not None))
+        return real(b, x, xdiv, a, bb, sort, out, N, K, act, BK)
+    monkeypatch.setattr(moe, "_gemm", spy)
+    return calls
+
+
+@gpu
+@pytest.mark.parametrize("dt", [BF16, F16], ids=lambda d: d.value)
+@pytest.mark.parametrize("tokens", [(16,), (37,), (2, 65)], ids=["batch16", "tokens37", "prefill130"])
+@pytest.mark.parametrize("dims", [(16, 96, 160), (16, 128, 256)], ids=["ragged", "even"])
+def test_gemm_dense(rng, gemm_calls, dt, tokens, dims):
+    """Expert 0 in most tokens (several tiles at 130 tokens), the last two in none; 96 and
+    160 output rows end inside a 64-row tile; K steps of 32 (ragged) and 64 (even)."""
+    run_experts("cuda", rng, dt, tokens, 4, dims)
+    assert {c[4] for c in gemm_calls} == {True, False}      # gate/up fused, and down
+    assert {c[3] for c in gemm_calls} == {1 if np.prod(tokens) < 40 else 2}
+
+
+@gpu
+@pytest.mark.parametrize("schemes", [("q4_k", "q4_k", "q6_k"), ("q8_0",) * 3, ("q5_k", "q5_k", "q4_0"),
+                                     ("q4_0", "q4_0", "q4_1"), ("q5_0", "q5_1", "q5_0"),
+                                     ("int4_b32", "int4_b32", "int8_b32")], ids=str)
+@pytest.mark.parametrize("tokens", [(20,), (33,)], ids=["tokens20", "tokens33"])
+def test_gemm_packed(rng, gemm_calls, schemes, tokens):
+    """Packed stacks decoded tile by tile into shared memory (K-quants by half super-blocks)."""
+    run_experts("cuda", rng, BF16, tokens, 4, (8, 256, 512), schemes=schemes)
+    assert {c[4] for c in gemm_calls} == ({True, False} if schemes[0] == schemes[1] else {False})
+
+
+@gpu
+def test_gemm_gate_and_up_in_two_schemes(rng, gemm_calls):
+    """Gate and up packed differently: two unfused GEMMs into f32 rows, then act(gate) * up."""
+    run_experts("cuda", rng, F16, (24,), 2, (6, 64, 128), schemes=("q8_0", "q4_0", ""))
+    assert len(gemm_calls) >= 3 and not any(c[4] for c in gemm_calls)
+
+
+@gpu
+@pytest.mark.parametrize("act", ["gelu_tanh", "relu"])
+def test_gemm_activation(rng, gemm_calls, act):
+    run_experts("cuda", rng, BF16, (24,), 2, (6, 64, 96), act=act)
+    assert gemm_calls
+
+
+@gpu
+def test_gemm_routing_changes_between_replays(rng, gemm_calls):
+    """One compiled graph on the GEMM path replayed with new ids: the tile list follows them."""
+    e, i, h = 16, 128, 128
+    stacks, dense = expert_args(rng, (e, i, h), BF16)
+    t, k = 48, 4
+    shapes = {"x": (t, h), "weights": (t, k), "ids": (t, k), **{a.name: a.data.shape for a in stacks}}
+    ex = rlx_core.compile(_experts_graph(shapes, BF16), backend="cuda")
+    assert gemm_calls
+    dense = [d.astype(np.float64) for d in dense]
+    for rep in range(3):
+        x = arg(rng, "x", (t, h), BF16, lo=-1, hi=1).data
+        w = arg(rng, "weights", (t, k), BF16, lo=0.1, hi=1).data
+        ids = uneven_ids(rng, t, k, e).data if rep != 1 else np.tile(np.arange(k), (t, 1))   # all in experts 0..3
+        feeds = {"x": x, "weights": w, "ids": ids, **{a.name: a.data for a in stacks}}
+        got = np.asarray(ex.backend.to_host(ex.run(feeds)["y"]), np.float64)
+        ref = ref_moe_experts(np.asarray(x, np.float64), np.asarray(w, np.float64), ids, *dense)
+        np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())

@@ -2,13 +2,18 @@
 // each expert's rows dotted with the inputs of its pairs (gate+up, then down), then the
 // route-weighted sum per token. The routing is read from device memory only: no host sync,
 // so the steps run inside the runner's CUDA graph.
-// @part sort(TI, NE)
+// @part sort(TI, NE, BM)
 // One block: count the pairs per expert, prefix-sum into offsets[NE + 1], place each pair's
 // index into `order` (grouped by expert; the order inside a group does not matter: every pair
 // has its own output row), and list the experts with any pair in `active` (-1 after them).
-// An id outside [0, NE) raises error code 3 and its pair is left out.
+// BM > 0 (the grouped GEMM's rows a tile): also the tile list, tiles[2i] the expert of tile i
+// and tiles[2i + 1] its first position in `order`, BM pairs a tile, each expert's last tile
+// partial; expert -1 in the rest of the ntiles slots (the GEMM's grid is ntiles tiles, a bound
+// known on the host: P / BM + min(NE, P)). An id outside [0, NE) raises error code 3 and its
+// pair is left out.
 extern "C" __global__ void __launch_bounds__(1024) rlx_moe_sort(const TI* __restrict__ ids, int P,
-    int* __restrict__ offsets, int* __restrict__ order, int* __restrict__ active, int* err, int node) {
+    int* __restrict__ offsets, int* __restrict__ order, int* __restrict__ active, int* __restrict__ tiles,
+    int ntiles, int* err, int node) {
   __shared__ int cnt[NE], cur[NE];
   for (int e = threadIdx.x; e < NE; e += blockDim.x) cnt[e] = 0;
   __syncthreads();
@@ -20,7 +25,7 @@ extern "C" __global__ void __launch_bounds__(1024) rlx_moe_sort(const TI* __rest
   __syncthreads();
   if (threadIdx.x < 32) {                 // one warp scans the counts, 32 experts at a time
     const int lane = threadIdx.x;
-    int base = 0, na = 0;
+    int base = 0, na = 0, tbase = 0;
     for (int e0 = 0; e0 < NE; e0 += 32) {
       const int e = e0 + lane;
       const int c = e < NE ? cnt[e] : 0;
@@ -31,9 +36,23 @@ extern "C" __global__ void __launch_bounds__(1024) rlx_moe_sort(const TI* __rest
       const unsigned hit = __ballot_sync(0xffffffffu, c > 0);
       if (c > 0) active[na + __popc(hit & ((1u << lane) - 1u))] = e;
       na += __popc(hit);
+#if BM
+      const int tc = (c + BM - 1) / BM;
+      int ts = tc;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) { const int o = __shfl_up_sync(0xffffffffu, ts, d); if (lane >= d) ts += o; }
+      for (int j = 0; j < tc; ++j) {
+        tiles[2 * (tbase + ts - tc + j)] = e;
+        tiles[2 * (tbase + ts - tc + j) + 1] = base + s - c + j * BM;
+      }
+      tbase += __shfl_sync(0xffffffffu, ts, 31);
+#endif
       base += __shfl_sync(0xffffffffu, s, 31);
     }
     for (int i = na + lane; i < NE; i += 32) active[i] = -1;
+#if BM
+    for (int i = tbase + lane; i < ntiles; i += 32) tiles[2 * i] = -1;
+#endif
     if (lane == 0) offsets[NE] = base;
   }
   __syncthreads();
@@ -152,4 +171,153 @@ extern "C" __global__ void rlx_moe_combine(const W* __restrict__ part, const TW*
     }
     y[i] = ST(TO, v);
   }
+}
+// @part gemm_shape(MT, BK)
+// The grouped GEMM's tile (before its B loader and the gemm part): BM pairs x BN output rows,
+// shared rows of BK 16-bit values padded by 8 (ldmatrix without bank conflicts).
+#define BM (16 * MT)
+#define BN 64
+#define LDS (BK + 8)
+// @part gemm_dense()
+// Dense expert rows (after deltanet.cu's tc_common and w): a B tile is BN rows x BK weights
+// copied by 16-byte cp.async (rows past N zero); the copies join the A tile's group.
+__device__ __forceinline__ void rlx_b_tile(hword* s, const u8* w, long long wrs, int n0, int N, int k0, int tid) {
+  for (int i = tid; i < BN * (BK / 8); i += 128) {
+    const int r = i / (BK / 8), c = (i % (BK / 8)) * 8;
+    const bool ok = n0 + r < N;
+    rlx_gtc_cp16(s + r * LDS + c, w + (i64)(ok ? n0 + r : 0) * wrs + (i64)(k0 + c) * (i64)sizeof(T), ok);
+  }
+}
+// @part gemm_packed()
+// Packed expert rows (after dq.cu's common, scheme and qf parts, then tc_common): a B tile is
+// BN rows x BK weights decoded into shared memory by the scheme's block decoders, a (block,
+// part) unit a thread at a time, each weight d * q + m rounded to T (as the dequantize op
+// rounds it). A tile is UPR units of a row: whole blocks (BLK <= BK), or the parts
+// [j UPR, (j + 1) UPR) of a K-quant super-block, which cover its elements [j BK, (j + 1) BK)
+// at BK = 128 (q4_k, q5_k, q6_k order their parts so). Rows past N decode row N - 1 (their
+// columns are never stored).
+#define UPR (BLK <= BK ? BK / BLK * PARTS : PARTS * BK / BLK)
+__device__ __forceinline__ void rlx_b_tile(hword* s, const u8* w, long long wrs, int n0, int N, int k0, int tid) {
+  for (int i = tid; i < BN * UPR; i += 128) {
+    const int r = i / UPR, j = i % UPR;
+    const u8* row = w + (i64)min(n0 + r, N - 1) * wrs;
+    int b, p, base;
+    if (BLK <= BK) { b = k0 / BLK + j / PARTS; p = j % PARTS; base = b * BLK - k0; }
+    else { b = k0 / BLK; p = (k0 % BLK) / BK * UPR + j; base = -(k0 % BLK); }
+    const rlx_raw q = rlx_load(row + (i64)b * BPB, p);
+    hword* dst = s + r * LDS + base;
+#pragma unroll
+    for (int k = 0; k < RUNS; ++k) {
+      W d, mn = 0;
+      rlx_scale(q, p, k, &d, &mn);
+      const u32 qw = rlx_qword(q, p, k);
+      float v[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) v[t] = HAS_MIN ? (float)rlx_qf(qw, t) * d + mn : (float)rlx_qf(qw, t) * d;
+      *(uint2*)(dst + rlx_run_off(p, k)) = make_uint2(rlx_gtc_pack(v[0], v[1]), rlx_gtc_pack(v[2], v[3]));
+    }
+  }
+}
+// @part gemm(TO, STAGES, DUAL, EPILOGUE)
+// The grouped GEMM over the sorted pairs on tensor cores (f16 / bf16, mma.sync m16n8k16, f32
+// accumulate), for batched decode and prefill. Block (n tile, tile of the sort's list): the
+// tile's BM = 16 MT pairs of one expert (A: their x rows p / xdiv, gathered by cp.async)
+// times BN = 64 of that expert's output rows (B: rlx_b_tile, dense or decoded), over K in
+// steps of BK (STAGES = 2: the next step's copies in flight during this one's products).
+// Warp w takes output columns 16w.. 16w + 15 of every m-tile. A block whose tile slot is
+// empty (expert -1) exits: the grid is the host's bound, the routing stays on the device.
+// Outputs as rlx_moe_gemv writes them (DUAL: act(gate) * up in TO; else the product rounded
+// to TO, kept in W).
+#if DUAL
+typedef TO rlx_out;
+#else
+typedef W rlx_out;
+#endif
+__device__ __forceinline__ void rlx_a_tile(hword* s, const T* x, long long xrs, const int* xrow, int k0, int tid) {
+  for (int i = tid; i < BM * (BK / 8); i += 128) {
+    const int r = i / (BK / 8), c = (i % (BK / 8)) * 8, xr = xrow[r];
+    rlx_gtc_cp16(s + r * LDS + c, xr >= 0 ? (const void*)(x + (i64)xr * xrs + k0 + c) : (const void*)x, xr >= 0);
+  }
+}
+extern "C" __global__ void __launch_bounds__(128) rlx_moe_gemm(const T* __restrict__ x, long long xrs, int xdiv,
+    const u8* __restrict__ wa, const u8* __restrict__ wb, long long ers, long long wrs,
+    const int* __restrict__ offsets, const int* __restrict__ order, const int* __restrict__ tiles,
+    rlx_out* __restrict__ out, int N, int K) {
+  __shared__ __align__(16) hword sa[STAGES][BM * LDS];
+  __shared__ __align__(16) hword sb[STAGES][(1 + DUAL) * BN * LDS];
+  __shared__ int xrow[BM], prow[BM];
+  const int e = tiles[2 * blockIdx.y];
+  if (e < 0) return;
+  const int p0 = tiles[2 * blockIdx.y + 1], np = min(BM, offsets[e + 1] - p0);
+  const int n0 = blockIdx.x * BN, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int m = tid; m < BM; m += 128) {
+    const int pr = m < np ? order[p0 + m] : -1;
+    prow[m] = pr;
+    xrow[m] = pr < 0 ? -1 : pr / xdiv;
+  }
+  __syncthreads();
+  const u8* ga = wa + (i64)e * ers;
+  const u8* gb = wb + (i64)e * ers;
+  float acc[MT][2][4], acc2[MT][2][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[mt][i / 4][i % 4] = acc2[mt][i / 4][i % 4] = 0.f;
+#define RLX_STAGE(st, k0) \
+  { rlx_a_tile(sa[st], x, xrs, xrow, (k0), tid); rlx_b_tile(sb[st], ga, wrs, n0, N, (k0), tid); \
+    if (DUAL) rlx_b_tile(sb[st] + BN * LDS, gb, wrs, n0, N, (k0), tid); RLX_GTC_COMMIT(); }
+  const int KT = K / BK;
+  RLX_STAGE(0, 0)
+  for (int kt = 0; kt < KT; ++kt) {
+    const int st = kt % STAGES;
+    if (STAGES > 1 && kt + 1 < KT) {
+      RLX_STAGE((kt + 1) % STAGES, (kt + 1) * BK)
+      RLX_GTC_WAIT(1);
+    } else {
+      RLX_GTC_WAIT(0);
+    }
+    __syncthreads();
+    const hword* as = sa[st];
+    const hword* bs = sb[st];
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      u32 bf[4], bf2[4];
+      rlx_gtc_bn(bf, bs, LDS, kk, warp * 16, lane);
+      if (DUAL) rlx_gtc_bn(bf2, bs + BN * LDS, LDS, kk, warp * 16, lane);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        u32 af[4];
+        rlx_gtc_a(af, as, LDS, mt * 16, kk, lane);
+        rlx_gtc_mma(acc[mt][0], af, bf[0], bf[1]);
+        rlx_gtc_mma(acc[mt][1], af, bf[2], bf[3]);
+        if (DUAL) {
+          rlx_gtc_mma(acc2[mt][0], af, bf2[0], bf2[1]);
+          rlx_gtc_mma(acc2[mt][1], af, bf2[2], bf2[3]);
+        }
+      }
+    }
+    __syncthreads();
+    if (STAGES == 1 && kt + 1 < KT) RLX_STAGE(0, (kt + 1) * BK)
+  }
+#undef RLX_STAGE
+  // accumulator i of an m16n8 tile: row (lane / 4) + 8 (i / 2), column 2 (lane % 4) + i % 2
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = mt * 16 + (lane >> 2) + (i >> 1) * 8;
+        const int n = n0 + warp * 16 + nt * 8 + (lane & 3) * 2 + (i & 1);
+        if (m >= np || n >= N) continue;
+        W v = acc[mt][nt][i];
+#if DUAL
+        const W up = LD(W, ST(TO, acc2[mt][nt][i]));
+        EPILOGUE
+        v = LD(W, ST(TO, v)) * up;
+        out[(i64)prow[m] * N + n] = ST(TO, v);
+#else
+        out[(i64)prow[m] * N + n] = LD(W, ST(TO, v));
+#endif
+      }
 }
