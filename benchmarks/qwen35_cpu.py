@@ -6,7 +6,7 @@ token: flat when prefill grows linearly in the length).
 
     .venv/bin/python benchmarks/qwen35_cpu.py [--layers 24] [--hidden 2048] [--inter 6144]
         [--vocab 49152] [--threads 2] [--prompt 128] [--decode 32] [--lengths 512,1024,2048,4096]
-        [--repeat 2] [--sides numba llama.cpp] [--parts logits decode prefill] [--keep DIR]
+        [--repeat 2] [--activations f32] [--sides numba llama.cpp] [--parts logits decode prefill] [--keep DIR]
 
 The shape (`FULL`) is Qwen3.5-2B-like (not checked against the published config.json here,
 no network): hidden 2048, 24 layers, every
@@ -116,7 +116,11 @@ class Rlx:
     def __init__(self, a):
         import rlx_core
 
-        self.m = rlx_core.load(a.gguf, backend="numba", progress=False)
+        profile = None
+        if a.activations == "int8":        # the opt-in: packed matmuls' x rounded through int8 blocks
+            from rlx_core.profile import CompileProfile
+            profile = CompileProfile.from_toml_str('[precision]\nactivations = "int8"\n')
+        self.m = rlx_core.load(a.gguf, backend="numba", progress=False, profile=profile)
 
     def decode(self, ids: list, n: int) -> tuple:
         """(prefill s, decode s per token, the new tokens)."""
@@ -289,7 +293,8 @@ def report(a, res: dict) -> None:
     for side in ("numba", "llama.cpp"):
         r = res.get((side, "decode"))
         if r:
-            log(f"{LABEL[side]:30} decode {ms(r['decode_s'])} ms/token ({1 / min(r['decode_s']):.1f} "
+            label = LABEL[side] + (f", {a.activations} activations" if side == "numba" else "")
+            log(f"{label:30} decode {ms(r['decode_s'])} ms/token ({1 / min(r['decode_s']):.1f} "
                 f"tokens/s) after a {a.prompt}-token prompt ({ms(r['prefill_s'])} ms); peak RSS "
                 f"{r['peak_rss_mb']:.0f} MB "
                 f"(best [median])")
@@ -334,6 +339,8 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--lengths", default="512,1024,2048,4096")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--activations", choices=["f32", "int8"], default="f32",
+                    help='the numba side\'s `[precision] activations` ("int8": the opt-in, as llama.cpp\'s q8 activations)')
     ap.add_argument("--sides", nargs="+", default=["numba", "llama.cpp"], choices=["numba", "llama.cpp"])
     ap.add_argument("--parts", nargs="+", default=list(PARTS[:3]), choices=PARTS)
     ap.add_argument("--keep", help="folder for the checkpoint and GGUF (kept; reused if the GGUF is there)")

@@ -440,6 +440,16 @@ def _glu_step(x, w, o, a):
 
 
 # --------------------------------------------------------------------------- the runner
+IN_PLACE_STATE = {"gated_delta_rule": 5, "causal_conv1d": 2}     # op -> its state input
+
+
+def _written_state(a, state, value):
+    """An assign whose state its op wrote in place (NumbaRunner._state_rewrites)."""
+    return state
+
+
+_written_state.returns_cache = True
+
 def _read_only(a):
     """A read-only view of a param array: weights memory-mapped from the file are read-only,
     ones derived at load (fused q/k/v, huge-page copies) are not, and numba compiles a kernel
@@ -469,6 +479,8 @@ class NumbaRunner(NumpyRunner):
         attn = self._attention_inputs(users)
         member = {m: i for i, ms in attn.items() for m in ms}
         gathered = {w: gi for w, gi in self._gathered_writes(users).items() if w not in member}
+        rewrites = self._state_rewrites(users)
+        written = set()           # assign nodes whose state the op before them wrote in place
         held = {}                 # attention node -> its members' steps (a gather -> its own), until needed
         protos = list(self.vals)
         for _, (slot, s) in self.inputs.items():
@@ -482,6 +494,8 @@ class NumbaRunner(NumpyRunner):
                 protos[out] = protos[ins[0]]
             elif is_view and getattr(fn, "returns_cache", False):      # a write (assign): not now
                 protos[out] = protos[ins[0]]
+                if i in written:
+                    fn = _written_state
             elif is_view:
                 protos[out] = fn(a, *[protos[j] for j in ins])
             elif i in fused:
@@ -498,8 +512,12 @@ class NumbaRunner(NumpyRunner):
                     made = _glu_step(x, protos[ins[1]], o, a)
                     if made is not None:
                         fused.add(swiglu)
+                if i in rewrites:
+                    a = {**a, "in_place": True}
                 if made is None:
                     made = PREPARE[node.op](a, out, [protos[j] for j in ins], op=node.op)
+                if made is not None and i in rewrites:
+                    written.add(rewrites[i])
                 if made is not None and node.op == "dequant_matmul" and quant_kernels.rounds_x_itself(
                         a, math.prod(x.shape[:-1])):
                     self_rounding.add(i)
@@ -543,6 +561,26 @@ class NumbaRunner(NumpyRunner):
             self._loaded = True
             release_llvm_pages()
         return out
+
+    def _state_rewrites(self, users: dict) -> dict:
+        """Recurrent op node (IN_PLACE_STATE) -> the assign node that writes its new state
+        (output 1) back to the state it read, where nothing else reads either: the op then
+        writes the state in place (attr "in_place") and the assign copies nothing (a Gated
+        DeltaNet layer's state is 1 MB, copied twice a token before)."""
+        g = self.graph
+        found = {}
+        for i, n in enumerate(g.nodes):
+            if n.op not in IN_PLACE_STATE or len(n.inputs) <= IN_PLACE_STATE[n.op]:
+                continue
+            state = tuple(n.inputs[IN_PLACE_STATE[n.op]])
+            readers = users.get((i, 1), [])
+            if len(readers) != 1 or g.nodes[state[0]].op != "state":
+                continue
+            w = g.nodes[readers[0]]
+            if (w.op == "assign" and [tuple(r) for r in w.inputs] == [state, (i, 1)]
+                    and sorted(users.get(state, [])) == sorted([i, readers[0]])):
+                found[i] = readers[0]
+        return found
 
     def _int8_rounded(self, ref) -> bool:
         """`ref` is the output of a fake_quantize to int8_b32 (its values are int8 blocks)."""
