@@ -29,7 +29,9 @@ llama.cpp's):
            activations to q8_K), so what differs is only their order of operations; the copy
            is 4 bytes a weight: use a small --layers / --hidden
 * decode   a `--prompt`-token prompt, then `--decode` greedy tokens: ms per token, best and
-           median of `--repeat` runs after a warm-up; the tokens are compared between the sides
+           median of `--repeat` runs after a warm-up; the tokens are compared between the sides;
+           the process CPU time a token (a run's minus a 1-token run's; at --threads 1 the work
+           itself, at more it also counts threads spinning at barriers)
 * prefill  for each of `--lengths`, the time of one prompt of that length to its next token's
            logits (best of `--repeat`, after one warm-up call at the first length) and ms per
            1k tokens; also the process's CPU time (both threads: on a shared machine the wall
@@ -195,9 +197,15 @@ def child(a) -> None:
     elif a.part == "decode":
         ids = prompt(a, a.prompt)
         side.decode(ids, 4)                                                     # compile + warm up
-        runs = [side.decode(ids, a.decode) for _ in range(a.repeat)]
+        runs, cpu = [], []
+        for _ in range(a.repeat):          # CPU time a token: a run's minus a 1-token run's (its prefill)
+            c0 = time.process_time()
+            runs.append(side.decode(ids, a.decode))
+            c1 = time.process_time()
+            side.decode(ids, 1)
+            cpu.append(((c1 - c0) - (time.process_time() - c1)) / max(a.decode - 1, 1))
         res = {"decode_s": [r[1] for r in runs], "prefill_s": [r[0] for r in runs], "tokens": runs[0][2],
-               "same_tokens_each_run": all(r[2] == runs[0][2] for r in runs)}
+               "decode_cpu_s": cpu, "same_tokens_each_run": all(r[2] == runs[0][2] for r in runs)}
     else:
         lengths = [int(x) for x in a.lengths.split(",")]
         side.prefill(prompt(a, lengths[0]))          # compile + warm up (once: a 4k prompt takes minutes)
@@ -297,7 +305,8 @@ def report(a, res: dict) -> None:
             log(f"{label:30} decode {ms(r['decode_s'])} ms/token ({1 / min(r['decode_s']):.1f} "
                 f"tokens/s) after a {a.prompt}-token prompt ({ms(r['prefill_s'])} ms); peak RSS "
                 f"{r['peak_rss_mb']:.0f} MB "
-                f"(best [median])")
+                f"(best [median]); process CPU {ms(r['decode_cpu_s'])} ms/token (all threads: a spinning "
+                "thread's wait counts)")
     d, p = res.get(("numba", "decode")), res.get(("llama.cpp", "decode"))
     if d and p:
         same = sum(x == y for x, y in zip(d["tokens"], p["tokens"]))

@@ -31,7 +31,7 @@ from rlx_core.ir.quant import QuantScheme
 from . import amx, cblas
 from .cblas import SGEMM
 from .codegen import SWIGLU_HEAD, bindable, load_source, with_epilogue
-from .simd import (VNNI, bits, bits32, blend4, fma, halves, hmax, hsum, idot_s, idot_u, lane, load_bytes32, load_f32,
+from .simd import (VNNI, VNNI512, bits, fold16, nibble_pair_dot, pair_factors, zeros16, bits32, blend4, fma, halves, hmax, hsum, idot_s, idot_u, lane, load_bytes32, load_f32,
                    load_i8, load_u8, load_u32, nibbles32, round_int8, store_lanes, to_f32, vabs, vmax, zeros)
 
 FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
@@ -412,18 +412,37 @@ def _iblock_k45(r, o, xq, xd, xs, c, tab, qs, five):
     f = (to_f32(sc) * _h(r, o, tab)) * load_f32(xd, c)
     extra = (to_f32(mn) * -_h(r, o + 2, tab)) * load_f32(xs, c)
     a = _ksub(r, o, xq, c, 0, f, extra, qs, five)
-    a = _ksub(r, o, xq, c, 1, f, a, qs, five)
+    b = _ksub(r, o, xq, c, 1, f, zeros(), qs, five)
     a = _ksub(r, o, xq, c, 2, f, a, qs, five)
-    a = _ksub(r, o, xq, c, 3, f, a, qs, five)
+    b = _ksub(r, o, xq, c, 3, f, b, qs, five)
     a = _ksub(r, o, xq, c, 4, f, a, qs, five)
-    a = _ksub(r, o, xq, c, 5, f, a, qs, five)
+    b = _ksub(r, o, xq, c, 5, f, b, qs, five)
     a = _ksub(r, o, xq, c, 6, f, a, qs, five)
-    return _ksub(r, o, xq, c, 7, f, a, qs, five), np.float32(0)
+    return _ksub(r, o, xq, c, 7, f, b, qs, five) + a, np.float32(0)
 
 
 @njit(**_OPT)
-def iblock_q4_k(r, o, xq, xd, xs, c, tab):
-    return _iblock_k45(r, o, xq, xd, xs, c, tab, 16, False)
+def _iblock_q4_k_512(r, o, xq, xd, xs, c, tab):
+    """_iblock_k45 of q4_k in 16 lanes (simd.nibble_pair_dot): chunk k of the codes is
+    sub-blocks 2k and 2k + 1, against x blocks c + 2k and c + 2k + 1 (64 contiguous bytes)."""
+    sc, mn = _k45_scales(r, o)
+    f = (to_f32(sc) * _h(r, o, tab)) * load_f32(xd, c)
+    extra = (to_f32(mn) * -_h(r, o + 2, tab)) * load_f32(xs, c)
+    a = nibble_pair_dot(zeros16(), r, o + 16, xq, 32 * c, pair_factors(f, 0))
+    b = nibble_pair_dot(zeros16(), r, o + 48, xq, 32 * c + 64, pair_factors(f, 1))
+    a = nibble_pair_dot(a, r, o + 80, xq, 32 * c + 128, pair_factors(f, 2))
+    b = nibble_pair_dot(b, r, o + 112, xq, 32 * c + 192, pair_factors(f, 3))
+    return fold16(a + b) + extra, np.float32(0)
+
+
+if VNNI512:
+    @njit(**_OPT)
+    def iblock_q4_k(r, o, xq, xd, xs, c, tab):
+        return _iblock_q4_k_512(r, o, xq, xd, xs, c, tab)
+else:
+    @njit(**_OPT)
+    def iblock_q4_k(r, o, xq, xd, xs, c, tab):
+        return _iblock_k45(r, o, xq, xd, xs, c, tab, 16, False)
 
 
 @njit(**_OPT)
