@@ -41,9 +41,9 @@ from rlx_core.ir.quant import QuantScheme
 from . import quant_kernels
 from .cblas import SGEMM
 from .codegen import ACT, PAR_MIN, SWIGLU_HEAD, load_source
-from .quant_kernels import F16, FORMATS, quantize_x
+from .quant_kernels import BLOCK, F16, FORMATS
+from .simd import hsum, load_f32
 
-ROWS = 16                   # output rows per GEMV task
 GEMV_PAR_MIN = 1 << 18      # multiply-adds of a GEMV pass from which it runs on every thread (below:
                             # ~100 us of work; a tiny layer's step on 2 busy cores: 3.2 ms parallel,
                             # 0.06 ms on one thread, the workers waiting for a core at each launch)
@@ -97,14 +97,16 @@ def route(ids, n_experts, weights):
 
 @njit(**_OPT)
 def _combine_token(ys, slot, wt, out, t):
-    """out[t] = sum over j of the route weight times ys[slot[t, j]]."""
+    """out[t] = sum over j of the route weight times ys[:, slot[t, j]] (the sum of its slices)."""
     o = out[t]
     o[:] = 0
     for j in range(slot.shape[1]):
         s = slot[t, j]
-        w, y = wt[s], ys[s]
-        for c in range(o.shape[0]):
-            o[c] += w * y[c]
+        w = wt[s]
+        for p in range(ys.shape[0]):
+            y = ys[p, s]
+            for c in range(o.shape[0]):
+                o[c] += w * y[c]
 
 
 @njit(parallel=True, **_OPT)
@@ -166,6 +168,14 @@ def dense_ahead(w, n):
     pass
 
 
+@njit(**_OPT)
+def block_sums(x, xs):
+    """xs[c] = the sum of x's block c of 32 (as quant_kernels.sums32, into xs)."""
+    for c in range(xs.shape[0]):
+        v = load_f32(x, 32 * c) + load_f32(x, 32 * c + 8) + load_f32(x, 32 * c + 16) + load_f32(x, 32 * c + 24)
+        xs[c] = hsum(v)
+
+
 # --------------------------------------------------------------------------- generated
 _IMPORTS = {
     "packed": "from {mod} import dot as {w}_dot, idot as {w}_idot, ahead as {w}_ahead, rows_ser as {w}_rows\n",
@@ -186,97 +196,122 @@ def {w}_tile(w, r0, nr, buf, tab):
     return w[r0:r0 + nr]
 """,
 }
+_SPAN = """
+@njit(**_OPT)
+def {w}_span(r, i0, i1):
+    \"\"\"Columns i0 .. i1 of row r (whole blocks of {elems} values, {nbytes} bytes each).\"\"\"
+    return r[i0 // {elems} * {nbytes}:i1 // {elems} * {nbytes}]
+"""
 
-# The GEMV passes, generated twice: parallel (`gemv_up`, `gemv_down`) and on one thread
-# (`..._ser`: a small step, where waking the workers costs more than the work).
-_GEMVS = """@njit({parallel}**_OPT)
-def gemv_up{sfx}(x, xs, tok, experts, starts, gate, up, h, tab):
-    \"\"\"h[s] = inner(gate[e] @ x[tok[s]], up[e] @ x[tok[s]]) for every pair s of each group
-    (expert experts[g], pairs starts[g] ..), tasks of (group, R rows); xs: x's sums32.\"\"\"
-    ni = h.shape[1]
-    tiles = (ni + R - 1) // R
-    for task in {loop}(experts.shape[0] * tiles):
-        g, i = task // tiles, task % tiles
-        e = experts[g]
-        wg, wu = gate[e], up[e]
-        for n in range(R * i, min(R * (i + 1), ni)):
+# The GEMV form, one parallel region a step (decode: each launch of numba's workers costs
+# tens of microseconds on a VM, more on a busy machine, so up, down and the rounding between
+# them run in one): tasks of (group, slice of the expert width I), each computing its slice
+# of h for the group's pairs (gate and up rows i0..i1), rounding it, and its part of the down
+# product (columns i0..i1 of every down row) into ys[slice]; the combine sums the slices. A
+# task needs no other task's h, so there is no barrier. Generated per (up, down) mode: "f"
+# f32 x / h (the formats' `dot`, x's and h's sums of 32), "i" their int8_b32 blocks (`idot`,
+# as llama.cpp's q8 activations; x arrives rounded by a fake_quantize, h is rounded here);
+# and twice: parallel, and on one thread (`_ser`: a small step).
+_GEMV = """@njit({parallel}**_OPT)
+def gemv_{mode}{sfx}(x, tok, experts, starts, gate, up, down, h, hq, hd, hs, ys, slices, tab):
+    \"\"\"ys[p, s] = down[e][:, slice p] @ h[s, slice p], h[s] = inner(gate[e] @ x[t], up[e] @ x[t])
+    for every pair s = (t, e) of each group (expert experts[g], pairs starts[g] ..); hq, hd,
+    hs: h's int8 blocks, scales and sums (of 32) as the down pass reads them.\"\"\"
+    ni, nh = h.shape[1], ys.shape[2]
+{x_prep}
+    step = ni // slices
+    for task in {loop}(experts.shape[0] * slices):
+        g, p = task // slices, task % slices
+        e, s0, s1 = experts[g], starts[g], starts[g + 1]
+        i0, i1 = step * p, step * (p + 1)
+        c0, c1 = i0 // 32, i1 // 32
+        wg, wu, wd = gate[e], up[e], down[e]
+        for n in range(i0, i1):
             gate_ahead(wg, n + PF)
             up_ahead(wu, n + PF)
-            for s in range(starts[g], starts[g + 1]):
+            for s in range(s0, s1):
                 t = tok[s]
-                h[s, n] = inner(gate_dot(wg[n], x[t], xs[t], tab), up_dot(wu[n], x[t], xs[t], tab))
-
-
-@njit({parallel}**_OPT)
-def gemv_down{sfx}(h, experts, starts, down, ys, tab):
-    \"\"\"ys[s] = down[e] @ h[s] for every pair s of each group, tasks of (group, R rows).\"\"\"
-    hs = np.empty((h.shape[0], h.shape[1] // 32), np.float32)
-    for s in range(h.shape[0]):
-        hs[s] = sums32(h[s])
-    nh = ys.shape[1]
-    tiles = (nh + R - 1) // R
-    for task in {loop}(experts.shape[0] * tiles):
-        g, i = task // tiles, task % tiles
-        wd = down[experts[g]]
-        for n in range(R * i, min(R * (i + 1), nh)):
+                h[s, n] = inner({gate_dot}, {up_dot})
+        for s in range(s0, s1):
+            {h_prep}
+        for n in range(nh):
             down_ahead(wd, n + PF)
-            for s in range(starts[g], starts[g + 1]):
-                ys[s, n] = down_dot(wd[n], h[s], hs[s], tab)
+            r = down_span(wd[n], i0, i1)
+            for s in range(s0, s1):
+                ys[p, s, n] = {down_dot}
 
 
 """
-
-# The passes on int8 blocks of their input (`[precision] activations = "int8"`): x arrives
-# rounded through int8_b32 (a fake_quantize before the op); h, where the op says so
-# (`int8_h`), is rounded here, each row once. Each packed row times each row's int8 values
-# in integer block products (the formats' `idot`, as the dense int8 GEMV). Generated twice
-# as _GEMVS, each where its stacks are packed.
-_IGEMV_UP = """@njit({parallel}**_OPT)
-def igemv_up{sfx}(xq, xd, xs, tok, experts, starts, gate, up, h, tab):
-    \"\"\"gemv_up with x quantized: xq, xd, xs each token's int8 blocks (quant_kernels.quantize_x).\"\"\"
-    ni = h.shape[1]
-    tiles = (ni + R - 1) // R
-    for task in {loop}(experts.shape[0] * tiles):
-        g, i = task // tiles, task % tiles
-        e = experts[g]
-        wg, wu = gate[e], up[e]
-        for n in range(R * i, min(R * (i + 1), ni)):
-            gate_ahead(wg, n + PF)
-            up_ahead(wu, n + PF)
-            for s in range(starts[g], starts[g + 1]):
-                t = tok[s]
-                h[s, n] = inner(gate_idot(wg[n], xq[t], xd[t], xs[t], tab), up_idot(wu[n], xq[t], xd[t], xs[t], tab))
+_X_PREP = {
+    "f": """    xs = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
+    for t in range(x.shape[0]):
+        block_sums(x[t], xs[t])""",
+    "i": """    xq, xd, xs = np.empty(x.shape, np.int8), np.empty((x.shape[0], x.shape[1] // 32), np.float32), np.empty(
+        (x.shape[0], x.shape[1] // 32), np.float32)
+    for t in range(x.shape[0]):
+        quantize_x(x[t], xq[t], xd[t], xs[t])""",
+}
+_UP_DOT = {"f": "{w}_dot(w{c}[n], x[t], xs[t], tab)", "i": "{w}_idot(w{c}[n], xq[t], xd[t], xs[t], tab)"}
+_H_PREP = {"f": "block_sums(h[s, i0:i1], hs[s, c0:c1])",
+           "i": "quantize_x(h[s, i0:i1], hq[s, i0:i1], hd[s, c0:c1], hs[s, c0:c1])"}
+_DOWN_DOT = {"f": "down_dot(r, h[s, i0:i1], hs[s, c0:c1], tab)",
+             "i": "down_idot(r, hq[s, i0:i1], hd[s, c0:c1], hs[s, c0:c1], tab)"}
 
 
+# The int8 GEMM form (prefill under `[precision] activations = "int8"`, every stack packed):
+# one parallel region a step, as the GEMV's, over (group, slice of I) tasks taken one at a
+# time (groups differ in size): each runs the formats' igemm (on the task's thread) for its
+# slice of gate and up, the inner, h's rounding, and its slice of the down product.
+_IGEMM_STEP = """
+from rlx_backend_numba.quant_kernels import quantize_rows
+from {gate_mod} import igemm as gate_igemm
+from {up_mod} import igemm as up_igemm
+from {down_mod} import igemm as down_igemm
+
+DSUB = {dsub}                # down's sub-block (h's sums)
+
+
+@njit(parallel=True, **_OPT)
+def igemm_step(gq, gd, gs, gi, uq, ud, us, ui, experts, starts, gate, up, down, h, c, hq, hq4, hd, hs, hi, ys,
+               slices, tab):
+    \"\"\"ys[p, s] = down[e][:, slice p] @ h[s, slice p] and h as gemv_ii's, the pairs' rows of x as
+    int8 blocks (quant_kernels.quantize_rows: gq.. for gate's sub-blocks, uq.. for up's);
+    c: up's products; hq (int8; hq4 its words), hd, hs, hi: h's blocks.\"\"\"
+    step = h.shape[1] // slices
+    for task in prange(experts.shape[0] * slices):
+        g, p = task // slices, task % slices
+        e, s0, s1 = experts[g], starts[g], starts[g + 1]
+        i0, i1 = step * p, step * (p + 1)
+        hv, cv = h[s0:s1, i0:i1], c[s0:s1, i0:i1]
+        gate_igemm(gq[s0:s1], gd[s0:s1], gs[s0:s1], gi[s0:s1], gate[e, i0:i1], hv, tab, 1)
+        up_igemm(uq[s0:s1], ud[s0:s1], us[s0:s1], ui[s0:s1], up[e, i0:i1], cv, tab, 1)
+        for a in range(s1 - s0):
+            for n in range(i1 - i0):
+                hv[a, n] = inner(hv[a, n], cv[a, n])
+        b0, b1 = i0 // DSUB, i1 // DSUB
+        quantize_rows(hv, hq[s0:s1, i0:i1], hd[s0:s1, i0 // 32:i1 // 32], hs[s0:s1, b0:b1], hi[s0:s1, b0:b1])
+        down_igemm(hq4[s0:s1, i0 // 4:i1 // 4], hd[s0:s1, i0 // 32:i1 // 32], hs[s0:s1, b0:b1], hi[s0:s1, b0:b1],
+                   down[e, :, i0 // {delems} * {dbytes}:i1 // {delems} * {dbytes}], ys[p, s0:s1], tab, 1)
 """
-_IGEMV_DOWN = """@njit({parallel}**_OPT)
-def igemv_down{sfx}(h, experts, starts, down, ys, tab):
-    \"\"\"gemv_down with each row of h rounded through int8 blocks (quantize_x) first.\"\"\"
-    p_, k_ = h.shape
-    hq, hd, hs = np.empty((p_, k_), np.int8), np.empty((p_, k_ // 32), np.float32), np.empty((p_, k_ // 32), np.float32)
-    for s in range(p_):
-        quantize_x(h[s], hq[s], hd[s], hs[s])
-    nh = ys.shape[1]
-    tiles = (nh + R - 1) // R
-    for task in {loop}(experts.shape[0] * tiles):
-        g, i = task // tiles, task % tiles
-        wd = down[experts[g]]
-        for n in range(R * i, min(R * (i + 1), nh)):
-            down_ahead(wd, n + PF)
-            for s in range(starts[g], starts[g + 1]):
-                ys[s, n] = down_idot(wd[n], hq[s], hd[s], hs[s], tab)
 
 
-"""
+def _gemv_source(up: str, down: str) -> str:
+    """The GEMV step of one (up, down) mode, parallel and on one thread."""
+    fill = dict(mode=up + down, x_prep=_X_PREP[up], gate_dot=_UP_DOT[up].format(w="gate", c="g"),
+                up_dot=_UP_DOT[up].format(w="up", c="u"), h_prep=_H_PREP[down], down_dot=_DOWN_DOT[down])
+    return "".join(_GEMV.format(parallel=par, sfx=sfx, loop=loop, **fill)
+                   for par, sfx, loop in (("parallel=True, ", "", "prange"), ("", "_ser", "range")))
+
 
 _KERNELS = """
 import numpy as np
 from numba import njit, prange
 from rlx_backend_numba.cblas import sgemm
-from rlx_backend_numba.quant_kernels import quantize_x, sums32
+from rlx_backend_numba.moe import block_sums
+from rlx_backend_numba.quant_kernels import quantize_x
 
 _OPT = dict(cache=True, error_model="numpy", fastmath={{"reassoc", "contract"}})
-R, PF = {rows}, {ahead}
+PF = {ahead}
 {imports}
 {tiles}
 
@@ -340,19 +375,23 @@ def _kind(scheme: str) -> str:
 @functools.lru_cache(maxsize=None)
 def kernels(kinds: tuple, act: str):
     """The generated module of one (gate, up, down) format triple ("" dense f32) and
-    activation: gemv_up, gemv_down, gemm_up, gemm_down, inner_rows; igemv_up where
-    int8_up(kinds), igemv_down where down is packed."""
+    activation: the GEMV steps gemv_<up><down>[_ser] (up "f", and "i" where int8_up(kinds);
+    down "f", and "i" where down is packed), gemm_up, gemm_down, inner_rows; igemm_step
+    where every stack is packed."""
     imports, tiles = [], []
     for w, kind in zip(("gate", "up", "down"), kinds):
         how = "packed" if kind else "dense"
         mod = quant_kernels.drivers(kind).__name__ if kind else ""
         imports.append(_IMPORTS[how].format(mod=mod, w=w))
         tiles.append(_TILE[how].format(w=w))
-    gemvs = "".join(t.format(parallel=par, sfx=sfx, loop=loop)
-                    for t in (_GEMVS,) + ((_IGEMV_UP,) if int8_up(kinds) else ()) + ((_IGEMV_DOWN,) if kinds[2] else ())
-                    for par, sfx, loop in (("parallel=True, ", "", "prange"), ("", "_ser", "range")))
-    src = _KERNELS.format(rows=ROWS, ahead=quant_kernels.AHEAD_ROWS, imports="".join(imports),
+    elems, nbytes = BLOCK[kinds[2]] if kinds[2] else (1, 1)
+    tiles.append(_SPAN.format(w="down", elems=elems, nbytes=nbytes))
+    gemvs = "".join(_gemv_source(u, d) for u in "fi"[:1 + int8_up(kinds)] for d in "fi"[:1 + bool(kinds[2])])
+    src = _KERNELS.format(ahead=quant_kernels.AHEAD_ROWS, imports="".join(imports),
                           tiles="".join(tiles), act=re.sub(r"\bx\b", "g", ACT[act][F32]), gemvs=gemvs)
+    if all(kinds):
+        mods = {f"{w}_mod": quant_kernels.drivers(k).__name__ for w, k in zip(("gate", "up", "down"), kinds)}
+        src += _IGEMM_STEP.format(dsub=quant_kernels.SUB.get(kinds[2], 32), delems=elems, dbytes=nbytes, **mods)
     return load_source(SWIGLU_HEAD + src)
 
 
@@ -388,32 +427,61 @@ def run_moe_experts(mod, kinds: tuple, x, weights, ids, gate, up, down, out, int
                          f"[0, {n_experts}) (the {n_experts} experts of the gate/up/down stacks)")
     pairs, inter, hidden = tok.shape[0], gate.shape[1], down.shape[1]
     h = np.empty((pairs, inter), np.float32)
-    ys = np.empty((pairs, hidden), np.float32)
-    if SGEMM is None or pairs < (GROUP_GEMM_INT8 if int8_x else GROUP_GEMM) * len(experts):
-        par = pairs * inter * hidden >= GEMV_PAR_MIN
-        if int8_x:
-            _igemv_up(mod, par, x, tok, experts, starts, gate, up, h)
-        else:
-            xs = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
-            for t in range(x.shape[0]):         # per token (a few: the GEMV runs up to GROUP_GEMM a group)
-                xs[t] = quant_kernels.sums32(x[t])
-            (mod.gemv_up if par else mod.gemv_up_ser)(x, xs, tok, experts, starts, gate, up, h, F16)
-        if int8_h:
-            (mod.igemv_down if par else mod.igemv_down_ser)(h, experts, starts, down, ys, F16)
-        else:
-            (mod.gemv_down if par else mod.gemv_down_ser)(h, experts, starts, down, ys, F16)
+    gemm = pairs >= (GROUP_GEMM_INT8 if int8_x else GROUP_GEMM) * len(experts)
+    if gemm and int8_x and int8_h:
+        ys = _igemm_step(mod, kinds, x, tok, experts, starts, gate, up, down, h)
+    elif SGEMM is None or not gemm:
+        ys = _gemv(mod, kinds, x, tok, experts, starts, gate, up, down, h, int8_x, int8_h)
     else:
-        _gemms(mod, kinds, x, tok, experts, starts, gate, up, down, h, ys, int8_x, int8_h)
+        ys = np.empty((1, pairs, hidden), np.float32)
+        _gemms(mod, kinds, x, tok, experts, starts, gate, up, down, h, ys[0], int8_x, int8_h)
     (combine_par if ys.size >= PAR_MIN else combine_ser)(ys, slot, wt, out)
 
 
-def _igemv_up(mod, par: bool, x, tok, experts, starts, gate, up, h) -> None:
-    """The up pass's GEMV on x's int8 blocks, each token quantized once."""
-    t_, k = x.shape
-    xq, xd, xs = np.empty((t_, k), np.int8), np.empty((t_, k // 32), np.float32), np.empty((t_, k // 32), np.float32)
-    for t in range(t_):
-        quantize_x(x[t], xq[t], xd[t], xs[t])
-    (mod.igemv_up if par else mod.igemv_up_ser)(xq, xd, xs, tok, experts, starts, gate, up, h, F16)
+def _gemv(mod, kinds, x, tok, experts, starts, gate, up, down, h, int8_x: bool, int8_h: bool) -> np.ndarray:
+    """The GEMV step (one parallel region, or one thread where small): ys [slices, pairs, H],
+    the down products of each slice of the expert width."""
+    pairs, inter, hidden = h.shape[0], h.shape[1], down.shape[1]
+    par = pairs * inter * hidden >= GEMV_PAR_MIN
+    slices = gemv_slices(len(experts), numba.get_num_threads() if par else 1, inter, kinds[2])
+    ys = np.empty((slices, pairs, hidden), np.float32)
+    hq = np.empty((pairs, inter) if int8_h else (0, 0), np.int8)
+    hd, hs = np.empty((pairs if int8_h else 0, inter // 32), np.float32), np.empty((pairs, inter // 32), np.float32)
+    step = getattr(mod, f"gemv_{'i' if int8_x else 'f'}{'i' if int8_h else 'f'}{'' if par else '_ser'}")
+    step(x, tok, experts, starts, gate, up, down, h, hq, hd, hs, ys, slices, F16)
+    return ys
+
+
+def _igemm_step(mod, kinds, x, tok, experts, starts, gate, up, down, h) -> np.ndarray:
+    """The int8 GEMM step (x and h as int8 blocks, every stack packed): ys [slices, pairs, H]."""
+    pairs, inter, hidden = h.shape[0], h.shape[1], down.shape[1]
+    xg = np.empty((pairs, x.shape[1]), np.float32)
+    gather_rows(x, tok, xg)
+    blocks = _int8_blocks(xg, kinds[:2])
+    dsub = quant_kernels.SUB.get(kinds[2], 32)
+    hq = np.empty((pairs, inter), np.int8)
+    hd, hs, hi = (np.empty((pairs, inter // 32), np.float32), np.empty((pairs, inter // dsub), np.float32),
+                  np.empty((pairs, inter // dsub), np.int32))
+    slices = gemv_slices(len(experts), numba.get_num_threads(), inter, kinds[2])
+    ys = np.empty((slices, pairs, hidden), np.float32)
+    chunk = numba.set_parallel_chunksize(1)         # tasks taken one at a time: groups differ in size
+    try:
+        mod.igemm_step(*blocks[quant_kernels.SUB.get(kinds[0], 32)], *blocks[quant_kernels.SUB.get(kinds[1], 32)],
+                       experts, starts, gate, up, down, h, np.empty_like(h), hq, hq.view(np.int32), hd, hs, hi, ys,
+                       slices, F16)
+    finally:
+        numba.set_parallel_chunksize(chunk)
+    return ys
+
+
+def gemv_slices(groups: int, threads: int, inter: int, down_kind: str) -> int:
+    """Slices of the expert width I the GEMV's tasks split each group into: the count (a
+    divisor of I's blocks of down's format, or of 32) whose (group, slice) tasks keep the
+    busiest thread shortest (in groups' work; the fewest slices on a tie: each slice reads
+    every down row again, in shorter runs)."""
+    block = BLOCK[down_kind][0] if down_kind else 32
+    most = inter // block if inter % block == 0 else 1
+    return min((p for p in range(1, most + 1) if most % p == 0), key=lambda p: (-(-groups * p // threads) / p, p))
 
 
 def _gemms(mod, kinds, x, tok, experts, starts, gate, up, down, h, ys, int8_x: bool = False,
@@ -509,4 +577,4 @@ def prepare_moe_experts(a, outs, protos, op=None):
     return step
 
 
-__all__ = ["GROUP_GEMM", "GROUP_GEMM_INT8", "kernels", "prepare_moe_experts", "route", "run_moe_experts"]
+__all__ = ["GROUP_GEMM", "GROUP_GEMM_INT8", "gemv_slices", "kernels", "prepare_moe_experts", "route", "run_moe_experts"]
