@@ -64,9 +64,22 @@ def _params(cfg: dict, scheme: str) -> dict:
     params = {"router": (rng.standard_normal((e, h)) / np.sqrt(h)).astype(np.float32)}
     for name, shp, sch in zip(("gate", "up", "down"), ((e, i, h), (e, i, h), (e, h, i)), SCHEMES[scheme]):
         w = (rng.uniform(-1, 1, shp) / np.sqrt(shp[-1])).astype(np.float32)
-        params[name] = (QuantScheme.parse(sch).quantize(w.reshape(-1, shp[-1])).reshape(shp[0], shp[1], -1)
-                        if sch else w)
+        params[name] = _quantize(w, sch) if sch else w
     return params
+
+
+def _quantize(w, scheme: str):
+    """[E, rows, K] floats packed as [E, rows, bytes], an expert a thread (numpy's loops release
+    the GIL: the device machine's cores quantize OLMoE's stacks in seconds, not a minute)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    from rlx_core.ir.quant import QuantScheme
+
+    q = QuantScheme.parse(scheme)
+    with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as ex:
+        return np.stack(list(ex.map(q.quantize, w)))
 
 
 def _rlx_ms(cfg: dict, params: dict, tokens: int, scheme: str, reps: int) -> float:
