@@ -1,25 +1,30 @@
 """Routed experts (`moe_experts`) on numba's threads: dense f32 or packed expert stacks.
 
 A step routes first: the (token, slot) pairs are counting-sorted by expert, so each expert's
-tokens form one group of consecutive rows. Then two parallel passes, each reading an
-expert's weight bytes once per group:
+tokens form one group of consecutive rows. Then, reading an expert's weight bytes once per
+group:
   up    h[s] = act(gate[e] @ x[t]) * (up[e] @ x[t])   for every sorted pair s = (t, e)
   down  ys[s] = down[e] @ h[s]
-and a last one sums each token's rows of ys with the route's weights into the output.
-Each pass runs one of two ways, chosen per call from the groups' mean size:
-- GEMV (decode: a token or a few per expert): threads over (group, tile of output rows),
-  each packed row dotted with the group's rows as it is read (quant_kernels' `dot`); on
-  one thread where the pass is small (GEMV_PAR_MIN);
-- GEMM (prefill: many tokens per expert): threads over parts of the (group, row tile)
-  tasks split by cost, each tile of weight rows decoded once into the part's scratch
-  (`rows_ser`) and multiplied with the group's rows by one-thread cblas_sgemm on numba's
-  workers (as quant_kernels' rows_gemm; dense f32 tiles are multiplied in place).
+and a combine sums each token's rows of ys with the route's weights into the output.
+The passes run one of two ways, chosen per call from the groups' mean size:
+- GEMV (decode: a token or a few per expert): ONE parallel region (each launch of numba's
+  workers costs tens of microseconds, milliseconds on a busy machine) over (group, slice of
+  the expert width) tasks, each running both passes for its slice: packed rows dotted with
+  the group's rows as they are read (the formats' `dot`, or `idot` on int8 blocks), h's
+  slice rounded where int8_h, and the slice's share of every down row into ys[slice] (the
+  combine sums the slices: no task waits for another); on one thread where small
+  (GEMV_PAR_MIN);
+- GEMM (prefill: many tokens per expert): with int8 x and h and every stack packed, ONE
+  region over (group, slice) tasks taken one at a time (`igemm_step`: the formats' int8
+  GEMM per task, on its thread, for gate, up and the slice of down); otherwise two, threads
+  over parts of the (group, row tile) tasks split by cost, each tile of weight rows decoded
+  once into the part's scratch (`rows_ser`) and multiplied with the group's rows by
+  one-thread cblas_sgemm on numba's workers (as quant_kernels' rows_gemm; dense f32 tiles
+  in place), or a pass's int8 GEMMs group by group (`_igemm_groups`).
 With `[precision] activations = "int8"` (x arrives from a fake_quantize to int8_b32; the
 runner sets int8_x) the up pass multiplies x's int8 blocks with the packed integers, as
-llama.cpp's q8 activations: the GEMV through the formats' `idot`, the GEMM as each group's
-int8 GEMM (`igemm`, threads over the expert's panels of rows). The op's `int8_h` (set by
-the same opt-in where down is packed) does the same for the down pass, h rounded through
-int8_b32 here.
+llama.cpp's q8 activations; the op's `int8_h` (set by the same opt-in where down is packed)
+does the same for the down pass, h rounded through int8_b32 here.
 The formats' decoders are quant_kernels' generated ones; a module generated here per
 (gate, up, down format, activation) binds them. Steps it does not cover (f16/bf16/f64, a
 format without numba kernels) keep the NumPy backend's kernel.
