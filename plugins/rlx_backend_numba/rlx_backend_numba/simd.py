@@ -578,7 +578,8 @@ def store_words(typingctx, a, i, stride, v):
 # their 64 contiguous bytes of x, the high half's sums 16x (its factor divided by 16:
 # exact). 5 instructions a pair of sub-blocks where the 8-lane form takes 13 (a Zen 5 core:
 # 23 -> ~35 GB/s of q4_k).
-VNNI512 = {"+avx512vnni", "+avx512f", "+avx512bw"} <= _HOST
+AVX512 = {"+avx512f", "+avx512bw"} <= _HOST                # 16-lane floats and bytes in one register
+VNNI512 = AVX512 and "+avx512vnni" in _HOST
 F32x16 = VecType("F32x16", ir.FloatType(), 16, types.float32)
 _VF16, _VI16 = F32x16.llvm, ir.VectorType(_I32, 16)
 _register(operator.add, F32x16, lambda b, x, y: b.fadd(x, y, flags=("contract",)))
@@ -625,6 +626,35 @@ def nibble_pair_dot(typingctx, acc, r, qo, xq, xo, fp):
 
 
 @intrinsic
+def nibble_fma16(typingctx, acc, r, qo, x, p, shift):
+    """acc + (the 16 bytes at r[qo], shifted right by `shift` (0: low nibbles, 4: high), & 15)
+    * x[p:p+16] (float32) in 16 lanes: the f32 GEMV's q4_k codes, 16 at a time."""
+    def codegen(context, builder, sig, args):
+        b16 = builder.load(element_ptr(context, builder, sig.args[1], args[1], args[2], sig.args[2],
+                                       ir.VectorType(_I8, 16)), align=1)
+        q = builder.zext(b16, _VI16)
+        sh = builder.trunc(context.cast(builder, args[5], sig.args[5], types.int32), _I32)
+        q = builder.and_(builder.lshr(q, _splat(builder, sh, _VI16)), ir.Constant(_VI16, [15] * 16))
+        xv = builder.load(element_ptr(context, builder, sig.args[3], args[3], args[4], sig.args[4], _VF16),
+                          align=4)
+        return builder.call(cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_VF16, [_VF16] * 3), "llvm.fmuladd.v16f32"),
+            [builder.sitofp(q, _VF16), xv, args[0]])
+    return F32x16(acc, r, qo, x, p, shift), codegen
+
+
+@intrinsic
+def scaled16(typingctx, acc, s, f, j):
+    """acc + s * f[j] in 16 lanes (f an F32x8, j a constant after inlining)."""
+    def codegen(context, builder, sig, args):
+        fj = builder.extract_element(args[2], context.cast(builder, args[3], sig.args[3], types.int32))
+        return builder.call(cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_VF16, [_VF16] * 3), "llvm.fmuladd.v16f32"),
+            [args[1], _splat(builder, fj, _VF16), args[0]])
+    return F32x16(acc, s, f, j), codegen
+
+
+@intrinsic
 def fold16(typingctx, v):
     """F32x16 -> F32x8: lanes j and j + 8 added."""
     def codegen(context, builder, sig, args):
@@ -634,5 +664,8 @@ def fold16(typingctx, v):
     return F32x8(v), codegen
 
 
-__all__ = ["F32x8", "F32x16", "VNNI512", "fold16", "nibble_pair_dot", "pair_factors", "zeros16", "I32x8", "I8x32", "LANES", "VNNI", "bits", "bits32", "blend4", "lane", "dot4", "exp", "halves", "idot_s", "idot_u", "izeros", "load_bytes32", "nibbles32", "fma", "hsum", "round_int8", "vabs", "load_f32", "load_i8", "load_u8", "load_u32",
+__all__ = ["F32x8", "F32x16", "AVX512", "VNNI512", "fold16", "nibble_fma16", "nibble_pair_dot", "scaled16",
+           "pair_factors", "zeros16", "I32x8", "I8x32", "LANES", "VNNI", "bits", "bits32", "blend4",
+           "lane", "dot4", "exp", "halves", "idot_s", "idot_u", "izeros", "load_bytes32", "nibbles32",
+           "fma", "hsum", "round_int8", "vabs", "load_f32", "load_i8", "load_u8", "load_u32",
            "store_lanes", "store_words", "to_f32", "zeros"]
