@@ -149,17 +149,22 @@ def rlx_flags() -> str:
 
 
 def rlx_server(a, port: int, chunk: int) -> Server:
-    """`rlx serve` with the prefix cache on and prefill chunks of `chunk` tokens (0: whole prompts)."""
+    """`rlx serve` with the prefix cache on and prefill pieces of at most `chunk` tokens, within
+    --stall-budget of a decode step (chunk 0: whole prompts, no budget)."""
     rlx = os.path.join(os.path.dirname(sys.executable), "rlx")
     cmd = [rlx, "serve", MODEL, "--host", "127.0.0.1", "--port", str(port), "--backend", a.backend,
            "--max-batch", str(a.clients + 1), "--log-level", "warning"]
     helps = rlx_flags()
-    for flag, value in (("--prefix-cache-mb", a.prefix_cache_mb), ("--prefill-chunk", chunk)):
+    budget = a.stall_budget if chunk else 0
+    for flag, value in (("--prefix-cache-mb", a.prefix_cache_mb), ("--prefill-chunk", chunk),
+                        ("--stall-budget", budget)):
+        if value is None:
+            continue
         if flag in helps:
             cmd += [flag, str(value)]
         else:
             log(f"  NOTE: this rlx serve has no {flag}: run without it")
-    return Server(f"rlx (prefill chunk {chunk})", cmd, port, a.threads, a.cores, a.wait)
+    return Server(f"rlx (prefill chunk {chunk}, stall budget {budget})", cmd, port, a.threads, a.cores, a.wait)
 
 
 def llama_server(a, gguf: str, port: int) -> Server:
@@ -480,7 +485,8 @@ def report(a, res: dict, hw: str) -> None:
               f"during {ms(d['during_p99_s'])} ({d['during_n']} gaps, longest {ms(d['during_max_s'])}), "
               f"{d['ratio']:.2f}x; long prompt's TTFT "
               f"{ms(d['long_ttft_s'])}  (loadavg {d['loadavg'][0]} -> {d['loadavg'][1]})")
-        for name, d in ((f"rlx, chunk {a.prefill_chunk}", r.get("stall")),
+        budget = "default" if a.stall_budget is None else a.stall_budget
+        for name, d in ((f"rlx, chunk {a.prefill_chunk}, budget {budget}", r.get("stall")),
                         ("rlx, chunk 0 (off)", res.get("rlx_nochunk", {}).get("stall"))):
             if d is not None:
                 say(side_line(name, d, f3))
@@ -510,6 +516,8 @@ def main() -> None:
     ap.add_argument("--prefix-cache-mb", type=int, default=512, help="rlx serve --prefix-cache-mb")
     ap.add_argument("--prefill-chunk", type=int, default=256, help="rlx serve --prefill-chunk (scenario 3 "
                     "also runs it at 0)")
+    ap.add_argument("--stall-budget", type=float, default=None, help="rlx serve --stall-budget (default: the "
+                    "server's; 0 with --prefill-chunk 0)")
     ap.add_argument("--ctx", type=int, default=8192, help="the peer's n_ctx (SmolLM2's context)")
     ap.add_argument("--wait", type=float, default=600, help="seconds to wait for a server or a request")
     ap.add_argument("--json", default=None)

@@ -853,13 +853,18 @@ def embed_cmd(model_name: str, texts: tuple, images: bool, file: str | None, jso
 @click.option("--prefill-chunk", type=click.IntRange(0), default=None, metavar="N",
               help="Prefill long prompts N tokens at a time between the batch's decode steps "
                    "(0: whole prompts; default: the profile's [runtime] prefill_chunk).")
+@click.option("--stall-budget", type=click.FloatRange(0), default=None, metavar="F",
+              help="While a batch decodes, a round's prefill may cost at most F times its decode step "
+                   "(measured; pieces of at most --prefill-chunk tokens): streams slow to at most ~(1 + F)x "
+                   "while a long prompt prefills. 0: fixed pieces of --prefill-chunk. Default: 0.5.")
 @model_profile_option
 @backend_option
 @tp_option(" per model (causal or encoder)")
 def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_max_tokens: int | None,
               log_level: str, max_body_mb: float, api_key: str | None, cors_origins: tuple,
               max_queue: int | None, request_timeout: float | None, shutdown_grace: float,
-              prefix_cache_mb: float | None, prefill_chunk: int | None, profile: str | None,
+              prefix_cache_mb: float | None, prefill_chunk: int | None, stall_budget: float | None,
+              profile: str | None,
               backend: str | None, tp: int | None) -> None:
     """Serve MODEL(s) over OpenAI's HTTP API: /v1/models, /v1/completions,
     /v1/chat/completions (streaming too), /v1/embeddings (encoder models; vision models take
@@ -873,8 +878,8 @@ def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_
     from . import serve
 
     serve.require()
-    options = {k: v for k, v in (("prefix_cache_mb", prefix_cache_mb), ("prefill_chunk", prefill_chunk))
-               if v is not None}
+    options = {k: v for k, v in (("prefix_cache_mb", prefix_cache_mb), ("prefill_chunk", prefill_chunk),
+                                 ("stall_budget", stall_budget)) if v is not None}
     models, groups = serve.load_models(model_names, backend, profile, tp,
                                        echo=lambda t: click.echo(t, err=True), progress=True)
     click.echo(f"[serving {', '.join(models)} on http://{host}:{port}/v1 (max batch {max_batch})]", err=True)

@@ -55,8 +55,10 @@ def prefill_then_extend(model, ids: np.ndarray, cuts: list, ctx: int = 128) -> n
     for b in cuts[1:] + [len(ids)]:
         mask = np.zeros((1, 1, 1, ctx), bool)
         mask[..., :b] = True
+        last = np.zeros((1, 1, b - a), np.float32)
+        last[..., -1] = 1
         out = ext.run({"ids": ids[None, a:b], "positions": np.arange(a, b)[None], "key_mask": mask,
-                       "cache_pos": np.array([a], np.int32)})["logits"]
+                       "cache_pos": np.array([a], np.int32), "last_token": last})["logits"]
         a = b
     return out[0, -1]
 
@@ -169,3 +171,49 @@ def test_ring_cache_model_prefills_whole():
         assert "ring cache" in s.extend_refused and s.prefill_runs == 1 and s.prefix is None
         assert s.submit(long, max_tokens=4).result(WAIT).token_ids == got
     assert got == alone(model, long, 4)
+
+
+# ----------------------------------------------------------------------------- pieces and the stall budget
+def test_pieces_run_at_a_few_lengths(llama):
+    """Prompts of 1 to 70 tokens (no cache hits) run as extend pieces of power-of-two lengths
+    (a tail padded up to 16, 32 or 64, longer ones exact), so the graph specializes for a few
+    lengths only, and every prompt's greedy tokens equal those of the prompt run alone."""
+    lengths = [1, 5, 16, 17, 31, 33, 47, 64, 65, 70]
+    with Scheduler(llama, max_batch=2, prefill_chunk=0, prefix_cache_mb=0) as s:
+        got = [s.submit(prompt(30 + n, n), max_tokens=3, ignore_eos=True).result(WAIT).token_ids
+               for n in lengths]
+        seqs = {dict(k)["seq"] for k in s._extend._runners}
+    assert seqs <= {16, 32, 64}                       # (65 and 70: 64 exact, then a tail padded to 16)
+    assert got == [model_new(llama, prompt(30 + n, n), 3) for n in lengths]
+
+
+def model_new(model, ids: list, n: int) -> list:
+    return model.generate(list(ids), max_new_tokens=n, ignore_eos=True)[len(ids):]
+
+
+def test_budget_picks_the_longest_piece_that_fits(llama):
+    """The piece a round may add follows the measured costs in decode steps (interpolated
+    between lengths measured): the longest that fits the budget; when none does, the round's
+    first piece costs at most one step (else one token) and a later piece none."""
+    s = Scheduler(llama, stall_budget=0.5)
+    s._run_steps = {1: 0.2, 8: 0.4, 32: 1.5}
+    assert s._estimate(16) == pytest.approx(0.4 + 1.1 * 8 / 24)
+    assert s._estimate(64) == pytest.approx(3.0) and s._estimate(4) == pytest.approx(0.2 + 0.2 * 3 / 7)
+    assert s._budget_limit(256, 0.5, first=True) == 8
+    assert s._budget_limit(4, 0.5, first=True) == 4
+    assert s._budget_limit(256, 0.1, first=True) == 16     # nothing fits 0.1: the longest within one step
+    assert s._budget_limit(256, 0.1, first=False) == 0
+    s._run_steps = {1: 1.3}
+    assert s._budget_limit(256, 0.5, first=True) == 1
+    s.close()
+
+
+def test_stall_budget_keeps_outputs(llama):
+    """With a stall budget the pieces follow measured times (not asserted), the tokens do not."""
+    long = prompt(2, 100)
+    with Scheduler(llama, max_batch=2, prefill_chunk=32, stall_budget=0.5, prefix_cache_mb=0) as s:
+        a = streaming(s, [])
+        got = s.submit(long, max_tokens=5).result(WAIT).token_ids
+        a.cancel()
+        a.result(WAIT)
+    assert got == alone(llama, long, 5)

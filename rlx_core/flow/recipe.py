@@ -7,7 +7,7 @@ import abc
 
 from typing import Callable
 
-from ..ir.dtype import BOOL, I32, I64
+from ..ir.dtype import BOOL, F32, I32, I64
 from ..ir.errors import ModelError
 from ..profile import CompileProfile
 from .blocks import GreedyNext
@@ -16,6 +16,15 @@ from .flow import ModelFlow
 MODES = ("prefill", "decode", "extend", "logits", "train")
 GENERATION = ("prefill", "decode", "extend")        # the modes that write the KV cache
 CONTINUING = ("decode", "extend")         # the modes that read the caches (key mask over "ctx")
+
+
+class PickPosition:
+    """Each row's hidden state at the position its one-hot `last_token` row marks ([batch, 1,
+    seq] @ [batch, seq, hidden]: exact, one term per row is not zero), so the head then reads
+    one position a row: the last real token of a piece whose tail is filler."""
+
+    def emit(self, ctx, x):
+        return ctx.m.matmul(ctx.inputs["last_token"], x)
 
 
 class LayerCtx:
@@ -145,6 +154,8 @@ class DecoderFlow(abc.ABC):
         f.input("key_mask", (self.batch, 1, 1, "ctx" if self.mode in CONTINUING else self.seq), BOOL)
         if self.mode in GENERATION:
             f.input("cache_pos", (self.batch,), I32)
+        if self.mode == "extend":
+            f.input("last_token", (self.batch, 1, self.seq), F32)
         if self.mode == "train":
             f.input("labels", (self.batch, self.seq), I64)
         f = self.embed(f)
@@ -158,6 +169,8 @@ class DecoderFlow(abc.ABC):
                 f.output(f"layer.{i}")
         for fn in self._after:
             f = fn(f) or f
+        if self.mode == "extend":
+            f.raw_stage(PickPosition())
         f = self.head(f)
         for fn in self._patches:
             f = fn(f) or f

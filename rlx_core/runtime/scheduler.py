@@ -27,6 +27,7 @@ import collections
 import itertools
 import queue
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 IDLE_RELEASE_S = 2.0           # idle this long, a scheduler gives its KV cache back (release_cache)
+PIECE_MIN = 16                 # the shortest prefill run: a prompt's tail is padded up to 16, 32 or 64 tokens
+PAD_TAIL = 64                  # a tail up to this long runs padded to a power of two; longer pieces run exact
+FILL_CTX_MIN = 256             # the prefill states' smallest context (then powers of two)
+COST_EMA = 0.3                 # the weight of the newest measurement in the run-cost averages
 
 
 def trim_heap() -> None:
@@ -184,11 +189,13 @@ class Scheduler:
     the chunk of a long prompt's prefill in tokens (None: the profile's [runtime]
     prefill_chunk; 0: whole prefills). Use as a context manager or call close()."""
 
-    def __init__(self, model, max_batch: int = 8, prefix_cache_mb: float = 256, prefill_chunk: int | None = None):
+    def __init__(self, model, max_batch: int = 8, prefix_cache_mb: float = 256, prefill_chunk: int | None = None,
+                 stall_budget: float | None = None):
         self.model = model
         self.max_batch = int_arg("max_batch", max_batch, lo=1)
         self.prefix_cache_mb = float_arg("prefix_cache_mb", prefix_cache_mb, 0.0)
         self.prefill_chunk = int_arg("prefill_chunk", prefill_chunk, none=True)
+        self.stall_budget = None if stall_budget is None else float_arg("stall_budget", stall_budget, 0.0)
         self.buckets = batch_buckets(self.max_batch)
         self._cv = threading.Condition()
         self._waiting: collections.deque = collections.deque()
@@ -211,6 +218,10 @@ class Scheduler:
         self.prefix_hit_tokens = 0             # of them, found there (their prefill skipped)
         self.prefill_tokens = 0                # prompt tokens computed (prefill and extend runs)
         self.prefill_runs = 0                  # prefill and extend runs (chunks)
+        self._fill_ctx = 0                     # the prefill states' context (padded pieces: grows, powers of two)
+        self._run_steps: dict = {}             # prefill run length -> its cost in decode steps (moving average)
+        self._step_cost = 0.0                  # seconds a decode step of the batch takes (a moving average)
+        self._last_piece_steps = 0.0           # the last prefill run's cost in decode steps
 
     # -- submission
     def submit(self, prompt, params: SamplingParams | None = None, on_event=None, chat: bool = False,
@@ -326,6 +337,7 @@ class Scheduler:
             if self.cache is not None:
                 self.cache.clear()
             self.cache = self._decode = self._prefill = self._extend = None
+            self._fill_ctx = 0
         trim_heap()
 
     # -- the scheduler thread
@@ -498,39 +510,108 @@ class Scheduler:
         self._fills.append(r)
 
     def _prefill_round(self) -> None:
-        """Prefill the waiting requests in order: all of them whole, or, chunking, pieces of
-        at most `prefill_chunk` tokens until that many were computed this round while a
-        batch is decoding (so its streams go on between the chunks)."""
-        chunk, start = self._chunk(), self.prefill_tokens
+        """Prefill the waiting requests in order, in pieces (`_piece`). While no batch decodes,
+        all of them; while one does, only what this round may add to its decode step: at most
+        `prefill_chunk` tokens, and, with a `stall_budget`, pieces whose measured cost in
+        decode steps fits in that budget (`_budget_limit`), at least one piece a round.
+
+        Why a budget in decode steps: the streams' inter-token gap during a long prefill is a
+        decode step plus the round's prefill, so a budget of b steps keeps it <= (1 + b) x
+        their pace, whatever the hardware; a piece's cost is measured as a multiple of the
+        step (both slow down alike when the machine is loaded, so the ratios stay valid). A
+        fixed chunk cannot do this: 256 tokens cost ~8 steps on 2 CPU cores, 1 on a GPU. The
+        mixed batch (the chunk's tokens in the decode step's own run) would save the piece's
+        fixed cost, but needs a graph over packed rows of different lengths: not built."""
+        chunk = self._chunk()
+        running = bool(self._running())
+        tokens_left = chunk if running and chunk else None
+        steps_left = self.stall_budget if running and self.stall_budget else None
+        ran = 0
         while self._fills:
             r = self._fills[0]
             if r.done or r.cancelled or r not in self._active:
                 self._fills.popleft()
                 continue
-            self._guard(list(r.choices), self._fill, r, chunk)
-            if chunk and self.prefill_tokens - start >= chunk and self._running():
-                break
+            limit = chunk if tokens_left is None else tokens_left
+            if steps_left is not None:
+                limit = self._budget_limit(limit or self.model.max_positions, steps_left, first=not ran)
+                if not limit:
+                    break
+            done, runs = self.prefill_tokens, self.prefill_runs
+            self._guard(list(r.choices), self._fill, r, limit)
+            ran += 1
+            if tokens_left is not None:
+                tokens_left -= self.prefill_tokens - done
+                if tokens_left <= 0:
+                    break
+            if steps_left is not None:
+                steps_left -= self._last_piece_steps if self.prefill_runs > runs else 0.0
 
-    def _fill(self, r: Request, chunk: int) -> None:
-        """One piece of r's prefill (all of it unless chunking); the last places its choices."""
+    def _budget_limit(self, cap: int, steps: float, first: bool) -> int:
+        """The longest piece (a power of two up to `cap`) whose estimated cost fits in `steps`
+        decode steps. When none does, the round's first piece is the longest costing at most
+        one step (the streams' gap then at most doubles), else one token (a prompt always
+        advances); a later piece: 0, the round stops. (A piece's cost is not proportional to
+        its length: up to a few rows a packed matmul is a GEMV, beyond them it decodes the
+        weights for BLAS; so the choice follows the costs measured, not a rate.)"""
+        top = 1 << max(cap, 1).bit_length() - 1
+        for allowed in (steps, max(steps, 1.0)) if first else (steps,):
+            size = top
+            while size > 1 and self._estimate(size) > allowed:
+                size //= 2
+            if self._estimate(size) <= allowed:
+                return size
+        return 1 if first else 0
+
+    def _estimate(self, size: int) -> float:
+        """A prefill run of `size` tokens in decode steps of the batch: its moving average,
+        else interpolated between the nearest lengths measured below and above it (a fixed
+        cost plus a cost a token), else scaled from the nearest one (proportionally:
+        pessimistic going up, optimistic going down; the run it leads to corrects it); 0
+        while none was measured."""
+        cost = self._run_steps
+        if size in cost or not cost:
+            return cost.get(size, 0.0)
+        lo = max((k for k in cost if k < size), default=None)
+        hi = min((k for k in cost if k > size), default=None)
+        if lo is not None and hi is not None:
+            return cost[lo] + (cost[hi] - cost[lo]) * (size - lo) / (hi - lo)
+        near = lo if lo is not None else hi
+        return cost[near] * size / near
+
+    def _fill(self, r: Request, limit: int) -> None:
+        """One piece of r's prefill (`_piece`: at most `limit` tokens, 0: no limit); the last
+        places its choices."""
         n = len(r.prompt_ids)
-        exe = self._prefill_exe()
         if r.filled == 0:
             self._start_fill(r)
         a = r.filled
-        b = self._piece_end(a, n, chunk)
-        ext = self._extend if a else None
-        (ext or exe).fixed_dims = {"ctx": r.ctx}
-        ids = np.asarray([r.prompt_ids[a:b]], np.int64)
+        b, run = self._piece(a, n, limit)
+        pads = self._pads()
+        ext = self._extend if a or pads else None
+        exe = ext or self._prefill_exe()
+        ctx = self._fill_ctx_of(r) if pads else r.ctx
+        if pads:
+            self._size_fill_states(ctx)
+        exe.fixed_dims = {"ctx": ctx}
+        ids = np.zeros((1, run), np.int64)
+        ids[0, :b - a] = r.prompt_ids[a:b]
         if ext is None:
             feed = {"ids": ids, "positions": np.arange(b, dtype=np.int64)[None],
                     "key_mask": np.ones((1, 1, 1, b), bool), "cache_pos": np.zeros(1, np.int32)}
         else:
-            mask = np.zeros((1, 1, 1, r.ctx), bool)
-            mask[..., :b] = True
-            feed = {"ids": ids, "positions": np.arange(a, b, dtype=np.int64)[None], "key_mask": mask,
-                    "cache_pos": np.array([a], np.int32)}
-        logits = (ext or exe).run(feed)["logits"][:, -1]
+            mask = np.zeros((1, 1, 1, ctx), bool)
+            mask[..., :a + run] = True            # (filler keys only follow the real ones: never seen)
+            positions = np.minimum(np.arange(a, a + run, dtype=np.int64), b - 1)[None]
+            last = np.zeros((1, 1, run), np.float32)
+            last[0, 0, b - a - 1] = 1
+            feed = {"ids": ids, "positions": positions, "key_mask": mask, "cache_pos": np.array([a], np.int32),
+                    "last_token": last}
+        t0 = time.perf_counter()
+        logits = exe.run(feed)["logits"][:, -1]
+        if self._step_cost:
+            self._last_piece_steps = (time.perf_counter() - t0) / self._step_cost
+            self._run_steps[run] = _average(self._run_steps.get(run), self._last_piece_steps)
         r.filled = b
         self.prefill_tokens += b - a
         self.prefill_runs += 1
@@ -541,20 +622,35 @@ class Scheduler:
             self._fills.popleft()
             self._place(r, logits)
 
+    def _pads(self) -> bool:
+        """Whether prefill pieces run through the extend graph padded to a few lengths: a model
+        that extends and has no recurrent state (filler tokens would step it; such a model's
+        pieces run at their own lengths, each new one compiling its graph)."""
+        ext = self._extend_exe()
+        return ext is not None and all("ctx" in s.dims for s in _state_specs(ext).values())
+
+    def _fill_ctx_of(self, r: Request) -> int:
+        """The padded prefill states' context for r: room for its prompt and a padded tail, a
+        power of two (at least FILL_CTX_MIN) that only grows, so its runners stay bound."""
+        need = len(r.prompt_ids) + PAD_TAIL
+        ctx = max(FILL_CTX_MIN, 1 << (need - 1).bit_length())
+        self._fill_ctx = max(self._fill_ctx, ctx)
+        return self._fill_ctx
+
     def _start_fill(self, r: Request) -> None:
         """Before r's first piece: the prefill states sized to r's context, its longest
         cached prefix (at most all but the last prompt token: that one gives the logits)
         copied in, and r.filled set past it."""
         n = len(r.prompt_ids)
-        if n > 1 and self._chunk() and n > self._chunk():
-            self._extend_exe()                   # (chunks need it; refused: whole prefills)
+        if n > 1:
+            self._extend_exe()                   # (pieces need it; refused: whole prefills)
         pc = self._prefix_cache()
         if pc is None:
             return
         self.prefix_query_tokens += n
         hit, entries = pc.lookup(r.prompt_ids, n - 1)
         if hit:
-            self._size_fill_states(r.ctx)
+            self._size_fill_states(self._fill_ctx_of(r) if self._pads() else r.ctx)
             pc.restore(entries, self._prefill_exe().states)
             r.filled = hit
             self.prefix_hit_tokens += hit
@@ -570,17 +666,29 @@ class Scheduler:
             if cur is None or tuple(cur.shape) != tuple(dims):
                 states[name] = self.model.backend.zeros(dims, spec.dtype)
 
-    def _piece_end(self, a: int, n: int, chunk: int) -> int:
-        """Where the prefill piece starting at prompt token `a` ends: the prompt's end, or a
-        chunk on; and, for a model with recurrent states and a prefix cache, at the prompt's
-        last block boundary (a snapshot there lets a later prompt continue this one)."""
-        extend = self._extend is not None
-        b = min(n, a + chunk) if chunk and extend else n
+    def _piece(self, a: int, n: int, limit: int) -> tuple:
+        """(end, run length) of the prefill piece starting at prompt token `a`: at most
+        `limit` tokens (0: no limit), and, for a model with recurrent states and a prefix
+        cache, ending at the prompt's last block boundary (a snapshot there lets a later
+        prompt continue this one). Padded pieces (`_pads`) run at a few lengths only: a
+        power of two, exact, or a tail of at most PAD_TAIL tokens padded up to one (at least
+        PIECE_MIN), so after the first requests no piece compiles a graph; otherwise the
+        piece runs at its own length."""
+        end = n
         if self.prefix is not None and self.prefix.needs_snapshot:
             edge = n // self.prefix.block * self.prefix.block
-            if a < edge < b:
-                b = edge
-        return b
+            if a < edge:
+                end = edge
+        left = end - a
+        if not self._pads():
+            b = min(end, a + limit) if limit and self._extend is not None else end
+            return b, b - a
+        size = min(left, limit) if limit else left
+        padded = 1 << (left - 1).bit_length()
+        if left <= PAD_TAIL and (not limit or padded <= limit):
+            return end, max(padded, min(PIECE_MIN, limit or PIECE_MIN))
+        size = 1 << size.bit_length() - 1
+        return a + size, size
 
     def _place(self, r: Request, logits) -> None:
         """r's prompt is prefilled: each choice gets a free row of the batch cache (its KV
@@ -625,6 +733,7 @@ class Scheduler:
         feed = {"ids": ids, "positions": pos, "key_mask": mask[:, None, None, :], "cache_pos": cache_pos}
         self.steps += 1
         self.max_rows = max(self.max_rows, len(running))
+        t0 = time.perf_counter()
         greedy = self._greedy_ids(exe, feed, running)
         asked: dict = {}
         if greedy is None:
@@ -633,6 +742,7 @@ class Scheduler:
                 if r.constraint is not None:
                     self._guard([r], lambda r=r: asked.__setitem__(r.id, ask(r.constraint)))
             logits = wait()["logits"][:, -1]
+        self._step_cost = _average(self._step_cost or None, time.perf_counter() - t0)
         for r in running:
             r.length += 1
             if greedy is not None:
@@ -721,6 +831,11 @@ class Scheduler:
             text += r.stream.finish()
         r.finish_reason = reason
         r._emit(Event(list(tokens), text, reason, r.error, list(logprobs), r.index))
+
+
+def _average(old: float | None, new: float) -> float:
+    """A moving average of run costs (COST_EMA the newest's weight): follows the load."""
+    return new if old is None else (1 - COST_EMA) * old + COST_EMA * new
 
 
 def _state_specs(exe) -> dict:

@@ -43,6 +43,7 @@ from .protocol import ApiError
 
 
 MAX_BODY_MB = 8              # the default limit of a request body (rlx serve --max-body-mb)
+STALL_BUDGET = 0.5           # a round's prefill costs <= this share of a decode step (rlx serve --stall-budget)
 BODY_IDLE_S = 30.0           # a body that stops arriving this long is a 400 (not a wait forever)
 BIG_BODY = 1 << 20           # after a request this big, freed memory goes back to the OS
 RETRY_AFTER_S = 1            # a 429's Retry-After: a batch row frees within a few decode steps
@@ -61,7 +62,8 @@ class Served:
     `max_body_mb` bounds a request body; `body_idle_s`: how long a body may stop arriving;
     `max_queue`: how many requests (choices) may wait for a batch row per model (beyond it a
     429), None: no bound; `request_timeout` (seconds): a generation running longer is
-    cancelled; `scheduler_options`: keywords for each model's Scheduler (only those given)."""
+    cancelled; `scheduler_options`: keywords for each model's Scheduler (only those given;
+    a scheduler run here gets STALL_BUDGET unless they give stall_budget)."""
 
     def __init__(self, models: dict, max_batch: int = 8, default_max_tokens: int | None = None,
                  groups: dict | None = None, max_body_mb: float = MAX_BODY_MB,
@@ -100,7 +102,7 @@ class Served:
         if unknown:
             raise ModelError(f"scheduler options {unknown} are not taken by this runtime's Scheduler "
                              f"(it takes {sorted(k for k in takes if k not in ('self', 'model'))})")
-        return Scheduler(model, max_batch, **options)
+        return Scheduler(model, max_batch, **{"stall_budget": STALL_BUDGET, **options})
 
     def admit(self, name: str, count: int) -> None:
         """Reserve `count` choices of `name`'s scheduler: a 429 (with Retry-After) when
