@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import re
+import types
 
 import numba
 import numpy as np
@@ -268,10 +269,14 @@ _DOWN_DOT = {"f": "down_dot(r, h[s, i0:i1], hs[s, c0:c1], tab)",
 # time (groups differ in size): each runs the formats' igemm (on the task's thread) for its
 # slice of gate and up, the inner, h's rounding, and its slice of the down product.
 _IGEMM_STEP = """
-from rlx_backend_numba.quant_kernels import quantize_rows
-from {gate_mod} import igemm as gate_igemm
-from {up_mod} import igemm as up_igemm
-from {down_mod} import igemm as down_igemm
+from rlx_backend_numba.moe import serial
+from rlx_backend_numba.quant_kernels import quantize_rows as _quantize_rows
+from {gate_mod} import igemm as _gate_igemm
+from {up_mod} import igemm as _up_igemm
+from {down_mod} import igemm as _down_igemm
+
+gate_igemm, up_igemm, down_igemm = serial(_gate_igemm), serial(_up_igemm), serial(_down_igemm)
+quantize_rows = serial(_quantize_rows)
 
 DSUB = {dsub}                # down's sub-block (h's sums)
 
@@ -298,6 +303,20 @@ def igemm_step(gq, gd, gs, gi, uq, ud, us, ui, experts, starts, gate, up, down, 
         down_igemm(hq4[s0:s1, i0 // 4:i1 // 4], hd[s0:s1, i0 // 32:i1 // 32], hs[s0:s1, b0:b1], hi[s0:s1, b0:b1],
                    down[e, :, i0 // {delems} * {dbytes}:i1 // {delems} * {dbytes}], ys[p, s0:s1], tab, 1)
 """
+
+
+@functools.lru_cache(maxsize=None)
+def serial(kernel):
+    """A copy of the njit kernel (parallel=True) compiled for one thread, under its name +
+    "_ser" (its own cache entry): igemm_step's tasks call the formats' igemm and quantize_rows
+    on their own threads; the parallel kernels, called there, would each start a nested
+    team of workers."""
+    f = kernel.py_func
+    name = f.__name__ + "_ser"
+    g = types.FunctionType(f.__code__.replace(co_name=name, co_qualname=name), f.__globals__, name,
+                           f.__defaults__, f.__closure__)
+    g.__qualname__, g.__module__ = name, f.__module__
+    return njit(**_OPT)(g)
 
 
 def _gemv_source(up: str, down: str) -> str:
