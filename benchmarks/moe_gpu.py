@@ -211,12 +211,14 @@ def main():
                 if "rlx-gemv" in sides:
                     res[("rlx-gemv", scheme)] = {n: {"ms": v["gemv_ms"]} for n, v in r["rows"].items()}
                 res["device"] = r["device"]
+                log(f"  rlx {scheme}: {json.dumps(r['rows'])}")
     for side in ("eager", "compile"):
         if side in sides:
             r = _child(base + ["--side", side], side, a.budget)
             if r:
                 res[(side, "bf16")] = r["rows"]
                 res.setdefault("device", r["device"])
+                log(f"  {side}: {json.dumps(r['rows'])}")      # (kept if a later side is stopped)
     log(f"\ndevice: {res.get('device', '?')}; llama.cpp CUDA: peer not run (no llama.cpp build in this run)")
     log(f"{'tokens':>6} {'side':>18} {'ms':>9} {'floor ms':>9} {'rlx/eager':>9} {'rlx/compile':>11}")
     for n in tokens:
