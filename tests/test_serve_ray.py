@@ -41,8 +41,8 @@ def test_builder_args_are_checked():
     assert options({"model": "m", "replicas": "2", "tp": 1}) == {
         "models": ["m"], "backend": None, "profile": None, "replicas": 2, "tp": 1, "max_batch": 8,
         "max_tokens": None, "scheduler_options": {}}
-    assert options({"model": "m", "prefix_cache_mb": "64", "prefill_chunk": 128})["scheduler_options"] == {
-        "prefix_cache_mb": 64.0, "prefill_chunk": 128}
+    assert options({"model": "m", "prefix_cache_mb": "64", "prefill_chunk": 128, "stall_budget": "0.25"})[
+        "scheduler_options"] == {"prefix_cache_mb": 64.0, "prefill_chunk": 128, "stall_budget": 0.25}
     for bad, what in (({"model": "m", "replica": 2}, r"unknown arg\(s\) \['replica'\]"),
                       ({"model": "m", "replicas": "0"}, r"replicas='0'; expected a whole number >= 1"),
                       ({"model": "m", "tp": "two"}, r"tp='two'"),
@@ -50,7 +50,8 @@ def test_builder_args_are_checked():
                       ({"model": "m", "backend": 3}, r"backend=3"),
                       ({"model": "m", "prefix_cache_mb": "lots"}, r"prefix_cache_mb='lots'; expected a number"),
                       ({"model": "m", "prefix_cache_mb": -1}, r"prefix_cache_mb=-1"),
-                      ({"model": "m", "prefill_chunk": 0}, r"prefill_chunk=0")):
+                      ({"model": "m", "prefill_chunk": 0}, r"prefill_chunk=0"),
+                      ({"model": "m", "stall_budget": "-1"}, r"stall_budget='-1'; expected a number >= 0")):
         with pytest.raises(ModelError, match=what):
             options(bad)
 

@@ -18,6 +18,14 @@ running list without a row (`slot` -1) until its last chunk places it. A model w
 caches cannot be extended (a ring-buffer window cache) gets whole prefills and no prefix
 cache; `extend_refused` says why.
 
+Nothing compiles in steady state: prefill pieces run through the extend graph at a few
+lengths (powers of two; a prompt's tail padded up to one, its logits picked by the graph's
+`last_token` input) over prefill states whose context only grows, in powers of two; decode
+graphs take (batch bucket, context bucket). (A model with recurrent states cannot pad:
+filler tokens would step its state; its pieces run at their own lengths.) While a batch
+decodes, `stall_budget` bounds what a round's prefill may add in measured decode steps
+(see `_prefill_round`).
+
 Submission is thread-safe (`Scheduler.submit` from any thread); one scheduler thread runs
 the model, holding the backend's lock for each step, so direct `generate` calls on the same
 model interleave between steps."""
@@ -38,7 +46,7 @@ from ..ir.errors import ModelError, RlxError
 from .args import bool_arg, callable_arg, float_arg, int_arg, token_rows
 from .batch_cache import BatchCache
 from .model import CTX_BUCKET, fetch_greedy, greedy_outputs, updates_in_place
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, cache_stats
 from .sampling import SamplingParams, ask, check_constraint, prompt_token_logprobs, token_logprobs
 from .stop_text import StopText
 
@@ -186,8 +194,11 @@ def batch_buckets(max_batch: int) -> tuple:
 class Scheduler:
     """Runs `model` (a CausalLM) for many requests at once, up to `max_batch` in one decode
     batch. `prefix_cache_mb`: the prefix cache's bound in MiB (0: none); `prefill_chunk`:
-    the chunk of a long prompt's prefill in tokens (None: the profile's [runtime]
-    prefill_chunk; 0: whole prefills). Use as a context manager or call close()."""
+    the most prompt tokens prefilled in a round while a batch decodes (None: the profile's
+    [runtime] prefill_chunk; 0: whole prefills); `stall_budget`: what that round's prefill
+    may cost, in decode steps of the batch as measured (None: no bound but the chunk; the
+    pieces then follow only from the requests, as a tensor-parallel group's ranks need).
+    Use as a context manager or call close()."""
 
     def __init__(self, model, max_batch: int = 8, prefix_cache_mb: float = 256, prefill_chunk: int | None = None,
                  stall_budget: float | None = None):
@@ -304,9 +315,8 @@ class Scheduler:
             waiting = sum(len(r.choices) for r in self._waiting)
             running = len(self._active)
             prefilling = sum(r.slot < 0 for r in self._active)
-        cache = self.prefix.stats() if self.prefix is not None else {
-            "prefix_cache_blocks": 0, "prefix_cache_bytes": 0,
-            "prefix_cache_capacity": int(self.prefix_cache_mb * 2**20), "prefix_cache_evictions": 0}
+        cache = self.prefix.stats() if self.prefix is not None else cache_stats(
+            capacity=int(self.prefix_cache_mb * 2**20))
         return {"waiting": waiting, "running": running, "max_batch": self.max_batch,
                 "submitted": self.submitted, "steps": self.steps,
                 "prefix_query_tokens": self.prefix_query_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,
@@ -513,7 +523,10 @@ class Scheduler:
         """Prefill the waiting requests in order, in pieces (`_piece`). While no batch decodes,
         all of them; while one does, only what this round may add to its decode step: at most
         `prefill_chunk` tokens, and, with a `stall_budget`, pieces whose measured cost in
-        decode steps fits in that budget (`_budget_limit`), at least one piece a round.
+        decode steps fits in that budget (`_budget_limit`), at least one piece a round. A
+        prompt with at most PAD_TAIL tokens left (a new request's question after a cached
+        system prompt) is one piece of about a step: it goes in at once (the chunk allowing),
+        so requests arriving together get their first tokens together.
 
         Why a budget in decode steps: the streams' inter-token gap during a long prefill is a
         decode step plus the round's prefill, so a budget of b steps keeps it <= (1 + b) x
@@ -533,7 +546,7 @@ class Scheduler:
                 self._fills.popleft()
                 continue
             limit = chunk if tokens_left is None else tokens_left
-            if steps_left is not None:
+            if steps_left is not None and len(r.prompt_ids) - r.filled > PAD_TAIL:
                 limit = self._budget_limit(limit or self.model.max_positions, steps_left, first=not ran)
                 if not limit:
                     break

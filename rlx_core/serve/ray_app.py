@@ -12,7 +12,7 @@ actor. Ray does the placement, routing and restarts; nothing here is cluster cod
 or `serve run rlx_core.serve.ray_app:app_builder model=NAME replicas=2`. The args:
 `model` (a name or path, or a list of them), `backend`, `profile`, `replicas` (default 1),
 `tp` (ranks per replica, default 1), `max_batch` (default 8), `max_tokens` (chat default),
-`prefix_cache_mb` and `prefill_chunk` (each replica's scheduler: `rlx serve`'s flags).
+`prefix_cache_mb`, `prefill_chunk` and `stall_budget` (each replica's scheduler: `rlx serve`'s flags).
 The deployment is named "rlx": a config's `deployments:` entry of that name sets Ray's own
 options (ray_actor_options such as num_gpus, autoscaling). Needs the cluster extra:
 pip install 'rlx-core[cluster]'.
@@ -45,7 +45,7 @@ KEYS = {"model": "a model name or path, or a list of them", "backend": "a backen
         "profile": "a profile name or .rlx.toml path", "replicas": "a whole number >= 1",
         "tp": "a whole number >= 1", "max_batch": "a whole number >= 1",
         "max_tokens": "a whole number >= 1", "prefix_cache_mb": "a number >= 0",
-        "prefill_chunk": "a whole number >= 1"}
+        "prefill_chunk": "a whole number >= 1", "stall_budget": "a number >= 0"}
 
 
 def require() -> None:
@@ -90,17 +90,19 @@ def options(args: dict) -> dict:
 
 
 def _scheduler_options(args: dict) -> dict:
-    """prefix_cache_mb (a number >= 0) and prefill_chunk (a count), where given."""
+    """prefix_cache_mb and stall_budget (numbers >= 0) and prefill_chunk (a count), where given."""
     out = {}
-    if args.get("prefix_cache_mb") is not None:
-        value = args["prefix_cache_mb"]
+    for key in ("prefix_cache_mb", "stall_budget"):
+        if args.get(key) is None:
+            continue
+        value = args[key]
         try:
-            mb = float(value) if not isinstance(value, bool) else -1.0
+            number = float(value) if not isinstance(value, bool) else -1.0
         except (TypeError, ValueError):
-            mb = -1.0
-        if not mb >= 0 or mb == float("inf"):
-            raise ModelError(f"rlx Ray Serve app: prefix_cache_mb={value!r}; expected {KEYS['prefix_cache_mb']}")
-        out["prefix_cache_mb"] = mb
+            number = -1.0
+        if not number >= 0 or number == float("inf"):
+            raise ModelError(f"rlx Ray Serve app: {key}={value!r}; expected {KEYS[key]}")
+        out[key] = number
     if args.get("prefill_chunk") is not None:
         out["prefill_chunk"] = _count(args, "prefill_chunk", None)
     return out
