@@ -26,8 +26,9 @@ Sides, each in its own process with `--threads` threads (numba's, BLAS's, llama.
              shape, packed q4_k, one token (`--activations int8`: the experts' x through a
              fake_quantize to int8_b32 first): the numba runner with its kernels vs the same
              graph with moe_route / moe_experts legalized into their composites (every expert
-             on every token), median ms per step of `--layer-steps` runs, and the route alone
-             (moe_route's NumPy kernel, which the numba runner keeps: no numba kernel)
+             on every token), median ms per step of `--layer-steps` runs (best and CPU seconds
+             beside), the route alone (moe_route's NumPy kernel, which the numba runner keeps:
+             no numba kernel), and the kernels' `--prefill`-token step
 Prints the hardware, the load average, each side's numbers and the ratios numba / llama.cpp
 (targets: decode <= 1.0x, prefill <= 0.7x, peak RSS <= file + 300 MB).
 """
@@ -171,13 +172,13 @@ def side_llamacpp(a) -> dict:
     return {"runs": [once() for _ in range(a.repeat)]}
 
 
-def layer_graph(a, schemes):
+def layer_graph(a, schemes, tokens: int = 1):
     from rlx_core.ir.dtype import F32, U8
     from rlx_core.ir.graph import Builder
     from rlx_core.ir.quant import QuantScheme
 
     m = Builder("moe_layer", "mir")
-    x = m.input("x", (1, a.hidden), F32)
+    x = m.input("x", (tokens, a.hidden), F32)
     router = m.param("router", (a.experts, a.hidden), F32)
     weights, ids = m.add("moe_route", (m.matmul(x, router, trans_b=True),), k=a.k)
     if a.activations == "int8":        # the experts' x rounded through int8 blocks: their up pass in integers
@@ -191,9 +192,22 @@ def layer_graph(a, schemes):
     return m.build()
 
 
+def timed(run, steps: int) -> dict:
+    """Median and best wall seconds of `steps` runs, and the least CPU seconds of one (this
+    process's threads together: at one thread, robust to other jobs on the machine)."""
+    walls, cpus = [], []
+    for _ in range(steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        run()
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return {"step_s": statistics.median(walls), "best_s": min(walls), "cpu_s": min(cpus)}
+
+
 def side_layer(a) -> dict:
-    """One MoE layer's decode step on the numba backend, with its kernels or (a.legalized)
-    with moe_route / moe_experts left to their composites."""
+    """One MoE layer's decode step (and, with its kernels, its `--prefill`-token step) on the
+    numba backend, with its kernels or (a.legalized) with moe_route / moe_experts left to
+    their composites."""
     import numpy as np
 
     import rlx_core
@@ -213,12 +227,12 @@ def side_layer(a) -> dict:
         params[name] = np.ascontiguousarray(np.broadcast_to(one, (a.experts,) + one.shape))  # the bytes, E times
     exe = rlx_core.compile(layer_graph(a, schemes), backend="numba", params=params)
     exe.run(inputs)
-    times = []
-    for _ in range(a.layer_steps):
-        t0 = time.perf_counter()
-        exe.run(inputs)
-        times.append(time.perf_counter() - t0)
-    out = {"step_s": statistics.median(times), "best_s": min(times)}
+    out = timed(lambda: exe.run(inputs), a.layer_steps)
+    if not a.legalized:              # the prefill step (the composites' would take minutes)
+        many = {"x": rng.standard_normal((a.prefill, a.hidden)).astype(np.float32)}
+        pre = rlx_core.compile(layer_graph(a, schemes, a.prefill), backend="numba", params=params)
+        pre.run(many)
+        out["prefill"] = timed(lambda: pre.run(many), max(3, a.layer_steps // 4))
     if not a.legalized:              # moe_route alone: the NumPy kernel the runner keeps
         from rlx_core.ir.numpy_kernels import KERNELS
         logits = rng.standard_normal((1, a.experts)).astype(np.float32)
@@ -345,8 +359,12 @@ def report(a, res: dict) -> None:
             log(f"ratio numba / llama.cpp {key[:-2]} (best): {q:.2f}x (target {target})")
     lay, leg = res.get("layer"), res.get("layer-legalized")
     if lay:
-        log(f"one MoE layer, decode step (1 token, q4_k, {a.activations} activations): numba kernels {lay['step_s'] * 1e3:.2f} ms (median), "
+        log(f"one MoE layer, decode step (1 token, q4_k, {a.activations} activations): numba kernels {lay['step_s'] * 1e3:.2f} ms "
+            f"(median; best {lay['best_s'] * 1e3:.2f}, CPU {lay['cpu_s'] * 1e3:.2f}), "
             f"moe_route's NumPy kernel alone {lay['route_s'] * 1e6:.0f} us")
+        p = lay["prefill"]
+        log(f"one MoE layer, prefill step ({a.prefill} tokens): numba kernels {p['step_s'] * 1e3:.1f} ms (median; best "
+            f"{p['best_s'] * 1e3:.1f}, CPU {p['cpu_s'] * 1e3:.1f})")
     if lay and leg:
         log(f"  legalized composites {leg['step_s'] * 1e3:.2f} ms: the kernels {leg['step_s'] / lay['step_s']:.1f}x "
             f"faster (peak RSS {lay['peak_rss_mb']:.0f} vs {leg['peak_rss_mb']:.0f} MB)")
