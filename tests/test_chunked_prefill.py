@@ -193,18 +193,18 @@ def model_new(model, ids: list, n: int) -> list:
 
 def test_budget_picks_the_longest_piece_that_fits(llama):
     """The piece a round may add follows the measured costs in decode steps (interpolated
-    between lengths measured): the longest that fits the budget; when none does, the round's
-    first piece costs at most one step (else one token) and a later piece none."""
+    between lengths measured): the longest that fits the budget; the round's first piece at
+    least 16 tokens, a later one that fits nothing none."""
     s = Scheduler(llama, stall_budget=0.5)
     s._run_steps = {1: 0.2, 8: 0.4, 32: 1.5}
     assert s._estimate(16) == pytest.approx(0.4 + 1.1 * 8 / 24)
     assert s._estimate(64) == pytest.approx(3.0) and s._estimate(4) == pytest.approx(0.2 + 0.2 * 3 / 7)
-    assert s._budget_limit(256, 0.5, first=True) == 8
+    assert s._budget_limit(256, 0.5, first=False) == 8
+    assert s._budget_limit(256, 0.8, first=True) == 16
     assert s._budget_limit(4, 0.5, first=True) == 4
-    assert s._budget_limit(256, 0.1, first=True) == 16     # nothing fits 0.1: the longest within one step
+    assert s._budget_limit(256, 0.1, first=True) == 16     # nothing fits 0.1: the first piece 16 anyway
     assert s._budget_limit(256, 0.1, first=False) == 0
-    s._run_steps = {1: 1.3}
-    assert s._budget_limit(256, 0.5, first=True) == 1
+    assert s._budget_limit(256, 0.7, first=False) == 8
     s.close()
 
 

@@ -562,19 +562,18 @@ class Scheduler:
 
     def _budget_limit(self, cap: int, steps: float, first: bool) -> int:
         """The longest piece (a power of two up to `cap`) whose estimated cost fits in `steps`
-        decode steps. When none does, the round's first piece is the longest costing at most
-        one step (the streams' gap then at most doubles), else one token (a prompt always
-        advances); a later piece: 0, the round stops. (A piece's cost is not proportional to
-        its length: up to a few rows a packed matmul is a GEMV, beyond them it decodes the
+        decode steps; the round's first piece at least PIECE_MIN tokens (a prompt always
+        advances at a useful rate: where the fixed cost of a run is a step or more, as on a
+        loaded CPU, one-token pieces would stall the streams as much and take 16x the rounds);
+        a later one that fits nothing: 0, the round stops. (A piece's cost is not proportional
+        to its length: up to a few rows a packed matmul is a GEMV, beyond them it decodes the
         weights for BLAS; so the choice follows the costs measured, not a rate.)"""
-        top = 1 << max(cap, 1).bit_length() - 1
-        for allowed in (steps, max(steps, 1.0)) if first else (steps,):
-            size = top
-            while size > 1 and self._estimate(size) > allowed:
-                size //= 2
-            if self._estimate(size) <= allowed:
-                return size
-        return 1 if first else 0
+        size = 1 << max(cap, 1).bit_length() - 1
+        while size > 1 and self._estimate(size) > steps:
+            size //= 2
+        if first:
+            return max(size, min(PIECE_MIN, cap))
+        return size if self._estimate(size) <= steps else 0
 
     def _estimate(self, size: int) -> float:
         """A prefill run of `size` tokens in decode steps of the batch: its moving average,
