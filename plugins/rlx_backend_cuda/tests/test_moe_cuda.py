@@ -166,7 +166,6 @@ def test_gemm_routing_changes_between_replays(rng, gemm_calls):
     t, k = 48, 4
     shapes = {"x": (t, h), "weights": (t, k), "ids": (t, k), **{a.name: a.data.shape for a in stacks}}
     ex = rlx_core.compile(_experts_graph(shapes, BF16), backend="cuda")
-    assert gemm_calls
     dense = [d.astype(np.float64) for d in dense]
     for rep in range(3):
         x = arg(rng, "x", (t, h), BF16, lo=-1, hi=1).data
@@ -176,3 +175,4 @@ def test_gemm_routing_changes_between_replays(rng, gemm_calls):
         got = np.asarray(ex.backend.to_host(ex.run(feeds)["y"]), np.float64)
         ref = ref_moe_experts(np.asarray(x, np.float64), np.asarray(w, np.float64), ids, *dense)
         np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+    assert gemm_calls                      # (the steps are built at the first run)
