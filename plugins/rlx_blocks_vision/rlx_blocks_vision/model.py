@@ -135,19 +135,21 @@ class VisionModel:
             self._processor = ImageProcessor.from_folder(self.source)
         return self._processor
 
+    def pixel_run(self, pixel_values, pixel_attention_mask=None, spatial_shapes=None) -> tuple:
+        """(executable, feed) of the vision graph for pixels [N, C, H, W] or, for a NaFlex
+        model, the processor's patches [N, T, p*p*C] with their pixel_attention_mask [N, T]
+        and spatial_shapes [N, 2]."""
+        if self.arch.naflex:
+            return self.executable("vision"), self.naflex_feed(pixel_values, pixel_attention_mask, spatial_shapes)
+        if pixel_attention_mask is not None or spatial_shapes is not None:
+            raise ModelError("pixel_attention_mask / spatial_shapes are for NaFlex (siglip2) models")
+        feed = {"pixel_values": pixel_array(pixel_values, self.arch.channels)}
+        return self.executable("vision", *feed["pixel_values"].shape[2:]), feed
+
     def forward_pixels(self, pixel_values, pixel_attention_mask=None, spatial_shapes=None, fetch=None) -> dict:
         """The outputs of the vision graph (last_hidden_state, pooled, embedding; `fetch` names
-        some, so a GPU copies back only those) for pixels [N, C, H, W] or, for a NaFlex model,
-        the processor's patches [N, T, p*p*C] with their pixel_attention_mask [N, T] and
-        spatial_shapes [N, 2]."""
-        if self.arch.naflex:
-            feed = self.naflex_feed(pixel_values, pixel_attention_mask, spatial_shapes)
-            exe = self.executable("vision")
-        else:
-            if pixel_attention_mask is not None or spatial_shapes is not None:
-                raise ModelError("pixel_attention_mask / spatial_shapes are for NaFlex (siglip2) models")
-            feed = {"pixel_values": pixel_array(pixel_values, self.arch.channels)}
-            exe = self.executable("vision", *feed["pixel_values"].shape[2:])
+        some, so a GPU copies back only those) for pixel_run's arguments."""
+        exe, feed = self.pixel_run(pixel_values, pixel_attention_mask, spatial_shapes)
         with self._lock:
             return exe.run(feed, fetch=fetch)
 
@@ -186,14 +188,25 @@ class VisionModel:
         patches, pixel_attention_mask and spatial_shapes)."""
         bs = int_arg("batch_size", batch_size, lo=1)
         n = len(pixel_values) if hasattr(pixel_values, "__len__") else 0
-        out = []
-        for i in range(0, n, bs):
-            part = slice(i, i + bs)
-            out.append(self.forward_pixels(
-                pixel_values[part], None if pixel_attention_mask is None else pixel_attention_mask[part],
-                None if spatial_shapes is None else spatial_shapes[part], fetch=("embedding",))["embedding"])
-        if not out:
+        if not n:
             raise ModelError("pixel_values: no images")
+
+        def part(i: int) -> tuple:
+            at = slice(i, i + bs)
+            return self.pixel_run(pixel_values[at], None if pixel_attention_mask is None else pixel_attention_mask[at],
+                                  None if spatial_shapes is None else spatial_shapes[at])
+        # each batch is submitted before the one before it is collected, so on a GPU the host's
+        # checks and staging of batch i+1 overlap the device's run of batch i; the lock is held
+        # throughout, as a runner stages into two slots: no other run may come between
+        out, pending = [], None
+        with self._lock:
+            for i in range(0, n, bs):
+                exe, feed = part(i)
+                submitted = exe.submit(feed, ("embedding",))
+                if pending is not None:
+                    out.append(pending()["embedding"])
+                pending = submitted
+            out.append(pending()["embedding"])
         e = np.concatenate(out).astype(np.float32)
         return _l2(e) if bool_arg("normalize", normalize) else e
 
