@@ -127,7 +127,8 @@ def run_rlx(args, sizes, batch) -> dict:
            "sizes": {}}
     for size in sizes:
         px = pixels(batch, size)
-        first, ts, out = time_calls(lambda: model.embed_pixels(px, batch_size=batch), args.warmup, args.repeat)
+        part = args.rlx_batch or batch
+        first, ts, out = time_calls(lambda: model.embed_pixels(px, batch_size=part), args.warmup, args.repeat)
         np.save(f"{args.out}-rlx-{size}.npy", np.asarray(out, np.float32))
         r = res["sizes"][size] = {"first_s": first, "times": ts}
         exe = model.executable("vision", size, size)
@@ -224,6 +225,9 @@ def main() -> None:
     ap.add_argument("--sides", default="rlx,eager,compile")
     ap.add_argument("--sizes", help="image sizes, comma-separated (default 224,518; tiny 56,70)")
     ap.add_argument("--batch", type=int, help="images per batch (default 64; tiny 4)")
+    ap.add_argument("--rlx-batch", type=int, default=0,
+                    help="RLX's embed_pixels batch_size (default: the whole batch; smaller: parts pipelined, "
+                         "the host staging part i+1 while the GPU runs part i)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls first (the first one compiles)")
     ap.add_argument("--repeat", type=int, default=10, help="timed calls per side and size")
     ap.add_argument("--profile", action="store_true", help="print RLX's profiler table per size")
@@ -260,7 +264,7 @@ def main() -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--side", s, "--model-path", folder, "--out", out,
                    "--device", args.device, "--backend", args.backend, "--dtype", args.dtype,
                    "--warmup", str(args.warmup), "--repeat", str(args.repeat), "--sizes", ",".join(map(str, sizes)),
-                   "--batch", str(batch)] + ["--tiny"] * args.tiny + ["--profile"] * args.profile
+                   "--batch", str(batch), "--rlx-batch", str(args.rlx_batch)] + ["--tiny"] * args.tiny + ["--profile"] * args.profile
             t0 = time.perf_counter()
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -286,7 +290,7 @@ def main() -> None:
           f"(backend {args.backend}), compute {args.dtype}")
     print(f"model: random Dinov2Model, hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
           f"{cfg['num_attention_heads']} heads, MLP {cfg['mlp_ratio'] * cfg['hidden_size']}, patch "
-          f"{cfg['patch_size']}, LayerScale; batch {batch}; host f32 pixels in, host f32 pooled embeddings out "
+          f"{cfg['patch_size']}, LayerScale; batch {batch} (RLX's embed_pixels batch_size {args.rlx_batch or batch}); host f32 pixels in, host f32 pooled embeddings out "
           f"(no image decoding or preprocessing); {args.repeat} timed calls after {args.warmup} warm-up")
     for size in sizes:
         tokens = (size // cfg["patch_size"]) ** 2 + 1
