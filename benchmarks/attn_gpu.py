@@ -8,9 +8,7 @@ head_dim 256). Kernels, each on the same inputs:
 * split   rlx_attn_split, the split-K CUDA-core kernel (decode's; the fallback)
 * sdpa    torch.nn.functional.scaled_dot_product_attention under the flash backend
           (enable_gqa; where flash refuses GQA, K and V expanded to every query head first)
-wg and tc twice where the mask is causal: with the query tiles of most keys first
-(ops.ATTN_HEAVY_FIRST, the default) and in launch order. The rounds interleave the kernels;
-each keeps its best and median time (CUDA events around the kernel alone: rlx's run_profiled
+The rounds interleave the kernels; each keeps its best and median time (CUDA events around the kernel alone: rlx's run_profiled
 steps, torch's events); TFLOP/s counts the causal half (4 * H * D * S(S+1)/2). Each kernel's
 output is compared with SDPA's (max abs difference over max abs value, printed, not asserted).
 
@@ -31,22 +29,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import log  # noqa: E402
 
 
-def rlx_exes(S: int, H: int, KVH: int, D: int, causal: bool, heavy: bool):
-    """A compiled attention graph (cuda, bf16) with ops.ATTN_HEAVY_FIRST = heavy."""
+def rlx_exe(S: int, H: int, KVH: int, D: int, causal: bool):
+    """A compiled attention graph (cuda, bf16)."""
+    import rlx_core
     from rlx_core.ir.dtype import BF16
     from rlx_core.ir.graph import Graph
-    import rlx_core
-    from rlx_backend_cuda import ops
 
     def f(m):
         q, k, v = (m.input(n, (1, h, S, D), BF16) for n, h in (("q", H), ("k", KVH), ("v", KVH)))
         return m.attention(q, k, v, mask_kind="causal" if causal else "none")
-    old = ops.ATTN_HEAVY_FIRST
-    ops.ATTN_HEAVY_FIRST = heavy
-    try:
-        return rlx_core.compile(Graph.define(f"attn{S}", f), backend="cuda")
-    finally:
-        ops.ATTN_HEAVY_FIRST = old
+    return rlx_core.compile(Graph.define(f"attn{S}", f), backend="cuda")
 
 
 def rlx_timer(exe, inputs: dict, kernel: str):
@@ -108,15 +100,10 @@ def one_length(a, S: int) -> dict:
     if "sdpa" in kernels:
         timers["sdpa"], how = sdpa_timer(q, k, v, a.causal)
         log(f"S {S}: sdpa flash with {how}")
-    exes = {h: rlx_exes(S, H, KVH, D, a.causal, h) for h in ((True, False) if a.causal else (True,))}
+    exe = rlx_exe(S, H, KVH, D, a.causal)
     for kern in kernels:
-        if kern == "sdpa":
-            continue
-        for heavy, exe in exes.items():
-            if kern == "split" and not heavy:
-                continue
-            name = kern + ("" if heavy or not a.causal else " launch-order")
-            timers[name] = rlx_timer(exe, host, kern)
+        if kern != "sdpa":
+            timers[kern] = rlx_timer(exe, host, kern)
     ref = None
     if "sdpa" in timers:
         ref = timers["sdpa"]()[1].float().cpu().numpy()
@@ -139,11 +126,11 @@ def one_length(a, S: int) -> dict:
         res[n] = {"best_ms": best * 1e3, "median_ms": med * 1e3, "tflops": flops / best / 1e12,
                   "rel_err_vs_sdpa": errs.get(n)}
         e = f", max |diff| / max |sdpa| {errs[n]:.2e}" if n in errs else ""
-        log(f"S {S} {n:20s} best {best * 1e3:9.3f} ms  median {med * 1e3:9.3f} ms  {flops / best / 1e12:6.1f} TFLOP/s{e}")
+        log(f"S {S} {n:6s} best {best * 1e3:9.3f} ms  median {med * 1e3:9.3f} ms  {flops / best / 1e12:6.1f} TFLOP/s{e}")
     if "sdpa" in res:
         for n in res:
             if n != "sdpa":
-                log(f"S {S} {n:20s} / sdpa: {res[n]['best_ms'] / res['sdpa']['best_ms']:.2f}x")
+                log(f"S {S} {n:6s} / sdpa: {res[n]['best_ms'] / res['sdpa']['best_ms']:.2f}x")
     return res
 
 

@@ -69,14 +69,13 @@ def catalog() -> list:
                     src = S.render(S.ATTN_SHORT, TQ=t, TK=t, TV=t, TO=t, **S.attn_short_shape(g, d, sk, vk), **common)
                     out.append((f"attn_short {t} {mk}{mm} G{g} D{d} Sk{sk}", src, "rlx_attn_short"))
             if t in ("__nv_bfloat16", "__half"):
-                heavy = int(mk == 1)
                 for d, vec, mt in ((64, 1, 2), (128, 0, 1), (128, 1, 2), (32, 1, 1), (96, 1, 2), (256, 1, 1)):
                     out.append((f"attn_tc {t} {d} MT {mt}", S.render(
-                        S.ATTN_TC, T=t, MMAT="bf16" if "bf" in t else "f16", D=d, VEC=vec, MT=mt, HEAVY_FIRST=heavy,
-                        **common), "rlx_attn_tc"))
+                        S.ATTN_TC, T=t, MMAT="bf16" if "bf" in t else "f16", D=d, VEC=vec, MT=mt, **common),
+                        "rlx_attn_tc"))
                 for d, whole in ((64, 0), (128, 0), (128, 1), (256, 0), (256, 1)):
                     out.append((f"attn_wg {t} {mk}{mm} {d} whole {whole}", S.attn_wg_source(
-                        d, T=t, MMAT="bf16" if "bf" in t else "f16", WHOLE=whole, HEAVY_FIRST=heavy, **common),
+                        d, T=t, MMAT="bf16" if "bf" in t else "f16", WHOLE=whole, **common),
                         "rlx_attn_wg"))
         out.append((f"gather {t}", S.render(S.GATHER, TT=t, TI="long long"), "rlx_gather"))
     out.append(("gather u8", S.render(S.GATHER, TT="unsigned char", TI="int"), "rlx_gather"))

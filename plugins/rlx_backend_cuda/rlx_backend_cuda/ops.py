@@ -35,8 +35,6 @@ ATTN_BLOCKS_PER_SM = 2
 ATTN_TC_MIN_BLOCKS_PER_SM = 2
 # head dims the tensor-core attention takes (mma.sync; at 256 a warp holds one m-tile)
 ATTN_TC_DIMS = (32, 64, 96, 128, 256)
-# causal prefill: the tensor-core kernels start the query tiles with the most keys first
-ATTN_HEAVY_FIRST = True
 ATTN_THREADS = sources.ATTN_THREADS
 ATTN_LOADS = sources.ATTN_LOADS
 ATTN_MIN_CHUNK = 64
@@ -1436,9 +1434,8 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
             s % 8 == 0 for s in qs[:3] + ks[:3] + vs[:3])
         # (two m-tiles a warp at D 256 would hold 256 accumulators a thread: one)
         mt = 2 if Dk <= 128 and -(-Sq // 128) * H * B >= ATTN_TC_MIN_BLOCKS_PER_SM * b.sms else 1
-        tc_common = dict(common, HEAVY_FIRST=int(ATTN_HEAVY_FIRST and mk == 1))
         src = sources.render(sources.ATTN_TC, T=ctype(q.dt), MMAT="bf16" if q.dt is BF16 else "f16",
-                             D=Dk, VEC=int(vec), MT=mt, **tc_common)
+                             D=Dk, VEC=int(vec), MT=mt, **common)
         smem = sources.attn_tc_smem(Dk, mt)
         fn = b.kernel(src, "rlx_attn_tc", smem)
         args = (q.arr, i64(qs[0]), i64(qs[1]), i64(qs[2]), k.arr, i64(ks[0]), i64(ks[1]), i64(ks[2]),
@@ -1446,7 +1443,7 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
                 out.arr, *ostr, i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk), scale, cap, window)
         grid, block, stream = (-(-Sq // (64 * mt)), H, B), (128,), b.stream
 
-        wg = _wg_attention(b, a, q, k, v, mv, mst, pv, out, tc_common) if vec else None
+        wg = _wg_attention(b, a, q, k, v, mv, mst, pv, out, common) if vec else None
 
         def tc_run():
             if wg is not None and CONFIG["wg_attention"]:

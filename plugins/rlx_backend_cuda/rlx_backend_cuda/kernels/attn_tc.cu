@@ -11,7 +11,7 @@ __device__ __forceinline__ float rlx_exp2(float x) {
   return y;
 }
 #define RLX_CP_COMMIT() asm volatile("cp.async.commit_group;\n" ::: "memory")
-// @part tc(MT, D, MMAT, T, VEC, TM, TP, HAS_POS, MASKKIND, MASKMODE, HEAVY_FIRST)
+// @part tc(MT, D, MMAT, T, VEC, TM, TP, HAS_POS, MASKKIND, MASKMODE)
 // Flash-style prefill on tensor cores (f16/bf16, head_dim D % 16 == 0, D <= 256; MT = 1 at 256):
 // FlashAttention-2 register layout with mma.sync.m16n8k16 (f32 accumulate). Block = 4
 // warps x MT m-tiles of 16 query rows of one head (warp w takes rows mt * 64 + w * 16..);
@@ -22,8 +22,7 @@ __device__ __forceinline__ float rlx_exp2(float x) {
 // query rows. V read one 16-bit element at a time took 2.40 against 1.91 ms (FLUX's
 // 4608-token, 24-head attention, H100). At D = 256 a thread holds O's 128 accumulators (FA2's
 // hdim-256 tiles: 64 query rows, 64 keys, 4 warps); 101,376 bytes of shared memory, within
-// sm_80's and sm_86's limits. HEAVY_FIRST (causal): block x takes query tile gridDim.x - 1 - x,
-// so the tiles with the most keys start first and the short ones fill the tail.
+// sm_80's and sm_86's limits.
 #define BM (64 * MT)
 #define BN 64
 #define LDS (D + 8)
@@ -105,7 +104,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
   unsigned short* Ks = rlx_smem;                  // [BN][LDS]
   unsigned short* Vs = rlx_smem + BN * LDS;       // [BN][LDS]
   unsigned short* Qs = rlx_smem + 2 * BN * LDS;   // [BM][LDS]
-  const int qt = HEAVY_FIRST ? gridDim.x - 1 - blockIdx.x : blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int G = H / KVH, kvh = h / G;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
   const float scale = (float)scale_d, cap = (float)cap_d, scale2 = scale * RLX_LOG2E;
@@ -305,7 +304,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
       }
     }
 }
-// @part wg(D, BN, MMAT, BF16, T, TM, WHOLE, MASKMODE, MASKKIND, TP, HAS_POS, HEAVY_FIRST, S_REGS, S_OUTS, QK_A, QK_B, QK_ACC, O_REGS, O_OUTS, PV_A0, PV_A1, PV_A2, PV_A3, PV_B, PV_ONE)
+// @part wg(D, BN, MMAT, BF16, T, TM, WHOLE, MASKMODE, MASKKIND, TP, HAS_POS, S_REGS, S_OUTS, QK_A, QK_B, QK_ACC, O_REGS, O_OUTS, PV_A0, PV_A1, PV_A2, PV_A3, PV_B, PV_ONE)
 // Hopper (sm_90a) prefill attention on wgmma (f16/bf16, head_dim 64, 128 or 256, 16-byte rows).
 // Block = 2 warpgroups x 64 query rows of one head. Shared memory: Q, and two slots of a K and
 // a V tile of BN keys each (128; 64 for head_dim 256, as FA3 narrows its key tile there: O's
@@ -570,7 +569,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) rlx_attn_wg(
   a.Sq = Sq; a.Sk = Sk;
   a.scale = (float)scale_d; a.cap = (float)cap_d; a.scale2 = a.scale * RLX_LOG2E;
   a.scale_d = scale_d; a.cap_d = cap_d;
-  a.q0 = (i64)(HEAVY_FIRST ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BM;   // (as rlx_attn_tc)
+  a.q0 = (i64)blockIdx.x * BM;
 #if HAS_POS
   a.p0 = (i64)pos[b];
 #else
