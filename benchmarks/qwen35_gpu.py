@@ -209,7 +209,7 @@ def side_rlx(a, cfg: dict) -> dict:
             ts.append(model.last_timings["prefill_s"])
         res["prefill"][str(n)] = {"s": statistics.median(ts), "all_s": ts, "first_s": warm}
         log(f"rlx prefill {n}: {statistics.median(ts) * 1e3:.1f} ms (first call {warm:.1f} s)")
-        if n == min(a.prefill):
+        if n in a.by_op:
             res["prefill"][str(n)]["by_op_ms"] = prefill_by_op(model, ids)
     res["memory_prefill"] = model.memory_report()
     res["memory_prefill_tokens"] = max(a.prefill)
@@ -395,6 +395,8 @@ def main() -> int:
     ap.add_argument("--decode-prompt", type=int, default=1024)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--by-op", default="", help="prompt lengths whose RLX prefill is profiled by op "
+                    "(default: the shortest)")
     ap.add_argument("--layers", type=int, default=0, help="a multiple of 4 (default: the shape's)")
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (a CPU smoke run)")
     ap.add_argument("--backend", default="cuda", help="RLX's backend")
@@ -409,6 +411,7 @@ def main() -> int:
             ap.error(f"--layers {a.layers}: must be a multiple of 4 (3 Gated DeltaNet layers, then 1 full)")
         shape["layers"] = a.layers
     a.prefill = [int(t) for t in a.prefill.split(",") if t]
+    a.by_op = [int(t) for t in a.by_op.split(",") if t] or [min(a.prefill)]
     cfg = hf_config(shape, max(a.prefill + [a.decode_prompt]) + a.new + 64)
     if a.child:
         out = (side_rlx if a.child == "rlx" else side_hf)(a, cfg)
@@ -425,6 +428,7 @@ def main() -> int:
         res["device"] = f"{platform.processor() or platform.machine()} (CPU)"
     base = [sys.executable, os.path.abspath(__file__), f"--prefill={','.join(map(str, a.prefill))}",
             f"--decode-prompt={a.decode_prompt}", f"--new={a.new}", f"--reps={a.reps}",
+            f"--by-op={','.join(map(str, a.by_op))}",
             f"--layers={shape['layers']}",
             f"--backend={a.backend}", f"--device={a.device}"] + (["--tiny"] if a.tiny else [])
     for side in a.sides.split(","):

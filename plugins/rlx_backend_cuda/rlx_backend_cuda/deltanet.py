@@ -15,7 +15,8 @@ gated_delta_rule, two forms:
   over the chunks per (state columns, head, batch) that also writes the outputs
   (rlx_gdn_scan). Chunk length: the op's `chunk`, at most GDN_CHUNK_MAX (shared memory),
   halved until the walk's stage fits.
-causal_conv1d: a thread per output, then the new state (its last W - 1 inputs).
+causal_conv1d: a thread per channel and run of CONV_RUN steps (its window in registers), then
+the new state (its last W - 1 inputs).
 """
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ GDN_TC_CHUNK = 64         # the tensor-core kernels' chunk (4 warps x 16 rows)
 GDN_TC_DIM_MAX = 128      # largest K / V the tensor-core kernels stage (shared memory)
 GDN_TC_BV = 16            # state columns a block of the tensor-core walk holds (H200, bf16, 16 heads,
                           # K = V = 128, 32k steps: 16 columns 2.65 ms a layer, 32 3.03, 64 3.85)
+CONV_THREADS = 128        # channels a block of causal_conv1d takes
+CONV_RUN = 16             # steps a causal_conv1d thread walks (its window in registers)
+GRID_Y_MAX = 65535        # CUDA's limit on a grid's y extent
 
 
 def _scan_smem(c: int, kd: int) -> int:
@@ -125,7 +129,7 @@ def _tensor_cores(b, q, k, v) -> bool:
 def _tc_smem(KD: int, VD: int, BV: int) -> tuple:
     """Bytes of dynamic shared memory of rlx_gdn_tc_prep, _scan and _out (their layout comments)."""
     c, kp, vp, bp = GDN_TC_CHUNK, KD + 8, VD + 8, BV + 8
-    prep = 2 * c * (kp + vp + c + 8) + 4 * (2 * c * (c + 1) + 4 * 16 * 17 + 3 * c)
+    prep = 2 * c * (kp + vp) + 4 * (2 * c * (c + 1) + 4 * 16 * 17 + 3 * c)
     scan = 2 * (6 * c * kp + 4 * c * bp + KD * bp) + 4 * 3 * c
     out = 2 * (2 * c * kp + KD * vp + c * vp + c * (c + 8)) + 4 * c
     return prep, scan, out
@@ -171,8 +175,9 @@ def build_causal_conv1d(b, n, ins, outs):
         yd = y if y.contiguous() else b.buffer(y.shape, y.dt, "causal_conv1d output")
         src = sources.render(sources.CONV1D, T=ctype(x.dt), ACC=acc_of(x.dt), WID=width,
                              EPILOGUE=_dq_epilogue(x.dt, bias is not None, n.a["act"]))
-        b.launch(b.kernel(src, "rlx_conv1d"), (max(1, min(-(-y.size // 256), b.sms * 32)),), (256,),
-                 (x.arr, w.arr, st.arr, bias.arr if bias is not None else None, yd.arr, i64(B), i32(T), i32(C)))
+        run = max(CONV_RUN, -(-T // GRID_Y_MAX))
+        b.launch(b.kernel(src, "rlx_conv1d"), (-(-C // CONV_THREADS), -(-T // run), B), (CONV_THREADS,),
+                 (x.arr, w.arr, st.arr, bias.arr if bias is not None else None, yd.arr, i32(T), i32(C), i32(run)))
         if yd is not y:
             b.copy(yd, y)
     if nst.size == 0:

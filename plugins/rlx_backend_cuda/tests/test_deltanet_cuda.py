@@ -148,7 +148,10 @@ def test_decode_steps_on_a_state_leaf_equal_one_prefill(rng):
 
 @gpu
 @pytest.mark.parametrize("dt", [F32, F16, BF16], ids=lambda d: d.value)
-@pytest.mark.parametrize("t", [1, 33], ids=lambda t: f"T{t}")
-def test_causal_conv1d(rng, dt, t):
-    args = conv_args(rng, t, dt, width=4, channels=200)
+@pytest.mark.parametrize("t", [1, 2, 33], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("width", [2, 4], ids=lambda w: f"W{w}")
+def test_causal_conv1d(rng, dt, t, width):
+    """Channels past one block (200), T past one thread's run of steps with a partial last
+    run (33), and T shorter than the state (2: windows mixing state and input)."""
+    args = conv_args(rng, t, dt, width=width, channels=200)
     run_parity("cuda", "causal_conv1d", args, {"act": "silu"}, lambda *a: ref_causal_conv1d(*a, act="silu"))

@@ -92,23 +92,36 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn(const T* __restrict__ 
 }
 // @part conv(T, ACC, WID, EPILOGUE)
 // y[b, t, c] = act(bias[c] + sum_i w[c, i] u[b, t + i, c]), u = the state's W - 1 steps then x
-// (contiguous x, y [B, T, C]; w [C, WID]; state [B, C, WID - 1]), a thread per output.
+// (contiguous x, y [B, T, C]; w [C, WID]; state [B, C, WID - 1]). A thread per channel and run
+// of `run` steps (grid: channel blocks, runs, batch) keeps its taps and the window of the last
+// WID inputs in registers, so each input is read once and no index is divided (a thread per
+// output read each input WID times and paid three 64-bit divisions: ~10x its bytes' time).
 typedef ACC W;
 extern "C" __global__ void rlx_conv1d(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ st,
-    const T* __restrict__ bias, T* __restrict__ y, long long B, int steps, int C) {
-  const i64 total = B * steps * C;
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-    const int n = (int)(i % C), t = (int)((i / C) % steps);
-    const i64 b = i / ((i64)C * steps);
+    const T* __restrict__ bias, T* __restrict__ y, int steps, int C, int run) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= C) return;
+  const i64 b = blockIdx.z;
+  const int t0 = blockIdx.y * run, t1 = min(steps, t0 + run);
+  const T* xb = x + b * steps * C + n;
+  T* yb = y + b * steps * C + n;
+  W tap[WID], win[WID];
+#pragma unroll
+  for (int j = 0; j < WID; ++j) tap[j] = LD(W, w[(i64)n * WID + j]);
+#pragma unroll
+  for (int j = 0; j < WID - 1; ++j) {            // u[t0 + j]: the state's step, or x's step t0 + j - (WID - 1)
+    const int u = t0 + j;
+    win[j] = LD(W, u < WID - 1 ? st[(b * C + n) * (WID - 1) + u] : xb[(i64)(u - (WID - 1)) * C]);
+  }
+  for (int t = t0; t < t1; ++t) {
+    win[WID - 1] = LD(W, xb[(i64)t * C]);
     W v = 0;
 #pragma unroll
-    for (int j = 0; j < WID; ++j) {
-      const int u = t + j;
-      const T val = u < WID - 1 ? st[(b * C + n) * (WID - 1) + u] : x[(b * steps + u - (WID - 1)) * C + n];
-      v += LD(W, w[(i64)n * WID + j]) * LD(W, val);
-    }
+    for (int j = 0; j < WID; ++j) v += tap[j] * win[j];
     EPILOGUE
-    y[i] = ST(T, v);
+    yb[(i64)t * C] = ST(T, v);
+#pragma unroll
+    for (int j = 0; j < WID - 1; ++j) win[j] = win[j + 1];
   }
 }
 // @part conv_state(T, WID)
@@ -434,8 +447,9 @@ __device__ __forceinline__ void rlx_gtc_rows(hword* s, const T* src, i64 stride,
 // @part tc_prep(KD, VD)
 // Pass 1: a block of 4 warps per (chunk, value head, batch); warp w the rows 16w.. 16w + 15.
 // Shared: Ks [GC][KD + 8] (K, then beta e^cum K in place), Vs [GC][VD + 8] (beta V),
-// Af, Xf [GC][GC + 1] f32 (A; X = (I + A)^-1), Xh [GC][GC + 8] (X rounded), Tf [4][16][17]
-// (a warp's block product), cum, bet, fac (beta e^cum).
+// Af, Xf [GC][GC + 1] f32 (A; X = (I + A)^-1), Xh [GC][GC + 8] (X rounded, over Af once the
+// inverse is done: at K = V = 128 three blocks fit an SM's shared memory, not two),
+// Tf [4][16][17] (a warp's block product), cum, bet, fac (beta e^cum).
 // Writes W [B, H, NT * GC, KD], U [B, H, NT * GC, VD] and cum [B, H, NT * GC].
 extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ g, const T* __restrict__ beta, T* __restrict__ wbuf, T* __restrict__ ubuf,
@@ -444,8 +458,8 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __res
   extern __shared__ __align__(16) unsigned char rlx_sm[];
   hword* Ks = (hword*)rlx_sm;
   hword* Vs = Ks + GC * KP;
-  hword* Xh = Vs + GC * VP;
-  float* Af = (float*)(Xh + GC * XP);
+  float* Af = (float*)(Vs + GC * VP);
+  hword* Xh = (hword*)Af;
   float* Xf = Af + GC * (GC + 1);
   float* Tf = Xf + GC * (GC + 1);
   float* cum = Tf + 4 * 16 * 17;
