@@ -5,21 +5,40 @@ Vision flow inputs: pixel_values [batch, C, H, W] (H, W static: the position tab
 resized for that grid when built). Text flow inputs: ids, positions [batch, seq] and
 pool_onehot [batch, seq] (1.0 at the token each text is pooled at). Outputs:
 last_hidden_state, pooled (HF's pooler_output) and embedding (image_embeds / text_embeds:
-pooled through the projection where the model has one)."""
+pooled through the projection where the model has one); a vision flow also gives
+pixel_check [batch] (PixelCheck: NaN for an image with a non-finite value)."""
 from __future__ import annotations
+
+import attrs
 
 from rlx_core.flow import ModelFlow
 from rlx_core.flow.blocks import LayerNorm
 from rlx_core.flow.flow import LayerScope
 from rlx_core.flow.vision import (AttentionProbeHead, Dense, InsertTokens, PatchEmbed, PatchLinear, PositionsAt,
                                   ResizedPositions, SelectToken, TokenEmbed, TokenPool, VitLayer, VitLayerSpec,
-                                  WeightedPositions)
+                                  WeightedPositions, flow_input)
 from rlx_core.ir.dtype import BOOL, F32, I64
 from rlx_core.profile import CompileProfile
 
 from .config import TextArch, VisionArch
 
 PROFILE = "encoder"
+PIXEL_CHECK = "pixel_check"
+
+
+@attrs.frozen
+class PixelCheck:
+    """Output `pixel_check` [batch]: the f32 sum of 0 * every value of each image's pixels,
+    0 where all are finite and NaN where one is NaN or inf (0 * inf is NaN). The check of
+    the input runs with the model, on its backend (on a GPU: a read of the pixels already
+    uploaded, instead of a host pass over them before the upload), and its [batch] result
+    comes back with the embeddings. The value passes through."""
+    input: str = "pixel_values"
+
+    def emit(self, ctx, value):
+        x = flow_input(ctx, self.input, "pixel_check")
+        ctx.outputs[PIXEL_CHECK] = ctx.m.sum(x * 0.0, tuple(range(1, len(x.dims))))
+        return value
 
 
 def _layers(f: ModelFlow, n: int, prefix: str, spec: VitLayerSpec) -> None:
@@ -41,6 +60,7 @@ def naflex_flow(a: VisionArch, batch="batch", tokens="tokens", profile=None, nam
     f.input("pixel_values", (batch, tokens, a.channels * a.patch * a.patch), F32)
     f.input("pos_weights", (batch, tokens, a.grid * a.grid), F32)
     f.input("key_mask", (batch, 1, 1, tokens), BOOL)
+    f.raw_stage(PixelCheck())
     f.raw_stage(PatchLinear(f"{p}{a.patch_key}"))
     f.raw_stage(WeightedPositions(f"{p}{a.pos_key}"))
     spec = VitLayerSpec(a.hidden, a.heads, a.eps, a.act, a.qkv_bias, False, a.keys, mask_input="key_mask")
@@ -58,6 +78,7 @@ def vision_flow(a: VisionArch, height: int, width: int, interpolate: bool = Fals
     f = ModelFlow(name or f"{a.family}_vision", layer_prefix=f"{p}{a.layer_prefix}")
     f.profile(profile or CompileProfile.preset(PROFILE))
     f.input("pixel_values", (batch, a.channels, height, width), F32)
+    f.raw_stage(PixelCheck())
     f.raw_stage(PatchEmbed(f"{p}{a.patch_key}", a.patch, a.patch_bias))
     if a.cls_key:
         f.raw_stage(InsertTokens(f"{p}{a.cls_key}", 0))
@@ -108,4 +129,4 @@ def text_flow(t: TextArch, batch="batch", seq="seq", profile=None, name: str = "
     return f.output("embedding")
 
 
-__all__ = ["vision_flow", "naflex_flow", "text_flow", "PROFILE"]
+__all__ = ["vision_flow", "naflex_flow", "text_flow", "PixelCheck", "PIXEL_CHECK", "PROFILE"]

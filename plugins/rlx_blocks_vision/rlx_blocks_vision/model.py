@@ -6,7 +6,9 @@ for a CLIP model), `embed(texts=...)` the text tower's text_embeds (CLIP / SigLI
 Images go through the checkpoint's own preprocessing (rlx_blocks_vision.images.ImageProcessor,
 from preprocessor_config.json) to pixels [N, 3, H, W]; `embed_pixels` takes such pixels
 directly. One executable per image size (the position table is resized for its patch grid
-when the graph is built, then hoisted to load time), its batch dim symbolic."""
+when the graph is built, then hoisted to load time), its batch dim symbolic. Non-finite
+pixels are found by the graph itself (flows.PixelCheck, on the model's backend: no host pass
+over the pixels before a GPU upload) and raised as a ModelError naming the image."""
 from __future__ import annotations
 
 import warnings
@@ -20,7 +22,7 @@ from rlx_core.pipeline import select_backend
 from rlx_core.runtime.args import bool_arg, int_arg
 from rlx_core.runtime.model import backend_lock, resolve_profile
 
-from .flows import naflex_flow, text_flow, vision_flow
+from .flows import PIXEL_CHECK, naflex_flow, text_flow, vision_flow
 
 
 def _l2(x: np.ndarray) -> np.ndarray:
@@ -30,7 +32,8 @@ def _l2(x: np.ndarray) -> np.ndarray:
 
 
 def pixel_array(pixel_values, channels: int) -> np.ndarray:
-    """Pixels as float32 [N, C, H, W], or a ModelError saying what was expected."""
+    """Pixels as float32 [N, C, H, W], or a ModelError saying what was expected (their values
+    are checked by the graph: checked_pixels)."""
     try:
         a = np.asarray(pixel_values)
     except (TypeError, ValueError) as e:
@@ -38,10 +41,18 @@ def pixel_array(pixel_values, channels: int) -> np.ndarray:
     if a.dtype.kind not in "fiu" or a.ndim != 4 or a.shape[1] != channels or 0 in a.shape:
         raise ModelError(f"pixel_values: expected a float array [N, {channels}, height, width], got "
                          f"{a.dtype} of shape {list(a.shape)}")
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    if not np.isfinite(a).all():
-        raise ModelError("pixel_values: has non-finite values")
-    return a
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def checked_pixels(out: dict, first: int = 0) -> dict:
+    """The vision graph's outputs `out` without its pixel_check, after a ModelError naming the
+    first image (counting from `first`) that holds a NaN or inf."""
+    check = out.pop(PIXEL_CHECK)
+    bad = np.flatnonzero(~np.isfinite(check))
+    if bad.size:
+        raise ModelError(f"pixel_values: image {first + int(bad[0])} has non-finite values (NaN or inf); "
+                         "expected finite pixels")
+    return out
 
 
 class VisionModel:
@@ -151,7 +162,8 @@ class VisionModel:
         some, so a GPU copies back only those) for pixel_run's arguments."""
         exe, feed = self.pixel_run(pixel_values, pixel_attention_mask, spatial_shapes)
         with self._lock:
-            return exe.run(feed, fetch=fetch)
+            out = exe.run(feed, fetch=None if fetch is None else (*fetch, PIXEL_CHECK))
+        return checked_pixels(out)
 
     def naflex_feed(self, pixel_values, pixel_attention_mask, spatial_shapes) -> dict:
         """The NaFlex graph's inputs: the patches, each image's position-resize weights (its
@@ -177,8 +189,6 @@ class VisionModel:
                                  f"and at most {t} patches")
         weights = np.stack([grid_position_weights(a.grid, (int(h), int(w)), t) for h, w in shapes])
         x = np.ascontiguousarray(x, np.float32)
-        if not np.isfinite(x).all():
-            raise ModelError("pixel_values: has non-finite values")
         return {"pixel_values": x, "pos_weights": weights,
                 "key_mask": np.ascontiguousarray(mask.astype(bool)[:, None, None, :])}
 
@@ -196,17 +206,18 @@ class VisionModel:
             return self.pixel_run(pixel_values[at], None if pixel_attention_mask is None else pixel_attention_mask[at],
                                   None if spatial_shapes is None else spatial_shapes[at])
         # each batch is submitted before the one before it is collected, so on a GPU the host's
-        # checks and staging of batch i+1 overlap the device's run of batch i; the lock is held
-        # throughout, as a runner stages into two slots: no other run may come between
+        # staging of batch i+1 overlaps the device's run of batch i (no host round trip between
+        # batches); the lock is held throughout, as a runner stages into two slots: no other
+        # run may come between
         out, pending = [], None
         with self._lock:
             for i in range(0, n, bs):
                 exe, feed = part(i)
-                submitted = exe.submit(feed, ("embedding",))
+                submitted = exe.submit(feed, ("embedding", PIXEL_CHECK))
                 if pending is not None:
-                    out.append(pending()["embedding"])
-                pending = submitted
-            out.append(pending()["embedding"])
+                    out.append(checked_pixels(pending[1](), pending[0])["embedding"])
+                pending = (i, submitted)
+            out.append(checked_pixels(pending[1](), pending[0])["embedding"])
         e = np.concatenate(out).astype(np.float32)
         return _l2(e) if bool_arg("normalize", normalize) else e
 
@@ -363,4 +374,4 @@ class VisionModel:
         return out
 
 
-__all__ = ["VisionModel", "pixel_array"]
+__all__ = ["VisionModel", "pixel_array", "checked_pixels"]

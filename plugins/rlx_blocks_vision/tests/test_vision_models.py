@@ -275,6 +275,28 @@ def test_bad_pixels_are_refused(hf_models, bad):
         m.embed_pixels(bad)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_finite_pixels_are_an_error_naming_the_image(hf_models, backend):
+    """The graph's own check (flows.PixelCheck, run on the backend with the model, read back
+    with the embeddings): a NaN or inf in image 3 of 5 embedded in batches of 2 is a
+    ModelError naming image 3 (and image 1 of a forward_pixels of images 2-3); a finite
+    value however large passes the check."""
+    m = rlx_core.load(hf_models["dinov2"][1], backend=backend, progress=False)
+    pixels = _pixels(6, 5, m.image_size, m.image_size)
+    for value in (np.nan, np.inf, -np.inf):
+        pixels[3, 1, 4, 7] = value
+        with pytest.raises(ModelError, match="pixel_values: image 3 has non-finite values"):
+            m.embed_pixels(pixels, batch_size=2)
+        with pytest.raises(ModelError, match="pixel_values: image 1 has non-finite values"):
+            m.forward_pixels(pixels[2:4], fetch=("embedding",))
+    pixels[3, 1, 4, 7] = 3e38
+    with np.errstate(all="ignore"):
+        assert m.embed_pixels(pixels, batch_size=2).shape == (5, m.embedding_dim)
+    pixels[3, 1, 4, 7] = 0.5
+    out = m.forward_pixels(pixels)
+    assert "pixel_check" not in out and np.isfinite(out["embedding"]).all()
+
+
 # ------------------------------------------------------------------------------ images in
 @pytest.mark.parametrize("name,processor", [
     ("clip", {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 40}, "crop_size": 33}),
@@ -372,6 +394,10 @@ def test_siglip2_naflex_matches_hf(siglip2, tmp_path, backend):
     m = rlx_core.load(path, backend=backend, progress=False)
     _close(m.embed(images=files), want_img, f"siglip2 on {backend}: embed(images=files)")
     _close(m.embed_pixels(**{k: v.numpy() for k, v in feed.items()}), want_img, "siglip2: embed_pixels")
+    bad = {k: v.numpy().copy() for k, v in feed.items()}
+    bad["pixel_values"][2, 0, 5] = np.nan
+    with pytest.raises(ModelError, match="pixel_values: image 2 has non-finite values"):
+        m.embed_pixels(**bad)
     _close(m.embed(texts=CAPTIONS), want_txt, "siglip2: text embeddings")
     got = m.similarity(files, CAPTIONS)
     _close(got, want, f"siglip2 on {backend}: logits_per_image")
