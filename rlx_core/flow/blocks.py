@@ -14,6 +14,18 @@ from ..ir.ops import MaskKind
 from ..plugins.hookspecs import hookimpl
 from .rope import inv_freq, rope_tables
 
+PIECE_PREFIX = "piece."          # a mixed graph's names of the prefilling request's states (recipe.py)
+PIECE_CTX = "piece_ctx"          # and their context dim
+
+
+def mixed_split(ctx) -> tuple | None:
+    """(decode rows D, piece tokens P) of a mixed graph (its packed token axis is D + P
+    long; recipe.DecoderFlow), or None for any other graph."""
+    last, pos = ctx.inputs.get("last_token"), ctx.inputs.get("piece_pos")
+    if last is None or pos is None:
+        return None
+    return ctx.inputs["cache_pos"].dims[0], last.dims[-1]
+
 
 @attrs.frozen
 class Input:
@@ -254,13 +266,18 @@ class SelfAttention:
     def cached_kv(self, ctx, x, k, v, cache_pos) -> tuple:
         """Writes k, v into this layer's full-length KV cache at cache_pos; returns what the
         attention reads: the caches when continuing them (decode, extend), else k and v."""
-        s, m, i = self.spec, ctx.m, ctx.index()
         if cache_pos is None:
             raise ModelError("decode attention needs a 'cache_pos' input ([batch] int)")
-        shape = (x.dims[0], s.kv_heads, "ctx", s.head_dim)
-        kc = m.kv_write(m.state(f"kv.{i}.k", shape, k.dtype), k, cache_pos)
-        vc = m.kv_write(m.state(f"kv.{i}.v", shape, v.dtype), v, cache_pos)
+        kc, vc = self.write_cache(ctx, "", x.dims[0], "ctx", k, v, cache_pos)
         return (kc, vc) if self.reads_cache(ctx) else (k, v)
+
+    def write_cache(self, ctx, prefix: str, batch, length, k, v, cache_pos) -> tuple:
+        """k, v written into this layer's KV states `{prefix}kv.{i}.k|v` [batch, kv_heads,
+        length, head_dim] at cache_pos; the states after the write."""
+        s, m, i = self.spec, ctx.m, ctx.index()
+        shape = (batch, s.kv_heads, length, s.head_dim)
+        return (m.kv_write(m.state(f"{prefix}kv.{i}.k", shape, k.dtype), k, cache_pos),
+                m.kv_write(m.state(f"{prefix}kv.{i}.v", shape, v.dtype), v, cache_pos))
 
     def out_proj(self, ctx, x, o):
         """The heads [B,H,S,D] merged back to [B,S,H*D] and projected (o_proj)."""
@@ -270,18 +287,48 @@ class SelfAttention:
         bo = ctx.param(ctx.key(f"{s.prefix}.o_proj.bias"), (s.hidden,)) if s.o_bias else None
         return m.linear(o, wo, bo)
 
-    def emit(self, ctx, x):
-        s, m = self.spec, ctx.m
-        q, k, v = self.roped_qkv(ctx, x)
+    def attend(self, ctx, q, k, v, mask, pos):
+        """The attention op with this layer's scale, mask kind, window and softcap."""
+        s = self.spec
         scale = s.scale if s.scale is not None else 1.0 / math.sqrt(s.head_dim)
         kind = MaskKind.SLIDING_WINDOW if s.window else MaskKind.CAUSAL
+        return ctx.m.attention(q, k, v, mask, pos, scale=scale, mask_kind=kind, window=s.window,
+                               softcap=s.softcap)
+
+    def emit(self, ctx, x):
+        s = self.spec
+        split = mixed_split(ctx)
+        if split is not None:
+            return self.mixed(ctx, x, *split)
+        q, k, v = self.roped_qkv(ctx, x)
         mask = ctx.inputs.get("key_mask")
         cache_pos = ctx.inputs.get("cache_pos")
         if s.mode == "decode" or (s.kv_cache and cache_pos is not None):
             k, v = self.cached_kv(ctx, x, k, v, cache_pos)
         pos = cache_pos if self.reads_cache(ctx) else None
-        o = m.attention(q, k, v, mask, pos, scale=scale, mask_kind=kind, window=s.window,
-                        softcap=s.softcap)
+        return self.out_proj(ctx, x, self.attend(ctx, q, k, v, mask, pos))
+
+    def mixed(self, ctx, x, rows: int, piece: int):
+        """A mixed graph's attention (recipe.DecoderFlow): q, k, v projected and roped on the
+        packed [1, rows + piece] tokens (the weights read once); the first `rows` tokens
+        attend as a decode step (one a row: the KV states at cache_pos under key_mask), the
+        rest as an extend piece of one sequence (its own states, PIECE_PREFIX, at piece_pos
+        under piece_mask); the heads joined again before o_proj."""
+        s, m, inp = self.spec, ctx.m, ctx.inputs
+        q, k, v = self.roped_qkv(ctx, x)                           # [1, heads, rows + piece, D]
+
+        def decode_rows(t):                                        # -> [rows, heads, 1, D]
+            return m.transpose(m.narrow(t, 2, 0, rows), (2, 1, 0, 3))
+
+        def piece_part(t):                                         # -> [1, heads, piece, D]
+            return m.narrow(t, 2, rows, piece)
+
+        kc, vc = self.write_cache(ctx, "", rows, "ctx", decode_rows(k), decode_rows(v), inp["cache_pos"])
+        o_rows = self.attend(ctx, decode_rows(q), kc, vc, inp["key_mask"], inp["cache_pos"])
+        kp, vp = self.write_cache(ctx, PIECE_PREFIX, 1, PIECE_CTX, piece_part(k), piece_part(v),
+                                  inp["piece_pos"])
+        o_piece = self.attend(ctx, piece_part(q), kp, vp, inp["piece_mask"], inp["piece_pos"])
+        o = m.concat([m.transpose(o_rows, (2, 1, 0, 3)), o_piece], 2)
         return self.out_proj(ctx, x, o)
 
 
@@ -386,4 +433,4 @@ class L2Normalize:
         return y / m.maximum(n, self.eps)
 
 
-__all__ = ["AttnSpec", "SelfAttention", "continues_cache", "GENERIC_BLOCKS", "L2Normalize"]
+__all__ = ["AttnSpec", "SelfAttention", "continues_cache", "mixed_split", "PIECE_PREFIX", "PIECE_CTX", "GENERIC_BLOCKS", "L2Normalize"]

@@ -10,12 +10,13 @@ from typing import Callable
 from ..ir.dtype import BOOL, F32, I32, I64
 from ..ir.errors import ModelError
 from ..profile import CompileProfile
-from .blocks import GreedyNext
+from .blocks import PIECE_CTX, GreedyNext, mixed_split
 from .flow import ModelFlow
 
-MODES = ("prefill", "decode", "extend", "logits", "train")
+MODES = ("prefill", "decode", "extend", "logits", "train", "mixed")
 GENERATION = ("prefill", "decode", "extend")        # the modes that write the KV cache
 CONTINUING = ("decode", "extend")         # the modes that read the caches (key mask over "ctx")
+MIXED_ROWS, MIXED_PIECE = "rlx_mixed_rows", "rlx_mixed_piece"   # a mixed graph's counts, given in its config
 
 
 class PickPosition:
@@ -25,6 +26,18 @@ class PickPosition:
 
     def emit(self, ctx, x):
         return ctx.m.matmul(ctx.inputs["last_token"], x)
+
+
+class PickMixed:
+    """A mixed graph's rows for the head: the D decode rows, then the piece's position that
+    its one-hot `last_token` marks ([1, D + P, hidden] -> [D + 1, 1, hidden])."""
+
+    def emit(self, ctx, x):
+        m = ctx.m
+        d, p = mixed_split(ctx)
+        rows = m.reshape(m.narrow(x, 1, 0, d), (d, 1, x.dims[-1]))
+        last = m.matmul(ctx.inputs["last_token"], m.narrow(x, 1, d, p))
+        return m.concat([rows, last], 0)
 
 
 class LayerCtx:
@@ -56,6 +69,19 @@ class DecoderFlow(abc.ABC):
     `logits` and `train` touch no cache and give every position's logits; `train` also takes
     labels [batch, seq] (the next token of each position; negative: ignored) and outputs
     `loss`, the mean token cross-entropy, for `rlx_core.value_and_grad(g, wrt, "loss")`.
+
+    `mixed` (`for_mixed(cfg, rows, piece)`, both ints; or the config's MIXED_ROWS and
+    MIXED_PIECE, so a recipe's own `flow(cfg, "mixed")` builds it) is one run doing a decode step of
+    `rows` sequences AND an extend piece of `piece` tokens of one more sequence, so the
+    weights are read once for both (chunked prefill inside the decode step). Its token axis
+    is packed: ids and positions [1, rows + piece], the decode tokens first. The decode part
+    has decode's key_mask [rows, 1, 1, ctx] and cache_pos [rows] over the KV states; the piece
+    has extend's inputs renamed: piece_mask [1, 1, 1, piece_ctx], piece_pos [1] and
+    last_token [1, 1, piece], over its own states (PIECE_PREFIX + the prefill's names, context
+    PIECE_CTX). Everything per token runs on the packed rows; attention splits them
+    (SelfAttention); the logits are [rows + 1, 1, vocab]: the decode rows, then the piece's
+    marked token. A layer that does not split leaves no piece states: the caller compares the
+    states with decode's and the prefill's and refuses the mode.
     """
     family = "decoder"
     profile_family = None          # preset family if not `family` (model types sharing presets)
@@ -64,10 +90,15 @@ class DecoderFlow(abc.ABC):
     def __init__(self, cfg: dict, mode: str = "prefill", batch="batch", seq="seq"):
         if mode not in MODES:
             raise ModelError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "mixed" and batch == "batch" and seq == "seq":     # (through a recipe's flow(cfg, mode))
+            batch, seq = cfg.get(MIXED_ROWS), cfg.get(MIXED_PIECE)
+        if mode == "mixed" and not (isinstance(batch, int) and isinstance(seq, int) and batch > 0 and seq > 0):
+            raise ModelError(f"a mixed graph takes a positive int count of decode rows and piece tokens, "
+                             f"got {batch!r} and {seq!r}")
         self.cfg, self.mode, self.batch = dict(cfg), mode, batch
         self.seq = 1 if mode == "decode" else seq
         self.name = f"{self.cfg.get('model_type', self.family)}_{mode}"
-        self._last = mode in GENERATION
+        self._last = mode in GENERATION or mode == "mixed"
         self._layer: Callable | None = None
         self._before: list = []
         self._after: list = []
@@ -87,6 +118,10 @@ class DecoderFlow(abc.ABC):
     @classmethod
     def for_extend(cls, cfg: dict, batch="batch", seq="seq"):
         return cls(cfg, "extend", batch, seq)
+
+    @classmethod
+    def for_mixed(cls, cfg: dict, rows: int, piece: int):
+        return cls(cfg, "mixed", rows, piece)
 
     @classmethod
     def for_logits(cls, cfg: dict, batch="batch", seq="seq"):
@@ -150,8 +185,11 @@ class DecoderFlow(abc.ABC):
     # -- building
     def flow(self) -> ModelFlow:
         f = ModelFlow(self.name).profile(self._profile)
-        f.input("ids", (self.batch, self.seq), I64).input("positions", (self.batch, self.seq), I64)
-        f.input("key_mask", (self.batch, 1, 1, "ctx" if self.mode in CONTINUING else self.seq), BOOL)
+        if self.mode == "mixed":
+            self._mixed_inputs(f)
+        else:
+            f.input("ids", (self.batch, self.seq), I64).input("positions", (self.batch, self.seq), I64)
+            f.input("key_mask", (self.batch, 1, 1, "ctx" if self.mode in CONTINUING else self.seq), BOOL)
         if self.mode in GENERATION:
             f.input("cache_pos", (self.batch,), I32)
         if self.mode == "extend":
@@ -171,11 +209,21 @@ class DecoderFlow(abc.ABC):
             f = fn(f) or f
         if self.mode == "extend":
             f.raw_stage(PickPosition())
+        elif self.mode == "mixed":
+            f.raw_stage(PickMixed())
         f = self.head(f)
         for fn in self._patches:
             f = fn(f) or f
-        if self.mode in GENERATION:          # greedy ids without fetching logits
+        if self.mode in GENERATION or self.mode == "mixed":          # greedy ids without fetching logits
             f.raw_stage(GreedyNext())
         elif self.mode == "train":
             f.cross_entropy_loss("labels")
         return f
+
+    def _mixed_inputs(self, f: ModelFlow) -> None:
+        """A mixed graph's inputs (see the class docstring)."""
+        rows, piece = self.batch, self.seq
+        f.input("ids", (1, rows + piece), I64).input("positions", (1, rows + piece), I64)
+        f.input("key_mask", (rows, 1, 1, "ctx"), BOOL).input("cache_pos", (rows,), I32)
+        f.input("piece_mask", (1, 1, 1, PIECE_CTX), BOOL).input("piece_pos", (1,), I32)
+        f.input("last_token", (1, 1, piece), F32)

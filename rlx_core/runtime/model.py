@@ -182,10 +182,13 @@ class CausalLM:
     # -- compiled graphs
     graph_modes = ("prefill", "decode", "extend", "logits")     # what `built` and `executable` take
 
-    def built(self, mode: str = "prefill", taps: bool = False) -> BuiltModel:
+    def built(self, mode: str = "prefill", taps: bool = False, rows: int = 0, piece: int = 0) -> BuiltModel:
         """The flow of `mode` built on this model's tensors (HIR graph, params, stage records),
-        not yet compiled: what `executable` compiles and `rlx inspect` shows."""
-        flow = self.recipe.flow(self.config, mode, taps=taps)
+        not yet compiled: what `executable` compiles and `rlx inspect` shows. Mode "mixed"
+        (a decode step of `rows` rows with an extend piece of `piece` tokens in one run: see
+        rlx_core.flow.recipe.DecoderFlow) takes both counts."""
+        flow = self._mixed_flow(rows, piece, taps) if mode == "mixed" else self.recipe.flow(self.config, mode,
+                                                                                          taps=taps)
         try:
             return flow.build(self.tensors, self.config, F32,
                               ignore_unused=getattr(self.recipe, "ignore_unused", ()))
@@ -206,11 +209,19 @@ class CausalLM:
                 self._exes[key] = exe
             return self._exes[key]
 
-    def executable_over(self, mode: str, states: StateStore) -> Executable:
+    def executable_over(self, mode: str, states: StateStore, rows: int = 0, piece: int = 0) -> Executable:
         """A new, uncached executable of `mode` over its own `states` (a StateStore: the
-        batched KV cache of a Scheduler), sharing this model's resident params."""
-        built = self.built(mode)
+        batched KV cache of a Scheduler), sharing this model's resident params (`rows` and
+        `piece`: a mixed graph's counts, see `built`)."""
+        built = self.built(mode, rows=rows, piece=piece)
         return built.compile(self.backend, self.profile, states, self._shared)
+
+    def _mixed_flow(self, rows: int, piece: int, taps: bool) -> ModelFlow:
+        """The recipe's mixed flow: its counts go in the config (a recipe's `flow(cfg, mode)`
+        keeps its own settings, e.g. a cache layout)."""
+        from ..flow.recipe import MIXED_PIECE, MIXED_ROWS
+
+        return self.recipe.flow({**self.config, MIXED_ROWS: rows, MIXED_PIECE: piece}, "mixed", taps=taps)
 
     def memory_report(self) -> dict:
         """Bytes held for this model: weights, KV cache, arenas, pool overhead (see

@@ -44,6 +44,8 @@ import numpy as np
 
 from ..ir.errors import ModelError, RlxError
 from .args import bool_arg, callable_arg, float_arg, int_arg, token_rows
+from ..flow.blocks import PIECE_CTX, PIECE_PREFIX
+from ..pipeline import StateStore
 from .batch_cache import BatchCache
 from .model import CTX_BUCKET, fetch_greedy, greedy_outputs, updates_in_place
 from .prefix_cache import PrefixCache, cache_stats
@@ -201,12 +203,13 @@ class Scheduler:
     Use as a context manager or call close()."""
 
     def __init__(self, model, max_batch: int = 8, prefix_cache_mb: float = 256, prefill_chunk: int | None = None,
-                 stall_budget: float | None = None):
+                 stall_budget: float | None = None, mixed: bool = True):
         self.model = model
         self.max_batch = int_arg("max_batch", max_batch, lo=1)
         self.prefix_cache_mb = float_arg("prefix_cache_mb", prefix_cache_mb, 0.0)
         self.prefill_chunk = int_arg("prefill_chunk", prefill_chunk, none=True)
         self.stall_budget = None if stall_budget is None else float_arg("stall_budget", stall_budget, 0.0)
+        self.mixed = bool_arg("mixed", mixed)
         self.buckets = batch_buckets(self.max_batch)
         self._cv = threading.Condition()
         self._waiting: collections.deque = collections.deque()
@@ -233,6 +236,12 @@ class Scheduler:
         self._run_steps: dict = {}             # prefill run length -> its cost in decode steps (moving average)
         self._step_cost = 0.0                  # seconds a decode step of the batch takes (a moving average)
         self._last_piece_steps = 0.0           # the last prefill run's cost in decode steps
+        self.mixed_refused = ""                # why this model runs no mixed steps (then pieces run alone)
+        self.mixed_steps = 0                   # decode steps that carried a prefill piece
+        self._mixed: dict = {}                 # (decode rows, piece length) -> the mixed executable
+        self._mixed_states = StateStore()      # theirs: the batch cache's and the prefill's buffers
+        self._mixed_cost: dict = {}            # piece length -> what it adds to a step, in steps (moving average)
+        self._riding: tuple | None = None      # (request, limit): the piece the next step carries
 
     # -- submission
     def submit(self, prompt, params: SamplingParams | None = None, on_event=None, chat: bool = False,
@@ -329,7 +338,7 @@ class Scheduler:
         from .memory import memory_report
 
         with self.model._lock:
-            exes = [e for e in (self._prefill, self._extend, self._decode) if e is not None]
+            exes = [e for e in (self._prefill, self._extend, self._decode) if e is not None] + list(self._mixed.values())
             stores = list({id(e.states): e.states for e in exes}.values())   # (extend shares the prefill's)
             rep = memory_report(self.model, stores, exes)
             held = self.prefix.bytes if self.prefix is not None else 0
@@ -347,6 +356,8 @@ class Scheduler:
             if self.cache is not None:
                 self.cache.clear()
             self.cache = self._decode = self._prefill = self._extend = None
+            self._mixed.clear()
+            self._mixed_states.clear()
             self._fill_ctx = 0
         trim_heap()
 
@@ -396,7 +407,10 @@ class Scheduler:
                 self._guard(list(r.choices), self._admit, r)
             self._drop_cancelled()
             self._prefill_round()
-            if self._running():
+            riding, self._riding = self._riding, None
+            if riding is not None and self._running():
+                self._guard(self._running() + list(riding[0].choices), self._mixed_step, *riding)
+            elif self._running():
                 self._guard(self._running(), self._step)
             if idle and self._running():
                 self._guard(self._running(), self._fit)
@@ -454,6 +468,53 @@ class Scheduler:
             return self.prefill_chunk
         runtime = getattr(self.model.profile, "runtime", None)
         return runtime.prefill_chunk if runtime is not None else 0
+
+    def _mixes(self) -> bool:
+        """Whether a prefill piece may ride in the decode step's run (a mixed step): asked
+        for, chunked prefill on, and a model whose pieces pad (no recurrent states) and whose
+        mixed graph was not refused."""
+        return self.mixed and not self.mixed_refused and self._chunk() > 0 and self._pads()
+
+    def _mixed_exe(self, rows: int, piece: int) -> Executable | None:
+        """The mixed graph of `rows` decode rows and a `piece`-token piece over the batch
+        cache's and the prefill's buffers (`_bind_mixed`), or None where the model cannot
+        build one whose states are exactly decode's and the prefill's (PIECE_PREFIX):
+        `mixed_refused` then says why (a family whose attention or recurrent layers do not
+        split the packed tokens leaves no piece states)."""
+        key = (rows, piece)
+        if key not in self._mixed and not self.mixed_refused:
+            try:
+                exe = self.model.executable_over("mixed", self._mixed_states, rows=rows, piece=piece)
+            except RlxError as e:
+                self.mixed_refused = str(e)
+                return None
+            want = self._mixed_state_dims(rows)
+            got = {n: tuple(spec.dims) for n, spec in _state_specs(exe).items()}
+            if got != want:
+                self.mixed_refused = (f"its mixed graph's states {sorted(got)} are not the decode graph's and "
+                                      f"the prefill's {sorted(want)}")
+                return None
+            self._mixed[key] = exe
+        return self._mixed.get(key)
+
+    def _mixed_state_dims(self, rows: int) -> dict:
+        """State name -> dims a mixed graph of `rows` decode rows must have: decode's at that
+        batch, and the prefill's (batch 1, context PIECE_CTX) under PIECE_PREFIX."""
+        dec, pre = self._decode_exe(), self._prefill_exe()
+        out = {n: tuple(spec.bind({dec.input_specs["ids"].dims[0]: rows}).dims)
+               for n, spec in _state_specs(dec).items()}
+        env = {pre.input_specs["ids"].dims[0]: 1, "ctx": PIECE_CTX}
+        out.update({PIECE_PREFIX + n: tuple(spec.bind(env).dims) for n, spec in _state_specs(pre).items()})
+        return out
+
+    def _bind_mixed(self) -> None:
+        """The mixed graphs' states: the batch cache's buffers, and the prefill's under
+        PIECE_PREFIX (set only where another buffer is there: a runner stays bound)."""
+        cache, fill = self._batch_cache().store, self._prefill_exe().states
+        want = {**cache, **{PIECE_PREFIX + n: v for n, v in fill.items()}}
+        for name, buf in want.items():
+            if self._mixed_states.get(name) is not buf:
+                self._mixed_states[name] = buf
 
     def _prefix_cache(self) -> PrefixCache | None:
         """The prefix cache (made on first use), or None: off, or the model cannot extend."""
@@ -537,6 +598,9 @@ class Scheduler:
         fixed cost, but needs a graph over packed rows of different lengths: not built."""
         chunk = self._chunk()
         running = bool(self._running())
+        if running and self._mixes():
+            self._riding = self._next_rider(chunk)
+            return
         tokens_left = chunk if running and chunk else None
         steps_left = self.stall_budget if running and self.stall_budget else None
         ran = 0
@@ -560,7 +624,23 @@ class Scheduler:
             if steps_left is not None:
                 steps_left -= self._last_piece_steps if self.prefill_runs > runs else 0.0
 
-    def _budget_limit(self, cap: int, steps: float, first: bool) -> int:
+    def _next_rider(self, chunk: int) -> tuple | None:
+        """(request, limit) of the piece the next decode step carries (a mixed step): the
+        first waiting prompt's, at most `chunk` tokens, and with a `stall_budget` the longest
+        whose measured addition to the step fits in it (at least PIECE_MIN tokens); a tail of
+        at most PAD_TAIL tokens whole. None when no prompt waits."""
+        while self._fills:
+            r = self._fills[0]
+            if r.done or r.cancelled or r not in self._active:
+                self._fills.popleft()
+                continue
+            limit = chunk
+            if self.stall_budget is not None and len(r.prompt_ids) - r.filled > PAD_TAIL:
+                limit = self._budget_limit(chunk, self.stall_budget, first=True, cost=self._mixed_cost)
+            return r, limit
+        return None
+
+    def _budget_limit(self, cap: int, steps: float, first: bool, cost: dict | None = None) -> int:
         """The longest piece (a power of two up to `cap`) whose estimated cost fits in `steps`
         decode steps; the round's first piece at least PIECE_MIN tokens (a prompt always
         advances at a useful rate: where the fixed cost of a run is a step or more, as on a
@@ -569,19 +649,20 @@ class Scheduler:
         to its length: up to a few rows a packed matmul is a GEMV, beyond them it decodes the
         weights for BLAS; so the choice follows the costs measured, not a rate.)"""
         size = 1 << max(cap, 1).bit_length() - 1
-        while size > 1 and self._estimate(size) > steps:
+        while size > 1 and self._estimate(size, cost) > steps:
             size //= 2
         if first:
             return max(size, min(PIECE_MIN, cap))
-        return size if self._estimate(size) <= steps else 0
+        return size if self._estimate(size, cost) <= steps else 0
 
-    def _estimate(self, size: int) -> float:
+    def _estimate(self, size: int, cost: dict | None = None) -> float:
         """A prefill run of `size` tokens in decode steps of the batch: its moving average,
         else interpolated between the nearest lengths measured below and above it (a fixed
         cost plus a cost a token), else scaled from the nearest one (proportionally:
         pessimistic going up, optimistic going down; the run it leads to corrects it); 0
-        while none was measured."""
-        cost = self._run_steps
+        while none was measured. `cost`: the costs measured (the pieces run alone's unless
+        given: a mixed step's additions)."""
+        cost = self._run_steps if cost is None else cost
         if size in cost or not cost:
             return cost.get(size, 0.0)
         lo = max((k for k in cost if k < size), default=None)
@@ -592,8 +673,22 @@ class Scheduler:
         return cost[near] * size / near
 
     def _fill(self, r: Request, limit: int) -> None:
-        """One piece of r's prefill (`_piece`: at most `limit` tokens, 0: no limit); the last
-        places its choices."""
+        """One piece of r's prefill (`_piece`: at most `limit` tokens, 0: no limit) as a run of
+        its own; the last places its choices."""
+        self._run_piece(r, *self._piece_feed(r, limit))
+
+    def _run_piece(self, r: Request, exe, feed: dict, a: int, b: int, run: int) -> None:
+        """Run a piece (`_piece_feed`'s) alone, its cost measured in decode steps."""
+        t0 = time.perf_counter()
+        logits = exe.run(feed)["logits"][:, -1]
+        if self._step_cost:
+            self._last_piece_steps = (time.perf_counter() - t0) / self._step_cost
+            self._run_steps[run] = _average(self._run_steps.get(run), self._last_piece_steps)
+        self._filled(r, a, b, logits)
+
+    def _piece_feed(self, r: Request, limit: int) -> tuple:
+        """(executable, feed, start, end, run length) of r's next prefill piece (`_piece`),
+        its states sized and, before its first piece, its cached prefix restored."""
         n = len(r.prompt_ids)
         if r.filled == 0:
             self._start_fill(r)
@@ -619,18 +714,18 @@ class Scheduler:
             last[0, 0, b - a - 1] = 1
             feed = {"ids": ids, "positions": positions, "key_mask": mask, "cache_pos": np.array([a], np.int32),
                     "last_token": last}
-        t0 = time.perf_counter()
-        logits = exe.run(feed)["logits"][:, -1]
-        if self._step_cost:
-            self._last_piece_steps = (time.perf_counter() - t0) / self._step_cost
-            self._run_steps[run] = _average(self._run_steps.get(run), self._last_piece_steps)
+        return exe, feed, a, b, run
+
+    def _filled(self, r: Request, a: int, b: int, logits) -> None:
+        """r's prompt tokens [a, b) are in the prefill states (`logits` [1, vocab]: those of
+        token b - 1): counted, cached, and at the prompt's end its choices placed."""
         r.filled = b
         self.prefill_tokens += b - a
         self.prefill_runs += 1
         if self.prefix is not None:
             blk = self.prefix.block
-            self.prefix.insert(r.prompt_ids, exe.states, 0, b // blk * blk, snapshot=b % blk == 0)
-        if b == n:
+            self.prefix.insert(r.prompt_ids, self._prefill_exe().states, 0, b // blk * blk, snapshot=b % blk == 0)
+        if b == len(r.prompt_ids):
             self._fills.popleft()
             self._place(r, logits)
 
@@ -729,10 +824,10 @@ class Scheduler:
             raise ModelError(f"{self.model.source}: non-finite prompt logits for request {r.id}")
         return prompt_token_logprobs(logits, r.prompt_ids, r.params.prompt_logprobs)
 
-    def _step(self) -> None:
-        exe, c = self._decode_exe(), self._batch_cache()
+    def _decode_feed(self, running: list) -> dict:
+        """The inputs of a decode step of the batch cache's rows (`running` in theirs)."""
+        c = self._batch_cache()
         b, ctx = c.batch, c.ctx
-        running = self._running()
         ids = np.zeros((b, 1), np.int64)
         pos = np.zeros((b, 1), np.int64)
         cache_pos = np.zeros(b, np.int32)
@@ -741,8 +836,48 @@ class Scheduler:
         for r in running:
             ids[r.slot, 0], pos[r.slot, 0], cache_pos[r.slot] = r.last, r.length, r.length
             mask[r.slot, :r.length + 1] = True
-        exe.fixed_dims = {"ctx": ctx}
-        feed = {"ids": ids, "positions": pos, "key_mask": mask[:, None, None, :], "cache_pos": cache_pos}
+        return {"ids": ids, "positions": pos, "key_mask": mask[:, None, None, :], "cache_pos": cache_pos}
+
+    def _mixed_step(self, r: Request, limit: int) -> None:
+        """A decode step of the batch that also runs r's next prefill piece (at most `limit`
+        tokens) in the same run (`_mixed_exe`): the weights are read once for both, so the
+        streams wait a step plus the piece's own work, not a run's fixed cost more. Its
+        logits give every row's next token and, at the prompt's end, r's first. Where the
+        model refuses mixed graphs the piece runs alone before a plain step."""
+        ext, pfeed, a, b, run = self._piece_feed(r, limit)
+        c = self._batch_cache()
+        exe = self._mixed_exe(c.batch, run)
+        if exe is None:
+            self._run_piece(r, ext, pfeed, a, b, run)
+            self._step()
+            return
+        running = self._running()
+        dfeed = self._decode_feed(running)
+        feed = {"ids": np.concatenate([dfeed["ids"].T, pfeed["ids"]], 1),
+                "positions": np.concatenate([dfeed["positions"].T, pfeed["positions"]], 1),
+                "key_mask": dfeed["key_mask"], "cache_pos": dfeed["cache_pos"],
+                "piece_mask": pfeed["key_mask"], "piece_pos": pfeed["cache_pos"], "last_token": pfeed["last_token"]}
+        exe.fixed_dims = {"ctx": c.ctx, PIECE_CTX: ext.fixed_dims["ctx"]}
+        self._bind_mixed()
+        self.steps += 1
+        self.mixed_steps += 1
+        self.max_rows = max(self.max_rows, len(running))
+        t0 = time.perf_counter()
+        logits = exe.run(feed, fetch=("logits",))["logits"][:, -1]
+        if self._step_cost:
+            added = max((time.perf_counter() - t0) / self._step_cost - 1.0, 0.0)
+            self._mixed_cost[run] = _average(self._mixed_cost.get(run), added)
+        for q in running:
+            q.length += 1
+            if not q.done:
+                self._guard([q], self._take, q, logits[q.slot:q.slot + 1])
+        self._filled(r, a, b, logits[c.batch:c.batch + 1])
+
+    def _step(self) -> None:
+        exe, c = self._decode_exe(), self._batch_cache()
+        running = self._running()
+        exe.fixed_dims = {"ctx": c.ctx}
+        feed = self._decode_feed(running)
         self.steps += 1
         self.max_rows = max(self.max_rows, len(running))
         t0 = time.perf_counter()

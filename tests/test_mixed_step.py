@@ -1,0 +1,189 @@
+"""The mixed step (issue 48): one run that decodes the batch AND prefills a piece of another
+prompt (recipe.DecoderFlow mode "mixed", SelfAttention.mixed), so the weights are read once.
+
+The mixed graph's logits equal each sequence's own logits (model.logits, no cache) for the
+decode rows and the piece, on numpy and numba, for LLaMA, Qwen3 (QK-norm) and a Mistral-style
+sliding window; in the Scheduler, greedy outputs with mixed steps equal those without (and
+with the prefix cache on and off: hypothesis over prompts arriving while a batch decodes);
+families whose layers do not split the packed tokens (Gemma 3's attention, the Qwen3.5
+hybrid's recurrent states) fall back to pieces run alone, with the same outputs."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlx_core.flow.blocks import PIECE_CTX, PIECE_PREFIX
+from rlx_core.ir.errors import ModelError
+from rlx_core.pipeline import StateStore
+from rlx_core.runtime.batch_cache import BatchCache
+from rlx_core.runtime.model import CausalLM, find_recipe
+from rlx_core.runtime.scheduler import Scheduler
+from rlx_core.testing.parity import backend_params
+
+pytest.importorskip("rlx_blocks_llama")
+BACKENDS = backend_params(("numpy", "numba", "cuda"))   # skipped with the reason where absent
+TOL = 1e-4
+WAIT = 120
+
+
+def tiny(model_type: str, backend: str = "numpy", seed: int = 3, **change):
+    recipe = find_recipe(model_type)
+    if "ring" in change:
+        recipe = type(recipe)(ring=change.pop("ring"))
+    cfg = dict(recipe.tiny_config(), max_position_embeddings=256, **change)
+    return CausalLM.from_tensors(cfg, recipe.tiny_tensors(cfg, np.random.default_rng(seed)), backend=backend,
+                                 recipe=recipe)
+
+
+def tokens(seed: int, n: int) -> list:
+    return np.random.default_rng(seed).integers(3, 61, n).tolist()
+
+
+def prefilled(model, store: StateStore, ids: list, ctx: int) -> None:
+    """Prefill `ids` (batch 1) into `store`, at context `ctx`."""
+    pre = model.executable_over("prefill", store)
+    pre.fixed_dims = {"ctx": ctx}
+    n = len(ids)
+    pre.run({"ids": np.array([ids]), "positions": np.arange(n)[None], "key_mask": np.ones((1, 1, 1, n), bool),
+             "cache_pos": np.zeros(1, np.int32)})
+
+
+MODELS = {"llama": {}, "qwen3": {}, "mistral": {"sliding_window": 5}}
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_logits_equal_each_sequence_alone(kind, backend):
+    """Decode rows of 11 and 4 cached tokens (and an idle row) plus a 7-token piece (padded
+    to 8) continuing a 9-token prompt: each row's logits are its sequence's last logits."""
+    model = tiny(kind, backend, **MODELS[kind])
+    ctx, piece_ctx, rows = 32, 64, 3
+    seqs = [tokens(1, 12), tokens(2, 5)]                   # cached: all but the last token
+    prompt, a, b, run = tokens(3, 16), 9, 16, 8
+    dec = model.executable_over("decode", StateStore())
+    specs = {n.name: n.outs[0] for n in dec.mir.nodes if n.op == "state"}
+    cache = BatchCache(model.backend, specs, dec.input_specs["ids"].dims[0])
+    cache.resize(rows, ctx, [])
+    for row, s in enumerate(seqs):
+        one = StateStore()
+        prefilled(model, one, s[:-1], ctx)
+        cache.place(row, one, len(s) - 1)
+    fill = StateStore()
+    prefilled(model, fill, prompt[:a], piece_ctx)
+    exe = model.executable_over("mixed", StateStore(), rows=rows, piece=run)
+    exe.states.update(cache.store)
+    exe.states.update({PIECE_PREFIX + n: v for n, v in fill.items()})
+    exe.fixed_dims = {"ctx": ctx, PIECE_CTX: piece_ctx}
+    lengths = [len(s) - 1 for s in seqs] + [0]
+    ids = [s[-1] for s in seqs] + [0] + prompt[a:b] + [0] * (run - (b - a))
+    positions = lengths + [min(p, b - 1) for p in range(a, a + run)]
+    mask = np.zeros((rows, 1, 1, ctx), bool)
+    for row, n in enumerate(lengths):
+        mask[row, ..., :n + 1] = True
+    piece_mask = np.zeros((1, 1, 1, piece_ctx), bool)
+    piece_mask[..., :a + run] = True
+    last = np.zeros((1, 1, run), np.float32)
+    last[..., b - a - 1] = 1
+    out = exe.run({"ids": np.array([ids]), "positions": np.array([positions]), "key_mask": mask,
+                   "cache_pos": np.array(lengths, np.int32), "piece_mask": piece_mask,
+                   "piece_pos": np.array([a], np.int32), "last_token": last})
+    logits = out["logits"][:, -1]
+    assert logits.shape == (rows + 1, model.vocab_size)
+    for row, s in enumerate(seqs):
+        np.testing.assert_allclose(logits[row], model.logits(np.array([s]))[0, -1], atol=TOL, rtol=TOL,
+                                   err_msg=f"{kind} decode row {row}")
+    np.testing.assert_allclose(logits[rows], model.logits(np.array([prompt[:b]]))[0, -1], atol=TOL, rtol=TOL,
+                               err_msg=f"{kind} piece")
+    np.testing.assert_array_equal(out["next_ids"][:, -1], logits.argmax(-1))
+    # the piece's keys went to its own states, the decode rows' to the batch cache
+    after = StateStore()
+    prefilled(model, after, prompt[:b], piece_ctx)
+    for n in fill:
+        np.testing.assert_allclose(model.backend.to_host(fill[n])[:, :, :b], model.backend.to_host(after[n])[:, :, :b],
+                                   atol=TOL, rtol=TOL, err_msg=n)
+
+
+def test_mixed_graph_takes_int_counts():
+    with pytest.raises(ModelError, match="positive int count"):
+        tiny("llama").built("mixed", rows=0, piece=8)
+
+
+# ----------------------------------------------------------------------------- in the scheduler
+def served(model, long: list, n: int, **kw) -> tuple:
+    """(a streaming request's first tokens, `long`'s n greedy tokens, the scheduler) with
+    `long` submitted while the stream decodes."""
+    with Scheduler(model, max_batch=2, prefix_cache_mb=0, **kw) as s:
+        started = threading.Event()
+        a = s.submit(tokens(1, 6), max_tokens=60, ignore_eos=True, on_event=lambda ev: started.set())
+        assert started.wait(WAIT)
+        got = s.submit(long, max_tokens=n, ignore_eos=True).result(WAIT).token_ids
+        a.cancel()
+        stream = a.result(WAIT).token_ids
+    return stream, got, s
+
+
+def alone(model, ids: list, n: int) -> list:
+    return model.generate(list(ids), max_new_tokens=n, ignore_eos=True)[len(ids):]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scheduler_mixed_steps_keep_greedy_outputs(kind, backend):
+    """A 70-token prompt arriving while a stream decodes rides in its decode steps, 16 tokens
+    a step (the last 6 padded to 16): 5 mixed steps; the tokens equal those run alone."""
+    model = tiny(kind, backend)
+    long = tokens(2, 70)
+    stream, got, s = served(model, long, 5, prefill_chunk=16)
+    assert s.mixed_refused == "" and s.mixed_steps == 5 and s.prefill_runs == 1 + 5    # (the stream's own)
+    assert got == alone(model, long, 5)
+    assert stream == alone(model, tokens(1, 6), len(stream))
+    _, off, s_off = served(model, long, 5, prefill_chunk=16, mixed=False)
+    assert s_off.mixed_steps == 0 and off == got
+
+
+@pytest.mark.parametrize("kind", ["gemma3_full_cache", "qwen3_5"])
+def test_families_that_cannot_mix_run_pieces_alone(kind):
+    pytest.importorskip({"gemma3_full_cache": "rlx_blocks_gemma", "qwen3_5": "rlx_blocks_qwen35"}[kind])
+    model = tiny("gemma3_text", ring=False) if kind == "gemma3_full_cache" else tiny("qwen3_5_text")
+    long = tokens(2, 40)
+    stream, got, s = served(model, long, 4, prefill_chunk=16)
+    assert s.mixed_steps == 0
+    if kind == "gemma3_full_cache":           # (the hybrid's pieces cannot pad: it never tries)
+        assert "mixed graph's states" in s.mixed_refused
+    assert got == alone(model, long, 4)
+    assert stream == alone(model, tokens(1, 6), len(stream))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny("llama", seed=5)
+
+
+def waves(model, base: list, jobs: list, **kw) -> list:
+    """Greedy tokens of each job submitted while a stream decodes (each after the one before
+    finished, so every prompt arrives into a running batch)."""
+    with Scheduler(model, max_batch=4, prefill_chunk=16, **kw) as s:
+        started = threading.Event()
+        a = s.submit(base[:5], max_tokens=500, ignore_eos=True, on_event=lambda ev: started.set())
+        assert started.wait(WAIT)
+        out = [s.submit(ids, max_tokens=n, ignore_eos=True).result(WAIT).token_ids for ids, n in jobs]
+        a.cancel()
+        a.result(WAIT)
+        return out, s.mixed_steps
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(jobs=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30), st.integers(1, 4)), min_size=2, max_size=3),
+       shared=st.integers(20, 60))
+def test_greedy_equal_mixed_and_prefix_cache_on_and_off(llama, jobs, shared):
+    base = tokens(9, shared)
+    reqs = [(base[:shared - 7 * k] + tokens(10 + i, extra), n) for i, (k, extra, n) in enumerate(jobs)]
+    plain, none = waves(llama, base, reqs, prefix_cache_mb=0, mixed=False)
+    assert none == 0
+    for cache_mb in (0, 256):
+        got, mixed = waves(llama, base, reqs, prefix_cache_mb=cache_mb)
+        assert got == plain and mixed > 0
