@@ -165,8 +165,17 @@ def _chunked_tc(b, n, ins, od, sd):
         b.add(run)
 
 
+def _step_rows(b, x):
+    """(x, its step stride, its batch stride) for a [B, T, C] value read with unit channel
+    stride: a column slice of a projection's output as it is (a contiguous copy otherwise)."""
+    if x.es[2] != 1 or any(s < 0 for s in x.es):
+        x = b.contiguous(x)
+    return x, i64(x.es[1]), i64(x.es[0])
+
+
 def build_causal_conv1d(b, n, ins, outs):
-    x, w, st = (b.contiguous(t) for t in ins[:3])
+    x, xt, xb = _step_rows(b, ins[0])
+    w, st = (b.contiguous(t) for t in ins[1:3])
     bias = b.contiguous(ins[3]) if len(ins) > 3 else None
     y, nst = outs
     B, T, C = x.shape
@@ -177,7 +186,8 @@ def build_causal_conv1d(b, n, ins, outs):
                              EPILOGUE=_dq_epilogue(x.dt, bias is not None, n.a["act"]))
         run = max(CONV_RUN, -(-T // GRID_Y_MAX))
         b.launch(b.kernel(src, "rlx_conv1d"), (-(-C // CONV_THREADS), -(-T // run), B), (CONV_THREADS,),
-                 (x.arr, w.arr, st.arr, bias.arr if bias is not None else None, yd.arr, i32(T), i32(C), i32(run)))
+                 (x.arr, w.arr, st.arr, bias.arr if bias is not None else None, yd.arr, i32(T), i32(C), i32(run),
+                  xt, xb))
         if yd is not y:
             b.copy(yd, y)
     if nst.size == 0:
@@ -188,7 +198,7 @@ def build_causal_conv1d(b, n, ins, outs):
     nd = nst if nst.contiguous() else b.buffer(nst.shape, nst.dt, "causal_conv1d state")
     src = sources.render(sources.CONV1D_STATE, T=ctype(x.dt), WID=width)
     b.launch(b.kernel(src, "rlx_conv1d_state"), (max(1, min(-(-B * C // 256), b.sms * 32)),), (256,),
-             (x.arr, st.arr, nd.arr, i64(B), i32(T), i32(C)))
+             (x.arr, st.arr, nd.arr, i64(B), i32(T), i32(C), xt, xb))
     if nd is not nst:
         b.copy(nd, nst)
 

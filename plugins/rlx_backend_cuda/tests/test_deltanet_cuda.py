@@ -155,3 +155,26 @@ def test_causal_conv1d(rng, dt, t, width):
     run (33), and T shorter than the state (2: windows mixing state and input)."""
     args = conv_args(rng, t, dt, width=width, channels=200)
     run_parity("cuda", "causal_conv1d", args, {"act": "silu"}, lambda *a: ref_causal_conv1d(*a, act="silu"))
+
+
+@gpu
+@pytest.mark.parametrize("dt", [F32, BF16], ids=lambda d: d.value)
+@pytest.mark.parametrize("t", [2, 40], ids=lambda t: f"T{t}")
+def test_causal_conv1d_reads_a_column_slice_in_place(rng, dt, t):
+    """x a column slice of a wider input (as Qwen3.5's conv reads its part of the fused
+    projection): the kernels read it through its strides, outputs and new state as the
+    float64 reference on the slice."""
+    b, c, extra, width = 2, 200, 24, 4
+    wide = rand(rng, (b, t, c + extra), dt)
+    w, st = rand(rng, (c, width), dt, -1, 1), rand(rng, (b, c, width - 1), dt)
+
+    def build(m):
+        x = m.narrow(m.input("wide", wide.shape, dt), 2, 8, c)
+        y, s1 = m.add("causal_conv1d", (x, m.input("w", w.shape, dt), m.input("state", st.shape, dt)), act="silu")
+        return {"y": y, "state": s1}
+    ex = rlx_core.compile(Graph.define(f"conv_slice_{dt.value}_{t}", build), backend="cuda")
+    out = ex.run({"wide": wide.astype(dt.np), "w": w.astype(dt.np), "state": st.astype(dt.np)})
+    want = ref_causal_conv1d(*(a.astype(np.float64) for a in (wide[:, :, 8:8 + c], w, st)), act="silu")
+    tol = 1e-5 if dt is F32 else 2e-2
+    for k, ref in zip(("y", "state"), want):
+        np.testing.assert_allclose(ex.backend.to_host(out[k]).astype(np.float64), ref, rtol=tol, atol=tol)

@@ -92,47 +92,50 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn(const T* __restrict__ 
 }
 // @part conv(T, ACC, WID, EPILOGUE)
 // y[b, t, c] = act(bias[c] + sum_i w[c, i] u[b, t + i, c]), u = the state's W - 1 steps then x
-// (contiguous x, y [B, T, C]; w [C, WID]; state [B, C, WID - 1]). A thread per channel and run
-// of `run` steps (grid: channel blocks, runs, batch) keeps its taps and the window of the last
-// WID inputs in registers, so each input is read once and no index is divided (a thread per
-// output read each input WID times and paid three 64-bit divisions: ~10x its bytes' time).
+// (x [B, T, C] with unit channel stride, its step and batch strides xt, xb: a column slice of
+// a projection is read in place; y [B, T, C] contiguous; w [C, WID]; state [B, C, WID - 1]).
+// A thread per channel and run of `run` steps (grid: channel blocks, runs, batch) keeps its
+// taps and the window of the last WID inputs in registers, so each input is read once and no
+// index is divided (a thread per output read each input WID times, three 64-bit divisions).
 typedef ACC W;
 extern "C" __global__ void rlx_conv1d(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ st,
-    const T* __restrict__ bias, T* __restrict__ y, int steps, int C, int run) {
+    const T* __restrict__ bias, T* __restrict__ y, int steps, int C, int run, i64 xt, i64 xb) {
   const int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (n >= C) return;
   const i64 b = blockIdx.z;
   const int t0 = blockIdx.y * run, t1 = min(steps, t0 + run);
-  const T* xb = x + b * steps * C + n;
-  T* yb = y + b * steps * C + n;
+  const T* xr = x + b * xb + n;
+  T* yr = y + b * steps * C + n;
   W tap[WID], win[WID];
 #pragma unroll
   for (int j = 0; j < WID; ++j) tap[j] = LD(W, w[(i64)n * WID + j]);
 #pragma unroll
   for (int j = 0; j < WID - 1; ++j) {            // u[t0 + j]: the state's step, or x's step t0 + j - (WID - 1)
     const int u = t0 + j;
-    win[j] = LD(W, u < WID - 1 ? st[(b * C + n) * (WID - 1) + u] : xb[(i64)(u - (WID - 1)) * C]);
+    win[j] = LD(W, u < WID - 1 ? st[(b * C + n) * (WID - 1) + u] : xr[(u - (WID - 1)) * xt]);
   }
   for (int t = t0; t < t1; ++t) {
-    win[WID - 1] = LD(W, xb[(i64)t * C]);
+    win[WID - 1] = LD(W, xr[t * xt]);
     W v = 0;
 #pragma unroll
     for (int j = 0; j < WID; ++j) v += tap[j] * win[j];
     EPILOGUE
-    yb[(i64)t * C] = ST(T, v);
+    yr[(i64)t * C] = ST(T, v);
 #pragma unroll
     for (int j = 0; j < WID - 1; ++j) win[j] = win[j + 1];
   }
 }
 // @part conv_state(T, WID)
 // The new state: the last WID - 1 steps of u, a thread per (batch, channel), oldest first so
-// that writing over the old state (new == old) reads each old step before it is replaced.
-extern "C" __global__ void rlx_conv1d_state(const T* __restrict__ x, const T* st, T* nst, long long B, int steps, int C) {
+// that writing over the old state (new == old) reads each old step before it is replaced
+// (x's strides as rlx_conv1d's).
+extern "C" __global__ void rlx_conv1d_state(const T* __restrict__ x, const T* st, T* nst, long long B, int steps, int C,
+    i64 xt, i64 xb) {
   for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < B * C; i += (i64)gridDim.x * blockDim.x) {
     const i64 b = i / C, c = i % C;
     for (int j = 0; j < WID - 1; ++j) {
       const int u = steps + j;
-      nst[i * (WID - 1) + j] = u < WID - 1 ? st[i * (WID - 1) + u] : x[(b * steps + u - (WID - 1)) * C + c];
+      nst[i * (WID - 1) + j] = u < WID - 1 ? st[i * (WID - 1) + u] : x[b * xb + (u - (WID - 1)) * xt + c];
     }
   }
 }
