@@ -187,3 +187,35 @@ def test_greedy_equal_mixed_and_prefix_cache_on_and_off(llama, jobs, shared):
     for cache_mb in (0, 256):
         got, mixed = waves(llama, base, reqs, prefix_cache_mb=cache_mb)
         assert got == plain and mixed > 0
+
+
+def test_mixed_pieces_start_small_and_grow_while_they_fit(llama):
+    """With a stall budget a riding piece is the longest whose measured addition to the step
+    fits (medians of the last measurements), trying the length above it when never measured
+    or not for REMEASURE mixed steps; with nothing measured, one token."""
+    import collections
+
+    from rlx_core.runtime.scheduler import REMEASURE
+
+    s = Scheduler(llama, stall_budget=0.5)
+    assert s._mixed_limit(256, 0.5) == 1
+    s._mixed_added = {1: collections.deque([0.3])}
+    s._mixed_when = {1: 0}
+    assert s._mixed_limit(256, 0.5) == 2                  # 2 never measured: tried
+    s._mixed_added[2] = collections.deque([0.4, 9.0, 0.45])   # (one stalled step: the median holds)
+    s._mixed_added[4] = collections.deque([0.7])
+    s._mixed_when.update({2: 0, 4: 0})
+    assert s._mixed_limit(256, 0.5) == 2 and s._mixed_limit(2, 0.5) == 2
+    assert s._mixed_limit(256, 1.0) == 8                  # 4 fits; 8 never measured: tried
+    s.mixed_steps = REMEASURE
+    assert s._mixed_limit(256, 0.5) == 4                  # 4 measured long ago: tried again
+    s.close()
+
+
+@pytest.mark.parametrize("budget", [0.5, 2.0])
+def test_stall_budget_with_mixed_steps_keeps_outputs(llama, budget):
+    """Pieces of lengths chosen by measured times (not asserted), tokens as alone."""
+    long = tokens(2, 100)
+    stream, got, s = served(llama, long, 5, prefill_chunk=64, stall_budget=budget)
+    assert s.mixed_steps > 0 and got == alone(llama, long, 5)
+    assert stream == alone(llama, tokens(1, 6), len(stream))

@@ -26,6 +26,15 @@ filler tokens would step its state; its pieces run at their own lengths.) While 
 decodes, `stall_budget` bounds what a round's prefill may add in measured decode steps
 (see `_prefill_round`).
 
+Mixed steps (`mixed`, on by default with chunked prefill): while a batch decodes, the
+waiting prompt's next piece rides in the decode step's own run (the graph mode "mixed" of
+rlx_core.flow.recipe: the decode rows' tokens and the piece's packed on one token axis), so
+the weights are read once for both; a run's fixed cost (on a CPU, reading every weight once,
+about a decode step) is then not paid again for the piece. One piece a step; the mixed graphs
+specialize per (batch bucket, piece length: powers of two). Families whose layers do not split
+the packed tokens, and models whose pieces cannot pad, run their pieces alone as before
+(`mixed_refused` says why where a mixed graph was refused).
+
 Submission is thread-safe (`Scheduler.submit` from any thread); one scheduler thread runs
 the model, holding the backend's lock for each step, so direct `generate` calls on the same
 model interleave between steps."""
@@ -34,9 +43,11 @@ from __future__ import annotations
 import collections
 import itertools
 import queue
+import statistics
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -61,6 +72,9 @@ PIECE_MIN = 16                 # the shortest prefill run: a prompt's tail is pa
 PAD_TAIL = 64                  # a tail up to this long runs padded to a power of two; longer pieces run exact
 FILL_CTX_MIN = 256             # the prefill states' smallest context (then powers of two)
 COST_EMA = 0.3                 # the weight of the newest measurement in the run-cost averages
+REMEASURE = 256                # mixed steps after which a piece length that did not fit is tried again
+RECENT = 15                    # decode steps whose median is a step's cost
+MIXED_RECENT = 5               # mixed steps of a piece length whose median is what it adds
 
 
 def trim_heap() -> None:
@@ -199,7 +213,9 @@ class Scheduler:
     the most prompt tokens prefilled in a round while a batch decodes (None: the profile's
     [runtime] prefill_chunk; 0: whole prefills); `stall_budget`: what that round's prefill
     may cost, in decode steps of the batch as measured (None: no bound but the chunk; the
-    pieces then follow only from the requests, as a tensor-parallel group's ranks need).
+    pieces then follow only from the requests, as a tensor-parallel group's ranks need);
+    `mixed`: while a batch decodes, a prompt's pieces run inside its decode steps (one run for
+    both, where the model's layers allow: see the module docstring; needs chunked prefill).
     Use as a context manager or call close()."""
 
     def __init__(self, model, max_batch: int = 8, prefix_cache_mb: float = 256, prefill_chunk: int | None = None,
@@ -234,14 +250,16 @@ class Scheduler:
         self.prefill_runs = 0                  # prefill and extend runs (chunks)
         self._fill_ctx = 0                     # the prefill states' context (padded pieces: grows, powers of two)
         self._run_steps: dict = {}             # prefill run length -> its cost in decode steps (moving average)
-        self._step_cost = 0.0                  # seconds a decode step of the batch takes (a moving average)
+        self._step_times: collections.deque = collections.deque(maxlen=RECENT)   # timed decode steps, s
         self._last_piece_steps = 0.0           # the last prefill run's cost in decode steps
         self.mixed_refused = ""                # why this model runs no mixed steps (then pieces run alone)
         self.mixed_steps = 0                   # decode steps that carried a prefill piece
         self._mixed: dict = {}                 # (decode rows, piece length) -> the mixed executable
         self._mixed_states = StateStore()      # theirs: the batch cache's and the prefill's buffers
-        self._mixed_cost: dict = {}            # piece length -> what it adds to a step, in steps (moving average)
+        self._mixed_added: dict = {}           # piece length -> what it added to its last steps, in steps
         self._riding: tuple | None = None      # (request, limit): the piece the next step carries
+        self._mixed_when: dict = {}            # piece length -> mixed_steps when its cost was last measured
+        self._ran: weakref.WeakSet = weakref.WeakSet()   # runners run once (later runs are timed)
 
     # -- submission
     def submit(self, prompt, params: SamplingParams | None = None, on_event=None, chat: bool = False,
@@ -593,9 +611,11 @@ class Scheduler:
         decode step plus the round's prefill, so a budget of b steps keeps it <= (1 + b) x
         their pace, whatever the hardware; a piece's cost is measured as a multiple of the
         step (both slow down alike when the machine is loaded, so the ratios stay valid). A
-        fixed chunk cannot do this: 256 tokens cost ~8 steps on 2 CPU cores, 1 on a GPU. The
-        mixed batch (the chunk's tokens in the decode step's own run) would save the piece's
-        fixed cost, but needs a graph over packed rows of different lengths: not built."""
+        fixed chunk cannot do this: 256 tokens cost ~8 steps on 2 CPU cores, 1 on a GPU.
+
+        With mixed steps (`_mixes`) no piece runs here while a batch decodes: the first
+        waiting prompt's next piece rides in the decode step (`_next_rider`, `_mixed_step`),
+        the budget then bounding what the piece adds to that step as measured."""
         chunk = self._chunk()
         running = bool(self._running())
         if running and self._mixes():
@@ -626,9 +646,10 @@ class Scheduler:
 
     def _next_rider(self, chunk: int) -> tuple | None:
         """(request, limit) of the piece the next decode step carries (a mixed step): the
-        first waiting prompt's, at most `chunk` tokens, and with a `stall_budget` the longest
-        whose measured addition to the step fits in it (at least PIECE_MIN tokens); a tail of
-        at most PAD_TAIL tokens whole. None when no prompt waits."""
+        first waiting prompt's, at most `chunk` tokens, and with a `stall_budget` as many as
+        fit in it (`_mixed_limit`); a tail of at most PAD_TAIL tokens whole (as alone: a new
+        request's question after a cached system prompt gets its first token at once).
+        None when no prompt waits."""
         while self._fills:
             r = self._fills[0]
             if r.done or r.cancelled or r not in self._active:
@@ -636,9 +657,30 @@ class Scheduler:
                 continue
             limit = chunk
             if self.stall_budget is not None and len(r.prompt_ids) - r.filled > PAD_TAIL:
-                limit = self._budget_limit(chunk, self.stall_budget, first=True, cost=self._mixed_cost)
+                limit = self._mixed_limit(chunk, self.stall_budget)
             return r, limit
         return None
+
+    def _mixed_limit(self, cap: int, steps: float) -> int:
+        """The longest piece (a power of two up to `cap`) whose measured addition to a decode
+        step fits in `steps` steps (`_estimate` over the mixed steps' costs), or the next
+        length up while that one was not measured within REMEASURE mixed steps: the pieces
+        start at one token and double while they fit, and one noisy measurement does not rule
+        a length out for good. No floor as for pieces run alone: a piece riding in a step pays
+        no run's fixed cost of its own, only its tokens' work (2 CPU cores, SmolLM2 Q4_1, 4
+        rows: a step 14 ms; with 1, 2, 4, 8, 16 piece tokens 18, 20, 24, 28, 36 ms; a 16-token
+        piece alone 30 ms)."""
+        cost = self._mixed_cost
+        if not cost:
+            return 1
+        size = 1 << max(cap, 1).bit_length() - 1
+        while size > 1 and self._estimate(size, cost) > steps:
+            size //= 2
+        up = size * 2
+        stale = self.mixed_steps - self._mixed_when.get(up, -REMEASURE) >= REMEASURE
+        if up <= cap and stale and self._estimate(size, cost) <= steps:
+            return up
+        return size
 
     def _budget_limit(self, cap: int, steps: float, first: bool, cost: dict | None = None) -> int:
         """The longest piece (a power of two up to `cap`) whose estimated cost fits in `steps`
@@ -679,9 +721,10 @@ class Scheduler:
 
     def _run_piece(self, r: Request, exe, feed: dict, a: int, b: int, run: int) -> None:
         """Run a piece (`_piece_feed`'s) alone, its cost measured in decode steps."""
+        timed = self._warm(exe, feed)
         t0 = time.perf_counter()
         logits = exe.run(feed)["logits"][:, -1]
-        if self._step_cost:
+        if self._step_cost and timed:
             self._last_piece_steps = (time.perf_counter() - t0) / self._step_cost
             self._run_steps[run] = _average(self._run_steps.get(run), self._last_piece_steps)
         self._filled(r, a, b, logits)
@@ -862,16 +905,41 @@ class Scheduler:
         self.steps += 1
         self.mixed_steps += 1
         self.max_rows = max(self.max_rows, len(running))
+        timed = self._warm(exe, feed)
         t0 = time.perf_counter()
         logits = exe.run(feed, fetch=("logits",))["logits"][:, -1]
-        if self._step_cost:
+        if self._step_cost and timed:
             added = max((time.perf_counter() - t0) / self._step_cost - 1.0, 0.0)
-            self._mixed_cost[run] = _average(self._mixed_cost.get(run), added)
+            self._mixed_added.setdefault(run, collections.deque(maxlen=MIXED_RECENT)).append(added)
+            self._mixed_when[run] = self.mixed_steps
         for q in running:
             q.length += 1
             if not q.done:
                 self._guard([q], self._take, q, logits[q.slot:q.slot + 1])
         self._filled(r, a, b, logits[c.batch:c.batch + 1])
+
+    @property
+    def _step_cost(self) -> float:
+        """Seconds a decode step of the batch takes: the median of the last RECENT timed
+        (a moving average would carry one stalled step, the machine busy elsewhere, for
+        many steps); 0 while none was timed."""
+        return statistics.median(self._step_times) if self._step_times else 0.0
+
+    @property
+    def _mixed_cost(self) -> dict:
+        """Piece length -> what riding in a decode step adds to it, in steps (the median of
+        its last MIXED_RECENT measurements)."""
+        return {n: statistics.median(d) for n, d in self._mixed_added.items()}
+
+    def _warm(self, exe, feed: dict) -> bool:
+        """Specialize exe for feed's shapes now (a no-op once done) and say whether its run
+        may be timed: not its runner's first (compiled now, and a backend may compile kernels
+        on a first call), whose time a cost average would carry for many steps."""
+        runner = exe.prepare(feed)[0]
+        if runner in self._ran:
+            return True
+        self._ran.add(runner)
+        return False
 
     def _step(self) -> None:
         exe, c = self._decode_exe(), self._batch_cache()
@@ -880,6 +948,7 @@ class Scheduler:
         feed = self._decode_feed(running)
         self.steps += 1
         self.max_rows = max(self.max_rows, len(running))
+        timed = self._warm(exe, feed)
         t0 = time.perf_counter()
         greedy = self._greedy_ids(exe, feed, running)
         asked: dict = {}
@@ -889,7 +958,8 @@ class Scheduler:
                 if r.constraint is not None:
                     self._guard([r], lambda r=r: asked.__setitem__(r.id, ask(r.constraint)))
             logits = wait()["logits"][:, -1]
-        self._step_cost = _average(self._step_cost or None, time.perf_counter() - t0)
+        if timed:
+            self._step_times.append(time.perf_counter() - t0)
         for r in running:
             r.length += 1
             if greedy is not None:
