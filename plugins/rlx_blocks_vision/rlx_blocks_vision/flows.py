@@ -16,8 +16,9 @@ from rlx_core.flow.blocks import LayerNorm
 from rlx_core.flow.flow import LayerScope
 from rlx_core.flow.vision import (AttentionProbeHead, Dense, InsertTokens, PatchEmbed, PatchLinear, PositionsAt,
                                   ResizedPositions, SelectToken, TokenEmbed, TokenPool, VitLayer, VitLayerSpec,
-                                  WeightedPositions, flow_input)
+                                  WeightedPositions)
 from rlx_core.ir.dtype import BOOL, F32, I64
+from rlx_core.ir.errors import ModelError
 from rlx_core.profile import CompileProfile
 
 from .config import TextArch, VisionArch
@@ -36,7 +37,9 @@ class PixelCheck:
     input: str = "pixel_values"
 
     def emit(self, ctx, value):
-        x = flow_input(ctx, self.input, "pixel_check")
+        x = ctx.inputs.get(self.input)
+        if x is None:
+            raise ModelError(f"pixel_check: the flow has no {self.input!r} input")
         ctx.outputs[PIXEL_CHECK] = ctx.m.sum(x * 0.0, tuple(range(1, len(x.dims))))
         return value
 
