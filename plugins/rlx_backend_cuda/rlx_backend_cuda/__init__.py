@@ -229,7 +229,8 @@ def rlx_register_backends(register):
 def set_config(**kw) -> None:
     """Implementation switches: gemv (decode GEMV kernel vs cuBLAS), tc_attention
     (tensor-core prefill attention vs CUDA cores), graphs (CUDA graph replay),
-    dependent_launch (kernels start as programmatic dependents on Hopper: device.Kernel)."""
+    dependent_launch (kernels start as programmatic dependents on Hopper: device.Kernel),
+    gemv_fusion (residual RMSNorms inside the decode GEMVs; read when a runner is built)."""
     from .values import set_config as _set
 
     _set(**kw)

@@ -84,10 +84,13 @@ def catalog() -> list:
     out.append(("cumsum bool", S.render(S.CUMSUM, TX="bool", TO="bool", ACC="long long", LOAD="(ACC)(v)",
                                         STORE="(v != 0)"), "rlx_cumsum"))
     for t in ("__nv_bfloat16", "__half"):
-        for r, u, sw, ks in ((1, 4, 0, 1), (2, 8, 0, 2), (2, 4, 1, 1), (1, 2, 0, 4), (2, 2, 1, 8)):
-            out.append((f"gemv {t} {r} {u} {sw} ks {ks}",
-                        S.render(S.GEMV, T=t, TO=t, MMAX=4, R=r, U=u, SWIGLU=sw, KS=ks,
-                                 SWIGLU_OF=codegen.swiglu_of("float")), "rlx_gemv"))
+        for r, u, sw, ks, nm, rs in ((1, 4, 0, 1, 0, 0), (2, 8, 0, 2, 0, 0), (2, 4, 1, 1, 0, 0),
+                                     (1, 2, 0, 4, 0, 0), (2, 2, 1, 8, 0, 0), (1, 2, 0, 1, 1, 0),
+                                     (2, 2, 1, 4, 1, 0), (1, 2, 0, 8, 0, 1)):
+            out.append((f"gemv {t} {r} {u} {sw} ks {ks} norm {nm} resid {rs}",
+                        S.render(S.GEMV, T=t, TO=t, MMAX=4 if nm == 0 else 2, R=r, U=u, SWIGLU=sw, KS=ks,
+                                 SWIGLU_OF=codegen.swiglu_of("float"), NORM=nm, TN="float" if nm else t,
+                                 RESID=rs), "rlx_gemv"))
     out.append(("naive", S.render(S.MATMUL_NAIVE, TA="int", TB="int", TO="int", ACC="long long",
                                   MAC="(s) + (a) * (b)"), "rlx_matmul_naive"))
     out.append(("naive bool", S.render(S.MATMUL_NAIVE, TA="bool", TB="bool", TO="bool", ACC="bool",

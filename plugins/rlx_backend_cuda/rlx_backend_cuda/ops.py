@@ -483,9 +483,12 @@ def gemv_split(warps: int, K: int, sms: int) -> int:
     return warps_per_row(K // 8, GEMV_LOADS, lambda ks: warps * ks < GEMV_WARPS_PER_SM * sms)
 
 
-def _gemv_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool = False):
+def _gemv_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool = False,
+               norm: GemvNorm | None = None, residual=None):
     """The GEMV launch for out[M, N] = x[M, K] @ weight (W [N, K] row-major) (swiglu: out[M,
-    N/2] = silu(gate) * up)."""
+    N/2] = silu(gate) * up). norm: x is norm.x's rows, normed in the kernel from the sums of
+    squares its producer left (x only names the shape); residual (rows, row stride, sums):
+    out = those rows + the product, its squares added into the sums."""
     dtype = ctype(out.dt)
     mmax = pow2(M, 1, M)
     rows = 2 if swiglu else GEMV_ROWS
@@ -493,9 +496,18 @@ def _gemv_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool 
     warps = n_out if swiglu else -(-N // rows)
     ks = gemv_split(warps, K, builder.sms)
     src = sources.render(sources.GEMV, T=dtype, TO=dtype, MMAX=mmax, R=rows, U=GEMV_LOADS, SWIGLU=int(swiglu),
-                         KS=ks, SWIGLU_OF=codegen.swiglu_of("float"))
+                         KS=ks, SWIGLU_OF=codegen.swiglu_of("float"), NORM=int(norm is not None),
+                         TN=ctype(norm.w.dt) if norm is not None else dtype, RESID=int(residual is not None))
     fn = builder.kernel(src, "rlx_gemv")
-    args = (x, i64(K), weight, out.arr, i32(M), i32(n_out), i32(K))
+    xrs, nw, eps, off, ssq, cnt = i64(K), None, 0.0, 0.0, None, None
+    if norm is not None:
+        x, xrs = norm.rows(M, K)
+        nw, eps, off, ssq, cnt = norm.w.arr, norm.eps, norm.off, norm.ssq, builder.counters(1)
+    res, rrs = None, i64(0)
+    if residual is not None:
+        res, rrs, ssq = residual
+    args = (x, xrs, weight, out.arr, i32(M), i32(n_out), i32(K), nw, np.float32(eps), np.float32(off),
+            res, rrs, ssq, cnt)
     grid, block, stream = (-(-warps * ks // 8),), (256,), builder.stream
 
     def run():
@@ -558,6 +570,13 @@ def _b_matmul(b, n, ins, outs):
     # (at prefill it was one [batch, seq, intermediate] buffer per layer: 2.1 GB at batch 32)
     rows = x.size // max(x.shape[-1], 1) if x.shape else 1
     sw = _swiglu_consumer(b, n) if rows <= GEMV_MAX_M else None
+    norm = b.gemv_norms.pop(tuple(n.inputs[0]), None)
+    resid = _residual_norm(b, n, ins) if rows <= GEMV_MAX_M else None
+    if norm is not None or resid is not None:
+        if _b_matmul_fused(b, n, ins, outs, sw, norm, resid):
+            return
+        if norm is not None:
+            norm.add_unfused(b)
     if sw is not None:
         dst = b.out_value(sw)
         if not b.disjoint(dst, ins[0]):
@@ -567,6 +586,172 @@ def _b_matmul(b, n, ins, outs):
             b.absorbed.add(sw)
             return
     _matmul(b, ins[0], ins[1], n.a["trans_a"], n.a["trans_b"], outs[0])
+
+
+# ----------------------------------------------------------------------------- norms in the GEMV
+# A decode step's residual RMSNorms sit between two GEMVs (o_proj -> q/k/v, down -> gate/up):
+# the GEMV before a fused_residual_rms_norm writes its h = x + the product and adds up h's
+# squares (gemv.cu's RESID), the GEMV after it norms its x rows from those sums as it reads them
+# (NORM), so the norm is no launch of its own: each small launch between two GEMVs leaves the
+# memory system idle while it runs. CONFIG["gemv_fusion"] (RLX_CUDA_GEMV_FUSION=1 at build; off
+# by default until measured on the device) turns it on; off builds the launches as before.
+@attrs.frozen(eq=False)
+class GemvNorm:
+    """y = rms_norm(x) * (w + off) left for y's one consumer, a GEMV, to compute on its rows
+    from ssq (the sums of squares of x's rows in 32 parts, which x's producer added up);
+    `unfused`: the norm's own launch (run where that consumer is no GEMV, or under the cuBLAS
+    switch)."""
+    node: int
+    x: V
+    w: V
+    eps: float
+    off: float
+    ssq: object
+    unfused: tuple
+
+    def add_unfused(self, b) -> None:
+        """Add the norm's own launch as its node's step (in its consumer's place), then zero
+        the sums its producer left (no GEMV reads them)."""
+        at = b.node, b.op
+        b.node, b.op = self.node, b.r.lir.graph.nodes[self.node].op
+        for fn in self.unfused:
+            b.add(fn)
+        rt, ptr, nbytes, stream = b.cp.cuda.runtime, self.ssq.data.ptr, self.ssq.nbytes, b.stream
+        b.add(lambda: rt.memsetAsync(ptr, 0, nbytes, stream.ptr))
+        b.node, b.op = at
+
+    def fits(self, M: int, K: int, dt: DType) -> bool:
+        """Whether the GEMV kernel can norm x for a product of M rows of K: x of its dtype,
+        contiguous and 16-byte aligned; w [K] contiguous."""
+        x, w = self.x, self.w
+        return (x.dt is dt and x.contiguous() and x.size == M * K and x.shape[-1] == K
+                and x.arr.data.ptr % 16 == 0 and w.shape == (K,) and w.contiguous() and w.dt.is_float)
+
+    def rows(self, M: int, K: int) -> tuple:
+        """(x as an [M, K] array, its row stride) for the kernel."""
+        return self.x.arr.reshape(M, K), i64(K)
+
+
+def _collected(b, build) -> tuple:
+    """The run functions of the steps `build()` adds, taken out of the step list."""
+    mark = len(b.steps)
+    build()
+    fns = tuple(st.fn for st in b.steps[mark:])
+    del b.steps[mark:]
+    return fns
+
+
+def _residual_norm(b, n, ins) -> tuple | None:
+    """(node, x, w, eps, off) of the fused_residual_rms_norm (x + r) that is this matmul's
+    output's only use (as r; or as x, then its r is returned as x), with nothing but params
+    between them (its h may be written at the matmul) and its y read only by a matmul's x
+    that may run as the GEMV; else None."""
+    if not CONFIG["gemv_fusion"] or n.a["trans_a"] or n.outs[0].dtype not in LOW:
+        return None
+    g = b.r.lir.graph
+    j = b.sole_consumer(b.node, "fused_residual_rms_norm")
+    if j is None:
+        return None
+    m = g.nodes[j]
+    ins = [tuple(r) for r in m.inputs]
+    if len(ins) < 3 or ins[:2].count((b.node, 0)) != 1:
+        return None
+    if any(g.nodes[t].op not in ("param", "constant") for t in range(b.node + 1, j)):
+        return None
+    c = b.sole_consumer(j, "matmul", 1)
+    if c is None or tuple(g.nodes[c].inputs[0]) != (j, 1) or tuple(g.nodes[c].inputs[1]) == (j, 1) \
+            or g.nodes[c].a["trans_a"]:
+        return None
+    # (x + r, either way round: the same float sum)
+    x, w = b.vals.get(ins[1] if ins[0] == (b.node, 0) else ins[0]), b.vals.get(ins[2])
+    if x is None or w is None:
+        return None
+    return j, x, w, m.a["eps"], m.a["offset"]
+
+
+def _b_matmul_fused(b, n, ins, outs, sw, norm: GemvNorm | None, resid) -> bool:
+    """The decode GEMV of this matmul with its x normed in the kernel (norm) and / or the
+    following fused_residual_rms_norm's h written by it (resid: `_residual_norm`; that norm's
+    y is then left to its GEMV), the SwiGLU too where sw; False (no step) where it does not fit."""
+    reads = [ins[0]] + ([norm.x] if norm is not None else [])
+
+    def written(i, k, what):
+        """(i, k)'s array, private where it shares bytes with what the kernel reads."""
+        v = b.out_value(i, k)
+        if not all(b.disjoint(v, r) for r in reads):
+            v = b.vals[(i, k)] = b.buffer(v.shape, v.dt, what)
+        return v
+    dst = written(sw, 0, "fused swiglu output") if sw is not None else None
+    if not all(b.disjoint(outs[0], r) for r in reads[1:]):
+        return False
+    residual = None
+    if resid is not None:
+        j, x, w, eps, off = resid
+        h, y = written(j, 0, "fused residual output"), b.out_value(j, 1)
+        if x.shape != outs[0].shape or not (b.disjoint(h, x) or (h.arr.data.ptr == x.arr.data.ptr
+                                                                   and h.es == x.es)):
+            return False
+        tail = _collected(b, lambda: _rms_norm(b, x, outs[0], w, h, y, eps, off))
+        rows = outs[0].size // max(outs[0].shape[-1], 1)
+        ssq = device.empty((pow2(rows, 1, rows) * 32,), F32, f"row sums of squares of node %{j}")
+        ssq.fill(0)
+        b.r.counters.append(ssq)          # (zero between runs, like the counters: not poisoned)
+        residual = (x, h, tail, ssq)
+    if not _gemv_fused(b, ins[0], ins[1], n.a["trans_b"], outs[0], dst, norm, residual):
+        return False
+    if sw is not None:
+        b.absorbed.add(sw)
+    if resid is not None:
+        b.absorbed.add(j)
+        own = _collected(b, lambda: _rms_norm(b, h, None, w, None, y, eps, off))
+        b.gemv_norms[(j, 1)] = GemvNorm(j, h, w, eps, off, ssq, own)
+    return True
+
+
+def _gemv_fused(b, a: V, w: V, tb: bool, out: V, swiglu: V | None, norm: GemvNorm | None, residual) -> bool:
+    """out <- a @ w as the GEMV kernel with a norm of its x rows (norm) or the residual rows
+    added (residual: (x, h, the unfused norm's launches, the sums): h <- x + out), one dtype
+    throughout, all contiguous; False (no step) otherwise. Under the cuBLAS switch: the norm's
+    launch, cuBLAS, then the SwiGLU / the residual norm's launch."""
+    if out.dt not in LOW or a.dt is not out.dt or w.dt is not out.dt or w.arr.ndim != 2 or not a.shape:
+        return False
+    K, N = a.shape[-1], out.shape[-1]
+    M = a.size // max(K, 1)
+
+    def flat(v, cols):
+        return V(v.arr.reshape(M, cols), v.dt) if v.contiguous() and v.size == M * cols else None
+    af, of = flat(a, K), flat(out, N)
+    sf = flat(swiglu, N // 2) if swiglu is not None else None
+    if af is None or of is None or (swiglu is not None and sf is None) or M == 0:
+        return False
+    call = MatmulCall(af, w, False, tb, of, sf)
+    case = MatmulCase.of(b.cp, call)
+    if not case.gemv_fits() or (norm is not None and not norm.fits(M, K, out.dt)):
+        return False
+    target, res, tail = (of if sf is None else sf), None, ()
+    if residual is not None:
+        x, h, tail, ssq = residual
+        hf = flat(h, N)
+        if hf is None or not x.contiguous() or x.dt is not out.dt or swiglu is not None:
+            return False
+        target, res = hf, (x.arr.reshape(M, N), i64(N), ssq)
+    elif swiglu is not None:
+        tail = tuple(_swiglu_tail(b, of, sf, N))
+    gemv = _gemv_step(b, af.arr, _as_read(call)[1], target, M, N, K, swiglu is not None, norm, res)
+    a_mat, w_mat = _gemm_operands(b.cp, call)
+    blas = _CublasGemm(b, case, a_mat, w_mat, of)
+    head = norm.unfused if norm is not None else ()
+
+    def dispatch():
+        if CONFIG["gemv"]:
+            return gemv()
+        for fn in head:
+            fn()
+        blas()
+        for fn in tail:
+            fn()
+    b.add(dispatch)
+    return True
 
 
 def _b_mba(b, n, ins, outs):

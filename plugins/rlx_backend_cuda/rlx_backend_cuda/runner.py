@@ -64,6 +64,7 @@ class Build:
         self.uses = runner.lir.graph.consumers()     # (node, out) -> consumer nodes (-1: output)
         self.absorbed: set = set()    # nodes an earlier step already computed
         self.node_local: dict = {}    # (purpose, dtype) -> buffer shared by the nodes (node_buffer)
+        self.gemv_norms: dict = {}    # (node, out) -> ops.GemvNorm its consuming GEMV computes
         g = runner.lir.graph
         self.view_transposes = {i for i, n in enumerate(g.nodes)
                                 if n.op == "transpose" and runner.lir.slots[(i, 0)].home == "view"}
@@ -358,6 +359,10 @@ class CudaRunner(Runner):
             except Exception as e:
                 raise BackendError(f"cuda backend: building node %{i} ({n.op}) of graph {self.name!r} "
                                    f"failed: {type(e).__name__}: {e}") from e
+        if b.gemv_norms:
+            raise BackendError(f"cuda backend: graph {self.name!r}: the norms {sorted(b.gemv_norms)} were "
+                               "left to a GEMV that never ran (RLX_CUDA_GEMV_FUSION=0 builds them as "
+                               "launches)")
         self.consts = consts
         # outputs: contiguous device sources, one pinned block
         b.node, b.op = len(g.nodes), "output"

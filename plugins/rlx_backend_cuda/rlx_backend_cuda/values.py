@@ -8,10 +8,13 @@ import os
 from rlx_core.ir.dtype import DType
 
 # dependent_launch: RLX_CUDA_DEPENDENT_LAUNCH=0 launches every kernel as CuPy does (device.Kernel)
+# gemv_fusion (read at build): residual RMSNorms computed inside the decode GEMVs (ops.GemvNorm);
+# RLX_CUDA_GEMV_FUSION=1 turns it on (off by default: not yet measured on a GPU)
 CONFIG = {"gemv": True, "tc_attention": True, "wg_attention": True, "lt_epilogue": True, "graphs": True,
           "short_attention": os.environ.get("RLX_CUDA_SHORT_ATTENTION", "1") != "0",
           "copy16": os.environ.get("RLX_CUDA_COPY16", "1") != "0",
-          "dependent_launch": os.environ.get("RLX_CUDA_DEPENDENT_LAUNCH", "1") != "0", "version": 0}
+          "dependent_launch": os.environ.get("RLX_CUDA_DEPENDENT_LAUNCH", "1") != "0",
+          "gemv_fusion": os.environ.get("RLX_CUDA_GEMV_FUSION", "0") != "0", "version": 0}
 
 
 def set_config(**kw) -> None:

@@ -34,9 +34,11 @@ def main(schemes):
         wb = cp.asarray(wf.astype(ml_dtypes.bfloat16).view(np.uint16))
         y = cp.empty((1, N), cp.uint16)
         fn = cp.RawKernel(sources.render(sources.GEMV, T="__nv_bfloat16", TO="__nv_bfloat16", MMAX=1, R=1, U=2,
-                                         SWIGLU=0, KS=1, SWIGLU_OF=codegen.swiglu_of("float")), "rlx_gemv")
-        t = graph_time(lambda: fn(((N + 7) // 8,), (256,), (x, np.int64(K), wb, y, np.int32(1), np.int32(N),
-                                                             np.int32(K))))
+                                         SWIGLU=0, KS=1, SWIGLU_OF=codegen.swiglu_of("float"), NORM=0,
+                                         TN="__nv_bfloat16", RESID=0), "rlx_gemv")
+        gargs = (x, np.int64(K), wb, y, np.int32(1), np.int32(N), np.int32(K),
+                 None, np.float32(0), np.float32(0), None, np.int64(0), None, None)   # (no norm, no residual)
+        t = graph_time(lambda: fn(((N + 7) // 8,), (256,), gargs))
         print(f"{name} N={N} K={K}: bf16 rlx_gemv {wb.nbytes / t / 1e9:5.0f} GB/s ({t * 1e6:5.1f} us)", flush=True)
         for sn in schemes:
             s = QuantScheme.parse(sn)

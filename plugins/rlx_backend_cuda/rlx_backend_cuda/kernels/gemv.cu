@@ -1,5 +1,5 @@
 // Matmul helpers: the 16-bit decode GEMV and the naive integer / bool matmul.
-// @part gemv(T, TO, KS, SWIGLU, R, U, MMAX, SWIGLU_OF(g, u))
+// @part gemv(T, TO, KS, SWIGLU, R, U, MMAX, SWIGLU_OF(g, u), NORM, TN, RESID)
 // Decode GEMV: y[M, N] = x[M, K] @ W[N, K]^T for small M, 16-bit data: KS warps per R
 // rows of W, 16-byte loads, U of them in flight per row and lane (the weight bytes bound
 // a decode step, so the loads are issued before any arithmetic). Few rows: more warps per
@@ -7,8 +7,20 @@
 // (gate rows, then up rows); the warp computes gate row n and up row n + N and writes
 // SWIGLU_OF(gate, up) (the expression table's fused_swiglu), each rounded to TO first as the
 // unfused matmul would.
+// NORM: the product's x is rms_norm(x) * (nw + noff) (weights of type TN), each value rounded
+// to T as the norm's output would be, from ssq[m * 32 + j]: the sum of row m's squares in 32
+// parts, which the GEMV that wrote x added up (RESID); each warp sums them after the grid wait
+// and norms its x values as it reads them, and the launch's last block zeroes them again (cnt:
+// a zeroed counter it leaves at zero). So a decode step has no norm launch between two GEMVs.
+// RESID: y = res + the product (res rows of stride rrs, the product rounded to TO first): the
+// h of a fused_residual_rms_norm whose r is this product; the squares of the (rounded) h added
+// into ssq (one atomic a warp and row, spread over the 32 parts by block).
+#if SWIGLU && RESID
+#error "rlx_gemv: RESID takes no SWIGLU"
+#endif
 extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__ x, long long xrs,
-    const T* __restrict__ w, TO* __restrict__ y, int M, int N, int K) {
+    const T* __restrict__ w, TO* __restrict__ y, int M, int N, int K, const TN* __restrict__ nw, float eps,
+    float noff, const TO* __restrict__ res, long long rrs, float* ssq, int* cnt) {
   // KS: warps per row (each a KS-th of the row's 512-byte chunks)
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, part = wib % KS;
   const int n = blockIdx.x * (8 / KS) + wib / KS;
@@ -17,7 +29,8 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
 #else
   const bool live = n * R < N;
 #endif
-  if (KS == 1 && !live) return;     // (with KS > 1 the row's warps meet at a barrier below)
+  // (with KS > 1 the row's warps meet at a barrier below, with NORM all warps after the norm)
+  if (KS == 1 && !NORM && !live) return;
   const uint4* wr[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -40,6 +53,23 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
   const int first = part * 32 + lane;
   RLX_LOAD_W(first)
   RLX_GRID_WAIT();
+#if NORM
+  float den[MMAX];
+  {
+#pragma unroll
+    for (int m = 0; m < MMAX; ++m)
+      den[m] = sqrtf(warp_sum(m < M ? LDCG(ssq + m * 32 + lane) : 0.f) / (float)K + eps);
+    __syncthreads();                // (the block's warps have read the sums)
+    if (threadIdx.x == 0) {         // the last block to have read them zeroes them
+      __threadfence();
+      if (atomicAdd(cnt, 1) == (int)gridDim.x - 1) {
+        for (int j = 0; j < MMAX * 32; ++j) ssq[j] = 0.f;
+        *cnt = 0;
+      }
+    }
+  }
+  if (KS == 1 && !live) return;
+#endif
   float acc[R][MMAX];
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -59,8 +89,14 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
           const uint4 xv = *(const uint4*)(x + m * xrs + c * 8);
           const T* xp = (const T*)&xv;
           float xf[8];
+#if NORM
+          const rlx_vec<TN, 8> nv = *(const rlx_vec<TN, 8>*)(nw + c * 8);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) xf[e] = tof(ST(T, tof(xp[e]) / den[m] * (tof(nv.v[e]) + noff)));
+#else
 #pragma unroll
           for (int e = 0; e < 8; ++e) xf[e] = tof(xp[e]);
+#endif
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             const T* wp = (const T*)&wv[u][r];
@@ -103,9 +139,23 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
     const float g = tof(ST(TO, s[m][0])), u = tof(ST(TO, s[m][1]));
     y[(i64)m * N + n] = ST(TO, SWIGLU_OF(g, u));
 #else
+#if RESID
+    float sq = 0.f;
+#endif
 #pragma unroll
     for (int r = 0; r < R; ++r)
-      if (n * R + r < N) y[(i64)m * N + n * R + r] = ST(TO, s[m][r]);
+      if (n * R + r < N) {
+#if RESID
+        const TO h = ST(TO, tof(res[m * rrs + n * R + r]) + tof(ST(TO, s[m][r])));
+        y[(i64)m * N + n * R + r] = h;
+        sq += tof(h) * tof(h);
+#else
+        y[(i64)m * N + n * R + r] = ST(TO, s[m][r]);
+#endif
+      }
+#if RESID
+    atomicAdd(ssq + m * 32 + (blockIdx.x & 31), sq);
+#endif
 #endif
   }
 }

@@ -1,0 +1,141 @@
+"""Decode GEMVs that compute the residual RMSNorms between them (ops.GemvNorm, gemv.cu's NORM /
+RESID): the GEMV before a fused_residual_rms_norm writes its h = x + the product and adds up
+h's squares, the GEMV after it norms its own x rows from those sums, so a decode step has no
+norm launches. Checked against a float64 NumPy reference on fresh random inputs over repeated
+runs (the sums are zeroed again each run; the last run replays the CUDA graph), against the
+unfused build (CONFIG gemv_fusion off), under the cuBLAS switch (the unfused launches the fused
+step keeps), and where the norm's consumer is no GEMV (a [K, N] weight: the norm's own launch)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import rlx_core
+from rlx_core.ir.dtype import BF16, F16
+from rlx_core.ir.graph import Graph
+from rlx_core.pipeline import available_backends
+
+_OK, _WHY = next(((ok, why) for b, ok, why in available_backends() if b.name == "cuda"),
+                 (False, "rlx-backend-cuda is not registered"))
+gpu = pytest.mark.skipif(not _OK, reason=f"backend 'cuda' is not available: {_WHY}")
+EPS = 1e-5
+
+
+@pytest.fixture
+def rng(request):
+    import zlib
+
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def shapes(hid: int, inner: int, inter: int, vocab: int, kn_head: bool) -> dict:
+    return {"o": (hid, inner), "ln1": (hid,), "gate": (inter, hid), "up": (inter, hid), "down": (hid, inter),
+            "ln2": (hid,), "q": (inner, hid), "lnf": (hid,), "head": (hid, vocab) if kn_head else (vocab, hid)}
+
+
+def block(m, p: dict, x, a, kn_head: bool = False):
+    """Attention output a into the residual stream x, the MLP, another projection, the head:
+    three residual norms each feeding one matmul; a plain norm of x into another. kn_head:
+    the head's weight stored [K, N] (no GEMV reads it: its rows are not the dot products')."""
+    h = x + m.linear(a, p["o"])
+    h2 = h + m.swiglu(m.rms_norm(h, p["ln1"], eps=EPS), p["gate"], p["up"], p["down"])
+    q = m.linear(m.rms_norm(h2, p["ln2"], eps=EPS), p["q"])
+    f = m.rms_norm(h2 + m.linear(q, p["o"]), p["lnf"], eps=EPS)
+    logits = m.matmul(f, p["head"]) if kn_head else m.linear(f, p["head"])
+    return {"h": h, "q": q, "logits": logits, "plain": m.linear(m.rms_norm(x, p["ln2"], eps=EPS), p["q"])}
+
+
+def reference(pv: dict, x, a, kn_head: bool = False) -> dict:
+    """`block` in float64 from the same (rounded) inputs."""
+    p = {k: np.asarray(v, np.float64) for k, v in pv.items()}
+
+    def norm(t, w):
+        return t / np.sqrt((t * t).mean(-1, keepdims=True) + EPS) * w
+
+    def silu(t):
+        return t / (1 + np.exp(-t))
+    x, a = np.asarray(x, np.float64), np.asarray(a, np.float64)
+    h = x + a @ p["o"].T
+    n1 = norm(h, p["ln1"])
+    h2 = h + (silu(n1 @ p["gate"].T) * (n1 @ p["up"].T)) @ p["down"].T
+    q = norm(h2, p["ln2"]) @ p["q"].T
+    head = p["head"] if kn_head else p["head"].T
+    return {"h": h, "q": q, "logits": norm(h2 + q @ p["o"].T, p["lnf"]) @ head,
+            "plain": norm(x, p["ln2"]) @ p["q"].T}
+
+
+def rel(got, want) -> float:
+    g = np.asarray(got, np.float64)
+    return float(np.linalg.norm(g - want) / np.linalg.norm(want))
+
+
+def build_and_run(g, params, ins, fusion: bool):
+    from rlx_backend_cuda import set_config
+    from rlx_backend_cuda.values import CONFIG
+
+    was = CONFIG["gemv_fusion"]
+    set_config(gemv_fusion=fusion)
+    try:
+        exe = rlx_core.compile(g, backend="cuda", params=params)
+        for _ in range(3):                   # the third run replays the captured CUDA graph
+            out = exe.run(dict(ins))
+        out = {k: exe.backend.to_host(v) for k, v in out.items()}
+        runner = next(iter(exe._runners.values()))
+        return exe, out, runner
+    finally:
+        set_config(gemv_fusion=was)
+
+
+def case(rng, dt, rows: int, hid: int, kn_head: bool = False):
+    inner, inter, vocab = 64, 96, 300
+    sh = shapes(hid, inner, inter, vocab, kn_head)
+    pv = {n: (rng.uniform(0.8, 1.2, s) if len(s) == 1 else rng.uniform(-1, 1, s) / math.sqrt(s[-1]))
+          .astype(np.float32).astype(dt.np) for n, s in sh.items()}
+    ins = {"x": rng.uniform(-2, 2, (rows, 1, hid)).astype(np.float32).astype(dt.np),
+           "a": rng.uniform(-2, 2, (rows, 1, inner)).astype(np.float32).astype(dt.np)}
+
+    def f(m):
+        p = {n: m.param(n, s, dt) for n, s in sh.items()}
+        return block(m, p, m.input("x", (rows, 1, hid), dt), m.input("a", (rows, 1, inner), dt), kn_head)
+    return Graph.define("gemv_norms", f), pv, ins
+
+
+@gpu
+@pytest.mark.parametrize("dt", [BF16, F16])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_norms_in_the_gemvs(rng, dt, rows):
+    from rlx_backend_cuda import set_config
+
+    g, pv, ins = case(rng, dt, rows, 512)
+    want = reference(pv, ins["x"], ins["a"])
+    exe, fused, runner = build_and_run(g, pv, ins, True)
+    ops = runner.describe()["steps_by_op"]
+    assert "fused_residual_rms_norm" not in ops and ops["rms_norm"] == 1, ops      # (the plain norm)
+    _, plain, plain_runner = build_and_run(g, pv, ins, False)
+    assert plain_runner.describe()["steps_by_op"].get("fused_residual_rms_norm", 0) >= 1
+    for k, w in want.items():
+        assert rel(fused[k], w) < 2e-2, (k, rel(fused[k], w))
+        assert rel(fused[k], plain[k].astype(np.float64)) < 2e-2, k
+    # the cuBLAS switch runs the fused steps' unfused launches (norm, cuBLAS, residual norm)
+    set_config(gemv=False)
+    try:
+        out = exe.run(dict(ins))
+        blas = {k: exe.backend.to_host(v) for k, v in out.items()}
+    finally:
+        set_config(gemv=True)
+    for k, w in want.items():
+        assert rel(blas[k], w) < 2e-2, (k, rel(blas[k], w))
+
+
+@gpu
+def test_norm_whose_consumer_is_no_gemv_runs_as_its_launch(rng):
+    """The head's weight stored [K, N]: the GEMV before the last
+    residual norm still writes h, the norm runs as its own launch, the results stay right."""
+    g, pv, ins = case(rng, BF16, 1, 256, kn_head=True)
+    want = reference(pv, ins["x"], ins["a"], kn_head=True)
+    _, out, runner = build_and_run(g, pv, ins, True)
+    assert runner.describe()["steps_by_op"]["rms_norm"] == 2         # (the plain norm and this one)
+    for k, w in want.items():
+        assert rel(out[k], w) < 2e-2, (k, rel(out[k], w))
