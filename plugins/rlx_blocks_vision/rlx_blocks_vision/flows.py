@@ -33,7 +33,9 @@ class PixelCheck:
     0 where all are finite and NaN where one is NaN or inf (0 * inf is NaN). The check of
     the input runs with the model, on its backend (on a GPU: a read of the pixels already
     uploaded, instead of a host pass over them before the upload), and its [batch] result
-    comes back with the embeddings. The value passes through."""
+    comes back with the embeddings. It sees the pixels as the model reads them: under a bf16
+    compute profile cast to bf16, where an f32 beyond bf16's range is already inf. The value
+    passes through."""
     input: str = "pixel_values"
 
     def emit(self, ctx, value):
