@@ -1,9 +1,10 @@
 """Where a decode step's time goes when it runs as one CUDA graph: the Llama-3.2-1B-shape
 decode graph (benchmarks/llm_gpu.py's builder graph, bf16), replayed whole, then re-captured
-without each op kind in turn (results are then wrong; only the time is of interest) and with
-the matmuls alone. Prints the profiler's table of the step (CUDA events between eagerly
-launched nodes: `Executable.profile`), ms per step as a graph and what each op kind costs
-in the graph next to its eager event time. `--engine runtime`: the runtime CausalLM's decode
+without each op kind in turn (results are then wrong; only the time is of interest), with
+the matmuls alone and with each weight shape's matmuls alone (their weight-read rate). Prints
+the profiler's table of the step (CUDA events between eagerly launched nodes:
+`Executable.profile`), ms per step as a graph and what each op kind costs in the graph next
+to its eager event time. `--engine runtime`: the runtime CausalLM's decode
 graph instead (greedy arg-max and the logit sum included; no profiler table), after a
 `--pos`-token prompt.
 
@@ -81,6 +82,16 @@ def main():
               + (f" | {eager[op] * 1e3:.3f} ms" if op in eager else ""))
     mm = timed(lambda st: st.op == "matmul")
     print(f"  matmuls alone: {mm:.3f} ms")
+    g = r.lir.graph
+    by_weight: dict = {}                    # weight shape -> its matmul nodes (the GEMVs' rates)
+    for st in steps:
+        if st.op == "matmul":
+            w = g.nodes[st.node].inputs[1]
+            by_weight.setdefault(g.nodes[w[0]].outs[w[1]], set()).add(st.node)
+    for shape, nodes in sorted(by_weight.items(), key=lambda t: -t[0].nbytes()):
+        t = timed(lambda st, nodes=nodes: st.node in nodes)
+        print(f"  matmuls of weight {shape} x{len(nodes)} alone: {t:.4f} ms, "
+              f"{shape.nbytes() * len(nodes) / t / 1e9:.2f} TB/s of weight bytes")
     r.steps = steps
     r._capture()
     if a.sweep:                   # the launch-shape constants of rlx_backend_cuda.ops
