@@ -571,7 +571,7 @@ def _b_matmul(b, n, ins, outs):
     rows = x.size // max(x.shape[-1], 1) if x.shape else 1
     sw = _swiglu_consumer(b, n) if rows <= GEMV_MAX_M else None
     norm = b.gemv_norms.pop(tuple(n.inputs[0]), None)
-    resid = _residual_norm(b, n, ins) if rows <= GEMV_MAX_M else None
+    resid = _residual_norm(b, n) if rows <= GEMV_MAX_M else None
     if norm is not None or resid is not None:
         if _b_matmul_fused(b, n, ins, outs, sw, norm, resid):
             return
@@ -622,10 +622,11 @@ class GemvNorm:
 
     def fits(self, M: int, K: int, dt: DType) -> bool:
         """Whether the GEMV kernel can norm x for a product of M rows of K: x of its dtype,
-        contiguous and 16-byte aligned; w [K] contiguous."""
+        contiguous and 16-byte aligned; w [K] contiguous, aligned for its 8-value loads."""
         x, w = self.x, self.w
         return (x.dt is dt and x.contiguous() and x.size == M * K and x.shape[-1] == K
-                and x.arr.data.ptr % 16 == 0 and w.shape == (K,) and w.contiguous() and w.dt.is_float)
+                and x.arr.data.ptr % 16 == 0 and w.shape == (K,) and w.contiguous() and w.dt.is_float
+                and w.arr.data.ptr % (8 * w.arr.itemsize) == 0)
 
     def rows(self, M: int, K: int) -> tuple:
         """(x as an [M, K] array, its row stride) for the kernel."""
@@ -641,7 +642,7 @@ def _collected(b, build) -> tuple:
     return fns
 
 
-def _residual_norm(b, n, ins) -> tuple | None:
+def _residual_norm(b, n) -> tuple | None:
     """(node, x, w, eps, off) of the fused_residual_rms_norm (x + r) that is this matmul's
     output's only use (as r; or as x, then its r is returned as x), with nothing but params
     between them (its h may be written at the matmul) and its y read only by a matmul's x
@@ -653,8 +654,8 @@ def _residual_norm(b, n, ins) -> tuple | None:
     if j is None:
         return None
     m = g.nodes[j]
-    ins = [tuple(r) for r in m.inputs]
-    if len(ins) < 3 or ins[:2].count((b.node, 0)) != 1:
+    rin = [tuple(r) for r in m.inputs]
+    if len(rin) < 3 or rin[:2].count((b.node, 0)) != 1:
         return None
     if any(g.nodes[t].op not in ("param", "constant") for t in range(b.node + 1, j)):
         return None
@@ -663,7 +664,7 @@ def _residual_norm(b, n, ins) -> tuple | None:
             or g.nodes[c].a["trans_a"]:
         return None
     # (x + r, either way round: the same float sum)
-    x, w = b.vals.get(ins[1] if ins[0] == (b.node, 0) else ins[0]), b.vals.get(ins[2])
+    x, w = b.vals.get(rin[1] if rin[0] == (b.node, 0) else rin[0]), b.vals.get(rin[2])
     if x is None or w is None:
         return None
     return j, x, w, m.a["eps"], m.a["offset"]
