@@ -15,8 +15,9 @@ gated_delta_rule, two forms:
   over the chunks per (state columns, head, batch) that also writes the outputs
   (rlx_gdn_scan). Chunk length: the op's `chunk`, at most GDN_CHUNK_MAX (shared memory),
   halved until the walk's stage fits.
-causal_conv1d: a thread per channel and run of CONV_RUN steps (its window in registers), then
-the new state (its last W - 1 inputs).
+causal_conv1d: a thread per channel and run of CONV_RUN steps (its window in registers), x
+read through its strides (a column slice of a projection is not copied), then the new state
+(its last W - 1 inputs).
 """
 from __future__ import annotations
 
