@@ -113,14 +113,14 @@ def test_mixed_graph_takes_int_counts():
 
 
 # ----------------------------------------------------------------------------- in the scheduler
-def served(model, long: list, n: int, **kw) -> tuple:
-    """(a streaming request's first tokens, `long`'s n greedy tokens, the scheduler) with
-    `long` submitted while the stream decodes."""
+def served(model, long: list, n: int, sampled: dict | None = None, **kw) -> tuple:
+    """(a streaming request's first tokens, `long`'s n tokens (greedy, or `sampled`'s
+    sampling keywords), the scheduler) with `long` submitted while the stream decodes."""
     with Scheduler(model, max_batch=2, prefix_cache_mb=0, **kw) as s:
         started = threading.Event()
         a = s.submit(tokens(1, 6), max_tokens=60, ignore_eos=True, on_event=lambda ev: started.set())
         assert started.wait(WAIT)
-        got = s.submit(long, max_tokens=n, ignore_eos=True).result(WAIT).token_ids
+        got = s.submit(long, max_tokens=n, ignore_eos=True, **(sampled or {})).result(WAIT).token_ids
         a.cancel()
         stream = a.result(WAIT).token_ids
     return stream, got, s
@@ -219,3 +219,13 @@ def test_stall_budget_with_mixed_steps_keeps_outputs(llama, budget):
     stream, got, s = served(llama, long, 5, prefill_chunk=64, stall_budget=budget)
     assert s.mixed_steps > 0 and got == alone(llama, long, 5)
     assert stream == alone(llama, tokens(1, 6), len(stream))
+
+
+def test_sampled_request_rides_as_it_runs_alone(llama):
+    """A seeded sampled request prefilled in mixed steps draws the tokens it draws with its
+    pieces run alone (the same logits, the same generator)."""
+    long = tokens(3, 90)
+    sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 11}
+    _, on, s = served(llama, long, 8, sampled, prefill_chunk=16)
+    _, off, _ = served(llama, long, 8, sampled, prefill_chunk=16, mixed=False)
+    assert s.mixed_steps > 0 and on == off

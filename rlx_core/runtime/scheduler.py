@@ -884,8 +884,9 @@ class Scheduler:
     def _mixed_step(self, r: Request, limit: int) -> None:
         """A decode step of the batch that also runs r's next prefill piece (at most `limit`
         tokens) in the same run (`_mixed_exe`): the weights are read once for both, so the
-        streams wait a step plus the piece's own work, not a run's fixed cost more. Its
-        logits give every row's next token and, at the prompt's end, r's first. Where the
+        streams wait a step plus the piece's own work, not a run's fixed cost more. It gives
+        every row's next token (the graph's greedy ids where `_greedy_ids` allows, as a plain
+        step) and, at the prompt's end, r's first (from the logits). Where the
         model refuses mixed graphs the piece runs alone before a plain step."""
         ext, pfeed, a, b, run = self._piece_feed(r, limit)
         c = self._batch_cache()
@@ -907,16 +908,20 @@ class Scheduler:
         self.max_rows = max(self.max_rows, len(running))
         timed = self._warm(exe, feed)
         t0 = time.perf_counter()
-        logits = exe.run(feed, fetch=("logits",))["logits"][:, -1]
+        last = b == len(r.prompt_ids)            # (then r's first token comes from the logits)
+        greedy = None if last else self._greedy_ids(exe, feed, running)
+        logits = None if greedy is not None else exe.run(feed, fetch=("logits",))["logits"][:, -1]
         if self._step_cost and timed:
             added = max((time.perf_counter() - t0) / self._step_cost - 1.0, 0.0)
             self._mixed_added.setdefault(run, collections.deque(maxlen=MIXED_RECENT)).append(added)
             self._mixed_when[run] = self.mixed_steps
         for q in running:
             q.length += 1
-            if not q.done:
+            if greedy is not None:
+                self._guard([q], self._accept, q, int(greedy[q.slot]))
+            elif not q.done:
                 self._guard([q], self._take, q, logits[q.slot:q.slot + 1])
-        self._filled(r, a, b, logits[c.batch:c.batch + 1])
+        self._filled(r, a, b, logits[c.batch:c.batch + 1] if last else None)
 
     @property
     def _step_cost(self) -> float:
