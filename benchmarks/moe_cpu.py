@@ -188,7 +188,8 @@ def layer_graph(a, schemes, tokens: int = 1):
                                                             (a.hidden, a.inter))):
         r, nbytes = QuantScheme.parse(schemes[0]).packed_shape((rows, cols))
         stacks.append(m.param(name, (a.experts, r, nbytes), U8))
-    m.output("y", m.add("moe_experts", (x, weights, ids, *stacks), schemes=schemes))
+    m.output("y", m.add("moe_experts", (x, weights, ids, *stacks), schemes=schemes,
+                        int8_h=a.activations == "int8"))     # as pack_params sets it: h rounded too
     return m.build()
 
 

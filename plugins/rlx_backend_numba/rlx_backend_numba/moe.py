@@ -16,7 +16,9 @@ The passes run one of two ways, chosen per call from the groups' mean size:
   (GEMV_PAR_MIN);
 - GEMM (prefill: many tokens per expert): with int8 x and h and every stack packed, ONE
   region over (group, slice) tasks taken one at a time (`igemm_step`: the formats' int8
-  GEMM per task, on its thread, for gate, up and the slice of down); otherwise two, threads
+  GEMM per task, on its thread, for gate, up and the slice of down; q4_k's from moe_igemm,
+  whose panels cost a quarter of the build: OLMoE's 128-token step 140 -> 83 ms a core);
+  otherwise two, threads
   over parts of the (group, row tile) tasks split by cost, each tile of weight rows decoded
   once into the part's scratch (`rows_ser`) and multiplied with the group's rows by
   one-thread cblas_sgemm on numba's workers (as quant_kernels' rows_gemm; dense f32 tiles
@@ -44,7 +46,7 @@ from rlx_core.ir.dtype import F32
 from rlx_core.ir.errors import ModelError
 from rlx_core.ir.quant import QuantScheme
 
-from . import quant_kernels
+from . import moe_igemm, quant_kernels
 from .cblas import SGEMM
 from .codegen import ACT, PAR_MIN, SWIGLU_HEAD, load_source
 from .quant_kernels import BLOCK, F16, FORMATS
@@ -271,11 +273,7 @@ _DOWN_DOT = {"f": "down_dot(r, h[s, i0:i1], hs[s, c0:c1], tab)",
 _IGEMM_STEP = """
 from rlx_backend_numba.moe import serial
 from rlx_backend_numba.quant_kernels import quantize_rows as _quantize_rows
-from {gate_mod} import igemm as _gate_igemm
-from {up_mod} import igemm as _up_igemm
-from {down_mod} import igemm as _down_igemm
-
-gate_igemm, up_igemm, down_igemm = serial(_gate_igemm), serial(_up_igemm), serial(_down_igemm)
+{matmuls}
 quantize_rows = serial(_quantize_rows)
 
 DSUB = {dsub}                # down's sub-block (h's sums)
@@ -293,16 +291,44 @@ def igemm_step(gq, gd, gs, gi, uq, ud, us, ui, experts, starts, gate, up, down, 
         e, s0, s1 = experts[g], starts[g], starts[g + 1]
         i0, i1 = step * p, step * (p + 1)
         hv, cv = h[s0:s1, i0:i1], c[s0:s1, i0:i1]
-        gate_igemm(gq[s0:s1], gd[s0:s1], gs[s0:s1], gi[s0:s1], gate[e, i0:i1], hv, tab, 1)
-        up_igemm(uq[s0:s1], ud[s0:s1], us[s0:s1], ui[s0:s1], up[e, i0:i1], cv, tab, 1)
+        gate_mm(gq[s0:s1], gd[s0:s1], gs[s0:s1], gi[s0:s1], gate[e, i0:i1], 0, hv, tab)
+        up_mm(uq[s0:s1], ud[s0:s1], us[s0:s1], ui[s0:s1], up[e, i0:i1], 0, cv, tab)
         for a in range(s1 - s0):
             for n in range(i1 - i0):
                 hv[a, n] = inner(hv[a, n], cv[a, n])
         b0, b1 = i0 // DSUB, i1 // DSUB
         quantize_rows(hv, hq[s0:s1, i0:i1], hd[s0:s1, i0 // 32:i1 // 32], hs[s0:s1, b0:b1], hi[s0:s1, b0:b1])
-        down_igemm(hq4[s0:s1, i0 // 4:i1 // 4], hd[s0:s1, i0 // 32:i1 // 32], hs[s0:s1, b0:b1], hi[s0:s1, b0:b1],
-                   down[e, :, i0 // {delems} * {dbytes}:i1 // {delems} * {dbytes}], ys[p, s0:s1], tab, 1)
+        down_mm(hq4[s0:s1, i0 // 4:i1 // 4], hd[s0:s1, i0 // 32:i1 // 32], hs[s0:s1, b0:b1], hi[s0:s1, b0:b1],
+                down[e], i0 // {delems} * {dbytes}, ys[p, s0:s1], tab)
 """
+
+# Each stack's one-thread int8 GEMM in igemm_step: `{w}_mm(x4, xd, xs, xi, w, col, out, tab)`
+# multiplies the rows of w from byte col (K = 4 x4.shape[1] columns); q4_k's through
+# moe_igemm (its panels built at a quarter of the cost), the other formats' through their
+# igemm's one-thread copy.
+_MM = {
+    "q4_k": """
+from {q4k} import igemm_q4_k as {w}_mm
+""",
+    "": """
+from {mod} import igemm as _{w}_igemm
+_{w}_igemm_ser = serial(_{w}_igemm)
+
+
+@njit(**_OPT)
+def {w}_mm(x4, xd, xs, xi, w, col, out, tab):
+    _{w}_igemm_ser(x4, xd, xs, xi, w[:, col:col + 4 * x4.shape[1] // {elems} * {nbytes}], out, tab, 1)
+""",
+}
+
+
+def _mm_source(w: str, kind: str) -> str:
+    """The generated `{w}_mm` of one stack of igemm_step (the modules it imports loaded here:
+    load_source cannot be entered from a module it is importing)."""
+    elems, nbytes = BLOCK[kind]
+    if kind == "q4_k":
+        return _MM["q4_k"].format(w=w, q4k=moe_igemm.module().__name__)
+    return _MM[""].format(w=w, mod=quant_kernels.drivers(kind).__name__, elems=elems, nbytes=nbytes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -414,8 +440,8 @@ def kernels(kinds: tuple, act: str):
     src = _KERNELS.format(ahead=quant_kernels.AHEAD_ROWS, imports="".join(imports),
                           tiles="".join(tiles), act=re.sub(r"\bx\b", "g", ACT[act][F32]), gemvs=gemvs)
     if all(kinds):
-        mods = {f"{w}_mod": quant_kernels.drivers(k).__name__ for w, k in zip(("gate", "up", "down"), kinds)}
-        src += _IGEMM_STEP.format(dsub=quant_kernels.SUB.get(kinds[2], 32), delems=elems, dbytes=nbytes, **mods)
+        mms = "".join(_mm_source(w, k) for w, k in zip(("gate", "up", "down"), kinds))
+        src += _IGEMM_STEP.format(dsub=quant_kernels.SUB.get(kinds[2], 32), delems=elems, dbytes=nbytes, matmuls=mms)
     return load_source(SWIGLU_HEAD + src)
 
 

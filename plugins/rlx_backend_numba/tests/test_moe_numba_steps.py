@@ -119,3 +119,26 @@ def test_gemv_slices_keeps_the_busiest_thread_shortest():
     assert M.gemv_slices(1, 4, 256, "q4_k") == 1           # one k-quant block: no split
     assert M.gemv_slices(5, 1, 1024, "q4_0") == 1          # one thread: no split
     assert M.gemv_slices(2, 3, 96, "") == 3                # dense f32: slices of 32
+
+
+@pytest.mark.parametrize("m,n,col", [(5, 40, 0), (1, 32, 144), (16, 64, 288)], ids=str)
+def test_igemm_q4_k_equals_the_formats_igemm(rng, m, n, col):
+    """moe_igemm's q4_k GEMM (its panels moved across the diagonal, the codes masked as read)
+    gives quant_kernels' igemm's results bit for bit, on rows of x not a multiple of its tile,
+    W's rows not a multiple of its panel (the last row repeated past the end) and a column
+    window from byte `col` of longer rows (the down pass's slices)."""
+    from rlx_backend_numba import moe_igemm, quant_kernels
+    k = 512
+    q = QuantScheme.parse("q4_k")
+    w = q.quantize((rng.standard_normal((n, k + col // 144 * 256 + 256)) / 20).astype(np.float32))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    xq, xd = np.empty((m, k), np.int8), np.empty((m, k // 32), np.float32)
+    xs, xi = np.empty_like(xd), np.empty((m, k // 32), np.int32)
+    quant_kernels.quantize_rows(x, xq, xd, xs, xi)
+    want, got = np.empty((m, n), np.float32), np.full((m, n), np.nan, np.float32)
+    quant_kernels.drivers("q4_k").igemm(xq.view(np.int32), xd, xs, xi, w[:, col:col + k // 256 * 144], want,
+                                        quant_kernels.F16, 1)
+    moe_igemm.module().igemm_q4_k(xq.view(np.int32), xd, xs, xi, w, col, got, quant_kernels.F16)
+    np.testing.assert_array_equal(got, want)
+    ref = x.astype(np.float64) @ q.dequantize_reference(w, w.shape[:1] + (w.shape[1] // 144 * 256,))[:, col // 144 * 256:][:, :k].T
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()          # and it is the product (x rounded to int8)

@@ -1,0 +1,189 @@
+"""q4_k's int8 GEMM with a cheap panel build (the MoE prefill step's tasks call it per expert group).
+
+quant_kernels' igemm decodes 32 packed rows into an integer panel (each row's codes stored
+word by word across the panel, every sub-block's scale decoded with scalar code) before it
+multiplies them with the rows of x; at an expert group's ~16 rows that build was ~70% of the
+GEMM (OLMoE's gate: 0.35 of 0.51 ms). A prefill step pays it for every expert, every call.
+
+Here the panel keeps q4_k's bytes as they are, only moved across the diagonal: the 32 bytes
+of a row that hold two sub-blocks' codes (low nibbles: sub-block 2p, high: 2p + 1) become 8
+words of 8 rows each, eight rows at a time in registers (`words8x8`: 8 loads, 24 shuffles, 8
+stores), and the scales and mins of a super-block are decoded as 8 lanes (quant_kernels'
+_k45_scales) and moved the same way. The multiply masks the nibbles as it reads the panel
+(32 bytes: & 15, or >> 4): half the panel's bytes, a quarter of the build's instructions.
+The integer sums and their scaling are quant_kernels' igemm's, in its order: the results
+are bit for bit its results.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import quant_kernels
+from .codegen import load_source
+from .quant_kernels import IGEMM_COLS, IGEMM_ROWS, _h, _k45_scales
+from .simd import store_lanes, to_f32, transpose8
+
+_OPT = dict(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
+_I32 = ir.IntType(32)
+_V8 = ir.VectorType(_I32, 8)
+
+
+@intrinsic
+def words8x8(typingctx, w, n0, nlast, c0, dst, d0, ds):
+    """dst[d0 + ds * j + i] = word j (bytes 4j..4j+3) of w[min(n0 + i, nlast), c0:c0 + 32],
+    for i, j < 8: w a 2-D byte array (rows contiguous, any row stride), dst an int32 array."""
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        n0_, nl, c, d0_, ds_ = (context.cast(builder, args[k], sig.args[k], types.intp) for k in (1, 2, 3, 5, 6))
+        stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
+        base = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
+        rows = []
+        for i in range(8):
+            n = builder.add(n0_, ir.Constant(n0_.type, i))
+            n = builder.select(builder.icmp_signed("<", n, nl), n, nl)
+            at = builder.add(builder.mul(n, stride), c)
+            rows.append(builder.load(builder.bitcast(builder.gep(base, [at]), _V8.as_pointer()), align=1))
+        for step in (1, 2, 4):          # swap the off-diagonal step x step blocks (simd.transpose8's way)
+            out = list(rows)
+            for j in range(8):
+                if j & step:
+                    continue
+                a, b = rows[j], rows[j + step]
+                lo = [i if not (i & step) else 8 + i - step for i in range(8)]
+                hi = [i + step if not (i & step) else 8 + i for i in range(8)]
+                out[j] = builder.shuffle_vector(a, b, ir.Constant(_V8, lo))
+                out[j + step] = builder.shuffle_vector(a, b, ir.Constant(_V8, hi))
+            rows = out
+        dsta = context.make_array(sig.args[4])(context, builder, args[4])
+        for j in range(8):
+            at = builder.add(d0_, builder.mul(ds_, ir.Constant(ds_.type, j)))
+            builder.store(rows[j], builder.bitcast(builder.gep(dsta.data, [at]), _V8.as_pointer()), align=4)
+        return context.get_dummy_value()
+    if not (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8
+            and isinstance(dst, types.Array) and dst.dtype == types.int32):
+        return None
+    return types.none(w, n0, nlast, c0, dst, d0, ds), codegen
+
+
+@njit(**_OPT)
+def panel_q4_k(w, n0, nlast, c0, nb, u, af, cf, tmp, tab):
+    """Rows n0 .. n0 + P - 1 of q4_k w (past nlast: row nlast again), nb super-blocks from
+    byte c0, as a panel: u[P * (32 b + 8 p + t) + i] = word t of the codes of sub-blocks
+    2p, 2p + 1 of super-block b of row i (both nibbles); af[P s + i], cf[P s + i] the scale
+    and float offset of sub-block s of row i."""
+    p_ = u.shape[0] // (32 * nb)
+    for q in range(p_ // 8):
+        r0 = n0 + 8 * q
+        for b in range(nb):
+            o = c0 + 144 * b
+            for p in range(4):
+                words8x8(w, r0, nlast, o + 16 + 32 * p, u, p_ * (32 * b + 8 * p) + 8 * q, p_)
+            for i in range(8):
+                r = w[min(r0 + i, nlast)]
+                sc, mn = _k45_scales(r, o)
+                store_lanes(tmp, 8 * i, to_f32(sc) * _h(r, o, tab))
+                store_lanes(tmp, 64 + 8 * i, to_f32(mn) * -_h(r, o + 2, tab))
+            transpose8(tmp, 0, 8, af, p_ * 8 * b + 8 * q, p_)
+            transpose8(tmp, 64, 8, cf, p_ * 8 * b + 8 * q, p_)
+
+
+@intrinsic
+def prefetch_l2(typingctx, a, i):
+    """Hint that byte i of 1-D array a is read soon, into L2 (prefetcht1; simd.prefetch asks
+    for L1, whose few miss slots a panel's 576 lines overrun)."""
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        at = context.cast(builder, args[1], sig.args[1], types.intp)
+        ptr = builder.bitcast(builder.gep(arr.data, [at]), ir.IntType(8).as_pointer())
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+            ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.none(a, i), codegen
+
+
+@njit(**_OPT)
+def fetch_rows(w, n0, n1, c0, nbytes):
+    """Ask for bytes c0 .. c0 + nbytes of rows n0 .. n1 - 1 of w (64-byte lines): the next
+    panel's rows, read while this one is built and multiplied (an expert's rows come from
+    DRAM: without it the build ran at ~5 GB/s, each 8-row group waiting on its rows)."""
+    for n in range(n0, n1):
+        r = w[n]
+        for o in range(c0, c0 + nbytes, 64):
+            prefetch_l2(r, o)
+
+
+_IGEMM = """
+import numpy as np
+from numba import njit
+from rlx_backend_numba.moe_igemm import fetch_rows, panel_q4_k
+from {drv} import put
+from rlx_backend_numba.simd import dot4, fma, izeros, load_bytes32, load_f32, to_f32, zeros
+
+_OPT = dict(cache=True, error_model="numpy", fastmath={{"reassoc", "contract"}})
+P = {cols}
+
+
+@njit(**_OPT)
+def igemm_q4_k(x4, xd, xs, xi, w, col, out, tab):
+    \"\"\"out = x @ W^T on one thread, W the q4_k rows of w from byte col (K = 4 x4.shape[1]
+    columns), x as int8 blocks (quant_kernels.quantize_rows: x4 its values as words of four,
+    xd each block's scale, xs each sub-block's scale * sum): quant_kernels' igemm of q4_k
+    (its sums and scaling, in its order) over panels built by panel_q4_k.\"\"\"
+    m_, k4 = x4.shape
+    n_ = out.shape[1]
+    nb = k4 // 64
+    u = np.empty(P * k4 // 2, np.int32)
+    ub = u.view(np.uint8)
+    af, cf = np.empty(P * k4 // 8, np.float32), np.empty(P * k4 // 8, np.float32)
+    tmp, tail = np.empty(128, np.float32), np.empty(P, np.float32)
+    fetch_rows(w, 0, min(P, n_), col, 144 * nb)
+    for pn in range((n_ + P - 1) // P):
+        fetch_rows(w, P * (pn + 1), min(P * (pn + 2), n_), col, 144 * nb)
+        panel_q4_k(w, P * pn, n_ - 1, col, nb, u, af, cf, tmp, tab)
+        for m0 in range(0, m_, {mrows}):
+{tile}
+"""
+
+
+def _igemm_source(mrows: int = IGEMM_ROWS, cols: int = IGEMM_COLS) -> str:
+    """igemm_q4_k with an `mrows` x `cols` register tile, unrolled (quant_kernels'
+    _igemm_source's tile; the codes masked out of the panel's bytes as they are read)."""
+    rows, vecs = range(mrows), range(cols // 8)
+    t = [f"            r{r} = min(m0 + {r}, m_ - 1)" for r in rows]
+    t += ["            " + "; ".join(f"f{r}{v} = zeros()" for r in rows for v in vecs),
+          "            for pp in range(k4 // 16):"]
+    for half, code in ((0, "& 15"), (1, ">> 4")):
+        s = f"2 * pp + {half}"
+        t += ["                " + "; ".join(f"i{r}{v} = izeros()" for r in rows for v in vecs),
+              "                for g in range(8):",
+              "                    " + "; ".join(f"w{v} = load_bytes32(ub, 4 * P * (8 * pp + g) + {32 * v}) {code}"
+                                               for v in vecs),
+              "                    " + "; ".join(f"b{r} = x4[r{r}, 16 * pp + {8 * half} + g]" for r in rows)]
+        t += ["                    " + "; ".join(f"i{r}{v} = dot4(i{r}{v}, w{v}, b{r})" for v in vecs) for r in rows]
+        t += ["                " + "; ".join(f"a{v} = load_f32(af, P * ({s}) + {8 * v})" for v in vecs),
+              "                " + "; ".join(f"c{v} = load_f32(cf, P * ({s}) + {8 * v})" for v in vecs)]
+        for r in rows:
+            t += [f"                d = xd[r{r}, {s}]"]
+            t += [f"                f{r}{v} = fma(to_f32(i{r}{v}), a{v} * d, fma(c{v}, xs[r{r}, {s}], f{r}{v}))"
+                  for v in vecs]
+    t += [f"            put(out, r{r}, P * pn, tail, " + ", ".join(f"f{r}{v}" for v in vecs) + ")" for r in rows]
+    return _IGEMM.format(cols=cols, mrows=mrows, tile="\n".join(t), drv=quant_kernels.drivers("q4_k").__name__)
+
+
+_MOD = None
+
+
+def module():
+    """The generated module holding igemm_q4_k."""
+    global _MOD
+    if _MOD is None:
+        _MOD = load_source(_igemm_source())
+    return _MOD
+
+
+__all__ = ["module", "panel_q4_k", "words8x8"]
