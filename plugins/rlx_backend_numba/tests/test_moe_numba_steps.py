@@ -23,8 +23,11 @@ TRIPLES = [("q4_0", "q4_1", "q5_0"), ("q5_1", "q8_0", "q4_k"), ("q5_k", "q4_k", 
 assert {s for t in TRIPLES for s in t} == set(FORMATS)
 
 
-def silu(v):
-    return v / (1 + np.exp(-v))
+# The activation is generated per module: the first triple's module is test_moe_numba.py's
+# (gelu_tanh there), so a cold numba cache compiles it once for both files.
+ACTS = {"silu": lambda v: v / (1 + np.exp(-v)),
+        "gelu_tanh": lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))}
+ACT_OF = {TRIPLES[0]: "gelu_tanh"}
 
 
 def int8_rounded(x):
@@ -49,14 +52,14 @@ def most_slices(groups, threads, inter, down_kind):
     return inter // (BLOCK[down_kind][0] if down_kind else 32)
 
 
-def check(ys, h, x, tok, expert_of, f64, round_h):
+def check(ys, h, x, tok, expert_of, f64, round_h, act="silu"):
     """h against the float64 gated MLP of x; the summed slices of ys against down @ (h, rounded
     where round_h) in float64."""
     gate, up, down = f64
     want_h, want_y = np.empty((tok.shape[0], I)), np.empty((tok.shape[0], H))
     for s, (t, e) in enumerate(zip(tok, expert_of)):
         xt = x[t].astype(np.float64)
-        want_h[s] = silu(gate[e] @ xt) * (up[e] @ xt)
+        want_h[s] = ACTS[act](gate[e] @ xt) * (up[e] @ xt)
         hs = int8_rounded(h[s][None])[0] if round_h else h[s]
         want_y[s] = down[e] @ hs.astype(np.float64)
     np.testing.assert_allclose(h, want_h, rtol=2e-5, atol=2e-6 * np.abs(want_h).max())
@@ -83,7 +86,8 @@ def test_gemv_step_slices(rng, schemes, modes, monkeypatch):
     monkeypatch.setattr(M, "gemv_slices", most_slices)
     raw, f64 = stacks(rng, schemes)
     kinds = tuple(QuantScheme.parse(s).kind for s in schemes)
-    mod = M.kernels(kinds, "silu")
+    act = ACT_OF.get(schemes, "silu")
+    mod = M.kernels(kinds, act)
     int8_x, int8_h = modes[0] == "i", modes[1] == "i"
     for t, k in ((1, 2), (37, 3)):
         x = rng.standard_normal((t, H)).astype(np.float32)
@@ -93,7 +97,7 @@ def test_gemv_step_slices(rng, schemes, modes, monkeypatch):
         h = np.full((tok.shape[0], I), np.nan, np.float32)
         ys = M._gemv(mod, kinds, x, tok, experts, starts, *raw, h, int8_x, int8_h)
         assert ys.shape[0] == I // BLOCK[kinds[2]][0]
-        check(ys, h, x, tok, expert_of, f64, int8_h)
+        check(ys, h, x, tok, expert_of, f64, int8_h, act)
 
 
 @pytest.mark.parametrize("schemes", TRIPLES, ids=lambda t: "-".join(t))
@@ -102,14 +106,15 @@ def test_igemm_step_slices(rng, schemes, monkeypatch):
     sub-blocks of 16 included), its width in every slice and in one."""
     raw, f64 = stacks(rng, schemes)
     kinds = tuple(QuantScheme.parse(s).kind for s in schemes)
-    mod = M.kernels(kinds, "silu")
+    act = ACT_OF.get(schemes, "silu")
+    mod = M.kernels(kinds, act)
     for slicing in (most_slices, lambda *a: 1):
         monkeypatch.setattr(M, "gemv_slices", slicing)
         x = int8_rounded(rng.standard_normal((37, H)).astype(np.float32))
         tok, experts, starts, expert_of = routed(rng, 37, 3)
         h = np.full((tok.shape[0], I), np.nan, np.float32)
         ys = M._igemm_step(mod, kinds, x, tok, experts, starts, *raw, h)
-        check(ys, h, x, tok, expert_of, f64, True)
+        check(ys, h, x, tok, expert_of, f64, True, act)
 
 
 def test_gemv_slices_keeps_the_busiest_thread_shortest():
@@ -124,7 +129,7 @@ def test_gemv_slices_keeps_the_busiest_thread_shortest():
 @pytest.mark.parametrize("m,n,col", [(5, 40, 0), (1, 32, 144), (16, 64, 288)], ids=str)
 def test_igemm_q4_k_equals_the_formats_igemm(rng, m, n, col):
     """moe_igemm's q4_k GEMM (its panels moved across the diagonal, the codes masked as read)
-    gives quant_kernels' igemm's results bit for bit, on rows of x not a multiple of its tile,
+    gives quant_kernels' igemm's results bit for bit, in 8 lanes and (AVX-512 VNNI) 16, on rows of x not a multiple of its tile,
     W's rows not a multiple of its panel (the last row repeated past the end) and a column
     window from byte `col` of longer rows (the down pass's slices)."""
     from rlx_backend_numba import moe_igemm, quant_kernels
@@ -138,7 +143,9 @@ def test_igemm_q4_k_equals_the_formats_igemm(rng, m, n, col):
     want, got = np.empty((m, n), np.float32), np.full((m, n), np.nan, np.float32)
     quant_kernels.drivers("q4_k").igemm(xq.view(np.int32), xd, xs, xi, w[:, col:col + k // 256 * 144], want,
                                         quant_kernels.F16, 1)
-    moe_igemm.module().igemm_q4_k(xq.view(np.int32), xd, xs, xi, w, col, got, quant_kernels.F16)
-    np.testing.assert_array_equal(got, want)
+    for wide in sorted({False, moe_igemm.VNNI512}):         # the 8-lane tile, and the 16-lane one where it runs
+        got[:] = np.nan
+        moe_igemm.module(wide).igemm_q4_k(xq.view(np.int32), xd, xs, xi, w, col, got, quant_kernels.F16)
+        np.testing.assert_array_equal(got, want)
     ref = x.astype(np.float64) @ q.dequantize_reference(w, w.shape[:1] + (w.shape[1] // 144 * 256,))[:, col // 144 * 256:][:, :k].T
     assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()          # and it is the product (x rounded to int8)
