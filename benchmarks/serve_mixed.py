@@ -12,7 +12,9 @@ graph compiles in a measurement), at `--prefill-chunk` and `--stall-budget`:
 
 Printed per run: p99 gap before / during and their ratio (the issue's target: <= 2x), the
 longest gap, the long prompt's TTFT, the steps that carried a piece, and the process CPU
-seconds of the during window; then the medians per side, the load average beside each.
+seconds of the during window (the streams' tokens included: a side whose streams wait makes
+fewer); then the medians per side, the load average beside each, and the mixed side's
+measured costs (a piece length -> what it adds to a step), which choose its pieces.
 
     RLX_NUM_THREADS=2 python benchmarks/serve_mixed.py [--repeat 3] [--long-tokens 600]
 """
@@ -22,7 +24,6 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -130,6 +131,10 @@ def main() -> None:
         med = {k: statistics.median(d[k] for d in ds) for k in ("before", "during", "ratio", "ttft", "cpu")}
         print(f"{side:5s} median of {len(ds)}: before {med['before'] * 1e3:.0f} ms, during {med['during'] * 1e3:.0f} ms, "
               f"{med['ratio']:.2f}x; TTFT {med['ttft']:.2f} s; CPU {med['cpu']:.2f} s")
+    if "mixed" in scheds:
+        s, cost = scheds["mixed"], scheds["mixed"]._mixed_cost
+        print(f"mixed: a decode step {s._step_cost * 1e3:.1f} ms (median of the last timed); what a piece adds, in "
+              f"steps (median of its last): " + ", ".join(f"{n}: {c:.2f}" for n, c in sorted(cost.items())))
     for s in scheds.values():
         s.close()
     print(f"reproduce: RLX_NUM_THREADS={os.environ.get('RLX_NUM_THREADS', '')} {os.path.relpath(sys.executable)} "

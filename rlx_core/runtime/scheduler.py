@@ -336,8 +336,8 @@ class Scheduler:
 
     def stats(self) -> dict:
         """A snapshot for operators (the server's /metrics): requests waiting and running,
-        the batch size, decode steps run, and the prefix cache's looked-up and hit prompt
-        tokens (0 while no prefix cache runs)."""
+        the batch size, decode steps run (`mixed_steps` of them carried a prefill piece), and
+        the prefix cache's looked-up and hit prompt tokens (0 while no prefix cache runs)."""
         with self._cv:
             waiting = sum(len(r.choices) for r in self._waiting)
             running = len(self._active)
@@ -348,7 +348,7 @@ class Scheduler:
                 "submitted": self.submitted, "steps": self.steps,
                 "prefix_query_tokens": self.prefix_query_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,
                 "prefilling": prefilling, "prefill_tokens": self.prefill_tokens,
-                "prefill_runs": self.prefill_runs, **cache}
+                "prefill_runs": self.prefill_runs, "mixed_steps": self.mixed_steps, **cache}
 
     def memory_report(self) -> dict:
         """The model's memory_report with this scheduler's KV cache and runners, and its
