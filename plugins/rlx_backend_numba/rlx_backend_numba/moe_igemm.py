@@ -111,8 +111,9 @@ def prefetch_l2(typingctx, a, i):
 @njit(**_OPT)
 def fetch_rows(w, n0, n1, c0, nbytes):
     """Ask for bytes c0 .. c0 + nbytes of rows n0 .. n1 - 1 of w (64-byte lines): the next
-    panel's rows, read while this one is built and multiplied (an expert's rows come from
-    DRAM: without it the build ran at ~5 GB/s, each 8-row group waiting on its rows)."""
+    panel's rows, a few per step of the first tile (an expert's rows come from DRAM: without
+    it the build ran at ~5 GB/s, each 8-row group waiting on its rows; asked for all at once,
+    the 576 lines stalled the multiply behind them)."""
     for n in range(n0, n1):
         r = w[n]
         for o in range(c0, c0 + nbytes, 64):
@@ -244,9 +245,10 @@ def igemm_q4_k(x4, xd, xs, xi, w, col, out, tab):
     ub = u.view(np.uint8)
     af, cf = np.empty(P * k4 // 8, np.float32), np.empty(P * k4 // 8, np.float32)
     tmp, tail = np.empty(128, np.float32), np.empty(P, np.float32)
+    rpi = (P + k4 // 16 - 1) // (k4 // 16)          # next panel's rows asked for per step of the first tile
     fetch_rows(w, 0, min(P, n_), col, 144 * nb)
     for pn in range((n_ + P - 1) // P):
-        fetch_rows(w, P * (pn + 1), min(P * (pn + 2), n_), col, 144 * nb)
+        nxt = P * (pn + 1)
         panel_q4_k(w, P * pn, n_ - 1, col, nb, u, af, cf, tmp, tab)
         for m0 in range(0, m_, {mrows}):
 {tile}
@@ -258,7 +260,9 @@ def _tile16(mrows: int) -> list:
     rows, vecs = range(mrows), range(2)
     t = [f"            r{r} = min(m0 + {r}, m_ - 1)" for r in rows]
     t += ["            " + "; ".join(f"f{r}{v} = zeros16()" for r in rows for v in vecs),
-          "            for pp in range(k4 // 16):"]
+          "            for pp in range(k4 // 16):",
+          "                if m0 == 0:",
+          "                    fetch_rows(w, min(nxt + rpi * pp, n_), min(nxt + rpi * (pp + 1), n_), col, 144 * nb)"]
     for half, load in ((0, "low64"), (1, "high64")):
         s = f"2 * pp + {half}"
         t += ["                " + "; ".join(f"i{r}{v} = izeros16()" for r in rows for v in vecs),
@@ -285,7 +289,9 @@ def _igemm_source(mrows: int = IGEMM_ROWS, cols: int = IGEMM_COLS, wide: bool = 
     rows, vecs = range(mrows), range(cols // 8)
     t = [f"            r{r} = min(m0 + {r}, m_ - 1)" for r in rows]
     t += ["            " + "; ".join(f"f{r}{v} = zeros()" for r in rows for v in vecs),
-          "            for pp in range(k4 // 16):"]
+          "            for pp in range(k4 // 16):",
+          "                if m0 == 0:",
+          "                    fetch_rows(w, min(nxt + rpi * pp, n_), min(nxt + rpi * (pp + 1), n_), col, 144 * nb)"]
     for half, code in ((0, "& 15"), (1, ">> 4")):
         s = f"2 * pp + {half}"
         t += ["                " + "; ".join(f"i{r}{v} = izeros()" for r in rows for v in vecs),
