@@ -229,3 +229,24 @@ def test_sampled_request_rides_as_it_runs_alone(llama):
     _, on, s = served(llama, long, 8, sampled, prefill_chunk=16)
     _, off, _ = served(llama, long, 8, sampled, prefill_chunk=16, mixed=False)
     assert s.mixed_steps > 0 and on == off
+
+
+def test_a_prompt_waiting_behind_a_riding_one_keeps_pieces_at_16(llama):
+    """While another prompt waits behind the one being prefilled, its riding pieces are at
+    least 16 tokens whatever the budget (the waiting one cannot start before it ends)."""
+    import collections
+
+    from rlx_core.runtime.sampling import SamplingParams
+    from rlx_core.runtime.scheduler import Request
+
+    s = Scheduler(llama, stall_budget=0.0, prefill_chunk=64)
+    s._mixed_added = {1: collections.deque([5.0])}           # nothing fits a budget of 0: one token
+    s._mixed_when = {1: 0}
+    long = Request("a", tokens(1, 200), SamplingParams.checked(max_tokens=2))
+    other = Request("b", tokens(2, 200), SamplingParams.checked(max_tokens=2))
+    s._active = [long, other]
+    s._fills.extend([long])
+    assert s._next_rider(64) == (long, 1)
+    s._fills.append(other)
+    assert s._next_rider(64) == (long, 16)
+    s.close()

@@ -647,9 +647,11 @@ class Scheduler:
     def _next_rider(self, chunk: int) -> tuple | None:
         """(request, limit) of the piece the next decode step carries (a mixed step): the
         first waiting prompt's, at most `chunk` tokens, and with a `stall_budget` as many as
-        fit in it (`_mixed_limit`); a tail of at most PAD_TAIL tokens whole (as alone: a new
-        request's question after a cached system prompt gets its first token at once).
-        None when no prompt waits."""
+        fit in it (`_mixed_limit`), but at least PIECE_MIN while other prompts wait behind it
+        (the prefill states hold one prompt at a time: those wait for its whole prefill, which
+        one-token pieces would stretch to a step a token); a tail of at most PAD_TAIL tokens
+        whole (as alone: a new request's question after a cached system prompt gets its first
+        token at once). None when no prompt waits."""
         while self._fills:
             r = self._fills[0]
             if r.done or r.cancelled or r not in self._active:
@@ -658,6 +660,8 @@ class Scheduler:
             limit = chunk
             if self.stall_budget is not None and len(r.prompt_ids) - r.filled > PAD_TAIL:
                 limit = self._mixed_limit(chunk, self.stall_budget)
+                if any(not (q.done or q.cancelled) for q in itertools.islice(self._fills, 1, None)):
+                    limit = max(limit, min(PIECE_MIN, chunk))
             return r, limit
         return None
 
