@@ -134,11 +134,12 @@ def alone(model, ids: list, n: int) -> list:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_scheduler_mixed_steps_keep_greedy_outputs(kind, backend):
     """A 70-token prompt arriving while a stream decodes rides in its decode steps, 16 tokens
-    a step (the last 6 padded to 16): 5 mixed steps; the tokens equal those run alone."""
+    a step: 4 mixed steps, then its last 6 tokens (a short tail) alone, padded to 16; the
+    tokens equal those run alone."""
     model = tiny(kind, backend)
     long = tokens(2, 70)
     stream, got, s = served(model, long, 5, prefill_chunk=16)
-    assert s.mixed_refused == "" and s.mixed_steps == 5 and s.prefill_runs == 1 + 5    # (the stream's own)
+    assert s.mixed_refused == "" and s.mixed_steps == 4 and s.prefill_runs == 1 + 5    # (the stream's own)
     assert got == alone(model, long, 5)
     assert stream == alone(model, tokens(1, 6), len(stream))
     _, off, s_off = served(model, long, 5, prefill_chunk=16, mixed=False)

@@ -619,6 +619,7 @@ class Scheduler:
         chunk = self._chunk()
         running = bool(self._running())
         if running and self._mixes():
+            self._short_ones_alone(chunk)
             self._riding = self._next_rider(chunk)
             return
         tokens_left = chunk if running and chunk else None
@@ -644,21 +645,35 @@ class Scheduler:
             if steps_left is not None:
                 steps_left -= self._last_piece_steps if self.prefill_runs > runs else 0.0
 
+    def _short_ones_alone(self, chunk: int) -> None:
+        """With mixed steps: waiting prompts with at most PAD_TAIL tokens left (and at most
+        `chunk`) are prefilled alone, whole, in order, before the step (as without mixed
+        steps): so requests arriving together while a batch decodes join it together, and a
+        new request's question after a cached system prompt gets its first token at once.
+        Longer prompts ride in the steps (`_next_rider`)."""
+        while self._fills:
+            r = self._fills[0]
+            if r.done or r.cancelled or r not in self._active:
+                self._fills.popleft()
+            elif len(r.prompt_ids) - r.filled <= min(PAD_TAIL, chunk):
+                self._guard(list(r.choices), self._fill, r, chunk)
+            else:
+                return
+
     def _next_rider(self, chunk: int) -> tuple | None:
         """(request, limit) of the piece the next decode step carries (a mixed step): the
-        first waiting prompt's, at most `chunk` tokens, and with a `stall_budget` as many as
-        fit in it (`_mixed_limit`), but at least PIECE_MIN while other prompts wait behind it
-        (the prefill states hold one prompt at a time: those wait for its whole prefill, which
-        one-token pieces would stretch to a step a token); a tail of at most PAD_TAIL tokens
-        whole (as alone: a new request's question after a cached system prompt gets its first
-        token at once). None when no prompt waits."""
+        first waiting prompt's (after `_short_ones_alone`: a long one), at most `chunk`
+        tokens, and with a `stall_budget` as many as fit in it (`_mixed_limit`), but at least
+        PIECE_MIN while other prompts wait behind it (the prefill states hold one prompt at a
+        time: those wait for its whole prefill, which one-token pieces would stretch to a
+        step a token). None when no prompt waits."""
         while self._fills:
             r = self._fills[0]
             if r.done or r.cancelled or r not in self._active:
                 self._fills.popleft()
                 continue
             limit = chunk
-            if self.stall_budget is not None and len(r.prompt_ids) - r.filled > PAD_TAIL:
+            if self.stall_budget is not None:
                 limit = self._mixed_limit(chunk, self.stall_budget)
                 if any(not (q.done or q.cancelled) for q in itertools.islice(self._fills, 1, None)):
                     limit = max(limit, min(PIECE_MIN, chunk))
@@ -766,13 +781,21 @@ class Scheduler:
     def _filled(self, r: Request, a: int, b: int, logits) -> None:
         """r's prompt tokens [a, b) are in the prefill states (`logits` [1, vocab]: those of
         token b - 1): counted, cached, and at the prompt's end its choices placed."""
+        self._counted(r, a, b)
+        self._placed(r, logits)
+
+    def _counted(self, r: Request, a: int, b: int) -> None:
+        """r's prompt tokens [a, b) are in the prefill states: counted and cached."""
         r.filled = b
         self.prefill_tokens += b - a
         self.prefill_runs += 1
         if self.prefix is not None:
             blk = self.prefix.block
             self.prefix.insert(r.prompt_ids, self._prefill_exe().states, 0, b // blk * blk, snapshot=b % blk == 0)
-        if b == len(r.prompt_ids):
+
+    def _placed(self, r: Request, logits) -> None:
+        """At the end of r's prompt, its choices placed (`logits` [1, vocab]: its last token's)."""
+        if r.filled == len(r.prompt_ids):
             self._fills.popleft()
             self._place(r, logits)
 
@@ -919,13 +942,14 @@ class Scheduler:
             added = max((time.perf_counter() - t0) / self._step_cost - 1.0, 0.0)
             self._mixed_added.setdefault(run, collections.deque(maxlen=MIXED_RECENT)).append(added)
             self._mixed_when[run] = self.mixed_steps
+        self._counted(r, a, b)                   # (before the rows' tokens: a listener sees the piece done)
         for q in running:
             q.length += 1
             if greedy is not None:
                 self._guard([q], self._accept, q, int(greedy[q.slot]))
             elif not q.done:
                 self._guard([q], self._take, q, logits[q.slot:q.slot + 1])
-        self._filled(r, a, b, logits[c.batch:c.batch + 1] if last else None)
+        self._placed(r, logits[c.batch:c.batch + 1] if last else None)   # (after: placing may move rows)
 
     @property
     def _step_cost(self) -> float:
