@@ -250,8 +250,10 @@ def igemm_q4_k(x4, xd, xs, xi, w, col, out, tab):
     for pn in range((n_ + P - 1) // P):
         nxt = P * (pn + 1)
         panel_q4_k(w, P * pn, n_ - 1, col, nb, u, af, cf, tmp, tab)
-        for m0 in range(0, m_, {mrows}):
+        for m0 in range(0, m_ - m_ % {mrows}, {mrows}):
 {tile}
+        m0 = m_ - m_ % {mrows}               # the last rows of x: a tile of their count (none repeated)
+{tails}
 """
 
 
@@ -279,13 +281,8 @@ def _tile16(mrows: int) -> list:
     return t
 
 
-def _igemm_source(mrows: int = IGEMM_ROWS, cols: int = IGEMM_COLS, wide: bool = VNNI512) -> str:
-    """igemm_q4_k with an `mrows` x `cols` register tile, unrolled (quant_kernels'
-    _igemm_source's tile; the codes masked out of the panel's bytes as they are read); in
-    16 lanes where `wide` (cols 32)."""
-    if wide and cols == 32:
-        return _IGEMM.format(cols=cols, mrows=mrows, tile="\n".join(_tile16(mrows)),
-                             drv=quant_kernels.drivers("q4_k").__name__)
+def _tile8(mrows: int, cols: int) -> list:
+    """The 8-lane tile: `mrows` rows of x by the panel's `cols` rows as vectors of 8."""
     rows, vecs = range(mrows), range(cols // 8)
     t = [f"            r{r} = min(m0 + {r}, m_ - 1)" for r in rows]
     t += ["            " + "; ".join(f"f{r}{v} = zeros()" for r in rows for v in vecs),
@@ -307,7 +304,23 @@ def _igemm_source(mrows: int = IGEMM_ROWS, cols: int = IGEMM_COLS, wide: bool = 
             t += [f"                f{r}{v} = fma(to_f32(i{r}{v}), a{v} * d, fma(c{v}, xs[r{r}, {s}], f{r}{v}))"
                   for v in vecs]
     t += [f"            put(out, r{r}, P * pn, tail, " + ", ".join(f"f{r}{v}" for v in vecs) + ")" for r in rows]
-    return _IGEMM.format(cols=cols, mrows=mrows, tile="\n".join(t), drv=quant_kernels.drivers("q4_k").__name__)
+    return t
+
+
+
+
+def _igemm_source(mrows: int = IGEMM_ROWS, cols: int = IGEMM_COLS, wide: bool = VNNI512) -> str:
+    """igemm_q4_k with an `mrows` x `cols` register tile, unrolled (quant_kernels'
+    _igemm_source's tile; the codes masked out of the panel's bytes as they are read), and
+    tiles of 1 .. mrows - 1 rows for the last rows of x (an expert group's rows are rarely a
+    multiple of mrows: ~9% of the products were repeated rows); in 16 lanes where `wide`
+    (cols 32)."""
+    tile = _tile16 if wide and cols == 32 else functools.partial(_tile8, cols=cols)
+    tails = []
+    for rem in range(1, mrows):
+        tails += [f"        {'if' if rem == 1 else 'elif'} m_ % {mrows} == {rem}:"] + tile(rem)
+    return _IGEMM.format(cols=cols, mrows=mrows, tile="\n".join(tile(mrows)), tails="\n".join(tails),
+                         drv=quant_kernels.drivers("q4_k").__name__)
 
 
 @functools.lru_cache(maxsize=None)

@@ -126,12 +126,13 @@ def test_gemv_slices_keeps_the_busiest_thread_shortest():
     assert M.gemv_slices(2, 3, 96, "") == 3                # dense f32: slices of 32
 
 
-@pytest.mark.parametrize("m,n,col", [(5, 40, 0), (1, 32, 144), (16, 64, 288)], ids=str)
+@pytest.mark.parametrize("m,n,col", [(5, 40, 0), (2, 32, 144), (7, 64, 288)], ids=str)
 def test_igemm_q4_k_equals_the_formats_igemm(rng, m, n, col):
     """moe_igemm's q4_k GEMM (its panels moved across the diagonal, the codes masked as read)
-    gives quant_kernels' igemm's results bit for bit, in 8 lanes and (AVX-512 VNNI) 16, on rows of x not a multiple of its tile,
-    W's rows not a multiple of its panel (the last row repeated past the end) and a column
-    window from byte `col` of longer rows (the down pass's slices)."""
+    gives quant_kernels' igemm's results bit for bit, in 8 lanes and (AVX-512 VNNI) 16: rows
+    of x past a multiple of its tile (1, 2 and 3: its tail tiles), W's rows not a multiple of
+    its panel (the last row repeated past the end) and a column window from byte `col` of
+    longer rows (the down pass's slices)."""
     from rlx_backend_numba import moe_igemm, quant_kernels
     k = 512
     q = QuantScheme.parse("q4_k")
