@@ -251,3 +251,20 @@ def test_a_prompt_waiting_behind_a_riding_one_keeps_pieces_at_16(llama):
     s._fills.append(other)
     assert s._next_rider(64) == (long, 16)
     s.close()
+
+
+def test_memory_report_counts_the_kv_once_with_mixed_graphs(llama):
+    """The mixed graphs' states are the batch cache's and the prefill's buffers: counted once."""
+    long = tokens(2, 100)
+    with Scheduler(llama, max_batch=2, prefill_chunk=16, prefix_cache_mb=0) as s:
+        started = threading.Event()
+        a = s.submit(tokens(1, 6), max_tokens=300, ignore_eos=True, on_event=lambda ev: started.set())
+        assert started.wait(WAIT)
+        s.submit(long, max_tokens=2, ignore_eos=True).result(WAIT)
+        assert s.mixed_steps > 0
+        with llama._lock:
+            rep = s.memory_report()
+            held = sum(b.nbytes for st in (llama.states, s.cache.store, s._prefill.states) for b in st.values())
+        a.cancel()
+        a.result(WAIT)
+    assert rep["kv_bytes"] == held

@@ -30,10 +30,12 @@ Mixed steps (`mixed`, on by default with chunked prefill): while a batch decodes
 waiting prompt's next piece rides in the decode step's own run (the graph mode "mixed" of
 rlx_core.flow.recipe: the decode rows' tokens and the piece's packed on one token axis), so
 the weights are read once for both; a run's fixed cost (on a CPU, reading every weight once,
-about a decode step) is then not paid again for the piece. One piece a step; the mixed graphs
-specialize per (batch bucket, piece length: powers of two). Families whose layers do not split
-the packed tokens, and models whose pieces cannot pad, run their pieces alone as before
-(`mixed_refused` says why where a mixed graph was refused).
+about a decode step) is then not paid again for the piece. One piece a step, of a prompt with
+more than PAD_TAIL tokens left (shorter ones are prefilled alone, whole, before the step, so
+requests arriving together join the batch together); the mixed graphs specialize per (batch
+bucket, piece length: powers of two). Families whose layers do not split the packed tokens,
+and models whose pieces cannot pad, run their pieces alone as before (`mixed_refused` says why
+where a mixed graph was refused).
 
 Submission is thread-safe (`Scheduler.submit` from any thread); one scheduler thread runs
 the model, holding the backend's lock for each step, so direct `generate` calls on the same
@@ -53,10 +55,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ..ir.errors import ModelError, RlxError
-from .args import bool_arg, callable_arg, float_arg, int_arg, token_rows
 from ..flow.blocks import PIECE_CTX, PIECE_PREFIX
+from ..ir.errors import ModelError, RlxError
 from ..pipeline import StateStore
+from .args import bool_arg, callable_arg, float_arg, int_arg, token_rows
 from .batch_cache import BatchCache
 from .model import CTX_BUCKET, fetch_greedy, greedy_outputs, updates_in_place
 from .prefix_cache import PrefixCache, cache_stats
@@ -356,9 +358,9 @@ class Scheduler:
         from .memory import memory_report
 
         with self.model._lock:
-            exes = [e for e in (self._prefill, self._extend, self._decode) if e is not None] + list(self._mixed.values())
+            exes = [e for e in (self._prefill, self._extend, self._decode) if e is not None]
             stores = list({id(e.states): e.states for e in exes}.values())   # (extend shares the prefill's)
-            rep = memory_report(self.model, stores, exes)
+            rep = memory_report(self.model, stores, exes + list(self._mixed.values()))   # (mixed: those buffers)
             held = self.prefix.bytes if self.prefix is not None else 0
             rep["prefix_cache_bytes"] = held
             rep["total_bytes"] += held
