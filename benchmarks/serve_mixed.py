@@ -111,7 +111,8 @@ def main() -> None:
     from hardware import cpu_name
 
     model = rlx_core.load(a.model, backend=a.backend, progress=False)
-    print(f"{cpu_name()} ({os.cpu_count()} logical cores), RLX_NUM_THREADS={os.environ.get('RLX_NUM_THREADS')}; "
+    threads = os.environ.get("RLX_NUM_THREADS")
+    print(f"{cpu_name()} ({os.cpu_count()} logical cores), RLX_NUM_THREADS={threads}; "
           f"{a.model} on {a.backend}; {a.clients} streams, a {a.long_tokens}-token prompt, chunk "
           f"{a.prefill_chunk}, stall budget {a.stall_budget}", flush=True)
     scheds = {side: scheduler(model, a, side == "mixed") for side in a.sides}
@@ -123,22 +124,24 @@ def main() -> None:
             load = loadavg()
             d = measure(scheds[side], model, a, 1000 * (rep + 1))
             rows[side].append(d)
-            print(f"  {side:5s} run {rep + 1}: before {d['before'] * 1e3:.0f} ms, during {d['during'] * 1e3:.0f} ms "
-                  f"(longest {d['longest'] * 1e3:.0f}), {d['ratio']:.2f}x; TTFT {d['ttft']:.2f} s; "
-                  f"{d['steps']} steps ({d['mixed_steps']} mixed); CPU {d['cpu']:.2f} s  (load {load} -> {loadavg()})",
-                  flush=True)
+            print(f"  {side:5s} run {rep + 1}: before {d['before'] * 1e3:.0f} ms, "
+                  f"during {d['during'] * 1e3:.0f} ms (longest {d['longest'] * 1e3:.0f}), {d['ratio']:.2f}x; "
+                  f"TTFT {d['ttft']:.2f} s; {d['steps']} steps ({d['mixed_steps']} mixed); "
+                  f"CPU {d['cpu']:.2f} s  (load {load} -> {loadavg()})", flush=True)
     for side, ds in rows.items():
         med = {k: statistics.median(d[k] for d in ds) for k in ("before", "during", "ratio", "ttft", "cpu")}
-        print(f"{side:5s} median of {len(ds)}: before {med['before'] * 1e3:.0f} ms, during {med['during'] * 1e3:.0f} ms, "
-              f"{med['ratio']:.2f}x; TTFT {med['ttft']:.2f} s; CPU {med['cpu']:.2f} s")
+        print(f"{side:5s} median of {len(ds)}: before {med['before'] * 1e3:.0f} ms, "
+              f"during {med['during'] * 1e3:.0f} ms, {med['ratio']:.2f}x; TTFT {med['ttft']:.2f} s; "
+              f"CPU {med['cpu']:.2f} s")
     if "mixed" in scheds:
         s, cost = scheds["mixed"], scheds["mixed"]._mixed_cost
-        print(f"mixed: a decode step {s._step_cost * 1e3:.1f} ms (median of the last timed); what a piece adds, in "
-              f"steps (median of its last): " + ", ".join(f"{n}: {c:.2f}" for n, c in sorted(cost.items())))
+        adds = ", ".join(f"{n}: {c:.2f}" for n, c in sorted(cost.items()))
+        print(f"mixed: a decode step {s._step_cost * 1e3:.1f} ms (median of the last timed); what a piece "
+              f"adds, in steps (median of its last): {adds}")
     for s in scheds.values():
         s.close()
-    print(f"reproduce: RLX_NUM_THREADS={os.environ.get('RLX_NUM_THREADS', '')} {os.path.relpath(sys.executable)} "
-          f"{' '.join(sys.argv)}")
+    exe = os.path.relpath(sys.executable)
+    print(f"reproduce: RLX_NUM_THREADS={threads or ''} {exe} {' '.join(sys.argv)}")
 
 
 if __name__ == "__main__":

@@ -103,8 +103,8 @@ def test_mixed_logits_equal_each_sequence_alone(kind, backend):
     after = StateStore()
     prefilled(model, after, prompt[:b], piece_ctx)
     for n in fill:
-        np.testing.assert_allclose(model.backend.to_host(fill[n])[:, :, :b], model.backend.to_host(after[n])[:, :, :b],
-                                   atol=TOL, rtol=TOL, err_msg=n)
+        got, want = (model.backend.to_host(st[n])[:, :, :b] for st in (fill, after))
+        np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL, err_msg=n)
 
 
 def test_mixed_graph_takes_int_counts():
@@ -178,8 +178,8 @@ def waves(model, base: list, jobs: list, **kw) -> list:
 
 
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(jobs=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30), st.integers(1, 4)), min_size=2, max_size=3),
-       shared=st.integers(20, 60))
+@given(jobs=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30), st.integers(1, 4)), min_size=2,
+                     max_size=3), shared=st.integers(20, 60))
 def test_greedy_equal_mixed_and_prefix_cache_on_and_off(llama, jobs, shared):
     base = tokens(9, shared)
     reqs = [(base[:shared - 7 * k] + tokens(10 + i, extra), n) for i, (k, extra, n) in enumerate(jobs)]
@@ -264,7 +264,8 @@ def test_memory_report_counts_the_kv_once_with_mixed_graphs(llama):
         assert s.mixed_steps > 0
         with llama._lock:
             rep = s.memory_report()
-            held = sum(b.nbytes for st in (llama.states, s.cache.store, s._prefill.states) for b in st.values())
+            stores = (llama.states, s.cache.store, s._prefill.states)
+            held = sum(b.nbytes for st in stores for b in st.values())
         a.cancel()
         a.result(WAIT)
     assert rep["kv_bytes"] == held

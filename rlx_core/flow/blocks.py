@@ -314,7 +314,7 @@ class SelfAttention:
         attend as a decode step (one a row: the KV states at cache_pos under key_mask), the
         rest as an extend piece of one sequence (its own states, PIECE_PREFIX, at piece_pos
         under piece_mask); the heads joined again before o_proj."""
-        s, m, inp = self.spec, ctx.m, ctx.inputs
+        m, inp = ctx.m, ctx.inputs
         q, k, v = self.roped_qkv(ctx, x)                           # [1, heads, rows + piece, D]
 
         def decode_rows(t):                                        # -> [rows, heads, 1, D]
@@ -433,4 +433,5 @@ class L2Normalize:
         return y / m.maximum(n, self.eps)
 
 
-__all__ = ["AttnSpec", "SelfAttention", "continues_cache", "mixed_split", "PIECE_PREFIX", "PIECE_CTX", "GENERIC_BLOCKS", "L2Normalize"]
+__all__ = ["AttnSpec", "SelfAttention", "continues_cache", "mixed_split", "PIECE_PREFIX", "PIECE_CTX",
+           "GENERIC_BLOCKS", "L2Normalize"]

@@ -33,8 +33,10 @@ class PickMixed:
     its one-hot `last_token` marks ([1, D + P, hidden] -> [D + 1, 1, hidden])."""
 
     def emit(self, ctx, x):
-        m = ctx.m
-        d, p = mixed_split(ctx)
+        m, split = ctx.m, mixed_split(ctx)
+        if split is None:
+            raise ModelError("pick_mixed: needs a mixed graph's inputs (cache_pos, piece_pos, last_token)")
+        d, p = split
         rows = m.reshape(m.narrow(x, 1, 0, d), (d, 1, x.dims[-1]))
         last = m.matmul(ctx.inputs["last_token"], m.narrow(x, 1, d, p))
         return m.concat([rows, last], 0)
@@ -71,8 +73,8 @@ class DecoderFlow(abc.ABC):
     `loss`, the mean token cross-entropy, for `rlx_core.value_and_grad(g, wrt, "loss")`.
 
     `mixed` (`for_mixed(cfg, rows, piece)`, both ints; or the config's MIXED_ROWS and
-    MIXED_PIECE, so a recipe's own `flow(cfg, "mixed")` builds it) is one run doing a decode step of
-    `rows` sequences AND an extend piece of `piece` tokens of one more sequence, so the
+    MIXED_PIECE, so a recipe's own `flow(cfg, "mixed")` builds it) is one run doing a decode
+    step of `rows` sequences AND an extend piece of `piece` tokens of one more sequence, so the
     weights are read once for both (chunked prefill inside the decode step). Its token axis
     is packed: ids and positions [1, rows + piece], the decode tokens first. The decode part
     has decode's key_mask [rows, 1, 1, ctx] and cache_pos [rows] over the KV states; the piece
@@ -92,7 +94,8 @@ class DecoderFlow(abc.ABC):
             raise ModelError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "mixed" and batch == "batch" and seq == "seq":     # (through a recipe's flow(cfg, mode))
             batch, seq = cfg.get(MIXED_ROWS), cfg.get(MIXED_PIECE)
-        if mode == "mixed" and not (isinstance(batch, int) and isinstance(seq, int) and batch > 0 and seq > 0):
+        counts = isinstance(batch, int) and isinstance(seq, int) and batch > 0 and seq > 0
+        if mode == "mixed" and not counts:
             raise ModelError(f"a mixed graph takes a positive int count of decode rows and piece tokens, "
                              f"got {batch!r} and {seq!r}")
         self.cfg, self.mode, self.batch = dict(cfg), mode, batch

@@ -187,8 +187,10 @@ class CausalLM:
         not yet compiled: what `executable` compiles and `rlx inspect` shows. Mode "mixed"
         (a decode step of `rows` rows with an extend piece of `piece` tokens in one run: see
         rlx_core.flow.recipe.DecoderFlow) takes both counts."""
-        flow = self._mixed_flow(rows, piece, taps) if mode == "mixed" else self.recipe.flow(self.config, mode,
-                                                                                          taps=taps)
+        if mode == "mixed":
+            flow = self._mixed_flow(rows, piece, taps)
+        else:
+            flow = self.recipe.flow(self.config, mode, taps=taps)
         try:
             return flow.build(self.tensors, self.config, F32,
                               ignore_unused=getattr(self.recipe, "ignore_unused", ()))

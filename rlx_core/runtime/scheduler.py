@@ -360,7 +360,8 @@ class Scheduler:
         with self.model._lock:
             exes = [e for e in (self._prefill, self._extend, self._decode) if e is not None]
             stores = list({id(e.states): e.states for e in exes}.values())   # (extend shares the prefill's)
-            rep = memory_report(self.model, stores, exes + list(self._mixed.values()))   # (mixed: those buffers)
+            mixed = list(self._mixed.values())        # (their states: the buffers of those stores)
+            rep = memory_report(self.model, stores, exes + mixed)
             held = self.prefix.bytes if self.prefix is not None else 0
             rep["prefix_cache_bytes"] = held
             rep["total_bytes"] += held
@@ -511,8 +512,8 @@ class Scheduler:
             want = self._mixed_state_dims(rows)
             got = {n: tuple(spec.dims) for n, spec in _state_specs(exe).items()}
             if got != want:
-                self.mixed_refused = (f"its mixed graph's states {sorted(got)} are not the decode graph's and "
-                                      f"the prefill's {sorted(want)}")
+                self.mixed_refused = (f"its mixed graph's states {sorted(got)} are not the decode graph's "
+                                      f"and the prefill's {sorted(want)}")
                 return None
             self._mixed[key] = exe
         return self._mixed.get(key)
@@ -793,7 +794,8 @@ class Scheduler:
         self.prefill_runs += 1
         if self.prefix is not None:
             blk = self.prefix.block
-            self.prefix.insert(r.prompt_ids, self._prefill_exe().states, 0, b // blk * blk, snapshot=b % blk == 0)
+            self.prefix.insert(r.prompt_ids, self._prefill_exe().states, 0, b // blk * blk,
+                               snapshot=b % blk == 0)
 
     def _placed(self, r: Request, logits) -> None:
         """At the end of r's prompt, its choices placed (`logits` [1, vocab]: its last token's)."""
@@ -929,7 +931,8 @@ class Scheduler:
         feed = {"ids": np.concatenate([dfeed["ids"].T, pfeed["ids"]], 1),
                 "positions": np.concatenate([dfeed["positions"].T, pfeed["positions"]], 1),
                 "key_mask": dfeed["key_mask"], "cache_pos": dfeed["cache_pos"],
-                "piece_mask": pfeed["key_mask"], "piece_pos": pfeed["cache_pos"], "last_token": pfeed["last_token"]}
+                "piece_mask": pfeed["key_mask"], "piece_pos": pfeed["cache_pos"],
+                "last_token": pfeed["last_token"]}
         exe.fixed_dims = {"ctx": c.ctx, PIECE_CTX: ext.fixed_dims["ctx"]}
         self._bind_mixed()
         self.steps += 1
@@ -939,7 +942,7 @@ class Scheduler:
         t0 = time.perf_counter()
         last = b == len(r.prompt_ids)            # (then r's first token comes from the logits)
         greedy = None if last else self._greedy_ids(exe, feed, running)
-        logits = None if greedy is not None else exe.run(feed, fetch=("logits",))["logits"][:, -1]
+        logits: Any = None if greedy is not None else exe.run(feed, fetch=("logits",))["logits"][:, -1]
         if self._step_cost and timed:
             added = max((time.perf_counter() - t0) / self._step_cost - 1.0, 0.0)
             self._mixed_added.setdefault(run, collections.deque(maxlen=MIXED_RECENT)).append(added)
