@@ -84,7 +84,6 @@ def _quantize(w, scheme: str):
 
 def _rlx_ms(cfg: dict, params: dict, tokens: int, scheme: str, reps: int) -> float:
     """Median ms of one CUDA-graph replay of the block at `tokens` tokens."""
-    import cupy as cp
     import numpy as np
 
     import rlx_core
@@ -107,18 +106,7 @@ def _rlx_ms(cfg: dict, params: dict, tokens: int, scheme: str, reps: int) -> flo
         runner.run(arrays)
     if runner.graph is None:
         raise SystemExit(f"no CUDA graph was captured: {runner.describe()}")
-    s = runner.stream
-    times = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        with s:
-            a.record(s)
-            for _ in range(20):
-                runner.graph.launch(s)
-            b.record(s)
-            b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) / 20)
-    return statistics.median(times)
+    return statistics.median(runner.replay_seconds(20) * 1e3 for _ in range(reps))
 
 
 def side_rlx(cfg: dict, tokens: list, scheme: str, reps: int, gemv_too: bool) -> dict:

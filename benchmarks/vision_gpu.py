@@ -100,23 +100,10 @@ def time_calls(fn, warmup: int, repeat: int) -> tuple:
 
 # ----------------------------------------------------------------------------- the sides
 def replay_s(exe, feed: dict, times: int = 10) -> float | None:
-    """RLX's device time of one forward: its runner's CUDA graph replayed alone, timed with
-    CUDA events (no host staging, upload or download); None where the runner has no graph."""
-    import cupy as cp
-
+    """RLX's device time of one forward: its runner's CUDA graph replayed alone (no host
+    staging, upload or download); None where the runner has no graph."""
     runner, _, _ = exe.prepare(feed)
-    if getattr(runner, "graph", None) is None:
-        return None
-    s = runner.stream
-    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    with s:
-        runner.graph.launch(s)
-        e0.record(s)
-        for _ in range(times):
-            runner.graph.launch(s)
-        e1.record(s)
-        e1.synchronize()
-    return cp.cuda.get_elapsed_time(e0, e1) / 1e3 / times
+    return None if getattr(runner, "graph", None) is None else runner.replay_seconds(times)
 
 
 def rlx_label(part: int) -> str:

@@ -27,22 +27,6 @@ def big_matmuls() -> Graph:
     return Graph.define("big_matmuls", f)
 
 
-def replay_seconds(runner, times: int = 20) -> float:
-    """The runner's captured CUDA graph alone, timed with events (no input or output copies)."""
-    import cupy as cp
-
-    s = runner.stream
-    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    with s:
-        runner.graph.launch(s)
-        e0.record(s)
-        for _ in range(times):
-            runner.graph.launch(s)
-        e1.record(s)
-        e1.synchronize()
-    return cp.cuda.get_elapsed_time(e0, e1) / 1e3 / times
-
-
 def test_event_times_match_the_graph_replay(rng):
     """The sum of the per-node event medians is within 25% of the graph replay: eager
     launches leave gaps the replay has not (a few us a kernel, ~1% here), and the events
@@ -53,7 +37,7 @@ def test_event_times_match_the_graph_replay(rng):
     rep = exe.profile(inputs, repeat=10)
     runner, _, _ = exe.prepare(inputs)
     assert runner.graph is not None, runner.describe()
-    replay = replay_seconds(runner)
+    replay = runner.replay_seconds()
     assert rep.total_s == pytest.approx(replay, rel=0.25), (replay, rep.table())
     assert "CUDA events" in rep.clock and rep.copy_bytes_per_s > 0
     assert len(rep.nodes) == len({n.index for n in rep.nodes})
