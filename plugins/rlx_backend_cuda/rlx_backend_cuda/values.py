@@ -9,7 +9,8 @@ from rlx_core.ir.dtype import DType
 
 # dependent_launch: RLX_CUDA_DEPENDENT_LAUNCH=0 launches every kernel as CuPy does (device.Kernel)
 # gemv_fusion (read at build): residual RMSNorms computed inside the decode GEMVs (ops.GemvNorm);
-# RLX_CUDA_GEMV_FUSION=1 turns it on (off by default: not yet measured on a GPU)
+# RLX_CUDA_GEMV_FUSION=1 turns it on. Off by default: correct on the H200 (2026-12-03) but slower there,
+# Llama-1B-shaped decode b1 1.333 ms/step on vs 1.115 off (benchmarks/README.md, llm_gpu.py)
 CONFIG = {"gemv": True, "tc_attention": True, "wg_attention": True, "lt_epilogue": True, "graphs": True,
           "short_attention": os.environ.get("RLX_CUDA_SHORT_ATTENTION", "1") != "0",
           "copy16": os.environ.get("RLX_CUDA_COPY16", "1") != "0",
