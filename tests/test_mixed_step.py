@@ -269,3 +269,43 @@ def test_memory_report_counts_the_kv_once_with_mixed_graphs(llama):
         a.cancel()
         a.result(WAIT)
     assert rep["kv_bytes"] == held
+
+
+def test_warm_mixed_builds_every_graph_a_step_can_pick(llama, monkeypatch):
+    """After warm_mixed (the server's warm-up) a long prompt riding in the steps builds no
+    graph, at whatever piece lengths its measured costs choose (budgets 0.5 and 4: short and
+    long pieces), nor after release_cache (the graphs stay built, their runners go)."""
+    built: list = []
+    build = llama.executable_over
+
+    def counted(mode, states, rows=0, piece=0):
+        built.append((mode, rows, piece))
+        return build(mode, states, rows, piece)
+
+    s = Scheduler(llama, max_batch=2, prefill_chunk=16, prefix_cache_mb=0, stall_budget=0.5)
+    monkeypatch.setattr(llama, "executable_over", counted)
+    assert s.warm_mixed() == 2 * 5                         # batch buckets 1, 2 x pieces 1, 2, 4, 8, 16
+    assert sorted(k for k in s._mixed) == [(r, p) for r in (1, 2) for p in (1, 2, 4, 8, 16)]
+    assert sorted((r, p) for mode, r, p in built if mode == "mixed") == sorted(s._mixed)
+    long = tokens(2, 100)
+    with s:
+        for budget in (0.5, 4.0):
+            s.stall_budget = budget
+            del built[:]
+            started = threading.Event()
+            a = s.submit(tokens(1, 6), max_tokens=200, ignore_eos=True, on_event=lambda ev: started.set())
+            assert started.wait(WAIT)
+            steps = s.mixed_steps
+            got = s.submit(long, max_tokens=3, ignore_eos=True).result(WAIT).token_ids
+            a.cancel()
+            a.result(WAIT)
+            assert s.mixed_steps > steps and got == alone(llama, long, 3)
+            assert [b for b in built if b[0] == "mixed"] == []
+            s.release_cache()
+            assert len(s._mixed) == 10 and all(not exe._runners for exe in s._mixed.values())
+
+
+def test_warm_mixed_builds_nothing_where_the_scheduler_does_not_mix(llama):
+    for kw in ({"mixed": False}, {"prefill_chunk": 0}):
+        with Scheduler(llama, max_batch=2, **{"prefill_chunk": 16, **kw}) as s:
+            assert s.warm_mixed() == 0 and not s._mixed

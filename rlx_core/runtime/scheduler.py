@@ -33,9 +33,10 @@ the weights are read once for both; a run's fixed cost (on a CPU, reading every 
 about a decode step) is then not paid again for the piece. One piece a step, of a prompt with
 more than PAD_TAIL tokens left (shorter ones are prefilled alone, whole, before the step, so
 requests arriving together join the batch together); the mixed graphs specialize per (batch
-bucket, piece length: powers of two). Families whose layers do not split the packed tokens,
-and models whose pieces cannot pad, run their pieces alone as before (`mixed_refused` says why
-where a mixed graph was refused).
+bucket, piece length: powers of two), all built by `warm_mixed` (the server's warm-up), so
+a length's first step only specializes its graph to the cache's buffers. Families whose
+layers do not split the packed tokens, and models whose pieces cannot pad, run their pieces
+alone as before (`mixed_refused` says why where a mixed graph was refused).
 
 Submission is thread-safe (`Scheduler.submit` from any thread); one scheduler thread runs
 the model, holding the backend's lock for each step, so direct `generate` calls on the same
@@ -367,17 +368,40 @@ class Scheduler:
             rep["total_bytes"] += held
             return rep
 
+    def warm_mixed(self) -> int:
+        """Build now the mixed graph of every (batch bucket, piece length) a mixed step can
+        pick (`_piece_lengths`), so that none is built while the streams wait on the step
+        that first needs it: a build costs 0.3-0.6 s for SmolLM2 on 2 CPU cores, tens of
+        decode steps. What a length's first step still does is specialize its graph to the
+        batch cache's buffers (~40 ms there). The server calls this while warming up (before
+        /health says ready); release_cache keeps the graphs. Returns how many mixed graphs
+        are built (0 where this scheduler does not mix: `_mixes`, `mixed_refused`)."""
+        with self.model._lock:
+            if not self._mixes():
+                return 0
+            for rows in self.buckets:
+                for piece in self._piece_lengths():
+                    if self._mixed_exe(rows, piece) is None:
+                        return 0
+            return len(self._mixed)
+
+    def _piece_lengths(self) -> list:
+        """The lengths a riding piece can have: powers of two up to the chunk (`_piece`: a
+        piece is a power of two; a tail short enough to pad runs alone, `_short_ones_alone`)."""
+        return [1 << i for i in range(self._chunk().bit_length())]
+
     def release_cache(self) -> None:
         """Drop the KV caches (the batched decode's and the last prefill's) with their
-        executables (rebuilt by the next request, ~0.1 s each: the model is not reloaded)
-        and trim the heap, so the memory long requests took goes back once the scheduler has
+        executables (rebuilt by the next request, ~0.1 s each: the model is not reloaded;
+        the mixed graphs stay built, without their runners and arenas) and trim the heap, so the memory long requests took goes back once the scheduler has
         been idle IDLE_RELEASE_S seconds (the scheduler thread calls this). The prefix cache
         stays (bounded by prefix_cache_mb): the next turn of a chat comes after a pause."""
         with self.model._lock:
             if self.cache is not None:
                 self.cache.clear()
             self.cache = self._decode = self._prefill = self._extend = None
-            self._mixed.clear()
+            for exe in self._mixed.values():     # (kept, built: `warm_mixed`; their arenas go)
+                _drop_runners(exe)
             self._mixed_states.clear()
             self._fill_ctx = 0
         trim_heap()
@@ -1091,6 +1115,14 @@ class Scheduler:
 def _average(old: float | None, new: float) -> float:
     """A moving average of run costs (COST_EMA the newest's weight): follows the load."""
     return new if old is None else (1 - COST_EMA) * old + COST_EMA * new
+
+
+def _drop_runners(exe) -> None:
+    """Forget exe's specialized runners (their arenas, and the state buffers they hold):
+    the graph stays compiled, a later run specializes it again."""
+    exe._runners.clear()
+    exe._bound.clear()
+    exe.lir_cache.clear()
 
 
 def _state_specs(exe) -> dict:

@@ -126,13 +126,20 @@ class Served:
 
     def warm(self) -> None:
         """Build every model's executables before /health says ready: a causal model runs one
-        greedy request of two tokens (its prefill and decode graphs), an encoder embeds once."""
+        greedy request of two tokens (its prefill and decode graphs) and builds its mixed
+        graphs (Scheduler.warm_mixed: none then builds while streams wait), an encoder embeds
+        once."""
         from ..runtime.model import CausalLM
 
         for name, m in self.models.items():
             if name in self.schedulers:
                 params = SamplingParams.checked(max_new_tokens=2, ignore_eos=True)
                 self.schedulers[name].submit([0], params).result()
+                if name not in self.groups:             # (a group's ranks build their own graphs)
+                    t0 = time.perf_counter()
+                    built = self.schedulers[name].warm_mixed()
+                    if built:
+                        log.info("'%s': %d mixed graphs built in %.1f s", name, built, time.perf_counter() - t0)
             elif name in self.groups:
                 self.groups[name].embed([[0, 0]])
             elif embeds_images(m):
