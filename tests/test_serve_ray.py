@@ -43,6 +43,8 @@ def test_builder_args_are_checked():
         "max_tokens": None, "scheduler_options": {}}
     assert options({"model": "m", "prefix_cache_mb": "64", "prefill_chunk": 128, "stall_budget": "0.25"})[
         "scheduler_options"] == {"prefix_cache_mb": 64.0, "prefill_chunk": 128, "stall_budget": 0.25}
+    for value, mixed in (("false", False), (False, False), ("True", True)):
+        assert options({"model": "m", "mixed": value})["scheduler_options"] == {"mixed": mixed}
     for bad, what in (({"model": "m", "replica": 2}, r"unknown arg\(s\) \['replica'\]"),
                       ({"model": "m", "replicas": "0"}, r"replicas='0'; expected a whole number >= 1"),
                       ({"model": "m", "tp": "two"}, r"tp='two'"),
@@ -51,7 +53,8 @@ def test_builder_args_are_checked():
                       ({"model": "m", "prefix_cache_mb": "lots"}, r"prefix_cache_mb='lots'; expected a number"),
                       ({"model": "m", "prefix_cache_mb": -1}, r"prefix_cache_mb=-1"),
                       ({"model": "m", "prefill_chunk": 0}, r"prefill_chunk=0"),
-                      ({"model": "m", "stall_budget": "-1"}, r"stall_budget='-1'; expected a number >= 0")):
+                      ({"model": "m", "stall_budget": "-1"}, r"stall_budget='-1'; expected a number >= 0"),
+                      ({"model": "m", "mixed": "no"}, r"mixed='no'; expected true or false")):
         with pytest.raises(ModelError, match=what):
             options(bad)
 

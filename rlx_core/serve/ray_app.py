@@ -12,7 +12,8 @@ actor. Ray does the placement, routing and restarts; nothing here is cluster cod
 or `serve run rlx_core.serve.ray_app:app_builder model=NAME replicas=2`. The args:
 `model` (a name or path, or a list of them), `backend`, `profile`, `replicas` (default 1),
 `tp` (ranks per replica, default 1), `max_batch` (default 8), `max_tokens` (chat default),
-`prefix_cache_mb`, `prefill_chunk` and `stall_budget` (each replica's scheduler: `rlx serve`'s flags).
+`prefix_cache_mb`, `prefill_chunk`, `stall_budget` and `mixed` (false: `rlx serve --no-mixed`) (each
+replica's scheduler: `rlx serve`'s flags).
 The deployment is named "rlx": a config's `deployments:` entry of that name sets Ray's own
 options (ray_actor_options such as num_gpus, autoscaling). Needs the cluster extra:
 pip install 'rlx-core[cluster]'.
@@ -45,7 +46,7 @@ KEYS = {"model": "a model name or path, or a list of them", "backend": "a backen
         "profile": "a profile name or .rlx.toml path", "replicas": "a whole number >= 1",
         "tp": "a whole number >= 1", "max_batch": "a whole number >= 1",
         "max_tokens": "a whole number >= 1", "prefix_cache_mb": "a number >= 0",
-        "prefill_chunk": "a whole number >= 1", "stall_budget": "a number >= 0"}
+        "prefill_chunk": "a whole number >= 1", "stall_budget": "a number >= 0", "mixed": "true or false"}
 
 
 def require() -> None:
@@ -90,7 +91,8 @@ def options(args: dict) -> dict:
 
 
 def _scheduler_options(args: dict) -> dict:
-    """prefix_cache_mb and stall_budget (numbers >= 0) and prefill_chunk (a count), where given."""
+    """prefix_cache_mb and stall_budget (numbers >= 0), prefill_chunk (a count) and mixed (true
+    or false), where given."""
     out = {}
     for key in ("prefix_cache_mb", "stall_budget"):
         if args.get(key) is None:
@@ -105,7 +107,20 @@ def _scheduler_options(args: dict) -> dict:
         out[key] = number
     if args.get("prefill_chunk") is not None:
         out["prefill_chunk"] = _count(args, "prefill_chunk", None)
+    if args.get("mixed") is not None:
+        out["mixed"] = _flag(args, "mixed")
     return out
+
+
+def _flag(args: dict, key: str) -> bool:
+    """args[key] as a bool (serve run passes strings: "false" is False)."""
+    value = args[key]
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "false"):
+        return text == "true"
+    raise ModelError(f"rlx Ray Serve app: {key}={value!r}; expected {KEYS[key]}")
 
 
 class MetricsHub:
