@@ -48,7 +48,7 @@ from rlx_core.ir.quant import QuantScheme
 
 from . import moe_igemm, quant_kernels
 from .cblas import SGEMM
-from .codegen import ACT, PAR_MIN, SWIGLU_HEAD, load_source
+from .codegen import ACT, PAR_MIN, SWIGLU_HEAD, as_step, bindable, load_source
 from .quant_kernels import BLOCK, F16, FORMATS
 from .simd import hsum, load_f32
 
@@ -101,6 +101,65 @@ def route(ids, n_experts, weights):
             count[e] += 1
             tok[s], wt[s], slot[t, j] = t, weights[t, j], s
     return tok, wt, slot, experts, starts, np.int64(-1)
+
+
+@njit(cache=True, error_model="numpy")
+def _above(v, u):
+    """v ranks above u: larger, or u is NaN and v is not (NaN ranks last, as in a sort)."""
+    return v > u or (u != u and v == v)
+
+
+@njit(cache=True, error_model="numpy")
+def route_rows(z, topk_softmax, normalize, w, ids):
+    """moe_route over the rows of z [T, E] into w, ids [T, k] (rlx_core.ir.moe's spec): each
+    row's k largest logits, largest first, the lowest id first on ties (softmax is monotone,
+    so they are the k largest probabilities too), weighted by the softmax over the row
+    (topk_softmax: over the k; normalize: rescaled to sum 1), computed in float64. One
+    serial pass a row: a decode step's route is microseconds, where the NumPy kernel's
+    dozen array calls cost ~50 us."""
+    t_, e_ = z.shape
+    k = w.shape[1]
+    top = np.empty(k, np.float64)
+    for t in range(t_):
+        n = 0
+        for e in range(e_):
+            v = np.float64(z[t, e])
+            if n == k and not _above(v, top[k - 1]):
+                continue
+            pos = n if n < k else k - 1
+            while pos > 0 and _above(v, top[pos - 1]):
+                top[pos], ids[t, pos] = top[pos - 1], ids[t, pos - 1]
+                pos -= 1
+            top[pos], ids[t, pos] = v, e
+            n = min(n + 1, k)
+        m = top[0] if np.isfinite(top[0]) else 0.0
+        s = 0.0
+        if topk_softmax:
+            for j in range(k):
+                s += np.exp(top[j] - m)
+        else:
+            for e in range(e_):
+                s += np.exp(np.float64(z[t, e]) - m)
+        s = s if s != 0 else 1.0
+        picked = 0.0
+        for j in range(k):
+            picked += np.exp(top[j] - m) / s
+        for j in range(k):
+            p = np.exp(top[j] - m) / s
+            w[t, j] = p / picked if normalize and not topk_softmax else p
+
+
+def prepare_moe_route(a, outs, protos, op=None):
+    """A runner step for `moe_route` over f32 or f64 logits [..., E] (route_rows), or None
+    (f16/bf16: the NumPy backend's kernel runs it)."""
+    z, (w, ids) = protos[0], outs
+    if (z.dtype not in (np.float32, np.float64) or w.dtype != z.dtype or ids.dtype != np.int64 or w.size == 0
+            or not (z.flags.c_contiguous and w.flags.c_contiguous and ids.flags.c_contiguous)):
+        return None
+    e, k = z.shape[-1], a["k"]
+    flags = (a["order"] == "topk_softmax", bool(a["normalize"]))
+    w2, ids2 = w.reshape(-1, k), ids.reshape(-1, k)
+    return as_step(bindable(route_rows, lambda z: (z.reshape(-1, e), *flags, w2, ids2)))
 
 
 @njit(**_OPT)
@@ -591,12 +650,33 @@ def _igemm_groups(kind: str, blocks: dict, stack, experts, starts, dst) -> None:
 
 def _stack_kind(w: np.ndarray, scheme: str) -> str | None:
     """The kernel format of one expert stack, or None where no kernel here reads it."""
-    if w.ndim != 3 or not w.flags.c_contiguous:
+    return _format_of(w.dtype, w.ndim, scheme) if w.flags.c_contiguous else None
+
+
+def _format_of(dtype, ndim: int, scheme: str) -> str | None:
+    """The kernel format of a stack of this dtype, rank and scheme, or None (no kernel here)."""
+    if ndim != 3:
         return None
     if not scheme:
-        return "" if w.dtype == np.float32 else None
+        return "" if dtype == np.float32 else None
     kind = _kind(scheme)
-    return kind if kind in FORMATS and w.dtype == np.uint8 else None
+    return kind if kind in FORMATS and dtype == np.uint8 else None
+
+
+def rounds_x_itself(g, node) -> bool:
+    """The step prepare_moe_experts builds for `moe_experts` node `node` of the static graph g
+    rounds x through int8_b32 itself when x comes from such a rounding (every form quantizes
+    x's rows: quantize_x in the GEMV, quantize_rows in the GEMMs), so that fake_quantize is
+    redundant (quant_kernels.redundant_roundings). Its checks are prepare_moe_experts', on
+    the graph's shapes (the stacks' layout is checked again when the step is made)."""
+    x, weights, ids, *stacks = (g.shape_of(r) for r in node.inputs)
+    o = node.outs[0]
+    f32 = np.dtype(np.float32)
+    if (x.rank < 2 or x.dtype.np != f32 or weights.dtype.np != f32 or o.dtype.np != f32 or o.nbytes() == 0
+            or not ids.dtype.is_int):
+        return False
+    kinds = tuple(_format_of(w.dtype.np, w.rank, s) for w, s in zip(stacks, node.a["schemes"]))
+    return None not in kinds and int8_up(kinds) and not (node.a["int8_h"] and not kinds[2])
 
 
 def prepare_moe_experts(a, outs, protos, op=None):
@@ -624,7 +704,9 @@ def prepare_moe_experts(a, outs, protos, op=None):
     def step(a_, o_, x, weights, ids, gate, up, down):        # tokens: every leading dim
         run_moe_experts(mod, kinds, x.reshape(-1, hidden), weights.reshape(-1, k), ids.reshape(-1, k),
                         gate, up, down, out, int8_x, int8_h)
+    step.rounds_x = int8_x        # x's int8 blocks made here: the fake_quantize before is redundant
     return step
 
 
-__all__ = ["GROUP_GEMM", "GROUP_GEMM_INT8", "gemv_slices", "kernels", "prepare_moe_experts", "route", "run_moe_experts"]
+__all__ = ["GROUP_GEMM", "GROUP_GEMM_INT8", "gemv_slices", "kernels", "prepare_moe_experts",
+           "prepare_moe_route", "rounds_x_itself", "route", "route_rows", "run_moe_experts"]

@@ -1059,15 +1059,21 @@ def rounds_x_itself(a, rows: int) -> bool:
 
 def redundant_roundings(g) -> frozenset:
     """The fake_quantize nodes (to int8_b32) of the static graph g whose every reader is a
-    dequant_matmul step that rounds x itself (as prepare_dequant_matmul builds it). The
-    backend plans them as views of x (NumbaBackend.planned_layouts), so x's bytes live until
-    the last reader, which then reads x itself (NumbaRunner drops the rounding)."""
+    dequant_matmul or moe_experts step that rounds x itself (as prepare_dequant_matmul /
+    moe.prepare_moe_experts build them). The backend plans them as views of x
+    (NumbaBackend.planned_layouts), so x's bytes live until the last reader, which then
+    reads x itself (NumbaRunner drops the rounding)."""
+    from .moe import rounds_x_itself as moe_rounds_x_itself
+
     users = g.consumers()
 
     def rounds(r: int, ref: tuple) -> bool:
         n = g.nodes[r] if r >= 0 else None
-        if n is None or n.op != "dequant_matmul" or [tuple(i) for i in n.inputs].index(ref) != 0:
+        if (n is None or n.op not in ("dequant_matmul", "moe_experts")
+                or [tuple(i) for i in n.inputs].index(ref) != 0):
             return False
+        if n.op == "moe_experts":
+            return moe_rounds_x_itself(g, n)
         x, o = g.shape_of(n.inputs[0]), n.outs[0]
         return (_has_kernel(QuantScheme.parse(n.a["scheme"]).kind, x.dtype.np, o.dtype.np, o.nbytes())
                 and rounds_x_itself({"int8_x": True}, math.prod(x.dims[:-1])))

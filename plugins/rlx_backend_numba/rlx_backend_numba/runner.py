@@ -26,7 +26,7 @@ from . import codegen
 from . import kernels as K
 from . import quant_kernels
 from .deltanet import prepare_causal_conv1d, prepare_gated_delta_rule
-from .moe import prepare_moe_experts
+from .moe import prepare_moe_experts, prepare_moe_route
 from . import cblas
 from .cblas import SGEMM
 from .simd import LANES
@@ -375,7 +375,7 @@ PREPARE["dequant_matmul"] = quant_kernels.prepare_dequant_matmul
 PREPARE["dequantize"] = quant_kernels.prepare_dequantize
 PREPARE["fake_quantize"] = quant_kernels.prepare_fake_quantize
 PREPARE.update(gated_delta_rule=prepare_gated_delta_rule, causal_conv1d=prepare_causal_conv1d)
-PREPARE["moe_experts"] = prepare_moe_experts
+PREPARE.update(moe_experts=prepare_moe_experts, moe_route=prepare_moe_route)
 
 
 def _kv_layout(a, cache, pos, other):
@@ -518,8 +518,8 @@ class NumbaRunner(NumpyRunner):
                     made = PREPARE[node.op](a, out, [protos[j] for j in ins], op=node.op)
                 if made is not None and i in rewrites:
                     written.add(rewrites[i])
-                if made is not None and node.op == "dequant_matmul" and quant_kernels.rounds_x_itself(
-                        a, math.prod(x.shape[:-1])):
+                if made is not None and (getattr(made, "rounds_x", False) or node.op == "dequant_matmul"
+                                         and quant_kernels.rounds_x_itself(a, math.prod(x.shape[:-1]))):
                     self_rounding.add(i)
                 fn = made or fn
             steps.append((i, is_view, fn, a, ins, out))

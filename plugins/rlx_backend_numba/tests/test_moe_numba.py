@@ -322,3 +322,102 @@ def test_runner_rounds_h_where_the_op_says(rng, lead, monkeypatch):
     close_either_way(want.reshape(t, H).astype(np.float64), ref, moves)
     unrounded = rlx_core.compile(moe_graph(lead, 2, schemes, int8=True), backend="numpy").run(inputs)["y"]
     assert np.abs(want - unrounded).max() > 1e-6 * np.abs(want).max()
+
+
+def test_rounding_twice_keeps_the_int8_blocks(rng):
+    """Why the fake_quantize before a step that rounds x itself is redundant: rounding x's
+    int8_b32 rounding again gives the same int8 values and scales within one ulp (the scale
+    of the rounded block is fl(fl(127 d) / 127), d itself in ~99% of blocks), blocks of
+    zeros, of one value and of mixed magnitudes included."""
+    from rlx_backend_numba.quant_kernels import quantize_x
+    x = (rng.standard_normal((64, H)) * rng.uniform(1e-3, 1e3, (64, 1))).astype(np.float32)
+    x[0, :32] = 0
+    x[1, :32] = -3.25
+    x[2, ::7] = 0
+    nb = H // 32
+    for row in x:
+        q1, d1, s1 = np.empty(H, np.int8), np.empty(nb, np.float32), np.empty(nb, np.float32)
+        q2, d2, s2 = np.empty(H, np.int8), np.empty(nb, np.float32), np.empty(nb, np.float32)
+        quantize_x(row, q1, d1, s1)
+        quantize_x(int8_rounded(row[None])[0], q2, d2, s2)
+        np.testing.assert_array_equal(q1, q2)
+        assert np.all(np.abs(d1.view(np.int32) - d2.view(np.int32)) <= 1)
+        np.testing.assert_array_equal(int8_rounded(row[None])[0], np.repeat(d1, 32) * q1.astype(np.float32))
+
+
+@pytest.mark.parametrize("lead", [(1,), (37,)], ids=str)
+def test_runner_drops_the_rounding_the_step_does_itself(rng, lead, monkeypatch):
+    """x through a fake_quantize to int8_b32 read only by a moe_experts step that rounds x
+    itself (gate and up packed; GEMV at one token, igemm at 37): numba plans the rounding
+    away (quant_kernels.redundant_roundings) and the step reads x; its output equals the
+    same graph with the rounding kept (the drop disabled) and the NumPy backend's. Where
+    gate is dense the step multiplies x in f32: the rounding stays."""
+    from rlx_backend_numba import quant_kernels
+
+    monkeypatch.setattr(M, "GROUP_GEMM_INT8", 1.0)
+    schemes = TRIPLES[3]
+    f64, t, x, weights, ids, inputs = runner_inputs(rng, schemes, lead)
+    g = moe_graph(lead, 2, schemes, int8=True, int8_h=True)
+
+    def compiled(g):
+        exe = rlx_core.compile(g, backend="numba")
+        runner = exe.runner(exe._bind_dims(inputs))
+        return exe.run(inputs)["y"], [runner.graph.nodes[i].op for i, *_ in runner.steps]
+
+    dropped, ops = compiled(g)
+    assert "fake_quantize" not in ops and "moe_experts" in ops
+    with monkeypatch.context() as m:
+        m.setattr(quant_kernels, "redundant_roundings", lambda g: frozenset())
+        kept, kept_ops = compiled(g)
+    assert "fake_quantize" in kept_ops
+    scale = float(np.abs(kept).max())
+    np.testing.assert_allclose(dropped, kept, rtol=1e-6, atol=1e-6 * scale)
+    want = rlx_core.compile(g, backend="numpy").run(inputs)["y"]
+    ref, moves = rounded_h_ways(int8_rounded(x).astype(np.float64), weights, ids, *f64)
+    close_either_way(dropped.reshape(t, H).astype(np.float64), ref, moves)
+    close_either_way(want.reshape(t, H).astype(np.float64), ref, moves)
+
+    dense_gate = ("", "q4_k", "q6_k")
+    _, _, _, _, _, inputs = runner_inputs(rng, dense_gate, lead)
+    _, ops = compiled(moe_graph(lead, 2, dense_gate, int8=True))
+    assert "fake_quantize" in ops
+
+
+# --------------------------------------------------------------------------- moe_route
+@pytest.mark.parametrize("dt", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("order,normalize", [("softmax_topk", False), ("softmax_topk", True),
+                                             ("topk_softmax", False)])
+def test_route_step_equals_the_float64_spec(rng, dt, order, normalize, monkeypatch):
+    """numba's moe_route step (route_rows) for every router variant, k = 1, 3 and E, tokens
+    over [batch, seq], against ops_suite_moe's float64 reference (ids exactly, ties to the
+    lowest id: rows with a tied pair at the top, at the k-th place and among equal rows) and
+    the NumPy backend's kernel."""
+    from rlx_core.ir.dtype import F64
+    from rlx_core.testing.ops_suite_moe import ref_moe_route
+
+    calls = []
+    real = M.route_rows
+    monkeypatch.setattr(M, "route_rows", lambda *args: calls.append(args[0].shape) or real(*args))
+    e = 16
+    z = (rng.standard_normal((2, 5, e)) * 3).astype(dt)
+    z[0, 0, 3] = z[0, 0, 9] = z[0, 0].max() + 1           # a tie at the top: id 3 first
+    z[0, 1, :] = 0.5                                          # every expert tied: ids 0, 1, 2, ...
+    z[1, 2, [4, 11]] = np.sort(z[1, 2])[-3]                   # a tie at the 3rd place
+    for k in (1, 3, e):
+        m = Builder("route", "mir")
+        z_in = m.input("z", z.shape, F32 if dt == np.float32 else F64)
+        w, ids = m.add("moe_route", (z_in,), k=k, order=order, normalize=normalize)
+        m.output("w", w)
+        m.output("ids", ids)
+        g = m.build()
+        calls.clear()
+        got = rlx_core.compile(g, backend="numba").run({"z": z})
+        assert calls == [(10, e)], "numba's kernel did not run (once, over the 10 tokens)"
+        want_w, want_ids = ref_moe_route(z, k, order, normalize)
+        np.testing.assert_array_equal(got["ids"], want_ids)
+        tol = 1e-6 if dt == np.float32 else 1e-13
+        np.testing.assert_allclose(got["w"], want_w, rtol=tol, atol=tol)
+        assert got["w"].dtype == dt
+        numpy_out = rlx_core.compile(g, backend="numpy").run({"z": z})
+        np.testing.assert_array_equal(numpy_out["ids"], got["ids"])
+        np.testing.assert_allclose(numpy_out["w"], got["w"], rtol=1e-6, atol=1e-6)
