@@ -27,8 +27,8 @@ Sides, each in its own process with `--threads` threads (numba's, BLAS's, llama.
              fake_quantize to int8_b32 first): the numba runner with its kernels vs the same
              graph with moe_route / moe_experts legalized into their composites (every expert
              on every token), median ms per step of `--layer-steps` runs (best and CPU seconds
-             beside), the route alone (moe_route's NumPy kernel, which the numba runner keeps:
-             no numba kernel), and the kernels' `--prefill`-token step
+             beside), the route alone (numba's moe_route step, route_rows, beside the NumPy
+             kernel it replaced), and the kernels' `--prefill`-token step
 Prints the hardware, the load average, each side's numbers and the ratios numba / llama.cpp
 (targets: decode <= 1.0x, prefill <= 0.7x, peak RSS <= file + 300 MB).
 """
@@ -234,15 +234,20 @@ def side_layer(a) -> dict:
         pre = rlx_core.compile(layer_graph(a, schemes, a.prefill), backend="numba", params=params)
         pre.run(many)
         out["prefill"] = timed(lambda: pre.run(many), max(3, a.layer_steps // 4))
-    if not a.legalized:              # moe_route alone: the NumPy kernel the runner keeps
+    if not a.legalized:              # moe_route alone: the NumPy kernel, numba's step as the runner calls it
+        from rlx_backend_numba.moe import prepare_moe_route
         from rlx_core.ir.numpy_kernels import KERNELS
         logits = rng.standard_normal((1, a.experts)).astype(np.float32)
         w, i = np.empty((1, a.k), np.float32), np.empty((1, a.k), np.int64)
         attrs = {"k": a.k, "order": "softmax_topk", "normalize": False}
-        t0 = time.perf_counter()
-        for _ in range(1000):
-            KERNELS["moe_route"](attrs, [w, i], logits)
-        out["route_s"] = (time.perf_counter() - t0) / 1000
+        step = prepare_moe_route(attrs, [w, i], [logits]).bind(attrs, [w, i], logits)
+        numpy_route = lambda: KERNELS["moe_route"](attrs, [w, i], logits)  # noqa: E731
+        for key, call in (("route_s", numpy_route), ("route_numba_s", step)):
+            call()
+            t0 = time.perf_counter()
+            for _ in range(1000):
+                call()
+            out[key] = (time.perf_counter() - t0) / 1000
     return out
 
 
@@ -362,7 +367,8 @@ def report(a, res: dict) -> None:
     if lay:
         log(f"one MoE layer, decode step (1 token, q4_k, {a.activations} activations): numba kernels {lay['step_s'] * 1e3:.2f} ms "
             f"(median; best {lay['best_s'] * 1e3:.2f}, CPU {lay['cpu_s'] * 1e3:.2f}), "
-            f"moe_route's NumPy kernel alone {lay['route_s'] * 1e6:.0f} us")
+            f"moe_route alone: numba's step {lay['route_numba_s'] * 1e6:.1f} us (the NumPy kernel "
+            f"{lay['route_s'] * 1e6:.0f} us)")
         p = lay["prefill"]
         log(f"one MoE layer, prefill step ({a.prefill} tokens): numba kernels {p['step_s'] * 1e3:.1f} ms (median; best "
             f"{p['best_s'] * 1e3:.1f}, CPU {p['cpu_s'] * 1e3:.1f})")
