@@ -345,19 +345,21 @@ def test_rounding_twice_keeps_the_int8_blocks(rng):
         np.testing.assert_array_equal(int8_rounded(row[None])[0], np.repeat(d1, 32) * q1.astype(np.float32))
 
 
+@pytest.mark.parametrize("int8_h", [True, False], ids=["int8_h", "f32_h"])
 @pytest.mark.parametrize("lead", [(1,), (37,)], ids=str)
-def test_runner_drops_the_rounding_the_step_does_itself(rng, lead, monkeypatch):
+def test_runner_drops_the_rounding_the_step_does_itself(rng, lead, int8_h, monkeypatch):
     """x through a fake_quantize to int8_b32 read only by a moe_experts step that rounds x
-    itself (gate and up packed; GEMV at one token, igemm at 37): numba plans the rounding
-    away (quant_kernels.redundant_roundings) and the step reads x; its output equals the
-    same graph with the rounding kept (the drop disabled) and the NumPy backend's. Where
-    gate is dense the step multiplies x in f32: the rounding stays."""
+    itself (gate and up packed; GEMV at one token; at 37 igemm_step, or with h in f32 the
+    groups' igemms): numba plans the rounding away (quant_kernels.redundant_roundings) and
+    the step reads x; its output equals the same graph with the rounding kept (the drop
+    disabled) and the NumPy backend's. Where gate is dense the step multiplies x in f32:
+    the rounding stays."""
     from rlx_backend_numba import quant_kernels
 
     monkeypatch.setattr(M, "GROUP_GEMM_INT8", 1.0)
     schemes = TRIPLES[3]
     f64, t, x, weights, ids, inputs = runner_inputs(rng, schemes, lead)
-    g = moe_graph(lead, 2, schemes, int8=True, int8_h=True)
+    g = moe_graph(lead, 2, schemes, int8=True, int8_h=int8_h)
 
     def compiled(g):
         exe = rlx_core.compile(g, backend="numba")
@@ -373,9 +375,13 @@ def test_runner_drops_the_rounding_the_step_does_itself(rng, lead, monkeypatch):
     scale = float(np.abs(kept).max())
     np.testing.assert_allclose(dropped, kept, rtol=1e-6, atol=1e-6 * scale)
     want = rlx_core.compile(g, backend="numpy").run(inputs)["y"]
-    ref, moves = rounded_h_ways(int8_rounded(x).astype(np.float64), weights, ids, *f64)
-    close_either_way(dropped.reshape(t, H).astype(np.float64), ref, moves)
-    close_either_way(want.reshape(t, H).astype(np.float64), ref, moves)
+    if int8_h:
+        ref, moves = rounded_h_ways(int8_rounded(x).astype(np.float64), weights, ids, *f64)
+        close_either_way(dropped.reshape(t, H).astype(np.float64), ref, moves)
+        close_either_way(want.reshape(t, H).astype(np.float64), ref, moves)
+    else:
+        close(dropped, want.astype(np.float64))
+        close(dropped.reshape(t, H), reference(int8_rounded(x).astype(np.float64), weights, ids, *f64))
 
     dense_gate = ("", "q4_k", "q6_k")
     _, _, _, _, _, inputs = runner_inputs(rng, dense_gate, lead)
