@@ -213,6 +213,24 @@ def test_mixed_pieces_start_small_and_grow_while_they_fit(llama):
     s.close()
 
 
+def test_a_budget_below_every_pieces_addition_takes_pieces_near_the_least(llama):
+    """Where the least any piece adds (the mixed step's overhead) is over the budget, pieces
+    adding at most TIE more than it fit: the streams wait as long as with one-token pieces,
+    the prompt goes several times faster."""
+    import collections
+
+    from rlx_core.runtime.scheduler import TIE
+
+    s = Scheduler(llama, stall_budget=0.5)
+    s._mixed_added = {n: collections.deque([c]) for n, c in {1: 0.59, 2: 0.61, 4: 0.55, 8: 0.73}.items()}
+    s._mixed_when = {1: 0, 2: 0, 4: 0, 8: 0}
+    assert 0.55 * (1 + TIE) < 0.73 and s._mixed_limit(256, 0.5) == 4
+    s._mixed_added[8] = collections.deque([0.6])
+    assert s._mixed_limit(256, 0.5) == 16                 # 8 fits; 16 never measured: tried
+    assert s._mixed_limit(256, 2.0) == 32                 # (a budget above them: as before)
+    s.close()
+
+
 @pytest.mark.parametrize("budget", [0.5, 2.0])
 def test_stall_budget_with_mixed_steps_keeps_outputs(llama, budget):
     """Pieces of lengths chosen by measured times (not asserted), tokens as alone."""
@@ -241,8 +259,9 @@ def test_a_prompt_waiting_behind_a_riding_one_keeps_pieces_at_16(llama):
     from rlx_core.runtime.scheduler import Request
 
     s = Scheduler(llama, stall_budget=0.0, prefill_chunk=64)
-    s._mixed_added = {1: collections.deque([5.0])}           # nothing fits a budget of 0: one token
-    s._mixed_when = {1: 0}
+    s._mixed_added = {1: collections.deque([5.0]), 2: collections.deque([9.0])}   # 2 does not fit: one token
+    s._mixed_when = {1: 0, 2: 0}
+    s._step_times.append(0.01)
     long = Request("a", tokens(1, 200), SamplingParams.checked(max_tokens=2))
     other = Request("b", tokens(2, 200), SamplingParams.checked(max_tokens=2))
     s._active = [long, other]
@@ -309,3 +328,47 @@ def test_warm_mixed_builds_nothing_where_the_scheduler_does_not_mix(llama):
     for kw in ({"mixed": False}, {"prefill_chunk": 0}):
         with Scheduler(llama, max_batch=2, **{"prefill_chunk": 16, **kw}) as s:
             assert s.warm_mixed() == 0 and not s._mixed
+
+
+def test_with_a_budget_a_plain_step_is_timed_every_reference_mixed_steps(llama):
+    """What a riding piece adds is measured against a plain step of now: before the first
+    timed plain step, and after REFERENCE mixed steps in a row, the next step carries no
+    piece (without a budget nothing is measured: pieces ride every step)."""
+    from rlx_core.runtime.sampling import SamplingParams
+    from rlx_core.runtime.scheduler import REFERENCE, Request
+
+    for budget in (0.5, None):
+        s = Scheduler(llama, stall_budget=budget, prefill_chunk=64)
+        long = Request("a", tokens(1, 200), SamplingParams.checked(max_tokens=2))
+        s._active = [long]
+        s._fills.append(long)
+        rides = budget is None
+        assert (s._next_rider(64) is not None) == rides      # no plain step timed yet
+        s._step_times.extend([0.01, 0.03, 0.02, 0.5])
+        assert s._next_rider(64) is not None and s._step_now == 0.03   # (the median of the last 3)
+        s._plain_age = REFERENCE
+        assert (s._next_rider(64) is not None) == rides
+        s.close()
+
+
+def test_a_ride_with_a_budget_interleaves_timed_plain_steps(llama):
+    """In a ride with a budget, plain steps come at least every REFERENCE mixed steps; the
+    tokens stay as alone."""
+    from rlx_core.runtime.scheduler import REFERENCE
+
+    long = tokens(2, 200)
+    steps: list = []
+    with Scheduler(llama, max_batch=2, prefill_chunk=64, prefix_cache_mb=0, stall_budget=0.5) as s:
+        ride = s._mixed_step
+        s._mixed_step = lambda r, limit: (steps.append("m"), ride(r, limit))
+        plain = s._step
+        s._step = lambda: (steps.append("p"), plain())
+        started = threading.Event()
+        a = s.submit(tokens(1, 6), max_tokens=300, ignore_eos=True, on_event=lambda ev: started.set())
+        assert started.wait(WAIT)
+        got = s.submit(long, max_tokens=2, ignore_eos=True).result(WAIT).token_ids
+        a.cancel()
+        a.result(WAIT)
+    assert got == alone(llama, long, 2)
+    runs = "".join(steps).strip("p").split("p")
+    assert "m" in runs[0] and max(len(x) for x in runs) <= REFERENCE

@@ -78,6 +78,9 @@ COST_EMA = 0.3                 # the weight of the newest measurement in the run
 REMEASURE = 256                # mixed steps after which a piece length that did not fit is tried again
 RECENT = 15                    # decode steps whose median is a step's cost
 MIXED_RECENT = 5               # mixed steps of a piece length whose median is what it adds
+REFERENCE = 8                  # mixed steps in a row at most, with a stall budget: then a plain step is timed
+NOW = 3                        # timed plain steps whose median is the reference of a mixed step's addition
+TIE = 0.25                     # a budget below every piece's addition: pieces adding this share more than the least fit
 
 
 def trim_heap() -> None:
@@ -262,6 +265,7 @@ class Scheduler:
         self._mixed_added: dict = {}           # piece length -> what it added to its last steps, in steps
         self._riding: tuple | None = None      # (request, limit): the piece the next step carries
         self._mixed_when: dict = {}            # piece length -> mixed_steps when its cost was last measured
+        self._plain_age = 0                    # mixed steps since the last timed plain step
         self._ran: weakref.WeakSet = weakref.WeakSet()   # runners run once (later runs are timed)
 
     # -- submission
@@ -693,7 +697,14 @@ class Scheduler:
         tokens, and with a `stall_budget` as many as fit in it (`_mixed_limit`), but at least
         PIECE_MIN while other prompts wait behind it (the prefill states hold one prompt at a
         time: those wait for its whole prefill, which one-token pieces would stretch to a
-        step a token). None when no prompt waits."""
+        step a token). None when no prompt waits, and, with a budget, while no plain step was
+        timed or REFERENCE mixed steps ran since one: what a piece adds is measured against
+        the step of now (`_step_now`), not one from before the ride, when the machine's load
+        may have been another (on a shared VM steps are bimodal, ~20 or ~300 ms: a stale
+        reference read a one-token piece as adding a step or more, and the pieces stayed at
+        one token for a whole 600-token prompt)."""
+        if self.stall_budget is not None and (not self._step_times or self._plain_age >= REFERENCE):
+            return None                          # a plain step, timed: the reference of what pieces add
         while self._fills:
             r = self._fills[0]
             if r.done or r.cancelled or r not in self._active:
@@ -715,10 +726,18 @@ class Scheduler:
         a length out for good. No floor as for pieces run alone: a piece riding in a step pays
         no run's fixed cost of its own, only its tokens' work (2 CPU cores, SmolLM2 Q4_1, 4
         rows: a step 14 ms; with 1, 2, 4, 8, 16 piece tokens 18, 20, 24, 28, 36 ms; a 16-token
-        piece alone 30 ms)."""
+        piece alone 30 ms).
+
+        Where even the least any piece adds (a mixed step's own overhead, the same for 1 to
+        ~4 tokens) is over `steps`, the budget cannot hold whatever the piece: the pieces
+        adding at most TIE more than that least fit, not one token a step, which would stall
+        the streams as much for a prompt's whole length (quiet 2 cores, SmolLM2, 4 rows: a
+        step 17-23 ms; 1, 2, 4, 8 tokens add 0.59-0.69, 0.61-0.63, 0.55-0.94, 0.65-0.73
+        steps; at a budget of 0.5, one-token pieces took 530 steps for 600 tokens)."""
         cost = self._mixed_cost
         if not cost:
             return 1
+        steps = max(steps, min(cost.values()) * (1 + TIE))
         size = 1 << max(cap, 1).bit_length() - 1
         while size > 1 and self._estimate(size, cost) > steps:
             size //= 2
@@ -967,8 +986,9 @@ class Scheduler:
         last = b == len(r.prompt_ids)            # (then r's first token comes from the logits)
         greedy = None if last else self._greedy_ids(exe, feed, running)
         logits: Any = None if greedy is not None else exe.run(feed, fetch=("logits",))["logits"][:, -1]
-        if self._step_cost and timed:
-            added = max((time.perf_counter() - t0) / self._step_cost - 1.0, 0.0)
+        self._plain_age += 1
+        if self._step_now and timed:
+            added = max((time.perf_counter() - t0) / self._step_now - 1.0, 0.0)
             self._mixed_added.setdefault(run, collections.deque(maxlen=MIXED_RECENT)).append(added)
             self._mixed_when[run] = self.mixed_steps
         self._counted(r, a, b)                   # (before the rows' tokens: a listener sees the piece done)
@@ -986,6 +1006,13 @@ class Scheduler:
         (a moving average would carry one stalled step, the machine busy elsewhere, for
         many steps); 0 while none was timed."""
         return statistics.median(self._step_times) if self._step_times else 0.0
+
+    @property
+    def _step_now(self) -> float:
+        """Seconds a decode step of the batch takes now: the median of the last NOW timed
+        (the reference of a mixed step's addition: `_next_rider` keeps it fresh); 0 while
+        none was timed."""
+        return statistics.median(list(self._step_times)[-NOW:]) if self._step_times else 0.0
 
     @property
     def _mixed_cost(self) -> dict:
@@ -1022,6 +1049,7 @@ class Scheduler:
             logits = wait()["logits"][:, -1]
         if timed:
             self._step_times.append(time.perf_counter() - t0)
+            self._plain_age = 0
         for r in running:
             r.length += 1
             if greedy is not None:
