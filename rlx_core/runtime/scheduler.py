@@ -80,7 +80,7 @@ RECENT = 15                    # decode steps whose median is a step's cost
 MIXED_RECENT = 5               # mixed steps of a piece length whose median is what it adds
 REFERENCE = 8                  # mixed steps in a row at most, with a stall budget: then a plain step is timed
 NOW = 3                        # timed plain steps whose median is the reference of a mixed step's addition
-TIE = 0.25                     # a budget below every piece's addition: pieces adding this share more than the least fit
+TIE = 0.25                     # budget below every addition: pieces adding <= (1 + TIE) x the least fit
 
 
 def trim_heap() -> None:
@@ -397,8 +397,9 @@ class Scheduler:
     def release_cache(self) -> None:
         """Drop the KV caches (the batched decode's and the last prefill's) with their
         executables (rebuilt by the next request, ~0.1 s each: the model is not reloaded;
-        the mixed graphs stay built, without their runners and arenas) and trim the heap, so the memory long requests took goes back once the scheduler has
-        been idle IDLE_RELEASE_S seconds (the scheduler thread calls this). The prefix cache
+        the mixed graphs stay built, without their runners and arenas) and trim the heap, so
+        the memory long requests took goes back once the scheduler has been idle
+        IDLE_RELEASE_S seconds (the scheduler thread calls this). The prefix cache
         stays (bounded by prefix_cache_mb): the next turn of a chat comes after a pause."""
         with self.model._lock:
             if self.cache is not None:

@@ -139,7 +139,8 @@ class Served:
                     t0 = time.perf_counter()
                     built = self.schedulers[name].warm_mixed()
                     if built:
-                        log.info("'%s': %d mixed graphs built in %.1f s", name, built, time.perf_counter() - t0)
+                        log.info("'%s': %d mixed graphs built in %.1f s", name, built,
+                                 time.perf_counter() - t0)
             elif name in self.groups:
                 self.groups[name].embed([[0, 0]])
             elif embeds_images(m):
