@@ -177,11 +177,12 @@ class NumbaBackend(Backend):
         return copy
 
     def planned_layouts(self, g) -> tuple:
-        """The int8 roundings its matmuls do themselves, planned as views of their input
-        (quant_kernels.redundant_roundings)."""
+        """The int8 roundings its matmuls and MoE steps do themselves, planned as views of
+        their input (quant_kernels.redundant_roundings)."""
+        from .moe import rounds_x_itself
         from .quant_kernels import redundant_roundings
 
-        return redundant_roundings(g), frozenset()
+        return redundant_roundings(g, {"moe_experts": rounds_x_itself}), frozenset()
 
     def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:
         ok, why = self.availability()

@@ -1057,23 +1057,22 @@ def rounds_x_itself(a, rows: int) -> bool:
     return rows <= GEMV_MAX_M or VNNI
 
 
-def redundant_roundings(g) -> frozenset:
+def redundant_roundings(g, others: dict | None = None) -> frozenset:
     """The fake_quantize nodes (to int8_b32) of the static graph g whose every reader is a
-    dequant_matmul or moe_experts step that rounds x itself (as prepare_dequant_matmul /
-    moe.prepare_moe_experts build them). The backend plans them as views of x
-    (NumbaBackend.planned_layouts), so x's bytes live until the last reader, which then
-    reads x itself (NumbaRunner drops the rounding)."""
-    from .moe import rounds_x_itself as moe_rounds_x_itself
-
+    dequant_matmul step that rounds x itself (as prepare_dequant_matmul builds it), or a
+    node of an op in `others` (op -> rounds(g, node): moe.rounds_x_itself) whose step does.
+    The backend plans them as views of x (NumbaBackend.planned_layouts), so x's bytes live
+    until the last reader, which then reads x itself (NumbaRunner drops the rounding)."""
+    others = others or {}
     users = g.consumers()
 
     def rounds(r: int, ref: tuple) -> bool:
         n = g.nodes[r] if r >= 0 else None
-        if (n is None or n.op not in ("dequant_matmul", "moe_experts")
+        if (n is None or n.op not in ("dequant_matmul", *others)
                 or [tuple(i) for i in n.inputs].index(ref) != 0):
             return False
-        if n.op == "moe_experts":
-            return moe_rounds_x_itself(g, n)
+        if n.op in others:
+            return others[n.op](g, n)
         x, o = g.shape_of(n.inputs[0]), n.outs[0]
         return (_has_kernel(QuantScheme.parse(n.a["scheme"]).kind, x.dtype.np, o.dtype.np, o.nbytes())
                 and rounds_x_itself({"int8_x": True}, math.prod(x.dims[:-1])))
