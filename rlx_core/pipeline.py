@@ -624,6 +624,13 @@ class Executable:
             self.lir_cache[key] = plan(g, *self.backend.planned_layouts(g))
         return self.lir_cache[key]
 
+    def drop_runners(self) -> None:
+        """Forget the specialized runners (their arenas and the state buffers they were bound
+        to) and their plans; the graph stays compiled and the next run specializes it again."""
+        self._runners.clear()
+        self._bound.clear()
+        self.lir_cache.clear()
+
     def reset_states(self) -> None:
         # zero in place: runners of other executables sharing the StateStore hold these buffers
         for name, v in list(self.states.items()):

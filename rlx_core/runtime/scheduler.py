@@ -406,7 +406,7 @@ class Scheduler:
                 self.cache.clear()
             self.cache = self._decode = self._prefill = self._extend = None
             for exe in self._mixed.values():     # (kept, built: `warm_mixed`; their arenas go)
-                _drop_runners(exe)
+                exe.drop_runners()
             self._mixed_states.clear()
             self._fill_ctx = 0
         trim_heap()
@@ -1144,14 +1144,6 @@ class Scheduler:
 def _average(old: float | None, new: float) -> float:
     """A moving average of run costs (COST_EMA the newest's weight): follows the load."""
     return new if old is None else (1 - COST_EMA) * old + COST_EMA * new
-
-
-def _drop_runners(exe) -> None:
-    """Forget exe's specialized runners (their arenas, and the state buffers they hold):
-    the graph stays compiled, a later run specializes it again."""
-    exe._runners.clear()
-    exe._bound.clear()
-    exe.lir_cache.clear()
 
 
 def _state_specs(exe) -> dict:
