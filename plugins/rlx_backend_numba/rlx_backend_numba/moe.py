@@ -649,11 +649,6 @@ def _igemm_groups(kind: str, blocks: dict, stack, experts, starts, dst) -> None:
         igemm(x4[s0:s1], xd[s0:s1], xs[s0:s1], xi[s0:s1], stack[experts[g]], dst[s0:s1], F16, parts)
 
 
-def _stack_kind(w: np.ndarray, scheme: str) -> str | None:
-    """The kernel format of one expert stack, or None where no kernel here reads it."""
-    return _format_of(w.dtype, w.ndim, scheme) if w.flags.c_contiguous else None
-
-
 def _format_of(dtype, ndim: int, scheme: str) -> str | None:
     """The kernel format of a stack of this dtype, rank and scheme, or None (no kernel here)."""
     if ndim != 3:
@@ -664,20 +659,30 @@ def _format_of(dtype, ndim: int, scheme: str) -> str | None:
     return kind if kind in FORMATS and dtype == np.uint8 else None
 
 
+def _step_kinds(dtypes: tuple, x_rank: int, o_size: int, ids_int: bool, stacks: list, schemes,
+                int8_h) -> tuple | None:
+    """The stacks' kernel formats where a step here runs moe_experts: f32 x, weights and output
+    (`dtypes`), x of rank >= 2, integer ids, a format for every stack ((dtype, rank) each), and
+    down packed where h is rounded (a dense down leaves that rounding to the NumPy kernel);
+    else None. One test for the step (prepare_moe_experts, on arrays) and the plan
+    (rounds_x_itself, on the graph's shapes)."""
+    if x_rank < 2 or any(d != np.float32 for d in dtypes) or o_size == 0 or not ids_int:
+        return None
+    kinds = tuple(_format_of(dt, rank, s) for (dt, rank), s in zip(stacks, schemes))
+    return None if None in kinds or (int8_h and not kinds[2]) else kinds
+
+
 def rounds_x_itself(g, node) -> bool:
     """The step prepare_moe_experts builds for `moe_experts` node `node` of the static graph g
     rounds x through int8_b32 itself when x comes from such a rounding (every form quantizes
     x's rows: quantize_x in the GEMV, quantize_rows in the GEMMs), so that fake_quantize is
-    redundant (quant_kernels.redundant_roundings). Its checks are prepare_moe_experts', on
-    the graph's shapes (the stacks' layout is checked again when the step is made)."""
+    redundant (quant_kernels.redundant_roundings). The stacks' layout is checked again when
+    the step is made."""
     x, weights, ids, *stacks = (g.shape_of(r) for r in node.inputs)
     o = node.outs[0]
-    f32 = np.dtype(np.float32)
-    if (x.rank < 2 or x.dtype.np != f32 or weights.dtype.np != f32 or o.dtype.np != f32 or o.nbytes() == 0
-            or not ids.dtype.is_int):
-        return False
-    kinds = tuple(_format_of(w.dtype.np, w.rank, s) for w, s in zip(stacks, node.a["schemes"]))
-    return None not in kinds and int8_up(kinds) and not (node.a["int8_h"] and not kinds[2])
+    kinds = _step_kinds((x.dtype.np, weights.dtype.np, o.dtype.np), x.rank, o.nbytes(), ids.dtype.is_int,
+                        [(w.dtype.np, w.rank) for w in stacks], node.a["schemes"], node.a["int8_h"])
+    return kinds is not None and int8_up(kinds)
 
 
 def prepare_moe_experts(a, outs, protos, op=None):
@@ -688,19 +693,17 @@ def prepare_moe_experts(a, outs, protos, op=None):
     down pass multiplies its int8 blocks, where down is packed."""
     x, weights, ids, *stacks = protos
     o = outs[0]
-    if (x.ndim < 2 or x.dtype != np.float32 or weights.dtype != np.float32 or o.dtype != np.float32
-            or o.size == 0 or not o.flags.c_contiguous or ids.dtype.kind not in "iu"):
+    if not (o.flags.c_contiguous and all(w.flags.c_contiguous for w in stacks)):
         return None
-    kinds = tuple(_stack_kind(w, s) for w, s in zip(stacks, a["schemes"]))
-    if None in kinds:
+    kinds = _step_kinds((x.dtype, weights.dtype, o.dtype), x.ndim, o.size, ids.dtype.kind in "iu",
+                        [(w.dtype, w.ndim) for w in stacks], a["schemes"], a["int8_h"])
+    if kinds is None:
         return None
     mod = kernels(kinds, a["act"])
     hidden, k = x.shape[-1], ids.shape[-1]
     out = o.reshape(-1, hidden)
     int8_x = bool(a.get("int8_x")) and int8_up(kinds)
     int8_h = bool(a["int8_h"])
-    if int8_h and not kinds[2]:
-        return None                   # (h rounded but down dense: the NumPy kernel rounds it)
 
     def step(a_, o_, x, weights, ids, gate, up, down):        # tokens: every leading dim
         run_moe_experts(mod, kinds, x.reshape(-1, hidden), weights.reshape(-1, k), ids.reshape(-1, k),

@@ -1057,25 +1057,27 @@ def rounds_x_itself(a, rows: int) -> bool:
     return rows <= GEMV_MAX_M or VNNI
 
 
+def _dequant_rounds_x(g, n) -> bool:
+    """The step prepare_dequant_matmul builds for dequant_matmul node n of the static graph g
+    rounds x itself (`rounds_x_itself`, on the graph's shapes)."""
+    x, o = g.shape_of(n.inputs[0]), n.outs[0]
+    return (_has_kernel(QuantScheme.parse(n.a["scheme"]).kind, x.dtype.np, o.dtype.np, o.nbytes())
+            and rounds_x_itself({"int8_x": True}, math.prod(x.dims[:-1])))
+
+
 def redundant_roundings(g, others: dict | None = None) -> frozenset:
     """The fake_quantize nodes (to int8_b32) of the static graph g whose every reader is a
-    dequant_matmul step that rounds x itself (as prepare_dequant_matmul builds it), or a
-    node of an op in `others` (op -> rounds(g, node): moe.rounds_x_itself) whose step does.
-    The backend plans them as views of x (NumbaBackend.planned_layouts), so x's bytes live
-    until the last reader, which then reads x itself (NumbaRunner drops the rounding)."""
-    others = others or {}
+    step that rounds x itself: a dequant_matmul (as prepare_dequant_matmul builds it) or a
+    node of an op in `others` (op -> rounds(g, node): moe.rounds_x_itself). The backend plans
+    them as views of x (NumbaBackend.planned_layouts), so x's bytes live until the last
+    reader, which then reads x itself (NumbaRunner drops the rounding: the steps' `rounds_x`)."""
+    rules = {"dequant_matmul": _dequant_rounds_x, **(others or {})}
     users = g.consumers()
 
     def rounds(r: int, ref: tuple) -> bool:
         n = g.nodes[r] if r >= 0 else None
-        if (n is None or n.op not in ("dequant_matmul", *others)
-                or [tuple(i) for i in n.inputs].index(ref) != 0):
-            return False
-        if n.op in others:
-            return others[n.op](g, n)
-        x, o = g.shape_of(n.inputs[0]), n.outs[0]
-        return (_has_kernel(QuantScheme.parse(n.a["scheme"]).kind, x.dtype.np, o.dtype.np, o.nbytes())
-                and rounds_x_itself({"int8_x": True}, math.prod(x.dims[:-1])))
+        rule = rules.get(n.op) if n is not None else None
+        return rule is not None and [tuple(i) for i in n.inputs].index(ref) == 0 and rule(g, n)
 
     return frozenset(i for i, n in enumerate(g.nodes)
                      if n.op == "fake_quantize" and QuantScheme.parse(n.a["scheme"]).name == "int8_b32"
@@ -1103,7 +1105,10 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
     else:
         how = a.get("matmul", "f32")
         mm = lambda x, w: _matmul(x.reshape(m, k), w.reshape(w2.shape), mod, s.kind, o2, how)  # noqa: E731
-    return with_epilogue(mm, o, protos[2:], a.get("act", "identity"))
+    step = with_epilogue(mm, o, protos[2:], a.get("act", "identity"))
+    if step is not None:
+        step.rounds_x = rounds_x_itself(a, m)   # x's int8 blocks made here: the rounding before is redundant
+    return step
 
 
 def glu_gemv(x, w, o, scheme, int8_x: bool):

@@ -436,7 +436,11 @@ def _gathered_write_step(a, ga, cache, table, idx, pos):
 def _glu_step(x, w, o, a):
     """A gate/up dequant_matmul step that writes the SwiGLU of its halves into `o`."""
     glu = quant_kernels.glu_gemv(x, w, o, a["scheme"], a.get("int8_x"))
-    return None if glu is None else codegen.as_step(glu)
+    if glu is None:
+        return None
+    step = codegen.as_step(glu)
+    step.rounds_x = quant_kernels.rounds_x_itself(a, math.prod(x.shape[:-1]))
+    return step
 
 
 # --------------------------------------------------------------------------- the runner
@@ -518,8 +522,7 @@ class NumbaRunner(NumpyRunner):
                     made = PREPARE[node.op](a, out, [protos[j] for j in ins], op=node.op)
                 if made is not None and i in rewrites:
                     written.add(rewrites[i])
-                if made is not None and (getattr(made, "rounds_x", False) or node.op == "dequant_matmul"
-                                         and quant_kernels.rounds_x_itself(a, math.prod(x.shape[:-1]))):
+                if getattr(made, "rounds_x", False):
                     self_rounding.add(i)
                 fn = made or fn
             steps.append((i, is_view, fn, a, ins, out))
