@@ -904,24 +904,24 @@ def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_
 @click.argument("dst", metavar="DST")
 @click.option("--scheme", "-s", default="q8_0", show_default=True, metavar="SCHEME",
               help="q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k (GGUF types llama.cpp reads too), "
-                   "or RLX's own int8 / int4 blocks (int8_b64: block size 64; RLX reads these only).")
+                   "or RLX's own int8 / int4 blocks (int8_b64: block size 64; RLX reads these only); "
+                   "f16 or bf16: unquantized (llama.cpp's F16 / BF16 files).")
 def quantize_cmd(src: str, dst: str, scheme: str) -> None:
     """Write the HF model SRC (folder or packaged name) to the GGUF file DST with its matmul
     weights packed in SCHEME; `rlx generate DST ...` then runs it packed. DST is written whole
     or not at all, and never over a file of SRC."""
     from .ir.errors import WeightError
-    from .ir.quant import QuantScheme
     from .weights import load_checkpoint, resolve_model_path
-    from .weights.gguf_write import destination, write_gguf
+    from .weights.gguf_write import destination, parse_scheme, write_gguf
 
-    q = QuantScheme.parse(scheme)
+    q = parse_scheme(scheme)
     destination(dst, resolve_model_path(src))     # a bad DST is named before the load
     ckpt = load_checkpoint(src)
     if ckpt.format != "safetensors":
         raise WeightError(f"{src}: rlx quantize reads HF safetensors folders; this is a {ckpt.format} file")
     done = write_gguf(ckpt, dst, q, echo=click.echo)
     size = os.path.getsize(dst)
-    click.echo(f"wrote {dst}: {done['quantized']} weights in {q.name}, {size / 2**20:.1f} MiB")
+    click.echo(f"wrote {dst}: {done['quantized']} weights in {getattr(q, 'name', q)}, {size / 2**20:.1f} MiB")
 
 
 # ============================================================================ rlx bisect

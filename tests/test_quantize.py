@@ -236,3 +236,38 @@ def test_quantize_sources(src, tmp_path_factory, changes, scheme):
     if r.exit_code == 0:
         assert load_checkpoint(tmp / "m.gguf").format == "gguf"
     _no_partial(tmp)
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_float_files_hold_each_matmul_weight_rounded_once(src, tmp_path, kind):
+    """`-s f16` / `-s bf16` write llama.cpp's F16 / BF16 files: every matmul weight in that type,
+    each value the source's rounded to nearest even (ml_dtypes here, not the writer's path), norms
+    in f32, and the file runs like its source."""
+    import ml_dtypes
+    import numpy as np
+
+    import rlx_core
+
+    dst = tmp_path / f"m.{kind}.gguf"
+    r = _quantize(src, dst, "-s", kind)
+    assert r.exit_code == 0 and f"weights in {kind}," in r.output, r.output
+    gtype = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16}[kind]
+    ftype = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}[kind]
+    reader = gguf.GGUFReader(dst)
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == ftype
+    assert {t.tensor_type for t in reader.tensors if len(t.shape) == 2} == {gtype}
+    assert {t.tensor_type for t in reader.tensors if t.name.endswith("norm.weight")} == {gguf.GGMLQuantizationType.F32}
+
+    dtype = {"f16": np.float16, "bf16": ml_dtypes.bfloat16}[kind]
+    source, written = load_checkpoint(src), load_checkpoint(dst)
+    matrices = [n for n, t in source.tensors.items() if np.asarray(t).ndim == 2]
+    assert matrices
+    for name in matrices:
+        want = np.asarray(source.tensors[name], np.float32).astype(dtype).astype(np.float32)
+        assert np.array_equal(np.asarray(written.tensors[name], np.float32), want), name
+
+    ids = np.array([[1, 5, 9, 2, 7]])
+    ref = rlx_core.load(str(src), backend="numpy", progress=False).logits(ids)
+    got = rlx_core.load(str(dst), backend="numpy", progress=False).logits(ids)
+    tol = {"f16": 2e-3, "bf16": 2e-2}[kind]
+    assert np.abs(got - ref).max() <= tol * np.abs(ref).max()

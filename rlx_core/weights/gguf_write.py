@@ -9,6 +9,9 @@ quantized as llama.cpp's ffn_*_exps are, ggml ne [cols, rows, E]. The HF tokeniz
 as `tokenizer.huggingface.json`, plus llama.cpp's BPE fields for byte-level BPE vocabularies,
 so both RLX and llama.cpp read the file.
 
+`f16` and `bf16` write the matmul weights unquantized in that float type (llama.cpp's F16 /
+BF16 files, what its converter writes before `llama-quantize`), everything else as above.
+
 RLX's own int8/int4 blocks have no GGUF type: they are stored as GGUF I8 bytes
 [(E,) rows, bytes per row] with the scheme and logical shape under `rlx.scheme.<tensor>`
 ("<scheme>:<rows>x<cols>", or "<scheme>:<E>x<rows>x<cols>"), which RLX reads back and
@@ -26,6 +29,7 @@ import os
 import secrets
 
 import gguf
+import ml_dtypes
 import numpy as np
 
 from rlx_core.ir.errors import WeightError
@@ -212,10 +216,25 @@ def _rope_keys_of_gguf(cfg: dict) -> dict:
     return {**cfg, "rope_theta": theta, "rope_scaling": scaling}
 
 
+# the float types matmul weights can be written in unquantized: GGUF type, file type, numpy dtype
+FLOAT_TYPES = {
+    "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16, np.dtype(np.float16)),
+    "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16, np.dtype(ml_dtypes.bfloat16)),
+}
+
+
+def parse_scheme(scheme: QuantScheme | str) -> QuantScheme | str:
+    """A packed scheme, or the name of a float type of FLOAT_TYPES (`rlx quantize -s f16`)."""
+    if isinstance(scheme, str) and scheme.lower() in FLOAT_TYPES:
+        return scheme.lower()
+    return QuantScheme.parse(scheme)
+
+
 def write_gguf(ckpt: Checkpoint, dst: str, scheme: QuantScheme | str, echo=print) -> dict:
-    """Write `ckpt` (an HF folder's checkpoint) to `dst` with matmul weights in `scheme`.
-    Returns {"quantized": n, "kept": [names kept in f32]}."""
-    q = QuantScheme.parse(scheme)
+    """Write `ckpt` (an HF folder's checkpoint) to `dst` with matmul weights in `scheme` (a
+    packed scheme, or "f16" / "bf16": unquantized). Returns {"quantized": n (the matmul weights
+    written in the scheme), "kept": [names kept in f32]}."""
+    q = parse_scheme(scheme)
     ckpt = _as_gguf_holds_it(ckpt)
     cfg = _rope_keys_of_gguf(ckpt.config)
     arch = _architecture_of(ckpt.path, cfg.get("model_type"))
@@ -278,11 +297,22 @@ _FILE_TYPES = {"q4_0": _FILE_TYPE.MOSTLY_Q4_0, "q4_1": _FILE_TYPE.MOSTLY_Q4_1, "
                "q5_k": _FILE_TYPE.MOSTLY_Q5_K_S, "q6_k": _FILE_TYPE.MOSTLY_Q6_K}
 
 
-def _write(ckpt: Checkpoint, cfg: dict, path: str, arch: str, q: QuantScheme, echo) -> dict:
+def _add_float(writer, name: str, x: np.ndarray, kind: str) -> None:
+    """A matrix or expert stack unquantized in the float type `kind` (round to nearest even)."""
+    gtype, _, dtype = FLOAT_TYPES[kind]
+    y = x.astype(dtype)
+    if kind == "f16":
+        writer.add_tensor(name, y)
+    else:                                       # gguf-py knows BF16 only as raw bytes
+        writer.add_tensor(name, y.view(np.uint16), raw_shape=y.shape, raw_dtype=gtype)
+
+
+def _write(ckpt: Checkpoint, cfg: dict, path: str, arch: str, q: QuantScheme | str, echo) -> dict:
     mapping = gguf_architecture(ckpt.path, arch)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(os.path.basename(os.path.normpath(ckpt.path)))
-    writer.add_file_type(_FILE_TYPES.get(q.name, _FILE_TYPE.GUESSED))
+    floats = isinstance(q, str)
+    writer.add_file_type(FLOAT_TYPES[q][1] if floats else _FILE_TYPES.get(q.name, _FILE_TYPE.GUESSED))
     _metadata(writer, mapping, cfg)
     if ckpt.tokenizer is not None:
         _tokenizer(writer, ckpt.tokenizer)
@@ -293,7 +323,10 @@ def _write(ckpt: Checkpoint, cfg: dict, path: str, arch: str, q: QuantScheme, ec
             continue
         name = gguf_name(arch, hf)
         x = mapping.to_gguf(name, np.asarray(ckpt.tensors[hf], np.float32), cfg, hf)
-        if x.ndim in (2, 3) and x.shape[-1] % q.block_size == 0:
+        if floats and x.ndim in (2, 3):
+            _add_float(writer, name, x, q)
+            quantized += 1
+        elif not floats and x.ndim in (2, 3) and x.shape[-1] % q.block_size == 0:
             _add_packed(writer, name, x, q, hf)
             quantized += 1
         else:
@@ -311,4 +344,4 @@ def _write(ckpt: Checkpoint, cfg: dict, path: str, arch: str, q: QuantScheme, ec
     return {"quantized": quantized, "kept": kept}
 
 
-__all__ = ["write_gguf", "destination", "gguf_name", "SCHEME_KEY"]
+__all__ = ["write_gguf", "parse_scheme", "FLOAT_TYPES", "destination", "gguf_name", "SCHEME_KEY"]

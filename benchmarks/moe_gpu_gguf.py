@@ -1,0 +1,182 @@
+"""A whole OLMoE-1B-7B-shaped model decoding at batch 1 on the GPU: RLX's cuda backend against
+llama.cpp's CUDA build on the same GGUF files, F16 and Q4_K_M (issue 44's GPU batch-1 row).
+
+    python benchmarks/moe_gpu_gguf.py --llama-bin DIR [--dir /tmp/olmoe] [--layers 16] [--tokenizer DIR]
+        [--prompt 512] [--new 128] [--repeat 3] [--files f16,q4_k_m]
+
+The checkpoint is moe_cpu.py's (64 experts, top-8, 16 layers, hidden 2048, expert width 1024,
+SmolLM2's vocabulary), random f16 weights (std 0.02, norms 1: slices of one seeded random pool,
+so writing 7 B weights takes seconds, not minutes). `rlx quantize -s f16` writes it as
+llama.cpp's `olmoe` F16 GGUF, and llama.cpp's own `llama-quantize` makes the Q4_K_M file from
+that one (llama.cpp's mix of q4_K and q6_K), so both engines read the same files. `--tokenizer DIR` takes
+tokenizer.json from DIR (the GPU machine has no packaged SmolLM2 to take it from).
+
+Sides, each file in its own process:
+* rlx        `rlx_core.load(file, backend="cuda")`, compute bf16: a `--prompt`-id prompt and
+             `--new` greedy tokens (EOS ignored), the median of `--repeat` generate calls after a
+             warm-up one; prefill ms and decode ms per token
+* llama.cpp  `llama-bench -m FILE -ngl 99 -fa 1 -p PROMPT -n NEW -d PROMPT -r REPEAT`: prompt
+             processing, and generation at depth PROMPT (RLX's decode runs at depth PROMPT to
+             PROMPT + NEW); a build that fails or crashes is reported so, with no ratio
+Printed: the hardware, per file both sides' decode ms per token and prefill ms, and rlx / llama.cpp
+(target for decode: <= 0.8).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import log, run_child  # noqa: E402
+import moe_cpu  # noqa: E402
+from moe_cpu import FULL, hf_config, write_sharded  # noqa: E402
+
+FILE_TYPES = {"f16": "F16", "q4_k_m": "Q4_K_M"}      # llama-quantize's names
+
+
+# ------------------------------------------------------------------------------ the files
+def write_checkpoint(folder: str, a) -> None:
+    """moe_cpu's checkpoint, its random matrices cut from one seeded pool (fast at 7 B weights)."""
+    import numpy as np
+    from rlx_blocks_moe.recipes import hf_tensor_shapes
+
+    pool = (0.02 * np.random.default_rng(0).standard_normal(1 << 24, np.float32)).astype(np.float16)
+
+    def tensor(name, shape, rng):
+        n = int(np.prod(shape))
+        if "norm" in name:
+            return np.ones(shape, np.float16)
+        if n > pool.size:
+            return np.resize(pool, n).reshape(shape)
+        start = int(rng.integers(0, pool.size - n + 1))
+        return pool[start:start + n].reshape(shape)
+
+    if a.tokenizer:         # write_sharded's tokenizer from --tokenizer, not the packaged SmolLM2
+        moe_cpu.save_tokenizer = lambda f: [shutil.copy(os.path.join(a.tokenizer, name), f)
+                                            for name in ("tokenizer.json", "tokenizer_config.json")]
+    cfg = hf_config(a)
+    write_sharded(folder, cfg, hf_tensor_shapes(cfg), tensor)
+
+
+def make_files(a) -> dict:
+    """{kind: path} of the GGUF files, written once into `--dir` (kept between runs): the F16
+    file by `rlx quantize -s f16`, the Q4_K_M file from it by llama.cpp's `llama-quantize`."""
+    os.makedirs(a.dir, exist_ok=True)
+    hf, f16 = os.path.join(a.dir, "hf"), os.path.join(a.dir, "olmoe-f16.gguf")
+    if not os.path.exists(f16):
+        t0 = time.perf_counter()
+        os.makedirs(hf, exist_ok=True)
+        write_checkpoint(hf, a)
+        log(f"wrote the f16 checkpoint ({time.perf_counter() - t0:.0f}s)")
+        t0 = time.perf_counter()
+        from rlx_core.weights import load_checkpoint
+        from rlx_core.weights.gguf_write import write_gguf
+        write_gguf(load_checkpoint(hf), f16, "f16", echo=log)
+        log(f"rlx quantize -s f16: {os.path.getsize(f16) / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f}s)")
+        shutil.rmtree(hf)
+    files = {"f16": f16}
+    for kind in ("q4_k_m",):
+        path = os.path.join(a.dir, f"olmoe-{kind}.gguf")
+        if not os.path.exists(path):
+            t0 = time.perf_counter()
+            p = subprocess.run([os.path.join(a.llama_bin, "llama-quantize"), f16, path, FILE_TYPES[kind]],
+                               capture_output=True, text=True)
+            if p.returncode:
+                log(f"llama-quantize {kind} failed (exit {p.returncode}): {(p.stdout + p.stderr)[-1500:]}")
+                continue
+            log(f"llama-quantize {FILE_TYPES[kind]}: {os.path.getsize(path) / 2**30:.2f} GiB "
+                f"({time.perf_counter() - t0:.0f}s)")
+        files[kind] = path
+    return {k: files[k] for k in a.files.split(",") if k in files}
+
+
+# ------------------------------------------------------------------------------ the sides
+def side_rlx(a) -> dict:
+    import numpy as np
+
+    import rlx_core
+    from rlx_core.profile import CompileProfile, PrecisionConfig
+
+    t0 = time.perf_counter()
+    prof = CompileProfile("bf16", precision=PrecisionConfig(compute="bf16"))
+    m = rlx_core.load(a.child_file, backend="cuda", profile=prof, progress=False)
+    ids = np.random.default_rng(3).integers(3, a.vocab, size=(1, a.prompt))
+    m.generate(ids, max_new_tokens=16, min_new_tokens=16)
+    pre, dec = [], []
+    for _ in range(a.repeat):
+        m.generate(ids, max_new_tokens=a.new, min_new_tokens=a.new)
+        pre.append(m.last_timings["prefill_s"])
+        dec.append(m.last_timings["decode_s_per_token"])
+    return {"prefill_ms": 1e3 * float(np.median(pre)), "decode_ms": 1e3 * float(np.median(dec)),
+            "load_and_warm_s": time.perf_counter() - t0}
+
+
+def side_llamacpp(a, path: str) -> dict | None:
+    cmd = [os.path.join(a.llama_bin, "llama-bench"), "-m", path, "-ngl", "99", "-fa", "1", "-p", str(a.prompt),
+           "-n", str(a.new), "-d", str(a.prompt), "-r", str(a.repeat), "-o", "json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if p.returncode:
+        log(f"llama.cpp on {path}: crashed or failed (exit {p.returncode}): {(p.stdout + p.stderr)[-1500:]}")
+        return None
+    out = {}
+    for row in json.loads(p.stdout):
+        ms = row["avg_ns"] / 1e6
+        if row["n_gen"]:
+            out["decode_ms"] = ms / row["n_gen"]
+        elif row["n_prompt"]:
+            out["prefill_ms"] = ms
+    out["build"] = json.loads(p.stdout)[0].get("build_commit", "?")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for k, v in FULL.items():
+        ap.add_argument(f"--{k}", type=int, default=v)
+    ap.add_argument("--llama-bin", required=True, help="the folder of llama-bench and llama-quantize")
+    ap.add_argument("--dir", default="/tmp/olmoe")
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--files", default="f16,q4_k_m")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--child-file", default=None)
+    a = ap.parse_args()
+    if a.child_file:
+        print(json.dumps(side_rlx(a)), flush=True)
+        return
+    log(f"device: {gpu_name()}; shape: {a.layers} layers, {a.experts} experts top-{a.k}, hidden {a.hidden}, "
+        f"expert width {a.inter}; prompt {a.prompt}, {a.new} new tokens, median of {a.repeat}")
+    rows = []
+    for kind, path in make_files(a).items():
+        args = [a2 for k, v in vars(a).items() if v is not None and k != "child_file"
+                for a2 in (f"--{k.replace('_', '-')}", str(v))]
+        rlx = run_child([sys.executable, os.path.abspath(__file__), *args, "--child-file", path], f"rlx {kind}",
+                        timeout=1800)
+        peer = side_llamacpp(a, path)
+        rows.append((kind, rlx, peer))
+        log(json.dumps({"file": kind, "rlx": rlx, "llama.cpp": peer}))
+    log("\n| file | RLX decode ms/token | llama.cpp decode | RLX / llama.cpp (target <= 0.8) "
+        "| RLX prefill ms | llama.cpp prefill |")
+    log("|---|---|---|---|---|---|")
+    for kind, rlx, peer in rows:
+        ratio = (f"{rlx['decode_ms'] / peer['decode_ms']:.2f}" if rlx and peer
+                 else "no ratio: " + ("RLX failed" if not rlx else "the peer failed"))
+        cell = lambda side, key, fmt: format(side[key], fmt) if side and key in side else "failed"  # noqa: E731
+        log(f"| {kind} | {cell(rlx, 'decode_ms', '.3f')} | {cell(peer, 'decode_ms', '.3f')} | {ratio} "
+            f"| {cell(rlx, 'prefill_ms', '.1f')} | {cell(peer, 'prefill_ms', '.1f')} |")
+
+
+def gpu_name() -> str:
+    p = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                       capture_output=True, text=True)
+    return p.stdout.strip() or "no nvidia-smi"
+
+
+if __name__ == "__main__":
+    main()
