@@ -10,7 +10,14 @@
                         what a graph starts from (zeros for a new sequence, the leaf when
                         decoding) and its write-back (`assign`) after the step;
 * `short_conv`          `causal_conv1d` over [B, T, C] with its state leaf;
-* `delta_rule`          `gated_delta_rule` with its state leaf.
+* `delta_rule`          `gated_delta_rule` with its state leaf;
+* `delta_net`           a Gated DeltaNet layer between its projections (conv, l2norm, gates,
+                        rule, gated RMSNorm) with both state leaves: one `gated_delta_net` op
+                        for a one-token step (a decode kernel runs all of it in one launch),
+                        else the ops it is made of.
+
+The formulas (l2norm, softplus, the decay gate, the gated RMSNorm) are written once, in
+rlx_core.ir.deltanet, where the fused op's composite uses them too.
 
 Partial RoPE (rope on the first `rotary_dim` of head_dim) is AttnSpec.rotary_dim of
 rlx_core.flow.blocks: the `rope` op rotates the first R dims and passes the rest.
@@ -28,31 +35,16 @@ import math
 import attrs
 import numpy as np
 
+from ..ir.deltanet import decay_gate, gated_rms_norm, l2norm, net_heads, softplus
 from ..ir.errors import ModelError
 from .blocks import continues_cache
 
 DECODE, PREFILL, STATELESS = "decode", "prefill", "stateless"
 
 
-def gated_rms_norm(m, x, w, z, eps: float):
-    """w * rms_norm(x) * silu(z): the gated RMSNorm of Gated DeltaNet's output (norm first)."""
-    return m.rms_norm(x, w, eps=eps) * m.act(z, "silu")
-
-
 def output_gate(m, o, gate):
     """o * sigmoid(gate): the elementwise output gate of gated attention."""
     return o * m.act(gate, "sigmoid")
-
-
-def l2norm(m, x, eps: float = 1e-6):
-    """x * rsqrt(sum(x^2, last axis) + eps) (flash-linear-attention's and HF's l2norm)."""
-    last = x.shape.rank - 1
-    return x * m.act(m.sum(x * x, (last,), keepdims=True) + eps, "rsqrt")
-
-
-def softplus(m, x):
-    """log(1 + exp(x)) as max(x, 0) + log(1 + exp(-|x|)): no overflow for large x."""
-    return m.maximum(x, 0.0) + m.act(m.act(-m.act(x, "abs"), "exp") + 1.0, "log")
 
 
 def state_mode(ctx, decode: bool) -> str:
@@ -129,5 +121,48 @@ def delta_rule(ctx, q, k, v, g, beta, state: RecurrentState, scale: float | None
     return o
 
 
-__all__ = ["gated_rms_norm", "output_gate", "l2norm", "softplus", "zero_pads", "state_mode",
-           "RecurrentState", "short_conv", "delta_rule", "DECODE", "PREFILL", "STATELESS"]
+@attrs.frozen
+class DeltaNetParams:
+    """A Gated DeltaNet layer's own tensors: conv_w [C, W], A_log and dt_bias [H], norm_w [V]
+    (the gated RMSNorm's, eps)."""
+    conv_w: object
+    a_log: object
+    dt_bias: object
+    norm_w: object
+    eps: float
+
+
+def delta_net(ctx, x, z, b, a, p: DeltaNetParams, conv: RecurrentState, state: RecurrentState,
+              scale: float | None = None, chunk: int = 64):
+    """A Gated DeltaNet layer between its projections: x [B, T, C] the projected q|k|v (C =
+    2 Hk K + H V) before the short conv, z [B, T, H, V] the output gate, b and a [B, T, H]
+    the logits of beta and of the decay; `conv` and `state` the conv and recurrent state
+    leaves. -> rms_norm(o) norm_w silu(z) [B, T, H, V]. One token a step: the one
+    `gated_delta_net` op; longer inputs: its ops one by one (the chunked rule's kernels)."""
+    m = ctx.m
+    h, kd, vd = state.dims
+    scale = 1.0 / math.sqrt(kd) if scale is None else float(scale)
+    c0, s0 = conv.initial(ctx, x), state.initial(ctx, x)
+    if x.dims[1] == 1:
+        o, new_conv, new_state = m.add("gated_delta_net", (x, p.conv_w, c0, z, b, a, p.a_log, p.dt_bias, p.norm_w,
+                                                           s0), scale=scale, eps=p.eps, chunk=chunk)
+        conv.write(ctx, new_conv)
+        state.write(ctx, new_state)
+        return o
+    hk = net_heads(x.shape, s0.shape)[0]
+    bt, t = x.dims[0], x.dims[1]
+    y, new_conv = m.add("causal_conv1d", (x, p.conv_w, c0), act="silu")
+    conv.write(ctx, new_conv)
+    q, k = (l2norm(m, m.reshape(m.narrow(y, 2, i * hk * kd, hk * kd), (bt, t, hk, kd))) for i in (0, 1))
+    v = m.reshape(m.narrow(y, 2, 2 * hk * kd, h * vd), (bt, t, h, vd))
+    # dt_bias as [1, 1, H]: a vector would fuse into a's matmul as its bias, and a matmul with a
+    # bias stays out of the one GEMM over x's shared projections
+    g = decay_gate(m, a, p.a_log, m.reshape(p.dt_bias, (1, 1, h)))
+    o, new_state = m.add("gated_delta_rule", (q, k, v, g, m.act(b, "sigmoid"), s0), scale=scale, chunk=chunk)
+    state.write(ctx, new_state)
+    return gated_rms_norm(m, o, p.norm_w, z, p.eps)
+
+
+__all__ = ["gated_rms_norm", "output_gate", "l2norm", "softplus", "decay_gate", "zero_pads", "state_mode",
+           "RecurrentState", "short_conv", "delta_rule", "DeltaNetParams", "delta_net", "DECODE", "PREFILL",
+           "STATELESS"]

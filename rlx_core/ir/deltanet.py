@@ -5,8 +5,13 @@
                     scan of rlx_core.ir.recurrence (the definition the kernels are tested on).
   causal_conv1d     the short depthwise causal convolution before q/k/v, from a state of the
                     inputs before this call.
+  gated_delta_net   a Gated DeltaNet layer between its projections, as one op: the short conv
+                    (silu) of q|k|v, l2norm of q and k, the gates from their logits
+                    (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)), the rule, the
+                    gated RMSNorm rms_norm(o) w silu(z); its composite is those ops (the
+                    definition), a kernel runs a decode step of all of it in one launch.
 
-Both return their new state beside the output; a decode graph writes it back into its
+All return their new state(s) beside the output; a decode graph writes it back into its
 `state` leaf with `assign`, so a step reads and writes the state where it lives.
 """
 from __future__ import annotations
@@ -15,8 +20,9 @@ import numpy as np
 
 from .composites import composite, ex, iota
 from .errors import DTypeError, ShapeError
+from .dtype import F32
 from .numpy_kernels import ACT as ACT_FN, KERNELS, put, up
-from .ops import ACT, COUNT, FLOAT, Level, _float, _same_dim, op
+from .ops import ACT, COUNT, EPS, FLOAT, Level, _float, _same_dim, op
 from .recurrence import gated_delta_rule as delta_scan
 from .shape import Shape
 
@@ -80,6 +86,54 @@ def _m_causal_conv1d(s, a):
     if len(s) > 3:
         _like(s[3], x, (c,), "causal_conv1d bias")
     return (Shape(x.dims, x.dtype), st)
+
+
+def net_heads(x: Shape, state: Shape) -> tuple:
+    """(key heads, K, value heads, V) of a gated_delta_net call: V, H and K from the state
+    [B, H, K, V]; the key heads from x's channels, 2 Hk K (q, k) + H V (v)."""
+    h, kd, vd = state.dims[1], state.dims[2], state.dims[3]
+    c = x.dims[2]
+    if not all(isinstance(d, int) for d in (c, h, kd, vd)):
+        raise ShapeError(f"gated_delta_net needs static channels and state dims, got x {x}, state {state}")
+    qk = c - h * vd
+    if kd < 1 or qk <= 0 or qk % (2 * kd) or h % (qk // (2 * kd)):
+        raise ShapeError(f"gated_delta_net: x's {c} channels are not q and k of key heads of K = {kd} "
+                         f"(a divisor of the {h} value heads) then v of {h} heads of V = {vd}")
+    return qk // (2 * kd), kd, h, vd
+
+
+@op("gated_delta_net", ["x", "conv_w", "conv_state", "z", "b", "a", "A_log", "dt_bias", "norm_w", "state"],
+    Level.FUSED, n_outputs=3, attrs={"scale": FLOAT, "eps": EPS(1e-6), "chunk": COUNT(64)})
+def _m_gated_delta_net(s, a):
+    """A Gated DeltaNet layer between its in- and out-projections (flash-linear-attention's
+    GatedDeltaNet, HF's Qwen3.5 / Qwen3-Next linear attention): x [B, T, C] the projected
+    q|k|v (C = 2 Hk K + H V) before the short conv; conv_w [C, W], conv_state [B, C, W - 1]
+    (causal_conv1d's, silu); z [B, T, H, V] the output gate; b, a [B, T, H] the logits of beta
+    and of the decay; A_log, dt_bias [H]; norm_w [V] the gated RMSNorm's weight (eps); state
+    [B, H, K, V] the rule's. q and k are L2-normalized (eps 1e-6), scaled q by `scale`.
+    -> (rms_norm(o) norm_w silu(z) [B, T, H, V], the new conv state, the new state)."""
+    x, w, cst, z, b_, a_, alog, dtb, nw, st = s
+    _float(x, "gated_delta_net")
+    if x.rank != 3 or st.rank != 4 or w.rank != 2:
+        raise ShapeError(f"gated_delta_net x must be [batch, T, channels], conv_w [channels, width] and "
+                         f"state [batch, heads, K, V], got x {x}, conv_w {w}, state {st}")
+    bt, t, c = x.dims
+    _, kd, h, vd = net_heads(x, st)
+    width = w.dims[1]
+    if isinstance(width, str) or width < 1:
+        raise ShapeError(f"gated_delta_net needs a static conv width >= 1, got conv_w {w}")
+    _like(w, x, (c, width), "gated_delta_net conv_w")
+    _like(cst, x, (bt, c, width - 1), "gated_delta_net conv_state")
+    _like(z, x, (bt, t, h, vd), "gated_delta_net z")
+    _like(b_, x, (bt, t, h), "gated_delta_net b")
+    _like(a_, x, (bt, t, h), "gated_delta_net a")
+    _like(alog, x, (h,), "gated_delta_net A_log")
+    _like(dtb, x, (h,), "gated_delta_net dt_bias")
+    _like(nw, x, (vd,), "gated_delta_net norm_w")
+    _like(st, x, (bt, h, kd, vd), "gated_delta_net state")
+    if a["chunk"] < 1:
+        raise ShapeError(f"gated_delta_net chunk={a['chunk']}: expected >= 1")
+    return (Shape(z.dims, x.dtype), cst, st)
 
 
 # ----------------------------------------------------------------- NumPy kernels
@@ -157,39 +211,99 @@ def delta_step(q, k, v, g, beta, s) -> tuple:
     return np.einsum("bhk,bhkv->bhv", q, s), s
 
 
-def _k_gated_delta_rule(a, out, q, k, v, g, beta, state):
+def delta_rule_arrays(q, k, v, g, beta, s, scale: float, chunk: int) -> tuple:
+    """gated_delta_rule on arrays of one float dtype, the op's layouts -> (o, new state)."""
     times = v.shape[2] // q.shape[2]
-    q, k, v, g, beta, s = (up(x) for x in (q, k, v, g, beta, state))
-    q = heads_major(q * q.dtype.type(a["scale"]), times)
+    q = heads_major(q * q.dtype.type(scale), times)
     k, v = heads_major(k, times), heads_major(v)
     g, beta = g.transpose(0, 2, 1), beta.transpose(0, 2, 1)
     if q.shape[2] == 1:
         o, s = delta_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], s)
         o = o[:, :, None]
     else:
-        o, s = delta_chunked(q, k, v, g, beta, s, a["chunk"])
-    put(out[0], o.transpose(0, 2, 1, 3))
+        o, s = delta_chunked(q, k, v, g, beta, s, chunk)
+    return o.transpose(0, 2, 1, 3), s
+
+
+def _k_gated_delta_rule(a, out, q, k, v, g, beta, state):
+    o, s = delta_rule_arrays(*(up(x) for x in (q, k, v, g, beta, state)), a["scale"], a["chunk"])
+    put(out[0], o)
     put(out[1], s)
 
 
-def _k_causal_conv1d(a, out, x, w, state, bias=None):
+def conv_arrays(x, w, state, bias=None) -> tuple:
+    """causal_conv1d's taps on float arrays (before the activation) -> (y, new state)."""
     t, width = x.shape[1], w.shape[1]
-    u = np.concatenate([up(state).transpose(0, 2, 1), up(x)], axis=1)        # [B, W - 1 + T, C]
-    w = up(w)
+    u = np.concatenate([state.transpose(0, 2, 1), x], axis=1)        # [B, W - 1 + T, C]
     y = u[:, :t] * w[:, 0]
     tap = np.empty_like(y)                          # one scratch for the taps after the first
     for i in range(1, width):
         y += np.multiply(u[:, i:i + t], w[:, i], out=tap)
     if bias is not None:
-        y = y + up(bias)
+        y = y + bias
+    return y, u[:, u.shape[1] - (width - 1):].transpose(0, 2, 1)
+
+
+def _k_causal_conv1d(a, out, x, w, state, bias=None):
+    y, s = conv_arrays(up(x), up(w), up(state), None if bias is None else up(bias))
     put(out[0], ACT_FN[a["act"]](y))
-    put(out[1], u[:, u.shape[1] - (width - 1):].transpose(0, 2, 1))
+    put(out[1], s)
 
 
-KERNELS.update({"gated_delta_rule": _k_gated_delta_rule, "causal_conv1d": _k_causal_conv1d})
+def _l2rows(x):
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + x.dtype.type(L2_EPS))
+
+
+def _k_gated_delta_net(a, out, x, w, cst, z, b, alpha, alog, dtb, nw, state):
+    hk, kd, h, vd = net_heads(Shape(x.shape, F32), Shape(state.shape, F32))
+    bt, t = x.shape[0], x.shape[1]
+    y, cst = conv_arrays(up(x), up(w), up(cst))
+    y = ACT_FN["silu"](y)
+    q, k = (_l2rows(y[:, :, i * hk * kd:(i + 1) * hk * kd].reshape(bt, t, hk, kd)) for i in (0, 1))
+    v = y[:, :, 2 * hk * kd:].reshape(bt, t, h, vd)
+    z, b, alpha, alog, dtb, nw, s = (up(v_) for v_ in (z, b, alpha, alog, dtb, nw, state))
+    g = -np.exp(alog) * _softplus(alpha + dtb)
+    o, s = delta_rule_arrays(q, k, v, g, ACT_FN["sigmoid"](b), s, a["scale"], a["chunk"])
+    o = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + o.dtype.type(a["eps"]))
+    put(out[0], o * nw * ACT_FN["silu"](z))
+    put(out[1], cst)
+    put(out[2], s)
+
+
+def _softplus(x):
+    return np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))
+
+
+KERNELS.update({"gated_delta_rule": _k_gated_delta_rule, "causal_conv1d": _k_causal_conv1d,
+                "gated_delta_net": _k_gated_delta_net})
 
 
 # ----------------------------------------------------------------- composites
+L2_EPS = 1e-6        # l2norm's eps (flash-linear-attention's and HF's)
+
+
+def l2norm(m, x, eps: float = L2_EPS):
+    """x * rsqrt(sum(x^2, last axis) + eps) (flash-linear-attention's and HF's l2norm)."""
+    last = x.shape.rank - 1
+    return x * m.act(m.sum(x * x, (last,), keepdims=True) + eps, "rsqrt")
+
+
+def softplus(m, x):
+    """log(1 + exp(x)) as max(x, 0) + log(1 + exp(-|x|)): no overflow for large x."""
+    return m.maximum(x, 0.0) + m.act(m.act(-m.act(x, "abs"), "exp") + 1.0, "log")
+
+
+def decay_gate(m, a, a_log, dt_bias):
+    """g = -exp(A_log) * softplus(a + dt_bias): a Gated DeltaNet's log-decay from its logits
+    (a [.., H], A_log and dt_bias broadcast over its last axis)."""
+    return -m.exp(a_log) * softplus(m, a + dt_bias)
+
+
+def gated_rms_norm(m, x, w, z, eps: float):
+    """w * rms_norm(x) * silu(z): the gated RMSNorm of Gated DeltaNet's output (norm first)."""
+    return m.rms_norm(x, w, eps=eps) * m.act(z, "silu")
+
+
 def repeat_heads(m, x, times: int):
     """[B, T, Hk, K] -> [B, T, Hk * times, K], each head repeated `times` times in place
     (torch's repeat_interleave on dim 2)."""
@@ -227,4 +341,20 @@ def _causal_conv1d(m, ins, a):
     return m.act(y, a["act"]), new_state
 
 
-__all__ = ["delta_chunked", "delta_step", "heads_major", "repeat_heads"]
+@composite("gated_delta_net", ex("f32[1,seq,12]", "f32[12,4]", "f32[1,12,3]", "f32[1,seq,2,4]", "f32[1,seq,2]",
+                                 "f32[1,seq,2]", "f32[2]", "f32[2]", "f32[4]", "f32[1,2,2,4]", scale=0.5))
+def _gated_delta_net(m, ins, a):
+    x, w, cst, z, b, alpha, a_log, dt_bias, norm_w, state = ins
+    hk, kd, h, vd = net_heads(x.shape, state.shape)
+    bt, t = x.dims[0], x.dims[1]
+    y, new_cst = m.add("causal_conv1d", (x, w, cst), act="silu")
+    q, k = (l2norm(m, m.reshape(m.narrow(y, 2, i * hk * kd, hk * kd), (bt, t, hk, kd))) for i in (0, 1))
+    v = m.reshape(m.narrow(y, 2, 2 * hk * kd, h * vd), (bt, t, h, vd))
+    g = decay_gate(m, alpha, a_log, dt_bias)
+    o, new_state = m.add("gated_delta_rule", (q, k, v, g, m.act(b, "sigmoid"), state), scale=a["scale"],
+                         chunk=a["chunk"])
+    return gated_rms_norm(m, o, norm_w, z, a["eps"]), new_cst, new_state
+
+
+__all__ = ["L2_EPS", "conv_arrays", "decay_gate", "delta_chunked", "delta_rule_arrays", "delta_step",
+           "gated_rms_norm", "heads_major", "l2norm", "net_heads", "repeat_heads", "softplus"]

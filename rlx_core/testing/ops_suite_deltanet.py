@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlx_core.ir.dtype import F32, F64
+from rlx_core.ir.dtype import BF16, F16, F32, F64
 
 from .parity import REF_ACT, Arg, exact, rand, run_parity
 from .suite_base import covers, fdtype
@@ -53,6 +53,27 @@ def ref_causal_conv1d(x, w, state, bias=None, act: str = "identity") -> tuple:
     if bias is not None:
         y = y + bias
     return REF_ACT[act](y), np.transpose(u[:, t_:], (0, 2, 1))
+
+
+def ref_gated_delta_net(x, w, conv_state, z, b, a, a_log, dt_bias, norm_w, state, scale: float,
+                        eps: float) -> tuple:
+    """A Gated DeltaNet layer between its projections, float64, from the definitions above: the
+    short conv with silu, q and k L2-normalized (eps 1e-6), g = -exp(A_log) log(1 + exp(a +
+    dt_bias)), beta = 1 / (1 + exp(-b)), the rule, then o / sqrt(mean(o^2) + eps) norm_w silu(z)."""
+    h, kd, vd = state.shape[1], state.shape[2], state.shape[3]
+    hk = (x.shape[2] - h * vd) // (2 * kd)
+    bt, t = x.shape[0], x.shape[1]
+    y, conv_new = ref_causal_conv1d(x, w, conv_state, act="silu")
+
+    def unit(u):
+        return u / np.sqrt(np.sum(u * u, axis=-1, keepdims=True) + 1e-6)
+    q = unit(y[:, :, :hk * kd].reshape(bt, t, hk, kd))
+    k = unit(y[:, :, hk * kd:2 * hk * kd].reshape(bt, t, hk, kd))
+    v = y[:, :, 2 * hk * kd:].reshape(bt, t, h, vd)
+    g = -np.exp(a_log) * np.log1p(np.exp(a + dt_bias))
+    o, s = ref_gated_delta_rule(q, k, v, g, REF_ACT["sigmoid"](b), state, scale)
+    o = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + eps) * norm_w * REF_ACT["silu"](z)
+    return o, conv_new, s
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -116,6 +137,49 @@ def test_gated_delta_rule_chunk_independent(backend, rng):
             np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(a))))
 
 
+# ----------------------------------------------------------------------------- gated_delta_net
+def net_args(rng, t: int, dt, hk: int = GDN["hk"], width: int = 4, state_kind: str = "input") -> list:
+    """x, conv_w, conv_state, z, b, a, A_log, dt_bias, norm_w, state of a gated_delta_net call:
+    GDN's heads, decays from A_log in log [1, 16) and a + dt_bias in [-3, 3), nonzero states."""
+    b, h, kd, vd = GDN["b"], GDN["h"], GDN["kd"], GDN["vd"]
+    c = 2 * hk * kd + h * vd
+    return [Arg("x", rand(rng, (b, t, c), dt), dt), Arg("conv_w", rand(rng, (c, width), dt, -1, 1), dt),
+            Arg("conv_state", rand(rng, (b, c, width - 1), dt), dt, state_kind),
+            Arg("z", rand(rng, (b, t, h, vd), dt), dt), Arg("b", rand(rng, (b, t, h), dt, -3, 3), dt),
+            Arg("a", rand(rng, (b, t, h), dt, -2, 2), dt),
+            Arg("A_log", exact(np.log(rng.uniform(1, 16, h)), dt), dt), Arg("dt_bias", rand(rng, (h,), dt, -1, 1), dt),
+            Arg("norm_w", rand(rng, (vd,), dt, 0.5, 1.5), dt),
+            Arg("state", rand(rng, (b, h, kd, vd), dt, -1.0, 1.0), dt, state_kind)]
+
+
+# f16 / bf16: the op's composite (a backend without a kernel) rounds each of its ~10 steps to
+# the dtype, the rule's o included, whose sums cancel; the norm then scales o's rounding error
+# up to the output's size (kernels compute in f32 and round once: within TOL)
+LOW_NET_TOL = {F16: 0.06, BF16: 0.15}
+
+
+def run_net(backend, args: list, scale: float = 0.35, eps: float = 1e-5, chunk: int = 16) -> list:
+    """gated_delta_net on `args` against ref_gated_delta_net: all three outputs."""
+    return run_parity(backend, "gated_delta_net", args, {"scale": scale, "eps": eps, "chunk": chunk},
+                      lambda *xs: ref_gated_delta_net(*xs, scale, eps), tol=LOW_NET_TOL.get(args[0].dtype))
+
+
+@covers("gated_delta_net")
+@fdtype
+@pytest.mark.parametrize("t", [1, 5, 37], ids=lambda t: f"T{t}")
+def test_gated_delta_net(backend, rng, dt, t):
+    """A decode step, a few steps and 37 (chunk 16: two whole chunks and a partial one, where a
+    kernel takes the chunked form); GQA (2 value heads a key head); every output."""
+    run_net(backend, net_args(rng, t, dt))
+
+
+@pytest.mark.parametrize("t,width", [(1, 4), (3, 2), (1, 1)], ids=str)
+def test_gated_delta_net_state_leaves(backend, rng, t, width):
+    """Both states read from and written to state leaves (a decode graph's: in place), heads
+    not grouped (H = Hk); conv widths 4, 2 and 1 (no conv state to carry)."""
+    run_net(backend, net_args(rng, t, F32, hk=GDN["h"], width=width, state_kind="state"))
+
+
 # ----------------------------------------------------------------------------- causal_conv1d
 def conv_args(rng, t: int, dt, width: int = 4, channels: int = 12, bias: bool = True) -> list:
     b = 2
@@ -145,4 +209,5 @@ def test_causal_conv1d_widths(backend, rng, width, t):
 
 
 __all__ = [n for n in dir() if n.startswith("test_")] + [
-    "DECAYS", "GDN", "conv_args", "gdn_args", "ref_causal_conv1d", "ref_gated_delta_rule", "run_gdn"]
+    "DECAYS", "GDN", "conv_args", "gdn_args", "net_args", "ref_causal_conv1d", "ref_gated_delta_net",
+    "ref_gated_delta_rule", "run_gdn", "run_net"]

@@ -18,12 +18,18 @@ gated_delta_rule, two forms:
 causal_conv1d: a thread per channel and run of CONV_RUN steps (its window in registers), x
 read through its strides (a column slice of a projection is not copied), then the new state
 (its last W - 1 inputs).
+gated_delta_net (kernels/gdn_net.cu): the whole layer between its projections in one launch,
+a block per (key head, batch row) walking the steps (a decode step: one), both states read
+once and written once in place; x, z, b and a read through their strides (column slices of
+the one in-projection GEMV's output are not copied).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from rlx_core.ir.deltanet import net_heads
 from rlx_core.ir.dtype import BF16, F16, F32
+from rlx_core.ir.shape import Shape
 
 from . import sources
 from .codegen import acc_of, ctype
@@ -46,6 +52,9 @@ GDN_TC_BV = 16            # state columns a block of the tensor-core walk holds 
 CONV_THREADS = 128        # channels a block of causal_conv1d takes
 CONV_RUN = 16             # steps a causal_conv1d thread walks (its window in registers)
 GRID_Y_MAX = 65535        # CUDA's limit on a grid's y extent
+NET_COLUMNS = 16          # gated_delta_net: state columns a warp holds, at most (registers: K / 32 x this)
+NET_WARPS_MAX = 32        # its block, at most (1024 threads)
+NET = sources.Source("gdn_net.cu:net")
 
 
 def _scan_smem(c: int, kd: int) -> int:
@@ -204,6 +213,55 @@ def build_causal_conv1d(b, n, ins, outs):
         b.copy(nd, nst)
 
 
-BUILDERS.update({"gated_delta_rule": build_gated_delta_rule, "causal_conv1d": build_causal_conv1d})
+def _unit_last(b, x):
+    """(x, its strides but the last) for a value read with unit stride along its last axis (a
+    column slice of a projection's output as it is; a contiguous copy otherwise)."""
+    if (x.es[-1] != 1 and x.shape[-1] > 1) or any(s < 0 for s in x.es):
+        x = b.contiguous(x)
+    return x, tuple(i64(s) for s in x.es[:-1])
 
-__all__ = ["build_gated_delta_rule", "build_causal_conv1d"]
+
+def net_layout(kd: int, vd: int, r: int, width: int, itemsize: int) -> dict:
+    """rlx_gdn_net's compile-time shape: warps (NW), state columns a warp (VPW), rows a lane
+    (KPL), conv channels a thread (CPT), and whether a warp's columns are one aligned run of a
+    head's row (VEC: 16-byte loads)."""
+    cols = r * vd
+    nw = min(NET_WARPS_MAX, max(2, -(-cols // NET_COLUMNS)))
+    vpw = -(-cols // nw)
+    vec = int(vd % vpw == 0 and (vpw * itemsize) % 16 == 0)
+    return dict(NW=nw, VPW=vpw, KPL=-(-kd // 32), CPT=-(-(2 * kd + cols) // (32 * nw)), VEC=vec)
+
+
+def build_gated_delta_net(b, n, ins, outs):
+    x, xt, xb = _step_rows(b, ins[0])
+    w, cs0 = (b.contiguous(t) for t in ins[1:3])
+    (z, zs), (bl, bs), (al, as_) = (_unit_last(b, t) for t in ins[3:6])
+    a_log, dt_bias, norm_w, s0 = (b.contiguous(t) for t in ins[6:10])
+    o, cs1, s1 = outs
+    B, T, C = x.shape
+    hk, kd, h, vd = net_heads(Shape(x.shape, x.dt), Shape(s0.shape, s0.dt))
+    if T == 0 or B == 0:
+        for src_v, dst in ((cs0, cs1), (s0, s1)):
+            if dst.size and src_v.arr.data.ptr != dst.arr.data.ptr:
+                b.copy(src_v, dst)
+        return
+    od, cd, sd = (t if t.contiguous() else b.buffer(t.shape, t.dt, f"gated_delta_net {what}")
+                  for t, what in ((o, "output"), (cs1, "conv state"), (s1, "state")))
+    r = h // hk
+    lay = net_layout(kd, vd, r, w.shape[1], s0.arr.itemsize)
+    lay["VEC"] &= int(s0.arr.data.ptr % 16 == 0 and sd.arr.data.ptr % 16 == 0)
+    acc = acc_of(x.dt)
+    src = sources.render(NET, T=ctype(x.dt), ACC=acc, KD=kd, VD=vd, R=r, WID=w.shape[1], **lay)
+    num = np.float64 if acc == "double" else np.float32
+    b.launch(b.kernel(src, "rlx_gdn_net"), (hk, B), (32 * lay["NW"],),
+             (x.arr, w.arr, cs0.arr, cd.arr, z.arr, bl.arr, al.arr, a_log.arr, dt_bias.arr, norm_w.arr, s0.arr,
+              sd.arr, od.arr, i32(T), i32(hk), xb, xt, *zs, *bs, *as_, num(n.a["scale"]), num(n.a["eps"])))
+    for src_v, dst in ((od, o), (cd, cs1), (sd, s1)):
+        if src_v is not dst:
+            b.copy(src_v, dst)
+
+
+BUILDERS.update({"gated_delta_rule": build_gated_delta_rule, "causal_conv1d": build_causal_conv1d,
+                 "gated_delta_net": build_gated_delta_net})
+
+__all__ = ["build_gated_delta_rule", "build_causal_conv1d", "build_gated_delta_net", "net_layout"]

@@ -5,9 +5,10 @@
                     cache of the core, output * sigmoid(gate), o_proj.
 * `GdnScan`         a Gated DeltaNet layer (`linear_attn`): the projections of its version
                     (Qwen3.5's in_proj_qkv / _z / _b / _a, or Qwen3-Next's interleaved
-                    in_proj_qkvz / in_proj_ba), the short conv (silu) with its state, l2norm of
-                    q and k, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), the gated
-                    delta rule with its state, the gated RMSNorm with z, out_proj.
+                    in_proj_qkvz / in_proj_ba), then the core's `delta_net` (the short conv
+                    (silu) with its state, l2norm of q and k, beta = sigmoid(b), g = -exp(A_log)
+                    * softplus(a + dt_bias), the gated delta rule with its state, the gated
+                    RMSNorm with z: one `gated_delta_net` op a decode step), out_proj.
 * `sparse_moe`      the core MoeFfn: routed experts (softmax, top k, renormalized) plus the
                     shared expert behind a sigmoid gate.
 * `Qwen35DecoderLayer`  x + mixer(norm(x)), then h + mlp(norm(h)); norms are (1 + w).
@@ -23,8 +24,7 @@ import numpy as np
 from rlx_core.flow import AttnSpec
 from rlx_core.flow.blocks import (GatedMlp, ResidualAdd, ResidualSave, RmsNorm, SelfAttention, SwigluMlp,
                                   rope_for)
-from rlx_core.flow.hybrid import (RecurrentState, delta_rule, gated_rms_norm, l2norm, output_gate, short_conv,
-                                  softplus, state_mode, zero_pads)
+from rlx_core.flow.hybrid import DeltaNetParams, RecurrentState, delta_net, output_gate, state_mode, zero_pads
 from rlx_core.flow.moe import MoeFfn, SharedExpert
 from rlx_core.flow.rope import inv_freq
 from rlx_core.ir.dtype import F32
@@ -150,21 +150,12 @@ class GdnScan:
         x = zero_pads(ctx, x, mode)          # pads leave the states zero (HF's apply_mask_to_padding_states)
         mixed, z, beta_in, alpha_in = self.project(ctx, x)
         c, width = a_.conv_channels, a_.conv_width
-        w = m.reshape(self._w(ctx, "conv1d.weight", (c, 1, width)), (c, width))
-        mixed = short_conv(ctx, mixed, w, RecurrentState(f"state.{i}.conv", (c, width - 1), mode), act="silu")
-        kd = a_.k_heads * a_.k_dim
-        q = l2norm(m, m.reshape(m.narrow(mixed, 2, 0, kd), (b, t, a_.k_heads, a_.k_dim)))
-        k = l2norm(m, m.reshape(m.narrow(mixed, 2, kd, kd), (b, t, a_.k_heads, a_.k_dim)))
-        v = m.reshape(m.narrow(mixed, 2, 2 * kd, a_.v_heads * a_.v_dim), (b, t, a_.v_heads, a_.v_dim))
-        beta = m.act(beta_in, "sigmoid")
-        decay = -m.exp(self._w(ctx, "A_log", (a_.v_heads,)))
-        # dt_bias as [1, 1, H], not a vector: a vector would fuse into in_proj_a's matmul as its
-        # bias, and a matmul with a bias stays out of the one GEMV over x's shared projections
-        dt_bias = m.reshape(self._w(ctx, "dt_bias", (a_.v_heads,)), (1, 1, a_.v_heads))
-        g = decay * softplus(m, alpha_in + dt_bias)
-        rec = RecurrentState(f"state.{i}.recurrent", (a_.v_heads, a_.k_dim, a_.v_dim), mode)
-        o = delta_rule(ctx, q, k, v, g, beta, rec, scale=a_.k_dim ** -0.5, chunk=self.chunk)
-        o = gated_rms_norm(m, o, self._w(ctx, "norm.weight", (a_.v_dim,)), z, a_.eps)
+        p = DeltaNetParams(conv_w=m.reshape(self._w(ctx, "conv1d.weight", (c, 1, width)), (c, width)),
+                           a_log=self._w(ctx, "A_log", (a_.v_heads,)), dt_bias=self._w(ctx, "dt_bias", (a_.v_heads,)),
+                           norm_w=self._w(ctx, "norm.weight", (a_.v_dim,)), eps=a_.eps)
+        o = delta_net(ctx, mixed, z, beta_in, alpha_in, p, RecurrentState(f"state.{i}.conv", (c, width - 1), mode),
+                      RecurrentState(f"state.{i}.recurrent", (a_.v_heads, a_.k_dim, a_.v_dim), mode),
+                      scale=a_.k_dim ** -0.5, chunk=self.chunk)
         o = self.heads_for_out_proj(m, o)
         return m.linear(m.reshape(o, (b, t, a_.v_heads * a_.v_dim)),
                         self._w(ctx, "out_proj.weight", (a_.hidden, a_.v_heads * a_.v_dim)))

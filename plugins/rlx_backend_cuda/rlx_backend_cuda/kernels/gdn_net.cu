@@ -1,0 +1,187 @@
+// A Gated DeltaNet layer between its projections (gated_delta_net), step by step, in one launch.
+// @part net(T, ACC, KD, VD, R, WID, NW, KPL, VPW, CPT, VEC)
+// A block per (key head hk, batch row b) owns everything that head touches: the conv channels
+// of its q and k and of its R value heads' v (so its conv state rows are read and written by
+// this block alone), and the R value heads' recurrent states [KD, VD], held in registers for
+// all steps (read once, written once: a decode step updates both states in place). Per step:
+//   1. the gates: decay = exp(-exp(A_log) softplus(a + dt_bias)), beta = sigmoid(b) (thread r);
+//      the short conv + silu of the block's channels (thread tid the channels tid, tid + NT, ..,
+//      its taps and its window of the last WID - 1 inputs in registers);
+//   2. l2norm of q (warp 0, q also scaled) and of k (warp 1);
+//   3. the rule (as deltanet.cu:rule): warp w the value columns [w VPW, (w + 1) VPW) of the R
+//      heads side by side, lane l the state rows l, l + 32, ..; S' = e^g S + k delta^T,
+//      delta = beta (v - e^g S^T k), o = e^g S^T q + delta (k . q);
+//   4. the gated RMSNorm of each value head's o (warp r the head r, r + NW, ..):
+//      o rsqrt(mean(o^2) + eps) norm_w silu(z).
+// Layouts: x [B, T, C] read through its step and batch strides (C = 2 HK KD + HK R VD: q, k, v;
+// unit channel stride); conv_w [C, WID]; conv states [B, C, WID - 1]; z [B, T, H, VD] through
+// its batch, step and head strides; b, a [B, T, H] through their batch and step strides;
+// A_log, dt_bias [H]; norm_w [VD]; states [B, H, KD, VD]; o [B, T, H, VD] contiguous.
+// VEC: a warp's VPW columns lie in one head's row and are 16-byte aligned (vector loads).
+typedef ACC W;
+#define NT (32 * NW)
+#define NC (2 * KD + R * VD)
+#define KEEP (WID > 1 ? WID - 1 : 1)
+__device__ __forceinline__ W rlx_net_silu(W v) { return v / ((W)1 + exp(-v)); }
+__device__ __forceinline__ W rlx_net_sum(W v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += SHFL_XOR(v, m);
+  return v;
+}
+extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict__ x, const T* __restrict__ cw,
+    const T* cs0, T* cs1, const T* __restrict__ z, const T* __restrict__ bl, const T* __restrict__ al,
+    const T* __restrict__ a_log, const T* __restrict__ dt_bias, const T* __restrict__ norm_w, const T* s0, T* s1,
+    T* __restrict__ o, int steps, int HK, i64 xb, i64 xt, i64 zb, i64 zt, i64 zh, i64 bb, i64 bt, i64 ab, i64 at,
+    W scale, W eps) {
+  __shared__ W qk[2 * KD];           // the step's q (normalized, scaled) then k (normalized)
+  __shared__ W vs[R * VD];           // its v of the R value heads
+  __shared__ W os[R * VD];           // the rule's output before the norm
+  __shared__ W dec[R], bet[R];       // e^g and beta of each value head
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int hk = blockIdx.x, b = blockIdx.y, H = HK * R;
+  const i64 C = (i64)2 * HK * KD + (i64)H * VD;
+  // the block's conv channels: its taps and window in registers
+  i64 ch[CPT];
+  W taps[CPT][WID], win[CPT][KEEP];
+#pragma unroll
+  for (int j = 0; j < CPT; ++j) {
+    const int lc = tid + j * NT;
+    ch[j] = lc < KD ? (i64)hk * KD + lc
+          : lc < 2 * KD ? (i64)(HK + hk) * KD + lc - KD : (i64)2 * HK * KD + (i64)hk * R * VD + lc - 2 * KD;
+#pragma unroll
+    for (int i = 0; i < WID; ++i) taps[j][i] = lc < NC ? LD(W, cw[ch[j] * WID + i]) : (W)0;
+#pragma unroll
+    for (int i = 0; i < KEEP; ++i) win[j][i] = lc < NC && WID > 1 ? LD(W, cs0[((i64)b * C + ch[j]) * (WID - 1) + i]) : (W)0;
+  }
+  // the R heads' state columns of this warp, rows lane + 32 i
+  W S[KPL][VPW];
+  const int c0 = warp * VPW;
+  auto at_state = [&](int kk, int col) -> i64 {
+    return (((i64)b * H + (i64)hk * R + col / VD) * KD + kk) * VD + col % VD;
+  };
+#pragma unroll
+  for (int i = 0; i < KPL; ++i) {
+    const int kk = lane + 32 * i;
+#if VEC
+    constexpr int E = 16 / sizeof(T);
+#pragma unroll
+    for (int j0 = 0; j0 < VPW; j0 += E) {
+      rlx_vec<T, E> p;
+      if (kk < KD && c0 + j0 < R * VD) p = *(const rlx_vec<T, E>*)&s0[at_state(kk, c0 + j0)];
+#pragma unroll
+      for (int e = 0; e < E; ++e) S[i][j0 + e] = kk < KD && c0 + j0 < R * VD ? LD(W, p.v[e]) : (W)0;
+    }
+#else
+#pragma unroll
+    for (int j = 0; j < VPW; ++j) S[i][j] = kk < KD && c0 + j < R * VD ? LD(W, s0[at_state(kk, c0 + j)]) : (W)0;
+#endif
+  }
+  for (int t = 0; t < steps; ++t) {
+    // 1. gates and the conv
+    for (int r = tid; r < R; r += NT) {
+      const int h = hk * R + r;
+      const W a = LD(W, al[(i64)b * ab + (i64)t * at + h]) + LD(W, dt_bias[h]);
+      const W sp = (a > (W)0 ? a : (W)0) + log1p(exp(-fabs(a)));
+      dec[r] = exp(-exp(LD(W, a_log[h])) * sp);
+      bet[r] = (W)1 / ((W)1 + exp(-LD(W, bl[(i64)b * bb + (i64)t * bt + h])));
+    }
+    const T* xr = x + (i64)b * xb + (i64)t * xt;
+#pragma unroll
+    for (int j = 0; j < CPT; ++j) {
+      const int lc = tid + j * NT;
+      if (lc >= NC) break;
+      const W xv = LD(W, xr[ch[j]]);
+      W y = taps[j][WID - 1] * xv;
+#pragma unroll
+      for (int i = 0; i < WID - 1; ++i) y += taps[j][i] * win[j][i];
+#pragma unroll
+      for (int i = 0; i + 1 < WID - 1; ++i) win[j][i] = win[j][i + 1];
+      if (WID > 1) win[j][KEEP - 1] = xv;
+      y = rlx_net_silu(y);
+      if (lc < 2 * KD) qk[lc] = y; else vs[lc - 2 * KD] = y;
+    }
+    __syncthreads();
+    // 2. l2norm of q (warp 0) and k (warp 1)
+    if (warp < 2) {
+      W* r = qk + warp * KD;
+      W ss = 0;
+      for (int i = lane; i < KD; i += 32) ss += r[i] * r[i];
+      const W inv = rsqrt(rlx_net_sum(ss) + (W)1e-6) * (warp == 0 ? scale : (W)1);
+      for (int i = lane; i < KD; i += 32) r[i] *= inv;
+    }
+    __syncthreads();
+    // 3. the rule
+    {
+      W kr[KPL], qr[KPL], kq = 0;
+#pragma unroll
+      for (int i = 0; i < KPL; ++i) {
+        const int kk = lane + 32 * i;
+        kr[i] = kk < KD ? qk[KD + kk] : (W)0;
+        qr[i] = kk < KD ? qk[kk] : (W)0;
+        kq += kr[i] * qr[i];
+      }
+      W sk[VPW], sq[VPW];
+#pragma unroll
+      for (int j = 0; j < VPW; ++j) {
+        sk[j] = sq[j] = 0;
+#pragma unroll
+        for (int i = 0; i < KPL; ++i) { sk[j] += S[i][j] * kr[i]; sq[j] += S[i][j] * qr[i]; }
+      }
+#pragma unroll
+      for (int m = 16; m > 0; m >>= 1) {
+        kq += SHFL_XOR(kq, m);
+#pragma unroll
+        for (int j = 0; j < VPW; ++j) { sk[j] += SHFL_XOR(sk[j], m); sq[j] += SHFL_XOR(sq[j], m); }
+      }
+#pragma unroll
+      for (int j = 0; j < VPW; ++j) {
+        const int col = c0 + j;
+        if (col >= R * VD) break;
+        const W e = dec[col / VD], delta = bet[col / VD] * (vs[col] - e * sk[j]);
+#pragma unroll
+        for (int i = 0; i < KPL; ++i) S[i][j] = e * S[i][j] + kr[i] * delta;
+        if (lane == (j & 31)) os[col] = e * sq[j] + delta * kq;
+      }
+    }
+    __syncthreads();
+    // 4. the gated RMSNorm, a warp a value head
+    for (int r = warp; r < R; r += NW) {
+      const int h = hk * R + r;
+      const W* orow = os + r * VD;
+      W ss = 0;
+      for (int v = lane; v < VD; v += 32) ss += orow[v] * orow[v];
+      const W inv = rsqrt(rlx_net_sum(ss) / (W)VD + eps);
+      const T* zr = z + (i64)b * zb + (i64)t * zt + (i64)h * zh;
+      T* out = o + (((i64)b * steps + t) * H + h) * VD;
+      for (int v = lane; v < VD; v += 32)
+        out[v] = ST(T, orow[v] * inv * LD(W, norm_w[v]) * rlx_net_silu(LD(W, zr[v])));
+    }
+    __syncthreads();                 // qk, vs, os, dec and bet are free for the next step
+  }
+  // the new states
+#pragma unroll
+  for (int j = 0; j < CPT; ++j) {
+    const int lc = tid + j * NT;
+    if (lc < NC && WID > 1)
+#pragma unroll
+      for (int i = 0; i < KEEP; ++i) cs1[((i64)b * C + ch[j]) * (WID - 1) + i] = ST(T, win[j][i]);
+  }
+#pragma unroll
+  for (int i = 0; i < KPL; ++i) {
+    const int kk = lane + 32 * i;
+#if VEC
+    constexpr int E = 16 / sizeof(T);
+#pragma unroll
+    for (int j0 = 0; j0 < VPW; j0 += E) {
+      rlx_vec<T, E> p;
+#pragma unroll
+      for (int e = 0; e < E; ++e) p.v[e] = ST(T, S[i][j0 + e]);
+      if (kk < KD && c0 + j0 < R * VD) *(rlx_vec<T, E>*)&s1[at_state(kk, c0 + j0)] = p;
+    }
+#else
+#pragma unroll
+    for (int j = 0; j < VPW; ++j)
+      if (kk < KD && c0 + j < R * VD) s1[at_state(kk, c0 + j)] = ST(T, S[i][j]);
+#endif
+  }
+}
