@@ -160,6 +160,22 @@ def prefill_by_op(model, ids) -> dict:
         return {}
 
 
+def decode_step(model) -> dict:
+    """The decode graph's step as it runs (the runner `generate` used, the one with the most
+    launches): launches, launches by op, and on the GPU its CUDA graph replayed alone (ms)."""
+    exe = model.executable("decode")
+    runners = list(exe._runners.values())                 # (its specializations: batch, context bucket)
+    if not runners:
+        return {}
+    r = max(runners, key=lambda x: len(getattr(x, "steps", ())))
+    info = r.describe() if hasattr(r, "describe") else {}
+    out = {"launches": info.get("steps"), "by_op": info.get("steps_by_op")}
+    if hasattr(r, "replay_seconds") and info.get("graph"):
+        out["graph_ms"] = min(r.replay_seconds(50) for _ in range(3)) * 1e3
+    log(f"rlx decode step: {out}")
+    return out
+
+
 def side_rlx(a, cfg: dict) -> dict:
     import ml_dtypes
     import numpy as np
@@ -196,6 +212,7 @@ def side_rlx(a, cfg: dict) -> dict:
     res.update(decode_s=statistics.median(dec), decode_all_s=dec, tokens=toks,
                memory_decode=model.memory_report())
     log(f"rlx decode: {res['decode_s'] * 1e3:.3f} ms/token; memory {res['memory_decode']}")
+    res["decode_step"] = decode_step(model)
 
     res["prefill"] = {}
     for n in a.prefill:
@@ -212,7 +229,7 @@ def side_rlx(a, cfg: dict) -> dict:
         if n in a.by_op:
             res["prefill"][str(n)]["by_op_ms"] = prefill_by_op(model, ids)
     res["memory_prefill"] = model.memory_report()
-    res["memory_prefill_tokens"] = max(a.prefill)
+    res["memory_prefill_tokens"] = max(a.prefill, default=0)
     return res
 
 
@@ -364,6 +381,11 @@ def report(a, cfg: dict, res: dict) -> None:
         log(f"decode after a {a.decode_prompt}-token prompt, {a.new} new tokens: RLX {d * 1e3:.3f} ms/token"
             + (f", HF eager {hf['decode_s'] * 1e3:.3f} ms/token (HF / RLX {hf['decode_s'] / d:.2f})"
                if hf else ""))
+        st = rl.get("decode_step") or {}
+        if st.get("launches"):
+            log(f"RLX decode step: {st['launches']} launches"
+                + (f", its CUDA graph alone {st['graph_ms']:.3f} ms ({st['graph_ms'] / 1e3 / floors[0][1]:.2f}x "
+                   f"the nominal floor)" if st.get("graph_ms") else "") + f"; by op {st.get('by_op')}")
         log(f"weights {wb / 1e9:.3f} GB read a step: " + "; ".join(
             f"floor {f * 1e3:.3f} ms at the {name}: RLX {d / f:.2f}x it (target <= 1.6)"
             for name, f in floors))
@@ -410,8 +432,8 @@ def main() -> int:
         if a.layers % 4:
             ap.error(f"--layers {a.layers}: must be a multiple of 4 (3 Gated DeltaNet layers, then 1 full)")
         shape["layers"] = a.layers
-    a.prefill = [int(t) for t in a.prefill.split(",") if t]
-    a.by_op = [int(t) for t in a.by_op.split(",") if t] or [min(a.prefill)]
+    a.prefill = sorted(int(t) for t in a.prefill.split(",") if t)      # (none: decode only)
+    a.by_op = [int(t) for t in a.by_op.split(",") if t] or a.prefill[:1]
     cfg = hf_config(shape, max(a.prefill + [a.decode_prompt]) + a.new + 64)
     if a.child:
         out = (side_rlx if a.child == "rlx" else side_hf)(a, cfg)
