@@ -20,7 +20,6 @@ import numpy as np
 
 from .composites import composite, ex, iota
 from .errors import DTypeError, ShapeError
-from .dtype import F32
 from .numpy_kernels import ACT as ACT_FN, KERNELS, put, up
 from .ops import ACT, COUNT, EPS, FLOAT, Level, _float, _same_dim, op
 from .recurrence import gated_delta_rule as delta_scan
@@ -211,71 +210,38 @@ def delta_step(q, k, v, g, beta, s) -> tuple:
     return np.einsum("bhk,bhkv->bhv", q, s), s
 
 
-def delta_rule_arrays(q, k, v, g, beta, s, scale: float, chunk: int) -> tuple:
-    """gated_delta_rule on arrays of one float dtype, the op's layouts -> (o, new state)."""
+def _k_gated_delta_rule(a, out, q, k, v, g, beta, state):
     times = v.shape[2] // q.shape[2]
-    q = heads_major(q * q.dtype.type(scale), times)
+    q, k, v, g, beta, s = (up(x) for x in (q, k, v, g, beta, state))
+    q = heads_major(q * q.dtype.type(a["scale"]), times)
     k, v = heads_major(k, times), heads_major(v)
     g, beta = g.transpose(0, 2, 1), beta.transpose(0, 2, 1)
     if q.shape[2] == 1:
         o, s = delta_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], s)
         o = o[:, :, None]
     else:
-        o, s = delta_chunked(q, k, v, g, beta, s, chunk)
-    return o.transpose(0, 2, 1, 3), s
-
-
-def _k_gated_delta_rule(a, out, q, k, v, g, beta, state):
-    o, s = delta_rule_arrays(*(up(x) for x in (q, k, v, g, beta, state)), a["scale"], a["chunk"])
-    put(out[0], o)
+        o, s = delta_chunked(q, k, v, g, beta, s, a["chunk"])
+    put(out[0], o.transpose(0, 2, 1, 3))
     put(out[1], s)
 
 
-def conv_arrays(x, w, state, bias=None) -> tuple:
-    """causal_conv1d's taps on float arrays (before the activation) -> (y, new state)."""
+def _k_causal_conv1d(a, out, x, w, state, bias=None):
     t, width = x.shape[1], w.shape[1]
-    u = np.concatenate([state.transpose(0, 2, 1), x], axis=1)        # [B, W - 1 + T, C]
+    u = np.concatenate([up(state).transpose(0, 2, 1), up(x)], axis=1)        # [B, W - 1 + T, C]
+    w = up(w)
     y = u[:, :t] * w[:, 0]
     tap = np.empty_like(y)                          # one scratch for the taps after the first
     for i in range(1, width):
         y += np.multiply(u[:, i:i + t], w[:, i], out=tap)
     if bias is not None:
-        y = y + bias
-    return y, u[:, u.shape[1] - (width - 1):].transpose(0, 2, 1)
-
-
-def _k_causal_conv1d(a, out, x, w, state, bias=None):
-    y, s = conv_arrays(up(x), up(w), up(state), None if bias is None else up(bias))
+        y = y + up(bias)
     put(out[0], ACT_FN[a["act"]](y))
-    put(out[1], s)
+    put(out[1], u[:, u.shape[1] - (width - 1):].transpose(0, 2, 1))
 
 
-def _l2rows(x):
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + x.dtype.type(L2_EPS))
-
-
-def _k_gated_delta_net(a, out, x, w, cst, z, b, alpha, alog, dtb, nw, state):
-    hk, kd, h, vd = net_heads(Shape(x.shape, F32), Shape(state.shape, F32))
-    bt, t = x.shape[0], x.shape[1]
-    y, cst = conv_arrays(up(x), up(w), up(cst))
-    y = ACT_FN["silu"](y)
-    q, k = (_l2rows(y[:, :, i * hk * kd:(i + 1) * hk * kd].reshape(bt, t, hk, kd)) for i in (0, 1))
-    v = y[:, :, 2 * hk * kd:].reshape(bt, t, h, vd)
-    z, b, alpha, alog, dtb, nw, s = (up(v_) for v_ in (z, b, alpha, alog, dtb, nw, state))
-    g = -np.exp(alog) * _softplus(alpha + dtb)
-    o, s = delta_rule_arrays(q, k, v, g, ACT_FN["sigmoid"](b), s, a["scale"], a["chunk"])
-    o = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + o.dtype.type(a["eps"]))
-    put(out[0], o * nw * ACT_FN["silu"](z))
-    put(out[1], cst)
-    put(out[2], s)
-
-
-def _softplus(x):
-    return np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))
-
-
-KERNELS.update({"gated_delta_rule": _k_gated_delta_rule, "causal_conv1d": _k_causal_conv1d,
-                "gated_delta_net": _k_gated_delta_net})
+# gated_delta_net has no NumPy kernel: the NumPy and numba backends run its composite (numba's
+# conv and rule kernels then write their states in place)
+KERNELS.update({"gated_delta_rule": _k_gated_delta_rule, "causal_conv1d": _k_causal_conv1d})
 
 
 # ----------------------------------------------------------------- composites
@@ -356,5 +322,5 @@ def _gated_delta_net(m, ins, a):
     return gated_rms_norm(m, o, norm_w, z, a["eps"]), new_cst, new_state
 
 
-__all__ = ["L2_EPS", "conv_arrays", "decay_gate", "delta_chunked", "delta_rule_arrays", "delta_step",
+__all__ = ["L2_EPS", "decay_gate", "delta_chunked", "delta_step",
            "gated_rms_norm", "heads_major", "l2norm", "net_heads", "repeat_heads", "softplus"]
