@@ -569,3 +569,33 @@ def test_health_reports_a_failed_warm_up(serving, monkeypatch):
     status, _, out = until(warmed, "the warm-up never ended")
     assert status == 503 and out["status"] == "failed" and "failed to compile" in out["error"]
     assert "/srv/private" not in out["error"] and "plain" in out["error"]    # no server path
+
+
+def test_debug_steps_lists_the_scheduler_runs_behind_the_key(serving, models):
+    """GET /debug/steps: the scheduler's runs (Scheduler.step_log) on the shared monotonic
+    clock: a greedy request of n tokens is a prefill piece then n - 1 decode steps of one row,
+    in order, each ended after the request began; `since` leaves out the older; the key
+    guards it; a bad model or `since` is a 4xx naming it."""
+    srv = serving(max_batch=2, api_key=KEY)
+    wait_ready(srv)
+    t0 = time.monotonic()
+    r = client(srv, KEY).completions.create(model="tiny", prompt="w1 w2 w3", max_tokens=4, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 4
+    assert call(srv, f"/debug/steps?model=tiny&since={t0}")[0] == 401
+    status, _, out = call(srv, f"/debug/steps?model=tiny&since={t0}", key=KEY)
+    assert status == 200 and out["model"] == "tiny" and out["clock"] == "monotonic"
+    steps = out["steps"]
+    assert [(s["kind"], s["rows"]) for s in steps] == [("piece", 0)] + [("decode", 1)] * 3, steps
+    assert steps[0]["piece"] >= 3 and all(s["piece"] == 0 for s in steps[1:])
+    ends = [s["end"] for s in steps]
+    assert t0 < ends[0] and ends == sorted(ends) and ends[-1] < time.monotonic()
+    assert all(0 < s["seconds"] <= s["end"] - t0 for s in steps)
+    status, _, later = call(srv, f"/debug/steps?model=tiny&since={ends[1]}", key=KEY)
+    assert status == 200 and later["steps"] == steps[2:]
+    for query, code, param in (("?model=nope", 404, "model"), ("?model=enc", 400, "model"),
+                               ("?model=tiny&since=soon", 400, "since")):
+        status, _, err = call(srv, "/debug/steps" + query, key=KEY)
+        assert status == code and err["error"]["param"] == param, (query, err)
+    status, _, err = call(srv, "/debug/steps", key=KEY)        # two causal models served: name one
+    assert status == 400 and err["error"]["param"] == "model"

@@ -81,6 +81,7 @@ MIXED_RECENT = 5               # mixed steps of a piece length whose median is w
 REFERENCE = 8                  # mixed steps in a row at most, with a stall budget: then a plain step is timed
 NOW = 3                        # timed plain steps whose median is the reference of a mixed step's addition
 TIE = 0.25                     # budget below every addition: pieces adding <= (1 + TIE) x the least fit
+STEP_LOG = 4096                # runs the scheduler remembers (`step_log`)
 
 
 def trim_heap() -> None:
@@ -95,6 +96,23 @@ def trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):          # not glibc (musl): nothing to trim with
         pass
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One run of the scheduler thread (`Scheduler.step_log`): a decode step ("decode"), a
+    decode step carrying a prefill piece ("mixed") or a prefill piece run alone ("piece").
+    `end` is time.monotonic() when it ended (on Linux the clock of time.perf_counter too,
+    shared by every process: a client's timestamps compare with it); `seconds` its wall time,
+    host work included; `rows` the decode rows, `piece` the prompt tokens it ran (padding
+    included); `first`: its runner's first run (specialized for it: the cost of a new shape
+    or of moved cache buffers, not of the tokens)."""
+    end: float
+    seconds: float
+    kind: str
+    rows: int
+    piece: int
+    first: bool
 
 
 @dataclass
@@ -267,6 +285,7 @@ class Scheduler:
         self._mixed_when: dict = {}            # piece length -> mixed_steps when its cost was last measured
         self._plain_age = 0                    # mixed steps since the last timed plain step
         self._ran: weakref.WeakSet = weakref.WeakSet()   # runners run once (later runs are timed)
+        self._log: collections.deque = collections.deque(maxlen=STEP_LOG)   # StepRecords, newest last
 
     # -- submission
     def submit(self, prompt, params: SamplingParams | None = None, on_event=None, chat: bool = False,
@@ -356,6 +375,16 @@ class Scheduler:
                 "prefix_query_tokens": self.prefix_query_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,
                 "prefilling": prefilling, "prefill_tokens": self.prefill_tokens,
                 "prefill_runs": self.prefill_runs, "mixed_steps": self.mixed_steps, **cache}
+
+    def step_log(self, since: float = 0.0) -> list:
+        """The last STEP_LOG runs that ended after `since` (time.monotonic()), oldest first, as
+        StepRecords: what each step cost and what it carried, so a benchmark can say which of
+        the streams' gaps were long and why (a new shape, a piece of some length, the load)."""
+        return [r for r in list(self._log) if r.end > since]
+
+    def _logged(self, t0: float, kind: str, rows: int, piece: int, timed: bool) -> None:
+        end = time.monotonic()
+        self._log.append(StepRecord(end, end - t0, kind, rows, piece, not timed))
 
     def memory_report(self) -> dict:
         """The model's memory_report with this scheduler's KV cache and runners, and its
@@ -787,12 +816,14 @@ class Scheduler:
 
     def _run_piece(self, r: Request, exe, feed: dict, a: int, b: int, run: int) -> None:
         """Run a piece (`_piece_feed`'s) alone, its cost measured in decode steps."""
+        began = time.monotonic()
         timed = self._warm(exe, feed)
         t0 = time.perf_counter()
         logits = exe.run(feed)["logits"][:, -1]
         if self._step_cost and timed:
             self._last_piece_steps = (time.perf_counter() - t0) / self._step_cost
             self._run_steps[run] = _average(self._run_steps.get(run), self._last_piece_steps)
+        self._logged(began, "piece", 0, run, timed)
         self._filled(r, a, b, logits)
 
     def _piece_feed(self, r: Request, limit: int) -> tuple:
@@ -963,6 +994,7 @@ class Scheduler:
         every row's next token (the graph's greedy ids where `_greedy_ids` allows, as a plain
         step) and, at the prompt's end, r's first (from the logits). Where the
         model refuses mixed graphs the piece runs alone before a plain step."""
+        began = time.monotonic()
         ext, pfeed, a, b, run = self._piece_feed(r, limit)
         c = self._batch_cache()
         exe = self._mixed_exe(c.batch, run)
@@ -992,6 +1024,7 @@ class Scheduler:
             added = max((time.perf_counter() - t0) / self._step_now - 1.0, 0.0)
             self._mixed_added.setdefault(run, collections.deque(maxlen=MIXED_RECENT)).append(added)
             self._mixed_when[run] = self.mixed_steps
+        self._logged(began, "mixed", len(running), run, timed)
         self._counted(r, a, b)                   # (before the rows' tokens: a listener sees the piece done)
         for q in running:
             q.length += 1
@@ -1032,6 +1065,7 @@ class Scheduler:
         return False
 
     def _step(self) -> None:
+        began = time.monotonic()
         exe, c = self._decode_exe(), self._batch_cache()
         running = self._running()
         exe.fixed_dims = {"ctx": c.ctx}
@@ -1051,6 +1085,7 @@ class Scheduler:
         if timed:
             self._step_times.append(time.perf_counter() - t0)
             self._plain_age = 0
+        self._logged(began, "decode", len(running), 0, timed)
         for r in running:
             r.length += 1
             if greedy is not None:
@@ -1151,6 +1186,6 @@ def _state_specs(exe) -> dict:
     return {n.name: n.outs[0] for n in exe.mir.nodes if n.op == "state"}
 
 
-__all__ = ["Scheduler", "SamplingParams", "Request", "Event", "Completion", "batch_buckets",
+__all__ = ["Scheduler", "SamplingParams", "Request", "Event", "Completion", "StepRecord", "batch_buckets",
            "FINISH_REASONS", "IDLE_RELEASE_S", "trim_heap"]
 

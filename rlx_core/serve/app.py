@@ -22,7 +22,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -695,6 +695,28 @@ def _context(model) -> int | None:
     return int(n) if n is not None else None
 
 
+async def step_log(request: Request):
+    """GET /debug/steps?model=NAME&since=T: a causal model's last runs (Scheduler.step_log:
+    each decode step, mixed step and prefill piece with its end on the shared monotonic
+    clock, its seconds, rows and piece tokens, and whether its runner was specialized for
+    it), those ended after `since`; `model` may be left out where one causal model is
+    served. For benchmarks: which of the streams' gaps were long, and why."""
+    served: Served = request.app.state.served
+    q = request.query_params
+    name = q.get("model")
+    if name is None and len(served.schedulers) == 1:
+        name = next(iter(served.schedulers))
+    served.get(name, "causal")
+    try:
+        since = float(q.get("since", "0"))
+    except ValueError:
+        raise P.bad(f"'since' must be a number of seconds (time.monotonic()), got {q.get('since')!r}",
+                    "since") from None
+    records = served.schedulers[name].step_log(since)
+    return JSONResponse({"model": name, "clock": "monotonic",
+                         "steps": [asdict(r) for r in records]})
+
+
 async def health(request: Request):
     """200 {"status": "ok"} once every model is warm; 503 while loading, after a failed
     warm-up (with its error) and while shutting down."""
@@ -784,6 +806,7 @@ def create_app(models: dict, max_batch: int = 8, default_max_tokens: int | None 
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/debug/steps", step_log, methods=["GET"]),
         *page_routes(),
     ]
     ops = Ops(served, api_key, metrics_merge, [r.path for r in routes])

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse
 
 from .protocol import ApiError
 
-PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/metrics")   # a path starting so needs the key
+PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/metrics", "/debug/")   # a path starting so needs the key
 UNDRAINED = ("/health", "/metrics")          # answered while shutting down (not counted in flight)
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 KV_WAIT_S = 0.25             # how long a scrape waits for a model's lock to read its KV bytes
