@@ -1382,7 +1382,8 @@ def _grid(n, sms, block=256):
 
 
 def _v_assign(b, n, ins):
-    b.copy(ins[1], ins[0])
+    if (ins[1].arr.data.ptr, ins[1].arr.strides) != (ins[0].arr.data.ptr, ins[0].arr.strides):
+        b.copy(ins[1], ins[0])         # (else an op wrote the state in place: nothing to copy)
     return ins[0]
 
 
