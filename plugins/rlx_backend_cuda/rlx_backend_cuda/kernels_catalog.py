@@ -171,7 +171,7 @@ def moe_gdn() -> list:
         out.append((f"conv1d {t}", S.render(S.CONV1D, T=t, ACC=acc, WID=4, EPILOGUE="v = v + LD(W, bias[n]);"),
                     "rlx_conv1d"))
         out.append((f"conv1d state {t}", S.render(S.CONV1D_STATE, T=t, WID=4), "rlx_conv1d_state"))
-        out.append((f"gdn net {t}", S.render(S.Source("gdn_net.cu:net"), T=t, ACC=acc, KD=128, VD=128, R=1, WID=4,
+        out.append((f"gdn net {t}", S.render(S.GDN_NET, T=t, ACC=acc, KD=128, VD=128, R=1, WID=4,
                                              NW=8, VPW=16, KPL=4, CPT=2, VEC=1), "rlx_gdn_net"))
     for kind in S.DQ_SCHEMES:
         src = S.DQ_COMMON + S.DQ_SCHEMES[kind] + S.DQ_QF + S.MOE_PACKED_TAIL

@@ -249,6 +249,7 @@ GDN_SCAN = Source("deltanet.cu:chunk_scan")
 GDN_TC_PREP = Source("deltanet.cu:tc_common", "deltanet.cu:tc_prep")
 GDN_TC_SCAN = Source("deltanet.cu:tc_common", "deltanet.cu:tc_scan")
 GDN_TC_OUT = Source("deltanet.cu:tc_common", "deltanet.cu:tc_out")
+GDN_NET = Source("gdn_net.cu:net")            # gated_delta_net (deltanet.py)
 CONV1D = Source("deltanet.cu:conv")
 CONV1D_STATE = Source("deltanet.cu:conv_state")
 
