@@ -54,7 +54,6 @@ CONV_RUN = 16             # steps a causal_conv1d thread walks (its window in re
 GRID_Y_MAX = 65535        # CUDA's limit on a grid's y extent
 NET_COLUMNS = 16          # gated_delta_net: state columns a warp holds, at most (registers: K / 32 x this)
 NET_WARPS_MAX = 32        # its block, at most (1024 threads)
-NET = sources.Source("gdn_net.cu:net")
 
 
 def _scan_smem(c: int, kd: int) -> int:
@@ -232,6 +231,22 @@ def net_layout(kd: int, vd: int, r: int, width: int, itemsize: int) -> dict:
     return dict(NW=nw, VPW=vpw, KPL=-(-kd // 32), CPT=-(-(2 * kd + cols) // (32 * nw)), VEC=vec)
 
 
+def _in_place(b, n, k: int, j: int, state, out):
+    """Where node b.node's output k (a new state) goes: into the state leaf its input j reads
+    when the one reader of output k is the assign of it to that leaf and nothing else reads the
+    leaf (the assign then copies nothing: ops._v_assign), else `out`."""
+    g = b.r.lir.graph
+    src = tuple(n.inputs[j])
+    readers = b.uses.get((b.node, k), [])
+    if (g.nodes[src[0]].op != "state" or len(readers) != 1 or readers[0] < 0 or not state.contiguous()
+            or g.nodes[readers[0]].op != "assign"
+            or [tuple(r) for r in g.nodes[readers[0]].inputs] != [src, (b.node, k)]
+            or sorted(b.uses.get(src, [])) != sorted([b.node, readers[0]])):
+        return out
+    b.vals[(b.node, k)] = state
+    return state
+
+
 def build_gated_delta_net(b, n, ins, outs):
     x, xt, xb = _step_rows(b, ins[0])
     w, cs0 = (b.contiguous(t) for t in ins[1:3])
@@ -245,13 +260,14 @@ def build_gated_delta_net(b, n, ins, outs):
             if dst.size and src_v.arr.data.ptr != dst.arr.data.ptr:
                 b.copy(src_v, dst)
         return
+    cs1, s1 = (_in_place(b, n, k, j, ins[j], out) for k, j, out in ((1, 2, cs1), (2, 9, s1)))
     od, cd, sd = (t if t.contiguous() else b.buffer(t.shape, t.dt, f"gated_delta_net {what}")
                   for t, what in ((o, "output"), (cs1, "conv state"), (s1, "state")))
     r = h // hk
     lay = net_layout(kd, vd, r, w.shape[1], s0.arr.itemsize)
     lay["VEC"] &= int(s0.arr.data.ptr % 16 == 0 and sd.arr.data.ptr % 16 == 0)
     acc = acc_of(x.dt)
-    src = sources.render(NET, T=ctype(x.dt), ACC=acc, KD=kd, VD=vd, R=r, WID=w.shape[1], **lay)
+    src = sources.render(sources.GDN_NET, T=ctype(x.dt), ACC=acc, KD=kd, VD=vd, R=r, WID=w.shape[1], **lay)
     num = np.float64 if acc == "double" else np.float32
     b.launch(b.kernel(src, "rlx_gdn_net"), (hk, B), (32 * lay["NW"],),
              (x.arr, w.arr, cs0.arr, cd.arr, z.arr, bl.arr, al.arr, a_log.arr, dt_bias.arr, norm_w.arr, s0.arr,
