@@ -31,7 +31,7 @@ from rlx_core.ir.quant import QuantScheme
 from . import amx, cblas
 from .cblas import SGEMM
 from .codegen import SWIGLU_HEAD, bindable, load_source, with_epilogue
-from .simd import (AVX512, VNNI, VNNI512, bits, fold16, nibble_fma16, nibble_pair_dot, pair_factors,
+from .simd import (AVX512, VNNI, VNNI512, add_high8, bits, fold16, high8, k4_factors, pair_lanes, nibble_fma16, nibble_pair_dot,
                    scaled16, zeros16, bits32, blend4, fma, halves, hmax, hsum, idot_s, idot_u, lane,
                    load_bytes32, load_f32, load_i8, load_u8, load_u32, nibbles32, round_int8, store_lanes,
                    to_f32, vabs, vmax, zeros)
@@ -453,15 +453,30 @@ def _iblock_k45(r, o, xq, xd, xs, c, tab, qs, five):
 @njit(**_OPT)
 def _iblock_q4_k_512(r, o, xq, xd, xs, c, tab):
     """_iblock_k45 of q4_k in 16 lanes (simd.nibble_pair_dot): chunk k of the codes is
-    sub-blocks 2k and 2k + 1, against x blocks c + 2k and c + 2k + 1 (64 contiguous bytes)."""
-    sc, mn = _k45_scales(r, o)
-    f = (to_f32(sc) * _h(r, o, tab)) * load_f32(xd, c)
-    extra = (to_f32(mn) * -_h(r, o + 2, tab)) * load_f32(xs, c)
-    a = nibble_pair_dot(zeros16(), r, o + 16, xq, 32 * c, pair_factors(f, 0))
-    b = nibble_pair_dot(zeros16(), r, o + 48, xq, 32 * c + 64, pair_factors(f, 1))
-    a = nibble_pair_dot(a, r, o + 80, xq, 32 * c + 128, pair_factors(f, 2))
-    b = nibble_pair_dot(b, r, o + 112, xq, 32 * c + 192, pair_factors(f, 3))
-    return fold16(a + b) + extra, np.float32(0)
+    sub-blocks 2k and 2k + 1, against x blocks c + 2k and c + 2k + 1 (64 contiguous bytes);
+    the header's factors made at once (simd.k4_factors: the same products as _iblock_k45's)."""
+    g = k4_factors(r, o, xd, xs, c)
+    a = nibble_pair_dot(zeros16(), r, o + 16, xq, 32 * c, pair_lanes(g, 0))
+    b = nibble_pair_dot(zeros16(), r, o + 48, xq, 32 * c + 64, pair_lanes(g, 1))
+    a = nibble_pair_dot(a, r, o + 80, xq, 32 * c + 128, pair_lanes(g, 2))
+    b = nibble_pair_dot(b, r, o + 112, xq, 32 * c + 192, pair_lanes(g, 3))
+    return fold16(a + b) + high8(g), np.float32(0)
+
+
+@njit(**_OPT)
+def idot_q4_k_512(r, xq, xd, xs, tab):
+    """A packed q4_k row . x's int8 blocks (the generated `idot` of q4_k where VNNI512):
+    _iblock_q4_k_512's products summed in four 16-lane accumulators (one a code chunk, the
+    mins' part in lanes 8..15 of the first) folded once a row, not once a super-block."""
+    a0, a1, a2, a3 = zeros16(), zeros16(), zeros16(), zeros16()
+    for b in range(xq.shape[0] // 256):
+        o, c = 144 * b, 8 * b
+        g = k4_factors(r, o, xd, xs, c)
+        a0 = add_high8(nibble_pair_dot(a0, r, o + 16, xq, 32 * c, pair_lanes(g, 0)), g)
+        a1 = nibble_pair_dot(a1, r, o + 48, xq, 32 * c + 64, pair_lanes(g, 1))
+        a2 = nibble_pair_dot(a2, r, o + 80, xq, 32 * c + 128, pair_lanes(g, 2))
+        a3 = nibble_pair_dot(a3, r, o + 112, xq, 32 * c + 192, pair_lanes(g, 3))
+    return hsum(fold16((a0 + a1) + (a2 + a3)))
 
 
 if VNNI512:
@@ -755,11 +770,7 @@ def _amx_source(kind: str, mode: str, groups) -> str:
                               parts_body=parts_body, products_body="\n".join(body))
 
 
-_INT8_DRIVERS = """
-
-from rlx_backend_numba.quant_kernels import iblock_{fmt} as iblock, quantize_x
-
-
+_IDOT = """
 @njit(**_OPT)
 def idot(r, xq, xd, xs, tab):
     \"\"\"Packed row r . x for x as int8 blocks (quantize_x's xq, xd, xs).\"\"\"
@@ -769,7 +780,14 @@ def idot(r, xq, xd, xs, tab):
         acc = acc + v
         extra += e
     return hsum(acc) + extra
+"""
+_IDOT_ROW = {"q4_k": "from rlx_backend_numba.quant_kernels import idot_q4_k_512 as idot\n"} if VNNI512 else {}
+_INT8_DRIVERS = """
 
+from rlx_backend_numba.quant_kernels import iblock_{fmt} as iblock, quantize_x
+
+
+{idot}
 
 @njit(parallel=True, **_OPT)
 def igemv(x, w, o, tab):
@@ -928,7 +946,7 @@ def drivers(kind: str):
         src = f"\nfrom rlx_backend_numba.quant_kernels import fblock_{kind} as fblock\n" + src
     src = SWIGLU_HEAD + src.format(
         fmt=kind, rows=ROWS_PER_TASK, ahead=AHEAD_ROWS, elems=elems, nbytes=nbytes, dot_body=dot_body,
-        decode_body=decode_body)
+        decode_body=decode_body, idot=_IDOT_ROW.get(kind, _IDOT))
     return load_source(src + _AMX_HEAD + "".join(_amx_source(kind, m, groups) for m in _PAIRS))
 
 

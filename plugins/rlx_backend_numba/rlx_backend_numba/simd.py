@@ -130,8 +130,8 @@ def prefetch(typingctx, a, i):
 
 
 def _store_f32(context, builder, sig, args):
-    builder.store(args[2], element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], _VF),
-                  align=4)
+    builder.store(args[2], element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1],
+                                       args[2].type), align=4)
     return context.get_dummy_value()
 
 
@@ -164,10 +164,12 @@ def _store_i8(context, builder, sig, args):
 
 @intrinsic
 def store_lanes(typingctx, a, i, v):
-    """a[i:i+8] = v for a float32 array; for a uint16 array, v rounded to bf16 (nearest, ties
-    to even; NaN is not kept apart): the bits AMX tiles read (amx.py); for an int8 array,
-    the I32x8 v's low bytes."""
+    """a[i:i+8] = v for a float32 array (a[i:i+16] for an F32x16 v); for a uint16 array, v
+    rounded to bf16 (nearest, ties to even; NaN is not kept apart): the bits AMX tiles read
+    (amx.py); for an int8 array, the I32x8 v's low bytes."""
     if a.dtype == types.float32 and v is F32x8:
+        return types.none(a, i, v), _store_f32
+    if a.dtype == types.float32 and v is F32x16:
         return types.none(a, i, v), _store_f32
     if a.dtype == types.uint16 and v is F32x8:
         return types.none(a, i, v), _store_bf16
@@ -593,19 +595,6 @@ def zeros16(typingctx):
 
 
 @intrinsic
-def pair_factors(typingctx, f, j):
-    """[f[2j]] * 8 + [f[2j + 1] / 16] * 8 (j a constant after inlining): the factors of
-    nibble_pair_dot's two halves."""
-    def codegen(context, builder, sig, args):
-        j2 = builder.mul(context.cast(builder, args[1], sig.args[1], types.int32), ir.Constant(_I32, 2))
-        lo = builder.extract_element(args[0], j2)
-        hi = builder.extract_element(args[0], builder.add(j2, ir.Constant(_I32, 1)))
-        v = builder.shuffle_vector(_splat(builder, lo, _VF), _splat(builder, hi, _VF), _lane_mask(range(16)))
-        return builder.fmul(v, ir.Constant(_VF16, [1.0] * 8 + [1.0 / 16] * 8))
-    return F32x16(f, j), codegen
-
-
-@intrinsic
 def nibble_pair_dot(typingctx, acc, r, qo, xq, xo, fp):
     """acc + fp * (the 32 bytes of codes at r[qo], low nibbles against x bytes xq[xo:xo+32],
     high nibbles (as 16 times their value) against xq[xo+32:xo+64]), in 16 float lanes of
@@ -664,8 +653,80 @@ def fold16(typingctx, v):
     return F32x8(v), codegen
 
 
-__all__ = ["F32x8", "F32x16", "AVX512", "VNNI512", "fold16", "nibble_fma16", "nibble_pair_dot", "scaled16",
-           "pair_factors", "zeros16", "I32x8", "I8x32", "LANES", "VNNI", "bits", "bits32", "blend4",
+# q4_k's super-block header in 16 lanes: the eight 6-bit scales and mins decoded from their
+# 12 bytes with byte shuffles (not lane by lane in 32 bits), d and dmin converted by the CPU's
+# f16 instruction (not two table lookups), and every factor the block's dot products need
+# made at once: 28 -> ~14 instructions a super-block of the int8 GEMV (a Zen 5 core).
+_I8x16 = ir.VectorType(_I8, 16)
+_SC_LO = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 24, 25, 26, 27]     # b[..] or, from 16, b[..] >> 4
+_SC_HI = [16, 16, 16, 16, 0, 1, 2, 3, 16, 16, 16, 16, 4, 5, 6, 7]    # 16: a zero byte
+_SC_MASK = [63] * 4 + [15] * 4 + [63] * 4 + [15] * 4
+_D_SCALE = [1.0, 1.0 / 16] * 4 + [-1.0] * 8      # odd sub-blocks' codes read as 16 q (0xF0 masks)
+
+
+def _k4_scales(builder, b):
+    """The 16 bytes b (a q4_k super-block's bytes 4..19) -> <16 x i32>: its scales sc_0..7,
+    then mins m_0..7 (get_scale_min_k4: j < 4 the low 6 bits of bytes j and j + 4; j >= 4
+    the low / high nibble of byte j + 4 with the top two bits of byte j - 4 / j above)."""
+    words = ir.VectorType(ir.IntType(16), 8)
+    b4 = builder.bitcast(builder.lshr(builder.bitcast(b, words), ir.Constant(words, [4] * 8)), _I8x16)
+    b4 = builder.and_(b4, ir.Constant(_I8x16, [15] * 16))
+    lo = builder.and_(builder.shuffle_vector(b, b4, _lane_mask(_SC_LO)), ir.Constant(_I8x16, _SC_MASK))
+    hi = builder.shuffle_vector(b, ir.Constant(_I8x16, [0] * 16), _lane_mask(_SC_HI))
+    hi = builder.shl(builder.lshr(hi, ir.Constant(_I8x16, [6] * 16)), ir.Constant(_I8x16, [4] * 16))
+    return builder.zext(builder.or_(lo, hi), _VI16)
+
+
+@intrinsic
+def k4_factors(typingctx, r, o, xd, xs, c):
+    """The q4_k super-block at byte o of row r against x blocks c .. c + 7 (scales xd, scale
+    times sum xs): lane j < 8 sc_j d xd[c + j] (odd j: / 16, for nibble_pair_dot's high
+    halves), lane 8 + j m_j (-dmin) xs[c + j] (the mins' part of the block's dot product)."""
+    def codegen(context, builder, sig, args):
+        b = builder.load(element_ptr(context, builder, sig.args[0], args[0], builder.add(
+            context.cast(builder, args[1], sig.args[1], types.intp), ir.Constant(ir.IntType(64), 4)),
+            types.intp, _I8x16), align=1)
+        sc = builder.sitofp(_k4_scales(builder, b), _VF16)
+        v2h = ir.VectorType(ir.HalfType(), 2)
+        dm = builder.fpext(builder.load(element_ptr(context, builder, sig.args[0], args[0], args[1],
+                                                    sig.args[1], v2h), align=1), ir.VectorType(ir.FloatType(), 2))
+        dv = builder.fmul(builder.shuffle_vector(dm, dm, _lane_mask([0] * 8 + [1] * 8)), ir.Constant(_VF16, _D_SCALE))
+        xv = [builder.load(element_ptr(context, builder, sig.args[k], args[k], args[4], sig.args[4], _VF), align=4)
+              for k in (2, 3)]
+        return builder.fmul(builder.fmul(sc, dv), builder.shuffle_vector(xv[0], xv[1], _lane_mask(range(16))))
+    return F32x16(r, o, xd, xs, c), codegen
+
+
+@intrinsic
+def pair_lanes(typingctx, g, k):
+    """[g[2k]] * 8 + [g[2k + 1]] * 8 (k a constant after inlining): pair k's factors."""
+    def codegen(context, builder, sig, args):
+        k2 = builder.mul(context.cast(builder, args[1], sig.args[1], types.int32), ir.Constant(_I32, 2))
+        lo = _splat(builder, builder.extract_element(args[0], k2), _VF)
+        hi = _splat(builder, builder.extract_element(args[0], builder.add(k2, ir.Constant(_I32, 1))), _VF)
+        return builder.shuffle_vector(lo, hi, _lane_mask(range(16)))
+    return F32x16(g, k), codegen
+
+
+@intrinsic
+def high8(typingctx, g):
+    """Lanes 8..15 of an F32x16."""
+    def codegen(context, builder, sig, args):
+        return builder.shuffle_vector(args[0], args[0], _lane_mask(range(8, 16)))
+    return F32x8(g), codegen
+
+
+@intrinsic
+def add_high8(typingctx, acc, g):
+    """acc + g on lanes 8..15 (F32x16; lanes 0..7 of acc kept): one masked add."""
+    def codegen(context, builder, sig, args):
+        keep = ir.Constant(ir.VectorType(ir.IntType(1), 16), [0] * 8 + [1] * 8)
+        return builder.select(keep, builder.fadd(args[0], args[1]), args[0])
+    return F32x16(acc, g), codegen
+
+
+__all__ = ["F32x8", "F32x16", "AVX512", "VNNI512", "fold16", "add_high8", "high8", "k4_factors", "pair_lanes", "nibble_fma16", "nibble_pair_dot", "scaled16",
+           "zeros16", "I32x8", "I8x32", "LANES", "VNNI", "bits", "bits32", "blend4",
            "lane", "dot4", "exp", "halves", "idot_s", "idot_u", "izeros", "load_bytes32", "nibbles32",
            "fma", "hsum", "round_int8", "vabs", "load_f32", "load_i8", "load_u8", "load_u32",
            "store_lanes", "store_words", "to_f32", "zeros"]

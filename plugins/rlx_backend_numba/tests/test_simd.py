@@ -186,3 +186,51 @@ def test_dot4_and_store_words(vnni, monkeypatch):
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(words[1::3], u[:32].view(np.int32))
     assert not words[0] and not words[2::3].any()
+
+
+def test_k4_factors_pair_lanes_and_high_lanes():
+    """k4_factors decodes a q4_k super-block's header (every 6-bit scale and min pattern of
+    the 12 packed bytes, d and dmin as f16, a NaN among them) into the products the int8
+    GEMV scales its sub-blocks by, exactly: lane j sc_j d xd[c + j] (odd j / 16), lane 8 + j
+    m_j (-dmin) xs[c + j]; pair_lanes repeats lanes 2k, 2k + 1 eight times each; add_high8
+    adds lanes 8..15 only; high8 reads them."""
+    from rlx_backend_numba import simd
+    if not simd.AVX512:
+        pytest.skip("the CPU has no AVX-512 (F32x16)")
+
+    @njit(cache=False)
+    def run(r, o, xd, xs, c, out):
+        g = simd.k4_factors(r, o, xd, xs, c)
+        store_lanes(out, 0, g)
+        store_lanes(out, 16, simd.pair_lanes(g, 3))
+        store_lanes(out, 32, simd.add_high8(g, g))
+        store_lanes(out, 48, simd.high8(g))
+
+    rng = np.random.default_rng()
+    rows = rng.integers(0, 256, (300, 2 * 144), dtype=np.uint8)
+    d = rng.uniform(-2, 2, (300, 2, 2)).astype(np.float16)
+    d[7, 1, 0] = np.nan
+    rows.reshape(300, 2, 144)[:, :, :4] = d.view(np.uint8).reshape(300, 2, 4)
+    xd = rng.uniform(0, 0.1, 24).astype(np.float32)
+    xs = rng.uniform(-3, 3, 24).astype(np.float32)
+    for n in range(300):
+        for blk, c in ((0, 3), (1, 16)):
+            o = 144 * blk
+            sc, mn = (np.array(v, np.float32) for v in zip(*(q4k_scale_min(rows[n, o + 4:o + 16], j) for j in range(8))))
+            dd, dmin = (np.float32(v) for v in d[n, blk])
+            want = np.concatenate([(sc * (dd * np.float32([1, 1 / 16] * 4))) * xd[c:c + 8],
+                                   (mn * -dmin) * xs[c:c + 8]]).astype(np.float32)
+            out = np.full(56, -1, np.float32)
+            run(rows[n], o, xd, xs, c, out)
+            np.testing.assert_array_equal(out[:16], want)
+            np.testing.assert_array_equal(out[16:32], np.repeat(want[6:8], 8))
+            np.testing.assert_array_equal(out[32:48], np.concatenate([want[:8], 2 * want[8:]]))
+            np.testing.assert_array_equal(out[48:56], want[8:])
+
+
+def q4k_scale_min(b, j):
+    """llama.cpp's get_scale_min_k4: sub-block j's 6-bit scale and min from the 12 bytes b."""
+    b = b.astype(np.int32)
+    if j < 4:
+        return b[j] & 63, b[j + 4] & 63
+    return (b[j + 4] & 15) | ((b[j - 4] >> 6) << 4), (b[j + 4] >> 4) | ((b[j] >> 6) << 4)
