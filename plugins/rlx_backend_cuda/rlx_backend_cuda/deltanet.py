@@ -231,6 +231,17 @@ def net_layout(kd: int, vd: int, r: int, width: int, itemsize: int) -> dict:
     return dict(NW=nw, VPW=vpw, KPL=-(-kd // 32), CPT=-(-(2 * kd + cols) // (32 * nw)), VEC=vec)
 
 
+def _from_leaf(b, ref) -> bool:
+    """Whether value `ref` is a leaf (param, state, constant, input) or a view of one: no kernel
+    of the run writes it before the node reading it."""
+    g, i = b.r.lir.graph, ref[0]
+    while g.nodes[i].op not in ("param", "state", "constant", "input"):
+        if b.r.lir.slots.get((i, 0)) is None or b.r.lir.slots[(i, 0)].home != "view" or not g.nodes[i].inputs:
+            return False
+        i = g.nodes[i].inputs[0][0]
+    return True
+
+
 def _in_place(b, n, k: int, j: int, state, out):
     """Where node b.node's output k (a new state) goes: into the state leaf its input j reads
     when the one reader of output k is the assign of it to that leaf and nothing else reads the
@@ -267,7 +278,9 @@ def build_gated_delta_net(b, n, ins, outs):
     lay = net_layout(kd, vd, r, w.shape[1], s0.arr.itemsize)
     lay["VEC"] &= int(s0.arr.data.ptr % 16 == 0 and sd.arr.data.ptr % 16 == 0)
     acc = acc_of(x.dt)
-    src = sources.render(sources.GDN_NET, T=ctype(x.dt), ACC=acc, KD=kd, VD=vd, R=r, WID=w.shape[1], **lay)
+    early = int(all(_from_leaf(b, n.inputs[j]) for j in (1, 2, 9)))
+    src = sources.render(sources.GDN_NET, T=ctype(x.dt), ACC=acc, KD=kd, VD=vd, R=r, WID=w.shape[1], EARLY=early,
+                         **lay)
     num = np.float64 if acc == "double" else np.float32
     b.launch(b.kernel(src, "rlx_gdn_net"), (hk, B), (32 * lay["NW"],),
              (x.arr, w.arr, cs0.arr, cd.arr, z.arr, bl.arr, al.arr, a_log.arr, dt_bias.arr, norm_w.arr, s0.arr,

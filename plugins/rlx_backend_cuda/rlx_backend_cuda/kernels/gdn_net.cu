@@ -1,5 +1,5 @@
 // A Gated DeltaNet layer between its projections (gated_delta_net), step by step, in one launch.
-// @part net(T, ACC, KD, VD, R, WID, NW, KPL, VPW, CPT, VEC)
+// @part net(T, ACC, KD, VD, R, WID, NW, KPL, VPW, CPT, VEC, EARLY)
 // A block per (key head hk, batch row b) owns everything that head touches: the conv channels
 // of its q and k and of its R value heads' v (so its conv state rows are read and written by
 // this block alone), and the R value heads' recurrent states [KD, VD], held in registers for
@@ -18,6 +18,9 @@
 // its batch, step and head strides; b, a [B, T, H] through their batch and step strides;
 // A_log, dt_bias [H]; norm_w [VD]; states [B, H, KD, VD]; o [B, T, H, VD] contiguous.
 // VEC: a warp's VPW columns lie in one head's row and are 16-byte aligned (vector loads).
+// EARLY: conv_w and both states come from leaves no kernel of this run writes (params, state
+// leaves): they are loaded before waiting for the kernel before (a programmatic dependent
+// launch: the state loads overlap the in-projection GEMV's tail).
 typedef ACC W;
 #define NT (32 * NW)
 #define NC (2 * KD + R * VD)
@@ -40,6 +43,9 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int hk = blockIdx.x, b = blockIdx.y, H = HK * R;
   const i64 C = (i64)2 * HK * KD + (i64)H * VD;
+#if !EARLY
+  RLX_GRID_WAIT();
+#endif
   // the block's conv channels: its taps and window in registers
   i64 ch[CPT];
   W taps[CPT][WID], win[CPT][KEEP];
@@ -76,6 +82,9 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict
     for (int j = 0; j < VPW; ++j) S[i][j] = kk < KD && c0 + j < R * VD ? LD(W, s0[at_state(kk, c0 + j)]) : (W)0;
 #endif
   }
+#if EARLY
+  RLX_GRID_WAIT();
+#endif
   for (int t = 0; t < steps; ++t) {
     // 1. gates and the conv
     for (int r = tid; r < R; r += NT) {
