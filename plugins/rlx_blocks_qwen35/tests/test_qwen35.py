@@ -128,6 +128,24 @@ def test_greedy_tokens_equal_hf(saved, hf_greedy, kind, backend):
     assert got[0, 140:].tolist() == want
 
 
+@pytest.mark.parametrize("kind", ["dense", "next"])
+def test_decode_step_is_one_fused_op_a_linear_layer(saved, kind):
+    """A decode step's linear-attention layer is one gated_delta_net op (what the cuda kernel
+    runs in one launch) and its b projection joins the others in one matmul (no sigmoid of its
+    own); the prefill keeps the ops one by one (the chunked rule's kernels)."""
+    from rlx_core.pipeline import CompilePipeline
+
+    lm = load(saved[kind][1], backend="numpy", progress=False)
+    ops = {mode: [n.op for n in lm.built(mode).graph.nodes] for mode in ("decode", "prefill")}
+    linear = COMMON["layer_types"].count("linear_attention")
+    assert ops["decode"].count("gated_delta_net") == linear and "gated_delta_rule" not in ops["decode"]
+    assert ops["prefill"].count("gated_delta_rule") == linear and "gated_delta_net" not in ops["prefill"]
+    mir = CompilePipeline(lm.profile, lm.backend).optimize(lm.built("decode").graph)
+    heads = COMMON["linear_num_value_heads"]          # (a sigmoid matmul of another width: a shared expert's gate)
+    assert not [n for n in mir.nodes if n.op == "fused_matmul_bias_act" and n.a.get("act") == "sigmoid"
+                and n.outs[0].dims[-1] == heads]
+
+
 def test_left_padded_batch_equals_one_by_one(saved):
     """Pads are zeroed before the linear attention, so they leave the conv and recurrent
     states exactly as a row alone leaves them."""
