@@ -357,9 +357,12 @@ def stall(client, server: Server, side: str, a, texts: Texts) -> dict:
             raise SideFailed(f"{server.name}: scenario 3 saw no gaps before ({len(before)}) or during "
                              f"({len(during)}) the prefill")
         timeline = sorted((round(t - t_arrive, 4), round(d, 4)) for t, d in overlap)
-        return {"before_p99_s": percentile(before, 99), "during_p99_s": percentile(during, 99),
-                "during_max_s": max(during), "before_n": len(before), "during_n": len(during),
-                "long_ttft_s": t_first - t_arrive, "during_gaps": timeline}   # (end after arrival, gap) s
+        out = {"before_p99_s": percentile(before, 99), "during_p99_s": percentile(during, 99),
+               "during_max_s": max(during), "before_n": len(before), "during_n": len(during),
+               "long_ttft_s": t_first - t_arrive, "during_gaps": timeline}   # (end after arrival, gap) s
+        if side == "rlx":
+            out.update(server_steps(server.port, t_ready, t_arrive, t_first))
+        return out
 
     run(5000)                                                   # rehearsal: the same graphs compiled
     load0 = loadavg()
@@ -370,6 +373,46 @@ def stall(client, server: Server, side: str, a, texts: Texts) -> dict:
 
 
 SCENARIOS = {"shared": shared, "prefix": prefix, "stall": stall}
+
+
+def server_steps(port: int, t_ready: float, t_arrive: float, t_first: float) -> dict:
+    """What rlx serve's scheduler ran before and during the long prompt's prefill (its GET
+    /debug/steps: each run's end on the monotonic clock this process's perf_counter reads
+    too, its seconds, rows, piece tokens, and whether its runner was specialized for it):
+    the median decode step before, and every run during ({} where the server has no log)."""
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/debug/steps?since={t_ready}", timeout=30).read()
+    except OSError:
+        return {}
+    steps = json.loads(body)["steps"]
+    before = [s["seconds"] for s in steps if s["end"] <= t_arrive and s["kind"] == "decode"]
+    during = [s for s in steps if t_arrive < s["end"] <= t_first + 1e-3]
+    if not before or not during:
+        return {}
+    return {"step_before_s": statistics.median(before), "during_steps": during}
+
+
+def slow_steps(d: dict, times: float = 2.0) -> str:
+    """The runs during the prefill longer than `times` the median decode step before, by what
+    they were (a first run: specialized for its shapes; a mixed step's piece length; a plain
+    step), with their median."""
+    ref, steps = d.get("step_before_s"), d.get("during_steps")
+    if not ref or not steps:
+        return ""
+    groups: dict = {}
+    for s in steps:
+        if s["seconds"] > times * ref:
+            what = ("first run " if s["first"] else "") + (f"{s['kind']} +{s['piece']}" if s["piece"]
+                                                         else s["kind"])
+            groups.setdefault(what, []).append(s["seconds"])
+    kinds: dict = {}
+    for s in steps:
+        kinds[s["kind"]] = kinds.get(s["kind"], 0) + 1
+    parts = [f"{k} {len(v)} (median {ms(statistics.median(v))})" for k, v in
+             sorted(groups.items(), key=lambda kv: -len(kv[1]))]
+    runs = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    return (f"runs during: {runs}; step before {ms(ref)}; longer than {times:g}x it: "
+            f"{sum(map(len, groups.values()))}" + (": " + "; ".join(parts) if parts else ""))
 
 
 def prefix_cache_tokens(port: int) -> tuple | None:
@@ -490,6 +533,8 @@ def report(a, res: dict, hw: str) -> None:
                         ("rlx, chunk 0 (off)", res.get("rlx_nochunk", {}).get("stall"))):
             if d is not None:
                 say(side_line(name, d, f3))
+                if slow_steps(d):
+                    say(f"  {'':<26} {slow_steps(d)}")
     say(f"\nreproduce: {shlex.join([os.path.relpath(sys.executable), *sys.argv])}")
 
 

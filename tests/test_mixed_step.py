@@ -134,12 +134,13 @@ def alone(model, ids: list, n: int) -> list:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_scheduler_mixed_steps_keep_greedy_outputs(kind, backend):
     """A 70-token prompt arriving while a stream decodes rides in its decode steps, 16 tokens
-    a step: 4 mixed steps, then its last 6 tokens (a short tail) alone, padded to 16; the
-    tokens equal those run alone."""
+    a step: 4 mixed steps, then its last 6 tokens (a short tail) ride too, padded to 16, the
+    first token from that step's logits; the tokens equal those run alone."""
     model = tiny(kind, backend)
     long = tokens(2, 70)
     stream, got, s = served(model, long, 5, prefill_chunk=16)
-    assert s.mixed_refused == "" and s.mixed_steps == 4 and s.prefill_runs == 1 + 5    # (the stream's own)
+    assert s.mixed_refused == "" and s.mixed_steps == 5 and s.prefill_runs == 1 + 5    # (the stream's own)
+    assert [(r.kind, r.piece) for r in s.step_log() if r.kind != "decode"] == [("piece", 16)] + [("mixed", 16)] * 5
     assert got == alone(model, long, 5)
     assert stream == alone(model, tokens(1, 6), len(stream))
     _, off, s_off = served(model, long, 5, prefill_chunk=16, mixed=False)
@@ -191,9 +192,12 @@ def test_greedy_equal_mixed_and_prefix_cache_on_and_off(llama, jobs, shared):
 
 
 def test_mixed_pieces_start_small_and_grow_while_they_fit(llama):
-    """With a stall budget a riding piece is the longest whose measured addition to the step
-    fits (medians of the last measurements), trying the length above it when never measured
-    or not for REMEASURE mixed steps; with nothing measured, one token."""
+    """With a stall budget a riding piece is the longest measured length whose addition to
+    the step fits (medians of the last measurements; a shorter one over the budget rules out
+    the longer), trying the length above it (never measured, or not for REMEASURE mixed
+    steps) where its expected addition fits: the line through the two longest measured, or,
+    with one measured, twice it within the budget twice over; with nothing measured, one
+    token."""
     import collections
 
     from rlx_core.runtime.scheduler import REMEASURE
@@ -202,14 +206,39 @@ def test_mixed_pieces_start_small_and_grow_while_they_fit(llama):
     assert s._mixed_limit(256, 0.5) == 1
     s._mixed_added = {1: collections.deque([0.3])}
     s._mixed_when = {1: 0}
-    assert s._mixed_limit(256, 0.5) == 2                  # 2 never measured: tried
-    s._mixed_added[2] = collections.deque([0.4, 9.0, 0.45])   # (one stalled step: the median holds)
+    assert s._mixed_limit(256, 0.5) == 2                  # 2 never measured: 2 x 0.3 within 0.5 + 0.5
+    assert s._mixed_limit(256, 0.2) == 1                  # (0.6 over 0.2 + 0.2: 1 is over the budget too,
+    s._mixed_added[2] = collections.deque([0.3, 9.0, 0.35])   # TIE: steps 0.375)  one stalled step: the median holds
     s._mixed_added[4] = collections.deque([0.7])
     s._mixed_when.update({2: 0, 4: 0})
     assert s._mixed_limit(256, 0.5) == 2 and s._mixed_limit(2, 0.5) == 2
-    assert s._mixed_limit(256, 1.0) == 8                  # 4 fits; 8 never measured: tried
+    assert s._mixed_limit(256, 1.0) == 4                  # 4 fits; 8 expected 0.7 + 4 x 0.175 = 1.4: not tried
+    assert s._mixed_limit(256, 1.5) == 8                  # (1.4 fits 1.5: tried)
     s.mixed_steps = REMEASURE
-    assert s._mixed_limit(256, 0.5) == 4                  # 4 measured long ago: tried again
+    assert s._mixed_limit(256, 0.5) == 4                  # 4 measured long ago, expected 0.35 + 2 x 0.05: tried
+    s._mixed_added[2] = collections.deque([0.45])
+    assert s._mixed_limit(256, 0.5) == 2                  # expected 0.45 + 2 x 0.15 = 0.75: not tried
+    s._mixed_added[2] = collections.deque([0.6])
+    s._mixed_added[4] = collections.deque([0.3])          # (lucky: a longer piece adds no less than 2's 0.6)
+    s._mixed_when.update({2: REMEASURE, 4: REMEASURE})
+    assert s._mixed_limit(256, 0.5) == 1
+    s.close()
+
+
+def test_a_piece_measured_as_adding_nothing_does_not_make_longer_ones_free(llama):
+    """A one-token step measured as adding nothing (a plain step of the reference slower
+    than it) once made every longer piece's estimate 0, and the chunk rode (256 tokens, a
+    20-step stall of every stream): now the pieces only double, one measured length at a
+    time."""
+    import collections
+
+    s = Scheduler(llama, stall_budget=0.5)
+    s._mixed_added = {1: collections.deque([0.0])}
+    s._mixed_when = {1: 0}
+    assert s._mixed_limit(256, 0.5) == 2
+    s._mixed_added[2] = collections.deque([0.0])
+    s._mixed_when[2] = 0
+    assert s._mixed_limit(256, 0.5) == 4
     s.close()
 
 
@@ -224,10 +253,12 @@ def test_a_budget_below_every_pieces_addition_takes_pieces_near_the_least(llama)
     s = Scheduler(llama, stall_budget=0.5)
     s._mixed_added = {n: collections.deque([c]) for n, c in {1: 0.59, 2: 0.61, 4: 0.55, 8: 0.73}.items()}
     s._mixed_when = {1: 0, 2: 0, 4: 0, 8: 0}
-    assert 0.55 * (1 + TIE) < 0.73 and s._mixed_limit(256, 0.5) == 4
+    assert 0.61 < 0.55 * (1 + TIE) < 0.73 and s._mixed_limit(256, 0.5) == 4
     s._mixed_added[8] = collections.deque([0.6])
-    assert s._mixed_limit(256, 0.5) == 16                 # 8 fits; 16 never measured: tried
-    assert s._mixed_limit(256, 2.0) == 32                 # (a budget above them: as before)
+    assert s._mixed_limit(256, 0.5) == 8                  # 8 fits; 16 expected 0.6 + 8 x 0.0125 = 0.7 > 0.6875
+    s._mixed_added[8] = collections.deque([0.58])
+    assert s._mixed_limit(256, 0.5) == 16                 # (0.58 + 8 x 0.0075 = 0.64: tried)
+    assert s._mixed_limit(256, 2.0) == 16                 # (a budget above them: one doubling past 8)
     s.close()
 
 

@@ -31,8 +31,9 @@ waiting prompt's next piece rides in the decode step's own run (the graph mode "
 rlx_core.flow.recipe: the decode rows' tokens and the piece's packed on one token axis), so
 the weights are read once for both; a run's fixed cost (on a CPU, reading every weight once,
 about a decode step) is then not paid again for the piece. One piece a step, of a prompt with
-more than PAD_TAIL tokens left (shorter ones are prefilled alone, whole, before the step, so
-requests arriving together join the batch together); the mixed graphs specialize per (batch
+more than PAD_TAIL tokens left when it started riding (shorter ones are prefilled alone, whole,
+before the step, so requests arriving together join the batch together; a riding prompt's
+tail rides too); the mixed graphs specialize per (batch
 bucket, piece length: powers of two), all built by `warm_mixed` (the server's warm-up), so
 a length's first step only specializes its graph to the cache's buffers. Families whose
 layers do not split the packed tokens, and models whose pieces cannot pad, run their pieces
@@ -157,6 +158,7 @@ class Request:
     slot: int = -1                  # its row of the decode batch (-1: not placed yet, prefilling)
     length: int = 0                 # tokens in its KV cache
     filled: int = 0                 # prompt tokens in the prefill states (while prefilling)
+    rode: bool = False              # a piece of its prompt rode in a mixed step (its tail rides too)
     last: int = 0                   # the token the next decode step feeds
     ctx: int = 0                    # the context bucket it would get alone
     max_new: int = 0
@@ -711,12 +713,14 @@ class Scheduler:
         `chunk`) are prefilled alone, whole, in order, before the step (as without mixed
         steps): so requests arriving together while a batch decodes join it together, and a
         new request's question after a cached system prompt gets its first token at once.
-        Longer prompts ride in the steps (`_next_rider`)."""
+        Longer prompts ride in the steps (`_next_rider`), their tails too: a 64-token tail
+        run alone cost 3-5 decode steps (one stall of every stream, the p99 of a short
+        prefill's gaps), riding it costs its tokens a step at a time within the budget."""
         while self._fills:
             r = self._fills[0]
             if r.done or r.cancelled or r not in self._active:
                 self._fills.popleft()
-            elif len(r.prompt_ids) - r.filled <= min(PAD_TAIL, chunk):
+            elif len(r.prompt_ids) - r.filled <= min(PAD_TAIL, chunk) and not r.rode:
                 self._guard(list(r.choices), self._fill, r, chunk)
             else:
                 return
@@ -749,33 +753,54 @@ class Scheduler:
         return None
 
     def _mixed_limit(self, cap: int, steps: float) -> int:
-        """The longest piece (a power of two up to `cap`) whose measured addition to a decode
-        step fits in `steps` steps (`_estimate` over the mixed steps' costs), or the next
-        length up while that one was not measured within REMEASURE mixed steps: the pieces
-        start at one token and double while they fit, and one noisy measurement does not rule
-        a length out for good. No floor as for pieces run alone: a piece riding in a step pays
-        no run's fixed cost of its own, only its tokens' work (2 CPU cores, SmolLM2 Q4_1, 4
-        rows: a step 14 ms; with 1, 2, 4, 8, 16 piece tokens 18, 20, 24, 28, 36 ms; a 16-token
-        piece alone 30 ms).
+        """The longest measured piece length (a power of two up to `cap`) whose addition to a
+        decode step fits in `steps` steps, and no shorter one's over it (a longer piece adds
+        no less: a lucky measurement of a long one does not make it fit), or one doubling
+        above it where that length was not measured within REMEASURE mixed steps and its
+        expected addition (`_probe_cost`) fits: the pieces start at one token and double
+        while they fit, one measured doubling at a time (never a jump past what was measured:
+        a one-token step once measured as adding nothing made every longer piece look free,
+        and the chunk, 256 tokens, rode: a 20-step stall). No floor as for pieces run alone:
+        a riding piece pays no run's fixed cost of its own, only its tokens' work.
 
-        Where even the least any piece adds (a mixed step's own overhead, the same for 1 to
-        ~4 tokens) is over `steps`, the budget cannot hold whatever the piece: the pieces
-        adding at most TIE more than that least fit, not one token a step, which would stall
-        the streams as much for a prompt's whole length (quiet 2 cores, SmolLM2, 4 rows: a
-        step 17-23 ms; 1, 2, 4, 8 tokens add 0.59-0.69, 0.61-0.63, 0.55-0.94, 0.65-0.73
-        steps; at a budget of 0.5, one-token pieces took 530 steps for 600 tokens)."""
+        Where even the least any piece adds (a mixed step's own overhead) is over `steps`,
+        the budget cannot hold whatever the piece: the pieces adding at most TIE more than
+        that least fit, not one token a step, which would stall the streams as much for a
+        prompt's whole length (quiet 2 cores, SmolLM2, 4 rows: a step 17-23 ms; 1, 2, 4, 8
+        tokens add 0.59-0.69, 0.61-0.63, 0.55-0.94, 0.65-0.73 steps)."""
         cost = self._mixed_cost
         if not cost:
             return 1
-        steps = max(steps, min(cost.values()) * (1 + TIE))
-        size = 1 << max(cap, 1).bit_length() - 1
-        while size > 1 and self._estimate(size, cost) > steps:
-            size //= 2
+        budget, steps = steps, max(steps, min(cost.values()) * (1 + TIE))
+        size, most = 1, 0.0
+        for n in sorted(k for k in cost if k <= cap):
+            most = max(most, cost[n])
+            if most > steps:
+                break
+            size = n
         up = size * 2
         stale = self.mixed_steps - self._mixed_when.get(up, -REMEASURE) >= REMEASURE
-        if up <= cap and stale and self._estimate(size, cost) <= steps:
-            return up
+        if size in cost and up <= cap and stale:
+            expected, blind = self._probe_cost(size, cost)
+            if expected <= steps + (budget if blind else 0.0):
+                return up
         return size
+
+    @staticmethod
+    def _probe_cost(size: int, cost: dict) -> tuple:
+        """(what a piece of 2 x `size` tokens is expected to add, in steps; whether that is a
+        guess): the line through the additions measured at `size` and the next length below
+        it, extended (a fixed overhead plus a cost a token; no slope below 0). With no length
+        below measured, twice `size`'s (as if it were all per token): a guess, which a probe
+        may exceed the budget by up to the budget again to test (once per REMEASURE mixed
+        steps; without it pieces whose overhead is most of their cost would stay at one
+        token)."""
+        below = [n for n in cost if n < size]
+        if not below:
+            return 2 * cost[size], True
+        lo = max(below)
+        slope = max(cost[size] - cost[lo], 0.0) / (size - lo)
+        return cost[size] + slope * size, False
 
     def _budget_limit(self, cap: int, steps: float, first: bool, cost: dict | None = None) -> int:
         """The longest piece (a power of two up to `cap`) whose estimated cost fits in `steps`
@@ -1025,6 +1050,7 @@ class Scheduler:
             self._mixed_added.setdefault(run, collections.deque(maxlen=MIXED_RECENT)).append(added)
             self._mixed_when[run] = self.mixed_steps
         self._logged(began, "mixed", len(running), run, timed)
+        r.rode = True
         self._counted(r, a, b)                   # (before the rows' tokens: a listener sees the piece done)
         for q in running:
             q.length += 1
