@@ -25,8 +25,11 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import asdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from serve_race import slow_steps, step_medians, steps_around  # noqa: E402
 
 
 def loadavg() -> str:
@@ -79,6 +82,7 @@ def measure(s, model, a, seed: int) -> dict:
     while not first:
         time.sleep(0.002)
     t_first, cpu1 = first[0], time.process_time()
+    runs = steps_around([asdict(r) for r in s.step_log(t_ready)], t_arrive, t_first)
     steps, mixed_steps = s.steps - steps0, s.mixed_steps - mixed0
     wait_tokens(2, since=t_first)
     for r in streams:
@@ -90,7 +94,7 @@ def measure(s, model, a, seed: int) -> dict:
     during = [d for t, d in gaps if t > t_arrive and t - d < t_first]
     return {"before": percentile(before, 99), "during": percentile(during, 99), "longest": max(during),
             "ratio": percentile(during, 99) / percentile(before, 99), "ttft": t_first - t_arrive,
-            "steps": steps, "mixed_steps": mixed_steps, "cpu": cpu1 - cpu0}
+            "steps": steps, "mixed_steps": mixed_steps, "cpu": cpu1 - cpu0, **runs}
 
 
 def main() -> None:
@@ -128,6 +132,9 @@ def main() -> None:
                   f"during {d['during'] * 1e3:.0f} ms (longest {d['longest'] * 1e3:.0f}), {d['ratio']:.2f}x; "
                   f"TTFT {d['ttft']:.2f} s; {d['steps']} steps ({d['mixed_steps']} mixed); "
                   f"CPU {d['cpu']:.2f} s  (load {load} -> {loadavg()})", flush=True)
+            for line in (step_medians(d), slow_steps(d)):
+                if line:
+                    print(f"        {line}", flush=True)
     for side, ds in rows.items():
         med = {k: statistics.median(d[k] for d in ds) for k in ("before", "during", "ratio", "ttft", "cpu")}
         print(f"{side:5s} median of {len(ds)}: before {med['before'] * 1e3:.0f} ms, "

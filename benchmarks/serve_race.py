@@ -384,12 +384,31 @@ def server_steps(port: int, t_ready: float, t_arrive: float, t_first: float) -> 
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/debug/steps?since={t_ready}", timeout=30).read()
     except OSError:
         return {}
-    steps = json.loads(body)["steps"]
+    return steps_around(json.loads(body)["steps"], t_arrive, t_first)
+
+
+def steps_around(steps: list, t_arrive: float, t_first: float) -> dict:
+    """{"step_before_s": the median decode step ended before t_arrive, "during_steps": the
+    runs ended after it, up to t_first} of a scheduler's step log (dicts of StepRecord's
+    fields); {} where either is empty."""
     before = [s["seconds"] for s in steps if s["end"] <= t_arrive and s["kind"] == "decode"]
     during = [s for s in steps if t_arrive < s["end"] <= t_first + 1e-3]
     if not before or not during:
         return {}
     return {"step_before_s": statistics.median(before), "during_steps": during}
+
+
+def step_medians(d: dict) -> str:
+    """The median seconds of the runs during the prefill by kind and piece length, with their
+    counts: what a piece of each length cost the streams there (the step before beside)."""
+    ref, steps = d.get("step_before_s"), d.get("during_steps")
+    if not ref or not steps:
+        return ""
+    groups: dict = {}
+    for s in steps:
+        groups.setdefault((s["kind"], s["piece"]), []).append(s["seconds"])
+    return f"median run during (step before {ms(ref)}): " + ", ".join(
+        f"{k}{f' +{n}' if n else ''} {ms(statistics.median(v))} ({len(v)})" for (k, n), v in sorted(groups.items()))
 
 
 def slow_steps(d: dict, times: float = 2.0) -> str:
@@ -533,8 +552,9 @@ def report(a, res: dict, hw: str) -> None:
                         ("rlx, chunk 0 (off)", res.get("rlx_nochunk", {}).get("stall"))):
             if d is not None:
                 say(side_line(name, d, f3))
-                if slow_steps(d):
-                    say(f"  {'':<26} {slow_steps(d)}")
+                for line in (step_medians(d), slow_steps(d)):
+                    if line:
+                        say(f"  {'':<26} {line}")
     say(f"\nreproduce: {shlex.join([os.path.relpath(sys.executable), *sys.argv])}")
 
 
@@ -569,7 +589,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.quick:
         for k, v in dict(clients=4, new=16, rounds=1, system_tokens=200, prefix_tokens=400, pairs=1,
-                         long_tokens=600, stall_new=2000, steady=4, window=8).items():
+                         long_tokens=600, stall_new=2000, steady=4).items():
             if getattr(a, k) == ap.get_default(k):
                 setattr(a, k, v)
     if max(a.long_tokens, a.prefix_tokens, a.system_tokens + a.new) + 64 > a.ctx:
