@@ -281,11 +281,19 @@ class SelfAttention:
 
     def out_proj(self, ctx, x, o):
         """The heads [B,H,S,D] merged back to [B,S,H*D] and projected (o_proj)."""
+        return self.o_proj(ctx, self.merge_heads(ctx, o, x.dims[0], x.dims[1]))
+
+    def merge_heads(self, ctx, o, batch, seq):
+        """The heads [B,H,S,D] as [batch, seq, H*D]."""
         s, m = self.spec, ctx.m
-        o = m.reshape(m.transpose(o, (0, 2, 1, 3)), (x.dims[0], x.dims[1], s.heads * s.head_dim))
+        return m.reshape(m.transpose(o, (0, 2, 1, 3)), (batch, seq, s.heads * s.head_dim))
+
+    def o_proj(self, ctx, o):
+        """o_proj of merged heads [B,S,H*D]."""
+        s = self.spec
         wo = ctx.param(ctx.key(f"{s.prefix}.o_proj.weight"), (s.hidden, s.heads * s.head_dim))
         bo = ctx.param(ctx.key(f"{s.prefix}.o_proj.bias"), (s.hidden,)) if s.o_bias else None
-        return m.linear(o, wo, bo)
+        return ctx.m.linear(o, wo, bo)
 
     def attend(self, ctx, q, k, v, mask, pos):
         """The attention op with this layer's scale, mask kind, window and softcap."""
@@ -309,13 +317,16 @@ class SelfAttention:
         return self.out_proj(ctx, x, self.attend(ctx, q, k, v, mask, pos))
 
     def mixed(self, ctx, x, rows: int, piece: int):
-        """A mixed graph's attention (recipe.DecoderFlow): q, k, v projected and roped on the
-        packed [1, rows + piece] tokens (the weights read once); the first `rows` tokens
-        attend as a decode step (one a row: the KV states at cache_pos under key_mask), the
-        rest as an extend piece of one sequence (its own states, PIECE_PREFIX, at piece_pos
-        under piece_mask); the heads joined again before o_proj."""
-        m, inp = ctx.m, ctx.inputs
-        q, k, v = self.roped_qkv(ctx, x)                           # [1, heads, rows + piece, D]
+        """A mixed graph's attention (recipe.DecoderFlow): q, k, v projected on the packed
+        [1, rows + piece] tokens (the weights read once), then split: the first `rows`
+        tokens, one a row, roped and attending as a decode step does (the KV states at
+        cache_pos under key_mask, in the decode graph's layout, so a backend's fused decode
+        attention step applies: RoPE, the cache writes and attention in one), the rest as an
+        extend piece of one sequence (its own states, PIECE_PREFIX, at piece_pos under
+        piece_mask); the heads joined again on the token axis before o_proj."""
+        s, m, inp = self.spec, ctx.m, ctx.inputs
+        q, k, v = self.project_qkv(ctx, x)                         # [1, heads, rows + piece, D]
+        cos, sin = self.rope_tables(ctx)                           # [1, rows + piece, rot/2]
 
         def decode_rows(t):                                        # -> [rows, heads, 1, D]
             return m.transpose(m.narrow(t, 2, 0, rows), (2, 1, 0, 3))
@@ -323,13 +334,20 @@ class SelfAttention:
         def piece_part(t):                                         # -> [1, heads, piece, D]
             return m.narrow(t, 2, rows, piece)
 
-        kc, vc = self.write_cache(ctx, "", rows, "ctx", decode_rows(k), decode_rows(v), inp["cache_pos"])
-        o_rows = self.attend(ctx, decode_rows(q), kc, vc, inp["key_mask"], inp["cache_pos"])
-        kp, vp = self.write_cache(ctx, PIECE_PREFIX, 1, PIECE_CTX, piece_part(k), piece_part(v),
-                                  inp["piece_pos"])
-        o_piece = self.attend(ctx, piece_part(q), kp, vp, inp["piece_mask"], inp["piece_pos"])
-        o = m.concat([m.transpose(o_rows, (2, 1, 0, 3)), o_piece], 2)
-        return self.out_proj(ctx, x, o)
+        def tables(a: int, n: int, dims: tuple) -> tuple:
+            return tuple(m.reshape(m.narrow(t, 1, a, n), dims) for t in (cos, sin))
+
+        qr, kr, vr = decode_rows(q), decode_rows(k), decode_rows(v)
+        c_r, s_r = tables(0, rows, (rows, 1, cos.dims[-1]))
+        qr, kr = m.rope(qr, c_r, s_r, s.rope_style), m.rope(kr, c_r, s_r, s.rope_style)
+        kc, vc = self.write_cache(ctx, "", rows, "ctx", kr, vr, inp["cache_pos"])
+        o_rows = self.attend(ctx, qr, kc, vc, inp["key_mask"], inp["cache_pos"])
+        c_p, s_p = tables(rows, piece, (1, piece, cos.dims[-1]))
+        qp, kp = (m.rope(piece_part(t), c_p, s_p, s.rope_style) for t in (q, k))
+        kp, vp = self.write_cache(ctx, PIECE_PREFIX, 1, PIECE_CTX, kp, piece_part(v), inp["piece_pos"])
+        o_piece = self.attend(ctx, qp, kp, vp, inp["piece_mask"], inp["piece_pos"])
+        o = m.concat([self.merge_heads(ctx, o_rows, 1, rows), self.merge_heads(ctx, o_piece, 1, piece)], 1)
+        return self.o_proj(ctx, o)
 
 
 @attrs.frozen
