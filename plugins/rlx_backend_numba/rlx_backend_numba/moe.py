@@ -246,7 +246,8 @@ def block_sums(x, xs):
 
 # --------------------------------------------------------------------------- generated
 _IMPORTS = {
-    "packed": "from {mod} import dot as {w}_dot, idot as {w}_idot, ahead as {w}_ahead, rows_ser as {w}_rows\n",
+    "packed": ("from {mod} import dot as {w}_dot, idot as {w}_idot, ahead as {w}_ahead, iahead as {w}_iahead, "
+               "rows_ser as {w}_rows\n"),
     "dense": "from rlx_backend_numba.moe import dense_dot as {w}_dot, dense_ahead as {w}_ahead\n",
 }
 _TILE = {
@@ -295,15 +296,15 @@ def gemv_{mode}{sfx}(x, tok, experts, starts, gate, up, down, h, hq, hd, hs, ys,
         c0, c1 = i0 // 32, i1 // 32
         wg, wu, wd = gate[e], up[e], down[e]
         for n in range(i0, i1):
-            gate_ahead(wg, n + PF)
-            up_ahead(wu, n + PF)
+            gate_{up_ahead}(wg, n + PF)
+            up_{up_ahead}(wu, n + PF)
             for s in range(s0, s1):
                 t = tok[s]
                 h[s, n] = inner({gate_dot}, {up_dot})
         for s in range(s0, s1):
             {h_prep}
         for n in range(nh):
-            down_ahead(wd, n + PF)
+            down_{down_ahead}(wd, n + PF)
             r = down_span(wd[n], i0, i1)
             for s in range(s0, s1):
                 ys[p, s, n] = {down_dot}
@@ -407,8 +408,10 @@ def serial(kernel):
 
 def _gemv_source(up: str, down: str) -> str:
     """The GEMV step of one (up, down) mode, parallel and on one thread."""
+    ahead = {"f": "ahead", "i": "iahead"}          # the int8 dots' prefetch (a q4_k idot asks as it reads)
     fill = dict(mode=up + down, x_prep=_X_PREP[up], gate_dot=_UP_DOT[up].format(w="gate", c="g"),
-                up_dot=_UP_DOT[up].format(w="up", c="u"), h_prep=_H_PREP[down], down_dot=_DOWN_DOT[down])
+                up_dot=_UP_DOT[up].format(w="up", c="u"), h_prep=_H_PREP[down], down_dot=_DOWN_DOT[down],
+                up_ahead=ahead[up], down_ahead=ahead[down])
     return "".join(_GEMV.format(parallel=par, sfx=sfx, loop=loop, **fill)
                    for par, sfx, loop in (("parallel=True, ", "", "prange"), ("", "_ser", "range")))
 
