@@ -193,7 +193,7 @@ def test_greedy_equal_mixed_and_prefix_cache_on_and_off(llama, jobs, shared):
 
 def test_mixed_pieces_start_small_and_grow_while_they_fit(llama):
     """With a stall budget a riding piece is the longest measured length whose addition to
-    the step fits (medians of the last measurements; a shorter one over the budget rules out
+    the step fits (the least of its last measurements; a shorter one over the budget rules out
     the longer), trying the length above it (never measured, or not for REMEASURE mixed
     steps) where its expected addition fits: the line through the two longest measured, or,
     with one measured, twice it within the budget twice over; with nothing measured, one
@@ -208,7 +208,7 @@ def test_mixed_pieces_start_small_and_grow_while_they_fit(llama):
     s._mixed_when = {1: 0}
     assert s._mixed_limit(256, 0.5) == 2                  # 2 never measured: 2 x 0.3 within 0.5 + 0.5
     assert s._mixed_limit(256, 0.2) == 1                  # (0.6 over 0.2 + 0.2: 1 is over the budget too,
-    s._mixed_added[2] = collections.deque([0.3, 9.0, 0.35])   # TIE: steps 0.375)  one stalled step: the median holds
+    s._mixed_added[2] = collections.deque([0.35, 9.0, 0.4])   # TIE: steps 0.375)  one stalled step: the least holds
     s._mixed_added[4] = collections.deque([0.7])
     s._mixed_when.update({2: 0, 4: 0})
     assert s._mixed_limit(256, 0.5) == 2 and s._mixed_limit(2, 0.5) == 2
@@ -376,7 +376,7 @@ def test_with_a_budget_a_plain_step_is_timed_every_reference_mixed_steps(llama):
         rides = budget is None
         assert (s._next_rider(64) is not None) == rides      # no plain step timed yet
         s._step_times.extend([0.01, 0.03, 0.02, 0.5])
-        assert s._next_rider(64) is not None and s._step_now == 0.03   # (the median of the last 3)
+        assert s._next_rider(64) is not None and s._step_now == 0.02   # (the least of the last 3)
         s._plain_age = REFERENCE
         assert (s._next_rider(64) is not None) == rides
         s.close()

@@ -78,9 +78,9 @@ FILL_CTX_MIN = 256             # the prefill states' smallest context (then powe
 COST_EMA = 0.3                 # the weight of the newest measurement in the run-cost averages
 REMEASURE = 256                # mixed steps after which a piece length that did not fit is tried again
 RECENT = 15                    # decode steps whose median is a step's cost
-MIXED_RECENT = 5               # mixed steps of a piece length whose median is what it adds
+MIXED_RECENT = 5               # mixed steps of a piece length whose least is what it adds
 REFERENCE = 8                  # mixed steps in a row at most, with a stall budget: then a plain step is timed
-NOW = 3                        # timed plain steps whose median is the reference of a mixed step's addition
+NOW = 3                        # timed plain steps whose least is the reference of a mixed step's addition
 TIE = 0.25                     # budget below every addition: pieces adding <= (1 + TIE) x the least fit
 STEP_LOG = 4096                # runs the scheduler remembers (`step_log`)
 
@@ -1046,7 +1046,7 @@ class Scheduler:
         logits: Any = None if greedy is not None else exe.run(feed, fetch=("logits",))["logits"][:, -1]
         self._plain_age += 1
         if self._step_now and timed:
-            added = max((time.perf_counter() - t0) / self._step_now - 1.0, 0.0)
+            added = (time.perf_counter() - t0) / self._step_now - 1.0
             self._mixed_added.setdefault(run, collections.deque(maxlen=MIXED_RECENT)).append(added)
             self._mixed_when[run] = self.mixed_steps
         self._logged(began, "mixed", len(running), run, timed)
@@ -1069,16 +1069,24 @@ class Scheduler:
 
     @property
     def _step_now(self) -> float:
-        """Seconds a decode step of the batch takes now: the median of the last NOW timed
-        (the reference of a mixed step's addition: `_next_rider` keeps it fresh); 0 while
-        none was timed."""
-        return statistics.median(list(self._step_times)[-NOW:]) if self._step_times else 0.0
+        """Seconds a decode step of the batch takes now: the least of the last NOW timed (the
+        reference of a mixed step's addition: `_next_rider` keeps it fresh; see _mixed_cost
+        for why the least); 0 while none was timed."""
+        return min(list(self._step_times)[-NOW:]) if self._step_times else 0.0
 
     @property
     def _mixed_cost(self) -> dict:
-        """Piece length -> what riding in a decode step adds to it, in steps (the median of
-        its last MIXED_RECENT measurements)."""
-        return {n: statistics.median(d) for n, d in self._mixed_added.items()}
+        """Piece length -> what riding in a decode step adds to it, in steps: the least of its
+        last MIXED_RECENT measurements (at least 0), each against the least of the plain steps
+        timed just before (`_step_now`). The least, not the median: another process's load
+        only ever slows a step, and on a shared machine it comes in spells of many steps, so
+        a median of 5 read a spell as the piece's cost (SmolLM2 on 2 loaded cores, in a
+        ride: 2 tokens measured 0.8 steps, 0.2 when the same executables ran interleaved),
+        and the pieces stayed at one token (a 4,000-token prompt in 3,244 mixed steps, 364
+        s, while the streams' own steps doubled as their contexts grew). What the streams see
+        in a spell is their steps slowed with or without the piece; what the piece adds is
+        its own work, which the least measures."""
+        return {n: max(min(d), 0.0) for n, d in self._mixed_added.items()}
 
     def _warm(self, exe, feed: dict) -> bool:
         """Specialize exe for feed's shapes now (a no-op once done) and say whether its run
