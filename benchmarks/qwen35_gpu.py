@@ -176,6 +176,29 @@ def decode_step(model) -> dict:
     return out
 
 
+def decode_by_op(model, pos: int) -> dict:
+    """Where one decode step's device time goes: op -> (nodes, ms), eager with events between
+    nodes (rlx_core.profiler; launch gaps included, unlike the graph replay), the most time
+    first. The step runs at position `pos` of the context the last generate used (it rewrites
+    that position's KV and the recurrent states: run it after the decode timing)."""
+    import numpy as np
+
+    try:
+        exe = model.executable("decode")
+        ctx = exe.fixed_dims["ctx"]
+        mask = np.zeros((1, 1, 1, ctx), bool)
+        mask[..., :pos + 1] = True
+        feed = {"ids": np.full((1, 1), 7, np.int64), "positions": np.full((1, 1), pos, np.int64),
+                "key_mask": mask, "cache_pos": np.full(1, pos, np.int32)}
+        prof = exe.profile(feed, repeat=5, warmup=2)
+        out = {o.op: (o.nodes, round(o.seconds * 1e3, 4)) for o in prof.by_op()[:14]}
+        log(f"rlx decode step by op (eager, ms): total {prof.total_s * 1e3:.3f}; {out}")
+        return out
+    except Exception:                                     # an explanation, not the measurement
+        log(f"rlx decode profile failed: {traceback.format_exc()[-1200:]}")
+        return {}
+
+
 def side_rlx(a, cfg: dict) -> dict:
     import ml_dtypes
     import numpy as np
@@ -213,6 +236,8 @@ def side_rlx(a, cfg: dict) -> dict:
                memory_decode=model.memory_report())
     log(f"rlx decode: {res['decode_s'] * 1e3:.3f} ms/token; memory {res['memory_decode']}")
     res["decode_step"] = decode_step(model)
+    if a.decode_by_op:
+        res["decode_step"]["by_op_ms"] = decode_by_op(model, a.decode_prompt + a.new)
 
     res["prefill"] = {}
     for n in a.prefill:
@@ -382,6 +407,8 @@ def report(a, cfg: dict, res: dict) -> None:
             + (f", HF eager {hf['decode_s'] * 1e3:.3f} ms/token (HF / RLX {hf['decode_s'] / d:.2f})"
                if hf else ""))
         st = rl.get("decode_step") or {}
+        if st.get("by_op_ms"):
+            log(f"RLX decode step by op (eager, events between nodes; nodes, ms): {st['by_op_ms']}")
         if st.get("launches"):
             log(f"RLX decode step: {st['launches']} launches"
                 + (f", its CUDA graph alone {st['graph_ms']:.3f} ms ({st['graph_ms'] / 1e3 / floors[0][1]:.2f}x "
@@ -419,6 +446,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--by-op", default="", help="prompt lengths whose RLX prefill is profiled by op "
                     "(default: the shortest)")
+    ap.add_argument("--decode-by-op", action="store_true", help="profile one RLX decode step by op (eager)")
     ap.add_argument("--layers", type=int, default=0, help="a multiple of 4 (default: the shape's)")
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (a CPU smoke run)")
     ap.add_argument("--backend", default="cuda", help="RLX's backend")
@@ -451,6 +479,7 @@ def main() -> int:
     base = [sys.executable, os.path.abspath(__file__), f"--prefill={','.join(map(str, a.prefill))}",
             f"--decode-prompt={a.decode_prompt}", f"--new={a.new}", f"--reps={a.reps}",
             f"--by-op={','.join(map(str, a.by_op))}",
+            *(["--decode-by-op"] if a.decode_by_op else []),
             f"--layers={shape['layers']}",
             f"--backend={a.backend}", f"--device={a.device}"] + (["--tiny"] if a.tiny else [])
     for side in a.sides.split(","):
