@@ -381,7 +381,8 @@ def server_steps(port: int, t_ready: float, t_arrive: float, t_first: float) -> 
     too, its seconds, rows, piece tokens, and whether its runner was specialized for it):
     the median decode step before, and every run during ({} where the server has no log)."""
     try:
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/debug/steps?since={t_ready}", timeout=30).read()
+        url = f"http://127.0.0.1:{port}/debug/steps?since={t_ready}"
+        body = urllib.request.urlopen(url, timeout=30).read()
     except OSError:
         return {}
     return steps_around(json.loads(body)["steps"], t_arrive, t_first)
@@ -407,8 +408,9 @@ def step_medians(d: dict) -> str:
     groups: dict = {}
     for s in steps:
         groups.setdefault((s["kind"], s["piece"]), []).append(s["seconds"])
-    return f"median run during (step before {ms(ref)}): " + ", ".join(
-        f"{k}{f' +{n}' if n else ''} {ms(statistics.median(v))} ({len(v)})" for (k, n), v in sorted(groups.items()))
+    runs = [f"{k}{f' +{n}' if n else ''} {ms(statistics.median(v))} ({len(v)})"
+            for (k, n), v in sorted(groups.items())]
+    return f"median run during (step before {ms(ref)}): " + ", ".join(runs)
 
 
 def slow_steps(d: dict, times: float = 2.0) -> str:

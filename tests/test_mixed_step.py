@@ -140,7 +140,8 @@ def test_scheduler_mixed_steps_keep_greedy_outputs(kind, backend):
     long = tokens(2, 70)
     stream, got, s = served(model, long, 5, prefill_chunk=16)
     assert s.mixed_refused == "" and s.mixed_steps == 5 and s.prefill_runs == 1 + 5    # (the stream's own)
-    assert [(r.kind, r.piece) for r in s.step_log() if r.kind != "decode"] == [("piece", 16)] + [("mixed", 16)] * 5
+    runs = [(r.kind, r.piece) for r in s.step_log() if r.kind != "decode"]
+    assert runs == [("piece", 16)] + [("mixed", 16)] * 5
     assert got == alone(model, long, 5)
     assert stream == alone(model, tokens(1, 6), len(stream))
     _, off, s_off = served(model, long, 5, prefill_chunk=16, mixed=False)
@@ -207,15 +208,16 @@ def test_mixed_pieces_start_small_and_grow_while_they_fit(llama):
     s._mixed_added = {1: collections.deque([0.3])}
     s._mixed_when = {1: 0}
     assert s._mixed_limit(256, 0.5) == 2                  # 2 never measured: 2 x 0.3 within 0.5 + 0.5
-    assert s._mixed_limit(256, 0.2) == 1                  # (0.6 over 0.2 + 0.2: 1 is over the budget too,
-    s._mixed_added[2] = collections.deque([0.35, 9.0, 0.4])   # TIE: steps 0.375)  one stalled step: the least holds
+    # (at 0.2, 1 is over the budget too, TIE: steps 0.375; 2's guess 0.6 is over 0.375 + 0.2)
+    assert s._mixed_limit(256, 0.2) == 1
+    s._mixed_added[2] = collections.deque([0.35, 9.0, 0.4])   # (one stalled step: the least holds)
     s._mixed_added[4] = collections.deque([0.7])
     s._mixed_when.update({2: 0, 4: 0})
     assert s._mixed_limit(256, 0.5) == 2 and s._mixed_limit(2, 0.5) == 2
-    assert s._mixed_limit(256, 1.0) == 4                  # 4 fits; 8 expected 0.7 + 4 x 0.175 = 1.4: not tried
+    assert s._mixed_limit(256, 1.0) == 4                  # 4 fits; 8 expected 0.7 + 4 x 0.175 = 1.4
     assert s._mixed_limit(256, 1.5) == 8                  # (1.4 fits 1.5: tried)
     s.mixed_steps = REMEASURE
-    assert s._mixed_limit(256, 0.5) == 4                  # 4 measured long ago, expected 0.35 + 2 x 0.05: tried
+    assert s._mixed_limit(256, 0.5) == 4                  # 4 measured long ago, expected 0.35 + 2 x 0.05
     s._mixed_added[2] = collections.deque([0.45])
     assert s._mixed_limit(256, 0.5) == 2                  # expected 0.45 + 2 x 0.15 = 0.75: not tried
     s._mixed_added[2] = collections.deque([0.6])
@@ -255,7 +257,7 @@ def test_a_budget_below_every_pieces_addition_takes_pieces_near_the_least(llama)
     s._mixed_when = {1: 0, 2: 0, 4: 0, 8: 0}
     assert 0.61 < 0.55 * (1 + TIE) < 0.73 and s._mixed_limit(256, 0.5) == 4
     s._mixed_added[8] = collections.deque([0.6])
-    assert s._mixed_limit(256, 0.5) == 8                  # 8 fits; 16 expected 0.6 + 8 x 0.0125 = 0.7 > 0.6875
+    assert s._mixed_limit(256, 0.5) == 8                  # 8 fits; 16 expected 0.6 + 8 x 0.0125 > 0.6875
     s._mixed_added[8] = collections.deque([0.58])
     assert s._mixed_limit(256, 0.5) == 16                 # (0.58 + 8 x 0.0075 = 0.64: tried)
     assert s._mixed_limit(256, 2.0) == 16                 # (a budget above them: one doubling past 8)
