@@ -40,6 +40,9 @@ FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 GEMV_MAX_M = 8                  # rows of x up to which the GEMV beats decode-to-scratch + BLAS
 SCRATCH = 1 << 20               # floats of weight decoded per BLAS call (prefill)
 ROWS_PER_TASK = 16              # output rows per GEMV task
+GEMV_SERIAL_BYTES = 1 << 20     # packed W below which the int8 GEMV runs on the calling thread (a MoE router,
+                                # 64 x 2048 q4_k: ~5 us of work, where a parallel region's start costs
+                                # tens of microseconds, milliseconds while the cores are busy)
 AHEAD_ROWS = 4                  # GEMVs prefetch the packed row this far ahead (+5-10% from DRAM)
 Q4K_AHEAD = 8192                # bytes ahead q4_k's int8 row dot asks for as it reads (idot_q4_k_512)
 F16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -827,6 +830,19 @@ def igemv(x, w, o, tab):
                 o[m, n] = idot(w[n], xq[m], xd[m], xs[m], tab)
 
 
+@njit(**_OPT)
+def igemv_ser(x, w, o, tab):
+    \"\"\"igemv on the calling thread (a small W: no parallel region to start).\"\"\"
+    m_, k_ = x.shape
+    xq, xd, xs = np.empty((m_, k_), np.int8), np.empty((m_, k_ // 32), np.float32), np.empty((m_, k_ // 32), np.float32)
+    for m in range(m_):
+        quantize_x(x[m], xq[m], xd[m], xs[m])
+    for n in range(w.shape[0]):
+        iahead(w, n + PF)
+        for m in range(m_):
+            o[m, n] = idot(w[n], xq[m], xd[m], xs[m], tab)
+
+
 @njit(parallel=True, **_OPT)
 def igemv_glu(x, w, o, tab):
     \"\"\"gemv_glu in integer block products (x rounded to int8_b32 blocks first).\"\"\"
@@ -1139,7 +1155,8 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
     o2 = o.reshape(m, -1)
     w2, mod = _args(s, w, k)                     # checked once: the step runs per token
     if m <= GEMV_MAX_M:
-        gemv = mod.igemv if rounds_x_itself(a, m) else mod.gemv
+        gemv = (mod.gemv if not rounds_x_itself(a, m) else
+                mod.igemv_ser if w2.nbytes < GEMV_SERIAL_BYTES else mod.igemv)
         mm = bindable(gemv, lambda x, w: (x.reshape(m, k), w, o2, F16))
     elif rounds_x_itself(a, m):
         mm = lambda x, w: _igemm(x.reshape(m, k), w.reshape(w2.shape), mod, s.kind, o2)  # noqa: E731

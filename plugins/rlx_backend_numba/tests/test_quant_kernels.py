@@ -90,6 +90,35 @@ def test_int8_activation_gemv_and_gemm(rng, kind):
         assert np.isnan(wide[:, :2]).all() and np.isnan(wide[:, N + 2:]).all()
 
 
+@pytest.mark.parametrize("kind", ["q4_k", "q8_0"])
+def test_small_int8_gemv_runs_on_the_calling_thread(rng, kind, monkeypatch):
+    """A dequant_matmul step whose packed W is under GEMV_SERIAL_BYTES (a MoE router) runs
+    the int8 GEMV on the calling thread: the same results as the parallel one, bit for bit,
+    and the float64 product's; a W of the limit's size keeps the parallel one."""
+    s, raw, ref = packed(rng, kind)
+    mod = Q.drivers(s.kind)
+    xr = QuantScheme.parse("int8_b32")
+    x = rng.uniform(-1, 1, (2, K)).astype(np.float32)
+    x = xr.dequantize(xr.quantize(x), x.shape)
+    par, ser = np.full((2, N), np.nan, np.float32), np.full((2, N), np.nan, np.float32)
+    mod.igemv(x, raw, par, Q.F16)
+    mod.igemv_ser(x, raw, ser, Q.F16)
+    np.testing.assert_array_equal(ser, par)
+    close(ser, x.astype(np.float64) @ ref.T)
+    called = []
+    for name in ("igemv", "igemv_ser"):
+        kernel = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *args, k=kernel, n=name: (called.append(n), k(*args)))
+    attrs = {"scheme": kind, "int8_x": True}
+    for limit, want in ((raw.nbytes + 1, "igemv_ser"), (raw.nbytes, "igemv")):
+        monkeypatch.setattr(Q, "GEMV_SERIAL_BYTES", limit)
+        out = np.full((2, N), np.nan, np.float32)
+        step = Q.prepare_dequant_matmul(attrs, [out], [x, raw])
+        step(attrs, [out], x, raw)
+        np.testing.assert_array_equal(out, par)
+        assert step.rounds_x and called[-1] == want
+
+
 @pytest.mark.parametrize("kind", Q.FORMATS)
 def test_nonfinite_values_reach_the_int8_products(rng, kind):
     """A NaN block scale in W and a NaN or inf in x, which the int8 GEMV and GEMM round to
