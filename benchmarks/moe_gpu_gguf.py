@@ -80,7 +80,7 @@ def make_files(a) -> dict:
         log(f"rlx quantize -s f16: {os.path.getsize(f16) / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f}s)")
         shutil.rmtree(hf)
     files = {"f16": f16}
-    for kind in ("q4_k_m",):
+    for kind in set(a.files.split(",")) - {"f16"}:
         path = os.path.join(a.dir, f"olmoe-{kind}.gguf")
         if not os.path.exists(path):
             t0 = time.perf_counter()

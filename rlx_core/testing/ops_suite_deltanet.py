@@ -5,6 +5,8 @@ The references are the definitions step by step (one token at a time, one head a
 never a chunked form: a kernel's chunking, padding and triangular solve are what is tested."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -161,7 +163,7 @@ LOW_NET_TOL = {F16: 0.06, BF16: 0.15}
 def run_net(backend, args: list, scale: float = 0.35, eps: float = 1e-5, chunk: int = 16) -> list:
     """gated_delta_net on `args` against ref_gated_delta_net: all three outputs."""
     return run_parity(backend, "gated_delta_net", args, {"scale": scale, "eps": eps, "chunk": chunk},
-                      lambda *xs: ref_gated_delta_net(*xs, scale, eps), tol=LOW_NET_TOL.get(args[0].dtype))
+                      functools.partial(ref_gated_delta_net, scale=scale, eps=eps), tol=LOW_NET_TOL.get(args[0].dtype))
 
 
 @covers("gated_delta_net")

@@ -307,12 +307,23 @@ def _add_float(writer, name: str, x: np.ndarray, kind: str) -> None:
         writer.add_tensor(name, y.view(np.uint16), raw_shape=y.shape, raw_dtype=gtype)
 
 
+def _add_matrix(writer, name: str, x: np.ndarray, q: QuantScheme | str, hf: str) -> bool:
+    """A matmul weight (or expert stack) in `q`; False where its rows are not whole blocks of
+    the packed scheme (the caller keeps it in f32)."""
+    if isinstance(q, str):
+        _add_float(writer, name, x, q)
+    elif x.shape[-1] % q.block_size == 0:
+        _add_packed(writer, name, x, q, hf)
+    else:
+        return False
+    return True
+
+
 def _write(ckpt: Checkpoint, cfg: dict, path: str, arch: str, q: QuantScheme | str, echo) -> dict:
     mapping = gguf_architecture(ckpt.path, arch)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(os.path.basename(os.path.normpath(ckpt.path)))
-    floats = isinstance(q, str)
-    writer.add_file_type(FLOAT_TYPES[q][1] if floats else _FILE_TYPES.get(q.name, _FILE_TYPE.GUESSED))
+    writer.add_file_type(FLOAT_TYPES[q][1] if isinstance(q, str) else _FILE_TYPES.get(q.name, _FILE_TYPE.GUESSED))
     _metadata(writer, mapping, cfg)
     if ckpt.tokenizer is not None:
         _tokenizer(writer, ckpt.tokenizer)
@@ -323,11 +334,7 @@ def _write(ckpt: Checkpoint, cfg: dict, path: str, arch: str, q: QuantScheme | s
             continue
         name = gguf_name(arch, hf)
         x = mapping.to_gguf(name, np.asarray(ckpt.tensors[hf], np.float32), cfg, hf)
-        if floats and x.ndim in (2, 3):
-            _add_float(writer, name, x, q)
-            quantized += 1
-        elif not floats and x.ndim in (2, 3) and x.shape[-1] % q.block_size == 0:
-            _add_packed(writer, name, x, q, hf)
+        if x.ndim in (2, 3) and _add_matrix(writer, name, x, q, hf):
             quantized += 1
         else:
             writer.add_tensor(name, x)
@@ -340,7 +347,7 @@ def _write(ckpt: Checkpoint, cfg: dict, path: str, arch: str, q: QuantScheme | s
     finally:
         writer.close()
     if kept:
-        echo(f"kept in f32 (rows do not split into {q.block_size}-element blocks): {', '.join(kept)}")
+        echo(f"kept in f32 (rows do not split into whole {getattr(q, 'name', q)} blocks): {', '.join(kept)}")
     return {"quantized": quantized, "kept": kept}
 
 
