@@ -645,7 +645,10 @@ def test_fused_attention_block(backend, rng, case, heads, kv_heads, style, dt):
         qr, kr = ref_rope(q, c, s, style), ref_rope(k, c, s, style)
         return inner(qr, kr, v, c, s, *rest)
 
-    run_parity(backend, "fused_attention_block", args, attrs_, ref)
+    # in f16 / bf16 a composite rounds the roped q and k to the dtype before the scores: one
+    # rounding more than fused_attention's cases, twice their tolerance (1 in ~12 seeds needed 1.2x)
+    tol = 2 * TOL[dt] if dt in (F16, BF16) else None
+    run_parity(backend, "fused_attention_block", args, attrs_, ref, tol=tol)
 
 
 _PROGRAMS = {

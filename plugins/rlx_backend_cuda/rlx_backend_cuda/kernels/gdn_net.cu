@@ -43,48 +43,47 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int hk = blockIdx.x, b = blockIdx.y, H = HK * R;
   const i64 C = (i64)2 * HK * KD + (i64)H * VD;
-#if !EARLY
-  RLX_GRID_WAIT();
-#endif
-  // the block's conv channels: its taps and window in registers
+  // the block's conv channels (taps and window in registers) and the R heads' state columns
+  // of this warp (rows lane + 32 i): loaded before the wait where EARLY, else after it
   i64 ch[CPT];
   W taps[CPT][WID], win[CPT][KEEP];
-#pragma unroll
-  for (int j = 0; j < CPT; ++j) {
-    const int lc = tid + j * NT;
-    ch[j] = lc < KD ? (i64)hk * KD + lc
-          : lc < 2 * KD ? (i64)(HK + hk) * KD + lc - KD : (i64)2 * HK * KD + (i64)hk * R * VD + lc - 2 * KD;
-#pragma unroll
-    for (int i = 0; i < WID; ++i) taps[j][i] = lc < NC ? LD(W, cw[ch[j] * WID + i]) : (W)0;
-#pragma unroll
-    for (int i = 0; i < KEEP; ++i) win[j][i] = lc < NC && WID > 1 ? LD(W, cs0[((i64)b * C + ch[j]) * (WID - 1) + i]) : (W)0;
-  }
-  // the R heads' state columns of this warp, rows lane + 32 i
   W S[KPL][VPW];
   const int c0 = warp * VPW;
   auto at_state = [&](int kk, int col) -> i64 {
     return (((i64)b * H + (i64)hk * R + col / VD) * KD + kk) * VD + col % VD;
   };
+  auto load_leaves = [&]() {
 #pragma unroll
-  for (int i = 0; i < KPL; ++i) {
-    const int kk = lane + 32 * i;
-#if VEC
-    constexpr int E = 16 / sizeof(T);
+    for (int j = 0; j < CPT; ++j) {
+      const int lc = tid + j * NT;
+      ch[j] = lc < KD ? (i64)hk * KD + lc
+            : lc < 2 * KD ? (i64)(HK + hk) * KD + lc - KD : (i64)2 * HK * KD + (i64)hk * R * VD + lc - 2 * KD;
 #pragma unroll
-    for (int j0 = 0; j0 < VPW; j0 += E) {
-      rlx_vec<T, E> p;
-      if (kk < KD && c0 + j0 < R * VD) p = *(const rlx_vec<T, E>*)&s0[at_state(kk, c0 + j0)];
+      for (int i = 0; i < WID; ++i) taps[j][i] = lc < NC ? LD(W, cw[ch[j] * WID + i]) : (W)0;
 #pragma unroll
-      for (int e = 0; e < E; ++e) S[i][j0 + e] = kk < KD && c0 + j0 < R * VD ? LD(W, p.v[e]) : (W)0;
+      for (int i = 0; i < KEEP; ++i) win[j][i] = lc < NC && WID > 1 ? LD(W, cs0[((i64)b * C + ch[j]) * (WID - 1) + i]) : (W)0;
     }
+#pragma unroll
+    for (int i = 0; i < KPL; ++i) {
+      const int kk = lane + 32 * i;
+#if VEC
+      constexpr int E = 16 / sizeof(T);
+#pragma unroll
+      for (int j0 = 0; j0 < VPW; j0 += E) {
+        rlx_vec<T, E> p;
+        if (kk < KD && c0 + j0 < R * VD) p = *(const rlx_vec<T, E>*)&s0[at_state(kk, c0 + j0)];
+#pragma unroll
+        for (int e = 0; e < E; ++e) S[i][j0 + e] = kk < KD && c0 + j0 < R * VD ? LD(W, p.v[e]) : (W)0;
+      }
 #else
 #pragma unroll
-    for (int j = 0; j < VPW; ++j) S[i][j] = kk < KD && c0 + j < R * VD ? LD(W, s0[at_state(kk, c0 + j)]) : (W)0;
+      for (int j = 0; j < VPW; ++j) S[i][j] = kk < KD && c0 + j < R * VD ? LD(W, s0[at_state(kk, c0 + j)]) : (W)0;
 #endif
-  }
-#if EARLY
+    }
+  };
+  if (EARLY) load_leaves();
   RLX_GRID_WAIT();
-#endif
+  if (!EARLY) load_leaves();
   for (int t = 0; t < steps; ++t) {
     // 1. gates and the conv
     for (int r = tid; r < R; r += NT) {
