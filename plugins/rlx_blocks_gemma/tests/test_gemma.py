@@ -111,12 +111,15 @@ def test_logits_match_hf(tiny, rng):
 def test_greedy_48_tokens_with_kv_cache(tiny, rng, prompt):
     """48 new tokens: the sliding layers' ring wraps several times (window 8)."""
     hf, rlx, _ = tiny
-    ids = rng.integers(3, VOCAB, (1, prompt))
-    ref = hf_generate(hf, ids, 48)
+    for _ in range(8):          # a prompt HF does not answer with one repeated token (proves little)
+        ids = rng.integers(3, VOCAB, (1, prompt))
+        ref = hf_generate(hf, ids, 48)
+        if hf.config.tie_word_embeddings or len(set(ref[0, prompt:].tolist())) >= 4:
+            break               # (tied tiny heads repeat themselves on many prompts: any will do)
+    else:
+        pytest.fail("degenerate tiny model: 8 prompts each answered by fewer than 4 distinct tokens")
     got = rlx.generate(ids, max_new_tokens=48, min_new_tokens=48)
     assert_greedy_agrees(got, ref, hf_logits(hf), 2e-4, "greedy against HF")
-    if not hf.config.tie_word_embeddings:   # (tied tiny heads repeat themselves on some prompts)
-        assert len(set(got[0, prompt:].tolist())) >= 4, "degenerate tiny model: the test would prove little"
 
 
 def test_left_padded_batch_matches_hf(tiny, rng):
@@ -150,8 +153,8 @@ def test_kv_taps_match_hf_cache(tiny, rng):
     with torch.no_grad():
         cache = hf(torch.tensor(ids), use_cache=True).past_key_values
     for i in range(rlx.config["num_hidden_layers"]):
-        np.testing.assert_allclose(out[f"present.{i}.k"], cache.layers[i].keys.numpy(), atol=1e-5)
-        np.testing.assert_allclose(out[f"present.{i}.v"], cache.layers[i].values.numpy(), atol=1e-5)
+        np.testing.assert_allclose(out[f"present.{i}.k"], cache.layers[i].keys.numpy(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(out[f"present.{i}.v"], cache.layers[i].values.numpy(), rtol=1e-4, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------- ring buffer
