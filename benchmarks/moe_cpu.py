@@ -77,7 +77,7 @@ def write_checkpoint(folder: str, a) -> None:
     write_sharded(folder, cfg, hf_tensor_shapes(cfg), tensor)
 
 
-def write_sharded(folder: str, cfg: dict, shapes: dict, tensor) -> None:
+def write_sharded(folder: str, cfg: dict, shapes: dict, tensor, tokenizer=None) -> None:
     """`tensor(name, shape, rng)` for every HF name in `shapes`, one safetensors shard per
     layer (a layer's tensors in memory at a time), the index, config.json and the tokenizer."""
     import numpy as np
@@ -99,7 +99,7 @@ def write_sharded(folder: str, cfg: dict, shapes: dict, tensor) -> None:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
-    save_tokenizer(folder)
+    (tokenizer or save_tokenizer)(folder)
 
 
 def save_tokenizer(folder: str) -> None:

@@ -33,7 +33,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import log, run_child  # noqa: E402
-import moe_cpu  # noqa: E402
 from moe_cpu import FULL, hf_config, write_sharded  # noqa: E402
 
 FILE_TYPES = {"f16": "F16", "q4_k_m": "Q4_K_M"}      # llama-quantize's names
@@ -56,11 +55,11 @@ def write_checkpoint(folder: str, a) -> None:
         start = int(rng.integers(0, pool.size - n + 1))
         return pool[start:start + n].reshape(shape)
 
-    if a.tokenizer:         # write_sharded's tokenizer from --tokenizer, not the packaged SmolLM2
-        moe_cpu.save_tokenizer = lambda f: [shutil.copy(os.path.join(a.tokenizer, name), f)
-                                            for name in ("tokenizer.json", "tokenizer_config.json")]
+    def copy_tokenizer(dst):     # --tokenizer's files, not the packaged SmolLM2's (absent on the GPU machine)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(a.tokenizer, name), dst)
     cfg = hf_config(a)
-    write_sharded(folder, cfg, hf_tensor_shapes(cfg), tensor)
+    write_sharded(folder, cfg, hf_tensor_shapes(cfg), tensor, copy_tokenizer if a.tokenizer else None)
 
 
 def make_files(a) -> dict:

@@ -148,15 +148,22 @@ def prefill_by_op(model, ids) -> dict:
     nodes (rlx_core.profiler), the most time first."""
     import numpy as np
 
+    feed = lambda exe: dict(model._inputs(ids, np.ones(ids.shape, bool)),  # noqa: E731
+                            cache_pos=np.zeros(len(ids), np.int32))
+    return by_op(model, "prefill", feed, f"prefill {ids.shape[1]}", repeat=1, warmup=1, top=12, digits=3)
+
+
+def by_op(model, graph: str, feed, what: str, repeat: int, warmup: int, top: int, digits: int) -> dict:
+    """op -> (nodes, ms) of the `graph` executable run on `feed(exe)` (rlx_core.profiler, eager
+    with events between nodes), the most time first; {} with the reason logged where it fails."""
     try:
-        exe = model.executable("prefill")
-        feed = dict(model._inputs(ids, np.ones(ids.shape, bool)), cache_pos=np.zeros(len(ids), np.int32))
-        prof = exe.profile(feed, repeat=1, warmup=1)
-        out = {o.op: (o.nodes, round(o.seconds * 1e3, 3)) for o in prof.by_op()[:12]}
-        log(f"rlx prefill {ids.shape[1]} by op (eager, ms): total {prof.total_s * 1e3:.1f}; {out}")
+        exe = model.executable(graph)
+        prof = exe.profile(feed(exe), repeat=repeat, warmup=warmup)
+        out = {o.op: (o.nodes, round(o.seconds * 1e3, digits)) for o in prof.by_op()[:top]}
+        log(f"rlx {what} by op (eager, ms): total {prof.total_s * 1e3:.{digits}f}; {out}")
         return out
     except Exception:                                     # an explanation, not the measurement
-        log(f"rlx prefill profile failed: {traceback.format_exc()[-1200:]}")
+        log(f"rlx {what} profile failed: {traceback.format_exc()[-1200:]}")
         return {}
 
 
@@ -183,20 +190,12 @@ def decode_by_op(model, pos: int) -> dict:
     that position's KV and the recurrent states: run it after the decode timing)."""
     import numpy as np
 
-    try:
-        exe = model.executable("decode")
-        ctx = exe.fixed_dims["ctx"]
-        mask = np.zeros((1, 1, 1, ctx), bool)
+    def feed(exe):
+        mask = np.zeros((1, 1, 1, exe.fixed_dims["ctx"]), bool)
         mask[..., :pos + 1] = True
-        feed = {"ids": np.full((1, 1), 7, np.int64), "positions": np.full((1, 1), pos, np.int64),
+        return {"ids": np.full((1, 1), 7, np.int64), "positions": np.full((1, 1), pos, np.int64),
                 "key_mask": mask, "cache_pos": np.full(1, pos, np.int32)}
-        prof = exe.profile(feed, repeat=5, warmup=2)
-        out = {o.op: (o.nodes, round(o.seconds * 1e3, 4)) for o in prof.by_op()[:14]}
-        log(f"rlx decode step by op (eager, ms): total {prof.total_s * 1e3:.3f}; {out}")
-        return out
-    except Exception:                                     # an explanation, not the measurement
-        log(f"rlx decode profile failed: {traceback.format_exc()[-1200:]}")
-        return {}
+    return by_op(model, "decode", feed, "decode step", repeat=5, warmup=2, top=14, digits=4)
 
 
 def side_rlx(a, cfg: dict) -> dict:

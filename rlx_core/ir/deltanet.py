@@ -105,7 +105,7 @@ def net_heads(x: Shape, state: Shape) -> tuple:
     Level.FUSED, n_outputs=3, attrs={"scale": FLOAT, "eps": EPS(1e-6), "chunk": COUNT(64)})
 def _m_gated_delta_net(s, a):
     """A Gated DeltaNet layer between its in- and out-projections (flash-linear-attention's
-    GatedDeltaNet, HF's Qwen3.5 / Qwen3-Next linear attention): x [B, T, C] the projected
+    GatedDeltaNet, the linear attention of hybrid models): x [B, T, C] the projected
     q|k|v (C = 2 Hk K + H V) before the short conv; conv_w [C, W], conv_state [B, C, W - 1]
     (causal_conv1d's, silu); z [B, T, H, V] the output gate; b, a [B, T, H] the logits of beta
     and of the decay; A_log, dt_bias [H]; norm_w [V] the gated RMSNorm's weight (eps); state
