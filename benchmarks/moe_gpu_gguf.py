@@ -2,20 +2,25 @@
 llama.cpp's CUDA build on the same GGUF files, F16 and Q4_K_M (issue 44's GPU batch-1 row).
 
     python benchmarks/moe_gpu_gguf.py --llama-bin DIR [--dir /tmp/olmoe] [--layers 16] [--tokenizer DIR]
-        [--prompt 512] [--new 128] [--repeat 3] [--files f16,q4_k_m]
+        [--prompt 512] [--new 128] [--repeat 3] [--files f16,q4_k_m] [--profile]
+    python benchmarks/moe_gpu_gguf.py --files f16,q4_k --layers 4 --profile    # RLX alone, no llama.cpp
 
 The checkpoint is moe_cpu.py's (64 experts, top-8, 16 layers, hidden 2048, expert width 1024,
 SmolLM2's vocabulary), random f16 weights (std 0.02, norms 1: slices of one seeded random pool,
 so writing 7 B weights takes seconds, not minutes). `rlx quantize -s f16` writes it as
 llama.cpp's `olmoe` F16 GGUF, and llama.cpp's own `llama-quantize` makes the Q4_K_M file from
-that one (llama.cpp's mix of q4_K and q6_K), so both engines read the same files. `--tokenizer DIR` takes
+that one (llama.cpp's mix of q4_K and q6_K), so both engines read the same files; file kind `q4_k`
+is `rlx quantize -s q4_k`'s (every matmul q4_k: for RLX alone, where no llama.cpp is built).
+`--tokenizer DIR` takes
 tokenizer.json from DIR (the GPU machine has no packaged SmolLM2 to take it from).
 
 Sides, each file in its own process:
 * rlx        `rlx_core.load(file, backend="cuda")`, compute bf16: a `--prompt`-id prompt and
              `--new` greedy tokens (EOS ignored), the median of `--repeat` generate calls after a
-             warm-up one; prefill ms and decode ms per token
-* llama.cpp  `llama-bench -m FILE -ngl 99 -fa 1 -p PROMPT -n NEW -d PROMPT -r REPEAT`: prompt
+             warm-up one; prefill ms and decode ms per token. `--profile`: also the decode step's
+             launches by op and its CUDA graph replayed alone, and one step by op (eager, events
+             between nodes: qwen35_gpu's decode_step and decode_by_op)
+* llama.cpp  (with `--llama-bin`) `llama-bench -m FILE -ngl 99 -fa 1 -p PROMPT -n NEW -d PROMPT -r REPEAT`: prompt
              processing, and generation at depth PROMPT (RLX's decode runs at depth PROMPT to
              PROMPT + NEW); a build that fails or crashes is reported so, with no ratio
 Printed: the hardware, per file both sides' decode ms per token and prefill ms, and rlx / llama.cpp
@@ -36,6 +41,7 @@ from common import log, run_child  # noqa: E402
 from moe_cpu import FULL, hf_config, write_sharded  # noqa: E402
 
 FILE_TYPES = {"f16": "F16", "q4_k_m": "Q4_K_M"}      # llama-quantize's names
+RLX_SCHEMES = {"f16": "f16", "q4_k": "q4_k"}          # the files `rlx quantize` writes
 
 
 # ------------------------------------------------------------------------------ the files
@@ -63,35 +69,39 @@ def write_checkpoint(folder: str, a) -> None:
 
 
 def make_files(a) -> dict:
-    """{kind: path} of the GGUF files, written once into `--dir` (kept between runs): the F16
-    file by `rlx quantize -s f16`, the Q4_K_M file from it by llama.cpp's `llama-quantize`."""
+    """{kind: path} of the GGUF files, written once into `--dir` (kept between runs): f16 (and
+    q4_k) by `rlx quantize`, q4_k_m from the f16 file by llama.cpp's `llama-quantize`."""
     os.makedirs(a.dir, exist_ok=True)
-    hf, f16 = os.path.join(a.dir, "hf"), os.path.join(a.dir, "olmoe-f16.gguf")
-    if not os.path.exists(f16):
+    kinds = a.files.split(",")
+    path = {k: os.path.join(a.dir, f"olmoe-{k}.gguf") for k in {"f16", *kinds}}
+    hf = os.path.join(a.dir, "hf")
+    todo = [k for k in RLX_SCHEMES if k in path and not os.path.exists(path[k])]
+    if todo:
         t0 = time.perf_counter()
         os.makedirs(hf, exist_ok=True)
         write_checkpoint(hf, a)
         log(f"wrote the f16 checkpoint ({time.perf_counter() - t0:.0f}s)")
-        t0 = time.perf_counter()
         from rlx_core.weights import load_checkpoint
         from rlx_core.weights.gguf_write import write_gguf
-        write_gguf(load_checkpoint(hf), f16, "f16", echo=log)
-        log(f"rlx quantize -s f16: {os.path.getsize(f16) / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f}s)")
-        shutil.rmtree(hf)
-    files = {"f16": f16}
-    for kind in set(a.files.split(",")) - {"f16"}:
-        path = os.path.join(a.dir, f"olmoe-{kind}.gguf")
-        if not os.path.exists(path):
+        for k in todo:
             t0 = time.perf_counter()
-            p = subprocess.run([os.path.join(a.llama_bin, "llama-quantize"), f16, path, FILE_TYPES[kind]],
+            write_gguf(load_checkpoint(hf), path[k], RLX_SCHEMES[k], echo=log)
+            log(f"rlx quantize -s {k}: {os.path.getsize(path[k]) / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f}s)")
+        shutil.rmtree(hf)
+    for kind in set(kinds) & set(FILE_TYPES) - set(RLX_SCHEMES):
+        if not os.path.exists(path[kind]):
+            if not a.llama_bin:
+                log(f"{kind}: needs --llama-bin (llama-quantize writes it)")
+                continue
+            t0 = time.perf_counter()
+            p = subprocess.run([os.path.join(a.llama_bin, "llama-quantize"), path["f16"], path[kind], FILE_TYPES[kind]],
                                capture_output=True, text=True)
             if p.returncode:
                 log(f"llama-quantize {kind} failed (exit {p.returncode}): {(p.stdout + p.stderr)[-1500:]}")
                 continue
-            log(f"llama-quantize {FILE_TYPES[kind]}: {os.path.getsize(path) / 2**30:.2f} GiB "
+            log(f"llama-quantize {FILE_TYPES[kind]}: {os.path.getsize(path[kind]) / 2**30:.2f} GiB "
                 f"({time.perf_counter() - t0:.0f}s)")
-        files[kind] = path
-    return {k: files[k] for k in a.files.split(",") if k in files}
+    return {k: path[k] for k in kinds if os.path.exists(path[k])}
 
 
 # ------------------------------------------------------------------------------ the sides
@@ -103,7 +113,7 @@ def side_rlx(a) -> dict:
 
     t0 = time.perf_counter()
     prof = CompileProfile("bf16", precision=PrecisionConfig(compute="bf16"))
-    m = rlx_core.load(a.child_file, backend="cuda", profile=prof, progress=False)
+    m = rlx_core.load(a.child_file, backend=a.backend, profile=prof, progress=False)
     ids = np.random.default_rng(3).integers(3, a.vocab, size=(1, a.prompt))
     m.generate(ids, max_new_tokens=16, min_new_tokens=16)
     pre, dec = [], []
@@ -111,8 +121,13 @@ def side_rlx(a) -> dict:
         m.generate(ids, max_new_tokens=a.new, min_new_tokens=a.new)
         pre.append(m.last_timings["prefill_s"])
         dec.append(m.last_timings["decode_s_per_token"])
-    return {"prefill_ms": 1e3 * float(np.median(pre)), "decode_ms": 1e3 * float(np.median(dec)),
-            "load_and_warm_s": time.perf_counter() - t0}
+    out = {"prefill_ms": 1e3 * float(np.median(pre)), "decode_ms": 1e3 * float(np.median(dec)),
+           "load_and_warm_s": time.perf_counter() - t0}
+    if a.profile:
+        from qwen35_gpu import decode_by_op, decode_step
+        out["step"] = decode_step(m)
+        out["by_op_ms"] = decode_by_op(m, a.prompt + a.new)
+    return out
 
 
 def side_llamacpp(a, path: str) -> dict | None:
@@ -137,7 +152,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for k, v in FULL.items():
         ap.add_argument(f"--{k}", type=int, default=v)
-    ap.add_argument("--llama-bin", required=True, help="the folder of llama-bench and llama-quantize")
+    ap.add_argument("--llama-bin", help="the folder of llama-bench and llama-quantize (none: RLX alone)")
+    ap.add_argument("--backend", default="cuda", help="RLX's backend (cuda; numpy for a smoke run)")
+    ap.add_argument("--profile", action="store_true", help="RLX's decode step by op too")
     ap.add_argument("--dir", default="/tmp/olmoe")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--files", default="f16,q4_k_m")
@@ -153,11 +170,11 @@ def main() -> None:
         f"expert width {a.inter}; prompt {a.prompt}, {a.new} new tokens, median of {a.repeat}")
     rows = []
     for kind, path in make_files(a).items():
-        args = [a2 for k, v in vars(a).items() if v is not None and k != "child_file"
-                for a2 in (f"--{k.replace('_', '-')}", str(v))]
+        args = [a2 for k, v in vars(a).items() if v not in (None, False) and k not in ("child_file", "profile")
+                for a2 in (f"--{k.replace('_', '-')}", str(v))] + ["--profile"] * a.profile
         rlx = run_child([sys.executable, os.path.abspath(__file__), *args, "--child-file", path], f"rlx {kind}",
                         timeout=1800)
-        peer = side_llamacpp(a, path)
+        peer = side_llamacpp(a, path) if a.llama_bin else None
         rows.append((kind, rlx, peer))
         log(json.dumps({"file": kind, "rlx": rlx, "llama.cpp": peer}))
     log("\n| file | RLX decode ms/token | llama.cpp decode | RLX / llama.cpp (target <= 0.8) "
@@ -165,13 +182,15 @@ def main() -> None:
     log("|---|---|---|---|---|---|")
     for kind, rlx, peer in rows:
         ratio = (f"{rlx['decode_ms'] / peer['decode_ms']:.2f}" if rlx and peer
-                 else "no ratio: " + ("RLX failed" if not rlx else "the peer failed"))
+                 else "no ratio: " + ("RLX failed" if not rlx else "the peer failed" if a.llama_bin else "peer not run"))
         cell = lambda side, key, fmt: format(side[key], fmt) if side and key in side else "failed"  # noqa: E731
         log(f"| {kind} | {cell(rlx, 'decode_ms', '.3f')} | {cell(peer, 'decode_ms', '.3f')} | {ratio} "
             f"| {cell(rlx, 'prefill_ms', '.1f')} | {cell(peer, 'prefill_ms', '.1f')} |")
 
 
 def gpu_name() -> str:
+    if not shutil.which("nvidia-smi"):
+        return "no nvidia-smi"
     p = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                        capture_output=True, text=True)
     return p.stdout.strip() or "no nvidia-smi"
