@@ -178,11 +178,13 @@ class NumbaBackend(Backend):
 
     def planned_layouts(self, g) -> tuple:
         """The int8 roundings its matmuls and MoE steps do themselves, planned as views of
-        their input (quant_kernels.redundant_roundings)."""
+        their input (quant_kernels.redundant_roundings), and the transposes around attention
+        (runner.strided_transposes)."""
         from .moe import rounds_x_itself
         from .quant_kernels import redundant_roundings
+        from .runner import strided_transposes
 
-        return redundant_roundings(g, {"moe_experts": rounds_x_itself}), frozenset()
+        return redundant_roundings(g, {"moe_experts": rounds_x_itself}) | strided_transposes(g), frozenset()
 
     def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:
         ok, why = self.availability()

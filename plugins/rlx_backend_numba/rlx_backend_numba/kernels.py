@@ -498,10 +498,12 @@ def _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, win
     rows, batch row b, kv head kh): the tile's rows of every query head of kh's group stacked
     into one Q [g * rows, d], S = Q K^T over the keys [lo, hi) any of them sees in one
     cblas_sgemm call, each score row masked (causal/window bounds, keep, bias, softcap) and
-    softmaxed in place, O = P V in a second call. As in _attn_rows, a weight below P_MIN
-    becomes 0, a row with every key masked gives zeros and one with a NaN score NaN; unlike it, P V
-    reads every value row in [lo, hi), as the NumPy backend reads every key's. k and v may
-    have strided rows (cblas.sgemm). Tiles go 0, last, 1, last - 1, ...: numba hands each
+    softmaxed in place, O = P V in a second call a head, written straight into its rows of o.
+    As in _attn_rows, a weight below P_MIN becomes 0, a row with every key masked gives zeros
+    and one with a NaN score NaN; unlike it, P V reads every value row in [lo, hi), as the
+    NumPy backend reads every key's. q, k, v and o may
+    have strided rows (cblas.sgemm: heads read from a fused QKV matmul's rows, the output in
+    the layout the output projection reads). Tiles go 0, last, 1, last - 1, ...: numba hands each
     thread a contiguous range of tasks and causal tiles grow with their index."""
     nb, nh, sq, d = q.shape
     kvh, sk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -513,15 +515,17 @@ def _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, win
     lo = _bounds(pos[b] + r0, sk, causal, window)[0]
     n = max(lo, _bounds(pos[b] + r1 - 1, sk, causal, window)[1]) - lo
     zero, one = scale * 0, q.dtype.type(1)
+    if n == 0:                                # no key in reach: zero rows
+        for r in range(g * m):
+            o[b, kh * g + r // m, r0 + r % m, :] = zero
+        return
     qs = np.empty((g * m, d), q.dtype)
     for r in range(g * m):
         qr, dst = q[b, kh * g + r // m, r0 + r % m], qs[r]      # (row views: the copies vectorize)
         for x in range(d):
             dst[x] = qr[x] * scale
-    s = np.empty((g * m, max(n, 1)), q.dtype)
-    out = np.zeros((g * m, dv), q.dtype)
-    if n > 0:
-        sgemm(gemm, ilp64, qs, k[b, kh, lo:lo + n], s[:, :n], False, True)
+    s = np.empty((g * m, n), q.dtype)
+    sgemm(gemm, ilp64, qs, k[b, kh, lo:lo + n], s, False, True)
     for r in range(g * m):
         h, i = kh * g + r // m, r0 + r % m
         a, e = _bounds(pos[b] + i, sk, causal, window)
@@ -551,12 +555,9 @@ def _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, win
         for j in range(e - a):
             p = seg[j] * inv
             seg[j] = p if weighs(p) else zero
-    if n > 0:
-        sgemm(gemm, ilp64, s[:, :n], v[b, kh, lo:lo + n], out, False, False)
-    for r in range(g * m):
-        orow, src = o[b, kh * g + r // m, r0 + r % m], out[r]
-        for x in range(dv):
-            orow[x] = src[x]
+    for hg in range(g):
+        sgemm(gemm, ilp64, s[hg * m:(hg + 1) * m], v[b, kh, lo:lo + n], o[b, kh * g + hg, r0:r1],
+              False, False)
 
 
 ATTN_TILE_BYTES = 512 << 10    # most score bytes of one task of unmasked prefill attention

@@ -341,6 +341,54 @@ def test_unmasked_prefill_attention_in_large_tiles(rng, driver, monkeypatch, mas
     close(o, want, np.float32)
 
 
+@pytest.mark.parametrize("dt", [F32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("seq,heads,kv_heads", [(37, 4, 4), (5, 6, 2), (131, 3, 3)])
+@pytest.mark.parametrize("mask", [None, "bool", "bias"])
+@pytest.mark.parametrize("tap", [False, True], ids=["alone", "tapped"])
+def test_encoder_attention_reads_heads_in_place(rng, driver, monkeypatch, dt, seq, heads, kv_heads, mask, tap):
+    """An encoder's attention on the q, k, v heads of one fused QKV matmul, transposed to
+    [B, H, S, D] and back for the output projection (ViT, BERT): the four transposes are views
+    (strided_transposes), the attention reads its heads from the QKV rows and, where the
+    transpose alone reads it, writes its output in the [B, S, H, D] order the projection reads;
+    equal to float64 with the sgemm tiles and without, at odd lengths, in groups of heads, with
+    and without a mask. `tap`: the attention's output is also a graph output (its own order)."""
+    if dt == F32 and mask == "bias":                 # one f32 case without cblas_sgemm's tiles
+        monkeypatch.setattr(runner, "SGEMM", None)
+    b, d = 2, 8
+    e, ekv = heads * d, kv_heads * d
+    x = rng.standard_normal((b, seq, e)).astype(dt.np)
+    wqkv = (rng.standard_normal((e + 2 * ekv, e)) * e ** -0.5).astype(dt.np)
+    wo = (rng.standard_normal((e, e)) * e ** -0.5).astype(dt.np)
+    mk = {None: None, "bool": rng.random((b, 1, seq, seq)) < 0.7,
+          "bias": rng.standard_normal((b, heads, seq, seq)).astype(dt.np)}[mask]
+
+    def build(m):
+        qkv = m.matmul(m.input("x", (b, seq, e), dt), m.param("wqkv", wqkv.shape, dt), trans_b=True)
+        q, k, v = (m.transpose(m.reshape(m.narrow(qkv, 2, at, n * d), (b, seq, n, d)), (0, 2, 1, 3))
+                   for at, n in ((0, heads), (e, kv_heads), (e + ekv, kv_heads)))
+        mv = None if mk is None else m.input("mask", mk.shape, BOOL if mask == "bool" else dt)
+        o = m.attention(q, k, v, mv, mask_kind="none" if mk is None else "custom")
+        y = m.matmul(m.reshape(m.transpose(o, (0, 2, 1, 3)), (b, seq, e)), m.param("wo", wo.shape, dt),
+                     trans_b=True)
+        return (y, o) if tap else y
+
+    exe = compile_numba(build, params={"wqkv": wqkv, "wo": wo})
+    feed = {"x": x} if mk is None else {"x": x, "mask": mk}
+    r = exe.runner(exe._bind_dims(feed))
+    assert [r.graph.nodes[st[0]].op for st in r.steps].count("transpose") == tap    # (tapped: the output's)
+    (att,) = [i for i, n in enumerate(r.graph.nodes) if n.op == "attention"]
+    (out,) = [st[5][0] for st in r.steps if st[0] == att]
+    assert (out.strides[1] == d * out.itemsize) != tap        # [B, S, H, D] bytes unless tapped
+    got = run_poisoned(exe, feed)
+    qkv64 = x.astype(np.float64) @ wqkv.astype(np.float64).T
+    q, k, v = (qkv64[..., at:at + n * d].reshape(b, seq, n, d).transpose(0, 2, 1, 3)
+               for at, n in ((0, heads), (e, kv_heads), (e + ekv, kv_heads)))
+    o = parity.ref_attention(q, k, v, mk, None, scale=d ** -0.5, mask_kind="none" if mk is None else "custom")
+    close(got["out0"], o.transpose(0, 2, 1, 3).reshape(b, seq, e) @ wo.astype(np.float64).T, dt.np)
+    if tap:
+        close(got["out1"], o, dt.np)
+
+
 def test_fused_attention_block(rng, driver):
     ang = rng.uniform(0, 2 * math.pi, (6, 8))
     tables = (parity.Arg("cos", np.cos(ang), F64), parity.Arg("sin", np.sin(ang), F64))

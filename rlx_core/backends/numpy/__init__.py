@@ -22,6 +22,10 @@ def _first_input(a, x, *rest):
     return x
 
 
+# planned views that are not their input as is: op -> the view (a transpose's strided view)
+PLANNED_VIEWS = {"transpose": lambda a, x: x.transpose(a["perm"])}
+
+
 class NumpyRunner(Runner):
     """Executes the LIR node by node: one preallocated arena, `out=` writes, params and
     states resident. Steps are prepared once so a run is a tight loop."""
@@ -57,13 +61,13 @@ class NumpyRunner(Runner):
                     self.steps.append((i, True, VIEWS[n.op], a, ins, index[(i, 0)]))
                     continue
                 if lir.slots[(i, 0)].home == "view":     # planned so by the backend (planned_layouts)
-                    self.steps.append((i, True, _first_input, a, ins, index[(i, 0)]))
+                    self.steps.append((i, True, PLANNED_VIEWS.get(n.op, _first_input), a, ins, index[(i, 0)]))
                     continue
                 outs = []
                 for k, s in enumerate(n.outs):
                     sl = lir.slots[(i, k)]
-                    arr = self.arena[sl.offset:sl.offset + s.nbytes()].view(s.dtype.np).reshape(s.dims)
-                    vals[index[(i, k)]] = arr
+                    arr = self.arena[sl.offset:sl.offset + s.nbytes()].view(s.dtype.np)
+                    vals[index[(i, k)]] = arr = self.laid_out(lir, i, k, arr)
                     outs.append(arr)
                 fn = KERNELS[n.op]
                 if n.op == "dequant_matmul":
@@ -74,6 +78,11 @@ class NumpyRunner(Runner):
         self.graph = g
         self.outputs = [(name, index[tuple(r)]) for name, r in g.outputs]
         self._calls = None            # bound_calls, made at the first run (a subclass swaps steps first)
+
+    def laid_out(self, lir: LirModule, i: int, k: int, flat: np.ndarray) -> np.ndarray:
+        """Node i's output k on its arena bytes `flat`: in C order here; a runner whose kernel
+        for that node writes any strides may order the bytes otherwise (NumbaRunner)."""
+        return flat.reshape(lir.graph.nodes[i].outs[k].dims)
 
     profile_clock = "host clock"
 
