@@ -38,6 +38,7 @@ from .simd import (AVX512, VNNI, VNNI512, add_high8, bits, fold16, high8, k4_fac
 
 FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 GEMV_MAX_M = 8                  # rows of x up to which the GEMV beats decode-to-scratch + BLAS
+GEMV_TILE = 8                   # rows of x the GEMV multiplies with one decode of a packed row
 SCRATCH = 1 << 20               # floats of weight decoded per BLAS call (prefill)
 ROWS_PER_TASK = 16              # output rows per GEMV task
 GEMV_SERIAL_BYTES = 1 << 20     # packed W below which the int8 GEMV runs on the calling thread (a MoE router,
@@ -544,7 +545,7 @@ import numpy as np
 from numba import njit, prange
 from rlx_backend_numba.quant_kernels import lanes_{fmt} as lanes, sums32
 from rlx_backend_numba.cblas import sgemm
-from rlx_backend_numba.simd import fma, hsum, load_f32, prefetch, store_lanes, zeros
+from rlx_backend_numba.simd import fma, fma16, fold16, hsum, join16, load_f32, load_f32x16, prefetch, store_lanes, zeros, zeros16
 
 _OPT = dict(cache=True, error_model="numpy", fastmath={{"reassoc", "contract"}})
 E, B = {elems}, {nbytes}                # elements and bytes per block
@@ -571,42 +572,33 @@ def ahead(w, n):
 
 
 @njit(**_OPT)
-def fdot(a, x):
-    \"\"\"a . x for float rows (K a multiple of 32).\"\"\"
-    a0, a1, a2, a3 = zeros(), zeros(), zeros(), zeros()
-    for p in range(0, x.shape[0], 32):
-        a0 = fma(load_f32(a, p), load_f32(x, p), a0)
-        a1 = fma(load_f32(a, p + 8), load_f32(x, p + 8), a1)
-        a2 = fma(load_f32(a, p + 16), load_f32(x, p + 16), a2)
-        a3 = fma(load_f32(a, p + 24), load_f32(x, p + 24), a3)
-    return hsum((a0 + a1) + (a2 + a3))
-
-
-@njit(**_OPT)
 def decode(r, out, tab):
     for b in range(out.shape[0] // E):
         o, p = B * b, E * b
 {decode_body}
 
+{tiles}
 
 @njit(parallel=True, **_OPT)
 def gemv(x, w, o, tab):
     \"\"\"o = x @ W^T, parallel over chunks of output rows. One row of x: each packed row is
-    dotted as it is read; more: it is decoded once into an L1 buffer and dotted with each.\"\"\"
-    m_, k_ = x.shape
+    dotted as it is read; more: each lane group of a packed row is decoded once into a
+    register and multiply-added into every row's accumulator (`tile<s>`), in tiles of at
+    most {tile} rows of x, as even as they split (none of one row).\"\"\"
+    m_ = x.shape[0]
     n_ = w.shape[0]
     xs = sums32(x[0])
+    tiles = (m_ + {tile} - 1) // {tile}
     for t in prange((n_ + {rows} - 1) // {rows}):
-        if m_ == 1:
-            for n in range({rows} * t, min({rows} * (t + 1), n_)):
-                ahead(w, n + PF)
+        for n in range({rows} * t, min({rows} * (t + 1), n_)):
+            ahead(w, n + PF)
+            if m_ == 1:
                 o[0, n] = dot(w[n], x[0], xs, tab)
-        else:
-            buf = np.empty(k_, np.float32)
-            for n in range({rows} * t, min({rows} * (t + 1), n_)):
-                decode(w[n], buf, tab)
-                for m in range(m_):
-                    o[m, n] = fdot(buf, x[m])
+            else:
+                for i in range(tiles):
+                    m0 = m_ * i // tiles
+                    s = m_ * (i + 1) // tiles - m0
+{dispatch}
 
 
 @njit(parallel=True, **_OPT)
@@ -741,6 +733,35 @@ def amx_parts(kind: str, mode: str) -> tuple[int, int]:
     if mode == "bf16":
         return 1, 1
     return (2 if kind in ("q4_0", "q5_0") else 3), 3
+
+
+def _gemv_tile(groups, s: int) -> str:
+    """The GEMV's tile of `s` rows of x (s >= 2): `tile<s>(r, x, m0, out, n, tab)` writes
+    out[m0 .. m0 + s - 1, n] = x[m0 ..] . packed row r. Each pair of lane groups is decoded
+    once (lanes, eight at a time) and multiply-added into the s rows' accumulators in 16
+    lanes: one load an FMA (x's), half the FMAs of eight lanes. ceil(8 / s) accumulators a
+    row (at most one a pair of a block), so eight FMA chains run at once where the block
+    allows: with one a row, 4 rows of q4_1 took as long as 8 (each chain 2 FMAs a block,
+    8 cycles of latency where the throughput needs 4)."""
+    rows, acc = range(s), min(-(-8 // s), len(groups) // 2)
+    lines = ["@njit(**_OPT)", f"def tile{s}(r, x, m0, out, n, tab):",
+             "    " + ", ".join(f"x{j}" for j in rows) + " = " + ", ".join(f"x[m0 + {j}]" for j in rows),
+             "    " + "; ".join(f"a{j}{c} = zeros16()" for j in rows for c in range(acc)),
+             "    for b in range(x.shape[1] // E):",
+             "        o, p = B * b, E * b"]
+    for g0 in range(0, len(groups), 4):
+        quad = groups[g0:g0 + 4]
+        lines += [f"        v{i} = join16(lanes(r, o, {i}, tab), lanes(r, o, {i + 1}, tab))" for i in quad[::2]]
+        lines += [f"        a{j}{i // 2 % acc} = fma16(v{i}, load_f32x16(x{j}, p + {8 * i}), a{j}{i // 2 % acc})"
+                  for i in quad[::2] for j in rows]
+    lines += [f"    out[m0 + {j}, n] = hsum(fold16(" + " + ".join(f"a{j}{c}" for c in range(acc)) + "))" for j in rows]
+    return "\n".join(lines) + "\n\n"
+
+
+def _gemv_dispatch(tile: int) -> str:
+    """The GEMV's call of the tile for `s` rows (2 .. tile)."""
+    return "\n".join(f"                    {'if' if s == 2 else 'elif'} s == {s}:\n"
+                      f"                        tile{s}(w[n], x, m0, o, n, tab)" for s in range(2, tile + 1))
 
 
 def _decoded(groups, stores) -> str:
@@ -985,7 +1006,8 @@ def drivers(kind: str):
         src = f"\nfrom rlx_backend_numba.quant_kernels import fblock_{kind} as fblock\n" + src
     src = SWIGLU_HEAD + src.format(
         fmt=kind, rows=ROWS_PER_TASK, ahead=AHEAD_ROWS, elems=elems, nbytes=nbytes, dot_body=dot_body,
-        decode_body=decode_body, idot=_IDOT_ROW.get(kind, _IDOT + _IAHEAD))
+        decode_body=decode_body, tile=GEMV_TILE, dispatch=_gemv_dispatch(GEMV_TILE),
+        tiles="\n".join(_gemv_tile(groups, m) for m in range(2, GEMV_TILE + 1)), idot=_IDOT_ROW.get(kind, _IDOT + _IAHEAD))
     return load_source(src + _AMX_HEAD + "".join(_amx_source(kind, m, groups) for m in _PAIRS))
 
 

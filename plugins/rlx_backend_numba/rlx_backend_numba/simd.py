@@ -643,6 +643,27 @@ def scaled16(typingctx, acc, s, f, j):
     return F32x16(acc, s, f, j), codegen
 
 
+load_f32x16 = _load(F32x16, 4)      # a[i:i+16] of a float32 array
+
+
+@intrinsic
+def join16(typingctx, a, b):
+    """Two F32x8 as one F32x16 (a's lanes first): the f32 GEMV's tiles decode a packed row
+    eight lanes at a time and multiply-add sixteen (quant_kernels._gemv_tile)."""
+    def codegen(context, builder, sig, args):
+        return builder.shuffle_vector(args[0], args[1], _lane_mask(range(16)))
+    return F32x16(a, b), codegen
+
+
+@intrinsic
+def fma16(typingctx, a, b, c):
+    """a * b + c in 16 lanes (F32x16)."""
+    def codegen(context, builder, sig, args):
+        return builder.call(cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_VF16, [_VF16] * 3), "llvm.fmuladd.v16f32"), list(args))
+    return F32x16(a, b, c), codegen
+
+
 @intrinsic
 def fold16(typingctx, v):
     """F32x16 -> F32x8: lanes j and j + 8 added."""
@@ -725,7 +746,7 @@ def add_high8(typingctx, acc, g):
     return F32x16(acc, g), codegen
 
 
-__all__ = ["F32x8", "F32x16", "AVX512", "VNNI512", "fold16", "add_high8", "high8", "k4_factors", "pair_lanes", "nibble_fma16", "nibble_pair_dot", "scaled16",
+__all__ = ["F32x8", "F32x16", "AVX512", "VNNI512", "fma16", "fold16", "join16", "load_f32x16", "add_high8", "high8", "k4_factors", "pair_lanes", "nibble_fma16", "nibble_pair_dot", "scaled16",
            "zeros16", "I32x8", "I8x32", "LANES", "VNNI", "bits", "bits32", "blend4",
            "lane", "dot4", "exp", "halves", "idot_s", "idot_u", "izeros", "load_bytes32", "nibbles32",
            "fma", "hsum", "round_int8", "vabs", "load_f32", "load_i8", "load_u8", "load_u32",

@@ -49,6 +49,23 @@ def test_gemv_and_blocked_matmul(rng, kind, monkeypatch):
         close(Q.dequant_matmul(x, raw, kind), want)
 
 
+@pytest.mark.parametrize("kind", Q.FORMATS)
+def test_gemv_every_row_count(rng, kind):
+    """1 .. 2 GEMV_TILE + 1 rows of x (one row's dot, every tile size, two tiles split
+    evenly, odd counts): the GEMV equals the float64 product of x and the dequantized W
+    within f32's rounding, K + 2 roundings of the terms' magnitudes (the decoded weight's, the
+    product's and the sum's, whatever order the lanes add in)."""
+    s, raw, ref = packed(rng, kind)
+    for m in range(1, 2 * Q.GEMV_TILE + 2):
+        x = rng.uniform(-1, 1, (m, K)).astype(np.float32)
+        out = np.full((m, N), np.nan, np.float32)
+        Q.dequant_gemv(x, raw, s, out)
+        x64 = x.astype(np.float64)
+        bound = (K + 2) * 2.0 ** -24 * (np.abs(x64) @ np.abs(ref).T)
+        err = np.abs(out - x64 @ ref.T)
+        assert (err <= bound).all(), f"{kind}, {m} rows: error {err.max():.3g} over f32's bound"
+
+
 @pytest.mark.parametrize("blas", ["cblas", "numpy"])
 def test_blocked_matmul_over_threads(rng, blas, monkeypatch):
     """Enough rows for a part per thread (each calling cblas_sgemm on numba's threads), several
