@@ -8,6 +8,8 @@ Sides (a process each; a side process measures every token count on one set of w
            (events, no host copies), the median of --reps blocks of 20 replays
 * rlx-gemv the same with the grouped tensor-core GEMM off (the decode GEMV at every token
            count: what moe_experts ran before the GEMM), measured in the rlx process
+* rlx-sort the same with the one-token kernels off (at 1 token: the sort, the gemv over each
+           expert's pairs and the combine, what moe_experts ran before gemv1), in the rlx process
 * eager    transformers' OlmoeSparseMoeBlock in bf16 (random init), CUDA events
 * compile  the same under torch.compile (its compile time is printed apart)
 * llama.cpp CUDA on a GGUF of the same shape is not run here: printed "peer not run"
@@ -82,8 +84,9 @@ def _quantize(w, scheme: str):
         return np.stack(list(ex.map(q.quantize, w)))
 
 
-def _rlx_ms(cfg: dict, params: dict, tokens: int, scheme: str, reps: int) -> float:
-    """Median ms of one CUDA-graph replay of the block at `tokens` tokens."""
+def _rlx_ms(cfg: dict, params: dict, tokens: int, scheme: str, reps: int, kernels: bool = False):
+    """Median ms of one CUDA-graph replay of the block at `tokens` tokens and, `kernels`, the
+    replay's kernels (gpu_kernels.kernel_table; else None)."""
     import numpy as np
 
     import rlx_core
@@ -106,11 +109,18 @@ def _rlx_ms(cfg: dict, params: dict, tokens: int, scheme: str, reps: int) -> flo
         runner.run(arrays)
     if runner.graph is None:
         raise SystemExit(f"no CUDA graph was captured: {runner.describe()}")
-    return statistics.median(runner.replay_seconds(20) * 1e3 for _ in range(reps))
+    table = None
+    if kernels:
+        from gpu_kernels import kernel_table
+        table = kernel_table(runner)
+    return statistics.median(runner.replay_seconds(20) * 1e3 for _ in range(reps)), table
 
 
-def side_rlx(cfg: dict, tokens: list, scheme: str, reps: int, gemv_too: bool) -> dict:
-    """Each token count with the GEMM as built (ms) and, gemv_too, with it off (gemv_ms)."""
+def side_rlx(cfg: dict, tokens: list, scheme: str, reps: int, gemv_too: bool, kernels: bool, sort_too: bool,
+             warp_rows: list) -> dict:
+    """Each token count with the GEMM as built (ms) and, gemv_too, with it off (gemv_ms);
+    sort_too, with the one-token kernels off (sort_ms); each of `warp_rows` ((gate/up, down) rows a
+    warp of the one-token kernels) as rows_ms."""
     from rlx_backend_cuda import moe
     from rlx_core.pipeline import select_backend
 
@@ -118,14 +128,29 @@ def side_rlx(cfg: dict, tokens: list, scheme: str, reps: int, gemv_too: bool) ->
     e, k = cfg["experts"], cfg["k"]
     rows = {}
     for n in tokens:
-        row = {"ms": _rlx_ms(cfg, params, n, scheme, reps)}
+        ms, table = _rlx_ms(cfg, params, n, scheme, reps, kernels)
+        row = {"ms": ms, **({"kernels": table} if table else {})}
         if gemv_too:
             on = moe.GEMM_MIN_PAIRS
             moe.GEMM_MIN_PAIRS = float("inf")          # every count below the GEMM's threshold
             try:
-                row["gemv_ms"] = _rlx_ms(cfg, params, n, scheme, reps)
+                row["gemv_ms"] = _rlx_ms(cfg, params, n, scheme, reps)[0]
             finally:
                 moe.GEMM_MIN_PAIRS = on
+        if sort_too:
+            one = moe._one_token
+            moe._one_token = lambda *args: False
+            try:
+                row["sort_ms"] = _rlx_ms(cfg, params, n, scheme, reps)[0]
+            finally:
+                moe._one_token = one
+        if warp_rows and n == 1:
+            kept = dict(moe.ONE_TOKEN_ROWS)
+            row["rows_ms"] = {}
+            for gu, dn in warp_rows:
+                moe.ONE_TOKEN_ROWS.update(gate_up=gu, down=dn)
+                row["rows_ms"][f"{gu},{dn}"] = _rlx_ms(cfg, params, n, scheme, reps)[0]
+            moe.ONE_TOKEN_ROWS.update(kept)
         used = n * k if n * k < e else e          # experts a call reads at most
         row["floor_bytes"] = sum(params[x].nbytes if sch else params[x].nbytes // 2
                                  for x, sch in zip(("gate", "up", "down"), SCHEMES[scheme])) / e * used
@@ -174,30 +199,37 @@ def main():
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--budget", type=float, default=240, help="seconds a side may run")
     ap.add_argument("--json", help="write every side's result here")
+    ap.add_argument("--kernels", action="store_true", help="rlx: log the kernels of each graph replay (torch.profiler)")
+    ap.add_argument("--rows", default="", help="rlx: also time the one-token kernels at these rows a warp, "
+                                               "gate/up,down pairs split by ';' (1,2;2,4)")
     ap.add_argument("--side", help=argparse.SUPPRESS)
     ap.add_argument("--scheme", default="bf16", help=argparse.SUPPRESS)
     ap.add_argument("--gemv", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--sort", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     cfg = SMALL if a.small else FULL
     tokens = [int(t) for t in a.tokens.split(",")]
     if a.side:
-        out = (side_rlx(cfg, tokens, a.scheme, a.reps, a.gemv) if a.side == "rlx"
+        rows = [tuple(int(v) for v in r.split(",")) for r in a.rows.split(";") if r]
+        out = (side_rlx(cfg, tokens, a.scheme, a.reps, a.gemv, a.kernels, a.sort, rows) if a.side == "rlx"
                else side_hf(cfg, tokens, a.side == "compile", a.reps))
         print(json.dumps(out))
         return
     sides = a.sides.split(",")
     log(f"MoE block {cfg}, bf16 activations, tokens {tokens}")
     res = {}                                   # (side, scheme) -> side result
-    base = [sys.executable, __file__, "--tokens", a.tokens, "--reps", str(a.reps)] + (["--small"] if a.small else [])
-    if "rlx" in sides or "rlx-gemv" in sides:
+    base = ([sys.executable, __file__, "--tokens", a.tokens, "--reps", str(a.reps)] + (["--small"] if a.small else [])
+            + (["--kernels"] if a.kernels else []) + (["--rows", a.rows] if a.rows else []))
+    if {"rlx", "rlx-gemv", "rlx-sort"} & set(sides):
         for scheme in a.schemes.split(","):
-            r = _child(base + ["--side", "rlx", "--scheme", scheme] + (["--gemv"] if "rlx-gemv" in sides else []),
-                       f"rlx {scheme}", a.budget)
+            r = _child(base + ["--side", "rlx", "--scheme", scheme] + (["--gemv"] if "rlx-gemv" in sides else [])
+                       + (["--sort"] if "rlx-sort" in sides else []), f"rlx {scheme}", a.budget)
             if r:
                 res[("rlx", scheme)] = {n: {"ms": v["ms"], "floor_ms": v["floor_bytes"] / r["copy_bw"] * 1e3}
                                         for n, v in r["rows"].items()}
-                if "rlx-gemv" in sides:
-                    res[("rlx-gemv", scheme)] = {n: {"ms": v["gemv_ms"]} for n, v in r["rows"].items()}
+                for side in ("rlx-gemv", "rlx-sort"):
+                    if side in sides:
+                        res[(side, scheme)] = {n: {"ms": v[side[4:] + "_ms"]} for n, v in r["rows"].items()}
                 res["device"] = r["device"]
                 log(f"  rlx {scheme}: {json.dumps(r['rows'])}")
     for side in ("eager", "compile"):

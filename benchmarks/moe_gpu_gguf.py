@@ -19,7 +19,8 @@ Sides, each file in its own process:
              `--new` greedy tokens (EOS ignored), the median of `--repeat` generate calls after a
              warm-up one; prefill ms and decode ms per token. `--profile`: also the decode step's
              launches by op and its CUDA graph replayed alone, and one step by op (eager, events
-             between nodes: qwen35_gpu's decode_step and decode_by_op)
+             between nodes: qwen35_gpu's decode_step and decode_by_op) and its graph's kernels
+             (gpu_kernels.kernel_table: launches and device us of each kernel a replay runs)
 * llama.cpp  (with `--llama-bin`) `llama-bench -m FILE -ngl 99 -fa 1 -p PROMPT -n NEW -d PROMPT -r REPEAT`: prompt
              processing, and generation at depth PROMPT (RLX's decode runs at depth PROMPT to
              PROMPT + NEW); a build that fails or crashes is reported so, with no ratio
@@ -124,8 +125,10 @@ def side_rlx(a) -> dict:
     out = {"prefill_ms": 1e3 * float(np.median(pre)), "decode_ms": 1e3 * float(np.median(dec)),
            "load_and_warm_s": time.perf_counter() - t0}
     if a.profile:
+        from gpu_kernels import decode_runner, kernel_table
         from qwen35_gpu import decode_by_op, decode_step
         out["step"] = decode_step(m)
+        out["kernels"] = kernel_table(decode_runner(m)) if a.backend == "cuda" else {}
         out["by_op_ms"] = decode_by_op(m, a.prompt + a.new)
     return out
 

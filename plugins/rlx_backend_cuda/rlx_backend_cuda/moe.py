@@ -15,6 +15,9 @@ Gate/up and down are each one of two kernels, chosen by the token count known at
            block per (64 output rows, tile of the sort's list), the weight tile copied (dense)
            or decoded (packed) into shared memory once for the tile's pairs; the grid is the
            host's bound on the tiles, empty slots exit.
+At one token (batch-1 decode) two launches instead (gemv1): gate/up a block per 8 rows and
+pair (expert ids[p], no sort), then down with the combine fused (a block per rows, a warp
+per pair, the weighted sum in shared memory).
 Dense (f16/bf16/f32/f64) and packed stacks (every scheme of the dequant GEMV, decoded by
 its block decoders) take the same kernels.
 """
@@ -37,6 +40,7 @@ ROWS_PER_BLOCK = 8        # warps (output rows) of a gemv block
 GEMM_MIN_PAIRS = 2        # pairs an active expert has on average from which the GEMM takes over
 GEMM_BN = 64              # output rows of a gemm tile (moe.cu gemm_shape's BN)
 GEMM_BK_PACKED = 128      # weights a packed gemm step decodes a row (K-quants: half a super-block)
+ONE_TOKEN_ROWS = {"gate_up": 1, "down": 2}    # gemv1's rows a warp (its R) per launch
 
 
 
@@ -69,17 +73,19 @@ class Stack:
             self.arr, self.ers, self.rs, self.align = c.arr, rows * k * isz, k * isz, 16
         self.key = (self.scheme.kind, self.scheme.block, self.align) if self.scheme else ("dense",)
 
-    def source(self, x: V, xalign: int, K: int, **defines) -> str:
-        """The gemv kernel over this stack's rows for inputs x (rows `xalign`-byte aligned)."""
+    def source(self, x: V, xalign: int, K: int, one_token: bool = False, **defines) -> str:
+        """The gemv kernel (one_token: gemv1's) over this stack's rows for inputs x (rows
+        `xalign`-byte aligned)."""
         isz = x.arr.itemsize
         if self.scheme is None:
             vec = 1
             while (vec * 2 * isz <= 16 and K % (vec * 2) == 0 and xalign % (vec * 2 * isz) == 0
                    and self.arr.data.ptr % (vec * 2 * isz) == 0 and self.rs % (vec * 2 * isz) == 0):
                 vec *= 2
-            return sources.render(sources.MOE_DENSE, VEC=vec, **defines)
+            return sources.render(sources.MOE_DENSE1 if one_token else sources.MOE_DENSE, VEC=vec, **defines)
         s = self.scheme
-        source = sources.DQ_COMMON + sources.DQ_SCHEMES[s.kind] + sources.DQ_QF + sources.MOE_PACKED_TAIL
+        tail = sources.MOE_PACKED_TAIL1 if one_token else sources.MOE_PACKED_TAIL
+        source = sources.DQ_COMMON + sources.DQ_SCHEMES[s.kind] + sources.DQ_QF + tail
         extra = {"IB": s.block} if "IB" in source.defines() else {}
         return sources.render(source, A=self.align, XV=int(xalign % (4 * isz) == 0), **extra, **defines)
 
@@ -161,15 +167,43 @@ def build_moe_experts(b, n, ins, outs):
     P = T * ks
     x = _rows(b.contiguous(x), (T, H))
     ids_c, wts_c = (_rows(b.contiguous(t), (T, ks)) for t in (ids, wts))
+    dst = y if y.contiguous() else b.buffer(y.shape, y.dt, "moe output")
+    if T == 1 and E and _one_token(b, n, ins, x, wts_c, ids_c, dst):
+        if dst is not y:
+            b.copy(dst, y)
+        return
     part = b.node_buffer((max(P, 1), H), F64 if x.dt is F64 else F32, "moe expert outputs")
     if P and E:
         _experts(b, n, ins, x, ids_c, part)
-    dst = y if y.contiguous() else b.buffer(y.shape, y.dt, "moe output")
     src = sources.render(sources.MOE_COMBINE, ACC=acc_of(x.dt), TO=ctype(y.dt), TW=ctype(wts_c.dt), TI=ctype(ids_c.dt), NE=E)
     b.launch(b.kernel(src, "rlx_moe_combine"), (max(1, min(-(-T * H // 256), b.sms * 32)),), (256,),
              (part.arr, wts_c.arr, ids_c.arr, dst.arr, i64(T), i32(H), i32(ks)))
     if dst is not y:
         b.copy(dst, y)
+
+
+def _one_token(b, n, ins, x: V, wts: V, ids: V, y: V) -> bool:
+    """y <- the token's experts (gemv1: gate/up, then down with the combine): no sort, no
+    combine launch. False (nothing launched) where gate and up differ in scheme or h is
+    rounded through int8 on the host: the general path then."""
+    H, ks = x.shape[1], ids.shape[1]
+    E, inter = ins[3].shape[0], ins[3].shape[1]
+    if n.a["int8_h"] or n.a["schemes"][0] != n.a["schemes"][1]:
+        return False
+    gate, up, down = (Stack(b, w, s, x, name) for w, s, name in zip(ins[3:], n.a["schemes"], ("gate", "up", "down")))
+    if gate.key != up.key:                 # (packed rows of another alignment)
+        return False
+    h = b.node_buffer((ks, inter), x.dt, "moe intermediate rows")
+    common = dict(T=ctype(x.dt), ACC=acc_of(x.dt), MC=1, TW=ctype(wts.dt), TI=ctype(ids.dt), NE=E, KS=ks)
+    for w, wb, xin, out, N, K, dual in ((gate, up, x, h, inter, H, 1), (down, down, h, y, H, inter, 0)):
+        R = ONE_TOKEN_ROWS["gate_up" if dual else "down"]
+        src = w.source(xin, _align(xin.arr.data.ptr, xin.arr.strides[0]), K, one_token=True, TO=ctype(out.dt), R=R,
+                       DUAL=dual, EPILOGUE=_dq_epilogue(x.dt, False, n.a["act"]) if dual else "", **common)
+        grid = (-(-N // (8 * R)), ks) if dual else (-(-N // R),)
+        b.launch(b.kernel(src, "rlx_moe_gemv1"), grid, (256,),
+                 (xin.arr, i64(xin.arr.strides[0] // xin.arr.itemsize), w.arr, wb.arr, i64(w.ers), i64(w.rs),
+                  ids.arr, wts.arr, out.arr, i32(N), i32(K), b.r.err, i32(b.node)))
+    return True
 
 
 def _experts(b, n, ins, x: V, ids: V, part: V) -> None:
@@ -239,17 +273,6 @@ class Sort:
         fn = b.kernel(sources.render(sources.MOE_SORT, TI=ctype(ids.dt), NE=E, BM=bm), "rlx_moe_sort")
         b.launch(fn, (1,), (1024,), (ids.arr, i32(P), self.offsets.arr, self.order.arr, self.active.arr,
                                      self.tiles.arr if mt else None, i32(self.ntiles), b.r.err, i32(b.node)))
-
-
-class Rounding:
-    """The step `_b_host` runs for int8_h: h through int8_b32 blocks (on the host, out of
-    graph capture, as every fake_quantize on this backend)."""
-    op, a = "fake_quantize", {"scheme": INT8_SCHEME}
-
-
-def _rows(v: V, shape: tuple) -> V:
-    """A contiguous value viewed as `shape` (its tokens' leading dims merged)."""
-    return V(v.arr.reshape(shape), v.dt)
 
 
 BUILDERS["moe_experts"] = build_moe_experts

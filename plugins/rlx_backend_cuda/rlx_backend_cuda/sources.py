@@ -240,6 +240,8 @@ def dq_parts(kind: str, block: int) -> int:
 MOE_SORT = Source("moe.cu:sort")
 MOE_DENSE = Source("moe.cu:w", "moe.cu:dense", "moe.cu:gemv")
 MOE_PACKED_TAIL = Source("dq.cu:x4", "moe.cu:packed", "moe.cu:gemv")    # after DQ_COMMON + a scheme + DQ_QF
+MOE_DENSE1 = Source("moe.cu:w", "moe.cu:dense", "moe.cu:gemv1")           # (one token: no sort)
+MOE_PACKED_TAIL1 = Source("dq.cu:x4", "moe.cu:packed", "moe.cu:gemv1")
 MOE_COMBINE = Source("moe.cu:w", "moe.cu:combine")
 MOE_GEMM_DENSE = Source("deltanet.cu:tc_common", "moe.cu:w", "moe.cu:gemm_shape", "moe.cu:gemm_dense", "moe.cu:gemm")
 MOE_GEMM_PACKED_TAIL = Source("deltanet.cu:tc_common", "moe.cu:gemm_shape", "moe.cu:gemm_packed", "moe.cu:gemm")

@@ -6,8 +6,10 @@ Q4_K_M writes them; the routing changing between replays of one compiled graph (
 read on the device, never synced to the host); an expert id out of range is the project's
 error. The grouped tensor-core GEMM (f16/bf16 from a few pairs an expert) at token counts
 that fill one and two 16-pair m-tiles, an expert with more pairs than a tile, experts with
-none, tile rows and output rows past the tiles' edges, dense and packed. Skipped with the
-backend's reason without a GPU."""
+none, tile rows and output rows past the tiles' edges, dense and packed. At one token, the
+two launches of gemv1 (no sort, the combine in the down launch) at rows and widths no multiple
+of the kernels' and with more pairs than the down launch's warps. Skipped with the backend's
+reason without a GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -75,19 +77,57 @@ def _experts_graph(shapes: dict, dt):
     return Graph.define("moe", build)
 
 
+@pytest.fixture
+def one_token_calls(monkeypatch):
+    """What each build of moe_experts' one-token path returned (True: gemv1 ran)."""
+    from rlx_backend_cuda import moe
+    calls = []
+    real = moe._one_token
+
+    def spy(*args):
+        calls.append(real(*args))
+        return calls[-1]
+    monkeypatch.setattr(moe, "_one_token", spy)
+    return calls
+
+
 @gpu
-def test_native_kernel_and_routing_changes_between_replays(rng):
+@pytest.mark.parametrize("k", [1, 10], ids=lambda k: f"k{k}")     # (10: more pairs than 8 warps)
+@pytest.mark.parametrize("dt", [F32, BF16, F64], ids=lambda d: d.value)
+def test_one_token(rng, one_token_calls, dt, k):
+    """97 intermediate rows (a partial block of gate/up rows, odd K for down), 131 outputs (a
+    partial pair of down rows)."""
+    run_experts("cuda", rng, dt, (1,), k, (16, 97, 131))
+    assert one_token_calls and all(one_token_calls)
+
+
+@gpu
+@pytest.mark.parametrize("schemes", [("q4_k", "q4_k", "q6_k"), ("q5_k", "q5_k", "q8_0"), ("q4_0", "q4_0", "")])
+def test_one_token_packed(rng, one_token_calls, schemes):
+    run_experts("cuda", rng, BF16, (1, 1), 8, (12, 256, 512), schemes=schemes)
+    assert one_token_calls and all(one_token_calls)
+
+
+@gpu
+def test_one_token_gate_and_up_in_two_schemes_take_the_sort(rng, one_token_calls):
+    run_experts("cuda", rng, F32, (1,), 2, (6, 64, 96), schemes=("q8_0", "q4_0", ""))
+    assert one_token_calls and not any(one_token_calls)
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_native_kernel_and_routing_changes_between_replays(rng, tokens):
     """The node stays moe_experts (not legalized), and one compiled graph replayed with new
     ids each run follows them: the routing is read on the device."""
     e, i, h = DIMS
     stacks, dense = expert_args(rng, DIMS, F32)
-    shapes = {"x": (3, h), "weights": (3, 4), "ids": (3, 4), **{a.name: a.data.shape for a in stacks}}
+    shapes = {"x": (tokens, h), "weights": (tokens, 4), "ids": (tokens, 4), **{a.name: a.data.shape for a in stacks}}
     ex = rlx_core.compile(_experts_graph(shapes, F32), backend="cuda")
     assert "moe_experts" in {n.op for n in ex.mir.nodes}
     for _ in range(4):
-        x = arg(rng, "x", (3, h), F32, lo=-1, hi=1).data
-        w = rng.uniform(0.1, 1, (3, 4))
-        ids = uneven_ids(rng, 3, 4, e).data
+        x = arg(rng, "x", (tokens, h), F32, lo=-1, hi=1).data
+        w = rng.uniform(0.1, 1, (tokens, 4))
+        ids = uneven_ids(rng, tokens, 4, e).data
         feeds = {"x": x.astype(np.float32), "weights": w.astype(np.float32), "ids": ids,
                  **{a.name: a.data.astype(np.float32) for a in stacks}}
         got = ex.backend.to_host(ex.run(feeds)["y"])
@@ -96,13 +136,15 @@ def test_native_kernel_and_routing_changes_between_replays(rng):
 
 
 @gpu
-def test_expert_id_out_of_range_is_an_error(rng):
+@pytest.mark.parametrize("ids", [[[0, 1], [2, 4]], [[4, 1]], [[1, -1]]], ids=["sort", "one-token", "one-token-neg"])
+def test_expert_id_out_of_range_is_an_error(rng, ids):
     e, i, h = 4, 8, 32
+    t = len(ids)
     stacks, _ = expert_args(rng, (e, i, h), F32)
-    shapes = {"x": (2, h), "weights": (2, 2), "ids": (2, 2), **{a.name: a.data.shape for a in stacks}}
+    shapes = {"x": (t, h), "weights": (t, 2), "ids": (t, 2), **{a.name: a.data.shape for a in stacks}}
     ex = rlx_core.compile(_experts_graph(shapes, F32), backend="cuda")
-    feeds = {"x": np.ones((2, h), np.float32), "weights": np.ones((2, 2), np.float32),
-             "ids": np.array([[0, 1], [2, e]], np.int64), **{a.name: a.data.astype(np.float32) for a in stacks}}
+    feeds = {"x": np.ones((t, h), np.float32), "weights": np.ones((t, 2), np.float32),
+             "ids": np.array(ids, np.int64), **{a.name: a.data.astype(np.float32) for a in stacks}}
     with pytest.raises(RlxError, match="moe_experts"):
         ex.backend.to_host(ex.run(feeds)["y"])
 

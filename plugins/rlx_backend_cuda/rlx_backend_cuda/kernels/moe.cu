@@ -158,6 +158,84 @@ extern "C" __global__ void __launch_bounds__(256) rlx_moe_gemv(const T* __restri
     }
   }
 }
+// @part gemv1(T, TO, TW, TI, NE, KS, R, DUAL, EPILOGUE)
+// Decode at one token (T = 1): its KS pairs in the routing's own order (pair p: expert
+// ids[p], x row 0), no sort. A warp takes R output rows of one pair, each weight row read once.
+// DUAL (gate and up, one scheme): block (8R rows, pair blockIdx.y): out[p, n] = act(gate . x)
+// * (up . x) in TO, as rlx_moe_gemv writes it; an id out of range raises error code 3.
+// Else (down, the combine fused): block = R rows, warp w the pairs w, w + 8, ..., x row p of
+// h: y[n] = sum_j wts[j] * (down . h[j] rounded to T), j in order and ids out of range left
+// out, as rlx_moe_gemv then rlx_moe_combine compute it.
+// warp sums of R rows n0.. of expert e's stack wa (and wb: DUAL) dotted with x row xr
+__device__ __forceinline__ void rlx_rows1(const u8* wa, const u8* wb, i64 e, long long ers, long long wrs, int n0,
+                                          int N, const T* xr, int K, W* acc, W* acc2) {
+  const u8* ra[R];
+  const u8* rb[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const i64 off = e * ers + (i64)min(n0 + r, N - 1) * wrs;
+    ra[r] = wa + off;
+    rb[r] = wb + off;
+    acc[r] = acc2[r] = 0;
+  }
+  const T* xs[1] = {xr};
+  const int units = rlx_units(K);
+#pragma unroll 2
+  for (int u = threadIdx.x & 31; u < units; u += 32)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      rlx_unit(ra[r], u, xs, 1, &acc[r]);
+      if (DUAL) rlx_unit(rb[r], u, xs, 1, &acc2[r]);
+    }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    acc[r] = warp_sum(acc[r]);
+    if (DUAL) acc2[r] = warp_sum(acc2[r]);
+  }
+}
+extern "C" __global__ void __launch_bounds__(256) rlx_moe_gemv1(const T* __restrict__ x, long long xrs,
+    const u8* __restrict__ wa, const u8* __restrict__ wb, long long ers, long long wrs,
+    const TI* __restrict__ ids, const TW* __restrict__ wts, TO* __restrict__ out, int N, int K, int* err, int node) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  W acc[R], acc2[R];
+#if DUAL
+  const int p = blockIdx.y, n0 = (blockIdx.x * 8 + warp) * R;
+  const i64 e = (i64)ids[p];
+  if (e < 0 || e >= NE) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) rlx_error(err, 3, node, e, NE);
+    return;
+  }
+  rlx_rows1(wa, wb, e, ers, wrs, n0, N, x, K, acc, acc2);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    W v = acc[r];
+    const W up = LD(W, ST(TO, acc2[r]));
+    EPILOGUE
+    v = LD(W, ST(TO, v)) * up;
+    if (lane == 0 && n0 + r < N) out[(i64)p * N + n0 + r] = ST(TO, v);
+  }
+#else
+  const int n0 = blockIdx.x * R;
+  __shared__ W part[KS][R];
+  for (int p = warp; p < KS; p += 8) {
+    const i64 e = (i64)ids[p];
+    if (e < 0 || e >= NE) continue;
+    rlx_rows1(wa, wb, e, ers, wrs, n0, N, x + (i64)p * xrs, K, acc, acc2);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (lane == 0) part[p][r] = LD(W, ST(T, acc[r]));
+  }
+  __syncthreads();
+  if (threadIdx.x < R && n0 + threadIdx.x < N) {
+    W v = 0;
+    for (int j = 0; j < KS; ++j) {
+      const i64 e = (i64)ids[j];
+      if (e >= 0 && e < NE) v += LD(W, wts[j]) * part[j][threadIdx.x];
+    }
+    out[n0 + threadIdx.x] = ST(TO, v);
+  }
+#endif
+}
 // @part combine(TO, TW, TI, NE)
 // y[t, n] = sum_j weights[t, j] * part[t * KS + j, n] over the pairs with an expert id in range.
 extern "C" __global__ void rlx_moe_combine(const W* __restrict__ part, const TW* __restrict__ wts,
