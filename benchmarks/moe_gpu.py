@@ -148,7 +148,7 @@ def side_rlx(cfg: dict, tokens: list, scheme: str, reps: int, gemv_too: bool, ke
             kept = dict(moe.ONE_TOKEN_ROWS)
             row["rows_ms"] = {}
             for gu, dn in warp_rows:
-                moe.ONE_TOKEN_ROWS.update(gate_up=gu, down=dn)
+                moe.ONE_TOKEN_ROWS.update(dense=gu, packed=gu, down=dn)
                 row["rows_ms"][f"{gu},{dn}"] = _rlx_ms(cfg, params, n, scheme, reps)[0]
             moe.ONE_TOKEN_ROWS.update(kept)
         used = n * k if n * k < e else e          # experts a call reads at most

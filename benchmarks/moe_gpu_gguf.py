@@ -158,6 +158,7 @@ def main() -> None:
     ap.add_argument("--llama-bin", help="the folder of llama-bench and llama-quantize (none: RLX alone)")
     ap.add_argument("--backend", default="cuda", help="RLX's backend (cuda; numpy for a smoke run)")
     ap.add_argument("--profile", action="store_true", help="RLX's decode step by op too")
+    ap.add_argument("--files-only", action="store_true", help="write the files, measure nothing")
     ap.add_argument("--dir", default="/tmp/olmoe")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--files", default="f16,q4_k_m")
@@ -171,9 +172,12 @@ def main() -> None:
         return
     log(f"device: {gpu_name()}; shape: {a.layers} layers, {a.experts} experts top-{a.k}, hidden {a.hidden}, "
         f"expert width {a.inter}; prompt {a.prompt}, {a.new} new tokens, median of {a.repeat}")
+    files = make_files(a)
+    if a.files_only:
+        return
     rows = []
-    for kind, path in make_files(a).items():
-        args = [a2 for k, v in vars(a).items() if v not in (None, False) and k not in ("child_file", "profile")
+    for kind, path in files.items():
+        args = [a2 for k, v in vars(a).items() if v not in (None, False) and k not in ("child_file", "profile", "files_only")
                 for a2 in (f"--{k.replace('_', '-')}", str(v))] + ["--profile"] * a.profile
         rlx = run_child([sys.executable, os.path.abspath(__file__), *args, "--child-file", path], f"rlx {kind}",
                         timeout=1800)

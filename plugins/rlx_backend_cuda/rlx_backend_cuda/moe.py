@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from rlx_core.ir.dtype import BF16, F16, F32, F64, I32
 from rlx_core.ir.errors import BackendError
-from rlx_core.ir.moe import INT8_SCHEME
+from rlx_core.ir.moe import INT8_SCHEME, ROUTE_ORDERS
 
 from . import sources
 from .codegen import acc_of, ctype
@@ -40,7 +40,10 @@ ROWS_PER_BLOCK = 8        # warps (output rows) of a gemv block
 GEMM_MIN_PAIRS = 2        # pairs an active expert has on average from which the GEMM takes over
 GEMM_BN = 64              # output rows of a gemm tile (moe.cu gemm_shape's BN)
 GEMM_BK_PACKED = 128      # weights a packed gemm step decodes a row (K-quants: half a super-block)
-ONE_TOKEN_ROWS = {"gate_up": 1, "down": 2}    # gemv1's rows a warp (its R) per launch
+# gemv1's rows a warp (its R): gate/up by the stack's kind, down. H200, OLMoE's shape, the
+# block's graph replay over R in 1, 2, 4: dense gate/up 2 and down 4 best (34.2 us, all within
+# 2 us), packed 4 and 4 (28.1 us; 1 and 2: 32.6)
+ONE_TOKEN_ROWS = {"dense": 2, "packed": 4, "down": 4}
 
 
 
@@ -196,7 +199,7 @@ def _one_token(b, n, ins, x: V, wts: V, ids: V, y: V) -> bool:
     h = b.node_buffer((ks, inter), x.dt, "moe intermediate rows")
     common = dict(T=ctype(x.dt), ACC=acc_of(x.dt), MC=1, TW=ctype(wts.dt), TI=ctype(ids.dt), NE=E, KS=ks)
     for w, wb, xin, out, N, K, dual in ((gate, up, x, h, inter, H, 1), (down, down, h, y, H, inter, 0)):
-        R = ONE_TOKEN_ROWS["gate_up" if dual else "down"]
+        R = ONE_TOKEN_ROWS[("packed" if w.scheme else "dense") if dual else "down"]
         src = w.source(xin, _align(xin.arr.data.ptr, xin.arr.strides[0]), K, one_token=True, TO=ctype(out.dt), R=R,
                        DUAL=dual, EPILOGUE=_dq_epilogue(x.dt, False, n.a["act"]) if dual else "", **common)
         grid = (-(-N // (8 * R)), ks) if dual else (-(-N // R),)
@@ -275,6 +278,27 @@ class Sort:
                                      self.tiles.arr if mt else None, i32(self.ntiles), b.r.err, i32(b.node)))
 
 
-BUILDERS["moe_experts"] = build_moe_experts
+def build_moe_route(b, n, ins, outs):
+    """moe_route in one launch (rlx_moe_route: a warp per token), not the softmax, topk (and
+    sum, divide) launches of its composite."""
+    z = ins[0]
+    wts, ids = outs
+    E, k = z.shape[-1], n.a["k"]
+    rows = z.size // E
+    if rows == 0:
+        return
+    zc = _rows(b.contiguous(z), (rows, E))
+    wd = wts if wts.contiguous() else b.buffer(wts.shape, wts.dt, "moe route weights")
+    idd = ids if ids.contiguous() else b.buffer(ids.shape, ids.dt, "moe route ids")
+    src = sources.render(sources.MOE_ROUTE, T=ctype(z.dt), ACC=acc_of(z.dt), NE=E, KS=k,
+                         ORDER=ROUTE_ORDERS.index(n.a["order"]), NORM=int(n.a["normalize"]))
+    b.launch(b.kernel(src, "rlx_moe_route"), (-(-rows // 4),), (128,), (zc.arr, wd.arr, idd.arr, i64(rows)))
+    for dst, out in ((wd, wts), (idd, ids)):
+        if dst is not out:
+            b.copy(dst, out)
 
-__all__ = ["build_moe_experts"]
+
+BUILDERS["moe_experts"] = build_moe_experts
+BUILDERS["moe_route"] = build_moe_route
+
+__all__ = ["build_moe_experts", "build_moe_route"]

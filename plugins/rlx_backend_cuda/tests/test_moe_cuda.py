@@ -8,8 +8,9 @@ error. The grouped tensor-core GEMM (f16/bf16 from a few pairs an expert) at tok
 that fill one and two 16-pair m-tiles, an expert with more pairs than a tile, experts with
 none, tile rows and output rows past the tiles' edges, dense and packed. At one token, the
 two launches of gemv1 (no sort, the combine in the down launch) at rows and widths no multiple
-of the kernels' and with more pairs than the down launch's warps. Skipped with the backend's
-reason without a GPU."""
+of the kernels' and with more pairs than the down launch's warps. moe_route's one kernel (a
+warp per token) at OLMoE's 64 experts top-8 and at 100 (a partial last slot of the lanes),
+and that the node stays moe_route. Skipped with the backend's reason without a GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,8 +21,9 @@ import rlx_core
 from rlx_core.ir.dtype import BF16, F16, F32, F64, I32, I64
 from rlx_core.ir.errors import RlxError
 from rlx_core.ir.graph import Graph
-from rlx_core.testing.ops_suite_moe import expert_args, ref_moe_experts, run_experts, uneven_ids
-from rlx_core.testing.parity import Arg, arg
+from rlx_core.testing.ops_suite_moe import (ROUTER_IDS, ROUTERS, expert_args, ref_moe_experts, ref_moe_route,
+                                            run_experts, separated_logits, uneven_ids)
+from rlx_core.testing.parity import Arg, arg, run_parity
 
 DIMS = (16, 96, 128)          # experts, intermediate, hidden
 
@@ -75,6 +77,25 @@ def _experts_graph(shapes: dict, dt):
         stacks = [m.input(n, shapes[n], dt) for n in ("gate", "up", "down")]
         return {"y": m.add("moe_experts", (x, w, ids, *stacks), act="silu")}
     return Graph.define("moe", build)
+
+
+@gpu
+@pytest.mark.parametrize("order,normalize", ROUTERS, ids=ROUTER_IDS)
+@pytest.mark.parametrize("experts,k", [(64, 8), (100, 5)], ids=["e64k8", "e100k5"])
+@pytest.mark.parametrize("dt", [F32, BF16, F64], ids=lambda d: d.value)
+def test_route(rng, dt, experts, k, order, normalize):
+    logits = separated_logits(rng, (3, 2), experts, dt)
+    run_parity("cuda", "moe_route", [logits], {"k": k, "order": order, "normalize": normalize},
+               lambda z: ref_moe_route(z, k, order, normalize))
+
+
+@gpu
+def test_route_is_one_kernel():
+    def build(m):
+        w, ids = m.add("moe_route", (m.input("z", (2, 16), F32),), k=4)
+        return {"w": w, "ids": ids}
+    ex = rlx_core.compile(Graph.define("route", build), backend="cuda")
+    assert [n.op for n in ex.mir.nodes if n.op not in ("input", "output")] == ["moe_route"]
 
 
 @pytest.fixture

@@ -236,6 +236,75 @@ extern "C" __global__ void __launch_bounds__(256) rlx_moe_gemv1(const T* __restr
   }
 #endif
 }
+// @part route(T, NE, KS, ORDER, NORM)
+// moe_route in one launch, a warp per token (after w): ORDER 0 softmax over the NE logits,
+// each probability rounded to T, then the KS largest (NORM: divided by their sum, rounded to
+// T); ORDER 1 the KS largest logits, softmaxed among themselves. Largest first, the lowest id
+// first on ties: KS rounds of a warp argmax. The rounding and order of the softmax and topk
+// (and sum, divide) ops the composite lowers to; lane l holds experts l, l + 32, ...
+#define EPL ((NE + 31) / 32)
+extern "C" __global__ void rlx_moe_route(const T* __restrict__ z, T* __restrict__ wts, long long* __restrict__ ids,
+                                         long long rows) {
+  const i64 t = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (t >= rows) return;
+  const T* zr = z + t * NE;
+  W v[EPL];
+  W mx = LD(W, zr[lane < NE ? lane : 0]);
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < NE ? LD(W, zr[e]) : (W)0;
+    if (e < NE) mx = v[i] > mx ? v[i] : mx;
+  }
+#if ORDER == 0
+  mx = warp_max(mx);
+  W den = 0;
+#pragma unroll
+  for (int i = 0; i < EPL; ++i)
+    if (lane + 32 * i < NE) { v[i] = exp(v[i] - mx); den += v[i]; }
+  den = warp_sum(den);
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) v[i] = LD(W, ST(T, v[i] / den));
+#endif
+  unsigned taken[(EPL + 31) / 32] = {};
+  W top[KS];
+  int at[KS];
+  for (int j = 0; j < KS; ++j) {
+    W bv = 0;
+    int bi = -1;                          // (none yet)
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const int e = lane + 32 * i;
+      if (e < NE && !((taken[i >> 5] >> (i & 31)) & 1u) && (bi < 0 || v[i] > bv)) { bv = v[i]; bi = e; }
+    }
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+      const W ov = __shfl_xor_sync(0xffffffffu, bv, d);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, d);
+      if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+    }
+    top[j] = bv;
+    at[j] = bi;
+    if ((bi & 31) == lane) taken[(bi >> 5) >> 5] |= 1u << ((bi >> 5) & 31);
+  }
+  if (lane) return;
+#if ORDER == 1
+  W s = 0;
+  const W m = top[0];
+  for (int j = 0; j < KS; ++j) { top[j] = exp(top[j] - m); s += top[j]; }
+  for (int j = 0; j < KS; ++j) top[j] = top[j] / s;
+#elif NORM
+  W s = 0;
+  for (int j = 0; j < KS; ++j) s += top[j];
+  s = LD(W, ST(T, s));
+  for (int j = 0; j < KS; ++j) top[j] = top[j] / s;
+#endif
+  for (int j = 0; j < KS; ++j) {
+    wts[t * KS + j] = ST(T, top[j]);
+    ids[t * KS + j] = at[j];
+  }
+}
 // @part combine(TO, TW, TI, NE)
 // y[t, n] = sum_j weights[t, j] * part[t * KS + j, n] over the pairs with an expert id in range.
 extern "C" __global__ void rlx_moe_combine(const W* __restrict__ part, const TW* __restrict__ wts,
