@@ -19,7 +19,7 @@ At one token (batch-1 decode) two launches instead (gemv1): gate/up a block per 
 pair (expert ids[p], no sort), then down with the combine fused (a block per rows, a warp
 per pair, the weighted sum in shared memory).
 Dense (f16/bf16/f32/f64) and packed stacks (every scheme of the dequant GEMV, decoded by
-its block decoders) take the same kernels.
+its block decoders) take the same kernels. moe_route is one launch too (rlx_moe_route).
 """
 from __future__ import annotations
 
@@ -193,7 +193,7 @@ def _one_token(b, n, ins, x: V, wts: V, ids: V, y: V) -> bool:
     E, inter = ins[3].shape[0], ins[3].shape[1]
     if n.a["int8_h"] or n.a["schemes"][0] != n.a["schemes"][1]:
         return False
-    gate, up, down = (Stack(b, w, s, x, name) for w, s, name in zip(ins[3:], n.a["schemes"], ("gate", "up", "down")))
+    gate, up, down = _stacks(b, n, ins, x)
     if gate.key != up.key:                 # (packed rows of another alignment)
         return False
     h = b.node_buffer((ks, inter), x.dt, "moe intermediate rows")
@@ -209,6 +209,11 @@ def _one_token(b, n, ins, x: V, wts: V, ids: V, y: V) -> bool:
     return True
 
 
+def _stacks(b, n, ins, x: V) -> tuple:
+    """The gate, up and down Stacks of a moe_experts node."""
+    return tuple(Stack(b, w, s, x, name) for w, s, name in zip(ins[3:], n.a["schemes"], ("gate", "up", "down")))
+
+
 def _experts(b, n, ins, x: V, ids: V, part: V) -> None:
     """part[pair] <- down[e] @ (act(gate[e] @ x[t]) * (up[e] @ x[t])) for every (token t, slot)
     pair with expert e: the sort, then gate/up and down launches."""
@@ -216,7 +221,7 @@ def _experts(b, n, ins, x: V, ids: V, part: V) -> None:
     ks = ids.shape[1]
     E, inter = ins[3].shape[0], ins[3].shape[1]
     P, act = T * ks, n.a["act"]
-    gate, up, down = (Stack(b, w, s, x, name) for w, s, name in zip(ins[3:], n.a["schemes"], ("gate", "up", "down")))
+    gate, up, down = _stacks(b, n, ins, x)
     sort = Sort(b, ids, P, E, _gemm_m_tiles(b, x, P, E))
     h = b.node_buffer((P, inter), x.dt, "moe intermediate rows")
     if gate.key == up.key:
