@@ -37,8 +37,10 @@ from .simd import (AVX512, VNNI, VNNI512, add_high8, bits, fold16, high8, k4_fac
                    to_f32, vabs, vmax, zeros)
 
 FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
-GEMV_MAX_M = 8                  # rows of x up to which the GEMV beats decode-to-scratch + BLAS
+GEMV_MAX_M = 16                 # rows of x up to which the GEMV beats decode-to-scratch + BLAS (SmolLM2's
+                                # matmuls, one core: 1.8x at 16 rows, 1.1x at 32; benchmarks/gemv_rows.py)
 GEMV_TILE = 8                   # rows of x the GEMV multiplies with one decode of a packed row
+IGEMV_MAX_M = 8                 # the same for the int8 GEMV (a row's integer dot each: no tile)
 SCRATCH = 1 << 20               # floats of weight decoded per BLAS call (prefill)
 ROWS_PER_TASK = 16              # output rows per GEMV task
 GEMV_SERIAL_BYTES = 1 << 20     # packed W below which the int8 GEMV runs on the calling thread (a MoE router,
@@ -1132,8 +1134,8 @@ def rounds_x_itself(a, rows: int) -> bool:
     it rounds itself (the GEMV, or igemm): the fake_quantize before it is then redundant."""
     if not a.get("int8_x"):
         return False
-    # more rows: igemm, where VNNI holds; elsewhere decode + f32 BLAS of the rounded x is faster
-    return rows <= GEMV_MAX_M or VNNI
+    # more rows: igemm, where VNNI holds; elsewhere the f32 kernels on the rounded x are faster
+    return rows <= IGEMV_MAX_M or VNNI
 
 
 def _dequant_rounds_x(g, n) -> bool:
@@ -1176,18 +1178,18 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
     m = math.prod(x.shape[:-1])
     o2 = o.reshape(m, -1)
     w2, mod = _args(s, w, k)                     # checked once: the step runs per token
-    if m <= GEMV_MAX_M:
-        gemv = (mod.gemv if not rounds_x_itself(a, m) else
-                mod.igemv_ser if w2.nbytes < GEMV_SERIAL_BYTES else mod.igemv)
+    int8 = rounds_x_itself(a, m)
+    if m <= (IGEMV_MAX_M if int8 else GEMV_MAX_M):
+        gemv = (mod.gemv if not int8 else mod.igemv_ser if w2.nbytes < GEMV_SERIAL_BYTES else mod.igemv)
         mm = bindable(gemv, lambda x, w: (x.reshape(m, k), w, o2, F16))
-    elif rounds_x_itself(a, m):
+    elif int8:
         mm = lambda x, w: _igemm(x.reshape(m, k), w.reshape(w2.shape), mod, s.kind, o2)  # noqa: E731
     else:
         how = a.get("matmul", "f32")
         mm = lambda x, w: _matmul(x.reshape(m, k), w.reshape(w2.shape), mod, s.kind, o2, how)  # noqa: E731
     step = with_epilogue(mm, o, protos[2:], a.get("act", "identity"))
     if step is not None:
-        step.rounds_x = rounds_x_itself(a, m)   # x's int8 blocks made here: the rounding before is redundant
+        step.rounds_x = int8                    # x's int8 blocks made here: the rounding before is redundant
     return step
 
 

@@ -211,7 +211,7 @@ def test_bad_packed_rows_are_named():
 def test_decode_fusions_in_the_runner(rng, kind, activations, vnni, monkeypatch):
     """A packed gate/up pair whose halves only feed a SwiGLU: one row computes the SwiGLU in
     the GEMV (no fused_swiglu step left), more rows keep the step; with int8 activations the
-    rounding step is gone where a GEMV (up to GEMV_MAX_M rows) rounds x itself, and for more
+    rounding step is gone where a GEMV (up to IGEMV_MAX_M rows) rounds x itself, and for more
     rows where the runner picks the int8 GEMM (on a CPU with VNNI; forced here either way).
     Each equals the float64 reference of (rounded) x times the dequantized weights, on a
     poisoned arena."""
@@ -240,7 +240,7 @@ def test_decode_fusions_in_the_runner(rng, kind, activations, vnni, monkeypatch)
         r = exe.runner(exe._bind_dims({"x": x}))
         ops = [r.graph.nodes[st[0]].op for st in r.steps]
         assert ("fused_swiglu" in ops) == (rows > 1)
-        assert ("fake_quantize" in ops) == (activations == "int8" and rows > Q.GEMV_MAX_M and not vnni)
+        assert ("fake_quantize" in ops) == (activations == "int8" and rows > Q.IGEMV_MAX_M and not vnni)
         r.arena.fill(0xFF)
         xr = (i8.dequantize(i8.quantize(x), x.shape) if activations == "int8" else x).astype(np.float64)
         g, u = xr @ ref_w["g"].T, xr @ ref_w["u"].T
