@@ -11,8 +11,8 @@ so writing 7 B weights takes seconds, not minutes). `rlx quantize -s f16` writes
 llama.cpp's `olmoe` F16 GGUF, and llama.cpp's own `llama-quantize` makes the Q4_K_M file from
 that one (llama.cpp's mix of q4_K and q6_K), so both engines read the same files; file kind `q4_k`
 is `rlx quantize -s q4_k`'s (every matmul q4_k: for RLX alone, where no llama.cpp is built).
-`--tokenizer DIR` takes
-tokenizer.json from DIR (the GPU machine has no packaged SmolLM2 to take it from).
+`--tokenizer DIR` takes tokenizer.json from DIR (the GPU machine has no packaged SmolLM2 to
+take it from).
 
 Sides, each file in its own process:
 * rlx        `rlx_core.load(file, backend="cuda")`, compute bf16: a `--prompt`-id prompt and
