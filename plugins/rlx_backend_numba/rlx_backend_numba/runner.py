@@ -237,6 +237,12 @@ def _keeps_last_axis(n) -> bool:
     return bool(perm) and perm[-1] == len(perm) - 1
 
 
+def _takes_strides(n, ref: tuple) -> bool:
+    """Whether node n reads value `ref` only where its numba kernel takes strides."""
+    at = STRIDED_READERS.get(n.op, ())
+    return all(k in at for k, r in enumerate(n.inputs) if tuple(r) == ref)
+
+
 def strided_transposes(g) -> frozenset:
     """Transposes the numba backend runs as views (NumbaBackend.planned_layouts): those keeping
     the last axis where every reader takes strides (an encoder's q, k and v heads then come
@@ -253,9 +259,7 @@ def strided_transposes(g) -> frozenset:
         readers = uses.get((i, 0), [])
         if g.nodes[src[0]].op in STRIDED_WRITERS and uses.get(src) == [i]:
             views.add(i)
-        elif readers and all(c >= 0 and all(k in STRIDED_READERS.get(g.nodes[c].op, ())
-                                            for k, r in enumerate(g.nodes[c].inputs) if tuple(r) == (i, 0))
-                             for c in readers):
+        elif readers and all(c >= 0 and _takes_strides(g.nodes[c], (i, 0)) for c in readers):
             views.add(i)
     return frozenset(views)
 
