@@ -5,7 +5,8 @@ function, `lanes_<fmt>`, giving eight dequantized values of a block as an explic
 vector (simd.py); drivers generated per format unroll it over a block and either
 - `gemv`, decode (a few rows of x): parallel over chunks of output rows; one row of x is
   multiply-added lane by lane as the packed row is read (no float copy of the weight
-  anywhere), several rows of x share one decode of each weight row into an L1 buffer;
+  anywhere); 2-8 rows of x share each decode of a weight row's lanes in registers (a tile
+  of rows, `_gemv_tile`), more rows run as even tiles;
 - `rows`, prefill: on a CPU with AMX, blocks of weight rows decoded into tiles of exact
   bf16 parts and multiplied with x's parts to f32 accuracy (`rows_f32`), or with
   `[backend] matmul = "bf16"` rounded to bf16 and multiplied once (`rows_bf16`); elsewhere
