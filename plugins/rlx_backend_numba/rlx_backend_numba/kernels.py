@@ -501,12 +501,12 @@ def _gemm_tile(t, rows, q, k, v, keep, bias, pos, o, scale, softcap, causal, win
     softmaxed in place, O = P V in a second call a head, written straight into its rows of o.
     As in _attn_rows, a weight below P_MIN becomes 0, a row with every key masked gives zeros
     and one with a NaN score NaN; unlike it, P V reads every value row in [lo, hi), as the
-    NumPy backend reads every key's. q, k, v and o may
-    have strided rows (cblas.sgemm: heads read from a fused QKV matmul's rows, the output in
-    the layout the output projection reads). Tiles go 0, last, 1, last - 1, ...: numba hands each
-    thread a contiguous range of tasks and causal tiles grow with their index."""
+    NumPy backend reads every key's. q, k, v and o may have strided rows (cblas.sgemm: heads
+    read from a fused QKV matmul's rows, the output in the layout the output projection
+    reads). Tiles go 0, last, 1, last - 1, ...: numba hands each thread a contiguous range of
+    tasks and causal tiles grow with their index."""
     nb, nh, sq, d = q.shape
-    kvh, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    kvh, sk = k.shape[1], k.shape[2]
     g, tiles = nh // kvh, (sq + rows - 1) // rows
     c, b, kh = t // (nb * kvh), (t // kvh) % nb, t % kvh
     c = c // 2 if c % 2 == 0 else tiles - 1 - c // 2
