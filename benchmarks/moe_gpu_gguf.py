@@ -190,9 +190,10 @@ def main() -> None:
     for kind, rlx, peer in rows:
         ratio = (f"{rlx['decode_ms'] / peer['decode_ms']:.2f}" if rlx and peer
                  else "no ratio: " + ("RLX failed" if not rlx else "the peer failed" if a.llama_bin else "peer not run"))
-        cell = lambda side, key, fmt: format(side[key], fmt) if side and key in side else "failed"  # noqa: E731
-        log(f"| {kind} | {cell(rlx, 'decode_ms', '.3f')} | {cell(peer, 'decode_ms', '.3f')} | {ratio} "
-            f"| {cell(rlx, 'prefill_ms', '.1f')} | {cell(peer, 'prefill_ms', '.1f')} |")
+        cell = lambda side, key, fmt, ran=True: (format(side[key], fmt) if side and key in side  # noqa: E731
+                                                 else "failed" if ran else "not run")
+        log(f"| {kind} | {cell(rlx, 'decode_ms', '.3f')} | {cell(peer, 'decode_ms', '.3f', bool(a.llama_bin))} | {ratio} "
+            f"| {cell(rlx, 'prefill_ms', '.1f')} | {cell(peer, 'prefill_ms', '.1f', bool(a.llama_bin))} |")
 
 
 def gpu_name() -> str:
