@@ -147,9 +147,9 @@ class Backend(abc.ABC):
 
     def planned_layouts(self, g) -> tuple:
         """(views, placed) for ir.lir.plan on the static graph `g`: nodes this backend runs as
-        views of their input (a transpose whose readers take strides), and (concat, input)
-        pairs whose input's producer writes straight into the concat's output; none by
-        default."""
+        views of their input (transposes whose readers take strides: strided_transposes), and
+        (concat, input) pairs whose input's producer writes straight into the concat's output;
+        none by default."""
         return frozenset(), frozenset()
 
     def compile_runner(self, lir: LirModule, params: dict, states: dict) -> Runner:
@@ -163,3 +163,33 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:
         """A Runner for this LIR, reading the resident `params` and `states` (name -> value)."""
+
+
+def keeps_last_axis(n) -> bool:
+    """Whether node n is a transpose that leaves the last axis in place (its view then has unit
+    last stride, which strided kernels take)."""
+    perm = n.a.get("perm") if n.op == "transpose" else None
+    return bool(perm) and perm[-1] == len(perm) - 1
+
+
+def strided_transposes(g, readers: dict, writers) -> frozenset:
+    """The transposes of `g` keeping the last axis that a backend can run as views
+    (Backend.planned_layouts): where every reader takes them through strides (`readers`: op ->
+    the input positions its kernel reads strided, None for all), or where a `writers` op's
+    output is read by the transpose alone (that op then writes its rows in the transposed
+    order, so the view is contiguous)."""
+    def takes_strides(c: int, ref: tuple) -> bool:
+        at = readers.get(g.nodes[c].op, ())
+        return all(at is None or k in at for k, r in enumerate(g.nodes[c].inputs) if tuple(r) == ref)
+
+    uses = g.consumers()
+    views = set()
+    for i, n in enumerate(g.nodes):
+        if not keeps_last_axis(n):
+            continue
+        src = tuple(n.inputs[0])
+        users = uses.get((i, 0), [])
+        if ((g.nodes[src[0]].op in writers and uses.get(src) == [i])
+                or (users and all(c >= 0 and takes_strides(c, (i, 0)) for c in users))):
+            views.add(i)
+    return frozenset(views)

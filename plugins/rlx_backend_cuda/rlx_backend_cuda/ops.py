@@ -9,6 +9,7 @@ import math
 
 import attrs
 import numpy as np
+from rlx_core.backends.base import strided_transposes
 from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I32, I64, DType
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.ops import Level, MaskKind, get_op
@@ -1470,18 +1471,7 @@ def planned_layouts(g) -> tuple:
     part is a contiguous, aligned run of the output, an attention where it is any layout of
     unit last stride, a GEMM where it is rows of one stride (FLUX's single blocks join the
     attention and the MLP's GEMM this way)."""
-    uses = g.consumers()
-    views = set()
-    for i, n in enumerate(g.nodes):
-        perm = n.a.get("perm") if n.op == "transpose" else None
-        if not perm or perm[-1] != len(perm) - 1:
-            continue
-        src = tuple(n.inputs[0])
-        readers = uses.get((i, 0), [])
-        if g.nodes[src[0]].op in STRIDED_WRITERS and uses.get(src) == [i]:
-            views.add(i)
-        elif readers and all(c >= 0 and _reads_strided(g.nodes[c], (i, 0)) for c in readers):
-            views.add(i)
+    views = strided_transposes(g, STRIDED_READERS, STRIDED_WRITERS)
     placed = set()
     for c, n in enumerate(g.nodes):
         for k, r in enumerate(n.inputs if n.op == "concat" else ()):
@@ -1543,11 +1533,6 @@ def part_layout(g, c: int, k: int, chain: list) -> tuple | None:
             return None
         shape = src
     return off, tuple(st)
-
-
-def _reads_strided(n, ref: tuple) -> bool:
-    at = STRIDED_READERS.get(n.op, ())
-    return all(at is None or k in at for k, r in enumerate(n.inputs) if tuple(r) == ref)
 
 
 def _b_concat(b, n, ins, outs):

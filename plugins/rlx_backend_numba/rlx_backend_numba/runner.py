@@ -14,6 +14,7 @@ import math
 import numba
 import numpy as np
 
+from rlx_core.backends.base import keeps_last_axis
 from rlx_core.backends.numpy import NumpyRunner
 from rlx_core.backends.numpy.blas import blas_threads, single_threaded_blas
 from rlx_core.ir.numpy_kernels import KERNELS, VIEWS, segments
@@ -232,41 +233,9 @@ STRIDED_READERS = {"attention": (0, 1, 2)}
 STRIDED_WRITERS = ("attention",)
 
 
-def _keeps_last_axis(n) -> bool:
-    perm = n.a.get("perm") if n.op == "transpose" else None
-    return bool(perm) and perm[-1] == len(perm) - 1
-
-
-def _takes_strides(n, ref: tuple) -> bool:
-    """Whether node n reads value `ref` only where its numba kernel takes strides."""
-    at = STRIDED_READERS.get(n.op, ())
-    return all(k in at for k, r in enumerate(n.inputs) if tuple(r) == ref)
-
-
-def strided_transposes(g) -> frozenset:
-    """Transposes the numba backend runs as views (NumbaBackend.planned_layouts): those keeping
-    the last axis where every reader takes strides (an encoder's q, k and v heads then come
-    straight from its fused QKV matmul's rows), or where an attention's output is read by the
-    transpose alone (the attention then writes its rows in the transposed order, NumbaRunner.
-    laid_out, so the view is the contiguous [.., S, H, D] rows the output projection reads).
-    DINOv2-S's call copied 48 such transposes (4 a layer), 2.5% of it."""
-    uses = g.consumers()
-    views = set()
-    for i, n in enumerate(g.nodes):
-        if not _keeps_last_axis(n):
-            continue
-        src = tuple(n.inputs[0])
-        readers = uses.get((i, 0), [])
-        if g.nodes[src[0]].op in STRIDED_WRITERS and uses.get(src) == [i]:
-            views.add(i)
-        elif readers and all(c >= 0 and _takes_strides(g.nodes[c], (i, 0)) for c in readers):
-            views.add(i)
-    return frozenset(views)
-
-
 def transposed_outputs(lir: LirModule) -> dict:
     """(node, 0) -> the perm of the planned-view transpose that alone reads that strided
-    writer's output: the order its bytes are laid out in (strided_transposes)."""
+    writer's output: the order its bytes are laid out in (NumbaBackend.planned_layouts)."""
     g = lir.graph
     uses = g.consumers()
     found = {}
@@ -274,7 +243,7 @@ def transposed_outputs(lir: LirModule) -> dict:
         readers = uses.get((i, 0), [])
         if n.op in STRIDED_WRITERS and len(readers) == 1 and readers[0] >= 0:
             t = g.nodes[readers[0]]
-            if _keeps_last_axis(t) and lir.slots[(readers[0], 0)].home == "view":
+            if keeps_last_axis(t) and lir.slots[(readers[0], 0)].home == "view":
                 found[(i, 0)] = tuple(t.a["perm"])
     return found
 
@@ -610,7 +579,7 @@ class NumbaRunner(NumpyRunner):
 
     def laid_out(self, lir: LirModule, i: int, k: int, flat: np.ndarray) -> np.ndarray:
         """An attention output read only by a transpose planned as a view: its bytes in the
-        transpose's order, so the view is contiguous (strided_transposes)."""
+        transpose's order, so the view is contiguous (NumbaBackend.planned_layouts)."""
         perm = self._orders.get((i, k))
         if perm is None:
             return super().laid_out(lir, i, k, flat)
