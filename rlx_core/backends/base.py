@@ -169,7 +169,9 @@ def keeps_last_axis(n) -> bool:
     """Whether node n is a transpose that leaves the last axis in place (its view then has unit
     last stride, which strided kernels take)."""
     perm = n.a.get("perm") if n.op == "transpose" else None
-    return bool(perm) and perm[-1] == len(perm) - 1
+    if not perm:
+        return False
+    return perm[-1] == len(perm) - 1
 
 
 def strided_transposes(g, readers: dict, writers) -> frozenset:
