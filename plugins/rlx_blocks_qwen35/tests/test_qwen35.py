@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from rlx_core.ir.errors import ModelError, WeightError  # noqa: E402
+from rlx_core.ir.errors import BackendError, ModelError, WeightError  # noqa: E402
 from rlx_core.profile import CompileProfile  # noqa: E402
 from rlx_core.runtime.model import load  # noqa: E402
 from rlx_core.testing.parity import backend_params  # noqa: E402
@@ -97,8 +97,13 @@ def test_bf16_compute_near_hf(saved, backend):
         hf_bf16 = copy.deepcopy(model).to(torch.bfloat16)(torch.from_numpy(ids)).logits.float().numpy()
     bound = max(np.abs(hf_bf16 - want).max() / np.abs(want).max(), 2e-2)
     prof = CompileProfile.preset("qwen35_prefill").evolve(precision={"compute": "bf16"})
-    m = load(path, backend=backend, profile=prof, progress=False)
-    err = np.abs(m.logits(ids) - want).max() / np.abs(want).max()
+    try:
+        got = load(path, backend=backend, profile=prof, progress=False).logits(ids)
+    except BackendError as e:              # (a backend without bf16 says so: OpenCL)
+        if "cannot compute in bf16" not in str(e):
+            raise
+        pytest.skip(str(e))
+    err = np.abs(got - want).max() / np.abs(want).max()
     assert 0 < err <= bound, f"bf16 on {backend}: max error {err:.3g} of max |ref| (HF bf16's: {bound:.3g})"
 
 
