@@ -56,12 +56,12 @@ def test_gated_delta_rule_matches_transformers(rng, t):
     kd = args["q"].shape[-1]
     o, s = _run_numpy("gated_delta_rule", args, {"scale": kd ** -0.5, "chunk": 16})
     tt = {n: torch.tensor(a, dtype=torch.float32) for n, a in args.items()}
-    for fn in (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule):
-        ho, hs = fn(tt["q"], tt["k"], tt["v"], tt["g"], tt["beta"], initial_state=tt["state"],
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        ho, hs = getattr(hf, name)(tt["q"], tt["k"], tt["v"], tt["g"], tt["beta"], initial_state=tt["state"],
                     output_final_state=True)
         for got, want in ((o, ho), (s, hs)):
             np.testing.assert_allclose(got, want.double().numpy(), rtol=1e-4, atol=1e-4 * np.abs(got).max(),
-                                       err_msg=fn.__name__)
+                                       err_msg=name)
 
 
 def test_causal_conv1d_matches_transformers(rng):
