@@ -18,23 +18,30 @@ from rlx_core.profile import CompileProfile
 
 
 # ----------------------------------------------------------------------------- independent liveness
-def lifetimes(g) -> dict:
-    """value -> (def, end) for every value owning memory, computed from the graph alone:
-    a value lives from its node to its last use, a use of any view of it counting as a use;
-    graph outputs live to len(nodes)."""
+def lifetimes(lir) -> dict:
+    """value -> (birth, end) for every value owning memory, from the graph and the backend's
+    layouts alone (which nodes it runs as views, which values it places in a concat's output):
+    a buffer lives from its first writer to the last use of anything living in it; graph
+    outputs live to len(nodes)."""
+    g = lir.graph
     owner: dict = {}
     for i, n in enumerate(g.nodes):
-        d = get_op(n.op)
         for k in range(len(n.outs)):
-            owner[(i, k)] = owner[tuple(n.inputs[d.view_of])] if d.view_of is not None else (i, k)
-    end = {v: v[0] for v in owner if owner[v] == v}
+            s = lir.slots[(i, k)]
+            owner[(i, k)] = (s.base if s.home == "placed" else
+                             owner[s.base] if s.home == "view" else (i, k))
+    life: dict = {}
+    for v, o in owner.items():
+        b, e = life.get(o, (o[0], o[0]))
+        life[o] = (min(b, v[0]), e)
     for i, n in enumerate(g.nodes):
         for r in n.inputs:
             o = owner[tuple(r)]
-            end[o] = max(end[o], i)
+            life[o] = (life[o][0], max(life[o][1], i))
     for _, r in g.outputs:
-        end[owner[tuple(r)]] = len(g.nodes)
-    return {v: (v[0], e) for v, e in end.items()}
+        o = owner[tuple(r)]
+        life[o] = (life[o][0], len(g.nodes))
+    return life
 
 
 def arena_values(lir) -> dict:
@@ -44,7 +51,7 @@ def arena_values(lir) -> dict:
 def assert_no_overlap(lir) -> None:
     """Values whose lifetimes overlap never share a byte, unless one is an in-place
     successor of the other that takes over its buffer at the node where it dies."""
-    life = lifetimes(lir.graph)
+    life = lifetimes(lir)
     vals = arena_values(lir)
     for v, s in vals.items():
         assert s.offset % ALIGN == 0, f"{v} at unaligned offset {s.offset}"
@@ -69,7 +76,7 @@ def assert_no_overlap(lir) -> None:
 
 def liveness_bound(lir) -> int:
     """max over nodes of the aligned bytes that must coexist (in-place chains are one buffer)."""
-    life = lifetimes(lir.graph)
+    life = lifetimes(lir)
     vals = arena_values(lir)
     root = {}
     for v in sorted(vals):
@@ -88,10 +95,8 @@ def liveness_bound(lir) -> int:
     return max(cur)
 
 
-def _compiled(g, profile, params, env):
-    # the NumPy backend plans no views of its own (numba runs attention's transposes as views,
-    # which liveness_bound does not model)
-    exe = rlx_core.compile(g, profile=profile, params=params, backend="numpy")
+def _compiled(g, profile, params, env, backend="numpy"):
+    exe = rlx_core.compile(g, profile=profile, params=params, backend=backend)
     return exe, exe.lir(**env)
 
 
@@ -106,10 +111,11 @@ MODELS = {
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-def test_no_live_values_share_bytes(rng, model):
+def test_no_live_values_share_bytes(backend, rng, model):
+    """On every backend here, with the views and placed concat parts its layouts ask for."""
     mk, prof = MODELS[model]
     g = mk()
-    exe, lir = _compiled(g, prof, random_params(g, rng), {"seq": 7})
+    exe, lir = _compiled(g, prof, random_params(g, rng), {"seq": 7}, backend)
     assert_no_overlap(lir)
     assert lir.lower_bound == liveness_bound(lir)
 
@@ -121,7 +127,7 @@ class TrashingRunner(NumpyRunner):
 
     def __init__(self, lir, params, states):
         super().__init__(lir, params, states)
-        life = lifetimes(lir.graph)
+        life = lifetimes(lir)
         vals = arena_values(lir)
         self.trash = {}
         for step in self.steps:
@@ -418,7 +424,7 @@ def test_the_overlap_check_catches_a_bad_plan(rng):
 
     g = llama(Cfg(layers=1))
     _, lir = _compiled(g, "default", random_params(g, rng), {"seq": 5})
-    life = lifetimes(lir.graph)
+    life = lifetimes(lir)
     vals = sorted(arena_values(lir).items())
     u, v = next((u, v) for (u, su), (v, sv) in zip(vals, vals[1:])
                 if not (life[u][1] < life[v][0] or life[v][1] < life[u][0]) and su.offset != sv.offset
