@@ -76,7 +76,8 @@ PIECE_MIN = 16                 # the shortest prefill run: a prompt's tail is pa
 PAD_TAIL = 64                  # a tail up to this long runs padded to a power of two; longer pieces run exact
 FILL_CTX_MIN = 256             # the prefill states' smallest context (then powers of two)
 COST_EMA = 0.3                 # the weight of the newest measurement in the run-cost averages
-REMEASURE = 256                # mixed steps after which a piece length that did not fit is tried again
+PROBE_FIRST = 8                # mixed steps after which a measured piece length is tried again, doubling
+REMEASURE = 256                # with each measurement over the budget since it fit, up to this many
 RECENT = 15                    # decode steps whose median is a step's cost
 MIXED_RECENT = 5               # mixed steps of a piece length whose least is what it adds
 REFERENCE = 8                  # mixed steps in a row at most, with a stall budget: then a plain step is timed
@@ -285,6 +286,7 @@ class Scheduler:
         self._mixed_added: dict = {}           # piece length -> what it added to its last steps, in steps
         self._riding: tuple | None = None      # (request, limit): the piece the next step carries
         self._mixed_when: dict = {}            # piece length -> mixed_steps when its cost was last measured
+        self._mixed_over: dict = {}            # piece length -> its measurements over the budget since it fit
         self._plain_age = 0                    # mixed steps since the last timed plain step
         self._ran: weakref.WeakSet = weakref.WeakSet()   # runners run once (later runs are timed)
         self._log: collections.deque = collections.deque(maxlen=STEP_LOG)   # StepRecords, newest last
@@ -756,8 +758,8 @@ class Scheduler:
         """The longest measured piece length (a power of two up to `cap`) whose addition to a
         decode step fits in `steps` steps, and no shorter one's over it (a longer piece adds
         no less: a lucky measurement of a long one does not make it fit), or one doubling
-        above it where that length was not measured within REMEASURE mixed steps and its
-        expected addition (`_probe_cost`) fits: the pieces start at one token and double
+        above it where a try of that length is due (`_probe_due`) and its expected addition
+        (`_probe_cost`) fits: the pieces start at one token and double
         while they fit, one measured doubling at a time (never a jump past what was measured:
         a one-token step once measured as adding nothing made every longer piece look free,
         and the chunk, 256 tokens, rode: a 20-step stall). No floor as for pieces run alone:
@@ -771,7 +773,7 @@ class Scheduler:
         cost = self._mixed_cost
         if not cost:
             return 1
-        budget, steps = steps, max(steps, min(cost.values()) * (1 + TIE))
+        budget, steps = steps, self._fit_steps(steps, cost)
         size, most = 1, 0.0
         for n in sorted(k for k in cost if k <= cap):
             most = max(most, cost[n])
@@ -779,12 +781,37 @@ class Scheduler:
                 break
             size = n
         up = size * 2
-        stale = self.mixed_steps - self._mixed_when.get(up, -REMEASURE) >= REMEASURE
-        if size in cost and up <= cap and stale:
+        if size in cost and up <= cap and self._probe_due(up):
             expected, blind = self._probe_cost(size, cost)
             if expected <= steps + (budget if blind else 0.0):
                 return up
         return size
+
+    @staticmethod
+    def _fit_steps(steps: float, cost: dict) -> float:
+        """The addition a piece may make to a step with a budget of `steps`: the budget, or,
+        where even the least any length adds is over it, TIE above that least (`_mixed_limit`)."""
+        return max(steps, min(cost.values()) * (1 + TIE))
+
+    def _probe_due(self, n: int) -> bool:
+        """Whether a piece of `n` tokens may be tried: never measured, or PROBE_FIRST mixed
+        steps after its last measurement, the wait doubling with each measurement over the
+        budget since it last fit (up to REMEASURE). Its cost is the least of its recent
+        measurements, so one probe in a spell of a loaded host only delays the next (the
+        wait was REMEASURE from the first: two probes of +2 in slow spells held a 600-token
+        prompt at one-token pieces, 68 s); a length that truly costs too much is tried
+        ever more rarely (1 step in 128-256 at most: the streams' p99 does not see it)."""
+        wait = min(PROBE_FIRST << self._mixed_over.get(n, 0), REMEASURE)   # 8; over: 16, 32, ...
+        return self.mixed_steps - self._mixed_when.get(n, -REMEASURE) >= wait
+
+    def _count_over(self, n: int) -> None:
+        """After a measurement of a piece of `n` tokens: count it over the budget (its cost,
+        the least of its recent additions, over) or forget its misses (it fits)."""
+        cost = self._mixed_cost
+        if self.stall_budget is not None and cost[n] > self._fit_steps(self.stall_budget, cost):
+            self._mixed_over[n] = self._mixed_over.get(n, 0) + 1
+        else:
+            self._mixed_over.pop(n, None)
 
     @staticmethod
     def _probe_cost(size: int, cost: dict) -> tuple:
@@ -792,8 +819,8 @@ class Scheduler:
         guess): the line through the additions measured at `size` and the next length below
         it, extended (a fixed overhead plus a cost a token; no slope below 0). With no length
         below measured, twice `size`'s (as if it were all per token): a guess, which a probe
-        may exceed the budget by up to the budget again to test (once per REMEASURE mixed
-        steps; without it pieces whose overhead is most of their cost would stay at one
+        may exceed the budget by up to the budget again to test (as often as `_probe_due`
+        allows; without it pieces whose overhead is most of their cost would stay at one
         token)."""
         below = [n for n in cost if n < size]
         if not below:
@@ -1049,6 +1076,7 @@ class Scheduler:
             added = (time.perf_counter() - t0) / self._step_now - 1.0
             self._mixed_added.setdefault(run, collections.deque(maxlen=MIXED_RECENT)).append(added)
             self._mixed_when[run] = self.mixed_steps
+            self._count_over(run)
         self._logged(began, "mixed", len(running), run, timed)
         r.rode = True
         self._counted(r, a, b)                   # (before the rows' tokens: a listener sees the piece done)
