@@ -804,9 +804,12 @@ class Scheduler:
         wait = min(PROBE_FIRST << self._mixed_over.get(n, 0), REMEASURE)   # 8; over: 16, 32, ...
         return self.mixed_steps - self._mixed_when.get(n, -REMEASURE) >= wait
 
-    def _count_over(self, n: int) -> None:
-        """After a measurement of a piece of `n` tokens: count it over the budget (its cost,
-        the least of its recent additions, over) or forget its misses (it fits)."""
+    def _measured(self, n: int, added: float) -> None:
+        """A mixed step with a piece of `n` tokens added `added` decode steps: kept among its
+        last MIXED_RECENT, when noted, and counted over the budget (its cost, the least of
+        those, over) or its count forgotten (it fits), for `_probe_due`."""
+        self._mixed_added.setdefault(n, collections.deque(maxlen=MIXED_RECENT)).append(added)
+        self._mixed_when[n] = self.mixed_steps
         cost = self._mixed_cost
         if self.stall_budget is not None and cost[n] > self._fit_steps(self.stall_budget, cost):
             self._mixed_over[n] = self._mixed_over.get(n, 0) + 1
@@ -1073,10 +1076,7 @@ class Scheduler:
         logits: Any = None if greedy is not None else exe.run(feed, fetch=("logits",))["logits"][:, -1]
         self._plain_age += 1
         if self._step_now and timed:
-            added = (time.perf_counter() - t0) / self._step_now - 1.0
-            self._mixed_added.setdefault(run, collections.deque(maxlen=MIXED_RECENT)).append(added)
-            self._mixed_when[run] = self.mixed_steps
-            self._count_over(run)
+            self._measured(run, (time.perf_counter() - t0) / self._step_now - 1.0)
         self._logged(began, "mixed", len(running), run, timed)
         r.rode = True
         self._counted(r, a, b)                   # (before the rows' tokens: a listener sees the piece done)
