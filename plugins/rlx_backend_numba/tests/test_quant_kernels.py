@@ -51,8 +51,8 @@ def test_gemv_and_blocked_matmul(rng, kind, monkeypatch):
 
 @pytest.mark.parametrize("kind", Q.FORMATS)
 def test_gemv_every_row_count(rng, kind):
-    """1 .. 2 GEMV_TILE + 1 rows of x (one row's dot, every tile size, two tiles split
-    evenly, odd counts): the GEMV equals the float64 product of x and the dequantized W
+    """1 .. 2 GEMV_TILE + 1 rows of x (one row's dot, every tile full and with rows left
+    over, two tiles split evenly, odd counts): the GEMV equals the float64 product of x and the dequantized W
     within f32's rounding, K + 2 roundings of the terms' magnitudes (the decoded weight's, the
     product's and the sum's, whatever order the lanes add in)."""
     s, raw, ref = packed(rng, kind)
@@ -64,6 +64,21 @@ def test_gemv_every_row_count(rng, kind):
         bound = (K + 2) * 2.0 ** -24 * (np.abs(x64) @ np.abs(ref).T)
         err = np.abs(out - x64 @ ref.T)
         assert (err <= bound).all(), f"{kind}, {m} rows: error {err.max():.3g} over f32's bound"
+
+
+def test_gemv_compiles_once_for_read_only_and_writable_weights(rng):
+    """A packed W mapped from a file is read-only, one quantized here is writable: the host
+    side passes both read-only, so numba compiles the GEMV (its tiles, the format's decode)
+    for one kind of W, not two; both give the float64 product."""
+    s, raw, ref = packed(rng, "q4_1")
+    frozen = raw.copy()
+    frozen.flags.writeable = False
+    x = rng.uniform(-1, 1, (3, K)).astype(np.float32)
+    for w in (raw, frozen):
+        close(Q.dequant_gemv(x, w, s), x.astype(np.float64) @ ref.T)
+    assert raw.flags.writeable
+    sigs = Q.drivers("q4_1").gemv.signatures
+    assert sigs and all(not sig[1].mutable for sig in sigs), sigs
 
 
 @pytest.mark.parametrize("blas", ["cblas", "numpy"])
