@@ -283,11 +283,14 @@ def shared(client, server: Server, side: str, a, texts: Texts) -> dict:
     system = texts.of(a.system_tokens, seed=2)
     load0, rounds, ttfts = loadavg(), [], []
     for r in range(1, a.rounds + 1):
+        t0 = time.perf_counter()
         streams, wall = one_round(system, r)
         tokens = a.new * len(streams)
         ttfts += [s.ttft for s in streams]
         rounds.append({"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-                       "ttft_s": [s.ttft for s in streams]})
+                       "ttft_s": [s.ttft for s in streams], "t0": t0})
+    if side == "rlx":
+        round_runs(server.port, rounds)
     tokens, wall = sum(r["tokens"] for r in rounds), sum(r["wall_s"] for r in rounds)
     return {"tokens_per_s": tokens / wall, "ttft_p50_s": percentile(ttfts, 50),
             "ttft_p99_s": percentile(ttfts, 99), "rounds": rounds, "system_tokens": texts.count(system),
@@ -386,6 +389,27 @@ def server_steps(port: int, t_ready: float, t_arrive: float, t_first: float) -> 
     except OSError:
         return {}
     return steps_around(json.loads(body)["steps"], t_arrive, t_first)
+
+
+def round_runs(port: int, rounds: list, slow_s: float = 1.0) -> None:
+    """Add to each round of scenario 1 the server's runs in it that took over `slow_s` or were
+    their runner's first (specialized: a shape the warm-up round did not reach), from rlx
+    serve's GET /debug/steps: where a round's TTFTs went (nothing added where it has no log)."""
+    try:
+        url = f"http://127.0.0.1:{port}/debug/steps?since={rounds[0]['t0']}"
+        steps = json.loads(urllib.request.urlopen(url, timeout=30).read())["steps"]
+    except OSError:
+        return
+    for rd, nxt in zip(rounds, rounds[1:] + [None]):
+        end = nxt["t0"] if nxt else float("inf")
+        rd["runs"] = [s for s in steps
+                      if rd["t0"] < s["end"] <= end and (s["first"] or s["seconds"] > slow_s)]
+
+
+def runs_line(runs: list) -> str:
+    """A round's slow or first runs (`round_runs`), e.g. "first piece +64 r0 2.1 s"."""
+    return ", ".join(("first " if s["first"] else "") + s["kind"] + (f" +{s['piece']}" if s["piece"] else "")
+                     + f" r{s['rows']} {s['seconds']:.1f} s" for s in runs) or "none"
 
 
 def steps_around(steps: list, t_arrive: float, t_first: float) -> dict:
@@ -528,6 +552,10 @@ def report(a, res: dict, hw: str) -> None:
         for name, d in (("rlx", r.get("shared")), ("llama-cpp-python server", p.get("shared"))):
             if d is not None:
                 say(side_line(name, d, f1))
+        for i, rd in enumerate((r.get("shared") or {}).get("rounds", []), 1):
+            if "runs" in rd:
+                say(f"  {'':<26} rlx round {i} ({rd['tokens_per_s']:.1f} tokens/s): runs over 1 s or first: "
+                    + runs_line(rd["runs"]))
         if r.get("shared") and p.get("shared"):
             say(f"  throughput rlx/llama: {ratio(r['shared'], p['shared'], 'tokens_per_s')} "
                 "(target >= 1.5x); "
