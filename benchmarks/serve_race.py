@@ -391,10 +391,9 @@ def server_steps(port: int, t_ready: float, t_arrive: float, t_first: float) -> 
     return steps_around(json.loads(body)["steps"], t_arrive, t_first)
 
 
-def round_runs(port: int, rounds: list, slow_s: float = 1.0) -> None:
-    """Add to each round of scenario 1 the server's runs in it that took over `slow_s` or were
-    their runner's first (specialized: a shape the warm-up round did not reach), from rlx
-    serve's GET /debug/steps: where a round's TTFTs went (nothing added where it has no log)."""
+def round_runs(port: int, rounds: list) -> None:
+    """Add to each round of scenario 1 the server's runs in it (rlx serve's GET /debug/steps;
+    nothing added where it has no log): where a round's time and TTFTs went."""
     try:
         url = f"http://127.0.0.1:{port}/debug/steps?since={rounds[0]['t0']}"
         steps = json.loads(urllib.request.urlopen(url, timeout=30).read())["steps"]
@@ -402,14 +401,26 @@ def round_runs(port: int, rounds: list, slow_s: float = 1.0) -> None:
         return
     for rd, nxt in zip(rounds, rounds[1:] + [None]):
         end = nxt["t0"] if nxt else float("inf")
-        rd["runs"] = [s for s in steps
-                      if rd["t0"] < s["end"] <= end and (s["first"] or s["seconds"] > slow_s)]
+        rd["runs"] = [s for s in steps if rd["t0"] < s["end"] <= end]
 
 
-def runs_line(runs: list) -> str:
-    """A round's slow or first runs (`round_runs`), e.g. "first piece +64 r0 2.1 s"."""
-    return ", ".join(("first " if s["first"] else "") + s["kind"] + (f" +{s['piece']}" if s["piece"] else "")
-                     + f" r{s['rows']} {s['seconds']:.1f} s" for s in runs) or "none"
+def runs_line(runs: list, wall: float, slow_s: float = 1.0) -> str:
+    """A round's runs (`round_runs`): their seconds by kind and piece length (count, total)
+    against the round's wall (the rest is outside the scheduler's runs), then those over
+    `slow_s` or first of their runner (specialized: a shape the warm-up did not reach)."""
+    def what(s):
+        return s["kind"] + (f" +{s['piece']}" if s["piece"] else "")
+    kinds: dict = {}
+    for s in runs:
+        n, t = kinds.get(what(s), (0, 0.0))
+        kinds[what(s)] = (n + 1, t + s["seconds"])
+    total = sum(t for _, t in kinds.values())
+    by_time = sorted(kinds.items(), key=lambda kv: -kv[1][1])
+    odd = [("first " if s["first"] else "") + what(s) + f" r{s['rows']} {s['seconds']:.1f} s"
+           for s in runs if s["first"] or s["seconds"] > slow_s]
+    return (f"runs {total:.1f} of {wall:.1f} s: "
+            + ", ".join(f"{k} {n} ({t:.1f} s)" for k, (n, t) in by_time)
+            + f"; over {slow_s:g} s or first: " + (", ".join(odd) or "none"))
 
 
 def steps_around(steps: list, t_arrive: float, t_first: float) -> dict:
@@ -554,8 +565,8 @@ def report(a, res: dict, hw: str) -> None:
                 say(side_line(name, d, f1))
         for i, rd in enumerate((r.get("shared") or {}).get("rounds", []), 1):
             if "runs" in rd:
-                say(f"  {'':<26} rlx round {i} ({rd['tokens_per_s']:.1f} tokens/s): runs over 1 s or first: "
-                    + runs_line(rd["runs"]))
+                say(f"  {'':<26} rlx round {i} ({rd['tokens_per_s']:.1f} tokens/s): "
+                    + runs_line(rd["runs"], rd["wall_s"]))
         if r.get("shared") and p.get("shared"):
             say(f"  throughput rlx/llama: {ratio(r['shared'], p['shared'], 'tokens_per_s')} "
                 "(target >= 1.5x); "
