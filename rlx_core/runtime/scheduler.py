@@ -800,7 +800,8 @@ class Scheduler:
         measurements, so one probe in a spell of a loaded host only delays the next (the
         wait was REMEASURE from the first: two probes of +2 in slow spells held a 600-token
         prompt at one-token pieces, 68 s); a length that truly costs too much is tried
-        ever more rarely (1 step in 128-256 at most: the streams' p99 does not see it)."""
+        ever more rarely (after 5 measurements over, once in REMEASURE steps: under 1% of
+        the streams' gaps, which their p99 does not see)."""
         wait = min(PROBE_FIRST << self._mixed_over.get(n, 0), REMEASURE)   # 8; over: 16, 32, ...
         return self.mixed_steps - self._mixed_when.get(n, -REMEASURE) >= wait
 
