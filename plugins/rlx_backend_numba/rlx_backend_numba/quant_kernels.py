@@ -6,7 +6,7 @@ vector (simd.py); drivers generated per format unroll it over a block and either
 - `gemv`, decode (a few rows of x): parallel over chunks of output rows; one row of x is
   multiply-added lane by lane as the packed row is read (no float copy of the weight
   anywhere); 2-8 rows of x share each decode of a weight row's lanes in registers (a tile
-  of 2, 4 or 8 rows, `_gemv_tile`), more rows run as even tiles;
+  of rows, `_gemv_tile`), more rows run as even tiles;
 - `rows`, prefill: on a CPU with AMX, blocks of weight rows decoded into tiles of exact
   bf16 parts and multiplied with x's parts to f32 accuracy (`rows_f32`), or with
   `[backend] matmul = "bf16"` rounded to bf16 and multiplied once (`rows_bf16`); elsewhere
@@ -40,9 +40,7 @@ from .simd import (AVX512, VNNI, VNNI512, add_high8, bits, fold16, high8, k4_fac
 FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 GEMV_MAX_M = 16                 # rows of x up to which the GEMV beats decode-to-scratch + BLAS (SmolLM2's
                                 # matmuls, one core: 1.8x at 16 rows, 1.1x at 32; benchmarks/gemv_rows.py)
-GEMV_TILES = (2, 4, 8)          # the GEMV's register tiles (rows of x multiplied with one decode of a
-                                # packed row); s rows run in the smallest tile that holds them
-GEMV_TILE = max(GEMV_TILES)
+GEMV_TILE = 8                   # rows of x the GEMV multiplies with one decode of a packed row
 IGEMV_MAX_M = 8                 # the same for the int8 GEMV (a row's integer dot each: no tile)
 SCRATCH = 1 << 20               # floats of weight decoded per BLAS call (prefill)
 ROWS_PER_TASK = 16              # output rows per GEMV task
@@ -588,9 +586,8 @@ def decode(r, out, tab):
 def gemv(x, w, o, tab):
     \"\"\"o = x @ W^T, parallel over chunks of output rows. One row of x: each packed row is
     dotted as it is read; more: each lane group of a packed row is decoded once into a
-    register and multiply-added into every row's accumulator, in tiles of at most {tile}
-    rows of x, as even as they split (none of one row), each run by the smallest
-    `tile<t>` that holds it.\"\"\"
+    register and multiply-added into every row's accumulator (`tile<s>`), in tiles of at
+    most {tile} rows of x, as even as they split (none of one row).\"\"\"
     m_ = x.shape[0]
     n_ = w.shape[0]
     xs = sums32(x[0])
@@ -741,19 +738,17 @@ def amx_parts(kind: str, mode: str) -> tuple[int, int]:
     return (2 if kind in ("q4_0", "q5_0") else 3), 3
 
 
-def _gemv_tile(groups, t: int) -> str:
-    """The GEMV's tile of `t` rows of x (t in GEMV_TILES): `tile<t>(r, x, m0, s, out, n, tab)`
-    writes out[m0 .. m0 + s - 1, n] = x[m0 ..] . packed row r for s <= t rows (rows past s
-    read row s - 1 again and are not written). Each pair of lane groups is decoded once
-    (lanes, eight at a time) and multiply-added into the rows' accumulators in 16 lanes: one
-    load an FMA (x's), half the FMAs of eight lanes. ceil(8 / t) accumulators a row (at most
-    one a pair of a block), so eight FMA chains run at once where the block allows: with one
-    a row, 4 rows of q4_1 took as long as 8 (each chain 2 FMAs a block, 8 cycles of latency
-    where the throughput needs 4)."""
-    rows, acc = range(t), min(-(-8 // t), len(groups) // 2)
-    lines = ["@njit(**_OPT)", f"def tile{t}(r, x, m0, s, out, n, tab):",
-             "    " + ", ".join(f"x{j}" for j in rows) + " = "
-             + ", ".join(f"x[m0 + min({j}, s - 1)]" for j in rows),
+def _gemv_tile(groups, s: int) -> str:
+    """The GEMV's tile of `s` rows of x (s >= 2): `tile<s>(r, x, m0, out, n, tab)` writes
+    out[m0 .. m0 + s - 1, n] = x[m0 ..] . packed row r. Each pair of lane groups is decoded
+    once (lanes, eight at a time) and multiply-added into the s rows' accumulators in 16
+    lanes: one load an FMA (x's), half the FMAs of eight lanes. ceil(8 / s) accumulators a
+    row (at most one a pair of a block), so eight FMA chains run at once where the block
+    allows: with one a row, 4 rows of q4_1 took as long as 8 (each chain 2 FMAs a block,
+    8 cycles of latency where the throughput needs 4)."""
+    rows, acc = range(s), min(-(-8 // s), len(groups) // 2)
+    lines = ["@njit(**_OPT)", f"def tile{s}(r, x, m0, out, n, tab):",
+             "    " + ", ".join(f"x{j}" for j in rows) + " = " + ", ".join(f"x[m0 + {j}]" for j in rows),
              "    " + "; ".join(f"a{j}{c} = zeros16()" for j in rows for c in range(acc)),
              "    for b in range(x.shape[1] // E):",
              "        o, p = B * b, E * b"]
@@ -762,16 +757,14 @@ def _gemv_tile(groups, t: int) -> str:
         lines += [f"        v{i} = join16(lanes(r, o, {i}, tab), lanes(r, o, {i + 1}, tab))" for i in quad[::2]]
         lines += [f"        a{j}{i // 2 % acc} = fma16(v{i}, load_f32x16(x{j}, p + {8 * i}), a{j}{i // 2 % acc})"
                   for i in quad[::2] for j in rows]
-    for j in rows:
-        put = f"out[m0 + {j}, n] = hsum(fold16(" + " + ".join(f"a{j}{c}" for c in range(acc)) + "))"
-        lines += [f"    {put}" if j < min(GEMV_TILES) else f"    if s > {j}:\n        {put}"]
+    lines += [f"    out[m0 + {j}, n] = hsum(fold16(" + " + ".join(f"a{j}{c}" for c in range(acc)) + "))" for j in rows]
     return "\n".join(lines) + "\n\n"
 
 
-def _gemv_dispatch() -> str:
-    """The GEMV's call of the smallest tile in GEMV_TILES that holds s rows."""
-    return "\n".join(f"                    {'if' if i == 0 else 'elif'} s <= {t}:\n"
-                      f"                        tile{t}(w[n], x, m0, s, o, n, tab)" for i, t in enumerate(GEMV_TILES))
+def _gemv_dispatch(tile: int) -> str:
+    """The GEMV's call of the tile for `s` rows (2 .. tile)."""
+    return "\n".join(f"                    {'if' if s == 2 else 'elif'} s == {s}:\n"
+                      f"                        tile{s}(w[n], x, m0, o, n, tab)" for s in range(2, tile + 1))
 
 
 def _decoded(groups, stores) -> str:
@@ -1016,8 +1009,8 @@ def drivers(kind: str):
         src = f"\nfrom rlx_backend_numba.quant_kernels import fblock_{kind} as fblock\n" + src
     src = SWIGLU_HEAD + src.format(
         fmt=kind, rows=ROWS_PER_TASK, ahead=AHEAD_ROWS, elems=elems, nbytes=nbytes, dot_body=dot_body,
-        decode_body=decode_body, tile=GEMV_TILE, dispatch=_gemv_dispatch(),
-        tiles="\n".join(_gemv_tile(groups, t) for t in GEMV_TILES), idot=_IDOT_ROW.get(kind, _IDOT + _IAHEAD))
+        decode_body=decode_body, tile=GEMV_TILE, dispatch=_gemv_dispatch(GEMV_TILE),
+        tiles="\n".join(_gemv_tile(groups, m) for m in range(2, GEMV_TILE + 1)), idot=_IDOT_ROW.get(kind, _IDOT + _IAHEAD))
     return load_source(src + _AMX_HEAD + "".join(_amx_source(kind, m, groups) for m in _PAIRS))
 
 

@@ -51,8 +51,8 @@ def test_gemv_and_blocked_matmul(rng, kind, monkeypatch):
 
 @pytest.mark.parametrize("kind", Q.FORMATS)
 def test_gemv_every_row_count(rng, kind):
-    """1 .. 2 GEMV_TILE + 1 rows of x (one row's dot, every tile full and with rows left
-    over, two tiles split evenly, odd counts): the GEMV equals the float64 product of x and the dequantized W
+    """1 .. 2 GEMV_TILE + 1 rows of x (one row's dot, every tile size, two tiles split
+    evenly, odd counts): the GEMV equals the float64 product of x and the dequantized W
     within f32's rounding, K + 2 roundings of the terms' magnitudes (the decoded weight's, the
     product's and the sum's, whatever order the lanes add in)."""
     s, raw, ref = packed(rng, kind)
