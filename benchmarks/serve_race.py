@@ -378,26 +378,29 @@ def stall(client, server: Server, side: str, a, texts: Texts) -> dict:
 SCENARIOS = {"shared": shared, "prefix": prefix, "stall": stall}
 
 
-def server_steps(port: int, t_ready: float, t_arrive: float, t_first: float) -> dict:
-    """What rlx serve's scheduler ran before and during the long prompt's prefill (its GET
-    /debug/steps: each run's end on the monotonic clock this process's perf_counter reads
-    too, its seconds, rows, piece tokens, and whether its runner was specialized for it):
-    the median decode step before, and every run during ({} where the server has no log)."""
+def debug_steps(port: int, since: float) -> list | None:
+    """rlx serve's step log since `since` (GET /debug/steps: each run's end on the monotonic
+    clock this process's perf_counter reads too, its seconds, rows, piece tokens, and whether
+    its runner was specialized for it); None where the server has no log."""
     try:
-        url = f"http://127.0.0.1:{port}/debug/steps?since={t_ready}"
-        body = urllib.request.urlopen(url, timeout=30).read()
+        url = f"http://127.0.0.1:{port}/debug/steps?since={since}"
+        return json.loads(urllib.request.urlopen(url, timeout=30).read())["steps"]
     except OSError:
-        return {}
-    return steps_around(json.loads(body)["steps"], t_arrive, t_first)
+        return None
+
+
+def server_steps(port: int, t_ready: float, t_arrive: float, t_first: float) -> dict:
+    """What rlx serve's scheduler ran before and during the long prompt's prefill: the median
+    decode step before, and every run during ({} where the server has no log)."""
+    steps = debug_steps(port, t_ready)
+    return {} if steps is None else steps_around(steps, t_arrive, t_first)
 
 
 def round_runs(port: int, rounds: list) -> None:
     """Add to each round of scenario 1 the server's runs in it (rlx serve's GET /debug/steps;
     nothing added where it has no log): where a round's time and TTFTs went."""
-    try:
-        url = f"http://127.0.0.1:{port}/debug/steps?since={rounds[0]['t0']}"
-        steps = json.loads(urllib.request.urlopen(url, timeout=30).read())["steps"]
-    except OSError:
+    steps = debug_steps(port, rounds[0]["t0"])
+    if steps is None:
         return
     for rd, nxt in zip(rounds, rounds[1:] + [None]):
         end = nxt["t0"] if nxt else float("inf")

@@ -388,6 +388,18 @@ def epilogue_step(out: np.ndarray, bias: list, act: str):
     return None if step is None else (lambda *b: step(None, None, out, *b))
 
 
+def read_only(a):
+    """A read-only view of an array (itself where it is read-only already, or not an array):
+    weights memory-mapped from a file are read-only, ones derived at load (fused q/k/v,
+    huge-page copies) or quantized in this process are not, and numba compiles a kernel once
+    per flag (SmolLM2's first run compiled its packed GEMV twice, 2 s)."""
+    if not isinstance(a, np.ndarray) or not a.flags.writeable:
+        return a
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
 def bindable(kernel, operands):
     """fn(*ins) calling kernel(*operands(*ins)), and fn.bind(*ins): that call with its
     operands taken once, for NumpyRunner's bound calls (buffers that never move: a decode

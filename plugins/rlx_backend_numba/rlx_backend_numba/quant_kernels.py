@@ -31,7 +31,7 @@ from rlx_core.ir.quant import QuantScheme
 
 from . import amx, cblas
 from .cblas import SGEMM
-from .codegen import SWIGLU_HEAD, bindable, load_source, with_epilogue
+from .codegen import SWIGLU_HEAD, bindable, load_source, read_only, with_epilogue
 from .simd import (AVX512, VNNI, VNNI512, add_high8, bits, fold16, high8, k4_factors, pair_lanes, nibble_fma16, nibble_pair_dot,
                    scaled16, zeros16, bits32, blend4, fma, halves, hmax, hsum, idot_s, idot_u, lane, prefetch,
                    load_bytes32, load_f32, load_i8, load_u8, load_u32, nibbles32, round_int8, store_lanes,
@@ -1015,17 +1015,6 @@ def drivers(kind: str):
 
 
 # --------------------------------------------------------------------------- host side
-def _ro(w: np.ndarray) -> np.ndarray:
-    """w as a read-only array (a view where it is writable): the kernels only read packed
-    weights, and numba compiles each kernel, its tiles and its format's functions once for
-    each of a read-only (a GGUF's map) and a writable W (one quantized in this process)."""
-    if not w.flags.writeable:
-        return w
-    v = w.view()
-    v.flags.writeable = False
-    return v
-
-
 def _args(scheme, raw, k: int):
     s = QuantScheme.parse(scheme)
     if s.kind not in FORMATS:
@@ -1035,7 +1024,7 @@ def _args(scheme, raw, k: int):
     if w.shape[1] != per_row:
         raise ShapeError(f"numba dequant kernels: packed {s.name} rows of {w.shape[1]} bytes do not "
                          f"hold K={k} ({per_row} bytes expected)")
-    return _ro(w), drivers(s.kind)
+    return read_only(w), drivers(s.kind)
 
 
 def dequant_rows(raw: np.ndarray, scheme, out: np.ndarray, r0: int = 0) -> np.ndarray:
@@ -1193,12 +1182,12 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
     int8 = rounds_x_itself(a, m)
     if m <= (IGEMV_MAX_M if int8 else GEMV_MAX_M):
         gemv = (mod.gemv if not int8 else mod.igemv_ser if w2.nbytes < GEMV_SERIAL_BYTES else mod.igemv)
-        mm = bindable(gemv, lambda x, w: (x.reshape(m, k), _ro(w), o2, F16))
+        mm = bindable(gemv, lambda x, w: (x.reshape(m, k), read_only(w), o2, F16))
     elif int8:
-        mm = lambda x, w: _igemm(x.reshape(m, k), _ro(w.reshape(w2.shape)), mod, s.kind, o2)  # noqa: E731
+        mm = lambda x, w: _igemm(x.reshape(m, k), read_only(w.reshape(w2.shape)), mod, s.kind, o2)  # noqa: E731
     else:
         how = a.get("matmul", "f32")
-        mm = lambda x, w: _matmul(x.reshape(m, k), _ro(w.reshape(w2.shape)), mod, s.kind, o2, how)  # noqa: E731
+        mm = lambda x, w: _matmul(x.reshape(m, k), read_only(w.reshape(w2.shape)), mod, s.kind, o2, how)  # noqa: E731
     step = with_epilogue(mm, o, protos[2:], a.get("act", "identity"))
     if step is not None:
         step.rounds_x = int8                    # x's int8 blocks made here: the rounding before is redundant
@@ -1217,7 +1206,7 @@ def glu_gemv(x, w, o, scheme, int8_x: bool):
     mod = drivers(s.kind)
     glu = mod.igemv_glu if int8_x else mod.gemv_glu
     o2 = o.reshape(1, -1)
-    return bindable(glu, lambda x, w: (x.reshape(1, k), _ro(w), o2, F16))
+    return bindable(glu, lambda x, w: (x.reshape(1, k), read_only(w), o2, F16))
 
 
 def prepare_dequantize(a, outs, protos, op=None):
@@ -1232,7 +1221,7 @@ def prepare_dequantize(a, outs, protos, op=None):
     rows = math.prod(o.shape[:-1])
     o2 = o.reshape(rows, k)
     per_row = w.shape[1]
-    return lambda a_, out, raw: mod.rows_ser(_ro(raw.reshape(rows, per_row)), 0, o2, F16)
+    return lambda a_, out, raw: mod.rows_ser(read_only(raw.reshape(rows, per_row)), 0, o2, F16)
 
 
 def prepare_fake_quantize(a, outs, protos, op=None):

@@ -476,16 +476,6 @@ def _written_state(a, state, value):
 
 _written_state.returns_cache = True
 
-def _read_only(a):
-    """A read-only view of a param array: weights memory-mapped from the file are read-only,
-    ones derived at load (fused q/k/v, huge-page copies) are not, and numba compiles a kernel
-    once per flag (SmolLM2's first run compiled its packed GEMV twice, 2 s)."""
-    if not isinstance(a, np.ndarray) or not a.flags.writeable:
-        return a
-    v = a.view()
-    v.flags.writeable = False
-    return v
-
 
 class NumbaRunner(NumpyRunner):
     """NumpyRunner's arena, values, view steps and run loop; compiled kernels where they apply.
@@ -499,7 +489,7 @@ class NumbaRunner(NumpyRunner):
 
     def __init__(self, lir: LirModule, params: dict, states: dict, matmul: str = "f32"):
         self._orders = transposed_outputs(lir)          # (read by laid_out, during the base's init)
-        super().__init__(lir, {k: _read_only(v) for k, v in params.items()}, states)
+        super().__init__(lir, {k: codegen.read_only(v) for k, v in params.items()}, states)
         g = self.graph
         users = g.consumers()
         glu = self._glu_pairs(users)
