@@ -3,7 +3,10 @@ name whole prefixes; a hit is the longest run of cached whole blocks (for a mode
 recurrent states, one ending at a snapshot); least recently used blocks go first and the
 bytes stay within the bound; greedy outputs with the cache on equal those with it off
 (hypothesis over request sets sharing prefixes, tiny LLaMA and the Qwen3.5 hybrid), with
-the prompt tokens computed counted (a hit computes only the rest)."""
+the prompt tokens computed counted (a hit computes only the rest). A waiting prompt is judged
+by what is left after its cached prefix (a short tail is prefilled whole, not riding in the
+decode steps), looked up once, its prefix copied out at once (an eviction or a cancellation
+before its first piece changes nothing)."""
 from __future__ import annotations
 
 import numpy as np
@@ -183,3 +186,99 @@ def test_hybrid_greedy_equal_and_hits_at_snapshots(hybrid):
     # the third's one cached block has no snapshot: it prefills from 0, stopping at 32 (2 runs)
     assert stats["prefix_hit_tokens"] == 2 * BLOCK
     assert stats["prefill_runs"] == 2 + 1 + 2
+
+
+# ----------------------------------------------------------------------------- judged after the hit
+SYSTEM = 3 * BLOCK + 4                  # a system prompt of 3 whole blocks and 4 tokens
+
+
+def request(name: str, ids: list, n: int):
+    from rlx_core.runtime.sampling import SamplingParams
+    from rlx_core.runtime.scheduler import Request
+
+    return Request(name, list(ids), SamplingParams.checked(max_tokens=n, ignore_eos=True))
+
+
+def alone(model, ids: list, n: int) -> list:
+    return model.generate(list(ids), max_new_tokens=n, ignore_eos=True)[len(ids):]
+
+
+def decoding(model, **kw) -> Scheduler:
+    """A scheduler (no thread: the test runs its rounds) decoding two streams, one of them
+    after the system prompt (its blocks now cached)."""
+    s = Scheduler(model, max_batch=4, prefill_chunk=16, **kw)
+    system = tokens(30, SYSTEM)
+    s.round([request("w", system + tokens(31, 5), 40), request("s", tokens(32, 6), 40)], idle=True)
+    assert len(s._running()) == 2 and s.prefix.stats()["prefix_cache_blocks"] >= 3
+    return s
+
+
+def finish(s: Scheduler, r) -> list:
+    while not r.done:
+        s.round([], idle=True)
+    return r.token_ids
+
+
+def test_a_cached_prefix_with_a_short_tail_is_prefilled_whole_not_riding(llama):
+    """While streams decode, a prompt whose 96 first tokens are cached and 13 left is judged
+    by those 13: prefilled alone, whole, in one run, placed in the round it came in (judged
+    by its 109 it rode in the steps, 16 tokens a step); one with 44 left still rides. Each
+    prompt is looked up once: the counters count its tokens once."""
+    s = decoding(llama)
+    system = tokens(30, SYSTEM)
+    short, long = request("p", system + tokens(33, 9), 6), request("q", system + tokens(34, 40), 6)
+    before = s.stats()
+    s.round([short], idle=True)
+    mid = s.stats()
+    assert short.slot >= 0 and mid["mixed_steps"] == before["mixed_steps"]
+    assert mid["prefill_runs"] == before["prefill_runs"] + 1
+    assert mid["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 3 * BLOCK
+    s.round([long], idle=True)
+    assert long.slot < 0 and s.stats()["mixed_steps"] == mid["mixed_steps"] + 1
+    got = finish(s, short), finish(s, long)
+    stats = s.stats()
+    s.close()
+    assert got == (alone(llama, short.prompt_ids, 6), alone(llama, long.prompt_ids, 6))
+    lengths = [SYSTEM + 5, 6, len(short.prompt_ids), len(long.prompt_ids)]
+    assert stats["prefix_query_tokens"] == sum(lengths)
+    assert stats["prefix_hit_tokens"] == 2 * 3 * BLOCK
+    assert stats["prefill_tokens"] == stats["prefix_query_tokens"] - stats["prefix_hit_tokens"]
+
+
+@pytest.mark.parametrize("tail", [9, 40])
+def test_a_prefix_evicted_between_lookup_and_fill_gives_the_same_tokens(llama, tail):
+    """The lookup copies the cached prefix into the prefill states at once: the cache emptied
+    before the prompt's first piece (alone, or riding) changes nothing."""
+    s = decoding(llama)
+    p = request("p", tokens(30, SYSTEM) + tokens(35, tail), 6)
+    with llama._lock:
+        s._admit(p)
+        assert s._front() is p and p.filled == 3 * BLOCK
+    s.prefix.clear()
+    got = finish(s, p)
+    s.close()
+    assert got == alone(llama, p.prompt_ids, 6)
+
+
+def test_a_prompt_cancelled_after_its_lookup_holds_nothing(llama):
+    """Cancelled after its prefix was looked up (and restored) but before any piece ran, a
+    prompt leaves the scheduler and the prefix cache as they were: nothing of it waits or
+    runs, every block can still be evicted, and the next prompt through the prefill states
+    gets its own tokens."""
+    s = decoding(llama)
+    p = request("p", tokens(30, SYSTEM) + tokens(36, 40), 6)
+    with llama._lock:
+        s._admit(p)
+        assert s._front() is p and p.filled == 3 * BLOCK
+    p.cancel()
+    s.round([], idle=True)
+    assert p.finish_reason == "cancelled" and not s._fills and p not in s._active
+    assert s.stats()["prefilling"] == 0
+    nxt = request("n", tokens(30, 2 * BLOCK) + tokens(37, 20), 6)      # (2 of the 3 blocks cached)
+    s.round([nxt], idle=True)
+    assert finish(s, nxt) == alone(llama, nxt.prompt_ids, 6)
+    pc = s.prefix
+    pc.capacity = 0
+    pc._evict()
+    s.close()
+    assert pc.bytes == 0 and not pc.entries

@@ -159,6 +159,7 @@ class Request:
     slot: int = -1                  # its row of the decode batch (-1: not placed yet, prefilling)
     length: int = 0                 # tokens in its KV cache
     filled: int = 0                 # prompt tokens in the prefill states (while prefilling)
+    begun: bool = False             # its prefill begun: its cached prefix looked up, restored (_start_fill)
     rode: bool = False              # a piece of its prompt rode in a mixed step (its tail rides too)
     last: int = 0                   # the token the next decode step feeds
     ctx: int = 0                    # the context bucket it would get alone
@@ -690,11 +691,7 @@ class Scheduler:
         tokens_left = chunk if running and chunk else None
         steps_left = self.stall_budget if running and self.stall_budget else None
         ran = 0
-        while self._fills:
-            r = self._fills[0]
-            if r.done or r.cancelled or r not in self._active:
-                self._fills.popleft()
-                continue
+        while (r := self._front()) is not None:
             limit = chunk if tokens_left is None else tokens_left
             if steps_left is not None and len(r.prompt_ids) - r.filled > PAD_TAIL:
                 limit = self._budget_limit(limit or self.model.max_positions, steps_left, first=not ran)
@@ -711,21 +708,35 @@ class Scheduler:
                 steps_left -= self._last_piece_steps if self.prefill_runs > runs else 0.0
 
     def _short_ones_alone(self, chunk: int) -> None:
-        """With mixed steps: waiting prompts with at most PAD_TAIL tokens left (and at most
-        `chunk`) are prefilled alone, whole, in order, before the step (as without mixed
-        steps): so requests arriving together while a batch decodes join it together, and a
-        new request's question after a cached system prompt gets its first token at once.
+        """With mixed steps: waiting prompts with at most PAD_TAIL tokens left after their
+        cached prefix (and at most `chunk`) are prefilled alone, whole, in order, before the
+        step (as without mixed steps): so requests arriving together while a batch decodes
+        join it together, and a new request's question after a cached system prompt gets its
+        first token at once.
         Longer prompts ride in the steps (`_next_rider`), their tails too: a 64-token tail
         run alone cost 3-5 decode steps (one stall of every stream, the p99 of a short
         prefill's gaps), riding it costs its tokens a step at a time within the budget."""
+        while (r := self._front()) is not None and len(r.prompt_ids) - r.filled <= min(PAD_TAIL, chunk) \
+                and not r.rode:
+            self._guard(list(r.choices), self._fill, r, chunk)
+
+    def _front(self) -> Request | None:
+        """The first waiting prompt still wanted (cancelled and finished ones dropped), its
+        prefill begun (`_start_fill`), or None. Begun before it is judged: a prompt's length
+        left (`len(prompt_ids) - filled`) then excludes its cached prefix, so a question after
+        a cached 1,000-token system prompt is short and runs alone, whole (judged by its
+        whole length, it rode at 16 tokens a step: serve_race scenario 1 lost ~3.5 s a
+        round). Its prefix is copied into the prefill states at once, so a later eviction
+        from the prefix cache cannot take it, and nothing is held for it there."""
         while self._fills:
             r = self._fills[0]
             if r.done or r.cancelled or r not in self._active:
                 self._fills.popleft()
-            elif len(r.prompt_ids) - r.filled <= min(PAD_TAIL, chunk) and not r.rode:
-                self._guard(list(r.choices), self._fill, r, chunk)
+            elif not r.begun:
+                self._guard(list(r.choices), self._start_fill, r)
             else:
-                return
+                return r
+        return None
 
     def _next_rider(self, chunk: int) -> tuple | None:
         """(request, limit) of the piece the next decode step carries (a mixed step): the
@@ -741,18 +752,15 @@ class Scheduler:
         one token for a whole 600-token prompt)."""
         if self.stall_budget is not None and (not self._step_times or self._plain_age >= REFERENCE):
             return None                          # a plain step, timed: the reference of what pieces add
-        while self._fills:
-            r = self._fills[0]
-            if r.done or r.cancelled or r not in self._active:
-                self._fills.popleft()
-                continue
-            limit = chunk
-            if self.stall_budget is not None:
-                limit = self._mixed_limit(chunk, self.stall_budget)
-                if any(not (q.done or q.cancelled) for q in itertools.islice(self._fills, 1, None)):
-                    limit = max(limit, min(PIECE_MIN, chunk))
-            return r, limit
-        return None
+        r = self._front()
+        if r is None:
+            return None
+        limit = chunk
+        if self.stall_budget is not None:
+            limit = self._mixed_limit(chunk, self.stall_budget)
+            if any(not (q.done or q.cancelled) for q in itertools.islice(self._fills, 1, None)):
+                limit = max(limit, min(PIECE_MIN, chunk))
+        return r, limit
 
     def _mixed_limit(self, cap: int, steps: float) -> int:
         """The longest measured piece length (a power of two up to `cap`) whose addition to a
@@ -884,10 +892,8 @@ class Scheduler:
 
     def _piece_feed(self, r: Request, limit: int) -> tuple:
         """(executable, feed, start, end, run length) of r's next prefill piece (`_piece`),
-        its states sized and, before its first piece, its cached prefix restored."""
+        its states sized (r begun: `_front`)."""
         n = len(r.prompt_ids)
-        if r.filled == 0:
-            self._start_fill(r)
         a = r.filled
         b, run = self._piece(a, n, limit)
         pads = self._pads()
@@ -950,9 +956,10 @@ class Scheduler:
         return self._fill_ctx
 
     def _start_fill(self, r: Request) -> None:
-        """Before r's first piece: the prefill states sized to r's context, its longest
-        cached prefix (at most all but the last prompt token: that one gives the logits)
-        copied in, and r.filled set past it."""
+        """Before r's first piece, once (`_front`): the prefill states sized to r's context, its
+        longest cached prefix (at most all but the last prompt token: that one gives the
+        logits) copied in, and r.filled set past it."""
+        r.begun = True
         n = len(r.prompt_ids)
         if n > 1:
             self._extend_exe()                   # (pieces need it; refused: whole prefills)
