@@ -24,7 +24,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 def pytest_configure(config):
     """The compile cache of a test run lives in a folder of its own: tests neither read what
-    another run left nor fill the user's cache."""
+    another run left nor fill the user's cache. Both go to the environment that pytest-xdist's
+    workers (started after this) inherit: one seed for the run, the one in the header, and one
+    cache folder that the workers share."""
+    from rlx_core.testing.session import SEED
+
+    os.environ.setdefault("RLX_TEST_SEED", str(SEED))
     if "RLX_COMPILE_CACHE" not in os.environ:
         import tempfile
 

@@ -700,7 +700,7 @@ def test_tests_skip_with_the_probe_reason(ocl, tmp_path):
     env["CI"] = "1"                                      # the host's limit skips on CI as well
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
     here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "zen5", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-rs", "-p", "zen5", "-p", "no:cacheprovider",
            f"{here}/test_opencl.py::test_device_selectors", str(tmp_path / "test_kit_opencl.py")]
     out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
