@@ -70,8 +70,10 @@ def _assemble_once(pkg, target: str) -> str:
         pkg.assemble(output_path=partial)
         os.replace(partial, target)
     path = str(pkg.assemble(output_path=target))  # verifies the checksum of an existing file
-    with open(target + ".verified", "w") as f:
+    tmp = f"{target}.verified.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
         f.write(_stamp(target, pkg))
+    os.replace(tmp, target + ".verified")         # a process starting meanwhile reads all or none
     return path
 
 
