@@ -565,8 +565,32 @@ def _swiglu_consumer(b, n) -> int | None:
     return j if nodes[j].outs[0].dtype is n.outs[0].dtype else None
 
 
+ROUTE_GEMV_ROWS = 8     # tokens up to which moe_route computes its router's logits (a decode step's)
+
+
+def _logits_left_to_route(b, n, ins, out: V) -> bool:
+    """Whether this matmul is a router whose logits its moe_route computes in its own launch
+    (moe.build_moe_route: one launch fewer a decode layer): its one consumer a moe_route, x a
+    few token rows, the weight [E, K] rows (trans_b) of x's 16-bit dtype, all contiguous and
+    16-byte aligned, nothing launched between (x's bytes stay x's). Then it is left to that node
+    (b.router_logits)."""
+    x, w = ins[0], ins[1]
+    K = x.shape[-1] if x.shape else 0
+    j = b.sole_consumer(b.node, "moe_route")
+    if (j is None or b.hip or j != _next_launch(b) or not CONFIG["route_gemv"] or n.a["trans_a"] or not n.a["trans_b"]
+            or len(w.shape) != 2 or x.dt not in LOW or w.dt is not x.dt or out.dt is not x.dt or not K or K % 8 or w.shape[1] != K
+            or not x.size or x.size // K > ROUTE_GEMV_ROWS or tuple(n.inputs[0]) in b.gemv_norms):
+        return False
+    if not all(v.contiguous() and v.arr.data.ptr % 16 == 0 for v in (x, w, out)):
+        return False
+    b.router_logits[j] = (x, w)
+    return True
+
+
 def _b_matmul(b, n, ins, outs):
     x = ins[0]
+    if _logits_left_to_route(b, n, ins, outs[0]):
+        return
     # only the GEMV (x rows <= GEMV_MAX_M) computes the SwiGLU: else no private output for it
     # (at prefill it was one [batch, seq, intermediate] buffer per layer: 2.1 GB at batch 32)
     rows = x.size // max(x.shape[-1], 1) if x.shape else 1
@@ -1025,38 +1049,103 @@ def _vpt(n: int, threads: int | None = None) -> int:
     return v if v <= 16 else 0
 
 
-def _rms_norm(b, x, r, w, h, y, eps, off):
-    """y <- rms_norm(x [+ r]) * (w + off); with r also h <- x + r (fused_residual_rms_norm)."""
+def _rms_norm(b, x, r, w, h, y, eps, off, pair: tuple | None = None):
+    """y <- rms_norm(x [+ r]) * (w + off); with r also h <- x + r (fused_residual_rms_norm);
+    pair (x2, w2, y2): also y2 <- rms_norm(x2) * (w2 + off), rows as long, in the same launch."""
     if y.size == 0:
         return
     xv, rows, nn, xrs, rv, rrs = _norm_rows(b, x, r)
+    x2v, rows2, _, xrs2 = _rowargs(b, pair[0]) if pair else (xv, 0, nn, xrs)
     wv = b.contiguous(w) if w is not None else None
+    w2v = (b.contiguous(pair[1]) if pair[1] is not None else None) if pair else wv
+    y2 = pair[2] if pair else y
+    arrays, strides = [xv, rv, h, y, x2v, y2], [xrs, rrs, xrs2]
     warp = nn <= WARP_ROW
     lanes = 32
     if warp:                  # a warp a row: its lanes' values in one vector each where they fit
-        vec, threads, vpt = _row_vectors(nn, [xv, rv, h, y], [xrs, rrs], 32, 1)
+        vec, threads, vpt = _row_vectors(nn, arrays, strides, 32, 1)
         # fewer lanes a row, each with a wider vector, while one vector a lane covers the row
         # (FLUX's q/k rows of 128 bf16 values: 16 lanes of 16 bytes, two rows a warp)
         while not b.hip and lanes > 1 and vec == vpt and 2 * vec * y.arr.itemsize <= 16:
-            cand = _row_vectors(nn, [xv, rv, h, y], [xrs, rrs], lanes // 2, 1)
+            cand = _row_vectors(nn, arrays, strides, lanes // 2, 1)
             if cand[0] != 2 * vec:
                 break
             lanes, (vec, threads, vpt) = lanes // 2, cand
     else:
-        vec, threads, vpt = _row_vectors(nn, [xv, rv, h, y], [xrs, rrs])
+        vec, threads, vpt = _row_vectors(nn, arrays, strides)
     src = sources.render(sources.RMS_NORM, TX=ctype(x.dt), TR=ctype(r.dt) if r else "float",
                          TW=ctype(w.dt) if w else "float", TH=ctype(h.dt) if h else "float",
                          TO=ctype(y.dt), ACC=acc_of(x.dt, r.dt if r else x.dt),
                          HAS_R=int(r is not None), HAS_W=int(w is not None), WARP=int(warp), VPT=vpt, VEC=vec,
                          LANES=lanes)
     fn = b.kernel(src, "rlx_rms_norm")
-    grid, block = ((-(-rows // (256 // lanes)),), (256,)) if warp else ((rows,), (threads,))
+    total = rows + rows2
+    grid, block = ((-(-total // (256 // lanes)),), (256,)) if warp else ((total,), (threads,))
     b.launch(fn, grid, block, (xv.arr, i64(xrs), rv.arr if rv else None, i64(rrs), wv.arr if wv else None,
-                               h.arr if h else None, y.arr, i32(nn), f64(eps), f64(off), i64(rows)))
+                               h.arr if h else None, y.arr, i32(nn), f64(eps), f64(off), i64(total),
+                               x2v.arr, i64(xrs2), w2v.arr if w2v else None, y2.arr, i64(rows)))
+
+
+def _paired_norm(b, n) -> int | None:
+    """The rms_norm node this one can share a launch with: the next node that launches
+    anything, when it is an rms_norm of the same eps, offset and weight presence whose x does
+    not come from this one (only params and views lie between, so neither reads the other's
+    output: a decode step's q and k norms); else None."""
+    j = _next_launch(b)
+    if j is None:
+        return None
+    m = b.r.lir.graph.nodes[j]
+    same = (m.op == "rms_norm" and j not in b.absorbed and len(m.inputs) == len(n.inputs)
+            and (m.a["eps"], m.a["offset"]) == (n.a["eps"], n.a["offset"]))
+    return j if same and _view_root(b, tuple(m.inputs[0])) != b.node else None
+
+
+def _next_launch(b) -> int | None:
+    """The first node after this one that may launch anything (not a param, constant or view)."""
+    g, slots = b.r.lir.graph, b.r.lir.slots
+    return next((j for j in range(b.node + 1, len(g.nodes)) if g.nodes[j].op not in ("param", "constant")
+                 and getattr(slots.get((j, 0)), "home", "") != "view"), None)
+
+
+def _apart(a: V, c: V) -> bool:
+    """Whether two arrays' byte spans (first to last element) do not meet: the second norm of a
+    pair writes its y while the first's x is read, and the plan may have let y take x's bytes."""
+    def span(v: V) -> tuple:
+        lo = v.arr.data.ptr + sum((d - 1) * s for d, s in zip(v.arr.shape, v.arr.strides) if s < 0)
+        return lo, lo + sum((d - 1) * abs(s) for d, s in zip(v.arr.shape, v.arr.strides)) + v.arr.itemsize
+    (a0, a1), (c0, c1) = span(a), span(c)
+    return a1 <= c0 or c1 <= a0
+
+
+def _view_root(b, ref: tuple) -> int:
+    """The node whose output `ref` is, looking through views."""
+    g, slots = b.r.lir.graph, b.r.lir.slots
+    while getattr(slots.get(ref), "home", "") == "view":
+        ref = tuple(g.nodes[ref[0]].inputs[0])
+    return ref[0]
 
 
 def _b_rms_norm(b, n, ins, outs):
-    _rms_norm(b, ins[0], None, ins[1] if len(ins) > 1 else None, None, outs[0], n.a["eps"], n.a["offset"])
+    """A plain RMSNorm; the first of a pair (`_paired_norm`) waits for the second, which runs
+    both in one launch where their rows fit one kernel (same dtypes and row length)."""
+    w = ins[1] if len(ins) > 1 else None
+    first = b.waiting_norms.pop(b.node, None)
+    if first is None:
+        j = _paired_norm(b, n)
+        if j is not None:
+            b.waiting_norms[j] = (b.node, ins[0], w, outs[0])
+            return
+    else:
+        i, x1, w1, y1 = first
+        x, y = ins[0], outs[0]
+        kind = (x.dt, y.dt, getattr(w, "dt", None), x.shape[-1])
+        if kind == (x1.dt, y1.dt, getattr(w1, "dt", None), x1.shape[-1]) and y1.size and y.size and _apart(y, x1):
+            return _rms_norm(b, x1, None, w1, None, y1, n.a["eps"], n.a["offset"], pair=(x, w, y))
+        at = b.node, b.op                 # (no pair after all: the first norm's own launch, as its node's)
+        b.node, b.op = i, n.op
+        _rms_norm(b, x1, None, w1, None, y1, n.a["eps"], n.a["offset"])
+        b.node, b.op = at
+    _rms_norm(b, ins[0], None, w, None, outs[0], n.a["eps"], n.a["offset"])
 
 
 def _full(b, r: V, shape) -> V:

@@ -49,19 +49,28 @@ __device__ __forceinline__ AccT rlx_norm_row_sum(const AccT* vals, int n, int ti
 // and the scaling (one pass over memory: a decode step's norms are latency-bound); 0: two passes.
 extern "C" __global__ void rlx_rms_norm(const TX* __restrict__ x, long long xrs,
     const TR* __restrict__ r, long long rrs, const TW* __restrict__ w,
-    TH* __restrict__ h, TO* __restrict__ y, int n, double eps_d, double off_d, long long rows) {
+    TH* __restrict__ h, TO* __restrict__ y, int n, double eps_d, double off_d, long long rows,
+    const TX* __restrict__ x2, long long xrs2, const TW* __restrict__ w2, TO* __restrict__ y2, long long rows1) {
   // HAS_R: y = rms_norm(x + r) and h = x + r (fused_residual_rms_norm); else y = rms_norm(x).
-  // WARP: LANES lanes of a warp per row (short rows: FLUX's q/k norms over 128 values, 110k
-  // rows, 16 lanes of one 16-byte load each), else a block
+  // Rows from rows1 on are a second norm's (x2, w2, y2; no residual): a decode step's q and k
+  // norms in one launch. WARP: LANES lanes of a warp per row (short rows: FLUX's q/k norms over
+  // 128 values, 110k rows, 16 lanes of one 16-byte load each), else a block
 #if WARP
   const i64 grp = (i64)blockIdx.x * (blockDim.x / LANES) + threadIdx.x / LANES;
   if (LANES == 32 && grp >= rows) return;
-  const i64 row = grp < rows ? grp : rows - 1;    // (a group past the end redoes the last row: same bytes)
+  i64 row = grp < rows ? grp : rows - 1;    // (a group past the end redoes the last row: same bytes)
   const int tid = threadIdx.x % LANES, nt = LANES;
 #else
-  const i64 row = blockIdx.x;
+  i64 row = blockIdx.x;
   const int tid = threadIdx.x, nt = blockDim.x;
 #endif
+  if (row >= rows1) {
+    row -= rows1;
+    x = x2;
+    xrs = xrs2;
+    w = w2;
+    y = y2;
+  }
   const TX* xr = x + row * xrs;
   TO* yr = y + row * (i64)n;
 #if HAS_R
