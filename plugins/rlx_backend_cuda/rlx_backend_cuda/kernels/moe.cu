@@ -340,7 +340,8 @@ extern "C" __global__ void __launch_bounds__(256) rlx_moe_route_gemv(const T* __
     if (lane == 0) z[t * NE + e] = ST(T, acc);
   }
   __shared__ int last;
-  __shared__ T zs[NE];
+  __shared__ __align__(8) unsigned char zs_bytes[NE * sizeof(T)];    // (T has a constructor: raw bytes)
+  T* zs = (T*)zs_bytes;
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(done + t, 1) == (int)gridDim.y - 1;
