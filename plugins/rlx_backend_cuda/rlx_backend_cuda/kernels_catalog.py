@@ -152,8 +152,6 @@ def moe_gdn() -> list:
     not, the sort, the combine) and gated_delta_rule's and causal_conv1d's (deltanet.py)."""
     silu = "v = (W)tof(ST(__nv_bfloat16, v)); { v = v / (1.0f + expf(-v)); }"
     out = [(f"moe sort {bm}", S.render(S.MOE_SORT, TI="long long", NE=64, BM=bm), "rlx_moe_sort") for bm in (0, 16)]
-    out += [(f"moe route gemv {t}", S.render(S.MOE_ROUTE_GEMV, T=t, ACC="float", NE=64, KS=8, ORDER=0, NORM=1, K=2048),
-             "rlx_moe_route_gemv") for t in ("__nv_bfloat16", "__half")]
     for t, acc, vec in (("float", "float", 4), ("__nv_bfloat16", "float", 8), ("__half", "float", 8),
                         ("double", "double", 2)):
         for dual in (0, 1):

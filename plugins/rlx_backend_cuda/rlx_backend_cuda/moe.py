@@ -292,20 +292,12 @@ def build_moe_route(b, n, ins, outs):
     rows = z.size // E
     if rows == 0:
         return
+    zc = _rows(b.contiguous(z), (rows, E))
     wd = wts if wts.contiguous() else b.buffer(wts.shape, wts.dt, "moe route weights")
     idd = ids if ids.contiguous() else b.buffer(ids.shape, ids.dt, "moe route ids")
-    route = dict(T=ctype(z.dt), ACC=acc_of(z.dt), NE=E, KS=k, ORDER=ROUTE_ORDERS.index(n.a["order"]),
-                 NORM=int(n.a["normalize"]))
-    router = b.router_logits.pop(b.node, None)
-    if router is not None:            # (its matmul left the logits to this launch: ops._logits_left_to_route)
-        x, w = router
-        src = sources.render(sources.MOE_ROUTE_GEMV, K=x.shape[-1], **route)
-        b.launch(b.kernel(src, "rlx_moe_route_gemv"), (rows, -(-E // 8)), (256,),
-                 (x.arr, w.arr, z.arr, wd.arr, idd.arr, b.counters(rows)))
-    else:
-        zc = _rows(b.contiguous(z), (rows, E))
-        src = sources.render(sources.MOE_ROUTE, **route)
-        b.launch(b.kernel(src, "rlx_moe_route"), (-(-rows // 4),), (128,), (zc.arr, wd.arr, idd.arr, i64(rows)))
+    src = sources.render(sources.MOE_ROUTE, T=ctype(z.dt), ACC=acc_of(z.dt), NE=E, KS=k,
+                         ORDER=ROUTE_ORDERS.index(n.a["order"]), NORM=int(n.a["normalize"]))
+    b.launch(b.kernel(src, "rlx_moe_route"), (-(-rows // 4),), (128,), (zc.arr, wd.arr, idd.arr, i64(rows)))
     for dst, out in ((wd, wts), (idd, ids)):
         if dst is not out:
             b.copy(dst, out)

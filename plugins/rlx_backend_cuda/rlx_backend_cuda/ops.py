@@ -565,32 +565,8 @@ def _swiglu_consumer(b, n) -> int | None:
     return j if nodes[j].outs[0].dtype is n.outs[0].dtype else None
 
 
-ROUTE_GEMV_ROWS = 8     # tokens up to which moe_route computes its router's logits (a decode step's)
-
-
-def _logits_left_to_route(b, n, ins, out: V) -> bool:
-    """Whether this matmul is a router whose logits its moe_route computes in its own launch
-    (moe.build_moe_route: one launch fewer a decode layer): its one consumer a moe_route, x a
-    few token rows, the weight [E, K] rows (trans_b) of x's 16-bit dtype, all contiguous and
-    16-byte aligned, nothing launched between (x's bytes stay x's). Then it is left to that node
-    (b.router_logits)."""
-    x, w = ins[0], ins[1]
-    K = x.shape[-1] if x.shape else 0
-    j = b.sole_consumer(b.node, "moe_route")
-    if (j is None or b.hip or j != _next_launch(b) or not CONFIG["route_gemv"] or n.a["trans_a"] or not n.a["trans_b"]
-            or len(w.shape) != 2 or x.dt not in LOW or w.dt is not x.dt or out.dt is not x.dt or not K or K % 8 or w.shape[1] != K
-            or not x.size or x.size // K > ROUTE_GEMV_ROWS or tuple(n.inputs[0]) in b.gemv_norms):
-        return False
-    if not all(v.contiguous() and v.arr.data.ptr % 16 == 0 for v in (x, w, out)):
-        return False
-    b.router_logits[j] = (x, w)
-    return True
-
-
 def _b_matmul(b, n, ins, outs):
     x = ins[0]
-    if _logits_left_to_route(b, n, ins, outs[0]):
-        return
     # only the GEMV (x rows <= GEMV_MAX_M) computes the SwiGLU: else no private output for it
     # (at prefill it was one [batch, seq, intermediate] buffer per layer: 2.1 GB at batch 32)
     rows = x.size // max(x.shape[-1], 1) if x.shape else 1

@@ -66,7 +66,6 @@ class Build:
         self.node_local: dict = {}    # (purpose, dtype) -> buffer shared by the nodes (node_buffer)
         self.gemv_norms: dict = {}    # (node, out) -> ops.GemvNorm its consuming GEMV computes
         self.waiting_norms: dict = {}  # rms_norm node -> the earlier rms_norm sharing its launch (ops)
-        self.router_logits: dict = {}  # moe_route node -> (x, router weight) of the matmul it computes (ops)
         g = runner.lir.graph
         self.view_transposes = {i for i, n in enumerate(g.nodes)
                                 if n.op == "transpose" and runner.lir.slots[(i, 0)].home == "view"}
@@ -361,9 +360,6 @@ class CudaRunner(Runner):
             except Exception as e:
                 raise BackendError(f"cuda backend: building node %{i} ({n.op}) of graph {self.name!r} "
                                    f"failed: {type(e).__name__}: {e}") from e
-        if b.router_logits:
-            raise BackendError(f"cuda backend: graph {self.name!r}: the router logits of moe_route nodes "
-                               f"{sorted(b.router_logits)} were left to a launch that never ran")
         if b.waiting_norms:
             raise BackendError(f"cuda backend: graph {self.name!r}: the norms of nodes "
                                f"{sorted(v[0] for v in b.waiting_norms.values())} waited for a pair that never ran")

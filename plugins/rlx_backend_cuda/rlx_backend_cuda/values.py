@@ -11,14 +11,11 @@ from rlx_core.ir.dtype import DType
 # gemv_fusion (read at build): residual RMSNorms computed inside the decode GEMVs (ops.GemvNorm);
 # RLX_CUDA_GEMV_FUSION=1 turns it on. Off by default: correct on the H200 (2026-12-03) but slower there,
 # Llama-1B-shaped decode b1 1.333 ms/step on vs 1.115 off (benchmarks/README.md, llm_gpu.py)
-# route_gemv (read at build): moe_route computes its router's logits at a decode step's few tokens
-# (ops._logits_left_to_route); RLX_CUDA_ROUTE_GEMV=0 runs the router matmul as its own launch
 CONFIG = {"gemv": True, "tc_attention": True, "wg_attention": True, "lt_epilogue": True, "graphs": True,
           "short_attention": os.environ.get("RLX_CUDA_SHORT_ATTENTION", "1") != "0",
           "copy16": os.environ.get("RLX_CUDA_COPY16", "1") != "0",
           "dependent_launch": os.environ.get("RLX_CUDA_DEPENDENT_LAUNCH", "1") != "0",
-          "gemv_fusion": os.environ.get("RLX_CUDA_GEMV_FUSION", "0") != "0",
-          "route_gemv": os.environ.get("RLX_CUDA_ROUTE_GEMV", "1") != "0", "version": 0}
+          "gemv_fusion": os.environ.get("RLX_CUDA_GEMV_FUSION", "0") != "0", "version": 0}
 
 
 def set_config(**kw) -> None:

@@ -243,7 +243,12 @@ extern "C" __global__ void __launch_bounds__(256) rlx_moe_gemv1(const T* __restr
 // first on ties: KS rounds of a warp argmax. The rounding and order of the softmax and topk
 // (and sum, divide) ops the composite lowers to; lane l holds experts l, l + 32, ...
 #define EPL ((NE + 31) / 32)
-__device__ __forceinline__ void rlx_route_row(const T* zr, T* wo, long long* io, int lane) {
+extern "C" __global__ void rlx_moe_route(const T* __restrict__ z, T* __restrict__ wts, long long* __restrict__ ids,
+                                         long long rows) {
+  const i64 t = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (t >= rows) return;
+  const T* zr = z + t * NE;
   W v[EPL];
   W mx = LD(W, zr[lane < NE ? lane : 0]);
 #pragma unroll
@@ -296,61 +301,9 @@ __device__ __forceinline__ void rlx_route_row(const T* zr, T* wo, long long* io,
   for (int j = 0; j < KS; ++j) top[j] = top[j] / s;
 #endif
   for (int j = 0; j < KS; ++j) {
-    wo[j] = ST(T, top[j]);
-    io[j] = at[j];
+    wts[t * KS + j] = ST(T, top[j]);
+    ids[t * KS + j] = at[j];
   }
-}
-extern "C" __global__ void rlx_moe_route(const T* __restrict__ z, T* __restrict__ wts, long long* __restrict__ ids,
-                                         long long rows) {
-  const i64 t = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (t < rows) rlx_route_row(z + t * NE, wts + t * KS, ids + t * KS, threadIdx.x & 31);
-}
-// @part route_gemv(K)
-// The router's logits and moe_route in one launch (after route; a decode step's few tokens, one
-// launch fewer a layer): block (t, g) has 8 warps, warp w dots token t's x with router row
-// e = 8g + w (16-byte vectors; the row read before the wait, as a GEMV reads its weights),
-// rounds the logit to T as the router matmul's output is and stores it in z; the token's last
-// block to finish (its counter in `done`, left at zero again) routes z's row.
-#define RG_VPL ((K / 8 + 31) / 32)
-extern "C" __global__ void __launch_bounds__(256) rlx_moe_route_gemv(const T* __restrict__ x,
-    const T* __restrict__ wr, T* __restrict__ z, T* __restrict__ wts, long long* __restrict__ ids,
-    int* __restrict__ done) {
-  const int lane = threadIdx.x & 31, e = blockIdx.y * 8 + (threadIdx.x >> 5);
-  const i64 t = blockIdx.x;
-  rlx_vec<T, 8> wv[RG_VPL];
-#pragma unroll
-  for (int u = 0; u < RG_VPL; ++u) {
-    const int c = lane + 32 * u;
-    if (e < NE && c < K / 8) wv[u] = ((const rlx_vec<T, 8>*)(wr + (i64)e * K))[c];
-  }
-  RLX_GRID_WAIT();
-  if (e < NE) {
-    const rlx_vec<T, 8>* xr = (const rlx_vec<T, 8>*)(x + t * K);
-    W acc = 0;
-#pragma unroll
-    for (int u = 0; u < RG_VPL; ++u) {
-      const int c = lane + 32 * u;
-      if (c < K / 8) {
-        const rlx_vec<T, 8> xv = xr[c];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc += LD(W, xv.v[j]) * LD(W, wv[u].v[j]);
-      }
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) z[t * NE + e] = ST(T, acc);
-  }
-  __shared__ int last;
-  __shared__ __align__(8) unsigned char zs_bytes[NE * sizeof(T)];    // (T has a constructor: raw bytes)
-  T* zs = (T*)zs_bytes;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(done + t, 1) == (int)gridDim.y - 1;
-  __syncthreads();
-  if (!last) return;
-  for (int i = threadIdx.x; i < NE; i += blockDim.x) zs[i] = __ldcg(z + t * NE + i);    // (other blocks' logits: from L2)
-  if (threadIdx.x == 0) done[t] = 0;
-  __syncthreads();
-  if (threadIdx.x < 32) rlx_route_row(zs, wts + t * KS, ids + t * KS, lane);
 }
 // @part combine(TO, TW, TI, NE)
 // y[t, n] = sum_j weights[t, j] * part[t * KS + j, n] over the pairs with an expert id in range.
