@@ -613,13 +613,11 @@ class GemvNorm:
     def add_unfused(self, b) -> None:
         """Add the norm's own launch as its node's step (in its consumer's place), then zero
         the sums its producer left (no GEMV reads them)."""
-        at = b.node, b.op
-        b.node, b.op = self.node, b.r.lir.graph.nodes[self.node].op
-        for fn in self.unfused:
-            b.add(fn)
-        rt, ptr, nbytes, stream = b.cp.cuda.runtime, self.ssq.data.ptr, self.ssq.nbytes, b.stream
-        b.add(lambda: rt.memsetAsync(ptr, 0, nbytes, stream.ptr))
-        b.node, b.op = at
+        with b.at_node(self.node):
+            for fn in self.unfused:
+                b.add(fn)
+            rt, ptr, nbytes, stream = b.cp.cuda.runtime, self.ssq.data.ptr, self.ssq.nbytes, b.stream
+            b.add(lambda: rt.memsetAsync(ptr, 0, nbytes, stream.ptr))
 
     def fits(self, M: int, K: int, dt: DType) -> bool:
         """Whether the GEMV kernel can norm x for a product of M rows of K: x of its dtype,
@@ -1031,10 +1029,12 @@ def _rms_norm(b, x, r, w, h, y, eps, off, pair: tuple | None = None):
     if y.size == 0:
         return
     xv, rows, nn, xrs, rv, rrs = _norm_rows(b, x, r)
-    x2v, rows2, _, xrs2 = _rowargs(b, pair[0]) if pair else (xv, 0, nn, xrs)
     wv = b.contiguous(w) if w is not None else None
-    w2v = (b.contiguous(pair[1]) if pair[1] is not None else None) if pair else wv
-    y2 = pair[2] if pair else y
+    x2v, rows2, xrs2, w2v, y2 = xv, 0, xrs, wv, y          # (no second norm: none of its rows run)
+    if pair:
+        x2, w2, y2 = pair
+        x2v, rows2, _, xrs2 = _rowargs(b, x2)
+        w2v = b.contiguous(w2) if w2 is not None else None
     arrays, strides = [xv, rv, h, y, x2v, y2], [xrs, rrs, xrs2]
     warp = nn <= WARP_ROW
     lanes = 32
@@ -1115,12 +1115,11 @@ def _b_rms_norm(b, n, ins, outs):
         i, x1, w1, y1 = first
         x, y = ins[0], outs[0]
         kind = (x.dt, y.dt, getattr(w, "dt", None), x.shape[-1])
-        if kind == (x1.dt, y1.dt, getattr(w1, "dt", None), x1.shape[-1]) and y1.size and y.size and _apart(y, x1):
+        if (kind == (x1.dt, y1.dt, getattr(w1, "dt", None), x1.shape[-1]) and y1.size and y.size
+                and _apart(y, x1)):
             return _rms_norm(b, x1, None, w1, None, y1, n.a["eps"], n.a["offset"], pair=(x, w, y))
-        at = b.node, b.op                 # (no pair after all: the first norm's own launch, as its node's)
-        b.node, b.op = i, n.op
-        _rms_norm(b, x1, None, w1, None, y1, n.a["eps"], n.a["offset"])
-        b.node, b.op = at
+        with b.at_node(i):                # (no pair after all: the first norm's own launch, as its node's)
+            _rms_norm(b, x1, None, w1, None, y1, n.a["eps"], n.a["offset"])
     _rms_norm(b, ins[0], None, w, None, outs[0], n.a["eps"], n.a["offset"])
 
 

@@ -10,6 +10,7 @@ run on), device->host copies of the outputs, one synchronize.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -71,6 +72,17 @@ class Build:
                                 if n.op == "transpose" and runner.lir.slots[(i, 0)].home == "view"}
 
     # -- fusion helpers
+    @contextlib.contextmanager
+    def at_node(self, i: int):
+        """Steps added meanwhile are node i's (a step built at a later node: profiles and
+        errors name the node it computes)."""
+        at = self.node, self.op
+        self.node, self.op = i, self.r.lir.graph.nodes[i].op
+        try:
+            yield
+        finally:
+            self.node, self.op = at
+
     def sole_consumer(self, i: int, op: str, k: int = 0) -> int | None:
         """The one node using (i, k), if there is exactly one, it is an `op` and not an output."""
         use = self.uses.get((i, k), [])
@@ -361,8 +373,9 @@ class CudaRunner(Runner):
                 raise BackendError(f"cuda backend: building node %{i} ({n.op}) of graph {self.name!r} "
                                    f"failed: {type(e).__name__}: {e}") from e
         if b.waiting_norms:
-            raise BackendError(f"cuda backend: graph {self.name!r}: the norms of nodes "
-                               f"{sorted(v[0] for v in b.waiting_norms.values())} waited for a pair that never ran")
+            firsts = sorted(v[0] for v in b.waiting_norms.values())
+            raise BackendError(f"cuda backend: graph {self.name!r}: the norms of nodes {firsts} waited "
+                               "for a pair that never ran")
         if b.gemv_norms:
             raise BackendError(f"cuda backend: graph {self.name!r}: the norms {sorted(b.gemv_norms)} were "
                                "left to a GEMV that never ran (RLX_CUDA_GEMV_FUSION=0 builds them as "

@@ -76,7 +76,8 @@ def test_a_norm_of_a_norm_and_norms_of_other_lengths_stay_apart():
 
     def f(m):
         xi = m.input("x", (2, 160), F32)
-        twice = m.rms_norm(m.rms_norm(xi, m.param("w1", (160,), F32), eps=EPS), m.param("w2", (160,), F32), eps=EPS)
+        once = m.rms_norm(xi, m.param("w1", (160,), F32), eps=EPS)
+        twice = m.rms_norm(once, m.param("w2", (160,), F32), eps=EPS)
         short = m.rms_norm(m.narrow(xi, 1, 0, 64), m.param("w3", (64,), F32), eps=EPS)
         return {"twice": twice, "short": short}
     out, launches = run(Graph.define("norm_chain", f), {"w1": w1, "w2": w2, "w3": w3}, {"x": x})

@@ -757,7 +757,8 @@ def _gemv_tile(groups, s: int) -> str:
         lines += [f"        v{i} = join16(lanes(r, o, {i}, tab), lanes(r, o, {i + 1}, tab))" for i in quad[::2]]
         lines += [f"        a{j}{i // 2 % acc} = fma16(v{i}, load_f32x16(x{j}, p + {8 * i}), a{j}{i // 2 % acc})"
                   for i in quad[::2] for j in rows]
-    lines += [f"    out[m0 + {j}, n] = hsum(fold16(" + " + ".join(f"a{j}{c}" for c in range(acc)) + "))" for j in rows]
+    lines += [f"    out[m0 + {j}, n] = hsum(fold16(" + " + ".join(f"a{j}{c}" for c in range(acc)) + "))"
+              for j in rows]
     return "\n".join(lines) + "\n\n"
 
 
@@ -1010,7 +1011,8 @@ def drivers(kind: str):
     src = SWIGLU_HEAD + src.format(
         fmt=kind, rows=ROWS_PER_TASK, ahead=AHEAD_ROWS, elems=elems, nbytes=nbytes, dot_body=dot_body,
         decode_body=decode_body, tile=GEMV_TILE, dispatch=_gemv_dispatch(GEMV_TILE),
-        tiles="\n".join(_gemv_tile(groups, m) for m in range(2, GEMV_TILE + 1)), idot=_IDOT_ROW.get(kind, _IDOT + _IAHEAD))
+        tiles="\n".join(_gemv_tile(groups, m) for m in range(2, GEMV_TILE + 1)),
+        idot=_IDOT_ROW.get(kind, _IDOT + _IAHEAD))
     return load_source(src + _AMX_HEAD + "".join(_amx_source(kind, m, groups) for m in _PAIRS))
 
 
@@ -1184,10 +1186,12 @@ def prepare_dequant_matmul(a, outs, protos, op=None):
         gemv = (mod.gemv if not int8 else mod.igemv_ser if w2.nbytes < GEMV_SERIAL_BYTES else mod.igemv)
         mm = bindable(gemv, lambda x, w: (x.reshape(m, k), read_only(w), o2, F16))
     elif int8:
-        mm = lambda x, w: _igemm(x.reshape(m, k), read_only(w.reshape(w2.shape)), mod, s.kind, o2)  # noqa: E731
+        mm = lambda x, w: _igemm(x.reshape(m, k), read_only(w.reshape(w2.shape)),  # noqa: E731
+                                 mod, s.kind, o2)
     else:
         how = a.get("matmul", "f32")
-        mm = lambda x, w: _matmul(x.reshape(m, k), read_only(w.reshape(w2.shape)), mod, s.kind, o2, how)  # noqa: E731
+        mm = lambda x, w: _matmul(x.reshape(m, k), read_only(w.reshape(w2.shape)),  # noqa: E731
+                                  mod, s.kind, o2, how)
     step = with_epilogue(mm, o, protos[2:], a.get("act", "identity"))
     if step is not None:
         step.rounds_x = int8                    # x's int8 blocks made here: the rounding before is redundant
