@@ -1,7 +1,9 @@
-"""The serving race of issue 48: `rlx serve` against llama-cpp-python's OpenAI server
-(`python -m llama_cpp.server`, llama.cpp underneath) on the same GGUF file (the packaged
-SmolLM2-135M Q4_1), each server its own process with the same thread count, pinned to the same
-cores, run one after the other; the clients (the official openai package, streaming) run here.
+"""The serving race of issue 48: `rlx serve` against llama.cpp's servers on the same GGUF file
+(the packaged SmolLM2-135M Q4_1): llama-cpp-python's OpenAI server (`python -m llama_cpp.server`,
+side `llama`) and llama.cpp's own `llama-server` binary (side `llama-server`, from
+--llama-server-bin; built for CUDA on the GPU machine, see benchmarks/README.md). Each server is
+its own process with the same thread count, pinned to the same cores, run one after the other;
+the clients (the official openai package, streaming) run here.
 
 Scenarios (each reports both sides and the ratio where both ran; a side that failed says so):
 
@@ -16,14 +18,18 @@ Scenarios (each reports both sides and the ratio where both ran; a side that fai
    --long-tokens prompt arrives; the streams' p99 inter-token latency before it arrived vs while
    it prefilled (from its arrival to its first token). Target: during <= 2x before, chunked.
 
-Both sides decode exactly --new tokens (RLX: `ignore_eos`; llama-cpp-python has no such field,
-so it gets `logit_bias` -100 on the end tokens). llama-cpp-python's server runs one request at a
-time (one llama context behind a lock; it has no parallel slots), with `--interrupt_requests
-false` (its default, true, would cut a running stream short whenever another request arrives),
-its prompt cache on (`--cache true`, RAM, 2 GiB) and its context keeping the longest common
-prefix of the previous request anyway. `--quick` runs small sizes (a smoke run, ~1-2 min).
+Every side decodes exactly --new tokens (RLX and llama-server: `ignore_eos`; llama-cpp-python has no
+such field, so it gets `logit_bias` -100 on the end tokens). llama-cpp-python's server runs one
+request at a time (one llama context behind a lock; it has no parallel slots), with
+`--interrupt_requests false` (its default, true, would cut a running stream short whenever another
+request arrives), its prompt cache on (`--cache true`, RAM, 2 GiB) and its context keeping the
+longest common prefix of the previous request anyway. llama-server gets one slot per client
+(`-np`, each slot --ctx tokens), continuous batching, its prompt cache (`--cache-prompt`, and its
+default 8 GiB RAM cache of slot states), and `-ngl 99` when RLX's --backend is cuda (every layer on
+the GPU). `--quick` runs small sizes (a smoke run, ~1-2 min).
 
-    python benchmarks/serve_race.py [--quick] [--threads 2] [--sides rlx llama]
+    python benchmarks/serve_race.py [--quick] [--threads 2] [--sides rlx llama llama-server]
+                                    [--llama-server-bin DIR] [--backend numba|cuda]
                                     [--scenarios shared prefix stall] [--json out.json]
 """
 from __future__ import annotations
@@ -167,7 +173,8 @@ def rlx_server(a, port: int, chunk: int) -> Server:
     return Server(f"rlx (prefill chunk {chunk}, stall budget {budget})", cmd, port, a.threads, a.cores, a.wait)
 
 
-def llama_server(a, gguf: str, port: int) -> Server:
+def llama_cpp_python(a, gguf: str, port: int) -> Server:
+    """Side `llama`: llama-cpp-python's OpenAI server (one request at a time)."""
     try:
         import llama_cpp  # noqa: F401
         import sse_starlette  # noqa: F401
@@ -183,6 +190,31 @@ def llama_server(a, gguf: str, port: int) -> Server:
     return Server("llama-cpp-python server", cmd, port, a.threads, a.cores, a.wait)
 
 
+def llama_server_cmd(binary: str, gguf: str, port: int, clients: int, ctx: int, threads: int,
+                     gpu: bool) -> list:
+    """llama-server's command line: one slot of `ctx` tokens per client (the KV cache holds
+    clients x ctx), continuous batching, its prompt cache, every layer on the GPU when `gpu`."""
+    return [binary, "--model", gguf, "--alias", MODEL, "--host", "127.0.0.1", "--port", str(port),
+            "--parallel", str(clients), "--ctx-size", str(clients * ctx), "--cont-batching",
+            "--cache-prompt", "--threads", str(threads), "--threads-batch", str(threads),
+            "--n-gpu-layers", "99" if gpu else "0", "--no-webui"]
+
+
+def llama_server(a, gguf: str, port: int) -> Server:
+    """Side `llama-server`: llama.cpp's own server binary from --llama-server-bin."""
+    if not a.llama_server_bin:
+        raise SideFailed("no --llama-server-bin DIR (the folder holding llama.cpp's llama-server)")
+    binary = os.path.join(a.llama_server_bin, "llama-server")
+    if not os.access(binary, os.X_OK):
+        raise SideFailed(f"--llama-server-bin {a.llama_server_bin}: no executable llama-server there")
+    cmd = llama_server_cmd(binary, gguf, port, a.clients, a.ctx, a.threads, a.backend == "cuda")
+    return Server("llama-server", cmd, port, a.threads, a.cores, a.wait)
+
+
+PEERS = {"llama": ("llama-cpp-python server", llama_cpp_python),      # side: (its name, its start)
+         "llama-server": ("llama-server", llama_server)}
+
+
 # ============================================================================ clients
 def percentile(xs: list, p: float) -> float:
     """The nearest-rank p-th percentile (p in [0, 100]) of a non-empty list."""
@@ -192,7 +224,7 @@ def percentile(xs: list, p: float) -> float:
 
 def no_eos(side: str) -> dict:
     """The request fields that make `side` decode exactly max_tokens tokens."""
-    if side == "rlx":
+    if side in ("rlx", "llama-server"):
         return {"ignore_eos": True}
     return {"logit_bias": {str(t): -100 for t in END_TOKENS}}
 
@@ -538,12 +570,14 @@ def ratio(a_: dict, b: dict, key: str) -> str:
 
 
 def report(a, res: dict, hw: str) -> None:
-    r, p = res.get("rlx", {}), res.get("llama", {})
+    r = res.get("rlx", {})
+    peers = [(PEERS[k][0], k, res[k]) for k in PEERS if k in res]     # (name, side, its results)
     say = print
-    say(f"\n=== serve race: SmolLM2-135M Q4_1, {a.threads} threads each, {hw}; "
-        f"Python {platform.python_version()}")
+    say(f"\n=== serve race: SmolLM2-135M Q4_1 ({res['model']}), {a.threads} threads each, RLX backend "
+        f"{a.backend}, {hw}; Python {platform.python_version()}")
     say(f"    client pinning: {res['client_pin']}; loadavg at the end {loadavg()} (1/5/15 min)")
-    for name, side in (("rlx", r), ("llama", p), ("rlx chunk off", res.get("rlx_nochunk", {}))):
+    commands = (("rlx", r), *((k, d) for _, k, d in peers), ("rlx chunk off", res.get("rlx_nochunk", {})))
+    for name, side in commands:
         if "command" in side:
             say(f"    {name}: {side['command']}")
 
@@ -563,17 +597,18 @@ def report(a, res: dict, hw: str) -> None:
             f"{a.rounds} rounds (p99 of {a.rounds * a.clients} TTFTs)")
         f1 = (lambda d: f"{d['tokens_per_s']:7.1f} tokens/s  TTFT p50 {ms(d['ttft_p50_s'])}, p99 "
               f"{ms(d['ttft_p99_s'])}  (loadavg {d['loadavg'][0]} -> {d['loadavg'][1]})")
-        for name, d in (("rlx", r.get("shared")), ("llama-cpp-python server", p.get("shared"))):
+        for name, d in (("rlx", r.get("shared")), *((n, p.get("shared")) for n, _, p in peers)):
             if d is not None:
                 say(side_line(name, d, f1))
         for i, rd in enumerate((r.get("shared") or {}).get("rounds", []), 1):
             if "runs" in rd:
                 say(f"  {'':<26} rlx round {i} ({rd['tokens_per_s']:.1f} tokens/s): "
                     + runs_line(rd["runs"], rd["wall_s"]))
-        if r.get("shared") and p.get("shared"):
-            say(f"  throughput rlx/llama: {ratio(r['shared'], p['shared'], 'tokens_per_s')} "
-                "(target >= 1.5x); "
-                f"p99 TTFT rlx/llama: {ratio(r['shared'], p['shared'], 'ttft_p99_s')} (target <= 1x)")
+        for _, k, p in peers:
+            if r.get("shared") and p.get("shared"):
+                say(f"  throughput rlx/{k}: {ratio(r['shared'], p['shared'], 'tokens_per_s')} "
+                    "(target >= 1.5x); "
+                    f"p99 TTFT rlx/{k}: {ratio(r['shared'], p['shared'], 'ttft_p99_s')} (target <= 1x)")
     if "prefix" in a.scenarios:
         say(f"\n2. TTFT of a second request sharing a {a.prefix_tokens}-token prefix / the first's "
             f"(median of {a.pairs} pairs)")
@@ -581,7 +616,7 @@ def report(a, res: dict, hw: str) -> None:
               f"second {ms(statistics.median(d['second_s']))}"
               f", ratio {d['ratio']:.3f}  (loadavg {d['loadavg'][0]} -> {d['loadavg'][1]})")
         for name, d in (("rlx (target <= 0.2)", r.get("prefix")),
-                        ("llama-cpp-python server", p.get("prefix"))):
+                        *((n, p.get("prefix")) for n, _, p in peers)):
             if d is not None:
                 say(side_line(name, d, f2))
     if "stall" in a.scenarios:
@@ -605,10 +640,13 @@ def report(a, res: dict, hw: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
-    ap.add_argument("--sides", nargs="+", default=["rlx", "llama"], choices=["rlx", "llama"])
+    ap.add_argument("--sides", nargs="+", default=["rlx", "llama"], choices=["rlx", *PEERS])
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     ap.add_argument("--threads", type=int, default=2, help="threads (and cores) of each server")
-    ap.add_argument("--backend", default="numba")
+    ap.add_argument("--backend", default="numba",
+                    help="rlx serve --backend (cuda: llama-server's layers on the GPU too)")
+    ap.add_argument("--llama-server-bin", default=None, metavar="DIR",
+                    help="side llama-server: the folder holding llama.cpp's llama-server binary")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--new", type=int, default=64, help="scenario 1: new tokens per request")
     ap.add_argument("--rounds", type=int, default=3, help="scenario 1: measured rounds")
@@ -627,7 +665,8 @@ def main() -> None:
                     "also runs it at 0)")
     ap.add_argument("--stall-budget", type=float, default=None, help="rlx serve --stall-budget (default: the "
                     "server's; 0 with --prefill-chunk 0)")
-    ap.add_argument("--ctx", type=int, default=8192, help="the peer's n_ctx (SmolLM2's context)")
+    ap.add_argument("--ctx", type=int, default=8192, help="the peers' context (llama-server's per slot; "
+                    "SmolLM2's)")
     ap.add_argument("--wait", type=float, default=600, help="seconds to wait for a server or a request")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -651,16 +690,16 @@ def main() -> None:
     else:
         client_pin = f"servers and clients share all {len(allowed)} cores"
     log(f"{hw}; {client_pin}; loadavg {loadavg()}; model {gguf}")
-    res: dict = {"client_pin": client_pin}
+    res: dict = {"client_pin": client_pin, "model": gguf}
     if "rlx" in a.sides:
         res["rlx"] = serve_side(a, "rlx", lambda port: rlx_server(a, port, a.prefill_chunk), a.scenarios,
                                 "rlx", texts)
         if "stall" in a.scenarios:
             res["rlx_nochunk"] = serve_side(a, "rlx chunk off", lambda port: rlx_server(a, port, 0),
                                             ["stall"], "rlx", texts)
-    if "llama" in a.sides:
-        res["llama"] = serve_side(a, "llama", lambda port: llama_server(a, gguf, port),
-                                  [s for s in a.scenarios if s != "stall"], "llama", texts)
+    for side in (k for k in PEERS if k in a.sides):
+        res[side] = serve_side(a, side, lambda port: PEERS[side][1](a, gguf, port),
+                               [s for s in a.scenarios if s != "stall"], side, texts)
     report(a, res, hw)
     if a.json:
         with open(a.json, "w") as f:

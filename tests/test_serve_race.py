@@ -1,0 +1,94 @@
+"""The pure parts of benchmarks/serve_race.py's peers (llama-server's command line) and of
+benchmarks/gguf_standin.py (a GGUF's header travelling without its weights, filled again with
+random weights of the same types: what the GPU race serves when the packaged file cannot travel)."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import gguf_standin  # noqa: E402
+import serve_race  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+
+
+def test_llama_server_cmd_gives_a_slot_of_ctx_tokens_per_client():
+    cmd = serve_race.llama_server_cmd("/b/llama-server", "/m.gguf", 8123, clients=32, ctx=4096, threads=4,
+                                      gpu=True)
+    flag = {k: v for k, v in zip(cmd, cmd[1:]) if k.startswith("--")}
+    assert cmd[0] == "/b/llama-server"
+    assert flag["--model"] == "/m.gguf" and flag["--port"] == "8123"
+    assert flag["--alias"] == serve_race.MODEL          # the name the clients ask for
+    assert flag["--parallel"] == "32" and flag["--ctx-size"] == str(32 * 4096)
+    assert flag["--threads"] == flag["--threads-batch"] == "4"
+    assert flag["--n-gpu-layers"] == "99"
+    assert "--cont-batching" in cmd and "--cache-prompt" in cmd
+    cpu = serve_race.llama_server_cmd("b", "m", 1, clients=1, ctx=8, threads=1, gpu=False)
+    assert cpu[cpu.index("--n-gpu-layers") + 1] == "0"
+
+
+def test_every_peer_decodes_exactly_max_tokens():
+    assert serve_race.no_eos("llama-server") == {"ignore_eos": True}
+    bias = serve_race.no_eos("llama")["logit_bias"]     # llama-cpp-python has no ignore_eos
+    assert {int(t) for t in bias} == set(serve_race.END_TOKENS) and set(bias.values()) == {-100}
+
+
+def write_gguf(path: str, rng: np.random.Generator) -> dict:
+    """A small GGUF with metadata and one tensor of each type gguf_standin fills:
+    {name: (GGML type, numpy shape)}."""
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_string("tokenizer.chat_template", "{{ messages }}")
+    w.add_array("tokenizer.ggml.tokens", ["a", "b", "<|im_end|>"])
+    tensors = {"norm.weight": (Q.F32, (64,)), "emb.weight": (Q.Q8_0, (5, 64)),
+               "ffn.weight": (Q.Q4_1, (3, 96)), "attn.weight": (Q.Q4_0, (2, 32)), "out.weight": (Q.F16, (4, 64))}
+    for name, (kind, shape) in tensors.items():
+        x = rng.standard_normal(shape).astype(np.float32)
+        if kind == Q.F16:
+            w.add_tensor(name, x.astype(np.float16))
+        elif kind == Q.F32:
+            w.add_tensor(name, x)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tensors
+
+
+def test_standin_keeps_the_header_and_fills_bounded_random_weights(tmp_path):
+    src, head, out = (str(tmp_path / n) for n in ("src.gguf", "src.head", "out.gguf"))
+    tensors = write_gguf(src, np.random.default_rng())
+    gguf_standin.cut(src, head)
+    gguf_standin.fill(head, out, seed=int(np.random.default_rng().integers(1 << 30)))
+    a, b = gguf.GGUFReader(src), gguf.GGUFReader(out)
+    assert os.path.getsize(out) == os.path.getsize(src)
+    with open(src, "rb") as f, open(out, "rb") as g:
+        assert f.read(a.data_offset) == g.read(b.data_offset)           # metadata, tokenizer, table
+    got = {t.name: t for t in b.tensors}
+    for t in a.tensors:
+        kind, shape = tensors[t.name]
+        u = got[t.name]
+        assert u.tensor_type == t.tensor_type == kind and list(u.shape) == list(t.shape)
+        x = gguf.quants.dequantize(np.asarray(u.data), kind).astype(np.float64).reshape(shape)
+        assert np.isfinite(x).all()
+        if len(shape) == 1:                                             # a norm's gain: near 1
+            assert abs(x.mean() - 1) < 0.02 and x.std() < 0.05
+        else:                                   # uniform in +-sqrt(3 / row): unit variance per row's dot
+            bound = math.sqrt(3 / shape[-1])
+            tol = bound * (2 ** -10 + 2 ** -9) if kind != Q.F32 else 1e-7  # float16 scales and values
+            assert np.abs(x).max() <= bound + tol and x.std() > bound / 4
+            assert not np.array_equal(x, gguf.quants.dequantize(np.asarray(t.data), kind).reshape(shape))
+
+
+def test_standin_names_a_type_it_cannot_fill():
+    with pytest.raises(SystemExit, match="Q6_K"):
+        gguf_standin.weights("Q6_K", [256, 2], 420, np.random.default_rng(0))
