@@ -36,7 +36,8 @@ from .resident import release_llvm_pages
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 GEMV_MAX_M = 1                  # rows up to which a matmul on a [N, K] weight is a numba GEMV
 PAR_MIN = codegen.PAR_MIN       # work (elements, or multiply-adds) from which kernels use all threads
-DECODE_CHUNK = 32               # fewest keys per task of decode attention
+DECODE_CHUNK = 32               # fewest keys per task of split-keys attention (decode, pieces)
+FEW_QUERIES = 64                # query rows a sequence up to which attention splits the keys, not the rows
 ATTN_TILE = 32                  # query rows per head in a task of f32 prefill attention
 PREPARE: dict = {}              # op -> prepare(a, outs, protos) -> fn(a, out, *ins) | None
 
@@ -193,12 +194,13 @@ def _attention_fn(a, q, k, v, o, mask):
     default_pos = np.full(nb, sk - sq, np.int32)       # a graph's cache_pos type: one kernel for both
     work = nb * nh * sq * sk * max(d, 1)
     kern = _pick(K.attention_par, K.attention_ser, work)
-    gemm = sq > 1 and d > 0 and SGEMM is not None and o.dtype == np.float32 and o.strides[3] == o.itemsize
-    if sq == 1:          # decode: split over kv heads and chunks of keys, not query rows
+    few = sq <= FEW_QUERIES
+    gemm = not few and d > 0 and SGEMM is not None and o.dtype == np.float32 and o.strides[3] == o.itemsize
+    if few:              # decode, a prefill piece: split over kv heads and chunks of keys, not query rows
         vec = o.dtype == np.float32 and d % LANES == 0 and v.shape[3] % LANES == 0   # (strided k, v: copied)
 
         def kern(*args):
-            K.attention_decode(*args, vec, DECODE_CHUNK, numba.get_num_threads())
+            K.attention_split_keys(*args, vec, DECODE_CHUNK, numba.get_num_threads())
     elif gemm:           # prefill: tiles of query rows as two sgemm calls each, on numba's threads
         tiles = _pick(K.attention_gemm_par, K.attention_gemm_ser, work)
         rows = K.attention_tile(ATTN_TILE, sq, sk, nb * k.shape[1], numba.get_num_threads(), causal)
