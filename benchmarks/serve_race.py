@@ -313,7 +313,7 @@ def shared(client, server: Server, side: str, a, texts: Texts) -> dict:
 
     one_round(texts.of(a.system_tokens, seed=1), 0)            # warm-up: compile, another prompt
     system = texts.of(a.system_tokens, seed=2)
-    load0, rounds, ttfts = loadavg(), [], []
+    load0, rounds, ttfts, cpu0 = loadavg(), [], [], time.process_time()
     for r in range(1, a.rounds + 1):
         t0 = time.perf_counter()
         streams, wall = one_round(system, r)
@@ -326,7 +326,8 @@ def shared(client, server: Server, side: str, a, texts: Texts) -> dict:
     tokens, wall = sum(r["tokens"] for r in rounds), sum(r["wall_s"] for r in rounds)
     return {"tokens_per_s": tokens / wall, "ttft_p50_s": percentile(ttfts, 50),
             "ttft_p99_s": percentile(ttfts, 99), "rounds": rounds, "system_tokens": texts.count(system),
-            "loadavg": [load0, loadavg()]}
+            "loadavg": [load0, loadavg()], "wall_s": wall,
+            "client_cpu_s": time.process_time() - cpu0}    # near wall_s: the clients' one GIL bounds the race
 
 
 def prefix(client, server: Server, side: str, a, texts: Texts) -> dict:
@@ -596,14 +597,18 @@ def report(a, res: dict, hw: str) -> None:
             "each, "
             f"{a.rounds} rounds (p99 of {a.rounds * a.clients} TTFTs)")
         f1 = (lambda d: f"{d['tokens_per_s']:7.1f} tokens/s  TTFT p50 {ms(d['ttft_p50_s'])}, p99 "
-              f"{ms(d['ttft_p99_s'])}  (loadavg {d['loadavg'][0]} -> {d['loadavg'][1]})")
-        for name, d in (("rlx", r.get("shared")), *((n, p.get("shared")) for n, _, p in peers)):
-            if d is not None:
-                say(side_line(name, d, f1))
+              f"{ms(d['ttft_p99_s'])}  (loadavg {d['loadavg'][0]} -> {d['loadavg'][1]}"
+              + (f"; clients' CPU {d['client_cpu_s']:.2f} s of {d['wall_s']:.1f} s" if "wall_s" in d else "")
+              + ")")
+        if r.get("shared") is not None:
+            say(side_line("rlx", r["shared"], f1))
         for i, rd in enumerate((r.get("shared") or {}).get("rounds", []), 1):
             if "runs" in rd:
                 say(f"  {'':<26} rlx round {i} ({rd['tokens_per_s']:.1f} tokens/s): "
                     + runs_line(rd["runs"], rd["wall_s"]))
+        for name, _, p in peers:
+            if p.get("shared") is not None:
+                say(side_line(name, p["shared"], f1))
         for _, k, p in peers:
             if r.get("shared") and p.get("shared"):
                 say(f"  throughput rlx/{k}: {ratio(r['shared'], p['shared'], 'tokens_per_s')} "
@@ -635,6 +640,28 @@ def report(a, res: dict, hw: str) -> None:
                     if line:
                         say(f"  {'':<26} {line}")
     say(f"\nreproduce: {shlex.join([os.path.relpath(sys.executable), *sys.argv])}")
+
+
+SIZES_FREE = ("sides", "json", "llama_server_bin", "report", "wait")   # may differ between --report's runs
+
+
+def report_files(files: list) -> None:
+    """The report of earlier runs' --json files (sides run apart, e.g. one while the peer was
+    still building): their sizes must match."""
+    res: dict = {}
+    first = None
+    for path in files:
+        with open(path) as f:
+            d = json.load(f)
+        args = {k: v for k, v in d["args"].items() if k not in SIZES_FREE}
+        if first is None:
+            first, a, hw = (path, args), argparse.Namespace(**d["args"]), d["hardware"]
+        elif args != first[1] or d["hardware"] != hw:
+            diff = sorted(k for k in set(args) | set(first[1]) if args.get(k) != first[1].get(k))
+            raise SystemExit(f"--report: {path} ran other sizes than {first[0]}: "
+                             f"{', '.join(diff) or 'the hardware'} differ")
+        res.update({k: v for k, v in d.items() if k not in ("hardware", "args")})
+    report(a, res, hw)
 
 
 def main() -> None:
@@ -669,7 +696,11 @@ def main() -> None:
                     "SmolLM2's)")
     ap.add_argument("--wait", type=float, default=600, help="seconds to wait for a server or a request")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--report", nargs="+", metavar="JSON", help="print the report of earlier runs' --json "
+                    "files (sides run apart, with the same sizes) and exit")
     a = ap.parse_args()
+    if a.report:
+        return report_files(a.report)
     if a.quick:
         for k, v in dict(clients=4, new=16, rounds=1, system_tokens=200, prefix_tokens=400, pairs=1,
                          long_tokens=600, stall_new=2000, steady=4).items():

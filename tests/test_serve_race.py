@@ -92,3 +92,25 @@ def test_standin_keeps_the_header_and_fills_bounded_random_weights(tmp_path):
 def test_standin_names_a_type_it_cannot_fill():
     with pytest.raises(SystemExit, match="Q6_K"):
         gguf_standin.weights("Q6_K", [256, 2], 420, np.random.default_rng(0))
+
+
+def run_json(path, side: str, tokens_per_s: float, **sizes) -> str:
+    """An earlier run's --json file: one side's scenario 1 at `sizes`."""
+    import json
+
+    args = dict(dict(sides=[side], json=str(path), threads=2, backend="cuda", clients=32, new=64, rounds=3,
+                     system_tokens=1000, scenarios=["shared"], stall_budget=None, prefill_chunk=256), **sizes)
+    shared = {"tokens_per_s": tokens_per_s, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2, "loadavg": [0.5, 0.6]}
+    with open(path, "w") as f:
+        json.dump({"hardware": "H200", "args": args, "client_pin": "servers on cores [0, 1]",
+                   "model": "m.gguf", side: {"command": side, "shared": shared}}, f)
+    return str(path)
+
+
+def test_report_joins_runs_of_the_same_sizes(tmp_path, capsys):
+    rlx = run_json(tmp_path / "rlx.json", "rlx", 300.0)
+    serve_race.report_files([rlx, run_json(tmp_path / "peer.json", "llama-server", 200.0)])
+    out = capsys.readouterr().out
+    assert "throughput rlx/llama-server: 1.50x" in out and "p99 TTFT rlx/llama-server: 1.00x" in out
+    with pytest.raises(SystemExit, match="peer2.json ran other sizes than .*rlx.json: clients"):
+        serve_race.report_files([rlx, run_json(tmp_path / "peer2.json", "llama-server", 1.0, clients=8)])
