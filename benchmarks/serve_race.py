@@ -109,9 +109,12 @@ def server_cores(threads: int) -> list:
 
 class Server:
     """One server process on a free loopback port, pinned to `cores` with every thread pool at
-    `threads`; `alive()` says whether it still runs."""
+    `threads`, started once GET `ready` answers 200 (a server that answers before it is warm,
+    rlx serve's /v1/models, would otherwise build its graphs inside the race); `alive()` says
+    whether it still runs."""
 
-    def __init__(self, name: str, cmd: list, port: int, threads: int, cores: list, wait: float):
+    def __init__(self, name: str, cmd: list, port: int, threads: int, cores: list, wait: float,
+                 ready: str = "/v1/models"):
         self.name, self.port = name, port
         env = dict(os.environ, RLX_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                    OPENBLAS_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
@@ -124,7 +127,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise SideFailed(f"{name} exited ({self.proc.returncode}) while loading: {self.tail()}")
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
+                urllib.request.urlopen(f"http://127.0.0.1:{port}{ready}", timeout=2).read()
                 return
             except OSError:
                 time.sleep(0.25)
@@ -170,7 +173,8 @@ def rlx_server(a, port: int, chunk: int) -> Server:
             cmd += [flag, str(value)]
         else:
             log(f"  NOTE: this rlx serve has no {flag}: run without it")
-    return Server(f"rlx (prefill chunk {chunk}, stall budget {budget})", cmd, port, a.threads, a.cores, a.wait)
+    return Server(f"rlx (prefill chunk {chunk}, stall budget {budget})", cmd, port, a.threads, a.cores,
+                  a.wait, ready="/health")
 
 
 def llama_cpp_python(a, gguf: str, port: int) -> Server:
@@ -208,7 +212,7 @@ def llama_server(a, gguf: str, port: int) -> Server:
     if not os.access(binary, os.X_OK):
         raise SideFailed(f"--llama-server-bin {a.llama_server_bin}: no executable llama-server there")
     cmd = llama_server_cmd(binary, gguf, port, a.clients, a.ctx, a.threads, a.backend == "cuda")
-    return Server("llama-server", cmd, port, a.threads, a.cores, a.wait)
+    return Server("llama-server", cmd, port, a.threads, a.cores, a.wait, ready="/health")
 
 
 PEERS = {"llama": ("llama-cpp-python server", llama_cpp_python),      # side: (its name, its start)
