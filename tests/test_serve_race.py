@@ -41,26 +41,15 @@ def test_every_peer_decodes_exactly_max_tokens():
 
 
 def write_gguf(path: str, rng: np.random.Generator) -> dict:
-    """A small GGUF with metadata and one tensor of each type gguf_standin fills:
-    {name: (GGML type, numpy shape)}."""
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(1)
-    w.add_string("tokenizer.chat_template", "{{ messages }}")
-    w.add_array("tokenizer.ggml.tokens", ["a", "b", "<|im_end|>"])
+    """A small GGUF (test_weights' writer: metadata and a vocabulary) with one tensor of each
+    type gguf_standin fills: {name: (GGML type, numpy shape)}."""
+    from test_weights import _write_gguf
+
     tensors = {"norm.weight": (Q.F32, (64,)), "emb.weight": (Q.Q8_0, (5, 64)),
                "ffn.weight": (Q.Q4_1, (3, 96)), "attn.weight": (Q.Q4_0, (2, 32)), "out.weight": (Q.F16, (4, 64))}
-    for name, (kind, shape) in tensors.items():
-        x = rng.standard_normal(shape).astype(np.float32)
-        if kind == Q.F16:
-            w.add_tensor(name, x.astype(np.float16))
-        elif kind == Q.F32:
-            w.add_tensor(name, x)
-        else:
-            w.add_tensor(name, gguf.quants.quantize(x, kind), raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_gguf(path, "llama", {n: (rng.standard_normal(shape).astype(np.float32), kind)
+                                for n, (kind, shape) in tensors.items()},
+                tokens=["<s>", "</s>", "a", "b"], merges=["a b"])
     return tensors
 
 
