@@ -24,7 +24,7 @@ request at a time (one llama context behind a lock; it has no parallel slots), w
 `--interrupt_requests false` (its default, true, would cut a running stream short whenever another
 request arrives), its prompt cache on (`--cache true`, RAM, 2 GiB) and its context keeping the
 longest common prefix of the previous request anyway. llama-server gets one slot per client
-(`-np`, each slot --ctx tokens), continuous batching, its prompt cache (`--cache-prompt`, and its
+(`--parallel`, each slot --ctx tokens), continuous batching, its prompt cache (`--cache-prompt`, and its
 default 8 GiB RAM cache of slot states), and `-ngl 99` when RLX's --backend is cuda (every layer on
 the GPU). `--quick` runs small sizes (a smoke run, ~1-2 min).
 
