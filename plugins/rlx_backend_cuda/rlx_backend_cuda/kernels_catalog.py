@@ -52,7 +52,7 @@ def catalog() -> list:
                                             STORE=f"ST({t}, v)"), "rlx_cumsum"))
         for il in (0, 1):
             out.append((f"rope {t} {il}", S.render(S.ROPE, TX=t, TC="float", TO=t, ACC=acc, INTERLEAVED=il,
-                                                   TP="int"), "rlx_rope"))
+                                                   TP="int", TN=t), "rlx_rope"))
             if t in ("__nv_bfloat16", "__half"):
                 out.append((f"rope_vec {t} {il}", S.render(S.ROPE_VEC, TX=t, TC=t, TO=t, ACC="float",
                                                            INTERLEAVED=il), "rlx_rope_vec"))

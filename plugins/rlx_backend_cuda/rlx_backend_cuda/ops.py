@@ -1102,11 +1102,15 @@ def _view_root(b, ref: tuple) -> int:
 
 
 def _b_rms_norm(b, n, ins, outs):
-    """A plain RMSNorm; the first of a pair (`_paired_norm`) waits for the second, which runs
-    both in one launch where their rows fit one kernel (same dtypes and row length)."""
+    """A plain RMSNorm; one whose only reader is a RoPE is left to that rope's launch
+    (`RopeNorm`); the first of a pair (`_paired_norm`) waits for the second, which runs both in
+    one launch where their rows fit one kernel (same dtypes and row length)."""
     w = ins[1] if len(ins) > 1 else None
     first = b.waiting_norms.pop(b.node, None)
-    if first is None:
+    later = RopeNorm.of(b, n, ins, outs)
+    if later is not None:
+        b.rope_norms[b.node] = later
+    elif first is None:
         j = _paired_norm(b, n)
         if j is not None:
             b.waiting_norms[j] = (b.node, ins[0], w, outs[0])
@@ -1118,9 +1122,99 @@ def _b_rms_norm(b, n, ins, outs):
         if (kind == (x1.dt, y1.dt, getattr(w1, "dt", None), x1.shape[-1]) and y1.size and y.size
                 and _apart(y, x1)):
             return _rms_norm(b, x1, None, w1, None, y1, n.a["eps"], n.a["offset"], pair=(x, w, y))
-        with b.at_node(i):                # (no pair after all: the first norm's own launch, as its node's)
-            _rms_norm(b, x1, None, w1, None, y1, n.a["eps"], n.a["offset"])
-    _rms_norm(b, ins[0], None, w, None, outs[0], n.a["eps"], n.a["offset"])
+    if first is not None:
+        with b.at_node(first[0]):         # (no pair after all: the first norm's own launch, as its node's)
+            _rms_norm(b, first[1], None, first[2], None, first[3], n.a["eps"], n.a["offset"])
+    if later is None:
+        _rms_norm(b, ins[0], None, w, None, outs[0], n.a["eps"], n.a["offset"])
+
+
+# ----------------------------------------------------------------------------- norms in the RoPE
+# A decode step's q and k norms (OLMoE's over a position's whole projection, Qwen3's and Gemma's
+# per head) are read only by the RoPE after them, which also writes k and v into the cache: the
+# rope launch norms the rows it loads, so the norms are no launch of their own (3.6 us a launch
+# on the H200 at batch 1). CONFIG["rope_norm"] (RLX_CUDA_ROPE_NORM=0 at build) turns it off.
+@attrs.frozen(eq=False)
+class RopeNorm:
+    """y = rms_norm(x) * (w + off), left for the rope reading y (through views only) to compute
+    from x as it loads its rows; `whole`: a norm row is all H heads of a position (y [B, S, H*D]),
+    else one head (y [B, S, H, D])."""
+    node: int
+    x: V
+    w: V
+    y: V
+    eps: float
+    off: float
+    whole: bool
+
+    # a whole-row norm is summed by each head's warp again: only where the rows are decode's few
+    WHOLE_MAX_ROWS = 64
+
+    @classmethod
+    def of(cls, b, n, ins, outs) -> RopeNorm | None:
+        """The record when this rms_norm's one reader is a rope's x (through views), it has a
+        weight, x and y one dtype, y [B, S, H*D] or [B, S, H, D] for the rope's [B, H, S, D]."""
+        if not CONFIG["rope_norm"] or len(ins) < 2 or ins[0].dt is not outs[0].dt or not outs[0].size:
+            return None
+        reader = _reader_through_views(b, (b.node, 0))
+        if (reader is None or b.r.lir.graph.nodes[reader[0]].op != "rope" or reader[1] != 0
+                or not _alive_until(b, tuple(n.inputs[0]), reader[0])):
+            return None
+        rope_shape = tuple(b.r.lir.graph.nodes[reader[0]].outs[0].dims)
+        y = outs[0]
+        if len(rope_shape) != 4 or len(y.shape) not in (3, 4) or ins[1].shape != (y.shape[-1],):
+            return None
+        B, H, S, D = rope_shape
+        whole = y.shape == (B, S, H * D) and (H == 1 or B * S <= cls.WHOLE_MAX_ROWS)
+        if not whole and y.shape != (B, S, H, D):
+            return None
+        return cls(b.node, ins[0], ins[1], y, n.a["eps"], n.a["offset"], whole)
+
+    def add_unfused(self, b) -> None:
+        """The norm's own launch, as its node's step (the rope could not take it)."""
+        with b.at_node(self.node):
+            _rms_norm(b, self.x, None, self.w, None, self.y, self.eps, self.off)
+
+    def source(self, b, seen: V) -> V | None:
+        """x seen as the rope sees y ([B, H, S, D]), or None where the rope's view of y is not
+        the plain reshape and transpose (then the norm runs on its own)."""
+        D = seen.shape[3]
+
+        def bhsd(v: V) -> tuple:
+            e = v.es
+            return (e[0], D * e[2], e[1], e[2]) if self.whole else (e[0], e[2], e[1], e[3])
+        steps = [(a, c) for a, c, d in zip(seen.es, bhsd(self.y), seen.shape) if d > 1]
+        if seen.arr.data.ptr != self.y.arr.data.ptr or any(a != c for a, c in steps):
+            return None
+        isz = self.x.arr.itemsize
+        strides = tuple(e * isz for e in bhsd(self.x))
+        return V(b.cp.lib.stride_tricks.as_strided(self.x.arr, seen.shape, strides), self.x.dt)
+
+
+def _alive_until(b, ref: tuple, j: int) -> bool:
+    """Whether the bytes of value ref (through views) stay its own until node j reads them: the
+    plan may give a dead value's bytes to a node between (a GEMV of v between the q/k norms and
+    their rope, where v's weights are in another scheme than q's and k's)."""
+    g, slots = b.r.lir.graph, b.r.lir.slots
+    while getattr(slots.get(ref), "home", "") == "view":
+        ref = tuple(g.nodes[ref[0]].inputs[0])
+    slot = slots.get(ref)
+    return slot is not None and (slot.home in ("input", "param", "state", "const")
+                                 or (slot.home == "arena" and slot.end >= j))
+
+
+def _reader_through_views(b, ref: tuple) -> tuple | None:
+    """(node, input index) of the one node reading ref, looking through views that are each the
+    one use of the value before; None where a value on the way has other uses or is an output."""
+    g, slots = b.r.lir.graph, b.r.lir.slots
+    while True:
+        use = b.uses.get(ref, [])
+        if len(use) != 1 or use[0] < 0:
+            return None
+        u = use[0]
+        if getattr(slots.get((u, 0)), "home", "") != "view":
+            return u, [tuple(r) for r in g.nodes[u].inputs].index(ref)
+        ref = (u, 0)
 
 
 def _full(b, r: V, shape) -> V:
@@ -1797,36 +1891,66 @@ def _b_attention(b, n, ins, outs):
     _attention(b, a, q, k, v, mask, pos, outs[0])
 
 
-def _rope(b, jobs: list, cos: V, sin: V, style: str, pos: V | None = None, node: int = 0) -> None:
+def _rope(b, jobs: list, cos: V, sin: V, style: str, pos: V | None = None, node: int = 0,
+          norms: list | None = None) -> None:
     """One launch for up to three jobs (x [B, H, S, D], out, rotate, at_pos) sharing B, S, D
     and the tables: out <- rope(x) (or x itself, rotate False); at_pos: out is a KV cache and
-    the rows go to position pos[b] (the kv_write node `node`, named if the cache overflows)."""
-    jobs = [j for j in jobs if j[0].size]
-    if not jobs:
+    the rows go to position pos[b] (the kv_write node `node`, named if the cache overflows);
+    norms: per job a RopeNorm whose x the job's x is (normed as it is loaded), or None."""
+    norms = norms or [None] * len(jobs)
+    kept = [(j, m) for j, m in zip(jobs, norms) if j[0].size]
+    if not kept:
         return
+    jobs, norms = [j for j, _ in kept], [m for _, m in kept]
     c = b.contiguous(cos)
     s = b.contiguous(sin, c.dt)
     B, _, S, D = jobs[0][0].shape
     half = c.shape[-1]
     pos = b.contiguous(pos) if pos is not None else None
-    if _rope_vec(b, jobs, c, s, style, B, S, D, half):
+    if not any(norms) and _rope_vec(b, jobs, c, s, style, B, S, D, half):
         return
     nax = next((o.shape[2] for _, o, _, at in jobs if at), 0)
+    tn = next((ctype(m.w.dt) for m in norms if m is not None), "float")
     src = sources.render(sources.ROPE, TX=ctype(jobs[0][0].dt), TC=ctype(c.dt), TO=ctype(jobs[0][1].dt),
                          ACC=acc_of(jobs[0][0].dt), INTERLEAVED=int(style == "interleaved"),
-                         TP=ctype(pos.dt) if pos is not None else "int")
+                         TP=ctype(pos.dt) if pos is not None else "int", TN=tn)
     fn = b.kernel(src, "rlx_rope")
     args = [c.arr, s.arr, i32(B), i32(S), i32(D), i32(half), i32(len(c.shape) == 3),
             pos.arr if pos is not None else None, i64(nax), b.r.err, i32(node)]
     for k in range(3):
         if k < len(jobs):
-            x, o, rot, at = jobs[k]
+            (x, o, rot, at), m = jobs[k], norms[k]
             args += [x.arr, *[i64(v) for v in x.es], o.arr, *[i64(v) for v in o.es], i32(x.shape[1]),
                      i32(rot), i32(at)]
+            args += ([b.contiguous(m.w).arr, i32(2 if m.whole else 1), np.float32(m.eps), np.float32(m.off)]
+                     if m is not None else [None, i32(0), np.float32(0), np.float32(0)])
         else:
             args += [None, *[i64(0)] * 4, None, *[i64(0)] * 4, i32(0), i32(0), i32(0)]
+            args += [None, i32(0), np.float32(0), np.float32(0)]
     rows = B * sum(x.shape[1] for x, _, _, _ in jobs) * S
     b.launch(fn, _grid(rows, b.sms, ROPE_ROWS), (32, ROPE_ROWS), args)
+
+
+def _normed_jobs(b, jobs: list, norms: list) -> tuple:
+    """(jobs, norms) for `_rope`: each job whose x is a RopeNorm's y (norms[k]) reads that
+    norm's x instead, where the rope's view of y is the plain one and nothing the launch writes,
+    nor anything built since the norm, meets the bytes it reads; the norms that cannot be taken
+    so get their own launches here (before the rope's)."""
+    taken = [m.source(b, x) if m is not None else None for (x, *_), m in zip(jobs, norms)]
+    first = min((m.node for m in norms if m is not None), default=b.node)
+    written = [o for _, o, _, _ in jobs] + [
+        v for (t, k), v in b.vals.items() if first < t < b.node
+        and getattr(b.r.lir.slots.get((t, k)), "home", "") != "view"]
+    tn = {m.w.dt for m, src in zip(norms, taken) if src is not None}
+    fits = len(tn) <= 1 and all(_apart(src, w) for src in taken if src is not None for w in written)
+    out_jobs, out_norms = [], []
+    for job, m, src in zip(jobs, norms, taken):
+        if m is not None and (src is None or not fits):
+            m.add_unfused(b)
+            src, m = None, None
+        out_jobs.append((src, *job[1:]) if src is not None else job)
+        out_norms.append(m)
+    return out_jobs, out_norms
 
 
 def _rope_vec(b, jobs: list, c: V, s: V, style: str, B: int, S: int, D: int, half: int) -> bool:
@@ -1872,10 +1996,11 @@ def _b_rope(b, n, ins, outs):
     cannot join (its inputs not built by earlier launches, other dtypes or shapes)."""
     nodes = b.r.lir.graph.nodes
     x, cos, sin = ins
-    jobs, pos, err_node = [], None, 0
+    jobs, norms, pos, err_node = [], [], None, 0
 
     def add(i, xv, out):
         nonlocal pos, err_node
+        norms.append(b.rope_norms.pop(_view_root(b, tuple(nodes[i].inputs[0])), None))
         w = b.sole_consumer(i, "kv_write")
         # its kv_write done now: nothing in between may read the cache (only views, ropes, writes)
         if (w is not None and tuple(nodes[w].inputs[1]) == (i, 0)
@@ -1915,7 +2040,9 @@ def _b_rope(b, n, ins, outs):
             pos, err_node = got[1], err_node or j
             b.absorbed.add(j)
             jobs.append((new, got[0], False, True))
-    _rope(b, jobs, cos, sin, n.a["style"], pos, err_node)
+            norms.append(None)
+    jobs, norms = _normed_jobs(b, jobs, norms)
+    _rope(b, jobs, cos, sin, n.a["style"], pos, err_node, norms)
 
 
 def _same_bsd(a: V, c: V) -> bool:

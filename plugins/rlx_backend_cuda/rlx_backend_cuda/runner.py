@@ -67,6 +67,7 @@ class Build:
         self.node_local: dict = {}    # (purpose, dtype) -> buffer shared by the nodes (node_buffer)
         self.gemv_norms: dict = {}    # (node, out) -> ops.GemvNorm its consuming GEMV computes
         self.waiting_norms: dict = {}  # rms_norm node -> the earlier rms_norm sharing its launch (ops)
+        self.rope_norms: dict = {}    # rms_norm node -> ops.RopeNorm the rope reading it computes
         g = runner.lir.graph
         self.view_transposes = {i for i, n in enumerate(g.nodes)
                                 if n.op == "transpose" and runner.lir.slots[(i, 0)].home == "view"}
@@ -376,6 +377,9 @@ class CudaRunner(Runner):
             firsts = sorted(v[0] for v in b.waiting_norms.values())
             raise BackendError(f"cuda backend: graph {self.name!r}: the norms of nodes {firsts} waited "
                                "for a pair that never ran")
+        if b.rope_norms:
+            raise BackendError(f"cuda backend: graph {self.name!r}: the norms of nodes {sorted(b.rope_norms)} "
+                               "were left to a rope that never ran")
         if b.gemv_norms:
             raise BackendError(f"cuda backend: graph {self.name!r}: the norms {sorted(b.gemv_norms)} were "
                                "left to a GEMV that never ran (RLX_CUDA_GEMV_FUSION=0 builds them as "

@@ -11,11 +11,14 @@ from rlx_core.ir.dtype import DType
 # gemv_fusion (read at build): residual RMSNorms computed inside the decode GEMVs (ops.GemvNorm);
 # RLX_CUDA_GEMV_FUSION=1 turns it on. Off by default: correct on the H200 (2026-12-03) but slower there,
 # Llama-1B-shaped decode b1 1.333 ms/step on vs 1.115 off (benchmarks/README.md, llm_gpu.py)
+# rope_norm (read at build): q/k RMSNorms computed by the RoPE launch reading them (ops.RopeNorm);
+# RLX_CUDA_ROPE_NORM=0 builds them as launches of their own
 CONFIG = {"gemv": True, "tc_attention": True, "wg_attention": True, "lt_epilogue": True, "graphs": True,
           "short_attention": os.environ.get("RLX_CUDA_SHORT_ATTENTION", "1") != "0",
           "copy16": os.environ.get("RLX_CUDA_COPY16", "1") != "0",
           "dependent_launch": os.environ.get("RLX_CUDA_DEPENDENT_LAUNCH", "1") != "0",
-          "gemv_fusion": os.environ.get("RLX_CUDA_GEMV_FUSION", "0") != "0", "version": 0}
+          "gemv_fusion": os.environ.get("RLX_CUDA_GEMV_FUSION", "0") != "0",
+          "rope_norm": os.environ.get("RLX_CUDA_ROPE_NORM", "1") != "0", "version": 0}
 
 
 def set_config(**kw) -> None:

@@ -1,30 +1,59 @@
 // Rotary position embedding, up to three jobs (decode's q, k, v) in one launch.
-// @part rope(TX, TO, TC, TP, ACC, INTERLEAVED)
+// @part rope(TX, TO, TC, TP, ACC, INTERLEAVED, TN)
 // RoPE for up to three jobs in one launch (decode's q, k and v of a layer): job j maps
 // x_j [B, H_j, S, D] (any strides) to o_j (any strides), rotated (rope_j) or copied as is;
 // at_j: o_j is a KV cache and row s goes to position pos[b] + s (the kv_write the job does).
+// norm_j: x_j is normed as it is loaded, rms_norm(x) * (nw_j + noff_j) over one head's row (1)
+// or over the position's H_j heads (2): the q/k norms before the rope, no launch of their own.
 #define RLX_JOB(j) const TX* __restrict__ x##j, long long xa##j, long long xb##j, long long xc##j, \
     long long xd##j, TO* o##j, long long oa##j, long long ob##j, long long oc##j, long long od##j, \
-    int H##j, int rope##j, int at##j
+    int H##j, int rope##j, int at##j, const TN* __restrict__ nw##j, int norm##j, float neps##j, float noff##j
 #define RLX_PICK(j) { x = x##j; xs0 = xa##j; xs1 = xb##j; xs2 = xc##j; xs3 = xd##j; o = o##j; os0 = oa##j; \
-    os1 = ob##j; os2 = oc##j; os3 = od##j; rope = rope##j; at = at##j; }
+    os1 = ob##j; os2 = oc##j; os3 = od##j; rope = rope##j; at = at##j; nw = nw##j; norm = norm##j; \
+    neps = neps##j; noff = noff##j; hn = H##j; }
 extern "C" __global__ void rlx_rope(const TC* __restrict__ cs, const TC* __restrict__ sn, int B, int S,
     int D, int half, int per_batch, const TP* __restrict__ pos, long long nax, int* err, int node,
     RLX_JOB(0), RLX_JOB(1), RLX_JOB(2)) {
-  // rows (head, batch, position) go to the block's threadIdx.y; the W pairs of a row to its
-  // x threads: the row's index divisions are done once, not once per element
+  // rows (head, batch, position) go to the block's threadIdx.y, a warp each; the W pairs of a
+  // row to its x threads: the row's index divisions are done once, not once per element
   const int W = half + (D - 2 * half);
   const i64 per_head = (i64)B * S;
   const i64 total = per_head * (H0 + H1 + H2);
   for (i64 row = blockIdx.x * (i64)blockDim.y + threadIdx.y; row < total; row += (i64)gridDim.x * blockDim.y) {
     i64 h = row / per_head;
-    const TX* x; TO* o; long long xs0, xs1, xs2, xs3, os0, os1, os2, os3; int rope, at;
+    const TX* x; TO* o; const TN* nw; long long xs0, xs1, xs2, xs3, os0, os1, os2, os3;
+    int rope, at, norm, hn; float neps, noff;
     if (h < H0) RLX_PICK(0)
     else if (h < H0 + H1) { RLX_PICK(1) h -= H0; }
     else { RLX_PICK(2) h -= H0 + H1; }
     const i64 rem = row % per_head;
     const int s = (int)(rem % S), b = (int)(rem / S);
     const i64 xb = b * xs0 + h * xs1 + s * xs2;
+    ACC den = 1;
+    if (norm) {            // the norm's row: this head's D values, or all hn heads' (the warp sums them)
+      const int span = norm == 2 ? hn * D : D;
+      const i64 nb = norm == 2 ? xb - h * xs1 : xb;
+      constexpr int V = 16 / sizeof(TX) > 0 ? 16 / sizeof(TX) : 1;   // values in a 16-byte load
+      ACC ss = 0;
+      if (xs3 == 1 && D % V == 0 && xs1 % V == 0 && (unsigned long long)(x + nb) % 16 == 0) {
+        for (int e = threadIdx.x * V; e < span; e += 32 * V) {
+          const rlx_vec<TX, V> v = *(const rlx_vec<TX, V>*)(x + nb + (e / D) * xs1 + e % D);
+#pragma unroll
+          for (int j = 0; j < V; ++j) ss += LD(ACC, v.v[j]) * LD(ACC, v.v[j]);
+        }
+      } else {
+        for (int e = threadIdx.x; e < span; e += 32) {
+          const ACC v = LD(ACC, x[nb + (e / D) * xs1 + (e % D) * xs3]);
+          ss += v * v;
+        }
+      }
+#pragma unroll
+      for (int m = 16; m > 0; m >>= 1) ss += SHFL_XOR(ss, m);
+      den = sqrt(ss / (ACC)span + (ACC)neps);
+      if (norm == 2) nw += h * D;
+    }
+    // x[d], normed where the job norms
+#define RLX_X(d) (norm ? LD(ACC, x[xb + (d) * xs3]) / den * (LD(ACC, nw[d]) + (ACC)noff) : LD(ACC, x[xb + (d) * xs3]))
     i64 p = 0;
     if (at) {
       p = (i64)pos[b];
@@ -38,7 +67,7 @@ extern "C" __global__ void rlx_rope(const TC* __restrict__ cs, const TC* __restr
 #else
         const int d1 = t, d2 = t + half;
 #endif
-        const ACC x1 = LD(ACC, x[xb + d1 * xs3]), x2 = LD(ACC, x[xb + d2 * xs3]);
+        const ACC x1 = RLX_X(d1), x2 = RLX_X(d2);
         if (rope) {
           const i64 ci = (per_batch ? (i64)b * S * half : 0) + (i64)s * half + t;
           const ACC cc = LD(ACC, cs[ci]), ss = LD(ACC, sn[ci]);
@@ -50,9 +79,10 @@ extern "C" __global__ void rlx_rope(const TC* __restrict__ cs, const TC* __restr
         }
       } else {
         const int d = 2 * half + (t - half);
-        orow[d * os3] = ST(TO, LD(ACC, x[xb + d * xs3]));
+        orow[d * os3] = ST(TO, RLX_X(d));
       }
     }
+#undef RLX_X
   }
 }
 // @part rope_vec(TX, TO, TC, ACC, INTERLEAVED)
