@@ -1073,7 +1073,7 @@ def _paired_norm(b, n) -> int | None:
     m = b.r.lir.graph.nodes[j]
     same = (m.op == "rms_norm" and j not in b.absorbed and len(m.inputs) == len(n.inputs)
             and (m.a["eps"], m.a["offset"]) == (n.a["eps"], n.a["offset"]))
-    return j if same and _view_root(b, tuple(m.inputs[0])) != b.node else None
+    return j if same and _view_root(b, tuple(m.inputs[0]))[0] != b.node else None
 
 
 def _next_launch(b) -> int | None:
@@ -1093,12 +1093,12 @@ def _apart(a: V, c: V) -> bool:
     return a1 <= c0 or c1 <= a0
 
 
-def _view_root(b, ref: tuple) -> int:
-    """The node whose output `ref` is, looking through views."""
+def _view_root(b, ref: tuple) -> tuple:
+    """The (node, output) that `ref` is, looking through views."""
     g, slots = b.r.lir.graph, b.r.lir.slots
     while getattr(slots.get(ref), "home", "") == "view":
         ref = tuple(g.nodes[ref[0]].inputs[0])
-    return ref[0]
+    return ref
 
 
 def _b_rms_norm(b, n, ins, outs):
@@ -1132,8 +1132,8 @@ def _b_rms_norm(b, n, ins, outs):
 # ----------------------------------------------------------------------------- norms in the RoPE
 # A decode step's q and k norms (OLMoE's over a position's whole projection, Qwen3's and Gemma's
 # per head) are read only by the RoPE after them, which also writes k and v into the cache: the
-# rope launch norms the rows it loads, so the norms are no launch of their own (3.6 us a launch
-# on the H200 at batch 1). CONFIG["rope_norm"] (RLX_CUDA_ROPE_NORM=0 at build) turns it off.
+# rope launch norms the rows it loads, so the norms are no launch of their own. CONFIG["rope_norm"]
+# (RLX_CUDA_ROPE_NORM=0 at build) turns it off.
 @attrs.frozen(eq=False)
 class RopeNorm:
     """y = rms_norm(x) * (w + off), left for the rope reading y (through views only) to compute
@@ -1195,10 +1195,7 @@ def _alive_until(b, ref: tuple, j: int) -> bool:
     """Whether the bytes of value ref (through views) stay its own until node j reads them: the
     plan may give a dead value's bytes to a node between (a GEMV of v between the q/k norms and
     their rope, where v's weights are in another scheme than q's and k's)."""
-    g, slots = b.r.lir.graph, b.r.lir.slots
-    while getattr(slots.get(ref), "home", "") == "view":
-        ref = tuple(g.nodes[ref[0]].inputs[0])
-    slot = slots.get(ref)
+    slot = b.r.lir.slots.get(_view_root(b, ref))
     return slot is not None and (slot.home in ("input", "param", "state", "const")
                                  or (slot.home == "arena" and slot.end >= j))
 
@@ -2000,7 +1997,7 @@ def _b_rope(b, n, ins, outs):
 
     def add(i, xv, out):
         nonlocal pos, err_node
-        norms.append(b.rope_norms.pop(_view_root(b, tuple(nodes[i].inputs[0])), None))
+        norms.append(b.rope_norms.pop(_view_root(b, tuple(nodes[i].inputs[0]))[0], None))
         w = b.sole_consumer(i, "kv_write")
         # its kv_write done now: nothing in between may read the cache (only views, ropes, writes)
         if (w is not None and tuple(nodes[w].inputs[1]) == (i, 0)
