@@ -727,7 +727,8 @@ def _tile_scores(b, kh, lo, n, q, k, scale, s):
         k4, k5 = k[b, kh, lo + min(j0 + 4, n - 1)], k[b, kh, lo + min(j0 + 5, n - 1)]
         k6, k7 = k[b, kh, lo + min(j0 + 6, n - 1)], k[b, kh, lo + min(j0 + 7, n - 1)]
         for rv in range(0, rp, LANES):
-            a0, a1, a2, a3, a4, a5, a6, a7 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
+            a0, a1, a2, a3 = zeros(), zeros(), zeros(), zeros()
+            a4, a5, a6, a7 = zeros(), zeros(), zeros(), zeros()
             for x in range(d):
                 qv = load_f32(qt, x * rp + rv)
                 a0, a1 = fma(k0[x], qv, a0), fma(k1[x], qv, a1)
@@ -813,7 +814,8 @@ def _key_chunk_tiles(b, kh, c, lo, hi, q, k, v, keep, bias, pos, scale, softcap,
     s = np.empty((rp, n8), np.float32)
     _tile_scores(b, kh, lo, n, q, k, scale, s)
     each = softcap > 0 or use_bias or (use_keep and (   # a scalar pass over each row's keys
-        keep.shape[1] > 1 or keep.shape[2] > 1 or not _keys_kept(keep[min(b, keep.shape[0] - 1), 0, 0], lo, hi)))
+        keep.shape[1] > 1 or keep.shape[2] > 1
+        or not _keys_kept(keep[min(b, keep.shape[0] - 1), 0, 0], lo, hi)))
     zero = np.float32(0)
     for r in range(rows):
         h, i = kh * g_n + r // sq, r % sq
@@ -862,9 +864,9 @@ def _ov_key_chunk(b, kh, c, lo, hi, q, k, v, keep, bias, pos, scale, softcap, ca
                   use_bias, ninf, pm, pl, pa, vec):
     if pa.dtype != types.float32:                    # (the tiles type only for float32)
         return lambda b, kh, c, lo, hi, q, k, v, keep, bias, pos, scale, softcap, causal, window, use_keep, \
-            use_bias, ninf, pm, pl, pa, vec: _key_chunk_dots(b, kh, c, lo, hi, q, k, v, keep, bias, pos, scale,
-                                                             softcap, causal, window, use_keep, use_bias, ninf,
-                                                             pm, pl, pa, vec)
+            use_bias, ninf, pm, pl, pa, vec: _key_chunk_dots(
+                b, kh, c, lo, hi, q, k, v, keep, bias, pos, scale, softcap, causal, window, use_keep,
+                use_bias, ninf, pm, pl, pa, vec)
 
     def f32(b, kh, c, lo, hi, q, k, v, keep, bias, pos, scale, softcap, causal, window, use_keep,
             use_bias, ninf, pm, pl, pa, vec):
@@ -892,7 +894,8 @@ def attention_split_keys(q, k, v, keep, bias, pos, o, scale, softcap, causal, wi
     kvh, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     span = 1
     for b in range(nb):
-        span = max(span, _bounds(pos[b] + sq - 1, sk, causal, window)[1] - _bounds(pos[b], sk, causal, window)[0])
+        first, last = _bounds(pos[b], sk, causal, window)[0], _bounds(pos[b] + sq - 1, sk, causal, window)[1]
+        span = max(span, last - first)
     rows = -(-(nh // kvh) * sq // LANES) * LANES      # (a task's scores: at most CHUNK_SCORES)
     chunk = max(min_chunk, min((span + 2 * threads - 1) // (2 * threads), CHUNK_SCORES // rows))
     nc = (span + chunk - 1) // chunk

@@ -215,8 +215,10 @@ ATTN = {  # mask_kind, window, mask input, softcap, Sq, Sk, pos
     "custom_bool": ("custom", 0, "bool", 0.0, 4, 5, None),
     "bias_pos_softcap": ("causal", 0, "bias", 4.0, 2, 6, (1, 3)),
     "chunk_pos": ("causal", 0, None, 0.0, 3, 8, (0, 4)),
-    # prefill rows in tasks of ATTN_TILE (sgemm) or ATTN_ROWS rows: several, the last ragged
     "rows_sliding_bool": ("sliding_window", 7, "bool", 0.0, 37, 40, (3, 0)),
+    # prefill rows past FEW_QUERIES, in tasks of ATTN_TILE (sgemm) or ATTN_ROWS rows: several, the last ragged
+    "long_rows_sliding_bool": ("sliding_window", 7, "bool", 0.0, runner.FEW_QUERIES + 7, runner.FEW_QUERIES + 11,
+                               (3, 0)),
     # one query row over a long cache: decode attention splits the keys into chunks
     "decode_sliding": ("sliding_window", 50, None, 0.0, 1, 130, (120, 40)),
     "decode_custom_bool": ("custom", 0, "bool", 0.0, 1, 130, None),

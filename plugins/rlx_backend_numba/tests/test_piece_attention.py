@@ -32,8 +32,8 @@ def check(o, q, k, v, mask, pos, a):
     the scores' (d terms a dot, scaled) and the sums' (keys / 8 lanes a chunk, then the
     merge) rounding, times the largest |v|: 64 eps per (d + keys / 8) ** 0.5 bounds it
     with room, and stays far below what one dropped key of a thousand moves."""
-    want = parity.ref_attention(*(x.astype(np.float64) for x in (q, k, v)),
-                                None if mask is None else mask if mask.dtype == np.bool_ else mask.astype(np.float64),
+    m64 = None if mask is None or mask.dtype == np.bool_ else mask.astype(np.float64)
+    want = parity.ref_attention(*(x.astype(np.float64) for x in (q, k, v)), mask if m64 is None else m64,
                                 pos, scale=a["scale"], mask_kind=a["mask_kind"], window=a["window"],
                                 softcap=a["softcap"])
     eps = EPS[np.dtype(o.dtype)]
