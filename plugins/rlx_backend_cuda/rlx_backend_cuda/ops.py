@@ -1930,14 +1930,12 @@ def _rope(b, jobs: list, cos: V, sin: V, style: str, pos: V | None = None, node:
 
 def _normed_jobs(b, jobs: list, norms: list) -> tuple:
     """(jobs, norms) for `_rope`: each job whose x is a RopeNorm's y (norms[k]) reads that
-    norm's x instead, where the rope's view of y is the plain one and nothing the launch writes,
-    nor anything built since the norm, meets the bytes it reads; the norms that cannot be taken
-    so get their own launches here (before the rope's)."""
+    norm's x instead, where the rope's view of y is the plain one and nothing the launch writes
+    meets the bytes it reads (a later rope the launch absorbs may have been planned onto them;
+    nodes before it cannot: RopeNorm.of took only an x alive until its rope); the norms that
+    cannot be taken so get their own launches here (before the rope's)."""
     taken = [m.source(b, x) if m is not None else None for (x, *_), m in zip(jobs, norms)]
-    first = min((m.node for m in norms if m is not None), default=b.node)
-    written = [o for _, o, _, _ in jobs] + [
-        v for (t, k), v in b.vals.items() if first < t < b.node
-        and getattr(b.r.lir.slots.get((t, k)), "home", "") != "view"]
+    written = [o for _, o, _, _ in jobs]
     tn = {m.w.dt for m, src in zip(norms, taken) if src is not None}
     fits = len(tn) <= 1 and all(_apart(src, w) for src in taken if src is not None for w in written)
     out_jobs, out_norms = [], []
