@@ -55,7 +55,9 @@ def weights(kind: str, shape: list, nbytes: int, rng: np.random.Generator) -> by
     elif kind in ("Q8_0", "Q4_0", "Q4_1"):
         if values is not None:
             raise SystemExit(f"gguf_standin: a 1-D tensor of type {kind}: not supported")
-        size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]       # bytes per block of 32 weights
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]     # bytes per block of 32 weights
         n = nbytes // size
         scale = {"Q8_0": _f16(a / 127, n), "Q4_0": _f16(a / 8, n),      # q * d; (q - 8) * d; q * d + m
                  "Q4_1": np.hstack([_f16(2 * a / 15, n), _f16(-a, n)])}[kind]
