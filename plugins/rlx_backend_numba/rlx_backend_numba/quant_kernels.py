@@ -5,8 +5,9 @@ function, `lanes_<fmt>`, giving eight dequantized values of a block as an explic
 vector (simd.py); drivers generated per format unroll it over a block and either
 - `gemv`, decode (a few rows of x): parallel over chunks of output rows; one row of x is
   multiply-added lane by lane as the packed row is read (no float copy of the weight
-  anywhere); 2-8 rows of x share each decode of a weight row's lanes in registers (a tile
-  of rows, `_gemv_tile`), more rows run as even tiles;
+  anywhere); 2-12 rows of x share each decode of a weight row's lanes in registers (a tile
+  of rows, `_gemv_tile`), more rows run as even tiles, one after the other over a task's
+  weight rows (so only one tile's rows of x need to stay in L1);
 - `rows`, prefill: on a CPU with AMX, blocks of weight rows decoded into tiles of exact
   bf16 parts and multiplied with x's parts to f32 accuracy (`rows_f32`), or with
   `[backend] matmul = "bf16"` rounded to bf16 and multiplied once (`rows_bf16`); elsewhere
@@ -40,7 +41,10 @@ from .simd import (AVX512, VNNI, VNNI512, add_high8, bits, fold16, high8, k4_fac
 FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 GEMV_MAX_M = 16                 # rows of x up to which the GEMV beats decode-to-scratch + BLAS (SmolLM2's
                                 # matmuls, one core: 1.8x at 16 rows, 1.1x at 32; benchmarks/gemv_rows.py)
-GEMV_TILE = 8                   # rows of x the GEMV multiplies with one decode of a packed row
+GEMV_TILE = 12                  # rows of x the GEMV multiplies with one decode of a packed row: 8 streams'
+                                # decode rows and a piece of up to 4 prompt tokens in one pass (9-10 rows
+                                # ~10% faster than two tiles; a tile of 16 was slower than two of 8:
+                                # benchmarks/README.md, gemv_rows.py)
 IGEMV_MAX_M = 8                 # the same for the int8 GEMV (a row's integer dot each: no tile)
 SCRATCH = 1 << 20               # floats of weight decoded per BLAS call (prefill)
 ROWS_PER_TASK = 16              # output rows per GEMV task
@@ -587,20 +591,27 @@ def gemv(x, w, o, tab):
     \"\"\"o = x @ W^T, parallel over chunks of output rows. One row of x: each packed row is
     dotted as it is read; more: each lane group of a packed row is decoded once into a
     register and multiply-added into every row's accumulator (`tile<s>`), in tiles of at
-    most {tile} rows of x, as even as they split (none of one row).\"\"\"
+    most {tile} rows of x, as even as they split (none of one row). Tiles run one after the
+    other over a chunk's packed rows (L1-warm for the next tile), so the x rows a packed row
+    meets are one tile's: two tiles of 8 alternating per packed row (16 rows of 576: 37 KB)
+    missed L1 and took 1.2x the time of two passes.\"\"\"
     m_ = x.shape[0]
     n_ = w.shape[0]
     xs = sums32(x[0])
     tiles = (m_ + {tile} - 1) // {tile}
     for t in prange((n_ + {rows} - 1) // {rows}):
-        for n in range({rows} * t, min({rows} * (t + 1), n_)):
-            ahead(w, n + PF)
-            if m_ == 1:
+        n0, n1 = {rows} * t, min({rows} * (t + 1), n_)
+        if m_ == 1:
+            for n in range(n0, n1):
+                ahead(w, n + PF)
                 o[0, n] = dot(w[n], x[0], xs, tab)
-            else:
-                for i in range(tiles):
-                    m0 = m_ * i // tiles
-                    s = m_ * (i + 1) // tiles - m0
+        else:
+            for i in range(tiles):
+                m0 = m_ * i // tiles
+                s = m_ * (i + 1) // tiles - m0
+                for n in range(n0, n1):
+                    if i == 0:
+                        ahead(w, n + PF)
 {dispatch}
 
 

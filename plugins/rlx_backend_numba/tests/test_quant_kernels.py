@@ -50,20 +50,27 @@ def test_gemv_and_blocked_matmul(rng, kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", Q.FORMATS)
-def test_gemv_every_row_count(rng, kind):
-    """1 .. 2 GEMV_TILE + 1 rows of x (one row's dot, every tile size, two tiles split
-    evenly, odd counts): the GEMV equals the float64 product of x and the dequantized W
-    within f32's rounding, K + 2 roundings of the terms' magnitudes (the decoded weight's, the
-    product's and the sum's, whatever order the lanes add in)."""
-    s, raw, ref = packed(rng, kind)
+@pytest.mark.parametrize("blocks", [None, 5])
+def test_gemv_every_row_count(rng, kind, blocks):
+    """1 .. 2 GEMV_TILE + 1 rows of x (one row's dot, every tile size, two or three tiles
+    split evenly, each over every chunk of packed rows, odd counts), over K of 512 and of an
+    odd number of the format's blocks, N = 37 (a ragged last chunk): the GEMV equals the
+    float64 product of x and the dequantized W within f32's rounding, K + 2 roundings of the
+    terms' magnitudes (the decoded weight's, the product's and the sum's, whatever order the
+    lanes add in)."""
+    s = QuantScheme.parse(kind)
+    n, k = 37, (K if blocks is None else blocks * s.block_size)
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.2, 3.0, (n, 1)).astype(np.float32)
+    raw = s.quantize(w)
+    ref = s.dequantize_reference(raw, (n, k))
     for m in range(1, 2 * Q.GEMV_TILE + 2):
-        x = rng.uniform(-1, 1, (m, K)).astype(np.float32)
-        out = np.full((m, N), np.nan, np.float32)
+        x = rng.uniform(-1, 1, (m, k)).astype(np.float32)
+        out = np.full((m, n), np.nan, np.float32)
         Q.dequant_gemv(x, raw, s, out)
         x64 = x.astype(np.float64)
-        bound = (K + 2) * 2.0 ** -24 * (np.abs(x64) @ np.abs(ref).T)
+        bound = (k + 2) * 2.0 ** -24 * (np.abs(x64) @ np.abs(ref).T)
         err = np.abs(out - x64 @ ref.T)
-        assert (err <= bound).all(), f"{kind}, {m} rows: error {err.max():.3g} over f32's bound"
+        assert (err <= bound).all(), f"{kind}, K {k}, {m} rows: error {err.max():.3g} over f32's bound"
 
 
 def test_gemv_compiles_once_for_read_only_and_writable_weights(rng):
