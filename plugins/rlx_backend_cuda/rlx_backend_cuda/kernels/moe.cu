@@ -67,44 +67,69 @@ typedef unsigned char u8;
 // @part dense(T, VEC, MC)
 // Dense expert rows (after w): a unit is VEC consecutive weights and x values (one vector load each).
 struct alignas(VEC * sizeof(T)) rlx_tv { T v[VEC]; };
+typedef rlx_tv rlx_wunit;
 __device__ __forceinline__ int rlx_units(int K) { return K / VEC; }
+__device__ __forceinline__ rlx_wunit rlx_wload(const u8* row, int u) { return ((const rlx_tv*)row)[u]; }
+__device__ __forceinline__ W rlx_vdot(const rlx_tv& w, const rlx_tv& xv) {
+  W s = 0;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) s += LD(W, w.v[i]) * LD(W, xv.v[i]);
+  return s;
+}
+// unit u of one row against the x rows xs[0..mc) (acc: one a pair)
 __device__ __forceinline__ void rlx_unit(const u8* row, int u, const T* const* xs, int mc, W* acc) {
-  const rlx_tv w = ((const rlx_tv*)row)[u];
+  const rlx_tv w = rlx_wload(row, u);
 #pragma unroll
   for (int m = 0; m < MC; ++m)
-    if (m < mc) {
-      const rlx_tv xv = ((const rlx_tv*)xs[m])[u];
-      W s = 0;
+    if (m < mc) acc[m] += rlx_vdot(w, ((const rlx_tv*)xs[m])[u]);
+}
+// unit u of NR rows (loaded: w) against one x row (acc: one a row)
+template <int NR> __device__ __forceinline__ void rlx_wdot(const rlx_wunit* w, int u, const T* x, W* acc) {
+  const rlx_tv xv = ((const rlx_tv*)x)[u];
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) s += LD(W, w.v[i]) * LD(W, xv.v[i]);
-      acc[m] += s;
-    }
+  for (int r = 0; r < NR; ++r) acc[r] += rlx_vdot(w[r], xv);
 }
 // @part packed(MC)
 // Packed expert rows (after dq.cu's common, scheme and qf parts and x4): a unit is one part
 // of a block, decoded as the dequant GEMV decodes it.
+typedef rlx_raw rlx_wunit;
 __device__ __forceinline__ int rlx_units(int K) { return K / BLK * PARTS; }
+__device__ __forceinline__ rlx_wunit rlx_wload(const u8* row, int u) { return rlx_load(row + (i64)(u / PARTS) * BPB, u % PARTS); }
+// run k of part p (decoded from q) dotted with 4 x values (xs: their sum, for the offset term)
+__device__ __forceinline__ W rlx_run_dot(const rlx_raw& q, int p, int k, const W* xv, W xs) {
+  W d, mn = 0;
+  rlx_scale(q, p, k, &d, &mn);
+  const u32 qw = rlx_qword(q, p, k);
+  const W s = (W)rlx_qf(qw, 0) * xv[0] + (W)rlx_qf(qw, 1) * xv[1] + (W)rlx_qf(qw, 2) * xv[2] + (W)rlx_qf(qw, 3) * xv[3];
+  return HAS_MIN ? d * s + mn * xs : d * s;
+}
+__device__ __forceinline__ W rlx_sum4(const W* v) { return (v[0] + v[1]) + (v[2] + v[3]); }
+// unit u of one row against the x rows xs[0..mc) (acc: one a pair)
 __device__ __forceinline__ void rlx_unit(const u8* row, int u, const T* const* xs, int mc, W* acc) {
   const int p = u % PARTS;
-  const rlx_raw q = rlx_load(row + (i64)(u / PARTS) * BPB, p);
+  const rlx_raw q = rlx_wload(row, u);
   const i64 e0 = (i64)(u / PARTS) * BLK;
 #pragma unroll
-  for (int k = 0; k < RUNS; ++k) {
-    W d, mn = 0;
-    rlx_scale(q, p, k, &d, &mn);
-    const u32 qw = rlx_qword(q, p, k);
-    W qf[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) qf[i] = (W)rlx_qf(qw, i);
-    const i64 e = e0 + rlx_run_off(p, k);
+  for (int k = 0; k < RUNS; ++k)
 #pragma unroll
     for (int m = 0; m < MC; ++m)
       if (m < mc) {
         W xv[4];
-        rlx_x4(xs[m] + e, xv);
-        const W s = qf[0] * xv[0] + qf[1] * xv[1] + qf[2] * xv[2] + qf[3] * xv[3];
-        acc[m] += HAS_MIN ? d * s + mn * ((xv[0] + xv[1]) + (xv[2] + xv[3])) : d * s;
+        rlx_x4(xs[m] + e0 + rlx_run_off(p, k), xv);
+        acc[m] += rlx_run_dot(q, p, k, xv, HAS_MIN ? rlx_sum4(xv) : (W)0);
       }
+}
+// unit u of NR rows (loaded: w) against one x row, each x run loaded once (acc: one a row)
+template <int NR> __device__ __forceinline__ void rlx_wdot(const rlx_wunit* w, int u, const T* x, W* acc) {
+  const int p = u % PARTS;
+  const i64 e0 = (i64)(u / PARTS) * BLK;
+#pragma unroll
+  for (int k = 0; k < RUNS; ++k) {
+    W xv[4];
+    rlx_x4(x + e0 + rlx_run_off(p, k), xv);
+    const W xs = HAS_MIN ? rlx_sum4(xv) : (W)0;
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[r] += rlx_run_dot(w[r], p, k, xv, xs);
   }
 }
 // @part gemv(T, TO, MC, DUAL, EPILOGUE)
@@ -160,7 +185,9 @@ extern "C" __global__ void __launch_bounds__(256) rlx_moe_gemv(const T* __restri
 }
 // @part gemv1(T, TO, TW, TI, NE, KS, R, DUAL, EPILOGUE)
 // Decode at one token (T = 1): its KS pairs in the routing's own order (pair p: expert
-// ids[p], x row 0), no sort. A warp takes R output rows of one pair, each weight row read once.
+// ids[p], x row 0), no sort. A warp takes R output rows of one pair, each weight row read once:
+// a lane loads its unit of every row first (the weight bytes bound the step), then takes each
+// x run once for all the rows.
 // DUAL (gate and up, one scheme): block (8R rows, pair blockIdx.y): out[p, n] = act(gate . x)
 // * (up . x) in TO, as rlx_moe_gemv writes it; an id out of range raises error code 3.
 // Else (down, the combine fused): block = R rows, warp w the pairs w, w + 8, ..., x row p of
@@ -169,28 +196,25 @@ extern "C" __global__ void __launch_bounds__(256) rlx_moe_gemv(const T* __restri
 // warp sums of R rows n0.. of expert e's stack wa (and wb: DUAL) dotted with x row xr
 __device__ __forceinline__ void rlx_rows1(const u8* wa, const u8* wb, i64 e, long long ers, long long wrs, int n0,
                                           int N, const T* xr, int K, W* acc, W* acc2) {
-  const u8* ra[R];
-  const u8* rb[R];
+  constexpr int NR = DUAL ? 2 * R : R;   // rows a lane reads: R of wa, then R of wb
+  const u8* rows[NR];
+  W a[NR];
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const i64 off = e * ers + (i64)min(n0 + r, N - 1) * wrs;
-    ra[r] = wa + off;
-    rb[r] = wb + off;
-    acc[r] = acc2[r] = 0;
+  for (int r = 0; r < NR; ++r) {
+    rows[r] = (r < R ? wa : wb) + e * ers + (i64)min(n0 + r % R, N - 1) * wrs;
+    a[r] = 0;
   }
-  const T* xs[1] = {xr};
   const int units = rlx_units(K);
-#pragma unroll 2
-  for (int u = threadIdx.x & 31; u < units; u += 32)
+  for (int u = threadIdx.x & 31; u < units; u += 32) {
+    rlx_wunit w[NR];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      rlx_unit(ra[r], u, xs, 1, &acc[r]);
-      if (DUAL) rlx_unit(rb[r], u, xs, 1, &acc2[r]);
-    }
+    for (int r = 0; r < NR; ++r) w[r] = rlx_wload(rows[r], u);
+    rlx_wdot<NR>(w, u, xr, a);
+  }
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    acc[r] = warp_sum(acc[r]);
-    if (DUAL) acc2[r] = warp_sum(acc2[r]);
+    acc[r] = warp_sum(a[r]);
+    if (DUAL) acc2[r] = warp_sum(a[R + r]);
   }
 }
 extern "C" __global__ void __launch_bounds__(256) rlx_moe_gemv1(const T* __restrict__ x, long long xrs,
