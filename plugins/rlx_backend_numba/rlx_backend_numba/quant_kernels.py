@@ -5,9 +5,9 @@ function, `lanes_<fmt>`, giving eight dequantized values of a block as an explic
 vector (simd.py); drivers generated per format unroll it over a block and either
 - `gemv`, decode (a few rows of x): parallel over chunks of output rows; one row of x is
   multiply-added lane by lane as the packed row is read (no float copy of the weight
-  anywhere); 2-12 rows of x share each decode of a weight row's lanes in registers (a tile
-  of rows, `_gemv_tile`), more rows run as even tiles, one after the other over a task's
-  weight rows (so only one tile's rows of x need to stay in L1);
+  anywhere); 2-8 rows of x share each decode of a weight row's lanes in registers, and
+  two weight rows each load of x (a tile, `_gemv_tile`); more rows run as even tiles, one
+  after the other over a task's weight rows (so only one tile's rows of x stay in L1);
 - `rows`, prefill: on a CPU with AMX, blocks of weight rows decoded into tiles of exact
   bf16 parts and multiplied with x's parts to f32 accuracy (`rows_f32`), or with
   `[backend] matmul = "bf16"` rounded to bf16 and multiplied once (`rows_bf16`); elsewhere
@@ -41,9 +41,8 @@ from .simd import (AVX512, VNNI, VNNI512, add_high8, bits, fold16, high8, k4_fac
 FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 GEMV_MAX_M = 16                 # rows of x up to which the GEMV beats decode-to-scratch + BLAS (SmolLM2's
                                 # matmuls, one core: 1.8x at 16 rows, 1.1x at 32; benchmarks/gemv_rows.py)
-GEMV_TILE = 12                  # rows of x the GEMV multiplies with one decode of a packed row: 8 streams'
-                                # decode rows and a piece of up to 4 prompt tokens in one pass (9-10 rows
-                                # ~10% faster than two tiles; a tile of 16 was slower than two of 8:
+GEMV_TILE = 8                   # rows of x the GEMV multiplies with one decode of a packed row (tiles of
+                                # up to 12 ran 9-10 rows 10-15% faster, for 1.3x the tiles' cold compile:
                                 # benchmarks/README.md, gemv_rows.py)
 IGEMV_MAX_M = 8                 # the same for the int8 GEMV (a row's integer dot each: no tile)
 SCRATCH = 1 << 20               # floats of weight decoded per BLAS call (prefill)
@@ -609,9 +608,11 @@ def gemv(x, w, o, tab):
             for i in range(tiles):
                 m0 = m_ * i // tiles
                 s = m_ * (i + 1) // tiles - m0
-                for n in range(n0, n1):
+                for n in range(n0, n1, 2):
+                    n2 = min(n + 1, n1 - 1)
                     if i == 0:
                         ahead(w, n + PF)
+                        ahead(w, n + 1 + PF)
 {dispatch}
 
 
@@ -750,33 +751,42 @@ def amx_parts(kind: str, mode: str) -> tuple[int, int]:
 
 
 def _gemv_tile(groups, s: int) -> str:
-    """The GEMV's tile of `s` rows of x (s >= 2): `tile<s>(r, x, m0, out, n, tab)` writes
-    out[m0 .. m0 + s - 1, n] = x[m0 ..] . packed row r. Each pair of lane groups is decoded
-    once (lanes, eight at a time) and multiply-added into the s rows' accumulators in 16
-    lanes: one load an FMA (x's), half the FMAs of eight lanes. ceil(8 / s) accumulators a
-    row (at most one a pair of a block), so eight FMA chains run at once where the block
-    allows: with one a row, 4 rows of q4_1 took as long as 8 (each chain 2 FMAs a block,
-    8 cycles of latency where the throughput needs 4)."""
+    """The GEMV's tile of `s` rows of x (s >= 2) by two packed rows: `tile<s>(r, q, x, m0,
+    out, n, n2, tab)` writes out[m0 .. m0 + s - 1, n] = x[m0 ..] . packed row r and column n2
+    the same of q (n2 = n with q = r where a chunk's rows are odd). Each pair of lane groups
+    of each packed row is decoded once (lanes, eight at a time), and each load of x (16
+    lanes) feeds an FMA of both: one load two FMAs, where a tile of one packed row spent a
+    load an FMA and was bound by loads (8 rows 15% slower, 16 rows 19%). ceil(8 / s)
+    accumulators a row and packed row (at most one a pair of a block), so eight FMA chains run
+    at once where the block allows: with one a row, 4 rows of q4_1 took as long as 8 (each
+    chain 2 FMAs a block, 8 cycles of latency where the throughput needs 4). Each output's
+    sum is the tile of one packed row's, in the same order."""
     rows, acc = range(s), min(-(-8 // s), len(groups) // 2)
-    lines = ["@njit(**_OPT)", f"def tile{s}(r, x, m0, out, n, tab):",
+    ws = ("r", "q")
+    lines = ["@njit(**_OPT)", f"def tile{s}(r, q, x, m0, out, n, n2, tab):",
              "    " + ", ".join(f"x{j}" for j in rows) + " = " + ", ".join(f"x[m0 + {j}]" for j in rows),
-             "    " + "; ".join(f"a{j}{c} = zeros16()" for j in rows for c in range(acc)),
+             "    " + "; ".join(f"{w}{j}{c} = zeros16()" for w in ws for j in rows for c in range(acc)),
              "    for b in range(x.shape[1] // E):",
              "        o, p = B * b, E * b"]
     for g0 in range(0, len(groups), 4):
         quad = groups[g0:g0 + 4]
-        lines += [f"        v{i} = join16(lanes(r, o, {i}, tab), lanes(r, o, {i + 1}, tab))" for i in quad[::2]]
-        lines += [f"        a{j}{i // 2 % acc} = fma16(v{i}, load_f32x16(x{j}, p + {8 * i}), a{j}{i // 2 % acc})"
-                  for i in quad[::2] for j in rows]
-    lines += [f"    out[m0 + {j}, n] = hsum(fold16(" + " + ".join(f"a{j}{c}" for c in range(acc)) + "))"
-              for j in rows]
+        lines += [f"        {w}v{i} = join16(lanes({w}, o, {i}, tab), lanes({w}, o, {i + 1}, tab))"
+                  for w in ws for i in quad[::2]]
+        for i in quad[::2]:
+            for j in rows:
+                a = f"{j}{i // 2 % acc}"
+                lines += [f"        y = load_f32x16(x{j}, p + {8 * i})"]
+                lines += [f"        {w}{a} = fma16({w}v{i}, y, {w}{a})" for w in ws]
+    lines += [f"    out[m0 + {j}, {col}] = hsum(fold16(" + " + ".join(f"{w}{j}{k}" for k in range(acc)) + "))"
+              for w, col in zip(ws, ("n", "n2")) for j in rows]
     return "\n".join(lines) + "\n\n"
 
 
 def _gemv_dispatch(tile: int) -> str:
     """The GEMV's call of the tile for `s` rows (2 .. tile)."""
+    call = "(w[n], w[n2], x, m0, o, n, n2, tab)"
     return "\n".join(f"                    {'if' if s == 2 else 'elif'} s == {s}:\n"
-                      f"                        tile{s}(w[n], x, m0, o, n, tab)" for s in range(2, tile + 1))
+                      f"                        tile{s}{call}" for s in range(2, tile + 1))
 
 
 def _decoded(groups, stores) -> str:
