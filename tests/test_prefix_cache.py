@@ -91,6 +91,28 @@ def test_insert_lookup_restore_and_eviction():
     assert pc.lookup(ids, 99)[0] == 2 * BLOCK and pc.lookup(other, 200)[0] == 3 * BLOCK
 
 
+@pytest.mark.parametrize("backend", backend_params(("numpy", "opencl", "cuda")))
+@pytest.mark.parametrize("blocks", [3, 10])          # (cuda: more than 8 sources take cupy's one kernel)
+def test_backend_concat_into_and_copy_of(backend, blocks):
+    """Backend.concat_into (a cached prefix's blocks into one row of a state, one copy) and
+    copy_of (one block out, a buffer of its own) against numpy, on a strided region of a
+    bigger buffer: the region joined, the rest untouched, the copy unchanged by later writes."""
+    b = select_backend(backend)
+    rng = np.random.default_rng()
+    dst_h = rng.standard_normal((3, 2, 4 * blocks + 9, 4)).astype(np.float32)
+    parts = [rng.standard_normal((1, 2, 4, 4)).astype(np.float32) for _ in range(blocks)]
+    region = (slice(1, 2), slice(None), slice(5, 5 + 4 * blocks), slice(None))
+    out = b.concat_into(b.to_device(dst_h.copy()), region, [b.to_device(p) for p in parts], 2)
+    want = dst_h.copy()
+    want[region] = np.concatenate(parts, axis=2)
+    np.testing.assert_array_equal(np.asarray(b.to_host(out)), want)
+    one = (slice(1, 2), slice(None), slice(9, 13), slice(None))
+    got = b.copy_of(out, one)
+    out = b.concat_into(out, region, [b.to_device(np.zeros_like(p)) for p in parts], 2)
+    np.testing.assert_array_equal(np.asarray(b.to_host(got)), parts[1])
+    assert not np.asarray(b.to_host(out))[region].any()
+
+
 def test_recurrent_hits_end_at_snapshots():
     specs, states = fake_states(128, 0)
     pc = PrefixCache(select_backend("numpy"), specs, "batch", capacity=1 << 20)

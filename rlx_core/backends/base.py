@@ -135,6 +135,22 @@ class Backend(abc.ABC):
         host[index] = self.to_host(src)[src_index]
         return self.to_device(host)
 
+    def concat_into(self, dst, index: tuple, srcs: list, axis: int):
+        """dst[index] = srcs joined along `axis` (of dst[index]; ints and slices): how a prefix
+        cache restores a prompt's cached blocks, one copy a state rather than one a block.
+        Returns the buffer that holds the result, as copy_into does."""
+        if isinstance(dst, np.ndarray):
+            np.concatenate([self.to_host(s) for s in srcs], axis=axis, out=dst[index])
+            return dst
+        host = np.array(self.to_host(dst))
+        np.concatenate([self.to_host(s) for s in srcs], axis=axis, out=host[index])
+        return self.to_device(host)
+
+    def copy_of(self, src, index: tuple):
+        """A new resident buffer holding src[index] (ints and slices): a prefix cache's copy of
+        one block of a state."""
+        return self.to_device(np.array(self.to_host(src)[index]))
+
     def release_cache(self) -> None:
         """Give back memory kept for reuse (a pool's free blocks, a shared arena grown for a
         one-off run such as deriving weights at load); the host backends keep nothing."""

@@ -173,6 +173,25 @@ class CudaBackend(Backend):
             return dst
         return super().copy_into(dst, index, src, src_index)
 
+    def concat_into(self, dst, index: tuple, srcs: list, axis: int):
+        """One device-side concatenation on this backend's stream (one kernel for more than 8
+        small sources: cupy's), not a copy launch a source."""
+        if isinstance(dst, CudaArray) and all(isinstance(s, CudaArray) for s in srcs):
+            with self.stream():
+                device.cupy().concatenate([s.data for s in srcs], axis=axis, out=dst.data[index])
+            return dst
+        return super().concat_into(dst, index, srcs, axis)
+
+    def copy_of(self, src, index: tuple):
+        """A device copy of src[index] on this backend's stream (no zeroed buffer, no device sync)."""
+        if isinstance(src, CudaArray):
+            view = src.data[index]
+            out = device.empty(view.shape, DType.parse(src.dtype), "a prefix cache block")
+            with self.stream():
+                out[...] = view
+            return CudaArray(out, src.dtype)
+        return super().copy_of(src, index)
+
     def memory_stats(self) -> dict:
         pool = device.cupy().get_default_memory_pool()
         return {"arena_bytes": int(self._arena_bytes), "scratch_bytes": int(self._scratch_bytes),
