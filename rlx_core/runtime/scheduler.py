@@ -628,13 +628,16 @@ class Scheduler:
         return next(b for b in self.buckets if b >= rows)
 
     def _fit(self, extra_ctx: int = 0, extra_row: bool = False) -> None:
-        """Size the cache for the running requests (+ one being admitted), rows compacted."""
+        """Size the cache for the running requests (+ one being admitted), rows compacted when
+        the size changes. At the same size the rows of finished requests stay free holes (the
+        graph runs the bucket's rows either way): compacting them moved every later row's KV,
+        a copy a state and row, each time a request finished."""
         c = self._batch_cache()
         running = self._running()
         rows = len(running) + extra_row
         batch = self._bucket(max(rows, 1))
         ctx = max([r.ctx for r in running] + [extra_ctx])
-        if (c.batch, c.ctx) == (batch, ctx) and all(r.slot == i for i, r in enumerate(running)):
+        if (c.batch, c.ctx) == (batch, ctx):
             return
         if extra_row and c.batch >= batch and c.ctx >= ctx:
             return                                   # room already: grow only when needed
