@@ -64,6 +64,39 @@ def run_mid_decode(model, jobs: list, max_batch: int = 4) -> tuple:
         return [r.result(WAIT) for r in reqs], sched
 
 
+def test_finished_rows_stay_holes_at_the_same_size(tiny, monkeypatch):
+    """Four requests of one context bucket finishing one after another (max tokens 3, 6, 9,
+    12) in a batch of 4: no row moves while the cache's size stays (a finished row is a free
+    hole, not compacted away), a fifth request takes a freed row mid-decode, and each output
+    equals its request run alone."""
+    from rlx_core.runtime.batch_cache import BatchCache
+
+    moved = []
+    real = BatchCache.resize
+
+    def resize(self, batch, ctx, moves):
+        moved.append((self.batch, self.ctx, batch, ctx, len(moves)))
+        return real(self, batch, ctx, moves)
+    monkeypatch.setattr(BatchCache, "resize", resize)
+    rng = np.random.default_rng()
+    jobs = [(rng.integers(3, 61, 5).tolist(), n) for n in (3, 6, 9, 12)]
+    late = (rng.integers(3, 61, 4).tolist(), 5)
+    reqs: list = []
+
+    def on_first(ev):                    # (the scheduler thread's: the 5th arrives as the 1st ends)
+        if ev.finish_reason is not None:
+            reqs.append(sched.submit(late[0], max_tokens=late[1], ignore_eos=True))
+    with Scheduler(tiny, max_batch=4) as sched:
+        reqs += [sched.submit(ids, max_tokens=n, ignore_eos=True, on_event=on_first if k == 0 else None)
+                 for k, (ids, n) in enumerate(jobs)]
+        got = [reqs[k].result(WAIT) for k in range(4)] + [reqs[4].result(WAIT)]
+        assert sched.max_rows == 4
+    same_size = [m for m in moved if m[:2] == m[2:4]]
+    assert not same_size, f"rows moved within one cache size (old size, new size, rows): {same_size}"
+    for (ids, n), c in zip(jobs + [late], got):
+        assert c.token_ids == tiny.generate(list(ids), max_new_tokens=n, ignore_eos=True)[len(ids):]
+
+
 def test_admitted_mid_decode_equals_alone_numpy(tiny):
     rng = np.random.default_rng(3)
     jobs = [(rng.integers(3, 61, 9).tolist(), 14), (rng.integers(3, 61, 4).tolist(), 3),
