@@ -42,8 +42,8 @@ FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 GEMV_MAX_M = 16                 # rows of x up to which the GEMV beats decode-to-scratch + BLAS (SmolLM2's
                                 # matmuls, one core: 1.8x at 16 rows, 1.1x at 32; benchmarks/gemv_rows.py)
 GEMV_TILE = 8                   # rows of x the GEMV multiplies with one decode of a packed row (tiles of
-                                # up to 12 ran 9-10 rows 10-15% faster, for 1.3x the tiles' cold compile:
-                                # benchmarks/README.md, gemv_rows.py)
+                                # up to 12 ran 9-10 rows 7-13% faster, for 1.3-1.4x a format's cold
+                                # compile: benchmarks/README.md, serve_race.py, session 13)
 IGEMV_MAX_M = 8                 # the same for the int8 GEMV (a row's integer dot each: no tile)
 SCRATCH = 1 << 20               # floats of weight decoded per BLAS call (prefill)
 ROWS_PER_TASK = 16              # output rows per GEMV task
@@ -753,7 +753,7 @@ def amx_parts(kind: str, mode: str) -> tuple[int, int]:
 def _gemv_tile(groups, s: int) -> str:
     """The GEMV's tile of `s` rows of x (s >= 2) by two packed rows: `tile<s>(r, q, x, m0,
     out, n, n2, tab)` writes out[m0 .. m0 + s - 1, n] = x[m0 ..] . packed row r and column n2
-    the same of q (n2 = n with q = r where a chunk's rows are odd). Each pair of lane groups
+    the same of q (n2 = n and q = r for the last of a chunk's odd count of rows). Each pair of lane groups
     of each packed row is decoded once (lanes, eight at a time), and each load of x (16
     lanes) feeds an FMA of both: one load two FMAs, where a tile of one packed row spent a
     load an FMA and was bound by loads (8 rows 15% slower, 16 rows 19%). ceil(8 / s)

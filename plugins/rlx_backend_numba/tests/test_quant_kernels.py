@@ -16,11 +16,11 @@ from rlx_backend_numba import quant_kernels as Q  # noqa: E402
 N, K = 40, 512
 
 
-def packed(rng, kind):
+def packed(rng, kind, n=N, k=K):
     s = QuantScheme.parse(kind)
-    w = rng.standard_normal((N, K)).astype(np.float32) * rng.uniform(0.2, 3.0, (N, 1)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.2, 3.0, (n, 1)).astype(np.float32)
     raw = s.quantize(w)
-    return s, raw, s.dequantize_reference(raw, (N, K))
+    return s, raw, s.dequantize_reference(raw, (n, k))
 
 
 def close(got, want):
@@ -52,18 +52,16 @@ def test_gemv_and_blocked_matmul(rng, kind, monkeypatch):
 @pytest.mark.parametrize("kind", Q.FORMATS)
 @pytest.mark.parametrize("blocks", [None, 5])
 def test_gemv_every_row_count(rng, kind, blocks):
-    """1 .. 2 GEMV_TILE + 1 rows of x (one row's dot, every tile size, two or three tiles
+    """1 .. 3 GEMV_TILE + 1 rows of x (one row's dot, every tile size, two or three tiles
     split evenly, each over every chunk of packed rows, odd counts), over K of 512 and of an
-    odd number of the format's blocks, N = 37 (a ragged last chunk): the GEMV equals the
-    float64 product of x and the dequantized W within f32's rounding, K + 2 roundings of the
-    terms' magnitudes (the decoded weight's, the product's and the sum's, whatever order the
-    lanes add in)."""
-    s = QuantScheme.parse(kind)
-    n, k = 37, (K if blocks is None else blocks * s.block_size)
-    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.2, 3.0, (n, 1)).astype(np.float32)
-    raw = s.quantize(w)
-    ref = s.dequantize_reference(raw, (n, k))
-    for m in range(1, 2 * Q.GEMV_TILE + 2):
+    odd number of the format's blocks, N = 37 (a ragged last chunk of an odd count: its last
+    packed row in a tile alone): the GEMV equals the float64 product of x and the dequantized
+    W within f32's rounding, K + 2 roundings of the terms' magnitudes (the decoded weight's,
+    the product's and the sum's, whatever order the lanes add in)."""
+    n = 37
+    k = K if blocks is None else blocks * QuantScheme.parse(kind).block_size
+    s, raw, ref = packed(rng, kind, n, k)
+    for m in range(1, 3 * Q.GEMV_TILE + 2):
         x = rng.uniform(-1, 1, (m, k)).astype(np.float32)
         out = np.full((m, n), np.nan, np.float32)
         Q.dequant_gemv(x, raw, s, out)
