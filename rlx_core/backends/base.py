@@ -128,22 +128,25 @@ class Backend(abc.ABC):
         scheduler moves one request's KV cache rows between caches. Returns the buffer that
         holds the result: dst, written in place, or (this default, for buffers that are not
         numpy arrays) a new one made through the host; a device backend overrides it."""
-        if isinstance(dst, np.ndarray):
-            dst[index] = self.to_host(src)[src_index]
-            return dst
-        host = np.array(self.to_host(dst))
-        host[index] = self.to_host(src)[src_index]
-        return self.to_device(host)
+        def write(a):
+            a[index] = self.to_host(src)[src_index]
+        return self._written(dst, write)
 
     def concat_into(self, dst, index: tuple, srcs: list, axis: int):
         """dst[index] = srcs joined along `axis` (of dst[index]; ints and slices): how a prefix
         cache restores a prompt's cached blocks, one copy a state rather than one a block.
         Returns the buffer that holds the result, as copy_into does."""
+        return self._written(dst, lambda a: np.concatenate([self.to_host(s) for s in srcs], axis=axis,
+                                                           out=a[index]))
+
+    def _written(self, dst, write):
+        """dst after write(array): in place where dst is a numpy array, else a host copy of
+        it written and made resident again (the defaults of copy_into / concat_into)."""
         if isinstance(dst, np.ndarray):
-            np.concatenate([self.to_host(s) for s in srcs], axis=axis, out=dst[index])
+            write(dst)
             return dst
         host = np.array(self.to_host(dst))
-        np.concatenate([self.to_host(s) for s in srcs], axis=axis, out=host[index])
+        write(host)
         return self.to_device(host)
 
     def copy_of(self, src, index: tuple):
