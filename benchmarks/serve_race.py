@@ -17,6 +17,9 @@ Scenarios (each reports both sides and the ratio where both ran; a side that fai
 3. `stall` (RLX only, once with chunked prefill on, once off): --clients streams decoding; then a
    --long-tokens prompt arrives; the streams' p99 inter-token latency before it arrived vs while
    it prefilled (from its arrival to its first token). Target: during <= 2x before, chunked.
+   Then a control run, the same streams without the long prompt, read at the same token
+   positions as "during": during / control is what the long prompt adds to the streams' own
+   growth with their context (both ratios reported).
 
 Every side decodes exactly --new tokens (RLX and llama-server: `ignore_eos`; llama-cpp-python has no
 such field, so it gets `logit_bias` -100 on the end tokens). llama-cpp-python's server runs one
@@ -353,61 +356,106 @@ def prefix(client, server: Server, side: str, a, texts: Texts) -> dict:
             "ratio": statistics.median(ratios), "ratios": ratios, "loadavg": [load0, loadavg()]}
 
 
+def window(arrivals: list, t0: float, t1: float) -> range:
+    """The positions i of a stream's gaps (arrivals[i] - arrivals[i - 1], the i-th text chunk's
+    wait: one chunk a token) that overlap (t0, t1): those ending after t0 and starting before t1.
+    Positions, not times, carry the measured window over to the control run."""
+    lo = next((i for i in range(1, len(arrivals)) if arrivals[i] > t0), len(arrivals))
+    hi = next((i for i in range(lo, len(arrivals)) if arrivals[i - 1] >= t1), len(arrivals))
+    return range(lo, hi)
+
+
+def p99_at(arrivals: list, windows: list) -> tuple:
+    """(p99, count) of the gaps at each stream's window of positions (lists paired by stream);
+    SideFailed where a stream did not decode past its window or no gap is in any."""
+    gaps = []
+    for arr, w in zip(arrivals, windows):
+        if w.stop > len(arr):
+            raise SideFailed(f"a stream decoded {len(arr)} chunks, not past its window's position {w.stop - 1}")
+        gaps += [arr[i] - arr[i - 1] for i in w]
+    if not gaps:
+        raise SideFailed("no gaps in the windows")
+    return percentile(gaps, 99), len(gaps)
+
+
 def stall(client, server: Server, side: str, a, texts: Texts) -> dict:
     """Scenario 3: --clients streams decoding when a --long-tokens prompt arrives; their
-    inter-token gaps before it arrived and while it prefilled (arrival to its first token)."""
+    inter-token gaps before it arrived and while it prefilled (arrival to its first token).
+    Then the control: the same streams (prompts, max tokens, all started at once) with no long
+    prompt, their gaps at the same positions as the measured "during" window: what the streams'
+    own growth costs there, so during / control is what the long prompt adds. The same max
+    tokens reach past the window: the measured run fails unless every stream outlived the prefill."""
+    def start_streams(seed: int, halt: threading.Event) -> list:
+        return [Stream(client, side, [{"role": "user", "content": question(seed + i)}], a.stall_new,
+                       halt).start() for i in range(a.clients)]
+
+    def wait_tokens(streams: list, halt: threading.Event, n: int, what: str, since: float = 0.0) -> None:
+        """Until every stream has n tokens after time `since` (halting them and failing if one
+        stops first)."""
+        deadline = time.monotonic() + a.wait
+        while any(sum(t > since for t in s.arrivals) < n for s in streams):
+            if time.monotonic() > deadline or any(s.error or s.finish for s in streams):
+                halt.set()
+                check(server, streams, f"scenario 3 ({what})", full=False)
+                raise SideFailed(f"{server.name}: scenario 3's streams stopped before {n} tokens "
+                                 f"({what})")
+            time.sleep(0.005)
+
+    def finish(streams: list, halt: threading.Event, also: list) -> None:
+        halt.set()
+        for s in streams:
+            s.join(a.wait)
+        check(server, streams + also, "scenario 3", full=False)
+
     def run(seed: int) -> dict:
         halt = threading.Event()
-        streams = [Stream(client, side, [{"role": "user", "content": question(seed + i)}], a.stall_new,
-                          halt).start() for i in range(a.clients)]
-
-        def wait_tokens(n: int, what: str, since: float = 0.0) -> None:
-            """Until every stream has n tokens after time `since` (halting them and failing if one
-            stops first)."""
-            deadline = time.monotonic() + a.wait
-            while any(sum(t > since for t in s.arrivals) < n for s in streams):
-                if time.monotonic() > deadline or any(s.error or s.finish for s in streams):
-                    halt.set()
-                    check(server, streams, f"scenario 3 ({what})", full=False)
-                    raise SideFailed(f"{server.name}: scenario 3's streams stopped before {n} tokens "
-                                     f"({what})")
-                time.sleep(0.005)
-
-        wait_tokens(a.steady, "warming up")                 # all decoding, past their first steps
+        streams = start_streams(seed, halt)
+        wait_tokens(streams, halt, a.steady, "warming up")          # all decoding, past their first steps
         t_ready = time.perf_counter()
-        wait_tokens(a.steady + a.window, "before the long prompt")
+        wait_tokens(streams, halt, a.steady + a.window, "before the long prompt")
         long_prompt = [{"role": "user", "content": texts.of(a.long_tokens, seed=seed)}]
         long_ = Stream(client, side, long_prompt, 2).start()
         long_.join()
         if long_.first is not None:
-            wait_tokens(2, "after the long prompt's first token", since=long_.first)
-        halt.set()
-        for s in streams:
-            s.join(a.wait)
-        check(server, streams + [long_], "scenario 3", full=False)
+            wait_tokens(streams, halt, 2, "after the long prompt's first token", since=long_.first)
+        finish(streams, halt, [long_])
         t_arrive, t_first = long_.t0, long_.first
         if any(s.arrivals[-1] < t_first for s in streams):
             raise SideFailed(f"{server.name}: a stream of scenario 3 ended before the long prompt's first "
                              "token; raise --stall-new")
         gaps = [g for s in streams for g in s.gaps()]
         before = [d for t, d in gaps if t_ready <= t - d and t <= t_arrive]
-        overlap = [(t, d) for t, d in gaps if t > t_arrive and t - d < t_first]  # gaps across the prefill
-        during = [d for _, d in overlap]
-        if not before or not during:
+        windows = [window(s.arrivals, t_arrive, t_first) for s in streams]
+        if not before or not any(windows):
             raise SideFailed(f"{server.name}: scenario 3 saw no gaps before ({len(before)}) or during "
-                             f"({len(during)}) the prefill")
+                             "the prefill")
+        during_p99, during_n = p99_at([s.arrivals for s in streams], windows)
+        overlap = [(s.arrivals[i], s.arrivals[i] - s.arrivals[i - 1]) for s, w in zip(streams, windows)
+                   for i in w]
         timeline = sorted((round(t - t_arrive, 4), round(d, 4)) for t, d in overlap)
-        out = {"before_p99_s": percentile(before, 99), "during_p99_s": percentile(during, 99),
-               "during_max_s": max(during), "before_n": len(before), "during_n": len(during),
-               "long_ttft_s": t_first - t_arrive, "during_gaps": timeline}   # (end after arrival, gap) s
+        out = {"before_p99_s": percentile(before, 99), "during_p99_s": during_p99,
+               "during_max_s": max(d for _, d in overlap), "before_n": len(before), "during_n": during_n,
+               "long_ttft_s": t_first - t_arrive, "during_gaps": timeline,   # (end after arrival, gap) s
+               "windows": [[w.start, w.stop] for w in windows]}
         if side == "rlx":
             out.update(server_steps(server.port, t_ready, t_arrive, t_first))
         return out
 
+    def control(seed: int, windows: list) -> dict:
+        """run(seed)'s streams without the long prompt, until each is past the measured window."""
+        halt = threading.Event()
+        streams = start_streams(seed, halt)
+        wait_tokens(streams, halt, max(w.stop for w in windows), "the control")
+        finish(streams, halt, [])
+        p99, n = p99_at([s.arrivals for s in streams], windows)
+        return {"control_p99_s": p99, "control_n": n}
+
     run(5000)                                                   # rehearsal: the same graphs compiled
     load0 = loadavg()
     out = run(6000)
+    out.update(control(6000, [range(*w) for w in out["windows"]]))
     out["ratio"] = out["during_p99_s"] / out["before_p99_s"]
+    out["ratio_control"] = out["during_p99_s"] / out["control_p99_s"]
     out["loadavg"] = [load0, loadavg()]
     return out
 
@@ -630,10 +678,12 @@ def report(a, res: dict, hw: str) -> None:
                 say(side_line(name, d, f2))
     if "stall" in a.scenarios:
         say(f"\n3. a {a.long_tokens}-token prompt arriving during {a.clients} decoding streams: their p99 "
-            "inter-token latency before / during its prefill (target during <= 2x before, chunked)")
+            "inter-token latency before / during its prefill, and during / a control run without it at the same "
+            "token positions (target during <= 2x before, chunked)")
         f3 = (lambda d: f"before {ms(d['before_p99_s'])} ({d['before_n']} gaps), "
               f"during {ms(d['during_p99_s'])} ({d['during_n']} gaps, longest {ms(d['during_max_s'])}), "
-              f"{d['ratio']:.2f}x; long prompt's TTFT "
+              f"{d['ratio']:.2f}x; control {ms(d['control_p99_s'])} (no long prompt, the same positions: "
+              f"{d['control_n']} gaps), during / control {d['ratio_control']:.2f}x; long prompt's TTFT "
               f"{ms(d['long_ttft_s'])}  (loadavg {d['loadavg'][0]} -> {d['loadavg'][1]})")
         budget = "default" if a.stall_budget is None else a.stall_budget
         for name, d in ((f"rlx, chunk {a.prefill_chunk}, budget {budget}", r.get("stall")),

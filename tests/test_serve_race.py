@@ -103,3 +103,23 @@ def test_report_joins_runs_of_the_same_sizes(tmp_path, capsys):
     assert "throughput rlx/llama-server: 1.50x" in out and "p99 TTFT rlx/llama-server: 1.00x" in out
     with pytest.raises(SystemExit, match="peer2.json ran other sizes than .*rlx.json: clients"):
         serve_race.report_files([rlx, run_json(tmp_path / "peer2.json", "llama-server", 1.0, clients=8)])
+
+
+def test_window_positions_and_their_p99_carry_over_to_another_run():
+    rng = np.random.default_rng()
+    gaps = rng.uniform(0.01, 0.05, 40)
+    gaps[10:14] = rng.uniform(1.0, 2.0, 4)               # a stall: the "during" gaps
+    arrivals = list(np.cumsum(gaps))                      # chunk i at arrivals[i]; gap i ends there
+    t0 = arrivals[10] - gaps[10] / 2                     # inside gap 10 ...
+    t1 = arrivals[13] - gaps[13] / 2                     # ... to inside gap 13
+    w = serve_race.window(arrivals, t0, t1)
+    assert w == range(10, 14)
+    assert serve_race.window(arrivals, arrivals[10], arrivals[12]) == range(11, 13)   # ends, not inside
+    assert serve_race.window(arrivals, arrivals[-1], arrivals[-1] + 1) == range(40, 40)
+    other = list(np.cumsum(rng.uniform(0.01, 0.05, 40)))  # a control run: the same positions, other times
+    p99, n = serve_race.p99_at([arrivals, other], [w, w])
+    want = sorted(list(gaps[10:14]) + [other[i] - other[i - 1] for i in w])
+    assert n == 8 and p99 == want[-1]                     # nearest rank: p99 of 8 is the largest
+    assert serve_race.p99_at([other], [w]) == (max(other[i] - other[i - 1] for i in w), 4)
+    with pytest.raises(serve_race.SideFailed, match="not past its window's position 13"):
+        serve_race.p99_at([other[:13]], [w])
