@@ -83,6 +83,7 @@ MIXED_RECENT = 5               # mixed steps of a piece length whose least is wh
 REFERENCE = 8                  # mixed steps in a row at most, with a stall budget: then a plain step is timed
 NOW = 3                        # timed plain steps whose least is the reference of a mixed step's addition
 TIE = 0.25                     # budget below every addition: pieces adding <= (1 + TIE) x the least fit
+GROWTH_KEYS = 128              # keys the streams gain in a ride before their step's growth is read
 STEP_LOG = 4096                # runs the scheduler remembers (`step_log`)
 
 
@@ -288,6 +289,7 @@ class Scheduler:
         self._riding: tuple | None = None      # (request, limit): the piece the next step carries
         self._mixed_when: dict = {}            # piece length -> mixed_steps when its cost was last measured
         self._mixed_over: dict = {}            # piece length -> its measurements over the budget since it fit
+        self._ride_from: tuple | None = None   # (rider, the streams' mean length, _step_now) at its ride's start
         self._plain_age = 0                    # mixed steps since the last timed plain step
         self._ran: weakref.WeakSet = weakref.WeakSet()   # runners run once (later runs are timed)
         self._log: collections.deque = collections.deque(maxlen=STEP_LOG)   # StepRecords, newest last
@@ -760,12 +762,38 @@ class Scheduler:
             return None
         limit = chunk
         if self.stall_budget is not None:
-            limit = self._mixed_limit(chunk, self.stall_budget)
+            limit = self._mixed_limit(chunk, self.stall_budget, self._growth(r))
             if any(not (q.done or q.cancelled) for q in itertools.islice(self._fills, 1, None)):
                 limit = max(limit, min(PIECE_MIN, chunk))
         return r, limit
 
-    def _mixed_limit(self, cap: int, steps: float) -> int:
+    def _growth(self, r: Request) -> float:
+        """What the streams' step will grow by, in steps of now, while r's prompt rides at one
+        token a step (at n a step: 1/n of it): their step's growth per key of context since r
+        began to ride, times r's tokens left; 0 until they gained GROWTH_KEYS keys in the ride
+        (less growth is within a step's noise). Every stream gains a key a step, so a long
+        prompt ridden in short pieces makes their steps grow more than the pieces add (SmolLM2,
+        2 cores, 8 streams: a 29 ms step grew to 83 ms over a 4,000-token prompt ridden in
+        1,799 mixed steps of 1-8 tokens, each adding 0.3-0.6 steps)."""
+        running = self._running()
+        keys = statistics.fmean(q.length for q in running) if running else 0.0
+        if self._ride_from is None or self._ride_from[0] is not r:
+            self._ride_from = (r, keys, self._step_now)
+            return 0.0
+        _, keys0, step0 = self._ride_from
+        now = self._step_now
+        if keys - keys0 < GROWTH_KEYS or not now:
+            return 0.0
+        per_key = max(now - step0, 0.0) / ((keys - keys0) * now)
+        return per_key * (len(r.prompt_ids) - r.filled)
+
+    @staticmethod
+    def _end_gap(n: int, added: float, growth: float) -> float:
+        """The streams' gap at the end of a prefill ridden in pieces of n tokens, in steps of
+        now: a step grown by growth / n (`_growth`), with the piece's addition."""
+        return (1.0 + added) * (1.0 + growth / n)
+
+    def _mixed_limit(self, cap: int, steps: float, growth: float = 0.0) -> int:
         """The longest measured piece length (a power of two up to `cap`) whose addition to a
         decode step fits in `steps` steps, and no shorter one's over it (a longer piece adds
         no less: a lucky measurement of a long one does not make it fit), or one doubling
@@ -780,21 +808,29 @@ class Scheduler:
         the budget cannot hold whatever the piece: the pieces adding at most TIE more than
         that least fit, not one token a step, which would stall the streams as much for a
         prompt's whole length (quiet 2 cores, SmolLM2, 4 rows: a step 17-23 ms; 1, 2, 4, 8
-        tokens add 0.59-0.69, 0.61-0.63, 0.55-0.94, 0.65-0.73 steps)."""
+        tokens add 0.59-0.69, 0.61-0.63, 0.55-0.94, 0.65-0.73 steps).
+
+        With the streams' `growth` over the prefill (`_growth`), a longer length is taken, and
+        tried, where it ends the prefill with shorter gaps (`_end_gap`: the step's growth it
+        saves over what it adds, the additions read no less than a shorter one's as above): the
+        budget bounds a step's addition, not the growth a slower prefill lets through."""
         cost = self._mixed_cost
         if not cost:
             return 1
         budget, steps = steps, self._fit_steps(steps, cost)
-        size, most = 1, 0.0
-        for n in sorted(k for k in cost if k <= cap):
-            most = max(most, cost[n])
-            if most > steps:
-                break
-            size = n
+        lengths = sorted(k for k in cost if k <= cap)
+        read = dict(zip(lengths, itertools.accumulate((cost[n] for n in lengths), max)))  # no less than shorter
+        size = max((n for n in lengths if read[n] <= steps), default=1)
+        if size not in read:
+            return size
+        if growth:
+            size = min((n for n in lengths if n >= size), key=lambda n: (self._end_gap(n, read[n], growth), n))
         up = size * 2
-        if size in cost and up <= cap and self._probe_due(up):
+        if up <= cap and self._probe_due(up):
             expected, blind = self._probe_cost(size, cost)
-            if expected <= steps + (budget if blind else 0.0):
+            expected = max(expected, read[size])
+            if expected <= steps + (budget if blind else 0.0) or (
+                    growth and self._end_gap(up, expected, growth) < self._end_gap(size, read[size], growth)):
                 return up
         return size
 
