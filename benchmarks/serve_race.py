@@ -371,7 +371,8 @@ def p99_at(arrivals: list, windows: list) -> tuple:
     gaps = []
     for arr, w in zip(arrivals, windows):
         if w.stop > len(arr):
-            raise SideFailed(f"a stream decoded {len(arr)} chunks, not past its window's position {w.stop - 1}")
+            raise SideFailed(f"a stream decoded {len(arr)} chunks, not past its window's position "
+                             f"{w.stop - 1}")
         gaps += [arr[i] - arr[i - 1] for i in w]
     if not gaps:
         raise SideFailed("no gaps in the windows")
@@ -678,8 +679,8 @@ def report(a, res: dict, hw: str) -> None:
                 say(side_line(name, d, f2))
     if "stall" in a.scenarios:
         say(f"\n3. a {a.long_tokens}-token prompt arriving during {a.clients} decoding streams: their p99 "
-            "inter-token latency before / during its prefill, and during / a control run without it at the same "
-            "token positions (target during <= 2x before, chunked)")
+            "inter-token latency before / during its prefill, and during / a control run without it at the "
+            "same token positions (target during <= 2x before, chunked)")
         f3 = (lambda d: f"before {ms(d['before_p99_s'])} ({d['before_n']} gaps), "
               f"during {ms(d['during_p99_s'])} ({d['during_n']} gaps, longest {ms(d['during_max_s'])}), "
               f"{d['ratio']:.2f}x; control {ms(d['control_p99_s'])} (no long prompt, the same positions: "
