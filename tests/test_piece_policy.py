@@ -111,7 +111,7 @@ def test_the_streams_growth_buys_longer_pieces(sched, growth, length):
 def test_growth_is_the_streams_step_growth_per_key_times_the_tokens_left(sched, monkeypatch):
     """`_growth`: 0 at the ride's start and until the streams gained GROWTH_KEYS keys; then
     the step's growth since the start, per key, relative to the step now, times the rider's
-    tokens left. A new rider starts over."""
+    tokens left. A new rider, or a row joining, starts over."""
     rows = [SimpleNamespace(length=100 + i) for i in range(8)]
     monkeypatch.setattr(sched, "_running", lambda: rows)
     rider = SimpleNamespace(prompt_ids=[0] * 4000, filled=0)
@@ -127,5 +127,10 @@ def test_growth_is_the_streams_step_growth_per_key_times_the_tokens_left(sched, 
     rider.filled = 1000
     keys = GROWTH_KEYS + 200
     assert sched._growth(rider) == pytest.approx((0.036 - 0.030) / (keys * 0.036) * 3000, rel=1e-12)
+    rows.append(SimpleNamespace(length=1))                      # a row joins: its step is another
+    assert sched._growth(rider) == 0.0
+    for q in rows:
+        q.length += GROWTH_KEYS
+    assert sched._growth(rider) == 0.0                          # 36 ms then and now: no growth
     other = SimpleNamespace(prompt_ids=[0] * 4000, filled=0)
     assert sched._growth(other) == 0.0 and sched._ride_from[0] is other

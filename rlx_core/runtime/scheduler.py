@@ -289,7 +289,7 @@ class Scheduler:
         self._riding: tuple | None = None      # (request, limit): the piece the next step carries
         self._mixed_when: dict = {}            # piece length -> mixed_steps when its cost was last measured
         self._mixed_over: dict = {}            # piece length -> its measurements over the budget since it fit
-        self._ride_from: tuple | None = None   # (rider, the streams' mean length, _step_now) at its ride's start
+        self._ride_from: tuple | None = None   # (rider, rows, their mean length, _step_now) at its start
         self._plain_age = 0                    # mixed steps since the last timed plain step
         self._ran: weakref.WeakSet = weakref.WeakSet()   # runners run once (later runs are timed)
         self._log: collections.deque = collections.deque(maxlen=STEP_LOG)   # StepRecords, newest last
@@ -771,16 +771,17 @@ class Scheduler:
         """What the streams' step will grow by, in steps of now, while r's prompt rides at one
         token a step (at n a step: 1/n of it): their step's growth per key of context since r
         began to ride, times r's tokens left; 0 until they gained GROWTH_KEYS keys in the ride
-        (less growth is within a step's noise). Every stream gains a key a step, so a long
+        (less growth is within a step's noise); read afresh when a row joins or leaves (the step
+        changes with its rows, not by growth). Every stream gains a key a step, so a long
         prompt ridden in short pieces makes their steps grow more than the pieces add (SmolLM2,
         2 cores, 8 streams: a 29 ms step grew to 83 ms over a 4,000-token prompt ridden in
         1,799 mixed steps of 1-8 tokens, each adding 0.3-0.6 steps)."""
         running = self._running()
         keys = statistics.fmean(q.length for q in running) if running else 0.0
-        if self._ride_from is None or self._ride_from[0] is not r:
-            self._ride_from = (r, keys, self._step_now)
+        if self._ride_from is None or self._ride_from[0] is not r or self._ride_from[1] != len(running):
+            self._ride_from = (r, len(running), keys, self._step_now)
             return 0.0
-        _, keys0, step0 = self._ride_from
+        *_, keys0, step0 = self._ride_from
         now = self._step_now
         if keys - keys0 < GROWTH_KEYS or not now:
             return 0.0
@@ -819,12 +820,13 @@ class Scheduler:
             return 1
         budget, steps = steps, self._fit_steps(steps, cost)
         lengths = sorted(k for k in cost if k <= cap)
-        read = dict(zip(lengths, itertools.accumulate((cost[n] for n in lengths), max)))  # no less than shorter
+        read = dict(zip(lengths, itertools.accumulate((cost[n] for n in lengths), max)))  # >= a shorter's
         size = max((n for n in lengths if read[n] <= steps), default=1)
         if size not in read:
             return size
         if growth:
-            size = min((n for n in lengths if n >= size), key=lambda n: (self._end_gap(n, read[n], growth), n))
+            size = min((n for n in lengths if n >= size),
+                       key=lambda n: (self._end_gap(n, read[n], growth), n))
         up = size * 2
         if up <= cap and self._probe_due(up):
             expected, blind = self._probe_cost(size, cost)
