@@ -857,6 +857,9 @@ def embed_cmd(model_name: str, texts: tuple, images: bool, file: str | None, jso
               help="While a batch decodes, a round's prefill may cost at most F times its decode step "
                    "(measured; pieces of at most --prefill-chunk tokens): streams slow to at most ~(1 + F)x "
                    "while a long prompt prefills. 0: fixed pieces of --prefill-chunk. Default: 0.5.")
+@click.option("--idle-release", "idle_release_s", type=click.FloatRange(0), default=None, metavar="SECONDS",
+              help="Idle this long, a model's scheduler gives its KV cache and compiled runners back "
+                   "(rebuilt by the next request). Default: 30.")
 @click.option("--no-mixed", "no_mixed", is_flag=True, default=False,
               help="Run each prefill piece as a run of its own between the batch's decode steps, not "
                    "inside them (mixed steps: on by default with chunked prefill, where the model's "
@@ -868,7 +871,7 @@ def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_
               log_level: str, max_body_mb: float, api_key: str | None, cors_origins: tuple,
               max_queue: int | None, request_timeout: float | None, shutdown_grace: float,
               prefix_cache_mb: float | None, prefill_chunk: int | None, stall_budget: float | None,
-              no_mixed: bool, profile: str | None,
+              idle_release_s: float | None, no_mixed: bool, profile: str | None,
               backend: str | None, tp: int | None) -> None:
     """Serve MODEL(s) over OpenAI's HTTP API: /v1/models, /v1/completions,
     /v1/chat/completions (streaming too), /v1/embeddings (encoder models; vision models take
@@ -883,7 +886,8 @@ def serve_cmd(model_names: tuple, host: str, port: int, max_batch: int, default_
 
     serve.require()
     options = {k: v for k, v in (("prefix_cache_mb", prefix_cache_mb), ("prefill_chunk", prefill_chunk),
-                                 ("stall_budget", stall_budget)) if v is not None}
+                                 ("stall_budget", stall_budget), ("idle_release_s", idle_release_s))
+               if v is not None}
     if no_mixed:
         options["mixed"] = False
     models, groups = serve.load_models(model_names, backend, profile, tp,

@@ -184,6 +184,8 @@ def test_sampling_params_errors_name_the_argument(tiny):
             s.submit([5], on_event=3)
     with pytest.raises(ModelError, match="max_batch"):
         Scheduler(tiny, max_batch=0)
+    with pytest.raises(ModelError, match="idle_release_s"):
+        Scheduler(tiny, idle_release_s=-1.0)
 
 
 def test_cancel_and_close(tiny):

@@ -250,11 +250,9 @@ def test_top_k_and_seed_sample_as_generate_does(server, models):
 
 def test_an_idle_scheduler_gives_its_kv_cache_back(server, monkeypatch):
     """After a long request (a KV cache of its context) the scheduler, once idle
-    IDLE_RELEASE_S, drops the cache; the next request rebuilds it and answers the same."""
-    from rlx_core.runtime import scheduler as S
-
-    monkeypatch.setattr(S, "IDLE_RELEASE_S", 0.2)
+    idle_release_s, drops the cache; the next request rebuilds it and answers the same."""
     sched = server.app.state.served.schedulers["tiny"]
+    monkeypatch.setattr(sched, "idle_release_s", 0.2)
     before = greedy(server)
     code, out = post(server, "/completions", {"model": "tiny", "prompt": "w1", "max_tokens": 200,
                                               "temperature": 1.0, "seed": 3})

@@ -41,8 +41,9 @@ def test_builder_args_are_checked():
     assert options({"model": "m", "replicas": "2", "tp": 1}) == {
         "models": ["m"], "backend": None, "profile": None, "replicas": 2, "tp": 1, "max_batch": 8,
         "max_tokens": None, "scheduler_options": {}}
-    assert options({"model": "m", "prefix_cache_mb": "64", "prefill_chunk": 128, "stall_budget": "0.25"})[
-        "scheduler_options"] == {"prefix_cache_mb": 64.0, "prefill_chunk": 128, "stall_budget": 0.25}
+    assert options({"model": "m", "prefix_cache_mb": "64", "prefill_chunk": 128, "stall_budget": "0.25",
+                    "idle_release_s": 60})["scheduler_options"] == {
+        "prefix_cache_mb": 64.0, "prefill_chunk": 128, "stall_budget": 0.25, "idle_release_s": 60.0}
     for value, mixed in (("false", False), (False, False), ("True", True)):
         assert options({"model": "m", "mixed": value})["scheduler_options"] == {"mixed": mixed}
     for bad, what in (({"model": "m", "replica": 2}, r"unknown arg\(s\) \['replica'\]"),
@@ -54,6 +55,7 @@ def test_builder_args_are_checked():
                       ({"model": "m", "prefix_cache_mb": -1}, r"prefix_cache_mb=-1"),
                       ({"model": "m", "prefill_chunk": 0}, r"prefill_chunk=0"),
                       ({"model": "m", "stall_budget": "-1"}, r"stall_budget='-1'; expected a number >= 0"),
+                      ({"model": "m", "idle_release_s": "soon"}, r"idle_release_s='soon'; expected a number >= 0"),
                       ({"model": "m", "mixed": "no"}, r"mixed='no'; expected true or false")):
         with pytest.raises(ModelError, match=what):
             options(bad)

@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from ..pipeline import Executable
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
-IDLE_RELEASE_S = 2.0           # idle this long, a scheduler gives its KV cache back (release_cache)
+IDLE_RELEASE_S = 30.0          # idle this long, a scheduler gives its KV cache back (release_cache)
 PIECE_MIN = 16                 # the shortest prefill run: a prompt's tail is padded up to 16, 32 or 64 tokens
 PAD_TAIL = 64                  # a tail up to this long runs padded to a power of two; longer pieces run exact
 FILL_CTX_MIN = 256             # the prefill states' smallest context (then powers of two)
@@ -245,16 +245,20 @@ class Scheduler:
     pieces then follow only from the requests, as a tensor-parallel group's ranks need);
     `mixed`: while a batch decodes, a prompt's pieces run inside its decode steps (one run for
     both, where the model's layers allow: see the module docstring; needs chunked prefill).
-    Use as a context manager or call close()."""
+    `idle_release_s`: idle this long, the KV caches and runners go back (None: IDLE_RELEASE_S;
+    rebuilding them costs the next request ~0.1 s on a CPU, ~0.5 s on a GPU, so not after a
+    pause between a client's requests). Use as a context manager or call close()."""
 
     def __init__(self, model, max_batch: int = 8, prefix_cache_mb: float = 256, prefill_chunk: int | None = None,
-                 stall_budget: float | None = None, mixed: bool = True):
+                 stall_budget: float | None = None, mixed: bool = True, idle_release_s: float | None = None):
         self.model = model
         self.max_batch = int_arg("max_batch", max_batch, lo=1)
         self.prefix_cache_mb = float_arg("prefix_cache_mb", prefix_cache_mb, 0.0)
         self.prefill_chunk = int_arg("prefill_chunk", prefill_chunk, none=True)
         self.stall_budget = None if stall_budget is None else float_arg("stall_budget", stall_budget, 0.0)
         self.mixed = bool_arg("mixed", mixed)
+        idle = IDLE_RELEASE_S if idle_release_s is None else idle_release_s
+        self.idle_release_s = float_arg("idle_release_s", idle, 0.0)
         self.buckets = batch_buckets(self.max_batch)
         self._cv = threading.Condition()
         self._waiting: collections.deque = collections.deque()
@@ -435,7 +439,7 @@ class Scheduler:
         executables (rebuilt by the next request, ~0.1 s each: the model is not reloaded;
         the mixed graphs stay built, without their runners and arenas) and trim the heap, so
         the memory long requests took goes back once the scheduler has been idle
-        IDLE_RELEASE_S seconds (the scheduler thread calls this). The prefix cache
+        `idle_release_s` seconds (the scheduler thread calls this). The prefix cache
         stays (bounded by prefix_cache_mb): the next turn of a chat comes after a pause."""
         with self.model._lock:
             if self.cache is not None:
@@ -449,10 +453,10 @@ class Scheduler:
 
     # -- the scheduler thread
     def _idle(self) -> bool:
-        """Under _cv: wait for work; True when none came for IDLE_RELEASE_S while a KV
+        """Under _cv: wait for work; True when none came for idle_release_s while a KV
         cache is held (the thread then releases it)."""
         while not (self._closed or self._waiting or self._active):
-            timed_out = not self._cv.wait(None if self.cache is None else IDLE_RELEASE_S)
+            timed_out = not self._cv.wait(None if self.cache is None else self.idle_release_s)
             if timed_out and self.cache is not None and not (self._closed or self._waiting or self._active):
                 return True
         return False

@@ -12,8 +12,8 @@ actor. Ray does the placement, routing and restarts; nothing here is cluster cod
 or `serve run rlx_core.serve.ray_app:app_builder model=NAME replicas=2`. The args:
 `model` (a name or path, or a list of them), `backend`, `profile`, `replicas` (default 1),
 `tp` (ranks per replica, default 1), `max_batch` (default 8), `max_tokens` (chat default),
-`prefix_cache_mb`, `prefill_chunk`, `stall_budget` and `mixed` (false: `rlx serve --no-mixed`) (each
-replica's scheduler: `rlx serve`'s flags).
+`prefix_cache_mb`, `prefill_chunk`, `stall_budget`, `idle_release_s` and `mixed` (false: `rlx serve
+--no-mixed`) (each replica's scheduler: `rlx serve`'s flags).
 The deployment is named "rlx": a config's `deployments:` entry of that name sets Ray's own
 options (ray_actor_options such as num_gpus, autoscaling). Needs the cluster extra:
 pip install 'rlx-core[cluster]'.
@@ -46,7 +46,8 @@ KEYS = {"model": "a model name or path, or a list of them", "backend": "a backen
         "profile": "a profile name or .rlx.toml path", "replicas": "a whole number >= 1",
         "tp": "a whole number >= 1", "max_batch": "a whole number >= 1",
         "max_tokens": "a whole number >= 1", "prefix_cache_mb": "a number >= 0",
-        "prefill_chunk": "a whole number >= 1", "stall_budget": "a number >= 0", "mixed": "true or false"}
+        "prefill_chunk": "a whole number >= 1", "stall_budget": "a number >= 0", "mixed": "true or false",
+        "idle_release_s": "a number >= 0"}
 
 
 def require() -> None:
@@ -91,10 +92,10 @@ def options(args: dict) -> dict:
 
 
 def _scheduler_options(args: dict) -> dict:
-    """prefix_cache_mb and stall_budget (numbers >= 0), prefill_chunk (a count) and mixed (true
-    or false), where given."""
+    """prefix_cache_mb, stall_budget and idle_release_s (numbers >= 0), prefill_chunk (a count)
+    and mixed (true or false), where given."""
     out = {}
-    for key in ("prefix_cache_mb", "stall_budget"):
+    for key in ("prefix_cache_mb", "stall_budget", "idle_release_s"):
         if args.get(key) is None:
             continue
         value = args[key]
