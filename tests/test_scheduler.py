@@ -97,6 +97,30 @@ def test_finished_rows_stay_holes_at_the_same_size(tiny, monkeypatch):
         assert c.token_ids == tiny.generate(list(ids), max_new_tokens=n, ignore_eos=True)[len(ids):]
 
 
+def test_requests_arriving_together_size_the_cache_once(tiny, monkeypatch):
+    """Four requests taken in one round: the first row placed sizes the cache for all four
+    (one resize to 4 rows, not 1, 2 and 4: each a new set of buffers and a decode runner
+    specialized again), and each output equals its request run alone."""
+    from rlx_core.runtime.batch_cache import BatchCache
+
+    sizes = []
+    real = BatchCache.resize
+
+    def resize(self, batch, ctx, moves):
+        sizes.append(batch)
+        return real(self, batch, ctx, moves)
+    monkeypatch.setattr(BatchCache, "resize", resize)
+    rng = np.random.default_rng()
+    jobs = [(rng.integers(3, 61, int(rng.integers(2, 9))).tolist(), 6) for _ in range(4)]
+    with Scheduler(tiny, max_batch=4) as sched:
+        with sched._cv:                      # (re-entrant: the thread takes all four in one round)
+            reqs = [sched.submit(ids, max_tokens=n, ignore_eos=True) for ids, n in jobs]
+        got = [r.result(WAIT) for r in reqs]
+    assert sizes == [4], f"the cache's batch sizes, in order: {sizes}"
+    for (ids, n), c in zip(jobs, got):
+        assert c.token_ids == alone(tiny, ids, n)
+
+
 def test_admitted_mid_decode_equals_alone_numpy(tiny):
     rng = np.random.default_rng(3)
     jobs = [(rng.integers(3, 61, 9).tolist(), 14), (rng.integers(3, 61, 4).tolist(), 3),

@@ -634,13 +634,17 @@ class Scheduler:
         return next(b for b in self.buckets if b >= rows)
 
     def _fit(self, extra_ctx: int = 0, extra_row: bool = False) -> None:
-        """Size the cache for the running requests (+ one being admitted), rows compacted when
+        """Size the cache for the running requests (+ one being placed), rows compacted when
         the size changes. At the same size the rows of finished requests stay free holes (the
         graph runs the bucket's rows either way): compacting them moved every later row's KV,
-        a copy a state and row, each time a request finished."""
+        a copy a state and row, each time a request finished. A row being placed sizes the
+        cache for every admitted request (placed or not): placed one by one, 32 requests
+        arriving together grew it through 1, 2, 4, 8 and 16 rows, new buffers each time (those
+        of the size before evicted: KEEP_SIZES), so the 32-row decode runner was specialized
+        again in every such round (0.4-0.5 s on an H200)."""
         c = self._batch_cache()
         running = self._running()
-        rows = len(running) + extra_row
+        rows = max(len(running) + 1, len(self._active)) if extra_row else len(running)
         batch = self._bucket(max(rows, 1))
         ctx = max([r.ctx for r in running] + [extra_ctx])
         if (c.batch, c.ctx) == (batch, ctx):
