@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rlx_core.ir.errors import ModelError
-from rlx_core.runtime.scheduler import SamplingParams, Scheduler, batch_buckets
+from rlx_core.runtime.scheduler import SHRINK_AFTER, SamplingParams, Scheduler, batch_buckets
 from rlx_core.runtime.stop_text import StopText
 
 pytest.importorskip("rlx_blocks_llama")
@@ -117,6 +117,31 @@ def test_requests_arriving_together_size_the_cache_once(tiny, monkeypatch):
             reqs = [sched.submit(ids, max_tokens=n, ignore_eos=True) for ids, n in jobs]
         got = [r.result(WAIT) for r in reqs]
     assert sizes == [4], f"the cache's batch sizes, in order: {sizes}"
+    for (ids, n), c in zip(jobs, got):
+        assert c.token_ids == alone(tiny, ids, n)
+
+
+@pytest.mark.parametrize("longer, want", [(SHRINK_AFTER - 4, [2]), (SHRINK_AFTER + 12, [2, 1])])
+def test_a_larger_cache_shrinks_only_when_it_lasts(tiny, monkeypatch, longer, want):
+    """Two requests in one round, one ending after 2 tokens: the other's row keeps the 2-row
+    cache for SHRINK_AFTER idle rounds (a round's straggler no longer shrinks it, the next
+    round growing it back), then the cache shrinks to 1 row; outputs as run alone."""
+    from rlx_core.runtime.batch_cache import BatchCache
+
+    sizes = []
+    real = BatchCache.resize
+
+    def resize(self, batch, ctx, moves):
+        sizes.append(batch)
+        return real(self, batch, ctx, moves)
+    monkeypatch.setattr(BatchCache, "resize", resize)
+    rng = np.random.default_rng()
+    jobs = [(rng.integers(3, 61, 4).tolist(), 2), (rng.integers(3, 61, 5).tolist(), longer)]
+    with Scheduler(tiny, max_batch=2) as sched:
+        with sched._cv:
+            reqs = [sched.submit(ids, max_tokens=n, ignore_eos=True) for ids, n in jobs]
+        got = [r.result(WAIT) for r in reqs]
+    assert sizes == want
     for (ids, n), c in zip(jobs, got):
         assert c.token_ids == alone(tiny, ids, n)
 

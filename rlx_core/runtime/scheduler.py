@@ -85,6 +85,7 @@ NOW = 3                        # timed plain steps whose least is the reference 
 TIE = 0.25                     # budget below every addition: pieces adding <= (1 + TIE) x the least fit
 GROWTH_KEYS = 128              # keys the streams gain in a ride before their step's growth is read
 STEP_LOG = 4096                # runs the scheduler remembers (`step_log`)
+SHRINK_AFTER = 16              # idle rounds a cache larger than its rows needs is kept before it shrinks
 
 
 def trim_heap() -> None:
@@ -295,6 +296,7 @@ class Scheduler:
         self._mixed_over: dict = {}            # piece length -> its measurements over the budget since it fit
         self._ride_from: tuple | None = None   # (rider, rows, their mean length, _step_now) at its start
         self._plain_age = 0                    # mixed steps since the last timed plain step
+        self._oversized = 0                    # idle rounds in a row the cache was larger than needed
         self._ran: weakref.WeakSet = weakref.WeakSet()   # runners run once (later runs are timed)
         self._log: collections.deque = collections.deque(maxlen=STEP_LOG)   # StepRecords, newest last
 
@@ -641,16 +643,25 @@ class Scheduler:
         cache for every admitted request (placed or not): placed one by one, 32 requests
         arriving together grew it through 1, 2, 4, 8 and 16 rows, new buffers each time (those
         of the size before evicted: KEEP_SIZES), so the 32-row decode runner was specialized
-        again in every such round (0.4-0.5 s on an H200)."""
+        again in every such round (0.4-0.5 s on an H200). A larger cache than the rows need
+        shrinks only after SHRINK_AFTER idle rounds: a round's last straggler shrank it, and
+        the next round's requests grew it back, each size a decode runner built again (1.6 s
+        for 8 rows on an H200)."""
         c = self._batch_cache()
         running = self._running()
         rows = max(len(running) + 1, len(self._active)) if extra_row else len(running)
         batch = self._bucket(max(rows, 1))
         ctx = max([r.ctx for r in running] + [extra_ctx])
         if (c.batch, c.ctx) == (batch, ctx):
+            self._oversized = 0
             return
-        if extra_row and c.batch >= batch and c.ctx >= ctx:
-            return                                   # room already: grow only when needed
+        if c.batch >= batch and c.ctx >= ctx:        # room already: grow when needed, shrink when it lasts
+            if extra_row:
+                return
+            self._oversized += 1
+            if self._oversized <= SHRINK_AFTER:
+                return
+        self._oversized = 0
         moves = [(r.slot, i, r.length) for i, r in enumerate(running)]
         c.resize(batch, ctx, moves)
         for i, r in enumerate(running):
