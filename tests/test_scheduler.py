@@ -64,20 +64,35 @@ def run_mid_decode(model, jobs: list, max_batch: int = 4) -> tuple:
         return [r.result(WAIT) for r in reqs], sched
 
 
+def record_resizes(monkeypatch) -> list:
+    """BatchCache.resize's calls from now on, each (old batch, old ctx, batch, ctx, rows moved)."""
+    from rlx_core.runtime.batch_cache import BatchCache
+
+    calls: list = []
+    real = BatchCache.resize
+
+    def resize(self, batch, ctx, moves):
+        calls.append((self.batch, self.ctx, batch, ctx, len(moves)))
+        return real(self, batch, ctx, moves)
+    monkeypatch.setattr(BatchCache, "resize", resize)
+    return calls
+
+
+def run_together(model, jobs: list, max_batch: int) -> list:
+    """jobs' (ids, max tokens) submitted while the scheduler's condition is held (re-entrant), so
+    its thread takes them all in one round; their completions."""
+    with Scheduler(model, max_batch=max_batch) as sched:
+        with sched._cv:
+            reqs = [sched.submit(ids, max_tokens=n, ignore_eos=True) for ids, n in jobs]
+        return [r.result(WAIT) for r in reqs]
+
+
 def test_finished_rows_stay_holes_at_the_same_size(tiny, monkeypatch):
     """Four requests of one context bucket finishing one after another (max tokens 3, 6, 9,
     12) in a batch of 4: no row moves while the cache's size stays (a finished row is a free
     hole, not compacted away), a fifth request takes a freed row mid-decode, and each output
     equals its request run alone."""
-    from rlx_core.runtime.batch_cache import BatchCache
-
-    moved = []
-    real = BatchCache.resize
-
-    def resize(self, batch, ctx, moves):
-        moved.append((self.batch, self.ctx, batch, ctx, len(moves)))
-        return real(self, batch, ctx, moves)
-    monkeypatch.setattr(BatchCache, "resize", resize)
+    moved = record_resizes(monkeypatch)
     rng = np.random.default_rng()
     jobs = [(rng.integers(3, 61, 5).tolist(), n) for n in (3, 6, 9, 12)]
     late = (rng.integers(3, 61, 4).tolist(), 5)
@@ -101,21 +116,11 @@ def test_requests_arriving_together_size_the_cache_once(tiny, monkeypatch):
     """Four requests taken in one round: the first row placed sizes the cache for all four
     (one resize to 4 rows, not 1, 2 and 4: each a new set of buffers and a decode runner
     specialized again), and each output equals its request run alone."""
-    from rlx_core.runtime.batch_cache import BatchCache
-
-    sizes = []
-    real = BatchCache.resize
-
-    def resize(self, batch, ctx, moves):
-        sizes.append(batch)
-        return real(self, batch, ctx, moves)
-    monkeypatch.setattr(BatchCache, "resize", resize)
+    resized = record_resizes(monkeypatch)
     rng = np.random.default_rng()
     jobs = [(rng.integers(3, 61, int(rng.integers(2, 9))).tolist(), 6) for _ in range(4)]
-    with Scheduler(tiny, max_batch=4) as sched:
-        with sched._cv:                      # (re-entrant: the thread takes all four in one round)
-            reqs = [sched.submit(ids, max_tokens=n, ignore_eos=True) for ids, n in jobs]
-        got = [r.result(WAIT) for r in reqs]
+    got = run_together(tiny, jobs, max_batch=4)
+    sizes = [batch for _, _, batch, _, _ in resized]
     assert sizes == [4], f"the cache's batch sizes, in order: {sizes}"
     for (ids, n), c in zip(jobs, got):
         assert c.token_ids == alone(tiny, ids, n)
@@ -126,22 +131,11 @@ def test_a_larger_cache_shrinks_only_when_it_lasts(tiny, monkeypatch, longer, wa
     """Two requests in one round, one ending after 2 tokens: the other's row keeps the 2-row
     cache for SHRINK_AFTER idle rounds (a round's straggler no longer shrinks it, the next
     round growing it back), then the cache shrinks to 1 row; outputs as run alone."""
-    from rlx_core.runtime.batch_cache import BatchCache
-
-    sizes = []
-    real = BatchCache.resize
-
-    def resize(self, batch, ctx, moves):
-        sizes.append(batch)
-        return real(self, batch, ctx, moves)
-    monkeypatch.setattr(BatchCache, "resize", resize)
+    resized = record_resizes(monkeypatch)
     rng = np.random.default_rng()
     jobs = [(rng.integers(3, 61, 4).tolist(), 2), (rng.integers(3, 61, 5).tolist(), longer)]
-    with Scheduler(tiny, max_batch=2) as sched:
-        with sched._cv:
-            reqs = [sched.submit(ids, max_tokens=n, ignore_eos=True) for ids, n in jobs]
-        got = [r.result(WAIT) for r in reqs]
-    assert sizes == want
+    got = run_together(tiny, jobs, max_batch=2)
+    assert [batch for _, _, batch, _, _ in resized] == want
     for (ids, n), c in zip(jobs, got):
         assert c.token_ids == alone(tiny, ids, n)
 

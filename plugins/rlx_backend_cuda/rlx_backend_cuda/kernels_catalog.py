@@ -60,7 +60,7 @@ def catalog() -> list:
             common = dict(MASKKIND=mk, MASKMODE=mm, TM="bool" if mm == 1 else t, TP="long long", HAS_POS=1)
             isz = {"float": 4, "double": 8}.get(t, 2)
             for dk, dv, rows, vec in ((64, 64, 4, 16 // isz), (128, 128, 8, 16 // isz), (40, 24, 1, 1)):
-                for nt, loads in ((S.ATTN_THREADS, S.ATTN_LOADS), (256, 4)):     # (ops.ATTN_SMALL_GRID)
+                for nt, loads in ((S.ATTN_THREADS, S.ATTN_LOADS), S.ATTN_SMALL_GRID):
                     sh = S.attn_split_shape(dk, dv, vec, vec, rows, 8 if acc == "double" else 4, nt, loads)
                     src = S.render(S.ATTN_SPLIT, TQ=t, TK=t, TV=t, TO=t, ACC=acc, DK=dk, DV=dv, **sh, **common)
                     out.append((f"attn_split {t} {mk}{mm} {dk}/{dv} rows {rows} vec {vec} NT {nt}", src,

@@ -38,12 +38,7 @@ ATTN_TC_MIN_BLOCKS_PER_SM = 2
 ATTN_TC_DIMS = (32, 64, 96, 128, 256)
 ATTN_THREADS = sources.ATTN_THREADS
 ATTN_LOADS = sources.ATTN_LOADS
-# (threads, loads) of a split-K block where the grid has fewer blocks than the GPU has SMs
-# (batch-1 decode) and the tile stays within a split's keys: one 64-key tile a split at head
-# dim 128 in 16-bit floats, so a block waits on memory once, not 4 times.
-# OLMoE-shaped decode (16 heads x 128, 640-key cache, bf16, H200): 13.0 -> 10.0 us a launch,
-# Q4_K_M step 1.125 -> 1.077 ms
-ATTN_SMALL_GRID = (256, 4)
+ATTN_SMALL_GRID = sources.ATTN_SMALL_GRID
 ATTN_MIN_CHUNK = 64
 ROW_THREADS = 1024           # threads of a row kernel (norms, softmax) at most
 ROPE_ROWS = 8                # (head, position) rows of a RoPE block, a warp each
