@@ -186,7 +186,7 @@ def test_cuda_gemv_swiglu_epilogues_come_from_the_table(monkeypatch):
     sources, codegen = _need("rlx_backend_cuda.sources"), _need("rlx_backend_cuda.codegen")
     assert codegen.swiglu_of("float") == "((g) * rlx_sigmoid((g)) * (u))"
     src = sources.render(sources.GEMV, T="__half", TO="__half", MMAX=1, R=2, U=4, SWIGLU=1, KS=1,
-                         SWIGLU_OF=codegen.swiglu_of("float"), NORM=0, TN="__half", RESID=0)
+                         SWIGLU_OF=codegen.swiglu_of("float"), NORM=0, TN="__half", RESID=0, EARLY=1)
     assert "#define SWIGLU_OF(g, u) (((g) * rlx_sigmoid((g)) * (u)))" in src
     assert "ST(TO, SWIGLU_OF(g, u))" in src
     for name in ("gemv.cu", "dq.cu"):

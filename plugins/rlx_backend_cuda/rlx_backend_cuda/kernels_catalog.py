@@ -38,7 +38,7 @@ def catalog() -> list:
             for hr in (0, 1):
                 out.append((f"rms {t} {vpt} {warp} {hr} vec {vec} lanes {lanes}", S.render(
                     S.RMS_NORM, TX=t, TR=t, TW=t, TH=t, TO=t, ACC=acc, HAS_R=hr, HAS_W=1, VPT=vpt, WARP=warp,
-                    VEC=vec, LANES=lanes), "rlx_rms_norm"))
+                    VEC=vec, LANES=lanes, EARLY=hr), "rlx_rms_norm"))
         for hr, vpt, vec in ((0, 0, 1), (1, 0, 1), (1, 3, 1)) + (((0, 8, 8), (1, 24, 8)) if acc == "float" and t != "float"
                                                               else ()):
             out.append((f"ln {t} {hr} {vpt} vec {vec}", S.render(
@@ -92,7 +92,7 @@ def catalog() -> list:
             out.append((f"gemv {t} {r} {u} {sw} ks {ks} norm {nm} resid {rs}",
                         S.render(S.GEMV, T=t, TO=t, MMAX=4 if nm == 0 else 2, R=r, U=u, SWIGLU=sw, KS=ks,
                                  SWIGLU_OF=codegen.swiglu_of("float"), NORM=nm, TN="float" if nm else t,
-                                 RESID=rs), "rlx_gemv"))
+                                 RESID=rs, EARLY=int(r == 1)), "rlx_gemv"))
     out.append(("naive", S.render(S.MATMUL_NAIVE, TA="int", TB="int", TO="int", ACC="long long",
                                   MAC="(s) + (a) * (b)"), "rlx_matmul_naive"))
     out.append(("naive bool", S.render(S.MATMUL_NAIVE, TA="bool", TB="bool", TO="bool", ACC="bool",
@@ -110,10 +110,10 @@ def catalog() -> list:
             out.append((f"dq_gemv {kind} {al} {t}", S.dq_source(
                 S.DQ_GEMV, kind, blk, T=t, TO=t, TB=t, ACC="float", A=al, MMAX=mmax, R=4 if mmax < 4 else 2, U=2,
                 KW=2, XV=al % 2, SWIGLU=int(al == 4), EPILOGUE="v = v + LD(W, bias[n]);",
-                SWIGLU_OF=codegen.swiglu_of("float")), "rlx_dq_gemv"))
+                SWIGLU_OF=codegen.swiglu_of("float"), EARLY=int(al != 2)), "rlx_dq_gemv"))
         out.append((f"dq_gemv {kind} f64", S.dq_source(S.DQ_GEMV, kind, blk, T="double", TO="double", TB="double", ACC="double",
                                                        A=8, MMAX=1, R=4, U=2, KW=8, XV=0, SWIGLU=1, EPILOGUE="",
-                                                       SWIGLU_OF=codegen.swiglu_of("double")), "rlx_dq_gemv"))
+                                                       SWIGLU_OF=codegen.swiglu_of("double"), EARLY=1), "rlx_dq_gemv"))
         for t, acc in (("float", "float"), ("__nv_bfloat16", "float"), ("double", "double")):
             staged = S.dq_dequant_shape(kind, blk, 8 if acc == "double" else 4)
             for stage in range(staged["STAGE"] + 1):

@@ -68,6 +68,7 @@ class Build:
         self.gemv_norms: dict = {}    # (node, out) -> ops.GemvNorm its consuming GEMV computes
         self.waiting_norms: dict = {}  # rms_norm node -> the earlier rms_norm sharing its launch (ops)
         self.rope_norms: dict = {}    # rms_norm node -> ops.RopeNorm the rope reading it computes
+        self.resident: list = []      # (first, end) byte addresses of the params and constants
         g = runner.lir.graph
         self.view_transposes = {i for i, n in enumerate(g.nodes)
                                 if n.op == "transpose" and runner.lir.slots[(i, 0)].home == "view"}
@@ -98,6 +99,17 @@ class Build:
         arr.fill(0)
         self.r.counters.append(arr)
         return arr
+
+    def written_by_no_kernel(self, v: V) -> bool:
+        """Whether v's bytes lie in a param or a constant, which no kernel writes (the graph
+        assigns only states): a kernel launched as a programmatic dependent (device.Kernel) may
+        load them before it waits for the kernel before it."""
+        if not v.size:
+            return True
+        reach = [(d - 1) * s for d, s in zip(v.arr.shape, v.arr.strides)]
+        first = v.arr.data.ptr + sum(r for r in reach if r < 0)
+        end = v.arr.data.ptr + sum(r for r in reach if r > 0) + v.arr.itemsize
+        return any(lo <= first and end <= hi for lo, hi in self.resident)
 
     @staticmethod
     def disjoint(a: V, c: V) -> bool:
@@ -349,12 +361,15 @@ class CudaRunner(Runner):
                 vals[(i, 0)] = V(dv.data, s.dtype)
                 if n.op == "state":
                     self.bound_states[n.name] = table[n.name]
+                else:
+                    b.resident.append((dv.data.data.ptr, dv.data.data.ptr + dv.data.nbytes))
                 continue
             if n.op == "constant":
                 if n.name not in consts:
                     consts[n.name] = device.from_host(np.asarray(g.constants[n.name]).astype(
                         n.outs[0].dtype.np, copy=False), f"constant {n.name!r}")
                 vals[(i, 0)] = V(consts[n.name], n.outs[0].dtype)
+                b.resident.append((consts[n.name].data.ptr, consts[n.name].data.ptr + consts[n.name].nbytes))
                 continue
             ins_v = [vals[tuple(r)] for r in n.inputs]
             if lir.slots[(i, 0)].home == "view":       # (a value placed in a concat is not one)

@@ -35,7 +35,7 @@ def main(schemes):
         y = cp.empty((1, N), cp.uint16)
         fn = cp.RawKernel(sources.render(sources.GEMV, T="__nv_bfloat16", TO="__nv_bfloat16", MMAX=1, R=1, U=2,
                                          SWIGLU=0, KS=1, SWIGLU_OF=codegen.swiglu_of("float"), NORM=0,
-                                         TN="__nv_bfloat16", RESID=0), "rlx_gemv")
+                                         TN="__nv_bfloat16", RESID=0, EARLY=1), "rlx_gemv")
         gargs = (x, np.int64(K), wb, y, np.int32(1), np.int32(N), np.int32(K),
                  None, np.float32(0), np.float32(0), None, np.int64(0), None, None)   # (no norm, no residual)
         t = graph_time(lambda: fn(((N + 7) // 8,), (256,), gargs))
@@ -62,7 +62,7 @@ def main(schemes):
                 _, kw, _ = dq_gemv_shape(s.kind, s.block_size, 1, K, u)
                 src = sources.dq_source(sources.DQ_GEMV, s.kind, s.block_size, T="__nv_bfloat16", TO="float",
                                         TB="float", ACC="float", A=16, MMAX=1, R=r, U=u, KW=kw, XV=1, SWIGLU=0, EPILOGUE="",
-                                        SWIGLU_OF=codegen.swiglu_of("float"))
+                                        SWIGLU_OF=codegen.swiglu_of("float"), EARLY=1)
                 k = cp.RawKernel(src, "rlx_dq_gemv")
                 grid = (-(-N // (8 // kw * r)),)
                 args = (x, np.int64(K), w, np.int64(raw.shape[1]), None, yo, np.int32(1), np.int32(N), np.int32(nb))

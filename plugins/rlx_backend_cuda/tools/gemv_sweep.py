@@ -76,7 +76,7 @@ def main():
         for r, u, s, label in variants:
             fn = cp.RawKernel(sources.render(sources.GEMV, T="__half", TO="__half", MMAX=1, R=r, U=u, SWIGLU=0,
                                              KS=s, SWIGLU_OF=codegen.swiglu_of("float"), NORM=0, TN="__half",
-                                             RESID=0), "rlx_gemv")
+                                             RESID=0, EARLY=1), "rlx_gemv")
             t = graph_time(lambda: fn((-(-N // r * s // 8),), (256,), args))
             err = float(cp.max(cp.abs(y.astype(cp.float32) - ref)) / cp.max(cp.abs(ref)))
             flag = "" if err < 1e-2 else f" ERR {err:.3g}"
@@ -85,7 +85,7 @@ def main():
             for u in (4, 8):
                 fn = cp.RawKernel(sources.render(sources.GEMV, T="__half", TO="__half", MMAX=1, R=2, U=u, SWIGLU=1,
                                                  KS=1, SWIGLU_OF=codegen.swiglu_of("float"), NORM=0,
-                                                 TN="__half", RESID=0),
+                                                 TN="__half", RESID=0, EARLY=1),
                                   "rlx_gemv")
                 ys = cp.empty((1, N // 2), cp.float16)
                 args = (xk, np.int64(K), w, ys, np.int32(1), np.int32(N // 2), np.int32(K)) + NO_NORM

@@ -58,6 +58,17 @@ template <int N, typename T> __device__ __forceinline__ RlxVec<T, N> rlx_vload(c
 // same launch (one launch, not a second combine kernel; `counters` start at 0 and that block
 // resets its own).
 #define NW (NT / 32)
+// rows [r0, r1) of `bytes` bytes each (stride rs elements) asked into L2, a 128-byte line a thread
+template <typename T>
+__device__ __forceinline__ void rlx_prefetch_rows(const T* base, i64 rs, i64 r0, i64 r1, int bytes, int tid, int nt) {
+#if !defined(RLX_HIP)
+  const int lines = (bytes + 127) / 128;
+  for (i64 t = tid; t < (r1 - r0) * lines; t += nt) {
+    const char* line = (const char*)(base + (r0 + t / lines) * rs) + (t % lines) * 128;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
+  }
+#endif
+}
 extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
     const TQ* __restrict__ q, long long qsb, long long qsh, long long qss,
     const TK* __restrict__ k, long long ksb, long long ksh, long long kss,
@@ -81,6 +92,42 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gk = tid / TPK, lk = tid % TPK, gv = tid / TPV, lv = tid % TPV;
   const ACC scale = (ACC)scale_d, cap = (ACC)cap_d;
+  const TK* kb = k + b * ksb + kvh * ksh;
+  const TV* vb = v + b * vsb + kvh * vsh;
+  // this split's share [cs, ce) of the keys the mask may keep for some row of the block, query
+  // 0 at position p0
+  const int rows_here = min(ROWS, Sq * G - r0);
+  auto split_keys = [&](i64 p0, i64* cs, i64* ce) {
+    const i64 qmin = p0 + r0 / G, qmax = p0 + (r0 + rows_here - 1) / G;
+    i64 kbeg = 0, kend = Sk;
+    if (MASKKIND >= 1) kend = max((i64)0, min((i64)Sk, qmax + 1));
+    if (MASKKIND == 2) kbeg = min(kend, max((i64)0, qmin - window + 1));
+    i64 chunk = (kend - kbeg + nsplit - 1) / nsplit;
+    chunk = max((i64)minchunk, (chunk + KPB - 1) / KPB * KPB);
+    *cs = min(kend, kbeg + split * chunk);
+    *ce = min(kend, *cs + chunk);
+  };
+  {
+    // the split's first two tiles of K and V asked into L2 before the wait for the kernel that
+    // writes q (device.Kernel): the cache rows come from DRAM, the loop's loads then from L2.
+    // The position read here (past L1) may be one the kernel before still writes: then only
+    // the prefetch is of less use.
+#if HAS_POS
+    const i64 early = (i64)LDCG(pos + b);
+#else
+    const i64 early = (i64)(Sk - Sq);
+#endif
+    i64 cs, ce;
+    split_keys(early, &cs, &ce);
+    rlx_prefetch_rows(kb, kss, cs, min(ce, cs + 2 * TILE), DK * (int)sizeof(TK), tid, NT);
+    rlx_prefetch_rows(vb, vss, cs, min(ce, cs + 2 * TILE), DV * (int)sizeof(TV), tid, NT);
+  }
+  RLX_GRID_WAIT();
+#if HAS_POS
+  const i64 p0 = (i64)pos[b];
+#else
+  const i64 p0 = (i64)(Sk - Sq);
+#endif
   ACC qr[ROWS][NVK * VK];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
@@ -94,11 +141,6 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
         qr[r][n * VK + e] = (ok && d < DK) ? LD(ACC, q[qo + d]) : (ACC)0;
       }
   }
-#if HAS_POS
-  const i64 p0 = (i64)pos[b];
-#else
-  const i64 p0 = (i64)(Sk - Sq);
-#endif
   // the rows this lane finishes scores for (r = lk + TPK * w): position, mask row, validity
   i64 mq[WR], mo[WR]; bool mine[WR];
 #pragma unroll
@@ -109,23 +151,14 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
     mq[w] = p0 + i;
     mo[w] = b * m0 + h * m1 + i * m2;
   }
-  // keys the mask may keep for some row of the block, this split's share of them
-  const int rows_here = min(ROWS, Sq * G - r0);
-  const i64 qmin = p0 + r0 / G, qmax = p0 + (r0 + rows_here - 1) / G;
-  i64 kbeg = 0, kend = Sk;
-  if (MASKKIND >= 1) kend = max((i64)0, min((i64)Sk, qmax + 1));
-  if (MASKKIND == 2) kbeg = min(kend, max((i64)0, qmin - window + 1));
-  i64 chunk = (kend - kbeg + nsplit - 1) / nsplit;
-  chunk = max((i64)minchunk, (chunk + KPB - 1) / KPB * KPB);
-  const i64 cs = min(kend, kbeg + split * chunk), ce = min(kend, cs + chunk);
+  i64 cs, ce;
+  split_keys(p0, &cs, &ce);
   if (tid < ROWS) { s_m[tid] = -(ACC)RLX_INF; s_l[tid] = 0; }
   ACC acc[ROWS][NVV * VV];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r)
 #pragma unroll
     for (int x = 0; x < NVV * VV; ++x) acc[r][x] = 0;
-  const TK* kb = k + b * ksb + kvh * ksh;
-  const TV* vb = v + b * vsb + kvh * vsh;
   int buf = 0;
   for (i64 t0 = cs; t0 < ce; t0 += TILE, buf ^= 1) {
     ACC* sp = sh + buf * ROWS * LDT;

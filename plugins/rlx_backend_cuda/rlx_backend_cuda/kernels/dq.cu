@@ -247,7 +247,7 @@ __device__ __forceinline__ void rlx_x4(const T* p, W* o) {
   for (int i = 0; i < 4; ++i) o[i] = LD(W, p[i]);
 #endif
 }
-// @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE, SWIGLU_OF(g, u))
+// @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE, SWIGLU_OF(g, u), EARLY)
 // Decode: y[M, N] = act(x[M, K] @ dequant(w)^T + bias) for M <= MMAX <= 8. A block is 8
 // warps: KW of them split a row's parts, 8 / KW take R rows each, so x is read once per
 // R rows. Each lane loads its next U parts of every row first (the packed bytes bound a
@@ -274,11 +274,16 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
     if (uu < units) \
       _Pragma("unroll") for (int r = 0; r < R; ++r) q[u][r] = rlx_load(wr[r] + (i64)(uu / PARTS) * BPB, uu % PARTS); \
   }
-  // the packed rows depend on no earlier kernel: the first iteration's loads are issued
+  // EARLY (w a param or constant: no kernel writes it): the first iteration's loads are issued
   // before the wait (as in GEMV). q4_k 1B-shape decode on the H100: 0.940 -> 0.896 ms/token;
   // an L2 prefetch of each row's first 4 KB beside them made no difference (0.903)
+#if EARLY
   RLX_LOAD_Q(first)
   RLX_GRID_WAIT();
+#else
+  RLX_GRID_WAIT();
+  RLX_LOAD_Q(first)
+#endif
   W acc[R][MMAX];
 #pragma unroll
   for (int r = 0; r < R; ++r)

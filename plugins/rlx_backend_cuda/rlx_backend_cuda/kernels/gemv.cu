@@ -1,5 +1,5 @@
 // Matmul helpers: the 16-bit decode GEMV and the naive integer / bool matmul.
-// @part gemv(T, TO, KS, SWIGLU, R, U, MMAX, SWIGLU_OF(g, u), NORM, TN, RESID)
+// @part gemv(T, TO, KS, SWIGLU, R, U, MMAX, SWIGLU_OF(g, u), NORM, TN, RESID, EARLY)
 // Decode GEMV: y[M, N] = x[M, K] @ W[N, K]^T for small M, 16-bit data: KS warps per R
 // rows of W, 16-byte loads, U of them in flight per row and lane (the weight bytes bound
 // a decode step, so the loads are issued before any arithmetic). Few rows: more warps per
@@ -47,12 +47,17 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
   _Pragma("unroll") for (int u = 0; u < U; ++u) \
   _Pragma("unroll") for (int r = 0; r < R; ++r) \
     wv[u][r] = (c0) + 32 * KS * u < KV ? __ldg(wr[r] + (c0) + 32 * KS * u) : make_uint4(0u, 0u, 0u, 0u);
-  // the weights depend on no earlier kernel: the first iteration's loads are issued before
-  // the wait for the kernel that writes x (device.Kernel). The 1B-shape decode graph on the
-  // H100: 1.157 ms; with an L2 prefetch of each row's first 4 KB there instead, 1.358 ms.
+  // EARLY (w a param or constant: no kernel writes it): the first iteration's loads are issued
+  // before the wait for the kernel that writes x (device.Kernel). The 1B-shape decode graph on
+  // the H100: 1.157 ms; with an L2 prefetch of each row's first 4 KB there instead, 1.358 ms.
   const int first = part * 32 + lane;
+#if EARLY
   RLX_LOAD_W(first)
   RLX_GRID_WAIT();
+#else
+  RLX_GRID_WAIT();
+  RLX_LOAD_W(first)
+#endif
 #if NORM
   float den[MMAX];
   {

@@ -32,6 +32,17 @@ __device__ __forceinline__ void rlx_norm_row_vec(AccT* vals, const XT* xr, const
     }
   }
 }
+// the row's weights (+ off) at the values rlx_norm_row_vec loads, 0 past the row's end
+template <int NV, int V, typename AccT, typename WT>
+__device__ __forceinline__ void rlx_norm_row_weights(AccT* wf, const WT* w, AccT off, int n, int tid, int nt) {
+#pragma unroll
+  for (int k = 0; k < NV; ++k)
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int e = (tid + k * nt) * V + j;
+      wf[k * V + j] = e < n ? LD(AccT, w[e]) + off : (AccT)0;
+    }
+}
 // this thread's share of a row's sum (SQ: of squares) from the values rlx_norm_row_vec loaded
 template <int NV, int V, bool SQ, typename AccT>
 __device__ __forceinline__ AccT rlx_norm_row_sum(const AccT* vals, int n, int tid, int nt) {
@@ -44,9 +55,11 @@ __device__ __forceinline__ AccT rlx_norm_row_sum(const AccT* vals, int n, int ti
   }
   return s;
 }
-// @part rms_norm(TX, TR, TW, TH, TO, LANES, ACC, WARP, HAS_R, VEC, VPT, HAS_W)
+// @part rms_norm(TX, TR, TW, TH, TO, LANES, ACC, WARP, HAS_R, VEC, VPT, HAS_W, EARLY)
 // VPT > 0: a row fits in VPT values per thread, kept in registers between the sum of squares
 // and the scaling (one pass over memory: a decode step's norms are latency-bound); 0: two passes.
+// EARLY (w a param or constant, no kernel writes it; VPT > 0): the row's weights are loaded
+// before the wait for the kernel that writes x (device.Kernel), off the norm's chain of loads.
 extern "C" __global__ void rlx_rms_norm(const TX* __restrict__ x, long long xrs,
     const TR* __restrict__ r, long long rrs, const TW* __restrict__ w,
     TH* __restrict__ h, TO* __restrict__ y, int n, double eps_d, double off_d, long long rows,
@@ -71,6 +84,14 @@ extern "C" __global__ void rlx_rms_norm(const TX* __restrict__ x, long long xrs,
     w = w2;
     y = y2;
   }
+#if VPT && HAS_W && EARLY
+  ACC wf[VPT];
+  rlx_norm_row_weights<VPT / VEC, VEC>(wf, w, (ACC)off_d, n, tid, nt);
+#define RLX_WT(k, i) wf[k]
+#else
+#define RLX_WT(k, i) (LD(ACC, w[i]) + off)
+#endif
+  RLX_GRID_WAIT();
   const TX* xr = x + row * xrs;
   TO* yr = y + row * (i64)n;
 #if HAS_R
@@ -108,7 +129,7 @@ extern "C" __global__ void rlx_rms_norm(const TX* __restrict__ x, long long xrs,
     for (int j = 0; j < VEC; ++j) {
       ACC v = vals[k * VEC + j] / den;
 #if HAS_W
-      v = v * (LD(ACC, w[e0 + j]) + off);
+      v = v * RLX_WT(k * VEC + j, e0 + j);
 #endif
       yv.v[j] = ST(TO, v);
     }
@@ -157,12 +178,13 @@ extern "C" __global__ void rlx_rms_norm(const TX* __restrict__ x, long long xrs,
     ACC v = RLX_VAL(i) / den;
 #endif
 #if HAS_W
-    v = v * (LD(ACC, w[i]) + off);
+    v = v * RLX_WT(k, i);
 #endif
     yr[i] = ST(TO, v);
   }
 #endif
 #undef RLX_VAL
+#undef RLX_WT
 }
 // @part layer_norm(TX, TR, TG, TB, TH, TO, ACC, HAS_R, VEC, VPT, HAS_G, HAS_B)
 extern "C" __global__ void rlx_layer_norm(const TX* __restrict__ x, long long xrs,
