@@ -92,25 +92,39 @@ def test_insert_lookup_restore_and_eviction():
 
 
 @pytest.mark.parametrize("backend", backend_params(("numpy", "opencl", "cuda")))
-@pytest.mark.parametrize("blocks", [3, 10])          # (cuda: more than 8 sources take cupy's one kernel)
-def test_backend_concat_into_and_copy_of(backend, blocks):
-    """Backend.concat_into (a cached prefix's blocks into one row of a state, one copy) and
-    copy_of (one block out, a buffer of its own) against numpy, on a strided region of a
-    bigger buffer: the region joined, the rest untouched, the copy unchanged by later writes."""
+@pytest.mark.parametrize("blocks", [1, 3, 10])
+def test_backend_join_and_split_blocks(backend, blocks):
+    """Backend.join_blocks (a cached prefix's blocks into one row of each state) and split_blocks
+    (a row's new blocks out of each state, a buffer each) against numpy, on strided regions of
+    bigger buffers of two shapes and dtypes in one call: the regions joined, the rest untouched,
+    the parts unchanged by later writes."""
     b = select_backend(backend)
     rng = np.random.default_rng()
-    dst_h = rng.standard_normal((3, 2, 4 * blocks + 9, 4)).astype(np.float32)
-    parts = [rng.standard_normal((1, 2, 4, 4)).astype(np.float32) for _ in range(blocks)]
-    region = (slice(1, 2), slice(None), slice(5, 5 + 4 * blocks), slice(None))
-    out = b.concat_into(b.to_device(dst_h.copy()), region, [b.to_device(p) for p in parts], 2)
-    want = dst_h.copy()
-    want[region] = np.concatenate(parts, axis=2)
-    np.testing.assert_array_equal(np.asarray(b.to_host(out)), want)
-    one = (slice(1, 2), slice(None), slice(9, 13), slice(None))
-    got = b.copy_of(out, one)
-    out = b.concat_into(out, region, [b.to_device(np.zeros_like(p)) for p in parts], 2)
-    np.testing.assert_array_equal(np.asarray(b.to_host(got)), parts[1])
-    assert not np.asarray(b.to_host(out))[region].any()
+    shapes = {"a": ((3, 2, 4 * blocks + 9, 4), np.float32, 2), "b": ((2, 4 * blocks + 5, 3, 8), np.float16, 1),
+              "c": ((2, 3, 4 * blocks + 7, 3), np.float16, 2)}     # (rows of 6 bytes: 2-byte moves on a GPU)
+    dst_h, parts, regions = {}, {}, {}
+    for n, (shape, dt, axis) in shapes.items():
+        dst_h[n] = rng.standard_normal(shape).astype(dt)
+        piece = list(shape)
+        piece[0], piece[axis] = 1, 4
+        parts[n] = [rng.standard_normal(piece).astype(dt) for _ in range(blocks)]
+        idx = [slice(1, 2)] + [slice(None)] * (len(shape) - 1)
+        idx[axis] = slice(5, 5 + 4 * blocks)
+        regions[n] = tuple(idx)
+    dev = {n: b.to_device(dst_h[n].copy()) for n in shapes}
+    out = b.join_blocks([(dev[n], regions[n], [b.to_device(p) for p in parts[n]], shapes[n][2]) for n in shapes])
+    for n, got in zip(shapes, out):
+        want = dst_h[n].copy()
+        want[regions[n]] = np.concatenate(parts[n], axis=shapes[n][2])
+        np.testing.assert_array_equal(np.asarray(b.to_host(got)), want)
+    split = b.split_blocks([(got, regions[n], shapes[n][2], blocks) for n, got in zip(shapes, out)])
+    again = b.join_blocks([(got, regions[n], [b.to_device(np.zeros_like(p)) for p in parts[n]], shapes[n][2])
+                           for n, got in zip(shapes, out)])
+    for n, got, pieces in zip(shapes, again, split):
+        assert len(pieces) == blocks
+        for want, piece in zip(parts[n], pieces):
+            np.testing.assert_array_equal(np.asarray(b.to_host(piece)), want)
+        assert not np.asarray(b.to_host(got))[regions[n]].any()
 
 
 def test_recurrent_hits_end_at_snapshots():

@@ -132,16 +132,29 @@ class Backend(abc.ABC):
             a[index] = self.to_host(src)[src_index]
         return self._written(dst, write)
 
-    def concat_into(self, dst, index: tuple, srcs: list, axis: int):
-        """dst[index] = srcs joined along `axis` (of dst[index]; ints and slices): how a prefix
-        cache restores a prompt's cached blocks, one copy a state rather than one a block.
-        Returns the buffer that holds the result, as copy_into does."""
-        return self._written(dst, lambda a: np.concatenate([self.to_host(s) for s in srcs], axis=axis,
-                                                           out=a[index]))
+    def join_blocks(self, jobs: list) -> list:
+        """For each job (dst, index, srcs, axis): dst[index] = srcs joined along `axis` (of
+        dst[index]; ints and slices): how a prefix cache restores a prompt's cached blocks into
+        every state at once (a device backend: one launch, not one a state or a block). Returns
+        the buffers that hold the results, as copy_into does."""
+        def joined(srcs, axis, index):
+            return lambda a: np.concatenate([self.to_host(s) for s in srcs], axis=axis, out=a[index])
+        return [self._written(dst, joined(srcs, axis, index)) for dst, index, srcs, axis in jobs]
+
+    def split_blocks(self, jobs: list) -> list:
+        """For each job (src, index, axis, parts): `parts` new resident buffers holding src[index]
+        cut into equal parts along `axis` (whose index is a slice with a start and a stop): a
+        prefix cache keeping a prompt's new blocks of every state at once. One list a job."""
+        out = []
+        for src, index, axis, parts in jobs:
+            start, step = index[axis].start, (index[axis].stop - index[axis].start) // parts
+            out.append([self.copy_of(src, index[:axis] + (slice(start + k * step, start + (k + 1) * step),)
+                                     + index[axis + 1:]) for k in range(parts)])
+        return out
 
     def _written(self, dst, write):
         """dst after write(array): in place where dst is a numpy array, else a host copy of
-        it written and made resident again (the defaults of copy_into / concat_into)."""
+        it written and made resident again (the defaults of copy_into / join_blocks)."""
         if isinstance(dst, np.ndarray):
             write(dst)
             return dst

@@ -8,8 +8,8 @@ state with a context axis (a layer's K or V cache), that block's rows ([1, ..., 
 and, where the model has states without one (a recurrent layer's conv and delta-rule
 states, which cannot be cut per block), optionally a snapshot of them after the block: a
 hit may end only at a block with a snapshot. Entries are backend buffers moved with the
-backend's own `copy_of` / `concat_into` (host arrays on the CPU backends, device memory on a
-GPU), least recently used out first, their bytes bounded by `capacity` (a parent is
+backend's own `split_blocks` / `join_blocks` (host arrays on the CPU backends, device memory on a
+GPU: every state's blocks in one launch), least recently used out first, their bytes bounded by `capacity` (a parent is
 always used more recently than its children, so a chain is cut from its end)."""
 from __future__ import annotations
 
@@ -96,13 +96,15 @@ class PrefixCache:
         return len(chain) * self.block, [e for _, e in chain]
 
     def restore(self, entries: list, states) -> None:
-        """Copy the entries' rows into row 0 of `states` (positions 0 .. len * block), one
-        copy a state (a 1,000-token prefix of a 30-layer model: 60 copies, not 1,860), and the
-        last entry's snapshot into the recurrent states."""
+        """Copy the entries' rows into row 0 of `states` (positions 0 .. len * block), all the
+        states' blocks in one `join_blocks` (a 1,000-token prefix of a 30-layer model: 1,860
+        blocks, one launch on a GPU), and the last entry's snapshot into the recurrent states."""
         if entries:
-            for name, (_, _, axis) in self.kv.items():
-                states[name] = self.backend.concat_into(states[name], self._region(name, 0, 0, len(entries)),
-                                                        [e.kv[name] for e in entries], axis)
+            names = list(self.kv)
+            joined = self.backend.join_blocks([(states[name], self._region(name, 0, 0, len(entries)),
+                                                [e.kv[name] for e in entries], self.kv[name][2]) for name in names])
+            for name, buf in zip(names, joined):
+                states[name] = buf
         if entries and self.recurrent:
             for name, (dims, _, _) in self.recurrent.items():
                 states[name] = self.backend.copy_into(states[name], (slice(0, 1),) + (slice(None),) * (len(dims) - 1),
@@ -124,29 +126,29 @@ class PrefixCache:
         if self._nbytes(self.kv) > self.capacity:
             return 0                       # (one block would not fit: nothing to keep)
         keys = block_keys(ids[:length], self.block)
-        added = 0
-        for j, key in enumerate(keys):
-            e = self.entries.get(key)
-            if e is None:
-                kv = {name: self.backend.copy_of(states[name], self._region(name, row, j * self.block))
-                      for name in self.kv}
-                e = Entry(tuple(int(t) for t in ids[j * self.block:(j + 1) * self.block]), kv,
-                          nbytes=self._nbytes(self.kv))
-                self.entries[key] = e
-                self.bytes += e.nbytes
-                added += 1
-            if snapshot and self.recurrent and j == len(keys) - 1 and (j + 1) * self.block == length \
-                    and e.snapshot is None:
-                e.snapshot = {name: self.backend.copy_of(states[name], (slice(row, row + 1),)
-                                                         + (slice(None),) * (len(dims) - 1))
-                              for name, (dims, _, _) in self.recurrent.items()}
-                extra = self._nbytes(self.recurrent)
-                e.nbytes += extra
-                self.bytes += extra
+        new = [j for j, key in enumerate(keys) if key not in self.entries]
+        names, nbytes = list(self.kv), self._nbytes(self.kv)
+        for j0, j1 in _runs(new):                 # (a run of new blocks: one split_blocks for every state)
+            parts = self.backend.split_blocks([(states[name], self._region(name, row, j0 * self.block, j1 - j0),
+                                                self.kv[name][2], j1 - j0) for name in names])
+            for j in range(j0, j1):
+                self.entries[keys[j]] = Entry(tuple(int(t) for t in ids[j * self.block:(j + 1) * self.block]),
+                                              {name: blocks[j - j0] for name, blocks in zip(names, parts)},
+                                              nbytes=nbytes)
+                self.bytes += nbytes
+        last = self.entries[keys[-1]] if keys else None
+        if snapshot and self.recurrent and last is not None and last.snapshot is None \
+                and len(keys) * self.block == length:
+            last.snapshot = {name: self.backend.copy_of(states[name], (slice(row, row + 1),)
+                                                        + (slice(None),) * (len(dims) - 1))
+                             for name, (dims, _, _) in self.recurrent.items()}
+            extra = self._nbytes(self.recurrent)
+            last.nbytes += extra
+            self.bytes += extra
         for key in reversed(keys):            # parents the most recent: a chain is cut at its end
             self.entries.move_to_end(key)
         self._evict()
-        return added
+        return len(new)
 
     def _evict(self) -> None:
         while self.bytes > self.capacity and self.entries:
@@ -160,6 +162,17 @@ class PrefixCache:
 
     def stats(self) -> dict:
         return cache_stats(len(self.entries), self.bytes, self.capacity, self.evictions)
+
+
+def _runs(indices: list) -> list:
+    """[start, end) of each run of consecutive ints in the sorted `indices`."""
+    runs: list = []
+    for j in indices:
+        if runs and runs[-1][1] == j:
+            runs[-1][1] = j + 1
+        else:
+            runs.append([j, j + 1])
+    return [tuple(r) for r in runs]
 
 
 def cache_stats(blocks: int = 0, nbytes: int = 0, capacity: int = 0, evictions: int = 0) -> dict:

@@ -12,7 +12,7 @@ from rlx_core.ir.errors import BackendError
 from rlx_core.ir.ops import OPS, Level
 from rlx_core.plugins import hookimpl
 
-from . import device
+from . import device, sources
 
 __version__ = "0.1.0"
 
@@ -173,14 +173,38 @@ class CudaBackend(Backend):
             return dst
         return super().copy_into(dst, index, src, src_index)
 
-    def concat_into(self, dst, index: tuple, srcs: list, axis: int):
-        """One device-side concatenation on this backend's stream (one kernel for more than 8
-        small sources: cupy's), not a copy launch a source."""
-        if isinstance(dst, CudaArray) and all(isinstance(s, CudaArray) for s in srcs):
-            with self.stream():
-                device.cupy().concatenate([s.data for s in srcs], axis=axis, out=dst.data[index])
-            return dst
-        return super().concat_into(dst, index, srcs, axis)
+    def join_blocks(self, jobs: list) -> list:
+        """Every job's blocks in one launch where all are on this device and each job's are
+        alike (a prefix-cache hit: ~1,900 blocks; cupy's concatenate a state cost ~0.1 ms of
+        host time each); other jobs as the base class does them."""
+        copies: dict = {}
+        rest = [i for i, (dst, index, srcs, axis) in enumerate(jobs)
+                if not (isinstance(dst, CudaArray) and srcs and all(isinstance(s, CudaArray) for s in srcs)
+                        and _join_copies(dst.data[index], [s.data for s in srcs], axis, copies))]
+        _copy_many(self.stream(), copies)
+        out = [job[0] for job in jobs]
+        for i, buf in zip(rest, super().join_blocks([jobs[i] for i in rest])):
+            out[i] = buf
+        return out
+
+    def split_blocks(self, jobs: list) -> list:
+        """Every job's parts in one launch where the sources are on this device (a prompt's
+        new blocks of every state); other jobs as the base class does them."""
+        copies: dict = {}
+        out = []
+        for src, index, axis, parts in jobs:
+            if not isinstance(src, CudaArray):
+                out.append(super().split_blocks([(src, index, axis, parts)])[0])
+                continue
+            region = src.data[index]
+            shape = region.shape[:axis] + (region.shape[axis] // parts,) + region.shape[axis + 1:]
+            bufs = [device.empty(shape, DType.parse(src.dtype), "a prefix cache block") for _ in range(parts)]
+            step = shape[axis] * region.strides[axis]
+            copies.setdefault((shape, region.strides, bufs[0].strides, region.itemsize), []).extend(
+                (region.data.ptr + k * step, b.data.ptr) for k, b in enumerate(bufs))
+            out.append([CudaArray(b, src.dtype) for b in bufs])
+        _copy_many(self.stream(), copies)
+        return out
 
     def copy_of(self, src, index: tuple):
         """A device copy of src[index] on this backend's stream (no zeroed buffer, no device sync)."""
@@ -238,6 +262,50 @@ _BACKEND = CudaBackend()
 
 def backend() -> CudaBackend:
     return _BACKEND
+
+
+def _join_copies(region, srcs: list, axis: int, copies: dict) -> bool:
+    """Add the copies joining `srcs` (cupy arrays, contiguous, alike) along `axis` into `region`
+    to `copies` ({geometry: address pairs}, see _copy_many); False (nothing added) where they
+    are not alike or do not fill the region."""
+    first = srcs[0]
+    n = first.shape[axis]
+    if (first.dtype != region.dtype or not first.flags.c_contiguous or first.ndim != region.ndim
+            or first.shape[:axis] + first.shape[axis + 1:] != region.shape[:axis] + region.shape[axis + 1:]
+            or n * len(srcs) != region.shape[axis]
+            or any(s.shape != first.shape or s.strides != first.strides or s.dtype != first.dtype for s in srcs)):
+        return False
+    step = n * region.strides[axis]
+    copies.setdefault((first.shape, first.strides, region.strides, first.itemsize), []).extend(
+        (s.data.ptr, region.data.ptr + k * step) for k, s in enumerate(srcs))
+    return True
+
+
+_UNITS = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long", 16: "uint4"}
+
+
+def _copy_many(stream, copies: dict) -> None:
+    """The copies, one launch a geometry: `copies` maps (shape, source byte strides,
+    destination byte strides, item size) to [(source address, destination address)]. Each
+    moves in the widest unit its addresses, strides and contiguous last axis allow."""
+    cp = device.cupy()
+    for (shape, ss, ds, isz), pairs in copies.items():
+        unit, shape = isz, tuple(shape)
+        if ss[-1] == ds[-1] == isz:
+            row, addrs = shape[-1] * isz, np.array(pairs, np.int64)
+            unit = next(u for u in (16, 8, 4, 2, isz) if u <= isz or (
+                row % u == 0 and all(s % u == 0 for s in ss[:-1] + ds[:-1]) and not (addrs % u).any()))
+            shape = shape[:-1] + (row // unit,)
+            ss, ds = tuple(ss[:-1]) + (unit,), tuple(ds[:-1]) + (unit,)
+        n = int(np.prod(shape))
+        table = np.array([*shape, *(s // unit for s in ss), *(s // unit for s in ds),
+                          *(a for pair in pairs for a in pair)], np.int64)
+        fn = device.kernel(sources.render(sources.COPY_MANY, T=_UNITS[unit], RANK=len(shape)), "rlx_copy_many",
+                           "the prefix cache's block copies")
+        with stream:
+            dev = cp.asarray(table)
+            fn((min(-(-n // 256), 64), min(len(pairs), 65535)), (256,), (dev, np.int64(n), np.int64(len(pairs))),
+               0, stream)
 
 
 @hookimpl

@@ -104,6 +104,8 @@ def catalog() -> list:
                     for j in reversed(range(4)))
     out.append(("kv_write", S.render(S.KV_WRITE, T="__nv_bfloat16", TP="int", DIMS_ARGS=dims, NSTR_ARGS=ns,
                                      CSTR_ARGS=cs, DECOMP=dec, AXIS=2), "rlx_kv_write"))
+    for unit, rank in (("uint4", 4), ("unsigned short", 4), ("unsigned char", 1)):
+        out.append((f"copy_many {unit} {rank}", S.render(S.COPY_MANY, T=unit, RANK=rank), "rlx_copy_many"))
     # packed weights: every scheme, decode GEMV and dequantize, at each row alignment
     for kind, blk in [(k, 256 if k.endswith("_k") else 32) for k in S.DQ_SCHEMES] + [("int8", 64), ("int4", 8192)]:
         for al, t, mmax in ((16, "__nv_bfloat16", 1), (4, "float", 8), (2, "__half", 2)):

@@ -146,6 +146,7 @@ NORM_GRAD = Source("grad.cu:norm_grad")
 # --------------------------------------------------------------------------- indexing ops
 GATHER = Source("index.cu:gather")
 KV_WRITE = Source("index.cu:kv_write")
+COPY_MANY = Source("index.cu:copy_many")
 ROPE = Source("rope.cu:rope")
 ROPE_VEC = Source("rope.cu:rope_vec")
 

@@ -875,8 +875,9 @@ def test_out_of_memory_names_bytes():
 def test_every_kernel_waits_for_the_kernel_before_it():
     """Launched as programmatic dependents (device.Kernel), kernels must wait for the kernel
     before them before reading its results: each catalog kernel gets one RLX_GRID_WAIT()
-    (the GEMVs and the Gated DeltaNet step place their own, after their first loads of what no
-    kernel of the run writes), and no line moves."""
+    (the GEMVs, the RMSNorm, the split attention and the Gated DeltaNet step place their own,
+    after their first loads of what no kernel of the run writes or an L2 prefetch), and no
+    line moves."""
     from rlx_backend_cuda import kernels_catalog, sources
 
     for name, src, kname in kernels_catalog.catalog():
@@ -885,7 +886,7 @@ def test_every_kernel_waits_for_the_kernel_before_it():
         assert out.count("\n") == src.count("\n"), name
         body = out[out.index(f" {kname}("):]
         assert "RLX_GRID_WAIT();" in body, name
-        placed = kname in ("rlx_gemv", "rlx_dq_gemv", "rlx_gdn_net")
+        placed = kname in ("rlx_gemv", "rlx_dq_gemv", "rlx_gdn_net", "rlx_rms_norm", "rlx_attn_split")
         assert ("{ RLX_GRID_WAIT();" in body) is not placed, name
 
 

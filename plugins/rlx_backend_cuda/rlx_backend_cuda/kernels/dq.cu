@@ -279,9 +279,9 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
   // an L2 prefetch of each row's first 4 KB beside them made no difference (0.903)
 #if EARLY
   RLX_LOAD_Q(first)
+#endif
   RLX_GRID_WAIT();
-#else
-  RLX_GRID_WAIT();
+#if !EARLY
   RLX_LOAD_Q(first)
 #endif
   W acc[R][MMAX];

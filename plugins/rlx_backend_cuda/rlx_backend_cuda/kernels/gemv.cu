@@ -53,9 +53,9 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
   const int first = part * 32 + lane;
 #if EARLY
   RLX_LOAD_W(first)
+#endif
   RLX_GRID_WAIT();
-#else
-  RLX_GRID_WAIT();
+#if !EARLY
   RLX_LOAD_W(first)
 #endif
 #if NORM

@@ -1,4 +1,4 @@
-// Indexing: gather along an axis, and the KV-cache write at per-batch positions.
+// Indexing: gather along an axis, the KV-cache write at per-batch positions, many copies at once.
 // @part gather(TT, TI)
 typedef TT rlx_tt;     // a one-word name: `unsigned char()` is no valid expression
 extern "C" __global__ void rlx_gather(const TT* __restrict__ table, const TI* __restrict__ ind,
@@ -24,5 +24,28 @@ DECOMP
     i64 p = (i64)pos[b];
     if (p < 0 || p + snew > nax) { rlx_error(err, 2, node, p, nax); continue; }
     cache[dst + p * RLX_CAT(cs, AXIS)] = nw[src];
+  }
+}
+// @part copy_many(T, RANK)
+// Copies of one geometry, many in one launch (a prefix cache's blocks into or out of every KV
+// state): table holds the shape [RANK], the source's and the destination's strides [RANK
+// each] in units of T, then a (source, destination) address pair a copy; copy p is done by
+// the blocks of y p, p + gridDim.y, ...
+extern "C" __global__ void rlx_copy_many(const long long* __restrict__ table, long long n, long long copies) {
+  const long long *shape = table, *ss = table + RANK, *ds = table + 2 * RANK;
+  for (i64 p = blockIdx.y; p < copies; p += gridDim.y) {
+    const T* src = (const T*)table[3 * RANK + 2 * p];
+    T* dst = (T*)table[3 * RANK + 2 * p + 1];
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+      i64 r = i, so = 0, dof = 0;
+#pragma unroll
+      for (int d = RANK - 1; d >= 0; --d) {
+        const i64 c = r % shape[d];
+        r /= shape[d];
+        so += c * ss[d];
+        dof += c * ds[d];
+      }
+      dst[dof] = src[so];
+    }
   }
 }
