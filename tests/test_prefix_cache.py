@@ -127,6 +127,34 @@ def test_backend_join_and_split_blocks(backend, blocks):
         assert not np.asarray(b.to_host(got))[regions[n]].any()
 
 
+@pytest.mark.parametrize("backend", backend_params(("numpy", "opencl", "cuda")))
+def test_backend_copy_regions(backend):
+    """Backend.copy_regions (a prefill's rows placed into the batch cache, every state at once)
+    against numpy: rows by int and by slice, two dtypes, a job whose dtypes differ (cast, as
+    copy_into casts), two jobs into one buffer; the rest untouched."""
+    b = select_backend(backend)
+    rng = np.random.default_rng()
+    kv = rng.standard_normal((4, 2, 16, 8)).astype(np.float16)
+    conv = rng.standard_normal((3, 5, 6)).astype(np.float32)
+    src_kv = rng.standard_normal((1, 2, 16, 8)).astype(np.float16)
+    src_conv = rng.standard_normal((2, 5, 6)).astype(np.float32)
+    jobs = [(kv, (2, slice(None), slice(0, 11), slice(None)), src_kv, (0, slice(None), slice(0, 11), slice(None))),
+            (conv, (slice(0, 1),), src_conv, (slice(1, 2),)),
+            (kv, (slice(3, 4), slice(1, 2), slice(4, 9)), src_conv.astype(np.float16)[:1, :1, :5, None].repeat(8, 3),
+             (slice(None), slice(None), slice(None))),
+            (conv, (2, slice(1, 3)), src_kv[0, 0, :2, :6].copy(), (slice(None), slice(None)))]   # (f16 into f32)
+    want = {"kv": kv.copy(), "conv": conv.copy()}
+    for dst, index, src, src_index in jobs:
+        want["kv" if dst is kv else "conv"][index] = src[src_index]
+    dev = {id(kv): b.to_device(kv.copy()), id(conv): b.to_device(conv.copy())}
+    done = b.copy_regions([(dev[id(d)], i, b.to_device(s), si) for d, i, s, si in jobs])
+    got = {}
+    for (dst, *_), buf in zip(jobs, done):
+        got["kv" if dst is kv else "conv"] = buf
+    for name in want:
+        np.testing.assert_array_equal(np.asarray(b.to_host(got[name])), want[name])
+
+
 def test_recurrent_hits_end_at_snapshots():
     specs, states = fake_states(128, 0)
     pc = PrefixCache(select_backend("numpy"), specs, "batch", capacity=1 << 20)

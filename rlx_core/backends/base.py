@@ -132,6 +132,18 @@ class Backend(abc.ABC):
             a[index] = self.to_host(src)[src_index]
         return self._written(dst, write)
 
+    def copy_regions(self, jobs: list) -> list:
+        """For each job (dst, index, src, src_index): dst[index] = src[src_index], as copy_into
+        does it (a device backend: one launch for them all, so no job may read what another
+        writes): a prefill's KV rows placed into the batch cache, every state at once. Returns
+        the buffer holding each job's result (a later job on the same dst writes into it)."""
+        out: list = []
+        latest: dict = {}
+        for dst, index, src, src_index in jobs:
+            latest[id(dst)] = self.copy_into(latest.get(id(dst), dst), index, src, src_index)
+            out.append(latest[id(dst)])
+        return out
+
     def join_blocks(self, jobs: list) -> list:
         """For each job (dst, index, srcs, axis): dst[index] = srcs joined along `axis` (of
         dst[index]; ints and slices): how a prefix cache restores a prompt's cached blocks into

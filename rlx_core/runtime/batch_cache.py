@@ -55,11 +55,15 @@ class BatchCache:
             return
         old = {n: self.store[n] for n in self.specs} if self.batch else {}
         new = self._buffers(batch, ctx)
-        for name in self.specs:
-            for o, n, length in moves:
-                if length:
-                    new[name] = self.backend.copy_into(new[name], self._region(name, n, length),
-                                                       old[name], self._region(name, o, length))
+        names = [name for name in self.specs for _, _, length in moves if length]
+        jobs = [(new[name], self._region(name, n, length), old[name], self._region(name, o, length))
+                for name in self.specs for o, n, length in moves if length]
+        if any(new[name] is old.get(name) for name in self.specs):
+            for name, (_, index, src, src_index) in zip(names, jobs):    # (rows moving within a buffer: in order)
+                new[name] = self.backend.copy_into(new[name], index, src, src_index)
+        else:
+            for name, buf in zip(names, self.backend.copy_regions(jobs)):
+                new[name] = buf
         self.store.update(new)
         self._sets[(batch, ctx)] = new
         self.batch, self.ctx = batch, ctx
@@ -67,9 +71,10 @@ class BatchCache:
     def place(self, row: int, states, length: int) -> None:
         """Copy positions [0, length) of row 0 of `states` (a prefill's KV; a state without a
         ctx axis: all of row 0) into `row`."""
-        for name in self.specs:
-            buf = self.backend.copy_into(self.store[name], self._region(name, row, length),
-                                         states[name], self._region(name, 0, length))
+        names = list(self.specs)
+        done = self.backend.copy_regions([(self.store[name], self._region(name, row, length),
+                                           states[name], self._region(name, 0, length)) for name in names])
+        for name, buf in zip(names, done):
             if buf is not self.store[name]:
                 self.store[name] = self._sets[(self.batch, self.ctx)][name] = buf
 
