@@ -277,3 +277,25 @@ def test_memory_report_counts_weights_kv_and_arenas(tiny):
         with_cache = s.memory_report()
         own = [*s.cache.store.values(), *s._prefill.states.values()]    # its batch cache, its prefill's
         assert with_cache["kv_bytes"] == rep["kv_bytes"] + sum(v.nbytes for v in own)
+
+
+def test_a_running_scheduler_shortens_the_switch_interval_never_lengthens_it(tiny):
+    """Its thread shares the GIL with a server's event loop: the interpreter's switch interval
+    (how long a thread back from the device may wait for the GIL) is at most SWITCH_S once it
+    runs, and a shorter one set before is kept."""
+    import sys
+
+    from rlx_core.runtime.scheduler import SWITCH_S
+
+    was = sys.getswitchinterval()
+    try:
+        for before, after in ((0.005, SWITCH_S), (SWITCH_S / 2, SWITCH_S / 2)):
+            sys.setswitchinterval(before)
+            sched = Scheduler(tiny, max_batch=2)
+            try:
+                assert sched.submit([1, 2, 3], max_new_tokens=2).result(60).token_ids
+                assert sys.getswitchinterval() == pytest.approx(after)
+            finally:
+                sched.close()
+    finally:
+        sys.setswitchinterval(was)

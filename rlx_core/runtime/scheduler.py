@@ -48,6 +48,7 @@ import collections
 import itertools
 import queue
 import statistics
+import sys
 import threading
 import time
 import warnings
@@ -86,13 +87,17 @@ TIE = 0.25                     # budget below every addition: pieces adding <= (
 GROWTH_KEYS = 128              # keys the streams gain in a ride before their step's growth is read
 STEP_LOG = 4096                # runs the scheduler remembers (`step_log`)
 SHRINK_AFTER = 16              # idle rounds a cache larger than its rows needs is kept before it shrinks
+# The scheduler thread shares the GIL with its caller's threads (a server's event loop streaming
+# tokens): a step back from the device waits for the GIL until the loop releases it or the
+# interpreter's switch interval (5 ms by default) forces it. While a scheduler runs, the
+# interval is at most this.
+SWITCH_S = 0.0005
 
 
 def trim_heap() -> None:
     """Give the C heap's free pages back to the OS (glibc's malloc_trim; a no-op elsewhere):
     freed buffers of a burst of big requests would otherwise stay in resident memory."""
     import ctypes
-    import sys
 
     if not sys.platform.startswith("linux"):
         return
@@ -345,6 +350,7 @@ class Scheduler:
             self._waiting.append(req)
             self.submitted += 1
             if self._thread is None:
+                sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_S))
                 self._thread = threading.Thread(target=self._loop, name="rlx-scheduler", daemon=True)
                 self._thread.start()
             self._cv.notify()
