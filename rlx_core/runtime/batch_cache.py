@@ -58,8 +58,8 @@ class BatchCache:
         names = [name for name in self.specs for _, _, length in moves if length]
         jobs = [(new[name], self._region(name, n, length), old[name], self._region(name, o, length))
                 for name in self.specs for o, n, length in moves if length]
-        if any(new[name] is old.get(name) for name in self.specs):
-            for name, (_, index, src, src_index) in zip(names, jobs):    # (rows moving within a buffer: in order)
+        if any(new[name] is old.get(name) for name in self.specs):       # (rows moving within a buffer:
+            for name, (_, index, src, src_index) in zip(names, jobs):     # one after the other)
                 new[name] = self.backend.copy_into(new[name], index, src, src_index)
         else:
             for name, buf in zip(names, self.backend.copy_regions(jobs)):

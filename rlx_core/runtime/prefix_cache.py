@@ -8,9 +8,10 @@ state with a context axis (a layer's K or V cache), that block's rows ([1, ..., 
 and, where the model has states without one (a recurrent layer's conv and delta-rule
 states, which cannot be cut per block), optionally a snapshot of them after the block: a
 hit may end only at a block with a snapshot. Entries are backend buffers moved with the
-backend's own `split_blocks` / `join_blocks` (host arrays on the CPU backends, device memory on a
-GPU: every state's blocks in one launch), least recently used out first, their bytes bounded by `capacity` (a parent is
-always used more recently than its children, so a chain is cut from its end)."""
+backend's own `split_blocks` / `join_blocks` (host arrays on the CPU backends, device memory on
+a GPU: every state's blocks in one launch), least recently used out first, their bytes bounded
+by `capacity` (a parent is always used more recently than its children, so a chain is cut from
+its end)."""
 from __future__ import annotations
 
 import collections
@@ -102,7 +103,8 @@ class PrefixCache:
         if entries:
             names = list(self.kv)
             joined = self.backend.join_blocks([(states[name], self._region(name, 0, 0, len(entries)),
-                                                [e.kv[name] for e in entries], self.kv[name][2]) for name in names])
+                                                [e.kv[name] for e in entries], self.kv[name][2])
+                                               for name in names])
             for name, buf in zip(names, joined):
                 states[name] = buf
         if entries and self.recurrent:
@@ -129,8 +131,9 @@ class PrefixCache:
         new = [j for j, key in enumerate(keys) if key not in self.entries]
         names, nbytes = list(self.kv), self._nbytes(self.kv)
         for j0, j1 in _runs(new):                 # (a run of new blocks: one split_blocks for every state)
-            parts = self.backend.split_blocks([(states[name], self._region(name, row, j0 * self.block, j1 - j0),
-                                                self.kv[name][2], j1 - j0) for name in names])
+            regions = [self._region(name, row, j0 * self.block, j1 - j0) for name in names]
+            parts = self.backend.split_blocks([(states[name], region, self.kv[name][2], j1 - j0)
+                                               for name, region in zip(names, regions)])
             for j in range(j0, j1):
                 self.entries[keys[j]] = Entry(tuple(int(t) for t in ids[j * self.block:(j + 1) * self.block]),
                                               {name: blocks[j - j0] for name, blocks in zip(names, parts)},

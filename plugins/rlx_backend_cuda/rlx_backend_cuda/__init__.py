@@ -311,7 +311,8 @@ def _join_copies(region, srcs: list, axis: int, copies: dict) -> bool:
     if (first.dtype != region.dtype or not first.flags.c_contiguous or first.ndim != region.ndim
             or first.shape[:axis] + first.shape[axis + 1:] != region.shape[:axis] + region.shape[axis + 1:]
             or n * len(srcs) != region.shape[axis]
-            or any(s.shape != first.shape or s.strides != first.strides or s.dtype != first.dtype for s in srcs)):
+            or any(s.shape != first.shape or s.strides != first.strides or s.dtype != first.dtype
+                   for s in srcs)):
         return False
     step = n * region.strides[axis]
     copies.setdefault((first.shape, first.strides, region.strides, first.itemsize), []).extend(
@@ -338,12 +339,12 @@ def _copy_many(stream, copies: dict) -> None:
         n = int(np.prod(shape))
         table = np.array([*shape, *(s // unit for s in ss), *(s // unit for s in ds),
                           *(a for pair in pairs for a in pair)], np.int64)
-        fn = device.kernel(sources.render(sources.COPY_MANY, T=_UNITS[unit], RANK=len(shape)), "rlx_copy_many",
-                           "the prefix cache's block copies")
+        fn = device.kernel(sources.render(sources.COPY_MANY, T=_UNITS[unit], RANK=len(shape)),
+                           "rlx_copy_many", "the KV caches' block copies")
         with stream:
             dev = cp.asarray(table)
-            fn((min(-(-n // 256), 64), min(len(pairs), 65535)), (256,), (dev, np.int64(n), np.int64(len(pairs))),
-               0, stream)
+            fn((min(-(-n // 256), 64), min(len(pairs), 65535)), (256,),
+               (dev, np.int64(n), np.int64(len(pairs))), 0, stream)
 
 
 @hookimpl

@@ -910,8 +910,8 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
     fn = _dq_kernel(b, sources.DQ_GEMV, s, "rlx_dq_gemv", T=ctype(x.dt), TO=ctype(out.dt), ACC=acc_of(x.dt),
                     TB=ctype(bias.dt) if bias is not None else "float",
                     A=al, MMAX=mmax, R=rows, U=DQ_LOADS, KW=kw, XV=xv, SWIGLU=int(swiglu),
-                    EPILOGUE=_dq_epilogue(out.dt, bias is not None, act), SWIGLU_OF=codegen.swiglu_of(acc_of(x.dt)),
-                    EARLY=int(b.written_by_no_kernel(w)))
+                    EPILOGUE=_dq_epilogue(out.dt, bias is not None, act),
+                    SWIGLU_OF=codegen.swiglu_of(acc_of(x.dt)), EARLY=int(b.written_by_no_kernel(w)))
     per_block = 8 // kw * (rows // 2 if swiglu else rows)
     b.launch(fn, (-(-N // per_block),), (256,), (x.arr, i64(xrs), w.arr, i64(wrs), bias.arr if bias else None,
                                                  out.arr, i32(M), i32(N), i32(nb)))
@@ -1056,7 +1056,8 @@ def _rms_norm(b, x, r, w, h, y, eps, off, pair: tuple | None = None):
                          TW=ctype(w.dt) if w else "float", TH=ctype(h.dt) if h else "float",
                          TO=ctype(y.dt), ACC=acc_of(x.dt, r.dt if r else x.dt),
                          HAS_R=int(r is not None), HAS_W=int(w is not None), WARP=int(warp), VPT=vpt, VEC=vec,
-                         LANES=lanes, EARLY=int(all(b.written_by_no_kernel(v) for v in (wv, w2v) if v is not None)))
+                         LANES=lanes,
+                         EARLY=int(all(b.written_by_no_kernel(v) for v in (wv, w2v) if v is not None)))
     fn = b.kernel(src, "rlx_rms_norm")
     total = rows + rows2
     grid, block = ((-(-total // (256 // lanes)),), (256,)) if warp else ((total,), (threads,))
