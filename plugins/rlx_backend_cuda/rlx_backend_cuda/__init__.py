@@ -187,11 +187,7 @@ class CudaBackend(Backend):
                 rest.append(i)
             elif all(d[1]):
                 copies.setdefault((d[1], s[2], d[2], dst.data.itemsize), []).append((s[0], d[0]))
-        _copy_many(self.stream(), copies)
-        out = [job[0] for job in jobs]
-        for i, buf in zip(rest, super().copy_regions([jobs[i] for i in rest])):
-            out[i] = buf
-        return out
+        return self._batched(jobs, copies, rest, super().copy_regions)
 
     def join_blocks(self, jobs: list) -> list:
         """Every job's blocks in one launch where all are on this device and each job's are
@@ -201,9 +197,14 @@ class CudaBackend(Backend):
         rest = [i for i, (dst, index, srcs, axis) in enumerate(jobs)
                 if not (isinstance(dst, CudaArray) and srcs and all(isinstance(s, CudaArray) for s in srcs)
                         and _join_copies(dst.data[index], [s.data for s in srcs], axis, copies))]
+        return self._batched(jobs, copies, rest, super().join_blocks)
+
+    def _batched(self, jobs: list, copies: dict, rest: list, fallback) -> list:
+        """`copies` (see _copy_many), then the jobs at the indices `rest` through `fallback`
+        (the base class's way): each job's result buffer, its dst where the copies wrote it."""
         _copy_many(self.stream(), copies)
         out = [job[0] for job in jobs]
-        for i, buf in zip(rest, super().join_blocks([jobs[i] for i in rest])):
+        for i, buf in zip(rest, fallback([jobs[i] for i in rest])):
             out[i] = buf
         return out
 
