@@ -856,7 +856,7 @@ def embed_cmd(model_name: str, texts: tuple, images: bool, file: str | None, jso
 @click.option("--stall-budget", type=click.FloatRange(0), default=None, metavar="F",
               help="While a batch decodes, a round's prefill may cost at most F times its decode step "
                    "(measured; pieces of at most --prefill-chunk tokens): streams slow to at most ~(1 + F)x "
-                   "while a long prompt prefills. 0: fixed pieces of --prefill-chunk. Default: 0.5.")
+                   "while a long prompt prefills. 0: fixed pieces of --prefill-chunk. Default: 0.35.")
 @click.option("--idle-release", "idle_release_s", type=click.FloatRange(0), default=None, metavar="SECONDS",
               help="Idle this long, a model's scheduler gives its KV cache and compiled runners back "
                    "(rebuilt by the next request). Default: 30.")

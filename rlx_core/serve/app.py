@@ -43,8 +43,10 @@ from .protocol import ApiError
 
 
 MAX_BODY_MB = 8              # the default limit of a request body (rlx serve --max-body-mb)
-STALL_BUDGET = 0.5           # a round's prefill (pieces run alone, or what the piece riding in a mixed step
-                             # adds to it) costs <= this share of a decode step (rlx serve --stall-budget)
+STALL_BUDGET = 0.35          # a round's prefill (pieces run alone, or what the piece riding in a mixed step
+                             # adds to it) costs <= this share of a decode step (rlx serve --stall-budget;
+                             # 0.5 let a 4,000-token prompt raise 8 streams' p99 gap 1.64-2.16x on 2 cores,
+                             # 0.35 1.24-1.25x, its time to first token 73-77 s against 70-100 s)
 BODY_IDLE_S = 30.0           # a body that stops arriving this long is a 400 (not a wait forever)
 BIG_BODY = 1 << 20           # after a request this big, freed memory goes back to the OS
 RETRY_AFTER_S = 1            # a 429's Retry-After: a batch row frees within a few decode steps
