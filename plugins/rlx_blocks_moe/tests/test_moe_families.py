@@ -96,16 +96,19 @@ def test_logits_match_hf(tiny, backend, rng):
 
 
 def test_router_load_is_uneven(tiny, rng):
-    """The models under test really route unevenly (so a kernel that assumed balance would show)."""
+    """The models under test really route unevenly (so a kernel that assumed balance would show):
+    over 256 random tokens, one expert takes at least twice its share and two take under a
+    quarter of theirs (400 draws of each family: at least 2.9x and 3 experts; 64 tokens, with
+    the top expert at 30% of the picks, failed one draw in 300)."""
     family, hf, _ = tiny
-    ids = torch.tensor(rng.integers(1, VOCAB, (4, 16)))
+    ids = torch.tensor(rng.integers(1, VOCAB, (8, 32)))
     picks = []
     hook = hf.model.layers[0].mlp.gate.register_forward_hook(lambda m, i, o: picks.append(o[2]) and None)
     with torch.no_grad():
         hf(ids)
     hook.remove()
     counts = np.bincount(picks[0].numpy().ravel(), minlength=8)
-    assert counts.max() >= 0.3 * counts.sum() and (counts < counts.mean() / 4).sum() >= 2, (family, counts)
+    assert counts.max() >= 2 * counts.mean() and (counts < counts.mean() / 4).sum() >= 2, (family, counts)
 
 
 def test_greedy_32_tokens_with_kv_cache(tiny, rng):
