@@ -100,6 +100,10 @@ class Build:
         self.r.counters.append(arr)
         return arr
 
+    def keep_resident(self, arr) -> None:
+        """Note a param's or constant's device array: bytes no kernel of the run writes."""
+        self.resident.append((arr.data.ptr, arr.data.ptr + arr.nbytes))
+
     def written_by_no_kernel(self, v: V) -> bool:
         """Whether v's bytes lie in a param or a constant, which no kernel writes (the graph
         assigns only states): a kernel launched as a programmatic dependent (device.Kernel) may
@@ -362,14 +366,14 @@ class CudaRunner(Runner):
                 if n.op == "state":
                     self.bound_states[n.name] = table[n.name]
                 else:
-                    b.resident.append((dv.data.data.ptr, dv.data.data.ptr + dv.data.nbytes))
+                    b.keep_resident(dv.data)
                 continue
             if n.op == "constant":
                 if n.name not in consts:
                     consts[n.name] = device.from_host(np.asarray(g.constants[n.name]).astype(
                         n.outs[0].dtype.np, copy=False), f"constant {n.name!r}")
                 vals[(i, 0)] = V(consts[n.name], n.outs[0].dtype)
-                b.resident.append((consts[n.name].data.ptr, consts[n.name].data.ptr + consts[n.name].nbytes))
+                b.keep_resident(consts[n.name])
                 continue
             ins_v = [vals[tuple(r)] for r in n.inputs]
             if lir.slots[(i, 0)].home == "view":       # (a value placed in a concat is not one)

@@ -107,16 +107,16 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
     *cs = min(kend, kbeg + split * chunk);
     *ce = min(kend, *cs + chunk);
   };
-  {
-    // the split's first two tiles of K and V asked into L2 before the wait for the kernel that
-    // writes q (device.Kernel): the cache rows come from DRAM, the loop's loads then from L2.
-    // The position read here (past L1) may be one the kernel before still writes: then only
-    // the prefetch is of less use.
+  // the split's first two tiles of K and V asked into L2 before the wait for the kernel that
+  // writes q (device.Kernel): the cache rows come from DRAM, the loop's loads then from L2.
+  // The position read here (past L1) may be one the kernel before still writes: then only
+  // the prefetch is of less use.
 #if HAS_POS
-    const i64 early = (i64)LDCG(pos + b);
+  const i64 early = (i64)LDCG(pos + b);
 #else
-    const i64 early = (i64)(Sk - Sq);
+  const i64 early = (i64)(Sk - Sq);
 #endif
+  {
     i64 cs, ce;
     split_keys(early, &cs, &ce);
     rlx_prefetch_rows(kb, kss, cs, min(ce, cs + 2 * TILE), DK * (int)sizeof(TK), tid, NT);
@@ -126,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
 #if HAS_POS
   const i64 p0 = (i64)pos[b];
 #else
-  const i64 p0 = (i64)(Sk - Sq);
+  const i64 p0 = early;
 #endif
   ACC qr[ROWS][NVK * VK];
 #pragma unroll
