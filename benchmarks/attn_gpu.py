@@ -3,7 +3,9 @@ in one process (issue 45's prefill, issue 49's "every long-sequence attention").
 
 Batch 1, bf16, causal, Qwen3.5's full-attention shape by default (8 query heads on 2 KV heads,
 head_dim 256). Kernels, each on the same inputs:
-* wg      rlx_attn_wg, Hopper's wgmma (sm_90 only)
+* wg      rlx_attn_wg, Hopper's wgmma (sm_90 only), its default block for the head size
+* wg:WxB  rlx_attn_wg with W warpgroups (1, 2) a block and key tiles of B (64, 128): the
+          cuda backend's wg_shape option, each its own compiled graph
 * tc      rlx_attn_tc, mma.sync (sm_80 and up)
 * split   rlx_attn_split, the split-K CUDA-core kernel (decode's; the fallback)
 * sdpa    torch.nn.functional.scaled_dot_product_attention under the flash backend
@@ -14,6 +16,11 @@ output is compared with SDPA's (max abs difference over max abs value, printed, 
 
     python benchmarks/attn_gpu.py                                  # 8192 and 32768, D 256, GQA 4
     python benchmarks/attn_gpu.py --seq 8192 --heads 24 --kv-heads 24 --dim 128 --kernels wg,tc,sdpa
+    python benchmarks/attn_gpu.py --seq 257,1370 --batch 64 --heads 16 --kv-heads 16 --dim 64 --no-causal \
+        --kernels wg,wg:1x64,sdpa                                 # ViT-L/14's at 224 and 518 pixels
+
+`--mask` passes an all-ones [B, 1, 1, S] padding mask (what a model's prefill carries), so the
+kernels take their masked path.
 """
 from __future__ import annotations
 
@@ -29,16 +36,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import log  # noqa: E402
 
 
-def rlx_exe(S: int, H: int, KVH: int, D: int, causal: bool):
-    """A compiled attention graph (cuda, bf16)."""
+def rlx_exe(B: int, S: int, H: int, KVH: int, D: int, causal: bool, mask: bool, wg_shape: str = ""):
+    """A compiled attention graph (cuda, bf16), rlx_attn_wg's block forced to `wg_shape` if given."""
     import rlx_core
-    from rlx_core.ir.dtype import BF16
+    from rlx_backend_cuda import set_config
+    from rlx_core.ir.dtype import BF16, BOOL
     from rlx_core.ir.graph import Graph
 
     def f(m):
-        q, k, v = (m.input(n, (1, h, S, D), BF16) for n, h in (("q", H), ("k", KVH), ("v", KVH)))
-        return m.attention(q, k, v, mask_kind="causal" if causal else "none")
-    return rlx_core.compile(Graph.define(f"attn{S}", f), backend="cuda")
+        q, k, v = (m.input(n, (B, h, S, D), BF16) for n, h in (("q", H), ("k", KVH), ("v", KVH)))
+        pad = m.input("mask", (B, 1, 1, S), BOOL) if mask else None
+        return m.attention(q, k, v, pad, mask_kind="causal" if causal else "none")
+    set_config(wg_shape=wg_shape)
+    try:
+        return rlx_core.compile(Graph.define(f"attn{S}", f), backend="cuda")
+    finally:
+        set_config(wg_shape="")
 
 
 def rlx_timer(exe, inputs: dict, kernel: str):
@@ -48,7 +61,7 @@ def rlx_timer(exe, inputs: dict, kernel: str):
     runner = exe.runner(exe._bind_dims(inputs))
 
     def run():
-        set_config(tc_attention=kernel != "split", wg_attention=kernel == "wg")
+        set_config(tc_attention=kernel != "split", wg_attention=kernel.startswith("wg"))
         try:
             out, steps = runner.run_profiled(inputs)
         finally:
@@ -88,22 +101,27 @@ def one_length(a, S: int) -> dict:
     import ml_dtypes
     import torch
 
-    H, KVH, D = a.heads, a.kv_heads, a.dim
+    B, H, KVH, D = a.batch, a.heads, a.kv_heads, a.dim
     gen = torch.Generator(device="cuda").manual_seed(S)
-    q, k, v = (torch.randn((1, h, S, D), generator=gen, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (torch.randn((B, h, S, D), generator=gen, device="cuda", dtype=torch.bfloat16)
                for h in (H, KVH, KVH))
     host = {n: t.view(torch.uint16).cpu().numpy().view(ml_dtypes.bfloat16) for n, t in zip("qkv", (q, k, v))}
+    if a.mask:
+        host["mask"] = np.ones((B, 1, 1, S), np.bool_)
     pairs = S * (S + 1) // 2 if a.causal else S * S
-    flops = 4.0 * H * D * pairs
+    flops = 4.0 * B * H * D * pairs
     kernels = a.kernels.split(",")
     timers = {}
     if "sdpa" in kernels:
         timers["sdpa"], how = sdpa_timer(q, k, v, a.causal)
         log(f"S {S}: sdpa flash with {how}")
-    exe = rlx_exe(S, H, KVH, D, a.causal)
+    exes = {}
     for kern in kernels:
         if kern != "sdpa":
-            timers[kern] = rlx_timer(exe, host, kern)
+            shape = kern.partition(":")[2]
+            if shape not in exes:
+                exes[shape] = rlx_exe(B, S, H, KVH, D, a.causal, a.mask, shape)
+            timers[kern] = rlx_timer(exes[shape], host, kern)
     ref = None
     if "sdpa" in timers:
         ref = timers["sdpa"]()[1].float().cpu().numpy()
@@ -137,10 +155,12 @@ def one_length(a, S: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq", default="8192,32768")
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--no-causal", dest="causal", action="store_false")
+    ap.add_argument("--mask", action="store_true", help="an all-ones padding mask beside the causal one")
     ap.add_argument("--kernels", default="wg,tc,split,sdpa")
     ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds (the first warms up)")
     ap.add_argument("--split-rounds", type=int, default=3, help="rounds of the (slow) split-K kernel")
@@ -148,8 +168,8 @@ def main() -> int:
     a = ap.parse_args()
     import torch
 
-    log(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; B 1, {a.heads}/{a.kv_heads} heads, "
-        f"D {a.dim}, bf16, {'causal' if a.causal else 'no mask'}")
+    log(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; B {a.batch}, {a.heads}/{a.kv_heads} "
+        f"heads, D {a.dim}, bf16, {'causal' if a.causal else 'not causal'}{', a padding mask' if a.mask else ''}")
     res = {str(S): one_length(a, int(S)) for S in a.seq.split(",")}
     if a.json:
         with open(a.json, "w") as f:
