@@ -168,8 +168,9 @@ def main() -> int:
     a = ap.parse_args()
     import torch
 
-    log(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; B {a.batch}, {a.heads}/{a.kv_heads} "
-        f"heads, D {a.dim}, bf16, {'causal' if a.causal else 'not causal'}{', a padding mask' if a.mask else ''}")
+    kind = ("causal" if a.causal else "not causal") + (", a padding mask" if a.mask else "")
+    log(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; B {a.batch}, "
+        f"{a.heads}/{a.kv_heads} heads, D {a.dim}, bf16, {kind}")
     res = {str(S): one_length(a, int(S)) for S in a.seq.split(",")}
     if a.json:
         with open(a.json, "w") as f:

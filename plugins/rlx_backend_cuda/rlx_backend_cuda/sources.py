@@ -188,12 +188,12 @@ def attn_wg_source(D: int, shape: dict, **defines) -> str:
 
     def outs(n):
         return ", ".join(f'"+f"(d[{i}])' for i in range(n))
-    s = shape["BN"] // 2                          # S's accumulator registers; then Q's and K's descriptors, the flag
-    h = D // 2                                    # O's accumulator registers; then P's four, V's descriptor
+    s = shape["BN"] // 2          # S's accumulator registers; then Q's and K's descriptors, the flag
+    h = D // 2                    # O's accumulator registers; then P's four, V's descriptor
     operands = {f"PV_A{i}": f'"{h + i}"' for i in range(4)}
     operands.update(PV_B=f'"{h + 4}"', PV_ONE=f'"{h + 5}"', QK_A=f'"{s}"', QK_B=f'"{s + 1}"', QK_ACC=f'"{s + 2}"')
-    return render(ATTN_WG, D=D, **shape, BF16=int(defines.get("MMAT") == "bf16"), S_REGS=regs(s), S_OUTS=outs(s),
-                  O_REGS=regs(h), O_OUTS=outs(h), **operands, **defines)
+    return render(ATTN_WG, D=D, **shape, BF16=int(defines.get("MMAT") == "bf16"), S_REGS=regs(s),
+                  S_OUTS=outs(s), O_REGS=regs(h), O_OUTS=outs(h), **operands, **defines)
 
 
 def attn_wg_smem(D: int, wgs: int = 2, bn: int = 0) -> int:

@@ -506,7 +506,7 @@ def test_attention(rng, dt, case, tc, layout, monkeypatch):
         pytest.skip("the wgmma attention runs on sm_90 GPUs (H100, H200) only")
     shape = tc.partition(":")[2]
     if shape and (dt is F32 or D not in (64, 128, 256) or int(shape.split("x")[1]) > sources.attn_wg_bn(D)):
-        pytest.skip(f"wg_shape {shape} takes 16-bit data of head_dim 64, 128 or 256, key tiles up to its widest")
+        pytest.skip(f"wg_shape {shape} takes 16-bit data of head_dim 64, 128 or 256, key tiles to the widest")
     monkeypatch.setattr(ops, "ATTN_TC_MIN_BLOCKS_PER_SM", 0 if tc == "mt2" else 1 << 30)
 
     ins = {"q": rand(rng, (B, H, Sq, D), dt), "k": rand(rng, (B, KVH, Sk, D), dt),
