@@ -3,9 +3,7 @@ in one process (issue 45's prefill, issue 49's "every long-sequence attention").
 
 Batch 1, bf16, causal, Qwen3.5's full-attention shape by default (8 query heads on 2 KV heads,
 head_dim 256). Kernels, each on the same inputs:
-* wg      rlx_attn_wg, Hopper's wgmma (sm_90 only), its default block for the head size
-* wg:WxB  rlx_attn_wg with W warpgroups (1, 2) a block and key tiles of B (64, 128): the
-          cuda backend's wg_shape option, each its own compiled graph
+* wg      rlx_attn_wg, Hopper's wgmma (sm_90 only)
 * tc      rlx_attn_tc, mma.sync (sm_80 and up)
 * split   rlx_attn_split, the split-K CUDA-core kernel (decode's; the fallback)
 * sdpa    torch.nn.functional.scaled_dot_product_attention under the flash backend
@@ -17,7 +15,7 @@ output is compared with SDPA's (max abs difference over max abs value, printed, 
     python benchmarks/attn_gpu.py                                  # 8192 and 32768, D 256, GQA 4
     python benchmarks/attn_gpu.py --seq 8192 --heads 24 --kv-heads 24 --dim 128 --kernels wg,tc,sdpa
     python benchmarks/attn_gpu.py --seq 257,1370 --batch 64 --heads 16 --kv-heads 16 --dim 64 --no-causal \
-        --kernels wg,wg:1x64,sdpa                                 # ViT-L/14's at 224 and 518 pixels
+        --kernels wg,sdpa                                         # ViT-L/14's at 224 and 518 pixels
 
 `--mask` passes an all-ones [B, 1, 1, S] padding mask (what a model's prefill carries), so the
 kernels take their masked path.
@@ -36,10 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import log  # noqa: E402
 
 
-def rlx_exe(B: int, S: int, H: int, KVH: int, D: int, causal: bool, mask: bool, wg_shape: str = ""):
-    """A compiled attention graph (cuda, bf16), rlx_attn_wg's block forced to `wg_shape` if given."""
+def rlx_exe(B: int, S: int, H: int, KVH: int, D: int, causal: bool, mask: bool):
+    """A compiled attention graph (cuda, bf16)."""
     import rlx_core
-    from rlx_backend_cuda import set_config
     from rlx_core.ir.dtype import BF16, BOOL
     from rlx_core.ir.graph import Graph
 
@@ -47,11 +44,7 @@ def rlx_exe(B: int, S: int, H: int, KVH: int, D: int, causal: bool, mask: bool, 
         q, k, v = (m.input(n, (B, h, S, D), BF16) for n, h in (("q", H), ("k", KVH), ("v", KVH)))
         pad = m.input("mask", (B, 1, 1, S), BOOL) if mask else None
         return m.attention(q, k, v, pad, mask_kind="causal" if causal else "none")
-    set_config(wg_shape=wg_shape)
-    try:
-        return rlx_core.compile(Graph.define(f"attn{S}", f), backend="cuda")
-    finally:
-        set_config(wg_shape="")
+    return rlx_core.compile(Graph.define(f"attn{S}", f), backend="cuda")
 
 
 def rlx_timer(exe, inputs: dict, kernel: str):
@@ -61,7 +54,7 @@ def rlx_timer(exe, inputs: dict, kernel: str):
     runner = exe.runner(exe._bind_dims(inputs))
 
     def run():
-        set_config(tc_attention=kernel != "split", wg_attention=kernel.startswith("wg"))
+        set_config(tc_attention=kernel != "split", wg_attention=kernel == "wg")
         try:
             out, steps = runner.run_profiled(inputs)
         finally:
@@ -115,13 +108,10 @@ def one_length(a, S: int) -> dict:
     if "sdpa" in kernels:
         timers["sdpa"], how = sdpa_timer(q, k, v, a.causal)
         log(f"S {S}: sdpa flash with {how}")
-    exes = {}
+    exe = rlx_exe(B, S, H, KVH, D, a.causal, a.mask)
     for kern in kernels:
         if kern != "sdpa":
-            shape = kern.partition(":")[2]
-            if shape not in exes:
-                exes[shape] = rlx_exe(B, S, H, KVH, D, a.causal, a.mask, shape)
-            timers[kern] = rlx_timer(exes[shape], host, kern)
+            timers[kern] = rlx_timer(exe, host, kern)
     ref = None
     if "sdpa" in timers:
         ref = timers["sdpa"]()[1].float().cpu().numpy()

@@ -75,12 +75,10 @@ def catalog() -> list:
                     out.append((f"attn_tc {t} {d} MT {mt}", S.render(
                         S.ATTN_TC, T=t, MMAT="bf16" if "bf" in t else "f16", D=d, VEC=vec, MT=mt, **common),
                         "rlx_attn_tc"))
-                for d, whole, cap, wgs, bn in ((64, 0, 0, 2, 0), (64, 1, 0, 1, 64), (128, 0, 1, 2, 0),
-                                               (128, 1, 0, 1, 128), (256, 0, 0, 2, 0), (256, 1, 0, 1, 64)):
-                    shape = S.attn_wg_shape(d, wgs, bn)
-                    out.append((f"attn_wg {t} {mk}{mm} {d} whole {whole} cap {cap} {wgs}x{shape['BN']}",
-                                S.attn_wg_source(d, shape, T=t, MMAT="bf16" if "bf" in t else "f16",
-                                                 WHOLE=whole, CAP=cap, **common), "rlx_attn_wg"))
+                for d, whole, cap in ((64, 0, 0), (128, 0, 1), (128, 1, 0), (256, 0, 0), (256, 1, 0)):
+                    out.append((f"attn_wg {t} {mk}{mm} {d} whole {whole} cap {cap}", S.attn_wg_source(
+                        d, T=t, MMAT="bf16" if "bf" in t else "f16", WHOLE=whole, CAP=cap, **common),
+                        "rlx_attn_wg"))
         out.append((f"gather {t}", S.render(S.GATHER, TT=t, TI="long long"), "rlx_gather"))
     out.append(("gather u8", S.render(S.GATHER, TT="unsigned char", TI="int"), "rlx_gather"))
     for rank in (1, 4):

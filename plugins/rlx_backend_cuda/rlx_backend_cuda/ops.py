@@ -1830,7 +1830,7 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
 
 
 def _wg_attention(b, a: dict, q: V, k: V, v: V, mv, mst, pv, out: V, common: dict):
-    """A launch of sources.ATTN_WG (Hopper's wgmma: 64 query rows a warpgroup, _wg_shape's block)
+    """A launch of sources.ATTN_WG (Hopper's wgmma: 128 query rows a block, two warpgroups)
     for 16-byte-aligned rows of head_dim 64, 128 or 256 on an sm_90 GPU, or None; K and V
     through tensor maps. FLUX's attention (4608 tokens, 24 heads x 128, bf16, H200): 0.473 ms
     against rlx_attn_tc's 0.885. Qwen3.5's (8 / 2 heads x 256, causal, bf16, H200) at 8k / 32k
@@ -1842,8 +1842,7 @@ def _wg_attention(b, a: dict, q: V, k: V, v: V, mv, mst, pv, out: V, common: dic
     if (D not in (64, 128, 256) or tuple(b.cc) != (9, 0) or oe[3] != 1 or any(s % 2 for s in oe[:3])
             or out.arr.data.ptr % 4):
         return None
-    shape = _wg_shape(D)
-    bn = shape["BN"]
+    bn = sources.attn_wg_bn(D)
     box = (64, bn, 1, 1)
     try:                      # (a layout the copy engine cannot take, a broadcast head say: the mma.sync kernel)
         tk, tv = device.tensor_map(k.arr, box, "attention keys"), device.tensor_map(v.arr, box, "attention values")
@@ -1852,32 +1851,19 @@ def _wg_attention(b, a: dict, q: V, k: V, v: V, mv, mst, pv, out: V, common: dic
     cap = int(float(a["softcap"]) != 0.0)
     whole = int(common["MASKKIND"] == 0 and common["MASKMODE"] == 0 and not cap and float(a["scale"]) > 0.0
                 and Sk % bn == 0)
-    src = sources.attn_wg_source(D, shape, T=ctype(q.dt), MMAT="bf16" if q.dt is BF16 else "f16", WHOLE=whole,
-                                 CAP=cap, **common)
-    smem = sources.attn_wg_smem(D, shape["WGS"], bn)
+    src = sources.attn_wg_source(D, T=ctype(q.dt), MMAT="bf16" if q.dt is BF16 else "f16", WHOLE=whole, CAP=cap,
+                                 **common)
+    smem = sources.attn_wg_smem(D)
     fn = b.kernel(src, "rlx_attn_wg", smem)
     qs = q.es
     args = (q.arr, i64(qs[0]), i64(qs[1]), i64(qs[2]), tk, tv, mv, *[i64(s) for s in mst], pv.arr if pv else None,
             out.arr, i64(oe[0]), i64(oe[1]), i64(oe[2]), i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk),
             f64(a["scale"]), f64(a["softcap"]), i32(a["window"]))
-    rows = 64 * shape["WGS"]
-    grid, block, stream = (-(-Sq // rows), H, B), (2 * rows,), b.stream
+    grid, stream = (-(-Sq // 128), H, B), b.stream
 
     def run():
-        fn(grid, block, args, smem, stream)
+        fn(grid, (256,), args, smem, stream)
     return run
-
-
-def _wg_shape(D: int) -> dict:
-    """rlx_attn_wg's block at head_dim D: the default, or CONFIG['wg_shape'] ('WGSxBN', for A/B runs)."""
-    forced = CONFIG["wg_shape"]
-    if not forced:
-        return sources.attn_wg_shape(D)
-    wgs, _, bn = forced.partition("x")
-    if wgs not in ("1", "2") or bn not in ("64", "128") or int(bn) > sources.attn_wg_bn(D):
-        raise BackendError(f"cuda backend: wg_shape {forced!r} at head_dim {D}: expected WGSxBN, WGS 1 or 2 "
-                           f"and BN 64 or 128, at most {sources.attn_wg_bn(D)}")
-    return sources.attn_wg_shape(D, int(wgs), int(bn))
 
 
 def _short_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, window, common: dict):

@@ -169,36 +169,26 @@ def attn_wg_bn(D: int) -> int:
     return 64 if D > 128 else 128
 
 
-def attn_wg_shape(D: int, wgs: int = 2, bn: int = 0) -> dict:
-    """ATTN_WG's block at head_dim D: WGS warpgroups of 64 query rows each, key tiles of BN
-    (default attn_wg_bn's widest), and MINB, the blocks an SM holds (its registers, from a
-    thread's accumulators: O's D / 2, two S tiles' BN, P's BN / 4 and ~40 more; and its
-    shared memory), which __launch_bounds__ promises ptxas."""
-    bn = bn or attn_wg_bn(D)
-    regs = D // 2 + bn + bn // 4 + 40
-    minb = max(1, min(65536 // (128 * wgs * regs), 228 * 1024 // attn_wg_smem(D, wgs, bn)))
-    return {"WGS": wgs, "BN": bn, "MINB": minb}
-
-
-def attn_wg_source(D: int, shape: dict, **defines) -> str:
-    """ATTN_WG for head_dim D (64, 128 or 256) and an attn_wg_shape, its wgmma operand lists
-    written out (string literals and asm operands, as defines)."""
+def attn_wg_source(D: int, **defines) -> str:
+    """ATTN_WG for head_dim D (64, 128 or 256), its wgmma operand lists written out (string
+    literals and asm operands, as defines)."""
     def regs(n):
         return '"' + ", ".join(f"%{i}" for i in range(n)) + '"'
 
     def outs(n):
         return ", ".join(f'"+f"(d[{i}])' for i in range(n))
-    s = shape["BN"] // 2          # S's accumulator registers; then Q's and K's descriptors, the flag
-    h = D // 2                    # O's accumulator registers; then P's four, V's descriptor
+    bn = attn_wg_bn(D)
+    s = bn // 2                                   # S's accumulator registers; then Q's and K's descriptors, the flag
+    h = D // 2                                    # O's accumulator registers; then P's four, V's descriptor
     operands = {f"PV_A{i}": f'"{h + i}"' for i in range(4)}
     operands.update(PV_B=f'"{h + 4}"', PV_ONE=f'"{h + 5}"', QK_A=f'"{s}"', QK_B=f'"{s + 1}"', QK_ACC=f'"{s + 2}"')
-    return render(ATTN_WG, D=D, **shape, BF16=int(defines.get("MMAT") == "bf16"), S_REGS=regs(s),
-                  S_OUTS=outs(s), O_REGS=regs(h), O_OUTS=outs(h), **operands, **defines)
+    return render(ATTN_WG, D=D, BN=bn, BF16=int(defines.get("MMAT") == "bf16"), S_REGS=regs(s), S_OUTS=outs(s),
+                  O_REGS=regs(h), O_OUTS=outs(h), **operands, **defines)
 
 
-def attn_wg_smem(D: int, wgs: int = 2, bn: int = 0) -> int:
+def attn_wg_smem(D: int) -> int:
     """Dynamic shared memory of ATTN_WG: Q, two slots of K and V, 1024 bytes of alignment, the mbarriers."""
-    return (64 * wgs + 4 * (bn or attn_wg_bn(D))) * D * 2 + 1024 + 64
+    return (128 + 4 * attn_wg_bn(D)) * D * 2 + 1024 + 64
 
 
 # --------------------------------------------------------------------------- matmul helpers

@@ -18,8 +18,7 @@ CONFIG = {"gemv": True, "tc_attention": True, "wg_attention": True, "lt_epilogue
           "copy16": os.environ.get("RLX_CUDA_COPY16", "1") != "0",
           "dependent_launch": os.environ.get("RLX_CUDA_DEPENDENT_LAUNCH", "1") != "0",
           "gemv_fusion": os.environ.get("RLX_CUDA_GEMV_FUSION", "0") != "0",
-          "rope_norm": os.environ.get("RLX_CUDA_ROPE_NORM", "1") != "0",
-          "wg_shape": os.environ.get("RLX_CUDA_WG_SHAPE", ""), "version": 0}
+          "rope_norm": os.environ.get("RLX_CUDA_ROPE_NORM", "1") != "0", "version": 0}
 
 
 def set_config(**kw) -> None:

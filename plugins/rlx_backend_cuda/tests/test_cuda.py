@@ -491,23 +491,20 @@ def test_concat_parts_written_in_place(rng, dt):
 @gpu
 @pytest.mark.parametrize("dt", FLOATS)
 @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"{c[6]}-Sq{c[3]}-Sk{c[4]}-D{c[5]}-{c[9]}")
-@pytest.mark.parametrize("tc", ["wg", "wg:1x64", "wg:1x128", "wg:2x64", "mt1", "mt2", "off"])
+@pytest.mark.parametrize("tc", ["wg", "mt1", "mt2", "off"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_attention(rng, dt, case, tc, layout, monkeypatch):
-    """Each kernel: Hopper's wgmma one (wg; wg:WxB its block of W warpgroups and B-key tiles),
-    the tensor-core one with warps of 1 or 2 m-tiles of 16 query rows (mt1, mt2; 16-bit data
-    and 16+ query rows), and the split-K one (off). bshd: q, k, v come [B, S, H, D] and the
-    output leaves so, through transposes the plan runs as views: the kernels read and write
-    through strides."""
-    from rlx_backend_cuda import device, ops, set_config, sources
+    """Each kernel: Hopper's wgmma one (wg), the tensor-core one with warps of 1 or 2 m-tiles
+    of 16 query rows (mt1, mt2; 16-bit data and 16+ query rows), and the split-K one (off).
+    bshd: q, k, v come [B, S, H, D] and the output leaves so, through transposes the plan runs
+    as views: the kernels read and write through strides."""
+    from rlx_backend_cuda import device, ops, set_config
+
+    if tc == "wg" and tuple(device.info().get("cc", (0, 0))) != (9, 0):
+        pytest.skip("the wgmma attention runs on sm_90 GPUs (H100, H200) only")
+    monkeypatch.setattr(ops, "ATTN_TC_MIN_BLOCKS_PER_SM", 0 if tc == "mt2" else 1 << 30)
 
     B, H, KVH, Sq, Sk, D, kind, window, cap, mask, pos = case
-    if tc.startswith("wg") and tuple(device.info().get("cc", (0, 0))) != (9, 0):
-        pytest.skip("the wgmma attention runs on sm_90 GPUs (H100, H200) only")
-    shape = tc.partition(":")[2]
-    if shape and (dt is F32 or D not in (64, 128, 256) or int(shape.split("x")[1]) > sources.attn_wg_bn(D)):
-        pytest.skip(f"wg_shape {shape} takes 16-bit data of head_dim 64, 128 or 256, key tiles to the widest")
-    monkeypatch.setattr(ops, "ATTN_TC_MIN_BLOCKS_PER_SM", 0 if tc == "mt2" else 1 << 30)
 
     ins = {"q": rand(rng, (B, H, Sq, D), dt), "k": rand(rng, (B, KVH, Sk, D), dt),
            "v": rand(rng, (B, KVH, Sk, D), dt)}
@@ -536,11 +533,11 @@ def test_attention(rng, dt, case, tc, layout, monkeypatch):
         pv = m.input("pos", (B,), I32) if pos else None
         o = m.attention(q, k, v, mv, pv, mask_kind=kind, window=window, softcap=cap)
         return m.transpose(o, swap) if layout == "bshd" else o
-    set_config(tc_attention=tc != "off", wg_attention=tc.startswith("wg"), wg_shape=shape)
+    set_config(tc_attention=tc != "off", wg_attention=tc == "wg")
     try:
         compare(Graph.define("attn", f), ins, dt, profile=UNFUSED)
     finally:
-        set_config(tc_attention=True, wg_attention=True, wg_shape="")
+        set_config(tc_attention=True, wg_attention=True)
 
 
 @gpu

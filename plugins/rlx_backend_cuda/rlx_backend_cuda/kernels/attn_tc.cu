@@ -304,15 +304,15 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
       }
     }
 }
-// @part wg(D, BN, WGS, MINB, MMAT, BF16, T, TM, WHOLE, CAP, MASKMODE, MASKKIND, TP, HAS_POS, S_REGS, S_OUTS, QK_A, QK_B, QK_ACC, O_REGS, O_OUTS, PV_A0, PV_A1, PV_A2, PV_A3, PV_B, PV_ONE)
+// @part wg(D, BN, MMAT, BF16, T, TM, WHOLE, CAP, MASKMODE, MASKKIND, TP, HAS_POS, S_REGS, S_OUTS, QK_A, QK_B, QK_ACC, O_REGS, O_OUTS, PV_A0, PV_A1, PV_A2, PV_A3, PV_B, PV_ONE)
 // Hopper (sm_90a) prefill attention on wgmma (f16/bf16, head_dim 64, 128 or 256, 16-byte rows).
-// Block = WGS warpgroups (1 or 2) x 64 query rows of one head. Shared memory: Q, and two slots of a K and
+// Block = 2 warpgroups x 64 query rows of one head. Shared memory: Q, and two slots of a K and
 // a V tile of BN keys each (128; 64 for head_dim 256, as FA3 narrows its key tile there: O's
 // 128 accumulators a thread and both S tiles then fit the 255 registers, and Q, K and V the
 // 227 KB of shared memory; Qwen3.5's 8 / 2 heads x 256, causal, 32k tokens: 527 TFLOP/s), as the 128-byte-swizzled layout wgmma reads (each 64-column half
 // of a row is 128 bytes, its 16-byte chunk c at c ^ (row % 8)). Q comes by every thread's
 // cp.async; K and V by the copy engine (TMA, tensor maps made by device.tensor_map), which
-// one thread issues into a slot once every warpgroup has released it (mbarriers: no
+// one thread issues into a slot once both warpgroups have released it (mbarriers: no
 // block-wide barrier a tile, so the warpgroups drift apart and overlap). S = Q K^T with A and
 // B from shared memory (K-major); the online softmax on S's registers (the FA2 layout: a
 // thread holds 2 rows x 2 columns of every 8); P re-packed as A registers; O += P V with V as
@@ -321,8 +321,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
 // bf16, H200): 0.473 ms, 552 TFLOP/s (rlx_attn_tc: 0.885 ms; the same kernel with every
 // thread's cp.async and a block barrier a tile 0.545; lock-step tiles without the overlap
 // 0.602; with per-chunk address math in the copies 0.835).
-#define BM (64 * WGS)
-#define NTH (128 * WGS)
+#define BM 128
 #define REWRITE (CAP || MASKMODE != 0)
 #define RLX_LOG2E 1.4426950408889634f
 __device__ __forceinline__ unsigned long long rlx_desc(unsigned a, unsigned lbo, unsigned sbo) {
@@ -358,24 +357,24 @@ __device__ __forceinline__ u32 rlx_pack(float lo, float hi) {
   return *(u32*)&t;
 }
 struct rlx_wg_loader {
-  // a thread's share of copying BM rows (Q's) x D columns into D / 64 swizzled [BM][128 B]
-  // halves: 16-byte column cc of rows r0, r0 + NTH / (D / 8), ... (the same swizzled slot in
+  // a thread's share of copying 128 rows (Q's) x D columns into D / 64 swizzled [128][128 B]
+  // halves: 16-byte column cc of rows r0, r0 + 256 / (D / 8), ... (the same swizzled slot in
   // each: the row step is a multiple of 8)
-  static constexpr int CPR = D / 8, RSTEP = NTH / CPR, N = BM / RSTEP;
+  static constexpr int CPR = D / 8, RSTEP = 256 / CPR, N = 128 / RSTEP;
   int r0;
   unsigned dst;
   long long col;
   __device__ __forceinline__ rlx_wg_loader(int tid) {
     r0 = tid / CPR;
     const int cc = tid % CPR;
-    dst = (cc >> 3) * BM * 128 + r0 * 128 + (((cc & 7) ^ (r0 & 7)) << 4);
+    dst = (cc >> 3) * 128 * 128 + r0 * 128 + (((cc & 7) ^ (r0 & 7)) << 4);
     col = cc * 8;
   }
   __device__ __forceinline__ void operator()(unsigned base, const T* src, long long rstride, i64 row0,
                                              i64 nrows) const {
     const T* p = src + (row0 + r0) * rstride + col;
     const long long step = (long long)RSTEP * rstride;
-    if (row0 + BM <= nrows) {
+    if (row0 + 128 <= nrows) {
 #pragma unroll
       for (int i = 0; i < N; ++i, p += step)
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(base + dst + i * RSTEP * 128), "l"(p));
@@ -395,7 +394,7 @@ template <int N> __device__ __forceinline__ void rlx_wg_settle(float* d) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
 // mbarriers (shared-memory addresses): a tile's K or V has landed (the copy engine's byte
-// count completes the phase), or every warpgroup is done reading a slot (NTH arrivals)
+// count completes the phase), or both warpgroups are done reading a slot (256 arrivals)
 __device__ __forceinline__ void rlx_bar_init(unsigned bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
 }
@@ -571,7 +570,7 @@ struct rlx_wg_attn {
     rlx_bar_arrive(bar(3, t));
   }
 };
-extern "C" __global__ void __launch_bounds__(NTH, MINB) rlx_attn_wg(
+extern "C" __global__ void __launch_bounds__(256, 1) rlx_attn_wg(
     const T* __restrict__ q, long long qsb, long long qsh, long long qss,
     const void* tk, const void* tv,
     const TM* __restrict__ mask, long long m0, long long m1, long long m2, long long m3,
@@ -616,7 +615,7 @@ extern "C" __global__ void __launch_bounds__(NTH, MINB) rlx_attn_wg(
   // prologue: the barriers; Q by every thread's copies; K of tiles 0 and 1 and V of tile 0
   // by the copy engine; S of tile 0
   if (tid == 0) {
-    for (int i = 0; i < 8; ++i) rlx_bar_init(a.bars + i * 8, i < 4 ? 1 : NTH);
+    for (int i = 0; i < 8; ++i) rlx_bar_init(a.bars + i * 8, i < 4 ? 1 : 256);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
