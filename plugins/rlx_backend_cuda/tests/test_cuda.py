@@ -454,6 +454,13 @@ ATTN_CASES = [
     (2, 4, 4, 257, 257, 64, "none", 0, 0.0, None, False),
     (1, 4, 2, 200, 256, 128, "none", 0, 0.0, None, False),
     (2, 4, 2, 300, 300, 64, "causal", 0, 0.0, "pad", False),
+    # a mask of keys only, [B, 1, 1, Sk] (a model's padding mask: the wgmma kernel's KEYMASK,
+    # whole tiles where row 0 keeps every key, cut ones in row 1)
+    (2, 8, 2, 300, 300, 256, "causal", 0, 0.0, "keys", False),
+    (2, 8, 2, 100, 300, 256, "causal", 0, 0.0, "keys", True),
+    (2, 4, 4, 257, 257, 64, "none", 0, 0.0, "keys", False),
+    (2, 4, 2, 200, 384, 128, "none", 0, 0.0, "keys", False),
+    (2, 4, 1, 200, 200, 64, "sliding_window", 50, 0.0, "keys", False),
 ]
 
 
@@ -517,6 +524,11 @@ def test_attention(rng, dt, case, tc, layout, monkeypatch):
         for b in range(1, B):
             mk[b, ..., Sk - 7 * b:] = False
         ins["mask"] = mk
+    elif mask == "keys":                       # row 0 keeps every key; row 1 not its last 7 or key 100
+        mk = np.ones((B, 1, 1, Sk), bool)
+        mk[1:, ..., Sk - 7:] = False
+        mk[1:, ..., 100] = False
+        ins["mask"] = mk
     elif mask == "bias":
         ins["mask"] = rand(rng, (1, H, Sq, Sk), dt)
     if pos:
@@ -529,7 +541,7 @@ def test_attention(rng, dt, case, tc, layout, monkeypatch):
         q, k, v = (m.input(n, ins[n].shape, dt) for n in ("q", "k", "v"))
         if layout == "bshd":
             q, k, v = (m.transpose(t, swap) for t in (q, k, v))
-        mv = m.input("mask", ins["mask"].shape, BOOL if mask in ("bool", "pad") else dt) if mask else None
+        mv = m.input("mask", ins["mask"].shape, BOOL if mask in ("bool", "pad", "keys") else dt) if mask else None
         pv = m.input("pos", (B,), I32) if pos else None
         o = m.attention(q, k, v, mv, pv, mask_kind=kind, window=window, softcap=cap)
         return m.transpose(o, swap) if layout == "bshd" else o
@@ -654,7 +666,7 @@ def test_decode_attention_short_and_split_kernels(rng, dt, case, short, monkeypa
 
     def f(m):
         q, k, v = (m.input(n, ins[n].shape, dt) for n in ("q", "k", "v"))
-        mv = m.input("mask", ins["mask"].shape, BOOL if mask in ("bool", "pad") else dt) if mask else None
+        mv = m.input("mask", ins["mask"].shape, BOOL if mask in ("bool", "pad", "keys") else dt) if mask else None
         return m.attention(q, k, v, mv, m.input("pos", (B,), I32), mask_kind=kind, window=window, softcap=cap)
     set_config(short_attention=short)
     try:

@@ -304,7 +304,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
       }
     }
 }
-// @part wg(D, BN, MMAT, BF16, T, TM, WHOLE, CAP, MASKMODE, MASKKIND, TP, HAS_POS, S_REGS, S_OUTS, QK_A, QK_B, QK_ACC, O_REGS, O_OUTS, PV_A0, PV_A1, PV_A2, PV_A3, PV_B, PV_ONE)
+// @part wg(D, BN, MMAT, BF16, T, TM, WHOLE, CAP, KEYMASK, MASKMODE, MASKKIND, TP, HAS_POS, S_REGS, S_OUTS, QK_A, QK_B, QK_ACC, O_REGS, O_OUTS, PV_A0, PV_A1, PV_A2, PV_A3, PV_B, PV_ONE)
 // Hopper (sm_90a) prefill attention on wgmma (f16/bf16, head_dim 64, 128 or 256, 16-byte rows).
 // Block = 2 warpgroups x 64 query rows of one head. Shared memory: Q, and two slots of a K and
 // a V tile of BN keys each (128; 64 for head_dim 256, as FA3 narrows its key tile there: O's
@@ -322,7 +322,8 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
 // thread's cp.async and a block barrier a tile 0.545; lock-step tiles without the overlap
 // 0.602; with per-chunk address math in the copies 0.835).
 #define BM 128
-#define REWRITE (CAP || MASKMODE != 0)
+// KEYMASK: a boolean mask of keys only (one row for every query row: a padding mask)
+#define REWRITE (CAP || MASKMODE == 2 || (MASKMODE == 1 && !KEYMASK))
 #define RLX_LOG2E 1.4426950408889634f
 __device__ __forceinline__ unsigned long long rlx_desc(unsigned a, unsigned lbo, unsigned sbo) {
   // a wgmma shared-memory matrix descriptor, 128-byte swizzle
@@ -425,6 +426,9 @@ struct rlx_wg_attn {
   float o[D / 8][4];
   float mrow[2], lrow[2];
   i64 qi[2], qp[2];
+#if KEYMASK
+  bool kb[BN / 32];                    // the next tile's mask: key kt + 32 i + lane kept
+#endif
 
   __device__ __forceinline__ unsigned kslot(int t) const { return KV0 + (t & 1) * 2 * BN * D * 2; }
   __device__ __forceinline__ unsigned vslot(int t) const { return kslot(t) + BN * D * 2; }
@@ -441,6 +445,13 @@ struct rlx_wg_attn {
                    :: "r"(dst + c * BN * 128), "l"(map), "r"(c * 64), "r"(row), "r"(kvh), "r"(b), "r"(full)
                    : "memory");
   }
+#if KEYMASK
+  __device__ __forceinline__ void key_load(int t) {
+    const i64 j = kbeg + (i64)t * BN + (tid & 31);
+#pragma unroll
+    for (int i = 0; i < BN / 32; ++i) kb[i] = j + 32 * i < Sk && mask[b * m0 + h * m1 + (j + 32 * i) * m3] != 0;
+  }
+#endif
   __device__ __forceinline__ void qk(float (&s)[BN / 8][4], int t) const {
     rlx_bar_wait(bar(0, t), (t >> 1) & 1);
     const unsigned long long kd = rlx_desc(kslot(t), 16, 1024);
@@ -466,7 +477,20 @@ struct rlx_wg_attn {
     const i64 kt = kbeg + (i64)t * BN;
     // WHOLE: every tile is whole (no mask or softcap, Sk a multiple of the tiles; query rows past
     // Sq are zeros, computed and never stored)
-    const bool whole = WHOLE || (MASKMODE == 0 && !CAP && scale_d > 0.0 && kt + BN <= Sk &&
+#if KEYMASK
+    // the tile's mask as bits (every lane the same); a tile whose every key is kept is whole
+    unsigned kw[BN / 32];
+    bool kall = true;
+#pragma unroll
+    for (int i = 0; i < BN / 32; ++i) {
+      kw[i] = __ballot_sync(0xffffffffu, kb[i]);
+      kall = kall && kw[i] == 0xffffffffu;
+    }
+    if (t + 1 < n) key_load(t + 1);      // (in flight while this tile computes)
+#else
+    const bool kall = true;
+#endif
+    const bool whole = WHOLE || ((MASKMODE == 0 || KEYMASK) && kall && !CAP && scale_d > 0.0 && kt + BN <= Sk &&
                                  (MASKKIND == 0 || (MASKKIND == 1 && kt + BN - 1 <= p0 + q0)));
     float mx[2] = {-RLX_INF, -RLX_INF};
 #if !REWRITE
@@ -507,6 +531,9 @@ struct rlx_wg_attn {
           sc[nt][e] = x;
 #else
           // S stays as the wgmma wrote it (no C7515); the exponentials below drop the cut scores
+#if KEYMASK
+          keep = keep && ((kw[nt >> 2] >> ((nt & 3) * 8 + tg * 2 + (e & 1))) & 1u);
+#endif
           const float x = keep ? sc[nt][e] * scale2 : -RLX_INF;
           kept[(nt * 4 + e) >> 5] |= (unsigned)keep << ((nt * 4 + e) & 31);
 #endif
@@ -619,6 +646,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) rlx_attn_wg(
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+#if KEYMASK
+  if (a.n > 0) a.key_load(0);
+#endif
   if (tid == 0 && a.n > 0) {
     a.fetch(tk, a.kslot(0), a.bar(0, 0), 0);
     if (a.n > 1) a.fetch(tk, a.kslot(1), a.bar(0, 1), 1);
