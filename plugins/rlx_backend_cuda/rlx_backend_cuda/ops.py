@@ -1852,8 +1852,8 @@ def _wg_attention(b, a: dict, q: V, k: V, v: V, mv, mst, pv, out: V, common: dic
     whole = int(common["MASKKIND"] == 0 and common["MASKMODE"] == 0 and not cap and float(a["scale"]) > 0.0
                 and Sk % bn == 0)
     keymask = int(common["MASKMODE"] == 1 and mst[2] == 0)     # (a padding mask: one row for every query)
-    src = sources.attn_wg_source(D, T=ctype(q.dt), MMAT="bf16" if q.dt is BF16 else "f16", WHOLE=whole, CAP=cap,
-                                 KEYMASK=keymask, **common)
+    src = sources.attn_wg_source(D, T=ctype(q.dt), MMAT="bf16" if q.dt is BF16 else "f16", WHOLE=whole,
+                                 CAP=cap, KEYMASK=keymask, **common)
     smem = sources.attn_wg_smem(D)
     fn = b.kernel(src, "rlx_attn_wg", smem)
     qs = q.es

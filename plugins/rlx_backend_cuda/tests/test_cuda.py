@@ -450,7 +450,7 @@ ATTN_CASES = [
     (1, 4, 1, 200, 200, 256, "sliding_window", 50, 0.0, None, False),
     (1, 4, 2, 256, 512, 256, "none", 0, 0.0, None, False),     # whole tiles (the wgmma kernel's fast path)
     # a ViT's (257 tokens: one past whole tiles, the last query tile's rows mostly past Sq);
-    # whole keys with a cut query tile; an all-ones padding mask (the masked path's loads)
+    # whole keys with a cut query tile; a mask per query row (the path that reads a byte a score)
     (2, 4, 4, 257, 257, 64, "none", 0, 0.0, None, False),
     (1, 4, 2, 200, 256, 128, "none", 0, 0.0, None, False),
     (2, 4, 2, 300, 300, 64, "causal", 0, 0.0, "pad", False),
@@ -512,7 +512,6 @@ def test_attention(rng, dt, case, tc, layout, monkeypatch):
     monkeypatch.setattr(ops, "ATTN_TC_MIN_BLOCKS_PER_SM", 0 if tc == "mt2" else 1 << 30)
 
     B, H, KVH, Sq, Sk, D, kind, window, cap, mask, pos = case
-
     ins = {"q": rand(rng, (B, H, Sq, D), dt), "k": rand(rng, (B, KVH, Sk, D), dt),
            "v": rand(rng, (B, KVH, Sk, D), dt)}
     if mask == "bool":
@@ -541,7 +540,8 @@ def test_attention(rng, dt, case, tc, layout, monkeypatch):
         q, k, v = (m.input(n, ins[n].shape, dt) for n in ("q", "k", "v"))
         if layout == "bshd":
             q, k, v = (m.transpose(t, swap) for t in (q, k, v))
-        mv = m.input("mask", ins["mask"].shape, BOOL if mask in ("bool", "pad", "keys") else dt) if mask else None
+        mdt = BOOL if mask in ("bool", "pad", "keys") else dt
+        mv = m.input("mask", ins["mask"].shape, mdt) if mask else None
         pv = m.input("pos", (B,), I32) if pos else None
         o = m.attention(q, k, v, mv, pv, mask_kind=kind, window=window, softcap=cap)
         return m.transpose(o, swap) if layout == "bshd" else o
@@ -666,7 +666,7 @@ def test_decode_attention_short_and_split_kernels(rng, dt, case, short, monkeypa
 
     def f(m):
         q, k, v = (m.input(n, ins[n].shape, dt) for n in ("q", "k", "v"))
-        mv = m.input("mask", ins["mask"].shape, BOOL if mask in ("bool", "pad", "keys") else dt) if mask else None
+        mv = m.input("mask", ins["mask"].shape, BOOL if mask in ("bool", "pad") else dt) if mask else None
         return m.attention(q, k, v, mv, m.input("pos", (B,), I32), mask_kind=kind, window=window, softcap=cap)
     set_config(short_attention=short)
     try:

@@ -87,7 +87,8 @@ def test_a_compile_error_quotes_the_kernel_file_line():
 
 
 def test_wgmma_operands_are_string_literal_defines():
-    common = dict(T="__half", MMAT="f16", WHOLE=0, CAP=0, KEYMASK=0, MASKMODE=0, TM="__half", TP="int", HAS_POS=0)
+    common = dict(T="__half", MMAT="f16", WHOLE=0, CAP=0, KEYMASK=0, MASKMODE=0, TM="__half", TP="int",
+                  HAS_POS=0)
     src = S.attn_wg_source(64, MASKKIND=0, **common)
     assert '#define O_REGS "' + ", ".join(f"%{i}" for i in range(32)) + '"' in src
     assert '#define PV_A0 "32"' in src and '#define PV_ONE "37"' in src and "#define BF16 0" in src

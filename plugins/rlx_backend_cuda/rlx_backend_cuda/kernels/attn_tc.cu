@@ -449,7 +449,8 @@ struct rlx_wg_attn {
   __device__ __forceinline__ void key_load(int t) {
     const i64 j = kbeg + (i64)t * BN + (tid & 31);
 #pragma unroll
-    for (int i = 0; i < BN / 32; ++i) kb[i] = j + 32 * i < Sk && mask[b * m0 + h * m1 + (j + 32 * i) * m3] != 0;
+    for (int i = 0; i < BN / 32; ++i)
+      kb[i] = j + 32 * i < Sk && mask[b * m0 + h * m1 + (j + 32 * i) * m3] != 0;
   }
 #endif
   __device__ __forceinline__ void qk(float (&s)[BN / 8][4], int t) const {
@@ -475,8 +476,6 @@ struct rlx_wg_attn {
     }
     __syncwarp();
     const i64 kt = kbeg + (i64)t * BN;
-    // WHOLE: every tile is whole (no mask or softcap, Sk a multiple of the tiles; query rows past
-    // Sq are zeros, computed and never stored)
 #if KEYMASK
     // the tile's mask as bits (every lane the same); a tile whose every key is kept is whole
     unsigned kw[BN / 32];
@@ -490,6 +489,8 @@ struct rlx_wg_attn {
 #else
     const bool kall = true;
 #endif
+    // WHOLE: every tile is whole (no mask or softcap, Sk a multiple of the tiles; query rows past
+    // Sq are zeros, computed and never stored)
     const bool whole = WHOLE || ((MASKMODE == 0 || KEYMASK) && kall && !CAP && scale_d > 0.0 && kt + BN <= Sk &&
                                  (MASKKIND == 0 || (MASKKIND == 1 && kt + BN - 1 <= p0 + q0)));
     float mx[2] = {-RLX_INF, -RLX_INF};
