@@ -641,9 +641,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) rlx_attn_wg(
     a.qp[r] = a.p0 + a.qi[r];
   }
   // prologue: the barriers; Q by every thread's copies; K of tiles 0 and 1 and V of tile 0
-  // by the copy engine; S of tile 0
+  // by the copy engine; S of tile 0. A warpgroup whose rows all lie past Sq (the second of a
+  // ViT's last tile: 257 tokens) helps copy Q and leaves; the slots' release counts the rest.
+  const int stay = a.q0 + 64 < Sq ? 2 : 1;
   if (tid == 0) {
-    for (int i = 0; i < 8; ++i) rlx_bar_init(a.bars + i * 8, i < 4 ? 1 : 256);
+    for (int i = 0; i < 8; ++i) rlx_bar_init(a.bars + i * 8, i < 4 ? 1 : 128 * stay);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -661,6 +663,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) rlx_attn_wg(
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
+  if (wg >= stay) return;
   float sa[BN / 8][4], sb[BN / 8][4];
   if (a.n > 0) {
     a.qk(sa, 0);
