@@ -395,7 +395,7 @@ template <int N> __device__ __forceinline__ void rlx_wg_settle(float* d) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
 // mbarriers (shared-memory addresses): a tile's K or V has landed (the copy engine's byte
-// count completes the phase), or both warpgroups are done reading a slot (256 arrivals)
+// count completes the phase), or the warpgroups are done reading a slot (128 arrivals each)
 __device__ __forceinline__ void rlx_bar_init(unsigned bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
 }
