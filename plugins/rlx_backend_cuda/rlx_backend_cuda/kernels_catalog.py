@@ -78,7 +78,7 @@ def catalog() -> list:
                 for d, whole, cap in ((64, 0, 0), (128, 0, 1), (128, 1, 0), (256, 0, 0), (256, 1, 0)):
                     out.append((f"attn_wg {t} {mk}{mm} {d} whole {whole} cap {cap}", S.attn_wg_source(
                         d, T=t, MMAT="bf16" if "bf" in t else "f16", WHOLE=whole, CAP=cap,
-                        KEYMASK=int(mm == 1 and d != 128), **common),
+                        KEYMASK=int(mm == 1 and d != 128), **common),        # (both boolean mask paths)
                         "rlx_attn_wg"))
         out.append((f"gather {t}", S.render(S.GATHER, TT=t, TI="long long"), "rlx_gather"))
     out.append(("gather u8", S.render(S.GATHER, TT="unsigned char", TI="int"), "rlx_gather"))

@@ -650,7 +650,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) rlx_attn_wg(
   }
   __syncthreads();
 #if KEYMASK
-  if (a.n > 0) a.key_load(0);
+  if (a.n > 0 && wg < stay) a.key_load(0);
 #endif
   if (tid == 0 && a.n > 0) {
     a.fetch(tk, a.kslot(0), a.bar(0, 0), 0);
