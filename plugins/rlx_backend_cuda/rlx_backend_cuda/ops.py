@@ -502,20 +502,51 @@ def _gemv_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool 
                          TN=ctype(norm.w.dt) if norm is not None else dtype, RESID=int(residual is not None),
                          EARLY=int(builder.written_by_no_kernel(V(weight, out.dt))))
     fn = builder.kernel(src, "rlx_gemv")
-    xrs, nw, eps, off, ssq, cnt = i64(K), None, 0.0, 0.0, None, None
+    xrs, nw, eps, off, ssq = i64(K), None, 0.0, 0.0, None
     if norm is not None:
         x, xrs = norm.rows(M, K)
-        nw, eps, off, ssq, cnt = norm.w.arr, norm.eps, norm.off, norm.ssq, builder.counters(1)
+        nw, eps, off, ssq = norm.w.arr, norm.eps, norm.off, norm.ssq
     res, rrs = None, i64(0)
     if residual is not None:
         res, rrs, ssq = residual
-    args = (x, xrs, weight, out.arr, i32(M), i32(n_out), i32(K), nw, np.float32(eps), np.float32(off),
-            res, rrs, ssq, cnt)
+    args = [x, xrs, weight, out.arr, i32(M), i32(n_out), i32(K), nw, np.float32(eps), np.float32(off),
+            res, rrs, ssq, None, i32(0)]
+    if norm is not None:
+        builder.gemv_sums.follow(norm.ssq, args)
     grid, block, stream = (-(-warps * ks // 8),), (256,), builder.stream
+    smem = M * K * out.arr.itemsize if norm is not None else 0     # (the normed x rows)
 
     def run():
-        fn(grid, block, args, 0, stream)
+        fn(grid, block, tuple(args), smem, stream)
     return run
+
+
+class GemvSums:
+    """Who zeroes the sums of squares the NORM GEMVs read (gemv.cu): each such GEMV zeroes
+    the sums of the one before it in the step, whose launch has finished when its own grid
+    wait returns; the step's first zeroes the last one's (set by `close` at the end of the
+    build: they are zero again before the next step's GEMV adds into them). A step with one
+    NORM GEMV zeroes its sums in a memset after it."""
+
+    def __init__(self):
+        self.sums: list = []
+        self.first: list | None = None
+
+    def follow(self, ssq, args: list) -> None:
+        """Register a NORM GEMV reading `ssq` (its launch arguments end with zero, zn)."""
+        if self.sums:
+            args[-2:] = [self.sums[-1], i32(self.sums[-1].size)]
+        else:
+            self.first = args
+        self.sums.append(ssq)
+
+    def close(self, b) -> None:
+        """At the end of the build: the first NORM GEMV zeroes the last one's sums."""
+        if len(self.sums) > 1:
+            self.first[-2:] = [self.sums[-1], i32(self.sums[-1].size)]
+        elif self.sums:
+            rt, sums, stream = b.cp.cuda.runtime, self.sums[0], b.stream
+            b.add(lambda: rt.memsetAsync(sums.data.ptr, 0, sums.nbytes, stream.ptr))
 
 
 def _matmul_naive(builder, a: V, w: V, ta, tb, out: V) -> None:
@@ -623,9 +654,11 @@ class GemvNorm:
 
     def fits(self, M: int, K: int, dt: DType) -> bool:
         """Whether the GEMV kernel can norm x for a product of M rows of K: x of its dtype,
-        contiguous and 16-byte aligned; w [K] contiguous, aligned for its 8-value loads."""
+        contiguous and 16-byte aligned, its normed rows within a block's 48 KB of shared
+        memory; w [K] contiguous, aligned for its 8-value loads."""
         x, w = self.x, self.w
         return (x.dt is dt and x.contiguous() and x.size == M * K and x.shape[-1] == K
+                and M * K * x.arr.itemsize <= 48 * 1024
                 and x.arr.data.ptr % 16 == 0 and w.shape == (K,) and w.contiguous() and w.dt.is_float
                 and w.arr.data.ptr % (8 * w.arr.itemsize) == 0)
 

@@ -20,7 +20,7 @@ from rlx_core.ir.errors import BackendError, ModelError, RlxError
 from rlx_core.pipeline import states_moved
 
 from . import codegen, device
-from .ops import BUILDERS, STRIDED_WRITERS, VIEW_BUILDERS, owner_chain, part_layout
+from .ops import BUILDERS, STRIDED_WRITERS, VIEW_BUILDERS, GemvSums, owner_chain, part_layout
 from .values import CONFIG, V, contiguous_strides, nocopy_reshape_strides
 
 EW_VEC = 8                   # elements a thread of a contiguous elementwise kernel moves at once
@@ -66,6 +66,7 @@ class Build:
         self.absorbed: set = set()    # nodes an earlier step already computed
         self.node_local: dict = {}    # (purpose, dtype) -> buffer shared by the nodes (node_buffer)
         self.gemv_norms: dict = {}    # (node, out) -> ops.GemvNorm its consuming GEMV computes
+        self.gemv_sums = GemvSums()   # the sums of squares those GEMVs read, and who zeroes them
         self.waiting_norms: dict = {}  # rms_norm node -> the earlier rms_norm sharing its launch (ops)
         self.rope_norms: dict = {}    # rms_norm node -> ops.RopeNorm the rope reading it computes
         self.resident: list = []      # (first, end) byte addresses of the params and constants
@@ -399,6 +400,7 @@ class CudaRunner(Runner):
         if b.rope_norms:
             raise BackendError(f"cuda backend: graph {self.name!r}: the norms of nodes {sorted(b.rope_norms)} "
                                "were left to a rope that never ran")
+        b.gemv_sums.close(b)
         if b.gemv_norms:
             raise BackendError(f"cuda backend: graph {self.name!r}: the norms {sorted(b.gemv_norms)} were "
                                "left to a GEMV that never ran (RLX_CUDA_GEMV_FUSION=0 builds them as "

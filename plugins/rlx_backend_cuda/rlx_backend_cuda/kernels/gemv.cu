@@ -9,9 +9,12 @@
 // unfused matmul would.
 // NORM: the product's x is rms_norm(x) * (nw + noff) (weights of type TN), each value rounded
 // to T as the norm's output would be, from ssq[m * 32 + j]: the sum of row m's squares in 32
-// parts, which the GEMV that wrote x added up (RESID); each warp sums them after the grid wait
-// and norms its x values as it reads them, and the launch's last block zeroes them again (cnt:
-// a zeroed counter it leaves at zero). So a decode step has no norm launch between two GEMVs.
+// parts, which the GEMV that wrote x added up (RESID); after the grid wait each block norms the
+// M rows once into shared memory (xs, M * K values: a norm per x value in the product loop made
+// it bound by arithmetic). Block 0 then zeroes `zero` (zn floats): the sums the NORM GEMV before
+// this one read, whose launch has finished once this one's wait returns (ops.GemvSums: a ring
+// over the step; a counter of the blocks that had read their own sums, one atomic a block on one
+// address, cost 5-14 us a launch on the H200). So a decode step has no norm launch between two GEMVs.
 // RESID: y = res + the product (res rows of stride rrs, the product rounded to TO first): the
 // h of a fused_residual_rms_norm whose r is this product; the squares of the (rounded) h added
 // into ssq (one atomic a warp and row, spread over the 32 parts by block).
@@ -20,7 +23,7 @@
 #endif
 extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__ x, long long xrs,
     const T* __restrict__ w, TO* __restrict__ y, int M, int N, int K, const TN* __restrict__ nw, float eps,
-    float noff, const TO* __restrict__ res, long long rrs, float* ssq, int* cnt) {
+    float noff, const TO* __restrict__ res, long long rrs, float* ssq, float* zero, int zn) {
   // KS: warps per row (each a KS-th of the row's 512-byte chunks)
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, part = wib % KS;
   const int n = blockIdx.x * (8 / KS) + wib / KS;
@@ -59,19 +62,30 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
   RLX_LOAD_W(first)
 #endif
 #if NORM
-  float den[MMAX];
+  extern __shared__ __align__(16) unsigned char xs_bytes[];
+  T* xs = (T*)xs_bytes;             // [M, K]: x's rows normed
   {
+    float den[MMAX];
 #pragma unroll
     for (int m = 0; m < MMAX; ++m)
       den[m] = sqrtf(warp_sum(m < M ? LDCG(ssq + m * 32 + lane) : 0.f) / (float)K + eps);
-    __syncthreads();                // (the block's warps have read the sums)
-    if (threadIdx.x == 0) {         // the last block to have read them zeroes them
-      __threadfence();
-      if (atomicAdd(cnt, 1) == (int)gridDim.x - 1) {
-        for (int j = 0; j < MMAX * 32; ++j) ssq[j] = 0.f;
-        *cnt = 0;
-      }
+    for (int i = threadIdx.x; i < M * KV; i += blockDim.x) {
+      const int m = i / KV, c = i - m * KV;
+      const uint4 xv = *(const uint4*)(x + m * xrs + c * 8);
+      const T* xp = (const T*)&xv;
+      const rlx_vec<TN, 8> nv = *(const rlx_vec<TN, 8>*)(nw + c * 8);
+      float dm = den[0];
+#pragma unroll
+      for (int j = 1; j < MMAX; ++j)
+        if (m == j) dm = den[j];
+      rlx_vec<T, 8> o;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o.v[e] = ST(T, tof(xp[e]) / dm * (tof(nv.v[e]) + noff));
+      *(rlx_vec<T, 8>*)(xs + (i64)m * K + c * 8) = o;
     }
+    if (blockIdx.x == 0)
+      for (int j = threadIdx.x; j < zn; j += blockDim.x) zero[j] = 0.f;
+    __syncthreads();                // (the block's warps have written xs)
   }
   if (KS == 1 && !live) return;
 #endif
@@ -91,17 +105,15 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
 #pragma unroll
       for (int m = 0; m < MMAX; ++m) {
         if (m < M) {
+#if NORM
+          const uint4 xv = *(const uint4*)(xs + (i64)m * K + c * 8);
+#else
           const uint4 xv = *(const uint4*)(x + m * xrs + c * 8);
+#endif
           const T* xp = (const T*)&xv;
           float xf[8];
-#if NORM
-          const rlx_vec<TN, 8> nv = *(const rlx_vec<TN, 8>*)(nw + c * 8);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) xf[e] = tof(ST(T, tof(xp[e]) / den[m] * (tof(nv.v[e]) + noff)));
-#else
 #pragma unroll
           for (int e = 0; e < 8; ++e) xf[e] = tof(xp[e]);
-#endif
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             const T* wp = (const T*)&wv[u][r];
