@@ -9,16 +9,16 @@ from rlx_core.ir.dtype import DType
 
 # dependent_launch: RLX_CUDA_DEPENDENT_LAUNCH=0 launches every kernel as CuPy does (device.Kernel)
 # gemv_fusion (read at build): residual RMSNorms computed inside the decode GEMVs (ops.GemvNorm);
-# RLX_CUDA_GEMV_FUSION=1 turns it on. Off by default: correct on the H200 but slower there, Llama-1B-shaped
-# decode b1 1.14 ms/step on vs 1.107 off, Qwen3.5-2B 1.790 vs 1.699 (2026-12-04; benchmarks/README.md,
-# llm_gpu.py)
+# RLX_CUDA_GEMV_FUSION=0 builds the norms as launches. On by default since it won on the H200 (2026-12-04):
+# Llama-1B-shaped decode b1 1.043 ms/step on vs 1.105 off, Qwen3.5-2B 1.639 vs 1.697 ms/token
+# (benchmarks/README.md, llm_gpu.py)
 # rope_norm (read at build): q/k RMSNorms computed by the RoPE launch reading them (ops.RopeNorm);
 # RLX_CUDA_ROPE_NORM=0 builds them as launches of their own
 CONFIG = {"gemv": True, "tc_attention": True, "wg_attention": True, "lt_epilogue": True, "graphs": True,
           "short_attention": os.environ.get("RLX_CUDA_SHORT_ATTENTION", "1") != "0",
           "copy16": os.environ.get("RLX_CUDA_COPY16", "1") != "0",
           "dependent_launch": os.environ.get("RLX_CUDA_DEPENDENT_LAUNCH", "1") != "0",
-          "gemv_fusion": os.environ.get("RLX_CUDA_GEMV_FUSION", "0") != "0",
+          "gemv_fusion": os.environ.get("RLX_CUDA_GEMV_FUSION", "1") != "0",
           "rope_norm": os.environ.get("RLX_CUDA_ROPE_NORM", "1") != "0", "version": 0}
 
 

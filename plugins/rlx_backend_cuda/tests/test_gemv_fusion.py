@@ -141,3 +141,28 @@ def test_norm_whose_consumer_is_no_gemv_runs_as_its_launch(rng):
     assert ops.get("fused_residual_rms_norm", 0) >= 1 and ops["rms_norm"] == 1, ops
     for k, w in want.items():
         assert rel(out[k], w) < 2e-2, (k, rel(out[k], w))
+
+
+@gpu
+def test_one_norm_in_a_gemv_zeroes_its_own_sums(rng):
+    """A step with one residual norm read by a GEMV (no other GEMV to zero its sums: the memset
+    after it, ops.GemvSums.close): right on every run, the captured CUDA graph's replays too."""
+    hid, inner = 256, 64
+    pv = {"o": rng.uniform(-1, 1, (hid, inner)) / 8, "ln": rng.uniform(0.8, 1.2, (hid,)),
+          "q": rng.uniform(-1, 1, (inner, hid)) / 16}
+    pv = {k: v.astype(np.float32).astype(BF16.np) for k, v in pv.items()}
+    ins = {"x": rng.uniform(-2, 2, (1, 1, hid)).astype(np.float32).astype(BF16.np),
+           "a": rng.uniform(-2, 2, (1, 1, inner)).astype(np.float32).astype(BF16.np)}
+
+    def f(m):
+        p = {n: m.param(n, v.shape, BF16) for n, v in pv.items()}
+        h = m.input("x", (1, 1, hid), BF16) + m.linear(m.input("a", (1, 1, inner), BF16), p["o"])
+        return {"q": m.linear(m.rms_norm(h, p["ln"], eps=EPS), p["q"])}
+    p64 = {k: np.asarray(v, np.float64) for k, v in pv.items()}
+    h = np.asarray(ins["x"], np.float64) + np.asarray(ins["a"], np.float64) @ p64["o"].T
+    want = h / np.sqrt((h * h).mean(-1, keepdims=True) + EPS) * p64["ln"] @ p64["q"].T
+    exe, out, runner = build_and_run(Graph.define("one_gemv_norm", f), pv, ins, True)
+    assert "fused_residual_rms_norm" not in runner.describe()["steps_by_op"]
+    for _ in range(2):                       # (more replays: stale sums would grow each run)
+        out = {k: exe.backend.to_host(v) for k, v in exe.run(dict(ins)).items()}
+    assert rel(out["q"], want) < 2e-2, rel(out["q"], want)

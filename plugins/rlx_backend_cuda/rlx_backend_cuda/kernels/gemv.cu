@@ -7,14 +7,17 @@
 // (gate rows, then up rows); the warp computes gate row n and up row n + N and writes
 // SWIGLU_OF(gate, up) (the expression table's fused_swiglu), each rounded to TO first as the
 // unfused matmul would.
-// NORM: the product's x is rms_norm(x) * (nw + noff) (weights of type TN), each value rounded
-// to T as the norm's output would be, from ssq[m * 32 + j]: the sum of row m's squares in 32
-// parts, which the GEMV that wrote x added up (RESID); after the grid wait each block norms the
-// M rows once into shared memory (xs, M * K values: a norm per x value in the product loop made
-// it bound by arithmetic). Block 0 then zeroes `zero` (zn floats): the sums the NORM GEMV before
-// this one read, whose launch has finished once this one's wait returns (ops.GemvSums: a ring
-// over the step; a counter of the blocks that had read their own sums, one atomic a block on one
-// address, cost 5-14 us a launch on the H200). So a decode step has no norm launch between two GEMVs.
+// NORM: the product's x is rms_norm(x) * (nw + noff) (weights of type TN), from ssq[m * 32 + j]:
+// the sum of row m's squares in 32 parts, which the GEMV that wrote x added up (RESID). The
+// loop multiplies x by (nw + noff) as it reads it and the row's sum is divided by the norm at
+// the end (rms_norm's 1 / den moved past the sum: no norm before the products, the sums' load in
+// flight during them; the normed x is not rounded to T as the norm's own output is. Two tries
+// that normed x first cost the gate/up GEMV 13.7 and 7.4 us on the H200: a division per x value
+// in the loop, then each block norming x into shared memory). Block 0 zeroes `zero` (zn floats):
+// the sums the NORM GEMV before this one read, whose launch has finished once this one's wait
+// returns (ops.GemvSums: a ring over the step; a counter of the blocks that had read their own
+// sums, one atomic a block on one address, cost 2-6 us more a launch). So a decode step has no
+// norm launch between two GEMVs.
 // RESID: y = res + the product (res rows of stride rrs, the product rounded to TO first): the
 // h of a fused_residual_rms_norm whose r is this product; the squares of the (rounded) h added
 // into ssq (one atomic a warp and row, spread over the 32 parts by block).
@@ -32,8 +35,8 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
 #else
   const bool live = n * R < N;
 #endif
-  // (with KS > 1 the row's warps meet at a barrier below, with NORM all warps after the norm)
-  if (KS == 1 && !NORM && !live) return;
+  // (with KS > 1 the row's warps meet at a barrier below)
+  if (KS == 1 && !live) return;
   const uint4* wr[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -62,32 +65,11 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
   RLX_LOAD_W(first)
 #endif
 #if NORM
-  extern __shared__ __align__(16) unsigned char xs_bytes[];
-  T* xs = (T*)xs_bytes;             // [M, K]: x's rows normed
-  {
-    float den[MMAX];
+  float sq[MMAX];                   // (this lane's part of each row's sum of squares)
 #pragma unroll
-    for (int m = 0; m < MMAX; ++m)
-      den[m] = sqrtf(warp_sum(m < M ? LDCG(ssq + m * 32 + lane) : 0.f) / (float)K + eps);
-    for (int i = threadIdx.x; i < M * KV; i += blockDim.x) {
-      const int m = i / KV, c = i - m * KV;
-      const uint4 xv = *(const uint4*)(x + m * xrs + c * 8);
-      const T* xp = (const T*)&xv;
-      const rlx_vec<TN, 8> nv = *(const rlx_vec<TN, 8>*)(nw + c * 8);
-      float dm = den[0];
-#pragma unroll
-      for (int j = 1; j < MMAX; ++j)
-        if (m == j) dm = den[j];
-      rlx_vec<T, 8> o;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) o.v[e] = ST(T, tof(xp[e]) / dm * (tof(nv.v[e]) + noff));
-      *(rlx_vec<T, 8>*)(xs + (i64)m * K + c * 8) = o;
-    }
-    if (blockIdx.x == 0)
-      for (int j = threadIdx.x; j < zn; j += blockDim.x) zero[j] = 0.f;
-    __syncthreads();                // (the block's warps have written xs)
-  }
-  if (KS == 1 && !live) return;
+  for (int m = 0; m < MMAX; ++m) sq[m] = m < M ? LDCG(ssq + m * 32 + lane) : 0.f;
+  if (blockIdx.x == 0 && wib == 0)
+    for (int j = lane; j < zn; j += 32) zero[j] = 0.f;
 #endif
   float acc[R][MMAX];
 #pragma unroll
@@ -105,15 +87,17 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
 #pragma unroll
       for (int m = 0; m < MMAX; ++m) {
         if (m < M) {
-#if NORM
-          const uint4 xv = *(const uint4*)(xs + (i64)m * K + c * 8);
-#else
           const uint4 xv = *(const uint4*)(x + m * xrs + c * 8);
-#endif
           const T* xp = (const T*)&xv;
           float xf[8];
+#if NORM
+          const rlx_vec<TN, 8> nv = *(const rlx_vec<TN, 8>*)(nw + c * 8);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) xf[e] = tof(xp[e]) * (tof(nv.v[e]) + noff);
+#else
 #pragma unroll
           for (int e = 0; e < 8; ++e) xf[e] = tof(xp[e]);
+#endif
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             const T* wp = (const T*)&wv[u][r];
@@ -126,9 +110,15 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
   }
   float s[MMAX][R];
 #pragma unroll
-  for (int m = 0; m < MMAX; ++m)
+  for (int m = 0; m < MMAX; ++m) {
+#if NORM
+    const float den = sqrtf(warp_sum(sq[m]) / (float)K + eps);
+#else
+    const float den = 1.f;
+#endif
 #pragma unroll
-    for (int r = 0; r < R; ++r) s[m][r] = m < M ? warp_sum(acc[r][m]) : 0.f;
+    for (int r = 0; r < R; ++r) s[m][r] = m < M ? warp_sum(acc[r][m]) / den : 0.f;
+  }
   if (KS > 1) {                     // the row's warps add their parts in a fixed order
     __shared__ float red[8][MMAX][R];
     if (lane == 0)
