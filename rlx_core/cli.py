@@ -138,8 +138,18 @@ def _backend_rows(reg) -> list:
             ok, why = False, f"availability() raised {type(e).__name__}: {e}"
         rows.append({"name": name, "priority": getattr(b, "priority", 0),
                      "target": getattr(b, "target", ""), "available": bool(ok),
-                     "reason": "" if ok else str(why), "plugin": reg.owner.get(("backend", name), "")})
+                     "reason": "" if ok else str(why), "plugin": reg.owner.get(("backend", name), ""),
+                     "kernel_paths": _kernel_paths(b) if ok else []})
     return sorted(rows, key=lambda r: (-r["priority"], r["name"]))
+
+
+def _kernel_paths(b) -> list:
+    """b.kernel_paths(), or one entry saying why it failed (the listing goes on)."""
+    try:
+        return [{"path": str(p["path"]), "on": bool(p["on"]), "reason": str(p.get("reason", ""))}
+                for p in b.kernel_paths()]
+    except Exception as e:
+        return [{"path": "kernel_paths()", "on": False, "reason": f"raised {type(e).__name__}: {e}"}]
 
 
 def plugins_report() -> dict:
@@ -202,6 +212,8 @@ def plugins_cmd(as_json: bool) -> None:
         click.echo(line)
         if b and b["reason"]:
             click.echo(f"      unavailable: {b['reason']}")
+        for p in b["kernel_paths"] if b else ():
+            click.echo(f"      {p['path']}: " + ("on" if p["on"] else f"off ({p['reason']})"))
     for key, title in (("blocks", "blocks"), ("ops", "custom ops"),
                        ("weight_formats", "weight formats"), ("packaged_models", "packaged models"),
                        ("commands", "commands added by plugins")):

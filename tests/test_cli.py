@@ -107,6 +107,21 @@ def test_plugins_json_parses():
     assert backends["numpy"]["plugin"] == "rlx_core.backends.numpy"
 
 
+def test_plugins_kernel_paths_never_break_the_listing():
+    """A backend's kernel_paths() that raises becomes one entry saying so; the base gives none."""
+    from rlx_core.backends.numpy import NumpyBackend
+    from rlx_core.cli import _kernel_paths
+
+    class Broken:
+        def kernel_paths(self):
+            raise RuntimeError("no probe")
+    assert _kernel_paths(Broken()) == [{"path": "kernel_paths()", "on": False,
+                                        "reason": "raised RuntimeError: no probe"}]
+    assert _kernel_paths(NumpyBackend()) == []
+    rep = json.loads(run("plugins", "--json").stdout)
+    assert all(isinstance(b["kernel_paths"], list) for b in rep["backends"])
+
+
 def test_plugins_text():
     r = run("plugins")
     assert r.exit_code == 0, r.output

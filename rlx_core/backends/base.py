@@ -48,6 +48,12 @@ class Backend(abc.ABC):
         """(available, reason when not)."""
         return True, ""
 
+    def kernel_paths(self) -> list:
+        """The kernel choices this backend makes by the machine it finds: [{"path": what,
+        "on": bool, "reason": why it is off and what runs instead}]. `rlx plugins` lists
+        them, so a slower fallback is never silent. Only an available backend is asked."""
+        return []
+
     @abc.abstractmethod
     def supported_ops(self) -> set:
         """Op names this backend implements: at least rlx_core.ir.composites.PRIMITIVES (checked

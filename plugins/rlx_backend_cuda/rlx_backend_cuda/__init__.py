@@ -93,6 +93,34 @@ class CudaBackend(Backend):
     def device_name(self) -> str:
         return device.info().get("name", "?")
 
+    def kernel_paths(self) -> list:
+        """The kernels this GPU and the switches (set_config, RLX_CUDA_*) leave on or off."""
+        from .values import CONFIG
+
+        inf = device.info()
+        cc, hip = inf.get("cc", (0, 0)), bool(inf.get("hip"))
+        mma, wg = device.mma_missing(cc, hip), device.wgmma_missing(cc, hip)
+
+        def path(name: str, why: str, instead: str, switch: str = "") -> dict:
+            if not why and switch and not CONFIG[switch]:
+                why = f"switched off (rlx_backend_cuda.set_config({switch}=False))"
+            return {"path": name, "on": not why, "reason": f"{why}; {instead}" if why else ""}
+        split = "the CUDA-core split attention runs instead"
+        attention = path("tensor-core attention (mma.sync)", mma, split, "tc_attention")
+        return [
+            path("tensor-core Gated DeltaNet prefill and MoE grouped GEMM (mma.sync)", mma,
+                 "CUDA-core kernels run instead"),
+            attention,
+            path("wgmma + TMA attention",
+                 wg or ("" if attention["on"] else "the tensor-core attention is off"),
+                 "the mma.sync attention runs instead" if attention["on"] else split, "wg_attention"),
+            path("programmatic dependent launch", device.dependent_launch_missing(),
+                 "each kernel starts once the one before it has drained", "dependent_launch"),
+            path("decode GEMV kernel", "", "cuBLAS runs the decode products", "gemv"),
+            path("residual norms inside the decode GEMVs", "", "each norm is a launch of its own",
+                 "gemv_fusion"),
+        ]
+
     # -- resources
     def stream(self):
         if self._stream is None:

@@ -31,7 +31,7 @@ from rlx_core.ir.deltanet import net_heads
 from rlx_core.ir.dtype import BF16, F16, F32
 from rlx_core.ir.shape import Shape
 
-from . import sources
+from . import device, sources
 from .codegen import acc_of, ctype
 from .ops import BUILDERS, _dq_epilogue
 
@@ -130,7 +130,7 @@ def _tensor_cores(b, q, k, v) -> bool:
     """Whether the tensor-core kernels take this call: 16-bit data on an mma.sync GPU (CUDA,
     sm_80+), K and V multiples of 16 up to GDN_TC_DIM_MAX, q's, k's and v's rows 16-byte aligned."""
     KD, VD = q.shape[3], v.shape[3]
-    return (q.dt in (BF16, F16) and not b.hip and tuple(b.cc) >= (8, 0)
+    return (q.dt in (BF16, F16) and not device.mma_missing(b.cc, b.hip)
             and KD % 16 == 0 and VD % 16 == 0 and KD <= GDN_TC_DIM_MAX and VD <= GDN_TC_DIM_MAX
             and all(t.arr.data.ptr % 16 == 0 for t in (q, k, v)))
 

@@ -56,6 +56,30 @@ def info() -> dict:
     return probe()[2]
 
 
+def _sm(cc) -> str:
+    return f"sm_{cc[0]}{cc[1]}"
+
+
+def mma_missing(cc, hip: bool) -> str:
+    """Why the mma.sync tensor-core kernels (attention, the Gated DeltaNet prefill, the MoE
+    grouped GEMM) cannot run on this GPU; '' where they can."""
+    if hip:
+        return "a ROCm GPU: their inline PTX is CUDA's"
+    if tuple(cc) < (8, 0):
+        return f"they need sm_80 or later; this GPU is {_sm(cc)}"
+    return ""
+
+
+def wgmma_missing(cc, hip: bool) -> str:
+    """Why the wgmma + TMA attention cannot run on this GPU; '' where it can (sm_90a only:
+    Hopper's warpgroup MMA is not in sm_100 and later)."""
+    if hip:
+        return "a ROCm GPU: its inline PTX is CUDA's"
+    if tuple(cc) != (9, 0):
+        return f"it needs sm_90 (Hopper's wgmma and TMA); this GPU is {_sm(cc)}"
+    return ""
+
+
 def supported_dtypes() -> frozenset:
     """What this GPU computes: every type (complex64 in FFTs, elementwise arithmetic and
     views); bf16 needs sm_80+."""
@@ -167,15 +191,27 @@ def driver():
 def dependent_launch():
     """cuLaunchKernelEx of the driver where a kernel may launch as a programmatic dependent
     (Hopper and later, CUDA not HIP), else None."""
-    if probe()[2].get("hip") or tuple(probe()[2].get("cc", (0, 0))) < (9, 0):
+    if dependent_launch_missing():
         return None
-    try:
-        fn = driver().cuLaunchKernelEx
-    except (OSError, AttributeError):
-        return None
+    fn = driver().cuLaunchKernelEx
     fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
+
+
+def dependent_launch_missing() -> str:
+    """Why kernels cannot launch as programmatic dependents here (device.Kernel); '' where
+    they can (CUDA on sm_90 or later, a driver with cuLaunchKernelEx)."""
+    inf = probe()[2]
+    if inf.get("hip"):
+        return "a ROCm GPU"
+    if tuple(inf.get("cc", (0, 0))) < (9, 0):
+        return f"it needs sm_90 or later; this GPU is {_sm(inf.get('cc', (0, 0)))}"
+    try:
+        driver().cuLaunchKernelEx
+    except (OSError, AttributeError) as e:
+        return f"the CUDA driver has no cuLaunchKernelEx ({type(e).__name__}: {e})"
+    return ""
 
 
 class _LaunchAttr(ctypes.Structure):          # CUlaunchAttribute: id, padding, a 64-byte union

@@ -28,7 +28,7 @@ from rlx_core.ir.dtype import BF16, F16, F32, F64, I32
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.moe import INT8_SCHEME, ROUTE_ORDERS
 
-from . import sources
+from . import device, sources
 from .codegen import acc_of, ctype
 from .ops import BUILDERS, _b_host, _dq_epilogue, _packed
 from .values import V
@@ -243,7 +243,7 @@ def _gemm_m_tiles(b, x: V, P: int, E: int) -> int:
     """m-tiles of 16 pairs a grouped-GEMM tile takes (1 or 2: an expert's pairs mostly in one
     tile, each weight tile read once), or 0: the gemv (f32/f64 data, no mma.sync before sm_80,
     ROCm, or too few pairs an expert for a tile: decode)."""
-    if x.dt not in (BF16, F16) or b.hip or tuple(b.cc) < (8, 0):
+    if x.dt not in (BF16, F16) or device.mma_missing(b.cc, b.hip):
         return 0
     per_expert = P / min(E, P)
     if per_expert < GEMM_MIN_PAIRS:

@@ -1789,8 +1789,8 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
     common = dict(MASKKIND=mk, MASKMODE=mmode, TM=tm, TP=tp, HAS_POS=int(pv is not None))
     tc = None
     same = q.dt is k.dt is v.dt
-    if (same and q.dt in LOW and Dk == Dv and Dk in ATTN_TC_DIMS and not b.hip
-            and tuple(b.cc) >= (8, 0) and Sq >= 16):
+    if (same and q.dt in LOW and Dk == Dv and Dk in ATTN_TC_DIMS and not device.mma_missing(b.cc, b.hip)
+            and Sq >= 16):
         vec = all(t.arr.data.ptr % 16 == 0 for t in (q, k, v)) and all(
             s % 8 == 0 for s in qs[:3] + ks[:3] + vs[:3])
         # (two m-tiles a warp at D 256 would hold 256 accumulators a thread: one)
@@ -1869,8 +1869,8 @@ def _wg_attention(b, a: dict, q: V, k: V, v: V, mv, mst, pv, out: V, common: dic
     B, H, Sq, D = q.shape
     KVH, Sk = k.shape[1], k.shape[2]
     oe = out.es
-    if (D not in (64, 128, 256) or tuple(b.cc) != (9, 0) or oe[3] != 1 or any(s % 2 for s in oe[:3])
-            or out.arr.data.ptr % 4):
+    if (D not in (64, 128, 256) or device.wgmma_missing(b.cc, b.hip) or oe[3] != 1
+            or any(s % 2 for s in oe[:3]) or out.arr.data.ptr % 4):
         return None
     bn = sources.attn_wg_bn(D)
     box = (64, bn, 1, 1)
