@@ -62,11 +62,14 @@ def test_rocm_and_a_driver_without_launch_ex(gpu):
 
 
 def test_switches_name_themselves(gpu):
+    from rlx_backend_cuda.values import CONFIG
+
+    was = {k: CONFIG[k] for k in ("wg_attention", "gemv_fusion")}
     set_config(wg_attention=False, gemv_fusion=False)
     try:
         paths = gpu((9, 0))
     finally:
-        set_config(wg_attention=True, gemv_fusion=True)
+        set_config(**was)
     for name, switch in (("wgmma + TMA attention", "wg_attention"),
                          ("residual norms inside the decode GEMVs", "gemv_fusion")):
         assert not paths[name]["on"] and f"set_config({switch}=False)" in paths[name]["reason"], paths[name]
