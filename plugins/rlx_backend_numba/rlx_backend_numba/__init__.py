@@ -88,6 +88,22 @@ class NumbaBackend(Backend):
             return False, f"numba is not importable: {type(e).__name__}: {e} (pip install numba)"
         return True, ""
 
+    def kernel_paths(self) -> list:
+        """The kernels this CPU leaves on or off (AMX tiles, VNNI and AVX-512 lanes)."""
+        from . import amx, simd
+
+        def path(name: str, why: str, instead: str) -> dict:
+            return {"path": name, "on": not why, "reason": f"{why}; {instead}" if why else ""}
+        return [
+            path("AMX bf16 tiles (packed-weight prefill)", amx.missing(), "f32 BLAS runs the products"),
+            path("int8 dot products (VNNI) for activations = \"int8\"",
+                 "" if simd.VNNI else "this CPU has neither AVX-VNNI nor AVX-512 VNNI",
+                 "the int8 GEMV (x of up to 8 rows) runs without their instruction, more rows as f32 "
+                 "products of the rounded x"),
+            path("16-lane AVX-512 kernels", "" if simd.AVX512 else "this CPU has no AVX-512 F/BW",
+                 "8-lane AVX2 kernels run instead"),
+        ]
+
     def configure(self, config) -> "NumbaBackend":
         """`[backend] threads` sets numba's thread count (process-wide, like RLX_NUM_THREADS);
         `[backend] matmul` holds for the runners compiled through what this returns (a copy of

@@ -38,22 +38,30 @@ _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 _OPT = dict(cache=True, error_model="numpy")
 
 
-@functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """This process may run AMX-BF16 tiles: an x86-64 Linux host whose CPU has them, numba
-    compiling for that CPU, and the kernel granting the tile state."""
+    """This process may run AMX-BF16 tiles (`missing`)."""
+    return not missing()
+
+
+@functools.lru_cache(maxsize=None)
+def missing() -> str:
+    """Why this process may not run AMX-BF16 tiles; '' where it may: an x86-64 Linux host whose
+    CPU has them, numba compiling for that CPU, and the kernel granting the tile state."""
     import numba
 
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
-        return False
+        return f"not an x86-64 Linux host ({sys.platform}, {platform.machine()})"
     features = llvm_binding.get_host_cpu_features().flatten().split(",")
-    if not {"+amx-tile", "+amx-bf16"} <= set(features) or numba.config.CPU_NAME or numba.config.CPU_FEATURES:
-        return False
+    if not {"+amx-tile", "+amx-bf16"} <= set(features):
+        return "this CPU has no AMX-BF16"
+    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
+        return "NUMBA_CPU_NAME / NUMBA_CPU_FEATURES make numba compile for another CPU"
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
-    except (OSError, AttributeError):
-        return False
+        granted = libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError) as e:
+        return f"cannot ask the kernel for the tile state ({type(e).__name__}: {e})"
+    return "" if granted else "the kernel refused the tile state (arch_prctl XCOMP_PERM)"
 
 
 def tile_config() -> np.ndarray:

@@ -579,6 +579,27 @@ def test_unavailable_without_numba(monkeypatch):
     assert rows["numba"]["available"] is False and "numba is not importable" in rows["numba"]["reason"]
 
 
+@pytest.mark.parametrize("vnni,avx512", [(True, True), (False, False)])
+def test_kernel_paths_name_the_cpu_features(monkeypatch, vnni, avx512):
+    """`rlx plugins` says which CPU-dependent kernels run here and, for one that does not, why
+    and what runs instead (the flags replaced: any host runs this)."""
+    from rlx_backend_numba import amx, simd
+    from rlx_core.cli import plugins_report
+
+    monkeypatch.setattr(simd, "VNNI", vnni)
+    monkeypatch.setattr(simd, "AVX512", avx512)
+    monkeypatch.setattr(amx, "missing", lambda: "this CPU has no AMX-BF16")
+    paths = {p["path"]: p for p in NumbaBackend().kernel_paths()}
+    amx_path = paths["AMX bf16 tiles (packed-weight prefill)"]
+    assert not amx_path["on"] and amx_path["reason"].startswith("this CPU has no AMX-BF16; f32 BLAS"), amx_path
+    for name, flag, word in (('int8 dot products (VNNI) for activations = "int8"', vnni, "VNNI"),
+                             ("16-lane AVX-512 kernels", avx512, "AVX-512")):
+        assert paths[name]["on"] is flag and (flag or word in paths[name]["reason"]), paths[name]
+    row = next(b for b in plugins_report()["backends"] if b["name"] == "numba")
+    assert {p["path"] for p in row["kernel_paths"]} == set(paths)
+    assert not amx.available()            # (available() follows missing())
+
+
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
 def test_bad_thread_count_is_named(monkeypatch, value):
     monkeypatch.setenv("RLX_NUM_THREADS", value)
