@@ -591,7 +591,8 @@ def test_kernel_paths_name_the_cpu_features(monkeypatch, vnni, avx512):
     monkeypatch.setattr(amx, "missing", lambda: "this CPU has no AMX-BF16")
     paths = {p["path"]: p for p in NumbaBackend().kernel_paths()}
     amx_path = paths["AMX bf16 tiles (packed-weight prefill)"]
-    assert not amx_path["on"] and amx_path["reason"].startswith("this CPU has no AMX-BF16; f32 BLAS"), amx_path
+    assert not amx_path["on"], amx_path
+    assert amx_path["reason"].startswith("this CPU has no AMX-BF16; f32 BLAS"), amx_path
     for name, flag, word in (('int8 dot products (VNNI) for activations = "int8"', vnni, "VNNI"),
                              ("16-lane AVX-512 kernels", avx512, "AVX-512")):
         assert paths[name]["on"] is flag and (flag or word in paths[name]["reason"]), paths[name]
