@@ -166,3 +166,29 @@ def test_one_norm_in_a_gemv_zeroes_its_own_sums(rng):
     for _ in range(2):                       # (more replays: stale sums would grow each run)
         out = {k: exe.backend.to_host(v) for k, v in exe.run(dict(ins)).items()}
     assert rel(out["q"], want) < 2e-2, rel(out["q"], want)
+
+
+
+def test_the_sums_ring_on_the_host():
+    """ops.GemvSums wires each NORM GEMV to zero the sums the one before it read, the first to
+    zero the last one's; with one such GEMV, a memset step after it (no GPU needed)."""
+    from types import SimpleNamespace as NS
+
+    from rlx_backend_cuda.ops import GemvSums
+
+    sums = [NS(size=64, nbytes=256, data=NS(ptr=p)) for p in (100, 200, 300)]
+    ring, launches = GemvSums(), [["x", "w", s, None, 0] for s in sums]   # (args end with zero, zn)
+    for s, args in zip(sums, launches):
+        ring.follow(s, args)
+    ring.close(None)
+    assert [a[-2] for a in launches] == [sums[2], sums[0], sums[1]]
+    assert all(int(a[-1]) == 64 for a in launches)
+    memsets, steps = [], []
+    b = NS(cp=NS(cuda=NS(runtime=NS(memsetAsync=lambda *a: memsets.append(a)))), stream=NS(ptr=7),
+           add=steps.append)
+    one, args = GemvSums(), ["x", "w", sums[0], None, 0]
+    one.follow(sums[0], args)
+    one.close(b)
+    assert args[-2] is None and len(steps) == 1
+    steps[0]()
+    assert memsets == [(100, 0, 256, 7)]
