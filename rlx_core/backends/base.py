@@ -26,6 +26,12 @@ def best_time(fn, times: int = 5) -> float:
     return best
 
 
+def kernel_path(name: str, why: str, instead: str) -> dict:
+    """One entry of Backend.kernel_paths: kernel path `name`, on where `why` (the reason it
+    cannot run here) is empty, else off with that reason and what runs instead."""
+    return {"path": name, "on": not why, "reason": f"{why}; {instead}" if why else ""}
+
+
 class Backend(abc.ABC):
     name: str = ""
     priority: int = 0
@@ -49,9 +55,9 @@ class Backend(abc.ABC):
         return True, ""
 
     def kernel_paths(self) -> list:
-        """The kernel choices this backend makes by the machine it finds: [{"path": what,
-        "on": bool, "reason": why it is off and what runs instead}]. `rlx plugins` lists
-        them, so a slower fallback is never silent. Only an available backend is asked."""
+        """The kernel choices this backend makes by the machine it finds: [kernel_path(...)].
+        `rlx plugins` lists them, so a slower fallback is never silent. Only an available
+        backend is asked."""
         return []
 
     @abc.abstractmethod

@@ -6,7 +6,7 @@ is present it outranks the NumPy backend and becomes the default.
 from __future__ import annotations
 
 import numpy as np
-from rlx_core.backends.base import Backend
+from rlx_core.backends.base import Backend, kernel_path
 from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.ops import OPS, Level
@@ -104,7 +104,7 @@ class CudaBackend(Backend):
         def path(name: str, why: str, instead: str, switch: str = "") -> dict:
             if not why and switch and not CONFIG[switch]:
                 why = f"switched off (rlx_backend_cuda.set_config({switch}=False))"
-            return {"path": name, "on": not why, "reason": f"{why}; {instead}" if why else ""}
+            return kernel_path(name, why, instead)
         split = "the CUDA-core split attention runs instead"
         attention = path("tensor-core attention (mma.sync)", mma, split, "tc_attention")
         return [

@@ -531,10 +531,15 @@ class GemvSums:
         self.sums: list = []
         self.first: list | None = None
 
+    @staticmethod
+    def _zeroes(args: list, sums) -> None:
+        """A NORM GEMV's launch arguments (ending with zero, zn) point at `sums`."""
+        args[-2:] = [sums, i32(sums.size)]
+
     def follow(self, ssq, args: list) -> None:
         """Register a NORM GEMV reading `ssq` (its launch arguments end with zero, zn)."""
         if self.sums:
-            args[-2:] = [self.sums[-1], i32(self.sums[-1].size)]
+            self._zeroes(args, self.sums[-1])
         else:
             self.first = args
         self.sums.append(ssq)
@@ -542,7 +547,7 @@ class GemvSums:
     def close(self, b) -> None:
         """At the end of the build: the first NORM GEMV zeroes the last one's sums."""
         if len(self.sums) > 1:
-            self.first[-2:] = [self.sums[-1], i32(self.sums[-1].size)]
+            self._zeroes(self.first, self.sums[-1])
         elif self.sums:
             rt, sums, stream = b.cp.cuda.runtime, self.sums[0], b.stream
             b.add(lambda: rt.memsetAsync(sums.data.ptr, 0, sums.nbytes, stream.ptr))
@@ -727,7 +732,7 @@ def _b_matmul_fused(b, n, ins, outs, sw, norm: GemvNorm | None, resid) -> bool:
         rows = outs[0].size // max(outs[0].shape[-1], 1)
         ssq = device.empty((pow2(rows, 1, rows) * 32,), F32, f"row sums of squares of node %{j}")
         ssq.fill(0)
-        b.r.counters.append(ssq)          # (zero between runs, like the counters: not poisoned)
+        b.r.counters.append(ssq)          # (kept outside the poisoned scratch; GemvSums zeroes it)
         residual = (x, h, tail, ssq)
     if not _gemv_fused(b, ins[0], ins[1], n.a["trans_b"], outs[0], dst, norm, residual):
         return False

@@ -17,7 +17,7 @@ import copy
 import os
 import sys
 
-from rlx_core.backends.base import Backend, Runner, best_time, strided_transposes
+from rlx_core.backends.base import Backend, Runner, best_time, kernel_path, strided_transposes
 from rlx_core.backends.numpy import NumpyBackend
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.lir import LirModule
@@ -92,16 +92,15 @@ class NumbaBackend(Backend):
         """The kernels this CPU leaves on or off (AMX tiles, VNNI and AVX-512 lanes)."""
         from . import amx, simd
 
-        def path(name: str, why: str, instead: str) -> dict:
-            return {"path": name, "on": not why, "reason": f"{why}; {instead}" if why else ""}
         return [
-            path("AMX bf16 tiles (packed-weight prefill)", amx.missing(), "f32 BLAS runs the products"),
-            path("int8 dot products (VNNI) for activations = \"int8\"",
-                 "" if simd.VNNI else "this CPU has neither AVX-VNNI nor AVX-512 VNNI",
-                 "the int8 GEMV (x of up to 8 rows) runs without their instruction, more rows as f32 "
-                 "products of the rounded x"),
-            path("16-lane AVX-512 kernels", "" if simd.AVX512 else "this CPU has no AVX-512 F/BW",
-                 "8-lane AVX2 kernels run instead"),
+            kernel_path("AMX bf16 tiles (packed-weight prefill)", amx.missing(),
+                        "f32 BLAS runs the products"),
+            kernel_path("int8 dot products (VNNI) for activations = \"int8\"",
+                        "" if simd.VNNI else "this CPU has neither AVX-VNNI nor AVX-512 VNNI",
+                        "the int8 GEMV (x of up to 8 rows) runs without their instruction, more rows as f32 "
+                        "products of the rounded x"),
+            kernel_path("16-lane AVX-512 kernels", "" if simd.AVX512 else "this CPU has no AVX-512 F/BW",
+                        "8-lane AVX2 kernels run instead"),
         ]
 
     def configure(self, config) -> "NumbaBackend":
