@@ -89,10 +89,10 @@ def catalog() -> list:
     for t in ("__nv_bfloat16", "__half"):
         for r, u, sw, ks, nm, rs in ((1, 4, 0, 1, 0, 0), (2, 8, 0, 2, 0, 0), (2, 4, 1, 1, 0, 0),
                                      (1, 2, 0, 4, 0, 0), (2, 2, 1, 8, 0, 0), (1, 2, 0, 1, 1, 0),
-                                     (2, 2, 1, 4, 1, 0), (1, 2, 0, 8, 0, 1)):
+                                     (2, 2, 1, 4, 1, 0), (1, 2, 0, 8, 0, 1), (1, 2, 0, 2, 1, 1)):
             out.append((f"gemv {t} {r} {u} {sw} ks {ks} norm {nm} resid {rs}",
                         S.render(S.GEMV, T=t, TO=t, MMAX=4 if nm == 0 else 2, R=r, U=u, SWIGLU=sw, KS=ks,
-                                 SWIGLU_OF=codegen.swiglu_of("float"), NORM=nm, TN="float" if nm else t,
+                                 SWIGLU_OF=codegen.swiglu_of("float"), NORM=nm, TN="float" if rs else t,
                                  RESID=rs, EARLY=int(r == 1)), "rlx_gemv"))
     out.append(("naive", S.render(S.MATMUL_NAIVE, TA="int", TB="int", TO="int", ACC="long long",
                                   MAC="(s) + (a) * (b)"), "rlx_matmul_naive"))
@@ -113,10 +113,12 @@ def catalog() -> list:
             out.append((f"dq_gemv {kind} {al} {t}", S.dq_source(
                 S.DQ_GEMV, kind, blk, T=t, TO=t, TB=t, ACC="float", A=al, MMAX=mmax, R=4 if mmax < 4 else 2, U=2,
                 KW=2, XV=al % 2, SWIGLU=int(al == 4), EPILOGUE="v = v + LD(W, bias[n]);",
-                SWIGLU_OF=codegen.swiglu_of("float"), EARLY=int(al != 2)), "rlx_dq_gemv"))
+                SWIGLU_OF=codegen.swiglu_of("float"), EARLY=int(al != 2), NORM=int(al != 2), TN="float",
+                RESID=int(al == 2)), "rlx_dq_gemv"))
         out.append((f"dq_gemv {kind} f64", S.dq_source(S.DQ_GEMV, kind, blk, T="double", TO="double", TB="double", ACC="double",
                                                        A=8, MMAX=1, R=4, U=2, KW=8, XV=0, SWIGLU=1, EPILOGUE="",
-                                                       SWIGLU_OF=codegen.swiglu_of("double"), EARLY=1), "rlx_dq_gemv"))
+                                                       SWIGLU_OF=codegen.swiglu_of("double"), EARLY=1, NORM=0,
+                                                       TN="double", RESID=0), "rlx_dq_gemv"))
         for t, acc in (("float", "float"), ("__nv_bfloat16", "float"), ("double", "double")):
             staged = S.dq_dequant_shape(kind, blk, 8 if acc == "double" else 4)
             for stage in range(staged["STAGE"] + 1):

@@ -486,11 +486,11 @@ def gemv_split(warps: int, K: int, sms: int) -> int:
 
 
 def _gemv_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool = False,
-               norm: GemvNorm | None = None, residual=None):
+               norm: GemvNorm | None = None, residual: GemvResidual | None = None):
     """The GEMV launch for out[M, N] = x[M, K] @ weight (W [N, K] row-major) (swiglu: out[M,
     N/2] = silu(gate) * up). norm: x is norm.x's rows, normed in the kernel from the sums of
-    squares its producer left (x only names the shape); residual (rows, row stride, sums):
-    out = those rows + the product, its squares added into the sums."""
+    squares its producer left (x only names the shape); residual: out = its rows + the
+    product (its h), which it goes on to norm."""
     dtype = ctype(out.dt)
     mmax = pow2(M, 1, M)
     rows = 2 if swiglu else GEMV_ROWS
@@ -499,25 +499,38 @@ def _gemv_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool 
     ks = gemv_split(warps, K, builder.sms)
     src = sources.render(sources.GEMV, T=dtype, TO=dtype, MMAX=mmax, R=rows, U=GEMV_LOADS, SWIGLU=int(swiglu),
                          KS=ks, SWIGLU_OF=codegen.swiglu_of("float"), NORM=int(norm is not None),
-                         TN=ctype(norm.w.dt) if norm is not None else dtype, RESID=int(residual is not None),
+                         TN=ctype(residual.w.dt) if residual is not None else dtype, RESID=int(residual is not None),
                          EARLY=int(builder.written_by_no_kernel(V(weight, out.dt))))
     fn = builder.kernel(src, "rlx_gemv")
-    xrs, nw, eps, off, ssq = i64(K), None, 0.0, 0.0, None
+    xrs = i64(K)
     if norm is not None:
         x, xrs = norm.rows(M, K)
-        nw, eps, off, ssq = norm.w.arr, norm.eps, norm.off, norm.ssq
-    res, rrs = None, i64(0)
-    if residual is not None:
-        res, rrs, ssq = residual
-    args = [x, xrs, weight, out.arr, i32(M), i32(n_out), i32(K), nw, np.float32(eps), np.float32(off),
-            res, rrs, ssq, None, i32(0)]
-    if norm is not None:
-        builder.gemv_sums.follow(norm.ssq, args)
+    args = _with_norms(builder, [x, xrs, weight, out.arr, i32(M), i32(n_out), i32(K)], norm, residual, M, N)
     grid, block, stream = (-(-warps * ks // 8),), (256,), builder.stream
 
     def run():
         fn(grid, block, tuple(args), 0, stream)
     return run
+
+
+# the arguments rlx_gemv and rlx_dq_gemv end with (eps, nsq, nw, noff, res, rrs, yw, osq, zero, zn):
+# here no NORM, no RESID
+NO_NORMS = (np.float32(0), None, None, np.float32(0), None, i64(0), None, None, None, i32(0))
+
+
+def _with_norms(b, args: list, norm: GemvNorm | None, residual: GemvResidual | None, M: int, N: int) -> list:
+    """A GEMV's launch arguments `args` and the NORM / RESID ones (NO_NORMS) after them, the
+    NORM GEMV put in the sums' ring."""
+    tail = list(NO_NORMS)
+    if norm is not None:
+        tail[:2] = [np.float32(norm.eps), norm.ssq]
+    if residual is not None:
+        r = residual
+        tail[2:8] = [r.w.arr, np.float32(r.off), r.x.arr.reshape(M, N), i64(N), r.xw.arr, r.ssq]
+    args = args + tail
+    if norm is not None:
+        b.gemv_sums.follow(norm.ssq, args)
+    return args
 
 
 class GemvSums:
@@ -611,7 +624,9 @@ def _b_matmul(b, n, ins, outs):
     norm = b.gemv_norms.pop(tuple(n.inputs[0]), None)
     resid = _residual_norm(b, n) if rows <= GEMV_MAX_M else None
     if norm is not None or resid is not None:
-        if _b_matmul_fused(b, n, ins, outs, sw, norm, resid):
+        def gemv(dst, norm, residual):
+            return _gemv_fused(b, ins[0], ins[1], n.a["trans_b"], outs[0], dst, norm, residual)
+        if _b_matmul_fused(b, n, ins, outs, sw, norm, resid, gemv):
             return
         if norm is not None:
             norm.add_unfused(b)
@@ -635,15 +650,13 @@ def _b_matmul(b, n, ins, outs):
 # at build turns it off) builds the norms as launches of their own when off.
 @attrs.frozen(eq=False)
 class GemvNorm:
-    """y = rms_norm(x) * (w + off) left for y's one consumer, a GEMV, to compute on its rows
-    from ssq (the sums of squares of x's rows in 32 parts, which x's producer added up);
-    `unfused`: the norm's own launch (run where that consumer is no GEMV, or under the cuBLAS
-    switch)."""
+    """y = rms_norm(h) * (w + off) left for y's one consumer, a GEMV, to compute on its rows:
+    x = h * (w + off) and ssq (the sums of squares of h's rows in 32 parts), both written by
+    h's producer (GemvResidual); `unfused`: the norm's own launch (run where that consumer is
+    no GEMV, or under the cuBLAS switch)."""
     node: int
     x: V
-    w: V
     eps: float
-    off: float
     ssq: object
     unfused: tuple
 
@@ -657,16 +670,26 @@ class GemvNorm:
             b.add(lambda: rt.memsetAsync(ptr, 0, nbytes, stream.ptr))
 
     def fits(self, M: int, K: int, dt: DType) -> bool:
-        """Whether the GEMV kernel can norm x for a product of M rows of K: x of its dtype,
-        contiguous and 16-byte aligned; w [K] contiguous, aligned for its 8-value loads."""
-        x, w = self.x, self.w
-        return (x.dt is dt and x.contiguous() and x.size == M * K and x.shape[-1] == K
-                and x.arr.data.ptr % 16 == 0 and w.shape == (K,) and w.contiguous() and w.dt.is_float
-                and w.arr.data.ptr % (8 * w.arr.itemsize) == 0)
+        """Whether the GEMV kernel can norm x for a product of M rows of K (x of its dtype)."""
+        return self.x.dt is dt and self.x.size == M * K and self.x.shape[-1] == K
 
     def rows(self, M: int, K: int) -> tuple:
         """(x as an [M, K] array, its row stride) for the kernel."""
         return self.x.arr.reshape(M, K), i64(K)
+
+
+@attrs.frozen(eq=False)
+class GemvResidual:
+    """What a GEMV computing a fused_residual_rms_norm's r writes beside it: its h = x + r,
+    xw = h * (w + off) (the next GEMV's x, GemvNorm) and the sums of h's squares into ssq;
+    `tail`: the norm's own launch after it (under the cuBLAS switch)."""
+    x: V
+    h: V
+    xw: V
+    w: V
+    off: float
+    ssq: object
+    tail: tuple
 
 
 def _collected(b, build) -> tuple:
@@ -681,9 +704,9 @@ def _collected(b, build) -> tuple:
 def _residual_norm(b, n) -> tuple | None:
     """(node, x, w, eps, off) of the fused_residual_rms_norm (x + r) that is this matmul's
     output's only use (as r; or as x, then its r is returned as x), with nothing but params
-    between them (its h may be written at the matmul) and its y read only by a matmul's x
-    that may run as the GEMV; else None."""
-    if not CONFIG["gemv_fusion"] or n.a["trans_a"] or n.outs[0].dtype not in LOW:
+    between them (its h may be written at the matmul) and its y read only by a matmul's or
+    dequant_matmul's x that may run as the GEMV; else None."""
+    if not CONFIG["gemv_fusion"] or n.a.get("trans_a") or n.outs[0].dtype not in LOW:
         return None
     g = b.r.lir.graph
     j = b.sole_consumer(b.node, "fused_residual_rms_norm")
@@ -696,8 +719,9 @@ def _residual_norm(b, n) -> tuple | None:
     if any(g.nodes[t].op not in ("param", "constant") for t in range(b.node + 1, j)):
         return None
     c = b.sole_consumer(j, "matmul", 1)
+    c = b.sole_consumer(j, "dequant_matmul", 1) if c is None else c
     if c is None or tuple(g.nodes[c].inputs[0]) != (j, 1) or tuple(g.nodes[c].inputs[1]) == (j, 1) \
-            or g.nodes[c].a["trans_a"]:
+            or g.nodes[c].a.get("trans_a"):
         return None
     # (x + r, either way round: the same float sum)
     x, w = b.vals.get(rin[1] if rin[0] == (b.node, 0) else rin[0]), b.vals.get(rin[2])
@@ -706,10 +730,11 @@ def _residual_norm(b, n) -> tuple | None:
     return j, x, w, m.a["eps"], m.a["offset"]
 
 
-def _b_matmul_fused(b, n, ins, outs, sw, norm: GemvNorm | None, resid) -> bool:
+def _b_matmul_fused(b, n, ins, outs, sw, norm: GemvNorm | None, resid, gemv) -> bool:
     """The decode GEMV of this matmul with its x normed in the kernel (norm) and / or the
     following fused_residual_rms_norm's h written by it (resid: `_residual_norm`; that norm's
-    y is then left to its GEMV), the SwiGLU too where sw; False (no step) where it does not fit."""
+    y is then left to its GEMV), the SwiGLU too where sw; False (no step) where it does not fit.
+    gemv(swiglu output, norm, residual): the dense or packed GEMV's step, False where it cannot."""
     reads = [ins[0]] + ([norm.x] if norm is not None else [])
 
     def written(i, k, what):
@@ -728,28 +753,33 @@ def _b_matmul_fused(b, n, ins, outs, sw, norm: GemvNorm | None, resid) -> bool:
         if x.shape != outs[0].shape or not (b.disjoint(h, x) or (h.arr.data.ptr == x.arr.data.ptr
                                                                    and h.es == x.es)):
             return False
+        if not (x.contiguous() and h.contiguous() and x.dt is h.dt and w.shape == (h.shape[-1],)
+                and w.contiguous() and w.dt.is_float):
+            return False
         tail = _collected(b, lambda: _rms_norm(b, x, outs[0], w, h, y, eps, off))
         rows = outs[0].size // max(outs[0].shape[-1], 1)
         ssq = device.empty((pow2(rows, 1, rows) * 32,), F32, f"row sums of squares of node %{j}")
         ssq.fill(0)
         b.r.counters.append(ssq)          # (kept outside the poisoned scratch; GemvSums zeroes it)
-        residual = (x, h, tail, ssq)
-    if not _gemv_fused(b, ins[0], ins[1], n.a["trans_b"], outs[0], dst, norm, residual):
+        xw = b.buffer(h.shape, h.dt, "norm-weighted rows")
+        residual = GemvResidual(x, h, xw, w, off, ssq, tail)
+    if not gemv(dst, norm, residual):
         return False
     if sw is not None:
         b.absorbed.add(sw)
     if resid is not None:
         b.absorbed.add(j)
         own = _collected(b, lambda: _rms_norm(b, h, None, w, None, y, eps, off))
-        b.gemv_norms[(j, 1)] = GemvNorm(j, h, w, eps, off, ssq, own)
+        b.gemv_norms[(j, 1)] = GemvNorm(j, xw, eps, ssq, own)
     return True
 
 
-def _gemv_fused(b, a: V, w: V, tb: bool, out: V, swiglu: V | None, norm: GemvNorm | None, residual) -> bool:
+def _gemv_fused(b, a: V, w: V, tb: bool, out: V, swiglu: V | None, norm: GemvNorm | None,
+                residual: GemvResidual | None) -> bool:
     """out <- a @ w as the GEMV kernel with a norm of its x rows (norm) or the residual rows
-    added (residual: (x, h, the unfused norm's launches, the sums): h <- x + out), one dtype
-    throughout, all contiguous; False (no step) otherwise. Under the cuBLAS switch: the norm's
-    launch, cuBLAS, then the SwiGLU / the residual norm's launch."""
+    added (residual: h <- x + out), one dtype throughout, all contiguous; False (no step)
+    otherwise. Under the cuBLAS switch: the norm's launch, cuBLAS, then the SwiGLU / the
+    residual norm's launch."""
     if out.dt not in LOW or a.dt is not out.dt or w.dt is not out.dt or w.arr.ndim != 2 or not a.shape:
         return False
     K, N = a.shape[-1], out.shape[-1]
@@ -765,16 +795,14 @@ def _gemv_fused(b, a: V, w: V, tb: bool, out: V, swiglu: V | None, norm: GemvNor
     case = MatmulCase.of(b.cp, call)
     if not case.gemv_fits() or (norm is not None and not norm.fits(M, K, out.dt)):
         return False
-    target, res, tail = (of if sf is None else sf), None, ()
+    target, tail = (of if sf is None else sf), ()
     if residual is not None:
-        x, h, tail, ssq = residual
-        hf = flat(h, N)
-        if hf is None or not x.contiguous() or x.dt is not out.dt or swiglu is not None:
+        if swiglu is not None or residual.h.dt is not out.dt:
             return False
-        target, res = hf, (x.arr.reshape(M, N), i64(N), ssq)
+        target, tail = flat(residual.h, N), residual.tail
     elif swiglu is not None:
         tail = tuple(_swiglu_tail(b, of, sf, N))
-    gemv = _gemv_step(b, af.arr, _as_read(call)[1], target, M, N, K, swiglu is not None, norm, res)
+    gemv = _gemv_step(b, af.arr, _as_read(call)[1], target, M, N, K, swiglu is not None, norm, residual)
     a_mat, w_mat = _gemm_operands(b.cp, call)
     blas = _CublasGemm(b, case, a_mat, w_mat, of)
     head = norm.unfused if norm is not None else ()
@@ -893,9 +921,19 @@ def _b_dequant_matmul(b, n, ins, outs):
     K, N = x.shape[-1], out.shape[-1]
     M = out.size // N
     wv, wrs, al = _packed(b, w, N, w.shape[-1])
-    xv, xrs = _as_matrix(b, x, M, K)
     act = n.a.get("act", "identity")
-    sw = _swiglu_consumer(b, n) if M <= DQ_MAX_M and bias is None and act == "identity" else None
+    plain = M <= DQ_MAX_M and bias is None and act == "identity"
+    sw = _swiglu_consumer(b, n) if plain else None
+    norm = b.gemv_norms.pop(tuple(n.inputs[0]), None)
+    resid = _residual_norm(b, n) if plain else None
+    if norm is not None or resid is not None:
+        def gemv(dst, norm, residual):
+            return plain and _dq_gemv_fused(b, s, x, (wv, wrs, al), outs[0], dst, norm, residual)
+        if _b_matmul_fused(b, n, ins, outs, sw, norm, resid, gemv):
+            return
+        if norm is not None:
+            norm.add_unfused(b)
+    xv, xrs = _as_matrix(b, x, M, K)
     if sw is not None:            # gate/up of decode: the GEMV writes silu(gate) * up
         dst = b.out_value(sw)
         if not b.disjoint(dst, xv):
@@ -936,8 +974,38 @@ def dq_gemv_shape(kind: str, block: int, M: int, K: int, loads: int = DQ_LOADS) 
     return mmax, kw, DQ_ROWS if mmax <= 2 else 2
 
 
-def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=False):
-    """The decode GEMV launch for out[M, N] (swiglu: w holds 2N rows, out = silu(gate) * up)."""
+def _dq_gemv_fused(b, s, a: V, packed: tuple, out: V, swiglu: V | None, norm: GemvNorm | None,
+                   residual: GemvResidual | None) -> bool:
+    """out <- a @ dequant(w)^T as the packed decode GEMV with a norm of its x rows (norm; a
+    only names the shape) or the residual rows added (residual, as `_gemv_fused` takes it),
+    16-bit data of one dtype, contiguous rows; False (no step) otherwise."""
+    K, N = a.shape[-1], out.shape[-1]
+    M = out.size // max(N, 1)
+    if out.dt not in LOW or a.dt is not out.dt or M == 0:
+        return False
+    if norm is not None and not norm.fits(M, K, a.dt):
+        return False
+    target = swiglu if swiglu is not None else out
+    if residual is not None:
+        if swiglu is not None:
+            return False
+        target = residual.h
+    if target.dt is not out.dt or not target.contiguous():
+        return False
+    if norm is not None:
+        xrows, xrs = norm.rows(M, K)
+        xv = V(xrows, a.dt)
+    else:
+        xv, xrs = _as_matrix(b, a, M, K)
+    _dq_gemv(b, s, xv, xrs, *packed, None, "identity", target, M, N // 2 if swiglu is not None else N, K,
+             swiglu=swiglu is not None, norm=norm, residual=residual)
+    return True
+
+
+def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=False,
+             norm: GemvNorm | None = None, residual: GemvResidual | None = None):
+    """The decode GEMV launch for out[M, N] (swiglu: w holds 2N rows, out = silu(gate) * up;
+    norm, residual: as `_gemv_step` takes them)."""
     nb = K // s.block
     mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K)
     vec = 4 * x.arr.itemsize
@@ -946,10 +1014,14 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
                     TB=ctype(bias.dt) if bias is not None else "float",
                     A=al, MMAX=mmax, R=rows, U=DQ_LOADS, KW=kw, XV=xv, SWIGLU=int(swiglu),
                     EPILOGUE=_dq_epilogue(out.dt, bias is not None, act),
-                    SWIGLU_OF=codegen.swiglu_of(acc_of(x.dt)), EARLY=int(b.written_by_no_kernel(w)))
+                    SWIGLU_OF=codegen.swiglu_of(acc_of(x.dt)), EARLY=int(b.written_by_no_kernel(w)),
+                    NORM=int(norm is not None), TN=ctype(residual.w.dt) if residual is not None else "float",
+                    RESID=int(residual is not None))
     per_block = 8 // kw * (rows // 2 if swiglu else rows)
-    b.launch(fn, (-(-N // per_block),), (256,), (x.arr, i64(xrs), w.arr, i64(wrs), bias.arr if bias else None,
-                                                 out.arr, i32(M), i32(N), i32(nb)))
+    args = _with_norms(b, [x.arr, i64(xrs), w.arr, i64(wrs), bias.arr if bias else None, out.arr, i32(M),
+                           i32(N), i32(nb)], norm, residual, M, N)
+    grid, stream = (-(-N // per_block),), b.stream
+    b.add(lambda: fn(grid, (256,), tuple(args), 0, stream))
 
 
 def _dq_gemm(b, s, x: V, xrs, w: V, wrs, al, out: V, M, N, K):

@@ -15,6 +15,7 @@ import pytest
 import rlx_core
 from rlx_core.ir.dtype import BF16, F16
 from rlx_core.ir.graph import Graph
+from rlx_core.ir.quant import PackedTensor, QuantScheme
 from rlx_core.pipeline import available_backends
 
 _OK, _WHY = next(((ok, why) for b, ok, why in available_backends() if b.name == "cuda"),
@@ -88,18 +89,25 @@ def build_and_run(g, params, ins, fusion: bool):
         set_config(gemv_fusion=was)
 
 
-def case(rng, dt, rows: int, hid: int, kn_head: bool = False):
-    inner, inter, vocab = 64, 96, 300
-    sh = shapes(hid, inner, inter, vocab, kn_head)
+def case(rng, dt, rows: int, hid: int, kn_head: bool = False, scheme: str = "", inner: int = 64,
+         inter: int = 96):
+    """(graph, params, inputs, the params as float arrays); scheme: every matrix but the head
+    packed (dequant_matmul's GEMV), the float arrays then its decoded weights."""
+    sh = shapes(hid, inner, inter, 300, kn_head)
     pv = {n: (rng.uniform(0.8, 1.2, s) if len(s) == 1 else rng.uniform(-1, 1, s) / math.sqrt(s[-1]))
           .astype(np.float32).astype(dt.np) for n, s in sh.items()}
+    floats, packed = dict(pv), {n for n, s in sh.items() if scheme and len(s) == 2 and n != "head"}
+    for n in packed:
+        qs = QuantScheme.parse(scheme)
+        raw = qs.quantize(pv[n].astype(np.float32))
+        pv[n], floats[n] = PackedTensor(raw, qs, sh[n], n), qs.dequantize(raw, sh[n], dtype=np.float64)
     ins = {"x": rng.uniform(-2, 2, (rows, 1, hid)).astype(np.float32).astype(dt.np),
            "a": rng.uniform(-2, 2, (rows, 1, inner)).astype(np.float32).astype(dt.np)}
 
     def f(m):
-        p = {n: m.param(n, s, dt) for n, s in sh.items()}
+        p = {n: m.param(n, s, dt, scheme=scheme if n in packed else "") for n, s in sh.items()}
         return block(m, p, m.input("x", (rows, 1, hid), dt), m.input("a", (rows, 1, inner), dt), kn_head)
-    return Graph.define("gemv_norms", f), pv, ins
+    return Graph.define("gemv_norms", f), pv, ins, floats
 
 
 @gpu
@@ -108,8 +116,8 @@ def case(rng, dt, rows: int, hid: int, kn_head: bool = False):
 def test_norms_in_the_gemvs(rng, dt, rows):
     from rlx_backend_cuda import set_config
 
-    g, pv, ins = case(rng, dt, rows, 512)
-    want = reference(pv, ins["x"], ins["a"])
+    g, pv, ins, floats = case(rng, dt, rows, 512)
+    want = reference(floats, ins["x"], ins["a"])
     exe, fused, runner = build_and_run(g, pv, ins, True)
     ops = runner.describe()["steps_by_op"]
     assert "fused_residual_rms_norm" not in ops and ops["rms_norm"] == 1, ops      # (the plain norm)
@@ -130,11 +138,31 @@ def test_norms_in_the_gemvs(rng, dt, rows):
 
 
 @gpu
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_k"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_norms_in_the_packed_gemvs(rng, scheme, rows):
+    """Packed weights (dequant_matmul's GEMV, dq.cu) write h and norm x the same way, beside a
+    dense head (the ring of sums runs over both kernels). At 3 rows the dense head is no GEMV
+    (GEMV_MAX_M): the last norm runs as its own launch, the packed GEMVs still take theirs."""
+    g, pv, ins, floats = case(rng, BF16, rows, 512, scheme=scheme, inner=256, inter=512)
+    want = reference(floats, ins["x"], ins["a"])
+    _, fused, runner = build_and_run(g, pv, ins, True)
+    ops = runner.describe()["steps_by_op"]
+    assert (ops.get("fused_residual_rms_norm", 0) > 0) == (rows > 2) and ops["rms_norm"] == 1, ops
+    assert ops["dequant_matmul"] == 6, ops         # (o and q twice each, gate/up as one, down)
+    _, plain, plain_runner = build_and_run(g, pv, ins, False)
+    assert plain_runner.describe()["steps_by_op"]["fused_residual_rms_norm"] >= 1
+    for k, w in want.items():
+        assert rel(fused[k], w) < 2e-2, (k, rel(fused[k], w))
+        assert rel(fused[k], plain[k].astype(np.float64)) < 2e-2, k
+
+
+@gpu
 def test_norm_whose_consumer_is_no_gemv_runs_as_its_launch(rng):
     """The head's weight stored [K, N]: the GEMV before the last
     residual norm still writes h, the norm runs as its own launch, the results stay right."""
-    g, pv, ins = case(rng, BF16, 1, 256, kn_head=True)
-    want = reference(pv, ins["x"], ins["a"], kn_head=True)
+    g, pv, ins, floats = case(rng, BF16, 1, 256, kn_head=True)
+    want = reference(floats, ins["x"], ins["a"], kn_head=True)
     _, out, runner = build_and_run(g, pv, ins, True)
     ops = runner.describe()["steps_by_op"]
     # the last residual norm's own launch (and the zeroing of the sums no GEMV read), as its node's
@@ -167,6 +195,39 @@ def test_one_norm_in_a_gemv_zeroes_its_own_sums(rng):
         out = {k: exe.backend.to_host(v) for k, v in exe.run(dict(ins)).items()}
     assert rel(out["q"], want) < 2e-2, rel(out["q"], want)
 
+
+@gpu
+@pytest.mark.parametrize("scheme", ["", "q8_0"])
+def test_a_gemv_that_norms_its_x_and_writes_the_next_h(rng, scheme):
+    """h2 = h + p(rms_norm(h)): p's GEMV norms its x from h's sums and adds up h2's own (two
+    sums buffers in one launch), dense and packed."""
+    hid = 256
+    sh = {"o": (hid, 64), "ln": (hid,), "p": (hid, hid), "ln2": (hid,), "q": (64, hid)}
+    pv = {n: (rng.uniform(0.8, 1.2, s) if len(s) == 1 else rng.uniform(-1, 1, s) / math.sqrt(s[-1]))
+          .astype(np.float32).astype(BF16.np) for n, s in sh.items()}
+    floats = {k: np.asarray(v, np.float64) for k, v in pv.items()}
+    if scheme:
+        qs = QuantScheme.parse(scheme)
+        raw = qs.quantize(pv["p"].astype(np.float32))
+        pv["p"], floats["p"] = PackedTensor(raw, qs, sh["p"], "p"), qs.dequantize(raw, sh["p"], dtype=np.float64)
+    ins = {"x": rng.uniform(-2, 2, (1, 1, hid)).astype(np.float32).astype(BF16.np),
+           "a": rng.uniform(-2, 2, (1, 1, 64)).astype(np.float32).astype(BF16.np)}
+
+    def f(m):
+        p = {n: m.param(n, s, BF16, scheme=scheme if n == "p" else "") for n, s in sh.items()}
+        h = m.input("x", (1, 1, hid), BF16) + m.linear(m.input("a", (1, 1, 64), BF16), p["o"])
+        h2 = h + m.linear(m.rms_norm(h, p["ln"], eps=EPS), p["p"])
+        return {"h2": h2, "q": m.linear(m.rms_norm(h2, p["ln2"], eps=EPS), p["q"])}
+
+    def norm(t, w):
+        return t / np.sqrt((t * t).mean(-1, keepdims=True) + EPS) * w
+    h = np.asarray(ins["x"], np.float64) + np.asarray(ins["a"], np.float64) @ floats["o"].T
+    h2 = h + norm(h, floats["ln"]) @ floats["p"].T
+    want = {"h2": h2, "q": norm(h2, floats["ln2"]) @ floats["q"].T}
+    exe, out, runner = build_and_run(Graph.define("norm_and_resid", f), pv, ins, True)
+    assert "fused_residual_rms_norm" not in runner.describe()["steps_by_op"]
+    for k, w in want.items():
+        assert rel(out[k], w) < 2e-2, (k, rel(out[k], w))
 
 
 def test_the_sums_ring_on_the_host():

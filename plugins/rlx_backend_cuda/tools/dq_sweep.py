@@ -16,7 +16,7 @@ import numpy as np
 from gemv_sweep import graph_time
 
 from rlx_backend_cuda import codegen, sources
-from rlx_backend_cuda.ops import dq_gemv_shape
+from rlx_backend_cuda.ops import NO_NORMS, dq_gemv_shape
 from rlx_core.ir.quant import QuantScheme
 
 SHAPES = [("qkv", 3072, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)]
@@ -36,8 +36,7 @@ def main(schemes):
         fn = cp.RawKernel(sources.render(sources.GEMV, T="__nv_bfloat16", TO="__nv_bfloat16", MMAX=1, R=1, U=2,
                                          SWIGLU=0, KS=1, SWIGLU_OF=codegen.swiglu_of("float"), NORM=0,
                                          TN="__nv_bfloat16", RESID=0, EARLY=1), "rlx_gemv")
-        gargs = (x, np.int64(K), wb, y, np.int32(1), np.int32(N), np.int32(K),
-                 None, np.float32(0), np.float32(0), None, np.int64(0), None, None)   # (no norm, no residual)
+        gargs = (x, np.int64(K), wb, y, np.int32(1), np.int32(N), np.int32(K)) + NO_NORMS
         t = graph_time(lambda: fn(((N + 7) // 8,), (256,), gargs))
         print(f"{name} N={N} K={K}: bf16 rlx_gemv {wb.nbytes / t / 1e9:5.0f} GB/s ({t * 1e6:5.1f} us)", flush=True)
         for sn in schemes:
@@ -62,10 +61,11 @@ def main(schemes):
                 _, kw, _ = dq_gemv_shape(s.kind, s.block_size, 1, K, u)
                 src = sources.dq_source(sources.DQ_GEMV, s.kind, s.block_size, T="__nv_bfloat16", TO="float",
                                         TB="float", ACC="float", A=16, MMAX=1, R=r, U=u, KW=kw, XV=1, SWIGLU=0, EPILOGUE="",
-                                        SWIGLU_OF=codegen.swiglu_of("float"), EARLY=1)
+                                        SWIGLU_OF=codegen.swiglu_of("float"), EARLY=1, NORM=0, TN="float", RESID=0)
                 k = cp.RawKernel(src, "rlx_dq_gemv")
                 grid = (-(-N // (8 // kw * r)),)
-                args = (x, np.int64(K), w, np.int64(raw.shape[1]), None, yo, np.int32(1), np.int32(N), np.int32(nb))
+                args = (x, np.int64(K), w, np.int64(raw.shape[1]), None, yo, np.int32(1), np.int32(N),
+                        np.int32(nb)) + NO_NORMS
                 t = graph_time(lambda: k(grid, (256,), args))
                 err = float(cp.linalg.norm(yo - ref) / cp.linalg.norm(ref))
                 line.append(f"R{r}U{u} {raw.nbytes / t / 1e9:5.0f} ({t * 1e6:5.1f} us{'' if err < 1e-5 else f' ERR {err:.2g}'})")

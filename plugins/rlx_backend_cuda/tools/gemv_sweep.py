@@ -11,11 +11,10 @@ import cupy as cp
 import numpy as np
 
 from rlx_backend_cuda import codegen, sources
-from rlx_backend_cuda.ops import GEMV_LOADS, gemv_split
+from rlx_backend_cuda.ops import GEMV_LOADS, NO_NORMS, gemv_split
 
 SHAPES = [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192),
           ("lm_head", 128256, 2048)]
-NO_NORM = (None, np.float32(0), np.float32(0), None, np.int64(0), None, None)   # rlx_gemv: no norm / residual
 
 
 def loop_time(fn, reps=50, rounds=5) -> float:
@@ -70,7 +69,7 @@ def main():
         t = loop_time(lambda: cp.matmul(xk, w.T, out=y))
         line = [f"{name:8s} N={N:6d} K={K:5d} {w.nbytes / 1e6:6.1f} MB  cublas {w.nbytes / t / 1e9:5.0f} GB/s ({t * 1e6:5.1f} us)"]
         ks = gemv_split(N, K, cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"])
-        args = (xk, np.int64(K), w, y, np.int32(1), np.int32(N), np.int32(K)) + NO_NORM
+        args = (xk, np.int64(K), w, y, np.int32(1), np.int32(N), np.int32(K)) + NO_NORMS
         variants = [(r, u, 1, f"R{r}U{u}") for r, u in ((1, 4), (1, 8), (2, 4), (2, 8), (4, 4))]
         variants.append((1, GEMV_LOADS, ks, f"ops' choice R1U{GEMV_LOADS} {ks} warps a row"))
         for r, u, s, label in variants:
@@ -88,7 +87,7 @@ def main():
                                                  TN="__half", RESID=0, EARLY=1),
                                   "rlx_gemv")
                 ys = cp.empty((1, N // 2), cp.float16)
-                args = (xk, np.int64(K), w, ys, np.int32(1), np.int32(N // 2), np.int32(K)) + NO_NORM
+                args = (xk, np.int64(K), w, ys, np.int32(1), np.int32(N // 2), np.int32(K)) + NO_NORMS
                 t = graph_time(lambda: fn(((N // 2 + 7) // 8,), (256,), args))
                 g, up = ref[:, :N // 2], ref[:, N // 2:]
                 sref = g / (1 + cp.exp(-g)) * up

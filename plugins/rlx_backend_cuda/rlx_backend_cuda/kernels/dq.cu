@@ -247,7 +247,7 @@ __device__ __forceinline__ void rlx_x4(const T* p, W* o) {
   for (int i = 0; i < 4; ++i) o[i] = LD(W, p[i]);
 #endif
 }
-// @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE, SWIGLU_OF(g, u), EARLY)
+// @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE, SWIGLU_OF(g, u), EARLY, NORM, TN, RESID)
 // Decode: y[M, N] = act(x[M, K] @ dequant(w)^T + bias) for M <= MMAX <= 8. A block is 8
 // warps: KW of them split a row's parts, 8 / KW take R rows each, so x is read once per
 // R rows. Each lane loads its next U parts of every row first (the packed bytes bound a
@@ -256,9 +256,17 @@ __device__ __forceinline__ void rlx_x4(const T* p, W* o) {
 // [2N, K] (gate rows, then up rows); a warp's first R/2 rows are gate rows, the others the
 // up rows of the same outputs, and y[M, N] = SWIGLU_OF(gate, up) (the expression table's
 // fused_swiglu), each rounded to TO first.
+// NORM and RESID: the residual RMSNorms between decode GEMVs, as in gemv.cu's rlx_gemv (the
+// same arguments and sums; ops.GemvNorm, ops.GemvSums): NORM divides each warp's sums by the row's
+// norm from nsq (x holds x0 * (nw + noff)); RESID writes y = res + the rounded product, yw = y *
+// (nw + noff), and adds the squares of y's rows into osq (one atomic a warp and row).
+#if SWIGLU && RESID
+#error "rlx_dq_gemv: RESID takes no SWIGLU"
+#endif
 extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restrict__ x, long long xrs,
     const u8* __restrict__ w, long long wrs, const TB* __restrict__ bias, TO* __restrict__ y,
-    int M, int N, int nb) {
+    int M, int N, int nb, float eps, const float* nsq, const TN* __restrict__ nw, float noff,
+    const TO* __restrict__ res, long long rrs, TO* __restrict__ yw, float* osq, float* zero, int zn) {
   constexpr int RW = 8 / KW, OUTR = SWIGLU ? R / 2 : R;     // outputs per warp
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int kw = warp % KW, rw = warp / KW;
@@ -283,6 +291,13 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
   RLX_GRID_WAIT();
 #if !EARLY
   RLX_LOAD_Q(first)
+#endif
+#if NORM
+  float sq[MMAX];                   // (this lane's part of each row's sum of squares)
+#pragma unroll
+  for (int m = 0; m < MMAX; ++m) sq[m] = m < M ? LDCG(nsq + m * 32 + lane) : 0.f;
+  if (blockIdx.x == 0 && warp == 0)
+    for (int j = lane; j < zn; j += 32) zero[j] = 0.f;
 #endif
   W acc[R][MMAX];
 #pragma unroll
@@ -329,13 +344,23 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
   }
   __shared__ W red[8][R][MMAX];
 #pragma unroll
-  for (int r = 0; r < R; ++r)
+  for (int m = 0; m < MMAX; ++m) {
+#if NORM
+    const W den = sqrtf(warp_sum(sq[m]) / (float)(nb * BLK) + eps);
+#else
+    const W den = 1;
+#endif
 #pragma unroll
-    for (int m = 0; m < MMAX; ++m) {
-      const W s = warp_sum(acc[r][m]);
+    for (int r = 0; r < R; ++r) {
+      const W s = warp_sum(acc[r][m]) / den;
       if (lane == 0) red[warp][r][m] = s;
     }
+  }
   __syncthreads();
+#if RESID
+  static_assert(RW * OUTR * MMAX <= 256, "RESID: one output a thread");
+  float hsq = 0.f;                  // (the square of this thread's output of y)
+#endif
   for (int t = threadIdx.x; t < RW * OUTR * MMAX; t += blockDim.x) {
     const int g = t / (OUTR * MMAX), r = (t / MMAX) % OUTR, m = t % MMAX;
     const int n = (blockIdx.x * RW + g) * OUTR + r;
@@ -349,11 +374,22 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
     for (int j = 0; j < KW; ++j) u += red[g * KW + j][r + OUTR][m];
     v = LD(W, ST(TO, v));
     v = SWIGLU_OF(v, LD(W, ST(TO, u)));
+    y[(i64)m * N + n] = ST(TO, v);
+#elif RESID
+    const TO h = ST(TO, LD(W, res[m * rrs + n]) + LD(W, ST(TO, v)));
+    y[(i64)m * N + n] = h;
+    yw[(i64)m * N + n] = ST(TO, tof(h) * (tof(nw[n]) + noff));
+    hsq = tof(h) * tof(h);
 #else
     EPILOGUE
-#endif
     y[(i64)m * N + n] = ST(TO, v);
+#endif
   }
+#if RESID
+  // thread t holds row t % MMAX (MMAX divides 32): each warp's lanes of a row add up, lane m adds
+  for (int o = MMAX; o < 32; o <<= 1) hsq += __shfl_xor_sync(0xffffffffu, hsq, o);
+  if (lane < M && threadIdx.x < RW * OUTR * MMAX) atomicAdd(osq + lane * 32 + (blockIdx.x & 31), hsq);
+#endif
 }
 // @part dequant(THREADS, TO, STAGE, BPT, YV)
 // Dequantize rows into a contiguous y [rows, K]. STAGE: a tile of BPT blocks (one run of

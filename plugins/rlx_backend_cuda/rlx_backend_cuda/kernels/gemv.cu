@@ -7,26 +7,28 @@
 // (gate rows, then up rows); the warp computes gate row n and up row n + N and writes
 // SWIGLU_OF(gate, up) (the expression table's fused_swiglu), each rounded to TO first as the
 // unfused matmul would.
-// NORM: the product's x is rms_norm(x) * (nw + noff) (weights of type TN), from ssq[m * 32 + j]:
-// the sum of row m's squares in 32 parts, which the GEMV that wrote x added up (RESID). The
-// loop multiplies x by (nw + noff) as it reads it and the row's sum is divided by the norm at
-// the end (rms_norm's 1 / den moved past the sum: no norm before the products, the sums' load in
-// flight during them; the normed x is not rounded to T as the norm's own output is). Norming x
-// first cost more than the norm launches it saved on the H200: a division per x value in the
-// loop, or each block norming x into shared memory (the gate/up GEMV 26.2 us against 18.8
-// unfused). Block 0 zeroes `zero` (zn floats): the sums the NORM GEMV before this one read, whose
-// launch has finished once this one's wait returns (ops.GemvSums: a ring over the step; a
-// counter of the blocks that had read their own sums, one atomic a block on one address, cost
-// the gate/up GEMV 6.3 us more). So a decode step has no norm launch between two GEMVs.
+// NORM: the product's x is rms_norm(x0) * (nw + noff), where x holds x0 * (nw + noff) (written
+// beside x0 by the GEMV that wrote x0, RESID) and nsq[m * 32 + j] the sum of row m's squares of x0
+// in 32 parts: each row's sum is divided by sqrt(mean square + eps) at the end (the norm's 1 / den
+// moved past the sum: nothing before the products, the sums' load in flight during them; x0 * w is
+// rounded to T where the norm's own output rounds x0 / den * w). Each block norming x first cost
+// more than the norm launches it saved on the H200 (the gate/up GEMV 26.2 us against 18.8
+// unfused), and so did loading nw in the product loop in the packed GEMV (dq.cu: 13.6 -> 30 us).
+// Block 0 zeroes `zero` (zn floats): the sums the NORM GEMV before this one read, whose launch
+// has finished once this one's wait returns (ops.GemvSums: a ring over the step; a counter of the
+// blocks that had read their own sums, one atomic a block on one address, cost the gate/up GEMV
+// 6.3 us more). So a decode step has no norm launch between two GEMVs.
 // RESID: y = res + the product (res rows of stride rrs, the product rounded to TO first): the
-// h of a fused_residual_rms_norm whose r is this product; the squares of the (rounded) h added
-// into ssq (one atomic a warp and row, spread over the 32 parts by block).
+// h of a fused_residual_rms_norm whose r is this product; yw = y * (nw + noff) (the next NORM
+// GEMV's x) and the squares of the (rounded) y added into osq (one atomic a warp and row, spread
+// over the 32 parts by block).
 #if SWIGLU && RESID
 #error "rlx_gemv: RESID takes no SWIGLU"
 #endif
 extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__ x, long long xrs,
-    const T* __restrict__ w, TO* __restrict__ y, int M, int N, int K, const TN* __restrict__ nw, float eps,
-    float noff, const TO* __restrict__ res, long long rrs, float* ssq, float* zero, int zn) {
+    const T* __restrict__ w, TO* __restrict__ y, int M, int N, int K, float eps, const float* nsq,
+    const TN* __restrict__ nw, float noff, const TO* __restrict__ res, long long rrs, TO* __restrict__ yw,
+    float* osq, float* zero, int zn) {
   // KS: warps per row (each a KS-th of the row's 512-byte chunks)
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, part = wib % KS;
   const int n = blockIdx.x * (8 / KS) + wib / KS;
@@ -67,7 +69,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
 #if NORM
   float sq[MMAX];                   // (this lane's part of each row's sum of squares)
 #pragma unroll
-  for (int m = 0; m < MMAX; ++m) sq[m] = m < M ? LDCG(ssq + m * 32 + lane) : 0.f;
+  for (int m = 0; m < MMAX; ++m) sq[m] = m < M ? LDCG(nsq + m * 32 + lane) : 0.f;
   if (blockIdx.x == 0 && wib == 0)
     for (int j = lane; j < zn; j += 32) zero[j] = 0.f;
 #endif
@@ -90,14 +92,8 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
           const uint4 xv = *(const uint4*)(x + m * xrs + c * 8);
           const T* xp = (const T*)&xv;
           float xf[8];
-#if NORM
-          const rlx_vec<TN, 8> nv = *(const rlx_vec<TN, 8>*)(nw + c * 8);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) xf[e] = tof(xp[e]) * (tof(nv.v[e]) + noff);
-#else
 #pragma unroll
           for (int e = 0; e < 8; ++e) xf[e] = tof(xp[e]);
-#endif
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             const T* wp = (const T*)&wv[u][r];
@@ -155,13 +151,14 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
 #if RESID
         const TO h = ST(TO, tof(res[m * rrs + n * R + r]) + tof(ST(TO, s[m][r])));
         y[(i64)m * N + n * R + r] = h;
+        yw[(i64)m * N + n * R + r] = ST(TO, tof(h) * (tof(nw[n * R + r]) + noff));
         sq += tof(h) * tof(h);
 #else
         y[(i64)m * N + n * R + r] = ST(TO, s[m][r]);
 #endif
       }
 #if RESID
-    atomicAdd(ssq + m * 32 + (blockIdx.x & 31), sq);
+    atomicAdd(osq + m * 32 + (blockIdx.x & 31), sq);
 #endif
 #endif
   }
