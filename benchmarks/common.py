@@ -1,6 +1,9 @@
-"""What the benchmarks share: the HF names and shapes of a Llama config's tensors, and running
-one side of a comparison in a child process of its own."""
+"""What the benchmarks share: the HF names and shapes of a Llama config's tensors, running
+one side of a comparison in a child process of its own, and the two sides of a race on the
+same GGUF files (RLX's decode and llama.cpp's `llama-bench`)."""
 import json
+import os
+import shutil
 import subprocess
 import time
 
@@ -38,3 +41,83 @@ def run_child(cmd: list, side: str, timeout: float):
         return None
     log(f"{side}: done in {time.perf_counter() - t:.0f}s")
     return json.loads(line)
+
+
+def gpu_name() -> str:
+    """The GPU and driver nvidia-smi names (the hardware a GPU table is measured on)."""
+    if not shutil.which("nvidia-smi"):
+        return "no nvidia-smi"
+    p = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                       capture_output=True, text=True)
+    return p.stdout.strip() or "no nvidia-smi"
+
+
+def llama_quantize(llama_bin: str, src: str, dst: str, file_type: str) -> bool:
+    """llama.cpp's `llama-quantize src dst file_type` (e.g. Q4_K_M); False after logging why it failed."""
+    t0 = time.perf_counter()
+    p = subprocess.run([os.path.join(llama_bin, "llama-quantize"), src, dst, file_type], capture_output=True,
+                       text=True)
+    if p.returncode:
+        log(f"llama-quantize {file_type} failed (exit {p.returncode}): {(p.stdout + p.stderr)[-1500:]}")
+        return False
+    log(f"llama-quantize {file_type}: {os.path.getsize(dst) / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f}s)")
+    return True
+
+
+def rlx_gguf_decode(path: str, backend: str, prompt: int, new: int, repeat: int, vocab: int) -> tuple:
+    """RLX on a GGUF file, compute bf16: a `prompt`-id prompt (random ids below `vocab`) and `new`
+    greedy tokens (EOS ignored), the median of `repeat` generate calls after a warm-up one:
+    ({prefill_ms, decode_ms, load_and_warm_s}, the model)."""
+    import numpy as np
+
+    import rlx_core
+    from rlx_core.profile import CompileProfile, PrecisionConfig
+
+    t0 = time.perf_counter()
+    prof = CompileProfile("bf16", precision=PrecisionConfig(compute="bf16"))
+    m = rlx_core.load(path, backend=backend, profile=prof, progress=False)
+    ids = np.random.default_rng(3).integers(3, vocab, size=(1, prompt))
+    m.generate(ids, max_new_tokens=16, min_new_tokens=16)
+    pre, dec = [], []
+    for _ in range(repeat):
+        m.generate(ids, max_new_tokens=new, min_new_tokens=new)
+        pre.append(m.last_timings["prefill_s"])
+        dec.append(m.last_timings["decode_s_per_token"])
+    return {"prefill_ms": 1e3 * float(np.median(pre)), "decode_ms": 1e3 * float(np.median(dec)),
+            "load_and_warm_s": time.perf_counter() - t0}, m
+
+
+def llama_bench(llama_bin: str, path: str, prompt: int, new: int, repeat: int) -> dict | None:
+    """llama.cpp's `llama-bench -m path -ngl 99 -fa 1 -p prompt -n new -d prompt -r repeat`: prompt
+    processing, and generation at depth `prompt` (as RLX's decode after its prompt); None after
+    logging a build that failed or crashed."""
+    cmd = [os.path.join(llama_bin, "llama-bench"), "-m", path, "-ngl", "99", "-fa", "1", "-p", str(prompt),
+           "-n", str(new), "-d", str(prompt), "-r", str(repeat), "-o", "json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if p.returncode:
+        log(f"llama.cpp on {path}: crashed or failed (exit {p.returncode}): {(p.stdout + p.stderr)[-1500:]}")
+        return None
+    out = {}
+    for row in json.loads(p.stdout):
+        ms = row["avg_ns"] / 1e6
+        if row["n_gen"]:
+            out["decode_ms"] = ms / row["n_gen"]
+        elif row["n_prompt"]:
+            out["prefill_ms"] = ms
+    out["build"] = json.loads(p.stdout)[0].get("build_commit", "?")
+    return out
+
+
+def race_table(rows: list, ran_peer: bool, ratio_head: str, ratio) -> list:
+    """Markdown lines of a GGUF race: rows of (file kind, RLX's dict or None, llama.cpp's or None);
+    `ratio(rlx, peer)` the decode ratio its column `ratio_head` names. A side that failed gets no ratio."""
+    def cell(side, key, fmt, ran=True):
+        return format(side[key], fmt) if side and key in side else "failed" if ran else "not run"
+    lines = [f"| file | RLX decode ms/token | llama.cpp decode | {ratio_head} | RLX prefill ms | llama.cpp prefill |",
+             "|---|---|---|---|---|---|"]
+    for kind, rlx, peer in rows:
+        r = (f"{ratio(rlx, peer):.2f}" if rlx and peer
+             else "no ratio: " + ("RLX failed" if not rlx else "the peer failed" if ran_peer else "peer not run"))
+        lines.append(f"| {kind} | {cell(rlx, 'decode_ms', '.3f')} | {cell(peer, 'decode_ms', '.3f', ran_peer)} | {r} "
+                     f"| {cell(rlx, 'prefill_ms', '.1f')} | {cell(peer, 'prefill_ms', '.1f', ran_peer)} |")
+    return lines

@@ -33,12 +33,11 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import log, run_child  # noqa: E402
+from common import gpu_name, llama_bench, llama_quantize, log, race_table, rlx_gguf_decode, run_child  # noqa: E402
 from moe_cpu import FULL, hf_config, write_sharded  # noqa: E402
 
 FILE_TYPES = {"f16": "F16", "q4_k_m": "Q4_K_M"}      # llama-quantize's names
@@ -94,60 +93,19 @@ def make_files(a) -> dict:
             if not a.llama_bin:
                 log(f"{kind}: needs --llama-bin (llama-quantize writes it)")
                 continue
-            t0 = time.perf_counter()
-            p = subprocess.run([os.path.join(a.llama_bin, "llama-quantize"), path["f16"], path[kind], FILE_TYPES[kind]],
-                               capture_output=True, text=True)
-            if p.returncode:
-                log(f"llama-quantize {kind} failed (exit {p.returncode}): {(p.stdout + p.stderr)[-1500:]}")
-                continue
-            log(f"llama-quantize {FILE_TYPES[kind]}: {os.path.getsize(path[kind]) / 2**30:.2f} GiB "
-                f"({time.perf_counter() - t0:.0f}s)")
+            llama_quantize(a.llama_bin, path["f16"], path[kind], FILE_TYPES[kind])
     return {k: path[k] for k in kinds if os.path.exists(path[k])}
 
 
 # ------------------------------------------------------------------------------ the sides
 def side_rlx(a) -> dict:
-    import numpy as np
-
-    import rlx_core
-    from rlx_core.profile import CompileProfile, PrecisionConfig
-
-    t0 = time.perf_counter()
-    prof = CompileProfile("bf16", precision=PrecisionConfig(compute="bf16"))
-    m = rlx_core.load(a.child_file, backend=a.backend, profile=prof, progress=False)
-    ids = np.random.default_rng(3).integers(3, a.vocab, size=(1, a.prompt))
-    m.generate(ids, max_new_tokens=16, min_new_tokens=16)
-    pre, dec = [], []
-    for _ in range(a.repeat):
-        m.generate(ids, max_new_tokens=a.new, min_new_tokens=a.new)
-        pre.append(m.last_timings["prefill_s"])
-        dec.append(m.last_timings["decode_s_per_token"])
-    out = {"prefill_ms": 1e3 * float(np.median(pre)), "decode_ms": 1e3 * float(np.median(dec)),
-           "load_and_warm_s": time.perf_counter() - t0}
+    out, m = rlx_gguf_decode(a.child_file, a.backend, a.prompt, a.new, a.repeat, a.vocab)
     if a.profile:
         from gpu_kernels import decode_runner, kernel_table
         from qwen35_gpu import decode_by_op, decode_step
         out["step"] = decode_step(m)
         out["kernels"] = kernel_table(decode_runner(m)) if a.backend == "cuda" else {}
         out["by_op_ms"] = decode_by_op(m, a.prompt + a.new)
-    return out
-
-
-def side_llamacpp(a, path: str) -> dict | None:
-    cmd = [os.path.join(a.llama_bin, "llama-bench"), "-m", path, "-ngl", "99", "-fa", "1", "-p", str(a.prompt),
-           "-n", str(a.new), "-d", str(a.prompt), "-r", str(a.repeat), "-o", "json"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if p.returncode:
-        log(f"llama.cpp on {path}: crashed or failed (exit {p.returncode}): {(p.stdout + p.stderr)[-1500:]}")
-        return None
-    out = {}
-    for row in json.loads(p.stdout):
-        ms = row["avg_ns"] / 1e6
-        if row["n_gen"]:
-            out["decode_ms"] = ms / row["n_gen"]
-        elif row["n_prompt"]:
-            out["prefill_ms"] = ms
-    out["build"] = json.loads(p.stdout)[0].get("build_commit", "?")
     return out
 
 
@@ -181,27 +139,13 @@ def main() -> None:
                 for a2 in (f"--{k.replace('_', '-')}", str(v))] + ["--profile"] * a.profile
         rlx = run_child([sys.executable, os.path.abspath(__file__), *args, "--child-file", path], f"rlx {kind}",
                         timeout=1800)
-        peer = side_llamacpp(a, path) if a.llama_bin else None
+        peer = llama_bench(a.llama_bin, path, a.prompt, a.new, a.repeat) if a.llama_bin else None
         rows.append((kind, rlx, peer))
         log(json.dumps({"file": kind, "rlx": rlx, "llama.cpp": peer}))
-    log("\n| file | RLX decode ms/token | llama.cpp decode | RLX / llama.cpp (target <= 0.8) "
-        "| RLX prefill ms | llama.cpp prefill |")
-    log("|---|---|---|---|---|---|")
-    for kind, rlx, peer in rows:
-        ratio = (f"{rlx['decode_ms'] / peer['decode_ms']:.2f}" if rlx and peer
-                 else "no ratio: " + ("RLX failed" if not rlx else "the peer failed" if a.llama_bin else "peer not run"))
-        cell = lambda side, key, fmt, ran=True: (format(side[key], fmt) if side and key in side  # noqa: E731
-                                                 else "failed" if ran else "not run")
-        log(f"| {kind} | {cell(rlx, 'decode_ms', '.3f')} | {cell(peer, 'decode_ms', '.3f', bool(a.llama_bin))} | {ratio} "
-            f"| {cell(rlx, 'prefill_ms', '.1f')} | {cell(peer, 'prefill_ms', '.1f', bool(a.llama_bin))} |")
-
-
-def gpu_name() -> str:
-    if not shutil.which("nvidia-smi"):
-        return "no nvidia-smi"
-    p = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                       capture_output=True, text=True)
-    return p.stdout.strip() or "no nvidia-smi"
+    log("")
+    for line in race_table(rows, bool(a.llama_bin), "RLX / llama.cpp (target <= 0.8)",
+                           lambda rlx, peer: rlx["decode_ms"] / peer["decode_ms"]):
+        log(line)
 
 
 if __name__ == "__main__":

@@ -538,11 +538,13 @@ class GemvSums:
     the sums of the one before it in the step, whose launch has finished when its own grid
     wait returns; the step's first zeroes the last one's (set by `close` at the end of the
     build: they are zero again before the next step's GEMV adds into them). A step with one
-    NORM GEMV zeroes its sums in a memset after it."""
+    NORM GEMV zeroes its sums in a memset after it. GEMVs reading the same sums one after the
+    other (q/k and v of mixed formats) zero the same sums before them (`_gemv_norm` keeps
+    other readers out of the ring)."""
 
     def __init__(self):
         self.sums: list = []
-        self.first: list | None = None
+        self.readers: list = []           # per sums: the launch arguments of the GEMVs reading them
 
     @staticmethod
     def _zeroes(args: list, sums) -> None:
@@ -550,17 +552,22 @@ class GemvSums:
         args[-2:] = [sums, i32(sums.size)]
 
     def follow(self, ssq, args: list) -> None:
-        """Register a NORM GEMV reading `ssq` (its launch arguments end with zero, zn)."""
+        """Register a NORM GEMV reading `ssq` (its launch arguments end with zero, zn); a second
+        GEMV reading the last GEMV's sums zeroes what that one zeroes."""
+        if self.sums and self.sums[-1] is ssq:
+            args[-2:] = self.readers[-1][0][-2:]
+            self.readers[-1].append(args)
+            return
         if self.sums:
             self._zeroes(args, self.sums[-1])
-        else:
-            self.first = args
         self.sums.append(ssq)
+        self.readers.append([args])
 
     def close(self, b) -> None:
-        """At the end of the build: the first NORM GEMV zeroes the last one's sums."""
+        """At the end of the build: the first NORM GEMVs zero the last one's sums."""
         if len(self.sums) > 1:
-            self._zeroes(self.first, self.sums[-1])
+            for args in self.readers[0]:
+                self._zeroes(args, self.sums[-1])
         elif self.sums:
             rt, sums, stream = b.cp.cuda.runtime, self.sums[0], b.stream
             b.add(lambda: rt.memsetAsync(sums.data.ptr, 0, sums.nbytes, stream.ptr))
@@ -621,7 +628,7 @@ def _b_matmul(b, n, ins, outs):
     # (at prefill it was one [batch, seq, intermediate] buffer per layer: 2.1 GB at batch 32)
     rows = x.size // max(x.shape[-1], 1) if x.shape else 1
     sw = _swiglu_consumer(b, n) if rows <= GEMV_MAX_M else None
-    norm = b.gemv_norms.pop(tuple(n.inputs[0]), None)
+    norm = _gemv_norm(b, tuple(n.inputs[0]))
     resid = _residual_norm(b, n) if rows <= GEMV_MAX_M else None
     if norm is not None or resid is not None:
         def gemv(dst, norm, residual):
@@ -648,21 +655,26 @@ def _b_matmul(b, n, ins, outs):
 # (NORM), so the norm is no launch of its own: each small launch between two GEMVs leaves the
 # memory system idle while it runs. CONFIG["gemv_fusion"] (on by default; RLX_CUDA_GEMV_FUSION=0
 # at build turns it off) builds the norms as launches of their own when off.
-@attrs.frozen(eq=False)
+@attrs.define(eq=False)
 class GemvNorm:
-    """y = rms_norm(h) * (w + off) left for y's one consumer, a GEMV, to compute on its rows:
+    """y = rms_norm(h) * (w + off) left for y's readers, GEMVs, to compute on their rows:
     x = h * (w + off) and ssq (the sums of squares of h's rows in 32 parts), both written by
-    h's producer (GemvResidual); `unfused`: the norm's own launch (run where that consumer is
-    no GEMV, or under the cuBLAS switch)."""
+    h's producer (GemvResidual); `unfused`: the norm's own launch (run where a reader is no
+    GEMV, or under the cuBLAS switch). `readers` not yet built; `fused`: a GEMV computed it;
+    `ran`: its own launch ran (later readers read y)."""
     node: int
     x: V
     eps: float
     ssq: object
     unfused: tuple
+    readers: int
+    fused: bool = False
+    ran: bool = False
 
     def add_unfused(self, b) -> None:
-        """Add the norm's own launch as its node's step (in its consumer's place), then zero
-        the sums its producer left (no GEMV reads them)."""
+        """Add the norm's own launch as its node's step (in its reader's place), then zero the
+        sums its producer left (no later GEMV reads them)."""
+        self.ran = True
         with b.at_node(self.node):
             for fn in self.unfused:
                 b.add(fn)
@@ -692,6 +704,22 @@ class GemvResidual:
     tail: tuple
 
 
+def _gemv_norm(b, ref: tuple) -> GemvNorm | None:
+    """The norm a GEMV reading x = `ref` computes on its rows (its last reader takes it out of
+    b.gemv_norms), or None: x is no such norm's y, or the norm ran as its own launch (a reader
+    before could not compute it). A second reader with another NORM GEMV since the first (which
+    zeroed the sums: GemvSums) gets the norm's own launch."""
+    norm = b.gemv_norms.get(ref)
+    if norm is None:
+        return None
+    norm.readers -= 1
+    if not norm.readers:
+        del b.gemv_norms[ref]
+    if not norm.ran and norm.fused and b.gemv_sums.sums[-1] is not norm.ssq:
+        norm.add_unfused(b)
+    return None if norm.ran else norm
+
+
 def _collected(b, build) -> tuple:
     """The run functions of the steps `build()` adds, taken out of the step list."""
     mark = len(b.steps)
@@ -704,8 +732,8 @@ def _collected(b, build) -> tuple:
 def _residual_norm(b, n) -> tuple | None:
     """(node, x, w, eps, off) of the fused_residual_rms_norm (x + r) that is this matmul's
     output's only use (as r; or as x, then its r is returned as x), with nothing but params
-    between them (its h may be written at the matmul) and its y read only by a matmul's or
-    dequant_matmul's x that may run as the GEMV; else None."""
+    between them (its h may be written at the matmul) and its y read only as the x of matmuls
+    or dequant_matmuls (q/k and v of mixed formats: two) that may run as GEMVs; else None."""
     if not CONFIG["gemv_fusion"] or n.a.get("trans_a") or n.outs[0].dtype not in LOW:
         return None
     g = b.r.lir.graph
@@ -718,10 +746,10 @@ def _residual_norm(b, n) -> tuple | None:
         return None
     if any(g.nodes[t].op not in ("param", "constant") for t in range(b.node + 1, j)):
         return None
-    c = b.sole_consumer(j, "matmul", 1)
-    c = b.sole_consumer(j, "dequant_matmul", 1) if c is None else c
-    if c is None or tuple(g.nodes[c].inputs[0]) != (j, 1) or tuple(g.nodes[c].inputs[1]) == (j, 1) \
-            or g.nodes[c].a.get("trans_a"):
+    readers = b.uses.get((j, 1), [])
+    if not readers or not all(c >= 0 and g.nodes[c].op in ("matmul", "dequant_matmul")
+                              and tuple(g.nodes[c].inputs[0]) == (j, 1) and tuple(g.nodes[c].inputs[1]) != (j, 1)
+                              and not g.nodes[c].a.get("trans_a") for c in readers):
         return None
     # (x + r, either way round: the same float sum)
     x, w = b.vals.get(rin[1] if rin[0] == (b.node, 0) else rin[0]), b.vals.get(rin[2])
@@ -767,10 +795,12 @@ def _b_matmul_fused(b, n, ins, outs, sw, norm: GemvNorm | None, resid, gemv) -> 
         return False
     if sw is not None:
         b.absorbed.add(sw)
+    if norm is not None:
+        norm.fused = True
     if resid is not None:
         b.absorbed.add(j)
         own = _collected(b, lambda: _rms_norm(b, h, None, w, None, y, eps, off))
-        b.gemv_norms[(j, 1)] = GemvNorm(j, xw, eps, ssq, own)
+        b.gemv_norms[(j, 1)] = GemvNorm(j, xw, eps, ssq, own, len(b.uses[(j, 1)]))
     return True
 
 
@@ -924,7 +954,7 @@ def _b_dequant_matmul(b, n, ins, outs):
     act = n.a.get("act", "identity")
     plain = M <= DQ_MAX_M and bias is None and act == "identity"
     sw = _swiglu_consumer(b, n) if plain else None
-    norm = b.gemv_norms.pop(tuple(n.inputs[0]), None)
+    norm = _gemv_norm(b, tuple(n.inputs[0]))
     resid = _residual_norm(b, n) if plain else None
     if norm is not None or resid is not None:
         def gemv(dst, norm, residual):
