@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 
@@ -52,16 +53,24 @@ def gpu_name() -> str:
     return p.stdout.strip() or "no nvidia-smi"
 
 
-def llama_quantize(llama_bin: str, src: str, dst: str, file_type: str) -> bool:
-    """llama.cpp's `llama-quantize src dst file_type` (e.g. Q4_K_M); False after logging why it failed."""
-    t0 = time.perf_counter()
-    p = subprocess.run([os.path.join(llama_bin, "llama-quantize"), src, dst, file_type], capture_output=True,
-                       text=True)
-    if p.returncode:
-        log(f"llama-quantize {file_type} failed (exit {p.returncode}): {(p.stdout + p.stderr)[-1500:]}")
-        return False
-    log(f"llama-quantize {file_type}: {os.path.getsize(dst) / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f}s)")
-    return True
+def llama_quantized(llama_bin: str | None, path: dict, file_types: dict) -> None:
+    """The files path[kind] for kind in file_types that are missing, made from path["f16"] by
+    llama.cpp's `llama-quantize` (file_types: its names, e.g. Q4_K_M); each one it could not
+    make (no llama_bin, or it failed) is logged."""
+    for kind, file_type in file_types.items():
+        if kind not in path or os.path.exists(path[kind]):
+            continue
+        if not llama_bin:
+            log(f"{kind}: needs --llama-bin (llama-quantize writes it)")
+            continue
+        t0 = time.perf_counter()
+        p = subprocess.run([os.path.join(llama_bin, "llama-quantize"), path["f16"], path[kind], file_type],
+                           capture_output=True, text=True)
+        if p.returncode:
+            log(f"llama-quantize {file_type} failed (exit {p.returncode}): {(p.stdout + p.stderr)[-1500:]}")
+            continue
+        size = os.path.getsize(path[kind]) / 2**30
+        log(f"llama-quantize {file_type}: {size:.2f} GiB ({time.perf_counter() - t0:.0f}s)")
 
 
 def rlx_gguf_decode(path: str, backend: str, prompt: int, new: int, repeat: int, vocab: int) -> tuple:
@@ -113,11 +122,28 @@ def race_table(rows: list, ran_peer: bool, ratio_head: str, ratio) -> list:
     `ratio(rlx, peer)` the decode ratio its column `ratio_head` names. A side that failed gets no ratio."""
     def cell(side, key, fmt, ran=True):
         return format(side[key], fmt) if side and key in side else "failed" if ran else "not run"
-    lines = [f"| file | RLX decode ms/token | llama.cpp decode | {ratio_head} | RLX prefill ms | llama.cpp prefill |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"| file | RLX decode ms/token | llama.cpp decode | {ratio_head} | RLX prefill ms "
+             "| llama.cpp prefill |", "|---|---|---|---|---|---|"]
     for kind, rlx, peer in rows:
-        r = (f"{ratio(rlx, peer):.2f}" if rlx and peer
-             else "no ratio: " + ("RLX failed" if not rlx else "the peer failed" if ran_peer else "peer not run"))
-        lines.append(f"| {kind} | {cell(rlx, 'decode_ms', '.3f')} | {cell(peer, 'decode_ms', '.3f', ran_peer)} | {r} "
-                     f"| {cell(rlx, 'prefill_ms', '.1f')} | {cell(peer, 'prefill_ms', '.1f', ran_peer)} |")
+        why = "RLX failed" if not rlx else "the peer failed" if ran_peer else "peer not run"
+        r = f"{ratio(rlx, peer):.2f}" if rlx and peer else f"no ratio: {why}"
+        cells = [kind, cell(rlx, "decode_ms", ".3f"), cell(peer, "decode_ms", ".3f", ran_peer), r,
+                 cell(rlx, "prefill_ms", ".1f"), cell(peer, "prefill_ms", ".1f", ran_peer)]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def gguf_race(script: str, files: dict, child_args: list, a, ratio_head: str, ratio) -> None:
+    """Each GGUF file {kind: path}'s two sides, each in its own process: RLX (`script` run with
+    `child_args` and `--child-file PATH`, printing rlx_gguf_decode's dict) and, where
+    `a.llama_bin`, llama-bench at `a.prompt` / `a.new` / `a.repeat`; each row's JSON, then the table."""
+    rows = []
+    for kind, path in files.items():
+        rlx = run_child([sys.executable, script, *child_args, "--child-file", path], f"rlx {kind}",
+                        timeout=1800)
+        peer = llama_bench(a.llama_bin, path, a.prompt, a.new, a.repeat) if a.llama_bin else None
+        rows.append((kind, rlx, peer))
+        log(json.dumps({"file": kind, "rlx": rlx, "llama.cpp": peer}))
+    log("")
+    for line in race_table(rows, bool(a.llama_bin), ratio_head, ratio):
+        log(line)

@@ -28,7 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import gpu_name, llama_bench, llama_quantize, log, race_table, rlx_gguf_decode, run_child  # noqa: E402
+from common import gguf_race, gpu_name, llama_quantized, log, rlx_gguf_decode  # noqa: E402
 from llm_gpu import LLAMA_1B, make_weights  # noqa: E402
 
 FILE_TYPES = {"q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}      # llama-quantize's names
@@ -37,11 +37,13 @@ FILE_TYPES = {"q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}      # llama-quantize's names
 def gguf_names(cfg: dict) -> dict:
     """HF tensor name -> llama.cpp's GGUF name, for llm_gpu.make_weights' tensors."""
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-                 "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                 "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down"}
     for i in range(cfg["num_hidden_layers"]):
-        names.update({f"model.layers.{i}.{hf}.weight": f"blk.{i}.{gg}.weight" for hf, gg in per_layer.items()})
+        names.update({f"model.layers.{i}.{hf}.weight": f"blk.{i}.{gg}.weight"
+                      for hf, gg in per_layer.items()})
     return names
 
 
@@ -90,19 +92,16 @@ def make_files(a, cfg: dict) -> dict:
     if not os.path.exists(path["f16"]):
         t0 = time.perf_counter()
         write_f16(path["f16"], cfg)
-        log(f"wrote the F16 file: {os.path.getsize(path['f16']) / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f}s)")
-    for kind in set(kinds) & set(FILE_TYPES):
-        if not os.path.exists(path[kind]):
-            if not a.llama_bin:
-                log(f"{kind}: needs --llama-bin (llama-quantize writes it)")
-                continue
-            llama_quantize(a.llama_bin, path["f16"], path[kind], FILE_TYPES[kind])
+        size = os.path.getsize(path["f16"]) / 2**30
+        log(f"wrote the F16 file: {size:.2f} GiB ({time.perf_counter() - t0:.0f}s)")
+    llama_quantized(a.llama_bin, path, FILE_TYPES)
     return {k: path[k] for k in kinds if os.path.exists(path[k])}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--llama-bin", help="the folder of llama-bench and llama-quantize (none: RLX alone, F16 only)")
+    ap.add_argument("--llama-bin", help="the folder of llama-bench and llama-quantize "
+                                        "(none: RLX alone, F16 only)")
     ap.add_argument("--dir", default="/tmp/llama1b")
     ap.add_argument("--files", default="f16,q8_0,q4_k_m")
     ap.add_argument("--layers", type=int, default=16)
@@ -114,27 +113,17 @@ def main() -> None:
     a = ap.parse_args()
     cfg = dict(LLAMA_1B, num_hidden_layers=a.layers)
     if a.child_file:
-        print(json.dumps(rlx_gguf_decode(a.child_file, "cuda", a.prompt, a.new, a.repeat, cfg["vocab_size"])[0]),
-              flush=True)
+        out, _ = rlx_gguf_decode(a.child_file, "cuda", a.prompt, a.new, a.repeat, cfg["vocab_size"])
+        print(json.dumps(out), flush=True)
         return
-    log(f"device: {gpu_name()}; Llama-3.2-1B shape, {a.layers} layers; prompt {a.prompt}, {a.new} new tokens, "
-        f"median of {a.repeat}")
+    log(f"device: {gpu_name()}; Llama-3.2-1B shape, {a.layers} layers; prompt {a.prompt}, "
+        f"{a.new} new tokens, median of {a.repeat}")
     files = make_files(a, cfg)
     if a.files_only:
         return
-    rows = []
-    for kind, path in files.items():
-        args = ["--layers", str(a.layers), "--prompt", str(a.prompt), "--new", str(a.new), "--repeat", str(a.repeat)]
-        rlx = run_child([sys.executable, os.path.abspath(__file__), *args, "--child-file", path], f"rlx {kind}",
-                        timeout=1800)
-        peer = llama_bench(a.llama_bin, path, a.prompt, a.new, a.repeat) if a.llama_bin else None
-        rows.append((kind, rlx, peer))
-        log(json.dumps({"file": kind, "rlx": rlx, "llama.cpp": peer}))
-    log("")
-    for line in race_table(rows, bool(a.llama_bin), "llama.cpp / RLX (target >= 1.5 packed)",
-                           lambda rlx, peer: peer["decode_ms"] / rlx["decode_ms"]):
-        log(line)
-
+    args = [w for k in ("layers", "prompt", "new", "repeat") for w in (f"--{k}", str(getattr(a, k)))]
+    gguf_race(os.path.abspath(__file__), files, args, a, "llama.cpp / RLX (target >= 1.5 packed)",
+              lambda rlx, peer: peer["decode_ms"] / rlx["decode_ms"])
 
 if __name__ == "__main__":
     main()

@@ -37,7 +37,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import gpu_name, llama_bench, llama_quantize, log, race_table, rlx_gguf_decode, run_child  # noqa: E402
+from common import gguf_race, gpu_name, llama_quantized, log, rlx_gguf_decode  # noqa: E402
 from moe_cpu import FULL, hf_config, write_sharded  # noqa: E402
 
 FILE_TYPES = {"f16": "F16", "q4_k_m": "Q4_K_M"}      # llama-quantize's names
@@ -88,12 +88,7 @@ def make_files(a) -> dict:
             write_gguf(load_checkpoint(hf), path[k], RLX_SCHEMES[k], echo=log)
             log(f"rlx quantize -s {k}: {os.path.getsize(path[k]) / 2**30:.2f} GiB ({time.perf_counter() - t0:.0f}s)")
         shutil.rmtree(hf)
-    for kind in set(kinds) & set(FILE_TYPES) - set(RLX_SCHEMES):
-        if not os.path.exists(path[kind]):
-            if not a.llama_bin:
-                log(f"{kind}: needs --llama-bin (llama-quantize writes it)")
-                continue
-            llama_quantize(a.llama_bin, path["f16"], path[kind], FILE_TYPES[kind])
+    llama_quantized(a.llama_bin, path, {k: t for k, t in FILE_TYPES.items() if k not in RLX_SCHEMES})
     return {k: path[k] for k in kinds if os.path.exists(path[k])}
 
 
@@ -133,20 +128,11 @@ def main() -> None:
     files = make_files(a)
     if a.files_only:
         return
-    rows = []
-    for kind, path in files.items():
-        args = [a2 for k, v in vars(a).items() if v not in (None, False) and k not in ("child_file", "profile", "files_only")
-                for a2 in (f"--{k.replace('_', '-')}", str(v))] + ["--profile"] * a.profile
-        rlx = run_child([sys.executable, os.path.abspath(__file__), *args, "--child-file", path], f"rlx {kind}",
-                        timeout=1800)
-        peer = llama_bench(a.llama_bin, path, a.prompt, a.new, a.repeat) if a.llama_bin else None
-        rows.append((kind, rlx, peer))
-        log(json.dumps({"file": kind, "rlx": rlx, "llama.cpp": peer}))
-    log("")
-    for line in race_table(rows, bool(a.llama_bin), "RLX / llama.cpp (target <= 0.8)",
-                           lambda rlx, peer: rlx["decode_ms"] / peer["decode_ms"]):
-        log(line)
-
+    own = ("child_file", "profile", "files_only")
+    args = [a2 for k, v in vars(a).items() if v not in (None, False) and k not in own
+            for a2 in (f"--{k.replace('_', '-')}", str(v))] + ["--profile"] * a.profile
+    gguf_race(os.path.abspath(__file__), files, args, a, "RLX / llama.cpp (target <= 0.8)",
+              lambda rlx, peer: rlx["decode_ms"] / peer["decode_ms"])
 
 if __name__ == "__main__":
     main()

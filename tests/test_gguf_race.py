@@ -16,8 +16,9 @@ import common  # noqa: E402
 import llm_gpu  # noqa: E402
 import llm_gpu_gguf  # noqa: E402
 
-TINY = dict(llm_gpu.LLAMA_1B, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, intermediate_size=96, vocab_size=300)
+TINY = dict(llm_gpu.LLAMA_1B, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=300)
+F16, F32 = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32
 
 
 def test_the_f16_file_holds_the_weights_under_llama_cpp_names(tmp_path):
@@ -31,9 +32,10 @@ def test_the_f16_file_holds_the_weights_under_llama_cpp_names(tmp_path):
     assert set(got) == {names[k] for k in want}
     for hf, w in want.items():
         t = got[names[hf]]
-        assert t.tensor_type == (gguf.GGMLQuantizationType.F32 if w.ndim == 1 else gguf.GGMLQuantizationType.F16)
+        assert t.tensor_type == (F32 if w.ndim == 1 else F16)
+        stored = np.float16 if w.ndim == 2 else np.float32
         a = np.asarray(t.data, np.float32).reshape(w.shape)
-        np.testing.assert_array_equal(a, w.astype(np.float32).astype(np.float16 if w.ndim == 2 else np.float32))
+        np.testing.assert_array_equal(a, w.astype(np.float32).astype(stored))
     model = rlx_core.load(path, backend="numpy", progress=False)
     out = model.generate(np.array([[5, 6, 7]]), max_new_tokens=4, min_new_tokens=4)
     assert out.shape == (1, 7) and (out[0, 3:] < TINY["vocab_size"]).all()

@@ -499,7 +499,8 @@ def _gemv_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool 
     ks = gemv_split(warps, K, builder.sms)
     src = sources.render(sources.GEMV, T=dtype, TO=dtype, MMAX=mmax, R=rows, U=GEMV_LOADS, SWIGLU=int(swiglu),
                          KS=ks, SWIGLU_OF=codegen.swiglu_of("float"), NORM=int(norm is not None),
-                         TN=ctype(residual.w.dt) if residual is not None else dtype, RESID=int(residual is not None),
+                         TN=ctype(residual.w.dt) if residual is not None else dtype,
+                         RESID=int(residual is not None),
                          EARLY=int(builder.written_by_no_kernel(V(weight, out.dt))))
     fn = builder.kernel(src, "rlx_gemv")
     xrs = i64(K)
@@ -747,9 +748,11 @@ def _residual_norm(b, n) -> tuple | None:
     if any(g.nodes[t].op not in ("param", "constant") for t in range(b.node + 1, j)):
         return None
     readers = b.uses.get((j, 1), [])
-    if not readers or not all(c >= 0 and g.nodes[c].op in ("matmul", "dequant_matmul")
-                              and tuple(g.nodes[c].inputs[0]) == (j, 1) and tuple(g.nodes[c].inputs[1]) != (j, 1)
-                              and not g.nodes[c].a.get("trans_a") for c in readers):
+    def gemv_x(c):
+        m = g.nodes[c] if c >= 0 else None
+        return (m is not None and m.op in ("matmul", "dequant_matmul") and tuple(m.inputs[0]) == (j, 1)
+                and tuple(m.inputs[1]) != (j, 1) and not m.a.get("trans_a"))
+    if not readers or not all(gemv_x(c) for c in readers):
         return None
     # (x + r, either way round: the same float sum)
     x, w = b.vals.get(rin[1] if rin[0] == (b.node, 0) else rin[0]), b.vals.get(rin[2])

@@ -209,7 +209,8 @@ def test_a_gemv_that_norms_its_x_and_writes_the_next_h(rng, scheme):
     if scheme:
         qs = QuantScheme.parse(scheme)
         raw = qs.quantize(pv["p"].astype(np.float32))
-        pv["p"], floats["p"] = PackedTensor(raw, qs, sh["p"], "p"), qs.dequantize(raw, sh["p"], dtype=np.float64)
+        floats["p"] = qs.dequantize(raw, sh["p"], dtype=np.float64)
+        pv["p"] = PackedTensor(raw, qs, sh["p"], "p")
     ins = {"x": rng.uniform(-2, 2, (1, 1, hid)).astype(np.float32).astype(BF16.np),
            "a": rng.uniform(-2, 2, (1, 1, 64)).astype(np.float32).astype(BF16.np)}
 

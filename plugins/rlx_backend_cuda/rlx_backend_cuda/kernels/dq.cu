@@ -293,11 +293,8 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
   RLX_LOAD_Q(first)
 #endif
 #if NORM
-  float sq[MMAX];                   // (this lane's part of each row's sum of squares)
-#pragma unroll
-  for (int m = 0; m < MMAX; ++m) sq[m] = m < M ? LDCG(nsq + m * 32 + lane) : 0.f;
-  if (blockIdx.x == 0 && warp == 0)
-    for (int j = lane; j < zn; j += 32) zero[j] = 0.f;
+  float sq[MMAX];
+  rlx_norm_sums(sq, nsq, M, lane, blockIdx.x == 0 && warp == 0, zero, zn);
 #endif
   W acc[R][MMAX];
 #pragma unroll
@@ -346,7 +343,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
 #pragma unroll
   for (int m = 0; m < MMAX; ++m) {
 #if NORM
-    const W den = sqrtf(warp_sum(sq[m]) / (float)(nb * BLK) + eps);
+    const W den = rlx_norm_den(sq[m], nb * BLK, eps);
 #else
     const W den = 1;
 #endif

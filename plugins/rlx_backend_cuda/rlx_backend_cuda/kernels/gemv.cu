@@ -67,11 +67,8 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
   RLX_LOAD_W(first)
 #endif
 #if NORM
-  float sq[MMAX];                   // (this lane's part of each row's sum of squares)
-#pragma unroll
-  for (int m = 0; m < MMAX; ++m) sq[m] = m < M ? LDCG(nsq + m * 32 + lane) : 0.f;
-  if (blockIdx.x == 0 && wib == 0)
-    for (int j = lane; j < zn; j += 32) zero[j] = 0.f;
+  float sq[MMAX];
+  rlx_norm_sums(sq, nsq, M, lane, blockIdx.x == 0 && wib == 0, zero, zn);
 #endif
   float acc[R][MMAX];
 #pragma unroll
@@ -108,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
 #pragma unroll
   for (int m = 0; m < MMAX; ++m) {
 #if NORM
-    const float den = sqrtf(warp_sum(sq[m]) / (float)K + eps);
+    const float den = rlx_norm_den(sq[m], K, eps);
 #else
     const float den = 1.f;
 #endif

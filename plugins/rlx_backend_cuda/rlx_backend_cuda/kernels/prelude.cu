@@ -156,6 +156,20 @@ template <typename A> __device__ __forceinline__ A warp_max(A v) {
   for (int m = 16; m > 0; m >>= 1) { A o = SHFL_XOR(v, m); v = (o > v || o != o) ? o : v; }  // NaN wins
   return v;
 }
+// The NORM decode GEMVs (gemv.cu, dq.cu; ops.GemvSums): this lane's part of each x row's sum of
+// squares (nsq: 32 parts a row), loaded once the grid wait returned, and the zeroing of the sums
+// the NORM GEMV before this one read (zero, zn floats) by one warp (`zeroes`); rlx_norm_den: a
+// row's norm from those parts, over its K values.
+template <int MM> __device__ __forceinline__ void rlx_norm_sums(float (&sq)[MM], const float* nsq, int M, int lane,
+                                                               bool zeroes, float* zero, int zn) {
+#pragma unroll
+  for (int m = 0; m < MM; ++m) sq[m] = m < M ? LDCG(nsq + m * 32 + lane) : 0.f;
+  if (zeroes)
+    for (int j = lane; j < zn; j += 32) zero[j] = 0.f;
+}
+__device__ __forceinline__ float rlx_norm_den(float sq, int K, float eps) {
+  return sqrtf(warp_sum(sq) / (float)K + eps);
+}
 // block-wide sum / max (blockDim.x a multiple of 32, <= 1024); all threads get the result
 template <typename A> __device__ A block_sum(A v) {
   __shared__ A sh[32];
