@@ -294,3 +294,37 @@ def test_the_sums_ring_on_the_host():
     assert args[-2] is None and len(steps) == 1
     steps[0]()
     assert memsets == [(100, 0, 256, 7)]
+
+
+def test_a_norms_readers_on_the_host():
+    """ops._gemv_norm: readers of one norm each compute it while they follow one another in the
+    sums' ring; a reader after another NORM GEMV (which zeroed the sums) gets the norm's own
+    launch and the memset of its sums, and so do the readers after it; the last reader takes the
+    norm out (no GPU needed)."""
+    import contextlib
+    from types import SimpleNamespace as NS
+
+    from rlx_backend_cuda.ops import GemvNorm, GemvSums, _gemv_norm
+
+    S, T = (NS(size=32, nbytes=128, data=NS(ptr=p)) for p in (100, 200))
+    steps, memsets = [], []
+    b = NS(gemv_norms={}, gemv_sums=GemvSums(), add=steps.append, at_node=lambda i: contextlib.nullcontext(),
+           cp=NS(cuda=NS(runtime=NS(memsetAsync=lambda *a: memsets.append(a)))), stream=NS(ptr=7))
+
+    def norm_launch():
+        pass
+    norm = b.gemv_norms[(4, 1)] = GemvNorm(4, None, 1e-5, S, (norm_launch,), readers=4)
+
+    def fused_reader(ssq):                   # what a NORM GEMV's build does
+        got = _gemv_norm(b, (4, 1))
+        if got is not None:
+            b.gemv_sums.follow(ssq, ["x", None, 0])
+            got.fused = True
+        return got
+    assert fused_reader(S) is norm and fused_reader(S) is norm and not steps     # q/k, then v
+    b.gemv_sums.follow(T, ["x", None, 0])                                      # another norm's GEMV
+    assert fused_reader(S) is None and norm.ran and steps[0] is norm_launch
+    steps[1]()
+    assert memsets == [(100, 0, 128, 7)]
+    assert fused_reader(S) is None and len(steps) == 2 and (4, 1) not in b.gemv_norms
+
