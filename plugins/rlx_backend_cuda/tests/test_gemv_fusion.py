@@ -89,20 +89,34 @@ def build_and_run(g, params, ins, fusion: bool):
         set_config(gemv_fusion=was)
 
 
+def weights(rng, sh: dict, dt, schemes: dict) -> tuple:
+    """(params, the same as float64 arrays): random weights of the shapes `sh` in dt (norms near
+    one, matrices scaled by 1/sqrt(K)); those named in `schemes` packed in that scheme, their
+    float arrays then the decoded weights."""
+    pv = {n: (rng.uniform(0.8, 1.2, s) if len(s) == 1 else rng.uniform(-1, 1, s) / math.sqrt(s[-1]))
+          .astype(np.float32).astype(dt.np) for n, s in sh.items()}
+    floats = {k: np.asarray(v, np.float64) for k, v in pv.items()}
+    for n, scheme in schemes.items():
+        qs = QuantScheme.parse(scheme)
+        raw = qs.quantize(pv[n].astype(np.float32))
+        pv[n], floats[n] = PackedTensor(raw, qs, sh[n], n), qs.dequantize(raw, sh[n], dtype=np.float64)
+    return pv, floats
+
+
+def inputs(rng, dt, rows: int, hid: int, inner: int) -> dict:
+    """The residual stream x [rows, 1, hid] and attention output a [rows, 1, inner], in dt."""
+    return {"x": rng.uniform(-2, 2, (rows, 1, hid)).astype(np.float32).astype(dt.np),
+            "a": rng.uniform(-2, 2, (rows, 1, inner)).astype(np.float32).astype(dt.np)}
+
+
 def case(rng, dt, rows: int, hid: int, kn_head: bool = False, scheme: str = "", inner: int = 64,
          inter: int = 96):
     """(graph, params, inputs, the params as float arrays); scheme: every matrix but the head
     packed (dequant_matmul's GEMV), the float arrays then its decoded weights."""
     sh = shapes(hid, inner, inter, 300, kn_head)
-    pv = {n: (rng.uniform(0.8, 1.2, s) if len(s) == 1 else rng.uniform(-1, 1, s) / math.sqrt(s[-1]))
-          .astype(np.float32).astype(dt.np) for n, s in sh.items()}
-    floats, packed = dict(pv), {n for n, s in sh.items() if scheme and len(s) == 2 and n != "head"}
-    for n in packed:
-        qs = QuantScheme.parse(scheme)
-        raw = qs.quantize(pv[n].astype(np.float32))
-        pv[n], floats[n] = PackedTensor(raw, qs, sh[n], n), qs.dequantize(raw, sh[n], dtype=np.float64)
-    ins = {"x": rng.uniform(-2, 2, (rows, 1, hid)).astype(np.float32).astype(dt.np),
-           "a": rng.uniform(-2, 2, (rows, 1, inner)).astype(np.float32).astype(dt.np)}
+    packed = {n for n, s in sh.items() if scheme and len(s) == 2 and n != "head"}
+    pv, floats = weights(rng, sh, dt, {n: scheme for n in packed})
+    ins = inputs(rng, dt, rows, hid, inner)
 
     def f(m):
         p = {n: m.param(n, s, dt, scheme=scheme if n in packed else "") for n, s in sh.items()}
@@ -179,8 +193,7 @@ def test_one_norm_in_a_gemv_zeroes_its_own_sums(rng):
     pv = {"o": rng.uniform(-1, 1, (hid, inner)) / 8, "ln": rng.uniform(0.8, 1.2, (hid,)),
           "q": rng.uniform(-1, 1, (inner, hid)) / 16}
     pv = {k: v.astype(np.float32).astype(BF16.np) for k, v in pv.items()}
-    ins = {"x": rng.uniform(-2, 2, (1, 1, hid)).astype(np.float32).astype(BF16.np),
-           "a": rng.uniform(-2, 2, (1, 1, inner)).astype(np.float32).astype(BF16.np)}
+    ins = inputs(rng, BF16, 1, hid, inner)
 
     def f(m):
         p = {n: m.param(n, v.shape, BF16) for n, v in pv.items()}
@@ -203,16 +216,8 @@ def test_a_gemv_that_norms_its_x_and_writes_the_next_h(rng, scheme):
     sums buffers in one launch), dense and packed."""
     hid = 256
     sh = {"o": (hid, 64), "ln": (hid,), "p": (hid, hid), "ln2": (hid,), "q": (64, hid)}
-    pv = {n: (rng.uniform(0.8, 1.2, s) if len(s) == 1 else rng.uniform(-1, 1, s) / math.sqrt(s[-1]))
-          .astype(np.float32).astype(BF16.np) for n, s in sh.items()}
-    floats = {k: np.asarray(v, np.float64) for k, v in pv.items()}
-    if scheme:
-        qs = QuantScheme.parse(scheme)
-        raw = qs.quantize(pv["p"].astype(np.float32))
-        floats["p"] = qs.dequantize(raw, sh["p"], dtype=np.float64)
-        pv["p"] = PackedTensor(raw, qs, sh["p"], "p")
-    ins = {"x": rng.uniform(-2, 2, (1, 1, hid)).astype(np.float32).astype(BF16.np),
-           "a": rng.uniform(-2, 2, (1, 1, 64)).astype(np.float32).astype(BF16.np)}
+    pv, floats = weights(rng, sh, BF16, {"p": scheme} if scheme else {})
+    ins = inputs(rng, BF16, 1, hid, 64)
 
     def f(m):
         p = {n: m.param(n, s, BF16, scheme=scheme if n == "p" else "") for n, s in sh.items()}
@@ -237,15 +242,9 @@ def test_a_norm_read_by_three_gemvs(rng):
     file): each computes the norm from the same sums; no norm launch is left."""
     hid = 256
     sh = {"o": (hid, 64), "ln": (hid,), "p1": (64, hid), "p2": (96, hid), "p3": (32, hid)}
-    pv = {n: (rng.uniform(0.8, 1.2, s) if len(s) == 1 else rng.uniform(-1, 1, s) / math.sqrt(s[-1]))
-          .astype(np.float32).astype(BF16.np) for n, s in sh.items()}
-    floats, schemes = {k: np.asarray(v, np.float64) for k, v in pv.items()}, {"p1": "q8_0", "p2": "q4_k"}
-    for n, scheme in schemes.items():
-        qs = QuantScheme.parse(scheme)
-        raw = qs.quantize(pv[n].astype(np.float32))
-        pv[n], floats[n] = PackedTensor(raw, qs, sh[n], n), qs.dequantize(raw, sh[n], dtype=np.float64)
-    ins = {"x": rng.uniform(-2, 2, (1, 1, hid)).astype(np.float32).astype(BF16.np),
-           "a": rng.uniform(-2, 2, (1, 1, 64)).astype(np.float32).astype(BF16.np)}
+    schemes = {"p1": "q8_0", "p2": "q4_k"}
+    pv, floats = weights(rng, sh, BF16, schemes)
+    ins = inputs(rng, BF16, 1, hid, 64)
 
     def f(m):
         p = {n: m.param(n, s, BF16, scheme=schemes.get(n, "")) for n, s in sh.items()}
