@@ -42,6 +42,17 @@ template <int N, typename T> __device__ __forceinline__ RlxVec<T, N> rlx_vload(c
   }
   return r;
 }
+// rows [r0, r1) of `bytes` bytes each (stride rs elements) asked into L2, a 128-byte line a thread
+template <typename T>
+__device__ __forceinline__ void rlx_prefetch_rows(const T* base, i64 rs, i64 r0, i64 r1, int bytes, int tid, int nt) {
+#if !defined(RLX_HIP)
+  const int lines = (bytes + 127) / 128;
+  for (i64 t = tid; t < (r1 - r0) * lines; t += nt) {
+    const char* line = (const char*)(base + (r0 + t / lines) * rs) + (t % lines) * 128;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
+  }
+#endif
+}
 // @part split(NT, TQ, TK, TV, TM, TP, ACC, TO, ROWS, DK, DV, TILE, VK, TPK, NVK, VV, TPV, NVV, HAS_POS, MASKKIND, MASKMODE)
 // Split-K attention on CUDA cores (any float type; decode and the f32/f64 path).
 // grid (B*KVH, ceil(Sq*G/ROWS), nsplit), NT threads. A block's rows are (query i, head g of
@@ -58,17 +69,6 @@ template <int N, typename T> __device__ __forceinline__ RlxVec<T, N> rlx_vload(c
 // same launch (one launch, not a second combine kernel; `counters` start at 0 and that block
 // resets its own).
 #define NW (NT / 32)
-// rows [r0, r1) of `bytes` bytes each (stride rs elements) asked into L2, a 128-byte line a thread
-template <typename T>
-__device__ __forceinline__ void rlx_prefetch_rows(const T* base, i64 rs, i64 r0, i64 r1, int bytes, int tid, int nt) {
-#if !defined(RLX_HIP)
-  const int lines = (bytes + 127) / 128;
-  for (i64 t = tid; t < (r1 - r0) * lines; t += nt) {
-    const char* line = (const char*)(base + (r0 + t / lines) * rs) + (t % lines) * 128;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
-  }
-#endif
-}
 extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
     const TQ* __restrict__ q, long long qsb, long long qsh, long long qss,
     const TK* __restrict__ k, long long ksb, long long ksh, long long kss,
@@ -380,150 +380,214 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
     __syncwarp();
   }
 }
-// @part short(NT, TQ, TK, TV, TM, TP, TO, G, D, SK, VK, HAS_POS, MASKKIND, MASKMODE)
-// Decode attention over a short KV cache (one query row per head): one block per (batch, kv
-// head), no split over blocks and so no merge. Its G heads' q rows go to shared memory; each
-// thread scores whole keys (all its K rows loaded first, VK-element loads along the row: a
-// warp reads 32 consecutive rows); one warp per head turns its row of scores into
-// probabilities; then each warp sums P.V over every NW-th key, a lane per D/32 head dims (its
-// first value rows were loaded with the keys, later ones 8 at a time), and the warps' sums
-// meet in shared memory.
-// The split kernel's 96 small blocks and cross-block merge made a Llama-3.2-1B decode layer's
-// attention latency-bound (11.6 us on an H100 for 1.2 MB of K/V at batch 1).
+// @part decode(NT, TQ, TK, TV, TM, TP, TO, G, D, VK, QV, NL, HAS_POS, MASKKIND, MASKMODE)
+// Decode attention (one query row per head) where batch x kv heads fill at most one wave of
+// blocks: a block per (batch, kv head), its warps taking chunks of NL * KPL keys in turn. A
+// warp scores its chunk for all G heads of the kv head at once: LPK lanes take a key row in
+// VK-element loads (K and V of the chunk issued before any math), a butterfly sums each
+// row's dot products, and the warp keeps its own online softmax (no shared memory and no
+// barrier in the loop); the warps' (max, sum, P.V) meet in shared memory at the end.
+// Llama-3.2-1B-shaped decode (32 / 8 heads x 64, bf16, H200): the split-K kernel's 80 blocks
+// of 4 warps, each ~2,300 dependent instructions a warp (ncu: 6 cycles each), took 11.7 us a
+// launch at 563 keys; this kernel 7.2. A version whose (batch, kv head)s had an sm_90 cluster
+// of blocks each (merged through distributed shared memory) was slower, not faster: batch 4 in
+// clusters of 2 took 14.3 / 20.8 us at 704 / 2048 positions, batch 8 in single blocks 7.2 / 7.3.
 #define NW (NT / 32)
-extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
+// the weight exp(m - M) of a warp's sums with max m in a merge whose max is M (0: it had no key)
+__device__ __forceinline__ float rlx_part_weight(float m, float M) {
+  return (M != -RLX_INF && m != -RLX_INF) ? expf(m - M) : 0.f;
+}
+extern "C" __global__ void __launch_bounds__(NT) rlx_attn_decode(
     const TQ* __restrict__ q, long long qsb, long long qsh,
     const TK* __restrict__ k, long long ksb, long long ksh, long long kss,
     const TV* __restrict__ v, long long vsb, long long vsh, long long vss,
     const TM* __restrict__ mask, long long m0, long long m1, long long m3,
-    const TP* __restrict__ pos, int H, int KVH, int Sk, double scale_d, double cap_d, int window,
+    const TP* __restrict__ pos, int KVH, int Sk, double scale_d, double cap_d, int window,
     TO* __restrict__ out, long long osb, long long osh) {
   typedef float ACC;
-  constexpr int VD = D / 32;
-  constexpr int SH = G * SK > NW * G * D ? G * SK : NW * G * D;
-  __shared__ ACC sq[G * D];
-  __shared__ ACC sh[SH];          // scores, then probabilities, then the warps' P.V sums
-  __shared__ ACC s_l[G];
+  constexpr int LPK = D / VK, KPL = 32 / LPK, CH = NL * KPL;
+  static_assert(LPK * KPL == 32 && LPK * VK == D, "rlx_attn_decode: a key row takes a power of two lanes");
+  __shared__ ACC s_o[NW][G][D];
+  __shared__ ACC s_m[NW][G], s_l[NW][G];
   const int b = blockIdx.x / KVH, kvh = blockIdx.x % KVH;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int sl = lane % LPK, kg = lane / LPK;       // this lane's slice of a row, its key in a load
   const ACC scale = (ACC)scale_d, cap = (ACC)cap_d;
-  for (int t = tid; t < G * D; t += NT)
-    sq[t] = LD(ACC, q[b * qsb + (kvh * G + t / D) * qsh + t % D]);
+  const TK* kb = k + b * ksb + kvh * ksh + sl * VK;
+  const TV* vb = v + b * vsb + kvh * vsh + sl * VK;
+  const i64 step = (i64)NW * CH;                    // this warp's chunks: warp, warp + NW, ...
+  auto keys = [&](i64 p0, i64* kbeg, i64* kend) {
+    *kbeg = 0;
+    *kend = Sk;
+    if (MASKKIND >= 1) *kend = max((i64)0, min((i64)Sk, p0 + 1));
+    if (MASKKIND == 2) *kbeg = min(*kend, max((i64)0, p0 - window + 1));
+  };
+  // this warp's first chunk asked into L2 before the wait for the kernel before, as in
+  // rlx_attn_split (the position read early may be one that kernel still writes)
+#if HAS_POS
+  const i64 early = (i64)LDCG(pos + b);
+#else
+  const i64 early = (i64)(Sk - 1);
+#endif
+  {
+    i64 kbeg, kend;
+    keys(early, &kbeg, &kend);
+    const i64 c0 = kbeg + warp * CH;
+    rlx_prefetch_rows(k + b * ksb + kvh * ksh, kss, c0, min(kend, c0 + CH), D * (int)sizeof(TK), lane, 32);
+    rlx_prefetch_rows(v + b * vsb + kvh * vsh, vss, c0, min(kend, c0 + CH), D * (int)sizeof(TV), lane, 32);
+  }
+  RLX_GRID_WAIT();
 #if HAS_POS
   const i64 p0 = (i64)pos[b];
 #else
-  const i64 p0 = (i64)(Sk - 1);
+  const i64 p0 = early;
 #endif
-  i64 kbeg = 0, kend = Sk;
-  if (MASKKIND >= 1) kend = max((i64)0, min((i64)Sk, p0 + 1));
-  if (MASKKIND == 2) kbeg = min(kend, max((i64)0, p0 - window + 1));
-  __syncthreads();
-  // every thread's key rows (SK <= U1 * NT keys) and its warp's first UP value rows are
-  // loaded before any score is computed: one round trip to memory for most of the work
-  constexpr int U1 = (SK + NT - 1) / NT, NV = D / VK, UV = 8;
-  constexpr int UP = (SK + NW - 1) / NW < 2 * UV ? (SK + NW - 1) / NW : 2 * UV;
-  const TK* kb = k + b * ksb + kvh * ksh;
-  const TV* vb = v + b * vsb + kvh * vsh + lane * VD;
-  RlxVec<TK, VK> kr[U1][NV];
+  i64 kbeg, kend;
+  keys(p0, &kbeg, &kend);
+  ACC qr[G][VK], m[G], l[G], acc[G][VK];
 #pragma unroll
-  for (int u = 0; u < U1; ++u) {
-    const i64 j = kbeg + tid + u * NT;
+  for (int g = 0; g < G; ++g) {
+    m[g] = -(ACC)RLX_INF;
+    l[g] = 0;
+    const TQ* qg = q + b * qsb + (kvh * G + g) * qsh + sl * VK;
+#if QV
+    const RlxVec<TQ, VK> qv = rlx_vload<VK>(qg, true);    // (QV: q's rows and base allow VK-element loads)
+#endif
 #pragma unroll
-    for (int n = 0; n < NV; ++n) kr[u][n] = rlx_vload<VK>(kb + j * kss + n * VK, j < kend);
+    for (int e = 0; e < VK; ++e) {
+#if QV
+      qr[g][e] = LD(ACC, qv.v[e]);
+#else
+      qr[g][e] = LD(ACC, qg[e]);
+#endif
+      acc[g][e] = 0;
+    }
   }
-  RlxVec<TV, VD> vp[UP];
+  for (i64 j0 = kbeg + warp * CH; j0 < kend; j0 += step) {
+    RlxVec<TK, VK> kr[NL];
+    RlxVec<TV, VK> vr[NL];
 #pragma unroll
-  for (int u = 0; u < UP; ++u) vp[u] = rlx_vload<VD>(vb + (kbeg + warp + u * NW) * vss, kbeg + warp + u * NW < kend);
-#pragma unroll
-  for (int u = 0; u < U1; ++u) {
-    const i64 j = kbeg + tid + u * NT;
-    if (j >= kend) continue;
-    ACC s[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) s[g] = 0;
-#pragma unroll
-    for (int n = 0; n < NV; ++n)
-#pragma unroll
-      for (int e = 0; e < VK; ++e) {
-        const ACC x = LD(ACC, kr[u][n].v[e]);
-#pragma unroll
-        for (int g = 0; g < G; ++g) s[g] += sq[g * D + n * VK + e] * x;
-      }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      ACC x = s[g] * scale;
-      if (cap_d != 0.0) x = tanh(x / cap) * cap;
-      bool keep = true;
+    for (int n = 0; n < NL; ++n) {
+      const i64 j = j0 + n * KPL + kg;
+      kr[n] = rlx_vload<VK>(kb + j * kss, j < kend);
+      vr[n] = rlx_vload<VK>(vb + j * vss, j < kend);
+    }
 #if MASKMODE == 1
-      keep = mask[b * m0 + (kvh * G + g) * m1 + j * m3] != 0;
+    bool mk[NL][G];
 #elif MASKMODE == 2
-      x = x + LD(ACC, mask[b * m0 + (kvh * G + g) * m1 + j * m3]);
+    ACC mk[NL][G];
 #endif
-      sh[g * SK + j] = keep ? x : -(ACC)RLX_INF;
-    }
-  }
-  __syncthreads();
-  for (int g = warp; g < G; g += NW) {
-    ACC* row = sh + g * SK;
-    ACC mx = -(ACC)RLX_INF;
-    for (i64 j = kbeg + lane; j < kend; j += 32) mx = row[j] > mx ? row[j] : mx;
-    mx = warp_max(mx);
-    const bool live = mx > -(ACC)RLX_INF;
-    ACC sum = 0;
-    for (i64 j = kbeg + lane; j < kend; j += 32) {
-      const ACC p = live ? exp(row[j] - mx) : (ACC)0;
-      row[j] = p;
-      sum += p;
-    }
-    sum = warp_sum(sum);
-    if (lane == 0) s_l[g] = sum;
-  }
-  __syncthreads();
-  ACC acc[G][VD];
+#if MASKMODE
 #pragma unroll
-  for (int g = 0; g < G; ++g)
-#pragma unroll
-    for (int e = 0; e < VD; ++e) acc[g][e] = 0;
-  // P.V: warp w takes keys w, w + NW, ...: the UP it holds, then UV rows at a time
-#pragma unroll
-  for (int u = 0; u < UP; ++u) {
-    const i64 j = kbeg + warp + u * NW;
-    if (j >= kend) break;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const ACC p = sh[g * SK + j];
-#pragma unroll
-      for (int e = 0; e < VD; ++e) acc[g][e] += p * LD(ACC, vp[u].v[e]);
-    }
-  }
-  for (i64 j0 = kbeg + warp + UP * NW; j0 < kend; j0 += NW * UV) {
-    RlxVec<TV, VD> vv[UV];
-#pragma unroll
-    for (int u = 0; u < UV; ++u) vv[u] = rlx_vload<VD>(vb + (j0 + u * NW) * vss, j0 + u * NW < kend);
-#pragma unroll
-    for (int u = 0; u < UV; ++u) {
-      const i64 j = j0 + u * NW;
-      if (j >= kend) break;
+    for (int n = 0; n < NL; ++n) {
+      const i64 j = j0 + n * KPL + kg;
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        const ACC p = sh[g * SK + j];
-#pragma unroll
-        for (int e = 0; e < VD; ++e) acc[g][e] += p * LD(ACC, vv[u].v[e]);
+        const i64 mo = b * m0 + (kvh * G + g) * m1 + j * m3;
+#if MASKMODE == 1
+        mk[n][g] = j < kend && mask[mo] != 0;
+#else
+        mk[n][g] = j < kend ? LD(ACC, mask[mo]) : (ACC)0;
+#endif
       }
     }
+#endif
+    ACC s[NL][G];
+#pragma unroll
+    for (int n = 0; n < NL; ++n)
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        ACC t = 0;
+#pragma unroll
+        for (int e = 0; e < VK; ++e) t += qr[g][e] * LD(ACC, kr[n].v[e]);
+        s[n][g] = t;
+      }
+#pragma unroll
+    for (int o = LPK / 2; o > 0; o >>= 1)
+#pragma unroll
+      for (int n = 0; n < NL; ++n)
+#pragma unroll
+        for (int g = 0; g < G; ++g) s[n][g] += SHFL_XOR(s[n][g], o);
+#pragma unroll
+    for (int n = 0; n < NL; ++n) {
+      const i64 j = j0 + n * KPL + kg;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        ACC x = s[n][g] * scale;
+        if (cap_d != 0.0) x = tanh(x / cap) * cap;
+        bool keep = j < kend;
+        RLX_KEEP(p0, j, keep);
+#if MASKMODE == 1
+        keep = keep && mk[n][g];
+#elif MASKMODE == 2
+        x = x + mk[n][g];
+#endif
+        s[n][g] = keep ? x : -(ACC)RLX_INF;
+      }
+    }
+    // online softmax over the chunk: the max and sum over the warp's key groups
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      ACC cm = -(ACC)RLX_INF;
+#pragma unroll
+      for (int n = 0; n < NL; ++n) cm = rlx_max(cm, s[n][g]);     // a NaN score stays
+#pragma unroll
+      for (int o = LPK; o < 32; o <<= 1) cm = rlx_max(cm, SHFL_XOR(cm, o));
+      const ACC mn = rlx_max(m[g], cm);
+      const bool live = mn != -(ACC)RLX_INF;     // (NaN is live: its row comes out NaN)
+      const ACC a = live ? exp(m[g] - mn) : (ACC)1;
+      ACC ps = 0;
+#pragma unroll
+      for (int n = 0; n < NL; ++n) {
+        s[n][g] = live ? exp(s[n][g] - mn) : (ACC)0;
+        ps += s[n][g];
+      }
+#pragma unroll
+      for (int o = LPK; o < 32; o <<= 1) ps += SHFL_XOR(ps, o);
+      l[g] = l[g] * a + ps;
+      m[g] = mn;
+#pragma unroll
+      for (int e = 0; e < VK; ++e) acc[g][e] *= a;
+    }
+#pragma unroll
+    for (int n = 0; n < NL; ++n)
+#pragma unroll
+      for (int e = 0; e < VK; ++e) {
+        const ACC x = LD(ACC, vr[n].v[e]);
+#pragma unroll
+        for (int g = 0; g < G; ++g) acc[g][e] += s[n][g] == (ACC)0 ? (ACC)0 : s[n][g] * x;
+      }
   }
-  __syncthreads();
+  // the warp's key groups summed (lanes of one slice), then the block's warps merged
 #pragma unroll
-  for (int g = 0; g < G; ++g)
+  for (int o = LPK; o < 32; o <<= 1)
 #pragma unroll
-    for (int e = 0; e < VD; ++e) sh[(warp * G + g) * D + lane * VD + e] = acc[g][e];
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int e = 0; e < VK; ++e) acc[g][e] += SHFL_XOR(acc[g][e], o);
+  if (kg == 0) {
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int e = 0; e < VK; ++e) s_o[warp][g][sl * VK + e] = acc[g][e];
+  }
+  if (lane < G) {
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+      if (g == lane) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
+  }
   __syncthreads();
   for (int t = tid; t < G * D; t += NT) {
     const int g = t / D, d = t % D;
-    ACC o = 0;
+    ACC M = -(ACC)RLX_INF, O = 0, L = 0;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) o += sh[(w * G + g) * D + d];
-    const ACC l = s_l[g];
-    out[b * osb + (kvh * G + g) * osh + d] = ST(TO, l == 0 ? (ACC)0 : o / l);
+    for (int w = 0; w < NW; ++w) M = rlx_max(M, s_m[w][g]);
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const ACC f = rlx_part_weight(s_m[w][g], M);
+      O += f == (ACC)0 ? (ACC)0 : s_o[w][g][d] * f;
+      L += s_l[w][g] * f;
+    }
+    out[b * osb + (kvh * G + g) * osh + d] = ST(TO, L == 0 ? (ACC)0 : O / L);
   }
 }
