@@ -67,6 +67,9 @@ def catalog() -> list:
                                 "rlx_attn_split"))
             out.append((f"mask_fill {t}", S.render(S.MASK_FILL, TS=t, TO=t, ACC=acc, **common), "rlx_mask_fill"))
             if acc == "float":
+                for g, d, sk, vk in ((4, 64, 512, 16 // isz), (1, 256, 300, 1), (4, 128, 64, 16 // isz)):
+                    src = S.render(S.ATTN_SHORT, TQ=t, TK=t, TV=t, TO=t, **S.attn_short_shape(g, d, sk, vk), **common)
+                    out.append((f"attn_short {t} {mk}{mm} G{g} D{d} Sk{sk}", src, "rlx_attn_short"))
                 for g, d, vk, qv in ((4, 64, 16 // isz, 1), (1, 128, 16 // isz, 0), (8, 128, 16 // isz, 1)):
                     src = S.render(S.ATTN_DECODE, TQ=t, TK=t, TV=t, TO=t, **S.attn_decode_shape(g, d, vk), QV=qv,
                                    **common)

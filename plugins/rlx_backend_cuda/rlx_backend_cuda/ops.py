@@ -1957,13 +1957,16 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
 
     def split():
         fn_s(grid_s, (NT,), args_s, 0, stream)
+    short = _short_attention(b, q, k, v, mv, mst, pv, out, scale, cap, window, common) if acc == "float" else None
     decode = _decode_attention(b, q, k, v, mv, mst, pv, out, scale, cap, window, common) if acc == "float" else None
-    if tc is None and decode is None:
+    if tc is None and short is None and decode is None:
         b.add(split)
     else:
         def dispatch():
             if tc is not None and CONFIG["tc_attention"]:
                 tc()
+            elif short is not None and CONFIG["short_attention"]:
+                short()
             else:
                 (decode if decode is not None and CONFIG["decode_attention"] else split)()
         b.add(dispatch)
@@ -2007,13 +2010,40 @@ def _wg_attention(b, a: dict, q: V, k: V, v: V, mv, mst, pv, out: V, common: dic
     return run
 
 
+def _short_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, window, common: dict):
+    """A launch of sources.ATTN_SHORT for one decode row per head over a KV cache that fits its
+    shared memory, or None where it does not apply."""
+    B, H, Sq, D = q.shape
+    KVH, Sk = k.shape[1], k.shape[2]
+    vd = D // 32 if D % 32 == 0 else 0
+    if (Sq != 1 or b.hip or v.shape[3] != D or not vd or _attn_vec(v, D) % vd or out.es[3] != 1
+            or B * KVH > 2 * b.sms):                  # more blocks than that: the split kernel's loads win
+        return None
+    sh = sources.attn_short_shape(H // KVH, D, Sk, _attn_vec(k, D))
+    if sh is None:
+        return None
+    src = sources.render(sources.ATTN_SHORT, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt), TO=ctype(out.dt),
+                         **sh, **common)
+    fn = b.kernel(src, "rlx_attn_short")
+    qs, ks, vs = q.es, k.es, v.es
+    args = (q.arr, i64(qs[0]), i64(qs[1]), k.arr, i64(ks[0]), i64(ks[1]), i64(ks[2]), v.arr, i64(vs[0]),
+            i64(vs[1]), i64(vs[2]), mv, i64(mst[0]), i64(mst[1]), i64(mst[3]), pv.arr if pv is not None else None,
+            i32(H), i32(KVH), i32(Sk), scale, cap, window, out.arr, i64(out.es[0]), i64(out.es[1]))
+    grid, block, stream = (B * KVH,), (sh["NT"],), b.stream
+
+    def run():
+        fn(grid, block, args, 0, stream)
+    return run
+
+
 def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, window, common: dict):
-    """A launch of sources.ATTN_DECODE for one query row per head where batch x kv heads
-    fill at most one wave of blocks, or None where it does not apply."""
+    """A launch of sources.ATTN_DECODE for one query row per head where a cluster of blocks
+    per (batch row, kv head) fits one wave on an sm_90+ GPU, or None where it does not apply."""
     B, H, Sq, D = q.shape
     KVH, Sk = k.shape[1], k.shape[2]
     vk = min(_attn_vec(k, D), _attn_vec(v, D))
-    if Sq != 1 or b.hip or v.shape[3] != D or out.es[3] != 1 or B * KVH > b.sms:
+    if (Sq != 1 or b.hip or tuple(b.cc) < (9, 0) or v.shape[3] != D or out.es[3] != 1
+            or B * KVH * sources.ATTN_DECODE_CLUSTER > b.sms):
         return None
     sh = sources.attn_decode_shape(H // KVH, D, vk)
     if sh is None:
@@ -2025,7 +2055,7 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
     args = (q.arr, i64(qs[0]), i64(qs[1]), k.arr, i64(ks[0]), i64(ks[1]), i64(ks[2]), v.arr, i64(vs[0]),
             i64(vs[1]), i64(vs[2]), mv, i64(mst[0]), i64(mst[1]), i64(mst[3]), pv.arr if pv is not None else None,
             i32(KVH), i32(Sk), scale, cap, window, out.arr, i64(out.es[0]), i64(out.es[1]))
-    grid, block, stream = (B * KVH,), (sh["NT"],), b.stream
+    grid, block, stream = (B * KVH, sh["CL"]), (sh["NT"],), b.stream
 
     def run():
         fn(grid, block, args, 0, stream)

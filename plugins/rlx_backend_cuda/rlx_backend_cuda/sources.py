@@ -153,6 +153,7 @@ ROPE_VEC = Source("rope.cu:rope_vec")
 # --------------------------------------------------------------------------- attention
 MASK_FILL = Source("attn.cu:mask", "attn.cu:mask_fill")
 ATTN_SPLIT = Source("attn.cu:mask", "attn.cu:vec", "attn.cu:split")
+ATTN_SHORT = Source("attn.cu:mask", "attn.cu:vec", "attn.cu:short")
 ATTN_DECODE = Source("attn.cu:mask", "attn.cu:vec", "attn.cu:decode")
 ATTN_TC = Source("attn.cu:mask", "attn_tc.cu:common", "attn_tc.cu:tc")
 ATTN_WG = Source("attn.cu:mask", "attn_tc.cu:common", "attn_tc.cu:wg")
@@ -277,7 +278,25 @@ ATTN_LOADS = 2           # vector loads per lane for K and for V in one key tile
 ATTN_SMALL_GRID = (256, 4)
 
 
+ATTN_SHORT_THREADS = 512
+ATTN_SHORT_KEYS = 512           # cache positions up to which the short kernel is used (one key a thread)
+ATTN_SHORT_SMEM = 44 * 1024     # bytes of shared memory it may take
+
+
+def attn_short_shape(g: int, d: int, sk: int, vk: int) -> dict | None:
+    """ATTN_SHORT's compile-time shape for G query heads per kv head, head dim d (both K and
+    V), a KV cache of sk positions and vk-element K loads; None where it does not apply
+    (d not a multiple of 32 or over 256, G over 8, sk over ATTN_SHORT_KEYS, shared memory
+    over ATTN_SHORT_SMEM)."""
+    nt = ATTN_SHORT_THREADS
+    if (d % 32 or d > 256 or g > 8 or d % vk or sk > ATTN_SHORT_KEYS
+            or 4 * max(g * sk, nt // 32 * g * d) + 4 * g * d > ATTN_SHORT_SMEM):
+        return None
+    return dict(NT=nt, G=g, D=d, SK=sk, VK=vk)
+
+
 ATTN_DECODE_LOADS = 4           # K (and V) row loads a lane issues for its warp's chunk of keys
+ATTN_DECODE_CLUSTER = 8         # blocks sharing one (batch, kv head)'s keys (the portable cluster size)
 ATTN_DECODE_SMEM = 44 * 1024    # bytes of shared memory it may take
 
 
@@ -291,8 +310,8 @@ def attn_decode_shape(g: int, d: int, vk: int) -> dict | None:
         return None
     loads = ATTN_DECODE_LOADS if g * vk <= 32 else ATTN_DECODE_LOADS // 2    # (q and P.V sums: g * vk registers each)
     for nw in (8, 4):
-        if 4 * (nw * g * d + 2 * nw * g) <= ATTN_DECODE_SMEM:
-            return dict(NT=32 * nw, G=g, D=d, VK=vk, NL=loads)
+        if 4 * (nw * g * d + 2 * nw * g + g * d + 2 * g) <= ATTN_DECODE_SMEM:
+            return dict(NT=32 * nw, G=g, D=d, VK=vk, NL=loads, CL=ATTN_DECODE_CLUSTER)
     return None
 
 

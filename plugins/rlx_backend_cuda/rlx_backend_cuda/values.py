@@ -15,6 +15,7 @@ from rlx_core.ir.dtype import DType
 # rope_norm (read at build): q/k RMSNorms computed by the RoPE launch reading them (ops.RopeNorm);
 # RLX_CUDA_ROPE_NORM=0 builds them as launches of their own
 CONFIG = {"gemv": True, "tc_attention": True, "wg_attention": True, "lt_epilogue": True, "graphs": True,
+          "short_attention": os.environ.get("RLX_CUDA_SHORT_ATTENTION", "1") != "0",
           "decode_attention": os.environ.get("RLX_CUDA_DECODE_ATTENTION", "1") != "0",
           "copy16": os.environ.get("RLX_CUDA_COPY16", "1") != "0",
           "dependent_launch": os.environ.get("RLX_CUDA_DEPENDENT_LAUNCH", "1") != "0",

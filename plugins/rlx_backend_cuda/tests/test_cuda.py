@@ -641,7 +641,7 @@ DECODE_CASES = [c for c in ATTN_CASES if c[3] == 1] + [
     (2, 8, 2, 1, 300, 64, "sliding_window", 40, 30.0, "bias", True),
     (1, 12, 3, 1, 64, 128, "causal", 0, 0.0, "bool", True),
     (3, 2, 2, 1, 512, 32, "none", 0, 0.0, None, True),
-    (1, 8, 2, 1, 2100, 64, "causal", 0, 0.0, "bool", True),       # warps taking 16 chunks each
+    (1, 8, 2, 1, 2100, 64, "causal", 0, 0.0, "bool", True),       # the decode kernel's warps taking 2-3 chunks
     (1, 16, 2, 1, 700, 128, "causal", 0, 0.0, None, True),        # 8 heads a kv head: 2 loads a chunk
 ]
 
@@ -649,14 +649,15 @@ DECODE_CASES = [c for c in ATTN_CASES if c[3] == 1] + [
 @gpu
 @pytest.mark.parametrize("dt", FLOATS)
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{c[6]}-Sk{c[4]}-D{c[5]}-{c[9]}")
-@pytest.mark.parametrize("kernel", ["decode", "split"])
+@pytest.mark.parametrize("kernel", ["short", "decode", "split"])
 def test_decode_attention_kernels(rng, dt, case, kernel, monkeypatch):
-    """One query row per head: the decode kernel (a block per batch row and kv head, warps
-    taking chunks of keys) and the split-K kernel each equal the NumPy backend; every case
-    here takes the decode kernel when it is on."""
-    from rlx_backend_cuda import ops, set_config
+    """One query row per head: the short-context kernel (one block per kv head, caches up
+    to 512 positions), the decode kernel (a cluster of blocks per kv head; sm_90) and the
+    split-K kernel each equal the NumPy backend; every case takes the kernel asked for
+    where it applies."""
+    from rlx_backend_cuda import device, ops, set_config
 
-    made = spy(monkeypatch, ops, "_decode_attention")
+    made = {k: spy(monkeypatch, ops, f"_{k}_attention") for k in ("short", "decode")}
     B, H, KVH, Sq, Sk, D, kind, window, cap, mask, pos = case
     ins = {"q": rand(rng, (B, H, 1, D), dt), "k": rand(rng, (B, KVH, Sk, D), dt),
            "v": rand(rng, (B, KVH, Sk, D), dt), "pos": np.array([Sk - 1 - 7 * b for b in range(B)], np.int32)}
@@ -670,12 +671,14 @@ def test_decode_attention_kernels(rng, dt, case, kernel, monkeypatch):
         q, k, v = (m.input(n, ins[n].shape, dt) for n in ("q", "k", "v"))
         mv = m.input("mask", ins["mask"].shape, BOOL if mask in ("bool", "pad") else dt) if mask else None
         return m.attention(q, k, v, mv, m.input("pos", (B,), I32), mask_kind=kind, window=window, softcap=cap)
-    set_config(decode_attention=kernel == "decode")
+    set_config(short_attention=kernel == "short", decode_attention=kernel == "decode")
     try:
         compare(Graph.define("attn", f), ins, dt, profile=UNFUSED)
     finally:
-        set_config(decode_attention=True)
-    assert made and made[-1] is not None
+        set_config(short_attention=True, decode_attention=True)
+    applies = {"short": Sk <= 512, "decode": tuple(device.info().get("cc", (0, 0))) >= (9, 0)}
+    if applies.get(kernel):
+        assert made[kernel] and made[kernel][-1] is not None
 
 
 @gpu

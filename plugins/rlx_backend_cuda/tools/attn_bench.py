@@ -74,8 +74,8 @@ def main():
     ap.add_argument("--ctx", type=int, nargs="+", default=[384, 2048])
     ap.add_argument("--pos", type=float, default=0.75, help="position as a fraction of ctx")
     ap.add_argument("--heads", type=int, nargs=3, default=[32, 8, 64], help="H KVH D (Llama-3.2-1B)")
-    ap.add_argument("--compare", action="store_true", help="also time each case on the split-K kernel "
-                    "(CONFIG decode_attention off) beside the decode kernel")
+    ap.add_argument("--compare", action="store_true", help="also time each case on each decode kernel that "
+                    "applies (CONFIG short_attention, decode_attention: the short-context, decode and split-K kernels)")
     ap.add_argument("--sweep", action="store_true", help="also time each launch-shape constant of ops.py "
                     "(ATTN_*) at the values of SWEEP, the others at their defaults")
     a = ap.parse_args()
@@ -101,15 +101,15 @@ def main():
             e = check()
             r = next(iter(exe._runners.values()))
             t = timed(r)
-            if a.compare:                 # the same launch on each kernel (where it applies; else the split one)
+            if a.compare:                 # the same launch on each kernel (one that does not apply: the split one)
                 from rlx_backend_cuda.values import set_config
 
                 cells = []
-                for name in ("decode", "split"):
-                    set_config(decode_attention=name == "decode")
+                for name in ("short", "decode", "split"):
+                    set_config(short_attention=name == "short", decode_attention=name == "decode")
                     r._build()
                     cells.append(f"{name} {timed(r) * 1e6:.1f} us (rel err {check():.1e})")
-                set_config(decode_attention=True)
+                set_config(short_attention=True, decode_attention=True)
                 r._build()
                 print("  " + "; ".join(cells), flush=True)
             nbytes = 2 * D * 2 * KVH * int((ins["pos"].astype(np.int64) + 1).sum())

@@ -380,24 +380,188 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
     __syncwarp();
   }
 }
-// @part decode(NT, TQ, TK, TV, TM, TP, TO, G, D, VK, QV, NL, HAS_POS, MASKKIND, MASKMODE)
-// Decode attention (one query row per head) where batch x kv heads fill at most one wave of
-// blocks: a block per (batch, kv head), its warps taking chunks of NL * KPL keys in turn. A
-// warp scores its chunk for all G heads of the kv head at once: LPK lanes take a key row in
-// VK-element loads (K and V of the chunk issued before any math), a butterfly sums each
-// row's dot products, and the warp keeps its own online softmax (no shared memory and no
-// barrier in the loop); the warps' (max, sum, P.V) meet in shared memory at the end.
-// Llama-3.2-1B-shaped decode (32 / 8 heads x 64, bf16, H200): the split-K kernel's 80 blocks
-// of 4 warps, each ~2,300 dependent instructions a warp (ncu: 6 cycles each), took 11.7 us a
-// launch at 563 keys; this kernel 7.2. A version whose (batch, kv head)s had an sm_90 cluster
-// of blocks each (merged through distributed shared memory) was slower, not faster: batch 4 in
-// clusters of 2 took 14.3 / 20.8 us at 704 / 2048 positions, batch 8 in single blocks 7.2 / 7.3.
+// @part short(NT, TQ, TK, TV, TM, TP, TO, G, D, SK, VK, HAS_POS, MASKKIND, MASKMODE)
+// Decode attention over a short KV cache (one query row per head): one block per (batch, kv
+// head), no split over blocks and so no merge. Its G heads' q rows go to shared memory; each
+// thread scores whole keys (all its K rows loaded first, VK-element loads along the row: a
+// warp reads 32 consecutive rows); one warp per head turns its row of scores into
+// probabilities; then each warp sums P.V over every NW-th key, a lane per D/32 head dims (its
+// first value rows were loaded with the keys, later ones 8 at a time), and the warps' sums
+// meet in shared memory.
+// The split kernel's 96 small blocks and cross-block merge made a Llama-3.2-1B decode layer's
+// attention latency-bound (11.6 us on an H100 for 1.2 MB of K/V at batch 1).
 #define NW (NT / 32)
-// the weight exp(m - M) of a warp's sums with max m in a merge whose max is M (0: it had no key)
+extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
+    const TQ* __restrict__ q, long long qsb, long long qsh,
+    const TK* __restrict__ k, long long ksb, long long ksh, long long kss,
+    const TV* __restrict__ v, long long vsb, long long vsh, long long vss,
+    const TM* __restrict__ mask, long long m0, long long m1, long long m3,
+    const TP* __restrict__ pos, int H, int KVH, int Sk, double scale_d, double cap_d, int window,
+    TO* __restrict__ out, long long osb, long long osh) {
+  typedef float ACC;
+  constexpr int VD = D / 32;
+  constexpr int SH = G * SK > NW * G * D ? G * SK : NW * G * D;
+  __shared__ ACC sq[G * D];
+  __shared__ ACC sh[SH];          // scores, then probabilities, then the warps' P.V sums
+  __shared__ ACC s_l[G];
+  const int b = blockIdx.x / KVH, kvh = blockIdx.x % KVH;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const ACC scale = (ACC)scale_d, cap = (ACC)cap_d;
+  for (int t = tid; t < G * D; t += NT)
+    sq[t] = LD(ACC, q[b * qsb + (kvh * G + t / D) * qsh + t % D]);
+#if HAS_POS
+  const i64 p0 = (i64)pos[b];
+#else
+  const i64 p0 = (i64)(Sk - 1);
+#endif
+  i64 kbeg = 0, kend = Sk;
+  if (MASKKIND >= 1) kend = max((i64)0, min((i64)Sk, p0 + 1));
+  if (MASKKIND == 2) kbeg = min(kend, max((i64)0, p0 - window + 1));
+  __syncthreads();
+  // every thread's key rows (SK <= U1 * NT keys) and its warp's first UP value rows are
+  // loaded before any score is computed: one round trip to memory for most of the work
+  constexpr int U1 = (SK + NT - 1) / NT, NV = D / VK, UV = 8;
+  constexpr int UP = (SK + NW - 1) / NW < 2 * UV ? (SK + NW - 1) / NW : 2 * UV;
+  const TK* kb = k + b * ksb + kvh * ksh;
+  const TV* vb = v + b * vsb + kvh * vsh + lane * VD;
+  RlxVec<TK, VK> kr[U1][NV];
+#pragma unroll
+  for (int u = 0; u < U1; ++u) {
+    const i64 j = kbeg + tid + u * NT;
+#pragma unroll
+    for (int n = 0; n < NV; ++n) kr[u][n] = rlx_vload<VK>(kb + j * kss + n * VK, j < kend);
+  }
+  RlxVec<TV, VD> vp[UP];
+#pragma unroll
+  for (int u = 0; u < UP; ++u) vp[u] = rlx_vload<VD>(vb + (kbeg + warp + u * NW) * vss, kbeg + warp + u * NW < kend);
+#pragma unroll
+  for (int u = 0; u < U1; ++u) {
+    const i64 j = kbeg + tid + u * NT;
+    if (j >= kend) continue;
+    ACC s[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) s[g] = 0;
+#pragma unroll
+    for (int n = 0; n < NV; ++n)
+#pragma unroll
+      for (int e = 0; e < VK; ++e) {
+        const ACC x = LD(ACC, kr[u][n].v[e]);
+#pragma unroll
+        for (int g = 0; g < G; ++g) s[g] += sq[g * D + n * VK + e] * x;
+      }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      ACC x = s[g] * scale;
+      if (cap_d != 0.0) x = tanh(x / cap) * cap;
+      bool keep = true;
+#if MASKMODE == 1
+      keep = mask[b * m0 + (kvh * G + g) * m1 + j * m3] != 0;
+#elif MASKMODE == 2
+      x = x + LD(ACC, mask[b * m0 + (kvh * G + g) * m1 + j * m3]);
+#endif
+      sh[g * SK + j] = keep ? x : -(ACC)RLX_INF;
+    }
+  }
+  __syncthreads();
+  for (int g = warp; g < G; g += NW) {
+    ACC* row = sh + g * SK;
+    ACC mx = -(ACC)RLX_INF;
+    for (i64 j = kbeg + lane; j < kend; j += 32) mx = row[j] > mx ? row[j] : mx;
+    mx = warp_max(mx);
+    const bool live = mx > -(ACC)RLX_INF;
+    ACC sum = 0;
+    for (i64 j = kbeg + lane; j < kend; j += 32) {
+      const ACC p = live ? exp(row[j] - mx) : (ACC)0;
+      row[j] = p;
+      sum += p;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) s_l[g] = sum;
+  }
+  __syncthreads();
+  ACC acc[G][VD];
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int e = 0; e < VD; ++e) acc[g][e] = 0;
+  // P.V: warp w takes keys w, w + NW, ...: the UP it holds, then UV rows at a time
+#pragma unroll
+  for (int u = 0; u < UP; ++u) {
+    const i64 j = kbeg + warp + u * NW;
+    if (j >= kend) break;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const ACC p = sh[g * SK + j];
+#pragma unroll
+      for (int e = 0; e < VD; ++e) acc[g][e] += p * LD(ACC, vp[u].v[e]);
+    }
+  }
+  for (i64 j0 = kbeg + warp + UP * NW; j0 < kend; j0 += NW * UV) {
+    RlxVec<TV, VD> vv[UV];
+#pragma unroll
+    for (int u = 0; u < UV; ++u) vv[u] = rlx_vload<VD>(vb + (j0 + u * NW) * vss, j0 + u * NW < kend);
+#pragma unroll
+    for (int u = 0; u < UV; ++u) {
+      const i64 j = j0 + u * NW;
+      if (j >= kend) break;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const ACC p = sh[g * SK + j];
+#pragma unroll
+        for (int e = 0; e < VD; ++e) acc[g][e] += p * LD(ACC, vv[u].v[e]);
+      }
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int e = 0; e < VD; ++e) sh[(warp * G + g) * D + lane * VD + e] = acc[g][e];
+  __syncthreads();
+  for (int t = tid; t < G * D; t += NT) {
+    const int g = t / D, d = t % D;
+    ACC o = 0;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) o += sh[(w * G + g) * D + d];
+    const ACC l = s_l[g];
+    out[b * osb + (kvh * G + g) * osh + d] = ST(TO, l == 0 ? (ACC)0 : o / l);
+  }
+}
+// @part decode(NT, TQ, TK, TV, TM, TP, TO, G, D, VK, QV, NL, CL, HAS_POS, MASKKIND, MASKMODE)
+// Decode attention (one query row per head) over a KV cache longer than the short kernel
+// takes, where batch x kv heads are few: a cluster of CL blocks per (batch, kv head) shares
+// its keys, a chunk of NL * KPL keys to a warp at a time. A warp scores its chunk for all G
+// heads of the kv head at once: LPK lanes take a key row in VK-element loads (K and V of the
+// chunk issued before any math), a butterfly sums each row's dot products, and the warp
+// keeps its own online softmax (no shared memory and no barrier in the loop). The warps'
+// (max, sum, P.V) meet in shared memory, the blocks' through distributed shared memory (sm_90
+// clusters): no partials in global memory, no fence, no counter. Llama-3.2-1B-shaped decode
+// at 563 cached positions (32 / 8 heads x 64, bf16, H200): the split-K kernel (80 blocks of 4
+// warps, ~2,300 dependent instructions a warp, ncu: 6 cycles each) took 11.7 us a launch,
+// this one 7.2 and the Q4_K decode step 0.760 -> 0.699 ms. One block per (batch, kv head)
+// (no cluster) made that step 0.908 ms.
+#define NW (NT / 32)
+__device__ __forceinline__ unsigned rlx_cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void rlx_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// the float at p of block `rank`'s shared memory (p an address of this block's)
+__device__ __forceinline__ float rlx_cluster_load(const float* p, unsigned rank) {
+  unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
+  return v;
+}
+// the weight exp(m - M) of a warp's or block's sums with max m in a merge whose max is M (0: no key)
 __device__ __forceinline__ float rlx_part_weight(float m, float M) {
   return (M != -RLX_INF && m != -RLX_INF) ? expf(m - M) : 0.f;
 }
-extern "C" __global__ void __launch_bounds__(NT) rlx_attn_decode(
+extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT) rlx_attn_decode(
     const TQ* __restrict__ q, long long qsb, long long qsh,
     const TK* __restrict__ k, long long ksb, long long ksh, long long kss,
     const TV* __restrict__ v, long long vsb, long long vsh, long long vss,
@@ -409,13 +573,15 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_decode(
   static_assert(LPK * KPL == 32 && LPK * VK == D, "rlx_attn_decode: a key row takes a power of two lanes");
   __shared__ ACC s_o[NW][G][D];
   __shared__ ACC s_m[NW][G], s_l[NW][G];
+  __shared__ ACC c_o[G][D], c_m[G], c_l[G];        // this block's merge (the cluster reads it)
   const int b = blockIdx.x / KVH, kvh = blockIdx.x % KVH;
+  const unsigned rank = rlx_cluster_rank();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sl = lane % LPK, kg = lane / LPK;       // this lane's slice of a row, its key in a load
   const ACC scale = (ACC)scale_d, cap = (ACC)cap_d;
   const TK* kb = k + b * ksb + kvh * ksh + sl * VK;
   const TV* vb = v + b * vsb + kvh * vsh + sl * VK;
-  const i64 step = (i64)NW * CH;                    // this warp's chunks: warp, warp + NW, ...
+  const i64 gw = (i64)rank * NW + warp, step = (i64)CL * NW * CH;    // chunks gw, gw + CL * NW, ...
   auto keys = [&](i64 p0, i64* kbeg, i64* kend) {
     *kbeg = 0;
     *kend = Sk;
@@ -432,7 +598,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_decode(
   {
     i64 kbeg, kend;
     keys(early, &kbeg, &kend);
-    const i64 c0 = kbeg + warp * CH;
+    const i64 c0 = kbeg + gw * CH;
     rlx_prefetch_rows(k + b * ksb + kvh * ksh, kss, c0, min(kend, c0 + CH), D * (int)sizeof(TK), lane, 32);
     rlx_prefetch_rows(v + b * vsb + kvh * vsh, vss, c0, min(kend, c0 + CH), D * (int)sizeof(TV), lane, 32);
   }
@@ -463,7 +629,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_decode(
       acc[g][e] = 0;
     }
   }
-  for (i64 j0 = kbeg + warp * CH; j0 < kend; j0 += step) {
+  for (i64 j0 = kbeg + gw * CH; j0 < kend; j0 += step) {
     RlxVec<TK, VK> kr[NL];
     RlxVec<TV, VK> vr[NL];
 #pragma unroll
@@ -588,6 +754,27 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_decode(
       O += f == (ACC)0 ? (ACC)0 : s_o[w][g][d] * f;
       L += s_l[w][g] * f;
     }
+    c_o[g][d] = O;
+    if (d == 0) { c_m[g] = M; c_l[g] = L; }
+  }
+  // the cluster's blocks merged: block `rank` finishes its share of the G x D outputs
+  rlx_cluster_sync();
+  constexpr int PER = (G * D + CL - 1) / CL;
+  for (int t = tid; t < PER && rank * PER + t < G * D; t += NT) {
+    const int g = (rank * PER + t) / D, d = (rank * PER + t) % D;
+    ACC mr[CL], M = -(ACC)RLX_INF, O = 0, L = 0;
+#pragma unroll
+    for (int r = 0; r < CL; ++r) {
+      mr[r] = rlx_cluster_load(&c_m[g], r);
+      M = rlx_max(M, mr[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < CL; ++r) {
+      const ACC f = rlx_part_weight(mr[r], M);
+      O += f == (ACC)0 ? (ACC)0 : rlx_cluster_load(&c_o[g][d], r) * f;
+      L += rlx_cluster_load(&c_l[g], r) * f;
+    }
     out[b * osb + (kvh * G + g) * osh + d] = ST(TO, L == 0 ? (ACC)0 : O / L);
   }
+  rlx_cluster_sync();            // (no block leaves while another reads its shared memory)
 }
