@@ -71,8 +71,8 @@ def catalog() -> list:
                     src = S.render(S.ATTN_SHORT, TQ=t, TK=t, TV=t, TO=t, **S.attn_short_shape(g, d, sk, vk), **common)
                     out.append((f"attn_short {t} {mk}{mm} G{g} D{d} Sk{sk}", src, "rlx_attn_short"))
                 for g, d, vk, qv in ((4, 64, 16 // isz, 1), (1, 128, 16 // isz, 0), (8, 128, 16 // isz, 1)):
-                    src = S.render(S.ATTN_DECODE, TQ=t, TK=t, TV=t, TO=t, **S.attn_decode_shape(g, d, vk), QV=qv,
-                                   **common)
+                    sh = S.attn_decode_shape(g, d, vk)
+                    src = S.render(S.ATTN_DECODE, TQ=t, TK=t, TV=t, TO=t, QV=qv, **sh, **common)
                     out.append((f"attn_decode {t} {mk}{mm} G{g} D{d}", src, "rlx_attn_decode"))
             if t in ("__nv_bfloat16", "__half"):
                 for d, vec, mt in ((64, 1, 2), (128, 0, 1), (128, 1, 2), (32, 1, 1), (96, 1, 2), (256, 1, 1)):

@@ -1957,8 +1957,9 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
 
     def split():
         fn_s(grid_s, (NT,), args_s, 0, stream)
-    short = _short_attention(b, q, k, v, mv, mst, pv, out, scale, cap, window, common) if acc == "float" else None
-    decode = _decode_attention(b, q, k, v, mv, mst, pv, out, scale, cap, window, common) if acc == "float" else None
+    rest = (b, q, k, v, mv, mst, pv, out, scale, cap, window, common)
+    short = _short_attention(*rest) if acc == "float" else None
+    decode = _decode_attention(*rest) if acc == "float" else None
     if tc is None and short is None and decode is None:
         b.add(split)
     else:
@@ -2048,13 +2049,14 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
     sh = sources.attn_decode_shape(H // KVH, D, vk)
     if sh is None:
         return None
-    src = sources.render(sources.ATTN_DECODE, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt), TO=ctype(out.dt),
-                         QV=int(_attn_vec(q, D) % vk == 0), **sh, **common)
+    src = sources.render(sources.ATTN_DECODE, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt),
+                         TO=ctype(out.dt), QV=int(_attn_vec(q, D) % vk == 0), **sh, **common)
     fn = b.kernel(src, "rlx_attn_decode")
     qs, ks, vs = q.es, k.es, v.es
     args = (q.arr, i64(qs[0]), i64(qs[1]), k.arr, i64(ks[0]), i64(ks[1]), i64(ks[2]), v.arr, i64(vs[0]),
-            i64(vs[1]), i64(vs[2]), mv, i64(mst[0]), i64(mst[1]), i64(mst[3]), pv.arr if pv is not None else None,
-            i32(KVH), i32(Sk), scale, cap, window, out.arr, i64(out.es[0]), i64(out.es[1]))
+            i64(vs[1]), i64(vs[2]), mv, i64(mst[0]), i64(mst[1]), i64(mst[3]),
+            pv.arr if pv is not None else None, i32(KVH), i32(Sk), scale, cap, window, out.arr,
+            i64(out.es[0]), i64(out.es[1]))
     grid, block, stream = (B * KVH, sh["CL"]), (sh["NT"],), b.stream
 
     def run():

@@ -308,7 +308,8 @@ def attn_decode_shape(g: int, d: int, vk: int) -> dict | None:
     lanes = d // vk
     if d % vk or lanes > 32 or lanes & (lanes - 1) or g > 8:
         return None
-    loads = ATTN_DECODE_LOADS if g * vk <= 32 else ATTN_DECODE_LOADS // 2    # (q and P.V sums: g * vk registers each)
+    # (q and the P.V sums take g * vk registers each)
+    loads = ATTN_DECODE_LOADS if g * vk <= 32 else ATTN_DECODE_LOADS // 2
     for nw in (8, 4):
         if 4 * (nw * g * d + 2 * nw * g + g * d + 2 * g) <= ATTN_DECODE_SMEM:
             return dict(NT=32 * nw, G=g, D=d, VK=vk, NL=loads, CL=ATTN_DECODE_CLUSTER)

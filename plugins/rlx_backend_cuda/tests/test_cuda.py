@@ -641,7 +641,7 @@ DECODE_CASES = [c for c in ATTN_CASES if c[3] == 1] + [
     (2, 8, 2, 1, 300, 64, "sliding_window", 40, 30.0, "bias", True),
     (1, 12, 3, 1, 64, 128, "causal", 0, 0.0, "bool", True),
     (3, 2, 2, 1, 512, 32, "none", 0, 0.0, None, True),
-    (1, 8, 2, 1, 2100, 64, "causal", 0, 0.0, "bool", True),       # the decode kernel's warps taking 2-3 chunks
+    (1, 8, 2, 1, 2100, 64, "causal", 0, 0.0, "bool", True),       # decode kernel: warps take 2-3 chunks
     (1, 16, 2, 1, 700, 128, "causal", 0, 0.0, None, True),        # 8 heads a kv head: 2 loads a chunk
 ]
 
@@ -898,7 +898,7 @@ def test_out_of_memory_names_bytes():
 def test_every_kernel_waits_for_the_kernel_before_it():
     """Launched as programmatic dependents (device.Kernel), kernels must wait for the kernel
     before them before reading its results: each catalog kernel gets one RLX_GRID_WAIT()
-    (the GEMVs, the RMSNorm, the split attention and the Gated DeltaNet step place their own,
+    (the GEMVs, the RMSNorm, the split and decode attention and the Gated DeltaNet step place their own,
     after their first loads of what no kernel of the run writes or an L2 prefetch), and no
     line moves."""
     from rlx_backend_cuda import kernels_catalog, sources
@@ -909,7 +909,8 @@ def test_every_kernel_waits_for_the_kernel_before_it():
         assert out.count("\n") == src.count("\n"), name
         body = out[out.index(f" {kname}("):]
         assert "RLX_GRID_WAIT();" in body, name
-        placed = kname in ("rlx_gemv", "rlx_dq_gemv", "rlx_gdn_net", "rlx_rms_norm", "rlx_attn_split")
+        placed = kname in ("rlx_gemv", "rlx_dq_gemv", "rlx_gdn_net", "rlx_rms_norm", "rlx_attn_split",
+                           "rlx_attn_decode")
         assert ("{ RLX_GRID_WAIT();" in body) is not placed, name
 
 

@@ -74,8 +74,9 @@ def main():
     ap.add_argument("--ctx", type=int, nargs="+", default=[384, 2048])
     ap.add_argument("--pos", type=float, default=0.75, help="position as a fraction of ctx")
     ap.add_argument("--heads", type=int, nargs=3, default=[32, 8, 64], help="H KVH D (Llama-3.2-1B)")
-    ap.add_argument("--compare", action="store_true", help="also time each case on each decode kernel that "
-                    "applies (CONFIG short_attention, decode_attention: the short-context, decode and split-K kernels)")
+    ap.add_argument("--compare", action="store_true", help="also time each case on each decode kernel "
+                    "that applies (CONFIG short_attention, decode_attention: the short-context, decode "
+                    "and split-K kernels)")
     ap.add_argument("--sweep", action="store_true", help="also time each launch-shape constant of ops.py "
                     "(ATTN_*) at the values of SWEEP, the others at their defaults")
     a = ap.parse_args()
@@ -101,7 +102,7 @@ def main():
             e = check()
             r = next(iter(exe._runners.values()))
             t = timed(r)
-            if a.compare:                 # the same launch on each kernel (one that does not apply: the split one)
+            if a.compare:                 # the launch on each kernel (one that does not apply: split-K)
                 from rlx_backend_cuda.values import set_config
 
                 cells = []
