@@ -80,6 +80,16 @@ def wgmma_missing(cc, hip: bool) -> str:
     return ""
 
 
+def cluster_missing(cc, hip: bool) -> str:
+    """Why the cluster decode attention (thread-block clusters, distributed shared memory)
+    cannot run on this GPU; '' where it can."""
+    if hip:
+        return "a ROCm GPU: its inline PTX is CUDA's"
+    if tuple(cc) < (9, 0):
+        return f"it needs sm_90 or later (thread-block clusters); this GPU is {_sm(cc)}"
+    return ""
+
+
 def supported_dtypes() -> frozenset:
     """What this GPU computes: every type (complex64 in FFTs, elementwise arithmetic and
     views); bf16 needs sm_80+."""

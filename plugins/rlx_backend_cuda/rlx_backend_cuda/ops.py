@@ -2043,7 +2043,7 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
     B, H, Sq, D = q.shape
     KVH, Sk = k.shape[1], k.shape[2]
     vk = min(_attn_vec(k, D), _attn_vec(v, D))
-    if (Sq != 1 or b.hip or tuple(b.cc) < (9, 0) or v.shape[3] != D or out.es[3] != 1
+    if (Sq != 1 or device.cluster_missing(b.cc, b.hip) or v.shape[3] != D or out.es[3] != 1
             or B * KVH * sources.ATTN_DECODE_CLUSTER > b.sms):
         return None
     sh = sources.attn_decode_shape(H // KVH, D, vk)

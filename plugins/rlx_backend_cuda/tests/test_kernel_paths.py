@@ -45,6 +45,17 @@ def test_wgmma_only_on_sm90(gpu, cc):
     assert device.wgmma_missing(cc, False) and not device.mma_missing(cc, False)
 
 
+@pytest.mark.parametrize("cc", [(8, 0), (8, 9), (9, 0), (10, 0)])
+def test_cluster_decode_attention_from_sm90(gpu, cc):
+    """Thread-block clusters (sm_90 and later, sm_100 too): the decode attention past the short
+    kernel's 512 positions; before that the split attention, with the GPU named."""
+    p = gpu(cc)["cluster decode attention (KV caches past 512 positions, few batch rows)"]
+    assert p["on"] is (cc >= (9, 0)), p
+    if not p["on"]:
+        assert f"sm_{cc[0]}{cc[1]}" in p["reason"] and "split attention runs instead" in p["reason"], p
+    assert "ROCm" in device.cluster_missing((9, 0), True)
+
+
 def test_before_sm80_the_cuda_core_kernels_run(gpu):
     paths = gpu((7, 5))
     for name in ("tensor-core attention (mma.sync)", "wgmma + TMA attention",
@@ -64,14 +75,16 @@ def test_rocm_and_a_driver_without_launch_ex(gpu):
 def test_switches_name_themselves(gpu):
     from rlx_backend_cuda.values import CONFIG
 
-    was = {k: CONFIG[k] for k in ("wg_attention", "gemv_fusion")}
-    set_config(wg_attention=False, gemv_fusion=False)
+    was = {k: CONFIG[k] for k in ("wg_attention", "gemv_fusion", "decode_attention")}
+    set_config(wg_attention=False, gemv_fusion=False, decode_attention=False)
     try:
         paths = gpu((9, 0))
     finally:
         set_config(**was)
     for name, switch in (("wgmma + TMA attention", "wg_attention"),
-                         ("residual norms inside the decode GEMVs", "gemv_fusion")):
+                         ("residual norms inside the decode GEMVs", "gemv_fusion"),
+                         ("cluster decode attention (KV caches past 512 positions, few batch rows)",
+                          "decode_attention")):
         assert not paths[name]["on"] and f"set_config({switch}=False)" in paths[name]["reason"], paths[name]
     assert paths["tensor-core attention (mma.sync)"]["on"]
 
