@@ -114,7 +114,7 @@ class CudaBackend(Backend):
             path("wgmma + TMA attention",
                  wg or ("" if attention["on"] else "the tensor-core attention is off"),
                  "the mma.sync attention runs instead" if attention["on"] else split, "wg_attention"),
-            path("cluster decode attention (KV caches past 512 positions, few batch rows)",
+            path("cluster decode attention (KV caches of 513-2048 positions, few batch rows)",
                  device.cluster_missing(cc, hip), "the split attention runs instead", "decode_attention"),
             path("programmatic dependent launch", device.dependent_launch_missing(),
                  "each kernel starts once the one before it has drained", "dependent_launch"),

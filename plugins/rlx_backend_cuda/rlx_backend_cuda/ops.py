@@ -2038,13 +2038,14 @@ def _short_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, windo
 
 
 def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, window, common: dict):
-    """A launch of sources.ATTN_DECODE for one query row per head where a cluster of blocks
-    per (batch row, kv head) fits one wave on an sm_90+ GPU, or None where it does not apply."""
+    """A launch of sources.ATTN_DECODE for one query row per head over a KV cache of at most
+    ATTN_DECODE_KEYS positions where a cluster of blocks per (batch row, kv head) fits one wave
+    on an sm_90+ GPU, or None where it does not apply."""
     B, H, Sq, D = q.shape
     KVH, Sk = k.shape[1], k.shape[2]
     vk = min(_attn_vec(k, D), _attn_vec(v, D))
     if (Sq != 1 or device.cluster_missing(b.cc, b.hip) or v.shape[3] != D or out.es[3] != 1
-            or B * KVH * sources.ATTN_DECODE_CLUSTER > b.sms):
+            or Sk > sources.ATTN_DECODE_KEYS or B * KVH * sources.ATTN_DECODE_CLUSTER > b.sms):
         return None
     sh = sources.attn_decode_shape(H // KVH, D, vk)
     if sh is None:

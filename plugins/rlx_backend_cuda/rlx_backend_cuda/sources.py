@@ -297,6 +297,7 @@ def attn_short_shape(g: int, d: int, sk: int, vk: int) -> dict | None:
 
 ATTN_DECODE_LOADS = 4           # K (and V) row loads a lane issues for its warp's chunk of keys
 ATTN_DECODE_CLUSTER = 8         # blocks sharing one (batch, kv head)'s keys (the portable cluster size)
+ATTN_DECODE_KEYS = 2048         # cache positions up to which it is used (measured faster than split-K there)
 ATTN_DECODE_SMEM = 44 * 1024    # bytes of shared memory it may take
 
 

@@ -47,9 +47,9 @@ def test_wgmma_only_on_sm90(gpu, cc):
 
 @pytest.mark.parametrize("cc", [(8, 0), (8, 9), (9, 0), (10, 0)])
 def test_cluster_decode_attention_from_sm90(gpu, cc):
-    """Thread-block clusters (sm_90 and later, sm_100 too): the decode attention past the short
-    kernel's 512 positions; before that the split attention, with the GPU named."""
-    p = gpu(cc)["cluster decode attention (KV caches past 512 positions, few batch rows)"]
+    """Thread-block clusters (sm_90 and later, sm_100 too): the decode attention between the
+    short kernel's 512 positions and 2048; before sm_90 the split attention, the GPU named."""
+    p = gpu(cc)["cluster decode attention (KV caches of 513-2048 positions, few batch rows)"]
     assert p["on"] is (cc >= (9, 0)), p
     if not p["on"]:
         assert f"sm_{cc[0]}{cc[1]}" in p["reason"] and "split attention runs instead" in p["reason"], p
@@ -83,7 +83,7 @@ def test_switches_name_themselves(gpu):
         set_config(**was)
     for name, switch in (("wgmma + TMA attention", "wg_attention"),
                          ("residual norms inside the decode GEMVs", "gemv_fusion"),
-                         ("cluster decode attention (KV caches past 512 positions, few batch rows)",
+                         ("cluster decode attention (KV caches of 513-2048 positions, few batch rows)",
                           "decode_attention")):
         assert not paths[name]["on"] and f"set_config({switch}=False)" in paths[name]["reason"], paths[name]
     assert paths["tensor-core attention (mma.sync)"]["on"]

@@ -529,17 +529,17 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
 }
 // @part decode(NT, TQ, TK, TV, TM, TP, TO, G, D, VK, QV, NL, CL, HAS_POS, MASKKIND, MASKMODE)
 // Decode attention (one query row per head) over a KV cache longer than the short kernel
-// takes, where batch x kv heads are few: a cluster of CL blocks per (batch, kv head) shares
-// its keys, a chunk of NL * KPL keys to a warp at a time. A warp scores its chunk for all G
-// heads of the kv head at once: LPK lanes take a key row in VK-element loads (K and V of the
-// chunk issued before any math), a butterfly sums each row's dot products, and the warp
-// keeps its own online softmax (no shared memory and no barrier in the loop). The warps'
-// (max, sum, P.V) meet in shared memory, the blocks' through distributed shared memory (sm_90
-// clusters): no partials in global memory, no fence, no counter. Llama-3.2-1B-shaped decode
-// at 563 cached positions (32 / 8 heads x 64, bf16, H200): the split-K kernel (80 blocks of 4
-// warps, ~2,300 dependent instructions a warp, ncu: 6 cycles each) took 11.7 us a launch,
-// this one 7.2 and the Q4_K decode step 0.760 -> 0.699 ms. One block per (batch, kv head)
-// (no cluster) made that step 0.908 ms.
+// takes (up to ATTN_DECODE_KEYS, sources.py) with few batch x kv heads: a cluster of CL
+// blocks per (batch, kv head) shares its keys, a chunk of NL * KPL keys to a warp at a time.
+// A warp scores its chunk for all G heads of the kv head at once: LPK lanes take a key row
+// in VK-element loads (K and V of the chunk issued before any math), a butterfly sums each
+// row's dot products, and the warp keeps its own online softmax (no shared memory and no
+// barrier in the loop). The warps' (max, sum, P.V) meet in shared memory, the blocks' through
+// distributed shared memory (sm_90 clusters): no partials in global memory, no fence, no
+// counter. Llama-3.2-1B-shaped decode at 563 cached positions (32 / 8 heads x 64, bf16,
+// H200): the split-K kernel (80 blocks of 4 warps; at 409 positions ncu counted ~2,300
+// instructions a warp at 6 cycles each) took 12.0 us a launch, this one 7.2; the q4_k step went
+// 0.760 -> 0.699 ms. One block per (batch, kv head), no cluster, made that step 0.908 ms.
 #define NW (NT / 32)
 __device__ __forceinline__ unsigned rlx_cluster_rank() {
   unsigned r;
