@@ -1,11 +1,20 @@
 // Attention on CUDA cores: the mask shared by every attention kernel, mask_fill, split-K
 // decode attention (any float type) and the short-cache decode kernel.
-// @part mask(MASKKIND)
+// @part mask(MASKKIND, MASKMODE)
 // Masking shared by the attention kernels and mask_fill. MASKKIND: 0 none, 1 causal,
 // 2 sliding window. MASKMODE: 0 none, 1 bool keep-mask, 2 additive bias.
 #define RLX_KEEP(qpos, j, keep) do { \
   if (MASKKIND >= 1) keep = keep && ((j) <= (qpos)); \
   if (MASKKIND == 2) keep = keep && ((j) > (qpos) - window); } while (0)
+// a mask entry as the decode kernels hold it: the keep flag at p where ok (MASKMODE 1), or
+// the bias at p as an A where ok, else 0 (MASKMODE 2)
+#if MASKMODE == 1
+#define RLX_MASK_T(A) bool
+#define RLX_MASK_AT(p, ok, A) ((ok) && *(p) != 0)
+#elif MASKMODE == 2
+#define RLX_MASK_T(A) A
+#define RLX_MASK_AT(p, ok, A) ((ok) ? LD(A, *(p)) : (A)0)
+#endif
 // @part mask_fill(TS, TM, TP, TO, ACC, HAS_POS, MASKMODE)
 extern "C" __global__ void rlx_mask_fill(const TS* __restrict__ sc, long long s0, long long s1,
     long long s2, long long s3, const TM* __restrict__ mask, long long m0, long long m1, long long m2,
@@ -183,23 +192,13 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
         vr[u][n] = rlx_vload<VV>(vb + j * vss + c, j < ce && c < DV);
       }
     }
-#if MASKMODE == 1
-    bool mk[UK][WR];
-#elif MASKMODE == 2
-    ACC mk[UK][WR];
-#endif
 #if MASKMODE
+    RLX_MASK_T(ACC) mk[UK][WR];
 #pragma unroll
     for (int u = 0; u < UK; ++u) {
       const i64 j = t0 + gk + u * KPB;
 #pragma unroll
-      for (int w = 0; w < WR; ++w) {
-#if MASKMODE == 1
-        mk[u][w] = mine[w] && j < ce && mask[mo[w] + j * m3] != 0;
-#else
-        mk[u][w] = (mine[w] && j < ce) ? LD(ACC, mask[mo[w] + j * m3]) : (ACC)0;
-#endif
-      }
+      for (int w = 0; w < WR; ++w) mk[u][w] = RLX_MASK_AT(mask + mo[w] + j * m3, mine[w] && j < ce, ACC);
     }
 #endif
     // scores: each lane's part of the dot products, summed over its group of TPK lanes
@@ -638,24 +637,13 @@ extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT) rlx_
       kr[n] = rlx_vload<VK>(kb + j * kss, j < kend);
       vr[n] = rlx_vload<VK>(vb + j * vss, j < kend);
     }
-#if MASKMODE == 1
-    bool mk[NL][G];
-#elif MASKMODE == 2
-    ACC mk[NL][G];
-#endif
 #if MASKMODE
+    RLX_MASK_T(ACC) mk[NL][G];
 #pragma unroll
     for (int n = 0; n < NL; ++n) {
       const i64 j = j0 + n * KPL + kg;
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const i64 mo = b * m0 + (kvh * G + g) * m1 + j * m3;
-#if MASKMODE == 1
-        mk[n][g] = j < kend && mask[mo] != 0;
-#else
-        mk[n][g] = j < kend ? LD(ACC, mask[mo]) : (ACC)0;
-#endif
-      }
+      for (int g = 0; g < G; ++g) mk[n][g] = RLX_MASK_AT(mask + b * m0 + (kvh * G + g) * m1 + j * m3, j < kend, ACC);
     }
 #endif
     ACC s[NL][G];
