@@ -39,7 +39,7 @@ extern "C" __global__ void rlx_mask_fill(const TS* __restrict__ sc, long long s0
     out[o] = ST(TO, keep ? v : -(ACC)RLX_INF);
   }
 }
-// @part vec()
+// @part vec(HAS_POS)
 template <typename T, int N> struct alignas(sizeof(T) * N) RlxVec { T v[N]; };
 template <int N, typename T> __device__ __forceinline__ RlxVec<T, N> rlx_vload(const T* p, bool ok) {
   RlxVec<T, N> r;
@@ -51,6 +51,15 @@ template <int N, typename T> __device__ __forceinline__ RlxVec<T, N> rlx_vload(c
   }
   return r;
 }
+// a decode kernel's query position (row b's pos, else `last`): read past L1 before the wait for
+// the kernel before (to aim L2 prefetches; that kernel may still write it), and after it
+#if HAS_POS
+#define RLX_POS_EARLY(pos, b, last) ((i64)LDCG((pos) + (b)))
+#define RLX_POS(pos, b, early) ((i64)(pos)[b])
+#else
+#define RLX_POS_EARLY(pos, b, last) ((i64)(last))
+#define RLX_POS(pos, b, early) (early)
+#endif
 // rows [r0, r1) of `bytes` bytes each (stride rs elements) asked into L2, a 128-byte line a thread
 template <typename T>
 __device__ __forceinline__ void rlx_prefetch_rows(const T* base, i64 rs, i64 r0, i64 r1, int bytes, int tid, int nt) {
@@ -62,7 +71,7 @@ __device__ __forceinline__ void rlx_prefetch_rows(const T* base, i64 rs, i64 r0,
   }
 #endif
 }
-// @part split(NT, TQ, TK, TV, TM, TP, ACC, TO, ROWS, DK, DV, TILE, VK, TPK, NVK, VV, TPV, NVV, HAS_POS, MASKKIND, MASKMODE)
+// @part split(NT, TQ, TK, TV, TM, TP, ACC, TO, ROWS, DK, DV, TILE, VK, TPK, NVK, VV, TPV, NVV, MASKKIND, MASKMODE)
 // Split-K attention on CUDA cores (any float type; decode and the f32/f64 path).
 // grid (B*KVH, ceil(Sq*G/ROWS), nsplit), NT threads. A block's rows are (query i, head g of
 // this kv head) pairs, so K/V are read once for all G heads (GQA-native). The block's keys
@@ -120,11 +129,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
   // writes q (device.Kernel): the cache rows come from DRAM, the loop's loads then from L2.
   // The position read here (past L1) may be one the kernel before still writes: then only
   // the prefetch is of less use.
-#if HAS_POS
-  const i64 early = (i64)LDCG(pos + b);
-#else
-  const i64 early = (i64)(Sk - Sq);
-#endif
+  const i64 early = RLX_POS_EARLY(pos, b, Sk - Sq);
   {
     i64 cs, ce;
     split_keys(early, &cs, &ce);
@@ -132,11 +137,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
     rlx_prefetch_rows(vb, vss, cs, min(ce, cs + 2 * TILE), DV * (int)sizeof(TV), tid, NT);
   }
   RLX_GRID_WAIT();
-#if HAS_POS
-  const i64 p0 = (i64)pos[b];
-#else
-  const i64 p0 = early;
-#endif
+  const i64 p0 = RLX_POS(pos, b, early);
   ACC qr[ROWS][NVK * VK];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
@@ -526,7 +527,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
     out[b * osb + (kvh * G + g) * osh + d] = ST(TO, l == 0 ? (ACC)0 : o / l);
   }
 }
-// @part decode(NT, TQ, TK, TV, TM, TP, TO, G, D, VK, QV, NL, CL, HAS_POS, MASKKIND, MASKMODE)
+// @part decode(NT, TQ, TK, TV, TM, TP, TO, G, D, VK, QV, NL, CL, MASKKIND, MASKMODE)
 // Decode attention (one query row per head) over a KV cache longer than the short kernel
 // takes (up to ATTN_DECODE_KEYS, sources.py) with few batch x kv heads: a cluster of CL
 // blocks per (batch, kv head) shares its keys, a chunk of NL * KPL keys to a warp at a time.
@@ -587,13 +588,8 @@ extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT) rlx_
     if (MASKKIND >= 1) *kend = max((i64)0, min((i64)Sk, p0 + 1));
     if (MASKKIND == 2) *kbeg = min(*kend, max((i64)0, p0 - window + 1));
   };
-  // this warp's first chunk asked into L2 before the wait for the kernel before, as in
-  // rlx_attn_split (the position read early may be one that kernel still writes)
-#if HAS_POS
-  const i64 early = (i64)LDCG(pos + b);
-#else
-  const i64 early = (i64)(Sk - 1);
-#endif
+  // this warp's first chunk asked into L2 before the wait for the kernel before
+  const i64 early = RLX_POS_EARLY(pos, b, Sk - 1);
   {
     i64 kbeg, kend;
     keys(early, &kbeg, &kend);
@@ -602,11 +598,7 @@ extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT) rlx_
     rlx_prefetch_rows(v + b * vsb + kvh * vsh, vss, c0, min(kend, c0 + CH), D * (int)sizeof(TV), lane, 32);
   }
   RLX_GRID_WAIT();
-#if HAS_POS
-  const i64 p0 = (i64)pos[b];
-#else
-  const i64 p0 = early;
-#endif
+  const i64 p0 = RLX_POS(pos, b, early);
   i64 kbeg, kend;
   keys(p0, &kbeg, &kend);
   ACC qr[G][VK], m[G], l[G], acc[G][VK];
