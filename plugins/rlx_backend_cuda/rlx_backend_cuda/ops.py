@@ -1957,9 +1957,9 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
 
     def split():
         fn_s(grid_s, (NT,), args_s, 0, stream)
-    rest = (b, q, k, v, mv, mst, pv, out, scale, cap, window, common)
-    short = _short_attention(*rest) if acc == "float" else None
-    decode = _decode_attention(*rest) if acc == "float" else None
+    decode_args = (b, q, k, v, mv, mst, pv, out, scale, cap, window, common)     # (the decode-row kernels)
+    short = _short_attention(*decode_args) if acc == "float" else None
+    decode = _decode_attention(*decode_args) if acc == "float" else None
     if tc is None and short is None and decode is None:
         b.add(split)
     else:
@@ -2026,14 +2026,20 @@ def _short_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, windo
     src = sources.render(sources.ATTN_SHORT, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt), TO=ctype(out.dt),
                          **sh, **common)
     fn = b.kernel(src, "rlx_attn_short")
+    return _decode_row_launch(b, fn, (B * KVH,), sh["NT"], q, k, v, mv, mst, pv, out, scale, cap, window)
+
+
+def _decode_row_launch(b, fn, grid, threads: int, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, window):
+    """The launch of a decode-row attention kernel (ATTN_SHORT, ATTN_DECODE: one argument list)."""
     qs, ks, vs = q.es, k.es, v.es
     args = (q.arr, i64(qs[0]), i64(qs[1]), k.arr, i64(ks[0]), i64(ks[1]), i64(ks[2]), v.arr, i64(vs[0]),
-            i64(vs[1]), i64(vs[2]), mv, i64(mst[0]), i64(mst[1]), i64(mst[3]), pv.arr if pv is not None else None,
-            i32(H), i32(KVH), i32(Sk), scale, cap, window, out.arr, i64(out.es[0]), i64(out.es[1]))
-    grid, block, stream = (B * KVH,), (sh["NT"],), b.stream
+            i64(vs[1]), i64(vs[2]), mv, i64(mst[0]), i64(mst[1]), i64(mst[3]),
+            pv.arr if pv is not None else None, i32(q.shape[1]), i32(k.shape[1]), i32(k.shape[2]), scale, cap,
+            window, out.arr, i64(out.es[0]), i64(out.es[1]))
+    stream = b.stream
 
     def run():
-        fn(grid, block, args, 0, stream)
+        fn(grid, (threads,), args, 0, stream)
     return run
 
 
@@ -2053,16 +2059,7 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
     src = sources.render(sources.ATTN_DECODE, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt),
                          TO=ctype(out.dt), QV=int(_attn_vec(q, D) % vk == 0), **sh, **common)
     fn = b.kernel(src, "rlx_attn_decode")
-    qs, ks, vs = q.es, k.es, v.es
-    args = (q.arr, i64(qs[0]), i64(qs[1]), k.arr, i64(ks[0]), i64(ks[1]), i64(ks[2]), v.arr, i64(vs[0]),
-            i64(vs[1]), i64(vs[2]), mv, i64(mst[0]), i64(mst[1]), i64(mst[3]),
-            pv.arr if pv is not None else None, i32(KVH), i32(Sk), scale, cap, window, out.arr,
-            i64(out.es[0]), i64(out.es[1]))
-    grid, block, stream = (B * KVH, sh["CL"]), (sh["NT"],), b.stream
-
-    def run():
-        fn(grid, block, args, 0, stream)
-    return run
+    return _decode_row_launch(b, fn, (B * KVH, sh["CL"]), sh["NT"], q, k, v, mv, mst, pv, out, scale, cap, window)
 
 
 def _b_attention(b, n, ins, outs):

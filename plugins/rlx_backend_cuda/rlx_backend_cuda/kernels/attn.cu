@@ -566,7 +566,7 @@ extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT) rlx_
     const TK* __restrict__ k, long long ksb, long long ksh, long long kss,
     const TV* __restrict__ v, long long vsb, long long vsh, long long vss,
     const TM* __restrict__ mask, long long m0, long long m1, long long m3,
-    const TP* __restrict__ pos, int KVH, int Sk, double scale_d, double cap_d, int window,
+    const TP* __restrict__ pos, int H, int KVH, int Sk, double scale_d, double cap_d, int window,
     TO* __restrict__ out, long long osb, long long osh) {
   typedef float ACC;
   constexpr int LPK = D / VK, KPL = 32 / LPK, CH = NL * KPL;
