@@ -2059,7 +2059,8 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
     src = sources.render(sources.ATTN_DECODE, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt),
                          TO=ctype(out.dt), QV=int(_attn_vec(q, D) % vk == 0), **sh, **common)
     fn = b.kernel(src, "rlx_attn_decode")
-    return _decode_row_launch(b, fn, (B * KVH, sh["CL"]), sh["NT"], q, k, v, mv, mst, pv, out, scale, cap, window)
+    grid = (B * KVH, sh["CL"])
+    return _decode_row_launch(b, fn, grid, sh["NT"], q, k, v, mv, mst, pv, out, scale, cap, window)
 
 
 def _b_attention(b, n, ins, outs):

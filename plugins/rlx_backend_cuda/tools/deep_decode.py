@@ -33,7 +33,8 @@ def main():
     prompt = np.random.default_rng(1).integers(0, cfg["vocab_size"], (1, a.prompt)).astype(np.int64)
     for _ in range(2):
         model.generate(prompt, max_new_tokens=a.new, min_new_tokens=a.new)
-    print(f"{a.scheme}, prompt {a.prompt}: decode {model.last_timings['decode_s_per_token'] * 1e3:.3f} ms/token")
+    ms = model.last_timings["decode_s_per_token"] * 1e3
+    print(f"{a.scheme}, prompt {a.prompt}: decode {ms:.3f} ms/token")
 
 
 if __name__ == "__main__":
