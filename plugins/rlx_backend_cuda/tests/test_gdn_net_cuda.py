@@ -15,7 +15,7 @@ from test_cuda import gpu
 import rlx_core
 from rlx_core.ir.dtype import BF16, F16, F32, F64
 from rlx_core.ir.graph import Graph
-from rlx_core.testing.ops_suite_deltanet import LOW_NET_TOL, ref_gated_delta_net
+from rlx_core.testing.ops_suite_deltanet import ref_gated_delta_net
 from rlx_core.testing.parity import Arg, exact, rand, run_parity
 
 SHAPES = {"qwen35": (1, 2, 4, 128, 128), "odd": (2, 1, 3, 48, 72)}      # b, hk, h, kd, vd
@@ -38,6 +38,11 @@ def _arrays(rng, b, t, hk, h, kd, vd, dt, width=4) -> dict:
 
 NAMES = ("x", "conv_w", "conv_state", "z", "b", "a", "A_log", "dt_bias", "norm_w", "state")
 
+
+# f16 / bf16: the suite's tolerance while the core's composite rounded each step (2026-12-04,
+# session 19: that composite now computes in f32 and the suite checks within TOL; this kernel
+# computes in f32 too, not yet rerun at TOL)
+LOW_NET_TOL = {F16: 0.06, BF16: 0.15}
 
 @gpu
 @pytest.mark.parametrize("dt", [F32, F16, BF16, F64], ids=lambda d: d.value)
