@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from .composites import composite, ex, iota
-from .dtype import DType
+from .dtype import BF16, F16, F32
 from .errors import DTypeError, ShapeError
 from .numpy_kernels import ACT as ACT_FN, KERNELS, put, up
 from .ops import ACT, COUNT, EPS, FLOAT, Level, _float, _same_dim, op
@@ -317,8 +317,8 @@ def _gated_delta_net(m, ins, a):
     them, put a whole row of o off by up to 40% of the output's largest value in 2% of random
     draws at 37 tokens: where the rule's sums cancel, the gated norm scales their rounding up)."""
     dt = ins[0].dtype
-    if dt in (DType.F16, DType.BF16):
-        outs = _gated_delta_net(m, [m.cast(t, DType.F32) for t in ins], a)
+    if dt in (F16, BF16):
+        outs = _gated_delta_net(m, [m.cast(t, F32) for t in ins], a)
         return tuple(m.cast(t, dt) for t in outs)
     x, w, cst, z, b, alpha, a_log, dt_bias, norm_w, state = ins
     hk, kd, h, vd = net_heads(x.shape, state.shape)

@@ -6,6 +6,14 @@
 #define RLX_KEEP(qpos, j, keep) do { \
   if (MASKKIND >= 1) keep = keep && ((j) <= (qpos)); \
   if (MASKKIND == 2) keep = keep && ((j) > (qpos) - window); } while (0)
+// the keys [*kbeg, *kend) of Sk that the mask kind may keep for queries at qmin..qmax (the
+// decode kernels' key range)
+__device__ __forceinline__ void rlx_key_range(i64 qmin, i64 qmax, int Sk, int window, i64* kbeg, i64* kend) {
+  *kbeg = 0;
+  *kend = Sk;
+  if (MASKKIND >= 1) *kend = max((i64)0, min((i64)Sk, qmax + 1));
+  if (MASKKIND == 2) *kbeg = min(*kend, max((i64)0, qmin - window + 1));
+}
 // a mask entry as the decode kernels hold it: the keep flag at p where ok (MASKMODE 1), or
 // the bias at p as an A where ok, else 0 (MASKMODE 2)
 #if MASKMODE == 1
@@ -60,6 +68,11 @@ template <int N, typename T> __device__ __forceinline__ RlxVec<T, N> rlx_vload(c
 #define RLX_POS_EARLY(pos, b, last) ((i64)(last))
 #define RLX_POS(pos, b, early) (early)
 #endif
+// the weight exp(m - M) of partial sums with max m in a merge whose max is M (0: they saw no key)
+template <typename A>
+__device__ __forceinline__ A rlx_part_weight(A m, A M) {
+  return (M != -(A)RLX_INF && m != -(A)RLX_INF) ? exp(m - M) : (A)0;
+}
 // rows [r0, r1) of `bytes` bytes each (stride rs elements) asked into L2, a 128-byte line a thread
 template <typename T>
 __device__ __forceinline__ void rlx_prefetch_rows(const T* base, i64 rs, i64 r0, i64 r1, int bytes, int tid, int nt) {
@@ -71,7 +84,7 @@ __device__ __forceinline__ void rlx_prefetch_rows(const T* base, i64 rs, i64 r0,
   }
 #endif
 }
-// @part split(NT, TQ, TK, TV, TM, TP, ACC, TO, ROWS, DK, DV, TILE, VK, TPK, NVK, VV, TPV, NVV, MASKKIND, MASKMODE)
+// @part split(NT, TQ, TK, TV, TM, TP, ACC, TO, ROWS, DK, DV, TILE, VK, TPK, NVK, VV, TPV, NVV, MASKMODE)
 // Split-K attention on CUDA cores (any float type; decode and the f32/f64 path).
 // grid (B*KVH, ceil(Sq*G/ROWS), nsplit), NT threads. A block's rows are (query i, head g of
 // this kv head) pairs, so K/V are read once for all G heads (GQA-native). The block's keys
@@ -116,10 +129,8 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
   // 0 at position p0
   const int rows_here = min(ROWS, Sq * G - r0);
   auto split_keys = [&](i64 p0, i64* cs, i64* ce) {
-    const i64 qmin = p0 + r0 / G, qmax = p0 + (r0 + rows_here - 1) / G;
-    i64 kbeg = 0, kend = Sk;
-    if (MASKKIND >= 1) kend = max((i64)0, min((i64)Sk, qmax + 1));
-    if (MASKKIND == 2) kbeg = min(kend, max((i64)0, qmin - window + 1));
+    i64 kbeg, kend;
+    rlx_key_range(p0 + r0 / G, p0 + (r0 + rows_here - 1) / G, Sk, window, &kbeg, &kend);
     i64 chunk = (kend - kbeg + nsplit - 1) / nsplit;
     chunk = max((i64)minchunk, (chunk + KPB - 1) / KPB * KPB);
     *cs = min(kend, kbeg + split * chunk);
@@ -354,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
     ACC L = 0;
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      const ACC f = (M != -(ACC)RLX_INF && mv[t] != -(ACC)RLX_INF) ? exp(mv[t] - M) : (ACC)0;
+      const ACC f = rlx_part_weight(mv[t], M);
       wsplit[warp][lane + 32 * t] = f;
       L += lv2[t] * f;
     }
@@ -380,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
     __syncwarp();
   }
 }
-// @part short(NT, TQ, TK, TV, TM, TP, TO, G, D, SK, VK, HAS_POS, MASKKIND, MASKMODE)
+// @part short(NT, TQ, TK, TV, TM, TP, TO, G, D, SK, VK, HAS_POS, MASKMODE)
 // Decode attention over a short KV cache (one query row per head): one block per (batch, kv
 // head), no split over blocks and so no merge. Its G heads' q rows go to shared memory; each
 // thread scores whole keys (all its K rows loaded first, VK-element loads along the row: a
@@ -414,9 +425,8 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
 #else
   const i64 p0 = (i64)(Sk - 1);
 #endif
-  i64 kbeg = 0, kend = Sk;
-  if (MASKKIND >= 1) kend = max((i64)0, min((i64)Sk, p0 + 1));
-  if (MASKKIND == 2) kbeg = min(kend, max((i64)0, p0 - window + 1));
+  i64 kbeg, kend;
+  rlx_key_range(p0, p0, Sk, window, &kbeg, &kend);
   __syncthreads();
   // every thread's key rows (SK <= U1 * NT keys) and its warp's first UP value rows are
   // loaded before any score is computed: one round trip to memory for most of the work
@@ -527,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
     out[b * osb + (kvh * G + g) * osh + d] = ST(TO, l == 0 ? (ACC)0 : o / l);
   }
 }
-// @part decode(NT, TQ, TK, TV, TM, TP, TO, G, D, VK, QV, NL, CL, MASKKIND, MASKMODE)
+// @part decode(NT, TQ, TK, TV, TM, TP, TO, G, D, VK, QV, NL, CL, MASKMODE)
 // Decode attention (one query row per head) over a KV cache longer than the short kernel
 // takes (up to ATTN_DECODE_KEYS, sources.py) with few batch x kv heads: a cluster of CL
 // blocks per (batch, kv head) shares its keys, a chunk of NL * KPL keys to a warp at a time.
@@ -557,10 +567,6 @@ __device__ __forceinline__ float rlx_cluster_load(const float* p, unsigned rank)
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
   return v;
 }
-// the weight exp(m - M) of a warp's or block's sums with max m in a merge whose max is M (0: no key)
-__device__ __forceinline__ float rlx_part_weight(float m, float M) {
-  return (M != -RLX_INF && m != -RLX_INF) ? expf(m - M) : 0.f;
-}
 extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT) rlx_attn_decode(
     const TQ* __restrict__ q, long long qsb, long long qsh,
     const TK* __restrict__ k, long long ksb, long long ksh, long long kss,
@@ -582,17 +588,11 @@ extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT) rlx_
   const TK* kb = k + b * ksb + kvh * ksh + sl * VK;
   const TV* vb = v + b * vsb + kvh * vsh + sl * VK;
   const i64 gw = (i64)rank * NW + warp, step = (i64)CL * NW * CH;    // chunks gw, gw + CL * NW, ...
-  auto keys = [&](i64 p0, i64* kbeg, i64* kend) {
-    *kbeg = 0;
-    *kend = Sk;
-    if (MASKKIND >= 1) *kend = max((i64)0, min((i64)Sk, p0 + 1));
-    if (MASKKIND == 2) *kbeg = min(*kend, max((i64)0, p0 - window + 1));
-  };
   // this warp's first chunk asked into L2 before the wait for the kernel before
   const i64 early = RLX_POS_EARLY(pos, b, Sk - 1);
   {
     i64 kbeg, kend;
-    keys(early, &kbeg, &kend);
+    rlx_key_range(early, early, Sk, window, &kbeg, &kend);
     const i64 c0 = kbeg + gw * CH;
     rlx_prefetch_rows(k + b * ksb + kvh * ksh, kss, c0, min(kend, c0 + CH), D * (int)sizeof(TK), lane, 32);
     rlx_prefetch_rows(v + b * vsb + kvh * vsh, vss, c0, min(kend, c0 + CH), D * (int)sizeof(TV), lane, 32);
@@ -600,7 +600,7 @@ extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT) rlx_
   RLX_GRID_WAIT();
   const i64 p0 = RLX_POS(pos, b, early);
   i64 kbeg, kend;
-  keys(p0, &kbeg, &kend);
+  rlx_key_range(p0, p0, Sk, window, &kbeg, &kend);
   ACC qr[G][VK], m[G], l[G], acc[G][VK];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
