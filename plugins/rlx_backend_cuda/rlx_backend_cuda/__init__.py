@@ -121,6 +121,9 @@ class CudaBackend(Backend):
             path("decode GEMV kernel", "", "cuBLAS runs the decode products", "gemv"),
             path("residual norms inside the decode GEMVs", "", "each norm is a launch of its own",
                  "gemv_fusion"),
+            path('int8-activation decode GEMV (dp4a; [precision] activations = "int8")',
+                 "a ROCm GPU: its inline PTX is CUDA's" if hip else "",
+                 "a kernel rounds x, then the float GEMV", "int8_gemv"),
         ]
 
     # -- resources

@@ -734,7 +734,8 @@ def _residual_norm(b, n) -> tuple | None:
     """(node, x, w, eps, off) of the fused_residual_rms_norm (x + r) that is this matmul's
     output's only use (as r; or as x, then its r is returned as x), with nothing but params
     between them (its h may be written at the matmul) and its y read only as the x of matmuls
-    or dequant_matmuls (q/k and v of mixed formats: two) that may run as GEMVs; else None."""
+    or dequant_matmuls (q/k and v of mixed formats: two; through a fake_quantize they compute,
+    `_readers`) that may run as GEMVs; else None."""
     if not CONFIG["gemv_fusion"] or n.a.get("trans_a") or n.outs[0].dtype not in LOW:
         return None
     g = b.r.lir.graph
@@ -747,11 +748,12 @@ def _residual_norm(b, n) -> tuple | None:
         return None
     if any(g.nodes[t].op not in ("param", "constant") for t in range(b.node + 1, j)):
         return None
-    readers = b.uses.get((j, 1), [])
+    readers = _readers(b, (j, 1))
     def gemv_x(c):
         m = g.nodes[c] if c >= 0 else None
-        return (m is not None and m.op in ("matmul", "dequant_matmul") and tuple(m.inputs[0]) == (j, 1)
-                and tuple(m.inputs[1]) != (j, 1) and not m.a.get("trans_a"))
+        return (m is not None and m.op in ("matmul", "dequant_matmul")
+                and _x_source(b, tuple(m.inputs[0])) == (j, 1) and tuple(m.inputs[1]) != (j, 1)
+                and not m.a.get("trans_a"))
     if not readers or not all(gemv_x(c) for c in readers):
         return None
     # (x + r, either way round: the same float sum)
@@ -803,7 +805,7 @@ def _b_matmul_fused(b, n, ins, outs, sw, norm: GemvNorm | None, resid, gemv) -> 
     if resid is not None:
         b.absorbed.add(j)
         own = _collected(b, lambda: _rms_norm(b, h, None, w, None, y, eps, off))
-        b.gemv_norms[(j, 1)] = GemvNorm(j, xw, eps, ssq, own, len(b.uses[(j, 1)]))
+        b.gemv_norms[(j, 1)] = GemvNorm(j, xw, eps, ssq, own, len(_readers(b, (j, 1))))
     return True
 
 
@@ -911,8 +913,8 @@ def _packed(b, w: V, rows: int, row_bytes: int) -> tuple:
     return wv, rs, a
 
 
-def _dq_kernel(b, kernel: str, s, name: str, **subs):
-    return b.kernel(sources.dq_source(kernel, s.kind, s.block, **subs), name)
+def _dq_kernel(b, kernel: str, s, name: str, dynamic_smem: int = 0, **subs):
+    return b.kernel(sources.dq_source(kernel, s.kind, s.block, **subs), name, dynamic_smem)
 
 
 def _b_dequantize(b, n, ins, outs):
@@ -942,9 +944,11 @@ def _dq_rows(b, s, w, wrs, al, y, dt: DType, rows: int, nb: int) -> None:
 
 def _b_dequant_matmul(b, n, ins, outs):
     """act(x @ dequant(w)^T + bias): the fused GEMV for decode (M <= DQ_MAX_M), else each tile
-    of rows decoded into a scratch shared by the backend's runners, then cuBLAS."""
+    of rows decoded into a scratch shared by the backend's runners, then cuBLAS. x from a
+    fake_quantize the plan made a view (int8_gemv_views): the GEMV rounds it (QX)."""
     s, out = _scheme(n), outs[0]
     x, w = ins[0], ins[1]
+    qx = _qx(b, tuple(n.inputs[0]))
     bias = b.contiguous(ins[2]) if len(ins) > 2 else None
     if not x.dt.is_float or out.dt is not x.dt:
         raise BackendError(f"cuda backend: dequant_matmul needs a float x and output of its dtype, got "
@@ -957,11 +961,11 @@ def _b_dequant_matmul(b, n, ins, outs):
     act = n.a.get("act", "identity")
     plain = M <= DQ_MAX_M and bias is None and act == "identity"
     sw = _swiglu_consumer(b, n) if plain else None
-    norm = _gemv_norm(b, tuple(n.inputs[0]))
+    norm = _gemv_norm(b, _x_source(b, tuple(n.inputs[0])))
     resid = _residual_norm(b, n) if plain else None
     if norm is not None or resid is not None:
         def gemv(dst, norm, residual):
-            return plain and _dq_gemv_fused(b, s, x, (wv, wrs, al), outs[0], dst, norm, residual)
+            return plain and _dq_gemv_fused(b, s, x, (wv, wrs, al), outs[0], dst, norm, residual, qx)
         if _b_matmul_fused(b, n, ins, outs, sw, norm, resid, gemv):
             return
         if norm is not None:
@@ -971,12 +975,12 @@ def _b_dequant_matmul(b, n, ins, outs):
         dst = b.out_value(sw)
         if not b.disjoint(dst, xv):
             dst = b.vals[(sw, 0)] = b.buffer(dst.shape, dst.dt, "fused swiglu output")
-        _dq_gemv(b, s, xv, xrs, wv, wrs, al, None, act, dst, M, N // 2, K, swiglu=True)
+        _dq_gemv(b, s, xv, xrs, wv, wrs, al, None, act, dst, M, N // 2, K, swiglu=True, qx=qx)
         b.absorbed.add(sw)
         return
     dst = out if out.contiguous() else b.buffer(out.shape, out.dt)
     if M <= DQ_MAX_M:
-        _dq_gemv(b, s, xv, xrs, wv, wrs, al, bias, act, dst, M, N, K)
+        _dq_gemv(b, s, xv, xrs, wv, wrs, al, bias, act, dst, M, N, K, qx=qx)
     else:
         _dq_gemm(b, s, xv, xrs, wv, wrs, al, dst, M, N, K)
         _bias_act(b, dst, bias, act)
@@ -1008,7 +1012,7 @@ def dq_gemv_shape(kind: str, block: int, M: int, K: int, loads: int = DQ_LOADS) 
 
 
 def _dq_gemv_fused(b, s, a: V, packed: tuple, out: V, swiglu: V | None, norm: GemvNorm | None,
-                   residual: GemvResidual | None) -> bool:
+                   residual: GemvResidual | None, qx: bool = False) -> bool:
     """out <- a @ dequant(w)^T as the packed decode GEMV with a norm of its x rows (norm; a
     only names the shape) or the residual rows added (residual, as `_gemv_fused` takes it),
     16-bit data of one dtype, contiguous rows; False (no step) otherwise."""
@@ -1031,14 +1035,15 @@ def _dq_gemv_fused(b, s, a: V, packed: tuple, out: V, swiglu: V | None, norm: Ge
     else:
         xv, xrs = _as_matrix(b, a, M, K)
     _dq_gemv(b, s, xv, xrs, *packed, None, "identity", target, M, N // 2 if swiglu is not None else N, K,
-             swiglu=swiglu is not None, norm=norm, residual=residual)
+             swiglu=swiglu is not None, norm=norm, residual=residual, qx=qx)
     return True
 
 
 def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=False,
-             norm: GemvNorm | None = None, residual: GemvResidual | None = None):
+             norm: GemvNorm | None = None, residual: GemvResidual | None = None, qx: bool = False):
     """The decode GEMV launch for out[M, N] (swiglu: w holds 2N rows, out = silu(gate) * up;
-    norm, residual: as `_gemv_step` takes them)."""
+    norm, residual: as `_gemv_step` takes them; qx: x rounded through int8_b32 in the kernel,
+    its int8 rows in `qx_bytes` of dynamic shared memory)."""
     nb = K // s.block
     mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K)
     vec = 4 * x.arr.itemsize
@@ -1049,12 +1054,12 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
                     EPILOGUE=_dq_epilogue(out.dt, bias is not None, act),
                     SWIGLU_OF=codegen.swiglu_of(acc_of(x.dt)), EARLY=int(b.written_by_no_kernel(w)),
                     NORM=int(norm is not None), TN=ctype(residual.w.dt) if residual is not None else "float",
-                    RESID=int(residual is not None))
+                    RESID=int(residual is not None), QX=int(qx), dynamic_smem=QX_SMEM if qx else 0)
     per_block = 8 // kw * (rows // 2 if swiglu else rows)
     args = _with_norms(b, [x.arr, i64(xrs), w.arr, i64(wrs), bias.arr if bias else None, out.arr, i32(M),
                            i32(N), i32(nb)], norm, residual, M, N)
-    grid, stream = (-(-N // per_block),), b.stream
-    b.add(lambda: fn(grid, (256,), tuple(args), 0, stream))
+    grid, stream, smem = (-(-N // per_block),), b.stream, qx_bytes(M, K) if qx else 0
+    b.add(lambda: fn(grid, (256,), tuple(args), smem, stream))
 
 
 def _dq_gemm(b, s, x: V, xrs, w: V, wrs, al, out: V, M, N, K):
@@ -1086,6 +1091,92 @@ def _dq_gemm(b, s, x: V, xrs, w: V, wrs, al, out: V, M, N, K):
             lib.prepare(handle, stream.ptr)
             lib.gemm(handle, 1, 0, *args)
         b.add(gemm)
+
+
+# ----------------------------------------------------------------------------- int8 activations
+# `[precision] activations = "int8"` puts a fake_quantize to int8_b32 before each packed matmul's
+# x (rlx_core.passes.packed). Where its every reader is a decode GEMV, the plan makes it a view of
+# x (`int8_gemv_views`: x's bytes then live until its last reader) and each GEMV rounds x itself,
+# multiplying the int8 blocks in dp4a (dq.cu's QX): the fake_quantize is no step. Elsewhere a
+# kernel rounds x (dq.cu's fake_q8). CONFIG["int8_gemv"] (RLX_CUDA_INT8_GEMV=0, read at planning)
+# keeps the kernel and the float GEMV.
+QX_SMEM = 96 * 1024         # the most dynamic shared memory a QX GEMV takes (x's int8 rows, scales)
+
+
+def qx_bytes(M: int, K: int) -> int:
+    """The QX GEMV's dynamic shared memory for x [M, K]: int8 rows, then a float scale a block of 32."""
+    return M * K + M * (K // 32) * 4
+
+
+def _rounds_x(n) -> bool:
+    """Whether node n is a fake_quantize to int8_b32 of float rows of a multiple of 32."""
+    s = n.outs[0]
+    return (n.op == "fake_quantize" and _scheme(n).name == "int8_b32" and s.dtype in (F32, F16, BF16)
+            and bool(s.dims) and s.dims[-1] > 0 and s.dims[-1] % 32 == 0)
+
+
+def int8_gemv_views(g) -> set:
+    """The fake_quantize nodes whose readers all are decode GEMVs able to round x themselves:
+    dequant_matmuls reading it as x only, of at most DQ_MAX_M rows whose int8 copy fits QX_SMEM."""
+    if not CONFIG["int8_gemv"] or device.info().get("hip"):
+        return set()
+    uses = g.consumers()
+
+    def gemv_x(c: int, i: int) -> bool:
+        m = g.nodes[c] if c >= 0 else None
+        return (m is not None and m.op == "dequant_matmul" and tuple(m.inputs[0]) == (i, 0)
+                and [tuple(r) for r in m.inputs].count((i, 0)) == 1)
+    out = set()
+    for i, n in enumerate(g.nodes):
+        if not _rounds_x(n):
+            continue
+        K = n.outs[0].dims[-1]
+        M = math.prod(n.outs[0].dims) // K
+        readers = uses.get((i, 0), [])
+        if readers and M <= DQ_MAX_M and qx_bytes(M, K) <= QX_SMEM and all(gemv_x(c, i) for c in readers):
+            out.add(i)
+    return out
+
+
+def _qx(b, ref: tuple) -> bool:
+    """Whether the dequant_matmul reading x = `ref` rounds it (the plan made that fake_quantize a view)."""
+    return b.r.lir.slots[ref].home == "view" and b.r.lir.graph.nodes[ref[0]].op == "fake_quantize"
+
+
+def _x_source(b, ref: tuple) -> tuple:
+    """The value a GEMV reading x = `ref` reads: the fake_quantize's own x where it rounds x itself."""
+    return tuple(b.r.lir.graph.nodes[ref[0]].inputs[0]) if _qx(b, ref) else ref
+
+
+def _readers(b, ref: tuple) -> list:
+    """The nodes reading `ref`, a fake_quantize its GEMVs compute standing for those GEMVs."""
+    return [r for c in b.uses.get(ref, []) for r in (b.uses[(c, 0)] if c >= 0 and _qx(b, (c, 0)) else [c])]
+
+
+def _v_int8_x(b, n, ins):
+    """A fake_quantize its GEMVs compute (int8_gemv_views): x itself, each GEMV rounds it."""
+    return ins[0]
+
+
+def _b_fake_quantize(b, n, ins, outs):
+    """fake_quantize to int8_b32 of float rows: the rounding kernel (in place where the plan
+    put y over x: a block's lanes read it before they write it); other schemes (weight
+    preparation) and f64 on the host."""
+    x, out = ins[0], outs[0]
+    if not _rounds_x(n):
+        _b_host(b, n, ins, outs)
+        return
+    if x.size == 0:
+        return
+    src = b.contiguous(x)
+    same = out.arr.data.ptr == src.arr.data.ptr
+    dst = out if out.contiguous() and (same or b.disjoint(out, src)) else b.buffer(out.shape, out.dt)
+    fn = b.kernel(sources.render(sources.FAKE_Q8, ACC="float", A=16, T=ctype(x.dt), TO=ctype(out.dt),
+                                 XV=int(src.arr.data.ptr % (4 * src.arr.itemsize) == 0)), "rlx_fake_q8")
+    blocks = x.size // 32
+    b.launch(fn, (max(1, min(-(-blocks // 32), b.sms * 8)),), (256,), (src.arr, dst.arr, i64(blocks)))
+    if dst is not out:
+        b.copy(dst, out)
 
 
 def _b_host(b, n, ins, outs):
@@ -1769,8 +1860,9 @@ def planned_layouts(g) -> tuple:
     concat inputs whose producer writes into the concat's output: any producer where its
     part is a contiguous, aligned run of the output, an attention where it is any layout of
     unit last stride, a GEMM where it is rows of one stride (FLUX's single blocks join the
-    attention and the MLP's GEMM this way)."""
-    views = strided_transposes(g, STRIDED_READERS, STRIDED_WRITERS)
+    attention and the MLP's GEMM this way). And the fake_quantizes its readers' GEMVs compute
+    (int8_gemv_views)."""
+    views = strided_transposes(g, STRIDED_READERS, STRIDED_WRITERS) | int8_gemv_views(g)
     placed = set()
     for c, n in enumerate(g.nodes):
         for k, r in enumerate(n.inputs if n.op == "concat" else ()):
@@ -2315,7 +2407,7 @@ BUILDERS = {
     "dequant_matmul": _b_dequant_matmul,
     "dequantize": _b_dequantize,
     "quantize": _b_host,
-    "fake_quantize": _b_host,
+    "fake_quantize": _b_fake_quantize,
     "all_reduce": _b_collective, "all_gather": _b_collective, "reduce_scatter": _b_collective,
 }
 
@@ -2326,6 +2418,7 @@ VIEW_BUILDERS = {
     "kv_write": _v_kv_write,
     "assign": _v_assign,
     "transpose": _v_transpose,         # where the plan made it a view (planned_layouts)
+    "fake_quantize": _v_int8_x,        # likewise
 }
 
 __all__ = ["BUILDERS", "VIEW_BUILDERS", "STRIDED_WRITERS", "planned_layouts", "owner_chain", "part_layout"]

@@ -213,8 +213,10 @@ DQ_SCHEMES = {      # each format's decode snippet: one serves every kernel belo
     "q5_k": Source("dq.cu:q5_k_raw", "dq.cu:k45", "dq.cu:q5_k"),
     "q6_k": Source("dq.cu:q6_k"),
 }
-DQ_GEMV = Source("dq.cu:x4", "dq.cu:gemv")
+DQ_GEMV = Source("dq.cu:x4", "dq.cu:q8x", "dq.cu:gemv")
 DQ_DEQUANT = Source("dq.cu:dequant")
+# (a scheme's snippet not needed: the rounding of x alone)
+FAKE_Q8 = Source("dq.cu:common", "dq.cu:x4", "dq.cu:q8x", "dq.cu:fake_q8")
 
 
 def dq_source(kernel: Source, kind: str, block: int, **defines) -> str:

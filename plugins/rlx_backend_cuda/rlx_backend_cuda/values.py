@@ -14,13 +14,17 @@ from rlx_core.ir.dtype import DType
 # (benchmarks/README.md, llm_gpu.py)
 # rope_norm (read at build): q/k RMSNorms computed by the RoPE launch reading them (ops.RopeNorm);
 # RLX_CUDA_ROPE_NORM=0 builds them as launches of their own
+# int8_gemv (read at build): under activations = "int8" the decode GEMVs round x themselves and
+# multiply in dp4a (ops.py's int8 activations); RLX_CUDA_INT8_GEMV=0 rounds x in a kernel of its own
+# before the float GEMV
 CONFIG = {"gemv": True, "tc_attention": True, "wg_attention": True, "lt_epilogue": True, "graphs": True,
           "short_attention": os.environ.get("RLX_CUDA_SHORT_ATTENTION", "1") != "0",
           "decode_attention": os.environ.get("RLX_CUDA_DECODE_ATTENTION", "1") != "0",
           "copy16": os.environ.get("RLX_CUDA_COPY16", "1") != "0",
           "dependent_launch": os.environ.get("RLX_CUDA_DEPENDENT_LAUNCH", "1") != "0",
           "gemv_fusion": os.environ.get("RLX_CUDA_GEMV_FUSION", "1") != "0",
-          "rope_norm": os.environ.get("RLX_CUDA_ROPE_NORM", "1") != "0", "version": 0}
+          "rope_norm": os.environ.get("RLX_CUDA_ROPE_NORM", "1") != "0",
+          "int8_gemv": os.environ.get("RLX_CUDA_INT8_GEMV", "1") != "0", "version": 0}
 
 
 def set_config(**kw) -> None:

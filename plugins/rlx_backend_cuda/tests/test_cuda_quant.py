@@ -60,6 +60,36 @@ def test_snippet_layout_matches_the_scheme(name):
     assert consts["PARTS"] * consts["RUNS"] * 4 == s.block_size        # the runs cover the block
 
 
+@pytest.mark.parametrize("name", SCHEMES + ["int8_b8", "int4_b8", "int4_b32", "int8_b64", "int4_b16"])
+def test_snippet_groups_of_runs_share_a_scale_and_an_x_block(name):
+    """The int8-activation GEMV (QX) scales each group of QXG runs once and loads each QXC of
+    them as one word vector: every group lies in one int8 block of 32 of x and one scale
+    block of the weights, and each QXC runs are consecutive elements aligned to their size
+    (the snippet's own rlx_run_off, evaluated here; no GPU needed)."""
+    import re
+
+    from rlx_backend_cuda import sources
+
+    s = QuantScheme.parse(name)
+    src = sources.dq_source(sources.DQ_DEQUANT, s.kind, s.block_size, TO="float", ACC="float", A=4, YV=1,
+                            **sources.dq_dequant_shape(s.kind, s.block_size, 4))
+    c: dict = {}
+    for k, v in re.findall(r"#define (IB|PARTS|RUNS|QXG|QXC) (.+)", src):
+        c[k] = int(eval(v, {}, c))
+    off = re.search(r"int rlx_run_off\(int p, int k\) \{ return (.+); \}", src).group(1)
+    scale = {"q6_k": 16, "q4_k": 32, "q5_k": 32}.get(s.kind, s.block_size)     # elements per weight scale
+    assert c["RUNS"] % c["QXG"] == 0 and c["QXG"] % c["QXC"] == 0
+    for p in range(c["PARTS"]):
+        runs = [int(eval(off, {}, {"p": p, "k": k, **c})) for k in range(c["RUNS"])]
+        for k0 in range(0, c["RUNS"], c["QXG"]):
+            group = runs[k0:k0 + c["QXG"]]
+            assert len({e // 32 for e in group}) == 1 and len({e // scale for e in group}) == 1, (p, k0, group)
+            for j in range(0, c["QXG"], c["QXC"]):
+                words = group[j:j + c["QXC"]]
+                assert words == list(range(words[0], words[0] + 4 * c["QXC"], 4)), (p, k0, words)
+                assert words[0] % (4 * c["QXC"]) == 0, (p, k0, words)
+
+
 @gpu
 @pytest.mark.parametrize("name", SCHEMES)
 def test_dequant_matmul_and_dequantize(rng, name):

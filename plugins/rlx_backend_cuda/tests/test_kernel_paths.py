@@ -13,6 +13,8 @@ from click.testing import CliRunner
 from rlx_backend_cuda import _BACKEND, device, set_config
 from rlx_core.cli import main
 
+INT8_GEMV = 'int8-activation decode GEMV (dp4a; [precision] activations = "int8")'
+
 
 @pytest.fixture
 def gpu(monkeypatch):
@@ -68,6 +70,8 @@ def test_rocm_and_a_driver_without_launch_ex(gpu):
     paths = gpu((9, 4), hip=True)
     assert not any(p["on"] for n, p in paths.items() if "mma" in n or "dependent" in n), paths
     assert "ROCm" in paths["wgmma + TMA attention"]["reason"]
+    i8 = paths[INT8_GEMV]
+    assert not i8["on"] and "ROCm" in i8["reason"] and "a kernel rounds x" in i8["reason"], i8
     dep = gpu((9, 0), launch_ex=False)["programmatic dependent launch"]
     assert not dep["on"] and "cuLaunchKernelEx" in dep["reason"], dep
 
@@ -75,8 +79,8 @@ def test_rocm_and_a_driver_without_launch_ex(gpu):
 def test_switches_name_themselves(gpu):
     from rlx_backend_cuda.values import CONFIG
 
-    was = {k: CONFIG[k] for k in ("wg_attention", "gemv_fusion", "decode_attention")}
-    set_config(wg_attention=False, gemv_fusion=False, decode_attention=False)
+    was = {k: CONFIG[k] for k in ("wg_attention", "gemv_fusion", "decode_attention", "int8_gemv")}
+    set_config(wg_attention=False, gemv_fusion=False, decode_attention=False, int8_gemv=False)
     try:
         paths = gpu((9, 0))
     finally:
@@ -84,7 +88,7 @@ def test_switches_name_themselves(gpu):
     for name, switch in (("wgmma + TMA attention", "wg_attention"),
                          ("residual norms inside the decode GEMVs", "gemv_fusion"),
                          ("cluster decode attention (KV caches of 513-2048 positions, few batch rows)",
-                          "decode_attention")):
+                          "decode_attention"), (INT8_GEMV, "int8_gemv")):
         assert not paths[name]["on"] and f"set_config({switch}=False)" in paths[name]["reason"], paths[name]
     assert paths["tensor-core attention (mma.sync)"]["on"]
 

@@ -6,7 +6,9 @@
 // bytes are loaded into registers (`rlx_raw`, `rlx_load`), then taken RUNS times as 4
 // consecutive weights at element offset `rlx_run_off(p, k)` of the block, as a word of 4
 // bytes b (`rlx_qword`) and a scale d and offset m (`rlx_scale`): weight = d * (b - BIAS) + m
-// (m only where HAS_MIN). One snippet per format (DQ_SCHEMES) serves every kernel below.
+// (m only where HAS_MIN); QXG consecutive runs share d, m and an int8 block of 32 of x, and
+// each QXC of them are consecutive elements (the GEMV's QX). One snippet per format
+// (DQ_SCHEMES) serves every kernel below.
 // A byte becomes an exact float in two full-rate instructions (a byte permute into the
 // mantissa of 2^23, a subtraction; no int-to-float conversion), and the GEMV factors d and m
 // out of each 4-run's dot product, so a weight costs about three instructions. W = ACC (f32,
@@ -64,6 +66,8 @@ __device__ __forceinline__ float rlx_qf(u32 qw, int i) {
 #define BLK 32
 #define PARTS 2
 #define RUNS 4
+#define QXG 4
+#define QXC 2
 __device__ __forceinline__ int rlx_run_off(int p, int k) { return 8 * p + 4 * (k & 1) + 16 * (k >> 1); }
 __device__ __forceinline__ u32 rlx_nibs(const u32* q, int k) { return (q[k & 1] >> (4 * (k >> 1))) & 0x0F0F0F0Fu; }
 // @part q4_0()
@@ -119,6 +123,8 @@ __device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, 
 #define BPB 34
 #define PARTS 2
 #define RUNS 4
+#define QXG 4
+#define QXC 4
 #define BIAS 128
 #define HAS_MIN 0
 struct rlx_raw { u32 q[4]; u32 d; };
@@ -134,6 +140,8 @@ __device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, 
 #define BPB (4 + IB)
 #define PARTS (IB / 8)
 #define RUNS 2
+#define QXG 2
+#define QXC 2
 #define BIAS 128
 #define HAS_MIN 0
 struct rlx_raw { u32 q[2]; u32 d; };
@@ -148,6 +156,8 @@ __device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, 
 #define BPB (4 + IB / 2)
 #define PARTS (IB / 8)
 #define RUNS 2
+#define QXG (1 + ((IB) <= 32))
+#define QXC 1
 #define BIAS 8
 #define HAS_MIN 0
 struct rlx_raw { u32 q; u32 d; };
@@ -164,6 +174,8 @@ __device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, 
 #define BLK 256
 #define PARTS 8
 #define RUNS 8
+#define QXG 4
+#define QXC 4
 #define BIAS 0
 #define HAS_MIN 1
 __device__ __forceinline__ int rlx_run_off(int p, int k) { return 64 * (p >> 1) + 16 * (p & 1) + 4 * (k & 3) + 32 * (k >> 2); }
@@ -212,6 +224,8 @@ __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
 #define BPB 210
 #define PARTS 8
 #define RUNS 8
+#define QXG 2
+#define QXC 2
 #define BIAS 32
 #define HAS_MIN 0
 struct rlx_raw { u32 a[2]; u32 b[2]; u32 h[2]; W d[4]; };
@@ -247,7 +261,49 @@ __device__ __forceinline__ void rlx_x4(const T* p, W* o) {
   for (int i = 0; i < 4; ++i) o[i] = LD(W, p[i]);
 #endif
 }
-// @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE, SWIGLU_OF(g, u), EARLY, NORM, TN, RESID)
+// @part q8x()
+// int8 activations (`[precision] activations = "int8"`: a packed matmul's x arrives through a
+// fake_quantize to int8_b32): eight lanes hold a block of 32 values, four each (lanes 8i..8i+7;
+// all 32 lanes call together), rounded as rlx_core.ir.quant's int8_b32 does: d = amax / 127 over
+// the block, q = x * (1 / d) rounded half away from zero. -> the lane's four q as the bytes of a
+// word; *d NaN where the block holds NaN or inf (the reference's whole block comes out NaN).
+__device__ __forceinline__ u32 rlx_q8_lanes(const W* v, float* d) {
+  float a = 0.f;
+  int bad = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { a = fmaxf(a, fabsf((float)v[i])); bad |= !isfinite((float)v[i]); }
+#pragma unroll
+  for (int s = 4; s; s >>= 1) {
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, s));
+    bad |= __shfl_xor_sync(0xffffffffu, bad, s);
+  }
+  const float dd = a / 127.f, inv = dd != 0.f ? 1.f / dd : 0.f;
+  u32 word = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    word |= ((u32)(int)fminf(fmaxf(roundf((float)v[i] * inv), -127.f), 127.f) & 255u) << (8 * i);
+  *d = bad ? __int_as_float(0x7fc00000) : dd;
+  return word;
+}
+// @part fake_q8(TO)
+// y = x rounded through int8_b32 blocks and back (the fake_quantize of int8 activations where no
+// GEMV rounds x itself): contiguous rows whose length 32 divides; a block of 32 per eight lanes.
+extern "C" __global__ void __launch_bounds__(256) rlx_fake_q8(const T* __restrict__ x, TO* __restrict__ y,
+    long long blocks) {
+  const int lane = threadIdx.x & 31;
+  // (the loop bound is the warp's: all its lanes reach rlx_q8_lanes' shuffles together)
+  for (i64 g0 = ((i64)blockIdx.x * 8 + (threadIdx.x >> 5)) * 4; g0 < blocks; g0 += (i64)gridDim.x * 32) {
+    const i64 g = g0 + (lane >> 3), o = 32 * g + 4 * (lane & 7);
+    W v[4] = {0, 0, 0, 0};
+    if (g < blocks) rlx_x4(x + o, v);
+    float d;
+    const u32 word = rlx_q8_lanes(v, &d);
+    if (g < blocks)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) y[o + i] = ST(TO, d * (float)(signed char)(word >> (8 * i)));
+  }
+}
+// @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE, SWIGLU_OF(g, u), EARLY, NORM, TN, RESID, QX)
 // Decode: y[M, N] = act(x[M, K] @ dequant(w)^T + bias) for M <= MMAX <= 8. A block is 8
 // warps: KW of them split a row's parts, 8 / KW take R rows each, so x is read once per
 // R rows. Each lane loads its next U parts of every row first (the packed bytes bound a
@@ -260,8 +316,44 @@ __device__ __forceinline__ void rlx_x4(const T* p, W* o) {
 // same arguments and sums; ops.GemvNorm, ops.GemvSums): NORM divides each warp's sums by the row's
 // norm from nsq (x holds x0 * (nw + noff)); RESID writes y = res + the rounded product, yw = y *
 // (nw + noff), and adds the squares of y's rows into osq (one atomic a warp and row).
+// QX (x arrives through a fake_quantize to int8_b32, which this kernel does itself; ops.py's
+// int8_gemv_views): the block rounds x's M rows into int8 blocks in dynamic shared memory (q8x;
+// xq [M][K], then the scales xd [M][K / 32]) and multiplies each run's 4 weight bytes b with 4
+// x bytes in one dp4a (of b - 128: signed by signed; the sum of x's bytes times 128 - BIAS
+// added back), a group of QXG runs (one weight scale, one x block) scaled once: about one
+// instruction a weight where the float form takes three (the q4_k GEMVs were bound by
+// instructions, not bytes). With NORM, x0 * (nw + noff) is rounded: the 1 / den after the sum
+// scales a block's d and leaves its q as they are.
 #if SWIGLU && RESID
 #error "rlx_dq_gemv: RESID takes no SWIGLU"
+#endif
+#if QX
+// N words of int8 x at p (4N-aligned) in one shared-memory load: the lanes' loads of single
+// words conflicted in the banks (their parts lie 64 words apart)
+template <int N> __device__ __forceinline__ void rlx_xwords(const signed char* p, int* o) {
+  if constexpr (N == 4) {
+    const int4 v = *(const int4*)p; o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+  } else if constexpr (N == 2) {
+    const int2 v = *(const int2*)p; o[0] = v.x; o[1] = v.y;
+  } else {
+    o[0] = *(const int*)p;
+  }
+}
+__device__ __forceinline__ void rlx_quantize_x(const T* x, long long xrs, int M, int K, signed char* xq, float* xd) {
+  const int lane = threadIdx.x & 31, nbx = K / 32, total = M * nbx;
+  // four blocks a warp (the loop bound is the warp's, as rlx_q8_lanes needs)
+  for (int g0 = (threadIdx.x >> 5) * 4; g0 < total; g0 += (blockDim.x >> 5) * 4) {
+    const int g = g0 + (lane >> 3), m = g / nbx, o = 32 * (g - m * nbx) + 4 * (lane & 7);
+    W v[4] = {0, 0, 0, 0};
+    if (g < total) rlx_x4(x + m * xrs + o, v);
+    float d;
+    const u32 word = rlx_q8_lanes(v, &d);
+    if (g < total) {
+      *(u32*)(xq + (i64)m * K + o) = word;
+      if ((lane & 7) == 0) xd[g] = d;
+    }
+  }
+}
 #endif
 extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restrict__ x, long long xrs,
     const u8* __restrict__ w, long long wrs, const TB* __restrict__ bias, TO* __restrict__ y,
@@ -296,6 +388,14 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
   float sq[MMAX];
   rlx_norm_sums(sq, nsq, M, lane, blockIdx.x == 0 && warp == 0, zero, zn);
 #endif
+#if QX
+  extern __shared__ __align__(16) unsigned char rlx_qx[];
+  const int K = nb * BLK, nbx = K / 32;
+  signed char* xq = (signed char*)rlx_qx;
+  float* xd = (float*)(rlx_qx + (i64)M * K);
+  rlx_quantize_x(x, xrs, M, K, xq, xd);
+  __syncthreads();
+#endif
   W acc[R][MMAX];
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -311,6 +411,48 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
       if (uu >= units) break;
       const int p = uu % PARTS;
       const i64 e0 = (i64)(uu / PARTS) * BLK;
+#if QX
+#pragma unroll
+      for (int k0 = 0; k0 < RUNS; k0 += QXG) {
+        const int xb = (int)((e0 + rlx_run_off(p, k0)) >> 5);      // the group's x block
+        int xw[MMAX][QXG], xs[MMAX];
+        float xdv[MMAX];
+#pragma unroll
+        for (int m = 0; m < MMAX; ++m)
+          if (m < M) {
+            xdv[m] = xd[m * nbx + xb];
+#pragma unroll
+            for (int j = 0; j < QXG; j += QXC) rlx_xwords<QXC>(xq + (i64)m * K + e0 + rlx_run_off(p, k0 + j), xw[m] + j);
+            xs[m] = 0;
+#pragma unroll
+            for (int j = 0; j < QXG; ++j) xs[m] = __dp4a(0x01010101, xw[m][j], xs[m]);   // (dead: BIAS 128, no min)
+          }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          W d, mn = 0;
+          rlx_scale(q[u][r], p, k0, &d, &mn);
+          int dot[MMAX];
+#pragma unroll
+          for (int m = 0; m < MMAX; ++m) dot[m] = 0;
+#pragma unroll
+          for (int j = 0; j < QXG; ++j) {
+            const int qs = (int)(rlx_qword(q[u][r], p, k0 + j) ^ 0x80808080u);     // the bytes b - 128
+#pragma unroll
+            for (int m = 0; m < MMAX; ++m)
+              if (m < M) dot[m] = __dp4a(qs, xw[m][j], dot[m]);
+          }
+#pragma unroll
+          for (int m = 0; m < MMAX; ++m)
+            if (m < M) {
+#if HAS_MIN
+              acc[r][m] += xdv[m] * (d * (W)(dot[m] + (128 - BIAS) * xs[m]) + mn * (W)xs[m]);
+#else
+              acc[r][m] += xdv[m] * (d * (W)(dot[m] + (128 - BIAS) * xs[m]));
+#endif
+            }
+        }
+      }
+#else
 #pragma unroll
       for (int k = 0; k < RUNS; ++k) {
         const i64 e = e0 + rlx_run_off(p, k);
@@ -337,6 +479,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
             }
         }
       }
+#endif
     }
   }
   __shared__ W red[8][R][MMAX];

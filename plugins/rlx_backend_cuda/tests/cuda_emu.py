@@ -1,0 +1,220 @@
+"""The backend's CUDA C++ kernels run on the CPU, for tests on machines without a GPU.
+
+`compile_kernel(source, name)` builds a kernel source (sources.render's text: the prelude,
+defines, parts) with the host C++ compiler against a small emulation of what the kernels use
+from CUDA: 16-bit float types, vector types, warp shuffles, block barriers, atomics, dp4a and
+the bit intrinsics. `launch(grid, block, args, shared_mem)` runs the blocks one after another,
+each as one OS thread per CUDA thread (a barrier for __syncthreads, one per warp for the
+shuffles, so a warp whose lanes do not all reach a shuffle hangs, as on the GPU it would be
+undefined). Inline PTX (tensor cores, clusters, griddepcontrol) is not emulated: a kernel
+holding it fails to compile here. Slow, for small shapes: a check of the kernel's arithmetic
+and indexing, not of its speed or memory ordering."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+
+SHIM = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+#define __device__
+#define __global__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+#define __align__(n) alignas(n)
+#define __shared__ static
+using std::min; using std::max; using std::isfinite; using std::isnan; using std::isinf;
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+static thread_local dim3 threadIdx, blockIdx;
+static dim3 blockDim, gridDim;
+static unsigned char* rlx_emu_dyn;
+struct uint4 { unsigned x, y, z, w; };
+struct alignas(16) int4 { int x, y, z, w; };
+struct alignas(8) int2 { int x, y; };
+struct alignas(8) uint2 { unsigned x, y; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+template <class A, class B> inline A rlx_bits(B v) { A a; std::memcpy(&a, &v, sizeof(A)); return a; }
+inline float __int_as_float(int v) { return rlx_bits<float>(v); }
+inline float __uint_as_float(unsigned v) { return rlx_bits<float>(v); }
+inline int __float_as_int(float v) { return rlx_bits<int>(v); }
+inline unsigned __float_as_uint(float v) { return rlx_bits<unsigned>(v); }
+// 16-bit floats: storage and round-to-nearest-even conversions
+inline float rlx_h2f(uint16_t h) {
+  const unsigned s = (h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
+  if (e == 31) return rlx_bits<float>(s | 0x7f800000u | (m << 13));
+  if (e == 0) { const float v = std::ldexp((float)m, -24); return s ? -v : v; }
+  return rlx_bits<float>(s | ((e + 112) << 23) | (m << 13));
+}
+inline uint16_t rlx_f2h(float f) {
+  const unsigned u = rlx_bits<unsigned>(f), s = (u >> 16) & 0x8000u;
+  const float a = std::fabs(f);
+  if (std::isnan(f)) return (uint16_t)(s | 0x7e00u);
+  if (a >= 65520.f) return (uint16_t)(s | 0x7c00u);
+  if (a < 6.103515625e-05f) return (uint16_t)(s | (unsigned)std::nearbyint(a * 16777216.f));  // subnormal
+  unsigned e = ((rlx_bits<unsigned>(a) >> 23) & 255) - 112, m = rlx_bits<unsigned>(a) & 0x7fffffu;
+  unsigned r = (e << 10) | (m >> 13), rest = m & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (r & 1))) ++r;
+  return (uint16_t)(s | r);
+}
+inline uint16_t rlx_f2bf(float f) {
+  const unsigned u = rlx_bits<unsigned>(f);
+  if (std::isnan(f)) return (uint16_t)((u >> 16) | 0x40u);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+struct __half { uint16_t b; __half() = default; explicit __half(float f) : b(rlx_f2h(f)) {} operator float() const { return rlx_h2f(b); } };
+struct __nv_bfloat16 { uint16_t b; __nv_bfloat16() = default; explicit __nv_bfloat16(float f) : b(rlx_f2bf(f)) {}
+  operator float() const { return rlx_bits<float>((unsigned)b << 16); } };
+inline float __half2float(__half h) { return rlx_h2f(h.b); }
+inline __half __float2half_rn(float f) { __half h; h.b = rlx_f2h(f); return h; }
+inline __half __double2half(double d) { return __float2half_rn((float)d); }
+inline __half __ushort_as_half(unsigned short v) { __half h; h.b = v; return h; }
+inline float __bfloat162float(__nv_bfloat16 h) { return (float)h; }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { __nv_bfloat16 h; h.b = rlx_f2bf(f); return h; }
+inline __nv_bfloat16 __double2bfloat16(double d) { return __float2bfloat16_rn((float)d); }
+// bit intrinsics
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t v = ((uint64_t)y << 32) | x;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 255) << (8 * i);
+  return r;
+}
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
+  return (unsigned)(((((uint64_t)hi) << 32) | lo) >> (sh & 31));
+}
+inline int __dp4a(int a, int b, int c) {
+  for (int i = 0; i < 4; ++i) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
+  return c;
+}
+template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> inline T __ldcg(const T* p) { return *p; }
+// threads: a barrier for the block, one a warp for the shuffles
+static std::unique_ptr<std::barrier<>> rlx_emu_block;
+static std::vector<std::unique_ptr<std::barrier<>>> rlx_emu_warp;
+static uint64_t rlx_emu_slot[32][32];
+static std::mutex rlx_emu_atomic;
+inline void __syncthreads() { rlx_emu_block->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { rlx_emu_warp[threadIdx.x >> 5]->arrive_and_wait(); }
+inline void __threadfence() {}
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  std::memcpy(&rlx_emu_slot[w][lane], &v, sizeof(T));
+  rlx_emu_warp[w]->arrive_and_wait();
+  T o;
+  std::memcpy(&o, &rlx_emu_slot[w][lane ^ m], sizeof(T));
+  rlx_emu_warp[w]->arrive_and_wait();
+  return o;
+}
+template <class T> inline T atomicAdd(T* p, T v) { std::lock_guard<std::mutex> g(rlx_emu_atomic); T o = *p; *p = o + v; return o; }
+inline int atomicCAS(int* p, int c, int v) { std::lock_guard<std::mutex> g(rlx_emu_atomic); int o = *p; if (o == c) *p = v; return o; }
+template <class F> void rlx_emu_run(dim3 grid, dim3 block, F body) {
+  blockDim = block; gridDim = grid;
+  const unsigned n = block.x * block.y * block.z;
+  for (unsigned b = 0; b < grid.x * grid.y * grid.z; ++b) {
+    rlx_emu_block = std::make_unique<std::barrier<>>(n);
+    rlx_emu_warp.clear();
+    for (unsigned w = 0; w < (n + 31) / 32; ++w) rlx_emu_warp.push_back(std::make_unique<std::barrier<>>(std::min(32u, n - 32 * w)));
+    std::vector<std::thread> ts;
+    for (unsigned t = 0; t < n; ++t)
+      ts.emplace_back([&, t, b] {
+        threadIdx = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
+        blockIdx = {b % grid.x, b / grid.x % grid.y, b / (grid.x * grid.y)};
+        body();
+        rlx_emu_warp[t >> 5]->arrive_and_drop();         // (a thread that returned early leaves both)
+        rlx_emu_block->arrive_and_drop();
+      });
+    for (auto& t : ts) t.join();
+  }
+}
+"""
+
+_SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\((.*?)\)\s*\{', re.S)
+
+
+def why_not() -> str:
+    """'' where kernels can run here, else why not (no host C++20 compiler)."""
+    return "" if shutil.which("g++") else "no g++ on this machine to build the emulated kernels"
+
+
+def _host_text(source: str) -> str:
+    """The kernel source as host C++: CUDA's headers left out (the shim stands for them), each
+    dynamic shared array pointed at the launch's buffer."""
+    source = re.sub(r"#include <cuda_(fp16|bf16)\.h>", "", source)
+    return re.sub(r"extern __shared__ (?:__align__\(\d+\) )?([\w ]+?) (\w+)\[\];",
+                  r"\1* \2 = (\1*)rlx_emu_dyn;", source)
+
+
+def _params(sig: str) -> list:
+    """The C types of a parameter list."""
+    out = []
+    for p in (q.strip() for q in sig.split(",")):
+        t = re.sub(r"\s*\b\w+$", "", p).replace("__restrict__", "").strip()
+        out.append(t)
+    return out
+
+
+class Kernel:
+    """A compiled kernel: call as launch(grid, block, args, shared_mem) with NumPy arrays for
+    pointers and NumPy scalars (or None for a null pointer) for the rest."""
+
+    def __init__(self, lib, types: list):
+        self.fn, self.types = lib.rlx_emu_launch, types
+
+    def launch(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+        if len(args) != len(self.types):
+            raise ValueError(f"{len(self.types)} arguments expected, got {len(args)}")
+        keep, ptrs = [], []
+        for t, a in zip(self.types, args):
+            if t.endswith("*"):
+                c = ctypes.c_void_p(None if a is None else a.ctypes.data)
+            else:
+                c = {"int": ctypes.c_int, "long long": ctypes.c_longlong, "float": ctypes.c_float,
+                     "double": ctypes.c_double, "unsigned int": ctypes.c_uint}[t](a.item() if hasattr(a, "item") else a)
+            keep.append(c)
+            ptrs.append(ctypes.addressof(c))
+        smem = np.zeros(max(shared_mem, 16), np.uint8)
+        g, b = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+        self.fn(*(ctypes.c_uint(v) for v in g + b), ctypes.c_void_p(smem.ctypes.data),
+                (ctypes.c_void_p * len(ptrs))(*ptrs))
+
+
+def compile_kernel(source: str, name: str, cache: str | None = None) -> Kernel:
+    """Kernel `name` of `source` built as a host shared library (cached by the text's hash)."""
+    text = _host_text(source)
+    sig = next((m for m in _SIG.finditer(text) if m.group(1) == name), None)
+    if sig is None:
+        raise ValueError(f"no kernel {name!r} in the source")
+    types = _params(sig.group(2))
+    call = ", ".join(f"*({t}*)a[{i}]" for i, t in enumerate(types))
+    launcher = (f'\nextern "C" void rlx_emu_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, '
+                f'unsigned bz, unsigned char* smem, void** a) {{\n  rlx_emu_dyn = smem;\n'
+                f'  rlx_emu_run({{gx, gy, gz}}, {{bx, by, bz}}, [&] {{ {name}({call}); }});\n}}\n')
+    full = SHIM + text + launcher
+    cache = cache or os.path.join(tempfile.gettempdir(), "rlx_cuda_emu")
+    os.makedirs(cache, exist_ok=True)
+    so = os.path.join(cache, hashlib.sha1(full.encode()).hexdigest()[:20] + ".so")
+    if not os.path.exists(so):
+        src = so[:-3] + ".cpp"
+        with open(src, "w") as f:
+            f.write(full)
+        r = subprocess.run(["g++", "-std=c++20", "-O0", "-shared", "-fPIC", "-w", "-o", so + ".tmp", src, "-lpthread"],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"building kernel {name!r} on the host failed:\n{r.stderr[-3000:]}")
+        os.replace(so + ".tmp", so)
+    return Kernel(ctypes.CDLL(so), types)

@@ -1,0 +1,302 @@
+"""int8 activations on CUDA (`[precision] activations = "int8"`: a fake_quantize to int8_b32
+before each packed matmul's x): the decode GEMV rounds x itself and multiplies the int8 blocks
+in dp4a (dq.cu's QX), the fake_quantize then no step; elsewhere (prefill rows, an x that is
+also an output, the switch off) the rounding kernel (fake_q8) writes the rounded x. Against the
+float64 product of the int8-rounded x and the decoded weight on fresh random inputs, every
+scheme; the rounding kernel bit for bit against the NumPy backend; a decode block under the
+profile against the NumPy backend, replayed as a CUDA graph. Without a GPU the kernels run
+emulated on the CPU (cuda_emu): the same checks of their arithmetic, with the norm, residual
+and SwiGLU forms beside."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_cuda import gpu, rng  # noqa: F401
+from test_gemv_fusion import case, rel
+
+import rlx_core
+from rlx_core import CompileProfile, Graph
+from rlx_core.ir.dtype import BF16, F16, F32, U8
+from rlx_core.ir.numpy_kernels import fake_quantized
+from rlx_core.ir.quant import QuantScheme, quantize
+
+SCHEMES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8_b48", "int4_b48", "int4_b32"]
+N = 37
+
+
+def _steps(exe) -> dict:
+    return next(iter(exe._runners.values())).describe()["steps_by_op"]
+
+
+def _run_twice(g, params, ins, int8_gemv: bool) -> tuple:
+    """(outputs of the second run, which replays the CUDA graph; steps by op), planned and built
+    under the switch."""
+    from rlx_backend_cuda import set_config
+    from rlx_backend_cuda.values import CONFIG
+
+    was = CONFIG["int8_gemv"]
+    set_config(int8_gemv=int8_gemv)
+    try:
+        exe = rlx_core.compile(g, backend="cuda", params=params)
+        for _ in range(2):
+            out = {c: exe.backend.to_host(v) for c, v in exe.run(dict(ins)).items()}
+        return out, _steps(exe)
+    finally:
+        set_config(int8_gemv=was)
+
+
+@gpu
+@pytest.mark.parametrize("name", SCHEMES)
+def test_int8_gemv_matches_the_rounded_product(rng, name):
+    """One and three rows, two weights reading one rounded x (q/k-like), one with bias and
+    silu (the GEMV's epilogue); a NaN in a block of one row makes that row NaN as in the
+    reference; the switch off (the rounding kernel, then the float GEMV) agrees."""
+    s = QuantScheme.parse(name)
+    k = 480 if s.block_size == 48 else 512
+    ws = [quantize(rng.standard_normal((N, k)).astype(np.float32), s) for _ in range(2)]
+
+    def build(m):
+        w0, w1 = m.param("w0", ws[0].shape, U8), m.param("w1", ws[1].shape, U8)
+        bias = m.input("b", (N,), F32)
+        out = {}
+        for rows in (1, 3):
+            xq = m.add("fake_quantize", (m.input(f"x{rows}", (rows, k), F32),), scheme="int8_b32")
+            out[f"p{rows}"] = m.add("dequant_matmul", (xq, w0), scheme=name, act="identity")
+            out[f"s{rows}"] = m.add("dequant_matmul", (xq, w1, bias), scheme=name, act="silu")
+        return out
+    g = Graph.define("int8_gemv", build)
+    ins = {f"x{r}": rng.standard_normal((r, k)).astype(np.float32) for r in (1, 3)}
+    ins["x3"][1, 40] = np.nan
+    ins["b"] = rng.standard_normal(N).astype(np.float32)
+    deq = [s.dequantize_reference(w, (N, k)) for w in ws]
+    for int8_gemv in (True, False):
+        got, steps = _run_twice(g, {"w0": ws[0], "w1": ws[1]}, ins, int8_gemv)
+        assert ("fake_quantize" in steps) is not int8_gemv, steps
+        for r in (1, 3):
+            xr = np.asarray(fake_quantized(ins[f"x{r}"], "int8_b32"), np.float64)
+            p, sv = xr @ deq[0].T, xr @ deq[1].T + ins["b"]
+            for c, want in ((f"p{r}", p), (f"s{r}", sv / (1 + np.exp(-sv)))):
+                tol = 1e-5 * np.nanmax(np.abs(want))
+                np.testing.assert_allclose(got[c].astype(np.float64), want, rtol=1e-5, atol=tol, err_msg=c)
+        assert np.isnan(got["p3"][1]).all() and np.isfinite(got["p3"][[0, 2]]).all()
+
+
+@gpu
+@pytest.mark.parametrize("dt", [F32, BF16, F16])
+def test_the_rounding_kernel_matches_numpy_bit_for_bit(rng, dt):
+    """The rounded x is also an output (no GEMV may skip it): fake_q8 writes it, equal to the
+    NumPy backend's in every bit, over a block of zeros, one holding inf, one holding NaN,
+    values at the ties of the rounding, and rows over a whole grid."""
+    rows, k = 700, 96
+
+    def build(m):
+        return {"y": m.add("fake_quantize", (m.input("x", (rows, k), dt),), scheme="int8_b32")}
+    x = (rng.standard_normal((rows, k)) * np.exp(rng.uniform(-8, 8, (rows, 1)))).astype(np.float32)
+    x[3, :32] = 0
+    x[4, 40] = np.inf
+    x[5, 70] = np.nan
+    x[6, :32] = np.arange(32) - 15.5                 # |x| * 127 / 16.5 lands on halves
+    x = x.astype(dt.np)
+    g = Graph.define("fake_q8", build)
+    want = rlx_core.compile(g, backend="numpy").run(x=x)["y"]
+    exe = rlx_core.compile(g, backend="cuda")
+    got = exe.backend.to_host(exe.run(x=x)["y"])
+    assert "fake_quantize" in _steps(exe)
+    got, want = got.astype(np.float32), np.asarray(want).astype(np.float32)
+    np.testing.assert_array_equal(got, want)          # (NaN where NaN: a GPU's NaN bits differ)
+    assert np.isnan(got[4, 32:64]).all() and np.isnan(got[5, 64:96]).all() and (got[3, :32] == 0).all()
+
+
+@gpu
+@pytest.mark.parametrize("scheme", ["q4_k", "q8_0", "q6_k"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_decode_block_under_int8_activations(rng, scheme, rows):
+    """Attention output, residual norms, the SwiGLU MLP and a second projection with packed
+    weights, compiled with activations = "int8": no fake_quantize step is left (each GEMV
+    rounds its x), the residual norms stay inside the GEMVs (as test_gemv_fusion's: at 3 rows
+    the dense head is no GEMV, so the last one runs as a launch), and the result matches the
+    NumPy backend under the same profile within bf16 rounding, the third run replaying the
+    CUDA graph."""
+    g, pv, ins, _ = case(rng, BF16, rows, 512, scheme=scheme, inner=256, inter=512)
+    prof = CompileProfile().evolve(precision={"activations": "int8"})
+    exe = rlx_core.compile(g, profile=prof, backend="cuda", params=pv)
+    for _ in range(3):
+        got = {k: exe.backend.to_host(v) for k, v in exe.run(dict(ins)).items()}
+    steps = _steps(exe)
+    assert "fake_quantize" not in steps and steps["dequant_matmul"] >= 5, steps
+    assert (steps.get("fused_residual_rms_norm", 0) > 0) == (rows > 2) and steps["rms_norm"] == 1, steps
+    want = rlx_core.compile(g, profile=prof, backend="numpy", params=pv).run(dict(ins))
+    for k, w in want.items():
+        assert rel(got[k], np.asarray(w, np.float64)) < 2e-2, (k, rel(got[k], np.asarray(w, np.float64)))
+
+
+def test_the_plan_leaves_the_rounding_to_decode_gemvs():
+    """(No GPU: the rule reads the graph.) A fake_quantize read only as the x of dequant_matmuls
+    of at most 8 rows becomes a view of x, whose bytes then live until its last reader; one
+    read by a 20-row product (prefill: the rounding kernel, then dequantize + cuBLAS), one that
+    is also an output, one of f64 rows, and all of them under the switch off stay steps."""
+    from rlx_backend_cuda import set_config
+    from rlx_backend_cuda.ops import planned_layouts
+    from rlx_backend_cuda.values import CONFIG
+    from rlx_core.ir.dtype import F64
+    from rlx_core.ir.graph import Builder
+    from rlx_core.ir.lir import plan
+
+    k, n = 64, 16
+    m = Builder("int8_views", "mir")
+    w = m.input("w", (n, k // 32 * 34), U8)
+
+    def rounded(name, rows, dt=F16):
+        return m.add("fake_quantize", (m.act(m.input(name, (rows, k), dt), "tanh"),), scheme="int8_b32")
+    x1, x20, xo, x64 = rounded("x1", 1), rounded("x20", 20), rounded("xo", 2), rounded("x64", 1, F64)
+    for i, x in enumerate((x1, x1, x20, xo)):           # x1: two readers (q and k)
+        m.output(f"y{i}", m.add("dequant_matmul", (x, w), scheme="q8_0", act="identity"))
+    m.output("xo", xo)
+    m.output("y64", m.add("dequant_matmul", (x64, w), scheme="q8_0", act="identity"))
+    g = m.build()
+    fq = [i for i, nd in enumerate(g.nodes) if nd.op == "fake_quantize"]
+    views, _ = planned_layouts(g)
+    assert [i in views for i in fq] == [True, False, False, False]
+    lir = plan(g, views=views)
+    readers = g.consumers()[(fq[0], 0)]
+    assert lir.slots[(fq[0], 0)].home == "view" and len(readers) == 2
+    assert lir.slots[tuple(g.nodes[fq[0]].inputs[0])].end == max(readers)      # x lives to its last reader
+    was = CONFIG["int8_gemv"]
+    set_config(int8_gemv=False)
+    try:
+        assert not set(fq) & planned_layouts(g)[0]
+    finally:
+        set_config(int8_gemv=was)
+
+
+# ----------------------------------------------------------------------------- emulated on the CPU
+emu = pytest.mark.skipif(bool(__import__("cuda_emu").why_not()), reason=__import__("cuda_emu").why_not() or "-")
+BF = BF16.np
+
+
+def _gemv_kernel(s, T: str, M: int, K: int, qx: int, norm: int = 0, resid: int = 0, swiglu: int = 0,
+                 epilogue: str = ""):
+    """(the emulated DQ_GEMV, grid, shared memory) as ops._dq_gemv specializes and launches it."""
+    from cuda_emu import compile_kernel
+    from rlx_backend_cuda import codegen, sources
+    from rlx_backend_cuda.ops import DQ_LOADS, dq_gemv_shape, qx_bytes
+
+    mmax, kw, rows = dq_gemv_shape(s.kind, s.block_size, M, K)
+    src = sources.dq_source(sources.DQ_GEMV, s.kind, s.block_size, T=T, TO=T, TB="float", ACC="float", A=16,
+                            MMAX=mmax, R=rows, U=DQ_LOADS, KW=kw, XV=1, SWIGLU=swiglu, EPILOGUE=epilogue,
+                            SWIGLU_OF=codegen.swiglu_of("float"), EARLY=0, NORM=norm, TN="float", RESID=resid,
+                            QX=qx)
+    per_block = 8 // kw * (rows // 2 if swiglu else rows)
+    return compile_kernel(src, "rlx_dq_gemv"), per_block, qx_bytes(M, K) if qx else 0
+
+
+def _norms(eps=0.0, nsq=None, nw=None, noff=0.0, res=None, N=0, yw=None, osq=None) -> tuple:
+    """The arguments rlx_dq_gemv ends with (ops.NO_NORMS when left out)."""
+    return (np.float32(eps), nsq, nw, np.float32(noff), res, np.int64(N), yw, osq, None, np.int32(0))
+
+
+def _launch(kernel, x, w, y, M, N, K, s, bias=None, tail=_norms()):
+    k, per_block, smem = kernel
+    k.launch((-(-N // per_block),), (256,), (x, np.int64(K), w, np.int64(w.shape[1]), bias, y, np.int32(M),
+                                              np.int32(N), np.int32(K // s.block_size)) + tail, smem)
+
+
+@emu
+@pytest.mark.parametrize("name", SCHEMES)
+def test_emulated_int8_gemv_matches_the_rounded_product(rng, name):
+    """The QX GEMV on the CPU, every scheme: f32 rows (1 and 3, a NaN in one block of the
+    second of 3, whose outputs come out NaN) and bf16 rows with bias and silu in the
+    epilogue, against the float64 product of the int8-rounded x; the float GEMV of the same
+    weights beside (the emulation itself checked on a kernel the GPU runs)."""
+    from rlx_backend_cuda.ops import _dq_epilogue
+
+    s = QuantScheme.parse(name)
+    k = 480 if s.block_size == 48 else 512
+    w = quantize(rng.standard_normal((N, k)).astype(np.float32), s)
+    deq = s.dequantize_reference(w, (N, k))
+    kernels = {qx: _gemv_kernel(s, "float", 3, k, qx) for qx in (1, 0)}       # (MMAX 4: 1 row too)
+    for rows in (1, 3):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        if rows == 3:
+            x[1, 70] = np.nan
+        for qx in (1, 0):
+            y = np.zeros((rows, N), np.float32)
+            _launch(kernels[qx], x, w, y, rows, N, k, s)
+            xr = np.asarray(fake_quantized(x, "int8_b32"), np.float64) if qx else x.astype(np.float64)
+            want = xr @ deq.T
+            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.nanmax(np.abs(want)), err_msg=f"{rows} {qx}")
+    xb = rng.standard_normal((2, k)).astype(BF)
+    bias = rng.standard_normal(N).astype(np.float32)
+    y = np.zeros((2, N), BF)
+    kern = _gemv_kernel(s, "__nv_bfloat16", 2, k, 1, epilogue=_dq_epilogue(BF16, True, "silu"))
+    _launch(kern, xb.view(np.uint16), w, y.view(np.uint16), 2, N, k, s, bias=bias)
+    v = np.asarray(fake_quantized(xb.astype(np.float32), "int8_b32"), np.float64) @ deq.T + bias
+    assert rel(y, v / (1 + np.exp(-v))) < 1e-2
+
+
+@emu
+@pytest.mark.parametrize("name", ["q4_k", "q8_0"])
+def test_emulated_int8_gemv_norms_adds_the_residual_and_the_swiglu(rng, name):
+    """bf16 decode forms: NORM (x holds x0 * w, the row's norm from its sums divides after the
+    integer products: the same rounded q), RESID (h = res + the product, h * w for the next
+    GEMV, h's squares added up) and SWIGLU (gate and up rows), each with QX, against float64."""
+    s = QuantScheme.parse(name)
+    k, n, rows, eps = 512, 40, 2, 1e-5
+    w = quantize(rng.standard_normal((2 * n, k)).astype(np.float32), s)
+    deq = s.dequantize_reference(w, (2 * n, k))
+    x0 = rng.standard_normal((rows, k)).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    # NORM: x = x0 * nw, the sums of x0's squares in part 0 of each row's 32
+    nsq = np.zeros((rows, 32), np.float32)
+    nsq[:, 0] = (x0.astype(BF).astype(np.float64) ** 2).sum(1)
+    xw = (x0.astype(BF).astype(np.float32) * nw).astype(BF)
+    y = np.zeros((rows, n), BF)
+    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1, norm=1), xw.view(np.uint16), w, y.view(np.uint16), rows,
+            n, k, s, tail=_norms(eps, nsq.reshape(-1)))
+    x64 = x0.astype(BF).astype(np.float64)
+    normed = (x64 / np.sqrt((x64 ** 2).mean(1, keepdims=True) + eps) * nw).astype(np.float32).astype(BF)
+    xr = np.asarray(fake_quantized(normed.astype(np.float32), "int8_b32"), np.float64)
+    assert rel(y, xr @ deq[:n].T) < 1e-2
+    # RESID: h = res + product, yw = h * nw2, the squares of h into osq
+    res = rng.standard_normal((rows, n)).astype(BF)
+    nw2 = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    h, yw, osq = np.zeros((rows, n), BF), np.zeros((rows, n), BF), np.zeros(rows * 32, np.float32)
+    xb = x0.astype(BF)
+    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1, resid=1), xb.view(np.uint16), w, h.view(np.uint16),
+            rows, n, k, s, tail=_norms(0.0, None, nw2, 0.0, res.view(np.uint16), n, yw.view(np.uint16), osq))
+    want_h = res.astype(np.float64) + np.asarray(fake_quantized(x0.astype(BF).astype(np.float32), "int8_b32"),
+                                                 np.float64) @ deq[:n].T
+    assert rel(h, want_h) < 1e-2 and rel(yw, h.astype(np.float64) * nw2) < 1e-2
+    np.testing.assert_allclose(osq.reshape(rows, 32).sum(1), (h.astype(np.float64) ** 2).sum(1), rtol=1e-4)
+    # SWIGLU: w's first n rows the gate, the next n the up rows
+    y = np.zeros((rows, n), BF)
+    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1, swiglu=1), xb.view(np.uint16), w, y.view(np.uint16),
+            rows, n, k, s)
+    xr = np.asarray(fake_quantized(xb.astype(np.float32), "int8_b32"), np.float64)
+    gate, up = xr @ deq[:n].T, xr @ deq[n:].T
+    assert rel(y, gate / (1 + np.exp(-gate)) * up) < 1e-2
+
+
+@emu
+@pytest.mark.parametrize("dt", [F32, BF16, F16])
+def test_emulated_rounding_kernel_matches_numpy_bit_for_bit(rng, dt):
+    """fake_q8 on the CPU over the same blocks as on the GPU (zeros, inf, NaN, ties, a scale
+    range of e^16), a grid smaller than the rows (the blocks' loop), against the NumPy
+    backend's rounding in every bit but NaN's."""
+    from cuda_emu import compile_kernel
+    from rlx_backend_cuda import sources
+    from rlx_backend_cuda.codegen import ctype
+
+    rows, k = 40, 96
+    x = (rng.standard_normal((rows, k)) * np.exp(rng.uniform(-8, 8, (rows, 1)))).astype(np.float32)
+    x[3, :32], x[4, 40], x[5, 70] = 0, np.inf, np.nan
+    x[6, :32] = np.arange(32) - 15.5
+    x = x.astype(dt.np)
+    want = np.asarray(fake_quantized(x.astype(np.float32), "int8_b32"), np.float32).astype(dt.np)
+    kern = compile_kernel(sources.render(sources.FAKE_Q8, ACC="float", A=16, T=ctype(dt), TO=ctype(dt), XV=1),
+                          "rlx_fake_q8")
+    y = np.zeros_like(x)
+    view = (lambda a: a) if dt is F32 else (lambda a: a.view(np.uint16))
+    kern.launch((3,), (256,), (view(x), view(y), np.int64(x.size // 32)))
+    np.testing.assert_array_equal(y.astype(np.float32), want.astype(np.float32))
+    assert np.isnan(y[4, 32:64].astype(np.float32)).all() and (y[3, :32] == 0).all()
