@@ -26,11 +26,11 @@ from __future__ import annotations
 import numpy as np
 from rlx_core.ir.dtype import BF16, F16, F32, F64, I32
 from rlx_core.ir.errors import BackendError
-from rlx_core.ir.moe import INT8_SCHEME, ROUTE_ORDERS
+from rlx_core.ir.moe import ROUTE_ORDERS
 
 from . import device, sources
 from .codegen import acc_of, ctype
-from .ops import BUILDERS, _b_host, _dq_epilogue, _packed
+from .ops import BUILDERS, _dq_epilogue, _packed, round_int8
 from .values import V
 
 i32, i64 = np.int32, np.int64
@@ -235,7 +235,7 @@ def _experts(b, n, ins, x: V, ids: V, part: V) -> None:
         b.elementwise(((*to_x, (0,)), ("activation", (("fn", act),), (2,)), (*to_x, (1,)),
                        ("binary", (("op", "mul"),), (3, 4))), [hg, hu], h)
     if n.a["int8_h"]:                      # (activations = "int8": h rounded as the op says)
-        _b_host(b, Rounding(), [h], [h])
+        round_int8(b, h, h)
     _products(b, h, 1, down, None, sort, part, H, inter, act)
 
 
@@ -249,12 +249,6 @@ def _gemm_m_tiles(b, x: V, P: int, E: int) -> int:
     if per_expert < GEMM_MIN_PAIRS:
         return 0
     return 1 if 1.5 * per_expert <= 16 else 2
-
-
-class Rounding:
-    """The step `_b_host` runs for int8_h: h through int8_b32 blocks (on the host, out of
-    graph capture, as every fake_quantize on this backend)."""
-    op, a = "fake_quantize", {"scheme": INT8_SCHEME}
 
 
 def _rows(v: V, shape: tuple) -> V:

@@ -1159,12 +1159,24 @@ def _v_int8_x(b, n, ins):
 
 
 def _b_fake_quantize(b, n, ins, outs):
-    """fake_quantize to int8_b32 of float rows: the rounding kernel (in place where the plan
-    put y over x: a block's lanes read it before they write it); other schemes (weight
+    """fake_quantize to int8_b32 of float rows: the rounding kernel; other schemes (weight
     preparation) and f64 on the host."""
-    x, out = ins[0], outs[0]
-    if not _rounds_x(n):
+    if _rounds_x(n):
+        round_int8(b, ins[0], outs[0])
+    else:
         _b_host(b, n, ins, outs)
+
+
+class _Int8Rounding:
+    """A fake_quantize to int8_b32 as `_b_host` takes a node (f64 rows: no kernel)."""
+    op, a = "fake_quantize", {"scheme": "int8_b32"}
+
+
+def round_int8(b, x: V, out: V) -> None:
+    """out <- x rounded through int8_b32 blocks (rows of a multiple of 32): the fake_q8 kernel,
+    in place where out is x (a block's lanes read it before they write it); f64 on the host."""
+    if x.dt not in (F32, F16, BF16):
+        _b_host(b, _Int8Rounding, [x], [out])
         return
     if x.size == 0:
         return

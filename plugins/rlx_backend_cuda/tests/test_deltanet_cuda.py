@@ -22,11 +22,6 @@ from rlx_core.testing.ops_suite_deltanet import conv_args, ref_causal_conv1d, re
 from rlx_core.testing.parity import Arg, exact, rand, run_parity
 
 
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
-
-
 def _unit(rng, dims, dt):
     x = rng.normal(size=dims)
     return exact(x / np.linalg.norm(x, axis=-1, keepdims=True), dt)

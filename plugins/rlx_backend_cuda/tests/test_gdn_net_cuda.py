@@ -22,11 +22,6 @@ SHAPES = {"qwen35": (1, 2, 4, 128, 128), "odd": (2, 1, 3, 48, 72)}      # b, hk,
 SCALE, EPS = 0.3, 1e-6
 
 
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
-
-
 def _arrays(rng, b, t, hk, h, kd, vd, dt, width=4) -> dict:
     c = 2 * hk * kd + h * vd
     return {"x": rand(rng, (b, t, c), dt), "conv_w": rand(rng, (c, width), dt, -1, 1),

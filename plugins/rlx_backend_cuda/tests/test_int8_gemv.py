@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_cuda import gpu, rng  # noqa: F401
+from test_cuda import gpu
 from test_gemv_fusion import case, rel
 
 import rlx_core
@@ -122,7 +122,9 @@ def test_a_decode_block_under_int8_activations(rng, scheme, rows):
     exe = rlx_core.compile(g, profile=prof, backend="cuda", params=pv)
     for _ in range(3):
         got = {k: exe.backend.to_host(v) for k, v in exe.run(dict(ins)).items()}
-    steps = _steps(exe)
+    d = next(iter(exe._runners.values())).describe()
+    steps = d["steps_by_op"]
+    assert d["capturable"] and d["graph"], d
     assert "fake_quantize" not in steps and steps["dequant_matmul"] >= 5, steps
     assert (steps.get("fused_residual_rms_norm", 0) > 0) == (rows > 2) and steps["rms_norm"] == 1, steps
     want = rlx_core.compile(g, profile=prof, backend="numpy", params=pv).run(dict(ins))
@@ -167,6 +169,44 @@ def test_the_plan_leaves_the_rounding_to_decode_gemvs():
         assert not set(fq) & planned_layouts(g)[0]
     finally:
         set_config(int8_gemv=was)
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_routed_experts_round_x_and_h_in_the_captured_step(rng, tokens):
+    """moe_experts under int8 activations: x through the fake_quantize kernel, h rounded by
+    the same kernel between the passes (int8_h; both were host steps that kept the graph out
+    of capture): the step is captured, equals the NumPy backend within f32 rounding (a tie
+    of h's rounding may fall either way) and differs from the unrounded h's result."""
+    from rlx_core.ir.dtype import I64
+    from rlx_core.ir.graph import Builder
+
+    e, inter, hid, k = 8, 64, 96, 2
+    schemes = ("q8_0", "q4_0", "q8_0")
+    shapes = ((e, inter, hid), (e, inter, hid), (e, hid, inter))
+
+    def graph(int8_h: bool):
+        m = Builder("moe_int8", "mir")
+        x = m.add("fake_quantize", (m.input("x", (tokens, hid), F32),), scheme="int8_b32")
+        w, ids = m.input("weights", (tokens, k), F32), m.input("ids", (tokens, k), I64)
+        stacks = [m.input(n, (e,) + QuantScheme.parse(sc).packed_shape(sh[1:]), U8)
+                  for n, sh, sc in zip(("gate", "up", "down"), shapes, schemes)]
+        m.output("y", m.add("moe_experts", (x, w, ids, *stacks), schemes=schemes, int8_h=int8_h))
+        return m.build()
+    ins = {"x": rng.standard_normal((tokens, hid)).astype(np.float32),
+           "weights": rng.uniform(0.2, 1.0, (tokens, k)).astype(np.float32),
+           "ids": np.stack([rng.choice(e, k, replace=False) for _ in range(tokens)]).astype(np.int64)}
+    for n, sh, sc in zip(("gate", "up", "down"), shapes, schemes):
+        ins[n] = np.stack([quantize((rng.standard_normal(sh[1:]) / np.sqrt(sh[2])).astype(np.float32), sc)
+                           for _ in range(e)])
+    exe = rlx_core.compile(graph(True), backend="cuda")
+    for _ in range(3):
+        got = exe.backend.to_host(exe.run(dict(ins))["y"]).astype(np.float64)
+    runner = next(iter(exe._runners.values())).describe()
+    assert runner["capturable"] and runner["graph"], runner
+    want = rlx_core.compile(graph(True), backend="numpy").run(dict(ins))["y"].astype(np.float64)
+    unrounded = rlx_core.compile(graph(False), backend="numpy").run(dict(ins))["y"].astype(np.float64)
+    assert rel(got, want) < 1e-3 and rel(unrounded, want) > 1e-5, (rel(got, want), rel(unrounded, want))
 
 
 # ----------------------------------------------------------------------------- emulated on the CPU

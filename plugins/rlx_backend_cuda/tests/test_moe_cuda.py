@@ -28,11 +28,6 @@ from rlx_core.testing.parity import Arg, arg, run_parity
 DIMS = (16, 96, 128)          # experts, intermediate, hidden
 
 
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
-
-
 @gpu
 @pytest.mark.parametrize("dt", [F32, F16, BF16, F64], ids=lambda d: d.value)
 @pytest.mark.parametrize("tokens", [(1,), (4, 8), (40,)], ids=["decode", "batch32", "prefill40"])
