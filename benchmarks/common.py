@@ -73,17 +73,18 @@ def llama_quantized(llama_bin: str | None, path: dict, file_types: dict) -> None
         log(f"llama-quantize {file_type}: {size:.2f} GiB ({time.perf_counter() - t0:.0f}s)")
 
 
-def rlx_gguf_decode(path: str, backend: str, prompt: int, new: int, repeat: int, vocab: int) -> tuple:
-    """RLX on a GGUF file, compute bf16: a `prompt`-id prompt (random ids below `vocab`) and `new`
-    greedy tokens (EOS ignored), the median of `repeat` generate calls after a warm-up one:
-    ({prefill_ms, decode_ms, load_and_warm_s}, the model)."""
+def rlx_gguf_decode(path: str, backend: str, prompt: int, new: int, repeat: int, vocab: int,
+                    activations: str = "f32") -> tuple:
+    """RLX on a GGUF file, compute bf16 (`activations`: the profile's [precision] activations): a
+    `prompt`-id prompt (random ids below `vocab`) and `new` greedy tokens (EOS ignored), the median
+    of `repeat` generate calls after a warm-up one: ({prefill_ms, decode_ms, load_and_warm_s}, the model)."""
     import numpy as np
 
     import rlx_core
     from rlx_core.profile import CompileProfile, PrecisionConfig
 
     t0 = time.perf_counter()
-    prof = CompileProfile("bf16", precision=PrecisionConfig(compute="bf16"))
+    prof = CompileProfile("bf16", precision=PrecisionConfig(compute="bf16", activations=activations))
     m = rlx_core.load(path, backend=backend, profile=prof, progress=False)
     ids = np.random.default_rng(3).integers(3, vocab, size=(1, prompt))
     m.generate(ids, max_new_tokens=16, min_new_tokens=16)
@@ -133,17 +134,20 @@ def race_table(rows: list, ran_peer: bool, ratio_head: str, ratio) -> list:
     return lines
 
 
-def gguf_race(script: str, files: dict, child_args: list, a, ratio_head: str, ratio) -> None:
+def gguf_race(script: str, files: dict, child_args: list, a, ratio_head: str, ratio,
+              variants=lambda kind: [("", [])]) -> None:
     """Each GGUF file {kind: path}'s two sides, each in its own process: RLX (`script` run with
-    `child_args` and `--child-file PATH`, printing rlx_gguf_decode's dict) and, where
-    `a.llama_bin`, llama-bench at `a.prompt` / `a.new` / `a.repeat`; each row's JSON, then the table."""
+    `child_args` and `--child-file PATH`, printing rlx_gguf_decode's dict; once per (row suffix,
+    more arguments) of `variants(kind)`) and, where `a.llama_bin`, llama-bench at `a.prompt` /
+    `a.new` / `a.repeat`; each row's JSON, then the table."""
     rows = []
     for kind, path in files.items():
-        rlx = run_child([sys.executable, script, *child_args, "--child-file", path], f"rlx {kind}",
-                        timeout=1800)
         peer = llama_bench(a.llama_bin, path, a.prompt, a.new, a.repeat) if a.llama_bin else None
-        rows.append((kind, rlx, peer))
-        log(json.dumps({"file": kind, "rlx": rlx, "llama.cpp": peer}))
+        for suffix, more in variants(kind):
+            rlx = run_child([sys.executable, script, *child_args, *more, "--child-file", path],
+                            f"rlx {kind}{suffix}", timeout=1800)
+            rows.append((kind + suffix, rlx, peer))
+            log(json.dumps({"file": kind + suffix, "rlx": rlx, "llama.cpp": peer}))
     log("")
     for line in race_table(rows, bool(a.llama_bin), ratio_head, ratio):
         log(line)

@@ -2,7 +2,7 @@
 build on the same GGUF files, F16, Q8_0 and Q4_K_M (issue 49's packed rows).
 
     python benchmarks/llm_gpu_gguf.py --llama-bin DIR [--dir /tmp/llama1b] [--files f16,q8_0,q4_k_m]
-        [--layers 16] [--prompt 512] [--new 128] [--repeat 3] [--files-only]
+        [--layers 16] [--prompt 512] [--new 128] [--repeat 3] [--int8] [--files-only]
 
 The F16 file: llm_gpu.py's shape (hidden 2048, 32 heads, 8 KV heads, intermediate 8192, tied
 embeddings) with random weights (llm_gpu.make_weights: matrices N(0, 1/K), the embedding
@@ -13,7 +13,9 @@ q6_K), so both engines read the same bytes.
 
 Sides, each file in its own process:
 * rlx        `rlx_core.load(file, backend="cuda")`, compute bf16: a `--prompt`-id prompt and `--new`
-             greedy tokens (EOS ignored), the median of `--repeat` generate calls after a warm-up one
+             greedy tokens (EOS ignored), the median of `--repeat` generate calls after a warm-up one;
+             `--int8`: a second row per packed file under `[precision] activations = "int8"` (x
+             rounded to int8 blocks, multiplied in dp4a, as llama.cpp's q8_1 activations)
 * llama.cpp  `llama-bench -m FILE -ngl 99 -fa 1 -p PROMPT -n NEW -d PROMPT -r REPEAT` (generation at
              depth PROMPT); a build that fails or crashes is reported so, with no ratio
 Printed: the hardware; per file both sides' decode ms per token and prefill ms, and llama.cpp / RLX
@@ -108,12 +110,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--int8", action="store_true", help="a second RLX row per packed file: int8 activations")
+    ap.add_argument("--activations", default="f32", help=argparse.SUPPRESS)       # (the child's)
     ap.add_argument("--files-only", action="store_true", help="write the files, measure nothing")
     ap.add_argument("--child-file", default=None)
     a = ap.parse_args()
     cfg = dict(LLAMA_1B, num_hidden_layers=a.layers)
     if a.child_file:
-        out, _ = rlx_gguf_decode(a.child_file, "cuda", a.prompt, a.new, a.repeat, cfg["vocab_size"])
+        out, _ = rlx_gguf_decode(a.child_file, "cuda", a.prompt, a.new, a.repeat, cfg["vocab_size"], a.activations)
         print(json.dumps(out), flush=True)
         return
     log(f"device: {gpu_name()}; Llama-3.2-1B shape, {a.layers} layers; prompt {a.prompt}, "
@@ -122,8 +126,10 @@ def main() -> None:
     if a.files_only:
         return
     args = [w for k in ("layers", "prompt", "new", "repeat") for w in (f"--{k}", str(getattr(a, k)))]
+    int8 = [(" int8 act", ["--activations", "int8"])] if a.int8 else []
     gguf_race(os.path.abspath(__file__), files, args, a, "llama.cpp / RLX (target >= 1.5 packed)",
-              lambda rlx, peer: peer["decode_ms"] / rlx["decode_ms"])
+              lambda rlx, peer: peer["decode_ms"] / rlx["decode_ms"],
+              lambda kind: [("", [])] + (int8 if kind != "f16" else []))
 
 if __name__ == "__main__":
     main()
