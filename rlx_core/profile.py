@@ -52,7 +52,8 @@ class PrecisionConfig:
     # read by dequant_matmul) or dequantized at load to f32/f16/bf16; float checkpoints ignore it
     weights: str = "packed"
     # the x of a packed matmul: "f32" as computed, or "int8" rounded through int8 blocks of 32
-    # first (llama.cpp's q8 activations: CPU kernels then multiply integers; logits move ~1e-2)
+    # first (llama.cpp's q8 activations: CPU kernels and GPU decode GEMVs then multiply
+    # integers; logits move ~1e-2)
     activations: str = "f32"
 
 
