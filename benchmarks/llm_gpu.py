@@ -6,7 +6,8 @@ decode ms/token over 128 new tokens after a 512-token prompt, and the 512-token 
 
 Packed rows (--packed q4_k,q8_0): the same random weights quantized here with
 rlx_core.ir.quant (every matmul weight and the tied embedding, as PackedTensors), decoded in
-the kernels; their floor is the packed bytes over the same copy bandwidth.
+the kernels; their floor is the packed bytes over the same copy bandwidth. `q4_k+int8`: that
+scheme under `[precision] activations = "int8"` (the int8 dp4a GEMVs).
 
 Peers: HF transformers eager (bf16, sdpa, dynamic cache) and HF with a static cache and
 torch.compile(mode="reduce-overhead"). The bandwidth floor of a decode token is the
@@ -95,19 +96,20 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
 
 
 # ----------------------------------------------------------------------------- RLX
-def runtime_model(cfg, tensors, max_context: int, backend: str = "cuda"):
-    """The runtime's CausalLM of these tensors computing in bf16 (the peers' dtype)."""
+def runtime_model(cfg, tensors, max_context: int, backend: str = "cuda", activations: str = "f32"):
+    """The runtime's CausalLM of these tensors computing in bf16 (the peers' dtype); `activations`:
+    the profile's [precision] activations (int8: packed matmuls take x in int8 blocks)."""
     from rlx_core.profile import CompileProfile, PrecisionConfig
     from rlx_core.runtime.model import CausalLM
 
-    prof = CompileProfile("llama32_bf16", precision=PrecisionConfig(compute="bf16"))
+    prof = CompileProfile("llama32_bf16", precision=PrecisionConfig(compute="bf16", activations=activations))
     return CausalLM.from_tensors(cfg, tensors, backend=backend, profile=prof, max_context=max_context)
 
 
-def rlx_runtime(cfg, tensors, prompt, n_new, reps, cublas=True):
+def rlx_runtime(cfg, tensors, prompt, n_new, reps, cublas=True, activations="f32"):
     """RLX through the runtime (CausalLM.from_tensors + generate)."""
     t0 = time.perf_counter()
-    model = runtime_model(cfg, tensors, prompt.shape[1] + n_new + 128)
+    model = runtime_model(cfg, tensors, prompt.shape[1] + n_new + 128, activations=activations)
     res = {}
     toks = model.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new)   # compile + warm up
     res["first_generate_s"] = time.perf_counter() - t0
@@ -262,29 +264,31 @@ def packed_tensors(tensors: dict, scheme: str) -> dict:
 
 
 def rlx_packed(cfg, tensors, prompt, a, bw, bf16_decode):
-    """Decode/prefill with packed weights, one row per scheme of --packed."""
+    """Decode/prefill with packed weights, one row per entry of --packed: a scheme, `+int8`
+    after it for int8 activations."""
     import cupy as cp
 
     rows = {}
-    for scheme in filter(None, a.packed.split(",")):
+    for entry in filter(None, a.packed.split(",")):
+        scheme, _, act = entry.partition("+")
         try:
             t = time.perf_counter()
             pt = packed_tensors(tensors, scheme)
             nbytes = sum(getattr(v, "nbytes", 0) for v in pt.values())
             log(f"{scheme}: quantized in {time.perf_counter() - t:.1f}s, {nbytes / 1e9:.3f} GB")
-            r = rlx_runtime(cfg, pt, prompt, a.new, a.reps, cublas=False)
+            r = rlx_runtime(cfg, pt, prompt, a.new, a.reps, cublas=False, activations=act or "f32")
             r.update(weight_bytes=nbytes, floor_s=nbytes / bw)
             r["x_floor"] = r["decode_s"] / r["floor_s"]
             if bf16_decode:
                 r["bf16_over_this"] = bf16_decode / r["decode_s"]
-            log(f"rlx {scheme}: decode {r['decode_s'] * 1e3:.3f} ms/token = {r['x_floor']:.2f}x its floor "
+            log(f"rlx {entry}: decode {r['decode_s'] * 1e3:.3f} ms/token = {r['x_floor']:.2f}x its floor "
                 f"{r['floor_s'] * 1e3:.3f} ms; bf16 decode / this {r.get('bf16_over_this', 0):.2f}; "
                 f"prefill {r['prefill_s'] * 1e3:.3f} ms; runners {r.get('decode_runners')}")
-            rows[scheme] = r
+            rows[entry] = r
             del pt
         except Exception:
-            rows[scheme] = {"error": traceback.format_exc()[-3000:]}
-            log(f"rlx {scheme} failed:\n{rows[scheme]['error']}")
+            rows[entry] = {"error": traceback.format_exc()[-3000:]}
+            log(f"rlx {entry} failed:\n{rows[entry]['error']}")
         cp.get_default_memory_pool().free_all_blocks()
     return rows
 
@@ -496,7 +500,8 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", choices=["auto", "runtime", "graph"], default="auto")
     ap.add_argument("--no-compiled-peer", action="store_true")
     ap.add_argument("--rlx-only", action="store_true", help="skip the HF peers (a quick RLX-only check)")
-    ap.add_argument("--packed", default="q4_k,q8_0", help="packed-weight rows (schemes, comma-separated; '' skips)")
+    ap.add_argument("--packed", default="q4_k,q8_0", help="packed-weight rows (schemes, comma-separated, "
+                                                         "`+int8` after one: int8 activations; '' skips)")
     ap.add_argument("--json", default="")
     ap.add_argument("--check-layers", type=int, default=2, help="layers of the cuda-vs-numpy-vs-HF check (0: skip)")
     ap.add_argument("--batch", type=int, nargs="+", default=None,
