@@ -117,7 +117,8 @@ def main() -> None:
     a = ap.parse_args()
     cfg = dict(LLAMA_1B, num_hidden_layers=a.layers)
     if a.child_file:
-        out, _ = rlx_gguf_decode(a.child_file, "cuda", a.prompt, a.new, a.repeat, cfg["vocab_size"], a.activations)
+        out, _ = rlx_gguf_decode(a.child_file, "cuda", a.prompt, a.new, a.repeat, cfg["vocab_size"],
+                                 a.activations)
         print(json.dumps(out), flush=True)
         return
     log(f"device: {gpu_name()}; Llama-3.2-1B shape, {a.layers} layers; prompt {a.prompt}, "

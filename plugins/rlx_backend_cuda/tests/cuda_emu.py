@@ -77,9 +77,18 @@ inline uint16_t rlx_f2bf(float f) {
   if (std::isnan(f)) return (uint16_t)((u >> 16) | 0x40u);
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
-struct __half { uint16_t b; __half() = default; explicit __half(float f) : b(rlx_f2h(f)) {} operator float() const { return rlx_h2f(b); } };
-struct __nv_bfloat16 { uint16_t b; __nv_bfloat16() = default; explicit __nv_bfloat16(float f) : b(rlx_f2bf(f)) {}
-  operator float() const { return rlx_bits<float>((unsigned)b << 16); } };
+struct __half {
+  uint16_t b;
+  __half() = default;
+  explicit __half(float f) : b(rlx_f2h(f)) {}
+  operator float() const { return rlx_h2f(b); }
+};
+struct __nv_bfloat16 {
+  uint16_t b;
+  __nv_bfloat16() = default;
+  explicit __nv_bfloat16(float f) : b(rlx_f2bf(f)) {}
+  operator float() const { return rlx_bits<float>((unsigned)b << 16); }
+};
 inline float __half2float(__half h) { return rlx_h2f(h.b); }
 inline __half __float2half_rn(float f) { __half h; h.b = rlx_f2h(f); return h; }
 inline __half __double2half(double d) { return __float2half_rn((float)d); }
@@ -120,15 +129,22 @@ template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) {
   rlx_emu_warp[w]->arrive_and_wait();
   return o;
 }
-template <class T> inline T atomicAdd(T* p, T v) { std::lock_guard<std::mutex> g(rlx_emu_atomic); T o = *p; *p = o + v; return o; }
-inline int atomicCAS(int* p, int c, int v) { std::lock_guard<std::mutex> g(rlx_emu_atomic); int o = *p; if (o == c) *p = v; return o; }
+template <class T> inline T atomicAdd(T* p, T v) {
+  std::lock_guard<std::mutex> g(rlx_emu_atomic);
+  T o = *p; *p = o + v; return o;
+}
+inline int atomicCAS(int* p, int c, int v) {
+  std::lock_guard<std::mutex> g(rlx_emu_atomic);
+  int o = *p; if (o == c) *p = v; return o;
+}
 template <class F> void rlx_emu_run(dim3 grid, dim3 block, F body) {
   blockDim = block; gridDim = grid;
   const unsigned n = block.x * block.y * block.z;
   for (unsigned b = 0; b < grid.x * grid.y * grid.z; ++b) {
     rlx_emu_block = std::make_unique<std::barrier<>>(n);
     rlx_emu_warp.clear();
-    for (unsigned w = 0; w < (n + 31) / 32; ++w) rlx_emu_warp.push_back(std::make_unique<std::barrier<>>(std::min(32u, n - 32 * w)));
+    for (unsigned w = 0; w < (n + 31) / 32; ++w)
+      rlx_emu_warp.push_back(std::make_unique<std::barrier<>>(std::min(32u, n - 32 * w)));
     std::vector<std::thread> ts;
     for (unsigned t = 0; t < n; ++t)
       ts.emplace_back([&, t, b] {
@@ -143,6 +159,8 @@ template <class F> void rlx_emu_run(dim3 grid, dim3 block, F body) {
 }
 """
 
+_SCALARS = {"int": ctypes.c_int, "long long": ctypes.c_longlong, "float": ctypes.c_float,
+            "double": ctypes.c_double, "unsigned int": ctypes.c_uint}
 _SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\((.*?)\)\s*\{', re.S)
 
 
@@ -183,8 +201,7 @@ class Kernel:
             if t.endswith("*"):
                 c = ctypes.c_void_p(None if a is None else a.ctypes.data)
             else:
-                c = {"int": ctypes.c_int, "long long": ctypes.c_longlong, "float": ctypes.c_float,
-                     "double": ctypes.c_double, "unsigned int": ctypes.c_uint}[t](a.item() if hasattr(a, "item") else a)
+                c = _SCALARS[t](a.item() if hasattr(a, "item") else a)
             keep.append(c)
             ptrs.append(ctypes.addressof(c))
         smem = np.zeros(max(shared_mem, 16), np.uint8)
@@ -201,8 +218,8 @@ def compile_kernel(source: str, name: str, cache: str | None = None) -> Kernel:
         raise ValueError(f"no kernel {name!r} in the source")
     types = _params(sig.group(2))
     call = ", ".join(f"*({t}*)a[{i}]" for i, t in enumerate(types))
-    launcher = (f'\nextern "C" void rlx_emu_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, '
-                f'unsigned bz, unsigned char* smem, void** a) {{\n  rlx_emu_dyn = smem;\n'
+    launcher = (f'\nextern "C" void rlx_emu_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
+                f'unsigned by, unsigned bz, unsigned char* smem, void** a) {{\n  rlx_emu_dyn = smem;\n'
                 f'  rlx_emu_run({{gx, gy, gz}}, {{bx, by, bz}}, [&] {{ {name}({call}); }});\n}}\n')
     full = SHIM + text + launcher
     cache = cache or os.path.join(tempfile.gettempdir(), "rlx_cuda_emu")
@@ -212,8 +229,8 @@ def compile_kernel(source: str, name: str, cache: str | None = None) -> Kernel:
         src = so[:-3] + ".cpp"
         with open(src, "w") as f:
             f.write(full)
-        r = subprocess.run(["g++", "-std=c++20", "-O0", "-shared", "-fPIC", "-w", "-o", so + ".tmp", src, "-lpthread"],
-                           capture_output=True, text=True)
+        cmd = ["g++", "-std=c++20", "-O0", "-shared", "-fPIC", "-w", "-o", so + ".tmp", src, "-lpthread"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"building kernel {name!r} on the host failed:\n{r.stderr[-3000:]}")
         os.replace(so + ".tmp", so)

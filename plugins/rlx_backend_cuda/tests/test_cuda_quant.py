@@ -83,7 +83,8 @@ def test_snippet_groups_of_runs_share_a_scale_and_an_x_block(name):
         runs = [int(eval(off, {}, {"p": p, "k": k, **c})) for k in range(c["RUNS"])]
         for k0 in range(0, c["RUNS"], c["QXG"]):
             group = runs[k0:k0 + c["QXG"]]
-            assert len({e // 32 for e in group}) == 1 and len({e // scale for e in group}) == 1, (p, k0, group)
+            one_x_block, one_scale = len({e // 32 for e in group}) == 1, len({e // scale for e in group}) == 1
+            assert one_x_block and one_scale, (p, k0, group)
             for j in range(0, c["QXG"], c["QXC"]):
                 words = group[j:j + c["QXC"]]
                 assert words == list(range(words[0], words[0] + 4 * c["QXC"], 4)), (p, k0, words)

@@ -9,6 +9,7 @@ emulated on the CPU (cuda_emu): the same checks of their arithmetic, with the no
 and SwiGLU forms beside."""
 from __future__ import annotations
 
+import cuda_emu
 import numpy as np
 import pytest
 from test_cuda import gpu
@@ -210,14 +211,13 @@ def test_routed_experts_round_x_and_h_in_the_captured_step(rng, tokens):
 
 
 # ----------------------------------------------------------------------------- emulated on the CPU
-emu = pytest.mark.skipif(bool(__import__("cuda_emu").why_not()), reason=__import__("cuda_emu").why_not() or "-")
+emu = pytest.mark.skipif(bool(cuda_emu.why_not()), reason=cuda_emu.why_not() or "-")
 BF = BF16.np
 
 
 def _gemv_kernel(s, T: str, M: int, K: int, qx: int, norm: int = 0, resid: int = 0, swiglu: int = 0,
                  epilogue: str = ""):
     """(the emulated DQ_GEMV, grid, shared memory) as ops._dq_gemv specializes and launches it."""
-    from cuda_emu import compile_kernel
     from rlx_backend_cuda import codegen, sources
     from rlx_backend_cuda.ops import DQ_LOADS, dq_gemv_shape, qx_bytes
 
@@ -227,7 +227,7 @@ def _gemv_kernel(s, T: str, M: int, K: int, qx: int, norm: int = 0, resid: int =
                             SWIGLU_OF=codegen.swiglu_of("float"), EARLY=0, NORM=norm, TN="float", RESID=resid,
                             QX=qx)
     per_block = 8 // kw * (rows // 2 if swiglu else rows)
-    return compile_kernel(src, "rlx_dq_gemv"), per_block, qx_bytes(M, K) if qx else 0
+    return cuda_emu.compile_kernel(src, "rlx_dq_gemv"), per_block, qx_bytes(M, K) if qx else 0
 
 
 def _norms(eps=0.0, nsq=None, nw=None, noff=0.0, res=None, N=0, yw=None, osq=None) -> tuple:
@@ -264,7 +264,8 @@ def test_emulated_int8_gemv_matches_the_rounded_product(rng, name):
             _launch(kernels[qx], x, w, y, rows, N, k, s)
             xr = np.asarray(fake_quantized(x, "int8_b32"), np.float64) if qx else x.astype(np.float64)
             want = xr @ deq.T
-            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.nanmax(np.abs(want)), err_msg=f"{rows} {qx}")
+            tol = 1e-5 * np.nanmax(np.abs(want))
+            np.testing.assert_allclose(y, want, rtol=1e-5, atol=tol, err_msg=f"{rows} rows, qx {qx}")
     xb = rng.standard_normal((2, k)).astype(BF)
     bias = rng.standard_normal(N).astype(np.float32)
     y = np.zeros((2, N), BF)
@@ -291,8 +292,8 @@ def test_emulated_int8_gemv_norms_adds_the_residual_and_the_swiglu(rng, name):
     nsq[:, 0] = (x0.astype(BF).astype(np.float64) ** 2).sum(1)
     xw = (x0.astype(BF).astype(np.float32) * nw).astype(BF)
     y = np.zeros((rows, n), BF)
-    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1, norm=1), xw.view(np.uint16), w, y.view(np.uint16), rows,
-            n, k, s, tail=_norms(eps, nsq.reshape(-1)))
+    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1, norm=1), xw.view(np.uint16), w, y.view(np.uint16),
+            rows, n, k, s, tail=_norms(eps, nsq.reshape(-1)))
     x64 = x0.astype(BF).astype(np.float64)
     normed = (x64 / np.sqrt((x64 ** 2).mean(1, keepdims=True) + eps) * nw).astype(np.float32).astype(BF)
     xr = np.asarray(fake_quantized(normed.astype(np.float32), "int8_b32"), np.float64)
@@ -323,7 +324,6 @@ def test_emulated_rounding_kernel_matches_numpy_bit_for_bit(rng, dt):
     """fake_q8 on the CPU over the same blocks as on the GPU (zeros, inf, NaN, ties, a scale
     range of e^16), a grid smaller than the rows (the blocks' loop), against the NumPy
     backend's rounding in every bit but NaN's."""
-    from cuda_emu import compile_kernel
     from rlx_backend_cuda import sources
     from rlx_backend_cuda.codegen import ctype
 
@@ -333,8 +333,8 @@ def test_emulated_rounding_kernel_matches_numpy_bit_for_bit(rng, dt):
     x[6, :32] = np.arange(32) - 15.5
     x = x.astype(dt.np)
     want = np.asarray(fake_quantized(x.astype(np.float32), "int8_b32"), np.float32).astype(dt.np)
-    kern = compile_kernel(sources.render(sources.FAKE_Q8, ACC="float", A=16, T=ctype(dt), TO=ctype(dt), XV=1),
-                          "rlx_fake_q8")
+    src = sources.render(sources.FAKE_Q8, ACC="float", A=16, T=ctype(dt), TO=ctype(dt), XV=1)
+    kern = cuda_emu.compile_kernel(src, "rlx_fake_q8")
     y = np.zeros_like(x)
     view = (lambda a: a) if dt is F32 else (lambda a: a.view(np.uint16))
     kern.launch((3,), (256,), (view(x), view(y), np.int64(x.size // 32)))
