@@ -138,11 +138,10 @@ def _sole_chain(uses: dict, slots: dict, r: tuple, own: tuple, reader: int) -> b
 
 def plan(g: Graph, views: frozenset = frozenset(), placed: frozenset = frozenset()) -> LirModule:
     """Plan buffers for a static MIR graph. The backend's layouts (Backend.planned_layouts):
-    `views` are nodes it runs as views of their first input (a transpose read through strides,
-    a rounding its readers do themselves), whose bytes then live as long as the view is read;
-    `placed` are (concat node, input index) pairs whose input it has the producer write
-    straight into the concat's output: where that input's own value is read by nothing else
-    (through views), it gets home 'placed' and no bytes."""
+    `views` are nodes (a transpose) it runs as views of their first input, whose bytes then
+    live as long as the view is read; `placed` are (concat node, input index) pairs whose
+    input it has the producer write straight into the concat's output: where that input's
+    own value is read by nothing else (through views), it gets home 'placed' and no bytes."""
     _check_static(g)
     slots, root = _homes(g, views)
     begin = _place_concat_inputs(g, placed, slots, root)

@@ -133,6 +133,8 @@ def catalog() -> list:
                                                                        YV=stage, **shape), "rlx_dequant"))
     for t in ("float", "__nv_bfloat16", "__half"):
         out.append((f"fake_q8 {t}", S.render(S.FAKE_Q8, ACC="float", A=16, T=t, TO=t, XV=1), "rlx_fake_q8"))
+        out.append((f"quant_q8 {t}", S.render(S.QUANT_Q8, ACC="float", A=16, T=t, XV=int(t != "float"),
+                                              NORM=int(t != "__half")), "rlx_quant_q8"))
     # elementwise programs over every op kind and dtype mix
     progs = [
         ((("binary", (("op", "add"),), (0, 1)), ("activation", (("fn", "gelu"),), (2,))), [BF16, BF16], BF16),

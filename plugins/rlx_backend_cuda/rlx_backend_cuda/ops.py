@@ -10,7 +10,7 @@ import math
 import attrs
 import numpy as np
 from rlx_core.backends.base import strided_transposes
-from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I32, I64, DType
+from rlx_core.ir.dtype import BF16, BOOL, F16, F32, F64, I32, I64, U8, DType
 from rlx_core.ir.errors import BackendError
 from rlx_core.ir.ops import Level, MaskKind, get_op
 
@@ -734,8 +734,8 @@ def _residual_norm(b, n) -> tuple | None:
     """(node, x, w, eps, off) of the fused_residual_rms_norm (x + r) that is this matmul's
     output's only use (as r; or as x, then its r is returned as x), with nothing but params
     between them (its h may be written at the matmul) and its y read only as the x of matmuls
-    or dequant_matmuls (q/k and v of mixed formats: two; through a fake_quantize they compute,
-    `_readers`) that may run as GEMVs; else None."""
+    or dequant_matmuls (q/k and v of mixed formats: two) that may run as GEMVs, or by a
+    fake_quantize rounding it into int8 rows for such GEMVs (`_int8_x`); else None."""
     if not CONFIG["gemv_fusion"] or n.a.get("trans_a") or n.outs[0].dtype not in LOW:
         return None
     g = b.r.lir.graph
@@ -748,12 +748,13 @@ def _residual_norm(b, n) -> tuple | None:
         return None
     if any(g.nodes[t].op not in ("param", "constant") for t in range(b.node + 1, j)):
         return None
-    readers = _readers(b, (j, 1))
+    readers = b.uses.get((j, 1), [])
     def gemv_x(c):
         m = g.nodes[c] if c >= 0 else None
-        return (m is not None and m.op in ("matmul", "dequant_matmul")
-                and _x_source(b, tuple(m.inputs[0])) == (j, 1) and tuple(m.inputs[1]) != (j, 1)
-                and not m.a.get("trans_a"))
+        if m is not None and m.op == "fake_quantize":        # (its int8 rows: the norm computed there)
+            return tuple(m.inputs[0]) == (j, 1) and int8_gemv_x(g, c, b.hip)
+        return (m is not None and m.op in ("matmul", "dequant_matmul") and tuple(m.inputs[0]) == (j, 1)
+                and tuple(m.inputs[1]) != (j, 1) and not m.a.get("trans_a"))
     if not readers or not all(gemv_x(c) for c in readers):
         return None
     # (x + r, either way round: the same float sum)
@@ -805,7 +806,7 @@ def _b_matmul_fused(b, n, ins, outs, sw, norm: GemvNorm | None, resid, gemv) -> 
     if resid is not None:
         b.absorbed.add(j)
         own = _collected(b, lambda: _rms_norm(b, h, None, w, None, y, eps, off))
-        b.gemv_norms[(j, 1)] = GemvNorm(j, xw, eps, ssq, own, len(_readers(b, (j, 1))))
+        b.gemv_norms[(j, 1)] = GemvNorm(j, xw, eps, ssq, own, len(b.uses[(j, 1)]))
     return True
 
 
@@ -945,10 +946,10 @@ def _dq_rows(b, s, w, wrs, al, y, dt: DType, rows: int, nb: int) -> None:
 def _b_dequant_matmul(b, n, ins, outs):
     """act(x @ dequant(w)^T + bias): the fused GEMV for decode (M <= DQ_MAX_M), else each tile
     of rows decoded into a scratch shared by the backend's runners, then cuBLAS. x from a
-    fake_quantize the plan made a view (int8_gemv_views): the GEMV rounds it (QX)."""
+    fake_quantize that wrote its int8 rows (`_int8_x`): the GEMV multiplies those (QX)."""
     s, out = _scheme(n), outs[0]
     x, w = ins[0], ins[1]
-    qx = _qx(b, tuple(n.inputs[0]))
+    x8 = b.int8_x.get(tuple(n.inputs[0]))
     bias = b.contiguous(ins[2]) if len(ins) > 2 else None
     if not x.dt.is_float or out.dt is not x.dt:
         raise BackendError(f"cuda backend: dequant_matmul needs a float x and output of its dtype, got "
@@ -961,26 +962,26 @@ def _b_dequant_matmul(b, n, ins, outs):
     act = n.a.get("act", "identity")
     plain = M <= DQ_MAX_M and bias is None and act == "identity"
     sw = _swiglu_consumer(b, n) if plain else None
-    norm = _gemv_norm(b, _x_source(b, tuple(n.inputs[0])))
+    norm = _gemv_norm(b, tuple(n.inputs[0]))
     resid = _residual_norm(b, n) if plain else None
     if norm is not None or resid is not None:
         def gemv(dst, norm, residual):
-            return plain and _dq_gemv_fused(b, s, x, (wv, wrs, al), outs[0], dst, norm, residual, qx)
+            return plain and _dq_gemv_fused(b, s, x, (wv, wrs, al), outs[0], dst, norm, residual, x8)
         if _b_matmul_fused(b, n, ins, outs, sw, norm, resid, gemv):
             return
         if norm is not None:
             norm.add_unfused(b)
-    xv, xrs = _as_matrix(b, x, M, K)
+    xv, xrs = (x8, i64(K)) if x8 is not None else _as_matrix(b, x, M, K)
     if sw is not None:            # gate/up of decode: the GEMV writes silu(gate) * up
         dst = b.out_value(sw)
         if not b.disjoint(dst, xv):
             dst = b.vals[(sw, 0)] = b.buffer(dst.shape, dst.dt, "fused swiglu output")
-        _dq_gemv(b, s, xv, xrs, wv, wrs, al, None, act, dst, M, N // 2, K, swiglu=True, qx=qx)
+        _dq_gemv(b, s, xv, xrs, wv, wrs, al, None, act, dst, M, N // 2, K, swiglu=True, x8=x8 is not None)
         b.absorbed.add(sw)
         return
     dst = out if out.contiguous() else b.buffer(out.shape, out.dt)
     if M <= DQ_MAX_M:
-        _dq_gemv(b, s, xv, xrs, wv, wrs, al, bias, act, dst, M, N, K, qx=qx)
+        _dq_gemv(b, s, xv, xrs, wv, wrs, al, bias, act, dst, M, N, K, x8=x8 is not None)
     else:
         _dq_gemm(b, s, xv, xrs, wv, wrs, al, dst, M, N, K)
         _bias_act(b, dst, bias, act)
@@ -1012,7 +1013,7 @@ def dq_gemv_shape(kind: str, block: int, M: int, K: int, loads: int = DQ_LOADS) 
 
 
 def _dq_gemv_fused(b, s, a: V, packed: tuple, out: V, swiglu: V | None, norm: GemvNorm | None,
-                   residual: GemvResidual | None, qx: bool = False) -> bool:
+                   residual: GemvResidual | None, x8: V | None = None) -> bool:
     """out <- a @ dequant(w)^T as the packed decode GEMV with a norm of its x rows (norm; a
     only names the shape) or the residual rows added (residual, as `_gemv_fused` takes it),
     16-bit data of one dtype, contiguous rows; False (no step) otherwise."""
@@ -1032,18 +1033,20 @@ def _dq_gemv_fused(b, s, a: V, packed: tuple, out: V, swiglu: V | None, norm: Ge
     if norm is not None:
         xrows, xrs = norm.rows(M, K)
         xv = V(xrows, a.dt)
+    elif x8 is not None:
+        xv, xrs = x8, i64(K)
     else:
         xv, xrs = _as_matrix(b, a, M, K)
     _dq_gemv(b, s, xv, xrs, *packed, None, "identity", target, M, N // 2 if swiglu is not None else N, K,
-             swiglu=swiglu is not None, norm=norm, residual=residual, qx=qx)
+             swiglu=swiglu is not None, norm=norm, residual=residual, x8=x8 is not None)
     return True
 
 
 def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=False,
-             norm: GemvNorm | None = None, residual: GemvResidual | None = None, qx: bool = False):
+             norm: GemvNorm | None = None, residual: GemvResidual | None = None, x8: bool = False):
     """The decode GEMV launch for out[M, N] (swiglu: w holds 2N rows, out = silu(gate) * up;
-    norm, residual: as `_gemv_step` takes them; qx: x rounded through int8_b32 in the kernel,
-    its int8 rows in `qx_bytes` of dynamic shared memory)."""
+    norm, residual: as `_gemv_step` takes them; x8: x is quant_q8's int8 rows, which the kernel
+    copies into `qx_bytes` of dynamic shared memory)."""
     nb = K // s.block
     mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K)
     vec = 4 * x.arr.itemsize
@@ -1054,11 +1057,11 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
                     EPILOGUE=_dq_epilogue(out.dt, bias is not None, act),
                     SWIGLU_OF=codegen.swiglu_of(acc_of(x.dt)), EARLY=int(b.written_by_no_kernel(w)),
                     NORM=int(norm is not None), TN=ctype(residual.w.dt) if residual is not None else "float",
-                    RESID=int(residual is not None), QX=int(qx), dynamic_smem=QX_SMEM if qx else 0)
+                    RESID=int(residual is not None), QX=int(x8), dynamic_smem=QX_SMEM if x8 else 0)
     per_block = 8 // kw * (rows // 2 if swiglu else rows)
     args = _with_norms(b, [x.arr, i64(xrs), w.arr, i64(wrs), bias.arr if bias else None, out.arr, i32(M),
                            i32(N), i32(nb)], norm, residual, M, N)
-    grid, stream, smem = (-(-N // per_block),), b.stream, qx_bytes(M, K) if qx else 0
+    grid, stream, smem = (-(-N // per_block),), b.stream, qx_bytes(M, K) if x8 else 0
     b.add(lambda: fn(grid, (256,), tuple(args), smem, stream))
 
 
@@ -1095,16 +1098,17 @@ def _dq_gemm(b, s, x: V, xrs, w: V, wrs, al, out: V, M, N, K):
 
 # ----------------------------------------------------------------------------- int8 activations
 # `[precision] activations = "int8"` puts a fake_quantize to int8_b32 before each packed matmul's
-# x (rlx_core.passes.packed). Where its every reader is a decode GEMV, the plan makes it a view of
-# x (`int8_gemv_views`: x's bytes then live until its last reader) and each GEMV rounds x itself,
-# multiplying the int8 blocks in dp4a (dq.cu's QX): the fake_quantize is no step. Elsewhere a
-# kernel rounds x (dq.cu's fake_q8). CONFIG["int8_gemv"] (RLX_CUDA_INT8_GEMV=0, read at planning)
-# keeps the kernel and the float GEMV.
+# x (rlx_core.passes.packed). Where its every reader is a decode GEMV (`int8_gemv_x`), its step
+# rounds x into int8 rows and scales (dq.cu's quant_q8; the norm of a residual norm left to the
+# GEMVs computed there too) and each GEMV multiplies them in dp4a (dq.cu's QX). Elsewhere its
+# step writes the rounded floats (dq.cu's fake_q8). CONFIG["int8_gemv"] (RLX_CUDA_INT8_GEMV=0,
+# read at build) keeps the floats and the float GEMV.
 QX_SMEM = 96 * 1024         # the most dynamic shared memory a QX GEMV takes (x's int8 rows, scales)
 
 
 def qx_bytes(M: int, K: int) -> int:
-    """The QX GEMV's dynamic shared memory for x [M, K]: int8 rows, then a float scale a block of 32."""
+    """The int8 rows of x [M, K] as quant_q8 writes them and a QX GEMV holds them: the q, then a
+    float scale a block of 32."""
     return M * K + M * (K // 32) * 4
 
 
@@ -1115,56 +1119,64 @@ def _rounds_x(n) -> bool:
             and bool(s.dims) and s.dims[-1] > 0 and s.dims[-1] % 32 == 0)
 
 
-def int8_gemv_views(g) -> set:
-    """The fake_quantize nodes whose readers all are decode GEMVs able to round x themselves:
-    dequant_matmuls reading it as x only, of at most DQ_MAX_M rows whose int8 copy fits QX_SMEM."""
-    if not CONFIG["int8_gemv"] or device.info().get("hip"):
-        return set()
-    uses = g.consumers()
+def int8_gemv_x(g, i: int, hip: bool = False) -> bool:
+    """Whether fake_quantize node i of the static graph g rounds x into int8 rows for decode
+    GEMVs: every reader a dequant_matmul taking it as x only, of at most DQ_MAX_M rows whose int8
+    rows fit QX_SMEM (CUDA only: the GEMV's dp4a is not HIP's; CONFIG["int8_gemv"])."""
+    n = g.nodes[i]
+    if not _rounds_x(n) or hip or not CONFIG["int8_gemv"]:
+        return False
+    K = n.outs[0].dims[-1]
+    M = math.prod(n.outs[0].dims) // K
+    readers = g.consumers().get((i, 0), [])
 
-    def gemv_x(c: int, i: int) -> bool:
+    def gemv_x(c: int) -> bool:
         m = g.nodes[c] if c >= 0 else None
         return (m is not None and m.op == "dequant_matmul" and tuple(m.inputs[0]) == (i, 0)
                 and [tuple(r) for r in m.inputs].count((i, 0)) == 1)
-    out = set()
-    for i, n in enumerate(g.nodes):
-        if not _rounds_x(n):
-            continue
-        K = n.outs[0].dims[-1]
-        M = math.prod(n.outs[0].dims) // K
-        readers = uses.get((i, 0), [])
-        if readers and M <= DQ_MAX_M and qx_bytes(M, K) <= QX_SMEM and all(gemv_x(c, i) for c in readers):
-            out.add(i)
-    return out
+    return bool(readers) and M <= DQ_MAX_M and qx_bytes(M, K) <= QX_SMEM and all(map(gemv_x, readers))
 
 
-def _qx(b, ref: tuple) -> bool:
-    """Whether the dequant_matmul reading x = `ref` rounds it (the plan made that fake_quantize a view)."""
-    return b.r.lir.slots[ref].home == "view" and b.r.lir.graph.nodes[ref[0]].op == "fake_quantize"
-
-
-def _x_source(b, ref: tuple) -> tuple:
-    """The value a GEMV reading x = `ref` reads: the fake_quantize's own x where it rounds x itself."""
-    return tuple(b.r.lir.graph.nodes[ref[0]].inputs[0]) if _qx(b, ref) else ref
-
-
-def _readers(b, ref: tuple) -> list:
-    """The nodes reading `ref`, a fake_quantize its GEMVs compute standing for those GEMVs."""
-    return [r for c in b.uses.get(ref, []) for r in (b.uses[(c, 0)] if c >= 0 and _qx(b, (c, 0)) else [c])]
-
-
-def _v_int8_x(b, n, ins):
-    """A fake_quantize its GEMVs compute (int8_gemv_views): x itself, each GEMV rounds it."""
-    return ins[0]
+def _int8_x(b, ref: tuple, x: V) -> None:
+    """x rounded into int8 rows (quant_q8) for the GEMVs reading `ref`, the fake_quantize's
+    output: from the norm those GEMVs would compute where x is its y (GemvNorm: its weighted rows
+    and sums; the sums' ring as a NORM GEMV joins it), else from x."""
+    K = x.shape[-1]
+    M = x.size // K
+    norm = _gemv_norm(b, tuple(b.r.lir.graph.nodes[ref[0]].inputs[0]))
+    if norm is not None and not norm.fits(M, K, x.dt):
+        norm.add_unfused(b)
+        norm = None
+    if norm is not None:
+        xr, xrs = norm.rows(M, K)
+        rows = V(xr, x.dt)
+    else:
+        rows, xrs = _as_matrix(b, x, M, K)
+    y8 = b.buffer((qx_bytes(M, K),), U8, "int8 rows of x")
+    src = sources.render(sources.QUANT_Q8, ACC="float", A=16, T=ctype(x.dt), NORM=int(norm is not None),
+                         XV=int(rows.arr.data.ptr % (4 * rows.arr.itemsize) == 0
+                                and (xrs * rows.arr.itemsize) % (4 * rows.arr.itemsize) == 0))
+    fn = b.kernel(src, "rlx_quant_q8")
+    args = [rows.arr, i64(xrs), i32(M), i32(K), y8.arr, norm.ssq if norm is not None else None,
+            np.float32(norm.eps if norm is not None else 0), None, i32(0)]
+    if norm is not None:
+        norm.fused = True
+        b.gemv_sums.follow(norm.ssq, args)
+    blocks = M * K // 32
+    grid, stream = (max(1, min(-(-blocks // 32), b.sms)),), b.stream
+    b.add(lambda: fn(grid, (256,), tuple(args), 0, stream))
+    b.int8_x[ref] = y8
 
 
 def _b_fake_quantize(b, n, ins, outs):
-    """fake_quantize to int8_b32 of float rows: the rounding kernel; other schemes (weight
-    preparation) and f64 on the host."""
-    if _rounds_x(n):
-        round_int8(b, ins[0], outs[0])
-    else:
+    """fake_quantize to int8_b32 of float rows: int8 rows for the decode GEMVs reading it
+    (int8_gemv_x), else the rounded floats; other schemes (weight preparation) and f64 on the host."""
+    if not _rounds_x(n):
         _b_host(b, n, ins, outs)
+    elif ins[0].size and int8_gemv_x(b.r.lir.graph, b.node, b.hip):
+        _int8_x(b, (b.node, 0), ins[0])
+    else:
+        round_int8(b, ins[0], outs[0])
 
 
 class _Int8Rounding:
@@ -1872,9 +1884,8 @@ def planned_layouts(g) -> tuple:
     concat inputs whose producer writes into the concat's output: any producer where its
     part is a contiguous, aligned run of the output, an attention where it is any layout of
     unit last stride, a GEMM where it is rows of one stride (FLUX's single blocks join the
-    attention and the MLP's GEMM this way). And the fake_quantizes its readers' GEMVs compute
-    (int8_gemv_views)."""
-    views = strided_transposes(g, STRIDED_READERS, STRIDED_WRITERS) | int8_gemv_views(g)
+    attention and the MLP's GEMM this way)."""
+    views = strided_transposes(g, STRIDED_READERS, STRIDED_WRITERS)
     placed = set()
     for c, n in enumerate(g.nodes):
         for k, r in enumerate(n.inputs if n.op == "concat" else ()):
@@ -2430,7 +2441,6 @@ VIEW_BUILDERS = {
     "kv_write": _v_kv_write,
     "assign": _v_assign,
     "transpose": _v_transpose,         # where the plan made it a view (planned_layouts)
-    "fake_quantize": _v_int8_x,        # likewise
 }
 
 __all__ = ["BUILDERS", "VIEW_BUILDERS", "STRIDED_WRITERS", "planned_layouts", "owner_chain", "part_layout"]

@@ -1,12 +1,12 @@
 """int8 activations on CUDA (`[precision] activations = "int8"`: a fake_quantize to int8_b32
-before each packed matmul's x): the decode GEMV rounds x itself and multiplies the int8 blocks
-in dp4a (dq.cu's QX), the fake_quantize then no step; elsewhere (prefill rows, an x that is
-also an output, the switch off) the rounding kernel (fake_q8) writes the rounded x. Against the
-float64 product of the int8-rounded x and the decoded weight on fresh random inputs, every
-scheme; the rounding kernel bit for bit against the NumPy backend; a decode block under the
-profile against the NumPy backend, replayed as a CUDA graph. Without a GPU the kernels run
-emulated on the CPU (cuda_emu): the same checks of their arithmetic, with the norm, residual
-and SwiGLU forms beside."""
+before each packed matmul's x): where its readers are decode GEMVs the fake_quantize writes x's
+int8 rows (dq.cu's quant_q8, a residual norm's division there too) and the GEMVs multiply them
+in dp4a (QX); elsewhere (prefill rows, an x that is also an output, the switch off) it writes
+the rounded floats (fake_q8). Against the float64 product of the int8-rounded x and the decoded
+weight on fresh random inputs, every scheme; the rounding kernel bit for bit against the NumPy
+backend; a decode block and routed experts under the profile against the NumPy backend,
+captured and replayed as a CUDA graph. Without a GPU the kernels run emulated on the CPU
+(cuda_emu): the same checks of their arithmetic, with the norm, residual and SwiGLU forms."""
 from __future__ import annotations
 
 import cuda_emu
@@ -25,30 +25,33 @@ SCHEMES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8
 N = 37
 
 
-def _steps(exe) -> dict:
-    return next(iter(exe._runners.values())).describe()["steps_by_op"]
+def _described(exe) -> dict:
+    return next(iter(exe._runners.values())).describe()
 
 
-def _run_twice(g, params, ins, int8_gemv: bool) -> tuple:
-    """(outputs of the second run, which replays the CUDA graph; steps by op), planned and built
-    under the switch."""
-    from rlx_backend_cuda import set_config
+def _run(g, params, ins, monkeypatch, int8_gemv: bool = True, runs: int = 2, **compile_kw) -> tuple:
+    """(outputs of the last of `runs` runs, the second on replaying the CUDA graph; the runner's
+    description; the kernels the build asked for), built under the switch."""
+    from rlx_backend_cuda import device, set_config
     from rlx_backend_cuda.values import CONFIG
 
+    asked: set = set()
+    real = device.kernel
+    monkeypatch.setattr(device, "kernel", lambda src, name, *a: asked.add(name) or real(src, name, *a))
     was = CONFIG["int8_gemv"]
     set_config(int8_gemv=int8_gemv)
     try:
-        exe = rlx_core.compile(g, backend="cuda", params=params)
-        for _ in range(2):
+        exe = rlx_core.compile(g, backend="cuda", params=params, **compile_kw)
+        for _ in range(runs):
             out = {c: exe.backend.to_host(v) for c, v in exe.run(dict(ins)).items()}
-        return out, _steps(exe)
+        return out, _described(exe), asked
     finally:
         set_config(int8_gemv=was)
 
 
 @gpu
 @pytest.mark.parametrize("name", SCHEMES)
-def test_int8_gemv_matches_the_rounded_product(rng, name):
+def test_int8_gemv_matches_the_rounded_product(rng, name, monkeypatch):
     """One and three rows, two weights reading one rounded x (q/k-like), one with bias and
     silu (the GEMV's epilogue); a NaN in a block of one row makes that row NaN as in the
     reference; the switch off (the rounding kernel, then the float GEMV) agrees."""
@@ -71,8 +74,9 @@ def test_int8_gemv_matches_the_rounded_product(rng, name):
     ins["b"] = rng.standard_normal(N).astype(np.float32)
     deq = [s.dequantize_reference(w, (N, k)) for w in ws]
     for int8_gemv in (True, False):
-        got, steps = _run_twice(g, {"w0": ws[0], "w1": ws[1]}, ins, int8_gemv)
-        assert ("fake_quantize" in steps) is not int8_gemv, steps
+        got, desc, asked = _run(g, {"w0": ws[0], "w1": ws[1]}, ins, monkeypatch, int8_gemv)
+        assert desc["capturable"] and desc["graph"], desc
+        assert {"rlx_quant_q8" in asked, "rlx_fake_q8" in asked} == {int8_gemv, not int8_gemv}, asked
         for r in (1, 3):
             xr = np.asarray(fake_quantized(ins[f"x{r}"], "int8_b32"), np.float64)
             p, sv = xr @ deq[0].T, xr @ deq[1].T + ins["b"]
@@ -102,7 +106,7 @@ def test_the_rounding_kernel_matches_numpy_bit_for_bit(rng, dt):
     want = rlx_core.compile(g, backend="numpy").run(x=x)["y"]
     exe = rlx_core.compile(g, backend="cuda")
     got = exe.backend.to_host(exe.run(x=x)["y"])
-    assert "fake_quantize" in _steps(exe)
+    assert _described(exe)["capturable"]
     got, want = got.astype(np.float32), np.asarray(want).astype(np.float32)
     np.testing.assert_array_equal(got, want)          # (NaN where NaN: a GPU's NaN bits differ)
     assert np.isnan(got[4, 32:64]).all() and np.isnan(got[5, 64:96]).all() and (got[3, :32] == 0).all()
@@ -111,42 +115,38 @@ def test_the_rounding_kernel_matches_numpy_bit_for_bit(rng, dt):
 @gpu
 @pytest.mark.parametrize("scheme", ["q4_k", "q8_0", "q6_k"])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_a_decode_block_under_int8_activations(rng, scheme, rows):
+def test_a_decode_block_under_int8_activations(rng, scheme, rows, monkeypatch):
     """Attention output, residual norms, the SwiGLU MLP and a second projection with packed
-    weights, compiled with activations = "int8": no fake_quantize step is left (each GEMV
-    rounds its x), the residual norms stay inside the GEMVs (as test_gemv_fusion's: at 3 rows
-    the dense head is no GEMV, so the last one runs as a launch), and the result matches the
-    NumPy backend under the same profile within bf16 rounding, the third run replaying the
-    CUDA graph."""
+    weights, compiled with activations = "int8": each x is rounded into int8 rows (the residual
+    norms' division there: no norm launch, as test_gemv_fusion's; at 3 rows the dense head is
+    no GEMV, so the last norm runs as a launch), and the result matches the NumPy backend under
+    the same profile within bf16 rounding, the third run replaying the CUDA graph."""
     g, pv, ins, _ = case(rng, BF16, rows, 512, scheme=scheme, inner=256, inter=512)
     prof = CompileProfile().evolve(precision={"activations": "int8"})
-    exe = rlx_core.compile(g, profile=prof, backend="cuda", params=pv)
-    for _ in range(3):
-        got = {k: exe.backend.to_host(v) for k, v in exe.run(dict(ins)).items()}
-    d = next(iter(exe._runners.values())).describe()
+    got, d, asked = _run(g, pv, ins, monkeypatch, runs=3, profile=prof)
     steps = d["steps_by_op"]
     assert d["capturable"] and d["graph"], d
-    assert "fake_quantize" not in steps and steps["dequant_matmul"] >= 5, steps
+    assert "rlx_quant_q8" in asked and "rlx_fake_q8" not in asked, asked
+    assert steps["dequant_matmul"] >= 5, steps
     assert (steps.get("fused_residual_rms_norm", 0) > 0) == (rows > 2) and steps["rms_norm"] == 1, steps
     want = rlx_core.compile(g, profile=prof, backend="numpy", params=pv).run(dict(ins))
     for k, w in want.items():
         assert rel(got[k], np.asarray(w, np.float64)) < 2e-2, (k, rel(got[k], np.asarray(w, np.float64)))
 
 
-def test_the_plan_leaves_the_rounding_to_decode_gemvs():
+def test_the_rounding_writes_int8_rows_only_for_decode_gemvs():
     """(No GPU: the rule reads the graph.) A fake_quantize read only as the x of dequant_matmuls
-    of at most 8 rows becomes a view of x, whose bytes then live until its last reader; one
-    read by a 20-row product (prefill: the rounding kernel, then dequantize + cuBLAS), one that
-    is also an output, one of f64 rows, and all of them under the switch off stay steps."""
+    of at most 8 rows writes int8 rows for them; one read by a 20-row product (prefill: the
+    rounded floats, then dequantize + cuBLAS), one that is also an output, one of f64 rows, one
+    on a ROCm GPU, and all of them under the switch off write floats."""
     from rlx_backend_cuda import set_config
-    from rlx_backend_cuda.ops import planned_layouts
+    from rlx_backend_cuda.ops import int8_gemv_x
     from rlx_backend_cuda.values import CONFIG
     from rlx_core.ir.dtype import F64
     from rlx_core.ir.graph import Builder
-    from rlx_core.ir.lir import plan
 
     k, n = 64, 16
-    m = Builder("int8_views", "mir")
+    m = Builder("int8_rows", "mir")
     w = m.input("w", (n, k // 32 * 34), U8)
 
     def rounded(name, rows, dt=F16):
@@ -158,16 +158,12 @@ def test_the_plan_leaves_the_rounding_to_decode_gemvs():
     m.output("y64", m.add("dequant_matmul", (x64, w), scheme="q8_0", act="identity"))
     g = m.build()
     fq = [i for i, nd in enumerate(g.nodes) if nd.op == "fake_quantize"]
-    views, _ = planned_layouts(g)
-    assert [i in views for i in fq] == [True, False, False, False]
-    lir = plan(g, views=views)
-    readers = g.consumers()[(fq[0], 0)]
-    assert lir.slots[(fq[0], 0)].home == "view" and len(readers) == 2
-    assert lir.slots[tuple(g.nodes[fq[0]].inputs[0])].end == max(readers)      # x lives to its last reader
+    assert [int8_gemv_x(g, i) for i in fq] == [True, False, False, False]
+    assert not int8_gemv_x(g, fq[0], hip=True)
     was = CONFIG["int8_gemv"]
     set_config(int8_gemv=False)
     try:
-        assert not set(fq) & planned_layouts(g)[0]
+        assert not any(int8_gemv_x(g, i) for i in fq)
     finally:
         set_config(int8_gemv=was)
 
@@ -203,7 +199,7 @@ def test_routed_experts_round_x_and_h_in_the_captured_step(rng, tokens):
     exe = rlx_core.compile(graph(True), backend="cuda")
     for _ in range(3):
         got = exe.backend.to_host(exe.run(dict(ins))["y"]).astype(np.float64)
-    runner = next(iter(exe._runners.values())).describe()
+    runner = _described(exe)
     assert runner["capturable"] and runner["graph"], runner
     want = rlx_core.compile(graph(True), backend="numpy").run(dict(ins))["y"].astype(np.float64)
     unrounded = rlx_core.compile(graph(False), backend="numpy").run(dict(ins))["y"].astype(np.float64)
@@ -215,8 +211,7 @@ emu = pytest.mark.skipif(bool(cuda_emu.why_not()), reason=cuda_emu.why_not() or 
 BF = BF16.np
 
 
-def _gemv_kernel(s, T: str, M: int, K: int, qx: int, norm: int = 0, resid: int = 0, swiglu: int = 0,
-                 epilogue: str = ""):
+def _gemv_kernel(s, T: str, M: int, K: int, qx: int, resid: int = 0, swiglu: int = 0, epilogue: str = ""):
     """(the emulated DQ_GEMV, grid, shared memory) as ops._dq_gemv specializes and launches it."""
     from rlx_backend_cuda import codegen, sources
     from rlx_backend_cuda.ops import DQ_LOADS, dq_gemv_shape, qx_bytes
@@ -224,15 +219,15 @@ def _gemv_kernel(s, T: str, M: int, K: int, qx: int, norm: int = 0, resid: int =
     mmax, kw, rows = dq_gemv_shape(s.kind, s.block_size, M, K)
     src = sources.dq_source(sources.DQ_GEMV, s.kind, s.block_size, T=T, TO=T, TB="float", ACC="float", A=16,
                             MMAX=mmax, R=rows, U=DQ_LOADS, KW=kw, XV=1, SWIGLU=swiglu, EPILOGUE=epilogue,
-                            SWIGLU_OF=codegen.swiglu_of("float"), EARLY=0, NORM=norm, TN="float", RESID=resid,
+                            SWIGLU_OF=codegen.swiglu_of("float"), EARLY=0, NORM=0, TN="float", RESID=resid,
                             QX=qx)
     per_block = 8 // kw * (rows // 2 if swiglu else rows)
     return cuda_emu.compile_kernel(src, "rlx_dq_gemv"), per_block, qx_bytes(M, K) if qx else 0
 
 
-def _norms(eps=0.0, nsq=None, nw=None, noff=0.0, res=None, N=0, yw=None, osq=None) -> tuple:
-    """The arguments rlx_dq_gemv ends with (ops.NO_NORMS when left out)."""
-    return (np.float32(eps), nsq, nw, np.float32(noff), res, np.int64(N), yw, osq, None, np.int32(0))
+def _norms(nw=None, noff=0.0, res=None, N=0, yw=None, osq=None) -> tuple:
+    """The arguments rlx_dq_gemv ends with (ops.NO_NORMS but RESID's)."""
+    return (np.float32(0), None, nw, np.float32(noff), res, np.int64(N), yw, osq, None, np.int32(0))
 
 
 def _launch(kernel, x, w, y, M, N, K, s, bias=None, tail=_norms()):
@@ -241,12 +236,33 @@ def _launch(kernel, x, w, y, M, N, K, s, bias=None, tail=_norms()):
                                               np.int32(N), np.int32(K // s.block_size)) + tail, smem)
 
 
+def _int8_rows(x, T: str, nsq=None, eps: float = 0.0, zero=None):
+    """quant_q8 (emulated) on x's rows, as ops._int8_x launches it (one block: its loop over the
+    blocks of 32): the GEMV's int8 rows and scales. nsq: NORM (x holds x0 * w, nsq its rows' sums of x0's
+    squares in 32 parts); zero: the sums it zeroes."""
+    from rlx_backend_cuda import sources
+    from rlx_backend_cuda.ops import qx_bytes
+
+    M, K = x.shape
+    src = sources.render(sources.QUANT_Q8, ACC="float", A=16, T=T, XV=1, NORM=int(nsq is not None))
+    y8 = np.zeros(qx_bytes(M, K), np.uint8)
+    xv = x if T == "float" else x.view(np.uint16)
+    cuda_emu.compile_kernel(src, "rlx_quant_q8").launch(
+        (1,), (256,), (xv, np.int64(K), np.int32(M), np.int32(K), y8, nsq, np.float32(eps), zero,
+                       np.int32(0 if zero is None else zero.size)))
+    return y8
+
+
+def _rounded(x) -> np.ndarray:
+    return np.asarray(fake_quantized(np.asarray(x, np.float32), "int8_b32"), np.float64)
+
+
 @emu
 @pytest.mark.parametrize("name", SCHEMES)
 def test_emulated_int8_gemv_matches_the_rounded_product(rng, name):
-    """The QX GEMV on the CPU, every scheme: f32 rows (1 and 3, a NaN in one block of the
-    second of 3, whose outputs come out NaN) and bf16 rows with bias and silu in the
-    epilogue, against the float64 product of the int8-rounded x; the float GEMV of the same
+    """quant_q8 then the QX GEMV on the CPU, every scheme: f32 rows (1 and 3, a NaN in one
+    block of the second of 3, whose outputs come out NaN) and bf16 rows with bias and silu in
+    the epilogue, against the float64 product of the int8-rounded x; the float GEMV of the same
     weights beside (the emulation itself checked on a kernel the GPU runs)."""
     from rlx_backend_cuda.ops import _dq_epilogue
 
@@ -261,60 +277,58 @@ def test_emulated_int8_gemv_matches_the_rounded_product(rng, name):
             x[1, 70] = np.nan
         for qx in (1, 0):
             y = np.zeros((rows, N), np.float32)
-            _launch(kernels[qx], x, w, y, rows, N, k, s)
-            xr = np.asarray(fake_quantized(x, "int8_b32"), np.float64) if qx else x.astype(np.float64)
-            want = xr @ deq.T
+            _launch(kernels[qx], _int8_rows(x, "float") if qx else x, w, y, rows, N, k, s)
+            want = (_rounded(x) if qx else x.astype(np.float64)) @ deq.T
             tol = 1e-5 * np.nanmax(np.abs(want))
             np.testing.assert_allclose(y, want, rtol=1e-5, atol=tol, err_msg=f"{rows} rows, qx {qx}")
     xb = rng.standard_normal((2, k)).astype(BF)
     bias = rng.standard_normal(N).astype(np.float32)
     y = np.zeros((2, N), BF)
     kern = _gemv_kernel(s, "__nv_bfloat16", 2, k, 1, epilogue=_dq_epilogue(BF16, True, "silu"))
-    _launch(kern, xb.view(np.uint16), w, y.view(np.uint16), 2, N, k, s, bias=bias)
-    v = np.asarray(fake_quantized(xb.astype(np.float32), "int8_b32"), np.float64) @ deq.T + bias
+    _launch(kern, _int8_rows(xb, "__nv_bfloat16"), w, y.view(np.uint16), 2, N, k, s, bias=bias)
+    v = _rounded(xb) @ deq.T + bias
     assert rel(y, v / (1 + np.exp(-v))) < 1e-2
 
 
 @emu
 @pytest.mark.parametrize("name", ["q4_k", "q8_0"])
-def test_emulated_int8_gemv_norms_adds_the_residual_and_the_swiglu(rng, name):
-    """bf16 decode forms: NORM (x holds x0 * w, the row's norm from its sums divides after the
-    integer products: the same rounded q), RESID (h = res + the product, h * w for the next
-    GEMV, h's squares added up) and SWIGLU (gate and up rows), each with QX, against float64."""
+def test_emulated_int8_rows_norm_and_gemv_adds_the_residual_and_the_swiglu(rng, name):
+    """bf16 decode forms: the rounding divides by a residual norm (x holds x0 * w, the rows'
+    sums of x0's squares beside: the same q, the scales divided; the sums it zeroes zeroed), the
+    QX GEMV with RESID (h = res + the product, h * w for the next GEMV, h's squares added up)
+    and with SWIGLU (gate and up rows), against float64."""
     s = QuantScheme.parse(name)
     k, n, rows, eps = 512, 40, 2, 1e-5
     w = quantize(rng.standard_normal((2 * n, k)).astype(np.float32), s)
     deq = s.dequantize_reference(w, (2 * n, k))
     x0 = rng.standard_normal((rows, k)).astype(np.float32)
     nw = rng.uniform(0.5, 1.5, k).astype(np.float32)
-    # NORM: x = x0 * nw, the sums of x0's squares in part 0 of each row's 32
-    nsq = np.zeros((rows, 32), np.float32)
-    nsq[:, 0] = (x0.astype(BF).astype(np.float64) ** 2).sum(1)
-    xw = (x0.astype(BF).astype(np.float32) * nw).astype(BF)
-    y = np.zeros((rows, n), BF)
-    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1, norm=1), xw.view(np.uint16), w, y.view(np.uint16),
-            rows, n, k, s, tail=_norms(eps, nsq.reshape(-1)))
+    # the norm: x = x0 * nw, the sums of x0's squares spread over each row's 32 parts
     x64 = x0.astype(BF).astype(np.float64)
+    nsq = np.repeat((x64 ** 2).sum(1, keepdims=True) / 32, 32, axis=1).astype(np.float32)
+    xw = (x0.astype(BF).astype(np.float32) * nw).astype(BF)
+    zero = np.ones(64, np.float32)
+    y8 = _int8_rows(xw, "__nv_bfloat16", nsq.reshape(-1), eps, zero)
+    assert not zero.any()
+    y = np.zeros((rows, n), BF)
+    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1), y8, w, y.view(np.uint16), rows, n, k, s)
     normed = (x64 / np.sqrt((x64 ** 2).mean(1, keepdims=True) + eps) * nw).astype(np.float32).astype(BF)
-    xr = np.asarray(fake_quantized(normed.astype(np.float32), "int8_b32"), np.float64)
-    assert rel(y, xr @ deq[:n].T) < 1e-2
+    assert rel(y, _rounded(normed) @ deq[:n].T) < 1e-2
     # RESID: h = res + product, yw = h * nw2, the squares of h into osq
     res = rng.standard_normal((rows, n)).astype(BF)
     nw2 = rng.uniform(0.5, 1.5, n).astype(np.float32)
     h, yw, osq = np.zeros((rows, n), BF), np.zeros((rows, n), BF), np.zeros(rows * 32, np.float32)
     xb = x0.astype(BF)
-    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1, resid=1), xb.view(np.uint16), w, h.view(np.uint16),
-            rows, n, k, s, tail=_norms(0.0, None, nw2, 0.0, res.view(np.uint16), n, yw.view(np.uint16), osq))
-    want_h = res.astype(np.float64) + np.asarray(fake_quantized(x0.astype(BF).astype(np.float32), "int8_b32"),
-                                                 np.float64) @ deq[:n].T
+    y8 = _int8_rows(xb, "__nv_bfloat16")
+    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1, resid=1), y8, w, h.view(np.uint16), rows, n, k, s,
+            tail=_norms(nw2, 0.0, res.view(np.uint16), n, yw.view(np.uint16), osq))
+    want_h = res.astype(np.float64) + _rounded(xb) @ deq[:n].T
     assert rel(h, want_h) < 1e-2 and rel(yw, h.astype(np.float64) * nw2) < 1e-2
     np.testing.assert_allclose(osq.reshape(rows, 32).sum(1), (h.astype(np.float64) ** 2).sum(1), rtol=1e-4)
     # SWIGLU: w's first n rows the gate, the next n the up rows
     y = np.zeros((rows, n), BF)
-    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1, swiglu=1), xb.view(np.uint16), w, y.view(np.uint16),
-            rows, n, k, s)
-    xr = np.asarray(fake_quantized(xb.astype(np.float32), "int8_b32"), np.float64)
-    gate, up = xr @ deq[:n].T, xr @ deq[n:].T
+    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1, swiglu=1), y8, w, y.view(np.uint16), rows, n, k, s)
+    gate, up = _rounded(xb) @ deq[:n].T, _rounded(xb) @ deq[n:].T
     assert rel(y, gate / (1 + np.exp(-gate)) * up) < 1e-2
 
 

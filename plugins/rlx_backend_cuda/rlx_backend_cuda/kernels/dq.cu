@@ -303,6 +303,47 @@ extern "C" __global__ void __launch_bounds__(256) rlx_fake_q8(const T* __restric
       for (int i = 0; i < 4; ++i) y[o + i] = ST(TO, d * (float)(signed char)(word >> (8 * i)));
   }
 }
+// @part quant_q8(NORM)
+// x's M rows (row stride xrs) rounded to int8_b32 blocks for the int8 GEMVs (gemv's QX) to read:
+// y8 holds the q of every row [M][K] (int8), then the scales [M][K / 32] (float; NaN for a block
+// holding NaN or inf). NORM: x holds x0 * (nw + noff) of a residual norm whose row sums of squares
+// of x0 nsq holds (32 parts a row, as the NORM GEMVs read them): a block's q are those of x0 *
+// (nw + noff) and its scale is divided by the row's norm, so y8 is the norm's y rounded; block 0
+// zeroes `zero` (zn floats) as a NORM GEMV does (ops.GemvSums).
+extern "C" __global__ void __launch_bounds__(256) rlx_quant_q8(const T* __restrict__ x, long long xrs, int M,
+    int K, unsigned char* __restrict__ y8, const float* nsq, float eps, float* zero, int zn) {
+  const int lane = threadIdx.x & 31, nbx = K / 32, total = M * nbx;
+  signed char* xq = (signed char*)y8;
+  float* xd = (float*)(y8 + (i64)M * K);
+#if NORM
+  __shared__ float den[8];                 // each row's norm (M <= 8: the decode GEMVs' rows)
+  if (threadIdx.x < 32) {
+    for (int m = 0; m < M; ++m) {
+      const float dm = rlx_norm_den(LDCG(nsq + m * 32 + lane), K, eps);
+      if (lane == 0) den[m] = dm;
+    }
+    if (blockIdx.x == 0)
+      for (int j = lane; j < zn; j += 32) zero[j] = 0.f;
+  }
+  __syncthreads();
+#endif
+  // four blocks of 32 a warp (the loop bound is the warp's, as rlx_q8_lanes needs)
+  for (int g0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 4; g0 < total;
+       g0 += gridDim.x * (blockDim.x >> 5) * 4) {
+    const int g = min(g0 + (lane >> 3), total - 1), m = g / nbx, o = 32 * (g - m * nbx) + 4 * (lane & 7);
+    W v[4];
+    rlx_x4(x + m * xrs + o, v);
+    float d;
+    const u32 word = rlx_q8_lanes(v, &d);
+#if NORM
+    d /= den[m];
+#endif
+    if (g0 + (lane >> 3) < total) {
+      *(u32*)(xq + (i64)m * K + o) = word;
+      if ((lane & 7) == 0) xd[g] = d;
+    }
+  }
+}
 // @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE, SWIGLU_OF(g, u), EARLY, NORM, TN, RESID, QX)
 // Decode: y[M, N] = act(x[M, K] @ dequant(w)^T + bias) for M <= MMAX <= 8. A block is 8
 // warps: KW of them split a row's parts, 8 / KW take R rows each, so x is read once per
@@ -316,14 +357,14 @@ extern "C" __global__ void __launch_bounds__(256) rlx_fake_q8(const T* __restric
 // same arguments and sums; ops.GemvNorm, ops.GemvSums): NORM divides each warp's sums by the row's
 // norm from nsq (x holds x0 * (nw + noff)); RESID writes y = res + the rounded product, yw = y *
 // (nw + noff), and adds the squares of y's rows into osq (one atomic a warp and row).
-// QX (x arrives through a fake_quantize to int8_b32, which this kernel does itself; ops.py's
-// int8_gemv_views): the block rounds x's M rows into int8 blocks in dynamic shared memory (q8x;
-// xq [M][K], then the scales xd [M][K / 32]) and multiplies each run's 4 weight bytes b with 4
-// x bytes in one dp4a (of b - 128: signed by signed; the sum of x's bytes times 128 - BIAS
-// added back), a group of QXG runs (one weight scale, one x block) scaled once: about one
-// instruction a weight where the float form takes three (the q4_k GEMVs were bound by
-// instructions, not bytes). With NORM, x0 * (nw + noff) is rounded: the 1 / den after the sum
-// scales a block's d and leaves its q as they are.
+// QX (int8 activations: x arrives through a fake_quantize to int8_b32; ops.py's `_int8_x`): x
+// points at quant_q8's y8 (the rows' q, then their scales), which the block copies into dynamic
+// shared memory once its weight loads are in flight; each run's 4 weight bytes b times 4 x bytes
+// is one dp4a (of b - 128: signed by signed; the sum of x's bytes times 128 - BIAS added back),
+// a group of QXG runs (one weight scale, one x block) scaled once: about one instruction a
+// weight where the float form takes three (the q4_k GEMVs were bound by instructions, not
+// bytes). x is rounded once per product, not once per block: rounding in each block cost more
+// than the products (a block of the down projection has 4 rows of 8192 weights, x 8192 values).
 #if SWIGLU && RESID
 #error "rlx_dq_gemv: RESID takes no SWIGLU"
 #endif
@@ -337,21 +378,6 @@ template <int N> __device__ __forceinline__ void rlx_xwords(const signed char* p
     const int2 v = *(const int2*)p; o[0] = v.x; o[1] = v.y;
   } else {
     o[0] = *(const int*)p;
-  }
-}
-__device__ __forceinline__ void rlx_quantize_x(const T* x, long long xrs, int M, int K, signed char* xq, float* xd) {
-  const int lane = threadIdx.x & 31, nbx = K / 32, total = M * nbx;
-  // four blocks a warp (the loop bound is the warp's, as rlx_q8_lanes needs)
-  for (int g0 = (threadIdx.x >> 5) * 4; g0 < total; g0 += (blockDim.x >> 5) * 4) {
-    const int g = g0 + (lane >> 3), m = g / nbx, o = 32 * (g - m * nbx) + 4 * (lane & 7);
-    W v[4] = {0, 0, 0, 0};
-    if (g < total) rlx_x4(x + m * xrs + o, v);
-    float d;
-    const u32 word = rlx_q8_lanes(v, &d);
-    if (g < total) {
-      *(u32*)(xq + (i64)m * K + o) = word;
-      if ((lane & 7) == 0) xd[g] = d;
-    }
   }
 }
 #endif
@@ -391,9 +417,10 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
 #if QX
   extern __shared__ __align__(16) unsigned char rlx_qx[];
   const int K = nb * BLK, nbx = K / 32;
-  signed char* xq = (signed char*)rlx_qx;
-  float* xd = (float*)(rlx_qx + (i64)M * K);
-  rlx_quantize_x(x, xrs, M, K, xq, xd);
+  for (int i = threadIdx.x; i < M * (K + nbx * 4) / 4; i += blockDim.x)
+    ((u32*)rlx_qx)[i] = __ldg((const u32*)(const void*)x + i);
+  const signed char* xq = (const signed char*)rlx_qx;
+  const float* xd = (const float*)(rlx_qx + (i64)M * K);
   __syncthreads();
 #endif
   W acc[R][MMAX];
