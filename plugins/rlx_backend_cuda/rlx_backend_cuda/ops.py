@@ -971,17 +971,17 @@ def _b_dequant_matmul(b, n, ins, outs):
             return
         if norm is not None:
             norm.add_unfused(b)
-    xv, xrs = (x8, i64(K)) if x8 is not None else _as_matrix(b, x, M, K)
+    xv, xrs = (x, i64(K)) if x8 is not None else _as_matrix(b, x, M, K)     # (QX: x names the dtype)
     if sw is not None:            # gate/up of decode: the GEMV writes silu(gate) * up
         dst = b.out_value(sw)
         if not b.disjoint(dst, xv):
             dst = b.vals[(sw, 0)] = b.buffer(dst.shape, dst.dt, "fused swiglu output")
-        _dq_gemv(b, s, xv, xrs, wv, wrs, al, None, act, dst, M, N // 2, K, swiglu=True, x8=x8 is not None)
+        _dq_gemv(b, s, xv, xrs, wv, wrs, al, None, act, dst, M, N // 2, K, swiglu=True, x8=x8)
         b.absorbed.add(sw)
         return
     dst = out if out.contiguous() else b.buffer(out.shape, out.dt)
     if M <= DQ_MAX_M:
-        _dq_gemv(b, s, xv, xrs, wv, wrs, al, bias, act, dst, M, N, K, x8=x8 is not None)
+        _dq_gemv(b, s, xv, xrs, wv, wrs, al, bias, act, dst, M, N, K, x8=x8)
     else:
         _dq_gemm(b, s, xv, xrs, wv, wrs, al, dst, M, N, K)
         _bias_act(b, dst, bias, act)
@@ -1034,19 +1034,20 @@ def _dq_gemv_fused(b, s, a: V, packed: tuple, out: V, swiglu: V | None, norm: Ge
         xrows, xrs = norm.rows(M, K)
         xv = V(xrows, a.dt)
     elif x8 is not None:
-        xv, xrs = x8, i64(K)
+        xv, xrs = a, i64(K)
     else:
         xv, xrs = _as_matrix(b, a, M, K)
     _dq_gemv(b, s, xv, xrs, *packed, None, "identity", target, M, N // 2 if swiglu is not None else N, K,
-             swiglu=swiglu is not None, norm=norm, residual=residual, x8=x8 is not None)
+             swiglu=swiglu is not None, norm=norm, residual=residual, x8=x8)
     return True
 
 
 def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=False,
-             norm: GemvNorm | None = None, residual: GemvResidual | None = None, x8: bool = False):
+             norm: GemvNorm | None = None, residual: GemvResidual | None = None, x8: V | None = None):
     """The decode GEMV launch for out[M, N] (swiglu: w holds 2N rows, out = silu(gate) * up;
-    norm, residual: as `_gemv_step` takes them; x8: x is quant_q8's int8 rows, which the kernel
-    copies into `qx_bytes` of dynamic shared memory)."""
+    norm, residual: as `_gemv_step` takes them; x8: quant_q8's int8 rows of x, which the kernel
+    reads instead of x (x then only names the dtype), copied into `qx_bytes` of dynamic shared
+    memory)."""
     nb = K // s.block
     mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K)
     vec = 4 * x.arr.itemsize
@@ -1057,11 +1058,13 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
                     EPILOGUE=_dq_epilogue(out.dt, bias is not None, act),
                     SWIGLU_OF=codegen.swiglu_of(acc_of(x.dt)), EARLY=int(b.written_by_no_kernel(w)),
                     NORM=int(norm is not None), TN=ctype(residual.w.dt) if residual is not None else "float",
-                    RESID=int(residual is not None), QX=int(x8), dynamic_smem=QX_SMEM if x8 else 0)
+                    RESID=int(residual is not None), QX=int(x8 is not None),
+                    dynamic_smem=QX_SMEM if x8 is not None else 0)
     per_block = 8 // kw * (rows // 2 if swiglu else rows)
-    args = _with_norms(b, [x.arr, i64(xrs), w.arr, i64(wrs), bias.arr if bias else None, out.arr, i32(M),
-                           i32(N), i32(nb)], norm, residual, M, N)
-    grid, stream, smem = (-(-N // per_block),), b.stream, qx_bytes(M, K) if x8 else 0
+    xp = (x8 if x8 is not None else x).arr
+    args = _with_norms(b, [xp, i64(xrs), w.arr, i64(wrs), bias.arr if bias else None, out.arr, i32(M), i32(N),
+                           i32(nb)], norm, residual, M, N)
+    grid, stream, smem = (-(-N // per_block),), b.stream, qx_bytes(M, K) if x8 is not None else 0
     b.add(lambda: fn(grid, (256,), tuple(args), smem, stream))
 
 
