@@ -110,6 +110,9 @@ inline int __dp4a(int a, int b, int c) {
   for (int i = 0; i < 4; ++i) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
   return c;
 }
+inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+inline double rsqrt(double v) { return 1.0 / std::sqrt(v); }
+inline float rsqrt(float v) { return rsqrtf(v); }
 template <class T> inline T __ldg(const T* p) { return *p; }
 template <class T> inline T __ldcg(const T* p) { return *p; }
 // threads: a barrier for the block, one a warp for the shuffles
@@ -177,11 +180,16 @@ def _host_text(source: str) -> str:
                   r"\1* \2 = (\1*)rlx_emu_dyn;", source)
 
 
-def _params(sig: str) -> list:
-    """The C types of a parameter list."""
+def _params(sig: str, text: str) -> list:
+    """The C types of a parameter list, scalar type names resolved through the source's typedefs
+    and defines (i64, W = ACC, ...)."""
+    names = {name: t for t, name in re.findall(r"^typedef ([\w ]+?) (\w+);", text, re.M)}
+    names.update(re.findall(r"^#define (\w+) (float|double|int|long long|unsigned int)$", text, re.M))
     out = []
     for p in (q.strip() for q in sig.split(",")):
         t = re.sub(r"\s*\b\w+$", "", p).replace("__restrict__", "").strip()
+        while not t.endswith("*") and t in names and names[t] != t:
+            t = names[t]
         out.append(t)
     return out
 
@@ -216,7 +224,7 @@ def compile_kernel(source: str, name: str, cache: str | None = None) -> Kernel:
     sig = next((m for m in _SIG.finditer(text) if m.group(1) == name), None)
     if sig is None:
         raise ValueError(f"no kernel {name!r} in the source")
-    types = _params(sig.group(2))
+    types = _params(sig.group(2), text)
     call = ", ".join(f"*({t}*)a[{i}]" for i, t in enumerate(types))
     launcher = (f'\nextern "C" void rlx_emu_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
                 f'unsigned by, unsigned bz, unsigned char* smem, void** a) {{\n  rlx_emu_dyn = smem;\n'
