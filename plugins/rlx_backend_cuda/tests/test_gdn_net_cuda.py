@@ -18,7 +18,7 @@ import rlx_core
 from rlx_core.ir.dtype import BF16, F16, F32, F64
 from rlx_core.ir.graph import Graph
 from rlx_core.testing.ops_suite_deltanet import ref_gated_delta_net
-from rlx_core.testing.parity import Arg, exact, rand, run_parity
+from rlx_core.testing.parity import TOL, Arg, exact, rand, run_parity
 
 SHAPES = {"qwen35": (1, 2, 4, 128, 128), "odd": (2, 1, 3, 48, 72)}      # b, hk, h, kd, vd
 SCALE, EPS = 0.3, 1e-6
@@ -84,7 +84,7 @@ def test_decode_loop_on_state_leaves_from_column_slices(rng, shape):
 
 
 @pytest.mark.skipif(bool(cuda_emu.why_not()), reason=cuda_emu.why_not() or "-")
-@pytest.mark.parametrize("dt", [F32, BF16], ids=lambda d: d.value)
+@pytest.mark.parametrize("dt", [F32, F16, BF16], ids=lambda d: d.value)
 @pytest.mark.parametrize("t", [1, 3], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_emulated_gated_delta_net(rng, dt, t, shape):
@@ -113,7 +113,7 @@ def test_emulated_gated_delta_net(rng, dt, t, shape):
                                               bits(o), i32(t), i32(hk), *strides, np.float32(SCALE),
                                               np.float32(EPS)))
     want = ref_gated_delta_net(*[np.asarray(v, np.float64) for v in ins], SCALE, EPS)
-    tol = {F32: 1e-5, BF16: 1e-2}[dt]
+    tol = TOL[dt]
     for got, ref, what in zip((o, cs1, s1), want, ("o", "conv state", "state")):
         err = np.abs(got.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30)
         assert err <= tol, (what, err)
