@@ -286,8 +286,8 @@ __device__ __forceinline__ u32 rlx_q8_lanes(const W* v, float* d) {
   return word;
 }
 // @part fake_q8(TO)
-// y = x rounded through int8_b32 blocks and back (the fake_quantize of int8 activations where no
-// GEMV rounds x itself): contiguous rows whose length 32 divides; a block of 32 per eight lanes.
+// y = x rounded through int8_b32 blocks and back (the fake_quantize of int8 activations whose
+// readers are no int8 GEMVs): contiguous rows whose length 32 divides; a block of 32 per eight lanes.
 extern "C" __global__ void __launch_bounds__(256) rlx_fake_q8(const T* __restrict__ x, TO* __restrict__ y,
     long long blocks) {
   const int lane = threadIdx.x & 31;
@@ -363,8 +363,9 @@ extern "C" __global__ void __launch_bounds__(256) rlx_quant_q8(const T* __restri
 // is one dp4a (of b - 128: signed by signed; the sum of x's bytes times 128 - BIAS added back),
 // a group of QXG runs (one weight scale, one x block) scaled once: about one instruction a
 // weight where the float form takes three (the q4_k GEMVs were bound by instructions, not
-// bytes). x is rounded once per product, not once per block: rounding in each block cost more
-// than the products (a block of the down projection has 4 rows of 8192 weights, x 8192 values).
+// bytes). x is rounded once per product, not in each block: by instruction counts that would
+// cost more than the products (a block of the down projection has 4 rows of 8192 weights, x
+// 8192 values; not measured).
 #if SWIGLU && RESID
 #error "rlx_dq_gemv: RESID takes no SWIGLU"
 #endif
