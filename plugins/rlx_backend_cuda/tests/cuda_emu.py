@@ -6,7 +6,8 @@ from CUDA: 16-bit float types, vector types, warp shuffles, block barriers, atom
 the bit intrinsics. `launch(grid, block, args, shared_mem)` runs the blocks one after another,
 each as one OS thread per CUDA thread (a barrier for __syncthreads, one per warp for the
 shuffles, so a warp whose lanes do not all reach a shuffle hangs, as on the GPU it would be
-undefined). Inline PTX (tensor cores, clusters, griddepcontrol) is not emulated: a kernel
+undefined; a barrier waiting a minute aborts the process, so such a test fails rather than
+hangs). Inline PTX (tensor cores, clusters, griddepcontrol) is not emulated: a kernel
 holding it fails to compile here. Slow, for small shapes: a check of the kernel's arithmetic
 and indexing, not of its speed or memory ordering."""
 from __future__ import annotations
@@ -23,8 +24,11 @@ import numpy as np
 
 SHIM = r"""
 #include <algorithm>
-#include <barrier>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -115,9 +119,31 @@ inline double rsqrt(double v) { return 1.0 / std::sqrt(v); }
 inline float rsqrt(float v) { return rsqrtf(v); }
 template <class T> inline T __ldg(const T* p) { return *p; }
 template <class T> inline T __ldcg(const T* p) { return *p; }
-// threads: a barrier for the block, one a warp for the shuffles
-static std::unique_ptr<std::barrier<>> rlx_emu_block;
-static std::vector<std::unique_ptr<std::barrier<>>> rlx_emu_warp;
+// threads: a barrier for the block, one a warp for the shuffles. A wait of a minute aborts the
+// process (threads that never meet: a test fails rather than hangs)
+struct rlx_emu_bar {
+  std::mutex mu;
+  std::condition_variable cv;
+  unsigned n, waiting = 0;
+  unsigned long long phase = 0;
+  explicit rlx_emu_bar(unsigned count) : n(count) {}
+  void release() { waiting = 0; ++phase; cv.notify_all(); }
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> l(mu);
+    const unsigned long long ph = phase;
+    if (++waiting == n) { release(); return; }
+    if (!cv.wait_for(l, std::chrono::seconds(60), [&] { return phase != ph; })) {
+      std::fprintf(stderr, "cuda_emu: threads of a block or lanes of a warp never met at a barrier\n");
+      std::abort();
+    }
+  }
+  void arrive_and_drop() {
+    std::lock_guard<std::mutex> l(mu);
+    if (--n && waiting == n) release();
+  }
+};
+static std::unique_ptr<rlx_emu_bar> rlx_emu_block;
+static std::vector<std::unique_ptr<rlx_emu_bar>> rlx_emu_warp;
 static uint64_t rlx_emu_slot[32][32];
 static std::mutex rlx_emu_atomic;
 inline void __syncthreads() { rlx_emu_block->arrive_and_wait(); }
@@ -144,10 +170,10 @@ template <class F> void rlx_emu_run(dim3 grid, dim3 block, F body) {
   blockDim = block; gridDim = grid;
   const unsigned n = block.x * block.y * block.z;
   for (unsigned b = 0; b < grid.x * grid.y * grid.z; ++b) {
-    rlx_emu_block = std::make_unique<std::barrier<>>(n);
+    rlx_emu_block = std::make_unique<rlx_emu_bar>(n);
     rlx_emu_warp.clear();
     for (unsigned w = 0; w < (n + 31) / 32; ++w)
-      rlx_emu_warp.push_back(std::make_unique<std::barrier<>>(std::min(32u, n - 32 * w)));
+      rlx_emu_warp.push_back(std::make_unique<rlx_emu_bar>(std::min(32u, n - 32 * w)));
     std::vector<std::thread> ts;
     for (unsigned t = 0; t < n; ++t)
       ts.emplace_back([&, t, b] {
