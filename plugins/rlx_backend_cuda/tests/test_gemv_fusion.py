@@ -4,11 +4,13 @@ h's squares, the GEMV after it norms its own x rows from those sums, so a decode
 norm launches. Checked against a float64 NumPy reference on fresh random inputs over repeated
 runs (the sums are zeroed again each run; the last run replays the CUDA graph), against the
 unfused build (CONFIG gemv_fusion off), under the cuBLAS switch (the unfused launches the fused
-step keeps), and where the norm's consumer is no GEMV (a [K, N] weight: the norm's own launch)."""
+step keeps), and where the norm's consumer is no GEMV (a [K, N] weight: the norm's own launch).
+The kernel's NORM, RESID and SWIGLU forms also run emulated on the CPU (cuda_emu)."""
 from __future__ import annotations
 
 import math
 
+import cuda_emu
 import numpy as np
 import pytest
 
@@ -327,3 +329,56 @@ def test_a_norms_readers_on_the_host():
     assert memsets == [(100, 0, 128, 7)]
     assert fused_reader(S) is None and len(steps) == 2 and (4, 1) not in b.gemv_norms
 
+
+
+@pytest.mark.skipif(bool(cuda_emu.why_not()), reason=cuda_emu.why_not() or "-")
+@pytest.mark.parametrize("rows", [1, 2])
+def test_emulated_gemv_norm_residual_and_swiglu(rng, rows):
+    """The dense decode GEMV (gemv.cu) on the CPU (cuda_emu; no GPU needed), bf16, launched as
+    ops._gemv_step launches it for an H200's 132 SMs: the plain product, NORM (x holds x0 * w,
+    the rows' sums of x0's squares in 32 parts: the norm divides after the sums), RESID (h =
+    res + the product, h * w2 for the next GEMV, h's squares added up) and SWIGLU (gate and up
+    rows), against float64 from the same rounded inputs."""
+    from rlx_backend_cuda import codegen, sources
+    from rlx_backend_cuda.ops import GEMV_LOADS, GEMV_ROWS, NO_NORMS, gemv_split, pow2
+
+    bf = BF16.np
+    k, n = 512, 96
+    w = (rng.uniform(-1, 1, (2 * n, k)) / math.sqrt(k)).astype(bf)
+    w64 = w.astype(np.float64)
+    x0 = rng.uniform(-2, 2, (rows, k)).astype(bf)
+    x64 = x0.astype(np.float64)
+
+    def run(y, x, wn, form: str, tail=NO_NORMS):
+        swiglu = form == "swiglu"
+        r, n_out = (2, wn // 2) if swiglu else (GEMV_ROWS, wn)
+        warps = n_out if swiglu else -(-wn // r)
+        ks = gemv_split(warps, k, 132)
+        src = sources.render(sources.GEMV, T="__nv_bfloat16", TO="__nv_bfloat16", MMAX=pow2(rows, 1, rows),
+                             R=r, U=GEMV_LOADS, SWIGLU=int(swiglu), KS=ks, EARLY=0,
+                             SWIGLU_OF=codegen.swiglu_of("float"), NORM=int(form == "norm"), TN="float",
+                             RESID=int(form == "resid"))
+        args = (x.view(np.uint16), np.int64(k), w.view(np.uint16), y.view(np.uint16), np.int32(rows),
+                np.int32(n_out), np.int32(k))
+        cuda_emu.compile_kernel(src, "rlx_gemv").launch((-(-warps * ks // 8),), (256,), args + tail)
+    y = np.zeros((rows, n), bf)
+    run(y, x0, n, "plain")
+    assert rel(y, x64 @ w64[:n].T) < 1e-2
+    nw = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    nsq = np.repeat((x64 ** 2).sum(1, keepdims=True) / 32, 32, axis=1).astype(np.float32).reshape(-1)
+    zero = np.ones(40, np.float32)
+    run(y, (x0.astype(np.float32) * nw).astype(bf), n, "norm",
+        (np.float32(EPS), nsq, None, np.float32(0), None, np.int64(0), None, None, zero, np.int32(zero.size)))
+    assert rel(y, (x64 / np.sqrt((x64 ** 2).mean(1, keepdims=True) + EPS) * nw) @ w64[:n].T) < 1e-2
+    assert not zero.any()
+    res = rng.uniform(-2, 2, (rows, n)).astype(bf)
+    nw2 = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    yw, osq = np.zeros((rows, n), bf), np.zeros(rows * 32, np.float32)
+    run(y, x0, n, "resid", (np.float32(0), None, nw2, np.float32(0), res.view(np.uint16), np.int64(n),
+                            yw.view(np.uint16), osq, None, np.int32(0)))
+    h = y.astype(np.float64)
+    assert rel(h, res.astype(np.float64) + x64 @ w64[:n].T) < 1e-2 and rel(yw, h * nw2) < 1e-2
+    np.testing.assert_allclose(osq.reshape(rows, 32).sum(1), (h ** 2).sum(1), rtol=1e-4)
+    run(y, x0, 2 * n, "swiglu")
+    gate, up = x64 @ w64[:n].T, x64 @ w64[n:].T
+    assert rel(y, gate / (1 + np.exp(-gate)) * up) < 1e-2

@@ -226,8 +226,10 @@ def _gemv_kernel(s, T: str, M: int, K: int, qx: int, resid: int = 0, swiglu: int
 
 
 def _norms(nw=None, noff=0.0, res=None, N=0, yw=None, osq=None) -> tuple:
-    """The arguments rlx_dq_gemv ends with (ops.NO_NORMS but RESID's)."""
-    return (np.float32(0), None, nw, np.float32(noff), res, np.int64(N), yw, osq, None, np.int32(0))
+    """The arguments rlx_dq_gemv ends with: ops.NO_NORMS, RESID's where given."""
+    from rlx_backend_cuda.ops import NO_NORMS
+
+    return NO_NORMS[:2] + (nw, np.float32(noff), res, np.int64(N), yw, osq) + NO_NORMS[8:]
 
 
 def _launch(kernel, x, w, y, M, N, K, s, bias=None, tail=_norms()):
