@@ -132,8 +132,9 @@ def catalog() -> list:
                 out.append((f"dequant {kind} {t} {stage}", S.dq_source(S.DQ_DEQUANT, kind, blk, TO=t, ACC=acc, A=4,
                                                                        YV=stage, **shape), "rlx_dequant"))
     for t in ("float", "__nv_bfloat16", "__half"):
-        out.append((f"fake_q8 {t}", S.render(S.FAKE_Q8, ACC="float", A=16, T=t, TO=t, XV=1), "rlx_fake_q8"))
-        out.append((f"quant_q8 {t}", S.render(S.QUANT_Q8, ACC="float", A=16, T=t, XV=int(t != "float"),
+        out.append((f"fake_q8 {t}", S.render(S.ROUND_Q8, ACC="float", A=16, T=t, TO=t, XV=1, NORM=0),
+                    "rlx_fake_q8"))
+        out.append((f"quant_q8 {t}", S.render(S.ROUND_Q8, ACC="float", A=16, T=t, TO=t, XV=int(t != "float"),
                                               NORM=int(t != "__half")), "rlx_quant_q8"))
     # elementwise programs over every op kind and dtype mix
     progs = [

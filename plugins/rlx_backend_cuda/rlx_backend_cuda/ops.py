@@ -752,7 +752,7 @@ def _residual_norm(b, n) -> tuple | None:
     def gemv_x(c):
         m = g.nodes[c] if c >= 0 else None
         if m is not None and m.op == "fake_quantize":        # (its int8 rows: the norm computed there)
-            return tuple(m.inputs[0]) == (j, 1) and int8_gemv_x(g, c, b.hip)
+            return tuple(m.inputs[0]) == (j, 1) and int8_gemv_x(g, c, b.hip, b.uses)
         return (m is not None and m.op in ("matmul", "dequant_matmul") and tuple(m.inputs[0]) == (j, 1)
                 and tuple(m.inputs[1]) != (j, 1) and not m.a.get("trans_a"))
     if not readers or not all(gemv_x(c) for c in readers):
@@ -1050,8 +1050,7 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
     memory)."""
     nb = K // s.block
     mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K)
-    vec = 4 * x.arr.itemsize
-    xv = int(x.arr.data.ptr % vec == 0 and (xrs * x.arr.itemsize) % vec == 0)
+    xv = _x4_vectors(x.arr, xrs)
     fn = _dq_kernel(b, sources.DQ_GEMV, s, "rlx_dq_gemv", T=ctype(x.dt), TO=ctype(out.dt), ACC=acc_of(x.dt),
                     TB=ctype(bias.dt) if bias is not None else "float",
                     A=al, MMAX=mmax, R=rows, U=DQ_LOADS, KW=kw, XV=xv, SWIGLU=int(swiglu),
@@ -1066,6 +1065,12 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
                            i32(nb)], norm, residual, M, N)
     grid, stream, smem = (-(-N // per_block),), b.stream, qx_bytes(M, K) if x8 is not None else 0
     b.add(lambda: fn(grid, (256,), tuple(args), smem, stream))
+
+
+def _x4_vectors(arr, rs) -> int:
+    """dq.cu's XV: whether rows of `arr` (row stride rs elements) take 4 values as one vector load."""
+    vec = 4 * arr.itemsize
+    return int(arr.data.ptr % vec == 0 and (rs * arr.itemsize) % vec == 0)
 
 
 def _dq_gemm(b, s, x: V, xrs, w: V, wrs, al, out: V, M, N, K):
@@ -1102,9 +1107,9 @@ def _dq_gemm(b, s, x: V, xrs, w: V, wrs, al, out: V, M, N, K):
 # ----------------------------------------------------------------------------- int8 activations
 # `[precision] activations = "int8"` puts a fake_quantize to int8_b32 before each packed matmul's
 # x (rlx_core.passes.packed). Where its every reader is a decode GEMV (`int8_gemv_x`), its step
-# rounds x into int8 rows and scales (dq.cu's quant_q8; the norm of a residual norm left to the
+# rounds x into int8 rows and scales (dq.cu's rlx_quant_q8; the norm of a residual norm left to the
 # GEMVs computed there too) and each GEMV multiplies them in dp4a (dq.cu's QX). Elsewhere its
-# step writes the rounded floats (dq.cu's fake_q8). CONFIG["int8_gemv"] (RLX_CUDA_INT8_GEMV=0,
+# step writes the rounded floats (dq.cu's rlx_fake_q8). CONFIG["int8_gemv"] (RLX_CUDA_INT8_GEMV=0,
 # read at build) keeps the floats and the float GEMV.
 QX_SMEM = 96 * 1024         # the most dynamic shared memory a QX GEMV takes (x's int8 rows, scales)
 
@@ -1122,16 +1127,17 @@ def _rounds_x(n) -> bool:
             and bool(s.dims) and s.dims[-1] > 0 and s.dims[-1] % 32 == 0)
 
 
-def int8_gemv_x(g, i: int, hip: bool = False) -> bool:
+def int8_gemv_x(g, i: int, hip: bool = False, uses: dict | None = None) -> bool:
     """Whether fake_quantize node i of the static graph g rounds x into int8 rows for decode
     GEMVs: every reader a dequant_matmul taking it as x only, of at most DQ_MAX_M rows whose int8
-    rows fit QX_SMEM (CUDA only: the GEMV's dp4a is not HIP's; CONFIG["int8_gemv"])."""
+    rows fit QX_SMEM (CUDA only: the GEMV's dp4a is not HIP's; CONFIG["int8_gemv"]). uses: g's
+    consumers where the caller has them."""
     n = g.nodes[i]
     if not _rounds_x(n) or hip or not CONFIG["int8_gemv"]:
         return False
     K = n.outs[0].dims[-1]
     M = math.prod(n.outs[0].dims) // K
-    readers = g.consumers().get((i, 0), [])
+    readers = (uses if uses is not None else g.consumers()).get((i, 0), [])
 
     def gemv_x(c: int) -> bool:
         m = g.nodes[c] if c >= 0 else None
@@ -1156,9 +1162,8 @@ def _int8_x(b, ref: tuple, x: V) -> None:
     else:
         rows, xrs = _as_matrix(b, x, M, K)
     y8 = b.buffer((qx_bytes(M, K),), U8, "int8 rows of x")
-    src = sources.render(sources.QUANT_Q8, ACC="float", A=16, T=ctype(x.dt), NORM=int(norm is not None),
-                         XV=int(rows.arr.data.ptr % (4 * rows.arr.itemsize) == 0
-                                and (xrs * rows.arr.itemsize) % (4 * rows.arr.itemsize) == 0))
+    src = sources.render(sources.ROUND_Q8, ACC="float", A=16, T=ctype(x.dt), TO=ctype(x.dt),
+                         NORM=int(norm is not None), XV=_x4_vectors(rows.arr, xrs))
     fn = b.kernel(src, "rlx_quant_q8")
     args = [rows.arr, i64(xrs), i32(M), i32(K), y8.arr, norm.ssq if norm is not None else None,
             np.float32(norm.eps if norm is not None else 0), None, i32(0)]
@@ -1176,7 +1181,7 @@ def _b_fake_quantize(b, n, ins, outs):
     (int8_gemv_x), else the rounded floats; other schemes (weight preparation) and f64 on the host."""
     if not _rounds_x(n):
         _b_host(b, n, ins, outs)
-    elif ins[0].size and int8_gemv_x(b.r.lir.graph, b.node, b.hip):
+    elif ins[0].size and int8_gemv_x(b.r.lir.graph, b.node, b.hip, b.uses):
         _int8_x(b, (b.node, 0), ins[0])
     else:
         round_int8(b, ins[0], outs[0])
@@ -1198,8 +1203,8 @@ def round_int8(b, x: V, out: V) -> None:
     src = b.contiguous(x)
     same = out.arr.data.ptr == src.arr.data.ptr
     dst = out if out.contiguous() and (same or b.disjoint(out, src)) else b.buffer(out.shape, out.dt)
-    fn = b.kernel(sources.render(sources.FAKE_Q8, ACC="float", A=16, T=ctype(x.dt), TO=ctype(out.dt),
-                                 XV=int(src.arr.data.ptr % (4 * src.arr.itemsize) == 0)), "rlx_fake_q8")
+    fn = b.kernel(sources.render(sources.ROUND_Q8, ACC="float", A=16, T=ctype(x.dt), TO=ctype(out.dt), NORM=0,
+                                 XV=_x4_vectors(src.arr, 32)), "rlx_fake_q8")
     blocks = x.size // 32
     b.launch(fn, (max(1, min(-(-blocks // 32), b.sms * 8)),), (256,), (src.arr, dst.arr, i64(blocks)))
     if dst is not out:

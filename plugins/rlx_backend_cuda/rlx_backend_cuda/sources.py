@@ -215,9 +215,9 @@ DQ_SCHEMES = {      # each format's decode snippet: one serves every kernel belo
 }
 DQ_GEMV = Source("dq.cu:x4", "dq.cu:q8x", "dq.cu:gemv")
 DQ_DEQUANT = Source("dq.cu:dequant")
-# (a scheme's snippet not needed: the rounding of x alone, to floats or to the QX GEMVs' int8 rows)
-FAKE_Q8 = Source("dq.cu:common", "dq.cu:x4", "dq.cu:q8x", "dq.cu:fake_q8")
-QUANT_Q8 = Source("dq.cu:common", "dq.cu:x4", "dq.cu:q8x", "dq.cu:quant_q8")
+# (a scheme's snippet not needed: the rounding of x alone, to floats (rlx_fake_q8) or to the QX
+# GEMVs' int8 rows (rlx_quant_q8))
+ROUND_Q8 = Source("dq.cu:common", "dq.cu:x4", "dq.cu:q8x", "dq.cu:round_q8")
 
 
 def dq_source(kernel: Source, kind: str, block: int, **defines) -> str:

@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 
 import numpy as np
+import pytest
 
 SHIM = r"""
 #include <algorithm>
@@ -196,6 +197,10 @@ _SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(
 def why_not() -> str:
     """'' where kernels can run here, else why not (no host C++20 compiler)."""
     return "" if shutil.which("g++") else "no g++ on this machine to build the emulated kernels"
+
+
+# the mark of a test running kernels here: skipped with the reason where they cannot
+emulated = pytest.mark.skipif(bool(why_not()), reason=why_not() or "-")
 
 
 def _host_text(source: str) -> str:

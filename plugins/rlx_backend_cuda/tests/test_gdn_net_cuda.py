@@ -83,7 +83,7 @@ def test_decode_loop_on_state_leaves_from_column_slices(rng, shape):
     np.testing.assert_allclose(ex.backend.to_host(ex.states["rec"]), want_s, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(bool(cuda_emu.why_not()), reason=cuda_emu.why_not() or "-")
+@cuda_emu.emulated
 @pytest.mark.parametrize("dt", [F32, F16, BF16], ids=lambda d: d.value)
 @pytest.mark.parametrize("t", [1, 3], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("shape", sorted(SHAPES))

@@ -331,7 +331,7 @@ def test_a_norms_readers_on_the_host():
 
 
 
-@pytest.mark.skipif(bool(cuda_emu.why_not()), reason=cuda_emu.why_not() or "-")
+@cuda_emu.emulated
 @pytest.mark.parametrize("rows", [1, 2])
 def test_emulated_gemv_norm_residual_and_swiglu(rng, rows):
     """The dense decode GEMV (gemv.cu) on the CPU (cuda_emu; no GPU needed), bf16, launched as

@@ -207,7 +207,6 @@ def test_routed_experts_round_x_and_h_in_the_captured_step(rng, tokens):
 
 
 # ----------------------------------------------------------------------------- emulated on the CPU
-emu = pytest.mark.skipif(bool(cuda_emu.why_not()), reason=cuda_emu.why_not() or "-")
 BF = BF16.np
 
 
@@ -246,7 +245,7 @@ def _int8_rows(x, T: str, nsq=None, eps: float = 0.0, zero=None):
     from rlx_backend_cuda.ops import qx_bytes
 
     M, K = x.shape
-    src = sources.render(sources.QUANT_Q8, ACC="float", A=16, T=T, XV=1, NORM=int(nsq is not None))
+    src = sources.render(sources.ROUND_Q8, ACC="float", A=16, T=T, TO=T, XV=1, NORM=int(nsq is not None))
     y8 = np.zeros(qx_bytes(M, K), np.uint8)
     xv = x if T == "float" else x.view(np.uint16)
     cuda_emu.compile_kernel(src, "rlx_quant_q8").launch(
@@ -259,7 +258,7 @@ def _rounded(x) -> np.ndarray:
     return np.asarray(fake_quantized(np.asarray(x, np.float32), "int8_b32"), np.float64)
 
 
-@emu
+@cuda_emu.emulated
 @pytest.mark.parametrize("name", SCHEMES)
 def test_emulated_int8_gemv_matches_the_rounded_product(rng, name):
     """quant_q8 then the QX GEMV on the CPU, every scheme: f32 rows (1 and 3, a NaN in one
@@ -292,7 +291,7 @@ def test_emulated_int8_gemv_matches_the_rounded_product(rng, name):
     assert rel(y, v / (1 + np.exp(-v))) < 1e-2
 
 
-@emu
+@cuda_emu.emulated
 @pytest.mark.parametrize("name", ["q4_k", "q8_0"])
 def test_emulated_int8_rows_norm_and_gemv_adds_the_residual_and_the_swiglu(rng, name):
     """bf16 decode forms: the rounding divides by a residual norm (x holds x0 * w, the rows'
@@ -334,7 +333,7 @@ def test_emulated_int8_rows_norm_and_gemv_adds_the_residual_and_the_swiglu(rng, 
     assert rel(y, gate / (1 + np.exp(-gate)) * up) < 1e-2
 
 
-@emu
+@cuda_emu.emulated
 @pytest.mark.parametrize("dt", [F32, BF16, F16])
 def test_emulated_rounding_kernel_matches_numpy_bit_for_bit(rng, dt):
     """fake_q8 on the CPU over the same blocks as on the GPU (zeros, inf, NaN, ties, a scale
@@ -349,7 +348,7 @@ def test_emulated_rounding_kernel_matches_numpy_bit_for_bit(rng, dt):
     x[6, :32] = np.arange(32) - 15.5
     x = x.astype(dt.np)
     want = np.asarray(fake_quantized(x.astype(np.float32), "int8_b32"), np.float32).astype(dt.np)
-    src = sources.render(sources.FAKE_Q8, ACC="float", A=16, T=ctype(dt), TO=ctype(dt), XV=1)
+    src = sources.render(sources.ROUND_Q8, ACC="float", A=16, T=ctype(dt), TO=ctype(dt), XV=1, NORM=0)
     kern = cuda_emu.compile_kernel(src, "rlx_fake_q8")
     y = np.zeros_like(x)
     view = (lambda a: a) if dt is F32 else (lambda a: a.view(np.uint16))

@@ -285,38 +285,48 @@ __device__ __forceinline__ u32 rlx_q8_lanes(const W* v, float* d) {
   *d = bad ? __int_as_float(0x7fc00000) : dd;
   return word;
 }
-// @part fake_q8(TO)
-// y = x rounded through int8_b32 blocks and back (the fake_quantize of int8 activations whose
-// readers are no int8 GEMVs): contiguous rows whose length 32 divides; a block of 32 per eight lanes.
-extern "C" __global__ void __launch_bounds__(256) rlx_fake_q8(const T* __restrict__ x, TO* __restrict__ y,
-    long long blocks) {
-  const int lane = threadIdx.x & 31;
-  // (the loop bound is the warp's: all its lanes reach rlx_q8_lanes' shuffles together)
-  for (i64 g0 = ((i64)blockIdx.x * 8 + (threadIdx.x >> 5)) * 4; g0 < blocks; g0 += (i64)gridDim.x * 32) {
-    const i64 g = g0 + (lane >> 3), o = 32 * g + 4 * (lane & 7);
-    W v[4] = {0, 0, 0, 0};
-    if (g < blocks) rlx_x4(x + o, v);
+// @part round_q8(TO, NORM)
+// x's M rows of K (row stride xrs; 32 divides K) rounded to int8_b32 blocks, eight lanes a block,
+// four blocks a warp (the loop bound is the warp's, as rlx_q8_lanes needs). Q8: into out's int8
+// rows [M][K], then their scales [M][K / 32] (the int8 GEMVs' x: gemv's QX); else the rounded
+// values themselves, out [M][K] of TO. den: each row's divisor of its scales, or null.
+template <bool Q8> __device__ __forceinline__ void rlx_round_rows(const T* x, i64 xrs, i64 M, int K, void* out,
+                                                                 const float* den) {
+  const int lane = threadIdx.x & 31, nbx = K / 32;
+  const i64 total = M * nbx;
+  for (i64 g0 = ((i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 4; g0 < total;
+       g0 += (i64)gridDim.x * (blockDim.x >> 5) * 4) {
+    const i64 g = min(g0 + (lane >> 3), total - 1), m = g / nbx, o = 32 * (g - m * nbx) + 4 * (lane & 7);
+    W v[4];
+    rlx_x4(x + m * xrs + o, v);
     float d;
     const u32 word = rlx_q8_lanes(v, &d);
-    if (g < blocks)
+    if (den) d /= den[m];
+    if (g0 + (lane >> 3) >= total) continue;
+    if (Q8) {
+      *(u32*)((unsigned char*)out + m * K + o) = word;
+      if ((lane & 7) == 0) ((float*)((unsigned char*)out + M * K))[g] = d;
+    } else {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) y[o + i] = ST(TO, d * (float)(signed char)(word >> (8 * i)));
+      for (int i = 0; i < 4; ++i) ((TO*)out)[m * K + o + i] = ST(TO, d * (float)(signed char)(word >> (8 * i)));
+    }
   }
 }
-// @part quant_q8(NORM)
-// x's M rows (row stride xrs) rounded to int8_b32 blocks for the int8 GEMVs (gemv's QX) to read:
-// y8 holds the q of every row [M][K] (int8), then the scales [M][K / 32] (float; NaN for a block
-// holding NaN or inf). NORM: x holds x0 * (nw + noff) of a residual norm whose row sums of squares
-// of x0 nsq holds (32 parts a row, as the NORM GEMVs read them): a block's q are those of x0 *
-// (nw + noff) and its scale is divided by the row's norm, so y8 is the norm's y rounded; block 0
-// zeroes `zero` (zn floats) as a NORM GEMV does (ops.GemvSums).
+// y = x rounded through int8_b32 blocks and back (the fake_quantize of int8 activations whose
+// readers are no int8 GEMVs): `blocks` contiguous blocks of 32, taken as rows of 32.
+extern "C" __global__ void __launch_bounds__(256) rlx_fake_q8(const T* __restrict__ x, TO* __restrict__ y,
+    long long blocks) {
+  rlx_round_rows<false>(x, 32, blocks, 32, y, nullptr);
+}
+// x's M rows rounded into y8 for the int8 GEMVs. NORM: x holds x0 * (nw + noff) of a residual norm
+// whose row sums of squares of x0 nsq holds (32 parts a row, as the NORM GEMVs read them): a
+// block's q are those of x0 * (nw + noff) and its scale is divided by the row's norm, so y8 is
+// the norm's y rounded; block 0 zeroes `zero` (zn floats) as a NORM GEMV does (ops.GemvSums).
 extern "C" __global__ void __launch_bounds__(256) rlx_quant_q8(const T* __restrict__ x, long long xrs, int M,
     int K, unsigned char* __restrict__ y8, const float* nsq, float eps, float* zero, int zn) {
-  const int lane = threadIdx.x & 31, nbx = K / 32, total = M * nbx;
-  signed char* xq = (signed char*)y8;
-  float* xd = (float*)(y8 + (i64)M * K);
 #if NORM
   __shared__ float den[8];                 // each row's norm (M <= 8: the decode GEMVs' rows)
+  const int lane = threadIdx.x & 31;
   if (threadIdx.x < 32) {
     for (int m = 0; m < M; ++m) {
       const float dm = rlx_norm_den(LDCG(nsq + m * 32 + lane), K, eps);
@@ -326,23 +336,10 @@ extern "C" __global__ void __launch_bounds__(256) rlx_quant_q8(const T* __restri
       for (int j = lane; j < zn; j += 32) zero[j] = 0.f;
   }
   __syncthreads();
+  rlx_round_rows<true>(x, xrs, M, K, y8, den);
+#else
+  rlx_round_rows<true>(x, xrs, M, K, y8, nullptr);
 #endif
-  // four blocks of 32 a warp (the loop bound is the warp's, as rlx_q8_lanes needs)
-  for (int g0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 4; g0 < total;
-       g0 += gridDim.x * (blockDim.x >> 5) * 4) {
-    const int g = min(g0 + (lane >> 3), total - 1), m = g / nbx, o = 32 * (g - m * nbx) + 4 * (lane & 7);
-    W v[4];
-    rlx_x4(x + m * xrs + o, v);
-    float d;
-    const u32 word = rlx_q8_lanes(v, &d);
-#if NORM
-    d /= den[m];
-#endif
-    if (g0 + (lane >> 3) < total) {
-      *(u32*)(xq + (i64)m * K + o) = word;
-      if ((lane & 7) == 0) xd[g] = d;
-    }
-  }
 }
 // @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE, SWIGLU_OF(g, u), EARLY, NORM, TN, RESID, QX)
 // Decode: y[M, N] = act(x[M, K] @ dequant(w)^T + bias) for M <= MMAX <= 8. A block is 8
