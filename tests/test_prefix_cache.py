@@ -93,13 +93,12 @@ def test_insert_lookup_restore_and_eviction():
 
 @pytest.mark.parametrize("backend", backend_params(("numpy", "opencl", "cuda")))
 @pytest.mark.parametrize("blocks", [1, 3, 10])
-def test_backend_join_and_split_blocks(backend, blocks):
+def test_backend_join_and_split_blocks(backend, blocks, rng):
     """Backend.join_blocks (a cached prefix's blocks into one row of each state) and split_blocks
     (a row's new blocks out of each state, a buffer each) against numpy, on strided regions of
     bigger buffers of two shapes and dtypes in one call: the regions joined, the rest untouched,
     the parts unchanged by later writes."""
     b = select_backend(backend)
-    rng = np.random.default_rng()
     shapes = {"a": ((3, 2, 4 * blocks + 9, 4), np.float32, 2), "b": ((2, 4 * blocks + 5, 3, 8), np.float16, 1),
               "c": ((2, 3, 4 * blocks + 7, 3), np.float16, 2)}     # (rows of 6 bytes: 2-byte moves on a GPU)
     dst_h, parts, regions = {}, {}, {}
@@ -128,12 +127,11 @@ def test_backend_join_and_split_blocks(backend, blocks):
 
 
 @pytest.mark.parametrize("backend", backend_params(("numpy", "opencl", "cuda")))
-def test_backend_copy_regions(backend):
+def test_backend_copy_regions(backend, rng):
     """Backend.copy_regions (a prefill's rows placed into the batch cache, every state at once)
     against numpy: rows by int and by slice, two dtypes, a job whose dtypes differ (cast, as
     copy_into casts), two jobs into one buffer; the rest untouched."""
     b = select_backend(backend)
-    rng = np.random.default_rng()
     kv = rng.standard_normal((4, 2, 16, 8)).astype(np.float16)
     conv = rng.standard_normal((3, 5, 6)).astype(np.float32)
     src_kv = rng.standard_normal((1, 2, 16, 8)).astype(np.float16)

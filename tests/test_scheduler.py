@@ -31,10 +31,11 @@ def tiny():
                                  tokenizer=word_tokenizer(False), backend="numpy")
 
 
-def alone(model, ids: list, n: int) -> list:
-    """The new tokens of `ids` run alone (greedy), end-of-sequence dropped."""
-    new = model.generate(list(ids), max_new_tokens=n)[len(ids):]
-    return [t for t in new if t not in model.eos_ids]
+def alone(model, ids: list, n: int, ignore_eos: bool = False) -> list:
+    """The new tokens of `ids` run alone (greedy), end-of-sequence dropped (or, with
+    `ignore_eos`, generated through as `run_together`'s requests are)."""
+    new = model.generate(list(ids), max_new_tokens=n, ignore_eos=ignore_eos)[len(ids):]
+    return new if ignore_eos else [t for t in new if t not in model.eos_ids]
 
 
 def run_mid_decode(model, jobs: list, max_batch: int = 4) -> tuple:
@@ -87,13 +88,12 @@ def run_together(model, jobs: list, max_batch: int) -> list:
         return [r.result(WAIT) for r in reqs]
 
 
-def test_finished_rows_stay_holes_at_the_same_size(tiny, monkeypatch):
+def test_finished_rows_stay_holes_at_the_same_size(tiny, monkeypatch, rng):
     """Four requests of one context bucket finishing one after another (max tokens 3, 6, 9,
     12) in a batch of 4: no row moves while the cache's size stays (a finished row is a free
     hole, not compacted away), a fifth request takes a freed row mid-decode, and each output
     equals its request run alone."""
     moved = record_resizes(monkeypatch)
-    rng = np.random.default_rng()
     jobs = [(rng.integers(3, 61, 5).tolist(), n) for n in (3, 6, 9, 12)]
     late = (rng.integers(3, 61, 4).tolist(), 5)
     reqs: list = []
@@ -112,32 +112,30 @@ def test_finished_rows_stay_holes_at_the_same_size(tiny, monkeypatch):
         assert c.token_ids == tiny.generate(list(ids), max_new_tokens=n, ignore_eos=True)[len(ids):]
 
 
-def test_requests_arriving_together_size_the_cache_once(tiny, monkeypatch):
+def test_requests_arriving_together_size_the_cache_once(tiny, monkeypatch, rng):
     """Four requests taken in one round: the first row placed sizes the cache for all four
     (one resize to 4 rows, not 1, 2 and 4: each a new set of buffers and a decode runner
     specialized again), and each output equals its request run alone."""
     resized = record_resizes(monkeypatch)
-    rng = np.random.default_rng()
     jobs = [(rng.integers(3, 61, int(rng.integers(2, 9))).tolist(), 6) for _ in range(4)]
     got = run_together(tiny, jobs, max_batch=4)
     sizes = [batch for _, _, batch, _, _ in resized]
     assert sizes == [4], f"the cache's batch sizes, in order: {sizes}"
     for (ids, n), c in zip(jobs, got):
-        assert c.token_ids == alone(tiny, ids, n)
+        assert c.token_ids == alone(tiny, ids, n, ignore_eos=True)
 
 
 @pytest.mark.parametrize("longer, want", [(SHRINK_AFTER - 4, [2]), (SHRINK_AFTER + 12, [2, 1])])
-def test_a_larger_cache_shrinks_only_when_it_lasts(tiny, monkeypatch, longer, want):
+def test_a_larger_cache_shrinks_only_when_it_lasts(tiny, monkeypatch, longer, want, rng):
     """Two requests in one round, one ending after 2 tokens: the other's row keeps the 2-row
     cache for SHRINK_AFTER idle rounds (a round's straggler no longer shrinks it, the next
     round growing it back), then the cache shrinks to 1 row; outputs as run alone."""
     resized = record_resizes(monkeypatch)
-    rng = np.random.default_rng()
     jobs = [(rng.integers(3, 61, 4).tolist(), 2), (rng.integers(3, 61, 5).tolist(), longer)]
     got = run_together(tiny, jobs, max_batch=2)
     assert [batch for _, _, batch, _, _ in resized] == want
     for (ids, n), c in zip(jobs, got):
-        assert c.token_ids == alone(tiny, ids, n)
+        assert c.token_ids == alone(tiny, ids, n, ignore_eos=True)
 
 
 def test_admitted_mid_decode_equals_alone_numpy(tiny):

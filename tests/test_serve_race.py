@@ -53,11 +53,11 @@ def write_gguf(path: str, rng: np.random.Generator) -> dict:
     return tensors
 
 
-def test_standin_keeps_the_header_and_fills_bounded_random_weights(tmp_path):
+def test_standin_keeps_the_header_and_fills_bounded_random_weights(tmp_path, rng):
     src, head, out = (str(tmp_path / n) for n in ("src.gguf", "src.head", "out.gguf"))
-    tensors = write_gguf(src, np.random.default_rng())
+    tensors = write_gguf(src, rng)
     gguf_standin.cut(src, head)
-    gguf_standin.fill(head, out, seed=int(np.random.default_rng().integers(1 << 30)))
+    gguf_standin.fill(head, out, seed=int(rng.integers(1 << 30)))
     a, b = gguf.GGUFReader(src), gguf.GGUFReader(out)
     assert os.path.getsize(out) == os.path.getsize(src)
     with open(src, "rb") as f, open(out, "rb") as g:
@@ -105,8 +105,7 @@ def test_report_joins_runs_of_the_same_sizes(tmp_path, capsys):
         serve_race.report_files([rlx, run_json(tmp_path / "peer2.json", "llama-server", 1.0, clients=8)])
 
 
-def test_window_positions_and_their_p99_carry_over_to_another_run():
-    rng = np.random.default_rng()
+def test_window_positions_and_their_p99_carry_over_to_another_run(rng):
     gaps = rng.uniform(0.01, 0.05, 40)
     gaps[10:14] = rng.uniform(1.0, 2.0, 4)               # a stall: the "during" gaps
     arrivals = list(np.cumsum(gaps))                      # chunk i at arrivals[i]; gap i ends there

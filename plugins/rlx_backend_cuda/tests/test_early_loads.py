@@ -47,9 +47,8 @@ def test_only_bytes_inside_a_param_or_constant_count():
 
 @gpu
 @pytest.mark.parametrize("dt", [BF16, F16])
-def test_weights_the_step_writes_are_read_after_the_wait(dt):
+def test_weights_the_step_writes_are_read_after_the_wait(dt, rng):
     N, K = 320, 512
-    rng = np.random.default_rng()
     w0 = (rng.uniform(-1, 1, (N, K)) / np.sqrt(K)).astype(np.float32).astype(dt.np)
     n0 = rng.uniform(0.5, 1.5, (K,)).astype(np.float32).astype(dt.np)
 

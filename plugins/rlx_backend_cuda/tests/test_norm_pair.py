@@ -42,11 +42,10 @@ def tol(dt) -> float:
 
 @pytest.mark.parametrize("dt", [BF16, F32])
 @pytest.mark.parametrize("rows,n,heads,kv", [(1, 2048, 1, 1), (3, 256, 1, 1), (1, 128, 4, 2), (1, 96, 3, 3)])
-def test_q_and_k_norms_share_a_launch(dt, rows, n, heads, kv):
+def test_q_and_k_norms_share_a_launch(dt, rows, n, heads, kv, rng):
     """q and k cut from one projection's rows (heads and kv heads of n values; heads 1: the norm
     over the whole projection), normed with their own weights, offset 1 (Gemma's w + 1). Heads
     of a decode row (one token) are views of it; of several rows not (a copy between: apart)."""
-    rng = np.random.default_rng()
     width = (heads + 2 * kv) * n
     x = rng.uniform(-2, 2, (rows, width)).astype(np.float32).astype(dt.np)
     wq, wk = (rng.uniform(0.5, 1.5, (n,)).astype(np.float32).astype(dt.np) for _ in range(2))
@@ -69,8 +68,7 @@ def test_q_and_k_norms_share_a_launch(dt, rows, n, heads, kv):
     assert launches == 1
 
 
-def test_a_norm_of_a_norm_and_norms_of_other_lengths_stay_apart():
-    rng = np.random.default_rng()
+def test_a_norm_of_a_norm_and_norms_of_other_lengths_stay_apart(rng):
     x = rng.uniform(-2, 2, (2, 160)).astype(np.float32)
     w1, w2, w3 = (rng.uniform(0.5, 1.5, (s,)).astype(np.float32) for s in (160, 160, 64))
 

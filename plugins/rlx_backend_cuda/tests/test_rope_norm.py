@@ -108,11 +108,10 @@ RUNS = [(c, False) for c in CASES] + [(c, True) for c in CASES if c[0] * c[1] ==
 @pytest.mark.parametrize("case,extra_reader", RUNS, ids=[
     f"{c[0]}x{c[1]}-{c[2]}/{c[3]}x{c[4]}-{'whole' if c[6] else 'head'}-{c[7]}-{'y-read-too' if e else 'rope-only'}"
     for c, e in RUNS])
-def test_qk_norms_run_inside_the_rope_launch(dt, case, extra_reader):
+def test_qk_norms_run_inside_the_rope_launch(dt, case, extra_reader, rng):
     from rlx_backend_cuda.ops import RopeNorm
 
     B, S, H, KV, D, half, whole, style, off = case
-    rng = np.random.default_rng()
     ins = {"qkv": rng.uniform(-2, 2, (B, S, (H + 2 * KV) * D)).astype(np.float32).astype(dt.np),
            "pos": rng.integers(0, CTX - S + 1, (B,)).astype(np.int32)}
     ang = rng.uniform(0, 6, (B, S, half))
@@ -136,11 +135,10 @@ def test_qk_norms_run_inside_the_rope_launch(dt, case, extra_reader):
 
 
 @gpu
-def test_the_switch_keeps_the_norms_launch():
+def test_the_switch_keeps_the_norms_launch(rng):
     from rlx_backend_cuda import set_config
 
     B, S, H, KV, D, half = 1, 1, 4, 2, 64, 32
-    rng = np.random.default_rng()
     ins = {"qkv": rng.uniform(-2, 2, (B, S, (H + 2 * KV) * D)).astype(np.float32),
            "pos": np.array([3], np.int32)}
     ang = rng.uniform(0, 6, (B, S, half))
@@ -157,7 +155,7 @@ def test_the_switch_keeps_the_norms_launch():
 
 
 @pytest.mark.parametrize("v_between", [False, True], ids=["qkv-one-matmul", "v-matmul-between"])
-def test_norm_x_must_live_until_the_rope(v_between):
+def test_norm_x_must_live_until_the_rope(v_between, rng):
     """The rope can norm x only if x's bytes are still x's when it runs: where v's GEMV comes
     between the norms and the rope (v's weights in another packed scheme than q's and k's, as in
     llama.cpp's Q4_K_M) the plan may hand the dead q/k product's bytes to v. Decided on the plan
@@ -181,7 +179,6 @@ def test_norm_x_must_live_until_the_rope(v_between):
         v = m.matmul(m.input("hv", (B, 1, hid)), wv, trans_b=True) if v_between else m.narrow(qk, 2, 0, H * D)
         heads = [m.transpose(m.reshape(t, (B, 1, H, D)), (0, 2, 1, 3)) for t in (q, k, v)]
         return {"q": m.rope(heads[0], cos, sin), "k": m.rope(heads[1], cos, sin), "v": heads[2] * 1.0}
-    rng = np.random.default_rng()
     exe = rlx_core.compile(Graph.define("qk_norm_v_between", f), backend="numpy", params={
         n: rng.standard_normal(s).astype(np.float32)
         for n, s in (("wqk", (2 * H * D, hid)), ("wv", (H * D, hid)), ("wq", (H * D,)), ("wk", (H * D,)))})

@@ -552,13 +552,13 @@ def test_numba_ranks_above_numpy_and_numpy_stays_selectable():
     assert select_backend("numpy").name == "numpy"
 
 
-def test_adopt_copies_large_file_mapped_weights(tmp_path, monkeypatch):
+def test_adopt_copies_large_file_mapped_weights(tmp_path, monkeypatch, rng):
     """A file-mapped weight from ADOPT_MIN_BYTES on becomes the backend's own copy (same
     values, no memory shared with the file); a smaller one and an in-memory array stay."""
     import rlx_backend_numba
 
     monkeypatch.setattr(rlx_backend_numba, "ADOPT_MIN_BYTES", 1 << 16)
-    data = np.random.default_rng().integers(0, 256, (3000, 100), dtype=np.uint8)
+    data = rng.integers(0, 256, (3000, 100), dtype=np.uint8)
     data.tofile(tmp_path / "w.bin")
     mapped = np.memmap(tmp_path / "w.bin", dtype=np.uint8, mode="r", shape=data.shape)
     b = NumbaBackend()

@@ -28,8 +28,7 @@ def _lanes(raw, f, word, out):
     out[40] = hsum(v)
 
 
-def test_lanes_match_numpy():
-    rng = np.random.default_rng()
+def test_lanes_match_numpy(rng):
     raw = rng.integers(0, 256, 16, dtype=np.uint8)
     f = rng.standard_normal(12).astype(np.float32)
     word = int(rng.integers(0, 2 ** 32))
@@ -55,10 +54,9 @@ def _max_below(a, b, k, out):
 
 
 @pytest.mark.parametrize("k", [-1, 0, 3, 8, 20])
-def test_max_and_lanes_below_a_count(k):
+def test_max_and_lanes_below_a_count(k, rng):
     """vmax lane-wise, hmax across lanes, below(v, k, fill): lanes 0..k-1 kept, the rest
     `fill` (k past either end keeps all or none; a masked softmax row's tail)."""
-    rng = np.random.default_rng()
     a, b = rng.standard_normal(8).astype(np.float32), rng.standard_normal(8).astype(np.float32)
     out = np.full(18, np.nan, np.float32)
     _max_below(a, b, k, out)
@@ -74,10 +72,9 @@ def _exp(x, o):
         store_lanes(o, i, exp(load_f32(x, i)))
 
 
-def test_exp_lanes_against_float64():
+def test_exp_lanes_against_float64(rng):
     """Within 2 ulp of e^x where the result is a normal float below 88.37; 0 below -87.33,
     +inf above 88.37, NaN for NaN (a softmax's masked scores are -inf)."""
-    rng = np.random.default_rng()
     x = np.concatenate([rng.uniform(-87.3, 88.3, 40000), rng.uniform(-2, 2, 40000),
                         [0.0, -0.0, 1e-30, -1e-30, -87.3, 88.3, -90.0, 89.0, -np.inf, np.inf, np.nan, -1e4, 1e4,
                          -88.0, 88.5, 1.0]]).astype(np.float32)
@@ -97,13 +94,12 @@ def _to_bf16(x, o):
         store_lanes(o, i, load_f32(x, i))
 
 
-def test_store_lanes_rounds_to_bf16_in_uint16_rows():
+def test_store_lanes_rounds_to_bf16_in_uint16_rows(rng):
     """Into a uint16 array the lanes are bf16 bits, rounded to nearest with ties to even as
     ml_dtypes rounds: random values, exact ties both ways (finite: NaN is not kept apart),
     infinities, signed zeros."""
     import ml_dtypes
 
-    rng = np.random.default_rng()
     # High halves below 0x7F80 keep the exponent finite (the kernel does not keep NaN apart),
     # with a random sign; the low half 0x8000 is the exact tie.
     high = rng.integers(0, 0x7F80, 16, dtype=np.uint32) | (rng.integers(0, 2, 16, dtype=np.uint32) << 15)
@@ -131,14 +127,13 @@ _SPLITS = {"store_bf16_part": _splitter(store_bf16_part),
 
 
 @pytest.mark.parametrize("store", sorted(_SPLITS))
-def test_store_bf16_part_splits_f32_into_three_exact_bf16_parts(store):
+def test_store_bf16_part_splits_f32_into_three_exact_bf16_parts(store, rng):
     """Each part is the bf16 nearest what the parts before it leave (ml_dtypes' rounding), and
     the three add up to x exactly: x's 24 significand bits, over exponents far apart, ties,
     signed zeros, values down to 2**-100 (whose parts are normal too: the
     `_normal` store, which uses vcvtneps2bf16 on AVX512-BF16 hosts, is exact on them)."""
     import ml_dtypes
 
-    rng = np.random.default_rng()
     high = rng.integers(0x0100, 0x7F00, 16, dtype=np.uint32) | (rng.integers(0, 2, 16, dtype=np.uint32) << 15)
     ties = ((high << 16) | 0x8000).view(np.float32)
     x = np.concatenate([rng.standard_normal(64) * 10.0 ** rng.integers(-30, 30, 64), ties,
@@ -157,7 +152,7 @@ def test_store_bf16_part_splits_f32_into_three_exact_bf16_parts(store):
 
 
 @pytest.mark.parametrize("vnni", [True, False], ids=["host", "plain-llvm"])
-def test_dot4_and_store_words(vnni, monkeypatch):
+def test_dot4_and_store_words(vnni, monkeypatch, rng):
     """dot4's lane j adds the four products u[4j + e] * x's byte e (u unsigned, x signed) to
     the accumulator exactly, in vpdpbusd where the CPU has VNNI and in the plain-LLVM form
     (compiled here by hiding VNNI) either way; store_words scatters the 32 bytes' words."""
@@ -175,7 +170,6 @@ def test_dot4_and_store_words(vnni, monkeypatch):
         store_lanes(sums, 0, to_f32(acc))                # exact: |sums| < 2 ** 24
         simd.store_words(words, 1, 3, simd.load_bytes32(u, 0))
 
-    rng = np.random.default_rng()
     u = rng.integers(0, 256, 3 * 32, dtype=np.uint8)
     u[:32] = 255                                         # the largest products of a lane
     x = rng.integers(-128, 128, 3 * 4, dtype=np.int8)
@@ -188,7 +182,7 @@ def test_dot4_and_store_words(vnni, monkeypatch):
     assert not words[0] and not words[2::3].any()
 
 
-def test_k4_factors_pair_lanes_and_high_lanes():
+def test_k4_factors_pair_lanes_and_high_lanes(rng):
     """k4_factors decodes a q4_k super-block's header (every 6-bit scale and min pattern of
     the 12 packed bytes, d and dmin as f16, a NaN among them) into the products the int8
     GEMV scales its sub-blocks by, exactly: lane j sc_j d xd[c + j] (odd j / 16), lane 8 + j
@@ -206,7 +200,6 @@ def test_k4_factors_pair_lanes_and_high_lanes():
         store_lanes(out, 32, simd.add_high8(g, g))
         store_lanes(out, 48, simd.high8(g))
 
-    rng = np.random.default_rng()
     rows = rng.integers(0, 256, (300, 2 * 144), dtype=np.uint8)
     d = rng.uniform(-2, 2, (300, 2, 2)).astype(np.float16)
     d[7, 1, 0] = np.nan
