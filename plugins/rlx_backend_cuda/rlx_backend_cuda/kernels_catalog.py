@@ -70,8 +70,9 @@ def catalog() -> list:
                 for g, d, sk, vk in ((4, 64, 512, 16 // isz), (1, 256, 300, 1), (4, 128, 64, 16 // isz)):
                     src = S.render(S.ATTN_SHORT, TQ=t, TK=t, TV=t, TO=t, **S.attn_short_shape(g, d, sk, vk), **common)
                     out.append((f"attn_short {t} {mk}{mm} G{g} D{d} Sk{sk}", src, "rlx_attn_short"))
-                for g, d, vk, qv in ((4, 64, 16 // isz, 1), (1, 128, 16 // isz, 0), (8, 128, 16 // isz, 1)):
-                    sh = S.attn_decode_shape(g, d, vk)
+                for g, d, vk, qv in ((4, 64, 16 // isz, 1), (1, 128, 16 // isz, 0), (8, 128, 16 // isz, 1),
+                                     *[(4, 256, 8, 1)] * (isz == 2)):         # (two loads a row)
+                    sh = S.attn_decode_shape(g, d, vk, pair=True)
                     src = S.render(S.ATTN_DECODE, TQ=t, TK=t, TV=t, TO=t, QV=qv, **sh, **common)
                     out.append((f"attn_decode {t} {mk}{mm} G{g} D{d}", src, "rlx_attn_decode"))
             if t in ("__nv_bfloat16", "__half"):

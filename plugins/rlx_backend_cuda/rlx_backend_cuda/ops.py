@@ -1994,11 +1994,11 @@ def _mask_args(b, mask: V | None, shape) -> tuple:
     return mv, st, (1 if mask.dt is BOOL else 2), ctype(mask.dt)
 
 
-def _attn_vec(t: V, d: int) -> int:
-    """Elements per vector load of rows of d elements of t [B, heads, S, d]: 16 bytes where
+def _attn_vec(t: V, d: int, nbytes: int = 16) -> int:
+    """Elements per vector load of rows of d elements of t [B, heads, S, d]: `nbytes` where
     t's base, row strides and d allow."""
     isz = t.arr.itemsize
-    w = max(1, 16 // isz)
+    w = max(1, nbytes // isz)
     while w > 1 and (d % w or t.arr.data.ptr % (w * isz) or any(s % w for s in t.es[:3])):
         w //= 2
     return w
@@ -2176,11 +2176,12 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
     if (Sq != 1 or device.cluster_missing(b.cc, b.hip) or v.shape[3] != D or out.es[3] != 1
             or Sk > sources.ATTN_DECODE_KEYS or B * KVH * sources.ATTN_DECODE_CLUSTER > b.sms):
         return None
-    sh = sources.attn_decode_shape(H // KVH, D, vk)
+    pair = min(_attn_vec(k, D, 32), _attn_vec(v, D, 32)) == 2 * vk
+    sh = sources.attn_decode_shape(H // KVH, D, vk, pair)
     if sh is None:
         return None
     src = sources.render(sources.ATTN_DECODE, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt),
-                         TO=ctype(out.dt), QV=int(_attn_vec(q, D) % vk == 0), **sh, **common)
+                         TO=ctype(out.dt), QV=int(_attn_vec(q, D, 32) % sh["VK"] == 0), **sh, **common)
     fn = b.kernel(src, "rlx_attn_decode")
     grid = (B * KVH, sh["CL"])
     return _decode_row_launch(b, fn, grid, sh["NT"], q, k, v, mv, mst, pv, out, scale, cap, window)

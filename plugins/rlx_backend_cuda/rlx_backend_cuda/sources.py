@@ -304,11 +304,17 @@ ATTN_DECODE_KEYS = 2048         # cache positions up to which it is used (measur
 ATTN_DECODE_SMEM = 44 * 1024    # bytes of shared memory it may take
 
 
-def attn_decode_shape(g: int, d: int, vk: int) -> dict | None:
+def attn_decode_shape(g: int, d: int, vk: int, pair: bool = False) -> dict | None:
     """ATTN_DECODE's compile-time shape for G query heads per kv head, head dim d (K and V)
     and vk-element row loads: 8 warps a block where the warps' sums fit the shared memory
     (else 4); None where a key row takes no power of two lanes of a warp, G is over 8 or the
-    sums do not fit."""
+    sums do not fit. `pair`: the rows also allow loads of 2 vk elements; a lane then takes
+    two loads of a row where one would spread a key over the whole warp (head dim 256 in
+    16 bits), so a warp scores two keys at once and the butterflies, exponentials and mask
+    reads of a key are shared by 16 lanes, not 32 (Qwen3.5's decode attention: ~9,000
+    instructions a warp at 1.1k cached positions)."""
+    if pair and d // vk == 32:
+        vk *= 2
     lanes = d // vk
     if d % vk or lanes > 32 or lanes & (lanes - 1) or g > 8:
         return None
