@@ -101,7 +101,7 @@ def test_emulated_gated_delta_net(rng, dt, t, shape):
     c, width = arr["x"].shape[2], arr["conv_w"].shape[1]
     lay = net_layout(kd, vd, h // hk, width, dt.np.itemsize)
     src = sources.render(sources.GDN_NET, T=ctype(dt), ACC="float", KD=kd, VD=vd, R=h // hk, WID=width,
-                         EARLY=0, **lay)
+                         EARLY=int(t > 1), **lay)          # (the leaves loaded before the wait, and after)
     kern = cuda_emu.compile_kernel(src, "rlx_gdn_net")
     bits = (lambda v: v) if dt is F32 else (lambda v: v.view(np.uint16))
     ins = [np.ascontiguousarray(arr[n], dt.np) for n in NAMES]          # (rand: values of dt, stored f64)

@@ -6,25 +6,31 @@
 // all steps (read once, written once: a decode step updates both states in place). Per step:
 //   1. the gates: decay = exp(-exp(A_log) softplus(a + dt_bias)), beta = sigmoid(b) (thread r);
 //      the short conv + silu of the block's channels (thread tid the channels tid, tid + NT, ..,
-//      its taps and its window of the last WID - 1 inputs in registers);
-//   2. l2norm of q (warp 0, q also scaled) and of k (warp 1);
-//   3. the rule (as deltanet.cu:rule): warp w the value columns [w VPW, (w + 1) VPW) of the R
-//      heads side by side, lane l the state rows l, l + 32, ..; S' = e^g S + k delta^T,
-//      delta = beta (v - e^g S^T k), o = e^g S^T q + delta (k . q);
-//   4. the gated RMSNorm of each value head's o (warp r the head r, r + NW, ..):
+//      its taps and its window of the last WID - 1 inputs in registers); each warp's z rows
+//      asked for (used in 3);
+//   2. the rule (as deltanet.cu:rule) on the l2-normed q (also scaled) and k: warp w the value
+//      columns [w VPW, (w + 1) VPW) of the R heads side by side, lane l the state rows l, l + 32,
+//      ..; S' = e^g S + k delta^T, delta = beta (v - e^g S^T k), o = e^g S^T q + delta (k . q).
+//      Every warp sums q's and k's squares in the butterfly that sums S^T k and S^T q, and
+//      scales those sums by the norms after it: the norms take no barrier and no warps of
+//      their own (a Qwen3.5 decode step's 16 blocks wait on barriers and loads, not math);
+//   3. the gated RMSNorm of each value head's o (warp r the head r, r + NW, ..):
 //      o rsqrt(mean(o^2) + eps) norm_w silu(z).
 // Layouts: x [B, T, C] read through its step and batch strides (C = 2 HK KD + HK R VD: q, k, v;
 // unit channel stride); conv_w [C, WID]; conv states [B, C, WID - 1]; z [B, T, H, VD] through
 // its batch, step and head strides; b, a [B, T, H] through their batch and step strides;
 // A_log, dt_bias [H]; norm_w [VD]; states [B, H, KD, VD]; o [B, T, H, VD] contiguous.
 // VEC: a warp's VPW columns lie in one head's row and are 16-byte aligned (vector loads).
-// EARLY: conv_w and both states come from leaves no kernel of this run writes (params, state
-// leaves): they are loaded before waiting for the kernel before (a programmatic dependent
-// launch: the state loads overlap the in-projection GEMV's tail).
+// EARLY: conv_w, both states, A_log, dt_bias and norm_w come from leaves no kernel of this run
+// writes (params, state leaves): they are loaded before waiting for the kernel before (a
+// programmatic dependent launch: the state loads overlap the in-projection GEMV's tail).
 typedef ACC W;
 #define NT (32 * NW)
 #define NC (2 * KD + R * VD)
 #define KEEP (WID > 1 ? WID - 1 : 1)
+#define GPT ((R + NT - 1) / NT)         // gates a thread computes
+#define RPW ((R + NW - 1) / NW)         // value heads a warp norms
+#define NV ((VD + 31) / 32)             // a head's values a lane norms
 __device__ __forceinline__ W rlx_net_silu(W v) { return v / ((W)1 + exp(-v)); }
 __device__ __forceinline__ W rlx_net_sum(W v) {
 #pragma unroll
@@ -36,7 +42,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict
     const T* __restrict__ a_log, const T* __restrict__ dt_bias, const T* __restrict__ norm_w, const T* s0, T* s1,
     T* __restrict__ o, int steps, int HK, i64 xb, i64 xt, i64 zb, i64 zt, i64 zh, i64 bb, i64 bt, i64 ab, i64 at,
     W scale, W eps) {
-  __shared__ W qk[2 * KD];           // the step's q (normalized, scaled) then k (normalized)
+  __shared__ W qk[2 * KD];           // the step's q then k (before their l2norms)
   __shared__ W vs[R * VD];           // its v of the R value heads
   __shared__ W os[R * VD];           // the rule's output before the norm
   __shared__ W dec[R], bet[R];       // e^g and beta of each value head
@@ -48,11 +54,20 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict
   i64 ch[CPT];
   W taps[CPT][WID], win[CPT][KEEP];
   W S[KPL][VPW];
+  W ea[GPT], dtb[GPT], nw[NV];       // exp(A_log) and dt_bias of the thread's gates, norm_w of its values
   const int c0 = warp * VPW;
   auto at_state = [&](int kk, int col) -> i64 {
     return (((i64)b * H + (i64)hk * R + col / VD) * KD + kk) * VD + col % VD;
   };
   auto load_leaves = [&]() {
+#pragma unroll
+    for (int g = 0; g < GPT; ++g) {
+      const int r = tid + g * NT, h = hk * R + r;
+      ea[g] = r < R ? exp(LD(W, a_log[h])) : (W)0;
+      dtb[g] = r < R ? LD(W, dt_bias[h]) : (W)0;
+    }
+#pragma unroll
+    for (int i = 0; i < NV; ++i) nw[i] = lane + 32 * i < VD ? LD(W, norm_w[lane + 32 * i]) : (W)0;
 #pragma unroll
     for (int j = 0; j < CPT; ++j) {
       const int lc = tid + j * NT;
@@ -85,12 +100,22 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict
   RLX_GRID_WAIT();
   if (!EARLY) load_leaves();
   for (int t = 0; t < steps; ++t) {
-    // 1. gates and the conv
-    for (int r = tid; r < R; r += NT) {
-      const int h = hk * R + r;
-      const W a = LD(W, al[(i64)b * ab + (i64)t * at + h]) + LD(W, dt_bias[h]);
+    // 1. gates and the conv; the z rows this warp's norms read in 3
+    W zr[RPW][NV];
+#pragma unroll
+    for (int k = 0; k < RPW; ++k) {
+      const int r = warp + k * NW;
+      const T* zrow = z + (i64)b * zb + (i64)t * zt + (i64)(hk * R + r) * zh;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) zr[k][i] = r < R && lane + 32 * i < VD ? LD(W, zrow[lane + 32 * i]) : (W)0;
+    }
+#pragma unroll
+    for (int g = 0; g < GPT; ++g) {
+      const int r = tid + g * NT, h = hk * R + r;
+      if (r >= R) break;
+      const W a = LD(W, al[(i64)b * ab + (i64)t * at + h]) + dtb[g];
       const W sp = (a > (W)0 ? a : (W)0) + log1p(exp(-fabs(a)));
-      dec[r] = exp(-exp(LD(W, a_log[h])) * sp);
+      dec[r] = exp(-ea[g] * sp);
       bet[r] = (W)1 / ((W)1 + exp(-LD(W, bl[(i64)b * bb + (i64)t * bt + h])));
     }
     const T* xr = x + (i64)b * xb + (i64)t * xt;
@@ -109,24 +134,17 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict
       if (lc < 2 * KD) qk[lc] = y; else vs[lc - 2 * KD] = y;
     }
     __syncthreads();
-    // 2. l2norm of q (warp 0) and k (warp 1)
-    if (warp < 2) {
-      W* r = qk + warp * KD;
-      W ss = 0;
-      for (int i = lane; i < KD; i += 32) ss += r[i] * r[i];
-      const W inv = rsqrt(rlx_net_sum(ss) + (W)1e-6) * (warp == 0 ? scale : (W)1);
-      for (int i = lane; i < KD; i += 32) r[i] *= inv;
-    }
-    __syncthreads();
-    // 3. the rule
+    // 2. the rule, q's and k's l2norms in its butterfly
     {
-      W kr[KPL], qr[KPL], kq = 0;
+      W kr[KPL], qr[KPL], kq = 0, kk2 = 0, qq2 = 0;
 #pragma unroll
       for (int i = 0; i < KPL; ++i) {
         const int kk = lane + 32 * i;
         kr[i] = kk < KD ? qk[KD + kk] : (W)0;
         qr[i] = kk < KD ? qk[kk] : (W)0;
         kq += kr[i] * qr[i];
+        kk2 += kr[i] * kr[i];
+        qq2 += qr[i] * qr[i];
       }
       W sk[VPW], sq[VPW];
 #pragma unroll
@@ -138,31 +156,39 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict
 #pragma unroll
       for (int m = 16; m > 0; m >>= 1) {
         kq += SHFL_XOR(kq, m);
+        kk2 += SHFL_XOR(kk2, m);
+        qq2 += SHFL_XOR(qq2, m);
 #pragma unroll
         for (int j = 0; j < VPW; ++j) { sk[j] += SHFL_XOR(sk[j], m); sq[j] += SHFL_XOR(sq[j], m); }
       }
+      const W ik = rsqrt(kk2 + (W)1e-6), iq = rsqrt(qq2 + (W)1e-6) * scale;
+#pragma unroll
+      for (int i = 0; i < KPL; ++i) kr[i] *= ik;
 #pragma unroll
       for (int j = 0; j < VPW; ++j) {
         const int col = c0 + j;
         if (col >= R * VD) break;
-        const W e = dec[col / VD], delta = bet[col / VD] * (vs[col] - e * sk[j]);
+        const W e = dec[col / VD], delta = bet[col / VD] * (vs[col] - e * sk[j] * ik);
 #pragma unroll
         for (int i = 0; i < KPL; ++i) S[i][j] = e * S[i][j] + kr[i] * delta;
-        if (lane == (j & 31)) os[col] = e * sq[j] + delta * kq;
+        if (lane == (j & 31)) os[col] = e * sq[j] * iq + delta * kq * ik * iq;
       }
     }
     __syncthreads();
-    // 4. the gated RMSNorm, a warp a value head
-    for (int r = warp; r < R; r += NW) {
-      const int h = hk * R + r;
+    // 3. the gated RMSNorm, a warp a value head
+#pragma unroll
+    for (int k = 0; k < RPW; ++k) {
+      const int r = warp + k * NW;
+      if (r >= R) break;
       const W* orow = os + r * VD;
       W ss = 0;
-      for (int v = lane; v < VD; v += 32) ss += orow[v] * orow[v];
+#pragma unroll
+      for (int i = 0; i < NV; ++i) ss += lane + 32 * i < VD ? orow[lane + 32 * i] * orow[lane + 32 * i] : (W)0;
       const W inv = rsqrt(rlx_net_sum(ss) / (W)VD + eps);
-      const T* zr = z + (i64)b * zb + (i64)t * zt + (i64)h * zh;
-      T* out = o + (((i64)b * steps + t) * H + h) * VD;
-      for (int v = lane; v < VD; v += 32)
-        out[v] = ST(T, orow[v] * inv * LD(W, norm_w[v]) * rlx_net_silu(LD(W, zr[v])));
+      T* out = o + (((i64)b * steps + t) * H + hk * R + r) * VD;
+#pragma unroll
+      for (int i = 0; i < NV; ++i)
+        if (lane + 32 * i < VD) out[lane + 32 * i] = ST(T, orow[lane + 32 * i] * inv * nw[i] * rlx_net_silu(zr[k][i]));
     }
     __syncthreads();                 // qk, vs, os, dec and bet are free for the next step
   }
