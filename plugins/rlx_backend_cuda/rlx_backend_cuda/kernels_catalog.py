@@ -73,7 +73,8 @@ def catalog() -> list:
                 for g, d, vk, qv in ((4, 64, 16 // isz, 1), (1, 128, 16 // isz, 0), (8, 128, 16 // isz, 1),
                                      *[(4, 256, 8, 1)] * (isz == 2)):         # (two loads a row)
                     sh = S.attn_decode_shape(g, d, vk, pair=True)
-                    src = S.render(S.ATTN_DECODE, TQ=t, TK=t, TV=t, TO=t, QV=qv, **sh, **common)
+                    src = S.render(S.ATTN_DECODE, TQ=t, TK=t, TV=t, TO=t, QV=qv, HEADMASK=int(mm == 2), **sh,
+                                   **common)
                     out.append((f"attn_decode {t} {mk}{mm} G{g} D{d}", src, "rlx_attn_decode"))
             if t in ("__nv_bfloat16", "__half"):
                 for d, vec, mt in ((64, 1, 2), (128, 0, 1), (128, 1, 2), (32, 1, 1), (96, 1, 2), (256, 1, 1)):

@@ -2181,7 +2181,8 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
     if sh is None:
         return None
     src = sources.render(sources.ATTN_DECODE, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt),
-                         TO=ctype(out.dt), QV=int(_attn_vec(q, D, 32) % sh["VK"] == 0), **sh, **common)
+                         TO=ctype(out.dt), QV=int(_attn_vec(q, D, 32) % sh["VK"] == 0),
+                         HEADMASK=int(mst[1] != 0), **sh, **common)
     fn = b.kernel(src, "rlx_attn_decode")
     grid = (B * KVH, sh["CL"])
     return _decode_row_launch(b, fn, grid, sh["NT"], q, k, v, mv, mst, pv, out, scale, cap, window)

@@ -537,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
     out[b * osb + (kvh * G + g) * osh + d] = ST(TO, l == 0 ? (ACC)0 : o / l);
   }
 }
-// @part decode(NT, TQ, TK, TV, TM, TP, TO, G, D, VK, QV, NL, CL, MASKMODE)
+// @part decode(NT, TQ, TK, TV, TM, TP, TO, G, D, VK, QV, NL, CL, MASKMODE, HEADMASK)
 // Decode attention (one query row per head) over a KV cache longer than the short kernel
 // takes (up to ATTN_DECODE_KEYS, sources.py) with few batch x kv heads: a cluster of CL
 // blocks per (batch, kv head) shares its keys, a chunk of NL * KPL keys to a warp at a time.
@@ -550,6 +550,8 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
 // H200): the split-K kernel (80 blocks of 4 warps; at 409 positions ncu counted ~2,300
 // instructions a warp at 6 cycles each) took 12.0 us a launch, this one 7.2; the q4_k step went
 // 0.760 -> 0.699 ms. One block per (batch, kv head), no cluster, made that step 0.908 ms.
+// HEADMASK 0: the mask has no head stride (a decode step's key mask), so a lane reads a key's
+// mask once for its G heads, not G times.
 #define NW (NT / 32)
 __device__ __forceinline__ unsigned rlx_cluster_rank() {
   unsigned r;
@@ -635,7 +637,9 @@ extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT) rlx_
     for (int n = 0; n < NL; ++n) {
       const i64 j = j0 + n * KPL + kg;
 #pragma unroll
-      for (int g = 0; g < G; ++g) mk[n][g] = RLX_MASK_AT(mask + b * m0 + (kvh * G + g) * m1 + j * m3, j < kend, ACC);
+      for (int g = 0; g < G; ++g)
+        mk[n][g] = HEADMASK || g == 0
+                   ? RLX_MASK_AT(mask + b * m0 + (kvh * G + g) * m1 + j * m3, j < kend, ACC) : mk[n][0];
     }
 #endif
     ACC s[NL][G];
