@@ -2,14 +2,16 @@
 
 `compile_kernel(source, name)` builds a kernel source (sources.render's text: the prelude,
 defines, parts) with the host C++ compiler against a small emulation of what the kernels use
-from CUDA: 16-bit float types, vector types, warp shuffles, block barriers, atomics, dp4a and
-the bit intrinsics. `launch(grid, block, args, shared_mem)` runs the blocks one after another,
-each as one OS thread per CUDA thread (a barrier for __syncthreads, one per warp for the
-shuffles, so a warp whose lanes do not all reach a shuffle hangs, as on the GPU it would be
-undefined; a barrier waiting a minute aborts the process, so such a test fails rather than
-hangs). Inline PTX (tensor cores, clusters, griddepcontrol) is not emulated: a kernel
-holding it fails to compile here. Slow, for small shapes: a check of the kernel's arithmetic
-and indexing, not of its speed or memory ordering."""
+from CUDA: 16-bit float types, vector types, warp shuffles, block barriers, atomics, dp4a,
+the bit intrinsics and thread block clusters. `launch(grid, block, args, shared_mem)` runs the
+clusters (of a `__cluster_dims__` kernel; else single blocks) one after another, each as one OS
+thread per CUDA thread of its blocks (a barrier for __syncthreads, one per warp for the
+shuffles, one for the cluster, so a warp whose lanes do not all reach a shuffle hangs, as on the
+GPU it would be undefined; a barrier waiting a minute aborts the process, so such a test fails
+rather than hangs). Each block has its own static shared arrays, which its cluster's blocks read
+through `rlx_cluster_load`. Inline PTX (tensor cores, griddepcontrol) is not emulated: a
+kernel holding it outside `#ifdef __CUDA_ARCH__` fails to compile here. Slow, for small
+shapes: a check of the kernel's arithmetic and indexing, not of its speed or memory ordering."""
 from __future__ import annotations
 
 import ctypes
@@ -43,10 +45,11 @@ SHIM = r"""
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __align__(n) alignas(n)
-#define __shared__ static
+#define __cluster_dims__(...)
 using std::min; using std::max; using std::isfinite; using std::isnan; using std::isinf;
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 static thread_local dim3 threadIdx, blockIdx;
+static thread_local unsigned rlx_emu_rank;       // the block's rank in its cluster
 static dim3 blockDim, gridDim;
 static unsigned char* rlx_emu_dyn;
 struct uint4 { unsigned x, y, z, w; };
@@ -143,21 +146,71 @@ struct rlx_emu_bar {
     if (--n && waiting == n) release();
   }
 };
-static std::unique_ptr<rlx_emu_bar> rlx_emu_block;
-static std::vector<std::unique_ptr<rlx_emu_bar>> rlx_emu_warp;
-static uint64_t rlx_emu_slot[32][32];
+// a block: its barrier, its warps' barriers and shuffle slots, its shared arrays (id, bytes)
+struct rlx_emu_arr { int id; unsigned char* base; size_t size; };
+struct rlx_emu_blk {
+  std::unique_ptr<rlx_emu_bar> bar;
+  std::vector<std::unique_ptr<rlx_emu_bar>> warps;
+  uint64_t slot[32][32];
+  std::mutex mu;
+  std::vector<rlx_emu_arr> arrs;
+  rlx_emu_blk(unsigned n) : bar(new rlx_emu_bar(n)) {
+    for (unsigned w = 0; w < (n + 31) / 32; ++w) warps.emplace_back(new rlx_emu_bar(std::min(32u, n - 32 * w)));
+  }
+  ~rlx_emu_blk() { for (auto& a : arrs) std::free(a.base); }
+  rlx_emu_arr* find(int id) {
+    for (auto& a : arrs) if (a.id == id) return &a;
+    return nullptr;
+  }
+};
+static thread_local rlx_emu_blk* rlx_emu_me;                 // this thread's block
+static thread_local std::vector<std::unique_ptr<rlx_emu_blk>>* rlx_emu_cluster;
+static thread_local rlx_emu_bar* rlx_emu_cbar;
 static std::mutex rlx_emu_atomic;
-inline void __syncthreads() { rlx_emu_block->arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { rlx_emu_warp[threadIdx.x >> 5]->arrive_and_wait(); }
+// a `__shared__ A name;` of the kernel source (_host_text): this block's instance, zeroed
+template <class A> inline A& rlx_emu_shared(int id) {
+  rlx_emu_blk& k = *rlx_emu_me;
+  std::lock_guard<std::mutex> g(k.mu);
+  rlx_emu_arr* a = k.find(id);
+  if (!a) {
+    const size_t size = (sizeof(A) + 127) / 128 * 128;
+    k.arrs.push_back({id, (unsigned char*)std::aligned_alloc(128, size), sizeof(A)});
+    a = &k.arrs.back();
+    std::memset(a->base, 0, size);
+  }
+  return *reinterpret_cast<A*>(a->base);
+}
+inline void __syncthreads() { rlx_emu_me->bar->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { rlx_emu_me->warps[threadIdx.x >> 5]->arrive_and_wait(); }
 inline void __threadfence() {}
 template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) {
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  std::memcpy(&rlx_emu_slot[w][lane], &v, sizeof(T));
-  rlx_emu_warp[w]->arrive_and_wait();
+  std::memcpy(&rlx_emu_me->slot[w][lane], &v, sizeof(T));
+  rlx_emu_me->warps[w]->arrive_and_wait();
   T o;
-  std::memcpy(&o, &rlx_emu_slot[w][lane ^ m], sizeof(T));
-  rlx_emu_warp[w]->arrive_and_wait();
+  std::memcpy(&o, &rlx_emu_me->slot[w][lane ^ m], sizeof(T));
+  rlx_emu_me->warps[w]->arrive_and_wait();
   return o;
+}
+// clusters (what attn.cu's decode kernel takes from sm_90's PTX on the GPU)
+inline unsigned rlx_cluster_rank() { return rlx_emu_rank; }
+inline void rlx_cluster_sync() { rlx_emu_cbar->arrive_and_wait(); }
+inline float rlx_cluster_load(const float* p, unsigned rank) {
+  const unsigned char* c = (const unsigned char*)p;
+  int id = -1;
+  size_t off = 0;
+  {
+    std::lock_guard<std::mutex> g(rlx_emu_me->mu);
+    for (auto& a : rlx_emu_me->arrs)
+      if (c >= a.base && c < a.base + a.size) { id = a.id; off = c - a.base; }
+  }
+  rlx_emu_blk& o = *(*rlx_emu_cluster).at(rank);
+  std::lock_guard<std::mutex> g(o.mu);
+  rlx_emu_arr* a = id < 0 ? nullptr : o.find(id);
+  if (!a) { std::fprintf(stderr, "cuda_emu: rlx_cluster_load of no shared array\n"); std::abort(); }
+  float v;
+  std::memcpy(&v, a->base + off, sizeof v);
+  return v;
 }
 template <class T> inline T atomicAdd(T* p, T v) {
   std::lock_guard<std::mutex> g(rlx_emu_atomic);
@@ -167,31 +220,42 @@ inline int atomicCAS(int* p, int c, int v) {
   std::lock_guard<std::mutex> g(rlx_emu_atomic);
   int o = *p; if (o == c) *p = v; return o;
 }
-template <class F> void rlx_emu_run(dim3 grid, dim3 block, F body) {
+// the clusters of `cl` blocks one after another, all threads of a cluster's blocks at once
+template <class F> void rlx_emu_run(dim3 grid, dim3 block, dim3 cl, F body) {
   blockDim = block; gridDim = grid;
-  const unsigned n = block.x * block.y * block.z;
-  for (unsigned b = 0; b < grid.x * grid.y * grid.z; ++b) {
-    rlx_emu_block = std::make_unique<rlx_emu_bar>(n);
-    rlx_emu_warp.clear();
-    for (unsigned w = 0; w < (n + 31) / 32; ++w)
-      rlx_emu_warp.push_back(std::make_unique<rlx_emu_bar>(std::min(32u, n - 32 * w)));
-    std::vector<std::thread> ts;
-    for (unsigned t = 0; t < n; ++t)
-      ts.emplace_back([&, t, b] {
-        threadIdx = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
-        blockIdx = {b % grid.x, b / grid.x % grid.y, b / (grid.x * grid.y)};
-        body();
-        rlx_emu_warp[t >> 5]->arrive_and_drop();         // (a thread that returned early leaves both)
-        rlx_emu_block->arrive_and_drop();
-      });
-    for (auto& t : ts) t.join();
-  }
+  const unsigned n = block.x * block.y * block.z, per = cl.x * cl.y * cl.z;
+  for (unsigned cz = 0; cz < grid.z; cz += cl.z)
+    for (unsigned cy = 0; cy < grid.y; cy += cl.y)
+      for (unsigned cx = 0; cx < grid.x; cx += cl.x) {
+        std::vector<std::unique_ptr<rlx_emu_blk>> blks;
+        for (unsigned r = 0; r < per; ++r) blks.emplace_back(new rlx_emu_blk(n));
+        rlx_emu_bar cbar(n * per);
+        std::vector<std::thread> ts;
+        for (unsigned r = 0; r < per; ++r)
+          for (unsigned t = 0; t < n; ++t)
+            ts.emplace_back([&, t, r] {
+              threadIdx = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
+              blockIdx = {cx + r % cl.x, cy + r / cl.x % cl.y, cz + r / (cl.x * cl.y)};
+              rlx_emu_rank = r;
+              rlx_emu_me = blks[r].get();
+              rlx_emu_cluster = &blks;
+              rlx_emu_cbar = &cbar;
+              body();
+              rlx_emu_me->warps[t >> 5]->arrive_and_drop();   // (a thread that returned early leaves them)
+              rlx_emu_me->bar->arrive_and_drop();
+              cbar.arrive_and_drop();
+            });
+        for (auto& t : ts) t.join();
+      }
 }
 """
 
 _SCALARS = {"int": ctypes.c_int, "long long": ctypes.c_longlong, "float": ctypes.c_float,
             "double": ctypes.c_double, "unsigned int": ctypes.c_uint}
-_SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\((.*?)\)\s*\{', re.S)
+_SIG = re.compile(r'extern "C" __global__ void ((?:__\w+__\([^)]*\) )*)(\w+)\((.*?)\)\s*\{', re.S)
+_SHARED = re.compile(r"(?<!extern )__shared__ (?:__align__\(\d+\) )?([\w ]+?) (\w+(?:\[[^\]]+\])*"
+                     r"(?:, \w+(?:\[[^\]]+\])*)*);")
+_DECL = re.compile(r"(\w+)((?:\[[^\]]+\])*)")
 
 
 def why_not() -> str:
@@ -205,10 +269,17 @@ emulated = pytest.mark.skipif(bool(why_not()), reason=why_not() or "-")
 
 def _host_text(source: str) -> str:
     """The kernel source as host C++: CUDA's headers left out (the shim stands for them), each
-    dynamic shared array pointed at the launch's buffer."""
+    dynamic shared array pointed at the launch's buffer, each static one a reference to its
+    block's instance (rlx_emu_shared: one id a declaration)."""
     source = re.sub(r"#include <cuda_(fp16|bf16)\.h>", "", source)
-    return re.sub(r"extern __shared__ (?:__align__\(\d+\) )?([\w ]+?) (\w+)\[\];",
-                  r"\1* \2 = (\1*)rlx_emu_dyn;", source)
+    source = re.sub(r"extern __shared__ (?:__align__\(\d+\) )?([\w ]+?) (\w+)\[\];",
+                    r"\1* \2 = (\1*)rlx_emu_dyn;", source)
+    ids = iter(range(1 << 30))
+
+    def per_block(m):
+        return " ".join(f"auto& {name} = rlx_emu_shared<{m.group(1)}{dims}>({next(ids)});"
+                        for name, dims in _DECL.findall(m.group(2)))
+    return _SHARED.sub(per_block, source)
 
 
 def _params(sig: str, text: str) -> list:
@@ -252,14 +323,16 @@ class Kernel:
 def compile_kernel(source: str, name: str, cache: str | None = None) -> Kernel:
     """Kernel `name` of `source` built as a host shared library (cached by the text's hash)."""
     text = _host_text(source)
-    sig = next((m for m in _SIG.finditer(text) if m.group(1) == name), None)
+    sig = next((m for m in _SIG.finditer(text) if m.group(2) == name), None)
     if sig is None:
         raise ValueError(f"no kernel {name!r} in the source")
-    types = _params(sig.group(2), text)
+    types = _params(sig.group(3), text)
     call = ", ".join(f"*({t}*)a[{i}]" for i, t in enumerate(types))
+    cl = re.search(r"__cluster_dims__\(([^)]*)\)", sig.group(1))
     launcher = (f'\nextern "C" void rlx_emu_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
                 f'unsigned by, unsigned bz, unsigned char* smem, void** a) {{\n  rlx_emu_dyn = smem;\n'
-                f'  rlx_emu_run({{gx, gy, gz}}, {{bx, by, bz}}, [&] {{ {name}({call}); }});\n}}\n')
+                f'  rlx_emu_run({{gx, gy, gz}}, {{bx, by, bz}}, {{{cl.group(1) if cl else "1, 1, 1"}}}, '
+                f'[&] {{ {name}({call}); }});\n}}\n')
     full = SHIM + text + launcher
     cache = cache or os.path.join(tempfile.gettempdir(), "rlx_cuda_emu")
     os.makedirs(cache, exist_ok=True)

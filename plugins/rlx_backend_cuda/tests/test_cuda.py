@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import cuda_emu
 import numpy as np
 import pytest
 
@@ -683,6 +684,69 @@ def test_decode_attention_kernels(rng, dt, case, kernel, monkeypatch):
     if applies.get(kernel):
         assert made[kernel] and made[kernel][-1] is not None
 
+
+EMULATED_DECODE = [        # (B, H, KVH, Sk, D, dtype, mask): G = H / KVH query heads a kv head
+    (1, 8, 2, 1100, 64, BF16, "bool"),     # a key mask, read once a key for the G heads; keys in every block
+    (1, 4, 1, 300, 256, BF16, "bias"),     # a mask per head; 256-wide 16-bit rows: two loads a lane
+    (2, 4, 2, 45, 32, F32, None),          # (rows of two batch entries; most blocks see no key)
+]
+
+
+def _aligned(a: np.ndarray) -> np.ndarray:
+    """a's copy at a 64-byte aligned address (the kernels' vector loads assume it)."""
+    raw = np.empty(a.nbytes + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    out = raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@cuda_emu.emulated
+@pytest.mark.parametrize("case", EMULATED_DECODE, ids=lambda c: f"D{c[4]}-{c[5].value}-{c[6]}")
+def test_emulated_cluster_decode_attention(rng, case):
+    """The decode attention kernel (a cluster of 8 blocks a kv head, merged through each other's
+    shared memory) run on the CPU (cuda_emu) as ops._decode_attention renders and launches it,
+    causal at each row's position, against float64 within the dtype's tolerance."""
+    from cuda_emu import compile_kernel
+
+    from rlx_backend_cuda import sources
+    from rlx_backend_cuda.codegen import ctype
+    from rlx_core.testing.parity import TOL
+
+    B, H, KVH, Sk, D, dt, mask = case
+    G, isz = H // KVH, np.dtype(dt.np).itemsize
+    q, k, v = (rand(rng, s, dt) for s in ((B, H, 1, D), (B, KVH, Sk, D), (B, KVH, Sk, D)))
+    pos = np.array([Sk - 1 - 7 * b for b in range(B)], np.int32)
+    m = {"bool": rng.random((B, 1, 1, Sk)) < 0.8, "bias": rand(rng, (1, H, 1, Sk), dt), None: None}[mask]
+    if mask == "bool":
+        m[..., 0] = True
+    sh = sources.attn_decode_shape(G, D, 16 // isz, pair=True)
+    src = sources.render(sources.ATTN_DECODE, TQ=ctype(dt), TK=ctype(dt), TV=ctype(dt), TO=ctype(dt), QV=1,
+                         HEADMASK=int(mask == "bias"), MASKKIND=1, MASKMODE={"bool": 1, "bias": 2, None: 0}[mask],
+                         TM={"bool": "bool", "bias": ctype(dt), None: "float"}[mask], TP="int", HAS_POS=1, **sh)
+    bits = (lambda a: a) if dt is F32 else (lambda a: a.view(np.uint16))
+    out = _aligned(np.zeros((B, H, 1, D), dt.np))
+    mst = (0, 0, 0) if m is None else (Sk if mask == "bool" else 0, Sk if mask == "bias" else 0, 1)
+    i64 = np.int64
+    compile_kernel(src, "rlx_attn_decode").launch((B * KVH, sh["CL"]), (sh["NT"],), (
+        bits(_aligned(q)), i64(H * D), i64(D), bits(_aligned(k)), i64(KVH * Sk * D), i64(Sk * D), i64(D),
+        bits(_aligned(v)), i64(KVH * Sk * D), i64(Sk * D), i64(D),
+        None if m is None else (m if mask == "bool" else bits(_aligned(m))), *map(i64, mst),
+        pos, np.int32(H), np.int32(KVH), np.int32(Sk), 1 / math.sqrt(D), 0.0, np.int32(0),
+        bits(out), i64(H * D), i64(D)))
+    f = [a.astype(np.float64) for a in (q, k, v)]
+    kh, vh = (np.repeat(t, G, axis=1) for t in f[1:])
+    s = np.einsum("bhd,bhjd->bhj", f[0][:, :, 0], kh) / math.sqrt(D)
+    keep = np.arange(Sk)[None, None] <= pos[:, None, None]
+    if mask == "bool":
+        keep = keep & m[:, :, 0]
+    elif mask == "bias":
+        s = s + m[:, :, 0].astype(np.float64)
+    s = np.where(keep, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bhj,bhjd->bhd", p / p.sum(-1, keepdims=True), vh)
+    err = np.abs(out[:, :, 0].astype(np.float64) - want).max() / np.abs(want).max()
+    assert err <= TOL[dt], err
 
 @gpu
 @pytest.mark.parametrize("dt", FLOATS)

@@ -76,7 +76,7 @@ __device__ __forceinline__ A rlx_part_weight(A m, A M) {
 // rows [r0, r1) of `bytes` bytes each (stride rs elements) asked into L2, a 128-byte line a thread
 template <typename T>
 __device__ __forceinline__ void rlx_prefetch_rows(const T* base, i64 rs, i64 r0, i64 r1, int bytes, int tid, int nt) {
-#if !defined(RLX_HIP)
+#if !defined(RLX_HIP) && defined(__CUDA_ARCH__)        // (a host build of the kernel: tests/cuda_emu.py)
   const int lines = (bytes + 127) / 128;
   for (i64 t = tid; t < (r1 - r0) * lines; t += nt) {
     const char* line = (const char*)(base + (r0 + t / lines) * rs) + (t % lines) * 128;
@@ -553,6 +553,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
 // HEADMASK 0: the mask has no head stride (a decode step's key mask), so a lane reads a key's
 // mask once for its G heads, not G times.
 #define NW (NT / 32)
+#ifdef __CUDA_ARCH__                  // (a host build, tests/cuda_emu.py, brings its own three)
 __device__ __forceinline__ unsigned rlx_cluster_rank() {
   unsigned r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
@@ -569,6 +570,7 @@ __device__ __forceinline__ float rlx_cluster_load(const float* p, unsigned rank)
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
   return v;
 }
+#endif
 extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT) rlx_attn_decode(
     const TQ* __restrict__ q, long long qsb, long long qsh,
     const TK* __restrict__ k, long long ksb, long long ksh, long long kss,
