@@ -155,7 +155,8 @@ struct rlx_emu_blk {
   std::mutex mu;
   std::vector<rlx_emu_arr> arrs;
   rlx_emu_blk(unsigned n) : bar(new rlx_emu_bar(n)) {
-    for (unsigned w = 0; w < (n + 31) / 32; ++w) warps.emplace_back(new rlx_emu_bar(std::min(32u, n - 32 * w)));
+    for (unsigned w = 0; w < (n + 31) / 32; ++w)
+      warps.emplace_back(new rlx_emu_bar(std::min(32u, n - 32 * w)));
   }
   ~rlx_emu_blk() { for (auto& a : arrs) std::free(a.base); }
   rlx_emu_arr* find(int id) {

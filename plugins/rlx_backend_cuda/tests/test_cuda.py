@@ -721,9 +721,10 @@ def test_emulated_cluster_decode_attention(rng, case):
     if mask == "bool":
         m[..., 0] = True
     sh = sources.attn_decode_shape(G, D, 16 // isz, pair=True)
+    masking = dict(MASKKIND=1, MASKMODE={"bool": 1, "bias": 2, None: 0}[mask], HEADMASK=int(mask == "bias"),
+                   TM={"bool": "bool", "bias": ctype(dt), None: "float"}[mask], TP="int", HAS_POS=1)
     src = sources.render(sources.ATTN_DECODE, TQ=ctype(dt), TK=ctype(dt), TV=ctype(dt), TO=ctype(dt), QV=1,
-                         HEADMASK=int(mask == "bias"), MASKKIND=1, MASKMODE={"bool": 1, "bias": 2, None: 0}[mask],
-                         TM={"bool": "bool", "bias": ctype(dt), None: "float"}[mask], TP="int", HAS_POS=1, **sh)
+                         **masking, **sh)
     bits = (lambda a: a) if dt is F32 else (lambda a: a.view(np.uint16))
     out = _aligned(np.zeros((B, H, 1, D), dt.np))
     mst = (0, 0, 0) if m is None else (Sk if mask == "bool" else 0, Sk if mask == "bias" else 0, 1)
