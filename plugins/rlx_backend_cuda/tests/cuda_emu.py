@@ -299,7 +299,8 @@ def _params(sig: str, text: str) -> list:
 
 class Kernel:
     """A compiled kernel: call as launch(grid, block, args, shared_mem) with NumPy arrays for
-    pointers and NumPy scalars (or None for a null pointer) for the rest."""
+    pointers (passed by address, whatever their dtype: bf16 arrays as they are) and NumPy
+    scalars (or None for a null pointer) for the rest."""
 
     def __init__(self, lib, types: list):
         self.fn, self.types = lib.rlx_emu_launch, types

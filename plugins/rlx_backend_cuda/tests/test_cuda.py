@@ -711,7 +711,7 @@ def test_emulated_cluster_decode_attention(rng, case):
 
     from rlx_backend_cuda import sources
     from rlx_backend_cuda.codegen import ctype
-    from rlx_core.testing.parity import TOL
+    from rlx_core.testing.parity import TOL, ref_attention
 
     B, H, KVH, Sk, D, dt, mask = case
     G, isz = H // KVH, np.dtype(dt.np).itemsize
@@ -725,29 +725,20 @@ def test_emulated_cluster_decode_attention(rng, case):
                    TM={"bool": "bool", "bias": ctype(dt), None: "float"}[mask], TP="int", HAS_POS=1)
     src = sources.render(sources.ATTN_DECODE, TQ=ctype(dt), TK=ctype(dt), TV=ctype(dt), TO=ctype(dt), QV=1,
                          **masking, **sh)
-    bits = (lambda a: a) if dt is F32 else (lambda a: a.view(np.uint16))
     out = _aligned(np.zeros((B, H, 1, D), dt.np))
     mst = (0, 0, 0) if m is None else (Sk if mask == "bool" else 0, Sk if mask == "bias" else 0, 1)
     i64 = np.int64
     compile_kernel(src, "rlx_attn_decode").launch((B * KVH, sh["CL"]), (sh["NT"],), (
-        bits(_aligned(q)), i64(H * D), i64(D), bits(_aligned(k)), i64(KVH * Sk * D), i64(Sk * D), i64(D),
-        bits(_aligned(v)), i64(KVH * Sk * D), i64(Sk * D), i64(D),
-        None if m is None else (m if mask == "bool" else bits(_aligned(m))), *map(i64, mst),
+        _aligned(q), i64(H * D), i64(D), _aligned(k), i64(KVH * Sk * D), i64(Sk * D), i64(D),
+        _aligned(v), i64(KVH * Sk * D), i64(Sk * D), i64(D),
+        None if m is None else (m if mask == "bool" else _aligned(m)), *map(i64, mst),
         pos, np.int32(H), np.int32(KVH), np.int32(Sk), 1 / math.sqrt(D), 0.0, np.int32(0),
-        bits(out), i64(H * D), i64(D)))
-    f = [a.astype(np.float64) for a in (q, k, v)]
-    kh, vh = (np.repeat(t, G, axis=1) for t in f[1:])
-    s = np.einsum("bhd,bhjd->bhj", f[0][:, :, 0], kh) / math.sqrt(D)
-    keep = np.arange(Sk)[None, None] <= pos[:, None, None]
-    if mask == "bool":
-        keep = keep & m[:, :, 0]
-    elif mask == "bias":
-        s = s + m[:, :, 0].astype(np.float64)
-    s = np.where(keep, s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    want = np.einsum("bhj,bhjd->bhd", p / p.sum(-1, keepdims=True), vh)
-    err = np.abs(out[:, :, 0].astype(np.float64) - want).max() / np.abs(want).max()
+        out, i64(H * D), i64(D)))
+    f64 = [a.astype(np.float64) for a in (q, k, v)]
+    want = ref_attention(*f64, m if mask != "bias" else m.astype(np.float64), pos, scale=1 / math.sqrt(D))
+    err = np.abs(out.astype(np.float64) - want).max() / np.abs(want).max()
     assert err <= TOL[dt], err
+
 
 @gpu
 @pytest.mark.parametrize("dt", FLOATS)

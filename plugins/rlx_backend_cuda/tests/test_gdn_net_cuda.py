@@ -103,15 +103,13 @@ def test_emulated_gated_delta_net(rng, dt, t, shape):
     src = sources.render(sources.GDN_NET, T=ctype(dt), ACC="float", KD=kd, VD=vd, R=h // hk, WID=width,
                          EARLY=int(t > 1), **lay)          # (the leaves loaded before the wait, and after)
     kern = cuda_emu.compile_kernel(src, "rlx_gdn_net")
-    bits = (lambda v: v) if dt is F32 else (lambda v: v.view(np.uint16))
     ins = [np.ascontiguousarray(arr[n], dt.np) for n in NAMES]          # (rand: values of dt, stored f64)
     o = np.zeros((b, t, h, vd), dt.np)
     cs1, s1 = np.zeros_like(ins[2]), np.zeros_like(ins[9])
     i64, i32 = np.int64, np.int32
     strides = tuple(map(i64, (t * c, c, t * h * vd, h * vd, vd, t * h, h, t * h, h)))    # x, z, b, a
-    kern.launch((hk, b), (32 * lay["NW"],), (*map(bits, ins[:3]), bits(cs1), *map(bits, ins[3:10]), bits(s1),
-                                              bits(o), i32(t), i32(hk), *strides, np.float32(SCALE),
-                                              np.float32(EPS)))
+    kern.launch((hk, b), (32 * lay["NW"],), (*ins[:3], cs1, *ins[3:10], s1, o, i32(t), i32(hk), *strides,
+                                              np.float32(SCALE), np.float32(EPS)))
     want = ref_gated_delta_net(*[np.asarray(v, np.float64) for v in ins], SCALE, EPS)
     tol = TOL[dt]
     for got, ref, what in zip((o, cs1, s1), want, ("o", "conv state", "state")):

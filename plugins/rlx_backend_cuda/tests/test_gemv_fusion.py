@@ -358,7 +358,7 @@ def test_emulated_gemv_norm_residual_and_swiglu(rng, rows):
                              R=r, U=GEMV_LOADS, SWIGLU=int(swiglu), KS=ks, EARLY=0,
                              SWIGLU_OF=codegen.swiglu_of("float"), NORM=int(form == "norm"), TN="float",
                              RESID=int(form == "resid"))
-        args = (x.view(np.uint16), np.int64(k), w.view(np.uint16), y.view(np.uint16), np.int32(rows),
+        args = (x, np.int64(k), w, y, np.int32(rows),
                 np.int32(n_out), np.int32(k))
         cuda_emu.compile_kernel(src, "rlx_gemv").launch((-(-warps * ks // 8),), (256,), args + tail)
     y = np.zeros((rows, n), bf)
@@ -374,8 +374,8 @@ def test_emulated_gemv_norm_residual_and_swiglu(rng, rows):
     res = rng.uniform(-2, 2, (rows, n)).astype(bf)
     nw2 = rng.uniform(0.5, 1.5, n).astype(np.float32)
     yw, osq = np.zeros((rows, n), bf), np.zeros(rows * 32, np.float32)
-    run(y, x0, n, "resid", (np.float32(0), None, nw2, np.float32(0), res.view(np.uint16), np.int64(n),
-                            yw.view(np.uint16), osq, None, np.int32(0)))
+    run(y, x0, n, "resid", (np.float32(0), None, nw2, np.float32(0), res, np.int64(n),
+                            yw, osq, None, np.int32(0)))
     h = y.astype(np.float64)
     assert rel(h, res.astype(np.float64) + x64 @ w64[:n].T) < 1e-2 and rel(yw, h * nw2) < 1e-2
     np.testing.assert_allclose(osq.reshape(rows, 32).sum(1), (h ** 2).sum(1), rtol=1e-4)

@@ -247,9 +247,8 @@ def _int8_rows(x, T: str, nsq=None, eps: float = 0.0, zero=None):
     M, K = x.shape
     src = sources.render(sources.ROUND_Q8, ACC="float", A=16, T=T, TO=T, XV=1, NORM=int(nsq is not None))
     y8 = np.zeros(qx_bytes(M, K), np.uint8)
-    xv = x if T == "float" else x.view(np.uint16)
     cuda_emu.compile_kernel(src, "rlx_quant_q8").launch(
-        (1,), (256,), (xv, np.int64(K), np.int32(M), np.int32(K), y8, nsq, np.float32(eps), zero,
+        (1,), (256,), (x, np.int64(K), np.int32(M), np.int32(K), y8, nsq, np.float32(eps), zero,
                        np.int32(0 if zero is None else zero.size)))
     return y8
 
@@ -286,7 +285,7 @@ def test_emulated_int8_gemv_matches_the_rounded_product(rng, name):
     bias = rng.standard_normal(N).astype(np.float32)
     y = np.zeros((2, N), BF)
     kern = _gemv_kernel(s, "__nv_bfloat16", 2, k, 1, epilogue=_dq_epilogue(BF16, True, "silu"))
-    _launch(kern, _int8_rows(xb, "__nv_bfloat16"), w, y.view(np.uint16), 2, N, k, s, bias=bias)
+    _launch(kern, _int8_rows(xb, "__nv_bfloat16"), w, y, 2, N, k, s, bias=bias)
     v = _rounded(xb) @ deq.T + bias
     assert rel(y, v / (1 + np.exp(-v))) < 1e-2
 
@@ -312,7 +311,7 @@ def test_emulated_int8_rows_norm_and_gemv_adds_the_residual_and_the_swiglu(rng, 
     y8 = _int8_rows(xw, "__nv_bfloat16", nsq.reshape(-1), eps, zero)
     assert not zero.any()
     y = np.zeros((rows, n), BF)
-    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1), y8, w, y.view(np.uint16), rows, n, k, s)
+    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1), y8, w, y, rows, n, k, s)
     normed = (x64 / np.sqrt((x64 ** 2).mean(1, keepdims=True) + eps) * nw).astype(np.float32).astype(BF)
     assert rel(y, _rounded(normed) @ deq[:n].T) < 1e-2
     # RESID: h = res + product, yw = h * nw2, the squares of h into osq
@@ -321,14 +320,14 @@ def test_emulated_int8_rows_norm_and_gemv_adds_the_residual_and_the_swiglu(rng, 
     h, yw, osq = np.zeros((rows, n), BF), np.zeros((rows, n), BF), np.zeros(rows * 32, np.float32)
     xb = x0.astype(BF)
     y8 = _int8_rows(xb, "__nv_bfloat16")
-    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1, resid=1), y8, w, h.view(np.uint16), rows, n, k, s,
-            tail=_norms(nw2, 0.0, res.view(np.uint16), n, yw.view(np.uint16), osq))
+    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1, resid=1), y8, w, h, rows, n, k, s,
+            tail=_norms(nw2, 0.0, res, n, yw, osq))
     want_h = res.astype(np.float64) + _rounded(xb) @ deq[:n].T
     assert rel(h, want_h) < 1e-2 and rel(yw, h.astype(np.float64) * nw2) < 1e-2
     np.testing.assert_allclose(osq.reshape(rows, 32).sum(1), (h.astype(np.float64) ** 2).sum(1), rtol=1e-4)
     # SWIGLU: w's first n rows the gate, the next n the up rows
     y = np.zeros((rows, n), BF)
-    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1, swiglu=1), y8, w, y.view(np.uint16), rows, n, k, s)
+    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1, swiglu=1), y8, w, y, rows, n, k, s)
     gate, up = _rounded(xb) @ deq[:n].T, _rounded(xb) @ deq[n:].T
     assert rel(y, gate / (1 + np.exp(-gate)) * up) < 1e-2
 
@@ -351,7 +350,6 @@ def test_emulated_rounding_kernel_matches_numpy_bit_for_bit(rng, dt):
     src = sources.render(sources.ROUND_Q8, ACC="float", A=16, T=ctype(dt), TO=ctype(dt), XV=1, NORM=0)
     kern = cuda_emu.compile_kernel(src, "rlx_fake_q8")
     y = np.zeros_like(x)
-    view = (lambda a: a) if dt is F32 else (lambda a: a.view(np.uint16))
-    kern.launch((3,), (256,), (view(x), view(y), np.int64(x.size // 32)))
+    kern.launch((3,), (256,), (x, y, np.int64(x.size // 32)))
     np.testing.assert_array_equal(y.astype(np.float32), want.astype(np.float32))
     assert np.isnan(y[4, 32:64].astype(np.float32)).all() and (y[3, :32] == 0).all()

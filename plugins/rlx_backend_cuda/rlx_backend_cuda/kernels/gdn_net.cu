@@ -54,7 +54,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict
   i64 ch[CPT];
   W taps[CPT][WID], win[CPT][KEEP];
   W S[KPL][VPW];
-  W ea[GPT], dtb[GPT], nw[NV];       // exp(A_log) and dt_bias of the thread's gates, norm_w of its values
+  W ea[GPT], dtb[GPT], nwv[NV];      // exp(A_log) and dt_bias of the thread's gates, norm_w of its values
   const int c0 = warp * VPW;
   auto at_state = [&](int kk, int col) -> i64 {
     return (((i64)b * H + (i64)hk * R + col / VD) * KD + kk) * VD + col % VD;
@@ -67,7 +67,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict
       dtb[g] = r < R ? LD(W, dt_bias[h]) : (W)0;
     }
 #pragma unroll
-    for (int i = 0; i < NV; ++i) nw[i] = lane + 32 * i < VD ? LD(W, norm_w[lane + 32 * i]) : (W)0;
+    for (int i = 0; i < NV; ++i) nwv[i] = lane + 32 * i < VD ? LD(W, norm_w[lane + 32 * i]) : (W)0;
 #pragma unroll
     for (int j = 0; j < CPT; ++j) {
       const int lc = tid + j * NT;
@@ -188,7 +188,8 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict
       T* out = o + (((i64)b * steps + t) * H + hk * R + r) * VD;
 #pragma unroll
       for (int i = 0; i < NV; ++i)
-        if (lane + 32 * i < VD) out[lane + 32 * i] = ST(T, orow[lane + 32 * i] * inv * nw[i] * rlx_net_silu(zr[k][i]));
+        if (lane + 32 * i < VD)
+          out[lane + 32 * i] = ST(T, orow[lane + 32 * i] * inv * nwv[i] * rlx_net_silu(zr[k][i]));
     }
     __syncthreads();                 // qk, vs, os, dec and bet are free for the next step
   }
