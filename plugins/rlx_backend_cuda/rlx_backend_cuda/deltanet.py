@@ -54,6 +54,8 @@ CONV_RUN = 16             # steps a causal_conv1d thread walks (its window in re
 GRID_Y_MAX = 65535        # CUDA's limit on a grid's y extent
 NET_COLUMNS = 16          # gated_delta_net: state columns a warp holds, at most (registers: K / 32 x this)
 NET_WARPS_MAX = 32        # its block, at most (1024 threads)
+NET_CLUSTER = 8           # blocks sharing a key head's columns, at most (sm_90 clusters; 8: the portable size)
+NET_BLOCK_COLUMNS = 16    # state columns a block of such a cluster holds, at least
 
 
 def _scan_smem(c: int, kd: int) -> int:
@@ -220,15 +222,27 @@ def _unit_last(b, x):
     return x, tuple(i64(s) for s in x.es[:-1])
 
 
-def net_layout(kd: int, vd: int, r: int, width: int, itemsize: int) -> dict:
-    """rlx_gdn_net's compile-time shape: warps (NW), state columns a warp (VPW), rows a lane
-    (KPL), conv channels a thread (CPT), and whether a warp's columns are one aligned run of a
-    head's row (VEC: 16-byte loads)."""
+def net_cluster(vd: int, r: int, blocks: int, sms: int) -> int:
+    """Blocks a key head's r * vd state columns spread over (rlx_gdn_net's CS) where `blocks`
+    clusters (key heads x batch rows) leave SMs idle: the most, up to NET_CLUSTER, that keeps
+    the grid within one wave and gives each block at least NET_BLOCK_COLUMNS columns, whole
+    value heads or an equal part of one."""
     cols = r * vd
+    fits = [cs for cs in range(1, NET_CLUSTER + 1)
+            if cols % cs == 0 and blocks * cs <= sms and (cs == 1 or cols // cs >= NET_BLOCK_COLUMNS)
+            and ((cols // cs) % vd == 0 or vd % (cols // cs) == 0)]
+    return max(fits, default=1)
+
+
+def net_layout(kd: int, vd: int, r: int, width: int, itemsize: int, cs: int = 1) -> dict:
+    """rlx_gdn_net's compile-time shape for clusters of cs blocks a key head: warps (NW), state
+    columns a warp (VPW), rows a lane (KPL), conv channels a thread (CPT), and whether a warp's
+    columns are one aligned run of a head's row (VEC: 16-byte loads)."""
+    cols = r * vd // cs
     nw = min(NET_WARPS_MAX, max(2, -(-cols // NET_COLUMNS)))
     vpw = -(-cols // nw)
     vec = int(vd % vpw == 0 and (vpw * itemsize) % 16 == 0)
-    return dict(NW=nw, VPW=vpw, KPL=-(-kd // 32), CPT=-(-(2 * kd + cols) // (32 * nw)), VEC=vec)
+    return dict(NW=nw, VPW=vpw, KPL=-(-kd // 32), CPT=-(-(2 * kd + cols) // (32 * nw)), VEC=vec, CS=cs)
 
 
 def _from_leaf(b, ref) -> bool:
@@ -275,14 +289,15 @@ def build_gated_delta_net(b, n, ins, outs):
     od, cd, sd = (t if t.contiguous() else b.buffer(t.shape, t.dt, f"gated_delta_net {what}")
                   for t, what in ((o, "output"), (cs1, "conv state"), (s1, "state")))
     r = h // hk
-    lay = net_layout(kd, vd, r, w.shape[1], s0.arr.itemsize)
-    lay["VEC"] &= int(s0.arr.data.ptr % 16 == 0 and sd.arr.data.ptr % 16 == 0)
     acc = acc_of(x.dt)
+    cs = 1 if acc == "double" or device.cluster_missing(b.cc, b.hip) else net_cluster(vd, r, hk * B, b.sms)
+    lay = net_layout(kd, vd, r, w.shape[1], s0.arr.itemsize, cs)
+    lay["VEC"] &= int(s0.arr.data.ptr % 16 == 0 and sd.arr.data.ptr % 16 == 0)
     early = int(all(_from_leaf(b, n.inputs[j]) for j in (1, 2, 9)))
     src = sources.render(sources.GDN_NET, T=ctype(x.dt), ACC=acc, KD=kd, VD=vd, R=r, WID=w.shape[1], EARLY=early,
                          **lay)
     num = np.float64 if acc == "double" else np.float32
-    b.launch(b.kernel(src, "rlx_gdn_net"), (hk, B), (32 * lay["NW"],),
+    b.launch(b.kernel(src, "rlx_gdn_net"), (hk * cs, B), (32 * lay["NW"],),
              (x.arr, w.arr, cs0.arr, cd.arr, z.arr, bl.arr, al.arr, a_log.arr, dt_bias.arr, norm_w.arr, s0.arr,
               sd.arr, od.arr, i32(T), i32(hk), xb, xt, *zs, *bs, *as_, num(n.a["scale"]), num(n.a["eps"])))
     for src_v, dst in ((od, o), (cd, cs1), (sd, s1)):
@@ -293,4 +308,4 @@ def build_gated_delta_net(b, n, ins, outs):
 BUILDERS.update({"gated_delta_rule": build_gated_delta_rule, "causal_conv1d": build_causal_conv1d,
                  "gated_delta_net": build_gated_delta_net})
 
-__all__ = ["build_gated_delta_rule", "build_causal_conv1d", "build_gated_delta_net", "net_layout"]
+__all__ = ["build_gated_delta_rule", "build_causal_conv1d", "build_gated_delta_net", "net_cluster", "net_layout"]

@@ -2177,14 +2177,15 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
             or Sk > sources.ATTN_DECODE_KEYS or B * KVH * sources.ATTN_DECODE_CLUSTER > b.sms):
         return None
     pair = min(_attn_vec(k, D, 32), _attn_vec(v, D, 32)) == 2 * vk
-    sh = sources.attn_decode_shape(H // KVH, D, vk, pair)
+    groups = sources.attn_decode_groups(H // KVH, B * KVH * sources.ATTN_DECODE_CLUSTER, b.sms)
+    sh = sources.attn_decode_shape(H // KVH // groups, D, vk, pair)
     if sh is None:
         return None
     src = sources.render(sources.ATTN_DECODE, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt),
                          TO=ctype(out.dt), QV=int(_attn_vec(q, D, 32) % sh["VK"] == 0),
                          HEADMASK=int(mst[1] != 0), **sh, **common)
     fn = b.kernel(src, "rlx_attn_decode")
-    grid = (B * KVH, sh["CL"])
+    grid = (B * KVH, sh["CL"], groups)
     return _decode_row_launch(b, fn, grid, sh["NT"], q, k, v, mv, mst, pv, out, scale, cap, window)
 
 

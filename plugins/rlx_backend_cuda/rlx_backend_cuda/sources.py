@@ -304,6 +304,19 @@ ATTN_DECODE_KEYS = 2048         # cache positions up to which it is used (measur
 ATTN_DECODE_SMEM = 44 * 1024    # bytes of shared memory it may take
 
 
+ATTN_DECODE_HEADS = 1           # query heads a block takes at least, where the GPU has SMs for more blocks
+
+
+def attn_decode_groups(g: int, clusters_blocks: int, sms: int) -> int:
+    """Into how many groups ATTN_DECODE splits a kv head's g query heads (grid z): the most
+    that leaves a group ATTN_DECODE_HEADS heads or more and the grid within one wave of
+    `sms` blocks (clusters_blocks: the blocks of one group per kv head and batch row)."""
+    n = 1
+    while g % (2 * n) == 0 and g // (2 * n) >= ATTN_DECODE_HEADS and clusters_blocks * 2 * n <= sms:
+        n *= 2
+    return n
+
+
 def attn_decode_shape(g: int, d: int, vk: int, pair: bool = False) -> dict | None:
     """ATTN_DECODE's compile-time shape for G query heads per kv head, head dim d (K and V)
     and vk-element row loads: 8 warps a block where the warps' sums fit the shared memory

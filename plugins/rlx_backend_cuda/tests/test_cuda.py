@@ -685,10 +685,12 @@ def test_decode_attention_kernels(rng, dt, case, kernel, monkeypatch):
         assert made[kernel] and made[kernel][-1] is not None
 
 
-EMULATED_DECODE = [        # (B, H, KVH, Sk, D, dtype, mask): G = H / KVH query heads a kv head
-    (1, 8, 2, 1100, 64, BF16, "bool"),     # a key mask, read once a key for the G heads; keys in every block
-    (1, 4, 1, 300, 256, BF16, "bias"),     # a mask per head; 256-wide 16-bit rows: two loads a lane
-    (2, 4, 2, 45, 32, F32, None),          # (rows of two batch entries; most blocks see no key)
+EMULATED_DECODE = [        # (B, H, KVH, Sk, D, dtype, mask, groups): H / KVH query heads a kv head in groups
+    (1, 8, 2, 1100, 64, BF16, "bool", 1),  # a key mask, read once a key for the G heads; keys in every block
+    (1, 4, 1, 300, 256, BF16, "bias", 1),  # a mask per head; 256-wide 16-bit rows: two loads a lane
+    (2, 4, 2, 45, 32, F32, None, 1),       # (rows of two batch entries; most blocks see no key)
+    (1, 8, 2, 200, 256, BF16, "bias", 4),  # a block a query head (grid z): its q, mask and output rows
+    (2, 8, 2, 90, 64, F32, "bool", 2),     # two heads a block
 ]
 
 
@@ -702,10 +704,10 @@ def _aligned(a: np.ndarray) -> np.ndarray:
 
 
 @cuda_emu.emulated
-@pytest.mark.parametrize("case", EMULATED_DECODE, ids=lambda c: f"D{c[4]}-{c[5].value}-{c[6]}")
+@pytest.mark.parametrize("case", EMULATED_DECODE, ids=lambda c: f"D{c[4]}-{c[5].value}-{c[6]}-z{c[7]}")
 def test_emulated_cluster_decode_attention(rng, case):
-    """The decode attention kernel (a cluster of 8 blocks a kv head, merged through each other's
-    shared memory) run on the CPU (cuda_emu) as ops._decode_attention renders and launches it,
+    """The decode attention kernel (a cluster of 8 blocks a kv head and group of its query heads,
+    merged through each other's shared memory) run on the CPU (cuda_emu) as ops._decode_attention renders and launches it,
     causal at each row's position, against float64 within the dtype's tolerance."""
     from cuda_emu import compile_kernel
 
@@ -713,8 +715,8 @@ def test_emulated_cluster_decode_attention(rng, case):
     from rlx_backend_cuda.codegen import ctype
     from rlx_core.testing.parity import TOL, ref_attention
 
-    B, H, KVH, Sk, D, dt, mask = case
-    G, isz = H // KVH, np.dtype(dt.np).itemsize
+    B, H, KVH, Sk, D, dt, mask, groups = case
+    G, isz = H // KVH // groups, np.dtype(dt.np).itemsize
     q, k, v = (rand(rng, s, dt) for s in ((B, H, 1, D), (B, KVH, Sk, D), (B, KVH, Sk, D)))
     pos = np.array([Sk - 1 - 7 * b for b in range(B)], np.int32)
     m = {"bool": rng.random((B, 1, 1, Sk)) < 0.8, "bias": rand(rng, (1, H, 1, Sk), dt), None: None}[mask]
@@ -728,7 +730,7 @@ def test_emulated_cluster_decode_attention(rng, case):
     out = _aligned(np.zeros((B, H, 1, D), dt.np))
     mst = (0, 0, 0) if m is None else (Sk if mask == "bool" else 0, Sk if mask == "bias" else 0, 1)
     i64 = np.int64
-    compile_kernel(src, "rlx_attn_decode").launch((B * KVH, sh["CL"]), (sh["NT"],), (
+    compile_kernel(src, "rlx_attn_decode").launch((B * KVH, sh["CL"], groups), (sh["NT"],), (
         _aligned(q), i64(H * D), i64(D), _aligned(k), i64(KVH * Sk * D), i64(Sk * D), i64(D),
         _aligned(v), i64(KVH * Sk * D), i64(Sk * D), i64(D),
         None if m is None else (m if mask == "bool" else _aligned(m)), *map(i64, mst),

@@ -83,15 +83,36 @@ def test_decode_loop_on_state_leaves_from_column_slices(rng, shape):
     np.testing.assert_allclose(ex.backend.to_host(ex.states["rec"]), want_s, rtol=1e-4, atol=1e-4)
 
 
+# blocks a key head's columns spread over (a cluster): whole value heads a block (qwen35 2, odd 3),
+# or parts of one whose norms meet across the cluster (qwen35 8: 32 columns; odd 6: 36)
+CLUSTERS = [("qwen35", 1), ("qwen35", 2), ("qwen35", 8), ("odd", 1), ("odd", 3), ("odd", 6)]
+
+
+def test_cluster_choice():
+    """net_cluster spreads few key heads over SMs that would idle, in one wave, by whole heads or
+    equal parts of one; many heads (a batch) keep one block each."""
+    from rlx_backend_cuda.deltanet import NET_BLOCK_COLUMNS, NET_CLUSTER, net_cluster
+
+    for vd, r, blocks, sms in ((128, 1, 16, 132), (128, 2, 16, 132), (72, 3, 2, 132), (128, 1, 512, 132),
+                               (128, 1, 40, 132), (64, 1, 1, 132)):
+        cs = net_cluster(vd, r, blocks, sms)
+        cols = r * vd // cs
+        assert r * vd % cs == 0 and blocks * cs <= max(sms, blocks) and cs <= NET_CLUSTER
+        assert cols % vd == 0 or vd % cols == 0
+        assert cs == 1 or cols >= NET_BLOCK_COLUMNS
+    assert net_cluster(128, 1, 16, 132) == 8 and net_cluster(128, 1, 512, 132) == 1
+    assert net_cluster(128, 1, 40, 132) == 2 and net_cluster(72, 3, 2, 132) == 6
+
+
 @cuda_emu.emulated
-@pytest.mark.parametrize("dt", [F32, F16, BF16], ids=lambda d: d.value)
-@pytest.mark.parametrize("t", [1, 3], ids=lambda t: f"T{t}")
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_emulated_gated_delta_net(rng, dt, t, shape):
+@pytest.mark.parametrize("shape,cs,dt,t", [(s, cs, dt, t) for s, cs in CLUSTERS for dt in (F32, F16, BF16)
+                                          for t in (1, 3) if cs == 1 or t == 3],
+                         ids=lambda v: v.value if hasattr(v, "value") else str(v))
+def test_emulated_gated_delta_net(rng, shape, cs, dt, t):
     """The kernel on the CPU (cuda_emu), launched as deltanet.build_gated_delta_net launches it
-    over contiguous operands: o and both new states against the float64 reference within the
-    dtype's tolerance (no GPU needed; bf16 within TOL here is why the GPU test above no longer
-    loosens it)."""
+    over contiguous operands, a key head's columns in cs blocks of a cluster: o and both new
+    states against the float64 reference within the dtype's tolerance (no GPU needed; bf16
+    within TOL here is why the GPU test above no longer loosens it)."""
     from rlx_backend_cuda import sources
     from rlx_backend_cuda.codegen import ctype
     from rlx_backend_cuda.deltanet import net_layout
@@ -99,7 +120,7 @@ def test_emulated_gated_delta_net(rng, dt, t, shape):
     b, hk, h, kd, vd = SHAPES[shape]
     arr = _arrays(rng, b, t, hk, h, kd, vd, dt)
     c, width = arr["x"].shape[2], arr["conv_w"].shape[1]
-    lay = net_layout(kd, vd, h // hk, width, dt.np.itemsize)
+    lay = net_layout(kd, vd, h // hk, width, dt.np.itemsize, cs)
     src = sources.render(sources.GDN_NET, T=ctype(dt), ACC="float", KD=kd, VD=vd, R=h // hk, WID=width,
                          EARLY=int(t > 1), **lay)          # (the leaves loaded before the wait, and after)
     kern = cuda_emu.compile_kernel(src, "rlx_gdn_net")
@@ -108,7 +129,7 @@ def test_emulated_gated_delta_net(rng, dt, t, shape):
     cs1, s1 = np.zeros_like(ins[2]), np.zeros_like(ins[9])
     i64, i32 = np.int64, np.int32
     strides = tuple(map(i64, (t * c, c, t * h * vd, h * vd, vd, t * h, h, t * h, h)))    # x, z, b, a
-    kern.launch((hk, b), (32 * lay["NW"],), (*ins[:3], cs1, *ins[3:10], s1, o, i32(t), i32(hk), *strides,
+    kern.launch((hk * cs, b), (32 * lay["NW"],), (*ins[:3], cs1, *ins[3:10], s1, o, i32(t), i32(hk), *strides,
                                               np.float32(SCALE), np.float32(EPS)))
     want = ref_gated_delta_net(*[np.asarray(v, np.float64) for v in ins], SCALE, EPS)
     tol = TOL[dt]

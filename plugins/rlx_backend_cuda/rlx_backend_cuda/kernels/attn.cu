@@ -551,26 +551,9 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
 // instructions a warp at 6 cycles each) took 12.0 us a launch, this one 7.2; the q4_k step went
 // 0.760 -> 0.699 ms. One block per (batch, kv head), no cluster, made that step 0.908 ms.
 // HEADMASK 0: the mask has no head stride (a decode step's key mask), so a lane reads a key's
-// mask once for its G heads, not G times.
+// mask once for its G heads, not G times. Grid z splits a kv head's H / KVH query heads into
+// groups of G (blocks z): more blocks read the same keys (from L2), each with fewer heads.
 #define NW (NT / 32)
-#ifdef __CUDA_ARCH__                  // (a host build, tests/cuda_emu.py, brings its own three)
-__device__ __forceinline__ unsigned rlx_cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void rlx_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// the float at p of block `rank`'s shared memory (p an address of this block's)
-__device__ __forceinline__ float rlx_cluster_load(const float* p, unsigned rank) {
-  unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
-  float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
-  return v;
-}
-#endif
 extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT) rlx_attn_decode(
     const TQ* __restrict__ q, long long qsb, long long qsh,
     const TK* __restrict__ k, long long ksb, long long ksh, long long kss,
@@ -584,7 +567,7 @@ extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT) rlx_
   __shared__ ACC s_o[NW][G][D];
   __shared__ ACC s_m[NW][G], s_l[NW][G];
   __shared__ ACC c_o[G][D], c_m[G], c_l[G];        // this block's merge (the cluster reads it)
-  const int b = blockIdx.x / KVH, kvh = blockIdx.x % KVH;
+  const int b = blockIdx.x / KVH, kvh = blockIdx.x % KVH, h0 = kvh * (H / KVH) + blockIdx.z * G;
   const unsigned rank = rlx_cluster_rank();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sl = lane % LPK, kg = lane / LPK;       // this lane's slice of a row, its key in a load
@@ -610,7 +593,7 @@ extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT) rlx_
   for (int g = 0; g < G; ++g) {
     m[g] = -(ACC)RLX_INF;
     l[g] = 0;
-    const TQ* qg = q + b * qsb + (kvh * G + g) * qsh + sl * VK;
+    const TQ* qg = q + b * qsb + (h0 + g) * qsh + sl * VK;
 #if QV
     const RlxVec<TQ, VK> qv = rlx_vload<VK>(qg, true);    // (QV: q's rows and base allow VK-element loads)
 #endif
@@ -641,7 +624,7 @@ extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT) rlx_
 #pragma unroll
       for (int g = 0; g < G; ++g)
         mk[n][g] = HEADMASK || g == 0
-                   ? RLX_MASK_AT(mask + b * m0 + (kvh * G + g) * m1 + j * m3, j < kend, ACC) : mk[n][0];
+                   ? RLX_MASK_AT(mask + b * m0 + (h0 + g) * m1 + j * m3, j < kend, ACC) : mk[n][0];
     }
 #endif
     ACC s[NL][G];
@@ -760,7 +743,7 @@ extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT) rlx_
       O += f == (ACC)0 ? (ACC)0 : rlx_cluster_load(&c_o[g][d], r) * f;
       L += rlx_cluster_load(&c_l[g], r) * f;
     }
-    out[b * osb + (kvh * G + g) * osh + d] = ST(TO, L == 0 ? (ACC)0 : O / L);
+    out[b * osb + (h0 + g) * osh + d] = ST(TO, L == 0 ? (ACC)0 : O / L);
   }
   rlx_cluster_sync();            // (no block leaves while another reads its shared memory)
 }

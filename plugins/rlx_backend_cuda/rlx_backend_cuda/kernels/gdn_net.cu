@@ -1,21 +1,26 @@
 // A Gated DeltaNet layer between its projections (gated_delta_net), step by step, in one launch.
-// @part net(T, ACC, KD, VD, R, WID, NW, KPL, VPW, CPT, VEC, EARLY)
-// A block per (key head hk, batch row b) owns everything that head touches: the conv channels
-// of its q and k and of its R value heads' v (so its conv state rows are read and written by
-// this block alone), and the R value heads' recurrent states [KD, VD], held in registers for
-// all steps (read once, written once: a decode step updates both states in place). Per step:
+// @part net(T, ACC, KD, VD, R, WID, NW, KPL, VPW, CPT, VEC, EARLY, CS)
+// A cluster of CS blocks per (key head hk, batch row b) owns everything that head touches:
+// block `rank` the state columns [rank BC, (rank + 1) BC) of its R value heads' recurrent
+// states [KD, VD] (BC = R VD / CS), held in registers for all steps (read once, written once: a
+// decode step updates both states in place), and the conv channels of q, k (each block computes
+// them; rank 0 writes their conv state rows, after a cluster barrier every rank's reads precede)
+// and of its columns' v. CS > 1 (sm_90) spreads a decode step's few heads over more SMs: a block
+// holds whole value heads (BC a multiple of VD) or PB = VD / BC blocks share one, their norms'
+// sums of squares meeting through distributed shared memory. Per step:
 //   1. the gates: decay = exp(-exp(A_log) softplus(a + dt_bias)), beta = sigmoid(b) (thread r);
 //      the short conv + silu of the block's channels (thread tid the channels tid, tid + NT, ..,
-//      its taps and its window of the last WID - 1 inputs in registers); each warp's z rows
-//      asked for (used in 3);
+//      its taps and its window of the last WID - 1 inputs in registers); each thread's z
+//      values asked for (used in 3);
 //   2. the rule (as deltanet.cu:rule) on the l2-normed q (also scaled) and k: warp w the value
-//      columns [w VPW, (w + 1) VPW) of the R heads side by side, lane l the state rows l, l + 32,
+//      columns [cb + w VPW, cb + (w + 1) VPW) of the R heads side by side (cb = rank BC), lane l
+//      the state rows l, l + 32,
 //      ..; S' = e^g S + k delta^T, delta = beta (v - e^g S^T k), o = e^g S^T q + delta (k . q).
 //      Every warp sums q's and k's squares in the butterfly that sums S^T k and S^T q, and
 //      scales those sums by the norms after it: the norms take no barrier and no warps of
 //      their own (a Qwen3.5 decode step's 16 blocks wait on barriers and loads, not math);
-//   3. the gated RMSNorm of each value head's o (warp r the head r, r + NW, ..):
-//      o rsqrt(mean(o^2) + eps) norm_w silu(z).
+//   3. the gated RMSNorm of each value head's o: the sum of squares of each head (or part of
+//      one) a warp, then a thread a column: o rsqrt(mean(o^2) + eps) norm_w silu(z).
 // Layouts: x [B, T, C] read through its step and batch strides (C = 2 HK KD + HK R VD: q, k, v;
 // unit channel stride); conv_w [C, WID]; conv states [B, C, WID - 1]; z [B, T, H, VD] through
 // its batch, step and head strides; b, a [B, T, H] through their batch and step strides;
@@ -26,36 +31,50 @@
 // programmatic dependent launch: the state loads overlap the in-projection GEMV's tail).
 typedef ACC W;
 #define NT (32 * NW)
-#define NC (2 * KD + R * VD)
+#define BC (R * VD / CS)                // state columns (and v channels) of a block
+#define NC (2 * KD + BC)                // conv channels of a block: q, k and its v
 #define KEEP (WID > 1 ? WID - 1 : 1)
 #define GPT ((R + NT - 1) / NT)         // gates a thread computes
-#define RPW ((R + NW - 1) / NW)         // value heads a warp norms
-#define NV ((VD + 31) / 32)             // a head's values a lane norms
+#define SEG (BC < VD ? BC : VD)         // a value head's columns in one block
+#define PB (VD / SEG)                   // blocks sharing a value head (1: a block holds whole heads)
+#define NZ ((BC + NT - 1) / NT)         // columns a thread norms
 __device__ __forceinline__ W rlx_net_silu(W v) { return v / ((W)1 + exp(-v)); }
 __device__ __forceinline__ W rlx_net_sum(W v) {
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) v += SHFL_XOR(v, m);
   return v;
 }
-extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict__ x, const T* __restrict__ cw,
-    const T* cs0, T* cs1, const T* __restrict__ z, const T* __restrict__ bl, const T* __restrict__ al,
-    const T* __restrict__ a_log, const T* __restrict__ dt_bias, const T* __restrict__ norm_w, const T* s0, T* s1,
-    T* __restrict__ o, int steps, int HK, i64 xb, i64 xt, i64 zb, i64 zt, i64 zh, i64 bb, i64 bt, i64 ab, i64 at,
-    W scale, W eps) {
+// every thread of the cluster (CS > 1) or of the block waits here
+__device__ __forceinline__ void rlx_net_sync() {
+#if CS > 1
+  rlx_cluster_sync();
+#else
+  __syncthreads();
+#endif
+}
+extern "C" __global__ void RLX_CLUSTER_X(CS) __launch_bounds__(NT) rlx_gdn_net(const T* __restrict__ x,
+    const T* __restrict__ cw, const T* cs0, T* cs1, const T* __restrict__ z, const T* __restrict__ bl,
+    const T* __restrict__ al, const T* __restrict__ a_log, const T* __restrict__ dt_bias,
+    const T* __restrict__ norm_w, const T* s0, T* s1, T* __restrict__ o, int steps, int HK, i64 xb, i64 xt,
+    i64 zb, i64 zt, i64 zh, i64 bb, i64 bt, i64 ab, i64 at, W scale, W eps) {
+  static_assert(BC * CS == R * VD && SEG * PB == VD && BC % SEG == 0,
+                "rlx_gdn_net: a block holds whole value heads or an equal part of one");
   __shared__ W qk[2 * KD];           // the step's q then k (before their l2norms)
-  __shared__ W vs[R * VD];           // its v of the R value heads
-  __shared__ W os[R * VD];           // the rule's output before the norm
+  __shared__ W vs[BC];               // its v of the block's columns
+  __shared__ W os[BC];               // the rule's output before the norm
+  __shared__ W ssq[BC / SEG];        // the sum of squares of each head (part) of os
   __shared__ W dec[R], bet[R];       // e^g and beta of each value head
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int hk = blockIdx.x, b = blockIdx.y, H = HK * R;
+  const int hk = blockIdx.x / CS, rank = blockIdx.x % CS, b = blockIdx.y, H = HK * R;
+  const int cb = rank * BC;          // the block's first column of the key head's R * VD
   const i64 C = (i64)2 * HK * KD + (i64)H * VD;
-  // the block's conv channels (taps and window in registers) and the R heads' state columns
-  // of this warp (rows lane + 32 i): loaded before the wait where EARLY, else after it
+  // the block's conv channels (taps and window in registers) and the state columns of this
+  // warp (rows lane + 32 i): loaded before the wait where EARLY, else after it
   i64 ch[CPT];
   W taps[CPT][WID], win[CPT][KEEP];
   W S[KPL][VPW];
-  W ea[GPT], dtb[GPT], nwv[NV];      // exp(A_log) and dt_bias of the thread's gates, norm_w of its values
-  const int c0 = warp * VPW;
+  W ea[GPT], dtb[GPT], nwv[NZ];      // exp(A_log) and dt_bias of the thread's gates, norm_w of its columns
+  const int c0 = cb + warp * VPW;
   auto at_state = [&](int kk, int col) -> i64 {
     return (((i64)b * H + (i64)hk * R + col / VD) * KD + kk) * VD + col % VD;
   };
@@ -67,12 +86,12 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict
       dtb[g] = r < R ? LD(W, dt_bias[h]) : (W)0;
     }
 #pragma unroll
-    for (int i = 0; i < NV; ++i) nwv[i] = lane + 32 * i < VD ? LD(W, norm_w[lane + 32 * i]) : (W)0;
+    for (int i = 0; i < NZ; ++i) nwv[i] = tid + i * NT < BC ? LD(W, norm_w[(cb + tid + i * NT) % VD]) : (W)0;
 #pragma unroll
     for (int j = 0; j < CPT; ++j) {
       const int lc = tid + j * NT;
       ch[j] = lc < KD ? (i64)hk * KD + lc
-            : lc < 2 * KD ? (i64)(HK + hk) * KD + lc - KD : (i64)2 * HK * KD + (i64)hk * R * VD + lc - 2 * KD;
+            : lc < 2 * KD ? (i64)(HK + hk) * KD + lc - KD : (i64)2 * HK * KD + (i64)hk * R * VD + cb + lc - 2 * KD;
 #pragma unroll
       for (int i = 0; i < WID; ++i) taps[j][i] = lc < NC ? LD(W, cw[ch[j] * WID + i]) : (W)0;
 #pragma unroll
@@ -86,13 +105,13 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict
 #pragma unroll
       for (int j0 = 0; j0 < VPW; j0 += E) {
         rlx_vec<T, E> p;
-        if (kk < KD && c0 + j0 < R * VD) p = *(const rlx_vec<T, E>*)&s0[at_state(kk, c0 + j0)];
+        if (kk < KD && c0 + j0 < cb + BC) p = *(const rlx_vec<T, E>*)&s0[at_state(kk, c0 + j0)];
 #pragma unroll
-        for (int e = 0; e < E; ++e) S[i][j0 + e] = kk < KD && c0 + j0 < R * VD ? LD(W, p.v[e]) : (W)0;
+        for (int e = 0; e < E; ++e) S[i][j0 + e] = kk < KD && c0 + j0 < cb + BC ? LD(W, p.v[e]) : (W)0;
       }
 #else
 #pragma unroll
-      for (int j = 0; j < VPW; ++j) S[i][j] = kk < KD && c0 + j < R * VD ? LD(W, s0[at_state(kk, c0 + j)]) : (W)0;
+      for (int j = 0; j < VPW; ++j) S[i][j] = kk < KD && c0 + j < cb + BC ? LD(W, s0[at_state(kk, c0 + j)]) : (W)0;
 #endif
     }
   };
@@ -100,14 +119,13 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict
   RLX_GRID_WAIT();
   if (!EARLY) load_leaves();
   for (int t = 0; t < steps; ++t) {
-    // 1. gates and the conv; the z rows this warp's norms read in 3
-    W zr[RPW][NV];
+    // 1. gates and the conv; the z values of the thread's columns (used in 3)
+    W zr[NZ];
 #pragma unroll
-    for (int k = 0; k < RPW; ++k) {
-      const int r = warp + k * NW;
-      const T* zrow = z + (i64)b * zb + (i64)t * zt + (i64)(hk * R + r) * zh;
-#pragma unroll
-      for (int i = 0; i < NV; ++i) zr[k][i] = r < R && lane + 32 * i < VD ? LD(W, zrow[lane + 32 * i]) : (W)0;
+    for (int i = 0; i < NZ; ++i) {
+      const int col = cb + tid + i * NT;
+      zr[i] = tid + i * NT < BC ? LD(W, z[(i64)b * zb + (i64)t * zt + (i64)(hk * R + col / VD) * zh + col % VD])
+                                : (W)0;
     }
 #pragma unroll
     for (int g = 0; g < GPT; ++g) {
@@ -167,37 +185,44 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict
 #pragma unroll
       for (int j = 0; j < VPW; ++j) {
         const int col = c0 + j;
-        if (col >= R * VD) break;
-        const W e = dec[col / VD], delta = bet[col / VD] * (vs[col] - e * sk[j] * ik);
+        if (col >= cb + BC) break;
+        const W e = dec[col / VD], delta = bet[col / VD] * (vs[col - cb] - e * sk[j] * ik);
 #pragma unroll
         for (int i = 0; i < KPL; ++i) S[i][j] = e * S[i][j] + kr[i] * delta;
-        if (lane == (j & 31)) os[col] = e * sq[j] * iq + delta * kq * ik * iq;
+        if (lane == (j & 31)) os[col - cb] = e * sq[j] * iq + delta * kq * ik * iq;
       }
     }
     __syncthreads();
-    // 3. the gated RMSNorm, a warp a value head
-#pragma unroll
-    for (int k = 0; k < RPW; ++k) {
-      const int r = warp + k * NW;
-      if (r >= R) break;
-      const W* orow = os + r * VD;
+    // 3. the gated RMSNorm: each head's (part's) sum of squares a warp, then a column a thread
+    for (int p = warp; p < BC / SEG; p += NW) {
       W ss = 0;
-#pragma unroll
-      for (int i = 0; i < NV; ++i) ss += lane + 32 * i < VD ? orow[lane + 32 * i] * orow[lane + 32 * i] : (W)0;
-      const W inv = rsqrt(rlx_net_sum(ss) / (W)VD + eps);
-      T* out = o + (((i64)b * steps + t) * H + hk * R + r) * VD;
-#pragma unroll
-      for (int i = 0; i < NV; ++i)
-        if (lane + 32 * i < VD)
-          out[lane + 32 * i] = ST(T, orow[lane + 32 * i] * inv * nwv[i] * rlx_net_silu(zr[k][i]));
+      for (int i = lane; i < SEG; i += 32) ss += os[p * SEG + i] * os[p * SEG + i];
+      ss = rlx_net_sum(ss);
+      if (lane == 0) ssq[p] = ss;
     }
-    __syncthreads();                 // qk, vs, os, dec and bet are free for the next step
+    rlx_net_sync();
+#pragma unroll
+    for (int i = 0; i < NZ; ++i) {
+      const int c = tid + i * NT, col = cb + c;
+      if (c >= BC) break;
+#if PB > 1
+      W ss = 0;                      // the head's parts in the PB blocks of ranks rank / PB * PB, ..
+#pragma unroll
+      for (int p = 0; p < PB; ++p) ss += rlx_cluster_load(&ssq[0], rank / PB * PB + p);
+#else
+      const W ss = ssq[c / SEG];
+#endif
+      const W inv = rsqrt(ss / (W)VD + eps);
+      o[(((i64)b * steps + t) * H + hk * R + col / VD) * VD + col % VD] =
+          ST(T, os[c] * inv * nwv[i] * rlx_net_silu(zr[i]));
+    }
+    rlx_net_sync();                  // qk, vs, os, ssq, dec and bet are free for the next step
   }
-  // the new states
+  // the new states (q's and k's conv rows by rank 0: every rank read them before the barrier)
 #pragma unroll
   for (int j = 0; j < CPT; ++j) {
     const int lc = tid + j * NT;
-    if (lc < NC && WID > 1)
+    if (lc < NC && WID > 1 && (lc >= 2 * KD || rank == 0))
 #pragma unroll
       for (int i = 0; i < KEEP; ++i) cs1[((i64)b * C + ch[j]) * (WID - 1) + i] = ST(T, win[j][i]);
   }
@@ -211,12 +236,12 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_gdn_net(const T* __restrict
       rlx_vec<T, E> p;
 #pragma unroll
       for (int e = 0; e < E; ++e) p.v[e] = ST(T, S[i][j0 + e]);
-      if (kk < KD && c0 + j0 < R * VD) *(rlx_vec<T, E>*)&s1[at_state(kk, c0 + j0)] = p;
+      if (kk < KD && c0 + j0 < cb + BC) *(rlx_vec<T, E>*)&s1[at_state(kk, c0 + j0)] = p;
     }
 #else
 #pragma unroll
     for (int j = 0; j < VPW; ++j)
-      if (kk < KD && c0 + j < R * VD) s1[at_state(kk, c0 + j)] = ST(T, S[i][j]);
+      if (kk < KD && c0 + j < cb + BC) s1[at_state(kk, c0 + j)] = ST(T, S[i][j]);
 #endif
   }
 }

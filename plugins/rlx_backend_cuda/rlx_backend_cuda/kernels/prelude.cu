@@ -30,6 +30,31 @@ typedef unsigned int u32;
 #else
 #define RLX_GRID_WAIT()
 #endif
+// Thread block clusters (sm_90): RLX_CLUSTER_X(n) before a kernel's name makes clusters of n
+// blocks along x (nothing elsewhere: the launch must then take n = 1); a block's rank in its
+// cluster, the cluster's barrier, and a float of another block's shared memory. (A host build,
+// tests/cuda_emu.py, brings its own three and reads the kernel's cluster size itself.)
+#if !defined(RLX_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define RLX_CLUSTER_X(n) __cluster_dims__(n, 1, 1)
+__device__ __forceinline__ unsigned rlx_cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void rlx_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// the float at p of block `rank`'s shared memory (p an address of this block's)
+__device__ __forceinline__ float rlx_cluster_load(const float* p, unsigned rank) {
+  unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
+  return v;
+}
+#else
+#define RLX_CLUSTER_X(n)
+#endif
 #define RLX_INF __int_as_float(0x7f800000)
 // V consecutive values moved as one aligned vector (16-byte loads and stores where V * size
 // allows): the vectorized elementwise kernels
