@@ -191,8 +191,8 @@ def moe_gdn() -> list:
         out.append((f"conv1d {t}", S.render(S.CONV1D, T=t, ACC=acc, WID=4, EPILOGUE="v = v + LD(W, bias[n]);"),
                     "rlx_conv1d"))
         out.append((f"conv1d state {t}", S.render(S.CONV1D_STATE, T=t, WID=4), "rlx_conv1d_state"))
-        out.append((f"gdn net {t}", S.render(S.GDN_NET, T=t, ACC=acc, KD=128, VD=128, R=1, WID=4,
-                                             NW=8, VPW=16, KPL=4, CPT=2, VEC=1, EARLY=1, CS=1), "rlx_gdn_net"))
+        out.append((f"gdn net {t}", S.render(S.GDN_NET, T=t, ACC=acc, KD=128, VD=128, R=1, WID=4, NW=8,
+                                             VPW=16, KPL=4, CPT=2, VEC=1, EARLY=1, CS=1), "rlx_gdn_net"))
         if acc == "float":           # (a value head in 8 blocks of a cluster)
             out.append((f"gdn net {t} cluster", S.render(S.GDN_NET, T=t, ACC=acc, KD=128, VD=128, R=1, WID=4,
                                                          NW=2, VPW=8, KPL=4, CPT=5, VEC=1, EARLY=1, CS=8),

@@ -5,13 +5,14 @@ defines, parts) with the host C++ compiler against a small emulation of what the
 from CUDA: 16-bit float types, vector types, warp shuffles, block barriers, atomics, dp4a,
 the bit intrinsics and thread block clusters. `launch(grid, block, args, shared_mem)` runs the
 clusters (of a `__cluster_dims__` or `RLX_CLUSTER_X` kernel; else single blocks) one after
-another, each as one OS thread per CUDA thread of its blocks (a barrier for __syncthreads, one per warp for the
-shuffles, one for the cluster, so a warp whose lanes do not all reach a shuffle hangs, as on the
-GPU it would be undefined; a barrier waiting a minute aborts the process, so such a test fails
-rather than hangs). Each block has its own static shared arrays, which its cluster's blocks read
-through `rlx_cluster_load`. Inline PTX (tensor cores, griddepcontrol) is not emulated: a
-kernel holding it outside `#ifdef __CUDA_ARCH__` fails to compile here. Slow, for small
-shapes: a check of the kernel's arithmetic and indexing, not of its speed or memory ordering."""
+another, each as one OS thread per CUDA thread of its blocks (a barrier for __syncthreads, one
+per warp for the shuffles, one for the cluster, so a warp whose lanes do not all reach a shuffle
+hangs, as on the GPU it would be undefined; a barrier waiting a minute aborts the process, so
+such a test fails rather than hangs). Each block has its own static shared arrays, which its
+cluster's blocks read through `rlx_cluster_load`. Inline PTX (tensor cores, griddepcontrol) is
+not emulated: a kernel holding it outside `#ifdef __CUDA_ARCH__` fails to compile here. Slow,
+for small shapes: a check of the kernel's arithmetic and indexing, not of its speed or memory
+ordering."""
 from __future__ import annotations
 
 import ctypes
@@ -253,7 +254,8 @@ template <class F> void rlx_emu_run(dim3 grid, dim3 block, dim3 cl, F body) {
 
 _SCALARS = {"int": ctypes.c_int, "long long": ctypes.c_longlong, "float": ctypes.c_float,
             "double": ctypes.c_double, "unsigned int": ctypes.c_uint}
-_SIG = re.compile(r'extern "C" __global__ void ((?:(?:__\w+__|RLX_CLUSTER_X)\([^)]*\) )*)(\w+)\((.*?)\)\s*\{', re.S)
+_SIG = re.compile(r'extern "C" __global__ void ((?:(?:__\w+__|RLX_CLUSTER_X)\([^)]*\) )*)(\w+)\((.*?)\)\s*\{',
+                  re.S)
 _SHARED = re.compile(r"(?<!extern )__shared__ (?:__align__\(\d+\) )?([\w ]+?) (\w+(?:\[[^\]]+\])*"
                      r"(?:, \w+(?:\[[^\]]+\])*)*);")
 _DECL = re.compile(r"(\w+)((?:\[[^\]]+\])*)")

@@ -707,8 +707,9 @@ def _aligned(a: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("case", EMULATED_DECODE, ids=lambda c: f"D{c[4]}-{c[5].value}-{c[6]}-z{c[7]}")
 def test_emulated_cluster_decode_attention(rng, case):
     """The decode attention kernel (a cluster of 8 blocks a kv head and group of its query heads,
-    merged through each other's shared memory) run on the CPU (cuda_emu) as ops._decode_attention renders and launches it,
-    causal at each row's position, against float64 within the dtype's tolerance."""
+    merged through each other's shared memory) run on the CPU (cuda_emu) as
+    ops._decode_attention renders and launches it, causal at each row's position, against
+    float64 within the dtype's tolerance."""
     from cuda_emu import compile_kernel
 
     from rlx_backend_cuda import sources

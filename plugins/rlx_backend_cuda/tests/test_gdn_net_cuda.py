@@ -88,16 +88,18 @@ def test_decode_loop_on_state_leaves_from_column_slices(rng, shape):
 CLUSTERS = [("qwen35", 1), ("qwen35", 2), ("qwen35", 8), ("odd", 1), ("odd", 3), ("odd", 6)]
 
 
-def test_cluster_choice():
+def test_cluster_choice(monkeypatch):
     """net_cluster spreads few key heads over SMs that would idle, in one wave, by whole heads or
     equal parts of one; many heads (a batch) keep one block each."""
-    from rlx_backend_cuda.deltanet import NET_BLOCK_COLUMNS, NET_CLUSTER, net_cluster
+    from rlx_backend_cuda import deltanet
+    from rlx_backend_cuda.deltanet import NET_BLOCK_COLUMNS, net_cluster
 
+    monkeypatch.setattr(deltanet, "NET_CLUSTER", 8)
     for vd, r, blocks, sms in ((128, 1, 16, 132), (128, 2, 16, 132), (72, 3, 2, 132), (128, 1, 512, 132),
                                (128, 1, 40, 132), (64, 1, 1, 132)):
         cs = net_cluster(vd, r, blocks, sms)
         cols = r * vd // cs
-        assert r * vd % cs == 0 and blocks * cs <= max(sms, blocks) and cs <= NET_CLUSTER
+        assert r * vd % cs == 0 and blocks * cs <= max(sms, blocks) and cs <= 8
         assert cols % vd == 0 or vd % cols == 0
         assert cs == 1 or cols >= NET_BLOCK_COLUMNS
     assert net_cluster(128, 1, 16, 132) == 8 and net_cluster(128, 1, 512, 132) == 1
