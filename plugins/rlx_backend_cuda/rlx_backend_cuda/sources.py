@@ -302,15 +302,15 @@ ATTN_DECODE_LOADS = 4           # K (and V) row loads a lane issues for its warp
 ATTN_DECODE_CLUSTER = 8         # blocks sharing one (batch, kv head)'s keys (the portable cluster size)
 ATTN_DECODE_KEYS = 2048         # cache positions up to which it is used (measured faster than split-K there)
 ATTN_DECODE_SMEM = 44 * 1024    # bytes of shared memory it may take
-
-
 ATTN_DECODE_HEADS = 1           # query heads a block takes at least, where the GPU has SMs for more blocks
 
 
 def attn_decode_groups(g: int, clusters_blocks: int, sms: int) -> int:
-    """Into how many groups ATTN_DECODE splits a kv head's g query heads (grid z): the most
-    that leaves a group ATTN_DECODE_HEADS heads or more and the grid within one wave of
-    `sms` blocks (clusters_blocks: the blocks of one group per kv head and batch row)."""
+    """Into how many groups ATTN_DECODE splits a kv head's g query heads (grid z): the largest
+    power of two dividing g that leaves a group ATTN_DECODE_HEADS heads or more and the grid
+    within one wave of `sms` blocks (clusters_blocks: the blocks of one group for every kv head
+    and batch row). Qwen3.5-2B bf16 decode (2 kv heads x 4 query heads, H200): 1.581 ms a
+    token at one group, 1.536 at four; Llama q4_k (8 x 4): 0.694 at one, 0.672 at two."""
     n = 1
     while g % (2 * n) == 0 and g // (2 * n) >= ATTN_DECODE_HEADS and clusters_blocks * 2 * n <= sms:
         n *= 2

@@ -13,9 +13,9 @@
 //      its taps and its window of the last WID - 1 inputs in registers); each thread's z
 //      values asked for (used in 3);
 //   2. the rule (as deltanet.cu:rule) on the l2-normed q (also scaled) and k: warp w the value
-//      columns [cb + w VPW, cb + (w + 1) VPW) of the R heads side by side (cb = rank BC), lane l
-//      the state rows l, l + 32,
-//      ..; S' = e^g S + k delta^T, delta = beta (v - e^g S^T k), o = e^g S^T q + delta (k . q).
+//      columns [cb + w VPW, cb + (w + 1) VPW) of the R heads side by side (cb = rank BC), lane
+//      l the state rows l, l + 32, ..; S' = e^g S + k delta^T, delta = beta (v - e^g S^T k),
+//      o = e^g S^T q + delta (k . q).
 //      Every warp sums q's and k's squares in the butterfly that sums S^T k and S^T q, and
 //      scales those sums by the norms after it: the norms take no barrier and no warps of
 //      their own (a Qwen3.5 decode step's 16 blocks wait on barriers and loads, not math);
