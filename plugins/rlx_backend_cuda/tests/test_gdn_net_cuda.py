@@ -112,9 +112,10 @@ def test_cluster_choice(monkeypatch):
                          ids=lambda v: v.value if hasattr(v, "value") else str(v))
 def test_emulated_gated_delta_net(rng, shape, cs, dt, t):
     """The kernel on the CPU (cuda_emu), launched as deltanet.build_gated_delta_net launches it
-    over contiguous operands, a key head's columns in cs blocks of a cluster: o and both new
-    states against the float64 reference within the dtype's tolerance (no GPU needed; bf16
-    within TOL here is why the GPU test above no longer loosens it)."""
+    over contiguous operands, a key head's columns in cs blocks of a cluster (whose states are
+    written in place, as a decode step's: every block reads q's and k's conv rows, which rank 0
+    rewrites): o and both new states against the float64 reference within the dtype's tolerance
+    (no GPU needed; bf16 within TOL here is why the GPU test above no longer loosens it)."""
     from rlx_backend_cuda import sources
     from rlx_backend_cuda.codegen import ctype
     from rlx_backend_cuda.deltanet import net_layout
@@ -127,13 +128,13 @@ def test_emulated_gated_delta_net(rng, shape, cs, dt, t):
                          EARLY=int(t > 1), **lay)          # (the leaves loaded before the wait, and after)
     kern = cuda_emu.compile_kernel(src, "rlx_gdn_net")
     ins = [np.ascontiguousarray(arr[n], dt.np) for n in NAMES]          # (rand: values of dt, stored f64)
+    want = ref_gated_delta_net(*[np.asarray(v, np.float64) for v in ins], SCALE, EPS)
     o = np.zeros((b, t, h, vd), dt.np)
-    cs1, s1 = np.zeros_like(ins[2]), np.zeros_like(ins[9])
+    cs1, s1 = (ins[2], ins[9]) if cs > 1 else (np.zeros_like(ins[2]), np.zeros_like(ins[9]))
     i64, i32 = np.int64, np.int32
     strides = tuple(map(i64, (t * c, c, t * h * vd, h * vd, vd, t * h, h, t * h, h)))    # x, z, b, a
     kern.launch((hk * cs, b), (32 * lay["NW"],), (*ins[:3], cs1, *ins[3:10], s1, o, i32(t), i32(hk), *strides,
                                               np.float32(SCALE), np.float32(EPS)))
-    want = ref_gated_delta_net(*[np.asarray(v, np.float64) for v in ins], SCALE, EPS)
     tol = TOL[dt]
     for got, ref, what in zip((o, cs1, s1), want, ("o", "conv state", "state")):
         err = np.abs(got.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30)
