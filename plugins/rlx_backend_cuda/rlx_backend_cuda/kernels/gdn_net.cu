@@ -44,14 +44,6 @@ __device__ __forceinline__ W rlx_net_sum(W v) {
   for (int m = 16; m > 0; m >>= 1) v += SHFL_XOR(v, m);
   return v;
 }
-// every thread of the cluster (CS > 1) or of the block waits here
-__device__ __forceinline__ void rlx_net_sync() {
-#if CS > 1
-  rlx_cluster_sync();
-#else
-  __syncthreads();
-#endif
-}
 extern "C" __global__ void RLX_CLUSTER_X(CS) __launch_bounds__(NT) rlx_gdn_net(const T* __restrict__ x,
     const T* __restrict__ cw, const T* cs0, T* cs1, const T* __restrict__ z, const T* __restrict__ bl,
     const T* __restrict__ al, const T* __restrict__ a_log, const T* __restrict__ dt_bias,
@@ -200,7 +192,11 @@ extern "C" __global__ void RLX_CLUSTER_X(CS) __launch_bounds__(NT) rlx_gdn_net(c
       ss = rlx_net_sum(ss);
       if (lane == 0) ssq[p] = ss;
     }
-    rlx_net_sync();
+#if PB > 1
+    rlx_cluster_sync();              // (the head's other parts are read from the cluster's blocks)
+#else
+    __syncthreads();
+#endif
 #pragma unroll
     for (int i = 0; i < NZ; ++i) {
       const int c = tid + i * NT, col = cb + c;
@@ -216,7 +212,13 @@ extern "C" __global__ void RLX_CLUSTER_X(CS) __launch_bounds__(NT) rlx_gdn_net(c
       o[(((i64)b * steps + t) * H + hk * R + col / VD) * VD + col % VD] =
           ST(T, os[c] * inv * nwv[i] * rlx_net_silu(zr[i]));
     }
-    rlx_net_sync();                  // qk, vs, os, ssq, dec and bet are free for the next step
+    // qk, vs, os, ssq, dec and bet are free for the next step; in a cluster, every block has
+    // also read its conv rows by now (rank 0 rewrites q's and k's after the loop)
+#if CS > 1
+    rlx_cluster_sync();
+#else
+    __syncthreads();
+#endif
   }
   // the new states (q's and k's conv rows by rank 0: every rank read them before the barrier)
 #pragma unroll
