@@ -126,8 +126,8 @@ def test_a_define_value_with_a_comment_or_directive_is_refused():
                      CSTR_ARGS="long long cs0", DECOMP=decomp, AXIS=0)
 
 
-@pytest.mark.parametrize("g,blocks,sms,want", [(4, 16, 132, 4), (4, 64, 132, 2), (4, 128, 132, 1), (6, 16, 132, 2),
-                                               (1, 8, 132, 1), (8, 8, 32, 4)])
+@pytest.mark.parametrize("g,blocks,sms,want", [(4, 16, 132, 4), (4, 64, 132, 2), (4, 128, 132, 1),
+                                               (6, 16, 132, 2), (1, 8, 132, 1), (8, 8, 32, 4)])
 def test_decode_attention_splits_query_heads_within_one_wave(g, blocks, sms, want, monkeypatch):
     """attn_decode_groups: the most power-of-two groups of a kv head's g query heads (down to one
     head a group) whose blocks still fit one wave of the GPU's SMs; ATTN_DECODE_HEADS bounds it."""
