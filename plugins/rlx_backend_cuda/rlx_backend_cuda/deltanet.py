@@ -52,14 +52,6 @@ GDN_TC_BV = 16            # state columns a block of the tensor-core walk holds 
 CONV_THREADS = 128        # channels a block of causal_conv1d takes
 CONV_RUN = 16             # steps a causal_conv1d thread walks (its window in registers)
 GRID_Y_MAX = 65535        # CUDA's limit on a grid's y extent
-# gated_delta_net: state columns a warp holds, at most (registers: K / 32 x this). Qwen3.5-2B bf16
-# decode (H200, 2 blocks a key head): 1.506 ms a token at 8, 1.521 at 16, 1.672 at 32
-NET_COLUMNS = 8
-NET_WARPS_MAX = 32        # its block, at most (1024 threads)
-# blocks sharing a key head's columns, at most (sm_90 clusters). Qwen3.5-2B bf16 decode (16 key heads
-# x 128 x 128, H200, 16 columns a warp): 1.581 ms a token at 1, 1.521 at 2, 1.546 at 4, 1.527 at 8
-NET_CLUSTER = 2
-NET_BLOCK_COLUMNS = 16    # state columns a block of such a cluster holds, at least
 
 
 def _scan_smem(c: int, kd: int) -> int:
@@ -226,29 +218,6 @@ def _unit_last(b, x):
     return x, tuple(i64(s) for s in x.es[:-1])
 
 
-def net_cluster(vd: int, r: int, blocks: int, sms: int) -> int:
-    """Blocks a key head's r * vd state columns spread over (rlx_gdn_net's CS) where `blocks`
-    clusters (key heads x batch rows) leave SMs idle: the most, up to NET_CLUSTER, that keeps
-    the grid within one wave and gives each block at least NET_BLOCK_COLUMNS columns, whole
-    value heads or an equal part of one."""
-    cols = r * vd
-    fits = [cs for cs in range(1, NET_CLUSTER + 1)
-            if cols % cs == 0 and blocks * cs <= sms and (cs == 1 or cols // cs >= NET_BLOCK_COLUMNS)
-            and ((cols // cs) % vd == 0 or vd % (cols // cs) == 0)]
-    return max(fits, default=1)
-
-
-def net_layout(kd: int, vd: int, r: int, width: int, itemsize: int, cs: int = 1) -> dict:
-    """rlx_gdn_net's compile-time shape for clusters of cs blocks a key head: warps (NW), state
-    columns a warp (VPW), rows a lane (KPL), conv channels a thread (CPT), and whether a warp's
-    columns are one aligned run of a head's row within its block's columns (VEC: 16-byte loads)."""
-    cols = r * vd // cs
-    nw = min(NET_WARPS_MAX, max(2, -(-cols // NET_COLUMNS)))
-    vpw = -(-cols // nw)
-    vec = int(cols % vpw == 0 and vd % vpw == 0 and (vpw * itemsize) % 16 == 0)
-    return dict(NW=nw, VPW=vpw, KPL=-(-kd // 32), CPT=-(-(2 * kd + cols) // (32 * nw)), VEC=vec, CS=cs)
-
-
 def _from_leaf(b, ref) -> bool:
     """Whether value `ref` is a leaf (param, state, constant, input) or a view of one: no kernel
     of the run writes it before the node reading it."""
@@ -294,8 +263,9 @@ def build_gated_delta_net(b, n, ins, outs):
                   for t, what in ((o, "output"), (cs1, "conv state"), (s1, "state")))
     r = h // hk
     acc = acc_of(x.dt)
-    cs = 1 if acc == "double" or device.cluster_missing(b.cc, b.hip) else net_cluster(vd, r, hk * B, b.sms)
-    lay = net_layout(kd, vd, r, w.shape[1], s0.arr.itemsize, cs)
+    clusters = acc != "double" and not device.cluster_missing(b.cc, b.hip)
+    cs = sources.net_cluster(vd, r, hk * B, b.sms) if clusters else 1
+    lay = sources.net_layout(kd, vd, r, w.shape[1], s0.arr.itemsize, cs)
     lay["VEC"] &= int(s0.arr.data.ptr % 16 == 0 and sd.arr.data.ptr % 16 == 0)
     early = int(all(_from_leaf(b, n.inputs[j]) for j in (1, 2, 9)))
     src = sources.render(sources.GDN_NET, T=ctype(x.dt), ACC=acc, KD=kd, VD=vd, R=r, WID=w.shape[1], EARLY=early,
@@ -312,5 +282,4 @@ def build_gated_delta_net(b, n, ins, outs):
 BUILDERS.update({"gated_delta_rule": build_gated_delta_rule, "causal_conv1d": build_causal_conv1d,
                  "gated_delta_net": build_gated_delta_net})
 
-__all__ = ["build_gated_delta_rule", "build_causal_conv1d", "build_gated_delta_net", "net_cluster",
-           "net_layout"]
+__all__ = ["build_gated_delta_rule", "build_causal_conv1d", "build_gated_delta_net"]

@@ -191,12 +191,10 @@ def moe_gdn() -> list:
         out.append((f"conv1d {t}", S.render(S.CONV1D, T=t, ACC=acc, WID=4, EPILOGUE="v = v + LD(W, bias[n]);"),
                     "rlx_conv1d"))
         out.append((f"conv1d state {t}", S.render(S.CONV1D_STATE, T=t, WID=4), "rlx_conv1d_state"))
-        out.append((f"gdn net {t}", S.render(S.GDN_NET, T=t, ACC=acc, KD=128, VD=128, R=1, WID=4, NW=8,
-                                             VPW=16, KPL=4, CPT=2, VEC=1, EARLY=1, CS=1), "rlx_gdn_net"))
-        if acc == "float":           # (a value head in 8 blocks of a cluster)
-            out.append((f"gdn net {t} cluster", S.render(S.GDN_NET, T=t, ACC=acc, KD=128, VD=128, R=1, WID=4,
-                                                         NW=2, VPW=8, KPL=4, CPT=5, VEC=1, EARLY=1, CS=8),
-                        "rlx_gdn_net"))
+        for cs in (1, 8) if acc == "float" else (1,):          # (8: a value head in 8 blocks of a cluster)
+            lay = S.net_layout(128, 128, 1, 4, 16 // vec, cs)     # (vec: elements of 16 bytes)
+            src = S.render(S.GDN_NET, T=t, ACC=acc, KD=128, VD=128, R=1, WID=4, EARLY=1, **lay)
+            out.append((f"gdn net {t}" + " cluster" * (cs > 1), src, "rlx_gdn_net"))
     for kind in S.DQ_SCHEMES:
         src = S.DQ_COMMON + S.DQ_SCHEMES[kind] + S.DQ_QF + S.MOE_PACKED_TAIL
         out.append((f"moe packed {kind}", S.render(src, ACC="float", A=16, XV=1, T="__nv_bfloat16", TO="__nv_bfloat16",

@@ -2173,11 +2173,12 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
     B, H, Sq, D = q.shape
     KVH, Sk = k.shape[1], k.shape[2]
     vk = min(_attn_vec(k, D), _attn_vec(v, D))
+    blocks = B * KVH * sources.ATTN_DECODE_CLUSTER        # (one group of query heads a kv head)
     if (Sq != 1 or device.cluster_missing(b.cc, b.hip) or v.shape[3] != D or out.es[3] != 1
-            or Sk > sources.ATTN_DECODE_KEYS or B * KVH * sources.ATTN_DECODE_CLUSTER > b.sms):
+            or Sk > sources.ATTN_DECODE_KEYS or blocks > b.sms):
         return None
     pair = min(_attn_vec(k, D, 32), _attn_vec(v, D, 32)) == 2 * vk
-    groups = sources.attn_decode_groups(H // KVH, B * KVH * sources.ATTN_DECODE_CLUSTER, b.sms)
+    groups = sources.attn_decode_groups(H // KVH, blocks, b.sms)
     sh = sources.attn_decode_shape(H // KVH // groups, D, vk, pair)
     if sh is None:
         return None

@@ -281,6 +281,39 @@ ATTN_LOADS = 2           # vector loads per lane for K and for V in one key tile
 ATTN_SMALL_GRID = (256, 4)
 
 
+# gated_delta_net: state columns a warp holds, at most (registers: K / 32 x this). Qwen3.5-2B bf16
+# decode (H200, 2 blocks a key head): 1.506 ms a token at 8, 1.521 at 16, 1.672 at 32
+NET_COLUMNS = 8
+NET_WARPS_MAX = 32        # its block, at most (1024 threads)
+# blocks sharing a key head's columns, at most (sm_90 clusters). Qwen3.5-2B bf16 decode (16 key heads
+# x 128 x 128, H200, 16 columns a warp): 1.581 ms a token at 1, 1.521 at 2, 1.546 at 4, 1.527 at 8
+NET_CLUSTER = 2
+NET_BLOCK_COLUMNS = 16    # state columns a block of such a cluster holds, at least
+
+
+def net_cluster(vd: int, r: int, blocks: int, sms: int) -> int:
+    """Blocks a key head's r * vd state columns spread over (rlx_gdn_net's CS) where `blocks`
+    clusters (key heads x batch rows) leave SMs idle: the most, up to NET_CLUSTER, that keeps
+    the grid within one wave and gives each block at least NET_BLOCK_COLUMNS columns, whole
+    value heads or an equal part of one."""
+    cols = r * vd
+    fits = [cs for cs in range(1, NET_CLUSTER + 1)
+            if cols % cs == 0 and blocks * cs <= sms and (cs == 1 or cols // cs >= NET_BLOCK_COLUMNS)
+            and ((cols // cs) % vd == 0 or vd % (cols // cs) == 0)]
+    return max(fits, default=1)
+
+
+def net_layout(kd: int, vd: int, r: int, width: int, itemsize: int, cs: int = 1) -> dict:
+    """rlx_gdn_net's compile-time shape for clusters of cs blocks a key head: warps (NW), state
+    columns a warp (VPW), rows a lane (KPL), conv channels a thread (CPT), and whether a warp's
+    columns are one aligned run of a head's row within its block's columns (VEC: 16-byte loads)."""
+    cols = r * vd // cs
+    nw = min(NET_WARPS_MAX, max(2, -(-cols // NET_COLUMNS)))
+    vpw = -(-cols // nw)
+    vec = int(cols % vpw == 0 and vd % vpw == 0 and (vpw * itemsize) % 16 == 0)
+    return dict(NW=nw, VPW=vpw, KPL=-(-kd // 32), CPT=-(-(2 * kd + cols) // (32 * nw)), VEC=vec, CS=cs)
+
+
 ATTN_SHORT_THREADS = 512
 ATTN_SHORT_KEYS = 512           # cache positions up to which the short kernel is used (one key a thread)
 ATTN_SHORT_SMEM = 44 * 1024     # bytes of shared memory it may take

@@ -4,10 +4,10 @@
 defines, parts) with the host C++ compiler against a small emulation of what the kernels use
 from CUDA: 16-bit float types, vector types, warp shuffles, block barriers, atomics, dp4a,
 the bit intrinsics and thread block clusters. `launch(grid, block, args, shared_mem)` runs the
-clusters (of a `__cluster_dims__` or `RLX_CLUSTER_X` kernel; else single blocks) one after
-another, each as one OS thread per CUDA thread of its blocks (a barrier for __syncthreads, one
-per warp for the shuffles, one for the cluster, so a warp whose lanes do not all reach a shuffle
-hangs, as on the GPU it would be undefined; a barrier waiting a minute aborts the process, so
+clusters (of an `RLX_CLUSTER` kernel, the prelude's `__cluster_dims__`; else single blocks)
+one after another, each as one OS thread per CUDA thread of its blocks (a barrier for
+__syncthreads, one per warp for the shuffles, one for the cluster, so a warp whose lanes do not
+all reach a shuffle hangs, as on the GPU it would be undefined; a barrier waiting a minute aborts the process, so
 such a test fails rather than hangs). Each block has its own static shared arrays, which its
 cluster's blocks read through `rlx_cluster_load`. Inline PTX (tensor cores, griddepcontrol) is
 not emulated: a kernel holding it outside `#ifdef __CUDA_ARCH__` fails to compile here. Slow,
@@ -46,7 +46,6 @@ SHIM = r"""
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __align__(n) alignas(n)
-#define __cluster_dims__(...)
 using std::min; using std::max; using std::isfinite; using std::isnan; using std::isinf;
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 static thread_local dim3 threadIdx, blockIdx;
@@ -194,7 +193,7 @@ template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) {
   rlx_emu_me->warps[w]->arrive_and_wait();
   return o;
 }
-// clusters (what attn.cu's decode kernel takes from sm_90's PTX on the GPU)
+// clusters (what the prelude's cluster helpers take from sm_90's PTX on the GPU)
 inline unsigned rlx_cluster_rank() { return rlx_emu_rank; }
 inline void rlx_cluster_sync() { rlx_emu_cbar->arrive_and_wait(); }
 inline float rlx_cluster_load(const float* p, unsigned rank) {
@@ -254,7 +253,7 @@ template <class F> void rlx_emu_run(dim3 grid, dim3 block, dim3 cl, F body) {
 
 _SCALARS = {"int": ctypes.c_int, "long long": ctypes.c_longlong, "float": ctypes.c_float,
             "double": ctypes.c_double, "unsigned int": ctypes.c_uint}
-_SIG = re.compile(r'extern "C" __global__ void ((?:(?:__\w+__|RLX_CLUSTER_X)\([^)]*\) )*)(\w+)\((.*?)\)\s*\{',
+_SIG = re.compile(r'extern "C" __global__ void ((?:(?:__\w+__|RLX_CLUSTER)\([^)]*\) )*)(\w+)\((.*?)\)\s*\{',
                   re.S)
 _SHARED = re.compile(r"(?<!extern )__shared__ (?:__align__\(\d+\) )?([\w ]+?) (\w+(?:\[[^\]]+\])*"
                      r"(?:, \w+(?:\[[^\]]+\])*)*);")
@@ -332,12 +331,10 @@ def compile_kernel(source: str, name: str, cache: str | None = None) -> Kernel:
         raise ValueError(f"no kernel {name!r} in the source")
     types = _params(sig.group(3), text)
     call = ", ".join(f"*({t}*)a[{i}]" for i, t in enumerate(types))
-    cl = re.search(r"__cluster_dims__\(([^)]*)\)", sig.group(1))
-    cx = re.search(r"RLX_CLUSTER_X\(([^)]*)\)", sig.group(1))
-    dims = cl.group(1) if cl else f"{cx.group(1)}, 1, 1" if cx else "1, 1, 1"
+    cl = re.search(r"RLX_CLUSTER\(([^)]*)\)", sig.group(1))
     launcher = (f'\nextern "C" void rlx_emu_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
                 f'unsigned by, unsigned bz, unsigned char* smem, void** a) {{\n  rlx_emu_dyn = smem;\n'
-                f'  rlx_emu_run({{gx, gy, gz}}, {{bx, by, bz}}, {{{dims}}}, '
+                f'  rlx_emu_run({{gx, gy, gz}}, {{bx, by, bz}}, {{{cl.group(1) if cl else "1, 1, 1"}}}, '
                 f'[&] {{ {name}({call}); }});\n}}\n')
     full = SHIM + text + launcher
     cache = cache or os.path.join(tempfile.gettempdir(), "rlx_cuda_emu")

@@ -91,10 +91,10 @@ CLUSTERS = [("qwen35", 1), ("qwen35", 2), ("qwen35", 8), ("odd", 1), ("odd", 3),
 def test_cluster_choice(monkeypatch):
     """net_cluster spreads few key heads over SMs that would idle, in one wave, by whole heads or
     equal parts of one; many heads (a batch) keep one block each."""
-    from rlx_backend_cuda import deltanet
-    from rlx_backend_cuda.deltanet import NET_BLOCK_COLUMNS, net_cluster
+    from rlx_backend_cuda import sources
+    from rlx_backend_cuda.sources import NET_BLOCK_COLUMNS, net_cluster
 
-    monkeypatch.setattr(deltanet, "NET_CLUSTER", 8)
+    monkeypatch.setattr(sources, "NET_CLUSTER", 8)
     for vd, r, blocks, sms in ((128, 1, 16, 132), (128, 2, 16, 132), (72, 3, 2, 132), (128, 1, 512, 132),
                                (128, 1, 40, 132), (64, 1, 1, 132)):
         cs = net_cluster(vd, r, blocks, sms)
@@ -118,7 +118,7 @@ def test_emulated_gated_delta_net(rng, shape, cs, dt, t):
     (no GPU needed; bf16 within TOL here is why the GPU test above no longer loosens it)."""
     from rlx_backend_cuda import sources
     from rlx_backend_cuda.codegen import ctype
-    from rlx_backend_cuda.deltanet import net_layout
+    from rlx_backend_cuda.sources import net_layout
 
     b, hk, h, kd, vd = SHAPES[shape]
     arr = _arrays(rng, b, t, hk, h, kd, vd, dt)

@@ -554,7 +554,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
 // mask once for its G heads, not G times. Grid z splits a kv head's H / KVH query heads into
 // groups of G (blocks z): more blocks read the same keys (from L2), each with fewer heads.
 #define NW (NT / 32)
-extern "C" __global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(NT) rlx_attn_decode(
+extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_decode(
     const TQ* __restrict__ q, long long qsb, long long qsh,
     const TK* __restrict__ k, long long ksb, long long ksh, long long kss,
     const TV* __restrict__ v, long long vsb, long long vsh, long long vss,

@@ -44,7 +44,7 @@ __device__ __forceinline__ W rlx_net_sum(W v) {
   for (int m = 16; m > 0; m >>= 1) v += SHFL_XOR(v, m);
   return v;
 }
-extern "C" __global__ void RLX_CLUSTER_X(CS) __launch_bounds__(NT) rlx_gdn_net(const T* __restrict__ x,
+extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_net(const T* __restrict__ x,
     const T* __restrict__ cw, const T* cs0, T* cs1, const T* __restrict__ z, const T* __restrict__ bl,
     const T* __restrict__ al, const T* __restrict__ a_log, const T* __restrict__ dt_bias,
     const T* __restrict__ norm_w, const T* s0, T* s1, T* __restrict__ o, int steps, int HK, i64 xb, i64 xt,

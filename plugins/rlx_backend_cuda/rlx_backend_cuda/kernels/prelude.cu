@@ -30,12 +30,13 @@ typedef unsigned int u32;
 #else
 #define RLX_GRID_WAIT()
 #endif
-// Thread block clusters (sm_90): RLX_CLUSTER_X(n) before a kernel's name makes clusters of n
-// blocks along x (nothing elsewhere: the launch must then take n = 1); a block's rank in its
-// cluster, the cluster's barrier, and a float of another block's shared memory. (A host build,
-// tests/cuda_emu.py, brings its own three and reads the kernel's cluster size itself.)
+// Thread block clusters (sm_90): RLX_CLUSTER(x, y, z) before a kernel's name makes clusters of
+// x * y * z blocks (nothing elsewhere: the runner picks such a kernel only where clusters exist,
+// or launches it at size 1); a block's rank in its cluster, the cluster's barrier, and a float
+// of another block's shared memory. (A host build, tests/cuda_emu.py, brings its own three and
+// reads the kernel's cluster shape from RLX_CLUSTER itself.)
 #if !defined(RLX_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define RLX_CLUSTER_X(n) __cluster_dims__(n, 1, 1)
+#define RLX_CLUSTER(x, y, z) __cluster_dims__(x, y, z)
 __device__ __forceinline__ unsigned rlx_cluster_rank() {
   unsigned r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
@@ -53,7 +54,7 @@ __device__ __forceinline__ float rlx_cluster_load(const float* p, unsigned rank)
   return v;
 }
 #else
-#define RLX_CLUSTER_X(n)
+#define RLX_CLUSTER(x, y, z)
 #endif
 #define RLX_INF __int_as_float(0x7f800000)
 // V consecutive values moved as one aligned vector (16-byte loads and stores where V * size
