@@ -31,3 +31,38 @@ def decode_runner(model):
     """The decode graph's runner `generate` used (of its specializations, the most launches)."""
     runners = list(model.executable("decode")._runners.values())
     return max(runners, key=lambda r: len(getattr(r, "steps", ()))) if runners else None
+
+
+def step_kind(step) -> str:
+    """A launch's kind in knockout_table: its op, and for a GEMV the bytes of weights it
+    streams (which tells the gate/up GEMV from the down GEMV)."""
+    nbytes = sum(n for _, n in step.reads)
+    return f"{step.op} {nbytes / 1e6:.1f} MB" if nbytes else step.op
+
+
+def knockout_table(runner, times: int = 50) -> dict:
+    """What each kind of launch costs inside the captured step, where the launches overlap
+    (programmatic dependent launch) and kernel_table's own times do not add up: the step is
+    captured again without that kind's launches and replayed, against the whole step. The
+    step's values are then garbage (only the times are read); the whole step is captured
+    again at the end. {"replay_us": the whole step, "by_kind": {kind: [launches, us saved]}},
+    the most saved first; the prefetch branches (prefetch.py) are never left out."""
+    steps = list(runner.steps)
+
+    def replay_us(kept: list) -> float:
+        runner.steps = kept
+        runner._capture()
+        return min(runner.replay_seconds(times) for _ in range(3)) * 1e6
+
+    kinds: dict = {}
+    for st in steps:
+        if st.op != "l2_prefetch":
+            kinds[step_kind(st)] = kinds.get(step_kind(st), 0) + 1
+    try:
+        whole = replay_us(steps)
+        saved = {k: [n, round(whole - replay_us([st for st in steps if step_kind(st) != k]), 2)]
+                 for k, n in kinds.items()}
+    finally:
+        runner.steps = steps
+        runner._capture()
+    return {"replay_us": round(whole, 2), "by_kind": dict(sorted(saved.items(), key=lambda kv: -kv[1][1]))}

@@ -254,6 +254,11 @@ def side_rlx(a, cfg: dict) -> dict:
             res["prefill"][str(n)]["by_op_ms"] = prefill_by_op(model, ids)
     res["memory_prefill"] = model.memory_report()
     res["memory_prefill_tokens"] = max(a.prefill, default=0)
+    if a.decode_knockout and on_gpu:                      # (last: it leaves the step's values garbage)
+        from gpu_kernels import decode_runner, knockout_table
+
+        res["decode_step"]["knockout_us"] = knockout_table(decode_runner(model))
+        log(f"rlx decode step, what each kind of launch costs in the graph (us): {res['decode_step']['knockout_us']}")
     return res
 
 
@@ -446,6 +451,8 @@ def main() -> int:
     ap.add_argument("--by-op", default="", help="prompt lengths whose RLX prefill is profiled by op "
                     "(default: the shortest)")
     ap.add_argument("--decode-by-op", action="store_true", help="profile one RLX decode step by op (eager)")
+    ap.add_argument("--decode-knockout", action="store_true",
+                    help="what each kind of launch costs in RLX's captured decode step (gpu_kernels.knockout_table)")
     ap.add_argument("--layers", type=int, default=0, help="a multiple of 4 (default: the shape's)")
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (a CPU smoke run)")
     ap.add_argument("--backend", default="cuda", help="RLX's backend")
@@ -479,6 +486,7 @@ def main() -> int:
             f"--decode-prompt={a.decode_prompt}", f"--new={a.new}", f"--reps={a.reps}",
             f"--by-op={','.join(map(str, a.by_op))}",
             *(["--decode-by-op"] if a.decode_by_op else []),
+            *(["--decode-knockout"] if a.decode_knockout else []),
             f"--layers={shape['layers']}",
             f"--backend={a.backend}", f"--device={a.device}"] + (["--tiny"] if a.tiny else [])
     for side in a.sides.split(","):

@@ -12,7 +12,7 @@ from rlx_core.ir.errors import BackendError
 from rlx_core.ir.ops import OPS, Level
 from rlx_core.plugins import hookimpl
 
-from . import device, sources
+from . import device, prefetch, sources
 
 __version__ = "0.1.0"
 
@@ -124,6 +124,10 @@ class CudaBackend(Backend):
             path('int8-activation decode GEMV (dp4a; [precision] activations = "int8")',
                  "a ROCm GPU: its inline PTX is CUDA's" if hip else "",
                  "a kernel rounds x, then the float GEMV", "int8_gemv"),
+            path("L2 prefetch of the next GEMVs' weights beside latency-bound kernels",
+                 prefetch.missing() or ("" if CONFIG["l2_prefetch"] else
+                                        "off by default until measured (RLX_CUDA_L2_PREFETCH=1 turns it on)"),
+                 "each GEMV reads its weights from DRAM as it runs"),
         ]
 
     # -- resources

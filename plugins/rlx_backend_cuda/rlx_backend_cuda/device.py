@@ -46,7 +46,7 @@ def probe() -> tuple:
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         cc = (int(props["major"]), int(props["minor"]))
         info = {"name": name, "cc": cc, "sms": int(props["multiProcessorCount"]), "hip": hip,
-                "total_mem": int(props["totalGlobalMem"])}
+                "total_mem": int(props["totalGlobalMem"]), "l2": int(props.get("l2CacheSize", 0))}
     except Exception as e:
         return False, f"cannot query the GPU ({type(e).__name__}: {e})", {}
     return True, "", info
@@ -83,10 +83,15 @@ def wgmma_missing(cc, hip: bool) -> str:
 def cluster_missing(cc, hip: bool) -> str:
     """Why the cluster decode attention (thread-block clusters, distributed shared memory)
     cannot run on this GPU; '' where it can."""
+    return _sm90_missing(cc, hip, "thread-block clusters")
+
+
+def _sm90_missing(cc, hip: bool, feature: str) -> str:
+    """Why inline PTX of Hopper's `feature` cannot run on this GPU; '' where it can."""
     if hip:
         return "a ROCm GPU: its inline PTX is CUDA's"
     if tuple(cc) < (9, 0):
-        return f"it needs sm_90 or later (thread-block clusters); this GPU is {_sm(cc)}"
+        return f"it needs sm_90 or later ({feature}); this GPU is {_sm(cc)}"
     return ""
 
 
@@ -207,6 +212,11 @@ def dependent_launch():
     fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
+
+
+def l2_prefetch_missing(cc, hip: bool) -> str:
+    """Why the weights' L2 prefetch (prefetch.py) cannot run on this GPU; '' where it can."""
+    return _sm90_missing(cc, hip, "bulk L2 prefetch")
 
 
 def dependent_launch_missing() -> str:

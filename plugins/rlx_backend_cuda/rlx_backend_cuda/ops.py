@@ -319,7 +319,7 @@ def _matmul_gemv(builder, case: MatmulCase, call: MatmulCall) -> bool:
     M, K, N = case.mkn
     rows = M * math.prod(case.batch)
     target = call.out if call.swiglu is None else call.swiglu
-    gemv = _gemv_step(builder, a_mat, _as_read(call)[1], target, rows, N, K, call.swiglu is not None)
+    gemv, reads = _gemv_step(builder, a_mat, _as_read(call)[1], target, rows, N, K, call.swiglu is not None)
     blas = _CublasGemm(builder, case, a_mat, w_mat, call.out)
     tail = [] if call.swiglu is None else _swiglu_tail(builder, call.out, call.swiglu, N)
 
@@ -329,7 +329,7 @@ def _matmul_gemv(builder, case: MatmulCase, call: MatmulCall) -> bool:
         blas()
         for fn in tail:
             fn()
-    builder.add(dispatch)
+    builder.add(dispatch, reads=reads)
     return True
 
 
@@ -485,12 +485,23 @@ def gemv_split(warps: int, K: int, sms: int) -> int:
     return warps_per_row(K // 8, GEMV_LOADS, lambda ks: warps * ks < GEMV_WARPS_PER_SM * sms)
 
 
+def row_streams(b, w: V, rows: int, row_stride: int, row_bytes: int, halves: bool) -> tuple:
+    """The (address, bytes) ranges a decode GEMV streams w's `rows` rows in, front to back
+    (halves: the gate and up halves side by side), for Step.reads; () where a kernel writes w."""
+    if not rows or not b.written_by_no_kernel(w):
+        return ()
+    parts = 2 if halves else 1
+    n = rows // parts
+    return tuple((w.arr.data.ptr + k * n * row_stride, (n - 1) * row_stride + row_bytes) for k in range(parts))
+
+
 def _gemv_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool = False,
                norm: GemvNorm | None = None, residual: GemvResidual | None = None):
-    """The GEMV launch for out[M, N] = x[M, K] @ weight (W [N, K] row-major) (swiglu: out[M,
-    N/2] = silu(gate) * up). norm: x is norm.x's rows, normed in the kernel from the sums of
-    squares its producer left (x only names the shape); residual: out = its rows + the
-    product (its h), which it goes on to norm."""
+    """(run, reads): the GEMV launch for out[M, N] = x[M, K] @ weight (W [N, K] row-major)
+    (swiglu: out[M, N/2] = silu(gate) * up) and the weight ranges it streams (row_streams).
+    norm: x is norm.x's rows, normed in the kernel from the sums of squares its producer left
+    (x only names the shape); residual: out = its rows + the product (its h), which it goes
+    on to norm."""
     dtype = ctype(out.dt)
     mmax = pow2(M, 1, M)
     rows = 2 if swiglu else GEMV_ROWS
@@ -503,6 +514,8 @@ def _gemv_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool 
                          RESID=int(residual is not None),
                          EARLY=int(builder.written_by_no_kernel(V(weight, out.dt))))
     fn = builder.kernel(src, "rlx_gemv")
+    row = K * weight.itemsize
+    reads = row_streams(builder, V(weight, out.dt), N, row, row, swiglu)
     xrs = i64(K)
     if norm is not None:
         x, xrs = norm.rows(M, K)
@@ -511,7 +524,7 @@ def _gemv_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool 
 
     def run():
         fn(grid, block, tuple(args), 0, stream)
-    return run
+    return run, reads
 
 
 # the arguments rlx_gemv and rlx_dq_gemv end with (eps, nsq, nw, noff, res, rrs, yw, osq, zero, zn):
@@ -838,7 +851,7 @@ def _gemv_fused(b, a: V, w: V, tb: bool, out: V, swiglu: V | None, norm: GemvNor
         target, tail = flat(residual.h, N), residual.tail
     elif swiglu is not None:
         tail = tuple(_swiglu_tail(b, of, sf, N))
-    gemv = _gemv_step(b, af.arr, _as_read(call)[1], target, M, N, K, swiglu is not None, norm, residual)
+    gemv, reads = _gemv_step(b, af.arr, _as_read(call)[1], target, M, N, K, swiglu is not None, norm, residual)
     a_mat, w_mat = _gemm_operands(b.cp, call)
     blas = _CublasGemm(b, case, a_mat, w_mat, of)
     head = norm.unfused if norm is not None else ()
@@ -851,7 +864,7 @@ def _gemv_fused(b, a: V, w: V, tb: bool, out: V, swiglu: V | None, norm: GemvNor
         blas()
         for fn in tail:
             fn()
-    b.add(dispatch)
+    b.add(dispatch, reads=reads)
     return True
 
 
@@ -1064,7 +1077,8 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
     args = _with_norms(b, [xp, i64(xrs), w.arr, i64(wrs), bias.arr if bias else None, out.arr, i32(M), i32(N),
                            i32(nb)], norm, residual, M, N)
     grid, stream, smem = (-(-N // per_block),), b.stream, qx_bytes(M, K) if x8 is not None else 0
-    b.add(lambda: fn(grid, (256,), tuple(args), smem, stream))
+    reads = row_streams(b, w, 2 * N if swiglu else N, wrs, w.shape[1] * w.arr.itemsize, swiglu)
+    b.add(lambda: fn(grid, (256,), tuple(args), smem, stream), reads=reads)
 
 
 def _x4_vectors(arr, rs) -> int:

@@ -19,7 +19,7 @@ from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import BackendError, ModelError, RlxError
 from rlx_core.pipeline import states_moved
 
-from . import codegen, device
+from . import codegen, device, prefetch
 from .ops import BUILDERS, STRIDED_WRITERS, VIEW_BUILDERS, GemvSums, owner_chain, part_layout
 from .values import CONFIG, V, contiguous_strides, nocopy_reshape_strides
 
@@ -40,10 +40,12 @@ def _grid(n: int, block: int, sms: int) -> tuple:
 
 
 class Step:
-    __slots__ = ("node", "op", "fn", "capturable")
+    """One launch (or host call) of the step list; reads: the (address, bytes) ranges of
+    weights it streams front to back, side by side (a decode GEMV's; prefetch.py's plan)."""
+    __slots__ = ("node", "op", "fn", "capturable", "reads")
 
-    def __init__(self, node, op, fn, capturable=True):
-        self.node, self.op, self.fn, self.capturable = node, op, fn, capturable
+    def __init__(self, node, op, fn, capturable=True, reads=()):
+        self.node, self.op, self.fn, self.capturable, self.reads = node, op, fn, capturable, reads
 
 
 class Build:
@@ -191,8 +193,8 @@ class Build:
             fn(grid, block, args, 0, stream)
         self.steps.append(Step(self.node, self.op, run, capturable))
 
-    def add(self, run, capturable=True):
-        self.steps.append(Step(self.node, self.op, run, capturable))
+    def add(self, run, capturable=True, reads=()):
+        self.steps.append(Step(self.node, self.op, run, capturable, reads))
 
     # -- generic elementwise / copies
     def elementwise(self, program, ins: list, out: V) -> None:
@@ -424,7 +426,7 @@ class CudaRunner(Runner):
                       for _ in range(2)]
         self.slot = 0
         self.chain_mark = None            # (backend's runs, this runner's runs, slot) after a submit
-        self.steps = b.steps
+        self.steps = prefetch.woven(b, b.steps, lambda node, fn: Step(node, "l2_prefetch", fn))
         self.keep = b.keep
         self.capturable = all(s.capturable for s in self.steps) and not b.hip
         self.vals = vals

@@ -1,0 +1,42 @@
+"""The pure part of benchmarks/gpu_kernels.py's knockout_table (what each kind of launch costs
+inside a captured step), on a stand-in runner whose replay takes the sum of its steps' costs."""
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import gpu_kernels  # noqa: E402
+
+
+class StandIn:
+    """A runner: `steps` with a cost each; a capture freezes the current list, a replay of it
+    takes the sum of its costs (seconds)."""
+
+    def __init__(self, steps):
+        self.steps, self.captured, self.captures = steps, None, 0
+
+    def _capture(self):
+        self.captured, self.captures = list(self.steps), self.captures + 1
+
+    def replay_seconds(self, times):
+        return sum(st.cost for st in self.captured)
+
+
+def step(op, cost_us, reads=()):
+    return types.SimpleNamespace(op=op, cost=cost_us * 1e-6, reads=tuple(reads))
+
+
+def test_each_kind_costs_what_leaving_it_out_saves_and_the_step_comes_back_whole():
+    gate_up, down = [(1 << 30, 50_331_648)], [(1 << 31, 25_165_824)]
+    steps = [step("matmul", 15, gate_up), step("gated_delta_net", 9), step("matmul", 8, down),
+             step("l2_prefetch", 1), step("matmul", 15, gate_up), step("gated_delta_net", 9), step("rope", 5)]
+    r = StandIn(steps)
+    got = gpu_kernels.knockout_table(r, times=3)
+    assert round(got["replay_us"], 6) == 62
+    assert got["by_kind"] == {"matmul 50.3 MB": [2, 30.0], "gated_delta_net": [2, 18.0],
+                              "matmul 25.2 MB": [1, 8.0], "rope": [1, 5.0]}
+    assert list(got["by_kind"])[0] == "matmul 50.3 MB"                 # the most saved first
+    assert r.steps == steps and r.captured == steps                      # captured whole again
