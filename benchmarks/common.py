@@ -1,8 +1,12 @@
 """What the benchmarks share: the HF names and shapes of a Llama config's tensors, running
-one side of a comparison in a child process of its own, and the two sides of a race on the
-same GGUF files (RLX's decode and llama.cpp's `llama-bench`)."""
+one side of a comparison in a child process of its own, the two sides of a race on the
+same GGUF files (RLX's decode and llama.cpp's `llama-bench`), and module constants set from
+the environment for an A/B of a tuning constant (RLX_BENCH_SET, applied on import)."""
+import ast
+import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +15,36 @@ import time
 
 def log(*a):
     print(*a, flush=True)
+
+
+def apply_settings(spec: str) -> dict:
+    """Set module constants from `spec`, "package.module.NAME=value, ..." (values Python
+    literals, tuples too): RLX_BENCH_SET, applied when a benchmark imports this module, so that its child
+    processes (which inherit the environment) run with them too. A name that is not there
+    already is refused: a misspelt constant would otherwise measure the default."""
+    done = {}
+    for item in filter(None, (s.strip() for s in re.split(r",\s*(?=[\w.]+\s*=)", spec.strip().rstrip(",")))):
+        target, eq, value = item.partition("=")
+        mod_name, _, attr = target.strip().rpartition(".")
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError as e:
+            raise SystemExit(f"RLX_BENCH_SET {item!r}: cannot import module {mod_name!r} ({e})") from None
+        if not eq or not attr or not hasattr(mod, attr):
+            raise SystemExit(f"RLX_BENCH_SET {item!r}: expected MODULE.NAME=VALUE naming a constant "
+                             f"that {mod_name!r} has")
+        try:
+            val = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"RLX_BENCH_SET {item!r}: the value is no Python literal") from None
+        setattr(mod, attr, val)
+        done[target.strip()] = val
+    return done
+
+
+SETTINGS = apply_settings(os.environ.get("RLX_BENCH_SET", ""))
+if SETTINGS:
+    log(f"RLX_BENCH_SET: {SETTINGS}")
 
 
 def llama_shapes(cfg: dict) -> dict:

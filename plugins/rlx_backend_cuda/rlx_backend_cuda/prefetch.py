@@ -16,33 +16,48 @@ from . import device, sources
 from .values import CONFIG
 
 L2_SHARE = 0.5              # of L2 one stretch's prefetch may ask for
+UNDER_GEMV = 0              # bytes of the next GEMV's weights asked for as each GEMV starts that
+                            # another follows directly (0: none; the GEMVs reach ~3.4 of ~4.2 TB/s)
+EVICT_LAST = 0              # the prefetched lines at evict_last priority in L2 (kernels/prefetch.cu)
 CHUNK = 1 << 16             # bytes one bulk prefetch asks for
 BLOCKS, THREADS = 4, 128    # the prefetch kernel's grid: chunks asked for at once
 RANGES = 4                  # (address, bytes) ranges one launch takes (the kernel's arguments)
 
 
-def plan(steps: list, budget: int) -> dict:
-    """{i: ranges} for steps (each with `.reads`, runner.Step's): before step i, the first of
-    a stretch that streams no weights after a step that does, ask for `ranges` ((address,
-    bytes), `budget` bytes at most): the streaming steps right after the stretch, in order,
-    whole while the budget lasts, then an equal first part of each range of the next one."""
+def plan(steps: list, budget: int, under: int = 0) -> dict:
+    """{i: ranges} for steps (each with `.reads`, runner.Step's): the (address, bytes) ranges to
+    ask for beside step i, forked when the steps before it are done:
+    - i the first of a stretch that streams no weights after a step that does: the streaming
+      steps right after the stretch, in order, `budget` bytes at most;
+    - with `under` > 0, i a streaming step that another follows directly: that one's first
+      `under` bytes (an equal first part of each of its ranges), fetched while step i streams."""
     out = {}
     for i in range(1, len(steps)):
-        if steps[i].reads or not steps[i - 1].reads:
+        if not steps[i].reads and steps[i - 1].reads:
+            j = next((k for k in range(i, len(steps)) if steps[k].reads), len(steps))
+            ranges = _first_bytes(steps, j, budget)
+        elif under and steps[i].reads and i + 1 < len(steps) and steps[i + 1].reads:
+            ranges = _first_bytes(steps[:i + 2], i + 1, under)
+        else:
             continue
-        j = next((k for k in range(i, len(steps)) if steps[k].reads), len(steps))
-        ranges: list = []
-        left = budget
-        while j < len(steps) and steps[j].reads and left >= 16:
-            reads = steps[j].reads
-            each = left if sum(n for _, n in reads) <= left else left // len(reads)
-            taken = [(p, min(n, each)) for p, n in reads]
-            ranges += taken
-            left -= sum(n for _, n in taken)
-            j += 1
         if ranges:
-            out[i] = _merged(ranges)
+            out[i] = ranges
     return out
+
+
+def _first_bytes(steps: list, j: int, budget: int) -> list:
+    """The first `budget` bytes the streaming steps j, j + 1, .. read, in order: each whole
+    while the budget lasts, then an equal first part of each range of the next one."""
+    ranges: list = []
+    left = budget
+    while j < len(steps) and steps[j].reads and left >= 16:
+        reads = steps[j].reads
+        each = left if sum(n for _, n in reads) <= left else left // len(reads)
+        taken = [(p, min(n, each)) for p, n in reads]
+        ranges += taken
+        left -= sum(n for _, n in taken)
+        j += 1
+    return _merged(ranges)
 
 
 def _merged(ranges: list) -> list:
@@ -72,11 +87,11 @@ def woven(b, steps: list, make_step) -> list:
     itself where CONFIG["l2_prefetch"] is off or the GPU cannot (`missing`)."""
     if not CONFIG["l2_prefetch"] or missing():
         return steps
-    todo = plan(steps, int(device.info()["l2"] * L2_SHARE))
+    todo = plan(steps, int(device.info()["l2"] * L2_SHARE), UNDER_GEMV)
     if not todo:
         return steps
     cp = device.cupy()
-    fn = b.kernel(sources.render(sources.L2_PREFETCH), "rlx_l2_prefetch")
+    fn = b.kernel(sources.render(sources.L2_PREFETCH, EVICT_LAST=EVICT_LAST), "rlx_l2_prefetch")
     raw = getattr(fn, "fn", fn)          # a plain launch: no programmatic edge on the side stream
     main, side = b.stream, cp.cuda.Stream(non_blocking=True)
     forked, joined = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)

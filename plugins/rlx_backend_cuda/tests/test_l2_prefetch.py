@@ -57,6 +57,15 @@ def test_whole_halves_join_and_the_budget_holds():
     assert plan == {1: [(big[0], 24 * MB)]} and sum(n for _, n in plan[1]) <= 24 * MB
 
 
+def test_under_each_gemv_the_next_ones_first_bytes():
+    """With `under`: as each GEMV that another follows directly starts, the next one's first
+    bytes (an equal part of each range); a stretch still asks for the GEMVs after it."""
+    a, b, gate, up = (1 << 30, 8 * MB), (2 << 30, 8 * MB), (3 << 30, 25 * MB), (4 << 30, 25 * MB)
+    plan = prefetch.plan(steps([a], [b], [gate, up], [], [a]), 16 * MB, under=2 * MB)
+    assert plan == {1: [(gate[0], MB), (up[0], MB)], 3: [a]}
+    assert prefetch.plan(steps([a], [b], [gate, up], [], [a]), 16 * MB) == {3: [a]}
+
+
 def test_launch_arguments_fill_the_empty_ranges():
     args = prefetch._args([(4096, 1000), (8192, 64)])
     assert [int(a) for a in args] == [4096, 1000, 8192, 64, 0, 0, 0, 0, prefetch.CHUNK]

@@ -1,13 +1,17 @@
-"""The pure part of benchmarks/gpu_kernels.py's knockout_table (what each kind of launch costs
-inside a captured step), on a stand-in runner whose replay takes the sum of its steps' costs."""
+"""The pure parts of the benchmarks' tools: gpu_kernels.py's knockout_table (what each kind of
+launch costs inside a captured step), on a stand-in runner whose replay takes the sum of its
+steps' costs; common.py's RLX_BENCH_SET (module constants set for an A/B)."""
 from __future__ import annotations
 
 import os
 import sys
 import types
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
+import common  # noqa: E402
 import gpu_kernels  # noqa: E402
 
 
@@ -40,3 +44,18 @@ def test_each_kind_costs_what_leaving_it_out_saves_and_the_step_comes_back_whole
                               "matmul 25.2 MB": [1, 8.0], "rope": [1, 5.0]}
     assert list(got["by_kind"])[0] == "matmul 50.3 MB"                 # the most saved first
     assert r.steps == steps and r.captured == steps                      # captured whole again
+
+
+def test_settings_set_constants_and_refuse_what_is_not_there(monkeypatch):
+    import rlx_core.ir.quant as quant
+
+    monkeypatch.setattr(quant, "BENCH_PROBE", 1, raising=False)
+    got = common.apply_settings(" rlx_core.ir.quant.BENCH_PROBE = (2, 'x'),")
+    assert got == {"rlx_core.ir.quant.BENCH_PROBE": (2, "x")} and quant.BENCH_PROBE == (2, "x")
+    with pytest.raises(SystemExit, match="naming a constant that 'rlx_core.ir.quant' has"):
+        common.apply_settings("rlx_core.ir.quant.NO_SUCH_NAME=1")
+    with pytest.raises(SystemExit, match="cannot import module 'rlx_core.no_such'"):
+        common.apply_settings("rlx_core.no_such.X=1")
+    with pytest.raises(SystemExit, match="no Python literal"):
+        common.apply_settings("rlx_core.ir.quant.BENCH_PROBE=1 << 22")
+    assert common.apply_settings("") == {}
