@@ -124,6 +124,10 @@ class CudaBackend(Backend):
             path('int8-activation decode GEMV (dp4a; [precision] activations = "int8")',
                  "a ROCm GPU: its inline PTX is CUDA's" if hip else "",
                  "a kernel rounds x, then the float GEMV", "int8_gemv"),
+            path("RoPE inside the cluster decode attention",
+                 device.cluster_missing(cc, hip) or ("" if CONFIG["attn_rope"] else
+                                                     "off by default until measured (RLX_CUDA_ATTN_ROPE=1 turns it on)"),
+                 "the RoPE is a launch of its own"),
             path("L2 prefetch of the next GEMVs' weights beside latency-bound kernels",
                  prefetch.missing() or ("" if CONFIG["l2_prefetch"] else
                                         "off by default until measured (RLX_CUDA_L2_PREFETCH=1 turns it on)"),

@@ -74,8 +74,12 @@ def catalog() -> list:
                                      *[(4, 256, 8, 1)] * (isz == 2)):         # (two loads a row)
                     sh = S.attn_decode_shape(g, d, vk, pair=True)
                     src = S.render(S.ATTN_DECODE, TQ=t, TK=t, TV=t, TO=t, QV=qv, HEADMASK=int(mm == 2), **sh,
-                                   **common)
+                                   **common, **S.ATTN_DECODE_NO_ROPE)
                     out.append((f"attn_decode {t} {mk}{mm} G{g} D{d}", src, "rlx_attn_decode"))
+                    if mk == 1:                                  # (with the step's RoPE: a causal decode step)
+                        src = S.render(S.ATTN_DECODE, TQ=t, TK=t, TV=t, TO=t, QV=qv, HEADMASK=0, **sh, **common,
+                                       ROPE=1, INTERLEAVED=int(d == 128), TC="float", TN=t)
+                        out.append((f"attn_decode rope {t} G{g} D{d}", src, "rlx_attn_decode"))
             if t in ("__nv_bfloat16", "__half"):
                 for d, vec, mt in ((64, 1, 2), (128, 0, 1), (128, 1, 2), (32, 1, 1), (96, 1, 2), (256, 1, 1)):
                     out.append((f"attn_tc {t} {d} MT {mt}", S.render(

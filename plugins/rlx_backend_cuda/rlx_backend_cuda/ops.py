@@ -1472,6 +1472,66 @@ class RopeNorm:
         return V(b.cp.lib.stride_tricks.as_strided(self.x.arr, seen.shape, strides), self.x.dt)
 
 
+# A decode step's RoPE launch (q roped; k roped into its cache; v into its cache; q's and k's
+# per-head norms) is left to the cluster decode attention reading those three, which does it in
+# its own launch (attn.cu:decode ROPE): one launch a layer fewer. CONFIG["attn_rope"]
+# (RLX_CUDA_ATTN_ROPE=1 at build) turns it on.
+@attrs.frozen(eq=False)
+class AttnRope:
+    """The rope node's work left to attention node `attention`: raw rows q, k, v ([B, H, 1, D],
+    unit element stride; a norm's x where qn / kn norms them), the caches kc, vc k and v go
+    into at position pos[b] (kv_write node err_node names an overflow), the tables; fallback:
+    the rope launch's run functions, for an attention kernel that cannot take it."""
+    node: int
+    attention: int
+    q: V
+    k: V
+    v: V
+    kc: V
+    vc: V
+    qn: RopeNorm | None
+    kn: RopeNorm | None
+    cos: V
+    sin: V
+    interleaved: bool
+    pos: V
+    err_node: int
+    fallback: tuple = ()
+
+    @classmethod
+    def of(cls, b, n, jobs: list, norms: list, refs_of: list, pos: V | None, err_node: int) -> AttnRope | None:
+        """The record where the rope launch's jobs are exactly q, k into a cache and v into a
+        cache, of one row each and one dtype, read (through views) by one attention node only
+        as its q, k and v, with no launch between (so what they read is as the rope left it:
+        `_takes_rope` checks the attention's output against it), the tables contiguous; else None."""
+        kinds = [(rot, at) for _, _, rot, at in jobs]
+        if not CONFIG["attn_rope"] or pos is None or sorted(kinds) != [(False, True), (True, False), (True, True)]:
+            return None
+        iq, ik, iv = (kinds.index(k) for k in ((True, False), (True, True), (False, True)))
+        readers = [_reader_through_views(b, refs_of[i][1]) for i in (iq, ik, iv)]
+        j = readers[0][0] if readers[0] else -1
+        g, slots = b.r.lir.graph, b.r.lir.slots
+        if (readers != [(j, 0), (j, 1), (j, 2)] or g.nodes[j].op != "attention"
+                or not all(t in b.absorbed or g.nodes[t].op in ("param", "constant")
+                           or getattr(slots.get((t, 0)), "home", "") == "view" for t in range(b.node + 1, j))):
+            return None
+        xs = []
+        for i in (iq, ik, iv):
+            x, m = jobs[i][0], norms[i]
+            if m is not None:
+                x = m.source(b, x) if not m.whole else None
+            if x is None or x.shape[2] != 1 or x.es[3] != 1 or x.dt is not jobs[i][1].dt:
+                return None
+            xs.append(x)
+        cos, sin = (b.vals[tuple(r)] for r in n.inputs[1:])
+        weights = [m.w for m in norms if m is not None]
+        if (len({x.dt for x in xs}) != 1 or len({w.dt for w in weights}) > 1
+                or not all(t.contiguous() for t in (cos, sin, *weights)) or cos.dt is not sin.dt):
+            return None
+        return cls(b.node, j, *xs, jobs[ik][1], jobs[iv][1], norms[iq], norms[ik], cos, sin,
+                   n.a["style"] == "interleaved", pos, err_node)
+
+
 def _alive_until(b, ref: tuple, j: int) -> bool:
     """Whether the bytes of value ref (through views) stay its own until node j reads them: the
     plan may give a dead value's bytes to a node between (a GEMV of v between the q/k norms and
@@ -2018,8 +2078,12 @@ def _attn_vec(t: V, d: int, nbytes: int = 16) -> int:
     return w
 
 
-def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
+def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V, rope: AttnRope | None = None) -> None:
+    """The attention launch (its kernel picked at run time by the switches); rope: the step's
+    RoPE, done by the decode kernel where it runs, else by the rope launch's functions first."""
     if out.size == 0:
+        for fn in rope.fallback if rope is not None else ():
+            b.add(fn)
         return
     q, k, v = _unit_last(b, q), _unit_last(b, k), _unit_last(b, v)
     B, H, Sq, Dk = q.shape
@@ -2096,17 +2160,28 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V) -> None:
         fn_s(grid_s, (NT,), args_s, 0, stream)
     decode_args = (b, q, k, v, mv, mst, pv, out, scale, cap, window, common)     # (the decode-row kernels)
     short = _short_attention(*decode_args) if acc == "float" else None
-    decode = _decode_attention(*decode_args) if acc == "float" else None
+    folded = _decode_attention(*decode_args, rope) if acc == "float" and rope is not None else None
+    decode = folded or (_decode_attention(*decode_args) if acc == "float" else None)
+    first = rope.fallback if rope is not None else ()
     if tc is None and short is None and decode is None:
+        for fn in first:
+            b.add(fn)
         b.add(split)
     else:
         def dispatch():
             if tc is not None and CONFIG["tc_attention"]:
-                tc()
+                run = tc
             elif short is not None and CONFIG["short_attention"]:
-                short()
+                run = short
+            elif decode is not None and CONFIG["decode_attention"]:
+                if decode is folded:
+                    return decode()
+                run = decode
             else:
-                (decode if decode is not None and CONFIG["decode_attention"] else split)()
+                run = split
+            for fn in first:
+                fn()
+            run()
         b.add(dispatch)
 
 
@@ -2166,13 +2241,15 @@ def _short_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, windo
     return _decode_row_launch(b, fn, (B * KVH,), sh["NT"], q, k, v, mv, mst, pv, out, scale, cap, window)
 
 
-def _decode_row_launch(b, fn, grid, threads: int, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, window):
-    """The launch of a decode-row attention kernel (ATTN_SHORT, ATTN_DECODE: one argument list)."""
+def _decode_row_launch(b, fn, grid, threads: int, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, window,
+                       more: tuple = ()):
+    """The launch of a decode-row attention kernel (ATTN_SHORT, ATTN_DECODE: one argument list,
+    then `more`: ATTN_DECODE's RoPE arguments)."""
     qs, ks, vs = q.es, k.es, v.es
     args = (q.arr, i64(qs[0]), i64(qs[1]), k.arr, i64(ks[0]), i64(ks[1]), i64(ks[2]), v.arr, i64(vs[0]),
             i64(vs[1]), i64(vs[2]), mv, i64(mst[0]), i64(mst[1]), i64(mst[3]),
             pv.arr if pv is not None else None, i32(q.shape[1]), i32(k.shape[1]), i32(k.shape[2]), scale, cap,
-            window, out.arr, i64(out.es[0]), i64(out.es[1]))
+            window, out.arr, i64(out.es[0]), i64(out.es[1])) + more
     stream = b.stream
 
     def run():
@@ -2180,10 +2257,17 @@ def _decode_row_launch(b, fn, grid, threads: int, q: V, k: V, v: V, mv, mst, pv,
     return run
 
 
-def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, window, common: dict):
+# ATTN_DECODE's RoPE arguments where it does no RoPE
+NO_ROPE_ARGS = (None, i64(0), i64(0), None, i64(0), i64(0), None, None, None, None, i32(0), i32(0), None, None,
+                np.float32(0), np.float32(0), np.float32(0), np.float32(0), None, i32(0))
+
+
+def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, window, common: dict,
+                      rope: AttnRope | None = None):
     """A launch of sources.ATTN_DECODE for one query row per head over a KV cache of at most
     ATTN_DECODE_KEYS positions where a cluster of blocks per (batch row, kv head) fits one wave
-    on an sm_90+ GPU, or None where it does not apply."""
+    on an sm_90+ GPU, or None where it does not apply. rope: the kernel also does the step's
+    RoPE (q: the rope's output, then rope.q the rows it ropes), or None where it cannot."""
     B, H, Sq, D = q.shape
     KVH, Sk = k.shape[1], k.shape[2]
     vk = min(_attn_vec(k, D), _attn_vec(v, D))
@@ -2191,23 +2275,53 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
     if (Sq != 1 or device.cluster_missing(b.cc, b.hip) or v.shape[3] != D or out.es[3] != 1
             or Sk > sources.ATTN_DECODE_KEYS or blocks > b.sms):
         return None
+    if rope is not None and not _takes_rope(rope, q, k, v, pv, out):
+        return None
     pair = min(_attn_vec(k, D, 32), _attn_vec(v, D, 32)) == 2 * vk
     groups = sources.attn_decode_groups(H // KVH, blocks, b.sms)
-    sh = sources.attn_decode_shape(H // KVH // groups, D, vk, pair)
+    G = H // KVH // groups
+    sh = sources.attn_decode_shape(G, D, vk, pair, (G + 2) * D * k.arr.itemsize if rope is not None else 0)
     if sh is None:
         return None
+    more, defines = NO_ROPE_ARGS, sources.ATTN_DECODE_NO_ROPE
+    if rope is not None:
+        norms = [m for m in (rope.qn, rope.kn) if m is not None]
+        defines = dict(ROPE=1, INTERLEAVED=int(rope.interleaved), TC=ctype(rope.cos.dt),
+                       TN=ctype(norms[0].w.dt) if norms else "float")
+        qw, qeo = _norm_args(rope.qn)
+        kw, keo = _norm_args(rope.kn)
+        more = (rope.k.arr, i64(rope.k.es[0]), i64(rope.k.es[1]), rope.v.arr, i64(rope.v.es[0]), i64(rope.v.es[1]),
+                rope.kc.arr, rope.vc.arr, rope.cos.arr, rope.sin.arr, i32(rope.cos.shape[-1]),
+                i32(len(rope.cos.shape) == 3), qw, kw, *qeo, *keo, b.r.err, i32(rope.err_node))
+        q = rope.q
     src = sources.render(sources.ATTN_DECODE, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt),
                          TO=ctype(out.dt), QV=int(_attn_vec(q, D, 32) % sh["VK"] == 0),
-                         HEADMASK=int(mst[1] != 0), **sh, **common)
+                         HEADMASK=int(mst[1] != 0), **sh, **common, **defines)
     fn = b.kernel(src, "rlx_attn_decode")
     grid = (B * KVH, sh["CL"], groups)
-    return _decode_row_launch(b, fn, grid, sh["NT"], q, k, v, mv, mst, pv, out, scale, cap, window)
+    return _decode_row_launch(b, fn, grid, sh["NT"], q, k, v, mv, mst, pv, out, scale, cap, window, more)
+
+
+def _norm_args(m: RopeNorm | None) -> tuple:
+    """A RopeNorm's weights and (eps, offset) as ATTN_DECODE's RoPE takes them (none: null, 0s)."""
+    return (m.w.arr, (np.float32(m.eps), np.float32(m.off))) if m is not None else (None, (np.float32(0),) * 2)
+
+
+def _takes_rope(rope: AttnRope, q: V, k: V, v: V, pv: V | None, out: V) -> bool:
+    """Whether the decode kernel can do `rope` for attention rows q, k, v into out: the caches
+    its k and v (same bytes, same strides), its q the rope's output shape, pos the kv_write's,
+    and out apart from every row and table it reads (the plan may give out the bytes of values
+    whose last reader was the rope)."""
+    return (pv is not None and pv.arr.data.ptr == rope.pos.arr.data.ptr and rope.q.shape == q.shape
+            and all(a.arr.data.ptr == c.arr.data.ptr and a.es == c.es and a.shape == c.shape
+                    for a, c in ((k, rope.kc), (v, rope.vc)))
+            and all(_apart(out, t) for t in (rope.q, rope.k, rope.v, rope.cos, rope.sin)))
 
 
 def _b_attention(b, n, ins, outs):
     a = n.a
     q, k, v, mask, pos = _split_attn(a, ins)
-    _attention(b, a, q, k, v, mask, pos, outs[0])
+    _attention(b, a, q, k, v, mask, pos, outs[0], b.attn_ropes.pop(b.node, None))
 
 
 def _rope(b, jobs: list, cos: V, sin: V, style: str, pos: V | None = None, node: int = 0,
@@ -2314,10 +2428,12 @@ def _b_rope(b, n, ins, outs):
     nodes = b.r.lir.graph.nodes
     x, cos, sin = ins
     jobs, norms, pos, err_node = [], [], None, 0
+    refs_of: list = []                     # per job: (its x, the value its readers read: AttnRope)
 
     def add(i, xv, out):
         nonlocal pos, err_node
         norms.append(b.rope_norms.pop(_view_root(b, tuple(nodes[i].inputs[0]))[0], None))
+        refs_of.append((tuple(nodes[i].inputs[0]), (i, 0)))
         w = b.sole_consumer(i, "kv_write")
         # its kv_write done now: nothing in between may read the cache (only views, ropes, writes)
         if (w is not None and tuple(nodes[w].inputs[1]) == (i, 0)
@@ -2358,8 +2474,16 @@ def _b_rope(b, n, ins, outs):
             b.absorbed.add(j)
             jobs.append((new, got[0], False, True))
             norms.append(None)
-    jobs, norms = _normed_jobs(b, jobs, norms)
-    _rope(b, jobs, cos, sin, n.a["style"], pos, err_node, norms)
+            refs_of.append((refs[1], (j, 0)))
+
+    def launch():
+        done, normed = _normed_jobs(b, jobs, norms)
+        _rope(b, done, cos, sin, n.a["style"], pos, err_node, normed)
+    fold = AttnRope.of(b, n, jobs, norms, refs_of, pos, err_node)
+    if fold is None:
+        launch()
+    else:                    # (the attention's launch does it, or these where it cannot)
+        b.attn_ropes[fold.attention] = attrs.evolve(fold, fallback=_collected(b, launch))
 
 
 def _same_bsd(a: V, c: V) -> bool:

@@ -72,6 +72,7 @@ class Build:
         self.gemv_sums = GemvSums()   # the sums of squares those GEMVs read, and who zeroes them
         self.waiting_norms: dict = {}  # rms_norm node -> the earlier rms_norm sharing its launch (ops)
         self.rope_norms: dict = {}    # rms_norm node -> ops.RopeNorm the rope reading it computes
+        self.attn_ropes: dict = {}    # attention node -> ops.AttnRope: the rope it does in its launch
         self.resident: list = []      # (first, end) byte addresses of the params and constants
         g = runner.lir.graph
         self.view_transposes = {i for i, n in enumerate(g.nodes)
@@ -403,6 +404,10 @@ class CudaRunner(Runner):
         if b.rope_norms:
             raise BackendError(f"cuda backend: graph {self.name!r}: the norms of nodes {sorted(b.rope_norms)} "
                                "were left to a rope that never ran")
+        if b.attn_ropes:
+            raise BackendError(f"cuda backend: graph {self.name!r}: the ropes of nodes "
+                               f"{sorted(r.node for r in b.attn_ropes.values())} were left to an attention "
+                               "that never ran")
         b.gemv_sums.close(b)
         if b.gemv_norms:
             raise BackendError(f"cuda backend: graph {self.name!r}: the norms {sorted(b.gemv_norms)} were "

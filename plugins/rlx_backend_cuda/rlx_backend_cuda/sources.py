@@ -147,7 +147,7 @@ NORM_GRAD = Source("grad.cu:norm_grad")
 GATHER = Source("index.cu:gather")
 KV_WRITE = Source("index.cu:kv_write")
 COPY_MANY = Source("index.cu:copy_many")
-ROPE = Source("rope.cu:rope")
+ROPE = Source("rope.cu:row", "rope.cu:rope")
 ROPE_VEC = Source("rope.cu:rope_vec")
 L2_PREFETCH = Source("prefetch.cu:l2_prefetch")       # (prefetch.py)
 
@@ -155,7 +155,8 @@ L2_PREFETCH = Source("prefetch.cu:l2_prefetch")       # (prefetch.py)
 MASK_FILL = Source("attn.cu:mask", "attn.cu:mask_fill")
 ATTN_SPLIT = Source("attn.cu:mask", "attn.cu:vec", "attn.cu:split")
 ATTN_SHORT = Source("attn.cu:mask", "attn.cu:vec", "attn.cu:short")
-ATTN_DECODE = Source("attn.cu:mask", "attn.cu:vec", "attn.cu:decode")
+ATTN_DECODE = Source("attn.cu:mask", "attn.cu:vec", "rope.cu:row", "attn.cu:decode")
+ATTN_DECODE_NO_ROPE = dict(ROPE=0, INTERLEAVED=0, TC="float", TN="float")   # (its defines without the RoPE)
 ATTN_TC = Source("attn.cu:mask", "attn_tc.cu:common", "attn_tc.cu:tc")
 ATTN_WG = Source("attn.cu:mask", "attn_tc.cu:common", "attn_tc.cu:wg")
 
@@ -351,7 +352,7 @@ def attn_decode_groups(g: int, clusters_blocks: int, sms: int) -> int:
     return n
 
 
-def attn_decode_shape(g: int, d: int, vk: int, pair: bool = False) -> dict | None:
+def attn_decode_shape(g: int, d: int, vk: int, pair: bool = False, rope_bytes: int = 0) -> dict | None:
     """ATTN_DECODE's compile-time shape for G query heads per kv head, head dim d (K and V)
     and vk-element row loads: 8 warps a block where the warps' sums fit the shared memory
     (else 4); None where a key row takes no power of two lanes of a warp, G is over 8 or the
@@ -359,7 +360,7 @@ def attn_decode_shape(g: int, d: int, vk: int, pair: bool = False) -> dict | Non
     two loads of a row where one would spread a key over the whole warp (head dim 256 in
     16 bits), so a warp scores two keys at once and the butterflies, exponentials and mask
     reads of a key are shared by 16 lanes, not 32 (Qwen3.5's decode attention: ~9,000
-    instructions a warp at 1.1k cached positions)."""
+    instructions a warp at 1.1k cached positions). rope_bytes: the shared rows of its RoPE."""
     if pair and d // vk == 32:
         vk *= 2
     lanes = d // vk
@@ -368,7 +369,7 @@ def attn_decode_shape(g: int, d: int, vk: int, pair: bool = False) -> dict | Non
     # (q and the P.V sums take g * vk registers each)
     loads = ATTN_DECODE_LOADS if g * vk <= 32 else ATTN_DECODE_LOADS // 2
     for nw in (8, 4):
-        if 4 * (nw * g * d + 2 * nw * g + g * d + 2 * g) <= ATTN_DECODE_SMEM:
+        if 4 * (nw * g * d + 2 * nw * g + g * d + 2 * g) + rope_bytes <= ATTN_DECODE_SMEM:
             return dict(NT=32 * nw, G=g, D=d, VK=vk, NL=loads, CL=ATTN_DECODE_CLUSTER)
     return None
 

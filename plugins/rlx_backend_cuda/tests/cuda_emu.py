@@ -182,10 +182,12 @@ template <class A> inline A& rlx_emu_shared(int id) {
   return *reinterpret_cast<A*>(a->base);
 }
 inline void __syncthreads() { rlx_emu_me->bar->arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { rlx_emu_me->warps[threadIdx.x >> 5]->arrive_and_wait(); }
+// a thread's index in its block (warps are 32 of these, as on the GPU: blocks of x, y, z threads)
+inline unsigned rlx_emu_tid() { return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z); }
+inline void __syncwarp(unsigned = 0xffffffffu) { rlx_emu_me->warps[rlx_emu_tid() >> 5]->arrive_and_wait(); }
 inline void __threadfence() {}
 template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) {
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int lane = rlx_emu_tid() & 31, w = rlx_emu_tid() >> 5;
   std::memcpy(&rlx_emu_me->slot[w][lane], &v, sizeof(T));
   rlx_emu_me->warps[w]->arrive_and_wait();
   T o;
@@ -284,6 +286,23 @@ def _host_text(source: str) -> str:
     return _SHARED.sub(per_block, source)
 
 
+_FN_MACRO = re.compile(r"^#define (\w+)\((\w+)\) ((?:[^\n]*\\\n)*[^\n]*)", re.M)
+
+
+def _expanded(params: str, text: str) -> str:
+    """A parameter list with the source's one-argument function-like macros expanded (rlx_rope's
+    jobs: RLX_JOB(0), RLX_JOB(1), ..), their ## pastes done."""
+    macros = {m.group(1): (m.group(2), m.group(3).replace("\\\n", " ")) for m in _FN_MACRO.finditer(text)}
+
+    def expand(m):
+        arg, body = macros[m.group(1)]
+        body = re.sub(rf"\s*##\s*{arg}\b", m.group(2), body)
+        return re.sub(rf"\b{arg}\b", m.group(2), body)
+    if not macros:
+        return params
+    return re.sub(rf"\b({'|'.join(map(re.escape, macros))})\((\w+)\)", expand, params)
+
+
 def _params(sig: str, text: str) -> list:
     """The C types of a parameter list, scalar type names resolved through the source's typedefs
     and defines (i64, W = ACC, ...)."""
@@ -329,7 +348,7 @@ def compile_kernel(source: str, name: str, cache: str | None = None) -> Kernel:
     sig = next((m for m in _SIG.finditer(text) if m.group(2) == name), None)
     if sig is None:
         raise ValueError(f"no kernel {name!r} in the source")
-    types = _params(sig.group(3), text)
+    types = _params(_expanded(sig.group(3), text), text)
     call = ", ".join(f"*({t}*)a[{i}]" for i, t in enumerate(types))
     cl = re.search(r"RLX_CLUSTER\(([^)]*)\)", sig.group(1))
     launcher = (f'\nextern "C" void rlx_emu_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, '

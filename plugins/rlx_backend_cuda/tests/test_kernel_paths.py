@@ -15,6 +15,8 @@ from rlx_core.cli import main
 
 INT8_GEMV = 'int8-activation decode GEMV (dp4a; [precision] activations = "int8")'
 L2_PREFETCH = "L2 prefetch of the next GEMVs' weights beside latency-bound kernels"
+ATTN_ROPE = "RoPE inside the cluster decode attention"
+OPT_IN = {L2_PREFETCH: "l2_prefetch", ATTN_ROPE: "attn_rope"}      # off until measured on a GPU
 
 
 @pytest.fixture
@@ -31,9 +33,21 @@ def gpu(monkeypatch):
 
 
 def test_hopper_takes_every_path(gpu):
-    """Every path but the L2 prefetch, off by default until measured (the test below)."""
+    """Every path but the opt-in ones, off by default until measured (the tests below); those
+    too once switched on."""
+    from rlx_backend_cuda.values import CONFIG
+
     paths = gpu((9, 0))
-    assert all(p["on"] and p["reason"] == "" for n, p in paths.items() if n != L2_PREFETCH), paths
+    assert all(p["on"] and p["reason"] == "" for n, p in paths.items() if n not in OPT_IN), paths
+    for name, switch in OPT_IN.items():
+        assert not paths[name]["on"] and f"RLX_CUDA_{switch.upper()}=1" in paths[name]["reason"], paths[name]
+    was = {s: CONFIG[s] for s in OPT_IN.values()}
+    set_config(**{s: True for s in OPT_IN.values()})
+    try:
+        assert all(p["on"] for p in gpu((9, 0)).values())
+        assert not gpu((8, 9))[ATTN_ROPE]["on"] and "sm_89" in gpu((8, 9))[ATTN_ROPE]["reason"]
+    finally:
+        set_config(**was)
     assert {"wgmma + TMA attention", "tensor-core attention (mma.sync)", "programmatic dependent launch"} <= set(paths)
 
 

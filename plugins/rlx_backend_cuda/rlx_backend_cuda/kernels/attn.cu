@@ -537,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
     out[b * osb + (kvh * G + g) * osh + d] = ST(TO, l == 0 ? (ACC)0 : o / l);
   }
 }
-// @part decode(NT, TQ, TK, TV, TM, TP, TO, G, D, VK, QV, NL, CL, MASKMODE, HEADMASK)
+// @part decode(NT, TQ, TK, TV, TM, TP, TO, G, D, VK, QV, NL, CL, MASKMODE, HEADMASK, ROPE, TC, TN)
 // Decode attention (one query row per head) over a KV cache longer than the short kernel
 // takes (up to ATTN_DECODE_KEYS, sources.py) with few batch x kv heads: a cluster of CL
 // blocks per (batch, kv head) shares its keys, a chunk of NL * KPL keys to a warp at a time.
@@ -553,6 +553,13 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
 // HEADMASK 0: the mask has no head stride (a decode step's key mask), so a lane reads a key's
 // mask once for its G heads, not G times. Grid z splits a kv head's H / KVH query heads into
 // groups of G (blocks z): more blocks read the same keys (from L2), each with fewer heads.
+// ROPE: the step's RoPE is this launch's, not one of its own (ops.AttnRope): q holds the raw
+// query rows, which each block normes (qnw: rms_norm(x) * (qnw + qoff); null: none) and rotates
+// (tables rc / rs: [B or 1, half], rpb) into shared memory as the RoPE launch would write them
+// (rope.cu:row); the block whose warps score position pos[b] does the same to the new key row
+// xk (knw, keps, koff), copies the value row xv, scores that position from those shared rows and
+// writes both into the caches kc / vc (k's and v's memory: no key is read from the cache at the
+// position this launch writes). A position past the cache is flagged (kv_write's error 2, node).
 #define NW (NT / 32)
 extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_decode(
     const TQ* __restrict__ q, long long qsb, long long qsh,
@@ -560,10 +567,19 @@ extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_
     const TV* __restrict__ v, long long vsb, long long vsh, long long vss,
     const TM* __restrict__ mask, long long m0, long long m1, long long m3,
     const TP* __restrict__ pos, int H, int KVH, int Sk, double scale_d, double cap_d, int window,
-    TO* __restrict__ out, long long osb, long long osh) {
+    TO* __restrict__ out, long long osb, long long osh,
+    const TK* __restrict__ xk, long long xksb, long long xksh, const TV* __restrict__ xv, long long xvsb,
+    long long xvsh, TK* kc, TV* vc, const TC* __restrict__ rc, const TC* __restrict__ rs, int half, int rpb,
+    const TN* __restrict__ qnw, const TN* __restrict__ knw, float qeps, float qoff, float keps, float koff,
+    int* err, int node) {
   typedef float ACC;
   constexpr int LPK = D / VK, KPL = 32 / LPK, CH = NL * KPL;
   static_assert(LPK * KPL == 32 && LPK * VK == D, "rlx_attn_decode: a key row takes a power of two lanes");
+#if ROPE
+  __shared__ __align__(32) TQ s_q[G][D];          // the roped query rows
+  __shared__ __align__(32) TK s_k[D];             // the new key row, roped (the block scoring it)
+  __shared__ __align__(32) TV s_v[D];             // the new value row
+#endif
   __shared__ ACC s_o[NW][G][D];
   __shared__ ACC s_m[NW][G], s_l[NW][G];
   __shared__ ACC c_o[G][D], c_m[G], c_l[G];        // this block's merge (the cluster reads it)
@@ -588,18 +604,44 @@ extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_
   const i64 p0 = RLX_POS(pos, b, early);
   i64 kbeg, kend;
   rlx_key_range(p0, p0, Sk, window, &kbeg, &kend);
+#if ROPE
+  // this block scores position p0 where its chunk is one of this block's warps' (see the loop)
+  const bool fresh = p0 >= kbeg && p0 < kend && ((p0 - kbeg) / CH) % ((i64)CL * NW) / NW == rank;
+  if ((p0 < 0 || p0 >= Sk) && tid == 0 && rank == 0 && blockIdx.z == 0) rlx_error(err, 2, node, p0, (i64)Sk);
+  const i64 ci = rpb ? (i64)b * half : 0;
+  for (int r = warp; r < G + (int)fresh; r += NW) {
+    if (r < G)
+      rlx_rope_row<TQ, TQ, TC, TN, ACC>(q, b * qsb + (h0 + r) * qsh, qsh, 1, D, half, qnw != nullptr, 1, 0, qnw,
+                                        qeps, qoff, 1, rc + ci, rs + ci, &s_q[r][0], 1, lane);
+    else
+      rlx_rope_row<TK, TK, TC, TN, ACC>(xk, b * xksb + kvh * xksh, xksh, 1, D, half, knw != nullptr, 1, 0, knw,
+                                        keps, koff, 1, rc + ci, rs + ci, s_k, 1, lane);
+  }
+  if (fresh)
+    for (int d = tid; d < D; d += NT) s_v[d] = xv[b * xvsb + kvh * xvsh + d];
+  __syncthreads();
+  if (fresh)
+    for (int d = tid; d < D; d += NT) {
+      kc[b * ksb + kvh * ksh + p0 * kss + d] = s_k[d];
+      vc[b * vsb + kvh * vsh + p0 * vss + d] = s_v[d];
+    }
+#endif
   ACC qr[G][VK], m[G], l[G], acc[G][VK];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     m[g] = -(ACC)RLX_INF;
     l[g] = 0;
+#if ROPE
+    const RlxVec<TQ, VK> qv = *(const RlxVec<TQ, VK>*)&s_q[g][sl * VK];
+#else
     const TQ* qg = q + b * qsb + (h0 + g) * qsh + sl * VK;
 #if QV
     const RlxVec<TQ, VK> qv = rlx_vload<VK>(qg, true);    // (QV: q's rows and base allow VK-element loads)
 #endif
+#endif
 #pragma unroll
     for (int e = 0; e < VK; ++e) {
-#if QV
+#if QV || ROPE
       qr[g][e] = LD(ACC, qv.v[e]);
 #else
       qr[g][e] = LD(ACC, qg[e]);
@@ -613,6 +655,13 @@ extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_
 #pragma unroll
     for (int n = 0; n < NL; ++n) {
       const i64 j = j0 + n * KPL + kg;
+#if ROPE
+      if (j == p0 && fresh) {
+        kr[n] = *(const RlxVec<TK, VK>*)&s_k[sl * VK];
+        vr[n] = *(const RlxVec<TV, VK>*)&s_v[sl * VK];
+        continue;
+      }
+#endif
       kr[n] = rlx_vload<VK>(kb + j * kss, j < kend);
       vr[n] = rlx_vload<VK>(vb + j * vss, j < kend);
     }

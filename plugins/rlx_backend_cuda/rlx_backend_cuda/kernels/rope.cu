@@ -1,5 +1,65 @@
 // Rotary position embedding, up to three jobs (decode's q, k, v) in one launch.
-// @part rope(TX, TO, TC, TP, ACC, INTERLEAVED, TN)
+// @part row(INTERLEAVED)
+// One row of a RoPE job by one warp (`lane` of 32): x's row at x + xb (dh values, element stride
+// xs3) normed (norm 1: rms over its dh values; 2: over the hn heads of its position, head stride
+// xs1, nw that job's weights of all heads, h this row's head), rotated where `rope` by the
+// table rows cs / sn (pairs (t, t + half), or (2t, 2t + 1) where INTERLEAVED; elements past
+// 2 half copied), written to orow (element stride os3). The rope launch and the decode
+// attention that ropes its own q and new key (attn.cu:decode ROPE) share it, so both round alike.
+template <typename RX, typename RO, typename RC, typename RN, typename RA>
+__device__ __forceinline__ void rlx_rope_row(const RX* __restrict__ x, i64 xb, i64 xs1, i64 xs3, int dh,
+    int half, int norm, int hn, int h, const RN* nw, float neps, float noff, int rope, const RC* cs,
+    const RC* sn, RO* orow, i64 os3, int lane) {
+  RA den = 1;
+  if (norm) {              // the norm's row: this head's dh values, or all hn heads' (the warp sums them)
+    const int span = norm == 2 ? hn * dh : dh;
+    const i64 nb = norm == 2 ? xb - h * xs1 : xb;
+    constexpr int VL = 16 / sizeof(RX) > 0 ? 16 / sizeof(RX) : 1;   // values in a 16-byte load
+    RA ss = 0;
+    if (xs3 == 1 && dh % VL == 0 && xs1 % VL == 0 && (unsigned long long)(x + nb) % 16 == 0) {
+      for (int e = lane * VL; e < span; e += 32 * VL) {
+        const rlx_vec<RX, VL> v = *(const rlx_vec<RX, VL>*)(x + nb + (e / dh) * xs1 + e % dh);
+#pragma unroll
+        for (int j = 0; j < VL; ++j) ss += LD(RA, v.v[j]) * LD(RA, v.v[j]);
+      }
+    } else {
+      for (int e = lane; e < span; e += 32) {
+        const RA v = LD(RA, x[nb + (e / dh) * xs1 + (e % dh) * xs3]);
+        ss += v * v;
+      }
+    }
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) ss += SHFL_XOR(ss, m);
+    den = sqrt(ss / (RA)span + (RA)neps);
+    if (norm == 2) nw += h * dh;
+  }
+  // x[d], normed where the job norms
+#define RLX_X(d) (norm ? LD(RA, x[xb + (d) * xs3]) / den * (LD(RA, nw[d]) + (RA)noff) : LD(RA, x[xb + (d) * xs3]))
+  const int pairs = half + (dh - 2 * half);    // (rotated pairs, then the rest one by one)
+  for (int t = lane; t < pairs; t += 32) {
+    if (t < half) {
+#if INTERLEAVED
+      const int d1 = 2 * t, d2 = 2 * t + 1;
+#else
+      const int d1 = t, d2 = t + half;
+#endif
+      const RA x1 = RLX_X(d1), x2 = RLX_X(d2);
+      if (rope) {
+        const RA cc = LD(RA, cs[t]), ss = LD(RA, sn[t]);
+        orow[d1 * os3] = ST(RO, x1 * cc - x2 * ss);
+        orow[d2 * os3] = ST(RO, x2 * cc + x1 * ss);
+      } else {
+        orow[d1 * os3] = ST(RO, x1);
+        orow[d2 * os3] = ST(RO, x2);
+      }
+    } else {
+      const int d = 2 * half + (t - half);
+      orow[d * os3] = ST(RO, RLX_X(d));
+    }
+  }
+#undef RLX_X
+}
+// @part rope(TX, TO, TC, TP, ACC, TN)
 // RoPE for up to three jobs in one launch (decode's q, k and v of a layer): job j maps
 // x_j [B, H_j, S, D] (any strides) to o_j (any strides), rotated (rope_j) or copied as is;
 // at_j: o_j is a KV cache and row s goes to position pos[b] + s (the kv_write the job does).
@@ -14,9 +74,7 @@
 extern "C" __global__ void rlx_rope(const TC* __restrict__ cs, const TC* __restrict__ sn, int B, int S,
     int D, int half, int per_batch, const TP* __restrict__ pos, long long nax, int* err, int node,
     RLX_JOB(0), RLX_JOB(1), RLX_JOB(2)) {
-  // rows (head, batch, position) go to the block's threadIdx.y, a warp each; the W pairs of a
-  // row to its x threads: the row's index divisions are done once, not once per element
-  const int W = half + (D - 2 * half);
+  // rows (head, batch, position) go to the block's threadIdx.y, a warp each (rlx_rope_row)
   const i64 per_head = (i64)B * S;
   const i64 total = per_head * (H0 + H1 + H2);
   for (i64 row = blockIdx.x * (i64)blockDim.y + threadIdx.y; row < total; row += (i64)gridDim.x * blockDim.y) {
@@ -28,61 +86,15 @@ extern "C" __global__ void rlx_rope(const TC* __restrict__ cs, const TC* __restr
     else { RLX_PICK(2) h -= H0 + H1; }
     const i64 rem = row % per_head;
     const int s = (int)(rem % S), b = (int)(rem / S);
-    const i64 xb = b * xs0 + h * xs1 + s * xs2;
-    ACC den = 1;
-    if (norm) {            // the norm's row: this head's D values, or all hn heads' (the warp sums them)
-      const int span = norm == 2 ? hn * D : D;
-      const i64 nb = norm == 2 ? xb - h * xs1 : xb;
-      constexpr int V = 16 / sizeof(TX) > 0 ? 16 / sizeof(TX) : 1;   // values in a 16-byte load
-      ACC ss = 0;
-      if (xs3 == 1 && D % V == 0 && xs1 % V == 0 && (unsigned long long)(x + nb) % 16 == 0) {
-        for (int e = threadIdx.x * V; e < span; e += 32 * V) {
-          const rlx_vec<TX, V> v = *(const rlx_vec<TX, V>*)(x + nb + (e / D) * xs1 + e % D);
-#pragma unroll
-          for (int j = 0; j < V; ++j) ss += LD(ACC, v.v[j]) * LD(ACC, v.v[j]);
-        }
-      } else {
-        for (int e = threadIdx.x; e < span; e += 32) {
-          const ACC v = LD(ACC, x[nb + (e / D) * xs1 + (e % D) * xs3]);
-          ss += v * v;
-        }
-      }
-#pragma unroll
-      for (int m = 16; m > 0; m >>= 1) ss += SHFL_XOR(ss, m);
-      den = sqrt(ss / (ACC)span + (ACC)neps);
-      if (norm == 2) nw += h * D;
-    }
-    // x[d], normed where the job norms
-#define RLX_X(d) (norm ? LD(ACC, x[xb + (d) * xs3]) / den * (LD(ACC, nw[d]) + (ACC)noff) : LD(ACC, x[xb + (d) * xs3]))
     i64 p = 0;
     if (at) {
       p = (i64)pos[b];
       if (p < 0 || p + S > nax) { if (threadIdx.x == 0) rlx_error(err, 2, node, p, nax); continue; }
     }
-    TO* orow = o + b * os0 + h * os1 + (s + p) * os2;
-    for (int t = threadIdx.x; t < W; t += blockDim.x) {
-      if (t < half) {
-#if INTERLEAVED
-        const int d1 = 2 * t, d2 = 2 * t + 1;
-#else
-        const int d1 = t, d2 = t + half;
-#endif
-        const ACC x1 = RLX_X(d1), x2 = RLX_X(d2);
-        if (rope) {
-          const i64 ci = (per_batch ? (i64)b * S * half : 0) + (i64)s * half + t;
-          const ACC cc = LD(ACC, cs[ci]), ss = LD(ACC, sn[ci]);
-          orow[d1 * os3] = ST(TO, x1 * cc - x2 * ss);
-          orow[d2 * os3] = ST(TO, x2 * cc + x1 * ss);
-        } else {
-          orow[d1 * os3] = ST(TO, x1);
-          orow[d2 * os3] = ST(TO, x2);
-        }
-      } else {
-        const int d = 2 * half + (t - half);
-        orow[d * os3] = ST(TO, RLX_X(d));
-      }
-    }
-#undef RLX_X
+    const i64 ci = (per_batch ? (i64)b * S * half : 0) + (i64)s * half;
+    rlx_rope_row<TX, TO, TC, TN, ACC>(x, b * xs0 + h * xs1 + s * xs2, xs1, xs3, D, half, norm, hn, (int)h, nw,
+                                      neps, noff, rope, cs + ci, sn + ci, o + b * os0 + h * os1 + (s + p) * os2,
+                                      os3, threadIdx.x);
   }
 }
 // @part rope_vec(TX, TO, TC, ACC, INTERLEAVED)
