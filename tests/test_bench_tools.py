@@ -59,3 +59,22 @@ def test_settings_set_constants_and_refuse_what_is_not_there(monkeypatch):
     with pytest.raises(SystemExit, match="no Python literal"):
         common.apply_settings("rlx_core.ir.quant.BENCH_PROBE=1 << 22")
     assert common.apply_settings("") == {}
+
+
+def test_gpu_ab_runs_each_configuration_in_turn_and_tables_the_medians(capsys):
+    """gpu_ab on a stand-in command whose "decode" time is its environment's: each
+    configuration's median, the ratio to the first; a malformed configuration is refused."""
+    import gpu_ab
+
+    cmd = [sys.executable, "-c", "import os; print('GPU: stand-in'); "
+           "print(f\"rlx decode: {os.environ.get('MS', '2.0')} ms/token\"); "
+           "print(f\"rlx q4_k: decode {float(os.environ.get('MS', '2.0')) / 2} ms/token = 4x\")"]
+    assert gpu_ab.main(["--config", "base=", "--config", "half=MS=1.0 OTHER=x=y", "--rounds", "2", "--", *cmd]) == 0
+    out = capsys.readouterr().out
+    assert "GPU: stand-in" in out and out.count("round ") == 4
+    assert "| rlx | 2.000 | 1.000 (0.500x) |" in out and "| rlx q4_k | 1.000 | 0.500 (0.500x) |" in out
+    assert gpu_ab.parse_config("x=A=1 B=c=d") == ("x", {"A": "1", "B": "c=d"})
+    with pytest.raises(SystemExit, match="is no VAR=VALUE"):
+        gpu_ab.parse_config("x=A")
+    with pytest.raises(SystemExit, match="expected NAME="):
+        gpu_ab.parse_config("novalue")

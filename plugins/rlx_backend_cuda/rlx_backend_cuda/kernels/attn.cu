@@ -554,7 +554,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
 // mask once for its G heads, not G times. Grid z splits a kv head's H / KVH query heads into
 // groups of G (blocks z): more blocks read the same keys (from L2), each with fewer heads.
 // ROPE: the step's RoPE is this launch's, not one of its own (ops.AttnRope): q holds the raw
-// query rows, which each block normes (qnw: rms_norm(x) * (qnw + qoff); null: none) and rotates
+// query rows, which each block norms (qnw: rms_norm(x) * (qnw + qoff); null: none) and rotates
 // (tables rc / rs: [B or 1, half], rpb) into shared memory as the RoPE launch would write them
 // (rope.cu:row); the block whose warps score position pos[b] does the same to the new key row
 // xk (knw, keps, koff), copies the value row xv, scores that position from those shared rows and
