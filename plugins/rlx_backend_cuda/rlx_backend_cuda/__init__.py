@@ -128,6 +128,10 @@ class CudaBackend(Backend):
                  device.cluster_missing(cc, hip) or ("" if CONFIG["attn_rope"] else
                                                      "off by default until measured (RLX_CUDA_ATTN_ROPE=1 turns it on)"),
                  "the RoPE is a launch of its own"),
+            path("output gate inside the cluster decode attention",
+                 device.cluster_missing(cc, hip) or ("" if CONFIG["attn_epilogue"] else
+                                                     "off by default until measured (RLX_CUDA_ATTN_EPILOGUE=1 turns it on)"),
+                 "the gate is a launch of its own"),
             path("L2 prefetch of the next GEMVs' weights beside latency-bound kernels",
                  prefetch.missing() or ("" if CONFIG["l2_prefetch"] else
                                         "off by default until measured (RLX_CUDA_L2_PREFETCH=1 turns it on)"),

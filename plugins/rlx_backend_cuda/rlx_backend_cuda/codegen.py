@@ -163,6 +163,31 @@ def collapse(shape: tuple, strides: list) -> tuple:
     return tuple(d for d, _ in out), [[st[k] for _, st in out] for k in range(len(strides))]
 
 
+def program_lines(program, in_dtypes: list, operands: list) -> tuple:
+    """(C statements, the last value's name, its dtype) computing an elementwise program on
+    `operands` (C expressions of the inputs' stored values): value v<k> of each input and step,
+    as every kernel running a program computes it."""
+    body = [f"const {CT[dt]} v{k} = {load(operands[k], dt)};" for k, dt in enumerate(in_dtypes)]
+    slot_dt = list(in_dtypes)
+    for s_, ((op, attrs_, args), dt) in enumerate(zip(program, step_dtypes(program, in_dtypes))):
+        k = len(in_dtypes) + s_
+        lines: list = []
+        e = emit_op(op, dict(attrs_), [(f"v{i}", slot_dt[i]) for i in args], dt, lines, f"t{k}")
+        body += lines
+        body.append(f"const {CT[dt]} v{k} = {e};")
+        slot_dt.append(dt)
+    return body, f"v{len(slot_dt) - 1}", slot_dt[-1]
+
+
+def epilogue_function(program, in_dtypes: list, out_dtype: DType, name: str) -> str:
+    """A device function `name`(the inputs' stored values) -> the program's stored output: an
+    elementwise node a kernel computes in its own store (the decode attention's EPI_FN)."""
+    params = ", ".join(f"{ctype(dt)} a{k}" for k, dt in enumerate(in_dtypes))
+    lines, last, dt = program_lines(program, in_dtypes, [f"a{k}" for k in range(len(in_dtypes))])
+    return (f"__device__ __forceinline__ {ctype(out_dtype)} {name}({params}) {{ " + " ".join(lines)
+            + f" return {store(conv(last, dt, out_dtype), out_dtype)}; }}")
+
+
 def elementwise_source(program, in_dtypes: list, out_dtype: DType, kinds: list, rank: int,
                        idx64: bool, vec: int = 1) -> str:
     """Kernel `rlx_ew` for a program. kinds[k] per operand (inputs then output):
@@ -209,19 +234,9 @@ def elementwise_source(program, in_dtypes: list, out_dtype: DType, kinds: list, 
     def at(k):
         return "u" if vec > 1 and kinds[k] in "cr" else off(k)
 
-    for k, dt in enumerate(in_dtypes):
-        body.append(f"const {CT[dt]} v{k} = {load(f'{ptr[k]}[{at(k)}]', dt)};")
-    slot_dt = list(in_dtypes)
-    step_dt = step_dtypes(program, in_dtypes)
-    for s_, ((op, attrs_, args), dt) in enumerate(zip(program, step_dt)):
-        k = nin + s_
-        lines: list = []
-        e = emit_op(op, dict(attrs_), [(f"v{i}", slot_dt[i]) for i in args], dt, lines, f"t{k}")
-        body += lines
-        body.append(f"const {CT[dt]} v{k} = {e};")
-        slot_dt.append(dt)
-    last = len(slot_dt) - 1
-    body.append(f"{ptr[nin]}[{at(nin)}] = {store(conv(f'v{last}', slot_dt[last], out_dtype), out_dtype)};")
+    lines, last, last_dt = program_lines(program, in_dtypes, [f"{ptr[k]}[{at(k)}]" for k in range(nin)])
+    body += lines
+    body.append(f"{ptr[nin]}[{at(nin)}] = {store(conv(last, last_dt, out_dtype), out_dtype)};")
     grid_loop = (f"for ({it} {{i}} = blockIdx.x * ({it})blockDim.x + threadIdx.x; {{i}} < {{n}}; "
                  f"{{i}} += ({it})gridDim.x * blockDim.x)")
     if vec > 1:

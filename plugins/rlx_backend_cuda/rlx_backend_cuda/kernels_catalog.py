@@ -30,6 +30,10 @@ def row_kernels() -> list:
     return out
 
 
+# an attention's output gate (Qwen3.5's: o * sigmoid(gate)) as a fused_elementwise program
+OUTPUT_GATE = (("activation", (("fn", "sigmoid"),), (1,)), ("binary", (("op", "mul"),), (0, 2)))
+
+
 def catalog() -> list:
     out = row_kernels()
     for t, acc in (("float", "float"), ("__nv_bfloat16", "float"), ("__half", "float"), ("double", "double")):
@@ -74,12 +78,15 @@ def catalog() -> list:
                                      *[(4, 256, 8, 1)] * (isz == 2)):         # (two loads a row)
                     sh = S.attn_decode_shape(g, d, vk, pair=True)
                     src = S.render(S.ATTN_DECODE, TQ=t, TK=t, TV=t, TO=t, QV=qv, HEADMASK=int(mm == 2), **sh,
-                                   **common, **S.ATTN_DECODE_NO_ROPE)
+                                   **common, **S.ATTN_DECODE_PLAIN)
                     out.append((f"attn_decode {t} {mk}{mm} G{g} D{d}", src, "rlx_attn_decode"))
-                    if mk == 1:                                  # (with the step's RoPE: a causal decode step)
+                    if mk == 1:          # (with the step's RoPE and an output gate: a causal decode step)
+                        dt = {"float": F32, "__nv_bfloat16": BF16, "__half": F16}[t]
+                        gate = codegen.epilogue_function(OUTPUT_GATE, [dt, dt], dt, "rlx_epi")
                         src = S.render(S.ATTN_DECODE, TQ=t, TK=t, TV=t, TO=t, QV=qv, HEADMASK=0, **sh, **common,
-                                       ROPE=1, INTERLEAVED=int(d == 128), TC="float", TN=t)
-                        out.append((f"attn_decode rope {t} G{g} D{d}", src, "rlx_attn_decode"))
+                                       **{**S.ATTN_DECODE_PLAIN, "ROPE": 1, "INTERLEAVED": int(d == 128), "TN": t,
+                                          "EPI": 1, "EPI_FN": gate, "EPI_CALL": "rlx_epi(o, e)", "TE": t, "TY": t})
+                        out.append((f"attn_decode rope gate {t} G{g} D{d}", src, "rlx_attn_decode"))
             if t in ("__nv_bfloat16", "__half"):
                 for d, vec, mt in ((64, 1, 2), (128, 0, 1), (128, 1, 2), (32, 1, 1), (96, 1, 2), (256, 1, 1)):
                     out.append((f"attn_tc {t} {d} MT {mt}", S.render(

@@ -57,11 +57,22 @@ def _block(n: int, cap: int | None = None) -> int:
 
 
 def _ew(b, n, ins, outs):
-    if n.op == "fused_elementwise":
-        program = n.a["program"]
-    else:
-        program = ((n.op, n.attrs, tuple(range(len(ins)))),)
-    b.elementwise(program, ins, outs[0])
+    program = _program(n)
+    taken = b.attn_epilogues.pop(b.node, None)
+    if taken is None:
+        return b.elementwise(program, ins, outs[0])
+    fns = _collected(b, lambda: b.elementwise(program, ins, outs[0]))
+
+    def unless_taken():          # (the attention's dispatch says whether its kernel computed it)
+        if not taken["done"]:
+            for fn in fns:
+                fn()
+    b.add(unless_taken)
+
+
+def _program(n) -> tuple:
+    """An elementwise node's program (fused_elementwise's, or the one op on its inputs)."""
+    return n.a["program"] if n.op == "fused_elementwise" else ((n.op, n.attrs, tuple(range(len(n.inputs)))),)
 
 
 # ----------------------------------------------------------------------------- matrices
@@ -1532,6 +1543,79 @@ class AttnRope:
                    n.a["style"] == "interleaved", pos, err_node)
 
 
+# The elementwise node that is a decode attention's output's one reader (Qwen3.5's output gate,
+# o * sigmoid(gate)) is computed in the cluster decode attention's store (attn.cu:decode EPI): one
+# launch a full-attention layer fewer. CONFIG["attn_epilogue"] (RLX_CUDA_ATTN_EPILOGUE=1 at build)
+# turns it on.
+@attrs.frozen(eq=False)
+class AttnEpilogue:
+    """Node `node` (program on the attention's output, input `slot`, and ex) written to ey by
+    the attention kernel; `taken` {"done": bool}: set by the attention's dispatch, read by the
+    node's own step (which runs only where another kernel attended)."""
+    node: int
+    slot: int
+    program: tuple
+    ex: V
+    ey: V
+    taken: dict
+
+    @classmethod
+    def of(cls, b, out: V) -> AttnEpilogue | None:
+        """The record where the attention's output [B, H, 1, D] is read only by an elementwise node
+        of two inputs, through reshapes (so its element order is the output's), with no launch
+        between, the other input and the node's output 16-bit or f32 rows of the same [B, H, D]."""
+        if not CONFIG["attn_epilogue"]:
+            return None
+        g, slots = b.r.lir.graph, b.r.lir.slots
+        ref = (b.node, 0)
+        while True:
+            use = b.uses.get(ref, [])
+            if len(use) != 1 or use[0] < 0:
+                return None
+            u = use[0]
+            if getattr(slots.get((u, 0)), "home", "") != "view":
+                break
+            if g.nodes[u].op != "reshape":
+                return None
+            ref = (u, 0)
+        n = g.nodes[u]
+        if (n.op not in ("fused_elementwise", "binary") or len(n.inputs) != 2 or len(n.outs) != 1
+                or not all(t in b.absorbed or g.nodes[t].op in ("param", "constant")
+                           or getattr(slots.get((t, 0)), "home", "") == "view" for t in range(b.node + 1, u))):
+            return None
+        slot = [tuple(r) for r in n.inputs].index(ref)
+        ex = b.vals.get(tuple(n.inputs[1 - slot]))
+        if ex is None or ex.dt not in (F32, BF16, F16):
+            return None
+        ey = b.out_value(u)
+        B, H, _, D = out.shape
+        if _bhd(ex, B, H, D) is None or _bhd(ey, B, H, D) is None or ey.dt not in (F32, BF16, F16):
+            return None
+        return cls(u, slot, _program(n), ex, ey, {"done": False})
+
+    def source(self, out_dt: DType) -> dict:
+        """ATTN_DECODE's EPI defines for an output stored as out_dt."""
+        dts = [out_dt, self.ex.dt] if self.slot == 0 else [self.ex.dt, out_dt]
+        return dict(EPI=1, EPI_FN=codegen.epilogue_function(self.program, dts, self.ey.dt, "rlx_epi"),
+                    EPI_CALL="rlx_epi(o, e)" if self.slot == 0 else "rlx_epi(e, o)",
+                    TE=ctype(self.ex.dt), TY=ctype(self.ey.dt))
+
+    def args(self, B: int, H: int, D: int) -> tuple:
+        (xb, xh), (yb, yh) = _bhd(self.ex, B, H, D), _bhd(self.ey, B, H, D)
+        return (self.ex.arr, i64(xb), i64(xh), self.ey.arr, i64(yb), i64(yh))
+
+
+def _bhd(v: V, B: int, H: int, D: int) -> tuple | None:
+    """(batch, head) element strides of v read as [B, H, D] in its own element order (its dims
+    of size > 1 those of (B, H, D), the last of unit stride), or None."""
+    dims = [(d, e) for d, e in zip(v.shape, v.es) if d > 1]
+    want = [d for d in (B, H, D) if d > 1]
+    if [d for d, _ in dims] != want or (D > 1 and dims[-1][1] != 1):
+        return None
+    st = dict(zip([k for k, d in enumerate((B, H, D)) if d > 1], [e for _, e in dims]))
+    return st.get(0, 0), st.get(1, 0)
+
+
 def _alive_until(b, ref: tuple, j: int) -> bool:
     """Whether the bytes of value ref (through views) stay its own until node j reads them: the
     plan may give a dead value's bytes to a node between (a GEMV of v between the q/k norms and
@@ -2160,8 +2244,12 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V, rope: AttnRope |
         fn_s(grid_s, (NT,), args_s, 0, stream)
     decode_args = (b, q, k, v, mv, mst, pv, out, scale, cap, window, common)     # (the decode-row kernels)
     short = _short_attention(*decode_args) if acc == "float" else None
-    folded = _decode_attention(*decode_args, rope) if acc == "float" and rope is not None else None
+    epi = AttnEpilogue.of(b, out) if acc == "float" and Sq == 1 else None
+    folded = (_decode_attention(*decode_args, rope, epi) if acc == "float" and (rope or epi) is not None
+              else None)
     decode = folded or (_decode_attention(*decode_args) if acc == "float" else None)
+    if folded is not None and epi is not None:
+        b.attn_epilogues[epi.node] = epi.taken
     first = rope.fallback if rope is not None else ()
     if tc is None and short is None and decode is None:
         for fn in first:
@@ -2174,11 +2262,15 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V, rope: AttnRope |
             elif short is not None and CONFIG["short_attention"]:
                 run = short
             elif decode is not None and CONFIG["decode_attention"]:
+                if epi is not None:
+                    epi.taken["done"] = decode is folded
                 if decode is folded:
                     return decode()
                 run = decode
             else:
                 run = split
+            if epi is not None:
+                epi.taken["done"] = False
             for fn in first:
                 fn()
             run()
@@ -2260,14 +2352,16 @@ def _decode_row_launch(b, fn, grid, threads: int, q: V, k: V, v: V, mv, mst, pv,
 # ATTN_DECODE's RoPE arguments where it does no RoPE
 NO_ROPE_ARGS = (None, i64(0), i64(0), None, i64(0), i64(0), None, None, None, None, i32(0), i32(0), None, None,
                 np.float32(0), np.float32(0), np.float32(0), np.float32(0), None, i32(0))
+NO_EPI_ARGS = (None, i64(0), i64(0), None, i64(0), i64(0))           # (nor its epilogue's)
 
 
 def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, window, common: dict,
-                      rope: AttnRope | None = None):
+                      rope: AttnRope | None = None, epi: AttnEpilogue | None = None):
     """A launch of sources.ATTN_DECODE for one query row per head over a KV cache of at most
     ATTN_DECODE_KEYS positions where a cluster of blocks per (batch row, kv head) fits one wave
     on an sm_90+ GPU, or None where it does not apply. rope: the kernel also does the step's
-    RoPE (q: the rope's output, then rope.q the rows it ropes), or None where it cannot."""
+    RoPE (q: the rope's output, then rope.q the rows it ropes); epi: it computes that node
+    instead of writing out; None where it cannot take both."""
     B, H, Sq, D = q.shape
     KVH, Sk = k.shape[1], k.shape[2]
     vk = min(_attn_vec(k, D), _attn_vec(v, D))
@@ -2277,16 +2371,20 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
         return None
     if rope is not None and not _takes_rope(rope, q, k, v, pv, out):
         return None
+    if epi is not None and not all(_apart(epi.ey, t) for t in (q, epi.ex, *((rope.q, rope.k, rope.v) if rope else ()))):
+        return None               # (its output may take bytes of rows the launch reads)
     pair = min(_attn_vec(k, D, 32), _attn_vec(v, D, 32)) == 2 * vk
     groups = sources.attn_decode_groups(H // KVH, blocks, b.sms)
     G = H // KVH // groups
     sh = sources.attn_decode_shape(G, D, vk, pair, (G + 2) * D * k.arr.itemsize if rope is not None else 0)
     if sh is None:
         return None
-    more, defines = NO_ROPE_ARGS, sources.ATTN_DECODE_NO_ROPE
+    more, defines = NO_ROPE_ARGS, dict(sources.ATTN_DECODE_PLAIN)
+    if epi is not None:
+        defines.update(epi.source(out.dt))
     if rope is not None:
         norms = [m for m in (rope.qn, rope.kn) if m is not None]
-        defines = dict(ROPE=1, INTERLEAVED=int(rope.interleaved), TC=ctype(rope.cos.dt),
+        defines.update(ROPE=1, INTERLEAVED=int(rope.interleaved), TC=ctype(rope.cos.dt),
                        TN=ctype(norms[0].w.dt) if norms else "float")
         qw, qeo = _norm_args(rope.qn)
         kw, keo = _norm_args(rope.kn)
@@ -2299,6 +2397,7 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
                          HEADMASK=int(mst[1] != 0), **sh, **common, **defines)
     fn = b.kernel(src, "rlx_attn_decode")
     grid = (B * KVH, sh["CL"], groups)
+    more += epi.args(B, H, D) if epi is not None else NO_EPI_ARGS
     return _decode_row_launch(b, fn, grid, sh["NT"], q, k, v, mv, mst, pv, out, scale, cap, window, more)
 
 

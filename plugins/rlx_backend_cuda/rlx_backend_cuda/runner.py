@@ -73,6 +73,7 @@ class Build:
         self.waiting_norms: dict = {}  # rms_norm node -> the earlier rms_norm sharing its launch (ops)
         self.rope_norms: dict = {}    # rms_norm node -> ops.RopeNorm the rope reading it computes
         self.attn_ropes: dict = {}    # attention node -> ops.AttnRope: the rope it does in its launch
+        self.attn_epilogues: dict = {}  # elementwise node -> {"done": ...} its attention may compute it (ops)
         self.resident: list = []      # (first, end) byte addresses of the params and constants
         g = runner.lir.graph
         self.view_transposes = {i for i, n in enumerate(g.nodes)
@@ -404,6 +405,9 @@ class CudaRunner(Runner):
         if b.rope_norms:
             raise BackendError(f"cuda backend: graph {self.name!r}: the norms of nodes {sorted(b.rope_norms)} "
                                "were left to a rope that never ran")
+        if b.attn_epilogues:
+            raise BackendError(f"cuda backend: graph {self.name!r}: the nodes {sorted(b.attn_epilogues)} were "
+                               "left to an attention's epilogue and never built")
         if b.attn_ropes:
             raise BackendError(f"cuda backend: graph {self.name!r}: the ropes of nodes "
                                f"{sorted(r.node for r in b.attn_ropes.values())} were left to an attention "

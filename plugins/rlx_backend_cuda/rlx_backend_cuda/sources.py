@@ -156,7 +156,9 @@ MASK_FILL = Source("attn.cu:mask", "attn.cu:mask_fill")
 ATTN_SPLIT = Source("attn.cu:mask", "attn.cu:vec", "attn.cu:split")
 ATTN_SHORT = Source("attn.cu:mask", "attn.cu:vec", "attn.cu:short")
 ATTN_DECODE = Source("attn.cu:mask", "attn.cu:vec", "rope.cu:row", "attn.cu:decode")
-ATTN_DECODE_NO_ROPE = dict(ROPE=0, INTERLEAVED=0, TC="float", TN="float")   # (its defines without the RoPE)
+# its defines without the RoPE and the epilogue (ops.AttnRope, ops.AttnEpilogue)
+ATTN_DECODE_PLAIN = dict(ROPE=0, INTERLEAVED=0, TC="float", TN="float", EPI=0, EPI_FN="", EPI_CALL="(o)",
+                         TE="float", TY="float")
 ATTN_TC = Source("attn.cu:mask", "attn_tc.cu:common", "attn_tc.cu:tc")
 ATTN_WG = Source("attn.cu:mask", "attn_tc.cu:common", "attn_tc.cu:wg")
 

@@ -23,6 +23,9 @@ from rlx_core.ir.dtype import DType
 # attn_rope (read at build): a decode step's RoPE launch (q, k and v into their caches, the q/k
 # norms) done by the cluster decode attention reading them (ops.AttnRope). Off until measured on a
 # GPU: RLX_CUDA_ATTN_ROPE=1 turns it on
+# attn_epilogue (read at build): the elementwise node reading a decode attention's output (an
+# output gate) computed in that attention's store (ops.AttnEpilogue). Off until measured on a GPU:
+# RLX_CUDA_ATTN_EPILOGUE=1 turns it on
 CONFIG = {"gemv": True, "tc_attention": True, "wg_attention": True, "lt_epilogue": True, "graphs": True,
           "short_attention": os.environ.get("RLX_CUDA_SHORT_ATTENTION", "1") != "0",
           "decode_attention": os.environ.get("RLX_CUDA_DECODE_ATTENTION", "1") != "0",
@@ -32,7 +35,8 @@ CONFIG = {"gemv": True, "tc_attention": True, "wg_attention": True, "lt_epilogue
           "rope_norm": os.environ.get("RLX_CUDA_ROPE_NORM", "1") != "0",
           "int8_gemv": os.environ.get("RLX_CUDA_INT8_GEMV", "1") != "0",
           "l2_prefetch": os.environ.get("RLX_CUDA_L2_PREFETCH", "0") != "0",
-          "attn_rope": os.environ.get("RLX_CUDA_ATTN_ROPE", "0") != "0", "version": 0}
+          "attn_rope": os.environ.get("RLX_CUDA_ATTN_ROPE", "0") != "0",
+          "attn_epilogue": os.environ.get("RLX_CUDA_ATTN_EPILOGUE", "0") != "0", "version": 0}
 
 
 def set_config(**kw) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from rlx_backend_cuda import sources
 from rlx_backend_cuda.codegen import ctype
-from rlx_backend_cuda.ops import NO_ROPE_ARGS
+from rlx_backend_cuda.ops import NO_EPI_ARGS, NO_ROPE_ARGS
 from rlx_core.ir.dtype import BF16, F32
 from rlx_core.pipeline import available_backends
 from rlx_core.testing.parity import TOL, ref_attention
@@ -22,11 +22,12 @@ _OK, _WHY = next(((ok, why) for b, ok, why in available_backends() if b.name == 
                  (False, "rlx-backend-cuda is not registered"))
 gpu = pytest.mark.skipif(not _OK, reason=f"backend 'cuda' is not available: {_WHY}")
 
-CASES = [    # (B, H, KVH, Sk, D, half, dtype, interleaved, norms, groups): rotary dims 2 half of D
-    (1, 8, 2, 600, 256, 32, BF16, False, True, 4),     # Qwen3.5's: partial rotary, q/k norms, a head a block
-    (2, 4, 2, 300, 64, 32, BF16, True, False, 1),      # Llama-like, interleaved pairs, two batch rows
-    (1, 4, 1, 200, 32, 8, F32, False, True, 2),        # f32, a quarter rotated
+CASES = [    # (B, H, KVH, Sk, D, half, dtype, interleaved, norms, groups, gate): rotary dims 2 half of D
+    (1, 8, 2, 600, 256, 32, BF16, False, True, 4, True),    # Qwen3.5's: partial rotary, q/k norms, output gate
+    (2, 4, 2, 300, 64, 32, BF16, True, False, 1, False),    # Llama-like, interleaved pairs, two batch rows
+    (1, 4, 1, 200, 32, 8, F32, False, True, 2, True),       # f32, a quarter rotated
 ]
+GATE = (("activation", (("fn", "sigmoid"),), (1,)), ("binary", (("op", "mul"),), (0, 2)))   # o * sigmoid(g)
 EPS, OFF = 1e-6, 0.0
 
 
@@ -67,9 +68,13 @@ def ref_rope(x, cos, sin, half, interleaved, w):
 @cuda_emu.emulated
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"D{c[4]}-{c[6].value}-{'il' if c[7] else 'half'}-z{c[9]}")
 def test_emulated_decode_attention_does_the_rope(rng, case):
+    """... and, with `gate`, the output gate in its store (ops.AttnEpilogue) against the
+    elementwise kernel after it."""
     from cuda_emu import compile_kernel
 
-    B, H, KVH, Sk, D, half, dt, interleaved, normed, groups = case
+    from rlx_backend_cuda import codegen
+
+    B, H, KVH, Sk, D, half, dt, interleaved, normed, groups, gate = case
     G, t, isz, i64, i32, f32 = H // KVH // groups, ctype(dt), np.dtype(dt.np).itemsize, np.int64, np.int32, np.float32
     q, k, v = (rand(rng, (B, h, 1, D), dt) for h in (H, KVH, KVH))
     kc, vc = rand(rng, (B, KVH, Sk, D), dt), rand(rng, (B, KVH, Sk, D), dt)
@@ -82,13 +87,21 @@ def test_emulated_decode_attention_does_the_rope(rng, case):
     sh = sources.attn_decode_shape(G, D, 16 // isz, pair=True, rope_bytes=(G + 2) * D * isz)
     masking = dict(MASKKIND=1, MASKMODE=1, HEADMASK=0, TM="bool", TP="int", HAS_POS=1)
 
+    g = rand(rng, (B, 1, H, D), dt)                  # the gate rows (o's [B, H, D] order)
+    y = aligned(np.zeros((B, 1, H, D), dt.np))
+
     def attention(rope: bool, qx, kcache, vcache):
-        defines = (dict(ROPE=1, INTERLEAVED=int(interleaved), TC="float", TN=t) if rope
-                   else sources.ATTN_DECODE_NO_ROPE)
+        defines = {**sources.ATTN_DECODE_PLAIN,
+                   **(dict(ROPE=1, INTERLEAVED=int(interleaved), TC="float", TN=t) if rope else {})}
+        epi = NO_EPI_ARGS
+        if rope and gate:
+            defines.update(EPI=1, EPI_FN=codegen.epilogue_function(GATE, [dt, dt], dt, "rlx_epi"),
+                           EPI_CALL="rlx_epi(o, e)", TE=t, TY=t)
+            epi = (g, i64(H * D), i64(D), y, i64(H * D), i64(D))
         src = sources.render(sources.ATTN_DECODE, TQ=t, TK=t, TV=t, TO=t, QV=1, **masking, **sh, **defines)
         out = aligned(np.zeros((B, H, 1, D), dt.np))
         more = ((k, i64(KVH * D), i64(D), v, i64(KVH * D), i64(D), kcache, vcache, cos, sin, i32(half), i32(1),
-                 qw, kw, f32(EPS), f32(OFF), f32(EPS), f32(OFF), err, i32(5)) if rope else NO_ROPE_ARGS)
+                 qw, kw, f32(EPS), f32(OFF), f32(EPS), f32(OFF), err, i32(5)) if rope else NO_ROPE_ARGS) + epi
         compile_kernel(src, "rlx_attn_decode").launch((B * KVH, sh["CL"], groups), (sh["NT"],), (
             qx, i64(H * D), i64(D), kcache, i64(KVH * Sk * D), i64(Sk * D), i64(D),
             vcache, i64(KVH * Sk * D), i64(Sk * D), i64(D), mask, i64(Sk), i64(0), i64(1),
@@ -112,7 +125,14 @@ def test_emulated_decode_attention_does_the_rope(rng, case):
     got_kc, got_vc = aligned(kc.copy()), aligned(vc.copy())
     got = attention(True, q, got_kc, got_vc)
     assert not err.any(), err
-    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    if gate:                       # the gate's own kernel on the unfused output, against the store's
+        ew = codegen.elementwise_source(GATE, [dt, dt], dt, ["c", "c", "c"], 1, False)
+        want_y = aligned(np.zeros_like(y))
+        compile_kernel(ew, "rlx_ew").launch((4,), (64,), (want, g, want_y, i32(want.size)))
+        np.testing.assert_array_equal(y.view(np.uint8), want_y.view(np.uint8))
+        assert not got.any()       # (the store wrote the gate's output, not o)
+    else:
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
     np.testing.assert_array_equal(got_kc.view(np.uint8), kc0.view(np.uint8))
     np.testing.assert_array_equal(got_vc.view(np.uint8), vc0.view(np.uint8))
     # and the float64 reference: rope (and norms) of the new rows, attention over the caches
@@ -123,6 +143,9 @@ def test_emulated_decode_attention_does_the_rope(rng, case):
         rv[b, :, pos[b]] = f64(v)[b, :, 0]
     rq = ref_rope(q, cos, sin, half, interleaved, qw)
     ref = ref_attention(rq, rk, rv, None, pos, scale=1 / math.sqrt(D))
+    if gate:
+        ref = ref * (1 / (1 + np.exp(-f64(g).reshape(B, H, 1, D))))
+        got = y.reshape(B, H, 1, D)
     assert np.abs(f64(got) - ref).max() / np.abs(ref).max() <= 2 * TOL[dt]
 
 
@@ -134,8 +157,8 @@ def test_emulated_fold_flags_a_position_past_the_cache(rng):
     B, H, KVH, Sk, D, half, dt = 1, 2, 1, 40, 32, 16, F32
     sh = sources.attn_decode_shape(2, D, 4, pair=True, rope_bytes=4 * D * 4)
     src = sources.render(sources.ATTN_DECODE, TQ="float", TK="float", TV="float", TO="float", QV=1, MASKKIND=1,
-                         MASKMODE=0, HEADMASK=0, TM="float", TP="int", HAS_POS=1, **sh, ROPE=1, INTERLEAVED=0,
-                         TC="float", TN="float")
+                         MASKMODE=0, HEADMASK=0, TM="float", TP="int", HAS_POS=1, **sh,
+                         **{**sources.ATTN_DECODE_PLAIN, "ROPE": 1})
     q, k, v = (rand(rng, (B, h, 1, D), dt) for h in (H, KVH, KVH))
     kc, vc = rand(rng, (B, KVH, Sk, D), dt), rand(rng, (B, KVH, Sk, D), dt)
     kc0, vc0 = kc.copy(), vc.copy()
@@ -147,39 +170,41 @@ def test_emulated_fold_flags_a_position_past_the_cache(rng):
         None, i64(0), i64(0), i64(0), aligned(np.array([Sk], np.int32)), i32(H), i32(KVH), i32(Sk),
         1 / math.sqrt(D), 0.0, i32(0), out, i64(H * D), i64(D),
         k, i64(D), i64(D), v, i64(D), i64(D), kc, vc, cos, sin, i32(half), i32(0), None, None,
-        f32(0), f32(0), f32(0), f32(0), err, i32(9)))
+        f32(0), f32(0), f32(0), f32(0), err, i32(9), *NO_EPI_ARGS))
     assert err[0] == 2 and err[1] == 9, err
     np.testing.assert_array_equal(kc, kc0)
     np.testing.assert_array_equal(vc, vc0)
 
 
 def decode_step(B, H, KV, D, half, ctx, dt, style):
-    """One decode position: qkv [B, 1, (H + 2 KV) D] -> q, k normed per head, roped, k and v
-    written into the caches at pos, attention over them (causal at pos)."""
+    """One decode position: qkv [B, 1, (2 H + 2 KV) D] -> q, k normed per head, roped, k and v
+    written into the caches at pos, attention over them (causal at pos), times sigmoid(gate)."""
     from rlx_core.ir.dtype import I32
     from rlx_core.ir.graph import Graph
 
     def f(m):
-        qkv = m.input("qkv", (B, 1, (H + 2 * KV) * D), dt)
+        qkv = m.input("qkv", (B, 1, (2 * H + 2 * KV) * D), dt)
         pos = m.input("pos", (B,), I32)
         cos, sin = m.input("cos", (B, 1, half)), m.input("sin", (B, 1, half))
-        q, k, v = (m.reshape(m.narrow(qkv, 2, a * D, n * D), (B, 1, n, D))
-                   for a, n in ((0, H), (H, KV), (H + KV, KV)))
+        q, k, v, gate = (m.reshape(m.narrow(qkv, 2, a * D, n * D), (B, 1, n, D))
+                         for a, n in ((0, H), (H, KV), (H + KV, KV), (H + 2 * KV, H)))
         q = m.rms_norm(q, m.param("wq", (D,), dt), eps=EPS)
         k = m.rms_norm(k, m.param("wk", (D,), dt), eps=EPS)
         q, k, v = (m.transpose(t, (0, 2, 1, 3)) for t in (q, k, v))
         kc = m.kv_write(m.state("kc", (B, KV, ctx, D), dt), m.rope(k, cos, sin, style), pos)
         vc = m.kv_write(m.state("vc", (B, KV, ctx, D), dt), v, pos)
-        return {"o": m.attention(m.rope(q, cos, sin, style), kc, vc, pos=pos)}
+        o = m.transpose(m.attention(m.rope(q, cos, sin, style), kc, vc, pos=pos), (0, 2, 1, 3))
+        return {"o": m.mul(o, m.sigmoid(gate))}
     return Graph.define("attn_rope_step", f)
 
 
 @gpu
 @pytest.mark.parametrize("style", ["half", "interleaved"])
 def test_the_step_with_the_fold_computes_what_it_computes_without(rng, style):
-    """Two decode positions of a Qwen3-like step (q/k norms, a quarter of each head rotated)
-    with the switch on and off: the same bits each time (outputs and both caches); with it on
-    and the cluster decode attention running (sm_90), no rope launch is left."""
+    """Two decode positions of a Qwen3.5-like step (q/k norms, a quarter of each head rotated,
+    an output gate) with the switches on and off: the same bits each time (outputs and both
+    caches); with them on and the cluster decode attention running (sm_90), no rope launch and
+    none of the gate where the attention computes it."""
     import rlx_core
     from rlx_backend_cuda import device, set_config
     from rlx_backend_cuda.values import CONFIG
@@ -190,12 +215,12 @@ def test_the_step_with_the_fold_computes_what_it_computes_without(rng, style):
     feeds = []
     for p in (700, 701):
         ang = rng.uniform(0, 2 * np.pi, (B, 1, half))
-        feeds.append({"qkv": rand(rng, (B, 1, (H + 2 * KV) * D), dt), "pos": np.full(B, p, np.int32),
+        feeds.append({"qkv": rand(rng, (B, 1, (2 * H + 2 * KV) * D), dt), "pos": np.full(B, p, np.int32),
                       "cos": np.cos(ang).astype(np.float32), "sin": np.sin(ang).astype(np.float32)})
     outs, steps = {}, {}
-    was = CONFIG["attn_rope"]
+    was = {k: CONFIG[k] for k in ("attn_rope", "attn_epilogue")}
     for on in (False, True):
-        set_config(attn_rope=on)
+        set_config(attn_rope=on, attn_epilogue=on)
         try:
             exe = rlx_core.compile(g, backend="cuda", params=params)
             got = []
@@ -206,9 +231,11 @@ def test_the_step_with_the_fold_computes_what_it_computes_without(rng, style):
             outs[on] = got
             steps[on] = next(iter(exe._runners.values())).describe()["steps_by_op"]
         finally:
-            set_config(attn_rope=was)
+            set_config(**was)
     for a, c in zip(outs[False], outs[True]):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(c).view(np.uint8))
-    assert steps[False].get("rope") == 1, steps[False]
+    gate = next(op for op in steps[False] if op in ("fused_elementwise", "binary"))
+    assert steps[False].get("rope") == 1 and steps[False][gate] >= 1, steps[False]
     if tuple(device.info().get("cc", (0, 0))) >= (9, 0):
+        # (the gate's step stays in the list: it launches nothing where the attention computed it)
         assert "rope" not in steps[True] and steps[True]["attention"] == 1, steps[True]

@@ -714,7 +714,7 @@ def test_emulated_cluster_decode_attention(rng, case):
 
     from rlx_backend_cuda import sources
     from rlx_backend_cuda.codegen import ctype
-    from rlx_backend_cuda.ops import NO_ROPE_ARGS
+    from rlx_backend_cuda.ops import NO_EPI_ARGS, NO_ROPE_ARGS
     from rlx_core.testing.parity import TOL, ref_attention
 
     B, H, KVH, Sk, D, dt, mask, groups = case
@@ -728,7 +728,7 @@ def test_emulated_cluster_decode_attention(rng, case):
     masking = dict(MASKKIND=1, MASKMODE={"bool": 1, "bias": 2, None: 0}[mask], HEADMASK=int(mask == "bias"),
                    TM={"bool": "bool", "bias": ctype(dt), None: "float"}[mask], TP="int", HAS_POS=1)
     src = sources.render(sources.ATTN_DECODE, TQ=ctype(dt), TK=ctype(dt), TV=ctype(dt), TO=ctype(dt), QV=1,
-                         **masking, **sh, **sources.ATTN_DECODE_NO_ROPE)
+                         **masking, **sh, **sources.ATTN_DECODE_PLAIN)
     out = _aligned(np.zeros((B, H, 1, D), dt.np))
     mst = (0, 0, 0) if m is None else (Sk if mask == "bool" else 0, Sk if mask == "bias" else 0, 1)
     i64 = np.int64
@@ -737,7 +737,7 @@ def test_emulated_cluster_decode_attention(rng, case):
         _aligned(v), i64(KVH * Sk * D), i64(Sk * D), i64(D),
         None if m is None else (m if mask == "bool" else _aligned(m)), *map(i64, mst),
         pos, np.int32(H), np.int32(KVH), np.int32(Sk), 1 / math.sqrt(D), 0.0, np.int32(0),
-        out, i64(H * D), i64(D), *NO_ROPE_ARGS))
+        out, i64(H * D), i64(D), *NO_ROPE_ARGS, *NO_EPI_ARGS))
     f64 = [a.astype(np.float64) for a in (q, k, v)]
     want = ref_attention(*f64, m if mask != "bias" else m.astype(np.float64), pos, scale=1 / math.sqrt(D))
     err = np.abs(out.astype(np.float64) - want).max() / np.abs(want).max()

@@ -16,7 +16,9 @@ from rlx_core.cli import main
 INT8_GEMV = 'int8-activation decode GEMV (dp4a; [precision] activations = "int8")'
 L2_PREFETCH = "L2 prefetch of the next GEMVs' weights beside latency-bound kernels"
 ATTN_ROPE = "RoPE inside the cluster decode attention"
-OPT_IN = {L2_PREFETCH: "l2_prefetch", ATTN_ROPE: "attn_rope"}      # off until measured on a GPU
+ATTN_EPILOGUE = "output gate inside the cluster decode attention"
+OPT_IN = {L2_PREFETCH: "l2_prefetch", ATTN_ROPE: "attn_rope",       # off until measured on a GPU
+          ATTN_EPILOGUE: "attn_epilogue"}
 
 
 @pytest.fixture

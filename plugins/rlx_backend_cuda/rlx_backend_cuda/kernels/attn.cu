@@ -537,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
     out[b * osb + (kvh * G + g) * osh + d] = ST(TO, l == 0 ? (ACC)0 : o / l);
   }
 }
-// @part decode(NT, TQ, TK, TV, TM, TP, TO, G, D, VK, QV, NL, CL, MASKMODE, HEADMASK, ROPE, TC, TN)
+// @part decode(NT, TQ, TK, TV, TM, TP, TO, G, D, VK, QV, NL, CL, MASKMODE, HEADMASK, ROPE, TC, TN, EPI, EPI_FN, EPI_CALL(o, e), TE, TY)
 // Decode attention (one query row per head) over a KV cache longer than the short kernel
 // takes (up to ATTN_DECODE_KEYS, sources.py) with few batch x kv heads: a cluster of CL
 // blocks per (batch, kv head) shares its keys, a chunk of NL * KPL keys to a warp at a time.
@@ -560,6 +560,10 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
 // xk (knw, keps, koff), copies the value row xv, scores that position from those shared rows and
 // writes both into the caches kc / vc (k's and v's memory: no key is read from the cache at the
 // position this launch writes). A position past the cache is flagged (kv_write's error 2, node).
+// EPI: the elementwise node reading the output (Qwen3.5's output gate, o * sigmoid(gate)) is
+// computed in the store: ey[b, h, d] = EPI_CALL(o as stored, ex[b, h, d]) (EPI_FN, ops.AttnEpilogue)
+// instead of out.
+EPI_FN
 #define NW (NT / 32)
 extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_decode(
     const TQ* __restrict__ q, long long qsb, long long qsh,
@@ -571,7 +575,8 @@ extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_
     const TK* __restrict__ xk, long long xksb, long long xksh, const TV* __restrict__ xv, long long xvsb,
     long long xvsh, TK* kc, TV* vc, const TC* __restrict__ rc, const TC* __restrict__ rs, int half, int rpb,
     const TN* __restrict__ qnw, const TN* __restrict__ knw, float qeps, float qoff, float keps, float koff,
-    int* err, int node) {
+    int* err, int node, const TE* __restrict__ ex, long long exsb, long long exsh, TY* __restrict__ ey,
+    long long eysb, long long eysh) {
   typedef float ACC;
   constexpr int LPK = D / VK, KPL = 32 / LPK, CH = NL * KPL;
   static_assert(LPK * KPL == 32 && LPK * VK == D, "rlx_attn_decode: a key row takes a power of two lanes");
@@ -792,7 +797,11 @@ extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_
       O += f == (ACC)0 ? (ACC)0 : rlx_cluster_load(&c_o[g][d], r) * f;
       L += rlx_cluster_load(&c_l[g], r) * f;
     }
+#if EPI
+    ey[b * eysb + (h0 + g) * eysh + d] = EPI_CALL(ST(TO, L == 0 ? (ACC)0 : O / L), ex[b * exsb + (h0 + g) * exsh + d]);
+#else
     out[b * osb + (h0 + g) * osh + d] = ST(TO, L == 0 ? (ACC)0 : O / L);
+#endif
   }
   rlx_cluster_sync();            // (no block leaves while another reads its shared memory)
 }
