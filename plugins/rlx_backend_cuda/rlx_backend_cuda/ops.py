@@ -1516,7 +1516,8 @@ class AttnRope:
         as its q, k and v, with no launch between (so what they read is as the rope left it:
         `_takes_rope` checks the attention's output against it), the tables contiguous; else None."""
         kinds = [(rot, at) for _, _, rot, at in jobs]
-        if not CONFIG["attn_rope"] or pos is None or sorted(kinds) != [(False, True), (True, False), (True, True)]:
+        if (not CONFIG["attn_rope"] or device.cluster_missing(b.cc, b.hip) or pos is None
+                or sorted(kinds) != [(False, True), (True, False), (True, True)]):
             return None
         iq, ik, iv = (kinds.index(k) for k in ((True, False), (True, True), (False, True)))
         readers = [_reader_through_views(b, refs_of[i][1]) for i in (iq, ik, iv)]
@@ -1564,7 +1565,7 @@ class AttnEpilogue:
         """The record where the attention's output [B, H, 1, D] is read only by an elementwise node
         of two inputs, through reshapes (so its element order is the output's), with no launch
         between, the other input and the node's output 16-bit or f32 rows of the same [B, H, D]."""
-        if not CONFIG["attn_epilogue"]:
+        if not CONFIG["attn_epilogue"] or device.cluster_missing(b.cc, b.hip):
             return None
         g, slots = b.r.lir.graph, b.r.lir.slots
         ref = (b.node, 0)
@@ -2244,8 +2245,14 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V, rope: AttnRope |
         fn_s(grid_s, (NT,), args_s, 0, stream)
     decode_args = (b, q, k, v, mv, mst, pv, out, scale, cap, window, common)     # (the decode-row kernels)
     short = _short_attention(*decode_args) if acc == "float" else None
+    # the decode kernel may do the step's RoPE (then it reads the rope's rows, not q) and the
+    # output's elementwise reader (where the plan gave its output no bytes the kernel reads)
+    takes = rope if rope is not None and _takes_rope(rope, q, k, v, pv, out) else None
     epi = AttnEpilogue.of(b, out) if acc == "float" and Sq == 1 else None
-    folded = (_decode_attention(*decode_args, rope, epi) if acc == "float" and (rope or epi) is not None
+    if epi is not None and not all(_apart(epi.ey, t) for t in (
+            *((takes.q, takes.k, takes.v) if takes is not None else (q,)), epi.ex)):
+        epi = None
+    folded = (_decode_attention(*decode_args, takes, epi) if acc == "float" and (takes or epi) is not None
               else None)
     decode = folded or (_decode_attention(*decode_args) if acc == "float" else None)
     if folded is not None and epi is not None:
@@ -2360,8 +2367,8 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
     """A launch of sources.ATTN_DECODE for one query row per head over a KV cache of at most
     ATTN_DECODE_KEYS positions where a cluster of blocks per (batch row, kv head) fits one wave
     on an sm_90+ GPU, or None where it does not apply. rope: the kernel also does the step's
-    RoPE (q: the rope's output, then rope.q the rows it ropes); epi: it computes that node
-    instead of writing out; None where it cannot take both."""
+    RoPE (q: the rope's output, then rope.q the rows it ropes; `_takes_rope`); epi: it computes
+    that node instead of writing out (ey apart from the rows it reads)."""
     B, H, Sq, D = q.shape
     KVH, Sk = k.shape[1], k.shape[2]
     vk = min(_attn_vec(k, D), _attn_vec(v, D))
@@ -2369,10 +2376,6 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
     if (Sq != 1 or device.cluster_missing(b.cc, b.hip) or v.shape[3] != D or out.es[3] != 1
             or Sk > sources.ATTN_DECODE_KEYS or blocks > b.sms):
         return None
-    if rope is not None and not _takes_rope(rope, q, k, v, pv, out):
-        return None
-    if epi is not None and not all(_apart(epi.ey, t) for t in (q, epi.ex, *((rope.q, rope.k, rope.v) if rope else ()))):
-        return None               # (its output may take bytes of rows the launch reads)
     pair = min(_attn_vec(k, D, 32), _attn_vec(v, D, 32)) == 2 * vk
     groups = sources.attn_decode_groups(H // KVH, blocks, b.sms)
     G = H // KVH // groups

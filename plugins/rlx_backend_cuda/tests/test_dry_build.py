@@ -1,0 +1,129 @@
+"""What a decode step builds to on a stand-in H200 (cuda_dry: no GPU, nothing run): a layer of
+a Qwen3.5-like full-attention block between GEMVs. With the opt-in switches off, the RoPE and
+the output gate are launches of their own; with attn_rope and attn_epilogue on, the decode
+attention's one launch (its source with ROPE and EPI) replaces the three; with l2_prefetch on,
+a side branch forks after the GEMV before the RoPE / attention stretch and asks for the
+o-projection's and the next GEMV's weights, joined at the end."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cuda_dry import HOPPER, dry, leaves  # noqa: F401  (the fixture)
+from rlx_backend_cuda import prefetch, set_config
+from rlx_backend_cuda.values import CONFIG
+from rlx_core.ir.dtype import BF16, I32
+from rlx_core.ir.graph import Graph
+
+B, H, KV, D, HALF, CTX, HID = 1, 8, 2, 128, 32, 1024, 512
+SWITCHES = ("attn_rope", "attn_epilogue", "l2_prefetch")
+
+
+def layer():
+    """x [B, 1, HID] -> norm, q / k / v / gate projection (one GEMV), q and k normed per head and
+    roped, k and v into the caches, attention, times sigmoid(gate), o projection + x, norm, up."""
+    def f(m):
+        x = m.input("x", (B, 1, HID), BF16)
+        pos = m.input("pos", (B,), I32)
+        cos, sin = m.input("cos", (B, 1, HALF)), m.input("sin", (B, 1, HALF))
+        h = m.rms_norm(x, m.param("ln", (HID,), BF16), eps=1e-6)
+        qkvg = m.linear(h, m.param("wqkvg", ((2 * H + 2 * KV) * D, HID), BF16))
+        q, k, v, gate = (m.reshape(m.narrow(qkvg, 2, a * D, n * D), (B, 1, n, D))
+                         for a, n in ((0, H), (H, KV), (H + KV, KV), (H + 2 * KV, H)))
+        q = m.rms_norm(q, m.param("qn", (D,), BF16), eps=1e-6)
+        k = m.rms_norm(k, m.param("kn", (D,), BF16), eps=1e-6)
+        q, k, v = (m.transpose(t, (0, 2, 1, 3)) for t in (q, k, v))
+        kc = m.kv_write(m.state("kc", (B, KV, CTX, D), BF16), m.rope(k, cos, sin), pos)
+        vc = m.kv_write(m.state("vc", (B, KV, CTX, D), BF16), v, pos)
+        o = m.transpose(m.attention(m.rope(q, cos, sin), kc, vc, pos=pos), (0, 2, 1, 3))
+        o = m.reshape(m.mul(o, m.sigmoid(gate)), (B, 1, H * D))
+        x2 = m.add_(x, m.linear(o, m.param("wo", (HID, H * D), BF16)))
+        up = m.linear(m.rms_norm(x2, m.param("ln2", (HID,), BF16), eps=1e-6), m.param("wup", (4 * HID, HID), BF16))
+        return {"up": up}
+    return Graph.define("dry_layer", f)
+
+
+def lir_of(g):
+    """The graph as the cuda backend plans it (its passes and layouts), decode-shaped."""
+    import rlx_backend_cuda
+    from rlx_core.ir.lir import plan
+    from rlx_core.pipeline import CompilePipeline, specialize
+    from rlx_core.profile import CompileProfile, PrecisionConfig
+
+    backend = rlx_backend_cuda.CudaBackend()
+    mir = CompilePipeline(CompileProfile("dry", precision=PrecisionConfig(compute="bf16")), backend).optimize_cached(g)
+    s = specialize(mir, {})
+    return plan(s, *backend.planned_layouts(s))
+
+
+@pytest.fixture
+def switches():
+    was = {k: CONFIG[k] for k in SWITCHES}
+    yield lambda **kw: set_config(**{k: kw.get(k, False) for k in SWITCHES})
+    set_config(**was)
+
+
+def run_steps(runner) -> list:
+    """Every step run once on the stand-ins: the kernels launched, in order."""
+    launched = []
+    for st in runner.steps:
+        before = {id(k): len(k.launches) for k in _kernels}
+        st.fn()
+        launched += [k.name for k in _kernels if len(k.launches) > before[id(k)]]
+    return launched
+
+
+_kernels: list = []
+
+
+def test_the_rope_and_the_gate_go_into_the_decode_attention(dry, switches):
+    rng = np.random.default_rng(0)
+    lir = lir_of(layer())
+    params, states = leaves(lir, rng)
+    switches()
+    plain = dry(lir, params, states)
+    _kernels[:] = dry.kernels
+    ops = plain.describe()["steps_by_op"]
+    assert ops.get("rope") == 1 and "l2_prefetch" not in ops, ops
+    before = run_steps(plain)
+    at = before.index("rlx_attn_decode")
+    assert before[at - 1] == "rlx_rope" and before[at + 1] == "rlx_ew", before      # (the gate)
+
+    switches(attn_rope=True, attn_epilogue=True)
+    mark = len(dry.kernels)
+    fused = dry(lir, params, states)
+    _kernels[:] = dry.kernels[mark:]
+    ops = fused.describe()["steps_by_op"]
+    assert "rope" not in ops, ops
+    names = run_steps(fused)
+    assert names == before[:at - 1] + before[at:at + 1] + before[at + 2:], (before, names)
+    # another attention kernel picked at run time: the RoPE before it, the gate after it again
+    set_config(decode_attention=False)
+    try:
+        names = run_steps(fused)
+    finally:
+        set_config(decode_attention=True)
+    at = names.index("rlx_attn_split")
+    assert names[at - 1] == "rlx_rope" and names[at + 1] == "rlx_ew", names
+    # before sm_90 (no clusters): no fold
+    switches(attn_rope=True, attn_epilogue=True)
+    ada = dry(lir, params, states, {**HOPPER, "cc": (8, 9), "name": "stand-in sm_89"})
+    assert ada.describe()["steps_by_op"].get("rope") == 1
+    attn = next(k for k in _kernels if k.name == "rlx_attn_decode" and k.launches)
+    assert "#define ROPE 1" in attn.source and "#define EPI 1" in attn.source
+
+
+def test_the_prefetch_branch_forks_after_the_gemv_before_the_stretch(dry, switches):
+    rng = np.random.default_rng(1)
+    lir = lir_of(layer())
+    params, states = leaves(lir, rng)
+    switches(l2_prefetch=True)
+    runner = dry(lir, params, states)
+    ops = [st.op for st in runner.steps]
+    assert ops.count("l2_prefetch") == 2 and ops[-1] == "l2_prefetch", ops     # the fork, the join
+    fork = ops.index("l2_prefetch")
+    assert runner.steps[fork - 1].reads and not runner.steps[fork + 1].reads, ops
+    plain = [st for st in runner.steps if st.op != "l2_prefetch"]
+    ranges = next(iter(prefetch.plan(plain, 25 << 20).values()))
+    wo, wup = (params[n].nbytes for n in ("wo", "wup"))
+    assert sum(n for _, n in ranges) == wo + wup, ranges          # (both fit the budget: whole)
