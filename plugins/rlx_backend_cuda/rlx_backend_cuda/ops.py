@@ -2269,17 +2269,14 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V, rope: AttnRope |
             elif short is not None and CONFIG["short_attention"]:
                 run = short
             elif decode is not None and CONFIG["decode_attention"]:
-                if epi is not None:
-                    epi.taken["done"] = decode is folded
-                if decode is folded:
-                    return decode()
                 run = decode
             else:
                 run = split
-            if epi is not None:
-                epi.taken["done"] = False
-            for fn in first:
-                fn()
+            if epi is not None:           # (read by the elementwise node's own step)
+                epi.taken["done"] = run is folded
+            if not (run is folded and takes is not None):
+                for fn in first:
+                    fn()
             run()
         b.add(dispatch)
 

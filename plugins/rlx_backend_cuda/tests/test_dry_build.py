@@ -76,7 +76,9 @@ def run_steps(runner) -> list:
 _kernels: list = []
 
 
-def test_the_rope_and_the_gate_go_into_the_decode_attention(dry, switches):
+@pytest.mark.parametrize("rope,gate", [(True, True), (True, False)])    # (the gate alone: where the plan
+                                                                         # gave its output the roped q's bytes, no)
+def test_the_rope_and_the_gate_go_into_the_decode_attention(dry, switches, rope, gate):
     rng = np.random.default_rng(0)
     lir = lir_of(layer())
     params, states = leaves(lir, rng)
@@ -89,14 +91,18 @@ def test_the_rope_and_the_gate_go_into_the_decode_attention(dry, switches):
     at = before.index("rlx_attn_decode")
     assert before[at - 1] == "rlx_rope" and before[at + 1] == "rlx_ew", before      # (the gate)
 
-    switches(attn_rope=True, attn_epilogue=True)
+    switches(attn_rope=rope, attn_epilogue=gate)
     mark = len(dry.kernels)
     fused = dry(lir, params, states)
     _kernels[:] = dry.kernels[mark:]
     ops = fused.describe()["steps_by_op"]
-    assert "rope" not in ops, ops
+    assert ("rope" in ops) is not rope, ops
     names = run_steps(fused)
-    assert names == before[:at - 1] + before[at:at + 1] + before[at + 2:], (before, names)
+    assert names == before[:at - 1 + (not rope)] + before[at:at + 1 + (not gate)] + before[at + 2:], (before, names)
+    attn = next(k for k in _kernels if k.name == "rlx_attn_decode" and k.launches)
+    assert ("#define ROPE 1" in attn.source) is rope and ("#define EPI 1" in attn.source) is gate
+    if not (rope and gate):
+        return
     # another attention kernel picked at run time: the RoPE before it, the gate after it again
     set_config(decode_attention=False)
     try:
@@ -109,8 +115,6 @@ def test_the_rope_and_the_gate_go_into_the_decode_attention(dry, switches):
     switches(attn_rope=True, attn_epilogue=True)
     ada = dry(lir, params, states, {**HOPPER, "cc": (8, 9), "name": "stand-in sm_89"})
     assert ada.describe()["steps_by_op"].get("rope") == 1
-    attn = next(k for k in _kernels if k.name == "rlx_attn_decode" and k.launches)
-    assert "#define ROPE 1" in attn.source and "#define EPI 1" in attn.source
 
 
 def test_the_prefetch_branch_forks_after_the_gemv_before_the_stretch(dry, switches):
