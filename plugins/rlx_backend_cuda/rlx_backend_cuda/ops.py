@@ -1522,10 +1522,8 @@ class AttnRope:
         iq, ik, iv = (kinds.index(k) for k in ((True, False), (True, True), (False, True)))
         readers = [_reader_through_views(b, refs_of[i][1]) for i in (iq, ik, iv)]
         j = readers[0][0] if readers[0] else -1
-        g, slots = b.r.lir.graph, b.r.lir.slots
-        if (readers != [(j, 0), (j, 1), (j, 2)] or g.nodes[j].op != "attention"
-                or not all(t in b.absorbed or g.nodes[t].op in ("param", "constant")
-                           or getattr(slots.get((t, 0)), "home", "") == "view" for t in range(b.node + 1, j))):
+        if (readers != [(j, 0), (j, 1), (j, 2)] or b.r.lir.graph.nodes[j].op != "attention"
+                or not _no_launch_between(b, b.node, j)):
             return None
         xs = []
         for i in (iq, ik, iv):
@@ -1567,24 +1565,14 @@ class AttnEpilogue:
         between, the other input and the node's output 16-bit or f32 rows of the same [B, H, D]."""
         if not CONFIG["attn_epilogue"] or device.cluster_missing(b.cc, b.hip):
             return None
-        g, slots = b.r.lir.graph, b.r.lir.slots
-        ref = (b.node, 0)
-        while True:
-            use = b.uses.get(ref, [])
-            if len(use) != 1 or use[0] < 0:
-                return None
-            u = use[0]
-            if getattr(slots.get((u, 0)), "home", "") != "view":
-                break
-            if g.nodes[u].op != "reshape":
-                return None
-            ref = (u, 0)
-        n = g.nodes[u]
-        if (n.op not in ("fused_elementwise", "binary") or len(n.inputs) != 2 or len(n.outs) != 1
-                or not all(t in b.absorbed or g.nodes[t].op in ("param", "constant")
-                           or getattr(slots.get((t, 0)), "home", "") == "view" for t in range(b.node + 1, u))):
+        reader = _reader_through_views(b, (b.node, 0), ("reshape",))
+        if reader is None:
             return None
-        slot = [tuple(r) for r in n.inputs].index(ref)
+        u, slot = reader
+        n = b.r.lir.graph.nodes[u]
+        if (n.op not in ("fused_elementwise", "binary") or len(n.inputs) != 2 or len(n.outs) != 1
+                or not _no_launch_between(b, b.node, u)):
+            return None
         ex = b.vals.get(tuple(n.inputs[1 - slot]))
         if ex is None or ex.dt not in (F32, BF16, F16):
             return None
@@ -1626,9 +1614,10 @@ def _alive_until(b, ref: tuple, j: int) -> bool:
                                  or (slot.home == "arena" and slot.end >= j))
 
 
-def _reader_through_views(b, ref: tuple) -> tuple | None:
+def _reader_through_views(b, ref: tuple, views: tuple | None = None) -> tuple | None:
     """(node, input index) of the one node reading ref, looking through views that are each the
-    one use of the value before; None where a value on the way has other uses or is an output."""
+    one use of the value before (of the ops `views` only, where given); None where a value on
+    the way has other uses or is an output."""
     g, slots = b.r.lir.graph, b.r.lir.slots
     while True:
         use = b.uses.get(ref, [])
@@ -1637,7 +1626,16 @@ def _reader_through_views(b, ref: tuple) -> tuple | None:
         u = use[0]
         if getattr(slots.get((u, 0)), "home", "") != "view":
             return u, [tuple(r) for r in g.nodes[u].inputs].index(ref)
+        if views is not None and g.nodes[u].op not in views:
+            return None
         ref = (u, 0)
+
+
+def _no_launch_between(b, i: int, j: int) -> bool:
+    """Whether nodes i + 1 .. j - 1 launch nothing (absorbed, views, params, constants)."""
+    g, slots = b.r.lir.graph, b.r.lir.slots
+    return all(t in b.absorbed or g.nodes[t].op in ("param", "constant")
+               or getattr(slots.get((t, 0)), "home", "") == "view" for t in range(i + 1, j))
 
 
 def _full(b, r: V, shape) -> V:

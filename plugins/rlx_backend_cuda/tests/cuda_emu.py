@@ -342,6 +342,15 @@ class Kernel:
                 (ctypes.c_void_p * len(ptrs))(*ptrs))
 
 
+def aligned(a: np.ndarray) -> np.ndarray:
+    """a's copy at a 64-byte aligned address (the kernels' vector loads assume it)."""
+    raw = np.empty(a.nbytes + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    out = raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
 def compile_kernel(source: str, name: str, cache: str | None = None) -> Kernel:
     """Kernel `name` of `source` built as a host shared library (cached by the text's hash)."""
     text = _host_text(source)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import cuda_emu
+from cuda_emu import aligned
 import numpy as np
 import pytest
 
@@ -36,15 +37,6 @@ def rng(request):
     import zlib
 
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
-
-
-def aligned(a: np.ndarray) -> np.ndarray:
-    """a's copy at a 64-byte aligned address (the kernels' vector loads assume it)."""
-    raw = np.empty(a.nbytes + 64, np.uint8)
-    off = (-raw.ctypes.data) % 64
-    out = raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
-    out[...] = a
-    return out
 
 
 def rand(rng, shape, dt, lo=-2.0, hi=2.0):

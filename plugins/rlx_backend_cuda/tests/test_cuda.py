@@ -694,15 +694,6 @@ EMULATED_DECODE = [        # (B, H, KVH, Sk, D, dtype, mask, groups): H / KVH qu
 ]
 
 
-def _aligned(a: np.ndarray) -> np.ndarray:
-    """a's copy at a 64-byte aligned address (the kernels' vector loads assume it)."""
-    raw = np.empty(a.nbytes + 64, np.uint8)
-    off = (-raw.ctypes.data) % 64
-    out = raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
-    out[...] = a
-    return out
-
-
 @cuda_emu.emulated
 @pytest.mark.parametrize("case", EMULATED_DECODE, ids=lambda c: f"D{c[4]}-{c[5].value}-{c[6]}-z{c[7]}")
 def test_emulated_cluster_decode_attention(rng, case):
@@ -729,13 +720,13 @@ def test_emulated_cluster_decode_attention(rng, case):
                    TM={"bool": "bool", "bias": ctype(dt), None: "float"}[mask], TP="int", HAS_POS=1)
     src = sources.render(sources.ATTN_DECODE, TQ=ctype(dt), TK=ctype(dt), TV=ctype(dt), TO=ctype(dt), QV=1,
                          **masking, **sh, **sources.ATTN_DECODE_PLAIN)
-    out = _aligned(np.zeros((B, H, 1, D), dt.np))
+    out = cuda_emu.aligned(np.zeros((B, H, 1, D), dt.np))
     mst = (0, 0, 0) if m is None else (Sk if mask == "bool" else 0, Sk if mask == "bias" else 0, 1)
     i64 = np.int64
     compile_kernel(src, "rlx_attn_decode").launch((B * KVH, sh["CL"], groups), (sh["NT"],), (
-        _aligned(q), i64(H * D), i64(D), _aligned(k), i64(KVH * Sk * D), i64(Sk * D), i64(D),
-        _aligned(v), i64(KVH * Sk * D), i64(Sk * D), i64(D),
-        None if m is None else (m if mask == "bool" else _aligned(m)), *map(i64, mst),
+        cuda_emu.aligned(q), i64(H * D), i64(D), cuda_emu.aligned(k), i64(KVH * Sk * D), i64(Sk * D), i64(D),
+        cuda_emu.aligned(v), i64(KVH * Sk * D), i64(Sk * D), i64(D),
+        None if m is None else (m if mask == "bool" else cuda_emu.aligned(m)), *map(i64, mst),
         pos, np.int32(H), np.int32(KVH), np.int32(Sk), 1 / math.sqrt(D), 0.0, np.int32(0),
         out, i64(H * D), i64(D), *NO_ROPE_ARGS, *NO_EPI_ARGS))
     f64 = [a.astype(np.float64) for a in (q, k, v)]
