@@ -18,8 +18,8 @@ import subprocess
 import sys
 
 # "rlx q4_k: decode X ms/token" (llm_gpu.py), "decode after ..: RLX X ms/token" (qwen35_gpu.py's report)
-DECODE = re.compile(r"^(rlx[^:\n]*?):? decode:? ([0-9.]+) ms/token|^(decode) after [^:\n]*: RLX ([0-9.]+) ms/token",
-                    re.M)
+DECODE = re.compile(r"^(rlx[^:\n]*?):? decode:? ([0-9.]+) ms/token"
+                    r"|^(decode) after [^:\n]*: RLX ([0-9.]+) ms/token", re.M)
 HARDWARE = re.compile(r"^[^\n]*(?:GPU: |; device )[^\n]*$", re.M)
 
 
@@ -48,19 +48,22 @@ def table(configs: list, runs: dict) -> list:
     names = [n for n, _ in configs]
     rows = ["| line | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for label in labels:
-        med = {n: statistics.median(v) if (v := [o[label] for o in runs[n] if label in o]) else None for n in names}
+        med = {n: statistics.median(v) if (v := [o[label] for o in runs[n] if label in o]) else None
+               for n in names}
         base = med[names[0]]
         cells = []
         for n in names:
             m = med[n]
-            cells.append("-" if m is None else f"{m:.3f}" + (f" ({m / base:.3f}x)" if base and n != names[0] else ""))
+            ratio = f" ({m / base:.3f}x)" if m is not None and base and n != names[0] else ""
+            cells.append("-" if m is None else f"{m:.3f}{ratio}")
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", action="append", required=True, help="NAME=[VAR=VALUE ...], the first the base")
+    ap.add_argument("--config", action="append", required=True,
+                    help="NAME=[VAR=VALUE ...], the first the base")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- the benchmark command")
@@ -73,7 +76,8 @@ def main(argv=None) -> int:
     hardware = ""
     for r in range(a.rounds):
         for name, env in configs:
-            p = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=a.timeout)
+            p = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
+                               timeout=a.timeout)
             got = decode_lines(p.stdout)
             hardware = hardware or next(iter(HARDWARE.findall(p.stdout)), "")
             print(f"round {r + 1} {name}: rc {p.returncode} {got}", flush=True)

@@ -258,7 +258,8 @@ def side_rlx(a, cfg: dict) -> dict:
         from gpu_kernels import decode_runner, knockout_table
 
         res["decode_step"]["knockout_us"] = knockout_table(decode_runner(model))
-        log(f"rlx decode step, what each kind of launch costs in the graph (us): {res['decode_step']['knockout_us']}")
+        log(f"rlx decode step, what each kind of launch costs in the graph (us): "
+            f"{res['decode_step']['knockout_us']}")
     return res
 
 
@@ -452,7 +453,8 @@ def main() -> int:
                     "(default: the shortest)")
     ap.add_argument("--decode-by-op", action="store_true", help="profile one RLX decode step by op (eager)")
     ap.add_argument("--decode-knockout", action="store_true",
-                    help="what each kind of launch costs in RLX's captured decode step (gpu_kernels.knockout_table)")
+                    help="what each kind of launch costs in RLX's captured decode step "
+                         "(gpu_kernels.knockout_table)")
     ap.add_argument("--layers", type=int, default=0, help="a multiple of 4 (default: the shape's)")
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (a CPU smoke run)")
     ap.add_argument("--backend", default="cuda", help="RLX's backend")

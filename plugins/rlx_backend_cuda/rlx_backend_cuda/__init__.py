@@ -105,6 +105,9 @@ class CudaBackend(Backend):
             if not why and switch and not CONFIG[switch]:
                 why = f"switched off (rlx_backend_cuda.set_config({switch}=False))"
             return kernel_path(name, why, instead)
+        def opt_in(switch: str) -> str:
+            return "" if CONFIG[switch] else (f"off by default until measured (RLX_CUDA_{switch.upper()}=1 "
+                                              "turns it on)")
         split = "the CUDA-core split attention runs instead"
         attention = path("tensor-core attention (mma.sync)", mma, split, "tc_attention")
         return [
@@ -125,16 +128,12 @@ class CudaBackend(Backend):
                  "a ROCm GPU: its inline PTX is CUDA's" if hip else "",
                  "a kernel rounds x, then the float GEMV", "int8_gemv"),
             path("RoPE inside the cluster decode attention",
-                 device.cluster_missing(cc, hip) or ("" if CONFIG["attn_rope"] else
-                                                     "off by default until measured (RLX_CUDA_ATTN_ROPE=1 turns it on)"),
-                 "the RoPE is a launch of its own"),
+                 device.cluster_missing(cc, hip) or opt_in("attn_rope"), "the RoPE is a launch of its own"),
             path("output gate inside the cluster decode attention",
-                 device.cluster_missing(cc, hip) or ("" if CONFIG["attn_epilogue"] else
-                                                     "off by default until measured (RLX_CUDA_ATTN_EPILOGUE=1 turns it on)"),
+                 device.cluster_missing(cc, hip) or opt_in("attn_epilogue"),
                  "the gate is a launch of its own"),
             path("L2 prefetch of the next GEMVs' weights beside latency-bound kernels",
-                 prefetch.missing() or ("" if CONFIG["l2_prefetch"] else
-                                        "off by default until measured (RLX_CUDA_L2_PREFETCH=1 turns it on)"),
+                 prefetch.missing() or opt_in("l2_prefetch"),
                  "each GEMV reads its weights from DRAM as it runs"),
         ]
 

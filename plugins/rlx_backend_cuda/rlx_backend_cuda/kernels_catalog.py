@@ -83,9 +83,10 @@ def catalog() -> list:
                     if mk == 1:          # (with the step's RoPE and an output gate: a causal decode step)
                         dt = {"float": F32, "__nv_bfloat16": BF16, "__half": F16}[t]
                         gate = codegen.epilogue_function(OUTPUT_GATE, [dt, dt], dt, "rlx_epi")
-                        src = S.render(S.ATTN_DECODE, TQ=t, TK=t, TV=t, TO=t, QV=qv, HEADMASK=0, **sh, **common,
-                                       **{**S.ATTN_DECODE_PLAIN, "ROPE": 1, "INTERLEAVED": int(d == 128), "TN": t,
-                                          "EPI": 1, "EPI_FN": gate, "EPI_CALL": "rlx_epi(o, e)", "TE": t, "TY": t})
+                        fold = {**S.ATTN_DECODE_PLAIN, "ROPE": 1, "INTERLEAVED": int(d == 128), "TN": t,
+                                "EPI": 1, "EPI_FN": gate, "EPI_CALL": "rlx_epi(o, e)", "TE": t, "TY": t}
+                        src = S.render(S.ATTN_DECODE, TQ=t, TK=t, TV=t, TO=t, QV=qv, HEADMASK=0, **sh,
+                                       **common, **fold)
                         out.append((f"attn_decode rope gate {t} G{g} D{d}", src, "rlx_attn_decode"))
             if t in ("__nv_bfloat16", "__half"):
                 for d, vec, mt in ((64, 1, 2), (128, 0, 1), (128, 1, 2), (32, 1, 1), (96, 1, 2), (256, 1, 1)):
@@ -125,7 +126,8 @@ def catalog() -> list:
     for unit, rank in (("uint4", 4), ("unsigned short", 4), ("unsigned char", 1)):
         out.append((f"copy_many {unit} {rank}", S.render(S.COPY_MANY, T=unit, RANK=rank), "rlx_copy_many"))
     for evict_last in (0, 1):
-        out.append((f"l2_prefetch {evict_last}", S.render(S.L2_PREFETCH, EVICT_LAST=evict_last), "rlx_l2_prefetch"))
+        out.append((f"l2_prefetch {evict_last}", S.render(S.L2_PREFETCH, EVICT_LAST=evict_last),
+                    "rlx_l2_prefetch"))
     # packed weights: every scheme, decode GEMV and dequantize, at each row alignment
     for kind, blk in [(k, 256 if k.endswith("_k") else 32) for k in S.DQ_SCHEMES] + [("int8", 64), ("int4", 8192)]:
         # (QX, the int8-activation form: at batch 1 with a norm, and at batch 8 with the SwiGLU)

@@ -503,7 +503,8 @@ def row_streams(b, w: V, rows: int, row_stride: int, row_bytes: int, halves: boo
         return ()
     parts = 2 if halves else 1
     n = rows // parts
-    return tuple((w.arr.data.ptr + k * n * row_stride, (n - 1) * row_stride + row_bytes) for k in range(parts))
+    span = (n - 1) * row_stride + row_bytes
+    return tuple((w.arr.data.ptr + k * n * row_stride, span) for k in range(parts))
 
 
 def _gemv_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool = False,
@@ -862,7 +863,8 @@ def _gemv_fused(b, a: V, w: V, tb: bool, out: V, swiglu: V | None, norm: GemvNor
         target, tail = flat(residual.h, N), residual.tail
     elif swiglu is not None:
         tail = tuple(_swiglu_tail(b, of, sf, N))
-    gemv, reads = _gemv_step(b, af.arr, _as_read(call)[1], target, M, N, K, swiglu is not None, norm, residual)
+    gemv, reads = _gemv_step(b, af.arr, _as_read(call)[1], target, M, N, K, swiglu is not None, norm,
+                             residual)
     a_mat, w_mat = _gemm_operands(b.cp, call)
     blas = _CublasGemm(b, case, a_mat, w_mat, of)
     head = norm.unfused if norm is not None else ()
@@ -1510,7 +1512,8 @@ class AttnRope:
     fallback: tuple = ()
 
     @classmethod
-    def of(cls, b, n, jobs: list, norms: list, refs_of: list, pos: V | None, err_node: int) -> AttnRope | None:
+    def of(cls, b, n, jobs: list, norms: list, refs_of: list, pos: V | None,
+           err_node: int) -> AttnRope | None:
         """The record where the rope launch's jobs are exactly q, k into a cache and v into a
         cache, of one row each and one dtype, read (through views) by one attention node only
         as its q, k and v, with no launch between (so what they read is as the rope left it:
@@ -2352,8 +2355,8 @@ def _decode_row_launch(b, fn, grid, threads: int, q: V, k: V, v: V, mv, mst, pv,
 
 
 # ATTN_DECODE's RoPE arguments where it does no RoPE
-NO_ROPE_ARGS = (None, i64(0), i64(0), None, i64(0), i64(0), None, None, None, None, i32(0), i32(0), None, None,
-                np.float32(0), np.float32(0), np.float32(0), np.float32(0), None, i32(0))
+NO_ROPE_ARGS = (None, i64(0), i64(0), None, i64(0), i64(0), None, None, None, None, i32(0), i32(0), None,
+                None, np.float32(0), np.float32(0), np.float32(0), np.float32(0), None, i32(0))
 NO_EPI_ARGS = (None, i64(0), i64(0), None, i64(0), i64(0))           # (nor its epilogue's)
 
 
@@ -2386,9 +2389,10 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
                        TN=ctype(norms[0].w.dt) if norms else "float")
         qw, qeo = _norm_args(rope.qn)
         kw, keo = _norm_args(rope.kn)
-        more = (rope.k.arr, i64(rope.k.es[0]), i64(rope.k.es[1]), rope.v.arr, i64(rope.v.es[0]), i64(rope.v.es[1]),
-                rope.kc.arr, rope.vc.arr, rope.cos.arr, rope.sin.arr, i32(rope.cos.shape[-1]),
-                i32(len(rope.cos.shape) == 3), qw, kw, *qeo, *keo, b.r.err, i32(rope.err_node))
+        more = (rope.k.arr, i64(rope.k.es[0]), i64(rope.k.es[1]), rope.v.arr, i64(rope.v.es[0]),
+                i64(rope.v.es[1]), rope.kc.arr, rope.vc.arr, rope.cos.arr, rope.sin.arr,
+                i32(rope.cos.shape[-1]), i32(len(rope.cos.shape) == 3), qw, kw, *qeo, *keo, b.r.err,
+                i32(rope.err_node))
         q = rope.q
     src = sources.render(sources.ATTN_DECODE, TQ=ctype(q.dt), TK=ctype(k.dt), TV=ctype(v.dt),
                          TO=ctype(out.dt), QV=int(_attn_vec(q, D, 32) % sh["VK"] == 0),
@@ -2401,7 +2405,9 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
 
 def _norm_args(m: RopeNorm | None) -> tuple:
     """A RopeNorm's weights and (eps, offset) as ATTN_DECODE's RoPE takes them (none: null, 0s)."""
-    return (m.w.arr, (np.float32(m.eps), np.float32(m.off))) if m is not None else (None, (np.float32(0),) * 2)
+    if m is None:
+        return None, (np.float32(0), np.float32(0))
+    return m.w.arr, (np.float32(m.eps), np.float32(m.off))
 
 
 def _takes_rope(rope: AttnRope, q: V, k: V, v: V, pv: V | None, out: V) -> bool:

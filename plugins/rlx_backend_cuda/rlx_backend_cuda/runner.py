@@ -406,8 +406,8 @@ class CudaRunner(Runner):
             raise BackendError(f"cuda backend: graph {self.name!r}: the norms of nodes {sorted(b.rope_norms)} "
                                "were left to a rope that never ran")
         if b.attn_epilogues:
-            raise BackendError(f"cuda backend: graph {self.name!r}: the nodes {sorted(b.attn_epilogues)} were "
-                               "left to an attention's epilogue and never built")
+            raise BackendError(f"cuda backend: graph {self.name!r}: the nodes {sorted(b.attn_epilogues)} "
+                               "were left to an attention's epilogue and never built")
         if b.attn_ropes:
             raise BackendError(f"cuda backend: graph {self.name!r}: the ropes of nodes "
                                f"{sorted(r.node for r in b.attn_ropes.values())} were left to an attention "

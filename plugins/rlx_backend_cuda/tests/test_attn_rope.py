@@ -24,7 +24,7 @@ _OK, _WHY = next(((ok, why) for b, ok, why in available_backends() if b.name == 
 gpu = pytest.mark.skipif(not _OK, reason=f"backend 'cuda' is not available: {_WHY}")
 
 CASES = [    # (B, H, KVH, Sk, D, half, dtype, interleaved, norms, groups, gate): rotary dims 2 half of D
-    (1, 8, 2, 600, 256, 32, BF16, False, True, 4, True),    # Qwen3.5's: partial rotary, q/k norms, output gate
+    (1, 8, 2, 600, 256, 32, BF16, False, True, 4, True),    # Qwen3.5's: partial rotary, q/k norms, gate
     (2, 4, 2, 300, 64, 32, BF16, True, False, 1, False),    # Llama-like, interleaved pairs, two batch rows
     (1, 4, 1, 200, 32, 8, F32, False, True, 2, True),       # f32, a quarter rotated
 ]
@@ -58,7 +58,8 @@ def ref_rope(x, cos, sin, half, interleaved, w):
 
 
 @cuda_emu.emulated
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"D{c[4]}-{c[6].value}-{'il' if c[7] else 'half'}-z{c[9]}")
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: f"D{c[4]}-{c[6].value}-{'il' if c[7] else 'half'}-z{c[9]}")
 def test_emulated_decode_attention_does_the_rope(rng, case):
     """... and, with `gate`, the output gate in its store (ops.AttnEpilogue) against the
     elementwise kernel after it."""
@@ -67,7 +68,8 @@ def test_emulated_decode_attention_does_the_rope(rng, case):
     from rlx_backend_cuda import codegen
 
     B, H, KVH, Sk, D, half, dt, interleaved, normed, groups, gate = case
-    G, t, isz, i64, i32, f32 = H // KVH // groups, ctype(dt), np.dtype(dt.np).itemsize, np.int64, np.int32, np.float32
+    G, t, isz = H // KVH // groups, ctype(dt), np.dtype(dt.np).itemsize
+    i64, i32, f32 = np.int64, np.int32, np.float32
     q, k, v = (rand(rng, (B, h, 1, D), dt) for h in (H, KVH, KVH))
     kc, vc = rand(rng, (B, KVH, Sk, D), dt), rand(rng, (B, KVH, Sk, D), dt)
     ang = rng.uniform(0, 2 * np.pi, (B, half))
@@ -92,8 +94,9 @@ def test_emulated_decode_attention_does_the_rope(rng, case):
             epi = (g, i64(H * D), i64(D), y, i64(H * D), i64(D))
         src = sources.render(sources.ATTN_DECODE, TQ=t, TK=t, TV=t, TO=t, QV=1, **masking, **sh, **defines)
         out = aligned(np.zeros((B, H, 1, D), dt.np))
-        more = ((k, i64(KVH * D), i64(D), v, i64(KVH * D), i64(D), kcache, vcache, cos, sin, i32(half), i32(1),
-                 qw, kw, f32(EPS), f32(OFF), f32(EPS), f32(OFF), err, i32(5)) if rope else NO_ROPE_ARGS) + epi
+        rope_args = (k, i64(KVH * D), i64(D), v, i64(KVH * D), i64(D), kcache, vcache, cos, sin, i32(half),
+                     i32(1), qw, kw, f32(EPS), f32(OFF), f32(EPS), f32(OFF), err, i32(5))
+        more = (rope_args if rope else NO_ROPE_ARGS) + epi
         compile_kernel(src, "rlx_attn_decode").launch((B * KVH, sh["CL"], groups), (sh["NT"],), (
             qx, i64(H * D), i64(D), kcache, i64(KVH * Sk * D), i64(Sk * D), i64(D),
             vcache, i64(KVH * Sk * D), i64(Sk * D), i64(D), mask, i64(Sk), i64(0), i64(1),
@@ -148,8 +151,8 @@ def test_emulated_fold_flags_a_position_past_the_cache(rng):
 
     B, H, KVH, Sk, D, half, dt = 1, 2, 1, 40, 32, 16, F32
     sh = sources.attn_decode_shape(2, D, 4, pair=True, rope_bytes=4 * D * 4)
-    src = sources.render(sources.ATTN_DECODE, TQ="float", TK="float", TV="float", TO="float", QV=1, MASKKIND=1,
-                         MASKMODE=0, HEADMASK=0, TM="float", TP="int", HAS_POS=1, **sh,
+    src = sources.render(sources.ATTN_DECODE, TQ="float", TK="float", TV="float", TO="float", QV=1,
+                         MASKKIND=1, MASKMODE=0, HEADMASK=0, TM="float", TP="int", HAS_POS=1, **sh,
                          **{**sources.ATTN_DECODE_PLAIN, "ROPE": 1})
     q, k, v = (rand(rng, (B, h, 1, D), dt) for h in (H, KVH, KVH))
     kc, vc = rand(rng, (B, KVH, Sk, D), dt), rand(rng, (B, KVH, Sk, D), dt)

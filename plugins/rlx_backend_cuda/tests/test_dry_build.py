@@ -38,7 +38,8 @@ def layer():
         o = m.transpose(m.attention(m.rope(q, cos, sin), kc, vc, pos=pos), (0, 2, 1, 3))
         o = m.reshape(m.mul(o, m.sigmoid(gate)), (B, 1, H * D))
         x2 = m.add_(x, m.linear(o, m.param("wo", (HID, H * D), BF16)))
-        up = m.linear(m.rms_norm(x2, m.param("ln2", (HID,), BF16), eps=1e-6), m.param("wup", (4 * HID, HID), BF16))
+        h2 = m.rms_norm(x2, m.param("ln2", (HID,), BF16), eps=1e-6)
+        up = m.linear(h2, m.param("wup", (4 * HID, HID), BF16))
         return {"up": up}
     return Graph.define("dry_layer", f)
 
@@ -51,7 +52,8 @@ def lir_of(g):
     from rlx_core.profile import CompileProfile, PrecisionConfig
 
     backend = rlx_backend_cuda.CudaBackend()
-    mir = CompilePipeline(CompileProfile("dry", precision=PrecisionConfig(compute="bf16")), backend).optimize_cached(g)
+    profile = CompileProfile("dry", precision=PrecisionConfig(compute="bf16"))
+    mir = CompilePipeline(profile, backend).optimize_cached(g)
     s = specialize(mir, {})
     return plan(s, *backend.planned_layouts(s))
 
@@ -76,8 +78,8 @@ def run_steps(runner) -> list:
 _kernels: list = []
 
 
-@pytest.mark.parametrize("rope,gate", [(True, True), (True, False)])    # (the gate alone: where the plan
-                                                                         # gave its output the roped q's bytes, no)
+# (the gate alone: not where the plan gave its output the bytes of the roped q the kernel reads)
+@pytest.mark.parametrize("rope,gate", [(True, True), (True, False)])
 def test_the_rope_and_the_gate_go_into_the_decode_attention(dry, switches, rope, gate):
     rng = np.random.default_rng(0)
     lir = lir_of(layer())
@@ -98,7 +100,8 @@ def test_the_rope_and_the_gate_go_into_the_decode_attention(dry, switches, rope,
     ops = fused.describe()["steps_by_op"]
     assert ("rope" in ops) is not rope, ops
     names = run_steps(fused)
-    assert names == before[:at - 1 + (not rope)] + before[at:at + 1 + (not gate)] + before[at + 2:], (before, names)
+    want = before[:at - 1 + (not rope)] + before[at:at + 1 + (not gate)] + before[at + 2:]
+    assert names == want, (before, names)
     attn = next(k for k in _kernels if k.name == "rlx_attn_decode" and k.launches)
     assert ("#define ROPE 1" in attn.source) is rope and ("#define EPI 1" in attn.source) is gate
     if not (rope and gate):

@@ -31,8 +31,8 @@ def test_a_stretch_asks_for_the_weights_after_it_in_their_order():
     """After GEMV 0: the stretch 1-2 asks for GEMV 3's weights whole, then an equal first part
     of each half of GEMV 4's (gate and up, read side by side); the stretch 5 asks for GEMV 6's.
     Ranges are (address, bytes)."""
-    g0, g3, gate, up, g6 = (1000 * MB, 4 * MB), (2000 * MB, 10 * MB), (3000 * MB, 25 * MB), (3025 * MB, 25 * MB), \
-        (4000 * MB, 8 * MB)
+    g0, g3, g6 = (1000 * MB, 4 * MB), (2000 * MB, 10 * MB), (4000 * MB, 8 * MB)
+    gate, up = (3000 * MB, 25 * MB), (3025 * MB, 25 * MB)
     plan = prefetch.plan(steps([g0], [], [], [g3], [gate, up], [], [g6]), 30 * MB)
     assert plan == {1: [g3, (gate[0], 10 * MB), (up[0], 10 * MB)], 5: [g6]}
 
