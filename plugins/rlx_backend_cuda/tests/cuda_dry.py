@@ -1,8 +1,9 @@
 """The cuda backend's runner built on the CPU, no GPU needed (a dry build): CuPy stands in as host
 arrays at device-style addresses, kernels are neither compiled nor launched, cuBLAS is a stub.
-A test reads the step list a graph builds to (which launches, what each step streams, what
-fused into what) for the GPU the stand-in names. Nothing runs: the kernels' own tests (cuda_emu,
-the GPU) say what they compute."""
+A test plans a graph as the backend would (`planned`), gives its leaves values (`leaves`), builds
+it (the `dry` fixture) and reads the step list (which launches, what each step streams, what
+fused into what) for the GPU the stand-in names; running a step records its kernels' launches.
+Nothing computes: the kernels' own tests (cuda_emu, the GPU) say what they compute."""
 from __future__ import annotations
 
 import types
@@ -118,3 +119,17 @@ def leaves(lir, rng) -> tuple:
             v = rng.standard_normal(s.dims).astype(np.float32).astype(s.dtype.np)
             (params if n.op == "param" else states)[n.name] = v
     return params, states
+
+
+def planned(g, compute: str = "bf16"):
+    """Graph g's LIR as the cuda backend plans it (its passes, fusion patterns and layouts),
+    its dims as they are (a decode-shaped graph)."""
+    from rlx_core.ir.lir import plan
+    from rlx_core.pipeline import CompilePipeline, specialize
+    from rlx_core.profile import CompileProfile, PrecisionConfig
+
+    backend = rlx_backend_cuda.CudaBackend()
+    profile = CompileProfile("dry", precision=PrecisionConfig(compute=compute))
+    mir = CompilePipeline(profile, backend).optimize_cached(g)
+    s = specialize(mir, {})
+    return plan(s, *backend.planned_layouts(s))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuda_dry import HOPPER, dry, leaves  # noqa: F401  (the fixture)
+from cuda_dry import HOPPER, dry, leaves, planned  # noqa: F401  (the fixture)
 from rlx_backend_cuda import prefetch, set_config
 from rlx_backend_cuda.values import CONFIG
 from rlx_core.ir.dtype import BF16, I32
@@ -44,20 +44,6 @@ def layer():
     return Graph.define("dry_layer", f)
 
 
-def lir_of(g):
-    """The graph as the cuda backend plans it (its passes and layouts), decode-shaped."""
-    import rlx_backend_cuda
-    from rlx_core.ir.lir import plan
-    from rlx_core.pipeline import CompilePipeline, specialize
-    from rlx_core.profile import CompileProfile, PrecisionConfig
-
-    backend = rlx_backend_cuda.CudaBackend()
-    profile = CompileProfile("dry", precision=PrecisionConfig(compute="bf16"))
-    mir = CompilePipeline(profile, backend).optimize_cached(g)
-    s = specialize(mir, {})
-    return plan(s, *backend.planned_layouts(s))
-
-
 @pytest.fixture
 def switches():
     was = {k: CONFIG[k] for k in SWITCHES}
@@ -82,7 +68,7 @@ _kernels: list = []
 @pytest.mark.parametrize("rope,gate", [(True, True), (True, False)])
 def test_the_rope_and_the_gate_go_into_the_decode_attention(dry, switches, rope, gate):
     rng = np.random.default_rng(0)
-    lir = lir_of(layer())
+    lir = planned(layer())
     params, states = leaves(lir, rng)
     switches()
     plain = dry(lir, params, states)
@@ -122,7 +108,7 @@ def test_the_rope_and_the_gate_go_into_the_decode_attention(dry, switches, rope,
 
 def test_the_prefetch_branch_forks_after_the_gemv_before_the_stretch(dry, switches):
     rng = np.random.default_rng(1)
-    lir = lir_of(layer())
+    lir = planned(layer())
     params, states = leaves(lir, rng)
     switches(l2_prefetch=True)
     runner = dry(lir, params, states)
