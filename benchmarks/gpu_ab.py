@@ -79,11 +79,11 @@ def main(argv=None) -> int:
             try:
                 p = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
                                    timeout=a.timeout)
-            except subprocess.TimeoutExpired as e:
+            except subprocess.TimeoutExpired as e:      # (its output so far may come as bytes)
                 print(f"round {r + 1} {name}: not done within --timeout {a.timeout:g} s", flush=True)
-                p = subprocess.CompletedProcess(cmd, -1, e.stdout or "", e.stderr or "")
-                p.stdout = p.stdout if isinstance(p.stdout, str) else p.stdout.decode(errors="replace")
-                p.stderr = p.stderr if isinstance(p.stderr, str) else p.stderr.decode(errors="replace")
+                text = [t.decode(errors="replace") if isinstance(t, bytes) else t or ""
+                        for t in (e.stdout, e.stderr)]
+                p = subprocess.CompletedProcess(cmd, -1, *text)
             got = decode_lines(p.stdout)
             hardware = hardware or next(iter(HARDWARE.findall(p.stdout)), "")
             print(f"round {r + 1} {name}: rc {p.returncode} {got}", flush=True)

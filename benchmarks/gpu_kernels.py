@@ -48,19 +48,17 @@ def knockout_table(runner, times: int = 50) -> dict:
     again at the end. {"replay_us": the whole step, "by_kind": {kind: [launches, us saved]}},
     the most saved first; the prefetch branches (prefetch.py) are never left out."""
     steps = list(runner.steps)
+    kind_of = [None if st.op == "l2_prefetch" else step_kind(st) for st in steps]
 
     def replay_us(kept: list) -> float:
         runner.steps = kept
         runner._capture()
         return min(runner.replay_seconds(times) for _ in range(3)) * 1e6
 
-    kinds: dict = {}
-    for st in steps:
-        if st.op != "l2_prefetch":
-            kinds[step_kind(st)] = kinds.get(step_kind(st), 0) + 1
+    kinds = {k: kind_of.count(k) for k in dict.fromkeys(kind_of) if k is not None}
     try:
         whole = replay_us(steps)
-        saved = {k: [n, round(whole - replay_us([st for st in steps if step_kind(st) != k]), 2)]
+        saved = {k: [n, round(whole - replay_us([st for st, c in zip(steps, kind_of) if c != k]), 2)]
                  for k, n in kinds.items()}
     finally:
         runner.steps = steps

@@ -14,6 +14,7 @@ import pytest
 
 from rlx_backend_cuda import sources
 from rlx_backend_cuda.codegen import ctype
+from rlx_backend_cuda.kernels_catalog import OUTPUT_GATE
 from rlx_backend_cuda.ops import NO_EPI_ARGS, NO_ROPE_ARGS
 from rlx_core.ir.dtype import BF16, F32
 from rlx_core.pipeline import available_backends
@@ -28,7 +29,6 @@ CASES = [    # (B, H, KVH, Sk, D, half, dtype, interleaved, norms, groups, gate)
     (2, 4, 2, 300, 64, 32, BF16, True, False, 1, False),    # Llama-like, interleaved pairs, two batch rows
     (1, 4, 1, 200, 32, 8, F32, False, True, 2, True),       # f32, a quarter rotated
 ]
-GATE = (("activation", (("fn", "sigmoid"),), (1,)), ("binary", (("op", "mul"),), (0, 2)))   # o * sigmoid(g)
 EPS, OFF = 1e-6, 0.0
 
 
@@ -89,7 +89,7 @@ def test_emulated_decode_attention_does_the_rope(rng, case):
                    **(dict(ROPE=1, INTERLEAVED=int(interleaved), TC="float", TN=t) if rope else {})}
         epi = NO_EPI_ARGS
         if rope and gate:
-            defines.update(EPI=1, EPI_FN=codegen.epilogue_function(GATE, [dt, dt], dt, "rlx_epi"),
+            defines.update(EPI=1, EPI_FN=codegen.epilogue_function(OUTPUT_GATE, [dt, dt], dt, "rlx_epi"),
                            EPI_CALL="rlx_epi(o, e)", TE=t, TY=t)
             epi = (g, i64(H * D), i64(D), y, i64(H * D), i64(D))
         src = sources.render(sources.ATTN_DECODE, TQ=t, TK=t, TV=t, TO=t, QV=1, **masking, **sh, **defines)
@@ -121,7 +121,7 @@ def test_emulated_decode_attention_does_the_rope(rng, case):
     got = attention(True, q, got_kc, got_vc)
     assert not err.any(), err
     if gate:                       # the gate's own kernel on the unfused output, against the store's
-        ew = codegen.elementwise_source(GATE, [dt, dt], dt, ["c", "c", "c"], 1, False)
+        ew = codegen.elementwise_source(OUTPUT_GATE, [dt, dt], dt, ["c", "c", "c"], 1, False)
         want_y = aligned(np.zeros_like(y))
         compile_kernel(ew, "rlx_ew").launch((4,), (64,), (want, g, want_y, i32(want.size)))
         np.testing.assert_array_equal(y.view(np.uint8), want_y.view(np.uint8))
