@@ -29,6 +29,9 @@ EW_VEC = 8                   # elements a thread of a contiguous elementwise ker
 LEAVES = {"input", "param", "state", "constant"}
 COMPLEX_OPS = LEAVES | {"fft", "ifft", "rfft", "irfft", "reshape", "narrow", "expand", "transpose",
                         "concat", "binary", "activation", "cast", "where", "fused_elementwise"}
+# ops whose launches write their own node's values and nothing else: a run that fetches none
+# of the graph outputs such a node alone feeds skips its launches (unfetched_only)
+PRUNABLE = {"binary", "activation", "cast", "where", "fused_elementwise", "reduce", "argmax"}
 
 def pinned(n: int) -> np.ndarray:
     """n bytes of page-locked host memory (asynchronous copies to and from the device)."""
@@ -46,6 +49,23 @@ class Step:
 
     def __init__(self, node, op, fn, capturable=True, reads=()):
         self.node, self.op, self.fn, self.capturable, self.reads = node, op, fn, capturable, reads
+
+
+def unfetched_only(g) -> dict:
+    """node -> the names of the graph outputs its values reach, for PRUNABLE nodes whose values
+    reach nothing else, directly or through other such nodes (a greedy decode step's f32
+    logits and its sum: needed only on a re-run that fetches them)."""
+    consumers = g.consumers()
+    names: dict = {}
+    for name, r in g.outputs:
+        names.setdefault(tuple(r), set()).add(name)
+    reach: dict = {}
+    for i in range(len(g.nodes) - 1, -1, -1):
+        refs = [(i, k) for k in range(len(g.nodes[i].outs))]
+        users = [c for r in refs for c in consumers.get(r, ())]
+        if g.nodes[i].op in PRUNABLE and all(c == -1 or c in reach for c in users):
+            reach[i] = frozenset().union(*(names.get(r, ()) for r in refs), *(reach[c] for c in users if c >= 0))
+    return reach
 
 
 class Build:
@@ -322,7 +342,8 @@ class CudaRunner(Runner):
         lir, g = self.lir, self.lir.graph
         self.private: list = []
         self.counters: list = []
-        self.graph = None
+        self.graph = None                 # the CUDA graph the last run launched
+        self.graphs: dict = {}            # the steps it skips (frozenset) -> its captured CUDA graph
         self.graph_version = None
         self.runs = 0
         self.capture_failed = ""
@@ -437,6 +458,7 @@ class CudaRunner(Runner):
         self.chain_mark = None            # (backend's runs, this runner's runs, slot) after a submit
         self.steps = prefetch.woven(b, b.steps, lambda node, fn: Step(node, "l2_prefetch", fn))
         self.keep = b.keep
+        self.only_feeds = unfetched_only(g)
         self.capturable = all(s.capturable for s in self.steps) and not b.hip
         self.vals = vals
         cp.cuda.runtime.deviceSynchronize()
@@ -448,9 +470,18 @@ class CudaRunner(Runner):
         self.states_seen = getattr(self.states, "version", None)
         return False
 
-    def _eager(self) -> None:
+    def _skipped(self, fetch: set | None) -> frozenset:
+        """The indices of the steps whose values reach only graph outputs outside `fetch`."""
+        if fetch is None:
+            return frozenset()
+        return frozenset(k for k, st in enumerate(self.steps)
+                         if st.node in self.only_feeds and not self.only_feeds[st.node] & fetch)
+
+    def _eager(self, skip: frozenset = frozenset()) -> None:
         sync = device.env_flag("RLX_CUDA_SYNC_EACH", False)
-        for st in self.steps:
+        for k, st in enumerate(self.steps):
+            if k in skip:
+                continue
             st.fn()
             if sync:
                 try:
@@ -459,12 +490,13 @@ class CudaRunner(Runner):
                     raise BackendError(f"cuda backend: graph {self.name!r} node %{st.node} ({st.op}) "
                                        f"failed: {e}") from e
 
-    def _capture(self) -> None:
+    def _capture(self, skip: frozenset = frozenset()) -> None:
         s = self.stream
         s.begin_capture()
         try:
-            for st in self.steps:
-                st.fn()
+            for k, st in enumerate(self.steps):
+                if k not in skip:
+                    st.fn()
         except Exception as e:
             try:
                 s.end_capture()
@@ -473,7 +505,7 @@ class CudaRunner(Runner):
             self.capture_failed = f"{type(e).__name__}: {e}"
             self.capturable = False
             return
-        self.graph = s.end_capture()
+        self.graph = self.graphs[skip] = s.end_capture()
         self.graph.upload(s)
         self.graph_version = CONFIG["version"]
 
@@ -532,7 +564,8 @@ class CudaRunner(Runner):
     def replay_seconds(self, times: int = 20) -> float:
         """Seconds of one replay of the captured CUDA graph alone, timed with events on the
         runner's stream (no input or output copies): the device time benchmarks compare. The
-        graph is captured by the second run, so run twice first."""
+        graph is the one the last run launched (a greedy step's skips the unfetched logits),
+        captured by the second run, so run twice first."""
         if self.graph is None:
             raise BackendError(f"cuda backend: graph {self.name!r} has no captured CUDA graph to time "
                                f"(run it twice first; why none: {self.describe()})")
@@ -574,17 +607,20 @@ class CudaRunner(Runner):
                 for name, v in from_dev.items():
                     off, nb, _ = self.inputs[name]
                     rt.memcpyAsync(self.in_dev.ptr + off, v.arr.data.ptr, nb, rt.memcpyDeviceToDevice, s.ptr)
-                if self.graph is not None and self.graph_version != CONFIG["version"]:
+                if self.graphs and self.graph_version != CONFIG["version"]:
+                    self.graphs.clear()
                     self.graph = None
+                skip = self._skipped(fetch)
                 use_graph = launch is None and CONFIG["graphs"] and self.capturable and self.runs >= 1
-                if use_graph and self.graph is None:
-                    self._capture()
+                if use_graph and skip not in self.graphs:
+                    self._capture(skip)
                 if launch is not None:
                     launch()
-                elif use_graph and self.graph is not None:
+                elif use_graph and skip in self.graphs:
+                    self.graph = self.graphs[skip]
                     self.graph.launch(s)
                 else:
-                    self._eager()
+                    self._eager(skip)
                 rt.memcpyAsync(oh.ctypes.data, self.err.data.ptr, 16, rt.memcpyDeviceToHost, s.ptr)
                 for name, v, off, nb in self.outputs:
                     if nb and (fetch is None or name in fetch):

@@ -918,6 +918,34 @@ def test_tiny_decode_kv_cache_graph_replay(rng, dt):
 
 
 @gpu
+def test_a_greedy_fetch_replays_a_graph_without_the_logits_launches(rng):
+    """A run fetching only the arg-max ids skips the launches that reach nothing but the
+    unfetched logits and their sum (one CUDA graph per skipped set); a run fetching
+    everything computes them again, equal to the numpy backend's."""
+    hid, vocab = 64, 1000
+
+    def f(m):
+        z = m.linear(m.input("x", (2, 1, hid), BF16), m.param("head", (vocab, hid), BF16))
+        return {"logits": m.cast(z, "f32"), "next_ids": m.argmax(z), "logits_sum": m.cast(m.sum(z, (-1,)), "f32")}
+    g = Graph.define("greedy", f)
+    pv = {"head": rand(rng, (vocab, hid), BF16)}
+    exes = {name: rlx_core.compile(g, backend=name, params=pv) for name in ("numpy", "cuda")}
+    for fetch in [("next_ids",)] * 3 + [None, ("next_ids",)]:
+        ins = {"x": rand(rng, (2, 1, hid), BF16)}
+        want = exes["numpy"].run(dict(ins))
+        got = exes["cuda"].run(dict(ins), fetch=fetch)
+        assert set(got) == set(fetch or want)
+        picked = np.take_along_axis(want["logits"][:, 0], got["next_ids"], axis=1)[:, 0]
+        top = want["logits"].max(axis=(1, 2))              # (within bf16's rounding of the logits)
+        assert np.all(picked >= top - 0.02 * np.abs(top)), (got["next_ids"], want["next_ids"])
+        if fetch is None:
+            assert err(got["logits"], want["logits"]) <= TOL[BF16]
+            assert err(got["logits_sum"], want["logits_sum"]) <= 2 * TOL[BF16]
+    runner = next(iter(exes["cuda"]._runners.values()))
+    assert sorted(len(k) for k in runner.graphs) == [0, 3], runner.describe()     # cast, reduce, cast
+
+
+@gpu
 @pytest.mark.parametrize("dt", [F32, BF16])
 def test_prefill_attends_fresh_k_and_fills_the_cache(rng, dt):
     """Prefill's pattern: attention reads the roped k itself while kv_write stores it (and v)

@@ -120,3 +120,27 @@ def test_the_prefetch_branch_forks_after_the_gemv_before_the_stretch(dry, switch
     ranges = next(iter(prefetch.plan(plain, 25 << 20).values()))
     wo, wup = (params[n].nbytes for n in ("wo", "wup"))
     assert sum(n for _, n in ranges) == wo + wup, ranges          # (both fit the budget: whole)
+
+
+def greedy_head():
+    """x [B, 1, HID] -> the head GEMV; outputs the f32 logits, the arg-max ids and the f32 sum
+    (flow.blocks.GreedyNext's outputs as a bf16 decode graph has them)."""
+    def f(m):
+        x = m.input("x", (B, 1, HID), BF16)
+        z = m.linear(x, m.param("head", (4 * HID, HID), BF16))
+        return {"logits": m.cast(z, "f32"), "next_ids": m.argmax(z), "logits_sum": m.cast(m.sum(z, (-1,)), "f32")}
+    return Graph.define("dry_greedy", f)
+
+
+def test_a_greedy_fetch_skips_the_launches_only_the_logits_need(dry, switches):
+    rng = np.random.default_rng(2)
+    lir = planned(greedy_head())
+    switches()
+    runner = dry(lir, *leaves(lir, rng))
+    g = lir.graph
+    logits = dict(g.outputs)["logits"][0]
+    skipped = runner._skipped({"next_ids", "logits_sum"})
+    assert skipped and {runner.steps[k].node for k in skipped} == {logits}, (skipped, runner.describe())
+    assert not runner._skipped(None) and not runner._skipped({"logits", "next_ids", "logits_sum"})
+    assert {runner.steps[k].op for k in runner._skipped({"logits", "next_ids"})} == {"reduce", "cast"}
+    assert {runner.steps[k].op for k in runner._skipped({"logits"})} == {"argmax", "reduce", "cast"}
