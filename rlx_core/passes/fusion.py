@@ -412,20 +412,20 @@ EW = {"binary", "compare", "where", "activation", "cast", "fused_swiglu"}
 
 
 def fuse_elementwise(g: Graph) -> tuple:
-    """Merge trees of single-consumer elementwise ops into one fused_elementwise node."""
+    """Merge trees of elementwise ops into one fused_elementwise node each. An op whose every
+    consumer is elementwise joins each consumer's region: one consumer's as it is, several
+    consumers' each recomputing it (cos and sin of one angle: two launches, not three)."""
     consumers = g.consumers()
 
     def absorbable(ref):
-        n = g.nodes[ref[0]]
-        return n.op in EW and len(consumers.get(tuple(ref), ())) == 1 and len(n.outs) == 1
+        n, cons = g.nodes[ref[0]], consumers.get(tuple(ref), ())
+        return (n.op in EW and len(n.outs) == 1 and bool(cons)
+                and all(c >= 0 and g.nodes[c].op in EW for c in cons))
 
     roots: dict = {}
     for i, n in enumerate(g.nodes):
-        if n.op not in EW:
-            continue
-        cons = consumers.get((i, 0), ())
-        if len(cons) == 1 and cons[0] >= 0 and g.nodes[cons[0]].op in EW:
-            continue                                   # absorbed by its consumer's region
+        if n.op not in EW or absorbable((i, 0)):
+            continue                                   # (absorbed by its consumers' regions)
         members, leaves, stack = {i}, [], list(n.inputs)
         order = []
         while stack:

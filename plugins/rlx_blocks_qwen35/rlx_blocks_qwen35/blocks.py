@@ -57,7 +57,7 @@ class GatedAttention(SelfAttention):
             if pos is None:
                 raise ModelError("Qwen3.5 attention needs a 'positions' input ([batch, seq] int)")
             inv, att = inv_freq(rot, s.rope_theta, s.rope_scaling)
-            freqs = m.reshape(m.cast(pos, F32), pos.dims + (1,)) * m.constant(inv.astype(np.float32))
+            freqs = m.cast(m.reshape(pos, pos.dims + (1,)), F32) * m.constant(inv.astype(np.float32))
             cos, sin = m.act(freqs, "cos"), m.act(freqs, "sin")
             if att != 1.0:
                 cos, sin = cos * float(np.float32(att)), sin * float(np.float32(att))
