@@ -344,3 +344,33 @@ def test_bf16_compute_retypes_fused_elementwise_regions(rng):
     exe.set_params(p)
     want = (np.tanh(x) * (u + 1.0) + p["t"]) @ p["w"].astype(np.float64)
     np.testing.assert_allclose(exe.run({"x": x, "u": u})["out"], want, rtol=0.05, atol=0.05 * np.abs(want).max())
+
+
+def test_an_elementwise_op_feeding_only_elementwise_ops_is_recomputed_in_each(rng):
+    """cos and sin of one angle (cast positions times frequencies): each region recomputes
+    the angle, so the angle is no launch of its own (two regions, not three); an angle that
+    also feeds a matmul stays one value (a region of the cast and the product) that cos and
+    sin read."""
+    from rlx_core.ir.dtype import F32, I32
+
+    def f(m, to_matmul):
+        pos = m.input("pos", (2, 3), I32)
+        ang = m.cast(m.reshape(pos, (2, 3, 1)), F32) * m.constant(np.float32([0.5, 0.25, 0.125, 1.0]))
+        out = {"cos": m.act(ang, "cos"), "sin": m.act(ang, "sin")}
+        if to_matmul:
+            out["mm"] = m.matmul(ang, m.param("w", (4, 4), F32))
+        return out
+    prof = CompileProfile().evolve(fusion={"target": "generic"})
+    pos = rng.integers(0, 1000, (2, 3)).astype(np.int32)
+    ang = pos[..., None].astype(np.float64) * np.float32([0.5, 0.25, 0.125, 1.0])
+    for to_matmul in (False, True):
+        params = {"w": np.eye(4, dtype=np.float32)} if to_matmul else {}
+        exe = rlx_core.compile(Graph.define("angles", lambda m: f(m, to_matmul)), profile=prof, backend="numpy",
+                               params=params)
+        ops = [n.op for n in exe.mir.nodes if n.op not in ("input", "param", "constant", "reshape")]
+        want_ops = ["fused_elementwise", "activation", "activation", "matmul"] if to_matmul else [
+            "fused_elementwise"] * 2
+        assert ops == want_ops, ops
+        out = exe.run({"pos": pos})
+        np.testing.assert_allclose(out["cos"], np.cos(ang), atol=1e-4)
+        np.testing.assert_allclose(out["sin"], np.sin(ang), atol=1e-4)
