@@ -474,8 +474,8 @@ class CudaRunner(Runner):
         """The indices of the steps whose values reach only graph outputs outside `fetch`."""
         if fetch is None:
             return frozenset()
-        return frozenset(k for k, st in enumerate(self.steps)
-                         if st.node in self.only_feeds and not self.only_feeds[st.node] & fetch)
+        return frozenset(k for k, st in enumerate(self.steps) if st.op in PRUNABLE     # (not a fork or join)
+                         and st.node in self.only_feeds and not self.only_feeds[st.node] & fetch)
 
     def _eager(self, skip: frozenset = frozenset()) -> None:
         sync = device.env_flag("RLX_CUDA_SYNC_EACH", False)

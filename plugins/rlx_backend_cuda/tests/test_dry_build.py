@@ -123,24 +123,28 @@ def test_the_prefetch_branch_forks_after_the_gemv_before_the_stretch(dry, switch
 
 
 def greedy_head():
-    """x [B, 1, HID] -> the head GEMV; outputs the f32 logits, the arg-max ids and the f32 sum
-    (flow.blocks.GreedyNext's outputs as a bf16 decode graph has them)."""
+    """x [B, 1, HID] -> a GEMV, a norm, the head GEMV; outputs the f32 logits, the arg-max ids and
+    the f32 sum (flow.blocks.GreedyNext's outputs as a bf16 decode graph has them)."""
     def f(m):
         x = m.input("x", (B, 1, HID), BF16)
-        z = m.linear(x, m.param("head", (4 * HID, HID), BF16))
+        h = m.rms_norm(m.linear(x, m.param("w", (HID, HID), BF16)), m.param("ln", (HID,), BF16), eps=1e-6)
+        z = m.linear(h, m.param("head", (4 * HID, HID), BF16))
         return {"logits": m.cast(z, "f32"), "next_ids": m.argmax(z), "logits_sum": m.cast(m.sum(z, (-1,)), "f32")}
     return Graph.define("dry_greedy", f)
 
 
-def test_a_greedy_fetch_skips_the_launches_only_the_logits_need(dry, switches):
+@pytest.mark.parametrize("l2_prefetch", [False, True])
+def test_a_greedy_fetch_skips_the_launches_only_the_logits_need(dry, switches, l2_prefetch):
     rng = np.random.default_rng(2)
     lir = planned(greedy_head())
-    switches()
+    switches(l2_prefetch=l2_prefetch)
     runner = dry(lir, *leaves(lir, rng))
+    forks = [k for k, st in enumerate(runner.steps) if st.op == "l2_prefetch"]
+    assert len(forks) == 2 * l2_prefetch, runner.describe()      # (the join: the last step, never skipped)
     g = lir.graph
     logits = dict(g.outputs)["logits"][0]
     skipped = runner._skipped({"next_ids", "logits_sum"})
-    assert skipped and {runner.steps[k].node for k in skipped} == {logits}, (skipped, runner.describe())
+    assert [(runner.steps[k].node, runner.steps[k].op) for k in skipped] == [(logits, "cast")], runner.describe()
     assert not runner._skipped(None) and not runner._skipped({"logits", "next_ids", "logits_sum"})
     assert {runner.steps[k].op for k in runner._skipped({"logits", "next_ids"})} == {"reduce", "cast"}
     assert {runner.steps[k].op for k in runner._skipped({"logits"})} == {"argmax", "reduce", "cast"}
