@@ -17,8 +17,9 @@ import statistics
 import subprocess
 import sys
 
-# "rlx q4_k: decode X ms/token" (llm_gpu.py), "decode after ..: RLX X ms/token" (qwen35_gpu.py's report)
-DECODE = re.compile(r"^(rlx[^:\n]*?):? decode:? ([0-9.]+) ms/token"
+# "rlx q4_k: decode X ms/token", "rlx batch 32: decode X ms/step" (llm_gpu.py), "decode after ..: RLX X
+# ms/token" (qwen35_gpu.py's report)
+DECODE = re.compile(r"^(rlx[^:\n]*?):? decode:? ([0-9.]+) ms/(?:token|step)"
                     r"|^(decode) after [^:\n]*: RLX ([0-9.]+) ms/token", re.M)
 HARDWARE = re.compile(r"^[^\n]*(?:GPU: |; device )[^\n]*$", re.M)
 

@@ -478,6 +478,8 @@ def batch_main(a) -> int:
         ratio += [f"{rl[b]['decode_s'] / res[s][b]['decode_s']:.2f}" if rl else "-" for s in res if s != "rlx"]
         lines.append(f"| {b} | " + " | ".join(cells + ratio) + " |")
     if "rlx" in res:
+        for b in a.batch:
+            log(f"rlx batch {b}: decode {res['rlx'][b]['decode_s'] * 1e3:.3f} ms/step")
         fl = res["rlx"]["floor_s"]
         lines.append(f"weight-read floor {fl * 1e3:.3f} ms/step (weights over the copy rate measured in the rlx "
                      f"process); RLX batch-1 step {res['rlx'][a.batch[0]]['decode_s'] / fl:.2f}x it")

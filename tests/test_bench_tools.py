@@ -68,12 +68,14 @@ def test_gpu_ab_runs_each_configuration_in_turn_and_tables_the_medians(capsys):
 
     cmd = [sys.executable, "-c", "import os; print('GPU: stand-in'); "
            "print(f\"rlx decode: {os.environ.get('MS', '2.0')} ms/token\"); "
-           "print(f\"rlx q4_k: decode {float(os.environ.get('MS', '2.0')) / 2} ms/token = 4x\")"]
+           "print(f\"rlx q4_k: decode {float(os.environ.get('MS', '2.0')) / 2} ms/token = 4x\"); "
+           "print(f\"rlx batch 32: decode {float(os.environ.get('MS', '2.0')) * 2} ms/step\")"]
     configs = ["--config", "base=", "--config", "half=MS=1.0 OTHER=x=y"]
     assert gpu_ab.main([*configs, "--rounds", "2", "--", *cmd]) == 0
     out = capsys.readouterr().out
     assert "GPU: stand-in" in out and out.count("round ") == 4
     assert "| rlx | 2.000 | 1.000 (0.500x) |" in out and "| rlx q4_k | 1.000 | 0.500 (0.500x) |" in out
+    assert "| rlx batch 32 | 4.000 | 2.000 (0.500x) |" in out
     assert gpu_ab.parse_config("x=A=1 B=c=d") == ("x", {"A": "1", "B": "c=d"})
     with pytest.raises(SystemExit, match="is no VAR=VALUE"):
         gpu_ab.parse_config("x=A")
