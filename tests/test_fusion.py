@@ -365,8 +365,8 @@ def test_an_elementwise_op_feeding_only_elementwise_ops_is_recomputed_in_each(rn
     ang = pos[..., None].astype(np.float64) * np.float32([0.5, 0.25, 0.125, 1.0])
     for to_matmul in (False, True):
         params = {"w": np.eye(4, dtype=np.float32)} if to_matmul else {}
-        exe = rlx_core.compile(Graph.define("angles", lambda m: f(m, to_matmul)), profile=prof, backend="numpy",
-                               params=params)
+        g = Graph.define("angles", lambda m: f(m, to_matmul))
+        exe = rlx_core.compile(g, profile=prof, backend="numpy", params=params)
         ops = [n.op for n in exe.mir.nodes if n.op not in ("input", "param", "constant", "reshape")]
         want_ops = ["fused_elementwise", "activation", "activation", "matmul"] if to_matmul else [
             "fused_elementwise"] * 2

@@ -64,7 +64,8 @@ def unfetched_only(g) -> dict:
         refs = [(i, k) for k in range(len(g.nodes[i].outs))]
         users = [c for r in refs for c in consumers.get(r, ())]
         if g.nodes[i].op in PRUNABLE and all(c == -1 or c in reach for c in users):
-            reach[i] = frozenset().union(*(names.get(r, ()) for r in refs), *(reach[c] for c in users if c >= 0))
+            reach[i] = frozenset().union(*(names.get(r, ()) for r in refs),
+                                         *(reach[c] for c in users if c >= 0))
     return reach
 
 

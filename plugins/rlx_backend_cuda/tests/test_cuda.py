@@ -926,7 +926,8 @@ def test_a_greedy_fetch_replays_a_graph_without_the_logits_launches(rng):
 
     def f(m):
         z = m.linear(m.input("x", (2, 1, hid), BF16), m.param("head", (vocab, hid), BF16))
-        return {"logits": m.cast(z, "f32"), "next_ids": m.argmax(z), "logits_sum": m.cast(m.sum(z, (-1,)), "f32")}
+        return {"logits": m.cast(z, "f32"), "next_ids": m.argmax(z),
+                "logits_sum": m.cast(m.sum(z, (-1,)), "f32")}
     g = Graph.define("greedy", f)
     pv = {"head": rand(rng, (vocab, hid), BF16)}
     exes = {name: rlx_core.compile(g, backend=name, params=pv) for name in ("numpy", "cuda")}

@@ -129,7 +129,8 @@ def greedy_head():
         x = m.input("x", (B, 1, HID), BF16)
         h = m.rms_norm(m.linear(x, m.param("w", (HID, HID), BF16)), m.param("ln", (HID,), BF16), eps=1e-6)
         z = m.linear(h, m.param("head", (4 * HID, HID), BF16))
-        return {"logits": m.cast(z, "f32"), "next_ids": m.argmax(z), "logits_sum": m.cast(m.sum(z, (-1,)), "f32")}
+        return {"logits": m.cast(z, "f32"), "next_ids": m.argmax(z),
+                "logits_sum": m.cast(m.sum(z, (-1,)), "f32")}
     return Graph.define("dry_greedy", f)
 
 
@@ -144,7 +145,8 @@ def test_a_greedy_fetch_skips_the_launches_only_the_logits_need(dry, switches, l
     g = lir.graph
     logits = dict(g.outputs)["logits"][0]
     skipped = runner._skipped({"next_ids", "logits_sum"})
-    assert [(runner.steps[k].node, runner.steps[k].op) for k in skipped] == [(logits, "cast")], runner.describe()
+    assert [(runner.steps[k].node, runner.steps[k].op) for k in skipped] == [(logits, "cast")], \
+        runner.describe()
     assert not runner._skipped(None) and not runner._skipped({"logits", "next_ids", "logits_sum"})
     assert {runner.steps[k].op for k in runner._skipped({"logits", "next_ids"})} == {"reduce", "cast"}
     assert {runner.steps[k].op for k in runner._skipped({"logits"})} == {"argmax", "reduce", "cast"}
