@@ -25,12 +25,16 @@ if [ "${1:-all}" != ab ]; then
 fi
 echo "== Qwen3.5 decode A/B"
 timeout 230 python3 benchmarks/gpu_ab.py --rounds 2 --timeout 75 --config base= \
-  --config "attn=RLX_CUDA_ATTN_ROPE=1 RLX_CUDA_ATTN_EPILOGUE=1" --config "all=$P RLX_CUDA_ATTN_ROPE=1 RLX_CUDA_ATTN_EPILOGUE=1" \
-  -- python3 benchmarks/qwen35_gpu.py --sides rlx --prefill= --new 64 --reps 3 2>&1 | tee "$OUT/ab_qwen35.log" | tail -12
+  --config "attn=RLX_CUDA_ATTN_ROPE=1 RLX_CUDA_ATTN_EPILOGUE=1" \
+  --config "all=$P RLX_CUDA_ATTN_ROPE=1 RLX_CUDA_ATTN_EPILOGUE=1" \
+  -- python3 benchmarks/qwen35_gpu.py --sides rlx --prefill= --new 64 --reps 3 2>&1 \
+  | tee "$OUT/ab_qwen35.log" | tail -12
 echo "== Llama-1B q4_k decode A/B"
-timeout 90 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 60 --config base= --config "rope=RLX_CUDA_ATTN_ROPE=1" \
+timeout 90 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 60 --config base= \
+  --config "rope=RLX_CUDA_ATTN_ROPE=1" \
   --config "both=$P RLX_CUDA_ATTN_ROPE=1" -- python3 benchmarks/llm_gpu.py --rlx-only --engine runtime \
   --prompt 512 --new 64 --packed q4_k --check-layers 0 2>&1 | tee "$OUT/ab_llama.log" | tail -10
 echo "== Llama-1B batch 32: the unfetched logits' launches skipped or not"
 timeout 90 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 85 --config "noprune=$NOPRUNE" --config base= \
-  -- python3 benchmarks/llm_gpu.py --batch 32 --sides rlx --prompt 512 --new 64 2>&1 | tee "$OUT/ab_batch.log" | tail -8
+  -- python3 benchmarks/llm_gpu.py --batch 32 --sides rlx --prompt 512 --new 64 2>&1 \
+  | tee "$OUT/ab_batch.log" | tail -8
