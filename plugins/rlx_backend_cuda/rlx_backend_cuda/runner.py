@@ -459,7 +459,9 @@ class CudaRunner(Runner):
         self.chain_mark = None            # (backend's runs, this runner's runs, slot) after a submit
         self.steps = prefetch.woven(b, b.steps, lambda node, fn: Step(node, "l2_prefetch", fn))
         self.keep = b.keep
-        self.only_feeds = unfetched_only(g)
+        feeds = unfetched_only(g)         # (a fork or join step carries a node's number, not its op)
+        self.prunable = [(k, feeds[st.node]) for k, st in enumerate(self.steps)
+                         if st.op in PRUNABLE and st.node in feeds]
         self.capturable = all(s.capturable for s in self.steps) and not b.hip
         self.vals = vals
         cp.cuda.runtime.deviceSynchronize()
@@ -472,11 +474,11 @@ class CudaRunner(Runner):
         return False
 
     def _skipped(self, fetch: set | None) -> frozenset:
-        """The indices of the steps whose values reach only graph outputs outside `fetch`."""
+        """The indices of the steps whose values reach only graph outputs outside `fetch` (a
+        run's work: over the few steps found prunable at build, not the whole list)."""
         if fetch is None:
             return frozenset()
-        return frozenset(k for k, st in enumerate(self.steps) if st.op in PRUNABLE     # (not a fork or join)
-                         and st.node in self.only_feeds and not self.only_feeds[st.node] & fetch)
+        return frozenset(k for k, feeds in self.prunable if not feeds & fetch)
 
     def _eager(self, skip: frozenset = frozenset()) -> None:
         sync = device.env_flag("RLX_CUDA_SYNC_EACH", False)
