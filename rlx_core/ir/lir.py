@@ -136,15 +136,21 @@ def _sole_chain(uses: dict, slots: dict, r: tuple, own: tuple, reader: int) -> b
     return False
 
 
-def plan(g: Graph, views: frozenset = frozenset(), placed: frozenset = frozenset()) -> LirModule:
+def plan(g: Graph, views: frozenset = frozenset(), placed: frozenset = frozenset(),
+         early: frozenset = frozenset()) -> LirModule:
     """Plan buffers for a static MIR graph. The backend's layouts (Backend.planned_layouts):
     `views` are nodes (a transpose) it runs as views of their first input, whose bytes then
     live as long as the view is read; `placed` are (concat node, input index) pairs whose
     input it has the producer write straight into the concat's output: where that input's
-    own value is read by nothing else (through views), it gets home 'placed' and no bytes."""
+    own value is read by nothing else (through views), it gets home 'placed' and no bytes;
+    `early` are nodes whose output the kernel of their first input's producer may write (an
+    elementwise reader computed in a reduction's store): those bytes live from that node on."""
     _check_static(g)
     slots, root = _homes(g, views)
     begin = _place_concat_inputs(g, placed, slots, root)
+    for u in early:
+        if slots.get((u, 0), 1) is None:
+            begin[(u, 0)] = min(begin.get((u, 0), u), g.nodes[u].inputs[0][0])
     end = _lifetimes(g, slots, root)
     inplace = _in_place(g, slots, root, end)
     owner, buffers = _buffers(end, inplace, begin)

@@ -1837,13 +1837,32 @@ def _b_reduce(b, n, ins, outs):
         _reduce_cols(b, macros, b.contiguous(x), y, oni)
         return
     xv, rs = _as_matrix(b, b.moved_last(x, axes), rows, R)
-    fn = b.kernel(row_kernels.source("reduce", x.dt, y.dt, op), "rlx_reduce")
+    epi = _reduce_epilogue(b, y)
+    fn = b.kernel(row_kernels.source("reduce", x.dt, y.dt, op, epi and epi[1:]), "rlx_reduce")
+    if epi is not None:                 # (the kernel stores its reader's output, rlx_epi of each result)
+        b.absorbed.add(epi[0])
+        y = b.out_value(epi[0])
     ns, chunk = _row_split(b, rows, R)
     if ns == 1:
         b.launch(fn, (rows,), (_block(R),), (xv.arr, i64(rs), y.arr, i32(R), i32(R), None, None))
         return
     part = b.node_buffer((rows * ns,), _ACC_DT[macros["ACC"]], "reduce partials")
     b.launch(fn, (rows, ns), (256,), (xv.arr, i64(rs), y.arr, i32(R), i32(chunk), part.arr, b.counters(rows)))
+
+
+def _reduce_epilogue(b, y: V) -> tuple | None:
+    """(node, rlx_epi source, its stored dtype) where the reduce's output y is read only by an
+    elementwise node the plan gave bytes from this node on (planned_layouts' early:
+    reduce_readers), whose contiguous output the reduce kernel then writes in its store: the
+    same bits as the two launches'."""
+    u = _epilogue_reader(b.r.lir.graph, b.uses, b.node)
+    slot = b.r.lir.slots.get((u, 0))
+    if u is None or slot is None or slot.home != "arena" or slot.start > b.node:
+        return None
+    ey = b.out_value(u)
+    if ey.size != y.size or not ey.contiguous():
+        return None
+    return u, codegen.epilogue_function(_program(b.r.lir.graph.nodes[u]), [y.dt], ey.dt, "rlx_epi"), ey.dt
 
 
 REDUCE_SERIAL = 32      # a reduction this short runs one thread per output, not one block per row
@@ -2045,14 +2064,15 @@ ROW_WRITERS = ("matmul", "fused_matmul_bias_act")      # rows of any stride (cuB
 
 
 def planned_layouts(g) -> tuple:
-    """(views, placed) for the buffer plan (Backend.planned_layouts). Views: the transposes
+    """(views, placed, early) for the buffer plan (Backend.planned_layouts). Views: the transposes
     keeping the last axis where either every reader takes strides, or an attention's output is
     read by the transpose alone (the attention then writes its rows in the transposed order,
     so the view is contiguous); FLUX's step copied 285 transposes, 4.9 ms on an H200. Placed:
     concat inputs whose producer writes into the concat's output: any producer where its
     part is a contiguous, aligned run of the output, an attention where it is any layout of
     unit last stride, a GEMM where it is rows of one stride (FLUX's single blocks join the
-    attention and the MLP's GEMM this way)."""
+    attention and the MLP's GEMM this way). Early: the one elementwise reader of a reduce
+    (reduce_readers)."""
     views = strided_transposes(g, STRIDED_READERS, STRIDED_WRITERS)
     placed = set()
     for c, n in enumerate(g.nodes):
@@ -2071,7 +2091,26 @@ def planned_layouts(g) -> tuple:
                     or (op in ROW_WRITERS and st[-1] == 1 and rows is not None and off * isz % 16 == 0
                         and rows[0] * isz % 16 == 0)):        # (16-byte rows: cuBLAS's fast kernels)
                 placed.add((c, k))
-    return frozenset(views), frozenset(placed)
+    return frozenset(views), frozenset(placed), reduce_readers(g)
+
+
+def reduce_readers(g) -> frozenset:
+    """The elementwise nodes the kernels of reduces compute in their store (ReduceEpilogue's
+    readers): the decode step's logit sum and its cast to f32 in one launch."""
+    uses = g.consumers()
+    return frozenset(u for i, n in enumerate(g.nodes) if n.op == "reduce"
+                     for u in [_epilogue_reader(g, uses, i)] if u is not None)
+
+
+def _epilogue_reader(g, uses: dict, i: int) -> int | None:
+    """The elementwise node of one input that is the one reader of node i's output, or None."""
+    use = uses.get((i, 0), [])
+    n = g.nodes[use[0]] if len(use) == 1 and use[0] >= 0 else None
+    ok = n is not None and n.op in EPILOGUE_OPS and len(n.inputs) == 1 and len(n.outs) == 1
+    return use[0] if ok else None
+
+
+EPILOGUE_OPS = ("cast", "activation", "fused_elementwise")
 
 
 def owner_chain(g, views, r: tuple) -> tuple:

@@ -20,16 +20,19 @@ _PARTIALS = {"reduce": "ACC* __restrict__ part", "argmax": "ACC* __restrict__ pv
 
 
 class CudaRows(rowkernels.RowDialect):
-    """Rows of x (dtype `x_dt`) into y (`y_dt`), accumulating in C type `acc`."""
+    """Rows of x (dtype `x_dt`) into y (`y_dt`), accumulating in C type `acc`; with `epilogue`
+    (codegen.epilogue_function's `rlx_epi` and its stored dtype) y holds rlx_epi of each
+    result rounded to y_dt: the one elementwise reader of a reduce's output, computed in its
+    store (ops.ReduceEpilogue)."""
 
     name = "cuda"
     tid = "threadIdx.x"
     nt = "blockDim.x"
     inf = "(ACC)RLX_INF"
 
-    def __init__(self, x_dt: DType, y_dt: DType, acc: str):
-        self.x_dt, self.y_dt, self.acc = x_dt, y_dt, acc
-        self.tx, self.to = ctype(x_dt), ctype(y_dt)
+    def __init__(self, x_dt: DType, y_dt: DType, acc: str, epilogue: tuple | None = None):
+        self.x_dt, self.y_dt, self.acc, self.epilogue = x_dt, y_dt, acc, epilogue
+        self.tx, self.to = ctype(x_dt), ctype(epilogue[1] if epilogue else y_dt)
         integer = acc == "long long"
         self.spell = {"max": "rlx_maxi<ACC>" if integer else "rlx_max",
                       "min": "rlx_mini<ACC>" if integer else "rlx_min",
@@ -72,12 +75,15 @@ class CudaRows(rowkernels.RowDialect):
         return f"LD(ACC, {operand}r[{j}])" if self.x_dt.is_float else f"(ACC)({operand}r[{j}])"
 
     def _rounded(self, value: str) -> str:
-        """ACC `value` as the output's type (round to nearest even; bool is != 0)."""
+        """ACC `value` as the output's type (round to nearest even; bool is != 0), then
+        through the epilogue where there is one."""
         if self.y_dt.is_float:
-            return f"ST({self.to}, {value})"
-        if self.y_dt is BOOL:
-            return f"({value} != 0)"
-        return f"({self.to})({value})"
+            v = f"ST({ctype(self.y_dt)}, {value})"
+        elif self.y_dt is BOOL:
+            v = f"({value} != 0)"
+        else:
+            v = f"({ctype(self.y_dt)})({value})"
+        return f"rlx_epi({v})" if self.epilogue else v
 
     def store(self, operand, j, value):
         return f"{operand}r[{j}] = {self._rounded(value)}"
@@ -150,10 +156,12 @@ def acc_type(x_dt: DType, op: str | None = None) -> str:
     return "double" if op == "mean" else "long long"
 
 
-def source(kind: str, x_dt: DType, y_dt: DType, op: str | None = None) -> str:
-    """The compilable source of row kernel `kind` (rlx_<kind>) for these dtypes."""
+def source(kind: str, x_dt: DType, y_dt: DType, op: str | None = None, epilogue: tuple | None = None) -> str:
+    """The compilable source of row kernel `kind` (rlx_<kind>) for these dtypes (epilogue:
+    CudaRows')."""
     acc = acc_type(x_dt, op)
-    return sources.render(f"typedef {acc} ACC;\n" + rowkernels.row_kernel(CudaRows(x_dt, y_dt, acc), kind, op))
+    head = f"typedef {acc} ACC;\n" + (epilogue[0] + "\n" if epilogue else "")
+    return sources.render(head + rowkernels.row_kernel(CudaRows(x_dt, y_dt, acc, epilogue), kind, op))
 
 
 def reduce_macros(op: str, x_dt: DType, y_dt: DType) -> dict:

@@ -100,7 +100,7 @@ def test_planned_views_pick_the_transposes_read_through_strides():
     m.output("t", m.transpose(v, (0, 1, 3, 2)))          # moves the last axis
     g = m.build()
     ts = [i for i, n in enumerate(g.nodes) if n.op == "transpose"]
-    views, placed = planned_layouts(g)
+    views, placed, _ = planned_layouts(g)
     assert [i in views for i in ts] == [True, True, True, True, True, False, False, False]
     assert placed == frozenset()
 
@@ -125,7 +125,7 @@ def test_planned_layouts_place_concat_parts():
     m.output("cols", m.concat([o, m.act(x, "cos")], -1))
     g = m.build()
     cats = [i for i, n in enumerate(g.nodes) if n.op == "concat"]
-    _, placed = planned_layouts(g)
+    _, placed, _ = planned_layouts(g)
     assert sorted(placed) == [(cats[0], 0), (cats[0], 1), (cats[1], 0), (cats[3], 0)]
 
 
@@ -300,6 +300,40 @@ def test_reduce(rng, dt, op, axes, keep):
     x = rand(rng, (3, 4, 37), dt, 0.5, 1.5)
     g = Graph.define("red", lambda m: m.reduce(m.input("x", (3, 4, 37), dt), op, axes, keep))
     compare(g, {"x": x}, dt if dt.is_float else F32, profile=UNFUSED)
+
+
+@cuda_emu.emulated
+@pytest.mark.parametrize("ns", [1, 3])
+@pytest.mark.parametrize("reader", ["cast", "exp"])
+def test_emulated_reduce_computes_its_readers_output_in_its_store(rng, ns, reader):
+    """A reduce whose one reader is an elementwise node writes that node's output itself
+    (ops._reduce_epilogue: the decode step's logit sum and its cast to f32): run on the CPU
+    (cuda_emu), whole rows and rows in chunks, the same bits as the reduce's own kernel and
+    then the reader's elementwise kernel on its bf16 results."""
+    from cuda_emu import compile_kernel
+
+    from rlx_backend_cuda import codegen
+    from rlx_backend_cuda import rows as row_kernels
+
+    R, n = 2, 3000
+    x = cuda_emu.aligned(rand(rng, (R, n), BF16, -3, 3))
+    program = {"cast": (("cast", (("dtype", "f32"),), (0,)),),
+               "exp": (("activation", (("fn", "exp"),), (0,)), ("cast", (("dtype", "f32"),), (1,)))}[reader]
+    chunk = -(-n // ns)
+
+    def run(epilogue, dt):
+        y = cuda_emu.aligned(np.zeros(R, dt.np))
+        part, counters = cuda_emu.aligned(np.zeros(R * ns, np.float32)), cuda_emu.aligned(np.zeros(R, np.int32))
+        compile_kernel(row_kernels.source("reduce", BF16, BF16, "sum", epilogue), "rlx_reduce").launch(
+            (R, ns), (256,), (x, np.int64(n), y, np.int32(n), np.int32(chunk), part, counters))
+        return y
+    sums = run(None, BF16)
+    got = run((codegen.epilogue_function(program, [BF16], F32, "rlx_epi"), F32), F32)
+    want = cuda_emu.aligned(np.zeros(R, np.float32))
+    compile_kernel(codegen.elementwise_source(program, [BF16], F32, ["c", "c"], 1, False), "rlx_ew").launch(
+        (1,), (32,), (sums, want, np.int32(R)))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_allclose(sums.astype(np.float64), x.astype(np.float64).sum(-1), rtol=1e-2)
 
 
 @gpu
@@ -943,7 +977,8 @@ def test_a_greedy_fetch_replays_a_graph_without_the_logits_launches(rng):
             assert err(got["logits"], want["logits"]) <= TOL[BF16]
             assert err(got["logits_sum"], want["logits_sum"]) <= 2 * TOL[BF16]
     runner = next(iter(exes["cuda"]._runners.values()))
-    assert sorted(len(k) for k in runner.graphs) == [0, 3], runner.describe()     # cast, reduce, cast
+    # the logits' cast and the reduce (whose store does the sum's cast: ops._reduce_epilogue)
+    assert sorted(len(k) for k in runner.graphs) == [0, 2], runner.describe()
 
 
 @gpu
