@@ -4,8 +4,8 @@ process, the configurations taking turns for `--rounds` rounds (so a drift of th
 on all of them alike); every "rlx ...: decode X ms/token" line the command prints is collected,
 and the table gives each line's median per configuration and its ratio to the first one.
 
-    python benchmarks/gpu_ab.py --config base= --config rope=RLX_CUDA_ATTN_ROPE=1 \\
-        --config "under=RLX_CUDA_L2_PREFETCH=1 RLX_BENCH_SET=rlx_backend_cuda.prefetch.UNDER_GEMV=4194304" \\
+    python benchmarks/gpu_ab.py --config base= --config "nofold=RLX_BENCH_SET=rlx_backend_cuda.ops.EPILOGUE_OPS=()" \\
+        --config "cluster4=RLX_BENCH_SET=rlx_backend_cuda.sources.NET_CLUSTER=4" \\
         -- python benchmarks/qwen35_gpu.py --sides rlx --prefill= --new 64 --reps 3
 """
 from __future__ import annotations

@@ -46,16 +46,16 @@ def knockout_table(runner, times: int = 50) -> dict:
     captured again without that kind's launches and replayed, against the whole step. The
     step's values are then garbage (only the times are read); the whole step is captured
     again at the end. {"replay_us": the whole step, "by_kind": {kind: [launches, us saved]}},
-    the most saved first; the prefetch branches (prefetch.py) are never left out."""
+    the most saved first."""
     steps = list(runner.steps)
-    kind_of = [None if st.op == "l2_prefetch" else step_kind(st) for st in steps]
+    kind_of = [step_kind(st) for st in steps]
 
     def replay_us(kept: list) -> float:
         runner.steps = kept
         runner._capture()
         return min(runner.replay_seconds(times) for _ in range(3)) * 1e6
 
-    kinds = {k: kind_of.count(k) for k in dict.fromkeys(kind_of) if k is not None}
+    kinds = {k: kind_of.count(k) for k in dict.fromkeys(kind_of)}
     try:
         whole = replay_us(steps)
         saved = {k: [n, round(whole - replay_us([st for st, c in zip(steps, kind_of) if c != k]), 2)]

@@ -12,7 +12,7 @@ from rlx_core.ir.errors import BackendError
 from rlx_core.ir.ops import OPS, Level
 from rlx_core.plugins import hookimpl
 
-from . import device, prefetch, sources
+from . import device, sources
 
 __version__ = "0.1.0"
 
@@ -106,7 +106,7 @@ class CudaBackend(Backend):
                 why = f"switched off (rlx_backend_cuda.set_config({switch}=False))"
             return kernel_path(name, why, instead)
         def opt_in(switch: str) -> str:
-            return "" if CONFIG[switch] else (f"off by default until measured (RLX_CUDA_{switch.upper()}=1 "
+            return "" if CONFIG[switch] else (f"off by default, measured no faster (RLX_CUDA_{switch.upper()}=1 "
                                               "turns it on)")
         split = "the CUDA-core split attention runs instead"
         attention = path("tensor-core attention (mma.sync)", mma, split, "tc_attention")
@@ -132,9 +132,6 @@ class CudaBackend(Backend):
             path("output gate inside the cluster decode attention",
                  device.cluster_missing(cc, hip) or opt_in("attn_epilogue"),
                  "the gate is a launch of its own"),
-            path("L2 prefetch of the next GEMVs' weights beside latency-bound kernels",
-                 prefetch.missing() or opt_in("l2_prefetch"),
-                 "each GEMV reads its weights from DRAM as it runs"),
         ]
 
     # -- resources

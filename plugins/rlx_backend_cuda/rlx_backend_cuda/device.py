@@ -46,7 +46,7 @@ def probe() -> tuple:
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         cc = (int(props["major"]), int(props["minor"]))
         info = {"name": name, "cc": cc, "sms": int(props["multiProcessorCount"]), "hip": hip,
-                "total_mem": int(props["totalGlobalMem"]), "l2": int(props.get("l2CacheSize", 0))}
+                "total_mem": int(props["totalGlobalMem"])}
     except Exception as e:
         return False, f"cannot query the GPU ({type(e).__name__}: {e})", {}
     return True, "", info
@@ -212,11 +212,6 @@ def dependent_launch():
     fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
-
-
-def l2_prefetch_missing(cc, hip: bool) -> str:
-    """Why the weights' L2 prefetch (prefetch.py) cannot run on this GPU; '' where it can."""
-    return _sm90_missing(cc, hip, "bulk L2 prefetch")
 
 
 def dependent_launch_missing() -> str:

@@ -125,9 +125,6 @@ def catalog() -> list:
                                      CSTR_ARGS=cs, DECOMP=dec, AXIS=2), "rlx_kv_write"))
     for unit, rank in (("uint4", 4), ("unsigned short", 4), ("unsigned char", 1)):
         out.append((f"copy_many {unit} {rank}", S.render(S.COPY_MANY, T=unit, RANK=rank), "rlx_copy_many"))
-    for evict_last in (0, 1):
-        out.append((f"l2_prefetch {evict_last}", S.render(S.L2_PREFETCH, EVICT_LAST=evict_last),
-                    "rlx_l2_prefetch"))
     # packed weights: every scheme, decode GEMV and dequantize, at each row alignment
     for kind, blk in [(k, 256 if k.endswith("_k") else 32) for k in S.DQ_SCHEMES] + [("int8", 64), ("int4", 8192)]:
         # (QX, the int8-activation form: at batch 1 with a norm, and at batch 8 with the SwiGLU)

@@ -19,7 +19,7 @@ from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import BackendError, ModelError, RlxError
 from rlx_core.pipeline import states_moved
 
-from . import codegen, device, prefetch
+from . import codegen, device
 from .ops import BUILDERS, STRIDED_WRITERS, VIEW_BUILDERS, GemvSums, owner_chain, part_layout
 from .values import CONFIG, V, contiguous_strides, nocopy_reshape_strides
 
@@ -44,7 +44,8 @@ def _grid(n: int, block: int, sms: int) -> tuple:
 
 class Step:
     """One launch (or host call) of the step list; reads: the (address, bytes) ranges of
-    weights it streams front to back, side by side (a decode GEMV's; prefetch.py's plan)."""
+    weights it streams front to back, side by side (a decode GEMV's; what gpu_kernels' knock-out tells
+    its GEMVs apart by)."""
     __slots__ = ("node", "op", "fn", "capturable", "reads")
 
     def __init__(self, node, op, fn, capturable=True, reads=()):
@@ -457,9 +458,9 @@ class CudaRunner(Runner):
                       for _ in range(2)]
         self.slot = 0
         self.chain_mark = None            # (backend's runs, this runner's runs, slot) after a submit
-        self.steps = prefetch.woven(b, b.steps, lambda node, fn: Step(node, "l2_prefetch", fn))
+        self.steps = b.steps
         self.keep = b.keep
-        feeds = unfetched_only(g)         # (a fork or join step carries a node's number, not its op)
+        feeds = unfetched_only(g)
         self.prunable = [(k, feeds[st.node]) for k, st in enumerate(self.steps)
                          if st.op in PRUNABLE and st.node in feeds]
         self.capturable = all(s.capturable for s in self.steps) and not b.hip

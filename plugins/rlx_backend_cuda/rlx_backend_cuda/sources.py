@@ -149,7 +149,6 @@ KV_WRITE = Source("index.cu:kv_write")
 COPY_MANY = Source("index.cu:copy_many")
 ROPE = Source("rope.cu:row", "rope.cu:rope")
 ROPE_VEC = Source("rope.cu:rope_vec")
-L2_PREFETCH = Source("prefetch.cu:l2_prefetch")       # (prefetch.py)
 
 # --------------------------------------------------------------------------- attention
 MASK_FILL = Source("attn.cu:mask", "attn.cu:mask_fill")

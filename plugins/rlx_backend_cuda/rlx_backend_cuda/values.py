@@ -17,14 +17,11 @@ from rlx_core.ir.dtype import DType
 # int8_gemv (read at build): under activations = "int8" the decode GEMVs round x themselves and
 # multiply in dp4a (ops.py's int8 activations); RLX_CUDA_INT8_GEMV=0 rounds x in a kernel of its own
 # before the float GEMV
-# l2_prefetch (read at build): where a captured step has kernels that stream no weights between
-# GEMVs (attention, RoPE, the Gated DeltaNet step), a side branch asks L2 for the next GEMVs'
-# weights meanwhile (prefetch.py). Off until measured on a GPU: RLX_CUDA_L2_PREFETCH=1 turns it on
 # attn_rope (read at build): a decode step's RoPE launch (q, k and v into their caches, the q/k
-# norms) done by the cluster decode attention reading them (ops.AttnRope). Off until measured on a
-# GPU: RLX_CUDA_ATTN_ROPE=1 turns it on
+# norms) done by the cluster decode attention reading them (ops.AttnRope). Off: measured no faster
+# on the H200 (benchmarks/README.md, qwen35_gpu). RLX_CUDA_ATTN_ROPE=1 turns it on
 # attn_epilogue (read at build): the elementwise node reading a decode attention's output (an
-# output gate) computed in that attention's store (ops.AttnEpilogue). Off until measured on a GPU:
+# output gate) computed in that attention's store (ops.AttnEpilogue). Off, likewise:
 # RLX_CUDA_ATTN_EPILOGUE=1 turns it on
 CONFIG = {"gemv": True, "tc_attention": True, "wg_attention": True, "lt_epilogue": True, "graphs": True,
           "short_attention": os.environ.get("RLX_CUDA_SHORT_ATTENTION", "1") != "0",
@@ -34,7 +31,6 @@ CONFIG = {"gemv": True, "tc_attention": True, "wg_attention": True, "lt_epilogue
           "gemv_fusion": os.environ.get("RLX_CUDA_GEMV_FUSION", "1") != "0",
           "rope_norm": os.environ.get("RLX_CUDA_ROPE_NORM", "1") != "0",
           "int8_gemv": os.environ.get("RLX_CUDA_INT8_GEMV", "1") != "0",
-          "l2_prefetch": os.environ.get("RLX_CUDA_L2_PREFETCH", "0") != "0",
           "attn_rope": os.environ.get("RLX_CUDA_ATTN_ROPE", "0") != "0",
           "attn_epilogue": os.environ.get("RLX_CUDA_ATTN_EPILOGUE", "0") != "0", "version": 0}
 

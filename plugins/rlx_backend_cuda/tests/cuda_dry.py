@@ -15,8 +15,7 @@ import rlx_backend_cuda
 from rlx_backend_cuda import blas, device
 from rlx_core.ir.errors import BackendError
 
-HOPPER = {"name": "stand-in H200", "cc": (9, 0), "sms": 132, "hip": False, "total_mem": 141 << 30,
-          "l2": 50 << 20}
+HOPPER = {"name": "stand-in H200", "cc": (9, 0), "sms": 132, "hip": False, "total_mem": 141 << 30}
 
 
 class DevArr(np.ndarray):

@@ -1,22 +1,21 @@
 """What a decode step builds to on a stand-in H200 (cuda_dry: no GPU, nothing run): a layer of
 a Qwen3.5-like full-attention block between GEMVs. With the opt-in switches off, the RoPE and
 the output gate are launches of their own; with attn_rope and attn_epilogue on, the decode
-attention's one launch (its source with ROPE and EPI) replaces the three; with l2_prefetch on,
-a side branch forks after the GEMV before the RoPE / attention stretch and asks for the
-o-projection's and the next GEMV's weights, joined at the end."""
+attention's one launch (its source with ROPE and EPI) replaces the three. A greedy fetch skips
+the launches only the logits need."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from cuda_dry import HOPPER, dry, leaves, planned  # noqa: F401  (the fixture)
-from rlx_backend_cuda import prefetch, set_config
+from rlx_backend_cuda import set_config
 from rlx_backend_cuda.values import CONFIG
 from rlx_core.ir.dtype import BF16, I32
 from rlx_core.ir.graph import Graph
 
 B, H, KV, D, HALF, CTX, HID = 1, 8, 2, 128, 32, 1024, 512
-SWITCHES = ("attn_rope", "attn_epilogue", "l2_prefetch")
+SWITCHES = ("attn_rope", "attn_epilogue")
 
 
 def layer():
@@ -74,7 +73,7 @@ def test_the_rope_and_the_gate_go_into_the_decode_attention(dry, switches, rope,
     plain = dry(lir, params, states)
     _kernels[:] = dry.kernels
     ops = plain.describe()["steps_by_op"]
-    assert ops.get("rope") == 1 and "l2_prefetch" not in ops, ops
+    assert ops.get("rope") == 1, ops
     before = run_steps(plain)
     at = before.index("rlx_attn_decode")
     assert before[at - 1] == "rlx_rope" and before[at + 1] == "rlx_ew", before      # (the gate)
@@ -106,22 +105,6 @@ def test_the_rope_and_the_gate_go_into_the_decode_attention(dry, switches, rope,
     assert ada.describe()["steps_by_op"].get("rope") == 1
 
 
-def test_the_prefetch_branch_forks_after_the_gemv_before_the_stretch(dry, switches):
-    rng = np.random.default_rng(1)
-    lir = planned(layer())
-    params, states = leaves(lir, rng)
-    switches(l2_prefetch=True)
-    runner = dry(lir, params, states)
-    ops = [st.op for st in runner.steps]
-    assert ops.count("l2_prefetch") == 2 and ops[-1] == "l2_prefetch", ops     # the fork, the join
-    fork = ops.index("l2_prefetch")
-    assert runner.steps[fork - 1].reads and not runner.steps[fork + 1].reads, ops
-    plain = [st for st in runner.steps if st.op != "l2_prefetch"]
-    ranges = next(iter(prefetch.plan(plain, 25 << 20).values()))
-    wo, wup = (params[n].nbytes for n in ("wo", "wup"))
-    assert sum(n for _, n in ranges) == wo + wup, ranges          # (both fit the budget: whole)
-
-
 def greedy_head():
     """x [B, 1, HID] -> a GEMV, a norm, the head GEMV; outputs the f32 logits, the arg-max ids and
     the f32 sum (flow.blocks.GreedyNext's outputs as a bf16 decode graph has them)."""
@@ -134,14 +117,11 @@ def greedy_head():
     return Graph.define("dry_greedy", f)
 
 
-@pytest.mark.parametrize("l2_prefetch", [False, True])
-def test_a_greedy_fetch_skips_the_launches_only_the_logits_need(dry, switches, l2_prefetch):
+def test_a_greedy_fetch_skips_the_launches_only_the_logits_need(dry, switches):
     rng = np.random.default_rng(2)
     lir = planned(greedy_head())
-    switches(l2_prefetch=l2_prefetch)
+    switches()
     runner = dry(lir, *leaves(lir, rng))
-    forks = [k for k, st in enumerate(runner.steps) if st.op == "l2_prefetch"]
-    assert len(forks) == 2 * l2_prefetch, runner.describe()      # (the join: the last step, never skipped)
     g = lir.graph
     logits = dict(g.outputs)["logits"][0]
     skipped = runner._skipped({"next_ids", "logits_sum"})
@@ -149,7 +129,7 @@ def test_a_greedy_fetch_skips_the_launches_only_the_logits_need(dry, switches, l
         runner.describe()
     assert not runner._skipped(None) and not runner._skipped({"logits", "next_ids", "logits_sum"})
     # (the sum's cast: in the reduce's store, ops._reduce_epilogue)
-    assert [st.op for st in runner.steps if st.op != "l2_prefetch"] == ["matmul", "rms_norm", "matmul", "cast",
-                                                                       "argmax", "reduce"], runner.describe()
+    assert [st.op for st in runner.steps] == ["matmul", "rms_norm", "matmul", "cast", "argmax", "reduce"], \
+        runner.describe()
     assert {runner.steps[k].op for k in runner._skipped({"logits", "next_ids"})} == {"reduce"}
     assert {runner.steps[k].op for k in runner._skipped({"logits"})} == {"argmax", "reduce"}

@@ -14,19 +14,17 @@ from rlx_backend_cuda import _BACKEND, device, set_config
 from rlx_core.cli import main
 
 INT8_GEMV = 'int8-activation decode GEMV (dp4a; [precision] activations = "int8")'
-L2_PREFETCH = "L2 prefetch of the next GEMVs' weights beside latency-bound kernels"
 ATTN_ROPE = "RoPE inside the cluster decode attention"
 ATTN_EPILOGUE = "output gate inside the cluster decode attention"
-OPT_IN = {L2_PREFETCH: "l2_prefetch", ATTN_ROPE: "attn_rope",       # off until measured on a GPU
-          ATTN_EPILOGUE: "attn_epilogue"}
+OPT_IN = {ATTN_ROPE: "attn_rope", ATTN_EPILOGUE: "attn_epilogue"}       # off: measured no faster
 
 
 @pytest.fixture
 def gpu(monkeypatch):
     """gpu(cc, hip=False, launch_ex=True): the backend sees that GPU (and a driver with or
     without cuLaunchKernelEx)."""
-    def use(cc, hip=False, launch_ex=True, l2=50 << 20):
-        info = {"name": "stand-in", "cc": cc, "hip": hip, "sms": 8, "total_mem": 1 << 30, "l2": l2}
+    def use(cc, hip=False, launch_ex=True):
+        info = {"name": "stand-in", "cc": cc, "hip": hip, "sms": 8, "total_mem": 1 << 30}
         monkeypatch.setattr(device, "probe", lambda: (True, "", info))
         drv = types.SimpleNamespace(**({"cuLaunchKernelEx": object()} if launch_ex else {}))
         monkeypatch.setattr(device, "driver", lambda: drv)
@@ -35,8 +33,8 @@ def gpu(monkeypatch):
 
 
 def test_hopper_takes_every_path(gpu):
-    """Every path but the opt-in ones, off by default until measured (the tests below); those
-    too once switched on."""
+    """Every path but the opt-in ones, off by default (measured no faster); those too once
+    switched on."""
     from rlx_backend_cuda.values import CONFIG
 
     paths = gpu((9, 0))
@@ -109,26 +107,6 @@ def test_switches_name_themselves(gpu):
                           "decode_attention"), (INT8_GEMV, "int8_gemv")):
         assert not paths[name]["on"] and f"set_config({switch}=False)" in paths[name]["reason"], paths[name]
     assert paths["tensor-core attention (mma.sync)"]["on"]
-
-
-def test_l2_prefetch_is_opt_in_from_sm90(gpu):
-    """Off by default, naming its switch; on when switched on at sm_90 with an L2 size; never
-    before sm_90 or on ROCm (the GPU named), or where the GPU reports no L2."""
-    from rlx_backend_cuda.values import CONFIG
-
-    off = gpu((9, 0))[L2_PREFETCH]
-    assert not off["on"] and "RLX_CUDA_L2_PREFETCH=1" in off["reason"], off
-    assert "each GEMV reads its weights from DRAM" in off["reason"]
-    was = CONFIG["l2_prefetch"]
-    set_config(l2_prefetch=True)
-    try:
-        assert gpu((9, 0))[L2_PREFETCH]["on"] and gpu((10, 0))[L2_PREFETCH]["on"]
-        before = gpu((8, 9))[L2_PREFETCH]
-        assert not before["on"] and "sm_90" in before["reason"] and "sm_89" in before["reason"], before
-        assert "ROCm" in gpu((9, 4), hip=True)[L2_PREFETCH]["reason"]
-        assert "no L2 size" in gpu((9, 0), l2=0)[L2_PREFETCH]["reason"]
-    finally:
-        set_config(l2_prefetch=was)
 
 
 def test_rlx_plugins_lists_them(gpu):
