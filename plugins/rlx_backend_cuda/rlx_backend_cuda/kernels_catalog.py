@@ -16,7 +16,8 @@ from . import codegen, rows, sources as S
 
 def row_kernels() -> list:
     """Core's row kernels (rlx_core.ir.rowkernels) in this dialect: softmax, every reduce op
-    (as rlx_reduce and through rlx_reduce_cols), argmax and topk, over float and integer dtypes."""
+    (as rlx_reduce and through rlx_reduce_cols), argmax and topk, over float and integer dtypes;
+    the decode step's logit sum with its cast to f32 in the store (ops._reduce_epilogue)."""
     out = []
     for dt in (F32, BF16, F16, F64):
         out.append((f"softmax {dt.value}", rows.source("softmax", dt, dt), "rlx_softmax"))
@@ -27,6 +28,8 @@ def row_kernels() -> list:
                         "rlx_reduce_cols"))
         out.append((f"argmax {dt.value}", rows.source("argmax", dt, I64), "rlx_argmax"))
         out.append((f"topk {dt.value}", rows.source("topk", dt, dt), "rlx_topk"))
+    to_f32 = codegen.epilogue_function((("cast", (("dtype", "f32"),), (0,)),), [BF16], F32, "rlx_epi")
+    out.append(("reduce sum bf16 -> f32", rows.source("reduce", BF16, BF16, "sum", (to_f32, F32)), "rlx_reduce"))
     return out
 
 

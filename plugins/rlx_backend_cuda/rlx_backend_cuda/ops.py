@@ -1856,8 +1856,8 @@ def _reduce_epilogue(b, y: V) -> tuple | None:
     reduce_readers), whose contiguous output the reduce kernel then writes in its store: the
     same bits as the two launches'."""
     u = _epilogue_reader(b.r.lir.graph, b.uses, b.node)
-    slot = b.r.lir.slots.get((u, 0))
-    if u is None or slot is None or slot.home != "arena" or slot.start > b.node:
+    slot = None if u is None else b.r.lir.slots.get((u, 0))
+    if slot is None or slot.home != "arena" or slot.start > b.node:
         return None
     ey = b.out_value(u)
     if ey.size != y.size or not ey.contiguous():
@@ -2095,8 +2095,8 @@ def planned_layouts(g) -> tuple:
 
 
 def reduce_readers(g) -> frozenset:
-    """The elementwise nodes the kernels of reduces compute in their store (ReduceEpilogue's
-    readers): the decode step's logit sum and its cast to f32 in one launch."""
+    """The elementwise nodes the kernels of reduces compute in their store (_reduce_epilogue):
+    the decode step's logit sum and its cast to f32 in one launch."""
     uses = g.consumers()
     return frozenset(u for i, n in enumerate(g.nodes) if n.op == "reduce"
                      for u in [_epilogue_reader(g, uses, i)] if u is not None)

@@ -23,7 +23,7 @@ class CudaRows(rowkernels.RowDialect):
     """Rows of x (dtype `x_dt`) into y (`y_dt`), accumulating in C type `acc`; with `epilogue`
     (codegen.epilogue_function's `rlx_epi` and its stored dtype) y holds rlx_epi of each
     result rounded to y_dt: the one elementwise reader of a reduce's output, computed in its
-    store (ops.ReduceEpilogue)."""
+    store (ops._reduce_epilogue)."""
 
     name = "cuda"
     tid = "threadIdx.x"
