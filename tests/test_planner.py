@@ -302,8 +302,8 @@ def test_placed_concat_inputs_live_in_the_concat():
 def test_an_early_value_lives_from_its_inputs_producer():
     """A node the backend writes early (plan's `early`: an elementwise reader computed in a
     reduction's store) is born with its input's producer: no value live from there on shares
-    its bytes, the logits a reduce and a later cast read included; without `early` the plan
-    may give it bytes such a value held until then."""
+    its bytes, the input a reduce and a later cast both read included; without `early` the
+    plan gives it that input's bytes, free only from the later cast on."""
     m = Builder("early", "mir")
     x = m.act(m.input("x", (4, 64)), "tanh")
     s = m.sum(x, (-1,))
