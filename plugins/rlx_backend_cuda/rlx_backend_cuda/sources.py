@@ -336,6 +336,7 @@ def attn_short_shape(g: int, d: int, sk: int, vk: int) -> dict | None:
 
 ATTN_DECODE_LOADS = 4           # K (and V) row loads a lane issues for its warp's chunk of keys
 ATTN_DECODE_CLUSTER = 8         # blocks sharing one (batch, kv head)'s keys (the portable cluster size)
+ATTN_DECODE_PREFETCH = 1        # chunks of its keys a warp asks into L2 before its wait for the kernel before
 ATTN_DECODE_KEYS = 2048         # cache positions up to which it is used (measured faster than split-K there)
 ATTN_DECODE_SMEM = 44 * 1024    # bytes of shared memory it may take
 ATTN_DECODE_HEADS = 1           # query heads a block takes at least, where the GPU has SMs for more blocks
@@ -371,7 +372,8 @@ def attn_decode_shape(g: int, d: int, vk: int, pair: bool = False, rope_bytes: i
     loads = ATTN_DECODE_LOADS if g * vk <= 32 else ATTN_DECODE_LOADS // 2
     for nw in (8, 4):
         if 4 * (nw * g * d + 2 * nw * g + g * d + 2 * g) + rope_bytes <= ATTN_DECODE_SMEM:
-            return dict(NT=32 * nw, G=g, D=d, VK=vk, NL=loads, CL=ATTN_DECODE_CLUSTER)
+            return dict(NT=32 * nw, G=g, D=d, VK=vk, NL=loads, CL=ATTN_DECODE_CLUSTER,
+                        PF=ATTN_DECODE_PREFETCH)
     return None
 
 

@@ -537,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
     out[b * osb + (kvh * G + g) * osh + d] = ST(TO, l == 0 ? (ACC)0 : o / l);
   }
 }
-// @part decode(NT, TQ, TK, TV, TM, TP, TO, G, D, VK, QV, NL, CL, MASKMODE, HEADMASK, ROPE, TC, TN, EPI, EPI_FN, EPI_CALL(o, e), TE, TY)
+// @part decode(NT, TQ, TK, TV, TM, TP, TO, G, D, VK, QV, NL, CL, PF, MASKMODE, HEADMASK, ROPE, TC, TN, EPI, EPI_FN, EPI_CALL(o, e), TE, TY)
 // Decode attention (one query row per head) over a KV cache longer than the short kernel
 // takes (up to ATTN_DECODE_KEYS, sources.py) with few batch x kv heads: a cluster of CL
 // blocks per (batch, kv head) shares its keys, a chunk of NL * KPL keys to a warp at a time.
@@ -596,14 +596,16 @@ extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_
   const TK* kb = k + b * ksb + kvh * ksh + sl * VK;
   const TV* vb = v + b * vsb + kvh * vsh + sl * VK;
   const i64 gw = (i64)rank * NW + warp, step = (i64)CL * NW * CH;    // chunks gw, gw + CL * NW, ...
-  // this warp's first chunk asked into L2 before the wait for the kernel before
+  // this warp's first PF chunks asked into L2 before the wait for the kernel before
   const i64 early = RLX_POS_EARLY(pos, b, Sk - 1);
   {
     i64 kbeg, kend;
     rlx_key_range(early, early, Sk, window, &kbeg, &kend);
-    const i64 c0 = kbeg + gw * CH;
-    rlx_prefetch_rows(k + b * ksb + kvh * ksh, kss, c0, min(kend, c0 + CH), D * (int)sizeof(TK), lane, 32);
-    rlx_prefetch_rows(v + b * vsb + kvh * vsh, vss, c0, min(kend, c0 + CH), D * (int)sizeof(TV), lane, 32);
+    for (int c = 0; c < PF && kbeg + gw * CH + c * step < kend; ++c) {
+      const i64 c0 = kbeg + gw * CH + c * step;
+      rlx_prefetch_rows(k + b * ksb + kvh * ksh, kss, c0, min(kend, c0 + CH), D * (int)sizeof(TK), lane, 32);
+      rlx_prefetch_rows(v + b * vsb + kvh * vsh, vss, c0, min(kend, c0 + CH), D * (int)sizeof(TV), lane, 32);
+    }
   }
   RLX_GRID_WAIT();
   const i64 p0 = RLX_POS(pos, b, early);
