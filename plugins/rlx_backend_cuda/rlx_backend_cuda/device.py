@@ -83,15 +83,10 @@ def wgmma_missing(cc, hip: bool) -> str:
 def cluster_missing(cc, hip: bool) -> str:
     """Why the cluster decode attention (thread-block clusters, distributed shared memory)
     cannot run on this GPU; '' where it can."""
-    return _sm90_missing(cc, hip, "thread-block clusters")
-
-
-def _sm90_missing(cc, hip: bool, feature: str) -> str:
-    """Why inline PTX of Hopper's `feature` cannot run on this GPU; '' where it can."""
     if hip:
         return "a ROCm GPU: its inline PTX is CUDA's"
     if tuple(cc) < (9, 0):
-        return f"it needs sm_90 or later ({feature}); this GPU is {_sm(cc)}"
+        return f"it needs sm_90 or later (thread-block clusters); this GPU is {_sm(cc)}"
     return ""
 
 

@@ -1838,10 +1838,10 @@ def _b_reduce(b, n, ins, outs):
         return
     xv, rs = _as_matrix(b, b.moved_last(x, axes), rows, R)
     epi = _reduce_epilogue(b, y)
-    fn = b.kernel(row_kernels.source("reduce", x.dt, y.dt, op, epi and epi[1:]), "rlx_reduce")
+    fn = b.kernel(row_kernels.source("reduce", x.dt, y.dt, op, epi and (epi[2], epi[1].dt)), "rlx_reduce")
     if epi is not None:                 # (the kernel stores its reader's output, rlx_epi of each result)
         b.absorbed.add(epi[0])
-        y = b.out_value(epi[0])
+        y = epi[1]
     ns, chunk = _row_split(b, rows, R)
     if ns == 1:
         b.launch(fn, (rows,), (_block(R),), (xv.arr, i64(rs), y.arr, i32(R), i32(R), None, None))
@@ -1851,7 +1851,7 @@ def _b_reduce(b, n, ins, outs):
 
 
 def _reduce_epilogue(b, y: V) -> tuple | None:
-    """(node, rlx_epi source, its stored dtype) where the reduce's output y is read only by an
+    """(node, its output, rlx_epi's source) where the reduce's output y is read only by an
     elementwise node the plan gave bytes from this node on (planned_layouts' early:
     reduce_readers), whose contiguous output the reduce kernel then writes in its store: the
     same bits as the two launches'."""
@@ -1862,7 +1862,7 @@ def _reduce_epilogue(b, y: V) -> tuple | None:
     ey = b.out_value(u)
     if ey.size != y.size or not ey.contiguous():
         return None
-    return u, codegen.epilogue_function(_program(b.r.lir.graph.nodes[u]), [y.dt], ey.dt, "rlx_epi"), ey.dt
+    return u, ey, codegen.epilogue_function(_program(b.r.lir.graph.nodes[u]), [y.dt], ey.dt, "rlx_epi")
 
 
 REDUCE_SERIAL = 32      # a reduction this short runs one thread per output, not one block per row
