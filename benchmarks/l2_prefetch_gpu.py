@@ -1,0 +1,116 @@
+"""What an sm_90 bulk L2 prefetch (cp.async.bulk.prefetch.L2) costs the kernel that issues it,
+and whether the bytes it asks for are still in L2 when a later kernel streams them: the
+question behind two decode-step prefetches that each made Qwen3.5-2B decode slower (a graph
+branch, then the latency-bound kernels' own launches; benchmarks/README.md, qwen35_gpu).
+
+    python benchmarks/l2_prefetch_gpu.py                # one GPU, sm_90 or later
+
+Every measurement is the median of --reps launches, CUDA events around the kernels timed,
+each repetition on bytes no launch touched since a 256 MB sweep (so they start outside L2):
+* `prefetch N MB`: a 32-block x 256-thread kernel (rlx_gdn_net's grid at Qwen3.5-2B decode)
+  that only issues the bulk prefetches of N MB (16 KB each) and exits: does it last until they land?
+* `read N MB`: a streaming read of N MB over every SM (a decode GEMV's access pattern) cold,
+  right after reading the same bytes (hot), and after the prefetch kernel and a 20 us wait
+  (`after prefetch`), also with an 8 MB stream read of other bytes between (`prefetch, 8 MB
+  between`): do the prefetched lines make the read an L2 read?
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+SOURCE = r"""
+extern "C" __global__ void prefetch(const char* p, long long n) {
+  const long long chunk = 16384, chunks = (n + chunk - 1) / chunk;
+  for (long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x; c < chunks;
+       c += (long long)gridDim.x * blockDim.x) {
+    const long long left = n - c * chunk;
+    const unsigned size = (unsigned)(left < chunk ? left : chunk) & ~15u;
+    if (size) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + c * chunk), "r"(size) : "memory");
+  }
+}
+extern "C" __global__ void stream_read(const uint4* p, long long n16, unsigned* sink) {
+  unsigned acc = 0;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n16; i += (long long)gridDim.x * blockDim.x) {
+    const uint4 v = __ldg(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;       // (keeps the loads; never true on zeros)
+}
+extern "C" __global__ void spin(long long ns) {
+  long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""
+MB = 1 << 20
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--sizes", default="1,4,16,32", help="MB the prefetch and the read take, comma-separated")
+    a = ap.parse_args()
+    import cupy as cp
+
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"].decode()
+    if props["major"] < 9:
+        print(f"{name}: compute capability {props['major']}.{props['minor']} has no bulk prefetch (sm_90+)")
+        return 0
+    mod = cp.RawModule(code=SOURCE, options=("-std=c++17",))
+    pf, rd, spin = (mod.get_function(n) for n in ("prefetch", "stream_read", "spin"))
+    sms = props["multiProcessorCount"]
+    sizes = [int(s) for s in a.sizes.split(",")]
+    span = 256 * MB                                  # one repetition's bytes, then the next region
+    pool = cp.zeros(span * (a.reps + 2) + 256 * MB, cp.uint8)
+    sweep = pool[-256 * MB:]
+    sink = cp.zeros(1, cp.uint32)
+    ev = [cp.cuda.Event() for _ in range(2)]
+
+    def read(buf):
+        rd((4 * sms,), (1024,), (buf, cp.int64(buf.nbytes // 16), sink))
+
+    def timed(setup, kernel) -> float:
+        """Median microseconds of `kernel(region)` over the repetitions, `setup(region)` before it."""
+        out = []
+        for r in range(a.reps):
+            read(sweep)
+            region = pool[r * span:(r + 1) * span]
+            setup(region)
+            ev[0].record()
+            kernel(region)
+            ev[1].record()
+            ev[1].synchronize()
+            out.append(cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3)
+        return statistics.median(out)
+
+    nothing = lambda region: None                   # noqa: E731
+    print(f"GPU: {name}, {sms} SMs, L2 {props['l2CacheSize'] / MB:.0f} MB; medians of {a.reps}, us")
+    print(f"the prefetch kernel asking for nothing: {timed(nothing, lambda r: pf((32,), (256,), (r, cp.int64(0)))):.1f}")
+    print("| MB | prefetch kernel | read cold | read hot | after prefetch | prefetch, 8 MB between |")
+    print("|---|---|---|---|---|---|")
+    for s in sizes:
+        n = s * MB
+
+        def prefetch(region, n=n):
+            pf((32,), (256,), (region, cp.int64(n)))
+
+        def wait(region):
+            spin((1,), (1,), (cp.int64(20_000),))
+
+        def read_n(region, n=n):
+            read(region[:n])
+        t_pf = timed(nothing, prefetch)
+        t_cold = timed(nothing, read_n)
+        t_hot = timed(read_n, read_n)
+        t_after = timed(lambda r: (prefetch(r), wait(r)), read_n)
+        t_between = timed(lambda r: (prefetch(r), wait(r), read(r[128 * MB:136 * MB])), read_n)
+        print(f"| {s} | {t_pf:.1f} | {t_cold:.1f} | {t_hot:.1f} | {t_after:.1f} | {t_between:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
