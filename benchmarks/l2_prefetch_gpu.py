@@ -8,7 +8,8 @@ branch, then the latency-bound kernels' own launches; benchmarks/README.md, qwen
 Every measurement is the median of --reps launches, CUDA events around the kernels timed,
 each repetition on bytes no launch touched since a 256 MB sweep (so they start outside L2):
 * `prefetch N MB`: a 32-block x 256-thread kernel (rlx_gdn_net's grid at Qwen3.5-2B decode)
-  that only issues the bulk prefetches of N MB (16 KB each) and exits: does it last until they land?
+  that only issues the bulk prefetches of N MB (16 KB each) and exits: does it last until they
+  land? The same with one `prefetch.global.L2` a 128-byte line (`line prefetch`).
 * `read N MB`: a streaming read of N MB over every SM (a decode GEMV's access pattern) cold,
   right after reading the same bytes (hot), and after the prefetch kernel and a 20 us wait
   (`after prefetch`), also with an 8 MB stream read of other bytes between (`prefetch, 8 MB
@@ -29,6 +30,11 @@ extern "C" __global__ void prefetch(const char* p, long long n) {
     const unsigned size = (unsigned)(left < chunk ? left : chunk) & ~15u;
     if (size) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + c * chunk), "r"(size) : "memory");
   }
+}
+extern "C" __global__ void prefetch_lines(const char* p, long long n) {
+  for (long long o = (blockIdx.x * (long long)blockDim.x + threadIdx.x) * 128; o < n;
+       o += (long long)gridDim.x * blockDim.x * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
 }
 extern "C" __global__ void stream_read(const uint4* p, long long n16, unsigned* sink) {
   unsigned acc = 0;
@@ -61,7 +67,7 @@ def main() -> int:
         print(f"{name}: compute capability {props['major']}.{props['minor']} has no bulk prefetch (sm_90+)")
         return 0
     mod = cp.RawModule(code=SOURCE, options=("-std=c++17",))
-    pf, rd, spin = (mod.get_function(n) for n in ("prefetch", "stream_read", "spin"))
+    pf, pl, rd, spin = (mod.get_function(n) for n in ("prefetch", "prefetch_lines", "stream_read", "spin"))
     sms = props["multiProcessorCount"]
     sizes = [int(s) for s in a.sizes.split(",")]
     span = 256 * MB                                  # one repetition's bytes, then the next region
@@ -90,13 +96,17 @@ def main() -> int:
     nothing = lambda region: None                   # noqa: E731
     print(f"GPU: {name}, {sms} SMs, L2 {props['l2CacheSize'] / MB:.0f} MB; medians of {a.reps}, us")
     print(f"the prefetch kernel asking for nothing: {timed(nothing, lambda r: pf((32,), (256,), (r, cp.int64(0)))):.1f}")
-    print("| MB | prefetch kernel | read cold | read hot | after prefetch | prefetch, 8 MB between |")
-    print("|---|---|---|---|---|---|")
+    print("| MB | bulk prefetch kernel | line prefetch kernel | read cold | read hot | after bulk prefetch | "
+          "bulk, 8 MB between | after line prefetch |")
+    print("|---|---|---|---|---|---|---|---|")
     for s in sizes:
         n = s * MB
 
         def prefetch(region, n=n):
             pf((32,), (256,), (region, cp.int64(n)))
+
+        def lines(region, n=n):
+            pl((32,), (256,), (region, cp.int64(n)))
 
         def wait(region):
             spin((1,), (1,), (cp.int64(20_000),))
@@ -108,7 +118,10 @@ def main() -> int:
         t_hot = timed(read_n, read_n)
         t_after = timed(lambda r: (prefetch(r), wait(r)), read_n)
         t_between = timed(lambda r: (prefetch(r), wait(r), read(r[128 * MB:136 * MB])), read_n)
-        print(f"| {s} | {t_pf:.1f} | {t_cold:.1f} | {t_hot:.1f} | {t_after:.1f} | {t_between:.1f} |")
+        t_pl = timed(nothing, lines)
+        t_after_pl = timed(lambda r: (lines(r), wait(r)), read_n)
+        print(f"| {s} | {t_pf:.1f} | {t_pl:.1f} | {t_cold:.1f} | {t_hot:.1f} | {t_after:.1f} | {t_between:.1f} "
+              f"| {t_after_pl:.1f} |")
     return 0
 
 
