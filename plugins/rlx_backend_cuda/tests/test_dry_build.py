@@ -133,3 +133,46 @@ def test_a_greedy_fetch_skips_the_launches_only_the_logits_need(dry, switches):
         runner.describe()
     assert {runner.steps[k].op for k in runner._skipped({"logits", "next_ids"})} == {"reduce"}
     assert {runner.steps[k].op for k in runner._skipped({"logits"})} == {"argmax", "reduce"}
+
+
+def test_the_decode_attention_asks_l2_for_the_gemv_after_next(dry, switches, monkeypatch):
+    """The L2 lookahead (runner.plan_l2_ahead): the decode attention's launch ends with the first
+    L2_AHEAD bytes of the up projection's weights (the o projection after it loads its own first
+    bytes early); with L2_AHEAD 0 it asks for nothing."""
+    from rlx_backend_cuda import sources
+    from rlx_backend_cuda.values import NO_AHEAD
+
+    rng = np.random.default_rng(3)
+    lir = planned(layer())
+    params, states = leaves(lir, rng)
+    switches()
+    wup = next(i for i, n in enumerate(lir.graph.nodes) if n.op == "param" and n.name == "wup")
+    for budget, skip in ((1 << 20, 1), (1 << 40, 1), (0, 1), (1 << 20, 5)):
+        monkeypatch.setattr(sources, "L2_AHEAD", budget)
+        monkeypatch.setattr(sources, "L2_AHEAD_SKIP", skip)
+        mark = len(dry.kernels)
+        runner = dry(lir, params, states)
+        _kernels[:] = dry.kernels[mark:]
+        run_steps(runner)
+        attn = next(k for k in _kernels if k.name == "rlx_attn_decode" and k.launches)
+        up = runner.vals[(wup, 0)].arr
+        want = ((np.uint64(up.data.ptr), np.int64(min(budget, up.nbytes)), None, np.int64(0))
+                if budget and skip == 1 else NO_AHEAD)
+        assert attn.args[-1][-4:] == want, (budget, skip, attn.args[-1][-4:])
+
+
+def test_plan_l2_ahead_spreads_the_budget_over_the_ranges():
+    """Two ranges (a gate / up GEMV's halves): the budget split evenly, each part clipped to its
+    range and rounded down to 16 bytes; steps that take no lookahead keep None."""
+    from rlx_backend_cuda.runner import Step, plan_l2_ahead
+    from rlx_backend_cuda.values import NO_AHEAD, ahead_slots
+
+    def step(reads=(), ahead=None):
+        return Step(0, "x", None, reads=reads, ahead=ahead)
+    steps = [step(ahead=ahead_slots()), step(reads=((4096, 10_000),)), step(),
+             step(reads=((1 << 20, 50_000), (1 << 21, 3_000))), step(ahead=ahead_slots())]
+    plan_l2_ahead(steps, 10_008, 1)
+    assert steps[0].ahead == [np.uint64(1 << 20), np.int64(5_004 // 16 * 16), np.uint64(1 << 21), np.int64(3_000 // 16 * 16)]
+    assert steps[4].ahead == list(NO_AHEAD) and steps[2].ahead is None
+    plan_l2_ahead(steps, 10_008, 0)
+    assert steps[0].ahead == [np.uint64(4096), np.int64(10_000), None, np.int64(0)]
