@@ -34,7 +34,6 @@ from rlx_core.ir.shape import Shape
 from . import device, sources
 from .codegen import acc_of, ctype
 from .ops import BUILDERS, _dq_epilogue
-from .values import ahead_slots
 
 i32, i64 = np.int32, np.int64
 
@@ -274,8 +273,7 @@ def build_gated_delta_net(b, n, ins, outs):
     num = np.float64 if acc == "double" else np.float32
     b.launch(b.kernel(src, "rlx_gdn_net"), (hk * cs, B), (32 * lay["NW"],),
              (x.arr, w.arr, cs0.arr, cd.arr, z.arr, bl.arr, al.arr, a_log.arr, dt_bias.arr, norm_w.arr, s0.arr,
-              sd.arr, od.arr, i32(T), i32(hk), xb, xt, *zs, *bs, *as_, num(n.a["scale"]), num(n.a["eps"])),
-             ahead=ahead_slots())
+              sd.arr, od.arr, i32(T), i32(hk), xb, xt, *zs, *bs, *as_, num(n.a["scale"]), num(n.a["eps"])))
     for src_v, dst in ((od, o), (cd, cs1), (sd, s1)):
         if src_v is not dst:
             b.copy(src_v, dst)

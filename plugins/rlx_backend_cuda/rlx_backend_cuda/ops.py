@@ -18,7 +18,7 @@ from . import codegen, device, sources
 from . import rows as row_kernels
 from .codegen import acc_of, ctype
 from .fft import build_fft
-from .values import CONFIG, V, ahead_slots, contiguous_strides, nocopy_reshape_strides
+from .values import CONFIG, V, contiguous_strides, nocopy_reshape_strides
 
 LOW = (F16, BF16)
 i32, i64, f64 = np.int32, np.int64, np.float64
@@ -2292,10 +2292,9 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V, rope: AttnRope |
     if epi is not None and not all(_apart(epi.ey, t) for t in (
             *((takes.q, takes.k, takes.v) if takes is not None else (q,)), epi.ex)):
         epi = None
-    ahead = ahead_slots()         # (the decode kernel's L2 lookahead: runner.plan_l2_ahead)
-    folded = (_decode_attention(*decode_args, takes, epi, ahead) if acc == "float" and (takes or epi) is not None
+    folded = (_decode_attention(*decode_args, takes, epi) if acc == "float" and (takes or epi) is not None
               else None)
-    decode = folded or (_decode_attention(*decode_args, ahead=ahead) if acc == "float" else None)
+    decode = folded or (_decode_attention(*decode_args) if acc == "float" else None)
     if folded is not None and epi is not None:
         b.attn_epilogues[epi.node] = epi.taken
     first = rope.fallback if rope is not None else ()
@@ -2319,7 +2318,7 @@ def _attention(b, a: dict, q: V, k: V, v: V, mask, pos, out: V, rope: AttnRope |
                 for fn in first:
                     fn()
             run()
-        b.add(dispatch, ahead=ahead if decode is not None else None)
+        b.add(dispatch)
 
 
 def _wg_attention(b, a: dict, q: V, k: V, v: V, mv, mst, pv, out: V, common: dict):
@@ -2379,10 +2378,9 @@ def _short_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, windo
 
 
 def _decode_row_launch(b, fn, grid, threads: int, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, window,
-                       more: tuple = (), ahead: list | None = None):
+                       more: tuple = ()):
     """The launch of a decode-row attention kernel (ATTN_SHORT, ATTN_DECODE: one argument list,
-    then `more`: ATTN_DECODE's RoPE and epilogue arguments, then its L2 lookahead's as `ahead`
-    holds them at launch)."""
+    then `more`: ATTN_DECODE's RoPE arguments)."""
     qs, ks, vs = q.es, k.es, v.es
     args = (q.arr, i64(qs[0]), i64(qs[1]), k.arr, i64(ks[0]), i64(ks[1]), i64(ks[2]), v.arr, i64(vs[0]),
             i64(vs[1]), i64(vs[2]), mv, i64(mst[0]), i64(mst[1]), i64(mst[3]),
@@ -2391,7 +2389,7 @@ def _decode_row_launch(b, fn, grid, threads: int, q: V, k: V, v: V, mv, mst, pv,
     stream = b.stream
 
     def run():
-        fn(grid, (threads,), args + tuple(ahead or ()), 0, stream)
+        fn(grid, (threads,), args, 0, stream)
     return run
 
 
@@ -2402,13 +2400,12 @@ NO_EPI_ARGS = (None, i64(0), i64(0), None, i64(0), i64(0))           # (nor its 
 
 
 def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, window, common: dict,
-                      rope: AttnRope | None = None, epi: AttnEpilogue | None = None, ahead: list | None = None):
+                      rope: AttnRope | None = None, epi: AttnEpilogue | None = None):
     """A launch of sources.ATTN_DECODE for one query row per head over a KV cache of at most
     ATTN_DECODE_KEYS positions where a cluster of blocks per (batch row, kv head) fits one wave
     on an sm_90+ GPU, or None where it does not apply. rope: the kernel also does the step's
     RoPE (q: the rope's output, then rope.q the rows it ropes; `_takes_rope`); epi: it computes
-    that node instead of writing out (ey apart from the rows it reads); ahead: its L2 lookahead's
-    arguments (values.ahead_slots, the step's)."""
+    that node instead of writing out (ey apart from the rows it reads)."""
     B, H, Sq, D = q.shape
     KVH, Sk = k.shape[1], k.shape[2]
     vk = min(_attn_vec(k, D), _attn_vec(v, D))
@@ -2442,8 +2439,7 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
     fn = b.kernel(src, "rlx_attn_decode")
     grid = (B * KVH, sh["CL"], groups)
     more += epi.args(B, H, D) if epi is not None else NO_EPI_ARGS
-    return _decode_row_launch(b, fn, grid, sh["NT"], q, k, v, mv, mst, pv, out, scale, cap, window, more,
-                              ahead if ahead is not None else ahead_slots())
+    return _decode_row_launch(b, fn, grid, sh["NT"], q, k, v, mv, mst, pv, out, scale, cap, window, more)
 
 
 def _norm_args(m: RopeNorm | None) -> tuple:

@@ -19,9 +19,9 @@ from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import BackendError, ModelError, RlxError
 from rlx_core.pipeline import states_moved
 
-from . import codegen, device, sources
+from . import codegen, device
 from .ops import BUILDERS, STRIDED_WRITERS, VIEW_BUILDERS, GemvSums, owner_chain, part_layout
-from .values import CONFIG, NO_AHEAD, V, contiguous_strides, nocopy_reshape_strides
+from .values import CONFIG, V, contiguous_strides, nocopy_reshape_strides
 
 EW_VEC = 8                   # elements a thread of a contiguous elementwise kernel moves at once
 # ops a complex64 value may come out of: leaves, FFTs, views and copies, and elementwise
@@ -45,33 +45,11 @@ def _grid(n: int, block: int, sms: int) -> tuple:
 class Step:
     """One launch (or host call) of the step list; reads: the (address, bytes) ranges of
     weights it streams front to back, side by side (a decode GEMV's; what gpu_kernels' knock-out tells
-    its GEMVs apart by); ahead: the launch's L2 lookahead arguments (plan_l2_ahead fills them), or
-    None for a launch that takes none."""
-    __slots__ = ("node", "op", "fn", "capturable", "reads", "ahead")
+    its GEMVs apart by)."""
+    __slots__ = ("node", "op", "fn", "capturable", "reads")
 
-    def __init__(self, node, op, fn, capturable=True, reads=(), ahead=None):
+    def __init__(self, node, op, fn, capturable=True, reads=()):
         self.node, self.op, self.fn, self.capturable, self.reads = node, op, fn, capturable, reads
-        self.ahead = ahead
-
-
-def plan_l2_ahead(steps: list, budget: int, skip: int) -> None:
-    """Fill the L2 lookahead of every step that takes one (a kernel that streams no weights
-    and waits on latency: rlx_l2_ahead asks L2 for these bytes before its grid wait): the
-    first bytes of the weight ranges of the (skip + 1)-th weight-streaming step after it,
-    `budget` bytes spread evenly over its first two ranges (16-byte multiples). The `skip`
-    steps passed over load their own first bytes before their waits (EARLY)."""
-    streaming = [k for k, st in enumerate(steps) if st.reads]
-    for k, st in enumerate(steps):
-        if st.ahead is None:
-            continue
-        later = [j for j in streaming if j > k]
-        st.ahead[:] = NO_AHEAD
-        if budget <= 0 or len(later) <= skip:
-            continue
-        ranges = steps[later[skip]].reads[:2]
-        share = budget // len(ranges) // 16 * 16
-        for r, (addr, n) in enumerate(ranges):
-            st.ahead[2 * r:2 * r + 2] = [np.uint64(addr), np.int64(min(n, share) // 16 * 16)]
 
 
 def unfetched_only(g) -> dict:
@@ -231,18 +209,16 @@ class Build:
     def kernel(self, source: str, name: str, dynamic_smem: int = 0):
         return device.kernel(source, name, self.op, dynamic_smem)
 
-    def launch(self, fn, grid, block, args, capturable=True, ahead: list | None = None):
-        """ahead: the kernel ends with the L2 lookahead's arguments (ahead_slots), passed as
-        plan_l2_ahead leaves them."""
+    def launch(self, fn, grid, block, args, capturable=True):
         stream = self.stream
         grid, block, args = tuple(grid), tuple(block), tuple(args)
 
         def run():
-            fn(grid, block, args + tuple(ahead or ()), 0, stream)
-        self.steps.append(Step(self.node, self.op, run, capturable, ahead=ahead))
+            fn(grid, block, args, 0, stream)
+        self.steps.append(Step(self.node, self.op, run, capturable))
 
-    def add(self, run, capturable=True, reads=(), ahead: list | None = None):
-        self.steps.append(Step(self.node, self.op, run, capturable, reads, ahead))
+    def add(self, run, capturable=True, reads=()):
+        self.steps.append(Step(self.node, self.op, run, capturable, reads))
 
     # -- generic elementwise / copies
     def elementwise(self, program, ins: list, out: V) -> None:
@@ -483,7 +459,6 @@ class CudaRunner(Runner):
         self.slot = 0
         self.chain_mark = None            # (backend's runs, this runner's runs, slot) after a submit
         self.steps = b.steps
-        plan_l2_ahead(self.steps, sources.L2_AHEAD, sources.L2_AHEAD_SKIP)
         self.keep = b.keep
         feeds = unfetched_only(g)
         self.prunable = [(k, feeds[st.node]) for k, st in enumerate(self.steps)

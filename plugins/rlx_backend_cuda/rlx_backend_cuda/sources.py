@@ -284,13 +284,6 @@ ATTN_LOADS = 2           # vector loads per lane for K and for V in one key tile
 ATTN_SMALL_GRID = (256, 4)
 
 
-# L2 lookahead (runner.plan_l2_ahead): bytes of the weights of the GEMV after the next one that a
-# latency-bound decode kernel (rlx_gdn_net, rlx_attn_decode) asks L2 for before its grid wait (0: none),
-# and the weight-streaming launches passed over (the next GEMV issues its own first loads early)
-L2_AHEAD = 0
-L2_AHEAD_SKIP = 1
-
-
 # gated_delta_net: state columns a warp holds, at most (registers: K / 32 x this). Qwen3.5-2B bf16
 # decode (H200, 2 blocks a key head): 1.506 ms a token at 8, 1.521 at 16, 1.672 at 32
 NET_COLUMNS = 8

@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 import os
 
-import numpy as np
-
 from rlx_core.ir.dtype import DType
 
 # dependent_launch: RLX_CUDA_DEPENDENT_LAUNCH=0 launches every kernel as CuPy does (device.Kernel)
@@ -35,15 +33,6 @@ CONFIG = {"gemv": True, "tc_attention": True, "wg_attention": True, "lt_epilogue
           "int8_gemv": os.environ.get("RLX_CUDA_INT8_GEMV", "1") != "0",
           "attn_rope": os.environ.get("RLX_CUDA_ATTN_ROPE", "0") != "0",
           "attn_epilogue": os.environ.get("RLX_CUDA_ATTN_EPILOGUE", "0") != "0", "version": 0}
-
-# the L2 lookahead arguments of a kernel that asks for nothing (prelude.cu's rlx_l2_ahead)
-NO_AHEAD = (None, np.int64(0), None, np.int64(0))
-
-
-def ahead_slots() -> list:
-    """A launch's L2 lookahead arguments (runner.plan_l2_ahead fills them), asking for nothing
-    until then."""
-    return list(NO_AHEAD)
 
 
 def set_config(**kw) -> None:

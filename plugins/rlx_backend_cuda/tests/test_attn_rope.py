@@ -16,7 +16,6 @@ from rlx_backend_cuda import sources
 from rlx_backend_cuda.codegen import ctype
 from rlx_backend_cuda.kernels_catalog import OUTPUT_GATE
 from rlx_backend_cuda.ops import NO_EPI_ARGS, NO_ROPE_ARGS
-from rlx_backend_cuda.values import NO_AHEAD
 from rlx_core.ir.dtype import BF16, F32
 from rlx_core.pipeline import available_backends
 from rlx_core.testing.parity import TOL, ref_attention
@@ -101,8 +100,7 @@ def test_emulated_decode_attention_does_the_rope(rng, case):
         compile_kernel(src, "rlx_attn_decode").launch((B * KVH, sh["CL"], groups), (sh["NT"],), (
             qx, i64(H * D), i64(D), kcache, i64(KVH * Sk * D), i64(Sk * D), i64(D),
             vcache, i64(KVH * Sk * D), i64(Sk * D), i64(D), mask, i64(Sk), i64(0), i64(1),
-            pos, i32(H), i32(KVH), i32(Sk), 1 / math.sqrt(D), 0.0, i32(0), out, i64(H * D), i64(D), *more,
-            *NO_AHEAD))
+            pos, i32(H), i32(KVH), i32(Sk), 1 / math.sqrt(D), 0.0, i32(0), out, i64(H * D), i64(D), *more))
         return out
 
     # the two launches the fold replaces: the RoPE (three jobs), then the attention on its q
@@ -167,7 +165,7 @@ def test_emulated_fold_flags_a_position_past_the_cache(rng):
         None, i64(0), i64(0), i64(0), aligned(np.array([Sk], np.int32)), i32(H), i32(KVH), i32(Sk),
         1 / math.sqrt(D), 0.0, i32(0), out, i64(H * D), i64(D),
         k, i64(D), i64(D), v, i64(D), i64(D), kc, vc, cos, sin, i32(half), i32(0), None, None,
-        f32(0), f32(0), f32(0), f32(0), err, i32(9), *NO_EPI_ARGS, *NO_AHEAD))
+        f32(0), f32(0), f32(0), f32(0), err, i32(9), *NO_EPI_ARGS))
     assert err[0] == 2 and err[1] == 9, err
     np.testing.assert_array_equal(kc, kc0)
     np.testing.assert_array_equal(vc, vc0)

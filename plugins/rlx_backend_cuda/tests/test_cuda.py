@@ -740,7 +740,6 @@ def test_emulated_cluster_decode_attention(rng, case):
     from rlx_backend_cuda import sources
     from rlx_backend_cuda.codegen import ctype
     from rlx_backend_cuda.ops import NO_EPI_ARGS, NO_ROPE_ARGS
-    from rlx_backend_cuda.values import NO_AHEAD
     from rlx_core.testing.parity import TOL, ref_attention
 
     B, H, KVH, Sk, D, dt, mask, groups = case
@@ -763,7 +762,7 @@ def test_emulated_cluster_decode_attention(rng, case):
         cuda_emu.aligned(v), i64(KVH * Sk * D), i64(Sk * D), i64(D),
         None if m is None else (m if mask == "bool" else cuda_emu.aligned(m)), *map(i64, mst),
         pos, np.int32(H), np.int32(KVH), np.int32(Sk), 1 / math.sqrt(D), 0.0, np.int32(0),
-        out, i64(H * D), i64(D), *NO_ROPE_ARGS, *NO_EPI_ARGS, *NO_AHEAD))
+        out, i64(H * D), i64(D), *NO_ROPE_ARGS, *NO_EPI_ARGS))
     f64 = [a.astype(np.float64) for a in (q, k, v)]
     want = ref_attention(*f64, m if mask != "bias" else m.astype(np.float64), pos, scale=1 / math.sqrt(D))
     err = np.abs(out.astype(np.float64) - want).max() / np.abs(want).max()

@@ -119,7 +119,6 @@ def test_emulated_gated_delta_net(rng, shape, cs, dt, t):
     from rlx_backend_cuda import sources
     from rlx_backend_cuda.codegen import ctype
     from rlx_backend_cuda.sources import net_layout
-    from rlx_backend_cuda.values import NO_AHEAD
 
     b, hk, h, kd, vd = SHAPES[shape]
     arr = _arrays(rng, b, t, hk, h, kd, vd, dt)
@@ -135,7 +134,7 @@ def test_emulated_gated_delta_net(rng, shape, cs, dt, t):
     i64, i32 = np.int64, np.int32
     strides = tuple(map(i64, (t * c, c, t * h * vd, h * vd, vd, t * h, h, t * h, h)))    # x, z, b, a
     kern.launch((hk * cs, b), (32 * lay["NW"],), (*ins[:3], cs1, *ins[3:10], s1, o, i32(t), i32(hk), *strides,
-                                              np.float32(SCALE), np.float32(EPS), *NO_AHEAD))
+                                              np.float32(SCALE), np.float32(EPS)))
     tol = TOL[dt]
     for got, ref, what in zip((o, cs1, s1), want, ("o", "conv state", "state")):
         err = np.abs(got.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30)

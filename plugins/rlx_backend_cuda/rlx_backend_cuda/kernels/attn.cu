@@ -562,7 +562,7 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
 // position this launch writes). A position past the cache is flagged (kv_write's error 2, node).
 // EPI: the elementwise node reading the output (Qwen3.5's output gate, o * sigmoid(gate)) is
 // computed in the store: ey[b, h, d] = EPI_CALL(o as stored, ex[b, h, d]) (EPI_FN, ops.AttnEpilogue)
-// instead of out. ah0, ahn0, ah1, ahn1: the L2 lookahead's ranges (prelude's rlx_l2_ahead).
+// instead of out.
 EPI_FN
 #define NW (NT / 32)
 extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_decode(
@@ -576,7 +576,7 @@ extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_
     long long xvsh, TK* kc, TV* vc, const TC* __restrict__ rc, const TC* __restrict__ rs, int half, int rpb,
     const TN* __restrict__ qnw, const TN* __restrict__ knw, float qeps, float qoff, float keps, float koff,
     int* err, int node, const TE* __restrict__ ex, long long exsb, long long exsh, TY* __restrict__ ey,
-    long long eysb, long long eysh, const char* ah0, long long ahn0, const char* ah1, long long ahn1) {
+    long long eysb, long long eysh) {
   typedef float ACC;
   constexpr int LPK = D / VK, KPL = 32 / LPK, CH = NL * KPL;
   static_assert(LPK * KPL == 32 && LPK * VK == D, "rlx_attn_decode: a key row takes a power of two lanes");
@@ -607,7 +607,6 @@ extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_
       rlx_prefetch_rows(v + b * vsb + kvh * vsh, vss, c0, min(kend, c0 + CH), D * (int)sizeof(TV), lane, 32);
     }
   }
-  rlx_l2_ahead(ah0, ahn0, ah1, ahn1);
   RLX_GRID_WAIT();
   const i64 p0 = RLX_POS(pos, b, early);
   i64 kbeg, kend;

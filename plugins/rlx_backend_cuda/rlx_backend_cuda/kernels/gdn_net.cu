@@ -29,7 +29,6 @@
 // EARLY: conv_w, both states, A_log, dt_bias and norm_w come from leaves no kernel of this run
 // writes (params, state leaves): they are loaded before waiting for the kernel before (a
 // programmatic dependent launch: the state loads overlap the in-projection GEMV's tail).
-// ah0, ahn0, ah1, ahn1: the L2 lookahead's ranges (prelude's rlx_l2_ahead; lengths 0: none).
 typedef ACC W;
 #define NT (32 * NW)
 #define BC (R * VD / CS)                // state columns (and v channels) of a block
@@ -49,8 +48,7 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
     const T* __restrict__ cw, const T* cs0, T* cs1, const T* __restrict__ z, const T* __restrict__ bl,
     const T* __restrict__ al, const T* __restrict__ a_log, const T* __restrict__ dt_bias,
     const T* __restrict__ norm_w, const T* s0, T* s1, T* __restrict__ o, int steps, int HK, i64 xb, i64 xt,
-    i64 zb, i64 zt, i64 zh, i64 bb, i64 bt, i64 ab, i64 at, W scale, W eps, const char* ah0, i64 ahn0,
-    const char* ah1, i64 ahn1) {
+    i64 zb, i64 zt, i64 zh, i64 bb, i64 bt, i64 ab, i64 at, W scale, W eps) {
   static_assert(BC * CS == R * VD && SEG * PB == VD && BC % SEG == 0,
                 "rlx_gdn_net: a block holds whole value heads or an equal part of one");
   __shared__ W qk[2 * KD];           // the step's q then k (before their l2norms)
@@ -110,7 +108,6 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
     }
   };
   if (EARLY) load_leaves();
-  rlx_l2_ahead(ah0, ahn0, ah1, ahn1);
   RLX_GRID_WAIT();
   if (!EARLY) load_leaves();
   for (int t = 0; t < steps; ++t) {

@@ -30,21 +30,6 @@ typedef unsigned int u32;
 #else
 #define RLX_GRID_WAIT()
 #endif
-// L2 lookahead (runner.plan_l2_ahead): a kernel that streams no weights asks L2, before its
-// grid wait, for the first bytes of two ranges that a GEMV after it will stream, so that DRAM
-// works while the kernel waits on latency: one prefetch.global.L2 a 128-byte line, the lines
-// spread over the grid's threads (a bulk prefetch keeps its block alive until its bytes land:
-// ~16 us, benchmarks/l2_prefetch_gpu.py); a hint: nothing waits for it
-__device__ __forceinline__ void rlx_l2_ahead(const char* a0, long long n0, const char* a1, long long n1) {
-#if !defined(RLX_HIP) && defined(__CUDA_ARCH__)
-  const long long l0 = n0 >> 7, all = l0 + (n1 >> 7);
-  const long long nt = (long long)blockDim.x * blockDim.y * blockDim.z;
-  const long long block = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
-  const long long t = threadIdx.x + (long long)blockDim.x * (threadIdx.y + (long long)blockDim.y * threadIdx.z);
-  for (long long c = block * nt + t; c < all; c += nt * gridDim.x * gridDim.y * gridDim.z)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(c < l0 ? a0 + (c << 7) : a1 + ((c - l0) << 7)));
-#endif
-}
 // Thread block clusters (sm_90): RLX_CLUSTER(x, y, z) before a kernel's name makes clusters of
 // x * y * z blocks (nothing elsewhere: the runner picks such a kernel only where clusters exist,
 // or launches it at size 1); a block's rank in its cluster, the cluster's barrier, and a float
