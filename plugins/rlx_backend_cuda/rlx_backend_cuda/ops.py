@@ -479,11 +479,6 @@ GEMV_MAX_M = 2
 # an H100, variants alternating in one process: 0 / 32 / 64 -> 1.264 / 1.200 / 1.185 ms; in
 # another run 48 / 64 / 96 / 128 -> 1.200 / 1.186 / 1.185 / 1.179 ms
 GEMV_WARPS_PER_SM = 128
-# blocks of a 16-bit decode GEMV an SM, at most (0: a block per 8 / KS row groups, the grid in as
-# many waves as that takes). A smaller grid stays resident, its blocks walking the row groups, and
-# leaves room beside it for the next kernel's blocks to issue their first loads (sources.GEMV).
-# 0 until measured on the device (benchmarks/README.md, qwen35_gpu)
-GEMV_BLOCKS_PER_SM = 0
 
 
 def warps_per_row(units: int, loads: int, more=lambda ks: True) -> int:
@@ -499,13 +494,6 @@ def gemv_split(warps: int, K: int, sms: int) -> int:
     """Warps per row of sources.GEMV (16-byte units of a row): split while the launch has
     fewer than GEMV_WARPS_PER_SM warps an SM."""
     return warps_per_row(K // 8, GEMV_LOADS, lambda ks: warps * ks < GEMV_WARPS_PER_SM * sms)
-
-
-def gemv_blocks(warps: int, sms: int) -> int:
-    """Blocks of 8 warps a sources.GEMV launch of `warps` warps takes: one each 8, at most
-    GEMV_BLOCKS_PER_SM an SM where that is set (the blocks then walk the rest)."""
-    blocks = -(-warps // 8)
-    return min(blocks, GEMV_BLOCKS_PER_SM * sms) if GEMV_BLOCKS_PER_SM > 0 else blocks
 
 
 def row_streams(b, w: V, rows: int, row_stride: int, row_bytes: int, halves: bool) -> tuple:
@@ -544,7 +532,7 @@ def _gemv_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool 
     if norm is not None:
         x, xrs = norm.rows(M, K)
     args = _with_norms(builder, [x, xrs, weight, out.arr, i32(M), i32(n_out), i32(K)], norm, residual, M, N)
-    grid, block, stream = (gemv_blocks(warps * ks, builder.sms),), (256,), builder.stream
+    grid, block, stream = (-(-warps * ks // 8),), (256,), builder.stream
 
     def run():
         fn(grid, block, tuple(args), 0, stream)

@@ -332,47 +332,35 @@ def test_a_norms_readers_on_the_host():
 
 
 @cuda_emu.emulated
-@pytest.mark.parametrize("rows,k", [(1, 512), (2, 512), (1, 2048)])
-def test_emulated_gemv_norm_residual_and_swiglu(rng, rows, k):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_emulated_gemv_norm_residual_and_swiglu(rng, rows):
     """The dense decode GEMV (gemv.cu) on the CPU (cuda_emu; no GPU needed), bf16, launched as
     ops._gemv_step launches it for an H200's 132 SMs: the plain product, NORM (x holds x0 * w,
     the rows' sums of x0's squares in 32 parts: the norm divides after the sums), RESID (h =
     res + the product, h * w2 for the next GEMV, h's squares added up) and SWIGLU (gate and up
-    rows), against float64 from the same rounded inputs. Each also on 3 blocks that walk the row
-    groups (ops.GEMV_BLOCKS_PER_SM; at k 2048 several warps a row meet at the barrier each
-    group): the same bits."""
+    rows), against float64 from the same rounded inputs."""
     from rlx_backend_cuda import codegen, sources
     from rlx_backend_cuda.ops import GEMV_LOADS, GEMV_ROWS, NO_NORMS, gemv_split, pow2
 
     bf = BF16.np
-    n = 96
+    k, n = 512, 96
     w = (rng.uniform(-1, 1, (2 * n, k)) / math.sqrt(k)).astype(bf)
     w64 = w.astype(np.float64)
     x0 = rng.uniform(-2, 2, (rows, k)).astype(bf)
     x64 = x0.astype(np.float64)
 
-    def run(y, x, wn, form: str, tail=NO_NORMS, outs=(), sums=None):
+    def run(y, x, wn, form: str, tail=NO_NORMS):
         swiglu = form == "swiglu"
         r, n_out = (2, wn // 2) if swiglu else (GEMV_ROWS, wn)
         warps = n_out if swiglu else -(-wn // r)
         ks = gemv_split(warps, k, 132)
-        assert k == 512 or ks > 1
         src = sources.render(sources.GEMV, T="__nv_bfloat16", TO="__nv_bfloat16", MMAX=pow2(rows, 1, rows),
                              R=r, U=GEMV_LOADS, SWIGLU=int(swiglu), KS=ks, EARLY=0,
                              SWIGLU_OF=codegen.swiglu_of("float"), NORM=int(form == "norm"), TN="float",
                              RESID=int(form == "resid"))
         args = (x, np.int64(k), w, y, np.int32(rows),
                 np.int32(n_out), np.int32(k))
-        kern = cuda_emu.compile_kernel(src, "rlx_gemv")
-        kern.launch((-(-warps * ks // 8),), (256,), args + tail)
-        whole = [a.copy() for a in (y, *outs)]
-        for a in (y, *outs):
-            a[...] = 0
-        if sums is not None:              # (the squares land in other parts: kept from the first launch)
-            tail = tail[:7] + (np.zeros_like(sums),) + tail[8:]
-        kern.launch((3,), (256,), args + tail)
-        for a, b in zip((y, *outs), whole):
-            np.testing.assert_array_equal(a, b)
+        cuda_emu.compile_kernel(src, "rlx_gemv").launch((-(-warps * ks // 8),), (256,), args + tail)
     y = np.zeros((rows, n), bf)
     run(y, x0, n, "plain")
     assert rel(y, x64 @ w64[:n].T) < 1e-2
@@ -387,7 +375,7 @@ def test_emulated_gemv_norm_residual_and_swiglu(rng, rows, k):
     nw2 = rng.uniform(0.5, 1.5, n).astype(np.float32)
     yw, osq = np.zeros((rows, n), bf), np.zeros(rows * 32, np.float32)
     run(y, x0, n, "resid", (np.float32(0), None, nw2, np.float32(0), res, np.int64(n),
-                            yw, osq, None, np.int32(0)), outs=(yw,), sums=osq)
+                            yw, osq, None, np.int32(0)))
     h = y.astype(np.float64)
     assert rel(h, res.astype(np.float64) + x64 @ w64[:n].T) < 1e-2 and rel(yw, h * nw2) < 1e-2
     np.testing.assert_allclose(osq.reshape(rows, 32).sum(1), (h ** 2).sum(1), rtol=1e-4)

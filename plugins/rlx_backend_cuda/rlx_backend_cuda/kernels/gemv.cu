@@ -29,150 +29,135 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
     const T* __restrict__ w, TO* __restrict__ y, int M, int N, int K, float eps, const float* nsq,
     const TN* __restrict__ nw, float noff, const TO* __restrict__ res, long long rrs, TO* __restrict__ yw,
     float* osq, float* zero, int zn) {
-  // KS: warps per row (each a KS-th of the row's 512-byte chunks). A block takes 8 / KS row
-  // groups (of R rows) at a time, then the ones gridDim.x * 8 / KS further on: a grid of fewer
-  // blocks than row groups (ops.GEMV_BLOCKS_PER_SM) stays resident in one wave and leaves room
-  // for the next kernel's blocks, which issue their first loads while this one streams.
+  // KS: warps per row (each a KS-th of the row's 512-byte chunks)
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, part = wib % KS;
+  const int n = blockIdx.x * (8 / KS) + wib / KS;
 #if SWIGLU
-  const int groups = N;
+  const bool live = n < N;
 #else
-  const int groups = (N + R - 1) / R;
+  const bool live = n * R < N;
 #endif
-  const int KV = K / 8;
-  const int first = part * 32 + lane;
+  // (with KS > 1 the row's warps meet at a barrier below)
+  if (KS == 1 && !live) return;
   const uint4* wr[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#if SWIGLU
+    const int row = min(n, N - 1) + r * N;
+#else
+    const int row = min(n * R + r, N - 1);
+#endif
+    wr[r] = (const uint4*)(w + (i64)row * K);
+  }
+  const int KV = K / 8;
   uint4 wv[U][R];
 #define RLX_LOAD_W(c0) \
   _Pragma("unroll") for (int u = 0; u < U; ++u) \
   _Pragma("unroll") for (int r = 0; r < R; ++r) \
     wv[u][r] = (c0) + 32 * KS * u < KV ? __ldg(wr[r] + (c0) + 32 * KS * u) : make_uint4(0u, 0u, 0u, 0u);
+  // EARLY (w a param or constant: no kernel writes it): the first iteration's loads are issued
+  // before the wait for the kernel that writes x (device.Kernel). The 1B-shape decode graph on
+  // the H100: 1.157 ms; with an L2 prefetch of each row's first 4 KB there instead, 1.358 ms.
+  const int first = part * 32 + lane;
+#if EARLY
+  RLX_LOAD_W(first)
+#endif
+  RLX_GRID_WAIT();
+#if !EARLY
+  RLX_LOAD_W(first)
+#endif
 #if NORM
   float sq[MMAX];
+  rlx_norm_sums(sq, nsq, M, lane, blockIdx.x == 0 && wib == 0, zero, zn);
 #endif
-  // (with KS > 1 the row's warps meet at a barrier below, their sums in the half of red the
-  // iteration's parity picks: a warp one iteration ahead writes the other half)
-  __shared__ float red[2][8][MMAX][R];
-  for (int n0 = blockIdx.x * (8 / KS), it = 0; it == 0 || n0 < groups; n0 += gridDim.x * (8 / KS), ++it) {
-    const int n = n0 + wib / KS;
-    const bool live = n < groups;
+  float acc[R][MMAX];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-#if SWIGLU
-      const int row = min(n, N - 1) + r * N;
-#else
-      const int row = min(n * R + r, N - 1);
-#endif
-      wr[r] = (const uint4*)(w + (i64)row * K);
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int m = 0; m < MMAX; ++m) acc[r][m] = 0.f;
+  for (int c0 = first; c0 < KV; c0 += 32 * U * KS) {
+    if (c0 != first) {
+      RLX_LOAD_W(c0)
     }
-    // EARLY (w a param or constant: no kernel writes it): the first iteration's loads are issued
-    // before the wait for the kernel that writes x (device.Kernel). The 1B-shape decode graph on
-    // the H100: 1.157 ms; with an L2 prefetch of each row's first 4 KB there instead, 1.358 ms.
-    if (EARLY || it > 0) {
-      RLX_LOAD_W(first)
-    }
-    if (it == 0) {
-      RLX_GRID_WAIT();
-      if (!EARLY) {
-        RLX_LOAD_W(first)
-      }
-#if NORM
-      rlx_norm_sums(sq, nsq, M, lane, blockIdx.x == 0 && wib == 0, zero, zn);
-#endif
-    }
-    // (a warp past the last row group has no later one: with KS == 1, no barrier to meet)
-    if (KS == 1 && !live) break;
-    float acc[R][MMAX];
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * KS * u;
+      if (c >= KV) break;
 #pragma unroll
-      for (int m = 0; m < MMAX; ++m) acc[r][m] = 0.f;
-    for (int c0 = first; c0 < KV; c0 += 32 * U * KS) {
-      if (c0 != first) {
-        RLX_LOAD_W(c0)
-      }
+      for (int m = 0; m < MMAX; ++m) {
+        if (m < M) {
+          const uint4 xv = *(const uint4*)(x + m * xrs + c * 8);
+          const T* xp = (const T*)&xv;
+          float xf[8];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int c = c0 + 32 * KS * u;
-        if (c >= KV) break;
-#pragma unroll
-        for (int m = 0; m < MMAX; ++m) {
-          if (m < M) {
-            const uint4 xv = *(const uint4*)(x + m * xrs + c * 8);
-            const T* xp = (const T*)&xv;
-            float xf[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) xf[e] = tof(xp[e]);
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-              const T* wp = (const T*)&wv[u][r];
-#pragma unroll
-              for (int e = 0; e < 8; ++e) acc[r][m] += tof(wp[e]) * xf[e];
-            }
-          }
-        }
-      }
-    }
-    float s[MMAX][R];
-#pragma unroll
-    for (int m = 0; m < MMAX; ++m) {
-#if NORM
-      const float den = rlx_norm_den(sq[m], K, eps);
-#else
-      const float den = 1.f;
-#endif
-#pragma unroll
-      for (int r = 0; r < R; ++r) s[m][r] = m < M ? warp_sum(acc[r][m]) / den : 0.f;
-    }
-    bool writes = live;
-    if (KS > 1) {                   // the row's warps add their parts in a fixed order
-      float (*half)[MMAX][R] = red[it & 1];
-      if (lane == 0)
-#pragma unroll
-        for (int m = 0; m < MMAX; ++m)
-#pragma unroll
-          for (int r = 0; r < R; ++r) half[wib][m][r] = s[m][r];
-      __syncthreads();
-      writes = part == 0 && live;
-      if (writes)
-#pragma unroll
-        for (int m = 0; m < MMAX; ++m)
+          for (int e = 0; e < 8; ++e) xf[e] = tof(xp[e]);
 #pragma unroll
           for (int r = 0; r < R; ++r) {
-            float t = half[wib][m][r];
+            const T* wp = (const T*)&wv[u][r];
 #pragma unroll
-            for (int p = 1; p < KS; ++p) t += half[wib + p][m][r];
-            s[m][r] = t;
+            for (int e = 0; e < 8; ++e) acc[r][m] += tof(wp[e]) * xf[e];
           }
-    }
-    if (!writes || lane != 0) continue;
-#pragma unroll
-    for (int m = 0; m < MMAX; ++m) {
-      if (m >= M) continue;
-#if SWIGLU
-      const float g = tof(ST(TO, s[m][0])), u = tof(ST(TO, s[m][1]));
-      y[(i64)m * N + n] = ST(TO, SWIGLU_OF(g, u));
-#else
-#if RESID
-      float sq = 0.f;
-#endif
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        if (n * R + r < N) {
-#if RESID
-          const TO h = ST(TO, tof(res[m * rrs + n * R + r]) + tof(ST(TO, s[m][r])));
-          y[(i64)m * N + n * R + r] = h;
-          yw[(i64)m * N + n * R + r] = ST(TO, tof(h) * (tof(nw[n * R + r]) + noff));
-          sq += tof(h) * tof(h);
-#else
-          y[(i64)m * N + n * R + r] = ST(TO, s[m][r]);
-#endif
         }
-#if RESID
-      atomicAdd(osq + m * 32 + (blockIdx.x & 31), sq);
-#endif
-#endif
+      }
     }
+  }
+  float s[MMAX][R];
+#pragma unroll
+  for (int m = 0; m < MMAX; ++m) {
+#if NORM
+    const float den = rlx_norm_den(sq[m], K, eps);
+#else
+    const float den = 1.f;
+#endif
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[m][r] = m < M ? warp_sum(acc[r][m]) / den : 0.f;
+  }
+  if (KS > 1) {                     // the row's warps add their parts in a fixed order
+    __shared__ float red[8][MMAX][R];
+    if (lane == 0)
+#pragma unroll
+      for (int m = 0; m < MMAX; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) red[wib][m][r] = s[m][r];
+    __syncthreads();
+    if (part != 0 || !live) return;
+#pragma unroll
+    for (int m = 0; m < MMAX; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float t = red[wib][m][r];
+#pragma unroll
+        for (int p = 1; p < KS; ++p) t += red[wib + p][m][r];
+        s[m][r] = t;
+      }
+  }
+  if (lane != 0) return;
+#pragma unroll
+  for (int m = 0; m < MMAX; ++m) {
+    if (m >= M) continue;
+#if SWIGLU
+    const float g = tof(ST(TO, s[m][0])), u = tof(ST(TO, s[m][1]));
+    y[(i64)m * N + n] = ST(TO, SWIGLU_OF(g, u));
+#else
+#if RESID
+    float sq = 0.f;
+#endif
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (n * R + r < N) {
+#if RESID
+        const TO h = ST(TO, tof(res[m * rrs + n * R + r]) + tof(ST(TO, s[m][r])));
+        y[(i64)m * N + n * R + r] = h;
+        yw[(i64)m * N + n * R + r] = ST(TO, tof(h) * (tof(nw[n * R + r]) + noff));
+        sq += tof(h) * tof(h);
+#else
+        y[(i64)m * N + n * R + r] = ST(TO, s[m][r]);
+#endif
+      }
+#if RESID
+    atomicAdd(osq + m * 32 + (blockIdx.x & 31), sq);
+#endif
+#endif
   }
 }
 // @part matmul_naive(MAC(s, a, b), TA, TB, TO, ACC)
