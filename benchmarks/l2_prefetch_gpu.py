@@ -7,13 +7,13 @@ branch, then the latency-bound kernels' own launches; benchmarks/README.md, qwen
 
 Every measurement is the median of --reps launches, CUDA events around the kernels timed,
 each repetition on bytes no launch touched since a 256 MB sweep (so they start outside L2):
-* `prefetch N MB`: a 32-block x 256-thread kernel (rlx_gdn_net's grid at Qwen3.5-2B decode)
-  that only issues the bulk prefetches of N MB (16 KB each) and exits: does it last until they
-  land? The same with one `prefetch.global.L2` a 128-byte line (`line prefetch`).
-* `read N MB`: a streaming read of N MB over every SM (a decode GEMV's access pattern) cold,
-  right after reading the same bytes (hot), and after the prefetch kernel and a 20 us wait
-  (`after prefetch`), also with an 8 MB stream read of other bytes between (`prefetch, 8 MB
-  between`): do the prefetched lines make the read an L2 read?
+* `bulk prefetch kernel`: a 32-block x 256-thread kernel (rlx_gdn_net's grid at Qwen3.5-2B
+  decode) that only issues the bulk prefetches of N MB (16 KB each) and exits: does it last
+  until they land? `line prefetch kernel`: the same with one `prefetch.global.L2` a 128-byte line;
+* `read cold` / `read hot`: a streaming read of N MB over every SM (a decode GEMV's access
+  pattern) on bytes outside L2, and right after reading the same bytes; `after bulk prefetch` /
+  `after line prefetch`: after the prefetch kernel and a 20 us wait, `bulk, 8 MB between` also
+  with an 8 MB read of other bytes before it: do the prefetched lines make it an L2 read?
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ extern "C" __global__ void prefetch(const char* p, long long n) {
        c += (long long)gridDim.x * blockDim.x) {
     const long long left = n - c * chunk;
     const unsigned size = (unsigned)(left < chunk ? left : chunk) & ~15u;
-    if (size) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + c * chunk), "r"(size) : "memory");
+    if (size)
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + c * chunk), "r"(size) : "memory");
   }
 }
 extern "C" __global__ void prefetch_lines(const char* p, long long n) {
@@ -38,7 +39,8 @@ extern "C" __global__ void prefetch_lines(const char* p, long long n) {
 }
 extern "C" __global__ void stream_read(const uint4* p, long long n16, unsigned* sink) {
   unsigned acc = 0;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n16; i += (long long)gridDim.x * blockDim.x) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n16;
+       i += (long long)gridDim.x * blockDim.x) {
     const uint4 v = __ldg(p + i);
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
@@ -95,7 +97,8 @@ def main() -> int:
 
     nothing = lambda region: None                   # noqa: E731
     print(f"GPU: {name}, {sms} SMs, L2 {props['l2CacheSize'] / MB:.0f} MB; medians of {a.reps}, us")
-    print(f"the prefetch kernel asking for nothing: {timed(nothing, lambda r: pf((32,), (256,), (r, cp.int64(0)))):.1f}")
+    empty = timed(nothing, lambda r: pf((32,), (256,), (r, cp.int64(0))))
+    print(f"the prefetch kernel asking for nothing: {empty:.1f}")
     print("| MB | bulk prefetch kernel | line prefetch kernel | read cold | read hot | after bulk prefetch | "
           "bulk, 8 MB between | after line prefetch |")
     print("|---|---|---|---|---|---|---|---|")
@@ -120,8 +123,8 @@ def main() -> int:
         t_between = timed(lambda r: (prefetch(r), wait(r), read(r[128 * MB:136 * MB])), read_n)
         t_pl = timed(nothing, lines)
         t_after_pl = timed(lambda r: (lines(r), wait(r)), read_n)
-        print(f"| {s} | {t_pf:.1f} | {t_pl:.1f} | {t_cold:.1f} | {t_hot:.1f} | {t_after:.1f} | {t_between:.1f} "
-              f"| {t_after_pl:.1f} |")
+        cells = (t_pf, t_pl, t_cold, t_hot, t_after, t_between, t_after_pl)
+        print(f"| {s} | " + " | ".join(f"{t:.1f}" for t in cells) + " |")
     return 0
 
 
