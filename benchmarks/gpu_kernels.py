@@ -4,6 +4,8 @@ kernel name's launches and device microseconds are averaged over the replays. Ga
 kernels are not in the table: its sum against the replay's time says how much they cost."""
 from __future__ import annotations
 
+import collections
+
 
 def kernel_table(runner, times: int = 20) -> dict:
     """{"replay_us": one replay, "kernels_us": the kernels' sum, "by_kernel": {name: [launches,
@@ -55,7 +57,7 @@ def knockout_table(runner, times: int = 50) -> dict:
         runner._capture()
         return min(runner.replay_seconds(times) for _ in range(3)) * 1e6
 
-    kinds = {k: kind_of.count(k) for k in dict.fromkeys(kind_of)}
+    kinds = collections.Counter(kind_of)
     try:
         whole = replay_us(steps)
         saved = {k: [n, round(whole - replay_us([st for st, c in zip(steps, kind_of) if c != k]), 2)]

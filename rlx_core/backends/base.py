@@ -202,12 +202,12 @@ class Backend(abc.ABC):
         return {}
 
     def planned_layouts(self, g) -> tuple:
-        """(views, placed[, early]) for ir.lir.plan on the static graph `g`: nodes this backend
+        """(views, placed, early) for ir.lir.plan on the static graph `g`: nodes this backend
         runs as views of their input (transposes whose readers take strides:
         strided_transposes), (concat, input) pairs whose input's producer writes straight into
         the concat's output, and nodes whose output their input's producer may write; none by
         default."""
-        return frozenset(), frozenset()
+        return frozenset(), frozenset(), frozenset()
 
     def compile_runner(self, lir: LirModule, params: dict, states: dict) -> Runner:
         """compile(), or, where the graph holds control flow this backend lacks, a runner that

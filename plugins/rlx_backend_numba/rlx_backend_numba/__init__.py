@@ -203,7 +203,7 @@ class NumbaBackend(Backend):
         from .runner import STRIDED_READERS, STRIDED_WRITERS
 
         return (redundant_roundings(g, {"moe_experts": rounds_x_itself})
-                | strided_transposes(g, STRIDED_READERS, STRIDED_WRITERS), frozenset())
+                | strided_transposes(g, STRIDED_READERS, STRIDED_WRITERS), frozenset(), frozenset())
 
     def compile(self, lir: LirModule, params: dict, states: dict) -> Runner:
         ok, why = self.availability()
