@@ -9,7 +9,7 @@ one after another, each as one OS thread per CUDA thread of its blocks (a barrie
 __syncthreads, one per warp for the shuffles, one for the cluster, so a warp whose lanes do not
 all reach a shuffle hangs, as on the GPU it would be undefined; a barrier waiting a minute aborts the process, so
 such a test fails rather than hangs). Each block has its own static shared arrays, which its
-cluster's blocks read through `rlx_cluster_load`. Inline PTX (tensor cores, griddepcontrol) is
+cluster's blocks read through `rlx_cluster_load` and push into (`rlx_push`: mbarriers emulated). Inline PTX (tensor cores, griddepcontrol) is
 not emulated: a kernel holding it outside `#ifdef __CUDA_ARCH__` fails to compile here. Slow,
 for small shapes: a check of the kernel's arithmetic and indexing, not of its speed or memory
 ordering."""
@@ -132,15 +132,21 @@ struct rlx_emu_bar {
   unsigned long long phase = 0;
   explicit rlx_emu_bar(unsigned count) : n(count) {}
   void release() { waiting = 0; ++phase; cv.notify_all(); }
-  void arrive_and_wait() {
-    std::unique_lock<std::mutex> l(mu);
+  // arrive, and the phase to wait out (wait)
+  unsigned long long arrive() {
+    std::lock_guard<std::mutex> l(mu);
     const unsigned long long ph = phase;
-    if (++waiting == n) { release(); return; }
+    if (++waiting == n) release();
+    return ph;
+  }
+  void wait(unsigned long long ph) {
+    std::unique_lock<std::mutex> l(mu);
     if (!cv.wait_for(l, std::chrono::seconds(60), [&] { return phase != ph; })) {
       std::fprintf(stderr, "cuda_emu: threads of a block or lanes of a warp never met at a barrier\n");
       std::abort();
     }
   }
+  void arrive_and_wait() { wait(arrive()); }
   void arrive_and_drop() {
     std::lock_guard<std::mutex> l(mu);
     if (--n && waiting == n) release();
@@ -198,7 +204,11 @@ template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) {
 // clusters (what the prelude's cluster helpers take from sm_90's PTX on the GPU)
 inline unsigned rlx_cluster_rank() { return rlx_emu_rank; }
 inline void rlx_cluster_sync() { rlx_emu_cbar->arrive_and_wait(); }
-inline float rlx_cluster_load(const float* p, unsigned rank) {
+static thread_local unsigned long long rlx_emu_cphase;  // the cluster barrier's phase this thread arrived at
+inline void rlx_cluster_arrive() { rlx_emu_cphase = rlx_emu_cbar->arrive(); }
+inline void rlx_cluster_wait() { rlx_emu_cbar->wait(rlx_emu_cphase); }
+// where p (an address in one of this block's shared arrays) lies in block `rank`'s same array
+template <class T> inline T* rlx_emu_at(T* p, unsigned rank) {
   const unsigned char* c = (const unsigned char*)p;
   int id = -1;
   size_t off = 0;
@@ -210,10 +220,49 @@ inline float rlx_cluster_load(const float* p, unsigned rank) {
   rlx_emu_blk& o = *(*rlx_emu_cluster).at(rank);
   std::lock_guard<std::mutex> g(o.mu);
   rlx_emu_arr* a = id < 0 ? nullptr : o.find(id);
-  if (!a) { std::fprintf(stderr, "cuda_emu: rlx_cluster_load of no shared array\n"); std::abort(); }
+  if (!a) { std::fprintf(stderr, "cuda_emu: a cluster access to no shared array\n"); std::abort(); }
+  return (T*)(a->base + off);
+}
+inline float rlx_cluster_load(const float* p, unsigned rank) {
   float v;
-  std::memcpy(&v, a->base + off, sizeof v);
+  std::memcpy(&v, rlx_emu_at(p, rank), sizeof v);
   return v;
+}
+// mbarriers of pushes (the prelude's rlx_push_*), their state in their 8 bytes, under one lock
+struct rlx_emu_mbar { int32_t tx; uint8_t pending, phase; };
+static std::mutex rlx_emu_mb_mu;
+static std::condition_variable rlx_emu_mb_cv;
+inline void rlx_emu_mb_done(rlx_emu_mbar* m) {
+  if (m->pending == 0 && m->tx == 0) { m->pending = 1; m->phase ^= 1; rlx_emu_mb_cv.notify_all(); }
+}
+inline void rlx_push_init(unsigned long long* bar) {
+  static_assert(sizeof(rlx_emu_mbar) <= sizeof(unsigned long long), "an mbarrier's 8 bytes");
+  std::lock_guard<std::mutex> g(rlx_emu_mb_mu);
+  *(rlx_emu_mbar*)bar = {0, 1, 0};
+}
+inline void rlx_push_expect(unsigned long long* bar, unsigned bytes) {
+  std::lock_guard<std::mutex> g(rlx_emu_mb_mu);
+  rlx_emu_mbar* m = (rlx_emu_mbar*)bar;
+  if (m->pending != 1) { std::fprintf(stderr, "cuda_emu: a second arrival in one mbarrier phase\n"); std::abort(); }
+  m->tx += (int32_t)bytes;
+  m->pending = 0;
+  rlx_emu_mb_done(m);
+}
+inline void rlx_push(float* p, unsigned rank, float v, unsigned long long* bar) {
+  float* q = rlx_emu_at(p, rank);
+  rlx_emu_mbar* m = (rlx_emu_mbar*)rlx_emu_at(bar, rank);
+  std::lock_guard<std::mutex> g(rlx_emu_mb_mu);
+  std::memcpy(q, &v, sizeof v);
+  m->tx -= (int32_t)sizeof v;
+  rlx_emu_mb_done(m);
+}
+inline void rlx_push_wait(unsigned long long* bar, unsigned parity) {
+  std::unique_lock<std::mutex> l(rlx_emu_mb_mu);
+  rlx_emu_mbar* m = (rlx_emu_mbar*)bar;
+  if (!rlx_emu_mb_cv.wait_for(l, std::chrono::seconds(60), [&] { return m->phase != parity; })) {
+    std::fprintf(stderr, "cuda_emu: an mbarrier phase never completed\n");
+    std::abort();
+  }
 }
 template <class T> inline T atomicAdd(T* p, T v) {
   std::lock_guard<std::mutex> g(rlx_emu_atomic);

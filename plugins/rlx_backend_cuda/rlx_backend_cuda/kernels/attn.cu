@@ -805,5 +805,6 @@ extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_
     out[b * osb + (h0 + g) * osh + d] = ST(TO, L == 0 ? (ACC)0 : O / L);
 #endif
   }
-  rlx_cluster_sync();            // (no block leaves while another reads its shared memory)
+  rlx_cluster_arrive();          // (no block leaves while another reads its shared memory)
+  rlx_cluster_wait();
 }

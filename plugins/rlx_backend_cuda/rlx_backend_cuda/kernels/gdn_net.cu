@@ -6,8 +6,10 @@
 // decode step updates both states in place), and the conv channels of q, k (each block computes
 // them; rank 0 writes their conv state rows, after a cluster barrier every rank's reads precede)
 // and of its columns' v. CS > 1 (sm_90) spreads a decode step's few heads over more SMs: a block
-// holds whole value heads (BC a multiple of VD) or PB = VD / BC blocks share one, their norms'
-// sums of squares meeting through distributed shared memory. Per step:
+// holds whole value heads (BC a multiple of VD) or PB = VD / BC blocks share one, each pushing
+// its part's sum of squares into the others' shared memory (no cluster-wide barrier a step: a
+// relaxed one, arrived at after the first step's conv and waited for at the end, keeps rank 0's
+// conv rows from overwriting what another rank reads in place). Per step:
 //   1. the gates: decay = exp(-exp(A_log) softplus(a + dt_bias)), beta = sigmoid(b) (thread r);
 //      the short conv + silu of the block's channels (thread tid the channels tid, tid + NT, ..,
 //      its taps and its window of the last WID - 1 inputs in registers); each thread's z
@@ -21,6 +23,7 @@
 //      their own (a Qwen3.5 decode step's 16 blocks wait on barriers and loads, not math);
 //   3. the gated RMSNorm of each value head's o: the sum of squares of each head (or part of
 //      one) a warp, then a thread a column: o rsqrt(mean(o^2) + eps) norm_w silu(z).
+// The last step stores the new state as soon as the rule has it (its stores overlap the norm).
 // Layouts: x [B, T, C] read through its step and batch strides (C = 2 HK KD + HK R VD: q, k, v;
 // unit channel stride); conv_w [C, WID]; conv states [B, C, WID - 1]; z [B, T, H, VD] through
 // its batch, step and head strides; b, a [B, T, H] through their batch and step strides;
@@ -54,8 +57,13 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
   __shared__ W qk[2 * KD];           // the step's q then k (before their l2norms)
   __shared__ W vs[BC];               // its v of the block's columns
   __shared__ W os[BC];               // the rule's output before the norm
-  __shared__ W ssq[BC / SEG];        // the sum of squares of each head (part) of os
   __shared__ W dec[R], bet[R];       // e^g and beta of each value head
+#if PB > 1
+  __shared__ W part[2][PB];          // the head's parts' sums of squares, a buffer a step parity
+  __shared__ unsigned long long got[2];  // the other parts' arrivals into it
+#else
+  __shared__ W ssq[BC / SEG];        // the sum of squares of each head of os
+#endif
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int hk = blockIdx.x / CS, rank = blockIdx.x % CS, b = blockIdx.y, H = HK * R;
   const int cb = rank * BC;          // the block's first column of the key head's R * VD
@@ -107,7 +115,32 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
 #endif
     }
   };
+  auto store_state = [&]() {
+#pragma unroll
+    for (int i = 0; i < KPL; ++i) {
+      const int kk = lane + 32 * i;
+#if VEC
+      constexpr int E = 16 / sizeof(T);
+#pragma unroll
+      for (int j0 = 0; j0 < VPW; j0 += E) {
+        rlx_vec<T, E> p;
+#pragma unroll
+        for (int e = 0; e < E; ++e) p.v[e] = ST(T, S[i][j0 + e]);
+        if (kk < KD && c0 + j0 < cb + BC) *(rlx_vec<T, E>*)&s1[at_state(kk, c0 + j0)] = p;
+      }
+#else
+#pragma unroll
+      for (int j = 0; j < VPW; ++j)
+        if (kk < KD && c0 + j < cb + BC) s1[at_state(kk, c0 + j)] = ST(T, S[i][j]);
+#endif
+    }
+  };
   if (EARLY) load_leaves();
+#if PB > 1
+  if (tid == 0) { rlx_push_init(&got[0]); rlx_push_init(&got[1]); }
+  rlx_cluster_arrive();              // (every block's barriers set before any push)
+  rlx_cluster_wait();
+#endif
   RLX_GRID_WAIT();
   if (!EARLY) load_leaves();
   for (int t = 0; t < steps; ++t) {
@@ -143,6 +176,9 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
       y = rlx_net_silu(y);
       if (lc < 2 * KD) qk[lc] = y; else vs[lc - 2 * KD] = y;
     }
+#if CS > 1
+    if (t == 0) rlx_cluster_arrive();  // (the conv state read: see the end)
+#endif
     __syncthreads();
     // 2. the rule, q's and k's l2norms in its butterfly
     {
@@ -184,16 +220,27 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
         if (lane == (j & 31)) os[col - cb] = e * sq[j] * iq + delta * kq * ik * iq;
       }
     }
+    if (t == steps - 1) store_state();
     __syncthreads();
     // 3. the gated RMSNorm: each head's (part's) sum of squares a warp, then a column a thread
     for (int p = warp; p < BC / SEG; p += NW) {
       W ss = 0;
       for (int i = lane; i < SEG; i += 32) ss += os[p * SEG + i] * os[p * SEG + i];
       ss = rlx_net_sum(ss);
+#if PB > 1
+      if (lane == 0) {                 // (the block's one part: pushed to the head's other blocks)
+        const int me = rank % PB;
+        part[t & 1][me] = ss;
+        rlx_push_expect(&got[t & 1], (PB - 1) * sizeof(W));
+        for (int q = 0; q < PB; ++q)
+          if (q != me) rlx_push(&part[t & 1][me], rank / PB * PB + q, ss, &got[t & 1]);
+      }
+#else
       if (lane == 0) ssq[p] = ss;
+#endif
     }
 #if PB > 1
-    rlx_cluster_sync();              // (the head's other parts are read from the cluster's blocks)
+    rlx_push_wait(&got[t & 1], (t >> 1) & 1);
 #else
     __syncthreads();
 #endif
@@ -202,9 +249,9 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
       const int c = tid + i * NT, col = cb + c;
       if (c >= BC) break;
 #if PB > 1
-      W ss = 0;                      // the head's parts in the PB blocks of ranks rank / PB * PB, ..
+      W ss = 0;                      // the head's parts
 #pragma unroll
-      for (int p = 0; p < PB; ++p) ss += rlx_cluster_load(&ssq[0], rank / PB * PB + p);
+      for (int p = 0; p < PB; ++p) ss += part[t & 1][p];
 #else
       const W ss = ssq[c / SEG];
 #endif
@@ -212,38 +259,19 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
       o[(((i64)b * steps + t) * H + hk * R + col / VD) * VD + col % VD] =
           ST(T, os[c] * inv * nwv[i] * rlx_net_silu(zr[i]));
     }
-    // qk, vs, os, ssq, dec and bet are free for the next step; in a cluster, every block has
-    // also read its conv rows by now (rank 0 rewrites q's and k's after the loop)
-#if CS > 1
-    rlx_cluster_sync();
-#else
+    // qk, vs, os, ssq, dec and bet are free for the next step (part[t & 1] is not pushed into
+    // again before every block of the head has read it: that push waits for this block's next)
     __syncthreads();
-#endif
   }
-  // the new states (q's and k's conv rows by rank 0: every rank read them before the barrier)
+  // the new conv states (q's and k's rows by rank 0, once every rank has read them)
+#if CS > 1
+  rlx_cluster_wait();
+#endif
 #pragma unroll
   for (int j = 0; j < CPT; ++j) {
     const int lc = tid + j * NT;
     if (lc < NC && WID > 1 && (lc >= 2 * KD || rank == 0))
 #pragma unroll
       for (int i = 0; i < KEEP; ++i) cs1[((i64)b * C + ch[j]) * (WID - 1) + i] = ST(T, win[j][i]);
-  }
-#pragma unroll
-  for (int i = 0; i < KPL; ++i) {
-    const int kk = lane + 32 * i;
-#if VEC
-    constexpr int E = 16 / sizeof(T);
-#pragma unroll
-    for (int j0 = 0; j0 < VPW; j0 += E) {
-      rlx_vec<T, E> p;
-#pragma unroll
-      for (int e = 0; e < E; ++e) p.v[e] = ST(T, S[i][j0 + e]);
-      if (kk < KD && c0 + j0 < cb + BC) *(rlx_vec<T, E>*)&s1[at_state(kk, c0 + j0)] = p;
-    }
-#else
-#pragma unroll
-    for (int j = 0; j < VPW; ++j)
-      if (kk < KD && c0 + j < cb + BC) s1[at_state(kk, c0 + j)] = ST(T, S[i][j]);
-#endif
   }
 }

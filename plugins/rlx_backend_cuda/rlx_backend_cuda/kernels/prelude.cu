@@ -32,9 +32,9 @@ typedef unsigned int u32;
 #endif
 // Thread block clusters (sm_90): RLX_CLUSTER(x, y, z) before a kernel's name makes clusters of
 // x * y * z blocks (nothing elsewhere: the runner picks such a kernel only where clusters exist,
-// or launches it at size 1); a block's rank in its cluster, the cluster's barrier, and a float
-// of another block's shared memory. (A host build, tests/cuda_emu.py, brings its own three and
-// reads the kernel's cluster shape from RLX_CLUSTER itself.)
+// or launches it at size 1); a block's rank in its cluster, the cluster's barriers, a float of
+// another block's shared memory, and floats pushed into it. (A host build, tests/cuda_emu.py,
+// brings its own and reads the kernel's cluster shape from RLX_CLUSTER itself.)
 #if !defined(RLX_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define RLX_CLUSTER(x, y, z) __cluster_dims__(x, y, z)
 __device__ __forceinline__ unsigned rlx_cluster_rank() {
@@ -45,13 +45,44 @@ __device__ __forceinline__ unsigned rlx_cluster_rank() {
 __device__ __forceinline__ void rlx_cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+// A cluster barrier ordering no memory, split (its relaxed arrive): the reads a block made before
+// rlx_cluster_arrive, their values used, are done before any block passes rlx_cluster_wait, so
+// another block may then overwrite what was read (a block's shared memory, or bytes in place)
+__device__ __forceinline__ void rlx_cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void rlx_cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+// Floats the cluster's blocks push into each other's shared memory (st.async), each push counted
+// by the receiver's mbarrier at the same offset: rlx_push_init (one thread) and a cluster barrier
+// before any push; a phase completes when its one arrival (rlx_push_expect, the bytes it awaits)
+// and those bytes are in. No GPU-wide fence, unlike rlx_cluster_sync's release
+__device__ __forceinline__ unsigned rlx_shared_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ unsigned rlx_mapa(const void* p, unsigned rank) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(rlx_shared_addr(p)), "r"(rank));
+  return r;
+}
 // the float at p of block `rank`'s shared memory (p an address of this block's)
 __device__ __forceinline__ float rlx_cluster_load(const float* p, unsigned rank) {
-  unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
   float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(rlx_mapa(p, rank)) : "memory");
   return v;
+}
+__device__ __forceinline__ void rlx_push_init(unsigned long long* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n\tfence.mbarrier_init.release.cluster;" :: "r"(rlx_shared_addr(bar))
+               : "memory");
+}
+__device__ __forceinline__ void rlx_push_expect(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(rlx_shared_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void rlx_push(float* p, unsigned rank, float v, unsigned long long* bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
+               :: "r"(rlx_mapa(p, rank)), "f"(v), "r"(rlx_mapa(bar, rank)) : "memory");
+}
+__device__ __forceinline__ void rlx_push_wait(unsigned long long* bar, unsigned parity) {
+  asm volatile("{\n\t.reg .pred done;\n\tWAIT:\n\t"
+               "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
+               "@!done bra WAIT;\n\t}" :: "r"(rlx_shared_addr(bar)), "r"(parity) : "memory");
 }
 #else
 #define RLX_CLUSTER(x, y, z)
