@@ -248,13 +248,18 @@ inline void rlx_push_expect(unsigned long long* bar, unsigned bytes) {
   m->pending = 0;
   rlx_emu_mb_done(m);
 }
-inline void rlx_push(float* p, unsigned rank, float v, unsigned long long* bar) {
+inline void rlx_emu_push(float* p, unsigned rank, const float* v, int n, unsigned long long* bar) {
   float* q = rlx_emu_at(p, rank);
   rlx_emu_mbar* m = (rlx_emu_mbar*)rlx_emu_at(bar, rank);
   std::lock_guard<std::mutex> g(rlx_emu_mb_mu);
-  std::memcpy(q, &v, sizeof v);
-  m->tx -= (int32_t)sizeof v;
+  std::memcpy(q, v, n * sizeof(float));
+  m->tx -= n * (int32_t)sizeof(float);
   rlx_emu_mb_done(m);
+}
+inline void rlx_push(float* p, unsigned rank, float v, unsigned long long* bar) { rlx_emu_push(p, rank, &v, 1, bar); }
+inline void rlx_push2(float* p, unsigned rank, float v0, float v1, unsigned long long* bar) {
+  const float v[2] = {v0, v1};
+  rlx_emu_push(p, rank, v, 2, bar);
 }
 inline void rlx_push_wait(unsigned long long* bar, unsigned parity) {
   std::unique_lock<std::mutex> l(rlx_emu_mb_mu);

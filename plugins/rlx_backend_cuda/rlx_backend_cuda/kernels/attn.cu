@@ -544,10 +544,15 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_short(
 // A warp scores its chunk for all G heads of the kv head at once: LPK lanes take a key row
 // in VK-element loads (K and V of the chunk issued before any math), a butterfly sums each
 // row's dot products, and the warp keeps its own online softmax (no shared memory and no
-// barrier in the loop). The warps' (max, sum, P.V) meet in shared memory, the blocks' through
-// distributed shared memory (sm_90 clusters): no partials in global memory, no fence, no
-// counter. Llama-3.2-1B-shaped decode at 563 cached positions (32 / 8 heads x 64, bf16,
-// H200): the split-K kernel (80 blocks of 4 warps; at 409 positions ncu counted ~2,300
+// barrier in the loop). The warps' (max, sum, P.V) meet in shared memory; each block then
+// pushes its P.V sums into the shared memory of the block finishing them (block r the outputs
+// [r PER, (r + 1) PER)) and its (max, sum) of every head into every block's (sm_90 clusters,
+// st.async counted on the receiver's mbarrier): no partials in global memory, no GPU-wide
+// fence, no counter, no cluster barrier after the one before the wait (H100, against remote
+// loads between two cluster barriers: Qwen3.5-2B decode 1.764 -> 1.761 ms a token, Llama-1B
+// q4_k 0.700 -> 0.694).
+// Llama-3.2-1B-shaped decode at 563 cached positions (32 / 8 heads x 64, bf16, H200): the
+// split-K kernel (80 blocks of 4 warps; at 409 positions ncu counted ~2,300
 // instructions a warp at 6 cycles each) took 12.0 us a launch, this one 7.2; the q4_k step went
 // 0.760 -> 0.699 ms. One block per (batch, kv head), no cluster, made that step 0.908 ms.
 // HEADMASK 0: the mask has no head stride (a decode step's key mask), so a lane reads a key's
@@ -587,7 +592,10 @@ extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_
 #endif
   __shared__ ACC s_o[NW][G][D];
   __shared__ ACC s_m[NW][G], s_l[NW][G];
-  __shared__ ACC c_o[G][D], c_m[G], c_l[G];        // this block's merge (the cluster reads it)
+  constexpr int PER = (G * D + CL - 1) / CL;       // outputs a block finishes
+  __shared__ ACC c_o[CL][PER];                     // the cluster's P.V sums of this block's outputs
+  __shared__ __align__(8) ACC c_ml[CL][G][2];      // and its (max, sum) of each head
+  __shared__ unsigned long long got;               // their arrivals
   const int b = blockIdx.x / KVH, kvh = blockIdx.x % KVH, h0 = kvh * (H / KVH) + blockIdx.z * G;
   const unsigned rank = rlx_cluster_rank();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -607,6 +615,9 @@ extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_
       rlx_prefetch_rows(v + b * vsb + kvh * vsh, vss, c0, min(kend, c0 + CH), D * (int)sizeof(TV), lane, 32);
     }
   }
+  if (tid == 0) rlx_push_init(&got);
+  rlx_cluster_arrive();                            // (every block's barrier set before any push)
+  rlx_cluster_wait();
   RLX_GRID_WAIT();
   const i64 p0 = RLX_POS(pos, b, early);
   i64 kbeg, kend;
@@ -768,6 +779,8 @@ extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_
       if (g == lane) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
   }
   __syncthreads();
+  const int mine = max(0, min(PER, G * D - (int)rank * PER));
+  if (tid == 0) rlx_push_expect(&got, CL * (unsigned)(mine + 2 * G) * sizeof(ACC));
   for (int t = tid; t < G * D; t += NT) {
     const int g = t / D, d = t % D;
     ACC M = -(ACC)RLX_INF, O = 0, L = 0;
@@ -779,25 +792,22 @@ extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_
       O += f == (ACC)0 ? (ACC)0 : s_o[w][g][d] * f;
       L += s_l[w][g] * f;
     }
-    c_o[g][d] = O;
-    if (d == 0) { c_m[g] = M; c_l[g] = L; }
+    rlx_push(&c_o[rank][t % PER], t / PER, O, &got);
+    if (d == 0)
+      for (int r = 0; r < CL; ++r) rlx_push2(&c_ml[rank][g][0], r, M, L, &got);
   }
-  // the cluster's blocks merged: block `rank` finishes its share of the G x D outputs
-  rlx_cluster_sync();
-  constexpr int PER = (G * D + CL - 1) / CL;
-  for (int t = tid; t < PER && rank * PER + t < G * D; t += NT) {
+  // the cluster's partials in: block `rank` finishes its share of the G x D outputs
+  rlx_push_wait(&got, 0);
+  for (int t = tid; t < mine; t += NT) {
     const int g = (rank * PER + t) / D, d = (rank * PER + t) % D;
-    ACC mr[CL], M = -(ACC)RLX_INF, O = 0, L = 0;
+    ACC M = -(ACC)RLX_INF, O = 0, L = 0;
+#pragma unroll
+    for (int r = 0; r < CL; ++r) M = rlx_max(M, c_ml[r][g][0]);
 #pragma unroll
     for (int r = 0; r < CL; ++r) {
-      mr[r] = rlx_cluster_load(&c_m[g], r);
-      M = rlx_max(M, mr[r]);
-    }
-#pragma unroll
-    for (int r = 0; r < CL; ++r) {
-      const ACC f = rlx_part_weight(mr[r], M);
-      O += f == (ACC)0 ? (ACC)0 : rlx_cluster_load(&c_o[g][d], r) * f;
-      L += rlx_cluster_load(&c_l[g], r) * f;
+      const ACC f = rlx_part_weight(c_ml[r][g][0], M);
+      O += f == (ACC)0 ? (ACC)0 : c_o[r][t] * f;
+      L += c_ml[r][g][1] * f;
     }
 #if EPI
     ey[b * eysb + (h0 + g) * eysh + d] = EPI_CALL(ST(TO, L == 0 ? (ACC)0 : O / L), ex[b * exsb + (h0 + g) * exsh + d]);
@@ -805,6 +815,4 @@ extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_
     out[b * osb + (h0 + g) * osh + d] = ST(TO, L == 0 ? (ACC)0 : O / L);
 #endif
   }
-  rlx_cluster_arrive();          // (no block leaves while another reads its shared memory)
-  rlx_cluster_wait();
 }

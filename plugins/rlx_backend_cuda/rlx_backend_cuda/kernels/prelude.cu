@@ -79,6 +79,10 @@ __device__ __forceinline__ void rlx_push(float* p, unsigned rank, float v, unsig
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
                :: "r"(rlx_mapa(p, rank)), "f"(v), "r"(rlx_mapa(bar, rank)) : "memory");
 }
+__device__ __forceinline__ void rlx_push2(float* p, unsigned rank, float v0, float v1, unsigned long long* bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
+               :: "r"(rlx_mapa(p, rank)), "f"(v0), "f"(v1), "r"(rlx_mapa(bar, rank)) : "memory");
+}
 __device__ __forceinline__ void rlx_push_wait(unsigned long long* bar, unsigned parity) {
   asm volatile("{\n\t.reg .pred done;\n\tWAIT:\n\t"
                "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
