@@ -144,29 +144,43 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
   RLX_GRID_WAIT();
   if (!EARLY) load_leaves();
   for (int t = 0; t < steps; ++t) {
-    // 1. gates and the conv; the z values of the thread's columns (used in 3)
-    W zr[NZ];
+    // 1. the step's inputs, every load issued before any is used (one trip to L2, not one a
+    //    kind); then the gates and the conv; the z values of the thread's columns (used in 3)
+    const T* xr = x + (i64)b * xb + (i64)t * xt;
+    T z_in[NZ], a_in[GPT], b_in[GPT], x_in[CPT];
 #pragma unroll
     for (int i = 0; i < NZ; ++i) {
       const int col = cb + tid + i * NT;
-      zr[i] = tid + i * NT < BC ? LD(W, z[(i64)b * zb + (i64)t * zt + (i64)(hk * R + col / VD) * zh + col % VD])
-                                : (W)0;
+      if (tid + i * NT < BC) z_in[i] = z[(i64)b * zb + (i64)t * zt + (i64)(hk * R + col / VD) * zh + col % VD];
     }
 #pragma unroll
     for (int g = 0; g < GPT; ++g) {
-      const int r = tid + g * NT, h = hk * R + r;
+      const int h = hk * R + tid + g * NT;
+      if (tid + g * NT < R) {
+        a_in[g] = al[(i64)b * ab + (i64)t * at + h];
+        b_in[g] = bl[(i64)b * bb + (i64)t * bt + h];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < CPT; ++j)
+      if (tid + j * NT < NC) x_in[j] = xr[ch[j]];
+    W zr[NZ];
+#pragma unroll
+    for (int i = 0; i < NZ; ++i) zr[i] = tid + i * NT < BC ? LD(W, z_in[i]) : (W)0;
+#pragma unroll
+    for (int g = 0; g < GPT; ++g) {
+      const int r = tid + g * NT;
       if (r >= R) break;
-      const W a = LD(W, al[(i64)b * ab + (i64)t * at + h]) + dtb[g];
+      const W a = LD(W, a_in[g]) + dtb[g];
       const W sp = (a > (W)0 ? a : (W)0) + log1p(exp(-fabs(a)));
       dec[r] = exp(-ea[g] * sp);
-      bet[r] = (W)1 / ((W)1 + exp(-LD(W, bl[(i64)b * bb + (i64)t * bt + h])));
+      bet[r] = (W)1 / ((W)1 + exp(-LD(W, b_in[g])));
     }
-    const T* xr = x + (i64)b * xb + (i64)t * xt;
 #pragma unroll
     for (int j = 0; j < CPT; ++j) {
       const int lc = tid + j * NT;
       if (lc >= NC) break;
-      const W xv = LD(W, xr[ch[j]]);
+      const W xv = LD(W, x_in[j]);
       W y = taps[j][WID - 1] * xv;
 #pragma unroll
       for (int i = 0; i < WID - 1; ++i) y += taps[j][i] * win[j][i];
