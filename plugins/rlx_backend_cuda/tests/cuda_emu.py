@@ -9,10 +9,10 @@ one after another, each as one OS thread per CUDA thread of its blocks (a barrie
 __syncthreads, one per warp for the shuffles, one for the cluster, so a warp whose lanes do not
 all reach a shuffle hangs, as on the GPU it would be undefined; a barrier waiting a minute aborts the process, so
 such a test fails rather than hangs). Each block has its own static shared arrays, which its
-cluster's blocks read through `rlx_cluster_load` and push into (`rlx_push`: mbarriers emulated). Inline PTX (tensor cores, griddepcontrol) is
-not emulated: a kernel holding it outside `#ifdef __CUDA_ARCH__` fails to compile here. Slow,
-for small shapes: a check of the kernel's arithmetic and indexing, not of its speed or memory
-ordering."""
+cluster's blocks push into (`rlx_push`, its mbarriers emulated). Inline PTX (tensor cores,
+griddepcontrol) is not emulated: a kernel holding it outside `#ifdef __CUDA_ARCH__` fails to
+compile here. Slow, for small shapes: a check of the kernel's arithmetic and indexing, not of
+its speed or memory ordering."""
 from __future__ import annotations
 
 import ctypes
@@ -203,7 +203,6 @@ template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) {
 }
 // clusters (what the prelude's cluster helpers take from sm_90's PTX on the GPU)
 inline unsigned rlx_cluster_rank() { return rlx_emu_rank; }
-inline void rlx_cluster_sync() { rlx_emu_cbar->arrive_and_wait(); }
 static thread_local unsigned long long rlx_emu_cphase;  // the cluster barrier's phase this thread arrived at
 inline void rlx_cluster_arrive() { rlx_emu_cphase = rlx_emu_cbar->arrive(); }
 inline void rlx_cluster_wait() { rlx_emu_cbar->wait(rlx_emu_cphase); }
@@ -222,11 +221,6 @@ template <class T> inline T* rlx_emu_at(T* p, unsigned rank) {
   rlx_emu_arr* a = id < 0 ? nullptr : o.find(id);
   if (!a) { std::fprintf(stderr, "cuda_emu: a cluster access to no shared array\n"); std::abort(); }
   return (T*)(a->base + off);
-}
-inline float rlx_cluster_load(const float* p, unsigned rank) {
-  float v;
-  std::memcpy(&v, rlx_emu_at(p, rank), sizeof v);
-  return v;
 }
 // mbarriers of pushes (the prelude's rlx_push_*), their state in their 8 bytes, under one lock
 struct rlx_emu_mbar { int32_t tx; uint8_t pending, phase; };

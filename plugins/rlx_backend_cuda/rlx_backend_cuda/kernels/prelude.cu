@@ -32,8 +32,8 @@ typedef unsigned int u32;
 #endif
 // Thread block clusters (sm_90): RLX_CLUSTER(x, y, z) before a kernel's name makes clusters of
 // x * y * z blocks (nothing elsewhere: the runner picks such a kernel only where clusters exist,
-// or launches it at size 1); a block's rank in its cluster, the cluster's barriers, a float of
-// another block's shared memory, and floats pushed into it. (A host build, tests/cuda_emu.py,
+// or launches it at size 1); a block's rank in its cluster, the cluster's barrier (relaxed,
+// split) and floats pushed into another block's shared memory. (A host build, tests/cuda_emu.py,
 // brings its own and reads the kernel's cluster shape from RLX_CLUSTER itself.)
 #if !defined(RLX_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define RLX_CLUSTER(x, y, z) __cluster_dims__(x, y, z)
@@ -41,9 +41,6 @@ __device__ __forceinline__ unsigned rlx_cluster_rank() {
   unsigned r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   return r;
-}
-__device__ __forceinline__ void rlx_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 // A cluster barrier ordering no memory, split (its relaxed arrive): the reads a block made before
 // rlx_cluster_arrive, their values used, are done before any block passes rlx_cluster_wait, so
@@ -55,18 +52,13 @@ __device__ __forceinline__ void rlx_cluster_wait() { asm volatile("barrier.clust
 // Floats the cluster's blocks push into each other's shared memory (st.async), each push counted
 // by the receiver's mbarrier at the same offset: rlx_push_init (one thread) and a cluster barrier
 // before any push; a phase completes when its one arrival (rlx_push_expect, the bytes it awaits)
-// and those bytes are in. No GPU-wide fence, unlike rlx_cluster_sync's release
+// and those bytes are in. No GPU-wide fence: a release cluster barrier compiles to
+// MEMBAR.ALL.GPU, where ncu found gated_delta_net's warps stalled (H100)
 __device__ __forceinline__ unsigned rlx_shared_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ unsigned rlx_mapa(const void* p, unsigned rank) {
   unsigned r;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(rlx_shared_addr(p)), "r"(rank));
   return r;
-}
-// the float at p of block `rank`'s shared memory (p an address of this block's)
-__device__ __forceinline__ float rlx_cluster_load(const float* p, unsigned rank) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(rlx_mapa(p, rank)) : "memory");
-  return v;
 }
 __device__ __forceinline__ void rlx_push_init(unsigned long long* bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n\tfence.mbarrier_init.release.cluster;" :: "r"(rlx_shared_addr(bar))
