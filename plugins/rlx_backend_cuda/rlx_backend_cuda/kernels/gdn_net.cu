@@ -78,6 +78,16 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
   auto at_state = [&](int kk, int col) -> i64 {
     return (((i64)b * H + (i64)hk * R + col / VD) * KD + kk) * VD + col % VD;
   };
+  // the warp's runs of state columns: rows lane + 32 i, columns c0 + j0 .. + RUN (one 16-byte
+  // vector where VEC, else one column), `in` where they lie in the block's columns
+  constexpr int RUN = VEC ? 16 / sizeof(T) : 1;
+  auto each_run = [&](auto f) {
+#pragma unroll
+    for (int i = 0; i < KPL; ++i)
+#pragma unroll
+      for (int j0 = 0; j0 < VPW; j0 += RUN)
+        f(i, j0, at_state(lane + 32 * i, c0 + j0), lane + 32 * i < KD && c0 + j0 < cb + BC);
+  };
   auto load_leaves = [&]() {
 #pragma unroll
     for (int g = 0; g < GPT; ++g) {
@@ -97,43 +107,20 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
 #pragma unroll
       for (int i = 0; i < KEEP; ++i) win[j][i] = lc < NC && WID > 1 ? LD(W, cs0[((i64)b * C + ch[j]) * (WID - 1) + i]) : (W)0;
     }
+    each_run([&](int i, int j0, i64 at, bool in) {
+      rlx_vec<T, RUN> p;
+      if (in) p = *(const rlx_vec<T, RUN>*)&s0[at];
 #pragma unroll
-    for (int i = 0; i < KPL; ++i) {
-      const int kk = lane + 32 * i;
-#if VEC
-      constexpr int E = 16 / sizeof(T);
-#pragma unroll
-      for (int j0 = 0; j0 < VPW; j0 += E) {
-        rlx_vec<T, E> p;
-        if (kk < KD && c0 + j0 < cb + BC) p = *(const rlx_vec<T, E>*)&s0[at_state(kk, c0 + j0)];
-#pragma unroll
-        for (int e = 0; e < E; ++e) S[i][j0 + e] = kk < KD && c0 + j0 < cb + BC ? LD(W, p.v[e]) : (W)0;
-      }
-#else
-#pragma unroll
-      for (int j = 0; j < VPW; ++j) S[i][j] = kk < KD && c0 + j < cb + BC ? LD(W, s0[at_state(kk, c0 + j)]) : (W)0;
-#endif
-    }
+      for (int e = 0; e < RUN; ++e) S[i][j0 + e] = in ? LD(W, p.v[e]) : (W)0;
+    });
   };
   auto store_state = [&]() {
+    each_run([&](int i, int j0, i64 at, bool in) {
+      rlx_vec<T, RUN> p;
 #pragma unroll
-    for (int i = 0; i < KPL; ++i) {
-      const int kk = lane + 32 * i;
-#if VEC
-      constexpr int E = 16 / sizeof(T);
-#pragma unroll
-      for (int j0 = 0; j0 < VPW; j0 += E) {
-        rlx_vec<T, E> p;
-#pragma unroll
-        for (int e = 0; e < E; ++e) p.v[e] = ST(T, S[i][j0 + e]);
-        if (kk < KD && c0 + j0 < cb + BC) *(rlx_vec<T, E>*)&s1[at_state(kk, c0 + j0)] = p;
-      }
-#else
-#pragma unroll
-      for (int j = 0; j < VPW; ++j)
-        if (kk < KD && c0 + j < cb + BC) s1[at_state(kk, c0 + j)] = ST(T, S[i][j]);
-#endif
-    }
+      for (int e = 0; e < RUN; ++e) p.v[e] = ST(T, S[i][j0 + e]);
+      if (in) *(rlx_vec<T, RUN>*)&s1[at] = p;
+    });
   };
   if (EARLY) load_leaves();
 #if PB > 1
