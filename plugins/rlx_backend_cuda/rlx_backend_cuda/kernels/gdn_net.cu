@@ -178,7 +178,7 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
       if (lc < 2 * KD) qk[lc] = y; else vs[lc - 2 * KD] = y;
     }
 #if CS > 1
-    if (t == 0) rlx_cluster_arrive();  // (the conv state read: see the end)
+    if (t == 0) rlx_cluster_arrive();  // (the conv state read: see the end; no launch has 0 steps)
 #endif
     __syncthreads();
     // 2. the rule, q's and k's l2norms in its butterfly
