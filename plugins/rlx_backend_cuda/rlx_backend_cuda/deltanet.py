@@ -19,9 +19,10 @@ causal_conv1d: a thread per channel and run of CONV_RUN steps (its window in reg
 read through its strides (a column slice of a projection is not copied), then the new state
 (its last W - 1 inputs).
 gated_delta_net (kernels/gdn_net.cu): the whole layer between its projections in one launch,
-a block per (key head, batch row) walking the steps (a decode step: one), both states read
-once and written once in place; x, z, b and a read through their strides (column slices of
-the one in-projection GEMV's output are not copied).
+a block (on sm_90 a cluster of sources.net_cluster blocks, splitting the state's columns and
+pushing their norms' parts to each other) per (key head, batch row) walking the steps (a decode
+step: one), both states read once and written once in place; x, z, b and a read through their
+strides (column slices of the one in-projection GEMV's output are not copied).
 """
 from __future__ import annotations
 
