@@ -102,18 +102,23 @@ def test_wgmma_operands_are_string_literal_defines():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_one_kernel_of_each_file_compiles(tmp_path):
-    """nvcc compiles the first catalog kernel from each .cu file (the catalog module does all)."""
-    done = set()
+def test_one_kernel_of_each_name_compiles(tmp_path):
+    """nvcc compiles the first catalog kernel of each name: every .cu file, and every kernel
+    beside the prelude's helpers (one named as a kernel's shared array once failed only on the
+    device). The catalog module compiles them all."""
+    done, names = set(), set()
     for name, src, kname in kernels_catalog.catalog():
         files = set(re.findall(r'#line \d+ "(\w+\.cu)"', src))
-        if not files or files <= done:
+        if files <= done and kname in names:
             continue
         done |= files
+        names.add(kname)
         p = tmp_path / "k.cu"
         p.write_text(S.with_grid_wait(src, kname))
-        r = subprocess.run(["nvcc", "-std=c++17", f"-arch={S.own_arch(src) or 'sm_90'}", "-ptx", "-o",
-                            str(tmp_path / "k.ptx"), str(p)], capture_output=True, text=True)
+        # (NVRTC, which the backend uses, refuses an incompatible redeclaration: nvcc only warns, #159)
+        arch = f"-arch={S.own_arch(src) or 'sm_90'}"
+        cmd = ["nvcc", "-std=c++17", arch, "--diag-error=159", "-ptx", "-o", str(tmp_path / "k.ptx"), str(p)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0, (name, r.stderr[-2000:])
     assert done == set(CU) - {"prelude.cu"}
 
