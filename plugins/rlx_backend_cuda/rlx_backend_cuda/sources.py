@@ -371,8 +371,8 @@ def attn_decode_shape(g: int, d: int, vk: int, pair: bool = False, rope_bytes: i
         return None
     # (q and the P.V sums take g * vk registers each)
     loads = ATTN_DECODE_LOADS if g * vk <= 32 else ATTN_DECODE_LOADS // 2
-    for nw in (8, 4):
-        cl = ATTN_DECODE_CLUSTER     # (the warps' sums, the cluster's pushed sums and maxima, their mbarrier)
+    cl = ATTN_DECODE_CLUSTER
+    for nw in (8, 4):               # (the warps' sums, the cluster's pushed sums and maxima, their mbarrier)
         if 4 * (nw * g * d + 2 * nw * g + cl * -(-g * d // cl) + 2 * cl * g) + 8 + rope_bytes <= ATTN_DECODE_SMEM:
             return dict(NT=32 * nw, G=g, D=d, VK=vk, NL=loads, CL=cl,
                         PF=ATTN_DECODE_PREFETCH)

@@ -222,17 +222,21 @@ template <class T> inline T* rlx_emu_at(T* p, unsigned rank) {
   if (!a) { std::fprintf(stderr, "cuda_emu: a cluster access to no shared array\n"); std::abort(); }
   return (T*)(a->base + off);
 }
-// mbarriers of pushes (the prelude's rlx_push_*), their state in their 8 bytes, under one lock
+// mbarriers of pushes (the prelude's rlx_push*), their state in their 8 bytes, under one lock
 struct rlx_emu_mbar { int32_t tx; uint8_t pending, phase; };
 static std::mutex rlx_emu_mb_mu;
 static std::condition_variable rlx_emu_mb_cv;
 inline void rlx_emu_mb_done(rlx_emu_mbar* m) {
   if (m->pending == 0 && m->tx == 0) { m->pending = 1; m->phase ^= 1; rlx_emu_mb_cv.notify_all(); }
 }
-inline void rlx_push_init(unsigned long long* bar) {
+inline void rlx_push_start(unsigned long long* bars, int n) {
   static_assert(sizeof(rlx_emu_mbar) <= sizeof(unsigned long long), "an mbarrier's 8 bytes");
-  std::lock_guard<std::mutex> g(rlx_emu_mb_mu);
-  *(rlx_emu_mbar*)bar = {0, 1, 0};
+  if (rlx_emu_tid() == 0) {
+    std::lock_guard<std::mutex> g(rlx_emu_mb_mu);
+    for (int i = 0; i < n; ++i) *(rlx_emu_mbar*)(bars + i) = {0, 1, 0};
+  }
+  rlx_cluster_arrive();
+  rlx_cluster_wait();
 }
 inline void rlx_push_expect(unsigned long long* bar, unsigned bytes) {
   std::lock_guard<std::mutex> g(rlx_emu_mb_mu);

@@ -615,9 +615,7 @@ extern "C" __global__ void RLX_CLUSTER(1, CL, 1) __launch_bounds__(NT) rlx_attn_
       rlx_prefetch_rows(v + b * vsb + kvh * vsh, vss, c0, min(kend, c0 + CH), D * (int)sizeof(TV), lane, 32);
     }
   }
-  if (tid == 0) rlx_push_init(&got);
-  rlx_cluster_arrive();                            // (every block's barrier set before any push)
-  rlx_cluster_wait();
+  rlx_push_start(&got, 1);
   RLX_GRID_WAIT();
   const i64 p0 = RLX_POS(pos, b, early);
   i64 kbeg, kend;

@@ -75,9 +75,6 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
   W S[KPL][VPW];
   W ea[GPT], dtb[GPT], nwv[NZ];      // exp(A_log) and dt_bias of the thread's gates, norm_w of its columns
   const int c0 = cb + warp * VPW;
-  auto at_state = [&](int kk, int col) -> i64 {
-    return (((i64)b * H + (i64)hk * R + col / VD) * KD + kk) * VD + col % VD;
-  };
   // the warp's runs of state columns: rows lane + 32 i, columns c0 + j0 .. + RUN (one 16-byte
   // vector where VEC, else one column), `in` where they lie in the block's columns
   constexpr int RUN = VEC ? 16 / sizeof(T) : 1;
@@ -86,7 +83,8 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
     for (int i = 0; i < KPL; ++i)
 #pragma unroll
       for (int j0 = 0; j0 < VPW; j0 += RUN)
-        f(i, j0, at_state(lane + 32 * i, c0 + j0), lane + 32 * i < KD && c0 + j0 < cb + BC);
+        f(i, j0, (((i64)b * H + (i64)hk * R + (c0 + j0) / VD) * KD + lane + 32 * i) * VD + (c0 + j0) % VD,
+          lane + 32 * i < KD && c0 + j0 < cb + BC);
   };
   auto load_leaves = [&]() {
 #pragma unroll
@@ -124,9 +122,7 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
   };
   if (EARLY) load_leaves();
 #if PB > 1
-  if (tid == 0) { rlx_push_init(&got[0]); rlx_push_init(&got[1]); }
-  rlx_cluster_arrive();              // (every block's barriers set before any push)
-  rlx_cluster_wait();
+  rlx_push_start(got, 2);
 #endif
   RLX_GRID_WAIT();
   if (!EARLY) load_leaves();
@@ -151,9 +147,6 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
 #pragma unroll
     for (int j = 0; j < CPT; ++j)
       if (tid + j * NT < NC) x_in[j] = xr[ch[j]];
-    W zr[NZ];
-#pragma unroll
-    for (int i = 0; i < NZ; ++i) zr[i] = tid + i * NT < BC ? LD(W, z_in[i]) : (W)0;
 #pragma unroll
     for (int g = 0; g < GPT; ++g) {
       const int r = tid + g * NT;
@@ -258,7 +251,7 @@ extern "C" __global__ void RLX_CLUSTER(CS, 1, 1) __launch_bounds__(NT) rlx_gdn_n
 #endif
       const W inv = rsqrt(ss / (W)VD + eps);
       o[(((i64)b * steps + t) * H + hk * R + col / VD) * VD + col % VD] =
-          ST(T, os[c] * inv * nwv[i] * rlx_net_silu(zr[i]));
+          ST(T, os[c] * inv * nwv[i] * rlx_net_silu(LD(W, z_in[i])));
     }
     // qk, vs, os, ssq, dec and bet are free for the next step (part[t & 1] is not pushed into
     // again before every block of the head has read it: that push waits for this block's next)

@@ -50,19 +50,23 @@ __device__ __forceinline__ void rlx_cluster_arrive() {
 }
 __device__ __forceinline__ void rlx_cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
 // Floats the cluster's blocks push into each other's shared memory (st.async), each push counted
-// by the receiver's mbarrier at the same offset: rlx_push_init (one thread) and a cluster barrier
-// before any push; a phase completes when its one arrival (rlx_push_expect, the bytes it awaits)
-// and those bytes are in. No GPU-wide fence: a release cluster barrier compiles to
-// MEMBAR.ALL.GPU, where ncu found gated_delta_net's warps stalled (H100)
+// by the receiver's mbarrier at the same offset: rlx_push_start (every thread) sets a block's
+// barriers before any block pushes; a phase completes when its one arrival (rlx_push_expect,
+// the bytes it awaits) and those bytes are in. No GPU-wide fence: a release cluster barrier
+// compiles to MEMBAR.ALL.GPU, where ncu found gated_delta_net's warps stalled (H100)
 __device__ __forceinline__ unsigned rlx_shared_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ unsigned rlx_mapa(const void* p, unsigned rank) {
   unsigned r;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(rlx_shared_addr(p)), "r"(rank));
   return r;
 }
-__device__ __forceinline__ void rlx_push_init(unsigned long long* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n\tfence.mbarrier_init.release.cluster;" :: "r"(rlx_shared_addr(bar))
-               : "memory");
+__device__ __forceinline__ void rlx_push_start(unsigned long long* bars, int n) {
+  if (threadIdx.x + threadIdx.y + threadIdx.z == 0)
+    for (int i = 0; i < n; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n\tfence.mbarrier_init.release.cluster;"
+                   :: "r"(rlx_shared_addr(bars + i)) : "memory");
+  rlx_cluster_arrive();
+  rlx_cluster_wait();
 }
 __device__ __forceinline__ void rlx_push_expect(unsigned long long* bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(rlx_shared_addr(bar)), "r"(bytes) : "memory");
