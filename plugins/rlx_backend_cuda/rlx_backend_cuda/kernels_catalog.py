@@ -130,18 +130,19 @@ def catalog() -> list:
         out.append((f"copy_many {unit} {rank}", S.render(S.COPY_MANY, T=unit, RANK=rank), "rlx_copy_many"))
     # packed weights: every scheme, decode GEMV and dequantize, at each row alignment
     for kind, blk in [(k, 256 if k.endswith("_k") else 32) for k in S.DQ_SCHEMES] + [("int8", 64), ("int4", 8192)]:
-        # (QX, the int8-activation form: at batch 1 with a norm, and at batch 8 with the SwiGLU)
+        # (QX, the int8-activation form: at batch 1 with a norm, and at batch 8 with the SwiGLU;
+        # both and the residual (at batch 2) rounding their outputs too: Q8)
         for al, t, mmax, qx in ((16, "__nv_bfloat16", 1, 0), (4, "float", 8, 0), (2, "__half", 2, 0),
-                                (16, "__nv_bfloat16", 1, 1), (4, "__half", 8, 1)):
+                                (16, "__nv_bfloat16", 1, 1), (4, "__half", 8, 1), (2, "__nv_bfloat16", 2, 1)):
             out.append((f"dq_gemv {kind} {al} {t}{' qx' * qx}", S.dq_source(
                 S.DQ_GEMV, kind, blk, T=t, TO=t, TB=t, ACC="float", A=al, MMAX=mmax, R=4 if mmax < 4 else 2, U=2,
                 KW=2, XV=al % 2, SWIGLU=int(al == 4), EPILOGUE="v = v + LD(W, bias[n]);",
                 SWIGLU_OF=codegen.swiglu_of("float"), EARLY=int(al != 2), NORM=int(al != 2), TN="float",
-                RESID=int(al == 2), QX=qx), "rlx_dq_gemv"))
+                RESID=int(al == 2), QX=qx, Q8=qx), "rlx_dq_gemv"))
         out.append((f"dq_gemv {kind} f64", S.dq_source(S.DQ_GEMV, kind, blk, T="double", TO="double", TB="double", ACC="double",
                                                        A=8, MMAX=1, R=4, U=2, KW=8, XV=0, SWIGLU=1, EPILOGUE="",
                                                        SWIGLU_OF=codegen.swiglu_of("double"), EARLY=1, NORM=0,
-                                                       TN="double", RESID=0, QX=0), "rlx_dq_gemv"))
+                                                       TN="double", RESID=0, QX=0, Q8=0), "rlx_dq_gemv"))
         for t, acc in (("float", "float"), ("__nv_bfloat16", "float"), ("double", "double")):
             staged = S.dq_dequant_shape(kind, blk, 8 if acc == "double" else 4)
             for stage in range(staged["STAGE"] + 1):

@@ -544,18 +544,22 @@ def _gemv_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool 
 NO_NORMS = (np.float32(0), None, None, np.float32(0), None, i64(0), None, None, None, i32(0))
 
 
-def _with_norms(b, args: list, norm: GemvNorm | None, residual: GemvResidual | None, M: int, N: int) -> list:
+def _with_norms(b, args: list, norm: GemvNorm | None, residual: GemvResidual | None, M: int, N: int,
+                normed_q8: bool = False) -> list:
     """A GEMV's launch arguments `args` and the NORM / RESID ones (NO_NORMS) after them, the
-    NORM GEMV put in the sums' ring."""
+    NORM GEMV put in the sums' ring. normed_q8: a RESID GEMV that also rounds its y * w into
+    int8 rows divided by the norm (dq.cu's Q8) reads the sums it adds up, so joins the ring."""
     tail = list(NO_NORMS)
     if norm is not None:
         tail[:2] = [np.float32(norm.eps), norm.ssq]
     if residual is not None:
         r = residual
         tail[2:8] = [r.w.arr, np.float32(r.off), r.x.arr.reshape(M, N), i64(N), r.xw.arr, r.ssq]
+        if normed_q8:
+            tail[0] = np.float32(r.eps)
     args = args + tail
-    if norm is not None:
-        b.gemv_sums.follow(norm.ssq, args)
+    if norm is not None or normed_q8:
+        b.gemv_sums.follow(norm.ssq if norm is not None else residual.ssq, args)
     return args
 
 
@@ -720,7 +724,7 @@ class GemvNorm:
 class GemvResidual:
     """What a GEMV computing a fused_residual_rms_norm's r writes beside it: its h = x + r,
     xw = h * (w + off) (the next GEMV's x, GemvNorm) and the sums of h's squares into ssq;
-    `tail`: the norm's own launch after it (under the cuBLAS switch)."""
+    `tail`: the norm's own launch after it (under the cuBLAS switch); eps: the norm's."""
     x: V
     h: V
     xw: V
@@ -728,6 +732,7 @@ class GemvResidual:
     off: float
     ssq: object
     tail: tuple
+    eps: float
 
 
 def _gemv_norm(b, ref: tuple) -> GemvNorm | None:
@@ -821,7 +826,7 @@ def _b_matmul_fused(b, n, ins, outs, sw, norm: GemvNorm | None, resid, gemv) -> 
         ssq.fill(0)
         b.r.counters.append(ssq)          # (kept outside the poisoned scratch; GemvSums zeroes it)
         xw = b.buffer(h.shape, h.dt, "norm-weighted rows")
-        residual = GemvResidual(x, h, xw, w, off, ssq, tail)
+        residual = GemvResidual(x, h, xw, w, off, ssq, tail, eps)
     if not gemv(dst, norm, residual):
         return False
     if sw is not None:
@@ -830,8 +835,10 @@ def _b_matmul_fused(b, n, ins, outs, sw, norm: GemvNorm | None, resid, gemv) -> 
         norm.fused = True
     if resid is not None:
         b.absorbed.add(j)
-        own = _collected(b, lambda: _rms_norm(b, h, None, w, None, y, eps, off))
-        b.gemv_norms[(j, 1)] = GemvNorm(j, xw, eps, ssq, own, len(b.uses[(j, 1)]))
+        readers = [c for c in b.uses[(j, 1)] if c not in b.absorbed]       # (not the GEMV's Q8)
+        if readers:
+            own = _collected(b, lambda: _rms_norm(b, h, None, w, None, y, eps, off))
+            b.gemv_norms[(j, 1)] = GemvNorm(j, xw, eps, ssq, own, len(readers))
     return True
 
 
@@ -992,7 +999,8 @@ def _b_dequant_matmul(b, n, ins, outs):
     resid = _residual_norm(b, n) if plain else None
     if norm is not None or resid is not None:
         def gemv(dst, norm, residual):
-            return plain and _dq_gemv_fused(b, s, x, (wv, wrs, al), outs[0], dst, norm, residual, x8)
+            q8 = _q8_reader(b, (resid[0], 1)) if residual is not None and norm is None else None
+            return plain and _dq_gemv_fused(b, s, x, (wv, wrs, al), outs[0], dst, norm, residual, x8, q8)
         if _b_matmul_fused(b, n, ins, outs, sw, norm, resid, gemv):
             return
         if norm is not None:
@@ -1002,7 +1010,8 @@ def _b_dequant_matmul(b, n, ins, outs):
         dst = b.out_value(sw)
         if not b.disjoint(dst, xv):
             dst = b.vals[(sw, 0)] = b.buffer(dst.shape, dst.dt, "fused swiglu output")
-        _dq_gemv(b, s, xv, xrs, wv, wrs, al, None, act, dst, M, N // 2, K, swiglu=True, x8=x8)
+        _dq_gemv(b, s, xv, xrs, wv, wrs, al, None, act, dst, M, N // 2, K, swiglu=True, x8=x8,
+                 q8=_q8_reader(b, (sw, 0)))
         b.absorbed.add(sw)
         return
     dst = out if out.contiguous() else b.buffer(out.shape, out.dt)
@@ -1039,10 +1048,11 @@ def dq_gemv_shape(kind: str, block: int, M: int, K: int, loads: int = DQ_LOADS) 
 
 
 def _dq_gemv_fused(b, s, a: V, packed: tuple, out: V, swiglu: V | None, norm: GemvNorm | None,
-                   residual: GemvResidual | None, x8: V | None = None) -> bool:
+                   residual: GemvResidual | None, x8: V | None = None, q8: int | None = None) -> bool:
     """out <- a @ dequant(w)^T as the packed decode GEMV with a norm of its x rows (norm; a
     only names the shape) or the residual rows added (residual, as `_gemv_fused` takes it),
-    16-bit data of one dtype, contiguous rows; False (no step) otherwise."""
+    16-bit data of one dtype, contiguous rows; False (no step) otherwise. x8, q8: as `_dq_gemv`
+    takes them."""
     K, N = a.shape[-1], out.shape[-1]
     M = out.size // max(N, 1)
     if out.dt not in LOW or a.dt is not out.dt or M == 0:
@@ -1064,16 +1074,18 @@ def _dq_gemv_fused(b, s, a: V, packed: tuple, out: V, swiglu: V | None, norm: Ge
     else:
         xv, xrs = _as_matrix(b, a, M, K)
     _dq_gemv(b, s, xv, xrs, *packed, None, "identity", target, M, N // 2 if swiglu is not None else N, K,
-             swiglu=swiglu is not None, norm=norm, residual=residual, x8=x8)
+             swiglu=swiglu is not None, norm=norm, residual=residual, x8=x8, q8=q8)
     return True
 
 
 def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=False,
-             norm: GemvNorm | None = None, residual: GemvResidual | None = None, x8: V | None = None):
+             norm: GemvNorm | None = None, residual: GemvResidual | None = None, x8: V | None = None,
+             q8: int | None = None):
     """The decode GEMV launch for out[M, N] (swiglu: w holds 2N rows, out = silu(gate) * up;
     norm, residual: as `_gemv_step` takes them; x8: quant_q8's int8 rows of x, which the kernel
     reads instead of x (x then only names the dtype), copied into `qx_bytes` of dynamic shared
-    memory)."""
+    memory). q8: the fake_quantize node (`_q8_reader`) whose int8 rows the kernel writes from
+    its outputs (Q8; under residual from its h * w, divided by the norm), which is then built."""
     nb = K // s.block
     mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K)
     xv = _x4_vectors(x.arr, xrs)
@@ -1083,12 +1095,18 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
                     EPILOGUE=_dq_epilogue(out.dt, bias is not None, act),
                     SWIGLU_OF=codegen.swiglu_of(acc_of(x.dt)), EARLY=int(b.written_by_no_kernel(w)),
                     NORM=int(norm is not None), TN=ctype(residual.w.dt) if residual is not None else "float",
-                    RESID=int(residual is not None), QX=int(x8 is not None),
+                    RESID=int(residual is not None), QX=int(x8 is not None), Q8=int(q8 is not None),
                     dynamic_smem=QX_SMEM if x8 is not None else 0)
     per_block = 8 // kw * (rows // 2 if swiglu else rows)
     xp = (x8 if x8 is not None else x).arr
+    y8 = counters = None
+    if q8 is not None:
+        y8 = b.int8_x[(q8, 0)] = b.buffer((qx_bytes(M, N),), U8, f"int8 rows of node %{q8}")
+        counters = b.counters(N // 32 + 1)
+        b.absorbed.add(q8)
     args = _with_norms(b, [xp, i64(xrs), w.arr, i64(wrs), bias.arr if bias else None, out.arr, i32(M), i32(N),
-                           i32(nb)], norm, residual, M, N)
+                           i32(nb), y8.arr if y8 is not None else None, counters], norm, residual, M, N,
+                       normed_q8=q8 is not None and residual is not None)
     grid, stream, smem = (-(-N // per_block),), b.stream, qx_bytes(M, K) if x8 is not None else 0
     reads = row_streams(b, w, 2 * N if swiglu else N, wrs, w.shape[1] * w.arr.itemsize, swiglu)
     b.add(lambda: fn(grid, (256,), tuple(args), smem, stream), reads=reads)
@@ -1171,6 +1189,17 @@ def int8_gemv_x(g, i: int, hip: bool = False, uses: dict | None = None) -> bool:
         return (m is not None and m.op == "dequant_matmul" and tuple(m.inputs[0]) == (i, 0)
                 and [tuple(r) for r in m.inputs].count((i, 0)) == 1)
     return bool(readers) and M <= DQ_MAX_M and qx_bytes(M, K) <= QX_SMEM and all(map(gemv_x, readers))
+
+
+def _q8_reader(b, ref: tuple) -> int | None:
+    """The fake_quantize node that is the only reader of `ref` (a decode GEMV's output: the
+    SwiGLU's, or a residual norm's y) and rounds it into int8 rows for decode GEMVs, which the
+    GEMV writing `ref` then writes itself (dq.cu's Q8); else None."""
+    readers = b.uses.get(ref, [])
+    if len(readers) != 1 or readers[0] < 0:
+        return None
+    g, j = b.r.lir.graph, readers[0]
+    return j if g.nodes[j].op == "fake_quantize" and int8_gemv_x(g, j, b.hip, b.uses) else None
 
 
 def _int8_x(b, ref: tuple, x: V) -> None:

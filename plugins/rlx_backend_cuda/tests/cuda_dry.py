@@ -70,13 +70,15 @@ def _fake_cupy():
 
 
 class Launch:
-    """A kernel that records its launches instead of running: (grid, block) each."""
+    """A kernel that records its launches instead of running: (grid, block) each, and their
+    arguments in `args`."""
 
     def __init__(self, name: str, source: str):
-        self.name, self.source, self.launches = name, source, []
+        self.name, self.source, self.launches, self.args = name, source, [], []
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         self.launches.append((tuple(grid), tuple(block)))
+        self.args.append(tuple(args))
 
 
 @pytest.fixture
@@ -120,15 +122,16 @@ def leaves(lir, rng) -> tuple:
     return params, states
 
 
-def planned(g, compute: str = "bf16"):
+def planned(g, compute: str = "bf16", activations: str = "f32"):
     """Graph g's LIR as the cuda backend plans it (its passes, fusion patterns and layouts),
-    its dims as they are (a decode-shaped graph)."""
+    its dims as they are (a decode-shaped graph); activations: the profile's (int8: packed
+    matmuls' x rounded)."""
     from rlx_core.ir.lir import plan
     from rlx_core.pipeline import CompilePipeline, specialize
     from rlx_core.profile import CompileProfile, PrecisionConfig
 
     backend = rlx_backend_cuda.CudaBackend()
-    profile = CompileProfile("dry", precision=PrecisionConfig(compute=compute))
+    profile = CompileProfile("dry", precision=PrecisionConfig(compute=compute, activations=activations))
     mir = CompilePipeline(profile, backend).optimize_cached(g)
     s = specialize(mir, {})
     return plan(s, *backend.planned_layouts(s))

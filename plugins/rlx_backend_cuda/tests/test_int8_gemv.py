@@ -12,6 +12,7 @@ from __future__ import annotations
 import cuda_emu
 import numpy as np
 import pytest
+from cuda_dry import dry, leaves, planned  # noqa: F401  (the fixture)
 from test_cuda import gpu
 from test_gemv_fusion import case, rel
 
@@ -210,7 +211,8 @@ def test_routed_experts_round_x_and_h_in_the_captured_step(rng, tokens):
 BF = BF16.np
 
 
-def _gemv_kernel(s, T: str, M: int, K: int, qx: int, resid: int = 0, swiglu: int = 0, epilogue: str = ""):
+def _gemv_kernel(s, T: str, M: int, K: int, qx: int, resid: int = 0, swiglu: int = 0, epilogue: str = "",
+                 q8: int = 0):
     """(the emulated DQ_GEMV, grid, shared memory) as ops._dq_gemv specializes and launches it."""
     from rlx_backend_cuda import codegen, sources
     from rlx_backend_cuda.ops import DQ_LOADS, dq_gemv_shape, qx_bytes
@@ -219,7 +221,7 @@ def _gemv_kernel(s, T: str, M: int, K: int, qx: int, resid: int = 0, swiglu: int
     src = sources.dq_source(sources.DQ_GEMV, s.kind, s.block_size, T=T, TO=T, TB="float", ACC="float", A=16,
                             MMAX=mmax, R=rows, U=DQ_LOADS, KW=kw, XV=1, SWIGLU=swiglu, EPILOGUE=epilogue,
                             SWIGLU_OF=codegen.swiglu_of("float"), EARLY=0, NORM=0, TN="float", RESID=resid,
-                            QX=qx)
+                            QX=qx, Q8=q8)
     per_block = 8 // kw * (rows // 2 if swiglu else rows)
     return cuda_emu.compile_kernel(src, "rlx_dq_gemv"), per_block, qx_bytes(M, K) if qx else 0
 
@@ -231,10 +233,11 @@ def _norms(nw=None, noff=0.0, res=None, N=0, yw=None, osq=None) -> tuple:
     return NO_NORMS[:2] + (nw, np.float32(noff), res, np.int64(N), yw, osq) + NO_NORMS[8:]
 
 
-def _launch(kernel, x, w, y, M, N, K, s, bias=None, tail=_norms()):
+def _launch(kernel, x, w, y, M, N, K, s, bias=None, tail=_norms(), y8=None, counters=None):
     k, per_block, smem = kernel
     k.launch((-(-N // per_block),), (256,), (x, np.int64(K), w, np.int64(w.shape[1]), bias, y, np.int32(M),
-                                              np.int32(N), np.int32(K // s.block_size)) + tail, smem)
+                                              np.int32(N), np.int32(K // s.block_size), y8, counters) + tail,
+             smem)
 
 
 def _int8_rows(x, T: str, nsq=None, eps: float = 0.0, zero=None):
@@ -353,3 +356,59 @@ def test_emulated_rounding_kernel_matches_numpy_bit_for_bit(rng, dt):
     kern.launch((3,), (256,), (x, y, np.int64(x.size // 32)))
     np.testing.assert_array_equal(y.astype(np.float32), want.astype(np.float32))
     assert np.isnan(y[4, 32:64].astype(np.float32)).all() and (y[3, :32] == 0).all()
+
+
+@cuda_emu.emulated
+@pytest.mark.parametrize("name,k,rows", [("q4_k", 512, 2), ("q8_0", 2048, 3)])
+def test_emulated_gemv_rounds_its_outputs_as_quant_q8_would(rng, name, k, rows):
+    """Q8: a RESID GEMV writes the int8 rows quant_q8 with NORM would write from its h * w (the
+    scales divided by the norm of the squares the GEMV adds up) and a SWIGLU GEMV those of its
+    output, in every bit; the sums the NORM GEMV before read are zeroed, and the counters are
+    zero again for the next step (two runs). k 512 at 2 rows: a block has all 32 outputs of a
+    group; k 2048 at 3 rows: 2 (RESID) and 8 (SWIGLU) blocks share a group."""
+    from rlx_backend_cuda.ops import qx_bytes
+
+    s = QuantScheme.parse(name)
+    n, eps, bf = 96, 1e-5, "__nv_bfloat16"
+    w = quantize(rng.standard_normal((2 * n, k)).astype(np.float32), s)
+    x8 = _int8_rows(rng.standard_normal((rows, k)).astype(BF), bf)
+    resid, swiglu = (_gemv_kernel(s, bf, rows, k, 1, q8=1, **kw) for kw in ({"resid": 1}, {"swiglu": 1}))
+    counters = np.zeros(n // 32 + 1, np.int32)
+    for _ in range(2):
+        res = rng.standard_normal((rows, n)).astype(BF)
+        nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
+        h, yw, osq = np.zeros((rows, n), BF), np.zeros((rows, n), BF), np.zeros(rows * 32, np.float32)
+        zero, y8 = np.ones(64, np.float32), np.zeros(qx_bytes(rows, n), np.uint8)
+        tail = (np.float32(eps), None, nw, np.float32(0), res, np.int64(n), yw, osq, zero, np.int32(zero.size))
+        _launch(resid, x8, w, h, rows, n, k, s, tail=tail, y8=y8, counters=counters)
+        assert not zero.any() and not counters.any(), counters
+        np.testing.assert_array_equal(y8, _int8_rows(yw, bf, osq, eps))
+        y, y8 = np.zeros((rows, n), BF), np.zeros(qx_bytes(rows, n), np.uint8)
+        _launch(swiglu, x8, w, y, rows, n, k, s, y8=y8, counters=counters)
+        assert not counters.any(), counters
+        np.testing.assert_array_equal(y8, _int8_rows(y, bf))
+
+
+def test_the_gemvs_before_a_rounding_write_its_int8_rows(rng, dry):
+    """(No GPU: cuda_dry's build on stand-ins, nothing computed.) test_gemv_fusion's decode block
+    under int8 activations: the o and down projections (before a residual norm) and the
+    gate/up projection (before the SwiGLU's rounding) write the next GEMV's int8 rows
+    themselves (Q8), so quant_q8 runs only for x the step did not compute in a GEMV (the
+    attention output, the first norm of x, q); each RESID rounding divides by the norm of the
+    sums it adds up and zeroes those of the NORM GEMV before it in the ring."""
+    g, *_ = case(rng, BF16, 1, 512, scheme="q4_k", inner=256, inter=512)
+    lir = planned(g, activations="int8")
+    runner = dry(lir, *leaves(lir, rng))
+    for st in runner.steps:
+        st.fn()
+    launched = [k for k in dry.kernels if k.launches]
+    assert [k.name for k in launched].count("rlx_quant_q8") == 3, [k.name for k in launched]
+    q8 = [k for k in launched if k.name == "rlx_dq_gemv" and "#define Q8 1" in k.source]
+    assert [("#define RESID 1" in k.source, "#define SWIGLU 1" in k.source) for k in q8] == \
+        [(True, False), (False, True), (True, False)], [k.source[-400:] for k in q8]
+    assert runner.describe()["steps_by_op"]["fake_quantize"] == 3, runner.describe()["steps_by_op"]      # (of 6)
+    # (args: ..., nb, y8, counters, eps, nsq, nw, noff, res, rrs, yw, osq, zero, zn)
+    resid = [k.args[0] for k in q8 if "#define RESID 1" in k.source]
+    assert all(a[9] is not None and a[10] is not None and a[11] > 0 for a in resid), resid
+    osq = [a[-3] for a in resid]
+    assert resid[1][-2] is osq[0] and osq[0] is not osq[1], "the down GEMV zeroes the o GEMV's sums"

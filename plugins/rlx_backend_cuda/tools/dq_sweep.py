@@ -62,11 +62,11 @@ def main(schemes):
                 src = sources.dq_source(sources.DQ_GEMV, s.kind, s.block_size, T="__nv_bfloat16", TO="float",
                                         TB="float", ACC="float", A=16, MMAX=1, R=r, U=u, KW=kw, XV=1, SWIGLU=0, EPILOGUE="",
                                         SWIGLU_OF=codegen.swiglu_of("float"), EARLY=1, NORM=0, TN="float",
-                                        RESID=0)
+                                        RESID=0, QX=0, Q8=0)
                 k = cp.RawKernel(src, "rlx_dq_gemv")
                 grid = (-(-N // (8 // kw * r)),)
                 args = (x, np.int64(K), w, np.int64(raw.shape[1]), None, yo, np.int32(1), np.int32(N),
-                        np.int32(nb)) + NO_NORMS
+                        np.int32(nb), None, None) + NO_NORMS
                 t = graph_time(lambda: k(grid, (256,), args))
                 err = float(cp.linalg.norm(yo - ref) / cp.linalg.norm(ref))
                 line.append(f"R{r}U{u} {raw.nbytes / t / 1e9:5.0f} ({t * 1e6:5.1f} us{'' if err < 1e-5 else f' ERR {err:.2g}'})")

@@ -341,7 +341,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_quant_q8(const T* __restri
   rlx_round_rows<true>(x, xrs, M, K, y8, nullptr);
 #endif
 }
-// @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE, SWIGLU_OF(g, u), EARLY, NORM, TN, RESID, QX)
+// @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE, SWIGLU_OF(g, u), EARLY, NORM, TN, RESID, QX, Q8)
 // Decode: y[M, N] = act(x[M, K] @ dequant(w)^T + bias) for M <= MMAX <= 8. A block is 8
 // warps: KW of them split a row's parts, 8 / KW take R rows each, so x is read once per
 // R rows. Each lane loads its next U parts of every row first (the packed bytes bound a
@@ -363,6 +363,12 @@ extern "C" __global__ void __launch_bounds__(256) rlx_quant_q8(const T* __restri
 // bytes). x is rounded once per product, not in each block: by instruction counts that would
 // cost more than the products (a block of the down projection has 4 rows of 8192 weights, x
 // 8192 values; not measured).
+// Q8 (the product's reader is a fake_quantize for QX GEMVs; ops.py's `Q8Out`): the outputs are
+// also rounded into those GEMVs' int8 rows y8 here, so no quant_q8 launch sits between the
+// two GEMVs. The last block to finish a group of 32 outputs of a row rounds it (a counter a
+// group where a block has fewer than 32 outputs); RESID rounds yw, and the last block of all
+// then divides the scales by the rows' norms (every block's squares are in osq by then) and
+// zeroes the sums the NORM GEMV before read: the bytes quant_q8 with NORM writes.
 #if SWIGLU && RESID
 #error "rlx_dq_gemv: RESID takes no SWIGLU"
 #endif
@@ -379,10 +385,70 @@ template <int N> __device__ __forceinline__ void rlx_xwords(const signed char* p
   }
 }
 #endif
+#if Q8
+// Q8's rounding, after a block's outputs (PB of each row, from column blockIdx.x * PB) are written
+template <int PB> __device__ __forceinline__ void rlx_q8_out(const TO* src, int M, int N, unsigned char* y8,
+    int* cnt, const float* osq, float eps, float* zero, int zn) {
+  constexpr int BPG = PB >= 32 ? 1 : 32 / PB, GB = PB >= 32 ? PB / 32 : 1;   // blocks a group, groups a block
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, ng = N / 32;
+  const int g0 = blockIdx.x * PB / 32, mine = min(GB, ng - g0), n = M * mine;
+  __shared__ int q8_go;
+  __syncthreads();                                  // (the block's outputs and squares written)
+  if (threadIdx.x == 0) {
+    q8_go = 1;
+    if (BPG > 1) {
+      __threadfence();
+      q8_go = atomicAdd(cnt + g0, 1) == BPG - 1;
+      if (q8_go) cnt[g0] = 0;                          // (every block of the group has counted)
+    }
+  }
+  __syncthreads();
+  if (!q8_go) return;
+  __threadfence();
+  signed char* q = (signed char*)y8;
+  float* sc = (float*)(y8 + (i64)M * N);
+  for (int g = warp * 4; g < n; g += (int)(blockDim.x >> 3)) {    // four groups a warp, eight lanes each
+    const int gi = min(g + (lane >> 3), n - 1), m = gi / mine, grp = g0 + gi % mine;
+    const i64 o = (i64)m * N + 32 * grp + 4 * (lane & 7);
+    W v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = LD(W, LDCG(src + o + i));
+    float d;
+    const u32 word = rlx_q8_lanes(v, &d);
+    if (g + (lane >> 3) < n) {
+      *(u32*)(q + o) = word;
+      if ((lane & 7) == 0) sc[m * ng + grp] = d;
+    }
+  }
+#if RESID
+  __shared__ int q8_all;
+  __shared__ float q8_den[MMAX];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    q8_all = atomicAdd(cnt + ng, n) + n == M * ng;
+    if (q8_all) cnt[ng] = 0;
+  }
+  __syncthreads();
+  if (!q8_all) return;
+  __threadfence();
+  if (warp == 0) {
+    for (int m = 0; m < M; ++m) {
+      const float dm = rlx_norm_den(LDCG(osq + m * 32 + lane), N, eps);
+      if (lane == 0) q8_den[m] = dm;
+    }
+    for (int j = lane; j < zn; j += 32) zero[j] = 0.f;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < M * ng; i += blockDim.x) sc[i] = LDCG(sc + i) / q8_den[i / ng];
+#endif
+}
+#endif
 extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restrict__ x, long long xrs,
     const u8* __restrict__ w, long long wrs, const TB* __restrict__ bias, TO* __restrict__ y,
-    int M, int N, int nb, float eps, const float* nsq, const TN* __restrict__ nw, float noff,
-    const TO* __restrict__ res, long long rrs, TO* __restrict__ yw, float* osq, float* zero, int zn) {
+    int M, int N, int nb, unsigned char* __restrict__ y8, int* q8cnt, float eps, const float* nsq,
+    const TN* __restrict__ nw, float noff, const TO* __restrict__ res, long long rrs, TO* __restrict__ yw,
+    float* osq, float* zero, int zn) {
   constexpr int RW = 8 / KW, OUTR = SWIGLU ? R / 2 : R;     // outputs per warp
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int kw = warp % KW, rw = warp / KW;
@@ -554,6 +620,9 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
   // thread t holds row t % MMAX (MMAX divides 32): each warp's lanes of a row add up, lane m adds
   for (int o = MMAX; o < 32; o <<= 1) hsq += __shfl_xor_sync(0xffffffffu, hsq, o);
   if (lane < M && threadIdx.x < RW * OUTR * MMAX) atomicAdd(osq + lane * 32 + (blockIdx.x & 31), hsq);
+#endif
+#if Q8
+  rlx_q8_out<RW * OUTR>(RESID ? yw : y, M, N, y8, q8cnt, osq, eps, zero, zn);
 #endif
 }
 // @part dequant(THREADS, TO, STAGE, BPT, YV)
