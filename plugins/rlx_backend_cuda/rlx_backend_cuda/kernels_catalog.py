@@ -131,14 +131,15 @@ def catalog() -> list:
     # packed weights: every scheme, decode GEMV and dequantize, at each row alignment
     for kind, blk in [(k, 256 if k.endswith("_k") else 32) for k in S.DQ_SCHEMES] + [("int8", 64), ("int4", 8192)]:
         # (QX, the int8-activation form: at batch 1 with a norm, and at batch 8 with the SwiGLU;
-        # both and the residual (at batch 2) rounding their outputs too: Q8)
+        # both and the residual (at batch 2, x rounded in the block: QX 2) rounding their outputs
+        # too: Q8)
         for al, t, mmax, qx in ((16, "__nv_bfloat16", 1, 0), (4, "float", 8, 0), (2, "__half", 2, 0),
-                                (16, "__nv_bfloat16", 1, 1), (4, "__half", 8, 1), (2, "__nv_bfloat16", 2, 1)):
+                                (16, "__nv_bfloat16", 1, 1), (4, "__half", 8, 1), (2, "__nv_bfloat16", 2, 2)):
             out.append((f"dq_gemv {kind} {al} {t}{' qx' * qx}", S.dq_source(
                 S.DQ_GEMV, kind, blk, T=t, TO=t, TB=t, ACC="float", A=al, MMAX=mmax, R=4 if mmax < 4 else 2, U=2,
                 KW=2, XV=al % 2, SWIGLU=int(al == 4), EPILOGUE="v = v + LD(W, bias[n]);",
                 SWIGLU_OF=codegen.swiglu_of("float"), EARLY=int(al != 2), NORM=int(al != 2), TN="float",
-                RESID=int(al == 2), QX=qx, Q8=qx), "rlx_dq_gemv"))
+                RESID=int(al == 2), QX=qx, Q8=int(qx > 0)), "rlx_dq_gemv"))
         out.append((f"dq_gemv {kind} f64", S.dq_source(S.DQ_GEMV, kind, blk, T="double", TO="double", TB="double", ACC="double",
                                                        A=8, MMAX=1, R=4, U=2, KW=8, XV=0, SWIGLU=1, EPILOGUE="",
                                                        SWIGLU_OF=codegen.swiglu_of("double"), EARLY=1, NORM=0,

@@ -982,7 +982,6 @@ def _b_dequant_matmul(b, n, ins, outs):
     fake_quantize that wrote its int8 rows (`_int8_x`): the GEMV multiplies those (QX)."""
     s, out = _scheme(n), outs[0]
     x, w = ins[0], ins[1]
-    x8 = b.int8_x.get(tuple(n.inputs[0]))
     bias = b.contiguous(ins[2]) if len(ins) > 2 else None
     if not x.dt.is_float or out.dt is not x.dt:
         raise BackendError(f"cuda backend: dequant_matmul needs a float x and output of its dtype, got "
@@ -997,6 +996,9 @@ def _b_dequant_matmul(b, n, ins, outs):
     sw = _swiglu_consumer(b, n) if plain else None
     norm = _gemv_norm(b, tuple(n.inputs[0]))
     resid = _residual_norm(b, n) if plain else None
+    ref = tuple(n.inputs[0])
+    target = b.out_value(resid[0]) if resid is not None else b.out_value(sw) if sw is not None else out
+    x8 = _int8_rows_kept(b, ref, [target])
     if norm is not None or resid is not None:
         def gemv(dst, norm, residual):
             q8 = _q8_reader(b, (resid[0], 1)) if residual is not None and norm is None else None
@@ -1005,6 +1007,7 @@ def _b_dequant_matmul(b, n, ins, outs):
             return
         if norm is not None:
             norm.add_unfused(b)
+        x8 = _int8_rows_kept(b, ref, [out, b.out_value(sw) if sw is not None else out])
     xv, xrs = (x, i64(K)) if x8 is not None else _as_matrix(b, x, M, K)     # (QX: x names the dtype)
     if sw is not None:            # gate/up of decode: the GEMV writes silu(gate) * up
         dst = b.out_value(sw)
@@ -1084,8 +1087,12 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
     """The decode GEMV launch for out[M, N] (swiglu: w holds 2N rows, out = silu(gate) * up;
     norm, residual: as `_gemv_step` takes them; x8: quant_q8's int8 rows of x, which the kernel
     reads instead of x (x then only names the dtype), copied into `qx_bytes` of dynamic shared
-    memory). q8: the fake_quantize node (`_q8_reader`) whose int8 rows the kernel writes from
-    its outputs (Q8; under residual from its h * w, divided by the norm), which is then built."""
+    memory; float rows instead: x rounded there by each block, QX 2). q8: the fake_quantize node
+    (`_q8_reader`) whose int8 rows the kernel writes from its outputs (Q8; under residual from its
+    h * w, divided by the norm), which is then built."""
+    qx = 0 if x8 is None else 1 if x8.dt is U8 else 2
+    if qx == 2:
+        x, xrs, x8 = x8, i64(x8.arr.strides[0] // x8.arr.itemsize), None
     nb = K // s.block
     mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K)
     xv = _x4_vectors(x.arr, xrs)
@@ -1095,8 +1102,8 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
                     EPILOGUE=_dq_epilogue(out.dt, bias is not None, act),
                     SWIGLU_OF=codegen.swiglu_of(acc_of(x.dt)), EARLY=int(b.written_by_no_kernel(w)),
                     NORM=int(norm is not None), TN=ctype(residual.w.dt) if residual is not None else "float",
-                    RESID=int(residual is not None), QX=int(x8 is not None), Q8=int(q8 is not None),
-                    dynamic_smem=QX_SMEM if x8 is not None else 0)
+                    RESID=int(residual is not None), QX=qx, Q8=int(q8 is not None),
+                    dynamic_smem=QX_SMEM if qx else 0)
     per_block = 8 // kw * (rows // 2 if swiglu else rows)
     xp = (x8 if x8 is not None else x).arr
     y8 = counters = None
@@ -1107,7 +1114,7 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
     args = _with_norms(b, [xp, i64(xrs), w.arr, i64(wrs), bias.arr if bias else None, out.arr, i32(M), i32(N),
                            i32(nb), y8.arr if y8 is not None else None, counters], norm, residual, M, N,
                        normed_q8=q8 is not None and residual is not None)
-    grid, stream, smem = (-(-N // per_block),), b.stream, qx_bytes(M, K) if x8 is not None else 0
+    grid, stream, smem = (-(-N // per_block),), b.stream, qx_bytes(M, K) if qx else 0
     reads = row_streams(b, w, 2 * N if swiglu else N, wrs, w.shape[1] * w.arr.itemsize, swiglu)
     b.add(lambda: fn(grid, (256,), tuple(args), smem, stream), reads=reads)
 
@@ -1157,6 +1164,9 @@ def _dq_gemm(b, s, x: V, xrs, w: V, wrs, al, out: V, M, N, K):
 # step writes the rounded floats (dq.cu's rlx_fake_q8). CONFIG["int8_gemv"] (RLX_CUDA_INT8_GEMV=0,
 # read at build) keeps the floats and the float GEMV.
 QX_SMEM = 96 * 1024         # the most dynamic shared memory a QX GEMV takes (x's int8 rows, scales)
+# the most values of x (rows x K) a QX GEMV block rounds itself (QX 2) rather than reading the int8
+# rows of a quant_q8 launch before it: an attention's output at batch 1-2 (not yet measured)
+QX_ROUND_MAX = 4096
 
 
 def qx_bytes(M: int, K: int) -> int:
@@ -1202,10 +1212,19 @@ def _q8_reader(b, ref: tuple) -> int | None:
     return j if g.nodes[j].op == "fake_quantize" and int8_gemv_x(g, j, b.hip, b.uses) else None
 
 
+def _read_next(b, ref: tuple) -> bool:
+    """Whether only params and constants lie between this node and the last reader of `ref`,
+    other than its readers (what else a step writes in between is not known here)."""
+    g, readers = b.r.lir.graph, b.uses.get(ref, [])
+    return all(j in readers or g.nodes[j].op in ("param", "constant") for j in range(b.node + 1, max(readers)))
+
+
 def _int8_x(b, ref: tuple, x: V) -> None:
     """x rounded into int8 rows (quant_q8) for the GEMVs reading `ref`, the fake_quantize's
     output: from the norm those GEMVs would compute where x is its y (GemvNorm: its weighted rows
-    and sums; the sums' ring as a NORM GEMV joins it), else from x."""
+    and sums; the sums' ring as a NORM GEMV joins it), else from x. A small x (QX_ROUND_MAX) no
+    norm is left to, read next, is left to the GEMVs to round: its float rows in b.int8_x (QX 2;
+    `_int8_rows_kept`)."""
     K = x.shape[-1]
     M = x.size // K
     norm = _gemv_norm(b, tuple(b.r.lir.graph.nodes[ref[0]].inputs[0]))
@@ -1217,8 +1236,30 @@ def _int8_x(b, ref: tuple, x: V) -> None:
         rows = V(xr, x.dt)
     else:
         rows, xrs = _as_matrix(b, x, M, K)
+        if M * K <= QX_ROUND_MAX and _read_next(b, ref):
+            b.int8_x[ref] = V(b.cp.lib.stride_tricks.as_strided(
+                rows.arr, shape=(M, K), strides=(xrs * rows.arr.itemsize, rows.arr.itemsize)), x.dt)
+            return
+    b.int8_x[ref] = _quant_q8(b, rows, xrs, M, K, norm)
+
+
+def _int8_rows_kept(b, ref: tuple, writes: list) -> V | None:
+    """The x a GEMV writing `writes` reads for the fake_quantize `ref` (b.int8_x): float rows
+    it may round itself only where it writes none of their bytes; else the rows are rounded
+    by quant_q8 now, before it, for it and the GEMVs after it."""
+    x8 = b.int8_x.get(ref)
+    if x8 is None or x8.dt is U8 or all(b.disjoint(w, x8) for w in writes):
+        return x8
+    M, K = x8.shape
+    x8 = b.int8_x[ref] = _quant_q8(b, x8, x8.arr.strides[0] // x8.arr.itemsize, M, K, None)
+    return x8
+
+
+def _quant_q8(b, rows: V, xrs, M: int, K: int, norm: GemvNorm | None) -> V:
+    """The quant_q8 launch rounding rows [M, K] (row stride xrs; norm: the rows are its weighted
+    rows, the scales divided by it) into int8 rows for QX GEMVs: returns them."""
     y8 = b.buffer((qx_bytes(M, K),), U8, "int8 rows of x")
-    src = sources.render(sources.ROUND_Q8, ACC="float", A=16, T=ctype(x.dt), TO=ctype(x.dt),
+    src = sources.render(sources.ROUND_Q8, ACC="float", A=16, T=ctype(rows.dt), TO=ctype(rows.dt),
                          NORM=int(norm is not None), XV=_x4_vectors(rows.arr, xrs))
     fn = b.kernel(src, "rlx_quant_q8")
     args = [rows.arr, i64(xrs), i32(M), i32(K), y8.arr, norm.ssq if norm is not None else None,
@@ -1229,7 +1270,7 @@ def _int8_x(b, ref: tuple, x: V) -> None:
     blocks = M * K // 32
     grid, stream = (max(1, min(-(-blocks // 32), b.sms)),), b.stream
     b.add(lambda: fn(grid, (256,), tuple(args), 0, stream))
-    b.int8_x[ref] = y8
+    return y8
 
 
 def _b_fake_quantize(b, n, ins, outs):

@@ -18,7 +18,7 @@ from test_gemv_fusion import case, rel
 
 import rlx_core
 from rlx_core import CompileProfile, Graph
-from rlx_core.ir.dtype import BF16, F16, F32, U8
+from rlx_core.ir.dtype import BF16, F16, F32, I32, U8
 from rlx_core.ir.numpy_kernels import fake_quantized
 from rlx_core.ir.quant import QuantScheme, quantize
 
@@ -233,9 +233,9 @@ def _norms(nw=None, noff=0.0, res=None, N=0, yw=None, osq=None) -> tuple:
     return NO_NORMS[:2] + (nw, np.float32(noff), res, np.int64(N), yw, osq) + NO_NORMS[8:]
 
 
-def _launch(kernel, x, w, y, M, N, K, s, bias=None, tail=_norms(), y8=None, counters=None):
+def _launch(kernel, x, w, y, M, N, K, s, bias=None, tail=_norms(), y8=None, counters=None, xrs=None):
     k, per_block, smem = kernel
-    k.launch((-(-N // per_block),), (256,), (x, np.int64(K), w, np.int64(w.shape[1]), bias, y, np.int32(M),
+    k.launch((-(-N // per_block),), (256,), (x, np.int64(xrs or K), w, np.int64(w.shape[1]), bias, y, np.int32(M),
                                               np.int32(N), np.int32(K // s.block_size), y8, counters) + tail,
              smem)
 
@@ -389,26 +389,66 @@ def test_emulated_gemv_rounds_its_outputs_as_quant_q8_would(rng, name, k, rows):
         np.testing.assert_array_equal(y8, _int8_rows(y, bf))
 
 
-def test_the_gemvs_before_a_rounding_write_its_int8_rows(rng, dry):
-    """(No GPU: cuda_dry's build on stand-ins, nothing computed.) test_gemv_fusion's decode block
-    under int8 activations: the o and down projections (before a residual norm) and the
-    gate/up projection (before the SwiGLU's rounding) write the next GEMV's int8 rows
-    themselves (Q8), so quant_q8 runs only for x the step did not compute in a GEMV (the
-    attention output, the first norm of x, q); each RESID rounding divides by the norm of the
-    sums it adds up and zeroes those of the NORM GEMV before it in the ring."""
-    g, *_ = case(rng, BF16, 1, 512, scheme="q4_k", inner=256, inter=512)
-    lir = planned(g, activations="int8")
+def _llama_layer(m):
+    """A decode layer with q4_k matrices: norm, q/k/v, RoPE, attention over a cache, o + x, norm,
+    SwiGLU MLP + x, norm, one more projection."""
+    bs, h, kv, d, ctx, hid, ff = 1, 8, 2, 64, 1024, 512, 1024
+
+    def mat(name, n, k):
+        return m.param(name, (n, k), BF16, scheme="q4_k")
+    x, pos = m.input("x", (bs, 1, hid), BF16), m.input("pos", (bs,), I32)
+    cos, sin = m.input("cos", (bs, 1, d // 2)), m.input("sin", (bs, 1, d // 2))
+    qkv = m.linear(m.rms_norm(x, m.param("ln", (hid,), BF16), eps=1e-6), mat("wqkv", (h + 2 * kv) * d, hid))
+    q, k, v = (m.transpose(m.reshape(m.narrow(qkv, 2, a * d, n * d), (bs, 1, n, d)), (0, 2, 1, 3))
+               for a, n in ((0, h), (h, kv), (h + kv, kv)))
+    kc = m.kv_write(m.state("kc", (bs, kv, ctx, d), BF16), m.rope(k, cos, sin), pos)
+    vc = m.kv_write(m.state("vc", (bs, kv, ctx, d), BF16), v, pos)
+    o = m.reshape(m.transpose(m.attention(m.rope(q, cos, sin), kc, vc, pos=pos), (0, 2, 1, 3)), (bs, 1, h * d))
+    x = m.add_(x, m.linear(o, mat("wo", hid, h * d)))
+    x = m.add_(x, m.swiglu(m.rms_norm(x, m.param("ln2", (hid,), BF16), eps=1e-6), mat("wg", ff, hid),
+                           mat("wu", ff, hid), mat("wd", hid, ff)))
+    return {"up": m.linear(m.rms_norm(x, m.param("ln3", (hid,), BF16), eps=1e-6), mat("wn", ff, hid))}
+
+
+def test_a_decode_layer_rounds_x_without_launches_of_its_own(rng, dry):
+    """(No GPU: cuda_dry's build on stand-ins, nothing computed.) A decode layer under int8
+    activations: the o and down projections (before a residual norm) and gate/up (before the
+    SwiGLU's rounding) write the next GEMV's int8 rows themselves (Q8), and the o projection
+    rounds the attention's output itself (QX 2), so quant_q8 runs once, for the first norm of x
+    (whose bytes the q/k/v GEMV's output takes over: rounded before it). Each RESID rounding
+    divides by the norm of the sums it adds up and zeroes those of the one before it in the ring."""
+    lir = planned(Graph.define("int8_layer", _llama_layer), activations="int8")
     runner = dry(lir, *leaves(lir, rng))
     for st in runner.steps:
         st.fn()
     launched = [k for k in dry.kernels if k.launches]
-    assert [k.name for k in launched].count("rlx_quant_q8") == 3, [k.name for k in launched]
-    q8 = [k for k in launched if k.name == "rlx_dq_gemv" and "#define Q8 1" in k.source]
-    assert [("#define RESID 1" in k.source, "#define SWIGLU 1" in k.source) for k in q8] == \
-        [(True, False), (False, True), (True, False)], [k.source[-400:] for k in q8]
-    assert runner.describe()["steps_by_op"]["fake_quantize"] == 3, runner.describe()["steps_by_op"]      # (of 6)
+    names = [k.name for k in launched]
+    assert names.count("rlx_quant_q8") == 1 and names[names.index("rlx_quant_q8") + 1] == "rlx_dq_gemv", names
+    gemvs = [k for k in launched if k.name == "rlx_dq_gemv"]
+    assert [("#define Q8 1" in k.source, int(k.source.split("#define QX ")[1][0])) for k in gemvs] == \
+        [(False, 1), (True, 2), (True, 1), (True, 1), (False, 1)], names
+    assert [("#define RESID 1" in k.source, "#define SWIGLU 1" in k.source) for k in gemvs[1:4]] == \
+        [(True, False), (False, True), (True, False)]
     # (args: ..., nb, y8, counters, eps, nsq, nw, noff, res, rrs, yw, osq, zero, zn)
-    resid = [k.args[0] for k in q8 if "#define RESID 1" in k.source]
-    assert all(a[9] is not None and a[10] is not None and a[11] > 0 for a in resid), resid
-    osq = [a[-3] for a in resid]
-    assert resid[1][-2] is osq[0] and osq[0] is not osq[1], "the down GEMV zeroes the o GEMV's sums"
+    o, down = gemvs[1].args[0], gemvs[3].args[0]
+    assert all(a[9] is not None and a[10] is not None and a[11] > 0 for a in (o, down))
+    assert down[-2] is o[-3] and o[-3] is not down[-3], "the down GEMV zeroes the o GEMV's sums"
+
+
+@cuda_emu.emulated
+@pytest.mark.parametrize("name", ["q4_k", "q8_0"])
+def test_emulated_gemv_rounding_x_itself_equals_reading_quant_q8s_rows(rng, name):
+    """QX 2 (a small x left to the GEMV: ops.QX_ROUND_MAX): each block rounds x's float rows
+    (here strided: a row stride past K) into its shared memory; the products equal, in every
+    bit, those of the GEMV reading quant_q8's rows of the same x, at 1 and 3 rows."""
+    s = QuantScheme.parse(name)
+    k, bf = 512, "__nv_bfloat16"
+    w = quantize(rng.standard_normal((N, k)).astype(np.float32), s)
+    for rows in (1, 3):
+        xs = rng.standard_normal((rows, k + 64)).astype(BF)
+        x = np.ascontiguousarray(xs[:, :k])
+        got, want = np.zeros((rows, N), BF), np.zeros((rows, N), BF)
+        _launch(_gemv_kernel(s, bf, rows, k, 2), xs, w, got, rows, N, k, s, xrs=k + 64)
+        _launch(_gemv_kernel(s, bf, rows, k, 1), _int8_rows(x, bf), w, want, rows, N, k, s)
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+        assert rel(got, _rounded(x) @ s.dequantize_reference(w, (N, k)).T) < 1e-2

@@ -261,7 +261,7 @@ __device__ __forceinline__ void rlx_x4(const T* p, W* o) {
   for (int i = 0; i < 4; ++i) o[i] = LD(W, p[i]);
 #endif
 }
-// @part q8x()
+// @part q8x(TO)
 // int8 activations (`[precision] activations = "int8"`: a packed matmul's x arrives through a
 // fake_quantize to int8_b32): eight lanes hold a block of 32 values, four each (lanes 8i..8i+7;
 // all 32 lanes call together), rounded as rlx_core.ir.quant's int8_b32 does: d = amax / 127 over
@@ -285,17 +285,17 @@ __device__ __forceinline__ u32 rlx_q8_lanes(const W* v, float* d) {
   *d = bad ? __int_as_float(0x7fc00000) : dd;
   return word;
 }
-// @part round_q8(TO, NORM)
 // x's M rows of K (row stride xrs; 32 divides K) rounded to int8_b32 blocks, eight lanes a block,
-// four blocks a warp (the loop bound is the warp's, as rlx_q8_lanes needs). Q8: into out's int8
-// rows [M][K], then their scales [M][K / 32] (the int8 GEMVs' x: gemv's QX); else the rounded
-// values themselves, out [M][K] of TO. den: each row's divisor of its scales, or null.
-template <bool Q8> __device__ __forceinline__ void rlx_round_rows(const T* x, i64 xrs, i64 M, int K, void* out,
-                                                                 const float* den) {
+// four blocks a warp (the loop bound is the warp's, as rlx_q8_lanes needs), the blocks shared
+// out over `blocks` thread blocks of which this is `block`. INT8: into out's int8 rows [M][K],
+// then their scales [M][K / 32] (the int8 GEMVs' x: gemv's QX); else the rounded values
+// themselves, out [M][K] of TO. den: each row's divisor of its scales, or null.
+template <bool INT8> __device__ __forceinline__ void rlx_round_rows(const T* x, i64 xrs, i64 M, int K, void* out,
+                                                                 const float* den, int blocks, int block) {
   const int lane = threadIdx.x & 31, nbx = K / 32;
   const i64 total = M * nbx;
-  for (i64 g0 = ((i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 4; g0 < total;
-       g0 += (i64)gridDim.x * (blockDim.x >> 5) * 4) {
+  for (i64 g0 = ((i64)block * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 4; g0 < total;
+       g0 += (i64)blocks * (blockDim.x >> 5) * 4) {
     const i64 g = min(g0 + (lane >> 3), total - 1), m = g / nbx, o = 32 * (g - m * nbx) + 4 * (lane & 7);
     W v[4];
     rlx_x4(x + m * xrs + o, v);
@@ -303,7 +303,7 @@ template <bool Q8> __device__ __forceinline__ void rlx_round_rows(const T* x, i6
     const u32 word = rlx_q8_lanes(v, &d);
     if (den) d /= den[m];
     if (g0 + (lane >> 3) >= total) continue;
-    if (Q8) {
+    if (INT8) {
       *(u32*)((unsigned char*)out + m * K + o) = word;
       if ((lane & 7) == 0) ((float*)((unsigned char*)out + M * K))[g] = d;
     } else {
@@ -312,11 +312,12 @@ template <bool Q8> __device__ __forceinline__ void rlx_round_rows(const T* x, i6
     }
   }
 }
+// @part round_q8(TO, NORM)
 // y = x rounded through int8_b32 blocks and back (the fake_quantize of int8 activations whose
 // readers are no int8 GEMVs): `blocks` contiguous blocks of 32, taken as rows of 32.
 extern "C" __global__ void __launch_bounds__(256) rlx_fake_q8(const T* __restrict__ x, TO* __restrict__ y,
     long long blocks) {
-  rlx_round_rows<false>(x, 32, blocks, 32, y, nullptr);
+  rlx_round_rows<false>(x, 32, blocks, 32, y, nullptr, gridDim.x, blockIdx.x);
 }
 // x's M rows rounded into y8 for the int8 GEMVs. NORM: x holds x0 * (nw + noff) of a residual norm
 // whose row sums of squares of x0 nsq holds (32 parts a row, as the NORM GEMVs read them): a
@@ -336,9 +337,9 @@ extern "C" __global__ void __launch_bounds__(256) rlx_quant_q8(const T* __restri
       for (int j = lane; j < zn; j += 32) zero[j] = 0.f;
   }
   __syncthreads();
-  rlx_round_rows<true>(x, xrs, M, K, y8, den);
+  rlx_round_rows<true>(x, xrs, M, K, y8, den, gridDim.x, blockIdx.x);
 #else
-  rlx_round_rows<true>(x, xrs, M, K, y8, nullptr);
+  rlx_round_rows<true>(x, xrs, M, K, y8, nullptr, gridDim.x, blockIdx.x);
 #endif
 }
 // @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE, SWIGLU_OF(g, u), EARLY, NORM, TN, RESID, QX, Q8)
@@ -356,14 +357,15 @@ extern "C" __global__ void __launch_bounds__(256) rlx_quant_q8(const T* __restri
 // (nw + noff), and adds the squares of y's rows into osq (one atomic a warp and row).
 // QX (int8 activations: x arrives through a fake_quantize to int8_b32; ops.py's `_int8_x`): x
 // points at quant_q8's y8 (the rows' q, then their scales), which the block copies into dynamic
-// shared memory once its weight loads are in flight; each run's 4 weight bytes b times 4 x bytes
+// shared memory once its weight loads are in flight (QX 2: x holds the float rows, which each
+// block rounds into that shared memory itself: no quant_q8 launch before a small x); each run's 4 weight bytes b times 4 x bytes
 // is one dp4a (of b - 128: signed by signed; the sum of x's bytes times 128 - BIAS added back),
 // a group of QXG runs (one weight scale, one x block) scaled once: about one instruction a
 // weight where the float form takes three (the q4_k GEMVs were bound by instructions, not
-// bytes). x is rounded once per product, not in each block: by instruction counts that would
-// cost more than the products (a block of the down projection has 4 rows of 8192 weights, x
-// 8192 values; not measured).
-// Q8 (the product's reader is a fake_quantize for QX GEMVs; ops.py's `Q8Out`): the outputs are
+// bytes). A large x is rounded once per product, not in each block: by instruction counts that
+// would cost more than the products (a block of the down projection has 4 rows of 8192
+// weights, x 8192 values; not measured); ops.QX_ROUND_MAX bounds the x a block rounds (QX 2).
+// Q8 (the product's reader is a fake_quantize for QX GEMVs; ops.py's `_q8_reader`): the outputs are
 // also rounded into those GEMVs' int8 rows y8 here, so no quant_q8 launch sits between the
 // two GEMVs. The last block to finish a group of 32 outputs of a row rounds it (a counter a
 // group where a block has fewer than 32 outputs); RESID rounds yw, and the last block of all
@@ -481,8 +483,12 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
 #if QX
   extern __shared__ __align__(16) unsigned char rlx_qx[];
   const int K = nb * BLK, nbx = K / 32;
+#if QX == 2
+  rlx_round_rows<true>(x, xrs, M, K, rlx_qx, nullptr, 1, 0);
+#else
   for (int i = threadIdx.x; i < M * (K + nbx * 4) / 4; i += blockDim.x)
     ((u32*)rlx_qx)[i] = __ldg((const u32*)(const void*)x + i);
+#endif
   const signed char* xq = (const signed char*)rlx_qx;
   const float* xd = (const float*)(rlx_qx + (i64)M * K);
   __syncthreads();
