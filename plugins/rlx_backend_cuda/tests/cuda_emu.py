@@ -11,7 +11,8 @@ all reach a shuffle hangs, as on the GPU it would be undefined; a barrier waitin
 such a test fails rather than hangs). Each block has its own static shared arrays, which its
 cluster's blocks push into (`rlx_push`, its mbarriers emulated). Inline PTX (tensor cores,
 griddepcontrol) is not emulated: a kernel holding it outside `#ifdef __CUDA_ARCH__` fails to
-compile here. Slow, for small shapes: a check of the kernel's arithmetic and indexing, not of
+compile here; attn_tc.cu's mma.sync, ldmatrix and cp.async have `rlx_emu_*` forms for its
+`#else`. Slow, for small shapes: a check of the kernel's arithmetic and indexing, not of
 its speed or memory ordering."""
 from __future__ import annotations
 
@@ -158,6 +159,8 @@ struct rlx_emu_blk {
   std::unique_ptr<rlx_emu_bar> bar;
   std::vector<std::unique_ptr<rlx_emu_bar>> warps;
   uint64_t slot[32][32];
+  uint32_t wx[32][32][6];                  // a warp's lanes' tensor-core operands (rlx_emu_mma16816)
+  const void* wp[32][32];                  // and addresses (rlx_emu_ldmatrix_x4)
   std::mutex mu;
   std::vector<rlx_emu_arr> arrs;
   rlx_emu_blk(unsigned n) : bar(new rlx_emu_bar(n)) {
@@ -201,6 +204,18 @@ template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) {
   rlx_emu_me->warps[w]->arrive_and_wait();
   return o;
 }
+// the warp's vote: its lanes' predicates as bits (every lane of the warp takes part)
+inline unsigned __ballot_sync(unsigned, int p) {
+  const int lane = rlx_emu_tid() & 31, w = rlx_emu_tid() >> 5;
+  rlx_emu_me->slot[w][lane] = p != 0;
+  rlx_emu_me->warps[w]->arrive_and_wait();
+  unsigned bits = 0;
+  for (unsigned l = 0; l < rlx_emu_me->warps[w]->n; ++l) bits |= (unsigned)rlx_emu_me->slot[w][l] << l;
+  rlx_emu_me->warps[w]->arrive_and_wait();
+  return bits;
+}
+inline int __any_sync(unsigned m, int p) { return __ballot_sync(m, p) != 0; }
+inline int __all_sync(unsigned m, int p) { return __ballot_sync(m, !p) == 0; }
 // clusters (what the prelude's cluster helpers take from sm_90's PTX on the GPU)
 inline unsigned rlx_cluster_rank() { return rlx_emu_rank; }
 static thread_local unsigned long long rlx_emu_cphase;  // the cluster barrier's phase this thread arrived at
@@ -266,6 +281,58 @@ inline void rlx_push_wait(unsigned long long* bar, unsigned parity) {
     std::fprintf(stderr, "cuda_emu: an mbarrier phase never completed\n");
     std::abort();
   }
+}
+// attn_tc.cu's PTX: mma.sync m16n8k16 (row.col, bf16 or f16 operands, f32 accumulators) and
+// ldmatrix x4, as the warp collectives they are (each lane puts its operands in the warp's
+// slots, the warp meets, each lane builds its own fragment from every lane's, the warp meets
+// again before the slots are reused; fragment layouts as PTX's ISA gives them); cp.async lands
+// at once (a legal order: the kernel waits before it reads)
+inline float rlx_emu_b16(uint32_t w, int half, bool bf16) {
+  const uint16_t h = (uint16_t)(w >> (16 * half));
+  return bf16 ? rlx_bits<float>((unsigned)h << 16) : rlx_h2f(h);
+}
+inline void rlx_emu_mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1, bool bf16) {
+  rlx_emu_blk& me = *rlx_emu_me;
+  const unsigned lane = rlx_emu_tid() & 31, w = rlx_emu_tid() >> 5;
+  uint32_t* mine = me.wx[w][lane];
+  for (int i = 0; i < 4; ++i) mine[i] = a[i];
+  mine[4] = b0;
+  mine[5] = b1;
+  me.warps[w]->arrive_and_wait();
+  // A[r][k]: lane (r % 8) * 4 + (k % 8) / 2, register (r >= 8) + 2 (k >= 8); B[k][n]: lane
+  // n * 4 + (k % 8) / 2, register b0 / b1 by k >= 8; the low half the even k
+  float d[4];
+  for (int i = 0; i < 4; ++i) {
+    const int r = (int)lane / 4 + 8 * (i >> 1), n = (int)(lane % 4) * 2 + (i & 1);
+    float acc = c[i];
+    for (int k = 0; k < 16; ++k)
+      acc += rlx_emu_b16(me.wx[w][(r % 8) * 4 + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)], k & 1, bf16) *
+             rlx_emu_b16(me.wx[w][n * 4 + (k % 8) / 2][4 + (k >= 8)], k & 1, bf16);
+    d[i] = acc;
+  }
+  me.warps[w]->arrive_and_wait();
+  for (int i = 0; i < 4; ++i) c[i] = d[i];
+}
+// four 8x8 matrices of 16-bit values, lanes 8i..8i+7 giving matrix i's row addresses: lane t
+// gets row t / 4, columns 2 (t % 4) and + 1 (trans: column t / 4 of those rows)
+inline void rlx_emu_ldmatrix_x4(uint32_t* r, const unsigned short* p, bool trans) {
+  rlx_emu_blk& me = *rlx_emu_me;
+  const unsigned lane = rlx_emu_tid() & 31, w = rlx_emu_tid() >> 5;
+  me.wp[w][lane] = p;
+  me.warps[w]->arrive_and_wait();
+  uint32_t got[4];
+  for (int i = 0; i < 4; ++i) {
+    auto at = [&](unsigned row, unsigned col) { return ((const unsigned short*)me.wp[w][8 * i + row])[col]; };
+    const unsigned c = 2 * (lane % 4);
+    const uint32_t lo = trans ? at(c, lane / 4) : at(lane / 4, c), hi = trans ? at(c + 1, lane / 4) : at(lane / 4, c + 1);
+    got[i] = lo | (hi << 16);
+  }
+  me.warps[w]->arrive_and_wait();
+  for (int i = 0; i < 4; ++i) r[i] = got[i];
+}
+inline void rlx_emu_cp16(void* dst, const void* src, int bytes) {
+  std::memset(dst, 0, 16);
+  std::memcpy(dst, src, (size_t)bytes);
 }
 template <class T> inline T atomicAdd(T* p, T v) {
   std::lock_guard<std::mutex> g(rlx_emu_atomic);

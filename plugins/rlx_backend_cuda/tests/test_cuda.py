@@ -769,6 +769,44 @@ def test_emulated_cluster_decode_attention(rng, case):
     assert err <= TOL[dt], err
 
 
+EMULATED_TC = [           # (B, H, KVH, Sq, Sk, D, dtype, VEC, MT, causal)
+    (1, 2, 1, 20, 70, 64, BF16, 1, 1, True),      # keys of two tiles, the last one cut; GQA
+    (2, 2, 2, 70, 70, 32, F16, 1, 2, False),      # two m-tiles a warp (query rows past Sq), whole tiles
+    (1, 1, 1, 33, 40, 128, BF16, 0, 1, True),     # the element-wise tile copies (no 16-byte rows)
+]
+
+
+@cuda_emu.emulated
+@pytest.mark.parametrize("case", EMULATED_TC, ids=lambda c: f"D{c[5]}-{c[6].value}-vec{c[7]}-mt{c[8]}")
+def test_emulated_tensor_core_attention(rng, case):
+    """rlx_attn_tc (mma.sync flash attention, the GPU's prefill kernel before sm_90) run on the
+    CPU, its mma.sync, ldmatrix and cp.async as cuda_emu's warp collectives, as ops renders and
+    launches it, against float64: a check of the emulation's fragment layouts as much as of the
+    kernel, which the GPU tests run."""
+    from cuda_emu import compile_kernel
+
+    from rlx_backend_cuda import sources
+    from rlx_backend_cuda.codegen import ctype
+    from rlx_core.testing.parity import TOL, ref_attention
+
+    B, H, KVH, Sq, Sk, D, dt, vec, mt, causal = case
+    q, k, v = (cuda_emu.aligned(rand(rng, s, dt)) for s in ((B, H, Sq, D), (B, KVH, Sk, D), (B, KVH, Sk, D)))
+    src = sources.render(sources.ATTN_TC, T=ctype(dt), MMAT="bf16" if dt is BF16 else "f16", D=D, VEC=vec, MT=mt,
+                         MASKKIND=int(causal), MASKMODE=0, TM="float", TP="int", HAS_POS=0)
+    out = cuda_emu.aligned(np.zeros((B, H, Sq, D), dt.np))
+    i64 = np.int64
+    strides = [(i64(t.shape[1] * t.shape[2] * D), i64(t.shape[2] * D), i64(D)) for t in (q, k, v, out)]
+    compile_kernel(src, "rlx_attn_tc").launch((-(-Sq // (64 * mt)), H, B), (128,), (
+        q, *strides[0], k, *strides[1], v, *strides[2], None, i64(0), i64(0), i64(0), i64(0), None,
+        out, *strides[3], np.int32(B), np.int32(H), np.int32(KVH), np.int32(Sq), np.int32(Sk),
+        1 / math.sqrt(D), 0.0, np.int32(0)), sources.attn_tc_smem(D, mt))
+    f64 = [a.astype(np.float64) for a in (q, k, v)]
+    pos = np.full(B, Sk - Sq, np.int32)
+    want = ref_attention(*f64, None, pos, scale=1 / math.sqrt(D), mask_kind="causal" if causal else "none")
+    err = np.abs(out.astype(np.float64) - want).max() / np.abs(want).max()
+    assert err <= TOL[dt], err
+
+
 @gpu
 @pytest.mark.parametrize("dt", FLOATS)
 def test_mask_fill_gather_views(rng, dt):

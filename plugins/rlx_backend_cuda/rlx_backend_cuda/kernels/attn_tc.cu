@@ -4,13 +4,22 @@
 // @part common()
 // What both tensor-core attention kernels use: 2^x in one MUFU instruction (exp2f adds a
 // denormal fix-up around it; a probability under 2^-126 is 0 to the bf16/f16 P.V product
-// anyway) and the cp.async group commit.
+// anyway) and the cp.async group commit. (A host build, tests/cuda_emu.py, runs the rlx_emu_*
+// forms of the PTX here and in the mma.sync kernel: each of its copies lands when issued.)
 __device__ __forceinline__ float rlx_exp2(float x) {
+#ifdef __CUDA_ARCH__
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+#else
+  return exp2f(x);
+#endif
 }
+#ifdef __CUDA_ARCH__
 #define RLX_CP_COMMIT() asm volatile("cp.async.commit_group;\n" ::: "memory")
+#else
+#define RLX_CP_COMMIT()
+#endif
 // @part tc(MT, D, MMAT, T, VEC, TM, TP, HAS_POS, MASKKIND, MASKMODE)
 // Flash-style prefill on tensor cores (f16/bf16, head_dim D % 16 == 0, D <= 256; MT = 1 at 256):
 // FlashAttention-2 register layout with mma.sync.m16n8k16 (f32 accumulate). Block = 4
@@ -28,22 +37,34 @@ __device__ __forceinline__ float rlx_exp2(float x) {
 #define LDS (D + 8)
 #define RLX_LOG2E 1.4426950408889634f
 __device__ __forceinline__ void rlx_mma(float* c, const u32* a, u32 b0, u32 b1) {
+#ifdef __CUDA_ARCH__
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." RLX_STR(MMAT) "." RLX_STR(MMAT) ".f32 "
                "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  rlx_emu_mma16816(c, a, b0, b1, RLX_STR(MMAT)[0] == 'b');
+#endif
 }
 __device__ __forceinline__ void rlx_ldm_x4(u32* r, const unsigned short* p) {
   // four 8x8 b16 matrices from shared memory: lanes 8i..8i+7 give matrix i's rows
+#ifdef __CUDA_ARCH__
   const unsigned a = (unsigned)__cvta_generic_to_shared(p);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+#else
+  rlx_emu_ldmatrix_x4(r, p, false);
+#endif
 }
 __device__ __forceinline__ void rlx_ldm_x4_trans(u32* r, const unsigned short* p) {
   // the same, each matrix transposed
+#ifdef __CUDA_ARCH__
   const unsigned a = (unsigned)__cvta_generic_to_shared(p);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+#else
+  rlx_emu_ldmatrix_x4(r, p, true);
+#endif
 }
 __device__ __forceinline__ u32 rlx_pack(float lo, float hi) {
   T l = ST(T, lo), h = ST(T, hi);
@@ -80,19 +101,30 @@ __device__ __forceinline__ void rlx_load_tile_async(unsigned short* dst, const T
   const int lim = (int)min((i64)BN, nrows - row0);
   const T* p = src + (row0 + r0) * rstride + c;
   const i64 step = (i64)RSTEP * rstride;
+#ifdef __CUDA_ARCH__
   unsigned s = (unsigned)__cvta_generic_to_shared(dst + r0 * LDS + c);
+#endif
 #pragma unroll
-  for (int i = 0; i < (BN + RSTEP - 1) / RSTEP; ++i, p += step, s += RSTEP * LDS * 2) {
+  for (int i = 0; i < (BN + RSTEP - 1) / RSTEP; ++i, p += step) {
     const int r = r0 + i * RSTEP;
     if (BN % RSTEP != 0 && r >= BN) break;
     const bool ok = r < lim;
+#ifdef __CUDA_ARCH__
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(ok ? p : src), "r"(ok ? 16 : 0));
+    s += RSTEP * LDS * 2;
+#else
+    rlx_emu_cp16(dst + r * LDS + c, ok ? p : src, ok ? 16 : 0);
+#endif
   }
 #else
   rlx_load_tile(dst, src, rstride, row0, nrows, tid);
 #endif
 }
+#ifdef __CUDA_ARCH__
 #define RLX_CP_WAIT1() asm volatile("cp.async.wait_group 1;\n" ::: "memory")
+#else
+#define RLX_CP_WAIT1()
+#endif
 extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
     const T* __restrict__ q, long long qsb, long long qsh, long long qss,
     const T* __restrict__ k, long long ksb, long long ksh, long long kss,
