@@ -158,8 +158,8 @@ ATTN_DECODE = Source("attn.cu:mask", "attn.cu:vec", "rope.cu:row", "attn.cu:deco
 # its defines without the RoPE and the epilogue (ops.AttnRope, ops.AttnEpilogue)
 ATTN_DECODE_PLAIN = dict(ROPE=0, INTERLEAVED=0, TC="float", TN="float", EPI=0, EPI_FN="", EPI_CALL="(o)",
                          TE="float", TY="float")
-ATTN_TC = Source("attn.cu:mask", "attn_tc.cu:common", "attn_tc.cu:tc")
-ATTN_WG = Source("attn.cu:mask", "attn_tc.cu:common", "attn_tc.cu:wg")
+ATTN_TC = Source("attn.cu:mask", "tc.cu:mma", "attn_tc.cu:common", "attn_tc.cu:tc")
+ATTN_WG = Source("attn.cu:mask", "tc.cu:mma", "attn_tc.cu:common", "attn_tc.cu:wg")
 
 
 def attn_tc_smem(D: int, MT: int) -> int:
@@ -252,14 +252,14 @@ MOE_DENSE1 = Source("moe.cu:w", "moe.cu:dense", "moe.cu:gemv1")           # (one
 MOE_PACKED_TAIL1 = Source("dq.cu:x4", "moe.cu:packed", "moe.cu:gemv1")
 MOE_COMBINE = Source("moe.cu:w", "moe.cu:combine")
 MOE_ROUTE = Source("moe.cu:w", "moe.cu:route")
-MOE_GEMM_DENSE = Source("deltanet.cu:tc_common", "moe.cu:w", "moe.cu:gemm_shape", "moe.cu:gemm_dense", "moe.cu:gemm")
-MOE_GEMM_PACKED_TAIL = Source("deltanet.cu:tc_common", "moe.cu:gemm_shape", "moe.cu:gemm_packed", "moe.cu:gemm")
+MOE_GEMM_DENSE = Source("tc.cu:mma", "deltanet.cu:tc_common", "moe.cu:w", "moe.cu:gemm_shape", "moe.cu:gemm_dense", "moe.cu:gemm")
+MOE_GEMM_PACKED_TAIL = Source("tc.cu:mma", "deltanet.cu:tc_common", "moe.cu:gemm_shape", "moe.cu:gemm_packed", "moe.cu:gemm")
 GDN_RULE = Source("deltanet.cu:rule")
 GDN_PREP = Source("deltanet.cu:chunk_prep")
 GDN_SCAN = Source("deltanet.cu:chunk_scan")
-GDN_TC_PREP = Source("deltanet.cu:tc_common", "deltanet.cu:tc_prep")
-GDN_TC_SCAN = Source("deltanet.cu:tc_common", "deltanet.cu:tc_scan")
-GDN_TC_OUT = Source("deltanet.cu:tc_common", "deltanet.cu:tc_out")
+GDN_TC_PREP = Source("tc.cu:mma", "deltanet.cu:tc_common", "deltanet.cu:tc_prep")
+GDN_TC_SCAN = Source("tc.cu:mma", "deltanet.cu:tc_common", "deltanet.cu:tc_scan")
+GDN_TC_OUT = Source("tc.cu:mma", "deltanet.cu:tc_common", "deltanet.cu:tc_out")
 GDN_NET = Source("gdn_net.cu:net")            # gated_delta_net (deltanet.py)
 CONV1D = Source("deltanet.cu:conv")
 CONV1D_STATE = Source("deltanet.cu:conv_state")

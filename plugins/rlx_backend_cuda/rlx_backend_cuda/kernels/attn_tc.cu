@@ -4,8 +4,7 @@
 // @part common()
 // What both tensor-core attention kernels use: 2^x in one MUFU instruction (exp2f adds a
 // denormal fix-up around it; a probability under 2^-126 is 0 to the bf16/f16 P.V product
-// anyway) and the cp.async group commit. (A host build, tests/cuda_emu.py, runs the rlx_emu_*
-// forms of the PTX here and in the mma.sync kernel: each of its copies lands when issued.)
+// anyway; a host build, tests/cuda_emu.py, takes exp2f). tc.cu has their other PTX.
 __device__ __forceinline__ float rlx_exp2(float x) {
 #ifdef __CUDA_ARCH__
   float y;
@@ -15,12 +14,7 @@ __device__ __forceinline__ float rlx_exp2(float x) {
   return exp2f(x);
 #endif
 }
-#ifdef __CUDA_ARCH__
-#define RLX_CP_COMMIT() asm volatile("cp.async.commit_group;\n" ::: "memory")
-#else
-#define RLX_CP_COMMIT()
-#endif
-// @part tc(MT, D, MMAT, T, VEC, TM, TP, HAS_POS, MASKKIND, MASKMODE)
+// @part tc(MT, D, T, VEC, TM, TP, HAS_POS, MASKKIND, MASKMODE)
 // Flash-style prefill on tensor cores (f16/bf16, head_dim D % 16 == 0, D <= 256; MT = 1 at 256):
 // FlashAttention-2 register layout with mma.sync.m16n8k16 (f32 accumulate). Block = 4
 // warps x MT m-tiles of 16 query rows of one head (warp w takes rows mt * 64 + w * 16..);
@@ -36,36 +30,6 @@ __device__ __forceinline__ float rlx_exp2(float x) {
 #define BN 64
 #define LDS (D + 8)
 #define RLX_LOG2E 1.4426950408889634f
-__device__ __forceinline__ void rlx_mma(float* c, const u32* a, u32 b0, u32 b1) {
-#ifdef __CUDA_ARCH__
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." RLX_STR(MMAT) "." RLX_STR(MMAT) ".f32 "
-               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  rlx_emu_mma16816(c, a, b0, b1, RLX_STR(MMAT)[0] == 'b');
-#endif
-}
-__device__ __forceinline__ void rlx_ldm_x4(u32* r, const unsigned short* p) {
-  // four 8x8 b16 matrices from shared memory: lanes 8i..8i+7 give matrix i's rows
-#ifdef __CUDA_ARCH__
-  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-#else
-  rlx_emu_ldmatrix_x4(r, p, false);
-#endif
-}
-__device__ __forceinline__ void rlx_ldm_x4_trans(u32* r, const unsigned short* p) {
-  // the same, each matrix transposed
-#ifdef __CUDA_ARCH__
-  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-#else
-  rlx_emu_ldmatrix_x4(r, p, true);
-#endif
-}
 __device__ __forceinline__ u32 rlx_pack(float lo, float hi) {
   T l = ST(T, lo), h = ST(T, hi);
   return (u32)(*(unsigned short*)&l) | ((u32)(*(unsigned short*)&h) << 16);
@@ -120,11 +84,6 @@ __device__ __forceinline__ void rlx_load_tile_async(unsigned short* dst, const T
   rlx_load_tile(dst, src, rstride, row0, nrows, tid);
 #endif
 }
-#ifdef __CUDA_ARCH__
-#define RLX_CP_WAIT1() asm volatile("cp.async.wait_group 1;\n" ::: "memory")
-#else
-#define RLX_CP_WAIT1()
-#endif
 extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
     const T* __restrict__ q, long long qsb, long long qsh, long long qss,
     const T* __restrict__ k, long long ksb, long long ksh, long long kss,
@@ -177,7 +136,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
   for (i64 kt = kbeg; kt < kend; kt += BN) {
     rlx_load_tile_async(Vs, vb, vss, kt, Sk, tid);
     RLX_CP_COMMIT();
-    RLX_CP_WAIT1();                                 // this K tile has landed (and Q, first time)
+    RLX_CP_WAIT(1);                                 // this K tile has landed (and Q, first time)
     __syncthreads();
     float s[MT][BN / 8][4];
 #pragma unroll
@@ -291,7 +250,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
     __syncthreads();                                // every warp is done with this K tile
     if (kt + BN < kend) rlx_load_tile_async(Ks, kb, kss, kt + BN, Sk, tid);
     RLX_CP_COMMIT();
-    RLX_CP_WAIT1();                                 // this V tile has landed
+    RLX_CP_WAIT(1);                                 // this V tile has landed
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
@@ -692,7 +651,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) rlx_attn_wg(
   const rlx_wg_loader load(tid);
   load(Qs, q + b * qsb + h * qsh, qss, a.q0, Sq);
   RLX_CP_COMMIT();
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  RLX_CP_WAIT(0);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
   if (wg >= stay) return;

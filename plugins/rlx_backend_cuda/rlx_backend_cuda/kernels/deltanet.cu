@@ -378,7 +378,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) rlx_gdn_scan(const T* __res
     if (v0 + j < VD) s1[sb + (i64)r * VD + v0 + j] = ST(T, S[r * VP + j]);
   }
 }
-// @part tc_common(T, MMAT)
+// @part tc_common(T)
 // The chunked form on tensor cores (f16 / bf16 data, chunks of 64 steps, K and V multiples of
 // 16): flash-linear-attention's split of chunk_gated_delta_rule in three launches,
 //   tc_prep  every chunk at once: cum, A, (I + A)^-1, W = X (beta e^cum K), U = X (beta V);
@@ -394,49 +394,29 @@ extern "C" __global__ void __launch_bounds__(256, 1) rlx_gdn_scan(const T* __res
 // (rlx_gtc_bn), a B or a transposed A stored [k][n] / [k][m] (.trans: rlx_gtc_bt, rlx_gtc_at).
 typedef unsigned short hword;
 #define GC 64
-__device__ __forceinline__ void rlx_gtc_mma(float* c, const u32* a, u32 b0, u32 b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." RLX_STR(MMAT) "." RLX_STR(MMAT) ".f32 "
-               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void rlx_gtc_ldm(u32* r, const hword* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
-}
-__device__ __forceinline__ void rlx_gtc_ldmt(u32* r, const hword* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
-}
 // A [16 x 16] at (m0, k0) of a row-major [m][k] matrix
 __device__ __forceinline__ void rlx_gtc_a(u32* a, const hword* s, int ld, int m0, int k0, int lane) {
-  rlx_gtc_ldm(a, s + (m0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8);
+  rlx_ldm_x4(a, s + (m0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8);
 }
 // A [16 x 16] at (m0, k0) of a matrix stored transposed, [k][m]
 __device__ __forceinline__ void rlx_gtc_at(u32* a, const hword* s, int ld, int m0, int k0, int lane) {
   const int i = lane & 7, j = lane >> 3;
-  rlx_gtc_ldmt(a, s + (k0 + i + (j >> 1) * 8) * ld + m0 + (j & 1) * 8);
+  rlx_ldm_x4_trans(a, s + (k0 + i + (j >> 1) * 8) * ld + m0 + (j & 1) * 8);
 }
 // B of two n-tiles (n0.. n0 + 15) for k0.. k0 + 15, B stored [n][k]: b[0], b[1] the first tile's
 __device__ __forceinline__ void rlx_gtc_bn(u32* b, const hword* s, int ld, int k0, int n0, int lane) {
   const int i = lane & 7, j = lane >> 3;
-  rlx_gtc_ldm(b, s + (n0 + i + (j >> 1) * 8) * ld + k0 + (j & 1) * 8);
+  rlx_ldm_x4(b, s + (n0 + i + (j >> 1) * 8) * ld + k0 + (j & 1) * 8);
 }
 // the same, B stored [k][n]
 __device__ __forceinline__ void rlx_gtc_bt(u32* b, const hword* s, int ld, int k0, int n0, int lane) {
   const int i = lane & 7, j = lane >> 3;
-  rlx_gtc_ldmt(b, s + (k0 + i + (j & 1) * 8) * ld + n0 + (j >> 1) * 8);
+  rlx_ldm_x4_trans(b, s + (k0 + i + (j & 1) * 8) * ld + n0 + (j >> 1) * 8);
 }
 __device__ __forceinline__ u32 rlx_gtc_pack(float lo, float hi) {
   T l = ST(T, lo), h = ST(T, hi);
   return (u32)(*(hword*)&l) | ((u32)(*(hword*)&h) << 16);
 }
-__device__ __forceinline__ void rlx_gtc_cp16(void* dst, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-               :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-#define RLX_GTC_COMMIT() asm volatile("cp.async.commit_group;\n" ::: "memory")
-#define RLX_GTC_WAIT(n) asm volatile("cp.async.wait_group " #n ";\n" ::: "memory")
 // rows r0.. r0 + GC - 1 of a [rows][D] matrix (row stride `stride` elements) into s[GC][D + 8],
 // rows at or past `rows` zero; 16-byte copies in flight (the caller commits and waits)
 template <int D>
@@ -444,7 +424,7 @@ __device__ __forceinline__ void rlx_gtc_rows(hword* s, const T* src, i64 stride,
   for (int e = tid; e < GC * (D / 8); e += 128) {
     const int r = e / (D / 8), c = (e % (D / 8)) * 8;
     const bool ok = r0 + r < rows;
-    rlx_gtc_cp16(s + r * (D + 8) + c, ok ? (const void*)(src + (i64)(r0 + r) * stride + c) : (const void*)src, ok);
+    rlx_cp16(s + r * (D + 8) + c, ok ? (const void*)(src + (i64)(r0 + r) * stride + c) : (const void*)src, ok);
   }
 }
 // @part tc_prep(KD, VD)
@@ -473,7 +453,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __res
   const i64 row0 = ((i64)b * H + h) * gridDim.x * GC + t0;     // the chunk's first row in the scratch
   rlx_gtc_rows<KD>(Ks, k + ((i64)b * steps * HK + hk) * KD, (i64)HK * KD, t0, steps, tid);
   rlx_gtc_rows<VD>(Vs, v + ((i64)b * steps * H + h) * VD, (i64)H * VD, t0, steps, tid);
-  RLX_GTC_COMMIT();
+  RLX_CP_COMMIT();
   if (tid < GC) {
     const bool ok = t0 + tid < steps;
     const i64 at = ((i64)b * steps + t0 + tid) * H + h;
@@ -488,7 +468,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __res
   }
   __syncthreads();
   if (tid >= 32 && tid < GC) cum[tid] += cum[31];
-  RLX_GTC_WAIT(0);
+  RLX_CP_WAIT(0);
   __syncthreads();
   if (tid < GC) {
     cbuf[row0 + tid] = cum[tid];
@@ -512,8 +492,8 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __res
       for (int nt = 0; nt < GC / 8; nt += 2) {
         u32 bf[4];
         rlx_gtc_bn(bf, Ks, KP, k0, nt * 8, lane);
-        rlx_gtc_mma(acc[nt], a, bf[0], bf[1]);
-        rlx_gtc_mma(acc[nt + 1], a, bf[2], bf[3]);
+        rlx_mma(acc[nt], a, bf[0], bf[1]);
+        rlx_mma(acc[nt + 1], a, bf[2], bf[3]);
       }
     }
 #pragma unroll
@@ -597,8 +577,8 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_prep(const T* __res
       for (int k0 = 0; k0 < GC; k0 += 16) {
         u32 bf[4];
         rlx_gtc_bt(bf, src, P, k0, n0, lane);
-        rlx_gtc_mma(acc[0], xa[k0 / 16], bf[0], bf[1]);
-        rlx_gtc_mma(acc[1], xa[k0 / 16], bf[2], bf[3]);
+        rlx_mma(acc[0], xa[k0 / 16], bf[0], bf[1]);
+        rlx_mma(acc[1], xa[k0 / 16], bf[2], bf[3]);
       }
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
@@ -639,9 +619,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) rlx_gdn_tc_scan(const T* __
     rlx_gtc_rows<KD>(Kc + st * GC * KP, kh, (i64)HK * KD, c * GC, steps, tid);
     for (int e = tid; e < GC * (BV / 8); e += 128) {
       const int r = e / (BV / 8), cc = (e % (BV / 8)) * 8;
-      rlx_gtc_cp16(Us + st * GC * BP + r * BP + cc, ubuf + (rows + c * GC + r) * VD + v0 + cc, true);
+      rlx_cp16(Us + st * GC * BP + r * BP + cc, ubuf + (rows + c * GC + r) * VD + v0 + cc, true);
     }
-    if (tid < GC / 4) rlx_gtc_cp16(Cs + st * GC + tid * 4, cbuf + rows + c * GC + tid * 4, true);
+    if (tid < GC / 4) rlx_cp16(Cs + st * GC + tid * 4, cbuf + rows + c * GC + tid * 4, true);
   };
   float S[MT][BV / 8][4];
   const i64 sb = head * KD * VD;
@@ -655,13 +635,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) rlx_gdn_tc_scan(const T* __
         S[mt][nt][e] = mt * 4 + w < KD / 16 ? LD(float, s0[sb + (i64)d * VD + j]) : 0.f;
       }
   fetch(0);
-  RLX_GTC_COMMIT();
+  RLX_CP_COMMIT();
   if (nch > 1) fetch(1);
-  RLX_GTC_COMMIT();
+  RLX_CP_COMMIT();
   for (int c = 0; c < nch; ++c) {
     const int st = c % NS;
     if (c + 2 < nch) fetch(c + 2);    // into the stage chunk c - 1 left
-    RLX_GTC_COMMIT();
+    RLX_CP_COMMIT();
     // H_c, rounded: into Ss and hbuf [B, H, NT, KD, VD]
     T* hc = hbuf + (head * nch + c) * KD * VD + v0;
 #pragma unroll
@@ -677,7 +657,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) rlx_gdn_tc_scan(const T* __
           *(u32*)&hc[(i64)d * VD + j] = x;
         }
     }
-    RLX_GTC_WAIT(2);                  // this chunk's rows have landed (this thread's copies)
+    RLX_CP_WAIT(2);                  // this chunk's rows have landed (this thread's copies)
     __syncthreads();
     const hword* Wc = Ws + st * GC * KP;
     const hword* Kt = Kc + st * GC * KP;
@@ -700,8 +680,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) rlx_gdn_tc_scan(const T* __
           rlx_gtc_bt(bf, Ss, BP, k0, nt * 8, lane);
           float* c0 = (k0 & 16) ? acc2[nt] : acc[nt];
           float* c1 = (k0 & 16) ? acc2[nt + 1] : acc[nt + 1];
-          rlx_gtc_mma(c0, a, bf[0], bf[1]);
-          rlx_gtc_mma(c1, a, bf[2], bf[3]);
+          rlx_mma(c0, a, bf[0], bf[1]);
+          rlx_mma(c1, a, bf[2], bf[3]);
         }
       }
 #pragma unroll
@@ -741,8 +721,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) rlx_gdn_tc_scan(const T* __
           for (int nt = 0; nt < BV / 8; nt += 2) {
             u32 bf[4];
             rlx_gtc_bt(bf, Vd, BP, k0, nt * 8, lane);
-            rlx_gtc_mma(S[mt][nt], a, bf[0], bf[1]);
-            rlx_gtc_mma(S[mt][nt + 1], a, bf[2], bf[3]);
+            rlx_mma(S[mt][nt], a, bf[0], bf[1]);
+            rlx_mma(S[mt][nt + 1], a, bf[2], bf[3]);
           }
         }
       }
@@ -785,11 +765,11 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_out(const T* __rest
   const T* hc = hbuf + (head * nch + c) * KD * VD;
   for (int e = tid; e < KD * (VD / 8); e += 128) {
     const int r = e / (VD / 8), cc = (e % (VD / 8)) * 8;
-    rlx_gtc_cp16(Hs + r * VP + cc, hc + (i64)r * VD + cc, true);
+    rlx_cp16(Hs + r * VP + cc, hc + (i64)r * VD + cc, true);
   }
-  if (tid < GC / 4) rlx_gtc_cp16(cum + tid * 4, cbuf + row0 + tid * 4, true);
-  RLX_GTC_COMMIT();
-  RLX_GTC_WAIT(0);
+  if (tid < GC / 4) rlx_cp16(cum + tid * 4, cbuf + row0 + tid * 4, true);
+  RLX_CP_COMMIT();
+  RLX_CP_WAIT(0);
   __syncthreads();
   const int i0 = 16 * w + gr, i1 = i0 + 8;
   {  // P: warp w rows 16w.., the keys up to its last row
@@ -805,8 +785,8 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_out(const T* __rest
         if (nt * 8 > 16 * w + 15) break;
         u32 bf[4];
         rlx_gtc_bn(bf, Ks, KP, k0, nt * 8, lane);
-        rlx_gtc_mma(acc[nt], a, bf[0], bf[1]);
-        rlx_gtc_mma(acc[nt + 1], a, bf[2], bf[3]);
+        rlx_mma(acc[nt], a, bf[0], bf[1]);
+        rlx_mma(acc[nt + 1], a, bf[2], bf[3]);
       }
     }
 #pragma unroll
@@ -835,8 +815,8 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_out(const T* __rest
     for (int k0 = 0; k0 < KD; k0 += 16) {
       u32 bf[4];
       rlx_gtc_bt(bf, Hs, VP, k0, n0, lane);
-      rlx_gtc_mma(acc[0], qa[k0 / 16], bf[0], bf[1]);
-      rlx_gtc_mma(acc[1], qa[k0 / 16], bf[2], bf[3]);
+      rlx_mma(acc[0], qa[k0 / 16], bf[0], bf[1]);
+      rlx_mma(acc[1], qa[k0 / 16], bf[2], bf[3]);
     }
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
@@ -847,8 +827,8 @@ extern "C" __global__ void __launch_bounds__(128) rlx_gdn_tc_out(const T* __rest
       if (k0 > 16 * w) break;
       u32 bf[4];
       rlx_gtc_bt(bf, Vs, VP, k0, n0, lane);
-      rlx_gtc_mma(acc[0], pa[k0 / 16], bf[0], bf[1]);
-      rlx_gtc_mma(acc[1], pa[k0 / 16], bf[2], bf[3]);
+      rlx_mma(acc[0], pa[k0 / 16], bf[0], bf[1]);
+      rlx_mma(acc[1], pa[k0 / 16], bf[2], bf[3]);
     }
 #pragma unroll
     for (int t = 0; t < 2; ++t) {

@@ -366,7 +366,7 @@ __device__ __forceinline__ void rlx_b_tile(hword* s, const u8* w, long long wrs,
   for (int i = tid; i < BN * (BK / 8); i += 128) {
     const int r = i / (BK / 8), c = (i % (BK / 8)) * 8;
     const bool ok = n0 + r < N;
-    rlx_gtc_cp16(s + r * LDS + c, w + (i64)(ok ? n0 + r : 0) * wrs + (i64)(k0 + c) * (i64)sizeof(T), ok);
+    rlx_cp16(s + r * LDS + c, w + (i64)(ok ? n0 + r : 0) * wrs + (i64)(k0 + c) * (i64)sizeof(T), ok);
   }
 }
 // @part gemm_packed()
@@ -417,7 +417,7 @@ typedef W rlx_out;
 __device__ __forceinline__ void rlx_a_tile(hword* s, const T* x, long long xrs, const int* xrow, int k0, int tid) {
   for (int i = tid; i < BM * (BK / 8); i += 128) {
     const int r = i / (BK / 8), c = (i % (BK / 8)) * 8, xr = xrow[r];
-    rlx_gtc_cp16(s + r * LDS + c, xr >= 0 ? (const void*)(x + (i64)xr * xrs + k0 + c) : (const void*)x, xr >= 0);
+    rlx_cp16(s + r * LDS + c, xr >= 0 ? (const void*)(x + (i64)xr * xrs + k0 + c) : (const void*)x, xr >= 0);
   }
 }
 extern "C" __global__ void __launch_bounds__(128) rlx_moe_gemm(const T* __restrict__ x, long long xrs, int xdiv,
@@ -446,16 +446,16 @@ extern "C" __global__ void __launch_bounds__(128) rlx_moe_gemm(const T* __restri
     for (int i = 0; i < 8; ++i) acc[mt][i / 4][i % 4] = acc2[mt][i / 4][i % 4] = 0.f;
 #define RLX_STAGE(st, k0) \
   { rlx_a_tile(sa[st], x, xrs, xrow, (k0), tid); rlx_b_tile(sb[st], ga, wrs, n0, N, (k0), tid); \
-    if (DUAL) rlx_b_tile(sb[st] + BN * LDS, gb, wrs, n0, N, (k0), tid); RLX_GTC_COMMIT(); }
+    if (DUAL) rlx_b_tile(sb[st] + BN * LDS, gb, wrs, n0, N, (k0), tid); RLX_CP_COMMIT(); }
   const int KT = K / BK;
   RLX_STAGE(0, 0)
   for (int kt = 0; kt < KT; ++kt) {
     const int st = kt % STAGES;
     if (STAGES > 1 && kt + 1 < KT) {
       RLX_STAGE((kt + 1) % STAGES, (kt + 1) * BK)
-      RLX_GTC_WAIT(1);
+      RLX_CP_WAIT(1);
     } else {
-      RLX_GTC_WAIT(0);
+      RLX_CP_WAIT(0);
     }
     __syncthreads();
     const hword* as = sa[st];
@@ -469,11 +469,11 @@ extern "C" __global__ void __launch_bounds__(128) rlx_moe_gemm(const T* __restri
       for (int mt = 0; mt < MT; ++mt) {
         u32 af[4];
         rlx_gtc_a(af, as, LDS, mt * 16, kk, lane);
-        rlx_gtc_mma(acc[mt][0], af, bf[0], bf[1]);
-        rlx_gtc_mma(acc[mt][1], af, bf[2], bf[3]);
+        rlx_mma(acc[mt][0], af, bf[0], bf[1]);
+        rlx_mma(acc[mt][1], af, bf[2], bf[3]);
         if (DUAL) {
-          rlx_gtc_mma(acc2[mt][0], af, bf2[0], bf2[1]);
-          rlx_gtc_mma(acc2[mt][1], af, bf2[2], bf2[3]);
+          rlx_mma(acc2[mt][0], af, bf2[0], bf2[1]);
+          rlx_mma(acc2[mt][1], af, bf2[2], bf2[3]);
         }
       }
     }
