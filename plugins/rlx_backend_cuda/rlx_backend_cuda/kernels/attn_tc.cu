@@ -267,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(128) rlx_attn_tc(
 #pragma unroll
       for (int dt = 0; dt < D / 8; dt += 2) {
         u32 vf[4];
-        rlx_ldm_x4_trans(vf, vrow + dt * 8);
+        rlx_ldm_x4<true>(vf, vrow + dt * 8);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           rlx_mma(o[mt][dt], a[mt], vf[0], vf[1]);

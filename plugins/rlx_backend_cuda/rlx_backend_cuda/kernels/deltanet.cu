@@ -401,7 +401,7 @@ __device__ __forceinline__ void rlx_gtc_a(u32* a, const hword* s, int ld, int m0
 // A [16 x 16] at (m0, k0) of a matrix stored transposed, [k][m]
 __device__ __forceinline__ void rlx_gtc_at(u32* a, const hword* s, int ld, int m0, int k0, int lane) {
   const int i = lane & 7, j = lane >> 3;
-  rlx_ldm_x4_trans(a, s + (k0 + i + (j >> 1) * 8) * ld + m0 + (j & 1) * 8);
+  rlx_ldm_x4<true>(a, s + (k0 + i + (j >> 1) * 8) * ld + m0 + (j & 1) * 8);
 }
 // B of two n-tiles (n0.. n0 + 15) for k0.. k0 + 15, B stored [n][k]: b[0], b[1] the first tile's
 __device__ __forceinline__ void rlx_gtc_bn(u32* b, const hword* s, int ld, int k0, int n0, int lane) {
@@ -411,7 +411,7 @@ __device__ __forceinline__ void rlx_gtc_bn(u32* b, const hword* s, int ld, int k
 // the same, B stored [k][n]
 __device__ __forceinline__ void rlx_gtc_bt(u32* b, const hword* s, int ld, int k0, int n0, int lane) {
   const int i = lane & 7, j = lane >> 3;
-  rlx_ldm_x4_trans(b, s + (k0 + i + (j & 1) * 8) * ld + n0 + (j >> 1) * 8);
+  rlx_ldm_x4<true>(b, s + (k0 + i + (j & 1) * 8) * ld + n0 + (j >> 1) * 8);
 }
 __device__ __forceinline__ u32 rlx_gtc_pack(float lo, float hi) {
   T l = ST(T, lo), h = ST(T, hi);

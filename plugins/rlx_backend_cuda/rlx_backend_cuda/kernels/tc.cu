@@ -13,22 +13,19 @@ __device__ __forceinline__ void rlx_mma(float* c, const u32* a, u32 b0, u32 b1) 
   rlx_emu_mma16816(c, a, b0, b1, RLX_STR(MMAT)[0] == 'b');
 #endif
 }
-// four 8x8 16-bit matrices from shared memory: lanes 8i..8i+7 give matrix i's rows
-__device__ __forceinline__ void rlx_ldm_x4(u32* r, const unsigned short* p) {
+// four 8x8 16-bit matrices from shared memory: lanes 8i..8i+7 give matrix i's rows (TRANS:
+// each matrix transposed)
+template <bool TRANS = false> __device__ __forceinline__ void rlx_ldm_x4(u32* r, const unsigned short* p) {
 #ifdef __CUDA_ARCH__
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  if constexpr (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 #else
-  rlx_emu_ldmatrix_x4(r, p, false);
-#endif
-}
-// the same, each matrix transposed
-__device__ __forceinline__ void rlx_ldm_x4_trans(u32* r, const unsigned short* p) {
-#ifdef __CUDA_ARCH__
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)));
-#else
-  rlx_emu_ldmatrix_x4(r, p, true);
+  rlx_emu_ldmatrix_x4(r, p, TRANS);
 #endif
 }
 // 16 bytes from global src into shared dst, zeros where !ok (src then only needs to be valid)
