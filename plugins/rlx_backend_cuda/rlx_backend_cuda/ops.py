@@ -1216,7 +1216,8 @@ def _read_next(b, ref: tuple) -> bool:
     """Whether only params and constants lie between this node and the last reader of `ref`,
     other than its readers (what else a step writes in between is not known here)."""
     g, readers = b.r.lir.graph, b.uses.get(ref, [])
-    return all(j in readers or g.nodes[j].op in ("param", "constant") for j in range(b.node + 1, max(readers)))
+    between = range(b.node + 1, max(readers))
+    return all(j in readers or g.nodes[j].op in ("param", "constant") for j in between)
 
 
 def _int8_x(b, ref: tuple, x: V) -> None:

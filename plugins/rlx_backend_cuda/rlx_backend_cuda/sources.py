@@ -252,8 +252,10 @@ MOE_DENSE1 = Source("moe.cu:w", "moe.cu:dense", "moe.cu:gemv1")           # (one
 MOE_PACKED_TAIL1 = Source("dq.cu:x4", "moe.cu:packed", "moe.cu:gemv1")
 MOE_COMBINE = Source("moe.cu:w", "moe.cu:combine")
 MOE_ROUTE = Source("moe.cu:w", "moe.cu:route")
-MOE_GEMM_DENSE = Source("tc.cu:mma", "deltanet.cu:tc_common", "moe.cu:w", "moe.cu:gemm_shape", "moe.cu:gemm_dense", "moe.cu:gemm")
-MOE_GEMM_PACKED_TAIL = Source("tc.cu:mma", "deltanet.cu:tc_common", "moe.cu:gemm_shape", "moe.cu:gemm_packed", "moe.cu:gemm")
+MOE_GEMM_DENSE = Source("tc.cu:mma", "deltanet.cu:tc_common", "moe.cu:w", "moe.cu:gemm_shape",
+                        "moe.cu:gemm_dense", "moe.cu:gemm")
+MOE_GEMM_PACKED_TAIL = Source("tc.cu:mma", "deltanet.cu:tc_common", "moe.cu:gemm_shape", "moe.cu:gemm_packed",
+                              "moe.cu:gemm")
 GDN_RULE = Source("deltanet.cu:rule")
 GDN_PREP = Source("deltanet.cu:chunk_prep")
 GDN_SCAN = Source("deltanet.cu:chunk_scan")

@@ -324,7 +324,8 @@ inline void rlx_emu_ldmatrix_x4(uint32_t* r, const unsigned short* p, bool trans
   for (int i = 0; i < 4; ++i) {
     auto at = [&](unsigned row, unsigned col) { return ((const unsigned short*)me.wp[w][8 * i + row])[col]; };
     const unsigned c = 2 * (lane % 4);
-    const uint32_t lo = trans ? at(c, lane / 4) : at(lane / 4, c), hi = trans ? at(c + 1, lane / 4) : at(lane / 4, c + 1);
+    const uint32_t lo = trans ? at(c, lane / 4) : at(lane / 4, c);
+    const uint32_t hi = trans ? at(c + 1, lane / 4) : at(lane / 4, c + 1);
     got[i] = lo | (hi << 16);
   }
   me.warps[w]->arrive_and_wait();

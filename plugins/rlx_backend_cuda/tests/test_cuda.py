@@ -791,8 +791,8 @@ def test_emulated_tensor_core_attention(rng, case):
 
     B, H, KVH, Sq, Sk, D, dt, vec, mt, causal = case
     q, k, v = (cuda_emu.aligned(rand(rng, s, dt)) for s in ((B, H, Sq, D), (B, KVH, Sk, D), (B, KVH, Sk, D)))
-    src = sources.render(sources.ATTN_TC, T=ctype(dt), MMAT="bf16" if dt is BF16 else "f16", D=D, VEC=vec, MT=mt,
-                         MASKKIND=int(causal), MASKMODE=0, TM="float", TP="int", HAS_POS=0)
+    src = sources.render(sources.ATTN_TC, T=ctype(dt), MMAT="bf16" if dt is BF16 else "f16", D=D, VEC=vec,
+                         MT=mt, MASKKIND=int(causal), MASKMODE=0, TM="float", TP="int", HAS_POS=0)
     out = cuda_emu.aligned(np.zeros((B, H, Sq, D), dt.np))
     i64 = np.int64
     strides = [(i64(t.shape[1] * t.shape[2] * D), i64(t.shape[2] * D), i64(D)) for t in (q, k, v, out)]

@@ -235,9 +235,9 @@ def _norms(nw=None, noff=0.0, res=None, N=0, yw=None, osq=None) -> tuple:
 
 def _launch(kernel, x, w, y, M, N, K, s, bias=None, tail=_norms(), y8=None, counters=None, xrs=None):
     k, per_block, smem = kernel
-    k.launch((-(-N // per_block),), (256,), (x, np.int64(xrs or K), w, np.int64(w.shape[1]), bias, y, np.int32(M),
-                                              np.int32(N), np.int32(K // s.block_size), y8, counters) + tail,
-             smem)
+    head = (x, np.int64(xrs or K), w, np.int64(w.shape[1]), bias, y, np.int32(M), np.int32(N),
+            np.int32(K // s.block_size), y8, counters)
+    k.launch((-(-N // per_block),), (256,), head + tail, smem)
 
 
 def _int8_rows(x, T: str, nsq=None, eps: float = 0.0, zero=None):
@@ -379,7 +379,8 @@ def test_emulated_gemv_rounds_its_outputs_as_quant_q8_would(rng, name, k, rows):
         nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
         h, yw, osq = np.zeros((rows, n), BF), np.zeros((rows, n), BF), np.zeros(rows * 32, np.float32)
         zero, y8 = np.ones(64, np.float32), np.zeros(qx_bytes(rows, n), np.uint8)
-        tail = (np.float32(eps), None, nw, np.float32(0), res, np.int64(n), yw, osq, zero, np.int32(zero.size))
+        tail = (np.float32(eps), None, nw, np.float32(0), res, np.int64(n), yw, osq, zero,
+                np.int32(zero.size))
         _launch(resid, x8, w, h, rows, n, k, s, tail=tail, y8=y8, counters=counters)
         assert not zero.any() and not counters.any(), counters
         np.testing.assert_array_equal(y8, _int8_rows(yw, bf, osq, eps))
@@ -403,7 +404,8 @@ def _llama_layer(m):
                for a, n in ((0, h), (h, kv), (h + kv, kv)))
     kc = m.kv_write(m.state("kc", (bs, kv, ctx, d), BF16), m.rope(k, cos, sin), pos)
     vc = m.kv_write(m.state("vc", (bs, kv, ctx, d), BF16), v, pos)
-    o = m.reshape(m.transpose(m.attention(m.rope(q, cos, sin), kc, vc, pos=pos), (0, 2, 1, 3)), (bs, 1, h * d))
+    o = m.transpose(m.attention(m.rope(q, cos, sin), kc, vc, pos=pos), (0, 2, 1, 3))
+    o = m.reshape(o, (bs, 1, h * d))
     x = m.add_(x, m.linear(o, mat("wo", hid, h * d)))
     x = m.add_(x, m.swiglu(m.rms_norm(x, m.param("ln2", (hid,), BF16), eps=1e-6), mat("wg", ff, hid),
                            mat("wu", ff, hid), mat("wd", hid, ff)))

@@ -424,7 +424,8 @@ __device__ __forceinline__ void rlx_gtc_rows(hword* s, const T* src, i64 stride,
   for (int e = tid; e < GC * (D / 8); e += 128) {
     const int r = e / (D / 8), c = (e % (D / 8)) * 8;
     const bool ok = r0 + r < rows;
-    rlx_cp16(s + r * (D + 8) + c, ok ? (const void*)(src + (i64)(r0 + r) * stride + c) : (const void*)src, ok);
+    rlx_cp16(s + r * (D + 8) + c, ok ? (const void*)(src + (i64)(r0 + r) * stride + c) : (const void*)src,
+             ok);
   }
 }
 // @part tc_prep(KD, VD)

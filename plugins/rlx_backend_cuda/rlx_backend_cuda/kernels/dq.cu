@@ -290,8 +290,9 @@ __device__ __forceinline__ u32 rlx_q8_lanes(const W* v, float* d) {
 // out over `blocks` thread blocks of which this is `block`. INT8: into out's int8 rows [M][K],
 // then their scales [M][K / 32] (the int8 GEMVs' x: gemv's QX); else the rounded values
 // themselves, out [M][K] of TO. den: each row's divisor of its scales, or null.
-template <bool INT8> __device__ __forceinline__ void rlx_round_rows(const T* x, i64 xrs, i64 M, int K, void* out,
-                                                                 const float* den, int blocks, int block) {
+template <bool INT8>
+__device__ __forceinline__ void rlx_round_rows(const T* x, i64 xrs, i64 M, int K, void* out, const float* den,
+                                               int blocks, int block) {
   const int lane = threadIdx.x & 31, nbx = K / 32;
   const i64 total = M * nbx;
   for (i64 g0 = ((i64)block * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 4; g0 < total;
@@ -358,10 +359,10 @@ extern "C" __global__ void __launch_bounds__(256) rlx_quant_q8(const T* __restri
 // QX (int8 activations: x arrives through a fake_quantize to int8_b32; ops.py's `_int8_x`): x
 // points at quant_q8's y8 (the rows' q, then their scales), which the block copies into dynamic
 // shared memory once its weight loads are in flight (QX 2: x holds the float rows, which each
-// block rounds into that shared memory itself: no quant_q8 launch before a small x); each run's 4 weight bytes b times 4 x bytes
-// is one dp4a (of b - 128: signed by signed; the sum of x's bytes times 128 - BIAS added back),
-// a group of QXG runs (one weight scale, one x block) scaled once: about one instruction a
-// weight where the float form takes three (the q4_k GEMVs were bound by instructions, not
+// block rounds into that shared memory itself: no quant_q8 launch before a small x); each
+// run's 4 weight bytes b times 4 x bytes is one dp4a (of b - 128: signed by signed; the sum of
+// x's bytes times 128 - BIAS added back), a group of QXG runs (one weight scale, one x block)
+// scaled once: about one instruction a weight where the float form takes three (the q4_k GEMVs were bound by instructions, not
 // bytes). A large x is rounded once per product, not in each block: by instruction counts that
 // would cost more than the products (a block of the down projection has 4 rows of 8192
 // weights, x 8192 values; not measured); ops.QX_ROUND_MAX bounds the x a block rounds (QX 2).
