@@ -362,12 +362,13 @@ extern "C" __global__ void __launch_bounds__(256) rlx_quant_q8(const T* __restri
 // block rounds into that shared memory itself: no quant_q8 launch before a small x); each
 // run's 4 weight bytes b times 4 x bytes is one dp4a (of b - 128: signed by signed; the sum of
 // x's bytes times 128 - BIAS added back), a group of QXG runs (one weight scale, one x block)
-// scaled once: about one instruction a weight where the float form takes three (the q4_k GEMVs were bound by instructions, not
-// bytes). A large x is rounded once per product, not in each block: by instruction counts that
-// would cost more than the products (a block of the down projection has 4 rows of 8192
-// weights, x 8192 values; not measured); ops.QX_ROUND_MAX bounds the x a block rounds (QX 2).
-// Q8 (the product's reader is a fake_quantize for QX GEMVs; ops.py's `_q8_reader`): the outputs are
-// also rounded into those GEMVs' int8 rows y8 here, so no quant_q8 launch sits between the
+// scaled once: about one instruction a weight where the float form takes three (the q4_k GEMVs
+// were bound by instructions, not bytes). A large x is rounded once per product, not in each
+// block: by instruction counts that would cost more than the products (a block of the down
+// projection has 4 rows of 8192 weights, x 8192 values; not measured); ops.QX_ROUND_MAX bounds
+// the x a block rounds (QX 2).
+// Q8 (the product's reader is a fake_quantize for QX GEMVs; ops.py's `_q8_reader`): the outputs
+// are also rounded into those GEMVs' int8 rows y8 here, so no quant_q8 launch sits between the
 // two GEMVs. The last block to finish a group of 32 outputs of a row rounds it (a counter a
 // group where a block has fewer than 32 outputs); RESID rounds yw, and the last block of all
 // then divides the scales by the rows' norms (every block's squares are in osq by then) and
