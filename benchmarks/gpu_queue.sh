@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU work a session without a device queued (session 28), each part under a time limit
+# so that one device call (10 minutes at most) returns what ran. Here first, to unpack the
+# trees the A/Bs compare (the device gets the working tree, not the repository's history):
+#   bash benchmarks/gpu_queue.sh prep
+# then on the device, after the install, with carry [".device"]:
+#   bash benchmarks/gpu_queue.sh tests int8     # the int8 rounding's GPU tests and its A/B (~540 s)
+#   bash benchmarks/gpu_queue.sh attn           # the decode attention's prefetch A/B (~250 s)
+# int8: Llama-1B q4_k decode with int8 activations, the tree before (four quant_q8 launches a
+# layer), with the GEMVs' Q8 rounding alone, HEAD, and HEAD without QX 2 (benchmarks/README.md,
+# llm_gpu_gguf section, session 28). attn: Qwen3.5-2B decode with the next chunk's K and V (exp)
+# or K alone (expk) loaded while a chunk is scored (qwen35_gpu section). OUT (optional): a folder
+# for the logs. Remove this file once its parts have run.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp}
+T=plugins/rlx_backend_cuda/tests
+D=$PWD/.device
+PYTEST="python3 -m pytest -q -o addopts= -p no:cacheprovider"
+tree() { echo "$1=PYTHONPATH=$D/$1/plugins/rlx_backend_cuda"; }
+for part in "$@"; do
+  case $part in
+  prep)
+    for t in base:81e122b q8:44bfc5d exp:exp/attn-pipeline expk:exp/attn-pipeline-k; do
+      rm -rf "$D/${t%%:*}" && mkdir -p "$D/${t%%:*}"
+      git archive "${t#*:}" plugins/rlx_backend_cuda | tar -x -C "$D/${t%%:*}"
+    done ;;
+  tests)
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    echo "== cuda tests: int8 activations, GEMV norms, early loads, tensor-core attention"
+    timeout 150 $PYTEST $T/test_int8_gemv.py $T/test_gemv_fusion.py $T/test_early_loads.py -k "not emulated" \
+      2>&1 | tail -6
+    timeout 60 $PYTEST $T/test_cuda.py -k "attention_tc and not emulated" 2>&1 | tail -3 ;;
+  int8)
+    echo "== Llama-1B q4_k decode, int8 activations"
+    timeout 330 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 80 --config "$(tree base)" \
+      --config "$(tree q8)" --config head= --config "noqx2=RLX_BENCH_SET=rlx_backend_cuda.ops.QX_ROUND_MAX=0" \
+      -- python3 benchmarks/llm_gpu.py --rlx-only --engine runtime --check-layers 0 --prompt 512 --new 64 \
+      --packed q4_k,q4_k+int8 2>&1 | tee "$OUT/ab_int8.log" | tail -12 ;;
+  attn)
+    echo "== Qwen3.5-2B decode, the attention's prefetch"
+    timeout 250 python3 benchmarks/gpu_ab.py --rounds 2 --timeout 70 --config base= --config "$(tree exp)" \
+      --config "$(tree expk)" -- python3 benchmarks/qwen35_gpu.py --sides rlx --prefill= --new 64 --reps 3 \
+      2>&1 | tee "$OUT/ab_attn.log" | tail -10 ;;
+  *) echo "gpu_queue.sh: unknown part $part (prep, tests, int8, attn)"; exit 2 ;;
+  esac
+done
