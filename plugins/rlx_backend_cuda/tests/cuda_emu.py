@@ -204,6 +204,26 @@ template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) {
   rlx_emu_me->warps[w]->arrive_and_wait();
   return o;
 }
+// a lane's value from lane `src(lane)` of its warp (the lane's own where that is out of range)
+template <class T, class F> inline T rlx_emu_shfl(T v, F src) {
+  const int lane = rlx_emu_tid() & 31, w = rlx_emu_tid() >> 5, n = (int)rlx_emu_me->warps[w]->n;
+  std::memcpy(&rlx_emu_me->slot[w][lane], &v, sizeof(T));
+  rlx_emu_me->warps[w]->arrive_and_wait();
+  const int from = src(lane);
+  T o;
+  std::memcpy(&o, &rlx_emu_me->slot[w][from >= 0 && from < n ? from : lane], sizeof(T));
+  rlx_emu_me->warps[w]->arrive_and_wait();
+  return o;
+}
+template <class T> inline T __shfl_up_sync(unsigned, T v, unsigned d) {
+  return rlx_emu_shfl(v, [&](int l) { return l - (int)d; });
+}
+template <class T> inline T __shfl_down_sync(unsigned, T v, unsigned d) {
+  return rlx_emu_shfl(v, [&](int l) { return l + (int)d; });
+}
+template <class T> inline T __shfl_sync(unsigned, T v, int s) {
+  return rlx_emu_shfl(v, [&](int) { return s & 31; });
+}
 // the warp's vote: its lanes' predicates as bits (every lane of the warp takes part)
 inline unsigned __ballot_sync(unsigned, int p) {
   const int lane = rlx_emu_tid() & 31, w = rlx_emu_tid() >> 5;

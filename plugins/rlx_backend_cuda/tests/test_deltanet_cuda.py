@@ -8,9 +8,11 @@ GDN_CHUNKED_MIN: on tensor cores for f16/bf16, f32 FMA otherwise; f64 stays recu
 float dtype; long prefills (T = 4096 and 4099, a partial last chunk) and a state leaf written
 in place; the chunked form's outputs independent of the chunk length (and of the kernels:
 bf16 on tensor cores against the FMA kernels); a decode loop over a state leaf equals one
-prefill. Skipped with the backend's reason without a GPU."""
+prefill. Skipped with the backend's reason without a GPU; the tensor-core chunked kernels also
+run emulated on the CPU (cuda_emu)."""
 from __future__ import annotations
 
+import cuda_emu
 import numpy as np
 import pytest
 from test_cuda import gpu
@@ -173,3 +175,36 @@ def test_causal_conv1d_reads_a_column_slice_in_place(rng, dt, t):
     tol = 1e-5 if dt is F32 else 2e-2
     for k, ref in zip(("y", "state"), want):
         np.testing.assert_allclose(ex.backend.to_host(out[k]).astype(np.float64), ref, rtol=tol, atol=tol)
+
+
+@cuda_emu.emulated
+@pytest.mark.parametrize("dt", [F16, BF16], ids=lambda d: d.value)
+def test_emulated_tensor_core_chunked_rule(rng, dt):
+    """The tensor-core chunked kernels (rlx_gdn_tc_prep, _scan, _out) run on the CPU, their
+    mma.sync, ldmatrix and cp.async as cuda_emu's warp collectives, launched as
+    deltanet._chunked_tc launches them: two chunks and a partial one, two value heads a key
+    head, 16 state columns a walk's block, from a nonzero state; within the dtype's tolerance
+    of the float64 recurrence (the same bound as the GPU test's)."""
+    from rlx_backend_cuda import deltanet, sources
+    from rlx_backend_cuda.codegen import ctype
+
+    b, hk, h, kd, vd, t, bv, scale = 1, 1, 2, 32, 32, 2 * 64 + 17, 16, 0.3
+    args = _gdn_args(rng, b, t, hk, h, kd, vd, dt)
+    q, k, v, g, beta, s0 = (cuda_emu.aligned(a.data.astype(dt.np)) for a in args)
+    c = deltanet.GDN_TC_CHUNK
+    nch = -(-t // c)
+    wbuf, ubuf = (cuda_emu.aligned(np.zeros((b, h, nch * c, n), dt.np)) for n in (kd, vd))
+    cbuf, hbuf = np.zeros((b, h, nch * c), np.float32), cuda_emu.aligned(np.zeros((b, h, nch, kd, vd), dt.np))
+    o, s1 = cuda_emu.aligned(np.zeros(v.shape, dt.np)), cuda_emu.aligned(np.zeros(s0.shape, dt.np))
+    mm = {"T": ctype(dt), "MMAT": "bf16" if dt is BF16 else "f16", "KD": kd, "VD": vd}
+    sm_prep, sm_scan, sm_out = deltanet._tc_smem(kd, vd, bv)
+    common = (np.int32(t), np.int32(h), np.int32(hk))
+    cuda_emu.compile_kernel(sources.render(sources.GDN_TC_PREP, **mm), "rlx_gdn_tc_prep").launch(
+        (nch, h, b), (128,), (k, v, g, beta, wbuf, ubuf, cbuf, *common), sm_prep)
+    cuda_emu.compile_kernel(sources.render(sources.GDN_TC_SCAN, BV=bv, **mm), "rlx_gdn_tc_scan").launch(
+        (vd // bv, h, b), (128,), (k, wbuf, ubuf, cbuf, s0, s1, hbuf, *common, np.int32(nch)), sm_scan)
+    cuda_emu.compile_kernel(sources.render(sources.GDN_TC_OUT, **mm), "rlx_gdn_tc_out").launch(
+        (nch, h, b), (128,), (q, k, ubuf, cbuf, hbuf, o, *common, np.float32(scale)), sm_out)
+    want = ref_gated_delta_rule(*(a.data.astype(np.float64) for a in args), scale=scale)
+    for got, w in zip((o, s1), want):
+        np.testing.assert_allclose(got.astype(np.float64), w, rtol=1e-2, atol=1e-2 * np.abs(w).max())
