@@ -6,10 +6,13 @@
 # then on the device, after the install, with carry [".device"]:
 #   bash benchmarks/gpu_queue.sh tests int8     # the int8 rounding's GPU tests and its A/B (~540 s)
 #   bash benchmarks/gpu_queue.sh attn           # the decode attention's prefetch A/B (~250 s)
+#   bash benchmarks/gpu_queue.sh batch          # where batch 32's decode step goes (~240 s)
 # int8: Llama-1B q4_k decode with int8 activations, the tree before (four quant_q8 launches a
 # layer), with the GEMVs' Q8 rounding alone, HEAD, and HEAD without QX 2 (benchmarks/README.md,
 # llm_gpu_gguf section, session 28). attn: Qwen3.5-2B decode with the next chunk's K and V (exp)
-# or K alone (expk) loaded while a chunk is scored (qwen35_gpu section). OUT (optional): a folder
+# or K alone (expk) loaded while a chunk is scored (qwen35_gpu section). batch: the batch-1 and
+# batch-32 steps' kernels (issue 49's batch-32 target: which of cuBLAS's GEMMs, the attention and
+# the small launches holds the 3.0x). OUT (optional): a folder
 # for the logs. Remove this file once its parts have run.
 set -u
 export PYTHONUNBUFFERED=1
@@ -42,6 +45,10 @@ for part in "$@"; do
     timeout 250 python3 benchmarks/gpu_ab.py --rounds 2 --timeout 70 --config base= --config "$(tree exp)" \
       --config "$(tree expk)" -- python3 benchmarks/qwen35_gpu.py --sides rlx --prefill= --new 64 --reps 3 \
       2>&1 | tee "$OUT/ab_attn.log" | tail -10 ;;
-  *) echo "gpu_queue.sh: unknown part $part (prep, tests, int8, attn)"; exit 2 ;;
+  batch)
+    echo "== Llama-1B bf16 decode at batch 1 and 32, kernel by kernel"
+    timeout 240 python3 benchmarks/llm_gpu.py --batch 1 32 --sides rlx --new 32 --reps 1 --decode-kernels \
+      2>&1 | tee "$OUT/batch_kernels.log" | tail -40 ;;
+  *) echo "gpu_queue.sh: unknown part $part (prep, tests, int8, attn, batch)"; exit 2 ;;
   esac
 done

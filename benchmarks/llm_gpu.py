@@ -430,6 +430,7 @@ def batch_child(side: str, a) -> dict:
         out["floor_s"] = weight_bytes(tensors) / copy_bandwidth()     # (weights read once a step)
         model = runtime_model(cfg, tensors, a.prompt + a.new + 128)
         del tensors
+        tabled: set = set()
         for b, prompt in prompts.items():
             warm_for(lambda: model.generate(prompt, max_new_tokens=a.new, min_new_tokens=a.new))
             dec = []
@@ -437,6 +438,13 @@ def batch_child(side: str, a) -> dict:
                 model.generate(prompt, max_new_tokens=a.new, min_new_tokens=a.new)
                 dec.append(model.last_timings["decode_s_per_token"])
             out[b] = {"decode_s": statistics.median(dec)}
+            if a.decode_kernels:                  # (the decode runners this batch added: its step)
+                from gpu_kernels import kernel_table
+
+                fresh = [r for r in model.executable("decode")._runners.values()
+                         if id(r) not in tabled and getattr(r, "steps", None)]
+                tabled.update(map(id, fresh))
+                out[b]["kernels"] = [kernel_table(r) for r in fresh]
         out["peak_bytes"] = cp.get_default_memory_pool().total_bytes()
         return out
     model = hf_model(cfg, tensors)
@@ -461,7 +469,8 @@ def batch_main(a) -> int:
     res = {}
     for side in a.sides:
         cmd = [sys.executable, __file__, "--child", side, "--layers", str(a.layers), "--prompt", str(a.prompt),
-               "--new", str(a.new), "--reps", str(a.reps), "--batch", *map(str, a.batch)]
+               "--new", str(a.new), "--reps", str(a.reps), "--batch", *map(str, a.batch),
+               *(["--decode-kernels"] if a.decode_kernels else [])]
         r = run_child(cmd, side, a.child_timeout)
         if r is not None:
             res[side] = {int(k) if k.isdigit() else k: v for k, v in r.items()}
@@ -485,6 +494,11 @@ def batch_main(a) -> int:
                      f"process); RLX batch-1 step {res['rlx'][a.batch[0]]['decode_s'] / fl:.2f}x it")
     lines.append("peak device memory: " + ", ".join(f"{s} {res[s]['peak_bytes'] / 1e9:.2f} GB" for s in res)
                  + " (RLX: the CuPy pool's total; HF: torch's max allocated)")
+    for b in a.batch if a.decode_kernels and "rlx" in res else ():
+        for t in res["rlx"][b].get("kernels", []):
+            lines.append(f"rlx batch {b}, a replay of the decode step: {t['replay_us']} us, its kernels "
+                         f"{t['kernels_us']} us; the most time first (launches, us):")
+            lines += [f"  {n[:90]}: {c}, {us}" for n, (c, us) in list(t["by_kernel"].items())[:14]]
     print("\n".join(lines), flush=True)
     if a.json:
         with open(a.json, "w") as f:
@@ -511,6 +525,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sides", nargs="+", choices=BATCH_SIDES, default=list(BATCH_SIDES))
     ap.add_argument("--child", choices=BATCH_SIDES, default=None)
     ap.add_argument("--child-timeout", type=float, default=400)
+    ap.add_argument("--decode-kernels", action="store_true",
+                    help="with --batch: each batch's decode step kernel by kernel (gpu_kernels.kernel_table)")
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(batch_child(a.child, a)), flush=True)
