@@ -112,6 +112,7 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 255) << (8 * i);
   return r;
 }
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
   return (unsigned)(((((uint64_t)hi) << 32) | lo) >> (sh & 31));
 }

@@ -6,13 +6,15 @@ Q4_K_M writes them; the routing changing between replays of one compiled graph (
 read on the device, never synced to the host); an expert id out of range is the project's
 error. The grouped tensor-core GEMM (f16/bf16 from a few pairs an expert) at token counts
 that fill one and two 16-pair m-tiles, an expert with more pairs than a tile, experts with
-none, tile rows and output rows past the tiles' edges, dense and packed. At one token, the
+none, tile rows and output rows past the tiles' edges, dense and packed (the dense one also
+emulated on the CPU, cuda_emu). At one token, the
 two launches of gemv1 (no sort, the combine in the down launch) at rows and widths no multiple
 of the kernels' and with more pairs than the down launch's warps. moe_route's one kernel (a
 warp per token) at OLMoE's 64 experts top-8 and at 100 (a partial last slot of the lanes),
 and that the node stays moe_route. Skipped with the backend's reason without a GPU."""
 from __future__ import annotations
 
+import cuda_emu
 import numpy as np
 import pytest
 from test_cuda import gpu
@@ -234,3 +236,44 @@ def test_gemm_routing_changes_between_replays(rng, gemm_calls):
         ref = ref_moe_experts(np.asarray(x, np.float64), np.asarray(w, np.float64), ids, *dense)
         np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
     assert gemm_calls                      # (the steps are built at the first run)
+
+
+@cuda_emu.emulated
+@pytest.mark.parametrize("mt,dual", [(1, 0), (2, 1)], ids=["mt1", "mt2-dual"])
+def test_emulated_sort_and_grouped_gemm(rng, mt, dual):
+    """The sort (counting sort of the pairs by expert, the tile list) and the dense grouped
+    GEMM on tensor cores run on the CPU (cuda_emu; mma.sync, ldmatrix and cp.async as warp
+    collectives), launched as moe.py launches them: 5 experts, one with no pair and one with
+    more pairs than a 16-pair tile (about 20 of 40), output rows past the last 64-row tile;
+    DUAL: silu(gate) * up in bf16. Against float64 within bf16's tolerance."""
+    import cuda_emu as emu
+
+    from rlx_backend_cuda import moe, sources
+    from rlx_backend_cuda.ops import _dq_epilogue
+
+    tokens, k, E, N, K = 20, 2, 5, 80, 64
+    P, bm = tokens * k, 16 * mt
+    ids = rng.choice([0, 1, 1, 1, 3, 4], (tokens, k)).astype(np.int32)     # expert 2: none
+    x = emu.aligned(rng.standard_normal((tokens, K)).astype(BF16.np))
+    stacks = [emu.aligned((rng.standard_normal((E, N, K)) / 8).astype(BF16.np)) for _ in range(1 + dual)]
+    ntiles = P // bm + min(E, P)
+    offsets, order, active = np.zeros(E + 1, np.int32), np.zeros(P, np.int32), np.zeros(E, np.int32)
+    tiles, err = np.zeros((ntiles, 2), np.int32), np.zeros(8, np.int32)
+    emu.compile_kernel(sources.render(sources.MOE_SORT, TI="int", NE=E, BM=bm), "rlx_moe_sort").launch(
+        (1,), (1024,), (ids, np.int32(P), offsets, order, active, tiles, np.int32(ntiles), err, np.int32(0)))
+    epi = _dq_epilogue(BF16, False, "silu") if dual else ""
+    src = sources.render(sources.MOE_GEMM_DENSE, ACC="float", STAGES=2, T="__nv_bfloat16", MMAT="bf16", BK=32,
+                         TO="__nv_bfloat16", MT=mt, DUAL=dual, EPILOGUE=epi)
+    out = emu.aligned(np.zeros((P, N), BF16.np if dual else np.float32))
+    ers, rs = N * K * 2, K * 2
+    emu.compile_kernel(src, "rlx_moe_gemm").launch((-(-N // moe.GEMM_BN), ntiles), (128,), (
+        x, np.int64(K), np.int32(k), stacks[0], stacks[-1], np.int64(ers), np.int64(rs), offsets, order,
+        tiles, out, np.int32(N), np.int32(K)))
+    x64, w64 = x.astype(np.float64), [s.astype(np.float64) for s in stacks]
+    pe = ids.reshape(-1)
+    want = np.stack([x64[p // k] @ w64[0][pe[p]].T for p in range(P)])
+    if dual:
+        up = np.stack([x64[p // k] @ w64[1][pe[p]].T for p in range(P)])
+        want = want / (1 + np.exp(-want)) * up
+    assert not err.any() and offsets[-1] == P
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
