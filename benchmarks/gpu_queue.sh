@@ -37,7 +37,8 @@ for part in "$@"; do
   int8)
     echo "== Llama-1B q4_k decode, int8 activations"
     timeout 330 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 80 --config "$(tree base)" \
-      --config "$(tree q8)" --config head= --config "noqx2=RLX_BENCH_SET=rlx_backend_cuda.ops.QX_ROUND_MAX=0" \
+      --config "$(tree q8)" --config head= \
+      --config "noqx2=RLX_BENCH_SET=rlx_backend_cuda.ops.QX_ROUND_MAX=0" \
       -- python3 benchmarks/llm_gpu.py --rlx-only --engine runtime --check-layers 0 --prompt 512 --new 64 \
       --packed q4_k,q4_k+int8 2>&1 | tee "$OUT/ab_int8.log" | tail -12 ;;
   attn)
