@@ -55,7 +55,10 @@ def _run(g, params, ins, monkeypatch, int8_gemv: bool = True, runs: int = 2, **c
 def test_int8_gemv_matches_the_rounded_product(rng, name, monkeypatch):
     """One and three rows, two weights reading one rounded x (q/k-like), one with bias and
     silu (the GEMV's epilogue); a NaN in a block of one row makes that row NaN as in the
-    reference; the switch off (the rounding kernel, then the float GEMV) agrees."""
+    reference. Both x are small, so the GEMVs round them themselves (QX 2); with
+    ops.QX_ROUND_MAX 0 quant_q8 rounds them first (QX 1); the switch off (the rounding
+    kernel, then the float GEMV) agrees."""
+    from rlx_backend_cuda import ops
     s = QuantScheme.parse(name)
     k = 480 if s.block_size == 48 else 512
     ws = [quantize(rng.standard_normal((N, k)).astype(np.float32), s) for _ in range(2)]
@@ -74,10 +77,12 @@ def test_int8_gemv_matches_the_rounded_product(rng, name, monkeypatch):
     ins["x3"][1, 40] = np.nan
     ins["b"] = rng.standard_normal(N).astype(np.float32)
     deq = [s.dequantize_reference(w, (N, k)) for w in ws]
-    for int8_gemv in (True, False):
+    for int8_gemv, round_max in ((True, ops.QX_ROUND_MAX), (True, 0), (False, ops.QX_ROUND_MAX)):
+        monkeypatch.setattr(ops, "QX_ROUND_MAX", round_max)
         got, desc, asked = _run(g, {"w0": ws[0], "w1": ws[1]}, ins, monkeypatch, int8_gemv)
         assert desc["capturable"] and desc["graph"], desc
-        assert ("rlx_quant_q8" in asked, "rlx_fake_q8" in asked) == (int8_gemv, not int8_gemv), asked
+        want_kernels = (int8_gemv and not round_max, not int8_gemv)
+        assert ("rlx_quant_q8" in asked, "rlx_fake_q8" in asked) == want_kernels, asked
         for r in (1, 3):
             xr = np.asarray(fake_quantized(ins[f"x{r}"], "int8_b32"), np.float64)
             p, sv = xr @ deq[0].T, xr @ deq[1].T + ins["b"]
