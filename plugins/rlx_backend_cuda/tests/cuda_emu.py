@@ -11,9 +11,9 @@ all reach a shuffle hangs, as on the GPU it would be undefined; a barrier waitin
 such a test fails rather than hangs). Each block has its own static shared arrays, which its
 cluster's blocks push into (`rlx_push`, its mbarriers emulated). Inline PTX (tensor cores,
 griddepcontrol) is not emulated: a kernel holding it outside `#ifdef __CUDA_ARCH__` fails to
-compile here; attn_tc.cu's mma.sync, ldmatrix and cp.async have `rlx_emu_*` forms for its
-`#else`. Slow, for small shapes: a check of the kernel's arithmetic and indexing, not of
-its speed or memory ordering."""
+compile here; tc.cu's mma.sync, ldmatrix and cp.async have `rlx_emu_*` forms for its `#else`.
+Slow, for small shapes: a check of the kernel's arithmetic and indexing, not of its speed or
+memory ordering."""
 from __future__ import annotations
 
 import ctypes
@@ -196,15 +196,6 @@ inline void __syncthreads() { rlx_emu_me->bar->arrive_and_wait(); }
 inline unsigned rlx_emu_tid() { return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z); }
 inline void __syncwarp(unsigned = 0xffffffffu) { rlx_emu_me->warps[rlx_emu_tid() >> 5]->arrive_and_wait(); }
 inline void __threadfence() {}
-template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) {
-  const int lane = rlx_emu_tid() & 31, w = rlx_emu_tid() >> 5;
-  std::memcpy(&rlx_emu_me->slot[w][lane], &v, sizeof(T));
-  rlx_emu_me->warps[w]->arrive_and_wait();
-  T o;
-  std::memcpy(&o, &rlx_emu_me->slot[w][lane ^ m], sizeof(T));
-  rlx_emu_me->warps[w]->arrive_and_wait();
-  return o;
-}
 // a lane's value from lane `src(lane)` of its warp (the lane's own where that is out of range)
 template <class T, class F> inline T rlx_emu_shfl(T v, F src) {
   const int lane = rlx_emu_tid() & 31, w = rlx_emu_tid() >> 5, n = (int)rlx_emu_me->warps[w]->n;
@@ -215,6 +206,9 @@ template <class T, class F> inline T rlx_emu_shfl(T v, F src) {
   std::memcpy(&o, &rlx_emu_me->slot[w][from >= 0 && from < n ? from : lane], sizeof(T));
   rlx_emu_me->warps[w]->arrive_and_wait();
   return o;
+}
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int m) {
+  return rlx_emu_shfl(v, [&](int l) { return l ^ m; });
 }
 template <class T> inline T __shfl_up_sync(unsigned, T v, unsigned d) {
   return rlx_emu_shfl(v, [&](int l) { return l - (int)d; });
@@ -303,7 +297,7 @@ inline void rlx_push_wait(unsigned long long* bar, unsigned parity) {
     std::abort();
   }
 }
-// attn_tc.cu's PTX: mma.sync m16n8k16 (row.col, bf16 or f16 operands, f32 accumulators) and
+// tc.cu's PTX: mma.sync m16n8k16 (row.col, bf16 or f16 operands, f32 accumulators) and
 // ldmatrix x4, as the warp collectives they are (each lane puts its operands in the warp's
 // slots, the warp meets, each lane builds its own fragment from every lane's, the warp meets
 // again before the slots are reused; fragment layouts as PTX's ISA gives them); cp.async lands

@@ -231,11 +231,13 @@ def _gemv_kernel(s, T: str, M: int, K: int, qx: int, resid: int = 0, swiglu: int
     return cuda_emu.compile_kernel(src, "rlx_dq_gemv"), per_block, qx_bytes(M, K) if qx else 0
 
 
-def _norms(nw=None, noff=0.0, res=None, N=0, yw=None, osq=None) -> tuple:
-    """The arguments rlx_dq_gemv ends with: ops.NO_NORMS, RESID's where given."""
+def _norms(nw=None, noff=0.0, res=None, N=0, yw=None, osq=None, eps: float = 0.0, zero=None) -> tuple:
+    """The arguments rlx_dq_gemv ends with: ops.NO_NORMS, RESID's where given (eps and the
+    sums it zeroes: a RESID GEMV's Q8 rounding, divided by the norm)."""
     from rlx_backend_cuda.ops import NO_NORMS
 
-    return NO_NORMS[:2] + (nw, np.float32(noff), res, np.int64(N), yw, osq) + NO_NORMS[8:]
+    zeroed = (zero, np.int32(zero.size)) if zero is not None else NO_NORMS[8:]
+    return (np.float32(eps), None, nw, np.float32(noff), res, np.int64(N), yw, osq) + zeroed
 
 
 def _launch(kernel, x, w, y, M, N, K, s, bias=None, tail=_norms(), y8=None, counters=None, xrs=None):
@@ -384,8 +386,7 @@ def test_emulated_gemv_rounds_its_outputs_as_quant_q8_would(rng, name, k, rows):
         nw = rng.uniform(0.5, 1.5, n).astype(np.float32)
         h, yw, osq = np.zeros((rows, n), BF), np.zeros((rows, n), BF), np.zeros(rows * 32, np.float32)
         zero, y8 = np.ones(64, np.float32), np.zeros(qx_bytes(rows, n), np.uint8)
-        tail = (np.float32(eps), None, nw, np.float32(0), res, np.int64(n), yw, osq, zero,
-                np.int32(zero.size))
+        tail = _norms(nw, 0.0, res, n, yw, osq, eps=eps, zero=zero)
         _launch(resid, x8, w, h, rows, n, k, s, tail=tail, y8=y8, counters=counters)
         assert not zero.any() and not counters.any(), counters
         np.testing.assert_array_equal(y8, _int8_rows(yw, bf, osq, eps))

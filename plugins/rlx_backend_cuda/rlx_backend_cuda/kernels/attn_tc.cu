@@ -77,7 +77,7 @@ __device__ __forceinline__ void rlx_load_tile_async(unsigned short* dst, const T
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(ok ? p : src), "r"(ok ? 16 : 0));
     s += RSTEP * LDS * 2;
 #else
-    rlx_emu_cp16(dst + r * LDS + c, ok ? p : src, ok ? 16 : 0);
+    rlx_cp16(dst + r * LDS + c, ok ? p : src, ok);
 #endif
   }
 #else
