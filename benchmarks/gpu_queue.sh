@@ -6,6 +6,7 @@
 # then on the device, after the install, with carry [".device"]:
 #   bash benchmarks/gpu_queue.sh tests int8     # the int8 rounding's GPU tests and its A/B (~540 s)
 #   bash benchmarks/gpu_queue.sh attn           # the decode attention's prefetch A/B (~250 s)
+#   bash benchmarks/gpu_queue.sh gemvtc         # batch 4-64: the tensor-core GEMV against cuBLAS (~330 s)
 #   bash benchmarks/gpu_queue.sh batch          # where batch 32's decode step goes (~240 s)
 # int8: Llama-1B q4_k decode with int8 activations, the tree before (four quant_q8 launches a
 # layer), with the GEMVs' Q8 rounding alone, HEAD, and HEAD without QX 2 (benchmarks/README.md,
@@ -33,7 +34,8 @@ for part in "$@"; do
     echo "== cuda tests: int8 activations, GEMV norms, early loads, tensor-core attention"
     timeout 150 $PYTEST $T/test_int8_gemv.py $T/test_gemv_fusion.py $T/test_early_loads.py -k "not emulated" \
       2>&1 | tail -6
-    timeout 60 $PYTEST $T/test_cuda.py -k "attention_tc and not emulated" 2>&1 | tail -3 ;;
+    timeout 60 $PYTEST $T/test_cuda.py -k "attention_tc and not emulated" 2>&1 | tail -3
+    timeout 90 $PYTEST $T/test_gemv_tc.py $T/test_matmul_strategy.py -k "not emulated" 2>&1 | tail -3 ;;
   int8)
     echo "== Llama-1B q4_k decode, int8 activations"
     timeout 330 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 80 --config "$(tree base)" \
@@ -46,10 +48,15 @@ for part in "$@"; do
     timeout 250 python3 benchmarks/gpu_ab.py --rounds 2 --timeout 70 --config base= --config "$(tree exp)" \
       --config "$(tree expk)" -- python3 benchmarks/qwen35_gpu.py --sides rlx --prefill= --new 64 --reps 3 \
       2>&1 | tee "$OUT/ab_attn.log" | tail -10 ;;
+  gemvtc)
+    echo "== Llama-1B bf16 decode at batch 4-64: cuBLAS (blas) or the tensor-core GEMV (tc)"
+    timeout 330 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 150 --config blas= --config "tc=RLX_CUDA_GEMV_TC=1" \
+      -- python3 benchmarks/llm_gpu.py --batch 4 8 32 64 --sides rlx --new 32 --reps 1 \
+      2>&1 | tee "$OUT/ab_gemvtc.log" | tail -12 ;;
   batch)
     echo "== Llama-1B bf16 decode at batch 1 and 32, kernel by kernel"
     timeout 240 python3 benchmarks/llm_gpu.py --batch 1 32 --sides rlx --new 32 --reps 1 --decode-kernels \
       2>&1 | tee "$OUT/batch_kernels.log" | tail -40 ;;
-  *) echo "gpu_queue.sh: unknown part $part (prep, tests, int8, attn, batch)"; exit 2 ;;
+  *) echo "gpu_queue.sh: unknown part $part (prep, tests, int8, attn, gemvtc, batch)"; exit 2 ;;
   esac
 done

@@ -135,8 +135,8 @@ class MatmulCall:
 
 OP_N, OP_T = 0, 1            # cuBLAS's operations: as stored, transposed
 # a float matmul's strategies (matmul_strategy); UNFUSABLE: its swiglu or epilogue cannot fuse
-ROWS, STAGED, REPACKED, GEMV, LT_EPILOGUE, BLAS, UNFUSABLE = (
-    "rows", "staged", "repacked", "gemv", "lt_epilogue", "blas", "unfusable")
+ROWS, STAGED, REPACKED, GEMV, GEMV_TC, LT_EPILOGUE, BLAS, UNFUSABLE = (
+    "rows", "staged", "repacked", "gemv", "gemv_tc", "lt_epilogue", "blas", "unfusable")
 
 
 def _as_read(call: MatmulCall) -> tuple:
@@ -217,14 +217,26 @@ class MatmulCase:
                 and (not self.swiglu or self.swiglu_contiguous))
 
     def gemv_fits(self) -> bool:
-        """A 16-bit decode product the GEMV kernel takes: few x rows, contiguous and aligned,
-        W [N, K] row-major (one matrix for the whole batch), K a multiple of 8."""
-        M, K, _ = self.mkn
+        """A 16-bit decode product the GEMV kernel takes: up to GEMV_MAX_M x rows, `_streams_w`."""
+        return self.x_rows() <= GEMV_MAX_M and self._streams_w()
+
+    def gemv_tc_fits(self) -> bool:
+        """A 16-bit decode product sources.GEMV_TC takes: GEMV_MAX_M + 1 to GEMV_TC_MAX_M x rows,
+        K a multiple of 32 (whole chunks of the lanes' loads), `_streams_w`."""
+        return GEMV_MAX_M < self.x_rows() <= GEMV_TC_MAX_M and self.mkn[1] % 32 == 0 and self._streams_w()
+
+    def x_rows(self) -> int:
+        return self.mkn[0] * math.prod(self.batch)
+
+    def _streams_w(self) -> bool:
+        """x rows contiguous and aligned, W [N, K] row-major (one matrix for the whole batch), K a
+        multiple of 8, a contiguous output: the weight streamed row by row as a GEMV streams it."""
+        _, K, _ = self.mkn
         nb = math.prod(self.batch)
         (_, _), (w_layout, ldw) = self.layouts()
         return (self.dtype in LOW and w_layout == "c" and ldw == K
                 and (nb == 1 or all(s == 0 for s in self.w_strides[:-2]))
-                and self.a_contiguous and not self.ta and M * nb <= GEMV_MAX_M
+                and self.a_contiguous and not self.ta
                 and math.prod(self.a_shape[:-2]) == nb and K % 8 == 0 and self.out_contiguous
                 and self.aligned)
 
@@ -245,7 +257,9 @@ def matmul_strategy(case: MatmulCase) -> str:
         return LT_EPILOGUE if not gemv and not case.swiglu and len(offsets) == 1 and count == 1 else UNFUSABLE
     if case.swiglu:
         return GEMV if gemv else UNFUSABLE
-    return GEMV if gemv else BLAS
+    if gemv:
+        return GEMV
+    return GEMV_TC if case.gemv_tc_fits() else BLAS
 
 
 def _matmul(builder, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None, epilogue=None) -> bool:
@@ -344,6 +358,25 @@ def _matmul_gemv(builder, case: MatmulCase, call: MatmulCall) -> bool:
     return True
 
 
+def _matmul_gemv_tc(builder, case: MatmulCase, call: MatmulCall) -> bool:
+    """A 16-bit decode product of a few more rows (`MatmulCase.gemv_tc_fits`): sources.GEMV_TC,
+    or cuBLAS where CONFIG["gemv_tc"] is off or the GPU has no mma.sync."""
+    a_mat, w_mat = _gemm_operands(builder.cp, call)
+    blas = _CublasGemm(builder, case, a_mat, w_mat, call.out)
+    if device.mma_missing(builder.cc, builder.hip):
+        builder.add(blas)
+        return True
+    _, K, N = case.mkn
+    tc, reads = _gemv_tc_step(builder, a_mat, _as_read(call)[1], call.out, case.x_rows(), N, K)
+
+    def dispatch():
+        if CONFIG["gemv_tc"]:
+            return tc()
+        blas()
+    builder.add(dispatch, reads=reads)
+    return True
+
+
 def _matmul_lt_epilogue(builder, case: MatmulCase, call: MatmulCall) -> bool:
     """A matmul with a bias/activation epilogue cuBLASLt has, as one GEMM: the epilogue in
     cuBLASLt's call (one launch, no extra pass over out); cuBLAS and an elementwise launch
@@ -388,7 +421,7 @@ def _matmul_unfusable(builder, case: MatmulCase, call: MatmulCall) -> bool:
 
 
 _MATMUL_STRATEGIES = {ROWS: _matmul_rows, STAGED: _matmul_staged, REPACKED: _matmul_repacked,
-                      GEMV: _matmul_gemv, LT_EPILOGUE: _matmul_lt_epilogue, BLAS: _matmul_blas,
+                      GEMV: _matmul_gemv, GEMV_TC: _matmul_gemv_tc, LT_EPILOGUE: _matmul_lt_epilogue, BLAS: _matmul_blas,
                       UNFUSABLE: _matmul_unfusable}
 
 
@@ -474,6 +507,10 @@ GEMV_ROWS, GEMV_LOADS = 1, 2      # rows of W per warp, 16-byte loads in flight 
 # H100 (tools/batch_decode.py --cublas) at batch 1/2/4/8: GEMV 1.68/1.89/2.49/4.35 ms, cuBLAS
 # 2.45/2.02/2.13/2.24 ms
 GEMV_MAX_M = 2
+# x rows up to which products past GEMV_MAX_M run sources.GEMV_TC (CONFIG["gemv_tc"]); the
+# columns of x its blocks stage in shared memory at a time; the blocks a launch aims for an SM,
+# splitting K across blocks (each keeping GEMV_TC_MIN_KB columns) while it has fewer
+GEMV_TC_MAX_M, GEMV_TC_KC, GEMV_TC_BLOCKS_PER_SM, GEMV_TC_MIN_KB = 64, 128, 2, 256
 # a GEMV with fewer warps than this an SM gives each row more warps (more than an SM holds:
 # split as far as the row length allows, but not lm_head's 128K rows). The 1B decode graph on
 # an H100, variants alternating in one process: 0 / 32 / 64 -> 1.264 / 1.200 / 1.185 ms; in
@@ -536,6 +573,35 @@ def _gemv_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool 
 
     def run():
         fn(grid, block, tuple(args), 0, stream)
+    return run, reads
+
+
+def gemv_tc_split(blocks: int, K: int, sms: int) -> int:
+    """Columns of x a block of sources.GEMV_TC sums over (a multiple of 32): all of K, or a
+    part where `blocks` blocks (of 128 rows of W) give fewer than GEMV_TC_BLOCKS_PER_SM an SM."""
+    parts = max(1, min(-(-GEMV_TC_BLOCKS_PER_SM * sms // blocks), K // GEMV_TC_MIN_KB))
+    return 32 * -(-K // (32 * parts))
+
+
+def _gemv_tc_step(builder, x, weight, out: V, M: int, N: int, K: int) -> tuple:
+    """(run, reads): the GEMV_TC launch for out[M, N] = x[M, K] @ weight (W [N, K] row-major),
+    with its partial sums' scratch and counters where K is split across blocks."""
+    dtype = ctype(out.dt)
+    blocks = -(-N // 128)
+    kb = gemv_tc_split(blocks, K, builder.sms)
+    parts = -(-K // kb)
+    src = sources.render(sources.GEMV_TC, T=dtype, TO=dtype, MMAT="bf16" if out.dt is BF16 else "f16",
+                         MT=-(-M // 8), KC=GEMV_TC_KC, EARLY=int(builder.written_by_no_kernel(V(weight, out.dt))))
+    fn = builder.kernel(src, "rlx_gemv_tc")
+    ws = builder.node_buffer((parts, M, N), F32, "gemv_tc partial sums").arr if parts > 1 else None
+    counters = builder.counters(blocks) if parts > 1 else None
+    row = K * weight.itemsize
+    reads = row_streams(builder, V(weight, out.dt), N, row, row, False)
+    args = (x, i64(K), weight, out.arr, i32(M), i32(N), i32(K), i32(kb), ws, counters)
+    grid, block, stream = (blocks, parts), (256,), builder.stream
+
+    def run():
+        fn(grid, block, args, 0, stream)
     return run, reads
 
 

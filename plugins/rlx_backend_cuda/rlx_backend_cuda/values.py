@@ -17,6 +17,8 @@ from rlx_core.ir.dtype import DType
 # int8_gemv (read at build): under activations = "int8" the decode GEMVs round x themselves and
 # multiply in dp4a (ops.py's int8 activations); RLX_CUDA_INT8_GEMV=0 rounds x in a kernel of its own
 # before the float GEMV
+# gemv_tc: 16-bit decode products of 3-64 x rows on the tensor-core GEMV (ops.GEMV_TC), not
+# cuBLAS. Off until measured on a GPU: RLX_CUDA_GEMV_TC=1 turns it on
 # attn_rope (read at build): a decode step's RoPE launch (q, k and v into their caches, the q/k
 # norms) done by the cluster decode attention reading them (ops.AttnRope). Off: measured no faster
 # on the H200 (benchmarks/README.md, qwen35_gpu). RLX_CUDA_ATTN_ROPE=1 turns it on
@@ -31,6 +33,7 @@ CONFIG = {"gemv": True, "tc_attention": True, "wg_attention": True, "lt_epilogue
           "gemv_fusion": os.environ.get("RLX_CUDA_GEMV_FUSION", "1") != "0",
           "rope_norm": os.environ.get("RLX_CUDA_ROPE_NORM", "1") != "0",
           "int8_gemv": os.environ.get("RLX_CUDA_INT8_GEMV", "1") != "0",
+          "gemv_tc": os.environ.get("RLX_CUDA_GEMV_TC", "0") != "0",
           "attn_rope": os.environ.get("RLX_CUDA_ATTN_ROPE", "0") != "0",
           "attn_epilogue": os.environ.get("RLX_CUDA_ATTN_EPILOGUE", "0") != "0", "version": 0}
 

@@ -60,13 +60,18 @@ def strategy(a, w, out, ta=False, tb=False, swiglu=None, epilogue=False, dt=F16)
 
 # (case, arguments of `strategy`, today's choice)
 TABLE = [
-    # one 2-D product: cuBLAS, or the GEMV for 16-bit decode rows against W [N, K]
+    # one 2-D product: cuBLAS, or the GEMV (up to 2 rows) or the tensor-core GEMV (3-64 rows) for
+    # 16-bit decode rows against W [N, K]
     ("f32 decode row", dict(a=(1, 64), w=(96, 64), out=(1, 96), tb=True, dt=F32), ops.BLAS),
     ("f64 decode row", dict(a=(1, 64), w=(96, 64), out=(1, 96), tb=True, dt=F64), ops.BLAS),
     ("f16 decode row, W [N, K]", dict(a=(1, 64), w=(96, 64), out=(1, 96), tb=True), ops.GEMV),
     ("bf16 decode row, W [N, K]", dict(a=(1, 64), w=(96, 64), out=(1, 96), tb=True, dt=BF16), ops.GEMV),
     ("f16 two rows (GEMV_MAX_M)", dict(a=(2, 64), w=(96, 64), out=(2, 96), tb=True), ops.GEMV),
-    ("f16 three rows: past GEMV_MAX_M", dict(a=(3, 64), w=(96, 64), out=(3, 96), tb=True), ops.BLAS),
+    ("f16 three rows: past GEMV_MAX_M", dict(a=(3, 64), w=(96, 64), out=(3, 96), tb=True), ops.GEMV_TC),
+    ("bf16 64 rows (GEMV_TC_MAX_M)", dict(a=(64, 64), w=(96, 64), out=(64, 96), tb=True, dt=BF16), ops.GEMV_TC),
+    ("f16 65 rows: past GEMV_TC_MAX_M", dict(a=(65, 64), w=(96, 64), out=(65, 96), tb=True), ops.BLAS),
+    ("f16 three rows, K not a multiple of 32", dict(a=(3, 40), w=(96, 40), out=(3, 96), tb=True), ops.BLAS),
+    ("f32 three rows", dict(a=(3, 64), w=(96, 64), out=(3, 96), tb=True, dt=F32), ops.BLAS),
     ("f16 W [K, N] (row-major: not the GEMV's)", dict(a=(1, 64), w=(64, 96), out=(1, 96)), ops.BLAS),
     ("f16 K not a multiple of 8", dict(a=(1, 60), w=(96, 60), out=(1, 96), tb=True), ops.BLAS),
     ("f16 x misaligned", dict(a=((1, 64), None, 1), w=(96, 64), out=(1, 96), tb=True), ops.BLAS),
@@ -94,7 +99,7 @@ TABLE = [
      dict(a=(2, 1, 64), w=(2, 96, 64), out=(2, 1, 96), tb=True), ops.BLAS),
     ("batched 3 rows, one W: M * batch past GEMV_MAX_M",
      dict(a=(3, 1, 64), w=(1, 96, 64), out=(3, 1, 96), tb=True),
-     ops.BLAS),
+     ops.GEMV_TC),
     # layouts cuBLAS cannot take
     ("3-D output of no row stride",
      dict(a=(2, 3, 16), w=(2, 16, 8), out=((2, 3, 8), (1, 16, 2))), ops.STAGED),
@@ -144,7 +149,7 @@ def test_matmul_strategy_is_todays(args, expected):
 
 def test_table_covers_every_strategy():
     """Each strategy is pinned by at least one case (a new one needs rows of its own)."""
-    names = {ops.ROWS, ops.STAGED, ops.REPACKED, ops.GEMV, ops.LT_EPILOGUE, ops.BLAS, ops.UNFUSABLE}
+    names = {ops.ROWS, ops.STAGED, ops.REPACKED, ops.GEMV, ops.GEMV_TC, ops.LT_EPILOGUE, ops.BLAS, ops.UNFUSABLE}
     assert names == set(ops._MATMUL_STRATEGIES) == {row[2] for row in TABLE}
 
 

@@ -160,6 +160,112 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
 #endif
   }
 }
+// @part gemv_tc(T, TO, MT, KC, EARLY)
+// Decode GEMV past the plain GEMV's rows (3 to 8 MT rows of x) on tensor cores: y[M, N] =
+// x[M, K] @ W[N, K]^T, 16-bit data, f32 sums. Past 2 rows the plain GEMV's FMAs bound it, and
+// cuBLAS's tiles for a few rows give a 2048-row weight a few dozen blocks. So W streams as in a
+// GEMV: warp w of a block's 8 owns W's rows n0 + 16 w .. + 15 and loads them straight into
+// mma.sync's A fragments. Lane (g, q) = (lane / 4, lane % 4) loads 8 consecutive k of rows g and
+// g + 8 in one 16-byte load, and its B fragment the same 8 k of x's row g: the sum over k is the
+// same in any order of k the A and B fragments agree on, so no ldmatrix and no shuffle. The
+// block's warps share x's 8 MT rows (rows past M zero), KC columns at a time in shared memory.
+// gridDim.y splits K (KB a block); then the f32 sums go to ws[gridDim.y][M][N] and the last block
+// of a column of blocks (counter cnt[blockIdx.x], left at zero again) adds them in k order.
+extern "C" __global__ void __launch_bounds__(256) rlx_gemv_tc(const T* __restrict__ x, long long xrs,
+    const T* __restrict__ w, TO* __restrict__ y, int M, int N, int K, int KB, float* ws, int* cnt) {
+  constexpr int C = KC / 32, XP = KC + 32;    // (row pitch: rows g and g + 1 16 banks apart)
+  __shared__ __align__(16) unsigned short xs[8 * MT * XP];
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int n0 = blockIdx.x * 128 + (threadIdx.x >> 5) * 16;
+  const int k0 = blockIdx.y * KB, k1 = min(K, k0 + KB);
+  const T* wr[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) wr[h] = w + (i64)min(n0 + 8 * h + g, N - 1) * K + 8 * q;
+  uint4 wv[C][2];
+#define RLX_LOAD_W(kb) \
+  _Pragma("unroll") for (int c = 0; c < C; ++c) \
+  _Pragma("unroll") for (int h = 0; h < 2; ++h) \
+    wv[c][h] = (kb) + 32 * c < k1 ? __ldg((const uint4*)(wr[h] + (kb) + 32 * c)) : make_uint4(0u, 0u, 0u, 0u);
+#if EARLY
+  RLX_LOAD_W(k0)
+#endif
+  RLX_GRID_WAIT();
+#if !EARLY
+  RLX_LOAD_W(k0)
+#endif
+  float acc[MT][4];
+#pragma unroll
+  for (int j = 0; j < MT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  for (int kb = k0; kb < k1; kb += KC) {
+    if (kb != k0) {
+      RLX_LOAD_W(kb)
+    }
+    __syncthreads();                  // (the last slice of x is read)
+    for (int e = threadIdx.x; e < 8 * MT * (KC / 8); e += 256) {
+      const int r = e / (KC / 8), c = (e % (KC / 8)) * 8;
+      const bool ok = r < M && kb + c < k1;
+      rlx_cp16(xs + r * XP + c, ok ? (const void*)(x + r * xrs + kb + c) : (const void*)x, ok);
+    }
+    RLX_CP_COMMIT();
+    RLX_CP_WAIT(0);
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      if (kb + 32 * c >= k1) break;
+      const u32* w0 = (const u32*)&wv[c][0];
+      const u32* w1 = (const u32*)&wv[c][1];
+#pragma unroll
+      for (int j = 0; j < MT; ++j) {
+        const uint4 xv = *(const uint4*)(xs + (8 * j + g) * XP + 32 * c + 8 * q);
+        const u32* b = (const u32*)&xv;
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          const u32 a[4] = {w0[2 * s], w1[2 * s], w0[2 * s + 1], w1[2 * s + 1]};
+          rlx_mma(acc[j], a, b[2 * s], b[2 * s + 1]);
+        }
+      }
+    }
+  }
+#undef RLX_LOAD_W
+  // acc[j][e]: y's row m = 8 j + 2 q + (e & 1), column n0 + g + 8 (e >> 1)
+  if (gridDim.y > 1) {
+    float* part = ws + (i64)blockIdx.y * M * N;
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m = 8 * j + 2 * q + (e & 1), n = n0 + g + 8 * (e >> 1);
+        if (m < M && n < N) part[(i64)m * N + n] = acc[j][e];
+      }
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      last = atomicAdd(cnt + blockIdx.x, 1) == (int)gridDim.y - 1;
+      if (last) cnt[blockIdx.x] = 0;  // (every block of the column has counted)
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m = 8 * j + 2 * q + (e & 1), n = n0 + g + 8 * (e >> 1);
+        float t = 0.f;
+        if (m < M && n < N)
+          for (int p = 0; p < (int)gridDim.y; ++p) t += LDCG(ws + ((i64)p * M + m) * N + n);
+        acc[j][e] = t;
+      }
+  }
+#pragma unroll
+  for (int j = 0; j < MT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int m = 8 * j + 2 * q + (e & 1), n = n0 + g + 8 * (e >> 1);
+      if (m < M && n < N) y[(i64)m * N + n] = ST(TO, acc[j][e]);
+    }
+}
 // @part matmul_naive(MAC(s, a, b), TA, TB, TO, ACC)
 // Fallback matmul for integer / bool data (cuBLAS covers the float types).
 extern "C" __global__ void rlx_matmul_naive(const TA* __restrict__ a, const TB* __restrict__ b,

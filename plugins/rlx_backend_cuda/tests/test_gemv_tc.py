@@ -1,0 +1,91 @@
+"""The tensor-core decode GEMV (sources.GEMV_TC, ops.GEMV_TC) for 3 to 64 x rows: W streamed into
+mma.sync's fragments, x's rows staged in shared memory, K split across blocks whose f32 sums the
+last block of each column adds in k order. Emulated on the CPU (cuda_emu) against float64 at row
+counts, widths and depths that are no multiple of the kernel's tiles, with and without the split;
+through the backend on a GPU against float64 and against cuBLAS (the switch off)."""
+from __future__ import annotations
+
+import cuda_emu
+import numpy as np
+import pytest
+from test_cuda import gpu
+from test_gemv_fusion import rel
+
+import rlx_core
+from rlx_core.ir.dtype import BF16, F16
+from rlx_core.ir.graph import Graph
+
+TYPES = {BF16: ("__nv_bfloat16", "bf16"), F16: ("__half", "f16")}
+
+
+def _kernel(dt, M: int):
+    from rlx_backend_cuda import ops, sources
+
+    t, mmat = TYPES[dt]
+    src = sources.render(sources.GEMV_TC, T=t, TO=t, MMAT=mmat, MT=-(-M // 8), KC=ops.GEMV_TC_KC, EARLY=1)
+    return cuda_emu.compile_kernel(src, "rlx_gemv_tc")
+
+
+@cuda_emu.emulated
+@pytest.mark.parametrize("dt", [BF16, F16], ids=lambda d: d.value)
+@pytest.mark.parametrize("M,N,K,kb", [(3, 200, 96, 96), (17, 130, 352, 128), (32, 128, 320, 96)],
+                         ids=["3rows", "17rows-split", "32rows-split-tail"])
+def test_emulated_gemv_tc_matches_float64(rng, dt, M, N, K, kb):
+    """x rows of stride K + 40 (not contiguous), W [N, K]; kb < K: the K split, its last part
+    shorter than the others; the counters are zero again after the launch and a second launch
+    gives the same bits (the sums added in a fixed order)."""
+    x = cuda_emu.aligned(rng.standard_normal((M, K + 40)).astype(dt.np))
+    w = cuda_emu.aligned((rng.standard_normal((N, K)) / 8).astype(dt.np))
+    parts, blocks = -(-K // kb), -(-N // 128)
+    ws = cuda_emu.aligned(np.full((parts, M, N), np.nan, np.float32))
+    counters = np.zeros(blocks, np.int32)
+    outs = []
+    for _ in range(2):
+        y = cuda_emu.aligned(np.zeros((M, N), dt.np))
+        _kernel(dt, M).launch((blocks, parts), (256,), (x, np.int64(K + 40), w, y, np.int32(M), np.int32(N),
+                                                        np.int32(K), np.int32(kb), ws, counters))
+        outs.append(y)
+        assert not counters.any()
+    want = x[:, :K].astype(np.float64) @ w.astype(np.float64).T
+    assert rel(outs[0], want) < (1e-2 if dt is BF16 else 2e-3)
+    np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+
+
+def _products(rng, dt, rows: int, K: int, N: int):
+    def f(m):
+        x = m.input("x", (rows, 1, K), dt)
+        return {"y": m.linear(x, m.param("w", (N, K), dt)), "z": m.linear(x, m.param("v", (N // 2, K), dt))}
+    params = {"w": (rng.standard_normal((N, K)) / 16).astype(dt.np),
+              "v": (rng.standard_normal((N // 2, K)) / 16).astype(dt.np)}
+    return Graph.define("gemv_tc", f), params, {"x": rng.standard_normal((rows, 1, K)).astype(dt.np)}
+
+
+@gpu
+@pytest.mark.parametrize("dt", [BF16, F16], ids=lambda d: d.value)
+@pytest.mark.parametrize("rows,K,N", [(3, 2048, 1000), (32, 4096, 2048), (64, 512, 30000)])
+def test_gemv_tc_matches_float64_and_cublas(rng, dt, rows, K, N):
+    """x [rows, 1, K] @ two weights: the tensor-core GEMV (a K split at the first two shapes, none
+    for the wide one) within the dtype's rounding of float64, and close to cuBLAS's products."""
+    from rlx_backend_cuda import set_config
+    from rlx_backend_cuda.values import CONFIG
+
+    g, params, ins = _products(rng, dt, rows, K, N)
+    x = ins["x"].astype(np.float64).reshape(rows, K)
+    was = CONFIG["gemv_tc"]
+    got = {}
+    try:
+        for on in (True, False):
+            set_config(gemv_tc=on)
+            exe = rlx_core.compile(g, backend="cuda")
+            steps = exe.describe()
+            got[on] = [exe.run(params=params, inputs=ins) for _ in range(2)]
+            assert steps["steps_by_op"].get("matmul") == 2, steps
+    finally:
+        set_config(gemv_tc=was)
+    tol = 1e-2 if dt is BF16 else 2e-3
+    for name in ("y", "z"):
+        want = x @ params["w" if name == "y" else "v"].astype(np.float64).T
+        for on in (True, False):
+            for run in got[on]:
+                assert rel(np.asarray(run[name], np.float64).reshape(want.shape), want) < tol, (name, on)
+        assert rel(np.asarray(got[True][0][name], np.float64), np.asarray(got[False][0][name], np.float64)) < tol
