@@ -115,9 +115,10 @@ def catalog() -> list:
                         S.render(S.GEMV, T=t, TO=t, MMAX=4 if nm == 0 else 2, R=r, U=u, SWIGLU=sw, KS=ks,
                                  SWIGLU_OF=codegen.swiglu_of("float"), NORM=nm, TN="float" if rs else t,
                                  RESID=rs, EARLY=int(r == 1)), "rlx_gemv"))
-        for mt, early in ((1, 1), (4, 0), (8, 1)):
-            out.append((f"gemv_tc {t} mt {mt}", S.render(S.GEMV_TC, T=t, TO=t, MMAT="bf16" if "bf" in t else "f16",
-                                                         MT=mt, KC=128, EARLY=early), "rlx_gemv_tc"))
+        for mt, early, sw in ((1, 1, 0), (4, 0, 1), (8, 1, 0), (8, 1, 1)):
+            out.append((f"gemv_tc {t} mt {mt} swiglu {sw}",
+                        S.render(S.GEMV_TC, T=t, TO=t, MMAT="bf16" if "bf" in t else "f16", MT=mt, KC=128,
+                                 EARLY=early, SWIGLU=sw, SWIGLU_OF=codegen.swiglu_of("float")), "rlx_gemv_tc"))
     out.append(("naive", S.render(S.MATMUL_NAIVE, TA="int", TB="int", TO="int", ACC="long long",
                                   MAC="(s) + (a) * (b)"), "rlx_matmul_naive"))
     out.append(("naive bool", S.render(S.MATMUL_NAIVE, TA="bool", TB="bool", TO="bool", ACC="bool",

@@ -222,8 +222,9 @@ class MatmulCase:
 
     def gemv_tc_fits(self) -> bool:
         """A 16-bit decode product sources.GEMV_TC takes: GEMV_MAX_M + 1 to GEMV_TC_MAX_M x rows,
-        K a multiple of 32 (whole chunks of the lanes' loads), `_streams_w`."""
-        return GEMV_MAX_M < self.x_rows() <= GEMV_TC_MAX_M and self.mkn[1] % 32 == 0 and self._streams_w()
+        K a multiple of 32 (whole chunks of the lanes' loads), `_streams_w`, a SwiGLU's rows contiguous."""
+        return (GEMV_MAX_M < self.x_rows() <= GEMV_TC_MAX_M and self.mkn[1] % 32 == 0 and self._streams_w()
+                and (not self.swiglu or self.swiglu_contiguous))
 
     def x_rows(self) -> int:
         return self.mkn[0] * math.prod(self.batch)
@@ -255,11 +256,11 @@ def matmul_strategy(case: MatmulCase) -> str:
     if case.epilogue:
         offsets, (count, *_) = case.batch_calls()
         return LT_EPILOGUE if not gemv and not case.swiglu and len(offsets) == 1 and count == 1 else UNFUSABLE
-    if case.swiglu:
-        return GEMV if gemv else UNFUSABLE
     if gemv:
         return GEMV
-    return GEMV_TC if case.gemv_tc_fits() else BLAS
+    if case.gemv_tc_fits():
+        return GEMV_TC
+    return UNFUSABLE if case.swiglu else BLAS
 
 
 def _matmul(builder, a: V, w: V, ta: bool, tb: bool, out: V, swiglu: V | None = None, epilogue=None) -> bool:
@@ -359,21 +360,27 @@ def _matmul_gemv(builder, case: MatmulCase, call: MatmulCall) -> bool:
 
 
 def _matmul_gemv_tc(builder, case: MatmulCase, call: MatmulCall) -> bool:
-    """A 16-bit decode product of a few more rows (`MatmulCase.gemv_tc_fits`): sources.GEMV_TC,
-    or cuBLAS where CONFIG["gemv_tc"] is off or the GPU has no mma.sync."""
+    """A 16-bit decode product of a few more rows (`MatmulCase.gemv_tc_fits`): sources.GEMV_TC
+    (with the SwiGLU of the result where asked), or cuBLAS (and an unfused SwiGLU) where
+    CONFIG["gemv_tc"] is off or the GPU has no mma.sync."""
     a_mat, w_mat = _gemm_operands(builder.cp, call)
     blas = _CublasGemm(builder, case, a_mat, w_mat, call.out)
+    tail = [] if call.swiglu is None else _swiglu_tail(builder, call.out, call.swiglu, case.mkn[2])
     if device.mma_missing(builder.cc, builder.hip):
-        builder.add(blas)
-        return True
-    _, K, N = case.mkn
-    tc, reads = _gemv_tc_step(builder, a_mat, _as_read(call)[1], call.out, case.x_rows(), N, K)
+        tc = reads = None
+    else:
+        _, K, N = case.mkn
+        target = call.out if call.swiglu is None else call.swiglu
+        tc, reads = _gemv_tc_step(builder, a_mat, _as_read(call)[1], target, case.x_rows(), N, K,
+                                  call.swiglu is not None)
 
     def dispatch():
-        if CONFIG["gemv_tc"]:
+        if tc is not None and CONFIG["gemv_tc"]:
             return tc()
         blas()
-    builder.add(dispatch, reads=reads)
+        for fn in tail:
+            fn()
+    builder.add(dispatch, reads=reads or ())
     return True
 
 
@@ -583,21 +590,24 @@ def gemv_tc_split(blocks: int, K: int, sms: int) -> int:
     return 32 * -(-K // (32 * parts))
 
 
-def _gemv_tc_step(builder, x, weight, out: V, M: int, N: int, K: int) -> tuple:
-    """(run, reads): the GEMV_TC launch for out[M, N] = x[M, K] @ weight (W [N, K] row-major),
-    with its partial sums' scratch and counters where K is split across blocks."""
+def _gemv_tc_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bool = False) -> tuple:
+    """(run, reads): the GEMV_TC launch for out[M, N] = x[M, K] @ weight (W [N, K] row-major;
+    swiglu: out[M, N/2] = silu(gate) * up), with its partial sums' scratch and counters where K
+    is split across blocks."""
     dtype = ctype(out.dt)
-    blocks = -(-N // 128)
+    n_out = N // 2 if swiglu else N
+    blocks = -(-n_out // 64) if swiglu else -(-N // 128)
     kb = gemv_tc_split(blocks, K, builder.sms)
     parts = -(-K // kb)
     src = sources.render(sources.GEMV_TC, T=dtype, TO=dtype, MMAT="bf16" if out.dt is BF16 else "f16",
-                         MT=-(-M // 8), KC=GEMV_TC_KC, EARLY=int(builder.written_by_no_kernel(V(weight, out.dt))))
+                         MT=-(-M // 8), KC=GEMV_TC_KC, EARLY=int(builder.written_by_no_kernel(V(weight, out.dt))),
+                         SWIGLU=int(swiglu), SWIGLU_OF=codegen.swiglu_of("float"))
     fn = builder.kernel(src, "rlx_gemv_tc")
     ws = builder.node_buffer((parts, M, N), F32, "gemv_tc partial sums").arr if parts > 1 else None
     counters = builder.counters(blocks) if parts > 1 else None
     row = K * weight.itemsize
-    reads = row_streams(builder, V(weight, out.dt), N, row, row, False)
-    args = (x, i64(K), weight, out.arr, i32(M), i32(N), i32(K), i32(kb), ws, counters)
+    reads = row_streams(builder, V(weight, out.dt), N, row, row, swiglu)
+    args = (x, i64(K), weight, out.arr, i32(M), i32(n_out), i32(K), i32(kb), ws, counters)
     grid, block, stream = (blocks, parts), (256,), builder.stream
 
     def run():
@@ -720,10 +730,10 @@ def _swiglu_consumer(b, n) -> int | None:
 
 def _b_matmul(b, n, ins, outs):
     x = ins[0]
-    # only the GEMV (x rows <= GEMV_MAX_M) computes the SwiGLU: else no private output for it
+    # only the GEMVs (x rows <= GEMV_TC_MAX_M) compute the SwiGLU: else no private output for it
     # (at prefill it was one [batch, seq, intermediate] buffer per layer: 2.1 GB at batch 32)
     rows = x.size // max(x.shape[-1], 1) if x.shape else 1
-    sw = _swiglu_consumer(b, n) if rows <= GEMV_MAX_M else None
+    sw = _swiglu_consumer(b, n) if rows <= GEMV_TC_MAX_M else None
     norm = _gemv_norm(b, tuple(n.inputs[0]))
     resid = _residual_norm(b, n) if rows <= GEMV_MAX_M else None
     if norm is not None or resid is not None:

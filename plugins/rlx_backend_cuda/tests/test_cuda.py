@@ -1065,8 +1065,8 @@ def test_every_kernel_waits_for_the_kernel_before_it():
         assert out.count("\n") == src.count("\n"), name
         body = out[out.index(f" {kname}("):]
         assert "RLX_GRID_WAIT();" in body, name
-        placed = kname in ("rlx_gemv", "rlx_dq_gemv", "rlx_gdn_net", "rlx_rms_norm", "rlx_attn_split",
-                           "rlx_attn_decode")
+        placed = kname in ("rlx_gemv", "rlx_gemv_tc", "rlx_dq_gemv", "rlx_gdn_net", "rlx_rms_norm",
+                           "rlx_attn_split", "rlx_attn_decode")
         assert ("{ RLX_GRID_WAIT();" in body) is not placed, name
 
 

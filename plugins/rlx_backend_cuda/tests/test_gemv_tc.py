@@ -18,11 +18,12 @@ from rlx_core.ir.graph import Graph
 TYPES = {BF16: ("__nv_bfloat16", "bf16"), F16: ("__half", "f16")}
 
 
-def _kernel(dt, M: int):
-    from rlx_backend_cuda import ops, sources
+def _kernel(dt, M: int, swiglu: int = 0):
+    from rlx_backend_cuda import codegen, ops, sources
 
     t, mmat = TYPES[dt]
-    src = sources.render(sources.GEMV_TC, T=t, TO=t, MMAT=mmat, MT=-(-M // 8), KC=ops.GEMV_TC_KC, EARLY=1)
+    src = sources.render(sources.GEMV_TC, T=t, TO=t, MMAT=mmat, MT=-(-M // 8), KC=ops.GEMV_TC_KC, EARLY=1,
+                         SWIGLU=swiglu, SWIGLU_OF=codegen.swiglu_of("float"))
     return cuda_emu.compile_kernel(src, "rlx_gemv_tc")
 
 
@@ -49,6 +50,25 @@ def test_emulated_gemv_tc_matches_float64(rng, dt, M, N, K, kb):
     want = x[:, :K].astype(np.float64) @ w.astype(np.float64).T
     assert rel(outs[0], want) < (1e-2 if dt is BF16 else 2e-3)
     np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+
+
+@cuda_emu.emulated
+@pytest.mark.parametrize("kb", [320, 96], ids=["whole", "split"])
+def test_emulated_gemv_tc_swiglu(rng, kb):
+    """SWIGLU: W [2N, K] (gate rows, then up rows), y = silu(gate) * up, both rounded to bf16 first
+    as the unfused product is; N = 100 (a partial block of 64 outputs), 11 rows of x."""
+    M, N, K, dt = 11, 100, 320, BF16
+    x = cuda_emu.aligned(rng.standard_normal((M, K)).astype(dt.np))
+    w = cuda_emu.aligned((rng.standard_normal((2 * N, K)) / 8).astype(dt.np))
+    parts, blocks = -(-K // kb), -(-N // 64)
+    ws = cuda_emu.aligned(np.zeros((parts, M, 2 * N), np.float32))
+    y, counters = cuda_emu.aligned(np.zeros((M, N), dt.np)), np.zeros(blocks, np.int32)
+    _kernel(dt, M, swiglu=1).launch((blocks, parts), (256,), (x, np.int64(K), w, y, np.int32(M), np.int32(N),
+                                                              np.int32(K), np.int32(kb), ws, counters))
+    z = (x.astype(np.float64) @ w.astype(np.float64).T).astype(dt.np).astype(np.float64)
+    gate, up = z[:, :N], z[:, N:]
+    assert rel(y, gate / (1 + np.exp(-gate)) * up) < 1e-2
+    assert not counters.any()
 
 
 def _products(rng, dt, rows: int, K: int, N: int):
@@ -89,3 +109,38 @@ def test_gemv_tc_matches_float64_and_cublas(rng, dt, rows, K, N):
             for run in got[on]:
                 assert rel(np.asarray(run[name], np.float64).reshape(want.shape), want) < tol, (name, on)
         assert rel(np.asarray(got[True][0][name], np.float64), np.asarray(got[False][0][name], np.float64)) < tol
+
+
+@gpu
+@pytest.mark.parametrize("rows", [5, 32])
+def test_gemv_tc_writes_the_swiglu(rng, rows):
+    """An MLP, down(silu(x Wg) * (x Wu)), at 5 and 32 rows: the gate/up product writes the
+    SwiGLU (no fused_swiglu step of its own), within bf16's rounding of float64, with the
+    tensor-core GEMV on and off (cuBLAS and the SwiGLU's own launch)."""
+    from rlx_backend_cuda import set_config
+    from rlx_backend_cuda.values import CONFIG
+
+    hid, inter = 512, 1408
+    dt = BF16
+
+    def f(m):
+        x = m.input("x", (rows, 1, hid), dt)
+        return {"y": m.swiglu(x, m.param("wg", (inter, hid), dt), m.param("wu", (inter, hid), dt),
+                              m.param("wd", (hid, inter), dt))}
+    params = {k: (rng.standard_normal(s) / 16).astype(dt.np)
+              for k, s in (("wg", (inter, hid)), ("wu", (inter, hid)), ("wd", (hid, inter)))}
+    ins = {"x": rng.standard_normal((rows, 1, hid)).astype(dt.np)}
+    p = {k: v.astype(np.float64) for k, v in params.items()}
+    x = ins["x"].astype(np.float64).reshape(rows, hid)
+    gate, up = x @ p["wg"].T, x @ p["wu"].T
+    want = (gate / (1 + np.exp(-gate)) * up) @ p["wd"].T
+    was = CONFIG["gemv_tc"]
+    try:
+        for on in (True, False):
+            set_config(gemv_tc=on)
+            exe = rlx_core.compile(Graph.define("mlp", f), backend="cuda")
+            assert "fused_swiglu" not in exe.describe()["steps_by_op"], exe.describe()
+            got = np.asarray(exe.run(params=params, inputs=ins)["y"], np.float64).reshape(want.shape)
+            assert rel(got, want) < 2e-2, on
+    finally:
+        set_config(gemv_tc=was)

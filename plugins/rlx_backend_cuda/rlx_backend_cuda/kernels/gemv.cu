@@ -160,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
 #endif
   }
 }
-// @part gemv_tc(T, TO, MT, KC, EARLY)
+// @part gemv_tc(T, TO, MT, KC, EARLY, SWIGLU, SWIGLU_OF(g, u))
 // Decode GEMV past the plain GEMV's rows (3 to 8 MT rows of x) on tensor cores: y[M, N] =
 // x[M, K] @ W[N, K]^T, 16-bit data, f32 sums. Past 2 rows the plain GEMV's FMAs bound it, and
 // cuBLAS's tiles for a few rows give a 2048-row weight a few dozen blocks. So W streams as in a
@@ -171,16 +171,24 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
 // block's warps share x's 8 MT rows (rows past M zero), KC columns at a time in shared memory.
 // gridDim.y splits K (KB a block); then the f32 sums go to ws[gridDim.y][M][N] and the last block
 // of a column of blocks (counter cnt[blockIdx.x], left at zero again) adds them in k order.
+// SWIGLU: W is [2N, K] (gate rows, then up rows); warps 0-3 take 64 gate rows, warps 4-7 the
+// same up rows, which pass their sums through shared memory for y = SWIGLU_OF(gate, up), each
+// rounded to TO first as the unfused matmul would (ws then [gridDim.y][M][2N]).
 extern "C" __global__ void __launch_bounds__(256) rlx_gemv_tc(const T* __restrict__ x, long long xrs,
     const T* __restrict__ w, TO* __restrict__ y, int M, int N, int K, int KB, float* ws, int* cnt) {
   constexpr int C = KC / 32, XP = KC + 32;    // (row pitch: rows g and g + 1 16 banks apart)
   __shared__ __align__(16) unsigned short xs[8 * MT * XP];
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  const int n0 = blockIdx.x * 128 + (threadIdx.x >> 5) * 16;
+  const int wib = threadIdx.x >> 5;
+#if SWIGLU
+  const int n0 = blockIdx.x * 64 + (wib & 3) * 16, half = (wib >> 2) * N, NW = 2 * N;
+#else
+  const int n0 = blockIdx.x * 128 + wib * 16, half = 0, NW = N;
+#endif
   const int k0 = blockIdx.y * KB, k1 = min(K, k0 + KB);
   const T* wr[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) wr[h] = w + (i64)min(n0 + 8 * h + g, N - 1) * K + 8 * q;
+  for (int h = 0; h < 2; ++h) wr[h] = w + (i64)(half + min(n0 + 8 * h + g, N - 1)) * K + 8 * q;
   uint4 wv[C][2];
 #define RLX_LOAD_W(kb) \
   _Pragma("unroll") for (int c = 0; c < C; ++c) \
@@ -227,15 +235,15 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv_tc(const T* __restric
     }
   }
 #undef RLX_LOAD_W
-  // acc[j][e]: y's row m = 8 j + 2 q + (e & 1), column n0 + g + 8 (e >> 1)
+  // acc[j][e]: y's row m = 8 j + 2 q + (e & 1), column n0 + g + 8 (e >> 1) (W's row half + that)
   if (gridDim.y > 1) {
-    float* part = ws + (i64)blockIdx.y * M * N;
+    float* part = ws + (i64)blockIdx.y * M * NW + half;
 #pragma unroll
     for (int j = 0; j < MT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int m = 8 * j + 2 * q + (e & 1), n = n0 + g + 8 * (e >> 1);
-        if (m < M && n < N) part[(i64)m * N + n] = acc[j][e];
+        if (m < M && n < N) part[(i64)m * NW + n] = acc[j][e];
       }
     __shared__ int last;
     __threadfence();
@@ -254,16 +262,32 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv_tc(const T* __restric
         const int m = 8 * j + 2 * q + (e & 1), n = n0 + g + 8 * (e >> 1);
         float t = 0.f;
         if (m < M && n < N)
-          for (int p = 0; p < (int)gridDim.y; ++p) t += LDCG(ws + ((i64)p * M + m) * N + n);
+          for (int p = 0; p < (int)gridDim.y; ++p) t += LDCG(ws + ((i64)p * M + m) * NW + half + n);
         acc[j][e] = t;
       }
   }
+#if SWIGLU
+  __shared__ float ups[4][MT * 4][32];
+  if (half) {
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ups[wib & 3][4 * j + e][lane] = acc[j][e];
+  }
+  __syncthreads();
+  if (half) return;
+#endif
 #pragma unroll
   for (int j = 0; j < MT; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int m = 8 * j + 2 * q + (e & 1), n = n0 + g + 8 * (e >> 1);
+#if SWIGLU
+      const float gt = tof(ST(TO, acc[j][e])), u = tof(ST(TO, ups[wib][4 * j + e][lane]));
+      if (m < M && n < N) y[(i64)m * N + n] = ST(TO, SWIGLU_OF(gt, u));
+#else
       if (m < M && n < N) y[(i64)m * N + n] = ST(TO, acc[j][e]);
+#endif
     }
 }
 // @part matmul_naive(MAC(s, a, b), TA, TB, TO, ACC)
