@@ -123,7 +123,7 @@ class CudaBackend(Backend):
                  "each kernel starts once the one before it has drained", "dependent_launch"),
             path("decode GEMV kernel", "", "cuBLAS runs the decode products", "gemv"),
             path("tensor-core GEMV for 3-64 decode rows (mma.sync)",
-                 mma or ("" if CONFIG["gemv_tc"] else "off by default until measured on a GPU "
+                 mma or ("" if CONFIG["gemv_tc"] else "off by default, measured slower than cuBLAS "
                          "(RLX_CUDA_GEMV_TC=1 turns it on)"), "cuBLAS runs those products"),
             path("residual norms inside the decode GEMVs", "", "each norm is a launch of its own",
                  "gemv_fusion"),

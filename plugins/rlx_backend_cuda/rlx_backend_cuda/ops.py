@@ -1241,8 +1241,12 @@ def _dq_gemm(b, s, x: V, xrs, w: V, wrs, al, out: V, M, N, K):
 # read at build) keeps the floats and the float GEMV.
 QX_SMEM = 96 * 1024         # the most dynamic shared memory a QX GEMV takes (x's int8 rows, scales)
 # the most values of x (rows x K) a QX GEMV block rounds itself (QX 2) rather than reading the int8
-# rows of a quant_q8 launch before it: an attention's output at batch 1-2 (not yet measured)
-QX_ROUND_MAX = 4096
+# rows of a quant_q8 launch before it (4096: an attention's output at batch 1-2); and whether the
+# GEMVs before a rounding write its int8 rows (Q8). Both off: on the H200 (session 29) the Llama-1B
+# q4_k+int8 decode took 0.666 ms/token with neither, 0.735 with Q8, 0.723 with both
+# (benchmarks/README.md, llm_gpu_gguf section)
+QX_ROUND_MAX = 0
+Q8_IN_GEMV = False
 
 
 def qx_bytes(M: int, K: int) -> int:
@@ -1280,9 +1284,9 @@ def int8_gemv_x(g, i: int, hip: bool = False, uses: dict | None = None) -> bool:
 def _q8_reader(b, ref: tuple) -> int | None:
     """The fake_quantize node that is the only reader of `ref` (a decode GEMV's output: the
     SwiGLU's, or a residual norm's y) and rounds it into int8 rows for decode GEMVs, which the
-    GEMV writing `ref` then writes itself (dq.cu's Q8); else None."""
+    GEMV writing `ref` then writes itself (dq.cu's Q8, where Q8_IN_GEMV); else None."""
     readers = b.uses.get(ref, [])
-    if len(readers) != 1 or readers[0] < 0:
+    if not Q8_IN_GEMV or len(readers) != 1 or readers[0] < 0:
         return None
     g, j = b.r.lir.graph, readers[0]
     return j if g.nodes[j].op == "fake_quantize" and int8_gemv_x(g, j, b.hip, b.uses) else None

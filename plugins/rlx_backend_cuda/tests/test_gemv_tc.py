@@ -12,6 +12,7 @@ import pytest
 from cuda_dry import dry, leaves, planned  # noqa: F401  (the fixture)
 from test_cuda import gpu
 from test_gemv_fusion import rel
+from test_int8_gemv import _described
 
 import rlx_core
 from rlx_core.ir.dtype import BF16, F16, I32
@@ -98,10 +99,10 @@ def test_gemv_tc_matches_float64_and_cublas(rng, dt, rows, K, N):
     try:
         for on in (True, False):
             set_config(gemv_tc=on)
-            exe = rlx_core.compile(g, backend="cuda")
-            steps = exe.describe()
-            got[on] = [exe.run(params=params, inputs=ins) for _ in range(2)]
-            assert steps["steps_by_op"].get("matmul") == 2, steps
+            exe = rlx_core.compile(g, backend="cuda", params=params)
+            got[on] = [{k: exe.backend.to_host(v) for k, v in exe.run(dict(ins)).items()} for _ in range(2)]
+            steps = _described(exe)
+            assert steps["steps_by_op"].get("matmul") == 1, steps     # (the two weights concatenated)
     finally:
         set_config(gemv_tc=was)
     tol = 1e-2 if dt is BF16 else 2e-3
@@ -140,9 +141,9 @@ def test_gemv_tc_writes_the_swiglu(rng, rows):
     try:
         for on in (True, False):
             set_config(gemv_tc=on)
-            exe = rlx_core.compile(Graph.define("mlp", f), backend="cuda")
-            assert "fused_swiglu" not in exe.describe()["steps_by_op"], exe.describe()
-            got = np.asarray(exe.run(params=params, inputs=ins)["y"], np.float64).reshape(want.shape)
+            exe = rlx_core.compile(Graph.define("mlp", f), backend="cuda", params=params)
+            got = np.asarray(exe.backend.to_host(exe.run(dict(ins))["y"]), np.float64).reshape(want.shape)
+            assert "fused_swiglu" not in _described(exe)["steps_by_op"], _described(exe)
             assert rel(got, want) < 2e-2, on
     finally:
         set_config(gemv_tc=was)

@@ -55,8 +55,8 @@ def _run(g, params, ins, monkeypatch, int8_gemv: bool = True, runs: int = 2, **c
 def test_int8_gemv_matches_the_rounded_product(rng, name, monkeypatch):
     """One and three rows, two weights reading one rounded x (q/k-like), one with bias and
     silu (the GEMV's epilogue); a NaN in a block of one row makes that row NaN as in the
-    reference. Both x are small, so the GEMVs round them themselves (QX 2); with
-    ops.QX_ROUND_MAX 0 quant_q8 rounds them first (QX 1); the switch off (the rounding
+    reference. quant_q8 rounds x first (QX 1; ops.QX_ROUND_MAX 0, the default); with 4096, both
+    x are small enough for the GEMVs to round them themselves (QX 2); the switch off (the rounding
     kernel, then the float GEMV) agrees."""
     from rlx_backend_cuda import ops
     s = QuantScheme.parse(name)
@@ -77,7 +77,7 @@ def test_int8_gemv_matches_the_rounded_product(rng, name, monkeypatch):
     ins["x3"][1, 40] = np.nan
     ins["b"] = rng.standard_normal(N).astype(np.float32)
     deq = [s.dequantize_reference(w, (N, k)) for w in ws]
-    for int8_gemv, round_max in ((True, ops.QX_ROUND_MAX), (True, 0), (False, ops.QX_ROUND_MAX)):
+    for int8_gemv, round_max in ((True, 4096), (True, 0), (False, 4096)):
         monkeypatch.setattr(ops, "QX_ROUND_MAX", round_max)
         got, desc, asked = _run(g, {"w0": ws[0], "w1": ws[1]}, ins, monkeypatch, int8_gemv)
         assert desc["capturable"] and desc["graph"], desc
@@ -121,12 +121,18 @@ def test_the_rounding_kernel_matches_numpy_bit_for_bit(rng, dt):
 @gpu
 @pytest.mark.parametrize("scheme", ["q4_k", "q8_0", "q6_k"])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_a_decode_block_under_int8_activations(rng, scheme, rows, monkeypatch):
+@pytest.mark.parametrize("in_gemv", [False, True], ids=["quant_q8", "q8-qx2"])
+def test_a_decode_block_under_int8_activations(rng, scheme, rows, in_gemv, monkeypatch):
     """Attention output, residual norms, the SwiGLU MLP and a second projection with packed
     weights, compiled with activations = "int8": each x is rounded into int8 rows (the residual
     norms' division there: no norm launch, as test_gemv_fusion's; at 3 rows the dense head is
     no GEMV, so the last norm runs as a launch), and the result matches the NumPy backend under
-    the same profile within bf16 rounding, the third run replaying the CUDA graph."""
+    the same profile within bf16 rounding, the third run replaying the CUDA graph; by quant_q8
+    launches (the default) and by the GEMVs themselves (ops.Q8_IN_GEMV, QX 2)."""
+    from rlx_backend_cuda import ops
+
+    monkeypatch.setattr(ops, "Q8_IN_GEMV", in_gemv)
+    monkeypatch.setattr(ops, "QX_ROUND_MAX", 4096 if in_gemv else 0)
     g, pv, ins, _ = case(rng, BF16, rows, 512, scheme=scheme, inner=256, inter=512)
     prof = CompileProfile().evolve(precision={"activations": "int8"})
     got, d, asked = _run(g, pv, ins, monkeypatch, runs=3, profile=prof)
@@ -418,13 +424,17 @@ def _llama_layer(m):
     return {"up": m.linear(m.rms_norm(x, m.param("ln3", (hid,), BF16), eps=1e-6), mat("wn", ff, hid))}
 
 
-def test_a_decode_layer_rounds_x_without_launches_of_its_own(rng, dry):
+def test_a_decode_layer_rounds_x_without_launches_of_its_own(rng, dry, monkeypatch):
     """(No GPU: cuda_dry's build on stand-ins, nothing computed.) A decode layer under int8
     activations: the o and down projections (before a residual norm) and gate/up (before the
     SwiGLU's rounding) write the next GEMV's int8 rows themselves (Q8), and the o projection
     rounds the attention's output itself (QX 2), so quant_q8 runs once, for the first norm of x
     (whose bytes the q/k/v GEMV's output takes over: rounded before it). Each RESID rounding
     divides by the norm of the sums it adds up and zeroes those of the one before it in the ring."""
+    from rlx_backend_cuda import ops
+
+    monkeypatch.setattr(ops, "Q8_IN_GEMV", True)
+    monkeypatch.setattr(ops, "QX_ROUND_MAX", 4096)
     lir = planned(Graph.define("int8_layer", _llama_layer), activations="int8")
     runner = dry(lir, *leaves(lir, rng))
     for st in runner.steps:
@@ -441,6 +451,20 @@ def test_a_decode_layer_rounds_x_without_launches_of_its_own(rng, dry):
     o, down = gemvs[1].args[0], gemvs[3].args[0]
     assert all(a[9] is not None and a[10] is not None and a[11] > 0 for a in (o, down))
     assert down[-2] is o[-3] and o[-3] is not down[-3], "the down GEMV zeroes the o GEMV's sums"
+
+
+def test_by_default_a_launch_rounds_each_x(rng, dry):
+    """(No GPU.) The default (ops.Q8_IN_GEMV off, QX_ROUND_MAX 0: faster on the H200): the same
+    layer rounds each of its five GEMVs' x in a quant_q8 launch before it, and no GEMV writes
+    int8 rows or rounds x itself."""
+    lir = planned(Graph.define("int8_layer", _llama_layer), activations="int8")
+    runner = dry(lir, *leaves(lir, rng))
+    for st in runner.steps:
+        st.fn()
+    names = [k.name for k in dry.kernels for _ in k.launches]
+    gemvs = [k for k in dry.kernels if k.name == "rlx_dq_gemv" and k.launches]
+    assert names.count("rlx_quant_q8") == 5 and len(gemvs) == 5, names
+    assert not any("#define Q8 1" in k.source or "#define QX 2" in k.source for k in gemvs)
 
 
 @cuda_emu.emulated

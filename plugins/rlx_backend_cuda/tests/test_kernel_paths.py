@@ -17,7 +17,7 @@ INT8_GEMV = 'int8-activation decode GEMV (dp4a; [precision] activations = "int8"
 ATTN_ROPE = "RoPE inside the cluster decode attention"
 ATTN_EPILOGUE = "output gate inside the cluster decode attention"
 GEMV_TC = "tensor-core GEMV for 3-64 decode rows (mma.sync)"
-# off by default: measured no faster (the first two), not yet measured (the GEMV)
+# off by default: measured no faster (the first two), slower (the GEMV)
 OPT_IN = {ATTN_ROPE: "attn_rope", ATTN_EPILOGUE: "attn_epilogue", GEMV_TC: "gemv_tc"}
 
 

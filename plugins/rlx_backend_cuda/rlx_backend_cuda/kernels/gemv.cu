@@ -162,8 +162,8 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
 }
 // @part gemv_tc(T, TO, MT, KC, EARLY, SWIGLU, SWIGLU_OF(g, u))
 // Decode GEMV past the plain GEMV's rows (3 to 8 MT rows of x) on tensor cores: y[M, N] =
-// x[M, K] @ W[N, K]^T, 16-bit data, f32 sums. Past 2 rows the plain GEMV's FMAs bound it, and
-// cuBLAS's tiles for a few rows give a 2048-row weight a few dozen blocks. So W streams as in a
+// x[M, K] @ W[N, K]^T, 16-bit data, f32 sums (opt-in: measured slower than cuBLAS on the H200,
+// ops.GEMV_TC). Past 2 rows the plain GEMV's FMAs bound it. So W streams as in a
 // GEMV: warp w of a block's 8 owns W's rows n0 + 16 w .. + 15 and loads them straight into
 // mma.sync's A fragments. Lane (g, q) = (lane / 4, lane % 4) loads 8 consecutive k of rows g and
 // g + 8 in one 16-byte load, and its B fragment the same 8 k of x's row g: the sum over k is the
