@@ -2018,13 +2018,16 @@ def _reduce_epilogue(b, y: V) -> tuple | None:
 
 REDUCE_SERIAL = 32      # a reduction this short runs one thread per output, not one block per row
 ROW_CHUNK = 4096        # few rows longer than this are cut into chunks of a block each (_row_split)
+# the blocks an SM such a split fills at most. At batch 32 the 1B-shape decode's logit sum and
+# argmax (8 chunks a row) took 46.9 and 31.7 us on the H200 (benchmarks/README.md, llm_gpu)
+ROW_BLOCKS_PER_SM = 2
 
 
 def _row_split(b, rows: int, R: int) -> tuple:
     """(chunks per row, chunk length) of a row reduction: rows much longer than ROW_CHUNK,
-    too few to fill the GPU with a block each, go in up to two blocks per SM in all. The
-    1B-shape decode's argmax and logit sum over 128256 entries: 33 and 28 us as one block."""
-    ns = max(1, min(-(-R // ROW_CHUNK), 2 * b.sms // max(rows, 1)))
+    too few to fill the GPU with a block each, go in up to ROW_BLOCKS_PER_SM blocks per SM in
+    all. The 1B-shape decode's argmax and logit sum over 128256 entries: 33 and 28 us as one block."""
+    ns = max(1, min(-(-R // ROW_CHUNK), ROW_BLOCKS_PER_SM * b.sms // max(rows, 1)))
     return ns, -(-R // ns)
 
 
