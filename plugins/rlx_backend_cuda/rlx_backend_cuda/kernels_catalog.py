@@ -118,7 +118,8 @@ def catalog() -> list:
         for mt, early, sw in ((1, 1, 0), (4, 0, 1), (8, 1, 0), (8, 1, 1)):
             out.append((f"gemv_tc {t} mt {mt} swiglu {sw}",
                         S.render(S.GEMV_TC, T=t, TO=t, MMAT="bf16" if "bf" in t else "f16", MT=mt, KC=128,
-                                 EARLY=early, SWIGLU=sw, SWIGLU_OF=codegen.swiglu_of("float")), "rlx_gemv_tc"))
+                                 EARLY=early, SWIGLU=sw, SWIGLU_OF=codegen.swiglu_of("float")),
+                        "rlx_gemv_tc"))
     out.append(("naive", S.render(S.MATMUL_NAIVE, TA="int", TB="int", TO="int", ACC="long long",
                                   MAC="(s) + (a) * (b)"), "rlx_matmul_naive"))
     out.append(("naive bool", S.render(S.MATMUL_NAIVE, TA="bool", TB="bool", TO="bool", ACC="bool",

@@ -428,8 +428,8 @@ def _matmul_unfusable(builder, case: MatmulCase, call: MatmulCall) -> bool:
 
 
 _MATMUL_STRATEGIES = {ROWS: _matmul_rows, STAGED: _matmul_staged, REPACKED: _matmul_repacked,
-                      GEMV: _matmul_gemv, GEMV_TC: _matmul_gemv_tc, LT_EPILOGUE: _matmul_lt_epilogue, BLAS: _matmul_blas,
-                      UNFUSABLE: _matmul_unfusable}
+                      GEMV: _matmul_gemv, GEMV_TC: _matmul_gemv_tc, LT_EPILOGUE: _matmul_lt_epilogue,
+                      BLAS: _matmul_blas, UNFUSABLE: _matmul_unfusable}
 
 
 def _swiglu_tail(builder, out: V, swiglu: V, n: int) -> list:
@@ -599,9 +599,10 @@ def _gemv_tc_step(builder, x, weight, out: V, M: int, N: int, K: int, swiglu: bo
     blocks = -(-n_out // 64) if swiglu else -(-N // 128)
     kb = gemv_tc_split(blocks, K, builder.sms)
     parts = -(-K // kb)
+    early = int(builder.written_by_no_kernel(V(weight, out.dt)))
     src = sources.render(sources.GEMV_TC, T=dtype, TO=dtype, MMAT="bf16" if out.dt is BF16 else "f16",
-                         MT=-(-M // 8), KC=GEMV_TC_KC, EARLY=int(builder.written_by_no_kernel(V(weight, out.dt))),
-                         SWIGLU=int(swiglu), SWIGLU_OF=codegen.swiglu_of("float"))
+                         MT=-(-M // 8), KC=GEMV_TC_KC, EARLY=early, SWIGLU=int(swiglu),
+                         SWIGLU_OF=codegen.swiglu_of("float"))
     fn = builder.kernel(src, "rlx_gemv_tc")
     ws = builder.node_buffer((parts, M, N), F32, "gemv_tc partial sums").arr if parts > 1 else None
     counters = builder.counters(blocks) if parts > 1 else None

@@ -111,7 +111,8 @@ def test_gemv_tc_matches_float64_and_cublas(rng, dt, rows, K, N):
         for on in (True, False):
             for run in got[on]:
                 assert rel(np.asarray(run[name], np.float64).reshape(want.shape), want) < tol, (name, on)
-        assert rel(np.asarray(got[True][0][name], np.float64), np.asarray(got[False][0][name], np.float64)) < tol
+        tc, blas = (np.asarray(got[on][0][name], np.float64) for on in (True, False))
+        assert rel(tc, blas) < tol
 
 
 @gpu
@@ -154,12 +155,14 @@ def _mlp_layer(m, rows: int = 32, hid: int = 256, inter: int = 512):
     h, kv, d, ctx = 4, 2, 64, 256
     x, pos = m.input("x", (rows, 1, hid), BF16), m.input("pos", (rows,), I32)
     cos, sin = m.input("cos", (rows, 1, d // 2)), m.input("sin", (rows, 1, d // 2))
-    qkv = m.linear(m.rms_norm(x, m.param("ln", (hid,), BF16), eps=1e-6), m.param("wqkv", ((h + 2 * kv) * d, hid), BF16))
+    wqkv = m.param("wqkv", ((h + 2 * kv) * d, hid), BF16)
+    qkv = m.linear(m.rms_norm(x, m.param("ln", (hid,), BF16), eps=1e-6), wqkv)
     q, k, v = (m.transpose(m.reshape(m.narrow(qkv, 2, a * d, n * d), (rows, 1, n, d)), (0, 2, 1, 3))
                for a, n in ((0, h), (h, kv), (h + kv, kv)))
     kc = m.kv_write(m.state("kc", (rows, kv, ctx, d), BF16), m.rope(k, cos, sin), pos)
     vc = m.kv_write(m.state("vc", (rows, kv, ctx, d), BF16), v, pos)
-    o = m.reshape(m.transpose(m.attention(m.rope(q, cos, sin), kc, vc, pos=pos), (0, 2, 1, 3)), (rows, 1, h * d))
+    o = m.transpose(m.attention(m.rope(q, cos, sin), kc, vc, pos=pos), (0, 2, 1, 3))
+    o = m.reshape(o, (rows, 1, h * d))
     x = m.add_(x, m.linear(o, m.param("wo", (hid, h * d), BF16)))
     mlp = m.swiglu(m.rms_norm(x, m.param("ln2", (hid,), BF16), eps=1e-6), m.param("wg", (inter, hid), BF16),
                    m.param("wu", (inter, hid), BF16), m.param("wd", (hid, inter), BF16))
@@ -188,8 +191,8 @@ def test_a_batch_32_layer_runs_its_products_on_the_tensor_core_gemv(rng, dry):
     finally:
         set_config(gemv_tc=was)
     tc = [k for k in launched[True] if k.name == "rlx_gemv_tc"]
-    assert len(tc) == 4 and sorted("#define SWIGLU 1" in k.source for k in tc) == [False, False, False, True], \
-        [k.name for k in launched[True]]
+    swiglu = sorted("#define SWIGLU 1" in k.source for k in tc)
+    assert len(tc) == 4 and swiglu == [False, False, False, True], [k.name for k in launched[True]]
     assert all("#define MT 4" in k.source for k in tc)
     assert not any(k.name == "rlx_gemv_tc" for k in launched[False])
     ew = {on: [k for k in launched[on] if k.name == "rlx_ew"] for on in launched}

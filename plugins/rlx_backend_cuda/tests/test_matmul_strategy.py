@@ -68,7 +68,8 @@ TABLE = [
     ("bf16 decode row, W [N, K]", dict(a=(1, 64), w=(96, 64), out=(1, 96), tb=True, dt=BF16), ops.GEMV),
     ("f16 two rows (GEMV_MAX_M)", dict(a=(2, 64), w=(96, 64), out=(2, 96), tb=True), ops.GEMV),
     ("f16 three rows: past GEMV_MAX_M", dict(a=(3, 64), w=(96, 64), out=(3, 96), tb=True), ops.GEMV_TC),
-    ("bf16 64 rows (GEMV_TC_MAX_M)", dict(a=(64, 64), w=(96, 64), out=(64, 96), tb=True, dt=BF16), ops.GEMV_TC),
+    ("bf16 64 rows (GEMV_TC_MAX_M)", dict(a=(64, 64), w=(96, 64), out=(64, 96), tb=True, dt=BF16),
+     ops.GEMV_TC),
     ("f16 65 rows: past GEMV_TC_MAX_M", dict(a=(65, 64), w=(96, 64), out=(65, 96), tb=True), ops.BLAS),
     ("f16 three rows, K not a multiple of 32", dict(a=(3, 40), w=(96, 40), out=(3, 96), tb=True), ops.BLAS),
     ("f32 three rows", dict(a=(3, 64), w=(96, 64), out=(3, 96), tb=True, dt=F32), ops.BLAS),
@@ -118,7 +119,8 @@ TABLE = [
      dict(a=(3, 40), w=(128, 40), out=(3, 128), tb=True, swiglu=(3, 64)), ops.UNFUSABLE),
     ("swiglu, three rows into strided rows",
      dict(a=(3, 64), w=(128, 64), out=(3, 128), tb=True, swiglu=((3, 64), (128, 1))), ops.UNFUSABLE),
-    ("swiglu, 65 rows", dict(a=(65, 64), w=(128, 64), out=(65, 128), tb=True, swiglu=(65, 64)), ops.UNFUSABLE),
+    ("swiglu, 65 rows", dict(a=(65, 64), w=(128, 64), out=(65, 128), tb=True, swiglu=(65, 64)),
+     ops.UNFUSABLE),
     ("swiglu, W [K, N]", dict(a=(1, 64), w=(64, 128), out=(1, 128), swiglu=(1, 64)), ops.UNFUSABLE),
     ("swiglu, bf16", dict(a=(1, 64), w=(128, 64), out=(1, 128), tb=True, swiglu=(1, 64), dt=BF16), ops.GEMV),
     ("swiglu, x [1, 1, K] @ W", dict(a=(1, 1, 64), w=(128, 64), out=(1, 1, 128), tb=True, swiglu=(1, 1, 64)),
@@ -154,7 +156,8 @@ def test_matmul_strategy_is_todays(args, expected):
 
 def test_table_covers_every_strategy():
     """Each strategy is pinned by at least one case (a new one needs rows of its own)."""
-    names = {ops.ROWS, ops.STAGED, ops.REPACKED, ops.GEMV, ops.GEMV_TC, ops.LT_EPILOGUE, ops.BLAS, ops.UNFUSABLE}
+    names = {ops.ROWS, ops.STAGED, ops.REPACKED, ops.GEMV, ops.GEMV_TC, ops.LT_EPILOGUE, ops.BLAS,
+             ops.UNFUSABLE}
     assert names == set(ops._MATMUL_STRATEGIES) == {row[2] for row in TABLE}
 
 
