@@ -6,6 +6,7 @@
 # then on the device, after the install, with carry [".device"]:
 #   bash benchmarks/gpu_queue.sh tests attn     # tensor-core attention tests; the prefetch A/B (~310 s)
 #   bash benchmarks/gpu_queue.sh rows           # batch 32's logit sum and argmax split finer (~200 s)
+#   bash benchmarks/gpu_queue.sh gemvtc         # the tensor-core GEMV's parallel tail against cuBLAS (~260 s)
 # attn: Qwen3.5-2B decode with the next chunk's K and V (exp) or K alone (expk) loaded while a
 # chunk is scored (benchmarks/README.md, qwen35_gpu section). rows: Llama-1B batch 16-64 with
 # ops.ROW_BLOCKS_PER_SM 2 (8 chunks a row at batch 32) or 8 (32), the reductions' kernel times
@@ -40,6 +41,12 @@ for part in "$@"; do
       --config "eight=RLX_BENCH_SET=rlx_backend_cuda.ops.ROW_BLOCKS_PER_SM=8" \
       -- python3 benchmarks/llm_gpu.py --batch 16 32 64 --sides rlx --new 16 --reps 1 \
       2>&1 | tee "$OUT/ab_rows.log" | tail -10 ;;
-  *) echo "gpu_queue.sh: unknown part $part (prep, tests, attn, rows)"; exit 2 ;;
+  gemvtc)
+    echo "== Llama-1B bf16 decode at batch 4-64: cuBLAS (blas) or the tensor-core GEMV (tc)"
+    timeout 90 $PYTEST $T/test_gemv_tc.py -k "not emulated" 2>&1 | tail -2
+    timeout 260 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 120 --config blas= --config "tc=RLX_CUDA_GEMV_TC=1" \
+      -- python3 benchmarks/llm_gpu.py --batch 4 32 64 --sides rlx --new 16 --reps 1 \
+      2>&1 | tee "$OUT/ab_gemvtc.log" | tail -10 ;;
+  *) echo "gpu_queue.sh: unknown part $part (prep, tests, attn, rows, gemvtc)"; exit 2 ;;
   esac
 done

@@ -32,12 +32,14 @@ def _kernel(dt, M: int, swiglu: int = 0):
 
 @cuda_emu.emulated
 @pytest.mark.parametrize("dt", [BF16, F16], ids=lambda d: d.value)
-@pytest.mark.parametrize("M,N,K,kb", [(3, 200, 96, 96), (17, 130, 352, 128), (32, 128, 320, 96)],
-                         ids=["3rows", "17rows-split", "32rows-split-tail"])
+@pytest.mark.parametrize("M,N,K,kb", [(3, 200, 96, 96), (17, 130, 352, 128), (32, 128, 320, 96),
+                                     (40, 100, 128, 64)],
+                         ids=["3rows", "17rows-split", "32rows-split-tail", "40rows-split-two-passes"])
 def test_emulated_gemv_tc_matches_float64(rng, dt, M, N, K, kb):
     """x rows of stride K + 40 (not contiguous), W [N, K]; kb < K: the K split, its last part
-    shorter than the others; the counters are zero again after the launch and a second launch
-    gives the same bits (the sums added in a fixed order)."""
+    shorter than the others (at 40 rows the last block adds a thread's 20 outputs in two passes);
+    the counters are zero again after the launch and a second launch gives the same bits (the
+    sums added in a fixed order)."""
     x = cuda_emu.aligned(rng.standard_normal((M, K + 40)).astype(dt.np))
     w = cuda_emu.aligned((rng.standard_normal((N, K)) / 8).astype(dt.np))
     parts, blocks = -(-K // kb), -(-N // 128)

@@ -170,7 +170,8 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
 // same in any order of k the A and B fragments agree on, so no ldmatrix and no shuffle. The
 // block's warps share x's 8 MT rows (rows past M zero), KC columns at a time in shared memory.
 // gridDim.y splits K (KB a block); then the f32 sums go to ws[gridDim.y][M][N] and the last block
-// of a column of blocks (counter cnt[blockIdx.x], left at zero again) adds them in k order.
+// of a column of blocks (counter cnt[blockIdx.x], left at zero again) adds them in k order and
+// stores y.
 // SWIGLU: W is [2N, K] (gate rows, then up rows); warps 0-3 take 64 gate rows, warps 4-7 the
 // same up rows, which pass their sums through shared memory for y = SWIGLU_OF(gate, up), each
 // rounded to TO first as the unfused matmul would (ws then [gridDim.y][M][2N]).
@@ -255,16 +256,38 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv_tc(const T* __restric
     __syncthreads();
     if (!last) return;
     __threadfence();
+    // the column's outputs spread over the block's threads, consecutive columns on consecutive
+    // lanes, EB of a thread's at a time; a part's loads all issued before its adds (a thread
+    // adding its own outputs' parts one load at a time waited on L2 for each: 8-16 parts of
+    // 16-32 outputs)
+    constexpr int COLS = SWIGLU ? 64 : 128, EPT = 8 * MT * COLS / 256, EB = EPT < 16 ? EPT : 16;
+    const int c0 = blockIdx.x * COLS;
+    for (int i0 = 0; i0 < EPT; i0 += EB) {
+      float t[EB], up[EB];
 #pragma unroll
-    for (int j = 0; j < MT; ++j)
+      for (int i = 0; i < EB; ++i) t[i] = up[i] = 0.f;
+      for (int p = 0; p < (int)gridDim.y; ++p)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int m = 8 * j + 2 * q + (e & 1), n = n0 + g + 8 * (e >> 1);
-        float t = 0.f;
-        if (m < M && n < N)
-          for (int p = 0; p < (int)gridDim.y; ++p) t += LDCG(ws + ((i64)p * M + m) * NW + half + n);
-        acc[j][e] = t;
+        for (int i = 0; i < EB; ++i) {
+          const int e = threadIdx.x + 256 * (i0 + i), m = e / COLS, n = c0 + e % COLS;
+          if (m < M && n < N) {
+            const float* r = ws + ((i64)p * M + m) * NW + n;
+            t[i] += LDCG(r);
+            if (SWIGLU) up[i] += LDCG(r + N);
+          }
+        }
+#pragma unroll
+      for (int i = 0; i < EB; ++i) {
+        const int e = threadIdx.x + 256 * (i0 + i), m = e / COLS, n = c0 + e % COLS;
+#if SWIGLU
+        const float gt = tof(ST(TO, t[i])), u = tof(ST(TO, up[i]));
+        if (m < M && n < N) y[(i64)m * N + n] = ST(TO, SWIGLU_OF(gt, u));
+#else
+        if (m < M && n < N) y[(i64)m * N + n] = ST(TO, t[i]);
+#endif
       }
+    }
+    return;
   }
 #if SWIGLU
   __shared__ float ups[4][MT * 4][32];
