@@ -5,12 +5,14 @@
 #   bash benchmarks/gpu_queue.sh prep
 # then on the device, after the install, with carry [".device"]:
 #   bash benchmarks/gpu_queue.sh tests attn     # tensor-core attention tests; the prefetch A/B (~310 s)
-#   bash benchmarks/gpu_queue.sh rows           # batch 32's logit sum and argmax split finer (~200 s)
+#   bash benchmarks/gpu_queue.sh batch          # batch 16-64: reductions and attention split finer (~260 s)
 #   bash benchmarks/gpu_queue.sh gemvtc         # the tensor-core GEMV's parallel tail against cuBLAS (~260 s)
 # attn: Qwen3.5-2B decode with the next chunk's K and V (exp) or K alone (expk) loaded while a
-# chunk is scored (benchmarks/README.md, qwen35_gpu section). rows: Llama-1B batch 16-64 with
-# ops.ROW_BLOCKS_PER_SM 2 (8 chunks a row at batch 32) or 8 (32), the reductions' kernel times
-# (llm_gpu section, session 29). OUT (optional): a folder for the logs. Remove this file once
+# chunk is scored (benchmarks/README.md, qwen35_gpu section). batch: Llama-1B batch 16-64 as
+# built, with ops.ROW_BLOCKS_PER_SM 8 (the logit sum's and argmax's rows in 32 chunks at batch
+# 32, not 8), and with ops.ATTN_BLOCKS_PER_SM 8 (the split attention's keys in 5 parts at batch
+# 32, not 2: each block walks 4 tiles of 32 keys, not 9, one after another) (llm_gpu section,
+# session 29). OUT (optional): a folder for the logs. Remove this file once
 # its parts have run.
 set -u
 export PYTHONUNBUFFERED=1
@@ -35,18 +37,19 @@ for part in "$@"; do
     timeout 250 python3 benchmarks/gpu_ab.py --rounds 2 --timeout 70 --config base= --config "$(tree exp)" \
       --config "$(tree expk)" -- python3 benchmarks/qwen35_gpu.py --sides rlx --prefill= --new 64 --reps 3 \
       2>&1 | tee "$OUT/ab_attn.log" | tail -10 ;;
-  rows)
-    echo "== Llama-1B bf16 decode at batch 16-64: long rows' reductions in 2 or 8 blocks an SM"
-    timeout 200 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 90 --config two= \
-      --config "eight=RLX_BENCH_SET=rlx_backend_cuda.ops.ROW_BLOCKS_PER_SM=8" \
+  batch)
+    echo "== Llama-1B bf16 decode at batch 16-64: reductions and attention in more blocks"
+    timeout 260 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 80 --config base= \
+      --config "rows8=RLX_BENCH_SET=rlx_backend_cuda.ops.ROW_BLOCKS_PER_SM=8" \
+      --config "attn8=RLX_BENCH_SET=rlx_backend_cuda.ops.ATTN_BLOCKS_PER_SM=8" \
       -- python3 benchmarks/llm_gpu.py --batch 16 32 64 --sides rlx --new 16 --reps 1 \
-      2>&1 | tee "$OUT/ab_rows.log" | tail -10 ;;
+      2>&1 | tee "$OUT/ab_batch.log" | tail -10 ;;
   gemvtc)
     echo "== Llama-1B bf16 decode at batch 4-64: cuBLAS (blas) or the tensor-core GEMV (tc)"
     timeout 90 $PYTEST $T/test_gemv_tc.py -k "not emulated" 2>&1 | tail -2
     timeout 260 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 120 --config blas= \
       --config "tc=RLX_CUDA_GEMV_TC=1" -- python3 benchmarks/llm_gpu.py --batch 4 32 64 --sides rlx --new 16 --reps 1 \
       2>&1 | tee "$OUT/ab_gemvtc.log" | tail -10 ;;
-  *) echo "gpu_queue.sh: unknown part $part (prep, tests, attn, rows, gemvtc)"; exit 2 ;;
+  *) echo "gpu_queue.sh: unknown part $part (prep, tests, attn, batch, gemvtc)"; exit 2 ;;
   esac
 done
