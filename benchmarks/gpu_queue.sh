@@ -48,7 +48,8 @@ for part in "$@"; do
     echo "== Llama-1B bf16 decode at batch 4-64: cuBLAS (blas) or the tensor-core GEMV (tc)"
     timeout 90 $PYTEST $T/test_gemv_tc.py -k "not emulated" 2>&1 | tail -2
     timeout 260 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 120 --config blas= \
-      --config "tc=RLX_CUDA_GEMV_TC=1" -- python3 benchmarks/llm_gpu.py --batch 4 32 64 --sides rlx --new 16 --reps 1 \
+      --config "tc=RLX_CUDA_GEMV_TC=1" \
+      -- python3 benchmarks/llm_gpu.py --batch 4 32 64 --sides rlx --new 16 --reps 1 \
       2>&1 | tee "$OUT/ab_gemvtc.log" | tail -10 ;;
   *) echo "gpu_queue.sh: unknown part $part (prep, tests, attn, batch, gemvtc)"; exit 2 ;;
   esac

@@ -12,10 +12,10 @@ import pytest
 from cuda_dry import dry, leaves, planned  # noqa: F401  (the fixture)
 from test_cuda import gpu
 from test_gemv_fusion import rel
-from test_int8_gemv import _described
+from test_int8_gemv import _described, _llama_layer
 
 import rlx_core
-from rlx_core.ir.dtype import BF16, F16, I32
+from rlx_core.ir.dtype import BF16, F16
 from rlx_core.ir.graph import Graph
 
 TYPES = {BF16: ("__nv_bfloat16", "bf16"), F16: ("__half", "f16")}
@@ -152,33 +152,14 @@ def test_gemv_tc_writes_the_swiglu(rng, rows):
         set_config(gemv_tc=was)
 
 
-def _mlp_layer(m, rows: int = 32, hid: int = 256, inter: int = 512):
-    """x [rows, 1, hid] -> norm, q/k/v, RoPE, attention, o + x, norm, SwiGLU MLP + x (bf16)."""
-    h, kv, d, ctx = 4, 2, 64, 256
-    x, pos = m.input("x", (rows, 1, hid), BF16), m.input("pos", (rows,), I32)
-    cos, sin = m.input("cos", (rows, 1, d // 2)), m.input("sin", (rows, 1, d // 2))
-    wqkv = m.param("wqkv", ((h + 2 * kv) * d, hid), BF16)
-    qkv = m.linear(m.rms_norm(x, m.param("ln", (hid,), BF16), eps=1e-6), wqkv)
-    q, k, v = (m.transpose(m.reshape(m.narrow(qkv, 2, a * d, n * d), (rows, 1, n, d)), (0, 2, 1, 3))
-               for a, n in ((0, h), (h, kv), (h + kv, kv)))
-    kc = m.kv_write(m.state("kc", (rows, kv, ctx, d), BF16), m.rope(k, cos, sin), pos)
-    vc = m.kv_write(m.state("vc", (rows, kv, ctx, d), BF16), v, pos)
-    o = m.transpose(m.attention(m.rope(q, cos, sin), kc, vc, pos=pos), (0, 2, 1, 3))
-    o = m.reshape(o, (rows, 1, h * d))
-    x = m.add_(x, m.linear(o, m.param("wo", (hid, h * d), BF16)))
-    mlp = m.swiglu(m.rms_norm(x, m.param("ln2", (hid,), BF16), eps=1e-6), m.param("wg", (inter, hid), BF16),
-                   m.param("wu", (inter, hid), BF16), m.param("wd", (hid, inter), BF16))
-    return {"x": m.add_(x, mlp)}
-
-
 def test_a_batch_32_layer_runs_its_products_on_the_tensor_core_gemv(rng, dry):
-    """(No GPU: cuda_dry's build on stand-ins.) A decode layer at batch 32: its four products are
-    rlx_gemv_tc launches, the gate/up one writing the SwiGLU (no launch of its own), while the
+    """(No GPU: cuda_dry's build on stand-ins.) A bf16 decode layer at batch 32: its five products
+    are rlx_gemv_tc launches, the gate/up one writing the SwiGLU (no launch of its own), while the
     switch is on; off, cuBLAS runs them and the SwiGLU is an elementwise launch again."""
     from rlx_backend_cuda import set_config
     from rlx_backend_cuda.values import CONFIG
 
-    lir = planned(Graph.define("b32_layer", _mlp_layer))
+    lir = planned(Graph.define("b32_layer", lambda m: _llama_layer(m, bs=32, scheme=None)))
     runner = dry(lir, *leaves(lir, rng))
     assert "fused_swiglu" not in runner.describe()["steps_by_op"]
     was = CONFIG["gemv_tc"]
@@ -194,7 +175,7 @@ def test_a_batch_32_layer_runs_its_products_on_the_tensor_core_gemv(rng, dry):
         set_config(gemv_tc=was)
     tc = [k for k in launched[True] if k.name == "rlx_gemv_tc"]
     swiglu = sorted("#define SWIGLU 1" in k.source for k in tc)
-    assert len(tc) == 4 and swiglu == [False, False, False, True], [k.name for k in launched[True]]
+    assert len(tc) == 5 and swiglu == [False] * 4 + [True], [k.name for k in launched[True]]
     assert all("#define MT 4" in k.source for k in tc)
     assert not any(k.name == "rlx_gemv_tc" for k in launched[False])
     ew = {on: [k for k in launched[on] if k.name == "rlx_ew"] for on in launched}

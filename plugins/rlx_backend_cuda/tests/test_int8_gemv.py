@@ -402,13 +402,13 @@ def test_emulated_gemv_rounds_its_outputs_as_quant_q8_would(rng, name, k, rows):
         np.testing.assert_array_equal(y8, _int8_rows(y, bf))
 
 
-def _llama_layer(m):
-    """A decode layer with q4_k matrices: norm, q/k/v, RoPE, attention over a cache, o + x, norm,
-    SwiGLU MLP + x, norm, one more projection."""
-    bs, h, kv, d, ctx, hid, ff = 1, 8, 2, 64, 1024, 512, 1024
+def _llama_layer(m, bs: int = 1, scheme: str | None = "q4_k"):
+    """A decode layer of bs rows with matrices of `scheme` (None: bf16): norm, q/k/v, RoPE,
+    attention over a cache, o + x, norm, SwiGLU MLP + x, norm, one more projection."""
+    h, kv, d, ctx, hid, ff = 8, 2, 64, 1024, 512, 1024
 
     def mat(name, n, k):
-        return m.param(name, (n, k), BF16, scheme="q4_k")
+        return m.param(name, (n, k), BF16, **({"scheme": scheme} if scheme else {}))
     x, pos = m.input("x", (bs, 1, hid), BF16), m.input("pos", (bs,), I32)
     cos, sin = m.input("cos", (bs, 1, d // 2)), m.input("sin", (bs, 1, d // 2))
     qkv = m.linear(m.rms_norm(x, m.param("ln", (hid,), BF16), eps=1e-6), mat("wqkv", (h + 2 * kv) * d, hid))
