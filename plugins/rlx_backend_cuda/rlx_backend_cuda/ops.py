@@ -341,46 +341,38 @@ def _matmul_gemv(builder, case: MatmulCase, call: MatmulCall) -> bool:
     """A 16-bit decode product (`MatmulCase.gemv_fits`): the GEMV kernel, which beats cuBLAS
     up to GEMV_MAX_M rows and can write the SwiGLU of the result; cuBLAS (and an unfused
     SwiGLU) where CONFIG["gemv"] is off."""
-    a_mat, w_mat = _gemm_operands(builder.cp, call)
-    M, K, N = case.mkn
-    rows = M * math.prod(case.batch)
-    target = call.out if call.swiglu is None else call.swiglu
-    gemv, reads = _gemv_step(builder, a_mat, _as_read(call)[1], target, rows, N, K, call.swiglu is not None)
-    blas = _CublasGemm(builder, case, a_mat, w_mat, call.out)
-    tail = [] if call.swiglu is None else _swiglu_tail(builder, call.out, call.swiglu, N)
-
-    def dispatch():
-        if CONFIG["gemv"]:
-            return gemv()
-        blas()
-        for fn in tail:
-            fn()
-    builder.add(dispatch, reads=reads)
-    return True
+    return _matmul_streamed(builder, case, call, _gemv_step, "gemv")
 
 
 def _matmul_gemv_tc(builder, case: MatmulCase, call: MatmulCall) -> bool:
     """A 16-bit decode product of a few more rows (`MatmulCase.gemv_tc_fits`): sources.GEMV_TC
     (with the SwiGLU of the result where asked), or cuBLAS (and an unfused SwiGLU) where
     CONFIG["gemv_tc"] is off or the GPU has no mma.sync."""
+    step = None if device.mma_missing(builder.cc, builder.hip) else _gemv_tc_step
+    return _matmul_streamed(builder, case, call, step, "gemv_tc")
+
+
+def _matmul_streamed(builder, case: MatmulCase, call: MatmulCall, step, switch: str) -> bool:
+    """A product on a kernel streaming W [N, K] row by row: `step`(builder, x, W, target, rows,
+    N, K, swiglu) -> (run, reads), writing the SwiGLU of the result where the call asks for it;
+    cuBLAS (and an unfused SwiGLU) where CONFIG[switch] is off or there is no step."""
     a_mat, w_mat = _gemm_operands(builder.cp, call)
+    _, K, N = case.mkn
+    target = call.out if call.swiglu is None else call.swiglu
+    run, reads = None, ()
+    if step is not None:
+        run, reads = step(builder, a_mat, _as_read(call)[1], target, case.x_rows(), N, K,
+                          call.swiglu is not None)
     blas = _CublasGemm(builder, case, a_mat, w_mat, call.out)
-    tail = [] if call.swiglu is None else _swiglu_tail(builder, call.out, call.swiglu, case.mkn[2])
-    if device.mma_missing(builder.cc, builder.hip):
-        tc = reads = None
-    else:
-        _, K, N = case.mkn
-        target = call.out if call.swiglu is None else call.swiglu
-        tc, reads = _gemv_tc_step(builder, a_mat, _as_read(call)[1], target, case.x_rows(), N, K,
-                                  call.swiglu is not None)
+    tail = [] if call.swiglu is None else _swiglu_tail(builder, call.out, call.swiglu, N)
 
     def dispatch():
-        if tc is not None and CONFIG["gemv_tc"]:
-            return tc()
+        if run is not None and CONFIG[switch]:
+            return run()
         blas()
         for fn in tail:
             fn()
-    builder.add(dispatch, reads=reads or ())
+    builder.add(dispatch, reads=reads)
     return True
 
 

@@ -175,6 +175,15 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
 // SWIGLU: W is [2N, K] (gate rows, then up rows); warps 0-3 take 64 gate rows, warps 4-7 the
 // same up rows, which pass their sums through shared memory for y = SWIGLU_OF(gate, up), each
 // rounded to TO first as the unfused matmul would (ws then [gridDim.y][M][2N]).
+// y[m, n] <- the sum v (under SWIGLU: of gate v and up u), where (m, n) is in y
+__device__ __forceinline__ void rlx_gemv_tc_store(TO* y, int m, int n, int M, int N, float v, float u) {
+  if (m >= M || n >= N) return;
+#if SWIGLU
+  y[(i64)m * N + n] = ST(TO, SWIGLU_OF(tof(ST(TO, v)), tof(ST(TO, u))));
+#else
+  y[(i64)m * N + n] = ST(TO, v);
+#endif
+}
 extern "C" __global__ void __launch_bounds__(256) rlx_gemv_tc(const T* __restrict__ x, long long xrs,
     const T* __restrict__ w, TO* __restrict__ y, int M, int N, int K, int KB, float* ws, int* cnt) {
   constexpr int C = KC / 32, XP = KC + 32;    // (row pitch: rows g and g + 1 16 banks apart)
@@ -249,10 +258,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv_tc(const T* __restric
     __shared__ int last;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) {
-      last = atomicAdd(cnt + blockIdx.x, 1) == (int)gridDim.y - 1;
-      if (last) cnt[blockIdx.x] = 0;  // (every block of the column has counted)
-    }
+    if (threadIdx.x == 0) last = rlx_last_arrival(cnt + blockIdx.x, gridDim.y);
     __syncthreads();
     if (!last) return;
     __threadfence();
@@ -278,40 +284,30 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv_tc(const T* __restric
         }
 #pragma unroll
       for (int i = 0; i < EB; ++i) {
-        const int e = threadIdx.x + 256 * (i0 + i), m = e / COLS, n = c0 + e % COLS;
-#if SWIGLU
-        const float gt = tof(ST(TO, t[i])), u = tof(ST(TO, up[i]));
-        if (m < M && n < N) y[(i64)m * N + n] = ST(TO, SWIGLU_OF(gt, u));
-#else
-        if (m < M && n < N) y[(i64)m * N + n] = ST(TO, t[i]);
-#endif
+        const int e = threadIdx.x + 256 * (i0 + i);
+        rlx_gemv_tc_store(y, e / COLS, c0 + e % COLS, M, N, t[i], up[i]);
       }
     }
     return;
   }
-#if SWIGLU
-  __shared__ float ups[4][MT * 4][32];
-  if (half) {
+  // (SWIGLU: the up warps' sums, through shared memory, to the gate warps of the same rows)
+  __shared__ float ups[SWIGLU ? 4 : 1][SWIGLU ? MT * 4 : 1][32];
+  if (SWIGLU && half) {
 #pragma unroll
     for (int j = 0; j < MT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) ups[wib & 3][4 * j + e][lane] = acc[j][e];
   }
-  __syncthreads();
-  if (half) return;
-#endif
+  if (SWIGLU) {
+    __syncthreads();
+    if (half) return;
+  }
 #pragma unroll
   for (int j = 0; j < MT; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int m = 8 * j + 2 * q + (e & 1), n = n0 + g + 8 * (e >> 1);
-#if SWIGLU
-      const float gt = tof(ST(TO, acc[j][e])), u = tof(ST(TO, ups[wib][4 * j + e][lane]));
-      if (m < M && n < N) y[(i64)m * N + n] = ST(TO, SWIGLU_OF(gt, u));
-#else
-      if (m < M && n < N) y[(i64)m * N + n] = ST(TO, acc[j][e]);
-#endif
-    }
+    for (int e = 0; e < 4; ++e)
+      rlx_gemv_tc_store(y, 8 * j + 2 * q + (e & 1), n0 + g + 8 * (e >> 1), M, N, acc[j][e],
+                        SWIGLU ? ups[wib][4 * j + e][lane] : 0.f);
 }
 // @part matmul_naive(MAC(s, a, b), TA, TB, TO, ACC)
 // Fallback matmul for integer / bool data (cuBLAS covers the float types).
