@@ -31,7 +31,10 @@ for part in "$@"; do
   tests)
     nvidia-smi --query-gpu=name --format=csv,noheader
     echo "== cuda tests: tensor-core attention"
-    timeout 60 $PYTEST $T/test_cuda.py -k "attention_tc and not emulated" 2>&1 | tail -3 ;;
+    timeout 60 $PYTEST $T/test_cuda.py -k "attention_tc and not emulated" 2>&1 | tail -3
+    echo "== cuda tests: split-K attention, its tiles' loads in turn and a tile ahead; the tensor-core GEMV"
+    timeout 120 $PYTEST $T/test_cuda.py -k "decode_attention_kernels and split" 2>&1 | tail -3
+    timeout 90 $PYTEST $T/test_gemv_tc.py -k "not emulated" 2>&1 | tail -2 ;;
   attn)
     echo "== Qwen3.5-2B decode, the attention's prefetch"
     timeout 250 python3 benchmarks/gpu_ab.py --rounds 2 --timeout 70 --config base= --config "$(tree exp)" \
@@ -39,14 +42,15 @@ for part in "$@"; do
       2>&1 | tee "$OUT/ab_attn.log" | tail -10 ;;
   batch)
     echo "== Llama-1B bf16 decode at batch 16-64: reductions and attention in more blocks"
-    timeout 260 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 80 --config base= \
+    timeout 440 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 80 --config base= \
       --config "rows8=RLX_BENCH_SET=rlx_backend_cuda.ops.ROW_BLOCKS_PER_SM=8" \
       --config "attn8=RLX_BENCH_SET=rlx_backend_cuda.ops.ATTN_BLOCKS_PER_SM=8" \
+      --config "pipe=RLX_BENCH_SET=rlx_backend_cuda.sources.ATTN_SPLIT_PIPE=1" \
+      --config "pipe+attn8=RLX_BENCH_SET=rlx_backend_cuda.sources.ATTN_SPLIT_PIPE=1,rlx_backend_cuda.ops.ATTN_BLOCKS_PER_SM=8" \
       -- python3 benchmarks/llm_gpu.py --batch 16 32 64 --sides rlx --new 16 --reps 1 \
       2>&1 | tee "$OUT/ab_batch.log" | tail -10 ;;
   gemvtc)
     echo "== Llama-1B bf16 decode at batch 4-64: cuBLAS (blas) or the tensor-core GEMV (tc)"
-    timeout 90 $PYTEST $T/test_gemv_tc.py -k "not emulated" 2>&1 | tail -2
     timeout 260 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 120 --config blas= \
       --config "tc=RLX_CUDA_GEMV_TC=1" \
       -- python3 benchmarks/llm_gpu.py --batch 4 32 64 --sides rlx --new 16 --reps 1 \

@@ -686,13 +686,15 @@ DECODE_CASES = [c for c in ATTN_CASES if c[3] == 1] + [
 @gpu
 @pytest.mark.parametrize("dt", FLOATS)
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{c[6]}-Sk{c[4]}-D{c[5]}-{c[9]}")
-@pytest.mark.parametrize("kernel", ["short", "decode", "split"])
+@pytest.mark.parametrize("kernel", ["short", "decode", "split", "split-pipe"])
 def test_decode_attention_kernels(rng, dt, case, kernel, monkeypatch):
     """One query row per head: the short-context kernel (one block per kv head, caches up
     to 512 positions), the decode kernel (a cluster of blocks per kv head, up to 2048; sm_90)
-    and the split-K kernel each equal the NumPy backend; every case takes the kernel asked
-    for where it applies."""
-    from rlx_backend_cuda import device, ops, set_config
+    and the split-K kernel (its tiles' loads in turn or, split-pipe, a tile ahead) each equal
+    the NumPy backend; every case takes the kernel asked for where it applies."""
+    from rlx_backend_cuda import device, ops, set_config, sources
+
+    monkeypatch.setattr(sources, "ATTN_SPLIT_PIPE", int(kernel == "split-pipe"))
 
     made = {k: spy(monkeypatch, ops, f"_{k}_attention") for k in ("short", "decode")}
     B, H, KVH, Sq, Sk, D, kind, window, cap, mask, pos = case
@@ -763,6 +765,59 @@ def test_emulated_cluster_decode_attention(rng, case):
         None if m is None else (m if mask == "bool" else cuda_emu.aligned(m)), *map(i64, mst),
         pos, np.int32(H), np.int32(KVH), np.int32(Sk), 1 / math.sqrt(D), 0.0, np.int32(0),
         out, i64(H * D), i64(D), *NO_ROPE_ARGS, *NO_EPI_ARGS))
+    f64 = [a.astype(np.float64) for a in (q, k, v)]
+    want = ref_attention(*f64, m if mask != "bias" else m.astype(np.float64), pos, scale=1 / math.sqrt(D))
+    err = np.abs(out.astype(np.float64) - want).max() / np.abs(want).max()
+    assert err <= TOL[dt], err
+
+
+EMULATED_SPLIT = [         # (B, H, KVH, Sq, Sk, D, dtype, mask, nsplit)
+    (2, 8, 2, 1, 200, 64, BF16, "bool", 3),    # decode rows: 3 tiles, 3 and 2 (the last cut) a split
+    (1, 4, 2, 3, 90, 32, F32, "bias", 2),      # three query rows a head, a mask per head
+    (2, 2, 1, 1, 45, 64, BF16, None, 1),       # one split: the block writes the output itself
+]
+
+
+@cuda_emu.emulated
+@pytest.mark.parametrize("pipe", [0, 1])
+@pytest.mark.parametrize("case", EMULATED_SPLIT, ids=lambda c: f"Sq{c[3]}-{c[6].value}-{c[7]}-s{c[8]}")
+def test_emulated_split_attention(rng, case, pipe):
+    """The split-K attention kernel (batch decode; its splits merged by the last block of each)
+    run on the CPU as ops renders and launches it, its tiles loaded in turn or (PIPE) a tile
+    ahead, causal at each batch row's position, against float64."""
+    from cuda_emu import compile_kernel
+
+    from rlx_backend_cuda import sources
+    from rlx_backend_cuda.codegen import ctype
+    from rlx_core.testing.parity import TOL, ref_attention
+
+    B, H, KVH, Sq, Sk, D, dt, mask, nsplit = case
+    G, i64, i32 = H // KVH, np.int64, np.int32
+    q, k, v = (rand(rng, s, dt) for s in ((B, H, Sq, D), (B, KVH, Sk, D), (B, KVH, Sk, D)))
+    pos = np.array([Sk - Sq - 7 * b for b in range(B)], np.int32)
+    m = {"bool": rng.random((B, 1, 1, Sk)) < 0.8, "bias": rand(rng, (1, H, Sq, Sk), dt), None: None}[mask]
+    if mask == "bool":
+        m[..., 0] = True
+    sh = {**sources.attn_split_shape(D, D, 16 // np.dtype(dt.np).itemsize, 16 // np.dtype(dt.np).itemsize,
+                                     G * Sq, 4), "PIPE": pipe}
+    src = sources.render(sources.ATTN_SPLIT, TQ=ctype(dt), TK=ctype(dt), TV=ctype(dt), TO=ctype(dt), ACC="float",
+                         DK=D, DV=D, MASKKIND=1, MASKMODE={"bool": 1, "bias": 2, None: 0}[mask], HAS_POS=1,
+                         TM={"bool": "bool", "bias": ctype(dt), None: "float"}[mask], TP="int", **sh)
+    rowblocks = -(-G * Sq // sh["ROWS"])
+    out = cuda_emu.aligned(np.zeros((B, H, Sq, D), dt.np))
+    part_o = np.zeros(nsplit * B * H * Sq * D, np.float32)
+    part_ml = np.zeros(nsplit * B * H * Sq * 2, np.float32)
+    counters = np.zeros(B * KVH * rowblocks, np.int32)
+    mst = {"bool": (Sk, 0, 0, 1), "bias": (0, Sq * Sk, Sk, 1), None: (0, 0, 0, 0)}[mask]
+    kernel = compile_kernel(src, "rlx_attn_split")
+    for _ in range(2):              # (twice: the merging blocks leave their counters at 0)
+        kernel.launch((B * KVH, rowblocks, nsplit), (sh["NT"],), (
+            cuda_emu.aligned(q), i64(H * Sq * D), i64(Sq * D), i64(D), cuda_emu.aligned(k), i64(KVH * Sk * D),
+            i64(Sk * D), i64(D), cuda_emu.aligned(v), i64(KVH * Sk * D), i64(Sk * D), i64(D),
+            None if m is None else (m if mask == "bool" else cuda_emu.aligned(m)), *map(i64, mst), pos,
+            part_o, part_ml, i32(B), i32(H), i32(KVH), i32(Sq), i32(Sk), i32(16), 1 / math.sqrt(D), 0.0,
+            i32(0), counters, out, i64(H * Sq * D), i64(Sq * D), i64(D)))
+        assert not counters.any()
     f64 = [a.astype(np.float64) for a in (q, k, v)]
     want = ref_attention(*f64, m if mask != "bias" else m.astype(np.float64), pos, scale=1 / math.sqrt(D))
     err = np.abs(out.astype(np.float64) - want).max() / np.abs(want).max()
