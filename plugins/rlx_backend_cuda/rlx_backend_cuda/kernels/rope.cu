@@ -6,10 +6,69 @@
 // table rows cs / sn (pairs (t, t + half), or (2t, 2t + 1) where INTERLEAVED; elements past
 // 2 half copied), written to orow (element stride os3). The rope launch and the decode
 // attention that ropes its own q and new key (attn.cu:decode ROPE) share it, so both round alike.
+// A row of unit strides in one 16-byte vector a lane (a decode step's q and k heads) takes the
+// vector path: its loads (x, the norm's weights, the table rows) all issued before any arithmetic,
+// a rotated value's partner from the lane half a row on (a shuffle), one store a lane. `ok`
+// false: nothing stored (the caller's position is out of range; its loads need not wait for it).
+template <typename RX, typename RO, typename RC, typename RN, typename RA>
+__device__ __forceinline__ bool rlx_rope_row_vec(const RX* __restrict__ x, i64 xb, i64 xs3, int dh, int half,
+    int norm, const RN* nw, float neps, float noff, int rope, const RC* cs, const RC* sn, RO* orow, i64 os3,
+    int lane, bool ok) {
+  constexpr int VL = 16 / sizeof(RX) > 1 ? 16 / sizeof(RX) : 2;   // values in a 16-byte load
+  const int hv = half / VL;           // lanes between a rotated value and its partner (half style)
+  if (norm == 2 || xs3 != 1 || os3 != 1 || dh % VL || dh > 32 * VL || (unsigned long long)(x + xb) % 16 ||
+      (unsigned long long)orow % 16 || (!INTERLEAVED && (half % VL || (hv & (hv - 1)))))
+    return false;
+  const int d0 = lane * VL;
+  const bool mine = d0 < dh;
+  rlx_vec<RX, VL> v;
+  if (mine) v = *(const rlx_vec<RX, VL>*)(x + xb + d0);
+  RA w[VL], c[VL], s[VL];
+#pragma unroll
+  for (int j = 0; j < VL; ++j) {
+    const int d = d0 + j, t = INTERLEAVED ? d / 2 : (d < half ? d : d - half);
+    const bool rot = rope && mine && (INTERLEAVED ? t < half : d < 2 * half);
+    w[j] = norm && mine ? LD(RA, nw[d]) + (RA)noff : (RA)1;
+    c[j] = rot ? LD(RA, cs[t]) : (RA)1;
+    s[j] = rot ? LD(RA, sn[t]) : (RA)0;
+  }
+  RA xv[VL], ss = 0;
+#pragma unroll
+  for (int j = 0; j < VL; ++j) {
+    xv[j] = mine ? LD(RA, v.v[j]) : (RA)0;
+    ss += xv[j] * xv[j];
+  }
+  if (norm) {
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) ss += SHFL_XOR(ss, m);
+    const RA den = sqrt(ss / (RA)dh + (RA)neps);
+#pragma unroll
+    for (int j = 0; j < VL; ++j) xv[j] = xv[j] / den * w[j];
+  }
+  rlx_vec<RO, VL> out;
+#pragma unroll
+  for (int j = 0; j < VL; ++j) {
+#if INTERLEAVED
+    const RA other = xv[j ^ 1];
+    const bool first = (j & 1) == 0;
+#else
+    const RA other = SHFL_XOR(xv[j], hv > 0 ? hv : 1);
+    const bool first = d0 + j < half;
+#endif
+    // (d1: x1 c - x2 s; d2: x2 c + x1 s; the rest: c 1, s 0)
+    out.v[j] = ST(RO, first ? xv[j] * c[j] - other * s[j] : xv[j] * c[j] + other * s[j]);
+  }
+  if (ok && mine) *(rlx_vec<RO, VL>*)(orow + d0) = out;
+  return true;
+}
 template <typename RX, typename RO, typename RC, typename RN, typename RA>
 __device__ __forceinline__ void rlx_rope_row(const RX* __restrict__ x, i64 xb, i64 xs1, i64 xs3, int dh,
     int half, int norm, int hn, int h, const RN* nw, float neps, float noff, int rope, const RC* cs,
-    const RC* sn, RO* orow, i64 os3, int lane) {
+    const RC* sn, RO* orow, i64 os3, int lane, bool ok = true) {
+  if (rlx_rope_row_vec<RX, RO, RC, RN, RA>(x, xb, xs3, dh, half, norm, nw, neps, noff, rope, cs, sn, orow, os3,
+                                           lane, ok))
+    return;
+  if (!ok) return;
   RA den = 1;
   if (norm) {              // the norm's row: this head's dh values, or all hn heads' (the warp sums them)
     const int span = norm == 2 ? hn * dh : dh;
@@ -86,15 +145,14 @@ extern "C" __global__ void rlx_rope(const TC* __restrict__ cs, const TC* __restr
     else { RLX_PICK(2) h -= H0 + H1; }
     const i64 rem = row % per_head;
     const int s = (int)(rem % S), b = (int)(rem / S);
-    i64 p = 0;
-    if (at) {
-      p = (i64)pos[b];
-      if (p < 0 || p + S > nax) { if (threadIdx.x == 0) rlx_error(err, 2, node, p, nax); continue; }
-    }
+    // (the row's loads are not held back by the position's: a bad one only stops the stores)
+    const i64 p = at ? (i64)pos[b] : 0;
+    const bool ok = !at || (p >= 0 && p + S <= nax);
+    if (!ok && threadIdx.x == 0) rlx_error(err, 2, node, p, nax);
     const i64 ci = (per_batch ? (i64)b * S * half : 0) + (i64)s * half;
     rlx_rope_row<TX, TO, TC, TN, ACC>(x, b * xs0 + h * xs1 + s * xs2, xs1, xs3, D, half, norm, hn, (int)h, nw,
-                                      neps, noff, rope, cs + ci, sn + ci, o + b * os0 + h * os1 + (s + p) * os2,
-                                      os3, threadIdx.x);
+                                      neps, noff, rope, cs + ci, sn + ci,
+                                      o + b * os0 + h * os1 + (s + (ok ? p : 0)) * os2, os3, threadIdx.x, ok);
   }
 }
 // @part rope_vec(TX, TO, TC, ACC, INTERLEAVED)
