@@ -2,7 +2,6 @@
 them compile (offline with nvcc, no GPU needed: `python -m rlx_backend_cuda.kernels_catalog [ARCH [JOBS]]`)."""
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
@@ -68,13 +67,11 @@ def catalog() -> list:
             common = dict(MASKKIND=mk, MASKMODE=mm, TM="bool" if mm == 1 else t, TP="long long", HAS_POS=1)
             isz = {"float": 4, "double": 8}.get(t, 2)
             for dk, dv, rows, vec in ((64, 64, 4, 16 // isz), (128, 128, 8, 16 // isz), (40, 24, 1, 1)):
-                for (nt, loads), pipe in itertools.product((
-                        (S.ATTN_THREADS, S.ATTN_LOADS), S.ATTN_SMALL_GRID), (0, 1)):
+                for nt, loads in ((S.ATTN_THREADS, S.ATTN_LOADS), S.ATTN_SMALL_GRID):
                     sh = S.attn_split_shape(dk, dv, vec, vec, rows, 8 if acc == "double" else 4, nt, loads)
-                    src = S.render(S.ATTN_SPLIT, TQ=t, TK=t, TV=t, TO=t, ACC=acc, DK=dk, DV=dv,
-                                   **{**sh, "PIPE": pipe}, **common)
-                    out.append((f"attn_split {t} {mk}{mm} {dk}/{dv} rows {rows} vec {vec} NT {nt} pipe {pipe}",
-                                src, "rlx_attn_split"))
+                    src = S.render(S.ATTN_SPLIT, TQ=t, TK=t, TV=t, TO=t, ACC=acc, DK=dk, DV=dv, **sh, **common)
+                    out.append((f"attn_split {t} {mk}{mm} {dk}/{dv} rows {rows} vec {vec} NT {nt}", src,
+                                "rlx_attn_split"))
             out.append((f"mask_fill {t}", S.render(S.MASK_FILL, TS=t, TO=t, ACC=acc, **common), "rlx_mask_fill"))
             if acc == "float":
                 for g, d, sk, vk in ((4, 64, 512, 16 // isz), (1, 256, 300, 1), (4, 128, 64, 16 // isz)):

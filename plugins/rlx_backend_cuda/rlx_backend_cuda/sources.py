@@ -279,7 +279,6 @@ CONV1D_STATE = Source("deltanet.cu:conv_state")
 # ----------------------------------------------------------------------------- launch shapes
 ATTN_THREADS = 128       # threads of a split-K decode attention block (ops.py may override)
 ATTN_LOADS = 2           # vector loads per lane for K and for V in one key tile
-ATTN_SPLIT_PIPE = 0      # 1: a key tile's loads issued while the tile before is scored (not yet measured)
 # (threads, loads) of a split-K block where the grid has fewer blocks than the GPU has SMs
 # (batch-1 decode) and the tile stays within a split's keys (ops.py): one 64-key tile a split
 # at head dim 128 in 16-bit floats, so a block waits on memory once, not 4 times. OLMoE-shaped
@@ -416,5 +415,4 @@ def attn_split_shape(dk: int, dv: int, vk: int, vv: int, rows: int, accsz: int, 
         r //= 2
     if smem(r) > 48 * 1024:
         return None
-    return dict(ROWS=r, NT=nt, TILE=tile, VK=vk, TPK=tpk, NVK=nvk, VV=vv, TPV=tpv, NVV=nvv,
-                PIPE=ATTN_SPLIT_PIPE)
+    return dict(ROWS=r, NT=nt, TILE=tile, VK=vk, TPK=tpk, NVK=nvk, VV=vv, TPV=tpv, NVV=nvv)

@@ -686,15 +686,13 @@ DECODE_CASES = [c for c in ATTN_CASES if c[3] == 1] + [
 @gpu
 @pytest.mark.parametrize("dt", FLOATS)
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{c[6]}-Sk{c[4]}-D{c[5]}-{c[9]}")
-@pytest.mark.parametrize("kernel", ["short", "decode", "split", "split-pipe"])
+@pytest.mark.parametrize("kernel", ["short", "decode", "split"])
 def test_decode_attention_kernels(rng, dt, case, kernel, monkeypatch):
     """One query row per head: the short-context kernel (one block per kv head, caches up
     to 512 positions), the decode kernel (a cluster of blocks per kv head, up to 2048; sm_90)
-    and the split-K kernel (its tiles' loads in turn or, split-pipe, a tile ahead) each equal
-    the NumPy backend; every case takes the kernel asked for where it applies."""
-    from rlx_backend_cuda import device, ops, set_config, sources
-
-    monkeypatch.setattr(sources, "ATTN_SPLIT_PIPE", int(kernel == "split-pipe"))
+    and the split-K kernel each equal the NumPy backend; every case takes the kernel asked
+    for where it applies."""
+    from rlx_backend_cuda import device, ops, set_config
 
     made = {k: spy(monkeypatch, ops, f"_{k}_attention") for k in ("short", "decode")}
     B, H, KVH, Sq, Sk, D, kind, window, cap, mask, pos = case
@@ -779,12 +777,11 @@ EMULATED_SPLIT = [         # (B, H, KVH, Sq, Sk, D, dtype, mask, nsplit)
 
 
 @cuda_emu.emulated
-@pytest.mark.parametrize("pipe", [0, 1])
 @pytest.mark.parametrize("case", EMULATED_SPLIT, ids=lambda c: f"Sq{c[3]}-{c[6].value}-{c[7]}-s{c[8]}")
-def test_emulated_split_attention(rng, case, pipe):
+def test_emulated_split_attention(rng, case):
     """The split-K attention kernel (batch decode; its splits merged by the last block of each)
-    run on the CPU as ops renders and launches it, its tiles loaded in turn or (PIPE) a tile
-    ahead, causal at each batch row's position, against float64."""
+    run on the CPU as ops renders and launches it, causal at each batch row's position, against
+    float64."""
     from cuda_emu import compile_kernel
 
     from rlx_backend_cuda import sources
@@ -798,8 +795,8 @@ def test_emulated_split_attention(rng, case, pipe):
     m = {"bool": rng.random((B, 1, 1, Sk)) < 0.8, "bias": rand(rng, (1, H, Sq, Sk), dt), None: None}[mask]
     if mask == "bool":
         m[..., 0] = True
-    sh = {**sources.attn_split_shape(D, D, 16 // np.dtype(dt.np).itemsize, 16 // np.dtype(dt.np).itemsize,
-                                     G * Sq, 4), "PIPE": pipe}
+    vec = 16 // np.dtype(dt.np).itemsize
+    sh = sources.attn_split_shape(D, D, vec, vec, G * Sq, 4)
     src = sources.render(sources.ATTN_SPLIT, TQ=ctype(dt), TK=ctype(dt), TV=ctype(dt), TO=ctype(dt), ACC="float",
                          DK=D, DV=D, MASKKIND=1, MASKMODE={"bool": 1, "bias": 2, None: 0}[mask], HAS_POS=1,
                          TM={"bool": "bool", "bias": ctype(dt), None: "float"}[mask], TP="int", **sh)

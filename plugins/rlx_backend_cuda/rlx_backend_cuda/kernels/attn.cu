@@ -84,15 +84,14 @@ __device__ __forceinline__ void rlx_prefetch_rows(const T* base, i64 rs, i64 r0,
   }
 #endif
 }
-// @part split(NT, TQ, TK, TV, TM, TP, ACC, TO, ROWS, DK, DV, TILE, VK, TPK, NVK, VV, TPV, NVV, MASKMODE, PIPE)
+// @part split(NT, TQ, TK, TV, TM, TP, ACC, TO, ROWS, DK, DV, TILE, VK, TPK, NVK, VV, TPV, NVV, MASKMODE)
 // Split-K attention on CUDA cores (any float type; decode and the f32/f64 path).
 // grid (B*KVH, ceil(Sq*G/ROWS), nsplit), NT threads. A block's rows are (query i, head g of
 // this kv head) pairs, so K/V are read once for all G heads (GQA-native). The block's keys
 // (the range the mask can keep, cut into nsplit chunks at run time, so splits follow the
 // position) go in tiles of TILE: groups of TPK lanes each load a key row with VK-element
 // vector loads (16 bytes where the base and strides allow), NVK per lane, UK keys per lane,
-// K and V of the whole tile issued before any math (PIPE: while the tile before is scored and
-// summed, so a block's tiles do not each wait a full trip to memory); the group's dot products are summed by
+// K and V of the whole tile issued before any math; the group's dot products are summed by
 // lane shuffles; the tile's scores go to shared memory, where one warp per row takes their
 // max and exponentials (online softmax across tiles); then groups of TPV lanes accumulate
 // P.V for their keys in registers. At the end the key groups' sums meet in shared memory:
@@ -181,20 +180,19 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
   for (int r = 0; r < ROWS; ++r)
 #pragma unroll
     for (int x = 0; x < NVV * VV; ++x) acc[r][x] = 0;
-  // a tile's loads: K, V and the mask entries this lane needs (into kn, vn, mn)
-  RlxVec<TK, VK> kn[UK][NVK];
-  RlxVec<TV, VV> vn[UV][NVV];
-#if MASKMODE
-  RLX_MASK_T(ACC) mn[UK][WR];
-#endif
-  auto fetch = [&](i64 t0) {
+  int buf = 0;
+  for (i64 t0 = cs; t0 < ce; t0 += TILE, buf ^= 1) {
+    ACC* sp = sh + buf * ROWS * LDT;
+    // every load of the tile first: K, V and the mask entries this lane needs
+    RlxVec<TK, VK> kr[UK][NVK];
+    RlxVec<TV, VV> vr[UV][NVV];
 #pragma unroll
     for (int u = 0; u < UK; ++u) {
       const i64 j = t0 + gk + u * KPB;
 #pragma unroll
       for (int n = 0; n < NVK; ++n) {
         const int c = (lk + TPK * n) * VK;
-        kn[u][n] = rlx_vload<VK>(kb + j * kss + c, j < ce && c < DK);
+        kr[u][n] = rlx_vload<VK>(kb + j * kss + c, j < ce && c < DK);
       }
     }
 #pragma unroll
@@ -203,41 +201,18 @@ extern "C" __global__ void __launch_bounds__(NT) rlx_attn_split(
 #pragma unroll
       for (int n = 0; n < NVV; ++n) {
         const int c = (lv + TPV * n) * VV;
-        vn[u][n] = rlx_vload<VV>(vb + j * vss + c, j < ce && c < DV);
+        vr[u][n] = rlx_vload<VV>(vb + j * vss + c, j < ce && c < DV);
       }
     }
 #if MASKMODE
+    RLX_MASK_T(ACC) mk[UK][WR];
 #pragma unroll
     for (int u = 0; u < UK; ++u) {
       const i64 j = t0 + gk + u * KPB;
 #pragma unroll
-      for (int w = 0; w < WR; ++w) mn[u][w] = RLX_MASK_AT(mask + mo[w] + j * m3, mine[w] && j < ce, ACC);
+      for (int w = 0; w < WR; ++w) mk[u][w] = RLX_MASK_AT(mask + mo[w] + j * m3, mine[w] && j < ce, ACC);
     }
 #endif
-  };
-  if (PIPE && cs < ce) fetch(cs);
-  int buf = 0;
-  for (i64 t0 = cs; t0 < ce; t0 += TILE, buf ^= 1) {
-    ACC* sp = sh + buf * ROWS * LDT;
-    if (!PIPE) fetch(t0);
-    RlxVec<TK, VK> kr[UK][NVK];
-    RlxVec<TV, VV> vr[UV][NVV];
-#pragma unroll
-    for (int u = 0; u < UK; ++u)
-#pragma unroll
-      for (int n = 0; n < NVK; ++n) kr[u][n] = kn[u][n];
-#pragma unroll
-    for (int u = 0; u < UV; ++u)
-#pragma unroll
-      for (int n = 0; n < NVV; ++n) vr[u][n] = vn[u][n];
-#if MASKMODE
-    RLX_MASK_T(ACC) mk[UK][WR];
-#pragma unroll
-    for (int u = 0; u < UK; ++u)
-#pragma unroll
-      for (int w = 0; w < WR; ++w) mk[u][w] = mn[u][w];
-#endif
-    if (PIPE && t0 + TILE < ce) fetch(t0 + TILE);
     // scores: each lane's part of the dot products, summed over its group of TPK lanes
 #pragma unroll
     for (int u = 0; u < UK; ++u) {
