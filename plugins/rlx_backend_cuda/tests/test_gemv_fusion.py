@@ -333,17 +333,19 @@ def test_a_norms_readers_on_the_host():
 
 @cuda_emu.emulated
 @pytest.mark.parametrize("rows", [1, 2])
-def test_emulated_gemv_norm_residual_and_swiglu(rng, rows):
+@pytest.mark.parametrize("per_warp", [1, 2])
+def test_emulated_gemv_norm_residual_and_swiglu(rng, rows, per_warp):
     """The dense decode GEMV (gemv.cu) on the CPU (cuda_emu; no GPU needed), bf16, launched as
-    ops._gemv_step launches it for an H200's 132 SMs: the plain product, NORM (x holds x0 * w,
+    ops._gemv_step launches it for an H200's 132 SMs, with 1 or 2 rows of W a warp
+    (ops.GEMV_ROWS; 95 rows: a warp's second row past the end): the plain product, NORM (x holds x0 * w,
     the rows' sums of x0's squares in 32 parts: the norm divides after the sums), RESID (h =
     res + the product, h * w2 for the next GEMV, h's squares added up) and SWIGLU (gate and up
     rows), against float64 from the same rounded inputs."""
     from rlx_backend_cuda import codegen, sources
-    from rlx_backend_cuda.ops import GEMV_LOADS, GEMV_ROWS, NO_NORMS, gemv_split, pow2
+    from rlx_backend_cuda.ops import GEMV_LOADS, NO_NORMS, gemv_split, pow2
 
     bf = BF16.np
-    k, n = 512, 96
+    k, n = 512, 95
     w = (rng.uniform(-1, 1, (2 * n, k)) / math.sqrt(k)).astype(bf)
     w64 = w.astype(np.float64)
     x0 = rng.uniform(-2, 2, (rows, k)).astype(bf)
@@ -351,7 +353,7 @@ def test_emulated_gemv_norm_residual_and_swiglu(rng, rows):
 
     def run(y, x, wn, form: str, tail=NO_NORMS):
         swiglu = form == "swiglu"
-        r, n_out = (2, wn // 2) if swiglu else (GEMV_ROWS, wn)
+        r, n_out = (2, wn // 2) if swiglu else (per_warp, wn)
         warps = n_out if swiglu else -(-wn // r)
         ks = gemv_split(warps, k, 132)
         src = sources.render(sources.GEMV, T="__nv_bfloat16", TO="__nv_bfloat16", MMAX=pow2(rows, 1, rows),

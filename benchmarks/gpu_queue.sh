@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU work still queued (session 30), each part under a time limit so that one device call
+# (10 minutes at most) returns what ran. Here first, to unpack the tree the A/B compares against
+# (the device gets the working tree, not the repository's history):
+#   bash benchmarks/gpu_queue.sh prep
+# then on the device, after the install, with carry [".device"]:
+#   bash benchmarks/gpu_queue.sh rope rows     # ~420 s
+# rope: the RoPE's vector path (rope.cu:rlx_rope_row_vec, measured only on an H100: 0.986x) on
+# the H200, against main before it (bc36702): Qwen3.5-2B decode (issue 45's ratio) and Llama-1B
+# q4_k / bf16 (benchmarks/README.md, qwen35_gpu section, session 30). rows: two rows of W a warp
+# in the plain decode GEMVs (ops.GEMV_ROWS 2: four 16-byte loads a lane in flight, as the gate/up
+# pair has; the in-projection runs at 3.05 TB/s against gate/up's 3.36). OUT (optional): a
+# folder for the logs. Remove this file once its parts have run.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp}
+D=$PWD/.device
+BASE="base=PYTHONPATH=$D/base/plugins/rlx_backend_cuda"
+ROWS2="rows2=RLX_BENCH_SET=rlx_backend_cuda.ops.GEMV_ROWS=2"
+QWEN="python3 benchmarks/qwen35_gpu.py --sides rlx --prefill= --new 64 --reps 3"
+LLAMA="python3 benchmarks/llm_gpu.py --rlx-only --engine runtime --check-layers 0 --prompt 512 --new 64 --packed q4_k"
+for part in "$@"; do
+  case $part in
+  prep)
+    rm -rf "$D/base" && mkdir -p "$D/base"
+    git archive bc36702 plugins/rlx_backend_cuda | tar -x -C "$D/base" ;;
+  rope)
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    echo "== Qwen3.5-2B and Llama-1B decode: the RoPE's vector path against main before it"
+    timeout 200 python3 benchmarks/gpu_ab.py --rounds 2 --timeout 60 --config "$BASE" --config head= \
+      -- $QWEN 2>&1 | tee "$OUT/ab_rope_qwen.log" | tail -4
+    timeout 150 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 70 --config "$BASE" --config head= \
+      -- $LLAMA 2>&1 | tee "$OUT/ab_rope_llama.log" | tail -5 ;;
+  rows)
+    echo "== two rows of W a warp in the plain decode GEMVs"
+    timeout 200 python3 benchmarks/gpu_ab.py --rounds 2 --timeout 60 --config head= --config "$ROWS2" \
+      -- $QWEN 2>&1 | tee "$OUT/ab_rows_qwen.log" | tail -4 ;;
+  *) echo "gpu_queue.sh: unknown part $part (prep, rope, rows)"; exit 2 ;;
+  esac
+done
