@@ -809,6 +809,8 @@ def _gemv_norm(b, ref: tuple) -> GemvNorm | None:
     b.gemv_norms), or None: x is no such norm's y, or the norm ran as its own launch (a reader
     before could not compute it). A second reader with another NORM GEMV since the first (which
     zeroed the sums: GemvSums) gets the norm's own launch."""
+    if ref not in b.gemv_norms:
+        ref = _view_root(b, ref)         # (x a view of all of y's rows: _whole_view_readers)
     norm = b.gemv_norms.get(ref)
     if norm is None:
         return None
@@ -847,20 +849,36 @@ def _residual_norm(b, n) -> tuple | None:
         return None
     if any(g.nodes[t].op not in ("param", "constant") for t in range(b.node + 1, j)):
         return None
-    readers = b.uses.get((j, 1), [])
-    def gemv_x(c):
+    readers = _whole_view_readers(b, (j, 1))
+    def gemv_x(c, r):
         m = g.nodes[c] if c >= 0 else None
         if m is not None and m.op == "fake_quantize":        # (its int8 rows: the norm computed there)
-            return tuple(m.inputs[0]) == (j, 1) and int8_gemv_x(g, c, b.hip, b.uses)
-        return (m is not None and m.op in ("matmul", "dequant_matmul") and tuple(m.inputs[0]) == (j, 1)
-                and tuple(m.inputs[1]) != (j, 1) and not m.a.get("trans_a"))
-    if not readers or not all(gemv_x(c) for c in readers):
+            return tuple(m.inputs[0]) == r and int8_gemv_x(g, c, b.hip, b.uses)
+        return (m is not None and m.op in ("matmul", "dequant_matmul") and tuple(m.inputs[0]) == r
+                and tuple(m.inputs[1]) != r and not m.a.get("trans_a"))
+    if not readers or not all(gemv_x(c, r) for c, r in readers):
         return None
     # (x + r, either way round: the same float sum)
     x, w = b.vals.get(rin[1] if rin[0] == (b.node, 0) else rin[0]), b.vals.get(rin[2])
     if x is None or w is None:
         return None
     return j, x, w, m.a["eps"], m.a["offset"]
+
+
+def _whole_view_readers(b, ref: tuple) -> list:
+    """(node, the value it reads) for each reader of `ref`, looking through views of all its
+    bytes (the last-token narrow of a one-token step, a reshape): where a norm's y reaches its
+    GEMVs only through such views, they read the very rows the norm wrote."""
+    g, slots = b.r.lir.graph, b.r.lir.slots
+    whole = g.nodes[ref[0]].outs[ref[1]].nbytes()
+    out = []
+    for c in b.uses.get(ref, []):
+        view = c >= 0 and getattr(slots.get((c, 0)), "home", "") == "view"
+        if view and g.nodes[c].outs[0].nbytes() == whole:
+            out += _whole_view_readers(b, (c, 0))
+        else:
+            out.append((c, ref))
+    return out
 
 
 def _b_matmul_fused(b, n, ins, outs, sw, norm: GemvNorm | None, resid, gemv) -> bool:
@@ -904,7 +922,8 @@ def _b_matmul_fused(b, n, ins, outs, sw, norm: GemvNorm | None, resid, gemv) -> 
         norm.fused = True
     if resid is not None:
         b.absorbed.add(j)
-        readers = [c for c in b.uses[(j, 1)] if c not in b.absorbed]       # (not the GEMV's Q8)
+        # (not the GEMV's Q8)
+        readers = [c for c, _ in _whole_view_readers(b, (j, 1)) if c not in b.absorbed]
         if readers:
             own = _collected(b, lambda: _rms_norm(b, h, None, w, None, y, eps, off))
             b.gemv_norms[(j, 1)] = GemvNorm(j, xw, eps, ssq, own, len(readers))

@@ -2,7 +2,8 @@
 a Qwen3.5-like full-attention block between GEMVs. With the opt-in switches off, the RoPE and
 the output gate are launches of their own; with attn_rope and attn_epilogue on, the decode
 attention's one launch (its source with ROPE and EPI) replaces the three. A greedy fetch skips
-the launches only the logits need."""
+the launches only the logits need. The final norm, read through the last-token narrow, is
+computed by the GEMVs around it."""
 from __future__ import annotations
 
 import numpy as np
@@ -133,3 +134,30 @@ def test_a_greedy_fetch_skips_the_launches_only_the_logits_need(dry, switches):
         runner.describe()
     assert {runner.steps[k].op for k in runner._skipped({"logits", "next_ids"})} == {"reduce"}
     assert {runner.steps[k].op for k in runner._skipped({"logits"})} == {"argmax", "reduce"}
+
+
+@pytest.mark.parametrize("last", ["narrow", "reshape", "none"])
+def test_the_final_norm_is_computed_by_the_gemvs_through_a_whole_view(dry, last):
+    """down GEMV -> residual norm -> (the last-token narrow of a one-token step, a reshape, or
+    nothing) -> head GEMV: the norm is no launch of its own (the down GEMV writes h and its
+    sums, the head GEMV norms its rows); a GEMV reading a narrow to one row keeps the launch."""
+    def tail(part: bool):
+        def f(m):
+            x = m.input("x", (2, 1, HID), BF16)
+            y = m.rms_norm(x + m.linear(x, m.param("wd", (HID, HID), BF16)), m.param("fn", (HID,), BF16),
+                           eps=1e-6)
+            y = {"narrow": lambda: m.narrow(y, 1, -1, 1), "reshape": lambda: m.reshape(y, (2, HID)),
+                 "none": lambda: y}[last]()
+            out = {"logits": m.linear(y, m.param("head", (512, HID), BF16))}
+            if part:
+                out["first"] = m.linear(m.narrow(m.reshape(y, (2, HID)), 0, 0, 1), m.param("w1", (8, HID), BF16))
+            return out
+        lir = planned(Graph.define("tail", f))
+        mark = len(dry.kernels)
+        r = dry(lir, *leaves(lir, np.random.default_rng(0)))
+        _kernels[:] = dry.kernels[mark:]
+        return r
+    r = tail(part=False)
+    assert "fused_residual_rms_norm" not in r.describe()["steps_by_op"]
+    assert run_steps(r) == ["rlx_gemv", "rlx_gemv"]
+    assert "fused_residual_rms_norm" in tail(part=True).describe()["steps_by_op"]

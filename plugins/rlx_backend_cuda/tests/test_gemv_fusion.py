@@ -40,12 +40,13 @@ def shapes(hid: int, inner: int, inter: int, vocab: int, kn_head: bool) -> dict:
 
 def block(m, p: dict, x, a, kn_head: bool = False):
     """Attention output a into the residual stream x, the MLP, another projection, the head:
-    three residual norms each feeding one matmul; a plain norm of x into another. kn_head:
-    the head's weight stored [K, N] (no GEMV reads it: its rows are not the dot products')."""
+    three residual norms each feeding one matmul (the last through the last-token narrow, whole
+    at one token, as a flow's head reads it); a plain norm of x into another. kn_head: the
+    head's weight stored [K, N] (no GEMV reads it: its rows are not the dot products')."""
     h = x + m.linear(a, p["o"])
     h2 = h + m.swiglu(m.rms_norm(h, p["ln1"], eps=EPS), p["gate"], p["up"], p["down"])
     q = m.linear(m.rms_norm(h2, p["ln2"], eps=EPS), p["q"])
-    f = m.rms_norm(h2 + m.linear(q, p["o"]), p["lnf"], eps=EPS)
+    f = m.narrow(m.rms_norm(h2 + m.linear(q, p["o"]), p["lnf"], eps=EPS), 1, -1, 1)
     logits = m.matmul(f, p["head"]) if kn_head else m.linear(f, p["head"])
     return {"h": h, "q": q, "logits": logits, "plain": m.linear(m.rms_norm(x, p["ln2"], eps=EPS), p["q"])}
 
