@@ -9,7 +9,8 @@
 # the final norm computed by the GEMVs around it through the last-token narrow (not measured) on
 # the H200, against main before both (bc36702): Qwen3.5-2B decode (issue 45's ratio) and
 # Llama-1B q4_k / bf16 (benchmarks/README.md, qwen35_gpu section, session 30). First the GPU
-# tests of both (test_gemv_fusion.py's blocks read the final norm through that narrow). rows: two rows of W a warp
+# tests of both (test_gemv_fusion.py's blocks read the final norm through that narrow).
+# rows: two rows of W a warp
 # in the plain decode GEMVs (ops.GEMV_ROWS 2: four 16-byte loads a lane in flight, as the gate/up
 # pair has; the in-projection runs at 3.05 TB/s against gate/up's 3.36). OUT (optional): a
 # folder for the logs. Remove this file once its parts have run.
@@ -20,7 +21,8 @@ D=$PWD/.device
 BASE="base=PYTHONPATH=$D/base/plugins/rlx_backend_cuda"
 ROWS2="rows2=RLX_BENCH_SET=rlx_backend_cuda.ops.GEMV_ROWS=2"
 QWEN="python3 benchmarks/qwen35_gpu.py --sides rlx --prefill= --new 64 --reps 3"
-LLAMA="python3 benchmarks/llm_gpu.py --rlx-only --engine runtime --check-layers 0 --prompt 512 --new 64 --packed q4_k"
+LLAMA="python3 benchmarks/llm_gpu.py --rlx-only --engine runtime --check-layers 0 --prompt 512 --new 64"
+LLAMA="$LLAMA --packed q4_k"
 for part in "$@"; do
   case $part in
   prep)
@@ -29,9 +31,9 @@ for part in "$@"; do
   rope)
     nvidia-smi --query-gpu=name --format=csv,noheader
     T=plugins/rlx_backend_cuda/tests
-    timeout 120 python3 -m pytest -q -o addopts= -p no:cacheprovider $T/test_gemv_fusion.py $T/test_rope_norm.py \
-      $T/test_attn_rope.py -k "not emulated" 2>&1 | tail -2
-    echo "== Qwen3.5-2B and Llama-1B decode: the RoPE's vector path and the final norm's fold against main before"
+    timeout 120 python3 -m pytest -q -o addopts= -p no:cacheprovider $T/test_gemv_fusion.py \
+      $T/test_rope_norm.py $T/test_attn_rope.py -k "not emulated" 2>&1 | tail -2
+    echo "== Qwen3.5-2B and Llama-1B decode: the RoPE's vector path and the final norm's fold, against before"
     timeout 200 python3 benchmarks/gpu_ab.py --rounds 2 --timeout 60 --config "$BASE" --config head= \
       -- $QWEN 2>&1 | tee "$OUT/ab_rope_qwen.log" | tail -4
     timeout 150 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 70 --config "$BASE" --config head= \

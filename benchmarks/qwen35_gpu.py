@@ -419,7 +419,8 @@ def report(a, cfg: dict, res: dict) -> None:
                 + (f", its CUDA graph alone {st['graph_ms']:.3f} ms ({st['graph_ms'] / 1e3 / floors[0][1]:.2f}x "
                    f"the nominal floor)" if st.get("graph_ms") else "") + f"; by op {st.get('by_op')}")
         if st.get("knockout_us"):
-            log(f"RLX decode step, what each kind of launch costs in the graph ([launches, us]): {st['knockout_us']}")
+            log(f"RLX decode step, what each kind of launch costs in the graph ([launches, us]): "
+                f"{st['knockout_us']}")
         log(f"weights {wb / 1e9:.3f} GB read a step: " + "; ".join(
             f"floor {f * 1e3:.3f} ms at the {name}: RLX {d / f:.2f}x it (target <= 1.6)"
             for name, f in floors))

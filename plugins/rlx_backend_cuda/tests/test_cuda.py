@@ -797,9 +797,10 @@ def test_emulated_split_attention(rng, case):
         m[..., 0] = True
     vec = 16 // np.dtype(dt.np).itemsize
     sh = sources.attn_split_shape(D, D, vec, vec, G * Sq, 4)
-    src = sources.render(sources.ATTN_SPLIT, TQ=ctype(dt), TK=ctype(dt), TV=ctype(dt), TO=ctype(dt), ACC="float",
-                         DK=D, DV=D, MASKKIND=1, MASKMODE={"bool": 1, "bias": 2, None: 0}[mask], HAS_POS=1,
-                         TM={"bool": "bool", "bias": ctype(dt), None: "float"}[mask], TP="int", **sh)
+    src = sources.render(sources.ATTN_SPLIT, TQ=ctype(dt), TK=ctype(dt), TV=ctype(dt), TO=ctype(dt),
+                         ACC="float", DK=D, DV=D, MASKKIND=1, MASKMODE={"bool": 1, "bias": 2, None: 0}[mask],
+                         HAS_POS=1, TM={"bool": "bool", "bias": ctype(dt), None: "float"}[mask], TP="int",
+                         **sh)
     rowblocks = -(-G * Sq // sh["ROWS"])
     out = cuda_emu.aligned(np.zeros((B, H, Sq, D), dt.np))
     part_o = np.zeros(nsplit * B * H * Sq * D, np.float32)

@@ -65,8 +65,8 @@ template <typename RX, typename RO, typename RC, typename RN, typename RA>
 __device__ __forceinline__ void rlx_rope_row(const RX* __restrict__ x, i64 xb, i64 xs1, i64 xs3, int dh,
     int half, int norm, int hn, int h, const RN* nw, float neps, float noff, int rope, const RC* cs,
     const RC* sn, RO* orow, i64 os3, int lane, bool ok = true) {
-  if (rlx_rope_row_vec<RX, RO, RC, RN, RA>(x, xb, xs3, dh, half, norm, nw, neps, noff, rope, cs, sn, orow, os3,
-                                           lane, ok))
+  if (rlx_rope_row_vec<RX, RO, RC, RN, RA>(x, xb, xs3, dh, half, norm, nw, neps, noff, rope, cs, sn, orow,
+                                           os3, lane, ok))
     return;
   if (!ok) return;
   RA den = 1;
