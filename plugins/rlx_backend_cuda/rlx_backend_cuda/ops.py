@@ -849,20 +849,29 @@ def _residual_norm(b, n) -> tuple | None:
         return None
     if any(g.nodes[t].op not in ("param", "constant") for t in range(b.node + 1, j)):
         return None
-    readers = _whole_view_readers(b, (j, 1))
-    def gemv_x(c, r):
-        m = g.nodes[c] if c >= 0 else None
-        if m is not None and m.op == "fake_quantize":        # (its int8 rows: the norm computed there)
-            return tuple(m.inputs[0]) == r and int8_gemv_x(g, c, b.hip, b.uses)
-        return (m is not None and m.op in ("matmul", "dequant_matmul") and tuple(m.inputs[0]) == r
-                and tuple(m.inputs[1]) != r and not m.a.get("trans_a"))
-    if not readers or not all(gemv_x(c, r) for c, r in readers):
+    if not _gemvs_read_all(b, (j, 1)):
         return None
     # (x + r, either way round: the same float sum)
     x, w = b.vals.get(rin[1] if rin[0] == (b.node, 0) else rin[0]), b.vals.get(rin[2])
     if x is None or w is None:
         return None
     return j, x, w, m.a["eps"], m.a["offset"]
+
+
+def _gemvs_read_all(b, ref: tuple) -> bool:
+    """Whether `ref` (a norm's y) has readers and each is the x of a matmul or dequant_matmul
+    that may run as a GEMV, or of a fake_quantize rounding it into int8 rows for such GEMVs
+    (`_int8_x`), directly or through views of all its bytes: then they can norm it themselves."""
+    g = b.r.lir.graph
+
+    def gemv_x(c, r):
+        m = g.nodes[c] if c >= 0 else None
+        if m is not None and m.op == "fake_quantize":        # (its int8 rows: the norm computed there)
+            return tuple(m.inputs[0]) == r and int8_gemv_x(g, c, b.hip, b.uses)
+        return (m is not None and m.op in ("matmul", "dequant_matmul") and tuple(m.inputs[0]) == r
+                and tuple(m.inputs[1]) != r and not m.a.get("trans_a"))
+    readers = _whole_view_readers(b, ref)
+    return bool(readers) and all(gemv_x(c, r) for c, r in readers)
 
 
 def _whole_view_readers(b, ref: tuple) -> list:
@@ -2128,10 +2137,48 @@ def _b_cumsum(b, n, ins, outs):
 
 
 # ----------------------------------------------------------------------------- indexing
+def _gather_norm(b, n, t: V, ix: V, out: V) -> tuple | None:
+    """(node, w, eps, off) of an rms_norm (with weights) of this row gather's output (a 16-bit
+    table [nax, n], n a multiple of 8, 16-byte rows) whose y only GEMVs read (`_gemvs_read_all`):
+    a decode step's embeddings and the first layer's norm, which those GEMVs then compute
+    (GemvNorm; the rows are still written for their other readers, the residual); else None."""
+    if (not CONFIG["gemv_fusion"] or t.dt not in LOW or len(t.shape) != 2 or n.a["axis"] % 2
+            or ix.size > GEMV_MAX_M or t.shape[1] % 8 or not out.contiguous()
+            or any(v.arr.data.ptr % 16 for v in (t, out))):
+        return None
+    g = b.r.lir.graph
+    for j in b.uses.get((b.node, 0), []):
+        m = g.nodes[j] if j >= 0 else None
+        if (m is None or m.op != "rms_norm" or len(m.inputs) != 2 or tuple(m.inputs[0]) != (b.node, 0)
+                or not _gemvs_read_all(b, (j, 0))):
+            continue
+        w = b.vals.get(tuple(m.inputs[1]))
+        if w is not None and w.shape == (t.shape[1],) and w.contiguous() and w.dt.is_float:
+            return j, w, m.a["eps"], m.a["offset"]
+    return None
+
+
 def _b_gather(b, n, ins, outs):
     t, ix = b.contiguous(ins[0]), b.contiguous(ins[1])
     out = outs[0]
     if out.size == 0:
+        return
+    fold = _gather_norm(b, n, t, ix, out)
+    if fold is not None:
+        # the rows, their weighted copy and sums of squares for the GEMVs that norm them
+        j, w, eps, off = fold
+        rows, hid = ix.size, t.shape[1]
+        ssq = device.empty((pow2(rows, 1, rows) * 32,), F32, f"row sums of squares of node %{j}")
+        ssq.fill(0)
+        b.r.counters.append(ssq)          # (kept outside the poisoned scratch; GemvSums zeroes it)
+        xw = b.buffer(out.shape, out.dt, "norm-weighted rows")
+        src = sources.render(sources.GATHER_NORM, TT=ctype(t.dt), TI=ctype(ix.dt), TW=ctype(w.dt))
+        b.launch(b.kernel(src, "rlx_gather_norm"), (rows,), (256,), (
+            t.arr, ix.arr, out.arr, xw.arr, w.arr, np.float32(off), ssq, i64(t.shape[0]), i32(hid),
+            b.r.err, i32(b.node)))
+        own = _collected(b, lambda: _rms_norm(b, out, None, w, None, b.out_value(j, 0), eps, off))
+        b.gemv_norms[(j, 0)] = GemvNorm(j, xw, eps, ssq, own, len(_whole_view_readers(b, (j, 0))))
+        b.absorbed.add(j)
         return
     rank = len(t.shape)
     ax = n.a["axis"] % rank

@@ -145,6 +145,7 @@ NORM_GRAD = Source("grad.cu:norm_grad")
 
 # --------------------------------------------------------------------------- indexing ops
 GATHER = Source("index.cu:gather")
+GATHER_NORM = Source("index.cu:gather_norm")
 KV_WRITE = Source("index.cu:kv_write")
 COPY_MANY = Source("index.cu:copy_many")
 ROPE = Source("rope.cu:row", "rope.cu:rope")

@@ -162,3 +162,31 @@ def test_the_final_norm_is_computed_by_the_gemvs_through_a_whole_view(dry, last)
     assert "fused_residual_rms_norm" not in r.describe()["steps_by_op"]
     assert run_steps(r) == ["rlx_gemv", "rlx_gemv"]
     assert "fused_residual_rms_norm" in tail(part=True).describe()["steps_by_op"]
+
+
+@pytest.mark.parametrize("other_reader", [False, True])
+def test_the_first_norm_is_computed_by_the_embedding_gather_and_the_gemv(dry, other_reader):
+    """token ids -> embedding rows x (gather) -> norm -> GEMV, x + its product (the residual):
+    the gather writes the rows, their weighted copy and sums of squares (rlx_gather_norm) and the
+    GEMV norms its rows, so the norm is no launch of its own; a reader of the norm that is no
+    GEMV keeps the plain launches."""
+    def f(m):
+        ids = m.input("ids", (2, 1), I32)
+        x = m.gather(m.param("embed", (64, HID), BF16), ids)
+        y = m.rms_norm(x, m.param("ln", (HID,), BF16), eps=1e-6)
+        out = {"h": x + m.linear(y, m.param("w", (HID, HID), BF16))}
+        if other_reader:
+            out["y2"] = m.mul(y, y)
+        return out
+    lir = planned(Graph.define("embed", f))
+    mark = len(dry.kernels)
+    r = dry(lir, *leaves(lir, np.random.default_rng(0)))
+    _kernels[:] = dry.kernels[mark:]
+    names = run_steps(r)
+    if other_reader:
+        assert names[:3] == ["rlx_gather", "rlx_rms_norm", "rlx_gemv"], names
+        return
+    assert "rms_norm" not in r.describe()["steps_by_op"]
+    assert names == ["rlx_gather_norm", "rlx_gemv", "rlx_ew"], names
+    gemv = next(k for k in _kernels if k.name == "rlx_gemv" and k.launches)
+    assert "#define NORM 1" in gemv.source

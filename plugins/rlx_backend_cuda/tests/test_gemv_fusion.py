@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import rlx_core
-from rlx_core.ir.dtype import BF16, F16
+from rlx_core.ir.dtype import BF16, F16, I32
 from rlx_core.ir.graph import Graph
 from rlx_core.ir.quant import PackedTensor, QuantScheme
 from rlx_core.pipeline import available_backends
@@ -152,6 +152,34 @@ def test_norms_in_the_gemvs(rng, dt, rows):
         set_config(gemv=True)
     for k, w in want.items():
         assert rel(blas[k], w) < 2e-2, (k, rel(blas[k], w))
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_embedding_gather_and_the_gemv_compute_the_first_norm(rng, rows):
+    """`block` on embedding rows: token ids -> x (gather) -> its plain norm -> GEMV, x also the
+    residual stream: the gather writes the rows' weighted copy and sums (rlx_gather_norm), the
+    GEMV norms its rows, so the step has no norm launch; equal to float64 and to the unfused
+    launches."""
+    hid, inner = 512, 64
+    sh = {**shapes(hid, inner, 96, 300, False), "embed": (100, hid)}
+    pv, floats = weights(rng, sh, BF16, {})
+    ids = np.array([[3], [77]][:rows], np.int32)
+    a = rng.uniform(-2, 2, (rows, 1, inner)).astype(np.float32).astype(BF16.np)
+
+    def f(m):
+        p = {n: m.param(n, s, BF16) for n, s in sh.items()}
+        x = m.gather(p["embed"], m.input("ids", (rows, 1), I32))
+        return block(m, p, x, m.input("a", (rows, 1, inner), BF16))
+    g, ins = Graph.define("embed_norm", f), {"ids": ids, "a": a}
+    want = reference(floats, floats["embed"][ids[:, 0]][:, None, :], a)
+    _, fused, runner = build_and_run(g, pv, ins, True)
+    ops = runner.describe()["steps_by_op"]
+    assert "rms_norm" not in ops and "fused_residual_rms_norm" not in ops, ops
+    _, plain, _ = build_and_run(g, pv, ins, False)
+    for k, w in want.items():
+        assert rel(fused[k], w) < 2e-2, (k, rel(fused[k], w))
+        assert rel(fused[k], plain[k].astype(np.float64)) < 2e-2, k
 
 
 @gpu
@@ -385,3 +413,28 @@ def test_emulated_gemv_norm_residual_and_swiglu(rng, rows, per_warp):
     run(y, x0, 2 * n, "swiglu")
     gate, up = x64 @ w64[:n].T, x64 @ w64[n:].T
     assert rel(y, gate / (1 + np.exp(-gate)) * up) < 1e-2
+
+
+@cuda_emu.emulated
+def test_emulated_gather_writes_the_rows_their_weighted_copy_and_sums(rng):
+    """rlx_gather_norm (ops._gather_norm: the embedding rows of a decode step whose first norm
+    the GEMVs compute) on the CPU: the rows, x * (w + off) rounded as the NORM GEMV's x, and the
+    rows' squares added into 32 parts a row (8 warps' worth, over two vectors a thread at 2056
+    values); an id out of range is flagged and its row left zero."""
+    from rlx_backend_cuda import sources
+
+    bf, n, off = BF16.np, 2056, 1.0
+    table = cuda_emu.aligned(rng.uniform(-2, 2, (50, n)).astype(np.float32).astype(bf))
+    w = cuda_emu.aligned(rng.uniform(-0.5, 0.5, n).astype(np.float32).astype(bf))
+    ids = np.array([7, -1, 50], np.int32)            # (-1: the last row; 50: past the table)
+    out, xw = (cuda_emu.aligned(np.zeros((3, n), bf)) for _ in range(2))
+    ssq, err = np.zeros(3 * 32, np.float32), np.zeros(4, np.int32)
+    src = sources.render(sources.GATHER_NORM, TT="__nv_bfloat16", TI="int", TW="__nv_bfloat16")
+    cuda_emu.compile_kernel(src, "rlx_gather_norm").launch((3,), (256,), (
+        table, ids, out, xw, w, np.float32(off), ssq, np.int64(50), np.int32(n), err, np.int32(9)))
+    want = np.stack([table[7], table[49], np.zeros(n, bf)]).astype(np.float64)
+    np.testing.assert_array_equal(out.astype(np.float64), want)
+    np.testing.assert_array_equal(xw, (want * (w.astype(np.float64) + off)).astype(np.float32).astype(bf))
+    np.testing.assert_allclose(ssq.reshape(3, 32).sum(1), (want ** 2).sum(1), rtol=1e-5)
+    assert err.any()
+

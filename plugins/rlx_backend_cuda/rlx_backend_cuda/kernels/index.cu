@@ -13,6 +13,37 @@ extern "C" __global__ void rlx_gather(const TT* __restrict__ table, const TI* __
     out[o] = table[(ou * nax + ix) * inner + in_i];
   }
 }
+// @part gather_norm(TT, TI, TW)
+// Table rows whose RMSNorm the GEMVs after it compute (ops._gather_norm: a decode step's token
+// embeddings and the first layer's norm): block r copies row ind[r] of table [nax, n] (16-bit, n
+// a multiple of 8, 16-byte rows) to out, writes xw = out * (w + off) (the NORM GEMV's x) and adds
+// the row's squares into ssq[r * 32 + warp] (the sums that GEMV divides by at the end).
+extern "C" __global__ void rlx_gather_norm(const TT* __restrict__ table, const TI* __restrict__ ind,
+    TT* __restrict__ out, TT* __restrict__ xw, const TW* __restrict__ w, float off, float* __restrict__ ssq,
+    long long nax, int n, int* err, int node) {
+  typedef rlx_vec<TT, 8> V8;
+  const int r = blockIdx.x;
+  i64 ix = (i64)ind[r];
+  const bool ok = ix >= -nax && ix < nax;
+  if (!ok && threadIdx.x == 0) rlx_error(err, 1, node, ix, nax);
+  ix = ok ? (ix < 0 ? ix + nax : ix) : 0;
+  float ss = 0.f;
+#pragma unroll 4
+  for (int c = threadIdx.x * 8; c < n; c += blockDim.x * 8) {
+    V8 v = *(const V8*)(table + ix * n + c), vw;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float x = ok ? LD(float, v.v[e]) : 0.f;
+      v.v[e] = ST(TT, x);
+      vw.v[e] = ST(TT, x * (LD(float, w[c + e]) + off));
+      ss += x * x;
+    }
+    *(V8*)(out + (i64)r * n + c) = v;
+    *(V8*)(xw + (i64)r * n + c) = vw;
+  }
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) atomicAdd(ssq + r * 32 + (threadIdx.x >> 5), ss);
+}
 // @part kv_write(T, TP, DIMS_ARGS, NSTR_ARGS, CSTR_ARGS, DECOMP, AXIS)
 // kv_write: cache (contiguous) gets `new` (strided, rank R) at pos[b] along `axis`
 extern "C" __global__ void rlx_kv_write(T* cache, const T* __restrict__ nw, const TP* __restrict__ pos,
