@@ -2,14 +2,16 @@
 a Qwen3.5-like full-attention block between GEMVs. With the opt-in switches off, the RoPE and
 the output gate are launches of their own; with attn_rope and attn_epilogue on, the decode
 attention's one launch (its source with ROPE and EPI) replaces the three. A greedy fetch skips
-the launches only the logits need. The final norm, read through the last-token narrow, is
-computed by the GEMVs around it."""
+the launches only the logits need. The final norm, read through the last-token narrow, and the
+first, of the token embeddings, are computed by the GEMVs around them: a tiny Llama's and
+Qwen3.5's bf16 decode steps have no norm launch."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from cuda_dry import HOPPER, dry, leaves, planned  # noqa: F401  (the fixture)
+import rlx_backend_cuda
 from rlx_backend_cuda import set_config
 from rlx_backend_cuda.values import CONFIG
 from rlx_core.ir.dtype import BF16, I32
@@ -190,3 +192,33 @@ def test_the_first_norm_is_computed_by_the_embedding_gather_and_the_gemv(dry, ot
     assert names == ["rlx_gather_norm", "rlx_gemv", "rlx_ew"], names
     gemv = next(k for k in _kernels if k.name == "rlx_gemv" and k.launches)
     assert "#define NORM 1" in gemv.source
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_a_bf16_decode_step_of_a_model_has_no_norm_launch(dry, kind):
+    """A tiny Llama and Qwen3.5's decode graph as the runtime makes it, compiled in bf16 at batch
+    1: every RMSNorm is computed by the GEMVs around it (the embedding gather's rlx_gather_norm
+    first, the final norm through the last-token narrow)."""
+    import attrs
+
+    from rlx_core.ir.lir import plan
+    from rlx_core.pipeline import CompilePipeline, specialize
+    from rlx_core.runtime.model import CausalLM, find_recipe
+
+    pytest.importorskip({"llama": "rlx_blocks_llama", "qwen3_5": "rlx_blocks_qwen35"}[kind])
+    recipe = find_recipe(kind)
+    cfg = dict(recipe.tiny_config(), max_position_embeddings=256)
+    model = CausalLM.from_tensors(cfg, recipe.tiny_tensors(cfg, np.random.default_rng(3)), backend="numpy",
+                                  recipe=recipe)
+    exe = model.executable("decode")
+    profile = attrs.evolve(exe.compile_profile, precision=attrs.evolve(exe.compile_profile.precision,
+                                                                       compute="bf16"))
+    backend = rlx_backend_cuda.CudaBackend()
+    step = specialize(CompilePipeline(profile, backend).optimize_cached(exe.source), {"batch": 1, "ctx": 64})
+    lir = plan(step, *backend.planned_layouts(step))
+    mark = len(dry.kernels)
+    r = dry(lir, *leaves(lir, np.random.default_rng(0)))
+    _kernels[:] = dry.kernels[mark:]
+    ops = r.describe()["steps_by_op"]
+    assert "rms_norm" not in ops and "fused_residual_rms_norm" not in ops, ops
+    assert run_steps(r)[0] == "rlx_gather_norm"
