@@ -5,15 +5,15 @@
 #   bash benchmarks/gpu_queue.sh prep
 # then on the device, after the install, with carry [".device"]:
 #   bash benchmarks/gpu_queue.sh rope rows     # ~420 s
-# rope: the RoPE's vector path (rope.cu:rlx_rope_row_vec, measured only on an H100: 0.986x), the
-# final norm computed by the GEMVs around it through the last-token narrow and the first norm by
-# the embedding gather and its GEMV (neither measured) on the H200, against main before (bc36702): Qwen3.5-2B decode (issue 45's ratio) and
-# Llama-1B q4_k / bf16 (benchmarks/README.md, qwen35_gpu section, session 30). First the GPU
-# tests (test_gemv_fusion.py's blocks read the final norm through that narrow; one on embeddings).
-# rows: two rows of W a warp
-# in the plain decode GEMVs (ops.GEMV_ROWS 2: four 16-byte loads a lane in flight, as the gate/up
-# pair has; the in-projection runs at 3.05 TB/s against gate/up's 3.36). OUT (optional): a
-# folder for the logs. Remove this file once its parts have run.
+# rope: on the H200, against main before this session's changes (bc36702): the RoPE's vector
+# path (rope.cu:rlx_rope_row_vec; 0.986x on an H100), the final norm computed by the GEMVs
+# around it through the last-token narrow, and the first norm by the embedding gather and its
+# GEMV (neither measured): Qwen3.5-2B decode (issue 45's ratio) and Llama-1B q4_k / bf16
+# (benchmarks/README.md, qwen35_gpu section, session 30). First the GPU tests of the three
+# (test_gemv_fusion.py's blocks read the final norm through that narrow; one runs on embeddings).
+# rows: two rows of W a warp in the plain decode GEMVs (ops.GEMV_ROWS 2: four 16-byte loads a
+# lane in flight, as the gate/up pair has; the in-projection runs at 3.05 TB/s against gate/up's
+# 3.36). OUT (optional): a folder for the logs. Remove this file once its parts have run.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}

@@ -104,7 +104,8 @@ def catalog() -> list:
         out.append((f"gather {t}", S.render(S.GATHER, TT=t, TI="long long"), "rlx_gather"))
     out.append(("gather u8", S.render(S.GATHER, TT="unsigned char", TI="int"), "rlx_gather"))
     for t, ti, tw in (("__nv_bfloat16", "int", "__nv_bfloat16"), ("__half", "long long", "float")):
-        out.append((f"gather_norm {t} {ti} {tw}", S.render(S.GATHER_NORM, TT=t, TI=ti, TW=tw), "rlx_gather_norm"))
+        out.append((f"gather_norm {t} {ti} {tw}", S.render(S.GATHER_NORM, TT=t, TI=ti, TW=tw),
+                    "rlx_gather_norm"))
     for rank in (1, 4):
         out.append((f"copy16 rank {rank}", codegen.copy16_source(rank), "rlx_copy16"))
     out.append(("cumsum bool", S.render(S.CUMSUM, TX="bool", TO="bool", ACC="long long", LOAD="(ACC)(v)",
