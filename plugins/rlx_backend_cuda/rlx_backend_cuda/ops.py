@@ -890,6 +890,17 @@ def _whole_view_readers(b, ref: tuple) -> list:
     return out
 
 
+def _norm_inputs(b, j: int, h: V) -> tuple:
+    """(ssq, xw): what the producer of norm node j's rows h writes for the GEMVs that norm them
+    (GemvNorm): the rows' sums of squares in 32 parts (zeroed; GemvSums keeps them so) and
+    h * (w + off)."""
+    rows = h.size // max(h.shape[-1], 1)
+    ssq = device.empty((pow2(rows, 1, rows) * 32,), F32, f"row sums of squares of node %{j}")
+    ssq.fill(0)
+    b.r.counters.append(ssq)          # (kept outside the poisoned scratch)
+    return ssq, b.buffer(h.shape, h.dt, "norm-weighted rows")
+
+
 def _b_matmul_fused(b, n, ins, outs, sw, norm: GemvNorm | None, resid, gemv) -> bool:
     """The decode GEMV of this matmul with its x normed in the kernel (norm) and / or the
     following fused_residual_rms_norm's h written by it (resid: `_residual_norm`; that norm's
@@ -917,11 +928,7 @@ def _b_matmul_fused(b, n, ins, outs, sw, norm: GemvNorm | None, resid, gemv) -> 
                 and w.contiguous() and w.dt.is_float):
             return False
         tail = _collected(b, lambda: _rms_norm(b, x, outs[0], w, h, y, eps, off))
-        rows = outs[0].size // max(outs[0].shape[-1], 1)
-        ssq = device.empty((pow2(rows, 1, rows) * 32,), F32, f"row sums of squares of node %{j}")
-        ssq.fill(0)
-        b.r.counters.append(ssq)          # (kept outside the poisoned scratch; GemvSums zeroes it)
-        xw = b.buffer(h.shape, h.dt, "norm-weighted rows")
+        ssq, xw = _norm_inputs(b, j, h)
         residual = GemvResidual(x, h, xw, w, off, ssq, tail, eps)
     if not gemv(dst, norm, residual):
         return False
@@ -2168,10 +2175,7 @@ def _b_gather(b, n, ins, outs):
         # the rows, their weighted copy and sums of squares for the GEMVs that norm them
         j, w, eps, off = fold
         rows, hid = ix.size, t.shape[1]
-        ssq = device.empty((pow2(rows, 1, rows) * 32,), F32, f"row sums of squares of node %{j}")
-        ssq.fill(0)
-        b.r.counters.append(ssq)          # (kept outside the poisoned scratch; GemvSums zeroes it)
-        xw = b.buffer(out.shape, out.dt, "norm-weighted rows")
+        ssq, xw = _norm_inputs(b, j, out)
         src = sources.render(sources.GATHER_NORM, TT=ctype(t.dt), TI=ctype(ix.dt), TW=ctype(w.dt))
         b.launch(b.kernel(src, "rlx_gather_norm"), (rows,), (256,), (
             t.arr, ix.arr, out.arr, xw.arr, w.arr, np.float32(off), ssq, i64(t.shape[0]), i32(hid),
