@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_queue.sh prep
 # then on the device, after the install, with carry [".device"]:
 #   bash benchmarks/gpu_queue.sh rope rows     # ~420 s
+#   bash benchmarks/gpu_queue.sh q4k           # ~200 s
 # rope: on the H200, against main before this session's changes (bc36702): the RoPE's vector
 # path (rope.cu:rlx_rope_row_vec; 0.986x on an H100), the final norm computed by the GEMVs
 # around it through the last-token narrow, and the first norm by the embedding gather and its
@@ -13,7 +14,10 @@
 # (test_gemv_fusion.py's blocks read the final norm through that narrow; one runs on embeddings).
 # rows: two rows of W a warp in the plain decode GEMVs (ops.GEMV_ROWS 2: four 16-byte loads a
 # lane in flight, as the gate/up pair has; the in-projection runs at 3.05 TB/s against gate/up's
-# 3.36). OUT (optional): a folder for the logs. Remove this file once its parts have run.
+# 3.36). q4k: where the packed GEMV's time goes (issue 49: q4_k decode is 3.99x its packed floor,
+# streaming ~1 TB/s; its weight reads, not its launches, hold it): ncu's speed-of-light, memory
+# and warp-state sections of three rlx_dq_gemv launches inside the step (report in OUT).
+# OUT (optional): a folder for the logs. Remove this file once its parts have run.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -42,6 +46,14 @@ for part in "$@"; do
     echo "== two rows of W a warp in the plain decode GEMVs"
     timeout 200 python3 benchmarks/gpu_ab.py --rounds 2 --timeout 60 --config head= --config "$ROWS2" \
       -- $QWEN 2>&1 | tee "$OUT/ab_rows_qwen.log" | tail -4 ;;
-  *) echo "gpu_queue.sh: unknown part $part (prep, rope, rows)"; exit 2 ;;
+  q4k)
+    echo "== the packed (q4_k) decode GEMV under ncu"
+    timeout 300 ncu --clock-control none --graph-profiling node -k regex:rlx_dq_gemv --launch-skip 20 -c 3 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+      -o "$OUT/dq_gemv" -f $LLAMA --new 4 --reps 1 > "$OUT/ncu_q4k.log" 2>&1
+    tail -5 "$OUT/ncu_q4k.log"
+    KEEP="rlx_dq_gemv|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers|Warp Cycles|Stall"
+    ncu --import "$OUT/dq_gemv.ncu-rep" --page details 2>&1 | grep -E "$KEEP" | head -40 ;;
+  *) echo "gpu_queue.sh: unknown part $part (prep, rope, rows, q4k)"; exit 2 ;;
   esac
 done
