@@ -52,7 +52,7 @@ for part in "$@"; do
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
       -o "$OUT/dq_gemv" -f $LLAMA --new 4 --reps 1 > "$OUT/ncu_q4k.log" 2>&1
     tail -5 "$OUT/ncu_q4k.log"
-    KEEP="rlx_dq_gemv|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers|Warp Cycles|Stall"
+    KEEP="rlx_dq_gemv|Duration|Throughput|Achieved Occupancy|Registers|Warp Cycles|Stall"
     ncu --import "$OUT/dq_gemv.ncu-rep" --page details 2>&1 | grep -E "$KEEP" | head -40 ;;
   *) echo "gpu_queue.sh: unknown part $part (prep, rope, rows, q4k)"; exit 2 ;;
   esac
