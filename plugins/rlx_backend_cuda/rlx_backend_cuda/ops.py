@@ -849,7 +849,7 @@ def _residual_norm(b, n) -> tuple | None:
         return None
     if any(g.nodes[t].op not in ("param", "constant") for t in range(b.node + 1, j)):
         return None
-    if not _gemvs_read_all(b, (j, 1)):
+    if not _gemv_readers(b, (j, 1)):
         return None
     # (x + r, either way round: the same float sum)
     x, w = b.vals.get(rin[1] if rin[0] == (b.node, 0) else rin[0]), b.vals.get(rin[2])
@@ -858,10 +858,11 @@ def _residual_norm(b, n) -> tuple | None:
     return j, x, w, m.a["eps"], m.a["offset"]
 
 
-def _gemvs_read_all(b, ref: tuple) -> bool:
-    """Whether `ref` (a norm's y) has readers and each is the x of a matmul or dequant_matmul
-    that may run as a GEMV, or of a fake_quantize rounding it into int8 rows for such GEMVs
-    (`_int8_x`), directly or through views of all its bytes: then they can norm it themselves."""
+def _gemv_readers(b, ref: tuple) -> list:
+    """The readers of `ref` (a norm's y; `_whole_view_readers`) where each is the x of a matmul
+    or dequant_matmul that may run as a GEMV, or of a fake_quantize rounding it into int8 rows for
+    such GEMVs (`_int8_x`), directly or through views of all its bytes: then they can norm it
+    themselves; else []."""
     g = b.r.lir.graph
 
     def gemv_x(c, r):
@@ -871,7 +872,7 @@ def _gemvs_read_all(b, ref: tuple) -> bool:
         return (m is not None and m.op in ("matmul", "dequant_matmul") and tuple(m.inputs[0]) == r
                 and tuple(m.inputs[1]) != r and not m.a.get("trans_a"))
     readers = _whole_view_readers(b, ref)
-    return bool(readers) and all(gemv_x(c, r) for c, r in readers)
+    return readers if all(gemv_x(c, r) for c, r in readers) else []
 
 
 def _whole_view_readers(b, ref: tuple) -> list:
@@ -2145,10 +2146,11 @@ def _b_cumsum(b, n, ins, outs):
 
 # ----------------------------------------------------------------------------- indexing
 def _gather_norm(b, n, t: V, ix: V, out: V) -> tuple | None:
-    """(node, w, eps, off) of an rms_norm (with weights) of this row gather's output (a 16-bit
-    table [nax, n], n a multiple of 8, 16-byte rows) whose y only GEMVs read (`_gemvs_read_all`):
-    a decode step's embeddings and the first layer's norm, which those GEMVs then compute
-    (GemvNorm; the rows are still written for their other readers, the residual); else None."""
+    """(node, w, eps, off, its GEMV readers) of an rms_norm (with weights) of this row gather's
+    output (a 16-bit table [nax, n], n a multiple of 8, 16-byte rows) whose y only GEMVs read
+    (`_gemv_readers`): a decode step's embeddings and the first layer's norm, which those GEMVs
+    then compute (GemvNorm; the rows are still written for their other readers, the residual);
+    else None."""
     if (not CONFIG["gemv_fusion"] or t.dt not in LOW or len(t.shape) != 2 or n.a["axis"] % 2
             or ix.size > GEMV_MAX_M or t.shape[1] % 8 or not out.contiguous()
             or any(v.arr.data.ptr % 16 for v in (t, out))):
@@ -2156,13 +2158,27 @@ def _gather_norm(b, n, t: V, ix: V, out: V) -> tuple | None:
     g = b.r.lir.graph
     for j in b.uses.get((b.node, 0), []):
         m = g.nodes[j] if j >= 0 else None
-        if (m is None or m.op != "rms_norm" or len(m.inputs) != 2 or tuple(m.inputs[0]) != (b.node, 0)
-                or not _gemvs_read_all(b, (j, 0))):
+        if m is None or m.op != "rms_norm" or len(m.inputs) != 2 or tuple(m.inputs[0]) != (b.node, 0):
             continue
-        w = b.vals.get(tuple(m.inputs[1]))
-        if w is not None and w.shape == (t.shape[1],) and w.contiguous() and w.dt.is_float:
-            return j, w, m.a["eps"], m.a["offset"]
+        readers, w = _gemv_readers(b, (j, 0)), b.vals.get(tuple(m.inputs[1]))
+        if readers and w is not None and w.shape == (t.shape[1],) and w.contiguous() and w.dt.is_float:
+            return j, w, m.a["eps"], m.a["offset"], readers
     return None
+
+
+def _gather_rows_for_gemvs(b, t: V, ix: V, out: V, fold: tuple) -> None:
+    """The gather of `_gather_norm`'s fold: the rows, their weighted copy and sums of squares
+    (rlx_gather_norm), the norm left to its GEMVs (GemvNorm), its own launch kept for a reader
+    that cannot take it."""
+    j, w, eps, off, readers = fold
+    ssq, xw = _norm_inputs(b, j, out)
+    src = sources.render(sources.GATHER_NORM, TT=ctype(t.dt), TI=ctype(ix.dt), TW=ctype(w.dt))
+    b.launch(b.kernel(src, "rlx_gather_norm"), (ix.size,), (256,), (
+        t.arr, ix.arr, out.arr, xw.arr, w.arr, np.float32(off), ssq, i64(t.shape[0]), i32(t.shape[1]),
+        b.r.err, i32(b.node)))
+    own = _collected(b, lambda: _rms_norm(b, out, None, w, None, b.out_value(j, 0), eps, off))
+    b.gemv_norms[(j, 0)] = GemvNorm(j, xw, eps, ssq, own, len(readers))
+    b.absorbed.add(j)
 
 
 def _b_gather(b, n, ins, outs):
@@ -2172,17 +2188,7 @@ def _b_gather(b, n, ins, outs):
         return
     fold = _gather_norm(b, n, t, ix, out)
     if fold is not None:
-        # the rows, their weighted copy and sums of squares for the GEMVs that norm them
-        j, w, eps, off = fold
-        rows, hid = ix.size, t.shape[1]
-        ssq, xw = _norm_inputs(b, j, out)
-        src = sources.render(sources.GATHER_NORM, TT=ctype(t.dt), TI=ctype(ix.dt), TW=ctype(w.dt))
-        b.launch(b.kernel(src, "rlx_gather_norm"), (rows,), (256,), (
-            t.arr, ix.arr, out.arr, xw.arr, w.arr, np.float32(off), ssq, i64(t.shape[0]), i32(hid),
-            b.r.err, i32(b.node)))
-        own = _collected(b, lambda: _rms_norm(b, out, None, w, None, b.out_value(j, 0), eps, off))
-        b.gemv_norms[(j, 0)] = GemvNorm(j, xw, eps, ssq, own, len(_whole_view_readers(b, (j, 0))))
-        b.absorbed.add(j)
+        _gather_rows_for_gemvs(b, t, ix, out, fold)
         return
     rank = len(t.shape)
     ax = n.a["axis"] % rank

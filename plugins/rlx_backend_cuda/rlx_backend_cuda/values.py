@@ -18,8 +18,8 @@ from rlx_core.ir.dtype import DType
 # multiply in dp4a (ops.py's int8 activations); RLX_CUDA_INT8_GEMV=0 rounds x in a kernel of its own
 # before the float GEMV
 # gemv_tc: 16-bit decode products of 3-64 x rows on the tensor-core GEMV (ops.GEMV_TC), not
-# cuBLAS. Off: measured slower on the H200 (Llama-1B batch 32 2.63 ms/step against 1.77;
-# benchmarks/README.md, llm_gpu section); RLX_CUDA_GEMV_TC=1 turns it on
+# cuBLAS. Off: measured slower on the H200 (Llama-1B batch 32 2.43 ms/step against 1.83 in
+# session 30; benchmarks/README.md, llm_gpu section); RLX_CUDA_GEMV_TC=1 turns it on
 # attn_rope (read at build): a decode step's RoPE launch (q, k and v into their caches, the q/k
 # norms) done by the cluster decode attention reading them (ops.AttnRope). Off: measured no faster
 # on the H200 (benchmarks/README.md, qwen35_gpu). RLX_CUDA_ATTN_ROPE=1 turns it on
