@@ -6,6 +6,7 @@
 # then on the device, after the install, with carry [".device"]:
 #   bash benchmarks/gpu_queue.sh rope rows     # ~420 s
 #   bash benchmarks/gpu_queue.sh q4k           # ~200 s
+#   bash benchmarks/gpu_queue.sh ahead         # ~400 s
 # rope: on the H200, against main before this session's changes (bc36702): the RoPE's vector
 # path (rope.cu:rlx_rope_row_vec; 0.986x on an H100), the final norm computed by the GEMVs
 # around it through the last-token narrow, and the first norm by the embedding gather and its
@@ -17,6 +18,11 @@
 # 3.36). q4k: where the packed GEMV's time goes (issue 49: q4_k decode is 3.99x its packed floor,
 # streaming ~1 TB/s; its weight reads, not its launches, hold it): ncu's speed-of-light, memory
 # and warp-state sections of three rlx_dq_gemv launches inside the step (report in OUT).
+# ahead (session 31, not yet run): the L2 lookahead (runner.L2_AHEAD_BYTES; off by default), 16 MB
+# of the next GEMV's weights asked into L2 while the small kernels between two GEMVs run (the
+# knock-out: delta rule 18 x 6.4 us, attention 6 x 9.0, RoPE 6 x 6.5 with DRAM idle), the
+# lookahead launched first of them or last, and (pairs) 4 MB between two GEMVs as well, asked
+# while the first streams (the ramp at each GEMV's start); its GPU tests first; Qwen3.5, Llama q4_k.
 # OUT (optional): a folder for the logs. Remove this file once its parts have run.
 set -u
 export PYTHONUNBUFFERED=1
@@ -24,6 +30,10 @@ OUT=${OUT:-/tmp}
 D=$PWD/.device
 BASE="base=PYTHONPATH=$D/base/plugins/rlx_backend_cuda"
 ROWS2="rows2=RLX_BENCH_SET=rlx_backend_cuda.ops.GEMV_ROWS=2"
+R=rlx_backend_cuda.runner
+AHEAD="ahead=RLX_BENCH_SET=$R.L2_AHEAD_BYTES=16777216"
+LAST="last=RLX_BENCH_SET=$R.L2_AHEAD_BYTES=16777216,$R.L2_AHEAD_FIRST=False"
+PAIRS="pairs=RLX_BENCH_SET=$R.L2_AHEAD_BYTES=4194304,$R.L2_AHEAD_GEMVS=True"
 QWEN="python3 benchmarks/qwen35_gpu.py --sides rlx --prefill= --new 64 --reps 3"
 LLAMA="python3 benchmarks/llm_gpu.py --rlx-only --engine runtime --check-layers 0 --prompt 512 --new 64"
 LLAMA="$LLAMA --packed q4_k"
@@ -54,6 +64,14 @@ for part in "$@"; do
     tail -5 "$OUT/ncu_q4k.log"
     KEEP="rlx_dq_gemv|Duration|Throughput|Achieved Occupancy|Registers|Warp Cycles|Stall"
     ncu --import "$OUT/dq_gemv.ncu-rep" --page details 2>&1 | grep -E "$KEEP" | head -40 ;;
-  *) echo "gpu_queue.sh: unknown part $part (prep, rope, rows, q4k)"; exit 2 ;;
+  ahead)
+    timeout 60 python3 -m pytest -q -o addopts= -p no:cacheprovider \
+      plugins/rlx_backend_cuda/tests/test_early_loads.py -k lookahead 2>&1 | tail -2
+    echo "== an L2 lookahead of the next GEMV's weights among the small kernels, first or last of them"
+    timeout 230 python3 benchmarks/gpu_ab.py --rounds 2 --timeout 60 --config head= --config "$AHEAD" \
+      --config "$LAST" --config "$PAIRS" -- $QWEN 2>&1 | tee "$OUT/ab_ahead_qwen.log" | tail -6
+    timeout 100 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 60 --config head= --config "$AHEAD" \
+      -- $LLAMA 2>&1 | tee "$OUT/ab_ahead_llama.log" | tail -4 ;;
+  *) echo "gpu_queue.sh: unknown part $part (prep, rope, rows, q4k, ahead)"; exit 2 ;;
   esac
 done

@@ -19,7 +19,7 @@ from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import BackendError, ModelError, RlxError
 from rlx_core.pipeline import states_moved
 
-from . import codegen, device
+from . import codegen, device, sources
 from .ops import BUILDERS, STRIDED_WRITERS, VIEW_BUILDERS, GemvSums, owner_chain, part_layout
 from .values import CONFIG, V, contiguous_strides, nocopy_reshape_strides
 
@@ -36,6 +36,23 @@ PRUNABLE = {"binary", "activation", "cast", "where", "fused_elementwise", "reduc
 def pinned(n: int) -> np.ndarray:
     """n bytes of page-locked host memory (asynchronous copies to and from the device)."""
     return np.frombuffer(device.cupy().cuda.alloc_pinned_memory(n), np.uint8, n)
+
+
+L2_AHEAD_BYTES = 0          # weight bytes of a GEMV asked into L2 ahead of it (Build.look_ahead_to_gemvs)
+L2_AHEAD_CHUNK = 4096       # bytes a thread of rlx_l2_ahead asks for
+L2_AHEAD_FIRST = True       # the lookahead launched first among the small kernels, else last
+L2_AHEAD_GEMVS = False      # a lookahead between two GEMVs with no launch between them too
+
+
+def lookahead_ranges(reads: tuple, budget: int) -> list:
+    """The first `budget` bytes of a GEMV's streamed ranges (Step.reads), an equal share of each,
+    as two (address, bytes) pairs (16-aligned, sizes multiples of 16; (0, 0) for a missing one)."""
+    share = budget // max(min(len(reads), 2), 1)
+    out = []
+    for addr, n in reads[:2]:
+        start = -(-addr // 16) * 16
+        out.append((start, max(0, min(n - (start - addr), share)) // 16 * 16))
+    return (out + [(0, 0)] * 2)[:2]
 
 
 def _grid(n: int, block: int, sms: int) -> tuple:
@@ -219,6 +236,35 @@ class Build:
 
     def add(self, run, capturable=True, reads=()):
         self.steps.append(Step(self.node, self.op, run, capturable, reads))
+
+    def look_ahead_to_gemvs(self) -> None:
+        """Where launches that stream no weights (RoPE, attention, the delta rule: DRAM idle
+        while they run) sit between two decode GEMVs, an rlx_l2_ahead launch among them asks L2
+        for the second GEMV's first L2_AHEAD_BYTES of weights (its ranges side by side, an equal
+        share each): first among them (L2_AHEAD_FIRST) or last. L2_AHEAD_GEMVS: between two
+        GEMVs with nothing between too (asking while the first streams). Hopper and later (bulk
+        prefetch, dependent launch); off where L2_AHEAD_BYTES is 0."""
+        if not L2_AHEAD_BYTES or self.hip or tuple(self.cc) < (9, 0):
+            return
+        ahead, last = {}, -1                  # step index -> (node, ranges, FIRST) of its lookahead
+        for k, st in enumerate(self.steps):
+            if st.reads:
+                ranges, between = lookahead_ranges(st.reads, L2_AHEAD_BYTES), k > last + 1
+                if (between or L2_AHEAD_GEMVS and last >= 0) and ranges[0][1] + ranges[1][1]:
+                    first = between and L2_AHEAD_FIRST
+                    ahead[last + 1 if first else k] = (st.node, ranges, first)
+                last = k
+        self.op = "l2_ahead"
+        fns = {f: self.kernel(sources.render(sources.L2_AHEAD, CHUNK=L2_AHEAD_CHUNK, FIRST=int(f)),
+                              "rlx_l2_ahead") for f in {first for _, _, first in ahead.values()}}
+        steps, self.steps = self.steps, []
+        for k, st in enumerate(steps):
+            if k in ahead:
+                self.node, ((a, an), (c, cn)), first = ahead[k]
+                chunks = -(-an // L2_AHEAD_CHUNK) - (-cn // L2_AHEAD_CHUNK)
+                self.launch(fns[first], (-(-chunks // 32),), (32,),
+                            (np.uint64(a), np.int64(an), np.uint64(c), np.int64(cn)))
+            self.steps.append(st)
 
     # -- generic elementwise / copies
     def elementwise(self, program, ins: list, out: V) -> None:
@@ -440,6 +486,7 @@ class CudaRunner(Runner):
             raise BackendError(f"cuda backend: graph {self.name!r}: the norms {sorted(b.gemv_norms)} were "
                                "left to a GEMV that never ran (RLX_CUDA_GEMV_FUSION=0 builds them as "
                                "launches)")
+        b.look_ahead_to_gemvs()
         self.consts = consts
         # outputs: contiguous device sources, one pinned block
         b.node, b.op = len(g.nodes), "output"

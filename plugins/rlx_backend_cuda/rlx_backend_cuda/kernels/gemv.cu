@@ -323,3 +323,28 @@ extern "C" __global__ void rlx_matmul_naive(const TA* __restrict__ a, const TB* 
     c[o] = (TO)s;
   }
 }
+// @part l2_ahead(CHUNK, FIRST)
+// L2 lookahead (runner.Build.look_ahead_to_gemvs): launched among the small kernels between two
+// decode GEMVs (RoPE, attention, the delta rule: DRAM idle while they run), it asks L2 for the
+// second GEMV's first weight bytes: two ranges [a, a + an), [b, b + bn) (16-aligned, sizes
+// multiples of 16), CHUNK bytes a thread (one bulk prefetch each), a's chunks first. FIRST:
+// launched first among them, it asks once the GEMV before has finished (its wait), not
+// against that GEMV's own stream; else, launched last, it asks at once (the weights are
+// written by no kernel) while the kernel before runs. Either way it lets the next kernel start
+// its blocks first and waits for the kernel before it, so a wait for this one covers that one.
+__device__ __forceinline__ void rlx_l2_ask(const unsigned char* a, i64 an, const unsigned char* b, i64 bn) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x, na = (an + CHUNK - 1) / CHUNK;
+  const bool in_a = i < na;
+  const i64 c = (in_a ? i : i - na) * CHUNK, left = (in_a ? an : bn) - c;
+  if (left > 0)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"((in_a ? a : b) + c),
+                 "r"((u32)min(left, (i64)CHUNK)) : "memory");
+#endif
+}
+extern "C" __global__ void __launch_bounds__(32) rlx_l2_ahead(const unsigned char* a, long long an,
+    const unsigned char* b, long long bn) {
+  if (!FIRST) rlx_l2_ask(a, an, b, bn);
+  RLX_GRID_WAIT_AFTER();
+  if (FIRST) rlx_l2_ask(a, an, b, bn);
+}
