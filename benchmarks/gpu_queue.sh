@@ -19,11 +19,12 @@
 # 3.36). q4k: where the packed GEMV's time goes (issue 49: q4_k decode is 3.99x its packed floor,
 # streaming ~1 TB/s; its weight reads, not its launches, hold it): ncu's speed-of-light, memory
 # and warp-state sections of three rlx_dq_gemv launches inside the step (report in OUT).
-# ahead (session 31, not yet run): the L2 lookahead (runner.L2_AHEAD_BYTES; off by default), 16 MB
-# of the next GEMV's weights asked into L2 while the small kernels between two GEMVs run (the
-# knock-out: delta rule 18 x 6.4 us, attention 6 x 9.0, RoPE 6 x 6.5 with DRAM idle), the
-# lookahead launched first of them or last, and (pairs) 4 MB between two GEMVs as well, asked
-# while the first streams (the ramp at each GEMV's start); its GPU tests first; Qwen3.5, Llama q4_k.
+# ahead (session 31, not yet run): the L2 lookahead (runner.L2_AHEAD_BYTES; off by default), the
+# first 16 or 32 MB of the next GEMVs' weights asked into L2 while the small kernels between two
+# GEMVs run (the knock-out: delta rule 18 x 6.4 us, attention 6 x 9.0, RoPE 6 x 6.5 with DRAM
+# idle), the lookahead launched first of them or last, and (pairs) 4 MB between two GEMVs as
+# well, asked while the first streams (the ramp at each GEMV's start); its GPU tests first;
+# Qwen3.5 and Llama q4_k, one round (a winner then gets a second call).
 # gguf: issue 49's race on the same GGUF files, last run in session 18 (Q4_K_M 1.39x, Q8_0 1.49x
 # faster than llama.cpp's CUDA build; target 1.5x): llama.cpp built there (prep carries its tree).
 # OUT (optional): a folder for the logs. Remove this file once its parts have run.
@@ -36,6 +37,7 @@ ROWS2="rows2=RLX_BENCH_SET=rlx_backend_cuda.ops.GEMV_ROWS=2"
 R=rlx_backend_cuda.runner
 TREE=llama.cpp-0.3.36-src.tar.xz
 AHEAD="ahead=RLX_BENCH_SET=$R.L2_AHEAD_BYTES=16777216"
+AHEAD32="ahead32=RLX_BENCH_SET=$R.L2_AHEAD_BYTES=33554432"
 LAST="last=RLX_BENCH_SET=$R.L2_AHEAD_BYTES=16777216,$R.L2_AHEAD_FIRST=False"
 PAIRS="pairs=RLX_BENCH_SET=$R.L2_AHEAD_BYTES=4194304,$R.L2_AHEAD_GEMVS=True"
 QWEN="python3 benchmarks/qwen35_gpu.py --sides rlx --prefill= --new 64 --reps 3"
@@ -72,9 +74,10 @@ for part in "$@"; do
   ahead)
     timeout 60 python3 -m pytest -q -o addopts= -p no:cacheprovider \
       plugins/rlx_backend_cuda/tests/test_early_loads.py -k lookahead 2>&1 | tail -2
-    echo "== an L2 lookahead of the next GEMV's weights among the small kernels, first or last of them"
-    timeout 230 python3 benchmarks/gpu_ab.py --rounds 2 --timeout 60 --config head= --config "$AHEAD" \
-      --config "$LAST" --config "$PAIRS" -- $QWEN 2>&1 | tee "$OUT/ab_ahead_qwen.log" | tail -6
+    echo "== an L2 lookahead of the next GEMVs' weights among the small kernels, first or last of them"
+    timeout 260 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 60 --config head= --config "$AHEAD" \
+      --config "$AHEAD32" --config "$LAST" --config "$PAIRS" -- $QWEN 2>&1 \
+      | tee "$OUT/ab_ahead_qwen.log" | tail -7
     timeout 100 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 60 --config head= --config "$AHEAD" \
       -- $LLAMA 2>&1 | tee "$OUT/ab_ahead_llama.log" | tail -4 ;;
   gguf)

@@ -225,14 +225,14 @@ def test_a_bf16_decode_step_of_a_model_has_no_norm_launch(dry, kind):
 
 
 @pytest.mark.parametrize("first", [True, False], ids=["first", "last"])
-@pytest.mark.parametrize("budget", [1 << 16, 1 << 30])
-def test_an_l2_lookahead_launch_asks_for_the_o_projection_during_the_attention(dry, switches, monkeypatch,
-                                                                                budget, first):
+@pytest.mark.parametrize("budget", [1 << 16, 3 << 19, 1 << 30])
+def test_an_l2_lookahead_launch_asks_for_the_next_gemvs_during_the_attention(dry, switches, monkeypatch,
+                                                                              budget, first):
     """runner.L2_AHEAD_BYTES > 0 (off by default): an rlx_l2_ahead launch among the launches
     between the qkvg GEMV and the o projection's (RoPE, attention, the gate), first or last of
-    them, asks L2 for the o GEMV's first `budget` bytes of wo (all of wo's 1 MB under the larger
-    budget); another before the qkvg GEMV; none between the o and up GEMVs unless L2_AHEAD_GEMVS
-    (then asking at once); none before sm_90."""
+    them, asks L2 for the first `budget` bytes of what the o and up GEMVs after them stream: wo
+    (1 MB) first, then wup (2 MB); another before the qkvg GEMV; none between the o and up GEMVs
+    unless L2_AHEAD_GEMVS (then asking for wup at once); none before sm_90."""
     from rlx_backend_cuda import runner as R
 
     lir = planned(layer())
@@ -251,12 +251,16 @@ def test_an_l2_lookahead_launch_asks_for_the_o_projection_during_the_attention(d
     qkvg, o, up = (i for i, n in enumerate(names) if n == "rlx_gemv")
     at = [i for i, n in enumerate(names) if n == "rlx_l2_ahead"]
     assert at == ([0, qkvg + 1] if first else [qkvg - 1, o - 1]) and up == o + 1, names
-    wo = next(v for (i, k), v in r.vals.items() if lir.graph.nodes[i].name == "wo")
+
+    def weight(name):
+        v = next(v for (i, k), v in r.vals.items() if lir.graph.nodes[i].name == name)
+        return v.arr.data.ptr, v.arr.nbytes
+    (wo, no), (wup, nup) = weight("wo"), weight("wup")
     ahead = next(k for k in _kernels if k.name == "rlx_l2_ahead")
     assert ("#define FIRST 1" in ahead.source) is first
-    size = min(budget, wo.arr.nbytes)
-    assert [int(a) for a in ahead.args[1]] == [wo.arr.data.ptr, size, 0, 0], ahead.args
-    assert ahead.launches[1] == ((-(-size // (32 * R.L2_AHEAD_CHUNK)),), (32,))
+    want = [wo, min(budget, no)] + ([wup, min(budget - no, nup)] if budget > no else [0, 0]) + [0] * 4
+    assert [int(a) for a in ahead.args[1]] == want, ahead.args
+    assert ahead.launches[1] == ((-(-(want[1] + want[3]) // (32 * R.L2_AHEAD_CHUNK)),), (32,))
     ada = dry(lir, params, states, {**HOPPER, "cc": (8, 9), "name": "stand-in sm_89"})
     assert "l2_ahead" not in ada.describe()["steps_by_op"]
     # L2_AHEAD_GEMVS: one between the o and up GEMVs too, asking for wup at once
@@ -267,19 +271,23 @@ def test_an_l2_lookahead_launch_asks_for_the_o_projection_during_the_attention(d
     names = run_steps(r)
     o = [i for i, n in enumerate(names) if n == "rlx_gemv"][1]
     assert names[o + 1:o + 3] == ["rlx_l2_ahead", "rlx_gemv"], names
-    wup = next(v for (i, k), v in r.vals.items() if lir.graph.nodes[i].name == "wup")
     last = next(k for k in _kernels if k.name == "rlx_l2_ahead" and "#define FIRST 0" in k.source)
-    assert [int(a) for a in last.args[-1]] == [wup.arr.data.ptr, min(budget, wup.arr.nbytes), 0, 0]
+    wup, nup = weight("wup")                        # (of this build)
+    assert [int(a) for a in last.args[-1]] == [wup, min(budget, nup)] + [0] * 6
 
 
-def test_lookahead_ranges_share_the_budget_between_a_gemvs_ranges_on_16_byte_bounds():
-    """(address, bytes) pairs rlx_l2_ahead takes: an equal share of the budget a range, each
-    range's start rounded up to 16 bytes and its size down to a multiple of 16, never past
-    its end; (0, 0) where a GEMV streams fewer than two ranges."""
+def test_lookahead_ranges_fill_the_budget_gemv_by_gemv_on_16_byte_bounds():
+    """The (address, bytes) pairs rlx_l2_ahead takes: the GEMVs' ranges in order, each GEMV's
+    share of what is left split equally between its ranges (the gate and up halves), each
+    range's start rounded up to 16 bytes and its size down to a multiple of 16, never past its
+    end; (0, 0) for the rest of the four."""
     from rlx_backend_cuda.runner import lookahead_ranges
 
-    assert lookahead_ranges(((4096, 1 << 20), (8192 + (1 << 20), 1 << 20)), 1 << 16) == [
-        (4096, 1 << 15), (8192 + (1 << 20), 1 << 15)]
-    assert lookahead_ranges(((4100, 1000),), 1 << 16) == [(4112, 976), (0, 0)]
-    assert lookahead_ranges(((4096, 1000),), 512) == [(4096, 512), (0, 0)]
-    assert lookahead_ranges((), 512) == [(0, 0), (0, 0)]
+    gate_up = ((4096, 1 << 20), (8192 + (1 << 20), 1 << 20))
+    up = 8192 + (1 << 20)
+    assert lookahead_ranges([gate_up], 1 << 16) == [(4096, 1 << 15), (up, 1 << 15)] + [(0, 0)] * 2
+    assert lookahead_ranges([((4100, 1000),)], 1 << 16) == [(4112, 976)] + [(0, 0)] * 3
+    o = ((1 << 30, 1008),)
+    assert lookahead_ranges([o, gate_up], 3024) == [(1 << 30, 1008), (4096, 1008), (up, 1008), (0, 0)]
+    assert lookahead_ranges([o, gate_up], 512) == [(1 << 30, 512)] + [(0, 0)] * 3
+    assert lookahead_ranges([], 512) == [(0, 0)] * 4
