@@ -286,7 +286,7 @@ def rounded_h_ways(x, weights, ids, gate, up, down, act="silu"):
     return y, moves
 
 
-MAX_TIES = 16        # 2**16 subsets a token; 37 tokens of 512 h elements: at most 3-7 in 40 seeds, 10 in CI once
+MAX_TIES = 16        # 2**16 subsets a token; 37 tokens x 512 h elements: 3-7 in 40 seeds, 10 in CI once
 
 
 def close_either_way(got, want, moves):
