@@ -6,8 +6,6 @@
 # then on the device, after the install, with carry [".device"]:
 #   bash benchmarks/gpu_queue.sh rope rows     # ~420 s
 #   bash benchmarks/gpu_queue.sh q4k           # ~200 s
-#   bash benchmarks/gpu_queue.sh ahead         # ~400 s
-#   bash benchmarks/gpu_queue.sh gguf          # ~550 s, a call of its own
 # rope: on the H200, against main before this session's changes (bc36702): the RoPE's vector
 # path (rope.cu:rlx_rope_row_vec; 0.986x on an H100), the final norm computed by the GEMVs
 # around it through the last-token narrow, and the first norm by the embedding gather and its
@@ -19,14 +17,6 @@
 # 3.36). q4k: where the packed GEMV's time goes (issue 49: q4_k decode is 3.99x its packed floor,
 # streaming ~1 TB/s; its weight reads, not its launches, hold it): ncu's speed-of-light, memory
 # and warp-state sections of three rlx_dq_gemv launches inside the step (report in OUT).
-# ahead (session 31, not yet run): the L2 lookahead (runner.L2_AHEAD_BYTES; off by default), the
-# first 16 or 32 MB of the next GEMVs' weights asked into L2 while the small kernels between two
-# GEMVs run (the knock-out: delta rule 18 x 6.4 us, attention 6 x 9.0, RoPE 6 x 6.5 with DRAM
-# idle), the lookahead launched first of them or last, and (pairs) 4 MB between two GEMVs as
-# well, asked while the first streams (the ramp at each GEMV's start); its GPU tests first;
-# Qwen3.5 and Llama q4_k, one round (a winner then gets a second call).
-# gguf: issue 49's race on the same GGUF files, last run in session 18 (Q4_K_M 1.39x, Q8_0 1.49x
-# faster than llama.cpp's CUDA build; target 1.5x): llama.cpp built there (prep carries its tree).
 # OUT (optional): a folder for the logs. Remove this file once its parts have run.
 set -u
 export PYTHONUNBUFFERED=1
@@ -34,12 +24,6 @@ OUT=${OUT:-/tmp}
 D=$PWD/.device
 BASE="base=PYTHONPATH=$D/base/plugins/rlx_backend_cuda"
 ROWS2="rows2=RLX_BENCH_SET=rlx_backend_cuda.ops.GEMV_ROWS=2"
-R=rlx_backend_cuda.runner
-TREE=llama.cpp-0.3.36-src.tar.xz
-AHEAD="ahead=RLX_BENCH_SET=$R.L2_AHEAD_BYTES=16777216"
-AHEAD32="ahead32=RLX_BENCH_SET=$R.L2_AHEAD_BYTES=33554432"
-LAST="last=RLX_BENCH_SET=$R.L2_AHEAD_BYTES=16777216,$R.L2_AHEAD_FIRST=False"
-PAIRS="pairs=RLX_BENCH_SET=$R.L2_AHEAD_BYTES=4194304,$R.L2_AHEAD_GEMVS=True"
 QWEN="python3 benchmarks/qwen35_gpu.py --sides rlx --prefill= --new 64 --reps 3"
 LLAMA="python3 benchmarks/llm_gpu.py --rlx-only --engine runtime --check-layers 0 --prompt 512 --new 64"
 LLAMA="$LLAMA --packed q4_k"
@@ -47,8 +31,7 @@ for part in "$@"; do
   case $part in
   prep)
     rm -rf "$D/base" && mkdir -p "$D/base"
-    git archive bc36702 plugins/rlx_backend_cuda | tar -x -C "$D/base"
-    mkdir -p "$D/peers" && cp ../shared/peers/$TREE ../shared/peers/build-llama-cpp-cuda.sh "$D/peers/" ;;
+    git archive bc36702 plugins/rlx_backend_cuda | tar -x -C "$D/base" ;;
   rope)
     nvidia-smi --query-gpu=name --format=csv,noheader
     T=plugins/rlx_backend_cuda/tests
@@ -71,20 +54,6 @@ for part in "$@"; do
     tail -5 "$OUT/ncu_q4k.log"
     KEEP="rlx_dq_gemv|Duration|Throughput|Achieved Occupancy|Registers|Warp Cycles|Stall"
     ncu --import "$OUT/dq_gemv.ncu-rep" --page details 2>&1 | grep -E "$KEEP" | head -40 ;;
-  ahead)
-    timeout 60 python3 -m pytest -q -o addopts= -p no:cacheprovider \
-      plugins/rlx_backend_cuda/tests/test_early_loads.py -k lookahead 2>&1 | tail -2
-    echo "== an L2 lookahead of the next GEMVs' weights among the small kernels, first or last of them"
-    timeout 260 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 60 --config head= --config "$AHEAD" \
-      --config "$AHEAD32" --config "$LAST" --config "$PAIRS" -- $QWEN 2>&1 \
-      | tee "$OUT/ab_ahead_qwen.log" | tail -7
-    timeout 100 python3 benchmarks/gpu_ab.py --rounds 1 --timeout 60 --config head= --config "$AHEAD" \
-      -- $LLAMA 2>&1 | tee "$OUT/ab_ahead_llama.log" | tail -4 ;;
-  gguf)
-    echo "== the same GGUF files in RLX and llama.cpp's CUDA build"
-    timeout 360 bash "$D/peers/build-llama-cpp-cuda.sh" "$D/peers/$TREE" /tmp/lcpp | tail -2
-    timeout 220 python3 benchmarks/llm_gpu_gguf.py --llama-bin /tmp/lcpp/llama.cpp/build/bin \
-      --files q4_k_m,q8_0 2>&1 | tee "$OUT/gguf.log" | tail -8 ;;
-  *) echo "gpu_queue.sh: unknown part $part (prep, rope, rows, q4k, ahead, gguf)"; exit 2 ;;
+  *) echo "gpu_queue.sh: unknown part $part (prep, rope, rows, q4k)"; exit 2 ;;
   esac
 done

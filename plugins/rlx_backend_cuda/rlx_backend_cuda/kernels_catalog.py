@@ -123,8 +123,6 @@ def catalog() -> list:
                         S.render(S.GEMV_TC, T=t, TO=t, MMAT="bf16" if "bf" in t else "f16", MT=mt, KC=128,
                                  EARLY=early, SWIGLU=sw, SWIGLU_OF=codegen.swiglu_of("float")),
                         "rlx_gemv_tc"))
-    for first in (0, 1):
-        out.append((f"l2_ahead first {first}", S.render(S.L2_AHEAD, CHUNK=4096, FIRST=first), "rlx_l2_ahead"))
     out.append(("naive", S.render(S.MATMUL_NAIVE, TA="int", TB="int", TO="int", ACC="long long",
                                   MAC="(s) + (a) * (b)"), "rlx_matmul_naive"))
     out.append(("naive bool", S.render(S.MATMUL_NAIVE, TA="bool", TB="bool", TO="bool", ACC="bool",

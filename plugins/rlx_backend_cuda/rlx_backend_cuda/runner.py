@@ -11,7 +11,6 @@ run on), device->host copies of the outputs, one synchronize.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 
 import numpy as np
@@ -20,7 +19,7 @@ from rlx_core.ir.dtype import DType
 from rlx_core.ir.errors import BackendError, ModelError, RlxError
 from rlx_core.pipeline import states_moved
 
-from . import codegen, device, sources
+from . import codegen, device
 from .ops import BUILDERS, STRIDED_WRITERS, VIEW_BUILDERS, GemvSums, owner_chain, part_layout
 from .values import CONFIG, V, contiguous_strides, nocopy_reshape_strides
 
@@ -37,29 +36,6 @@ PRUNABLE = {"binary", "activation", "cast", "where", "fused_elementwise", "reduc
 def pinned(n: int) -> np.ndarray:
     """n bytes of page-locked host memory (asynchronous copies to and from the device)."""
     return np.frombuffer(device.cupy().cuda.alloc_pinned_memory(n), np.uint8, n)
-
-
-L2_AHEAD_BYTES = 0          # weight bytes a lookahead asks L2 for (Build.look_ahead_to_gemvs); 0: none
-L2_AHEAD_CHUNK = 4096       # bytes a thread of rlx_l2_ahead asks for
-L2_AHEAD_FIRST = True       # the lookahead launched first among the small kernels, else last
-L2_AHEAD_GEMVS = False      # a lookahead between two GEMVs with no launch between them too
-L2_AHEAD_RANGES = 4         # (rlx_l2_ahead's arguments)
-
-
-def lookahead_ranges(gemvs: list, budget: int) -> list:
-    """What a lookahead asks for: the first `budget` bytes of the weights the GEMVs `gemvs`
-    (their Step.reads, in step order) stream, each GEMV's share an equal part of what is left
-    for each of its ranges, as L2_AHEAD_RANGES (address, bytes) pairs (16-aligned, sizes
-    multiples of 16, (0, 0) where there are fewer ranges)."""
-    out: list = []
-    for reads in gemvs:
-        for j, (addr, n) in enumerate(reads):
-            start = -(-addr // 16) * 16
-            take = max(0, min(n - (start - addr), budget // (len(reads) - j))) // 16 * 16
-            if take and len(out) < L2_AHEAD_RANGES:
-                out.append((start, take))
-                budget -= take
-    return (out + [(0, 0)] * L2_AHEAD_RANGES)[:L2_AHEAD_RANGES]
 
 
 def _grid(n: int, block: int, sms: int) -> tuple:
@@ -243,38 +219,6 @@ class Build:
 
     def add(self, run, capturable=True, reads=()):
         self.steps.append(Step(self.node, self.op, run, capturable, reads))
-
-    def look_ahead_to_gemvs(self) -> None:
-        """Where launches that stream no weights (RoPE, attention, the delta rule: DRAM idle
-        while they run) sit between two decode GEMVs, an rlx_l2_ahead launch among them asks L2
-        for the first L2_AHEAD_BYTES of the weights the GEMVs after them stream (up to the next
-        launch that streams none): first among them (L2_AHEAD_FIRST) or last. L2_AHEAD_GEMVS:
-        between two GEMVs with nothing between too (asking while the first streams). Hopper and
-        later (bulk prefetch, dependent launch); off where L2_AHEAD_BYTES is 0."""
-        if not L2_AHEAD_BYTES or self.hip or tuple(self.cc) < (9, 0):
-            return
-        ahead, last = {}, -1                  # step index -> (node, ranges, FIRST) of its lookahead
-        for k, st in enumerate(self.steps):
-            if not st.reads:
-                continue
-            between = k > last + 1
-            if between or L2_AHEAD_GEMVS and last >= 0:
-                gemvs = [s.reads for s in itertools.takewhile(lambda s: s.reads, self.steps[k:])]
-                ranges, first = lookahead_ranges(gemvs, L2_AHEAD_BYTES), between and L2_AHEAD_FIRST
-                if ranges[0][1]:
-                    ahead[last + 1 if first else k] = (st.node, ranges, first)
-            last = k
-        self.op = "l2_ahead"
-        fns = {f: self.kernel(sources.render(sources.L2_AHEAD, CHUNK=L2_AHEAD_CHUNK, FIRST=int(f)),
-                              "rlx_l2_ahead") for f in {first for _, _, first in ahead.values()}}
-        steps, self.steps = self.steps, []
-        for k, st in enumerate(steps):
-            if k in ahead:
-                self.node, ranges, first = ahead[k]
-                chunks = sum(-(-n // L2_AHEAD_CHUNK) for _, n in ranges)
-                self.launch(fns[first], (-(-chunks // 32),), (32,),
-                            [t(v) for r in ranges for t, v in zip((np.uint64, np.int64), r)])
-            self.steps.append(st)
 
     # -- generic elementwise / copies
     def elementwise(self, program, ins: list, out: V) -> None:
@@ -496,7 +440,6 @@ class CudaRunner(Runner):
             raise BackendError(f"cuda backend: graph {self.name!r}: the norms {sorted(b.gemv_norms)} were "
                                "left to a GEMV that never ran (RLX_CUDA_GEMV_FUSION=0 builds them as "
                                "launches)")
-        b.look_ahead_to_gemvs()
         self.consts = consts
         # outputs: contiguous device sources, one pinned block
         b.node, b.op = len(g.nodes), "output"

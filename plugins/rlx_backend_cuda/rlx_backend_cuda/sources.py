@@ -199,7 +199,6 @@ def attn_wg_smem(D: int) -> int:
 # --------------------------------------------------------------------------- matmul helpers
 GEMV = Source("gemv.cu:gemv")
 GEMV_TC = Source("tc.cu:mma", "gemv.cu:gemv_tc")
-L2_AHEAD = Source("gemv.cu:l2_ahead")
 
 
 MATMUL_NAIVE = Source("gemv.cu:matmul_naive")

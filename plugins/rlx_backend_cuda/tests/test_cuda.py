@@ -1108,19 +1108,18 @@ def test_every_kernel_waits_for_the_kernel_before_it():
     """Launched as programmatic dependents (device.Kernel), kernels must wait for the kernel
     before them before reading its results: each catalog kernel gets one RLX_GRID_WAIT()
     (the GEMVs, the RMSNorm, the split and decode attention and the Gated DeltaNet step place their own,
-    after their first loads of what no kernel of the run writes or an L2 prefetch; the L2
-    lookahead its RLX_GRID_WAIT_AFTER(), the next kernel let start first), and no line moves."""
+    after their first loads of what no kernel of the run writes or an L2 prefetch), and no
+    line moves."""
     from rlx_backend_cuda import kernels_catalog, sources
 
     for name, src, kname in kernels_catalog.catalog():
         out = sources.with_grid_wait(src, kname)
-        wait = "RLX_GRID_WAIT_AFTER();" if kname == "rlx_l2_ahead" else "RLX_GRID_WAIT();"
-        assert out.count("RLX_GRID_WAIT();") + out.count("RLX_GRID_WAIT_AFTER();") == 1, name
+        assert out.count("RLX_GRID_WAIT();") == 1, name
         assert out.count("\n") == src.count("\n"), name
         body = out[out.index(f" {kname}("):]
-        assert wait in body, name
+        assert "RLX_GRID_WAIT();" in body, name
         placed = kname in ("rlx_gemv", "rlx_gemv_tc", "rlx_dq_gemv", "rlx_gdn_net", "rlx_rms_norm",
-                           "rlx_attn_split", "rlx_attn_decode", "rlx_l2_ahead")
+                           "rlx_attn_split", "rlx_attn_decode")
         assert ("{ RLX_GRID_WAIT();" in body) is not placed, name
 
 

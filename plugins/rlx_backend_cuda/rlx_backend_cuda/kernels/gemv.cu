@@ -323,36 +323,3 @@ extern "C" __global__ void rlx_matmul_naive(const TA* __restrict__ a, const TB* 
     c[o] = (TO)s;
   }
 }
-// @part l2_ahead(CHUNK, FIRST)
-// L2 lookahead (runner.Build.look_ahead_to_gemvs): launched among the small kernels between two
-// decode GEMVs (RoPE, attention, the delta rule: DRAM idle while they run), it asks L2 for the
-// first weight bytes of the GEMVs after them: up to four ranges [a_r, a_r + n_r) (16-aligned,
-// sizes multiples of 16), CHUNK bytes a thread (one bulk prefetch each), in order. FIRST:
-// launched first among them, it asks once the GEMV before has finished (its wait), not
-// against that GEMV's own stream; else, launched last, it asks at once (the weights are
-// written by no kernel) while the kernel before runs. Either way it lets the next kernel start
-// its blocks first and waits for the kernel before it, so a wait for this one covers that one.
-__device__ __forceinline__ void rlx_l2_ask(const unsigned char* const* a, const i64* n) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const i64 chunks = (n[r] + CHUNK - 1) / CHUNK;
-    if (i < chunks) {
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a[r] + i * CHUNK),
-                   "r"((u32)min(n[r] - i * CHUNK, (i64)CHUNK)) : "memory");
-      return;
-    }
-    i -= chunks;
-  }
-#endif
-}
-extern "C" __global__ void __launch_bounds__(32) rlx_l2_ahead(const unsigned char* a0, long long n0,
-    const unsigned char* a1, long long n1, const unsigned char* a2, long long n2, const unsigned char* a3,
-    long long n3) {
-  const unsigned char* a[4] = {a0, a1, a2, a3};
-  const i64 n[4] = {n0, n1, n2, n3};
-  if (!FIRST) rlx_l2_ask(a, n);
-  RLX_GRID_WAIT_AFTER();
-  if (FIRST) rlx_l2_ask(a, n);
-}

@@ -25,14 +25,10 @@ typedef long long i64;
 typedef unsigned int u32;
 // A kernel launched as a programmatic dependent (device.Kernel) waits here for the kernel
 // before it, then lets the kernel after it start its blocks; a no-op launched otherwise.
-// RLX_GRID_WAIT_AFTER: the other order, for a kernel that reads nothing a kernel writes.
 #if !defined(RLX_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define RLX_GRID_WAIT() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
-#define RLX_GRID_WAIT_AFTER() \
-  asm volatile("griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;" ::: "memory")
 #else
 #define RLX_GRID_WAIT()
-#define RLX_GRID_WAIT_AFTER()
 #endif
 // Thread block clusters (sm_90): RLX_CLUSTER(x, y, z) before a kernel's name makes clusters of
 // x * y * z blocks (nothing elsewhere: the runner picks such a kernel only where clusters exist,
