@@ -66,6 +66,14 @@ def run_steps(runner) -> list:
 _kernels: list = []
 
 
+def built(dry, lir, params: dict, states: dict):
+    """dry(lir, params, states), its kernels (not an earlier build's) the ones run_steps watches."""
+    mark = len(dry.kernels)
+    runner = dry(lir, params, states)
+    _kernels[:] = dry.kernels[mark:]
+    return runner
+
+
 # (the gate alone: not where the plan gave its output the bytes of the roped q the kernel reads)
 @pytest.mark.parametrize("rope,gate", [(True, True), (True, False)])
 def test_the_rope_and_the_gate_go_into_the_decode_attention(dry, switches, rope, gate):
@@ -73,8 +81,7 @@ def test_the_rope_and_the_gate_go_into_the_decode_attention(dry, switches, rope,
     lir = planned(layer())
     params, states = leaves(lir, rng)
     switches()
-    plain = dry(lir, params, states)
-    _kernels[:] = dry.kernels
+    plain = built(dry, lir, params, states)
     ops = plain.describe()["steps_by_op"]
     assert ops.get("rope") == 1, ops
     before = run_steps(plain)
@@ -82,9 +89,7 @@ def test_the_rope_and_the_gate_go_into_the_decode_attention(dry, switches, rope,
     assert before[at - 1] == "rlx_rope" and before[at + 1] == "rlx_ew", before      # (the gate)
 
     switches(attn_rope=rope, attn_epilogue=gate)
-    mark = len(dry.kernels)
-    fused = dry(lir, params, states)
-    _kernels[:] = dry.kernels[mark:]
+    fused = built(dry, lir, params, states)
     ops = fused.describe()["steps_by_op"]
     assert ("rope" in ops) is not rope, ops
     names = run_steps(fused)
@@ -156,10 +161,7 @@ def test_the_final_norm_is_computed_by_the_gemvs_through_a_whole_view(dry, last)
                 out["first"] = m.linear(one, m.param("w1", (8, HID), BF16))
             return out
         lir = planned(Graph.define("tail", f))
-        mark = len(dry.kernels)
-        r = dry(lir, *leaves(lir, np.random.default_rng(0)))
-        _kernels[:] = dry.kernels[mark:]
-        return r
+        return built(dry, lir, *leaves(lir, np.random.default_rng(0)))
     r = tail(part=False)
     assert "fused_residual_rms_norm" not in r.describe()["steps_by_op"]
     assert run_steps(r) == ["rlx_gemv", "rlx_gemv"]
@@ -181,9 +183,7 @@ def test_the_first_norm_is_computed_by_the_embedding_gather_and_the_gemv(dry, ot
             out["y2"] = m.mul(y, y)
         return out
     lir = planned(Graph.define("embed", f))
-    mark = len(dry.kernels)
-    r = dry(lir, *leaves(lir, np.random.default_rng(0)))
-    _kernels[:] = dry.kernels[mark:]
+    r = built(dry, lir, *leaves(lir, np.random.default_rng(0)))
     names = run_steps(r)
     if other_reader:
         assert names[:3] == ["rlx_gather", "rlx_rms_norm", "rlx_gemv"], names
@@ -216,9 +216,7 @@ def test_a_bf16_decode_step_of_a_model_has_no_norm_launch(dry, kind):
     backend = rlx_backend_cuda.CudaBackend()
     step = specialize(CompilePipeline(profile, backend).optimize_cached(exe.source), {"batch": 1, "ctx": 64})
     lir = plan(step, *backend.planned_layouts(step))
-    mark = len(dry.kernels)
-    r = dry(lir, *leaves(lir, np.random.default_rng(0)))
-    _kernels[:] = dry.kernels[mark:]
+    r = built(dry, lir, *leaves(lir, np.random.default_rng(0)))
     ops = r.describe()["steps_by_op"]
     assert "rms_norm" not in ops and "fused_residual_rms_norm" not in ops, ops
     assert run_steps(r)[0] == "rlx_gather_norm"
