@@ -636,19 +636,26 @@ class GemvSums:
     """Who zeroes the sums of squares the NORM GEMVs read (gemv.cu): each such GEMV zeroes
     the sums of the one before it in the step, whose launch has finished when its own grid
     wait returns; the step's first zeroes the last one's (set by `close` at the end of the
-    build: they are zero again before the next step's GEMV adds into them). A step with one
-    NORM GEMV zeroes its sums in a memset after it. GEMVs reading the same sums one after the
-    other (q/k and v of mixed formats) zero the same sums before them (`_gemv_norm` keeps
-    other readers out of the ring)."""
+    build: they are zero again before the next step's GEMV adds into them), unless those were
+    written before it ran (`early`: an embedding gather's, read late), which a memset after the
+    step's last launch then zeroes, as it does the sums of a step with one NORM GEMV. GEMVs
+    reading the same sums one after the other (q/k and v of mixed formats) zero the same sums
+    before them (`_gemv_norm` keeps other readers out of the ring)."""
 
     def __init__(self):
         self.sums: list = []
         self.readers: list = []           # per sums: the launch arguments of the GEMVs reading them
+        self.early: list = []             # sums written before (or by) the step's first NORM GEMV
 
     @staticmethod
     def _zeroes(args: list, sums) -> None:
         """A NORM GEMV's launch arguments (ending with zero, zn) point at `sums`."""
         args[-2:] = [sums, i32(sums.size)]
+
+    def written(self, ssq) -> None:
+        """Register sums a step's launch is about to write."""
+        if not self.sums:
+            self.early.append(ssq)
 
     def follow(self, ssq, args: list) -> None:
         """Register a NORM GEMV reading `ssq` (its launch arguments end with zero, zn); a second
@@ -663,13 +670,17 @@ class GemvSums:
         self.readers.append([args])
 
     def close(self, b) -> None:
-        """At the end of the build: the first NORM GEMVs zero the last one's sums."""
-        if len(self.sums) > 1:
+        """At the end of the build: the first NORM GEMVs zero the last one's sums, or a memset
+        after the step does."""
+        if not self.sums:
+            return
+        last = self.sums[-1]
+        if len(self.sums) > 1 and not any(last is s for s in self.early):
             for args in self.readers[0]:
-                self._zeroes(args, self.sums[-1])
-        elif self.sums:
-            rt, sums, stream = b.cp.cuda.runtime, self.sums[0], b.stream
-            b.add(lambda: rt.memsetAsync(sums.data.ptr, 0, sums.nbytes, stream.ptr))
+                self._zeroes(args, last)
+            return
+        rt, stream = b.cp.cuda.runtime, b.stream
+        b.add(lambda: rt.memsetAsync(last.data.ptr, 0, last.nbytes, stream.ptr))
 
 
 def _matmul_naive(builder, a: V, w: V, ta, tb, out: V) -> None:
@@ -899,6 +910,7 @@ def _norm_inputs(b, j: int, h: V) -> tuple:
     ssq = device.empty((pow2(rows, 1, rows) * 32,), F32, f"row sums of squares of node %{j}")
     ssq.fill(0)
     b.r.counters.append(ssq)          # (kept outside the poisoned scratch)
+    b.gemv_sums.written(ssq)
     return ssq, b.buffer(h.shape, h.dt, "norm-weighted rows")
 
 

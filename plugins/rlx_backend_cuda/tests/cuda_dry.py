@@ -54,7 +54,8 @@ def _fake_cupy():
     stream = type("Stream", (), {"__init__": lambda self, **k: None, "ptr": 0, "wait_event": nothing,
                                  "synchronize": nothing})
     event = type("Event", (), {"__init__": lambda self, **k: None, "record": nothing, "synchronize": nothing})
-    runtime = types.SimpleNamespace(deviceSynchronize=nothing, memsetAsync=nothing, is_hip=False,
+    memset = lambda ptr, value, nbytes, stream: EVENTS.append(("memset", (ptr, value, nbytes)))  # noqa: E731
+    runtime = types.SimpleNamespace(deviceSynchronize=nothing, memsetAsync=memset, is_hip=False,
                                     memGetInfo=lambda: (1 << 40, 1 << 40), CUDA_R_16BF=14, CUDA_R_16F=2,
                                     CUDA_R_32F=0, CUDA_R_64F=1)
     as_strided = lambda x, shape=None, strides=None: np.lib.stride_tricks.as_strided(  # noqa: E731
@@ -69,9 +70,12 @@ def _fake_cupy():
         get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=nothing))
 
 
+EVENTS: list = []       # (kernel name, its arguments) of each launch and ("memset", (ptr, value, nbytes))
+
+
 class Launch:
     """A kernel that records its launches instead of running: (grid, block) each, and their
-    arguments in `args`."""
+    arguments in `args` (and in EVENTS, in order with the memsets)."""
 
     def __init__(self, name: str, source: str):
         self.name, self.source, self.launches, self.args = name, source, [], []
@@ -79,6 +83,7 @@ class Launch:
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         self.launches.append((tuple(grid), tuple(block)))
         self.args.append(tuple(args))
+        EVENTS.append((self.name, tuple(args)))
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import cuda_dry
 from cuda_dry import HOPPER, dry, leaves, planned  # noqa: F401  (the fixture)
 import rlx_backend_cuda
 from rlx_backend_cuda import set_config
@@ -72,6 +73,39 @@ def built(dry, lir, params: dict, states: dict):
     runner = dry(lir, params, states)
     _kernels[:] = dry.kernels[mark:]
     return runner
+
+
+# the arguments of the launches that read, write (add into) and zero sums of squares (ops.GemvSums)
+SUMS_ARGS = {"rlx_gather_norm": (None, 6, None), "rlx_gemv": (-9, -3, -2), "rlx_dq_gemv": (-9, -3, -2),
+             "rlx_quant_q8": (5, None, -2)}
+
+
+def sums_hazards(runner, steps: int = 2) -> list:
+    """The step run `steps` times on the stand-ins, its launches and memsets replayed on the
+    sums of squares the norms' GEMVs share: each sums starts zeroed, a launch may add into
+    them only while zero and read them only once written, and never zero what it reads or
+    writes itself. Returns each broken rule as (launch, argument role, its sums)."""
+    cuda_dry.EVENTS.clear()
+    for _ in range(steps):
+        for st in runner.steps:
+            st.fn()
+    written: dict = {}                  # sums address -> written since last zeroed
+    bad = []
+    for i, (name, args) in enumerate(cuda_dry.EVENTS):
+        if name == "memset":
+            written[args[0]] = False
+            continue
+        read, write, zero = (None if k is None or args[k] is None else args[k].data.ptr
+                             for k in SUMS_ARGS.get(name, (None,) * 3))
+        if zero is not None:
+            bad += [(i, name, "zeroes what it uses", zero)] if zero in (read, write) else []
+            written[zero] = False
+        if read is not None and not written.get(read, False):
+            bad.append((i, name, "reads unwritten sums", read))
+        if write is not None:
+            bad += [(i, name, "adds into unzeroed sums", write)] if written.get(write, False) else []
+            written[write] = True
+    return bad
 
 
 # (the gate alone: not where the plan gave its output the bytes of the roped q the kernel reads)
@@ -194,6 +228,22 @@ def test_the_first_norm_is_computed_by_the_embedding_gather_and_the_gemv(dry, ot
     assert "#define NORM 1" in gemv.source
 
 
+def test_sums_the_embedding_gather_writes_for_a_late_reader_are_not_zeroed_before_it(dry):
+    """The embedding rows' norm read by a GEMV after another norm's (the gather writes its sums
+    before the step's first NORM GEMV, which zeroes the last sums of the ring): a memset after
+    the step zeroes them instead, so the late GEMV reads what the gather wrote, every step."""
+    def f(m):
+        x = m.gather(m.param("embed", (64, HID), BF16), m.input("ids", (2, 1), I32))
+        h = x + m.linear(m.input("a", (2, 1, HID), BF16), m.param("wo", (HID, HID), BF16))
+        q = m.linear(m.rms_norm(h, m.param("ln2", (HID,), BF16), eps=1e-6), m.param("wq", (HID, HID), BF16))
+        late = m.linear(m.rms_norm(x, m.param("ln", (HID,), BF16), eps=1e-6), m.param("wl", (HID, HID), BF16))
+        return {"q": q, "late": late}
+    lir = planned(Graph.define("late", f))
+    r = built(dry, lir, *leaves(lir, np.random.default_rng(0)))
+    assert run_steps(r) == ["rlx_gather_norm", "rlx_gemv", "rlx_gemv", "rlx_gemv"]
+    assert sums_hazards(r) == []
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
 def test_a_bf16_decode_step_of_a_model_has_no_norm_launch(dry, kind):
     """A tiny Llama and Qwen3.5's decode graph as the runtime makes it, compiled in bf16 at batch
@@ -220,3 +270,4 @@ def test_a_bf16_decode_step_of_a_model_has_no_norm_launch(dry, kind):
     ops = r.describe()["steps_by_op"]
     assert "rms_norm" not in ops and "fused_residual_rms_norm" not in ops, ops
     assert run_steps(r)[0] == "rlx_gather_norm"
+    assert sums_hazards(r) == []
