@@ -1162,11 +1162,11 @@ def _dq_epilogue(out_dt: DType, has_bias: bool, act: str) -> str:
     return "\n    ".join(ln for ln in lines if ln)
 
 
-def dq_gemv_shape(kind: str, block: int, M: int, K: int, loads: int = DQ_LOADS) -> tuple:
+def dq_gemv_shape(kind: str, block: int, M: int, K: int, loads: int | None = None) -> tuple:
     """(MMAX, KW, R) of the decode GEMV: M rounded up to a power of 2; warps of a block that
-    split a row (as many as keep each lane `loads` parts busy); rows per warp."""
+    split a row (as many as keep each lane `loads` parts busy, DQ_LOADS by default); rows per warp."""
     mmax = pow2(M, 1, M)
-    kw = warps_per_row(K // block * sources.dq_parts(kind, block), loads)
+    kw = warps_per_row(K // block * sources.dq_parts(kind, block), loads or DQ_LOADS)
     return mmax, kw, DQ_ROWS if mmax <= 2 else 2
 
 
