@@ -140,3 +140,39 @@ def planned(g, compute: str = "bf16", activations: str = "f32"):
     mir = CompilePipeline(profile, backend).optimize_cached(g)
     s = specialize(mir, {})
     return plan(s, *backend.planned_layouts(s))
+
+
+# the arguments of the launches that read, write (add into) and zero sums of squares (ops.GemvSums)
+SUMS_ARGS = {"rlx_gather_norm": (None, 6, None), "rlx_gemv": (-9, -3, -2), "rlx_dq_gemv": (-9, -3, -2),
+             "rlx_quant_q8": (5, None, -2)}
+
+
+def sums_hazards(runner, steps: int = 2) -> list:
+    """The step run `steps` times on the stand-ins, its launches and memsets replayed on the
+    sums of squares the norms' GEMVs share: each sums starts zeroed, a launch may add into
+    them only while zero and read them only once written, and never zero what it reads or
+    writes itself. Returns each broken rule as (launch, argument role, its sums); fails where
+    no launch reads or writes sums (nothing to check)."""
+    EVENTS.clear()
+    for _ in range(steps):
+        for st in runner.steps:
+            st.fn()
+    written: dict = {}                  # sums address -> written since last zeroed
+    bad, touched = [], False
+    for i, (name, args) in enumerate(EVENTS):
+        if name == "memset":
+            written[args[0]] = False
+            continue
+        read, write, zero = (None if k is None or args[k] is None else args[k].data.ptr
+                             for k in SUMS_ARGS.get(name, (None,) * 3))
+        touched = touched or read is not None or write is not None
+        if zero is not None:
+            bad += [(i, name, "zeroes what it uses", zero)] if zero in (read, write) else []
+            written[zero] = False
+        if read is not None and not written.get(read, False):
+            bad.append((i, name, "reads unwritten sums", read))
+        if write is not None:
+            bad += [(i, name, "adds into unzeroed sums", write)] if written.get(write, False) else []
+            written[write] = True
+    assert touched, "no launch read or wrote sums of squares"
+    return bad

@@ -10,8 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import cuda_dry
-from cuda_dry import HOPPER, dry, leaves, planned  # noqa: F401  (the fixture)
+from cuda_dry import HOPPER, dry, leaves, planned, sums_hazards  # noqa: F401  (the fixture)
 import rlx_backend_cuda
 from rlx_backend_cuda import set_config
 from rlx_backend_cuda.values import CONFIG
@@ -73,39 +72,6 @@ def built(dry, lir, params: dict, states: dict):
     runner = dry(lir, params, states)
     _kernels[:] = dry.kernels[mark:]
     return runner
-
-
-# the arguments of the launches that read, write (add into) and zero sums of squares (ops.GemvSums)
-SUMS_ARGS = {"rlx_gather_norm": (None, 6, None), "rlx_gemv": (-9, -3, -2), "rlx_dq_gemv": (-9, -3, -2),
-             "rlx_quant_q8": (5, None, -2)}
-
-
-def sums_hazards(runner, steps: int = 2) -> list:
-    """The step run `steps` times on the stand-ins, its launches and memsets replayed on the
-    sums of squares the norms' GEMVs share: each sums starts zeroed, a launch may add into
-    them only while zero and read them only once written, and never zero what it reads or
-    writes itself. Returns each broken rule as (launch, argument role, its sums)."""
-    cuda_dry.EVENTS.clear()
-    for _ in range(steps):
-        for st in runner.steps:
-            st.fn()
-    written: dict = {}                  # sums address -> written since last zeroed
-    bad = []
-    for i, (name, args) in enumerate(cuda_dry.EVENTS):
-        if name == "memset":
-            written[args[0]] = False
-            continue
-        read, write, zero = (None if k is None or args[k] is None else args[k].data.ptr
-                             for k in SUMS_ARGS.get(name, (None,) * 3))
-        if zero is not None:
-            bad += [(i, name, "zeroes what it uses", zero)] if zero in (read, write) else []
-            written[zero] = False
-        if read is not None and not written.get(read, False):
-            bad.append((i, name, "reads unwritten sums", read))
-        if write is not None:
-            bad += [(i, name, "adds into unzeroed sums", write)] if written.get(write, False) else []
-            written[write] = True
-    return bad
 
 
 # (the gate alone: not where the plan gave its output the bytes of the roped q the kernel reads)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import cuda_emu
 import numpy as np
 import pytest
-from cuda_dry import dry, leaves, planned  # noqa: F401  (the fixture)
+from cuda_dry import dry, leaves, planned, sums_hazards  # noqa: F401  (the fixture)
 from test_cuda import gpu
 from test_gemv_fusion import case, rel
 
@@ -451,6 +451,7 @@ def test_a_decode_layer_rounds_x_without_launches_of_its_own(rng, dry, monkeypat
     o, down = gemvs[1].args[0], gemvs[3].args[0]
     assert all(a[9] is not None and a[10] is not None and a[11] > 0 for a in (o, down))
     assert down[-2] is o[-3] and o[-3] is not down[-3], "the down GEMV zeroes the o GEMV's sums"
+    assert sums_hazards(runner) == []
 
 
 def test_by_default_a_launch_rounds_each_x(rng, dry):
@@ -465,6 +466,7 @@ def test_by_default_a_launch_rounds_each_x(rng, dry):
     gemvs = [k for k in dry.kernels if k.name == "rlx_dq_gemv" and k.launches]
     assert names.count("rlx_quant_q8") == 5 and len(gemvs) == 5, names
     assert not any("#define Q8 1" in k.source or "#define QX 2" in k.source for k in gemvs)
+    assert sums_hazards(runner) == []
 
 
 @cuda_emu.emulated
