@@ -482,6 +482,19 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
   float sq[MMAX];
   rlx_norm_sums(sq, nsq, M, lane, blockIdx.x == 0 && warp == 0, zero, zn);
 #endif
+#if RESID
+  // this thread's output's residual and norm weight (the store below), loaded now (as in GEMV)
+  static_assert(RW * OUTR * MMAX <= 256, "RESID: one output a thread");
+  W rv = 0;
+  float nwv = 0.f;
+  {
+    const int t = threadIdx.x, m = t % MMAX, n = (blockIdx.x * RW + t / (OUTR * MMAX)) * OUTR + (t / MMAX) % OUTR;
+    if (t < RW * OUTR * MMAX && m < M && n < N) {
+      rv = LD(W, res[m * rrs + n]);
+      nwv = tof(nw[n]) + noff;
+    }
+  }
+#endif
 #if QX
   extern __shared__ __align__(16) unsigned char rlx_qx[];
   const int K = nb * BLK, nbx = K / 32;
@@ -597,7 +610,6 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
   }
   __syncthreads();
 #if RESID
-  static_assert(RW * OUTR * MMAX <= 256, "RESID: one output a thread");
   float hsq = 0.f;                  // (the square of this thread's output of y)
 #endif
   for (int t = threadIdx.x; t < RW * OUTR * MMAX; t += blockDim.x) {
@@ -615,9 +627,9 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
     v = SWIGLU_OF(v, LD(W, ST(TO, u)));
     y[(i64)m * N + n] = ST(TO, v);
 #elif RESID
-    const TO h = ST(TO, LD(W, res[m * rrs + n]) + LD(W, ST(TO, v)));
+    const TO h = ST(TO, rv + LD(W, ST(TO, v)));
     y[(i64)m * N + n] = h;
-    yw[(i64)m * N + n] = ST(TO, tof(h) * (tof(nw[n]) + noff));
+    yw[(i64)m * N + n] = ST(TO, tof(h) * nwv);
     hsq = tof(h) * tof(h);
 #else
     EPILOGUE

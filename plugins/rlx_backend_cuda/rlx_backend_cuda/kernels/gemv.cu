@@ -70,6 +70,18 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
   float sq[MMAX];
   rlx_norm_sums(sq, nsq, M, lane, blockIdx.x == 0 && wib == 0, zero, zn);
 #endif
+#if RESID
+  // the residual and norm weights the storing lane takes at the end, loaded now (after the wait:
+  // a kernel before wrote res) so their round trip runs under the products, not after the sums
+  float rv[MMAX][R], nwv[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int c = min(n * R + r, N - 1);
+    nwv[r] = lane == 0 ? tof(nw[c]) + noff : 0.f;
+#pragma unroll
+    for (int m = 0; m < MMAX; ++m) rv[m][r] = lane == 0 && m < M ? tof(res[m * rrs + c]) : 0.f;
+  }
+#endif
   float acc[R][MMAX];
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -146,9 +158,9 @@ extern "C" __global__ void __launch_bounds__(256) rlx_gemv(const T* __restrict__
     for (int r = 0; r < R; ++r)
       if (n * R + r < N) {
 #if RESID
-        const TO h = ST(TO, tof(res[m * rrs + n * R + r]) + tof(ST(TO, s[m][r])));
+        const TO h = ST(TO, rv[m][r] + tof(ST(TO, s[m][r])));
         y[(i64)m * N + n * R + r] = h;
-        yw[(i64)m * N + n * R + r] = ST(TO, tof(h) * (tof(nw[n * R + r]) + noff));
+        yw[(i64)m * N + n * R + r] = ST(TO, tof(h) * nwv[r]);
         sq += tof(h) * tof(h);
 #else
         y[(i64)m * N + n * R + r] = ST(TO, s[m][r]);
