@@ -4,7 +4,9 @@ the output gate are launches of their own; with attn_rope and attn_epilogue on, 
 attention's one launch (its source with ROPE and EPI) replaces the three. A greedy fetch skips
 the launches only the logits need. The final norm, read through the last-token narrow, and the
 first, of the token embeddings, are computed by the GEMVs around them: a tiny Llama's and
-Qwen3.5's bf16 decode steps have no norm launch."""
+Qwen3.5's bf16 decode steps have no norm launch. The sums of squares those GEMVs share are
+replayed over two steps (cuda_dry.sums_hazards): none is read before it is written or zeroed
+before its last reader, even where the embeddings' norm is read after another norm's GEMV."""
 from __future__ import annotations
 
 import numpy as np

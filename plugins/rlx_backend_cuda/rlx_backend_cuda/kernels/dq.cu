@@ -457,6 +457,11 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int kw = warp % KW, rw = warp / KW;
   const int n0 = (blockIdx.x * RW + rw) * OUTR;
+  // the block's output t (of RW * OUTR * MMAX): its warp group g, their row r, x's row m; returns n
+  const auto out_at = [&](int t, int& g, int& r, int& m) {
+    g = t / (OUTR * MMAX), r = (t / MMAX) % OUTR, m = t % MMAX;
+    return (blockIdx.x * RW + g) * OUTR + r;
+  };
   const u8* wr[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) wr[r] = w + (i64)(min(n0 + r % OUTR, N - 1) + (r / OUTR) * N) * wrs;
@@ -488,7 +493,8 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
   W rv = 0;
   float nwv = 0.f;
   {
-    const int t = threadIdx.x, m = t % MMAX, n = (blockIdx.x * RW + t / (OUTR * MMAX)) * OUTR + (t / MMAX) % OUTR;
+    int g, r, m;
+    const int t = threadIdx.x, n = out_at(t, g, r, m);
     if (t < RW * OUTR * MMAX && m < M && n < N) {
       rv = LD(W, res[m * rrs + n]);
       nwv = tof(nw[n]) + noff;
@@ -613,8 +619,8 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
   float hsq = 0.f;                  // (the square of this thread's output of y)
 #endif
   for (int t = threadIdx.x; t < RW * OUTR * MMAX; t += blockDim.x) {
-    const int g = t / (OUTR * MMAX), r = (t / MMAX) % OUTR, m = t % MMAX;
-    const int n = (blockIdx.x * RW + g) * OUTR + r;
+    int g, r, m;
+    const int n = out_at(t, g, r, m);
     if (m >= M || n >= N) continue;
     W v = 0;
 #pragma unroll
