@@ -54,7 +54,8 @@ def _fake_cupy():
     stream = type("Stream", (), {"__init__": lambda self, **k: None, "ptr": 0, "wait_event": nothing,
                                  "synchronize": nothing})
     event = type("Event", (), {"__init__": lambda self, **k: None, "record": nothing, "synchronize": nothing})
-    memset = lambda ptr, value, nbytes, stream: EVENTS.append(("memset", (ptr, value, nbytes)))  # noqa: E731
+    def memset(ptr, value, nbytes, stream):
+        EVENTS.append(("memset", (ptr, value, nbytes), None))
     runtime = types.SimpleNamespace(deviceSynchronize=nothing, memsetAsync=memset, is_hip=False,
                                     memGetInfo=lambda: (1 << 40, 1 << 40), CUDA_R_16BF=14, CUDA_R_16F=2,
                                     CUDA_R_32F=0, CUDA_R_64F=1)
@@ -70,7 +71,8 @@ def _fake_cupy():
         get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=nothing))
 
 
-EVENTS: list = []       # (kernel name, its arguments) of each launch and ("memset", (ptr, value, nbytes))
+# in order: (kernel name, its arguments, the Launch) a launch, ("memset", (ptr, value, nbytes), None)
+EVENTS: list = []
 
 
 class Launch:
@@ -83,7 +85,7 @@ class Launch:
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         self.launches.append((tuple(grid), tuple(block)))
         self.args.append(tuple(args))
-        EVENTS.append((self.name, tuple(args)))
+        EVENTS.append((self.name, tuple(args), self))
 
 
 @pytest.fixture
@@ -142,6 +144,16 @@ def planned(g, compute: str = "bf16", activations: str = "f32"):
     return plan(s, *backend.planned_layouts(s))
 
 
+def replay(runner, steps: int = 1) -> list:
+    """The runner's steps run `steps` times on the stand-ins: their launches and memsets, in
+    order (EVENTS' entries)."""
+    EVENTS.clear()
+    for _ in range(steps):
+        for st in runner.steps:
+            st.fn()
+    return list(EVENTS)
+
+
 # the arguments of the launches that read, write (add into) and zero sums of squares (ops.GemvSums)
 SUMS_ARGS = {"rlx_gather_norm": (None, 6, None), "rlx_gemv": (-9, -3, -2), "rlx_dq_gemv": (-9, -3, -2),
              "rlx_quant_q8": (5, None, -2)}
@@ -153,13 +165,9 @@ def sums_hazards(runner, steps: int = 2) -> list:
     them only while zero and read them only once written, and never zero what it reads or
     writes itself. Returns each broken rule as (launch, argument role, its sums); fails where
     no launch reads or writes sums (nothing to check)."""
-    EVENTS.clear()
-    for _ in range(steps):
-        for st in runner.steps:
-            st.fn()
     written: dict = {}                  # sums address -> written since last zeroed
     bad, touched = [], False
-    for i, (name, args) in enumerate(EVENTS):
+    for i, (name, args, _) in enumerate(replay(runner, steps)):
         if name == "memset":
             written[args[0]] = False
             continue

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuda_dry import HOPPER, dry, leaves, planned, sums_hazards  # noqa: F401  (the fixture)
+from cuda_dry import HOPPER, dry, leaves, planned, replay, sums_hazards  # noqa: F401  (the fixture)
 import rlx_backend_cuda
 from rlx_backend_cuda import set_config
 from rlx_backend_cuda.values import CONFIG
@@ -55,25 +55,14 @@ def switches():
     set_config(**was)
 
 
-def run_steps(runner) -> list:
+def launched(runner) -> list:
     """Every step run once on the stand-ins: the kernels launched, in order."""
-    launched = []
-    for st in runner.steps:
-        before = {id(k): len(k.launches) for k in _kernels}
-        st.fn()
-        launched += [k.name for k in _kernels if len(k.launches) > before[id(k)]]
-    return launched
+    return [k for _, _, k in replay(runner) if k is not None]
 
 
-_kernels: list = []
-
-
-def built(dry, lir, params: dict, states: dict):
-    """dry(lir, params, states), its kernels (not an earlier build's) the ones run_steps watches."""
-    mark = len(dry.kernels)
-    runner = dry(lir, params, states)
-    _kernels[:] = dry.kernels[mark:]
-    return runner
+def run_steps(runner) -> list:
+    """The names of `launched`."""
+    return [k.name for k in launched(runner)]
 
 
 # (the gate alone: not where the plan gave its output the bytes of the roped q the kernel reads)
@@ -83,7 +72,7 @@ def test_the_rope_and_the_gate_go_into_the_decode_attention(dry, switches, rope,
     lir = planned(layer())
     params, states = leaves(lir, rng)
     switches()
-    plain = built(dry, lir, params, states)
+    plain = dry(lir, params, states)
     ops = plain.describe()["steps_by_op"]
     assert ops.get("rope") == 1, ops
     before = run_steps(plain)
@@ -91,13 +80,13 @@ def test_the_rope_and_the_gate_go_into_the_decode_attention(dry, switches, rope,
     assert before[at - 1] == "rlx_rope" and before[at + 1] == "rlx_ew", before      # (the gate)
 
     switches(attn_rope=rope, attn_epilogue=gate)
-    fused = built(dry, lir, params, states)
+    fused = dry(lir, params, states)
     ops = fused.describe()["steps_by_op"]
     assert ("rope" in ops) is not rope, ops
     names = run_steps(fused)
     want = before[:at - 1 + (not rope)] + before[at:at + 1 + (not gate)] + before[at + 2:]
     assert names == want, (before, names)
-    attn = next(k for k in _kernels if k.name == "rlx_attn_decode" and k.launches)
+    attn = next(k for k in launched(fused) if k.name == "rlx_attn_decode")
     assert ("#define ROPE 1" in attn.source) is rope and ("#define EPI 1" in attn.source) is gate
     if not (rope and gate):
         return
@@ -163,7 +152,7 @@ def test_the_final_norm_is_computed_by_the_gemvs_through_a_whole_view(dry, last)
                 out["first"] = m.linear(one, m.param("w1", (8, HID), BF16))
             return out
         lir = planned(Graph.define("tail", f))
-        return built(dry, lir, *leaves(lir, np.random.default_rng(0)))
+        return dry(lir, *leaves(lir, np.random.default_rng(0)))
     r = tail(part=False)
     assert "fused_residual_rms_norm" not in r.describe()["steps_by_op"]
     assert run_steps(r) == ["rlx_gemv", "rlx_gemv"]
@@ -185,14 +174,14 @@ def test_the_first_norm_is_computed_by_the_embedding_gather_and_the_gemv(dry, ot
             out["y2"] = m.mul(y, y)
         return out
     lir = planned(Graph.define("embed", f))
-    r = built(dry, lir, *leaves(lir, np.random.default_rng(0)))
+    r = dry(lir, *leaves(lir, np.random.default_rng(0)))
     names = run_steps(r)
     if other_reader:
         assert names[:3] == ["rlx_gather", "rlx_rms_norm", "rlx_gemv"], names
         return
     assert "rms_norm" not in r.describe()["steps_by_op"]
     assert names == ["rlx_gather_norm", "rlx_gemv", "rlx_ew"], names
-    gemv = next(k for k in _kernels if k.name == "rlx_gemv" and k.launches)
+    gemv = next(k for k in launched(r) if k.name == "rlx_gemv")
     assert "#define NORM 1" in gemv.source
 
 
@@ -207,7 +196,7 @@ def test_sums_the_embedding_gather_writes_for_a_late_reader_are_not_zeroed_befor
         late = m.linear(m.rms_norm(x, m.param("ln", (HID,), BF16), eps=1e-6), m.param("wl", (HID, HID), BF16))
         return {"q": q, "late": late}
     lir = planned(Graph.define("late", f))
-    r = built(dry, lir, *leaves(lir, np.random.default_rng(0)))
+    r = dry(lir, *leaves(lir, np.random.default_rng(0)))
     assert run_steps(r) == ["rlx_gather_norm", "rlx_gemv", "rlx_gemv", "rlx_gemv"]
     assert sums_hazards(r) == []
 
@@ -234,7 +223,7 @@ def test_a_bf16_decode_step_of_a_model_has_no_norm_launch(dry, kind):
     backend = rlx_backend_cuda.CudaBackend()
     step = specialize(CompilePipeline(profile, backend).optimize_cached(exe.source), {"batch": 1, "ctx": 64})
     lir = plan(step, *backend.planned_layouts(step))
-    r = built(dry, lir, *leaves(lir, np.random.default_rng(0)))
+    r = dry(lir, *leaves(lir, np.random.default_rng(0)))
     ops = r.describe()["steps_by_op"]
     assert "rms_norm" not in ops and "fused_residual_rms_norm" not in ops, ops
     assert run_steps(r)[0] == "rlx_gather_norm"
