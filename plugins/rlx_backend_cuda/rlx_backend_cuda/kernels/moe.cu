@@ -95,23 +95,6 @@ template <int NR> __device__ __forceinline__ void rlx_wdot(const rlx_wunit* w, i
 typedef rlx_raw rlx_wunit;
 __device__ __forceinline__ int rlx_units(int K) { return K / BLK * PARTS; }
 __device__ __forceinline__ rlx_wunit rlx_wload(const u8* row, int u) { return rlx_load(row + (i64)(u / PARTS) * BPB, u % PARTS); }
-// run k of part p of q decoded: 4 weights d * qf[i] + mn
-struct rlx_drun { W d, mn, qf[4]; };
-__device__ __forceinline__ rlx_drun rlx_decode_run(const rlx_raw& q, int p, int k) {
-  rlx_drun r;
-  r.mn = 0;
-  rlx_scale(q, p, k, &r.d, &r.mn);
-  const u32 qw = rlx_qword(q, p, k);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) r.qf[i] = (W)rlx_qf(qw, i);
-  return r;
-}
-// a decoded run dotted with 4 x values (xs: their sum, for the offset term)
-__device__ __forceinline__ W rlx_run_dot(const rlx_drun& r, const W* xv, W xs) {
-  const W s = r.qf[0] * xv[0] + r.qf[1] * xv[1] + r.qf[2] * xv[2] + r.qf[3] * xv[3];
-  return HAS_MIN ? r.d * s + r.mn * xs : r.d * s;
-}
-__device__ __forceinline__ W rlx_sum4(const W* v) { return (v[0] + v[1]) + (v[2] + v[3]); }
 // unit u of one row against the x rows xs[0..mc) (acc: one a pair)
 __device__ __forceinline__ void rlx_unit(const u8* row, int u, const T* const* xs, int mc, W* acc) {
   const int p = u % PARTS;
@@ -125,7 +108,7 @@ __device__ __forceinline__ void rlx_unit(const u8* row, int u, const T* const* x
       if (m < mc) {
         W xv[4];
         rlx_x4(xs[m] + e0 + rlx_run_off(p, k), xv);
-        acc[m] += rlx_run_dot(run, xv, HAS_MIN ? rlx_sum4(xv) : (W)0);
+        acc[m] += rlx_run_dot(run, xv, RLX_OFFSET ? rlx_sum4(xv) : (W)0);
       }
   }
 }
@@ -137,7 +120,7 @@ template <int NR> __device__ __forceinline__ void rlx_wdot(const rlx_wunit* w, i
   for (int k = 0; k < RUNS; ++k) {
     W xv[4];
     rlx_x4(x + e0 + rlx_run_off(p, k), xv);
-    const W xs = HAS_MIN ? rlx_sum4(xv) : (W)0;
+    const W xs = RLX_OFFSET ? rlx_sum4(xv) : (W)0;
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[r] += rlx_run_dot(rlx_decode_run(w[r], p, k), xv, xs);
   }
