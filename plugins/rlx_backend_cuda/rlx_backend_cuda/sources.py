@@ -219,6 +219,8 @@ DQ_SCHEMES = {      # each format's decode snippet: one serves every kernel belo
     "q6_k": Source("dq.cu:q6_k"),
 }
 DQ_GEMV = Source("dq.cu:x4", "dq.cu:q8x", "dq.cu:gemv")
+# schemes whose decode GEMV has a tensor-core form (dq.cu's TC): tc.cu's mma and the scheme's view
+DQ_TC_VIEWS = {"q4_k": Source("tc.cu:mma", "dq.cu:tc_q4_k")}
 DQ_DEQUANT = Source("dq.cu:dequant")
 # (a scheme's snippet not needed: the rounding of x alone, to floats (rlx_fake_q8) or to the QX
 # GEMVs' int8 rows (rlx_quant_q8))
@@ -228,7 +230,10 @@ ROUND_Q8 = Source("dq.cu:common", "dq.cu:x4", "dq.cu:q8x", "dq.cu:round_q8")
 def dq_source(kernel: Source, kind: str, block: int, **defines) -> str:
     """A packed-weight kernel (DQ_GEMV / DQ_DEQUANT) for scheme `kind` (block: the int
     schemes' block size, their define IB)."""
-    source = DQ_COMMON + DQ_SCHEMES[kind] + DQ_QF + kernel
+    source = DQ_COMMON + DQ_SCHEMES[kind] + DQ_QF
+    if defines.get("TC"):                   # (bf16 x: the mma's operands)
+        source, defines = source + DQ_TC_VIEWS[kind], {**defines, "MMAT": "bf16"}
+    source += kernel
     return render(source, **defines, **({"IB": block} if "IB" in source.defines() else {}))
 
 

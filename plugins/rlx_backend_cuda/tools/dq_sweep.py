@@ -62,7 +62,7 @@ def main(schemes):
                 src = sources.dq_source(sources.DQ_GEMV, s.kind, s.block_size, T="__nv_bfloat16", TO="float",
                                         TB="float", ACC="float", A=16, MMAX=1, R=r, U=u, KW=kw, XV=1, SWIGLU=0, EPILOGUE="",
                                         SWIGLU_OF=codegen.swiglu_of("float"), EARLY=1, NORM=0, TN="float",
-                                        RESID=0, QX=0, Q8=0)
+                                        RESID=0, QX=0, Q8=0, TC=0)
                 k = cp.RawKernel(src, "rlx_dq_gemv")
                 grid = (-(-N // (8 // kw * r)),)
                 args = (x, np.int64(K), w, np.int64(raw.shape[1]), None, yo, np.int32(1), np.int32(N),

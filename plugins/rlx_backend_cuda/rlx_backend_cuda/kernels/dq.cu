@@ -237,6 +237,24 @@ __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
 __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
   return (r.q[k & 3] >> (4 * (k >> 2))) & 0x0F0F0F0Fu;
 }
+// @part tc_q4_k()
+// Q4_K as the tensor-core GEMV (TC in gemv) takes it: lane t's unit is chunk t of a super-block
+// of one row, its 32 nibble bytes (low nibbles: the 32 weights of sub-block 2t, high: of 2t + 1)
+// and the 16-byte header. mma i (of 16 a super-block) takes, of word i / 2, bytes h and h + 2
+// (h = i % 2): their low nibbles are the lane's k pair (2t, 2t + 1), elements (4(i / 2) + h, +2)
+// of sub-block 2t, their high nibbles its pair (2t + 8, 2t + 9), the same elements of 2t + 1.
+// A pair is two bf16 128 + b: one masked or of the shifted word (the byte in 128.0's mantissa).
+struct rlx_tcraw { u32 hd[4]; u32 q[8]; };
+__device__ __forceinline__ rlx_tcraw rlx_tc_load(const u8* b, int t) {
+  rlx_tcraw r; rlx_ldw<16, 4>(b, r.hd); rlx_ldw<16, 8>(b + 16 + 32 * t, r.q); return r;
+}
+__device__ __forceinline__ u32 rlx_tc_pair(const rlx_tcraw& r, int i, int hi) {
+  return ((r.q[i >> 1] >> (8 * (i & 1) + 4 * hi)) & 0x000F000Fu) | 0x43004300u;
+}
+// d * scale and -dmin * min of sub-blocks 2t, 2t + 1 (d[0..1], m[0..1]: rlx_k_scales of part 2t)
+__device__ __forceinline__ rlx_raw rlx_tc_scales(const rlx_tcraw& r, int t) {
+  rlx_raw s; rlx_k_scales(s, r.hd, 2 * t); return s;
+}
 // @part q5_k_raw()
 #define QBITS 5
 #define BPB 176
@@ -378,7 +396,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_quant_q8(const T* __restri
   rlx_round_rows<true>(x, xrs, M, K, y8, nullptr, gridDim.x, blockIdx.x);
 #endif
 }
-// @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE, SWIGLU_OF(g, u), EARLY, NORM, TN, RESID, QX, Q8)
+// @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE, SWIGLU_OF(g, u), EARLY, NORM, TN, RESID, QX, Q8, TC)
 // Decode: y[M, N] = act(x[M, K] @ dequant(w)^T + bias) for M <= MMAX <= 8. A block is 8
 // warps: KW of them split a row's parts, 8 / KW take R rows each, so x is read once per
 // R rows. Each lane loads its next U parts of every row first (the packed bytes bound a
@@ -497,6 +515,23 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
     g = t / (OUTR * MMAX), r = (t / MMAX) % OUTR, m = t % MMAX;
     return (blockIdx.x * RW + g) * OUTR + r;
   };
+#if TC
+  // the mma's rows: lane tg + 4 tt holds rows tg and tg + 8 of the warp's 16, chunk tt of each
+  // super-block; a warp's unit is one super-block of its rows (the next loaded while this one's
+  // products run: `cur` then `nxt`)
+  static_assert(R == 16 && MMAX == 1 && !QX, "TC: 16 rows a warp, one float x row");
+  const int tg = lane >> 2, tt = lane & 3, first = kw;
+  const u8* wt[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int r = tg + 8 * j;
+    wt[j] = w + (i64)(min(n0 + r % OUTR, N - 1) + (r / OUTR) * N) * wrs;
+  }
+  rlx_tcraw cur[2], nxt[2];
+#define RLX_TC_LOAD(dst, sb) \
+  if ((sb) < nb) _Pragma("unroll") for (int j = 0; j < 2; ++j) dst[j] = rlx_tc_load(wt[j] + (i64)(sb) * BPB, tt);
+#define RLX_LOAD_Q(sb) RLX_TC_LOAD(cur, sb)
+#else
   const u8* wr[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) wr[r] = w + (i64)(min(n0 + r % OUTR, N - 1) + (r / OUTR) * N) * wrs;
@@ -508,6 +543,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
     if (uu < units) \
       _Pragma("unroll") for (int r = 0; r < R; ++r) q[u][r] = rlx_load(wr[r] + (i64)(uu / PARTS) * BPB, uu % PARTS); \
   }
+#endif
   // EARLY (w a param or constant: no kernel writes it): the first iteration's loads are issued
   // before the wait (as in GEMV). q4_k 1B-shape decode on the H100: 0.940 -> 0.896 ms/token;
   // an L2 prefetch of each row's first 4 KB beside them made no difference (0.903)
@@ -549,6 +585,62 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
   const float* xd = (const float*)(rlx_qx + (i64)M * K);
   __syncthreads();
 #endif
+#if TC
+  // x in the order of the mmas' B pairs (sub-block s's pair i: its elements (4(i / 2) + i % 2, +2)),
+  // and each sub-block's sum, in dynamic shared memory
+  extern __shared__ __align__(16) unsigned char rlx_qx[];
+  const int K = nb * BLK;
+  u32* xf = (u32*)rlx_qx;
+  float* xsum = (float*)(xf + K / 2);
+  for (int i = threadIdx.x; i < K / 2; i += blockDim.x) {
+    const T* p = x + (i >> 4) * 32 + 4 * ((i >> 1) & 7) + (i & 1);
+    xf[i] = (u32)*(const u16*)p | ((u32)*(const u16*)(p + 2) << 16);      // (bf16 bits)
+  }
+  for (int sb = threadIdx.x; sb < K / 32; sb += blockDim.x) {
+    float a = 0.f;
+#pragma unroll 8
+    for (int e = 0; e < 32; ++e) a += tof(x[32 * sb + e]);
+    xsum[sb] = a;
+  }
+  __syncthreads();
+  // Column n of an mma's D is sub-block n of the super-block: lane (n, tt) gives B its x pair
+  // where n is 2 tt (the low nibbles' pair, b0) or 2 tt + 1 (the high, b1), every other B value
+  // is 0; so D holds the 8 sub-blocks' sums of (128 + b) x apart, and lane tt scales its two
+  // (columns 2 tt, 2 tt + 1): w = d sc b - dmin mn = d sc (128 + b) + (-dmin mn - 128 d sc).
+  const int role = tg - 2 * tt;                 // 0: the low pairs' lane, 1: the high pairs', else none
+  u32 xb[2][16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) xb[0][i] = xb[1][i] = 0u;
+  W tacc[2] = {0, 0};
+  for (int sb = first; sb < nb; sb += KW) {
+    RLX_TC_LOAD(nxt, sb + KW)
+    if (role == 0 || role == 1) {
+      const uint4* f = (const uint4*)(xf + (sb * 8 + 2 * tt + role) * 16);
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const uint4 fv = f[v];
+        u32* o = xb[role] + 4 * v;              // (role is fixed per lane: the other half stays 0)
+        o[0] = fv.x; o[1] = fv.y; o[2] = fv.z; o[3] = fv.w;
+      }
+    }
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const u32 a[4] = {rlx_tc_pair(cur[0], i, 0), rlx_tc_pair(cur[1], i, 0),
+                        rlx_tc_pair(cur[0], i, 1), rlx_tc_pair(cur[1], i, 1)};
+      rlx_mma(d, a, xb[0][i], xb[1][i]);
+    }
+    const float* xs = xsum + sb * 8 + 2 * tt;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const rlx_raw sc = rlx_tc_scales(cur[j], tt);
+      tacc[j] += sc.d[0] * d[2 * j] + (sc.m[0] - 128.f * sc.d[0]) * xs[0]
+               + sc.d[1] * d[2 * j + 1] + (sc.m[1] - 128.f * sc.d[1]) * xs[1];
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) cur[j] = nxt[j];
+  }
+#else
   W acc[R][MMAX];
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -627,6 +719,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
 #endif
     }
   }
+#endif
   __shared__ W red[8][R][MMAX];
 #pragma unroll
   for (int m = 0; m < MMAX; ++m) {
@@ -635,11 +728,21 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
 #else
     const W den = 1;
 #endif
+#if TC
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {             // (the four lanes of a row hold its sub-blocks)
+      W v = tacc[j];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      if (tt == 0) red[warp][tg + 8 * j][m] = v / den;
+    }
+#else
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const W s = warp_sum(acc[r][m]) / den;
       if (lane == 0) red[warp][r][m] = s;
     }
+#endif
   }
   __syncthreads();
 #if RESID
