@@ -592,15 +592,13 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
   const int K = nb * BLK;
   u32* xf = (u32*)rlx_qx;
   float* xsum = (float*)(xf + K / 2);
-  for (int i = threadIdx.x; i < K / 2; i += blockDim.x) {
+  for (int i = threadIdx.x; i < K / 2; i += blockDim.x) {      // (whole warps: 128 divides K / 2)
     const T* p = x + (i >> 4) * 32 + 4 * ((i >> 1) & 7) + (i & 1);
     xf[i] = (u32)*(const u16*)p | ((u32)*(const u16*)(p + 2) << 16);      // (bf16 bits)
-  }
-  for (int sb = threadIdx.x; sb < K / 32; sb += blockDim.x) {
-    float a = 0.f;
-#pragma unroll 8
-    for (int e = 0; e < 32; ++e) a += tof(x[32 * sb + e]);
-    xsum[sb] = a;
+    float a = tof(p[0]) + tof(p[2]);
+#pragma unroll
+    for (int o = 8; o; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);   // the sub-block's 16 lanes
+    if ((i & 15) == 0) xsum[i >> 4] = a;
   }
   __syncthreads();
   // Column n of an mma's D is sub-block n of the super-block: lane (n, tt) gives B its x pair
