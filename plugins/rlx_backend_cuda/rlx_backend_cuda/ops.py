@@ -1163,23 +1163,24 @@ def _dq_epilogue(out_dt: DType, has_bias: bool, act: str) -> str:
     return "\n    ".join(ln for ln in lines if ln)
 
 
-def dq_tc(kind: str, dt: DType, M: int, K: int, al: int) -> bool:
+def dq_tc(kind: str, dt: DType, M: int, K: int) -> bool:
     """Whether the decode GEMV takes its tensor-core form (dq.cu's TC, ops.DQ_TC): a scheme with a
-    TC view, one bf16 x row, 16-byte aligned rows, x's copy small enough for shared memory."""
-    return DQ_TC and kind in sources.DQ_TC_VIEWS and dt is BF16 and M == 1 and al >= 16 and tc_bytes(K) <= 48 * 1024
+    TC view, one bf16 x row, x's copy small enough for shared memory."""
+    return DQ_TC and kind in sources.DQ_TC_VIEWS and dt is BF16 and M == 1 and tc_bytes(kind, K) <= 48 * 1024
 
 
-def tc_bytes(K: int) -> int:
-    """The TC GEMV's shared memory: x's K bf16 values in the mmas' order, a float sum each 32."""
-    return 2 * K + K // 8
+def tc_bytes(kind: str, K: int) -> int:
+    """The TC GEMV's shared memory: x's K bf16 values in the mmas' order, a float sum a sub-block
+    (8 sub-blocks a group)."""
+    return 2 * K + 4 * 8 * (K // 256) * sources.DQ_TC_VIEWS[kind][0]
 
 
 def dq_gemv_shape(kind: str, block: int, M: int, K: int, loads: int | None = None, tc: bool = False) -> tuple:
     """(MMAX, KW, R) of the decode GEMV: M rounded up to a power of 2; warps of a block that
     split a row (as many as keep each lane `loads` parts busy, DQ_LOADS by default); rows per warp.
-    tc: the TC form's (16 rows a warp, as many warps a row as it has blocks, up to 8)."""
+    tc: the TC form's (16 rows a warp, as many warps a row as it has groups, up to 8)."""
     if tc:
-        return 1, 1 << (min(K // block, 8).bit_length() - 1), 16
+        return 1, 1 << (min(K // block * sources.DQ_TC_VIEWS[kind][0], 8).bit_length() - 1), 16
     mmax = pow2(M, 1, M)
     kw = warps_per_row(K // block * sources.dq_parts(kind, block), loads or DQ_LOADS)
     return mmax, kw, DQ_ROWS if mmax <= 2 else 2
@@ -1229,7 +1230,7 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
     if qx == 2:
         x, xrs, x8 = x8, i64(x8.arr.strides[0] // x8.arr.itemsize), None
     nb = K // s.block
-    tc = not qx and q8 is None and dq_tc(s.kind, x.dt, M, K, al)
+    tc = not qx and q8 is None and dq_tc(s.kind, x.dt, M, K)
     mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K, tc=tc)
     xv = _x4_vectors(x.arr, xrs)
     fn = _dq_kernel(b, sources.DQ_GEMV, s, "rlx_dq_gemv", T=ctype(x.dt), TO=ctype(out.dt), ACC=acc_of(x.dt),
@@ -1250,7 +1251,7 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
     args = _with_norms(b, [xp, i64(xrs), w.arr, i64(wrs), bias.arr if bias else None, out.arr, i32(M), i32(N),
                            i32(nb), y8.arr if y8 is not None else None, counters], norm, residual, M, N,
                        normed_q8=q8 is not None and residual is not None)
-    grid, stream, smem = (-(-N // per_block),), b.stream, qx_bytes(M, K) if qx else tc_bytes(K) if tc else 0
+    grid, stream, smem = (-(-N // per_block),), b.stream, qx_bytes(M, K) if qx else tc_bytes(s.kind, K) if tc else 0
     reads = row_streams(b, w, 2 * N if swiglu else N, wrs, w.shape[1] * w.arr.itemsize, swiglu)
     b.add(lambda: fn(grid, (256,), tuple(args), smem, stream), reads=reads)
 

@@ -219,8 +219,9 @@ DQ_SCHEMES = {      # each format's decode snippet: one serves every kernel belo
     "q6_k": Source("dq.cu:q6_k"),
 }
 DQ_GEMV = Source("dq.cu:x4", "dq.cu:q8x", "dq.cu:gemv")
-# schemes whose decode GEMV has a tensor-core form (dq.cu's TC): tc.cu's mma and the scheme's view
-DQ_TC_VIEWS = {"q4_k": Source("tc.cu:mma", "dq.cu:tc_q4_k")}
+# schemes whose decode GEMV has a tensor-core form (dq.cu's TC): their groups of 8 sub-blocks a
+# block (TCG), and tc.cu's mma with the scheme's view
+DQ_TC_VIEWS = {k: (groups, Source("tc.cu:mma", f"dq.cu:tc_{k}")) for k, groups in (("q4_k", 1), ("q6_k", 2))}
 DQ_DEQUANT = Source("dq.cu:dequant")
 # (a scheme's snippet not needed: the rounding of x alone, to floats (rlx_fake_q8) or to the QX
 # GEMVs' int8 rows (rlx_quant_q8))
@@ -232,7 +233,7 @@ def dq_source(kernel: Source, kind: str, block: int, **defines) -> str:
     schemes' block size, their define IB)."""
     source = DQ_COMMON + DQ_SCHEMES[kind] + DQ_QF
     if defines.get("TC"):                   # (bf16 x: the mma's operands)
-        source, defines = source + DQ_TC_VIEWS[kind], {**defines, "MMAT": "bf16"}
+        source, defines = source + DQ_TC_VIEWS[kind][1], {**defines, "MMAT": "bf16"}
     source += kernel
     return render(source, **defines, **({"IB": block} if "IB" in source.defines() else {}))
 

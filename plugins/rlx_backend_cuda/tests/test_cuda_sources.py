@@ -19,7 +19,7 @@ def constants():
     """Every Source the module defines (the DQ schemes too), by name."""
     out = {k: v for k, v in vars(S).items() if isinstance(v, S.Source)}
     out.update({f"DQ_SCHEMES[{k}]": v for k, v in S.DQ_SCHEMES.items()})
-    out.update({f"DQ_TC_VIEWS[{k}]": v for k, v in S.DQ_TC_VIEWS.items()})
+    out.update({f"DQ_TC_VIEWS[{k}]": v for k, (_, v) in S.DQ_TC_VIEWS.items()})
     return out
 
 

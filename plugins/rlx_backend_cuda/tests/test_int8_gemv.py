@@ -223,18 +223,18 @@ BF = BF16.np
 
 
 def _gemv_kernel(s, T: str, M: int, K: int, qx: int, resid: int = 0, swiglu: int = 0, epilogue: str = "",
-                 q8: int = 0, tc: int = 0, norm: int = 0, TN: str = "float"):
+                 q8: int = 0, tc: int = 0, norm: int = 0, TN: str = "float", A: int = 16):
     """(the emulated DQ_GEMV, grid, shared memory) as ops._dq_gemv specializes and launches it."""
     from rlx_backend_cuda import codegen, sources
     from rlx_backend_cuda.ops import DQ_LOADS, dq_gemv_shape, qx_bytes, tc_bytes
 
     mmax, kw, rows = dq_gemv_shape(s.kind, s.block_size, M, K, tc=bool(tc))
-    src = sources.dq_source(sources.DQ_GEMV, s.kind, s.block_size, T=T, TO=T, TB="float", ACC="float", A=16,
+    src = sources.dq_source(sources.DQ_GEMV, s.kind, s.block_size, T=T, TO=T, TB="float", ACC="float", A=A,
                             MMAX=mmax, R=rows, U=DQ_LOADS, KW=kw, XV=1, SWIGLU=swiglu, EPILOGUE=epilogue,
                             SWIGLU_OF=codegen.swiglu_of("float"), EARLY=0, NORM=norm, TN=TN, RESID=resid,
                             QX=qx, Q8=q8, TC=tc)
     per_block = 8 // kw * (rows // 2 if swiglu else rows)
-    return cuda_emu.compile_kernel(src, "rlx_dq_gemv"), per_block, qx_bytes(M, K) if qx else tc_bytes(K) if tc else 0
+    return cuda_emu.compile_kernel(src, "rlx_dq_gemv"), per_block, qx_bytes(M, K) if qx else tc_bytes(s.kind, K) if tc else 0
 
 
 def _norms(nw=None, noff=0.0, res=None, N=0, yw=None, osq=None, eps: float = 0.0, zero=None) -> tuple:

@@ -19,6 +19,7 @@
 typedef ACC W;
 typedef unsigned char u8;
 typedef unsigned short u16;
+struct rlx_tcs { float d[2], m[2]; };      // a TC view's two sub-blocks: weight = d (b - BIAS) + m
 __device__ __forceinline__ W rlx_h2w(u32 h) { return (W)__half2float(__ushort_as_half((u16)(h & 0xffffu))); }
 __device__ __forceinline__ int rlx_byte(u32 v, int i) { return (int)((v >> (8 * i)) & 255u); }
 // bits 0..3 of h at bits 0, 8, 16, 24
@@ -238,22 +239,48 @@ __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
   return (r.q[k & 3] >> (4 * (k >> 2))) & 0x0F0F0F0Fu;
 }
 // @part tc_q4_k()
-// Q4_K as the tensor-core GEMV (TC in gemv) takes it: lane t's unit is chunk t of a super-block
-// of one row, its 32 nibble bytes (low nibbles: the 32 weights of sub-block 2t, high: of 2t + 1)
-// and the 16-byte header. mma i (of 16 a super-block) takes, of word i / 2, bytes h and h + 2
-// (h = i % 2): their low nibbles are the lane's k pair (2t, 2t + 1), elements (4(i / 2) + h, +2)
-// of sub-block 2t, their high nibbles its pair (2t + 8, 2t + 9), the same elements of 2t + 1.
-// A pair is two bf16 128 + b: one masked or of the shifted word (the byte in 128.0's mantissa).
+// Q4_K as the tensor-core GEMV (TC in gemv) takes it: TCG groups of 8 sub-blocks a super-block,
+// each sub-block's pairs taken by TCM = 16 / TCG mmas. Lane t's unit is chunk t of a super-block
+// of one row, its 32 nibble bytes (low nibbles: sub-block 2t, high: 2t + 1) and the 16-byte
+// header. mma i takes, of word i / 2, bytes h and h + 2 (h = i % 2): their low nibbles are the
+// lane's k pair (2t, 2t + 1), elements (4(i / 2) + h, +2) of sub-block 2t, their high nibbles
+// its pair (2t + 8, 2t + 9), the same elements of 2t + 1. A pair is two bf16 128 + b: one masked
+// or of the shifted word (the byte in 128.0's mantissa).
+#define TCG 1
 struct rlx_tcraw { u32 hd[4]; u32 q[8]; };
-__device__ __forceinline__ rlx_tcraw rlx_tc_load(const u8* b, int t) {
+__device__ __forceinline__ rlx_tcraw rlx_tc_load(const u8* b, int g, int t) {
   rlx_tcraw r; rlx_ldw<16, 4>(b, r.hd); rlx_ldw<16, 8>(b + 16 + 32 * t, r.q); return r;
 }
-__device__ __forceinline__ u32 rlx_tc_pair(const rlx_tcraw& r, int i, int hi) {
+__device__ __forceinline__ u32 rlx_tc_pair(const rlx_tcraw& r, int t, int i, int hi) {
   return ((r.q[i >> 1] >> (8 * (i & 1) + 4 * hi)) & 0x000F000Fu) | 0x43004300u;
 }
-// d * scale and -dmin * min of sub-blocks 2t, 2t + 1 (d[0..1], m[0..1]: rlx_k_scales of part 2t)
-__device__ __forceinline__ rlx_raw rlx_tc_scales(const rlx_tcraw& r, int t) {
-  rlx_raw s; rlx_k_scales(s, r.hd, 2 * t); return s;
+// d * scale and -dmin * min of sub-blocks 2t, 2t + 1 (rlx_k_scales of part 2t)
+__device__ __forceinline__ rlx_tcs rlx_tc_scales(const rlx_tcraw& r, int t) {
+  rlx_raw k; rlx_k_scales(k, r.hd, 2 * t);
+  return {{k.d[0], k.d[1]}, {k.m[0], k.m[1]}};
+}
+// @part tc_q6_k()
+// Q6_K for TC: a super-block is two groups (its halves n) of 8 sub-blocks of 16. In half n,
+// lane t takes quarter t: the 32 bytes ql[64n + 32(t % 2) + l] (low nibbles for t < 2, high ones
+// for t >= 2) and bits 2t, 2t + 1 of qh[32n + l], l < 32; sub-block 2t is its l < 16 (words
+// 0-3), 2t + 1 its l >= 16 (words 4-7). mma i takes bytes h, h + 2 of word i / 2 (the low pair)
+// and of word 4 + i / 2 (the high pair), as Q4_K's view does.
+#define TCG 2
+struct rlx_tcraw { u32 ql[8]; u32 qh[8]; u32 sc; u32 d; };
+__device__ __forceinline__ rlx_tcraw rlx_tc_load(const u8* b, int n, int t) {
+  rlx_tcraw r;
+  rlx_ldw<2, 8>(b + 64 * n + 32 * (t & 1), r.ql); rlx_ldw<2, 8>(b + 128 + 32 * n, r.qh);
+  r.sc = __ldg((const u16*)(b + 192 + 8 * n + 2 * t)); r.d = __ldg((const u16*)(b + 208));
+  return r;
+}
+__device__ __forceinline__ u32 rlx_tc_pair(const rlx_tcraw& r, int t, int i, int hi) {
+  const int j = (i >> 1) + 4 * hi, sh = 8 * (i & 1);
+  return ((r.ql[j] >> (sh + 4 * (t >> 1))) & 0x000F000Fu) | (((r.qh[j] >> (sh + 2 * t)) & 0x00030003u) << 4) |
+         0x43004300u;
+}
+__device__ __forceinline__ rlx_tcs rlx_tc_scales(const rlx_tcraw& r, int t) {
+  const float d = rlx_h2w(r.d);
+  return {{d * (float)(signed char)(r.sc & 255u), d * (float)(signed char)(r.sc >> 8)}, {0.f, 0.f}};
 }
 // @part q5_k_raw()
 #define QBITS 5
@@ -516,11 +543,12 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
     return (blockIdx.x * RW + g) * OUTR + r;
   };
 #if TC
-  // the mma's rows: lane tg + 4 tt holds rows tg and tg + 8 of the warp's 16, chunk tt of each
-  // super-block; a warp's unit is one super-block of its rows (the next loaded while this one's
-  // products run: `cur` then `nxt`)
+  // the mma's rows: lane tg + 4 tt holds rows tg and tg + 8 of the warp's 16, its part tt of each
+  // group; a warp's unit is one group (TCG a super-block) of its rows (the next loaded while
+  // this one's products run: `cur` then `nxt`)
   static_assert(R == 16 && MMAX == 1 && !QX, "TC: 16 rows a warp, one float x row");
-  const int tg = lane >> 2, tt = lane & 3, first = kw;
+  constexpr int TCM = 16 / TCG;                 // mmas a group, pairs a sub-block
+  const int tg = lane >> 2, tt = lane & 3, first = kw, units = nb * TCG;
   const u8* wt[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
@@ -528,8 +556,8 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
     wt[j] = w + (i64)(min(n0 + r % OUTR, N - 1) + (r / OUTR) * N) * wrs;
   }
   rlx_tcraw cur[2], nxt[2];
-#define RLX_TC_LOAD(dst, sb) \
-  if ((sb) < nb) _Pragma("unroll") for (int j = 0; j < 2; ++j) dst[j] = rlx_tc_load(wt[j] + (i64)(sb) * BPB, tt);
+#define RLX_TC_LOAD(dst, u) \
+  if ((u) < units) _Pragma("unroll") for (int j = 0; j < 2; ++j) dst[j] = rlx_tc_load(wt[j] + (i64)((u) / TCG) * BPB, (u) % TCG, tt);
 #define RLX_LOAD_Q(sb) RLX_TC_LOAD(cur, sb)
 #else
   const u8* wr[R];
@@ -593,29 +621,29 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
   u32* xf = (u32*)rlx_qx;
   float* xsum = (float*)(xf + K / 2);
   for (int i = threadIdx.x; i < K / 2; i += blockDim.x) {      // (whole warps: 128 divides K / 2)
-    const T* p = x + (i >> 4) * 32 + 4 * ((i >> 1) & 7) + (i & 1);
+    const T* p = x + (i / TCM) * 2 * TCM + 4 * ((i % TCM) >> 1) + (i & 1);
     xf[i] = (u32)*(const u16*)p | ((u32)*(const u16*)(p + 2) << 16);      // (bf16 bits)
     float a = tof(p[0]) + tof(p[2]);
 #pragma unroll
-    for (int o = 8; o; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);   // the sub-block's 16 lanes
-    if ((i & 15) == 0) xsum[i >> 4] = a;
+    for (int o = TCM / 2; o; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);   // the sub-block's lanes
+    if (i % TCM == 0) xsum[i / TCM] = a;
   }
   __syncthreads();
-  // Column n of an mma's D is sub-block n of the super-block: lane (n, tt) gives B its x pair
-  // where n is 2 tt (the low nibbles' pair, b0) or 2 tt + 1 (the high, b1), every other B value
-  // is 0; so D holds the 8 sub-blocks' sums of (128 + b) x apart, and lane tt scales its two
-  // (columns 2 tt, 2 tt + 1): w = d sc b - dmin mn = d sc (128 + b) + (-dmin mn - 128 d sc).
+  // Column n of an mma's D is sub-block n of the group: lane (n, tt) gives B its x pair where n
+  // is 2 tt (the low pair, b0) or 2 tt + 1 (the high, b1), every other B value is 0; so D holds
+  // the 8 sub-blocks' sums of (128 + b) x apart, and lane tt scales its two (columns 2 tt,
+  // 2 tt + 1): w = d (b - BIAS) + m = d (128 + b) + (m - d (128 + BIAS)).
   const int role = tg - 2 * tt;                 // 0: the low pairs' lane, 1: the high pairs', else none
-  u32 xb[2][16];
+  u32 xb[2][TCM];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) xb[0][i] = xb[1][i] = 0u;
+  for (int i = 0; i < TCM; ++i) xb[0][i] = xb[1][i] = 0u;
   W tacc[2] = {0, 0};
-  for (int sb = first; sb < nb; sb += KW) {
-    RLX_TC_LOAD(nxt, sb + KW)
+  for (int u = first; u < units; u += KW) {
+    RLX_TC_LOAD(nxt, u + KW)
     if (role == 0 || role == 1) {
-      const uint4* f = (const uint4*)(xf + (sb * 8 + 2 * tt + role) * 16);
+      const uint4* f = (const uint4*)(xf + (u * 8 + 2 * tt + role) * TCM);
 #pragma unroll
-      for (int v = 0; v < 4; ++v) {
+      for (int v = 0; v < TCM / 4; ++v) {
         const uint4 fv = f[v];
         u32* o = xb[role] + 4 * v;              // (role is fixed per lane: the other half stays 0)
         o[0] = fv.x; o[1] = fv.y; o[2] = fv.z; o[3] = fv.w;
@@ -623,17 +651,17 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
     }
     float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const u32 a[4] = {rlx_tc_pair(cur[0], i, 0), rlx_tc_pair(cur[1], i, 0),
-                        rlx_tc_pair(cur[0], i, 1), rlx_tc_pair(cur[1], i, 1)};
+    for (int i = 0; i < TCM; ++i) {
+      const u32 a[4] = {rlx_tc_pair(cur[0], tt, i, 0), rlx_tc_pair(cur[1], tt, i, 0),
+                        rlx_tc_pair(cur[0], tt, i, 1), rlx_tc_pair(cur[1], tt, i, 1)};
       rlx_mma(d, a, xb[0][i], xb[1][i]);
     }
-    const float* xs = xsum + sb * 8 + 2 * tt;
+    const float* xs = xsum + u * 8 + 2 * tt;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const rlx_raw sc = rlx_tc_scales(cur[j], tt);
-      tacc[j] += sc.d[0] * d[2 * j] + (sc.m[0] - 128.f * sc.d[0]) * xs[0]
-               + sc.d[1] * d[2 * j + 1] + (sc.m[1] - 128.f * sc.d[1]) * xs[1];
+      const rlx_tcs sc = rlx_tc_scales(cur[j], tt);
+#pragma unroll
+      for (int c = 0; c < 2; ++c) tacc[j] += sc.d[c] * d[2 * j + c] + (sc.m[c] - (128.f + BIAS) * sc.d[c]) * xs[c];
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j) cur[j] = nxt[j];
