@@ -1044,6 +1044,7 @@ def _bias_act(b, out: V, bias: V | None, act: str) -> None:
 # ----------------------------------------------------------------------------- packed weights
 DQ_ROWS, DQ_LOADS = 4, 1    # decode: rows of W per warp (sharing x loads), parts in flight per lane (tools/dq_sweep.py)
 DQ_TC = True                # decode GEMVs of one bf16 x row on tensor cores where the scheme has the form (dq_tc)
+DQ_TC_BLOCKS_PER_SM = 2     # TC: warps split a row's groups only until the launch has this many blocks an SM
 DQ_MAX_M = 8                # x rows up to which dequant_matmul runs the fused GEMV
 DQ_TILE = 1 << 24           # prefill: weights decoded per tile (elements) before its GEMM
 
@@ -1175,12 +1176,18 @@ def tc_bytes(kind: str, K: int) -> int:
     return 2 * K + 4 * 8 * (K // 256) * sources.DQ_TC_VIEWS[kind][0]
 
 
-def dq_gemv_shape(kind: str, block: int, M: int, K: int, loads: int | None = None, tc: bool = False) -> tuple:
+def dq_gemv_shape(kind: str, block: int, M: int, K: int, loads: int | None = None, rows: int = 0,
+                  sms: int = 0) -> tuple:
     """(MMAX, KW, R) of the decode GEMV: M rounded up to a power of 2; warps of a block that
     split a row (as many as keep each lane `loads` parts busy, DQ_LOADS by default); rows per warp.
-    tc: the TC form's (16 rows a warp, as many warps a row as it has groups, up to 8)."""
-    if tc:
-        return 1, 1 << (min(K // block * sources.DQ_TC_VIEWS[kind][0], 8).bit_length() - 1), 16
+    rows (of W), sms: the TC form's (16 rows a warp; a row's groups split over warps only while
+    the launch has fewer than DQ_TC_BLOCKS_PER_SM blocks an SM: each warp then streams its
+    groups, the next loaded during this one's products, and a block's copy of x serves more rows)."""
+    if rows:
+        groups, kw = K // block * sources.DQ_TC_VIEWS[kind][0], 1
+        while 2 * kw <= min(groups, 8) and -(-rows // (16 * 8 // kw)) < DQ_TC_BLOCKS_PER_SM * sms:
+            kw *= 2
+        return 1, kw, 16
     mmax = pow2(M, 1, M)
     kw = warps_per_row(K // block * sources.dq_parts(kind, block), loads or DQ_LOADS)
     return mmax, kw, DQ_ROWS if mmax <= 2 else 2
@@ -1231,7 +1238,7 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
         x, xrs, x8 = x8, i64(x8.arr.strides[0] // x8.arr.itemsize), None
     nb = K // s.block
     tc = not qx and q8 is None and dq_tc(s.kind, x.dt, M, K)
-    mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K, tc=tc)
+    mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K, rows=(2 * N if swiglu else N) if tc else 0, sms=b.sms)
     xv = _x4_vectors(x.arr, xrs)
     fn = _dq_kernel(b, sources.DQ_GEMV, s, "rlx_dq_gemv", T=ctype(x.dt), TO=ctype(out.dt), ACC=acc_of(x.dt),
                     TB=ctype(bias.dt) if bias is not None else "float",

@@ -228,7 +228,8 @@ def _gemv_kernel(s, T: str, M: int, K: int, qx: int, resid: int = 0, swiglu: int
     from rlx_backend_cuda import codegen, sources
     from rlx_backend_cuda.ops import DQ_LOADS, dq_gemv_shape, qx_bytes, tc_bytes
 
-    mmax, kw, rows = dq_gemv_shape(s.kind, s.block_size, M, K, tc=bool(tc))
+    # (TC: as for 80 rows of W on one SM: 2 warps a row where K has 2 groups, so most warps take several)
+    mmax, kw, rows = dq_gemv_shape(s.kind, s.block_size, M, K, rows=80 if tc else 0, sms=1)
     src = sources.dq_source(sources.DQ_GEMV, s.kind, s.block_size, T=T, TO=T, TB="float", ACC="float", A=A,
                             MMAX=mmax, R=rows, U=DQ_LOADS, KW=kw, XV=1, SWIGLU=swiglu, EPILOGUE=epilogue,
                             SWIGLU_OF=codegen.swiglu_of("float"), EARLY=0, NORM=norm, TN=TN, RESID=resid,

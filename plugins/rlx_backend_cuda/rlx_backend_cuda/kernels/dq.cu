@@ -649,13 +649,16 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
         o[0] = fv.x; o[1] = fv.y; o[2] = fv.z; o[3] = fv.w;
       }
     }
-    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    float dd[2][4] = {};                        // (two chains of mmas: half the chain's latency)
 #pragma unroll
     for (int i = 0; i < TCM; ++i) {
       const u32 a[4] = {rlx_tc_pair(cur[0], tt, i, 0), rlx_tc_pair(cur[1], tt, i, 0),
                         rlx_tc_pair(cur[0], tt, i, 1), rlx_tc_pair(cur[1], tt, i, 1)};
-      rlx_mma(d, a, xb[0][i], xb[1][i]);
+      rlx_mma(dd[i & 1], a, xb[0][i], xb[1][i]);
     }
+    float d[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) d[c] = dd[0][c] + dd[1][c];
     const float* xs = xsum + u * 8 + 2 * tt;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
