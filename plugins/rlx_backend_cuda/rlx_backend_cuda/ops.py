@@ -1043,7 +1043,10 @@ def _bias_act(b, out: V, bias: V | None, act: str) -> None:
 
 # ----------------------------------------------------------------------------- packed weights
 DQ_ROWS, DQ_LOADS = 4, 1    # decode: rows of W per warp (sharing x loads), parts in flight per lane (tools/dq_sweep.py)
-DQ_TC = True                # decode GEMVs of one bf16 x row on tensor cores where the scheme has the form (dq_tc)
+# decode GEMVs of one bf16 x row on tensor cores where the scheme has the form (dq_tc). Off: on an
+# H100 (session 33) the Llama-1B q4_k step took 0.907 ms/token with it against 0.690 without
+# (benchmarks/README.md); RLX_BENCH_SET=rlx_backend_cuda.ops.DQ_TC=True turns it on.
+DQ_TC = False
 DQ_TC_BLOCKS_PER_SM = 2     # TC: warps split a row's groups only until the launch has this many blocks an SM
 DQ_MAX_M = 8                # x rows up to which dequant_matmul runs the fused GEMV
 DQ_TILE = 1 << 24           # prefill: weights decoded per tile (elements) before its GEMM

@@ -94,11 +94,11 @@ def test_tc_gemv_in_a_graph_matches_float64(rng, name, monkeypatch):
     g = Graph.define("tc", lambda m: {"y": m.add("dequant_matmul", (m.input("x", (1, k), BF16),
                                                                     m.param("w", w.shape, U8)),
                                                  scheme=name, act="identity")})
+    real, srcs = device.kernel, []
+    monkeypatch.setattr(device, "kernel", lambda src, name, *a: srcs.append(src) or real(src, name, *a))
     for tc in (True, False):
         monkeypatch.setattr(ops, "DQ_TC", tc)
-        srcs: list = []
-        real = device.kernel
-        monkeypatch.setattr(device, "kernel", lambda src, name, *a: srcs.append(src) or real(src, name, *a))
+        srcs.clear()
         exe = rlx_core.compile(g, backend="cuda", params={"w": w})
         for _ in range(2):
             y = exe.backend.to_host(exe.run(x=x)["y"])

@@ -61,29 +61,24 @@ template <int AL, int N> __device__ __forceinline__ void rlx_ldw(const u8* p, u3
 __device__ __forceinline__ float rlx_qf(u32 qw, int i) {
   return __int_as_float(__byte_perm(qw, 0x4B00u, 0x5440u | (u32)i)) - (8388608.0f + (float)BIAS);
 }
-// The GEMVs' form of a run, decoded once for every x row it meets: weight i = d * qf[i] + c. Where
-// bytes fit 7 bits (QBITS <= 7: all but the 8-bit schemes) qf[i] = 128 + b_i, the byte placed
-// in the mantissa of 128.0f by one byte permute, and c = m - d * (128 + BIAS) (computed once a
-// scale: the runs sharing d and m give the compiler the same product); else qf = rlx_qf, c = m.
-// A weight then costs a permute and a multiply-add where (b - BIAS) took a subtraction more.
-#define QF128 (QBITS <= 7)
-#define RLX_OFFSET (QF128 || HAS_MIN)      // whether a run's dot takes the sum of its x
-struct rlx_drun { W d, c, qf[4]; };
+// The GEMVs' form of a run, decoded once for every x row it meets: weight i = d * qf[i] + mn.
+// (Measured and not kept, session 33: qf[i] = 128 + b_i in one byte permute, c = m - d (128 +
+// BIAS) for bytes below 128: a subtraction less a weight, the Llama-1B q4_k step 1.013x and
+// 1.021x slower on an H100, and float x's sums lose bits to the cancelled 128 x.)
+struct rlx_drun { W d, mn, qf[4]; };
 __device__ __forceinline__ rlx_drun rlx_decode_run(const rlx_raw& q, int p, int k) {
   rlx_drun r;
-  W mn = 0;
-  rlx_scale(q, p, k, &r.d, &mn);
+  r.mn = 0;
+  rlx_scale(q, p, k, &r.d, &r.mn);
   const u32 qw = rlx_qword(q, p, k);
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
-    r.qf[i] = QF128 ? (W)__int_as_float(__byte_perm(qw, 0x43000000u, 0x7044u | ((u32)i << 8))) : (W)rlx_qf(qw, i);
-  r.c = QF128 ? mn - r.d * (W)(128 + BIAS) : mn;
+  for (int i = 0; i < 4; ++i) r.qf[i] = (W)rlx_qf(qw, i);
   return r;
 }
-// a decoded run dotted with 4 x values (xs: their sum, read where RLX_OFFSET)
+// a decoded run dotted with 4 x values (xs: their sum, read where HAS_MIN)
 __device__ __forceinline__ W rlx_run_dot(const rlx_drun& r, const W* xv, W xs) {
   const W s = r.qf[0] * xv[0] + r.qf[1] * xv[1] + r.qf[2] * xv[2] + r.qf[3] * xv[3];
-  return RLX_OFFSET ? r.d * s + r.c * xs : r.d * s;
+  return HAS_MIN ? r.d * s + r.mn * xs : r.d * s;
 }
 __device__ __forceinline__ W rlx_sum4(const W* v) { return (v[0] + v[1]) + (v[2] + v[3]); }
 // @part nib()
@@ -97,7 +92,6 @@ __device__ __forceinline__ W rlx_sum4(const W* v) { return (v[0] + v[1]) + (v[2]
 __device__ __forceinline__ int rlx_run_off(int p, int k) { return 8 * p + 4 * (k & 1) + 16 * (k >> 1); }
 __device__ __forceinline__ u32 rlx_nibs(const u32* q, int k) { return (q[k & 1] >> (4 * (k >> 1))) & 0x0F0F0F0Fu; }
 // @part q4_0()
-#define QBITS 4
 #define BPB 18
 #define BIAS 8
 #define HAS_MIN 0
@@ -108,7 +102,6 @@ __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
 __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) { return rlx_nibs(r.q, k); }
 __device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) { *d = rlx_h2w(r.d); }
 // @part q4_1()
-#define QBITS 4
 #define BPB 20
 #define BIAS 0
 #define HAS_MIN 1
@@ -121,7 +114,6 @@ __device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, 
   *d = rlx_h2w(r.dm); *m = rlx_h2w(r.dm >> 16);
 }
 // @part q5_0()
-#define QBITS 5
 #define BPB 22
 #define BIAS 16
 #define HAS_MIN 0
@@ -134,7 +126,6 @@ __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
 }
 __device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) { *d = rlx_h2w(r.d); }
 // @part q5_1()
-#define QBITS 5
 #define BPB 24
 #define BIAS 0
 #define HAS_MIN 1
@@ -149,7 +140,6 @@ __device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, 
   *d = rlx_h2w(r.dm); *m = rlx_h2w(r.dm >> 16);
 }
 // @part q8_0()
-#define QBITS 8
 #define BLK 32
 #define BPB 34
 #define PARTS 2
@@ -167,7 +157,6 @@ __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) { retur
 __device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) { *d = rlx_h2w(r.d); }
 // @part int8(IB)
 // RLX int blocks of IB weights: f32 scale, then int8 values (int8) or q4_0-style nibbles (int4)
-#define QBITS 8
 #define BLK IB
 #define BPB (4 + IB)
 #define PARTS (IB / 8)
@@ -184,7 +173,6 @@ __device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
 __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) { return r.q[k] ^ 0x80808080u; }
 __device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, W* m) { *d = (W)__uint_as_float(r.d); }
 // @part int4(IB)
-#define QBITS 4
 #define BLK IB
 #define BPB (4 + IB / 2)
 #define PARTS (IB / 8)
@@ -228,7 +216,6 @@ __device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, 
 }
 // @part q4_k_raw()
 // Q4_K: this, then k45, then q4_k; Q5_K likewise
-#define QBITS 4
 #define BPB 144
 struct rlx_raw { u32 q[4]; W d[2]; W m[2]; };
 // @part q4_k()
@@ -283,7 +270,6 @@ __device__ __forceinline__ rlx_tcs rlx_tc_scales(const rlx_tcraw& r, int t) {
   return {{d * (float)(signed char)(r.sc & 255u), d * (float)(signed char)(r.sc >> 8)}, {0.f, 0.f}};
 }
 // @part q5_k_raw()
-#define QBITS 5
 #define BPB 176
 struct rlx_raw { u32 qh[4]; u32 q[4]; W d[2]; W m[2]; };
 // @part q5_k()
@@ -299,7 +285,6 @@ __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
 // Q6_K: part p = 8 lanes l in [8j, 8j + 8) (j = p & 3) of half n = p >> 2; quarter t of the
 // half takes low (t < 2) or high nibbles of ql[64n + l] (t even) / ql[64n + 32 + l] (t odd)
 // and bits 2t, 2t+1 of qh[32n + l]; runs k = 2t + (4-run within the 8 lanes).
-#define QBITS 6
 #define BLK 256
 #define BPB 210
 #define PARTS 8
@@ -735,7 +720,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
         for (int m = 0; m < MMAX; ++m)
           if (m < M) {
             rlx_x4(x + m * xrs + e, xv[m]);
-            xs[m] = RLX_OFFSET ? rlx_sum4(xv[m]) : (W)0;
+            xs[m] = HAS_MIN ? rlx_sum4(xv[m]) : (W)0;
           }
 #pragma unroll
         for (int r = 0; r < R; ++r) {

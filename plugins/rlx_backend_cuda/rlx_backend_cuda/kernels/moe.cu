@@ -108,7 +108,7 @@ __device__ __forceinline__ void rlx_unit(const u8* row, int u, const T* const* x
       if (m < mc) {
         W xv[4];
         rlx_x4(xs[m] + e0 + rlx_run_off(p, k), xv);
-        acc[m] += rlx_run_dot(run, xv, RLX_OFFSET ? rlx_sum4(xv) : (W)0);
+        acc[m] += rlx_run_dot(run, xv, HAS_MIN ? rlx_sum4(xv) : (W)0);
       }
   }
 }
@@ -120,7 +120,7 @@ template <int NR> __device__ __forceinline__ void rlx_wdot(const rlx_wunit* w, i
   for (int k = 0; k < RUNS; ++k) {
     W xv[4];
     rlx_x4(x + e0 + rlx_run_off(p, k), xv);
-    const W xs = RLX_OFFSET ? rlx_sum4(xv) : (W)0;
+    const W xs = HAS_MIN ? rlx_sum4(xv) : (W)0;
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[r] += rlx_run_dot(rlx_decode_run(w[r], p, k), xv, xs);
   }
