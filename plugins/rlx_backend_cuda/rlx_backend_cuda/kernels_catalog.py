@@ -151,13 +151,15 @@ def catalog() -> list:
         out.append((f"dq_gemv {kind} f64", S.dq_source(S.DQ_GEMV, kind, blk, T="double", TO="double", TB="double", ACC="double",
                                                        A=8, MMAX=1, R=4, U=2, KW=8, XV=0, SWIGLU=1, EPILOGUE="",
                                                        SWIGLU_OF=codegen.swiglu_of("double"), EARLY=1, NORM=0,
-                                                       TN="double", RESID=0, QX=0, Q8=0, TC=0), "rlx_dq_gemv"))
+                                                       TN="double", RESID=0, QX=0, Q8=0, TC=0),
+                    "rlx_dq_gemv"))
         if kind in S.DQ_TC_VIEWS:             # (the tensor-core form: plain, with the norm, SwiGLU, residual)
             for sw, res in ((0, 0), (1, 0), (0, 1)):
+                bf = "__nv_bfloat16"
                 out.append((f"dq_gemv {kind} tc {sw}{res}", S.dq_source(
-                    S.DQ_GEMV, kind, blk, T="__nv_bfloat16", TO="__nv_bfloat16", TB="float", ACC="float", A=16,
-                    MMAX=1, R=16, U=1, KW=8, XV=1, SWIGLU=sw, EPILOGUE="", SWIGLU_OF=codegen.swiglu_of("float"),
-                    EARLY=1, NORM=1 - res, TN="__nv_bfloat16", RESID=res, QX=0, Q8=0, TC=1), "rlx_dq_gemv"))
+                    S.DQ_GEMV, kind, blk, T=bf, TO=bf, TB="float", ACC="float", A=16, MMAX=1, R=16, U=1, KW=8,
+                    XV=1, SWIGLU=sw, EPILOGUE="", SWIGLU_OF=codegen.swiglu_of("float"), EARLY=1, NORM=1 - res,
+                    TN=bf, RESID=res, QX=0, Q8=0, TC=1), "rlx_dq_gemv"))
         for t, acc in (("float", "float"), ("__nv_bfloat16", "float"), ("double", "double")):
             staged = S.dq_dequant_shape(kind, blk, 8 if acc == "double" else 4)
             for stage in range(staged["STAGE"] + 1):

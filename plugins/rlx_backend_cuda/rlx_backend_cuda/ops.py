@@ -1241,7 +1241,8 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
         x, xrs, x8 = x8, i64(x8.arr.strides[0] // x8.arr.itemsize), None
     nb = K // s.block
     tc = not qx and q8 is None and dq_tc(s.kind, x.dt, M, K)
-    mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K, rows=(2 * N if swiglu else N) if tc else 0, sms=b.sms)
+    wrows = (2 * N if swiglu else N) if tc else 0
+    mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K, rows=wrows, sms=b.sms)
     xv = _x4_vectors(x.arr, xrs)
     fn = _dq_kernel(b, sources.DQ_GEMV, s, "rlx_dq_gemv", T=ctype(x.dt), TO=ctype(out.dt), ACC=acc_of(x.dt),
                     TB=ctype(bias.dt) if bias is not None else "float",
@@ -1261,7 +1262,8 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
     args = _with_norms(b, [xp, i64(xrs), w.arr, i64(wrs), bias.arr if bias else None, out.arr, i32(M), i32(N),
                            i32(nb), y8.arr if y8 is not None else None, counters], norm, residual, M, N,
                        normed_q8=q8 is not None and residual is not None)
-    grid, stream, smem = (-(-N // per_block),), b.stream, qx_bytes(M, K) if qx else tc_bytes(s.kind, K) if tc else 0
+    smem = qx_bytes(M, K) if qx else tc_bytes(s.kind, K) if tc else 0
+    grid, stream = (-(-N // per_block),), b.stream
     reads = row_streams(b, w, 2 * N if swiglu else N, wrs, w.shape[1] * w.arr.itemsize, swiglu)
     b.add(lambda: fn(grid, (256,), tuple(args), smem, stream), reads=reads)
 

@@ -542,7 +542,8 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
   }
   rlx_tcraw cur[2], nxt[2];
 #define RLX_TC_LOAD(dst, u) \
-  if ((u) < units) _Pragma("unroll") for (int j = 0; j < 2; ++j) dst[j] = rlx_tc_load(wt[j] + (i64)((u) / TCG) * BPB, (u) % TCG, tt);
+  if ((u) < units) \
+    _Pragma("unroll") for (int j = 0; j < 2; ++j) dst[j] = rlx_tc_load(wt[j] + (i64)((u) / TCG) * BPB, (u) % TCG, tt);
 #define RLX_LOAD_Q(sb) RLX_TC_LOAD(cur, sb)
 #else
   const u8* wr[R];
@@ -649,7 +650,8 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
     for (int j = 0; j < 2; ++j) {
       const rlx_tcs sc = rlx_tc_scales(cur[j], tt);
 #pragma unroll
-      for (int c = 0; c < 2; ++c) tacc[j] += sc.d[c] * d[2 * j + c] + (sc.m[c] - (128.f + BIAS) * sc.d[c]) * xs[c];
+      for (int c = 0; c < 2; ++c)
+        tacc[j] += sc.d[c] * d[2 * j + c] + (sc.m[c] - (128.f + BIAS) * sc.d[c]) * xs[c];
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j) cur[j] = nxt[j];
