@@ -438,6 +438,8 @@ extern "C" __global__ void __launch_bounds__(256) rlx_quant_q8(const T* __restri
 // group where a block has fewer than 32 outputs); RESID rounds yw, and the last block of all
 // then divides the scales by the rows' norms (every block's squares are in osq by then) and
 // zeroes the sums the NORM GEMV before read: the bytes quant_q8 with NORM writes.
+// TC (one bf16 x row, a scheme with a view dq.cu:tc_*; ops.DQ_TC, off: slower as measured): the
+// products on tensor cores, 16 rows a warp, each block's copy of x in shared memory (below).
 #if SWIGLU && RESID
 #error "rlx_dq_gemv: RESID takes no SWIGLU"
 #endif
@@ -531,7 +533,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
   // the mma's rows: lane tg + 4 tt holds rows tg and tg + 8 of the warp's 16, its part tt of each
   // group; a warp's unit is one group (TCG a super-block) of its rows (the next loaded while
   // this one's products run: `cur` then `nxt`)
-  static_assert(R == 16 && MMAX == 1 && !QX, "TC: 16 rows a warp, one float x row");
+  static_assert(R == 16 && MMAX == 1 && !QX, "TC: 16 rows a warp, one bf16 x row");
   constexpr int TCM = 16 / TCG;                 // mmas a group, pairs a sub-block
   const int tg = lane >> 2, tt = lane & 3, first = kw, units = nb * TCG;
   const u8* wt[2];
