@@ -61,10 +61,8 @@ template <int AL, int N> __device__ __forceinline__ void rlx_ldw(const u8* p, u3
 __device__ __forceinline__ float rlx_qf(u32 qw, int i) {
   return __int_as_float(__byte_perm(qw, 0x4B00u, 0x5440u | (u32)i)) - (8388608.0f + (float)BIAS);
 }
-// The GEMVs' form of a run, decoded once for every x row it meets: weight i = d * qf[i] + mn.
-// (Measured and not kept, session 33: qf[i] = 128 + b_i in one byte permute, c = m - d (128 +
-// BIAS) for bytes below 128: a subtraction less a weight, the Llama-1B q4_k step 1.013x and
-// 1.021x slower on an H100, and float x's sums lose bits to the cancelled 128 x.)
+// The GEMVs' form of a run, decoded once for every x row it meets: weight i = d * qf[i] + mn
+// (a fold of the subtraction into the offset term was measured slower: benchmarks/README.md).
 struct rlx_drun { W d, mn, qf[4]; };
 __device__ __forceinline__ rlx_drun rlx_decode_run(const rlx_raw& q, int p, int k) {
   rlx_drun r;
