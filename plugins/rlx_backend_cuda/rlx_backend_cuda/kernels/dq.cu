@@ -555,7 +555,12 @@ template <int PB> __device__ __forceinline__ void rlx_q8_out(const TO* src, int 
 #endif
 }
 #endif
-extern "C" __global__ void __launch_bounds__(256, PIPE ? PIPE : 1) rlx_dq_gemv(const T* __restrict__ x, long long xrs,
+#if PIPE
+#define RLX_DQ_BOUNDS __launch_bounds__(256, PIPE)
+#else
+#define RLX_DQ_BOUNDS __launch_bounds__(256)      // (a minimum of 1 block lets ptxas take up to 198 registers)
+#endif
+extern "C" __global__ void RLX_DQ_BOUNDS rlx_dq_gemv(const T* __restrict__ x, long long xrs,
     const u8* __restrict__ w, long long wrs, const TB* __restrict__ bias, TO* __restrict__ y,
     int M, int N, int nb, unsigned char* __restrict__ y8, int* q8cnt, float eps, const float* nsq,
     const TN* __restrict__ nw, float noff, const TO* __restrict__ res, long long rrs, TO* __restrict__ yw,
