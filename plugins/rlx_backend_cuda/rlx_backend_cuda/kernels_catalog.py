@@ -141,20 +141,17 @@ def catalog() -> list:
         # (QX, the int8-activation form: at batch 1 with a norm, and at batch 8 with the SwiGLU;
         # both and the residual (at batch 2, x rounded in the block: QX 2) rounding their outputs
         # too: Q8)
-        # (and the float forms as PIPE blocks that loop over groups of rows: registers, then L2)
-        for al, t, mmax, qx, pipe in ((16, "__nv_bfloat16", 1, 0, 0), (4, "float", 8, 0, 0), (2, "__half", 2, 0, 0),
-                                      (16, "__nv_bfloat16", 1, 1, 0), (4, "__half", 8, 1, 0),
-                                      (2, "__nv_bfloat16", 2, 2, 0), (16, "__nv_bfloat16", 1, 0, 2),
-                                      (4, "float", 8, 0, 3), (2, "__half", 2, 0, 2)):
-            out.append((f"dq_gemv {kind} {al} {t}{' qx' * qx}{' pipe' * bool(pipe)}", S.dq_source(
+        for al, t, mmax, qx in ((16, "__nv_bfloat16", 1, 0), (4, "float", 8, 0), (2, "__half", 2, 0),
+                                (16, "__nv_bfloat16", 1, 1), (4, "__half", 8, 1), (2, "__nv_bfloat16", 2, 2)):
+            out.append((f"dq_gemv {kind} {al} {t}{' qx' * qx}", S.dq_source(
                 S.DQ_GEMV, kind, blk, T=t, TO=t, TB=t, ACC="float", A=al, MMAX=mmax, R=4 if mmax < 4 else 2, U=2,
                 KW=2, XV=al % 2, SWIGLU=int(al == 4), EPILOGUE="v = v + LD(W, bias[n]);",
                 SWIGLU_OF=codegen.swiglu_of("float"), EARLY=int(al != 2), NORM=int(al != 2), TN="float",
-                RESID=int(al == 2), QX=qx, Q8=int(qx > 0), TC=0, PIPE=pipe, PF=int(pipe == 3)), "rlx_dq_gemv"))
+                RESID=int(al == 2), QX=qx, Q8=int(qx > 0), TC=0), "rlx_dq_gemv"))
         out.append((f"dq_gemv {kind} f64", S.dq_source(S.DQ_GEMV, kind, blk, T="double", TO="double", TB="double", ACC="double",
                                                        A=8, MMAX=1, R=4, U=2, KW=8, XV=0, SWIGLU=1, EPILOGUE="",
                                                        SWIGLU_OF=codegen.swiglu_of("double"), EARLY=1, NORM=0,
-                                                       TN="double", RESID=0, QX=0, Q8=0, TC=0, PIPE=0, PF=0),
+                                                       TN="double", RESID=0, QX=0, Q8=0, TC=0),
                     "rlx_dq_gemv"))
         if kind in S.DQ_TC_VIEWS:             # (the tensor-core form: plain, with the norm, SwiGLU, residual)
             for sw, res in ((0, 0), (1, 0), (0, 1)):
@@ -162,7 +159,7 @@ def catalog() -> list:
                 out.append((f"dq_gemv {kind} tc {sw}{res}", S.dq_source(
                     S.DQ_GEMV, kind, blk, T=bf, TO=bf, TB="float", ACC="float", A=16, MMAX=1, R=16, U=1, KW=8,
                     XV=1, SWIGLU=sw, EPILOGUE="", SWIGLU_OF=codegen.swiglu_of("float"), EARLY=1, NORM=1 - res,
-                    TN=bf, RESID=res, QX=0, Q8=0, TC=1, PIPE=0, PF=0), "rlx_dq_gemv"))
+                    TN=bf, RESID=res, QX=0, Q8=0, TC=1), "rlx_dq_gemv"))
         for t, acc in (("float", "float"), ("__nv_bfloat16", "float"), ("double", "double")):
             staged = S.dq_dequant_shape(kind, blk, 8 if acc == "double" else 4)
             for stage in range(staged["STAGE"] + 1):

@@ -1047,11 +1047,6 @@ DQ_ROWS, DQ_LOADS = 4, 1    # decode: rows of W per warp (sharing x loads), part
 # H100 (session 33) the Llama-1B q4_k step took 0.907 ms/token with it against 0.690 without
 # (benchmarks/README.md); RLX_BENCH_SET=rlx_backend_cuda.ops.DQ_TC=True turns it on.
 DQ_TC = False
-# the decode GEMV as PIPE blocks an SM that each loop over groups of rows, the next group's loads
-# issued before this one's products (dq.cu's PIPE; 0: a block a group), where a launch has more
-# groups than that; DQ_PIPE_L2: the next group's bytes prefetched into L2 instead of registers
-DQ_PIPE = 0
-DQ_PIPE_L2 = False
 DQ_TC_BLOCKS_PER_SM = 2     # TC: warps split a row's groups only until the launch has this many blocks an SM
 DQ_MAX_M = 8                # x rows up to which dequant_matmul runs the fused GEMV
 DQ_TILE = 1 << 24           # prefill: weights decoded per tile (elements) before its GEMM
@@ -1248,9 +1243,6 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
     tc = not qx and q8 is None and dq_tc(s.kind, x.dt, M, K)
     wrows = (2 * N if swiglu else N) if tc else 0
     mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K, rows=wrows, sms=b.sms)
-    per_block = 8 // kw * (rows // 2 if swiglu else rows)
-    groups = -(-N // per_block)
-    pipe = DQ_PIPE if not (qx or tc or q8 is not None) and groups > DQ_PIPE * b.sms else 0
     xv = _x4_vectors(x.arr, xrs)
     fn = _dq_kernel(b, sources.DQ_GEMV, s, "rlx_dq_gemv", T=ctype(x.dt), TO=ctype(out.dt), ACC=acc_of(x.dt),
                     TB=ctype(bias.dt) if bias is not None else "float",
@@ -1259,7 +1251,8 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
                     SWIGLU_OF=codegen.swiglu_of(acc_of(x.dt)), EARLY=int(b.written_by_no_kernel(w)),
                     NORM=int(norm is not None), TN=ctype(residual.w.dt) if residual is not None else "float",
                     RESID=int(residual is not None), QX=qx, Q8=int(q8 is not None), TC=int(tc),
-                    PIPE=pipe, PF=int(DQ_PIPE_L2), dynamic_smem=QX_SMEM if qx else 0)
+                    dynamic_smem=QX_SMEM if qx else 0)
+    per_block = 8 // kw * (rows // 2 if swiglu else rows)
     xp = (x8 if x8 is not None else x).arr
     y8 = counters = None
     if q8 is not None:
@@ -1270,7 +1263,7 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
                            i32(nb), y8.arr if y8 is not None else None, counters], norm, residual, M, N,
                        normed_q8=q8 is not None and residual is not None)
     smem = qx_bytes(M, K) if qx else tc_bytes(s.kind, K) if tc else 0
-    grid, stream = (min(groups, pipe * b.sms) if pipe else groups,), b.stream
+    grid, stream = (-(-N // per_block),), b.stream
     reads = row_streams(b, w, 2 * N if swiglu else N, wrs, w.shape[1] * w.arr.itemsize, swiglu)
     b.add(lambda: fn(grid, (256,), tuple(args), smem, stream), reads=reads)
 

@@ -223,8 +223,7 @@ BF = BF16.np
 
 
 def _gemv_kernel(s, T: str, M: int, K: int, qx: int, resid: int = 0, swiglu: int = 0, epilogue: str = "",
-                 q8: int = 0, tc: int = 0, norm: int = 0, TN: str = "float", A: int = 16, pipe: int = 0,
-                 pf: int = 0):
+                 q8: int = 0, tc: int = 0, norm: int = 0, TN: str = "float", A: int = 16):
     """(the emulated DQ_GEMV, grid, shared memory) as ops._dq_gemv specializes and launches it."""
     from rlx_backend_cuda import codegen, sources
     from rlx_backend_cuda.ops import DQ_LOADS, dq_gemv_shape, qx_bytes, tc_bytes
@@ -234,7 +233,7 @@ def _gemv_kernel(s, T: str, M: int, K: int, qx: int, resid: int = 0, swiglu: int
     src = sources.dq_source(sources.DQ_GEMV, s.kind, s.block_size, T=T, TO=T, TB="float", ACC="float", A=A,
                             MMAX=mmax, R=rows, U=DQ_LOADS, KW=kw, XV=1, SWIGLU=swiglu, EPILOGUE=epilogue,
                             SWIGLU_OF=codegen.swiglu_of("float"), EARLY=0, NORM=norm, TN=TN, RESID=resid,
-                            QX=qx, Q8=q8, TC=tc, PIPE=pipe, PF=pf)
+                            QX=qx, Q8=q8, TC=tc)
     per_block = 8 // kw * (rows // 2 if swiglu else rows)
     return cuda_emu.compile_kernel(src, "rlx_dq_gemv"), per_block, qx_bytes(M, K) if qx else tc_bytes(s.kind, K) if tc else 0
 
@@ -248,14 +247,11 @@ def _norms(nw=None, noff=0.0, res=None, N=0, yw=None, osq=None, eps: float = 0.0
     return (np.float32(eps), None, nw, np.float32(noff), res, np.int64(N), yw, osq) + zeroed
 
 
-def _launch(kernel, x, w, y, M, N, K, s, bias=None, tail=_norms(), y8=None, counters=None, xrs=None,
-            blocks: int = 0):
-    """(blocks: at most this many, as ops._dq_gemv launches a PIPE kernel; 0: one a group of rows)"""
+def _launch(kernel, x, w, y, M, N, K, s, bias=None, tail=_norms(), y8=None, counters=None, xrs=None):
     k, per_block, smem = kernel
     head = (x, np.int64(xrs or K), w, np.int64(w.shape[1]), bias, y, np.int32(M), np.int32(N),
             np.int32(K // s.block_size), y8, counters)
-    groups = -(-N // per_block)
-    k.launch((min(groups, blocks) if blocks else groups,), (256,), head + tail, smem)
+    k.launch((-(-N // per_block),), (256,), head + tail, smem)
 
 
 def _int8_rows(x, T: str, nsq=None, eps: float = 0.0, zero=None):

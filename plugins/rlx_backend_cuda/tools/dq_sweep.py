@@ -1,7 +1,7 @@
 """Packed-weight decode GEMV on the GPU, outside the pipeline: every scheme at Llama-3.2-1B
 decode shapes (bf16 x, M = 1). The dequantize kernel is checked against QuantScheme.dequantize
-(equal up to FMA contraction), each GEMV variant (rows per warp R, parts in flight per lane U;
-P: dq.cu's PIPE blocks an SM looping over row groups, L2 its L2 form) against x @ dequant(W)^T, and timed as 50 launches replayed in one CUDA graph. Prints GB/s
+(equal up to FMA contraction), each GEMV variant (rows per warp R, parts in flight per lane U)
+against x @ dequant(W)^T, and timed as 50 launches replayed in one CUDA graph. Prints GB/s
 of packed bytes read, next to the bf16 rlx_gemv on the same shape.
 
     python plugins/rlx_backend_cuda/tools/dq_sweep.py [schemes...]
@@ -21,7 +21,7 @@ from rlx_core.ir.quant import QuantScheme
 
 SHAPES = [("qkv", 3072, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)]
 SCHEMES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "int8", "int4"]
-VARIANTS = [(4, 1, 0, 0), (4, 1, 2, 0), (4, 1, 3, 1), (8, 1, 0, 0), (2, 1, 0, 0), (4, 2, 0, 0)]
+VARIANTS = [(4, 1), (8, 1), (2, 1), (4, 2)]
 
 
 def main(schemes):
@@ -57,21 +57,19 @@ def main(schemes):
             line = [f"  {sn:5s} {raw.nbytes / 1e6:6.1f} MB dequant err {derr:.1g} {deq.nbytes / td / 1e9:5.0f} GB/s f32 written"]
             mmax, kw, _ = dq_gemv_shape(s.kind, s.block_size, 1, K)
             yo = cp.empty((1, N), cp.float32)
-            sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
-            for r, u, pipe, pf in VARIANTS:
+            for r, u in VARIANTS:
                 _, kw, _ = dq_gemv_shape(s.kind, s.block_size, 1, K, u)
                 src = sources.dq_source(sources.DQ_GEMV, s.kind, s.block_size, T="__nv_bfloat16", TO="float",
                                         TB="float", ACC="float", A=16, MMAX=1, R=r, U=u, KW=kw, XV=1, SWIGLU=0, EPILOGUE="",
                                         SWIGLU_OF=codegen.swiglu_of("float"), EARLY=1, NORM=0, TN="float",
-                                        RESID=0, QX=0, Q8=0, TC=0, PIPE=pipe, PF=pf)
+                                        RESID=0, QX=0, Q8=0, TC=0)
                 k = cp.RawKernel(src, "rlx_dq_gemv")
-                groups = -(-N // (8 // kw * r))
-                grid = (min(groups, pipe * sms) if pipe else groups,)
+                grid = (-(-N // (8 // kw * r)),)
                 args = (x, np.int64(K), w, np.int64(raw.shape[1]), None, yo, np.int32(1), np.int32(N),
                         np.int32(nb), None, None) + NO_NORMS
                 t = graph_time(lambda: k(grid, (256,), args))
                 err = float(cp.linalg.norm(yo - ref) / cp.linalg.norm(ref))
-                line.append(f"R{r}U{u}{f'P{pipe}' * bool(pipe)}{'L2' * pf} {raw.nbytes / t / 1e9:5.0f} ({t * 1e6:5.1f} us{'' if err < 1e-5 else f' ERR {err:.2g}'})")
+                line.append(f"R{r}U{u} {raw.nbytes / t / 1e9:5.0f} ({t * 1e6:5.1f} us{'' if err < 1e-5 else f' ERR {err:.2g}'})")
             print(" ".join(line), flush=True)
 
 

@@ -57,16 +57,6 @@ template <int AL, int N> __device__ __forceinline__ void rlx_ldw(const u8* p, u3
   }
 }
 // @part qf()
-// A part's bytes (rlx_fetch) apart from their decode (rlx_unpack), for a scheme whose load decodes
-// scales (RLX_FETCH), so a GEMV can hold the next loads in flight (gemv's PIPE) without waiting
-// on them; for the others the loaded form is the bytes
-#ifdef RLX_FETCH
-__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) { return rlx_unpack(rlx_fetch(b, p), p); }
-#else
-typedef rlx_raw rlx_bytes;
-__device__ __forceinline__ rlx_bytes rlx_fetch(const u8* b, int p) { return rlx_load(b, p); }
-__device__ __forceinline__ rlx_raw rlx_unpack(const rlx_bytes& f, int p) { return f; }
-#endif
 // after a snippet: byte i of a q-word as the exact float (b - BIAS)
 __device__ __forceinline__ float rlx_qf(u32 qw, int i) {
   return __int_as_float(__byte_perm(qw, 0x4B00u, 0x5440u | (u32)i)) - (8388608.0f + (float)BIAS);
@@ -227,17 +217,8 @@ __device__ __forceinline__ void rlx_scale(const rlx_raw& r, int p, int k, W* d, 
 #define BPB 144
 struct rlx_raw { u32 q[4]; W d[2]; W m[2]; };
 // @part q4_k()
-#define RLX_FETCH
-struct rlx_bytes { u32 hd[4]; u32 q[4]; };
-__device__ __forceinline__ rlx_bytes rlx_fetch(const u8* b, int p) {
-  rlx_bytes f; rlx_ldw<16, 4>(b, f.hd); rlx_ldw<16, 4>(b + 16 + 16 * p, f.q); return f;
-}
-__device__ __forceinline__ rlx_raw rlx_unpack(const rlx_bytes& f, int p) {
-  rlx_raw r;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) r.q[i] = f.q[i];
-  rlx_k_scales(r, f.hd, p);
-  return r;
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; u32 hd[4]; rlx_ldw<16, 4>(b, hd); rlx_ldw<16, 4>(b + 16 + 16 * p, r.q); rlx_k_scales(r, hd, p); return r;
 }
 __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
   return (r.q[k & 3] >> (4 * (k >> 2))) & 0x0F0F0F0Fu;
@@ -290,18 +271,9 @@ __device__ __forceinline__ rlx_tcs rlx_tc_scales(const rlx_tcraw& r, int t) {
 #define BPB 176
 struct rlx_raw { u32 qh[4]; u32 q[4]; W d[2]; W m[2]; };
 // @part q5_k()
-#define RLX_FETCH
-struct rlx_bytes { u32 hd[4]; u32 qh[4]; u32 q[4]; };
-__device__ __forceinline__ rlx_bytes rlx_fetch(const u8* b, int p) {
-  rlx_bytes f; rlx_ldw<16, 4>(b, f.hd); rlx_ldw<16, 4>(b + 16 + 16 * (p & 1), f.qh); rlx_ldw<16, 4>(b + 48 + 16 * p, f.q);
-  return f;
-}
-__device__ __forceinline__ rlx_raw rlx_unpack(const rlx_bytes& f, int p) {
-  rlx_raw r;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) r.qh[i] = f.qh[i], r.q[i] = f.q[i];
-  rlx_k_scales(r, f.hd, p);
-  return r;
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
+  rlx_raw r; u32 hd[4]; rlx_ldw<16, 4>(b, hd); rlx_ldw<16, 4>(b + 16 + 16 * (p & 1), r.qh);
+  rlx_ldw<16, 4>(b + 48 + 16 * p, r.q); rlx_k_scales(r, hd, p); return r;
 }
 __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
   const int j = 2 * (p >> 1) + (k >> 2);        // sub-block: bit j of each qh byte
@@ -321,26 +293,16 @@ __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
 #define HAS_MIN 0
 struct rlx_raw { u32 a[2]; u32 b[2]; u32 h[2]; W d[4]; };
 __device__ __forceinline__ int rlx_run_off(int p, int k) { return 128 * (p >> 2) + 32 * (k >> 1) + 8 * (p & 3) + 4 * (k & 1); }
-#define RLX_FETCH
-struct rlx_bytes { u32 a[2]; u32 b[2]; u32 h[2]; u32 s[2]; u32 d; };
-__device__ __forceinline__ rlx_bytes rlx_fetch(const u8* b, int p) {
+__device__ __forceinline__ rlx_raw rlx_load(const u8* b, int p) {
   const int n = p >> 2, j = p & 3;
-  rlx_bytes f;
-  rlx_ldw<2, 2>(b + 64 * n + 8 * j, f.a); rlx_ldw<2, 2>(b + 64 * n + 32 + 8 * j, f.b);
-  rlx_ldw<2, 2>(b + 128 + 32 * n + 8 * j, f.h); rlx_ldw<2, 2>(b + 192 + 8 * n, f.s);
-  f.d = __ldg((const u16*)(b + 208));
-  return f;
-}
-__device__ __forceinline__ rlx_raw rlx_unpack(const rlx_bytes& f, int p) {
-  const int j = p & 3;
   rlx_raw r;
+  rlx_ldw<2, 2>(b + 64 * n + 8 * j, r.a); rlx_ldw<2, 2>(b + 64 * n + 32 + 8 * j, r.b);
+  u32 s[2];
+  rlx_ldw<2, 2>(b + 128 + 32 * n + 8 * j, r.h); rlx_ldw<2, 2>(b + 192 + 8 * n, s);
+  const W d = rlx_h2w(__ldg((const u16*)(b + 208)));
+  const u32 sw = (j >> 1) ? __funnelshift_r(s[0], s[1], 8) : s[0];   // scales j>>1 + 2t, t = 0..3
 #pragma unroll
-  for (int i = 0; i < 2; ++i) r.a[i] = f.a[i], r.b[i] = f.b[i], r.h[i] = f.h[i];
-  const W d = rlx_h2w(f.d);
-  const u32 sw = (j >> 1) ? __funnelshift_r(f.s[0], f.s[1], 8) : f.s[0];   // scales j>>1 + 2t, t = 0..3
-#pragma unroll
-  for (int t = 0; t < 4; ++t)
-    r.d[t] = d * (W)(signed char)rlx_byte(t < 2 ? sw : (j >> 1) ? f.s[1] >> 8 : f.s[1], 2 * (t & 1));
+  for (int t = 0; t < 4; ++t) r.d[t] = d * (W)(signed char)rlx_byte(t < 2 ? sw : (j >> 1) ? s[1] >> 8 : s[1], 2 * (t & 1));
   return r;
 }
 __device__ __forceinline__ u32 rlx_qword(const rlx_raw& r, int p, int k) {
@@ -444,7 +406,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_quant_q8(const T* __restri
   rlx_round_rows<true>(x, xrs, M, K, y8, nullptr, gridDim.x, blockIdx.x);
 #endif
 }
-// @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE, SWIGLU_OF(g, u), EARLY, NORM, TN, RESID, QX, Q8, TC, PIPE, PF)
+// @part gemv(T, TB, TO, KW, SWIGLU, R, U, MMAX, EPILOGUE, SWIGLU_OF(g, u), EARLY, NORM, TN, RESID, QX, Q8, TC)
 // Decode: y[M, N] = act(x[M, K] @ dequant(w)^T + bias) for M <= MMAX <= 8. A block is 8
 // warps: KW of them split a row's parts, 8 / KW take R rows each, so x is read once per
 // R rows. Each lane loads its next U parts of every row first (the packed bytes bound a
@@ -476,10 +438,6 @@ extern "C" __global__ void __launch_bounds__(256) rlx_quant_q8(const T* __restri
 // zeroes the sums the NORM GEMV before read: the bytes quant_q8 with NORM writes.
 // TC (one bf16 x row, a scheme with a view dq.cu:tc_*; ops.DQ_TC, off: slower as measured): the
 // products on tensor cores, 16 rows a warp, each block's copy of x in shared memory (below).
-// PIPE (ops.DQ_PIPE): a block takes groups of rows blockIdx.x, + gridDim.x, ... (a grid of PIPE
-// blocks an SM, all resident) and the next group's first loads are issued before this group's
-// products, so the weight stream runs under the products; a launch of one group a block loads
-// every block's weights at once and only then multiplies. Not with QX, Q8 or TC.
 #if SWIGLU && RESID
 #error "rlx_dq_gemv: RESID takes no SWIGLU"
 #endif
@@ -555,12 +513,7 @@ template <int PB> __device__ __forceinline__ void rlx_q8_out(const TO* src, int 
 #endif
 }
 #endif
-#if PIPE
-#define RLX_DQ_BOUNDS __launch_bounds__(256, PIPE)
-#else
-#define RLX_DQ_BOUNDS __launch_bounds__(256)      // (a minimum of 1 block lets ptxas take up to 198 registers)
-#endif
-extern "C" __global__ void RLX_DQ_BOUNDS rlx_dq_gemv(const T* __restrict__ x, long long xrs,
+extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restrict__ x, long long xrs,
     const u8* __restrict__ w, long long wrs, const TB* __restrict__ bias, TO* __restrict__ y,
     int M, int N, int nb, unsigned char* __restrict__ y8, int* q8cnt, float eps, const float* nsq,
     const TN* __restrict__ nw, float noff, const TO* __restrict__ res, long long rrs, TO* __restrict__ yw,
@@ -568,13 +521,11 @@ extern "C" __global__ void RLX_DQ_BOUNDS rlx_dq_gemv(const T* __restrict__ x, lo
   constexpr int RW = 8 / KW, OUTR = SWIGLU ? R / 2 : R;     // outputs per warp
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int kw = warp % KW, rw = warp / KW;
-  static_assert(!PIPE || !(QX || Q8 || TC), "PIPE: float x, no Q8, no TC");
-  int grp = blockIdx.x;                                       // the block's group of rows
-  int n0 = (grp * RW + rw) * OUTR;
-  // the group's output t (of RW * OUTR * MMAX): its warp group g, their row r, x's row m; returns n
+  const int n0 = (blockIdx.x * RW + rw) * OUTR;
+  // the block's output t (of RW * OUTR * MMAX): its warp group g, their row r, x's row m; returns n
   const auto out_at = [&](int t, int& g, int& r, int& m) {
     g = t / (OUTR * MMAX), r = (t / MMAX) % OUTR, m = t % MMAX;
-    return (grp * RW + g) * OUTR + r;
+    return (blockIdx.x * RW + g) * OUTR + r;
   };
 #if TC
   // the mma's rows: lane tg + 4 tt holds rows tg and tg + 8 of the warp's 16, its part tt of each
@@ -596,24 +547,22 @@ extern "C" __global__ void RLX_DQ_BOUNDS rlx_dq_gemv(const T* __restrict__ x, lo
 #define RLX_LOAD_Q(sb) RLX_TC_LOAD(cur, sb)
 #else
   const u8* wr[R];
-  const auto rows_of = [&](int n, const u8** p) {           // the warp's row pointers from output n
 #pragma unroll
-    for (int r = 0; r < R; ++r) p[r] = w + (i64)(min(n + r % OUTR, N - 1) + (r / OUTR) * N) * wrs;
-  };
-  rows_of(n0, wr);
+  for (int r = 0; r < R; ++r) wr[r] = w + (i64)(min(n0 + r % OUTR, N - 1) + (r / OUTR) * N) * wrs;
   const int units = nb * PARTS, first = kw * 32 + lane;
   rlx_raw q[U][R];
-#define RLX_LOAD_INTO(dst, how, rp, u0) \
+#define RLX_LOAD_Q(u0) \
   _Pragma("unroll") for (int u = 0; u < U; ++u) { \
     const int uu = (u0) + 32 * KW * u; \
     if (uu < units) \
-      _Pragma("unroll") for (int r = 0; r < R; ++r) dst[u][r] = how(rp[r] + (i64)(uu / PARTS) * BPB, uu % PARTS); \
+      _Pragma("unroll") for (int r = 0; r < R; ++r) q[u][r] = rlx_load(wr[r] + (i64)(uu / PARTS) * BPB, uu % PARTS); \
   }
-#define RLX_LOAD_Q(u0) RLX_LOAD_INTO(q, rlx_load, wr, u0)
 #endif
   // EARLY (w a param or constant: no kernel writes it): the first iteration's loads are issued
   // before the wait (as in GEMV). q4_k 1B-shape decode on the H100: 0.940 -> 0.896 ms/token;
-  // an L2 prefetch of each row's first 4 KB beside them made no difference (0.903)
+  // an L2 prefetch of each row's first 4 KB beside them made no difference (0.903); a grid of
+  // 2-3 blocks an SM looping over groups of rows, the next group's loads in flight (registers
+  // or L2) during this group's products, was slower (0.675 -> 0.80, 0.78: benchmarks/README.md)
 #if EARLY
   RLX_LOAD_Q(first)
 #endif
@@ -624,27 +573,6 @@ extern "C" __global__ void RLX_DQ_BOUNDS rlx_dq_gemv(const T* __restrict__ x, lo
 #if NORM
   float sq[MMAX];
   rlx_norm_sums(sq, nsq, M, lane, blockIdx.x == 0 && warp == 0, zero, zn);
-#endif
-#if PIPE
-  const int groups = (N + RW * OUTR - 1) / (RW * OUTR);
-  for (;;) {
-    const int next = grp + gridDim.x, nn0 = (next * RW + rw) * OUTR;
-    rlx_bytes qn[U][R];
-    if (next < groups) {
-      const u8* wn[R];
-      rows_of(nn0, wn);
-#if PF
-#if !defined(RLX_HIP) && defined(__CUDA_ARCH__)        // (a host build: tests/cuda_emu.py)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const u8* p = wn[r] + (i64)(first / PARTS) * BPB + (first % PARTS) * (BPB / PARTS);
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-      }
-#endif
-#else
-      RLX_LOAD_INTO(qn, rlx_fetch, wn, first)
-#endif
-    }
 #endif
 #if RESID
   // this thread's output's residual and norm weight (the store below), loaded now (as in GEMV)
@@ -865,22 +793,7 @@ extern "C" __global__ void RLX_DQ_BOUNDS rlx_dq_gemv(const T* __restrict__ x, lo
 #if RESID
   // thread t holds row t % MMAX (MMAX divides 32): each warp's lanes of a row add up, lane m adds
   for (int o = MMAX; o < 32; o <<= 1) hsq += __shfl_xor_sync(0xffffffffu, hsq, o);
-  if (lane < M && threadIdx.x < RW * OUTR * MMAX) atomicAdd(osq + lane * 32 + (grp & 31), hsq);
-#endif
-#if PIPE
-    if (next >= groups) break;
-    __syncthreads();                              // (the epilogue above has read red)
-    grp = next, n0 = nn0;
-    rows_of(n0, wr);
-#if PF
-    RLX_LOAD_Q(first)
-#else
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int r = 0; r < R; ++r) q[u][r] = rlx_unpack(qn[u][r], (first + 32 * KW * u) % PARTS);
-#endif
-  }
+  if (lane < M && threadIdx.x < RW * OUTR * MMAX) atomicAdd(osq + lane * 32 + (blockIdx.x & 31), hsq);
 #endif
 #if Q8
   rlx_q8_out<RW * OUTR>(RESID ? yw : y, M, N, y8, q8cnt, osq, eps, zero, zn);
