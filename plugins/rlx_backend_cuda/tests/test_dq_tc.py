@@ -58,8 +58,9 @@ def test_emulated_tc_gemv_matches_float64(rng, name, k):
     res, nw = rng.standard_normal((1, n)).astype(BF), rng.uniform(0.5, 1.5, n).astype(np.float32)
     h, yw, osq = np.zeros((1, n), BF), np.zeros((1, n), BF), np.zeros(32, np.float32)
     _launch(_kernel(s, k, resid=1), x, w, h, 1, n, k, s, tail=_norms(nw, 0.0, res, n, yw, osq))
-    # h rounds res + the product rounded, which may round the other way than p (a bf16 ulp of p)
-    p = (x64 @ deq[:n].T).astype(BF).astype(np.float64)
+    # h rounds res + the product rounded (p: w's first n rows, the gate's above), which may round
+    # the other way than p (a bf16 ulp of p)
+    p = gate
     err = np.abs(h.astype(np.float64) - (res + p))
     assert (err <= 2 ** -7 * np.abs(p) + 2 ** -8 * np.abs(res + p) + 1e-4 * np.abs(p).max()).all(), err.max()
     _close(yw, h.astype(np.float64) * nw)
