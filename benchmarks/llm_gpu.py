@@ -106,8 +106,9 @@ def runtime_model(cfg, tensors, max_context: int, backend: str = "cuda", activat
     return CausalLM.from_tensors(cfg, tensors, backend=backend, profile=prof, max_context=max_context)
 
 
-def rlx_runtime(cfg, tensors, prompt, n_new, reps, cublas=True, activations="f32"):
-    """RLX through the runtime (CausalLM.from_tensors + generate)."""
+def rlx_runtime(cfg, tensors, prompt, n_new, reps, cublas=True, activations="f32", knockout=False):
+    """RLX through the runtime (CausalLM.from_tensors + generate); knockout: what each kind
+    of launch costs inside the captured decode step (gpu_kernels.knockout_table)."""
     t0 = time.perf_counter()
     model = runtime_model(cfg, tensors, prompt.shape[1] + n_new + 128, activations=activations)
     res = {}
@@ -121,6 +122,12 @@ def rlx_runtime(cfg, tensors, prompt, n_new, reps, cublas=True, activations="f32
         dec.append(model.last_timings["decode_s_per_token"])
     res.update(prefill_s=statistics.median(pre), decode_s=statistics.median(dec),
                tokens=np.asarray(toks)[0, prompt.shape[1]:].tolist(), engine="runtime CausalLM")
+    if knockout:                              # (it leaves the step's values garbage: after the tokens)
+        from gpu_kernels import decode_runner, knockout_table
+
+        res["knockout_us"] = knockout_table(decode_runner(model))
+        log(f"rlx decode step ({activations} activations), what each kind of launch costs in the graph (us): "
+            f"{res['knockout_us']}")
     try:
         from rlx_backend_cuda import set_config
 
@@ -276,7 +283,8 @@ def rlx_packed(cfg, tensors, prompt, a, bw, bf16_decode):
             pt = packed_tensors(tensors, scheme)
             nbytes = sum(getattr(v, "nbytes", 0) for v in pt.values())
             log(f"{scheme}: quantized in {time.perf_counter() - t:.1f}s, {nbytes / 1e9:.3f} GB")
-            r = rlx_runtime(cfg, pt, prompt, a.new, a.reps, cublas=False, activations=act or "f32")
+            r = rlx_runtime(cfg, pt, prompt, a.new, a.reps, cublas=False, activations=act or "f32",
+                            knockout=a.decode_knockout)
             r.update(weight_bytes=nbytes, floor_s=nbytes / bw)
             r["x_floor"] = r["decode_s"] / r["floor_s"]
             if bf16_decode:
@@ -527,6 +535,9 @@ def main(argv=None) -> int:
     ap.add_argument("--child-timeout", type=float, default=400)
     ap.add_argument("--decode-kernels", action="store_true",
                     help="with --batch: each batch's decode step kernel by kernel (gpu_kernels.kernel_table)")
+    ap.add_argument("--decode-knockout", action="store_true",
+                    help="runtime engine: what each kind of launch costs inside the decode step "
+                         "(gpu_kernels.knockout_table), for the bf16 and each packed row")
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(batch_child(a.child, a)), flush=True)
@@ -561,7 +572,8 @@ def main(argv=None) -> int:
     for eng in engines:
         try:
             t = time.perf_counter()
-            r = (rlx_runtime if eng == "runtime" else rlx_graph)(cfg, tensors, prompt, a.new, a.reps)
+            r = (rlx_runtime(cfg, tensors, prompt, a.new, a.reps, knockout=a.decode_knockout) if eng == "runtime"
+                 else rlx_graph(cfg, tensors, prompt, a.new, a.reps))
             log(f"rlx ({r['engine']}): done in {time.perf_counter() - t:.1f}s: prefill {r['prefill_s'] * 1e3:.3f} ms, "
                 f"decode {r['decode_s'] * 1e3:.3f} ms/token (cuBLAS GEMV: {r.get('decode_s_cublas', 0) * 1e3:.3f}); "
                 f"runners {r.get('decode_runners')}")
