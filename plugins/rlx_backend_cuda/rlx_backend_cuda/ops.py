@@ -917,18 +917,17 @@ def _norm_inputs(b, j: int, h: V) -> tuple:
     return ssq, b.buffer(h.shape, h.dt, "norm-weighted rows")
 
 
-def _b_matmul_fused(b, n, ins, outs, sw, norm: GemvNorm | None, resid, gemv, rows: V | None = None) -> bool:
+def _b_matmul_fused(b, n, ins, outs, sw, norm: GemvNorm | None, resid, gemv) -> bool:
     """The decode GEMV of this matmul with its x normed in the kernel (norm) and / or the
     following fused_residual_rms_norm's h written by it (resid: `_residual_norm`; that norm's
     y is then left to its GEMV), the SwiGLU too where sw; False (no step) where it does not fit.
-    gemv(swiglu output, norm, residual): the dense or packed GEMV's step, False where it cannot.
-    rows: the float rows a QX 2 GEMV reads for x (the outputs it writes kept apart from them)."""
+    gemv(swiglu output, norm, residual): the dense or packed GEMV's step, False where it cannot."""
     reads = [ins[0]] + ([norm.x] if norm is not None else [])
 
     def written(i, k, what):
         """(i, k)'s array, private where it shares bytes with what the kernel reads."""
         v = b.out_value(i, k)
-        if not all(b.disjoint(v, r) for r in reads + ([rows] if rows is not None else [])):
+        if not all(b.disjoint(v, r) for r in reads):
             v = b.vals[(i, k)] = b.buffer(v.shape, v.dt, what)
         return v
     dst = written(sw, 0, "fused swiglu output") if sw is not None else None
@@ -1123,25 +1122,17 @@ def _b_dequant_matmul(b, n, ins, outs):
     norm = _gemv_norm(b, tuple(n.inputs[0]))
     resid = _residual_norm(b, n) if plain else None
     ref = tuple(n.inputs[0])
-    x8 = b.int8_x.get(ref)
-    rows = x8 if x8 is not None and x8.dt is not U8 else None      # (QX 2: float rows each block rounds)
-    int8_norm = b.int8_norms.get(ref) if rows is not None else None
-    norm = norm or int8_norm                 # (QX 2 rounds the norm's weighted rows, divides at the end)
+    target = b.out_value(resid[0]) if resid is not None else b.out_value(sw) if sw is not None else out
+    x8 = _int8_rows_kept(b, ref, [target])
     if norm is not None or resid is not None:
         def gemv(dst, norm, residual):
-            writes = [residual.h, residual.xw] if residual is not None else [dst if dst is not None else out]
-            x8 = _int8_rows_kept(b, ref, writes)
-            if norm is int8_norm and x8 is not None and x8.dt is U8:
-                norm = None                  # (quant_q8 computed it)
             q8 = _q8_reader(b, (resid[0], 1)) if residual is not None and norm is None else None
             return plain and _dq_gemv_fused(b, s, x, (wv, wrs, al), outs[0], dst, norm, residual, x8, q8)
-        if _b_matmul_fused(b, n, ins, outs, sw, norm, resid, gemv, rows):
+        if _b_matmul_fused(b, n, ins, outs, sw, norm, resid, gemv):
             return
-        if ref in b.int8_norms:
-            _int8_rows_now(b, ref)
-        elif norm is not None and norm is not int8_norm:
+        if norm is not None:
             norm.add_unfused(b)
-    x8 = _int8_rows_kept(b, ref, [out, b.out_value(sw) if sw is not None else out])
+        x8 = _int8_rows_kept(b, ref, [out, b.out_value(sw) if sw is not None else out])
     xv, xrs = (x, i64(K)) if x8 is not None else _as_matrix(b, x, M, K)     # (QX: x names the dtype)
     if sw is not None:            # gate/up of decode: the GEMV writes silu(gate) * up
         dst = b.out_value(sw)
@@ -1326,7 +1317,9 @@ QX_SMEM = 96 * 1024         # the most dynamic shared memory a QX GEMV takes (x'
 # rows of a quant_q8 launch before it (4096: an attention's output at batch 1-2); and whether the
 # GEMVs before a rounding write its int8 rows (Q8). Both off: on the H200 (session 29) the Llama-1B
 # q4_k+int8 decode took 0.666 ms/token with neither, 0.735 with Q8, 0.723 with both
-# (benchmarks/README.md, llm_gpu_gguf section)
+# (benchmarks/README.md, llm_gpu_gguf section); on the H100 every GEMV rounding its own x, the
+# residual norms' too (8192, built and removed again in session 35), took 0.841 against 0.727:
+# the down GEMV's blocks each rounding 8192 values cost 3x its products (the llm_gpu section)
 QX_ROUND_MAX = 0
 Q8_IN_GEMV = False
 
@@ -1399,12 +1392,10 @@ def _int8_x(b, ref: tuple, x: V) -> None:
         rows = V(xr, x.dt)
     else:
         rows, xrs = _as_matrix(b, x, M, K)
-    if M * K <= QX_ROUND_MAX and _read_next(b, ref):
-        b.int8_x[ref] = V(b.cp.lib.stride_tricks.as_strided(
-            rows.arr, shape=(M, K), strides=(xrs * rows.arr.itemsize, rows.arr.itemsize)), x.dt)
-        if norm is not None:
-            b.int8_norms[ref] = norm
-        return
+        if M * K <= QX_ROUND_MAX and _read_next(b, ref):
+            b.int8_x[ref] = V(b.cp.lib.stride_tricks.as_strided(
+                rows.arr, shape=(M, K), strides=(xrs * rows.arr.itemsize, rows.arr.itemsize)), x.dt)
+            return
     b.int8_x[ref] = _quant_q8(b, rows, xrs, M, K, norm)
 
 
@@ -1415,15 +1406,8 @@ def _int8_rows_kept(b, ref: tuple, writes: list) -> V | None:
     x8 = b.int8_x.get(ref)
     if x8 is None or x8.dt is U8 or all(b.disjoint(w, x8) for w in writes):
         return x8
-    return _int8_rows_now(b, ref)
-
-
-def _int8_rows_now(b, ref: tuple) -> V:
-    """The float rows left to the GEMVs reading the fake_quantize `ref` (QX 2), rounded by a
-    quant_q8 launch now instead, with the norm they were to compute (b.int8_norms)."""
-    x8 = b.int8_x[ref]
     M, K = x8.shape
-    x8 = b.int8_x[ref] = _quant_q8(b, x8, x8.arr.strides[0] // x8.arr.itemsize, M, K, b.int8_norms.pop(ref, None))
+    x8 = b.int8_x[ref] = _quant_q8(b, x8, x8.arr.strides[0] // x8.arr.itemsize, M, K, None)
     return x8
 
 

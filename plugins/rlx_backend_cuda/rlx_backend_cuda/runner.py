@@ -91,7 +91,6 @@ class Build:
         self.node_local: dict = {}    # (purpose, dtype) -> buffer shared by the nodes (node_buffer)
         self.gemv_norms: dict = {}    # (node, out) -> ops.GemvNorm its consuming GEMV computes
         self.int8_x: dict = {}        # (fake_quantize node, 0) -> the int8 rows its GEMVs read (ops)
-        self.int8_norms: dict = {}    # (fake_quantize node, 0) -> ops.GemvNorm its QX 2 GEMVs compute
         self.gemv_sums = GemvSums()   # the sums of squares those GEMVs read, and who zeroes them
         self.waiting_norms: dict = {}  # rms_norm node -> the earlier rms_norm sharing its launch (ops)
         self.rope_norms: dict = {}    # rms_norm node -> ops.RopeNorm the rope reading it computes

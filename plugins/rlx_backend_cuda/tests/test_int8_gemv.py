@@ -121,26 +121,24 @@ def test_the_rounding_kernel_matches_numpy_bit_for_bit(rng, dt):
 @gpu
 @pytest.mark.parametrize("scheme", ["q4_k", "q8_0", "q6_k"])
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("in_gemv,round_max", [(False, 0), (True, 4096), (False, 8192)],
-                         ids=["quant_q8", "q8-qx2", "qx2"])
-def test_a_decode_block_under_int8_activations(rng, scheme, rows, in_gemv, round_max, monkeypatch):
+@pytest.mark.parametrize("in_gemv", [False, True], ids=["quant_q8", "q8-qx2"])
+def test_a_decode_block_under_int8_activations(rng, scheme, rows, in_gemv, monkeypatch):
     """Attention output, residual norms, the SwiGLU MLP and a second projection with packed
     weights, compiled with activations = "int8": each x is rounded into int8 rows (the residual
     norms' division there: no norm launch, as test_gemv_fusion's; at 3 rows the dense head is
     no GEMV, so the last norm runs as a launch), and the result matches the NumPy backend under
     the same profile within bf16 rounding, the third run replaying the CUDA graph; by quant_q8
-    launches (the default), by the GEMVs before (ops.Q8_IN_GEMV) and the o projection (QX 2),
-    and by each GEMV itself, the normed x's too (QX 2 with NORM)."""
+    launches (the default) and by the GEMVs themselves (ops.Q8_IN_GEMV, QX 2)."""
     from rlx_backend_cuda import ops
 
     monkeypatch.setattr(ops, "Q8_IN_GEMV", in_gemv)
-    monkeypatch.setattr(ops, "QX_ROUND_MAX", round_max)
+    monkeypatch.setattr(ops, "QX_ROUND_MAX", 4096 if in_gemv else 0)
     g, pv, ins, _ = case(rng, BF16, rows, 512, scheme=scheme, inner=256, inter=512)
     prof = CompileProfile().evolve(precision={"activations": "int8"})
     got, d, asked = _run(g, pv, ins, monkeypatch, runs=3, profile=prof)
     steps = d["steps_by_op"]
     assert d["capturable"] and d["graph"], d
-    assert "rlx_fake_q8" not in asked and ("rlx_quant_q8" in asked or round_max == 8192), asked
+    assert "rlx_quant_q8" in asked and "rlx_fake_q8" not in asked, asked
     assert steps["dequant_matmul"] >= 5, steps
     assert (steps.get("fused_residual_rms_norm", 0) > 0) == (rows > 2) and steps["rms_norm"] == 1, steps
     want = rlx_core.compile(g, profile=prof, backend="numpy", params=pv).run(dict(ins))
@@ -489,54 +487,3 @@ def test_emulated_gemv_rounding_x_itself_equals_reading_quant_q8s_rows(rng, name
         _launch(_gemv_kernel(s, bf, rows, k, 1), _int8_rows(x, bf), w, want, rows, N, k, s)
         np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
         assert rel(got, _rounded(x) @ s.dequantize_reference(w, (N, k)).T) < 1e-2
-
-
-@cuda_emu.emulated
-@pytest.mark.parametrize("name", ["q4_k", "q8_0"])
-def test_emulated_gemv_rounding_a_normed_x_itself_divides_by_the_norm(rng, name):
-    """QX 2 with NORM (a residual norm's y left to the int8 GEMVs: ops.QX_ROUND_MAX): each block
-    rounds the weighted rows x0 * w and the sums are divided by the norm at the end, as quant_q8
-    with NORM divides the scales; the same products as the GEMV reading those rows (to float
-    rounding) and the float64 product of the rounded normed x, and the sums it zeroes zeroed."""
-    s = QuantScheme.parse(name)
-    k, n, rows, eps = 512, 40, 2, 1e-5
-    w = quantize(rng.standard_normal((n, k)).astype(np.float32), s)
-    x0 = rng.standard_normal((rows, k)).astype(np.float32)
-    nw = rng.uniform(0.5, 1.5, k).astype(np.float32)
-    x64 = x0.astype(BF).astype(np.float64)
-    nsq = np.repeat((x64 ** 2).sum(1, keepdims=True) / 32, 32, axis=1).astype(np.float32).reshape(-1)
-    xw = (x0.astype(BF).astype(np.float32) * nw).astype(BF)
-    got, want, zero = np.zeros((rows, n), BF), np.zeros((rows, n), BF), np.ones(64, np.float32)
-    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 2, norm=1), xw, w, got, rows, n, k, s,
-            tail=(np.float32(eps), nsq) + _norms(zero=zero)[2:])
-    assert not zero.any()
-    _launch(_gemv_kernel(s, "__nv_bfloat16", rows, k, 1), _int8_rows(xw, "__nv_bfloat16", nsq, eps), w, want,
-            rows, n, k, s)
-    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2 ** -7, atol=1e-6)
-    normed = (x64 / np.sqrt((x64 ** 2).mean(1, keepdims=True) + eps) * nw).astype(np.float32).astype(BF)
-    assert rel(got, _rounded(normed) @ s.dequantize_reference(w, (n, k)).T) < 1e-2
-
-
-def test_gemvs_rounding_their_own_x_norm_it_too(rng, dry, monkeypatch):
-    """(No GPU.) Every GEMV rounding its own x where it can (ops.QX_ROUND_MAX 8192, Q8_IN_GEMV
-    off): the o and down projections (their residual outputs kept apart from the rows they
-    round) and the last projection, whose x is a residual norm's y: NORM with QX 2, the weighted
-    rows rounded and the sums divided by the norm, no launch before it. quant_q8 rounds the
-    first norm's y (the q/k/v GEMV's output takes over its bytes) and gate/up's (the weights'
-    concat runs between the rounding and its GEMV: `_read_next`)."""
-    from rlx_backend_cuda import ops
-
-    monkeypatch.setattr(ops, "QX_ROUND_MAX", 8192)
-    lir = planned(Graph.define("int8_layer", _llama_layer), activations="int8")
-    runner = dry(lir, *leaves(lir, rng))
-    for st in runner.steps:
-        st.fn()
-    launched = [k for k in dry.kernels if k.launches]
-    names = [k.name for k in launched]
-    assert names.count("rlx_quant_q8") == 2 and names[-3:] == ["rlx_dq_gemv"] * 3, names
-    gemvs = [k for k in launched if k.name == "rlx_dq_gemv"]
-    assert [(int(k.source.split("#define QX ")[1][0]), "#define NORM 1" in k.source) for k in gemvs] == \
-        [(1, False), (2, False), (1, False), (2, False), (2, True)], names
-    last = gemvs[-1].args[0]
-    assert last[12] is gemvs[-2].args[0][-3], "the last GEMV norms by the down GEMV's sums"
-    assert sums_hazards(runner) == []
