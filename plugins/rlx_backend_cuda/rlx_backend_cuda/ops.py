@@ -1043,6 +1043,10 @@ def _bias_act(b, out: V, bias: V | None, act: str) -> None:
 
 # ----------------------------------------------------------------------------- packed weights
 DQ_ROWS, DQ_LOADS = 4, 1    # decode: rows of W per warp (sharing x loads), parts in flight per lane (tools/dq_sweep.py)
+# rows of W a warp where a plain or residual GEMV at DQ_ROWS would launch fewer than
+# DQ_SMALL_BLOCKS_PER_SM blocks an SM (the o and q/k/v projections: one block an SM, each warp's
+# chain of products after the grid wait the launch's latency); 0: DQ_ROWS everywhere
+DQ_SMALL_ROWS, DQ_SMALL_BLOCKS_PER_SM = 0, 2
 # decode GEMVs of one bf16 x row on tensor cores where the scheme has the form (dq_tc). Off: on an
 # H100 (session 33) the Llama-1B q4_k step took 0.907 ms/token with it against 0.690 without
 # (benchmarks/README.md); RLX_BENCH_SET=rlx_backend_cuda.ops.DQ_TC=True turns it on.
@@ -1180,7 +1184,7 @@ def tc_bytes(kind: str, K: int) -> int:
 
 
 def dq_gemv_shape(kind: str, block: int, M: int, K: int, loads: int | None = None, rows: int = 0,
-                  sms: int = 0) -> tuple:
+                  sms: int = 0, n: int = 0) -> tuple:
     """(MMAX, KW, R) of the decode GEMV: M rounded up to a power of 2; warps of a block that
     split a row (as many as keep each lane `loads` parts busy, DQ_LOADS by default); rows per warp.
     rows (of W), sms: the TC form's (16 rows a warp; a row's groups split over warps only while
@@ -1193,7 +1197,10 @@ def dq_gemv_shape(kind: str, block: int, M: int, K: int, loads: int | None = Non
         return 1, kw, 16
     mmax = pow2(M, 1, M)
     kw = warps_per_row(K // block * sources.dq_parts(kind, block), loads or DQ_LOADS)
-    return mmax, kw, DQ_ROWS if mmax <= 2 else 2
+    r = DQ_ROWS if mmax <= 2 else 2
+    if DQ_SMALL_ROWS and n and -(-n // (8 // kw * r)) < DQ_SMALL_BLOCKS_PER_SM * sms:
+        r = min(r, DQ_SMALL_ROWS)
+    return mmax, kw, r
 
 
 def _dq_gemv_fused(b, s, a: V, packed: tuple, out: V, swiglu: V | None, norm: GemvNorm | None,
@@ -1242,7 +1249,7 @@ def _dq_gemv(b, s, x: V, xrs, w: V, wrs, al, bias, act, out: V, M, N, K, swiglu=
     nb = K // s.block
     tc = not qx and q8 is None and dq_tc(s.kind, x.dt, M, K)
     wrows = (2 * N if swiglu else N) if tc else 0
-    mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K, rows=wrows, sms=b.sms)
+    mmax, kw, rows = dq_gemv_shape(s.kind, s.block, M, K, rows=wrows, sms=b.sms, n=0 if swiglu else N)
     xv = _x4_vectors(x.arr, xrs)
     fn = _dq_kernel(b, sources.DQ_GEMV, s, "rlx_dq_gemv", T=ctype(x.dt), TO=ctype(out.dt), ACC=acc_of(x.dt),
                     TB=ctype(bias.dt) if bias is not None else "float",
