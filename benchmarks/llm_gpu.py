@@ -572,8 +572,10 @@ def main(argv=None) -> int:
     for eng in engines:
         try:
             t = time.perf_counter()
-            r = (rlx_runtime(cfg, tensors, prompt, a.new, a.reps, knockout=a.decode_knockout) if eng == "runtime"
-                 else rlx_graph(cfg, tensors, prompt, a.new, a.reps))
+            if eng == "runtime":
+                r = rlx_runtime(cfg, tensors, prompt, a.new, a.reps, knockout=a.decode_knockout)
+            else:
+                r = rlx_graph(cfg, tensors, prompt, a.new, a.reps)
             log(f"rlx ({r['engine']}): done in {time.perf_counter() - t:.1f}s: prefill {r['prefill_s'] * 1e3:.3f} ms, "
                 f"decode {r['decode_s'] * 1e3:.3f} ms/token (cuBLAS GEMV: {r.get('decode_s_cublas', 0) * 1e3:.3f}); "
                 f"runners {r.get('decode_runners')}")
