@@ -513,7 +513,10 @@ template <int PB> __device__ __forceinline__ void rlx_q8_out(const TO* src, int 
 #endif
 }
 #endif
-extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restrict__ x, long long xrs,
+// one x row: at most 64 registers a thread, 4 blocks an SM (summing a group's products before
+// scaling them took the q4_k SwiGLU form to 75, 3 blocks); more rows take what they need
+#define RLX_DQ_MIN_BLOCKS (MMAX == 1 ? 4 : 0)
+extern "C" __global__ void __launch_bounds__(256, RLX_DQ_MIN_BLOCKS) rlx_dq_gemv(const T* __restrict__ x, long long xrs,
     const u8* __restrict__ w, long long wrs, const TB* __restrict__ bias, TO* __restrict__ y,
     int M, int N, int nb, unsigned char* __restrict__ y8, int* q8cnt, float eps, const float* nsq,
     const TN* __restrict__ nw, float noff, const TO* __restrict__ res, long long rrs, TO* __restrict__ yw,
@@ -716,6 +719,51 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
         }
       }
 #else
+#if MMAX == 1
+      // one x row: QXG runs share d and m, so their products are summed first and scaled once
+      // (more rows: each run scaled, below; the sums would take too many registers)
+      constexpr int SG = QXG;
+#pragma unroll
+      for (int k0 = 0; k0 < RUNS; k0 += SG) {
+        W sg[R][MMAX], xg[MMAX];
+#pragma unroll
+        for (int m = 0; m < MMAX; ++m) {
+          xg[m] = 0;
+#pragma unroll
+          for (int r = 0; r < R; ++r) sg[r][m] = 0;
+        }
+#pragma unroll
+        for (int k = k0; k < k0 + SG; ++k) {
+          const i64 e = e0 + rlx_run_off(p, k);
+          W xv[MMAX][4];
+#pragma unroll
+          for (int m = 0; m < MMAX; ++m)
+            if (m < M) {
+              rlx_x4(x + m * xrs + e, xv[m]);
+              if (HAS_MIN) xg[m] += rlx_sum4(xv[m]);
+            }
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const u32 qw = rlx_qword(q[u][r], p, k);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const W qf = (W)rlx_qf(qw, i);
+#pragma unroll
+              for (int m = 0; m < MMAX; ++m)
+                if (m < M) sg[r][m] += qf * xv[m][i];
+            }
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          W d, mn = 0;
+          rlx_scale(q[u][r], p, k0, &d, &mn);
+#pragma unroll
+          for (int m = 0; m < MMAX; ++m)
+            if (m < M) acc[r][m] += HAS_MIN ? d * sg[r][m] + mn * xg[m] : d * sg[r][m];
+        }
+      }
+#else
 #pragma unroll
       for (int k = 0; k < RUNS; ++k) {
         const i64 e = e0 + rlx_run_off(p, k);
@@ -734,6 +782,7 @@ extern "C" __global__ void __launch_bounds__(256) rlx_dq_gemv(const T* __restric
             if (m < M) acc[r][m] += rlx_run_dot(run, xv[m], xs[m]);
         }
       }
+#endif
 #endif
     }
   }
