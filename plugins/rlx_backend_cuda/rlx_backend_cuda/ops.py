@@ -1044,9 +1044,11 @@ def _bias_act(b, out: V, bias: V | None, act: str) -> None:
 # ----------------------------------------------------------------------------- packed weights
 DQ_ROWS, DQ_LOADS = 4, 1    # decode: rows of W per warp (sharing x loads), parts in flight per lane (tools/dq_sweep.py)
 # rows of W a warp where a plain or residual GEMV at DQ_ROWS would launch fewer than
-# DQ_SMALL_BLOCKS_PER_SM blocks an SM (the o and q/k/v projections: one block an SM, each warp's
-# chain of products after the grid wait the launch's latency); 0: DQ_ROWS everywhere
-DQ_SMALL_ROWS, DQ_SMALL_BLOCKS_PER_SM = 0, 2
+# DQ_SMALL_BLOCKS_PER_SM blocks an SM (the 1B shape's o and q/k/v projections: one block an SM,
+# each warp's chain of products after the grid wait the launch's latency); 0: DQ_ROWS everywhere.
+# H100, Llama-1B decode (benchmarks/README.md, llm_gpu section): q6_k 0.850 -> 0.819 ms/token,
+# q4_k 0.680 -> 0.676; at 1 row a warp q4_k 0.731
+DQ_SMALL_ROWS, DQ_SMALL_BLOCKS_PER_SM = 2, 2
 # decode GEMVs of one bf16 x row on tensor cores where the scheme has the form (dq_tc). Off: on an
 # H100 (session 33) the Llama-1B q4_k step took 0.907 ms/token with it against 0.690 without
 # (benchmarks/README.md); RLX_BENCH_SET=rlx_backend_cuda.ops.DQ_TC=True turns it on.
@@ -1189,7 +1191,8 @@ def dq_gemv_shape(kind: str, block: int, M: int, K: int, loads: int | None = Non
     split a row (as many as keep each lane `loads` parts busy, DQ_LOADS by default); rows per warp.
     rows (of W), sms: the TC form's (16 rows a warp; a row's groups split over warps only while
     the launch has fewer than DQ_TC_BLOCKS_PER_SM blocks an SM: each warp then streams its
-    groups, the next loaded during this one's products, and a block's copy of x serves more rows)."""
+    groups, the next loaded during this one's products, and a block's copy of x serves more rows).
+    n: the rows of W of a launch that may take fewer rows a warp where it is small (DQ_SMALL_ROWS)."""
     if rows:
         groups, kw = K // block * sources.DQ_TC_VIEWS[kind][0], 1
         while 2 * kw <= min(groups, 8) and -(-rows // (16 * 8 // kw)) < DQ_TC_BLOCKS_PER_SM * sms:

@@ -11,7 +11,8 @@
 // (DQ_SCHEMES) serves every kernel below.
 // A byte becomes an exact float in two full-rate instructions (a byte permute into the
 // mantissa of 2^23, a subtraction; no int-to-float conversion), and the GEMV factors d and m
-// out of each 4-run's dot product, so a weight costs about three instructions. W = ACC (f32,
+// out of each 4-run's dot product (at one x row, out of each QXG runs' sum), so a weight costs
+// about three instructions. W = ACC (f32,
 // f64 for f64 data). A: the alignment (2..16 bytes) of the row base and row length, so loads
 // are as wide as the offsets allow: `rlx_ldw<AL, N>` loads N 32-bit words at a byte offset
 // aligned to AL within the row (2-aligned offsets in 4-aligned rows: aligned words + funnel
@@ -513,11 +514,12 @@ template <int PB> __device__ __forceinline__ void rlx_q8_out(const TO* src, int 
 #endif
 }
 #endif
-// one x row: at most 64 registers a thread, 4 blocks an SM (summing a group's products before
-// scaling them took the q4_k SwiGLU form to 75, 3 blocks); more rows take what they need
-#define RLX_DQ_MIN_BLOCKS (MMAX == 1 ? 4 : 0)
-extern "C" __global__ void __launch_bounds__(256, RLX_DQ_MIN_BLOCKS) rlx_dq_gemv(const T* __restrict__ x, long long xrs,
-    const u8* __restrict__ w, long long wrs, const TB* __restrict__ bias, TO* __restrict__ y,
+// the float form at one x row: at most 64 registers a thread, 4 blocks an SM (summing a group's
+// products before scaling them took the q4_k SwiGLU form to 75, 3 blocks); the others take what
+// they need
+#define RLX_DQ_MIN_BLOCKS (MMAX == 1 && !QX && !TC ? 4 : 0)
+extern "C" __global__ void __launch_bounds__(256, RLX_DQ_MIN_BLOCKS) rlx_dq_gemv(const T* __restrict__ x,
+    long long xrs, const u8* __restrict__ w, long long wrs, const TB* __restrict__ bias, TO* __restrict__ y,
     int M, int N, int nb, unsigned char* __restrict__ y8, int* q8cnt, float eps, const float* nsq,
     const TN* __restrict__ nw, float noff, const TO* __restrict__ res, long long rrs, TO* __restrict__ yw,
     float* osq, float* zero, int zn) {
