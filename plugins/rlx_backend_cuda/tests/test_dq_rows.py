@@ -22,8 +22,8 @@ def test_a_small_launch_takes_fewer_rows_a_warp(monkeypatch):
     from rlx_backend_cuda import ops
 
     monkeypatch.setattr(ops, "DQ_SMALL_ROWS", 2)
-    assert [ops.dq_gemv_shape("q4_k", 256, 1, k, sms=132, n=n)[2]
-            for n, k in ((2048, 2048), (3072, 2048), (2048, 8192), (128256, 2048), (0, 2048))] == [2, 2, 4, 4, 4]
+    shapes = ((2048, 2048), (3072, 2048), (2048, 8192), (128256, 2048), (0, 2048))
+    assert [ops.dq_gemv_shape("q4_k", 256, 1, k, sms=132, n=n)[2] for n, k in shapes] == [2, 2, 4, 4, 4]
     assert ops.dq_gemv_shape("q4_k", 256, 4, 2048, sms=132, n=2048)[2] == 2      # (4 x rows: 2 already)
     monkeypatch.setattr(ops, "DQ_SMALL_ROWS", 0)
     assert ops.dq_gemv_shape("q4_k", 256, 1, 2048, sms=132, n=2048)[2] == 4
@@ -36,9 +36,9 @@ def _kernel(s, rows: int, norm: int = 0, resid: int = 0):
     _, kw, _ = dq_gemv_shape(s.kind, s.block_size, 1, 512)
     bf = "__nv_bfloat16"
     src = sources.dq_source(sources.DQ_GEMV, s.kind, s.block_size, T=bf, TO=bf, TB="float", ACC="float",
-                            A=2 if s.kind == "q6_k" else 16, MMAX=1, R=rows, U=DQ_LOADS, KW=kw, XV=1, SWIGLU=0,
-                            EPILOGUE="", SWIGLU_OF=codegen.swiglu_of("float"), EARLY=0, NORM=norm, TN="float",
-                            RESID=resid, QX=0, Q8=0, TC=0)
+                            A=2 if s.kind == "q6_k" else 16, MMAX=1, R=rows, U=DQ_LOADS, KW=kw, XV=1,
+                            SWIGLU=0, EPILOGUE="", SWIGLU_OF=codegen.swiglu_of("float"), EARLY=0, NORM=norm,
+                            TN="float", RESID=resid, QX=0, Q8=0, TC=0)
     return cuda_emu.compile_kernel(src, "rlx_dq_gemv"), 8 // kw * rows, 0
 
 
@@ -58,7 +58,8 @@ def test_emulated_rows_a_warp_give_the_same_bits(rng, name):
         plain, normed = np.zeros((1, n), BF), np.zeros((1, n), BF)
         h, yw, osq = np.zeros((1, n), BF), np.zeros((1, n), BF), np.zeros(32, np.float32)
         _launch(_kernel(s, rows), x0, w, plain, 1, n, k, s)
-        _launch(_kernel(s, rows, norm=1), x0, w, normed, 1, n, k, s, tail=(np.float32(eps), nsq) + _norms()[2:])
+        norm_tail = (np.float32(eps), nsq) + _norms()[2:]
+        _launch(_kernel(s, rows, norm=1), x0, w, normed, 1, n, k, s, tail=norm_tail)
         _launch(_kernel(s, rows, resid=1), x0, w, h, 1, n, k, s, tail=_norms(nw, 0.0, res, n, yw, osq))
         got[rows] = [a.view(np.uint16).copy() for a in (plain, normed, h, yw)] + [osq.sum()]
     for rows in (2, 1):
