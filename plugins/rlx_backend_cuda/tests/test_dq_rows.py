@@ -9,8 +9,8 @@ from __future__ import annotations
 import cuda_emu
 import numpy as np
 import pytest
-from test_int8_gemv import BF, _launch, _norms
 from test_gemv_fusion import rel
+from test_int8_gemv import BF, _launch, _norms
 
 from rlx_core.ir.quant import QuantScheme, quantize
 
@@ -45,6 +45,8 @@ def _kernel(s, rows: int, norm: int = 0, resid: int = 0):
 @cuda_emu.emulated
 @pytest.mark.parametrize("name", ["q4_k", "q6_k", "q8_0", "q4_0"])
 def test_emulated_rows_a_warp_give_the_same_bits(rng, name):
+    """4, 2 and 1 rows a warp: the plain, norm and residual forms' outputs bit for bit (the
+    squares' sum within float rounding: its atomics add in another order), and float64's."""
     s = QuantScheme.parse(name)
     n, k, eps = 40, 512, 1e-5
     w = quantize(rng.standard_normal((n, k)).astype(np.float32), s)

@@ -12,11 +12,10 @@
 // A byte becomes an exact float in two full-rate instructions (a byte permute into the
 // mantissa of 2^23, a subtraction; no int-to-float conversion), and the GEMV factors d and m
 // out of each 4-run's dot product (at one x row, out of each QXG runs' sum), so a weight costs
-// about three instructions. W = ACC (f32,
-// f64 for f64 data). A: the alignment (2..16 bytes) of the row base and row length, so loads
-// are as wide as the offsets allow: `rlx_ldw<AL, N>` loads N 32-bit words at a byte offset
-// aligned to AL within the row (2-aligned offsets in 4-aligned rows: aligned words + funnel
-// shifts).
+// about three instructions. W = ACC (f32, f64 for f64 data). A: the alignment (2..16 bytes) of
+// the row base and row length, so loads are as wide as the offsets allow: `rlx_ldw<AL, N>` loads
+// N 32-bit words at a byte offset aligned to AL within the row (2-aligned offsets in 4-aligned
+// rows: aligned words + funnel shifts).
 typedef ACC W;
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -724,9 +723,8 @@ extern "C" __global__ void __launch_bounds__(256, RLX_DQ_MIN_BLOCKS) rlx_dq_gemv
 #if MMAX == 1
       // one x row: QXG runs share d and m, so their products are summed first and scaled once
       // (more rows: each run scaled, below; the sums would take too many registers)
-      constexpr int SG = QXG;
 #pragma unroll
-      for (int k0 = 0; k0 < RUNS; k0 += SG) {
+      for (int k0 = 0; k0 < RUNS; k0 += QXG) {
         W sg[R][MMAX], xg[MMAX];
 #pragma unroll
         for (int m = 0; m < MMAX; ++m) {
@@ -735,7 +733,7 @@ extern "C" __global__ void __launch_bounds__(256, RLX_DQ_MIN_BLOCKS) rlx_dq_gemv
           for (int r = 0; r < R; ++r) sg[r][m] = 0;
         }
 #pragma unroll
-        for (int k = k0; k < k0 + SG; ++k) {
+        for (int k = k0; k < k0 + QXG; ++k) {
           const i64 e = e0 + rlx_run_off(p, k);
           W xv[MMAX][4];
 #pragma unroll
