@@ -722,7 +722,9 @@ extern "C" __global__ void __launch_bounds__(256, RLX_DQ_MIN_BLOCKS) rlx_dq_gemv
 #else
 #if MMAX == 1
       // one x row: QXG runs share d and m, so their products are summed first and scaled once
-      // (more rows: each run scaled, below; the sums would take too many registers)
+      // (more rows: each run scaled, below; the sums would take too many registers). The m
+      // loops and M guards stay as the other form has them: written for the one row, ptxas
+      // spilled the q4_k forms (24-40 bytes at the 64-register bound)
 #pragma unroll
       for (int k0 = 0; k0 < RUNS; k0 += QXG) {
         W sg[R][MMAX], xg[MMAX];
