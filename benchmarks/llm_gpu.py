@@ -446,13 +446,16 @@ def batch_child(side: str, a) -> dict:
                 model.generate(prompt, max_new_tokens=a.new, min_new_tokens=a.new)
                 dec.append(model.last_timings["decode_s_per_token"])
             out[b] = {"decode_s": statistics.median(dec)}
-            if a.decode_kernels:                  # (the decode runners this batch added: its step)
-                from gpu_kernels import kernel_table
+            if a.decode_kernels or a.decode_knockout:     # (the decode runners this batch added: its step)
+                from gpu_kernels import kernel_table, knockout_table
 
                 fresh = [r for r in model.executable("decode")._runners.values()
                          if id(r) not in tabled and getattr(r, "steps", None)]
                 tabled.update(map(id, fresh))
-                out[b]["kernels"] = [kernel_table(r) for r in fresh]
+                if a.decode_kernels:
+                    out[b]["kernels"] = [kernel_table(r) for r in fresh]
+                if a.decode_knockout:
+                    out[b]["knockout_us"] = [knockout_table(r) for r in fresh]
         out["peak_bytes"] = cp.get_default_memory_pool().total_bytes()
         return out
     model = hf_model(cfg, tensors)
@@ -478,7 +481,8 @@ def batch_main(a) -> int:
     for side in a.sides:
         cmd = [sys.executable, __file__, "--child", side, "--layers", str(a.layers), "--prompt", str(a.prompt),
                "--new", str(a.new), "--reps", str(a.reps), "--batch", *map(str, a.batch),
-               *(["--decode-kernels"] if a.decode_kernels else [])]
+               *(["--decode-kernels"] if a.decode_kernels else []),
+               *(["--decode-knockout"] if a.decode_knockout else [])]
         r = run_child(cmd, side, a.child_timeout)
         if r is not None:
             res[side] = {int(k) if k.isdigit() else k: v for k, v in r.items()}
@@ -507,6 +511,10 @@ def batch_main(a) -> int:
             lines.append(f"rlx batch {b}, a replay of the decode step: {t['replay_us']} us, its kernels "
                          f"{t['kernels_us']} us; the most time first (launches, us):")
             lines += [f"  {n[:90]}: {c}, {us}" for n, (c, us) in list(t["by_kernel"].items())[:14]]
+    for b in a.batch if a.decode_knockout and "rlx" in res else ():
+        for t in res["rlx"][b].get("knockout_us", []):
+            lines.append(f"rlx batch {b}, the decode step without each kind of launch: replay {t['replay_us']} us; "
+                         f"saved (launches, us): {t['by_kind']}")
     print("\n".join(lines), flush=True)
     if a.json:
         with open(a.json, "w") as f:
@@ -536,8 +544,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-kernels", action="store_true",
                     help="with --batch: each batch's decode step kernel by kernel (gpu_kernels.kernel_table)")
     ap.add_argument("--decode-knockout", action="store_true",
-                    help="runtime engine: what each kind of launch costs inside the decode step "
-                         "(gpu_kernels.knockout_table), for the bf16 and each packed row")
+                    help="runtime engine (and --batch): what each kind of launch costs inside the decode "
+                         "step (gpu_kernels.knockout_table), for the bf16 and each packed row (each batch)")
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(batch_child(a.child, a)), flush=True)

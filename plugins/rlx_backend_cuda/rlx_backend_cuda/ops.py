@@ -2681,21 +2681,21 @@ NO_EPI_ARGS = (None, i64(0), i64(0), None, i64(0), i64(0))           # (nor its 
 def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, window, common: dict,
                       rope: AttnRope | None = None, epi: AttnEpilogue | None = None):
     """A launch of sources.ATTN_DECODE for one query row per head over a KV cache of at most
-    ATTN_DECODE_KEYS positions where a cluster of blocks per (batch row, kv head) fits one wave
-    on an sm_90+ GPU, or None where it does not apply. rope: the kernel also does the step's
+    ATTN_DECODE_KEYS positions on an sm_90+ GPU (a cluster of blocks per (batch row, kv head):
+    sources.attn_decode_cluster), or None where it does not apply. rope: the kernel also does the step's
     RoPE (q: the rope's output, then rope.q the rows it ropes; `_takes_rope`); epi: it computes
     that node instead of writing out (ey apart from the rows it reads)."""
     B, H, Sq, D = q.shape
     KVH, Sk = k.shape[1], k.shape[2]
     vk = min(_attn_vec(k, D), _attn_vec(v, D))
-    blocks = B * KVH * sources.ATTN_DECODE_CLUSTER        # (one group of query heads a kv head)
+    cl = sources.attn_decode_cluster(B * KVH, b.sms)
     if (Sq != 1 or device.cluster_missing(b.cc, b.hip) or v.shape[3] != D or out.es[3] != 1
-            or Sk > sources.ATTN_DECODE_KEYS or blocks > b.sms):
+            or Sk > sources.ATTN_DECODE_KEYS):
         return None
     pair = min(_attn_vec(k, D, 32), _attn_vec(v, D, 32)) == 2 * vk
-    groups = sources.attn_decode_groups(H // KVH, blocks, b.sms)
+    groups = sources.attn_decode_groups(H // KVH, B * KVH * cl, b.sms)     # (blocks of one group a kv head)
     G = H // KVH // groups
-    sh = sources.attn_decode_shape(G, D, vk, pair, (G + 2) * D * k.arr.itemsize if rope is not None else 0)
+    sh = sources.attn_decode_shape(G, D, vk, pair, (G + 2) * D * k.arr.itemsize if rope is not None else 0, cl)
     if sh is None:
         return None
     more, defines = NO_ROPE_ARGS, dict(sources.ATTN_DECODE_PLAIN)

@@ -365,7 +365,18 @@ def attn_decode_groups(g: int, clusters_blocks: int, sms: int) -> int:
     return n
 
 
-def attn_decode_shape(g: int, d: int, vk: int, pair: bool = False, rope_bytes: int = 0) -> dict | None:
+def attn_decode_cluster(pairs: int, sms: int) -> int:
+    """Blocks ATTN_DECODE gives each of `pairs` (batch row, kv head) pairs: ATTN_DECODE_CLUSTER
+    where their clusters fit one wave of `sms` blocks, else the largest power of two that does,
+    down to one block a pair at batch decode (pairs over sms: waves of independent blocks)."""
+    cl = ATTN_DECODE_CLUSTER
+    while cl > 1 and pairs * cl > sms:
+        cl //= 2
+    return cl
+
+
+def attn_decode_shape(g: int, d: int, vk: int, pair: bool = False, rope_bytes: int = 0,
+                      cl: int = ATTN_DECODE_CLUSTER) -> dict | None:
     """ATTN_DECODE's compile-time shape for G query heads per kv head, head dim d (K and V)
     and vk-element row loads: 8 warps a block where the warps' sums fit the shared memory
     (else 4); None where a key row takes no power of two lanes of a warp, G is over 8 or the
@@ -373,7 +384,8 @@ def attn_decode_shape(g: int, d: int, vk: int, pair: bool = False, rope_bytes: i
     two loads of a row where one would spread a key over the whole warp (head dim 256 in
     16 bits), so a warp scores two keys at once and the butterflies, exponentials and mask
     reads of a key are shared by 16 lanes, not 32 (Qwen3.5's decode attention: ~9,000
-    instructions a warp at 1.1k cached positions). rope_bytes: the shared rows of its RoPE."""
+    instructions a warp at 1.1k cached positions). rope_bytes: the shared rows of its RoPE;
+    cl: blocks a cluster (attn_decode_cluster)."""
     if pair and d // vk == 32:
         vk *= 2
     lanes = d // vk
@@ -381,7 +393,6 @@ def attn_decode_shape(g: int, d: int, vk: int, pair: bool = False, rope_bytes: i
         return None
     # (q and the P.V sums take g * vk registers each)
     loads = ATTN_DECODE_LOADS if g * vk <= 32 else ATTN_DECODE_LOADS // 2
-    cl = ATTN_DECODE_CLUSTER
     for nw in (8, 4):               # (the warps' sums, the cluster's pushed sums and maxima, their mbarrier)
         if 4 * (nw * g * d + 2 * nw * g + cl * -(-g * d // cl) + 2 * cl * g) + 8 + rope_bytes <= ATTN_DECODE_SMEM:
             return dict(NT=32 * nw, G=g, D=d, VK=vk, NL=loads, CL=cl,

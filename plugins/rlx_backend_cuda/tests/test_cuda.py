@@ -719,19 +719,21 @@ def test_decode_attention_kernels(rng, dt, case, kernel, monkeypatch):
         assert made[kernel] and made[kernel][-1] is not None
 
 
-EMULATED_DECODE = [        # (B, H, KVH, Sk, D, dtype, mask, groups): H / KVH query heads a kv head in groups
-    (1, 8, 2, 1100, 64, BF16, "bool", 1),  # a key mask, read once a key for the G heads; keys in every block
-    (1, 4, 1, 300, 256, BF16, "bias", 1),  # a mask per head; 256-wide 16-bit rows: two loads a lane
-    (2, 4, 2, 45, 32, F32, None, 1),       # (rows of two batch entries; most blocks see no key)
-    (1, 8, 2, 200, 256, BF16, "bias", 4),  # a block a query head (grid z): its q, mask and output rows
-    (2, 8, 2, 90, 64, F32, "bool", 2),     # two heads a block
+EMULATED_DECODE = [     # (B, H, KVH, Sk, D, dtype, mask, groups, cluster): H / KVH query heads a kv head in groups
+    (1, 8, 2, 1100, 64, BF16, "bool", 1, 8),  # a key mask, read once a key for the G heads; keys in every block
+    (1, 4, 1, 300, 256, BF16, "bias", 1, 8),  # a mask per head; 256-wide 16-bit rows: two loads a lane
+    (2, 4, 2, 45, 32, F32, None, 1, 8),       # (rows of two batch entries; most blocks see no key)
+    (1, 8, 2, 200, 256, BF16, "bias", 4, 8),  # a block a query head (grid z): its q, mask and output rows
+    (2, 8, 2, 90, 64, F32, "bool", 2, 8),     # two heads a block
+    (3, 8, 2, 300, 64, BF16, "bool", 1, 1),   # batch decode: one block a (batch row, kv head), no partner
+    (2, 4, 2, 150, 128, BF16, None, 1, 2),    # clusters of two
 ]
 
 
 @cuda_emu.emulated
-@pytest.mark.parametrize("case", EMULATED_DECODE, ids=lambda c: f"D{c[4]}-{c[5].value}-{c[6]}-z{c[7]}")
+@pytest.mark.parametrize("case", EMULATED_DECODE, ids=lambda c: f"D{c[4]}-{c[5].value}-{c[6]}-z{c[7]}-cl{c[8]}")
 def test_emulated_cluster_decode_attention(rng, case):
-    """The decode attention kernel (a cluster of 8 blocks a kv head and group of its query heads,
+    """The decode attention kernel (a cluster of blocks a kv head and group of its query heads,
     merged through each other's shared memory) run on the CPU (cuda_emu) as
     ops._decode_attention renders and launches it, causal at each row's position, against
     float64 within the dtype's tolerance."""
@@ -742,14 +744,14 @@ def test_emulated_cluster_decode_attention(rng, case):
     from rlx_backend_cuda.ops import NO_EPI_ARGS, NO_ROPE_ARGS
     from rlx_core.testing.parity import TOL, ref_attention
 
-    B, H, KVH, Sk, D, dt, mask, groups = case
+    B, H, KVH, Sk, D, dt, mask, groups, cl = case
     G, isz = H // KVH // groups, np.dtype(dt.np).itemsize
     q, k, v = (rand(rng, s, dt) for s in ((B, H, 1, D), (B, KVH, Sk, D), (B, KVH, Sk, D)))
     pos = np.array([Sk - 1 - 7 * b for b in range(B)], np.int32)
     m = {"bool": rng.random((B, 1, 1, Sk)) < 0.8, "bias": rand(rng, (1, H, 1, Sk), dt), None: None}[mask]
     if mask == "bool":
         m[..., 0] = True
-    sh = sources.attn_decode_shape(G, D, 16 // isz, pair=True)
+    sh = sources.attn_decode_shape(G, D, 16 // isz, pair=True, cl=cl)
     masking = dict(MASKKIND=1, MASKMODE={"bool": 1, "bias": 2, None: 0}[mask], HEADMASK=int(mask == "bias"),
                    TM={"bool": "bool", "bias": ctype(dt), None: "float"}[mask], TP="int", HAS_POS=1)
     src = sources.render(sources.ATTN_DECODE, TQ=ctype(dt), TK=ctype(dt), TV=ctype(dt), TO=ctype(dt), QV=1,

@@ -132,6 +132,14 @@ def test_a_define_value_with_a_comment_or_directive_is_refused():
                      CSTR_ARGS="long long cs0", DECOMP=decomp, AXIS=0)
 
 
+@pytest.mark.parametrize("pairs,sms,want", [(8, 132, 8), (16, 132, 8), (32, 132, 4), (64, 132, 2),
+                                             (128, 132, 1), (256, 132, 1), (8, 16, 2)])
+def test_decode_attention_cluster_shrinks_to_one_wave(pairs, sms, want):
+    """attn_decode_cluster: ATTN_DECODE_CLUSTER blocks a (batch row, kv head) pair while their
+    clusters fit one wave of the SMs, fewer as the pairs grow, one block a pair past a wave."""
+    assert S.attn_decode_cluster(pairs, sms) == want
+
+
 @pytest.mark.parametrize("g,blocks,sms,want", [(4, 16, 132, 4), (4, 64, 132, 2), (4, 128, 132, 1),
                                                (6, 16, 132, 2), (1, 8, 132, 1), (8, 8, 32, 4)])
 def test_decode_attention_splits_query_heads_within_one_wave(g, blocks, sms, want, monkeypatch):
