@@ -2690,7 +2690,8 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
     vk = min(_attn_vec(k, D), _attn_vec(v, D))
     cl = sources.attn_decode_cluster(B * KVH, b.sms)
     if (Sq != 1 or device.cluster_missing(b.cc, b.hip) or v.shape[3] != D or out.es[3] != 1
-            or Sk > sources.ATTN_DECODE_KEYS):
+            or Sk > sources.ATTN_DECODE_KEYS
+            or (cl < sources.ATTN_DECODE_CLUSTER and not sources.ATTN_DECODE_SMALL_CLUSTERS)):
         return None
     pair = min(_attn_vec(k, D, 32), _attn_vec(v, D, 32)) == 2 * vk
     groups = sources.attn_decode_groups(H // KVH, B * KVH * cl, b.sms)     # (blocks of one group a kv head)

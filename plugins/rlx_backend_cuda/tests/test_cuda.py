@@ -719,6 +719,29 @@ def test_decode_attention_kernels(rng, dt, case, kernel, monkeypatch):
         assert made[kernel] and made[kernel][-1] is not None
 
 
+@gpu
+@pytest.mark.parametrize("dt", [F32, BF16])
+@pytest.mark.parametrize("B", [5, 24])
+def test_decode_attention_small_clusters(rng, dt, B, monkeypatch):
+    """Batch decode (more (batch row, kv head) pairs than a wave holds clusters of 8) on the
+    decode kernel with smaller clusters (ATTN_DECODE_SMALL_CLUSTERS; on 132 SMs 5 rows take 2
+    blocks a pair, 24 rows one) equals the NumPy backend, and the decode kernel ran (sm_90)."""
+    from rlx_backend_cuda import device, ops, sources
+
+    monkeypatch.setattr(sources, "ATTN_DECODE_SMALL_CLUSTERS", True)
+    made = spy(monkeypatch, ops, "_decode_attention")
+    H, KVH, Sk, D = 32, 8, 600, 64
+    ins = {"q": rand(rng, (B, H, 1, D), dt), "k": rand(rng, (B, KVH, Sk, D), dt),
+           "v": rand(rng, (B, KVH, Sk, D), dt), "pos": np.array([Sk - 1 - 7 * b for b in range(B)], np.int32)}
+
+    def f(m):
+        q, k, v = (m.input(n, ins[n].shape, dt) for n in ("q", "k", "v"))
+        return m.attention(q, k, v, None, m.input("pos", (B,), I32), mask_kind="causal")
+    compare(Graph.define("attn", f), ins, dt, profile=UNFUSED)
+    if tuple(device.info().get("cc", (0, 0))) >= (9, 0):
+        assert made and made[-1] is not None
+
+
 EMULATED_DECODE = [     # (B, H, KVH, Sk, D, dtype, mask, groups, cluster): H / KVH query heads a kv head in groups
     (1, 8, 2, 1100, 64, BF16, "bool", 1, 8),  # a key mask, read once a key for the G heads; keys in every block
     (1, 4, 1, 300, 256, BF16, "bias", 1, 8),  # a mask per head; 256-wide 16-bit rows: two loads a lane
