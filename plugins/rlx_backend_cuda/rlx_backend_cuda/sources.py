@@ -351,7 +351,8 @@ ATTN_DECODE_PREFETCH = 1        # chunks of its keys a warp asks into L2 before 
 ATTN_DECODE_KEYS = 2048         # cache positions up to which it is used (measured faster than split-K there)
 ATTN_DECODE_SMEM = 44 * 1024    # bytes of shared memory it may take
 # below ATTN_DECODE_CLUSTER blocks a pair (batch decode: attn_decode_cluster) the split kernel runs instead
-# unless this is on: built and checked emulated, not yet measured on a GPU
+# unless this is on: on an H100 the 1B-shape step at batch 8 and 16 was 3% faster, at 4 and 32 2-4% slower
+# (one round each, benchmarks/README.md, llm_gpu session 36)
 ATTN_DECODE_SMALL_CLUSTERS = False
 ATTN_DECODE_HEADS = 1           # query heads a block takes at least, where the GPU has SMs for more blocks
 
