@@ -2696,7 +2696,8 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
     pair = min(_attn_vec(k, D, 32), _attn_vec(v, D, 32)) == 2 * vk
     groups = sources.attn_decode_groups(H // KVH, B * KVH * cl, b.sms)     # (blocks of one group a kv head)
     G = H // KVH // groups
-    sh = sources.attn_decode_shape(G, D, vk, pair, (G + 2) * D * k.arr.itemsize if rope is not None else 0, cl)
+    rope_bytes = (G + 2) * D * k.arr.itemsize if rope is not None else 0
+    sh = sources.attn_decode_shape(G, D, vk, pair, rope_bytes, cl)
     if sh is None:
         return None
     more, defines = NO_ROPE_ARGS, dict(sources.ATTN_DECODE_PLAIN)

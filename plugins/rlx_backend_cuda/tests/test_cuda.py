@@ -742,8 +742,9 @@ def test_decode_attention_small_clusters(rng, dt, B, monkeypatch):
         assert made and made[-1] is not None
 
 
-EMULATED_DECODE = [     # (B, H, KVH, Sk, D, dtype, mask, groups, cluster): H / KVH query heads a kv head in groups
-    (1, 8, 2, 1100, 64, BF16, "bool", 1, 8),  # a key mask, read once a key for the G heads; keys in every block
+# (B, H, KVH, Sk, D, dtype, mask, groups, cluster): H / KVH query heads a kv head in groups
+EMULATED_DECODE = [
+    (1, 8, 2, 1100, 64, BF16, "bool", 1, 8),  # a key mask read once a key for the G heads; keys in each block
     (1, 4, 1, 300, 256, BF16, "bias", 1, 8),  # a mask per head; 256-wide 16-bit rows: two loads a lane
     (2, 4, 2, 45, 32, F32, None, 1, 8),       # (rows of two batch entries; most blocks see no key)
     (1, 8, 2, 200, 256, BF16, "bias", 4, 8),  # a block a query head (grid z): its q, mask and output rows
@@ -754,7 +755,8 @@ EMULATED_DECODE = [     # (B, H, KVH, Sk, D, dtype, mask, groups, cluster): H / 
 
 
 @cuda_emu.emulated
-@pytest.mark.parametrize("case", EMULATED_DECODE, ids=lambda c: f"D{c[4]}-{c[5].value}-{c[6]}-z{c[7]}-cl{c[8]}")
+@pytest.mark.parametrize("case", EMULATED_DECODE,
+                         ids=lambda c: f"D{c[4]}-{c[5].value}-{c[6]}-z{c[7]}-cl{c[8]}")
 def test_emulated_cluster_decode_attention(rng, case):
     """The decode attention kernel (a cluster of blocks a kv head and group of its query heads,
     merged through each other's shared memory) run on the CPU (cuda_emu) as
