@@ -513,9 +513,8 @@ def batch_main(a) -> int:
             lines += [f"  {n[:90]}: {c}, {us}" for n, (c, us) in list(t["by_kernel"].items())[:14]]
     for b in a.batch if a.decode_knockout and "rlx" in res else ():
         for t in res["rlx"][b].get("knockout_us", []):
-            lines.append(f"rlx batch {b}, the decode step without each kind of launch: "
-                         f"replay {t['replay_us']} us; "
-                         f"saved (launches, us): {t['by_kind']}")
+            lines.append(f"rlx batch {b}, the decode step without each kind of launch: replay "
+                         f"{t['replay_us']} us; saved (launches, us): {t['by_kind']}")
     print("\n".join(lines), flush=True)
     if a.json:
         with open(a.json, "w") as f:

@@ -2682,9 +2682,9 @@ def _decode_attention(b, q: V, k: V, v: V, mv, mst, pv, out: V, scale, cap, wind
                       rope: AttnRope | None = None, epi: AttnEpilogue | None = None):
     """A launch of sources.ATTN_DECODE for one query row per head over a KV cache of at most
     ATTN_DECODE_KEYS positions on an sm_90+ GPU (a cluster of blocks per (batch row, kv head):
-    sources.attn_decode_cluster), or None where it does not apply. rope: the kernel also does the step's
-    RoPE (q: the rope's output, then rope.q the rows it ropes; `_takes_rope`); epi: it computes
-    that node instead of writing out (ey apart from the rows it reads)."""
+    sources.attn_decode_cluster), or None where it does not apply. rope: the kernel also does
+    the step's RoPE (q: the rope's output, then rope.q the rows it ropes; `_takes_rope`); epi:
+    it computes that node instead of writing out (ey apart from the rows it reads)."""
     B, H, Sq, D = q.shape
     KVH, Sk = k.shape[1], k.shape[2]
     vk = min(_attn_vec(k, D), _attn_vec(v, D))

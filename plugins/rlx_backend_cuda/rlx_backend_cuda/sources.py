@@ -380,7 +380,7 @@ def attn_decode_cluster(pairs: int, sms: int) -> int:
 
 
 def attn_decode_shape(g: int, d: int, vk: int, pair: bool = False, rope_bytes: int = 0,
-                      cl: int = ATTN_DECODE_CLUSTER) -> dict | None:
+                      cl: int | None = None) -> dict | None:
     """ATTN_DECODE's compile-time shape for G query heads per kv head, head dim d (K and V)
     and vk-element row loads: 8 warps a block where the warps' sums fit the shared memory
     (else 4); None where a key row takes no power of two lanes of a warp, G is over 8 or the
@@ -389,7 +389,7 @@ def attn_decode_shape(g: int, d: int, vk: int, pair: bool = False, rope_bytes: i
     16 bits), so a warp scores two keys at once and the butterflies, exponentials and mask
     reads of a key are shared by 16 lanes, not 32 (Qwen3.5's decode attention: ~9,000
     instructions a warp at 1.1k cached positions). rope_bytes: the shared rows of its RoPE;
-    cl: blocks a cluster (attn_decode_cluster)."""
+    cl: blocks a cluster (attn_decode_cluster; default ATTN_DECODE_CLUSTER as it is at the call)."""
     if pair and d // vk == 32:
         vk *= 2
     lanes = d // vk
@@ -397,6 +397,7 @@ def attn_decode_shape(g: int, d: int, vk: int, pair: bool = False, rope_bytes: i
         return None
     # (q and the P.V sums take g * vk registers each)
     loads = ATTN_DECODE_LOADS if g * vk <= 32 else ATTN_DECODE_LOADS // 2
+    cl = cl or ATTN_DECODE_CLUSTER
     for nw in (8, 4):               # (the warps' sums, the cluster's pushed sums and maxima, their mbarrier)
         if 4 * (nw * g * d + 2 * nw * g + cl * -(-g * d // cl) + 2 * cl * g) + 8 + rope_bytes <= ATTN_DECODE_SMEM:
             return dict(NT=32 * nw, G=g, D=d, VK=vk, NL=loads, CL=cl,

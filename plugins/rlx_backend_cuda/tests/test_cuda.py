@@ -683,6 +683,13 @@ DECODE_CASES = [c for c in ATTN_CASES if c[3] == 1] + [
 ]
 
 
+def decode_rows(rng, B: int, H: int, KVH: int, Sk: int, D: int, dt) -> dict:
+    """A decode step's attention inputs: one query row per head, the caches, row b at position Sk - 1 - 7b."""
+    pos = np.array([Sk - 1 - 7 * b for b in range(B)], np.int32)
+    return {"q": rand(rng, (B, H, 1, D), dt), "k": rand(rng, (B, KVH, Sk, D), dt),
+            "v": rand(rng, (B, KVH, Sk, D), dt), "pos": pos}
+
+
 @gpu
 @pytest.mark.parametrize("dt", FLOATS)
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{c[6]}-Sk{c[4]}-D{c[5]}-{c[9]}")
@@ -696,8 +703,7 @@ def test_decode_attention_kernels(rng, dt, case, kernel, monkeypatch):
 
     made = {k: spy(monkeypatch, ops, f"_{k}_attention") for k in ("short", "decode")}
     B, H, KVH, Sq, Sk, D, kind, window, cap, mask, pos = case
-    ins = {"q": rand(rng, (B, H, 1, D), dt), "k": rand(rng, (B, KVH, Sk, D), dt),
-           "v": rand(rng, (B, KVH, Sk, D), dt), "pos": np.array([Sk - 1 - 7 * b for b in range(B)], np.int32)}
+    ins = decode_rows(rng, B, H, KVH, Sk, D, dt)
     if mask == "bool":
         ins["mask"] = rng.random((B, 1, 1, Sk)) < 0.8
         ins["mask"][..., 0] = True
@@ -731,8 +737,7 @@ def test_decode_attention_small_clusters(rng, dt, B, monkeypatch):
     monkeypatch.setattr(sources, "ATTN_DECODE_SMALL_CLUSTERS", True)
     made = spy(monkeypatch, ops, "_decode_attention")
     H, KVH, Sk, D = 32, 8, 600, 64
-    ins = {"q": rand(rng, (B, H, 1, D), dt), "k": rand(rng, (B, KVH, Sk, D), dt),
-           "v": rand(rng, (B, KVH, Sk, D), dt), "pos": np.array([Sk - 1 - 7 * b for b in range(B)], np.int32)}
+    ins = decode_rows(rng, B, H, KVH, Sk, D, dt)
 
     def f(m):
         q, k, v = (m.input(n, ins[n].shape, dt) for n in ("q", "k", "v"))
